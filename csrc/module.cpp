@@ -1,0 +1,138 @@
+// fastdump._C: the staging engine's Python face. No libtorch: tensors arrive as raw pointers,
+// element sizes, shapes and strides, so one build serves every torch version (and CuPy/DLPack).
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include "bindings.h"
+#include "ring.h"
+
+namespace py = pybind11;
+using namespace fastdump;
+
+namespace {
+
+// Copies below this size keep the GIL: releasing and retaking it costs more than the memcpy.
+constexpr uint64_t kReleaseGilBytes = 64 * 1024;
+
+int stage_host(Producer& p, uint32_t channel, uint32_t name_id, int64_t pass_id, uint16_t dtype,
+               uint64_t elem_size, std::vector<int64_t> shape, std::vector<int64_t> strides,
+               uintptr_t ptr, bool block) {
+  if (shape.size() != strides.size()) throw std::invalid_argument("shape and strides differ in length");
+  HostSource src{reinterpret_cast<const uint8_t*>(ptr), elem_size, std::move(shape), std::move(strides)};
+  uint64_t nbytes = elem_size;
+  for (int64_t d : src.shape) nbytes *= static_cast<uint64_t>(d);
+  StageStatus st;
+  if (nbytes < kReleaseGilBytes) {
+    st = p.stage_host(channel, name_id, pass_id, dtype, src, /*block=*/false);
+    if (st == kNoSpace && block) {
+      // Waiting for the writer: a thread writer needs the GIL to make progress.
+      py::gil_scoped_release nogil;
+      st = p.stage_host(channel, name_id, pass_id, dtype, src, true);
+    }
+  } else {
+    py::gil_scoped_release nogil;
+    st = p.stage_host(channel, name_id, pass_id, dtype, src, block);
+  }
+  if (st == kNoSpace) {
+    p.count_dropped(1);
+    st = kDropped;
+  }
+  return st;
+}
+
+py::object next_record(Consumer& c, double timeout_s) {
+  RecordView v;
+  bool ok;
+  {
+    py::gil_scoped_release nogil;
+    ok = c.next(timeout_s, &v);
+  }
+  if (!ok) return py::none();
+  py::tuple shape(v.shape.size());
+  for (size_t i = 0; i < v.shape.size(); ++i) shape[i] = py::int_(v.shape[i]);
+  // Read-only view into shared memory: valid until release().
+  py::memoryview payload = py::memoryview::from_memory(const_cast<uint8_t*>(v.payload), static_cast<py::ssize_t>(v.payload_len), true);
+  return py::make_tuple(v.kind, v.channel, v.name_id, v.pass_id, v.dtype, shape, payload, v.seq,
+                        v.chunk.offset, v.chunk.total);
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "fastdump staging engine (shared-memory ring, CPU and CUDA staging)";
+  m.attr("STAGED") = static_cast<int>(kStaged);
+  m.attr("DROPPED") = static_cast<int>(kDropped);
+  m.attr("DISABLED") = static_cast<int>(kDisabled);
+  m.attr("TOO_LARGE") = static_cast<int>(kTooLarge);
+  m.attr("KIND_TENSOR") = static_cast<int>(kTensor);
+  m.attr("KIND_CONTROL") = static_cast<int>(kControl);
+  m.attr("WRITER_RUNNING") = static_cast<int>(kWriterRunning);
+  m.attr("WRITER_FAILED") = static_cast<int>(kWriterFailed);
+  m.attr("WRITER_EXITED") = static_cast<int>(kWriterExited);
+  m.attr("MAX_DIMS") = kMaxDims;
+
+  py::class_<Producer>(m, "Producer")
+      .def(py::init<const std::string&, uint64_t, uint64_t>(), py::arg("name"), py::arg("capacity"),
+           py::arg("chunk_bytes") = 0)
+      .def_property_readonly("capacity", [](Producer& p) { return p.segment().capacity(); })
+      .def_property_readonly("chunk_bytes", &Producer::chunk_bytes)
+      .def_property_readonly("name", [](Producer& p) { return p.segment().name(); })
+      .def("unlink", [](Producer& p) { p.segment().unlink(); })
+      .def("writer_attached",
+           [](Producer& p) { return p.segment().header()->writer_attached.load() != 0; })
+      .def("writer_error", [](Producer& p) { return std::string(p.segment().header()->error); })
+      .def("set_writer_fd", &Producer::set_writer_fd)
+      .def("writer_alive", &Producer::writer_alive)
+      .def_property_readonly("disabled", &Producer::disabled)
+      .def("disable", &Producer::disable)
+      .def("used_bytes",
+           [](Producer& p) {
+             RingHeader* h = p.segment().header();
+             return h->head.load() - h->tail.load();
+           })
+      .def("stage_host", &stage_host, py::arg("channel"), py::arg("name_id"), py::arg("pass_id"),
+           py::arg("dtype"), py::arg("elem_size"), py::arg("shape"), py::arg("strides"), py::arg("ptr"),
+           py::arg("block"))
+      .def(
+          "put_control",
+          [](Producer& p, uint32_t channel, py::bytes payload) {
+            std::string s = payload;
+            py::gil_scoped_release nogil;
+            return p.put_control(channel, s.data(), s.size());
+          },
+          py::arg("channel"), py::arg("payload"))
+      .def(
+          "wait_acked",
+          [](Producer& p, uint64_t seq, double timeout_s) {
+            py::gil_scoped_release nogil;
+            return p.wait_acked(seq, timeout_s);
+          },
+          py::arg("seq"), py::arg("timeout_s"))
+      .def("stats", [](Producer& p) {
+        ProducerStats s = p.stats();
+        py::dict d;
+        d["records"] = s.records;
+        d["tensors"] = s.tensors;
+        d["bytes"] = s.bytes;
+        d["dropped"] = s.dropped;
+        d["block_waits"] = s.block_waits;
+        d["block_seconds"] = s.block_seconds;
+        return d;
+      });
+
+  py::class_<Consumer>(m, "Consumer")
+      .def(py::init<const std::string&>(), py::arg("name"))
+      .def("set_producer_fd", &Consumer::set_producer_fd)
+      .def("producer_alive", &Consumer::producer_alive)
+      .def("next", &next_record, py::arg("timeout_s"),
+           "(kind, channel, name_id, pass_id, dtype, shape, payload, seq, chunk_offset, chunk_total) or None")
+      .def("release", &Consumer::release)
+      .def_property_readonly("drained", &Consumer::drained)
+      .def_property_readonly("abandoned", &Consumer::abandoned)
+      .def_property_readonly("producer_pid",
+                             [](Consumer& c) { return c.segment().header()->producer_pid; })
+      .def("ack", &Consumer::ack)
+      .def("set_state", &Consumer::set_state, py::arg("state"), py::arg("error") = "");
+
+  bind_cuda(m);
+}

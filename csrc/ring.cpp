@@ -1,0 +1,387 @@
+#include "ring.h"
+
+#include <fcntl.h>
+#include <poll.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <chrono>
+#include <cstring>
+#include <stdexcept>
+#include <thread>
+
+#include "strided_copy.h"
+
+namespace fastdump {
+
+namespace {
+
+std::runtime_error sys_error(const std::string& what) {
+  return std::runtime_error(what + ": " + std::strerror(errno));
+}
+
+// Sleep that backs off: spin a little (cheap when the other side is about to act), then yield,
+// then sleep up to `max_us`.
+class Backoff {
+ public:
+  explicit Backoff(int max_us) : max_us_(max_us) {}
+  void wait() {
+    if (n_ < 64) {
+      ++n_;
+      return;
+    }
+    if (n_ < 128) {
+      ++n_;
+      std::this_thread::yield();
+      return;
+    }
+    std::this_thread::sleep_for(std::chrono::microseconds(us_));
+    if (us_ < max_us_) us_ = us_ * 2 > max_us_ ? max_us_ : us_ * 2;
+  }
+
+ private:
+  int n_ = 0;
+  int us_ = 20;
+  int max_us_;
+};
+
+double now_s() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+// True while the other end of the pipe is open (fd < 0 means "no pipe: assume alive").
+bool peer_alive(int fd) {
+  if (fd < 0) return true;
+  struct pollfd p = {fd, POLLIN, 0};
+  int r = ::poll(&p, 1, 0);
+  if (r <= 0) return true;
+  if (p.revents & (POLLHUP | POLLERR | POLLNVAL)) return false;
+  if (p.revents & POLLIN) {
+    // Readable with no data means EOF. The peer never writes, so any readable state is EOF.
+    char c;
+    ssize_t n = ::read(fd, &c, 1);
+    return n > 0;
+  }
+  return true;
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// Segment
+
+Segment::~Segment() {
+  if (base_) ::munmap(base_, size_);
+  if (owner_ && !unlinked_) ::shm_unlink(name_.c_str());
+}
+
+void Segment::create(const std::string& name, uint64_t capacity) {
+  capacity = align_up(capacity);
+  name_ = name;
+  size_ = kHeaderBytes + capacity;
+  int fd = ::shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+  if (fd < 0) throw sys_error("shm_open(" + name + ")");
+  owner_ = true;
+  // posix_fallocate makes a too-small /dev/shm fail here, with ENOSPC, instead of SIGBUS later.
+  int rc = ::posix_fallocate(fd, 0, static_cast<off_t>(size_));
+  if (rc != 0) {
+    ::close(fd);
+    ::shm_unlink(name.c_str());
+    unlinked_ = true;
+    errno = rc;
+    throw sys_error("cannot reserve " + std::to_string(size_ >> 20) + " MiB of shared memory in /dev/shm "
+                    "(docker's default is 64 MiB: raise --shm-size or lower ring_mb)");
+  }
+  void* p = ::mmap(nullptr, size_, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
+  ::close(fd);
+  if (p == MAP_FAILED) throw sys_error("mmap");
+  base_ = static_cast<uint8_t*>(p);
+  RingHeader* h = new (base_) RingHeader();
+  h->magic = kMagic;
+  h->version = kVersion;
+  h->capacity = capacity;
+  h->producer_pid = ::getpid();
+  h->writer_pid = 0;
+  h->head.store(0);
+  h->tail.store(0);
+  h->published.store(0);
+  h->acked_seq.store(0);
+  h->writer_state.store(kWriterStarting);
+  h->writer_attached.store(0);
+  h->error[0] = 0;
+}
+
+void Segment::open(const std::string& name) {
+  name_ = name;
+  int fd = ::shm_open(name.c_str(), O_RDWR, 0600);
+  if (fd < 0) throw sys_error("shm_open(" + name + ")");
+  struct stat st;
+  if (::fstat(fd, &st) != 0) {
+    ::close(fd);
+    throw sys_error("fstat");
+  }
+  size_ = static_cast<size_t>(st.st_size);
+  void* p = ::mmap(nullptr, size_, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  ::close(fd);
+  if (p == MAP_FAILED) throw sys_error("mmap");
+  base_ = static_cast<uint8_t*>(p);
+  if (header()->magic != kMagic || header()->version != kVersion)
+    throw std::runtime_error("not a fastdump ring: " + name);
+  header()->writer_pid = ::getpid();
+  header()->writer_attached.store(1, std::memory_order_release);
+}
+
+void Segment::unlink() {
+  if (!unlinked_ && !name_.empty()) {
+    ::shm_unlink(name_.c_str());
+    unlinked_ = true;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Producer
+
+Producer::Producer(const std::string& name, uint64_t capacity, uint64_t chunk_bytes) {
+  seg_.create(name, capacity);
+  // A chunk must leave room for its header and for the ring to hold two of them.
+  uint64_t max_chunk = seg_.capacity() / 4;
+  chunk_bytes_ = chunk_bytes == 0 || chunk_bytes > max_chunk ? max_chunk : chunk_bytes;
+  chunk_bytes_ &= ~(kAlign - 1);
+  if (chunk_bytes_ < kAlign) throw std::runtime_error("ring too small");
+}
+
+Producer::~Producer() = default;
+
+bool Producer::writer_alive() {
+  if (disabled()) return false;
+  RingHeader* h = seg_.header();
+  uint64_t st = h->writer_state.load(std::memory_order_acquire);
+  if (st == kWriterFailed || st == kWriterExited || !peer_alive(writer_fd_)) {
+    disable();
+    return false;
+  }
+  return true;
+}
+
+bool Producer::wait_for_space(uint64_t need, bool block) {
+  RingHeader* h = seg_.header();
+  const uint64_t cap = seg_.capacity();
+  uint64_t head = h->head.load(std::memory_order_relaxed);
+  if (cap - (head - h->tail.load(std::memory_order_acquire)) >= need) return true;
+  if (!block) return false;
+  Backoff backoff(200);
+  double t0 = now_s();
+  double last_check = t0;
+  stats_.block_waits++;
+  while (cap - (head - h->tail.load(std::memory_order_acquire)) < need) {
+    double t = now_s();
+    if (t - last_check > 0.05) {
+      last_check = t;
+      if (!writer_alive()) return false;
+    }
+    backoff.wait();
+  }
+  stats_.block_seconds += now_s() - t0;
+  return true;
+}
+
+bool Producer::reserve(uint32_t kind, uint32_t channel, uint32_t name_id, int64_t pass_id,
+                       uint16_t dtype, const std::vector<int64_t>& shape, uint64_t payload_len,
+                       ChunkInfo chunk, bool block, Reservation* out) {
+  if (disabled()) return false;
+  if (shape.size() > kMaxDims) return false;
+  const uint64_t cap = seg_.capacity();
+  const uint64_t poff = payload_offset(static_cast<uint32_t>(shape.size()));
+  const uint64_t len = align_up(poff + payload_len);
+  if (len > cap / 2) return false;
+
+  std::lock_guard<std::mutex> g(mu_);
+  RingHeader* h = seg_.header();
+  uint64_t head = h->head.load(std::memory_order_relaxed);
+  uint64_t off = head % cap;
+  uint64_t pad = (off + len > cap) ? cap - off : 0;
+  if (!wait_for_space(pad + len, block)) return false;
+  if (pad) {
+    auto* p = reinterpret_cast<RecordHeader*>(seg_.data() + off);
+    p->kind = kPad;
+    p->total_len = pad;
+    p->seq = 0;
+    p->state.store(kReady, std::memory_order_relaxed);
+    head += pad;
+    off = 0;
+  }
+  auto* rec = reinterpret_cast<RecordHeader*>(seg_.data() + off);
+  rec->state.store(kAllocated, std::memory_order_relaxed);
+  rec->kind = kind;
+  rec->total_len = len;
+  rec->seq = next_seq_++;
+  rec->channel = channel;
+  rec->name_id = name_id;
+  rec->pass_id = pass_id;
+  rec->dtype = dtype;
+  rec->ndim = static_cast<uint16_t>(shape.size());
+  rec->flags = 0;
+  rec->payload_len = payload_len;
+  uint8_t* base = reinterpret_cast<uint8_t*>(rec);
+  std::memcpy(base + sizeof(RecordHeader), &chunk, sizeof(ChunkInfo));
+  if (!shape.empty())
+    std::memcpy(base + sizeof(RecordHeader) + sizeof(ChunkInfo), shape.data(), 8 * shape.size());
+  // Header complete before the writer can see it (it reads head with acquire).
+  h->head.store(head + len, std::memory_order_release);
+  stats_.records++;
+  stats_.bytes += payload_len;
+  out->rec = rec;
+  out->payload = base + poff;
+  out->payload_len = payload_len;
+  return true;
+}
+
+void Producer::publish(const Reservation& r) {
+  r.rec->state.store(kReady, std::memory_order_release);
+  seg_.header()->published.fetch_add(1, std::memory_order_release);
+}
+
+StageStatus Producer::stage_host(uint32_t channel, uint32_t name_id, int64_t pass_id, uint16_t dtype,
+                                 const HostSource& src, bool block) {
+  if (disabled()) return kDisabled;
+  if (src.shape.size() > kMaxDims) return kTooLarge;
+  uint64_t numel = 1;
+  for (int64_t d : src.shape) numel *= static_cast<uint64_t>(d);
+  const uint64_t total = numel * src.elem_size;
+  // Split into element-aligned chunks; a tensor of one element is never split.
+  uint64_t per_chunk = chunk_bytes_ / src.elem_size;
+  if (per_chunk == 0) return kTooLarge;
+  uint64_t first = 0;
+  do {
+    uint64_t count = numel - first < per_chunk ? numel - first : per_chunk;
+    Reservation r;
+    ChunkInfo chunk{first * src.elem_size, total};
+    if (!reserve(kTensor, channel, name_id, pass_id, dtype, src.shape, count * src.elem_size, chunk,
+                 block, &r)) {
+      if (disabled() || !writer_alive()) return kDisabled;
+      if (first == 0) return kNoSpace;
+      // Part of the tensor is already in the ring: finish it even under `drop`, so the writer never
+      // holds a torn tensor.
+      if (!reserve(kTensor, channel, name_id, pass_id, dtype, src.shape, count * src.elem_size, chunk,
+                   true, &r))
+        return kDisabled;
+    }
+    copy_strided(r.payload, src.ptr, src.elem_size, src.shape, src.strides, first, first + count);
+    publish(r);
+    first += count;
+  } while (first < numel);
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    stats_.tensors++;
+  }
+  return kStaged;
+}
+
+uint64_t Producer::put_control(uint32_t channel, const char* bytes, uint64_t len) {
+  Reservation r;
+  static const std::vector<int64_t> no_shape;
+  if (!reserve(kControl, channel, 0, -1, 0, no_shape, len, ChunkInfo{0, len}, true, &r)) return 0;
+  std::memcpy(r.payload, bytes, len);
+  uint64_t seq = r.rec->seq;
+  publish(r);
+  return seq;
+}
+
+bool Producer::wait_acked(uint64_t seq, double timeout_s) {
+  RingHeader* h = seg_.header();
+  Backoff backoff(2000);
+  double deadline = now_s() + timeout_s;
+  while (h->acked_seq.load(std::memory_order_acquire) < seq) {
+    if (!writer_alive() || now_s() > deadline) return false;
+    backoff.wait();
+  }
+  return true;
+}
+
+ProducerStats Producer::stats() {
+  std::lock_guard<std::mutex> g(mu_);
+  return stats_;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Consumer
+
+Consumer::Consumer(const std::string& name) { seg_.open(name); }
+
+bool Consumer::producer_alive() { return peer_alive(producer_fd_); }
+
+void Consumer::set_state(uint64_t state, const std::string& error) {
+  RingHeader* h = seg_.header();
+  if (!error.empty()) {
+    size_t n = error.size() < sizeof(h->error) - 1 ? error.size() : sizeof(h->error) - 1;
+    std::memcpy(h->error, error.data(), n);
+    h->error[n] = 0;
+  }
+  h->writer_state.store(state, std::memory_order_release);
+}
+
+bool Consumer::next(double timeout_s, RecordView* out) {
+  if (holding_) throw std::logic_error("release() the previous record first");
+  RingHeader* h = seg_.header();
+  const uint64_t cap = seg_.capacity();
+  Backoff backoff(1000);
+  double deadline = now_s() + timeout_s;
+  bool producer_gone = false;
+  for (;;) {
+    uint64_t tail = h->tail.load(std::memory_order_relaxed);
+    uint64_t head = h->head.load(std::memory_order_acquire);
+    if (tail < head) {
+      auto* rec = reinterpret_cast<RecordHeader*>(seg_.data() + tail % cap);
+      uint32_t st = rec->state.load(std::memory_order_acquire);
+      if (st == kReady && rec->kind == kPad) {
+        h->tail.store(tail + rec->total_len, std::memory_order_release);
+        continue;
+      }
+      if (st == kReady) {
+        const uint8_t* base = reinterpret_cast<const uint8_t*>(rec);
+        out->kind = rec->kind;
+        out->channel = rec->channel;
+        out->name_id = rec->name_id;
+        out->pass_id = rec->pass_id;
+        out->dtype = rec->dtype;
+        out->seq = rec->seq;
+        std::memcpy(&out->chunk, base + sizeof(RecordHeader), sizeof(ChunkInfo));
+        out->shape.resize(rec->ndim);
+        if (rec->ndim)
+          std::memcpy(out->shape.data(), base + sizeof(RecordHeader) + sizeof(ChunkInfo), 8ull * rec->ndim);
+        out->payload = base + payload_offset(rec->ndim);
+        out->payload_len = rec->payload_len;
+        holding_ = true;
+        held_len_ = rec->total_len;
+        return true;
+      }
+      if (producer_gone) {
+        // The producer died while filling this record: it will never be published.
+        abandoned_++;
+        h->tail.store(tail + rec->total_len, std::memory_order_release);
+        continue;
+      }
+    } else if (producer_gone) {
+      drained_ = true;
+      return false;
+    }
+    if (!producer_gone && !producer_alive()) {
+      producer_gone = true;
+      continue;  // drain what is published, skip what is not
+    }
+    if (now_s() > deadline) return false;
+    backoff.wait();
+  }
+}
+
+void Consumer::release() {
+  if (!holding_) return;
+  RingHeader* h = seg_.header();
+  h->tail.store(h->tail.load(std::memory_order_relaxed) + held_len_, std::memory_order_release);
+  holding_ = false;
+}
+
+}  // namespace fastdump

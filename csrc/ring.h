@@ -1,0 +1,212 @@
+// The shared-memory host ring: one producer process (the model being served), one consumer
+// process or thread (the writer). Layout and protocol: docs/INTERNALS.md.
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <cstddef>
+#include <cstdint>
+#include <mutex>
+#include <string>
+#include <vector>
+
+namespace fastdump {
+
+constexpr uint64_t kMagic = 0x31474e4952504446ull;  // "FDPRING1"
+constexpr uint64_t kVersion = 1;
+constexpr uint64_t kAlign = 64;
+constexpr uint64_t kHeaderBytes = 4096;
+constexpr uint32_t kMaxDims = 64;
+
+enum RecordState : uint32_t { kAllocated = 0, kReady = 1, kAbandoned = 2 };
+enum RecordKind : uint32_t { kTensor = 1, kControl = 2, kPad = 3 };
+enum WriterState : uint64_t { kWriterStarting = 0, kWriterRunning = 1, kWriterFailed = 2, kWriterExited = 3 };
+
+// Result of staging one tensor.
+// kNoSpace: a non-blocking attempt found the ring full (the caller decides: drop or block).
+enum StageStatus : int { kStaged = 0, kDropped = 1, kDisabled = 2, kTooLarge = 3, kNoSpace = 4 };
+
+inline uint64_t align_up(uint64_t n) { return (n + kAlign - 1) & ~(kAlign - 1); }
+
+struct alignas(64) RingHeader {
+  uint64_t magic;
+  uint64_t version;
+  uint64_t capacity;      // bytes in the data area (multiple of kAlign)
+  int64_t producer_pid;
+  int64_t writer_pid;
+  alignas(64) std::atomic<uint64_t> head;        // producer: next byte to allocate (monotonic)
+  alignas(64) std::atomic<uint64_t> tail;        // writer: bytes released so far (monotonic)
+  alignas(64) std::atomic<uint64_t> published;   // records made READY (for waking the writer)
+  alignas(64) std::atomic<uint64_t> acked_seq;   // highest control seq the writer has handled
+  std::atomic<uint64_t> writer_state;
+  std::atomic<uint64_t> writer_attached;         // writer has mapped the segment (producer may unlink)
+  char error[1024];                              // writer failure text
+};
+static_assert(sizeof(RingHeader) <= kHeaderBytes, "ring header too large");
+
+struct alignas(64) RecordHeader {
+  std::atomic<uint32_t> state;
+  uint32_t kind;
+  uint64_t total_len;     // header + shape + payload, aligned
+  uint64_t seq;           // per-ring record sequence number
+  uint32_t channel;
+  uint32_t name_id;
+  int64_t pass_id;
+  uint16_t dtype;
+  uint16_t ndim;
+  uint32_t flags;
+  uint64_t payload_len;   // bytes of payload in this record
+  // For a tensor split over several records: where this part starts, and the whole size.
+  // (Stored after the fixed header to keep it at 64 bytes.)
+};
+static_assert(sizeof(RecordHeader) == 64, "record header must be 64 bytes");
+
+struct ChunkInfo {
+  uint64_t offset;
+  uint64_t total;
+};
+
+// Layout of one record after its RecordHeader: ChunkInfo, shape[ndim], padding, payload.
+inline uint64_t payload_offset(uint32_t ndim) {
+  return align_up(sizeof(RecordHeader) + sizeof(ChunkInfo) + 8ull * ndim);
+}
+
+// A mapped shared-memory segment (either side).
+class Segment {
+ public:
+  Segment() = default;
+  ~Segment();
+  Segment(const Segment&) = delete;
+  Segment& operator=(const Segment&) = delete;
+
+  void create(const std::string& name, uint64_t capacity);  // producer
+  void open(const std::string& name);                        // writer
+  void unlink();                                             // remove the name (mapping stays)
+
+  RingHeader* header() const { return reinterpret_cast<RingHeader*>(base_); }
+  uint8_t* data() const { return base_ + kHeaderBytes; }
+  uint64_t capacity() const { return header()->capacity; }
+  size_t mapped_bytes() const { return size_; }
+  const std::string& name() const { return name_; }
+
+ private:
+  uint8_t* base_ = nullptr;
+  size_t size_ = 0;
+  std::string name_;
+  bool owner_ = false;
+  bool unlinked_ = false;
+};
+
+// Where a staged tensor's bytes come from: host pointer with strides in elements.
+struct HostSource {
+  const uint8_t* ptr;
+  uint64_t elem_size;
+  std::vector<int64_t> shape;
+  std::vector<int64_t> strides;
+};
+
+struct ProducerStats {
+  uint64_t records = 0;
+  uint64_t tensors = 0;
+  uint64_t bytes = 0;
+  uint64_t dropped = 0;
+  uint64_t block_waits = 0;
+  double block_seconds = 0;
+};
+
+// A record reserved in the ring, not yet published.
+struct Reservation {
+  RecordHeader* rec = nullptr;
+  uint8_t* payload = nullptr;
+  uint64_t payload_len = 0;
+};
+
+class Producer {
+ public:
+  Producer(const std::string& name, uint64_t capacity, uint64_t chunk_bytes);
+  ~Producer();
+
+  Segment& segment() { return seg_; }
+
+  // Writer liveness: fd whose EOF/HUP means the writer is gone (-1: in-process thread writer).
+  void set_writer_fd(int fd) { writer_fd_ = fd; }
+  bool writer_alive();
+  bool disabled() const { return disabled_.load(std::memory_order_relaxed); }
+  void disable() { disabled_.store(true); }
+
+  // Copy a host tensor into the ring (split into chunks if large). Thread-safe.
+  StageStatus stage_host(uint32_t channel, uint32_t name_id, int64_t pass_id, uint16_t dtype,
+                         const HostSource& src, bool block);
+  // Control record (JSON bytes): always waits for space; returns its seq, 0 if disabled.
+  uint64_t put_control(uint32_t channel, const char* bytes, uint64_t len);
+  // Wait until the writer has handled control record `seq`. False on timeout or dead writer.
+  bool wait_acked(uint64_t seq, double timeout_s);
+
+  // Low level, for the CUDA path: reserve a record (blocking or not); publish later.
+  // Returns false when no space (non-blocking) or disabled.
+  bool reserve(uint32_t kind, uint32_t channel, uint32_t name_id, int64_t pass_id, uint16_t dtype,
+               const std::vector<int64_t>& shape, uint64_t payload_len, ChunkInfo chunk, bool block,
+               Reservation* out);
+  void publish(const Reservation& r);
+
+  uint64_t chunk_bytes() const { return chunk_bytes_; }
+  ProducerStats stats();
+  void count_dropped(uint64_t n) {
+    std::lock_guard<std::mutex> g(mu_);
+    stats_.dropped += n;
+  }
+
+ private:
+  bool wait_for_space(uint64_t need, bool block);
+
+  Segment seg_;
+  uint64_t chunk_bytes_;
+  int writer_fd_ = -1;
+  std::atomic<bool> disabled_{false};
+  std::mutex mu_;               // serializes allocation (head) among producer threads
+  uint64_t next_seq_ = 1;
+  ProducerStats stats_;
+};
+
+// Decoded view of the record at the ring's tail (writer side).
+struct RecordView {
+  uint32_t kind;
+  uint32_t channel;
+  uint32_t name_id;
+  int64_t pass_id;
+  uint16_t dtype;
+  uint64_t seq;
+  std::vector<int64_t> shape;
+  ChunkInfo chunk;
+  const uint8_t* payload;
+  uint64_t payload_len;
+};
+
+class Consumer {
+ public:
+  explicit Consumer(const std::string& name);
+
+  Segment& segment() { return seg_; }
+  void set_producer_fd(int fd) { producer_fd_ = fd; }
+  bool producer_alive();
+
+  // Next ready record, waiting up to timeout_s. Returns false on timeout or when the producer is
+  // gone and nothing is left (then `drained()` is true). Must be released before the next call.
+  bool next(double timeout_s, RecordView* out);
+  void release();
+  bool drained() const { return drained_; }
+
+  void ack(uint64_t seq) { seg_.header()->acked_seq.store(seq, std::memory_order_release); }
+  void set_state(uint64_t state, const std::string& error);
+  uint64_t abandoned() const { return abandoned_; }
+
+ private:
+  Segment seg_;
+  int producer_fd_ = -1;
+  bool holding_ = false;
+  uint64_t held_len_ = 0;
+  bool drained_ = false;
+  uint64_t abandoned_ = 0;
+};
+
+}  // namespace fastdump

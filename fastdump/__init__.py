@@ -1,0 +1,51 @@
+"""fastdump: dump a served model's activations to HDF5 with low overhead.
+
+    dumper = fastdump.attach(model, "/tmp/dump", role="target")   # every leaf module + the root
+    ...                                                            # serve as usual
+    dumper.close()                                                 # flush, wait for the writer
+    ds = fastdump.open("/tmp/dump"); ds.load("target", 0, pass_id=3)
+"""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+__all__ = ["attach", "open", "maybe_attach", "Dumper", "__version__"]
+
+
+def attach(model, root, *, role: str = "target", tp_rank=None, tp_size=None, pp_rank=None, pp_size=None,
+           dp_rank=None, dp_size=None, ep_rank=None, ep_size=None, **options):
+    """Start dumping ``model`` (or, with ``model=None``, only what ``Dumper.dump`` is given).
+
+    Writes ``<root>/<role>/TP{tp}_PP{pp}_Rank{rank}_pid{pid}/``. Ranks default from
+    torch.distributed, then from RANK/WORLD_SIZE-style variables. Options (see README):
+    layers, include, exclude, module_types, inputs, skip_passes, every, pass_range, max_bytes,
+    policy ("block"|"drop"), writer ("process"|"thread"), ring_mb, device_ring_mb,
+    segment_passes, segment_mb, segment_seconds, root_passes, root_name, strict, pass_meta.
+    """
+    from .capture import Dumper, resolve_ranks
+
+    ranks = resolve_ranks(tp_rank, tp_size, pp_rank, pp_size, dp_rank, dp_size, ep_rank, ep_size)
+    return Dumper(model, root, role=role, ranks=ranks, **options)
+
+
+def open(root):  # noqa: A001 - mirrors h5py.File / safetensors' naming
+    """Read a dump: ``fastdump.open(root).load(role, rank, pass_id) -> dict[str, Tensor]``."""
+    from .reader import open as _open
+
+    return _open(root)
+
+
+def maybe_attach(model, role: str = "target", **overrides):
+    """Attach when FASTDUMP_DIR is set (the profiling flag); otherwise return None at once."""
+    from .config import maybe_attach as _maybe_attach
+
+    return _maybe_attach(model, role=role, **overrides)
+
+
+def __getattr__(name):
+    if name == "Dumper":
+        from .capture import Dumper
+
+        return Dumper
+    raise AttributeError(name)

@@ -1,0 +1,574 @@
+"""Capture: which modules are dumped, what their tensors are called, where passes begin and end.
+
+Each selected module gets an instance-level ``forward`` wrapper instead of a forward hook: the
+wrapper runs whether the model calls ``module(x)`` or ``module.forward(x)`` (engine models do the
+latter, and hook-based dumpers then silently write nothing). The wrapper hands each tensor to the
+staging engine, which copies it (CPU) or snapshots it on the producer stream (CUDA) before
+returning, so later in-place kernels cannot change what is dumped.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import socket
+import sys
+import threading
+import time
+import weakref
+from pathlib import Path
+
+from . import _C
+from . import dtypes as _dtypes
+from .engine import Engine
+from .fsutil import atomic_write_json as write_json_atomic, read_json
+
+log = logging.getLogger("fastdump")
+
+FORMAT_VERSION = 1
+_LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
+_COMPLEX = None  # filled lazily: complex dtypes whose conj/neg bits need resolving
+_open_dumpers: "weakref.WeakSet[Dumper]" = weakref.WeakSet()
+
+
+def close_all() -> None:
+    """Close every open Dumper (interpreter exit)."""
+    for dumper in list(_open_dumpers):
+        try:
+            dumper.close()
+        except Exception as exc:
+            log.error("fastdump: closing %s at exit failed: %s", dumper.dir, exc)
+
+
+# ------------------------------------------------------------------------------------------------
+# Ranks and directory names
+
+
+def _env_int(*names: str):
+    for name in names:
+        value = os.environ.get(name)
+        if value not in (None, ""):
+            try:
+                return int(value)
+            except ValueError:
+                raise ValueError(f"{name}={value!r} is not an integer") from None
+    return None
+
+
+def resolve_ranks(tp_rank=None, tp_size=None, pp_rank=None, pp_size=None, dp_rank=None, dp_size=None,
+                  ep_rank=None, ep_size=None) -> dict:
+    """Ranks as given, else from torch.distributed, else from RANK/WORLD_SIZE-style variables."""
+    dist_rank = dist_size = None
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            dist_rank, dist_size = dist.get_rank(), dist.get_world_size()
+    except Exception:
+        pass
+    if tp_rank is None:
+        tp_rank = dist_rank if dist_rank is not None else _env_int("TP_RANK", "RANK", "LOCAL_RANK")
+    if tp_size is None:
+        tp_size = dist_size if dist_size is not None else _env_int("TP_SIZE", "WORLD_SIZE")
+    ranks = {
+        "tp_rank": tp_rank or 0, "tp_size": tp_size or 1,
+        "pp_rank": pp_rank or 0, "pp_size": pp_size or 1,
+        "dp_rank": dp_rank or 0, "dp_size": dp_size or 1,
+        "ep_rank": ep_rank or 0, "ep_size": ep_size or 1,
+    }
+    for key in ("tp", "pp", "dp", "ep"):
+        if not 0 <= ranks[f"{key}_rank"] < ranks[f"{key}_size"]:
+            raise ValueError(f"{key}_rank={ranks[f'{key}_rank']} is outside {key}_size={ranks[f'{key}_size']}")
+    # SGLang's numbering, so dumps line up with SGLang's own directories.
+    ranks["rank"] = ranks["tp_size"] * ranks["pp_rank"] + ranks["tp_rank"]
+    return ranks
+
+
+def rank_dir_name(ranks: dict, pid: int) -> str:
+    return f"TP{ranks['tp_rank']}_PP{ranks['pp_rank']}_Rank{ranks['rank']}_pid{pid}"
+
+
+# ------------------------------------------------------------------------------------------------
+# Module selection
+
+
+def select_modules(model, *, layers=None, include=None, exclude=None, module_types=None,
+                   leaves_only=True) -> list:
+    """(qualified name, module) of the modules to capture, in registration order."""
+    layer_set = None if layers is None else {int(i) for i in layers}
+    inc = re.compile(include) if isinstance(include, str) else include
+    exc = re.compile(exclude) if isinstance(exclude, str) else exclude
+    types = tuple(module_types) if module_types else None
+    chosen = []
+    for name, module in model.named_modules():
+        if name == "":
+            continue  # the root is handled by the pass wrapper
+        if leaves_only and next(iter(module.children()), None) is not None:
+            continue
+        if layer_set is not None:
+            m = _LAYER_RE.search(name)
+            if m and int(m.group(1)) not in layer_set:
+                continue
+        if inc is not None and not inc.search(name):
+            continue
+        if exc is not None and exc.search(name):
+            continue
+        if types is not None and not any(
+            (isinstance(t, str) and type(module).__name__ == t) or (isinstance(t, type) and isinstance(module, t))
+            for t in types
+        ):
+            continue
+        chosen.append((name, module))
+    return chosen
+
+
+# ------------------------------------------------------------------------------------------------
+# The Dumper
+
+
+class Dumper:
+    """Dumps one role/rank of one model. Made by :func:`fastdump.attach`."""
+
+    def __init__(self, model, root, *, role="target", ranks: dict, layers=None, include=None, exclude=None,
+                 module_types=None, inputs=False, skip_passes=0, every=1, pass_range=None, max_bytes=None,
+                 policy="block", writer="process", ring_mb=256, device_ring_mb=256, segment_passes=64,
+                 segment_mb=256, segment_seconds=30.0, root_passes=True, root_name=None, strict=False,
+                 pass_meta=None):
+        _validate(role=role, policy=policy, writer=writer, every=every, skip_passes=skip_passes,
+                  pass_range=pass_range, max_bytes=max_bytes, ring_mb=ring_mb, segment_passes=segment_passes,
+                  segment_mb=segment_mb, segment_seconds=segment_seconds)
+        self.role = role
+        self.ranks = ranks
+        self.root = Path(root).absolute()
+        self.dir = self.root / role / rank_dir_name(ranks, os.getpid())
+        self.policy = policy
+        self.inputs = bool(inputs)
+        self.skip_passes, self.every = int(skip_passes), int(every)
+        self.pass_range = tuple(pass_range) if pass_range is not None else None
+        self.max_bytes = max_bytes
+        self.device_ring_mb = device_ring_mb
+        self.pass_id = -1
+        self.status = "running"
+        self.error = None
+        self._block = policy == "block"
+        self._pid = os.getpid()
+        self._capturing = False          # inside a selected pass: the wrappers' only hot check
+        self._depth = 0                  # nested begin_pass / root calls
+        self._calls: dict = {}           # name -> calls this pass, for name#k
+        self._name_ids: dict = {}
+        self._meta: dict = {}
+        self._next_meta: dict = dict(pass_meta or {})
+        self._skipped: dict = {}         # name -> reason, this pass
+        self._dropped_pass = 0
+        self._totals = {"passes": 0, "tensors": 0, "bytes": 0, "dropped": 0, "skipped": 0}
+        self._wrapped: list = []
+        self._engine = None
+        self._channel = None
+        self._closed = False
+        self._lock = threading.Lock()
+
+        config = dict(role=role, layers=sorted(layers) if layers is not None else None, include=_pattern(include),
+                      exclude=_pattern(exclude), module_types=[getattr(t, "__name__", str(t)) for t in module_types or ()],
+                      inputs=self.inputs, skip_passes=self.skip_passes, every=self.every,
+                      pass_range=list(self.pass_range) if self.pass_range else None, max_bytes=max_bytes,
+                      policy=policy, writer=writer, ring_mb=ring_mb, device_ring_mb=device_ring_mb,
+                      segment_passes=segment_passes, segment_mb=segment_mb, segment_seconds=segment_seconds)
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            _write_manifest(self.root, config)
+            self._engine = Engine.acquire(ring_mb=ring_mb, writer=writer)
+            self._channel = self._engine.open_channel({
+                "dir": str(self.dir), "role": role, "rank": ranks, "pid": self._pid,
+                "host": socket.gethostname(), "device": _device_facts(model), "config": config,
+            })
+            if not self._engine.alive:
+                raise RuntimeError(self._engine.error())
+        except Exception as exc:
+            if strict:
+                self._release_engine()
+                raise
+            self._disable(f"cannot start dumping to {self.dir}: {exc}")
+            return
+        _open_dumpers.add(self)
+        if model is not None:
+            self._root_name = root_name or type(model).__name__
+            self._install(model, root_passes, layers=layers, include=include, exclude=exclude,
+                          module_types=module_types)
+
+    # -- public API ------------------------------------------------------------------------------
+    def begin_pass(self, **meta) -> None:
+        """Start a pass by hand (nests: only the outermost begin/end pair counts)."""
+        self._next_meta.update(meta)
+        self._begin()
+
+    def end_pass(self) -> None:
+        self._end()
+
+    def set_pass_meta(self, **meta) -> None:
+        """Small JSON-able facts about the current pass (or the next one, outside a pass)."""
+        (self._meta if self._depth > 0 else self._next_meta).update(meta)
+
+    def dump(self, name: str, value) -> None:
+        """Dump a value no module returns (tensors, CuPy/DLPack arrays, tuples/dicts of them)."""
+        if self._capturing:
+            self._capture(name, value)
+        elif self._depth == 0 and not self._closed and self._engine is not None:
+            # Outside any pass: a pass of its own, so the value is never silently lost.
+            self._begin()
+            try:
+                if self._capturing:
+                    self._capture(name, value)
+            finally:
+                self._end()
+
+    def stats(self) -> dict:
+        return dict(self._totals, status=self.status, error=self.error, dir=str(self.dir))
+
+    def close(self, timeout: float = 600.0) -> dict:
+        """Flush everything staged, wait until it is on disk, detach from the model."""
+        with self._lock:
+            if self._closed:
+                return self.stats()
+            self._closed = True
+        self._unwrap()
+        _open_dumpers.discard(self)
+        if self._engine is None:
+            return self.stats()
+        if self._depth > 0:
+            self._depth = 1
+            self._end()
+        if self._engine.alive and self.status == "running":
+            if self._engine._cuda_stager is not None:
+                self._engine._cuda_stager.flush(timeout)
+            ok = self._engine.control({"op": "close", "channel": self._channel, "stats": self._totals},
+                                      wait=True, timeout=timeout)
+            if ok:
+                self.status = "closed"
+            else:
+                self._disable(self._engine.error())
+        elif self.status == "running":
+            self._disable(self._engine.error())
+        self._release_engine()
+        return self.stats()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # -- passes ----------------------------------------------------------------------------------
+    def _begin(self) -> None:
+        self._depth += 1
+        if self._depth > 1:
+            return
+        self.pass_id += 1
+        self._meta, self._next_meta = self._next_meta, {}
+        self._calls.clear()
+        if self._skipped:
+            self._skipped = {}
+        self._dropped_pass = 0
+        if self._closed or self._engine is None or self.status != "running" or os.getpid() != self._pid:
+            return
+        if not self._selected(self.pass_id):
+            return
+        self._engine.control({"op": "begin", "channel": self._channel, "pass": self.pass_id, "meta": {}})
+        self._capturing = True
+
+    def _end(self) -> None:
+        if self._depth == 0:
+            return
+        self._depth -= 1
+        if self._depth > 0 or not self._capturing:
+            return
+        self._capturing = False
+        self._totals["passes"] += 1
+        msg = {"op": "end", "channel": self._channel, "pass": self.pass_id, "meta": _jsonable(self._meta),
+               "dropped": self._dropped_pass,
+               "skipped": [{"name": n, "reason": r} for n, r in self._skipped.items()]}
+        if not self._engine.control(msg) or not self._engine.alive:
+            self._disable(self._engine.error())
+
+    def _selected(self, pass_id: int) -> bool:
+        if pass_id < self.skip_passes or (pass_id - self.skip_passes) % self.every:
+            return False
+        if self.pass_range is not None and not self.pass_range[0] <= pass_id < self.pass_range[1]:
+            return False
+        if self.max_bytes is not None and self._totals["bytes"] >= self.max_bytes:
+            if self.status == "running":
+                log.warning("fastdump: %s reached its byte budget (%d bytes); dumping stops", self.dir, self.max_bytes)
+                self._engine.control({"op": "note", "channel": self._channel, "status": "running",
+                                      "budget_reached": True})
+            return False
+        return True
+
+    # -- capture (hot path) ------------------------------------------------------------------------
+    def _capture(self, name: str, value) -> None:
+        k = self._calls.get(name, 0)
+        self._calls[name] = k + 1
+        self._emit(name if k == 0 else f"{name}#{k}", value)
+
+    def _emit(self, name: str, value) -> None:
+        if isinstance(value, _Tensor):
+            self._stage(name, value)
+        elif isinstance(value, (tuple, list)):
+            for i, item in enumerate(value):
+                self._emit(f"{name}.{i}", item)
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                self._emit(f"{name}.{key}", item)
+        elif value is None or isinstance(value, (int, float, bool, str)):
+            pass  # not tensor data
+        elif hasattr(value, "__cuda_array_interface__") or hasattr(value, "__dlpack__"):
+            self._stage_array(name, value)
+
+    def _name_id(self, name: str) -> int:
+        nid = self._name_ids.get(name)
+        if nid is None:
+            nid = self._name_ids[name] = len(self._name_ids)
+            self._engine.control({"op": "name", "channel": self._channel, "id": nid, "name": name})
+        return nid
+
+    def _stage(self, name: str, t) -> None:
+        code = _dtypes.code_of(t.dtype)
+        if code < 0:
+            return self._skip(name, _dtypes.UNSUPPORTED_REASON.get(_dtypes.torch_name(t.dtype), f"dtype {t.dtype}"))
+        if t.layout is not _strided:
+            return self._skip(name, f"layout {t.layout} is not strided")
+        if t.dtype in _complex_dtypes() and (t.is_conj() or t.is_neg()):
+            t = t.resolve_conj().resolve_neg()  # the lazy bits are not in the bytes
+        device = t.device.type
+        if device == "cpu":
+            status = self._engine.producer.stage_host(
+                self._channel, self._name_id(name), self.pass_id, code, t.element_size(), t.shape, t.stride(),
+                t.data_ptr(), self._block)
+        elif device == "cuda":
+            from . import cuda
+
+            status = cuda.stage_tensor(self._engine.cuda_stager(self.device_ring_mb), self._channel,
+                                       self._name_id(name), self.pass_id, code, t, self._block)
+        else:
+            return self._skip(name, f"tensors on {device} are not supported")
+        self._account(name, status, t.numel() * t.element_size())
+
+    def _stage_array(self, name: str, array) -> None:
+        try:
+            from . import cuda
+
+            status, nbytes = cuda.stage_array(self._engine, self.device_ring_mb, self._channel,
+                                              self._name_id(name), self.pass_id, array, self._block)
+        except Exception as exc:
+            return self._skip(name, f"cannot stage {type(array).__name__}: {exc}")
+        self._account(name, status, nbytes)
+
+    def _account(self, name: str, status: int, nbytes: int) -> None:
+        if status == _C.STAGED:
+            self._totals["tensors"] += 1
+            self._totals["bytes"] += nbytes
+        elif status == _C.DROPPED:
+            self._dropped_pass += 1
+            self._totals["dropped"] += 1
+        elif status == _C.TOO_LARGE:
+            self._skip(name, "more than %d dimensions" % _C.MAX_DIMS)
+        else:
+            self._disable(self._engine.error())
+
+    def _skip(self, name: str, reason: str) -> None:
+        if name not in self._skipped:
+            self._skipped[name] = reason
+            self._totals["skipped"] += 1
+
+    # -- failure ---------------------------------------------------------------------------------
+    def _disable(self, error: str) -> None:
+        """Dumping stops for good; serving goes on. Said once, and recorded in rank.json."""
+        if self.status == "error":
+            return
+        self.status, self.error = "error", error
+        self._capturing = False
+        log.error("fastdump: dumping to %s stopped: %s", self.dir, error)
+        try:
+            info = read_json(self.dir / "rank.json") or {}
+            info.update(status="error", error=error)
+            write_json_atomic(self.dir / "rank.json", info)
+        except OSError as exc:
+            log.error("fastdump: cannot record the error in %s/rank.json: %s", self.dir, exc)
+
+    def _release_engine(self) -> None:
+        if self._engine is not None:
+            engine, self._engine = self._engine, None
+            engine.release()
+
+    # -- installing wrappers -------------------------------------------------------------------------
+    def _install(self, model, root_passes: bool, **selection) -> None:
+        for name, module in select_modules(model, **selection):
+            self._wrap(module, self._capture_wrapper(name, module.forward))
+        root_selected = _root_selected(self._root_name, selection)
+        if root_passes:
+            self._wrap(model, self._root_wrapper(self._root_name if root_selected else None, model.forward))
+        elif root_selected:
+            self._wrap(model, self._capture_wrapper(self._root_name, model.forward))
+
+    def _wrap(self, module, wrapper) -> None:
+        previous = module.__dict__.get("forward", _MISSING)
+        module.__dict__["forward"] = wrapper
+        self._wrapped.append((module, wrapper, previous))
+
+    def _unwrap(self) -> None:
+        for module, wrapper, previous in reversed(self._wrapped):
+            if module.__dict__.get("forward") is wrapper:
+                if previous is _MISSING:
+                    del module.__dict__["forward"]
+                else:
+                    module.__dict__["forward"] = previous
+            else:
+                wrapper.__fastdump_off__ = True  # someone wrapped over us: become a pass-through
+        self._wrapped.clear()
+
+    def _capture_wrapper(self, name: str, forward):
+        dumper = self
+        inputs = self.inputs
+
+        def forward_and_capture(*args, **kwargs):
+            if not dumper._capturing:
+                return forward(*args, **kwargs)
+            if inputs:  # before forward: it may change its inputs in place
+                dumper._capture_inputs(name, args, kwargs)
+            out = forward(*args, **kwargs)
+            if dumper._capturing:
+                dumper._capture(name, out)
+            return out
+
+        return forward_and_capture
+
+    def _root_wrapper(self, name, forward):
+        dumper = self
+
+        def forward_in_pass(*args, **kwargs):
+            if getattr(forward_in_pass, "__fastdump_off__", False):
+                return forward(*args, **kwargs)
+            dumper._begin()
+            try:
+                if name is not None and dumper.inputs and dumper._capturing:
+                    dumper._capture_inputs(name, args, kwargs)
+                out = forward(*args, **kwargs)
+                if name is not None and dumper._capturing:
+                    dumper._capture(name, out)
+            finally:
+                dumper._end()
+            return out
+
+        return forward_in_pass
+
+    def _capture_inputs(self, name: str, args, kwargs) -> None:
+        k = self._calls.get(name, 0)  # inputs of the k-th call share its #k
+        base = name if k == 0 else f"{name}#{k}"
+        for i, arg in enumerate(args):
+            self._emit(f"{base}.input.{i}", arg)
+        for key, arg in kwargs.items():
+            self._emit(f"{base}.input.{key}", arg)
+
+
+# ------------------------------------------------------------------------------------------------
+# helpers
+
+_MISSING = object()
+
+try:  # torch is a dependency of every model we dump; import it once, here
+    import torch as _torch
+
+    _Tensor = _torch.Tensor
+    _strided = _torch.strided
+except ImportError:  # pragma: no cover - fastdump.open and the CLI work without torch
+    _torch = None
+    _Tensor = type("NoTensor", (), {})
+    _strided = None
+
+
+def _complex_dtypes():
+    global _COMPLEX
+    if _COMPLEX is None:
+        _COMPLEX = {_torch.complex32, _torch.complex64, _torch.complex128}
+    return _COMPLEX
+
+
+def _root_selected(root_name: str, selection: dict) -> bool:
+    include, exclude, types = selection.get("include"), selection.get("exclude"), selection.get("module_types")
+    if types:
+        return False
+    if include is not None and not re.search(include, root_name):
+        return False
+    if exclude is not None and re.search(exclude, root_name):
+        return False
+    return True
+
+
+def _pattern(p):
+    return getattr(p, "pattern", p)
+
+
+def _jsonable(value):
+    """Pass metadata as JSON: tensors become lists, unknown objects their str()."""
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, _Tensor):
+        return value.detach().cpu().tolist() if value.numel() <= 4096 else f"<tensor {tuple(value.shape)}>"
+    name = getattr(value, "name", None)
+    return name if isinstance(name, str) else str(value)
+
+
+def _device_facts(model) -> dict:
+    if model is None or _torch is None:
+        return {}
+    try:
+        param = next(model.parameters())
+    except (StopIteration, AttributeError, TypeError):
+        return {}
+    if param.device.type != "cuda":
+        return {"type": param.device.type}
+    try:
+        from .devices import device_facts
+
+        return dict(device_facts(param.device.index or 0), type="cuda", index=param.device.index or 0)
+    except Exception as exc:
+        return {"type": "cuda", "index": param.device.index or 0, "error": str(exc)}
+
+
+def _write_manifest(root: Path, config: dict) -> None:
+    path = root / "fastdump.json"
+    if path.exists():
+        return
+    from . import __version__
+
+    write_json_atomic(path, {
+        "format": "fastdump", "format_version": FORMAT_VERSION, "fastdump_version": __version__,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "host": socket.gethostname(),
+        "command": sys.argv, "config": config,
+    })
+
+
+def _validate(*, role, policy, writer, every, skip_passes, pass_range, max_bytes, ring_mb, segment_passes,
+              segment_mb, segment_seconds) -> None:
+    """Bad settings fail at attach, before the model runs, with one clear message."""
+    if not isinstance(role, str) or not role or "/" in role or role in (".", ".."):
+        raise ValueError(f"role must be a plain directory name, not {role!r}")
+    if policy not in ("block", "drop"):
+        raise ValueError(f"policy must be 'block' or 'drop', not {policy!r}")
+    if writer not in ("process", "thread"):
+        raise ValueError(f"writer must be 'process' or 'thread', not {writer!r}")
+    if int(every) < 1:
+        raise ValueError(f"every must be >= 1, not {every!r}")
+    if int(skip_passes) < 0:
+        raise ValueError(f"skip_passes must be >= 0, not {skip_passes!r}")
+    if pass_range is not None and (len(pass_range) != 2 or pass_range[0] > pass_range[1]):
+        raise ValueError(f"pass_range must be (start, stop) with start <= stop, not {pass_range!r}")
+    if max_bytes is not None and max_bytes < 0:
+        raise ValueError(f"max_bytes must be >= 0, not {max_bytes!r}")
+    if ring_mb <= 0.25:
+        raise ValueError(f"ring_mb must be more than 0.25, not {ring_mb!r}")
+    if segment_passes < 1 or segment_mb <= 0 or segment_seconds <= 0:
+        raise ValueError("segment_passes, segment_mb and segment_seconds must be positive")

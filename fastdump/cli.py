@@ -1,0 +1,78 @@
+"""The ``fastdump`` command: info, ls, verify, show, export."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+
+
+def info() -> dict:
+    """What this installation can do: versions, CUDA compiled in or not, GPUs seen, settings."""
+    import h5py
+
+    from . import __version__, _C
+    from .config import env_table
+
+    facts = {
+        "fastdump": __version__,
+        "python": platform.python_version(),
+        "h5py": h5py.version.version,
+        "hdf5": h5py.version.hdf5_version,
+        "cuda": _C.cuda_info(),
+        "environment": env_table(),
+    }
+    try:
+        import torch
+
+        facts["torch"] = torch.__version__
+        facts["torch_cuda"] = torch.version.cuda
+    except ImportError:
+        facts["torch"] = None
+    return facts
+
+
+def cmd_info(args) -> int:
+    facts = info()
+    if args.json:
+        print(json.dumps(facts, indent=2, default=str))
+        return 0
+    cuda = facts["cuda"]
+    print(f"fastdump {facts['fastdump']}  python {facts['python']}  torch {facts['torch']}")
+    print(f"h5py {facts['h5py']}  HDF5 {facts['hdf5']}")
+    if cuda.get("compiled"):
+        print(f"CUDA compiled in (built with {cuda.get('built_with')}); runtime {cuda.get('runtime_version')}, "
+              f"driver {cuda.get('driver_version')}")
+        for dev in cuda.get("devices", []):
+            print(f"  GPU {dev.get('index')}: {dev.get('name')} {dev.get('uuid', '')}")
+        if not cuda.get("devices"):
+            print(f"  no usable GPU: {cuda.get('reason', 'none found')} (CPU path only)")
+    else:
+        print(f"CUDA not compiled in: {cuda.get('reason', '')} (CPU path only)")
+    print("settings (environment):")
+    for row in facts["environment"]:
+        print(f"  {row['name']:<26} {row['doc']}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from . import cli_dump, export
+
+    parser = argparse.ArgumentParser(prog="fastdump", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("info", help="versions, CUDA support, GPUs, settings")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_info)
+    cli_dump.add_arguments(sub)
+    export.add_arguments(sub)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,226 @@
+"""One staging engine per process: the shared-memory ring, the writer, and their liveness.
+
+Every Dumper in a process (the EAGLE target and draft, several ranks' threads) stages into the same
+engine; each opens its own channel, which the writer maps to one ``<root>/<role>/<rank dir>``.
+The engine starts with the first attach and shuts down when the last Dumper closes.
+"""
+
+from __future__ import annotations
+
+import atexit
+import itertools
+import json
+import logging
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from . import _C
+
+log = logging.getLogger("fastdump")
+
+SHM_PREFIX = "fastdump-"
+SHM_DIR = Path("/dev/shm")
+_counter = itertools.count()
+
+
+def remove_stale_segments(shm_dir: Path = SHM_DIR) -> list[str]:
+    """Unlink ring segments whose producer process is gone (left by a crash before unlink)."""
+    removed = []
+    try:
+        entries = list(shm_dir.glob(SHM_PREFIX + "*"))
+    except OSError:
+        return removed
+    for path in entries:
+        try:
+            pid = int(path.name[len(SHM_PREFIX):].split("-")[0])
+        except ValueError:
+            continue
+        if pid == os.getpid() or _pid_alive(pid):
+            continue
+        try:
+            path.unlink()
+            removed.append(path.name)
+        except OSError:
+            pass
+    return removed
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class Engine:
+    """The ring plus its writer (a child process by default, or a thread)."""
+
+    _current: "Engine | None" = None
+    _lock = threading.Lock()
+
+    def __init__(self, ring_mb: float, writer: str = "process", chunk_mb: float = 16,
+                 start_timeout: float = 60.0):
+        if writer not in ("process", "thread"):
+            raise ValueError(f"writer must be 'process' or 'thread', not {writer!r}")
+        remove_stale_segments()
+        self.pid = os.getpid()
+        self.mode = writer
+        self.refs = 0
+        self.closed = False
+        self._channels = itertools.count()
+        self._cuda_stager = None
+        self._cuda_lock = threading.Lock()
+        name = f"/{SHM_PREFIX}{self.pid}-{next(_counter)}"
+        self.producer = _C.Producer(name, int(ring_mb * (1 << 20)), int(chunk_mb * (1 << 20)))
+        self._proc = None
+        self._thread = None
+        try:
+            if writer == "process":
+                self._start_process(name)
+            else:
+                self._start_thread(name)
+            self._wait_attached(start_timeout)
+        except BaseException:
+            self.producer.disable()
+            self._stop_writer(timeout=5)
+            raise
+        finally:
+            # Named only until the writer has mapped it: then no crash can leak it.
+            self.producer.unlink()
+
+    # -- writer lifecycle ------------------------------------------------------------------------
+    def _start_process(self, name: str) -> None:
+        cmd = [sys.executable, "-m", "fastdump.writer", "--shm", name]
+        # stdin: our write end; its EOF tells the writer we died (even under kill -9).
+        # stdout: the writer's write end; its EOF tells us the writer died.
+        # A new session keeps Ctrl-C in the serving terminal from killing the writer mid-drain.
+        env = dict(os.environ)
+        pkg_parent = str(Path(__file__).resolve().parent.parent)
+        env["PYTHONPATH"] = pkg_parent + os.pathsep + env.get("PYTHONPATH", "")
+        self._proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                      close_fds=True, start_new_session=True, env=env)
+        self.producer.set_writer_fd(self._proc.stdout.fileno())
+
+    def _start_thread(self, name: str) -> None:
+        from .writer.loop import run_consumer
+
+        consumer = _C.Consumer(name)
+        self._thread = threading.Thread(target=run_consumer, args=(consumer,),
+                                        name="fastdump-writer", daemon=True)
+        self._thread.start()
+
+    def _wait_attached(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while not self.producer.writer_attached():
+            if self._proc is not None and self._proc.poll() is not None:
+                raise RuntimeError(f"fastdump writer process exited at start (code {self._proc.returncode})")
+            if time.monotonic() > deadline:
+                raise RuntimeError("fastdump writer did not start in time")
+            time.sleep(0.002)
+
+    def _stop_writer(self, timeout: float) -> None:
+        if self._proc is not None:
+            try:
+                self._proc.stdin.close()
+            except OSError:
+                pass
+            try:
+                self._proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                log.error("fastdump: writer did not exit in %.0f s; killing it", timeout)
+                self._proc.kill()
+                self._proc.wait()
+            self._proc.stdout.close()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    # -- channels ----------------------------------------------------------------------------------
+    def open_channel(self, open_msg: dict) -> int:
+        channel = next(self._channels)
+        self.control(dict(open_msg, op="open", channel=channel), wait=True)
+        return channel
+
+    def control(self, msg: dict, wait: bool = False, timeout: float = 600.0) -> bool:
+        """Send a control message in ring order; with ``wait``, return once the writer handled it."""
+        seq = self.producer.put_control(msg.get("channel", 0), json.dumps(msg).encode())
+        if seq == 0:
+            return False
+        return self.producer.wait_acked(seq, timeout) if wait else True
+
+    @property
+    def alive(self) -> bool:
+        return self.producer.writer_alive()
+
+    def error(self) -> str:
+        text = self.producer.writer_error()
+        if text:
+            return text
+        if self._proc is not None and self._proc.poll() is not None:
+            return f"writer process exited with code {self._proc.returncode}"
+        return "writer stopped"
+
+    def cuda_stager(self, device_ring_mb: float):
+        """The process's CUDA stager, made (and the host ring pinned) with the first CUDA tensor."""
+        if self._cuda_stager is None:
+            with self._cuda_lock:
+                if self._cuda_stager is None:
+                    from . import cuda
+
+                    self._cuda_stager = cuda.get_stager(self.producer, device_ring_mb)
+        return self._cuda_stager
+
+    def shutdown(self, timeout: float = 600.0) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        if self._cuda_stager is not None:
+            try:
+                self._cuda_stager.flush(timeout)
+                self._cuda_stager.close()
+            except Exception as exc:  # never let teardown crash the host program
+                log.error("fastdump: CUDA stager shutdown failed: %s", exc)
+        if self.producer.writer_alive():
+            self.control({"op": "shutdown"}, wait=True, timeout=timeout)
+        self._stop_writer(timeout=timeout)
+
+    # -- process-wide singleton ------------------------------------------------------------------
+    @classmethod
+    def acquire(cls, ring_mb: float, writer: str) -> "Engine":
+        with cls._lock:
+            eng = cls._current
+            if eng is None or eng.closed or eng.pid != os.getpid():
+                eng = cls(ring_mb=ring_mb, writer=writer)
+                cls._current = eng
+            elif eng.mode != writer:
+                log.warning("fastdump: engine already running with writer=%r; ignoring writer=%r",
+                            eng.mode, writer)
+            eng.refs += 1
+            return eng
+
+    def release(self) -> None:
+        with Engine._lock:
+            self.refs -= 1
+            last = self.refs <= 0
+            if last and Engine._current is self:
+                Engine._current = None
+        if last:
+            self.shutdown()
+
+
+def _shutdown_at_exit() -> None:
+    from . import capture
+
+    capture.close_all()
+    eng = Engine._current
+    if eng is not None and eng.pid == os.getpid():
+        eng.shutdown()
+
+
+atexit.register(_shutdown_at_exit)

@@ -1,0 +1,160 @@
+"""The writer's main loop: take records off the ring in order, hand them to channel writers.
+
+Runs in the writer process (``python -m fastdump.writer``) or in a thread. It owns the ring's
+consumer side: it copies each payload out, releases the ring space at once (so the producer never
+waits on HDF5), then lets the ChannelWriter aggregate and write segments. Control records are
+acknowledged after they are handled, which is how ``Dumper.close()`` knows its data is on disk.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+
+import numpy as np
+
+from .. import _C
+from .segments import ChannelWriter
+
+log = logging.getLogger("fastdump.writer")
+
+POLL_SECONDS = 0.25  # idle wake-up: rotate segments by time, notice a dead producer
+
+
+class _Assembly:
+    """A tensor split over several ring records, filled in as its chunks arrive."""
+
+    __slots__ = ("data", "filled")
+
+    def __init__(self, total: int):
+        self.data = np.empty(total, dtype=np.uint8)
+        self.filled = 0
+
+
+class WriterLoop:
+    def __init__(self, consumer):
+        self.consumer = consumer
+        self.channels: dict[int, ChannelWriter] = {}
+        self.partial: dict[tuple, _Assembly] = {}
+        self.failed: str | None = None
+
+    def run(self) -> int:
+        consumer = self.consumer
+        consumer.set_state(_C.WRITER_RUNNING, "")
+        next_poll = time.monotonic() + POLL_SECONDS
+        while True:
+            rec = consumer.next(POLL_SECONDS)
+            now = time.monotonic()
+            if now >= next_poll:
+                self._poll(now)
+                next_poll = now + POLL_SECONDS
+            if rec is None:
+                if consumer.drained:
+                    self._finish("incomplete")  # the serving process died: keep what arrived
+                    return 0
+                continue
+            kind, channel, name_id, pass_id, dtype, shape, payload, seq, offset, total = rec
+            if kind == _C.KIND_TENSOR:
+                data = self._take_tensor(channel, name_id, pass_id, payload, offset, total)
+                consumer.release()
+                if data is not None:
+                    self._call(channel, "on_tensor", name_id, pass_id, dtype, shape, data)
+                continue
+            msg = json.loads(bytes(payload))
+            consumer.release()
+            op = msg["op"]
+            if op == "shutdown":
+                self._finish("closed")
+                consumer.ack(seq)
+                return 0
+            self._control(msg)
+            consumer.ack(seq)
+
+    def _take_tensor(self, channel, name_id, pass_id, payload, offset, total):
+        if offset == 0 and len(payload) == total:
+            return np.frombuffer(payload, dtype=np.uint8).copy()
+        key = (channel, name_id, pass_id)
+        part = self.partial.get(key)
+        if part is None:
+            part = self.partial[key] = _Assembly(total)
+        part.data[offset:offset + len(payload)] = np.frombuffer(payload, dtype=np.uint8)
+        part.filled += len(payload)
+        if part.filled < total:
+            return None
+        del self.partial[key]
+        return part.data
+
+    def _control(self, msg: dict) -> None:
+        op, channel = msg["op"], msg.get("channel", 0)
+        if op == "open":
+            try:
+                self.channels[channel] = ChannelWriter(msg)
+            except Exception as exc:
+                self._fail(f"cannot open {msg.get('dir')}: {exc}")
+            return
+        method = {"name": "on_name", "begin": "on_begin", "end": "on_end", "note": "on_note",
+                  "close": "close"}.get(op)
+        if method is None:
+            log.warning("fastdump writer: unknown control op %r", op)
+            return
+        args = {
+            "name": lambda: (msg["id"], msg["name"]),
+            "begin": lambda: (msg["pass"], msg.get("meta") or {}),
+            "end": lambda: (msg["pass"], msg.get("meta") or {}, msg.get("dropped", 0), msg.get("skipped", [])),
+            "note": lambda: (msg,),
+            "close": lambda: (msg.get("stats") or {},),
+        }[op]()
+        self._call(channel, method, *args)
+        if op == "close":
+            self.channels.pop(channel, None)
+
+    def _call(self, channel: int, method: str, *args) -> None:
+        writer = self.channels.get(channel)
+        if writer is None:
+            return  # channel failed to open, or writing already failed
+        try:
+            getattr(writer, method)(*args)
+        except Exception as exc:
+            self._fail(f"{writer_dir(writer)}: {type(exc).__name__}: {exc}")
+
+    def _fail(self, error: str) -> None:
+        """Writing failed (disk full, unwritable root): stop dumping everywhere, keep serving."""
+        log.error("fastdump writer: %s; dumping stops", error)
+        if self.failed is None:
+            self.failed = error
+            # The producer sees FAILED and stops staging; we keep draining what is in flight.
+            self.consumer.set_state(_C.WRITER_FAILED, error)
+        for writer in self.channels.values():
+            try:
+                writer.fail(error)
+            except Exception:
+                pass
+        self.channels.clear()
+
+    def _poll(self, now: float) -> None:
+        for channel in list(self.channels):
+            self._call(channel, "poll", time.time())
+
+    def _finish(self, status: str) -> None:
+        for channel, writer in list(self.channels.items()):
+            try:
+                writer.close({}, status=status)
+            except Exception as exc:
+                self._fail(f"{writer_dir(writer)}: {exc}")
+        self.channels.clear()
+        if self.failed is None:
+            self.consumer.set_state(_C.WRITER_EXITED, "")
+
+
+def writer_dir(writer) -> str:
+    return str(getattr(writer, "dir", "?"))
+
+
+def run_consumer(consumer) -> int:
+    try:
+        return WriterLoop(consumer).run()
+    except BaseException as exc:  # a crash of the loop itself: say so where the producer looks
+        log.exception("fastdump writer crashed")
+        consumer.set_state(_C.WRITER_FAILED, f"writer crashed: {type(exc).__name__}: {exc}")
+        return 1

@@ -1,0 +1,96 @@
+"""Build fastdump and its extension fastdump._C.
+
+The extension never links libtorch. When a CUDA toolkit is found (CUDA_HOME, or nvcc on PATH) the
+CUDA staging sources are compiled with nvcc and the CUDA runtime is linked statically, so the
+same build imports on machines without a GPU or driver (it detects GPUs at run time). Set
+FASTDUMP_CUDA=0 to force a CPU-only build, FASTDUMP_CUDA=1 to fail when no toolkit is found.
+"""
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from pybind11.setup_helpers import Pybind11Extension
+from setuptools import setup
+from setuptools.command.build_ext import build_ext
+
+HERE = Path(__file__).parent.resolve()
+CSRC = "csrc"
+CUDA_ARCHS = os.environ.get("FASTDUMP_CUDA_ARCHS", "80;90")
+
+
+def find_cuda_home():
+    if os.environ.get("FASTDUMP_CUDA", "") == "0":
+        return None
+    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    if not home:
+        nvcc = shutil.which("nvcc")
+        if nvcc:
+            home = str(Path(nvcc).resolve().parent.parent)
+    if home and (Path(home) / "bin" / "nvcc").exists():
+        return home
+    if os.environ.get("FASTDUMP_CUDA", "") == "1":
+        sys.exit("FASTDUMP_CUDA=1 but no CUDA toolkit was found (set CUDA_HOME)")
+    return None
+
+
+CUDA_HOME = find_cuda_home()
+CUDA_SOURCES = sorted(str(p.relative_to(HERE)) for p in (HERE / CSRC).glob("*.cu"))
+WITH_CUDA = CUDA_HOME is not None and bool(CUDA_SOURCES)
+
+
+class BuildExt(build_ext):
+    """Compiles the .cu sources with nvcc before the C++ link."""
+
+    def build_extension(self, ext):
+        if WITH_CUDA:
+            ext.extra_objects = [*ext.extra_objects, *self._nvcc(ext)]
+        super().build_extension(ext)
+
+    def _nvcc(self, ext):
+        import pybind11
+        import sysconfig
+
+        out = Path(self.build_temp) / "cuda"
+        out.mkdir(parents=True, exist_ok=True)
+        gencode = []
+        archs = [a for a in CUDA_ARCHS.split(";") if a]
+        for arch in archs:
+            gencode += ["-gencode", f"arch=compute_{arch},code=sm_{arch}"]
+        # PTX of the newest arch, so newer GPUs JIT-compile it.
+        gencode += ["-gencode", f"arch=compute_{archs[-1]},code=compute_{archs[-1]}"]
+        objects = []
+        for src in CUDA_SOURCES:
+            obj = out / (Path(src).stem + ".o")
+            cmd = [
+                str(Path(CUDA_HOME) / "bin" / "nvcc"), "-c", src, "-o", str(obj),
+                "-O3", "-std=c++17", "-Xcompiler", "-fPIC", "-Xcompiler", "-fvisibility=hidden",
+                "-DFASTDUMP_WITH_CUDA=1", f"-I{CSRC}", f"-I{pybind11.get_include()}",
+                f"-I{sysconfig.get_paths()['include']}", *gencode,
+            ]
+            print(" ".join(cmd), flush=True)
+            subprocess.check_call(cmd, cwd=HERE)
+            objects.append(str(obj))
+        return objects
+
+
+sources = [f"{CSRC}/module.cpp", f"{CSRC}/ring.cpp"]
+ext_kwargs = dict(include_dirs=[CSRC], extra_compile_args=["-O3"], libraries=["rt"])
+if WITH_CUDA:
+    sources.append(f"{CSRC}/cuda_bindings.cpp")
+    ext_kwargs.update(
+        include_dirs=[CSRC, f"{CUDA_HOME}/include"],
+        define_macros=[("FASTDUMP_WITH_CUDA", "1")],
+        library_dirs=[f"{CUDA_HOME}/lib64"],
+        # Static runtime: no libcudart.so needed at import time; the driver is found at run time.
+        libraries=["cudart_static", "dl", "rt", "pthread"],
+    )
+else:
+    sources.append(f"{CSRC}/cuda_stub.cpp")
+
+setup(
+    ext_modules=[Pybind11Extension("fastdump._C", sources, cxx_std=17, **ext_kwargs)],
+    cmdclass={"build_ext": BuildExt},
+)

@@ -1,0 +1,136 @@
+"""The C++ ring on its own: what goes in comes out, byte for byte, in order."""
+
+import itertools
+import os
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from fastdump import _C
+
+_names = itertools.count()
+
+
+def ring(capacity=1 << 20, chunk=0):
+    name = f"/fastdump-{os.getpid()}-test{next(_names)}"
+    producer = _C.Producer(name, capacity, chunk)
+    consumer = _C.Consumer(name)
+    producer.unlink()
+    return producer, consumer
+
+
+def stage(producer, t, name_id=0, pass_id=0, block=True):
+    return producer.stage_host(0, name_id, pass_id, 0, t.element_size(), t.shape, t.stride(), t.data_ptr(), block)
+
+
+def take(consumer, timeout=1.0):
+    """Next tensor, reassembled from its chunks."""
+    parts, shape = [], None
+    while True:
+        rec = consumer.next(timeout)
+        assert rec is not None, "expected a record"
+        kind, channel, name_id, pass_id, dtype, shape, payload, seq, offset, total = rec
+        assert offset == sum(len(p) for p in parts)
+        parts.append(bytes(payload))
+        consumer.release()
+        if offset + len(payload) == total:
+            return shape, b"".join(parts), (name_id, pass_id)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: torch.randn(3, 5),
+    lambda: torch.randn(4, 6).t(),                       # transposed
+    lambda: torch.randn(5, 7, 3)[:, ::2, 1:],            # sliced, non-contiguous inner
+    lambda: torch.randn(2, 3)[:, None, :].expand(2, 4, 3),  # zero stride
+    lambda: torch.arange(24).reshape(2, 3, 4).permute(2, 0, 1),
+    lambda: torch.tensor(3.5),                           # 0-d
+    lambda: torch.empty(0, 4),                           # empty
+    lambda: torch.randn(1, 1, 1, 1, 1, 1, 1, 2),         # high rank
+    lambda: torch.randn(10, 3).flip(0),                  # negative stride
+])
+def test_strided_tensors_arrive_in_c_order(make):
+    producer, consumer = ring()
+    t = make()
+    assert stage(producer, t) == _C.STAGED
+    shape, data, _ = take(consumer)
+    assert tuple(shape) == tuple(t.shape)
+    assert data == t.contiguous().numpy().tobytes()
+
+
+def test_large_tensor_is_split_and_reassembled_in_order():
+    producer, consumer = ring(capacity=1 << 20, chunk=64 << 10)
+    t = torch.randn(300, 1000)[:, ::3]  # 400 KB, strided, several chunks
+    got = {}
+
+    def read():
+        got["v"] = take(consumer, timeout=5)
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    assert stage(producer, t) == _C.STAGED
+    reader.join()
+    assert got["v"][1] == t.contiguous().numpy().tobytes()
+
+
+def test_wraparound_keeps_every_record_intact():
+    producer, consumer = ring(capacity=64 << 10)
+    sent = [torch.randn(int(n)) for n in np.random.default_rng(0).integers(1, 3000, size=500)]
+    received = []
+
+    def read():
+        for _ in sent:
+            received.append(take(consumer, timeout=5)[1])
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    for i, t in enumerate(sent):
+        assert stage(producer, t, name_id=i) == _C.STAGED
+    reader.join()
+    assert received == [t.numpy().tobytes() for t in sent]
+
+
+def test_drop_policy_counts_and_never_blocks():
+    producer, consumer = ring(capacity=64 << 10)
+    t = torch.randn(2048)  # 8 KiB
+    statuses = [stage(producer, t, block=False) for _ in range(20)]
+    assert statuses.count(_C.DROPPED) > 0
+    assert producer.stats()["dropped"] == statuses.count(_C.DROPPED)
+    staged = statuses.count(_C.STAGED)
+    for _ in range(staged):
+        assert take(consumer)[1] == t.numpy().tobytes()
+    assert consumer.next(0.01) is None
+
+
+def test_control_records_are_acknowledged_in_order():
+    producer, consumer = ring()
+    seq = producer.put_control(3, b'{"op": "x"}')
+    rec = consumer.next(1)
+    assert rec[0] == _C.KIND_CONTROL and rec[1] == 3 and bytes(rec[6]) == b'{"op": "x"}'
+    consumer.release()
+    assert not producer.wait_acked(seq, 0.05)
+    consumer.ack(seq)
+    assert producer.wait_acked(seq, 1)
+
+
+def test_dead_producer_abandoned_record_is_skipped_after_published_ones():
+    # The producer's liveness pipe: closing the write end is what a kill -9 does.
+    r, w = os.pipe()
+    producer, consumer = ring()
+    consumer.set_producer_fd(r)
+    stage(producer, torch.ones(4))
+    os.close(w)
+    assert take(consumer)[1] == torch.ones(4).numpy().tobytes()
+    assert consumer.next(0.5) is None and consumer.drained
+
+
+def test_dead_writer_disables_a_blocked_producer():
+    r, w = os.pipe()
+    producer, consumer = ring(capacity=64 << 10)
+    producer.set_writer_fd(r)
+    t = torch.randn(4096)  # 16 KiB: the ring fills after a few
+    os.close(w)  # the writer is gone
+    statuses = [stage(producer, t) for _ in range(10)]
+    assert statuses[-1] == _C.DISABLED
+    assert producer.disabled
