@@ -24,13 +24,14 @@ CUDA_ARCHS = os.environ.get("FASTDUMP_CUDA_ARCHS", "80;90")
 def find_cuda_home():
     if os.environ.get("FASTDUMP_CUDA", "") == "0":
         return None
-    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
-    if not home:
-        nvcc = shutil.which("nvcc")
-        if nvcc:
-            home = str(Path(nvcc).resolve().parent.parent)
-    if home and (Path(home) / "bin" / "nvcc").exists():
-        return home
+    candidates = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"]
+    nvcc = shutil.which("nvcc")
+    if nvcc:
+        candidates.append(str(Path(nvcc).resolve().parent.parent))
+    for home in filter(None, candidates):
+        # A toolkit has both the compiler and the static runtime we link.
+        if (Path(home) / "bin" / "nvcc").exists() and list(Path(home).glob("lib*/libcudart_static.a")):
+            return home
     if os.environ.get("FASTDUMP_CUDA", "") == "1":
         sys.exit("FASTDUMP_CUDA=1 but no CUDA toolkit was found (set CUDA_HOME)")
     return None

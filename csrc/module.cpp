@@ -95,12 +95,12 @@ PYBIND11_MODULE(_C, m) {
            py::arg("block"))
       .def(
           "put_control",
-          [](Producer& p, uint32_t channel, py::bytes payload) {
+          [](Producer& p, uint32_t channel, py::bytes payload, bool block) {
             std::string s = payload;
             py::gil_scoped_release nogil;
-            return p.put_control(channel, s.data(), s.size());
+            return p.put_control(channel, s.data(), s.size(), block);
           },
-          py::arg("channel"), py::arg("payload"))
+          py::arg("channel"), py::arg("payload"), py::arg("block") = true)
       .def(
           "wait_acked",
           [](Producer& p, uint64_t seq, double timeout_s) {
@@ -108,6 +108,7 @@ PYBIND11_MODULE(_C, m) {
             return p.wait_acked(seq, timeout_s);
           },
           py::arg("seq"), py::arg("timeout_s"))
+      .def("count_dropped", &Producer::count_dropped)
       .def("stats", [](Producer& p) {
         ProducerStats s = p.stats();
         py::dict d;

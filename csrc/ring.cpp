@@ -151,6 +151,8 @@ Producer::Producer(const std::string& name, uint64_t capacity, uint64_t chunk_by
   chunk_bytes_ = chunk_bytes == 0 || chunk_bytes > max_chunk ? max_chunk : chunk_bytes;
   chunk_bytes_ &= ~(kAlign - 1);
   if (chunk_bytes_ < kAlign) throw std::runtime_error("ring too small");
+  control_reserve_ = seg_.capacity() / 16 < (1u << 20) ? seg_.capacity() / 16 : (1u << 20);
+  control_reserve_ &= ~(kAlign - 1);
 }
 
 Producer::~Producer() = default;
@@ -203,7 +205,8 @@ bool Producer::reserve(uint32_t kind, uint32_t channel, uint32_t name_id, int64_
   uint64_t head = h->head.load(std::memory_order_relaxed);
   uint64_t off = head % cap;
   uint64_t pad = (off + len > cap) ? cap - off : 0;
-  if (!wait_for_space(pad + len, block)) return false;
+  uint64_t keep_free = (kind == kTensor && !block) ? control_reserve_ : 0;
+  if (!wait_for_space(pad + len + keep_free, block)) return false;
   if (pad) {
     auto* p = reinterpret_cast<RecordHeader*>(seg_.data() + off);
     p->kind = kPad;
@@ -280,10 +283,10 @@ StageStatus Producer::stage_host(uint32_t channel, uint32_t name_id, int64_t pas
   return kStaged;
 }
 
-uint64_t Producer::put_control(uint32_t channel, const char* bytes, uint64_t len) {
+uint64_t Producer::put_control(uint32_t channel, const char* bytes, uint64_t len, bool block) {
   Reservation r;
   static const std::vector<int64_t> no_shape;
-  if (!reserve(kControl, channel, 0, -1, 0, no_shape, len, ChunkInfo{0, len}, true, &r)) return 0;
+  if (!reserve(kControl, channel, 0, -1, 0, no_shape, len, ChunkInfo{0, len}, block, &r)) return 0;
   std::memcpy(r.payload, bytes, len);
   uint64_t seq = r.rec->seq;
   publish(r);

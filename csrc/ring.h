@@ -137,16 +137,19 @@ class Producer {
   // Copy a host tensor into the ring (split into chunks if large). Thread-safe.
   StageStatus stage_host(uint32_t channel, uint32_t name_id, int64_t pass_id, uint16_t dtype,
                          const HostSource& src, bool block);
-  // Control record (JSON bytes): always waits for space; returns its seq, 0 if disabled.
-  uint64_t put_control(uint32_t channel, const char* bytes, uint64_t len);
+  // Control record (JSON bytes): returns its seq; 0 if disabled, or (non-blocking) if no space.
+  uint64_t put_control(uint32_t channel, const char* bytes, uint64_t len, bool block = true);
   // Wait until the writer has handled control record `seq`. False on timeout or dead writer.
   bool wait_acked(uint64_t seq, double timeout_s);
 
   // Low level, for the CUDA path: reserve a record (blocking or not); publish later.
   // Returns false when no space (non-blocking) or disabled.
+  // A non-blocking tensor leaves `control_reserve()` bytes free, so that under `drop` the pass's
+  // control records (names, pass end) still fit while tensors are being dropped.
   bool reserve(uint32_t kind, uint32_t channel, uint32_t name_id, int64_t pass_id, uint16_t dtype,
                const std::vector<int64_t>& shape, uint64_t payload_len, ChunkInfo chunk, bool block,
                Reservation* out);
+  uint64_t control_reserve() const { return control_reserve_; }
   void publish(const Reservation& r);
 
   uint64_t chunk_bytes() const { return chunk_bytes_; }
@@ -161,6 +164,7 @@ class Producer {
 
   Segment seg_;
   uint64_t chunk_bytes_;
+  uint64_t control_reserve_;
   int writer_fd_ = -1;
   std::atomic<bool> disabled_{false};
   std::mutex mu_;               // serializes allocation (head) among producer threads

@@ -161,7 +161,8 @@ class Dumper:
         self._next_meta: dict = dict(pass_meta or {})
         self._skipped: dict = {}         # name -> reason, this pass
         self._dropped_pass = 0
-        self._totals = {"passes": 0, "tensors": 0, "bytes": 0, "dropped": 0, "skipped": 0}
+        self._totals = {"passes": 0, "tensors": 0, "bytes": 0, "dropped": 0, "skipped": 0, "dropped_passes": 0,
+                        "lost_pass_ends": 0}
         self._wrapped: list = []
         self._engine = None
         self._channel = None
@@ -273,7 +274,10 @@ class Dumper:
             return
         if not self._selected(self.pass_id):
             return
-        self._engine.control({"op": "begin", "channel": self._channel, "pass": self.pass_id, "meta": {}})
+        if not self._engine.control({"op": "begin", "channel": self._channel, "pass": self.pass_id, "meta": {}},
+                                    block=self._block):
+            self._totals["dropped_passes"] += 1  # `drop` with a full ring: the whole pass is dropped
+            return
         self._capturing = True
 
     def _end(self) -> None:
@@ -287,8 +291,12 @@ class Dumper:
         msg = {"op": "end", "channel": self._channel, "pass": self.pass_id, "meta": _jsonable(self._meta),
                "dropped": self._dropped_pass,
                "skipped": [{"name": n, "reason": r} for n, r in self._skipped.items()]}
-        if not self._engine.control(msg) or not self._engine.alive:
+        if self._engine.control(msg, block=self._block):
+            return
+        if not self._engine.alive:
             self._disable(self._engine.error())
+        else:
+            self._totals["lost_pass_ends"] += 1  # `drop`, ring full: the writer marks the pass incomplete
 
     def _selected(self, pass_id: int) -> bool:
         if pass_id < self.skip_passes or (pass_id - self.skip_passes) % self.every:
@@ -326,8 +334,11 @@ class Dumper:
     def _name_id(self, name: str) -> int:
         nid = self._name_ids.get(name)
         if nid is None:
-            nid = self._name_ids[name] = len(self._name_ids)
-            self._engine.control({"op": "name", "channel": self._channel, "id": nid, "name": name})
+            nid = len(self._name_ids)
+            if not self._engine.control({"op": "name", "channel": self._channel, "id": nid, "name": name},
+                                        block=self._block):
+                return None  # `drop` with a full ring: the tensor goes too
+            self._name_ids[name] = nid
         return nid
 
     def _stage(self, name: str, t) -> None:
@@ -338,26 +349,33 @@ class Dumper:
             return self._skip(name, f"layout {t.layout} is not strided")
         if t.dtype in _complex_dtypes() and (t.is_conj() or t.is_neg()):
             t = t.resolve_conj().resolve_neg()  # the lazy bits are not in the bytes
-        device = t.device.type
-        if device == "cpu":
+        name_id = self._name_id(name)
+        if name_id is None:
+            status = _C.DROPPED
+            self._engine.producer.count_dropped(1)
+        elif not t.is_cuda and t.is_cpu:
             status = self._engine.producer.stage_host(
-                self._channel, self._name_id(name), self.pass_id, code, t.element_size(), t.shape, t.stride(),
-                t.data_ptr(), self._block)
-        elif device == "cuda":
+                self._channel, name_id, self.pass_id, code, t.element_size(), t.shape, t.stride(), t.data_ptr(),
+                self._block)
+        elif t.is_cuda:
             from . import cuda
 
             status = cuda.stage_tensor(self._engine.cuda_stager(self.device_ring_mb), self._channel,
-                                       self._name_id(name), self.pass_id, code, t, self._block)
+                                       name_id, self.pass_id, code, t, self._block)
         else:
-            return self._skip(name, f"tensors on {device} are not supported")
+            return self._skip(name, f"tensors on {t.device.type} are not supported")
         self._account(name, status, t.numel() * t.element_size())
 
     def _stage_array(self, name: str, array) -> None:
+        name_id = self._name_id(name)
+        if name_id is None:
+            self._engine.producer.count_dropped(1)
+            return self._account(name, _C.DROPPED, 0)
         try:
             from . import cuda
 
             status, nbytes = cuda.stage_array(self._engine, self.device_ring_mb, self._channel,
-                                              self._name_id(name), self.pass_id, array, self._block)
+                                              name_id, self.pass_id, array, self._block)
         except Exception as exc:
             return self._skip(name, f"cannot stage {type(array).__name__}: {exc}")
         self._account(name, status, nbytes)

@@ -147,9 +147,12 @@ class Engine:
         self.control(dict(open_msg, op="open", channel=channel), wait=True)
         return channel
 
-    def control(self, msg: dict, wait: bool = False, timeout: float = 600.0) -> bool:
-        """Send a control message in ring order; with ``wait``, return once the writer handled it."""
-        seq = self.producer.put_control(msg.get("channel", 0), json.dumps(msg).encode())
+    def control(self, msg: dict, wait: bool = False, timeout: float = 600.0, block: bool = True) -> bool:
+        """Send a control message in ring order; with ``wait``, return once the writer handled it.
+
+        ``block=False`` (the ``drop`` policy) gives up at once when the ring is full.
+        """
+        seq = self.producer.put_control(msg.get("channel", 0), json.dumps(msg).encode(), block)
         if seq == 0:
             return False
         return self.producer.wait_acked(seq, timeout) if wait else True

@@ -1,0 +1,444 @@
+"""``fastdump ls / verify / show``: look at a dump from the command line.
+
+``fastdump.cli`` registers these through ``add_arguments``; ``python -m fastdump.cli_dump`` runs
+them alone. ``verify`` checks files with h5py directly (not through the reader, which tolerates
+damage) so that it reports every problem instead of stopping at the first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import sys
+
+import numpy as np
+
+from . import dtypes, fsutil
+from .writer import format as fmt
+
+# rank.json statuses for which a leftover temporary file is what a kill leaves, not damage.
+_UNFINISHED_STATUSES = ("running", "incomplete")
+
+
+def add_arguments(subparsers) -> None:
+    p = subparsers.add_parser("ls", help="roles, ranks, passes, segments, sizes and status of a dump")
+    p.add_argument("root")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_ls)
+
+    p = subparsers.add_parser("verify", help="check segments against their index and rank.json (exit 1 on a problem)")
+    p.add_argument("root")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--data", action="store_true", help="also read every tensor byte (catches I/O errors)")
+    p.set_defaults(func=cmd_verify)
+
+    p = subparsers.add_parser("show", help="tensors of one pass: dtype, shape, summary statistics")
+    p.add_argument("root")
+    p.add_argument("--role", default=None, help="role directory (optional when there is one)")
+    p.add_argument("--rank", default=None, help="rank directory name or global rank number (optional when one)")
+    p.add_argument("--pass", dest="pass_id", type=int, required=True, help="pass id")
+    p.add_argument("--name", default=None, help="only names matching this regular expression (re.search)")
+    p.set_defaults(func=cmd_show)
+
+
+def _rank_arg(text):
+    return int(text) if text is not None and text.isdigit() else text
+
+
+def _size(nbytes: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if nbytes < 1024 or unit == "TiB":
+            return f"{nbytes:.0f}{unit}" if unit == "B" else f"{nbytes:.1f}{unit}"
+        nbytes /= 1024
+
+
+def _table(header: list, rows: list) -> str:
+    widths = [max(len(str(cell)) for cell in column) for column in zip(header, *rows)]
+    lines = []
+    for row in [header] + rows:
+        lines.append("  ".join(str(cell).ljust(width) for cell, width in zip(row, widths)).rstrip())
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------------------- ls
+
+
+def list_dump(root: str) -> dict:
+    from . import reader
+
+    with reader.open(root) as ds:
+        ranks = []
+        for role in ds.roles:
+            for rank in ds.ranks(role):
+                info = ds.rank_info(role, rank)
+                ranks.append({
+                    "role": role,
+                    "rank": rank,
+                    "status": info.get("status", "unknown"),
+                    "error": info.get("error"),
+                    "dropped": info.get("dropped", 0),
+                    "skipped": info.get("skipped", 0),
+                    **ds.summary(role, rank),
+                })
+        return {"root": ds.root, "manifest": ds.manifest, "ranks": ranks}
+
+
+def cmd_ls(args) -> int:
+    try:
+        listing = list_dump(args.root)
+    except FileNotFoundError as exc:
+        print(f"fastdump ls: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(listing, indent=2, default=str))
+        return 0
+    manifest = listing["manifest"]
+    version = manifest.get("fastdump_version") or manifest.get("version")
+    print(listing["root"] + (f"  (fastdump {version})" if version else ""))
+    if not listing["ranks"]:
+        print("no rank directories")
+        return 0
+    rows = []
+    for r in listing["ranks"]:
+        span = "-" if r["first_pass"] is None else f"{r['first_pass']}..{r['last_pass']}"
+        status = r["status"] + (f" ({r['error']})" if r["error"] else "")
+        if r["unreadable_segments"]:
+            status += f" [{r['unreadable_segments']} unreadable segment(s)]"
+        if r["incomplete_passes"]:
+            status += f" [{len(r['incomplete_passes'])} incomplete pass(es)]"
+        rows.append([r["role"], r["rank"], r["passes"], span, r["segments"], r["tensors"], _size(r["bytes"]),
+                     r["dropped"], r["skipped"], status])
+    print(_table(["ROLE", "RANK", "PASSES", "RANGE", "SEGMENTS", "TENSORS", "BYTES", "DROPPED", "SKIPPED", "STATUS"],
+                 rows))
+    return 0
+
+
+# ----------------------------------------------------------------------------------------- verify
+
+
+class _Report:
+    def __init__(self):
+        self.problems: list = []
+        self.warnings: list = []
+
+    def problem(self, where: str, text: str) -> None:
+        self.problems.append(f"{where}: {text}")
+
+    def warning(self, where: str, text: str) -> None:
+        self.warnings.append(f"{where}: {text}")
+
+
+def _check_block(report: _Report, where: str, dataset, entries: np.ndarray) -> int:
+    """Check one block dataset against the index rows pointing at it; return its row byte size."""
+    attrs = dataset.attrs
+    dtype_name = attrs.get(fmt.ATTR_DTYPE)
+    dtype_name = dtype_name.decode() if isinstance(dtype_name, bytes) else dtype_name
+    code = dtypes.CODE_BY_NAME.get(dtype_name)
+    if code is None:
+        report.problem(where, f"unknown dtype attribute {dtype_name!r}")
+        return 0
+    encoding = attrs.get(fmt.ATTR_ENCODING)
+    encoding = encoding.decode() if isinstance(encoding, bytes) else encoding
+    if encoding != dtypes.ENCODING[code]:
+        report.problem(where, f"encoding {encoding!r}, expected {dtypes.ENCODING[code]!r} for {dtype_name}")
+    if dataset.dtype != dtypes.STORAGE[code]:
+        report.problem(where, f"stored as {dataset.dtype}, expected {dtypes.STORAGE[code]} for {dtype_name}")
+    if dataset.ndim == 0:
+        report.problem(where, "block has no row axis")
+        return 0
+    scalar = bool(attrs.get(fmt.ATTR_SCALAR, 0))
+    if scalar and (dataset.ndim != 1 or np.any(entries["rows"] != 1)):
+        report.problem(where, "scalar block must be 1-D with one row per tensor")
+    if len(entries) == 0:
+        report.problem(where, "block not referenced by the index")
+    elif len(np.unique(entries["name"])) != 1:
+        report.problem(where, "index rows of one block name different tensors")
+    order = np.argsort(entries["first_row"], kind="stable")
+    starts = entries["first_row"][order]
+    stops = starts + entries["rows"][order]
+    expected_starts = np.concatenate([[0], stops[:-1]]) if len(stops) else stops
+    if np.any(entries["rows"] < 0) or not np.array_equal(starts, expected_starts) or (
+        len(stops) and stops[-1] != dataset.shape[0]
+    ):
+        report.problem(where, f"index rows do not tile the block's {dataset.shape[0]} rows exactly")
+    return math.prod(dataset.shape[1:]) * dtypes.ITEMSIZE[code]
+
+
+def check_segment(report: _Report, path: str, read_data: bool = False):
+    """Check one segment file; return its summary dict (None when it cannot be opened)."""
+    from .reader import open_segment
+
+    where = path
+    try:
+        h5file = open_segment(path)
+    except Exception as exc:
+        report.problem(where, f"cannot open ({type(exc).__name__}: {exc})")
+        return None
+    try:
+        with h5file:
+            return _check_open_segment(report, where, h5file, read_data)
+    except Exception as exc:  # damage the structural checks did not anticipate
+        report.problem(where, f"unreadable ({type(exc).__name__}: {exc})")
+        return None
+
+
+def _check_open_segment(report: _Report, where: str, h5file, read_data: bool):
+    fmt_name = h5file.attrs.get("format")
+    if (fmt_name.decode() if isinstance(fmt_name, bytes) else fmt_name) != fmt.FORMAT_NAME:
+        report.problem(where, f"not a fastdump segment (format attribute {fmt_name!r})")
+        return None
+    for needed in (fmt.NAMES, fmt.INDEX, fmt.PASSES, fmt.PASS_META, fmt.BLOCKS):
+        if needed not in h5file:
+            report.problem(where, f"missing {needed!r}")
+            return None
+    names = json.loads(h5file[fmt.NAMES][()])
+    index = h5file[fmt.INDEX][()]
+    passes = h5file[fmt.PASSES][()]
+    pass_meta = h5file[fmt.PASS_META][()]
+    if index.dtype != fmt.INDEX_DTYPE or passes.dtype != fmt.PASS_DTYPE:
+        report.problem(where, "index or passes table has an unexpected layout")
+        return None
+    if len(pass_meta) != len(passes):
+        report.problem(where, f"{len(pass_meta)} pass_meta entries for {len(passes)} passes")
+    for text in pass_meta:
+        try:
+            json.loads(text)
+        except ValueError:
+            report.problem(where, "pass_meta entry is not JSON")
+            break
+    if len(index) and (index["name"].min() < 0 or index["name"].max() >= len(names)):
+        report.problem(where, "index refers to a name outside the name table")
+
+    blocks = h5file[fmt.BLOCKS]
+    block_numbers = sorted(int(key) for key in blocks.keys() if key.isdigit())
+    if len(block_numbers) != len(blocks) or block_numbers != list(range(len(block_numbers))):
+        report.problem(where, "blocks are not numbered 0..n-1")
+    unknown = set(np.unique(index["block"]).tolist()) - set(block_numbers)
+    if unknown:
+        report.problem(where, f"index refers to missing block(s) {sorted(unknown)[:5]}")
+    entry_bytes = np.zeros(len(index), dtype=np.int64)
+    for number in block_numbers:
+        dataset = blocks[str(number)]
+        mine = index["block"] == number
+        row_bytes = _check_block(report, f"{where} block {number}", dataset, index[mine])
+        entry_bytes[mine] = index["rows"][mine] * row_bytes
+        if read_data:
+            _read_all(dataset)
+
+    pass_ids = passes["pass"].tolist()
+    if len(set(pass_ids)) != len(pass_ids):
+        report.problem(where, "a pass id appears twice in the passes table")
+    stray = set(np.unique(index["pass"]).tolist()) - set(pass_ids)
+    if stray:
+        report.problem(where, f"tensors of passes missing from the passes table: {sorted(stray)[:5]}")
+    for row in passes:
+        mine = index["pass"] == row["pass"]
+        if int(mine.sum()) != int(row["tensors"]) or int(entry_bytes[mine].sum()) != int(row["bytes"]):
+            report.problem(where, f"pass {int(row['pass'])}: {int(mine.sum())} tensors / "
+                                  f"{int(entry_bytes[mine].sum())} bytes in the index, table says "
+                                  f"{int(row['tensors'])} / {int(row['bytes'])}")
+    summary = {
+        "first_pass": min(pass_ids) if pass_ids else None,
+        "last_pass": max(pass_ids) if pass_ids else None,
+        "passes": len(pass_ids),
+        "tensors": len(index),
+        "bytes": int(passes["bytes"].sum()),
+        "incomplete": [int(row["pass"]) for row in passes if not row["complete"]],
+    }
+    for key in ("first_pass", "last_pass", "passes", "tensors", "bytes"):
+        stored = h5file.attrs.get(key)
+        if stored is not None and summary[key] is not None and int(stored) != summary[key]:
+            report.problem(where, f"attribute {key}={int(stored)} but the tables say {summary[key]}")
+    return summary
+
+
+def _read_all(dataset, rows_per_read: int = 1 << 16) -> None:
+    for start in range(0, dataset.shape[0], rows_per_read):
+        dataset[start:start + rows_per_read]
+
+
+def check_rank_dir(report: _Report, path: str, read_data: bool = False) -> None:
+    info = fsutil.read_json(os.path.join(path, fmt.RANK_FILE))
+    if not isinstance(info, dict):
+        report.problem(path, f"{fmt.RANK_FILE} missing or not valid JSON")
+        info = {}
+    status = info.get("status", "unknown")
+    if status == "error":
+        report.problem(path, f"writer status error: {info.get('error')}")
+    elif info.get("error"):
+        report.warning(path, f"status {status}, error reported: {info.get('error')}")
+
+    entries = os.listdir(path)
+    for entry in sorted(entries):
+        if fsutil.is_temp_name(entry):
+            text = f"leftover temporary file {entry}"
+            if status in _UNFINISHED_STATUSES:
+                report.warning(path, text + f" (status {status}: what an interrupted writer leaves)")
+            else:
+                report.problem(path, text)
+
+    on_disk = sorted((fmt.segment_number(e), e) for e in entries if fmt.segment_number(e) is not None)
+    summaries = {}
+    for _, name in on_disk:
+        summary = check_segment(report, os.path.join(path, name), read_data)
+        if summary is not None:
+            summaries[name] = summary
+
+    on_disk_names = {name for _, name in on_disk}
+    listed = {}
+    for item in info.get("segments") or []:
+        listed[item.get("file")] = item
+        if item.get("file") not in on_disk_names:
+            report.problem(path, f"{item.get('file')} is listed in {fmt.RANK_FILE} but missing")
+            continue
+        found = summaries.get(item.get("file"))
+        if found is None:
+            continue
+        for key in ("first_pass", "last_pass", "passes", "tensors", "bytes"):
+            if key in item and item[key] != found[key]:
+                report.problem(path, f"{item['file']}: {fmt.RANK_FILE} says {key}={item[key]}, file has {found[key]}")
+    for _, name in on_disk:
+        if name not in listed:
+            text = f"{name} is not listed in {fmt.RANK_FILE}"
+            if status in _UNFINISHED_STATUSES:
+                report.warning(path, text + f" (status {status})")
+            else:
+                report.problem(path, text)
+    if listed and status not in _UNFINISHED_STATUSES:
+        for key in ("passes", "tensors", "bytes"):
+            total = sum(int(item.get(key, 0)) for item in listed.values())
+            if key in info and info[key] != total:
+                report.problem(path, f"{fmt.RANK_FILE} total {key}={info[key]} but its segments add up to {total}")
+
+    # Segments cover disjoint, increasing pass ranges. The one allowed overlap: a pass the writer had
+    # to flush before it ended (marked incomplete) continues in the next segment.
+    previous = None
+    for _, name in on_disk:
+        summary = summaries.get(name)
+        if summary is None or summary["first_pass"] is None:
+            continue
+        if previous is not None:
+            prev_name, prev = previous
+            continued = summary["first_pass"] == prev["last_pass"] and prev["last_pass"] in prev["incomplete"]
+            if summary["first_pass"] <= prev["last_pass"] and not continued:
+                report.problem(path, f"{name} passes {summary['first_pass']}..{summary['last_pass']} overlap "
+                                     f"{prev_name} passes {prev['first_pass']}..{prev['last_pass']}")
+        previous = (name, summary)
+
+
+def verify_dump(root: str, read_data: bool = False) -> _Report:
+    report = _Report()
+    root = os.path.abspath(root)
+    if not os.path.isdir(root):
+        report.problem(root, "no such directory")
+        return report
+    rank_dirs = []
+    for role in sorted(os.listdir(root)):
+        role_path = os.path.join(root, role)
+        if not os.path.isdir(role_path):
+            continue
+        for rank in sorted(os.listdir(role_path)):
+            rank_path = os.path.join(role_path, rank)
+            if os.path.isdir(rank_path) and any(
+                e == fmt.RANK_FILE or fmt.segment_number(e) is not None or fsutil.is_temp_name(e)
+                for e in os.listdir(rank_path)
+            ):
+                rank_dirs.append(rank_path)
+    if not rank_dirs:
+        report.problem(root, "no rank directories (expected <root>/<role>/<rank>/rank.json)")
+    for rank_path in rank_dirs:
+        check_rank_dir(report, rank_path, read_data)
+    return report
+
+
+def cmd_verify(args) -> int:
+    report = verify_dump(args.root, read_data=getattr(args, "data", False))
+    ok = not report.problems
+    if getattr(args, "json", False):
+        print(json.dumps({"ok": ok, "problems": report.problems, "warnings": report.warnings}, indent=2))
+    else:
+        for text in report.warnings:
+            print(f"warning: {text}")
+        for text in report.problems:
+            print(f"PROBLEM: {text}")
+        print("OK" if ok else f"FAILED: {len(report.problems)} problem(s)")
+    return 0 if ok else 1
+
+
+# ------------------------------------------------------------------------------------------- show
+
+
+def tensor_stats(tensor):
+    """min/max/mean/std (population) over finite values, computed in float64, plus NaN/Inf counts.
+
+    Complex tensors are summarized by magnitude. Returns None for types torch cannot convert to
+    float64 (bits*, sub-byte ints, float4): their raw bits are stored but have no arithmetic.
+    """
+    import torch
+
+    try:
+        if tensor.is_complex():
+            values = tensor.to(torch.complex128).abs()
+        else:
+            values = tensor.to(torch.float64)
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None
+    values = values.reshape(-1)
+    nan = int(torch.isnan(values).sum())
+    inf = int(torch.isinf(values).sum())
+    finite = values[torch.isfinite(values)]
+    stats = {"min": None, "max": None, "mean": None, "std": None, "nan": nan, "inf": inf}
+    if finite.numel():
+        stats.update(min=finite.min().item(), max=finite.max().item(), mean=finite.mean().item(),
+                     std=finite.std(unbiased=False).item())
+    return stats
+
+
+def _printable(name: str) -> str:
+    """Names may hold any character; escape the ones a terminal would swallow or misplace."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in name)
+
+
+def _number(value) -> str:
+    return "-" if value is None else f"{value:.6g}"
+
+
+def cmd_show(args) -> int:
+    from . import reader
+
+    pattern = re.compile(args.name) if args.name else None
+    try:
+        with reader.open(args.root) as ds:
+            rank = _rank_arg(args.rank)
+            tensors = ds.load(args.role, rank, args.pass_id, select=pattern.search if pattern else None)
+            meta = ds.meta(args.role, rank, args.pass_id)
+    except (KeyError, ValueError, FileNotFoundError) as exc:
+        print(f"fastdump show: {exc}", file=sys.stderr)
+        return 1
+    print(f"pass {args.pass_id}: " + json.dumps(meta, default=str))
+    rows = []
+    for name, tensor in tensors.items():
+        stats = tensor_stats(tensor) if tensor.numel() else None
+        dtype = dtypes.torch_name(tensor.dtype)
+        shape = "[" + ", ".join(str(d) for d in tensor.shape) + "]"
+        if stats is None:
+            rows.append([_printable(name), dtype, shape, "-", "-", "-", "-", "-", "-"])
+        else:
+            numbers = [_number(stats[key]) for key in ("min", "max", "mean", "std")]
+            rows.append([_printable(name), dtype, shape, *numbers, stats["nan"], stats["inf"]])
+    print(_table(["NAME", "DTYPE", "SHAPE", "MIN", "MAX", "MEAN", "STD", "NAN", "INF"], rows))
+    return 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m fastdump.cli_dump")
+    add_arguments(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

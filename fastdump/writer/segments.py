@@ -1,0 +1,361 @@
+"""Per-channel aggregation: decoded ring events -> segment files + rank.json.
+
+One ``ChannelWriter`` per channel (one ``<root>/<role>/<rank dir>``), driven by the writer loop. It
+buffers whole passes in memory, grouping rows per (name, dtype, row shape) so that a segment holds a
+few large datasets instead of one dataset per tensor per pass (h5py costs ~100-250 us per dataset,
+~10 us per row written in one block: FACTS.md). A name with several layouts inside one segment (a
+row shape that changes, prefill vs decode shapes, a dtype change) simply gets one block per layout;
+a layout seen in a single pass is per-pass storage. Readers see none of this.
+
+Runs in the writer process: numpy + h5py only, never torch.
+
+Errors: an exception while writing a segment or rank.json (OSError for a full disk, a missing
+directory...) marks the channel failed (``self.error``, rank.json status "error" when the disk
+still allows it) and is re-raised so the loop can log it; from then on every method is a no-op.
+``fail()`` does the same from outside and never raises.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+import time
+
+import numpy as np
+
+from .. import dtypes, fsutil
+from . import format as fmt
+from .h5segment import Block, write_segment
+
+MiB = 1 << 20
+
+# A pass that never ends (its "end" record lost, a hung producer) must not hold memory forever:
+# past this multiple of the segment limits, the segment is written anyway with that pass marked
+# incomplete, and its later tensors go to the next segment (the reader merges them).
+_FORCE_FLUSH_FACTOR = 4
+
+
+class _Pass:
+    __slots__ = ("pass_id", "meta", "ended", "dropped", "skipped", "tensors", "nbytes")
+
+    def __init__(self, pass_id: int):
+        self.pass_id = pass_id
+        self.meta: dict = {}
+        self.ended = False
+        self.dropped = 0
+        self.skipped: list = []
+        self.tensors = 0
+        self.nbytes = 0
+
+
+class _PendingSegment:
+    """Everything received since the last segment file was written."""
+
+    def __init__(self):
+        self.blocks: list = []
+        self.block_by_layout: dict = {}  # (name_id, dtype code, row shape or None for 0-d) -> Block
+        self.name_slot: dict = {}  # channel name id -> position in this segment's name table
+        self.names: list = []
+        self.index: list = []  # (pass, name slot, block, first row, rows) in arrival order
+        self.passes: dict = {}  # pass id -> _Pass, in order of first appearance
+        self.open_passes = 0
+        self.nbytes = 0
+        self.started = None  # time.time() of the first event
+
+
+def _limit(config: dict, key: str, scale: float = 1.0):
+    """A positive rotation limit from the config, or None (no limit) when unset/zero/invalid."""
+    try:
+        value = float(config.get(key) or 0)
+    except (TypeError, ValueError):
+        return None
+    return value * scale if value > 0 else None
+
+
+class ChannelWriter:
+    """Turns one channel's events into ``seg-*.h5`` files and ``rank.json`` in ``open_msg["dir"]``.
+
+    ``__init__`` creates the directory and the first rank.json (status "running") and raises
+    OSError when it cannot. ``on_tensor`` takes ownership of ``data`` (1-D uint8, C-order bytes).
+    Segments are written from ``on_end``/``poll`` (rotation) and ``close``.
+    """
+
+    def __init__(self, open_msg: dict):
+        self.channel = open_msg.get("channel")
+        self.dir = os.path.abspath(open_msg["dir"])
+        self.config = dict(open_msg.get("config") or {})
+        self.max_passes = _limit(self.config, "segment_passes")
+        self.max_bytes = _limit(self.config, "segment_mb", MiB)
+        self.max_seconds = _limit(self.config, "segment_seconds")
+
+        self.error = None
+        self._closed = False
+        self._names: dict = {}
+        self._pending = _PendingSegment()
+        self._current = None  # the _Pass that received the last tensor (fast path)
+
+        # Totals over everything written so far (rank.json).
+        self._segments: list = []
+        self._passes_written = 0
+        self._tensors_written = 0
+        self._bytes_written = 0
+        self._dropped_in_passes = 0
+        self._dropped_total = 0  # from "note" messages: the engine's own count
+        self._skipped_total = 0
+        self._skipped_reasons: dict = {}
+        self._stats: dict = {}
+        self._status = "running"
+        self._note_error = None  # an error the producer side reported (writer itself still fine)
+
+        self._info = {
+            "format_version": fmt.FORMAT_VERSION,
+            "role": open_msg.get("role"),
+            "rank": dict(open_msg.get("rank") or {}),
+            "pid": open_msg.get("pid"),
+            "host": open_msg.get("host") or socket.gethostname(),
+            "device": dict(open_msg.get("device") or {}),
+            "config": self.config,
+            "started": time.time(),
+        }
+        os.makedirs(self.dir, exist_ok=True)
+        self._next_segment = self._first_free_segment_number()
+        self._write_rank_json()
+
+    # ----------------------------------------------------------------- events from the loop
+
+    @property
+    def failed(self) -> bool:
+        return self.error is not None
+
+    def on_name(self, name_id: int, name: str) -> None:
+        self._names[name_id] = name
+
+    def on_begin(self, pass_id: int, meta: dict) -> None:
+        if self.error is not None or self._closed:
+            return
+        record = self._pass(pass_id)
+        if meta:
+            record.meta.update(meta)
+
+    def on_tensor(self, name_id: int, pass_id: int, dtype_code: int, shape: tuple, data: np.ndarray) -> None:
+        # Hot path (50k+ calls/s): dictionary lookups and list appends only.
+        if self.error is not None or self._closed:
+            return
+        record = self._current
+        if record is None or record.pass_id != pass_id:
+            record = self._pass(pass_id)
+            self._current = record
+        if type(shape) is not tuple:
+            shape = tuple(shape)
+        nbytes = data.nbytes
+        if not 0 <= dtype_code < len(dtypes.ITEMSIZE) or nbytes != math.prod(shape) * dtypes.ITEMSIZE[dtype_code]:
+            self._skip(record, name_id, f"bad record: dtype code {dtype_code}, shape {list(shape)}, {nbytes} bytes")
+            return
+        if shape:
+            layout = (name_id, dtype_code, shape[1:])
+            rows = shape[0]
+        else:
+            layout = (name_id, dtype_code, None)
+            rows = 1
+        pending = self._pending
+        block = pending.block_by_layout.get(layout)
+        if block is None:
+            block = self._new_block(layout, shape)
+        pending.index.append((pass_id, block.name_slot, block.number, block.rows, rows))
+        block.chunks.append(data)
+        block.rows += rows
+        record.tensors += 1
+        record.nbytes += nbytes
+        pending.nbytes += nbytes
+
+    def on_end(self, pass_id: int, meta: dict, dropped: int = 0, skipped: list = ()) -> None:
+        if self.error is not None or self._closed:
+            return
+        record = self._pass(pass_id)
+        if meta:
+            record.meta.update(meta)
+        if dropped:
+            record.dropped += int(dropped)
+            self._dropped_in_passes += int(dropped)
+        for entry in skipped or ():
+            self._record_skip(record, dict(entry))
+        if not record.ended:
+            record.ended = True
+            self._pending.open_passes -= 1
+        self._current = None
+        self._rotate_if_due(time.time())
+
+    def on_note(self, msg: dict) -> None:
+        if self._closed:
+            return
+        if msg.get("dropped_total") is not None:
+            self._dropped_total = int(msg["dropped_total"])
+        if msg.get("status"):
+            self._status = str(msg["status"])
+        if msg.get("error"):
+            self._note_error = str(msg["error"])
+        if self.error is None:
+            self._guarded(self._write_rank_json)
+
+    def poll(self, now: float = None) -> None:
+        """Rotate by age while idle between passes. ``now`` is ``time.time()`` (wall clock, as the loop passes)."""
+        if self.error is not None or self._closed:
+            return
+        self._rotate_if_due(time.time() if now is None else now)
+
+    def close(self, stats: dict = None, status: str = "closed") -> None:
+        """Write what is buffered (an unfinished pass is marked incomplete) and finalize rank.json."""
+        if self._closed:
+            return
+        if stats:
+            self._stats.update(stats)
+            if stats.get("dropped_total") is not None:
+                self._dropped_total = int(stats["dropped_total"])
+        try:
+            if self.error is None:
+                self._guarded(self._flush)
+                self._status = status
+                self._info["closed"] = time.time()
+                self._guarded(self._write_rank_json)
+        finally:
+            self._closed = True
+
+    def fail(self, error: str) -> None:
+        """Stop writing for good; record ``error`` in rank.json if the disk allows. Never raises."""
+        if self.error is None:
+            self.error = str(error) or "unknown error"
+        self._status = "error"
+        self._pending = _PendingSegment()  # free the buffered data
+        self._current = None
+        try:
+            self._write_rank_json()
+        except Exception:
+            pass
+
+    # ----------------------------------------------------------------- internals
+
+    def _pass(self, pass_id: int) -> _Pass:
+        pending = self._pending
+        record = pending.passes.get(pass_id)
+        if record is None:
+            record = pending.passes[pass_id] = _Pass(pass_id)
+            pending.open_passes += 1
+            if pending.started is None:
+                pending.started = time.time()
+        return record
+
+    def _new_block(self, layout: tuple, shape: tuple) -> Block:
+        pending = self._pending
+        name_id, code, row_shape = layout
+        slot = pending.name_slot.get(name_id)
+        if slot is None:
+            slot = pending.name_slot[name_id] = len(pending.names)
+            pending.names.append(self._names.get(name_id, f"<unnamed {name_id}>"))
+        block = Block(len(pending.blocks), slot, code, shape[1:], scalar=row_shape is None)
+        pending.blocks.append(block)
+        pending.block_by_layout[layout] = block
+        return block
+
+    def _skip(self, record: _Pass, name_id: int, reason: str) -> None:
+        name = self._names.get(name_id, f"<unnamed {name_id}>")
+        self._record_skip(record, {"name": name, "reason": reason})
+
+    def _record_skip(self, record: _Pass, entry: dict) -> None:
+        record.skipped.append(entry)
+        self._skipped_total += 1
+        reason = str(entry.get("reason", ""))
+        self._skipped_reasons[reason] = self._skipped_reasons.get(reason, 0) + 1
+
+    def _rotate_if_due(self, now: float) -> None:
+        pending = self._pending
+        if not pending.passes:
+            return
+        factor = 1 if pending.open_passes == 0 else _FORCE_FLUSH_FACTOR
+        due = (
+            (self.max_passes is not None and len(pending.passes) >= self.max_passes * factor)
+            or (self.max_bytes is not None and pending.nbytes >= self.max_bytes * factor)
+            or (self.max_seconds is not None and now - pending.started >= self.max_seconds * factor)
+        )
+        if due:
+            self._guarded(self._flush)
+
+    def _guarded(self, action) -> None:
+        """Run a disk action; on failure record the error (status "error") and re-raise."""
+        try:
+            action()
+        except Exception as exc:
+            self.fail(f"{type(exc).__name__}: {exc}")
+            raise
+
+    def _flush(self) -> None:
+        """Write the pending passes as the next segment (unfinished passes marked incomplete)."""
+        pending = self._pending
+        if not pending.passes:
+            return
+        self._pending = _PendingSegment()
+        self._current = None
+        passes = list(pending.passes.values())
+
+        pass_table = np.array(
+            [(p.pass_id, p.ended, p.dropped, p.tensors, p.nbytes) for p in passes], dtype=fmt.PASS_DTYPE
+        )
+        pass_meta = [{"meta": p.meta, "skipped": p.skipped} for p in passes]
+        index = np.array(pending.index, dtype=fmt.INDEX_DTYPE)
+        pass_ids = pass_table["pass"]
+        tensors = len(pending.index)
+        complete = all(p.ended for p in passes)
+        summary = {
+            "first_pass": int(pass_ids.min()),
+            "last_pass": int(pass_ids.max()),
+            "passes": len(passes),
+            "tensors": tensors,
+            "bytes": pending.nbytes,
+        }
+        number = self._next_segment
+        write_segment(
+            self.dir,
+            number,
+            names=pending.names,
+            blocks=pending.blocks,
+            index=index,
+            passes=pass_table,
+            pass_meta=pass_meta,
+            attrs={**summary, "complete": complete, "role": str(self._info["role"]), "created": time.time()},
+        )
+        self._next_segment = number + 1
+        self._segments.append({"file": fmt.segment_name(number), **summary, "complete": complete})
+        self._passes_written += len(passes)
+        self._tensors_written += tensors
+        self._bytes_written += pending.nbytes
+        self._write_rank_json()
+
+    def _first_free_segment_number(self) -> int:
+        """Never reuse a number already on disk (a restarted writer in an existing directory)."""
+        highest = -1
+        for entry in os.listdir(self.dir):
+            name = entry[1:-len(fsutil.TMP_SUFFIX)] if fsutil.is_temp_name(entry) else entry
+            number = fmt.segment_number(name)
+            if number is not None:
+                highest = max(highest, number)
+        return highest + 1
+
+    def rank_json(self) -> dict:
+        """The current content of rank.json."""
+        return {
+            **self._info,
+            "status": self._status,
+            "error": self.error or self._note_error,
+            "dropped": max(self._dropped_total, self._dropped_in_passes),
+            "skipped": self._skipped_total,
+            "skipped_reasons": dict(self._skipped_reasons),
+            "passes": self._passes_written,
+            "tensors": self._tensors_written,
+            "bytes": self._bytes_written,
+            "segments": list(self._segments),
+            "stats": dict(self._stats),
+            "updated": time.time(),
+        }
+
+    def _write_rank_json(self) -> None:
+        fsutil.atomic_write_json(os.path.join(self.dir, fmt.RANK_FILE), self.rank_json())

@@ -1,0 +1,289 @@
+"""End to end on CPU: what is dumped equals what the model computed when each module returned."""
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+import fastdump
+from fastdump import dtypes
+from toy_models import LeafReference, TinyDraft, TinyLM
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return a.contiguous().reshape(-1).view(torch.uint8).equal(b.contiguous().reshape(-1).view(torch.uint8))
+
+
+def assert_pass_equal(dumped: dict, reference: list, extra=()):
+    names = [n for n in dumped if n not in extra]
+    assert names == [n for n, _ in reference]
+    for name, want in reference:
+        assert same_bits(dumped[name], want), name
+
+
+def run_eagle(target, draft, steps=3, k=2, ref_t=None, ref_d=None):
+    """Prefill, then rounds of k draft passes and one target verify pass. Returns every output."""
+    run_t = ref_t or target
+    run_d = ref_d or (lambda *a: draft(*a))
+    outs = []
+    with torch.inference_mode():
+        tcache, dcache = target.new_cache(), {"k": [], "v": []}
+        ids = torch.tensor([[3, 14, 15, 92, 65]])
+        logits = run_t(ids, tcache)
+        outs.append(logits)
+        hidden = torch.zeros(1, 1, target.model.embed.embedding_dim)
+        tok = logits[:, -1:].argmax(-1)
+        for _ in range(steps):
+            drafted = []
+            for _ in range(k):
+                dl, hidden = run_d(tok, hidden, dcache)
+                outs += [dl, hidden]
+                tok = dl.argmax(-1)
+                drafted.append(tok)
+            logits = run_t(torch.cat(drafted, 1), tcache)
+            outs.append(logits)
+            tok = logits[:, -1:].argmax(-1)
+    return outs
+
+
+def test_two_roles_every_leaf_bit_exact_and_outputs_unchanged(tmp_path):
+    target = TinyLM()
+    draft = TinyDraft(target)
+    plain = run_eagle(target, draft)
+
+    ref_t, ref_d = LeafReference(target), LeafReference(draft)
+    dt = fastdump.attach(target, tmp_path, role="target")
+    dd = fastdump.attach(draft, tmp_path, role="draft")
+    dumped_run = run_eagle(target, draft, ref_t=ref_t, ref_d=ref_d)
+    assert dt.close()["status"] == "closed" and dd.close()["status"] == "closed"
+    ref_t.remove()
+    ref_d.remove()
+
+    # The model computed exactly the same thing with fastdump attached.
+    assert all(same_bits(a, b) for a, b in zip(plain, dumped_run))
+
+    ds = fastdump.open(tmp_path)
+    assert ds.roles == ["draft", "target"]
+    assert ds.passes("target", 0) == list(range(len(ref_t.passes)))
+    assert ds.passes("draft", 0) == list(range(len(ref_d.passes)))
+    for role, ref, root in (("target", ref_t, "TinyLM"), ("draft", ref_d, "TinyDraft")):
+        for pass_id, reference in enumerate(ref.passes):
+            dumped = ds.load(role, 0, pass_id)
+            root_names = {n for n in dumped if n == root or n.startswith(root + ".")}
+            assert root_names, "the root's output is dumped too"
+            assert_pass_equal(dumped, reference, extra=root_names)
+    # Spot checks of the awkward cases inside the toy model.
+    first = ds.load("target", 0, 0)
+    assert "model.stats.mean" in first and "model.stats#1.max" in first     # dict output, repeated call
+    assert "model.final.0" in first                                        # leaf called with .forward()
+    # The residual that later kernels overwrite in place was captured before they ran.
+    assert not same_bits(first["model.layers.0.norm1.1"], first["model.layers.0.norm2.1"])
+    # Every pass holds the model's own output, in the same pass as the LM head that made it.
+    for pass_id, logits in enumerate(o for i, o in enumerate(dumped_run) if i % 5 == 0):
+        dumped = ds.load("target", 0, pass_id)
+        assert same_bits(dumped["TinyLM"], logits) and same_bits(dumped["lm_head"], logits)
+
+
+def test_inputs_are_captured_before_forward_mutates_them(tmp_path):
+    target = TinyLM(layers=1)
+    with fastdump.attach(target, tmp_path, include=r"norm1$", inputs=True):
+        with torch.inference_mode():
+            ids = torch.tensor([[1, 2, 3]])
+            x = target.model.embed(ids)
+            target(ids, target.new_cache())
+    dumped = fastdump.open(tmp_path).load("target", 0, 0)
+    assert list(dumped) == ["model.layers.0.norm1.input.0", "model.layers.0.norm1.input.1",
+                            "model.layers.0.norm1.0", "model.layers.0.norm1.1"]
+    assert same_bits(dumped["model.layers.0.norm1.input.0"], x)
+    assert same_bits(dumped["model.layers.0.norm1.input.1"], torch.zeros_like(x))  # before residual.add_
+    assert same_bits(dumped["model.layers.0.norm1.1"], x)                           # after
+
+
+@pytest.mark.parametrize("options, present, absent", [
+    (dict(layers=[1]), ["model.layers.1.mlp.up", "model.embed", "lm_head"], ["model.layers.0.mlp.up", "model.layers.2.attn.o"]),
+    (dict(include=r"\.mlp\."), ["model.layers.0.mlp.down"], ["model.embed", "lm_head", "TinyLM"]),
+    (dict(exclude=r"attn|stats"), ["model.layers.2.mlp.act"], ["model.layers.0.attn.qkv", "model.stats.mean"]),
+    (dict(module_types=[torch.nn.SiLU]), ["model.layers.0.mlp.act"], ["lm_head", "TinyLM"]),
+    (dict(module_types=["Embedding"]), ["model.embed"], ["lm_head"]),
+])
+def test_module_selection(tmp_path, options, present, absent):
+    target = TinyLM()
+    with fastdump.attach(target, tmp_path, **options), torch.inference_mode():
+        target(torch.tensor([[1, 2]]), target.new_cache())
+    names = list(fastdump.open(tmp_path).load("target", 0, 0))
+    assert all(n in names for n in present), names
+    assert not any(n in names for n in absent), names
+
+
+@pytest.mark.parametrize("options, expected", [
+    (dict(skip_passes=2), [2, 3, 4, 5, 6, 7]),
+    (dict(every=3), [0, 3, 6]),
+    (dict(skip_passes=1, every=2), [1, 3, 5, 7]),
+    (dict(pass_range=(2, 5)), [2, 3, 4]),
+])
+def test_pass_selection(tmp_path, options, expected):
+    lin = torch.nn.Linear(4, 4)
+    with fastdump.attach(lin, tmp_path, **options), torch.inference_mode():
+        xs = [torch.randn(1, 4) for _ in range(8)]
+        ys = [lin(x) for x in xs]
+    ds = fastdump.open(tmp_path)
+    assert ds.passes("target", 0) == expected
+    for p in expected:
+        assert same_bits(ds.load("target", 0, p)["Linear"], ys[p])
+
+
+def test_byte_budget_stops_dumping_and_is_recorded(tmp_path):
+    lin = torch.nn.Linear(256, 256)
+    with fastdump.attach(lin, tmp_path, max_bytes=3 * 1024) as d, torch.inference_mode():
+        for _ in range(10):
+            lin(torch.randn(1, 256))  # 1 KiB per pass
+    assert fastdump.open(tmp_path).passes("target", 0) == [0, 1, 2]
+    assert d.stats()["passes"] == 3
+
+
+def test_every_dtype_round_trips_bit_exact(tmp_path):
+    torch.manual_seed(0)
+    values = {}
+    for name in dtypes.NAMES:
+        dtype = getattr(torch, name)
+        raw = torch.randint(0, 256, (3, 5 * dtypes.ITEMSIZE[dtypes.CODE_BY_NAME[name]]), dtype=torch.uint8)
+        if name == "bool":
+            values[name] = raw[:, :5] % 2 == 1
+        else:
+            values[name] = raw.view(dtype)  # every bit pattern: NaN payloads, -0.0, subnormals
+    values["float32_special"] = torch.tensor([float("nan"), -0.0, float("inf"), 1e-45])
+    with fastdump.attach(None, tmp_path) as d:
+        d.begin_pass(kind="dtypes")
+        for name, t in values.items():
+            d.dump(name, t)
+        d.dump("q", torch.quantize_per_tensor(torch.randn(3), 0.1, 0, torch.qint8))
+        d.end_pass()
+    ds = fastdump.open(tmp_path)
+    dumped = ds.load("target", 0, 0)
+    for name, t in values.items():
+        assert same_bits(dumped[name], t), name
+    assert "q" not in dumped
+    meta = ds.meta("target", 0, 0)
+    assert meta["kind"] == "dtypes"
+    assert any(s["name"] == "q" and "quantized" in s["reason"] for s in meta["skipped"])
+
+
+def test_awkward_shapes_and_layouts(tmp_path):
+    base = torch.randn(6, 8)
+    values = {
+        "scalar": torch.tensor(2.5),
+        "empty": torch.empty(0, 3),
+        "empty_inner": torch.empty(4, 0),
+        "transposed": base.t(),
+        "sliced": base[1::2, ::3],
+        "expanded": torch.randn(3, 1).expand(3, 5),
+        "high_rank": torch.randn(2, 1, 3, 1, 2, 1, 2),
+        "conj": torch.randn(3, dtype=torch.complex64).conj(),
+        "neg_stride": base.flip(1),
+    }
+    with fastdump.attach(None, tmp_path) as d:
+        for shape_change in (0, 1):  # the second pass changes trailing shapes (per-pass fallback)
+            d.begin_pass()
+            for name, t in values.items():
+                d.dump(name, t if not shape_change else torch.cat([t.reshape(-1), t.reshape(-1)]))
+            d.dump("nothing", None)  # not tensor data: ignored, no error
+            d.end_pass()
+    ds = fastdump.open(tmp_path)
+    for p in (0, 1):
+        dumped = ds.load("target", 0, p)
+        for name, t in values.items():
+            want = t if not p else torch.cat([t.reshape(-1), t.reshape(-1)])
+            assert same_bits(dumped[name], want.resolve_conj()), (p, name)
+
+
+def test_tensor_larger_than_the_ring_is_split(tmp_path):
+    big = torch.randn(3, 700, 1000)[:, :, ::2]  # 4.2 MB strided, ring 1 MiB
+    with fastdump.attach(None, tmp_path, ring_mb=1) as d:
+        d.dump("big", big)
+    assert same_bits(fastdump.open(tmp_path).load("target", 0, 0)["big"], big)
+
+
+def test_drop_policy_counts_every_dropped_tensor(tmp_path):
+    with fastdump.attach(None, tmp_path, ring_mb=1, policy="drop") as d:
+        writer = d._engine._proc
+        os.kill(writer.pid, signal.SIGSTOP)  # a stalled writer: the ring fills
+        try:
+            d.begin_pass()
+            for i in range(400):
+                d.dump(f"t{i}", torch.full((1024,), float(i)))  # 4 KiB each, 1.6 MiB > ring
+            d.end_pass()
+        finally:
+            os.kill(writer.pid, signal.SIGCONT)
+    stats = d.stats()
+    ds = fastdump.open(tmp_path)
+    dumped = ds.load("target", 0, 0)
+    assert stats["dropped"] > 0
+    assert len(dumped) + stats["dropped"] == 400
+    for name, t in dumped.items():
+        assert same_bits(t, torch.full((1024,), float(name[1:])))
+    assert ds.meta("target", 0, 0)["dropped"] == stats["dropped"]
+    assert ds.rank_info("target", 0)["dropped"] == stats["dropped"]
+
+
+def test_manual_passes_and_metadata(tmp_path):
+    lin = torch.nn.Linear(2, 2)
+    with fastdump.attach(lin, tmp_path) as d, torch.inference_mode():
+        d.set_pass_meta(forward_mode="prefill", batch_size=1)
+        lin(torch.randn(1, 2))
+        d.begin_pass(forward_mode="decode")      # two root calls in one pass
+        lin(torch.randn(1, 2))
+        lin(torch.randn(1, 2))
+        d.set_pass_meta(tokens=[1, 2])
+        d.end_pass()
+        d.dump("outside", torch.ones(2))        # outside any pass: a pass of its own
+    ds = fastdump.open(tmp_path)
+    assert ds.passes("target", 0) == [0, 1, 2]
+    assert ds.meta("target", 0, 0)["forward_mode"] == "prefill"
+    meta = ds.meta("target", 0, 1)
+    assert meta["forward_mode"] == "decode" and meta["tokens"] == [1, 2]
+    assert list(ds.load("target", 0, 1)) == ["Linear", "Linear#1"]
+    assert list(ds.load("target", 0, 2)) == ["outside"]
+
+
+def test_unwritable_root_keeps_the_model_serving(tmp_path, caplog):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    lin = torch.nn.Linear(2, 2)
+    d = fastdump.attach(lin, blocker / "dump")
+    y = lin(torch.ones(1, 2))
+    assert y.shape == (1, 2)
+    stats = d.close()
+    assert stats["status"] == "error" and "cannot start dumping" in stats["error"]
+    assert "cannot start dumping" in caplog.text
+
+
+def test_bad_options_fail_before_the_model_runs(tmp_path):
+    lin = torch.nn.Linear(2, 2)
+    for bad in (dict(policy="sometimes"), dict(writer="fork"), dict(every=0), dict(role="a/b"),
+                dict(pass_range=(5, 1))):
+        with pytest.raises(ValueError):
+            fastdump.attach(lin, tmp_path, **bad)
+    assert "forward" not in lin.__dict__  # nothing was installed
+
+
+def test_close_detaches(tmp_path):
+    lin = torch.nn.Linear(2, 2)
+    d = fastdump.attach(lin, tmp_path)
+    assert "forward" in lin.__dict__
+    d.close()
+    assert "forward" not in lin.__dict__
+    lin(torch.ones(1, 2))
+    assert fastdump.open(tmp_path).passes("target", 0) == []
+
+
+def test_thread_writer(tmp_path):
+    target = TinyLM(layers=1)
+    ref = LeafReference(target)
+    with fastdump.attach(target, tmp_path, writer="thread"), torch.inference_mode():
+        ref(torch.tensor([[5, 6]]), target.new_cache())
+    ref.remove()
+    assert_pass_equal(fastdump.open(tmp_path).load("target", 0, 0), ref.passes[0], extra={"TinyLM"})

@@ -1,0 +1,301 @@
+"""fastdump ls / verify / show, and the reader's directory-level API, on synthetic dumps."""
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import h5py
+import numpy as np
+import pytest
+import torch
+
+from fastdump import cli_dump, dtypes, fsutil, reader
+from fastdump.writer.segments import ChannelWriter
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TARGET = "TP0_PP0_Rank0_pid100"
+TARGET1 = "TP1_PP0_Rank1_pid101"
+DRAFT = "TP0_PP0_Rank0_pid100"
+
+
+def write_rank(root, role, rank_dir, passes, segment_passes=2, status="closed"):
+    rank_number = int(rank_dir.split("_Rank")[1].split("_")[0])
+    writer = ChannelWriter({
+        "op": "open", "channel": 0, "dir": str(root / role / rank_dir), "role": role,
+        "rank": {"tp_rank": rank_number, "tp_size": 2, "pp_rank": 0, "pp_size": 1, "rank": rank_number},
+        "pid": 100, "host": "h", "device": {}, "config": {"segment_passes": segment_passes},
+    })
+    names = {}
+    for pass_id, tensors in passes.items():
+        writer.on_begin(pass_id, {"forward_mode": "decode" if pass_id else "prefill"})
+        for name, t in tensors.items():
+            if name not in names:
+                names[name] = len(names)
+                writer.on_name(names[name], name)
+            data = t.contiguous().reshape(-1).view(torch.uint8).numpy().copy()
+            writer.on_tensor(names[name], pass_id, dtypes.code_of(t.dtype), tuple(t.shape), data)
+        writer.on_end(pass_id, {}, 0, [])
+    writer.close({}, status=status)
+
+
+def target_pass(p):
+    return {
+        "model.embed_tokens": torch.arange(8, dtype=torch.float32).reshape(2, 4) + p,
+        "model.layers.0.mlp": torch.tensor([[1.0, float("nan"), float("inf")], [-2.0, 3.0, -float("inf")]]),
+        "model.norm": torch.full((2, 4), 0.5, dtype=torch.bfloat16),
+        "ids": torch.tensor([p, p + 1]),
+        "packed": torch.zeros(3, dtype=torch.uint8).view(torch.float4_e2m1fn_x2),
+    }
+
+
+@pytest.fixture
+def dump(tmp_path):
+    root = tmp_path / "dump"
+    write_rank(root, "target", TARGET, {p: target_pass(p) for p in range(5)})
+    write_rank(root, "target", TARGET1, {p: target_pass(p) for p in range(5)})
+    write_rank(root, "draft", DRAFT, {p: {"draft.out": torch.ones(1, 2) * p} for p in range(3)})
+    fsutil.atomic_write_json(str(root / "fastdump.json"), {"format_version": 1, "fastdump_version": "0.1.0"})
+    return root
+
+
+def run_cli(func, *argv, parser_args=None):
+    parser = argparse.ArgumentParser()
+    cli_dump.add_arguments(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(list(argv))
+    assert args.func is func
+    return args.func(args)
+
+
+def seg_path(root, role="target", rank=TARGET, number=0):
+    return root / role / rank / f"seg-{number:06d}.h5"
+
+
+# ---------------------------------------------------------------------------------------- reader
+
+
+def test_reader_directory_api(dump):
+    with reader.open(dump) as ds:
+        assert ds.roles == ["draft", "target"]
+        assert ds.ranks("target") == [TARGET, TARGET1]
+        assert ds.manifest["fastdump_version"] == "0.1.0"
+        assert ds.passes("target", 1) == ds.passes("target", TARGET1) == [0, 1, 2, 3, 4]
+        assert ds.passes("draft", 0) == [0, 1, 2]
+        assert ds.rank_info("target", 1)["rank"]["tp_rank"] == 1
+        assert len(ds.segments("target", 0)) == 3
+        assert ds.names("target", 0) == list(target_pass(0))
+        got = ds.load("target", 0, 3)
+        for name, want in target_pass(3).items():
+            assert got[name].dtype == want.dtype and got[name].shape == want.shape
+            assert torch.equal(got[name].reshape(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8))
+        series = ds.series("target", 0, "ids")
+        assert {p: t.tolist() for p, t in series.items()} == {p: [p, p + 1] for p in range(5)}
+        assert ds.meta("draft", 0, 0)["forward_mode"] == "prefill"
+        with pytest.raises(ValueError):
+            ds.passes(None, 0)  # two roles: must choose
+
+
+def test_reader_skips_an_unreadable_segment_with_a_warning(dump):
+    path = seg_path(dump, number=1)
+    path.write_bytes(path.read_bytes()[:100])
+    with reader.open(dump) as ds, pytest.warns(UserWarning, match="unreadable segment"):
+        assert ds.passes("target", 0) == [0, 1, 4]
+        assert ds.problems and "seg-000001.h5" in ds.problems[0]
+
+
+def test_reader_by_hand_with_h5py_alone(dump):
+    """docs/FORMAT.md's recipe: enough to read a pass without fastdump."""
+    with h5py.File(seg_path(dump, number=1), "r") as f:
+        names = json.loads(f["names"][()])
+        index = f["index"][()]
+        out = {}
+        for row in index[index["pass"] == 3]:
+            block = f["blocks"][str(row["block"])]
+            rows = block[row["first_row"]:row["first_row"] + row["rows"]]
+            if block.attrs.get("scalar", 0):
+                rows = rows.reshape(())
+            out[names[row["name"]]] = (block.attrs["dtype"], block.attrs["encoding"], rows)
+    assert list(out) == list(target_pass(3))
+    dtype, encoding, raw = out["model.norm"]
+    assert (dtype, encoding) == ("bfloat16", "raw-bits") and raw.dtype == np.uint16
+    assert np.all(raw == 0x3F00)  # bfloat16 0.5
+    np.testing.assert_array_equal(out["ids"][2], [3, 4])
+
+
+# ---------------------------------------------------------------------------------------- ls
+
+
+def test_ls_human_and_json(dump, capsys):
+    assert run_cli(cli_dump.cmd_ls, "ls", str(dump)) == 0
+    text = capsys.readouterr().out
+    assert "fastdump 0.1.0" in text
+    lines = [line.split() for line in text.splitlines()[2:]]
+    assert [line[:6] for line in lines] == [
+        ["draft", DRAFT, "3", "0..2", "2", "3"],
+        ["target", TARGET, "5", "0..4", "3", "25"],
+        ["target", TARGET1, "5", "0..4", "3", "25"],
+    ]
+    assert all(line[-1] == "closed" for line in lines)
+
+    assert run_cli(cli_dump.cmd_ls, "ls", str(dump), "--json") == 0
+    listing = json.loads(capsys.readouterr().out)
+    target = [r for r in listing["ranks"] if r["role"] == "target" and r["rank"] == TARGET][0]
+    pass_bytes = sum(t.numel() * t.element_size() for t in target_pass(0).values())
+    assert target["passes"] == 5 and target["first_pass"] == 0 and target["last_pass"] == 4
+    assert target["segments"] == 3 and target["tensors"] == 25 and target["bytes"] == 5 * pass_bytes
+    assert target["status"] == "closed" and target["dropped"] == 0 and target["incomplete_passes"] == []
+
+
+def test_cli_module_runs_as_a_program(dump):
+    out = subprocess.run([sys.executable, "-m", "fastdump.cli_dump", "ls", str(dump), "--json"],
+                         capture_output=True, text=True, check=True, cwd=REPO).stdout
+    assert len(json.loads(out)["ranks"]) == 3
+    done = subprocess.run([sys.executable, "-m", "fastdump.cli_dump", "verify", str(dump)],
+                          capture_output=True, text=True, cwd=REPO)
+    assert done.returncode == 0 and done.stdout.strip().endswith("OK")
+
+
+# ---------------------------------------------------------------------------------------- verify
+
+
+def verify(root, capsys, *extra):
+    code = run_cli(cli_dump.cmd_verify, "verify", str(root), *extra)
+    return code, capsys.readouterr().out
+
+
+def test_verify_clean_dump(dump, capsys):
+    code, out = verify(dump, capsys, "--data")
+    assert code == 0, out
+    assert out.strip() == "OK"
+    code, out = verify(dump, capsys, "--json")
+    assert code == 0 and json.loads(out) == {"ok": True, "problems": [], "warnings": []}
+
+
+def test_verify_fails_on_truncated_segment(dump, capsys):
+    path = seg_path(dump, number=1)
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    code, out = verify(dump, capsys)
+    assert code == 1
+    assert "seg-000001.h5: cannot open" in out
+
+
+def test_verify_fails_on_corrupted_metadata(dump, capsys):
+    path = seg_path(dump, number=0)
+    data = bytearray(path.read_bytes())
+    data[0:8] = b"\0" * 8  # the HDF5 signature
+    path.write_bytes(bytes(data))
+    code, out = verify(dump, capsys)
+    assert code == 1 and "seg-000000.h5" in out
+
+
+def test_verify_fails_on_index_not_matching_its_block(dump, capsys):
+    with h5py.File(seg_path(dump, number=0), "r+") as f:
+        index = f["index"][()]
+        index["rows"][0] += 1
+        f["index"][...] = index
+    code, out = verify(dump, capsys)
+    assert code == 1
+    assert "do not tile" in out
+
+
+def test_verify_fails_on_wrong_dtype_attribute(dump, capsys):
+    with h5py.File(seg_path(dump, number=0), "r+") as f:
+        f["blocks"]["0"].attrs["dtype"] = "float64"  # stored as float32
+    code, out = verify(dump, capsys)
+    assert code == 1 and "expected float64" in out
+
+
+def test_verify_fails_on_segment_missing_vs_rank_json(dump, capsys):
+    seg_path(dump, number=1).unlink()
+    code, out = verify(dump, capsys)
+    assert code == 1
+    assert "seg-000001.h5 is listed in rank.json but missing" in out
+
+
+def test_verify_fails_on_overlapping_passes(dump, capsys):
+    rank_dir = dump / "target" / TARGET
+    shutil.copy(seg_path(dump, number=1), rank_dir / "seg-000003.h5")
+    info = json.loads((rank_dir / "rank.json").read_text())
+    info["segments"].append(dict(info["segments"][1], file="seg-000003.h5"))
+    info["passes"] += 2
+    info["tensors"] += 10
+    info["bytes"] += info["segments"][1]["bytes"]
+    (rank_dir / "rank.json").write_text(json.dumps(info))
+    code, out = verify(dump, capsys)
+    assert code == 1 and "overlap" in out
+
+
+def test_verify_fails_on_error_status(dump, capsys):
+    path = dump / "draft" / DRAFT / "rank.json"
+    info = json.loads(path.read_text())
+    info.update(status="error", error="OSError: No space left on device")
+    path.write_text(json.dumps(info))
+    code, out = verify(dump, capsys)
+    assert code == 1 and "No space left on device" in out
+
+
+def test_verify_temp_files_warn_when_interrupted_and_fail_when_closed(tmp_path, capsys):
+    root = tmp_path / "dump"
+    write_rank(root, "target", TARGET, {p: target_pass(p) for p in range(3)}, status="incomplete")
+    rank_dir = root / "target" / TARGET
+    (rank_dir / ".seg-000002.h5.tmp").write_bytes(b"what a kill -9 leaves")
+    code, out = verify(root, capsys)
+    assert code == 0, out
+    assert "warning:" in out and ".seg-000002.h5.tmp" in out
+
+    info = json.loads((rank_dir / "rank.json").read_text())
+    info["status"] = "closed"
+    (rank_dir / "rank.json").write_text(json.dumps(info))
+    code, out = verify(root, capsys)
+    assert code == 1 and "leftover temporary file" in out
+
+
+def test_verify_unlisted_segment(tmp_path, capsys):
+    root = tmp_path / "dump"
+    write_rank(root, "target", TARGET, {p: target_pass(p) for p in range(4)}, status="running")
+    rank_dir = root / "target" / TARGET
+    info = json.loads((rank_dir / "rank.json").read_text())
+    info["segments"] = info["segments"][:1]  # killed between the rename and the rank.json update
+    (rank_dir / "rank.json").write_text(json.dumps(info))
+    code, out = verify(root, capsys)
+    assert code == 0 and "seg-000001.h5 is not listed" in out
+    info["status"] = "closed"
+    (rank_dir / "rank.json").write_text(json.dumps(info))
+    code, out = verify(root, capsys)
+    assert code == 1 and "seg-000001.h5 is not listed" in out
+
+
+def test_verify_empty_directory_fails(tmp_path, capsys):
+    code, out = verify(tmp_path, capsys)
+    assert code == 1 and "no rank directories" in out
+
+
+# ---------------------------------------------------------------------------------------- show
+
+
+def test_show_prints_stats(dump, capsys):
+    assert run_cli(cli_dump.cmd_show, "show", str(dump), "--role", "target", "--rank", "0", "--pass", "2") == 0
+    out = capsys.readouterr().out
+    first, *table = out.splitlines()
+    assert first.startswith("pass 2: ") and json.loads(first[len("pass 2: "):])["forward_mode"] == "decode"
+    rows = {line.split()[0]: line.split() for line in table[1:]}
+    assert list(rows) == list(target_pass(2))
+    # name dtype shape min max mean std nan inf
+    assert rows["model.embed_tokens"][1:] == ["float32", "[2,", "4]", "2", "9", "5.5", "2.29129", "0", "0"]
+    # NaN/Inf are counted, statistics use the finite values
+    assert rows["model.layers.0.mlp"][4:] == ["-2", "3", "0.666667", "2.0548", "1", "2"]
+    assert rows["model.norm"][1:] == ["bfloat16", "[2,", "4]", "0.5", "0.5", "0.5", "0", "0", "0"]
+    assert rows["ids"][1:4] == ["int64", "[2]", "2"]
+    assert rows["packed"][1:] == ["float4_e2m1fn_x2", "[3]", "-", "-", "-", "-", "-", "-"]
+
+
+def test_show_name_filter_and_errors(dump, capsys):
+    argv = ["show", str(dump), "--role", "target", "--rank", TARGET1, "--pass", "0", "--name", r"^model\.(norm|embed)"]
+    assert run_cli(cli_dump.cmd_show, *argv) == 0
+    names = [line.split()[0] for line in capsys.readouterr().out.splitlines()[2:]]
+    assert names == ["model.embed_tokens", "model.norm"]
+    assert run_cli(cli_dump.cmd_show, "show", str(dump), "--role", "target", "--rank", "0", "--pass", "42") == 1
+    assert "no pass 42" in capsys.readouterr().err
+    assert run_cli(cli_dump.cmd_show, "show", str(dump), "--rank", "0", "--pass", "0") == 1  # two roles

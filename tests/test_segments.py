@@ -1,0 +1,572 @@
+"""ChannelWriter (writer side) driven with synthetic ring events, read back with fastdump.reader."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import h5py
+import numpy as np
+import pytest
+import torch
+
+from fastdump import dtypes, reader
+from fastdump.writer import format as fmt
+from fastdump.writer import h5segment
+from fastdump.writer.segments import ChannelWriter
+
+RANK_DIR = "TP0_PP0_Rank0_pid4242"
+
+
+def open_msg(root, role="target", rank_dir=RANK_DIR, **config):
+    return {
+        "op": "open", "channel": 0, "dir": str(root / role / rank_dir), "role": role,
+        "rank": {"tp_rank": 0, "tp_size": 1, "pp_rank": 0, "pp_size": 1, "dp_rank": 0, "dp_size": 1,
+                 "ep_rank": 0, "ep_size": 1, "rank": 0},
+        "pid": 4242, "host": "testhost", "device": {"name": "cpu"},
+        "config": {"segment_passes": 0, "segment_mb": 0, "segment_seconds": 0, "policy": "block", **config},
+    }
+
+
+class Feeder:
+    """Sends torch tensors to a ChannelWriter the way the ring loop does (interned names, raw bytes)."""
+
+    def __init__(self, writer):
+        self.writer = writer
+        self.ids = {}
+
+    def tensor(self, pass_id, name, t):
+        if name not in self.ids:
+            self.ids[name] = len(self.ids)
+            self.writer.on_name(self.ids[name], name)
+        t = t.contiguous()
+        data = t.reshape(-1).view(torch.uint8).numpy().copy()
+        self.writer.on_tensor(self.ids[name], pass_id, dtypes.code_of(t.dtype), tuple(t.shape), data)
+
+    def full_pass(self, pass_id, tensors, meta=None, end_meta=None, dropped=0, skipped=()):
+        self.writer.on_begin(pass_id, meta or {})
+        for name, t in tensors.items():
+            self.tensor(pass_id, name, t)
+        self.writer.on_end(pass_id, end_meta or {}, dropped, list(skipped))
+
+
+def bits(t):
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+def assert_same(got, want, what=""):
+    assert got.dtype == want.dtype, what
+    assert got.shape == want.shape, what
+    assert torch.equal(bits(got), bits(want)), what
+
+
+def random_tensor(name, shape, gen):
+    """Every bit pattern the dtype can hold (NaN payloads, -0.0, subnormals, ...)."""
+    dtype = getattr(torch, name)
+    count = int(np.prod(shape))
+    if name == "bool":
+        return torch.randint(0, 2, shape, generator=gen).bool()
+    raw = torch.randint(0, 256, (count * dtype.itemsize,), dtype=torch.uint8, generator=gen)
+    return raw.view(dtype).reshape(shape)
+
+
+def rank_json(root, role="target"):
+    return json.loads((root / role / RANK_DIR / "rank.json").read_text())
+
+
+def seg_files(root, role="target"):
+    return sorted(p.name for p in (root / role / RANK_DIR).iterdir() if p.name.startswith("seg-"))
+
+
+# ---------------------------------------------------------------------------------------- dtypes
+
+
+def test_every_dtype_round_trips_bit_exact(tmp_path):
+    gen = torch.Generator().manual_seed(0)
+    w = ChannelWriter(open_msg(tmp_path))
+    f = Feeder(w)
+    sent = {}
+    for p in range(3):  # several passes: the aggregated block holds rows of every pass
+        sent[p] = {}
+        for name in dtypes.NAMES:
+            sent[p][name] = random_tensor(name, (p + 1, 4, 3), gen)
+            sent[p][name + ".scalar"] = random_tensor(name, (), gen)
+        f.full_pass(p, sent[p])
+    w.close({})
+    ds = reader.open(tmp_path)
+    for p in range(3):
+        got = ds.load("target", 0, p)
+        assert list(got) == list(sent[p])
+        for name, t in sent[p].items():
+            assert_same(got[name], t, (p, name))
+    # Each block carries its torch dtype and encoding; raw-bit types are stored as unsigned ints.
+    path = tmp_path / "target" / RANK_DIR / "seg-000000.h5"
+    with h5py.File(path, "r") as h5:
+        seen = set()
+        for ds_ in h5["blocks"].values():
+            name = ds_.attrs["dtype"]
+            seen.add(name)
+            assert ds_.attrs["encoding"] == dtypes.encoding(name)
+            assert ds_.dtype == dtypes.storage_dtype(name)
+        assert seen == set(dtypes.NAMES)
+
+
+@pytest.mark.parametrize("name,patterns", [
+    ("float32", [0x80000000, 0x00000001, 0x007FFFFF, 0x7FC00001, 0xFFBFFFFF, 0x7F800001, 0x7F800000, 0xFF800000]),
+    ("float64", [0x8000000000000000, 0x0000000000000001, 0x7FF8000000000123, 0xFFF0000000000001,
+                 0x7FF0000000000000]),
+    ("float16", [0x8000, 0x0001, 0x03FF, 0x7E01, 0xFC01, 0x7C01, 0x7C00]),
+    ("bfloat16", [0x8000, 0x0001, 0x007F, 0x7FC1, 0xFF81, 0x7F81, 0x7F80]),
+])
+def test_special_float_bits_survive(tmp_path, name, patterns):
+    dtype = getattr(torch, name)
+    container = {2: np.uint16, 4: np.uint32, 8: np.uint64}[dtype.itemsize]
+    t = torch.from_numpy(np.array(patterns, dtype=container).view(np.uint8).copy()).view(dtype)
+    c = torch.complex(t.float(), -t.float()) if name == "float32" else None
+    w = ChannelWriter(open_msg(tmp_path))
+    f = Feeder(w)
+    tensors = {"x": t, "x0d": t[3].clone()}
+    if c is not None:
+        tensors["complex"] = c
+    f.full_pass(0, tensors)
+    w.close({})
+    got = reader.open(tmp_path).load("target", 0, 0)
+    for key, want in tensors.items():
+        assert_same(got[key], want, key)
+
+
+# ---------------------------------------------------------------------------------------- shapes
+
+
+def test_awkward_shapes(tmp_path):
+    shapes = {
+        "scalar": (), "empty_rows": (0, 4), "empty_inner": (4, 0), "empty_1d": (0,), "vector": (7,),
+        "high_rank": (2, 1, 3, 1, 2, 2), "one_row": (1, 5),
+    }
+    gen = torch.Generator().manual_seed(1)
+    w = ChannelWriter(open_msg(tmp_path))
+    f = Feeder(w)
+    sent = []
+    for p in range(2):
+        tensors = {name: random_tensor("float32", shape, gen) for name, shape in shapes.items()}
+        sent.append(tensors)
+        f.full_pass(p, tensors)
+    w.close({})
+    ds = reader.open(tmp_path)
+    for p in range(2):
+        got = ds.load("target", 0, p)
+        for name, want in sent[p].items():
+            assert_same(got[name], want, (p, name))
+    series = ds.series("target", 0, "scalar")
+    assert list(series) == [0, 1] and all(t.shape == () for t in series.values())
+
+
+def test_rows_of_one_name_are_one_dataset(tmp_path):
+    w = ChannelWriter(open_msg(tmp_path))
+    f = Feeder(w)
+    rows = [1, 3, 2, 5]
+    sent = {p: torch.randn(n, 16) for p, n in enumerate(rows)}
+    for p, t in sent.items():
+        f.full_pass(p, {"model.layers.0.mlp": t, "scalar": torch.tensor(float(p))})
+    w.close({})
+    with h5py.File(tmp_path / "target" / RANK_DIR / "seg-000000.h5", "r") as h5:
+        assert len(h5["blocks"]) == 2  # one dataset per name, not per tensor
+        index = h5["index"][()]
+        mlp = index[index["name"] == json.loads(h5["names"][()]).index("model.layers.0.mlp")]
+        block = h5["blocks"][str(mlp["block"][0])]
+        assert block.shape == (sum(rows), 16)
+        assert mlp["first_row"].tolist() == [0, 1, 4, 6] and mlp["rows"].tolist() == rows
+        assert mlp["pass"].tolist() == [0, 1, 2, 3]
+        np.testing.assert_array_equal(block[()], torch.cat(list(sent.values())).numpy())
+    for p, t in sent.items():
+        assert_same(reader.open(tmp_path).tensor("target", 0, "model.layers.0.mlp", p), t)
+
+
+def test_trailing_shape_and_dtype_changes_inside_a_segment(tmp_path):
+    w = ChannelWriter(open_msg(tmp_path))
+    f = Feeder(w)
+    sent = {
+        0: torch.randn(2, 8),  # prefill-like
+        1: torch.randn(1, 8),
+        2: torch.randn(1, 3, 8),  # trailing shape changes
+        3: torch.randn(1, 8).to(torch.bfloat16),  # dtype changes
+        4: torch.tensor(5.0),  # 0-d among 1-row tensors
+        5: torch.randn(3),  # 1-d: same trailing shape () as the 0-d one, but not 0-d
+        6: torch.randn(4, 8),
+    }
+    for p, t in sent.items():
+        f.full_pass(p, {"h": t})
+    w.close({})
+    ds = reader.open(tmp_path)
+    for p, t in sent.items():
+        assert_same(ds.load("target", 0, p)["h"], t, p)
+    series = ds.series("target", 0, "h")
+    assert list(series) == list(sent)
+    for p, t in sent.items():
+        assert_same(series[p], t, p)
+    with h5py.File(tmp_path / "target" / RANK_DIR / "seg-000000.h5", "r") as h5:
+        assert len(h5["blocks"]) == 5  # (·,8) f32, (·,3,8) f32, (·,8) bf16, 0-d f32, (·) f32
+
+
+# ---------------------------------------------------------------------------------------- rotation
+
+
+def test_rotation_by_passes(tmp_path):
+    w = ChannelWriter(open_msg(tmp_path, segment_passes=3))
+    f = Feeder(w)
+    sent = {p: torch.full((2, 2), float(p)) for p in range(8)}
+    for p, t in sent.items():
+        f.full_pass(p, {"x": t})
+        # a segment is written on the pass boundary that completes it, not later
+        assert len(seg_files(tmp_path)) == (p + 1) // 3
+    w.close({})
+    assert seg_files(tmp_path) == ["seg-000000.h5", "seg-000001.h5", "seg-000002.h5"]
+    info = rank_json(tmp_path)
+    spans = [(s["first_pass"], s["last_pass"], s["passes"]) for s in info["segments"]]
+    assert spans == [(0, 2, 3), (3, 5, 3), (6, 7, 2)]
+    assert info["passes"] == 8 and info["tensors"] == 8 and info["bytes"] == 8 * 16
+    ds = reader.open(tmp_path)
+    assert ds.passes("target", 0) == list(range(8))
+    for p, t in sent.items():
+        assert_same(ds.load("target", 0, p)["x"], t)
+
+
+def test_many_segments_read_in_any_order(tmp_path):
+    w = ChannelWriter(open_msg(tmp_path, segment_passes=1))
+    f = Feeder(w)
+    sent = {p: torch.full((p % 3 + 1, 2), float(p)) for p in range(40)}  # more files than the reader keeps open
+    for p, t in sent.items():
+        f.full_pass(p, {"x": t, "y": t.double()})
+    w.close({})
+    with reader.open(tmp_path) as ds:
+        for p in reversed(range(40)):
+            got = ds.load("target", 0, p)
+            assert_same(got["x"], sent[p])
+            assert_same(got["y"], sent[p].double())
+        series = ds.series("target", 0, "y")
+        assert list(series) == list(range(40))
+        for p, t in series.items():
+            assert_same(t, sent[p].double())
+
+
+def test_rotation_by_bytes(tmp_path):
+    w = ChannelWriter(open_msg(tmp_path, segment_mb=1))
+    f = Feeder(w)
+    for p in range(5):
+        f.full_pass(p, {"a": torch.zeros(300, 256), "b": torch.zeros(10)})  # ~300 KiB per pass
+    w.close({})
+    segments = rank_json(tmp_path)["segments"]
+    assert [s["passes"] for s in segments] == [4, 1]  # 4 passes cross 1 MiB
+    assert segments[0]["bytes"] >= 1 << 20
+
+
+def test_rotation_by_seconds_in_poll_and_at_pass_end(tmp_path):
+    w = ChannelWriter(open_msg(tmp_path, segment_seconds=30))
+    f = Feeder(w)
+    f.full_pass(0, {"x": torch.ones(1)})
+    w.poll(time.time())
+    assert seg_files(tmp_path) == []  # not old enough
+    w.poll(time.time() + 31)
+    assert seg_files(tmp_path) == ["seg-000000.h5"]  # idle data is not held forever
+
+    # A pass still open when the age is reached is not split: the segment waits for its end.
+    w.on_begin(1, {})
+    f.tensor(1, "x", torch.ones(1))
+    w.poll(time.time() + 100)
+    assert seg_files(tmp_path) == ["seg-000000.h5"]
+    w.on_end(1, {}, 0, [])
+    assert seg_files(tmp_path) == ["seg-000000.h5"]  # the new segment's clock started with pass 1
+    w.close({})
+    assert len(seg_files(tmp_path)) == 2
+
+
+def test_pass_that_never_ends_is_flushed_when_far_over_the_limits(tmp_path):
+    w = ChannelWriter(open_msg(tmp_path, segment_mb=1))
+    f = Feeder(w)
+    w.on_begin(0, {"mode": "prefill"})
+    chunks = [torch.full((256, 256), float(i)) for i in range(24)]  # 256 KiB each, 6 MiB in all
+    for i, t in enumerate(chunks[:12]):
+        f.tensor(0, f"t{i}", t)
+    w.poll(time.time())
+    assert seg_files(tmp_path) == []  # 3 MiB: over the limit, but a pass is not split lightly
+    for i, t in enumerate(chunks[12:18], start=12):
+        f.tensor(0, f"t{i}", t)
+    w.poll(time.time())
+    assert seg_files(tmp_path) == ["seg-000000.h5"]  # 4.5 MiB > 4x the limit: memory is bounded
+    for i, t in enumerate(chunks[18:], start=18):
+        f.tensor(0, f"t{i}", t)
+    w.on_end(0, {"tokens": 7}, 0, [])
+    w.close({})
+    segments = rank_json(tmp_path)["segments"]
+    assert [(s["first_pass"], s["last_pass"], s["complete"]) for s in segments] == [(0, 0, False), (0, 0, True)]
+    ds = reader.open(tmp_path)
+    assert ds.passes("target", 0) == [0]
+    got = ds.load("target", 0, 0)  # the two parts are merged, in dump order
+    assert list(got) == [f"t{i}" for i in range(24)]
+    for i, t in enumerate(chunks):
+        assert_same(got[f"t{i}"], t)
+    meta = ds.meta("target", 0, 0)
+    assert meta["complete"] is True and meta["mode"] == "prefill" and meta["tokens"] == 7 and meta["tensors"] == 24
+    from fastdump.cli_dump import verify_dump
+    assert verify_dump(str(tmp_path)).problems == []
+
+
+# ---------------------------------------------------------------------------------------- names & metadata
+
+
+def test_names_with_any_character(tmp_path):
+    names = ["model.layers.0.self_attn/q_proj", "a#1", "ünïcødé.层", "", "/", "..", "a/b/../c", "nul\x00byte",
+             "line\nbreak", "x" * 2000, "blocks/0", "index", "\udcff lone surrogate"]
+    w = ChannelWriter(open_msg(tmp_path))
+    f = Feeder(w)
+    sent = {name: torch.full((2,), float(i)) for i, name in enumerate(names)}
+    f.full_pass(0, sent)
+    w.close({})
+    ds = reader.open(tmp_path)
+    got = ds.load("target", 0, 0)
+    assert list(got) == names
+    for name, t in sent.items():
+        assert_same(got[name], t, name)
+    assert ds.names("target", 0) == names
+    assert_same(ds.tensor("target", 0, "nul\x00byte", 0), sent["nul\x00byte"])
+
+
+def test_pass_metadata_dropped_and_skipped(tmp_path):
+    w = ChannelWriter(open_msg(tmp_path))
+    f = Feeder(w)
+    f.full_pass(0, {"x": torch.ones(2)}, meta={"forward_mode": "prefill", "input_ids": [1, 2, 3], "batch_size": 1},
+                end_meta={"tokens": 3}, dropped=2,
+                skipped=[{"name": "q", "reason": "quantized tensor"}, {"name": "r", "reason": "quantized tensor"}])
+    w.on_begin(1, {"forward_mode": "decode"})
+    w.on_end(1, {}, 0, [])  # a pass with no tensors keeps its metadata
+    f.tensor(2, "x", torch.ones(2))  # tensors without a begin: tolerated
+    w.on_end(2, {"forward_mode": "decode"}, 0, [])
+    w.on_note({"dropped_total": 5, "status": "running", "error": None})
+    w.close({"dropped_total": 5, "tensors_staged": 3})
+    ds = reader.open(tmp_path)
+    assert ds.passes("target", 0) == [0, 1, 2]
+    meta0 = ds.meta("target", 0, 0)
+    assert meta0["forward_mode"] == "prefill" and meta0["input_ids"] == [1, 2, 3] and meta0["tokens"] == 3
+    assert meta0["dropped"] == 2 and meta0["complete"] is True and meta0["tensors"] == 1
+    assert [s["name"] for s in meta0["skipped"]] == ["q", "r"]
+    assert ds.meta("target", 0, 1)["forward_mode"] == "decode" and ds.load("target", 0, 1) == {}
+    assert_same(ds.load("target", 0, 2)["x"], torch.ones(2))
+    info = ds.rank_info("target", 0)
+    assert info["status"] == "closed" and info["error"] is None
+    assert info["dropped"] == 5 and info["skipped"] == 2 and info["skipped_reasons"] == {"quantized tensor": 2}
+    assert info["passes"] == 3 and info["tensors"] == 2 and info["bytes"] == 16
+    assert info["role"] == "target" and info["rank"]["tp_size"] == 1 and info["pid"] == 4242
+    assert info["host"] == "testhost" and info["device"] == {"name": "cpu"} and info["config"]["policy"] == "block"
+    assert info["stats"]["tensors_staged"] == 3
+    assert [s["file"] for s in info["segments"]] == ["seg-000000.h5"]
+
+
+def test_unfinished_pass_at_close_is_marked_incomplete(tmp_path):
+    w = ChannelWriter(open_msg(tmp_path))
+    f = Feeder(w)
+    f.full_pass(0, {"x": torch.ones(3)})
+    w.on_begin(1, {"forward_mode": "decode"})
+    f.tensor(1, "x", torch.full((3,), 2.0))
+    w.close({}, status="incomplete")  # the producer died mid-pass
+    ds = reader.open(tmp_path)
+    assert ds.meta("target", 0, 0)["complete"] is True
+    meta1 = ds.meta("target", 0, 1)
+    assert meta1["complete"] is False and meta1["forward_mode"] == "decode"
+    assert_same(ds.load("target", 0, 1)["x"], torch.full((3,), 2.0))
+    assert ds.rank_info("target", 0)["status"] == "incomplete"
+
+
+def test_rank_json_written_at_open_and_after_each_segment(tmp_path):
+    w = ChannelWriter(open_msg(tmp_path, segment_passes=1))
+    info = rank_json(tmp_path)
+    assert info["status"] == "running" and info["segments"] == [] and info["passes"] == 0
+    Feeder(w).full_pass(0, {"x": torch.ones(1)})
+    info = rank_json(tmp_path)
+    assert info["status"] == "running" and [s["file"] for s in info["segments"]] == ["seg-000000.h5"]
+    w.on_note({"status": "running", "dropped_total": 7})
+    assert rank_json(tmp_path)["dropped"] == 7
+    w.close({})
+    assert rank_json(tmp_path)["status"] == "closed"
+
+
+def test_bad_record_is_skipped_not_stored(tmp_path):
+    w = ChannelWriter(open_msg(tmp_path))
+    w.on_name(0, "short")
+    w.on_name(1, "ok")
+    w.on_tensor(0, 0, dtypes.CODE_BY_NAME["float32"], (4,), np.zeros(12, np.uint8))  # 12 bytes for 16
+    w.on_tensor(1, 0, 999, (1,), np.zeros(1, np.uint8))  # unknown dtype code
+    w.on_tensor(1, 0, dtypes.CODE_BY_NAME["int64"], (1,), np.zeros(8, np.uint8))
+    w.on_end(0, {}, 0, [])
+    w.close({})
+    ds = reader.open(tmp_path)
+    assert list(ds.load("target", 0, 0)) == ["ok"]
+    assert [s["name"] for s in ds.meta("target", 0, 0)["skipped"]] == ["short", "ok"]
+
+
+def test_repeated_name_in_a_pass_is_kept(tmp_path):
+    w = ChannelWriter(open_msg(tmp_path))
+    f = Feeder(w)
+    w.on_begin(0, {})
+    f.tensor(0, "x", torch.ones(1))
+    f.tensor(0, "x", torch.zeros(1))  # the capture layer prevents this; if it happens, lose nothing
+    w.on_end(0, {}, 0, [])
+    w.close({})
+    got = reader.open(tmp_path).load("target", 0, 0)
+    assert list(got) == ["x", "x#dup1"]
+    assert_same(got["x#dup1"], torch.zeros(1))
+
+
+def test_segment_numbers_continue_after_existing_files(tmp_path):
+    w = ChannelWriter(open_msg(tmp_path))
+    Feeder(w).full_pass(0, {"x": torch.ones(1)})
+    w.close({})
+    (tmp_path / "target" / RANK_DIR / ".seg-000003.h5.tmp").write_bytes(b"junk")
+    w = ChannelWriter(open_msg(tmp_path))
+    Feeder(w).full_pass(1, {"x": torch.ones(1)})
+    w.close({})
+    assert seg_files(tmp_path) == ["seg-000000.h5", "seg-000004.h5"]
+
+
+# ---------------------------------------------------------------------------------------- atomicity & errors
+
+
+def test_segment_is_invisible_until_complete(tmp_path, monkeypatch):
+    seen = []
+    real_publish = h5segment.fsutil.publish
+
+    def checking_publish(tmp, final):
+        directory = os.path.dirname(final)
+        seen.append(sorted(os.listdir(directory)))
+        assert not os.path.exists(final)
+        with h5py.File(tmp, "r") as h5:  # the temporary file is already a complete, closed HDF5 file
+            assert h5.attrs["format"] == fmt.FORMAT_NAME
+        real_publish(tmp, final)
+
+    monkeypatch.setattr(h5segment.fsutil, "publish", checking_publish)
+    w = ChannelWriter(open_msg(tmp_path))
+    Feeder(w).full_pass(0, {"x": torch.ones(4)})
+    w.close({})
+    assert seen == [[".seg-000000.h5.tmp", "rank.json"]]
+    assert sorted(os.listdir(tmp_path / "target" / RANK_DIR)) == ["rank.json", "seg-000000.h5"]
+
+
+def test_write_error_midway_leaves_no_segment_and_records_error(tmp_path, monkeypatch):
+    w = ChannelWriter(open_msg(tmp_path, segment_passes=1))
+    f = Feeder(w)
+    f.full_pass(0, {"a": torch.ones(4), "b": torch.ones(4)})  # one good segment first
+    real_write_block = h5segment._write_block
+    calls = []
+
+    def failing_write_block(group_id, block):
+        calls.append(block.number)
+        if len(calls) == 2:
+            raise OSError(28, "No space left on device")
+        real_write_block(group_id, block)
+
+    monkeypatch.setattr(h5segment, "_write_block", failing_write_block)
+    w.on_begin(1, {})
+    f.tensor(1, "a", torch.ones(4))
+    f.tensor(1, "b", torch.ones(4))
+    with pytest.raises(OSError, match="No space left"):
+        w.on_end(1, {}, 0, [])
+    directory = tmp_path / "target" / RANK_DIR
+    assert sorted(os.listdir(directory)) == ["rank.json", "seg-000000.h5"]  # no temp file left, no bad segment
+    info = rank_json(tmp_path)
+    assert info["status"] == "error" and "No space left" in info["error"]
+    assert w.failed
+    # From now on nothing is written and nothing raises; the loop may still call us.
+    f.full_pass(2, {"a": torch.ones(4)})
+    w.poll(time.time() + 1e6)
+    w.fail("second failure")
+    w.close({})
+    assert sorted(os.listdir(directory)) == ["rank.json", "seg-000000.h5"]
+    info = rank_json(tmp_path)
+    assert info["status"] == "error" and "No space left" in info["error"]
+    ds = reader.open(tmp_path)
+    assert ds.passes("target", 0) == [0]
+
+
+def test_h5py_open_failure_is_reported(tmp_path, monkeypatch):
+    def refuse(*args, **kwargs):
+        raise OSError("Unable to create file (disk quota exceeded)")
+
+    w = ChannelWriter(open_msg(tmp_path))
+    Feeder(w).full_pass(0, {"x": torch.ones(1)})
+    monkeypatch.setattr(h5segment.h5py, "File", refuse)
+    with pytest.raises(OSError):
+        w.close({})
+    info = rank_json(tmp_path)
+    assert info["status"] == "error" and "quota" in info["error"]
+    assert seg_files(tmp_path) == []
+
+
+def test_fail_never_raises_even_without_a_directory(tmp_path):
+    w = ChannelWriter(open_msg(tmp_path))
+    directory = tmp_path / "target" / RANK_DIR
+    for entry in directory.iterdir():
+        entry.unlink()
+    directory.rmdir()
+    w.fail("writer lost its directory")  # rank.json cannot be written: still no exception
+    assert w.error == "writer lost its directory"
+
+
+def test_unwritable_directory_raises_at_open(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    msg = open_msg(tmp_path)
+    msg["dir"] = str(blocker / "target" / RANK_DIR)
+    with pytest.raises(OSError):
+        ChannelWriter(msg)
+
+
+def test_writer_does_not_import_torch():
+    code = ("import sys, fastdump.writer.segments, fastdump.writer.h5segment; "
+            "assert 'torch' not in sys.modules, 'torch imported'")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=os.path.dirname(os.path.dirname(__file__)))
+
+
+# ---------------------------------------------------------------------------------------- reader details
+
+
+def test_loading_a_pass_reads_only_its_rows(tmp_path, monkeypatch):
+    w = ChannelWriter(open_msg(tmp_path))
+    f = Feeder(w)
+    for p in range(10):
+        f.full_pass(p, {"x": torch.full((p + 1, 4), float(p))})
+    w.close({})
+    ds = reader.open(tmp_path)
+    ds.passes("target", 0)  # index loaded
+    reads = []
+    real_getitem = h5py.Dataset.__getitem__
+
+    def recording_getitem(self, key):
+        if self.name.startswith("/blocks/"):
+            reads.append(key)
+        return real_getitem(self, key)
+
+    monkeypatch.setattr(h5py.Dataset, "__getitem__", recording_getitem)
+    got = ds.load("target", 0, 6)["x"]
+    assert_same(got, torch.full((7, 4), 6.0))
+    first_row = sum(range(1, 7))
+    assert reads == [slice(first_row, first_row + 7)]
+
+
+def test_reader_ignores_temp_files_and_tolerates_rank_selection(tmp_path):
+    for rank_dir in ("TP0_PP0_Rank0_pid1", "TP1_PP0_Rank1_pid2", "TP0_PP0_Rank10_pid3"):
+        w = ChannelWriter(open_msg(tmp_path, rank_dir=rank_dir))
+        Feeder(w).full_pass(0, {"x": torch.ones(1)})
+        w.close({})
+    (tmp_path / "target" / "TP0_PP0_Rank0_pid1" / ".seg-000001.h5.tmp").write_bytes(b"partial")
+    ds = reader.open(tmp_path)
+    assert ds.roles == ["target"]
+    assert ds.ranks() == ["TP0_PP0_Rank0_pid1", "TP1_PP0_Rank1_pid2", "TP0_PP0_Rank10_pid3"]
+    assert ds.segments(None, 0) == [str(tmp_path / "target" / "TP0_PP0_Rank0_pid1" / "seg-000000.h5")]
+    assert ds.passes(None, 10) == [0]
+    assert ds.passes("target", "TP1_PP0_Rank1_pid2") == [0]
+    with pytest.raises(KeyError):
+        ds.passes("target", 5)
+    with pytest.raises(ValueError):
+        ds.passes("target")  # three ranks: must say which
+    with pytest.raises(KeyError):
+        ds.load("target", 0, 99)
