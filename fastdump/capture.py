@@ -274,6 +274,8 @@ class Dumper:
             return
         if not self._selected(self.pass_id):
             return
+        if not self._engine.alive:  # one poll() per pass: a dead writer stops dumping, not serving
+            return self._disable(self._engine.error())
         if not self._engine.control({"op": "begin", "channel": self._channel, "pass": self.pass_id, "meta": {}},
                                     block=self._block):
             self._totals["dropped_passes"] += 1  # `drop` with a full ring: the whole pass is dropped
@@ -407,6 +409,8 @@ class Dumper:
         log.error("fastdump: dumping to %s stopped: %s", self.dir, error)
         try:
             info = read_json(self.dir / "rank.json") or {}
+            if info.get("status") == "error":
+                return  # the writer recorded its own failure
             info.update(status="error", error=error)
             write_json_atomic(self.dir / "rank.json", info)
         except OSError as exc:

@@ -95,10 +95,7 @@ def to_torch(array: np.ndarray, name: str):
     import torch
 
     dtype = getattr(torch, name)
-    array = np.ascontiguousarray(array)
-    if array.dtype == np.bool_:
-        return torch.from_numpy(array.copy())
-    tensor = torch.from_numpy(array.copy())
+    tensor = torch.from_numpy(np.array(array, copy=True, order="C"))  # keeps 0-d as 0-d
     if tensor.dtype != dtype:
         tensor = tensor.view(dtype)
     return tensor

@@ -1,0 +1,129 @@
+"""Faults: the serving process killed, the writer killed, a full disk, leftover shared memory."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import fastdump
+from fastdump.engine import SHM_DIR, SHM_PREFIX, remove_stale_segments
+
+SERVE = textwrap.dedent("""
+    import sys, torch, fastdump
+    root, progress = sys.argv[1], sys.argv[2]
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU(), torch.nn.Linear(64, 64))
+    d = fastdump.attach(model, root, role="target", segment_passes=8)
+    with torch.inference_mode():
+        i = 0
+        while True:
+            model(torch.full((4, 64), float(i)))
+            with open(progress, "w") as f:
+                f.write(str(i + 1))   # passes finished so far
+            i += 1
+""")
+
+
+def expected_outputs(n):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU(), torch.nn.Linear(64, 64))
+    with torch.inference_mode():
+        return [model(torch.full((4, 64), float(i))) for i in range(n)]
+
+
+def wait_for(predicate, timeout=30.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_kill_9_of_the_serving_process_keeps_every_finished_pass(tmp_path):
+    root, progress = tmp_path / "dump", tmp_path / "progress"
+    script = tmp_path / "serve.py"
+    script.write_text(SERVE)
+    proc = subprocess.Popen([sys.executable, str(script), str(root), str(progress)])
+    try:
+        assert wait_for(lambda: progress.exists() and progress.read_text() and int(progress.read_text()) >= 30)
+    finally:
+        proc.kill()
+        proc.wait()
+    finished = int(progress.read_text())
+    rank_json = next(root.glob("target/*/rank.json"))
+    # The writer drains what was published, closes its segment and marks the rank incomplete.
+    assert wait_for(lambda: fastdump.open(root).rank_info("target", 0).get("status") == "incomplete"), \
+        rank_json.read_text()
+    assert subprocess.run([sys.executable, "-m", "fastdump", "verify", str(root)]).returncode == 0
+    ds = fastdump.open(root)
+    passes = ds.passes("target", 0)
+    assert passes[:finished] == list(range(finished))
+    want = expected_outputs(len(passes))
+    for p in range(finished):
+        assert torch.equal(ds.load("target", 0, p)["Sequential"], want[p])
+    assert not list(SHM_DIR.glob(f"{SHM_PREFIX}{proc.pid}-*")), "shared memory outlived both processes"
+
+
+def test_writer_killed_serving_goes_on_and_the_error_is_recorded(tmp_path, caplog):
+    model = torch.nn.Linear(8, 8)
+    d = fastdump.attach(model, tmp_path)
+    with torch.inference_mode():
+        for i in range(3):
+            model(torch.full((1, 8), float(i)))
+        os.kill(d._engine._proc.pid, signal.SIGKILL)
+        d._engine._proc.wait()
+        outs = [model(torch.full((1, 8), float(i))) for i in range(3, 200)]
+    assert outs[-1].shape == (1, 8)
+    stats = d.close()
+    assert stats["status"] == "error" and "writer" in stats["error"]
+    info = fastdump.open(tmp_path).rank_info("target", 0)
+    assert info["status"] == "error" and info["error"]
+    assert "dumping to" in caplog.text and "stopped" in caplog.text
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=512k", "tmpfs", str(mnt)], capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs to fill (needs root): {r.stderr.strip()}")
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)])
+
+
+def test_full_disk_stops_dumping_not_serving(small_disk, caplog):
+    model = torch.nn.Linear(256, 256)
+    d = fastdump.attach(model, small_disk, segment_passes=2)
+    with torch.inference_mode():
+        outs = [model(torch.randn(64, 256)) for _ in range(40)]  # 64 KiB per pass, 2.5 MB in all
+    assert len(outs) == 40
+    stats = d.close()
+    assert stats["status"] == "error"
+    assert "No space left" in stats["error"] or "No space left" in caplog.text
+    # What is visible is complete: every segment opens and holds whole passes.
+    ds = fastdump.open(small_disk)
+    for p in ds.passes("target", 0):
+        assert ds.load("target", 0, p)["Linear"].shape == (64, 256)
+    assert subprocess.run([sys.executable, "-m", "fastdump", "verify", str(small_disk)]).returncode == 1
+
+
+def test_leftover_shared_memory_of_a_dead_process_is_removed_at_start(tmp_path):
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    leftover = SHM_DIR / f"{SHM_PREFIX}{int(dead.stdout)}-0"
+    leftover.write_bytes(b"\0" * 4096)
+    assert leftover.name in remove_stale_segments()
+    assert not leftover.exists()
+    live = SHM_DIR / f"{SHM_PREFIX}{os.getpid()}-999"
+    live.write_bytes(b"")
+    try:
+        assert live.name not in remove_stale_segments()
+    finally:
+        live.unlink()
