@@ -28,7 +28,6 @@ log = logging.getLogger("fastdump")
 
 FORMAT_VERSION = 1
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
-_COMPLEX = None  # filled lazily: complex dtypes whose conj/neg bits need resolving
 _open_dumpers: "weakref.WeakSet[Dumper]" = weakref.WeakSet()
 
 
@@ -179,6 +178,7 @@ class Dumper:
             self.dir.mkdir(parents=True, exist_ok=True)
             _write_manifest(self.root, config)
             self._engine = Engine.acquire(ring_mb=ring_mb, writer=writer)
+            self._producer = self._engine.producer
             self._channel = self._engine.open_channel({
                 "dir": str(self.dir), "role": role, "rank": ranks, "pid": self._pid,
                 "host": socket.gethostname(), "device": _device_facts(model), "config": config,
@@ -343,36 +343,53 @@ class Dumper:
             self._name_ids[name] = nid
         return nid
 
-    def _stage(self, name: str, t) -> None:
+    def _stage(self, name: str, t, code=None) -> None:
+        # The hot path: a few attribute reads and one call into C++ for a CPU tensor.
+        if code is None:
+            code = _FAST_CODES.get(t.dtype)
+            if code is None or t.layout is not _strided:
+                return self._stage_checked(name, t)
+        name_id = self._name_ids.get(name)
+        if name_id is None:
+            name_id = self._name_id(name)
+            if name_id is None:
+                return self._drop_unnamed(name)
+        if t.is_cuda:
+            from . import cuda
+
+            status = cuda.stage_tensor(self._engine.cuda_stager(self.device_ring_mb), self._channel,
+                                       name_id, self.pass_id, code, t, self._block)
+        elif t.is_cpu:
+            status = self._producer.stage_host(self._channel, name_id, self.pass_id, code, t.element_size(),
+                                               t.shape, t.stride(), t.data_ptr(), self._block)
+        else:
+            return self._skip(name, f"tensors on {t.device.type} are not supported")
+        if status == _C.STAGED:
+            totals = self._totals
+            totals["tensors"] += 1
+            totals["bytes"] += t.nbytes
+        else:
+            self._account(name, status, t.nbytes)
+
+    def _stage_checked(self, name: str, t) -> None:
+        """The rare cases: unsupported dtypes and layouts, complex tensors with lazy conj/neg bits."""
         code = _dtypes.code_of(t.dtype)
         if code < 0:
             return self._skip(name, _dtypes.UNSUPPORTED_REASON.get(_dtypes.torch_name(t.dtype), f"dtype {t.dtype}"))
         if t.layout is not _strided:
             return self._skip(name, f"layout {t.layout} is not strided")
-        if t.dtype in _complex_dtypes() and (t.is_conj() or t.is_neg()):
+        if t.is_conj() or t.is_neg():
             t = t.resolve_conj().resolve_neg()  # the lazy bits are not in the bytes
-        name_id = self._name_id(name)
-        if name_id is None:
-            status = _C.DROPPED
-            self._engine.producer.count_dropped(1)
-        elif not t.is_cuda and t.is_cpu:
-            status = self._engine.producer.stage_host(
-                self._channel, name_id, self.pass_id, code, t.element_size(), t.shape, t.stride(), t.data_ptr(),
-                self._block)
-        elif t.is_cuda:
-            from . import cuda
+        self._stage(name, t, code)
 
-            status = cuda.stage_tensor(self._engine.cuda_stager(self.device_ring_mb), self._channel,
-                                       name_id, self.pass_id, code, t, self._block)
-        else:
-            return self._skip(name, f"tensors on {t.device.type} are not supported")
-        self._account(name, status, t.numel() * t.element_size())
+    def _drop_unnamed(self, name: str) -> None:
+        self._producer.count_dropped(1)
+        self._account(name, _C.DROPPED, 0)
 
     def _stage_array(self, name: str, array) -> None:
         name_id = self._name_id(name)
         if name_id is None:
-            self._engine.producer.count_dropped(1)
-            return self._account(name, _C.DROPPED, 0)
+            return self._drop_unnamed(name)
         try:
             from . import cuda
 
@@ -507,11 +524,22 @@ except ImportError:  # pragma: no cover - fastdump.open and the CLI work without
     _strided = None
 
 
-def _complex_dtypes():
-    global _COMPLEX
-    if _COMPLEX is None:
-        _COMPLEX = {_torch.complex32, _torch.complex64, _torch.complex128}
-    return _COMPLEX
+def _fast_codes() -> dict:
+    """dtype -> wire code for the dtypes the hot path stages without further checks.
+
+    Complex dtypes are left out: their lazy conj/neg bits must be resolved first.
+    """
+    if _torch is None:
+        return {}
+    codes = {}
+    for name in _dtypes.NAMES:
+        dtype = getattr(_torch, name, None)
+        if isinstance(dtype, _torch.dtype) and not dtype.is_complex:
+            codes[dtype] = _dtypes.CODE_BY_NAME[name]
+    return codes
+
+
+_FAST_CODES = _fast_codes()
 
 
 def _root_selected(root_name: str, selection: dict) -> bool:
