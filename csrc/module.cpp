@@ -3,6 +3,8 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <cstring>
+
 #include "bindings.h"
 #include "ring.h"
 
@@ -54,6 +56,40 @@ py::object next_record(Consumer& c, double timeout_s) {
   py::memoryview payload = py::memoryview::from_memory(const_cast<uint8_t*>(v.payload), static_cast<py::ssize_t>(v.payload_len), true);
   return py::make_tuple(v.kind, v.channel, v.name_id, v.pass_id, v.dtype, shape, payload, v.seq,
                         v.chunk.offset, v.chunk.total);
+}
+
+// Up to `max_records` ready records (waiting up to timeout_s for the first), each payload copied
+// into its own bytes object and the ring space released at once: one call per batch keeps the
+// writer's per-record Python cost low, and the producer never waits on HDF5.
+py::list next_batch(Consumer& c, double timeout_s, size_t max_records, uint64_t max_bytes) {
+  py::list out;
+  uint64_t bytes = 0;
+  RecordView v;
+  while (out.size() < max_records && bytes < max_bytes) {
+    bool ok;
+    {
+      py::gil_scoped_release nogil;
+      ok = c.next(out.size() == 0 ? timeout_s : 0.0, &v);
+    }
+    if (!ok) break;
+    py::tuple shape(v.shape.size());
+    for (size_t i = 0; i < v.shape.size(); ++i) shape[i] = py::int_(v.shape[i]);
+    PyObject* raw = PyBytes_FromStringAndSize(nullptr, static_cast<Py_ssize_t>(v.payload_len));
+    if (raw == nullptr) throw py::error_already_set();
+    py::bytes payload = py::reinterpret_steal<py::bytes>(raw);
+    char* dst = PyBytes_AS_STRING(raw);
+    if (v.payload_len >= kReleaseGilBytes) {
+      py::gil_scoped_release nogil;  // a thread writer must not hold the serving thread up
+      std::memcpy(dst, v.payload, v.payload_len);
+    } else {
+      std::memcpy(dst, v.payload, v.payload_len);
+    }
+    c.release();
+    bytes += v.payload_len;
+    out.append(py::make_tuple(v.kind, v.channel, v.name_id, v.pass_id, v.dtype, shape, payload, v.seq,
+                              v.chunk.offset, v.chunk.total));
+  }
+  return out;
 }
 
 }  // namespace
@@ -127,6 +163,8 @@ PYBIND11_MODULE(_C, m) {
       .def("producer_alive", &Consumer::producer_alive)
       .def("next", &next_record, py::arg("timeout_s"),
            "(kind, channel, name_id, pass_id, dtype, shape, payload, seq, chunk_offset, chunk_total) or None")
+      .def("next_batch", &next_batch, py::arg("timeout_s"), py::arg("max_records") = 4096,
+           py::arg("max_bytes") = 256ull << 20, "list of next() tuples, payloads copied, space released")
       .def("release", &Consumer::release)
       .def_property_readonly("drained", &Consumer::drained)
       .def_property_readonly("abandoned", &Consumer::abandoned)

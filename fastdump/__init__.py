@@ -36,7 +36,7 @@ def open(root):  # noqa: A001 - mirrors h5py.File / safetensors' naming
     return _open(root)
 
 
-def maybe_attach(model, role: str = "target", **overrides):
+def maybe_attach(model, role=None, **overrides):
     """Attach when FASTDUMP_DIR is set (the profiling flag); otherwise return None at once."""
     from .config import maybe_attach as _maybe_attach
 

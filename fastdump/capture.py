@@ -9,6 +9,7 @@ returning, so later in-place kernels cannot change what is dumped.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import re
@@ -222,6 +223,11 @@ class Dumper:
                     self._capture(name, value)
             finally:
                 self._end()
+
+    @property
+    def in_pass(self) -> bool:
+        """True between a pass's begin and end (root forward or begin_pass)."""
+        return self._depth > 0
 
     def stats(self) -> dict:
         return dict(self._totals, status=self.status, error=self.error, dir=str(self.dir))
@@ -468,6 +474,7 @@ class Dumper:
         dumper = self
         inputs = self.inputs
 
+        @functools.wraps(forward)  # keeps the signature: transformers' generate() inspects it
         def forward_and_capture(*args, **kwargs):
             if not dumper._capturing:
                 return forward(*args, **kwargs)
@@ -483,6 +490,7 @@ class Dumper:
     def _root_wrapper(self, name, forward):
         dumper = self
 
+        @functools.wraps(forward)
         def forward_in_pass(*args, **kwargs):
             if getattr(forward_in_pass, "__fastdump_off__", False):
                 return forward(*args, **kwargs)

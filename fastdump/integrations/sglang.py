@@ -1,0 +1,251 @@
+"""SGLang drop-in: ``register_forward_hook_for_model`` with the signature of SGLang's
+``sglang.srt.debug_utils.tensor_dump_forward_hook``, backed by fastdump.
+
+Differences from SGLang's own dumper, all deliberate:
+- passes are delimited by the model object passed in (``XxxForCausalLM``), so the logits of a
+  forward land in the same pass as its layers (SGLang saves the pass when the inner ``model``
+  returns, which pushes ``logits_processor``'s output into the next pass file);
+- tuple outputs are stored as ``name.0``, ``name.1`` ... (SGLang stores a list, or the single
+  non-None element), data go to HDF5 under ``<dump_dir>/<role>/TP.._PP.._Rank.._pid..``;
+- EAGLE draft and target runs share one process and one engine but never one directory.
+
+``install()`` routes SGLang's ``--debug-tensor-dump-output-folder`` to this module; ``python -m
+fastdump.integrations.sglang <launch_server args>`` does that in every SGLang process.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import sys
+from pathlib import Path
+
+import torch
+
+import fastdump
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["register_forward_hook_for_model", "role_for", "install", "SGLangDumper"]
+
+# Speculative algorithms whose worker pair SGLang splits into draft/ and target/ (PR #21694) — its
+# SpeculativeAlgorithm.is_eagle(). Any other algorithm with a draft worker gets the split too: two
+# models in one process must never share a rank directory.
+_EAGLE_FAMILY = {"EAGLE", "EAGLE3", "NEXTN", "FROZEN_KV_MTP"}
+
+
+def role_for(is_draft_worker: bool, speculative_algorithm=None) -> str | None:
+    """Role subdirectory SGLang's model runner uses: "draft"/"target" under speculative decoding, else None.
+
+    ``speculative_algorithm`` may be a string ("EAGLE3"), SGLang's enum, or None."""
+    if is_draft_worker:
+        return "draft"
+    algo = speculative_algorithm
+    if algo is None:
+        return None
+    is_eagle = getattr(algo, "is_eagle", None)
+    if callable(is_eagle):
+        return "target" if is_eagle() else None
+    name = str(getattr(algo, "name", algo)).upper()
+    return "target" if name in _EAGLE_FAMILY else None
+
+
+def _find_forward_batch(args, kwargs):
+    fb = kwargs.get("forward_batch")
+    if fb is None:  # positional: ForwardBatch is duck-typed so SGLang need not be importable
+        fb = next((a for a in args if hasattr(a, "forward_mode") and hasattr(a, "input_ids")), None)
+    return fb
+
+
+def _flatten(name, value, out):
+    """(name, tensor) pairs with fastdump's naming; LogitsProcessorOutput -> its next_token_logits like
+    SGLang, PPProxyTensors -> name.pp_proxy_tensors.<key>."""
+    if isinstance(value, torch.Tensor):
+        out.append((name, value))
+    elif isinstance(value, (tuple, list)):
+        for i, v in enumerate(value):
+            _flatten(f"{name}.{i}", v, out)
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _flatten(f"{name}.{k}", v, out)
+    elif isinstance(getattr(value, "next_token_logits", None), torch.Tensor):
+        out.append((name, value.next_token_logits))
+    elif isinstance(getattr(value, "tensors", None), dict):
+        _flatten(f"{name}.pp_proxy_tensors", value.tensors, out)
+    return out
+
+
+class SGLangDumper:
+    """What ``register_forward_hook_for_model`` returns (SGLang's TensorDumper face) over a fastdump Dumper."""
+
+    def __init__(self, model, dumper, top_name: str, top, logits_name: str | None, logits_mod):
+        self.dumper = dumper
+        self._top_name = top_name
+        self._wrapped = []
+        self._wrap(top, self._top_forward)
+        if logits_mod is not None:
+            self._wrap(logits_mod, lambda orig, a, k: self._dump_output(logits_name, orig(*a, **k)))
+
+    def _wrap(self, module, body):
+        # Wrap the instance's forward rather than registering a hook, so this also fires when the
+        # parent calls ``module.forward(...)`` directly (sglang#26269).
+        orig = module.forward
+
+        def forward(*args, **kwargs):
+            return body(orig, args, kwargs)
+
+        module.forward = forward
+        self._wrapped.append((module, forward))
+
+    def _top_forward(self, orig, args, kwargs):
+        fb = _find_forward_batch(args, kwargs)
+        if fb is not None:
+            # Before the forward runs: these are the values the model was called with.
+            for field in ("input_ids", "seq_lens", "positions"):
+                t = getattr(fb, field, None)
+                if isinstance(t, torch.Tensor):
+                    self.dumper.dump(f"{self._top_name}.forward_batch_info.{field}", t)
+            mode = getattr(fb, "forward_mode", None)
+            bs = getattr(fb, "batch_size", None)
+            if bs is None and isinstance(getattr(fb, "seq_lens", None), torch.Tensor):
+                bs = fb.seq_lens.shape[0]
+            meta = {"forward_mode": getattr(mode, "name", None) or str(mode), "batch_size": bs}
+            if isinstance(getattr(fb, "input_ids", None), torch.Tensor):
+                meta["num_tokens"] = fb.input_ids.shape[0]
+            self.dumper.set_pass_meta(**meta)
+        return self._dump_output(self._top_name, orig(*args, **kwargs))
+
+    def _dump_output(self, name, out):
+        for n, t in _flatten(name, out, []):
+            self.dumper.dump(n, t)
+        return out
+
+    def get_dump_dir(self) -> str:
+        return str(self.dumper.dir)
+
+    def dump_current_tensors(self):
+        """SGLang writes the pending pass file here. fastdump already ends each pass when the root
+        module returns, so there is nothing pending after a forward; inside one (a nested call or a
+        pass opened with ``dumper.begin_pass()``) this ends the open pass early."""
+        while self.dumper.in_pass:
+            self.dumper.end_pass()
+
+    def close(self):
+        for module, forward in self._wrapped:
+            if module.__dict__.get("forward") is forward:  # leave alone what others wrapped over ours
+                del module.__dict__["forward"]
+        self._wrapped = []
+        self.dumper.close()
+
+
+def register_forward_hook_for_model(model, dump_dir, dump_layers=None, tp_size=1, tp_rank=0, pp_rank=0,
+                                    skip_passes=0, role=None, **fastdump_kwargs) -> SGLangDumper:
+    """Dump ``model`` (an SGLang ``XxxForCausalLM``) like SGLang's tensor-dump hook, via fastdump.
+
+    Dumped: every leaf module, plus the top-level ``model`` child's output and its ForwardBatch
+    (``model.forward_batch_info.{input_ids,seq_lens,positions}``); ``dump_layers`` keeps only those
+    children of ``model.layers``. Pass metadata: forward_mode (ForwardMode name), batch_size,
+    num_tokens. ``role`` None means "target" (files under ``<dump_dir>/target/``); ``fastdump_kwargs``
+    go to ``fastdump.attach``. The top-level module name can be changed with SGLang's
+    TENSOR_DUMP_TOP_LEVEL_MODULE_NAME / TENSOR_DUMP_LAYERS_MODULE_NAME variables."""
+    top_name = os.getenv("TENSOR_DUMP_TOP_LEVEL_MODULE_NAME", "model")
+    layers_name = os.getenv("TENSOR_DUMP_LAYERS_MODULE_NAME", "layers")
+    top = model._modules.get(top_name)
+    if top is None:
+        raise ValueError(f"model should have a module named {top_name!r} (set TENSOR_DUMP_TOP_LEVEL_MODULE_NAME)")
+    if layers_name != "layers" and dump_layers is not None:
+        # fastdump's layers= knows model.layers.N only; express other layouts as a regex.
+        keep = "|".join(str(int(i)) for i in dump_layers)
+        pat = rf"^{top_name}\.{layers_name}\.(?!(?:{keep})(?:\.|$))\d+(\.|$)"
+        fastdump_kwargs["exclude"] = _either(fastdump_kwargs.get("exclude"), pat)
+        dump_layers = None
+    # Not dumped by fastdump's own wrappers: the root (SGLang never dumps it; its output is the
+    # LogitsProcessorOutput) and logits_processor, whose logits we take out of that output ourselves.
+    logits_name = "logits_processor" if isinstance(model._modules.get("logits_processor"), torch.nn.Module) else None
+    skip = [re.escape(fastdump_kwargs.get("root_name") or type(model).__name__)] + ([logits_name] if logits_name else [])
+    fastdump_kwargs["exclude"] = _either(fastdump_kwargs.get("exclude"), "^(?:" + "|".join(skip) + ")$")
+    # SGLang's signature has no pp_size; rank.json wants one.
+    pp_size = fastdump_kwargs.pop("pp_size", None) or _sglang_pp_size() or pp_rank + 1
+    dumper = fastdump.attach(model, dump_dir, role=role or "target", tp_rank=tp_rank, tp_size=tp_size,
+                             pp_rank=pp_rank, pp_size=pp_size, layers=dump_layers, skip_passes=skip_passes,
+                             **fastdump_kwargs)
+    return SGLangDumper(model, dumper, top_name, top, logits_name,
+                        model._modules.get(logits_name) if logits_name else None)
+
+
+def _sglang_pp_size() -> int | None:
+    """The pipeline-parallel size from SGLang's process groups, when SGLang runs here (else None,
+    and the caller falls back to pp_rank + 1, a lower bound)."""
+    ps = sys.modules.get("sglang.srt.distributed.parallel_state")
+    try:
+        return int(ps.get_pp_group().world_size) if ps is not None else None
+    except Exception:
+        return None
+
+
+def _either(a: str | None, b: str) -> str:
+    return b if not a else f"(?:{a})|(?:{b})"
+
+
+# --- routing SGLang's --debug-tensor-dump-output-folder to fastdump ---
+
+_SGLANG_HOOK_MODULES = (
+    "sglang.srt.debug_utils.tensor_dump_forward_hook",  # where SGLang defines the function
+    "sglang.srt.model_executor.model_runner",  # imports it by name: patch the bound name too
+)
+
+
+def _sglang_entry(model, dump_dir, dump_layers=None, tp_size=1, tp_rank=0, pp_rank=0, *args, **kwargs):
+    """Replacement installed into SGLang. Its model runner passes ``<folder>/draft`` or ``<folder>/target``
+    under EAGLE (PR #21694); that last component becomes the fastdump role under ``<folder>``."""
+    if args or kwargs:
+        logger.warning("fastdump: ignoring SGLang tensor-dump options it does not implement: %s %s", args, kwargs)
+    from fastdump import config
+
+    settings = config._parse_all(os.environ)  # FASTDUMP_* settings apply where SGLang's flags are silent
+    for k in ("root", "tp_rank", "tp_size", "pp_rank"):  # SGLang's own values win
+        settings.pop(k, None)
+    path = Path(dump_dir)
+    root, role = (path.parent, path.name) if path.name in ("draft", "target") else (path, settings.get("role"))
+    settings.pop("role", None)
+    layers = settings.pop("layers", None)
+    return register_forward_hook_for_model(model, str(root), layers if dump_layers is None else dump_layers,
+                                           tp_size, tp_rank, pp_rank, role=role, **settings)
+
+
+def install() -> bool:
+    """Make SGLang's tensor-dump flag use fastdump in this process. False (and no change) without SGLang.
+
+    SGLang runs its model in spawned scheduler processes: use ``python -m fastdump.integrations.sglang``
+    (below) to have this run in each of them."""
+    patched = False
+    for name in _SGLANG_HOOK_MODULES:
+        try:
+            mod = __import__(name, fromlist=["_"])
+        except Exception:  # absent, or an SGLang whose import fails here (no GPU build...): leave it alone
+            continue
+        if hasattr(mod, "register_forward_hook_for_model"):
+            mod.register_forward_hook_for_model = _sglang_entry
+            patched = True
+    return patched
+
+
+def main(argv=None) -> int:
+    """``python -m fastdump.integrations.sglang <sglang.launch_server arguments>``."""
+    if not install():
+        print("fastdump: SGLang is not importable here", file=sys.stderr)
+        return 2
+    import runpy
+
+    sys.argv = ["sglang.launch_server", *(sys.argv[1:] if argv is None else argv)]
+    # alter_sys=False keeps this module as __main__, so SGLang's spawned processes re-import it as
+    # __mp_main__ and run install() below before they build their model runner.
+    runpy.run_module("sglang.launch_server", run_name="__main__", alter_sys=False)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+elif __name__ == "__mp_main__":
+    install()

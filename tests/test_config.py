@@ -1,0 +1,132 @@
+"""FASTDUMP_* environment flag: parsing, one clear error per bad value, maybe_attach."""
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+import fastdump
+from fastdump import config
+from fastdump.config import ConfigError, env_table, maybe_attach, settings_from_env
+
+DOCS = Path(__file__).parents[1] / "docs" / "INTEGRATIONS.md"
+
+
+def doc_example(name):
+    m = re.search(rf"<!-- example: {name} -->\s*```python\n(.*?)```", DOCS.read_text(), re.S)
+    assert m, f"example {name!r} missing from {DOCS}"
+    return m.group(1)
+
+
+def test_unset_means_off():
+    assert settings_from_env({}) is None
+    assert settings_from_env({"FASTDUMP_DIR": "", "FASTDUMP_EVERY": "0"}) is None  # not even parsed
+
+
+def test_parses_every_variable():
+    env = {
+        "FASTDUMP_DIR": "/d", "FASTDUMP_ROLE": "draft", "FASTDUMP_LAYERS": "0, 1,5-7,3",
+        "FASTDUMP_INCLUDE": r"mlp\.", "FASTDUMP_EXCLUDE": "act_fn$", "FASTDUMP_MODULE_TYPES": "Linear,RMSNorm",
+        "FASTDUMP_INPUTS": "TRUE", "FASTDUMP_SKIP": "2", "FASTDUMP_EVERY": "10", "FASTDUMP_PASSES": "5:9",
+        "FASTDUMP_MAX_MB": "1.5", "FASTDUMP_POLICY": "drop", "FASTDUMP_WRITER": "thread",
+        "FASTDUMP_RING_MB": "64", "FASTDUMP_DEVICE_RING_MB": "32", "FASTDUMP_SEGMENT_PASSES": "8",
+        "FASTDUMP_SEGMENT_MB": "16", "FASTDUMP_SEGMENT_SECONDS": "2.5", "FASTDUMP_STRICT": "1",
+        "FASTDUMP_TP_RANK": "1", "FASTDUMP_TP_SIZE": "2", "FASTDUMP_PP_RANK": "0", "FASTDUMP_PP_SIZE": "1",
+    }
+    assert settings_from_env(env) == {
+        "root": "/d", "role": "draft", "layers": (0, 1, 3, 5, 6, 7), "include": r"mlp\.", "exclude": "act_fn$",
+        "module_types": ("Linear", "RMSNorm"), "inputs": True, "skip_passes": 2, "every": 10,
+        "pass_range": (5, 9), "max_bytes": 3 << 19, "policy": "drop", "writer": "thread", "ring_mb": 64.0,
+        "device_ring_mb": 32.0, "segment_passes": 8, "segment_mb": 16.0, "segment_seconds": 2.5,
+        "strict": True, "tp_rank": 1, "tp_size": 2, "pp_rank": 0, "pp_size": 1,
+    }
+    assert settings_from_env({"FASTDUMP_DIR": "/d", "FASTDUMP_PASSES": ":4", "FASTDUMP_MAX_BYTES": "0",
+                              "FASTDUMP_INPUTS": "off"}) == \
+        {"root": "/d", "pass_range": (0, 4), "max_bytes": 0, "inputs": False}
+
+
+@pytest.mark.parametrize("var,value", [
+    ("FASTDUMP_EVERY", "0"), ("FASTDUMP_EVERY", "often"), ("FASTDUMP_SKIP", "-1"), ("FASTDUMP_LAYERS", "3-1"),
+    ("FASTDUMP_LAYERS", "a"), ("FASTDUMP_LAYERS", ","), ("FASTDUMP_INCLUDE", "mlp("), ("FASTDUMP_EXCLUDE", "*"),
+    ("FASTDUMP_INPUTS", "maybe"), ("FASTDUMP_PASSES", "9:5"), ("FASTDUMP_PASSES", "7"),
+    ("FASTDUMP_MAX_MB", "-1"), ("FASTDUMP_POLICY", "fast"), ("FASTDUMP_WRITER", "fork"),
+    ("FASTDUMP_SEGMENT_SECONDS", "nan"), ("FASTDUMP_RING_MB", "inf"), ("FASTDUMP_ROLE", "../x"),
+    ("FASTDUMP_MODULE_TYPES", "nn.Linear"),
+])
+def test_one_clear_error(var, value):
+    with pytest.raises(ConfigError) as e:
+        settings_from_env({"FASTDUMP_DIR": "/d", var: value})
+    assert str(e.value).startswith(f"{var}={value!r}: ") and "\n" not in str(e.value)
+    assert isinstance(e.value, ValueError)
+
+
+def test_conflicting_budgets():
+    with pytest.raises(ConfigError, match="FASTDUMP_MAX_MB='1'.*only one"):
+        settings_from_env({"FASTDUMP_DIR": "/d", "FASTDUMP_MAX_BYTES": "10", "FASTDUMP_MAX_MB": "1"})
+
+
+def test_unknown_variable_warns():
+    with pytest.warns(UserWarning, match="FASTDUMP_LAYER .*FASTDUMP_LAYERS"):
+        settings_from_env({"FASTDUMP_DIR": "/d", "FASTDUMP_LAYER": "1"})
+
+
+def test_env_table_covers_attach():
+    rows = env_table()
+    assert {r["name"] for r in rows} == {v.name for v in config.ENV_VARS}
+    assert all(r["doc"] and r["format"] for r in rows)
+    params = config._attach_params()
+    assert all(r["kwarg"] in params for r in rows if r["kwarg"] != "root")
+    by_name = {r["name"]: r for r in rows}
+    assert by_name["FASTDUMP_EVERY"]["default"] == params["every"].default  # attach's own default
+
+
+class Boom(torch.nn.Module):
+    """Any access to the model would be a bug when the flag is off or invalid."""
+
+    def __getattr__(self, name):
+        raise AssertionError(f"model touched: {name}")
+
+
+def test_maybe_attach_off_touches_nothing():
+    assert maybe_attach(Boom(), environ={}) is None
+
+
+def test_maybe_attach_validates_before_touching_model(tmp_path):
+    with pytest.raises(ConfigError, match="FASTDUMP_EVERY"):
+        maybe_attach(Boom(), environ={"FASTDUMP_DIR": str(tmp_path), "FASTDUMP_EVERY": "0"})
+    with pytest.raises(TypeError, match="evry"):
+        maybe_attach(Boom(), environ={"FASTDUMP_DIR": str(tmp_path)}, evry=2)
+    assert not list(tmp_path.iterdir())
+
+
+def test_maybe_attach_precedence(tmp_path):
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
+    env = {"FASTDUMP_DIR": str(tmp_path), "FASTDUMP_ROLE": "envrole", "FASTDUMP_EVERY": "2",
+           "FASTDUMP_WRITER": "thread", "FASTDUMP_INCLUDE": "^0$"}
+    d = maybe_attach(model, environ=env, every=1)  # code beats environment
+    assert d.role == "envrole"  # no role in code: FASTDUMP_ROLE
+    with torch.no_grad():
+        for _ in range(3):
+            model(torch.ones(1, 4))
+    d.close()
+    ds = fastdump.open(tmp_path)
+    rank = ds.ranks("envrole")[0]
+    assert ds.passes("envrole", rank) == [0, 1, 2]
+    assert set(ds.load("envrole", rank, 0)) == {"0"}
+    d = maybe_attach(model, role="draft", environ=env)  # code's role beats FASTDUMP_ROLE
+    assert d.role == "draft"
+    d.close()
+
+
+def test_docs_example(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("FASTDUMP_DIR", raising=False)
+    exec(compile(doc_example("config"), "INTEGRATIONS.md:config", "exec"), ns := {})
+    assert ns["dumper"] is None and not list(tmp_path.iterdir())
+    monkeypatch.setenv("FASTDUMP_DIR", "dump")
+    exec(compile(doc_example("config"), "INTEGRATIONS.md:config", "exec"), ns := {})
+    ds = fastdump.open("dump")
+    rank = ds.ranks("target")[0]
+    assert ds.passes("target", rank) == [0]
+    assert torch.equal(ds.load("target", rank, 0)["1"], torch.relu(ns["model"][0](torch.ones(2, 8))).detach())

@@ -1,0 +1,512 @@
+"""SGLang drop-in, tested without SGLang on stand-ins shaped like SGLang's models.
+
+Reference values come from plain forward hooks that clone at hook time on an identical run; the dump
+must equal them bit for bit."""
+
+import enum
+import math
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import fastdump
+from fastdump.integrations import sglang as fsg
+
+H, V = 16, 32
+DOCS = Path(__file__).parents[1] / "docs" / "INTEGRATIONS.md"
+
+
+def doc_example(name):
+    m = re.search(rf"<!-- example: {name} -->\s*```python\n(.*?)```", DOCS.read_text(), re.S)
+    assert m, f"example {name!r} missing from {DOCS}"
+    return m.group(1)
+
+
+class ForwardMode(enum.IntEnum):
+    EXTEND = 1
+    DECODE = 2
+    TARGET_VERIFY = 3
+    DRAFT_EXTEND = 4
+
+
+@dataclass
+class ForwardBatch:
+    forward_mode: ForwardMode
+    input_ids: torch.Tensor
+    seq_lens: torch.Tensor
+    positions: torch.Tensor
+    extend_seq_lens: torch.Tensor | None = None
+
+    @property
+    def batch_size(self):
+        return self.seq_lens.shape[0]
+
+
+@dataclass
+class LogitsProcessorOutput:
+    next_token_logits: torch.Tensor
+    hidden_states: torch.Tensor | None = None
+
+
+class Part(nn.Module):
+    direct = False  # True: call children with .forward() like DeepSeek-V4 in SGLang (sglang#26269)
+
+    def call(self, child, *args, **kwargs):
+        return child.forward(*args, **kwargs) if self.direct else child(*args, **kwargs)
+
+
+class RMSNorm(Part):
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.rand(H) + 0.5)
+
+    def forward(self, x, residual=None):
+        if residual is not None:  # fused add + norm, in place on residual as in SGLang's kernel
+            residual.add_(x)
+            x = residual
+        out = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
+        return out if residual is None else (out, residual)
+
+
+class RadixAttention(Part):
+    def forward(self, q, k, v, forward_batch):
+        s = (q @ k.T) / math.sqrt(q.shape[-1])
+        return torch.softmax(s, -1) @ v
+
+
+class Attention(Part):
+    def __init__(self):
+        super().__init__()
+        self.qkv_proj = nn.Linear(H, 3 * H, bias=False)
+        self.attn = RadixAttention()
+        self.o_proj = nn.Linear(H, H, bias=False)
+
+    def forward(self, positions, x, forward_batch):
+        q, k, v = self.call(self.qkv_proj, x).chunk(3, -1)
+        return self.call(self.o_proj, self.call(self.attn, q + positions[:, None], k, v, forward_batch))
+
+
+class SiluAndMul(Part):
+    def forward(self, x):
+        a, b = x.chunk(2, -1)
+        return nn.functional.silu(a) * b
+
+
+class MLP(Part):
+    def __init__(self):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(H, 4 * H, bias=False)
+        self.act_fn = SiluAndMul()
+        self.down_proj = nn.Linear(2 * H, H, bias=False)
+
+    def forward(self, x):
+        return self.call(self.down_proj, self.call(self.act_fn, self.call(self.gate_up_proj, x)))
+
+
+class DecoderLayer(Part):
+    def __init__(self):
+        super().__init__()
+        self.self_attn = Attention()
+        self.mlp = MLP()
+        self.input_layernorm = RMSNorm()
+        self.post_attention_layernorm = RMSNorm()
+
+    def forward(self, positions, x, forward_batch, residual):
+        if residual is None:
+            residual = x.clone()
+            x = self.call(self.input_layernorm, x)
+        else:
+            x, residual = self.call(self.input_layernorm, x, residual)
+        x = self.call(self.self_attn, positions, x, forward_batch)
+        x, residual = self.call(self.post_attention_layernorm, x, residual)
+        return self.call(self.mlp, x), residual
+
+
+class LlamaModel(Part):
+    def __init__(self, n_layers):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(V, H)
+        self.layers = nn.ModuleList(DecoderLayer() for _ in range(n_layers))
+        self.norm = RMSNorm()
+
+    def forward(self, input_ids, positions, forward_batch):
+        x, residual = self.call(self.embed_tokens, input_ids), None
+        for layer in self.layers:
+            x, residual = self.call(layer, positions.float(), x, forward_batch, residual)
+        x, _ = self.call(self.norm, x, residual)
+        return x
+
+
+class LogitsProcessor(Part):
+    def forward(self, input_ids, hidden, lm_head, forward_batch):
+        if forward_batch.forward_mode == ForwardMode.EXTEND:  # last token of each sequence
+            hidden = hidden[torch.cumsum(forward_batch.extend_seq_lens, 0) - 1]
+        return LogitsProcessorOutput(next_token_logits=hidden @ lm_head.weight.T)
+
+
+class ParallelLMHead(nn.Module):
+    """Like SGLang's: holds the weight, never called (LogitsProcessor multiplies by it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(V, H))
+
+
+class LlamaForCausalLM(Part):
+    def __init__(self, n_layers=2, direct=False, seed=0):
+        torch.manual_seed(seed)
+        super().__init__()
+        self.model = LlamaModel(n_layers)
+        self.lm_head = ParallelLMHead()
+        self.logits_processor = LogitsProcessor()
+        self.set_direct(direct)
+
+    def set_direct(self, direct):
+        for m in self.modules():
+            m.direct = direct
+
+    @torch.no_grad()
+    def forward(self, input_ids, positions, forward_batch):
+        hidden = self.call(self.model, input_ids, positions, forward_batch=forward_batch)
+        return self.call(self.logits_processor, input_ids, hidden, self.lm_head, forward_batch)
+
+
+def batches():
+    """extend of two sequences (3 and 2 tokens), then two decode steps."""
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, V, (5,), generator=g)
+    yield ForwardBatch(ForwardMode.EXTEND, ids, torch.tensor([3, 2]), torch.tensor([0, 1, 2, 0, 1]),
+                       extend_seq_lens=torch.tensor([3, 2]))
+    for step in range(2):
+        yield ForwardBatch(ForwardMode.DECODE, torch.randint(0, V, (2,), generator=g),
+                           torch.tensor([4 + step, 3 + step]), torch.tensor([3 + step, 2 + step]))
+
+
+def run(model, fb):
+    return model(fb.input_ids, fb.positions, fb)
+
+
+def flatten(name, value, out):
+    if isinstance(value, torch.Tensor):
+        out[name] = value.detach().clone()
+    elif isinstance(value, (tuple, list)):
+        for i, v in enumerate(value):
+            flatten(f"{name}.{i}", v, out)
+    elif isinstance(value, LogitsProcessorOutput):
+        out[name] = value.next_token_logits.clone()
+    return out
+
+
+def reference_pass(model, fb, dump_layers=None):
+    """One forward with plain hooks (clone at hook time) on what SGLang dumps: leaves + `model`."""
+    model_direct = model.direct
+    model.set_direct(False)  # plain hooks need __call__
+    rec, handles = {}, []
+
+    def hook(name):
+        def record(mod, args, out):
+            flatten(name, out, rec)  # returns None: the output is left alone
+        return record
+
+    for name, mod in model.named_modules():
+        parts = name.split(".")
+        if dump_layers is not None and parts[:2] == ["model", "layers"] and len(parts) > 2 \
+                and int(parts[2]) not in dump_layers:
+            continue
+        if name == "model" or (name and not mod._modules and name != "lm_head"):
+            handles.append(mod.register_forward_hook(hook(name)))
+    for f in ("input_ids", "seq_lens", "positions"):
+        rec[f"model.forward_batch_info.{f}"] = getattr(fb, f).clone()
+    out = run(model, fb)
+    for h in handles:
+        h.remove()
+    model.set_direct(model_direct)
+    return rec, out
+
+
+def assert_equal_bitwise(got: dict, want: dict):
+    assert sorted(got) == sorted(want)
+    for k in want:
+        assert got[k].dtype == want[k].dtype and got[k].shape == want[k].shape, k
+        assert torch.equal(got[k].view(torch.uint8), want[k].contiguous().view(torch.uint8)), k
+
+
+def only_rank(ds, role):
+    (rank,) = ds.ranks(role)
+    return rank
+
+
+@pytest.mark.parametrize("direct", [False, True], ids=["call", "dot-forward"])
+def test_dump_equals_reference(tmp_path, direct):
+    model = LlamaForCausalLM(direct=direct)
+    fbs = list(batches())
+    refs = [reference_pass(model, fb) for fb in fbs]
+    d = fsg.register_forward_hook_for_model(model, tmp_path, None, 1, 0, 0)
+    assert d.get_dump_dir() == str(d.dumper.dir)
+    assert Path(d.get_dump_dir()).name == f"TP0_PP0_Rank0_pid{os.getpid()}"
+    outs = [run(model, fb) for fb in fbs]
+    d.dump_current_tensors()  # nothing pending: passes end when the model returns
+    d.close()
+    assert "forward" not in model.model.__dict__  # unwrapped
+
+    ds = fastdump.open(tmp_path)
+    assert list(ds.roles) == ["target"]
+    rank = only_rank(ds, "target")
+    assert list(ds.passes("target", rank)) == [0, 1, 2]
+    for p, ((want, ref_out), out, fb) in enumerate(zip(refs, outs, fbs)):
+        got = ds.load("target", rank, p)
+        assert_equal_bitwise(got, want)
+        # the LM head's logits are in the same pass as the layers that produced them
+        assert torch.equal(got["logits_processor"], out.next_token_logits)
+        assert torch.equal(got["logits_processor"], ref_out.next_token_logits)
+        meta = ds.meta("target", rank, p)
+        assert meta["forward_mode"] == fb.forward_mode.name
+        assert meta["batch_size"] == 2 and meta["num_tokens"] == fb.input_ids.shape[0]
+
+
+def test_dump_layers_filters_only_decoder_layers(tmp_path):
+    model = LlamaForCausalLM(n_layers=3)
+    fb = next(batches())
+    want, _ = reference_pass(model, fb, dump_layers=[1])
+    d = fsg.register_forward_hook_for_model(model, str(tmp_path), dump_layers=[1])
+    run(model, fb)
+    d.close()
+    ds = fastdump.open(tmp_path)
+    got = ds.load("target", only_rank(ds, "target"), 0)
+    assert_equal_bitwise(got, want)
+    assert any(k.startswith("model.layers.1.") for k in got)
+    assert not any(k.startswith(("model.layers.0.", "model.layers.2.")) for k in got)
+    assert {"model.embed_tokens", "model.norm.0", "model", "logits_processor"} <= set(got)
+
+
+def test_dump_layers_with_other_layout(tmp_path, monkeypatch):
+    monkeypatch.setenv("TENSOR_DUMP_LAYERS_MODULE_NAME", "blocks")  # SGLang's variable for such models
+
+    class Inner(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList(nn.Linear(4, 4) for _ in range(12))
+
+        def forward(self, x):
+            for b in self.blocks:
+                x = b(x)
+            return x
+
+    model = nn.Module()
+    model.model = Inner()
+    model.forward = lambda x: model.model(x)  # an instance forward, as engines sometimes have
+    d = fsg.register_forward_hook_for_model(model, tmp_path, dump_layers=[1, 10])
+    with torch.no_grad():
+        model(torch.ones(1, 4))
+    d.close()
+    ds = fastdump.open(tmp_path)
+    assert set(ds.load("target", only_rank(ds, "target"), 0)) == {"model", "model.blocks.1", "model.blocks.10"}
+
+
+def test_dump_current_tensors_ends_an_open_pass(tmp_path):
+    model, fbs = LlamaForCausalLM(), list(batches())
+    d = fsg.register_forward_hook_for_model(model, tmp_path)
+    d.dumper.begin_pass()  # several forwards in one pass (e.g. a draft's steps)
+    run(model, fbs[1])
+    run(model, fbs[2])
+    d.dump_current_tensors()  # ends it now
+    run(model, fbs[0])
+    d.close()
+    ds = fastdump.open(tmp_path)
+    rank = only_rank(ds, "target")
+    assert ds.passes("target", rank) == [0, 1]
+    first, second = ds.load("target", rank, 0), ds.load("target", rank, 1)
+    assert "logits_processor#1" in first and "logits_processor#1" not in second
+    assert ds.meta("target", rank, 1)["forward_mode"] == "EXTEND"
+
+
+def test_rank_directory_naming(tmp_path):
+    model = LlamaForCausalLM()
+    d = fsg.register_forward_hook_for_model(model, tmp_path, None, tp_size=4, tp_rank=3, pp_rank=1)
+    run(model, next(batches()))
+    d.close()
+    assert Path(d.get_dump_dir()).name == f"TP3_PP1_Rank7_pid{os.getpid()}"  # rank = tp_size*pp_rank+tp_rank
+
+
+def test_role_for():
+    assert fsg.role_for(False, None) is None
+    assert fsg.role_for(False, "NGRAM") is None
+    assert fsg.role_for(False, "EAGLE") == "target"
+    assert fsg.role_for(True, "EAGLE3") == "draft"
+    assert fsg.role_for(True, None) == "draft"  # any draft worker must not share the target's directory
+
+    class Algo(enum.IntEnum):
+        NONE = 0
+        EAGLE = 1
+
+        def is_eagle(self):
+            return self == Algo.EAGLE
+
+    assert fsg.role_for(False, Algo.EAGLE) == "target" and fsg.role_for(False, Algo.NONE) is None
+
+
+def test_eagle_pair_in_one_process(tmp_path):
+    target, draft = LlamaForCausalLM(n_layers=2, seed=0), LlamaForCausalLM(n_layers=1, seed=1)
+    g = torch.Generator().manual_seed(2)
+
+    def fb(mode, n):
+        return ForwardBatch(mode, torch.randint(0, V, (n,), generator=g), torch.tensor([n]),
+                            torch.arange(n), extend_seq_lens=torch.tensor([n]))
+
+    # target extend, draft extend, 2 draft steps, target verify of 3 tokens, draft extend again
+    schedule = [(target, fb(ForwardMode.EXTEND, 4)), (draft, fb(ForwardMode.DRAFT_EXTEND, 4)),
+                (draft, fb(ForwardMode.DECODE, 1)), (draft, fb(ForwardMode.DECODE, 1)),
+                (target, fb(ForwardMode.TARGET_VERIFY, 3)), (draft, fb(ForwardMode.DRAFT_EXTEND, 2))]
+    refs = [reference_pass(m, b)[0] for m, b in schedule]
+    dumpers = {
+        "target": fsg.register_forward_hook_for_model(target, tmp_path, role=fsg.role_for(False, "EAGLE")),
+        "draft": fsg.register_forward_hook_for_model(draft, tmp_path, role=fsg.role_for(True, "EAGLE")),
+    }
+    assert dumpers["target"].get_dump_dir() != dumpers["draft"].get_dump_dir()
+    for m, b in schedule:
+        run(m, b)
+    for d in dumpers.values():
+        d.close()
+
+    ds = fastdump.open(tmp_path)
+    assert sorted(ds.roles) == ["draft", "target"]
+    seen = {"target": 0, "draft": 0}
+    for (m, b), want in zip(schedule, refs):
+        role = "target" if m is target else "draft"
+        rank = only_rank(ds, role)
+        assert_equal_bitwise(ds.load(role, rank, seen[role]), want)
+        assert ds.meta(role, rank, seen[role])["forward_mode"] == b.forward_mode.name
+        seen[role] += 1
+    assert [len(list(ds.passes(r, only_rank(ds, r)))) for r in ("target", "draft")] == [2, 4]
+
+
+def test_docs_example(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    model, fb = LlamaForCausalLM(n_layers=3), next(batches())
+    want, _ = reference_pass(model, fb, dump_layers=[0, 1])
+    exec(compile(doc_example("sglang"), "INTEGRATIONS.md:sglang", "exec"), {"model": model, "forward_batch": fb})
+    ds = fastdump.open("dump")
+    assert_equal_bitwise(ds.load("target", only_rank(ds, "target"), 0), want)
+
+
+def test_missing_top_level_module(tmp_path):
+    with pytest.raises(ValueError, match="module named 'model'"):
+        fsg.register_forward_hook_for_model(nn.Sequential(nn.Linear(2, 2)), tmp_path)
+
+
+# --- install(): routing SGLang's own flag ---------------------------------------------------------
+
+FAKE_SGLANG = {
+    "sglang/__init__.py": "",
+    "sglang/srt/__init__.py": "",
+    "sglang/srt/debug_utils/__init__.py": "",
+    "sglang/srt/debug_utils/tensor_dump_forward_hook.py": """
+        def register_forward_hook_for_model(model, dump_dir, dump_layers, tp_size, tp_rank, pp_rank):
+            raise AssertionError("SGLang's own dumper was used")
+    """,
+    "sglang/srt/model_executor/__init__.py": "",
+    # What SGLang's ModelRunner.load_model does after PR #21694, reduced to the call.
+    "sglang/srt/model_executor/model_runner.py": """
+        import os
+        import torch
+        from sglang.srt.debug_utils.tensor_dump_forward_hook import register_forward_hook_for_model
+
+        class TinyLM(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                torch.manual_seed(0)
+                self.model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
+                self.lm_head = torch.nn.Linear(4, 8)
+            def forward(self, x):
+                return self.lm_head(self.model(x))
+
+        def load_and_run(folder, is_draft_worker, is_eagle):
+            model = TinyLM()
+            if is_eagle:
+                folder = os.path.join(folder, "draft" if is_draft_worker else "target")
+            dumper = register_forward_hook_for_model(model, folder, None, 1, 0, 0)
+            with torch.no_grad():
+                out = model(torch.ones(2, 4))
+            dumper.close()
+            return out
+    """,
+    # launch_server runs the model runner in a spawned process, as SGLang does.
+    "sglang/launch_server.py": """
+        import multiprocessing as mp
+        import sys
+        from sglang.srt.model_executor.model_runner import load_and_run
+
+        if __name__ == "__main__":
+            folder = sys.argv[sys.argv.index("--debug-tensor-dump-output-folder") + 1]
+            p = mp.get_context("spawn").Process(target=load_and_run, args=(folder, False, False))
+            p.start()
+            p.join()
+            sys.exit(p.exitcode)
+    """,
+}
+
+
+@pytest.fixture
+def fake_sglang(tmp_path, monkeypatch):
+    pkg = tmp_path / "fake_sglang"
+    for rel, text in FAKE_SGLANG.items():
+        (pkg / rel).parent.mkdir(parents=True, exist_ok=True)
+        (pkg / rel).write_text(textwrap.dedent(text))
+    monkeypatch.syspath_prepend(str(pkg))
+    yield pkg
+    for name in [n for n in sys.modules if n == "sglang" or n.startswith("sglang.")]:
+        del sys.modules[name]
+
+
+def test_install_without_sglang_does_nothing(monkeypatch):
+    monkeypatch.setitem(sys.modules, "sglang", None)  # import sglang -> ImportError
+    assert fsg.install() is False
+
+
+def test_install_routes_eagle_dumps_to_roles(fake_sglang, tmp_path):
+    assert fsg.install() is True
+    from sglang.srt.model_executor import model_runner
+
+    root = tmp_path / "dump"
+    outs = {role: model_runner.load_and_run(str(root), role == "draft", True) for role in ("target", "draft")}
+    ds = fastdump.open(root)
+    assert sorted(ds.roles) == ["draft", "target"]
+    for role, out in outs.items():
+        got = ds.load(role, only_rank(ds, role), 0)
+        assert torch.equal(got["lm_head"], out)  # root's child lm_head: same pass as model
+        assert "model" in got and "model.0" in got
+
+
+def test_launcher_patches_spawned_processes(fake_sglang, tmp_path):
+    root = tmp_path / "dump"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(fake_sglang), str(Path(__file__).parents[1]),
+                                                       os.environ.get("PYTHONPATH", "")]))
+    r = subprocess.run([sys.executable, "-m", "fastdump.integrations.sglang",
+                        "--debug-tensor-dump-output-folder", str(root)],
+                       env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    ds = fastdump.open(root)
+    assert list(ds.roles) == ["target"]
+    got = ds.load("target", only_rank(ds, "target"), 0)
+    assert {"model", "model.0", "model.1", "lm_head"} <= set(got)
+
+
+def test_installed_entry_applies_fastdump_env(fake_sglang, tmp_path, monkeypatch):
+    monkeypatch.setenv("FASTDUMP_EXCLUDE", "^lm_head$")
+    monkeypatch.setenv("FASTDUMP_WRITER", "thread")
+    assert fsg.install() is True
+    from sglang.srt.model_executor import model_runner
+
+    model_runner.load_and_run(str(tmp_path), False, False)  # not EAGLE: plain target role
+    ds = fastdump.open(tmp_path)
+    got = ds.load("target", only_rank(ds, "target"), 0)
+    assert "lm_head" not in got and "model.0" in got
+    assert ds.rank_info("target", only_rank(ds, "target"))["config"]["writer"] == "thread"
