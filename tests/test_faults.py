@@ -15,7 +15,7 @@ import fastdump
 from fastdump.engine import SHM_DIR, SHM_PREFIX, remove_stale_segments
 
 SERVE = textwrap.dedent("""
-    import sys, torch, fastdump
+    import os, sys, torch, fastdump
     root, progress = sys.argv[1], sys.argv[2]
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU(), torch.nn.Linear(64, 64))
@@ -24,8 +24,9 @@ SERVE = textwrap.dedent("""
         i = 0
         while True:
             model(torch.full((4, 64), float(i)))
-            with open(progress, "w") as f:
-                f.write(str(i + 1))   # passes finished so far
+            with open(progress + ".tmp", "w") as f:
+                f.write(str(i + 1))   # passes finished so far (atomic: the kill may land anywhere)
+            os.replace(progress + ".tmp", progress)
             i += 1
 """)
 

@@ -18,7 +18,6 @@ transformers is optional (``pip install fastdump[hf]``); this module imports it 
 
 from __future__ import annotations
 
-import functools
 from contextlib import contextmanager
 
 import fastdump
