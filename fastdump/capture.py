@@ -414,6 +414,10 @@ class Dumper:
             self._totals["dropped"] += 1
         elif status == _C.TOO_LARGE:
             self._skip(name, "more than %d dimensions" % _C.MAX_DIMS)
+        elif status == _CAPTURING:
+            # Python wrappers run only while a graph is captured, never on replay: copying then
+            # would dump a capture-time value under every replay. Recorded, not staged.
+            self._skip(name, "CUDA graph capture in progress (replays are not dumped)")
         else:
             self._disable(self._engine.error())
 
@@ -520,6 +524,7 @@ class Dumper:
 # helpers
 
 _MISSING = object()
+_CAPTURING = getattr(_C, "CAPTURING", 5)  # CudaStager.stage: the producer stream is being captured
 
 try:  # torch is a dependency of every model we dump; import it once, here
     import torch as _torch

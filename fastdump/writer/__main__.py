@@ -25,7 +25,7 @@ def main() -> int:
     sys.stdout = sys.stderr  # keep stray prints off the liveness pipe
     consumer = _C.Consumer(args.shm)
     consumer.set_producer_fd(producer_pipe)
-    return run_consumer(consumer)
+    return run_consumer(consumer, pin_near_device=True)
 
 
 if __name__ == "__main__":

@@ -33,8 +33,9 @@ class _Assembly:
 
 
 class WriterLoop:
-    def __init__(self, consumer):
+    def __init__(self, consumer, pin_near_device: bool = False):
         self.consumer = consumer
+        self.pin_near_device = pin_near_device  # only a writer process may move its own CPUs
         self.channels: dict[int, ChannelWriter] = {}
         self.partial: dict[tuple, _Assembly] = {}
         self.failed: str | None = None
@@ -95,11 +96,18 @@ class WriterLoop:
     def _control(self, msg: dict) -> None:
         op, channel = msg["op"], msg.get("channel", 0)
         if op == "open":
+            if self.pin_near_device and (msg.get("device") or {}).get("pci_bus_id"):
+                from ..devices import pin_writer_near
+
+                pin_writer_near(msg["device"]["pci_bus_id"])
+                self.pin_near_device = False  # the first GPU decides: one writer serves them all
             try:
                 self.channels[channel] = ChannelWriter(msg)
             except Exception as exc:
                 self._fail(f"cannot open {msg.get('dir')}: {exc}")
             return
+        if op == "end":
+            self._drop_torn(channel, msg)
         method = {"name": "on_name", "begin": "on_begin", "end": "on_end", "note": "on_note",
                   "close": "close"}.get(op)
         if method is None:
@@ -115,6 +123,16 @@ class WriterLoop:
         self._call(channel, method, *args)
         if op == "close":
             self.channels.pop(channel, None)
+
+    def _drop_torn(self, channel: int, end_msg: dict) -> None:
+        """Chunks of a tensor whose other chunks never came (a failed CUDA drain turns unfinished
+        records into padding): at its pass's end it can never complete, so it is recorded as skipped."""
+        torn = [key for key in self.partial if key[0] == channel and key[2] == end_msg["pass"]]
+        names = getattr(self.channels.get(channel), "names", {})
+        for key in torn:
+            del self.partial[key]
+            end_msg.setdefault("skipped", []).append(
+                {"name": names.get(key[1], f"name #{key[1]}"), "reason": "incomplete tensor (staging failed mid-copy)"})
 
     def _call(self, channel: int, method: str, *args) -> None:
         writer = self.channels.get(channel)
@@ -158,9 +176,9 @@ def writer_dir(writer) -> str:
     return str(getattr(writer, "dir", "?"))
 
 
-def run_consumer(consumer) -> int:
+def run_consumer(consumer, pin_near_device: bool = False) -> int:
     try:
-        return WriterLoop(consumer).run()
+        return WriterLoop(consumer, pin_near_device).run()
     except BaseException as exc:  # a crash of the loop itself: say so where the producer looks
         log.exception("fastdump writer crashed")
         consumer.set_state(_C.WRITER_FAILED, f"writer crashed: {type(exc).__name__}: {exc}")

@@ -128,6 +128,11 @@ class ChannelWriter:
     def failed(self) -> bool:
         return self.error is not None
 
+    @property
+    def names(self) -> dict:
+        """name id -> tensor name, as announced so far."""
+        return self._names
+
     def on_name(self, name_id: int, name: str) -> None:
         self._names[name_id] = name
 

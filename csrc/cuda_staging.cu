@@ -1,0 +1,1312 @@
+// CUDA staging: see cuda_staging.h and docs/CUDA.md.
+//
+// Per captured tensor (stage(), caller's thread):
+//   1. take device-ring space (FIFO, contiguous);
+//   2. reserve the tensor's first host record in the shared-memory ring (Producer::reserve): ring
+//      order is fixed here, at stage time, so the writer sees records in the order they were staged;
+//   3. enqueue the device-to-device snapshot ON THE PRODUCER STREAM (cudaMemcpyAsync when
+//      contiguous, cudaMemcpy2DAsync for wide-row 2-D views, else a strided-gather kernel) and
+//      record a pooled event after it; later kernels on that stream cannot change what is dumped;
+//   4. hand the record(s) to the drain thread and return. No synchronization anywhere.
+// Drain thread (one per stager, all devices): make the device's side stream wait on the snapshot
+// event, move the device-ring regions into the host records' payloads with one batched call
+// (cudaMemcpyBatchAsync), record a pooled completion event; when it has completed, publish the
+// records (READY) and give the device-ring space back.
+#include "cuda_staging.h"
+
+#include <cuda_runtime.h>  // tests/cuda_mock/cuda_runtime.h in the mock test build
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <pthread.h>
+#include <unistd.h>
+#include <utility>
+#include <vector>
+
+#ifdef FASTDUMP_CUDA_MOCK
+#define FD_HOST_DEVICE
+#else
+#define FD_HOST_DEVICE __host__ __device__
+#endif
+
+namespace fastdump {
+
+namespace {
+
+constexpr uint64_t kDevAlign = 256;                 // device-ring region alignment
+constexpr uint64_t kRegisterPieceMB = 256;          // cudaHostRegister granularity (default)
+constexpr int kMaxDevices = 64;
+constexpr size_t kMaxBatchCopies = 256;             // copies per cudaMemcpyBatchAsync call
+constexpr int kPrecreatedEvents = 32;
+constexpr int kGatherThreads = 256;
+constexpr uint64_t k2dMinRowBytes = 512;            // narrower rows: the gather kernel does better
+
+std::string cuda_error_text(cudaError_t e, const char* what) {
+  return std::string(what) + ": " + cudaGetErrorName(e) + " (" + cudaGetErrorString(e) + ")";
+}
+
+[[noreturn]] void throw_cuda(cudaError_t e, const char* what) {
+  throw std::runtime_error("fastdump CUDA: " + cuda_error_text(e, what));
+}
+
+#define FD_CUDA(call)                          \
+  do {                                         \
+    cudaError_t fd_err_ = (call);              \
+    if (fd_err_ != cudaSuccess) throw_cuda(fd_err_, #call); \
+  } while (0)
+
+// Set in a child after fork(): a stager inherited from the parent must not be used there.
+std::atomic<bool> g_forked{false};
+void mark_forked() { g_forked.store(true); }
+bool forked_child() { return g_forked.load(std::memory_order_relaxed); }
+void watch_fork() {
+  static std::once_flag once;
+  std::call_once(once, [] { ::pthread_atfork(nullptr, nullptr, &mark_forked); });
+}
+
+double now_s() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+uint64_t align_to(uint64_t n, uint64_t a) { return (n + a - 1) / a * a; }
+
+// Sets the calling thread's current device for the scope and restores it (the producer's
+// framework keeps its own idea of the current device; we must not change it behind its back).
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device) {
+    FD_CUDA(cudaGetDevice(&prev_));
+    if (prev_ != device) {
+      FD_CUDA(cudaSetDevice(device));
+      changed_ = true;
+    }
+  }
+  ~DeviceGuard() {
+    if (changed_) (void)cudaSetDevice(prev_);
+  }
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+
+ private:
+  int prev_ = 0;
+  bool changed_ = false;
+};
+
+// While another thread captures a CUDA graph in global mode (torch.cuda.graph's default), "unsafe"
+// calls such as cudaMalloc from any thread in global mode fail and invalidate that capture. The
+// stager's setup and teardown calls run in relaxed mode for the scope.
+class RelaxedCapture {
+ public:
+  RelaxedCapture() { (void)cudaThreadExchangeStreamCaptureMode(&mode_); }
+  ~RelaxedCapture() { (void)cudaThreadExchangeStreamCaptureMode(&mode_); }
+  RelaxedCapture(const RelaxedCapture&) = delete;
+  RelaxedCapture& operator=(const RelaxedCapture&) = delete;
+
+ private:
+  cudaStreamCaptureMode mode_ = cudaStreamCaptureModeRelaxed;
+};
+
+// ---------------------------------------------------------------------------------------------
+// Strided gather kernel. Works in units of W bytes (W = 1, 2, 4, 8 or 16, chosen on the host so
+// that every address it touches is W-aligned); shapes/strides are in units, C order, coalesced.
+
+template <int N>
+struct GatherDims {
+  int ndim;
+  int64_t shape[N];
+  int64_t stride[N];  // in units; may be zero or negative
+};
+
+// Offset (in units) of the element at C-order position `lin`.
+template <typename I, int N>
+FD_HOST_DEVICE inline I gather_offset(const GatherDims<N>& d, I lin) {
+  I off = 0;
+  for (int k = d.ndim - 1; k >= 0; --k) {
+    const I s = static_cast<I>(d.shape[k]);
+    const I q = lin / s;
+    off += (lin - q * s) * static_cast<I>(d.stride[k]);
+    lin = q;
+  }
+  return off;
+}
+
+#ifndef FASTDUMP_CUDA_MOCK
+template <typename T, typename I, int N>
+__global__ void __launch_bounds__(kGatherThreads)
+    gather_kernel(T* __restrict__ dst, const T* __restrict__ src, const GatherDims<N> d, I begin, I count) {
+  const I step = static_cast<I>(gridDim.x) * static_cast<I>(blockDim.x);
+  for (I i = static_cast<I>(blockIdx.x) * static_cast<I>(blockDim.x) + static_cast<I>(threadIdx.x); i < count;
+       i += step)
+    dst[i] = src[gather_offset<I, N>(d, begin + i)];
+}
+
+template <typename T, typename I, int N>
+cudaError_t launch_gather_t(uint8_t* dst, const uint8_t* src, const GatherDims<N>& d, uint64_t begin, uint64_t count,
+                            int sm_count, cudaStream_t stream) {
+  uint64_t blocks = (count + kGatherThreads - 1) / kGatherThreads;
+  const uint64_t max_blocks = static_cast<uint64_t>(sm_count > 0 ? sm_count : 16) * 8;
+  if (blocks > max_blocks) blocks = max_blocks;
+  if (blocks == 0) blocks = 1;
+  gather_kernel<T, I, N><<<static_cast<unsigned>(blocks), kGatherThreads, 0, stream>>>(
+      reinterpret_cast<T*>(dst), reinterpret_cast<const T*>(src), d, static_cast<I>(begin), static_cast<I>(count));
+  return cudaGetLastError();
+}
+#else
+// Test build against tests/cuda_mock: the same index math, run by the mock stream's thread.
+template <typename T, typename I, int N>
+cudaError_t launch_gather_t(uint8_t* dst, const uint8_t* src, const GatherDims<N>& d, uint64_t begin, uint64_t count,
+                            int, cudaStream_t stream) {
+  return fdmock::enqueue(stream, [=] {
+    T* out = reinterpret_cast<T*>(dst);
+    const T* in = reinterpret_cast<const T*>(src);
+    for (I i = 0; i < static_cast<I>(count); ++i) out[i] = in[gather_offset<I, N>(d, static_cast<I>(begin) + i)];
+  });
+}
+#endif
+
+// A tensor's layout in bytes: size-1 dimensions removed, the element size as an innermost
+// dimension of stride 1, adjacent dimensions merged where memory allows. One dimension of stride 1
+// left means C-contiguous.
+struct ByteLayout {
+  std::vector<int64_t> shape;
+  std::vector<int64_t> stride;
+  bool contiguous() const { return shape.size() <= 1 && (shape.empty() || stride[0] == 1); }
+};
+
+ByteLayout byte_layout(const CudaSource& src) {
+  ByteLayout l;
+  const int64_t e = static_cast<int64_t>(src.elem_size);
+  for (size_t i = 0; i < src.shape.size(); ++i) {
+    if (src.shape[i] == 1) continue;
+    l.shape.push_back(src.shape[i]);
+    l.stride.push_back(src.strides[i] * e);
+  }
+  if (e != 1) {
+    l.shape.push_back(e);
+    l.stride.push_back(1);
+  }
+  // Merge from the inside out: outer (i) and inner (i+1) merge when stride[i] == stride[i+1]*shape[i+1].
+  std::vector<int64_t> sh, st;
+  for (size_t i = l.shape.size(); i-- > 0;) {
+    if (!sh.empty() && l.stride[i] == st.back() * sh.back()) {
+      sh.back() *= l.shape[i];  // the inner stride stays
+      continue;
+    }
+    sh.push_back(l.shape[i]);
+    st.push_back(l.stride[i]);
+  }
+  std::reverse(sh.begin(), sh.end());
+  std::reverse(st.begin(), st.end());
+  l.shape = std::move(sh);
+  l.stride = std::move(st);
+  if (l.shape.empty()) {  // a single element
+    l.shape.push_back(e);
+    l.stride.push_back(1);
+  }
+  return l;
+}
+
+template <typename T, int N>
+cudaError_t launch_gather_n(uint8_t* dst, const uint8_t* src, const GatherDims<N>& d, uint64_t begin, uint64_t count,
+                            bool small, int sm_count, cudaStream_t stream) {
+  if (small) return launch_gather_t<T, int32_t, N>(dst, src, d, begin, count, sm_count, stream);
+  return launch_gather_t<T, int64_t, N>(dst, src, d, begin, count, sm_count, stream);
+}
+
+template <int N>
+cudaError_t launch_gather_w(uint8_t* dst, const uint8_t* src, const GatherDims<N>& d, uint64_t w, uint64_t begin,
+                            uint64_t count, bool small, int sm_count, cudaStream_t stream) {
+  switch (w) {
+    case 16: return launch_gather_n<uint4, N>(dst, src, d, begin, count, small, sm_count, stream);
+    case 8: return launch_gather_n<uint64_t, N>(dst, src, d, begin, count, small, sm_count, stream);
+    case 4: return launch_gather_n<uint32_t, N>(dst, src, d, begin, count, small, sm_count, stream);
+    case 2: return launch_gather_n<uint16_t, N>(dst, src, d, begin, count, small, sm_count, stream);
+    default: return launch_gather_n<uint8_t, N>(dst, src, d, begin, count, small, sm_count, stream);
+  }
+}
+
+constexpr int kSmallDims = 8;
+
+// Gather bytes [b0, b1) of the C-order enumeration of `l` (based at src) into dst.
+cudaError_t gather(uint8_t* dst, const uint8_t* src, const ByteLayout& l, uint64_t b0, uint64_t b1, int sm_count,
+                   cudaStream_t stream) {
+  const size_t nd = l.shape.size();
+  const bool inner_run = l.stride[nd - 1] == 1;  // innermost dimension is a run of bytes
+  // Widest unit W that keeps every access aligned: W divides the innermost run, every outer
+  // stride, both addresses and both range ends. Without a byte run (1-byte elements with a
+  // non-unit innermost stride) W is 1.
+  uint64_t w = 16;
+  for (; w > 1; w >>= 1) {
+    if (!inner_run) continue;
+    if (static_cast<uint64_t>(l.shape[nd - 1]) % w) continue;
+    if (reinterpret_cast<uintptr_t>(src) % w || reinterpret_cast<uintptr_t>(dst) % w) continue;
+    if (b0 % w || b1 % w) continue;
+    bool ok = true;
+    for (size_t i = 0; i + 1 < nd; ++i) {
+      const uint64_t s = static_cast<uint64_t>(l.stride[i] < 0 ? -l.stride[i] : l.stride[i]);
+      if (s % w) ok = false;
+    }
+    if (ok) break;
+  }
+  // Dimensions in units of W bytes.
+  std::vector<int64_t> ushape(l.shape), ustride(l.stride);
+  for (size_t i = 0; i < nd; ++i) {
+    if (i == nd - 1 && inner_run) {
+      ushape[i] = l.shape[i] / static_cast<int64_t>(w);
+      ustride[i] = 1;
+    } else {
+      ustride[i] = l.stride[i] / static_cast<int64_t>(w);
+    }
+  }
+  const uint64_t begin = b0 / w, count = (b1 - b0) / w;
+  // 32-bit index arithmetic when every index and offset stays far below 2^31 (the grid-stride
+  // loop adds at most a few hundred thousand past `count`).
+  uint64_t span = 0;
+  for (size_t i = 0; i < nd; ++i) {
+    const uint64_t s = static_cast<uint64_t>(ustride[i] < 0 ? -ustride[i] : ustride[i]);
+    span += static_cast<uint64_t>(ushape[i] - 1) * s;
+  }
+  const bool small = begin + count < (1ull << 30) && span < (1ull << 30);
+  if (nd <= static_cast<size_t>(kSmallDims)) {
+    GatherDims<kSmallDims> d{};
+    d.ndim = static_cast<int>(nd);
+    for (size_t i = 0; i < nd; ++i) {
+      d.shape[i] = ushape[i];
+      d.stride[i] = ustride[i];
+    }
+    return launch_gather_w<kSmallDims>(dst, src, d, w, begin, count, small, sm_count, stream);
+  }
+  GatherDims<kMaxDims + 1> d{};
+  d.ndim = static_cast<int>(nd);
+  for (size_t i = 0; i < nd; ++i) {
+    d.shape[i] = ushape[i];
+    d.stride[i] = ustride[i];
+  }
+  return launch_gather_w<kMaxDims + 1>(dst, src, d, w, begin, count, small, sm_count, stream);
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// Queries
+
+CudaInfo cuda_query_info() {
+  CudaInfo info;
+  info.built_with = std::to_string(CUDART_VERSION / 1000) + "." + std::to_string((CUDART_VERSION % 1000) / 10);
+  (void)cudaRuntimeGetVersion(&info.runtime_version);
+  (void)cudaDriverGetVersion(&info.driver_version);
+  int n = 0;
+  cudaError_t e = cudaGetDeviceCount(&n);
+  if (e != cudaSuccess) {
+    (void)cudaGetLastError();
+    info.reason = cuda_error_text(e, "cudaGetDeviceCount");
+    if (info.driver_version == 0) info.reason += "; no NVIDIA driver found";
+    else if (info.driver_version < info.runtime_version)
+      info.reason += "; the driver supports CUDA " + std::to_string(info.driver_version / 1000) + "." +
+                     std::to_string((info.driver_version % 1000) / 10) + " but fastdump was built with " +
+                     info.built_with + " (rebuild with an older toolkit or update the driver)";
+    return info;
+  }
+  if (n == 0) {
+    info.reason = "no CUDA device visible";
+    return info;
+  }
+  info.device_count = n;
+  for (int i = 0; i < n; ++i) {
+    CudaDeviceInfo d;
+    d.index = i;
+    cudaDeviceProp p;
+    std::memset(&p, 0, sizeof(p));
+    if (cudaGetDeviceProperties(&p, i) == cudaSuccess) {
+      d.name = p.name;
+      char u[64];
+      const unsigned char* b = reinterpret_cast<const unsigned char*>(p.uuid.bytes);
+      std::snprintf(u, sizeof(u), "GPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x", b[0],
+                    b[1], b[2], b[3], b[4], b[5], b[6], b[7], b[8], b[9], b[10], b[11], b[12], b[13], b[14], b[15]);
+      d.uuid = u;
+      d.total_memory = p.totalGlobalMem;
+      d.major = p.major;
+      d.minor = p.minor;
+      d.multiprocessors = p.multiProcessorCount;
+    } else {
+      (void)cudaGetLastError();
+    }
+    char bus[64] = {0};
+    if (cudaDeviceGetPCIBusId(bus, sizeof(bus), i) == cudaSuccess) {
+      for (char* c = bus; *c; ++c)
+        if (*c >= 'A' && *c <= 'Z') *c = static_cast<char>(*c - 'A' + 'a');
+      d.pci_bus_id = bus;
+    } else {
+      (void)cudaGetLastError();
+    }
+    info.devices.push_back(std::move(d));
+  }
+  return info;
+}
+
+int cuda_pointer_device(uintptr_t ptr) {
+  cudaPointerAttributes a;
+  std::memset(&a, 0, sizeof(a));
+  cudaError_t e = cudaPointerGetAttributes(&a, reinterpret_cast<const void*>(ptr));
+  if (e != cudaSuccess) {
+    (void)cudaGetLastError();
+    if (e == cudaErrorInvalidValue) return -1;
+    throw_cuda(e, "cudaPointerGetAttributes");
+  }
+  if (a.type == cudaMemoryTypeDevice || a.type == cudaMemoryTypeManaged) return a.device;
+  return -1;
+}
+
+// ---------------------------------------------------------------------------------------------
+// The stager
+
+namespace {
+
+// A run of device-ring bytes handed out to one snapshot. Freed (in allocation order) once closed
+// (the stager pushed every record that reads it) and every pushed record's D2H copy completed.
+struct Region {
+  uint64_t start = 0;   // monotonic ring position (includes wrap padding before the data)
+  uint64_t end = 0;
+  uint32_t pending = 0; // pushed records whose copy has not completed
+  bool open = true;
+};
+
+struct DeviceCtx;
+
+struct Item {
+  DeviceCtx* dev = nullptr;
+  Region* region = nullptr;
+  cudaEvent_t snap = nullptr;  // only the first record of a region carries the snapshot event
+  const uint8_t* dsrc = nullptr;
+  Reservation res;
+  uint64_t len = 0;
+};
+
+struct InFlight {
+  cudaEvent_t done = nullptr;
+  std::vector<Item> items;
+  uint64_t bytes = 0;
+};
+
+struct DeviceCtx {
+  int index = 0;
+  int sm_count = 0;
+  uint8_t* ring = nullptr;
+  uint64_t cap = 0;
+  cudaStream_t side = nullptr;
+
+  std::mutex mu;  // guards everything below
+  uint64_t head = 0;  // monotonic allocation position
+  uint64_t tail = 0;  // monotonic free position
+  std::deque<Region> regions;  // references stay valid: only push_back / pop_front
+  std::vector<cudaEvent_t> free_events;
+  std::vector<cudaEvent_t> all_events;
+
+  // drain thread only
+  std::deque<InFlight> inflight;
+};
+
+}  // namespace
+
+struct CudaStager::Impl {
+  Producer* prod;
+  uint64_t dcap;
+  pid_t owner_pid = ::getpid();  // a forked child inherits this object but not the drain thread
+  int device_count = 0;
+  std::atomic<bool> use_batch{true};
+
+  std::mutex init_mu;
+  std::atomic<DeviceCtx*> devs[kMaxDevices];
+  std::string dev_error[kMaxDevices];  // under init_mu
+
+  std::atomic<bool> closed{false};
+  std::atomic<bool> broken{false};
+  std::atomic<int> active{0};
+
+  // Work queue to the drain thread.
+  std::mutex q_mu;
+  std::condition_variable q_cv;
+  std::vector<Item> queue;
+  bool stop = false;
+  bool drain_running = false;
+  std::thread drain;
+
+  // Progress (device space freed, records published): waiters in stage() and flush().
+  std::mutex prog_mu;
+  std::condition_variable prog_cv;
+  std::atomic<int> prog_waiters{0};
+  std::atomic<uint64_t> submitted{0};
+  std::atomic<uint64_t> completed{0};
+
+  // Host registration.
+  std::mutex reg_mu;
+  std::vector<std::pair<void*, size_t>> registered;  // pieces we registered (and must unregister)
+  uint8_t* reg_base = nullptr;
+  uint64_t reg_len = 0;
+  uint64_t reg_piece = kRegisterPieceMB << 20;
+  std::atomic<bool> host_pinned{false};
+
+  // Statistics.
+  std::atomic<uint64_t> n_tensors{0}, n_records{0}, n_snapshots{0}, n_kernels{0}, n_2d{0}, snapshot_bytes{0};
+  std::atomic<uint64_t> n_copies{0}, n_batches{0}, d2h_bytes{0}, n_published{0}, n_cancelled{0}, n_dropped{0};
+  std::atomic<uint64_t> n_capturing{0}, dev_waits{0}, host_waits{0};
+  std::mutex st_mu;
+  double dev_wait_s = 0;
+  double drain_s = 0;
+  double register_s = 0;
+  std::string last_error;
+  // drain-thread only
+  uint64_t inflight_batches = 0;
+  double busy_since = 0;
+
+  Impl(Producer* p, uint64_t ring_bytes) : prod(p) {
+    for (auto& d : devs) d.store(nullptr);
+    dcap = align_to(std::max<uint64_t>(ring_bytes, 1ull << 20), kDevAlign);
+    const char* env = std::getenv("FASTDUMP_CUDA_BATCH");
+    if (env && env[0] == '0') use_batch.store(false);
+    const char* piece = std::getenv("FASTDUMP_CUDA_REGISTER_PIECE_MB");
+    if (piece && std::atoll(piece) > 0) reg_piece = static_cast<uint64_t>(std::atoll(piece)) << 20;
+#if CUDART_VERSION < 12080
+    use_batch.store(false);
+#endif
+    cudaError_t e = cudaGetDeviceCount(&device_count);
+    if (e != cudaSuccess || device_count == 0) {
+      (void)cudaGetLastError();
+      CudaInfo info = cuda_query_info();
+      throw std::runtime_error("fastdump CUDA staging unavailable: " +
+                               (info.reason.empty() ? std::string("no CUDA device") : info.reason));
+    }
+    if (device_count > kMaxDevices) device_count = kMaxDevices;
+    watch_fork();
+    drain_running = true;
+    drain = std::thread([this] { drain_main(); });
+  }
+
+  ~Impl() {
+    try {
+      close(10.0);
+    } catch (...) {
+    }
+  }
+
+  void set_error(const std::string& msg) {
+    std::lock_guard<std::mutex> g(st_mu);
+    last_error = msg;
+  }
+
+  void notify_progress() {
+    if (prog_waiters.load(std::memory_order_seq_cst) > 0) {
+      std::lock_guard<std::mutex> g(prog_mu);
+      prog_cv.notify_all();
+    }
+  }
+
+  // -- devices ---------------------------------------------------------------------------------
+  DeviceCtx* device(int index) {
+    DeviceCtx* d = devs[index].load(std::memory_order_acquire);
+    if (d) return d;
+    std::lock_guard<std::mutex> g(init_mu);
+    d = devs[index].load(std::memory_order_acquire);
+    if (d) return d;
+    if (!dev_error[index].empty()) throw std::runtime_error(dev_error[index]);
+    std::unique_ptr<DeviceCtx> ctx(new DeviceCtx());
+    ctx->index = index;
+    ctx->cap = dcap;
+    RelaxedCapture relaxed;
+    try {
+      // The caller's DeviceGuard made `index` current.
+      FD_CUDA(cudaDeviceGetAttribute(&ctx->sm_count, cudaDevAttrMultiProcessorCount, index));
+      cudaError_t e = cudaMalloc(reinterpret_cast<void**>(&ctx->ring), dcap);
+      if (e != cudaSuccess) {
+        (void)cudaGetLastError();
+        throw std::runtime_error("fastdump CUDA: cannot allocate the " + std::to_string(dcap >> 20) +
+                                 " MiB device staging ring on GPU " + std::to_string(index) + ": " +
+                                 cuda_error_text(e, "cudaMalloc") + " (lower device_ring_mb)");
+      }
+      // Lowest priority (the default): the side stream only runs copies on the copy engines, where
+      // stream priority has no effect, and it must never win SM time over the model's kernels.
+      int least = 0, greatest = 0;
+      FD_CUDA(cudaDeviceGetStreamPriorityRange(&least, &greatest));
+      // Non-blocking: no implicit synchronization with the legacy default stream, which the
+      // producer may be using.
+      FD_CUDA(cudaStreamCreateWithPriority(&ctx->side, cudaStreamNonBlocking, least));
+      for (int i = 0; i < kPrecreatedEvents; ++i) {
+        cudaEvent_t ev;
+        FD_CUDA(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
+        ctx->all_events.push_back(ev);
+        ctx->free_events.push_back(ev);
+      }
+    } catch (const std::exception& ex) {
+      for (cudaEvent_t ev : ctx->all_events) (void)cudaEventDestroy(ev);
+      if (ctx->side) (void)cudaStreamDestroy(ctx->side);
+      if (ctx->ring) (void)cudaFree(ctx->ring);
+      (void)cudaGetLastError();
+      dev_error[index] = ex.what();
+      throw;
+    }
+    d = ctx.release();
+    devs[index].store(d, std::memory_order_release);
+    return d;
+  }
+
+  // Current device must be dev->index (both callers make sure).
+  cudaEvent_t take_event(DeviceCtx* dev) {
+    {
+      std::lock_guard<std::mutex> g(dev->mu);
+      if (!dev->free_events.empty()) {
+        cudaEvent_t ev = dev->free_events.back();
+        dev->free_events.pop_back();
+        return ev;
+      }
+    }
+    cudaEvent_t ev;
+    {
+      RelaxedCapture relaxed;
+      FD_CUDA(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
+    }
+    std::lock_guard<std::mutex> g(dev->mu);
+    dev->all_events.push_back(ev);
+    return ev;
+  }
+
+  void give_event(DeviceCtx* dev, cudaEvent_t ev) {
+    std::lock_guard<std::mutex> g(dev->mu);
+    dev->free_events.push_back(ev);
+  }
+
+  // Under dev->mu: free closed, fully copied regions at the front, in allocation order.
+  static bool reclaim_locked(DeviceCtx* dev) {
+    bool freed = false;
+    while (!dev->regions.empty() && !dev->regions.front().open && dev->regions.front().pending == 0) {
+      dev->tail = dev->regions.front().end;
+      dev->regions.pop_front();
+      freed = true;
+    }
+    return freed;
+  }
+
+  bool try_alloc(DeviceCtx* dev, uint64_t bytes, Region** reg, uint8_t** ptr) {
+    const uint64_t len = align_to(bytes, kDevAlign);
+    std::lock_guard<std::mutex> g(dev->mu);
+    if (dev->head == dev->tail) {  // empty: restart at offset 0, no wrap padding needed
+      dev->head = dev->tail = align_to(dev->head, dev->cap);
+    }
+    const uint64_t off = dev->head % dev->cap;
+    const uint64_t pad = off + len > dev->cap ? dev->cap - off : 0;
+    if (dev->cap - (dev->head - dev->tail) < pad + len) return false;
+    Region r;
+    r.start = dev->head;
+    r.end = dev->head + pad + len;
+    dev->regions.push_back(r);
+    *reg = &dev->regions.back();
+    *ptr = dev->ring + (pad ? 0 : off);
+    dev->head = r.end;
+    return true;
+  }
+
+  void close_region(DeviceCtx* dev, Region* reg) {
+    bool freed;
+    {
+      std::lock_guard<std::mutex> g(dev->mu);
+      reg->open = false;
+      freed = reclaim_locked(dev);
+    }
+    if (freed) notify_progress();
+  }
+
+  // Blocking allocation: waits for the drain thread to free space. False when staging must stop.
+  bool wait_alloc(DeviceCtx* dev, uint64_t bytes, Region** reg, uint8_t** ptr) {
+    dev_waits.fetch_add(1, std::memory_order_relaxed);
+    const double t0 = now_s();
+    double last_check = t0;
+    bool ok = false;
+    prog_waiters.fetch_add(1);
+    {
+      std::unique_lock<std::mutex> lk(prog_mu);
+      for (;;) {
+        if (try_alloc(dev, bytes, reg, ptr)) {
+          ok = true;
+          break;
+        }
+        if (closed.load() || broken.load() || prod->disabled()) break;
+        const double t = now_s();
+        if (t - last_check > 0.05) {
+          last_check = t;
+          if (!prod->writer_alive()) break;
+        }
+        prog_cv.wait_for(lk, std::chrono::milliseconds(2));
+      }
+    }
+    prog_waiters.fetch_sub(1);
+    std::lock_guard<std::mutex> g(st_mu);
+    dev_wait_s += now_s() - t0;
+    return ok;
+  }
+
+  // Turn a reserved record into padding (the writer skips it) and publish it.
+  void cancel(const Reservation& r) {
+    r.rec->kind = kPad;
+    prod->publish(r);
+    n_cancelled.fetch_add(1, std::memory_order_relaxed);
+  }
+
+  void push(Item&& it) {
+    {
+      std::lock_guard<std::mutex> g(it.dev->mu);
+      it.region->pending++;
+    }
+    submitted.fetch_add(1, std::memory_order_relaxed);
+    {
+      std::lock_guard<std::mutex> g(q_mu);
+      queue.push_back(std::move(it));
+    }
+    q_cv.notify_one();
+  }
+
+  // Enqueue the snapshot of elements [e0, e1) into dst, on the producer stream.
+  void snapshot(DeviceCtx* dev, const ByteLayout& l, const CudaSource& src, uint64_t e0, uint64_t e1, uint8_t* dst,
+                cudaStream_t stream) {
+    const uint64_t b0 = e0 * src.elem_size, b1 = e1 * src.elem_size;
+    const uint8_t* base = reinterpret_cast<const uint8_t*>(src.ptr);
+    if (l.contiguous()) {
+      FD_CUDA(cudaMemcpyAsync(dst, base + b0, b1 - b0, cudaMemcpyDeviceToDevice, stream));
+    } else if (l.shape.size() == 2 && l.stride[1] == 1 && l.stride[0] >= l.shape[1] &&
+               static_cast<uint64_t>(l.shape[1]) >= k2dMinRowBytes && b0 % l.shape[1] == 0 && b1 % l.shape[1] == 0) {
+      // Whole rows of a row-strided matrix: one 2-D copy.
+      const uint64_t row = static_cast<uint64_t>(l.shape[1]);
+      cudaError_t e = cudaMemcpy2DAsync(dst, row, base + (b0 / row) * static_cast<uint64_t>(l.stride[0]),
+                                        static_cast<size_t>(l.stride[0]), row, (b1 - b0) / row,
+                                        cudaMemcpyDeviceToDevice, stream);
+      if (e == cudaSuccess) {
+        n_2d.fetch_add(1, std::memory_order_relaxed);
+      } else {
+        (void)cudaGetLastError();  // e.g. a pitch over the device limit: use the kernel
+        FD_CUDA(gather(dst, base, l, b0, b1, dev->sm_count, stream));
+        n_kernels.fetch_add(1, std::memory_order_relaxed);
+      }
+    } else {
+      FD_CUDA(gather(dst, base, l, b0, b1, dev->sm_count, stream));
+      n_kernels.fetch_add(1, std::memory_order_relaxed);
+    }
+    n_snapshots.fetch_add(1, std::memory_order_relaxed);
+    snapshot_bytes.fetch_add(b1 - b0, std::memory_order_relaxed);
+  }
+
+  int drop() {
+    prod->count_dropped(1);
+    n_dropped.fetch_add(1, std::memory_order_relaxed);
+    return kDropped;
+  }
+
+  struct ActiveGuard {
+    std::atomic<int>& a;
+    explicit ActiveGuard(std::atomic<int>& x) : a(x) { a.fetch_add(1); }
+    ~ActiveGuard() { a.fetch_sub(1); }
+  };
+
+  int stage(uint32_t channel, uint32_t name_id, int64_t pass_id, uint16_t dtype, const CudaSource& src, bool block,
+            BlockHook* hook) {
+    ActiveGuard active_guard(active);
+    if (closed.load() || broken.load() || prod->disabled() || forked_child()) return kDisabled;
+    if (src.shape.size() != src.strides.size()) throw std::invalid_argument("shape and strides differ in length");
+    if (src.shape.size() > kMaxDims) return kTooLarge;
+    if (src.elem_size == 0) throw std::invalid_argument("elem_size must be positive");
+    if (src.device < 0 || src.device >= device_count)
+      throw std::invalid_argument("no CUDA device " + std::to_string(src.device));
+    uint64_t numel = 1;
+    for (int64_t d : src.shape) {
+      if (d < 0) throw std::invalid_argument("negative dimension");
+      numel *= static_cast<uint64_t>(d);
+    }
+    const uint64_t total = numel * src.elem_size;
+    bool hooked = false;
+    auto before_block = [&] {
+      if (!hooked && hook) hook->before_block();
+      hooked = true;
+    };
+
+    if (numel == 0) {  // nothing to copy: the record is complete at once
+      Reservation r;
+      if (!prod->reserve(kTensor, channel, name_id, pass_id, dtype, src.shape, 0, ChunkInfo{0, 0}, false, &r)) {
+        if (prod->disabled() || !prod->writer_alive()) return kDisabled;
+        if (!block) return drop();
+        before_block();
+        if (!prod->reserve(kTensor, channel, name_id, pass_id, dtype, src.shape, 0, ChunkInfo{0, 0}, true, &r))
+          return kDisabled;
+      }
+      prod->publish(r);
+      n_records.fetch_add(1, std::memory_order_relaxed);
+      n_published.fetch_add(1, std::memory_order_relaxed);
+      n_tensors.fetch_add(1, std::memory_order_relaxed);
+      return kStaged;
+    }
+
+    DeviceGuard guard(src.device);
+    cudaStream_t stream = reinterpret_cast<cudaStream_t>(src.stream);
+    cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
+    cudaError_t ce = cudaStreamIsCapturing(stream, &cs);
+    if (ce == cudaErrorStreamCaptureImplicit || (ce == cudaSuccess && cs != cudaStreamCaptureStatusNone)) {
+      if (ce != cudaSuccess) (void)cudaGetLastError();
+      n_capturing.fetch_add(1, std::memory_order_relaxed);
+      return kStageCapturing;
+    }
+    if (ce != cudaSuccess) throw_cuda(ce, "cudaStreamIsCapturing(producer stream)");
+    DeviceCtx* dev = device(src.device);
+    const ByteLayout layout = byte_layout(src);
+
+    // Record and segment sizes, in elements. A record is at most a host chunk; a segment (one
+    // snapshot into one device region) is at most half the device ring, a whole number of records.
+    const uint64_t dmax = (dev->cap / 2) / kDevAlign * kDevAlign;
+    const uint64_t rec_cap = std::min<uint64_t>(prod->chunk_bytes(), dmax);
+    const uint64_t rec_elems = rec_cap / src.elem_size;
+    if (rec_elems == 0) return kTooLarge;
+    const uint64_t seg_elems = rec_elems * std::max<uint64_t>(1, dmax / (rec_elems * src.elem_size));
+
+    bool started = false;  // part of this tensor is in the rings: finish it even under `drop`
+    for (uint64_t s0 = 0; s0 < numel; s0 += seg_elems) {
+      const uint64_t s1 = std::min(numel, s0 + seg_elems);
+      Region* reg = nullptr;
+      uint8_t* dptr = nullptr;
+      if (!try_alloc(dev, (s1 - s0) * src.elem_size, &reg, &dptr)) {
+        if (!block && !started) return drop();
+        before_block();
+        if (!wait_alloc(dev, (s1 - s0) * src.elem_size, &reg, &dptr)) return kDisabled;
+      }
+      for (uint64_t r0 = s0; r0 < s1; r0 += rec_elems) {
+        const uint64_t r1 = std::min(s1, r0 + rec_elems);
+        const uint64_t len = (r1 - r0) * src.elem_size;
+        const ChunkInfo chunk{r0 * src.elem_size, total};
+        Reservation res;
+        if (!prod->reserve(kTensor, channel, name_id, pass_id, dtype, src.shape, len, chunk, false, &res)) {
+          if (prod->disabled() || !prod->writer_alive()) {
+            close_region(dev, reg);
+            return kDisabled;
+          }
+          if (!block && !started) {
+            close_region(dev, reg);
+            return drop();
+          }
+          before_block();
+          host_waits.fetch_add(1, std::memory_order_relaxed);
+          if (!prod->reserve(kTensor, channel, name_id, pass_id, dtype, src.shape, len, chunk, true, &res)) {
+            close_region(dev, reg);
+            return kDisabled;
+          }
+        }
+        n_records.fetch_add(1, std::memory_order_relaxed);
+        Item it;
+        it.dev = dev;
+        it.region = reg;
+        it.dsrc = dptr + (r0 - s0) * src.elem_size;
+        it.res = res;
+        it.len = len;
+        if (r0 == s0) {
+          // The snapshot of the whole segment, then its event, both on the producer stream.
+          try {
+            snapshot(dev, layout, src, s0, s1, dptr, stream);
+          } catch (const std::exception& ex) {
+            cancel(res);
+            close_region(dev, reg);  // nothing was enqueued into it
+            if (!started) throw;
+            broken.store(true);
+            set_error(ex.what());
+            return kDisabled;
+          }
+          cudaEvent_t ev = nullptr;
+          cudaError_t e = cudaSuccess;
+          try {
+            ev = take_event(dev);
+            e = cudaEventRecord(ev, stream);
+          } catch (const std::exception& ex) {
+            e = cudaErrorUnknown;
+            set_error(ex.what());
+          }
+          if (e != cudaSuccess) {
+            // The snapshot is queued but cannot be tracked: the region can never be proven free.
+            // Leave it allocated, give up on CUDA staging (sticky errors end up here).
+            (void)cudaGetLastError();
+            cancel(res);
+            broken.store(true);
+            set_error(cuda_error_text(e, "cudaEventRecord(producer stream)"));
+            return kDisabled;
+          }
+          it.snap = ev;
+        }
+        push(std::move(it));
+        started = true;
+      }
+      close_region(dev, reg);
+    }
+    n_tensors.fetch_add(1, std::memory_order_relaxed);
+    return kStaged;
+  }
+
+  // -- drain thread ----------------------------------------------------------------------------
+  void drain_main() {
+    // Relaxed capture mode for this thread: a CUDA-graph capture in global mode on any other
+    // thread (torch.cuda.graph's default) would otherwise forbid, and be invalidated by, our
+    // event queries and copies.
+    cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+    (void)cudaThreadExchangeStreamCaptureMode(&mode);
+    std::vector<Item> incoming;
+    int idle_polls = 0;
+    for (;;) {
+      {
+        std::unique_lock<std::mutex> lk(q_mu);
+        if (queue.empty()) {
+          if (inflight_batches == 0) {
+            // Stop only once no stage() call can still push work (close() gives up waiting for
+            // them after its timeout; their records must still be copied and published).
+            if (stop && active.load() == 0) break;
+            q_cv.wait_for(lk, std::chrono::milliseconds(stop ? 5 : 100), [&] { return !queue.empty() || stop; });
+          } else {
+            // Copies in flight: poll their events, backing off from 5 us to 100 us.
+            const int us = idle_polls < 8 ? 5 : idle_polls < 32 ? 20 : 100;
+            q_cv.wait_for(lk, std::chrono::microseconds(us), [&] { return !queue.empty(); });
+          }
+        }
+        incoming.swap(queue);
+      }
+      bool progress = false;
+      if (!incoming.empty()) {
+        issue(incoming);
+        incoming.clear();
+        progress = true;
+      }
+      if (poll()) progress = true;
+      idle_polls = progress ? 0 : idle_polls + 1;
+    }
+    std::lock_guard<std::mutex> g(q_mu);
+    drain_running = false;
+  }
+
+  void start_busy() {
+    if (inflight_batches++ == 0) busy_since = now_s();
+  }
+  void end_busy() {
+    if (--inflight_batches == 0) {
+      std::lock_guard<std::mutex> g(st_mu);
+      drain_s += now_s() - busy_since;
+    }
+  }
+
+  // Append the copies of one item, split where the destination crosses from one
+  // cudaHostRegister piece into the next (each copy then lies inside one registration).
+  static void add_copies(const Item& it, const uint8_t* rbase, uint64_t rlen, uint64_t piece, std::vector<void*>& dsts,
+                         std::vector<const void*>& srcs, std::vector<size_t>& sizes) {
+    uint8_t* dst = it.res.payload;
+    const uint8_t* src = it.dsrc;
+    uint64_t left = it.len;
+    while (left > 0) {
+      uint64_t n = left;
+      if (rbase && dst >= rbase && dst < rbase + rlen) {
+        const uint64_t off = static_cast<uint64_t>(dst - rbase);
+        const uint64_t piece_end = (off / piece + 1) * piece;
+        n = std::min<uint64_t>(n, piece_end - off);
+      }
+      dsts.push_back(dst);
+      srcs.push_back(src);
+      sizes.push_back(n);
+      dst += n;
+      src += n;
+      left -= n;
+    }
+  }
+
+  cudaError_t copy_batch(DeviceCtx* dev, bool pinned, std::vector<void*>& dsts, std::vector<const void*>& srcs,
+                         std::vector<size_t>& sizes) {
+    if (dsts.empty()) return cudaSuccess;
+#if CUDART_VERSION >= 12080
+    // One call for the whole batch (CUDA 12.8+; not capturable, which is fine on this thread).
+    // Only into pinned memory: pageable destinations go through the plain path below.
+    if (pinned && use_batch.load(std::memory_order_relaxed)) {
+      cudaMemcpyAttributes attr;
+      std::memset(&attr, 0, sizeof(attr));
+      attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
+      attr.srcLocHint.type = cudaMemLocationTypeDevice;
+      attr.srcLocHint.id = dev->index;
+      attr.dstLocHint.type = cudaMemLocationTypeHost;
+      attr.dstLocHint.id = 0;
+      attr.flags = cudaMemcpyFlagPreferOverlapWithCompute;
+      size_t attr_idx = 0;
+#if CUDART_VERSION >= 13000
+      cudaError_t e = cudaMemcpyBatchAsync(dsts.data(), srcs.data(), sizes.data(), dsts.size(), &attr, &attr_idx, 1,
+                                           dev->side);
+#else
+      size_t fail_idx = 0;
+      cudaError_t e = cudaMemcpyBatchAsync(dsts.data(), const_cast<void**>(srcs.data()), sizes.data(), dsts.size(),
+                                           &attr, &attr_idx, 1, &fail_idx, dev->side);
+#endif
+      if (e == cudaSuccess) return e;
+      (void)cudaGetLastError();
+      // Unsupported here (old driver, unusual memory): per-copy from now on. Re-issuing copies the
+      // failed batch may have queued is harmless: the same bytes to the same place, in stream order.
+      use_batch.store(false);
+      set_error("cudaMemcpyBatchAsync unavailable, using cudaMemcpyAsync: " + cuda_error_text(e, "batch"));
+    }
+#endif
+    for (size_t i = 0; i < dsts.size(); ++i) {
+      cudaError_t e = cudaMemcpyAsync(dsts[i], srcs[i], sizes[i], cudaMemcpyDeviceToHost, dev->side);
+      if (e != cudaSuccess) return e;
+    }
+    return cudaSuccess;
+  }
+
+  // Issue one device's items (in order). On failure returns the error text and leaves in `list`
+  // exactly the items that are not in flight (the caller abandons them).
+  std::string issue_device(DeviceCtx* dev, std::vector<Item>& list) {
+    cudaError_t e = cudaSetDevice(dev->index);
+    if (e != cudaSuccess) return cuda_error_text(e, "cudaSetDevice (drain)");
+    // The side stream waits for every snapshot of this group. Once the wait is enqueued the event
+    // may be recorded again (cudaStreamWaitEvent uses its state at the time of the call), so it
+    // goes back to the pool at once.
+    for (Item& it : list) {
+      if (!it.snap) continue;
+      e = cudaStreamWaitEvent(dev->side, it.snap, 0);
+      if (e != cudaSuccess) return cuda_error_text(e, "cudaStreamWaitEvent(side stream)");
+      give_event(dev, it.snap);
+      it.snap = nullptr;
+    }
+    const bool pinned = host_pinned.load(std::memory_order_acquire);
+    const uint8_t* rbase = pinned ? reg_base : nullptr;
+    const uint64_t rlen = pinned ? reg_len : 0;
+    // Batches bounded in bytes, so several are in flight and device space comes back steadily.
+    const uint64_t max_bytes = std::max<uint64_t>(dev->cap / 8, 1);
+    std::vector<void*> dsts;
+    std::vector<const void*> srcs;
+    std::vector<size_t> sizes;
+    size_t i0 = 0;
+    while (i0 < list.size()) {
+      size_t i1 = i0;
+      uint64_t bytes = 0;
+      while (i1 < list.size() && (i1 == i0 || (i1 - i0 < kMaxBatchCopies && bytes + list[i1].len <= max_bytes))) {
+        bytes += list[i1].len;
+        ++i1;
+      }
+      dsts.clear();
+      srcs.clear();
+      sizes.clear();
+      for (size_t k = i0; k < i1; ++k) add_copies(list[k], rbase, rlen, reg_piece, dsts, srcs, sizes);
+      e = copy_batch(dev, pinned, dsts, srcs, sizes);
+      cudaEvent_t done = nullptr;
+      std::string err;
+      if (e == cudaSuccess) {
+        try {
+          done = take_event(dev);
+          e = cudaEventRecord(done, dev->side);
+        } catch (const std::exception& ex) {
+          err = ex.what();
+        }
+      }
+      if (e != cudaSuccess || !err.empty()) {
+        (void)cudaGetLastError();
+        if (done) give_event(dev, done);
+        list.erase(list.begin(), list.begin() + static_cast<std::ptrdiff_t>(i0));
+        return err.empty() ? cuda_error_text(e, "D2H copy (drain)") : err;
+      }
+      InFlight b;
+      b.done = done;
+      b.bytes = bytes;
+      b.items.assign(list.begin() + static_cast<std::ptrdiff_t>(i0), list.begin() + static_cast<std::ptrdiff_t>(i1));
+      n_copies.fetch_add(dsts.size(), std::memory_order_relaxed);
+      n_batches.fetch_add(1, std::memory_order_relaxed);
+      start_busy();
+      dev->inflight.push_back(std::move(b));
+      i0 = i1;
+    }
+    list.clear();
+    return std::string();
+  }
+
+  void issue(std::vector<Item>& items) {
+    // Group per device, keeping each device's order.
+    std::vector<std::pair<DeviceCtx*, std::vector<Item>>> groups;
+    for (Item& it : items) {
+      auto g = std::find_if(groups.begin(), groups.end(), [&](const auto& p) { return p.first == it.dev; });
+      if (g == groups.end()) {
+        groups.emplace_back(it.dev, std::vector<Item>());
+        g = groups.end() - 1;
+      }
+      g->second.push_back(it);
+    }
+    for (size_t g = 0; g < groups.size(); ++g) {
+      std::string err = issue_device(groups[g].first, groups[g].second);
+      if (err.empty()) continue;
+      std::vector<Item> rest = std::move(groups[g].second);
+      for (size_t h = g + 1; h < groups.size(); ++h)
+        rest.insert(rest.end(), groups[h].second.begin(), groups[h].second.end());
+      fail_all(err, &rest);
+      return;
+    }
+  }
+
+  // Publish completed batches, in order per device. Returns whether anything completed.
+  bool poll() {
+    bool any = false;
+    for (int i = 0; i < device_count; ++i) {
+      DeviceCtx* dev = devs[i].load(std::memory_order_acquire);
+      if (!dev) continue;
+      while (!dev->inflight.empty()) {
+        InFlight& b = dev->inflight.front();
+        cudaError_t e = cudaEventQuery(b.done);
+        if (e == cudaErrorNotReady) break;
+        if (e != cudaSuccess) {
+          (void)cudaGetLastError();
+          fail_all(cuda_error_text(e, "cudaEventQuery(D2H done)"), nullptr);
+          return true;
+        }
+        complete(dev, b);
+        dev->inflight.pop_front();
+        end_busy();
+        any = true;
+      }
+    }
+    if (any) notify_progress();
+    return any;
+  }
+
+  // A batch whose completion event fired: its bytes are in the host ring. Publish its records
+  // (ring order is already fixed: the writer waits at the head of the line), then free space.
+  void complete(DeviceCtx* dev, InFlight& b) {
+    for (const Item& it : b.items) prod->publish(it.res);
+    {
+      std::lock_guard<std::mutex> g(dev->mu);
+      for (const Item& it : b.items) it.region->pending--;
+      reclaim_locked(dev);
+      dev->free_events.push_back(b.done);
+    }
+    n_published.fetch_add(b.items.size(), std::memory_order_relaxed);
+    d2h_bytes.fetch_add(b.bytes, std::memory_order_relaxed);
+    completed.fetch_add(b.items.size());
+  }
+
+  // Unrecoverable CUDA error in the drain: stop CUDA staging (stage() returns kDisabled from now
+  // on) and make sure the writer never waits for a record we hold: batches that did complete are
+  // published, everything else becomes padding. Queued copies may still be running unless the
+  // context is dead, so the side streams are drained first.
+  void fail_all(const std::string& msg, std::vector<Item>* extra) {
+    broken.store(true);
+    set_error(msg);
+    std::fprintf(stderr, "fastdump: CUDA staging stopped: %s\n", msg.c_str());
+    for (int i = 0; i < device_count; ++i) {
+      DeviceCtx* dev = devs[i].load(std::memory_order_acquire);
+      if (!dev) continue;
+      if (cudaSetDevice(dev->index) == cudaSuccess) (void)cudaStreamSynchronize(dev->side);
+      (void)cudaGetLastError();
+      while (!dev->inflight.empty()) {
+        InFlight& b = dev->inflight.front();
+        if (cudaEventQuery(b.done) == cudaSuccess) {
+          complete(dev, b);
+        } else {
+          (void)cudaGetLastError();
+          abandon(b.items);
+          give_event(dev, b.done);
+        }
+        dev->inflight.pop_front();
+        end_busy();
+      }
+    }
+    if (extra) {
+      abandon(*extra);
+      extra->clear();
+    }
+    std::vector<Item> queued;
+    {
+      std::lock_guard<std::mutex> g(q_mu);
+      queued.swap(queue);
+    }
+    abandon(queued);
+    notify_progress();
+  }
+
+  // Records that will never be copied: padding for the writer, their region references dropped.
+  void abandon(std::vector<Item>& items) {
+    for (Item& it : items) {
+      if (it.snap) {
+        give_event(it.dev, it.snap);
+        it.snap = nullptr;
+      }
+      cancel(it.res);
+      {
+        std::lock_guard<std::mutex> g(it.dev->mu);
+        it.region->pending--;
+        reclaim_locked(it.dev);
+      }
+      completed.fetch_add(1);
+    }
+  }
+
+  // -- host registration, flush, stats, close ----------------------------------------------------
+  double register_host() {
+    std::lock_guard<std::mutex> g(reg_mu);
+    if (host_pinned.load() || closed.load()) return 0.0;
+    uint8_t* base = prod->segment().data();
+    const long page = ::sysconf(_SC_PAGESIZE) > 0 ? ::sysconf(_SC_PAGESIZE) : 4096;
+    const uint64_t len = align_to(prod->segment().capacity(), static_cast<uint64_t>(page));
+    RelaxedCapture relaxed;
+    const double t0 = now_s();
+    for (uint64_t off = 0; off < len; off += reg_piece) {
+      const uint64_t n = std::min<uint64_t>(reg_piece, len - off);
+      cudaError_t e = cudaHostRegister(base + off, n, cudaHostRegisterPortable);
+      if (e == cudaErrorHostMemoryAlreadyRegistered) {
+        (void)cudaGetLastError();
+        continue;  // someone else pinned it: use it, leave it to them
+      }
+      if (e != cudaSuccess) {
+        (void)cudaGetLastError();
+        for (auto& p : registered) (void)cudaHostUnregister(p.first);
+        registered.clear();
+        throw_cuda(e, "cudaHostRegister(host ring)");
+      }
+      registered.emplace_back(base + off, n);
+    }
+    const double dt = now_s() - t0;
+    reg_base = base;
+    reg_len = len;
+    host_pinned.store(true);
+    std::lock_guard<std::mutex> s(st_mu);
+    register_s = dt;
+    return dt;
+  }
+
+  bool flush(double timeout_s) {
+    const uint64_t target = submitted.load(std::memory_order_acquire);
+    const double deadline = now_s() + timeout_s;
+    if (completed.load(std::memory_order_acquire) >= target) return true;
+    prog_waiters.fetch_add(1);
+    bool ok = true;
+    {
+      std::unique_lock<std::mutex> lk(prog_mu);
+      while (completed.load(std::memory_order_acquire) < target) {
+        if (now_s() > deadline) {
+          ok = false;
+          break;
+        }
+        {
+          std::lock_guard<std::mutex> g(q_mu);
+          if (!drain_running) {
+            ok = false;
+            break;
+          }
+        }
+        prog_cv.wait_for(lk, std::chrono::milliseconds(2));
+      }
+    }
+    prog_waiters.fetch_sub(1);
+    return ok;
+  }
+
+  void close(double timeout_s) {
+    if (closed.exchange(true)) return;
+    if (forked_child() && ::getpid() != owner_pid) {
+      // Forked child: no drain thread here, and CUDA cannot be used after fork. Leak quietly.
+      if (drain.joinable()) drain.detach();
+      return;
+    }
+    // Let stage() calls in progress return (their waits see `closed`).
+    const double deadline = now_s() + timeout_s;
+    while (active.load() > 0 && now_s() < deadline) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    flush(std::max(0.0, deadline - now_s()));
+    {
+      std::lock_guard<std::mutex> g(q_mu);
+      stop = true;
+    }
+    q_cv.notify_all();
+    if (drain.joinable()) drain.join();  // it finishes every queued and in-flight copy first
+    RelaxedCapture relaxed;
+    int prev_device = -1;
+    if (cudaGetDevice(&prev_device) != cudaSuccess) prev_device = -1;
+    std::lock_guard<std::mutex> init_lock(init_mu);
+    for (int i = 0; i < kMaxDevices; ++i) {
+      DeviceCtx* dev = devs[i].exchange(nullptr);
+      if (!dev) continue;
+      if (cudaSetDevice(dev->index) == cudaSuccess) {
+        (void)cudaStreamSynchronize(dev->side);
+        for (cudaEvent_t ev : dev->all_events) (void)cudaEventDestroy(ev);
+        (void)cudaStreamDestroy(dev->side);
+        (void)cudaFree(dev->ring);
+      }
+      (void)cudaGetLastError();
+      delete dev;
+    }
+    if (prev_device >= 0) (void)cudaSetDevice(prev_device);  // the caller's current device
+    (void)cudaGetLastError();
+    std::lock_guard<std::mutex> g(reg_mu);
+    for (auto& p : registered) (void)cudaHostUnregister(p.first);
+    (void)cudaGetLastError();
+    registered.clear();
+    host_pinned.store(false);
+    reg_base = nullptr;
+  }
+
+  CudaStagerStats stats() {
+    CudaStagerStats s;
+    s.tensors = n_tensors.load();
+    s.records = n_records.load();
+    s.snapshots = n_snapshots.load();
+    s.snapshot_kernels = n_kernels.load();
+    s.snapshot_2d = n_2d.load();
+    s.snapshot_bytes = snapshot_bytes.load();
+    s.d2h_copies = n_copies.load();
+    s.d2h_batches = n_batches.load();
+    s.d2h_bytes = d2h_bytes.load();
+    s.published = n_published.load();
+    s.cancelled = n_cancelled.load();
+    s.dropped = n_dropped.load();
+    s.capturing_skipped = n_capturing.load();
+    s.device_ring_full_waits = dev_waits.load();
+    s.host_ring_full_waits = host_waits.load();
+    s.registered_bytes = host_pinned.load() ? reg_len : 0;
+    s.batch_api = use_batch.load() && host_pinned.load();
+    {
+      std::lock_guard<std::mutex> g(st_mu);
+      s.device_ring_wait_seconds = dev_wait_s;
+      s.drain_seconds = drain_s;
+      s.register_seconds = register_s;
+      s.last_error = last_error;
+    }
+    if (broken.load() && s.last_error.empty()) s.last_error = "CUDA staging stopped";
+    std::lock_guard<std::mutex> init_lock(init_mu);
+    for (int i = 0; i < device_count; ++i) {
+      DeviceCtx* dev = devs[i].load(std::memory_order_acquire);
+      if (!dev) continue;
+      CudaDeviceStats d;
+      d.device = dev->index;
+      d.ring_bytes = dev->cap;
+      std::lock_guard<std::mutex> g(dev->mu);
+      d.ring_used = dev->head - dev->tail;
+      d.in_flight_batches = dev->regions.size();
+      s.devices.push_back(d);
+    }
+    return s;
+  }
+};
+
+CudaStager::CudaStager(Producer* producer, uint64_t device_ring_bytes)
+    : impl_(new Impl(producer, device_ring_bytes)) {}
+
+CudaStager::~CudaStager() = default;
+
+int CudaStager::stage(uint32_t channel, uint32_t name_id, int64_t pass_id, uint16_t dtype, const CudaSource& src,
+                      bool block, BlockHook* hook) {
+  return impl_->stage(channel, name_id, pass_id, dtype, src, block, hook);
+}
+
+double CudaStager::register_host() { return impl_->register_host(); }
+bool CudaStager::flush(double timeout_s) { return impl_->flush(timeout_s); }
+CudaStagerStats CudaStager::stats() { return impl_->stats(); }
+void CudaStager::close(double timeout_s) { impl_->close(timeout_s); }
+uint64_t CudaStager::device_ring_bytes() const { return impl_->dcap; }
+Producer* CudaStager::producer() const { return impl_->prod; }
+
+}  // namespace fastdump

@@ -1,0 +1,134 @@
+// CUDA staging: device snapshot ring, side-stream D2H drain into the shared-memory host ring.
+// Design and reasoning: docs/CUDA.md. Compiled only when a CUDA toolkit is found (setup.py);
+// this header is plain C++ (no CUDA or Python headers) so module/bindings code can include it.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "ring.h"
+
+namespace fastdump {
+
+// Extra stage() result beside ring.h's StageStatus: the producer stream is being captured into a
+// CUDA graph. Nothing was enqueued (a capture would bake the ring addresses into the graph and the
+// side stream cannot wait on a captured event); the caller should count the tensor as skipped.
+constexpr int kStageCapturing = 5;
+
+// Called by stage() right before it may wait (ring full, `block` policy). The Python binding
+// releases the GIL there, so the fast path keeps it and only waits give it up. Called at most
+// once per stage() call that waits; the binding re-acquires when stage() returns.
+class BlockHook {
+ public:
+  virtual ~BlockHook() = default;
+  virtual void before_block() = 0;
+};
+
+struct CudaDeviceInfo {
+  int index = 0;
+  std::string name;
+  std::string uuid;        // "GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx", as nvidia-smi prints it
+  std::string pci_bus_id;  // "0000:3b:00.0"
+  uint64_t total_memory = 0;
+  int major = 0;
+  int minor = 0;
+  int multiprocessors = 0;
+};
+
+struct CudaInfo {
+  std::string built_with;   // toolkit version the extension was compiled with, "13.0"
+  int runtime_version = 0;  // cudaRuntimeGetVersion (the statically linked runtime)
+  int driver_version = 0;   // cudaDriverGetVersion: 0 when no driver is installed
+  int device_count = 0;
+  std::vector<CudaDeviceInfo> devices;
+  std::string reason;       // why no GPU is usable (empty when device_count > 0)
+};
+
+// Never throws; does not create a CUDA context.
+CudaInfo cuda_query_info();
+
+// Device ordinal owning a device pointer; -1 for host or unknown memory. Throws on CUDA errors.
+int cuda_pointer_device(uintptr_t ptr);
+
+// A device tensor: raw pointer (first element), shape and strides in elements, the stream that
+// produced it (cudaStream_t as an integer; 0 = legacy default stream).
+struct CudaSource {
+  uintptr_t ptr = 0;
+  uint64_t elem_size = 0;
+  std::vector<int64_t> shape;
+  std::vector<int64_t> strides;
+  int device = 0;
+  uintptr_t stream = 0;
+};
+
+struct CudaDeviceStats {
+  int device = 0;
+  uint64_t ring_bytes = 0;
+  uint64_t ring_used = 0;
+  uint64_t in_flight_batches = 0;
+};
+
+struct CudaStagerStats {
+  uint64_t tensors = 0;             // stage() calls that staged a tensor
+  uint64_t records = 0;             // host records filled by the CUDA path
+  uint64_t snapshots = 0;           // device-to-device snapshot operations (memcpy, 2D or kernel)
+  uint64_t snapshot_kernels = 0;    // ... of which strided-gather kernel launches
+  uint64_t snapshot_2d = 0;         // ... of which cudaMemcpy2DAsync
+  uint64_t snapshot_bytes = 0;
+  uint64_t d2h_copies = 0;          // device-to-host copies (entries of batches)
+  uint64_t d2h_batches = 0;         // batches (one cudaMemcpyBatchAsync, or a loop of memcpys)
+  uint64_t d2h_bytes = 0;
+  uint64_t published = 0;           // records handed to the writer
+  uint64_t cancelled = 0;           // reserved records turned into padding (failure paths)
+  uint64_t dropped = 0;             // tensors dropped by this stager (ring full under `drop`)
+  uint64_t capturing_skipped = 0;   // stage() calls refused because the stream was capturing
+  uint64_t device_ring_full_waits = 0;
+  double device_ring_wait_seconds = 0;
+  uint64_t host_ring_full_waits = 0;
+  double drain_seconds = 0;         // wall time with at least one D2H batch in flight
+  double register_seconds = 0;      // cudaHostRegister of the host ring
+  uint64_t registered_bytes = 0;
+  bool batch_api = false;           // cudaMemcpyBatchAsync in use (else per-copy cudaMemcpyAsync)
+  std::string last_error;
+  std::vector<CudaDeviceStats> devices;
+};
+
+// One per process (shared by every role/channel): per device a device ring, a side stream and an
+// event pool; one drain thread for all devices. Thread-safe: several threads may stage at once.
+class CudaStager {
+ public:
+  // `producer` must outlive the stager (the binding keeps it alive).
+  CudaStager(Producer* producer, uint64_t device_ring_bytes);
+  ~CudaStager();
+  CudaStager(const CudaStager&) = delete;
+  CudaStager& operator=(const CudaStager&) = delete;
+
+  // Returns a StageStatus (kStaged, kDropped, kDisabled, kTooLarge) or kStageCapturing. A ring full
+  // under `block == false` drops the tensor and counts it (also in the producer's dropped count).
+  // Never synchronizes the device or the producer stream. Throws std::runtime_error on CUDA errors.
+  int stage(uint32_t channel, uint32_t name_id, int64_t pass_id, uint16_t dtype, const CudaSource& src,
+            bool block, BlockHook* hook);
+
+  // Pin the host ring's data area (cudaHostRegister, portable, in 256 MiB pieces). Idempotent.
+  // Returns the seconds it took (0 when already done). Throws when CUDA is unusable.
+  double register_host();
+
+  // Wait until every record staged so far is published to the host ring. False on timeout.
+  bool flush(double timeout_s);
+
+  CudaStagerStats stats();
+
+  // Flush, stop the drain thread, unpin, free device memory. Later stage() calls return kDisabled.
+  void close(double timeout_s = 60.0);
+
+  uint64_t device_ring_bytes() const;
+  Producer* producer() const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace fastdump

@@ -1,0 +1,453 @@
+"""CUDA staging glue: torch CUDA tensors, ``__cuda_array_interface__`` and DLPack arrays -> ``_C.CudaStager``.
+
+Imported lazily (the first time a CUDA tensor or a foreign array is dumped), never by ``import
+fastdump``. The C++ side (csrc/cuda_staging.cu, docs/CUDA.md) snapshots each tensor on its producer
+stream into a device ring and drains it to the pinned shared-memory host ring on a side stream; this
+module only turns Python objects into (pointer, shape, strides, device, stream) and keeps the per-call
+Python cost small.
+
+When CUDA staging is unusable (fastdump built without a toolkit, no driver/GPU at run time, device
+ring allocation failed) CUDA tensors still get dumped, through a synchronous ``.cpu()`` copy into the
+host ring: correct, slow, and said once in the log.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import threading
+
+from . import _C
+from . import dtypes as _dtypes
+
+log = logging.getLogger("fastdump")
+
+STAGED = _C.STAGED
+DROPPED = _C.DROPPED
+DISABLED = _C.DISABLED
+TOO_LARGE = _C.TOO_LARGE
+#: stage() result when the producer stream is being captured into a CUDA graph: nothing was staged
+#: (hooks do not run on graph replay anyway); count the tensor as skipped, not as a failure.
+CAPTURING = getattr(_C, "CAPTURING", 5)
+
+DEFAULT_DEVICE_RING_MB = 256
+
+_lock = threading.Lock()
+_info = None
+_warned = set()
+_stagers = []  # every stager made in this process (status())
+
+
+def _warn_once(key: str, msg: str, *args) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        log.warning(msg, *args)
+
+
+# ------------------------------------------------------------------------------------------------
+# What this build and machine can do
+
+
+def cuda_info(refresh: bool = False) -> dict:
+    """``_C.cuda_info()``, cached (it asks the driver once)."""
+    global _info
+    if _info is None or refresh:
+        try:
+            _info = dict(_C.cuda_info())
+        except Exception as exc:  # a broken driver must not break dumping
+            _info = {"compiled": bool(getattr(_C, "cuda_compiled", lambda: False)()), "reason": str(exc)}
+    return _info
+
+
+def usable() -> bool:
+    info = cuda_info()
+    return bool(info.get("compiled")) and int(info.get("device_count", 0)) > 0
+
+
+def unusable_reason() -> str:
+    info = cuda_info()
+    if not info.get("compiled"):
+        return info.get("reason") or "fastdump was built without CUDA"
+    if not info.get("device_count"):
+        return info.get("reason") or "no CUDA device visible"
+    return ""
+
+
+def status() -> dict:
+    """For ``fastdump info`` and rank.json: build facts, GPUs, and each stager's counters.
+
+    The first call on a machine where CUDA is compiled in but unusable logs a warning (once).
+    """
+    info = dict(cuda_info())
+    info["usable"] = usable()
+    if info.get("compiled") and not info["usable"]:
+        _warn_once("unusable", "fastdump: CUDA staging is compiled in but unusable here (%s); "
+                   "CUDA tensors are copied synchronously through .cpu()", unusable_reason())
+    stagers = []
+    for s in list(_stagers):
+        try:
+            stagers.append(s.stats())
+        except Exception as exc:
+            stagers.append({"error": str(exc)})
+    info["stagers"] = stagers
+    return info
+
+
+# ------------------------------------------------------------------------------------------------
+# The stager
+
+
+class HostFallbackStager:
+    """Stands in for ``_C.CudaStager`` when CUDA staging is unusable: ``.cpu()`` then the host ring."""
+
+    def __init__(self, producer, reason: str):
+        self.producer = producer
+        self.reason = reason
+        self._stats = {"fallback": True, "reason": reason, "tensors": 0, "bytes": 0}
+
+    def stage_tensor(self, channel, name_id, pass_id, dtype_code, tensor, block) -> int:
+        host = _to_host(tensor)
+        status = self.producer.stage_host(channel, name_id, pass_id, dtype_code, host.element_size(),
+                                          host.shape, host.stride(), host.data_ptr(), block)
+        if status == STAGED:
+            self._stats["tensors"] += 1
+            self._stats["bytes"] += host.numel() * host.element_size()
+        return status
+
+    def flush(self, timeout_s: float = 600.0) -> bool:
+        return True  # every copy was synchronous
+
+    def register_host(self) -> float:
+        return 0.0
+
+    def stats(self) -> dict:
+        return dict(self._stats)
+
+    def close(self, timeout_s: float = 60.0) -> None:
+        pass
+
+
+def get_stager(producer, device_ring_mb: float = DEFAULT_DEVICE_RING_MB):
+    """The process's stager for ``producer``: a ``_C.CudaStager`` with the host ring pinned, or a
+    ``HostFallbackStager`` (logged once, with the reason) when CUDA staging cannot run here.
+
+    Call once per engine (pinning costs ~0.1-1 s per GiB); the engine caches the result.
+    """
+    if not usable():
+        reason = unusable_reason()
+        _warn_once("unusable", "fastdump: CUDA staging unavailable (%s); CUDA tensors are copied "
+                   "synchronously through .cpu()", reason)
+        stager = HostFallbackStager(producer, reason)
+        _stagers.append(stager)
+        return stager
+    ring_bytes = int(float(device_ring_mb) * (1 << 20))
+    try:
+        stager = _C.CudaStager(producer, ring_bytes)
+    except Exception as exc:
+        _warn_once("create", "fastdump: cannot start CUDA staging (%s); CUDA tensors are copied "
+                   "synchronously through .cpu()", exc)
+        stager = HostFallbackStager(producer, str(exc))
+        _stagers.append(stager)
+        return stager
+    try:
+        seconds = stager.register_host()
+        log.info("fastdump: pinned the %.0f MiB host ring in %.3f s", producer.capacity / (1 << 20), seconds)
+    except Exception as exc:
+        # Still correct: D2H copies into pageable memory are staged by the driver (slower).
+        _warn_once("pin", "fastdump: cudaHostRegister of the host ring failed (%s); device-to-host "
+                   "copies will be slower", exc)
+    _stagers.append(stager)
+    return stager
+
+
+# ------------------------------------------------------------------------------------------------
+# torch tensors (the hot path)
+
+_raw_stream = None
+
+
+def _current_raw_stream_fn():
+    import torch
+
+    fn = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if fn is not None:
+        return fn
+    return lambda device: torch.cuda.current_stream(device).cuda_stream
+
+
+def stage_tensor(stager, channel: int, name_id: int, pass_id: int, dtype_code: int, tensor, block: bool) -> int:
+    """Stage a torch CUDA tensor; returns STAGED, DROPPED, DISABLED, TOO_LARGE or CAPTURING.
+
+    The snapshot is enqueued on the tensor's device's *current* stream (the stream the module just
+    ran on), so kernels launched after this call cannot change what is dumped, and the caching
+    allocator cannot hand the memory to anyone before the snapshot has read it. The caller resolves
+    lazy conj/neg bits and checks the layout (capture.py does).
+    """
+    global _raw_stream
+    if stager.__class__ is HostFallbackStager:
+        return stager.stage_tensor(channel, name_id, pass_id, dtype_code, tensor, block)
+    if _raw_stream is None:
+        _raw_stream = _current_raw_stream_fn()
+    device = tensor.get_device()
+    try:
+        return stager.stage(channel, name_id, pass_id, dtype_code, tensor.element_size(), tensor.shape,
+                            tensor.stride(), tensor.data_ptr(), device, _raw_stream(device), block)
+    except (RuntimeError, ValueError) as exc:
+        # Raised before anything of this tensor was staged (bad arguments, device ring allocation
+        # failed, a CUDA error): keep the dump correct through the slow path.
+        _warn_once(f"stage:{type(exc).__name__}:{exc}", "fastdump: CUDA staging failed (%s); "
+                   "falling back to a synchronous copy", exc)
+        return HostFallbackStager(stager.producer, str(exc)).stage_tensor(
+            channel, name_id, pass_id, dtype_code, tensor, block)
+
+
+_INT_BY_SIZE = None
+
+
+def _to_host(tensor):
+    """A CPU copy of a (CUDA) tensor with the same bytes, for any dtype (bit types included)."""
+    global _INT_BY_SIZE
+    import torch
+
+    t = tensor.detach()
+    try:
+        return t.to("cpu")
+    except (RuntimeError, TypeError):
+        # Some shell dtypes have no copy kernel: move the bytes as an integer type of the same size.
+        if _INT_BY_SIZE is None:
+            _INT_BY_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+        return t.view(_INT_BY_SIZE[t.element_size()]).to("cpu").view(t.dtype)
+
+
+# ------------------------------------------------------------------------------------------------
+# __cuda_array_interface__ and DLPack
+
+# CAI typestr (kind + itemsize, byte order stripped) -> torch dtype name.
+_CAI_TYPES = {
+    "b1": "bool",
+    "i1": "int8", "i2": "int16", "i4": "int32", "i8": "int64",
+    "u1": "uint8", "u2": "uint16", "u4": "uint32", "u8": "uint64",
+    "f2": "float16", "f4": "float32", "f8": "float64",
+    "c8": "complex64", "c16": "complex128",
+}
+
+# DLPack (type code, bits, lanes) -> torch dtype name. Codes from dlpack.h (DLDataTypeCode).
+_DL_INT, _DL_UINT, _DL_FLOAT, _DL_BFLOAT, _DL_COMPLEX, _DL_BOOL = 0, 1, 2, 4, 5, 6
+_DLPACK_TYPES = {
+    (_DL_INT, 8, 1): "int8", (_DL_INT, 16, 1): "int16", (_DL_INT, 32, 1): "int32", (_DL_INT, 64, 1): "int64",
+    (_DL_UINT, 8, 1): "uint8", (_DL_UINT, 16, 1): "uint16", (_DL_UINT, 32, 1): "uint32",
+    (_DL_UINT, 64, 1): "uint64",
+    (_DL_FLOAT, 16, 1): "float16", (_DL_FLOAT, 32, 1): "float32", (_DL_FLOAT, 64, 1): "float64",
+    (_DL_BFLOAT, 16, 1): "bfloat16",
+    (_DL_COMPLEX, 32, 1): "complex32", (_DL_COMPLEX, 64, 1): "complex64", (_DL_COMPLEX, 128, 1): "complex128",
+    (_DL_BOOL, 8, 1): "bool",
+    (10, 8, 1): "float8_e4m3fn", (11, 8, 1): "float8_e4m3fnuz", (12, 8, 1): "float8_e5m2",
+    (13, 8, 1): "float8_e5m2fnuz", (14, 8, 1): "float8_e8m0fnu",
+    (17, 4, 2): "float4_e2m1fn_x2",  # two packed e2m1 values per byte, as torch exports it
+}
+
+_DL_CPU, _DL_CUDA, _DL_CUDA_HOST, _DL_CUDA_MANAGED = 1, 2, 3, 13
+
+
+def cai_dtype_code(typestr: str) -> int:
+    """Wire code for a ``__cuda_array_interface__`` typestr ('<f4', '|b1', ...). ValueError if unknown."""
+    if len(typestr) < 3 or typestr[0] not in "<>|=":
+        raise ValueError(f"unsupported typestr {typestr!r}")
+    key = typestr[1:]
+    if typestr[0] == ">" and key[1:] != "1":
+        raise ValueError(f"big-endian typestr {typestr!r} is not supported")
+    name = _CAI_TYPES.get(key)
+    if name is None:
+        raise ValueError(f"unsupported typestr {typestr!r} (pass dtype_code= for raw types such as bfloat16)")
+    return _dtypes.CODE_BY_NAME[name]
+
+
+def dlpack_dtype_code(code: int, bits: int, lanes: int = 1) -> int:
+    """Wire code for a DLPack dtype (type code, bits, lanes). ValueError if unknown."""
+    name = _DLPACK_TYPES.get((int(code), int(bits), int(lanes)))
+    if name is None:
+        raise ValueError(f"unsupported DLPack dtype (code={code}, bits={bits}, lanes={lanes})")
+    return _dtypes.CODE_BY_NAME[name]
+
+
+class _DLDevice(ctypes.Structure):
+    _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
+
+
+class _DLDataType(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
+
+
+class _DLTensor(ctypes.Structure):
+    _fields_ = [("data", ctypes.c_void_p), ("device", _DLDevice), ("ndim", ctypes.c_int32),
+                ("dtype", _DLDataType), ("shape", ctypes.POINTER(ctypes.c_int64)),
+                ("strides", ctypes.POINTER(ctypes.c_int64)), ("byte_offset", ctypes.c_uint64)]
+
+
+class _DLManagedTensor(ctypes.Structure):
+    _fields_ = [("dl_tensor", _DLTensor), ("manager_ctx", ctypes.c_void_p), ("deleter", ctypes.c_void_p)]
+
+
+class _DLPackVersion(ctypes.Structure):
+    _fields_ = [("major", ctypes.c_uint32), ("minor", ctypes.c_uint32)]
+
+
+class _DLManagedTensorVersioned(ctypes.Structure):
+    _fields_ = [("version", _DLPackVersion), ("manager_ctx", ctypes.c_void_p), ("deleter", ctypes.c_void_p),
+                ("flags", ctypes.c_uint64), ("dl_tensor", _DLTensor)]
+
+
+_capsule_api = None
+
+
+def _capsule_fns():
+    global _capsule_api
+    if _capsule_api is None:
+        get_name = ctypes.pythonapi.PyCapsule_GetName
+        get_name.restype = ctypes.c_char_p
+        get_name.argtypes = [ctypes.py_object]
+        get_ptr = ctypes.pythonapi.PyCapsule_GetPointer
+        get_ptr.restype = ctypes.c_void_p
+        get_ptr.argtypes = [ctypes.py_object, ctypes.c_char_p]
+        _capsule_api = (get_name, get_ptr)
+    return _capsule_api
+
+
+def dlpack_view(capsule) -> dict:
+    """Read a DLPack capsule without consuming it (its destructor still frees it).
+
+    Returns {ptr, device_type, device_id, code, bits, lanes, shape, strides (elements)}.
+    """
+    get_name, get_ptr = _capsule_fns()
+    name = get_name(capsule)
+    if name == b"dltensor":
+        managed = _DLManagedTensor.from_address(get_ptr(capsule, name))
+        t = managed.dl_tensor
+    elif name == b"dltensor_versioned":
+        managed = _DLManagedTensorVersioned.from_address(get_ptr(capsule, name))
+        if managed.version.major != 1:
+            raise ValueError(f"DLPack major version {managed.version.major} is not supported")
+        t = managed.dl_tensor
+    else:
+        raise ValueError(f"not an unconsumed DLPack capsule (name {name!r})")
+    ndim = int(t.ndim)
+    shape = [int(t.shape[i]) for i in range(ndim)]
+    if ndim and t.strides:
+        strides = [int(t.strides[i]) for i in range(ndim)]
+    else:  # before DLPack 1.2, NULL strides meant compact C order
+        strides, step = [0] * ndim, 1
+        for i in range(ndim - 1, -1, -1):
+            strides[i] = step
+            step *= shape[i]
+    return {"ptr": int(t.data or 0) + int(t.byte_offset), "device_type": int(t.device.device_type),
+            "device_id": int(t.device.device_id), "code": int(t.dtype.code), "bits": int(t.dtype.bits),
+            "lanes": int(t.dtype.lanes), "shape": shape, "strides": strides}
+
+
+def _dlpack_capsule(array, stream):
+    try:
+        return array.__dlpack__(stream=stream, max_version=(1, 0))
+    except TypeError:  # producers older than DLPack 2023.12 take no max_version
+        return array.__dlpack__(stream=stream)
+
+
+def _elem_size(code: int) -> int:
+    return _dtypes.ITEMSIZE[code]
+
+
+def stage_array(engine, device_ring_mb, channel: int, name_id: int, pass_id: int, array, block: bool,
+                dtype_code: int | None = None, stream: int | None = None):
+    """Stage a CuPy/Numba (``__cuda_array_interface__``) or DLPack array. Returns (status, nbytes).
+
+    Stream protocol: for the CUDA array interface, the array's own ``stream`` entry is the stream the
+    snapshot is ordered on (absent: legacy default stream). For DLPack, fastdump is the consumer:
+    it passes ``stream`` (default 1, the legacy default stream) to ``__dlpack__``, the producer makes
+    that stream wait for its pending work, and the snapshot is enqueued on that same stream.
+    ``dtype_code`` overrides the dtype mapping (e.g. bfloat16 exposed as '<V2').
+    """
+    cai = getattr(array, "__cuda_array_interface__", None)
+    if cai is not None:
+        return _stage_cai(engine, device_ring_mb, channel, name_id, pass_id, array, cai, block, dtype_code)
+    if not hasattr(array, "__dlpack__"):
+        raise TypeError(f"{type(array).__name__} has neither __cuda_array_interface__ nor __dlpack__")
+    device_type, device_id = (int(x) for x in array.__dlpack_device__())
+    if device_type in (_DL_CPU, _DL_CUDA_HOST):
+        capsule = _dlpack_capsule(array, None)
+        v = dlpack_view(capsule)
+        code = dtype_code if dtype_code is not None else dlpack_dtype_code(v["code"], v["bits"], v["lanes"])
+        size = _elem_size(code)
+        status = engine.producer.stage_host(channel, name_id, pass_id, code, size, v["shape"], v["strides"],
+                                            v["ptr"], block)
+        del capsule
+        return status, _numel(v["shape"]) * size
+    if device_type not in (_DL_CUDA, _DL_CUDA_MANAGED):
+        raise TypeError(f"DLPack device type {device_type} is not supported")
+    consumer_stream = 1 if stream is None else int(stream)
+    capsule = _dlpack_capsule(array, consumer_stream)
+    v = dlpack_view(capsule)
+    code = dtype_code if dtype_code is not None else dlpack_dtype_code(v["code"], v["bits"], v["lanes"])
+    size = _elem_size(code)
+    nbytes = _numel(v["shape"]) * size
+    stager = engine.cuda_stager(device_ring_mb)
+    if stager.__class__ is HostFallbackStager:
+        status = stager.stage_tensor(channel, name_id, pass_id, code, _torch_from_dlpack_capsule(capsule), block)
+    else:
+        status = stager.stage(channel, name_id, pass_id, code, size, v["shape"], v["strides"], v["ptr"],
+                              v["device_id"], consumer_stream, block)
+    del capsule  # after stage(): the snapshot is enqueued, the producer may free the memory
+    return status, nbytes
+
+
+def _stage_cai(engine, device_ring_mb, channel, name_id, pass_id, array, cai, block, dtype_code):
+    code = dtype_code if dtype_code is not None else cai_dtype_code(cai["typestr"])
+    size = _elem_size(code)
+    shape = [int(d) for d in cai["shape"]]
+    strides_b = cai.get("strides")
+    if strides_b is None:
+        strides, step = [0] * len(shape), 1
+        for i in range(len(shape) - 1, -1, -1):
+            strides[i] = step
+            step *= shape[i]
+    else:
+        strides = []
+        for s in strides_b:
+            if int(s) % size:
+                raise ValueError(f"stride {s} bytes is not a multiple of the element size {size}")
+            strides.append(int(s) // size)
+    ptr = int(cai["data"][0])
+    nbytes = _numel(shape) * size
+    # CAI v3: `stream` absent/None means the data is ready; 1 = legacy default, 2 = per-thread default.
+    stream = cai.get("stream")
+    stream = 0 if stream is None else int(stream)
+    stager = engine.cuda_stager(device_ring_mb)
+    if stager.__class__ is HostFallbackStager:
+        import torch
+
+        return stager.stage_tensor(channel, name_id, pass_id, code, torch.as_tensor(array, device="cuda"),
+                                   block), nbytes
+    device = _cai_device(array, ptr)
+    return stager.stage(channel, name_id, pass_id, code, size, shape, strides, ptr, device, stream, block), nbytes
+
+
+def _cai_device(array, ptr: int) -> int:
+    dev = getattr(array, "device", None)
+    dev_id = getattr(dev, "id", None)  # CuPy: cupy.cuda.Device
+    if isinstance(dev_id, int):
+        return dev_id
+    if ptr == 0:
+        return 0
+    device = _C.cuda_pointer_device(ptr)
+    return device if device >= 0 else 0
+
+
+def _torch_from_dlpack_capsule(capsule):
+    import torch
+
+    return torch.utils.dlpack.from_dlpack(capsule)
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n

@@ -1,0 +1,989 @@
+"""The CUDA staging path.
+
+Three layers:
+  * CPU unit tests of fastdump/cuda.py (dtype mapping for the CUDA array interface and DLPack,
+    capsule parsing, fallbacks, status): run everywhere.
+  * The real csrc/cuda_staging.cu compiled against a mock CUDA runtime (tests/cuda_mock: streams are
+    threads with random delays, events are stream tickets): exercises ring allocation, chunking,
+    stream ordering of the snapshot, publish order, drop/block, writer death, failure paths and
+    teardown on machines without a GPU. Needs a C++ compiler (skipped otherwise).
+  * GPU tests (marked ``cuda``) through the public API; skipped without a GPU or without CUDA
+    compiled into fastdump._C.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import fastdump
+from fastdump import _C, dtypes
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(HERE / "cuda_mock"))
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.dtype != b.dtype or tuple(a.shape) != tuple(b.shape):
+        return False
+    if a.numel() == 0:
+        return True
+    return a.contiguous().reshape(-1).view(torch.uint8).equal(b.contiguous().reshape(-1).view(torch.uint8))
+
+
+def torch_dtypes():
+    """(name, torch dtype) for every fastdump dtype this torch has."""
+    out = []
+    for name in dtypes.NAMES:
+        dt = getattr(torch, name, None)
+        if isinstance(dt, torch.dtype):
+            out.append((name, dt))
+    return out
+
+
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def raw_bytes(t: torch.Tensor) -> bytes:
+    """C-order bytes of any CPU tensor (shell dtypes such as uint1 have no copy kernel)."""
+    size = t.element_size()
+    if size in _INT_OF_SIZE and t.dtype not in _INT_OF_SIZE.values():
+        t = t.view(_INT_OF_SIZE[size])
+    return t.contiguous().numpy().tobytes()
+
+
+def random_tensor(dt, shape, device="cpu", seed=0):
+    """Random bits of any dtype (bit types and float8 included) with the given shape."""
+    g = torch.Generator().manual_seed(seed)
+    size = torch.empty(0, dtype=dt).element_size()
+    n = int(np.prod(shape)) if shape else 1
+    raw = torch.randint(0, 256, (n * size,), dtype=torch.uint8, generator=g)
+    if dt == torch.bool:
+        raw = raw % 2
+    t = raw.view(dt).reshape(shape)
+    return t.to(device) if device != "cpu" else t
+
+
+# =================================================================================================
+# CPU unit tests of fastdump/cuda.py
+
+
+def test_importing_fastdump_does_not_import_cuda_glue():
+    code = ("import sys, fastdump, fastdump.capture, fastdump.engine; "
+            "assert 'fastdump.cuda' not in sys.modules, 'fastdump.cuda imported eagerly'; "
+            "assert 'fastdump.devices' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+
+
+@pytest.mark.parametrize("typestr,name", [
+    ("<f4", "float32"), ("<f8", "float64"), ("<f2", "float16"), ("|b1", "bool"), ("|i1", "int8"),
+    ("<i1", "int8"), ("|u1", "uint8"), ("<i2", "int16"), ("<u2", "uint16"), ("<i4", "int32"),
+    ("<u4", "uint32"), ("<i8", "int64"), ("<u8", "uint64"), ("<c8", "complex64"), ("<c16", "complex128"),
+    ("=f4", "float32"), (">u1", "uint8"),
+])
+def test_cai_typestr_to_code(typestr, name):
+    from fastdump import cuda
+
+    assert cuda.cai_dtype_code(typestr) == dtypes.CODE_BY_NAME[name]
+
+
+@pytest.mark.parametrize("typestr", [">f4", "<V2", "|O8", "<M8", "f4", ""])
+def test_cai_typestr_refused(typestr):
+    from fastdump import cuda
+
+    with pytest.raises(ValueError):
+        cuda.cai_dtype_code(typestr)
+
+
+def test_cai_typestrs_of_numpy_match_fastdump_codes():
+    from fastdump import cuda
+
+    for name in ["float16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32",
+                 "uint64", "bool", "complex64", "complex128"]:
+        assert cuda.cai_dtype_code(np.dtype(name).str) == dtypes.CODE_BY_NAME[name], name
+
+
+def test_dlpack_codes_of_every_torch_dtype():
+    """Every dtype torch exports through DLPack maps back to its own fastdump code."""
+    from fastdump import cuda
+
+    checked = []
+    for name, dt in torch_dtypes():
+        t = random_tensor(dt, (3, 4))
+        try:
+            capsule = t.__dlpack__()
+        except (RuntimeError, BufferError, TypeError):
+            continue  # bit types: torch refuses to export them
+        v = cuda.dlpack_view(capsule)
+        if name in ("uint1", "uint2", "uint3", "uint4", "uint5", "uint6", "uint7"):
+            assert cuda.dlpack_dtype_code(v["code"], v["bits"], v["lanes"]) == dtypes.CODE_BY_NAME["uint8"]
+            continue
+        if name in ("int1", "int2", "int3", "int4", "int5", "int6", "int7"):
+            assert cuda.dlpack_dtype_code(v["code"], v["bits"], v["lanes"]) == dtypes.CODE_BY_NAME["int8"]
+            continue
+        assert cuda.dlpack_dtype_code(v["code"], v["bits"], v["lanes"]) == dtypes.code_of(dt), name
+        assert v["shape"] == [3, 4] and v["strides"] == [4, 1]
+        assert v["ptr"] == t.data_ptr() and v["device_type"] == 1
+        checked.append(name)
+    for must in ("float32", "bfloat16", "float16", "bool", "float8_e4m3fn", "float8_e5m2", "complex64", "int64"):
+        assert must in checked
+
+
+def test_dlpack_view_strides_offsets_and_versioned_capsules():
+    from fastdump import cuda
+
+    base = torch.arange(60, dtype=torch.float32).reshape(5, 12)
+    view = base[1:4, 2::3]
+    v = cuda.dlpack_view(view.__dlpack__())
+    assert v["shape"] == [3, 4] and v["strides"] == [12, 3]
+    assert v["ptr"] == view.data_ptr()
+    try:
+        capsule = view.__dlpack__(max_version=(1, 0))
+    except TypeError:
+        pytest.skip("this torch has no versioned DLPack export")
+    v2 = cuda.dlpack_view(capsule)
+    assert v2["ptr"] == view.data_ptr() and v2["shape"] == [3, 4] and v2["strides"] == [12, 3]
+
+
+def test_dlpack_unknown_dtype_refused():
+    from fastdump import cuda
+
+    with pytest.raises(ValueError):
+        cuda.dlpack_dtype_code(3, 64, 1)  # opaque handle
+    with pytest.raises(ValueError):
+        cuda.dlpack_dtype_code(2, 32, 4)  # float32x4 vector
+
+
+class _FakeEngine:
+    """What stage_array needs from fastdump.engine.Engine: .producer and .cuda_stager(mb)."""
+
+    def __init__(self, producer, stager=None):
+        self.producer = producer
+        self.stager = stager
+        self.asked = []
+
+    def cuda_stager(self, device_ring_mb):
+        self.asked.append(device_ring_mb)
+        return self.stager
+
+
+class Ring:
+    """A producer/consumer pair of any _C module (the real one or the mock build)."""
+
+    def __init__(self, mod, capacity=4 << 20, chunk=0):
+        self.mod = mod
+        self.producer = mod.Producer(f"/fdtest-{os.getpid()}-{id(self)}", capacity, chunk)
+        self.consumer = mod.Consumer(self.producer.name)
+        self.producer.unlink()
+
+    def read(self, timeout=0.3):
+        """{(channel, name_id, pass_id): (dtype, shape, bytes)} of complete tensors, plus their order."""
+        parts, order = {}, []
+        while True:
+            r = self.consumer.next(timeout)
+            if r is None:
+                break
+            kind, channel, name_id, pass_id, dtype, shape, payload, seq, off, total = r
+            if kind == self.mod.KIND_TENSOR:
+                key = (channel, name_id, pass_id)
+                if key not in parts:
+                    parts[key] = [dtype, tuple(shape), bytearray(total), 0]
+                    order.append(key)
+                entry = parts[key]
+                entry[2][off:off + len(payload)] = bytes(payload)
+                entry[3] += len(payload)
+            self.consumer.release()
+        out = {}
+        for key, (dtype, shape, data, filled) in parts.items():
+            assert filled == len(data), f"{key}: torn tensor ({filled} of {len(data)} bytes)"
+            out[key] = (dtype, shape, bytes(data))
+        return out, order
+
+
+def test_stage_array_numpy_through_dlpack_cpu():
+    from fastdump import cuda
+
+    ring = Ring(_C)
+    eng = _FakeEngine(ring.producer)
+    arrays = [np.arange(24, dtype=np.float32).reshape(4, 6)[:, ::2], np.array([True, False, True]),
+              (np.arange(12) * 1j).astype(np.complex64).reshape(3, 4).T, np.full((), 3.5)]
+    for i, a in enumerate(arrays):
+        status, nbytes = cuda.stage_array(eng, 64, 0, i, 7, a, True)
+        assert status == _C.STAGED and nbytes == a.nbytes
+    got, _ = ring.read()
+    for i, a in enumerate(arrays):
+        dtype, shape, data = got[(0, i, 7)]
+        assert dtypes.NAMES[dtype] == a.dtype.name and shape == a.shape
+        assert data == np.ascontiguousarray(a).tobytes()
+    assert eng.asked == []  # host arrays never start CUDA staging
+
+
+def test_numpy_arrays_through_the_public_api(tmp_path):
+    """Dumper.dump of DLPack host arrays goes through cuda.stage_array and comes back bit for bit."""
+    arrays = {"f32": np.arange(24, dtype=np.float32).reshape(4, 6)[:, 1::2],
+              "bool": np.array([[True, False], [False, True]]).T,
+              "c128": (np.arange(6) * (1 - 1j)).reshape(2, 3)}
+    with fastdump.attach(None, tmp_path, tp_rank=0, tp_size=1, strict=True) as d:
+        d.begin_pass()
+        for name, a in arrays.items():
+            d.dump(name, a)
+        d.end_pass()
+    got = fastdump.open(tmp_path).load("target", 0, 0)
+    for name, a in arrays.items():
+        assert np.array_equal(got[name].numpy(), a) and got[name].numpy().dtype == a.dtype, name
+
+
+def test_status_warns_once_when_compiled_but_unusable(monkeypatch, caplog):
+    from fastdump import cuda
+
+    monkeypatch.setattr(cuda, "_info", {"compiled": True, "device_count": 0, "devices": [],
+                                        "reason": "cudaErrorNoDevice (no CUDA-capable device is detected)"})
+    monkeypatch.setattr(cuda, "_warned", set())
+    with caplog.at_level(logging.WARNING, logger="fastdump"):
+        s1 = cuda.status()
+        s2 = cuda.status()
+    assert s1["usable"] is False and s2["compiled"] is True
+    warnings = [r for r in caplog.records if "unusable" in r.getMessage()]
+    assert len(warnings) == 1 and "no CUDA-capable device" in warnings[0].getMessage()
+
+
+def test_get_stager_falls_back_to_host_copies_when_unusable(monkeypatch, caplog):
+    from fastdump import cuda
+
+    monkeypatch.setattr(cuda, "_info", {"compiled": False, "reason": "built without a CUDA toolkit"})
+    monkeypatch.setattr(cuda, "_warned", set())
+    ring = Ring(_C)
+    with caplog.at_level(logging.WARNING, logger="fastdump"):
+        stager = cuda.get_stager(ring.producer, 8)
+    assert isinstance(stager, cuda.HostFallbackStager) and "without a CUDA toolkit" in stager.reason
+    assert any("unavailable" in r.getMessage() for r in caplog.records)
+    t = random_tensor(torch.bfloat16, (5, 7)).t()
+    assert cuda.stage_tensor(stager, 1, 2, 3, dtypes.code_of(t.dtype), t, True) == _C.STAGED
+    assert stager.flush(1.0) and stager.stats()["tensors"] == 1
+    got, _ = ring.read()
+    assert got[(1, 2, 3)][2] == t.contiguous().view(torch.uint16).numpy().tobytes()
+    stager.close()
+
+
+def test_cuda_info_reports_build_and_reason():
+    info = _C.cuda_info()
+    assert isinstance(info["compiled"], bool)
+    if not info["compiled"]:
+        assert info.get("reason")
+        return
+    assert info["built_with"].count(".") == 1 and info["runtime_version"] > 0
+    assert isinstance(info["devices"], list) and info["device_count"] == len(info["devices"])
+    if info["device_count"] == 0:
+        assert info.get("reason")  # e.g. no driver: said, not raised
+        with pytest.raises(RuntimeError, match="unavailable"):
+            _C.CudaStager(Ring(_C).producer, 1 << 20)
+
+
+# =================================================================================================
+# The real staging code against the mock CUDA runtime
+
+
+@pytest.fixture(scope="module")
+def mock():
+    if not (os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")):
+        pytest.skip("no C++ compiler for the mock CUDA build")
+    import build as mock_build
+
+    mod = mock_build.load(mock_build.build())
+    yield mod
+
+
+@pytest.fixture
+def m(mock, monkeypatch):
+    """The mock module, its knobs reset around each test."""
+    monkeypatch.delenv("FASTDUMP_CUDA_BATCH", raising=False)
+    monkeypatch.delenv("FASTDUMP_CUDA_REGISTER_PIECE_MB", raising=False)
+    knobs = dict(device_count=2, max_delay_us=0, fail_batch=0, fail_event_query=0, fail_malloc=0, capturing=0)
+    for k, v in knobs.items():
+        mock._mock.set(k, v)
+    yield mock
+    for k, v in knobs.items():
+        mock._mock.set(k, v)
+
+
+def stage(stager, t, *, name_id=0, pass_id=0, channel=0, device=0, stream=0, block=True, code=None):
+    """Stage a CPU tensor as if it were device memory (the mock's device memory is host memory)."""
+    code = dtypes.code_of(t.dtype) if code is None else code
+    return stager.stage(channel, name_id, pass_id, code, t.element_size(), list(t.shape), list(t.stride()),
+                        t.data_ptr(), device, stream, block)
+
+
+def layouts():
+    base = torch.arange(2 * 3 * 5 * 7, dtype=torch.float32).reshape(2, 3, 5, 7)
+    wide = torch.arange(64 * 300, dtype=torch.int32).reshape(64, 300)
+    return {
+        "contiguous": base,
+        "transposed": base.transpose(1, 3),
+        "sliced": base[:, 1:, ::2, 3:],
+        "expanded": torch.arange(7.0).expand(4, 3, 7),
+        "scalar": torch.tensor(3.25),
+        "empty": torch.empty(0, 5),
+        "one_element": base[1:2, 2:3, 4:5, 6:7],
+        "channels_last": base.contiguous(memory_format=torch.channels_last),
+        "many_dims": torch.arange(2 ** 10, dtype=torch.int16).reshape([2] * 10).permute(*range(9, -1, -1)),
+        "wide_rows": wide[:, 100:280],         # rows of 720 bytes: the 2-D copy path
+        "narrow_rows": wide[::2, :5],
+        "odd_bytes": torch.arange(3 * 5 * 7, dtype=torch.uint8).reshape(3, 5, 7)[:, ::2, 1::3],
+        "complex": (torch.arange(24) * (1 + 2j)).to(torch.complex128).reshape(4, 6).t(),
+    }
+
+
+def test_mock_layouts_bit_exact(m):
+    base = m._mock.counters()
+    ring = Ring(m, capacity=4 << 20, chunk=8 << 10)  # 8 KiB records: most tensors are chunked
+    stager = m.CudaStager(ring.producer, 1 << 20)
+    stager.register_host()
+    cases = layouts()
+    for i, t in enumerate(cases.values()):
+        assert stage(stager, t, name_id=i) == m.STAGED
+    assert stager.flush(10)
+    got, order = ring.read()
+    for i, (name, t) in enumerate(cases.items()):
+        dtype, shape, data = got[(0, i, 0)]
+        assert dtype == dtypes.code_of(t.dtype) and shape == tuple(t.shape), name
+        assert data == t.contiguous().numpy().tobytes(), name
+    assert order == [(0, i, 0) for i in range(len(cases))]  # ring order = staging order
+    st = stager.stats()
+    assert st["snapshot_kernels"] >= 6 and st["snapshot_2d"] >= 1 and st["batch_api"]
+    assert st["published"] == st["records"] and st["cancelled"] == 0 and st["last_error"] == ""
+    c = m._mock.counters()
+    assert c["crossing_copies"] == base["crossing_copies"] and c["unpinned_copies"] == base["unpinned_copies"]
+    stager.close()
+
+
+def test_mock_every_dtype_bit_exact(m):
+    ring = Ring(m)
+    stager = m.CudaStager(ring.producer, 1 << 20)
+    stager.register_host()
+    cases = [(name, random_tensor(dt, (6, 10), seed=i)) for i, (name, dt) in enumerate(torch_dtypes())]
+    for i, (name, t) in enumerate(cases):
+        assert stage(stager, t.t(), name_id=i) == m.STAGED, name  # transposed: the gather kernel
+    assert stager.flush(10)
+    got, _ = ring.read()
+    for i, (name, t) in enumerate(cases):
+        assert got[(0, i, 0)][2] == raw_bytes(t.t()), name
+    stager.close()
+
+
+def test_mock_snapshot_is_ordered_on_the_producer_stream(m):
+    """The bytes at hook time: produced by earlier work on the stream, overwritten right after."""
+    ring = Ring(m)
+    stager = m.CudaStager(ring.producer, 1 << 20)
+    stager.register_host()
+    stream = m._mock.stream_create()
+    try:
+        buf = torch.zeros(1 << 16, dtype=torch.uint8)
+        produced = torch.randint(0, 256, (1 << 16,), dtype=torch.uint8)
+        m._mock.enqueue_sleep(stream, 0.05)  # a slow kernel still running when the hook fires
+        m._mock.enqueue_copy(stream, buf.data_ptr(), produced.data_ptr(), buf.numel())
+        assert stage(stager, buf, stream=stream) == m.STAGED
+        m._mock.enqueue_fill(stream, buf.data_ptr(), buf.numel(), 0xEE)  # the next, in-place kernel
+        view = buf.view(256, 256)[::2, 1::3]
+        flipped = produced.flip(0)  # alive until the stream has run the copy below
+        m._mock.enqueue_copy(stream, buf.data_ptr(), flipped.data_ptr(), buf.numel())
+        expect_view = flipped.view(256, 256)[::2, 1::3].contiguous()
+        assert stage(stager, view, name_id=1, stream=stream) == m.STAGED
+        m._mock.enqueue_fill(stream, buf.data_ptr(), buf.numel(), 0x11)
+        assert stager.flush(10)
+        got, _ = ring.read()
+        assert got[(0, 0, 0)][2] == produced.numpy().tobytes()
+        assert got[(0, 1, 0)][2] == expect_view.numpy().tobytes()
+        m._mock.sync(stream)
+    finally:
+        stager.close()
+        m._mock.stream_destroy(stream)
+
+
+def test_mock_tensor_larger_than_both_rings(m):
+    ring = Ring(m, capacity=1 << 20, chunk=64 << 10)
+    stager = m.CudaStager(ring.producer, 1 << 20)  # segments of 512 KiB
+    stager.register_host()
+    t = torch.randint(-2 ** 31, 2 ** 31 - 1, (3 << 20,), dtype=torch.int32)  # 12 MiB
+    result = {}
+    reader = threading.Thread(target=lambda: result.update(ring.read(timeout=2)[0]))
+    reader.start()  # the writer must consume while we stage: the host ring holds 1 MiB
+    assert stage(stager, t.view(-1, 1024).t()) == m.STAGED
+    assert stager.flush(30)
+    reader.join()
+    assert result[(0, 0, 0)][2] == t.view(-1, 1024).t().contiguous().numpy().tobytes()
+    st = stager.stats()
+    assert st["snapshots"] >= 24 and st["device_ring_full_waits"] > 0
+    stager.close()
+
+
+def test_mock_drop_policy_counts_and_keeps_the_rest_intact(m):
+    ring = Ring(m, capacity=8 << 20)
+    stager = m.CudaStager(ring.producer, 1 << 20)
+    stager.register_host()
+    stream = m._mock.stream_create()
+    try:
+        m._mock.enqueue_sleep(stream, 0.3)  # nothing can complete for a while: the device ring fills
+        tensors = [torch.full((64 << 10,), i, dtype=torch.int32) for i in range(12)]  # 256 KiB each
+        statuses = [stage(stager, t, name_id=i, stream=stream, block=False) for i, t in enumerate(tensors)]
+        dropped = statuses.count(m.DROPPED)
+        assert dropped > 0 and statuses.count(m.STAGED) + dropped == len(tensors)
+        assert ring.producer.stats()["dropped"] == dropped == stager.stats()["dropped"]
+        assert stager.flush(10)
+        got, _ = ring.read()
+        for i, (t, s) in enumerate(zip(tensors, statuses)):
+            if s == m.STAGED:
+                assert got[(0, i, 0)][2] == t.numpy().tobytes()
+            else:
+                assert (0, i, 0) not in got
+    finally:
+        stager.close()
+        m._mock.stream_destroy(stream)
+
+
+def test_mock_blocking_waits_release_the_gil(m):
+    ring = Ring(m, capacity=8 << 20)
+    stager = m.CudaStager(ring.producer, 1 << 20)
+    stager.register_host()
+    stream = m._mock.stream_create()
+    ticks = []
+    try:
+        m._mock.enqueue_sleep(stream, 0.3)
+        tensors = [torch.full((128 << 10,), i, dtype=torch.int32) for i in range(4)]  # 512 KiB each
+        done = []
+
+        def worker():
+            done.extend(stage(stager, t, name_id=i, stream=stream, block=True) for i, t in enumerate(tensors))
+
+        th = threading.Thread(target=worker)
+        th.start()
+        t0 = time.monotonic()
+        while th.is_alive() and time.monotonic() - t0 < 10:
+            ticks.append(time.monotonic())  # runs only if the waiting stage() gave up the GIL
+            time.sleep(0.005)
+        th.join()
+        assert done == [m.STAGED] * 4
+        assert len(ticks) > 10
+        assert stager.stats()["device_ring_full_waits"] > 0
+        assert stager.flush(10)
+        got, _ = ring.read()
+        assert all(got[(0, i, 0)][2] == t.numpy().tobytes() for i, t in enumerate(tensors))
+    finally:
+        stager.close()
+        m._mock.stream_destroy(stream)
+
+
+def test_mock_writer_death_never_hangs_stage(m):
+    ring = Ring(m, capacity=1 << 20)
+    r, w = os.pipe()
+    ring.producer.set_writer_fd(r)
+    stager = m.CudaStager(ring.producer, 4 << 20)
+    stager.register_host()
+    t = torch.ones(32 << 10, dtype=torch.float32)  # 128 KiB: the host ring holds a few
+    statuses = []
+
+    def worker():
+        for i in range(64):  # nobody reads: the host ring fills, then the writer "dies"
+            statuses.append(stage(stager, t, name_id=i, block=True))
+            if statuses[-1] != m.STAGED:
+                break
+
+    th = threading.Thread(target=worker, daemon=True)
+    th.start()
+    time.sleep(0.3)
+    assert th.is_alive()  # blocked on the full ring, as `block` asks
+    os.close(w)           # the writer process exits
+    th.join(5)
+    assert not th.is_alive(), "stage() hung after the writer died"
+    assert statuses[-1] == m.DISABLED
+    assert stage(stager, t, name_id=99) == m.DISABLED
+    assert stager.flush(5)
+    stager.close()
+    os.close(r)
+
+
+def test_mock_close_while_a_stage_call_waits(m):
+    ring = Ring(m, capacity=8 << 20)
+    stager = m.CudaStager(ring.producer, 1 << 20)
+    stager.register_host()
+    stream = m._mock.stream_create()
+    try:
+        m._mock.enqueue_sleep(stream, 0.5)  # the device ring stays full for a while
+        tensors = [torch.full((128 << 10,), i, dtype=torch.int32) for i in range(6)]
+        statuses = []
+        th = threading.Thread(target=lambda: statuses.extend(
+            stage(stager, t, name_id=i, stream=stream, block=True) for i, t in enumerate(tensors)))
+        th.start()
+        time.sleep(0.1)
+        stager.close(10)  # the waiting stage() gives up; what was staged is still delivered
+        th.join(5)
+        assert not th.is_alive()
+        assert m.DISABLED in statuses and statuses[0] == m.STAGED
+        got, _ = ring.read()
+        for i, st in enumerate(statuses):
+            if st == m.STAGED:
+                assert got[(0, i, 0)][2] == tensors[i].numpy().tobytes()
+            else:
+                assert (0, i, 0) not in got
+    finally:
+        m._mock.stream_destroy(stream)
+
+
+def test_mock_forked_child_leaves_the_stager_alone(m):
+    ring = Ring(m)
+    stager = m.CudaStager(ring.producer, 1 << 20)
+    t = torch.arange(16, dtype=torch.float32)
+    pid = os.fork()
+    if pid == 0:  # child: no drain thread here; staging refused, close() must not hang
+        code = 3
+        try:
+            code = 0 if stage(stager, t) == m.DISABLED else 1
+            stager.close(1)
+        except BaseException:
+            code = 2
+        os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+    assert stage(stager, t) == m.STAGED and stager.flush(10)  # the parent is unaffected
+    assert ring.read()[0][(0, 0, 0)][2] == t.numpy().tobytes()
+    stager.close()
+
+
+def test_mock_capture_is_refused_without_touching_the_rings(m):
+    ring = Ring(m)
+    stager = m.CudaStager(ring.producer, 1 << 20)
+    m._mock.set("capturing", 1)
+    assert stage(stager, torch.ones(10)) == m.CAPTURING
+    m._mock.set("capturing", 0)
+    assert stager.stats()["capturing_skipped"] == 1 and stager.stats()["records"] == 0
+    assert ring.producer.used_bytes() == 0
+    stager.close()
+
+
+def test_mock_batch_api_refused_falls_back_to_memcpy(m):
+    ring = Ring(m)
+    stager = m.CudaStager(ring.producer, 1 << 20)
+    stager.register_host()
+    m._mock.set("fail_batch", 1)
+    t = torch.arange(1000, dtype=torch.float64)
+    assert stage(stager, t) == m.STAGED and stager.flush(10)
+    got, _ = ring.read()
+    assert got[(0, 0, 0)][2] == t.numpy().tobytes()
+    st = stager.stats()
+    assert not st["batch_api"] and "cudaMemcpyBatchAsync" in st["last_error"]
+    stager.close()
+
+
+def test_mock_unpinned_ring_uses_plain_copies(m):
+    ring = Ring(m)
+    stager = m.CudaStager(ring.producer, 1 << 20)  # register_host() not called
+    t = torch.arange(1000, dtype=torch.int64)
+    before = m._mock.counters()["batch_calls"]
+    assert stage(stager, t) == m.STAGED and stager.flush(10)
+    assert m._mock.counters()["batch_calls"] == before
+    assert ring.read()[0][(0, 0, 0)][2] == t.numpy().tobytes()
+    assert not stager.stats()["batch_api"]
+    stager.close()
+
+
+def test_mock_drain_failure_stops_staging_without_hanging_the_writer(m):
+    ring = Ring(m)
+    stager = m.CudaStager(ring.producer, 1 << 20)
+    stager.register_host()
+    m._mock.set("fail_event_query", 1)
+    t = torch.arange(4096, dtype=torch.float32)
+    assert stage(stager, t) == m.STAGED
+    assert stager.flush(10)  # the failed record was published or turned into padding
+    deadline = time.monotonic() + 5
+    while stager.stats()["last_error"] == "" and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert "cudaEventQuery" in stager.stats()["last_error"]
+    assert stage(stager, t, name_id=1) == m.DISABLED
+    got, _ = ring.read()  # the reader is not stuck behind an unpublished record
+    assert (0, 1, 0) not in got
+    if (0, 0, 0) in got:
+        assert got[(0, 0, 0)][2] == t.numpy().tobytes()
+    stager.close()
+
+
+def test_mock_device_ring_allocation_failure_is_an_exception_once(m):
+    ring = Ring(m)
+    stager = m.CudaStager(ring.producer, 1 << 20)
+    m._mock.set("fail_malloc", 1)
+    with pytest.raises(RuntimeError, match="device staging ring"):
+        stage(stager, torch.ones(4))
+    m._mock.set("fail_malloc", 0)
+    with pytest.raises(RuntimeError, match="device staging ring"):  # remembered: no retry per tensor
+        stage(stager, torch.ones(4))
+    assert stage(stager, torch.ones(4), device=1) == m.STAGED  # other GPUs are unaffected
+    stager.close()
+
+
+def test_mock_no_device(m):
+    m._mock.set("device_count", 0)
+    info = m.cuda_info()
+    assert info["device_count"] == 0 and "cudaErrorNoDevice" in info["reason"]
+    with pytest.raises(RuntimeError, match="unavailable"):
+        m.CudaStager(Ring(m).producer, 1 << 20)
+
+
+def test_mock_registration_pieces_and_teardown(m, monkeypatch):
+    monkeypatch.setenv("FASTDUMP_CUDA_REGISTER_PIECE_MB", "1")
+    base = m._mock.counters()
+    ring = Ring(m, capacity=6 << 20, chunk=1536 << 10)  # records straddle the 1 MiB pieces
+    stager = m.CudaStager(ring.producer, 4 << 20)
+    stager.register_host()
+    assert m._mock.counters()["registered_ranges"] == base["registered_ranges"] + 6
+    assert stager.register_host() == 0.0  # once
+    for i in range(8):
+        t = torch.randint(0, 1 << 30, (400_000,), dtype=torch.int32)
+        assert stage(stager, t, name_id=i) == m.STAGED
+        assert stager.flush(10)
+        assert ring.read()[0][(0, i, 0)][2] == t.numpy().tobytes()
+    c = m._mock.counters()
+    assert c["crossing_copies"] == base["crossing_copies"] and c["unpinned_copies"] == base["unpinned_copies"]
+    assert stager.stats()["registered_bytes"] == 6 << 20
+    stager.close()
+    c = m._mock.counters()
+    for k in ("registered_ranges", "live_allocs", "live_events", "live_streams"):
+        assert c[k] == base[k], k
+    assert stage(stager, torch.ones(2)) == m.DISABLED  # closed
+
+
+def test_mock_threads_devices_and_streams(m):
+    m._mock.set("max_delay_us", 50)
+    ring = Ring(m, capacity=2 << 20, chunk=32 << 10)
+    stager = m.CudaStager(ring.producer, 512 << 10)
+    stager.register_host()
+    streams = [m._mock.stream_create() for _ in range(4)]
+    want = {}
+    result = {}
+    reader = threading.Thread(target=lambda: result.update(ring.read(timeout=1.0)[0]))
+    reader.start()
+
+    def worker(k):
+        g = torch.Generator().manual_seed(k)
+        for i in range(40):
+            t = torch.randint(0, 255, (int(torch.randint(1, 60_000, (1,), generator=g)),), dtype=torch.uint8,
+                              generator=g)
+            v = t[:: 1 + i % 3]
+            want[(k, i, 0)] = v.contiguous().numpy().tobytes()
+            assert stage(stager, v, channel=k, name_id=i, device=k % 2, stream=streams[k]) == m.STAGED
+            m._mock.enqueue_fill(streams[k], t.data_ptr(), t.numel(), 0)  # overwritten right after
+            m._mock.sync(streams[k])  # (keeps `t` alive until the stream is past the snapshot)
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert stager.flush(30)
+    reader.join()
+    assert {k: result[k][2] for k in want} == want
+    stager.close()
+    for s in streams:
+        m._mock.stream_destroy(s)
+
+
+def test_mock_stage_array_cuda_array_interface_and_dlpack(m):
+    """cuda.stage_array's CAI and DLPack paths hand the right pointer, strides and stream to stage()."""
+    from fastdump import cuda
+
+    ring = Ring(m)
+    stager = m.CudaStager(ring.producer, 1 << 20)
+    stager.register_host()
+    eng = _FakeEngine(ring.producer, stager)
+    host = np.arange(48, dtype=np.float32).reshape(6, 8)
+    view = host[1:5, ::2]
+
+    class Device:
+        id = 1
+
+    class CaiArray:
+        device = Device()
+        __cuda_array_interface__ = {"shape": view.shape, "typestr": view.dtype.str, "strides": view.strides,
+                                    "data": (view.ctypes.data, False), "version": 3, "stream": 1}
+
+    status, nbytes = cuda.stage_array(eng, 32, 0, 0, 0, CaiArray(), True)
+    assert status == m.STAGED and nbytes == view.nbytes and eng.asked == [32]
+
+    seen = {}
+    t = torch.arange(30, dtype=torch.bfloat16).reshape(5, 6).t()
+
+    class DlpackOnGpu:
+        def __dlpack_device__(self):
+            return (2, 0)  # kDLCUDA
+
+        def __dlpack__(self, stream=None, max_version=None):
+            seen["stream"] = stream
+            return t.__dlpack__()
+
+    status, nbytes = cuda.stage_array(eng, 32, 0, 1, 0, DlpackOnGpu(), True)
+    assert status == m.STAGED and nbytes == t.numel() * 2
+    assert seen["stream"] == 1  # fastdump consumes on the legacy default stream
+    assert stager.flush(10)
+    got, _ = ring.read()
+    assert got[(0, 0, 0)][2] == np.ascontiguousarray(view).tobytes()
+    assert got[(0, 1, 0)][0] == dtypes.CODE_BY_NAME["bfloat16"]
+    assert got[(0, 1, 0)][2] == t.contiguous().view(torch.uint16).numpy().tobytes()
+    stager.close()
+
+
+@pytest.mark.slow
+def test_mock_stress_threads_random_layouts():
+    """The C++ stress driver (random layouts, element sizes, streams, delays; 3 modes)."""
+    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if not cxx:
+        pytest.skip("no C++ compiler")
+    out = ROOT / "build" / "cuda_mock_stress"
+    out.parent.mkdir(exist_ok=True)
+    subprocess.run([cxx, "-std=c++17", "-O2", "-DFASTDUMP_CUDA_MOCK=1", f"-I{HERE / 'cuda_mock'}",
+                    f"-I{ROOT / 'csrc'}", "-x", "c++", str(ROOT / "csrc/cuda_staging.cu"), "-x", "none",
+                    str(ROOT / "csrc/ring.cpp"), str(HERE / "cuda_mock/stress.cpp"), "-lrt", "-pthread", "-o",
+                    str(out)], check=True)
+    for mode in ("", "nobatch", "fail"):
+        r = subprocess.run([str(out), "300", "4", mode], capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, f"mode {mode!r}:\n{r.stdout}\n{r.stderr}"
+
+
+# =================================================================================================
+# On a GPU, through the public API
+
+CUDA_READY = bool(getattr(_C, "cuda_compiled", lambda: False)()) and torch.cuda.is_available()
+needs_cuda_build = pytest.mark.skipif(not CUDA_READY, reason="needs a CUDA GPU and fastdump._C built with CUDA "
+                                      "(CUDA_HOME=... pip install -e .)")
+
+
+def _attach(root, **kw):
+    kw.setdefault("tp_rank", 0)
+    kw.setdefault("tp_size", 1)
+    kw.setdefault("strict", True)
+    return fastdump.attach(None, root, **kw)
+
+
+def _dump_pass(d, items):
+    d.begin_pass()
+    for name, t in items:
+        d.dump(name, t)
+    d.end_pass()
+
+
+def _load(root, pass_id=0, role="target"):
+    return fastdump.open(root).load(role, 0, pass_id)
+
+
+@pytest.mark.cuda
+@needs_cuda_build
+def test_gpu_every_dtype_bit_exact(tmp_path):
+    items = []
+    for i, (name, dt) in enumerate(torch_dtypes()):
+        try:
+            t = random_tensor(dt, (4, 8), device="cuda", seed=i)
+        except (RuntimeError, TypeError):
+            continue  # no CUDA copy kernel for this shell dtype
+        items.append((name, t))
+    with _attach(tmp_path) as d:
+        _dump_pass(d, items)
+        torch.cuda.synchronize()
+    got = _load(tmp_path)
+    for name, t in items:
+        assert same_bits(got[name], t.cpu()), name
+    assert {"float32", "bfloat16", "float8_e4m3fn", "bool", "complex64"} <= set(got)
+
+
+class _Produce(torch.nn.Module):
+    def __init__(self, n):
+        super().__init__()
+        self.lin = torch.nn.Linear(n, n)
+
+    def forward(self, x):
+        return self.lin(x)
+
+
+class _InPlaceNext(torch.nn.Module):
+    """The next kernel overwrites its input in place (like a fused add + RMSNorm)."""
+
+    def forward(self, x):
+        return x.mul_(-3).add_(1)
+
+
+class _Chain(torch.nn.Module):
+    def __init__(self, n=2048):
+        super().__init__()
+        self.heavy = torch.nn.Linear(n, n)  # keeps the stream busy when the hook fires
+        self.produce = _Produce(n)
+        self.inplace = _InPlaceNext()
+
+    def forward(self, x):
+        for _ in range(8):
+            x = torch.tanh(self.heavy(x))
+        return self.inplace(self.produce(x))
+
+
+@pytest.mark.cuda
+@needs_cuda_build
+@pytest.mark.parametrize("side_stream", [False, True])
+def test_gpu_in_place_overwrite_after_hook_and_output_unchanged(tmp_path, side_stream):
+    """produce.lin's output is overwritten in place by the next module right after its hook: the
+    dump must hold its value at hook time (a clone taken by a forward hook in the same run)."""
+    torch.manual_seed(0)
+    model = _Chain().cuda()
+    x = torch.randn(64, 2048, device="cuda")
+    stream = torch.cuda.Stream() if side_stream else torch.cuda.current_stream()
+    with torch.no_grad(), torch.cuda.stream(stream):
+        plain = model(x.clone())
+    clones = {}
+    h = model.produce.lin.register_forward_hook(lambda mod, i, o: clones.setdefault("lin", o.clone()))
+    d = fastdump.attach(model, tmp_path, tp_rank=0, tp_size=1, strict=True)
+    with torch.no_grad(), torch.cuda.stream(stream):
+        dumped_out = model(x.clone())
+    stream.synchronize()
+    d.close()
+    h.remove()
+    assert torch.equal(plain, dumped_out)  # dumping does not change what the model computes
+    got = _load(tmp_path)
+    assert same_bits(got["produce.lin"], clones["lin"].cpu())  # before mul_/add_, not after
+    assert same_bits(got["inplace"], dumped_out.cpu())
+    assert not torch.equal(got["produce.lin"], got["inplace"])
+    assert "heavy#7" in got  # the 8th call of `heavy` in the pass
+
+
+@pytest.mark.cuda
+@needs_cuda_build
+def test_gpu_non_contiguous_and_odd_layouts(tmp_path):
+    cases = {name: t.cuda() for name, t in layouts().items()}
+    cases["bf16_t"] = random_tensor(torch.bfloat16, (33, 17), device="cuda").t()
+    cases["fp8_slice"] = random_tensor(torch.float8_e4m3fn, (64, 96), device="cuda")[3:, 5::7]
+    with _attach(tmp_path) as d:
+        _dump_pass(d, cases.items())
+        torch.cuda.synchronize()
+    got = _load(tmp_path)
+    for name, t in cases.items():
+        assert same_bits(got[name], t.cpu()), name
+
+
+@pytest.mark.cuda
+@needs_cuda_build
+def test_gpu_tensor_larger_than_device_ring(tmp_path):
+    t = torch.randn(20 << 20, device="cuda")  # 80 MiB through a 4 MiB device ring and 16 MiB host ring
+    with _attach(tmp_path, ring_mb=16, device_ring_mb=4) as d:
+        _dump_pass(d, [("big", t), ("big_t", t.view(4096, -1).t())])
+        torch.cuda.synchronize()
+    got = _load(tmp_path)
+    assert same_bits(got["big"], t.cpu())
+    assert same_bits(got["big_t"], t.view(4096, -1).t().cpu())
+
+
+@pytest.mark.cuda
+@needs_cuda_build
+def test_gpu_drop_policy_counts_under_tiny_rings(tmp_path):
+    tensors = [torch.full((256 << 10,), float(i), device="cuda") for i in range(64)]  # 1 MiB each
+    busy = torch.randn(8192, 8192, device="cuda")
+    with _attach(tmp_path, policy="drop", ring_mb=2, device_ring_mb=2) as d:
+        d.begin_pass()
+        for _ in range(20):
+            busy = busy @ busy  # the stream is busy: snapshots wait, the small rings fill
+            busy = busy / busy.norm()
+        for i, t in enumerate(tensors):
+            d.dump(f"t{i}", t)
+        d.end_pass()
+        torch.cuda.synchronize()
+        stats = d.stats()
+    assert stats["dropped"] > 0
+    got = _load(tmp_path)
+    assert len(got) + stats["dropped"] == len(tensors)
+    for name, t in got.items():
+        assert same_bits(t, tensors[int(name[1:])].cpu()), name
+
+
+@pytest.mark.cuda
+@needs_cuda_build
+def test_gpu_two_devices(tmp_path):
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    a = random_tensor(torch.float16, (128, 64), device="cuda:0", seed=1)
+    b = random_tensor(torch.float16, (128, 64), device="cuda:1", seed=2)
+    with _attach(tmp_path) as d:
+        d.begin_pass()
+        d.dump("a", a)
+        with torch.cuda.device(1):
+            d.dump("b", b.t())
+        d.dump("a_t", a.t())
+        d.end_pass()
+        torch.cuda.synchronize(0)
+        torch.cuda.synchronize(1)
+    got = _load(tmp_path)
+    assert same_bits(got["a"], a.cpu()) and same_bits(got["b"], b.t().cpu()) and same_bits(got["a_t"], a.t().cpu())
+
+
+@pytest.mark.cuda
+@needs_cuda_build
+def test_gpu_cupy_array(tmp_path):
+    cp = pytest.importorskip("cupy")
+    x = cp.arange(6 * 10, dtype=cp.float32).reshape(6, 10)[:, ::3]
+    with _attach(tmp_path) as d:
+        _dump_pass(d, [("cupy", x), ("cupy_i8", cp.arange(17, dtype=cp.int8))])
+        cp.cuda.get_current_stream().synchronize()
+    got = _load(tmp_path)
+    assert np.array_equal(got["cupy"].numpy(), cp.asnumpy(x))
+    assert np.array_equal(got["cupy_i8"].numpy(), np.arange(17, dtype=np.int8))
+
+
+@pytest.mark.cuda
+@needs_cuda_build
+def test_gpu_stager_direct_and_graph_capture_is_refused(tmp_path):
+    """The C++ stager alone (no engine): stats, pinning, batch copies, and CUDA-graph capture."""
+    from fastdump import cuda
+
+    ring = Ring(_C, capacity=64 << 20, chunk=4 << 20)
+    stager = cuda.get_stager(ring.producer, 32)
+    assert not isinstance(stager, cuda.HostFallbackStager)
+    tensors = [random_tensor(torch.float32, (n,), device="cuda", seed=n) for n in (1, 1000, 3 << 20)]
+    for i, t in enumerate(tensors):
+        assert cuda.stage_tensor(stager, 0, i, 0, dtypes.code_of(t.dtype), t, True) == _C.STAGED
+    assert stager.flush(30)
+    got, _ = ring.read()
+    for i, t in enumerate(tensors):
+        assert got[(0, i, 0)][2] == t.cpu().numpy().tobytes()
+    st = stager.stats()
+    assert st["registered_bytes"] >= 64 << 20, st
+    assert st["batch_api"] and st["last_error"] == "", st  # cudaMemcpyBatchAsync in use, no fallback
+
+    g = torch.cuda.CUDAGraph()
+    static = torch.zeros(1000, device="cuda")
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        static.add_(1)  # warm up on the capture stream
+    torch.cuda.current_stream().wait_stream(s)
+    with torch.cuda.graph(g):
+        out = static * 2
+        status = cuda.stage_tensor(stager, 0, 9, 0, dtypes.code_of(out.dtype), out, True)
+    assert status == cuda.CAPTURING
+    g.replay()  # the capture is intact
+    torch.cuda.synchronize()
+    assert torch.equal(out, static * 2)
+    assert stager.stats()["capturing_skipped"] == 1
+    stager.close()
+
+
+@pytest.mark.cuda
+@needs_cuda_build
+def test_gpu_status_reports_devices():
+    from fastdump import cuda
+
+    st = cuda.status()
+    assert st["usable"] and st["device_count"] == torch.cuda.device_count()
+    dev = st["devices"][0]
+    assert dev["name"] == torch.cuda.get_device_name(0)
+    assert dev["uuid"].startswith("GPU-") and dev["pci_bus_id"].count(":") == 2
+    assert dev["total_memory"] == torch.cuda.get_device_properties(0).total_memory

@@ -1,0 +1,90 @@
+"""The writer loop against a scripted consumer: chunk reassembly, torn tensors, failures."""
+
+import json
+
+import numpy as np
+import torch
+
+import fastdump
+from fastdump import _C, dtypes
+from fastdump.writer.loop import WriterLoop
+
+
+class ScriptedConsumer:
+    """Hands out a fixed list of records, like Consumer.next_batch, then reports the producer gone."""
+
+    def __init__(self, records):
+        self.records = list(records)
+        self.acked, self.state, self.drained = [], None, False
+
+    def next_batch(self, timeout_s):
+        if not self.records:
+            self.drained = True
+            return []
+        batch, self.records = self.records[:3], self.records[3:]
+        return batch
+
+    def ack(self, seq):
+        self.acked.append(seq)
+
+    def set_state(self, state, error):
+        self.state = (state, error)
+
+
+def control(seq, **msg):
+    return (_C.KIND_CONTROL, 0, 0, -1, 0, (), json.dumps(msg).encode(), seq, 0, 0)
+
+
+def tensor(name_id, pass_id, t, offset=None, part=None):
+    data = t.contiguous().numpy().tobytes()
+    total = len(data)
+    if part is not None:
+        data = data[offset:offset + part]
+    code = dtypes.code_of(t.dtype)
+    return (_C.KIND_TENSOR, 0, name_id, pass_id, code, tuple(t.shape), data, 0, offset or 0, total)
+
+
+def test_chunks_are_reassembled_and_a_torn_tensor_is_recorded_as_skipped(tmp_path):
+    whole = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    torn = torch.ones(8)
+    records = [
+        control(1, op="open", channel=0, dir=str(tmp_path / "target" / "TP0_PP0_Rank0_pid1"), role="target", rank={}, pid=1, host="h",
+                device={}, config={"segment_passes": 8, "segment_mb": 64, "segment_seconds": 60}),
+        control(2, op="name", channel=0, id=0, name="whole"),
+        control(3, op="name", channel=0, id=1, name="torn"),
+        control(4, op="begin", channel=0, **{"pass": 0, "meta": {}}),
+        tensor(0, 0, whole, offset=0, part=16),
+        tensor(1, 0, torn, offset=0, part=8),     # its second half never arrives
+        tensor(0, 0, whole, offset=16, part=32),
+        control(5, op="end", channel=0, **{"pass": 0, "meta": {}, "dropped": 0, "skipped": []}),
+        control(6, op="shutdown"),
+    ]
+    consumer = ScriptedConsumer(records)
+    assert WriterLoop(consumer).run() == 0
+    assert consumer.acked == [1, 2, 3, 4, 5, 6]
+    ds = fastdump.open(tmp_path)
+    dumped = ds.load("target", "TP0_PP0_Rank0_pid1", 0)
+    assert list(dumped) == ["whole"] and torch.equal(dumped["whole"], whole)
+    assert ds.meta("target", "TP0_PP0_Rank0_pid1", 0)["skipped"] == [
+        {"name": "torn", "reason": "incomplete tensor (staging failed mid-copy)"}]
+
+
+def test_a_failing_channel_stops_dumping_and_tells_the_producer(tmp_path, monkeypatch):
+    from fastdump.writer import segments
+
+    def broken(self, *args):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(segments.ChannelWriter, "on_tensor", broken)
+    records = [
+        control(1, op="open", channel=0, dir=str(tmp_path / "target" / "TP0_PP0_Rank0_pid1"), role="target", rank={}, pid=1, host="h",
+                device={}, config={"segment_passes": 8, "segment_mb": 64, "segment_seconds": 60}),
+        control(2, op="name", channel=0, id=0, name="x"),
+        tensor(0, 0, torch.ones(2)),
+        control(3, op="shutdown"),
+    ]
+    consumer = ScriptedConsumer(records)
+    loop = WriterLoop(consumer)
+    assert loop.run() == 0
+    assert consumer.state[0] == _C.WRITER_FAILED and "No space left" in consumer.state[1]
+    assert "No space left" in loop.failed
