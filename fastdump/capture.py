@@ -250,7 +250,7 @@ class Dumper:
                 self._engine._cuda_stager.flush(timeout)
             ok = self._engine.control({"op": "close", "channel": self._channel, "stats": self._totals},
                                       wait=True, timeout=timeout)
-            if ok:
+            if ok and self._engine.alive:  # the final segment write itself can fail (disk full)
                 self.status = "closed"
             else:
                 self._disable(self._engine.error())
