@@ -1,0 +1,262 @@
+"""Smoke tests for benchmarks/: each script's tiny configuration runs, prints its table, writes the
+expected JSON; plus cheap content checks (the SGLang-style baseline's files, decode outputs
+unchanged by dumping, the speculative loop equal to plain greedy decoding).
+
+fastdump modes must succeed whenever ``import fastdump`` works; without the library they must
+report "unavailable" and the rest must still pass.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from benchmarks import decode_bench, hook_bench, writer_bench  # noqa: E402
+from benchmarks.common import import_fastdump  # noqa: E402
+from benchmarks.models import PRESETS, ModelConfig, allocate_kv_caches, build_models  # noqa: E402
+
+FASTDUMP, _ = import_fastdump()
+FASTDUMP_AVAILABLE = FASTDUMP is not None
+
+
+def run_script(script: str, *args: str, env_extra: dict | None = None) -> str:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FASTDUMP_")}
+    env.update(env_extra or {})
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / script), *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"{script} failed:\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    return proc.stdout
+
+
+def check_mode_status(modes: dict, name: str, fastdump_mode: bool) -> bool:
+    """True when the mode ran; fastdump modes may be 'unavailable' only without the library."""
+    status = modes[name]["status"]
+    if fastdump_mode and not FASTDUMP_AVAILABLE:
+        assert status == "unavailable", (name, modes[name])
+        return False
+    assert status == "ok", (name, modes[name])
+    return True
+
+
+# ------------------------------------------------------------------------------------------------
+# decode_bench
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def decode_run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("decode")
+    out, result_json, flag_dir = tmp / "dumps", tmp / "decode.json", tmp / "flag"
+    stdout = run_script("decode_bench.py", "--tiny", "--out", str(out), "--keep-dumps", "--json", str(result_json),
+                        env_extra={"FASTDUMP_DIR": str(flag_dir)})
+    return stdout, json.loads(result_json.read_text()), out, flag_dir
+
+
+def test_decode_bench_table_and_modes(decode_run):
+    stdout, result, _out, _flag = decode_run
+    expected = set(decode_bench.BASE_MODES) | {"flag"}  # flag: FASTDUMP_DIR was set
+    assert set(result["modes"]) == expected
+    assert "| mode" in stdout and "step (median)" in stdout
+    for mode in expected:
+        assert f"| {mode} " in stdout, mode
+    for mode, entry in result["modes"].items():
+        if not check_mode_status(result["modes"], mode, mode in decode_bench.FASTDUMP_MODES or mode == "flag"):
+            continue
+        assert entry["bit_exact_vs_none"], f"{mode}: logits differ from the run without dumping"
+        for role in ("draft", "target"):
+            role_entry = entry["roles"][role]
+            assert role_entry["median_step_s"] > 0
+            if mode != "none":
+                assert role_entry["passes_last_rep"] == result["expected_passes"][role], (mode, role, role_entry)
+                assert role_entry["bytes_per_s"] > 0
+                assert role_entry["error_last_rep"] is None, (mode, role, role_entry)
+
+
+def test_sglang_style_pass_files(decode_run):
+    _stdout, result, out, _flag = decode_run
+    last_rep = result["config"]["reps"] - 1
+    layers = PRESETS["tiny"].model.num_layers
+    for role in ("target", "draft"):
+        rank_dirs = list((out / "sglang-style" / f"rep{last_rep}" / role).glob("TP0_PP0_Rank0_pid*"))
+        assert len(rank_dirs) == 1, rank_dirs
+        files = sorted(rank_dirs[0].glob("Pass*.pt"))
+        assert [f.name for f in files] == [f"Pass{i:05d}.pt" for i in range(result["expected_passes"][role])]
+        first = torch.load(files[0], weights_only=True)
+        second = torch.load(files[1], weights_only=True)
+        expected_names = {"model.embed_tokens", "model.norm", "model.layers.0.self_attn.q_proj",
+                          "model.layers.0.self_attn.attn", "model.layers.0.mlp.down_proj"}
+        assert expected_names <= set(first), sorted(first)
+        # SGLang's quirk, reproduced: the top-level and LM-head outputs land in the next pass file.
+        assert "lm_head" not in first and "model" not in first
+        assert {"lm_head", "model"} <= set(second)
+        # Tuple outputs are stored as a list of CPU tensors under one name.
+        rotary = first["model.layers.0.self_attn.rotary_emb"]
+        assert isinstance(rotary, list) and len(rotary) == 2 and all(t.device.type == "cpu" for t in rotary)
+        if role == "draft":
+            assert "model.fc" in first
+            assert not any(name.startswith("model.layers.1.") for name in first)
+        else:
+            assert f"model.layers.{layers - 1}.mlp.down_proj" in first and "model.fc" not in first
+
+
+@pytest.mark.skipif(not FASTDUMP_AVAILABLE, reason="fastdump is not importable")
+def test_decode_bench_fastdump_dumps_readable(decode_run):
+    _stdout, result, out, flag_dir = decode_run
+    last_rep = result["config"]["reps"] - 1
+    for root in (out / "fastdump-process" / f"rep{last_rep}", flag_dir / f"rep{last_rep}"):
+        with FASTDUMP.open(root) as dumps:
+            assert dumps.roles == ["draft", "target"]
+            for role in ("draft", "target"):
+                assert len(dumps.passes(role)) == result["expected_passes"][role], (root, role)
+            assert dumps.meta("target", None, 1).get("forward_mode") == "verify"
+            assert dumps.meta("draft", None, 1).get("forward_mode") == "draft"
+
+
+# ------------------------------------------------------------------------------------------------
+# writer_bench and hook_bench
+# ------------------------------------------------------------------------------------------------
+
+
+def test_writer_bench_tiny(tmp_path):
+    stdout = run_script("writer_bench.py", "--tiny", "--out", str(tmp_path / "dumps"), "--json",
+                        str(tmp_path / "writer.json"))
+    result = json.loads((tmp_path / "writer.json").read_text())
+    assert set(result["modes"]) == set(writer_bench.MODES)
+    assert "8 KiB tensors/s" in stdout and "| raw " in stdout
+    assert result["modes"]["raw"]["large"]["bytes_per_s"] > 0
+    for mode in ("fastdump-process", "fastdump-thread", "naive-h5"):
+        if not check_mode_status(result["modes"], mode, mode.startswith("fastdump")):
+            continue
+        entry = result["modes"][mode]
+        assert entry["small"]["tensors_per_s"] > 0 and entry["large"]["bytes_per_s"] > 0
+        assert entry["small"]["dropped"] == 0  # policy block
+        assert "error" not in entry, entry
+
+
+def test_hook_bench_tiny(tmp_path):
+    stdout = run_script("hook_bench.py", "--tiny", "--out", str(tmp_path / "dumps"), "--json",
+                        str(tmp_path / "hook.json"))
+    result = json.loads((tmp_path / "hook.json").read_text())
+    assert set(result["modes"]) == set(hook_bench.MODES)
+    assert "added µs/module" in stdout
+    for mode in hook_bench.MODES:
+        if check_mode_status(result["modes"], mode, mode == "fastdump") and mode != "none":
+            assert result["modes"][mode]["added_us_per_module"] is not None
+
+
+# ------------------------------------------------------------------------------------------------
+# The benchmark model and loop themselves (in process, fp64 so argmax never sits on a rounding tie)
+# ------------------------------------------------------------------------------------------------
+
+
+def small_vocab_config() -> ModelConfig:
+    # vocab 4: random draft and target agree often, so acceptance > 0 and rollback is exercised.
+    return ModelConfig(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64,
+                       vocab_size=4, max_seq_len=128)
+
+
+def test_speculative_decode_equals_greedy_decode():
+    target, draft = build_models(small_vocab_config(), dtype=torch.float64, seed=3)
+    allocate_kv_caches([target, draft], batch_size=1)
+    prompt = torch.randint(0, 4, (1, 6), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        run = decode_bench.speculative_decode(target, draft, prompt, rounds=12, k=3)
+        reference = decode_bench.greedy_decode(target, prompt, run.tokens.shape[1] - prompt.shape[1])
+    assert sum(run.accepted) > 0, "no draft accepted: the rollback path was not exercised"
+    assert torch.equal(run.tokens, reference)
+
+
+def test_draft_shares_embedding_and_head_and_fused_norm_is_in_place():
+    target, draft = build_models(PRESETS["tiny"].model, seed=0)
+    assert draft.model.embed_tokens is target.model.embed_tokens and draft.lm_head is target.lm_head
+    names = dict(draft.named_modules())
+    assert {"model.embed_tokens", "model.fc", "model.layers.0.self_attn.q_proj", "model.norm", "lm_head"} <= set(names)
+    allocate_kv_caches([target, draft], batch_size=1)
+    seen = {}
+    o_proj = target.model.layers[0].self_attn.o_proj
+    o_proj.register_forward_hook(lambda _m, _i, out: seen.update(ref=out, copy=out.clone()))
+    with torch.inference_mode():
+        target(torch.tensor([[1, 2, 3]]))
+    # The fused add+RMSNorm overwrote o_proj's output after its hook: dumpers must copy in the hook.
+    assert not torch.equal(seen["ref"], seen["copy"])
+
+
+@pytest.mark.skipif(not FASTDUMP_AVAILABLE, reason="fastdump is not importable")
+def test_fastdump_dump_matches_logits_of_both_roles(tmp_path):
+    """What fastdump wrote for the shared LM head equals the logits each role computed."""
+    target, draft = build_models(PRESETS["tiny"].model, seed=0)
+    allocate_kv_caches([target, draft], batch_size=2)
+    prompt = torch.randint(0, PRESETS["tiny"].model.vocab_size, (2, 8), generator=torch.Generator().manual_seed(1))
+    session = decode_bench.FastdumpSession(FASTDUMP, decode_bench.FASTDUMP_MODES["fastdump-process"], ring_mb=64)
+    session.attach({"target": target, "draft": draft}, tmp_path)
+    try:
+        with torch.inference_mode():
+            run = decode_bench.speculative_decode(target, draft, prompt, rounds=2, k=2, on_pass=session.on_pass)
+    finally:
+        session.close()
+    logits_by_role = {"target": [], "draft": []}
+    for (role, _mode, _seconds), logits in zip(run.pass_times, run.logits):
+        logits_by_role[role].append(logits)
+    with FASTDUMP.open(tmp_path) as dumps:
+        for role, expected in logits_by_role.items():
+            assert dumps.passes(role) == list(range(len(expected)))
+            for pass_id, logits in enumerate(expected):
+                assert torch.equal(dumps.tensor(role, None, "lm_head", pass_id), logits), (role, pass_id)
+
+
+def test_sglang_style_on_cpu_keeps_references_unless_cloning(tmp_path):
+    """Faithful SGLang on CPU saves aliases (``.cpu()`` is a no-op), so the fused in-place norm
+    changes what it saved; the ``copy_on_cpu`` variant saves the values the hooks saw."""
+    from benchmarks.baselines import SGLangStyleDumper
+
+    target, _ = build_models(PRESETS["tiny"].model, seed=0, with_draft=False)
+    allocate_kv_caches([target], batch_size=1)
+    at_hook_time = {}
+
+    def remember_first_output(_module, _inputs, output):  # returns None: must not replace the output
+        at_hook_time.setdefault("o_proj", output.clone())
+
+    target.model.layers[0].self_attn.o_proj.register_forward_hook(remember_first_output)
+    saved = {}
+    for copy_on_cpu in (False, True):
+        dumper = SGLangStyleDumper(target, tmp_path / str(copy_on_cpu), role="target", copy_on_cpu=copy_on_cpu)
+        target.kv_cache.reset()
+        with torch.inference_mode():
+            target(torch.tensor([[1, 2, 3]]))
+            target(torch.tensor([[4]]))  # the first pass file is written when the second one ends
+        dumper.close()
+        (pass_file,) = (tmp_path / str(copy_on_cpu) / "target").glob("*/Pass00000.pt")
+        saved[copy_on_cpu] = torch.load(pass_file, weights_only=True)["model.layers.0.self_attn.o_proj"]
+    assert not torch.equal(saved[False], at_hook_time["o_proj"])
+    assert torch.equal(saved[True], at_hook_time["o_proj"])
+
+
+def test_failed_attach_leaves_no_hooks_behind(tmp_path):
+    """A mode that fails half-way (draft attach) must not leave the target's hooks on the shared
+    modules, or every later mode would be measured with them."""
+    from benchmarks.baselines import SGLangStyleDumper
+
+    target, draft = build_models(PRESETS["tiny"].model, seed=0)
+    allocate_kv_caches([target, draft], batch_size=1)
+
+    def dumper_failing_for_draft(model, root, role):
+        if role == "draft":
+            raise RuntimeError("simulated attach failure")
+        return SGLangStyleDumper(model, root, role=role)
+
+    session = decode_bench.BaselineSession(dumper_failing_for_draft)
+    args = decode_bench.parse_args(["--tiny"])
+    result = decode_bench.ModeResult()
+    with pytest.raises(RuntimeError, match="simulated"):
+        decode_bench.run_one(session, {"target": target, "draft": draft}, torch.zeros(1, 4, dtype=torch.long),
+                             args, lambda: None, tmp_path, result)
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in target.modules())
