@@ -98,6 +98,7 @@ def raw_sequential_write(directory: Path, tensor: torch.Tensor, count: int) -> d
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / "raw.bin"
     payload = memoryview(tensor.contiguous().view(torch.uint8).numpy())
+    os.sync()  # start from a clean page cache, as the fastdump runs do: writeback of earlier runs is noise
     start = time.perf_counter()
     with open(path, "wb", buffering=0) as file:
         for _ in range(count):
@@ -169,6 +170,7 @@ def main(argv=None) -> dict:
                 entry["small"].append(push_tensors(open_writer(mode, fastdump, root / "small", args.ring_mb),
                                                    small_tensors, small_names, passes))
                 remove_tree(root / "small")
+                os.sync()  # the small run's dirty pages must not slow the large one down
                 entry["large"].append(push_tensors(open_writer(mode, fastdump, root / "large", args.ring_mb),
                                                    [large_tensor], ["big"], large_count))
             except Exception as exc:

@@ -65,8 +65,10 @@ class Engine:
     _current: "Engine | None" = None
     _lock = threading.Lock()
 
-    def __init__(self, ring_mb: float, writer: str = "process", chunk_mb: float = 16,
+    def __init__(self, ring_mb: float, writer: str = "process", chunk_mb: float = 0,
                  start_timeout: float = 60.0):
+        """``chunk_mb``: tensors above this are split over several records (0: a quarter of the
+        ring, the most a record may take; larger chunks spare the writer a reassembly copy)."""
         if writer not in ("process", "thread"):
             raise ValueError(f"writer must be 'process' or 'thread', not {writer!r}")
         remove_stale_segments()
