@@ -161,6 +161,7 @@ class Dumper:
         self._next_meta: dict = dict(pass_meta or {})
         self._skipped: dict = {}         # name -> reason, this pass
         self._dropped_pass = 0
+        self._budget_reached = False
         self._totals = {"passes": 0, "tensors": 0, "bytes": 0, "dropped": 0, "skipped": 0, "dropped_passes": 0,
                         "lost_pass_ends": 0}
         self._wrapped: list = []
@@ -312,7 +313,8 @@ class Dumper:
         if self.pass_range is not None and not self.pass_range[0] <= pass_id < self.pass_range[1]:
             return False
         if self.max_bytes is not None and self._totals["bytes"] >= self.max_bytes:
-            if self.status == "running":
+            if not self._budget_reached:
+                self._budget_reached = True  # said once, not every pass
                 log.warning("fastdump: %s reached its byte budget (%d bytes); dumping stops", self.dir, self.max_bytes)
                 self._engine.control({"op": "note", "channel": self._channel, "status": "running",
                                       "budget_reached": True})

@@ -141,8 +141,10 @@ def test_byte_budget_stops_dumping_and_is_recorded(tmp_path):
     with fastdump.attach(lin, tmp_path, max_bytes=3 * 1024) as d, torch.inference_mode():
         for _ in range(10):
             lin(torch.randn(1, 256))  # 1 KiB per pass
-    assert fastdump.open(tmp_path).passes("target", 0) == [0, 1, 2]
+    ds = fastdump.open(tmp_path)
+    assert ds.passes("target", 0) == [0, 1, 2]
     assert d.stats()["passes"] == 3
+    assert ds.rank_info("target", 0)["budget_reached"] is True
 
 
 def test_every_dtype_round_trips_bit_exact(tmp_path):

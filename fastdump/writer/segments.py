@@ -200,6 +200,8 @@ class ChannelWriter:
             self._status = str(msg["status"])
         if msg.get("error"):
             self._note_error = str(msg["error"])
+        if msg.get("budget_reached"):
+            self._info["budget_reached"] = True  # max_bytes hit: later passes were not dumped
         if self.error is None:
             self._guarded(self._write_rank_json)
 
