@@ -114,7 +114,7 @@ def test_control_records_are_acknowledged_in_order():
     assert producer.wait_acked(seq, 1)
 
 
-def test_dead_producer_abandoned_record_is_skipped_after_published_ones():
+def test_dead_producer_published_records_are_drained_then_reported():
     # The producer's liveness pipe: closing the write end is what a kill -9 does.
     r, w = os.pipe()
     producer, consumer = ring()
