@@ -202,7 +202,7 @@ class Dumper:
     # -- public API ------------------------------------------------------------------------------
     def begin_pass(self, **meta) -> None:
         """Start a pass by hand (nests: only the outermost begin/end pair counts)."""
-        self._next_meta.update(meta)
+        (self._meta if self._depth > 0 else self._next_meta).update(meta)  # nested: the open pass's
         self._begin()
 
     def end_pass(self) -> None:

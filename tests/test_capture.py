@@ -238,7 +238,9 @@ def test_manual_passes_and_metadata(tmp_path):
         lin(torch.randn(1, 2))
         d.begin_pass(forward_mode="decode")      # two root calls in one pass
         lin(torch.randn(1, 2))
+        d.begin_pass(step="inner")               # nested: its metadata joins the open pass
         lin(torch.randn(1, 2))
+        d.end_pass()
         d.set_pass_meta(tokens=[1, 2])
         d.end_pass()
         d.dump("outside", torch.ones(2))        # outside any pass: a pass of its own
@@ -246,7 +248,8 @@ def test_manual_passes_and_metadata(tmp_path):
     assert ds.passes("target", 0) == [0, 1, 2]
     assert ds.meta("target", 0, 0)["forward_mode"] == "prefill"
     meta = ds.meta("target", 0, 1)
-    assert meta["forward_mode"] == "decode" and meta["tokens"] == [1, 2]
+    assert meta["forward_mode"] == "decode" and meta["tokens"] == [1, 2] and meta["step"] == "inner"
+    assert "step" not in ds.meta("target", 0, 2)
     assert list(ds.load("target", 0, 1)) == ["Linear", "Linear#1"]
     assert list(ds.load("target", 0, 2)) == ["outside"]
 
