@@ -488,7 +488,12 @@ class Dumper:
                 dumper._capture_inputs(name, args, kwargs)
             out = forward(*args, **kwargs)
             if dumper._capturing:
-                dumper._capture(name, out)
+                calls = dumper._calls
+                if type(out) is _TensorType and name not in calls:
+                    calls[name] = 1  # the common case, inlined: first call, one plain tensor
+                    dumper._stage(name, out)
+                else:
+                    dumper._capture(name, out)
             return out
 
         return forward_and_capture
@@ -532,10 +537,11 @@ try:  # torch is a dependency of every model we dump; import it once, here
     import torch as _torch
 
     _Tensor = _torch.Tensor
+    _TensorType = _torch.Tensor  # exact type: subclasses (Parameter, DTensor...) take the general path
     _strided = _torch.strided
 except ImportError:  # pragma: no cover - fastdump.open and the CLI work without torch
     _torch = None
-    _Tensor = type("NoTensor", (), {})
+    _Tensor = _TensorType = type("NoTensor", (), {})
     _strided = None
 
 
