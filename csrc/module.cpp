@@ -61,7 +61,10 @@ py::object next_record(Consumer& c, double timeout_s) {
 // Up to `max_records` ready records (waiting up to timeout_s for the first), each payload copied
 // into its own bytes object and the ring space released at once: one call per batch keeps the
 // writer's per-record Python cost low, and the producer never waits on HDF5.
-py::list next_batch(Consumer& c, double timeout_s, size_t max_records, uint64_t max_bytes) {
+// A payload of `view_bytes` or more (0: never) comes as a read-only memoryview into the ring
+// instead, unreleased and last in its batch: the caller writes it to the file straight from shared
+// memory, then calls release().
+py::list next_batch(Consumer& c, double timeout_s, size_t max_records, uint64_t max_bytes, uint64_t view_bytes) {
   py::list out;
   uint64_t bytes = 0;
   RecordView v;
@@ -74,6 +77,13 @@ py::list next_batch(Consumer& c, double timeout_s, size_t max_records, uint64_t 
     if (!ok) break;
     py::tuple shape(v.shape.size());
     for (size_t i = 0; i < v.shape.size(); ++i) shape[i] = py::int_(v.shape[i]);
+    if (view_bytes && v.payload_len >= view_bytes && v.kind == kTensor) {
+      py::memoryview view = py::memoryview::from_memory(const_cast<uint8_t*>(v.payload),
+                                                        static_cast<py::ssize_t>(v.payload_len), true);
+      out.append(py::make_tuple(v.kind, v.channel, v.name_id, v.pass_id, v.dtype, shape, view, v.seq,
+                                v.chunk.offset, v.chunk.total));
+      break;
+    }
     PyObject* raw = PyBytes_FromStringAndSize(nullptr, static_cast<Py_ssize_t>(v.payload_len));
     if (raw == nullptr) throw py::error_already_set();
     py::bytes payload = py::reinterpret_steal<py::bytes>(raw);
@@ -164,7 +174,8 @@ PYBIND11_MODULE(_C, m) {
       .def("next", &next_record, py::arg("timeout_s"),
            "(kind, channel, name_id, pass_id, dtype, shape, payload, seq, chunk_offset, chunk_total) or None")
       .def("next_batch", &next_batch, py::arg("timeout_s"), py::arg("max_records") = 4096,
-           py::arg("max_bytes") = 256ull << 20, "list of next() tuples, payloads copied, space released")
+           py::arg("max_bytes") = 256ull << 20, py::arg("view_bytes") = 0,
+           "list of next() tuples, payloads copied and space released (a large one: a view, unreleased)")
       .def("release", &Consumer::release)
       .def_property_readonly("drained", &Consumer::drained)
       .def_property_readonly("abandoned", &Consumer::abandoned)

@@ -209,6 +209,32 @@ def test_tensor_larger_than_the_ring_is_split(tmp_path):
     assert same_bits(fastdump.open(tmp_path).load("target", 0, 0)["big"], big)
 
 
+@pytest.mark.parametrize("writer", ["process", "thread"])
+def test_large_tensors_go_straight_from_the_ring_into_the_segment(tmp_path, writer):
+    # >= 1 MiB: written into the open segment file from shared memory (one copy), mixed with
+    # small buffered tensors, across a rotation, with shapes that change between passes.
+    torch.manual_seed(0)
+    passes = [{"big": torch.randn(512 + p, 1024), "small": torch.randn(3, 4),
+               "big_bf16": torch.randn(4, 256, 512).to(torch.bfloat16)[:, ::2]} for p in range(5)]
+    with fastdump.attach(None, tmp_path, writer=writer, segment_passes=2) as d:
+        for values in passes:
+            d.begin_pass()
+            for name, t in values.items():
+                d.dump(name, t)
+            d.end_pass()
+    ds = fastdump.open(tmp_path)
+    assert ds.passes("target", 0) == [0, 1, 2, 3, 4]
+    for p, values in enumerate(passes):
+        dumped = ds.load("target", 0, p)
+        assert list(dumped) == list(values)
+        for name, t in values.items():
+            assert same_bits(dumped[name], t), (p, name)
+    assert len(ds.rank_info("target", 0)["segments"]) == 3
+    assert not list(tmp_path.glob("target/*/.*tmp"))  # no temporary file left behind
+    import subprocess, sys
+    assert subprocess.run([sys.executable, "-m", "fastdump", "verify", str(tmp_path)]).returncode == 0
+
+
 def test_drop_policy_counts_every_dropped_tensor(tmp_path):
     with fastdump.attach(None, tmp_path, ring_mb=1, policy="drop") as d:
         writer = d._engine._proc

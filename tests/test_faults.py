@@ -100,11 +100,12 @@ def small_disk(tmp_path):
     subprocess.run(["umount", "-l", str(mnt)])
 
 
-def test_full_disk_stops_dumping_not_serving(small_disk, caplog):
+@pytest.mark.parametrize("rows", [64, 1024])  # 64 KiB tensors are buffered, 1 MiB ones written directly
+def test_full_disk_stops_dumping_not_serving(small_disk, caplog, rows):
     model = torch.nn.Linear(256, 256)
     d = fastdump.attach(model, small_disk, segment_passes=2)
     with torch.inference_mode():
-        outs = [model(torch.randn(64, 256)) for _ in range(40)]  # 64 KiB per pass, 2.5 MB in all
+        outs = [model(torch.randn(rows, 256)) for _ in range(40)]  # >= 2.5 MB in all, on 512 KiB
     assert len(outs) == 40
     stats = d.close()
     assert stats["status"] == "error"
@@ -112,7 +113,8 @@ def test_full_disk_stops_dumping_not_serving(small_disk, caplog):
     # What is visible is complete: every segment opens and holds whole passes.
     ds = fastdump.open(small_disk)
     for p in ds.passes("target", 0):
-        assert ds.load("target", 0, p)["Linear"].shape == (64, 256)
+        assert ds.load("target", 0, p)["Linear"].shape == (rows, 256)
+    assert not list(small_disk.glob("target/*/.*tmp")), "a failed segment's temporary file was left"
     assert subprocess.run([sys.executable, "-m", "fastdump", "verify", str(small_disk)]).returncode == 1
 
 

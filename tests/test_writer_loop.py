@@ -17,12 +17,15 @@ class ScriptedConsumer:
         self.records = list(records)
         self.acked, self.state, self.drained = [], None, False
 
-    def next_batch(self, timeout_s):
+    def next_batch(self, timeout_s, view_bytes=0):
         if not self.records:
             self.drained = True
             return []
         batch, self.records = self.records[:3], self.records[3:]
         return batch
+
+    def release(self):
+        pass
 
     def ack(self, seq):
         self.acked.append(seq)

@@ -18,7 +18,7 @@ import os
 
 import h5py
 import numpy as np
-from h5py import h5a, h5d, h5s, h5t
+from h5py import h5a, h5d, h5p, h5s, h5t
 
 from .. import dtypes, fsutil
 from . import format as fmt
@@ -31,7 +31,7 @@ MAX_COALESCED_WRITE = 64 << 20
 class Block:
     """Rows of one tensor name with one dtype and one row shape, waiting to become ``blocks/<n>``."""
 
-    __slots__ = ("number", "name_slot", "code", "row_shape", "scalar", "rows", "chunks")
+    __slots__ = ("number", "name_slot", "code", "row_shape", "scalar", "rows", "chunks", "written")
 
     def __init__(self, number: int, name_slot: int, code: int, row_shape: tuple, scalar: bool):
         self.number = number
@@ -41,6 +41,7 @@ class Block:
         self.scalar = scalar  # rows are 0-d tensors
         self.rows = 0
         self.chunks: list = []  # 1-D uint8 arrays, each whole rows, in row order
+        self.written = False  # already in the file (OpenSegment.write_direct)
 
 
 _VLEN_STR = h5t.py_create(h5py.string_dtype(), logical=True)
@@ -84,14 +85,21 @@ def _coalesced(chunks: list):
         yield pending[0] if len(pending) == 1 else np.concatenate(pending)
 
 
-def _write_block(group_id, block: Block) -> None:
+def _create_dataset(group_id, block: Block, dcpl=None):
     storage = dtypes.STORAGE[block.code]
     shape = (block.rows,) + block.row_shape
-    dset = h5d.create(group_id, str(block.number).encode(), _file_type(storage), h5s.create_simple(shape))
+    dset = h5d.create(group_id, str(block.number).encode(), _file_type(storage), h5s.create_simple(shape),
+                      dcpl=dcpl)
     _str_attr(dset, fmt.ATTR_DTYPE.encode(), dtypes.NAMES[block.code])
     _str_attr(dset, fmt.ATTR_ENCODING.encode(), dtypes.ENCODING[block.code])
     if block.scalar:
         _int_attr(dset, fmt.ATTR_SCALAR.encode(), 1)
+    return dset
+
+
+def _write_block(group_id, block: Block) -> None:
+    storage = dtypes.STORAGE[block.code]
+    dset = _create_dataset(group_id, block)
 
     row_bytes = math.prod(block.row_shape) * storage.itemsize
     if row_bytes == 0 or block.rows == 0:
@@ -109,6 +117,61 @@ def _write_block(group_id, block: Block) -> None:
         first_row += rows
 
 
+class OpenSegment:
+    """A segment's temporary file, opened before the segment is complete.
+
+    Large tensors go straight from the ring into it (``write_direct``): the dataset is allocated at
+    creation, without fill, so its offset in the file is known, and its bytes are written there with
+    ``pwrite`` from the ring's memory. That is one copy, where buffering would take two more. The
+    rest of the segment is written by ``write_segment(..., open_segment=self)``.
+    """
+
+    def __init__(self, directory: str, number: int):
+        self.temp_path = os.path.join(directory, fmt.segment_temp_name(number))
+        self.final_path = os.path.join(directory, fmt.segment_name(number))
+        self.number = number
+        self.file = h5py.File(self.temp_path, "w", libver="latest", locking=False)
+        try:
+            self.blocks_group = self.file.create_group(fmt.BLOCKS).id
+            self._fd = os.open(self.temp_path, os.O_WRONLY)
+        except BaseException:
+            self.abort()
+            raise
+        self._dcpl = h5p.create(h5p.DATASET_CREATE)
+        self._dcpl.set_alloc_time(h5d.ALLOC_TIME_EARLY)
+        self._dcpl.set_fill_time(h5d.FILL_TIME_NEVER)
+
+    def write_direct(self, block: Block, data) -> None:
+        """Create ``block``'s dataset and write ``data`` (all its rows, C order) into it."""
+        dset = _create_dataset(self.blocks_group, block, self._dcpl)
+        view = memoryview(data).cast("B")
+        offset = dset.get_offset()
+        if view.nbytes:
+            if offset is None:
+                raise OSError(f"HDF5 allocated no contiguous storage for block {block.number}")
+            written = 0
+            while written < view.nbytes:  # pwrite may write less than asked
+                written += os.pwrite(self._fd, view[written:], offset + written)
+        block.written = True
+
+    def close_fd(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def abort(self) -> None:
+        """Drop the temporary file (an error, or a failed channel)."""
+        try:
+            self.close_fd()
+        except (OSError, AttributeError):
+            pass
+        try:
+            self.file.close()
+        except Exception:
+            pass
+        fsutil.remove_quietly(self.temp_path)
+
+
 def _json_ascii(obj) -> str:
     # ensure_ascii: any character (NUL, lone surrogates) survives as a JSON escape.
     return json.dumps(obj, ensure_ascii=True, default=str)
@@ -124,6 +187,7 @@ def write_segment(
     passes: np.ndarray,
     pass_meta: list,
     attrs: dict,
+    open_segment: OpenSegment = None,
 ) -> str:
     """Write and publish ``seg-<number>.h5``; return its path.
 
@@ -134,7 +198,11 @@ def write_segment(
     final_path = os.path.join(directory, fmt.segment_name(number))
     temp_path = os.path.join(directory, fmt.segment_temp_name(number))
     try:
-        with h5py.File(temp_path, "w", libver="latest", locking=False) as f:
+        if open_segment is not None:
+            open_segment.close_fd()  # its pwrites are done; HDF5 writes the rest
+        f = open_segment.file if open_segment is not None else h5py.File(temp_path, "w", libver="latest",
+                                                                        locking=False)
+        with f:
             root = f.id
             _str_attr(root, b"format", fmt.FORMAT_NAME)
             _int_attr(root, b"format_version", fmt.FORMAT_VERSION)
@@ -158,9 +226,10 @@ def write_segment(
                 dtype=h5py.string_dtype(),
                 shape=(len(pass_meta),),
             )
-            group_id = f.create_group(fmt.BLOCKS).id
+            group_id = open_segment.blocks_group if open_segment is not None else f.create_group(fmt.BLOCKS).id
             for block in blocks:
-                _write_block(group_id, block)
+                if not block.written:
+                    _write_block(group_id, block)
                 block.chunks = []
         fsutil.publish(temp_path, final_path)
     except BaseException:

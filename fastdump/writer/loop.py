@@ -15,7 +15,7 @@ import time
 import numpy as np
 
 from .. import _C
-from .segments import ChannelWriter
+from .segments import DIRECT_BYTES, ChannelWriter
 
 log = logging.getLogger("fastdump.writer")
 
@@ -46,7 +46,7 @@ class WriterLoop:
         next_poll = time.monotonic() + POLL_SECONDS
         tensor_kind = _C.KIND_TENSOR
         while True:
-            batch = consumer.next_batch(POLL_SECONDS)
+            batch = consumer.next_batch(POLL_SECONDS, view_bytes=DIRECT_BYTES)
             now = time.monotonic()
             if now >= next_poll:
                 self._poll(now)
@@ -60,7 +60,9 @@ class WriterLoop:
             for kind, channel, name_id, pass_id, dtype, shape, payload, seq, offset, total in batch:
                 if kind == tensor_kind:  # the hot path, inlined: tens of thousands per second
                     if offset == 0 and len(payload) == total:
-                        data = np.frombuffer(payload, dtype=np.uint8)  # payload is already our copy
+                        # bytes: already our copy. memoryview (large): the ring's own memory, which
+                        # on_tensor writes to the file at once or copies.
+                        data = payload if type(payload) is memoryview else np.frombuffer(payload, dtype=np.uint8)
                     else:
                         data = self._assemble(channel, name_id, pass_id, payload, offset, total)
                         if data is None:
@@ -71,6 +73,8 @@ class WriterLoop:
                             writer.on_tensor(name_id, pass_id, dtype, shape, data)
                         except Exception as exc:
                             self._fail(f"{writer_dir(writer)}: {type(exc).__name__}: {exc}")
+                    if type(payload) is memoryview:  # written from the ring itself: now free it
+                        consumer.release()
                     continue
                 msg = json.loads(payload)
                 if msg["op"] == "shutdown":
@@ -80,7 +84,7 @@ class WriterLoop:
                 self._control(msg)
                 consumer.ack(seq)
 
-    def _assemble(self, channel, name_id, pass_id, payload, offset, total):
+    def _assemble(self, channel, name_id, pass_id, payload, offset, total):  # copies: payload may be a view
         """One chunk of a split tensor; the whole tensor once its last chunk is in, else None."""
         key = (channel, name_id, pass_id)
         part = self.partial.get(key)

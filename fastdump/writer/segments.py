@@ -26,9 +26,14 @@ import numpy as np
 
 from .. import dtypes, fsutil
 from . import format as fmt
-from .h5segment import Block, write_segment
+from .h5segment import Block, OpenSegment, write_segment
 
 MiB = 1 << 20
+
+# Tensors this large skip the in-memory buffer: they are written into the segment's file as they
+# arrive (OpenSegment.write_direct), one dataset each. Per-dataset cost (~200 us) is noise at this
+# size, and each byte is copied once instead of three times.
+DIRECT_BYTES = 1 * MiB
 
 # A pass that never ends (its "end" record lost, a hung producer) must not hold memory forever:
 # past this multiple of the segment limits, the segment is written anyway with that pass marked
@@ -93,6 +98,7 @@ class ChannelWriter:
         self._closed = False
         self._names: dict = {}
         self._pending = _PendingSegment()
+        self._open = None  # OpenSegment holding this segment's large tensors, if any yet
         self._current = None  # the _Pass that received the last tensor (fast path)
 
         # Totals over everything written so far (rank.json).
@@ -157,6 +163,11 @@ class ChannelWriter:
         if not 0 <= dtype_code < len(dtypes.ITEMSIZE) or nbytes != math.prod(shape) * dtypes.ITEMSIZE[dtype_code]:
             self._skip(record, name_id, f"bad record: dtype code {dtype_code}, shape {list(shape)}, {nbytes} bytes")
             return
+        if shape and nbytes >= DIRECT_BYTES:
+            self._write_direct(record, name_id, pass_id, dtype_code, shape, data)
+            return
+        if type(data) is memoryview:
+            data = np.frombuffer(data, dtype=np.uint8).copy()  # a view into the ring: keep our own copy
         if shape:
             layout = (name_id, dtype_code, shape[1:])
             rows = shape[0]
@@ -235,6 +246,9 @@ class ChannelWriter:
         self._status = "error"
         self._pending = _PendingSegment()  # free the buffered data
         self._current = None
+        if self._open is not None:
+            self._open.abort()  # never leave its temporary file behind
+            self._open = None
         try:
             self._write_rank_json()
         except Exception:
@@ -252,17 +266,40 @@ class ChannelWriter:
                 pending.started = time.time()
         return record
 
-    def _new_block(self, layout: tuple, shape: tuple) -> Block:
+    def _name_slot(self, name_id: int) -> int:
         pending = self._pending
-        name_id, code, row_shape = layout
         slot = pending.name_slot.get(name_id)
         if slot is None:
             slot = pending.name_slot[name_id] = len(pending.names)
             pending.names.append(self._names.get(name_id, f"<unnamed {name_id}>"))
-        block = Block(len(pending.blocks), slot, code, shape[1:], scalar=row_shape is None)
+        return slot
+
+    def _new_block(self, layout: tuple, shape: tuple) -> Block:
+        pending = self._pending
+        name_id, code, row_shape = layout
+        block = Block(len(pending.blocks), self._name_slot(name_id), code, shape[1:], scalar=row_shape is None)
         pending.blocks.append(block)
         pending.block_by_layout[layout] = block
         return block
+
+    def _write_direct(self, record: _Pass, name_id: int, pass_id: int, code: int, shape: tuple, data) -> None:
+        """A large tensor: its own block, written into the open segment file now (see DIRECT_BYTES)."""
+        pending = self._pending
+        block = Block(len(pending.blocks), self._name_slot(name_id), code, shape[1:], scalar=False)
+        block.rows = shape[0]
+        try:
+            if self._open is None:
+                self._open = OpenSegment(self.dir, self._next_segment)
+            self._open.write_direct(block, data)
+        except Exception as exc:
+            self.fail(f"{type(exc).__name__}: {exc}")
+            raise
+        pending.blocks.append(block)  # not in block_by_layout: later rows of the name go elsewhere
+        pending.index.append((pass_id, block.name_slot, block.number, 0, block.rows))
+        nbytes = data.nbytes
+        record.tensors += 1
+        record.nbytes += nbytes
+        pending.nbytes += nbytes
 
     def _skip(self, record: _Pass, name_id: int, reason: str) -> None:
         name = self._names.get(name_id, f"<unnamed {name_id}>")
@@ -302,6 +339,7 @@ class ChannelWriter:
             return
         self._pending = _PendingSegment()
         self._current = None
+        open_segment, self._open = self._open, None
         passes = list(pending.passes.values())
 
         pass_table = np.array(
@@ -329,6 +367,7 @@ class ChannelWriter:
             passes=pass_table,
             pass_meta=pass_meta,
             attrs={**summary, "complete": complete, "role": str(self._info["role"]), "created": time.time()},
+            open_segment=open_segment,
         )
         self._next_segment = number + 1
         self._segments.append({"file": fmt.segment_name(number), **summary, "complete": complete})
