@@ -16,14 +16,14 @@ from fastdump.engine import SHM_DIR, SHM_PREFIX, remove_stale_segments
 
 SERVE = textwrap.dedent("""
     import os, sys, torch, fastdump
-    root, progress = sys.argv[1], sys.argv[2]
+    root, progress, rows = sys.argv[1], sys.argv[2], int(sys.argv[3])
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU(), torch.nn.Linear(64, 64))
     d = fastdump.attach(model, root, role="target", segment_passes=8)
     with torch.inference_mode():
         i = 0
         while True:
-            model(torch.full((4, 64), float(i)))
+            model(torch.full((rows, 64), float(i)))
             with open(progress + ".tmp", "w") as f:
                 f.write(str(i + 1))   # passes finished so far (atomic: the kill may land anywhere)
             os.replace(progress + ".tmp", progress)
@@ -31,11 +31,11 @@ SERVE = textwrap.dedent("""
 """)
 
 
-def expected_outputs(n):
+def expected_outputs(n, rows):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU(), torch.nn.Linear(64, 64))
     with torch.inference_mode():
-        return [model(torch.full((4, 64), float(i))) for i in range(n)]
+        return [model(torch.full((rows, 64), float(i))) for i in range(n)]
 
 
 def wait_for(predicate, timeout=30.0):
@@ -47,11 +47,12 @@ def wait_for(predicate, timeout=30.0):
     return False
 
 
-def test_kill_9_of_the_serving_process_keeps_every_finished_pass(tmp_path):
+@pytest.mark.parametrize("rows", [4, 4096])  # 1 KiB outputs are buffered, 1 MiB ones written directly
+def test_kill_9_of_the_serving_process_keeps_every_finished_pass(tmp_path, rows):
     root, progress = tmp_path / "dump", tmp_path / "progress"
     script = tmp_path / "serve.py"
     script.write_text(SERVE)
-    proc = subprocess.Popen([sys.executable, str(script), str(root), str(progress)])
+    proc = subprocess.Popen([sys.executable, str(script), str(root), str(progress), str(rows)])
     try:
         assert wait_for(lambda: progress.exists() and progress.read_text() and int(progress.read_text()) >= 30)
     finally:
@@ -66,7 +67,7 @@ def test_kill_9_of_the_serving_process_keeps_every_finished_pass(tmp_path):
     ds = fastdump.open(root)
     passes = ds.passes("target", 0)
     assert passes[:finished] == list(range(finished))
-    want = expected_outputs(len(passes))
+    want = expected_outputs(len(passes), rows)
     for p in range(finished):
         assert torch.equal(ds.load("target", 0, p)["Sequential"], want[p])
     assert not list(SHM_DIR.glob(f"{SHM_PREFIX}{proc.pid}-*")), "shared memory outlived both processes"
