@@ -235,6 +235,21 @@ def test_large_tensors_go_straight_from_the_ring_into_the_segment(tmp_path, writ
     assert subprocess.run([sys.executable, "-m", "fastdump", "verify", str(tmp_path)]).returncode == 0
 
 
+@pytest.mark.parametrize("writer", ["process", "thread"])
+def test_tensor_split_into_chunks_that_arrive_as_ring_views(tmp_path, writer):
+    # ring 8 MiB -> 2 MiB chunks: each chunk is large enough to reach the writer as a view into
+    # the ring, which must be released even though the tensor is not complete yet.
+    big = torch.randn(5 << 18)  # 5 MiB: three chunks
+    with fastdump.attach(None, tmp_path, ring_mb=8, writer=writer) as d:
+        for i in range(3):
+            d.dump(f"big{i}", big + i)
+    stats = d.stats()
+    assert stats["status"] == "closed", stats["error"]
+    ds = fastdump.open(tmp_path)
+    for i in range(3):
+        assert same_bits(ds.load("target", 0, i)[f"big{i}"], big + i)
+
+
 def test_drop_policy_counts_every_dropped_tensor(tmp_path):
     with fastdump.attach(None, tmp_path, ring_mb=1, policy="drop") as d:
         writer = d._engine._proc

@@ -65,15 +65,13 @@ class WriterLoop:
                         data = payload if type(payload) is memoryview else np.frombuffer(payload, dtype=np.uint8)
                     else:
                         data = self._assemble(channel, name_id, pass_id, payload, offset, total)
-                        if data is None:
-                            continue
                     writer = channels.get(channel)
-                    if writer is not None:
+                    if writer is not None and data is not None:
                         try:
                             writer.on_tensor(name_id, pass_id, dtype, shape, data)
                         except Exception as exc:
-                            self._fail(f"{writer_dir(writer)}: {type(exc).__name__}: {exc}")
-                    if type(payload) is memoryview:  # written from the ring itself: now free it
+                            self._fail_writer(writer, exc)
+                    if type(payload) is memoryview:  # the last of its batch, unreleased: free it now
                         consumer.release()
                     continue
                 msg = json.loads(payload)
@@ -145,7 +143,10 @@ class WriterLoop:
         try:
             getattr(writer, method)(*args)
         except Exception as exc:
-            self._fail(f"{writer_dir(writer)}: {type(exc).__name__}: {exc}")
+            self._fail_writer(writer, exc)
+
+    def _fail_writer(self, writer, exc: Exception) -> None:
+        self._fail(f"{writer_dir(writer)}: {type(exc).__name__}: {exc}")
 
     def _fail(self, error: str) -> None:
         """Writing failed (disk full, unwritable root): stop dumping everywhere, keep serving."""
