@@ -247,8 +247,7 @@ class Dumper:
             self._depth = 1
             self._end()
         if self._engine.alive and self.status == "running":
-            if self._engine._cuda_stager is not None:
-                self._engine._cuda_stager.flush(timeout)
+            self._engine.flush_cuda(timeout)
             ok = self._engine.control({"op": "close", "channel": self._channel, "stats": self._totals},
                                       wait=True, timeout=timeout)
             if ok and self._engine.alive:  # the final segment write itself can fail (disk full)

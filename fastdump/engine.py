@@ -181,6 +181,10 @@ class Engine:
                     self._cuda_stager = cuda.get_stager(self.producer, device_ring_mb)
         return self._cuda_stager
 
+    def flush_cuda(self, timeout: float) -> bool:
+        """Wait until every CUDA snapshot staged so far is in the host ring (True when none are)."""
+        return self._cuda_stager is None or self._cuda_stager.flush(timeout)
+
     def shutdown(self, timeout: float = 600.0) -> None:
         if self.closed:
             return
