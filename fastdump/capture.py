@@ -132,10 +132,11 @@ class Dumper:
 
     def __init__(self, model, root, *, role="target", ranks: dict, layers=None, include=None, exclude=None,
                  module_types=None, inputs=False, skip_passes=0, every=1, pass_range=None, max_bytes=None,
-                 policy="block", writer="process", ring_mb=256, device_ring_mb=256, segment_passes=64,
-                 segment_mb=256, segment_seconds=30.0, root_passes=True, root_name=None, strict=False,
-                 pass_meta=None):
-        _validate(role=role, policy=policy, writer=writer, every=every, skip_passes=skip_passes,
+                 policy="block", writer="process", writer_priority="idle", ring_mb=256, device_ring_mb=256,
+                 segment_passes=64, segment_mb=256, segment_seconds=30.0, root_passes=True, root_name=None,
+                 strict=False, pass_meta=None):
+        _validate(role=role, policy=policy, writer=writer, writer_priority=writer_priority, every=every,
+                  skip_passes=skip_passes,
                   pass_range=pass_range, max_bytes=max_bytes, ring_mb=ring_mb, segment_passes=segment_passes,
                   segment_mb=segment_mb, segment_seconds=segment_seconds)
         self.role = role
@@ -174,12 +175,13 @@ class Dumper:
                       exclude=_pattern(exclude), module_types=[getattr(t, "__name__", str(t)) for t in module_types or ()],
                       inputs=self.inputs, skip_passes=self.skip_passes, every=self.every,
                       pass_range=list(self.pass_range) if self.pass_range else None, max_bytes=max_bytes,
-                      policy=policy, writer=writer, ring_mb=ring_mb, device_ring_mb=device_ring_mb,
+                      policy=policy, writer=writer, writer_priority=writer_priority, ring_mb=ring_mb,
+                      device_ring_mb=device_ring_mb,
                       segment_passes=segment_passes, segment_mb=segment_mb, segment_seconds=segment_seconds)
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
             _write_manifest(self.root, config)
-            self._engine = Engine.acquire(ring_mb=ring_mb, writer=writer)
+            self._engine = Engine.acquire(ring_mb=ring_mb, writer=writer, writer_priority=writer_priority)
             self._producer = self._engine.producer
             self._channel = self._engine.open_channel({
                 "dir": str(self.dir), "role": role, "rank": ranks, "pid": self._pid,
@@ -621,8 +623,8 @@ def _write_manifest(root: Path, config: dict) -> None:
     })
 
 
-def _validate(*, role, policy, writer, every, skip_passes, pass_range, max_bytes, ring_mb, segment_passes,
-              segment_mb, segment_seconds) -> None:
+def _validate(*, role, policy, writer, writer_priority, every, skip_passes, pass_range, max_bytes, ring_mb,
+              segment_passes, segment_mb, segment_seconds) -> None:
     """Bad settings fail at attach, before the model runs, with one clear message."""
     if not isinstance(role, str) or not role or "/" in role or role in (".", ".."):
         raise ValueError(f"role must be a plain directory name, not {role!r}")
@@ -630,6 +632,8 @@ def _validate(*, role, policy, writer, every, skip_passes, pass_range, max_bytes
         raise ValueError(f"policy must be 'block' or 'drop', not {policy!r}")
     if writer not in ("process", "thread"):
         raise ValueError(f"writer must be 'process' or 'thread', not {writer!r}")
+    if writer_priority not in ("idle", "normal"):
+        raise ValueError(f"writer_priority must be 'idle' or 'normal', not {writer_priority!r}")
     if int(every) < 1:
         raise ValueError(f"every must be >= 1, not {every!r}")
     if int(skip_passes) < 0:

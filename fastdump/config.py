@@ -161,6 +161,8 @@ ENV_VARS: tuple[EnvVar, ...] = (
     EnvVar("FASTDUMP_MAX_MB", "max_bytes", _mb_to_bytes, "same budget in MiB (do not set both)"),
     EnvVar("FASTDUMP_POLICY", "policy", _choice("block", "drop"), "full ring: wait (block) or drop and count (drop)"),
     EnvVar("FASTDUMP_WRITER", "writer", _choice("process", "thread"), "HDF5 writer in its own process or a thread"),
+    EnvVar("FASTDUMP_WRITER_PRIORITY", "writer_priority", _choice("idle", "normal"),
+           "writer process on idle CPU only (idle, SCHED_IDLE) or at the model's priority (normal)"),
     EnvVar("FASTDUMP_RING_MB", "ring_mb", _positive_float, "shared-memory host ring size, MiB"),
     EnvVar("FASTDUMP_DEVICE_RING_MB", "device_ring_mb", _positive_float, "GPU staging ring size, MiB"),
     EnvVar("FASTDUMP_SEGMENT_PASSES", "segment_passes", _int(1), "start a new .h5 segment after N passes"),

@@ -66,11 +66,17 @@ class Engine:
     _lock = threading.Lock()
 
     def __init__(self, ring_mb: float, writer: str = "process", chunk_mb: float = 0,
-                 start_timeout: float = 60.0):
+                 start_timeout: float = 60.0, writer_priority: str = "idle"):
         """``chunk_mb``: tensors above this are split over several records (0: a quarter of the
-        ring, the most a record may take; larger chunks spare the writer a reassembly copy)."""
+        ring, the most a record may take; larger chunks spare the writer a reassembly copy).
+        ``writer_priority``: ``idle`` runs the writer process under SCHED_IDLE, so it only takes
+        CPU time the model leaves unused (see fastdump/writer/__main__.py); ``normal`` does not.
+        A writer thread always shares the serving process's priority."""
         if writer not in ("process", "thread"):
             raise ValueError(f"writer must be 'process' or 'thread', not {writer!r}")
+        if writer_priority not in ("idle", "normal"):
+            raise ValueError(f"writer_priority must be 'idle' or 'normal', not {writer_priority!r}")
+        self.writer_priority = writer_priority
         remove_stale_segments()
         self.pid = os.getpid()
         self.mode = writer
@@ -99,7 +105,7 @@ class Engine:
 
     # -- writer lifecycle ------------------------------------------------------------------------
     def _start_process(self, name: str) -> None:
-        cmd = [sys.executable, "-m", "fastdump.writer", "--shm", name]
+        cmd = [sys.executable, "-m", "fastdump.writer", "--shm", name, "--priority", self.writer_priority]
         # stdin: our write end; its EOF tells the writer we died (even under kill -9).
         # stdout: the writer's write end; its EOF tells us the writer died.
         # A new session keeps Ctrl-C in the serving terminal from killing the writer mid-drain.
@@ -201,11 +207,11 @@ class Engine:
 
     # -- process-wide singleton ------------------------------------------------------------------
     @classmethod
-    def acquire(cls, ring_mb: float, writer: str) -> "Engine":
+    def acquire(cls, ring_mb: float, writer: str, writer_priority: str = "idle") -> "Engine":
         with cls._lock:
             eng = cls._current
             if eng is None or eng.closed or eng.pid != os.getpid():
-                eng = cls(ring_mb=ring_mb, writer=writer)
+                eng = cls(ring_mb=ring_mb, writer=writer, writer_priority=writer_priority)
                 cls._current = eng
             elif eng.mode != writer:
                 log.warning("fastdump: engine already running with writer=%r; ignoring writer=%r",

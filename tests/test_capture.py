@@ -250,6 +250,23 @@ def test_tensor_split_into_chunks_that_arrive_as_ring_views(tmp_path, writer):
         assert same_bits(ds.load("target", 0, i)[f"big{i}"], big + i)
 
 
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="SCHED_IDLE is Linux-only")
+@pytest.mark.parametrize("priority,policy", [("idle", "SCHED_IDLE"), ("normal", "SCHED_OTHER")])
+def test_writer_process_priority(tmp_path, priority, policy):
+    x = torch.arange(6.0)
+    with fastdump.attach(None, tmp_path, writer_priority=priority) as d:
+        writer = d._engine._proc
+        assert os.sched_getscheduler(writer.pid) == getattr(os, policy)
+        d.dump("x", x)
+    assert same_bits(fastdump.open(tmp_path).load("target", 0, 0)["x"], x)
+    assert d.stats()["status"] == "closed"
+
+
+def test_bad_writer_priority_is_a_clear_error(tmp_path):
+    with pytest.raises(ValueError, match="writer_priority must be 'idle' or 'normal'"):
+        fastdump.attach(None, tmp_path, writer_priority="realtime")
+
+
 def test_drop_policy_counts_every_dropped_tensor(tmp_path):
     with fastdump.attach(None, tmp_path, ring_mb=1, policy="drop") as d:
         writer = d._engine._proc

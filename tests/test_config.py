@@ -30,14 +30,14 @@ def test_parses_every_variable():
         "FASTDUMP_INCLUDE": r"mlp\.", "FASTDUMP_EXCLUDE": "act_fn$", "FASTDUMP_MODULE_TYPES": "Linear,RMSNorm",
         "FASTDUMP_INPUTS": "TRUE", "FASTDUMP_SKIP": "2", "FASTDUMP_EVERY": "10", "FASTDUMP_PASSES": "5:9",
         "FASTDUMP_MAX_MB": "1.5", "FASTDUMP_POLICY": "drop", "FASTDUMP_WRITER": "thread",
-        "FASTDUMP_RING_MB": "64", "FASTDUMP_DEVICE_RING_MB": "32", "FASTDUMP_SEGMENT_PASSES": "8",
+        "FASTDUMP_WRITER_PRIORITY": "normal", "FASTDUMP_RING_MB": "64", "FASTDUMP_DEVICE_RING_MB": "32", "FASTDUMP_SEGMENT_PASSES": "8",
         "FASTDUMP_SEGMENT_MB": "16", "FASTDUMP_SEGMENT_SECONDS": "2.5", "FASTDUMP_STRICT": "1",
         "FASTDUMP_TP_RANK": "1", "FASTDUMP_TP_SIZE": "2", "FASTDUMP_PP_RANK": "0", "FASTDUMP_PP_SIZE": "1",
     }
     assert settings_from_env(env) == {
         "root": "/d", "role": "draft", "layers": (0, 1, 3, 5, 6, 7), "include": r"mlp\.", "exclude": "act_fn$",
         "module_types": ("Linear", "RMSNorm"), "inputs": True, "skip_passes": 2, "every": 10,
-        "pass_range": (5, 9), "max_bytes": 3 << 19, "policy": "drop", "writer": "thread", "ring_mb": 64.0,
+        "pass_range": (5, 9), "max_bytes": 3 << 19, "policy": "drop", "writer": "thread", "writer_priority": "normal", "ring_mb": 64.0,
         "device_ring_mb": 32.0, "segment_passes": 8, "segment_mb": 16.0, "segment_seconds": 2.5,
         "strict": True, "tp_rank": 1, "tp_size": 2, "pp_rank": 0, "pp_size": 1,
     }
@@ -51,6 +51,7 @@ def test_parses_every_variable():
     ("FASTDUMP_LAYERS", "a"), ("FASTDUMP_LAYERS", ","), ("FASTDUMP_INCLUDE", "mlp("), ("FASTDUMP_EXCLUDE", "*"),
     ("FASTDUMP_INPUTS", "maybe"), ("FASTDUMP_PASSES", "9:5"), ("FASTDUMP_PASSES", "7"),
     ("FASTDUMP_MAX_MB", "-1"), ("FASTDUMP_POLICY", "fast"), ("FASTDUMP_WRITER", "fork"),
+    ("FASTDUMP_WRITER_PRIORITY", "low"),
     ("FASTDUMP_SEGMENT_SECONDS", "nan"), ("FASTDUMP_RING_MB", "inf"), ("FASTDUMP_ROLE", "../x"),
     ("FASTDUMP_MODULE_TYPES", "nn.Linear"),
 ])

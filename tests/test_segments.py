@@ -455,16 +455,16 @@ def test_write_error_midway_leaves_no_segment_and_records_error(tmp_path, monkey
     w = ChannelWriter(open_msg(tmp_path, segment_passes=1))
     f = Feeder(w)
     f.full_pass(0, {"a": torch.ones(4), "b": torch.ones(4)})  # one good segment first
-    real_write_block = h5segment._write_block
+    real_write_block = h5segment.OpenSegment.write_block
     calls = []
 
-    def failing_write_block(group_id, block):
+    def failing_write_block(segment, block):
         calls.append(block.number)
         if len(calls) == 2:
             raise OSError(28, "No space left on device")
-        real_write_block(group_id, block)
+        real_write_block(segment, block)
 
-    monkeypatch.setattr(h5segment, "_write_block", failing_write_block)
+    monkeypatch.setattr(h5segment.OpenSegment, "write_block", failing_write_block)
     w.on_begin(1, {})
     f.tensor(1, "a", torch.ones(4))
     f.tensor(1, "b", torch.ones(4))

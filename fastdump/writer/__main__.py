@@ -1,24 +1,52 @@
-"""Writer process entry point: ``python -m fastdump.writer --shm NAME``.
+"""Writer process entry point: ``python -m fastdump.writer --shm NAME [--priority idle|normal]``.
 
 stdin is a pipe from the serving process (EOF = it died); stdout is a pipe back (our exit closes
 it). Nothing is ever written to either, and the writer never imports torch.
 """
 
 import argparse
+import gc
 import logging
 import os
 import signal
 import sys
 
-from .. import _C
-from .loop import run_consumer
+log = logging.getLogger("fastdump.writer")
+
+
+def lower_priority(priority: str) -> None:
+    """``idle``: run only on CPU time the serving process leaves unused (SCHED_IDLE).
+
+    At normal priority the writer preempts one of torch's intra-op threads, and the other threads
+    then wait for it at every barrier: a 2-core CPU decode slowed 1.3x for a writer using 0.3 of
+    a core (benchmarks/RESULTS.md). Under SCHED_IDLE a waking model thread always preempts the
+    writer. If the model never leaves a CPU idle, the ring fills and the producer sleeps in
+    back-pressure, which frees the CPU the writer needs.
+    Called before anything starts a thread: threads inherit the policy of their creator.
+    """
+    if priority != "idle":
+        return
+    try:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    except (AttributeError, OSError) as exc:  # not Linux, or a seccomp profile that forbids it
+        log.warning("fastdump writer: cannot switch to SCHED_IDLE (%s); running at normal priority", exc)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(prog="fastdump.writer")
     parser.add_argument("--shm", required=True)
+    parser.add_argument("--priority", choices=("idle", "normal"), default="idle")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(name)s: %(message)s")
+    lower_priority(args.priority)
+
+    from .. import _C
+    from .loop import run_consumer
+
+    # Everything imported so far lives as long as the process; a collection every 700 record tuples
+    # would walk it again and again (a few % of the writer's CPU). Collect rarely, and never it.
+    gc.freeze()
+    gc.set_threshold(100_000, 50, 100)
     # Only the serving process's fate ends us; a Ctrl-C sent to its group must not cut the drain.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     producer_pipe = os.dup(sys.stdin.fileno())

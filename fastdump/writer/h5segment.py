@@ -23,9 +23,8 @@ from h5py import h5a, h5d, h5p, h5s, h5t
 from .. import dtypes, fsutil
 from . import format as fmt
 
-# Several small tensors are concatenated into one write; a concatenation never exceeds this, so the
-# extra memory stays bounded while a block of many large tensors is written tensor by tensor.
-MAX_COALESCED_WRITE = 64 << 20
+# A block's rows go to the file in one gathered write (pwritev) of at most this many buffers.
+_IOV_MAX = min(os.sysconf("SC_IOV_MAX"), 1024) if hasattr(os, "sysconf") else 1024
 
 
 class Block:
@@ -72,17 +71,20 @@ def _float_attr(obj_id, name: bytes, value: float) -> None:
     attr.write(np.array(value, dtype="<f8"))
 
 
-def _coalesced(chunks: list):
-    """Yield byte buffers covering ``chunks`` in order, small neighbours joined up to the limit."""
-    pending, pending_bytes = [], 0
-    for chunk in chunks:
-        if pending and pending_bytes + chunk.nbytes > MAX_COALESCED_WRITE:
-            yield pending[0] if len(pending) == 1 else np.concatenate(pending)
-            pending, pending_bytes = [], 0
-        pending.append(chunk)
-        pending_bytes += chunk.nbytes
-    if pending:
-        yield pending[0] if len(pending) == 1 else np.concatenate(pending)
+def _pwritev_all(fd: int, buffers: list, offset: int) -> None:
+    """Write ``buffers`` back to back at ``offset``: gathered, so small rows need no joining copy."""
+    views = [memoryview(b).cast("B") for b in buffers]
+    views = [v for v in views if v.nbytes]
+    while views:
+        batch = views[:_IOV_MAX]
+        written = os.pwritev(fd, batch, offset)
+        offset += written
+        # pwritev may write less than asked: drop what is done, keep the rest of a cut buffer.
+        while views and written >= views[0].nbytes:
+            written -= views[0].nbytes
+            views.pop(0)
+        if written:
+            views[0] = views[0][written:]
 
 
 def _create_dataset(group_id, block: Block, dcpl=None):
@@ -97,33 +99,15 @@ def _create_dataset(group_id, block: Block, dcpl=None):
     return dset
 
 
-def _write_block(group_id, block: Block) -> None:
-    storage = dtypes.STORAGE[block.code]
-    dset = _create_dataset(group_id, block)
-
-    row_bytes = math.prod(block.row_shape) * storage.itemsize
-    if row_bytes == 0 or block.rows == 0:
-        return
-    first_row = 0
-    for buffer in _coalesced(block.chunks):
-        rows = buffer.nbytes // row_bytes
-        array = buffer.view(storage).reshape((rows,) + block.row_shape)
-        if rows == block.rows:
-            dset.write(h5s.ALL, h5s.ALL, array)
-        else:
-            file_space = dset.get_space()
-            file_space.select_hyperslab((first_row,) + (0,) * len(block.row_shape), array.shape)
-            dset.write(h5s.create_simple(array.shape), file_space, array)
-        first_row += rows
-
-
 class OpenSegment:
     """A segment's temporary file, opened before the segment is complete.
 
-    Large tensors go straight from the ring into it (``write_direct``): the dataset is allocated at
-    creation, without fill, so its offset in the file is known, and its bytes are written there with
-    ``pwrite`` from the ring's memory. That is one copy, where buffering would take two more. The
-    rest of the segment is written by ``write_segment(..., open_segment=self)``.
+    Every dataset is allocated at creation, without fill, so its offset in the file is known, and
+    its bytes are written there by ``pwritev`` rather than through HDF5: HDF5 needs one contiguous
+    buffer per write, which for rows gathered over many passes would cost a joining copy (and a
+    fresh, page-faulting buffer) per block. Large tensors go straight from the ring's memory into
+    the file as they arrive (``write_direct``): one copy in all. The rest of the segment is written
+    by ``write_segment(..., open_segment=self)``.
     """
 
     def __init__(self, directory: str, number: int):
@@ -143,16 +127,21 @@ class OpenSegment:
 
     def write_direct(self, block: Block, data) -> None:
         """Create ``block``'s dataset and write ``data`` (all its rows, C order) into it."""
+        self._write(block, [data])
+
+    def write_block(self, block: Block) -> None:
+        """Create ``block``'s dataset and write its buffered rows (``block.chunks``) into it."""
+        self._write(block, block.chunks)
+
+    def _write(self, block: Block, buffers: list) -> None:
         dset = _create_dataset(self.blocks_group, block, self._dcpl)
-        view = memoryview(data).cast("B")
-        offset = dset.get_offset()
-        if view.nbytes:
-            if offset is None:
-                raise OSError(f"HDF5 allocated no contiguous storage for block {block.number}")
-            written = 0
-            while written < view.nbytes:  # pwrite may write less than asked
-                written += os.pwrite(self._fd, view[written:], offset + written)
         block.written = True
+        if block.rows * math.prod(block.row_shape) == 0:
+            return  # no elements: HDF5 allocates no storage, there is nothing to write
+        offset = dset.get_offset()
+        if offset is None:
+            raise OSError(f"HDF5 allocated no contiguous storage for block {block.number}")
+        _pwritev_all(self._fd, buffers, offset)
 
     def close_fd(self) -> None:
         if self._fd is not None:
@@ -195,14 +184,14 @@ def write_segment(
     buffered data. ``index``/``passes`` use ``format.INDEX_DTYPE``/``PASS_DTYPE``; ``pass_meta`` is a
     list of JSON-able dicts aligned with ``passes``; ``attrs`` go on the file's root group.
     """
-    final_path = os.path.join(directory, fmt.segment_name(number))
-    temp_path = os.path.join(directory, fmt.segment_temp_name(number))
+    segment = open_segment if open_segment is not None else OpenSegment(directory, number)
     try:
-        if open_segment is not None:
-            open_segment.close_fd()  # its pwrites are done; HDF5 writes the rest
-        f = open_segment.file if open_segment is not None else h5py.File(temp_path, "w", libver="latest",
-                                                                        locking=False)
-        with f:
+        for block in blocks:
+            if not block.written:
+                segment.write_block(block)
+            block.chunks = []
+        segment.close_fd()  # the raw data is in; HDF5 writes the rest and its metadata
+        with segment.file as f:
             root = f.id
             _str_attr(root, b"format", fmt.FORMAT_NAME)
             _int_attr(root, b"format_version", fmt.FORMAT_VERSION)
@@ -226,13 +215,8 @@ def write_segment(
                 dtype=h5py.string_dtype(),
                 shape=(len(pass_meta),),
             )
-            group_id = open_segment.blocks_group if open_segment is not None else f.create_group(fmt.BLOCKS).id
-            for block in blocks:
-                if not block.written:
-                    _write_block(group_id, block)
-                block.chunks = []
-        fsutil.publish(temp_path, final_path)
+        fsutil.publish(segment.temp_path, segment.final_path)
     except BaseException:
-        fsutil.remove_quietly(temp_path)
+        segment.abort()
         raise
-    return final_path
+    return segment.final_path
