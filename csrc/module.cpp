@@ -58,15 +58,19 @@ py::object next_record(Consumer& c, double timeout_s) {
                         v.chunk.offset, v.chunk.total);
 }
 
-// Up to `max_records` ready records (waiting up to timeout_s for the first), each payload copied
-// into its own bytes object and the ring space released at once: one call per batch keeps the
-// writer's per-record Python cost low, and the producer never waits on HDF5.
-// A payload of `view_bytes` or more (0: never) comes as a read-only memoryview into the ring
-// instead, unreleased and last in its batch: the caller writes it to the file straight from shared
-// memory, then calls release().
+// Up to `max_records` ready records (waiting up to timeout_s for the first) in one call, which keeps
+// the writer's per-record Python cost low.
+// A tensor payload of `view_bytes` or more (0: never) comes as a read-only memoryview into the
+// ring, and its space stays held until the caller's release(): the writer copies it once, into
+// its own page-aligned buffers or straight into the file, and frees the batch. Any other payload
+// is copied into a bytes object; its space is given back at once while no view is held.
+// With views on, a control record (pass end, close...) ends its batch: every view before it is
+// consumed by the time the caller reaches it, so the caller can release() the batch before the
+// control's possibly slow work (a segment write).
 py::list next_batch(Consumer& c, double timeout_s, size_t max_records, uint64_t max_bytes, uint64_t view_bytes) {
   py::list out;
   uint64_t bytes = 0;
+  bool holding = c.holding();  // views the caller has not released yet: never free them here
   RecordView v;
   while (out.size() < max_records && bytes < max_bytes) {
     bool ok;
@@ -77,12 +81,14 @@ py::list next_batch(Consumer& c, double timeout_s, size_t max_records, uint64_t 
     if (!ok) break;
     py::tuple shape(v.shape.size());
     for (size_t i = 0; i < v.shape.size(); ++i) shape[i] = py::int_(v.shape[i]);
+    bytes += v.payload_len;
     if (view_bytes && v.payload_len >= view_bytes && v.kind == kTensor) {
+      holding = true;
       py::memoryview view = py::memoryview::from_memory(const_cast<uint8_t*>(v.payload),
                                                         static_cast<py::ssize_t>(v.payload_len), true);
       out.append(py::make_tuple(v.kind, v.channel, v.name_id, v.pass_id, v.dtype, shape, view, v.seq,
                                 v.chunk.offset, v.chunk.total));
-      break;
+      continue;
     }
     PyObject* raw = PyBytes_FromStringAndSize(nullptr, static_cast<Py_ssize_t>(v.payload_len));
     if (raw == nullptr) throw py::error_already_set();
@@ -94,10 +100,10 @@ py::list next_batch(Consumer& c, double timeout_s, size_t max_records, uint64_t 
     } else {
       std::memcpy(dst, v.payload, v.payload_len);
     }
-    c.release();
-    bytes += v.payload_len;
     out.append(py::make_tuple(v.kind, v.channel, v.name_id, v.pass_id, v.dtype, shape, payload, v.seq,
                               v.chunk.offset, v.chunk.total));
+    if (view_bytes && v.kind == kControl) break;  // last in its batch: see above
+    if (!holding) c.release();
   }
   return out;
 }
@@ -175,8 +181,9 @@ PYBIND11_MODULE(_C, m) {
            "(kind, channel, name_id, pass_id, dtype, shape, payload, seq, chunk_offset, chunk_total) or None")
       .def("next_batch", &next_batch, py::arg("timeout_s"), py::arg("max_records") = 4096,
            py::arg("max_bytes") = 256ull << 20, py::arg("view_bytes") = 0,
-           "list of next() tuples, payloads copied and space released (a large one: a view, unreleased)")
-      .def("release", &Consumer::release)
+           "list of next() tuples; payloads >= view_bytes are views held until release(), others copies")
+      .def("release", &Consumer::release, "give back the space of every record handed out so far")
+      .def_property_readonly("holding", &Consumer::holding)
       .def_property_readonly("drained", &Consumer::drained)
       .def_property_readonly("abandoned", &Consumer::abandoned)
       .def_property_readonly("producer_pid",

@@ -27,25 +27,30 @@ std::runtime_error sys_error(const std::string& what) {
 // then sleep up to `max_us`.
 class Backoff {
  public:
-  explicit Backoff(int max_us) : max_us_(max_us) {}
+  explicit Backoff(int max_us, int spins = 64, int yields = 64)
+      : max_us_(max_us), spins_(spins), yields_(yields) {}
   void wait() {
-    if (n_ < 64) {
+    if (n_ < spins_) {
       ++n_;
       return;
     }
-    if (n_ < 128) {
+    if (n_ < spins_ + yields_) {
       ++n_;
       std::this_thread::yield();
       return;
     }
+    sleeping_ = true;
     std::this_thread::sleep_for(std::chrono::microseconds(us_));
     if (us_ < max_us_) us_ = us_ * 2 > max_us_ ? max_us_ : us_ * 2;
   }
+  bool sleeping() const { return sleeping_; }
 
  private:
   int n_ = 0;
   int us_ = 20;
   int max_us_;
+  int spins_, yields_;
+  bool sleeping_ = false;
 };
 
 double now_s() {
@@ -313,7 +318,10 @@ ProducerStats Producer::stats() {
 // ---------------------------------------------------------------------------------------------
 // Consumer
 
-Consumer::Consumer(const std::string& name) { seg_.open(name); }
+Consumer::Consumer(const std::string& name) {
+  seg_.open(name);
+  cursor_ = released_ = seg_.header()->tail.load(std::memory_order_acquire);
+}
 
 bool Consumer::producer_alive() { return peer_alive(producer_fd_); }
 
@@ -328,20 +336,20 @@ void Consumer::set_state(uint64_t state, const std::string& error) {
 }
 
 bool Consumer::next(double timeout_s, RecordView* out) {
-  if (holding_) throw std::logic_error("release() the previous record first");
   RingHeader* h = seg_.header();
   const uint64_t cap = seg_.capacity();
-  Backoff backoff(1000);
+  // The writer is never in a hurry: a short spin, no yields (each one a syscall, on a CPU the
+  // model may want), then sleeps. Liveness (a poll() syscall) is checked once sleeping.
+  Backoff backoff(1000, 16, 0);
   double deadline = now_s() + timeout_s;
   bool producer_gone = false;
   for (;;) {
-    uint64_t tail = h->tail.load(std::memory_order_relaxed);
     uint64_t head = h->head.load(std::memory_order_acquire);
-    if (tail < head) {
-      auto* rec = reinterpret_cast<RecordHeader*>(seg_.data() + tail % cap);
+    if (cursor_ < head) {
+      auto* rec = reinterpret_cast<RecordHeader*>(seg_.data() + cursor_ % cap);
       uint32_t st = rec->state.load(std::memory_order_acquire);
       if (st == kReady && rec->kind == kPad) {
-        h->tail.store(tail + rec->total_len, std::memory_order_release);
+        skip(rec->total_len);
         continue;
       }
       if (st == kReady) {
@@ -358,21 +366,20 @@ bool Consumer::next(double timeout_s, RecordView* out) {
           std::memcpy(out->shape.data(), base + sizeof(RecordHeader) + sizeof(ChunkInfo), 8ull * rec->ndim);
         out->payload = base + payload_offset(rec->ndim);
         out->payload_len = rec->payload_len;
-        holding_ = true;
-        held_len_ = rec->total_len;
+        cursor_ += rec->total_len;  // handed out: its space stays ours until release()
         return true;
       }
       if (producer_gone) {
         // The producer died while filling this record: it will never be published.
         abandoned_++;
-        h->tail.store(tail + rec->total_len, std::memory_order_release);
+        skip(rec->total_len);
         continue;
       }
     } else if (producer_gone) {
       drained_ = true;
       return false;
     }
-    if (!producer_gone && !producer_alive()) {
+    if (!producer_gone && (backoff.sleeping() || timeout_s <= 0) && !producer_alive()) {
       producer_gone = true;
       continue;  // drain what is published, skip what is not
     }
@@ -381,11 +388,16 @@ bool Consumer::next(double timeout_s, RecordView* out) {
   }
 }
 
+void Consumer::skip(uint64_t len) {
+  const bool holding = released_ != cursor_;
+  cursor_ += len;
+  if (!holding) release();  // nothing handed out is waiting: give the space back at once
+}
+
 void Consumer::release() {
-  if (!holding_) return;
-  RingHeader* h = seg_.header();
-  h->tail.store(h->tail.load(std::memory_order_relaxed) + held_len_, std::memory_order_release);
-  holding_ = false;
+  if (released_ == cursor_) return;
+  released_ = cursor_;
+  seg_.header()->tail.store(released_, std::memory_order_release);
 }
 
 }  // namespace fastdump

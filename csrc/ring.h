@@ -195,9 +195,12 @@ class Consumer {
   bool producer_alive();
 
   // Next ready record, waiting up to timeout_s. Returns false on timeout or when the producer is
-  // gone and nothing is left (then `drained()` is true). Must be released before the next call.
+  // gone and nothing is left (then `drained()` is true). Records handed out stay valid (their
+  // ring space is not reused) until release(), which gives back every record handed out so far:
+  // the writer can hold a batch of views, consume them, and free the batch at once.
   bool next(double timeout_s, RecordView* out);
   void release();
+  bool holding() const { return released_ != cursor_; }
   bool drained() const { return drained_; }
 
   void ack(uint64_t seq) { seg_.header()->acked_seq.store(seq, std::memory_order_release); }
@@ -207,8 +210,9 @@ class Consumer {
  private:
   Segment seg_;
   int producer_fd_ = -1;
-  bool holding_ = false;
-  uint64_t held_len_ = 0;
+  uint64_t cursor_ = 0;    // ring position of the next record to hand out
+  uint64_t released_ = 0;  // ring position up to which space is given back (the tail we publish)
+  void skip(uint64_t len);  // step over a record nobody will see (padding, abandoned)
   bool drained_ = false;
   uint64_t abandoned_ = 0;
 };

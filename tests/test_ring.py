@@ -103,6 +103,41 @@ def test_drop_policy_counts_and_never_blocks():
     assert consumer.next(0.01) is None
 
 
+def test_views_in_a_batch_stay_valid_until_release():
+    # The writer holds a whole batch of views into the ring: the producer must not reuse their
+    # space, even with the ring full, until release() gives the batch back at once.
+    producer, consumer = ring(capacity=64 << 10)
+    sent = [torch.full((1024,), float(i)) for i in range(12)]  # 4 KiB each: the ring holds ~14
+    for t in sent:
+        assert stage(producer, t, block=False) == _C.STAGED
+    batch = consumer.next_batch(1.0, view_bytes=1)
+    assert len(batch) == 12 and consumer.holding
+    assert all(type(rec[6]) is memoryview for rec in batch)
+    # The ring is full of held records: a new tensor is dropped, never written over them.
+    statuses = [stage(producer, torch.full((1024,), -1.0), block=False) for _ in range(4)]
+    assert statuses.count(_C.DROPPED) >= 2
+    for rec, t in zip(batch, sent):
+        assert bytes(rec[6]) == t.numpy().tobytes()
+    consumer.release()
+    assert not consumer.holding
+    assert stage(producer, torch.full((1024,), 99.0), block=False) == _C.STAGED
+
+
+def test_a_control_record_ends_a_batch_of_views():
+    producer, consumer = ring()
+    for i in range(3):
+        stage(producer, torch.full((8,), float(i)))
+    producer.put_control(0, b'{"op": "end"}')
+    stage(producer, torch.full((8,), 7.0))
+    first = consumer.next_batch(1.0, view_bytes=1)
+    assert [rec[0] for rec in first] == [_C.KIND_TENSOR] * 3 + [_C.KIND_CONTROL]
+    assert bytes(first[-1][6]) == b'{"op": "end"}'  # controls are copies, never views
+    consumer.release()
+    (last,) = consumer.next_batch(1.0, view_bytes=1)
+    assert bytes(last[6]) == torch.full((8,), 7.0).numpy().tobytes()
+    consumer.release()
+
+
 def test_control_records_are_acknowledged_in_order():
     producer, consumer = ring()
     seq = producer.put_control(3, b'{"op": "x"}')

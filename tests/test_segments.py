@@ -183,6 +183,41 @@ def test_rows_of_one_name_are_one_dataset(tmp_path):
         assert_same(reader.open(tmp_path).tensor("target", 0, "model.layers.0.mlp", p), t)
 
 
+def test_gathered_write_survives_short_writes_and_many_buffers(tmp_path, monkeypatch):
+    # A block of more rows than one pwritev may take (IOV_MAX), written by a pwritev that stops
+    # after at most 1000 bytes, mid-buffer: every byte still lands in its place.
+    monkeypatch.setenv("FASTDUMP_NO_DIRECT_IO", "1")  # buffered: short writes of any length are legal
+    real_pwritev = os.pwritev
+    calls = []
+
+    def short_pwritev(fd, buffers, offset):
+        calls.append(len(buffers))
+        budget, cut = 1000, []
+        for b in buffers:
+            b = memoryview(b)[:budget]
+            cut.append(b)
+            budget -= b.nbytes
+            if budget == 0:
+                break
+        return real_pwritev(fd, cut, offset)
+
+    monkeypatch.setattr(h5segment.os, "pwritev", short_pwritev)
+    rows = 2 * h5segment._IOV_MAX + 7
+    sent = {p: torch.arange(p * 37, p * 37 + 37, dtype=torch.int16).reshape(1, 37) for p in range(rows)}
+    w = ChannelWriter(open_msg(tmp_path))
+    f = Feeder(w)
+    for p, t in sent.items():
+        f.full_pass(p, {"x": t})
+    w.close({})
+    assert max(calls) <= h5segment._IOV_MAX and len(calls) > rows * 74 // 1000
+    ds = reader.open(tmp_path)
+    for p in (0, 1, h5segment._IOV_MAX, rows - 1):
+        assert_same(ds.tensor("target", 0, "x", p), sent[p])
+    with h5py.File(tmp_path / "target" / RANK_DIR / "seg-000000.h5", "r") as h5:
+        (block,) = h5["blocks"].values()
+        np.testing.assert_array_equal(block[()], torch.cat(list(sent.values())).numpy())
+
+
 def test_trailing_shape_and_dtype_changes_inside_a_segment(tmp_path):
     w = ChannelWriter(open_msg(tmp_path))
     f = Feeder(w)
@@ -570,3 +605,111 @@ def test_reader_ignores_temp_files_and_tolerates_rank_selection(tmp_path):
         ds.passes("target")  # three ranks: must say which
     with pytest.raises(KeyError):
         ds.load("target", 0, 99)
+
+
+# ---------------------------------------------------------------------------------------- page buffers, O_DIRECT
+
+from fastdump.writer import pages  # noqa: E402
+
+
+def _address(view):
+    return np.frombuffer(view, dtype=np.uint8).ctypes.data
+
+
+def test_page_buffer_keeps_the_stream_and_splits_it_for_o_direct():
+    gen = np.random.default_rng(0)
+    pool = pages.PagePool()
+    buf = pages.PageBuffer()
+    sent = [gen.integers(0, 256, n, dtype=np.uint8) for n in (0, 1, 4095, 4097, 20000, 300_000, 7, 2 << 20)]
+    for chunk in sent:
+        buf.append(chunk, pool)
+        buf.append(memoryview(chunk.tobytes()), pool)  # bytes and read-only views too
+    want = b"".join(c.tobytes() * 2 for c in sent)
+    assert buf.nbytes == len(want)
+    assert b"".join(bytes(v) for v in buf.views()) == want
+    body, tail = buf.split_aligned()
+    assert all(v.nbytes % pages.ALIGN == 0 and _address(v) % pages.ALIGN == 0 for v in body)
+    assert b"".join(bytes(v) for v in body) + (bytes(tail) if tail is not None else b"") == want
+    assert (tail.nbytes if tail is not None else 0) == len(want) % pages.ALIGN
+    assert all(p.nbytes <= pages.MAX_PAGE for p in buf.pages) and len(buf.pages) < 20
+    allocated = pool.allocated
+    buf.free(pool)
+    again = pages.PageBuffer()
+    for chunk in sent:
+        again.append(chunk, pool)
+        again.append(chunk, pool)
+    assert pool.allocated == allocated  # the second round reuses the pages: no new memory, no faults
+
+
+def _direct_io_supported(directory) -> bool:
+    path = os.path.join(directory, "probe")
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | getattr(os, "O_DIRECT", 0))
+    except OSError:
+        return False
+    os.close(fd)
+    os.unlink(path)
+    return hasattr(os, "O_DIRECT")
+
+
+def _write_odd_rows(tmp_path, monkeypatch):
+    """Rows of sizes that leave every kind of tail; returns (sent, O_DIRECT bytes per segment)."""
+    direct = []
+    real_close_fd = h5segment.OpenSegment.close_fd
+
+    def recording_close_fd(self):
+        if self._fd is not None:
+            direct.append(self.direct_bytes)
+        real_close_fd(self)
+
+    monkeypatch.setattr(h5segment.OpenSegment, "close_fd", recording_close_fd)
+    gen = torch.Generator().manual_seed(3)
+    w = ChannelWriter(open_msg(tmp_path, segment_passes=3))
+    f = Feeder(w)
+    sent = {}
+    for p in range(7):
+        sent[p] = {"odd": torch.randint(0, 1 << 30, (p + 1, 1031), generator=gen, dtype=torch.int32),
+                   "page": torch.randn(4, 1024, generator=gen), "tiny": torch.tensor([p], dtype=torch.int8),
+                   "big": torch.randn(70_000, generator=gen)}
+        f.full_pass(p, sent[p])
+    w.close({})
+    ds = reader.open(tmp_path)
+    for p, tensors in sent.items():
+        got = ds.load("target", 0, p)
+        for name, t in tensors.items():
+            assert_same(got[name], t, f"{name} pass {p}")
+    assert subprocess.run([sys.executable, "-m", "fastdump.cli", "verify", str(tmp_path)],
+                          capture_output=True).returncode == 0
+    return sent, direct
+
+
+def test_buffered_rows_reach_the_disk_with_o_direct(tmp_path, monkeypatch):
+    if not _direct_io_supported(tmp_path):
+        pytest.skip(f"{tmp_path} refuses O_DIRECT")
+    monkeypatch.delenv("FASTDUMP_NO_DIRECT_IO", raising=False)
+    _, direct = _write_odd_rows(tmp_path, monkeypatch)
+    assert len(direct) == 3 and all(n > 0 for n in direct)
+
+
+def test_without_o_direct_every_write_is_buffered(tmp_path, monkeypatch):
+    monkeypatch.setenv("FASTDUMP_NO_DIRECT_IO", "1")
+    _, direct = _write_odd_rows(tmp_path, monkeypatch)
+    assert direct == [0, 0, 0]
+
+
+def test_a_device_that_refuses_the_alignment_falls_back_to_buffered(tmp_path, monkeypatch):
+    if not _direct_io_supported(tmp_path):
+        pytest.skip(f"{tmp_path} refuses O_DIRECT")
+    import errno
+    import fcntl
+
+    real_pwritev = os.pwritev
+
+    def einval_for_direct(fd, buffers, offset):
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_pwritev(fd, buffers, offset)
+
+    monkeypatch.setattr(h5segment.os, "pwritev", einval_for_direct)
+    _, direct = _write_odd_rows(tmp_path, monkeypatch)
+    assert direct == [0, 0, 0]

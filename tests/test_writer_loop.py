@@ -17,11 +17,15 @@ class ScriptedConsumer:
         self.records = list(records)
         self.acked, self.state, self.drained = [], None, False
 
-    def next_batch(self, timeout_s, view_bytes=0):
+    def next_batch(self, timeout_s, max_bytes=0, view_bytes=0):
         if not self.records:
             self.drained = True
             return []
-        batch, self.records = self.records[:3], self.records[3:]
+        batch = []
+        while self.records and len(batch) < 3:  # like the real one: a control ends its batch
+            batch.append(self.records.pop(0))
+            if batch[-1][0] == _C.KIND_CONTROL:
+                break
         return batch
 
     def release(self):

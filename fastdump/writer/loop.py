@@ -1,9 +1,11 @@
 """The writer's main loop: take records off the ring in order, hand them to channel writers.
 
 Runs in the writer process (``python -m fastdump.writer``) or in a thread. It owns the ring's
-consumer side: ``next_batch`` copies each payload out and releases the ring space at once (so the
-producer never waits on HDF5), then the ChannelWriter aggregates and writes segments. Control records are
-acknowledged after they are handled, which is how ``Dumper.close()`` knows its data is on disk.
+consumer side: ``next_batch`` hands out tensors as views into the ring; the ChannelWriter copies
+each one once into its page buffers (or writes a large one to the file), and the batch's ring space
+is released before any control record is handled (so the producer never waits on HDF5). Control
+records are acknowledged after they are handled, which is how ``Dumper.close()`` knows its data
+is on disk.
 """
 
 from __future__ import annotations
@@ -15,11 +17,12 @@ import time
 import numpy as np
 
 from .. import _C
-from .segments import DIRECT_BYTES, ChannelWriter
+from .segments import ChannelWriter
 
 log = logging.getLogger("fastdump.writer")
 
 POLL_SECONDS = 0.25  # idle wake-up: rotate segments by time, notice a dead producer
+BATCH_BYTES = 16 << 20  # ring space one batch may hold while the writer consumes it
 
 
 class _Assembly:
@@ -46,7 +49,10 @@ class WriterLoop:
         next_poll = time.monotonic() + POLL_SECONDS
         tensor_kind = _C.KIND_TENSOR
         while True:
-            batch = consumer.next_batch(POLL_SECONDS, view_bytes=DIRECT_BYTES)
+            # Every tensor arrives as a view into the ring, held until release(): the channel
+            # writer copies it once into its pages, or writes it to the file. A batch that holds
+            # views ends at a control record, so the batch is released before that control's work.
+            batch = consumer.next_batch(POLL_SECONDS, max_bytes=BATCH_BYTES, view_bytes=1)
             now = time.monotonic()
             if now >= next_poll:
                 self._poll(now)
@@ -60,9 +66,7 @@ class WriterLoop:
             for kind, channel, name_id, pass_id, dtype, shape, payload, seq, offset, total in batch:
                 if kind == tensor_kind:  # the hot path, inlined: tens of thousands per second
                     if offset == 0 and len(payload) == total:
-                        # bytes: already our copy. memoryview (large): the ring's own memory, which
-                        # on_tensor writes to the file at once or copies.
-                        data = payload if type(payload) is memoryview else np.frombuffer(payload, dtype=np.uint8)
+                        data = payload
                     else:
                         data = self._assemble(channel, name_id, pass_id, payload, offset, total)
                     writer = channels.get(channel)
@@ -71,9 +75,8 @@ class WriterLoop:
                             writer.on_tensor(name_id, pass_id, dtype, shape, data)
                         except Exception as exc:
                             self._fail_writer(writer, exc)
-                    if type(payload) is memoryview:  # the last of its batch, unreleased: free it now
-                        consumer.release()
                     continue
+                consumer.release()  # every view before this control is consumed
                 msg = json.loads(payload)
                 if msg["op"] == "shutdown":
                     self._finish("closed")
@@ -81,6 +84,7 @@ class WriterLoop:
                     return 0
                 self._control(msg)
                 consumer.ack(seq)
+            consumer.release()
 
     def _assemble(self, channel, name_id, pass_id, payload, offset, total):  # copies: payload may be a view
         """One chunk of a split tensor; the whole tensor once its last chunk is in, else None."""

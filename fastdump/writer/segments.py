@@ -82,7 +82,8 @@ class ChannelWriter:
     """Turns one channel's events into ``seg-*.h5`` files and ``rank.json`` in ``open_msg["dir"]``.
 
     ``__init__`` creates the directory and the first rank.json (status "running") and raises
-    OSError when it cannot. ``on_tensor`` takes ownership of ``data`` (1-D uint8, C-order bytes).
+    OSError when it cannot. ``on_tensor`` copies ``data`` (1-D uint8, C-order bytes; possibly a view
+    into the ring, valid only during the call) or writes it to the file before returning.
     Segments are written from ``on_end``/``poll`` (rotation) and ``close``.
     """
 
@@ -159,15 +160,13 @@ class ChannelWriter:
             self._current = record
         if type(shape) is not tuple:
             shape = tuple(shape)
-        nbytes = data.nbytes
+        nbytes = len(data)  # 1-D uint8: bytes, numpy array or a view into the ring
         if not 0 <= dtype_code < len(dtypes.ITEMSIZE) or nbytes != math.prod(shape) * dtypes.ITEMSIZE[dtype_code]:
             self._skip(record, name_id, f"bad record: dtype code {dtype_code}, shape {list(shape)}, {nbytes} bytes")
             return
         if shape and nbytes >= DIRECT_BYTES:
             self._write_direct(record, name_id, pass_id, dtype_code, shape, data)
             return
-        if type(data) is memoryview:
-            data = np.frombuffer(data, dtype=np.uint8).copy()  # a view into the ring: keep our own copy
         if shape:
             layout = (name_id, dtype_code, shape[1:])
             rows = shape[0]
@@ -179,7 +178,7 @@ class ChannelWriter:
         if block is None:
             block = self._new_block(layout, shape)
         pending.index.append((pass_id, block.name_slot, block.number, block.rows, rows))
-        block.chunks.append(data)
+        block.data.append(data)  # our copy: ``data`` may be a view into the ring
         block.rows += rows
         record.tensors += 1
         record.nbytes += nbytes
@@ -244,7 +243,9 @@ class ChannelWriter:
         if self.error is None:
             self.error = str(error) or "unknown error"
         self._status = "error"
-        self._pending = _PendingSegment()  # free the buffered data
+        for block in self._pending.blocks:
+            block.data.free()  # the buffered rows' pages go back to the pool
+        self._pending = _PendingSegment()
         self._current = None
         if self._open is not None:
             self._open.abort()  # never leave its temporary file behind
@@ -296,7 +297,7 @@ class ChannelWriter:
             raise
         pending.blocks.append(block)  # not in block_by_layout: later rows of the name go elsewhere
         pending.index.append((pass_id, block.name_slot, block.number, 0, block.rows))
-        nbytes = data.nbytes
+        nbytes = len(data)  # 1-D uint8: bytes, numpy array or a view into the ring
         record.tensors += 1
         record.nbytes += nbytes
         pending.nbytes += nbytes
