@@ -122,6 +122,8 @@ PYBIND11_MODULE(_C, m) {
   m.attr("WRITER_FAILED") = static_cast<int>(kWriterFailed);
   m.attr("WRITER_EXITED") = static_cast<int>(kWriterExited);
   m.attr("MAX_DIMS") = kMaxDims;
+  m.attr("PAGE_BYTES") = kPageBytes;
+  m.attr("PAGE_ALIGNED_BYTES") = kPageAlignedBytes;
 
   py::class_<Producer>(m, "Producer")
       .def(py::init<const std::string&, uint64_t, uint64_t>(), py::arg("name"), py::arg("capacity"),

@@ -210,17 +210,41 @@ bool Producer::reserve(uint32_t kind, uint32_t channel, uint32_t name_id, int64_
   RingHeader* h = seg_.header();
   uint64_t head = h->head.load(std::memory_order_relaxed);
   uint64_t off = head % cap;
-  uint64_t pad = (off + len > cap) ? cap - off : 0;
+  uint64_t pad = (off + len > cap) ? cap - off : 0;  // no room before the end: wrap to 0
+  // A large payload starts on a page boundary, so the writer can hand it to the disk with
+  // O_DIRECT straight from the ring. The gap before it is a padding record (a multiple of kAlign,
+  // so at least one header long).
+  uint64_t gap = 0;
+  if (kind == kTensor && payload_len >= kPageAlignedBytes) {
+    auto gap_at = [&](uint64_t start) {
+      auto a = reinterpret_cast<uintptr_t>(seg_.data() + start + poff);
+      return (kPageBytes - a % kPageBytes) % kPageBytes;
+    };
+    gap = gap_at(pad ? 0 : off);
+    if (!pad && off + gap + len > cap) {
+      pad = cap - off;
+      gap = gap_at(0);
+    }
+    if (gap + len > cap / 2) gap = 0;  // a tiny ring: give up the alignment, not the record
+  }
   uint64_t keep_free = (kind == kTensor && !block) ? control_reserve_ : 0;
-  if (!wait_for_space(pad + len + keep_free, block)) return false;
-  if (pad) {
-    auto* p = reinterpret_cast<RecordHeader*>(seg_.data() + off);
+  if (!wait_for_space(pad + gap + len + keep_free, block)) return false;
+  auto put_pad = [&](uint64_t at, uint64_t n) {
+    auto* p = reinterpret_cast<RecordHeader*>(seg_.data() + at);
     p->kind = kPad;
-    p->total_len = pad;
+    p->total_len = n;
     p->seq = 0;
     p->state.store(kReady, std::memory_order_relaxed);
+  };
+  if (pad) {
+    put_pad(off, pad);
     head += pad;
     off = 0;
+  }
+  if (gap) {
+    put_pad(off, gap);
+    head += gap;
+    off += gap;
   }
   auto* rec = reinterpret_cast<RecordHeader*>(seg_.data() + off);
   rec->state.store(kAllocated, std::memory_order_relaxed);

@@ -28,6 +28,11 @@ enum StageStatus : int { kStaged = 0, kDropped = 1, kDisabled = 2, kTooLarge = 3
 
 inline uint64_t align_up(uint64_t n) { return (n + kAlign - 1) & ~(kAlign - 1); }
 
+// Tensor payloads of this size or more start on a kPageBytes boundary in the ring (the writer's
+// O_DIRECT path; fastdump/writer/segments.py DIRECT_BYTES is the same number).
+constexpr uint64_t kPageBytes = 4096;
+constexpr uint64_t kPageAlignedBytes = 1ull << 20;
+
 struct alignas(64) RingHeader {
   uint64_t magic;
   uint64_t version;

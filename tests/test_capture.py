@@ -267,6 +267,40 @@ def test_bad_writer_priority_is_a_clear_error(tmp_path):
         fastdump.attach(None, tmp_path, writer_priority="realtime")
 
 
+def test_large_tensors_go_from_the_ring_to_disk_with_o_direct(tmp_path, monkeypatch):
+    from fastdump.writer import h5segment
+
+    probe = tmp_path / "probe"
+    try:
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_DIRECT))
+    except (OSError, AttributeError):
+        pytest.skip(f"{tmp_path} refuses O_DIRECT")
+    probe.unlink()
+    direct = []
+    real_close_fd = h5segment.OpenSegment.close_fd
+
+    def recording_close_fd(self):
+        if self._fd is not None:
+            direct.append(self.direct_bytes)
+        real_close_fd(self)
+
+    monkeypatch.setattr(h5segment.OpenSegment, "close_fd", recording_close_fd)  # the thread writer is here
+    gen = torch.Generator().manual_seed(1)
+    sent = [torch.randn((1 << 18) + 1001 * i, generator=gen) for i in range(4)]  # 1 MiB + odd tails
+    with fastdump.attach(None, tmp_path, writer="thread", ring_mb=8) as d:
+        for i, t in enumerate(sent):
+            d.begin_pass()
+            d.dump("small", torch.full((3,), float(i)))  # shifts the big one's place in the ring
+            d.dump("big", t)
+            d.end_pass()
+    assert d.stats()["status"] == "closed"
+    ds = fastdump.open(tmp_path)
+    for i, t in enumerate(sent):
+        assert same_bits(ds.load("target", 0, i)["big"], t)
+    # Everything but each tensor's last partial page went around the page cache.
+    assert sum(direct) == sum(t.nbytes - t.nbytes % 4096 for t in sent)
+
+
 def test_drop_policy_counts_every_dropped_tensor(tmp_path):
     with fastdump.attach(None, tmp_path, ring_mb=1, policy="drop") as d:
         writer = d._engine._proc

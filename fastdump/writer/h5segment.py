@@ -153,32 +153,45 @@ class OpenSegment:
     def write_direct(self, block: Block, data) -> None:
         """Create ``block``'s dataset and write ``data`` (all its rows, C order) into it."""
         offset = self._create(block)
-        if offset is not None:
-            _pwritev_all(self._fd, [data], offset)
+        if offset is None:
+            return
+        view = memoryview(data)
+        if view.format != "B" or view.ndim != 1:
+            view = view.cast("B")
+        cut = view.nbytes - view.nbytes % ALIGN
+        # The ring starts large payloads on a page (csrc/ring.cpp, kPageAlignedBytes).
+        if cut and np.frombuffer(view, dtype=np.uint8).ctypes.data % ALIGN == 0:
+            self._write_aligned([view[:cut]], view[cut:] if cut < view.nbytes else None, offset, [view])
+        else:
+            _pwritev_all(self._fd, [view], offset)
 
     def write_block(self, block: Block) -> None:
         """Create ``block``'s dataset and write its buffered rows (``block.data``) into it."""
         offset = self._create(block)
-        if offset is None:
-            return
-        if self._direct_fd is not None and offset % ALIGN == 0:
+        if offset is not None:
             body, tail = block.data.split_aligned()
-            try:
-                _pwritev_all(self._direct_fd, body, offset)
-            except OSError as exc:
-                if exc.errno != errno.EINVAL:
-                    raise
-                # The device wants a larger alignment than ALIGN: buffered from now on.
-                os.close(self._direct_fd)
-                self._direct_fd = None
-                _pwritev_all(self._fd, block.data.views(), offset)
-                return
-            written = block.data.nbytes - (tail.nbytes if tail is not None else 0)
-            self.direct_bytes += written
-            if tail is not None:
-                _pwritev_all(self._fd, [tail], offset + written)
+            self._write_aligned(body, tail, offset, block.data.views())
+
+    def _write_aligned(self, body: list, tail, offset: int, whole: list) -> None:
+        """``body`` (aligned, whole ALIGN multiples) with O_DIRECT, then ``tail`` through the page
+        cache; or ``whole`` (the same bytes) buffered where O_DIRECT cannot be used."""
+        if self._direct_fd is None or offset % ALIGN:
+            _pwritev_all(self._fd, whole, offset)
             return
-        _pwritev_all(self._fd, block.data.views(), offset)
+        try:
+            _pwritev_all(self._direct_fd, body, offset)
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:
+                raise
+            # The device wants a larger alignment than ALIGN: buffered from now on.
+            os.close(self._direct_fd)
+            self._direct_fd = None
+            _pwritev_all(self._fd, whole, offset)
+            return
+        written = sum(v.nbytes for v in body)
+        self.direct_bytes += written
+        if tail is not None:
+            _pwritev_all(self._fd, [tail], offset + written)
 
     def _create(self, block: Block):
         """Create the block's dataset; its file offset, or None when it holds no bytes."""

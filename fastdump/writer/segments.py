@@ -24,16 +24,17 @@ import time
 
 import numpy as np
 
-from .. import dtypes, fsutil
+from .. import _C, dtypes, fsutil
 from . import format as fmt
 from .h5segment import Block, OpenSegment, write_segment
 
 MiB = 1 << 20
 
 # Tensors this large skip the in-memory buffer: they are written into the segment's file as they
-# arrive (OpenSegment.write_direct), one dataset each. Per-dataset cost (~200 us) is noise at this
-# size, and each byte is copied once instead of three times.
-DIRECT_BYTES = 1 * MiB
+# arrive (OpenSegment.write_direct), one dataset each, from the ring, where they start on a page so
+# that O_DIRECT can take them (csrc/ring.h, kPageAlignedBytes). Per-dataset cost (~200 us) is noise
+# at this size.
+DIRECT_BYTES = _C.PAGE_ALIGNED_BYTES
 
 # A pass that never ends (its "end" record lost, a hung producer) must not hold memory forever:
 # past this multiple of the segment limits, the segment is written anyway with that pass marked
