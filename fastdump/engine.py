@@ -108,12 +108,16 @@ class Engine:
         cmd = [sys.executable, "-m", "fastdump.writer", "--shm", name, "--priority", self.writer_priority]
         # stdin: our write end; its EOF tells the writer we died (even under kill -9).
         # stdout: the writer's write end; its EOF tells us the writer died.
-        # A new session keeps Ctrl-C in the serving terminal from killing the writer mid-drain.
+        # Its own process group keeps Ctrl-C in the serving terminal from killing the writer
+        # mid-drain. Not its own session: Linux schedules each session as a group (autogroup), and
+        # a writer in a group of its own would compete with the whole model as an equal, whatever
+        # its own priority (measured: ~660 preemptions of torch's threads in a 4 s decode loop).
         env = dict(os.environ)
         pkg_parent = str(Path(__file__).resolve().parent.parent)
         env["PYTHONPATH"] = pkg_parent + os.pathsep + env.get("PYTHONPATH", "")
+        group = {"process_group": 0} if sys.version_info >= (3, 11) else {"preexec_fn": os.setpgrp}
         self._proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                      close_fds=True, start_new_session=True, env=env)
+                                      close_fds=True, env=env, **group)
         self.producer.set_writer_fd(self._proc.stdout.fileno())
 
     def _start_thread(self, name: str) -> None:
