@@ -262,6 +262,21 @@ def test_writer_process_priority(tmp_path, priority, policy):
     assert d.stats()["status"] == "closed"
 
 
+def test_writer_process_shares_the_session_but_not_the_process_group(tmp_path):
+    # Same session: Linux schedules a session as one group (autogroup), so a writer in a session
+    # of its own would compete with the model as an equal and SCHED_IDLE would not hold.
+    # Own process group: Ctrl-C in the serving terminal (SIGINT to the foreground group) does not
+    # reach it, and the writer ignores SIGINT anyway.
+    with fastdump.attach(None, tmp_path) as d:
+        writer = d._engine._proc
+        assert os.getsid(writer.pid) == os.getsid(0)
+        assert os.getpgid(writer.pid) == writer.pid != os.getpgid(0)
+        os.kill(writer.pid, signal.SIGINT)
+        d.dump("x", torch.arange(3))
+    assert d.stats()["status"] == "closed"
+    assert same_bits(fastdump.open(tmp_path).load("target", 0, 0)["x"], torch.arange(3))
+
+
 def test_bad_writer_priority_is_a_clear_error(tmp_path):
     with pytest.raises(ValueError, match="writer_priority must be 'idle' or 'normal'"):
         fastdump.attach(None, tmp_path, writer_priority="realtime")
