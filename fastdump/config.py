@@ -176,6 +176,13 @@ ENV_VARS: tuple[EnvVar, ...] = (
 )
 _BY_NAME = {v.name: v for v in ENV_VARS}
 
+# Variables read elsewhere, not attach settings: known, so never reported as misspelt.
+OTHER_VARS = {
+    "FASTDUMP_NO_DIRECT_IO": "writer: 1 = write through the page cache, never O_DIRECT",
+    "FASTDUMP_CUDA": "build (setup.py): 1 = CUDA path required, 0 = CPU-only build",
+    "FASTDUMP_CUDA_ARCHS": "build (setup.py): CUDA architectures to compile for",
+}
+
 
 def _parse_all(environ: Mapping[str, str]) -> dict[str, Any]:
     """Every FASTDUMP_* variable that is set, parsed to attach kwargs (FASTDUMP_DIR included if set)."""
@@ -193,7 +200,7 @@ def _parse_all(environ: Mapping[str, str]) -> dict[str, Any]:
         out[var.kwarg] = value
     # A misspelt variable would otherwise be ignored silently: the dump then differs from what was asked.
     for key in environ:
-        if key.startswith("FASTDUMP_") and key not in _BY_NAME:
+        if key.startswith("FASTDUMP_") and key not in _BY_NAME and key not in OTHER_VARS:
             near = difflib.get_close_matches(key, _BY_NAME, n=1)
             hint = f" (did you mean {near[0]}?)" if near else ""
             warnings.warn(f"unknown environment variable {key}{hint}; ignored", stacklevel=3)
