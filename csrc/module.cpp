@@ -186,6 +186,7 @@ PYBIND11_MODULE(_C, m) {
            "list of next() tuples; payloads >= view_bytes are views held until release(), others copies")
       .def("release", &Consumer::release, "give back the space of every record handed out so far")
       .def_property_readonly("holding", &Consumer::holding)
+      .def_property_readonly("capacity", [](Consumer& c) { return c.segment().capacity(); })
       .def_property_readonly("drained", &Consumer::drained)
       .def_property_readonly("abandoned", &Consumer::abandoned)
       .def_property_readonly("producer_pid",

@@ -48,11 +48,14 @@ class WriterLoop:
         consumer.set_state(_C.WRITER_RUNNING, "")
         next_poll = time.monotonic() + POLL_SECONDS
         tensor_kind = _C.KIND_TENSOR
+        # A small ring must not be held whole while a batch is consumed (the producer would drop
+        # or wait for nothing).
+        batch_bytes = min(BATCH_BYTES, max(getattr(consumer, "capacity", BATCH_BYTES) // 4, 1))
         while True:
             # Every tensor arrives as a view into the ring, held until release(): the channel
             # writer copies it once into its pages, or writes it to the file. A batch that holds
             # views ends at a control record, so the batch is released before that control's work.
-            batch = consumer.next_batch(POLL_SECONDS, max_bytes=BATCH_BYTES, view_bytes=1)
+            batch = consumer.next_batch(POLL_SECONDS, max_bytes=batch_bytes, view_bytes=1)
             now = time.monotonic()
             if now >= next_poll:
                 self._poll(now)
