@@ -86,13 +86,22 @@ class PageBuffer:
         self.nbytes = 0
 
     def append(self, data, pool: PagePool = POOL) -> None:
-        """Copy ``data`` (any C-contiguous buffer: bytes, numpy array, a view into the ring) in."""
+        """Copy ``data`` (1-D bytes: ``bytes``, a uint8 array, a view into the ring) in."""
+        pages = self.pages
+        if pages:  # the common case, kept short: it fits in the current page
+            fill = self.fill
+            end = fill + len(data)
+            page = pages[-1]
+            if end <= page.nbytes:
+                page[fill:end] = data
+                self.fill = end
+                self.nbytes += end - fill
+                return
         src = memoryview(data)
         if src.format != "B" or src.ndim != 1:
             src = src.cast("B")
         n = src.nbytes
         pos = 0
-        pages = self.pages
         while pos < n:
             if not pages or self.fill == pages[-1].nbytes:
                 pages.append(pool.take(page_size_for(n - pos, pages[-1].nbytes if pages else 0)))
