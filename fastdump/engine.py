@@ -220,6 +220,9 @@ class Engine:
             elif eng.mode != writer:
                 log.warning("fastdump: engine already running with writer=%r; ignoring writer=%r",
                             eng.mode, writer)
+            elif eng.mode == "process" and eng.writer_priority != writer_priority:
+                log.warning("fastdump: writer already running with writer_priority=%r; ignoring %r",
+                            eng.writer_priority, writer_priority)
             eng.refs += 1
             return eng
 
