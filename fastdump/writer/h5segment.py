@@ -151,8 +151,8 @@ class OpenSegment:
     blocks). Without O_DIRECT (file system, or FASTDUMP_NO_DIRECT_IO=1) every write is buffered.
 
     Large tensors go straight from the ring's memory into the file as they arrive
-    (``write_direct``), through the page cache: one copy in all. The rest of the segment is written
-    by ``write_segment(..., open_segment=self)``.
+    (``write_direct``), with O_DIRECT too (the ring starts them on a page). The rest of the
+    segment is written by ``write_segment(..., open_segment=self)``.
     """
 
     def __init__(self, directory: str, number: int):
@@ -160,6 +160,9 @@ class OpenSegment:
         self.final_path = os.path.join(directory, fmt.segment_name(number))
         self.number = number
         self._fd = self._direct_fd = None
+        self._direct_ok = False
+        self._inflight: list = []  # block writes running on the I/O threads
+        self.direct_bytes = 0  # bytes written with O_DIRECT (tests, stats)
         self.file = h5py.File(self.temp_path, "w", libver="latest", locking=False,
                               alignment_threshold=ALIGN, alignment_interval=ALIGN)
         try:
@@ -172,9 +175,7 @@ class OpenSegment:
         self._dcpl = h5p.create(h5p.DATASET_CREATE)
         self._dcpl.set_alloc_time(h5d.ALLOC_TIME_EARLY)
         self._dcpl.set_fill_time(h5d.FILL_TIME_NEVER)
-        self.direct_bytes = 0  # bytes written with O_DIRECT (tests, stats)
         self._direct_ok = self._direct_fd is not None
-        self._inflight: list = []  # block writes running on the I/O threads
 
     def write_direct(self, block: Block, data) -> None:
         """Create ``block``'s dataset and write ``data`` (all its rows, C order) into it."""
@@ -297,8 +298,7 @@ def write_segment(
 ) -> str:
     """Write and publish ``seg-<number>.h5``; return its path.
 
-    ``blocks`` are freed (their chunks dropped) as they are written so peak memory stays near the
-    buffered data. ``index``/``passes`` use ``format.INDEX_DTYPE``/``PASS_DTYPE``; ``pass_meta`` is a
+    ``blocks`` give their pages back to the pool once written (or on failure). ``index``/``passes`` use ``format.INDEX_DTYPE``/``PASS_DTYPE``; ``pass_meta`` is a
     list of JSON-able dicts aligned with ``passes``; ``attrs`` go on the file's root group.
     """
     segment = open_segment if open_segment is not None else OpenSegment(directory, number)
