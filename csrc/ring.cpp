@@ -413,9 +413,9 @@ bool Consumer::next(double timeout_s, RecordView* out) {
 }
 
 void Consumer::skip(uint64_t len) {
-  const bool holding = released_ != cursor_;
+  const bool was_holding = holding();
   cursor_ += len;
-  if (!holding) release();  // nothing handed out is waiting: give the space back at once
+  if (!was_holding) release();  // nothing handed out is waiting: give the space back at once
 }
 
 void Consumer::release() {

@@ -24,7 +24,7 @@ from h5py import h5a, h5d, h5p, h5s, h5t
 
 from .. import dtypes, fsutil
 from . import format as fmt
-from .pages import ALIGN, PageBuffer
+from .pages import ALIGN, PageBuffer, byte_view
 
 # A block's rows go to the file in one gathered write (pwritev) of at most this many buffers.
 _IOV_MAX = min(os.sysconf("SC_IOV_MAX"), 1024) if hasattr(os, "sysconf") else 1024
@@ -76,8 +76,7 @@ def _float_attr(obj_id, name: bytes, value: float) -> None:
 
 def _pwritev_all(fd: int, buffers: list, offset: int) -> None:
     """Write ``buffers`` back to back at ``offset``: gathered, so small rows need no joining copy."""
-    views = [memoryview(b).cast("B") for b in buffers]
-    views = [v for v in views if v.nbytes]
+    views = [v for v in map(byte_view, buffers) if v.nbytes]
     while views:
         batch = views[:_IOV_MAX]
         written = os.pwritev(fd, batch, offset)
@@ -182,9 +181,7 @@ class OpenSegment:
         offset = self._create(block)
         if offset is None:
             return
-        view = memoryview(data)
-        if view.format != "B" or view.ndim != 1:
-            view = view.cast("B")
+        view = byte_view(data)
         cut = view.nbytes - view.nbytes % ALIGN
         # The ring starts large payloads on a page (csrc/ring.cpp, kPageAlignedBytes).
         # Synchronous: ``data`` may be a view into the ring, given back once this returns.

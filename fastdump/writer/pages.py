@@ -15,7 +15,11 @@ from __future__ import annotations
 
 import mmap
 
-ALIGN = 4096  # O_DIRECT alignment that every Linux block device accepts (memory, offset, length)
+from .. import _C
+
+# O_DIRECT alignment that every Linux block device accepts (memory, offset, length); the ring
+# starts large payloads on the same boundary (csrc/ring.h, kPageBytes).
+ALIGN = _C.PAGE_BYTES
 MIN_PAGE = 16 << 10
 MAX_PAGE = 1 << 20
 SLAB_BYTES = 8 << 20  # pages are cut from slabs this large (one mmap, pre-faulted)
@@ -56,9 +60,6 @@ class PagePool:
         for page in pages:
             free[page.nbytes].append(page)
 
-    def free_bytes(self) -> int:
-        return sum(size * len(pages) for size, pages in self._free.items())
-
     def _grow(self, size: int) -> None:
         count = max(1, SLAB_BYTES // size)
         flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
@@ -70,6 +71,12 @@ class PagePool:
 
 
 POOL = PagePool()
+
+
+def byte_view(data) -> memoryview:
+    """``data`` (any C-contiguous buffer) as a flat memoryview of bytes."""
+    view = memoryview(data)
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
 
 
 class PageBuffer:
@@ -97,9 +104,7 @@ class PageBuffer:
                 self.fill = end
                 self.nbytes += end - fill
                 return
-        src = memoryview(data)
-        if src.format != "B" or src.ndim != 1:
-            src = src.cast("B")
+        src = byte_view(data)
         n = src.nbytes
         pos = 0
         while pos < n:
