@@ -13,6 +13,8 @@ from fastdump.writer.loop import WriterLoop
 class ScriptedConsumer:
     """Hands out a fixed list of records, like Consumer.next_batch, then reports the producer gone."""
 
+    capacity = 1 << 20
+
     def __init__(self, records):
         self.records = list(records)
         self.acked, self.state, self.drained = [], None, False

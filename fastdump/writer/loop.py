@@ -50,7 +50,7 @@ class WriterLoop:
         tensor_kind = _C.KIND_TENSOR
         # A small ring must not be held whole while a batch is consumed (the producer would drop
         # or wait for nothing).
-        batch_bytes = min(BATCH_BYTES, max(getattr(consumer, "capacity", BATCH_BYTES) // 4, 1))
+        batch_bytes = min(BATCH_BYTES, max(consumer.capacity // 4, 1))
         while True:
             # Every tensor arrives as a view into the ring, held until release(): the channel
             # writer copies it once into its pages, or writes it to the file. A batch that holds
