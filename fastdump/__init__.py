@@ -10,7 +10,7 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-__all__ = ["attach", "open", "maybe_attach", "Dumper", "__version__"]
+__all__ = ["attach", "open", "diff", "maybe_attach", "Dumper", "__version__"]
 
 
 def attach(model, root, *, role: str = "target", tp_rank=None, tp_size=None, pp_rank=None, pp_size=None,
@@ -31,10 +31,20 @@ def attach(model, root, *, role: str = "target", tp_rank=None, tp_size=None, pp_
 
 
 def open(root):  # noqa: A001 - mirrors h5py.File / safetensors' naming
-    """Read a dump: ``fastdump.open(root).load(role, rank, pass_id) -> dict[str, Tensor]``."""
+    """Read a dump: ``fastdump.open(root).load(role, rank, pass_id) -> dict[str, Tensor]``.
+
+    ``root`` may be a list of roots (one per host of a multi-node run): read as one dump."""
     from .reader import open as _open
 
     return _open(root)
+
+
+def diff(baseline, target, **options):
+    """Compare two dumps -> ``DiffResult`` (``.ok``, ``.first_divergence``, ``.rows``, ``.to_json()``,
+    ``.to_html(path)``). Options as ``fastdump diff`` (see ``fastdump.compare.diff``)."""
+    from .compare import diff as _diff
+
+    return _diff(baseline, target, **options)
 
 
 def maybe_attach(model, role=None, **overrides):

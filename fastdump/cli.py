@@ -1,4 +1,4 @@
-"""The ``fastdump`` command: info, ls, verify, show, export."""
+"""The ``fastdump`` command: info, ls, verify, show, diff, export."""
 
 from __future__ import annotations
 
@@ -57,7 +57,7 @@ def cmd_info(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import cli_dump, export
+    from . import cli_dump, compare, export
 
     parser = argparse.ArgumentParser(prog="fastdump", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -65,6 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_info)
     cli_dump.add_arguments(sub)
+    compare.add_arguments(sub)
     export.add_arguments(sub)
     return parser
 

@@ -372,29 +372,11 @@ def cmd_verify(args) -> int:
 
 
 def tensor_stats(tensor):
-    """min/max/mean/std (population) over finite values, computed in float64, plus NaN/Inf counts.
+    """See ``fastdump.stats.tensor_stats``: one statistics module serves show and diff (imported
+    here, late, so that ls and verify never import torch)."""
+    from .stats import tensor_stats as summarize
 
-    Complex tensors are summarized by magnitude. Returns None for types torch cannot convert to
-    float64 (bits*, sub-byte ints, float4): their raw bits are stored but have no arithmetic.
-    """
-    import torch
-
-    try:
-        if tensor.is_complex():
-            values = tensor.to(torch.complex128).abs()
-        else:
-            values = tensor.to(torch.float64)
-    except (RuntimeError, NotImplementedError, TypeError):
-        return None
-    values = values.reshape(-1)
-    nan = int(torch.isnan(values).sum())
-    inf = int(torch.isinf(values).sum())
-    finite = values[torch.isfinite(values)]
-    stats = {"min": None, "max": None, "mean": None, "std": None, "nan": nan, "inf": inf}
-    if finite.numel():
-        stats.update(min=finite.min().item(), max=finite.max().item(), mean=finite.mean().item(),
-                     std=finite.std(unbiased=False).item())
-    return stats
+    return summarize(tensor)
 
 
 def _printable(name: str) -> str:

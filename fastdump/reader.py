@@ -282,6 +282,14 @@ class DumpSet:
                 result[name] = self._read_row(segment, h5file, position)
         return result
 
+    def pass_names(self, role: str = None, rank=None, pass_id: int = None) -> list:
+        """Tensor names of one pass in the order they were dumped, without reading tensor data."""
+        names = []
+        for segment in self._segments_of_pass(role, rank, pass_id):
+            slots = segment.index["name"][segment.rows_of_pass(pass_id)]
+            names.extend(segment.names[int(slot)] for slot in slots)
+        return names
+
     def tensor(self, role: str = None, rank=None, name: str = None, pass_id: int = None):
         """One tensor by name and pass (KeyError when that pass has no such tensor)."""
         for segment in self._segments_of_pass(role, rank, pass_id):
@@ -412,7 +420,12 @@ class DumpSet:
         return _to_tensor(dataset[first:first + int(entry["rows"])], dtype_name, scalar)
 
 
-def open(root) -> DumpSet:  # noqa: A001 - exported as fastdump.open
-    """Open a dump directory for reading."""
+def open(root):  # noqa: A001 - exported as fastdump.open
+    """Open a dump directory for reading; a list of directories (one per host of a multi-node run)
+    reads as one dump with the ranks merged (see ``fastdump.multiroot``)."""
+    if isinstance(root, (list, tuple)):
+        from .multiroot import MultiDumpSet
+
+        return MultiDumpSet(root)
     return DumpSet(root)
 

@@ -1,0 +1,884 @@
+"""Compare two dumps: ``fastdump.diff(baseline, target, ...) -> DiffResult`` and ``fastdump diff``.
+
+How the two sides line up:
+  * roles by name; ranks by rank NUMBERS (tp/pp/dp rank from rank.json, else from the directory
+    name), never by directory name (those carry a pid and differ between any two runs);
+  * when both sides have the same TP and PP sizes, rank (dp, pp, tp) pairs with rank (dp, pp, tp);
+    otherwise each side's ranks are merged into whole tensors (TP unshard, PP stages in order);
+  * passes by pass id, or (``align``) the n-th pass with the n-th pass, optionally only passes
+    whose metadata field has a given value (``meta:forward_mode=decode``);
+  * tensors by name; within a pass they are visited in the target's dump order (execution order),
+    which is what "first divergence" means: the earliest pass first, then the first tensor dumped.
+
+(This module is ``compare``, not ``diff``, so that it never shadows the function ``fastdump.diff``.)
+
+Tensors are read one name at a time (all shards of that name, never a whole dump) and compared in
+float64 chunks by ``fastdump.stats.compare``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import sys
+import time
+import warnings
+
+from .writer import format as fmt
+
+DEFAULT_ATOL = 1e-5
+DEFAULT_RTOL = 1e-5
+# Default thresholds of the metrics that are not elementwise.
+DEFAULT_METRIC_THRESHOLD = {"rel_diff": 1e-3, "cosine": 1e-3}
+METRICS = ("allclose", "rel_diff", "cosine")
+LAYOUT_META_KEY = "tp_layout"  # pass metadata {name: dim | "replicated" | "sum"}, if the capture side records it
+_LAYER_RE = re.compile(r"(?:^|\.)layers?\.(\d+)(?:\.|$|#)")
+
+
+class DiffError(Exception):
+    """The dumps cannot be compared at all (usage or read error): ``fastdump diff`` exits 2."""
+
+
+# --------------------------------------------------------------------------------------- options
+
+
+def parse_tol(text: str):
+    """'REGEX=ATOL,RTOL' -> (compiled regex, atol, rtol)."""
+    pattern, sep, values = text.rpartition("=")
+    parts = values.split(",")
+    if not sep or not pattern or len(parts) != 2:
+        raise ValueError(f"--tol {text!r}: expected REGEX=ATOL,RTOL")
+    try:
+        atol, rtol = float(parts[0]), float(parts[1])
+    except ValueError:
+        raise ValueError(f"--tol {text!r}: ATOL and RTOL must be numbers") from None
+    if not (atol >= 0 and rtol >= 0):
+        raise ValueError(f"--tol {text!r}: tolerances must be >= 0")
+    return _regex(pattern, "--tol"), atol, rtol
+
+
+def parse_unshard(text: str):
+    """'REGEX=DIM|replicated|sum' -> (compiled regex, int dim or 'replicated' or 'sum')."""
+    pattern, sep, rule = text.rpartition("=")
+    if not sep or not pattern:
+        raise ValueError(f"--unshard {text!r}: expected REGEX=DIM|replicated|sum")
+    return _regex(pattern, "--unshard"), _layout_rule(rule, f"--unshard {text!r}")
+
+
+def _layout_rule(rule, where: str):
+    if isinstance(rule, bool):
+        raise ValueError(f"{where}: rule must be a dimension, 'replicated' or 'sum'")
+    if isinstance(rule, int) or (isinstance(rule, str) and re.fullmatch(r"-?\d+", rule)):
+        return int(rule)
+    if rule in ("replicated", "sum"):
+        return rule
+    raise ValueError(f"{where}: rule must be a dimension, 'replicated' or 'sum', not {rule!r}")
+
+
+def parse_metric(text: str):
+    """'allclose' | 'rel_diff[=X]' | 'cosine[=X]' -> (name, threshold or None)."""
+    name, sep, value = text.partition("=")
+    if name not in METRICS:
+        raise ValueError(f"--metric {text!r}: one of {', '.join(METRICS)}")
+    if name == "allclose":
+        if sep:
+            raise ValueError("--metric allclose takes no threshold (use --atol/--rtol/--tol)")
+        return name, None
+    try:
+        threshold = float(value) if sep else DEFAULT_METRIC_THRESHOLD[name]
+    except ValueError:
+        raise ValueError(f"--metric {text!r}: threshold must be a number") from None
+    return name, threshold
+
+
+def parse_passes(spec: str):
+    """'0-3,7,10-' -> predicate on pass ids."""
+    ranges = []
+    for part in spec.split(","):
+        part = part.strip()
+        match = re.fullmatch(r"(\d+)(?:(-)(\d*))?", part)
+        if not match:
+            raise ValueError(f"--passes {spec!r}: expected comma-separated N, N-M or N-")
+        first = int(match.group(1))
+        last = first if not match.group(2) else (int(match.group(3)) if match.group(3) else None)
+        ranges.append((first, last))
+    return lambda pass_id: any(pass_id >= a and (b is None or pass_id <= b) for a, b in ranges)
+
+
+def parse_align(text):
+    """None / 'id' -> pass ids; 'offset:K' -> baseline pass p with target pass p+K; 'order' -> n-th
+    with n-th; 'meta:KEY=VALUE' -> n-th such pass with n-th such pass."""
+    if text in (None, "", "id"):
+        return None
+    if text == "order":
+        return ("order",)
+    match = re.fullmatch(r"offset:(-?\d+)", text)
+    if match:
+        return ("offset", int(match.group(1)))
+    match = re.fullmatch(r"meta:([^=]+)=(.*)", text)
+    if not match:
+        raise ValueError(f"--align {text!r}: expected id, offset:K, order or meta:KEY=VALUE")
+    key, value = match.group(1), match.group(2)
+    try:
+        value = json.loads(value)  # 8 -> 8, true -> True; anything else stays a string
+    except ValueError:
+        pass
+    return ("meta", key, value)
+
+
+def _regex(pattern: str, where: str):
+    try:
+        return re.compile(pattern)
+    except re.error as exc:
+        raise ValueError(f"{where}: bad regular expression {pattern!r}: {exc}") from None
+
+
+def _as_list(value):
+    if value is None:
+        return []
+    return [value] if isinstance(value, str) else list(value)
+
+
+class Options:
+    """Everything ``diff`` accepts, checked once (ValueError on bad values)."""
+
+    def __init__(self, role=None, rank=None, passes=None, name=None, atol=DEFAULT_ATOL, rtol=DEFAULT_RTOL,
+                 tol=None, metric=None, align=None, unshard=None, allow_running=False, progress=False):
+        self.roles = _as_list(role)
+        self.rank = None if rank is None else int(rank)
+        self.passes_spec = passes
+        self.pass_filter = parse_passes(str(passes)) if passes is not None else None
+        self.name_spec = name
+        self.name_filter = _regex(name, "--name").search if name else None
+        self.atol, self.rtol = float(atol), float(rtol)
+        if not (self.atol >= 0 and self.rtol >= 0):
+            raise ValueError("atol and rtol must be >= 0")
+        if isinstance(tol, dict):
+            tol = [f"{k}={a},{r}" for k, (a, r) in tol.items()]
+        self.tol_specs = _as_list(tol)
+        self.tols = [parse_tol(text) for text in self.tol_specs]
+        self.metric_specs = _as_list(metric) or ["allclose"]
+        self.metrics = [parse_metric(text) for text in self.metric_specs]
+        self.align_spec = align
+        self.align = parse_align(align)
+        if isinstance(unshard, dict):
+            unshard = [f"{k}={v}" for k, v in unshard.items()]
+        self.unshard_specs = _as_list(unshard)
+        self.unshard = [parse_unshard(text) for text in self.unshard_specs]
+        self.allow_running = bool(allow_running)
+        self.progress = progress
+
+    def tolerance(self, name: str):
+        for pattern, atol, rtol in self.tols:  # the first matching rule wins
+            if pattern.search(name):
+                return atol, rtol
+        return self.atol, self.rtol
+
+    def explicit_layout(self, name: str):
+        for pattern, rule in self.unshard:
+            if pattern.search(name):
+                return rule
+        return None
+
+    def as_dict(self) -> dict:
+        return {"role": self.roles or None, "rank": self.rank, "passes": self.passes_spec, "name": self.name_spec,
+                "atol": self.atol, "rtol": self.rtol, "tol": self.tol_specs, "metric": self.metric_specs,
+                "align": self.align_spec, "unshard": self.unshard_specs}
+
+
+# ----------------------------------------------------------------------------------------- ranks
+
+
+class RankRef:
+    """One rank directory of one side, identified by its rank numbers."""
+
+    def __init__(self, ds, role: str, name: str):
+        self.ds, self.role, self.name = ds, role, name
+        info = ds.rank_info(role, name)
+        self.status = info.get("status", "unknown")
+        numbers = info.get("rank") or {}
+        match = fmt.RANK_DIR_RE.match(name)
+        from_dir = [int(g) for g in match.groups()[:3]] if match else [None, None, None]
+
+        def number(key, fallback):
+            value = numbers.get(key)
+            return int(value) if isinstance(value, int) and not isinstance(value, bool) else fallback
+
+        self.tp_rank = number("tp_rank", from_dir[0] if from_dir[0] is not None else 0)
+        self.pp_rank = number("pp_rank", from_dir[1] if from_dir[1] is not None else 0)
+        self.rank = number("rank", from_dir[2] if from_dir[2] is not None else self.tp_rank)
+        self.dp_rank = number("dp_rank", 0)
+        self.tp_size = number("tp_size", None)
+        self.pp_size = number("pp_size", None)
+        self.path = ds.rank_path(role, name) if hasattr(ds, "rank_path") else os.path.join(ds.root, role, name)
+
+    def __repr__(self):
+        return f"{self.role}/{self.name}"
+
+
+def _side_ranks(ds, role: str) -> list:
+    refs = [RankRef(ds, role, name) for name in ds.ranks(role)]
+    # Sizes missing from rank.json: count the ranks of the same stage / the stages.
+    for ref in refs:
+        if ref.tp_size is None:
+            ref.tp_size = sum(1 for r in refs if r.dp_rank == ref.dp_rank and r.pp_rank == ref.pp_rank)
+        if ref.pp_size is None:
+            ref.pp_size = len({r.pp_rank for r in refs if r.dp_rank == ref.dp_rank})
+    return refs
+
+
+def _stages(refs: list) -> list:
+    """Ranks of one DP replica as [[tp ranks of pp stage 0], [stage 1], ...]."""
+    by_stage: dict = {}
+    for ref in refs:
+        by_stage.setdefault(ref.pp_rank, []).append(ref)
+    stages = []
+    for pp in sorted(by_stage):
+        group = sorted(by_stage[pp], key=lambda r: r.tp_rank)
+        if len({r.tp_rank for r in group}) != len(group):
+            raise DiffError(f"role {group[0].role!r}: two rank directories claim pp {pp} tp {group[0].tp_rank}: "
+                            f"{[r.path for r in group]}")
+        stages.append(group)
+    return stages
+
+
+class Unit:
+    """What is compared as one: a baseline rank group against a target rank group."""
+
+    def __init__(self, role, label, baseline_stages, target_stages):
+        self.role, self.label = role, label
+        self.baseline, self.target = baseline_stages, target_stages
+
+    @property
+    def target_ranks(self):
+        return [ref.rank for stage in self.target for ref in stage]
+
+
+def _pair_units(role: str, base_refs: list, target_refs: list, missing: list) -> list:
+    def layout(refs):
+        return {(r.tp_size, r.pp_size) for r in refs}
+
+    units = []
+    if layout(base_refs) == layout(target_refs) and len(layout(base_refs)) == 1:
+        base_by_key = {(r.dp_rank, r.pp_rank, r.tp_rank): r for r in base_refs}
+        target_by_key = {(r.dp_rank, r.pp_rank, r.tp_rank): r for r in target_refs}
+        for key in sorted(set(base_by_key) | set(target_by_key)):
+            b, t = base_by_key.get(key), target_by_key.get(key)
+            if b is None or t is None:
+                only = "baseline" if t is None else "target"
+                ref = b or t
+                missing.append({"kind": "rank", "only_in": only, "role": role, "rank": ref.rank, "path": ref.path})
+                continue
+            units.append(Unit(role, t.rank, [[b]], [[t]]))
+        return units
+    # Different parallel layouts: rebuild whole tensors on each side, per DP replica.
+    for dp in sorted({r.dp_rank for r in base_refs} | {r.dp_rank for r in target_refs}):
+        b = [r for r in base_refs if r.dp_rank == dp]
+        t = [r for r in target_refs if r.dp_rank == dp]
+        if not b or not t:
+            for ref in b or t:
+                missing.append({"kind": "rank", "only_in": "baseline" if b else "target", "role": role,
+                                "rank": ref.rank, "path": ref.path})
+            continue
+        label = f"dp{dp}:merged"
+        units.append(Unit(role, label, _stages(b), _stages(t)))
+    return units
+
+
+# ---------------------------------------------------------------------------------------- passes
+
+
+def _pass_pairs(unit: Unit, options: Options, missing: list) -> list:
+    """[(sort key, baseline pass, target pass)] for one unit."""
+    lead_b, lead_t = unit.baseline[0][0], unit.target[0][0]
+    b_passes, t_passes = lead_b.ds.passes(lead_b.role, lead_b.name), lead_t.ds.passes(lead_t.role, lead_t.name)
+    align = options.align
+    if align is None or align[0] == "offset":
+        shift = 0 if align is None else align[1]
+        b_passes = [p + shift for p in b_passes]  # in target numbering
+        common = sorted(set(b_passes) & set(t_passes))
+        for side, passes, other in (("baseline", b_passes, t_passes), ("target", t_passes, b_passes)):
+            extra = sorted(set(passes) - set(other))
+            if extra:
+                missing.append({"kind": "passes", "only_in": side, "role": unit.role, "rank": unit.label,
+                                "passes": extra})
+        for item in missing:
+            if item.get("kind") == "passes" and item["only_in"] == "baseline" and item["rank"] == unit.label \
+                    and item["role"] == unit.role and shift:
+                item["passes"] = [p - shift for p in item["passes"]]
+        pairs = [(p, p - shift, p) for p in common]
+    else:
+        if align[0] == "meta":
+            _, key, value = align
+            b_passes = [p for p in b_passes if lead_b.ds.meta(lead_b.role, lead_b.name, p).get(key) == value]
+            t_passes = [p for p in t_passes if lead_t.ds.meta(lead_t.role, lead_t.name, p).get(key) == value]
+        n = min(len(b_passes), len(t_passes))
+        for side, passes in (("baseline", b_passes), ("target", t_passes)):
+            if len(passes) > n:
+                missing.append({"kind": "passes", "only_in": side, "role": unit.role, "rank": unit.label,
+                                "passes": passes[n:]})
+        pairs = [(i, b_passes[i], t_passes[i]) for i in range(n)]
+    if options.pass_filter is not None:
+        pairs = [pair for pair in pairs if options.pass_filter(pair[2])]
+    return pairs
+
+
+# ------------------------------------------------------------------------------------- unsharding
+
+
+def _names_in_order(stages: list, pass_id: int) -> dict:
+    """{name: stage index} of a pass, in dump order, stage 0's names first."""
+    found: dict = {}
+    for index, stage in enumerate(stages):
+        lead = stage[0]
+        for name in lead.ds.pass_names(lead.role, lead.name, pass_id):
+            found.setdefault(name, index)
+    return found
+
+
+def _read_shards(stage: list, name: str, pass_id: int) -> list:
+    shards = []
+    for ref in stage:
+        try:
+            shards.append(ref.ds.tensor(ref.role, ref.name, name, pass_id))
+        except Exception as exc:  # a damaged block: report where, keep comparing the rest
+            if isinstance(exc, KeyError) and name not in ref.ds.pass_names(ref.role, ref.name, pass_id):
+                raise _RowError("fail", f"missing on rank {ref.rank} pass {pass_id}", ref.path) from None
+            raise _RowError("read", f"cannot read pass {pass_id} ({type(exc).__name__}: {exc})", ref.path) from None
+    return shards
+
+
+class _RowError(Exception):
+    def __init__(self, kind: str, reason: str, path=None):
+        super().__init__(reason)
+        self.kind, self.reason, self.path = kind, reason, path
+
+
+def _shape(tensor) -> list:
+    return list(tensor.shape)
+
+
+def _combine(shards: list, rule, atol: float, rtol: float, side: str):
+    """One tensor from the shards of one side under ``rule`` (dim, 'replicated' or 'sum')."""
+    import torch
+
+    from . import stats
+
+    if len(shards) == 1:
+        return shards[0]
+    if rule == "replicated":
+        for k, shard in enumerate(shards[1:], start=1):
+            if shard.shape != shards[0].shape:
+                raise _RowError("fail", f"{side}: replicated tensor has shape {_shape(shard)} on tp rank {k}, "
+                                        f"{_shape(shards[0])} on tp rank 0")
+            check = stats.compare(shards[0], shard, atol, rtol)
+            if check["mismatches"]:
+                raise _RowError("fail", f"{side}: tp ranks 0 and {k} disagree on a tensor treated as replicated "
+                                        f"(max abs {check['max_abs']:.3g}); partial sums? give --unshard "
+                                        f"'NAME=sum'")
+        return shards[0]
+    if rule == "sum":
+        if any(s.shape != shards[0].shape for s in shards):
+            raise _RowError("fail", f"{side}: partial sums of different shapes {[_shape(s) for s in shards]}")
+        total = shards[0].to(torch.float64)
+        for shard in shards[1:]:
+            total = total + shard.to(torch.float64)
+        return total
+    try:
+        return torch.cat(shards, dim=rule)
+    except (RuntimeError, IndexError) as exc:
+        raise _RowError("fail", f"{side}: cannot concatenate shards {[_shape(s) for s in shards]} along dim "
+                                f"{rule}: {exc}") from None
+
+
+def _infer_rule(base_shards: list, target_shards: list):
+    """The concatenation dim (or 'replicated') that makes both sides the same shape, or a reason."""
+    shapes = {tuple(s.shape) for s in base_shards + target_shards}
+    if len(shapes) == 1:
+        return "replicated"
+    ndims = {len(shape) for shape in shapes}
+    if len(ndims) != 1:
+        return None
+    (ndim,) = ndims
+    candidates = []
+    for dim in range(ndim):
+        def full(shards):
+            if any(s.shape[:dim] + s.shape[dim + 1:] != shards[0].shape[:dim] + shards[0].shape[dim + 1:]
+                   for s in shards):
+                return None
+            return tuple(shards[0].shape[:dim]) + (sum(s.shape[dim] for s in shards),) + \
+                tuple(shards[0].shape[dim + 1:])
+
+        b, t = full(base_shards), full(target_shards)
+        if b is not None and b == t:
+            candidates.append(dim)
+    return candidates[0] if len(candidates) == 1 else None
+
+
+def _assemble(unit_side_shards, rule_source, name, options, atol, rtol):
+    base_shards, target_shards = unit_side_shards
+    if len(base_shards) == 1 and len(target_shards) == 1:
+        return base_shards[0], target_shards[0], None
+    rule = rule_source
+    if rule is None:
+        rule = _infer_rule(base_shards, target_shards)
+        if rule is None:
+            raise _RowError("fail", f"shapes differ and no unshard explains them: baseline shards "
+                                    f"{[_shape(s) for s in base_shards]}, target shards "
+                                    f"{[_shape(s) for s in target_shards]} (give --unshard 'REGEX=DIM|replicated|sum')")
+    return (_combine(base_shards, rule, atol, rtol, "baseline"), _combine(target_shards, rule, atol, rtol, "target"),
+            rule)
+
+
+def _recorded_layout(stages: list, pass_id: int) -> dict:
+    lead = stages[0][0]
+    if len(stages) == 1 and len(stages[0]) == 1:
+        return {}
+    layout = lead.ds.meta(lead.role, lead.name, pass_id).get(LAYOUT_META_KEY)
+    return layout if isinstance(layout, dict) else {}
+
+
+# ------------------------------------------------------------------------------------- comparison
+
+
+def _verdict(result: dict, options: Options) -> list:
+    """Names of the metrics this comparison fails (empty: it passes)."""
+    failed = []
+    for metric, threshold in options.metrics:
+        if metric == "allclose" or result["bitwise"]:
+            bad = result["mismatches"] > 0
+        elif metric == "rel_diff":
+            bad = result["rel_diff"] > threshold or result["nonfinite_mismatches"] > 0
+        else:
+            bad = (1.0 - result["cosine"]) > threshold or result["nonfinite_mismatches"] > 0
+        if bad:
+            failed.append(metric if threshold is None else f"{metric}>{threshold:g}")
+    return failed
+
+
+def _compare_name(unit, pass_pair, name, b_stage, t_stage, options, layouts):
+    from . import stats  # imports torch: only when comparing, so that other commands start fast
+
+    _, b_pass, t_pass = pass_pair
+    atol, rtol = options.tolerance(name)
+    base_shards = _read_shards(unit.baseline[b_stage], name, b_pass)
+    target_shards = _read_shards(unit.target[t_stage], name, t_pass)
+    rule = options.explicit_layout(name)
+    if rule is None:
+        for layout in layouts:
+            if name in layout:
+                rule = _layout_rule(layout[name], f"recorded {LAYOUT_META_KEY} of {name!r}")
+                break
+    base, target, used_rule = _assemble((base_shards, target_shards), rule, name, options, atol, rtol)
+    row = {"shape": _shape(target), "baseline_dtype": str(base.dtype).rpartition(".")[2],
+           "dtype": str(target.dtype).rpartition(".")[2], "atol": atol, "rtol": rtol,
+           "unshard": used_rule}
+    if base.shape != target.shape:
+        raise _RowError("fail", f"shape {_shape(target)} vs baseline {_shape(base)}")
+    result = stats.compare(base, target, atol, rtol)
+    failed = _verdict(result, options)
+    row.update({key: result[key] for key in ("max_abs", "max_rel", "rel_diff", "cosine", "mismatch",
+                                             "mismatches", "numel", "bitwise")})
+    row["baseline_stats"], row["target_stats"] = result["baseline"], result["target"]
+    row["status"] = "fail" if failed else "ok"
+    if failed:
+        row["reason"] = "exceeds " + ", ".join(failed)
+        if used_rule == "replicated" and rule is None:
+            row["reason"] += " (shards were taken as replicated; if they are partial sums give --unshard 'NAME=sum')"
+    return row
+
+
+class _Progress:
+    """A one-line progress bar on stderr, only when stderr is a terminal."""
+
+    def __init__(self, enabled):
+        self.enabled = bool(enabled) and sys.stderr.isatty()
+        self.last = 0.0
+
+    def update(self, done: int, total: int, compared: int, failed: int) -> None:
+        now = time.monotonic()
+        if not self.enabled or (now - self.last < 0.1 and done < total):
+            return
+        self.last = now
+        width = 30
+        filled = width * done // max(total, 1)
+        sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total} passes, "
+                         f"{compared} tensors, {failed} failing")
+        sys.stderr.flush()
+
+    def close(self):
+        if self.enabled:
+            sys.stderr.write("\n")
+            sys.stderr.flush()
+
+
+# ---------------------------------------------------------------------------------------- result
+
+
+class DiffResult:
+    """Outcome of a comparison. ``ok`` is True when every compared tensor is within tolerance."""
+
+    def __init__(self, baseline_roots, target_roots, options: Options, rows, missing, problems):
+        self.baseline, self.target = baseline_roots, target_roots
+        self.options = options
+        self.rows = rows
+        self.missing = missing
+        self.problems = problems
+        self.compared = sum(1 for row in rows if row.get("max_abs") is not None or row.get("bitwise"))
+        failing = [row for row in rows if row["status"] != "ok"]
+        self.failed = len(failing)
+        self.first_divergence = failing[0] if failing else None
+
+    @property
+    def read_errors(self) -> list:
+        return [row for row in self.rows if row["status"] == "error"]
+
+    @property
+    def exit_code(self) -> int:
+        if self.problems or self.read_errors:
+            return 2
+        return 1 if self.failed else 0
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_code == 0
+
+    @property
+    def failures(self) -> list:
+        return [row for row in self.rows if row["status"] != "ok"]
+
+    def as_dict(self) -> dict:
+        return {"baseline": self.baseline, "target": self.target, "options": self.options.as_dict(),
+                "ok": self.ok, "exit_code": self.exit_code, "first_divergence": self.first_divergence,
+                "compared": self.compared, "failed": self.failed, "missing": self.missing,
+                "problems": self.problems, "rows": self.rows}
+
+    def to_json(self, indent=None) -> str:
+        """Strict JSON: infinities and NaN (a max_rel over a zero baseline) become strings."""
+        return json.dumps(_json_safe(self.as_dict()), indent=indent, default=str, allow_nan=False)
+
+    def to_html(self, path) -> str:
+        from .report import write_html
+
+        return write_html(self, path)
+
+    def lines(self) -> list:
+        """Human-readable report: the first divergence first, then one line per failing tensor."""
+        out = []
+        first = self.first_divergence
+        if first is None:
+            out.append(f"no divergence: {self.compared} tensor(s) compared, all within tolerance "
+                       f"(atol {self.options.atol:g}, rtol {self.options.rtol:g})")
+        else:
+            out.append(f"first divergence: {_where(first)} {first['name']}  {_row_numbers(first)}")
+        for row in self.failures:
+            out.append(f"FAIL {_where(row)} {row['name']}  {_row_numbers(row)}")
+        for item in self.missing:
+            out.append("missing: " + _missing_text(item))
+        for problem in self.problems:
+            out.append(f"ERROR: {problem}")
+        out.append(f"compared {self.compared}, failed {self.failed}, missing {len(self.missing)}"
+                   + (f", problems {len(self.problems) + len(self.read_errors)}" if self.exit_code == 2 else ""))
+        return out
+
+
+def _json_safe(value):
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {key: _json_safe(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(item) for item in value]
+    return value
+
+
+def _where(row) -> str:
+    passes = f"pass {row['pass']}" if row["baseline_pass"] == row["pass"] else \
+        f"pass {row['pass']} (baseline {row['baseline_pass']})"
+    return f"{row['role']} rank {row['rank']} {passes}"
+
+
+def _fmt(value) -> str:
+    return "-" if value is None else f"{value:.3g}"
+
+
+def _row_numbers(row) -> str:
+    if row.get("max_abs") is None and not row.get("bitwise"):
+        return f"[{row.get('reason')}]" + (f" ({row['path']})" if row.get("path") else "")
+    text = (f"max_abs {_fmt(row['max_abs'])}  max_rel {_fmt(row['max_rel'])}  rel_diff {_fmt(row['rel_diff'])}  "
+            f"cosine {_fmt(row['cosine'])}  mismatch {row['mismatch']:.2%}")
+    if row["status"] != "ok":
+        text += f"  [{row.get('reason')}]"
+    return text
+
+
+def _missing_text(item) -> str:
+    if item["kind"] == "role":
+        return f"role {item['role']!r} only in the {item['only_in']}"
+    if item["kind"] == "rank":
+        return f"role {item['role']} rank {item['rank']} only in the {item['only_in']} ({item['path']})"
+    if item["kind"] == "passes":
+        return f"role {item['role']} rank {item['rank']}: passes {_span(item['passes'])} only in the {item['only_in']}"
+    return f"role {item['role']} rank {item['rank']}: {item['name']!r} only in the {item['only_in']} " \
+           f"(passes {_span(item['passes'])})"
+
+
+def _span(ids: list) -> str:
+    if len(ids) > 6:
+        return f"{ids[0]}..{ids[-1]} ({len(ids)})"
+    return ",".join(str(i) for i in ids)
+
+
+# ------------------------------------------------------------------------------------------ main
+
+
+def _open(source, side: str):
+    from . import reader
+
+    if hasattr(source, "pass_names"):
+        return source, False
+    roots = [os.fspath(r) for r in source] if isinstance(source, (list, tuple)) else [os.fspath(source)]
+    try:
+        return reader.open(roots if len(roots) > 1 else roots[0]), True
+    except (FileNotFoundError, ValueError, OSError) as exc:
+        raise DiffError(f"{side}: {exc}") from None
+
+
+def diff(baseline, target, **options) -> DiffResult:
+    """Compare ``target`` against ``baseline`` (each a dump root, a list of roots, or an open DumpSet).
+
+    Options: role, rank, passes ("0-3,7"), name (regex), atol, rtol, tol (["REGEX=ATOL,RTOL"] or
+    {regex: (atol, rtol)}), metric (["allclose", "rel_diff=1e-3", "cosine=1e-4"]), align ("id",
+    "order", "meta:forward_mode=decode"), unshard (["REGEX=DIM|replicated|sum"] or {regex: rule}),
+    allow_running, progress. Raises ValueError for bad options and DiffError when the dumps cannot
+    be compared at all; per-tensor problems are rows of the result.
+    """
+    opts = Options(**options)
+    base_ds, close_base = _open(baseline, "baseline")
+    try:
+        target_ds, close_target = _open(target, "target")
+    except DiffError:
+        if close_base:
+            base_ds.close()
+        raise
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # unreadable segments are reported as problems instead
+            return _diff(base_ds, target_ds, opts)
+    finally:
+        if close_base:
+            base_ds.close()
+        if close_target:
+            target_ds.close()
+
+
+def _check_side(ds, side: str, roles: list, options: Options) -> None:
+    if not ds.roles:
+        raise DiffError(f"{side} {ds.root}: no rank directories (expected <root>/<role>/<rank>/rank.json)")
+    for role in roles:
+        if role not in ds.roles:
+            raise DiffError(f"{side} {ds.root}: no role {role!r} (roles: {ds.roles})")
+    if not options.allow_running:
+        for role in roles:
+            for name in ds.ranks(role):
+                ref = RankRef(ds, role, name)
+                temp = [e for e in os.listdir(ref.path) if e.endswith(".tmp")]
+                if ref.status == "running":
+                    raise DiffError(f"{side} {ref.path}: rank.json status is 'running' (the dump is still being "
+                                    f"written, or its writer was killed"
+                                    + (f"; open segment {temp[0]}" if temp else "")
+                                    + "); compare it once closed, or pass --allow-running to compare what is there")
+
+
+def _diff(base_ds, target_ds, options: Options) -> DiffResult:
+    missing, problems, rows = [], [], []
+    roles = options.roles or sorted(set(base_ds.roles) | set(target_ds.roles))
+    if not options.roles:
+        for role in roles:
+            for side, ds in (("baseline", base_ds), ("target", target_ds)):
+                if role not in ds.roles:
+                    missing.append({"kind": "role", "only_in": "target" if side == "baseline" else "baseline",
+                                    "role": role})
+        roles = [role for role in roles if role in base_ds.roles and role in target_ds.roles]
+    _check_side(base_ds, "baseline", roles, options)
+    _check_side(target_ds, "target", roles, options)
+    if not roles:
+        raise DiffError(f"no role in common: baseline has {base_ds.roles}, target has {target_ds.roles}")
+
+    units = []
+    for role in roles:
+        units.extend(_pair_units(role, _side_ranks(base_ds, role), _side_ranks(target_ds, role), missing))
+    if options.rank is not None:
+        units = [unit for unit in units if options.rank in unit.target_ranks]
+        if not units:
+            raise DiffError(f"no rank {options.rank} present on both sides")
+    work = [(unit_index, unit, pair) for unit_index, unit in enumerate(units)
+            for pair in _pass_pairs(unit, options, missing)]
+
+    progress = _Progress(options.progress)
+    missing_names: dict = {}
+    base_names_seen, target_names_seen = set(), set()
+    failed = 0
+    try:
+        for done, (unit_index, unit, pair) in enumerate(work, start=1):
+            key, b_pass, t_pass = pair
+            try:
+                base_names = _names_in_order(unit.baseline, b_pass)
+                target_names = _names_in_order(unit.target, t_pass)
+            except KeyError as exc:
+                problems.append(f"{unit.role} rank {unit.label} pass {t_pass}: {exc}")
+                continue
+            base_names_seen.update(base_names)
+            target_names_seen.update(target_names)
+            layouts = [_recorded_layout(unit.target, t_pass), _recorded_layout(unit.baseline, b_pass)]
+            wanted = options.name_filter
+            for side, names, other in (("target", target_names, base_names), ("baseline", base_names, target_names)):
+                for name in names:
+                    if name not in other and (wanted is None or wanted(name)):
+                        missing_names.setdefault((unit.role, unit.label, name, side), []).append(t_pass)
+            for order, (name, t_stage) in enumerate(target_names.items()):
+                if name not in base_names or (wanted is not None and not wanted(name)):
+                    continue
+                row = {"role": unit.role, "rank": unit.label, "pass": t_pass, "baseline_pass": b_pass,
+                       "name": name, "order": order}
+                try:
+                    row.update(_compare_name(unit, pair, name, base_names[name], t_stage, options, layouts))
+                except _RowError as exc:
+                    row.update({"status": "error" if exc.kind == "read" else "fail",
+                                "reason": exc.reason, "max_abs": None})
+                    if exc.path:
+                        row["path"] = exc.path
+                except ValueError as exc:  # a bad recorded layout rule
+                    row.update({"status": "error", "reason": str(exc), "max_abs": None})
+                row["_key"] = (key, unit_index, order)
+                failed += row["status"] != "ok"
+                rows.append(row)
+            progress.update(done, len(work), len(rows), failed)
+    finally:
+        progress.close()
+
+    for (role, label, name, side), passes in missing_names.items():
+        missing.append({"kind": "name", "only_in": side, "role": role, "rank": label, "name": name,
+                        "passes": passes})
+    problems.extend(base_ds.problems)
+    problems.extend(target_ds.problems)
+    rows.sort(key=lambda row: row.pop("_key"))
+    result = DiffResult(_roots(base_ds), _roots(target_ds), options, rows, missing, problems)
+    if result.compared == 0:
+        common = base_names_seen & target_names_seen
+        if not work:
+            reason = "no passes in common (see missing; --align order or meta:KEY=VALUE pairs passes by order)"
+        elif not common:
+            reason = (f"no tensor name in common ({len(base_names_seen)} baseline names, "
+                      f"{len(target_names_seen)} target names): these look like dumps of different models")
+        elif options.name_filter is not None and not rows:
+            reason = f"--name {options.name_spec!r} matches no tensor present on both sides"
+        else:
+            reason = "no tensor could be compared: " + "; ".join(
+                f"{row['name']}: {row.get('reason')}" for row in rows[:3])
+        raise DiffError(reason + "".join(f"\n  {problem}" for problem in problems))
+    return result
+
+
+def _roots(ds) -> list:
+    return list(getattr(ds, "roots", [ds.root]))
+
+
+def layer_of(name: str):
+    """Layer number in a module name (``model.layers.7.mlp`` -> 7), or None."""
+    match = _LAYER_RE.search(name)
+    return int(match.group(1)) if match else None
+
+
+# ------------------------------------------------------------------------------------------- CLI
+
+
+def add_arguments(subparsers) -> None:
+    p = subparsers.add_parser(
+        "diff", help="compare two dumps; find the first divergent module (exit 0 same, 1 differ, 2 error)",
+        description="Compare TARGET against BASELINE tensor by tensor. A tensor passes when every element "
+                    "satisfies |a-b| <= atol + rtol*|b| (a: target, b: baseline; NaN equals NaN). "
+                    "Exit status: 0 every compared tensor within tolerance, 1 some are not, "
+                    "2 usage or read errors.")
+    p.add_argument("baseline", nargs="?", help="baseline dump root (or a glob of roots)")
+    p.add_argument("target", nargs="?", help="target dump root (or a glob of roots)")
+    p.add_argument("--baseline-root", action="append", default=[], metavar="ROOT",
+                   help="baseline root; repeat (or use a glob) for one root per host of a multi-node run")
+    p.add_argument("--target-root", action="append", default=[], metavar="ROOT", help="target root; repeatable")
+    p.add_argument("--role", action="append", help="compare only this role (repeatable; default: all)")
+    p.add_argument("--rank", type=int, help="compare only this global rank (of the target)")
+    p.add_argument("--passes", metavar="SPEC", help="target pass ids to compare, e.g. 0-3,7,10-")
+    p.add_argument("--name", metavar="REGEX", help="only tensor names matching this regular expression (re.search)")
+    p.add_argument("--atol", type=float, default=DEFAULT_ATOL, help="absolute tolerance (default 1e-5)")
+    p.add_argument("--rtol", type=float, default=DEFAULT_RTOL, help="relative tolerance (default 1e-5)")
+    p.add_argument("--tol", action="append", metavar="REGEX=ATOL,RTOL",
+                   help="per-name tolerances (repeatable; the first matching REGEX wins)")
+    p.add_argument("--metric", action="append", metavar="NAME[=X]",
+                   help="pass/fail criterion, repeatable (all must hold): allclose (default, the rule above), "
+                        "rel_diff[=X] (1-2Σab/Σ(a²+b²) <= X, default 1e-3), cosine[=X] (1-cosine <= X, "
+                        "default 1e-3)")
+    p.add_argument("--align", metavar="MODE",
+                   help="pair passes by: id (default), offset:K (baseline pass p with target pass p+K), order "
+                        "(n-th with n-th), meta:KEY=VALUE (n-th pass whose metadata KEY equals VALUE on each "
+                        "side, e.g. meta:forward_mode=decode)")
+    p.add_argument("--unshard", action="append", metavar="REGEX=DIM|replicated|sum",
+                   help="how TP shards of matching names combine (default: inferred from shapes)")
+    p.add_argument("--allow-running", action="store_true",
+                   help="compare dumps whose writer is still running (or was killed), as far as written")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    p.add_argument("--html", metavar="REPORT", help="also write a self-contained HTML report with plots")
+    p.set_defaults(func=cmd_diff)
+
+
+def _roots_arg(positional, repeated, side):
+    import glob
+
+    given = ([positional] if positional else []) + list(repeated)
+    roots = []
+    for item in given:
+        matches = sorted(glob.glob(item)) if glob.has_magic(item) else [item]
+        if not matches:
+            raise DiffError(f"{side}: {item!r} matches no directory")
+        roots.extend(matches)
+    if not roots:
+        raise DiffError(f"no {side} dump given (BASELINE TARGET, or --{side}-root)")
+    return roots
+
+
+def cmd_diff(args) -> int:
+    positional = [p for p in (args.baseline, args.target) if p]
+    try:
+        if len(positional) == 2:
+            base_roots = _roots_arg(args.baseline, args.baseline_root, "baseline")
+            target_roots = _roots_arg(args.target, args.target_root, "target")
+        elif len(positional) == 1 and bool(args.baseline_root) != bool(args.target_root):
+            # One positional plus the other side's --*-root.
+            if args.baseline_root:
+                base_roots = _roots_arg(None, args.baseline_root, "baseline")
+                target_roots = _roots_arg(positional[0], args.target_root, "target")
+            else:
+                base_roots = _roots_arg(positional[0], [], "baseline")
+                target_roots = _roots_arg(None, args.target_root, "target")
+        elif not positional:
+            base_roots = _roots_arg(None, args.baseline_root, "baseline")
+            target_roots = _roots_arg(None, args.target_root, "target")
+        else:
+            raise DiffError("give BASELINE TARGET, or --baseline-root/--target-root")
+        result = diff(base_roots, target_roots, role=args.role, rank=args.rank, passes=args.passes,
+                      name=args.name, atol=args.atol, rtol=args.rtol, tol=args.tol, metric=args.metric,
+                      align=args.align, unshard=args.unshard, allow_running=args.allow_running, progress=True)
+        if args.html:
+            result.to_html(args.html)
+    except (DiffError, ValueError, OSError) as exc:
+        print(f"fastdump diff: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(result.to_json(indent=None))
+    else:
+        for line in result.lines():
+            print(line)
+        if args.html:
+            print(f"report: {args.html}")
+    return result.exit_code

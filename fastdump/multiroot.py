@@ -1,0 +1,128 @@
+"""Several dump roots read as one dump: ``fastdump.open([root1, root2, ...])``.
+
+A multi-node run leaves one root per node, each holding some ranks of each role. ``MultiDumpSet``
+offers the ``DumpSet`` reading API over all of them: roles are united, ranks merged. Two roots
+holding the same role and rank (same global rank and DP rank, or the same rank directory name)
+are refused: the dump would be ambiguous, and silently picking one would hide the other.
+"""
+
+from __future__ import annotations
+
+import os
+
+from .reader import DumpSet, _rank_dir_key
+
+
+class MultiDumpSet:
+    def __init__(self, roots):
+        roots = [os.fspath(root) for root in roots]
+        if not roots:
+            raise ValueError("no dump roots given")
+        self.sets = [DumpSet(root) for root in roots]
+        self.roots = [ds.root for ds in self.sets]
+        if len(set(self.roots)) != len(self.roots):
+            self.close()
+            raise ValueError(f"a dump root is given twice: {self.roots}")
+        self.root = " + ".join(self.roots)
+        self._owners: dict = {}  # (role, rank dir name) -> DumpSet
+        seen: dict = {}  # (role, global rank, dp rank) -> path
+        for ds in self.sets:
+            for role in ds.roles:
+                for name in ds.ranks(role):
+                    path = os.path.join(ds.root, role, name)
+                    if (role, name) in self._owners:
+                        self.close()
+                        raise ValueError(f"duplicate rank directory {role}/{name} in "
+                                         f"{self._owners[(role, name)].root} and {ds.root}")
+                    entry = ds._rank_obj(role, name)
+                    number = entry.rank_number()
+                    dp = (entry.info.get("rank") or {}).get("dp_rank", 0)
+                    if number is not None:
+                        key = (role, number, dp)
+                        if key in seen:
+                            self.close()
+                            raise ValueError(f"duplicate rank: role {role!r} rank {number} (dp {dp}) is in both "
+                                             f"{seen[key]} and {path}")
+                        seen[key] = path
+                    self._owners[(role, name)] = ds
+
+    @property
+    def problems(self) -> list:
+        return [problem for ds in self.sets for problem in ds.problems]
+
+    @property
+    def manifest(self) -> dict:
+        return self.sets[0].manifest
+
+    @property
+    def roles(self) -> list:
+        return sorted({role for role, _ in self._owners})
+
+    def ranks(self, role: str = None) -> list:
+        role = self._role(role)
+        return sorted((name for r, name in self._owners if r == role), key=_rank_dir_key)
+
+    def _role(self, role):
+        if role is not None:
+            if role not in self.roles:
+                raise KeyError(f"no role {role!r} in {self.root} (roles: {self.roles})")
+            return role
+        if len(self.roles) != 1:
+            raise ValueError(f"role must be given: {self.root} holds roles {self.roles}")
+        return self.roles[0]
+
+    def _owner(self, role, rank):
+        """(DumpSet, role, rank directory name) for a rank given by name, number or None."""
+        role = self._role(role)
+        names = self.ranks(role)
+        if rank is None:
+            if len(names) != 1:
+                raise ValueError(f"rank must be given: role {role!r} has ranks {names}")
+            name = names[0]
+        elif isinstance(rank, int) and not isinstance(rank, bool):
+            matches = [n for n in names if self._owners[(role, n)]._rank_obj(role, n).rank_number() == rank]
+            if len(matches) != 1:
+                raise KeyError(f"rank {rank} of role {role!r} is {'ambiguous' if matches else 'missing'}: "
+                               f"{matches or names}")
+            name = matches[0]
+        else:
+            name = str(rank)
+            if name not in names:
+                raise KeyError(f"no rank {name!r} in role {role!r} (ranks: {names})")
+        return self._owners[(role, name)], role, name
+
+    def rank_path(self, role: str = None, rank=None) -> str:
+        ds, role, name = self._owner(role, rank)
+        return os.path.join(ds.root, role, name)
+
+    def refresh(self) -> None:
+        for ds in self.sets:
+            ds.refresh()
+
+    def close(self) -> None:
+        for ds in getattr(self, "sets", []):
+            ds.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info):
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"MultiDumpSet({self.roots!r}, roles={self.roles})"
+
+
+def _delegate(method_name: str):
+    def method(self, role: str = None, rank=None, *args, **kwargs):
+        ds, role, name = self._owner(role, rank)
+        return getattr(ds, method_name)(role, name, *args, **kwargs)
+
+    method.__name__ = method_name
+    method.__doc__ = getattr(DumpSet, method_name).__doc__
+    return method
+
+
+for _name in ("rank_info", "segments", "passes", "summary", "names", "meta", "load", "pass_names", "tensor",
+              "series"):
+    setattr(MultiDumpSet, _name, _delegate(_name))

@@ -1,0 +1,226 @@
+"""The HTML report of ``fastdump diff --html``: one self-contained file, plots drawn here as SVG.
+
+No network resources, no scripts, no plotting library: the SVG is written by hand, so the report
+opens anywhere (an air-gapped cluster's browser, a CI artifact viewer). Every text from the dump
+(names can hold any character) is escaped.
+"""
+
+from __future__ import annotations
+
+import html
+import math
+import os
+
+_REL_FLOOR = 1e-16  # rel_diff of identical tensors is 0; the log axes start here
+_MAX_HEATMAP_PASSES = 400
+_MAX_TABLE_ROWS = 2000
+
+
+def _esc(value) -> str:
+    return html.escape(str(value), quote=True)
+
+
+def _num(value) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.3g}"
+    return str(value)
+
+
+def _log_rel(value) -> float:
+    if value is None or not math.isfinite(value):
+        return 0.0
+    return math.log10(max(value, _REL_FLOOR))
+
+
+def _color(fraction: float) -> str:
+    """Dark blue (0) -> yellow -> red (1), a perceptually ordered ramp."""
+    stops = [(0.0, (30, 40, 110)), (0.5, (60, 170, 140)), (0.8, (240, 220, 60)), (1.0, (210, 40, 30))]
+    fraction = min(max(fraction, 0.0), 1.0)
+    for (f0, c0), (f1, c1) in zip(stops, stops[1:]):
+        if fraction <= f1:
+            t = (fraction - f0) / (f1 - f0)
+            return "#%02x%02x%02x" % tuple(round(a + (b - a) * t) for a, b in zip(c0, c1))
+    return "#d22820"
+
+
+def execution_plot(rows: list, title: str, highlight=None) -> str:
+    """rel_diff (log scale) of each tensor of one pass along execution order; failures in red."""
+    width, height, left, right, top, bottom = 900, 320, 60, 20, 30, 70
+    plot_w, plot_h = width - left - right, height - top - bottom
+    n = max(len(rows), 1)
+    lo = math.log10(_REL_FLOOR)
+
+    def x(i):
+        return left + (plot_w * (i + 0.5) / n)
+
+    def y(row):
+        value = 0.0 if row.get("rel_diff") is None and row["status"] == "ok" else row.get("rel_diff")
+        if value is None:  # no numbers (shape error...): draw at the top
+            return top
+        return top + plot_h * (1 - (_log_rel(value) - lo) / (0 - lo))
+
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+             f'viewBox="0 0 {width} {height}" role="img" aria-label="{_esc(title)}">',
+             f'<text x="{left}" y="18" font-size="14" font-family="sans-serif">{_esc(title)}</text>',
+             f'<rect x="{left}" y="{top}" width="{plot_w}" height="{plot_h}" fill="#fafafa" stroke="#999"/>']
+    for exponent in range(-16, 1, 4):
+        gy = top + plot_h * (1 - (exponent - lo) / (0 - lo))
+        parts.append(f'<line x1="{left}" x2="{left + plot_w}" y1="{gy:.1f}" y2="{gy:.1f}" stroke="#ddd"/>')
+        parts.append(f'<text x="{left - 6}" y="{gy + 4:.1f}" font-size="11" text-anchor="end" '
+                     f'font-family="sans-serif">1e{exponent}</text>')
+    parts.append(f'<text x="14" y="{top + plot_h / 2}" font-size="12" font-family="sans-serif" '
+                 f'transform="rotate(-90 14 {top + plot_h / 2})" text-anchor="middle">rel_diff</text>')
+    points = " ".join(f"{x(i):.1f},{y(row):.1f}" for i, row in enumerate(rows))
+    if len(rows) > 1:
+        parts.append(f'<polyline points="{points}" fill="none" stroke="#3060b0" stroke-width="1.2"/>')
+    step = max(1, len(rows) // 12)
+    for i, row in enumerate(rows):
+        bad = row["status"] != "ok"
+        tip = (f"{row['order']}: {row['name']}  rel_diff {_num(row.get('rel_diff'))}  max_abs "
+               f"{_num(row.get('max_abs'))}  {row['status']}")
+        radius = 5 if row is highlight else 3
+        parts.append(f'<circle cx="{x(i):.1f}" cy="{y(row):.1f}" r="{radius}" fill="{"#d22820" if bad else "#3060b0"}">'
+                     f'<title>{_esc(tip)}</title></circle>')
+        if i % step == 0:
+            parts.append(f'<text x="{x(i):.1f}" y="{top + plot_h + 14}" font-size="10" text-anchor="middle" '
+                         f'font-family="sans-serif">{i}</text>')
+    if highlight is not None and highlight in rows:
+        i = rows.index(highlight)
+        parts.append(f'<line x1="{x(i):.1f}" x2="{x(i):.1f}" y1="{top}" y2="{top + plot_h}" stroke="#d22820" '
+                     f'stroke-dasharray="4 3"/>')
+        anchor = "start" if i < len(rows) / 2 else "end"
+        parts.append(f'<text x="{x(i) + (6 if anchor == "start" else -6):.1f}" y="{top + 14}" font-size="12" '
+                     f'fill="#d22820" text-anchor="{anchor}" font-family="sans-serif">first divergence: '
+                     f'{_esc(highlight["name"])}</text>')
+    parts.append(f'<text x="{left + plot_w / 2}" y="{height - 30}" font-size="12" text-anchor="middle" '
+                 f'font-family="sans-serif">tensor, in execution (dump) order</text>')
+    parts.append("</svg>")
+    return "\n".join(parts)
+
+
+def heatmap(rows: list, title: str) -> str:
+    """Max rel_diff per (pass, layer) of one role and rank; tensors outside layers in 'other'."""
+    from .compare import layer_of
+
+    cells: dict = {}
+    passes, layers, other = set(), set(), False
+    for row in rows:
+        layer = layer_of(row["name"])
+        other |= layer is None
+        value = row.get("rel_diff")
+        if value is None:
+            value = 0.0 if row["status"] == "ok" else 1.0
+        key = (row["pass"], layer)
+        cells[key] = max(cells.get(key, 0.0), value)
+        passes.add(row["pass"])
+        if layer is not None:
+            layers.add(layer)
+    pass_list = sorted(passes)[:_MAX_HEATMAP_PASSES]
+    columns = sorted(layers) + ([None] if other else [])
+    cell_w = max(8, min(40, 800 // max(len(columns), 1)))
+    cell_h = max(2, min(20, 500 // max(len(pass_list), 1)))
+    left, top = 60, 40
+    width = left + cell_w * len(columns) + 120
+    height = top + cell_h * len(pass_list) + 50
+    lo = math.log10(_REL_FLOOR)
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+             f'viewBox="0 0 {width} {height}" role="img" aria-label="{_esc(title)}">',
+             f'<text x="{left}" y="18" font-size="14" font-family="sans-serif">{_esc(title)}</text>']
+    for ci, layer in enumerate(columns):
+        label = "other" if layer is None else str(layer)
+        if len(columns) <= 40 or ci % max(1, len(columns) // 20) == 0:
+            parts.append(f'<text x="{left + ci * cell_w + cell_w / 2:.1f}" y="{top - 6}" font-size="10" '
+                         f'text-anchor="middle" font-family="sans-serif">{_esc(label)}</text>')
+    label_step = max(1, len(pass_list) // 25)
+    for ri, pass_id in enumerate(pass_list):
+        if ri % label_step == 0:
+            parts.append(f'<text x="{left - 6}" y="{top + ri * cell_h + cell_h / 2 + 4:.1f}" font-size="10" '
+                         f'text-anchor="end" font-family="sans-serif">{pass_id}</text>')
+        for ci, layer in enumerate(columns):
+            value = cells.get((pass_id, layer))
+            if value is None:
+                fill, tip = "#e8e8e8", "no tensors"
+            else:
+                fill = _color((_log_rel(value) - lo) / (0 - lo))
+                tip = f"pass {pass_id} layer {'other' if layer is None else layer}: max rel_diff {value:.3g}"
+            parts.append(f'<rect x="{left + ci * cell_w}" y="{top + ri * cell_h}" width="{cell_w}" '
+                         f'height="{cell_h}" fill="{fill}"><title>{_esc(tip)}</title></rect>')
+    bar_x = left + cell_w * len(columns) + 30
+    for k in range(20):
+        parts.append(f'<rect x="{bar_x}" y="{top + k * 10}" width="14" height="10" fill="{_color(1 - k / 19)}"/>')
+    parts.append(f'<text x="{bar_x + 18}" y="{top + 8}" font-size="10" font-family="sans-serif">1</text>')
+    parts.append(f'<text x="{bar_x + 18}" y="{top + 200}" font-size="10" font-family="sans-serif">1e-16</text>')
+    parts.append(f'<text x="{left}" y="{height - 14}" font-size="12" font-family="sans-serif">columns: layer '
+                 f'number (max rel_diff over its tensors); rows: pass</text>')
+    parts.append("</svg>")
+    return "\n".join(parts)
+
+
+def _table(header: list, rows: list) -> str:
+    out = ["<table><tr>" + "".join(f"<th>{_esc(h)}</th>" for h in header) + "</tr>"]
+    for row in rows:
+        out.append("<tr>" + "".join(f"<td>{_esc(cell)}</td>" for cell in row) + "</tr>")
+    out.append("</table>")
+    return "\n".join(out)
+
+
+def render(result) -> str:
+    from .compare import _missing_text, _where
+
+    first = result.first_divergence
+    verdict = "PASS" if result.ok else ("FAIL" if result.exit_code == 1 else "ERROR")
+    body = [f"<h1>fastdump diff: {verdict}</h1>",
+            _table(["", ""], [["baseline", " + ".join(result.baseline)], ["target", " + ".join(result.target)],
+                              ["compared", result.compared], ["failed", result.failed],
+                              ["missing", len(result.missing)], ["problems", len(result.problems)],
+                              ["tolerance", f"|a-b| <= atol + rtol*|b|, atol {result.options.atol:g}, "
+                                            f"rtol {result.options.rtol:g}"],
+                              ["options", result.options.as_dict()]])]
+    if first is not None:
+        body.append(f'<p class="first">First divergence: <b>{_esc(first["name"])}</b> — {_esc(_where(first))}; '
+                    f'max_abs {_num(first.get("max_abs"))}, rel_diff {_num(first.get("rel_diff"))}'
+                    + (f', {_esc(first.get("reason"))}' if first.get("reason") else "") + "</p>")
+        focus = (first["role"], first["rank"], first["pass"])
+    else:
+        body.append("<p>No divergence: every compared tensor is within tolerance.</p>")
+        focus = (result.rows[0]["role"], result.rows[0]["rank"], result.rows[0]["pass"]) if result.rows else None
+    if focus is not None:
+        pass_rows = [r for r in result.rows if (r["role"], r["rank"], r["pass"]) == focus]
+        body.append("<h2>Error per module along execution order</h2>")
+        body.append(execution_plot(pass_rows, f"{focus[0]} rank {focus[1]} pass {focus[2]}", highlight=first))
+        unit_rows = [r for r in result.rows if (r["role"], r["rank"]) == focus[:2]]
+        body.append("<h2>rel_diff by pass and layer</h2>")
+        body.append(heatmap(unit_rows, f"{focus[0]} rank {focus[1]}: max rel_diff per pass x layer"))
+    failures = result.failures
+    body.append(f"<h2>Failing tensors ({len(failures)})</h2>")
+    body.append(_table(
+        ["role", "rank", "pass", "base pass", "#", "name", "shape", "dtype", "max_abs", "max_rel", "rel_diff",
+         "cosine", "mismatch", "reason"],
+        [[r["role"], r["rank"], r["pass"], r["baseline_pass"], r["order"], r["name"], r.get("shape", "-"),
+          f"{r.get('baseline_dtype', '-')}/{r.get('dtype', '-')}", _num(r.get("max_abs")), _num(r.get("max_rel")),
+          _num(r.get("rel_diff")), _num(r.get("cosine")),
+          "-" if r.get("mismatch") is None else f"{r['mismatch']:.2%}", r.get("reason", "")]
+         for r in failures[:_MAX_TABLE_ROWS]]))
+    if len(failures) > _MAX_TABLE_ROWS:
+        body.append(f"<p>… {len(failures) - _MAX_TABLE_ROWS} more (see --json)</p>")
+    if result.missing:
+        body.append(f"<h2>Missing ({len(result.missing)})</h2><ul>"
+                    + "".join(f"<li>{_esc(_missing_text(m))}</li>" for m in result.missing) + "</ul>")
+    if result.problems:
+        body.append("<h2>Problems</h2><ul>" + "".join(f"<li>{_esc(p)}</li>" for p in result.problems) + "</ul>")
+    style = ("body{font-family:sans-serif;margin:24px;color:#222}table{border-collapse:collapse;margin:8px 0}"
+             "td,th{border:1px solid #ccc;padding:2px 6px;font-size:12px;text-align:left}"
+             ".first{font-size:16px;color:#a01010}svg{display:block;margin:8px 0}")
+    return ("<!DOCTYPE html>\n<html><head><meta charset=\"utf-8\"><title>fastdump diff</title>"
+            f"<style>{style}</style></head><body>\n" + "\n".join(body) + "\n</body></html>\n")
+
+
+def write_html(result, path) -> str:
+    """Write the report atomically (a half-written report is never left under its name)."""
+    from . import fsutil
+
+    path = os.fspath(path)
+    fsutil.atomic_write_bytes(path, render(result).encode("utf-8"), durable=False)
+    return path
