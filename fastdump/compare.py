@@ -338,11 +338,46 @@ def _names_in_order(stages: list, pass_id: int) -> dict:
     return found
 
 
-def _read_shards(stage: list, name: str, pass_id: int) -> list:
+class _PassCache:
+    """Tensors of the passes being compared, read a whole pass at a time when it is small.
+
+    Small passes (decode steps) are read with one ``load`` per rank and pass: per-tensor lookups
+    would cost more than the reads. A pass over ``PASS_CACHE_BYTES`` is read tensor by tensor, so
+    memory stays bounded by one tensor per rank, whatever the dump's size.
+    """
+
+    PASS_CACHE_BYTES = 64 << 20
+
+    def __init__(self):
+        self._passes: dict = {}  # (rank path, pass id) -> {name: tensor} or None (read per tensor)
+
+    def clear(self) -> None:
+        self._passes.clear()
+
+    def tensor(self, ref: RankRef, name: str, pass_id: int):
+        key = (ref.path, pass_id)
+        if key not in self._passes:
+            small = ref.ds.meta(ref.role, ref.name, pass_id).get("bytes", 0) <= self.PASS_CACHE_BYTES
+            loaded = None
+            if small:
+                try:
+                    loaded = ref.ds.load(ref.role, ref.name, pass_id)
+                except Exception:  # a damaged block: read tensor by tensor, so only that tensor fails
+                    loaded = None
+            self._passes[key] = loaded
+        loaded = self._passes[key]
+        if loaded is not None:
+            if name not in loaded:
+                raise KeyError(name)
+            return loaded[name]
+        return ref.ds.tensor(ref.role, ref.name, name, pass_id)
+
+
+def _read_shards(stage: list, name: str, pass_id: int, cache: _PassCache) -> list:
     shards = []
     for ref in stage:
         try:
-            shards.append(ref.ds.tensor(ref.role, ref.name, name, pass_id))
+            shards.append(cache.tensor(ref, name, pass_id))
         except Exception as exc:  # a damaged block: report where, keep comparing the rest
             if isinstance(exc, KeyError) and name not in ref.ds.pass_names(ref.role, ref.name, pass_id):
                 raise _RowError("fail", f"missing on rank {ref.rank} pass {pass_id}", ref.path) from None
@@ -458,13 +493,13 @@ def _verdict(result: dict, options: Options) -> list:
     return failed
 
 
-def _compare_name(unit, pass_pair, name, b_stage, t_stage, options, layouts):
+def _compare_name(unit, pass_pair, name, b_stage, t_stage, options, layouts, cache):
     from . import stats  # imports torch: only when comparing, so that other commands start fast
 
     _, b_pass, t_pass = pass_pair
     atol, rtol = options.tolerance(name)
-    base_shards = _read_shards(unit.baseline[b_stage], name, b_pass)
-    target_shards = _read_shards(unit.target[t_stage], name, t_pass)
+    base_shards = _read_shards(unit.baseline[b_stage], name, b_pass, cache)
+    target_shards = _read_shards(unit.target[t_stage], name, t_pass, cache)
     rule = options.explicit_layout(name)
     if rule is None:
         for layout in layouts:
@@ -722,8 +757,10 @@ def _diff(base_ds, target_ds, options: Options) -> DiffResult:
     base_names_seen, target_names_seen = set(), set()
     failed = 0
     try:
+        cache = _PassCache()
         for done, (unit_index, unit, pair) in enumerate(work, start=1):
             key, b_pass, t_pass = pair
+            cache.clear()  # one pass pair in memory at a time
             try:
                 base_names = _names_in_order(unit.baseline, b_pass)
                 target_names = _names_in_order(unit.target, t_pass)
@@ -744,7 +781,7 @@ def _diff(base_ds, target_ds, options: Options) -> DiffResult:
                 row = {"role": unit.role, "rank": unit.label, "pass": t_pass, "baseline_pass": b_pass,
                        "name": name, "order": order}
                 try:
-                    row.update(_compare_name(unit, pair, name, base_names[name], t_stage, options, layouts))
+                    row.update(_compare_name(unit, pair, name, base_names[name], t_stage, options, layouts, cache))
                 except _RowError as exc:
                     row.update({"status": "error" if exc.kind == "read" else "fail",
                                 "reason": exc.reason, "max_abs": None})
@@ -874,11 +911,15 @@ def cmd_diff(args) -> int:
     except (DiffError, ValueError, OSError) as exc:
         print(f"fastdump diff: {exc}", file=sys.stderr)
         return 2
-    if args.json:
-        print(result.to_json(indent=None))
-    else:
-        for line in result.lines():
-            print(line)
-        if args.html:
-            print(f"report: {args.html}")
+    try:
+        if args.json:
+            print(result.to_json(indent=None))
+        else:
+            for line in result.lines():
+                print(line)
+            if args.html:
+                print(f"report: {args.html}")
+            sys.stdout.flush()
+    except BrokenPipeError:  # `fastdump diff A B | head`: the verdict is the exit status
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return result.exit_code

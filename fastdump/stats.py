@@ -9,34 +9,58 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
 CHUNK_ELEMENTS = 1 << 20  # float64 elements per step: 8 MiB of scratch
 
+# numpy does the arithmetic: on tensors of decode size (thousands of elements) each torch op costs
+# far more in dispatch and thread hand-off than the work itself; numpy's cost is the work.
+_NUMPY_NATIVE = {torch.float64, torch.float32, torch.float16, torch.int8, torch.int16, torch.int32, torch.int64,
+                 torch.uint8, torch.bool}
+
+
+def _chunk_to_float64(part) -> np.ndarray:
+    if part.dtype in _NUMPY_NATIVE:
+        return part.numpy().astype(np.float64)
+    if part.dtype == torch.bfloat16:  # bfloat16 is the top half of a float32: widen the bits exactly
+        bits = part.view(torch.int16).numpy().view(np.uint16).astype(np.uint32) << 16
+        return bits.view(np.float32).astype(np.float64)
+    return part.to(torch.float64).numpy()
+
 
 def as_float64_chunks(tensor):
-    """Yield the flattened tensor as float64 chunks (complex: interleaved real/imag parts).
+    """Yield the flattened tensor as float64 numpy chunks (complex: interleaved real/imag parts).
 
     Raises TypeError for types with no arithmetic (bits*, sub-byte ints, float4): callers compare
     those bit for bit instead.
     """
-    flat = tensor.reshape(-1)
+    flat = tensor.detach().reshape(-1)
+    if flat.device.type != "cpu":
+        flat = flat.cpu()
     if flat.is_complex():
         flat = torch.view_as_real(flat.to(torch.complex128)).reshape(-1)
     for start in range(0, flat.numel(), CHUNK_ELEMENTS):
         part = flat[start:start + CHUNK_ELEMENTS]
         try:
-            yield part.to(torch.float64)
+            yield _chunk_to_float64(part)
         except (RuntimeError, NotImplementedError, TypeError) as exc:
             raise TypeError(f"dtype {tensor.dtype} has no arithmetic ({exc})") from None
 
 
+_ARITHMETIC: dict = {}
+
+
 def has_arithmetic(dtype) -> bool:
-    try:
-        torch.zeros(1, dtype=dtype).to(torch.float64)
-        return True
-    except (RuntimeError, NotImplementedError, TypeError):
-        return False
+    known = _ARITHMETIC.get(dtype)
+    if known is None:
+        try:
+            torch.zeros(1, dtype=dtype).to(torch.float64)
+            known = True
+        except (RuntimeError, NotImplementedError, TypeError):
+            known = False
+        _ARITHMETIC[dtype] = known
+    return known
 
 
 class Summary:
@@ -55,24 +79,26 @@ class Summary:
         self.nan = 0
         self.inf = 0
 
-    def add(self, chunk: torch.Tensor) -> None:
-        finite_mask = torch.isfinite(chunk)
-        nan = int(torch.isnan(chunk).sum())
-        self.nan += nan
-        self.inf += chunk.numel() - int(finite_mask.sum()) - nan
-        finite = chunk[finite_mask]
-        n = finite.numel()
+    def add(self, chunk: np.ndarray) -> None:
+        finite_mask = np.isfinite(chunk)
+        n = int(np.count_nonzero(finite_mask))
+        if n != chunk.size:
+            nan = int(np.count_nonzero(np.isnan(chunk)))
+            self.nan += nan
+            self.inf += chunk.size - n - nan
+            chunk = chunk[finite_mask]
         if n == 0:
             return
-        mean = float(finite.mean())
-        m2 = float(((finite - mean) ** 2).sum())
+        mean = float(chunk.mean())
+        centered = chunk - mean
+        m2 = float(np.dot(centered, centered))
         total = self.count + n
         delta = mean - self.mean
         self.mean += delta * n / total
         self.m2 += m2 + delta * delta * self.count * n / total
         self.count = total
-        self.min = min(self.min, float(finite.min()))
-        self.max = max(self.max, float(finite.max()))
+        self.min = min(self.min, float(chunk.min()))
+        self.max = max(self.max, float(chunk.max()))
 
     def as_dict(self) -> dict:
         if self.count == 0:
@@ -123,26 +149,27 @@ def compare(baseline, target, atol: float, rtol: float) -> dict:
     for b, a in zip(as_float64_chunks(baseline), as_float64_chunks(target)):
         base_summary.add(b)
         target_summary.add(a)
-        finite = torch.isfinite(a) & torch.isfinite(b)
-        # Non-finite elements: equal when identical (NaN==NaN, +inf==+inf), otherwise a mismatch.
-        odd = ~finite
-        if bool(odd.any()):
-            same = (torch.isnan(a) & torch.isnan(b)) | (a == b)
-            bad = int((odd & ~same).sum())
+        finite = np.isfinite(a) & np.isfinite(b)
+        if not finite.all():
+            # Non-finite elements: equal when identical (NaN==NaN, +inf==+inf), otherwise a mismatch.
+            odd = ~finite
+            same = (np.isnan(a) & np.isnan(b)) | (a == b)
+            bad = int(np.count_nonzero(odd & ~same))
             nonfinite_mismatches += bad
             mismatches += bad
-        af, bf = a[finite], b[finite]
-        if af.numel() == 0:
+            a, b = a[finite], b[finite]
+        if a.size == 0:
             continue
-        err = (af - bf).abs()
-        abs_b = bf.abs()
-        mismatches += int((err > atol + rtol * abs_b).sum())
+        err = np.abs(a - b)
+        abs_b = np.abs(b)
+        mismatches += int(np.count_nonzero(err > atol + rtol * abs_b))
         max_abs = max(max_abs, float(err.max()))
-        rel = torch.where(err == 0, torch.zeros_like(err), err / abs_b)  # x/0 -> inf, 0/0 -> 0
+        with np.errstate(divide="ignore", invalid="ignore"):
+            rel = np.where(err == 0, 0.0, err / abs_b)  # x/0 -> inf, 0/0 -> 0
         max_rel = max(max_rel, float(rel.max()))
-        sxy += float((af * bf).sum())
-        sxx += float((af * af).sum())
-        syy += float((bf * bf).sum())
+        sxy += float(np.dot(a, b))
+        sxx += float(np.dot(a, a))
+        syy += float(np.dot(b, b))
     energy = sxx + syy
     rel_diff = 0.0 if energy == 0 else 1.0 - 2.0 * sxy / energy
     norms = math.sqrt(sxx) * math.sqrt(syy)

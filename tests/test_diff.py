@@ -397,3 +397,26 @@ def test_show_uses_the_shared_statistics(twins, capsys):
     out = capsys.readouterr().out
     logits = fastdump.open(twins[0]).tensor("target", 0, "lm_head", 0)
     assert f"{float(logits.double().std(unbiased=False)):.6g}" in out
+
+
+def test_large_passes_are_read_tensor_by_tensor(twins, perturbed, monkeypatch):
+    from fastdump import compare, reader
+
+    expected = fastdump.diff(twins[0], perturbed).to_json()
+    monkeypatch.setattr(compare._PassCache, "PASS_CACHE_BYTES", 0)
+
+    def no_whole_pass(*args, **kwargs):
+        raise AssertionError("a pass over the cache budget must not be loaded whole")
+
+    monkeypatch.setattr(reader.DumpSet, "load", no_whole_pass)
+    assert fastdump.diff(twins[0], perturbed).to_json() == expected
+
+
+def test_rank_filter_and_progress_off_without_terminal(tmp_path, capsys):
+    a = manual_dump(tmp_path / "a", 2)
+    b = manual_dump(tmp_path / "b", 2, change=("embed", 0, 1))
+    assert fastdump.diff(a, b, rank=0).ok
+    assert not fastdump.diff(a, b, rank=1, progress=True).ok
+    assert capsys.readouterr().err == ""  # stderr is not a terminal here: no progress bar
+    with pytest.raises(DiffError, match="no rank 5"):
+        fastdump.diff(a, b, rank=5)
