@@ -240,6 +240,12 @@ def _stages(refs: list) -> list:
         if len({r.tp_rank for r in group}) != len(group):
             raise DiffError(f"role {group[0].role!r}: two rank directories claim pp {pp} tp {group[0].tp_rank}: "
                             f"{[r.path for r in group]}")
+        expected = group[0].tp_size
+        if [r.tp_rank for r in group] != list(range(expected)):
+            # Unsharding a partial group would compare half a tensor and blame the shapes.
+            raise DiffError(f"role {group[0].role!r} pp {pp}: TP ranks {[r.tp_rank for r in group]} present of "
+                            f"tp_size {expected} ({os.path.dirname(group[0].path)}); a rank is missing, so its "
+                            f"tensors cannot be reassembled")
         stages.append(group)
     return stages
 

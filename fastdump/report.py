@@ -118,6 +118,8 @@ def heatmap(rows: list, title: str) -> str:
         if layer is not None:
             layers.add(layer)
     pass_list = sorted(passes)[:_MAX_HEATMAP_PASSES]
+    if len(passes) > len(pass_list):
+        title += f" (first {len(pass_list)} of {len(passes)} passes)"
     columns = sorted(layers) + ([None] if other else [])
     cell_w = max(8, min(40, 800 // max(len(columns), 1)))
     cell_h = max(2, min(20, 500 // max(len(pass_list), 1)))

@@ -302,6 +302,15 @@ def test_names_on_one_side_are_missing_not_errors(tmp_path, twins):
 # ------------------------------------------------------------------------------------ bad input
 
 
+def test_missing_tp_rank_is_refused_not_blamed_on_shapes(tmp_path, capsys):
+    base = manual_dump(tmp_path / "tp1", 1)
+    target = manual_dump(tmp_path / "tp2", 2)
+    (lost,) = [e for e in os.listdir(target / "target") if e.startswith("TP1_")]
+    shutil.rmtree(target / "target" / lost)
+    code, out, err = run(capsys, base, target)
+    assert code == 2 and "TP ranks [0] present of tp_size 2" in err
+
+
 def test_bad_inputs_exit_2_without_traceback(tmp_path, twins, capsys):
     code, _, err = run(capsys, tmp_path / "nope", twins[1])
     assert code == 2 and "no dump directory" in err
@@ -420,3 +429,15 @@ def test_rank_filter_and_progress_off_without_terminal(tmp_path, capsys):
     assert capsys.readouterr().err == ""  # stderr is not a terminal here: no progress bar
     with pytest.raises(DiffError, match="no rank 5"):
         fastdump.diff(a, b, rank=5)
+
+
+def test_bfloat16_against_float32_with_metrics(twins, tmp_path, capsys):
+    low = dump_model(tmp_path / "bf16", TinyLM(seed=0).to(torch.bfloat16))
+    strict = fastdump.diff(twins[0], low)
+    assert strict.exit_code == 1 and strict.rows[0]["dtype"] == "bfloat16"
+    assert strict.rows[0]["baseline_dtype"] == "float32"
+    assert 0 < max(row["rel_diff"] for row in strict.rows) < 1e-3
+    code, out, err = run(capsys, twins[0], low, "--metric", "rel_diff=1e-3", "--metric", "cosine=1e-3")
+    assert code == 0, out + err
+    code, out, err = run(capsys, twins[0], low, "--metric", "rel_diff=1e-9")
+    assert code == 1 and "exceeds rel_diff>1e-09" in out
