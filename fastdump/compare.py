@@ -302,19 +302,15 @@ def _pass_pairs(unit: Unit, options: Options, missing: list) -> list:
     b_passes, t_passes = lead_b.ds.passes(lead_b.role, lead_b.name), lead_t.ds.passes(lead_t.role, lead_t.name)
     align = options.align
     if align is None or align[0] == "offset":
-        shift = 0 if align is None else align[1]
-        b_passes = [p + shift for p in b_passes]  # in target numbering
-        common = sorted(set(b_passes) & set(t_passes))
-        for side, passes, other in (("baseline", b_passes, t_passes), ("target", t_passes, b_passes)):
-            extra = sorted(set(passes) - set(other))
+        shift = 0 if align is None else align[1]  # baseline pass p pairs with target pass p + shift
+        b_set, t_set = set(b_passes), set(t_passes)
+        pairs = [(t, t - shift, t) for t in t_passes if t - shift in b_set]
+        extras = (("baseline", [p for p in b_passes if p + shift not in t_set]),
+                  ("target", [t for t in t_passes if t - shift not in b_set]))
+        for side, extra in extras:
             if extra:
                 missing.append({"kind": "passes", "only_in": side, "role": unit.role, "rank": unit.label,
                                 "passes": extra})
-        for item in missing:
-            if item.get("kind") == "passes" and item["only_in"] == "baseline" and item["rank"] == unit.label \
-                    and item["role"] == unit.role and shift:
-                item["passes"] = [p - shift for p in item["passes"]]
-        pairs = [(p, p - shift, p) for p in common]
     else:
         if align[0] == "meta":
             _, key, value = align
@@ -435,7 +431,8 @@ def _combine(shards: list, rule, atol: float, rtol: float, side: str):
 
 
 def _infer_rule(base_shards: list, target_shards: list):
-    """The concatenation dim (or 'replicated') that makes both sides the same shape, or a reason."""
+    """The concatenation dim (or 'replicated') that makes both sides the same shape; None when no
+    single dimension does (then an explicit rule is needed)."""
     shapes = {tuple(s.shape) for s in base_shards + target_shards}
     if len(shapes) == 1:
         return "replicated"
@@ -458,11 +455,10 @@ def _infer_rule(base_shards: list, target_shards: list):
     return candidates[0] if len(candidates) == 1 else None
 
 
-def _assemble(unit_side_shards, rule_source, name, options, atol, rtol):
-    base_shards, target_shards = unit_side_shards
+def _assemble(base_shards: list, target_shards: list, rule, atol: float, rtol: float):
+    """(baseline tensor, target tensor, rule used) from each side's TP shards."""
     if len(base_shards) == 1 and len(target_shards) == 1:
         return base_shards[0], target_shards[0], None
-    rule = rule_source
     if rule is None:
         rule = _infer_rule(base_shards, target_shards)
         if rule is None:
@@ -512,9 +508,9 @@ def _compare_name(unit, pass_pair, name, b_stage, t_stage, options, layouts, cac
             if name in layout:
                 rule = _layout_rule(layout[name], f"recorded {LAYOUT_META_KEY} of {name!r}")
                 break
-    base, target, used_rule = _assemble((base_shards, target_shards), rule, name, options, atol, rtol)
-    row = {"shape": _shape(target), "baseline_dtype": str(base.dtype).rpartition(".")[2],
-           "dtype": str(target.dtype).rpartition(".")[2], "atol": atol, "rtol": rtol,
+    base, target, used_rule = _assemble(base_shards, target_shards, rule, atol, rtol)
+    row = {"shape": _shape(target), "baseline_dtype": str(base_shards[0].dtype).rpartition(".")[2],
+           "dtype": str(target_shards[0].dtype).rpartition(".")[2], "atol": atol, "rtol": rtol,
            "unshard": used_rule}
     if base.shape != target.shape:
         raise _RowError("fail", f"shape {_shape(target)} vs baseline {_shape(base)}")

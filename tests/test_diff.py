@@ -1,6 +1,5 @@
 """fastdump diff / fastdump.diff on dumps made by fastdump itself from the toy models."""
 
-import copy
 import json
 import os
 import re
@@ -221,11 +220,12 @@ def test_recorded_layout_wins_over_inference(tmp_path):
 def test_tp2_against_tp2_pairs_ranks_by_number_not_directory(tmp_path):
     a = manual_dump(tmp_path / "a", 2)
     b = manual_dump(tmp_path / "b", 2, change=("embed", 0, 1))
-    dirs_a = sorted(os.listdir(a / "target"))
-    assert set(dirs_a).isdisjoint(os.listdir(b / "target")) or True  # pids may coincide; numbers decide
-    # Rename the rank directories so that no name matches across the runs: pairing must not care.
+    # Rename b's rank directories so that no name matches a's and tp rank 1 sorts first: pairing must
+    # follow the rank numbers in rank.json, not names or listing order.
     for entry in os.listdir(b / "target"):
-        os.rename(b / "target" / entry, b / "target" / entry.replace("_pid", "_sessionX_pid"))
+        prefix = "a" if entry.startswith("TP1_") else "z"
+        os.rename(b / "target" / entry, b / "target" / f"{prefix}-{entry.replace('_pid', '_sessionX_pid')}")
+    assert sorted(os.listdir(b / "target"))[0].startswith("a-TP1_")
     result = fastdump.diff(a, b)
     assert {row["rank"] for row in result.rows} == {0, 1}
     assert [(row["rank"], row["name"], row["pass"]) for row in result.failures] == [(1, "embed", 0)]
