@@ -568,6 +568,11 @@ class DiffResult:
         self.failed = len(failing)
         self.first_divergence = failing[0] if failing else None
 
+    def __repr__(self) -> str:
+        first = self.first_divergence
+        where = "" if first is None else f", first_divergence={first['name']!r} (pass {first['pass']})"
+        return f"DiffResult(ok={self.ok}, compared={self.compared}, failed={self.failed}{where})"
+
     @property
     def read_errors(self) -> list:
         return [row for row in self.rows if row["status"] == "error"]

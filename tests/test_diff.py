@@ -64,6 +64,8 @@ def test_twin_models_pass(twins, capsys):
     names = fastdump.open(twins[0]).pass_names("target", 0, 0)
     assert result.compared == 3 * len(names) and result.missing == []
     assert all(row["max_abs"] == 0 and row["rel_diff"] == 0 and row["status"] == "ok" for row in result.rows)
+    with fastdump.open(twins[0]) as opened:  # an open DumpSet works as well as a path
+        assert fastdump.diff(opened, twins[1]).to_json() == result.to_json()
 
 
 def test_perturbed_layer_is_the_first_divergence(twins, perturbed, capsys):
