@@ -106,7 +106,10 @@ def test_tiny_relative_perturbation_is_within_tolerance(twins, tmp_path, capsys)
 def test_json_output(twins, perturbed, capsys):
     code, out, _ = run(capsys, twins[0], perturbed, "--json")
     assert code == 1
-    data = json.loads(out)
+    def strict(constant):
+        raise AssertionError(f"not strict JSON: {constant}")
+
+    data = json.loads(out, parse_constant=strict)
     assert set(data) >= {"first_divergence", "compared", "failed", "missing", "rows"}
     first = data["first_divergence"]
     assert first["name"] == "model.layers.1.mlp.up" and first["pass"] == 0 and first["role"] == "target"
@@ -326,8 +329,12 @@ def test_bad_inputs_exit_2_without_traceback(tmp_path, twins, capsys):
     assert code == 2 and "no role 'draft'" in err
     code, _, err = run(capsys, twins[0], twins[1], "--name", "no-such-name")
     assert code == 2 and "matches no tensor" in err
-    code, _, err = run(capsys, twins[0], twins[1], "--tol", "bad")
-    assert code == 2 and "REGEX=ATOL,RTOL" in err
+    for option, value, message in (("--tol", "bad", "REGEX=ATOL,RTOL"), ("--tol", "x=1,-1", ">= 0"),
+                                   ("--unshard", "x=diagonal", "dimension, 'replicated' or 'sum'"),
+                                   ("--metric", "l2", "one of allclose"), ("--align", "meta:mode", "offset:K"),
+                                   ("--passes", "1..3", "N-M"), ("--name", "(", "bad regular expression")):
+        code, _, err = run(capsys, twins[0], twins[1], option, value)
+        assert code == 2 and message in err, (option, value, err)
     done = subprocess.run([sys.executable, "-m", "fastdump", "diff", str(twins[0]), str(unrelated)],
                           capture_output=True, text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": REPO})
     assert done.returncode == 2 and "Traceback" not in done.stderr and "different models" in done.stderr
