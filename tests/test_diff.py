@@ -213,6 +213,28 @@ def test_tp2_one_shard_changed_names_that_tensor(tmp_path, capsys):
     assert result.failures[0]["mismatches"] == 1
 
 
+def test_pp2_against_pp1_takes_stages_in_order(tmp_path):
+    base = manual_dump(tmp_path / "pp1", 1)
+    root = tmp_path / "pp2"
+    names = list(FULL)
+    stages = [fastdump.attach(None, root, pp_rank=r, pp_size=2, tp_rank=0, tp_size=1, writer="thread")
+              for r in range(2)]
+    try:
+        for pass_id in range(3):
+            for stage, dumper in enumerate(stages):  # stage 0 holds the first half of the model
+                dumper.begin_pass()
+                for name in names[2 * stage:2 * stage + 2]:
+                    dumper.dump(name, shards_of(name, pass_id, 1)[0])
+                dumper.end_pass()
+    finally:
+        for dumper in stages:
+            dumper.close()
+    result = fastdump.diff(base, root)
+    assert result.ok and result.compared == 3 * 4
+    assert [row["name"] for row in result.rows if row["pass"] == 0] == names
+    assert {row["rank"] for row in result.rows} == {"dp0:merged"}
+
+
 def test_recorded_layout_wins_over_inference(tmp_path):
     base = manual_dump(tmp_path / "tp1", 1)
     target = manual_dump(tmp_path / "tp2", 2, layout={"o_partial": "sum"})
