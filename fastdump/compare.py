@@ -5,15 +5,15 @@ How the two sides line up:
     name), never by directory name (those carry a pid and differ between any two runs);
   * when both sides have the same TP and PP sizes, rank (dp, pp, tp) pairs with rank (dp, pp, tp);
     otherwise each side's ranks are merged into whole tensors (TP unshard, PP stages in order);
-  * passes by pass id, or (``align``) the n-th pass with the n-th pass, optionally only passes
-    whose metadata field has a given value (``meta:forward_mode=decode``);
+  * passes by pass id, shifted by an offset, or (``align``) the n-th pass with the n-th pass,
+    optionally only passes whose metadata field has a given value (``meta:forward_mode=decode``);
   * tensors by name; within a pass they are visited in the target's dump order (execution order),
     which is what "first divergence" means: the earliest pass first, then the first tensor dumped.
 
 (This module is ``compare``, not ``diff``, so that it never shadows the function ``fastdump.diff``.)
 
-Tensors are read one name at a time (all shards of that name, never a whole dump) and compared in
-float64 chunks by ``fastdump.stats.compare``.
+Tensors are read one name at a time (all shards of that name; a small pass is read whole, one
+pass pair at a time, never a whole dump) and compared in float64 chunks by ``fastdump.stats.compare``.
 """
 
 from __future__ import annotations
