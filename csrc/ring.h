@@ -16,7 +16,7 @@ constexpr uint64_t kMagic = 0x31474e4952504446ull;  // "FDPRING1"
 constexpr uint64_t kVersion = 1;
 constexpr uint64_t kAlign = 64;
 constexpr uint64_t kHeaderBytes = 4096;
-constexpr uint32_t kMaxDims = 64;
+constexpr uint32_t kMaxDims = 32;  // HDF5 datasets hold at most 32 dimensions (H5S_MAX_RANK)
 
 enum RecordState : uint32_t { kAllocated = 0, kReady = 1, kAbandoned = 2 };
 enum RecordKind : uint32_t { kTensor = 1, kControl = 2, kPad = 3 };

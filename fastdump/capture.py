@@ -9,8 +9,11 @@ returning, so later in-place kernels cannot change what is dumped.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
+import math
+import numbers
 import os
 import re
 import socket
@@ -33,12 +36,31 @@ _open_dumpers: "weakref.WeakSet[Dumper]" = weakref.WeakSet()
 
 
 def close_all() -> None:
-    """Close every open Dumper (interpreter exit)."""
+    """Close every open Dumper of this process (interpreter exit)."""
     for dumper in list(_open_dumpers):
+        if dumper._pid != os.getpid():
+            continue  # a forked child never touches its parent's dumpers (see _forget_parent_dumpers)
         try:
             dumper.close()
         except Exception as exc:
             log.error("fastdump: closing %s at exit failed: %s", dumper.dir, exc)
+
+
+def _forget_parent_dumpers() -> None:
+    """In a child made by os.fork(): the parent's Dumpers and engine are the parent's alone.
+
+    The child shares the parent's ring mapping and writer pipes; a close or a staged tensor from it
+    would land in the parent's dump (or shut it down). Its copies of the parent's Dumpers become
+    pass-throughs; the child may attach Dumpers of its own, which start their own engine."""
+    for dumper in list(_open_dumpers):
+        dumper._capturing = False
+        dumper._engine = dumper._producer = None
+        dumper.status = "not dumping in this process (forked child of the attaching process)"
+    _open_dumpers.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_parent_dumpers)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -71,6 +93,10 @@ def resolve_ranks(tp_rank=None, tp_size=None, pp_rank=None, pp_size=None, dp_ran
         tp_rank = dist_rank if dist_rank is not None else _env_int("TP_RANK", "RANK", "LOCAL_RANK")
     if tp_size is None:
         tp_size = dist_size if dist_size is not None else _env_int("TP_SIZE", "WORLD_SIZE")
+    for key, value in (("tp_rank", tp_rank), ("tp_size", tp_size), ("pp_rank", pp_rank), ("pp_size", pp_size),
+                       ("dp_rank", dp_rank), ("dp_size", dp_size), ("ep_rank", ep_rank), ("ep_size", ep_size)):
+        if value is not None:
+            _check_int(key, value, 1 if key.endswith("_size") else 0)
     ranks = {
         "tp_rank": tp_rank or 0, "tp_size": tp_size or 1,
         "pp_rank": pp_rank or 0, "pp_size": pp_size or 1,
@@ -135,10 +161,10 @@ class Dumper:
                  policy="block", writer="process", writer_priority="idle", ring_mb=256, device_ring_mb=256,
                  segment_passes=64, segment_mb=256, segment_seconds=30.0, root_passes=True, root_name=None,
                  strict=False, pass_meta=None):
-        _validate(role=role, policy=policy, writer=writer, writer_priority=writer_priority, every=every,
-                  skip_passes=skip_passes,
-                  pass_range=pass_range, max_bytes=max_bytes, ring_mb=ring_mb, segment_passes=segment_passes,
-                  segment_mb=segment_mb, segment_seconds=segment_seconds)
+        _validate(root=root, role=role, policy=policy, writer=writer, writer_priority=writer_priority, every=every,
+                  skip_passes=skip_passes, pass_range=pass_range, max_bytes=max_bytes, ring_mb=ring_mb,
+                  device_ring_mb=device_ring_mb, segment_passes=segment_passes, segment_mb=segment_mb,
+                  segment_seconds=segment_seconds, layers=layers)
         self.role = role
         self.ranks = ranks
         self.root = Path(root).absolute()
@@ -146,7 +172,7 @@ class Dumper:
         self.policy = policy
         self.inputs = bool(inputs)
         self.skip_passes, self.every = int(skip_passes), int(every)
-        self.pass_range = tuple(pass_range) if pass_range is not None else None
+        self.pass_range = tuple(int(p) for p in pass_range) if pass_range is not None else None
         self.max_bytes = max_bytes
         self.device_ring_mb = device_ring_mb
         self.pass_id = -1
@@ -161,10 +187,16 @@ class Dumper:
         self._meta: dict = {}
         self._next_meta: dict = dict(pass_meta or {})
         self._skipped: dict = {}         # name -> reason, this pass
+        self._incomplete = None          # why this pass is not whole (a forward raised, ...), or None
+        self._mixed = False              # forwards of several threads ran in this pass
+        self._pass_thread = None         # thread that opened the pass
+        self._manual_opener = None       # (frame, instruction) of the begin_pass() that opened it
+        self._said: set = set()          # warnings already logged once
+        self._names_lock = threading.Lock()
         self._dropped_pass = 0
         self._budget_reached = False
         self._totals = {"passes": 0, "tensors": 0, "bytes": 0, "dropped": 0, "skipped": 0, "dropped_passes": 0,
-                        "lost_pass_ends": 0}
+                        "lost_pass_ends": 0, "incomplete_passes": 0, "mixed_passes": 0}
         self._wrapped: list = []
         self._engine = None
         self._channel = None
@@ -203,9 +235,22 @@ class Dumper:
 
     # -- public API ------------------------------------------------------------------------------
     def begin_pass(self, **meta) -> None:
-        """Start a pass by hand (nests: only the outermost begin/end pair counts)."""
+        """Start a pass by hand (nests: only the outermost begin/end pair counts).
+
+        The pass lasts until the matching ``end_pass()``, across any number of root forwards, as
+        long as the function that called ``begin_pass()`` is running. Once that function has
+        returned without ``end_pass()``, or when the same ``begin_pass()`` call runs again, the pass
+        is dangling: it is closed (recorded incomplete, logged) at the next root forward or
+        ``begin_pass()``, which start a pass of their own."""
+        caller = sys._getframe(1)
+        opener = self._manual_opener
+        if opener is not None and opener[0] is caller and opener[1] == caller.f_lasti:
+            self._close_dangling("begin_pass() ran again before end_pass()")
         (self._meta if self._depth > 0 else self._next_meta).update(meta)  # nested: the open pass's
+        opening = self._depth == 0
         self._begin()
+        if opening:
+            self._manual_opener = (caller, caller.f_lasti)
 
     def end_pass(self) -> None:
         self._end()
@@ -243,9 +288,10 @@ class Dumper:
             self._closed = True
         self._unwrap()
         _open_dumpers.discard(self)
-        if self._engine is None:
-            return self.stats()
+        if self._engine is None or self._pid != os.getpid():
+            return self.stats()  # never started, or a forked child's copy: the parent's engine is not ours
         if self._depth > 0:
+            self._mark_incomplete("still open at close(): end_pass() was not called")
             self._depth = 1
             self._end()
         if self._engine.alive and self.status == "running":
@@ -271,7 +317,11 @@ class Dumper:
     def _begin(self) -> None:
         self._depth += 1
         if self._depth > 1:
+            if self._pass_thread != threading.get_ident():
+                self._mark_mixed()
             return
+        self._pass_thread = threading.get_ident()
+        self._incomplete, self._mixed = None, False
         self.pass_id += 1
         self._meta, self._next_meta = self._next_meta, {}
         self._calls.clear()
@@ -294,13 +344,22 @@ class Dumper:
         if self._depth == 0:
             return
         self._depth -= 1
-        if self._depth > 0 or not self._capturing:
+        if self._depth > 0:
+            return
+        self._manual_opener = None  # (holds a frame: let it go with the pass)
+        if not self._capturing:
             return
         self._capturing = False
         self._totals["passes"] += 1
         msg = {"op": "end", "channel": self._channel, "pass": self.pass_id, "meta": _jsonable(self._meta),
                "dropped": self._dropped_pass,
                "skipped": [{"name": n, "reason": r} for n, r in self._skipped.items()]}
+        if self._incomplete is not None:
+            self._totals["incomplete_passes"] += 1
+            msg["incomplete"] = self._incomplete  # the writer records the pass as not complete
+            if self._mixed:
+                self._totals["mixed_passes"] += 1
+                msg["mixed"] = True  # `fastdump verify` fails on it
         if self._engine.control(msg, block=self._block):
             return
         if not self._engine.alive:
@@ -322,41 +381,111 @@ class Dumper:
             return False
         return True
 
+    def _mark_incomplete(self, reason: str) -> None:
+        """The open pass is not a whole forward; the first reason is the one recorded."""
+        if self._incomplete is None:
+            self._incomplete = reason
+
+    def _mark_mixed(self) -> None:
+        """A second thread entered the open pass: its tensors and the first thread's are merged."""
+        if self._mixed:
+            return
+        self._mixed = True
+        self._mark_incomplete("forwards of several threads ran at once in this pass (mixed tensors)")
+        self._say_once("threads", "fastdump: %s: forwards from several threads at once on one Dumper: their "
+                                  "passes are merged, marked incomplete (mixed) and fail `fastdump verify`; "
+                                  "attach one Dumper per thread or serialize the forwards", self.dir)
+
+    def _forward_raised(self, exc: BaseException) -> None:
+        if self._depth > 0:
+            self._mark_incomplete(f"a forward raised {type(exc).__name__}: {_short(exc)}")
+
+    def _root_begin(self) -> None:
+        """A root forward starts: close a dangling manual pass first (see begin_pass)."""
+        opener = self._manual_opener
+        if (opener is not None and self._pass_thread == threading.get_ident()
+                and not _on_stack(opener[0], sys._getframe(1))):
+            self._close_dangling("the function that called begin_pass() returned without end_pass()")
+        self._begin()
+
+    def _close_dangling(self, why: str) -> None:
+        self._mark_incomplete(f"dangling manual pass: {why}; closed at the next pass")
+        self._say_once("dangling", "fastdump: %s: %s; the open pass %d is closed, marked incomplete",
+                       self.dir, why, self.pass_id)
+        self._depth = 1
+        self._end()
+
+    def _say_once(self, key: str, fmt: str, *args) -> None:
+        if key not in self._said:
+            self._said.add(key)
+            log.warning(fmt, *args)
+
     # -- capture (hot path) ------------------------------------------------------------------------
     def _capture(self, name: str, value) -> None:
+        if not self._capturing:
+            return
         k = self._calls.get(name, 0)
         self._calls[name] = k + 1
-        self._emit(name if k == 0 else f"{name}#{k}", value)
+        self._emit_safely(name if k == 0 else f"{name}#{k}", value)
 
-    def _emit(self, name: str, value) -> None:
+    def _emit_safely(self, name: str, value) -> None:
+        try:
+            self._emit(name, value, ())
+        except Exception as exc:  # never into the model: the value is skipped with the reason
+            self._capture_failed(name, value, exc)
+
+    def _emit(self, name: str, value, outer: tuple) -> None:
+        """Stage ``value``'s tensors under ``name``; ``outer``: ids of the containers it sits in."""
         if isinstance(value, _Tensor):
-            self._stage(name, value)
-        elif isinstance(value, (tuple, list)):
-            for i, item in enumerate(value):
-                self._emit(f"{name}.{i}", item)
-        elif isinstance(value, dict):
-            for key, item in value.items():
-                self._emit(f"{name}.{key}", item)
-        elif value is None or isinstance(value, (int, float, bool, str)):
-            pass  # not tensor data
-        elif hasattr(value, "__cuda_array_interface__") or hasattr(value, "__dlpack__"):
-            self._stage_array(name, value)
+            return self._stage(name, value)
+        if value is None or isinstance(value, (int, float, bool, str, bytes)):
+            return  # not tensor data
+        if hasattr(value, "__cuda_array_interface__") or hasattr(value, "__dlpack__"):
+            return self._stage_array(name, value)
+        if isinstance(value, (tuple, list, dict)) or _is_dataclass_instance(value):
+            if id(value) in outer:
+                return self._skip(name, "refers to a container it is inside of (self-referencing output)")
+            if len(outer) >= _MAX_NESTING:
+                return self._skip(name, f"nested more than {_MAX_NESTING} containers deep")
+            outer = outer + (id(value),)
+            if isinstance(value, (tuple, list)):
+                for i, item in enumerate(value):
+                    self._emit(f"{name}.{i}", item, outer)
+            elif isinstance(value, dict):
+                for key, item in value.items():
+                    self._emit(f"{name}.{key}", item, outer)
+            else:
+                for field in dataclasses.fields(value):
+                    self._emit(f"{name}.{field.name}", getattr(value, field.name), outer)
+            return
+        self._skip(name, f"{type(value).__module__}.{type(value).__qualname__} holds no tensor fastdump can read")
+
+    def _capture_failed(self, name: str, value, exc: Exception) -> None:
+        if isinstance(value, _Tensor) and value.is_nested:
+            reason = f"nested tensor (layout {value.layout}) is not supported"
+        else:
+            reason = f"cannot capture {type(value).__name__}: {type(exc).__name__}: {_short(exc)}"
+        self._skip(name, reason)
+        self._say_once(("failed", reason), "fastdump: %s: %s skipped: %s", self.dir, name, reason)
 
     def _name_id(self, name: str) -> int:
         nid = self._name_ids.get(name)
         if nid is None:
-            nid = len(self._name_ids)
-            if not self._engine.control({"op": "name", "channel": self._channel, "id": nid, "name": name},
-                                        block=self._block):
-                return None  # `drop` with a full ring: the tensor goes too
-            self._name_ids[name] = nid
+            with self._names_lock:  # two threads must never give two names one id
+                nid = self._name_ids.get(name)
+                if nid is None:
+                    nid = len(self._name_ids)
+                    if not self._engine.control({"op": "name", "channel": self._channel, "id": nid, "name": name},
+                                                block=self._block):
+                        return None  # `drop` with a full ring: the tensor goes too
+                    self._name_ids[name] = nid
         return nid
 
     def _stage(self, name: str, t, code=None) -> None:
         # The hot path: a few attribute reads and one call into C++ for a CPU tensor.
         if code is None:
             code = _FAST_CODES.get(t.dtype)
-            if code is None or t.layout is not _strided:
+            if code is None or t.layout is not _strided or t.is_neg():
                 return self._stage_checked(name, t)
         name_id = self._name_ids.get(name)
         if name_id is None:
@@ -381,7 +510,8 @@ class Dumper:
             self._account(name, status, t.nbytes)
 
     def _stage_checked(self, name: str, t) -> None:
-        """The rare cases: unsupported dtypes and layouts, complex tensors with lazy conj/neg bits."""
+        """The rare cases: unsupported dtypes and layouts, lazy conj/neg bits (complex tensors, and
+        real views such as ``z.conj().imag`` that carry torch's negation bit)."""
         code = _dtypes.code_of(t.dtype)
         if code < 0:
             return self._skip(name, _dtypes.UNSUPPORTED_REASON.get(_dtypes.torch_name(t.dtype), f"dtype {t.dtype}"))
@@ -415,7 +545,7 @@ class Dumper:
         elif status == _C.DROPPED:
             self._dropped_pass += 1
             self._totals["dropped"] += 1
-        elif status == _C.TOO_LARGE:
+        elif status == _C.TOO_LARGE:  # _C.MAX_DIMS is HDF5's limit: the writer could not store it
             self._skip(name, "more than %d dimensions" % _C.MAX_DIMS)
         elif status == _CAPTURING:
             # Python wrappers run only while a graph is captured, never on replay: copying then
@@ -481,10 +611,16 @@ class Dumper:
         dumper = self
         inputs = self.inputs
 
-        @functools.wraps(forward)  # keeps the signature: transformers' generate() inspects it
+        @_wraps(forward)  # keeps the signature: transformers' generate() inspects it
         def forward_and_capture(*args, **kwargs):
             if not dumper._capturing:
                 return forward(*args, **kwargs)
+            if _is_compiling():  # torch.compile is tracing us: stage the real values at graph breaks
+                if inputs:
+                    _outside_graph(dumper._capture_inputs, name, args, kwargs)
+                out = forward(*args, **kwargs)
+                _outside_graph(dumper._capture, name, out)
+                return out
             if inputs:  # before forward: it may change its inputs in place
                 dumper._capture_inputs(name, args, kwargs)
             out = forward(*args, **kwargs)
@@ -492,7 +628,10 @@ class Dumper:
                 calls = dumper._calls
                 if type(out) is _TensorType and name not in calls:
                     calls[name] = 1  # the common case, inlined: first call, one plain tensor
-                    dumper._stage(name, out)
+                    try:  # free in 3.11 unless raised: nothing fastdump does may raise into the model
+                        dumper._stage(name, out)
+                    except Exception as exc:
+                        dumper._capture_failed(name, out, exc)
                 else:
                     dumper._capture(name, out)
             return out
@@ -502,19 +641,23 @@ class Dumper:
     def _root_wrapper(self, name, forward):
         dumper = self
 
-        @functools.wraps(forward)
+        @_wraps(forward)
         def forward_in_pass(*args, **kwargs):
             if getattr(forward_in_pass, "__fastdump_off__", False):
                 return forward(*args, **kwargs)
-            dumper._begin()
+            outside = _outside_graph if _is_compiling() else _call  # once per pass: cheap
+            outside(dumper._root_begin)
             try:
                 if name is not None and dumper.inputs and dumper._capturing:
-                    dumper._capture_inputs(name, args, kwargs)
+                    outside(dumper._capture_inputs, name, args, kwargs)
                 out = forward(*args, **kwargs)
                 if name is not None and dumper._capturing:
-                    dumper._capture(name, out)
+                    outside(dumper._capture, name, out)
+            except BaseException as exc:
+                outside(dumper._forward_raised, exc)
+                raise
             finally:
-                dumper._end()
+                outside(dumper._end)
             return out
 
         return forward_in_pass
@@ -522,16 +665,19 @@ class Dumper:
     def _capture_inputs(self, name: str, args, kwargs) -> None:
         k = self._calls.get(name, 0)  # inputs of the k-th call share its #k
         base = name if k == 0 else f"{name}#{k}"
+        if not self._capturing:
+            return
         for i, arg in enumerate(args):
-            self._emit(f"{base}.input.{i}", arg)
+            self._emit_safely(f"{base}.input.{i}", arg)
         for key, arg in kwargs.items():
-            self._emit(f"{base}.input.{key}", arg)
+            self._emit_safely(f"{base}.input.{key}", arg)
 
 
 # ------------------------------------------------------------------------------------------------
 # helpers
 
 _MISSING = object()
+_MAX_NESTING = 32  # containers inside containers in one output; deeper is skipped with the reason
 _CAPTURING = getattr(_C, "CAPTURING", 5)  # CudaStager.stage: the producer stream is being captured
 
 try:  # torch is a dependency of every model we dump; import it once, here
@@ -562,6 +708,52 @@ def _fast_codes() -> dict:
 
 
 _FAST_CODES = _fast_codes()
+
+
+def _call(fn, *args):
+    return fn(*args)
+
+
+if _torch is not None and hasattr(_torch, "_disable_dynamo"):
+    _is_compiling = _torch.compiler.is_compiling
+    # torch.compile must not trace into the staging code (symbolic shapes, raw pointers): a call
+    # through this is a graph break, and the staging runs eagerly on the real tensors. Lazy: it
+    # imports torch._dynamo only when first used, which is while Dynamo is tracing anyway.
+    _outside_graph = _torch._disable_dynamo(_call)
+else:  # pragma: no cover - without torch nothing is compiled
+    def _is_compiling() -> bool:
+        return False
+
+    _outside_graph = _call
+
+
+def _wraps(forward):
+    """functools.wraps without our own markers: it copies ``__dict__``, and a wrapper made over a
+    stale fastdump wrapper must not inherit its ``__fastdump_off__``."""
+    def decorate(wrapper):
+        functools.wraps(forward)(wrapper)
+        wrapper.__dict__.pop("__fastdump_off__", None)
+        return wrapper
+
+    return decorate
+
+
+def _is_dataclass_instance(value) -> bool:
+    return dataclasses.is_dataclass(value) and not isinstance(value, type)
+
+
+def _on_stack(frame, start) -> bool:
+    """Whether ``frame`` is still running: ``start`` or one of its callers."""
+    while start is not None:
+        if start is frame:
+            return True
+        start = start.f_back
+    return False
+
+
+def _short(exc: BaseException, limit: int = 200) -> str:
+    text = str(exc)
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def _root_selected(root_name: str, selection: dict) -> bool:
@@ -623,9 +815,11 @@ def _write_manifest(root: Path, config: dict) -> None:
     })
 
 
-def _validate(*, role, policy, writer, writer_priority, every, skip_passes, pass_range, max_bytes, ring_mb,
-              segment_passes, segment_mb, segment_seconds) -> None:
+def _validate(*, root, role, policy, writer, writer_priority, every, skip_passes, pass_range, max_bytes, ring_mb,
+              device_ring_mb, segment_passes, segment_mb, segment_seconds, layers) -> None:
     """Bad settings fail at attach, before the model runs, with one clear message."""
+    if not isinstance(root, (str, os.PathLike)) or not os.fspath(root):
+        raise ValueError(f"root must be a non-empty directory path, not {root!r}")
     if not isinstance(role, str) or not role or "/" in role or role in (".", ".."):
         raise ValueError(f"role must be a plain directory name, not {role!r}")
     if policy not in ("block", "drop"):
@@ -634,15 +828,35 @@ def _validate(*, role, policy, writer, writer_priority, every, skip_passes, pass
         raise ValueError(f"writer must be 'process' or 'thread', not {writer!r}")
     if writer_priority not in ("idle", "normal"):
         raise ValueError(f"writer_priority must be 'idle' or 'normal', not {writer_priority!r}")
-    if int(every) < 1:
-        raise ValueError(f"every must be >= 1, not {every!r}")
-    if int(skip_passes) < 0:
-        raise ValueError(f"skip_passes must be >= 0, not {skip_passes!r}")
-    if pass_range is not None and (len(pass_range) != 2 or pass_range[0] > pass_range[1]):
-        raise ValueError(f"pass_range must be (start, stop) with start <= stop, not {pass_range!r}")
-    if max_bytes is not None and max_bytes < 0:
-        raise ValueError(f"max_bytes must be >= 0, not {max_bytes!r}")
-    if ring_mb <= 0.25:
-        raise ValueError(f"ring_mb must be more than 0.25, not {ring_mb!r}")
-    if segment_passes < 1 or segment_mb <= 0 or segment_seconds <= 0:
-        raise ValueError("segment_passes, segment_mb and segment_seconds must be positive")
+    _check_int("every", every, 1)
+    _check_int("skip_passes", skip_passes, 0)
+    _check_int("segment_passes", segment_passes, 1)
+    if max_bytes is not None:
+        _check_int("max_bytes", max_bytes, 0)
+    if pass_range is not None:
+        if not isinstance(pass_range, (tuple, list)) or len(pass_range) != 2:
+            raise ValueError(f"pass_range must be (start, stop) with start <= stop, not {pass_range!r}")
+        _check_int("pass_range start", pass_range[0], 0)
+        _check_int("pass_range stop", pass_range[1], 0)
+        if pass_range[0] > pass_range[1]:
+            raise ValueError(f"pass_range must be (start, stop) with start <= stop, not {pass_range!r}")
+    if layers is not None:
+        for layer in layers:
+            _check_int("each of layers", layer, 0)
+    _check_number("ring_mb", ring_mb, above=0.25)
+    _check_number("device_ring_mb", device_ring_mb, above=0)
+    _check_number("segment_mb", segment_mb, above=0)
+    _check_number("segment_seconds", segment_seconds, above=0)
+
+
+def _check_int(what: str, value, minimum: int) -> None:
+    """An integer (not a bool, not 1.5) of at least ``minimum``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
+        raise ValueError(f"{what} must be an integer >= {minimum}, not {value!r}")
+
+
+def _check_number(what: str, value, above: float) -> None:
+    """A finite real number (not a bool, not NaN) greater than ``above``."""
+    if (isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value)
+            or not value > above):
+        raise ValueError(f"{what} must be a finite number > {above:g}, not {value!r}")
