@@ -203,12 +203,13 @@ def _check_open_segment(report: _Report, where: str, h5file, read_data: bool):
         return None
     if len(pass_meta) != len(passes):
         report.problem(where, f"{len(pass_meta)} pass_meta entries for {len(passes)} passes")
-    for text in pass_meta:
+    for row, text in zip(passes, pass_meta):
         try:
-            json.loads(text)
+            entry = json.loads(text)
         except ValueError:
             report.problem(where, "pass_meta entry is not JSON")
             break
+        _check_pass_reports(report, where, int(row["pass"]), entry)
     if len(index) and (index["name"].min() < 0 or index["name"].max() >= len(names)):
         report.problem(where, "index refers to a name outside the name table")
 
@@ -253,6 +254,19 @@ def _check_open_segment(report: _Report, where: str, h5file, read_data: bool):
         if stored is not None and summary[key] is not None and int(stored) != summary[key]:
             report.problem(where, f"attribute {key}={int(stored)} but the tables say {summary[key]}")
     return summary
+
+
+def _check_pass_reports(report: _Report, where: str, pass_id: int, entry) -> None:
+    """What the capture side said about a pass: mixed tensors of concurrent forwards fail the dump
+    (they cannot be told apart); other reasons a pass is incomplete (a forward that raised, a
+    dangling manual pass) are reported."""
+    if not isinstance(entry, dict) or not entry.get("incomplete"):
+        return
+    reason = _printable(str(entry["incomplete"]))
+    if entry.get("mixed"):
+        report.problem(where, f"pass {pass_id} mixes tensors of several forwards: {reason}")
+    else:
+        report.warning(where, f"pass {pass_id} is incomplete: {reason}")
 
 
 def _read_all(dataset, rows_per_read: int = 1 << 16) -> None:

@@ -252,18 +252,21 @@ class DumpSet:
 
     def meta(self, role: str = None, rank=None, pass_id: int = None) -> dict:
         """Pass metadata as given by the capture side, plus ``complete``, ``dropped``, ``skipped``,
-        ``tensors`` and ``bytes`` (these five keys are fastdump's own)."""
+        ``tensors`` and ``bytes`` (these five keys are fastdump's own), and, for a pass the capture
+        side marked incomplete, ``incomplete`` (the reason) and ``mixed`` (several threads' forwards)."""
         merged, complete, dropped, skipped, tensors, nbytes = {}, True, 0, [], 0, 0
+        reported = {}  # why the capture side marked the pass incomplete, if it did
         for segment in self._segments_of_pass(role, rank, pass_id):
             row, meta = segment.pass_record(pass_id)
             merged.update(meta.get("meta") or {})
+            reported.update({key: meta[key] for key in ("incomplete", "mixed") if meta.get(key)})
             complete = bool(row["complete"])  # a pass split over segments counts as its last part says
             dropped += int(row["dropped"])
             skipped.extend(meta.get("skipped") or [])
             tensors += int(row["tensors"])
             nbytes += int(row["bytes"])
         return {**merged, "complete": complete, "dropped": dropped, "skipped": skipped,
-                "tensors": tensors, "bytes": nbytes}
+                "tensors": tensors, "bytes": nbytes, **reported}
 
     def load(self, role: str = None, rank=None, pass_id: int = None, select=None) -> dict:
         """{name: tensor} of one pass, in the order the tensors were dumped.

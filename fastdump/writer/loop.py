@@ -77,7 +77,7 @@ class WriterLoop:
                         try:
                             writer.on_tensor(name_id, pass_id, dtype, shape, data)
                         except Exception as exc:
-                            self._fail_writer(writer, exc)
+                            self._tensor_failed(writer, name_id, pass_id, exc)
                     continue
                 consumer.release()  # every view before this control is consumed
                 msg = json.loads(payload)
@@ -125,7 +125,8 @@ class WriterLoop:
         args = {
             "name": lambda: (msg["id"], msg["name"]),
             "begin": lambda: (msg["pass"], msg.get("meta") or {}),
-            "end": lambda: (msg["pass"], msg.get("meta") or {}, msg.get("dropped", 0), msg.get("skipped", [])),
+            "end": lambda: (msg["pass"], msg.get("meta") or {}, msg.get("dropped", 0), msg.get("skipped", []),
+                            msg.get("incomplete"), msg.get("mixed", False)),
             "note": lambda: (msg,),
             "close": lambda: (msg.get("stats") or {},),
         }[op]()
@@ -151,6 +152,19 @@ class WriterLoop:
             getattr(writer, method)(*args)
         except Exception as exc:
             self._fail_writer(writer, exc)
+
+    def _tensor_failed(self, writer, name_id: int, pass_id: int, exc: Exception) -> None:
+        """One tensor the channel could not take: a recorded skip, not a dead writer, unless the
+        channel itself failed (a disk error), which stops writing as before."""
+        if getattr(writer, "failed", False):
+            return self._fail_writer(writer, exc)
+        reason = f"writer could not store it: {type(exc).__name__}: {exc}"
+        log.error("fastdump writer: %s: tensor #%s of pass %s skipped: %s", writer_dir(writer), name_id, pass_id,
+                  reason)
+        try:
+            writer.skip_tensor(name_id, pass_id, reason)
+        except Exception as exc2:
+            self._fail_writer(writer, exc2)
 
     def _fail_writer(self, writer, exc: Exception) -> None:
         self._fail(f"{writer_dir(writer)}: {type(exc).__name__}: {exc}")

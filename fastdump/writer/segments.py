@@ -29,6 +29,7 @@ from . import format as fmt
 from .h5segment import Block, OpenSegment, write_segment
 
 MiB = 1 << 20
+MAX_DIMS = 32  # HDF5's limit on a dataset's dimensions (H5S_MAX_RANK); capture skips larger ones too
 
 # Tensors this large skip the in-memory buffer: they are written into the segment's file as they
 # arrive (OpenSegment.write_direct), one dataset each, from the ring, where they start on a page so
@@ -43,7 +44,7 @@ _FORCE_FLUSH_FACTOR = 4
 
 
 class _Pass:
-    __slots__ = ("pass_id", "meta", "ended", "dropped", "skipped", "tensors", "nbytes")
+    __slots__ = ("pass_id", "meta", "ended", "dropped", "skipped", "tensors", "nbytes", "incomplete", "mixed")
 
     def __init__(self, pass_id: int):
         self.pass_id = pass_id
@@ -53,6 +54,8 @@ class _Pass:
         self.skipped: list = []
         self.tensors = 0
         self.nbytes = 0
+        self.incomplete = None  # why the capture side says the pass is not whole (it ended all the same)
+        self.mixed = False  # forwards of several threads merged into it
 
 
 class _PendingSegment:
@@ -68,6 +71,16 @@ class _PendingSegment:
         self.open_passes = 0
         self.nbytes = 0
         self.started = None  # time.time() of the first event
+
+
+def _pass_meta(record: _Pass) -> dict:
+    """A pass's PASS_META entry; ``incomplete``/``mixed`` only when the capture side reported them."""
+    entry = {"meta": record.meta, "skipped": record.skipped}
+    if record.incomplete is not None:
+        entry["incomplete"] = record.incomplete
+        if record.mixed:
+            entry["mixed"] = True
+    return entry
 
 
 def _limit(config: dict, key: str, scale: float = 1.0):
@@ -162,7 +175,8 @@ class ChannelWriter:
         if type(shape) is not tuple:
             shape = tuple(shape)
         nbytes = len(data)  # 1-D uint8: bytes, numpy array or a view into the ring
-        if not 0 <= dtype_code < len(dtypes.ITEMSIZE) or nbytes != math.prod(shape) * dtypes.ITEMSIZE[dtype_code]:
+        if (not 0 <= dtype_code < len(dtypes.ITEMSIZE) or len(shape) > MAX_DIMS
+                or nbytes != math.prod(shape) * dtypes.ITEMSIZE[dtype_code]):
             self._skip(record, name_id, f"bad record: dtype code {dtype_code}, shape {list(shape)}, {nbytes} bytes")
             return
         if shape and nbytes >= DIRECT_BYTES:
@@ -178,17 +192,21 @@ class ChannelWriter:
         block = pending.block_by_layout.get(layout)
         if block is None:
             block = self._new_block(layout, shape)
+        block.data.append(data)  # our copy: ``data`` may be a view into the ring; first, so a failure leaves no index row
         pending.index.append((pass_id, block.name_slot, block.number, block.rows, rows))
-        block.data.append(data)  # our copy: ``data`` may be a view into the ring
         block.rows += rows
         record.tensors += 1
         record.nbytes += nbytes
         pending.nbytes += nbytes
 
-    def on_end(self, pass_id: int, meta: dict, dropped: int = 0, skipped: list = ()) -> None:
+    def on_end(self, pass_id: int, meta: dict, dropped: int = 0, skipped: list = (), incomplete: str = None,
+               mixed: bool = False) -> None:
         if self.error is not None or self._closed:
             return
         record = self._pass(pass_id)
+        if incomplete:
+            record.incomplete = str(incomplete)
+            record.mixed = bool(mixed)
         if meta:
             record.meta.update(meta)
         if dropped:
@@ -303,6 +321,12 @@ class ChannelWriter:
         record.nbytes += nbytes
         pending.nbytes += nbytes
 
+    def skip_tensor(self, name_id: int, pass_id: int, reason: str) -> None:
+        """A tensor the loop could not hand over (on_tensor raised): recorded, the rest goes on."""
+        if self.error is not None or self._closed:
+            return
+        self._skip(self._pass(pass_id), name_id, reason)
+
     def _skip(self, record: _Pass, name_id: int, reason: str) -> None:
         name = self._names.get(name_id, f"<unnamed {name_id}>")
         self._record_skip(record, {"name": name, "reason": reason})
@@ -345,13 +369,14 @@ class ChannelWriter:
         passes = list(pending.passes.values())
 
         pass_table = np.array(
-            [(p.pass_id, p.ended, p.dropped, p.tensors, p.nbytes) for p in passes], dtype=fmt.PASS_DTYPE
+            [(p.pass_id, p.ended and p.incomplete is None, p.dropped, p.tensors, p.nbytes) for p in passes],
+            dtype=fmt.PASS_DTYPE,
         )
-        pass_meta = [{"meta": p.meta, "skipped": p.skipped} for p in passes]
+        pass_meta = [_pass_meta(p) for p in passes]
         index = np.array(pending.index, dtype=fmt.INDEX_DTYPE)
         pass_ids = pass_table["pass"]
         tensors = len(pending.index)
-        complete = all(p.ended for p in passes)
+        complete = all(p.ended for p in passes)  # every pass ended: none continues in the next segment
         summary = {
             "first_pass": int(pass_ids.min()),
             "last_pass": int(pass_ids.max()),

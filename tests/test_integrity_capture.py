@@ -1,0 +1,480 @@
+"""Capture-side integrity (issue 9): nothing fastdump accepts may be lost, mixed or changed silently,
+and nothing it does may raise into, stall or change the model it watches."""
+
+import dataclasses
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import fastdump
+from fastdump import _C, cli_dump
+from fastdump.writer.loop import WriterLoop
+from test_writer_loop import ScriptedConsumer, control, tensor
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return a.contiguous().reshape(-1).view(torch.uint8).equal(b.contiguous().reshape(-1).view(torch.uint8))
+
+
+def verify(root):
+    return cli_dump.verify_dump(str(root))
+
+
+class Mlp(nn.Module):
+    def __init__(self, dim=8, seed=0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.up = nn.Linear(dim, 2 * dim)
+        self.act = nn.ReLU()
+        self.down = nn.Linear(2 * dim, dim)
+
+    def forward(self, x):
+        return self.down(self.act(self.up(x)))
+
+
+# ------------------------------------------------------------------------------------- item 2: fork
+
+FORK_SCRIPT = textwrap.dedent("""
+    import os, sys, json, torch
+    import fastdump
+    root, child_root = sys.argv[1], sys.argv[2]
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(4, 4)
+    d = fastdump.attach(lin, root, writer=sys.argv[3])
+    xs = [torch.randn(2, 4) for _ in range(4)]
+    outs = [lin(xs[0]).detach()]
+    pid = os.fork()
+    if pid == 0:                       # the child: serves, attaches its own dumper, exits normally
+        lin(torch.randn(2, 4))         # the parent's wrappers are pass-throughs here
+        c = fastdump.attach(torch.nn.Linear(4, 4), child_root)
+        c.close()
+        sys.exit(0)                    # atexit runs close_all(): it must not touch the parent's dump
+    _, status = os.waitpid(pid, 0)
+    outs += [lin(x).detach() for x in xs[1:]]
+    stats = d.close()
+    torch.save(outs, os.path.join(root, "outs.pt"))
+    print(json.dumps({"child": status, "status": stats["status"], "passes": stats["passes"]}))
+""")
+
+
+@pytest.mark.parametrize("writer", ["process", "thread"])
+def test_a_forked_child_exiting_normally_leaves_the_parents_dump_alone(tmp_path, writer):
+    root, child_root = tmp_path / "parent", tmp_path / "child"
+    proc = subprocess.run([sys.executable, "-c", FORK_SCRIPT, str(root), str(child_root), writer],
+                          capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, PYTHONPATH=str(REPO)))
+    assert proc.returncode == 0, proc.stderr
+    result = __import__("json").loads(proc.stdout.strip().splitlines()[-1])
+    assert result == {"child": 0, "status": "closed", "passes": 4}
+    outs = torch.load(root / "outs.pt")
+    ds = fastdump.open(root)
+    rank = ds.ranks("target")[0]
+    assert ds.passes("target", rank) == [0, 1, 2, 3]  # the child's forward was never a parent pass
+    for pass_id, want in enumerate(outs):
+        assert same_bits(ds.load("target", rank, pass_id)["Linear"], want)
+    assert not verify(root).problems
+    child = fastdump.open(child_root)  # the child's own dumper worked, in its own engine
+    assert child.rank_info("target", child.ranks("target")[0])["status"] == "closed"
+
+
+# ------------------------------------------------------------------- item 3: too many dimensions
+
+
+def test_a_tensor_with_33_dimensions_is_skipped_with_a_reason_and_costs_nothing_else(tmp_path):
+    ok = torch.arange(6.0).reshape(2, 3)
+    big = torch.arange(2.0).reshape([1] * 32 + [2])  # 33 dims: the ring takes it, HDF5 could not
+    with fastdump.attach(None, tmp_path) as d:
+        for step in range(3):
+            d.begin_pass()
+            d.dump("before", ok + step)
+            d.dump("big", big)
+            d.dump("after", ok - step)
+            d.end_pass()
+        stats = d.stats()
+    assert stats["status"] == "running" and stats["skipped"] == 3
+    assert d.stats()["status"] == "closed"
+    ds = fastdump.open(tmp_path)
+    rank = ds.ranks("target")[0]
+    assert ds.passes("target", rank) == [0, 1, 2]
+    for step in range(3):
+        dumped = ds.load("target", rank, step)
+        assert list(dumped) == ["before", "after"]
+        assert same_bits(dumped["before"], ok + step) and same_bits(dumped["after"], ok - step)
+        assert ds.meta("target", rank, step)["skipped"] == [{"name": "big", "reason": "more than 32 dimensions"}]
+    assert _C.MAX_DIMS == 32
+    assert not verify(tmp_path).problems
+
+
+def _open_msg(tmp_path):
+    return control(1, op="open", channel=0, dir=str(tmp_path / "target" / "TP0_PP0_Rank0_pid1"), role="target",
+                   rank={}, pid=1, host="h", device={},
+                   config={"segment_passes": 8, "segment_mb": 64, "segment_seconds": 60})
+
+
+def test_the_writer_turns_a_bad_record_into_a_recorded_skip(tmp_path):
+    """A 40-dim record (a producer without the capture-side check) and a tensor the channel raises
+    on cost only themselves: the other tensors, the pass and the writer go on."""
+    from fastdump.writer import segments
+
+    good = torch.arange(4.0)
+    deep = torch.zeros([1] * 39 + [2])
+    original = segments.ChannelWriter.on_tensor
+
+    def raising_for_name_2(self, name_id, *args):
+        if name_id == 2:
+            raise RuntimeError("injected failure")
+        return original(self, name_id, *args)
+
+    records = [
+        _open_msg(tmp_path),
+        control(2, op="name", channel=0, id=0, name="good"),
+        control(3, op="name", channel=0, id=1, name="deep"),
+        control(4, op="name", channel=0, id=2, name="raises"),
+        control(5, op="begin", channel=0, **{"pass": 0, "meta": {}}),
+        tensor(0, 0, good), tensor(1, 0, deep), tensor(2, 0, good),
+        control(6, op="end", channel=0, **{"pass": 0, "meta": {}, "dropped": 0, "skipped": []}),
+        control(7, op="begin", channel=0, **{"pass": 1, "meta": {}}),
+        tensor(0, 1, good + 1),
+        control(8, op="end", channel=0, **{"pass": 1, "meta": {}, "dropped": 0, "skipped": []}),
+        control(9, op="shutdown"),
+    ]
+    consumer = ScriptedConsumer(records)
+    segments.ChannelWriter.on_tensor = raising_for_name_2
+    try:
+        loop = WriterLoop(consumer)
+        assert loop.run() == 0
+    finally:
+        segments.ChannelWriter.on_tensor = original
+    assert loop.failed is None and consumer.state[0] == _C.WRITER_EXITED
+    ds = fastdump.open(tmp_path)
+    rank = "TP0_PP0_Rank0_pid1"
+    assert ds.passes("target", rank) == [0, 1]
+    assert list(ds.load("target", rank, 0)) == ["good"] and torch.equal(ds.load("target", rank, 0)["good"], good)
+    assert torch.equal(ds.load("target", rank, 1)["good"], good + 1)
+    skipped = {s["name"]: s["reason"] for s in ds.meta("target", rank, 0)["skipped"]}
+    assert set(skipped) == {"deep", "raises"}
+    assert "bad record" in skipped["deep"] and "injected failure" in skipped["raises"]
+    assert not verify(tmp_path).problems
+
+
+# ---------------------------------------------------------------- item 5: attach over stale wrappers
+
+
+def test_attach_a_attach_b_close_a_close_b_then_attach_c_dumps(tmp_path):
+    model = Mlp()
+    x = torch.randn(3, 8)
+    a = fastdump.attach(model, tmp_path / "a")
+    b = fastdump.attach(model, tmp_path / "b")  # wraps over a's wrappers
+    a.close()  # a's wrappers stay (b is over them) and become pass-throughs
+    b.close()
+    c = fastdump.attach(model, tmp_path / "c")
+    with torch.no_grad():
+        want = model(x)
+    assert c.close()["passes"] == 1
+    ds = fastdump.open(tmp_path / "c")
+    dumped = ds.load("target", ds.ranks("target")[0], 0)
+    assert {"up", "act", "down", "Mlp"} <= set(dumped)
+    assert same_bits(dumped["Mlp"], want)
+
+
+# ---------------------------------------------------------------------------- item 7: negation bit
+
+
+class ConjImag(nn.Module):
+    def forward(self, z):
+        return z.conj().imag  # a real tensor carrying torch's lazy negation bit
+
+
+def test_real_views_with_the_negation_bit_are_dumped_with_their_sign(tmp_path):
+    model = nn.Sequential(ConjImag())
+    z = torch.tensor([1 + 2j, 3 + 4j])
+    with fastdump.attach(model, tmp_path) as d:
+        out = model(z)
+        assert out.is_neg()
+        d.dump("direct", z.conj().imag)
+    ds = fastdump.open(tmp_path)
+    assert torch.equal(ds.load("target", 0, 0)["0"], torch.tensor([-2.0, -4.0]))
+    assert torch.equal(ds.load("target", 0, 0)["Sequential"], torch.tensor([-2.0, -4.0]))
+    assert torch.equal(ds.load("target", 0, 1)["direct"], torch.tensor([-2.0, -4.0]))
+
+
+# ----------------------------------------------------------------------------- item 8: threads
+
+
+class Meet(nn.Module):
+    """Every thread waits here for the others: their forwards surely overlap."""
+
+    def __init__(self, barrier):
+        super().__init__()
+        self.barrier = barrier
+
+    def forward(self, x):
+        self.barrier.wait(timeout=60)
+        return x * 2
+
+
+def test_concurrent_forwards_on_one_dumper_are_reported_and_fail_verify(tmp_path, caplog):
+    threads_n = 3
+    model = nn.Sequential(nn.Linear(4, 4), Meet(threading.Barrier(threads_n)))
+    errors = []
+
+    def serve():
+        try:
+            for _ in range(4):
+                with torch.no_grad():
+                    model(torch.randn(1, 4))
+        except Exception as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    with caplog.at_level(logging.WARNING, logger="fastdump"):
+        d = fastdump.attach(model, tmp_path)
+        workers = [threading.Thread(target=serve) for _ in range(threads_n)]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join(120)
+        stats = d.close()
+    assert not errors
+    assert stats["mixed_passes"] >= 1 and stats["incomplete_passes"] >= stats["mixed_passes"]
+    said = [r for r in caplog.records if "several threads" in r.getMessage()]
+    assert len(said) == 1  # logged once, not per pass
+    ds = fastdump.open(tmp_path)
+    mixed = [p for p in ds.passes("target", 0) if ds.meta("target", 0, p).get("mixed")]
+    assert len(mixed) == stats["mixed_passes"]
+    meta = ds.meta("target", 0, mixed[0])
+    assert meta["complete"] is False and "several threads" in meta["incomplete"]
+    report = verify(tmp_path)
+    assert any("mixes tensors" in p for p in report.problems)
+
+
+def test_forwards_of_several_threads_one_after_another_are_not_flagged(tmp_path):
+    model = Mlp()
+    with fastdump.attach(model, tmp_path) as d:
+        for _ in range(3):
+            t = threading.Thread(target=lambda: model(torch.randn(2, 8)))
+            t.start()
+            t.join()
+    assert d.stats()["mixed_passes"] == 0 and d.stats()["incomplete_passes"] == 0
+    assert not verify(tmp_path).problems and not verify(tmp_path).warnings
+
+
+# ------------------------------------------------------------- item 9: failed and dangling passes
+
+
+class Fails(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fail = False
+
+    def forward(self, x):
+        if self.fail:
+            raise ValueError("bad batch")
+        return x + 1
+
+
+def test_a_pass_whose_forward_raised_is_recorded_incomplete_with_the_reason(tmp_path):
+    model = nn.Sequential(nn.Linear(4, 4), Fails())
+    with fastdump.attach(model, tmp_path) as d:
+        model(torch.randn(1, 4))
+        model[1].fail = True
+        with pytest.raises(ValueError, match="bad batch"):
+            model(torch.randn(1, 4))
+        model[1].fail = False
+        model(torch.randn(1, 4))
+    assert d.stats()["incomplete_passes"] == 1
+    ds = fastdump.open(tmp_path)
+    assert ds.passes("target", 0) == [0, 1, 2]
+    assert ds.meta("target", 0, 0)["complete"] is True and "incomplete" not in ds.meta("target", 0, 0)
+    failed = ds.meta("target", 0, 1)
+    assert failed["complete"] is False and "ValueError: bad batch" in failed["incomplete"]
+    assert list(ds.load("target", 0, 1)) == ["0"]  # what ran before the failure is kept
+    assert ds.meta("target", 0, 2)["complete"] is True
+    report = verify(tmp_path)
+    assert not report.problems and any("pass 1 is incomplete" in w for w in report.warnings)
+    assert ds.summary("target", 0)["incomplete_passes"] == [1]
+
+
+def test_a_dangling_manual_pass_is_closed_at_the_next_root_forward(tmp_path, caplog):
+    model = Mlp()
+    d = fastdump.attach(model, tmp_path)
+
+    def start_step():
+        d.begin_pass(step="forgotten")  # returns without end_pass()
+
+    with caplog.at_level(logging.WARNING, logger="fastdump"):
+        start_step()
+        d.dump("extra", torch.ones(2))
+        outs = [model(torch.randn(2, 8)) for _ in range(3)]
+    d.close()
+    ds = fastdump.open(tmp_path)
+    assert ds.passes("target", 0) == [0, 1, 2, 3]  # not one pass swallowing every forward
+    first = ds.meta("target", 0, 0)
+    assert first["complete"] is False and "dangling manual pass" in first["incomplete"]
+    assert list(ds.load("target", 0, 0)) == ["extra"]
+    for pass_id, out in enumerate(outs, start=1):
+        assert ds.meta("target", 0, pass_id)["complete"] is True
+        assert same_bits(ds.load("target", 0, pass_id)["Mlp"], out)
+    assert any("begin_pass" in r.getMessage() for r in caplog.records)
+
+
+def test_begin_pass_in_a_loop_without_end_pass_closes_the_previous_one(tmp_path):
+    model = Mlp()
+    with fastdump.attach(model, tmp_path) as d:
+        for _ in range(3):
+            d.begin_pass()  # end_pass() forgotten: the same call runs again
+            model(torch.randn(2, 8))
+    ds = fastdump.open(tmp_path)
+    assert ds.passes("target", 0) == [0, 1, 2]
+    assert [ds.meta("target", 0, p)["complete"] for p in (0, 1, 2)] == [False, False, False]
+    assert "ran again" in ds.meta("target", 0, 0)["incomplete"]
+    assert "close()" in ds.meta("target", 0, 2)["incomplete"]  # still open at close
+    assert all(list(ds.load("target", 0, p)) == ["up", "act", "down", "Mlp"] for p in (0, 1, 2))
+
+
+def test_a_delimited_manual_pass_still_spans_several_forwards(tmp_path):
+    model = Mlp()
+    with fastdump.attach(model, tmp_path) as d:
+        d.begin_pass()
+        model(torch.randn(2, 8))
+        model(torch.randn(2, 8))
+        d.end_pass()
+    ds = fastdump.open(tmp_path)
+    assert ds.passes("target", 0) == [0]
+    assert ds.meta("target", 0, 0)["complete"] is True
+    assert "Mlp#1" in ds.load("target", 0, 0)
+
+
+# ----------------------------------------------------------------------------- item 13: compile
+
+
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+def test_a_compiled_model_serves_unchanged_and_dumps_its_real_values(tmp_path, backend):
+    torch._dynamo.reset()
+    model = Mlp(seed=3)
+    xs = [torch.randn(4, 8) for _ in range(3)]
+    with torch.no_grad():
+        plain = [model(x) for x in xs]
+    d = fastdump.attach(model, tmp_path)
+    compiled = torch.compile(model, backend=backend)
+    with torch.no_grad():
+        outs = [compiled(x) for x in xs]
+    stats = d.close()
+    torch._dynamo.reset()
+    assert stats["status"] == "closed" and stats["passes"] == 3 and stats["skipped"] == 0
+    ds = fastdump.open(tmp_path)
+    assert ds.passes("target", 0) == [0, 1, 2]
+    for pass_id, (x, out) in enumerate(zip(xs, outs)):
+        dumped = ds.load("target", 0, pass_id)
+        assert list(dumped) == ["up", "act", "down", "Mlp"]
+        assert same_bits(dumped["Mlp"], out)  # what the compiled model returned
+        assert same_bits(dumped["down"], out)
+        # Each leaf's dump is what that leaf really produced: the next leaf's input.
+        assert same_bits(dumped["act"], torch.relu(dumped["up"]))
+        if backend == "eager":
+            assert same_bits(out, plain[pass_id])
+            with torch.no_grad():
+                assert same_bits(dumped["up"], model.up(x))
+
+
+# -------------------------------------------------------------------------- item 14: odd outputs
+
+
+@dataclasses.dataclass
+class Pair:
+    hidden: torch.Tensor
+    scores: torch.Tensor
+    label: str = "x"
+
+
+class Odd(nn.Module):
+    def __init__(self, kind):
+        super().__init__()
+        self.kind = kind
+
+    def forward(self, x):
+        if self.kind == "nested_strided":
+            return torch.nested.nested_tensor([x[0], x[1, :2]], layout=torch.strided)
+        if self.kind == "nested_jagged":
+            return torch.nested.nested_tensor([x[0], x[1, :2]], layout=torch.jagged)
+        if self.kind == "deep":
+            value = x + 1
+            for _ in range(1500):
+                value = [value]
+            return value
+        if self.kind == "cycle":
+            value = [x + 2]
+            value.append(value)
+            return value
+        if self.kind == "dataclass":
+            return Pair(x + 3, x * 2)
+        if self.kind == "object":
+            return object()
+        raise AssertionError(self.kind)
+
+
+class OddModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.kinds = ["nested_strided", "nested_jagged", "deep", "cycle", "dataclass", "object"]
+        self.odd = nn.ModuleList(Odd(k) for k in self.kinds)
+
+    def forward(self, x):
+        return [m(x) for m in self.odd]
+
+
+def test_odd_outputs_never_raise_into_the_model_and_are_skipped_with_a_reason(tmp_path):
+    model = OddModel()
+    x = torch.arange(6.0).reshape(2, 3)
+    with fastdump.attach(model, tmp_path, root_name="model"):
+        outs = model(x)
+    assert isinstance(outs[4], Pair)  # served unchanged
+    ds = fastdump.open(tmp_path)
+    dumped = ds.load("target", 0, 0)
+    assert same_bits(dumped["odd.4.hidden"], x + 3) and same_bits(dumped["odd.4.scores"], x * 2)
+    assert same_bits(dumped["odd.3.0"], x + 2)
+    assert "odd.2" + ".0" * 31 not in dumped  # the deep one is skipped, not recursed into
+    skipped = {s["name"]: s["reason"] for s in ds.meta("target", 0, 0)["skipped"]}
+    assert "nested tensor" in skipped["odd.0"]
+    assert "not strided" in skipped["odd.1"]
+    assert "self-referencing" in skipped["odd.3.1"]
+    assert any(name.startswith("odd.2.") and "deep" in reason for name, reason in skipped.items())
+    assert "holds no tensor" in skipped["odd.5"]
+    assert not verify(tmp_path).problems
+
+
+# ------------------------------------------------------------------------- item 20: bad settings
+
+
+@pytest.mark.parametrize("options", [
+    {"ring_mb": float("nan")}, {"ring_mb": float("inf")}, {"ring_mb": "64"},
+    {"segment_mb": float("nan")}, {"segment_seconds": float("inf")}, {"segment_passes": 2.5},
+    {"every": 1.5}, {"every": True}, {"skip_passes": -1}, {"skip_passes": 0.5},
+    {"device_ring_mb": -5}, {"device_ring_mb": float("nan")},
+    {"max_bytes": float("nan")}, {"max_bytes": -1}, {"pass_range": (0.5, 3)}, {"pass_range": (0, "9")},
+    {"layers": [1.5]}, {"tp_rank": True}, {"tp_size": 0}, {"pp_rank": 1.0}, {"dp_rank": -1},
+])
+def test_bad_numeric_settings_raise_at_attach(tmp_path, options):
+    with pytest.raises(ValueError):
+        fastdump.attach(Mlp(), tmp_path, **options)
+    assert not any(tmp_path.iterdir())  # nothing started, nothing written
+
+
+@pytest.mark.parametrize("root", ["", None, 5])
+def test_a_missing_root_raises_at_attach(root, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match="root"):
+        fastdump.attach(Mlp(), root)
+    assert not any(tmp_path.iterdir())
