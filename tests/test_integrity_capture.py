@@ -362,7 +362,10 @@ def test_a_delimited_manual_pass_still_spans_several_forwards(tmp_path):
 
 @pytest.mark.parametrize("backend", ["eager", "inductor"])
 def test_a_compiled_model_serves_unchanged_and_dumps_its_real_values(tmp_path, backend):
+    from torch._dynamo.utils import counters
+
     torch._dynamo.reset()
+    counters.clear()
     model = Mlp(seed=3)
     xs = [torch.randn(4, 8) for _ in range(3)]
     with torch.no_grad():
@@ -372,7 +375,9 @@ def test_a_compiled_model_serves_unchanged_and_dumps_its_real_values(tmp_path, b
     with torch.no_grad():
         outs = [compiled(x) for x in xs]
     stats = d.close()
+    graphs = counters["stats"]["unique_graphs"]
     torch._dynamo.reset()
+    assert graphs >= 3  # compiled for real: the leaves' graphs between the staging breaks
     assert stats["status"] == "closed" and stats["passes"] == 3 and stats["skipped"] == 0
     ds = fastdump.open(tmp_path)
     assert ds.passes("target", 0) == [0, 1, 2]
@@ -464,7 +469,7 @@ def test_odd_outputs_never_raise_into_the_model_and_are_skipped_with_a_reason(tm
     {"every": 1.5}, {"every": True}, {"skip_passes": -1}, {"skip_passes": 0.5},
     {"device_ring_mb": -5}, {"device_ring_mb": float("nan")},
     {"max_bytes": float("nan")}, {"max_bytes": -1}, {"pass_range": (0.5, 3)}, {"pass_range": (0, "9")},
-    {"layers": [1.5]}, {"tp_rank": True}, {"tp_size": 0}, {"pp_rank": 1.0}, {"dp_rank": -1},
+    {"layers": [1.5]}, {"tp_rank": True}, {"tp_size": 0}, {"pp_rank": 0.0}, {"dp_rank": -1},
 ])
 def test_bad_numeric_settings_raise_at_attach(tmp_path, options):
     with pytest.raises(ValueError):
