@@ -262,6 +262,8 @@ class Dumper:
     def dump(self, name: str, value) -> None:
         """Dump a value no module returns (tensors, CuPy/DLPack arrays, tuples/dicts of them)."""
         if self._capturing:
+            if self._pass_thread != threading.get_ident():
+                self._mark_mixed()  # another thread's pass is open: this value would join it
             self._capture(name, value)
         elif self._depth == 0 and not self._closed and self._engine is not None:
             # Outside any pass: a pass of its own, so the value is never silently lost.
@@ -394,7 +396,7 @@ class Dumper:
         self._mark_incomplete("forwards of several threads ran at once in this pass (mixed tensors)")
         self._say_once("threads", "fastdump: %s: forwards from several threads at once on one Dumper: their "
                                   "passes are merged, marked incomplete (mixed) and fail `fastdump verify`; "
-                                  "attach one Dumper per thread or serialize the forwards", self.dir)
+                                  "run one forward at a time per Dumper", self.dir)
 
     def _forward_raised(self, exc: BaseException) -> None:
         if self._depth > 0:

@@ -155,8 +155,8 @@ class WriterLoop:
 
     def _tensor_failed(self, writer, name_id: int, pass_id: int, exc: Exception) -> None:
         """One tensor the channel could not take: a recorded skip, not a dead writer, unless the
-        channel itself failed (a disk error), which stops writing as before."""
-        if getattr(writer, "failed", False):
+        channel itself failed or the disk did (OSError), which stops writing as before."""
+        if getattr(writer, "failed", False) or isinstance(exc, OSError):
             return self._fail_writer(writer, exc)
         reason = f"writer could not store it: {type(exc).__name__}: {exc}"
         log.error("fastdump writer: %s: tensor #%s of pass %s skipped: %s", writer_dir(writer), name_id, pass_id,
