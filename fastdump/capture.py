@@ -52,6 +52,9 @@ def _forget_parent_dumpers() -> None:
     The child shares the parent's ring mapping and writer pipes; a close or a staged tensor from it
     would land in the parent's dump (or shut it down). Its copies of the parent's Dumpers become
     pass-throughs; the child may attach Dumpers of its own, which start their own engine."""
+    engines = {id(d._engine): d._engine for d in list(_open_dumpers) if d._engine is not None}
+    for engine in engines.values():
+        engine.forget_in_forked_child()
     for dumper in list(_open_dumpers):
         dumper._capturing = False
         dumper._engine = dumper._producer = None

@@ -209,6 +209,19 @@ class Engine:
             self.control({"op": "shutdown"}, wait=True, timeout=timeout)
         self._stop_writer(timeout=timeout)
 
+    def forget_in_forked_child(self) -> None:
+        """In a child made by os.fork(): never touch the parent's writer, and let go of its pipes,
+        so that the parent's death (even kill -9) still reads as EOF in the writer."""
+        self.closed = True  # shutdown() is a no-op here
+        if self._proc is not None:
+            for pipe in (self._proc.stdin, self._proc.stdout):
+                try:
+                    pipe.close()  # the child's copy of the descriptor only
+                except OSError:
+                    pass
+        if Engine._current is self:
+            Engine._current = None
+
     # -- process-wide singleton ------------------------------------------------------------------
     @classmethod
     def acquire(cls, ring_mb: float, writer: str, writer_priority: str = "idle") -> "Engine":

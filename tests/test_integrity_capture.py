@@ -483,3 +483,41 @@ def test_a_missing_root_raises_at_attach(root, tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="root"):
         fastdump.attach(Mlp(), root)
     assert not any(tmp_path.iterdir())
+
+
+KILLED_PARENT_SCRIPT = textwrap.dedent("""
+    import os, signal, sys, time, torch
+    import fastdump
+    lin = torch.nn.Linear(4, 4)
+    d = fastdump.attach(lin, sys.argv[1])
+    lin(torch.randn(2, 4))
+    child = os.fork()
+    if child == 0:
+        time.sleep(120)                # a long-lived child (a worker): it holds no pipe of the writer
+        os._exit(0)
+    print(child, flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+""")
+
+
+def test_the_writer_notices_a_killed_parent_while_its_forked_child_lives(tmp_path):
+    import json
+    import signal
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-c", KILLED_PARENT_SCRIPT, str(tmp_path)], stdout=subprocess.PIPE,
+                            text=True, env=dict(os.environ, PYTHONPATH=str(REPO)))
+    child = int(proc.stdout.readline())
+    proc.wait(60)
+    try:
+        deadline, status = time.monotonic() + 60, None
+        while time.monotonic() < deadline and status != "incomplete":
+            time.sleep(0.2)
+            infos = list(tmp_path.glob("target/*/rank.json"))
+            status = json.loads(infos[0].read_text()).get("status") if infos else None
+        assert status == "incomplete"  # the writer saw EOF although the child still runs
+        os.kill(child, 0)  # (it does)
+    finally:
+        os.kill(child, signal.SIGKILL)
+    ds = fastdump.open(tmp_path)
+    assert ds.passes("target", ds.ranks("target")[0]) == [0]
