@@ -263,7 +263,8 @@ class Dumper:
         (self._meta if self._depth > 0 else self._next_meta).update(meta)
 
     def dump(self, name: str, value) -> None:
-        """Dump a value no module returns (tensors, CuPy/DLPack arrays, tuples/dicts of them)."""
+        """Dump a value no module returns (tensors, CuPy/DLPack arrays, tuples/lists/dicts/dataclasses
+        of them)."""
         if self._capturing:
             if self._pass_thread != threading.get_ident():
                 self._mark_mixed()  # another thread's pass is open: this value would join it
@@ -823,7 +824,7 @@ def _write_manifest(root: Path, config: dict) -> None:
 def _validate(*, root, role, policy, writer, writer_priority, every, skip_passes, pass_range, max_bytes, ring_mb,
               device_ring_mb, segment_passes, segment_mb, segment_seconds, layers) -> None:
     """Bad settings fail at attach, before the model runs, with one clear message."""
-    if not isinstance(root, (str, os.PathLike)) or not os.fspath(root):
+    if not isinstance(root, (str, os.PathLike)) or not os.fspath(root).strip():
         raise ValueError(f"root must be a non-empty directory path, not {root!r}")
     if not isinstance(role, str) or not role or "/" in role or role in (".", ".."):
         raise ValueError(f"role must be a plain directory name, not {role!r}")

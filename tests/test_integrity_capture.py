@@ -477,7 +477,7 @@ def test_bad_numeric_settings_raise_at_attach(tmp_path, options):
     assert not any(tmp_path.iterdir())  # nothing started, nothing written
 
 
-@pytest.mark.parametrize("root", ["", None, 5])
+@pytest.mark.parametrize("root", ["", "  ", None, 5])
 def test_a_missing_root_raises_at_attach(root, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(ValueError, match="root"):
