@@ -2,6 +2,7 @@
 and nothing it does may raise into, stall or change the model it watches."""
 
 import dataclasses
+import json
 import logging
 import os
 import subprocess
@@ -10,7 +11,6 @@ import textwrap
 import threading
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -77,7 +77,7 @@ def test_a_forked_child_exiting_normally_leaves_the_parents_dump_alone(tmp_path,
                           capture_output=True, text=True, timeout=300,
                           env=dict(os.environ, PYTHONPATH=str(REPO)))
     assert proc.returncode == 0, proc.stderr
-    result = __import__("json").loads(proc.stdout.strip().splitlines()[-1])
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result == {"child": 0, "status": "closed", "passes": 4}
     outs = torch.load(root / "outs.pt")
     ds = fastdump.open(root)
@@ -501,7 +501,6 @@ KILLED_PARENT_SCRIPT = textwrap.dedent("""
 
 
 def test_the_writer_notices_a_killed_parent_while_its_forked_child_lives(tmp_path):
-    import json
     import signal
     import time
 
