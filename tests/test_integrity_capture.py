@@ -520,3 +520,37 @@ def test_the_writer_notices_a_killed_parent_while_its_forked_child_lives(tmp_pat
         os.kill(child, signal.SIGKILL)
     ds = fastdump.open(tmp_path)
     assert ds.passes("target", ds.ranks("target")[0]) == [0]
+
+
+def test_two_threads_announcing_new_names_never_share_a_name_id(tmp_path):
+    """A name announced by two threads at once must not leave two names under one id: that would
+    mislabel every later pass, mixed or not."""
+    import time
+
+    d = fastdump.attach(None, tmp_path)
+    control_msg = d._engine.control
+
+    def slow_names(msg, *args, **kwargs):
+        if msg.get("op") == "name":
+            time.sleep(0.2)  # both threads are inside the announcement at once
+        return control_msg(msg, *args, **kwargs)
+
+    d._engine.control = slow_names
+    d.begin_pass()
+    threads = [threading.Thread(target=d.dump, args=(name, torch.full((2,), float(i))))
+               for i, name in enumerate(("a", "b"))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    d.end_pass()
+    d.begin_pass()  # one thread: this pass must read back exactly as dumped
+    d.dump("a", torch.full((2,), 10.0))
+    d.dump("b", torch.full((2,), 11.0))
+    d.end_pass()
+    d.close()
+    ds = fastdump.open(tmp_path)
+    later = ds.load("target", 0, 1)
+    assert list(later) == ["a", "b"]
+    assert torch.equal(later["a"], torch.full((2,), 10.0)) and torch.equal(later["b"], torch.full((2,), 11.0))
+    assert ds.meta("target", 0, 0).get("mixed") is True  # the concurrent pass itself is reported
