@@ -357,7 +357,11 @@ class Dumper:
             return
         self._capturing = False
         self._totals["passes"] += 1
-        msg = {"op": "end", "channel": self._channel, "pass": self.pass_id, "meta": _jsonable(self._meta),
+        try:
+            meta = _jsonable(self._meta)
+        except Exception as exc:  # a user's object whose str() raises: the pass is kept, its meta said so
+            meta = {"fastdump_meta_error": f"{type(exc).__name__}: {_short(exc)}"}
+        msg = {"op": "end", "channel": self._channel, "pass": self.pass_id, "meta": meta,
                "dropped": self._dropped_pass,
                "skipped": [{"name": n, "reason": r} for n, r in self._skipped.items()]}
         if self._incomplete is not None:
@@ -777,12 +781,18 @@ def _pattern(p):
     return getattr(p, "pattern", p)
 
 
-def _jsonable(value):
-    """Pass metadata as JSON: tensors become lists, unknown objects their str()."""
-    if isinstance(value, dict):
-        return {str(k): _jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
+def _jsonable(value, outer: tuple = ()):
+    """Pass metadata as JSON: tensors become lists, unknown objects their str(); a container inside
+    itself or deeper than _MAX_NESTING is cut there (never a RecursionError into the model)."""
+    if isinstance(value, (dict, list, tuple)):
+        if id(value) in outer:
+            return "<cut: refers to itself>"
+        if len(outer) >= _MAX_NESTING:
+            return f"<cut: nested more than {_MAX_NESTING} deep>"
+        outer = outer + (id(value),)
+        if isinstance(value, dict):
+            return {str(k): _jsonable(v, outer) for k, v in value.items()}
+        return [_jsonable(v, outer) for v in value]
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
     if isinstance(value, _Tensor):

@@ -554,3 +554,26 @@ def test_two_threads_announcing_new_names_never_share_a_name_id(tmp_path):
     assert list(later) == ["a", "b"]
     assert torch.equal(later["a"], torch.full((2,), 10.0)) and torch.equal(later["b"], torch.full((2,), 11.0))
     assert ds.meta("target", 0, 0).get("mixed") is True  # the concurrent pass itself is reported
+
+
+def test_odd_pass_metadata_never_raises_into_the_model(tmp_path):
+    class BadStr:
+        def __str__(self):
+            raise RuntimeError("no str")
+
+    loop = [1]
+    loop += [loop, loop]  # inside itself, twice: naive recursion would never end
+    deep = []
+    for _ in range(1500):
+        deep = [deep]
+    model = Mlp()
+    with fastdump.attach(model, tmp_path) as d:
+        d.set_pass_meta(loop=loop, deep=deep, step=1)
+        out = model(torch.randn(2, 8))
+        d.set_pass_meta(bad=BadStr())
+        model(torch.randn(2, 8))
+    ds = fastdump.open(tmp_path)
+    meta = ds.meta("target", 0, 0)
+    assert meta["step"] == 1 and meta["loop"][0] == 1 and "refers to itself" in meta["loop"][1]
+    assert same_bits(ds.load("target", 0, 0)["Mlp"], out)
+    assert "no str" in ds.meta("target", 0, 1)["fastdump_meta_error"]
