@@ -77,7 +77,7 @@ class BuildExt(build_ext):
         return objects
 
 
-sources = [f"{CSRC}/module.cpp", f"{CSRC}/ring.cpp"]
+sources = [f"{CSRC}/module.cpp", f"{CSRC}/ring.cpp", f"{CSRC}/crc32c.cpp"]
 ext_kwargs = dict(include_dirs=[CSRC], extra_compile_args=["-O3"], libraries=["rt"])
 if WITH_CUDA:
     sources.append(f"{CSRC}/cuda_bindings.cpp")

@@ -6,6 +6,7 @@
 #include <cstring>
 
 #include "bindings.h"
+#include "crc32c.h"
 #include "ring.h"
 
 namespace py = pybind11;
@@ -40,6 +41,23 @@ int stage_host(Producer& p, uint32_t channel, uint32_t name_id, int64_t pass_id,
     st = kDropped;
   }
   return st;
+}
+
+// CRC32C of any contiguous buffer (bytes, memoryview, numpy array), continuing from `value`.
+uint32_t crc32c_buffer(py::buffer data, uint32_t value, bool portable) {
+  py::buffer_info info = data.request();
+  if (info.ndim > 1) {
+    for (py::ssize_t i = info.ndim - 1, want = info.itemsize; i >= 0; --i) {
+      if (info.shape[i] > 1 && info.strides[i] != want) throw std::invalid_argument("crc32c needs a contiguous buffer");
+      want *= info.shape[i];
+    }
+  } else if (info.ndim == 1 && info.shape[0] > 1 && info.strides[0] != info.itemsize) {
+    throw std::invalid_argument("crc32c needs a contiguous buffer");
+  }
+  const size_t nbytes = static_cast<size_t>(info.size) * static_cast<size_t>(info.itemsize);
+  if (nbytes < kReleaseGilBytes) return crc32c(info.ptr, nbytes, value, portable);
+  py::gil_scoped_release nogil;
+  return crc32c(info.ptr, nbytes, value, portable);
 }
 
 py::object next_record(Consumer& c, double timeout_s) {
@@ -123,6 +141,9 @@ PYBIND11_MODULE(_C, m) {
   m.attr("WRITER_EXITED") = static_cast<int>(kWriterExited);
   m.attr("MAX_DIMS") = kMaxDims;
   m.attr("PAGE_BYTES") = kPageBytes;
+  m.def("crc32c", &crc32c_buffer, py::arg("data"), py::arg("value") = 0u, py::arg("portable") = false,
+        "CRC32C (Castagnoli) of a contiguous buffer, continuing from `value`; releases the GIL on large ones.");
+  m.attr("CRC32C_IMPL") = crc32c_impl();
   m.attr("PAGE_ALIGNED_BYTES") = kPageAlignedBytes;
 
   py::class_<Producer>(m, "Producer")

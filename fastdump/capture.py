@@ -27,10 +27,10 @@ from . import _C
 from . import dtypes as _dtypes
 from .engine import Engine
 from .fsutil import atomic_write_json as write_json_atomic, read_json
+from .writer import format as _fmt
 
 log = logging.getLogger("fastdump")
 
-FORMAT_VERSION = 1
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
 _open_dumpers: "weakref.WeakSet[Dumper]" = weakref.WeakSet()
 
@@ -114,8 +114,16 @@ def resolve_ranks(tp_rank=None, tp_size=None, pp_rank=None, pp_size=None, dp_ran
     return ranks
 
 
-def rank_dir_name(ranks: dict, pid: int) -> str:
-    return f"TP{ranks['tp_rank']}_PP{ranks['pp_rank']}_Rank{ranks['rank']}_pid{pid}"
+def _warn_if_twin(dumper) -> None:
+    """Two live Dumpers of one process on the same root, role and ranks (a draft attached without
+    ``role=``, say) write separate session directories; say so, since it is rarely intended."""
+    for other in list(_open_dumpers):
+        if other is not dumper and other.root == dumper.root and other.role == dumper.role \
+                and other.ranks == dumper.ranks and not other._closed:
+            log.warning("fastdump: another Dumper of this process already dumps role %r, ranks %s to %s; "
+                        "this one writes its own directory %s (give each model its own role=)",
+                        dumper.role, _fmt.rank_dir_name(dumper.ranks, dumper._pid), other.dir, dumper.dir)
+            return
 
 
 # ------------------------------------------------------------------------------------------------
@@ -171,7 +179,8 @@ class Dumper:
         self.role = role
         self.ranks = ranks
         self.root = Path(root).absolute()
-        self.dir = self.root / role / rank_dir_name(ranks, os.getpid())
+        self.session = _fmt.new_session_id()  # its own directory, even when the pid repeats
+        self.dir = self.root / role / _fmt.rank_dir_name(ranks, os.getpid(), self.session)
         self.policy = policy
         self.inputs = bool(inputs)
         self.skip_passes, self.every = int(skip_passes), int(every)
@@ -219,7 +228,7 @@ class Dumper:
             self._engine = Engine.acquire(ring_mb=ring_mb, writer=writer, writer_priority=writer_priority)
             self._producer = self._engine.producer
             self._channel = self._engine.open_channel({
-                "dir": str(self.dir), "role": role, "rank": ranks, "pid": self._pid,
+                "dir": str(self.dir), "role": role, "rank": ranks, "pid": self._pid, "session": self.session,
                 "host": socket.gethostname(), "device": _device_facts(model), "config": config,
             })
             if not self._engine.alive:
@@ -230,6 +239,7 @@ class Dumper:
                 raise
             self._disable(f"cannot start dumping to {self.dir}: {exc}")
             return
+        _warn_if_twin(self)
         _open_dumpers.add(self)
         if model is not None:
             self._root_name = root_name or type(model).__name__
@@ -825,7 +835,7 @@ def _write_manifest(root: Path, config: dict) -> None:
     from . import __version__
 
     write_json_atomic(path, {
-        "format": "fastdump", "format_version": FORMAT_VERSION, "fastdump_version": __version__,
+        "format": "fastdump", "format_version": _fmt.MANIFEST_VERSION, "fastdump_version": __version__,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "host": socket.gethostname(),
         "command": sys.argv, "config": config,
     })

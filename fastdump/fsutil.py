@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import stat
 import threading
 
 # Temporary names start with '.' and end with '.tmp': readers skip them, `fastdump verify` reports
@@ -97,10 +98,62 @@ def atomic_write_json(path: str, obj, durable: bool = True) -> None:
     atomic_write_bytes(path, (text + "\n").encode("utf-8"), durable=durable)
 
 
-def read_json(path: str, default=None):
-    """Parsed JSON at ``path``; ``default`` when missing or unparsable."""
+# rank.json and fastdump.json are small; a larger file is damage (or /dev/zero behind a link).
+MAX_JSON_BYTES = 64 << 20
+
+
+def is_regular_file(path: str) -> bool:
+    """True for a regular file that is not a symbolic link (a FIFO would hang a reader)."""
     try:
-        with open(path, "rb") as f:
-            return json.loads(f.read().decode("utf-8"))
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except OSError:
+        return False
+
+
+def is_real_dir(path: str) -> bool:
+    """True for a directory that is not a symbolic link (readers never follow links out of a dump)."""
+    try:
+        return stat.S_ISDIR(os.lstat(path).st_mode)
+    except OSError:
+        return False
+
+
+def load_json(path: str, max_bytes: int = MAX_JSON_BYTES):
+    """Parsed JSON at ``path``, read only if it is a regular file (no link, FIFO or device) of at
+    most ``max_bytes``. Raises FileNotFoundError when missing, ValueError saying why otherwise."""
+    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+    try:
+        fd = os.open(path, flags)
+    except FileNotFoundError:
+        raise
+    except OSError as exc:
+        raise ValueError(f"cannot open ({exc.strerror or exc}; symbolic links are not followed)") from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise ValueError("not a regular file")
+        if info.st_size > max_bytes:
+            raise ValueError(f"{info.st_size} bytes, more than the {max_bytes} a JSON file here may have")
+        chunks, total = [], 0
+        while total <= max_bytes:
+            chunk = os.read(fd, min(1 << 20, max_bytes + 1 - total))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            total += len(chunk)
+        if total > max_bytes:
+            raise ValueError(f"more than {max_bytes} bytes")
+    finally:
+        os.close(fd)
+    try:
+        return json.loads(b"".join(chunks).decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise ValueError(f"not valid JSON ({exc})") from None
+
+
+def read_json(path: str, default=None):
+    """Parsed JSON at ``path`` (see ``load_json``); ``default`` when missing, unsafe or unparsable."""
+    try:
+        return load_json(path)
     except (OSError, ValueError):
         return default

@@ -2,9 +2,11 @@
 
     ds = fastdump.open("/tmp/dump")
     ds.roles                              # ['draft', 'target']
-    ds.ranks("target")                    # ['TP0_PP0_Rank0_pid1234', ...]
-    ds.passes("target", 0)                # rank given by number when unambiguous
+    ds.ranks("target")                    # ['TP0_PP0_Rank0_pid1234_<session>', ...]: one per session
+    ds.passes("target", 0)                # rank given by number when one session matches
     ds.load("target", 0, 5)               # {name: tensor} in dump order, original dtype/shape
+    ds.load("target", 0, 5, session=s)    # several sessions of rank 0: pick one (or give the dir name)
+    ds.load("target", 0, 5, check=True)   # also verify each tensor's CRC32C (format 2)
     ds.series("target", 0, "model.norm")  # {pass_id: tensor}
 
 Only visible ``seg-*.h5`` files are read: they are complete by construction (the writer renames
@@ -12,29 +14,86 @@ them into place), so a dump can be read while it is still being written. Each se
 tables (names, row index, passes) are read once and cached; tensors are read by slicing their rows
 out of the block dataset, so loading one pass never reads other passes' data. Nothing here
 unpickles or evaluates anything from the dump. torch is imported only to build tensors.
+
+A dump may come from someone else, so nothing in it is trusted: index rows are checked against
+their block before any tensor is returned, a block is read only if it is stored inside its own
+file as the writer stores it (no external storage, links or virtual datasets) and its size fits
+the file, and only regular files and directories are opened (no symbolic links, FIFOs, devices).
+Anything else is a ``DumpError`` (a ValueError) naming the file and what is wrong.
 """
 
 from __future__ import annotations
 
 import collections
 import json
+import math
 import os
 import re
 import warnings
 
 import h5py
 import numpy as np
+from h5py import h5d
 
-from . import dtypes, fsutil
+from . import _C, dtypes, fsutil
 from .writer import format as fmt
 
 _MAX_OPEN_FILES = 16
 
 
+class DumpError(ValueError):
+    """A file of the dump is damaged or crafted: its path and what is wrong are in the message."""
+
+
+# How the writer stores datasets: in the file itself, contiguous (or compact, HDF5's choice for
+# tiny ones). External storage, virtual datasets and filters could make a read touch other files
+# or allocate far more than the file holds.
+_SAFE_LAYOUTS = (h5d.CONTIGUOUS, h5d.COMPACT)
+
+
+def check_link(group, name: str, where: str) -> None:
+    """``group[name]`` must be a hard link (soft and external links can point anywhere)."""
+    link = group.get(name, getlink=True)
+    if link is None:
+        raise DumpError(f"{where}: missing {name!r}")
+    if not isinstance(link, h5py.HardLink):
+        raise DumpError(f"{where}: {name!r} is a {type(link).__name__}, not an object stored in this file")
+
+
+def check_dataset(dataset, file_size: int, where: str) -> None:
+    """Refuse a dataset the writer could not have written: external or virtual storage, filters,
+    or a size claim larger than the file (a 15 KB file claiming 1 GiB)."""
+    plist = dataset.id.get_create_plist()
+    layout = plist.get_layout()
+    if layout not in _SAFE_LAYOUTS:
+        kind = {h5d.CHUNKED: "chunked", getattr(h5d, "VIRTUAL", -1): "virtual"}.get(layout, f"layout {layout}")
+        raise DumpError(f"{where}: {kind} dataset (fastdump writes contiguous datasets only)")
+    if plist.get_external_count():
+        raise DumpError(f"{where}: dataset stored in external files")
+    if plist.get_nfilters():
+        raise DumpError(f"{where}: dataset has filters")
+    claimed = math.prod(dataset.shape or ()) * dataset.dtype.itemsize
+    if claimed > file_size:
+        raise DumpError(f"{where}: claims {claimed} bytes, more than the file's {file_size}")
+    if layout == h5d.CONTIGUOUS and claimed:
+        offset = dataset.id.get_offset()
+        if offset is None or offset + claimed > file_size:
+            raise DumpError(f"{where}: data at offset {offset} + {claimed} bytes lies outside the file "
+                            f"({file_size} bytes)")
+
+
+def row_checksum(rows: np.ndarray) -> int:
+    """CRC32C of rows as read, i.e. of the stored bytes (format 2 index column ``crc32c``)."""
+    return _C.crc32c(np.ascontiguousarray(rows))
+
+
 def open_segment(path: str) -> h5py.File:
     """Open a segment read-only with HDF5's default locking (so that h5py.File(path) elsewhere in
     the process still works), falling back to no locking on filesystems without lock support:
-    visible segments are immutable, so locking protects nothing here."""
+    visible segments are immutable, so locking protects nothing here. Only a regular file is
+    opened (a FIFO would hang; a symbolic link may point out of the dump)."""
+    if not fsutil.is_regular_file(path):
+        raise DumpError(f"{path}: not a regular file (symbolic links, FIFOs and devices are not read)")
     try:
         return h5py.File(path, "r")
     except OSError as exc:
@@ -44,11 +103,12 @@ def open_segment(path: str) -> h5py.File:
 
 
 def _rank_dir_key(name: str):
-    """Order rank directories by global rank (then pid); other names naturally ('x10' after 'x2')."""
-    match = fmt.RANK_DIR_RE.match(name)
-    if match:
-        tp, pp, rank, pid = (int(group) for group in match.groups())
-        return (0, rank, tp, pp, pid)
+    """Order rank directories by global rank, then session start (then pid); other names
+    naturally ('x10' after 'x2')."""
+    parsed = fmt.parse_rank_dir(name)
+    if parsed:
+        tp, pp, rank, pid, session = parsed
+        return (0, rank, tp, pp, session or "", pid)
     return (1, [(0, int(part)) if part.isdigit() else (1, part) for part in re.split(r"(\d+)", name)])
 
 
@@ -57,26 +117,120 @@ def _attr_str(value) -> str:
 
 
 class SegmentIndex:
-    """The tables of one segment file (no tensor data)."""
+    """The tables of one segment file (no tensor data), checked against each other.
+
+    Construction raises ``DumpError`` (file and row named) when the tables cannot be trusted: rows
+    naming no name, rows outside or overlapping in their block, rows disagreeing with the pass
+    table. Blocks themselves are checked when first read (``block``), before any data is.
+    A bad ``pass_meta`` entry only loses that pass's metadata: it is listed in ``problems``.
+    """
 
     def __init__(self, path: str, h5file: h5py.File):
         self.path = path
         self.file_name = os.path.basename(path)
         self.number = fmt.segment_number(self.file_name)
+        self.problems: list = []
+        self.file_size = os.stat(path).st_size
         self.attrs = {key: (_attr_str(v) if isinstance(v, (bytes, str)) else v.item() if hasattr(v, "item") else v)
                       for key, v in h5file.attrs.items()}
         if self.attrs.get("format") != fmt.FORMAT_NAME:
-            raise ValueError(f"{path}: not a fastdump segment (format attribute {self.attrs.get('format')!r})")
-        if int(self.attrs.get("format_version", 0)) > fmt.FORMAT_VERSION:
-            raise ValueError(f"{path}: format version {self.attrs['format_version']} is newer than this reader")
-        self.names: list = json.loads(_attr_str(h5file[fmt.NAMES][()]))
+            raise DumpError(f"{path}: not a fastdump segment (format attribute {self.attrs.get('format')!r})")
+        version = self.attrs.get("format_version", 0)
+        if not isinstance(version, int) or version not in fmt.READABLE_VERSIONS:
+            raise DumpError(f"{path}: format version {version!r} is not one this reader reads "
+                            f"{list(fmt.READABLE_VERSIONS)}")
+        self.version = version
+        for name in (fmt.NAMES, fmt.INDEX, fmt.PASSES, fmt.PASS_META, fmt.BLOCKS):
+            check_link(h5file, name, path)
+        for name in (fmt.NAMES, fmt.INDEX, fmt.PASSES, fmt.PASS_META):
+            if not isinstance(h5file[name], h5py.Dataset):
+                raise DumpError(f"{path}: {name!r} is not a dataset")
+            check_dataset(h5file[name], self.file_size, f"{path} {name!r}")
+        if not isinstance(h5file[fmt.BLOCKS], h5py.Group):
+            raise DumpError(f"{path}: {fmt.BLOCKS!r} is not a group")
+        names = json.loads(_attr_str(h5file[fmt.NAMES][()]))
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+            raise DumpError(f"{path}: the name table is not a list of strings")
+        self.names: list = names
         self.index: np.ndarray = h5file[fmt.INDEX][()]
         self.passes: np.ndarray = h5file[fmt.PASSES][()]
-        self.pass_meta: list = [json.loads(_attr_str(text)) for text in h5file[fmt.PASS_META][()]]
+        if self.index.dtype != fmt.INDEX_DTYPES[version] or self.index.ndim != 1:
+            raise DumpError(f"{path}: index table has layout {self.index.dtype}, expected {fmt.INDEX_DTYPES[version]}")
+        if self.passes.dtype != fmt.PASS_DTYPE or self.passes.ndim != 1:
+            raise DumpError(f"{path}: passes table has layout {self.passes.dtype}, expected {fmt.PASS_DTYPE}")
+        self.has_checksums = "crc32c" in self.index.dtype.names
+        self.block_count = len(h5file[fmt.BLOCKS])
+        self._block_rows = self._check_rows()
+        self.pass_meta: list = self._parse_pass_meta(h5file[fmt.PASS_META][()])
         self._slot_of_name = {name: slot for slot, name in enumerate(self.names)}
         self._rows_of_pass = None
         self._blocks: dict = {}  # block number -> (dataset, torch dtype name, scalar rows?)
         self._blocks_file = None
+
+    def _check_rows(self) -> dict:
+        """Check every index row against the name table, the pass table and its block's other
+        rows; return {block number: the rows its index entries tile}."""
+        index, where = self.index, self.path
+
+        def bad(positions, text):
+            row = int(positions[0]) if len(positions) else -1
+            raise DumpError(f"{where}: index row {row}: {text}")
+
+        bad_name = np.flatnonzero((index["name"] < 0) | (index["name"] >= len(self.names)))
+        if len(bad_name):
+            bad(bad_name, f"name slot {int(index['name'][bad_name[0]])} outside the name table ({len(self.names)} names)")
+        bad_block = np.flatnonzero((index["block"] < 0) | (index["block"] >= self.block_count))
+        if len(bad_block):
+            bad(bad_block, f"block {int(index['block'][bad_block[0]])} does not exist ({self.block_count} blocks)")
+        negative = np.flatnonzero((index["first_row"] < 0) | (index["rows"] < 0))
+        if len(negative):
+            bad(negative, "negative row range")
+        pass_ids = self.passes["pass"]
+        if len(np.unique(pass_ids)) != len(pass_ids):
+            raise DumpError(f"{where}: a pass id appears twice in the passes table")
+        known = np.isin(index["pass"], pass_ids)
+        if not known.all():
+            stray = np.flatnonzero(~known)
+            bad(stray, f"pass {int(index['pass'][stray[0]])} is not in the passes table")
+        counts = dict(zip(*np.unique(index["pass"], return_counts=True)))
+        for row in self.passes:
+            if int(counts.get(row["pass"], 0)) != int(row["tensors"]):
+                raise DumpError(f"{where}: pass {int(row['pass'])}: {int(counts.get(row['pass'], 0))} index rows, "
+                                f"the passes table says {int(row['tensors'])}")
+        # Within a block, rows must tile [0, total) exactly: an overlap would return the same data
+        # twice under two names or passes, a gap data no row accounts for.
+        order = np.lexsort((index["first_row"], index["block"]))
+        blocks, firsts, stops = index["block"][order], index["first_row"][order], (index["first_row"] + index["rows"])[order]
+        block_rows = {}
+        for i in range(len(order)):
+            number = int(blocks[i])
+            expected = block_rows.get(number, 0)
+            if int(firsts[i]) != expected:
+                bad([order[i]], f"rows {int(firsts[i])}..{int(stops[i])} of block {number} "
+                                f"{'overlap the previous tensor' if firsts[i] < expected else 'leave a gap'}")
+            block_rows[number] = int(stops[i])
+        return block_rows
+
+    def _parse_pass_meta(self, texts) -> list:
+        empty = {"meta": {}, "skipped": []}
+        if len(texts) != len(self.passes):
+            self.problems.append(f"{self.path}: {len(texts)} pass_meta entries for {len(self.passes)} passes; "
+                                 "pass metadata ignored")
+            return [dict(empty) for _ in range(len(self.passes))]
+        parsed = []
+        for position, text in enumerate(texts):
+            try:
+                entry = json.loads(_attr_str(text))
+                if not isinstance(entry, dict) or not isinstance(entry.get("meta", {}), dict) \
+                        or not isinstance(entry.get("skipped", []), list):
+                    raise ValueError("not {\"meta\": {...}, \"skipped\": [...]}")
+                parsed.append({"meta": entry.get("meta") or {},
+                               "skipped": [s for s in entry.get("skipped") or [] if isinstance(s, dict)]})
+            except (ValueError, TypeError) as exc:
+                self.problems.append(f"{self.path}: pass_meta of pass {int(self.passes['pass'][position])} "
+                                     f"unreadable ({exc}); its metadata is ignored")
+                parsed.append(dict(empty))
+        return parsed
 
     def rows_of_pass(self, pass_id: int) -> np.ndarray:
         """Positions in ``index`` of a pass's tensors, in the order they were dumped."""
@@ -102,16 +256,49 @@ class SegmentIndex:
         return self.passes[hits[0]], self.pass_meta[hits[0]]
 
     def block(self, h5file: h5py.File, number: int):
-        """(dataset, torch dtype name, scalar rows?) of ``blocks/<number>``."""
+        """(dataset, torch dtype name, scalar rows?) of ``blocks/<number>``, checked before use."""
         if self._blocks_file is not h5file:  # dataset handles die with the file they came from
             self._blocks_file, self._blocks = h5file, {}
         info = self._blocks.get(number)
         if info is None:
-            dataset = h5file[fmt.BLOCKS][str(number)]
-            attrs = dataset.attrs
-            info = (dataset, _attr_str(attrs[fmt.ATTR_DTYPE]), bool(attrs.get(fmt.ATTR_SCALAR, 0)))
-            self._blocks[number] = info
+            info = self._blocks[number] = self._check_block(h5file, number)
         return info
+
+    def _check_block(self, h5file: h5py.File, number: int):
+        where = f"{self.path} block {number}"
+        group = h5file[fmt.BLOCKS]
+        check_link(group, str(number), f"{self.path} {fmt.BLOCKS!r}")
+        dataset = group[str(number)]
+        if not isinstance(dataset, h5py.Dataset):
+            raise DumpError(f"{where}: not a dataset")
+        check_dataset(dataset, self.file_size, where)
+        attrs = dataset.attrs
+        dtype_name = _attr_str(attrs.get(fmt.ATTR_DTYPE, ""))
+        code = dtypes.CODE_BY_NAME.get(dtype_name)
+        if code is None:
+            raise DumpError(f"{where}: unknown dtype attribute {dtype_name!r}")
+        if dataset.dtype != dtypes.STORAGE[code]:
+            raise DumpError(f"{where}: stored as {dataset.dtype}, expected {dtypes.STORAGE[code]} for {dtype_name}")
+        scalar = bool(attrs.get(fmt.ATTR_SCALAR, 0))
+        if dataset.ndim == 0 or (scalar and dataset.ndim != 1):
+            raise DumpError(f"{where}: shape {dataset.shape} does not fit {'scalar ' if scalar else ''}rows")
+        rows = self._block_rows.get(number, 0)
+        if dataset.shape[0] != rows:
+            raise DumpError(f"{where}: {dataset.shape[0]} rows, but its index rows cover {rows}")
+        if scalar and np.any(self.index["rows"][self.index["block"] == number] != 1):
+            raise DumpError(f"{where}: a scalar block's index rows must span one row each")
+        return dataset, dtype_name, scalar
+
+    def check_rows(self, position: int, rows: np.ndarray) -> None:
+        """Raise DumpError when ``rows`` (index row ``position``'s data) fail their CRC32C."""
+        if not self.has_checksums:
+            return
+        entry = self.index[position]
+        found = row_checksum(rows)
+        if found != int(entry["crc32c"]):
+            raise DumpError(f"{self.path}: index row {position} (pass {int(entry['pass'])}, "
+                            f"{self.names[int(entry['name'])]!r}): checksum {found:08x}, stored "
+                            f"{int(entry['crc32c']):08x}: the data changed after it was written")
 
 
 def _to_tensor(rows: np.ndarray, dtype_name: str, scalar: bool):
@@ -136,12 +323,32 @@ class _Rank:
         self.path = os.path.join(dumpset.root, role, name)
         self._segments = None
         self._passes = None  # pass id -> [SegmentIndex, ...] containing it
+        self.unreadable: list = []  # segment paths that could not be read
 
     @property
     def info(self) -> dict:
-        return fsutil.read_json(os.path.join(self.path, fmt.RANK_FILE), default={}) or {}
+        """rank.json ({} when missing; {} and a problem when it is not a JSON object)."""
+        path = os.path.join(self.path, fmt.RANK_FILE)
+        try:
+            info = fsutil.load_json(path)
+        except FileNotFoundError:
+            return {}
+        except (OSError, ValueError) as exc:
+            self.dumpset._problem(f"{path}: {exc}")
+            return {}
+        if not isinstance(info, dict):
+            self.dumpset._problem(f"{path}: not a JSON object ({type(info).__name__})")
+            return {}
+        return info
+
+    @property
+    def session(self):
+        parsed = fmt.parse_rank_dir(self.name)
+        return parsed[4] if parsed else None
 
     def segment_paths(self) -> list:
+        """Visible segment files, in order. Anything but a regular file under a segment's name (a
+        link, a FIFO) is listed too: reading it fails with a clear error instead of following it."""
         numbered = []
         for entry in os.listdir(self.path):
             number = fmt.segment_number(entry)
@@ -155,11 +362,15 @@ class _Rank:
             segments = []
             for path in self.segment_paths():
                 try:
-                    segments.append(SegmentIndex(path, self.dumpset._file(path)))
+                    segment = SegmentIndex(path, self.dumpset._file(path))
                 except Exception as exc:  # one damaged file must not hide the rest of the dump
-                    message = f"{path}: unreadable segment ({type(exc).__name__}: {exc})"
-                    self.dumpset.problems.append(message)
-                    warnings.warn(f"fastdump: skipping {message}", stacklevel=3)
+                    detail = str(exc) if isinstance(exc, DumpError) else f"{type(exc).__name__}: {exc}"
+                    self.unreadable.append(path)
+                    self.dumpset._problem(f"{path}: unreadable segment ({detail})", warn=True)
+                    continue
+                for text in segment.problems:
+                    self.dumpset._problem(text, warn=True)
+                segments.append(segment)
             self._segments = segments
         return self._segments
 
@@ -174,11 +385,12 @@ class _Rank:
         return self._passes
 
     def rank_number(self):
-        match = fmt.RANK_DIR_RE.match(self.name)
-        if match:
-            return int(match.group(3))
-        number = (self.info.get("rank") or {}).get("rank")
-        return int(number) if isinstance(number, int) else None
+        parsed = fmt.parse_rank_dir(self.name)
+        if parsed:
+            return parsed[2]
+        rank = self.info.get("rank")
+        number = rank.get("rank") if isinstance(rank, dict) else None
+        return number if isinstance(number, int) and not isinstance(number, bool) else None
 
 
 class DumpSet:
@@ -188,7 +400,7 @@ class DumpSet:
         self.root = os.path.abspath(os.fspath(root))
         if not os.path.isdir(self.root):
             raise FileNotFoundError(f"no dump directory at {self.root}")
-        self.problems: list = []  # unreadable segments met so far
+        self.problems: list = []  # unreadable files met so far (path: reason)
         self._files: collections.OrderedDict = collections.OrderedDict()  # path -> open h5py.File (LRU)
         self._ranks: dict = {}  # (role, rank dir) -> _Rank
 
@@ -196,31 +408,52 @@ class DumpSet:
 
     @property
     def manifest(self) -> dict:
-        return fsutil.read_json(os.path.join(self.root, fmt.MANIFEST_FILE), default={}) or {}
+        """fastdump.json ({} when missing; {} and a problem when unreadable or not an object)."""
+        path = os.path.join(self.root, fmt.MANIFEST_FILE)
+        try:
+            manifest = fsutil.load_json(path)
+        except FileNotFoundError:
+            return {}
+        except (OSError, ValueError) as exc:
+            self._problem(f"{path}: {exc}")
+            return {}
+        if not isinstance(manifest, dict):
+            self._problem(f"{path}: not a JSON object ({type(manifest).__name__})")
+            return {}
+        return manifest
 
     @property
     def roles(self) -> list:
         return sorted(role for role in os.listdir(self.root) if self._rank_dirs(role))
 
     def ranks(self, role: str = None) -> list:
+        """Rank directory names of a role: one per dumping session (a process may have several)."""
         return self._rank_dirs(self._role(role))
 
-    def rank_info(self, role: str = None, rank=None) -> dict:
-        """rank.json of a rank directory ({} when missing)."""
-        return self._rank(role, rank).info
+    def sessions(self, role: str = None, rank=None) -> list:
+        """Rank directory names matching ``rank`` (a number, or None for all), in start order."""
+        role = self._role(role)
+        names = self._rank_dirs(role)
+        if rank is None:
+            return names
+        return [n for n in names if self._rank_obj(role, n).rank_number() == int(rank)]
 
-    def segments(self, role: str = None, rank=None) -> list:
+    def rank_info(self, role: str = None, rank=None, *, session: str = None) -> dict:
+        """rank.json of a rank directory ({} when missing)."""
+        return self._rank(role, rank, session).info
+
+    def segments(self, role: str = None, rank=None, *, session: str = None) -> list:
         """Paths of the visible segment files, in order."""
-        return self._rank(role, rank).segment_paths()
+        return self._rank(role, rank, session).segment_paths()
 
     # ---------------------------------------------------------------- passes and tensors
 
-    def passes(self, role: str = None, rank=None) -> list:
-        return list(self._rank(role, rank).pass_map)
+    def passes(self, role: str = None, rank=None, *, session: str = None) -> list:
+        return list(self._rank(role, rank, session).pass_map)
 
-    def summary(self, role: str = None, rank=None) -> dict:
+    def summary(self, role: str = None, rank=None, *, session: str = None) -> dict:
         """Totals of a rank from its readable segments (what ``fastdump ls`` prints)."""
-        entry = self._rank(role, rank)
+        entry = self._rank(role, rank, session)
         segments = entry.segments
         passes = list(entry.pass_map)
         incomplete = set()
@@ -241,22 +474,22 @@ class DumpSet:
             "bytes": sum(int(segment.passes["bytes"].sum()) for segment in segments),
         }
 
-    def names(self, role: str = None, rank=None) -> list:
+    def names(self, role: str = None, rank=None, *, session: str = None) -> list:
         """Every tensor name of a rank, in order of first appearance."""
         seen: dict = {}
-        for segment in self._rank(role, rank).segments:
+        for segment in self._rank(role, rank, session).segments:
             used = np.unique(segment.index["name"])
             for slot in sorted(used.tolist()):
                 seen.setdefault(segment.names[slot], None)
         return list(seen)
 
-    def meta(self, role: str = None, rank=None, pass_id: int = None) -> dict:
+    def meta(self, role: str = None, rank=None, pass_id: int = None, *, session: str = None) -> dict:
         """Pass metadata as given by the capture side, plus ``complete``, ``dropped``, ``skipped``,
         ``tensors`` and ``bytes`` (these five keys are fastdump's own), and, for a pass the capture
         side marked incomplete, ``incomplete`` (the reason) and ``mixed`` (several threads' forwards)."""
         merged, complete, dropped, skipped, tensors, nbytes = {}, True, 0, [], 0, 0
         reported = {}  # why the capture side marked the pass incomplete, if it did
-        for segment in self._segments_of_pass(role, rank, pass_id):
+        for segment in self._segments_of_pass(role, rank, pass_id, session):
             row, meta = segment.pass_record(pass_id)
             merged.update(meta.get("meta") or {})
             reported.update({key: meta[key] for key in ("incomplete", "mixed") if meta.get(key)})
@@ -268,13 +501,16 @@ class DumpSet:
         return {**merged, "complete": complete, "dropped": dropped, "skipped": skipped,
                 "tensors": tensors, "bytes": nbytes, **reported}
 
-    def load(self, role: str = None, rank=None, pass_id: int = None, select=None) -> dict:
+    def load(self, role: str = None, rank=None, pass_id: int = None, select=None, *, session: str = None,
+             check: bool = False) -> dict:
         """{name: tensor} of one pass, in the order the tensors were dumped.
 
         ``select``: optional predicate on the name; tensors it rejects are not read at all.
+        ``check``: verify each tensor's CRC32C (DumpError on a mismatch; format-1 segments have
+        no checksums and are returned unchecked). ``session``: see ``sessions``.
         """
         result: dict = {}
-        for segment in self._segments_of_pass(role, rank, pass_id):
+        for segment in self._segments_of_pass(role, rank, pass_id, session):
             h5file = self._file(segment.path)
             for position in segment.rows_of_pass(pass_id).tolist():
                 name = segment.names[int(segment.index["name"][position])]
@@ -282,30 +518,32 @@ class DumpSet:
                     continue
                 if name in result:  # the capture layer makes names unique per pass; never lose one
                     name = self._unique(result, name)
-                result[name] = self._read_row(segment, h5file, position)
+                result[name] = self._read_row(segment, h5file, position, check)
         return result
 
-    def pass_names(self, role: str = None, rank=None, pass_id: int = None) -> list:
+    def pass_names(self, role: str = None, rank=None, pass_id: int = None, *, session: str = None) -> list:
         """Tensor names of one pass in the order they were dumped, without reading tensor data."""
         names = []
-        for segment in self._segments_of_pass(role, rank, pass_id):
+        for segment in self._segments_of_pass(role, rank, pass_id, session):
             slots = segment.index["name"][segment.rows_of_pass(pass_id)]
             names.extend(segment.names[int(slot)] for slot in slots)
         return names
 
-    def tensor(self, role: str = None, rank=None, name: str = None, pass_id: int = None):
+    def tensor(self, role: str = None, rank=None, name: str = None, pass_id: int = None, *,
+               session: str = None, check: bool = False):
         """One tensor by name and pass (KeyError when that pass has no such tensor)."""
-        for segment in self._segments_of_pass(role, rank, pass_id):
+        for segment in self._segments_of_pass(role, rank, pass_id, session):
             in_pass = segment.rows_of_pass(pass_id)
             hits = in_pass[segment.index["name"][in_pass] == segment.slot_of(name)]
             if len(hits):
-                return self._read_row(segment, self._file(segment.path), int(hits[0]))
+                return self._read_row(segment, self._file(segment.path), int(hits[0]), check)
         raise KeyError(f"no tensor {name!r} in pass {pass_id}")
 
-    def series(self, role: str = None, rank=None, name: str = None) -> dict:
+    def series(self, role: str = None, rank=None, name: str = None, *, session: str = None,
+               check: bool = False) -> dict:
         """{pass_id: tensor} of one name across all passes (each block read once per segment)."""
         result: dict = {}
-        for segment in self._rank(role, rank).segments:
+        for segment in self._rank(role, rank, session).segments:
             positions = segment.rows_of_name(name)
             if len(positions) == 0:
                 continue
@@ -317,9 +555,11 @@ class DumpSet:
                 start = int(in_block["first_row"].min())
                 stop = int((in_block["first_row"] + in_block["rows"]).max())
                 rows = dataset[start:stop]
-                for entry in in_block:
+                for position, entry in zip(positions[entries["block"] == block_number].tolist(), in_block):
                     first = int(entry["first_row"]) - start
                     part = rows[first:first + int(entry["rows"])]
+                    if check:
+                        segment.check_rows(position, part)
                     result.setdefault(int(entry["pass"]), _to_tensor(part, dtype_name, scalar))
         return dict(sorted(result.items()))
 
@@ -345,14 +585,22 @@ class DumpSet:
 
     # ---------------------------------------------------------------- internals
 
+    def _problem(self, text: str, warn: bool = False) -> None:
+        if text not in self.problems:
+            self.problems.append(text)
+            if warn:
+                warnings.warn(f"fastdump: skipping {text}", stacklevel=4)
+
     def _rank_dirs(self, role: str) -> list:
+        """Rank directories of a role. Symbolic links (to a role or rank directory) are not
+        followed: they may point out of the dump."""
         role_path = os.path.join(self.root, role)
-        if not os.path.isdir(role_path):
+        if not fsutil.is_real_dir(role_path):
             return []
         found = []
         for entry in os.listdir(role_path):
             path = os.path.join(role_path, entry)
-            if os.path.isdir(path) and any(
+            if fsutil.is_real_dir(path) and any(
                 name == fmt.RANK_FILE or fmt.segment_number(name) is not None for name in os.listdir(path)
             ):
                 found.append(entry)
@@ -368,24 +616,32 @@ class DumpSet:
             raise ValueError(f"role must be given: {self.root} holds roles {roles}")
         return roles[0]
 
-    def _rank(self, role, rank) -> _Rank:
+    def _rank(self, role, rank, session=None) -> _Rank:
+        """The one rank directory meant: by directory name, or by rank number (+ ``session``).
+        Several sessions matching a number is a ValueError listing them: a reader never mixes
+        two sessions."""
         role = self._role(role)
         names = self._rank_dirs(role)
-        if rank is None:
-            if len(names) != 1:
-                raise ValueError(f"rank must be given: role {role!r} has ranks {names}")
-            name = names[0]
-        elif isinstance(rank, (int, np.integer)) and not isinstance(rank, bool):
-            matches = [n for n in names if self._rank_obj(role, n).rank_number() == int(rank)]
-            if len(matches) != 1:
-                raise KeyError(f"rank {rank} of role {role!r} is {'ambiguous' if matches else 'missing'}: "
-                               f"{matches or names}")
-            name = matches[0]
-        else:
+        if rank is not None and not (isinstance(rank, (int, np.integer)) and not isinstance(rank, bool)):
             name = str(rank)
             if name not in names:
                 raise KeyError(f"no rank {name!r} in role {role!r} (ranks: {names})")
-        return self._rank_obj(role, name)
+            if session is not None and self._rank_obj(role, name).session != session:
+                raise KeyError(f"rank directory {name!r} is not session {session!r}")
+            return self._rank_obj(role, name)
+        matches = names if rank is None else [n for n in names if self._rank_obj(role, n).rank_number() == int(rank)]
+        if session is not None:
+            matches = [n for n in matches if self._rank_obj(role, n).session == session]
+        if not matches:
+            what = f"rank {rank}" if rank is not None else "rank"
+            raise KeyError(f"{what}{f' session {session!r}' if session else ''} missing in role {role!r} "
+                           f"(rank directories: {names})")
+        if len(matches) > 1:
+            if rank is None:
+                raise ValueError(f"rank must be given: role {role!r} has rank directories {matches}")
+            raise ValueError(f"rank {rank} of role {role!r} has {len(matches)} sessions: {matches}; "
+                             "pass the directory name as rank, or session=")
+        return self._rank_obj(role, matches[0])
 
     def _rank_obj(self, role: str, name: str) -> _Rank:
         key = (role, name)
@@ -393,9 +649,13 @@ class DumpSet:
             self._ranks[key] = _Rank(self, role, name)
         return self._ranks[key]
 
-    def _segments_of_pass(self, role, rank, pass_id) -> list:
-        segments = self._rank(role, rank).pass_map.get(pass_id)
+    def _segments_of_pass(self, role, rank, pass_id, session=None) -> list:
+        entry = self._rank(role, rank, session)
+        segments = entry.pass_map.get(pass_id)
         if not segments:
+            if entry.unreadable:  # the pass may be in a segment that could not be read
+                raise DumpError(f"no pass {pass_id} in the readable segments of {entry.path}; unreadable: "
+                                + "; ".join(p for p in self.problems if p.startswith(entry.path)))
             raise KeyError(f"no pass {pass_id}")
         return segments
 
@@ -416,11 +676,14 @@ class DumpSet:
         return f"{name}#dup{k}"
 
     @staticmethod
-    def _read_row(segment: SegmentIndex, h5file: h5py.File, position: int):
+    def _read_row(segment: SegmentIndex, h5file: h5py.File, position: int, check: bool = False):
         entry = segment.index[position]
         dataset, dtype_name, scalar = segment.block(h5file, int(entry["block"]))
         first = int(entry["first_row"])
-        return _to_tensor(dataset[first:first + int(entry["rows"])], dtype_name, scalar)
+        rows = dataset[first:first + int(entry["rows"])]
+        if check:
+            segment.check_rows(position, rows)
+        return _to_tensor(rows, dtype_name, scalar)
 
 
 def open(root):  # noqa: A001 - exported as fastdump.open

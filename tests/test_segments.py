@@ -377,8 +377,8 @@ def test_pass_metadata_dropped_and_skipped(tmp_path):
     w.on_end(1, {}, 0, [])  # a pass with no tensors keeps its metadata
     f.tensor(2, "x", torch.ones(2))  # tensors without a begin: tolerated
     w.on_end(2, {"forward_mode": "decode"}, 0, [])
-    w.on_note({"dropped_total": 5, "status": "running", "error": None})
-    w.close({"dropped_total": 5, "tensors_staged": 3})
+    w.on_note({"status": "running", "error": None})
+    w.close({"dropped": 5, "dropped_passes": 1, "tensors_staged": 3})  # the keys of Dumper.stats()
     ds = reader.open(tmp_path)
     assert ds.passes("target", 0) == [0, 1, 2]
     meta0 = ds.meta("target", 0, 0)
@@ -390,6 +390,8 @@ def test_pass_metadata_dropped_and_skipped(tmp_path):
     info = ds.rank_info("target", 0)
     assert info["status"] == "closed" and info["error"] is None
     assert info["dropped"] == 5 and info["skipped"] == 2 and info["skipped_reasons"] == {"quantized tensor": 2}
+    assert info["dropped_passes"] == 1
+    assert info["dropped_passes"] == 1
     assert info["passes"] == 3 and info["tensors"] == 2 and info["bytes"] == 16
     assert info["role"] == "target" and info["rank"]["tp_size"] == 1 and info["pid"] == 4242
     assert info["host"] == "testhost" and info["device"] == {"name": "cpu"} and info["config"]["policy"] == "block"
@@ -419,7 +421,7 @@ def test_rank_json_written_at_open_and_after_each_segment(tmp_path):
     Feeder(w).full_pass(0, {"x": torch.ones(1)})
     info = rank_json(tmp_path)
     assert info["status"] == "running" and [s["file"] for s in info["segments"]] == ["seg-000000.h5"]
-    w.on_note({"status": "running", "dropped_total": 7})
+    w.on_note({"status": "running", "dropped": 7})
     assert rank_json(tmp_path)["dropped"] == 7
     w.close({})
     assert rank_json(tmp_path)["status"] == "closed"
@@ -482,7 +484,7 @@ def test_segment_is_invisible_until_complete(tmp_path, monkeypatch):
     w = ChannelWriter(open_msg(tmp_path))
     Feeder(w).full_pass(0, {"x": torch.ones(4)})
     w.close({})
-    assert seen == [[".seg-000000.h5.tmp", "rank.json"]]
+    assert seen == [[".rank.json.reserve", ".seg-000000.h5.tmp", "rank.json"]]  # reserve: see test_integrity_disk
     assert sorted(os.listdir(tmp_path / "target" / RANK_DIR)) == ["rank.json", "seg-000000.h5"]
 
 

@@ -6,18 +6,53 @@ when an old reader could misread the new layout).
 
 from __future__ import annotations
 
+import os
 import re
+import time
 
 import numpy as np
 
 FORMAT_NAME = "fastdump-segment"
-FORMAT_VERSION = 1
+# Version of segment files and rank.json. 2: index rows carry a CRC32C; rank directories carry a
+# session id. Readers read versions 1 and 2.
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
+# Version of the run manifest (fastdump.json), independent of the segment format.
+MANIFEST_VERSION = 1
 
 MANIFEST_FILE = "fastdump.json"
 RANK_FILE = "rank.json"
 
 SEGMENT_RE = re.compile(r"^seg-(\d+)\.h5$")
-RANK_DIR_RE = re.compile(r"^TP(\d+)_PP(\d+)_Rank(\d+)_pid(\d+)$")
+
+# Rank directories: SGLang's ``TP{tp}_PP{pp}_Rank{rank}`` prefix, the writing process's pid, and
+# (format 2) a session id, so that two Dumpers of one process (same root and role), or two runs
+# that reuse a pid (attach/close in a loop; containers where every run is pid 1), never share a
+# directory. A session id sorts by start time (UTC, microseconds) and ends in random bits:
+# ``TP0_PP0_Rank0_pid1234_20261201T013200.123456Z-9f3ac2e1``. Format 1 names have no session.
+RANK_DIR_RE = re.compile(r"^TP(\d+)_PP(\d+)_Rank(\d+)_pid(\d+)(?:_(\d{8}T\d{6}\.\d{6}Z-[0-9a-f]{8}))?$")
+
+
+def new_session_id() -> str:
+    """A fresh session id: start time (sorts) + 32 random bits (two sessions in one microsecond)."""
+    now = time.time()
+    stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime(now))
+    return f"{stamp}.{int(now * 1e6) % 1000000:06d}Z-{os.urandom(4).hex()}"
+
+
+def rank_dir_name(ranks: dict, pid: int, session: str = None) -> str:
+    """``TP{tp}_PP{pp}_Rank{rank}_pid{pid}_{session}`` (no session: the format-1 name)."""
+    name = f"TP{ranks['tp_rank']}_PP{ranks['pp_rank']}_Rank{ranks['rank']}_pid{pid}"
+    return f"{name}_{session}" if session else name
+
+
+def parse_rank_dir(name: str):
+    """(tp, pp, rank, pid, session or None) of a rank directory name, or None for other names."""
+    match = RANK_DIR_RE.match(name)
+    if match is None:
+        return None
+    tp, pp, rank, pid, session = match.groups()
+    return int(tp), int(pp), int(rank), int(pid), session
 
 
 def segment_name(number: int) -> str:
@@ -47,15 +82,17 @@ ATTR_DTYPE = "dtype"  # torch dtype name, e.g. "bfloat16"
 ATTR_ENCODING = "encoding"  # "native" or "raw-bits" (see fastdump/dtypes.py)
 ATTR_SCALAR = "scalar"  # 1 on blocks whose rows are 0-d tensors (each index entry then has rows == 1)
 
-INDEX_DTYPE = np.dtype(
-    [
-        ("pass", "<i8"),  # pass id
-        ("name", "<i4"),  # position in NAMES
-        ("block", "<i4"),  # dataset BLOCKS/<block>
-        ("first_row", "<i8"),  # first row of this tensor in the block
-        ("rows", "<i8"),  # rows it spans: shape[0], or 1 for a 0-d tensor
-    ]
-)
+_INDEX_FIELDS_V1 = [
+    ("pass", "<i8"),  # pass id
+    ("name", "<i4"),  # position in NAMES
+    ("block", "<i4"),  # dataset BLOCKS/<block>
+    ("first_row", "<i8"),  # first row of this tensor in the block
+    ("rows", "<i8"),  # rows it spans: shape[0], or 1 for a 0-d tensor
+]
+INDEX_DTYPE_V1 = np.dtype(_INDEX_FIELDS_V1)
+# Format 2: CRC32C (Castagnoli) of the tensor's bytes as stored (its rows, C order, little-endian).
+INDEX_DTYPE = np.dtype(_INDEX_FIELDS_V1 + [("crc32c", "<u4")])
+INDEX_DTYPES = {1: INDEX_DTYPE_V1, 2: INDEX_DTYPE}
 
 PASS_DTYPE = np.dtype(
     [
