@@ -12,6 +12,7 @@ import json
 import math
 import os
 import re
+import socket
 import sys
 
 import numpy as np
@@ -39,6 +40,7 @@ def add_arguments(subparsers) -> None:
     p.add_argument("root")
     p.add_argument("--role", default=None, help="role directory (optional when there is one)")
     p.add_argument("--rank", default=None, help="rank directory name or global rank number (optional when one)")
+    p.add_argument("--session", default=None, help="session id, when several sessions dumped that rank number")
     p.add_argument("--pass", dest="pass_id", type=int, required=True, help="pass id")
     p.add_argument("--name", default=None, help="only names matching this regular expression (re.search)")
     p.set_defaults(func=cmd_show)
@@ -46,6 +48,31 @@ def add_arguments(subparsers) -> None:
 
 def _rank_arg(text):
     return int(text) if text is not None and text.isdigit() else text
+
+
+def _printable(name) -> str:
+    """Text from a dump may hold any character; escape the ones a terminal would swallow or obey
+    (ANSI escapes in a crafted status, error or directory name)."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in str(name))
+
+
+def _count(value) -> int:
+    """A count from rank.json, or 0 when it is not a non-negative integer (a damaged file)."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0
+
+
+def _pid_gone(info: dict) -> bool:
+    """True when rank.json names a process on this host that no longer exists."""
+    pid = info.get("pid")
+    if info.get("host") != socket.gethostname() or not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:
+        return False
+    return False
 
 
 def _size(nbytes: int) -> str:
@@ -67,6 +94,8 @@ def _table(header: list, rows: list) -> str:
 
 
 def list_dump(root: str) -> dict:
+    """Every rank directory (one per session) with its status and totals. A damaged rank.json or
+    segment is reported in ``problems`` (path: reason) and the listing goes on."""
     from . import reader
 
     with reader.open(root) as ds:
@@ -74,16 +103,27 @@ def list_dump(root: str) -> dict:
         for role in ds.roles:
             for rank in ds.ranks(role):
                 info = ds.rank_info(role, rank)
-                ranks.append({
+                status = info.get("status", "unknown")
+                error = info.get("error")
+                entry = {
                     "role": role,
                     "rank": rank,
-                    "status": info.get("status", "unknown"),
-                    "error": info.get("error"),
-                    "dropped": info.get("dropped", 0),
-                    "skipped": info.get("skipped", 0),
-                    **ds.summary(role, rank),
-                })
-        return {"root": ds.root, "manifest": ds.manifest, "ranks": ranks}
+                    "status": status if isinstance(status, str) else f"unknown ({type(status).__name__})",
+                    "error": None if error is None else str(error),
+                    "dropped": _count(info.get("dropped", 0)),
+                    "dropped_passes": _count(info.get("dropped_passes", 0)),
+                    "skipped": _count(info.get("skipped", 0)),
+                    "producer_gone": _pid_gone(info),
+                }
+                try:
+                    entry.update(ds.summary(role, rank))
+                except Exception as exc:  # never a traceback: say which rank and why, go on
+                    ds.problems.append(f"{os.path.join(ds.root, role, rank)}: {type(exc).__name__}: {exc}")
+                    entry.update(passes=0, first_pass=None, last_pass=None, incomplete_passes=[], segments=0,
+                                 unreadable_segments=0, tensors=0, bytes=0)
+                ranks.append(entry)
+        manifest = ds.manifest
+        return {"root": ds.root, "manifest": manifest, "ranks": ranks, "problems": list(ds.problems)}
 
 
 def cmd_ls(args) -> int:
@@ -97,7 +137,9 @@ def cmd_ls(args) -> int:
         return 0
     manifest = listing["manifest"]
     version = manifest.get("fastdump_version") or manifest.get("version")
-    print(listing["root"] + (f"  (fastdump {version})" if version else ""))
+    print(_printable(listing["root"]) + (f"  (fastdump {_printable(version)})" if version else ""))
+    for text in listing["problems"]:
+        print(f"warning: {_printable(text)}", file=sys.stderr)
     if not listing["ranks"]:
         print("no rank directories")
         return 0
@@ -105,12 +147,15 @@ def cmd_ls(args) -> int:
     for r in listing["ranks"]:
         span = "-" if r["first_pass"] is None else f"{r['first_pass']}..{r['last_pass']}"
         status = r["status"] + (f" ({r['error']})" if r["error"] else "")
+        if r["status"] == "running" and r["producer_gone"]:
+            status += " [its process is gone: unfinished]"
         if r["unreadable_segments"]:
             status += f" [{r['unreadable_segments']} unreadable segment(s)]"
         if r["incomplete_passes"]:
             status += f" [{len(r['incomplete_passes'])} incomplete pass(es)]"
-        rows.append([r["role"], r["rank"], r["passes"], span, r["segments"], r["tensors"], _size(r["bytes"]),
-                     r["dropped"], r["skipped"], status])
+        dropped = str(r["dropped"]) + (f" +{r['dropped_passes']} passes" if r["dropped_passes"] else "")
+        rows.append([_printable(r["role"]), _printable(r["rank"]), r["passes"], span, r["segments"], r["tensors"],
+                     _size(r["bytes"]), dropped, r["skipped"], _printable(status)])
     print(_table(["ROLE", "RANK", "PASSES", "RANGE", "SEGMENTS", "TENSORS", "BYTES", "DROPPED", "SKIPPED", "STATUS"],
                  rows))
     return 0
@@ -169,20 +214,43 @@ def _check_block(report: _Report, where: str, dataset, entries: np.ndarray) -> i
 
 def check_segment(report: _Report, path: str, read_data: bool = False):
     """Check one segment file; return its summary dict (None when it cannot be opened)."""
-    from .reader import open_segment
+    from .reader import DumpError, open_segment
 
     where = path
     try:
         h5file = open_segment(path)
+    except DumpError as exc:
+        report.problem(where, f"cannot open ({exc})")
+        return None
     except Exception as exc:
         report.problem(where, f"cannot open ({type(exc).__name__}: {exc})")
         return None
     try:
         with h5file:
             return _check_open_segment(report, where, h5file, read_data)
+    except DumpError as exc:  # refused before reading: links, external storage, size claims
+        report.problem(where, f"refused: {exc}")
+        return None
     except Exception as exc:  # damage the structural checks did not anticipate
         report.problem(where, f"unreadable ({type(exc).__name__}: {exc})")
         return None
+
+
+def _check_objects(h5file, where: str) -> None:
+    """Raise DumpError for anything that would make reading touch data outside this file or
+    allocate more than it holds: links other than hard links, external or virtual storage,
+    filters, size claims beyond the file (checked before any table or block is read)."""
+    from .reader import check_dataset, check_link
+
+    file_size = os.stat(h5file.filename).st_size
+    for name in (fmt.NAMES, fmt.INDEX, fmt.PASSES, fmt.PASS_META):
+        check_link(h5file, name, where)
+        check_dataset(h5file[name], file_size, f"{where} {name!r}")
+    check_link(h5file, fmt.BLOCKS, where)
+    blocks = h5file[fmt.BLOCKS]
+    for key in blocks:
+        check_link(blocks, key, f"{where} {fmt.BLOCKS!r}")
+        check_dataset(blocks[key], file_size, f"{where} block {key}")
 
 
 def _check_open_segment(report: _Report, where: str, h5file, read_data: bool):
@@ -190,16 +258,26 @@ def _check_open_segment(report: _Report, where: str, h5file, read_data: bool):
     if (fmt_name.decode() if isinstance(fmt_name, bytes) else fmt_name) != fmt.FORMAT_NAME:
         report.problem(where, f"not a fastdump segment (format attribute {fmt_name!r})")
         return None
+    version = h5file.attrs.get("format_version")
+    version = int(version) if isinstance(version, (int, np.integer)) else None
+    if version not in fmt.READABLE_VERSIONS:
+        report.problem(where, f"format version {h5file.attrs.get('format_version')!r} is not one of "
+                              f"{list(fmt.READABLE_VERSIONS)}")
+        return None
     for needed in (fmt.NAMES, fmt.INDEX, fmt.PASSES, fmt.PASS_META, fmt.BLOCKS):
         if needed not in h5file:
             report.problem(where, f"missing {needed!r}")
             return None
+    _check_objects(h5file, where)
     names = json.loads(h5file[fmt.NAMES][()])
     index = h5file[fmt.INDEX][()]
     passes = h5file[fmt.PASSES][()]
     pass_meta = h5file[fmt.PASS_META][()]
-    if index.dtype != fmt.INDEX_DTYPE or passes.dtype != fmt.PASS_DTYPE:
+    if index.dtype != fmt.INDEX_DTYPES[version] or passes.dtype != fmt.PASS_DTYPE:
         report.problem(where, "index or passes table has an unexpected layout")
+        return None
+    if not isinstance(names, list):
+        report.problem(where, "the name table is not a JSON list")
         return None
     if len(pass_meta) != len(passes):
         report.problem(where, f"{len(pass_meta)} pass_meta entries for {len(passes)} passes")
@@ -224,10 +302,11 @@ def _check_open_segment(report: _Report, where: str, h5file, read_data: bool):
     for number in block_numbers:
         dataset = blocks[str(number)]
         mine = index["block"] == number
+        before = len(report.problems)
         row_bytes = _check_block(report, f"{where} block {number}", dataset, index[mine])
         entry_bytes[mine] = index["rows"][mine] * row_bytes
-        if read_data:
-            _read_all(dataset)
+        if read_data and len(report.problems) == before:  # rows known to lie inside the block
+            _read_block(report, f"{where} block {number}", dataset, index, np.flatnonzero(mine))
 
     pass_ids = passes["pass"].tolist()
     if len(set(pass_ids)) != len(pass_ids):
@@ -249,9 +328,11 @@ def _check_open_segment(report: _Report, where: str, h5file, read_data: bool):
         "bytes": int(passes["bytes"].sum()),
         "incomplete": [int(row["pass"]) for row in passes if not row["complete"]],
     }
+    stored_summary = dict(summary)
+    summary["pass_ids"] = pass_ids
     for key in ("first_pass", "last_pass", "passes", "tensors", "bytes"):
         stored = h5file.attrs.get(key)
-        if stored is not None and summary[key] is not None and int(stored) != summary[key]:
+        if stored is not None and stored_summary[key] is not None and int(stored) != stored_summary[key]:
             report.problem(where, f"attribute {key}={int(stored)} but the tables say {summary[key]}")
     return summary
 
@@ -269,21 +350,93 @@ def _check_pass_reports(report: _Report, where: str, pass_id: int, entry) -> Non
         report.warning(where, f"pass {pass_id} is incomplete: {reason}")
 
 
-def _read_all(dataset, rows_per_read: int = 1 << 16) -> None:
-    for start in range(0, dataset.shape[0], rows_per_read):
-        dataset[start:start + rows_per_read]
+def _read_block(report: _Report, where: str, dataset, index: np.ndarray, positions: np.ndarray,
+                read_bytes: int = 64 << 20) -> None:
+    """Read every byte of a block (catches I/O errors) and check each tensor's CRC32C (format 2),
+    a few tensors per read so that memory stays bounded by ``read_bytes`` plus one tensor."""
+    from .reader import row_checksum
+
+    has_crc = "crc32c" in index.dtype.names
+    row_bytes = max(1, math.prod(dataset.shape[1:]) * dataset.dtype.itemsize)
+    positions = positions[np.argsort(index["first_row"][positions], kind="stable")]
+    i = 0
+    while i < len(positions):
+        j, start = i, int(index["first_row"][positions[i]])
+        stop = start
+        while j < len(positions) and (j == i or (stop - start) * row_bytes < read_bytes):
+            stop = int(index["first_row"][positions[j]] + index["rows"][positions[j]])
+            j += 1
+        rows = dataset[start:stop]
+        if has_crc:
+            for position in positions[i:j].tolist():
+                first = int(index["first_row"][position]) - start
+                part = rows[first:first + int(index["rows"][position])]
+                if row_checksum(part) != int(index["crc32c"][position]):
+                    report.problem(where, f"index row {position} (pass {int(index['pass'][position])}): "
+                                          "checksum mismatch: the data changed after it was written")
+        i = j
+
+
+# Why a status other than "closed" means the dump may lack data.
+_STATUS_PROBLEMS = {
+    "running": "the writer never finished (still writing, or it died or the disk filled before it "
+               "could say so): passes may be missing",
+    "incomplete": "the dumping process exited without close(): what it had not yet handed to the "
+                  "writer is missing, and its last pass may be cut short",
+}
+
+
+def _check_status(report: _Report, path: str, info: dict) -> str:
+    """Only ``closed`` (written only once everything was on disk) passes. Returns the status."""
+    status = info.get("status", "unknown")
+    if not isinstance(status, str):
+        report.problem(path, f"{fmt.RANK_FILE} status is not a string: {status!r}")
+        return "unknown"
+    error = info.get("error")
+    if status == "error":
+        report.problem(path, f"writer status error: {_printable(error)}")
+    elif status in _STATUS_PROBLEMS:
+        gone = " (its process is gone)" if status == "running" and _pid_gone(info) else ""
+        report.problem(path, f"status {status}{gone}: {_STATUS_PROBLEMS[status]}")
+    elif status != "closed":
+        report.problem(path, f"status {_printable(status)!r}: not a finished dump")
+    if error and status != "error":
+        report.problem(path, f"status {_printable(status)}, but an error was recorded: {_printable(error)}")
+    return status
+
+
+def _check_counts(report: _Report, path: str, info: dict, pass_ids: set, tensors: int) -> None:
+    """The Dumper's own counts (rank.json ``stats``, sent at close) against what is on disk: a
+    pass or tensor it handed over that is not on disk is lost. Drops are reported, not failed:
+    policy "drop" drops by design and counts them."""
+    stats = info.get("stats") if isinstance(info.get("stats"), dict) else {}
+    passes_sent, tensors_sent = stats.get("passes"), stats.get("tensors")
+    if isinstance(passes_sent, int) and len(pass_ids) < passes_sent:
+        report.problem(path, f"the Dumper dumped {passes_sent} passes; {len(pass_ids)} are on disk")
+    skipped = _count(info.get("skipped", 0))
+    if isinstance(tensors_sent, int) and tensors + skipped < tensors_sent:
+        report.problem(path, f"the Dumper staged {tensors_sent} tensors; {tensors} are on disk "
+                             f"({skipped} recorded as skipped)")
+    dropped, dropped_passes = _count(info.get("dropped", 0)), _count(info.get("dropped_passes", 0))
+    if dropped or dropped_passes:
+        report.warning(path, f"policy drop: {dropped} tensor(s) and {dropped_passes} whole pass(es) were "
+                             "dropped (counted, not dumped)")
 
 
 def check_rank_dir(report: _Report, path: str, read_data: bool = False) -> None:
-    info = fsutil.read_json(os.path.join(path, fmt.RANK_FILE))
-    if not isinstance(info, dict):
-        report.problem(path, f"{fmt.RANK_FILE} missing or not valid JSON")
+    rank_file = os.path.join(path, fmt.RANK_FILE)
+    try:
+        info = fsutil.load_json(rank_file)
+    except FileNotFoundError:
+        report.problem(path, f"{fmt.RANK_FILE} missing")
         info = {}
-    status = info.get("status", "unknown")
-    if status == "error":
-        report.problem(path, f"writer status error: {info.get('error')}")
-    elif info.get("error"):
-        report.warning(path, f"status {status}, error reported: {info.get('error')}")
+    except (OSError, ValueError) as exc:
+        report.problem(rank_file, str(exc))
+        info = {}
+    if not isinstance(info, dict):
+        report.problem(rank_file, f"not a JSON object ({type(info).__name__})")
+        info = {}
+    status = _check_status(report, path, info)
 
     entries = os.listdir(path)
     for entry in sorted(entries):
@@ -303,7 +456,11 @@ def check_rank_dir(report: _Report, path: str, read_data: bool = False) -> None:
 
     on_disk_names = {name for _, name in on_disk}
     listed = {}
-    for item in info.get("segments") or []:
+    segments = info.get("segments") if isinstance(info.get("segments"), list) else []
+    for item in segments:
+        if not isinstance(item, dict):
+            report.problem(path, f"{fmt.RANK_FILE} segments entry is not an object: {item!r:.80}")
+            continue
         listed[item.get("file")] = item
         if item.get("file") not in on_disk_names:
             report.problem(path, f"{item.get('file')} is listed in {fmt.RANK_FILE} but missing")
@@ -323,9 +480,14 @@ def check_rank_dir(report: _Report, path: str, read_data: bool = False) -> None:
                 report.problem(path, text)
     if listed and status not in _UNFINISHED_STATUSES:
         for key in ("passes", "tensors", "bytes"):
-            total = sum(int(item.get(key, 0)) for item in listed.values())
+            total = sum(_count(item.get(key, 0)) for item in listed.values())
             if key in info and info[key] != total:
                 report.problem(path, f"{fmt.RANK_FILE} total {key}={info[key]} but its segments add up to {total}")
+
+    pass_ids = set()
+    for summary in summaries.values():
+        pass_ids.update(summary["pass_ids"])
+    _check_counts(report, path, info, pass_ids, sum(summary["tensors"] for summary in summaries.values()))
 
     # Segments cover disjoint, increasing pass ranges. The one allowed overlap: a pass the writer had
     # to flush before it ended (marked incomplete) continues in the next segment.
@@ -352,10 +514,16 @@ def verify_dump(root: str, read_data: bool = False) -> _Report:
     rank_dirs = []
     for role in sorted(os.listdir(root)):
         role_path = os.path.join(root, role)
+        if os.path.islink(role_path):
+            report.problem(role_path, "symbolic link: not followed (it may point out of the dump)")
+            continue
         if not os.path.isdir(role_path):
             continue
         for rank in sorted(os.listdir(role_path)):
             rank_path = os.path.join(role_path, rank)
+            if os.path.islink(rank_path):
+                report.problem(rank_path, "symbolic link: not followed (it may point out of the dump)")
+                continue
             if os.path.isdir(rank_path) and any(
                 e == fmt.RANK_FILE or fmt.segment_number(e) is not None or fsutil.is_temp_name(e)
                 for e in os.listdir(rank_path)
@@ -375,9 +543,9 @@ def cmd_verify(args) -> int:
         print(json.dumps({"ok": ok, "problems": report.problems, "warnings": report.warnings}, indent=2))
     else:
         for text in report.warnings:
-            print(f"warning: {text}")
+            print(f"warning: {_printable(text)}")
         for text in report.problems:
-            print(f"PROBLEM: {text}")
+            print(f"PROBLEM: {_printable(text)}")
         print("OK" if ok else f"FAILED: {len(report.problems)} problem(s)")
     return 0 if ok else 1
 
@@ -393,11 +561,6 @@ def tensor_stats(tensor):
     return summarize(tensor)
 
 
-def _printable(name: str) -> str:
-    """Names may hold any character; escape the ones a terminal would swallow or misplace."""
-    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in name)
-
-
 def _number(value) -> str:
     return "-" if value is None else f"{value:.6g}"
 
@@ -408,12 +571,17 @@ def cmd_show(args) -> int:
     pattern = re.compile(args.name) if args.name else None
     try:
         with reader.open(args.root) as ds:
-            rank = _rank_arg(args.rank)
-            tensors = ds.load(args.role, rank, args.pass_id, select=pattern.search if pattern else None)
-            meta = ds.meta(args.role, rank, args.pass_id)
-    except (KeyError, ValueError, FileNotFoundError) as exc:
-        print(f"fastdump show: {exc}", file=sys.stderr)
+            rank, session = _rank_arg(args.rank), getattr(args, "session", None)
+            tensors = ds.load(args.role, rank, args.pass_id, select=pattern.search if pattern else None,
+                              session=session)
+            meta = ds.meta(args.role, rank, args.pass_id, session=session)
+            problems = list(ds.problems)
+    except (KeyError, ValueError, OSError) as exc:  # DumpError is a ValueError
+        print(f"fastdump show: {_printable(exc.args[0] if isinstance(exc, KeyError) and exc.args else exc)}",
+              file=sys.stderr)
         return 1
+    for text in problems:
+        print(f"warning: {_printable(text)}", file=sys.stderr)
     print(f"pass {args.pass_id}: " + json.dumps(meta, default=str))
     rows = []
     for name, tensor in tensors.items():

@@ -366,7 +366,7 @@ class _Rank:
                 except Exception as exc:  # one damaged file must not hide the rest of the dump
                     detail = str(exc) if isinstance(exc, DumpError) else f"{type(exc).__name__}: {exc}"
                     self.unreadable.append(path)
-                    self.dumpset._problem(f"{path}: unreadable segment ({detail})", warn=True)
+                    self.dumpset._problem(f"{path}: unreadable segment ({detail}); skipped", warn=True)
                     continue
                 for text in segment.problems:
                     self.dumpset._problem(text, warn=True)
@@ -589,7 +589,7 @@ class DumpSet:
         if text not in self.problems:
             self.problems.append(text)
             if warn:
-                warnings.warn(f"fastdump: skipping {text}", stacklevel=4)
+                warnings.warn(f"fastdump: {text}", stacklevel=4)
 
     def _rank_dirs(self, role: str) -> list:
         """Rank directories of a role. Symbolic links (to a role or rank directory) are not

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 import fastdump
+from fastdump.writer import format as fmt
 from fastdump.integrations import sglang as fsg
 
 H, V = 16, 32
@@ -251,7 +252,8 @@ def test_dump_equals_reference(tmp_path, direct):
     refs = [reference_pass(model, fb) for fb in fbs]
     d = fsg.register_forward_hook_for_model(model, tmp_path, None, 1, 0, 0)
     assert d.get_dump_dir() == str(d.dumper.dir)
-    assert Path(d.get_dump_dir()).name == f"TP0_PP0_Rank0_pid{os.getpid()}"
+    # SGLang's TP/PP/Rank prefix, then pid and a session id (docs/FORMAT.md)
+    assert Path(d.get_dump_dir()).name.startswith(f"TP0_PP0_Rank0_pid{os.getpid()}_")
     outs = [run(model, fb) for fb in fbs]
     d.dump_current_tensors()  # nothing pending: passes end when the model returns
     d.close()
@@ -333,7 +335,9 @@ def test_rank_directory_naming(tmp_path):
     d = fsg.register_forward_hook_for_model(model, tmp_path, None, tp_size=4, tp_rank=3, pp_rank=1)
     run(model, next(batches()))
     d.close()
-    assert Path(d.get_dump_dir()).name == f"TP3_PP1_Rank7_pid{os.getpid()}"  # rank = tp_size*pp_rank+tp_rank
+    name = Path(d.get_dump_dir()).name
+    assert name.startswith(f"TP3_PP1_Rank7_pid{os.getpid()}_")  # rank = tp_size*pp_rank+tp_rank
+    assert fmt.parse_rank_dir(name)[:4] == (3, 1, 7, os.getpid())
 
 
 def test_role_for():

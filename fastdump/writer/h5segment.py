@@ -162,8 +162,12 @@ class OpenSegment:
         self._direct_ok = False
         self._inflight: list = []  # block writes running on the I/O threads
         self.direct_bytes = 0  # bytes written with O_DIRECT (tests, stats)
-        self.file = h5py.File(self.temp_path, "w", libver="latest", locking=False,
-                              alignment_threshold=ALIGN, alignment_interval=ALIGN)
+        try:
+            self.file = h5py.File(self.temp_path, "w", libver="latest", locking=False,
+                                  alignment_threshold=ALIGN, alignment_interval=ALIGN)
+        except BaseException:
+            fsutil.remove_quietly(self.temp_path)  # HDF5 may have created it before failing (disk full)
+            raise
         try:
             self.blocks_group = self.file.create_group(fmt.BLOCKS).id
             self._fd = os.open(self.temp_path, os.O_WRONLY)

@@ -50,7 +50,7 @@ _FORCE_FLUSH_FACTOR = 4
 # Space held back for rank.json: when the disk fills, this file is deleted so that rank.json can
 # still say "error" (a full disk must never look like a healthy dump). Removed at a normal close.
 RESERVE_FILE = ".rank.json.reserve"
-RESERVE_BYTES = 1 << 20
+RESERVE_BYTES = 256 << 10  # a rank.json of ~1500 segments; beyond that a short one is written
 _DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 
 
@@ -462,9 +462,15 @@ class ChannelWriter:
         except OSError as exc:
             if exc.errno not in _DISK_FULL or not os.path.exists(self._reserve):
                 raise
-            # Disk full: give up the reserved space so that this rank.json (its error) lands.
+            # Disk full: give up the reserved space so that this rank.json (its error) lands;
+            # if even that is too little, without the segment list (readers list the files).
             fsutil.remove_quietly(self._reserve)
-            fsutil.atomic_write_json(path, self.rank_json())
+            try:
+                fsutil.atomic_write_json(path, self.rank_json())
+            except OSError as again:
+                if again.errno not in _DISK_FULL:
+                    raise
+                fsutil.atomic_write_json(path, {**self.rank_json(), "segments": [], "segments_omitted": True})
 
 
 def _reserve_space(path: str, nbytes: int) -> None:
@@ -476,7 +482,11 @@ def _reserve_space(path: str, nbytes: int) -> None:
     try:
         try:
             os.posix_fallocate(fd, 0, nbytes)
-        except (OSError, AttributeError):
+        except OSError as exc:
+            if exc.errno in _DISK_FULL:
+                raise
+            os.pwrite(fd, bytes(nbytes), 0)  # file systems without fallocate
+        except AttributeError:
             os.pwrite(fd, bytes(nbytes), 0)
     except OSError:
         fsutil.remove_quietly(path)  # not even that much room: nothing to hold back

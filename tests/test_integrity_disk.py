@@ -1,0 +1,528 @@
+"""Issue 9, what is on disk and how it is read: sessions, a full disk, checksums, crafted dumps.
+
+Every crafted or damaged dump here is made by the test (h5py), never committed.
+"""
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+
+import h5py
+import numpy as np
+import pytest
+import torch
+
+import fastdump
+from fastdump import _C, cli_dump, dtypes, fsutil, reader
+from fastdump.writer import format as fmt
+from fastdump.writer.segments import RESERVE_FILE, ChannelWriter
+
+RANKS = {"tp_rank": 0, "tp_size": 1, "pp_rank": 0, "pp_size": 1, "rank": 0}
+
+
+def write_dir(path, passes, status="closed", stats=None, segment_passes=2):
+    """A rank directory written by the real ChannelWriter: {pass: {name: tensor}}."""
+    writer = ChannelWriter({"op": "open", "channel": 0, "dir": str(path), "role": "target", "rank": RANKS,
+                            "pid": 100, "host": "h", "device": {}, "config": {"segment_passes": segment_passes}})
+    names = {}
+    for pass_id, tensors in passes.items():
+        writer.on_begin(pass_id, {})
+        for name, t in tensors.items():
+            if name not in names:
+                names[name] = len(names)
+                writer.on_name(names[name], name)
+            data = t.contiguous().reshape(-1).view(torch.uint8).numpy().copy()
+            writer.on_tensor(names[name], pass_id, dtypes.code_of(t.dtype), tuple(t.shape), data)
+        writer.on_end(pass_id, {}, 0, [])
+    writer.close(stats or {}, status=status)
+    return path
+
+
+def tensors_of(p):
+    return {"a": torch.arange(6, dtype=torch.float32).reshape(2, 3) + p, "b": torch.full((4,), p, dtype=torch.int64),
+            "big": torch.full((300, 1024), float(p))}  # 1.2 MB: written straight from the ring's data
+
+
+RANK_DIR = "TP0_PP0_Rank0_pid100_20260101T000000.000000Z-00000001"
+
+
+@pytest.fixture
+def dump(tmp_path):
+    root = tmp_path / "dump"
+    write_dir(root / "target" / RANK_DIR, {p: tensors_of(p) for p in range(4)})
+    return root
+
+
+def rank_dir(root):
+    return root / "target" / RANK_DIR
+
+
+def segment(root, number=0):
+    return rank_dir(root) / fmt.segment_name(number)
+
+
+def verify(root, *extra):
+    return cli_dump.verify_dump(str(root), read_data="--data" in extra)
+
+
+def cli(*argv):
+    return subprocess.run([sys.executable, "-m", "fastdump", *map(str, argv)], capture_output=True, text=True,
+                          timeout=120)
+
+
+# ------------------------------------------------------------------------------------ CRC32C
+
+
+def test_crc32c_known_values_and_both_implementations_agree():
+    assert _C.crc32c(b"123456789") == 0xE3069283  # the CRC32C check value (RFC 3720)
+    assert _C.crc32c(b"") == 0
+    data = np.random.default_rng(0).integers(0, 256, 100_003, dtype=np.uint8)
+    for start in (0, 1, 3, 7):  # unaligned heads
+        part = data[start:]
+        assert _C.crc32c(part) == _C.crc32c(part, portable=True)
+        assert _C.crc32c(part[5000:], _C.crc32c(part[:5000])) == _C.crc32c(part)  # continues
+    assert _C.CRC32C_IMPL in ("sse4.2", "table")
+    with pytest.raises(ValueError):
+        _C.crc32c(np.zeros((4, 4), np.uint8)[:, ::2])  # not contiguous
+
+
+def test_every_index_row_carries_the_crc_of_its_tensor(dump):
+    with h5py.File(segment(dump), "r") as f:
+        assert f.attrs["format_version"] == 2
+        index = f["index"][()]
+        assert index.dtype == fmt.INDEX_DTYPE
+        for row in index:
+            rows = f["blocks"][str(row["block"])][row["first_row"]:row["first_row"] + row["rows"]]
+            assert _C.crc32c(np.ascontiguousarray(rows)) == row["crc32c"]
+    ds = fastdump.open(dump)
+    got = ds.load("target", 0, 1, check=True)
+    for name, want in tensors_of(1).items():
+        assert torch.equal(got[name], want)
+    assert torch.equal(ds.series("target", 0, "a", check=True)[3], tensors_of(3)["a"])
+
+
+@pytest.mark.parametrize("name", ["a", "big"])
+def test_flipped_or_zeroed_data_is_detected(dump, name):
+    path = segment(dump)
+    with h5py.File(path, "r") as f:
+        index, names = f["index"][()], json.loads(f["names"][()])
+        row = index[(index["pass"] == 1) & (index["name"] == names.index(name))][0]
+        offset = f["blocks"][str(row["block"])].id.get_offset()
+        row_bytes = f["blocks"][str(row["block"])].dtype.itemsize * int(np.prod(f["blocks"][str(row["block"])].shape[1:]))
+    raw = bytearray(path.read_bytes())
+    position = offset + int(row["first_row"]) * row_bytes + 5
+    raw[position] ^= 0x01  # one bit
+    path.write_bytes(bytes(raw))
+    ds = fastdump.open(dump)
+    ds.load("target", 0, 1)  # unchecked reads stay as fast as before
+    with pytest.raises(reader.DumpError, match=r"seg-000000.h5: index row \d+ \(pass 1, '" + name + r"'\): checksum"):
+        ds.load("target", 0, 1, check=True)
+    assert ds.load("target", 0, 0, check=True)  # the other pass is intact
+    report = verify(dump, "--data")
+    assert any("checksum mismatch" in p for p in report.problems), report.problems
+    assert not any("checksum" in p for p in verify(dump).problems)  # without --data: not read
+    done = cli("verify", dump, "--data")
+    assert done.returncode == 1 and "checksum mismatch" in done.stdout
+
+
+def test_format_1_dumps_still_read(dump):
+    """A format-1 segment (no crc32c column, rank directory without a session) reads as before."""
+    old = dump / "target" / "TP0_PP0_Rank0_pid7"
+    rank_dir(dump).rename(old)
+    path = old / fmt.segment_name(0)
+    with h5py.File(path, "r+") as f:
+        index = f["index"][()]
+        del f["index"]
+        f.create_dataset("index", data=index[list(fmt.INDEX_DTYPE_V1.names)].astype(fmt.INDEX_DTYPE_V1))
+        f.attrs["format_version"] = 1
+    ds = fastdump.open(dump)
+    assert ds.ranks("target") == ["TP0_PP0_Rank0_pid7"]
+    for check in (False, True):
+        got = ds.load("target", 0, 1, check=check)
+        assert all(torch.equal(got[n], t) for n, t in tensors_of(1).items())
+    assert verify(dump, "--data").problems == []
+
+
+# ------------------------------------------------------------------------------ index rows
+
+
+def rewrite_index(path, change):
+    with h5py.File(path, "r+") as f:
+        index = f["index"][()]
+        change(index)
+        f["index"][...] = index
+
+
+def set_field(row, field, value):
+    def change(index):
+        index[field][row] = value
+    return change
+
+
+@pytest.mark.parametrize("damage, message", [
+    (set_field(0, "first_row", 10_000), "index row"),  # past its block
+    (set_field(0, "rows", 0), "leave a gap|index row"),  # empty tensor
+    (set_field(1, "name", 99), "name slot 99"),  # no such name
+    (set_field(1, "block", 77), "block 77 does not exist"),
+    (set_field(0, "pass", 3), "pass 3 is not in the passes table|index rows"),  # mislabelled
+], ids=["outside", "empty", "name", "block", "pass"])
+def test_bad_index_rows_are_an_error_naming_file_and_row(dump, damage, message, capsys):
+    path = segment(dump)
+    rewrite_index(path, damage)
+    with pytest.warns(UserWarning, match="unreadable segment"):
+        ds = fastdump.open(dump)
+        with pytest.raises(reader.DumpError, match="seg-000000.h5"):
+            ds.load("target", 0, 0)
+    assert any("seg-000000.h5" in p and __import__("re").search(message, p) for p in ds.problems), ds.problems
+    assert ds.load("target", 0, 2)  # other segments still read
+    assert verify(dump).problems
+    code = cli_dump.main(["show", str(dump), "--pass", "0"])
+    assert code == 1 and "seg-000000.h5" in capsys.readouterr().err
+
+
+def test_overlapping_rows_never_return_doubled_data(dump):
+    """Two rows of one block pointing at the same data (pass 1's 'a' aliased onto pass 0's)."""
+    path = segment(dump)
+
+    def alias(index):
+        names_a = index[index["block"] == index[0]["block"]]
+        assert len(names_a) == 2
+        second = np.flatnonzero(index["block"] == index[0]["block"])[1]
+        index["first_row"][second] = 0
+
+    rewrite_index(path, alias)
+    with pytest.warns(UserWarning):
+        ds = fastdump.open(dump)
+        with pytest.raises(reader.DumpError, match="overlap"):
+            ds.load("target", 0, 1)
+
+
+def test_bad_pass_meta_is_reported_and_show_goes_on(dump, capsys):
+    with h5py.File(segment(dump), "r+") as f:
+        meta = f["pass_meta"][()]
+        meta[0] = b'["not", "an object"]'
+        meta[1] = b"{broken"
+        del f["pass_meta"]
+        f.create_dataset("pass_meta", data=meta, dtype=h5py.string_dtype())
+    assert cli_dump.main(["show", str(dump), "--pass", "0"]) == 0
+    captured = capsys.readouterr()
+    assert "pass_meta of pass 0" in captured.err and "seg-000000.h5" in captured.err
+    assert "a" in captured.out and "Traceback" not in captured.err
+
+
+# ------------------------------------------------------------------- crafted: outside the root
+
+
+def secret_file(tmp_path):
+    secret = tmp_path / "secret.bin"
+    secret.write_bytes(np.arange(24, dtype=np.float32).tobytes())
+    return secret
+
+
+def replace_block(path, make):
+    """Replace block 0 of a segment with what ``make(blocks_group, name)`` creates."""
+    with h5py.File(path, "r+") as f:
+        blocks = f["blocks"]
+        old = blocks["0"]
+        shape, dtype, attrs = old.shape, old.dtype, dict(old.attrs)
+        del blocks["0"]
+        make(blocks, "0", shape, dtype)
+        if isinstance(blocks.get("0", getlink=True), h5py.HardLink):
+            for key, value in attrs.items():
+                blocks["0"].attrs[key] = value
+
+
+@pytest.mark.parametrize("kind", ["external-storage", "external-link", "soft-link", "virtual", "chunked"])
+def test_blocks_that_read_outside_the_file_are_refused(dump, tmp_path, kind):
+    secret = secret_file(tmp_path)
+
+    def make(blocks, name, shape, dtype):
+        if kind == "external-storage":
+            blocks.create_dataset(name, shape=shape, dtype=dtype, external=[(str(secret), 0, h5py.h5f.UNLIMITED)])
+        elif kind == "external-link":
+            with h5py.File(tmp_path / "other.h5", "w") as other:
+                other.create_dataset("x", data=np.zeros(shape, dtype))
+            blocks[name] = h5py.ExternalLink(str(tmp_path / "other.h5"), "/x")
+        elif kind == "soft-link":
+            blocks[name] = h5py.SoftLink("/index")
+        elif kind == "virtual":
+            layout = h5py.VirtualLayout(shape=shape, dtype=dtype)
+            layout[...] = h5py.VirtualSource(str(tmp_path / "other.h5"), "x", shape=shape)
+            with h5py.File(tmp_path / "other.h5", "w") as other:
+                other.create_dataset("x", data=np.ones(shape, dtype))
+            blocks.create_virtual_dataset(name, layout)
+        else:
+            blocks.create_dataset(name, shape=shape, dtype=dtype, chunks=True, compression="gzip")
+
+    replace_block(segment(dump), make)
+    ds = fastdump.open(dump)
+    with pytest.raises(reader.DumpError, match="seg-000000.h5"):
+        ds.load("target", 0, 0)
+    with pytest.raises(reader.DumpError):
+        ds.series("target", 0, "a")
+    report = verify(dump, "--data")
+    assert any("refused" in p and "seg-000000.h5" in p for p in report.problems), report.problems
+    out = tmp_path / "export"
+    done = cli("export", dump, out)
+    assert done.returncode != 0 or not any(out.rglob("*.pt")) or not _contains_secret(out, secret)
+
+
+def _contains_secret(out, secret):
+    needle = secret.read_bytes()[:16]
+    return any(needle in p.read_bytes() for p in out.rglob("*.pt"))
+
+
+def test_symlinks_out_of_the_root_are_not_followed(dump, tmp_path):
+    elsewhere = tmp_path / "elsewhere"
+    write_dir(elsewhere / "target" / "TP1_PP0_Rank1_pid5", {0: tensors_of(9)})
+    os.symlink(elsewhere / "target" / "TP1_PP0_Rank1_pid5", dump / "target" / "TP1_PP0_Rank1_pid5")
+    os.symlink(elsewhere / "target", dump / "linkedrole")
+    os.symlink(segment(dump, 0), rank_dir(dump) / "seg-000099.h5")
+    ds = fastdump.open(dump)
+    assert ds.roles == ["target"] and ds.ranks("target") == [rank_dir(dump).name]
+    with pytest.warns(UserWarning, match="not a regular file"):
+        assert 99 not in ds.passes("target", 0)
+    problems = verify(dump).problems
+    assert any("TP1_PP0_Rank1_pid5: symbolic link" in p for p in problems)
+    assert any("linkedrole: symbolic link" in p for p in problems)
+    assert any("seg-000099.h5" in p and "not a regular file" in p for p in problems)
+
+
+# --------------------------------------------------------------------------- size claims
+
+
+def test_a_small_file_claiming_a_huge_block_is_refused_before_allocating(dump):
+    def make(blocks, name, shape, dtype):
+        # 1 TiB of float32 rows in a file of a few MB: HDF5 stores the claim, not the data.
+        dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
+        dcpl.set_alloc_time(h5py.h5d.ALLOC_TIME_LATE)
+        blocks.create_dataset(name, shape=(1 << 38, *shape[1:]), dtype=dtype)
+
+    replace_block(segment(dump), make)
+    ds = fastdump.open(dump)
+    with pytest.raises(reader.DumpError, match="claims .* bytes, more than the file"):
+        ds.load("target", 0, 0)
+    started = time.monotonic()
+    report = verify(dump, "--data")
+    assert time.monotonic() - started < 60
+    assert any("claims" in p for p in report.problems), report.problems
+
+
+# ---------------------------------------------------------------------- special files, JSON
+
+
+def test_fifo_rank_json_and_segment_do_not_hang(dump, tmp_path):
+    (rank_dir(dump) / "rank.json").unlink()
+    os.mkfifo(rank_dir(dump) / "rank.json")
+    os.mkfifo(rank_dir(dump) / "seg-000050.h5")
+    for argv in (["ls", dump], ["verify", dump], ["show", dump, "--pass", "0"]):
+        done = cli(*argv)  # a hang would hit the 120 s timeout
+        assert "Traceback" not in done.stderr, done.stderr
+    done = cli("verify", dump)
+    assert done.returncode == 1 and "not a regular file" in done.stdout
+
+
+def test_json_from_dev_zero_is_bounded(dump):
+    os.symlink("/dev/zero", dump / "fastdump.json")
+    started = time.monotonic()
+    done = cli("ls", dump)
+    assert done.returncode == 0 and time.monotonic() - started < 60
+    assert "fastdump.json" in done.stderr
+    with pytest.raises(ValueError):
+        fsutil.load_json(str(dump / "fastdump.json"))
+    big = dump / "big.json"
+    big.write_bytes(b"[" + b"0," * (fsutil.MAX_JSON_BYTES // 2) + b"0]")
+    with pytest.raises(ValueError, match="more than"):
+        fsutil.load_json(str(big))
+
+
+@pytest.mark.parametrize("content", ['["a", "list"]', '"a string"', '{"status": 5, "dropped": "x", "rank": [1], '
+                                    '"segments": "no", "error": {"a": 1}}'])
+def test_ls_and_verify_report_odd_rank_json_and_go_on(dump, content):
+    (rank_dir(dump) / "rank.json").write_text(content)
+    (dump / "fastdump.json").write_text('["not", "an object"]')
+    done = cli("ls", dump)
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
+    assert rank_dir(dump).name in done.stdout
+    assert "fastdump.json" in done.stderr
+    done = cli("verify", dump)
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+
+
+def test_control_characters_are_escaped(dump):
+    info = json.loads((rank_dir(dump) / "rank.json").read_text())
+    info.update(status="closed\x1b[31m", error="bad\x1b]0;title\x07")
+    (rank_dir(dump) / "rank.json").write_text(json.dumps(info))
+    evil = dump / "target" / "TP9_PP0_Rank9_pid1\x1b[2J"
+    write_dir(evil, {0: tensors_of(0)})
+    for argv in (["ls", dump], ["verify", dump]):
+        done = cli(*argv)
+        assert "\x1b" not in done.stdout + done.stderr and "\x07" not in done.stdout + done.stderr
+        assert "\\x1b" in done.stdout
+
+
+# ------------------------------------------------------------------------------ sessions
+
+
+def test_session_ids_sort_by_time_and_differ(monkeypatch):
+    ids = [fmt.new_session_id() for _ in range(50)]
+    assert len(set(ids)) == 50
+    name = fmt.rank_dir_name(RANKS, 1, ids[0])
+    assert fmt.parse_rank_dir(name) == (0, 0, 0, 1, ids[0])
+    assert fmt.parse_rank_dir("TP0_PP0_Rank0_pid1") == (0, 0, 0, 1, None)  # format 1
+    monkeypatch.setattr(time, "time", lambda: 1.5e9)
+    early = fmt.new_session_id()
+    monkeypatch.setattr(time, "time", lambda: 1.5e9 + 0.000001)
+    assert fmt.new_session_id() > early  # sorts by start time whatever the random bits
+
+
+def model_and_input(seed):
+    torch.manual_seed(seed)
+    return torch.nn.Linear(8, 8), torch.randn(2, 8)
+
+
+def test_sessions_sharing_a_pid_are_never_merged(tmp_path):
+    """attach/run/close three times in one process: three directories, each its own run."""
+    root = tmp_path / "dump"
+    expected = []
+    for run in range(3):
+        model, x = model_and_input(run)
+        d = fastdump.attach(model, root, writer="thread")
+        with torch.inference_mode():
+            expected.append(model(x))
+        d.close()
+    ds = fastdump.open(root)
+    dirs = ds.ranks("target")
+    assert len(dirs) == 3 and all(str(os.getpid()) in d for d in dirs)
+    with pytest.raises(ValueError, match="3 sessions"):
+        ds.load("target", 0, 0)
+    for run, name in enumerate(dirs):  # start order
+        got = ds.load("target", name, 0)
+        assert list(got) == ["Linear"] and torch.equal(got["Linear"], expected[run])
+        session = fmt.parse_rank_dir(name)[4]
+        assert torch.equal(ds.load("target", 0, 0, session=session)["Linear"], expected[run])
+        assert ds.rank_info("target", name)["session"] == session
+    assert cli("verify", root).returncode == 0
+    listing = cli("ls", root).stdout
+    assert all(name in listing for name in dirs)
+    done = cli("show", root, "--pass", "0", "--rank", "0")
+    assert done.returncode == 1 and "sessions" in done.stderr
+    done = cli("show", root, "--pass", "0", "--rank", "0", "--session", fmt.parse_rank_dir(dirs[1])[4])
+    assert done.returncode == 0, done.stderr
+
+
+def test_two_live_dumpers_same_root_and_role_get_their_own_directories(tmp_path, caplog):
+    root = tmp_path / "dump"
+    target, x = model_and_input(0)
+    draft, y = model_and_input(1)
+    with caplog.at_level(logging.WARNING, logger="fastdump"):
+        d1 = fastdump.attach(target, root, writer="thread")
+        d2 = fastdump.attach(draft, root, writer="thread")  # forgot role="draft"
+    assert "another Dumper of this process" in caplog.text
+    assert d1.dir != d2.dir
+    with torch.inference_mode():
+        outs = [(target(x), draft(y)) for _ in range(3)]
+    d1.close()
+    d2.close()
+    ds = fastdump.open(root)
+    assert sorted(ds.ranks("target")) == sorted([d1.dir.name, d2.dir.name])
+    for p, (t_out, d_out) in enumerate(outs):
+        assert torch.equal(ds.load("target", d1.dir.name, p)["Linear"], t_out)
+        assert torch.equal(ds.load("target", d2.dir.name, p)["Linear"], d_out)
+    assert cli("verify", root).returncode == 0
+
+
+# ------------------------------------------------------------------- status, counts, full disk
+
+
+def test_verify_fails_unless_closed(dump):
+    path = rank_dir(dump) / "rank.json"
+    info = json.loads(path.read_text())
+    assert verify(dump).problems == []
+    for status, reason in (("running", "never finished"), ("incomplete", "without close"),
+                           ("weird", "not a finished dump")):
+        path.write_text(json.dumps({**info, "status": status}))
+        assert any(reason in p for p in verify(dump).problems), status
+    path.write_text(json.dumps({**info, "status": "running", "pid": 2 ** 22 + 12345, "host": __import__("socket").gethostname()}))
+    assert any("process is gone" in p for p in verify(dump).problems)
+    assert "process is gone" in cli("ls", dump).stdout
+    path.write_text(json.dumps({**info, "error": "the Dumper failed"}))
+    assert any("an error was recorded" in p for p in verify(dump).problems)
+
+
+def test_verify_fails_when_passes_the_dumper_sent_are_missing(tmp_path):
+    root = tmp_path / "dump"
+    write_dir(root / "target" / "TP0_PP0_Rank0_pid1", {p: tensors_of(p) for p in range(3)},
+              stats={"passes": 5, "tensors": 15})
+    problems = verify(root).problems
+    assert any("dumped 5 passes; 3 are on disk" in p for p in problems), problems
+    assert any("staged 15 tensors; 9 are on disk" in p for p in problems), problems
+
+
+def test_dropped_passes_are_counted_in_rank_json_and_ls(tmp_path):
+    """policy='drop' with a writer that cannot keep up: Dumper, rank.json and ls agree."""
+    root = tmp_path / "dump"
+    model = torch.nn.Linear(256, 256)
+    d = fastdump.attach(model, root, policy="drop", ring_mb=1, writer="thread")
+    with torch.inference_mode():
+        for _ in range(200):
+            model(torch.randn(512, 256))  # 512 KiB per pass into a 1 MiB ring
+    stats = d.close()
+    info = fastdump.open(root).rank_info("target", 0)
+    assert info["dropped"] == stats["dropped"] and info["dropped_passes"] == stats["dropped_passes"]
+    listing = json.loads(cli("ls", root, "--json").stdout)["ranks"][0]
+    assert listing["dropped"] == stats["dropped"] and listing["dropped_passes"] == stats["dropped_passes"]
+    if stats["dropped_passes"]:
+        assert f"+{stats['dropped_passes']} passes" in cli("ls", root).stdout
+    assert listing["passes"] == stats["passes"]
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)], capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs to fill (needs root): {r.stderr.strip()}")
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)])
+
+
+def fill(directory):
+    """Take every free byte of the file system (what another process writing logs would do)."""
+    fd = os.open(directory / "filler", os.O_WRONLY | os.O_CREAT)
+    try:
+        while True:
+            os.write(fd, b"\0" * 4096)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def test_full_disk_is_recorded_even_when_rank_json_cannot_grow(small_disk):
+    """The disk fills up completely while dumping: rank.json still says error, verify fails."""
+    path = small_disk / "target" / "TP0_PP0_Rank0_pid1_20260101T000000.000000Z-00000002"
+    writer = ChannelWriter({"op": "open", "channel": 0, "dir": str(path), "role": "target", "rank": RANKS,
+                            "pid": 1, "host": "h", "device": {}, "config": {"segment_passes": 1}})
+    assert (path / RESERVE_FILE).exists()
+    fill(small_disk)
+    writer.on_name(0, "x")
+    with pytest.raises(OSError):
+        for p in range(50):
+            writer.on_begin(p, {})
+            writer.on_tensor(0, p, dtypes.code_of(torch.float32), (64, 64), np.ones(64 * 64 * 4, np.uint8))
+            writer.on_end(p, {}, 0, [])
+    info = json.loads((path / "rank.json").read_text())
+    assert info["status"] == "error" and "No space left" in info["error"]
+    assert not (path / RESERVE_FILE).exists()
+    done = cli("verify", small_disk)
+    assert done.returncode == 1 and "No space left" in done.stdout
+    assert "error" in cli("ls", small_disk).stdout
+
+
+def test_closed_dump_leaves_no_reserve(dump):
+    assert not (rank_dir(dump) / RESERVE_FILE).exists()
