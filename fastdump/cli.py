@@ -71,8 +71,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    from .reader import DumpError
+
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except DumpError as exc:  # a damaged or crafted dump: say which file and why, no traceback
+        from .cli_dump import _printable
+
+        print(f"fastdump {args.command}: {_printable(exc)}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":
