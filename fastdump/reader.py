@@ -200,15 +200,18 @@ class SegmentIndex:
         # Within a block, rows must tile [0, total) exactly: an overlap would return the same data
         # twice under two names or passes, a gap data no row accounts for.
         order = np.lexsort((index["first_row"], index["block"]))
-        blocks, firsts, stops = index["block"][order], index["first_row"][order], (index["first_row"] + index["rows"])[order]
-        block_rows = {}
-        for i in range(len(order)):
-            number = int(blocks[i])
-            expected = block_rows.get(number, 0)
-            if int(firsts[i]) != expected:
-                bad([order[i]], f"rows {int(firsts[i])}..{int(stops[i])} of block {number} "
-                                f"{'overlap the previous tensor' if firsts[i] < expected else 'leave a gap'}")
-            block_rows[number] = int(stops[i])
+        blocks, firsts = index["block"][order], index["first_row"][order]
+        stops = firsts + index["rows"][order]
+        starts_block = np.ones(len(order), dtype=bool)
+        starts_block[1:] = blocks[1:] != blocks[:-1]
+        expected = np.where(starts_block, 0, np.concatenate([[0], stops[:-1]]))
+        wrong = np.flatnonzero(firsts != expected)
+        if len(wrong):
+            i = wrong[0]
+            bad([order[i]], f"rows {int(firsts[i])}..{int(stops[i])} of block {int(blocks[i])} "
+                            f"{'overlap the previous tensor' if firsts[i] < expected[i] else 'leave a gap'}")
+        last_of_block = np.flatnonzero(np.append(blocks[1:] != blocks[:-1], True)) if len(order) else []
+        block_rows = {int(blocks[i]): int(stops[i]) for i in last_of_block}
         return block_rows
 
     def _parse_pass_meta(self, texts) -> list:
