@@ -17,7 +17,7 @@ def attach(model, root, *, role: str = "target", tp_rank=None, tp_size=None, pp_
            dp_rank=None, dp_size=None, ep_rank=None, ep_size=None, **options):
     """Start dumping ``model`` (or, with ``model=None``, only what ``Dumper.dump`` is given).
 
-    Writes ``<root>/<role>/TP{tp}_PP{pp}_Rank{rank}_pid{pid}/``. Ranks default from
+    Writes ``<root>/<role>/TP{tp}_PP{pp}_Rank{rank}_pid{pid}_{session}/``. Ranks default from
     torch.distributed, then from RANK/WORLD_SIZE-style variables. Options (see README):
     layers, include, exclude, module_types, inputs, skip_passes, every, pass_range, max_bytes,
     policy ("block"|"drop"), writer ("process"|"thread"), writer_priority ("idle"|"normal"),
