@@ -368,6 +368,7 @@ class _Rank:
                     segment = SegmentIndex(path, self.dumpset._file(path))
                 except Exception as exc:  # one damaged file must not hide the rest of the dump
                     detail = str(exc) if isinstance(exc, DumpError) else f"{type(exc).__name__}: {exc}"
+                    detail = detail[len(path) + 2:] if detail.startswith(path + ": ") else detail
                     self.unreadable.append(path)
                     self.dumpset._problem(f"{path}: unreadable segment ({detail}); skipped", warn=True)
                     continue

@@ -6,6 +6,7 @@ Every crafted or damaged dump here is made by the test (h5py), never committed.
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -464,21 +465,31 @@ def test_verify_fails_when_passes_the_dumper_sent_are_missing(tmp_path):
 
 
 def test_dropped_passes_are_counted_in_rank_json_and_ls(tmp_path):
-    """policy='drop' with a writer that cannot keep up: Dumper, rank.json and ls agree."""
+    """policy='drop' with a stalled writer: whole passes are dropped; the Dumper, rank.json and ls
+    agree on every count, and ls shows the dropped passes."""
     root = tmp_path / "dump"
-    model = torch.nn.Linear(256, 256)
-    d = fastdump.attach(model, root, policy="drop", ring_mb=1, writer="thread")
-    with torch.inference_mode():
-        for _ in range(200):
-            model(torch.randn(512, 256))  # 512 KiB per pass into a 1 MiB ring
+    model = torch.nn.Linear(4, 4)
+    d = fastdump.attach(model, root, policy="drop", ring_mb=1)
+    writer = d._engine._proc
+    os.kill(writer.pid, signal.SIGSTOP)  # the ring fills up to the last byte: passes cannot even begin
+    forwards = 0
+    try:
+        with torch.inference_mode():
+            while d.stats()["dropped_passes"] < 5 and forwards < 100_000:
+                model(torch.randn(1, 4))  # tiny records, so that not even a "begin" fits
+                forwards += 1
+    finally:
+        os.kill(writer.pid, signal.SIGCONT)
     stats = d.close()
+    assert stats["status"] == "closed" and stats["dropped_passes"] >= 5
     info = fastdump.open(root).rank_info("target", 0)
     assert info["dropped"] == stats["dropped"] and info["dropped_passes"] == stats["dropped_passes"]
     listing = json.loads(cli("ls", root, "--json").stdout)["ranks"][0]
     assert listing["dropped"] == stats["dropped"] and listing["dropped_passes"] == stats["dropped_passes"]
-    if stats["dropped_passes"]:
-        assert f"+{stats['dropped_passes']} passes" in cli("ls", root).stdout
-    assert listing["passes"] == stats["passes"]
+    assert listing["passes"] == stats["passes"] == forwards - stats["dropped_passes"]
+    assert f"{stats['dropped']} +{stats['dropped_passes']} passes" in cli("ls", root).stdout
+    done = cli("verify", root)
+    assert done.returncode == 0 and f"{stats['dropped_passes']} whole pass(es) were dropped" in done.stdout
 
 
 @pytest.fixture
