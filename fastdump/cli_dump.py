@@ -240,7 +240,7 @@ def _check_objects(h5file, where: str) -> None:
     """Raise DumpError for anything that would make reading touch data outside this file or
     allocate more than it holds: links other than hard links, external or virtual storage,
     filters, size claims beyond the file (checked before any table or block is read)."""
-    from .reader import check_dataset, check_link
+    from .reader import check_dataset, check_link, read_attrs
 
     file_size = os.stat(h5file.filename).st_size
     for name in (fmt.NAMES, fmt.INDEX, fmt.PASSES, fmt.PASS_META):
@@ -251,18 +251,20 @@ def _check_objects(h5file, where: str) -> None:
     for key in blocks:
         check_link(blocks, key, f"{where} {fmt.BLOCKS!r}")
         check_dataset(blocks[key], file_size, f"{where} block {key}")
+        read_attrs(blocks[key], file_size, f"{where} block {key}")
 
 
 def _check_open_segment(report: _Report, where: str, h5file, read_data: bool):
-    fmt_name = h5file.attrs.get("format")
-    if (fmt_name.decode() if isinstance(fmt_name, bytes) else fmt_name) != fmt.FORMAT_NAME:
+    from .reader import read_attrs
+
+    attrs = read_attrs(h5file, os.stat(h5file.filename).st_size, where)  # sizes checked first
+    fmt_name = attrs.get("format")
+    if fmt_name != fmt.FORMAT_NAME:
         report.problem(where, f"not a fastdump segment (format attribute {fmt_name!r})")
         return None
-    version = h5file.attrs.get("format_version")
-    version = int(version) if isinstance(version, (int, np.integer)) else None
-    if version not in fmt.READABLE_VERSIONS:
-        report.problem(where, f"format version {h5file.attrs.get('format_version')!r} is not one of "
-                              f"{list(fmt.READABLE_VERSIONS)}")
+    version = attrs.get("format_version")
+    if not isinstance(version, int) or version not in fmt.READABLE_VERSIONS:
+        report.problem(where, f"format version {version!r} is not one of {list(fmt.READABLE_VERSIONS)}")
         return None
     for needed in (fmt.NAMES, fmt.INDEX, fmt.PASSES, fmt.PASS_META, fmt.BLOCKS):
         if needed not in h5file:
@@ -331,8 +333,8 @@ def _check_open_segment(report: _Report, where: str, h5file, read_data: bool):
     stored_summary = dict(summary)
     summary["pass_ids"] = pass_ids
     for key in ("first_pass", "last_pass", "passes", "tensors", "bytes"):
-        stored = h5file.attrs.get(key)
-        if stored is not None and stored_summary[key] is not None and int(stored) != stored_summary[key]:
+        stored = attrs.get(key)
+        if isinstance(stored, int) and stored_summary[key] is not None and int(stored) != stored_summary[key]:
             report.problem(where, f"attribute {key}={int(stored)} but the tables say {summary[key]}")
     return summary
 

@@ -82,6 +82,21 @@ def check_dataset(dataset, file_size: int, where: str) -> None:
                             f"({file_size} bytes)")
 
 
+def read_attrs(obj, file_size: int, where: str) -> dict:
+    """The attributes of an HDF5 object, each checked against the file's size before it is read
+    (an attribute, like a dataset, can claim any size)."""
+    values = {}
+    for name in obj.attrs:
+        attr = h5py.h5a.open(obj.id, name.encode("utf-8"))
+        claimed = math.prod(attr.shape or ()) * attr.dtype.itemsize
+        if claimed > file_size:
+            raise DumpError(f"{where}: attribute {name!r} claims {claimed} bytes, more than the file's {file_size}")
+        value = obj.attrs[name]
+        values[name] = _attr_str(value) if isinstance(value, (bytes, str)) else \
+            value.item() if getattr(value, "size", 0) == 1 else value
+    return values
+
+
 def row_checksum(rows: np.ndarray) -> int:
     """CRC32C of rows as read, i.e. of the stored bytes (format 2 index column ``crc32c``)."""
     return _C.crc32c(np.ascontiguousarray(rows))
@@ -131,8 +146,7 @@ class SegmentIndex:
         self.number = fmt.segment_number(self.file_name)
         self.problems: list = []
         self.file_size = os.stat(path).st_size
-        self.attrs = {key: (_attr_str(v) if isinstance(v, (bytes, str)) else v.item() if hasattr(v, "item") else v)
-                      for key, v in h5file.attrs.items()}
+        self.attrs = read_attrs(h5file, self.file_size, path)
         if self.attrs.get("format") != fmt.FORMAT_NAME:
             raise DumpError(f"{path}: not a fastdump segment (format attribute {self.attrs.get('format')!r})")
         version = self.attrs.get("format_version", 0)
@@ -275,14 +289,17 @@ class SegmentIndex:
         if not isinstance(dataset, h5py.Dataset):
             raise DumpError(f"{where}: not a dataset")
         check_dataset(dataset, self.file_size, where)
-        attrs = dataset.attrs
+        attrs = read_attrs(dataset, self.file_size, where)
         dtype_name = _attr_str(attrs.get(fmt.ATTR_DTYPE, ""))
         code = dtypes.CODE_BY_NAME.get(dtype_name)
         if code is None:
             raise DumpError(f"{where}: unknown dtype attribute {dtype_name!r}")
         if dataset.dtype != dtypes.STORAGE[code]:
             raise DumpError(f"{where}: stored as {dataset.dtype}, expected {dtypes.STORAGE[code]} for {dtype_name}")
-        scalar = bool(attrs.get(fmt.ATTR_SCALAR, 0))
+        scalar = attrs.get(fmt.ATTR_SCALAR, 0)
+        if not isinstance(scalar, int):
+            raise DumpError(f"{where}: attribute {fmt.ATTR_SCALAR!r} is not an integer")
+        scalar = bool(scalar)
         if dataset.ndim == 0 or (scalar and dataset.ndim != 1):
             raise DumpError(f"{where}: shape {dataset.shape} does not fit {'scalar ' if scalar else ''}rows")
         rows = self._block_rows.get(number, 0)
