@@ -549,3 +549,22 @@ def test_an_attribute_larger_than_its_file_is_refused_before_reading(dump):
         assert reader.read_attrs(f["blocks"]["0"], 1 << 20, "x")["dtype"] == "float32"
         with pytest.raises(reader.DumpError, match="attribute 'big' claims 4096 bytes, more than the file's 1000"):
             reader.read_attrs(f["blocks"]["0"], 1000, "x")
+
+
+@pytest.mark.parametrize("kind", ["index-soft-link", "names-not-a-list", "version-3"])
+def test_crafted_tables_are_refused(dump, kind):
+    with h5py.File(segment(dump), "r+") as f:
+        if kind == "index-soft-link":
+            f["index_copy"] = f["index"][()]
+            del f["index"]
+            f["index"] = h5py.SoftLink("/index_copy")
+        elif kind == "names-not-a-list":
+            del f["names"]
+            f.create_dataset("names", data='{"a": 1}', dtype=h5py.string_dtype())
+        else:
+            f.attrs["format_version"] = 3
+    with pytest.warns(UserWarning, match="unreadable segment"):
+        ds = fastdump.open(dump)
+        with pytest.raises(reader.DumpError, match="seg-000000.h5"):
+            ds.load("target", 0, 0)
+    assert any("seg-000000.h5" in p for p in verify(dump).problems)
