@@ -271,6 +271,8 @@ def _check_open_segment(report: _Report, where: str, h5file, read_data: bool):
             report.problem(where, f"missing {needed!r}")
             return None
     _check_objects(h5file, where)
+    if read_data and version < 2:
+        report.warning(where, f"format {version}: no checksums, data read but not checked")
     names = json.loads(h5file[fmt.NAMES][()])
     index = h5file[fmt.INDEX][()]
     passes = h5file[fmt.PASSES][()]

@@ -173,6 +173,7 @@ class SegmentIndex:
         if self.passes.dtype != fmt.PASS_DTYPE or self.passes.ndim != 1:
             raise DumpError(f"{path}: passes table has layout {self.passes.dtype}, expected {fmt.PASS_DTYPE}")
         self.has_checksums = "crc32c" in self.index.dtype.names
+        self._said_unchecked = False
         self.block_count = len(h5file[fmt.BLOCKS])
         self._block_rows = self._check_rows()
         self.pass_meta: list = self._parse_pass_meta(h5file[fmt.PASS_META][()])
@@ -312,6 +313,10 @@ class SegmentIndex:
     def check_rows(self, position: int, rows: np.ndarray) -> None:
         """Raise DumpError when ``rows`` (index row ``position``'s data) fail their CRC32C."""
         if not self.has_checksums:
+            if not self._said_unchecked:
+                self._said_unchecked = True
+                warnings.warn(f"fastdump: {self.path} is format {self.version}: it has no checksums, "
+                              "its tensors are returned unchecked", stacklevel=4)
             return
         entry = self.index[position]
         found = row_checksum(rows)
