@@ -80,7 +80,7 @@ def main(argv=None) -> int:
         from .cli_dump import _printable
 
         print(f"fastdump {args.command}: {_printable(exc)}", file=sys.stderr)
-        return 1
+        return 2 if args.command == "diff" else 1  # diff: 1 means "the dumps differ"
 
 
 if __name__ == "__main__":

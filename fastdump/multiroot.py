@@ -38,7 +38,7 @@ class MultiDumpSet:
                     number = entry.rank_number()
                     dp = (entry.info.get("rank") or {}).get("dp_rank", 0)
                     if number is not None:
-                        key = (role, number, dp)
+                        key = (role, number, dp, entry.session)  # sessions of one rank are separate runs
                         if key in seen:
                             self.close()
                             raise ValueError(f"duplicate rank: role {role!r} rank {number} (dp {dp}) is in both "
@@ -71,19 +71,24 @@ class MultiDumpSet:
             raise ValueError(f"role must be given: {self.root} holds roles {self.roles}")
         return self.roles[0]
 
-    def _owner(self, role, rank):
-        """(DumpSet, role, rank directory name) for a rank given by name, number or None."""
+    def _owner(self, role, rank, session=None):
+        """(DumpSet, role, rank directory name) for a rank given by name, number or None (and
+        ``session``: several sessions of one rank number are a ValueError, as in DumpSet)."""
         role = self._role(role)
         names = self.ranks(role)
+        if session is not None:
+            names = [n for n in names if self._owners[(role, n)]._rank_obj(role, n).session == session]
         if rank is None:
             if len(names) != 1:
                 raise ValueError(f"rank must be given: role {role!r} has ranks {names}")
             name = names[0]
         elif isinstance(rank, int) and not isinstance(rank, bool):
             matches = [n for n in names if self._owners[(role, n)]._rank_obj(role, n).rank_number() == rank]
-            if len(matches) != 1:
-                raise KeyError(f"rank {rank} of role {role!r} is {'ambiguous' if matches else 'missing'}: "
-                               f"{matches or names}")
+            if not matches:
+                raise KeyError(f"rank {rank} of role {role!r} is missing: {names}")
+            if len(matches) > 1:
+                raise ValueError(f"rank {rank} of role {role!r} has {len(matches)} sessions: {matches}; "
+                                 "pass the directory name as rank, or session=")
             name = matches[0]
         else:
             name = str(rank)
@@ -114,8 +119,8 @@ class MultiDumpSet:
 
 
 def _delegate(method_name: str):
-    def method(self, role: str = None, rank=None, *args, **kwargs):
-        ds, role, name = self._owner(role, rank)
+    def method(self, role: str = None, rank=None, *args, session: str = None, **kwargs):
+        ds, role, name = self._owner(role, rank, session)
         return getattr(ds, method_name)(role, name, *args, **kwargs)
 
     method.__name__ = method_name

@@ -135,8 +135,10 @@ class SegmentIndex:
     """The tables of one segment file (no tensor data), checked against each other.
 
     Construction raises ``DumpError`` (file and row named) when the tables cannot be trusted: rows
-    naming no name, rows outside or overlapping in their block, rows disagreeing with the pass
-    table. Blocks themselves are checked when first read (``block``), before any data is.
+    naming no name, rows overlapping or leaving gaps in their block, rows disagreeing with the pass
+    table. Blocks themselves are checked when first read (``block``: present, stored in this file,
+    as many rows as the index covers), before any of their data is read; a missing or bad block
+    fails the reads that need it, not the rest of the segment.
     A bad ``pass_meta`` entry only loses that pass's metadata: it is listed in ``problems``.
     """
 
@@ -174,7 +176,6 @@ class SegmentIndex:
             raise DumpError(f"{path}: passes table has layout {self.passes.dtype}, expected {fmt.PASS_DTYPE}")
         self.has_checksums = "crc32c" in self.index.dtype.names
         self._said_unchecked = False
-        self.block_count = len(h5file[fmt.BLOCKS])
         self._block_rows = self._check_rows()
         self.pass_meta: list = self._parse_pass_meta(h5file[fmt.PASS_META][()])
         self._slot_of_name = {name: slot for slot, name in enumerate(self.names)}
@@ -194,9 +195,9 @@ class SegmentIndex:
         bad_name = np.flatnonzero((index["name"] < 0) | (index["name"] >= len(self.names)))
         if len(bad_name):
             bad(bad_name, f"name slot {int(index['name'][bad_name[0]])} outside the name table ({len(self.names)} names)")
-        bad_block = np.flatnonzero((index["block"] < 0) | (index["block"] >= self.block_count))
+        bad_block = np.flatnonzero(index["block"] < 0)
         if len(bad_block):
-            bad(bad_block, f"block {int(index['block'][bad_block[0]])} does not exist ({self.block_count} blocks)")
+            bad(bad_block, f"block {int(index['block'][bad_block[0]])} cannot exist")
         negative = np.flatnonzero((index["first_row"] < 0) | (index["rows"] < 0))
         if len(negative):
             bad(negative, "negative row range")

@@ -170,9 +170,8 @@ def set_field(row, field, value):
     (set_field(0, "first_row", 10_000), "index row"),  # past its block
     (set_field(0, "rows", 0), "leave a gap|index row"),  # empty tensor
     (set_field(1, "name", 99), "name slot 99"),  # no such name
-    (set_field(1, "block", 77), "block 77 does not exist"),
     (set_field(0, "pass", 3), "pass 3 is not in the passes table|index rows"),  # mislabelled
-], ids=["outside", "empty", "name", "block", "pass"])
+], ids=["outside", "empty", "name", "pass"])
 def test_bad_index_rows_are_an_error_naming_file_and_row(dump, damage, message, capsys):
     path = segment(dump)
     rewrite_index(path, damage)
@@ -185,6 +184,21 @@ def test_bad_index_rows_are_an_error_naming_file_and_row(dump, damage, message, 
     assert verify(dump).problems
     code = cli_dump.main(["show", str(dump), "--pass", "0"])
     assert code == 1 and "seg-000000.h5" in capsys.readouterr().err
+
+
+def test_a_missing_block_fails_the_reads_that_need_it(dump):
+    with h5py.File(segment(dump), "r+") as f:
+        index, names = f["index"][()], json.loads(f["names"][()])
+        big0 = int(index[(index["pass"] == 0) & (index["name"] == names.index("big"))]["block"][0])
+        del f["blocks"][str(big0)]  # the index still points at it
+    ds = fastdump.open(dump)
+    with pytest.raises(reader.DumpError, match=f"seg-000000.h5 'blocks': missing '{big0}'"):
+        ds.load("target", 0, 0)
+    got = ds.load("target", 0, 1, check=True)  # the rest of the segment still reads
+    assert all(torch.equal(got[n], t) for n, t in tensors_of(1).items())
+    with pytest.raises(reader.DumpError):
+        ds.series("target", 0, "big")
+    assert any("missing block" in p for p in verify(dump).problems), verify(dump).problems
 
 
 def test_overlapping_rows_never_return_doubled_data(dump):
@@ -571,3 +585,21 @@ def test_crafted_tables_are_refused(dump, kind):
         with pytest.raises(reader.DumpError, match="seg-000000.h5"):
             ds.load("target", 0, 0)
     assert any("seg-000000.h5" in p for p in verify(dump).problems)
+
+
+def test_multi_root_reading_never_mixes_sessions(tmp_path):
+    a, b = tmp_path / "host0", tmp_path / "host1"
+    first = "TP0_PP0_Rank0_pid1_20260101T000000.000000Z-00000001"
+    second = "TP0_PP0_Rank0_pid1_20260101T000001.000000Z-00000002"
+    write_dir(a / "target" / first, {0: tensors_of(0)})
+    write_dir(a / "target" / second, {0: tensors_of(5)})
+    rank1 = dict(RANKS, tp_rank=1, tp_size=2, rank=1)
+    writer = ChannelWriter({"op": "open", "channel": 0, "dir": str(b / "target" / "TP1_PP0_Rank1_pid2"),
+                            "role": "target", "rank": rank1, "pid": 2, "host": "h", "device": {}, "config": {}})
+    writer.close({})
+    with fastdump.open([a, b]) as ds:
+        with pytest.raises(ValueError, match="2 sessions"):
+            ds.load("target", 0, 0)
+        got = ds.load("target", 0, 0, session=fmt.parse_rank_dir(second)[4])
+        assert torch.equal(got["a"], tensors_of(5)["a"])
+        assert torch.equal(ds.load("target", first, 0)["a"], tensors_of(0)["a"])
