@@ -243,7 +243,7 @@ class SegmentIndex:
                 if not isinstance(entry, dict) or not isinstance(entry.get("meta", {}), dict) \
                         or not isinstance(entry.get("skipped", []), list):
                     raise ValueError("not {\"meta\": {...}, \"skipped\": [...]}")
-                parsed.append({"meta": entry.get("meta") or {},
+                parsed.append({**entry, "meta": entry.get("meta") or {},  # other keys: incomplete, mixed
                                "skipped": [s for s in entry.get("skipped") or [] if isinstance(s, dict)]})
             except (ValueError, TypeError) as exc:
                 self.problems.append(f"{self.path}: pass_meta of pass {int(self.passes['pass'][position])} "
