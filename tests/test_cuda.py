@@ -13,6 +13,7 @@ Three layers:
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import shutil
@@ -304,24 +305,68 @@ def mock():
     yield mod
 
 
+_KNOBS = dict(device_count=2, max_delay_us=0, seed=0, device_free=1 << 34, fail_batch=0, fail_event_query=0,
+              fail_malloc=0, capturing=0)
+
+
 @pytest.fixture
 def m(mock, monkeypatch):
-    """The mock module, its knobs reset around each test."""
+    """The mock module, its knobs reset around each test; device buffers made by to_device freed after."""
     monkeypatch.delenv("FASTDUMP_CUDA_BATCH", raising=False)
     monkeypatch.delenv("FASTDUMP_CUDA_REGISTER_PIECE_MB", raising=False)
-    knobs = dict(device_count=2, max_delay_us=0, fail_batch=0, fail_event_query=0, fail_malloc=0, capturing=0)
-    for k, v in knobs.items():
+    for k, v in _KNOBS.items():
         mock._mock.set(k, v)
+    mock._mock.reset()
+    mock.device_buffers = []
+    MOCK_MODULE[0] = mock
     yield mock
-    for k, v in knobs.items():
+    mock._mock.reset()
+    for k, v in _KNOBS.items():
         mock._mock.set(k, v)
+    free_device_buffers(mock)
 
 
-def stage(stager, t, *, name_id=0, pass_id=0, channel=0, device=0, stream=0, block=True, code=None):
-    """Stage a CPU tensor as if it were device memory (the mock's device memory is host memory)."""
+def free_device_buffers(m):
+    for p in m.device_buffers:
+        assert m._mock.free(p) == 0
+    m.device_buffers = []
+
+
+def device_buffer(m, nbytes, device=0):
+    """Mock device memory (a PROT_NONE range: only stream work can touch it), freed after the test."""
+    prev = m._mock.get_device()
+    m._mock.set_device(device)
+    p = m._mock.malloc(max(int(nbytes), 1))
+    m._mock.set_device(prev)
+    m.device_buffers.append(p)
+    return p
+
+
+def to_device(m, t, device=0):
+    """Upload the storage behind a CPU tensor (view) to mock device memory; returns the device
+    address of the view's first element."""
+    storage = t.untyped_storage()
+    base = storage.data_ptr()
+    p = device_buffer(m, storage.nbytes(), device)
+    if storage.nbytes():
+        assert m._mock.upload(p, base, storage.nbytes()) == 0
+    return p + (t.data_ptr() - base)
+
+
+def stage_ptr(stager, ptr, t, *, name_id=0, pass_id=0, channel=0, device=0, stream=0, block=True, code=None,
+              **kw):
+    """Stage the device memory at `ptr`, with t's dtype, shape and strides."""
     code = dtypes.code_of(t.dtype) if code is None else code
     return stager.stage(channel, name_id, pass_id, code, t.element_size(), list(t.shape), list(t.stride()),
-                        t.data_ptr(), device, stream, block)
+                        ptr, device, stream, block, **kw)
+
+
+def stage(stager, t, *, device=0, **kw):
+    """Stage a copy of a CPU tensor (view) uploaded to the mock device memory."""
+    return stage_ptr(stager, to_device(MOCK_MODULE[0], t, device), t, device=device, **kw)
+
+
+MOCK_MODULE = [None]  # the m fixture's module, for stage()
 
 
 def layouts():
@@ -388,18 +433,21 @@ def test_mock_snapshot_is_ordered_on_the_producer_stream(m):
     stager.register_host()
     stream = m._mock.stream_create()
     try:
-        buf = torch.zeros(1 << 16, dtype=torch.uint8)
-        produced = torch.randint(0, 256, (1 << 16,), dtype=torch.uint8)
+        n = 1 << 16
+        buf = device_buffer(m, n)
+        produced = torch.randint(0, 256, (n,), dtype=torch.uint8)
+        flipped = produced.flip(0)
+        src1, src2 = to_device(m, produced), to_device(m, flipped)
+        like = torch.empty(n, dtype=torch.uint8)
         m._mock.enqueue_sleep(stream, 0.05)  # a slow kernel still running when the hook fires
-        m._mock.enqueue_copy(stream, buf.data_ptr(), produced.data_ptr(), buf.numel())
-        assert stage(stager, buf, stream=stream) == m.STAGED
-        m._mock.enqueue_fill(stream, buf.data_ptr(), buf.numel(), 0xEE)  # the next, in-place kernel
-        view = buf.view(256, 256)[::2, 1::3]
-        flipped = produced.flip(0)  # alive until the stream has run the copy below
-        m._mock.enqueue_copy(stream, buf.data_ptr(), flipped.data_ptr(), buf.numel())
+        m._mock.enqueue_copy(stream, buf, src1, n)
+        assert stage_ptr(stager, buf, like, stream=stream) == m.STAGED
+        m._mock.enqueue_fill(stream, buf, n, 0xEE)  # the next, in-place kernel
+        view = like.view(256, 256)[::2, 1::3]
+        m._mock.enqueue_copy(stream, buf, src2, n)
         expect_view = flipped.view(256, 256)[::2, 1::3].contiguous()
-        assert stage(stager, view, name_id=1, stream=stream) == m.STAGED
-        m._mock.enqueue_fill(stream, buf.data_ptr(), buf.numel(), 0x11)
+        assert stage_ptr(stager, buf + view.data_ptr() - like.data_ptr(), view, name_id=1, stream=stream) == m.STAGED
+        m._mock.enqueue_fill(stream, buf, n, 0x11)
         assert stager.flush(10)
         got, _ = ring.read()
         assert got[(0, 0, 0)][2] == produced.numpy().tobytes()
@@ -543,11 +591,12 @@ def test_mock_forked_child_leaves_the_stager_alone(m):
     ring = Ring(m)
     stager = m.CudaStager(ring.producer, 1 << 20)
     t = torch.arange(16, dtype=torch.float32)
+    ptr = to_device(m, t)  # before fork: the child has no stream threads (CUDA is unusable there)
     pid = os.fork()
     if pid == 0:  # child: no drain thread here; staging refused, close() must not hang
         code = 3
         try:
-            code = 0 if stage(stager, t) == m.DISABLED else 1
+            code = 0 if stage_ptr(stager, ptr, t) == m.DISABLED else 1
             stager.close(1)
         except BaseException:
             code = 2
@@ -619,13 +668,15 @@ def test_mock_drain_failure_stops_staging_without_hanging_the_writer(m):
 def test_mock_device_ring_allocation_failure_is_an_exception_once(m):
     ring = Ring(m)
     stager = m.CudaStager(ring.producer, 1 << 20)
+    t = torch.ones(4)
+    p0, p1 = to_device(m, t, 0), to_device(m, t, 1)
     m._mock.set("fail_malloc", 1)
     with pytest.raises(RuntimeError, match="device staging ring"):
-        stage(stager, torch.ones(4))
+        stage_ptr(stager, p0, t)
     m._mock.set("fail_malloc", 0)
     with pytest.raises(RuntimeError, match="device staging ring"):  # remembered: no retry per tensor
-        stage(stager, torch.ones(4))
-    assert stage(stager, torch.ones(4), device=1) == m.STAGED  # other GPUs are unaffected
+        stage_ptr(stager, p0, t)
+    assert stage_ptr(stager, p1, t, device=1) == m.STAGED  # other GPUs are unaffected
     stager.close()
 
 
@@ -654,6 +705,7 @@ def test_mock_registration_pieces_and_teardown(m, monkeypatch):
     assert c["crossing_copies"] == base["crossing_copies"] and c["unpinned_copies"] == base["unpinned_copies"]
     assert stager.stats()["registered_bytes"] == 6 << 20
     stager.close()
+    free_device_buffers(m)
     c = m._mock.counters()
     for k in ("registered_ranges", "live_allocs", "live_events", "live_streams"):
         assert c[k] == base[k], k
@@ -665,7 +717,11 @@ def test_mock_threads_devices_and_streams(m):
     ring = Ring(m, capacity=2 << 20, chunk=32 << 10)
     stager = m.CudaStager(ring.producer, 512 << 10)
     stager.register_host()
-    streams = [m._mock.stream_create() for _ in range(4)]
+    streams = []
+    for k in range(4):
+        m._mock.set_device(k % 2)
+        streams.append(m._mock.stream_create())
+    m._mock.set_device(0)
     want = {}
     result = {}
     reader = threading.Thread(target=lambda: result.update(ring.read(timeout=1.0)[0]))
@@ -678,9 +734,9 @@ def test_mock_threads_devices_and_streams(m):
                               generator=g)
             v = t[:: 1 + i % 3]
             want[(k, i, 0)] = v.contiguous().numpy().tobytes()
-            assert stage(stager, v, channel=k, name_id=i, device=k % 2, stream=streams[k]) == m.STAGED
-            m._mock.enqueue_fill(streams[k], t.data_ptr(), t.numel(), 0)  # overwritten right after
-            m._mock.sync(streams[k])  # (keeps `t` alive until the stream is past the snapshot)
+            ptr = to_device(m, v, device=k % 2)
+            assert stage_ptr(stager, ptr, v, channel=k, name_id=i, device=k % 2, stream=streams[k]) == m.STAGED
+            m._mock.enqueue_fill(streams[k], ptr, t.numel(), 0)  # overwritten right after
 
     threads = [threading.Thread(target=worker, args=(k,)) for k in range(4)]
     for th in threads:
@@ -705,6 +761,7 @@ def test_mock_stage_array_cuda_array_interface_and_dlpack(m):
     eng = _FakeEngine(ring.producer, stager)
     host = np.arange(48, dtype=np.float32).reshape(6, 8)
     view = host[1:5, ::2]
+    view_dev = to_device(m, torch.from_numpy(host)[1:5, ::2], device=1)
 
     class Device:
         id = 1
@@ -712,13 +769,14 @@ def test_mock_stage_array_cuda_array_interface_and_dlpack(m):
     class CaiArray:
         device = Device()
         __cuda_array_interface__ = {"shape": view.shape, "typestr": view.dtype.str, "strides": view.strides,
-                                    "data": (view.ctypes.data, False), "version": 3, "stream": 1}
+                                    "data": (view_dev, False), "version": 3, "stream": 1}
 
     status, nbytes = cuda.stage_array(eng, 32, 0, 0, 0, CaiArray(), True)
     assert status == m.STAGED and nbytes == view.nbytes and eng.asked == [32]
 
     seen = {}
     t = torch.arange(30, dtype=torch.bfloat16).reshape(5, 6).t()
+    t_dev = to_device(m, t)
 
     class DlpackOnGpu:
         def __dlpack_device__(self):
@@ -726,7 +784,7 @@ def test_mock_stage_array_cuda_array_interface_and_dlpack(m):
 
         def __dlpack__(self, stream=None, max_version=None):
             seen["stream"] = stream
-            return t.__dlpack__()
+            return DeviceCapsule(t_dev, t).capsule
 
     status, nbytes = cuda.stage_array(eng, 32, 0, 1, 0, DlpackOnGpu(), True)
     assert status == m.STAGED and nbytes == t.numel() * 2
@@ -737,6 +795,358 @@ def test_mock_stage_array_cuda_array_interface_and_dlpack(m):
     assert got[(0, 1, 0)][0] == dtypes.CODE_BY_NAME["bfloat16"]
     assert got[(0, 1, 0)][2] == t.contiguous().view(torch.uint16).numpy().tobytes()
     stager.close()
+
+
+# -------------------------------------------------------------------------------------------------
+# The double itself: what it must refuse or reorder the way a GPU would
+
+H2H, H2D, D2H, D2D, DEFAULT = 0, 1, 2, 3, 4
+SEEDS = [1, 2, 3, 7, 11]
+ERR = {"InvalidValue": 1, "StreamCaptureUnsupported": 900, "StreamCaptureInvalidated": 901,
+       "StreamCaptureMerge": 902, "StreamCaptureUnmatched": 903, "StreamCaptureUnjoined": 904,
+       "StreamCaptureIsolation": 905, "StreamCaptureImplicit": 906, "CapturedEvent": 907,
+       "StreamCaptureWrongThread": 908, "IllegalAddress": 700, "Unknown": 999}
+GLOBAL, THREAD_LOCAL, RELAXED = 0, 1, 2
+
+
+def download(m, ptr, n):
+    out = torch.empty(n, dtype=torch.uint8)
+    assert m._mock.download(out.data_ptr(), ptr, n) == 0
+    return out
+
+
+def test_double_host_dereference_of_device_memory_faults(mock):
+    code = ("import sys; sys.path.insert(0, %r); import build; m = build.load(build.build()); "
+            "p = m._mock.malloc(64); print('read', m._mock.host_read(p))") % str(HERE / "cuda_mock")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == -11, (r.returncode, r.stdout, r.stderr)  # SIGSEGV, nothing printed
+    assert "read" not in r.stdout
+
+
+def test_double_copy_kinds_pointers_and_pinning(m):
+    dev = device_buffer(m, 4096, device=1)
+    host = torch.arange(4096, dtype=torch.int32).to(torch.uint8)
+    out = torch.zeros(4096, dtype=torch.uint8)
+    s = m._mock.stream_create()
+    try:
+        assert m._mock.pointer_device(dev) == 1 and m._mock.pointer_device(host.data_ptr()) == -1
+        # Wrong kinds and swapped pointers are refused, not silently copied.
+        assert m._mock.memcpy_async(dev, host.data_ptr(), 4096, D2H, s) == ERR["InvalidValue"]
+        assert m._mock.memcpy_async(host.data_ptr(), dev, 4096, H2D, s) == ERR["InvalidValue"]
+        assert m._mock.memcpy_async(dev, host.data_ptr(), 4096, D2D, s) == ERR["InvalidValue"]
+        assert m._mock.memcpy_async(dev, host.data_ptr(), 8192, H2D, s) == ERR["InvalidValue"]  # past the block
+        assert m._mock.memcpy_async(dev, host.data_ptr(), 4096, DEFAULT, s) == 0  # inferred
+        # Pageable destination: the "async" copy is done when it returns (as in real CUDA).
+        m._mock.enqueue_sleep(s, 0.2)
+        assert m._mock.memcpy_async(out.data_ptr(), dev, 4096, D2H, s) == 0
+        assert out.equal(host)
+        # Pinned destination: really asynchronous, so the bytes are not there yet.
+        pinned = torch.zeros(4096, dtype=torch.uint8)
+        assert m._mock.host_register(pinned.data_ptr(), 4096) == 0
+        m._mock.enqueue_sleep(s, 0.3)
+        assert m._mock.memcpy_async(pinned.data_ptr(), dev, 4096, D2H, s) == 0
+        assert not pinned.equal(host)
+        m._mock.sync(s)
+        assert pinned.equal(host)
+        assert m._mock.host_unregister(pinned.data_ptr()) == 0
+    finally:
+        m._mock.stream_destroy(s)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_double_streams_run_apart_unless_an_event_orders_them(m, seed):
+    m._mock.set("seed", seed)
+    m._mock.set("max_delay_us", 300)
+    a, b = m._mock.stream_create(), m._mock.stream_create()
+    n = 1 << 12
+    buf, copy = device_buffer(m, n), device_buffer(m, n)
+    try:
+        # Without a wait, b's copy may run before a's fill (a's first op sleeps).
+        m._mock.enqueue_fill(a, buf, n, 0)
+        m._mock.sync(a)
+        m._mock.enqueue_sleep(a, 0.05)
+        m._mock.enqueue_fill(a, buf, n, 7)
+        m._mock.enqueue_copy(b, copy, buf, n)
+        m._mock.sync(b)
+        assert download(m, copy, n)[0] == 0  # b did not wait for a
+        m._mock.sync(a)
+        # With an event, b runs after a's work, whatever the delays.
+        ev = m._mock.event_create()
+        m._mock.enqueue_sleep(a, 0.02)
+        m._mock.enqueue_fill(a, buf, n, 9)
+        assert m._mock.event_record(ev, a) == 0
+        assert m._mock.stream_wait_event(b, ev) == 0
+        m._mock.enqueue_copy(b, copy, buf, n)
+        m._mock.sync(b)
+        assert bool((download(m, copy, n) == 9).all())
+        m._mock.event_destroy(ev)
+    finally:
+        m._mock.sync(a)
+        m._mock.stream_destroy(a)
+        m._mock.stream_destroy(b)
+
+
+def test_double_legacy_stream_synchronizes_with_blocking_streams_only(m):
+    n = 256
+    buf = device_buffer(m, n)
+    blocking = m._mock.stream_create_flags(0)
+    nonblocking = m._mock.stream_create_flags(1)
+    try:
+        m._mock.enqueue_fill(0, buf, n, 0)
+        m._mock.sync(0)
+        m._mock.enqueue_sleep(blocking, 0.1)
+        m._mock.enqueue_fill(blocking, buf, n, 5)
+        m._mock.enqueue_increment(0, buf, n)  # legacy: waits for the blocking stream's fill
+        m._mock.sync(0)
+        assert bool((download(m, buf, n) == 6).all())
+        m._mock.enqueue_sleep(nonblocking, 0.1)
+        m._mock.enqueue_fill(nonblocking, buf, n, 1)
+        m._mock.enqueue_fill(0, buf, n, 2)  # legacy: does not wait for a non-blocking stream
+        m._mock.sync(0)
+        m._mock.sync(nonblocking)
+        assert bool((download(m, buf, n) == 1).all())
+        # cudaStreamPerThread (2) is a blocking stream of the calling thread: ordered after legacy work.
+        m._mock.enqueue_sleep(0, 0.1)
+        m._mock.enqueue_fill(0, buf, n, 3)
+        m._mock.enqueue_increment(2, buf, n)
+        m._mock.sync(2)
+        assert bool((download(m, buf, n) == 4).all())
+    finally:
+        m._mock.stream_destroy(blocking)
+        m._mock.stream_destroy(nonblocking)
+
+
+def test_double_contexts_devices_per_thread(m):
+    m._mock.reset_contexts()
+    seen = {}
+
+    def worker():
+        seen["device"] = m._mock.get_device()  # 0 on a new thread, and no context made by asking
+        seen["contexts"] = m._mock.contexts()
+        m._mock.set_device(1)
+        seen["after"] = m._mock.contexts()
+
+    m._mock.set_device(1)
+    th = threading.Thread(target=worker)
+    th.start()
+    th.join()
+    assert seen == {"device": 0, "contexts": [0, 1], "after": [0, 1]}
+    assert m._mock.get_device() == 1
+    m._mock.set_device(0)
+    assert m._mock.contexts() == [1, 1]
+
+
+def test_double_capture_records_and_replays_a_graph(m):
+    n = 512
+    buf, out = device_buffer(m, n), device_buffer(m, n)
+    s, side = m._mock.stream_create(), m._mock.stream_create()
+    fork, join = m._mock.event_create(), m._mock.event_create()
+    try:
+        m._mock.enqueue_fill(s, buf, n, 0)
+        m._mock.sync(s)
+        assert m._mock.begin_capture(s, GLOBAL) == 0
+        err, status, cid = m._mock.capture_info(s)
+        assert err == 0 and status == 1 and cid > 0
+        m._mock.enqueue_increment(s, buf, n)
+        assert m._mock.event_record(fork, s) == 0
+        assert m._mock.stream_wait_event(side, fork) == 0  # side joins the capture
+        assert m._mock.capture_info(side)[1] == 1
+        m._mock.enqueue_copy(side, out, buf, n)
+        assert m._mock.event_record(join, side) == 0
+        assert m._mock.stream_wait_event(s, join) == 0     # ... and is joined back
+        err, graph = m._mock.end_capture(s)
+        assert err == 0 and graph
+        assert m._mock.capture_info(side)[1] == 0
+        m._mock.sync(s)
+        assert bool((download(m, buf, n) == 0).all())  # captured work did not run
+        exe = m._mock.graph_instantiate(graph)
+        for k in (1, 2, 3):
+            assert m._mock.graph_launch(exe, s) == 0
+            m._mock.sync(s)
+            assert bool((download(m, out, n) == k).all())
+        m._mock.graph_exec_destroy(exe)
+        m._mock.graph_destroy(graph)
+        # A fork never joined back: EndCapture fails.
+        assert m._mock.begin_capture(s, GLOBAL) == 0
+        m._mock.event_record(fork, s)
+        m._mock.stream_wait_event(side, fork)
+        m._mock.enqueue_increment(side, buf, n)
+        assert m._mock.end_capture(s) == (ERR["StreamCaptureUnjoined"], 0)
+    finally:
+        for e in (fork, join):
+            m._mock.event_destroy(e)
+        m._mock.stream_destroy(s)
+        m._mock.stream_destroy(side)
+
+
+@pytest.mark.parametrize("capture_mode,caller_mode,other_thread,expect", [
+    (GLOBAL, GLOBAL, True, "StreamCaptureUnsupported"),    # another thread's global capture forbids it
+    (GLOBAL, RELAXED, True, None),                         # ... unless this thread is relaxed
+    (GLOBAL, THREAD_LOCAL, True, None),                    # thread-local only cares about its own captures
+    (THREAD_LOCAL, GLOBAL, True, None),
+    (THREAD_LOCAL, GLOBAL, False, "StreamCaptureUnsupported"),
+    (RELAXED, GLOBAL, False, None),
+])
+def test_double_unsafe_calls_during_capture(m, capture_mode, caller_mode, other_thread, expect):
+    s = m._mock.stream_create()
+    result = {}
+
+    def unsafe():
+        old = m._mock.capture_mode(caller_mode)
+        try:
+            result["malloc"] = m._mock.malloc(64)
+        except RuntimeError as exc:
+            result["error"] = str(exc)
+        finally:
+            m._mock.capture_mode(old)
+
+    try:
+        assert m._mock.begin_capture(s, capture_mode) == 0
+        if other_thread:
+            th = threading.Thread(target=unsafe)
+            th.start()
+            th.join()
+        else:
+            unsafe()
+        err, graph = m._mock.end_capture(s)
+        if expect is None:
+            assert "malloc" in result and err == 0
+            m._mock.free(result["malloc"])
+            m._mock.graph_destroy(graph)
+        else:
+            assert result.get("error") == "cudaError" + expect
+            assert err == ERR["StreamCaptureInvalidated"] and graph == 0
+    finally:
+        m._mock.stream_destroy(s)
+
+
+def test_double_capture_errors(m):
+    s = m._mock.stream_create_flags(0)  # blocking: the legacy stream would depend on it
+    other = m._mock.stream_create()
+    ev = m._mock.event_create()
+    try:
+        assert m._mock.begin_capture(0, GLOBAL) == ERR["StreamCaptureUnsupported"]  # legacy stream
+        # Legacy-stream work while a blocking stream captures: implicit dependency.
+        small = device_buffer(m, 16)  # before: cudaMalloc during a global capture is itself unsafe
+        assert m._mock.begin_capture(s, GLOBAL) == 0
+        assert m._mock.enqueue_fill(0, small, 16, 0) == ERR["StreamCaptureImplicit"]
+        assert m._mock.capture_info(s)[1] == 2  # invalidated
+        assert m._mock.end_capture(s)[0] == ERR["StreamCaptureInvalidated"]
+        # Synchronizing a capturing stream; querying a captured event; waiting on outside work.
+        assert m._mock.begin_capture(s, RELAXED) == 0
+        assert m._mock.event_record(ev, s) == 0
+        assert m._mock.event_query(ev) == ERR["CapturedEvent"]
+        assert m._mock.stream_synchronize(s) == ERR["StreamCaptureUnsupported"]
+        assert m._mock.end_capture(s)[0] == ERR["StreamCaptureInvalidated"]
+        assert m._mock.begin_capture(s, GLOBAL) == 0
+        outside = m._mock.event_create()
+        assert m._mock.event_record(outside, other) == 0
+        assert m._mock.stream_wait_event(s, outside) == ERR["StreamCaptureIsolation"]
+        assert m._mock.end_capture(other)[0] == 401  # not capturing: cudaErrorIllegalState
+        result = {}
+        th = threading.Thread(target=lambda: result.update(end=m._mock.end_capture(s)))
+        th.start()
+        th.join()
+        assert result["end"][0] == ERR["StreamCaptureWrongThread"]
+        assert m._mock.end_capture(s)[0] == ERR["StreamCaptureInvalidated"]
+        m._mock.event_destroy(outside)
+    finally:
+        m._mock.event_destroy(ev)
+        m._mock.stream_destroy(s)
+        m._mock.stream_destroy(other)
+
+
+def test_double_sticky_error_reported_at_the_next_synchronizing_call(m):
+    m._mock.set_device(1)
+    s = m._mock.stream_create()  # on device 1
+    try:
+        m._mock.enqueue_sleep(s, 0.05)
+        assert m._mock.enqueue_fault(s, ERR["IllegalAddress"]) == 0  # the launch itself succeeds
+        assert m._mock.stream_synchronize(s) == ERR["IllegalAddress"]
+        with pytest.raises(RuntimeError, match="cudaErrorIllegalAddress"):
+            m._mock.malloc(16)
+        m._mock.set_device(0)
+        m._mock.free(m._mock.malloc(16))  # other devices are unaffected
+        # Non-sticky: one injected failure, then the call works again.
+        m._mock.fail("cudaMalloc", 1, ERR["Unknown"])
+        with pytest.raises(RuntimeError, match="cudaErrorUnknown"):
+            m._mock.malloc(16)
+        m._mock.free(m._mock.malloc(16))
+    finally:
+        m._mock.reset()
+        m._mock.set_device(0)
+        m._mock.stream_destroy(s)
+
+
+@pytest.mark.parametrize("api", ["cudaMalloc", "cudaStreamCreateWithPriority", "cudaEventCreateWithFlags",
+                                 "cudaDeviceGetStreamPriorityRange", "cudaStreamIsCapturing", "cudaMemcpyAsync",
+                                 "kernel", "cudaEventRecord", "cudaStreamWaitEvent", "cudaMemcpyBatchAsync",
+                                 "cudaEventQuery", "cudaHostRegister", "cudaMemcpy2DAsync"])
+def test_double_injected_failure_of_every_staging_api_is_handled(m, api):
+    """Each runtime call the staging code makes, failing once: an exception before anything is staged,
+    a recorded fallback, or DISABLED with the error recorded; never a hang or a torn record."""
+    ring = Ring(m)
+    stager = m.CudaStager(ring.producer, 1 << 20)
+    cases = [torch.arange(600, dtype=torch.float32), torch.arange(600, dtype=torch.float32).view(20, 30).t(),
+             torch.arange(64 * 300, dtype=torch.int32).view(64, 300)[:, 100:280]]
+    ptrs = [to_device(m, t) for t in cases]
+    m._mock.fail(api, 1, ERR["Unknown"])
+    statuses = []
+    if api == "cudaHostRegister":
+        with pytest.raises(RuntimeError, match="cudaHostRegister"):
+            stager.register_host()
+    else:
+        stager.register_host()
+    for i, (p, t) in enumerate(zip(ptrs, cases)):
+        try:
+            statuses.append(stage_ptr(stager, p, t, name_id=i))
+        except RuntimeError as exc:
+            statuses.append(str(exc))
+    assert stager.flush(10)
+    got, _ = ring.read()
+    for i, (st, t) in enumerate(zip(statuses, cases)):
+        if st == m.STAGED and (0, i, 0) in got:
+            assert got[(0, i, 0)][2] == t.contiguous().numpy().tobytes(), (api, i)
+        elif isinstance(st, str):
+            assert "cudaErrorUnknown" in st and (0, i, 0) not in got
+    stats = stager.stats()
+    if m.DISABLED in statuses or stats["broken"]:
+        assert stats["broken"] and "cudaErrorUnknown" in stats["last_error"]
+    stager.close()
+
+
+_CAPSULE_KEEP = []
+
+
+class DeviceCapsule:
+    """An unversioned DLPack capsule ("dltensor") describing mock device memory like `t`; `on_release`
+    runs when the capsule is destroyed (the producer frees its memory then)."""
+
+    _DESTRUCTOR = ctypes.CFUNCTYPE(None, ctypes.py_object)
+
+    def __init__(self, ptr, t, device=0, on_release=None):
+        from fastdump import cuda
+
+        nd = t.dim()
+        self.shape = (ctypes.c_int64 * max(nd, 1))(*t.shape)
+        self.strides = (ctypes.c_int64 * max(nd, 1))(*t.stride())
+        code, bits = {torch.bfloat16: (4, 16), torch.float32: (2, 32), torch.uint8: (1, 8)}[t.dtype]
+        self.managed = cuda._DLManagedTensor()
+        dl = self.managed.dl_tensor
+        dl.data, dl.device = ptr, cuda._DLDevice(2, device)
+        dl.ndim, dl.dtype = nd, cuda._DLDataType(code, bits, 1)
+        dl.shape, dl.strides, dl.byte_offset = self.shape, self.strides, 0
+        _CAPSULE_KEEP.append(self)  # the ctypes memory and callback outlive the capsule (test code)
+
+        def destroy(_capsule):
+            if on_release is not None:
+                on_release()
+
+        self._destroy = self._DESTRUCTOR(destroy)
+        new = ctypes.pythonapi.PyCapsule_New
+        new.restype = ctypes.py_object
+        new.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
+        self.capsule = new(ctypes.addressof(self.managed), b"dltensor", ctypes.cast(self._destroy, ctypes.c_void_p))
 
 
 @pytest.mark.slow
