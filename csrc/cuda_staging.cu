@@ -465,6 +465,7 @@ struct CudaStager::Impl {
   std::string dev_error[kMaxDevices];  // under init_mu
 
   std::atomic<bool> closed{false};
+  std::atomic<bool> torn_down{false};  // close() finished: no snapshot reads any source any more
   std::atomic<bool> broken{false};
   std::atomic<int> active{0};
 
@@ -1335,6 +1336,7 @@ struct CudaStager::Impl {
     registered.clear();
     host_pinned.store(false);
     reg_base = nullptr;
+    torn_down.store(true);
   }
 
   CudaStagerStats stats() {
@@ -1400,6 +1402,7 @@ uint64_t CudaStager::submitted(int device) const {
   return d ? d->pushed.load(std::memory_order_acquire) : 0;
 }
 uint64_t CudaStager::completed(int device) const {
+  if (impl_->torn_down.load(std::memory_order_acquire)) return UINT64_MAX;
   if (device < 0 || device >= kMaxDevices) return 0;
   DeviceCtx* d = impl_->devs[device].load(std::memory_order_acquire);
   return d ? d->finished.load(std::memory_order_acquire) : 0;

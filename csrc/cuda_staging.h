@@ -129,7 +129,7 @@ class CudaStager {
 
   // Records of `device` handed to the drain so far / finished (published or cancelled). They finish
   // in order: once completed(d) reaches a value submitted(d) returned, those records (and their
-  // snapshots) no longer read their sources, which may then be freed.
+  // snapshots) no longer read their sources, which may then be freed. After close(): UINT64_MAX.
   uint64_t submitted(int device) const;
   uint64_t completed(int device) const;
 

@@ -14,6 +14,7 @@ Three layers:
 from __future__ import annotations
 
 import ctypes
+import json
 import logging
 import os
 import shutil
@@ -784,7 +785,7 @@ def test_mock_stage_array_cuda_array_interface_and_dlpack(m):
 
         def __dlpack__(self, stream=None, max_version=None):
             seen["stream"] = stream
-            return DeviceCapsule(t_dev, t).capsule
+            return DeviceCapsule(t_dev, t).take()
 
     status, nbytes = cuda.stage_array(eng, 32, 0, 1, 0, DlpackOnGpu(), True)
     assert status == m.STAGED and nbytes == t.numel() * 2
@@ -1115,6 +1116,312 @@ def test_double_injected_failure_of_every_staging_api_is_handled(m, api):
     stager.close()
 
 
+# -------------------------------------------------------------------------------------------------
+# Defects the review found (issue 11 item 3), caught by the double
+
+
+def test_review_no_stray_context_on_gpu0(m):
+    """A process that uses only GPU 1: staging (from a thread that never chose a device), pinning and
+    teardown must not create a primary context on GPU 0 (~500 MiB there, per process)."""
+    t = torch.arange(1000, dtype=torch.float32)
+    p = to_device(m, t, device=1)
+    ring = Ring(m)
+    m._mock.reset_contexts()  # from here on: a process whose framework initialized GPU 1 only
+    th = threading.Thread(target=lambda: m._mock.set_device(1))
+    th.start()
+    th.join()
+    result = {}
+
+    def serve():  # a fresh thread: cudaGetDevice says 0, and GPU 0 has no context
+        stager = m.CudaStager(ring.producer, 1 << 20)
+        stager.register_host()
+        result["status"] = stage_ptr(stager, p, t, device=1)
+        result["flushed"] = stager.flush(10)
+        stager.close()
+
+    th = threading.Thread(target=serve)
+    th.start()
+    th.join()
+    assert result == {"status": m.STAGED, "flushed": True}
+    assert ring.read()[0][(0, 0, 0)][2] == t.numpy().tobytes()
+    assert m._mock.contexts() == [0, 1]
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_review_snapshot_waits_for_the_producing_stream(m, seed):
+    """A tensor produced on another stream than the snapshot's: stage(producer_stream=) orders the
+    snapshot after the producing work, whatever the streams' timing."""
+    m._mock.set("seed", seed)
+    m._mock.set("max_delay_us", 200)
+    ring = Ring(m)
+    stager = m.CudaStager(ring.producer, 1 << 20)
+    stager.register_host()
+    producer, current = m._mock.stream_create(), m._mock.stream_create()
+    n = 1 << 14
+    buf, src = device_buffer(m, n), to_device(m, torch.full((n,), 7, dtype=torch.uint8))
+    like = torch.empty(n, dtype=torch.uint8)
+    try:
+        m._mock.enqueue_sleep(producer, 0.05)
+        m._mock.enqueue_copy(producer, buf, src, n)       # the producing kernel, still queued
+        assert stage_ptr(stager, buf, like, stream=current, producer_stream=producer) == m.STAGED
+        m._mock.enqueue_fill(current, buf, n, 0xEE)       # the next kernel on the current stream
+        assert stager.flush(10)
+        assert ring.read()[0][(0, 0, 0)][2] == bytes([7]) * n
+    finally:
+        m._mock.sync(producer)
+        stager.close()
+        m._mock.stream_destroy(producer)
+        m._mock.stream_destroy(current)
+
+
+class FakeCudaTensor(torch.Tensor):
+    """A torch tensor that says it lives on a (mock) GPU: dtype, shape and strides of a CPU tensor,
+    data_ptr() in mock device memory, a device index; record_stream() calls are remembered, as the
+    caching allocator would."""
+
+    @staticmethod
+    def __new__(cls, cpu, ptr, device=0):
+        t = torch.Tensor._make_subclass(cls, cpu)
+        t._ptr, t._device, t.recorded = ptr, device, []
+        return t
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **(kwargs or {}))
+
+    is_cuda = property(lambda self: True)
+    is_cpu = property(lambda self: False)
+
+    def data_ptr(self):
+        return self._ptr
+
+    def get_device(self):
+        return self._device
+
+    def record_stream(self, stream):
+        self.recorded.append(stream)
+
+
+class FakeStream:
+    def __init__(self, raw):
+        self.cuda_stream = raw
+
+
+@pytest.fixture
+def glue(m, monkeypatch):
+    """fastdump's Python CUDA path (engine, capture, cuda.py) running on the double: the engine's
+    ring and stager come from the mock build; the current stream is a mock stream."""
+    from fastdump import cuda, engine
+
+    monkeypatch.setattr(engine, "_C", m)
+    monkeypatch.setattr(cuda, "_C", m)
+    monkeypatch.setattr(cuda, "_info", None)
+    monkeypatch.setattr(cuda, "_ring_failures", {})
+    current = m._mock.stream_create()
+    monkeypatch.setattr(cuda, "_current_stream", lambda device: (current, FakeStream(current)))
+    yield current
+    m._mock.sync(current)
+    m._mock.stream_destroy(current)
+    cuda.release_read()
+
+
+def fake_cuda(m, t, device=0):
+    return FakeCudaTensor(t, to_device(m, t, device), device)
+
+
+def test_glue_capture_to_stage_tensor_on_the_double(m, glue, tmp_path):
+    """Dumper.dump → capture's is_cuda branch → cuda.stage_tensor → the stager, bit-exact, with the
+    current stream recorded on each staged tensor for the caching allocator."""
+    cases = {"contiguous": torch.arange(3 * 5 * 7, dtype=torch.float32).reshape(3, 5, 7),
+             "transposed": torch.arange(64, dtype=torch.int64).reshape(8, 8).t(),
+             "bf16_view": torch.arange(600, dtype=torch.float32).to(torch.bfloat16).reshape(20, 30)[2:, ::3],
+             "on_gpu1": torch.arange(10, dtype=torch.int16)}
+    fakes = {k: fake_cuda(m, v, device=1 if k == "on_gpu1" else 0) for k, v in cases.items()}
+    d = _attach(tmp_path, writer="thread", device="cuda:0")
+    for p in range(2):
+        _dump_pass(d, list(fakes.items()))
+    d.close()
+    for p in range(2):
+        got = _load(tmp_path, pass_id=p)
+        for k, v in cases.items():
+            assert same_bits(torch.as_tensor(got[k]) if not isinstance(got[k], torch.Tensor) else got[k], v), k
+    for f in fakes.values():
+        assert [s.cuda_stream for s in f.recorded] == [glue, glue]
+
+
+def test_review_caching_allocator_reuse_waits_for_the_snapshot(m, glue, tmp_path):
+    """A tensor allocated on stream A, hooked while stream C is current: when it is freed, the caching
+    allocator reuses its block on A at once unless C was recorded (record_stream)."""
+    from fastdump import cuda
+
+    alloc = m._mock.stream_create()
+    t = torch.arange(1 << 12, dtype=torch.int32)
+    f = fake_cuda(m, t)
+    ring = Ring(m)
+    stager = m.CudaStager(ring.producer, 1 << 20)
+    stager.register_host()
+    try:
+        m._mock.enqueue_sleep(glue, 0.1)  # the current stream is busy: the snapshot runs late
+        assert cuda.stage_tensor(stager, 0, 0, 0, dtypes.code_of(t.dtype), f, True) == m.STAGED
+        # The module's output is freed; the allocator hands the block to the next kernel on A.
+        for s in f.recorded:
+            ev = m._mock.event_create()
+            m._mock.event_record(ev, s.cuda_stream)
+            m._mock.stream_wait_event(alloc, ev)
+            m._mock.event_destroy(ev)
+        m._mock.enqueue_fill(alloc, f.data_ptr(), t.numel() * 4, 0xEE)
+        assert stager.flush(10)
+        assert ring.read()[0][(0, 0, 0)][2] == t.numpy().tobytes()
+    finally:
+        m._mock.sync(alloc)
+        stager.close()
+        m._mock.stream_destroy(alloc)
+
+
+def test_review_dlpack_capsule_kept_until_the_snapshot_read_it(m, glue):
+    """DLPack: releasing the capsule lets the producer free and reuse the memory; fastdump keeps it
+    until the snapshot has completed."""
+    from fastdump import cuda
+
+    ring = Ring(m)
+    stager = m.CudaStager(ring.producer, 1 << 20)
+    stager.register_host()
+    eng = _FakeEngine(ring.producer, stager)
+    t = torch.arange(1 << 12, dtype=torch.float32)
+    ptr = to_device(m, t)
+    reuse = m._mock.stream_create()
+    released = []
+
+    def on_release():  # the producer's deleter: its allocator reuses the block on its own stream
+        released.append(time.monotonic())
+        m._mock.enqueue_fill(reuse, ptr, t.numel() * 4, 0xEE)
+
+    class Producer:
+        def __dlpack_device__(self):
+            return (2, 0)
+
+        def __dlpack__(self, stream=None, max_version=None):
+            return DeviceCapsule(ptr, t, on_release=on_release).take()
+
+    try:
+        m._mock.enqueue_sleep(1, 0.1)  # the consumer stream (legacy) is busy: the snapshot runs late
+        status, _ = cuda.stage_array(eng, 32, 0, 0, 0, Producer(), True)
+        assert status == m.STAGED
+        assert stager.flush(10)
+        assert cuda.release_read() == 0 and released
+        assert ring.read()[0][(0, 0, 0)][2] == t.numpy().tobytes()
+    finally:
+        m._mock.sync(reuse)
+        stager.close()
+        m._mock.stream_destroy(reuse)
+
+
+def test_review_device_ring_allocated_at_attach(m, glue, tmp_path):
+    from fastdump import cuda
+
+    d = _attach(tmp_path, writer="thread", device="cuda:1")
+    try:
+        stager = d._engine.cuda_stager(d.device_ring_mb)
+        stats = stager.stats()
+        assert [x["device"] for x in stats["devices"]] == [1]  # before any tensor
+        assert stats["devices"][0]["ring_bytes"] == int(d.device_ring_mb) << 20
+        assert cuda.ring_failure(stager) == ""
+    finally:
+        d.close()
+
+
+def test_review_no_device_ring_drops_and_records_instead_of_synchronous_copies(m, glue, tmp_path):
+    """Memory taken by a serving engine before the first tensor: the ring is tried at attach; when it
+    cannot be had, tensors are dropped and counted (no synchronous .cpu()), the reason in rank.json."""
+    from fastdump import cuda
+
+    m._mock.set("device_free", 64 << 20)  # less than the 256 MiB ring
+    calls = []
+    real = cuda.HostFallbackStager.stage_tensor
+    try:
+        cuda.HostFallbackStager.stage_tensor = lambda *a, **k: calls.append(a) or real(*a, **k)
+        d = _attach(tmp_path, writer="thread", device="cuda:0")
+        t = torch.arange(100, dtype=torch.float32)
+        _dump_pass(d, [("x", fake_cuda(m, t))])
+        d.close()
+    finally:
+        cuda.HostFallbackStager.stage_tensor = real
+    assert calls == []
+    info = json.loads(next(tmp_path.rglob("rank.json")).read_text())
+    assert info["cuda_staging"]["device_ring"] == "unavailable"
+    assert "device staging ring" in info["cuda_staging"]["reason"]
+    got = _load(tmp_path, pass_id=0)
+    assert "x" not in got
+    assert d._totals["dropped"] == 1
+
+
+def test_review_disabled_stager_records_its_own_error(m, glue, tmp_path):
+    d = _attach(tmp_path, writer="thread", device="cuda:0")
+    t = torch.arange(1000, dtype=torch.float32)
+    m._mock.fail("cudaEventQuery", 1, ERR["Unknown"])  # the drain fails: staging stops for good
+    _dump_pass(d, [("a", fake_cuda(m, t))])
+    stager = d._engine.cuda_stager(d.device_ring_mb)
+    deadline = time.monotonic() + 10
+    while not stager.stats()["broken"] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    _dump_pass(d, [("b", fake_cuda(m, t))])
+    assert d.status == "error"
+    assert "cudaEventQuery" in d.error and "writer stopped" not in d.error
+    d.close()
+    info = json.loads(next(tmp_path.rglob("rank.json")).read_text())
+    assert "cudaEventQuery" in info["error"]
+
+
+def test_review_drain_timer_slack(m):
+    """The drain's 5 us waits must not become ~60-100 us sleeps: its thread sets a 1 ns timer slack."""
+    ring = Ring(m)
+    stager = m.CudaStager(ring.producer, 1 << 20)
+    deadline = time.monotonic() + 5
+    while stager.stats()["drain_timer_slack_ns"] < 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert 0 < stager.stats()["drain_timer_slack_ns"] <= 1000
+    stager.close()
+
+
+def test_review_staging_beside_a_global_capture_on_another_thread(m):
+    """torch.cuda.graph captures in global mode: the stager's first use (ring allocation, pinning),
+    its snapshots on other streams and its drain must not invalidate that capture."""
+    capture_stream = m._mock.stream_create_flags(0)  # blocking, like a torch side stream
+    work = device_buffer(m, 256)
+    t = torch.arange(5000, dtype=torch.float32)
+    p = to_device(m, t)
+    mine = m._mock.stream_create()
+    ring = Ring(m)
+    began, staged, result = threading.Event(), threading.Event(), {}
+
+    def capture():
+        result["begin"] = m._mock.begin_capture(capture_stream, GLOBAL)
+        m._mock.enqueue_increment(capture_stream, work, 256)
+        began.set()
+        staged.wait(30)
+        m._mock.enqueue_increment(capture_stream, work, 256)
+        result["end"] = m._mock.end_capture(capture_stream)
+
+    th = threading.Thread(target=capture)
+    th.start()
+    began.wait(30)
+    stager = m.CudaStager(ring.producer, 1 << 20)
+    stager.register_host()
+    statuses = [stage_ptr(stager, p, t, name_id=0, stream=mine),
+                stage_ptr(stager, p, t, name_id=1, stream=0)]  # legacy: would depend on the capture
+    assert stager.flush(10)
+    staged.set()
+    th.join()
+    assert result["begin"] == 0 and result["end"][0] == 0, result
+    assert statuses == [m.STAGED, m.CAPTURING]
+    assert ring.read()[0][(0, 0, 0)][2] == t.numpy().tobytes()
+    stager.close()
+    m._mock.graph_destroy(result["end"][1])
+    m._mock.stream_destroy(mine)
+    m._mock.stream_destroy(capture_stream)
+
+
 _CAPSULE_KEEP = []
 
 
@@ -1122,7 +1429,7 @@ class DeviceCapsule:
     """An unversioned DLPack capsule ("dltensor") describing mock device memory like `t`; `on_release`
     runs when the capsule is destroyed (the producer frees its memory then)."""
 
-    _DESTRUCTOR = ctypes.CFUNCTYPE(None, ctypes.py_object)
+    _DESTRUCTOR = ctypes.CFUNCTYPE(None, ctypes.c_void_p)  # not py_object: the capsule is being freed
 
     def __init__(self, ptr, t, device=0, on_release=None):
         from fastdump import cuda
@@ -1146,7 +1453,12 @@ class DeviceCapsule:
         new = ctypes.pythonapi.PyCapsule_New
         new.restype = ctypes.py_object
         new.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
-        self.capsule = new(ctypes.addressof(self.managed), b"dltensor", ctypes.cast(self._destroy, ctypes.c_void_p))
+        self._capsule = new(ctypes.addressof(self.managed), b"dltensor", ctypes.cast(self._destroy, ctypes.c_void_p))
+
+    def take(self):
+        """The capsule; this object keeps no reference to it (its destructor runs when the consumer lets go)."""
+        capsule, self._capsule = self._capsule, None
+        return capsule
 
 
 @pytest.mark.slow
