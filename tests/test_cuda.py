@@ -54,6 +54,8 @@ def torch_dtypes():
     return out
 
 
+SEEDS = [1, 2, 3, 7, 11]  # for the tests whose outcome depends on stream timing in the mock
+
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
@@ -427,8 +429,11 @@ def test_mock_every_dtype_bit_exact(m):
     stager.close()
 
 
-def test_mock_snapshot_is_ordered_on_the_producer_stream(m):
+@pytest.mark.parametrize("seed", SEEDS)
+def test_mock_snapshot_is_ordered_on_the_producer_stream(m, seed):
     """The bytes at hook time: produced by earlier work on the stream, overwritten right after."""
+    m._mock.set("seed", seed)
+    m._mock.set("max_delay_us", 200)
     ring = Ring(m)
     stager = m.CudaStager(ring.producer, 1 << 20)
     stager.register_host()
@@ -802,7 +807,6 @@ def test_mock_stage_array_cuda_array_interface_and_dlpack(m):
 # The double itself: what it must refuse or reorder the way a GPU would
 
 H2H, H2D, D2H, D2D, DEFAULT = 0, 1, 2, 3, 4
-SEEDS = [1, 2, 3, 7, 11]
 ERR = {"InvalidValue": 1, "StreamCaptureUnsupported": 900, "StreamCaptureInvalidated": 901,
        "StreamCaptureMerge": 902, "StreamCaptureUnmatched": 903, "StreamCaptureUnjoined": 904,
        "StreamCaptureIsolation": 905, "StreamCaptureImplicit": 906, "CapturedEvent": 907,
@@ -1082,7 +1086,8 @@ def test_double_sticky_error_reported_at_the_next_synchronizing_call(m):
 @pytest.mark.parametrize("api", ["cudaMalloc", "cudaStreamCreateWithPriority", "cudaEventCreateWithFlags",
                                  "cudaDeviceGetStreamPriorityRange", "cudaStreamIsCapturing", "cudaMemcpyAsync",
                                  "kernel", "cudaEventRecord", "cudaStreamWaitEvent", "cudaMemcpyBatchAsync",
-                                 "cudaEventQuery", "cudaHostRegister", "cudaMemcpy2DAsync"])
+                                 "cudaEventQuery", "cudaHostRegister", "cudaMemcpy2DAsync", "cudaSetDevice",
+                                 "cudaStreamSynchronize", "cudaFree", "cudaHostUnregister"])
 def test_double_injected_failure_of_every_staging_api_is_handled(m, api):
     """Each runtime call the staging code makes, failing once: an exception before anything is staged,
     a recorded fallback, or DISABLED with the error recorded; never a hang or a torn record."""

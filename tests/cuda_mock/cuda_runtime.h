@@ -798,7 +798,9 @@ inline cudaError_t cudaFree(void* p) {
   fdmock::Arena& a = fdmock::memory().arenas[d];
   auto it = a.blocks.find(static_cast<uint64_t>(static_cast<uint8_t*>(p) - a.base));
   if (it == a.blocks.end()) return fdmock::ret(cudaErrorInvalidValue);
-  ::madvise(a.shadow + it->first, it->second, MADV_DONTNEED);
+  // Give back the whole pages inside the block only: blocks are 256-byte aligned, neighbours share pages.
+  const uint64_t page = 4096, lo = (it->first + page - 1) / page * page, hi = (it->first + it->second) / page * page;
+  if (hi > lo) ::madvise(a.shadow + lo, hi - lo, MADV_DONTNEED);
   a.blocks.erase(it);
   fdmock::config().live_allocs--;
   return cudaSuccess;

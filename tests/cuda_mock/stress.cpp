@@ -283,7 +283,13 @@ int main(int argc, char** argv) {
       if (it == got.end()) continue;
       CHECK(it->second.filled == e.bytes.size(), "thread %d tensor %u: %llu of %zu bytes", t, kv.first,
             (unsigned long long)it->second.filled, e.bytes.size());
-      CHECK(it->second.bytes == e.bytes, "thread %d tensor %u: content differs", t, kv.first);
+      if (it->second.bytes != e.bytes) {
+        size_t k = 0, bad = 0;
+        while (it->second.bytes[k] == e.bytes[k]) ++k;
+        for (size_t j = 0; j < e.bytes.size(); ++j) bad += it->second.bytes[j] != e.bytes[j];
+        CHECK(false, "thread %d tensor %u: content differs (%zu of %zu bytes, first at %zu: %02x, want %02x)", t,
+              kv.first, bad, e.bytes.size(), k, it->second.bytes[k], e.bytes[k]);
+      }
     }
   }
   auto& c = fdmock::config();
