@@ -605,7 +605,8 @@ class Dumper:
         log.error("fastdump: dumping to %s stopped: %s", self.dir, error)
         if self._engine is not None and self._channel is not None and self._engine.alive:
             # The writer is fine (e.g. CUDA staging stopped): it rewrites rank.json later, with this.
-            self._engine.control({"op": "note", "channel": self._channel, "status": "error", "error": error})
+            self._engine.control({"op": "note", "channel": self._channel, "status": "error", "error": error},
+                                 block=self._block)
         try:
             info = read_json(self.dir / "rank.json") or {}
             if info.get("status") == "error":
