@@ -232,7 +232,11 @@ def stage_tensor(stager, channel: int, name_id: int, pass_id: int, dtype_code: i
         return HostFallbackStager(stager.producer, str(exc)).stage_tensor(
             channel, name_id, pass_id, dtype_code, tensor, block)
     if status == STAGED:
-        tensor.record_stream(stream)
+        try:
+            tensor.record_stream(stream)
+        except RuntimeError as exc:  # memory torch's allocator does not own: nothing to protect
+            _warn_once(f"record_stream:{exc}", "fastdump: record_stream failed (%s); the snapshot relies on "
+                       "the tensor staying allocated until the current stream reached it", exc)
     return status
 
 
