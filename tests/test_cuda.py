@@ -1427,6 +1427,35 @@ def test_review_staging_beside_a_global_capture_on_another_thread(m):
     m._mock.stream_destroy(capture_stream)
 
 
+def test_double_stage_during_a_capture_on_the_same_thread(m):
+    """Hooks run while torch.cuda.graph captures (global mode, same thread): the stager's first use
+    (ring allocation, pinning) and a snapshot on another stream must not invalidate the capture; a
+    tensor on the capturing stream, or produced on it, is refused (CAPTURING) without touching the rings."""
+    capture_stream, other = m._mock.stream_create(), m._mock.stream_create()
+    t = torch.arange(3000, dtype=torch.int32)
+    p = to_device(m, t)
+    ring = Ring(m)
+    stager = m.CudaStager(ring.producer, 1 << 20)
+    try:
+        assert m._mock.begin_capture(capture_stream, GLOBAL) == 0
+        stager.register_host()
+        statuses = [stage_ptr(stager, p, t, name_id=0, stream=capture_stream),
+                    stage_ptr(stager, p, t, name_id=1, stream=other, producer_stream=capture_stream),
+                    stage_ptr(stager, p, t, name_id=2, stream=other)]
+        err, graph = m._mock.end_capture(capture_stream)
+        assert err == 0 and graph, m._mock.error_name(err)
+        m._mock.graph_destroy(graph)
+        assert statuses == [m.CAPTURING, m.CAPTURING, m.STAGED]
+        assert stager.flush(10)
+        got, _ = ring.read()
+        assert list(got) == [(0, 2, 0)] and got[(0, 2, 0)][2] == t.numpy().tobytes()
+        assert stager.stats()["capturing_skipped"] == 2
+    finally:
+        stager.close()
+        m._mock.stream_destroy(capture_stream)
+        m._mock.stream_destroy(other)
+
+
 _CAPSULE_KEEP = []
 
 
