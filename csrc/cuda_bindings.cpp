@@ -86,6 +86,8 @@ py::dict stats_dict(CudaStager& s) {
   d["registered_bytes"] = st.registered_bytes;
   d["batch_api"] = st.batch_api;
   d["last_error"] = st.last_error;
+  d["broken"] = st.broken;
+  d["drain_timer_slack_ns"] = st.drain_timer_slack_ns;
   py::list devices;
   for (const CudaDeviceStats& dev : st.devices) {
     py::dict x;
@@ -101,7 +103,7 @@ py::dict stats_dict(CudaStager& s) {
 
 int stage(CudaStager& s, uint32_t channel, uint32_t name_id, int64_t pass_id, uint16_t dtype, uint64_t elem_size,
           std::vector<int64_t> shape, std::vector<int64_t> strides, uintptr_t ptr, int device, uintptr_t stream,
-          bool block) {
+          bool block, uintptr_t producer_stream) {
   CudaSource src;
   src.ptr = ptr;
   src.elem_size = elem_size;
@@ -109,6 +111,7 @@ int stage(CudaStager& s, uint32_t channel, uint32_t name_id, int64_t pass_id, ui
   src.strides = std::move(strides);
   src.device = device;
   src.stream = stream;
+  src.producer_stream = producer_stream;
   GilRelease gil;  // declared before the call: re-acquired after it, even when it throws
   return s.stage(channel, name_id, pass_id, dtype, src, block, &gil);
 }
@@ -121,11 +124,132 @@ void bind_mock(py::module_& m) {
     auto& c = fdmock::config();
     if (name == "device_count") c.device_count = static_cast<int>(v);
     else if (name == "max_delay_us") c.max_delay_us = static_cast<int>(v);
-    else if (name == "fail_batch") c.fail_batch = static_cast<int>(v);
-    else if (name == "fail_event_query") c.fail_event_query = static_cast<int>(v);
-    else if (name == "fail_malloc") c.fail_malloc = static_cast<int>(v);
+    else if (name == "seed") c.seed = static_cast<uint64_t>(v);
+    else if (name == "device_free") c.device_free = static_cast<uint64_t>(v);
+    else if (name == "fail_batch") fdmock::inject("cudaMemcpyBatchAsync", v ? 1 << 30 : 0, cudaErrorNotSupported);
+    else if (name == "fail_event_query") fdmock::inject("cudaEventQuery", static_cast<int>(v), cudaErrorUnknown);
+    else if (name == "fail_malloc") fdmock::inject("cudaMalloc", v ? 1 << 30 : 0, cudaErrorMemoryAllocation);
     else if (name == "capturing") c.capturing = static_cast<int>(v);
     else throw std::invalid_argument(name);
+  });
+  // The next `count` calls of `api` (a runtime function's name, or "kernel") fail with `error`.
+  k.def("fail", [](const std::string& api, int count, int error) {
+    fdmock::inject(api, count, static_cast<cudaError_t>(error));
+  }, py::arg("api"), py::arg("count") = 1, py::arg("error") = static_cast<int>(cudaErrorUnknown));
+  k.def("reset", []() { fdmock::reset_device_state(); });
+  k.def("error_name", [](int e) { return std::string(cudaGetErrorName(static_cast<cudaError_t>(e))); });
+  k.def("contexts", []() {
+    py::list l;
+    for (int d = 0; d < fdmock::config().device_count.load() && d < fdmock::kMaxDevices; ++d)
+      l.append(fdmock::config().contexts[d].load());
+    return l;
+  });
+  k.def("reset_contexts", []() {
+    for (auto& c : fdmock::config().contexts) c = 0;
+  });
+  k.def("get_device", []() { return fdmock::current_device(); });
+  k.def("set_device", [](int d) { return static_cast<int>(cudaSetDevice(d)); });
+  k.def("malloc", [](uint64_t n) {
+    void* p = nullptr;
+    cudaError_t e = cudaMalloc(&p, n);
+    if (e != cudaSuccess) throw std::runtime_error(cudaGetErrorName(e));
+    return reinterpret_cast<uintptr_t>(p);
+  });
+  k.def("free", [](uintptr_t p) { return static_cast<int>(cudaFree(reinterpret_cast<void*>(p))); });
+  // Synchronous host<->device transfers for tests (through the copy engine, checked like any copy).
+  k.def("upload", [](uintptr_t dst, uintptr_t src, uint64_t n) {
+    py::gil_scoped_release nogil;
+    cudaError_t e = cudaMemcpyAsync(reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src), n,
+                                    cudaMemcpyHostToDevice, cudaStreamLegacy);
+    if (e == cudaSuccess) e = cudaStreamSynchronize(cudaStreamLegacy);
+    return static_cast<int>(e);
+  });
+  k.def("download", [](uintptr_t dst, uintptr_t src, uint64_t n) {
+    py::gil_scoped_release nogil;
+    cudaError_t e = cudaMemcpyAsync(reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src), n,
+                                    cudaMemcpyDeviceToHost, cudaStreamLegacy);
+    if (e == cudaSuccess) e = cudaStreamSynchronize(cudaStreamLegacy);
+    return static_cast<int>(e);
+  });
+  k.def("memcpy_async", [](uintptr_t dst, uintptr_t src, uint64_t n, int kind, uintptr_t s) {
+    py::gil_scoped_release nogil;
+    return static_cast<int>(cudaMemcpyAsync(reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src), n,
+                                            static_cast<cudaMemcpyKind>(kind), reinterpret_cast<cudaStream_t>(s)));
+  });
+  k.def("host_register", [](uintptr_t p, uint64_t n) {
+    return static_cast<int>(cudaHostRegister(reinterpret_cast<void*>(p), n, cudaHostRegisterPortable));
+  });
+  k.def("host_unregister", [](uintptr_t p) { return static_cast<int>(cudaHostUnregister(reinterpret_cast<void*>(p))); });
+  k.def("pointer_device", [](uintptr_t p) {
+    cudaPointerAttributes a;
+    if (cudaPointerGetAttributes(&a, reinterpret_cast<const void*>(p)) != cudaSuccess) return -3;
+    return a.type == cudaMemoryTypeDevice ? a.device : -1;
+  });
+  // Deliberately read device memory from the host (a test expects this to kill the process).
+  k.def("host_read", [](uintptr_t p) { return static_cast<int>(*reinterpret_cast<volatile uint8_t*>(p)); });
+  k.def("stream_create_flags", [](unsigned flags) {
+    cudaStream_t s;
+    cudaError_t e = cudaStreamCreateWithPriority(&s, flags, 0);
+    if (e != cudaSuccess) throw std::runtime_error(cudaGetErrorName(e));
+    return reinterpret_cast<uintptr_t>(s);
+  });
+  k.def("stream_synchronize", [](uintptr_t s) {
+    py::gil_scoped_release nogil;
+    return static_cast<int>(cudaStreamSynchronize(reinterpret_cast<cudaStream_t>(s)));
+  });
+  k.def("event_create", []() {
+    cudaEvent_t e;
+    cudaError_t r = cudaEventCreateWithFlags(&e, cudaEventDisableTiming);
+    if (r != cudaSuccess) throw std::runtime_error(cudaGetErrorName(r));
+    return reinterpret_cast<uintptr_t>(e);
+  });
+  k.def("event_destroy", [](uintptr_t e) { (void)cudaEventDestroy(reinterpret_cast<cudaEvent_t>(e)); });
+  k.def("event_record", [](uintptr_t e, uintptr_t s) {
+    return static_cast<int>(cudaEventRecord(reinterpret_cast<cudaEvent_t>(e), reinterpret_cast<cudaStream_t>(s)));
+  });
+  k.def("event_query", [](uintptr_t e) { return static_cast<int>(cudaEventQuery(reinterpret_cast<cudaEvent_t>(e))); });
+  k.def("stream_wait_event", [](uintptr_t s, uintptr_t e) {
+    return static_cast<int>(
+        cudaStreamWaitEvent(reinterpret_cast<cudaStream_t>(s), reinterpret_cast<cudaEvent_t>(e), 0));
+  });
+  k.def("capture_mode", [](int mode) {  // cudaThreadExchangeStreamCaptureMode; returns the old one
+    cudaStreamCaptureMode m = static_cast<cudaStreamCaptureMode>(mode);
+    (void)cudaThreadExchangeStreamCaptureMode(&m);
+    return static_cast<int>(m);
+  });
+  k.def("begin_capture", [](uintptr_t s, int mode) {
+    return static_cast<int>(
+        cudaStreamBeginCapture(reinterpret_cast<cudaStream_t>(s), static_cast<cudaStreamCaptureMode>(mode)));
+  });
+  // Returns (error, graph handle or 0).
+  k.def("end_capture", [](uintptr_t s) {
+    cudaGraph_t g = nullptr;
+    cudaError_t e = cudaStreamEndCapture(reinterpret_cast<cudaStream_t>(s), &g);
+    return py::make_tuple(static_cast<int>(e), reinterpret_cast<uintptr_t>(g));
+  });
+  // Returns (error, status, capture id).
+  k.def("capture_info", [](uintptr_t s) {
+    cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
+    unsigned long long id = 0;
+    cudaError_t e = cudaStreamGetCaptureInfo(reinterpret_cast<cudaStream_t>(s), &st, &id);
+    return py::make_tuple(static_cast<int>(e), static_cast<int>(st), id);
+  });
+  k.def("graph_instantiate", [](uintptr_t g) {
+    cudaGraphExec_t x = nullptr;
+    cudaError_t e = cudaGraphInstantiate(&x, reinterpret_cast<cudaGraph_t>(g), 0);
+    if (e != cudaSuccess) throw std::runtime_error(cudaGetErrorName(e));
+    return reinterpret_cast<uintptr_t>(x);
+  });
+  k.def("graph_launch", [](uintptr_t x, uintptr_t s) {
+    return static_cast<int>(cudaGraphLaunch(reinterpret_cast<cudaGraphExec_t>(x), reinterpret_cast<cudaStream_t>(s)));
+  });
+  k.def("graph_destroy", [](uintptr_t g) { (void)cudaGraphDestroy(reinterpret_cast<cudaGraph_t>(g)); });
+  k.def("graph_exec_destroy", [](uintptr_t x) { (void)cudaGraphExecDestroy(reinterpret_cast<cudaGraphExec_t>(x)); });
+  // A kernel that faults when it runs (an illegal address): the device's context gets a sticky error.
+  k.def("enqueue_fault", [](uintptr_t s, int error) {
+    const int dev = fdmock::stream_of(reinterpret_cast<cudaStream_t>(s))->device();
+    return static_cast<int>(fdmock::enqueue(reinterpret_cast<cudaStream_t>(s),
+                                            [dev, error] { fdmock::fault(dev, static_cast<cudaError_t>(error)); }));
   });
   k.def("counters", []() {
     auto& c = fdmock::config();
@@ -141,10 +265,12 @@ void bind_mock(py::module_& m) {
     d["live_streams"] = c.live_streams.load();
     d["live_events"] = c.live_events.load();
     d["registered_ranges"] = c.registered_ranges.load();
+    d["live_graphs"] = c.live_graphs.load();
+    d["captures_invalidated"] = c.captures_invalidated.load();
     return d;
   });
   k.def("stream_create", []() {
-    cudaStream_t s;
+    cudaStream_t s = nullptr;
     (void)cudaStreamCreateWithPriority(&s, cudaStreamNonBlocking, 0);
     return reinterpret_cast<uintptr_t>(s);
   });
@@ -153,19 +279,31 @@ void bind_mock(py::module_& m) {
     py::gil_scoped_release nogil;
     fdmock::stream_of(reinterpret_cast<cudaStream_t>(s))->sync();
   });
-  // In stream order: fill n bytes at ptr with `value` (a kernel that overwrites a tensor).
+  // Kernels, in stream order (captured when the stream captures). Device pointers only.
+  // Fill n bytes at ptr with `value` (a kernel that overwrites a tensor).
   k.def("enqueue_fill", [](uintptr_t s, uintptr_t ptr, uint64_t n, int value) {
-    fdmock::stream_of(reinterpret_cast<cudaStream_t>(s))->enqueue(
-        [=] { std::memset(reinterpret_cast<void*>(ptr), value, n); });
+    return static_cast<int>(fdmock::enqueue(reinterpret_cast<cudaStream_t>(s), [=] {
+      std::memset(fdmock::dev_bytes(reinterpret_cast<uint8_t*>(ptr)), value, n);
+    }));
   });
-  // In stream order: copy n bytes (a kernel that produces a tensor).
+  // Copy n bytes between device buffers (a kernel that produces a tensor).
   k.def("enqueue_copy", [](uintptr_t s, uintptr_t dst, uintptr_t src, uint64_t n) {
-    fdmock::stream_of(reinterpret_cast<cudaStream_t>(s))->enqueue(
-        [=] { std::memcpy(reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src), n); });
+    return static_cast<int>(fdmock::enqueue(reinterpret_cast<cudaStream_t>(s), [=] {
+      std::memcpy(fdmock::dev_bytes(reinterpret_cast<uint8_t*>(dst)),
+                  fdmock::dev_bytes(reinterpret_cast<const uint8_t*>(src)), n);
+    }));
+  });
+  // Add 1 to every byte (a kernel whose result depends on what ran before it).
+  k.def("enqueue_increment", [](uintptr_t s, uintptr_t ptr, uint64_t n) {
+    return static_cast<int>(fdmock::enqueue(reinterpret_cast<cudaStream_t>(s), [=] {
+      uint8_t* p = fdmock::dev_bytes(reinterpret_cast<uint8_t*>(ptr));
+      for (uint64_t i = 0; i < n; ++i) p[i] = static_cast<uint8_t>(p[i] + 1);
+    }));
   });
   k.def("enqueue_sleep", [](uintptr_t s, double seconds) {
-    fdmock::stream_of(reinterpret_cast<cudaStream_t>(s))->enqueue(
-        [=] { std::this_thread::sleep_for(std::chrono::duration<double>(seconds)); });
+    return static_cast<int>(fdmock::enqueue(reinterpret_cast<cudaStream_t>(s), [=] {
+      std::this_thread::sleep_for(std::chrono::duration<double>(seconds));
+    }));
   });
 }
 #endif
@@ -190,16 +328,28 @@ void bind_cuda(py::module_& m) {
            "One per process. Raises RuntimeError when no GPU is usable.")
       .def("stage", &stage, py::arg("channel"), py::arg("name_id"), py::arg("pass_id"), py::arg("dtype"),
            py::arg("elem_size"), py::arg("shape"), py::arg("strides"), py::arg("ptr"), py::arg("device"),
-           py::arg("stream"), py::arg("block"),
+           py::arg("stream"), py::arg("block"), py::arg("producer_stream") = 0,
            "Snapshot a device tensor on `stream` and queue it for the host ring. Returns STAGED, DROPPED, "
-           "DISABLED, TOO_LARGE or CAPTURING. Strides in elements; stream is a cudaStream_t as int (0: legacy).")
+           "DISABLED, TOO_LARGE or CAPTURING. Strides in elements; stream is a cudaStream_t as int (0: legacy); "
+           "producer_stream (if not 0 or `stream`): the stream that produced the tensor, waited for first.")
       .def(
           "register_host",
-          [](CudaStager& s) {
+          [](CudaStager& s, int device) {
             py::gil_scoped_release nogil;
-            return s.register_host();
+            return s.register_host(device);
           },
-          "Pin the host ring (cudaHostRegister, once); returns the seconds it took.")
+          py::arg("device") = -1,
+          "Pin the host ring (cudaHostRegister, once) on `device` (-1: one that already has a context); "
+          "returns the seconds it took.")
+      .def(
+          "prepare",
+          [](CudaStager& s, int device) {
+            py::gil_scoped_release nogil;
+            s.prepare(device);
+          },
+          py::arg("device"), "Allocate `device`'s staging ring now; RuntimeError when it cannot be had.")
+      .def("submitted", &CudaStager::submitted, py::arg("device"))
+      .def("completed", &CudaStager::completed, py::arg("device"))
       .def(
           "flush",
           [](CudaStager& s, double timeout_s) {

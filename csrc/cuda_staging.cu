@@ -29,6 +29,7 @@
 #include <string>
 #include <thread>
 #include <pthread.h>
+#include <sys/prctl.h>
 #include <unistd.h>
 #include <utility>
 #include <vector>
@@ -80,6 +81,35 @@ double now_s() {
 
 uint64_t align_to(uint64_t n, uint64_t a) { return (n + a - 1) / a * a; }
 
+// Whether `device`'s primary context exists (cuDevicePrimaryCtxGetState, reached through the
+// runtime so the extension needs no -lcuda). cudaGetDevice answers 0 on a thread that never chose
+// a device, and cudaSetDevice creates the primary context (CUDA 12+): switching "back" to such a
+// device would create a stray context (~500 MiB) on a GPU the process never used.
+bool primary_context_active(int device) {
+  using GetState = int (*)(int, unsigned int*, int*);
+  static GetState get_state = [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult q = cudaDriverEntryPointSymbolNotFound;
+    if (cudaGetDriverEntryPointByVersion("cuDevicePrimaryCtxGetState", &fn, 12000, cudaEnableDefault, &q) !=
+            cudaSuccess ||
+        q != cudaDriverEntryPointSuccess) {
+      (void)cudaGetLastError();
+      fn = nullptr;
+    }
+    return reinterpret_cast<GetState>(fn);
+  }();
+  if (!get_state) return true;  // cannot tell: behave as before (restore)
+  unsigned int flags = 0;
+  int active = 0;
+  return get_state(device, &flags, &active) == 0 && active != 0;
+}
+
+// Restores the calling thread's previous device, unless that device has no context yet (then the
+// thread stays on the device it used, as torch's MaybeSetDevice does).
+void restore_device(int prev) {
+  if (prev >= 0 && primary_context_active(prev)) (void)cudaSetDevice(prev);
+}
+
 // Sets the calling thread's current device for the scope and restores it (the producer's
 // framework keeps its own idea of the current device; we must not change it behind its back).
 class DeviceGuard {
@@ -92,7 +122,7 @@ class DeviceGuard {
     }
   }
   ~DeviceGuard() {
-    if (changed_) (void)cudaSetDevice(prev_);
+    if (changed_) restore_device(prev_);
   }
   DeviceGuard(const DeviceGuard&) = delete;
   DeviceGuard& operator=(const DeviceGuard&) = delete;
@@ -167,8 +197,8 @@ template <typename T, typename I, int N>
 cudaError_t launch_gather_t(uint8_t* dst, const uint8_t* src, const GatherDims<N>& d, uint64_t begin, uint64_t count,
                             int, cudaStream_t stream) {
   return fdmock::enqueue(stream, [=] {
-    T* out = reinterpret_cast<T*>(dst);
-    const T* in = reinterpret_cast<const T*>(src);
+    T* out = fdmock::dev_bytes(reinterpret_cast<T*>(dst));  // faults on anything but device memory
+    const T* in = fdmock::dev_bytes(reinterpret_cast<const T*>(src));
     for (I i = 0; i < static_cast<I>(count); ++i) out[i] = in[gather_offset<I, N>(d, static_cast<I>(begin) + i)];
   });
 }
@@ -414,6 +444,11 @@ struct DeviceCtx {
 
   // drain thread only
   std::deque<InFlight> inflight;
+
+  // Records of this device handed to the drain / finished (published or cancelled). They finish
+  // in the order they were pushed, so finished >= n means the first n no longer read their source.
+  std::atomic<uint64_t> pushed{0};
+  std::atomic<uint64_t> finished{0};
 };
 
 }  // namespace
@@ -430,6 +465,7 @@ struct CudaStager::Impl {
   std::string dev_error[kMaxDevices];  // under init_mu
 
   std::atomic<bool> closed{false};
+  std::atomic<bool> torn_down{false};  // close() finished: no snapshot reads any source any more
   std::atomic<bool> broken{false};
   std::atomic<int> active{0};
 
@@ -468,6 +504,7 @@ struct CudaStager::Impl {
   // drain-thread only
   uint64_t inflight_batches = 0;
   double busy_since = 0;
+  std::atomic<long> drain_slack_ns{-1};  // the drain thread's timer slack, as it set it
 
   Impl(Producer* p, uint64_t ring_bytes) : prod(p) {
     for (auto& d : devs) d.store(nullptr);
@@ -666,6 +703,7 @@ struct CudaStager::Impl {
       it.region->pending++;
     }
     submitted.fetch_add(1, std::memory_order_relaxed);
+    it.dev->pushed.fetch_add(1, std::memory_order_release);
     {
       std::lock_guard<std::mutex> g(q_mu);
       queue.push_back(std::move(it));
@@ -761,7 +799,31 @@ struct CudaStager::Impl {
       return kStageCapturing;
     }
     if (ce != cudaSuccess) throw_cuda(ce, "cudaStreamIsCapturing(producer stream)");
+    cudaStream_t producer = reinterpret_cast<cudaStream_t>(src.producer_stream);
+    const bool other_producer = src.producer_stream != 0 && src.producer_stream != src.stream;
+    if (other_producer) {
+      // Waiting on an event recorded in a capture would join the snapshot stream to that capture.
+      ce = cudaStreamIsCapturing(producer, &cs);
+      if (ce == cudaErrorStreamCaptureImplicit || (ce == cudaSuccess && cs != cudaStreamCaptureStatusNone)) {
+        if (ce != cudaSuccess) (void)cudaGetLastError();
+        n_capturing.fetch_add(1, std::memory_order_relaxed);
+        return kStageCapturing;
+      }
+      if (ce != cudaSuccess) throw_cuda(ce, "cudaStreamIsCapturing(producing stream)");
+    }
     DeviceCtx* dev = device(src.device);
+    if (other_producer) {
+      // The tensor was produced on another stream: the snapshot stream waits for that work first
+      // (a wait on work already issued; nothing later on the producing stream is affected).
+      cudaEvent_t ev = take_event(dev);
+      cudaError_t e = cudaEventRecord(ev, producer);
+      if (e == cudaSuccess) e = cudaStreamWaitEvent(stream, ev, 0);
+      give_event(dev, ev);  // the wait holds the state it needs
+      if (e != cudaSuccess) {
+        (void)cudaGetLastError();
+        throw_cuda(e, "cudaStreamWaitEvent(snapshot stream on the producing stream)");
+      }
+    }
     const ByteLayout layout = byte_layout(src);
 
     // Record and segment sizes, in elements. A record is at most a host chunk; a segment (one
@@ -853,6 +915,10 @@ struct CudaStager::Impl {
 
   // -- drain thread ----------------------------------------------------------------------------
   void drain_main() {
+    // The drain polls completion events every few microseconds; with the default 50 us timer slack
+    // each 5 us wait sleeps ~60-100 us. 1 ns slack makes the waits what they say.
+    (void)::prctl(PR_SET_TIMERSLACK, 1UL, 0, 0, 0);
+    drain_slack_ns.store(static_cast<long>(::prctl(PR_GET_TIMERSLACK, 0, 0, 0, 0)));
     // Relaxed capture mode for this thread: a CUDA-graph capture in global mode on any other
     // thread (torch.cuda.graph's default) would otherwise forbid, and be invalidated by, our
     // event queries and copies.
@@ -1087,6 +1153,7 @@ struct CudaStager::Impl {
     }
     n_published.fetch_add(b.items.size(), std::memory_order_relaxed);
     d2h_bytes.fetch_add(b.bytes, std::memory_order_relaxed);
+    dev->finished.fetch_add(b.items.size(), std::memory_order_release);
     completed.fetch_add(b.items.size());
   }
 
@@ -1142,14 +1209,36 @@ struct CudaStager::Impl {
         it.region->pending--;
         reclaim_locked(it.dev);
       }
+      it.dev->finished.fetch_add(1, std::memory_order_release);
       completed.fetch_add(1);
     }
   }
 
   // -- host registration, flush, stats, close ----------------------------------------------------
-  double register_host() {
+  // Allocate `index`'s device ring, side stream and events now (at attach, before a serving
+  // engine sizes its KV cache to the free memory). Throws when the ring cannot be had.
+  void prepare(int index) {
+    if (index < 0 || index >= device_count) throw std::invalid_argument("no CUDA device " + std::to_string(index));
+    if (closed.load()) return;
+    DeviceGuard guard(index);
+    (void)device(index);
+  }
+
+  // A device for host-side calls that need a context (pinning): the one asked for, else the
+  // lowest one the process already uses, so no call creates a context on an unused GPU.
+  int context_device(int asked) {
+    if (asked >= 0) return asked;
+    for (int i = 0; i < device_count; ++i)
+      if (primary_context_active(i)) return i;
+    int cur = 0;
+    if (cudaGetDevice(&cur) != cudaSuccess) cur = 0;
+    return cur;
+  }
+
+  double register_host(int device) {
     std::lock_guard<std::mutex> g(reg_mu);
     if (host_pinned.load() || closed.load()) return 0.0;
+    DeviceGuard guard(context_device(device));
     uint8_t* base = prod->segment().data();
     const long page = ::sysconf(_SC_PAGESIZE) > 0 ? ::sysconf(_SC_PAGESIZE) : 4096;
     const uint64_t len = align_to(prod->segment().capacity(), static_cast<uint64_t>(page));
@@ -1239,7 +1328,7 @@ struct CudaStager::Impl {
       (void)cudaGetLastError();
       delete dev;
     }
-    if (prev_device >= 0) (void)cudaSetDevice(prev_device);  // the caller's current device
+    restore_device(prev_device);  // the caller's current device (unless it has no context)
     (void)cudaGetLastError();
     std::lock_guard<std::mutex> g(reg_mu);
     for (auto& p : registered) (void)cudaHostUnregister(p.first);
@@ -1247,6 +1336,7 @@ struct CudaStager::Impl {
     registered.clear();
     host_pinned.store(false);
     reg_base = nullptr;
+    torn_down.store(true);
   }
 
   CudaStagerStats stats() {
@@ -1267,6 +1357,8 @@ struct CudaStager::Impl {
     s.device_ring_full_waits = dev_waits.load();
     s.host_ring_full_waits = host_waits.load();
     s.registered_bytes = host_pinned.load() ? reg_len : 0;
+    s.broken = broken.load();
+    s.drain_timer_slack_ns = drain_slack_ns.load();
     s.batch_api = use_batch.load() && host_pinned.load();
     {
       std::lock_guard<std::mutex> g(st_mu);
@@ -1302,7 +1394,19 @@ int CudaStager::stage(uint32_t channel, uint32_t name_id, int64_t pass_id, uint1
   return impl_->stage(channel, name_id, pass_id, dtype, src, block, hook);
 }
 
-double CudaStager::register_host() { return impl_->register_host(); }
+double CudaStager::register_host(int device) { return impl_->register_host(device); }
+void CudaStager::prepare(int device) { impl_->prepare(device); }
+uint64_t CudaStager::submitted(int device) const {
+  if (device < 0 || device >= kMaxDevices) return 0;
+  DeviceCtx* d = impl_->devs[device].load(std::memory_order_acquire);
+  return d ? d->pushed.load(std::memory_order_acquire) : 0;
+}
+uint64_t CudaStager::completed(int device) const {
+  if (impl_->torn_down.load(std::memory_order_acquire)) return UINT64_MAX;
+  if (device < 0 || device >= kMaxDevices) return 0;
+  DeviceCtx* d = impl_->devs[device].load(std::memory_order_acquire);
+  return d ? d->finished.load(std::memory_order_acquire) : 0;
+}
 bool CudaStager::flush(double timeout_s) { return impl_->flush(timeout_s); }
 CudaStagerStats CudaStager::stats() { return impl_->stats(); }
 void CudaStager::close(double timeout_s) { impl_->close(timeout_s); }

@@ -61,6 +61,9 @@ struct CudaSource {
   std::vector<int64_t> strides;
   int device = 0;
   uintptr_t stream = 0;
+  // The stream that produced the tensor when it is not `stream` (0: the same). The snapshot on
+  // `stream` then waits for the work issued so far on it.
+  uintptr_t producer_stream = 0;
 };
 
 struct CudaDeviceStats {
@@ -92,6 +95,8 @@ struct CudaStagerStats {
   uint64_t registered_bytes = 0;
   bool batch_api = false;           // cudaMemcpyBatchAsync in use (else per-copy cudaMemcpyAsync)
   std::string last_error;
+  bool broken = false;              // staging stopped for good (last_error says why)
+  long drain_timer_slack_ns = -1;   // the drain thread's timer slack (-1: not started yet)
   std::vector<CudaDeviceStats> devices;
 };
 
@@ -112,8 +117,21 @@ class CudaStager {
             bool block, BlockHook* hook);
 
   // Pin the host ring's data area (cudaHostRegister, portable, in 256 MiB pieces). Idempotent.
-  // Returns the seconds it took (0 when already done). Throws when CUDA is unusable.
-  double register_host();
+  // Runs on `device` (-1: the lowest device with a context already, else the current one), so it
+  // never creates a context on a GPU the process does not use. Returns the seconds it took (0 when
+  // already done). Throws when CUDA is unusable.
+  double register_host(int device = -1);
+
+  // Allocate the device ring, side stream and events of `device` now rather than at its first
+  // tensor. Throws std::runtime_error when the ring cannot be allocated (remembered: stage() on
+  // that device then throws the same error).
+  void prepare(int device);
+
+  // Records of `device` handed to the drain so far / finished (published or cancelled). They finish
+  // in order: once completed(d) reaches a value submitted(d) returned, those records (and their
+  // snapshots) no longer read their sources, which may then be freed. After close(): UINT64_MAX.
+  uint64_t submitted(int device) const;
+  uint64_t completed(int device) const;
 
   // Wait until every record staged so far is published to the host ring. False on timeout.
   bool flush(double timeout_s);

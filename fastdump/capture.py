@@ -171,7 +171,7 @@ class Dumper:
                  module_types=None, inputs=False, skip_passes=0, every=1, pass_range=None, max_bytes=None,
                  policy="block", writer="process", writer_priority="idle", ring_mb=256, device_ring_mb=256,
                  segment_passes=64, segment_mb=256, segment_seconds=30.0, root_passes=True, root_name=None,
-                 strict=False, pass_meta=None):
+                 strict=False, pass_meta=None, device=None):
         _validate(root=root, role=role, policy=policy, writer=writer, writer_priority=writer_priority, every=every,
                   skip_passes=skip_passes, pass_range=pass_range, max_bytes=max_bytes, ring_mb=ring_mb,
                   device_ring_mb=device_ring_mb, segment_passes=segment_passes, segment_mb=segment_mb,
@@ -222,17 +222,20 @@ class Dumper:
                       policy=policy, writer=writer, writer_priority=writer_priority, ring_mb=ring_mb,
                       device_ring_mb=device_ring_mb,
                       segment_passes=segment_passes, segment_mb=segment_mb, segment_seconds=segment_seconds)
+        self._ring_noted = False
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
             _write_manifest(self.root, config)
             self._engine = Engine.acquire(ring_mb=ring_mb, writer=writer, writer_priority=writer_priority)
             self._producer = self._engine.producer
+            facts = _device_facts(model)
             self._channel = self._engine.open_channel({
                 "dir": str(self.dir), "role": role, "rank": ranks, "pid": self._pid, "session": self.session,
-                "host": socket.gethostname(), "device": _device_facts(model), "config": config,
+                "host": socket.gethostname(), "device": facts, "config": config,
             })
             if not self._engine.alive:
                 raise RuntimeError(self._engine.error())
+            self._prepare_cuda(_cuda_index(device, facts))
         except Exception as exc:
             if strict:
                 self._release_engine()
@@ -515,8 +518,12 @@ class Dumper:
         if t.is_cuda:
             from . import cuda
 
-            status = cuda.stage_tensor(self._engine.cuda_stager(self.device_ring_mb), self._channel,
-                                       name_id, self.pass_id, code, t, self._block)
+            stager = self._engine.cuda_stager(self.device_ring_mb)
+            status = cuda.stage_tensor(stager, self._channel, name_id, self.pass_id, code, t, self._block)
+            if status == cuda.RING_UNAVAILABLE:
+                self._producer.count_dropped(1)
+                self._note_ring_failure(cuda.ring_failure(stager))
+                status = _C.DROPPED
         elif t.is_cpu:
             status = self._producer.stage_host(self._channel, name_id, self.pass_id, code, t.element_size(),
                                                t.shape, t.stride(), t.data_ptr(), self._block)
@@ -528,6 +535,25 @@ class Dumper:
             totals["bytes"] += t.nbytes
         else:
             self._account(name, status, t.nbytes)
+
+    def _prepare_cuda(self, index) -> None:
+        """Allocate the GPU's device ring at attach, before a serving engine sizes its KV cache to
+        the free memory; when it cannot be had, that GPU's tensors are dropped (recorded)."""
+        if index is None:
+            return
+        from . import cuda
+
+        if cuda.usable():
+            reason = cuda.prepare(self._engine.cuda_stager(self.device_ring_mb), index)
+            if reason:
+                self._note_ring_failure(reason)
+
+    def _note_ring_failure(self, reason: str) -> None:
+        if not self._ring_noted:  # once: rank.json says why CUDA tensors are dropped
+            self._ring_noted = True
+            self._engine.control({"op": "note", "channel": self._channel, "status": "running",
+                                  "cuda_staging": {"device_ring": "unavailable", "reason": reason,
+                                                   "effect": "CUDA tensors on that GPU are dropped and counted"}})
 
     def _stage_checked(self, name: str, t) -> None:
         """The rare cases: unsupported dtypes and layouts, lazy conj/neg bits (complex tensors, and
@@ -587,6 +613,10 @@ class Dumper:
         self.status, self.error = "error", error
         self._capturing = False
         log.error("fastdump: dumping to %s stopped: %s", self.dir, error)
+        if self._engine is not None and self._channel is not None and self._engine.alive:
+            # The writer is fine (e.g. CUDA staging stopped): it rewrites rank.json later, with this.
+            self._engine.control({"op": "note", "channel": self._channel, "status": "error", "error": error},
+                                 block=self._block)
         try:
             info = read_json(self.dir / "rank.json") or {}
             if info.get("status") == "error":
@@ -809,6 +839,19 @@ def _jsonable(value, outer: tuple = ()):
         return value.detach().cpu().tolist() if value.numel() <= 4096 else f"<tensor {tuple(value.shape)}>"
     name = getattr(value, "name", None)
     return name if isinstance(name, str) else str(value)
+
+
+def _cuda_index(hint, facts: dict):
+    """The CUDA device to prepare at attach: the `device=` hint ('cuda:1', 1, torch.device) or the
+    model's; None when neither is CUDA."""
+    if hint is not None:
+        text = str(hint)
+        if isinstance(hint, int):
+            return hint
+        if text.startswith("cuda"):
+            return int(text.split(":", 1)[1]) if ":" in text else 0
+        return None
+    return facts.get("index", 0) if facts.get("type") == "cuda" else None
 
 
 def _device_facts(model) -> dict:

@@ -6,13 +6,16 @@ stream into a device ring and drains it to the pinned shared-memory host ring on
 module only turns Python objects into (pointer, shape, strides, device, stream) and keeps the per-call
 Python cost small.
 
-When CUDA staging is unusable (fastdump built without a toolkit, no driver/GPU at run time, device
-ring allocation failed) CUDA tensors still get dumped, through a synchronous ``.cpu()`` copy into the
-host ring: correct, slow, and said once in the log.
+When CUDA staging is unusable (fastdump built without a toolkit, no driver/GPU at run time) CUDA
+tensors still get dumped, through a synchronous ``.cpu()`` copy into the host ring: correct, slow, and
+said once in the log. When only a GPU's device ring cannot be allocated (a serving engine took the
+memory), that GPU's tensors are dropped and counted instead (RING_UNAVAILABLE): a synchronous copy per
+tensor would stall the server; the reason is recorded in rank.json.
 """
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import logging
 import threading
@@ -29,6 +32,9 @@ TOO_LARGE = _C.TOO_LARGE
 #: stage() result when the producer stream is being captured into a CUDA graph: nothing was staged
 #: (hooks do not run on graph replay anyway); count the tensor as skipped, not as a failure.
 CAPTURING = getattr(_C, "CAPTURING", 5)
+#: stage_tensor() result when the tensor's GPU has no device ring (allocation failed): nothing was
+#: staged; the caller counts the tensor as dropped and records ring_failure(stager) once.
+RING_UNAVAILABLE = 7
 
 DEFAULT_DEVICE_RING_MB = 256
 
@@ -163,42 +169,75 @@ def get_stager(producer, device_ring_mb: float = DEFAULT_DEVICE_RING_MB):
 # ------------------------------------------------------------------------------------------------
 # torch tensors (the hot path)
 
-_raw_stream = None
-
-
-def _current_raw_stream_fn():
+def _current_stream(device: int):
+    """(raw cudaStream_t, torch stream object) of ``device``'s current stream."""
     import torch
 
-    fn = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-    if fn is not None:
-        return fn
-    return lambda device: torch.cuda.current_stream(device).cuda_stream
+    stream = torch.cuda.current_stream(device)
+    return stream.cuda_stream, stream
+
+
+_ring_failures: dict = {}  # id(stager) -> why its device ring could not be had
+
+
+def ring_failure(stager) -> str:
+    """Why ``stager`` has no device ring for some GPU ('' when it has every ring it was asked for)."""
+    return _ring_failures.get(id(stager), "")
+
+
+def _is_ring_failure(exc: Exception) -> bool:
+    return "device staging ring" in str(exc)
+
+
+def prepare(stager, device: int) -> str:
+    """Allocate ``device``'s device ring now (at attach, before a serving engine sizes its KV cache to
+    the free memory). Returns '' or the reason it cannot be had (then that GPU's tensors are dropped)."""
+    if stager.__class__ is HostFallbackStager:
+        return ""
+    try:
+        stager.prepare(int(device))
+    except (RuntimeError, ValueError) as exc:
+        _ring_failures[id(stager)] = str(exc)
+        _warn_once(f"prepare:{exc}", "fastdump: %s; tensors on GPU %d will be dropped and counted", exc, device)
+        return str(exc)
+    return ""
 
 
 def stage_tensor(stager, channel: int, name_id: int, pass_id: int, dtype_code: int, tensor, block: bool) -> int:
-    """Stage a torch CUDA tensor; returns STAGED, DROPPED, DISABLED, TOO_LARGE or CAPTURING.
+    """Stage a torch CUDA tensor; returns STAGED, DROPPED, DISABLED, TOO_LARGE, CAPTURING or RING_UNAVAILABLE.
 
     The snapshot is enqueued on the tensor's device's *current* stream (the stream the module just
-    ran on), so kernels launched after this call cannot change what is dumped, and the caching
-    allocator cannot hand the memory to anyone before the snapshot has read it. The caller resolves
-    lazy conj/neg bits and checks the layout (capture.py does).
+    ran on), so kernels launched after this call cannot change what is dumped. Assumption (as for
+    any consumer on that stream, e.g. the next module): the tensor's producing work is ordered before
+    the current stream's position. ``record_stream`` tells the caching allocator that the current
+    stream uses the block, so a tensor allocated on another stream is not handed out again before
+    the snapshot has read it. The caller resolves lazy conj/neg bits and checks the layout.
     """
-    global _raw_stream
     if stager.__class__ is HostFallbackStager:
         return stager.stage_tensor(channel, name_id, pass_id, dtype_code, tensor, block)
-    if _raw_stream is None:
-        _raw_stream = _current_raw_stream_fn()
     device = tensor.get_device()
+    raw, stream = _current_stream(device)
     try:
-        return stager.stage(channel, name_id, pass_id, dtype_code, tensor.element_size(), tensor.shape,
-                            tensor.stride(), tensor.data_ptr(), device, _raw_stream(device), block)
+        status = stager.stage(channel, name_id, pass_id, dtype_code, tensor.element_size(), tensor.shape,
+                              tensor.stride(), tensor.data_ptr(), device, raw, block)
     except (RuntimeError, ValueError) as exc:
+        if _is_ring_failure(exc):
+            _ring_failures[id(stager)] = str(exc)
+            return RING_UNAVAILABLE
+
         # Raised before anything of this tensor was staged (bad arguments, device ring allocation
         # failed, a CUDA error): keep the dump correct through the slow path.
         _warn_once(f"stage:{type(exc).__name__}:{exc}", "fastdump: CUDA staging failed (%s); "
                    "falling back to a synchronous copy", exc)
         return HostFallbackStager(stager.producer, str(exc)).stage_tensor(
             channel, name_id, pass_id, dtype_code, tensor, block)
+    if status == STAGED:
+        try:
+            tensor.record_stream(stream)
+        except RuntimeError as exc:  # memory torch's allocator does not own: nothing to protect
+            _warn_once(f"record_stream:{exc}", "fastdump: record_stream failed (%s); the snapshot relies on "
+                       "the tensor staying allocated until the current stream reached it", exc)
+    return status
 
 
 _INT_BY_SIZE = None
@@ -394,8 +433,36 @@ def stage_array(engine, device_ring_mb, channel: int, name_id: int, pass_id: int
     else:
         status = stager.stage(channel, name_id, pass_id, code, size, v["shape"], v["strides"], v["ptr"],
                               v["device_id"], consumer_stream, block)
-    del capsule  # after stage(): the snapshot is enqueued, the producer may free the memory
+        if status == STAGED:
+            # Releasing the capsule lets the producer free (and its allocator reuse) the memory,
+            # ordered on the producer's stream only: keep it until the snapshot has read it.
+            hold_until_read(stager, v["device_id"], capsule)
+    del capsule
     return status, nbytes
+
+
+_held = collections.deque()  # (stager, device, ticket, object): sources still read by a snapshot
+_held_lock = threading.Lock()
+
+
+def hold_until_read(stager, device: int, obj) -> None:
+    """Keep ``obj`` alive until every record staged so far on ``device`` has been copied out."""
+    ticket = stager.submitted(device)
+    with _held_lock:
+        _held.append((stager, device, ticket, obj))
+    release_read()
+
+
+def release_read() -> int:
+    """Drop the references whose snapshots have completed (in order per stager and device);
+    returns how many are still held."""
+    with _held_lock:
+        while _held:
+            stager, device, ticket, _ = _held[0]
+            if stager.completed(device) < ticket:
+                break  # later entries were staged after it: checked next time
+            _held.popleft()
+        return len(_held)
 
 
 def _stage_cai(engine, device_ring_mb, channel, name_id, pass_id, array, cai, block, dtype_code):

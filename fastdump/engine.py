@@ -179,7 +179,22 @@ class Engine:
             return text
         if self._proc is not None and self._proc.poll() is not None:
             return f"writer process exited with code {self._proc.returncode}"
+        stager_error = self._cuda_stager_error()
+        if stager_error:
+            return stager_error
         return "writer stopped"
+
+    def _cuda_stager_error(self) -> str:
+        """The CUDA stager's own error when it stopped staging (DISABLED with a live writer)."""
+        if self._cuda_stager is None:
+            return ""
+        try:
+            stats = self._cuda_stager.stats()
+        except Exception as exc:
+            return f"CUDA staging stopped: {exc}"
+        if stats.get("broken"):
+            return f"CUDA staging stopped: {stats.get('last_error') or 'unknown error'}"
+        return ""
 
     def cuda_stager(self, device_ring_mb: float):
         """The process's CUDA stager, made (and the host ring pinned) with the first CUDA tensor."""
@@ -193,7 +208,13 @@ class Engine:
 
     def flush_cuda(self, timeout: float) -> bool:
         """Wait until every CUDA snapshot staged so far is in the host ring (True when none are)."""
-        return self._cuda_stager is None or self._cuda_stager.flush(timeout)
+        if self._cuda_stager is None:
+            return True
+        ok = self._cuda_stager.flush(timeout)
+        from . import cuda
+
+        cuda.release_read()  # sources held for snapshots that have now completed
+        return ok
 
     def shutdown(self, timeout: float = 600.0) -> None:
         if self.closed:

@@ -13,6 +13,8 @@ Three layers:
 
 from __future__ import annotations
 
+import ctypes
+import json
 import logging
 import os
 import shutil
@@ -51,6 +53,8 @@ def torch_dtypes():
             out.append((name, dt))
     return out
 
+
+SEEDS = [1, 2, 3, 7, 11]  # for the tests whose outcome depends on stream timing in the mock
 
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -304,24 +308,68 @@ def mock():
     yield mod
 
 
+_KNOBS = dict(device_count=2, max_delay_us=0, seed=0, device_free=1 << 34, fail_batch=0, fail_event_query=0,
+              fail_malloc=0, capturing=0)
+
+
 @pytest.fixture
 def m(mock, monkeypatch):
-    """The mock module, its knobs reset around each test."""
+    """The mock module, its knobs reset around each test; device buffers made by to_device freed after."""
     monkeypatch.delenv("FASTDUMP_CUDA_BATCH", raising=False)
     monkeypatch.delenv("FASTDUMP_CUDA_REGISTER_PIECE_MB", raising=False)
-    knobs = dict(device_count=2, max_delay_us=0, fail_batch=0, fail_event_query=0, fail_malloc=0, capturing=0)
-    for k, v in knobs.items():
+    for k, v in _KNOBS.items():
         mock._mock.set(k, v)
+    mock._mock.reset()
+    mock.device_buffers = []
+    MOCK_MODULE[0] = mock
     yield mock
-    for k, v in knobs.items():
+    mock._mock.reset()
+    for k, v in _KNOBS.items():
         mock._mock.set(k, v)
+    free_device_buffers(mock)
 
 
-def stage(stager, t, *, name_id=0, pass_id=0, channel=0, device=0, stream=0, block=True, code=None):
-    """Stage a CPU tensor as if it were device memory (the mock's device memory is host memory)."""
+def free_device_buffers(m):
+    for p in m.device_buffers:
+        assert m._mock.free(p) == 0
+    m.device_buffers = []
+
+
+def device_buffer(m, nbytes, device=0):
+    """Mock device memory (a PROT_NONE range: only stream work can touch it), freed after the test."""
+    prev = m._mock.get_device()
+    m._mock.set_device(device)
+    p = m._mock.malloc(max(int(nbytes), 1))
+    m._mock.set_device(prev)
+    m.device_buffers.append(p)
+    return p
+
+
+def to_device(m, t, device=0):
+    """Upload the storage behind a CPU tensor (view) to mock device memory; returns the device
+    address of the view's first element."""
+    storage = t.untyped_storage()
+    base = storage.data_ptr()
+    p = device_buffer(m, storage.nbytes(), device)
+    if storage.nbytes():
+        assert m._mock.upload(p, base, storage.nbytes()) == 0
+    return p + (t.data_ptr() - base)
+
+
+def stage_ptr(stager, ptr, t, *, name_id=0, pass_id=0, channel=0, device=0, stream=0, block=True, code=None,
+              **kw):
+    """Stage the device memory at `ptr`, with t's dtype, shape and strides."""
     code = dtypes.code_of(t.dtype) if code is None else code
     return stager.stage(channel, name_id, pass_id, code, t.element_size(), list(t.shape), list(t.stride()),
-                        t.data_ptr(), device, stream, block)
+                        ptr, device, stream, block, **kw)
+
+
+def stage(stager, t, *, device=0, **kw):
+    """Stage a copy of a CPU tensor (view) uploaded to the mock device memory."""
+    return stage_ptr(stager, to_device(MOCK_MODULE[0], t, device), t, device=device, **kw)
+
+
+MOCK_MODULE = [None]  # the m fixture's module, for stage()
 
 
 def layouts():
@@ -381,25 +429,31 @@ def test_mock_every_dtype_bit_exact(m):
     stager.close()
 
 
-def test_mock_snapshot_is_ordered_on_the_producer_stream(m):
+@pytest.mark.parametrize("seed", SEEDS)
+def test_mock_snapshot_is_ordered_on_the_producer_stream(m, seed):
     """The bytes at hook time: produced by earlier work on the stream, overwritten right after."""
+    m._mock.set("seed", seed)
+    m._mock.set("max_delay_us", 200)
     ring = Ring(m)
     stager = m.CudaStager(ring.producer, 1 << 20)
     stager.register_host()
     stream = m._mock.stream_create()
     try:
-        buf = torch.zeros(1 << 16, dtype=torch.uint8)
-        produced = torch.randint(0, 256, (1 << 16,), dtype=torch.uint8)
+        n = 1 << 16
+        buf = device_buffer(m, n)
+        produced = torch.randint(0, 256, (n,), dtype=torch.uint8)
+        flipped = produced.flip(0)
+        src1, src2 = to_device(m, produced), to_device(m, flipped)
+        like = torch.empty(n, dtype=torch.uint8)
         m._mock.enqueue_sleep(stream, 0.05)  # a slow kernel still running when the hook fires
-        m._mock.enqueue_copy(stream, buf.data_ptr(), produced.data_ptr(), buf.numel())
-        assert stage(stager, buf, stream=stream) == m.STAGED
-        m._mock.enqueue_fill(stream, buf.data_ptr(), buf.numel(), 0xEE)  # the next, in-place kernel
-        view = buf.view(256, 256)[::2, 1::3]
-        flipped = produced.flip(0)  # alive until the stream has run the copy below
-        m._mock.enqueue_copy(stream, buf.data_ptr(), flipped.data_ptr(), buf.numel())
+        m._mock.enqueue_copy(stream, buf, src1, n)
+        assert stage_ptr(stager, buf, like, stream=stream) == m.STAGED
+        m._mock.enqueue_fill(stream, buf, n, 0xEE)  # the next, in-place kernel
+        view = like.view(256, 256)[::2, 1::3]
+        m._mock.enqueue_copy(stream, buf, src2, n)
         expect_view = flipped.view(256, 256)[::2, 1::3].contiguous()
-        assert stage(stager, view, name_id=1, stream=stream) == m.STAGED
-        m._mock.enqueue_fill(stream, buf.data_ptr(), buf.numel(), 0x11)
+        assert stage_ptr(stager, buf + view.data_ptr() - like.data_ptr(), view, name_id=1, stream=stream) == m.STAGED
+        m._mock.enqueue_fill(stream, buf, n, 0x11)
         assert stager.flush(10)
         got, _ = ring.read()
         assert got[(0, 0, 0)][2] == produced.numpy().tobytes()
@@ -543,11 +597,12 @@ def test_mock_forked_child_leaves_the_stager_alone(m):
     ring = Ring(m)
     stager = m.CudaStager(ring.producer, 1 << 20)
     t = torch.arange(16, dtype=torch.float32)
+    ptr = to_device(m, t)  # before fork: the child has no stream threads (CUDA is unusable there)
     pid = os.fork()
     if pid == 0:  # child: no drain thread here; staging refused, close() must not hang
         code = 3
         try:
-            code = 0 if stage(stager, t) == m.DISABLED else 1
+            code = 0 if stage_ptr(stager, ptr, t) == m.DISABLED else 1
             stager.close(1)
         except BaseException:
             code = 2
@@ -619,13 +674,15 @@ def test_mock_drain_failure_stops_staging_without_hanging_the_writer(m):
 def test_mock_device_ring_allocation_failure_is_an_exception_once(m):
     ring = Ring(m)
     stager = m.CudaStager(ring.producer, 1 << 20)
+    t = torch.ones(4)
+    p0, p1 = to_device(m, t, 0), to_device(m, t, 1)
     m._mock.set("fail_malloc", 1)
     with pytest.raises(RuntimeError, match="device staging ring"):
-        stage(stager, torch.ones(4))
+        stage_ptr(stager, p0, t)
     m._mock.set("fail_malloc", 0)
     with pytest.raises(RuntimeError, match="device staging ring"):  # remembered: no retry per tensor
-        stage(stager, torch.ones(4))
-    assert stage(stager, torch.ones(4), device=1) == m.STAGED  # other GPUs are unaffected
+        stage_ptr(stager, p0, t)
+    assert stage_ptr(stager, p1, t, device=1) == m.STAGED  # other GPUs are unaffected
     stager.close()
 
 
@@ -654,6 +711,7 @@ def test_mock_registration_pieces_and_teardown(m, monkeypatch):
     assert c["crossing_copies"] == base["crossing_copies"] and c["unpinned_copies"] == base["unpinned_copies"]
     assert stager.stats()["registered_bytes"] == 6 << 20
     stager.close()
+    free_device_buffers(m)
     c = m._mock.counters()
     for k in ("registered_ranges", "live_allocs", "live_events", "live_streams"):
         assert c[k] == base[k], k
@@ -665,7 +723,11 @@ def test_mock_threads_devices_and_streams(m):
     ring = Ring(m, capacity=2 << 20, chunk=32 << 10)
     stager = m.CudaStager(ring.producer, 512 << 10)
     stager.register_host()
-    streams = [m._mock.stream_create() for _ in range(4)]
+    streams = []
+    for k in range(4):
+        m._mock.set_device(k % 2)
+        streams.append(m._mock.stream_create())
+    m._mock.set_device(0)
     want = {}
     result = {}
     reader = threading.Thread(target=lambda: result.update(ring.read(timeout=1.0)[0]))
@@ -678,9 +740,9 @@ def test_mock_threads_devices_and_streams(m):
                               generator=g)
             v = t[:: 1 + i % 3]
             want[(k, i, 0)] = v.contiguous().numpy().tobytes()
-            assert stage(stager, v, channel=k, name_id=i, device=k % 2, stream=streams[k]) == m.STAGED
-            m._mock.enqueue_fill(streams[k], t.data_ptr(), t.numel(), 0)  # overwritten right after
-            m._mock.sync(streams[k])  # (keeps `t` alive until the stream is past the snapshot)
+            ptr = to_device(m, v, device=k % 2)
+            assert stage_ptr(stager, ptr, v, channel=k, name_id=i, device=k % 2, stream=streams[k]) == m.STAGED
+            m._mock.enqueue_fill(streams[k], ptr, t.numel(), 0)  # overwritten right after
 
     threads = [threading.Thread(target=worker, args=(k,)) for k in range(4)]
     for th in threads:
@@ -705,6 +767,7 @@ def test_mock_stage_array_cuda_array_interface_and_dlpack(m):
     eng = _FakeEngine(ring.producer, stager)
     host = np.arange(48, dtype=np.float32).reshape(6, 8)
     view = host[1:5, ::2]
+    view_dev = to_device(m, torch.from_numpy(host)[1:5, ::2], device=1)
 
     class Device:
         id = 1
@@ -712,13 +775,14 @@ def test_mock_stage_array_cuda_array_interface_and_dlpack(m):
     class CaiArray:
         device = Device()
         __cuda_array_interface__ = {"shape": view.shape, "typestr": view.dtype.str, "strides": view.strides,
-                                    "data": (view.ctypes.data, False), "version": 3, "stream": 1}
+                                    "data": (view_dev, False), "version": 3, "stream": 1}
 
     status, nbytes = cuda.stage_array(eng, 32, 0, 0, 0, CaiArray(), True)
     assert status == m.STAGED and nbytes == view.nbytes and eng.asked == [32]
 
     seen = {}
     t = torch.arange(30, dtype=torch.bfloat16).reshape(5, 6).t()
+    t_dev = to_device(m, t)
 
     class DlpackOnGpu:
         def __dlpack_device__(self):
@@ -726,7 +790,7 @@ def test_mock_stage_array_cuda_array_interface_and_dlpack(m):
 
         def __dlpack__(self, stream=None, max_version=None):
             seen["stream"] = stream
-            return t.__dlpack__()
+            return DeviceCapsule(t_dev, t).take()
 
     status, nbytes = cuda.stage_array(eng, 32, 0, 1, 0, DlpackOnGpu(), True)
     assert status == m.STAGED and nbytes == t.numel() * 2
@@ -737,6 +801,698 @@ def test_mock_stage_array_cuda_array_interface_and_dlpack(m):
     assert got[(0, 1, 0)][0] == dtypes.CODE_BY_NAME["bfloat16"]
     assert got[(0, 1, 0)][2] == t.contiguous().view(torch.uint16).numpy().tobytes()
     stager.close()
+
+
+# -------------------------------------------------------------------------------------------------
+# The double itself: what it must refuse or reorder the way a GPU would
+
+H2H, H2D, D2H, D2D, DEFAULT = 0, 1, 2, 3, 4
+ERR = {"InvalidValue": 1, "StreamCaptureUnsupported": 900, "StreamCaptureInvalidated": 901,
+       "StreamCaptureMerge": 902, "StreamCaptureUnmatched": 903, "StreamCaptureUnjoined": 904,
+       "StreamCaptureIsolation": 905, "StreamCaptureImplicit": 906, "CapturedEvent": 907,
+       "StreamCaptureWrongThread": 908, "IllegalAddress": 700, "Unknown": 999}
+GLOBAL, THREAD_LOCAL, RELAXED = 0, 1, 2
+
+
+def download(m, ptr, n):
+    out = torch.empty(n, dtype=torch.uint8)
+    assert m._mock.download(out.data_ptr(), ptr, n) == 0
+    return out
+
+
+def test_double_host_dereference_of_device_memory_faults(mock):
+    code = ("import sys; sys.path.insert(0, %r); import build; m = build.load(build.build()); "
+            "p = m._mock.malloc(64); print('read', m._mock.host_read(p))") % str(HERE / "cuda_mock")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == -11, (r.returncode, r.stdout, r.stderr)  # SIGSEGV, nothing printed
+    assert "read" not in r.stdout
+
+
+def test_double_copy_kinds_pointers_and_pinning(m):
+    dev = device_buffer(m, 4096, device=1)
+    host = torch.arange(4096, dtype=torch.int32).to(torch.uint8)
+    out = torch.zeros(4096, dtype=torch.uint8)
+    s = m._mock.stream_create()
+    try:
+        assert m._mock.pointer_device(dev) == 1 and m._mock.pointer_device(host.data_ptr()) == -1
+        # Wrong kinds and swapped pointers are refused, not silently copied.
+        assert m._mock.memcpy_async(dev, host.data_ptr(), 4096, D2H, s) == ERR["InvalidValue"]
+        assert m._mock.memcpy_async(host.data_ptr(), dev, 4096, H2D, s) == ERR["InvalidValue"]
+        assert m._mock.memcpy_async(dev, host.data_ptr(), 4096, D2D, s) == ERR["InvalidValue"]
+        assert m._mock.memcpy_async(dev, host.data_ptr(), 8192, H2D, s) == ERR["InvalidValue"]  # past the block
+        assert m._mock.memcpy_async(dev, host.data_ptr(), 4096, DEFAULT, s) == 0  # inferred
+        # Pageable destination: the "async" copy is done when it returns (as in real CUDA).
+        m._mock.enqueue_sleep(s, 0.2)
+        assert m._mock.memcpy_async(out.data_ptr(), dev, 4096, D2H, s) == 0
+        assert out.equal(host)
+        # Pinned destination: really asynchronous, so the bytes are not there yet.
+        pinned = torch.zeros(4096, dtype=torch.uint8)
+        assert m._mock.host_register(pinned.data_ptr(), 4096) == 0
+        m._mock.enqueue_sleep(s, 0.3)
+        assert m._mock.memcpy_async(pinned.data_ptr(), dev, 4096, D2H, s) == 0
+        assert not pinned.equal(host)
+        m._mock.sync(s)
+        assert pinned.equal(host)
+        assert m._mock.host_unregister(pinned.data_ptr()) == 0
+    finally:
+        m._mock.stream_destroy(s)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_double_streams_run_apart_unless_an_event_orders_them(m, seed):
+    m._mock.set("seed", seed)
+    m._mock.set("max_delay_us", 300)
+    a, b = m._mock.stream_create(), m._mock.stream_create()
+    n = 1 << 12
+    buf, copy = device_buffer(m, n), device_buffer(m, n)
+    try:
+        # Without a wait, b's copy may run before a's fill (a's first op sleeps).
+        m._mock.enqueue_fill(a, buf, n, 0)
+        m._mock.sync(a)
+        m._mock.enqueue_sleep(a, 0.05)
+        m._mock.enqueue_fill(a, buf, n, 7)
+        m._mock.enqueue_copy(b, copy, buf, n)
+        m._mock.sync(b)
+        assert download(m, copy, n)[0] == 0  # b did not wait for a
+        m._mock.sync(a)
+        # With an event, b runs after a's work, whatever the delays.
+        ev = m._mock.event_create()
+        m._mock.enqueue_sleep(a, 0.02)
+        m._mock.enqueue_fill(a, buf, n, 9)
+        assert m._mock.event_record(ev, a) == 0
+        assert m._mock.stream_wait_event(b, ev) == 0
+        m._mock.enqueue_copy(b, copy, buf, n)
+        m._mock.sync(b)
+        assert bool((download(m, copy, n) == 9).all())
+        m._mock.event_destroy(ev)
+    finally:
+        m._mock.sync(a)
+        m._mock.stream_destroy(a)
+        m._mock.stream_destroy(b)
+
+
+def test_double_legacy_stream_synchronizes_with_blocking_streams_only(m):
+    n = 256
+    buf = device_buffer(m, n)
+    blocking = m._mock.stream_create_flags(0)
+    nonblocking = m._mock.stream_create_flags(1)
+    try:
+        m._mock.enqueue_fill(0, buf, n, 0)
+        m._mock.sync(0)
+        m._mock.enqueue_sleep(blocking, 0.1)
+        m._mock.enqueue_fill(blocking, buf, n, 5)
+        m._mock.enqueue_increment(0, buf, n)  # legacy: waits for the blocking stream's fill
+        m._mock.sync(0)
+        assert bool((download(m, buf, n) == 6).all())
+        m._mock.enqueue_sleep(nonblocking, 0.1)
+        m._mock.enqueue_fill(nonblocking, buf, n, 1)
+        m._mock.enqueue_fill(0, buf, n, 2)  # legacy: does not wait for a non-blocking stream
+        m._mock.sync(0)
+        m._mock.sync(nonblocking)
+        assert bool((download(m, buf, n) == 1).all())
+        # cudaStreamPerThread (2) is a blocking stream of the calling thread: ordered after legacy work.
+        m._mock.enqueue_sleep(0, 0.1)
+        m._mock.enqueue_fill(0, buf, n, 3)
+        m._mock.enqueue_increment(2, buf, n)
+        m._mock.sync(2)
+        assert bool((download(m, buf, n) == 4).all())
+    finally:
+        m._mock.stream_destroy(blocking)
+        m._mock.stream_destroy(nonblocking)
+
+
+def test_double_contexts_devices_per_thread(m):
+    m._mock.reset_contexts()
+    seen = {}
+
+    def worker():
+        seen["device"] = m._mock.get_device()  # 0 on a new thread, and no context made by asking
+        seen["contexts"] = m._mock.contexts()
+        m._mock.set_device(1)
+        seen["after"] = m._mock.contexts()
+
+    m._mock.set_device(1)
+    th = threading.Thread(target=worker)
+    th.start()
+    th.join()
+    assert seen == {"device": 0, "contexts": [0, 1], "after": [0, 1]}
+    assert m._mock.get_device() == 1
+    m._mock.set_device(0)
+    assert m._mock.contexts() == [1, 1]
+
+
+def test_double_capture_records_and_replays_a_graph(m):
+    n = 512
+    buf, out = device_buffer(m, n), device_buffer(m, n)
+    s, side = m._mock.stream_create(), m._mock.stream_create()
+    fork, join = m._mock.event_create(), m._mock.event_create()
+    try:
+        m._mock.enqueue_fill(s, buf, n, 0)
+        m._mock.sync(s)
+        assert m._mock.begin_capture(s, GLOBAL) == 0
+        err, status, cid = m._mock.capture_info(s)
+        assert err == 0 and status == 1 and cid > 0
+        m._mock.enqueue_increment(s, buf, n)
+        assert m._mock.event_record(fork, s) == 0
+        assert m._mock.stream_wait_event(side, fork) == 0  # side joins the capture
+        assert m._mock.capture_info(side)[1] == 1
+        m._mock.enqueue_copy(side, out, buf, n)
+        assert m._mock.event_record(join, side) == 0
+        assert m._mock.stream_wait_event(s, join) == 0     # ... and is joined back
+        err, graph = m._mock.end_capture(s)
+        assert err == 0 and graph
+        assert m._mock.capture_info(side)[1] == 0
+        m._mock.sync(s)
+        assert bool((download(m, buf, n) == 0).all())  # captured work did not run
+        exe = m._mock.graph_instantiate(graph)
+        for k in (1, 2, 3):
+            assert m._mock.graph_launch(exe, s) == 0
+            m._mock.sync(s)
+            assert bool((download(m, out, n) == k).all())
+        m._mock.graph_exec_destroy(exe)
+        m._mock.graph_destroy(graph)
+        # A fork never joined back: EndCapture fails.
+        assert m._mock.begin_capture(s, GLOBAL) == 0
+        m._mock.event_record(fork, s)
+        m._mock.stream_wait_event(side, fork)
+        m._mock.enqueue_increment(side, buf, n)
+        assert m._mock.end_capture(s) == (ERR["StreamCaptureUnjoined"], 0)
+    finally:
+        for e in (fork, join):
+            m._mock.event_destroy(e)
+        m._mock.stream_destroy(s)
+        m._mock.stream_destroy(side)
+
+
+@pytest.mark.parametrize("capture_mode,caller_mode,other_thread,expect", [
+    (GLOBAL, GLOBAL, True, "StreamCaptureUnsupported"),    # another thread's global capture forbids it
+    (GLOBAL, RELAXED, True, None),                         # ... unless this thread is relaxed
+    (GLOBAL, THREAD_LOCAL, True, None),                    # thread-local only cares about its own captures
+    (THREAD_LOCAL, GLOBAL, True, None),
+    (THREAD_LOCAL, GLOBAL, False, "StreamCaptureUnsupported"),
+    (RELAXED, GLOBAL, False, None),
+])
+def test_double_unsafe_calls_during_capture(m, capture_mode, caller_mode, other_thread, expect):
+    s = m._mock.stream_create()
+    result = {}
+
+    def unsafe():
+        old = m._mock.capture_mode(caller_mode)
+        try:
+            result["malloc"] = m._mock.malloc(64)
+        except RuntimeError as exc:
+            result["error"] = str(exc)
+        finally:
+            m._mock.capture_mode(old)
+
+    try:
+        assert m._mock.begin_capture(s, capture_mode) == 0
+        if other_thread:
+            th = threading.Thread(target=unsafe)
+            th.start()
+            th.join()
+        else:
+            unsafe()
+        err, graph = m._mock.end_capture(s)
+        if expect is None:
+            assert "malloc" in result and err == 0
+            m._mock.free(result["malloc"])
+            m._mock.graph_destroy(graph)
+        else:
+            assert result.get("error") == "cudaError" + expect
+            assert err == ERR["StreamCaptureInvalidated"] and graph == 0
+    finally:
+        m._mock.stream_destroy(s)
+
+
+def test_double_capture_errors(m):
+    s = m._mock.stream_create_flags(0)  # blocking: the legacy stream would depend on it
+    other = m._mock.stream_create()
+    ev = m._mock.event_create()
+    try:
+        assert m._mock.begin_capture(0, GLOBAL) == ERR["StreamCaptureUnsupported"]  # legacy stream
+        # Legacy-stream work while a blocking stream captures: implicit dependency.
+        small = device_buffer(m, 16)  # before: cudaMalloc during a global capture is itself unsafe
+        assert m._mock.begin_capture(s, GLOBAL) == 0
+        assert m._mock.enqueue_fill(0, small, 16, 0) == ERR["StreamCaptureImplicit"]
+        assert m._mock.capture_info(s)[1] == 2  # invalidated
+        assert m._mock.end_capture(s)[0] == ERR["StreamCaptureInvalidated"]
+        # Synchronizing a capturing stream; querying a captured event; waiting on outside work.
+        assert m._mock.begin_capture(s, RELAXED) == 0
+        assert m._mock.event_record(ev, s) == 0
+        assert m._mock.event_query(ev) == ERR["CapturedEvent"]
+        assert m._mock.stream_synchronize(s) == ERR["StreamCaptureUnsupported"]
+        assert m._mock.end_capture(s)[0] == ERR["StreamCaptureInvalidated"]
+        assert m._mock.begin_capture(s, GLOBAL) == 0
+        outside = m._mock.event_create()
+        assert m._mock.event_record(outside, other) == 0
+        assert m._mock.stream_wait_event(s, outside) == ERR["StreamCaptureIsolation"]
+        assert m._mock.end_capture(other)[0] == 401  # not capturing: cudaErrorIllegalState
+        result = {}
+        th = threading.Thread(target=lambda: result.update(end=m._mock.end_capture(s)))
+        th.start()
+        th.join()
+        assert result["end"][0] == ERR["StreamCaptureWrongThread"]
+        assert m._mock.end_capture(s)[0] == ERR["StreamCaptureInvalidated"]
+        m._mock.event_destroy(outside)
+    finally:
+        m._mock.event_destroy(ev)
+        m._mock.stream_destroy(s)
+        m._mock.stream_destroy(other)
+
+
+def test_double_sticky_error_reported_at_the_next_synchronizing_call(m):
+    m._mock.set_device(1)
+    s = m._mock.stream_create()  # on device 1
+    try:
+        m._mock.enqueue_sleep(s, 0.05)
+        assert m._mock.enqueue_fault(s, ERR["IllegalAddress"]) == 0  # the launch itself succeeds
+        assert m._mock.stream_synchronize(s) == ERR["IllegalAddress"]
+        with pytest.raises(RuntimeError, match="cudaErrorIllegalAddress"):
+            m._mock.malloc(16)
+        m._mock.set_device(0)
+        m._mock.free(m._mock.malloc(16))  # other devices are unaffected
+        # Non-sticky: one injected failure, then the call works again.
+        m._mock.fail("cudaMalloc", 1, ERR["Unknown"])
+        with pytest.raises(RuntimeError, match="cudaErrorUnknown"):
+            m._mock.malloc(16)
+        m._mock.free(m._mock.malloc(16))
+    finally:
+        m._mock.reset()
+        m._mock.set_device(0)
+        m._mock.stream_destroy(s)
+
+
+@pytest.mark.parametrize("api", ["cudaMalloc", "cudaStreamCreateWithPriority", "cudaEventCreateWithFlags",
+                                 "cudaDeviceGetStreamPriorityRange", "cudaStreamIsCapturing", "cudaMemcpyAsync",
+                                 "kernel", "cudaEventRecord", "cudaStreamWaitEvent", "cudaMemcpyBatchAsync",
+                                 "cudaEventQuery", "cudaHostRegister", "cudaMemcpy2DAsync", "cudaSetDevice",
+                                 "cudaStreamSynchronize", "cudaFree", "cudaHostUnregister"])
+def test_double_injected_failure_of_every_staging_api_is_handled(m, api):
+    """Each runtime call the staging code makes, failing once: an exception before anything is staged,
+    a recorded fallback, or DISABLED with the error recorded; never a hang or a torn record."""
+    ring = Ring(m)
+    stager = m.CudaStager(ring.producer, 1 << 20)
+    cases = [torch.arange(600, dtype=torch.float32), torch.arange(600, dtype=torch.float32).view(20, 30).t(),
+             torch.arange(64 * 300, dtype=torch.int32).view(64, 300)[:, 100:280]]
+    ptrs = [to_device(m, t) for t in cases]
+    m._mock.fail(api, 1, ERR["Unknown"])
+    statuses = []
+    if api == "cudaHostRegister":
+        with pytest.raises(RuntimeError, match="cudaHostRegister"):
+            stager.register_host()
+    else:
+        stager.register_host()
+    for i, (p, t) in enumerate(zip(ptrs, cases)):
+        try:
+            statuses.append(stage_ptr(stager, p, t, name_id=i))
+        except RuntimeError as exc:
+            statuses.append(str(exc))
+    assert stager.flush(10)
+    got, _ = ring.read()
+    for i, (st, t) in enumerate(zip(statuses, cases)):
+        if st == m.STAGED and (0, i, 0) in got:
+            assert got[(0, i, 0)][2] == t.contiguous().numpy().tobytes(), (api, i)
+        elif isinstance(st, str):
+            assert "cudaErrorUnknown" in st and (0, i, 0) not in got
+    stats = stager.stats()
+    if m.DISABLED in statuses or stats["broken"]:
+        assert stats["broken"] and "cudaErrorUnknown" in stats["last_error"]
+    stager.close()
+
+
+# -------------------------------------------------------------------------------------------------
+# Defects the review found (issue 11 item 3), caught by the double
+
+
+def test_review_no_stray_context_on_gpu0(m):
+    """A process that uses only GPU 1: staging (from a thread that never chose a device), pinning and
+    teardown must not create a primary context on GPU 0 (~500 MiB there, per process)."""
+    t = torch.arange(1000, dtype=torch.float32)
+    p = to_device(m, t, device=1)
+    ring = Ring(m)
+    m._mock.reset_contexts()  # from here on: a process whose framework initialized GPU 1 only
+    th = threading.Thread(target=lambda: m._mock.set_device(1))
+    th.start()
+    th.join()
+    result = {}
+
+    def serve():  # a fresh thread: cudaGetDevice says 0, and GPU 0 has no context
+        stager = m.CudaStager(ring.producer, 1 << 20)
+        stager.register_host()
+        result["status"] = stage_ptr(stager, p, t, device=1)
+        result["flushed"] = stager.flush(10)
+        stager.close()
+
+    th = threading.Thread(target=serve)
+    th.start()
+    th.join()
+    assert result == {"status": m.STAGED, "flushed": True}
+    assert ring.read()[0][(0, 0, 0)][2] == t.numpy().tobytes()
+    assert m._mock.contexts() == [0, 1]
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_review_snapshot_waits_for_the_producing_stream(m, seed):
+    """A tensor produced on another stream than the snapshot's: stage(producer_stream=) orders the
+    snapshot after the producing work, whatever the streams' timing."""
+    m._mock.set("seed", seed)
+    m._mock.set("max_delay_us", 200)
+    ring = Ring(m)
+    stager = m.CudaStager(ring.producer, 1 << 20)
+    stager.register_host()
+    producer, current = m._mock.stream_create(), m._mock.stream_create()
+    n = 1 << 14
+    buf, src = device_buffer(m, n), to_device(m, torch.full((n,), 7, dtype=torch.uint8))
+    like = torch.empty(n, dtype=torch.uint8)
+    try:
+        m._mock.enqueue_sleep(producer, 0.05)
+        m._mock.enqueue_copy(producer, buf, src, n)       # the producing kernel, still queued
+        assert stage_ptr(stager, buf, like, stream=current, producer_stream=producer) == m.STAGED
+        m._mock.enqueue_fill(current, buf, n, 0xEE)       # the next kernel on the current stream
+        assert stager.flush(10)
+        assert ring.read()[0][(0, 0, 0)][2] == bytes([7]) * n
+    finally:
+        m._mock.sync(producer)
+        stager.close()
+        m._mock.stream_destroy(producer)
+        m._mock.stream_destroy(current)
+
+
+class FakeCudaTensor(torch.Tensor):
+    """A torch tensor that says it lives on a (mock) GPU: dtype, shape and strides of a CPU tensor,
+    data_ptr() in mock device memory, a device index; record_stream() calls are remembered, as the
+    caching allocator would."""
+
+    @staticmethod
+    def __new__(cls, cpu, ptr, device=0):
+        t = torch.Tensor._make_subclass(cls, cpu)
+        t._ptr, t._device, t.recorded = ptr, device, []
+        return t
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **(kwargs or {}))
+
+    is_cuda = property(lambda self: True)
+    is_cpu = property(lambda self: False)
+
+    def data_ptr(self):
+        return self._ptr
+
+    def get_device(self):
+        return self._device
+
+    def record_stream(self, stream):
+        self.recorded.append(stream)
+
+
+class FakeStream:
+    def __init__(self, raw):
+        self.cuda_stream = raw
+
+
+@pytest.fixture
+def glue(m, monkeypatch):
+    """fastdump's Python CUDA path (engine, capture, cuda.py) running on the double: the engine's
+    ring and stager come from the mock build; the current stream is a mock stream."""
+    from fastdump import cuda, engine
+
+    monkeypatch.setattr(engine, "_C", m)
+    monkeypatch.setattr(cuda, "_C", m)
+    monkeypatch.setattr(cuda, "_info", None)
+    monkeypatch.setattr(cuda, "_ring_failures", {})
+    current = m._mock.stream_create()
+    monkeypatch.setattr(cuda, "_current_stream", lambda device: (current, FakeStream(current)))
+    yield current
+    m._mock.sync(current)
+    m._mock.stream_destroy(current)
+    cuda.release_read()
+
+
+def fake_cuda(m, t, device=0):
+    return FakeCudaTensor(t, to_device(m, t, device), device)
+
+
+def test_glue_capture_to_stage_tensor_on_the_double(m, glue, tmp_path):
+    """Dumper.dump → capture's is_cuda branch → cuda.stage_tensor → the stager, bit-exact, with the
+    current stream recorded on each staged tensor for the caching allocator."""
+    cases = {"contiguous": torch.arange(3 * 5 * 7, dtype=torch.float32).reshape(3, 5, 7),
+             "transposed": torch.arange(64, dtype=torch.int64).reshape(8, 8).t(),
+             "bf16_view": torch.arange(600, dtype=torch.float32).to(torch.bfloat16).reshape(20, 30)[2:, ::3],
+             "on_gpu1": torch.arange(10, dtype=torch.int16)}
+    fakes = {k: fake_cuda(m, v, device=1 if k == "on_gpu1" else 0) for k, v in cases.items()}
+    d = _attach(tmp_path, writer="thread", device="cuda:0")
+    for p in range(2):
+        _dump_pass(d, list(fakes.items()))
+    d.close()
+    for p in range(2):
+        got = _load(tmp_path, pass_id=p)
+        for k, v in cases.items():
+            assert same_bits(torch.as_tensor(got[k]) if not isinstance(got[k], torch.Tensor) else got[k], v), k
+    for f in fakes.values():
+        assert [s.cuda_stream for s in f.recorded] == [glue, glue]
+
+
+def test_review_caching_allocator_reuse_waits_for_the_snapshot(m, glue, tmp_path):
+    """A tensor allocated on stream A, hooked while stream C is current: when it is freed, the caching
+    allocator reuses its block on A at once unless C was recorded (record_stream)."""
+    from fastdump import cuda
+
+    alloc = m._mock.stream_create()
+    t = torch.arange(1 << 12, dtype=torch.int32)
+    f = fake_cuda(m, t)
+    ring = Ring(m)
+    stager = m.CudaStager(ring.producer, 1 << 20)
+    stager.register_host()
+    try:
+        m._mock.enqueue_sleep(glue, 0.1)  # the current stream is busy: the snapshot runs late
+        assert cuda.stage_tensor(stager, 0, 0, 0, dtypes.code_of(t.dtype), f, True) == m.STAGED
+        # The module's output is freed; the allocator hands the block to the next kernel on A.
+        for s in f.recorded:
+            ev = m._mock.event_create()
+            m._mock.event_record(ev, s.cuda_stream)
+            m._mock.stream_wait_event(alloc, ev)
+            m._mock.event_destroy(ev)
+        m._mock.enqueue_fill(alloc, f.data_ptr(), t.numel() * 4, 0xEE)
+        assert stager.flush(10)
+        assert ring.read()[0][(0, 0, 0)][2] == t.numpy().tobytes()
+    finally:
+        m._mock.sync(alloc)
+        stager.close()
+        m._mock.stream_destroy(alloc)
+
+
+def test_review_dlpack_capsule_kept_until_the_snapshot_read_it(m, glue):
+    """DLPack: releasing the capsule lets the producer free and reuse the memory; fastdump keeps it
+    until the snapshot has completed."""
+    from fastdump import cuda
+
+    ring = Ring(m)
+    stager = m.CudaStager(ring.producer, 1 << 20)
+    stager.register_host()
+    eng = _FakeEngine(ring.producer, stager)
+    t = torch.arange(1 << 12, dtype=torch.float32)
+    ptr = to_device(m, t)
+    reuse = m._mock.stream_create()
+    released = []
+
+    def on_release():  # the producer's deleter: its allocator reuses the block on its own stream
+        released.append(time.monotonic())
+        m._mock.enqueue_fill(reuse, ptr, t.numel() * 4, 0xEE)
+
+    class Producer:
+        def __dlpack_device__(self):
+            return (2, 0)
+
+        def __dlpack__(self, stream=None, max_version=None):
+            return DeviceCapsule(ptr, t, on_release=on_release).take()
+
+    try:
+        m._mock.enqueue_sleep(1, 0.1)  # the consumer stream (legacy) is busy: the snapshot runs late
+        status, _ = cuda.stage_array(eng, 32, 0, 0, 0, Producer(), True)
+        assert status == m.STAGED
+        assert stager.flush(10)
+        assert cuda.release_read() == 0 and released
+        assert ring.read()[0][(0, 0, 0)][2] == t.numpy().tobytes()
+    finally:
+        m._mock.sync(reuse)
+        stager.close()
+        m._mock.stream_destroy(reuse)
+
+
+def test_review_device_ring_allocated_at_attach(m, glue, tmp_path):
+    from fastdump import cuda
+
+    d = _attach(tmp_path, writer="thread", device="cuda:1")
+    try:
+        stager = d._engine.cuda_stager(d.device_ring_mb)
+        stats = stager.stats()
+        assert [x["device"] for x in stats["devices"]] == [1]  # before any tensor
+        assert stats["devices"][0]["ring_bytes"] == int(d.device_ring_mb) << 20
+        assert cuda.ring_failure(stager) == ""
+    finally:
+        d.close()
+
+
+def test_review_no_device_ring_drops_and_records_instead_of_synchronous_copies(m, glue, tmp_path):
+    """Memory taken by a serving engine before the first tensor: the ring is tried at attach; when it
+    cannot be had, tensors are dropped and counted (no synchronous .cpu()), the reason in rank.json."""
+    from fastdump import cuda
+
+    m._mock.set("device_free", 64 << 20)  # less than the 256 MiB ring
+    calls = []
+    real = cuda.HostFallbackStager.stage_tensor
+    try:
+        cuda.HostFallbackStager.stage_tensor = lambda *a, **k: calls.append(a) or real(*a, **k)
+        d = _attach(tmp_path, writer="thread", device="cuda:0")
+        t = torch.arange(100, dtype=torch.float32)
+        _dump_pass(d, [("x", fake_cuda(m, t))])
+        d.close()
+    finally:
+        cuda.HostFallbackStager.stage_tensor = real
+    assert calls == []
+    info = json.loads(next(tmp_path.rglob("rank.json")).read_text())
+    assert info["cuda_staging"]["device_ring"] == "unavailable"
+    assert "device staging ring" in info["cuda_staging"]["reason"]
+    got = _load(tmp_path, pass_id=0)
+    assert "x" not in got
+    assert d._totals["dropped"] == 1
+
+
+def test_review_disabled_stager_records_its_own_error(m, glue, tmp_path):
+    d = _attach(tmp_path, writer="thread", device="cuda:0")
+    t = torch.arange(1000, dtype=torch.float32)
+    m._mock.fail("cudaEventQuery", 1, ERR["Unknown"])  # the drain fails: staging stops for good
+    _dump_pass(d, [("a", fake_cuda(m, t))])
+    stager = d._engine.cuda_stager(d.device_ring_mb)
+    deadline = time.monotonic() + 10
+    while not stager.stats()["broken"] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    _dump_pass(d, [("b", fake_cuda(m, t))])
+    assert d.status == "error"
+    assert "cudaEventQuery" in d.error and "writer stopped" not in d.error
+    d.close()
+    info = json.loads(next(tmp_path.rglob("rank.json")).read_text())
+    assert "cudaEventQuery" in info["error"]
+
+
+def test_review_drain_timer_slack(m):
+    """The drain's 5 us waits must not become ~60-100 us sleeps: its thread sets a 1 ns timer slack."""
+    ring = Ring(m)
+    stager = m.CudaStager(ring.producer, 1 << 20)
+    deadline = time.monotonic() + 5
+    while stager.stats()["drain_timer_slack_ns"] < 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert 0 < stager.stats()["drain_timer_slack_ns"] <= 1000
+    stager.close()
+
+
+def test_review_staging_beside_a_global_capture_on_another_thread(m):
+    """torch.cuda.graph captures in global mode: the stager's first use (ring allocation, pinning),
+    its snapshots on other streams and its drain must not invalidate that capture."""
+    capture_stream = m._mock.stream_create_flags(0)  # blocking, like a torch side stream
+    work = device_buffer(m, 256)
+    t = torch.arange(5000, dtype=torch.float32)
+    p = to_device(m, t)
+    mine = m._mock.stream_create()
+    ring = Ring(m)
+    began, staged, result = threading.Event(), threading.Event(), {}
+
+    def capture():
+        result["begin"] = m._mock.begin_capture(capture_stream, GLOBAL)
+        m._mock.enqueue_increment(capture_stream, work, 256)
+        began.set()
+        staged.wait(30)
+        m._mock.enqueue_increment(capture_stream, work, 256)
+        result["end"] = m._mock.end_capture(capture_stream)
+
+    th = threading.Thread(target=capture)
+    th.start()
+    began.wait(30)
+    stager = m.CudaStager(ring.producer, 1 << 20)
+    stager.register_host()
+    statuses = [stage_ptr(stager, p, t, name_id=0, stream=mine),
+                stage_ptr(stager, p, t, name_id=1, stream=0)]  # legacy: would depend on the capture
+    assert stager.flush(10)
+    staged.set()
+    th.join()
+    assert result["begin"] == 0 and result["end"][0] == 0, result
+    assert statuses == [m.STAGED, m.CAPTURING]
+    assert ring.read()[0][(0, 0, 0)][2] == t.numpy().tobytes()
+    stager.close()
+    m._mock.graph_destroy(result["end"][1])
+    m._mock.stream_destroy(mine)
+    m._mock.stream_destroy(capture_stream)
+
+
+def test_double_stage_during_a_capture_on_the_same_thread(m):
+    """Hooks run while torch.cuda.graph captures (global mode, same thread): the stager's first use
+    (ring allocation, pinning) and a snapshot on another stream must not invalidate the capture; a
+    tensor on the capturing stream, or produced on it, is refused (CAPTURING) without touching the rings."""
+    capture_stream, other = m._mock.stream_create(), m._mock.stream_create()
+    t = torch.arange(3000, dtype=torch.int32)
+    p = to_device(m, t)
+    ring = Ring(m)
+    stager = m.CudaStager(ring.producer, 1 << 20)
+    try:
+        assert m._mock.begin_capture(capture_stream, GLOBAL) == 0
+        stager.register_host()
+        statuses = [stage_ptr(stager, p, t, name_id=0, stream=capture_stream),
+                    stage_ptr(stager, p, t, name_id=1, stream=other, producer_stream=capture_stream),
+                    stage_ptr(stager, p, t, name_id=2, stream=other)]
+        err, graph = m._mock.end_capture(capture_stream)
+        assert err == 0 and graph, m._mock.error_name(err)
+        m._mock.graph_destroy(graph)
+        assert statuses == [m.CAPTURING, m.CAPTURING, m.STAGED]
+        assert stager.flush(10)
+        got, _ = ring.read()
+        assert list(got) == [(0, 2, 0)] and got[(0, 2, 0)][2] == t.numpy().tobytes()
+        assert stager.stats()["capturing_skipped"] == 2
+    finally:
+        stager.close()
+        m._mock.stream_destroy(capture_stream)
+        m._mock.stream_destroy(other)
+
+
+_CAPSULE_KEEP = []
+
+
+class DeviceCapsule:
+    """An unversioned DLPack capsule ("dltensor") describing mock device memory like `t`; `on_release`
+    runs when the capsule is destroyed (the producer frees its memory then)."""
+
+    _DESTRUCTOR = ctypes.CFUNCTYPE(None, ctypes.c_void_p)  # not py_object: the capsule is being freed
+
+    def __init__(self, ptr, t, device=0, on_release=None):
+        from fastdump import cuda
+
+        nd = t.dim()
+        self.shape = (ctypes.c_int64 * max(nd, 1))(*t.shape)
+        self.strides = (ctypes.c_int64 * max(nd, 1))(*t.stride())
+        code, bits = {torch.bfloat16: (4, 16), torch.float32: (2, 32), torch.uint8: (1, 8)}[t.dtype]
+        self.managed = cuda._DLManagedTensor()
+        dl = self.managed.dl_tensor
+        dl.data, dl.device = ptr, cuda._DLDevice(2, device)
+        dl.ndim, dl.dtype = nd, cuda._DLDataType(code, bits, 1)
+        dl.shape, dl.strides, dl.byte_offset = self.shape, self.strides, 0
+        _CAPSULE_KEEP.append(self)  # the ctypes memory and callback outlive the capsule (test code)
+
+        def destroy(_capsule):
+            if on_release is not None:
+                on_release()
+
+        self._destroy = self._DESTRUCTOR(destroy)
+        new = ctypes.pythonapi.PyCapsule_New
+        new.restype = ctypes.py_object
+        new.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
+        self._capsule = new(ctypes.addressof(self.managed), b"dltensor", ctypes.cast(self._destroy, ctypes.c_void_p))
+
+    def take(self):
+        """The capsule; this object keeps no reference to it (its destructor runs when the consumer lets go)."""
+        capsule, self._capsule = self._capsule, None
+        return capsule
 
 
 @pytest.mark.slow

@@ -1,24 +1,35 @@
 // A CPU stand-in for the parts of the CUDA runtime that csrc/cuda_staging.cu uses, for tests on
 // machines without a GPU (tests/test_cuda.py builds fastdump._C against it as a separate module).
-//
-// Semantics kept: every stream is a worker thread running its operations in order; an event is a
-// (stream, ticket) pair taken at record time, complete once that stream has run past the ticket;
-// cudaStreamWaitEvent makes the waiting stream block on the ticket recorded at call time (so the
-// event may be re-recorded right after). "Device memory" is host memory. Operations can be delayed
-// at random to shake out ordering bugs, and calls can be made to fail on demand.
-// Not modelled: real device/host address spaces, capture, multiple contexts.
+// What it models and what it cannot: docs/CUDA.md, "The mock runtime". In short:
+//   * streams: each stream runs its queue on its own thread (random, seedable delays); events and
+//     cudaStreamWaitEvent are the only order between streams, plus the legacy default stream's
+//     implicit synchronization with blocking streams (per device); cudaStreamNonBlocking streams
+//     do not synchronize with it; handle 2 (cudaStreamPerThread) is a blocking stream per thread;
+//   * device memory: cudaMalloc hands out addresses in a PROT_NONE range reserved per device (a
+//     host dereference faults); the mock's copy engine and kernels reach the bytes through a shadow
+//     mapping. Copies check `kind` against the pointers; pinned vs pageable host memory is tracked
+//     and an async copy to/from pageable memory returns only once it is done, as in real CUDA;
+//   * devices and contexts: current device per thread; a primary context per device, created by
+//     the first call that needs one (cudaSetDevice included, as since CUDA 12) and counted;
+//   * graph capture: per-stream capture sequences with their mode, joined streams, invalidation by
+//     unsafe calls (cudaErrorStreamCaptureUnsupported / Implicit / Isolation / CapturedEvent),
+//     EndCapture errors (Invalidated / Unmatched / Unjoined / WrongThread), instantiate and replay;
+//   * errors: injected per API name (non-sticky), and sticky errors raised by a faulting stream
+//     operation, reported by every later call on that device (first by the next synchronizing one).
 #pragma once
+
+#include <sys/mman.h>
 
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <cstdio>
-#include <iterator>
 #include <cstdlib>
 #include <cstring>
 #include <deque>
 #include <functional>
+#include <iterator>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -38,17 +49,32 @@ enum cudaError_t {
   cudaErrorNoDevice = 100,
   cudaErrorInvalidDevice = 101,
   cudaErrorInvalidResourceHandle = 400,
+  cudaErrorIllegalState = 401,
   cudaErrorNotReady = 600,
+  cudaErrorIllegalAddress = 700,
   cudaErrorHostMemoryAlreadyRegistered = 712,
+  cudaErrorHostMemoryNotRegistered = 713,
   cudaErrorNotSupported = 801,
+  cudaErrorStreamCaptureUnsupported = 900,
+  cudaErrorStreamCaptureInvalidated = 901,
+  cudaErrorStreamCaptureMerge = 902,
+  cudaErrorStreamCaptureUnmatched = 903,
+  cudaErrorStreamCaptureUnjoined = 904,
+  cudaErrorStreamCaptureIsolation = 905,
   cudaErrorStreamCaptureImplicit = 906,
+  cudaErrorCapturedEvent = 907,
+  cudaErrorStreamCaptureWrongThread = 908,
   cudaErrorUnknown = 999,
 };
 
 struct CUstream_mock;
 struct CUevent_mock;
+struct CUgraph_mock;
+struct CUgraphExec_mock;
 typedef CUstream_mock* cudaStream_t;
 typedef CUevent_mock* cudaEvent_t;
+typedef CUgraph_mock* cudaGraph_t;
+typedef CUgraphExec_mock* cudaGraphExec_t;
 
 enum cudaMemcpyKind {
   cudaMemcpyHostToHost = 0,
@@ -57,7 +83,8 @@ enum cudaMemcpyKind {
   cudaMemcpyDeviceToDevice = 3,
   cudaMemcpyDefault = 4
 };
-enum cudaStreamCaptureStatus { cudaStreamCaptureStatusNone = 0, cudaStreamCaptureStatusActive = 1 };
+enum cudaStreamCaptureStatus { cudaStreamCaptureStatusNone = 0, cudaStreamCaptureStatusActive = 1,
+                               cudaStreamCaptureStatusInvalidated = 2 };
 enum cudaStreamCaptureMode { cudaStreamCaptureModeGlobal = 0, cudaStreamCaptureModeThreadLocal = 1,
                              cudaStreamCaptureModeRelaxed = 2 };
 enum cudaDeviceAttr { cudaDevAttrMultiProcessorCount = 16 };
@@ -67,10 +94,17 @@ enum cudaMemLocationType { cudaMemLocationTypeInvalid = 0, cudaMemLocationTypeDe
                            cudaMemLocationTypeHost = 2 };
 enum cudaMemcpySrcAccessOrder { cudaMemcpySrcAccessOrderInvalid = 0, cudaMemcpySrcAccessOrderStream = 1 };
 enum cudaMemcpyFlags { cudaMemcpyFlagDefault = 0, cudaMemcpyFlagPreferOverlapWithCompute = 1 };
+enum cudaDriverEntryPointQueryResult { cudaDriverEntryPointSuccess = 0, cudaDriverEntryPointSymbolNotFound = 1,
+                                       cudaDriverEntryPointVersionNotSufficent = 2 };
 
 #define cudaEventDisableTiming 0x02
+#define cudaStreamDefault 0x00
 #define cudaStreamNonBlocking 0x01
 #define cudaHostRegisterPortable 0x01
+#define cudaHostAllocPortable 0x01
+#define cudaEnableDefault 0x0ull
+#define cudaStreamLegacy (reinterpret_cast<cudaStream_t>(0x1))
+#define cudaStreamPerThread (reinterpret_cast<cudaStream_t>(0x2))
 
 struct cudaMemLocation {
   cudaMemLocationType type;
@@ -105,27 +139,37 @@ struct uint4 {
 
 namespace fdmock {
 
+constexpr int kMaxDevices = 8;
+constexpr uint64_t kArenaBytes = 16ull << 30;  // address space reserved per device
+
 // ------------------------------------------------------------------------------------------------
 // State shared by every translation unit (inline functions' statics are one object each).
+
+inline uint64_t env_seed() {
+  const char* v = std::getenv("FASTDUMP_MOCK_SEED");
+  return v ? std::strtoull(v, nullptr, 10) : 0;
+}
 
 struct Config {
   std::atomic<int> device_count{2};
   std::atomic<int> max_delay_us{0};           // each stream op sleeps a random 0..max first
-  std::atomic<int> fail_batch{0};             // cudaMemcpyBatchAsync returns NotSupported
-  std::atomic<int> fail_event_query{0};       // next N cudaEventQuery calls on done events fail
-  std::atomic<int> fail_malloc{0};            // cudaMalloc fails
-  std::atomic<int> capturing{0};              // every stream reports an active capture
+  std::atomic<uint64_t> seed{env_seed()};     // of those delays (FASTDUMP_MOCK_SEED; 0: random)
+  std::atomic<int> capturing{0};              // legacy knob: every stream reports an active capture
+  std::atomic<uint64_t> device_free{1ull << 34};  // bytes cudaMalloc can still hand out per device
   std::atomic<uint64_t> batch_calls{0};
   std::atomic<uint64_t> memcpy_calls{0};
   std::atomic<uint64_t> kernel_calls{0};
   std::atomic<uint64_t> memcpy2d_calls{0};
   std::atomic<uint64_t> crossing_copies{0};   // D2H copies whose destination spans registrations
-  std::atomic<uint64_t> unpinned_copies{0};   // D2H copies into unregistered memory
+  std::atomic<uint64_t> unpinned_copies{0};   // D2H copies into pageable memory (synchronous)
   std::atomic<uint64_t> syncs{0};             // stream/device synchronizations (never on the hot path)
   std::atomic<uint64_t> live_allocs{0};
   std::atomic<uint64_t> live_streams{0};
   std::atomic<uint64_t> live_events{0};
+  std::atomic<uint64_t> live_graphs{0};
   std::atomic<uint64_t> registered_ranges{0};
+  std::atomic<uint64_t> captures_invalidated{0};
+  std::atomic<int> contexts[kMaxDevices] = {};  // primary contexts created, per device
 };
 
 inline Config& config() {
@@ -133,23 +177,79 @@ inline Config& config() {
   return c;
 }
 
+inline std::mutex& big_lock() {  // captures, stream registry, injected failures, sticky errors
+  static std::mutex m;
+  return m;
+}
+
 inline int& current_device() {
   static thread_local int d = 0;
   return d;
 }
 
-inline void random_delay() {
-  int max = config().max_delay_us.load();
-  if (max <= 0) return;
-  static thread_local std::mt19937 rng(std::random_device{}());
-  std::uniform_int_distribution<int> dist(0, max);
-  std::this_thread::sleep_for(std::chrono::microseconds(dist(rng)));
+inline cudaStreamCaptureMode& thread_capture_mode() {
+  static thread_local cudaStreamCaptureMode m = cudaStreamCaptureModeGlobal;
+  return m;
 }
 
-// How far a stream has run. Shared by the stream, the events recorded on it and the waits on
-// those events, so a stream may be destroyed while another stream still waits on its event (as
-// CUDA allows).
-struct Progress {
+inline cudaError_t& last_error() {
+  static thread_local cudaError_t e = cudaSuccess;
+  return e;
+}
+
+// ------------------------------------------------------------------------------------------------
+// Errors: sticky per device (a faulted context), and failures injected per API name.
+
+inline cudaError_t* sticky() {
+  static cudaError_t s[kMaxDevices] = {};
+  return s;
+}
+
+inline std::map<std::string, std::pair<int, cudaError_t>>& injected() {
+  static std::map<std::string, std::pair<int, cudaError_t>> m;
+  return m;
+}
+
+inline void inject(const std::string& api, int count, cudaError_t e) {
+  std::lock_guard<std::mutex> g(big_lock());
+  if (count <= 0) injected().erase(api);
+  else injected()[api] = {count, e};
+}
+
+inline cudaError_t ret(cudaError_t e) {
+  if (e != cudaSuccess) last_error() = e;
+  return e;
+}
+
+inline void ensure_context(int dev) {
+  if (dev < 0 || dev >= kMaxDevices) return;
+  int zero = 0;
+  config().contexts[dev].compare_exchange_strong(zero, 1);
+}
+
+// Entry of every API call that works on a device: a sticky error of that device wins, then a
+// failure injected for `api`; `ctx` says whether the call creates the primary context.
+inline cudaError_t enter(const char* api, int dev, bool ctx = true) {
+  if (ctx) ensure_context(dev);
+  std::lock_guard<std::mutex> g(big_lock());
+  if (dev >= 0 && dev < kMaxDevices && sticky()[dev] != cudaSuccess) return sticky()[dev];
+  auto it = injected().find(api);
+  if (it == injected().end()) return cudaSuccess;
+  cudaError_t e = it->second.second;
+  if (--it->second.first <= 0) injected().erase(it);
+  return e;
+}
+
+#define FDMOCK_ENTER(api, dev)                                   \
+  do {                                                           \
+    cudaError_t fdm_e_ = fdmock::enter(api, dev);                \
+    if (fdm_e_ != cudaSuccess) return fdmock::ret(fdm_e_);       \
+  } while (0)
+
+// ------------------------------------------------------------------------------------------------
+// Streams
+
+struct Progress {  // how far a stream has run; shared with events recorded on it
   std::mutex mu;
   std::condition_variable cv;
   uint64_t done = 0;
@@ -163,9 +263,16 @@ struct Progress {
   }
 };
 
+struct Capture;
+
 class Stream {
  public:
-  explicit Stream(int device) : device_(device), progress_(std::make_shared<Progress>()) {
+  Stream(int device, unsigned flags, bool legacy)
+      : device_(device), nonblocking_(flags & cudaStreamNonBlocking), legacy_(legacy),
+        progress_(std::make_shared<Progress>()) {
+    static std::atomic<uint64_t> serial{0};
+    const uint64_t seed = config().seed.load();
+    rng_.seed(seed ? seed * 1000003u + serial++ : std::random_device{}());
     config().live_streams++;
     thread_ = std::thread([this] { run(); });
   }
@@ -178,7 +285,7 @@ class Stream {
     thread_.join();  // runs what is queued first
     config().live_streams--;
   }
-  uint64_t enqueue(std::function<void()> fn) {
+  uint64_t push(std::function<void()> fn) {
     std::lock_guard<std::mutex> g(mu_);
     q_.push_back(std::move(fn));
     ++enq_;
@@ -192,6 +299,10 @@ class Stream {
   const std::shared_ptr<Progress>& progress() const { return progress_; }
   void sync() { progress_->wait_for(enqueued()); }
   int device() const { return device_; }
+  bool legacy() const { return legacy_; }
+  bool blocking() const { return !nonblocking_ && !legacy_; }
+  std::shared_ptr<Capture> capture;  // under big_lock()
+  bool capture_pending = false;      // joined stream with captured work its origin has not waited for
 
  private:
   void run() {
@@ -204,7 +315,11 @@ class Stream {
         fn = std::move(q_.front());
         q_.pop_front();
       }
-      random_delay();
+      const int max = config().max_delay_us.load();
+      if (max > 0) {
+        std::uniform_int_distribution<int> dist(0, max);
+        std::this_thread::sleep_for(std::chrono::microseconds(dist(rng_)));
+      }
       fn();
       {
         std::lock_guard<std::mutex> g(progress_->mu);
@@ -214,43 +329,186 @@ class Stream {
     }
   }
   int device_;
+  bool nonblocking_;
+  bool legacy_;
   std::shared_ptr<Progress> progress_;
   std::mutex mu_;
   std::condition_variable cv_;
   std::deque<std::function<void()>> q_;
   uint64_t enq_ = 0;
   bool stop_ = false;
+  std::mt19937_64 rng_;
   std::thread thread_;
 };
 
-struct Event {
-  std::mutex mu;
-  std::shared_ptr<Progress> progress;  // of the stream it was last recorded on
-  uint64_t ticket = 0;
+inline std::set<Stream*>& blocking_streams() {  // under big_lock(): for the legacy stream's syncs
+  static std::set<Stream*> s;
+  return s;
+}
+
+inline Stream* legacy(int dev) {
+  static Stream* s[kMaxDevices] = {};
+  static std::mutex mu;
+  std::lock_guard<std::mutex> g(mu);
+  if (!s[dev]) s[dev] = new Stream(dev, 0, true);  // never destroyed: lives until exit
+  return s[dev];
+}
+
+// cudaStreamPerThread: a blocking stream per thread and device, gone with the thread.
+struct PerThreadStreams {
+  std::map<int, Stream*> by_device;
+  ~PerThreadStreams() {
+    for (auto& p : by_device) {
+      {
+        std::lock_guard<std::mutex> g(big_lock());
+        blocking_streams().erase(p.second);
+      }
+      delete p.second;
+    }
+  }
 };
 
-// The legacy default stream (handles 0, 1 = cudaStreamLegacy and 2 = per-thread, in this mock).
-inline Stream* legacy() {
-  static Stream* s = new Stream(0);  // never destroyed: lives until exit
+inline Stream* per_thread(int dev) {
+  static thread_local PerThreadStreams pts;
+  Stream*& s = pts.by_device[dev];
+  if (!s) {
+    s = new Stream(dev, 0, false);
+    std::lock_guard<std::mutex> g(big_lock());
+    blocking_streams().insert(s);
+  }
   return s;
 }
 
 inline Stream* stream_of(cudaStream_t h) {
   uintptr_t v = reinterpret_cast<uintptr_t>(h);
-  if (v <= 2) return legacy();
+  if (v == 0 || v == 1) return legacy(current_device());
+  if (v == 2) return per_thread(current_device());
   return reinterpret_cast<Stream*>(h);
 }
 
-inline cudaError_t enqueue(cudaStream_t h, std::function<void()> fn) {
-  config().kernel_calls++;
-  stream_of(h)->enqueue(std::move(fn));
+// ------------------------------------------------------------------------------------------------
+// Graph capture
+
+struct Graph {
+  std::vector<std::function<void()>> ops;  // in issue order: a valid topological order
+};
+
+struct Capture {
+  cudaStreamCaptureMode mode;
+  std::thread::id thread;
+  Stream* origin;
+  int device;
+  uint64_t id;
+  Graph* graph = new Graph();
+  cudaError_t invalid = cudaSuccess;  // why it was invalidated
+  std::vector<Stream*> members;
+};
+
+inline std::vector<std::shared_ptr<Capture>>& captures() {  // active, under big_lock()
+  static std::vector<std::shared_ptr<Capture>> c;
+  return c;
+}
+
+inline void invalidate_locked(Capture& c, cudaError_t why) {
+  if (c.invalid == cudaSuccess) {
+    c.invalid = why;
+    config().captures_invalidated++;
+  }
+}
+
+// A "potentially unsafe" call (allocation, synchronization, event query, pinning...) from this
+// thread, under big_lock(). Returns cudaErrorStreamCaptureUnsupported (and invalidates the
+// captures concerned) when the thread's capture mode forbids it, as cudaThreadExchangeStreamCaptureMode
+// documents: global forbids it during this thread's non-relaxed captures and any other thread's
+// global-mode captures; thread-local only during this thread's non-relaxed captures; relaxed never.
+inline cudaError_t unsafe_call_locked() {
+  const cudaStreamCaptureMode mode = thread_capture_mode();
+  if (mode == cudaStreamCaptureModeRelaxed) return cudaSuccess;
+  cudaError_t e = cudaSuccess;
+  for (auto& c : captures()) {
+    const bool mine = c->thread == std::this_thread::get_id();
+    const bool forbids = mine ? c->mode != cudaStreamCaptureModeRelaxed
+                              : (mode == cudaStreamCaptureModeGlobal && c->mode == cudaStreamCaptureModeGlobal);
+    if (forbids) {
+      invalidate_locked(*c, cudaErrorStreamCaptureUnsupported);
+      e = cudaErrorStreamCaptureUnsupported;
+    }
+  }
+  return e;
+}
+
+inline cudaError_t unsafe_call() {
+  std::lock_guard<std::mutex> g(big_lock());
+  return unsafe_call_locked();
+}
+
+// Work for stream `h`: recorded into its capture, or queued (with the legacy stream's implicit
+// synchronization). Returns the stream's ticket after the work (0 when captured).
+inline cudaError_t submit(cudaStream_t h, std::function<void()> fn, uint64_t* ticket = nullptr) {
+  Stream* s = stream_of(h);
+  std::unique_lock<std::mutex> g(big_lock());
+  if (s->capture) {
+    Capture& c = *s->capture;
+    if (c.invalid != cudaSuccess) return cudaErrorStreamCaptureInvalidated;
+    c.graph->ops.push_back(std::move(fn));
+    if (s != c.origin) s->capture_pending = true;
+    if (ticket) *ticket = 0;
+    return cudaSuccess;
+  }
+  if (s->legacy()) {
+    // Implicit dependency on every blocking stream of the device: not allowed while one captures.
+    for (auto& c : captures())
+      for (Stream* mbr : c->members)
+        if (mbr->device() == s->device() && mbr->blocking()) {
+          invalidate_locked(*c, cudaErrorStreamCaptureImplicit);
+          return cudaErrorStreamCaptureImplicit;
+        }
+    for (Stream* b : blocking_streams()) {
+      if (b->device() != s->device()) continue;
+      const uint64_t t = b->enqueued();
+      auto pr = b->progress();
+      if (pr->get() < t) s->push([pr, t] { pr->wait_for(t); });
+    }
+  } else if (s->blocking()) {
+    Stream* l = legacy(s->device());
+    const uint64_t t = l->enqueued();
+    auto pr = l->progress();
+    if (pr->get() < t) s->push([pr, t] { pr->wait_for(t); });
+  }
+  uint64_t t = s->push(std::move(fn));
+  if (ticket) *ticket = t;
   return cudaSuccess;
 }
 
+// A kernel launch (the gather kernel of the mock build).
+inline cudaError_t enqueue(cudaStream_t h, std::function<void()> fn) {
+  FDMOCK_ENTER("kernel", current_device());
+  config().kernel_calls++;
+  return ret(submit(h, std::move(fn)));
+}
+
+struct Event {
+  std::mutex mu;
+  std::shared_ptr<Progress> progress;  // of the stream it was last recorded on
+  uint64_t ticket = 0;
+  Stream* stream = nullptr;
+  std::shared_ptr<Capture> captured;   // last recorded in this capture
+};
+
+// ------------------------------------------------------------------------------------------------
+// Memory: device arenas (PROT_NONE for the host, bytes in a shadow mapping), pinned host ranges.
+
+struct Arena {
+  uint8_t* base = nullptr;    // what cudaMalloc hands out: PROT_NONE
+  uint8_t* shadow = nullptr;  // the same bytes, as the mock's copy engine sees them
+  std::map<uint64_t, uint64_t> blocks;  // offset -> size, live allocations
+};
+
 struct Memory {
   std::mutex mu;
-  std::map<uintptr_t, size_t> device;      // cudaMalloc'd blocks
-  std::map<uintptr_t, size_t> registered;  // cudaHostRegister'd ranges
+  Arena arenas[kMaxDevices];
+  std::map<uintptr_t, size_t> pinned;  // cudaHostRegister'd / cudaHostAlloc'd ranges
+  std::set<uintptr_t> host_allocs;     // of which cudaHostAlloc'd
 };
 
 inline Memory& memory() {
@@ -258,36 +516,132 @@ inline Memory& memory() {
   return m;
 }
 
-// Whether [p, p+n) lies inside one registered range; sets `any` when it touches one.
-inline bool inside_one_registration(const void* p, size_t n, bool* any) {
+inline Arena& arena_locked(int dev) {
+  Arena& a = memory().arenas[dev];
+  if (!a.base) {
+    void* b = ::mmap(nullptr, kArenaBytes, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    void* s = ::mmap(nullptr, kArenaBytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (b == MAP_FAILED || s == MAP_FAILED) {
+      std::fprintf(stderr, "fdmock: cannot reserve the device arena\n");
+      std::abort();
+    }
+    a.base = static_cast<uint8_t*>(b);
+    a.shadow = static_cast<uint8_t*>(s);
+  }
+  return a;
+}
+
+// Device owning [p, p+n) as one live allocation; -1 when p is not device memory at all, -2 when
+// it is device memory but the range is not inside one allocation.
+inline int device_of_locked(const void* p, size_t n, uint8_t** shadow) {
+  const uint8_t* v = static_cast<const uint8_t*>(p);
+  for (int d = 0; d < kMaxDevices; ++d) {
+    Arena& a = memory().arenas[d];
+    if (!a.base || v < a.base || v >= a.base + kArenaBytes) continue;
+    const uint64_t off = static_cast<uint64_t>(v - a.base);
+    auto it = a.blocks.upper_bound(off);
+    if (it == a.blocks.begin()) return -2;
+    --it;
+    if (off + n > it->first + it->second) return -2;
+    if (shadow) *shadow = a.shadow + off;
+    return d;
+  }
+  return -1;
+}
+
+inline int device_of(const void* p, size_t n = 1, uint8_t** shadow = nullptr) {
+  std::lock_guard<std::mutex> g(memory().mu);
+  return device_of_locked(p, n, shadow);
+}
+
+// The bytes behind a device pointer, for the mock's "kernels". A host pointer here is a bug a
+// GPU would fault on (or silently read through HMM): abort loudly.
+template <typename T>
+inline T* dev_bytes(T* p) {
+  uint8_t* sh = nullptr;
+  if (device_of(p, 1, &sh) < 0) {
+    std::fprintf(stderr, "fdmock: device code touched %p, which is not device memory\n", static_cast<const void*>(p));
+    std::abort();
+  }
+  return reinterpret_cast<T*>(sh);
+}
+
+// 1: [p, p+n) inside one pinned range; 0: pageable; -1: straddles pinned and pageable memory.
+inline int pinned_state(const void* p, size_t n) {
   Memory& m = memory();
   std::lock_guard<std::mutex> g(m.mu);
   uintptr_t a = reinterpret_cast<uintptr_t>(p);
-  auto it = m.registered.upper_bound(a);
-  *any = false;
-  if (it == m.registered.begin()) return false;
+  auto it = m.pinned.upper_bound(a);
+  if (it == m.pinned.begin()) return 0;
   --it;
-  if (a >= it->first + it->second) return false;
-  *any = true;
-  return a + n <= it->first + it->second;
+  if (a >= it->first + it->second) return 0;
+  return a + n <= it->first + it->second ? 1 : -1;
 }
 
-inline void check_d2h_dst(const void* dst, size_t n) {
-  bool any = false;
-  if (!inside_one_registration(dst, n, &any)) {
-    if (any) config().crossing_copies++;
-    else config().unpinned_copies++;
+// One side of a copy: where its bytes are, and what it is.
+struct Side {
+  uint8_t* bytes = nullptr;
+  bool device = false;
+  int dev = -1;
+};
+
+inline cudaError_t resolve(const void* p, size_t n, Side* s) {
+  uint8_t* sh = nullptr;
+  const int d = device_of(p, n, &sh);
+  if (d == -2) return cudaErrorInvalidValue;  // out of bounds of a device allocation
+  s->device = d >= 0;
+  s->dev = d;
+  s->bytes = d >= 0 ? sh : static_cast<uint8_t*>(const_cast<void*>(p));
+  return cudaSuccess;
+}
+
+// Checks `kind` against the pointers (cudaMemcpyDefault infers it); fills both sides.
+inline cudaError_t check_copy(void* dst, const void* src, size_t n, cudaMemcpyKind kind, Side* d, Side* s) {
+  if (resolve(dst, n, d) != cudaSuccess || resolve(src, n, s) != cudaSuccess) return cudaErrorInvalidValue;
+  if (kind == cudaMemcpyDefault) return cudaSuccess;
+  const bool want_src_dev = kind == cudaMemcpyDeviceToHost || kind == cudaMemcpyDeviceToDevice;
+  const bool want_dst_dev = kind == cudaMemcpyHostToDevice || kind == cudaMemcpyDeviceToDevice;
+  if (kind > cudaMemcpyDefault || want_src_dev != s->device || want_dst_dev != d->device) return cudaErrorInvalidValue;
+  return cudaSuccess;
+}
+
+inline void count_d2h_dst(const void* dst, size_t n) {
+  const int p = pinned_state(dst, n);
+  if (p < 0) config().crossing_copies++;
+  else if (p == 0) config().unpinned_copies++;
+}
+
+// Submit a copy; one from or to pageable memory returns only once it is done (real CUDA stages it
+// through a pinned bounce buffer: "async" copies from pageable memory are synchronous).
+inline cudaError_t submit_copy(cudaStream_t h, std::function<void()> fn, bool pageable) {
+  if (pageable) {
+    std::lock_guard<std::mutex> g(big_lock());
+    if (stream_of(h)->capture) return cudaErrorStreamCaptureUnsupported;
   }
-}
-
-inline cudaError_t& last_error() {
-  static thread_local cudaError_t e = cudaSuccess;
+  uint64_t t = 0;
+  cudaError_t e = submit(h, std::move(fn), &t);
+  if (e == cudaSuccess && pageable && t) stream_of(h)->progress()->wait_for(t);
   return e;
 }
 
-inline cudaError_t ret(cudaError_t e) {
-  if (e != cudaSuccess) last_error() = e;
-  return e;
+// A stream operation that faults when it runs: the device's context gets a sticky error.
+inline void fault(int dev, cudaError_t e) {
+  std::lock_guard<std::mutex> g(big_lock());
+  if (sticky()[dev] == cudaSuccess) sticky()[dev] = e;
+}
+
+inline void reset_device_state() {  // tests: forget sticky errors and injected failures
+  std::lock_guard<std::mutex> g(big_lock());
+  for (int d = 0; d < kMaxDevices; ++d) sticky()[d] = cudaSuccess;
+  injected().clear();
+}
+
+// cuDevicePrimaryCtxGetState, as cudaGetDriverEntryPointByVersion hands it out.
+inline int primary_ctx_get_state(int dev, unsigned int* flags, int* active) {
+  if (dev < 0 || dev >= config().device_count.load()) return 101;  // CUDA_ERROR_INVALID_DEVICE
+  if (flags) *flags = 0;
+  *active = dev < kMaxDevices ? config().contexts[dev].load() : 0;
+  return 0;
 }
 
 }  // namespace fdmock
@@ -302,15 +656,34 @@ inline const char* cudaGetErrorName(cudaError_t e) {
     case cudaErrorMemoryAllocation: return "cudaErrorMemoryAllocation";
     case cudaErrorInsufficientDriver: return "cudaErrorInsufficientDriver";
     case cudaErrorNoDevice: return "cudaErrorNoDevice";
+    case cudaErrorInvalidDevice: return "cudaErrorInvalidDevice";
+    case cudaErrorInvalidResourceHandle: return "cudaErrorInvalidResourceHandle";
+    case cudaErrorIllegalState: return "cudaErrorIllegalState";
     case cudaErrorNotReady: return "cudaErrorNotReady";
+    case cudaErrorIllegalAddress: return "cudaErrorIllegalAddress";
+    case cudaErrorHostMemoryAlreadyRegistered: return "cudaErrorHostMemoryAlreadyRegistered";
+    case cudaErrorHostMemoryNotRegistered: return "cudaErrorHostMemoryNotRegistered";
     case cudaErrorNotSupported: return "cudaErrorNotSupported";
+    case cudaErrorStreamCaptureUnsupported: return "cudaErrorStreamCaptureUnsupported";
+    case cudaErrorStreamCaptureInvalidated: return "cudaErrorStreamCaptureInvalidated";
+    case cudaErrorStreamCaptureMerge: return "cudaErrorStreamCaptureMerge";
+    case cudaErrorStreamCaptureUnmatched: return "cudaErrorStreamCaptureUnmatched";
+    case cudaErrorStreamCaptureUnjoined: return "cudaErrorStreamCaptureUnjoined";
+    case cudaErrorStreamCaptureIsolation: return "cudaErrorStreamCaptureIsolation";
     case cudaErrorStreamCaptureImplicit: return "cudaErrorStreamCaptureImplicit";
-    default: return "cudaErrorUnknown(mock)";
+    case cudaErrorCapturedEvent: return "cudaErrorCapturedEvent";
+    case cudaErrorStreamCaptureWrongThread: return "cudaErrorStreamCaptureWrongThread";
+    default: return "cudaErrorUnknown";
   }
 }
 inline const char* cudaGetErrorString(cudaError_t e) { return cudaGetErrorName(e); }
 inline cudaError_t cudaGetLastError() {
   cudaError_t e = fdmock::last_error();
+  const int d = fdmock::current_device();
+  {
+    std::lock_guard<std::mutex> g(fdmock::big_lock());
+    if (fdmock::sticky()[d] != cudaSuccess) return fdmock::sticky()[d];  // sticky: never cleared
+  }
   fdmock::last_error() = cudaSuccess;
   return e;
 }
@@ -323,20 +696,30 @@ inline cudaError_t cudaDriverGetVersion(int* v) {
   return cudaSuccess;
 }
 inline cudaError_t cudaGetDeviceCount(int* n) {
-  *n = fdmock::config().device_count.load();
+  *n = std::min(fdmock::config().device_count.load(), fdmock::kMaxDevices);
   if (*n <= 0) {
     *n = 0;
     return fdmock::ret(cudaErrorNoDevice);
   }
   return cudaSuccess;
 }
-inline cudaError_t cudaGetDevice(int* d) {
+inline cudaError_t cudaGetDevice(int* d) {  // 0 on a thread that never set one; creates nothing
   *d = fdmock::current_device();
   return cudaSuccess;
 }
 inline cudaError_t cudaSetDevice(int d) {
-  if (d < 0 || d >= fdmock::config().device_count.load()) return fdmock::ret(cudaErrorInvalidDevice);
+  if (d < 0 || d >= std::min(fdmock::config().device_count.load(), fdmock::kMaxDevices))
+    return fdmock::ret(cudaErrorInvalidDevice);
+  FDMOCK_ENTER("cudaSetDevice", d);  // since CUDA 12 it initializes the device's primary context
   fdmock::current_device() = d;
+  return cudaSuccess;
+}
+inline cudaError_t cudaGetDriverEntryPointByVersion(const char* symbol, void** fn, unsigned int, unsigned long long,
+                                                    cudaDriverEntryPointQueryResult* status = nullptr) {
+  *fn = nullptr;
+  if (std::strcmp(symbol, "cuDevicePrimaryCtxGetState") == 0)
+    *fn = reinterpret_cast<void*>(&fdmock::primary_ctx_get_state);
+  if (status) *status = *fn ? cudaDriverEntryPointSuccess : cudaDriverEntryPointSymbolNotFound;
   return cudaSuccess;
 }
 inline cudaError_t cudaGetDeviceProperties(cudaDeviceProp* p, int d) {
@@ -358,71 +741,240 @@ inline cudaError_t cudaDeviceGetAttribute(int* v, cudaDeviceAttr, int) {
   return cudaSuccess;
 }
 inline cudaError_t cudaDeviceGetStreamPriorityRange(int* least, int* greatest) {
+  FDMOCK_ENTER("cudaDeviceGetStreamPriorityRange", fdmock::current_device());
   *least = 0;
   *greatest = -5;
   return cudaSuccess;
 }
 inline cudaError_t cudaPointerGetAttributes(cudaPointerAttributes* a, const void* p) {
+  FDMOCK_ENTER("cudaPointerGetAttributes", fdmock::current_device());
   std::memset(a, 0, sizeof(*a));
-  fdmock::Memory& m = fdmock::memory();
-  std::lock_guard<std::mutex> g(m.mu);
-  uintptr_t v = reinterpret_cast<uintptr_t>(p);
-  auto it = m.device.upper_bound(v);
-  if (it != m.device.begin()) {
-    --it;
-    if (v < it->first + it->second) {
-      a->type = cudaMemoryTypeDevice;
-      a->device = 0;
-      return cudaSuccess;
-    }
+  a->device = -2;
+  const int d = fdmock::device_of(p);
+  if (d >= 0) {
+    a->type = cudaMemoryTypeDevice;
+    a->device = d;
+    a->devicePointer = const_cast<void*>(p);
+  } else if (fdmock::pinned_state(p, 1) != 0) {
+    a->type = cudaMemoryTypeHost;
+    a->hostPointer = const_cast<void*>(p);
+    a->devicePointer = const_cast<void*>(p);
+  } else {
+    a->type = cudaMemoryTypeUnregistered;
   }
-  a->type = cudaMemoryTypeUnregistered;
   return cudaSuccess;
 }
 inline cudaError_t cudaMalloc(void** p, size_t n) {
-  if (fdmock::config().fail_malloc.load()) return fdmock::ret(cudaErrorMemoryAllocation);
-  *p = std::aligned_alloc(256, (n + 255) / 256 * 256);
-  if (!*p) return fdmock::ret(cudaErrorMemoryAllocation);
-  std::memset(*p, 0xA5, n);  // poison: unwritten bytes show up in comparisons
+  const int dev = fdmock::current_device();
+  *p = nullptr;
+  FDMOCK_ENTER("cudaMalloc", dev);
+  if (cudaError_t e = fdmock::unsafe_call()) return fdmock::ret(e);
+  const uint64_t len = (std::max<size_t>(n, 1) + 255) / 256 * 256;
   std::lock_guard<std::mutex> g(fdmock::memory().mu);
-  fdmock::memory().device[reinterpret_cast<uintptr_t>(*p)] = n;
+  uint64_t used = 0;
+  fdmock::Arena& a = fdmock::arena_locked(dev);
+  for (auto& b : a.blocks) used += b.second;
+  if (used + len > fdmock::config().device_free.load()) return fdmock::ret(cudaErrorMemoryAllocation);
+  uint64_t off = 0;  // first fit: freed blocks are reused at once, like a caching allocator's
+  for (auto& b : a.blocks) {
+    if (b.first >= off + len) break;
+    off = (b.first + b.second + 255) / 256 * 256;
+  }
+  if (off + len > fdmock::kArenaBytes) return fdmock::ret(cudaErrorMemoryAllocation);
+  a.blocks[off] = len;
+  std::memset(a.shadow + off, 0xA5, len);  // poison: unwritten bytes show up in comparisons
+  *p = a.base + off;
   fdmock::config().live_allocs++;
   return cudaSuccess;
 }
 inline cudaError_t cudaFree(void* p) {
   if (!p) return cudaSuccess;
-  {
-    std::lock_guard<std::mutex> g(fdmock::memory().mu);
-    fdmock::memory().device.erase(reinterpret_cast<uintptr_t>(p));
-  }
-  std::free(p);
+  FDMOCK_ENTER("cudaFree", fdmock::current_device());
+  if (cudaError_t e = fdmock::unsafe_call()) return fdmock::ret(e);
+  std::lock_guard<std::mutex> g(fdmock::memory().mu);
+  uint8_t* sh = nullptr;
+  const int d = fdmock::device_of_locked(p, 1, &sh);
+  if (d < 0) return fdmock::ret(cudaErrorInvalidValue);
+  fdmock::Arena& a = fdmock::memory().arenas[d];
+  auto it = a.blocks.find(static_cast<uint64_t>(static_cast<uint8_t*>(p) - a.base));
+  if (it == a.blocks.end()) return fdmock::ret(cudaErrorInvalidValue);
+  // Give back the whole pages inside the block only: blocks are 256-byte aligned, neighbours share pages.
+  const uint64_t page = 4096, lo = (it->first + page - 1) / page * page, hi = (it->first + it->second) / page * page;
+  if (hi > lo) ::madvise(a.shadow + lo, hi - lo, MADV_DONTNEED);
+  a.blocks.erase(it);
   fdmock::config().live_allocs--;
   return cudaSuccess;
 }
-inline cudaError_t cudaStreamCreateWithPriority(cudaStream_t* s, unsigned int, int) {
-  *s = reinterpret_cast<cudaStream_t>(new fdmock::Stream(fdmock::current_device()));
+inline cudaError_t cudaHostAlloc(void** p, size_t n, unsigned int) {
+  FDMOCK_ENTER("cudaHostAlloc", fdmock::current_device());
+  if (cudaError_t e = fdmock::unsafe_call()) return fdmock::ret(e);
+  *p = std::aligned_alloc(4096, (n + 4095) / 4096 * 4096);
+  std::lock_guard<std::mutex> g(fdmock::memory().mu);
+  fdmock::memory().pinned[reinterpret_cast<uintptr_t>(*p)] = n;
+  fdmock::memory().host_allocs.insert(reinterpret_cast<uintptr_t>(*p));
   return cudaSuccess;
+}
+inline cudaError_t cudaFreeHost(void* p) {
+  {
+    std::lock_guard<std::mutex> g(fdmock::memory().mu);
+    if (!fdmock::memory().host_allocs.erase(reinterpret_cast<uintptr_t>(p))) return fdmock::ret(cudaErrorInvalidValue);
+    fdmock::memory().pinned.erase(reinterpret_cast<uintptr_t>(p));
+  }
+  std::free(p);
+  return cudaSuccess;
+}
+inline cudaError_t cudaStreamCreateWithPriority(cudaStream_t* s, unsigned int flags, int) {
+  const int dev = fdmock::current_device();
+  FDMOCK_ENTER("cudaStreamCreateWithPriority", dev);
+  auto* st = new fdmock::Stream(dev, flags, false);
+  if (st->blocking()) {
+    std::lock_guard<std::mutex> g(fdmock::big_lock());
+    fdmock::blocking_streams().insert(st);
+  }
+  *s = reinterpret_cast<cudaStream_t>(st);
+  return cudaSuccess;
+}
+inline cudaError_t cudaStreamCreateWithFlags(cudaStream_t* s, unsigned int flags) {
+  return cudaStreamCreateWithPriority(s, flags, 0);
 }
 inline cudaError_t cudaStreamDestroy(cudaStream_t s) {
   if (reinterpret_cast<uintptr_t>(s) <= 2) return fdmock::ret(cudaErrorInvalidResourceHandle);
-  delete reinterpret_cast<fdmock::Stream*>(s);
+  auto* st = reinterpret_cast<fdmock::Stream*>(s);
+  {
+    std::lock_guard<std::mutex> g(fdmock::big_lock());
+    fdmock::blocking_streams().erase(st);
+  }
+  delete st;
   return cudaSuccess;
 }
 inline cudaError_t cudaStreamSynchronize(cudaStream_t s) {
+  fdmock::Stream* st = fdmock::stream_of(s);
+  FDMOCK_ENTER("cudaStreamSynchronize", st->device());
+  {
+    std::lock_guard<std::mutex> g(fdmock::big_lock());
+    if (st->capture) {  // synchronizing a capturing stream is never allowed
+      fdmock::invalidate_locked(*st->capture, cudaErrorStreamCaptureUnsupported);
+      return fdmock::ret(cudaErrorStreamCaptureUnsupported);
+    }
+    if (cudaError_t e = fdmock::unsafe_call_locked()) return fdmock::ret(e);
+  }
   fdmock::config().syncs++;
-  fdmock::stream_of(s)->sync();
+  st->sync();
+  FDMOCK_ENTER("", st->device());  // a fault while we waited is reported here
   return cudaSuccess;
 }
-inline cudaError_t cudaStreamIsCapturing(cudaStream_t, cudaStreamCaptureStatus* st) {
-  *st = fdmock::config().capturing.load() ? cudaStreamCaptureStatusActive : cudaStreamCaptureStatusNone;
+inline cudaError_t cudaStreamBeginCapture(cudaStream_t s, cudaStreamCaptureMode mode) {
+  fdmock::Stream* st = fdmock::stream_of(s);
+  FDMOCK_ENTER("cudaStreamBeginCapture", st->device());
+  if (st->legacy()) return fdmock::ret(cudaErrorStreamCaptureUnsupported);
+  std::lock_guard<std::mutex> g(fdmock::big_lock());
+  if (st->capture) return fdmock::ret(cudaErrorIllegalState);
+  static uint64_t next_id = 1;
+  auto c = std::make_shared<fdmock::Capture>();
+  c->mode = mode;
+  c->thread = std::this_thread::get_id();
+  c->origin = st;
+  c->device = st->device();
+  c->id = next_id++;
+  c->members.push_back(st);
+  st->capture = c;
+  fdmock::captures().push_back(c);
+  fdmock::config().live_graphs++;
+  return cudaSuccess;
+}
+inline cudaError_t cudaStreamEndCapture(cudaStream_t s, cudaGraph_t* graph) {
+  fdmock::Stream* st = fdmock::stream_of(s);
+  *graph = nullptr;
+  std::lock_guard<std::mutex> g(fdmock::big_lock());
+  std::shared_ptr<fdmock::Capture> c = st->capture;
+  if (!c) return fdmock::ret(cudaErrorIllegalState);
+  if (c->origin != st) {
+    fdmock::invalidate_locked(*c, cudaErrorStreamCaptureUnmatched);
+    return fdmock::ret(cudaErrorStreamCaptureUnmatched);
+  }
+  if (c->mode != cudaStreamCaptureModeRelaxed && c->thread != std::this_thread::get_id())
+    return fdmock::ret(cudaErrorStreamCaptureWrongThread);
+  cudaError_t e = c->invalid != cudaSuccess ? cudaErrorStreamCaptureInvalidated : cudaSuccess;
+  for (fdmock::Stream* m : c->members) {
+    if (m->capture_pending && e == cudaSuccess) e = cudaErrorStreamCaptureUnjoined;
+    m->capture_pending = false;
+    m->capture.reset();
+  }
+  auto& all = fdmock::captures();
+  for (size_t i = 0; i < all.size(); ++i)
+    if (all[i] == c) all.erase(all.begin() + static_cast<std::ptrdiff_t>(i));
+  if (e != cudaSuccess) {
+    delete c->graph;
+    fdmock::config().live_graphs--;
+    return fdmock::ret(e);
+  }
+  *graph = reinterpret_cast<cudaGraph_t>(c->graph);
+  return cudaSuccess;
+}
+inline cudaError_t cudaStreamIsCapturing(cudaStream_t s, cudaStreamCaptureStatus* out) {
+  fdmock::Stream* st = fdmock::stream_of(s);
+  FDMOCK_ENTER("cudaStreamIsCapturing", st->device());
+  *out = cudaStreamCaptureStatusNone;
+  if (fdmock::config().capturing.load()) {
+    *out = cudaStreamCaptureStatusActive;
+    return cudaSuccess;
+  }
+  std::lock_guard<std::mutex> g(fdmock::big_lock());
+  if (st->legacy()) {  // asking about the legacy stream while a blocking stream captures
+    for (auto& c : fdmock::captures())
+      for (fdmock::Stream* m : c->members)
+        if (m->device() == st->device() && m->blocking()) return fdmock::ret(cudaErrorStreamCaptureImplicit);
+    return cudaSuccess;
+  }
+  if (st->capture)
+    *out = st->capture->invalid != cudaSuccess ? cudaStreamCaptureStatusInvalidated : cudaStreamCaptureStatusActive;
+  return cudaSuccess;
+}
+inline cudaError_t cudaStreamGetCaptureInfo(cudaStream_t s, cudaStreamCaptureStatus* out,
+                                            unsigned long long* id = nullptr, cudaGraph_t* graph = nullptr,
+                                            const void** deps = nullptr, const void** edges = nullptr,
+                                            size_t* ndeps = nullptr) {
+  cudaError_t e = cudaStreamIsCapturing(s, out);
+  if (e != cudaSuccess) return e;
+  std::lock_guard<std::mutex> g(fdmock::big_lock());
+  auto& c = fdmock::stream_of(s)->capture;
+  if (id) *id = c ? c->id : 0;
+  if (graph) *graph = c ? reinterpret_cast<cudaGraph_t>(c->graph) : nullptr;
+  if (deps) *deps = nullptr;
+  if (edges) *edges = nullptr;
+  if (ndeps) *ndeps = 0;
   return cudaSuccess;
 }
 inline cudaError_t cudaThreadExchangeStreamCaptureMode(cudaStreamCaptureMode* mode) {
-  static thread_local cudaStreamCaptureMode m = cudaStreamCaptureModeGlobal;
-  std::swap(m, *mode);
+  std::swap(fdmock::thread_capture_mode(), *mode);
+  return cudaSuccess;
+}
+inline cudaError_t cudaGraphInstantiate(cudaGraphExec_t* exec, cudaGraph_t graph, unsigned long long = 0) {
+  FDMOCK_ENTER("cudaGraphInstantiate", fdmock::current_device());
+  if (!graph) return fdmock::ret(cudaErrorInvalidValue);
+  *exec = reinterpret_cast<cudaGraphExec_t>(new fdmock::Graph(*reinterpret_cast<fdmock::Graph*>(graph)));
+  fdmock::config().live_graphs++;
+  return cudaSuccess;
+}
+inline cudaError_t cudaGraphLaunch(cudaGraphExec_t exec, cudaStream_t s) {
+  FDMOCK_ENTER("cudaGraphLaunch", fdmock::current_device());
+  auto* g = reinterpret_cast<fdmock::Graph*>(exec);
+  return fdmock::ret(fdmock::submit(s, [g] {
+    for (auto& op : g->ops) op();
+  }));
+}
+inline cudaError_t cudaGraphDestroy(cudaGraph_t graph) {
+  delete reinterpret_cast<fdmock::Graph*>(graph);
+  fdmock::config().live_graphs--;
+  return cudaSuccess;
+}
+inline cudaError_t cudaGraphExecDestroy(cudaGraphExec_t exec) {
+  delete reinterpret_cast<fdmock::Graph*>(exec);
+  fdmock::config().live_graphs--;
   return cudaSuccess;
 }
 inline cudaError_t cudaEventCreateWithFlags(cudaEvent_t* e, unsigned int) {
+  FDMOCK_ENTER("cudaEventCreateWithFlags", fdmock::current_device());
   *e = reinterpret_cast<cudaEvent_t>(new fdmock::Event());
   fdmock::config().live_events++;
   return cudaSuccess;
@@ -435,76 +987,140 @@ inline cudaError_t cudaEventDestroy(cudaEvent_t e) {
 inline cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s) {
   auto* ev = reinterpret_cast<fdmock::Event*>(e);
   fdmock::Stream* st = fdmock::stream_of(s);
-  uint64_t t = st->enqueue([] {});
+  FDMOCK_ENTER("cudaEventRecord", st->device());
+  std::shared_ptr<fdmock::Capture> cap;
+  {
+    std::lock_guard<std::mutex> g(fdmock::big_lock());
+    cap = st->capture;
+  }
   std::lock_guard<std::mutex> g(ev->mu);
+  ev->stream = st;
+  if (cap) {  // an event node in the graph: joins the streams that wait on it to the capture
+    ev->captured = cap;
+    ev->progress.reset();
+    return cudaSuccess;
+  }
+  uint64_t t = 0;
+  cudaError_t err = fdmock::submit(s, [] {}, &t);
+  if (err != cudaSuccess) return fdmock::ret(err);
+  ev->captured.reset();
   ev->progress = st->progress();
   ev->ticket = t;
   return cudaSuccess;
 }
 inline cudaError_t cudaEventQuery(cudaEvent_t e) {
   auto* ev = reinterpret_cast<fdmock::Event*>(e);
-  int f = fdmock::config().fail_event_query.load();
-  if (f > 0 && fdmock::config().fail_event_query.compare_exchange_strong(f, f - 1))
-    return fdmock::ret(cudaErrorUnknown);
+  FDMOCK_ENTER("cudaEventQuery", fdmock::current_device());
   std::shared_ptr<fdmock::Progress> pr;
   uint64_t t;
   {
     std::lock_guard<std::mutex> g(ev->mu);
+    if (ev->captured) return fdmock::ret(cudaErrorCapturedEvent);
     pr = ev->progress;
     t = ev->ticket;
   }
+  if (cudaError_t u = fdmock::unsafe_call()) return fdmock::ret(u);
   if (!pr) return cudaSuccess;
   return pr->get() >= t ? cudaSuccess : cudaErrorNotReady;
 }
 inline cudaError_t cudaStreamWaitEvent(cudaStream_t s, cudaEvent_t e, unsigned int) {
   auto* ev = reinterpret_cast<fdmock::Event*>(e);
+  fdmock::Stream* st = fdmock::stream_of(s);
+  FDMOCK_ENTER("cudaStreamWaitEvent", st->device());
   std::shared_ptr<fdmock::Progress> pr;
+  std::shared_ptr<fdmock::Capture> cap;
+  fdmock::Stream* from;
   uint64_t t;
   {
     std::lock_guard<std::mutex> g(ev->mu);
     pr = ev->progress;
     t = ev->ticket;
+    cap = ev->captured;
+    from = ev->stream;
   }
+  std::unique_lock<std::mutex> g(fdmock::big_lock());
+  if (cap) {
+    if (st->capture && st->capture != cap) {
+      fdmock::invalidate_locked(*cap, cudaErrorStreamCaptureMerge);
+      return fdmock::ret(cudaErrorStreamCaptureMerge);
+    }
+    if (cap->invalid == cudaSuccess && cap->origin == st && from) from->capture_pending = false;  // joined back
+    if (!st->capture) {  // fork: st joins the capture
+      st->capture = cap;
+      cap->members.push_back(st);
+    }
+    return cudaSuccess;
+  }
+  if (st->capture) {  // a captured stream may not wait on work outside its capture
+    fdmock::invalidate_locked(*st->capture, cudaErrorStreamCaptureIsolation);
+    return fdmock::ret(cudaErrorStreamCaptureIsolation);
+  }
+  g.unlock();
   if (!pr) return cudaSuccess;
-  fdmock::stream_of(s)->enqueue([pr, t] { pr->wait_for(t); });
-  return cudaSuccess;
+  return fdmock::ret(fdmock::submit(s, [pr, t] { pr->wait_for(t); }));
 }
 inline cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t n, cudaMemcpyKind kind, cudaStream_t s) {
+  fdmock::Stream* st = fdmock::stream_of(s);
+  FDMOCK_ENTER("cudaMemcpyAsync", st->device());
+  fdmock::Side d, sr;
+  if (fdmock::check_copy(dst, src, n, kind, &d, &sr) != cudaSuccess) return fdmock::ret(cudaErrorInvalidValue);
   fdmock::config().memcpy_calls++;
-  if (kind == cudaMemcpyDeviceToHost) fdmock::check_d2h_dst(dst, n);
-  fdmock::stream_of(s)->enqueue([=] { std::memcpy(dst, src, n); });
-  return cudaSuccess;
+  if (sr.device && !d.device) fdmock::count_d2h_dst(dst, n);
+  const bool pageable = (!d.device && fdmock::pinned_state(dst, n) != 1) || (!sr.device && fdmock::pinned_state(src, n) != 1);
+  uint8_t* db = d.bytes;
+  const uint8_t* sb = sr.bytes;
+  return fdmock::ret(fdmock::submit_copy(s, [=] { std::memcpy(db, sb, n); }, pageable && (d.device || sr.device)));
 }
 inline cudaError_t cudaMemcpy2DAsync(void* dst, size_t dpitch, const void* src, size_t spitch, size_t width,
-                                     size_t height, cudaMemcpyKind, cudaStream_t s) {
-  if (dpitch < width || spitch < width) return fdmock::ret(cudaErrorInvalidValue);
+                                     size_t height, cudaMemcpyKind kind, cudaStream_t s) {
+  FDMOCK_ENTER("cudaMemcpy2DAsync", fdmock::stream_of(s)->device());
+  if (dpitch < width || spitch < width || height == 0) return fdmock::ret(cudaErrorInvalidValue);
+  const size_t dspan = dpitch * (height - 1) + width, sspan = spitch * (height - 1) + width;
+  fdmock::Side d, sr;
+  if (fdmock::resolve(dst, dspan, &d) != cudaSuccess || fdmock::resolve(src, sspan, &sr) != cudaSuccess)
+    return fdmock::ret(cudaErrorInvalidValue);
+  if (kind != cudaMemcpyDefault && (((kind == cudaMemcpyDeviceToHost || kind == cudaMemcpyDeviceToDevice) != sr.device) ||
+                                    ((kind == cudaMemcpyHostToDevice || kind == cudaMemcpyDeviceToDevice) != d.device)))
+    return fdmock::ret(cudaErrorInvalidValue);
   fdmock::config().memcpy2d_calls++;
-  fdmock::stream_of(s)->enqueue([=] {
-    for (size_t r = 0; r < height; ++r)
-      std::memcpy(static_cast<char*>(dst) + r * dpitch, static_cast<const char*>(src) + r * spitch, width);
-  });
-  return cudaSuccess;
+  uint8_t* db = d.bytes;
+  const uint8_t* sb = sr.bytes;
+  return fdmock::ret(fdmock::submit(s, [=] {
+    for (size_t r = 0; r < height; ++r) std::memcpy(db + r * dpitch, sb + r * spitch, width);
+  }));
 }
 inline cudaError_t cudaMemcpyBatchAsync(void* const* dsts, const void* const* srcs, const size_t* sizes,
                                         size_t count, cudaMemcpyAttributes* attrs, size_t* idxs, size_t nattrs,
                                         cudaStream_t s) {
-  if (fdmock::config().fail_batch.load()) return fdmock::ret(cudaErrorNotSupported);
-  if (reinterpret_cast<uintptr_t>(s) <= 2 || nattrs != 1 || idxs[0] != 0 ||
+  FDMOCK_ENTER("cudaMemcpyBatchAsync", fdmock::stream_of(s)->device());
+  if (reinterpret_cast<uintptr_t>(s) <= 1 || nattrs != 1 || idxs[0] != 0 ||
       attrs[0].srcAccessOrder != cudaMemcpySrcAccessOrderStream)
     return fdmock::ret(cudaErrorInvalidValue);
-  fdmock::config().batch_calls++;
-  std::vector<void*> d(dsts, dsts + count);
-  std::vector<const void*> sr(srcs, srcs + count);
+  {
+    std::lock_guard<std::mutex> g(fdmock::big_lock());
+    if (fdmock::stream_of(s)->capture) return fdmock::ret(cudaErrorStreamCaptureUnsupported);  // not capturable
+  }
+  std::vector<uint8_t*> d(count);
+  std::vector<const uint8_t*> sr(count);
   std::vector<size_t> n(sizes, sizes + count);
-  for (size_t i = 0; i < count; ++i) fdmock::check_d2h_dst(d[i], n[i]);
-  fdmock::stream_of(s)->enqueue([d, sr, n] {
+  for (size_t i = 0; i < count; ++i) {
+    fdmock::Side ds, ss;
+    if (fdmock::check_copy(dsts[i], srcs[i], n[i], cudaMemcpyDefault, &ds, &ss) != cudaSuccess)
+      return fdmock::ret(cudaErrorInvalidValue);
+    if (ss.device && !ds.device) fdmock::count_d2h_dst(dsts[i], n[i]);
+    d[i] = ds.bytes;
+    sr[i] = ss.bytes;
+  }
+  fdmock::config().batch_calls++;
+  return fdmock::ret(fdmock::submit(s, [d, sr, n] {
     for (size_t i = 0; i < d.size(); ++i) std::memcpy(d[i], sr[i], n[i]);
-  });
-  return cudaSuccess;
+  }));
 }
 inline cudaError_t cudaHostRegister(void* p, size_t n, unsigned int) {
+  FDMOCK_ENTER("cudaHostRegister", fdmock::current_device());
+  if (cudaError_t e = fdmock::unsafe_call()) return fdmock::ret(e);
   std::lock_guard<std::mutex> g(fdmock::memory().mu);
-  auto& r = fdmock::memory().registered;
+  auto& r = fdmock::memory().pinned;
   uintptr_t a = reinterpret_cast<uintptr_t>(p);
   auto it = r.upper_bound(a);
   if (it != r.begin()) {
@@ -517,8 +1133,9 @@ inline cudaError_t cudaHostRegister(void* p, size_t n, unsigned int) {
   return cudaSuccess;
 }
 inline cudaError_t cudaHostUnregister(void* p) {
+  FDMOCK_ENTER("cudaHostUnregister", fdmock::current_device());
   std::lock_guard<std::mutex> g(fdmock::memory().mu);
-  if (!fdmock::memory().registered.erase(reinterpret_cast<uintptr_t>(p))) return fdmock::ret(cudaErrorInvalidValue);
+  if (!fdmock::memory().pinned.erase(reinterpret_cast<uintptr_t>(p))) return fdmock::ret(cudaErrorHostMemoryNotRegistered);
   fdmock::config().registered_ranges--;
   return cudaSuccess;
 }

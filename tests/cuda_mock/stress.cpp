@@ -61,7 +61,7 @@ int main(int argc, char** argv) {
   const int nthreads = argc > 2 ? std::atoi(argv[2]) : 4;
   const std::string mode = argc > 3 ? argv[3] : "";
   const bool fail_mode = mode == "fail";
-  if (mode == "nobatch") fdmock::config().fail_batch = 1;
+  if (mode == "nobatch") fdmock::inject("cudaMemcpyBatchAsync", 1 << 30, cudaErrorNotSupported);
   std::atomic<bool> failed{false};
   fdmock::config().max_delay_us = 30;
   fdmock::config().device_count = 2;
@@ -129,10 +129,11 @@ int main(int argc, char** argv) {
     for (int t = 0; t < nthreads; ++t) {
       threads.emplace_back([&, t] {
         std::mt19937 rng(static_cast<unsigned>(100 + t));
-        cudaStream_t stream;
+        cudaStream_t stream = nullptr;
         fdmock::current_device() = t % 2;
         cudaStreamCreateWithPriority(&stream, cudaStreamNonBlocking, 0);
         std::vector<std::vector<uint8_t>*> keep;
+        std::vector<void*> device_bufs;
         const uint64_t sizes[] = {1, 2, 4, 8, 16, 3, 12};
         for (int i = 0; i < iters; ++i) {
           const uint64_t elem = sizes[rng() % 7];
@@ -173,16 +174,20 @@ int main(int argc, char** argv) {
             std::swap(strides[0], strides[static_cast<size_t>(nd - 1)]);
           }
           if (rng() % 50 == 0 && nd > 0) shape[0] = 0;  // empty tensor
-          auto* buf = new std::vector<uint8_t>(static_cast<size_t>(n) * elem);
-          auto* produced = new std::vector<uint8_t>(buf->size());
+          // The tensor lives in (mock) device memory; the host cannot touch it, only stream work can.
+          const size_t nbytes = static_cast<size_t>(n) * elem;
+          void* dbuf = nullptr;
+          CHECK(cudaMalloc(&dbuf, nbytes) == cudaSuccess, "cudaMalloc");
+          device_bufs.push_back(dbuf);
+          uint8_t* buf = static_cast<uint8_t*>(dbuf);
+          auto* produced = new std::vector<uint8_t>(nbytes);
           for (auto& b : *produced) b = static_cast<uint8_t>(rng());
-          keep.push_back(buf);
           keep.push_back(produced);
-          const uint8_t* ptr = buf->data() + offset * static_cast<int64_t>(elem);
+          const uint8_t* ptr = buf + offset * static_cast<int64_t>(elem);
           // On the stream, before the hook: (sometimes a slow kernel, then) the kernel producing
           // the tensor. The snapshot must see these bytes, not the zeros there now.
           if (rng() % 4 == 0) fdmock::enqueue(stream, [] { std::this_thread::sleep_for(std::chrono::microseconds(300)); });
-          fdmock::stream_of(stream)->enqueue([buf, produced] { std::memcpy(buf->data(), produced->data(), buf->size()); });
+          fdmock::enqueue(stream, [buf, produced] { std::memcpy(fdmock::dev_bytes(buf), produced->data(), produced->size()); });
           Expect e;
           uint64_t numel = 1;
           for (int64_t d : shape) numel *= static_cast<uint64_t>(d);
@@ -198,7 +203,7 @@ int main(int argc, char** argv) {
           src.stream = reinterpret_cast<uintptr_t>(stream);
           const bool block = t % 2 == 0 || rng() % 2;
           if (fail_mode && t == 0 && i == iters / 2) {
-            fdmock::config().fail_event_query = 1;
+            fdmock::inject("cudaEventQuery", 1, cudaErrorUnknown);
             failed = true;
           }
           e.status = stager.stage(static_cast<uint32_t>(t), static_cast<uint32_t>(i), 1, 0, src, block, nullptr);
@@ -206,11 +211,12 @@ int main(int argc, char** argv) {
             CHECK(e.status == kStaged || (!block && e.status == kDropped), "thread %d tensor %d: status %d", t, i,
                   e.status);
           // After the hook: the next kernel overwrites the tensor in place.
-          fdmock::stream_of(stream)->enqueue([buf] { std::memset(buf->data(), 0xEE, buf->size()); });
+          fdmock::enqueue(stream, [buf, nbytes] { std::memset(fdmock::dev_bytes(buf), 0xEE, nbytes); });
           expect[static_cast<size_t>(t)][static_cast<uint32_t>(i)] = std::move(e);
         }
         fdmock::stream_of(stream)->sync();
         cudaStreamDestroy(stream);
+        for (void* b : device_bufs) cudaFree(b);
         for (auto* b : keep) delete b;
       });
     }
@@ -277,7 +283,13 @@ int main(int argc, char** argv) {
       if (it == got.end()) continue;
       CHECK(it->second.filled == e.bytes.size(), "thread %d tensor %u: %llu of %zu bytes", t, kv.first,
             (unsigned long long)it->second.filled, e.bytes.size());
-      CHECK(it->second.bytes == e.bytes, "thread %d tensor %u: content differs", t, kv.first);
+      if (it->second.bytes != e.bytes) {
+        size_t k = 0, bad = 0;
+        while (it->second.bytes[k] == e.bytes[k]) ++k;
+        for (size_t j = 0; j < e.bytes.size(); ++j) bad += it->second.bytes[j] != e.bytes[j];
+        CHECK(false, "thread %d tensor %u: content differs (%zu of %zu bytes, first at %zu: %02x, want %02x)", t,
+              kv.first, bad, e.bytes.size(), k, it->second.bytes[k], e.bytes[k]);
+      }
     }
   }
   auto& c = fdmock::config();
