@@ -103,7 +103,7 @@ py::dict stats_dict(CudaStager& s) {
 
 int stage(CudaStager& s, uint32_t channel, uint32_t name_id, int64_t pass_id, uint16_t dtype, uint64_t elem_size,
           std::vector<int64_t> shape, std::vector<int64_t> strides, uintptr_t ptr, int device, uintptr_t stream,
-          bool block, uintptr_t producer_stream) {
+          bool block, uintptr_t producer_stream, double timeout_s) {
   CudaSource src;
   src.ptr = ptr;
   src.elem_size = elem_size;
@@ -113,7 +113,7 @@ int stage(CudaStager& s, uint32_t channel, uint32_t name_id, int64_t pass_id, ui
   src.stream = stream;
   src.producer_stream = producer_stream;
   GilRelease gil;  // declared before the call: re-acquired after it, even when it throws
-  return s.stage(channel, name_id, pass_id, dtype, src, block, &gil);
+  return s.stage(channel, name_id, pass_id, dtype, src, block, &gil, timeout_s);
 }
 
 #ifdef FASTDUMP_CUDA_MOCK
@@ -328,8 +328,9 @@ void bind_cuda(py::module_& m) {
            "One per process. Raises RuntimeError when no GPU is usable.")
       .def("stage", &stage, py::arg("channel"), py::arg("name_id"), py::arg("pass_id"), py::arg("dtype"),
            py::arg("elem_size"), py::arg("shape"), py::arg("strides"), py::arg("ptr"), py::arg("device"),
-           py::arg("stream"), py::arg("block"), py::arg("producer_stream") = 0,
+           py::arg("stream"), py::arg("block"), py::arg("producer_stream") = 0, py::arg("timeout_s") = kWaitForever,
            "Snapshot a device tensor on `stream` and queue it for the host ring. Returns STAGED, DROPPED, "
+           "TIMED_OUT (dropped after waiting timeout_s for host-ring space), TORN, RING_TOO_SMALL, "
            "DISABLED, TOO_LARGE or CAPTURING. Strides in elements; stream is a cudaStream_t as int (0: legacy); "
            "producer_stream (if not 0 or `stream`): the stream that produced the tensor, waited for first.")
       .def(

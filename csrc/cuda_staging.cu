@@ -534,6 +534,16 @@ struct CudaStager::Impl {
       close(10.0);
     } catch (...) {
     }
+    // A std::thread destroyed while joinable calls std::terminate ("terminate called without an
+    // active exception"): whatever close() did, the drain thread is stopped and joined here.
+    if (drain.joinable()) {
+      {
+        std::lock_guard<std::mutex> g(q_mu);
+        stop = true;
+      }
+      q_cv.notify_all();
+      drain.join();
+    }
   }
 
   void set_error(const std::string& msg) {
@@ -753,7 +763,7 @@ struct CudaStager::Impl {
   };
 
   int stage(uint32_t channel, uint32_t name_id, int64_t pass_id, uint16_t dtype, const CudaSource& src, bool block,
-            BlockHook* hook) {
+            BlockHook* hook, double timeout_s) {
     ActiveGuard active_guard(active);
     if (closed.load() || broken.load() || prod->disabled() || forked_child()) return kDisabled;
     if (src.shape.size() != src.strides.size()) throw std::invalid_argument("shape and strides differ in length");
@@ -772,6 +782,12 @@ struct CudaStager::Impl {
       if (!hooked && hook) hook->before_block();
       hooked = true;
     };
+    // A blocking wait for host-ring space that ran out (block_timeout_s): dropped whole, counted.
+    auto no_space = [&]() -> int {
+      if (prod->disabled() || !prod->writer_alive()) return kDisabled;
+      drop();
+      return kTimedOut;
+    };
 
     if (numel == 0) {  // nothing to copy: the record is complete at once
       Reservation r;
@@ -779,8 +795,9 @@ struct CudaStager::Impl {
         if (prod->disabled() || !prod->writer_alive()) return kDisabled;
         if (!block) return drop();
         before_block();
-        if (!prod->reserve(kTensor, channel, name_id, pass_id, dtype, src.shape, 0, ChunkInfo{0, 0}, true, &r))
-          return kDisabled;
+        if (!prod->reserve(kTensor, channel, name_id, pass_id, dtype, src.shape, 0, ChunkInfo{0, 0}, true, &r,
+                           timeout_s))
+          return no_space();
       }
       prod->publish(r);
       n_records.fetch_add(1, std::memory_order_relaxed);
@@ -834,22 +851,58 @@ struct CudaStager::Impl {
     if (rec_elems == 0) return kTooLarge;
     const uint64_t seg_elems = rec_elems * std::max<uint64_t>(1, dmax / (rec_elems * src.elem_size));
 
+    // A tensor of several records has all its host records reserved before anything is
+    // snapshotted, when they fit in the ring together: it is then staged whole or not at all, and
+    // later waits (device-ring space) depend on the GPU drain only, never on the writer.
+    std::vector<Reservation> pre;
+    size_t next_pre = 0;
+    auto cancel_rest = [&] {
+      for (; next_pre < pre.size(); ++next_pre) cancel(pre[next_pre]);
+    };
+    const double deadline = timeout_s < 0 ? -1 : now_s() + timeout_s;
+    auto wait_left = [&] { return deadline < 0 ? kWaitForever : std::max(deadline - now_s(), 1e-6); };
+    if (numel > rec_elems) {
+      std::vector<uint64_t> plan;
+      for (uint64_t r0 = 0; r0 < numel; r0 += rec_elems) plan.push_back((std::min(numel, r0 + rec_elems) - r0) * src.elem_size);
+      int got = prod->reserve_all(channel, name_id, pass_id, dtype, src.shape, plan, total, false, 0, &pre);
+      if (got == 0) {
+        if (prod->disabled() || !prod->writer_alive()) return kDisabled;
+        if (!block) return drop();
+        before_block();
+        host_waits.fetch_add(1, std::memory_order_relaxed);
+        got = prod->reserve_all(channel, name_id, pass_id, dtype, src.shape, plan, total, true, timeout_s, &pre);
+        if (got == 0) return no_space();
+      }
+      if (got < 0) {
+        pre.clear();  // too large for the ring at once: records are reserved one by one below
+        if (!block) {  // `drop` never waits for the writer mid-tensor
+          if (!prod->fits_whole(src.shape.size(), plan)) return kRingTooSmall;
+          return drop();  // only the wrap at the ring's end was in the way
+        }
+      }
+    }
+
     bool started = false;  // part of this tensor is in the rings: finish it even under `drop`
     for (uint64_t s0 = 0; s0 < numel; s0 += seg_elems) {
       const uint64_t s1 = std::min(numel, s0 + seg_elems);
       Region* reg = nullptr;
       uint8_t* dptr = nullptr;
       if (!try_alloc(dev, (s1 - s0) * src.elem_size, &reg, &dptr)) {
-        if (!block && !started) return drop();
+        if (!block && !started && pre.empty()) return drop();
         before_block();
-        if (!wait_alloc(dev, (s1 - s0) * src.elem_size, &reg, &dptr)) return kDisabled;
+        if (!wait_alloc(dev, (s1 - s0) * src.elem_size, &reg, &dptr)) {
+          cancel_rest();
+          return kDisabled;
+        }
       }
       for (uint64_t r0 = s0; r0 < s1; r0 += rec_elems) {
         const uint64_t r1 = std::min(s1, r0 + rec_elems);
         const uint64_t len = (r1 - r0) * src.elem_size;
         const ChunkInfo chunk{r0 * src.elem_size, total};
         Reservation res;
-        if (!prod->reserve(kTensor, channel, name_id, pass_id, dtype, src.shape, len, chunk, false, &res)) {
+        if (next_pre < pre.size()) {
+          res = pre[next_pre++];
+        } else if (!prod->reserve(kTensor, channel, name_id, pass_id, dtype, src.shape, len, chunk, false, &res)) {
           if (prod->disabled() || !prod->writer_alive()) {
             close_region(dev, reg);
             return kDisabled;
@@ -860,9 +913,14 @@ struct CudaStager::Impl {
           }
           before_block();
           host_waits.fetch_add(1, std::memory_order_relaxed);
-          if (!prod->reserve(kTensor, channel, name_id, pass_id, dtype, src.shape, len, chunk, true, &res)) {
+          if (!prod->reserve(kTensor, channel, name_id, pass_id, dtype, src.shape, len, chunk, true, &res,
+                             wait_left())) {
             close_region(dev, reg);
-            return kDisabled;
+            if (prod->disabled() || !prod->writer_alive()) return kDisabled;
+            if (!started) return no_space();
+            // Records already queued can never be completed: the writer records the tensor as
+            // incomplete when its pass ends.
+            return kTorn;
           }
         }
         n_records.fetch_add(1, std::memory_order_relaxed);
@@ -878,6 +936,7 @@ struct CudaStager::Impl {
             snapshot(dev, layout, src, s0, s1, dptr, stream);
           } catch (const std::exception& ex) {
             cancel(res);
+            cancel_rest();
             close_region(dev, reg);  // nothing was enqueued into it
             if (!started) throw;
             broken.store(true);
@@ -898,6 +957,7 @@ struct CudaStager::Impl {
             // Leave it allocated, give up on CUDA staging (sticky errors end up here).
             (void)cudaGetLastError();
             cancel(res);
+            cancel_rest();
             broken.store(true);
             set_error(cuda_error_text(e, "cudaEventRecord(producer stream)"));
             return kDisabled;
@@ -1305,7 +1365,10 @@ struct CudaStager::Impl {
     // Let stage() calls in progress return (their waits see `closed`).
     const double deadline = now_s() + timeout_s;
     while (active.load() > 0 && now_s() < deadline) std::this_thread::sleep_for(std::chrono::milliseconds(1));
-    flush(std::max(0.0, deadline - now_s()));
+    try {
+      flush(std::max(0.0, deadline - now_s()));
+    } catch (...) {  // the drain thread must be joined below whatever happens
+    }
     {
       std::lock_guard<std::mutex> g(q_mu);
       stop = true;
@@ -1390,8 +1453,8 @@ CudaStager::CudaStager(Producer* producer, uint64_t device_ring_bytes)
 CudaStager::~CudaStager() = default;
 
 int CudaStager::stage(uint32_t channel, uint32_t name_id, int64_t pass_id, uint16_t dtype, const CudaSource& src,
-                      bool block, BlockHook* hook) {
-  return impl_->stage(channel, name_id, pass_id, dtype, src, block, hook);
+                      bool block, BlockHook* hook, double timeout_s) {
+  return impl_->stage(channel, name_id, pass_id, dtype, src, block, hook, timeout_s);
 }
 
 double CudaStager::register_host(int device) { return impl_->register_host(device); }

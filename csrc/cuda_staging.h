@@ -114,7 +114,7 @@ class CudaStager {
   // under `block == false` drops the tensor and counts it (also in the producer's dropped count).
   // Never synchronizes the device or the producer stream. Throws std::runtime_error on CUDA errors.
   int stage(uint32_t channel, uint32_t name_id, int64_t pass_id, uint16_t dtype, const CudaSource& src,
-            bool block, BlockHook* hook);
+            bool block, BlockHook* hook, double timeout_s = kWaitForever);
 
   // Pin the host ring's data area (cudaHostRegister, portable, in 256 MiB pieces). Idempotent.
   // Runs on `device` (-1: the lowest device with a context already, else the current one), so it

@@ -19,7 +19,7 @@ constexpr uint64_t kReleaseGilBytes = 64 * 1024;
 
 int stage_host(Producer& p, uint32_t channel, uint32_t name_id, int64_t pass_id, uint16_t dtype,
                uint64_t elem_size, std::vector<int64_t> shape, std::vector<int64_t> strides,
-               uintptr_t ptr, bool block) {
+               uintptr_t ptr, bool block, double timeout_s) {
   if (shape.size() != strides.size()) throw std::invalid_argument("shape and strides differ in length");
   HostSource src{reinterpret_cast<const uint8_t*>(ptr), elem_size, std::move(shape), std::move(strides)};
   uint64_t nbytes = elem_size;
@@ -30,15 +30,15 @@ int stage_host(Producer& p, uint32_t channel, uint32_t name_id, int64_t pass_id,
     if (st == kNoSpace && block) {
       // Waiting for the writer: a thread writer needs the GIL to make progress.
       py::gil_scoped_release nogil;
-      st = p.stage_host(channel, name_id, pass_id, dtype, src, true);
+      st = p.stage_host(channel, name_id, pass_id, dtype, src, true, timeout_s);
     }
   } else {
     py::gil_scoped_release nogil;
-    st = p.stage_host(channel, name_id, pass_id, dtype, src, block);
+    st = p.stage_host(channel, name_id, pass_id, dtype, src, block, timeout_s);
   }
-  if (st == kNoSpace) {
+  if (st == kNoSpace || st == kTimedOut) {  // dropped whole; TIMED_OUT tells the caller it waited
     p.count_dropped(1);
-    st = kDropped;
+    return st == kNoSpace ? static_cast<int>(kDropped) : static_cast<int>(kTimedOut);
   }
   return st;
 }
@@ -134,6 +134,9 @@ PYBIND11_MODULE(_C, m) {
   m.attr("DROPPED") = static_cast<int>(kDropped);
   m.attr("DISABLED") = static_cast<int>(kDisabled);
   m.attr("TOO_LARGE") = static_cast<int>(kTooLarge);
+  m.attr("TIMED_OUT") = static_cast<int>(kTimedOut);
+  m.attr("TORN") = static_cast<int>(kTorn);
+  m.attr("RING_TOO_SMALL") = static_cast<int>(kRingTooSmall);
   m.attr("KIND_TENSOR") = static_cast<int>(kTensor);
   m.attr("KIND_CONTROL") = static_cast<int>(kControl);
   m.attr("WRITER_RUNNING") = static_cast<int>(kWriterRunning);
@@ -165,17 +168,23 @@ PYBIND11_MODULE(_C, m) {
              RingHeader* h = p.segment().header();
              return h->head.load() - h->tail.load();
            })
+      .def_property_readonly("released_bytes",
+                             [](Producer& p) { return p.segment().header()->tail.load(); },
+                             "ring bytes the writer has given back so far (monotonic)")
       .def("stage_host", &stage_host, py::arg("channel"), py::arg("name_id"), py::arg("pass_id"),
            py::arg("dtype"), py::arg("elem_size"), py::arg("shape"), py::arg("strides"), py::arg("ptr"),
-           py::arg("block"))
+           py::arg("block"), py::arg("timeout_s") = kWaitForever,
+           "STAGED, DROPPED (no space, `drop`), TIMED_OUT (dropped after waiting timeout_s), TORN, "
+           "RING_TOO_SMALL, TOO_LARGE or DISABLED")
       .def(
           "put_control",
-          [](Producer& p, uint32_t channel, py::bytes payload, bool block) {
+          [](Producer& p, uint32_t channel, py::bytes payload, bool block, double timeout_s) {
             std::string s = payload;
             py::gil_scoped_release nogil;
-            return p.put_control(channel, s.data(), s.size(), block);
+            return p.put_control(channel, s.data(), s.size(), block, timeout_s);
           },
-          py::arg("channel"), py::arg("payload"), py::arg("block") = true)
+          py::arg("channel"), py::arg("payload"), py::arg("block") = true, py::arg("timeout_s") = kWaitForever)
+      .def_property_readonly("acked_seq", &Producer::acked_seq)
       .def(
           "wait_acked",
           [](Producer& p, uint64_t seq, double timeout_s) {

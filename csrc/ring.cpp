@@ -7,6 +7,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <cstring>
@@ -174,15 +175,16 @@ bool Producer::writer_alive() {
   return true;
 }
 
-bool Producer::wait_for_space(uint64_t need, bool block) {
+bool Producer::wait_for_space(uint64_t need, bool block, double timeout_s) {
   RingHeader* h = seg_.header();
   const uint64_t cap = seg_.capacity();
   uint64_t head = h->head.load(std::memory_order_relaxed);
   if (cap - (head - h->tail.load(std::memory_order_acquire)) >= need) return true;
-  if (!block) return false;
+  if (!block || timeout_s == 0) return false;
   Backoff backoff(200);
   double t0 = now_s();
   double last_check = t0;
+  bool ok = true;
   stats_.block_waits++;
   while (cap - (head - h->tail.load(std::memory_order_acquire)) < need) {
     double t = now_s();
@@ -190,66 +192,67 @@ bool Producer::wait_for_space(uint64_t need, bool block) {
       last_check = t;
       if (!writer_alive()) return false;
     }
+    if (timeout_s > 0 && t - t0 >= timeout_s) {  // a stopped writer must not hold the model hostage
+      ok = false;
+      break;
+    }
     backoff.wait();
   }
   stats_.block_seconds += now_s() - t0;
-  return true;
+  return ok;
 }
 
-bool Producer::reserve(uint32_t kind, uint32_t channel, uint32_t name_id, int64_t pass_id,
-                       uint16_t dtype, const std::vector<int64_t>& shape, uint64_t payload_len,
-                       ChunkInfo chunk, bool block, Reservation* out) {
-  if (disabled()) return false;
-  if (shape.size() > kMaxDims) return false;
+Producer::Placement Producer::place(uint64_t head, uint32_t kind, uint64_t poff, uint64_t payload_len) const {
   const uint64_t cap = seg_.capacity();
-  const uint64_t poff = payload_offset(static_cast<uint32_t>(shape.size()));
-  const uint64_t len = align_up(poff + payload_len);
-  if (len > cap / 2) return false;
-
-  std::lock_guard<std::mutex> g(mu_);
-  RingHeader* h = seg_.header();
-  uint64_t head = h->head.load(std::memory_order_relaxed);
+  Placement p;
+  p.len = align_up(poff + payload_len);
   uint64_t off = head % cap;
-  uint64_t pad = (off + len > cap) ? cap - off : 0;  // no room before the end: wrap to 0
+  p.pad = (off + p.len > cap) ? cap - off : 0;  // no room before the end: wrap to 0
   // A large payload starts on a page boundary, so the writer can hand it to the disk with
   // O_DIRECT straight from the ring. The gap before it is a padding record (a multiple of kAlign,
   // so at least one header long).
-  uint64_t gap = 0;
   if (kind == kTensor && payload_len >= kPageAlignedBytes) {
     auto gap_at = [&](uint64_t start) {
       auto a = reinterpret_cast<uintptr_t>(seg_.data() + start + poff);
       return (kPageBytes - a % kPageBytes) % kPageBytes;
     };
-    gap = gap_at(pad ? 0 : off);
-    if (!pad && off + gap + len > cap) {
-      pad = cap - off;
-      gap = gap_at(0);
+    p.gap = gap_at(p.pad ? 0 : off);
+    if (!p.pad && off + p.gap + p.len > cap) {
+      p.pad = cap - off;
+      p.gap = gap_at(0);
     }
-    if (gap + len > cap / 2) gap = 0;  // a tiny ring: give up the alignment, not the record
+    if (p.gap + p.len > cap / 2) p.gap = 0;  // a tiny ring: give up the alignment, not the record
   }
-  uint64_t keep_free = (kind == kTensor && !block) ? control_reserve_ : 0;
-  if (!wait_for_space(pad + gap + len + keep_free, block)) return false;
+  return p;
+}
+
+void Producer::write_record(uint64_t& head, const Placement& p, uint32_t kind, uint32_t channel,
+                            uint32_t name_id, int64_t pass_id, uint16_t dtype,
+                            const std::vector<int64_t>& shape, uint64_t payload_len, ChunkInfo chunk,
+                            Reservation* out) {
+  const uint64_t cap = seg_.capacity();
+  uint64_t off = head % cap;
   auto put_pad = [&](uint64_t at, uint64_t n) {
-    auto* p = reinterpret_cast<RecordHeader*>(seg_.data() + at);
-    p->kind = kPad;
-    p->total_len = n;
-    p->seq = 0;
-    p->state.store(kReady, std::memory_order_relaxed);
+    auto* r = reinterpret_cast<RecordHeader*>(seg_.data() + at);
+    r->kind = kPad;
+    r->total_len = n;
+    r->seq = 0;
+    r->state.store(kReady, std::memory_order_relaxed);
   };
-  if (pad) {
-    put_pad(off, pad);
-    head += pad;
+  if (p.pad) {
+    put_pad(off, p.pad);
+    head += p.pad;
     off = 0;
   }
-  if (gap) {
-    put_pad(off, gap);
-    head += gap;
-    off += gap;
+  if (p.gap) {
+    put_pad(off, p.gap);
+    head += p.gap;
+    off += p.gap;
   }
   auto* rec = reinterpret_cast<RecordHeader*>(seg_.data() + off);
   rec->state.store(kAllocated, std::memory_order_relaxed);
   rec->kind = kind;
-  rec->total_len = len;
+  rec->total_len = p.len;
   rec->seq = next_seq_++;
   rec->channel = channel;
   rec->name_id = name_id;
@@ -262,14 +265,70 @@ bool Producer::reserve(uint32_t kind, uint32_t channel, uint32_t name_id, int64_
   std::memcpy(base + sizeof(RecordHeader), &chunk, sizeof(ChunkInfo));
   if (!shape.empty())
     std::memcpy(base + sizeof(RecordHeader) + sizeof(ChunkInfo), shape.data(), 8 * shape.size());
-  // Header complete before the writer can see it (it reads head with acquire).
-  h->head.store(head + len, std::memory_order_release);
+  head += p.len;
   stats_.records++;
   stats_.bytes += payload_len;
   out->rec = rec;
-  out->payload = base + poff;
+  out->payload = base + payload_offset(rec->ndim);
   out->payload_len = payload_len;
+}
+
+bool Producer::reserve(uint32_t kind, uint32_t channel, uint32_t name_id, int64_t pass_id,
+                       uint16_t dtype, const std::vector<int64_t>& shape, uint64_t payload_len,
+                       ChunkInfo chunk, bool block, Reservation* out, double timeout_s) {
+  if (disabled()) return false;
+  if (shape.size() > kMaxDims) return false;
+  const uint64_t cap = seg_.capacity();
+  const uint64_t poff = payload_offset(static_cast<uint32_t>(shape.size()));
+  if (align_up(poff + payload_len) > cap / 2) return false;
+
+  std::lock_guard<std::mutex> g(mu_);
+  RingHeader* h = seg_.header();
+  uint64_t head = h->head.load(std::memory_order_relaxed);
+  Placement p = place(head, kind, poff, payload_len);
+  uint64_t keep_free = (kind == kTensor && !block) ? control_reserve_ : 0;
+  if (!wait_for_space(p.bytes() + keep_free, block, timeout_s)) return false;
+  write_record(head, p, kind, channel, name_id, pass_id, dtype, shape, payload_len, chunk, out);
+  // Header complete before the writer can see it (it reads head with acquire).
+  h->head.store(head, std::memory_order_release);
   return true;
+}
+
+bool Producer::fits_whole(size_t ndim, const std::vector<uint64_t>& plan) const {
+  const uint64_t poff = payload_offset(static_cast<uint32_t>(ndim));
+  uint64_t bytes = control_reserve_;
+  for (uint64_t n : plan) bytes += align_up(poff + n);
+  return bytes <= seg_.capacity();
+}
+
+uint64_t Producer::span(uint64_t head, uint64_t poff, const std::vector<uint64_t>& plan) const {
+  uint64_t start = head;
+  for (uint64_t n : plan) head += place(head, kTensor, poff, n).bytes();
+  return head - start;
+}
+
+int Producer::reserve_all(uint32_t channel, uint32_t name_id, int64_t pass_id, uint16_t dtype,
+                          const std::vector<int64_t>& shape, const std::vector<uint64_t>& plan,
+                          uint64_t total, bool block, double timeout_s, std::vector<Reservation>* out) {
+  if (disabled()) return 0;
+  const uint64_t poff = payload_offset(static_cast<uint32_t>(shape.size()));
+  std::lock_guard<std::mutex> g(mu_);
+  RingHeader* h = seg_.header();
+  uint64_t head = h->head.load(std::memory_order_relaxed);
+  const uint64_t keep_free = block ? 0 : control_reserve_;
+  const uint64_t need = span(head, poff, plan) + keep_free;
+  if (need > seg_.capacity()) return -1;  // no wait can make room for all of it from here
+  if (!wait_for_space(need, block, timeout_s)) return 0;
+  out->resize(plan.size());
+  uint64_t offset = 0;
+  for (size_t i = 0; i < plan.size(); ++i) {
+    Placement p = place(head, kTensor, poff, plan[i]);
+    write_record(head, p, kTensor, channel, name_id, pass_id, dtype, shape, plan[i], ChunkInfo{offset, total},
+                 &(*out)[i]);
+    offset += plan[i];
+  }
+  h->head.store(head, std::memory_order_release);  // every chunk's header is complete
+  return 1;
 }
 
 void Producer::publish(const Reservation& r) {
@@ -278,7 +337,7 @@ void Producer::publish(const Reservation& r) {
 }
 
 StageStatus Producer::stage_host(uint32_t channel, uint32_t name_id, int64_t pass_id, uint16_t dtype,
-                                 const HostSource& src, bool block) {
+                                 const HostSource& src, bool block, double timeout_s) {
   if (disabled()) return kDisabled;
   if (src.shape.size() > kMaxDims) return kTooLarge;
   uint64_t numel = 1;
@@ -287,36 +346,70 @@ StageStatus Producer::stage_host(uint32_t channel, uint32_t name_id, int64_t pas
   // Split into element-aligned chunks; a tensor of one element is never split.
   uint64_t per_chunk = chunk_bytes_ / src.elem_size;
   if (per_chunk == 0) return kTooLarge;
-  uint64_t first = 0;
-  do {
-    uint64_t count = numel - first < per_chunk ? numel - first : per_chunk;
+  const double wait_s = block ? timeout_s : 0;
+  auto no_space = [&] {
+    if (disabled() || !writer_alive()) return kDisabled;
+    return block ? kTimedOut : kNoSpace;
+  };
+  auto finish = [&] {
+    std::lock_guard<std::mutex> g(mu_);
+    stats_.tensors++;
+    return kStaged;
+  };
+  if (numel <= per_chunk) {  // one record (the common case): no planning, no allocation
     Reservation r;
-    ChunkInfo chunk{first * src.elem_size, total};
-    if (!reserve(kTensor, channel, name_id, pass_id, dtype, src.shape, count * src.elem_size, chunk,
-                 block, &r)) {
-      if (disabled() || !writer_alive()) return kDisabled;
-      if (first == 0) return kNoSpace;
-      // Part of the tensor is already in the ring: finish it even under `drop`, so the writer never
-      // holds a torn tensor.
-      if (!reserve(kTensor, channel, name_id, pass_id, dtype, src.shape, count * src.elem_size, chunk,
-                   true, &r))
-        return kDisabled;
+    if (!reserve(kTensor, channel, name_id, pass_id, dtype, src.shape, total, ChunkInfo{0, total}, block, &r, wait_s))
+      return no_space();
+    copy_strided(r.payload, src.ptr, src.elem_size, src.shape, src.strides, 0, numel);
+    publish(r);
+    return finish();
+  }
+  std::vector<uint64_t> plan;
+  for (uint64_t first = 0; first < numel; first += per_chunk)
+    plan.push_back((numel - first < per_chunk ? numel - first : per_chunk) * src.elem_size);
+
+  // Staged whole or not at all: every chunk's record is reserved before the first byte is copied.
+  std::vector<Reservation> rs;
+  int got = reserve_all(channel, name_id, pass_id, dtype, src.shape, plan, total, block, wait_s, &rs);
+  if (got == 0) return no_space();
+  if (got > 0) {
+    uint64_t first = 0;
+    for (size_t i = 0; i < rs.size(); ++i) {
+      uint64_t count = plan[i] / src.elem_size;
+      copy_strided(rs[i].payload, src.ptr, src.elem_size, src.shape, src.strides, first, first + count);
+      publish(rs[i]);
+      first += count;
+    }
+    return finish();
+  }
+  // Larger than the ring can hold at once: it can only go in as the writer frees space, chunk by
+  // chunk. `drop` never waits for the writer, so it never stages such a tensor.
+  if (!block) return fits_whole(src.shape.size(), plan) ? kNoSpace : kRingTooSmall;  // kNoSpace: the wrap was in the way
+  const double deadline = timeout_s < 0 ? -1 : now_s() + timeout_s;
+  uint64_t first = 0;
+  for (size_t i = 0; i < plan.size(); ++i) {
+    uint64_t count = plan[i] / src.elem_size;
+    double left = deadline < 0 ? kWaitForever : std::max(deadline - now_s(), 1e-6);
+    Reservation r;
+    if (!reserve(kTensor, channel, name_id, pass_id, dtype, src.shape, plan[i], ChunkInfo{first * src.elem_size, total},
+                 true, &r, left)) {
+      StageStatus st = no_space();
+      // Chunks already published can never be completed: the writer records the tensor as
+      // incomplete when its pass ends.
+      return (st == kTimedOut && i > 0) ? kTorn : st;
     }
     copy_strided(r.payload, src.ptr, src.elem_size, src.shape, src.strides, first, first + count);
     publish(r);
     first += count;
-  } while (first < numel);
-  {
-    std::lock_guard<std::mutex> g(mu_);
-    stats_.tensors++;
   }
-  return kStaged;
+  return finish();
 }
 
-uint64_t Producer::put_control(uint32_t channel, const char* bytes, uint64_t len, bool block) {
+uint64_t Producer::put_control(uint32_t channel, const char* bytes, uint64_t len, bool block,
+                               double timeout_s) {
   Reservation r;
   static const std::vector<int64_t> no_shape;
-  if (!reserve(kControl, channel, 0, -1, 0, no_shape, len, ChunkInfo{0, len}, block, &r)) return 0;
+  if (!reserve(kControl, channel, 0, -1, 0, no_shape, len, ChunkInfo{0, len}, block, &r, timeout_s)) return 0;
   std::memcpy(r.payload, bytes, len);
   uint64_t seq = r.rec->seq;
   publish(r);

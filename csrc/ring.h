@@ -24,7 +24,20 @@ enum WriterState : uint64_t { kWriterStarting = 0, kWriterRunning = 1, kWriterFa
 
 // Result of staging one tensor.
 // kNoSpace: a non-blocking attempt found the ring full (the caller decides: drop or block).
-enum StageStatus : int { kStaged = 0, kDropped = 1, kDisabled = 2, kTooLarge = 3, kNoSpace = 4 };
+// (5 is the CUDA stager's "graph capture in progress".)
+// kTimedOut: a blocking attempt waited its whole timeout for space; nothing of the tensor is in
+//   the ring (dropped whole).
+// kTorn: a tensor larger than the ring, staged chunk by chunk, timed out after some of its chunks
+//   were published; the writer records it as an incomplete tensor at its pass's end.
+// kRingTooSmall: a non-blocking attempt for a tensor that cannot fit in the ring at once (it could
+//   only be staged by waiting for the writer mid-tensor, which `drop` never does).
+enum StageStatus : int {
+  kStaged = 0, kDropped = 1, kDisabled = 2, kTooLarge = 3, kNoSpace = 4,
+  kTimedOut = 6, kTorn = 7, kRingTooSmall = 8
+};
+
+// A wait for ring space: none (`drop`), bounded, or unbounded (timeout_s < 0).
+constexpr double kWaitForever = -1.0;
 
 inline uint64_t align_up(uint64_t n) { return (n + kAlign - 1) & ~(kAlign - 1); }
 
@@ -140,10 +153,15 @@ class Producer {
   void disable() { disabled_.store(true); }
 
   // Copy a host tensor into the ring (split into chunks if large). Thread-safe.
+  // A tensor that fits in the ring has all its chunk records reserved at once, so it is staged
+  // whole or not at all. `block` waits up to `timeout_s` (kWaitForever: no limit) for the space.
   StageStatus stage_host(uint32_t channel, uint32_t name_id, int64_t pass_id, uint16_t dtype,
-                         const HostSource& src, bool block);
-  // Control record (JSON bytes): returns its seq; 0 if disabled, or (non-blocking) if no space.
-  uint64_t put_control(uint32_t channel, const char* bytes, uint64_t len, bool block = true);
+                         const HostSource& src, bool block, double timeout_s = kWaitForever);
+  // Control record (JSON bytes): returns its seq; 0 if disabled, or if no space (non-blocking, or
+  // still none after timeout_s).
+  uint64_t put_control(uint32_t channel, const char* bytes, uint64_t len, bool block = true,
+                       double timeout_s = kWaitForever);
+  uint64_t acked_seq() const { return seg_.header()->acked_seq.load(std::memory_order_acquire); }
   // Wait until the writer has handled control record `seq`. False on timeout or dead writer.
   bool wait_acked(uint64_t seq, double timeout_s);
 
@@ -153,8 +171,17 @@ class Producer {
   // control records (names, pass end) still fit while tensors are being dropped.
   bool reserve(uint32_t kind, uint32_t channel, uint32_t name_id, int64_t pass_id, uint16_t dtype,
                const std::vector<int64_t>& shape, uint64_t payload_len, ChunkInfo chunk, bool block,
-               Reservation* out);
+               Reservation* out, double timeout_s = kWaitForever);
   uint64_t control_reserve() const { return control_reserve_; }
+  // Whether chunk records of these payload sizes fit in the ring together under `drop` (its control
+  // reserve kept free), wherever the ring's end falls.
+  bool fits_whole(size_t ndim, const std::vector<uint64_t>& plan) const;
+  // All chunk records of one tensor at once (mu_ taken here): 1 reserved; 0 no space (after
+  // waiting, with `block`) or disabled; -1 they can never fit in the ring together from the current
+  // head. `plan` lists each chunk's payload bytes.
+  int reserve_all(uint32_t channel, uint32_t name_id, int64_t pass_id, uint16_t dtype,
+                   const std::vector<int64_t>& shape, const std::vector<uint64_t>& plan, uint64_t total,
+                   bool block, double timeout_s, std::vector<Reservation>* out);
   void publish(const Reservation& r);
 
   uint64_t chunk_bytes() const { return chunk_bytes_; }
@@ -165,7 +192,20 @@ class Producer {
   }
 
  private:
-  bool wait_for_space(uint64_t need, bool block);
+  // Where a record of `len` bytes starting at ring position `head` goes: `pad` bytes to the ring's
+  // end (wrap), then `gap` bytes to page-align a large payload.
+  struct Placement {
+    uint64_t pad = 0, gap = 0, len = 0;
+    uint64_t bytes() const { return pad + gap + len; }
+  };
+  Placement place(uint64_t head, uint32_t kind, uint64_t poff, uint64_t payload_len) const;
+  // Writes the padding and the record header at `head` (mu_ held), advancing `head`.
+  void write_record(uint64_t& head, const Placement& p, uint32_t kind, uint32_t channel, uint32_t name_id,
+                    int64_t pass_id, uint16_t dtype, const std::vector<int64_t>& shape, uint64_t payload_len,
+                    ChunkInfo chunk, Reservation* out);
+  // Bytes all chunk records of a tensor take when placed from `head` (padding included).
+  uint64_t span(uint64_t head, uint64_t poff, const std::vector<uint64_t>& plan) const;
+  bool wait_for_space(uint64_t need, bool block, double timeout_s);
 
   Segment seg_;
   uint64_t chunk_bytes_;

@@ -20,7 +20,7 @@ def attach(model, root, *, role: str = "target", tp_rank=None, tp_size=None, pp_
     Writes ``<root>/<role>/TP{tp}_PP{pp}_Rank{rank}_pid{pid}_{session}/``. Ranks default from
     torch.distributed, then from RANK/WORLD_SIZE-style variables. Options (see README):
     layers, include, exclude, module_types, inputs, skip_passes, every, pass_range, max_bytes,
-    policy ("block"|"drop"), writer ("process"|"thread"), writer_priority ("idle"|"normal"),
+    policy ("block"|"drop"), block_timeout_s, writer ("process"|"thread"), writer_priority ("idle"|"normal"),
     ring_mb, device_ring_mb,
     segment_passes, segment_mb, segment_seconds, root_passes, root_name, strict, pass_meta.
     """

@@ -9,6 +9,7 @@ returning, so later in-place kernels cannot change what is dumped.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import logging
@@ -35,13 +36,14 @@ _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
 _open_dumpers: "weakref.WeakSet[Dumper]" = weakref.WeakSet()
 
 
-def close_all() -> None:
-    """Close every open Dumper of this process (interpreter exit)."""
+def close_all(deadline: float | None = None) -> None:
+    """Close every open Dumper of this process (interpreter exit), all by ``deadline``
+    (time.monotonic()) if given."""
     for dumper in list(_open_dumpers):
         if dumper._pid != os.getpid():
             continue  # a forked child never touches its parent's dumpers (see _forget_parent_dumpers)
         try:
-            dumper.close()
+            dumper.close() if deadline is None else dumper.close(max(0.0, deadline - time.monotonic()))
         except Exception as exc:
             log.error("fastdump: closing %s at exit failed: %s", dumper.dir, exc)
 
@@ -169,13 +171,15 @@ class Dumper:
 
     def __init__(self, model, root, *, role="target", ranks: dict, layers=None, include=None, exclude=None,
                  module_types=None, inputs=False, skip_passes=0, every=1, pass_range=None, max_bytes=None,
-                 policy="block", writer="process", writer_priority="idle", ring_mb=256, device_ring_mb=256,
+                 policy="block", block_timeout_s=5.0, writer="process", writer_priority="idle", ring_mb=256,
+                 device_ring_mb=256,
                  segment_passes=64, segment_mb=256, segment_seconds=30.0, root_passes=True, root_name=None,
                  strict=False, pass_meta=None, device=None):
-        _validate(root=root, role=role, policy=policy, writer=writer, writer_priority=writer_priority, every=every,
-                  skip_passes=skip_passes, pass_range=pass_range, max_bytes=max_bytes, ring_mb=ring_mb,
-                  device_ring_mb=device_ring_mb, segment_passes=segment_passes, segment_mb=segment_mb,
-                  segment_seconds=segment_seconds, layers=layers)
+        _validate(root=root, role=role, policy=policy, block_timeout_s=block_timeout_s, writer=writer,
+                  writer_priority=writer_priority, every=every, skip_passes=skip_passes, pass_range=pass_range,
+                  max_bytes=max_bytes, ring_mb=ring_mb, device_ring_mb=device_ring_mb,
+                  segment_passes=segment_passes, segment_mb=segment_mb, segment_seconds=segment_seconds,
+                  layers=layers)
         self.role = role
         self.ranks = ranks
         self.root = Path(root).absolute()
@@ -190,7 +194,12 @@ class Dumper:
         self.pass_id = -1
         self.status = "running"
         self.error = None
-        self._block = policy == "block"
+        # `block` waits for ring space up to block_timeout_s; after a timeout the Dumper stages as
+        # under `drop` (self._block False) until the writer gives ring space back (see _begin).
+        self._policy_block = policy == "block"
+        self._block = self._policy_block
+        self._block_timeout_s = float(block_timeout_s)
+        self._unconfirmed = collections.deque()  # seqs of pass ends the writer has not handled yet
         self._pid = os.getpid()
         self._capturing = False          # inside a selected pass: the wrappers' only hot check
         self._depth = 0                  # nested begin_pass / root calls
@@ -219,7 +228,8 @@ class Dumper:
                       exclude=_pattern(exclude), module_types=[getattr(t, "__name__", str(t)) for t in module_types or ()],
                       inputs=self.inputs, skip_passes=self.skip_passes, every=self.every,
                       pass_range=list(self.pass_range) if self.pass_range else None, max_bytes=max_bytes,
-                      policy=policy, writer=writer, writer_priority=writer_priority, ring_mb=ring_mb,
+                      policy=policy, block_timeout_s=block_timeout_s, writer=writer,
+                      writer_priority=writer_priority, ring_mb=ring_mb,
                       device_ring_mb=device_ring_mb,
                       segment_passes=segment_passes, segment_mb=segment_mb, segment_seconds=segment_seconds)
         self._ring_noted = False
@@ -300,7 +310,11 @@ class Dumper:
         return dict(self._totals, status=self.status, error=self.error, dir=str(self.dir))
 
     def close(self, timeout: float = 600.0) -> dict:
-        """Flush everything staged, wait until it is on disk, detach from the model."""
+        """Flush everything staged, wait until it is on disk, detach from the model.
+
+        Returns within about ``timeout`` seconds whatever the writer does: what was not confirmed
+        on disk by then is recorded as an error in the stats and rank.json. Ctrl-C interrupts it
+        (KeyboardInterrupt, after recording the error)."""
         with self._lock:
             if self._closed:
                 return self.stats()
@@ -309,22 +323,39 @@ class Dumper:
         _open_dumpers.discard(self)
         if self._engine is None or self._pid != os.getpid():
             return self.stats()  # never started, or a forked child's copy: the parent's engine is not ours
-        if self._depth > 0:
-            self._mark_incomplete("still open at close(): end_pass() was not called")
-            self._depth = 1
-            self._end()
-        if self._engine.alive and self.status == "running":
-            self._engine.flush_cuda(timeout)
-            ok = self._engine.control({"op": "close", "channel": self._channel, "stats": self._totals},
-                                      wait=True, timeout=timeout)
-            if ok and self._engine.alive:  # the final segment write itself can fail (disk full)
-                self.status = "closed"
-            else:
+        deadline = time.monotonic() + timeout
+
+        def left() -> float:
+            return max(0.0, deadline - time.monotonic())
+
+        try:
+            if self._depth > 0:
+                self._mark_incomplete("still open at close(): end_pass() was not called")
+                self._depth = 1
+                self._end()
+            if self._engine.alive and self.status == "running":
+                self._engine.flush_cuda(left())
+                ok = self._engine.control({"op": "close", "channel": self._channel, "stats": self._totals},
+                                          wait=True, timeout=left())
+                if ok and self._engine.alive:  # the final segment write itself can fail (disk full)
+                    self.status = "closed"
+                elif self._engine.alive:
+                    self._disable(f"close timed out after {timeout:g} s; {self._unconfirmed_passes()} "
+                                  "passes not confirmed on disk")
+                else:
+                    self._disable(self._engine.error())
+            elif self.status == "running":
                 self._disable(self._engine.error())
-        elif self.status == "running":
-            self._disable(self._engine.error())
-        self._release_engine()
+        except KeyboardInterrupt:
+            self._disable(f"close interrupted (KeyboardInterrupt); {self._unconfirmed_passes()} passes "
+                          "not confirmed on disk")
+            raise
+        self._release_engine(left())
         return self.stats()
+
+    def _unconfirmed_passes(self) -> int:
+        acked = self._producer.acked_seq
+        return sum(1 for seq in self._unconfirmed if seq > acked)
 
     def __enter__(self):
         return self
@@ -353,9 +384,15 @@ class Dumper:
             return
         if not self._engine.alive:  # one poll() per pass: a dead writer stops dumping, not serving
             return self._disable(self._engine.error())
+        if not self._block and self._policy_block and self._engine.space_returned():
+            if self._engine.stalled:
+                log.warning("fastdump: the writer caught up; %s blocks for ring space again", self.dir)
+            self._engine.stalled = False
+        self._block = self._policy_block and not self._engine.stalled
         if not self._engine.control({"op": "begin", "channel": self._channel, "pass": self.pass_id, "meta": {}},
-                                    block=self._block):
+                                    block=self._block, block_timeout=self._block_timeout_s):
             self._totals["dropped_passes"] += 1  # `drop` with a full ring: the whole pass is dropped
+            self._note_stall("a pass start")
             return
         self._capturing = True
 
@@ -383,12 +420,20 @@ class Dumper:
             if self._mixed:
                 self._totals["mixed_passes"] += 1
                 msg["mixed"] = True  # `fastdump verify` fails on it
-        if self._engine.control(msg, block=self._block):
+        seq = self._engine.control(msg, block=self._block, block_timeout=self._block_timeout_s)
+        if seq:
+            unconfirmed = self._unconfirmed
+            unconfirmed.append(seq)
+            if len(unconfirmed) > 64:  # forget what the writer has handled (checked now and then)
+                acked = self._producer.acked_seq
+                while unconfirmed and unconfirmed[0] <= acked:
+                    unconfirmed.popleft()
             return
         if not self._engine.alive:
             self._disable(self._engine.error())
         else:
             self._totals["lost_pass_ends"] += 1  # `drop`, ring full: the writer marks the pass incomplete
+            self._note_stall("a pass end")
 
     def _selected(self, pass_id: int) -> bool:
         if pass_id < self.skip_passes or (pass_id - self.skip_passes) % self.every:
@@ -400,7 +445,8 @@ class Dumper:
                 self._budget_reached = True  # said once, not every pass
                 log.warning("fastdump: %s reached its byte budget (%d bytes); dumping stops", self.dir, self.max_bytes)
                 self._engine.control({"op": "note", "channel": self._channel, "status": "running",
-                                      "budget_reached": True})
+                                      "budget_reached": True}, block=self._block,
+                                     block_timeout=self._block_timeout_s)
             return False
         return True
 
@@ -499,7 +545,8 @@ class Dumper:
                 if nid is None:
                     nid = len(self._name_ids)
                     if not self._engine.control({"op": "name", "channel": self._channel, "id": nid, "name": name},
-                                                block=self._block):
+                                                block=self._block, block_timeout=self._block_timeout_s):
+                        self._note_stall(name)
                         return None  # `drop` with a full ring: the tensor goes too
                     self._name_ids[name] = nid
         return nid
@@ -519,14 +566,16 @@ class Dumper:
             from . import cuda
 
             stager = self._engine.cuda_stager(self.device_ring_mb)
-            status = cuda.stage_tensor(stager, self._channel, name_id, self.pass_id, code, t, self._block)
+            status = cuda.stage_tensor(stager, self._channel, name_id, self.pass_id, code, t, self._block,
+                                       self._block_timeout_s)
             if status == cuda.RING_UNAVAILABLE:
                 self._producer.count_dropped(1)
                 self._note_ring_failure(cuda.ring_failure(stager))
                 status = _C.DROPPED
         elif t.is_cpu:
             status = self._producer.stage_host(self._channel, name_id, self.pass_id, code, t.element_size(),
-                                               t.shape, t.stride(), t.data_ptr(), self._block)
+                                               t.shape, t.stride(), t.data_ptr(), self._block,
+                                               self._block_timeout_s)
         else:
             return self._skip(name, f"tensors on {t.device.type} are not supported")
         if status == _C.STAGED:
@@ -579,7 +628,8 @@ class Dumper:
             from . import cuda
 
             status, nbytes = cuda.stage_array(self._engine, self.device_ring_mb, self._channel,
-                                              name_id, self.pass_id, array, self._block)
+                                              name_id, self.pass_id, array, self._block,
+                                              timeout_s=self._block_timeout_s)
         except Exception as exc:
             return self._skip(name, f"cannot stage {type(array).__name__}: {exc}")
         self._account(name, status, nbytes)
@@ -591,6 +641,17 @@ class Dumper:
         elif status == _C.DROPPED:
             self._dropped_pass += 1
             self._totals["dropped"] += 1
+        elif status == _C.TIMED_OUT:
+            self._dropped_pass += 1
+            self._totals["dropped"] += 1
+            self._note_stall(name)
+        elif status == _C.TORN:  # part of it is in the ring: the writer records it as incomplete
+            self._skip(name, f"incomplete: the writer stalled for block_timeout_s={self._block_timeout_s:g} s "
+                             "while this tensor (larger than the ring) was being staged")
+            self._note_stall(name)
+        elif status == _C.RING_TOO_SMALL:
+            self._skip(name, f"{nbytes} bytes do not fit in the ring at once: policy='drop' never waits "
+                             "for the writer mid-tensor (raise ring_mb)")
         elif status == _C.TOO_LARGE:  # _C.MAX_DIMS is HDF5's limit: the writer could not store it
             self._skip(name, "more than %d dimensions" % _C.MAX_DIMS)
         elif status == _CAPTURING:
@@ -599,6 +660,18 @@ class Dumper:
             self._skip(name, "CUDA graph capture in progress (replays are not dumped)")
         else:
             self._disable(self._engine.error())
+
+    def _note_stall(self, what: str) -> None:
+        """A send into the ring failed; under a blocking wait that means block_timeout_s ran out:
+        stage as under `drop` from now on (logged once per stall) until the writer catches up."""
+        if not self._block or not self._engine.alive:
+            return
+        self._block = False  # the rest of this pass is staged as under `drop`
+        if not self._engine.stalled:
+            self._engine.mark_stalled()
+            log.error("fastdump: the writer freed no ring space for block_timeout_s=%g s (at %s, pass %d): "
+                      "dropping (counted) until it consumes again", self._block_timeout_s, what,
+                      self.pass_id)
 
     def _skip(self, name: str, reason: str) -> None:
         if name not in self._skipped:
@@ -626,10 +699,10 @@ class Dumper:
         except OSError as exc:
             log.error("fastdump: cannot record the error in %s/rank.json: %s", self.dir, exc)
 
-    def _release_engine(self) -> None:
+    def _release_engine(self, timeout: float = 600.0) -> None:
         if self._engine is not None:
             engine, self._engine = self._engine, None
-            engine.release()
+            engine.release(timeout)
 
     # -- installing wrappers -------------------------------------------------------------------------
     def _install(self, model, root_passes: bool, **selection) -> None:
@@ -884,8 +957,8 @@ def _write_manifest(root: Path, config: dict) -> None:
     })
 
 
-def _validate(*, root, role, policy, writer, writer_priority, every, skip_passes, pass_range, max_bytes, ring_mb,
-              device_ring_mb, segment_passes, segment_mb, segment_seconds, layers) -> None:
+def _validate(*, root, role, policy, block_timeout_s, writer, writer_priority, every, skip_passes, pass_range,
+              max_bytes, ring_mb, device_ring_mb, segment_passes, segment_mb, segment_seconds, layers) -> None:
     """Bad settings fail at attach, before the model runs, with one clear message."""
     if not isinstance(root, (str, os.PathLike)) or not os.fspath(root).strip():
         raise ValueError(f"root must be a non-empty directory path, not {root!r}")
@@ -893,6 +966,7 @@ def _validate(*, root, role, policy, writer, writer_priority, every, skip_passes
         raise ValueError(f"role must be a plain directory name, not {role!r}")
     if policy not in ("block", "drop"):
         raise ValueError(f"policy must be 'block' or 'drop', not {policy!r}")
+    _check_number("block_timeout_s", block_timeout_s, above=0)
     if writer not in ("process", "thread"):
         raise ValueError(f"writer must be 'process' or 'thread', not {writer!r}")
     if writer_priority not in ("idle", "normal"):

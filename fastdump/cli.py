@@ -13,7 +13,7 @@ def info() -> dict:
     import h5py
 
     from . import __version__, _C
-    from .config import env_table
+    from .config import OTHER_VARS, env_table
 
     facts = {
         "fastdump": __version__,
@@ -22,6 +22,7 @@ def info() -> dict:
         "hdf5": h5py.version.hdf5_version,
         "cuda": _C.cuda_info(),
         "environment": env_table(),
+        "other_environment": dict(OTHER_VARS),
     }
     try:
         import torch
@@ -53,6 +54,9 @@ def cmd_info(args) -> int:
     print("settings (environment):")
     for row in facts["environment"]:
         print(f"  {row['name']:<26} {row['doc']}")
+    print("other variables:")
+    for name, doc in facts["other_environment"].items():
+        print(f"  {name:<26} {doc}")
     return 0
 
 

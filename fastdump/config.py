@@ -160,6 +160,8 @@ ENV_VARS: tuple[EnvVar, ...] = (
     EnvVar("FASTDUMP_MAX_BYTES", "max_bytes", _int(0), "stop dumping after this many bytes (recorded in rank.json)"),
     EnvVar("FASTDUMP_MAX_MB", "max_bytes", _mb_to_bytes, "same budget in MiB (do not set both)"),
     EnvVar("FASTDUMP_POLICY", "policy", _choice("block", "drop"), "full ring: wait (block) or drop and count (drop)"),
+    EnvVar("FASTDUMP_BLOCK_TIMEOUT_S", "block_timeout_s", _positive_float,
+           "policy=block: the longest a forward waits for ring space; then drop (counted) until the writer catches up"),
     EnvVar("FASTDUMP_WRITER", "writer", _choice("process", "thread"), "HDF5 writer in its own process or a thread"),
     EnvVar("FASTDUMP_WRITER_PRIORITY", "writer_priority", _choice("idle", "normal"),
            "writer process on idle CPU only (idle, SCHED_IDLE) or at the model's priority (normal)"),
@@ -178,6 +180,8 @@ _BY_NAME = {v.name: v for v in ENV_VARS}
 
 # Variables read elsewhere, not attach settings: known, so never reported as misspelt.
 OTHER_VARS = {
+    "FASTDUMP_EXIT_TIMEOUT_S": "interpreter exit: seconds (default 30) to close Dumpers and stop the writer; "
+                               "then the writer is killed",
     "FASTDUMP_NO_DIRECT_IO": "writer: 1 = write through the page cache, never O_DIRECT",
     "FASTDUMP_CUDA": "build (setup.py): 1 = CUDA path required, 0 = CPU-only build",
     "FASTDUMP_CUDA_ARCHS": "build (setup.py): CUDA architectures to compile for",

@@ -111,10 +111,10 @@ class HostFallbackStager:
         self.reason = reason
         self._stats = {"fallback": True, "reason": reason, "tensors": 0, "bytes": 0}
 
-    def stage_tensor(self, channel, name_id, pass_id, dtype_code, tensor, block) -> int:
+    def stage_tensor(self, channel, name_id, pass_id, dtype_code, tensor, block, timeout_s=-1.0) -> int:
         host = _to_host(tensor)
         status = self.producer.stage_host(channel, name_id, pass_id, dtype_code, host.element_size(),
-                                          host.shape, host.stride(), host.data_ptr(), block)
+                                          host.shape, host.stride(), host.data_ptr(), block, timeout_s)
         if status == STAGED:
             self._stats["tensors"] += 1
             self._stats["bytes"] += host.numel() * host.element_size()
@@ -203,8 +203,11 @@ def prepare(stager, device: int) -> str:
     return ""
 
 
-def stage_tensor(stager, channel: int, name_id: int, pass_id: int, dtype_code: int, tensor, block: bool) -> int:
-    """Stage a torch CUDA tensor; returns STAGED, DROPPED, DISABLED, TOO_LARGE, CAPTURING or RING_UNAVAILABLE.
+def stage_tensor(stager, channel: int, name_id: int, pass_id: int, dtype_code: int, tensor, block: bool,
+                 timeout_s: float = -1.0) -> int:
+    """Stage a torch CUDA tensor; returns STAGED, DROPPED, TIMED_OUT, TORN, RING_TOO_SMALL, DISABLED,
+    TOO_LARGE, CAPTURING or RING_UNAVAILABLE. ``block`` waits up to ``timeout_s`` (< 0: no limit) for
+    host-ring space.
 
     The snapshot is enqueued on the tensor's device's *current* stream (the stream the module just
     ran on), so kernels launched after this call cannot change what is dumped. Assumption (as for
@@ -214,12 +217,13 @@ def stage_tensor(stager, channel: int, name_id: int, pass_id: int, dtype_code: i
     the snapshot has read it. The caller resolves lazy conj/neg bits and checks the layout.
     """
     if stager.__class__ is HostFallbackStager:
-        return stager.stage_tensor(channel, name_id, pass_id, dtype_code, tensor, block)
+        return stager.stage_tensor(channel, name_id, pass_id, dtype_code, tensor, block, timeout_s)
     device = tensor.get_device()
     raw, stream = _current_stream(device)
     try:
         status = stager.stage(channel, name_id, pass_id, dtype_code, tensor.element_size(), tensor.shape,
-                              tensor.stride(), tensor.data_ptr(), device, raw, block)
+                              tensor.stride(), tensor.data_ptr(), device, raw, block,
+                              timeout_s=timeout_s)
     except (RuntimeError, ValueError) as exc:
         if _is_ring_failure(exc):
             _ring_failures[id(stager)] = str(exc)
@@ -230,7 +234,7 @@ def stage_tensor(stager, channel: int, name_id: int, pass_id: int, dtype_code: i
         _warn_once(f"stage:{type(exc).__name__}:{exc}", "fastdump: CUDA staging failed (%s); "
                    "falling back to a synchronous copy", exc)
         return HostFallbackStager(stager.producer, str(exc)).stage_tensor(
-            channel, name_id, pass_id, dtype_code, tensor, block)
+            channel, name_id, pass_id, dtype_code, tensor, block, timeout_s)
     if status == STAGED:
         try:
             tensor.record_stream(stream)
@@ -395,8 +399,9 @@ def _elem_size(code: int) -> int:
 
 
 def stage_array(engine, device_ring_mb, channel: int, name_id: int, pass_id: int, array, block: bool,
-                dtype_code: int | None = None, stream: int | None = None):
+                dtype_code: int | None = None, stream: int | None = None, timeout_s: float = -1.0):
     """Stage a CuPy/Numba (``__cuda_array_interface__``) or DLPack array. Returns (status, nbytes).
+    ``block`` waits up to ``timeout_s`` (< 0: no limit) for ring space.
 
     Stream protocol: for the CUDA array interface, the array's own ``stream`` entry is the stream the
     snapshot is ordered on (absent: legacy default stream). For DLPack, fastdump is the consumer:
@@ -406,7 +411,8 @@ def stage_array(engine, device_ring_mb, channel: int, name_id: int, pass_id: int
     """
     cai = getattr(array, "__cuda_array_interface__", None)
     if cai is not None:
-        return _stage_cai(engine, device_ring_mb, channel, name_id, pass_id, array, cai, block, dtype_code)
+        return _stage_cai(engine, device_ring_mb, channel, name_id, pass_id, array, cai, block, dtype_code,
+                          timeout_s)
     if not hasattr(array, "__dlpack__"):
         raise TypeError(f"{type(array).__name__} has neither __cuda_array_interface__ nor __dlpack__")
     device_type, device_id = (int(x) for x in array.__dlpack_device__())
@@ -416,7 +422,7 @@ def stage_array(engine, device_ring_mb, channel: int, name_id: int, pass_id: int
         code = dtype_code if dtype_code is not None else dlpack_dtype_code(v["code"], v["bits"], v["lanes"])
         size = _elem_size(code)
         status = engine.producer.stage_host(channel, name_id, pass_id, code, size, v["shape"], v["strides"],
-                                            v["ptr"], block)
+                                            v["ptr"], block, timeout_s)
         del capsule
         return status, _numel(v["shape"]) * size
     if device_type not in (_DL_CUDA, _DL_CUDA_MANAGED):
@@ -429,10 +435,11 @@ def stage_array(engine, device_ring_mb, channel: int, name_id: int, pass_id: int
     nbytes = _numel(v["shape"]) * size
     stager = engine.cuda_stager(device_ring_mb)
     if stager.__class__ is HostFallbackStager:
-        status = stager.stage_tensor(channel, name_id, pass_id, code, _torch_from_dlpack_capsule(capsule), block)
+        status = stager.stage_tensor(channel, name_id, pass_id, code, _torch_from_dlpack_capsule(capsule), block,
+                                     timeout_s)
     else:
         status = stager.stage(channel, name_id, pass_id, code, size, v["shape"], v["strides"], v["ptr"],
-                              v["device_id"], consumer_stream, block)
+                              v["device_id"], consumer_stream, block, timeout_s=timeout_s)
         if status == STAGED:
             # Releasing the capsule lets the producer free (and its allocator reuse) the memory,
             # ordered on the producer's stream only: keep it until the snapshot has read it.
@@ -465,7 +472,7 @@ def release_read() -> int:
         return len(_held)
 
 
-def _stage_cai(engine, device_ring_mb, channel, name_id, pass_id, array, cai, block, dtype_code):
+def _stage_cai(engine, device_ring_mb, channel, name_id, pass_id, array, cai, block, dtype_code, timeout_s=-1.0):
     code = dtype_code if dtype_code is not None else cai_dtype_code(cai["typestr"])
     size = _elem_size(code)
     shape = [int(d) for d in cai["shape"]]
@@ -491,9 +498,11 @@ def _stage_cai(engine, device_ring_mb, channel, name_id, pass_id, array, cai, bl
         import torch
 
         return stager.stage_tensor(channel, name_id, pass_id, code, torch.as_tensor(array, device="cuda"),
-                                   block), nbytes
+                                   block, timeout_s), nbytes
     device = _cai_device(array, ptr)
-    return stager.stage(channel, name_id, pass_id, code, size, shape, strides, ptr, device, stream, block), nbytes
+    return (stager.stage(channel, name_id, pass_id, code, size, shape, strides, ptr, device, stream, block,
+                         timeout_s=timeout_s),
+            nbytes)
 
 
 def _cai_device(array, ptr: int) -> int:

@@ -12,6 +12,7 @@ import itertools
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -25,6 +26,26 @@ log = logging.getLogger("fastdump")
 SHM_PREFIX = "fastdump-"
 SHM_DIR = Path("/dev/shm")
 _counter = itertools.count()
+# Blocking waits return to Python this often, so Ctrl-C (KeyboardInterrupt) gets through.
+WAIT_SLICE_S = 0.1
+EXIT_TIMEOUT_VAR = "FASTDUMP_EXIT_TIMEOUT_S"
+DEFAULT_EXIT_TIMEOUT_S = 30.0
+
+
+def exit_timeout() -> float:
+    """Seconds the interpreter's exit may spend closing Dumpers and stopping the writer."""
+    raw = os.environ.get(EXIT_TIMEOUT_VAR)
+    if raw in (None, ""):
+        return DEFAULT_EXIT_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < float("inf"):
+        log.error("fastdump: %s=%r is not a number of seconds >= 0; using %g", EXIT_TIMEOUT_VAR, raw,
+                  DEFAULT_EXIT_TIMEOUT_S)
+        return DEFAULT_EXIT_TIMEOUT_S
+    return value
 
 
 def remove_stale_segments(shm_dir: Path = SHM_DIR) -> list[str]:
@@ -82,6 +103,10 @@ class Engine:
         self.mode = writer
         self.refs = 0
         self.closed = False
+        # A blocking wait for ring space timed out (block_timeout_s): Dumpers stage as under `drop`
+        # until the writer gives ring space back again (see Dumper._begin).
+        self.stalled = False
+        self._stall_released = 0
         self._channels = itertools.count()
         self._cuda_stager = None
         self._cuda_lock = threading.Lock()
@@ -144,14 +169,24 @@ class Engine:
             except OSError:
                 pass
             try:
-                self._proc.wait(timeout=timeout)
+                self._proc.wait(timeout=max(timeout, 0))  # waits in Python: Ctrl-C gets through
             except subprocess.TimeoutExpired:
-                log.error("fastdump: writer did not exit in %.0f s; killing it", timeout)
-                self._proc.kill()
-                self._proc.wait()
+                log.error("fastdump: writer did not exit in %.1f s; killing it", timeout)
+                self._kill_writer()
             self._proc.stdout.close()
         if self._thread is not None:
             self._thread.join(timeout)
+
+    def _kill_writer(self) -> None:
+        """SIGKILL the writer's process group (it leads its own; SIGKILL also ends a stopped one)."""
+        try:
+            os.killpg(self._proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            self._proc.kill()
+        try:
+            self._proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            log.error("fastdump: writer process %d survived SIGKILL", self._proc.pid)
 
     # -- channels ----------------------------------------------------------------------------------
     def open_channel(self, open_msg: dict) -> int:
@@ -159,15 +194,46 @@ class Engine:
         self.control(dict(open_msg, op="open", channel=channel), wait=True)
         return channel
 
-    def control(self, msg: dict, wait: bool = False, timeout: float = 600.0, block: bool = True) -> bool:
-        """Send a control message in ring order; with ``wait``, return once the writer handled it.
+    def control(self, msg: dict, wait: bool = False, timeout: float = 600.0, block: bool = True,
+                block_timeout: float | None = None):
+        """Send a control message in ring order: its seq (0: not sent); with ``wait``, True once the
+        writer handled it (False: not sent, writer gone, or ``timeout`` passed).
 
-        ``block=False`` (the ``drop`` policy) gives up at once when the ring is full.
+        ``block=False`` (the ``drop`` policy) gives up at once when the ring is full; a blocking
+        send waits up to ``block_timeout`` (default ``timeout``) for space. Every wait returns to
+        Python every WAIT_SLICE_S, so Ctrl-C interrupts it.
         """
-        seq = self.producer.put_control(msg.get("channel", 0), json.dumps(msg).encode(), block)
-        if seq == 0:
-            return False
-        return self.producer.wait_acked(seq, timeout) if wait else True
+        deadline = time.monotonic() + (timeout if block_timeout is None else block_timeout)
+        payload = json.dumps(msg).encode()
+        channel = msg.get("channel", 0)
+        seq = self.producer.put_control(channel, payload, False)
+        while seq == 0 and block and not self.producer.disabled:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            seq = self.producer.put_control(channel, payload, True, min(left, WAIT_SLICE_S))
+        if not wait:
+            return seq
+        return seq != 0 and self.wait_acked(seq, timeout)
+
+    def wait_acked(self, seq: int, timeout: float) -> bool:
+        """True once the writer handled control record ``seq``; False on timeout or a dead writer."""
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if self.producer.wait_acked(seq, max(0.0, min(left, WAIT_SLICE_S))):
+                return True
+            if left <= 0 or not self.producer.writer_alive():
+                return False
+
+    def mark_stalled(self) -> None:
+        """A blocking wait for ring space ran out: stage as under `drop` until the writer moves."""
+        self.stalled = True
+        self._stall_released = self.producer.released_bytes
+
+    def space_returned(self) -> bool:
+        """The writer has given ring space back since the stall began (it is consuming again)."""
+        return self.producer.released_bytes != self._stall_released
 
     @property
     def alive(self) -> bool:
@@ -207,28 +273,39 @@ class Engine:
         return self._cuda_stager
 
     def flush_cuda(self, timeout: float) -> bool:
-        """Wait until every CUDA snapshot staged so far is in the host ring (True when none are)."""
+        """Wait until every CUDA snapshot staged so far is in the host ring (True when none are).
+        Waits in WAIT_SLICE_S slices, so Ctrl-C gets through."""
         if self._cuda_stager is None:
             return True
-        ok = self._cuda_stager.flush(timeout)
         from . import cuda
 
-        cuda.release_read()  # sources held for snapshots that have now completed
-        return ok
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            ok = self._cuda_stager.flush(max(0.0, min(left, WAIT_SLICE_S)))
+            if ok or left <= 0:
+                cuda.release_read()  # sources held for snapshots that have now completed
+                return ok
 
     def shutdown(self, timeout: float = 600.0) -> None:
+        """Drain and stop the writer within ``timeout`` seconds in all, then kill it."""
         if self.closed:
             return
         self.closed = True
+        deadline = time.monotonic() + timeout
+
+        def left() -> float:
+            return max(0.0, deadline - time.monotonic())
+
         if self._cuda_stager is not None:
             try:
-                self._cuda_stager.flush(timeout)
+                self._cuda_stager.flush(left())
                 self._cuda_stager.close()
             except Exception as exc:  # never let teardown crash the host program
                 log.error("fastdump: CUDA stager shutdown failed: %s", exc)
         if self.producer.writer_alive():
-            self.control({"op": "shutdown"}, wait=True, timeout=timeout)
-        self._stop_writer(timeout=timeout)
+            self.control({"op": "shutdown"}, wait=True, timeout=left())
+        self._stop_writer(timeout=left())
 
     def forget_in_forked_child(self) -> None:
         """In a child made by os.fork(): never touch the parent's writer, and let go of its pipes,
@@ -260,23 +337,25 @@ class Engine:
             eng.refs += 1
             return eng
 
-    def release(self) -> None:
+    def release(self, timeout: float = 600.0) -> None:
         with Engine._lock:
             self.refs -= 1
             last = self.refs <= 0
             if last and Engine._current is self:
                 Engine._current = None
         if last:
-            self.shutdown()
+            self.shutdown(timeout)
 
 
 def _shutdown_at_exit() -> None:
+    """Bounded by FASTDUMP_EXIT_TIMEOUT_S in all: a stuck writer is killed, never waited for."""
     from . import capture
 
-    capture.close_all()
+    deadline = time.monotonic() + exit_timeout()
+    capture.close_all(deadline)
     eng = Engine._current
     if eng is not None and eng.pid == os.getpid():
-        eng.shutdown()
+        eng.shutdown(max(0.0, deadline - time.monotonic()))
 
 
 atexit.register(_shutdown_at_exit)

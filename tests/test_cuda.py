@@ -505,6 +505,34 @@ def test_mock_drop_policy_counts_and_keeps_the_rest_intact(m):
         m._mock.stream_destroy(stream)
 
 
+def test_mock_stopped_writer_never_stalls_drop_or_bounded_block(m):
+    """Nobody consumes the host ring (a stopped writer): multi-record tensors are staged whole or
+    dropped whole under `drop` (before: later records waited for the writer forever), and `block`
+    gives up after timeout_s (TIMED_OUT, counted as dropped). Nothing torn reaches the ring."""
+    ring = Ring(m, capacity=1 << 20, chunk=64 << 10)
+    stager = m.CudaStager(ring.producer, 1 << 20)
+    stager.register_host()
+    try:
+        tensors = [torch.full((96 << 10,), i, dtype=torch.int32) for i in range(8)]  # 384 KiB: 6 records
+        t0 = time.monotonic()
+        statuses = [stage(stager, t, name_id=i, block=False) for i, t in enumerate(tensors)]
+        assert time.monotonic() - t0 < 10
+        assert statuses[:2] == [m.STAGED, m.STAGED] and set(statuses[2:]) == {m.DROPPED}
+        t0 = time.monotonic()
+        assert stage(stager, tensors[0], name_id=9, timeout_s=0.5) == m.TIMED_OUT
+        assert 0.4 < time.monotonic() - t0 < 10
+        too_big = torch.zeros(1 << 20, dtype=torch.int32)  # 4 MiB: cannot be in a 1 MiB ring at once
+        assert stage(stager, too_big, name_id=10, block=False) == m.RING_TOO_SMALL
+        assert ring.producer.stats()["dropped"] == 7 == stager.stats()["dropped"]
+        assert stager.flush(10)
+        got, _ = ring.read()  # asserts that no tensor is torn
+        assert set(got) == {(0, 0, 0), (0, 1, 0)}
+        for i in (0, 1):
+            assert got[(0, i, 0)][2] == tensors[i].numpy().tobytes()
+    finally:
+        stager.close()
+
+
 def test_mock_blocking_waits_release_the_gil(m):
     ring = Ring(m, capacity=8 << 20)
     stager = m.CudaStager(ring.producer, 1 << 20)

@@ -1,6 +1,7 @@
 """The C++ ring on its own: what goes in comes out, byte for byte, in order."""
 
 import itertools
+import time
 import os
 import threading
 
@@ -187,3 +188,44 @@ def test_dead_writer_disables_a_blocked_producer():
     statuses = [stage(producer, t) for _ in range(10)]
     assert statuses[-1] == _C.DISABLED
     assert producer.disabled
+
+
+def test_drop_stages_a_chunked_tensor_whole_or_not_at_all():
+    """No consumer (a stopped writer): under `drop` a tensor of several chunks is never half in the
+    ring, and staging never waits (before: later chunks waited for the writer forever)."""
+    producer, consumer = ring(1 << 20)  # chunks of 256 KiB
+    # 640 KiB: 3 chunks. With one in the ring, the next one's first chunk fits but the rest do not.
+    tensors = [torch.full((160 << 10,), i, dtype=torch.int32) for i in range(4)]
+    statuses = []
+    worker = threading.Thread(target=lambda: statuses.extend(stage(producer, t, name_id=i, block=False)
+                                                             for i, t in enumerate(tensors)), daemon=True)
+    worker.start()
+    worker.join(10)
+    if worker.is_alive():
+        consumer.next(0.1)  # let the stuck call finish (and the test end)
+        while worker.is_alive():
+            consumer.release()
+            consumer.next(0.1)
+        pytest.fail("drop waited for the consumer mid-tensor")
+    assert statuses == [_C.STAGED] + [_C.DROPPED] * 3
+    assert producer.stats()["dropped"] == 3
+    shape, data, (name_id, _) = take(consumer)
+    assert name_id == 0 and data == tensors[0].numpy().tobytes()
+    assert consumer.next(0.05) is None  # nothing torn left behind
+
+
+def test_block_waits_at_most_its_timeout():
+    producer, consumer = ring(1 << 20)
+    t = torch.zeros(96 << 10, dtype=torch.int32)  # 384 KiB: two fit in the ring
+    assert stage(producer, t) == _C.STAGED and stage(producer, t) == _C.STAGED
+    t0 = time.monotonic()
+    status = producer.stage_host(0, 0, 0, 0, 4, t.shape, t.stride(), t.data_ptr(), True, 0.3)
+    assert status == _C.TIMED_OUT and time.monotonic() - t0 < 5
+    assert producer.stats()["dropped"] == 1
+
+
+def test_drop_refuses_a_tensor_larger_than_the_ring():
+    producer, consumer = ring(1 << 20)
+    big = torch.zeros(1 << 20, dtype=torch.uint8)  # the whole ring
+    assert stage(producer, big, block=False) == _C.RING_TOO_SMALL
+    assert consumer.next(0.05) is None

@@ -139,10 +139,12 @@ class WriterLoop:
         records into padding): at its pass's end it can never complete, so it is recorded as skipped."""
         torn = [key for key in self.partial if key[0] == channel and key[2] == end_msg["pass"]]
         names = getattr(self.channels.get(channel), "names", {})
+        skipped = end_msg.setdefault("skipped", [])
         for key in torn:
             del self.partial[key]
-            end_msg.setdefault("skipped", []).append(
-                {"name": names.get(key[1], f"name #{key[1]}"), "reason": "incomplete tensor (staging failed mid-copy)"})
+            name = names.get(key[1], f"name #{key[1]}")
+            if not any(entry.get("name") == name for entry in skipped):  # the producer may have said why
+                skipped.append({"name": name, "reason": "incomplete tensor (staging failed mid-copy)"})
 
     def _call(self, channel: int, method: str, *args) -> None:
         writer = self.channels.get(channel)
