@@ -32,7 +32,7 @@ from .writer import format as _fmt
 
 log = logging.getLogger("fastdump")
 
-_LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
+_LAYER_RE = re.compile(r"^model\.layers\.(\d+)(?:\.|$)")  # layers= means model.layers.N only, as in SGLang
 _open_dumpers: "weakref.WeakSet[Dumper]" = weakref.WeakSet()
 
 

@@ -1,13 +1,16 @@
 """SGLang drop-in: ``register_forward_hook_for_model`` with the signature of SGLang's
 ``sglang.srt.debug_utils.tensor_dump_forward_hook``, backed by fastdump.
 
-Differences from SGLang's own dumper, all deliberate:
+Called as SGLang calls it: ``dump_dir`` ending in ``/draft`` or ``/target`` (SGLang's EAGLE split,
+PR #21694) names the role, and the files land in ``<dump_dir>/TP.._PP.._Rank.._pid..`` as SGLang's
+would; any other ``dump_dir`` is a single-role run, written to ``<dump_dir>/target/TP..``.
+Differences from SGLang's own dumper are listed in docs/INTEGRATIONS.md; the main ones:
 - passes are delimited by the model object passed in (``XxxForCausalLM``), so the logits of a
   forward land in the same pass as its layers (SGLang saves the pass when the inner ``model``
-  returns, which pushes ``logits_processor``'s output into the next pass file);
-- tuple outputs are stored as ``name.0``, ``name.1`` ... (SGLang stores a list, or the single
-  non-None element), data go to HDF5 under ``<dump_dir>/<role>/TP.._PP.._Rank.._pid..``;
-- EAGLE draft and target runs share one process and one engine but never one directory.
+  returns, which pushes ``model``'s and ``logits_processor``'s outputs into the next pass file);
+- tuple outputs are stored as ``name.0``, ``name.1`` ... and a second call of a module in one pass as
+  ``name#1``; ``fastdump export --format sglang`` writes SGLang's names (``sglang_names.json`` in
+  each rank directory lists the model's module names so the export can tell the two apart).
 
 ``install()`` routes SGLang's ``--debug-tensor-dump-output-folder`` to this module; ``python -m
 fastdump.integrations.sglang <launch_server args>`` does that in every SGLang process.
@@ -15,6 +18,7 @@ fastdump.integrations.sglang <launch_server args>`` does that in every SGLang pr
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -27,7 +31,13 @@ import fastdump
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["register_forward_hook_for_model", "role_for", "install", "SGLangDumper"]
+__all__ = ["register_forward_hook_for_model", "role_for", "install", "SGLangDumper", "NAMES_FILE"]
+
+# Written into each rank directory: the module names of the dumped model, so an export can tell a
+# tuple element (``qkv_proj.0``) from a child module (``experts.0``).
+NAMES_FILE = "sglang_names.json"
+# The last component of dump_dir by which SGLang's model runner names a role (PR #21694).
+_ROLE_DIRS = ("draft", "target")
 
 # Speculative algorithms whose worker pair SGLang splits into draft/ and target/ (PR #21694) — its
 # SpeculativeAlgorithm.is_eagle(). Any other algorithm with a draft worker gets the split too: two
@@ -79,8 +89,9 @@ def _flatten(name, value, out):
 class SGLangDumper:
     """What ``register_forward_hook_for_model`` returns (SGLang's TensorDumper face) over a fastdump Dumper."""
 
-    def __init__(self, model, dumper, top_name: str, top, logits_name: str | None, logits_mod):
+    def __init__(self, model, dumper, top_name: str, top, logits_name: str | None, logits_mod, dump_dir: str):
         self.dumper = dumper
+        self._dump_dir = dump_dir
         self._top_name = top_name
         self._wrapped = []
         self._wrap(top, self._top_forward)
@@ -122,7 +133,9 @@ class SGLangDumper:
         return out
 
     def get_dump_dir(self) -> str:
-        return str(self.dumper.dir)
+        """Where the files are, built as SGLang builds it: ``dump_dir`` as given joined with the rank
+        directory (plus ``target`` for a single-role run, which fastdump keeps)."""
+        return self._dump_dir
 
     def dump_current_tensors(self):
         """SGLang writes the pending pass file here. fastdump already ends each pass when the root
@@ -143,21 +156,31 @@ def register_forward_hook_for_model(model, dump_dir, dump_layers=None, tp_size=1
                                     skip_passes=0, role=None, **fastdump_kwargs) -> SGLangDumper:
     """Dump ``model`` (an SGLang ``XxxForCausalLM``) like SGLang's tensor-dump hook, via fastdump.
 
+    ``dump_dir`` as SGLang's model runner passes it: ``<folder>/draft`` or ``<folder>/target`` under
+    EAGLE (that component becomes the fastdump role, and ``fastdump.open(<folder>)`` finds both),
+    else ``<folder>`` (role ``target``: files under ``<folder>/target/``). ``role`` given explicitly
+    wins and keeps ``dump_dir`` as the root.
+
     Dumped: every leaf module, plus the top-level ``model`` child's output and its ForwardBatch
     (``model.forward_batch_info.{input_ids,seq_lens,positions}``); ``dump_layers`` keeps only those
     children of ``model.layers``. Pass metadata: forward_mode (ForwardMode name), batch_size,
-    num_tokens. ``role`` None means "target" (files under ``<dump_dir>/target/``); ``fastdump_kwargs``
-    go to ``fastdump.attach``. The top-level module name can be changed with SGLang's
-    TENSOR_DUMP_TOP_LEVEL_MODULE_NAME / TENSOR_DUMP_LAYERS_MODULE_NAME variables."""
+    num_tokens. ``fastdump_kwargs`` go to ``fastdump.attach``. The top-level module name can be
+    changed with SGLang's TENSOR_DUMP_TOP_LEVEL_MODULE_NAME / TENSOR_DUMP_LAYERS_MODULE_NAME variables."""
+    given = os.fspath(dump_dir)
+    root = given
+    if role is None:
+        path = Path(given)
+        if path.name in _ROLE_DIRS:
+            root, role = str(path.parent), path.name
     top_name = os.getenv("TENSOR_DUMP_TOP_LEVEL_MODULE_NAME", "model")
     layers_name = os.getenv("TENSOR_DUMP_LAYERS_MODULE_NAME", "layers")
     top = model._modules.get(top_name)
     if top is None:
         raise ValueError(f"model should have a module named {top_name!r} (set TENSOR_DUMP_TOP_LEVEL_MODULE_NAME)")
-    if layers_name != "layers" and dump_layers is not None:
+    if (layers_name != "layers" or top_name != "model") and dump_layers is not None:
         # fastdump's layers= knows model.layers.N only; express other layouts as a regex.
         keep = "|".join(str(int(i)) for i in dump_layers)
-        pat = rf"^{top_name}\.{layers_name}\.(?!(?:{keep})(?:\.|$))\d+(\.|$)"
+        pat = rf"^{re.escape(top_name)}\.{re.escape(layers_name)}\.(?!(?:{keep})(?:\.|$))\d+(\.|$)"
         fastdump_kwargs["exclude"] = _either(fastdump_kwargs.get("exclude"), pat)
         dump_layers = None
     # Not dumped by fastdump's own wrappers: the root (SGLang never dumps it; its output is the
@@ -167,11 +190,27 @@ def register_forward_hook_for_model(model, dump_dir, dump_layers=None, tp_size=1
     fastdump_kwargs["exclude"] = _either(fastdump_kwargs.get("exclude"), "^(?:" + "|".join(skip) + ")$")
     # SGLang's signature has no pp_size; rank.json wants one.
     pp_size = fastdump_kwargs.pop("pp_size", None) or _sglang_pp_size() or pp_rank + 1
-    dumper = fastdump.attach(model, dump_dir, role=role or "target", tp_rank=tp_rank, tp_size=tp_size,
+    dumper = fastdump.attach(model, root, role=role or "target", tp_rank=tp_rank, tp_size=tp_size,
                              pp_rank=pp_rank, pp_size=pp_size, layers=dump_layers, skip_passes=skip_passes,
                              **fastdump_kwargs)
+    _write_module_names(dumper, model, top_name)
+    # dumper.dir is <root>/<role>/<rank dir>, absolute: rebuild it from the path as given, like SGLang.
+    where = os.path.join(root, *dumper.dir.relative_to(dumper.root).parts)
     return SGLangDumper(model, dumper, top_name, top, logits_name,
-                        model._modules.get(logits_name) if logits_name else None)
+                        model._modules.get(logits_name) if logits_name else None, where)
+
+
+def _write_module_names(dumper, model, top_name: str) -> None:
+    """Record the model's module names next to the dump (see NAMES_FILE). Best effort: a dump
+    without it is exported with fastdump's names."""
+    try:
+        names = [name for name, _ in model.named_modules() if name]
+        text = json.dumps({"top": top_name, "modules": names})
+        tmp = dumper.dir / (NAMES_FILE + ".tmp")
+        tmp.write_text(text)
+        os.replace(tmp, dumper.dir / NAMES_FILE)
+    except Exception as exc:  # never stop serving for this
+        logger.warning("fastdump: cannot write %s in %s: %s", NAMES_FILE, dumper.dir, exc)
 
 
 def _sglang_pp_size() -> int | None:
@@ -190,45 +229,73 @@ def _either(a: str | None, b: str) -> str:
 
 # --- routing SGLang's --debug-tensor-dump-output-folder to fastdump ---
 
-_SGLANG_HOOK_MODULES = (
-    "sglang.srt.debug_utils.tensor_dump_forward_hook",  # where SGLang defines the function
-    "sglang.srt.model_executor.model_runner",  # imports it by name: patch the bound name too
+_SGLANG_SOURCE = "sglang.srt.debug_utils.tensor_dump_forward_hook"  # where SGLang defines the function
+# Modules that call it, having imported it by name: model_runner (SGLang <= 0.5.18), then
+# load_model_utils.maybe_register_debug_tensor_dump_hook (>= 0.5.19).
+_SGLANG_CALL_SITES = (
+    "sglang.srt.model_executor.model_runner",
+    "sglang.srt.model_executor.model_runner_components.load_model_utils",
 )
+_HOOK_NAME = "register_forward_hook_for_model"
 
 
 def _sglang_entry(model, dump_dir, dump_layers=None, tp_size=1, tp_rank=0, pp_rank=0, *args, **kwargs):
-    """Replacement installed into SGLang. Its model runner passes ``<folder>/draft`` or ``<folder>/target``
-    under EAGLE (PR #21694); that last component becomes the fastdump role under ``<folder>``."""
+    """Replacement installed into SGLang: its call, with FASTDUMP_* settings where SGLang's flags are
+    silent. The role comes from ``dump_dir`` exactly as in the public function (one code path)."""
     if args or kwargs:
         logger.warning("fastdump: ignoring SGLang tensor-dump options it does not implement: %s %s", args, kwargs)
     from fastdump import config
 
-    settings = config._parse_all(os.environ)  # FASTDUMP_* settings apply where SGLang's flags are silent
+    settings = config._parse_all(os.environ)
     for k in ("root", "tp_rank", "tp_size", "pp_rank"):  # SGLang's own values win
         settings.pop(k, None)
-    path = Path(dump_dir)
-    root, role = (path.parent, path.name) if path.name in ("draft", "target") else (path, settings.get("role"))
-    settings.pop("role", None)
+    role = settings.pop("role", None)
+    if Path(os.fspath(dump_dir)).name in _ROLE_DIRS:
+        role = None  # SGLang's EAGLE split decides; FASTDUMP_ROLE applies to a single-role run only
     layers = settings.pop("layers", None)
-    return register_forward_hook_for_model(model, str(root), layers if dump_layers is None else dump_layers,
+    return register_forward_hook_for_model(model, dump_dir, layers if dump_layers is None else dump_layers,
                                            tp_size, tp_rank, pp_rank, role=role, **settings)
 
 
 def install() -> bool:
     """Make SGLang's tensor-dump flag use fastdump in this process. False (and no change) without SGLang.
 
-    SGLang runs its model in spawned scheduler processes: use ``python -m fastdump.integrations.sglang``
-    (below) to have this run in each of them."""
-    patched = False
-    for name in _SGLANG_HOOK_MODULES:
+    Replaces the function in SGLang's defining module first, so every module that imports it by
+    name afterwards gets fastdump's; then in every already-imported module still holding SGLang's
+    original. Returns True only once each known call site that exists in this SGLang holds
+    fastdump's function (an SGLang whose call site cannot be patched raises RuntimeError rather than
+    dumping with SGLang's own hook). SGLang runs its model in spawned scheduler processes: use
+    ``python -m fastdump.integrations.sglang`` (below) to have this run in each of them."""
+    try:
+        source = __import__(_SGLANG_SOURCE, fromlist=["_"])
+    except Exception:  # absent, or an SGLang whose import fails here (no GPU build...): leave it alone
+        return False
+    original = getattr(source, _HOOK_NAME, None)
+    if original is None:
+        return False
+    patched = []
+    if original is not _sglang_entry:
+        setattr(source, _HOOK_NAME, _sglang_entry)
+        patched.append(_SGLANG_SOURCE)
+    for name in _SGLANG_CALL_SITES:  # imported now, they bind fastdump's; imported earlier, patched below
         try:
-            mod = __import__(name, fromlist=["_"])
-        except Exception:  # absent, or an SGLang whose import fails here (no GPU build...): leave it alone
-            continue
-        if hasattr(mod, "register_forward_hook_for_model"):
-            mod.register_forward_hook_for_model = _sglang_entry
-            patched = True
-    return patched
+            __import__(name, fromlist=["_"])
+        except Exception as exc:  # absent in this SGLang version, or not importable here
+            logger.debug("fastdump: %s not importable (%s)", name, exc)
+    for name, mod in list(sys.modules.items()):
+        if name.startswith("sglang.") and mod is not None and \
+                mod.__dict__.get(_HOOK_NAME) is original and original is not _sglang_entry:
+            mod.__dict__[_HOOK_NAME] = _sglang_entry
+            patched.append(name)
+    missed = [name for name in _SGLANG_CALL_SITES
+              if name in sys.modules and _HOOK_NAME in vars(sys.modules[name])
+              and vars(sys.modules[name])[_HOOK_NAME] is not _sglang_entry]
+    if missed:
+        raise RuntimeError(f"fastdump: SGLang's {_HOOK_NAME} is still in use in {missed}")
+    sites = [name for name in _SGLANG_CALL_SITES if name in sys.modules and _HOOK_NAME in vars(sys.modules[name])]
+    logger.info("fastdump: SGLang tensor dumping routed to fastdump (patched: %s; call sites: %s)",
+                ", ".join(patched) or "already installed", ", ".join(sites) or "none imported")
+    return True
 
 
 def main(argv=None) -> int:
