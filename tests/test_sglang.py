@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 import fastdump
+from fastdump.capture import close_all
 from fastdump.writer import format as fmt
 from fastdump.integrations import sglang as fsg
 
@@ -514,3 +515,216 @@ def test_installed_entry_applies_fastdump_env(fake_sglang, tmp_path, monkeypatch
     got = ds.load("target", only_rank(ds, "target"), 0)
     assert "lm_head" not in got and "model.0" in got
     assert ds.rank_info("target", only_rank(ds, "target"))["config"]["writer"] == "thread"
+
+
+# --- paths as SGLang's model runner gives them (issue 13, items 1 and 7) -----------------------------
+
+
+def test_public_function_called_like_sglang_eagle(tmp_path, monkeypatch):
+    """SGLang calls the function with <folder>/draft and <folder>/target: fastdump.open(<folder>) finds
+    both roles, and get_dump_dir() is SGLang's path (the folder as given, joined)."""
+    monkeypatch.chdir(tmp_path)
+    target, draft = LlamaForCausalLM(n_layers=2, seed=0), LlamaForCausalLM(n_layers=1, seed=1)
+    fb = next(batches())
+    want = {"target": reference_pass(target, fb)[0], "draft": reference_pass(draft, fb)[0]}
+    dumpers = {role: fsg.register_forward_hook_for_model(m, os.path.join("out", role), None, 1, 0, 0)
+               for role, m in (("target", target), ("draft", draft))}
+    rank_dir = f"TP0_PP0_Rank0_pid{os.getpid()}"
+    for role, d in dumpers.items():
+        assert d.get_dump_dir() == os.path.join("out", role, rank_dir)  # relative, as given
+        assert Path(d.get_dump_dir()).resolve() == d.dumper.dir
+    run(target, fb)
+    run(draft, fb)
+    for d in dumpers.values():
+        d.close()
+    assert not (tmp_path / "out" / "target" / "target").exists()
+    ds = fastdump.open("out")
+    assert sorted(ds.roles) == ["draft", "target"]
+    for role in ("target", "draft"):
+        assert_equal_bitwise(ds.load(role, only_rank(ds, role), 0), want[role])
+
+
+def test_single_role_run_keeps_target_dir_and_reports_it(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    model = LlamaForCausalLM()
+    d = fsg.register_forward_hook_for_model(model, "plain", None, 1, 0, 0)
+    run(model, next(batches()))
+    d.close()
+    where = d.get_dump_dir()
+    assert where == os.path.join("plain", "target", f"TP0_PP0_Rank0_pid{os.getpid()}")
+    assert (tmp_path / where / fsg.NAMES_FILE).is_file() and list(fastdump.open("plain").roles) == ["target"]
+    assert fastdump.open("plain").passes("target", Path(where).name) == [0]
+
+
+def test_dump_layers_leaves_other_layer_stacks_alone(tmp_path):
+    """layers= / dump_layers filter model.layers.N only: a vision tower's encoder.layers.N stays."""
+
+    class Vision(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.encoder = nn.Module()
+            self.encoder.layers = nn.ModuleList(nn.Linear(H, H) for _ in range(2))
+
+        def forward(self, x):
+            for layer in self.encoder.layers:
+                x = layer(x)
+            return x
+
+    model = LlamaForCausalLM(n_layers=2)
+    model.vision = Vision()
+    fb = next(batches())
+    d = fsg.register_forward_hook_for_model(model, tmp_path, dump_layers=[0])
+    d.dumper.begin_pass()  # the vision tower and the language model in one pass
+    with torch.no_grad():
+        v = model.vision(torch.ones(1, H))
+        run(model, fb)
+    d.dumper.end_pass()
+    d.close()
+    ds = fastdump.open(tmp_path)
+    rank = only_rank(ds, "target")
+    names = set().union(*(ds.load("target", rank, p) for p in ds.passes("target", rank)))
+    assert {"vision.encoder.layers.0", "vision.encoder.layers.1"} <= names
+    assert any(n.startswith("model.layers.0.") for n in names)
+    assert not any(n.startswith("model.layers.1.") for n in names)
+    assert torch.equal(ds.load("target", rank, 0)["vision.encoder.layers.1"], v)
+
+
+# --- install() against SGLang's two call-site layouts (issue 13, item 2) -----------------------------
+
+_SGLANG_HOOK = """
+    def register_forward_hook_for_model(model, dump_dir, dump_layers, tp_size, tp_rank, pp_rank):
+        raise AssertionError("SGLang's own dumper was used")
+"""
+_TINY_LM = """
+    import torch
+
+    LOADED = []  # the model runner keeps its model for the server's lifetime
+
+    class TinyLM(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            LOADED.append(self)
+            torch.manual_seed(0)
+            self.model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
+            self.lm_head = torch.nn.Linear(4, 8)
+        def forward(self, x):
+            return self.lm_head(self.model(x))
+"""
+# SGLang 0.5.15: ModelRunner.load_model calls the function it imported by name.
+SGLANG_0_5_15 = {
+    "sglang/__init__.py": "",
+    "sglang/srt/__init__.py": "",
+    "sglang/srt/debug_utils/__init__.py": "",
+    "sglang/srt/debug_utils/tensor_dump_forward_hook.py": _SGLANG_HOOK,
+    "sglang/srt/model_executor/__init__.py": "",
+    "sglang/srt/model_executor/tiny.py": _TINY_LM,
+    "sglang/srt/model_executor/model_runner.py": """
+        import os
+        import torch
+        from sglang.srt.debug_utils.tensor_dump_forward_hook import register_forward_hook_for_model
+        from sglang.srt.model_executor.tiny import TinyLM
+
+        def load_and_run(folder, is_draft_worker, is_eagle):
+            model = TinyLM()
+            if is_eagle:
+                folder = os.path.join(folder, "draft" if is_draft_worker else "target")
+            register_forward_hook_for_model(model, folder, None, 1, 0, 0)
+            with torch.no_grad():
+                return model(torch.ones(2, 4))
+    """,
+}
+# SGLang 0.5.23: the call moved to load_model_utils.maybe_register_debug_tensor_dump_hook, which
+# imports the function by name; model_runner no longer holds it.
+SGLANG_0_5_23 = {
+    **{k: v for k, v in SGLANG_0_5_15.items() if not k.endswith("model_runner.py")},
+    "sglang/srt/model_executor/model_runner_components/__init__.py": "",
+    "sglang/srt/model_executor/model_runner_components/load_model_utils.py": """
+        import os
+        from sglang.srt.debug_utils.tensor_dump_forward_hook import register_forward_hook_for_model
+
+        def maybe_register_debug_tensor_dump_hook(*, model, folder, is_eagle, is_draft_worker,
+                                                  tp_size, tp_rank, pp_rank):
+            if folder is not None:
+                if is_eagle:
+                    folder = os.path.join(folder, "draft" if is_draft_worker else "target")
+                register_forward_hook_for_model(model, folder, None, tp_size, tp_rank, pp_rank)
+    """,
+    "sglang/srt/model_executor/model_runner.py": """
+        import torch
+        from sglang.srt.model_executor.model_runner_components.load_model_utils import (
+            maybe_register_debug_tensor_dump_hook,
+        )
+        from sglang.srt.model_executor.tiny import TinyLM
+
+        def load_and_run(folder, is_draft_worker, is_eagle):
+            model = TinyLM()
+            maybe_register_debug_tensor_dump_hook(model=model, folder=folder, is_eagle=is_eagle,
+                                                  is_draft_worker=is_draft_worker, tp_size=1, tp_rank=0,
+                                                  pp_rank=0)
+            with torch.no_grad():
+                return model(torch.ones(2, 4))
+    """,
+}
+_CALL_SITE = {"0.5.15": "sglang.srt.model_executor.model_runner",
+              "0.5.23": "sglang.srt.model_executor.model_runner_components.load_model_utils"}
+
+
+def _write_package(root, files):
+    for rel, text in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(textwrap.dedent(text))
+
+
+@pytest.mark.parametrize("order", ["install-first", "sglang-first"])
+@pytest.mark.parametrize("version", ["0.5.15", "0.5.23"])
+def test_install_patches_every_call_site(tmp_path, monkeypatch, caplog, version, order):
+    import importlib
+    import logging
+
+    pkg = tmp_path / f"sglang-{version}"
+    _write_package(pkg, SGLANG_0_5_15 if version == "0.5.15" else SGLANG_0_5_23)
+    monkeypatch.syspath_prepend(str(pkg))
+    monkeypatch.setenv("FASTDUMP_WRITER", "thread")
+    try:
+        if order == "sglang-first":  # the call site bound SGLang's function before install()
+            site = importlib.import_module(_CALL_SITE[version])
+            assert "own dumper" in repr(site.register_forward_hook_for_model.__code__.co_consts)
+        with caplog.at_level(logging.INFO, logger="fastdump.integrations.sglang"):
+            assert fsg.install() is True
+        assert _CALL_SITE[version] in caplog.text  # logged what it patched / verified
+        site = importlib.import_module(_CALL_SITE[version])
+        assert site.register_forward_hook_for_model is fsg._sglang_entry
+        from sglang.srt.model_executor import model_runner
+
+        root = tmp_path / "dump"
+        outs = {role: model_runner.load_and_run(str(root), role == "draft", True) for role in ("target", "draft")}
+        close_all()
+        ds = fastdump.open(root)
+        assert sorted(ds.roles) == ["draft", "target"]
+        for role, out in outs.items():
+            got = ds.load(role, only_rank(ds, role), 0)
+            assert torch.equal(got["lm_head"], out)
+    finally:
+        close_all()
+        for name in [n for n in sys.modules if n == "sglang" or n.startswith("sglang.")]:
+            del sys.modules[name]
+
+
+def test_install_fails_loudly_when_a_call_site_keeps_another_function(tmp_path, monkeypatch):
+    import importlib
+
+    pkg = tmp_path / "sglang-odd"
+    files = dict(SGLANG_0_5_23)
+    files["sglang/srt/model_executor/model_runner_components/load_model_utils.py"] = """
+        def register_forward_hook_for_model(*args):  # a local wrapper install() cannot see through
+            raise AssertionError("not fastdump")
+    """
+    _write_package(pkg, files)
+    monkeypatch.syspath_prepend(str(pkg))
+    try:
+        importlib.import_module(_CALL_SITE["0.5.23"])
+        with pytest.raises(RuntimeError, match="load_model_utils"):
+            fsg.install()
+    finally:
+        for name in [n for n in sys.modules if n == "sglang" or n.startswith("sglang.")]:
+            del sys.modules[name]
