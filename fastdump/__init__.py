@@ -22,7 +22,7 @@ def attach(model, root, *, role: str = "target", tp_rank=None, tp_size=None, pp_
     layers, include, exclude, module_types, inputs, skip_passes, every, pass_range, max_bytes,
     policy ("block"|"drop"), block_timeout_s, writer ("process"|"thread"), writer_priority ("idle"|"normal"),
     ring_mb, device_ring_mb,
-    segment_passes, segment_mb, segment_seconds, root_passes, root_name, strict, pass_meta.
+    segment_passes, segment_mb, segment_seconds, segment_idle_seconds, root_passes, root_name, strict, pass_meta.
     """
     from .capture import Dumper, resolve_ranks
 

@@ -173,13 +173,13 @@ class Dumper:
                  module_types=None, inputs=False, skip_passes=0, every=1, pass_range=None, max_bytes=None,
                  policy="block", block_timeout_s=5.0, writer="process", writer_priority="idle", ring_mb=256,
                  device_ring_mb=256,
-                 segment_passes=64, segment_mb=256, segment_seconds=30.0, root_passes=True, root_name=None,
-                 strict=False, pass_meta=None, device=None):
+                 segment_passes=64, segment_mb=256, segment_seconds=30.0, segment_idle_seconds=1.0,
+                 root_passes=True, root_name=None, strict=False, pass_meta=None, device=None):
         _validate(root=root, role=role, policy=policy, block_timeout_s=block_timeout_s, writer=writer,
                   writer_priority=writer_priority, every=every, skip_passes=skip_passes, pass_range=pass_range,
                   max_bytes=max_bytes, ring_mb=ring_mb, device_ring_mb=device_ring_mb,
                   segment_passes=segment_passes, segment_mb=segment_mb, segment_seconds=segment_seconds,
-                  layers=layers)
+                  segment_idle_seconds=segment_idle_seconds, layers=layers)
         self.role = role
         self.ranks = ranks
         self.root = Path(root).absolute()
@@ -231,7 +231,8 @@ class Dumper:
                       policy=policy, block_timeout_s=block_timeout_s, writer=writer,
                       writer_priority=writer_priority, ring_mb=ring_mb,
                       device_ring_mb=device_ring_mb,
-                      segment_passes=segment_passes, segment_mb=segment_mb, segment_seconds=segment_seconds)
+                      segment_passes=segment_passes, segment_mb=segment_mb, segment_seconds=segment_seconds,
+                      segment_idle_seconds=segment_idle_seconds)
         self._ring_noted = False
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
@@ -958,7 +959,8 @@ def _write_manifest(root: Path, config: dict) -> None:
 
 
 def _validate(*, root, role, policy, block_timeout_s, writer, writer_priority, every, skip_passes, pass_range,
-              max_bytes, ring_mb, device_ring_mb, segment_passes, segment_mb, segment_seconds, layers) -> None:
+              max_bytes, ring_mb, device_ring_mb, segment_passes, segment_mb, segment_seconds, segment_idle_seconds,
+              layers) -> None:
     """Bad settings fail at attach, before the model runs, with one clear message."""
     if not isinstance(root, (str, os.PathLike)) or not os.fspath(root).strip():
         raise ValueError(f"root must be a non-empty directory path, not {root!r}")
@@ -990,6 +992,9 @@ def _validate(*, root, role, policy, block_timeout_s, writer, writer_priority, e
     _check_number("device_ring_mb", device_ring_mb, above=0)
     _check_number("segment_mb", segment_mb, above=0)
     _check_number("segment_seconds", segment_seconds, above=0)
+    if not (isinstance(segment_idle_seconds, numbers.Real) and not isinstance(segment_idle_seconds, bool)
+            and segment_idle_seconds == 0):  # 0: never
+        _check_number("segment_idle_seconds (or 0: never)", segment_idle_seconds, above=0)
 
 
 def _check_int(what: str, value, minimum: int) -> None:

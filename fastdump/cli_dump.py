@@ -114,6 +114,8 @@ def list_dump(root: str) -> dict:
                     "dropped_passes": _count(info.get("dropped_passes", 0)),
                     "skipped": _count(info.get("skipped", 0)),
                     "producer_gone": _pid_gone(info),
+                    # ended passes the writer still holds in its open segment (a running rank)
+                    "pending_passes": _count(info.get("pending_passes", 0)) if status == "running" else 0,
                 }
                 try:
                     entry.update(ds.summary(role, rank))
@@ -153,6 +155,8 @@ def cmd_ls(args) -> int:
             status += f" [{r['unreadable_segments']} unreadable segment(s)]"
         if r["incomplete_passes"]:
             status += f" [{len(r['incomplete_passes'])} incomplete pass(es)]"
+        if r["pending_passes"]:
+            status += f" [+{r['pending_passes']} pass(es) in the open segment]"
         dropped = str(r["dropped"]) + (f" +{r['dropped_passes']} passes" if r["dropped_passes"] else "")
         rows.append([_printable(r["role"]), _printable(r["rank"]), r["passes"], span, r["segments"], r["tensors"],
                      _size(r["bytes"]), dropped, r["skipped"], _printable(status)])

@@ -50,6 +50,17 @@ def _positive_float(s: str) -> float:
     return v
 
 
+def _nonnegative_float(s: str) -> float:
+    """number >= 0"""
+    try:
+        v = float(s.strip())
+    except ValueError:
+        v = -1.0
+    if not 0 <= v < float("inf"):
+        raise ValueError("must be a finite number >= 0")
+    return v
+
+
 def _mb_to_bytes(s: str) -> int:
     """MiB (number > 0)"""
     return max(1, int(_positive_float(s) * (1 << 20)))
@@ -170,6 +181,8 @@ ENV_VARS: tuple[EnvVar, ...] = (
     EnvVar("FASTDUMP_SEGMENT_PASSES", "segment_passes", _int(1), "start a new .h5 segment after N passes"),
     EnvVar("FASTDUMP_SEGMENT_MB", "segment_mb", _positive_float, "start a new .h5 segment after N MiB"),
     EnvVar("FASTDUMP_SEGMENT_SECONDS", "segment_seconds", _positive_float, "start a new .h5 segment after N seconds"),
+    EnvVar("FASTDUMP_SEGMENT_IDLE_SECONDS", "segment_idle_seconds", _nonnegative_float,
+           "writer idle this long after a pass ended: write the open segment (0 = never)"),
     EnvVar("FASTDUMP_STRICT", "strict", _bool, "fail at attach if dumping cannot start (default: log, serve on)"),
     EnvVar("FASTDUMP_TP_RANK", "tp_rank", _int(0), "tensor-parallel rank (default: from torch.distributed / launcher)"),
     EnvVar("FASTDUMP_TP_SIZE", "tp_size", _int(1), "tensor-parallel size"),

@@ -21,7 +21,7 @@ from .segments import ChannelWriter
 
 log = logging.getLogger("fastdump.writer")
 
-POLL_SECONDS = 0.25  # idle wake-up: rotate segments by time, notice a dead producer
+POLL_SECONDS = 0.25  # idle wake-up: rotate segments by time or idleness, notice a dead producer
 BATCH_BYTES = 16 << 20  # ring space one batch may hold while the writer consumes it
 
 
@@ -64,6 +64,7 @@ class WriterLoop:
                 if consumer.drained:
                     self._finish("incomplete")  # the serving process died: keep what arrived
                     return 0
+                self._idle()  # only when nothing arrived: never on the busy path
                 continue
             channels = self.channels
             for kind, channel, name_id, pass_id, dtype, shape, payload, seq, offset, total in batch:
@@ -188,6 +189,11 @@ class WriterLoop:
     def _poll(self, now: float) -> None:
         for channel in list(self.channels):
             self._call(channel, "poll", time.time())
+
+    def _idle(self) -> None:
+        now = time.time()
+        for channel in list(self.channels):
+            self._call(channel, "idle", now)
 
     def _finish(self, status: str) -> None:
         for channel, writer in list(self.channels.items()):

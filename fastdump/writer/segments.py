@@ -82,6 +82,7 @@ class _PendingSegment:
         self.open_passes = 0
         self.nbytes = 0
         self.started = None  # time.time() of the first event
+        self.last_end = None  # time.time() of the last pass end (idle rotation)
 
 
 def _pass_meta(record: _Pass) -> dict:
@@ -119,6 +120,7 @@ class ChannelWriter:
         self.max_passes = _limit(self.config, "segment_passes")
         self.max_bytes = _limit(self.config, "segment_mb", MiB)
         self.max_seconds = _limit(self.config, "segment_seconds")
+        self.idle_seconds = _limit(self.config, "segment_idle_seconds")
 
         self.error = None
         self._closed = False
@@ -140,6 +142,7 @@ class ChannelWriter:
         self._stats: dict = {}
         self._status = "running"
         self._note_error = None  # an error the producer side reported (writer itself still fine)
+        self._published_pending = 0  # pending_passes as last written to rank.json
 
         self._info = {
             "format_version": fmt.FORMAT_VERSION,
@@ -234,7 +237,9 @@ class ChannelWriter:
             record.ended = True
             self._pending.open_passes -= 1
         self._current = None
-        self._rotate_if_due(time.time())
+        now = time.time()
+        self._pending.last_end = now
+        self._rotate_if_due(now)
 
     def on_note(self, msg: dict) -> None:
         if self._closed:
@@ -256,6 +261,24 @@ class ChannelWriter:
         if self.error is not None or self._closed:
             return
         self._rotate_if_due(time.time() if now is None else now)
+        if self.error is None and not self._closed and self.pending_passes() != self._published_pending:
+            self._write_progress()
+
+    def idle(self, now: float = None) -> None:
+        """The loop found the ring empty: write the open segment once every pass in it has ended
+        and ``segment_idle_seconds`` passed since the last one did, so a reader sees those passes
+        soon after the model stops; never while a pass is open (it would be split)."""
+        pending = self._pending
+        if self.idle_seconds is None or self.error is not None or self._closed or not pending.passes \
+                or pending.open_passes or pending.last_end is None:
+            return
+        if (time.time() if now is None else now) - pending.last_end >= self.idle_seconds:
+            self._guarded(self._flush)
+
+    def pending_passes(self) -> int:
+        """Ended passes held in the open segment (not yet in a segment file)."""
+        pending = self._pending
+        return len(pending.passes) - pending.open_passes
 
     def close(self, stats: dict = None, status: str = "closed") -> None:
         """Write what is buffered (an unfinished pass is marked incomplete) and finalize rank.json."""
@@ -450,6 +473,7 @@ class ChannelWriter:
             "skipped": self._skipped_total,
             "skipped_reasons": dict(self._skipped_reasons),
             "passes": self._passes_written,
+            "pending_passes": self.pending_passes(),  # ended, still in the open segment
             "tensors": self._tensors_written,
             "bytes": self._bytes_written,
             "segments": list(self._segments),
@@ -458,6 +482,7 @@ class ChannelWriter:
         }
 
     def _write_rank_json(self) -> None:
+        self._published_pending = self.pending_passes()
         path = os.path.join(self.dir, fmt.RANK_FILE)
         try:
             fsutil.atomic_write_json(path, self.rank_json())
@@ -473,6 +498,16 @@ class ChannelWriter:
                 if again.errno not in _DISK_FULL:
                     raise
                 fsutil.atomic_write_json(path, {**self.rank_json(), "segments": [], "segments_omitted": True})
+
+    def _write_progress(self) -> None:
+        """rank.json with a new pending_passes: at most once a poll, not made durable. Best effort:
+        a progress figure that cannot be written (disk full) waits for the next segment's rank.json,
+        which reports any real failure."""
+        self._published_pending = self.pending_passes()
+        try:
+            fsutil.atomic_write_json(os.path.join(self.dir, fmt.RANK_FILE), self.rank_json(), durable=False)
+        except OSError:
+            pass  # the next segment's rank.json (durable, checked) says what is wrong
 
 
 def _reserve_space(path: str, nbytes: int) -> None:
