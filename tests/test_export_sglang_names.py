@@ -1,0 +1,303 @@
+"""`fastdump export` against SGLang's own conventions.
+
+The reference here is SGLang's tensor-dump hook rewritten for the test from its documented behaviour
+(sglang.srt.debug_utils.tensor_dump_forward_hook): forward hooks on the leaf modules and on the
+top-level `model`, whose hook adds its ForwardBatch, saves the pending dict as PassNNNNN.pt and then
+adds its own output; a tuple output is stored as its one non-None tensor or as a list; a second call
+overwrites the first. The dumper layout is read back with a loader written from SGLang's documented
+file naming (name=…___step=…___rank=…___dump_index=….pt holding {"value", "meta"})."""
+
+import argparse
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import fastdump
+from fastdump import export
+from fastdump.integrations import sglang as fsg
+from test_sglang import (H, V, ForwardBatch, LogitsProcessor, LogitsProcessorOutput, ParallelLMHead, RadixAttention,
+                         RMSNorm, batches)
+
+
+class ParallelLinear(nn.Linear):
+    """SGLang's *ParallelLinear: (output, output_bias) with the bias None."""
+
+    def forward(self, x):
+        return super().forward(x), None
+
+
+class RotaryEmbedding(nn.Module):
+    def forward(self, positions, q, k):  # a tuple of two tensors: one list under the name in SGLang
+        c = torch.cos(positions.float())[:, None]
+        return q * c, k * c
+
+
+class Gate(nn.Module):
+    def forward(self, x):  # (None, t): stored under the name alone in SGLang
+        return None, torch.sigmoid(x)
+
+
+class Scale(nn.Module):
+    def forward(self, x):  # called twice per layer: SGLang keeps the second call
+        return x * 1.5
+
+
+class Layer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.input_layernorm = RMSNorm()
+        self.qkv_proj = ParallelLinear(H, 3 * H, bias=False)
+        self.rotary_emb = RotaryEmbedding()
+        self.attn = RadixAttention()
+        self.o_proj = ParallelLinear(H, H, bias=False)
+        self.gate = Gate()
+        self.scale = Scale()
+
+    def forward(self, positions, x, forward_batch, residual):
+        if residual is None:
+            residual = x.clone()
+            x = self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        qkv, _ = self.qkv_proj(x)
+        q, k, v = qkv.chunk(3, -1)
+        q, k = self.rotary_emb(positions, q, k)
+        o, _ = self.o_proj(self.attn(q, k, v, forward_batch))
+        _, g = self.gate(o)
+        return self.scale(self.scale(o * g)), residual
+
+
+class Model(nn.Module):
+    def __init__(self, n_layers):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(V, H)
+        self.layers = nn.ModuleList(Layer() for _ in range(n_layers))
+        self.norm = RMSNorm()
+
+    def forward(self, input_ids, positions, forward_batch):
+        x, residual = self.embed_tokens(input_ids), None
+        for layer in self.layers:
+            x, residual = layer(positions, x, forward_batch, residual)
+        x, _ = self.norm(x, residual)
+        return x
+
+
+class ForCausalLM(nn.Module):
+    def __init__(self, n_layers=2, seed=0):
+        torch.manual_seed(seed)
+        super().__init__()
+        self.model = Model(n_layers)
+        self.lm_head = ParallelLMHead()
+        self.logits_processor = LogitsProcessor()
+
+    @torch.no_grad()
+    def forward(self, input_ids, positions, forward_batch):
+        hidden = self.model(input_ids, positions, forward_batch)  # positional, as SGLang's models do
+        return self.logits_processor(input_ids, hidden, self.lm_head, forward_batch)
+
+
+class SGLangHookReference:
+    """SGLang's hook semantics (see the module docstring); .cpu() is a copy on GPU, so clone here."""
+
+    def __init__(self, model, directory):
+        self.dir = Path(directory)
+        self.dir.mkdir(parents=True)
+        self.current, self.pass_id = {}, 0
+        for name, module in model.named_modules():
+            if name and (name == "model" or not module._modules):
+                module.register_forward_hook(self._hook(name, name == "model"))
+
+    def add(self, name, value):
+        if isinstance(value, (tuple, list)):
+            tensors = [v.clone() for v in value if v is not None]
+            self.current[name] = tensors[0] if len(tensors) == 1 else tensors
+        elif isinstance(value, torch.Tensor):
+            self.current[name] = value.clone()
+        elif isinstance(value, LogitsProcessorOutput):
+            self.current[name] = value.next_token_logits.clone()
+        elif isinstance(value, ForwardBatch):
+            for field in ("input_ids", "seq_lens", "positions"):
+                self.current[f"{name}.forward_batch_info.{field}"] = getattr(value, field).clone()
+
+    def save(self):
+        if self.current:
+            torch.save(self.current, self.dir / f"Pass{self.pass_id:05d}.pt")
+            self.current, self.pass_id = {}, self.pass_id + 1
+
+    def _hook(self, name, top):
+        def hook(module, inputs, output):
+            if top:
+                for item in inputs:
+                    if isinstance(item, ForwardBatch):
+                        self.add(name, item)
+                self.save()
+            if output is not None:
+                self.add(name, output)
+        return hook
+
+
+def assert_same_value(got, want, what):
+    assert isinstance(got, list) == isinstance(want, list), what
+    got, want = (got, want) if isinstance(got, list) else ([got], [want])
+    assert len(got) == len(want), what
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype and g.shape == w.shape, what
+        assert torch.equal(g.contiguous().view(torch.uint8), w.contiguous().view(torch.uint8)), what
+
+
+def load_passes(directory):
+    return {p.name: torch.load(p, weights_only=True) for p in sorted(Path(directory).glob("Pass*.pt"))}
+
+
+@pytest.fixture
+def sglang_and_fastdump(tmp_path):
+    """The same three forwards dumped by SGLang's hook (reference) and by fastdump's drop-in."""
+    fbs = list(batches())
+    ref_model = ForCausalLM()
+    SGLangHookReference(ref_model, tmp_path / "sglang")
+    for fb in fbs:
+        ref_model(fb.input_ids, fb.positions, fb)
+    model = ForCausalLM()
+    d = fsg.register_forward_hook_for_model(model, tmp_path / "fd", writer="thread")
+    for fb in fbs:
+        model(fb.input_ids, fb.positions, fb)
+    d.close()
+    return tmp_path / "sglang", tmp_path / "fd"
+
+
+def run_cli(*argv):
+    parser = argparse.ArgumentParser()
+    export.add_arguments(parser.add_subparsers())
+    args = parser.parse_args(["export", *map(str, argv)])
+    return args.func(args)
+
+
+def test_pass_shift_reproduces_sglang_files(sglang_and_fastdump, tmp_path):
+    ref_dir, dump = sglang_and_fastdump
+    assert run_cli("--format", "sglang", "--sglang-pass-shift", dump, tmp_path / "out") == 0
+    (rank_dir,) = (tmp_path / "out").iterdir()
+    got, want = load_passes(rank_dir), load_passes(ref_dir)
+    assert list(got) == list(want) == ["Pass00000.pt", "Pass00001.pt", "Pass00002.pt"]
+    for file, ref in want.items():
+        assert sorted(got[file]) == sorted(ref), file
+        for name in ref:
+            assert_same_value(got[file][name], ref[name], f"{file}:{name}")
+    # the conventions this covers, checked by name
+    layer = want["Pass00001.pt"]
+    assert isinstance(layer["model.layers.0.input_layernorm"], torch.Tensor)  # first layer: no residual
+    assert isinstance(layer["model.layers.1.input_layernorm"], list)  # (x, residual)
+    assert isinstance(layer["model.layers.0.rotary_emb"], list)
+    assert isinstance(layer["model.layers.0.qkv_proj"], torch.Tensor)  # (out, None)
+    assert isinstance(layer["model.layers.0.gate"], torch.Tensor)  # (None, t)
+    assert "model" in layer and "model" not in want["Pass00000.pt"]  # late by one pass
+
+
+def test_without_shift_a_pass_file_holds_its_own_logits(sglang_and_fastdump, tmp_path):
+    ref_dir, dump = sglang_and_fastdump
+    export.export_sglang(dump, tmp_path / "out")
+    (rank_dir,) = (tmp_path / "out").iterdir()
+    got, want = load_passes(rank_dir), load_passes(ref_dir)
+    assert list(got) == ["Pass00000.pt", "Pass00001.pt", "Pass00002.pt"]
+    for i, (file, tensors) in enumerate(got.items()):
+        for name, value in tensors.items():
+            late = name in ("model", "logits_processor")
+            ref_file = f"Pass{i + 1:05d}.pt" if late else file
+            if ref_file in want:  # SGLang never writes the last pass's late outputs
+                assert_same_value(value, want[ref_file][name], f"{file}:{name}")
+        assert {"model", "logits_processor", "model.layers.1.scale"} <= set(tensors)
+    # storage keeps fastdump's names: tuple elements and the second call
+    stored = fastdump.open(dump).load("target", None, 0)
+    assert {"model.layers.1.input_layernorm.0", "model.layers.0.gate.1", "model.layers.0.scale#1"} <= set(stored)
+    assert torch.equal(got["Pass00000.pt"]["model.layers.0.scale"], stored["model.layers.0.scale#1"])
+
+
+def test_fastdump_names_on_request(sglang_and_fastdump, tmp_path):
+    _, dump = sglang_and_fastdump
+    export.export_sglang(dump, tmp_path / "out", names="fastdump")
+    (rank_dir,) = (tmp_path / "out").iterdir()
+    got = load_passes(rank_dir)["Pass00001.pt"]
+    assert set(got) == set(fastdump.open(dump).load("target", None, 1))
+
+
+def test_sglang_names_rules():
+    t = [torch.full((1,), float(i)) for i in range(6)]
+    modules = {"model", "model.norm", "model.experts", "model.experts.0", "model.experts.1", "lm"}
+    stored = {"model.forward_batch_info.input_ids": t[0], "model.experts.0": t[1], "model.experts.1": t[2],
+              "model.norm.0": t[3], "model.norm.1": t[4], "model.norm#1.1": t[5], "extra.value": t[0],
+              "lm.0": t[1], "lm#1": t[2]}
+    got = export.sglang_names(stored, modules)
+    assert list(got) == ["model.forward_batch_info.input_ids", "model.experts.0", "model.experts.1", "model.norm",
+                         "extra.value", "lm"]
+    assert got["model.experts.1"] is t[2]  # a child module named by a number is not a tuple element
+    assert got["model.norm"] is t[5]  # second call, (None, t): overwrites the first call's list
+    assert got["lm"] is t[2]
+    assert export.sglang_names(stored, None) == stored
+
+
+# --- SGLang's dumper layout ---------------------------------------------------------------------------
+
+
+def read_meta(directory):
+    """Rows of a dumper directory, parsed as SGLang's naming documents: the file stem is
+    `___`-separated `key=value` pairs; step, rank and dump_index are integers."""
+    rows = []
+    for path in Path(directory).glob("*.pt"):
+        row = dict(kv.split("=", 1) for kv in path.stem.split("___"))
+        for key in ("step", "rank", "dump_index"):
+            row[key] = int(row[key])
+        rows.append({"filename": path.name, **row})
+    return sorted(rows, key=lambda r: (r["rank"], r["dump_index"]))
+
+
+def test_dumper_layout_reads_back(tmp_path):
+    fbs = list(batches())
+    models, want = {}, {}
+    for tp_rank in (0, 1):  # two tensor-parallel ranks of one role: one directory, rank in the file name
+        models[tp_rank] = ForCausalLM(seed=tp_rank)
+        d = fsg.register_forward_hook_for_model(models[tp_rank], tmp_path / "fd", None, 2, tp_rank, 0,
+                                                writer="thread")
+        for fb in fbs:
+            models[tp_rank](fb.input_ids, fb.positions, fb)
+        d.close()
+    ds = fastdump.open(tmp_path / "fd")
+    for tp_rank, rank in enumerate(ds.ranks("target")):
+        modules = set(name for name, _ in models[tp_rank].named_modules() if name)
+        want[tp_rank] = {p: export.sglang_names(ds.load("target", rank, p), modules) for p in ds.passes("target", rank)}
+
+    assert run_cli("--format", "sglang-dumper", tmp_path / "fd", tmp_path / "out") == 0
+    rows = read_meta(tmp_path / "out")
+    assert {r["rank"] for r in rows} == {0, 1}
+    for rank in (0, 1):
+        mine = [r for r in rows if r["rank"] == rank]
+        assert [r["dump_index"] for r in mine] == list(range(1, len(mine) + 1))
+        expected = [(p, name, i, t) for p, tensors in want[rank].items() for name, value in tensors.items()
+                    for i, t in (enumerate(value) if isinstance(value, list) else [(None, value)])]
+        assert len(mine) == len(expected)
+        for row, (p, name, i, t) in zip(mine, expected):
+            assert row["step"] == p and row["name"] == (name if i is None else f"{name}.{i}")
+            saved = torch.load(tmp_path / "out" / row["filename"], weights_only=False)
+            assert torch.equal(saved["value"], t) and saved["value"].dtype == t.dtype
+            meta = saved["meta"]
+            assert {k: meta[k] for k in ("name", "step", "rank", "dump_index")} == \
+                {k: row[k] for k in ("name", "step", "rank", "dump_index")}
+            assert meta["sglang_parallel_info"]["tp_size"] == 2 and meta["sglang_parallel_info"]["tp_rank"] == rank
+            assert meta["world_size"] == 2 and meta["fastdump_pass"]["forward_mode"] in ("EXTEND", "DECODE")
+    names = {r["name"] for r in rows}
+    assert {"model.layers.1.input_layernorm.0", "model.layers.1.input_layernorm.1", "model.layers.0.qkv_proj",
+            "model.layers.0.scale", "logits_processor", "model.forward_batch_info.input_ids"} <= names
+
+
+def test_dumper_layout_roles_and_bad_names(tmp_path):
+    for role in ("target", "draft"):
+        with fastdump.attach(None, tmp_path / "fd", role=role, writer="thread") as d:
+            d.dump("x", torch.arange(3))
+    assert export.export_sglang_dumper(tmp_path / "fd", tmp_path / "out") == 2
+    assert sorted(os.listdir(tmp_path / "out")) == ["draft", "target"]
+    assert [r["name"] for r in read_meta(tmp_path / "out" / "draft")] == ["x"]
+    with fastdump.attach(None, tmp_path / "bad", writer="thread") as d:
+        d.dump("a=b", torch.arange(3))
+    with pytest.raises(ValueError, match="'a=b'"):
+        export.export_sglang_dumper(tmp_path / "bad", tmp_path / "out2")
