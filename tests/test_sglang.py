@@ -538,6 +538,9 @@ def test_public_function_called_like_sglang_eagle(tmp_path, monkeypatch):
     for d in dumpers.values():
         d.close()
     assert not (tmp_path / "out" / "target" / "target").exists()
+    from fastdump import cli
+
+    assert cli.main(["verify", "out"]) == 0  # the module list beside the segments is no problem
     ds = fastdump.open("out")
     assert sorted(ds.roles) == ["draft", "target"]
     for role in ("target", "draft"):

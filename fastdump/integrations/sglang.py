@@ -18,7 +18,6 @@ fastdump.integrations.sglang <launch_server args>`` does that in every SGLang pr
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import re
@@ -28,6 +27,7 @@ from pathlib import Path
 import torch
 
 import fastdump
+from fastdump.fsutil import atomic_write_json
 
 logger = logging.getLogger(__name__)
 
@@ -205,10 +205,7 @@ def _write_module_names(dumper, model, top_name: str) -> None:
     without it is exported with fastdump's names."""
     try:
         names = [name for name, _ in model.named_modules() if name]
-        text = json.dumps({"top": top_name, "modules": names})
-        tmp = dumper.dir / (NAMES_FILE + ".tmp")
-        tmp.write_text(text)
-        os.replace(tmp, dumper.dir / NAMES_FILE)
+        atomic_write_json(str(dumper.dir / NAMES_FILE), {"top": top_name, "modules": names}, durable=False)
     except Exception as exc:  # never stop serving for this
         logger.warning("fastdump: cannot write %s in %s: %s", NAMES_FILE, dumper.dir, exc)
 
