@@ -527,12 +527,15 @@ def test_public_function_called_like_sglang_eagle(tmp_path, monkeypatch):
     target, draft = LlamaForCausalLM(n_layers=2, seed=0), LlamaForCausalLM(n_layers=1, seed=1)
     fb = next(batches())
     want = {"target": reference_pass(target, fb)[0], "draft": reference_pass(draft, fb)[0]}
-    dumpers = {role: fsg.register_forward_hook_for_model(m, os.path.join("out", role), None, 1, 0, 0)
+    os.mkdir("out")
+    monkeypatch.chdir("out")  # a bare "target" / "draft", as SGLang would pass with folder "."
+    dumpers = {role: fsg.register_forward_hook_for_model(m, role, None, 1, 0, 0)
                for role, m in (("target", target), ("draft", draft))}
+    monkeypatch.chdir(tmp_path)
     rank_dir = f"TP0_PP0_Rank0_pid{os.getpid()}"
     for role, d in dumpers.items():
-        assert d.get_dump_dir() == os.path.join("out", role, rank_dir)  # relative, as given
-        assert Path(d.get_dump_dir()).resolve() == d.dumper.dir
+        assert d.get_dump_dir() == os.path.join(role, rank_dir)  # relative, as given
+        assert (tmp_path / "out" / d.get_dump_dir()).resolve() == d.dumper.dir
     run(target, fb)
     run(draft, fb)
     for d in dumpers.values():

@@ -167,11 +167,9 @@ def register_forward_hook_for_model(model, dump_dir, dump_layers=None, tp_size=1
     num_tokens. ``fastdump_kwargs`` go to ``fastdump.attach``. The top-level module name can be
     changed with SGLang's TENSOR_DUMP_TOP_LEVEL_MODULE_NAME / TENSOR_DUMP_LAYERS_MODULE_NAME variables."""
     given = os.fspath(dump_dir)
-    root = given
-    if role is None:
-        path = Path(given)
-        if path.name in _ROLE_DIRS:
-            root, role = str(path.parent), path.name
+    root, role_from_path = given, role is None and Path(given).name in _ROLE_DIRS
+    if role_from_path:
+        root, role = str(Path(given).parent), Path(given).name
     top_name = os.getenv("TENSOR_DUMP_TOP_LEVEL_MODULE_NAME", "model")
     layers_name = os.getenv("TENSOR_DUMP_LAYERS_MODULE_NAME", "layers")
     top = model._modules.get(top_name)
@@ -195,7 +193,8 @@ def register_forward_hook_for_model(model, dump_dir, dump_layers=None, tp_size=1
                              **fastdump_kwargs)
     _write_module_names(dumper, model, top_name)
     # dumper.dir is <root>/<role>/<rank dir>, absolute: rebuild it from the path as given, like SGLang.
-    where = os.path.join(root, *dumper.dir.relative_to(dumper.root).parts)
+    where = os.path.join(given, dumper.dir.name) if role_from_path else \
+        os.path.join(given, *dumper.dir.relative_to(dumper.root).parts)
     return SGLangDumper(model, dumper, top_name, top, logits_name,
                         model._modules.get(logits_name) if logits_name else None, where)
 
