@@ -301,3 +301,10 @@ def test_dumper_layout_roles_and_bad_names(tmp_path):
         d.dump("a=b", torch.arange(3))
     with pytest.raises(ValueError, match="'a=b'"):
         export.export_sglang_dumper(tmp_path / "bad", tmp_path / "out2")
+
+
+def test_pass_shift_is_refused_for_the_dumper_layout(sglang_and_fastdump, tmp_path, capsys):
+    _, dump = sglang_and_fastdump
+    assert run_cli("--format", "sglang-dumper", "--sglang-pass-shift", dump, tmp_path / "out") == 2
+    assert "--format sglang only" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
