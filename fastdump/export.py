@@ -92,7 +92,9 @@ def _shift_late(passes, top: str):
     carry, carry_from = {}, None
     for pass_id, tensors in passes:
         names = list(tensors)
-        cut = names.index(top) if top in tensors else len(names)
+        # model's output: a tensor, or on a pipeline stage before the last its PPProxyTensors
+        cut = next((i for i, n in enumerate(names) if n == top or n.startswith(top + ".pp_proxy_tensors.")),
+                   len(names))
         early = {n: tensors[n] for n in names[:cut]}
         late = {n: tensors[n] for n in names[cut:]}
         merged = dict(carry) if carry_from == pass_id - 1 else {}

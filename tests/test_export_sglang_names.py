@@ -308,3 +308,14 @@ def test_pass_shift_is_refused_for_the_dumper_layout(sglang_and_fastdump, tmp_pa
     assert run_cli("--format", "sglang-dumper", "--sglang-pass-shift", dump, tmp_path / "out") == 2
     assert "--format sglang only" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def test_pass_shift_moves_pipeline_proxy_outputs_too():
+    t = [torch.full((1,), float(i)) for i in range(6)]
+    passes = [(0, {"model.forward_batch_info.input_ids": t[0], "model.embed_tokens": t[1],
+                   "model.pp_proxy_tensors.hidden_states": t[2]}),
+              (1, {"model.forward_batch_info.input_ids": t[3], "model.embed_tokens": t[4],
+                   "model.pp_proxy_tensors.hidden_states": t[5]})]
+    got = dict(export._shift_late(iter(passes), "model"))
+    assert list(got[0]) == ["model.forward_batch_info.input_ids", "model.embed_tokens"]
+    assert got[1]["model.pp_proxy_tensors.hidden_states"] is t[2] and got[1]["model.embed_tokens"] is t[4]
