@@ -257,11 +257,12 @@ class ChannelWriter:
             self._guarded(self._write_rank_json)
 
     def poll(self, now: float = None) -> None:
-        """Rotate by age while idle between passes. ``now`` is ``time.time()`` (wall clock, as the loop passes)."""
+        """Rotate by age, and publish a changed ``pending_passes`` in rank.json; the loop calls this
+        every POLL_SECONDS. ``now`` is ``time.time()`` (wall clock, as the loop passes)."""
         if self.error is not None or self._closed:
             return
         self._rotate_if_due(time.time() if now is None else now)
-        if self.error is None and not self._closed and self.pending_passes() != self._published_pending:
+        if self.error is None and self.pending_passes() != self._published_pending:  # a rotation may have failed
             self._write_progress()
 
     def idle(self, now: float = None) -> None:
