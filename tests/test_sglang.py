@@ -734,3 +734,19 @@ def test_install_fails_loudly_when_a_call_site_keeps_another_function(tmp_path, 
     finally:
         for name in [n for n in sys.modules if n == "sglang" or n.startswith("sglang.")]:
             del sys.modules[name]
+
+
+def test_launcher_with_sglang_0_5_23_layout(tmp_path):
+    """The launcher's spawned scheduler process routes the 0.5.19+ call site (load_model_utils) too."""
+    pkg = tmp_path / "sglang-0.5.23"
+    _write_package(pkg, {**SGLANG_0_5_23, "sglang/launch_server.py": FAKE_SGLANG["sglang/launch_server.py"]})
+    root = tmp_path / "dump"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(pkg), str(Path(__file__).parents[1]),
+                                                       os.environ.get("PYTHONPATH", "")]))
+    r = subprocess.run([sys.executable, "-m", "fastdump.integrations.sglang",
+                        "--debug-tensor-dump-output-folder", str(root)],
+                       env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    ds = fastdump.open(root)
+    got = ds.load("target", only_rank(ds, "target"), 0)
+    assert {"model", "model.0", "model.1", "lm_head"} <= set(got)
