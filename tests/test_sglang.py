@@ -532,9 +532,8 @@ def test_public_function_called_like_sglang_eagle(tmp_path, monkeypatch):
     dumpers = {role: fsg.register_forward_hook_for_model(m, role, None, 1, 0, 0)
                for role, m in (("target", target), ("draft", draft))}
     monkeypatch.chdir(tmp_path)
-    rank_dir = f"TP0_PP0_Rank0_pid{os.getpid()}"
     for role, d in dumpers.items():
-        assert d.get_dump_dir() == os.path.join(role, rank_dir)  # relative, as given
+        assert d.get_dump_dir() == os.path.join(role, d.dumper.dir.name)  # relative, as given
         assert (tmp_path / "out" / d.get_dump_dir()).resolve() == d.dumper.dir
     run(target, fb)
     run(draft, fb)
@@ -557,7 +556,7 @@ def test_single_role_run_keeps_target_dir_and_reports_it(tmp_path, monkeypatch):
     run(model, next(batches()))
     d.close()
     where = d.get_dump_dir()
-    assert where == os.path.join("plain", "target", f"TP0_PP0_Rank0_pid{os.getpid()}")
+    assert where == os.path.join("plain", "target", d.dumper.dir.name)
     assert (tmp_path / where / fsg.NAMES_FILE).is_file() and list(fastdump.open("plain").roles) == ["target"]
     assert fastdump.open("plain").passes("target", Path(where).name) == [0]
 
