@@ -80,7 +80,7 @@ class BuildExt(build_ext):
 sources = [f"{CSRC}/module.cpp", f"{CSRC}/ring.cpp", f"{CSRC}/crc32c.cpp"]
 ext_kwargs = dict(include_dirs=[CSRC], extra_compile_args=["-O3"], libraries=["rt"])
 if WITH_CUDA:
-    sources.append(f"{CSRC}/cuda_bindings.cpp")
+    sources += [f"{CSRC}/cuda_bindings.cpp", f"{CSRC}/cuda_graph_bindings.cpp"]
     ext_kwargs.update(
         include_dirs=[CSRC, f"{CUDA_HOME}/include"],
         define_macros=[("FASTDUMP_WITH_CUDA", "1")],

@@ -321,6 +321,7 @@ void bind_cuda(py::module_& m) {
   m.def("cuda_pointer_device", &cuda_pointer_device, py::arg("ptr"),
         "GPU ordinal owning a device (or managed) pointer; -1 for host memory");
   m.attr("CAPTURING") = kStageCapturing;
+  bind_graph_recorder(m);
 
   py::class_<CudaStager>(m, "CudaStager")
       .def(py::init<Producer*, uint64_t>(), py::arg("producer"), py::arg("device_ring_bytes"),

@@ -327,6 +327,23 @@ cudaError_t gather(uint8_t* dst, const uint8_t* src, const ByteLayout& l, uint64
 
 }  // namespace
 
+// For the graph recorder (cuda_graph_record.cu): the same snapshot as stage() makes, whole tensor.
+void snapshot_whole(uint8_t* dst, const CudaSource& src, int sm_count) {
+  uint64_t nbytes = src.elem_size;
+  for (int64_t d : src.shape) nbytes *= static_cast<uint64_t>(d);
+  if (nbytes == 0) return;
+  const ByteLayout l = byte_layout(src);
+  const uint8_t* base = reinterpret_cast<const uint8_t*>(src.ptr);
+  cudaStream_t stream = reinterpret_cast<cudaStream_t>(src.stream);
+  if (l.contiguous()) {
+    FD_CUDA(cudaMemcpyAsync(dst, base, nbytes, cudaMemcpyDeviceToDevice, stream));
+  } else {
+    FD_CUDA(gather(dst, base, l, 0, nbytes, sm_count, stream));
+  }
+}
+
+void cuda_restore_device(int prev) { restore_device(prev); }
+
 // ---------------------------------------------------------------------------------------------
 // Queries
 

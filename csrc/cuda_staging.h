@@ -100,6 +100,12 @@ struct CudaStagerStats {
   std::vector<CudaDeviceStats> devices;
 };
 
+// Enqueue a snapshot of the whole of `src` (C order) into the contiguous device buffer `dst`, on
+// src.stream: cudaMemcpyAsync or the strided-gather kernel, as stage() does. Capturable. Throws.
+void snapshot_whole(uint8_t* dst, const CudaSource& src, int sm_count);
+// Make `prev` the thread's device again, but only if its primary context exists (no stray context).
+void cuda_restore_device(int prev);
+
 // One per process (shared by every role/channel): per device a device ring, a side stream and an
 // event pool; one drain thread for all devices. Thread-safe: several threads may stage at once.
 class CudaStager {

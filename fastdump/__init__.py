@@ -21,7 +21,7 @@ def attach(model, root, *, role: str = "target", tp_rank=None, tp_size=None, pp_
     torch.distributed, then from RANK/WORLD_SIZE-style variables. Options (see README):
     layers, include, exclude, module_types, inputs, skip_passes, every, pass_range, max_bytes,
     policy ("block"|"drop"), block_timeout_s, writer ("process"|"thread"), writer_priority ("idle"|"normal"),
-    ring_mb, device_ring_mb,
+    ring_mb, device_ring_mb, cuda_graphs ("record"|"skip"), graph_ring_mb,
     segment_passes, segment_mb, segment_seconds, segment_idle_seconds, root_passes, root_name, strict, pass_meta.
     """
     from .capture import Dumper, resolve_ranks

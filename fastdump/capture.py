@@ -26,6 +26,7 @@ from pathlib import Path
 
 from . import _C
 from . import dtypes as _dtypes
+from . import graphs as _graphs
 from .engine import Engine
 from .fsutil import atomic_write_json as write_json_atomic, read_json
 from .writer import format as _fmt
@@ -174,12 +175,14 @@ class Dumper:
                  policy="block", block_timeout_s=5.0, writer="process", writer_priority="idle", ring_mb=256,
                  device_ring_mb=256,
                  segment_passes=64, segment_mb=256, segment_seconds=30.0, segment_idle_seconds=1.0,
-                 root_passes=True, root_name=None, strict=False, pass_meta=None, device=None):
+                 root_passes=True, root_name=None, strict=False, pass_meta=None, device=None,
+                 cuda_graphs="record", graph_ring_mb=256):
         _validate(root=root, role=role, policy=policy, block_timeout_s=block_timeout_s, writer=writer,
                   writer_priority=writer_priority, every=every, skip_passes=skip_passes, pass_range=pass_range,
                   max_bytes=max_bytes, ring_mb=ring_mb, device_ring_mb=device_ring_mb,
                   segment_passes=segment_passes, segment_mb=segment_mb, segment_seconds=segment_seconds,
-                  segment_idle_seconds=segment_idle_seconds, layers=layers)
+                  segment_idle_seconds=segment_idle_seconds, layers=layers, cuda_graphs=cuda_graphs,
+                  graph_ring_mb=graph_ring_mb)
         self.role = role
         self.ranks = ranks
         self.root = Path(root).absolute()
@@ -219,6 +222,8 @@ class Dumper:
         self._totals = {"passes": 0, "tensors": 0, "bytes": 0, "dropped": 0, "skipped": 0, "dropped_passes": 0,
                         "lost_pass_ends": 0, "incomplete_passes": 0, "mixed_passes": 0}
         self._wrapped: list = []
+        # CUDA-graph record mode (fastdump/graphs.py); None: tensors hooked during a capture are skipped.
+        self._graphs = _graphs.GraphRecording(self, graph_ring_mb) if cuda_graphs == "record" else None
         self._engine = None
         self._channel = None
         self._closed = False
@@ -230,7 +235,7 @@ class Dumper:
                       pass_range=list(self.pass_range) if self.pass_range else None, max_bytes=max_bytes,
                       policy=policy, block_timeout_s=block_timeout_s, writer=writer,
                       writer_priority=writer_priority, ring_mb=ring_mb,
-                      device_ring_mb=device_ring_mb,
+                      device_ring_mb=device_ring_mb, cuda_graphs=cuda_graphs, graph_ring_mb=graph_ring_mb,
                       segment_passes=segment_passes, segment_mb=segment_mb, segment_seconds=segment_seconds,
                       segment_idle_seconds=segment_idle_seconds)
         self._ring_noted = False
@@ -247,6 +252,8 @@ class Dumper:
             if not self._engine.alive:
                 raise RuntimeError(self._engine.error())
             self._prepare_cuda(_cuda_index(device, facts))
+            if self._graphs is not None:
+                self._graphs.prepare(_cuda_index(device, facts))
         except Exception as exc:
             if strict:
                 self._release_engine()
@@ -334,6 +341,8 @@ class Dumper:
                 self._mark_incomplete("still open at close(): end_pass() was not called")
                 self._depth = 1
                 self._end()
+            if self._graphs is not None:  # replays' passes and counts, before the final flush; stops its drains
+                self._graphs.close(self._totals, left())
             if self._engine.alive and self.status == "running":
                 self._engine.flush_cuda(left())
                 ok = self._engine.control({"op": "close", "channel": self._channel, "stats": self._totals},
@@ -412,6 +421,8 @@ class Dumper:
             meta = _jsonable(self._meta)
         except Exception as exc:  # a user's object whose str() raises: the pass is kept, its meta said so
             meta = {"fastdump_meta_error": f"{type(exc).__name__}: {_short(exc)}"}
+        if self._graphs is not None and self._graphs.open is not None:
+            self._graphs.end_pass(meta)  # a graph was captured in this pass: its replays become passes
         msg = {"op": "end", "channel": self._channel, "pass": self.pass_id, "meta": meta,
                "dropped": self._dropped_pass,
                "skipped": [{"name": n, "reason": r} for n, r in self._skipped.items()]}
@@ -569,6 +580,8 @@ class Dumper:
             stager = self._engine.cuda_stager(self.device_ring_mb)
             status = cuda.stage_tensor(stager, self._channel, name_id, self.pass_id, code, t, self._block,
                                        self._block_timeout_s)
+            if status == _CAPTURING and self._graphs is not None:
+                return self._graphs.record(name, name_id, code, t)
             if status == cuda.RING_UNAVAILABLE:
                 self._producer.count_dropped(1)
                 self._note_ring_failure(cuda.ring_failure(stager))
@@ -960,7 +973,7 @@ def _write_manifest(root: Path, config: dict) -> None:
 
 def _validate(*, root, role, policy, block_timeout_s, writer, writer_priority, every, skip_passes, pass_range,
               max_bytes, ring_mb, device_ring_mb, segment_passes, segment_mb, segment_seconds, segment_idle_seconds,
-              layers) -> None:
+              layers, cuda_graphs="record", graph_ring_mb=256) -> None:
     """Bad settings fail at attach, before the model runs, with one clear message."""
     if not isinstance(root, (str, os.PathLike)) or not os.fspath(root).strip():
         raise ValueError(f"root must be a non-empty directory path, not {root!r}")
@@ -990,6 +1003,9 @@ def _validate(*, root, role, policy, block_timeout_s, writer, writer_priority, e
             _check_int("each of layers", layer, 0)
     _check_number("ring_mb", ring_mb, above=0.25)
     _check_number("device_ring_mb", device_ring_mb, above=0)
+    if cuda_graphs not in _graphs.MODES:
+        raise ValueError(f"cuda_graphs must be 'record' or 'skip', not {cuda_graphs!r}")
+    _check_number("graph_ring_mb", graph_ring_mb, above=0)
     _check_number("segment_mb", segment_mb, above=0)
     _check_number("segment_seconds", segment_seconds, above=0)
     if not (isinstance(segment_idle_seconds, numbers.Real) and not isinstance(segment_idle_seconds, bool)

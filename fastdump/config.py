@@ -178,6 +178,11 @@ ENV_VARS: tuple[EnvVar, ...] = (
            "writer process on idle CPU only (idle, SCHED_IDLE) or at the model's priority (normal)"),
     EnvVar("FASTDUMP_RING_MB", "ring_mb", _positive_float, "shared-memory host ring size, MiB"),
     EnvVar("FASTDUMP_DEVICE_RING_MB", "device_ring_mb", _positive_float, "GPU staging ring size, MiB"),
+    EnvVar("FASTDUMP_CUDA_GRAPHS", "cuda_graphs", _choice("record", "skip"),
+           "CUDA graphs: record module outputs into captured graphs, one pass per replay (record), "
+           "or skip tensors hooked during a capture (skip)"),
+    EnvVar("FASTDUMP_GRAPH_RING_MB", "graph_ring_mb", _positive_float,
+           "per GPU and Dumper: CUDA-graph recording memory, MiB (half static slots, half replay ring)"),
     EnvVar("FASTDUMP_SEGMENT_PASSES", "segment_passes", _int(1), "start a new .h5 segment after N passes"),
     EnvVar("FASTDUMP_SEGMENT_MB", "segment_mb", _positive_float, "start a new .h5 segment after N MiB"),
     EnvVar("FASTDUMP_SEGMENT_SECONDS", "segment_seconds", _positive_float, "start a new .h5 segment after N seconds"),

@@ -102,6 +102,7 @@ enum cudaDriverEntryPointQueryResult { cudaDriverEntryPointSuccess = 0, cudaDriv
 #define cudaStreamNonBlocking 0x01
 #define cudaHostRegisterPortable 0x01
 #define cudaHostAllocPortable 0x01
+#define cudaHostAllocMapped 0x02
 #define cudaEnableDefault 0x0ull
 #define cudaStreamLegacy (reinterpret_cast<cudaStream_t>(0x1))
 #define cudaStreamPerThread (reinterpret_cast<cudaStream_t>(0x2))
@@ -812,6 +813,20 @@ inline cudaError_t cudaHostAlloc(void** p, size_t n, unsigned int) {
   std::lock_guard<std::mutex> g(fdmock::memory().mu);
   fdmock::memory().pinned[reinterpret_cast<uintptr_t>(*p)] = n;
   fdmock::memory().host_allocs.insert(reinterpret_cast<uintptr_t>(*p));
+  return cudaSuccess;
+}
+// Mapped pinned memory: with unified addressing (every 64-bit platform) the device pointer is the
+// host pointer; mock "kernels" (host lambdas) reach it directly, as GPU kernels do over PCIe.
+inline cudaError_t cudaHostGetDevicePointer(void** dev, void* host, unsigned int flags) {
+  FDMOCK_ENTER("cudaHostGetDevicePointer", fdmock::current_device());
+  if (flags != 0) return fdmock::ret(cudaErrorInvalidValue);
+  std::lock_guard<std::mutex> g(fdmock::memory().mu);
+  auto& pinned = fdmock::memory().pinned;
+  auto it = pinned.upper_bound(reinterpret_cast<uintptr_t>(host));
+  if (it == pinned.begin()) return fdmock::ret(cudaErrorInvalidValue);
+  --it;
+  if (reinterpret_cast<uintptr_t>(host) >= it->first + it->second) return fdmock::ret(cudaErrorInvalidValue);
+  *dev = host;
   return cudaSuccess;
 }
 inline cudaError_t cudaFreeHost(void* p) {

@@ -1,0 +1,650 @@
+// CUDA-graph record mode: see cuda_graph_record.h and docs/CUDA.md ("CUDA graphs").
+//
+// While a graph is captured (capturing thread):
+//   record():    D2D copy (or the gather kernel) of each module output into a static slot; the
+//                slots of one graph are contiguous ("the graph's span").
+//   end_graph(): three small kernels on the capturing stream —
+//     claim   (1 thread): under a device spin lock, advance the per-graph replay counter and take
+//             room for the span in the device replay ring and a position in the replay log, both
+//             addressed by device-side counters; when either is full (the host has not consumed
+//             enough, read from mapped memory) the replay is dropped and counted instead;
+//     copy    (grid):     span → ring entry, unless dropped;
+//     publish (1 thread): write the log entry (mapped host memory), fence, then its stamp.
+// Every replay runs them, so the host does nothing per replay on the serving thread.
+// Drain thread (one per recorder): poll the log in order; for each stamped entry emit a pass
+// (begin, one CudaStager::stage() per tensor from the ring entry on the drain's own stream, end);
+// give the ring room and the log position back once the stager has completed those records.
+#include "cuda_graph_record.h"
+
+#include <cuda_runtime.h>  // tests/cuda_mock/cuda_runtime.h in the mock test build
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstring>
+#include <deque>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <sys/prctl.h>
+#include <vector>
+
+#include "ring.h"
+
+#ifdef FASTDUMP_CUDA_MOCK
+#define FD_GR_HD
+#else
+#define FD_GR_HD __host__ __device__
+#endif
+
+namespace fastdump {
+
+namespace {
+
+constexpr uint64_t kSlotAlign = 256;
+constexpr uint64_t kSkip = ~uint64_t(0);   // decision: this replay is not committed
+constexpr uint32_t kMaxGraphs = 4096;      // graphs per recorder (decision words)
+constexpr int kCopyThreads = 256;
+
+// Device memory, written only by the graph kernels.
+struct GraphCtl {
+  uint32_t lock;
+  uint32_t pad;
+  uint64_t head;      // ring bytes claimed (monotonic; position p lives at p % ring_bytes)
+  uint64_t log_head;  // log positions claimed (monotonic)
+};
+struct GraphDecision {  // one per graph: what its current replay does
+  uint64_t offset;      // ring position of the entry (monotonic), or kSkip
+  uint64_t log_pos;
+  uint64_t replays;     // replays of this graph so far (dropped ones included)
+  uint64_t replay;      // this replay's index
+};
+
+// Mapped pinned host memory, shared by the kernels and the drain thread.
+struct alignas(64) HostCtl {
+  uint64_t consumed_bytes;  // host → device: ring bytes given back (monotonic)
+  uint64_t log_consumed;    // host → device: log positions given back
+  uint64_t closed;          // host → device: nonzero after close(): replays do nothing
+  uint64_t pad0[5];
+  uint64_t dropped;         // device → host: replays dropped for want of room
+  uint64_t pad1[7];
+};
+struct LogEntry {
+  uint64_t stamp;   // log position + 1 once the entry is complete
+  uint64_t offset;  // ring position of the replay's entry
+  uint64_t replay;  // the graph's replay index
+  uint32_t graph;
+  uint32_t pad;
+};
+static_assert(sizeof(LogEntry) == 32, "log entry layout");
+
+// 64-bit words shared between the graph kernels and the host through mapped memory: volatile on the
+// device (every access reaches memory), acquire/release atomics on the host (and in the mock).
+FD_GR_HD inline uint64_t ld_shared(const uint64_t* p) {
+#ifdef __CUDA_ARCH__
+  return *reinterpret_cast<const volatile uint64_t*>(p);
+#else
+  return __atomic_load_n(p, __ATOMIC_ACQUIRE);
+#endif
+}
+FD_GR_HD inline void st_shared(uint64_t* p, uint64_t v) {
+#ifdef __CUDA_ARCH__
+  *reinterpret_cast<volatile uint64_t*>(p) = v;
+#else
+  __atomic_store_n(p, v, __ATOMIC_RELEASE);
+#endif
+}
+
+// The claim, run by one thread with the lock held. `ctl` and `dec` are device memory, `host` mapped.
+template <typename C, typename D>
+FD_GR_HD inline void claim_locked(C* ctl, D* dec, HostCtl* host, uint64_t need, uint64_t ring_bytes,
+                                  uint64_t log_cap) {
+  const uint64_t replay = dec->replays;
+  dec->replays = replay + 1;
+  dec->replay = replay;
+  if (ld_shared(&host->closed)) {
+    dec->offset = kSkip;
+    return;
+  }
+  const uint64_t tail = ld_shared(&host->consumed_bytes), log_tail = ld_shared(&host->log_consumed);
+  uint64_t start = ctl->head;
+  if (start % ring_bytes + need > ring_bytes) start += ring_bytes - start % ring_bytes;  // entries never wrap
+  if (start + need - tail > ring_bytes || ctl->log_head - log_tail >= log_cap) {
+    st_shared(&host->dropped, ld_shared(&host->dropped) + 1);  // only ever written under the lock
+    dec->offset = kSkip;
+    return;
+  }
+  dec->offset = start;
+  dec->log_pos = ctl->log_head;
+  ctl->log_head = ctl->log_head + 1;
+  ctl->head = start + need;
+}
+
+#ifndef FASTDUMP_CUDA_MOCK
+__global__ void graph_claim_kernel(GraphCtl* ctl, GraphDecision* dec, HostCtl* host, uint64_t need,
+                                   uint64_t ring_bytes, uint64_t log_cap) {
+  if (threadIdx.x != 0 || blockIdx.x != 0) return;
+  while (atomicCAS(&ctl->lock, 0u, 1u) != 0u) {
+  }
+  __threadfence();
+  claim_locked(reinterpret_cast<volatile GraphCtl*>(ctl), reinterpret_cast<volatile GraphDecision*>(dec), host,
+               need, ring_bytes, log_cap);
+  __threadfence();
+  atomicExch(&ctl->lock, 0u);
+}
+
+__global__ void __launch_bounds__(kCopyThreads)
+    graph_copy_kernel(const GraphDecision* dec, const uint4* __restrict__ span, uint8_t* ring, uint64_t ring_bytes,
+                      uint64_t units) {
+  const uint64_t off = *reinterpret_cast<const volatile uint64_t*>(&dec->offset);
+  if (off == kSkip) return;
+  uint4* dst = reinterpret_cast<uint4*>(ring + off % ring_bytes);
+  const uint64_t step = static_cast<uint64_t>(gridDim.x) * blockDim.x;
+  for (uint64_t i = static_cast<uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < units; i += step)
+    dst[i] = span[i];
+}
+
+__global__ void graph_publish_kernel(const GraphDecision* dec, LogEntry* log, uint64_t log_cap, uint32_t graph) {
+  if (threadIdx.x != 0 || blockIdx.x != 0) return;
+  const volatile GraphDecision* d = dec;
+  const uint64_t off = d->offset;
+  if (off == kSkip) return;
+  const uint64_t pos = d->log_pos;
+  volatile LogEntry* e = log + pos % log_cap;
+  e->offset = off;
+  e->replay = d->replay;
+  e->graph = graph;
+  __threadfence_system();  // the entry (and the copy kernel's ring writes before it) before the stamp
+  st_shared(const_cast<uint64_t*>(&e->stamp), pos + 1);
+}
+#endif
+
+std::string cuda_text(cudaError_t e, const char* what) {
+  return std::string("fastdump CUDA graph record: ") + what + ": " + cudaGetErrorName(e) + " (" +
+         cudaGetErrorString(e) + ")";
+}
+
+#define FD_GR_CUDA(call)                                                         \
+  do {                                                                           \
+    cudaError_t fd_e_ = (call);                                                  \
+    if (fd_e_ != cudaSuccess) throw std::runtime_error(cuda_text(fd_e_, #call)); \
+  } while (0)
+
+uint64_t align_slot(uint64_t n) { return (n + kSlotAlign - 1) / kSlotAlign * kSlotAlign; }
+
+// Setup and teardown must not invalidate a global-mode capture on another thread.
+class Relaxed {
+ public:
+  Relaxed() { (void)cudaThreadExchangeStreamCaptureMode(&mode_); }
+  ~Relaxed() { (void)cudaThreadExchangeStreamCaptureMode(&mode_); }
+
+ private:
+  cudaStreamCaptureMode mode_ = cudaStreamCaptureModeRelaxed;
+};
+
+// The thread's device for a scope; restored without ever creating a stray context.
+class OnDevice {
+ public:
+  explicit OnDevice(int device) {
+    FD_GR_CUDA(cudaGetDevice(&prev_));
+    if (prev_ != device) {
+      FD_GR_CUDA(cudaSetDevice(device));
+      changed_ = true;
+    }
+  }
+  ~OnDevice() {
+    if (changed_) cuda_restore_device(prev_);
+  }
+
+ private:
+  int prev_ = 0;
+  bool changed_ = false;
+};
+
+struct CapturedTensor {
+  uint32_t name_id;
+  uint16_t dtype;
+  uint64_t elem_size;
+  std::vector<int64_t> shape;
+  uint64_t offset;  // in the graph's span
+  uint64_t nbytes;
+};
+
+struct GraphInfo {
+  uint32_t id = 0;
+  uint64_t span_offset = 0;  // in the slot area
+  uint64_t span_bytes = 0;   // multiple of kSlotAlign
+  std::vector<CapturedTensor> tensors;
+  std::string meta_head;     // the meta JSON object without its closing brace
+  std::string skipped_json;
+  cudaStream_t stream = nullptr;
+  bool overflow = false;
+};
+
+struct PendingRelease {
+  uint64_t stager_mark;  // CudaStager::submitted() after the pass's tensors
+  uint64_t ring_end;     // ring position up to which bytes can be given back
+  uint64_t log_next;     // log positions consumed
+};
+
+}  // namespace
+
+struct GraphRecorder::Impl {
+  CudaStager* stager;
+  Producer* producer;
+  uint32_t channel;
+  int device;
+  uint64_t slot_cap, ring_cap;
+  uint32_t log_cap;
+  int sm_count = 0;
+
+  uint8_t* dmem = nullptr;  // GraphCtl | GraphDecision[kMaxGraphs] | slots | ring
+  GraphCtl* ctl = nullptr;
+  GraphDecision* dec = nullptr;
+  uint8_t* slots = nullptr;
+  uint8_t* ring = nullptr;
+  HostCtl* host = nullptr;     // host address of the mapped block
+  HostCtl* host_dev = nullptr; // its device address
+  LogEntry* log = nullptr;
+  LogEntry* log_dev = nullptr;
+  cudaStream_t stream = nullptr;  // the drain's own stream (non-blocking)
+
+  mutable std::mutex mu;          // graphs, open capture, counters
+  std::deque<GraphInfo> graphs;   // committed graphs, by id
+  std::unique_ptr<GraphInfo> open;
+  uint64_t slot_used = 0;
+  uint64_t captured_tensors = 0;
+  uint64_t replays = 0, tensors = 0, bytes = 0, dropped_tensors = 0;
+  std::string last_error;
+  bool broken = false;
+  bool closed = false;
+
+  std::atomic<bool> paused{false};
+  std::atomic<bool> stop{false};
+  std::chrono::steady_clock::time_point stop_deadline;  // set before `stop`
+  std::atomic<uint64_t> busy{0};  // the drain is inside a pass (flush waits for it)
+  uint64_t next_pos = 0;          // drain thread only
+  std::deque<PendingRelease> pending;  // drain thread only (size mirrored in n_pending)
+  std::atomic<uint64_t> n_pending{0};
+  std::thread drain;
+
+  Impl(CudaStager* s, uint32_t ch, int dev, uint64_t slot_bytes, uint64_t ring_bytes, uint32_t log_entries)
+      : stager(s), producer(s->producer()), channel(ch), device(dev), slot_cap(align_slot(slot_bytes)),
+        ring_cap(align_slot(ring_bytes)), log_cap(log_entries) {
+    if (slot_cap == 0 || ring_cap == 0 || log_cap == 0) throw std::invalid_argument("graph recorder sizes must be > 0");
+    Relaxed relaxed;
+    OnDevice on(device);
+    FD_GR_CUDA(cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device));
+    const uint64_t head_bytes = align_slot(sizeof(GraphCtl) + sizeof(GraphDecision) * kMaxGraphs);
+    void* p = nullptr;
+    FD_GR_CUDA(cudaMalloc(&p, head_bytes + slot_cap + ring_cap));
+    dmem = static_cast<uint8_t*>(p);
+    ctl = reinterpret_cast<GraphCtl*>(dmem);
+    dec = reinterpret_cast<GraphDecision*>(dmem + sizeof(GraphCtl));
+    slots = dmem + head_bytes;
+    ring = slots + slot_cap;
+    const size_t host_bytes = sizeof(HostCtl) + sizeof(LogEntry) * log_cap;
+    try {
+      FD_GR_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+      std::vector<uint8_t> zeros(head_bytes, 0);
+      FD_GR_CUDA(cudaMemcpyAsync(dmem, zeros.data(), head_bytes, cudaMemcpyHostToDevice, stream));
+      FD_GR_CUDA(cudaStreamSynchronize(stream));
+      void* h = nullptr;
+      FD_GR_CUDA(cudaHostAlloc(&h, host_bytes, cudaHostAllocMapped | cudaHostAllocPortable));
+      std::memset(h, 0, host_bytes);
+      host = static_cast<HostCtl*>(h);
+      log = reinterpret_cast<LogEntry*>(host + 1);
+      void* hd = nullptr;
+      FD_GR_CUDA(cudaHostGetDevicePointer(&hd, h, 0));
+      host_dev = static_cast<HostCtl*>(hd);
+      log_dev = reinterpret_cast<LogEntry*>(host_dev + 1);
+    } catch (...) {
+      if (host) (void)cudaFreeHost(host);
+      if (stream) (void)cudaStreamDestroy(stream);
+      (void)cudaFree(dmem);
+      throw;
+    }
+    drain = std::thread([this] { drain_loop(); });
+  }
+
+  // ------------------------------------------------------------------ capture side
+  int begin_graph(uintptr_t s) {
+    cudaStream_t cs = reinterpret_cast<cudaStream_t>(s);
+    cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
+    FD_GR_CUDA(cudaStreamIsCapturing(cs, &st));
+    if (st != cudaStreamCaptureStatusActive) throw std::runtime_error("the stream is not capturing a CUDA graph");
+    std::lock_guard<std::mutex> g(mu);
+    if (closed || broken) throw std::runtime_error("graph recorder closed" + (last_error.empty() ? "" : ": " + last_error));
+    if (open) throw std::runtime_error("another CUDA graph capture of this Dumper is open (one at a time)");
+    if (graphs.size() >= kMaxGraphs) throw std::runtime_error("too many CUDA graphs recorded by one Dumper");
+    open.reset(new GraphInfo());
+    open->id = static_cast<uint32_t>(graphs.size());
+    open->span_offset = slot_used;
+    open->stream = cs;
+    return static_cast<int>(open->id);
+  }
+
+  int record(uint32_t name_id, uint16_t dtype, const CudaSource& src) {
+    std::lock_guard<std::mutex> g(mu);
+    if (!open) throw std::runtime_error("no CUDA graph capture is open");
+    if (src.shape.size() > kMaxDims) return kTooLarge;
+    if (reinterpret_cast<cudaStream_t>(src.stream) != open->stream)
+      throw std::runtime_error("the tensor's stream is not the stream being captured");
+    uint64_t nbytes = src.elem_size;
+    for (int64_t d : src.shape) nbytes *= static_cast<uint64_t>(d);
+    const uint64_t off = open->span_bytes, end = off + align_slot(nbytes);
+    if (open->span_offset + end > slot_cap || end > ring_cap) {
+      open->overflow = true;
+      return kNoSpace;
+    }
+    OnDevice on(device);
+    snapshot_whole(slots + open->span_offset + off, src, sm_count);  // recorded into the graph
+    std::vector<int64_t> shape(src.shape);
+    open->tensors.push_back(CapturedTensor{name_id, dtype, src.elem_size, std::move(shape), off, nbytes});
+    open->span_bytes = end;
+    return kStaged;
+  }
+
+  int end_graph(const std::string& meta_json, const std::string& skipped_json) {
+    std::lock_guard<std::mutex> g(mu);
+    if (!open) throw std::runtime_error("no CUDA graph capture is open");
+    std::unique_ptr<GraphInfo> gi(std::move(open));
+    if (gi->tensors.empty()) return -1;
+    if (meta_json.size() < 2 || meta_json.front() != '{' || meta_json.back() != '}')
+      throw std::invalid_argument("meta_json must be a JSON object");
+    gi->meta_head = meta_json.substr(0, meta_json.size() - 1);
+    gi->skipped_json = skipped_json.empty() ? "[]" : skipped_json;
+    OnDevice on(device);
+    enqueue_commit(*gi);
+    slot_used = gi->span_offset + gi->span_bytes;  // the slots stay the graph's for good
+    captured_tensors += gi->tensors.size();
+    const int id = static_cast<int>(gi->id);
+    graphs.push_back(std::move(*gi));
+    return id;
+  }
+
+  void enqueue_commit(const GraphInfo& gi) {
+    GraphDecision* d = dec + gi.id;
+    const uint8_t* span = slots + gi.span_offset;
+    const uint64_t need = gi.span_bytes, rb = ring_cap, lc = log_cap;
+    const uint32_t id = gi.id;
+#ifdef FASTDUMP_CUDA_MOCK
+    GraphCtl* c = ctl;
+    HostCtl* h = host_dev;
+    LogEntry* lg = log_dev;
+    uint8_t* r = ring;
+    FD_GR_CUDA(fdmock::enqueue(gi.stream, [=] {  // claim
+      GraphCtl* cs = fdmock::dev_bytes(c);
+      GraphDecision* ds = fdmock::dev_bytes(d);
+      while (__atomic_exchange_n(&cs->lock, 1u, __ATOMIC_ACQUIRE)) std::this_thread::yield();
+      claim_locked(cs, ds, h, need, rb, lc);
+      __atomic_store_n(&cs->lock, 0u, __ATOMIC_RELEASE);
+    }));
+    FD_GR_CUDA(fdmock::enqueue(gi.stream, [=] {  // copy
+      const GraphDecision* ds = fdmock::dev_bytes(d);
+      if (ds->offset == kSkip) return;
+      std::memcpy(fdmock::dev_bytes(r + ds->offset % rb), fdmock::dev_bytes(span), need);
+    }));
+    FD_GR_CUDA(fdmock::enqueue(gi.stream, [=] {  // publish
+      const GraphDecision* ds = fdmock::dev_bytes(d);
+      if (ds->offset == kSkip) return;
+      LogEntry* e = lg + ds->log_pos % lc;
+      e->offset = ds->offset;
+      e->replay = ds->replay;
+      e->graph = id;
+      st_shared(&e->stamp, ds->log_pos + 1);
+    }));
+#else
+    graph_claim_kernel<<<1, 1, 0, gi.stream>>>(ctl, d, host_dev, need, rb, lc);
+    FD_GR_CUDA(cudaGetLastError());
+    const uint64_t units = need / 16;
+    uint64_t blocks = (units + kCopyThreads - 1) / kCopyThreads;
+    const uint64_t max_blocks = static_cast<uint64_t>(sm_count > 0 ? sm_count : 16) * 4;
+    if (blocks > max_blocks) blocks = max_blocks;
+    if (blocks == 0) blocks = 1;
+    graph_copy_kernel<<<static_cast<unsigned>(blocks), kCopyThreads, 0, gi.stream>>>(
+        d, reinterpret_cast<const uint4*>(span), ring, rb, units);
+    FD_GR_CUDA(cudaGetLastError());
+    graph_publish_kernel<<<1, 1, 0, gi.stream>>>(d, log_dev, lc, id);
+    FD_GR_CUDA(cudaGetLastError());
+#endif
+  }
+
+  void abort_graph() {
+    std::lock_guard<std::mutex> g(mu);
+    if (open) slot_used = std::max(slot_used, open->span_offset + open->span_bytes);  // copies may be in a graph
+    open.reset();
+  }
+
+  // ------------------------------------------------------------------ drain side
+  void fail(const std::string& why) {
+    std::lock_guard<std::mutex> g(mu);
+    if (!broken) last_error = why;
+    broken = true;
+  }
+
+  static std::string pass_json(const char* op, uint32_t channel, int64_t pass_id, const std::string& meta_head,
+                               uint64_t replay) {
+    std::string s = std::string("{\"op\":\"") + op + "\",\"channel\":" + std::to_string(channel) +
+                    ",\"pass\":" + std::to_string(pass_id) + ",\"meta\":" + meta_head;
+    s += meta_head.size() > 1 ? "," : "";
+    s += "\"graph_replay\":" + std::to_string(replay) + "}}";
+    return s;
+  }
+
+  // One replay → one pass. Returns false when staging stopped for good.
+  bool emit_pass(const GraphInfo& gi, uint64_t pos, uint64_t offset, uint64_t replay) {
+    const int64_t pass_id = kGraphPassBase + static_cast<int64_t>(pos);
+    std::string begin = pass_json("begin", channel, pass_id, gi.meta_head, replay);
+    if (!producer->put_control(channel, begin.data(), begin.size(), true)) {
+      fail("the writer stopped");
+      return false;
+    }
+    uint64_t dropped = 0, staged = 0, staged_bytes = 0;
+    std::string incomplete;
+    for (const CapturedTensor& t : gi.tensors) {
+      CudaSource src;
+      src.ptr = reinterpret_cast<uintptr_t>(ring + offset % ring_cap + t.offset);
+      src.elem_size = t.elem_size;
+      src.shape = t.shape;
+      src.strides.assign(t.shape.size(), 1);
+      for (size_t i = t.shape.size(); i-- > 1;) src.strides[i - 1] = src.strides[i] * t.shape[i];
+      src.device = device;
+      src.stream = reinterpret_cast<uintptr_t>(stream);
+      int st;
+      try {
+        st = stager->stage(channel, t.name_id, pass_id, t.dtype, src, true, nullptr);
+      } catch (const std::exception& e) {
+        st = -1;
+        if (incomplete.empty()) incomplete = e.what();
+      }
+      if (st == kStaged) {
+        ++staged;
+        staged_bytes += t.nbytes;
+      } else {
+        ++dropped;
+        if (st == kDisabled && incomplete.empty()) incomplete = "CUDA staging stopped";
+      }
+    }
+    std::string end = pass_json("end", channel, pass_id, gi.meta_head, replay);
+    end.pop_back();  // reopen the outer object
+    end += ",\"dropped\":" + std::to_string(dropped) + ",\"skipped\":" + gi.skipped_json;
+    if (!incomplete.empty()) {
+      std::string q;
+      for (char c : incomplete) {
+        if (c == '"' || c == '\\') q += '\\';
+        q += (static_cast<unsigned char>(c) < 0x20) ? ' ' : c;
+      }
+      end += ",\"incomplete\":\"" + q + "\"";
+    }
+    end += "}";
+    const bool ended = producer->put_control(channel, end.data(), end.size(), true) != 0;
+    {
+      std::lock_guard<std::mutex> g(mu);
+      ++replays;
+      tensors += staged;
+      bytes += staged_bytes;
+      dropped_tensors += dropped;
+    }
+    if (!ended) fail("the writer stopped");
+    if (!incomplete.empty() && incomplete == "CUDA staging stopped") fail(incomplete);
+    return ended;
+  }
+
+  void release_finished() {
+    const uint64_t done = stager->completed(device);
+    while (!pending.empty() && pending.front().stager_mark <= done) {
+      st_shared(&host->consumed_bytes, pending.front().ring_end);
+      st_shared(&host->log_consumed, pending.front().log_next);
+      pending.pop_front();
+    }
+    n_pending.store(pending.size(), std::memory_order_release);
+  }
+
+  void drain_loop() {
+    (void)prctl(PR_SET_TIMERSLACK, 1UL, 0, 0, 0);
+    int idle_us = 10;
+    while (true) {
+      bool did = false;
+      if (!pending.empty()) release_finished();
+      if (!paused.load(std::memory_order_acquire) && !broken_now()) {
+        LogEntry* e = log + next_pos % log_cap;
+        if (ld_shared(&e->stamp) == next_pos + 1) {
+          busy.store(1, std::memory_order_release);
+          const uint64_t offset = e->offset, replay = e->replay;
+          const uint32_t graph = e->graph;
+          const GraphInfo* gi = nullptr;
+          {
+            std::lock_guard<std::mutex> g(mu);
+            if (graph < graphs.size()) gi = &graphs[graph];  // deque: addresses stay valid
+          }
+          if (gi == nullptr) {
+            fail("replay log names an unknown graph " + std::to_string(graph));
+          } else {
+            emit_pass(*gi, next_pos, offset, replay);
+            pending.push_back(PendingRelease{stager->submitted(device), offset + gi->span_bytes, next_pos + 1});
+            n_pending.store(pending.size(), std::memory_order_release);
+          }
+          ++next_pos;
+          busy.store(0, std::memory_order_release);
+          did = true;
+        }
+      }
+      if (did) {
+        idle_us = 10;
+        continue;
+      }
+      if (stop.load(std::memory_order_acquire) &&
+          (pending.empty() || std::chrono::steady_clock::now() > stop_deadline))
+        return;
+      std::this_thread::sleep_for(std::chrono::microseconds(idle_us));
+      idle_us = std::min(idle_us * 2, 1000);
+    }
+  }
+
+  bool broken_now() {
+    std::lock_guard<std::mutex> g(mu);
+    return broken;
+  }
+
+  bool idle_now() {
+    if (busy.load(std::memory_order_acquire) || n_pending.load(std::memory_order_acquire)) return false;
+    if (paused.load(std::memory_order_acquire) || broken_now()) return true;  // nothing more will be drained
+    // next_pos belongs to the drain thread: read the log position it consumed instead.
+    const uint64_t consumed = ld_shared(&host->log_consumed);
+    return ld_shared(&log[consumed % log_cap].stamp) != consumed + 1;
+  }
+
+  bool flush(double timeout_s) {
+    const auto deadline = std::chrono::steady_clock::now() +
+                          std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                              std::chrono::duration<double>(timeout_s));
+    int calm = 0;  // consecutive idle looks: the drain may be between two steps
+    while (std::chrono::steady_clock::now() < deadline) {
+      calm = idle_now() ? calm + 1 : 0;
+      if (calm >= 3) return true;
+      std::this_thread::sleep_for(std::chrono::microseconds(200));
+    }
+    return false;
+  }
+
+  GraphRecorderStats stats() {
+    GraphRecorderStats s;
+    std::lock_guard<std::mutex> g(mu);
+    s.graphs = graphs.size();
+    s.captured_tensors = captured_tensors;
+    s.replays = replays;
+    s.dropped_replays = ld_shared(&host->dropped);
+    s.tensors = tensors;
+    s.bytes = bytes;
+    s.dropped_tensors = dropped_tensors;
+    s.slot_bytes = slot_cap;
+    s.slot_used = slot_used;
+    s.ring_bytes = ring_cap;
+    s.last_error = last_error;
+    s.broken = broken;
+    return s;
+  }
+
+  void close(double timeout_s, bool free_memory) {
+    {
+      std::lock_guard<std::mutex> g(mu);
+      if (closed) {
+        if (!free_memory) return;
+      }
+      closed = true;
+    }
+    if (drain.joinable()) {
+      paused.store(false, std::memory_order_release);
+      flush(timeout_s);
+      st_shared(&host->closed, 1);  // later replays: no claim, no count
+      stop_deadline = std::chrono::steady_clock::now() +
+                      std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                          std::chrono::duration<double>(timeout_s));
+      stop.store(true, std::memory_order_release);
+      drain.join();
+    }
+    if (free_memory && dmem) {
+      Relaxed relaxed;
+      OnDevice on(device);
+      (void)cudaStreamSynchronize(stream);
+      (void)cudaStreamDestroy(stream);
+      (void)cudaFreeHost(host);
+      (void)cudaFree(dmem);
+      dmem = nullptr;
+      host = nullptr;
+      stream = nullptr;
+    }
+  }
+
+  ~Impl() {
+    try {
+      close(60.0, false);  // graphs may still replay into the device memory: it is kept (see close)
+    } catch (...) {
+    }
+  }
+};
+
+GraphRecorder::GraphRecorder(CudaStager* stager, uint32_t channel, int device, uint64_t slot_bytes,
+                             uint64_t ring_bytes, uint32_t log_entries)
+    : impl_(new Impl(stager, channel, device, slot_bytes, ring_bytes, log_entries)) {}
+GraphRecorder::~GraphRecorder() = default;
+int GraphRecorder::begin_graph(uintptr_t stream) { return impl_->begin_graph(stream); }
+int GraphRecorder::record(uint32_t name_id, uint16_t dtype, const CudaSource& src) {
+  return impl_->record(name_id, dtype, src);
+}
+int GraphRecorder::end_graph(const std::string& meta_json, const std::string& skipped_json) {
+  return impl_->end_graph(meta_json, skipped_json);
+}
+void GraphRecorder::abort_graph() { impl_->abort_graph(); }
+bool GraphRecorder::capturing() const {
+  std::lock_guard<std::mutex> g(impl_->mu);
+  return impl_->open != nullptr;
+}
+void GraphRecorder::set_paused(bool paused) { impl_->paused.store(paused, std::memory_order_release); }
+bool GraphRecorder::flush(double timeout_s) { return impl_->flush(timeout_s); }
+GraphRecorderStats GraphRecorder::stats() { return impl_->stats(); }
+void GraphRecorder::close(double timeout_s, bool free_memory) { impl_->close(timeout_s, free_memory); }
+
+}  // namespace fastdump

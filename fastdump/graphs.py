@@ -1,0 +1,180 @@
+"""CUDA-graph record mode (``attach(..., cuda_graphs="record")``, the default).
+
+While a CUDA graph is captured with a Dumper attached, each captured module output's snapshot is
+recorded into the graph itself (``_C.GraphRecorder``, csrc/cuda_graph_record.cu); every replay of the
+graph then becomes one pass holding that replay's values, numbered from ``_C.GRAPH_PASS_BASE`` in
+replay order, with pass meta naming the graph (``cuda_graph``: its id, ``graph_batch``: its captured
+batch size where known, ``graph_replay``: the graph's replay index). Python runs only while the
+graph is captured; replays cost no Python. Design and limits: docs/CUDA.md, "CUDA graphs".
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+log = logging.getLogger("fastdump")
+
+MODES = ("record", "skip")
+DEFAULT_GRAPH_RING_MB = 256
+LOG_ENTRIES = 1024  # replays that may wait for the drain at once (per Dumper and GPU)
+
+
+def _C():
+    from . import cuda
+
+    return cuda._C  # the mock build in tests (the same seam as the staging glue)
+
+
+class CapturedPass:
+    """The pass of one graph capture: its recorder, graph id and the facts its replays carry."""
+
+    __slots__ = ("recorder", "graph", "device", "batch", "recorded", "missing")
+
+    def __init__(self, recorder, graph: int, device: int):
+        self.recorder, self.graph, self.device = recorder, graph, device
+        self.batch = None      # leading dimension of the first recorded tensor
+        self.recorded = 0
+        self.missing: dict = {}  # name -> why the replays lack it
+
+
+class GraphRecording:
+    """One Dumper's record mode: a ``_C.GraphRecorder`` per GPU, made at attach when the GPU is
+    known (before a serving engine sizes its KV cache), else at the first capture on that GPU."""
+
+    def __init__(self, dumper, graph_ring_mb: float):
+        self._dumper = dumper
+        total = int(float(graph_ring_mb) * (1 << 20))
+        # Half for the static slots (every captured tensor of every graph), half for the replay ring.
+        self._slot_bytes = max(total // 2, 1 << 16)
+        self._ring_bytes = max(total - total // 2, 1 << 16)
+        self._recorders: dict = {}   # device -> _C.GraphRecorder
+        self._failures: dict = {}    # device -> why it has none
+        self.open: CapturedPass | None = None
+        self._said: set = set()
+
+    # -- recorders --------------------------------------------------------------------------------
+    def prepare(self, device) -> str:
+        """Make ``device``'s recorder now; returns '' or why it cannot be had."""
+        if device is None:
+            return ""
+        return "" if self._recorder(int(device)) is not None else self._failures.get(int(device), "")
+
+    def _recorder(self, device: int):
+        rec = self._recorders.get(device)
+        if rec is not None or device in self._failures:
+            return rec
+        d = self._dumper
+        stager = d._engine.cuda_stager(d.device_ring_mb)
+        C = _C()
+        if not hasattr(C, "GraphRecorder") or not isinstance(stager, C.CudaStager):
+            self._failures[device] = "CUDA staging is not available"
+            return None
+        try:
+            rec = C.GraphRecorder(stager, d._channel, device, self._slot_bytes, self._ring_bytes, LOG_ENTRIES)
+        except Exception as exc:  # e.g. no device memory left: graphs are then captured without dumping
+            self._failures[device] = f"cannot allocate the CUDA-graph recording memory on GPU {device}: {exc}"
+            log.warning("fastdump: %s: %s", d.dir, self._failures[device])
+            return None
+        self._recorders[device] = rec
+        return rec
+
+    def recorder(self, device: int):
+        """The recorder of ``device`` (tests and benchmarks), or None."""
+        return self._recorders.get(int(device))
+
+    # -- capture (the capturing thread) ----------------------------------------------------------
+    def record(self, name: str, name_id: int, code: int, t) -> None:
+        """A CUDA tensor hooked while its stream captures: record its snapshot into the graph."""
+        from . import cuda
+
+        d = self._dumper
+        device = t.get_device()
+        raw, _ = cuda._current_stream(device)
+        cap = self.open
+        if cap is None:
+            rec = self._recorder(device)
+            if rec is None:
+                return d._skip(name, "CUDA graph capture: no recorder (" + self._failures.get(device, "?") + ")")
+            try:
+                cap = self.open = CapturedPass(rec, rec.begin_graph(raw), device)
+            except RuntimeError as exc:
+                return d._skip(name, f"CUDA graph capture: not recorded ({exc})")
+        elif device != cap.device:
+            cap.missing[name] = "on another GPU than the graph's first tensor"
+            return d._skip(name, "CUDA graph capture: tensor on another GPU than the graph's first tensor")
+        try:
+            status = cap.recorder.record(name_id, code, t.element_size(), t.shape, t.stride(), t.data_ptr(),
+                                         device, raw)
+        except RuntimeError as exc:
+            cap.missing[name] = str(exc)
+            return d._skip(name, f"CUDA graph capture: not recorded ({exc})")
+        if status == _C().STAGED:
+            if cap.batch is None and t.dim() > 0:
+                cap.batch = int(t.shape[0])
+            cap.recorded += 1
+        else:
+            why = ("more than %d dimensions" % _C().MAX_DIMS if status == _C().TOO_LARGE else
+                   "the CUDA-graph slots or replay ring are full (graph_ring_mb)")
+            cap.missing[name] = why
+            d._skip(name, "CUDA graph capture: not recorded: " + why)
+
+    def end_pass(self, meta: dict) -> None:
+        """The captured pass ends: commit the graph. Its replays are passes; the capture-time pass
+        itself holds no values (the capture computes nothing) and is marked incomplete, saying so."""
+        cap, self.open = self.open, None
+        d = self._dumper
+        batch = meta.get("batch_size", meta.get("bs", cap.batch))
+        graph_meta = dict(meta, cuda_graph=cap.graph, graph_batch=batch)
+        skipped = [{"name": n, "reason": r} for n, r in cap.missing.items()]
+        try:
+            gid = cap.recorder.end_graph(json.dumps(graph_meta, separators=(",", ":")),
+                                         json.dumps(skipped, separators=(",", ":")))
+        except (RuntimeError, ValueError) as exc:
+            cap.recorder.abort_graph()
+            d._mark_incomplete(f"CUDA graph capture: the graph's replays are not dumped ({exc})")
+            return
+        if gid < 0:
+            d._mark_incomplete("CUDA graph capture: nothing was recorded into the graph")
+            return
+        d._mark_incomplete(f"CUDA graph capture: values recorded into graph {gid} (batch {batch}); each "
+                           f"replay is a pass of its own, numbered from {_C().GRAPH_PASS_BASE}")
+
+    # -- end ---------------------------------------------------------------------------------------
+    def close(self, totals: dict, timeout: float) -> None:
+        """Flush every replay the GPUs have run, stop the drains, add their counts to ``totals``.
+        The device memory stays: graphs captured with it may still be replayed (see CUDA.md)."""
+        if self.open is not None:
+            self.open.recorder.abort_graph()
+            self.open = None
+        _synchronize(list(self._recorders))
+        for rec in self._recorders.values():
+            rec.close(timeout)
+            s = rec.stats()
+            totals["passes"] += s["replays"]
+            totals["tensors"] += s["tensors"]
+            totals["bytes"] += s["bytes"]
+            totals["dropped"] += s["dropped_tensors"]
+            totals["dropped_passes"] += s["dropped_replays"]
+            totals["graph_replays"] = totals.get("graph_replays", 0) + s["replays"]
+            totals["graph_dropped_replays"] = totals.get("graph_dropped_replays", 0) + s["dropped_replays"]
+            if s["broken"]:
+                log.warning("fastdump: %s: CUDA-graph recording stopped: %s", self._dumper.dir, s["last_error"])
+
+    def stats(self) -> dict:
+        return {dev: rec.stats() for dev, rec in self._recorders.items()}
+
+
+def _synchronize(devices) -> None:
+    """Let replays already launched finish, so that close() dumps them (real torch only)."""
+    import sys
+
+    torch = sys.modules.get("torch")
+    if torch is None or not devices:
+        return
+    try:
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            for dev in devices:
+                torch.cuda.synchronize(dev)
+    except Exception as exc:  # never fail close() over it
+        log.warning("fastdump: torch.cuda.synchronize failed at close (%s)", exc)

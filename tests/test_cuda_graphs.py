@@ -1,0 +1,328 @@
+"""CUDA-graph record mode (fastdump/graphs.py, csrc/cuda_graph_record.cu) against the mock CUDA
+runtime: the flow of SGLang's / vLLM's graph runners (warm-up passes, capture on a side stream in
+global or thread-local mode, one graph per batch size, replays interleaved with eager passes, a
+target and a draft Dumper), checked byte for byte per replay."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import fastdump
+from test_cuda import (GLOBAL, RELAXED, THREAD_LOCAL, FakeCudaTensor, device_buffer, glue, m, mock,  # noqa: F401
+                       same_bits, _attach)
+
+GRAPH_BASE = 1 << 40
+
+
+class Stream:
+    """The 'current stream' seam of fastdump.cuda, switched by the test like torch.cuda.stream()."""
+
+    def __init__(self, raw):
+        self.raw = raw
+
+    def __call__(self, device):
+        return self.raw, _FakeTorchStream(self.raw)
+
+
+class _FakeTorchStream:
+    def __init__(self, raw):
+        self.cuda_stream = raw
+
+
+class Model:
+    """Two 'layers' on mock device memory: h1 = x + 1, h2 = h1 + 1 (bytewise), then h1 is
+    overwritten in place (0xEE) by a later kernel, as a fused residual/norm would. The hooks dump
+    h1 and h2 right after their kernels, on the current stream."""
+
+    def __init__(self, m, batch, width=64, dtype=torch.int32):
+        self.m = m
+        self.shape = (batch, width)
+        self.cpu = torch.zeros(self.shape, dtype=dtype)
+        self.nbytes = self.cpu.numel() * self.cpu.element_size()
+        self.x = device_buffer(m, self.nbytes)   # static input buffer (the graph runner's)
+        self.h1 = device_buffer(m, self.nbytes)
+        self.h2 = device_buffer(m, self.nbytes)
+
+    def forward(self, dumper, stream, tag="layers"):
+        m = self.m
+        dumper.begin_pass()
+        assert m._mock.enqueue_copy(stream, self.h1, self.x, self.nbytes) == 0
+        assert m._mock.enqueue_increment(stream, self.h1, self.nbytes) == 0
+        dumper.dump(f"{tag}.0", FakeCudaTensor(self.cpu, self.h1))
+        assert m._mock.enqueue_copy(stream, self.h2, self.h1, self.nbytes) == 0
+        assert m._mock.enqueue_increment(stream, self.h2, self.nbytes) == 0
+        dumper.dump(f"{tag}.1", FakeCudaTensor(self.cpu, self.h2))
+        assert m._mock.enqueue_fill(stream, self.h1, self.nbytes, 0xEE) == 0
+        dumper.end_pass()
+
+    def expected(self, x: torch.Tensor) -> tuple:
+        b = x.contiguous().view(torch.uint8)
+        return (b + 1).view(x.dtype).reshape(self.shape), (b + 2).view(x.dtype).reshape(self.shape)
+
+    def set_input(self, stream, x: torch.Tensor) -> None:
+        """Copy a new input into the static buffer in stream order (as the runner's copy_ does)."""
+        src = device_buffer(self.m, self.nbytes)
+        assert self.m._mock.upload(src, x.contiguous().data_ptr(), self.nbytes) == 0
+        assert self.m._mock.enqueue_copy(stream, self.x, src, self.nbytes) == 0
+
+
+def capture(m, model, dumper, current, capture_stream, mode=GLOBAL, **meta):
+    """torch.cuda.graph(g, stream=capture_stream): begin capture, run the forward, end capture."""
+    current.raw = capture_stream
+    assert m._mock.begin_capture(capture_stream, mode) == 0
+    if meta:
+        dumper.set_pass_meta(**meta)
+    model.forward(dumper, capture_stream)
+    err, graph = m._mock.end_capture(capture_stream)
+    assert err == 0, m._mock.error_name(err)
+    exe = m._mock.graph_instantiate(graph)
+    assert exe
+    return graph, exe
+
+
+def rand_input(model, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(-2 ** 31, 2 ** 31 - 1, model.shape, generator=g, dtype=torch.int32)
+
+
+def graph_passes(ds, role):
+    return [p for p in ds.passes(role, 0) if p >= GRAPH_BASE]
+
+
+@pytest.mark.parametrize("mode", [GLOBAL, THREAD_LOCAL])
+def test_graph_replays_become_passes_bit_exact(m, glue, tmp_path, monkeypatch, mode):
+    """Warm-up, two graphs (batch 4 and 8) captured on a side stream, replays with new inputs
+    interleaved with eager passes and not synchronized: each replay is one pass, in replay order,
+    holding that replay's values, with meta naming the graph."""
+    from fastdump import cuda
+
+    m._mock.set("max_delay_us", 200)  # streams run apart, late
+    current = Stream(glue)
+    monkeypatch.setattr(cuda, "_current_stream", current)
+    d = _attach(tmp_path, writer="thread", device="cuda:0")
+    side = m._mock.stream_create_flags(0)  # torch's capture stream: a blocking side stream
+    replay_stream = m._mock.stream_create()
+    models = {4: Model(m, 4), 8: Model(m, 8)}
+    execs = {}
+    try:
+        # Warm-up (eager) then one capture per batch size, as the graph runners do.
+        for bs, model in models.items():
+            current.raw = glue
+            model.set_input(glue, rand_input(model, bs))
+            model.forward(d, glue)
+        for bs, model in models.items():
+            execs[bs] = capture(m, model, d, current, side, mode, graph=f"decode_bs{bs}")
+        current.raw = glue
+        expected = []   # (batch, replay index, h1, h2) in replay order
+        eager_expected = []
+        counts = {4: 0, 8: 0}
+        for k, bs in enumerate([4, 8, 8, 4, 4, 8, 4]):
+            model = models[bs]
+            x = rand_input(model, 100 + k)
+            model.set_input(replay_stream, x)
+            assert m._mock.graph_launch(execs[bs][1], replay_stream) == 0
+            expected.append((bs, counts[bs], *model.expected(x)))
+            counts[bs] += 1
+            if k % 3 == 1:  # an eager pass between replays (prefill)
+                e = models[4]
+                xe = rand_input(e, 1000 + k)
+                m._mock.sync(replay_stream)
+                e.set_input(glue, xe)
+                e.forward(d, glue, tag="eager")
+                eager_expected.append(e.expected(xe))
+                m._mock.sync(glue)
+        m._mock.sync(replay_stream)
+        stats = d.close()
+    finally:
+        for graph, exe in execs.values():
+            m._mock.graph_exec_destroy(exe)
+            m._mock.graph_destroy(graph)
+        m._mock.sync(side)
+        m._mock.stream_destroy(side)
+        m._mock.stream_destroy(replay_stream)
+    ds = fastdump.open(tmp_path)
+    passes = graph_passes(ds, "target")
+    assert passes == [GRAPH_BASE + i for i in range(len(expected))]
+    for p, (bs, replay, h1, h2) in zip(passes, expected):
+        got = ds.load("target", 0, p)
+        assert set(got) == {"layers.0", "layers.1"}
+        assert same_bits(torch.as_tensor(got["layers.0"]), h1), (p, bs)
+        assert same_bits(torch.as_tensor(got["layers.1"]), h2), (p, bs)
+        meta = ds.meta("target", 0, p)
+        assert meta["graph"] == f"decode_bs{bs}" and meta["graph_batch"] == bs
+        assert meta["graph_replay"] == replay and meta["complete"]
+        assert meta["cuda_graph"] == (0 if bs == 4 else 1)
+    # The eager passes (warm-ups, prefill) are ordinary passes; the capture passes hold nothing.
+    eager = [p for p in ds.passes("target", 0) if p < GRAPH_BASE]
+    assert len(eager) == 2 + 2 + len(eager_expected)
+    for p in eager[2:4]:
+        meta = ds.meta("target", 0, p)
+        assert meta["tensors"] == 0 and "recorded into graph" in meta["incomplete"]
+    for p, (h1, h2) in zip(eager[4:], eager_expected):
+        got = ds.load("target", 0, p)
+        assert same_bits(torch.as_tensor(got["eager.0"]), h1) and same_bits(torch.as_tensor(got["eager.1"]), h2)
+    assert stats["graph_replays"] == len(expected) and stats["dropped_passes"] == 0
+    assert stats["status"] == "closed"
+    r = subprocess.run([sys.executable, "-m", "fastdump", "verify", "--data", str(tmp_path)], capture_output=True,
+                       text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_graph_replays_outrunning_the_drain_are_dropped_and_counted(m, glue, tmp_path, monkeypatch):
+    """With the drain stopped, replays fill the device replay ring; later ones are dropped inside
+    the graph and counted (never written torn); the ones that fit are written intact."""
+    from fastdump import cuda
+
+    current = Stream(glue)
+    monkeypatch.setattr(cuda, "_current_stream", current)
+    # 128 KiB: 64 KiB of slots, a 64 KiB replay ring = 32 entries of 2 KiB (two 1 KiB tensors).
+    d = _attach(tmp_path, writer="thread", device="cuda:0", graph_ring_mb=0.125)
+    side = m._mock.stream_create_flags(0)
+    model = Model(m, 4)
+    graph, exe = capture(m, model, d, current, side)
+    current.raw = glue
+    rec = d._graphs.recorder(0)
+    rec.set_paused(True)
+    inputs = [rand_input(model, 7 + k) for k in range(40)]
+    try:
+        for x in inputs:
+            model.set_input(glue, x)
+            assert m._mock.graph_launch(exe, glue) == 0
+        m._mock.sync(glue)
+        assert rec.stats()["dropped_replays"] == 8
+        rec.set_paused(False)
+        # A replay after the drain caught up fits again.
+        assert rec.flush(30)
+        model.set_input(glue, inputs[0])
+        assert m._mock.graph_launch(exe, glue) == 0
+        m._mock.sync(glue)
+        stats = d.close()
+    finally:
+        m._mock.graph_exec_destroy(exe)
+        m._mock.graph_destroy(graph)
+        m._mock.stream_destroy(side)
+    assert stats["dropped_passes"] == 8 and stats["graph_replays"] == 33
+    ds = fastdump.open(tmp_path)
+    passes = graph_passes(ds, "target")
+    assert len(passes) == 33
+    for i, p in enumerate(passes):
+        x = inputs[i] if i < 32 else inputs[0]
+        h1, h2 = model.expected(x)
+        got = ds.load("target", 0, p)
+        assert same_bits(torch.as_tensor(got["layers.0"]), h1) and same_bits(torch.as_tensor(got["layers.1"]), h2)
+        assert ds.meta("target", 0, p)["graph_replay"] == (i if i < 32 else 40)  # 32..39 dropped
+
+
+def test_graph_two_roles_target_and_draft(m, glue, tmp_path, monkeypatch):
+    """EAGLE: a target and a draft Dumper, each with its own graph, replayed alternately on one
+    stream; each role's passes hold its own replays."""
+    from fastdump import cuda
+
+    current = Stream(glue)
+    monkeypatch.setattr(cuda, "_current_stream", current)
+    target = _attach(tmp_path, writer="thread", device="cuda:0", role="target")
+    draft = _attach(tmp_path, writer="thread", device="cuda:0", role="draft")
+    side = m._mock.stream_create_flags(0)
+    tm, dm = Model(m, 2, width=128), Model(m, 2, width=32, dtype=torch.int16)
+    tg = capture(m, tm, target, current, side)
+    dg = capture(m, dm, draft, current, side)
+    current.raw = glue
+    expected = {"target": [], "draft": []}
+    try:
+        for k in range(5):
+            for role, model, (graph, exe) in (("draft", dm, dg), ("target", tm, tg)):
+                x = rand_input(model, 50 + k).to(model.cpu.dtype) if model.cpu.dtype == torch.int32 else \
+                    torch.randint(-2 ** 15, 2 ** 15 - 1, model.shape, dtype=torch.int16,
+                                  generator=torch.Generator().manual_seed(k))
+                model.set_input(glue, x)
+                assert m._mock.graph_launch(exe, glue) == 0
+                expected[role].append(model.expected(x))
+        m._mock.sync(glue)
+        draft.close()
+        target.close()
+    finally:
+        for graph, exe in (tg, dg):
+            m._mock.graph_exec_destroy(exe)
+            m._mock.graph_destroy(graph)
+        m._mock.stream_destroy(side)
+    ds = fastdump.open(tmp_path)
+    for role in ("target", "draft"):
+        passes = graph_passes(ds, role)
+        assert len(passes) == 5
+        for p, (h1, h2) in zip(passes, expected[role]):
+            got = ds.load(role, 0, p)
+            assert same_bits(torch.as_tensor(got["layers.0"]), h1)
+            assert same_bits(torch.as_tensor(got["layers.1"]), h2)
+
+
+def test_graph_skip_mode_keeps_the_old_behaviour(m, glue, tmp_path, monkeypatch):
+    """cuda_graphs="skip": tensors hooked during a capture are skipped with a reason; replays are
+    not dumped; the capture stays valid."""
+    from fastdump import cuda
+
+    current = Stream(glue)
+    monkeypatch.setattr(cuda, "_current_stream", current)
+    d = _attach(tmp_path, writer="thread", device="cuda:0", cuda_graphs="skip")
+    side = m._mock.stream_create_flags(0)
+    model = Model(m, 4)
+    graph, exe = capture(m, model, d, current, side)
+    try:
+        assert m._mock.graph_launch(exe, glue) == 0
+        m._mock.sync(glue)
+        d.close()
+    finally:
+        m._mock.graph_exec_destroy(exe)
+        m._mock.graph_destroy(graph)
+        m._mock.stream_destroy(side)
+    ds = fastdump.open(tmp_path)
+    assert ds.passes("target", 0) == [0]
+    reasons = {s["name"]: s["reason"] for s in ds.meta("target", 0, 0)["skipped"]}
+    assert set(reasons) == {"layers.0", "layers.1"} and all("capture" in r for r in reasons.values())
+
+
+def test_graph_recorder_made_during_a_global_capture_keeps_it_valid(m, glue, tmp_path, monkeypatch):
+    """No device= hint at attach: the recorder is made at the first captured tensor, inside a
+    global-mode capture; its allocations run in relaxed mode and must not invalidate it."""
+    from fastdump import cuda
+
+    current = Stream(glue)
+    monkeypatch.setattr(cuda, "_current_stream", current)
+    d = _attach(tmp_path, writer="thread")
+    side = m._mock.stream_create_flags(0)
+    model = Model(m, 4)
+    graph, exe = capture(m, model, d, current, side)  # asserts the capture ended valid
+    x = rand_input(model, 3)
+    try:
+        model.set_input(glue, x)
+        assert m._mock.graph_launch(exe, glue) == 0
+        m._mock.sync(glue)
+        d.close()
+    finally:
+        m._mock.graph_exec_destroy(exe)
+        m._mock.graph_destroy(graph)
+        m._mock.stream_destroy(side)
+    ds = fastdump.open(tmp_path)
+    (p,) = graph_passes(ds, "target")
+    h1, h2 = model.expected(x)
+    got = ds.load("target", 0, p)
+    assert same_bits(torch.as_tensor(got["layers.0"]), h1) and same_bits(torch.as_tensor(got["layers.1"]), h2)
+
+
+def test_graph_option_validation(tmp_path):
+    with pytest.raises(ValueError, match="cuda_graphs"):
+        _attach(tmp_path, cuda_graphs="replay")
+    with pytest.raises(ValueError, match="graph_ring_mb"):
+        _attach(tmp_path, graph_ring_mb=0)
+    from fastdump.config import settings_from_env
+
+    got = settings_from_env({"FASTDUMP_DIR": str(tmp_path), "FASTDUMP_CUDA_GRAPHS": "skip",
+                             "FASTDUMP_GRAPH_RING_MB": "64"})
+    assert got["cuda_graphs"] == "skip" and got["graph_ring_mb"] == 64.0
+    from fastdump.config import ConfigError
+
+    with pytest.raises(ConfigError, match="FASTDUMP_CUDA_GRAPHS"):
+        settings_from_env({"FASTDUMP_DIR": str(tmp_path), "FASTDUMP_CUDA_GRAPHS": "on"})
