@@ -42,6 +42,34 @@ CUDA_SOURCES = sorted(str(p.relative_to(HERE)) for p in (HERE / CSRC).glob("*.cu
 WITH_CUDA = CUDA_HOME is not None and bool(CUDA_SOURCES)
 
 
+def cuda_major(home):
+    """The toolkit's major version (CUDART_VERSION in cuda_runtime_api.h: 13000 -> 13), or None."""
+    try:
+        for line in (Path(home) / "include" / "cuda_runtime_api.h").read_text(errors="replace").splitlines():
+            if line.startswith("#define CUDART_VERSION"):
+                return int(line.split()[2]) // 1000
+    except (OSError, ValueError, IndexError, TypeError):
+        pass
+    return None
+
+
+def cupy_requirement():
+    """CuPy's wheels are per CUDA major (cupy-cuda12x, cupy-cuda13x): the one matching the toolkit this
+    build found; FASTDUMP_CUPY overrides; without a toolkit, the newest (CUDA 13)."""
+    if os.environ.get("FASTDUMP_CUPY"):
+        return os.environ["FASTDUMP_CUPY"]
+    major = cuda_major(CUDA_HOME) if CUDA_HOME else None
+    return f"cupy-cuda{major if major and major >= 11 else 13}x"
+
+
+EXTRAS = {
+    "torch": ["torch"],  # not pinned: an engine brings its own build (CI installs the CPU one)
+    "cuda": [cupy_requirement(), "nvidia-ml-py"],
+    "test": ["pytest", "pybind11>=2.12"],  # pybind11: tests build a mock-CUDA copy of the extension
+    "hf": ["transformers>=4.57"],
+}
+
+
 class BuildExt(build_ext):
     """Compiles the .cu sources with nvcc before the C++ link."""
 
@@ -93,5 +121,6 @@ else:
 
 setup(
     ext_modules=[Pybind11Extension("fastdump._C", sources, cxx_std=17, **ext_kwargs)],
+    extras_require=EXTRAS,
     cmdclass={"build_ext": BuildExt},
 )

@@ -18,6 +18,7 @@ the time that takes is reported as "close".
     python benchmarks/decode_bench.py --tiny
     python benchmarks/decode_bench.py --preset small --json results/decode-small.json
     python benchmarks/decode_bench.py --preset 8b --device cuda --dtype bf16
+    python benchmarks/decode_bench.py --preset 8b --cuda-graphs   # graph replay with record mode vs without
 """
 
 from __future__ import annotations
@@ -434,6 +435,12 @@ def parse_args(argv=None):
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's choice)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--cuda-graphs", action="store_true",
+                        help="graph mode instead: CUDA-graph replay time of one decode step per role, captured "
+                             "with fastdump's record mode vs without (benchmarks/graph_bench.py)")
+    parser.add_argument("--graph-blocks", type=int, default=10, help="--cuda-graphs: timed blocks per graph")
+    parser.add_argument("--graph-block", type=int, default=20, help="--cuda-graphs: replays per timed block")
+    parser.add_argument("--graph-checks", type=int, default=3, help="--cuda-graphs: replays checked bit for bit")
     args = parser.parse_args(argv)
     if args.tiny:
         args.preset = "tiny"
@@ -456,6 +463,12 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.cuda_graphs:
+        from benchmarks import graph_bench
+
+        payload = graph_bench.main(args)
+        write_json(args.json, payload)
+        return payload
     preset, device = args.preset_config, args.device
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit(f"preset {args.preset!r} wants CUDA, which this torch/machine lacks; "

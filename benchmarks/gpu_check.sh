@@ -2,8 +2,10 @@
 # One command for a machine with an NVIDIA GPU (sized for one H200, < 8 minutes):
 #   benchmarks/gpu_check.sh OUTDIR [--dry-run]
 # Stages: deps (install only what is missing; works offline), build (fastdump._C with CUDA),
-# pytest -m cuda, benchmarks/d2h_bench.py, benchmarks/decode_bench.py --preset 8b (eager; modes none,
-# fastdump-process, sglang-style). A failing stage is reported and the others still run. Full log:
+# pytest -m cuda (staging and CUDA-graph record mode), benchmarks/d2h_bench.py (large tensors, then
+# decode-size ones), benchmarks/decode_bench.py --preset 8b --cuda-graphs (graph replay with record
+# mode vs without, target and draft), then --preset 8b eager (modes none, fastdump-process,
+# sglang-style, both roles). A failing stage is reported and the others still run. Full log:
 # OUTDIR/gpu_check.log; JSON results: OUTDIR/*.json; the summary table is printed last
 # (OUTDIR/summary.txt, OUTDIR/summary.json).
 # --dry-run: no GPU needed: checks deps, skips the CUDA build, runs the cuda tests (they skip), and
@@ -141,16 +143,23 @@ run_stage deps 90 deps
 if ((DRY)); then
   run_stage build 30 check_import
 else
-  run_stage build 240 build
+  run_stage build 180 build
 fi
-run_stage pytest-cuda 150 "$PY" -m pytest -m cuda -q -rs -p no:cacheprovider --junitxml="$OUT/pytest-cuda.xml" tests
+run_stage pytest-cuda 120 "$PY" -m pytest -m cuda -q -rs -p no:cacheprovider --junitxml="$OUT/pytest-cuda.xml" tests
 if ((DRY)); then
   run_stage d2h-bench 60 "$PY" benchmarks/d2h_bench.py --dry-run --json "$OUT/d2h.json"
+  run_stage decode-graphs 30 "$PY" benchmarks/decode_bench.py --preset tiny --device cpu --cuda-graphs \
+    --json "$OUT/graphs.json"
   run_stage decode-bench 120 "$PY" benchmarks/decode_bench.py --preset tiny --device cpu \
     --modes none,fastdump-process,sglang-style --json "$OUT/decode.json"
 else
-  run_stage d2h-bench 120 "$PY" benchmarks/d2h_bench.py --json "$OUT/d2h.json"
-  run_stage decode-bench 300 "$PY" benchmarks/decode_bench.py --preset 8b --device cuda --dtype bfloat16 \
+  run_stage d2h-bench 60 "$PY" benchmarks/d2h_bench.py --total-gb 4 --reps 3 --json "$OUT/d2h.json"
+  # Decode-size tensors (8 KiB hidden row, 32 KiB, 256 KiB logits row): the per-tensor cost regime.
+  run_stage d2h-decode 45 "$PY" benchmarks/d2h_bench.py --sizes-mb 0.0078125,0.03125,0.25 --total-gb 0.25 \
+    --reps 2 --peak-mb 256 --no-memcpy-variant --json "$OUT/d2h-decode.json"
+  run_stage decode-graphs 90 "$PY" benchmarks/decode_bench.py --preset 8b --device cuda --dtype bfloat16 \
+    --cuda-graphs --json "$OUT/graphs.json"
+  run_stage decode-bench 240 "$PY" benchmarks/decode_bench.py --preset 8b --device cuda --dtype bfloat16 \
     --modes none,fastdump-process,sglang-style --json "$OUT/decode.json"
 fi
 
@@ -178,8 +187,8 @@ for line in (out / "stages.tsv").read_text().splitlines():
     elif name == "build":
         m = re.findall(r'"name": "([^"]+)"', log)
         detail = ", ".join(sorted(set(m))) if m else ""
-    elif name == "d2h-bench":
-        d = load("d2h.json") or {}
+    elif name in ("d2h-bench", "d2h-decode"):
+        d = load("d2h.json" if name == "d2h-bench" else "d2h-decode.json") or {}
         if d.get("status") == "ok":
             detail = f"peak {d['peak']['peak_GBps']:.1f} GB/s, fastdump worst {d['min_ratio_to_peak']:.0%} of peak"
             sc = d.get("stage_cost", {})
@@ -187,7 +196,19 @@ for line in (out / "stages.tsv").read_text().splitlines():
                 detail += f", stage() {sc['stage_us']:.1f} us"
         elif d:
             detail = d.get("status", "")
-        summary["d2h"] = d
+        summary[name] = d
+    elif name == "decode-graphs":
+        d = load("graphs.json") or {}
+        parts = []
+        for role, r in (d.get("roles") or {}).items():
+            if r.get("status") != "ok":
+                parts.append(f"{role}: {r.get('status')}")
+                continue
+            parts.append(f"{role} {r['ratio']:.3f}x ({r['replay_s_plain'] * 1e3:.2f} ms, "
+                         f"{r['tensors_per_pass']} t/pass, dropped {r['dropped_passes']})"
+                         + ("" if r.get("bit_exact") else " NOT bit-exact"))
+        detail = "; ".join(parts) or str(d.get("status", ""))
+        summary["graphs"] = d
     elif name == "decode-bench":
         d = load("decode.json") or {}
         parts = []

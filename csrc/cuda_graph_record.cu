@@ -165,10 +165,15 @@ std::string cuda_text(cudaError_t e, const char* what) {
          cudaGetErrorString(e) + ")";
 }
 
-#define FD_GR_CUDA(call)                                                         \
-  do {                                                                           \
-    cudaError_t fd_e_ = (call);                                                  \
-    if (fd_e_ != cudaSuccess) throw std::runtime_error(cuda_text(fd_e_, #call)); \
+// A failed call leaves its error as the thread's "last error" (cudaGetLastError); cleared here, or
+// torch would blame its next kernel launch for it.
+#define FD_GR_CUDA(call)                                   \
+  do {                                                     \
+    cudaError_t fd_e_ = (call);                            \
+    if (fd_e_ != cudaSuccess) {                            \
+      (void)cudaGetLastError();                            \
+      throw std::runtime_error(cuda_text(fd_e_, #call));   \
+    }                                                      \
   } while (0)
 
 uint64_t align_slot(uint64_t n) { return (n + kSlotAlign - 1) / kSlotAlign * kSlotAlign; }
@@ -590,10 +595,9 @@ struct GraphRecorder::Impl {
   void close(double timeout_s, bool free_memory) {
     {
       std::lock_guard<std::mutex> g(mu);
-      if (closed) {
-        if (!free_memory) return;
-      }
+      if (closed && !free_memory) return;
       closed = true;
+      if (graphs.empty() && !open) free_memory = true;  // no graph can ever write into it
     }
     if (drain.joinable()) {
       paused.store(false, std::memory_order_release);

@@ -65,8 +65,9 @@ class GraphRecorder {
   bool flush(double timeout_s);
   GraphRecorderStats stats();
   // Stop the drain thread (after flushing). Replays after close are neither recorded nor counted.
-  // Device memory is kept unless free_memory: graphs captured with this recorder write into it on
-  // every replay, so it may be freed only once they are destroyed.
+  // Device memory is kept unless free_memory or no graph was committed: graphs captured with this
+  // recorder write into it on every replay, so it may be freed only once they are destroyed.
+  // Callable again later with free_memory = true.
   void close(double timeout_s, bool free_memory);
 
  private:

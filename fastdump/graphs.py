@@ -164,6 +164,20 @@ class GraphRecording:
     def stats(self) -> dict:
         return {dev: rec.stats() for dev, rec in self._recorders.items()}
 
+    def free_device_memory(self) -> None:
+        for rec in self._recorders.values():
+            rec.close(60.0, True)
+        self._recorders.clear()
+
+
+def free_device_memory(dumper) -> None:
+    """Give back a closed Dumper's CUDA-graph recording memory (slots and replay ring). Call it only
+    once every graph captured while the Dumper was attached has been destroyed: each replay of such
+    a graph writes into that memory. (Without a committed graph it is freed at close already.)"""
+    recording = getattr(dumper, "_graphs", None)
+    if recording is not None:
+        recording.free_device_memory()
+
 
 def _synchronize(devices) -> None:
     """Let replays already launched finish, so that close() dumps them (real torch only)."""

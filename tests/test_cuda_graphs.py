@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import fastdump
+from fastdump.graphs import free_device_memory
 from test_cuda import (GLOBAL, RELAXED, THREAD_LOCAL, FakeCudaTensor, device_buffer, glue, m, mock,  # noqa: F401
                        same_bits, _attach)
 
@@ -114,6 +115,7 @@ def test_graph_replays_become_passes_bit_exact(m, glue, tmp_path, monkeypatch, m
             current.raw = glue
             model.set_input(glue, rand_input(model, bs))
             model.forward(d, glue)
+        m._mock.sync(glue)  # torch.cuda.graph synchronizes before capturing; the runner's warm-ups are done
         for bs, model in models.items():
             execs[bs] = capture(m, model, d, current, side, mode, graph=f"decode_bs{bs}")
         current.raw = glue
@@ -144,6 +146,7 @@ def test_graph_replays_become_passes_bit_exact(m, glue, tmp_path, monkeypatch, m
         m._mock.sync(side)
         m._mock.stream_destroy(side)
         m._mock.stream_destroy(replay_stream)
+        free_device_memory(d)
     ds = fastdump.open(tmp_path)
     passes = graph_passes(ds, "target")
     assert passes == [GRAPH_BASE + i for i in range(len(expected))]
@@ -205,6 +208,7 @@ def test_graph_replays_outrunning_the_drain_are_dropped_and_counted(m, glue, tmp
         m._mock.graph_exec_destroy(exe)
         m._mock.graph_destroy(graph)
         m._mock.stream_destroy(side)
+        free_device_memory(d)
     assert stats["dropped_passes"] == 8 and stats["graph_replays"] == 33
     ds = fastdump.open(tmp_path)
     passes = graph_passes(ds, "target")
@@ -249,6 +253,8 @@ def test_graph_two_roles_target_and_draft(m, glue, tmp_path, monkeypatch):
             m._mock.graph_exec_destroy(exe)
             m._mock.graph_destroy(graph)
         m._mock.stream_destroy(side)
+        free_device_memory(target)
+        free_device_memory(draft)
     ds = fastdump.open(tmp_path)
     for role in ("target", "draft"):
         passes = graph_passes(ds, role)
@@ -278,6 +284,7 @@ def test_graph_skip_mode_keeps_the_old_behaviour(m, glue, tmp_path, monkeypatch)
         m._mock.graph_exec_destroy(exe)
         m._mock.graph_destroy(graph)
         m._mock.stream_destroy(side)
+        free_device_memory(d)
     ds = fastdump.open(tmp_path)
     assert ds.passes("target", 0) == [0]
     reasons = {s["name"]: s["reason"] for s in ds.meta("target", 0, 0)["skipped"]}
@@ -305,6 +312,7 @@ def test_graph_recorder_made_during_a_global_capture_keeps_it_valid(m, glue, tmp
         m._mock.graph_exec_destroy(exe)
         m._mock.graph_destroy(graph)
         m._mock.stream_destroy(side)
+        free_device_memory(d)
     ds = fastdump.open(tmp_path)
     (p,) = graph_passes(ds, "target")
     h1, h2 = model.expected(x)
@@ -326,3 +334,154 @@ def test_graph_option_validation(tmp_path):
 
     with pytest.raises(ConfigError, match="FASTDUMP_CUDA_GRAPHS"):
         settings_from_env({"FASTDUMP_DIR": str(tmp_path), "FASTDUMP_CUDA_GRAPHS": "on"})
+
+
+def test_graph_no_recording_memory_skips_with_reason_and_keeps_the_capture(m, glue, tmp_path, monkeypatch):
+    """The serving engine took the GPU's memory before attach: no recorder; tensors hooked during
+    the capture are skipped with the reason, the capture stays valid, and no CUDA error is left
+    behind for the framework's next call (cudaGetLastError)."""
+    from fastdump import cuda
+
+    current = Stream(glue)
+    monkeypatch.setattr(cuda, "_current_stream", current)
+    model = Model(m, 4)  # its buffers first: the rest of the memory is then too small
+    m._mock.set("device_free", 1 << 20)
+    d = _attach(tmp_path, writer="thread", device="cuda:0")
+    device_buffer(m, 256)  # raises on a leftover error of the failed allocations
+    side = m._mock.stream_create_flags(0)
+    graph, exe = capture(m, model, d, current, side)
+    try:
+        assert m._mock.graph_launch(exe, glue) == 0
+        m._mock.sync(glue)
+        stats = d.close()
+    finally:
+        m._mock.graph_exec_destroy(exe)
+        m._mock.graph_destroy(graph)
+        m._mock.stream_destroy(side)
+    ds = fastdump.open(tmp_path)
+    assert graph_passes(ds, "target") == [] and stats.get("graph_replays", 0) == 0
+    reasons = [s["reason"] for s in ds.meta("target", 0, 0)["skipped"]]
+    assert len(reasons) == 2 and all("CUDA-graph recording memory" in r for r in reasons), reasons
+
+
+# =================================================================================================
+# On a real GPU (pytest -m cuda; benchmarks/gpu_check.sh): torch.cuda.graph / CUDAGraph.replay()
+
+
+def _gpu_model(width=256, layers=3):
+    torch.manual_seed(0)
+    layers_ = [torch.nn.Linear(width, width) for _ in range(layers)]
+    return torch.nn.Sequential(*[m for lin in layers_ for m in (lin, torch.nn.GELU())]).cuda().to(torch.bfloat16)
+
+
+def _gpu_capture(model, static_in, stream, mode="global"):
+    with torch.cuda.stream(stream):
+        for _ in range(2):  # warm-up, as graph runners do
+            model(static_in)
+    stream.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, stream=stream, capture_error_mode=mode):
+        out = model(static_in)
+    return g, out
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("mode", ["global", "thread_local"])
+def test_gpu_graph_record_bit_exact_per_replay(tmp_path, mode):
+    """Two graphs (batch 4 and 16) on a side stream, replays with fresh inputs interleaved with an
+    eager pass: every replay is a pass equal, bit for bit, to what the graph computed."""
+    model = _gpu_model()
+    d = fastdump.attach(model, tmp_path, tp_rank=0, tp_size=1, writer="thread", strict=True, device="cuda:0")
+    stream = torch.cuda.Stream()
+    graphs, want = {}, []
+    with torch.inference_mode():
+        for bs in (4, 16):
+            static_in = torch.randn(bs, 256, device="cuda", dtype=torch.bfloat16)
+            g, out = _gpu_capture(model, static_in, stream, mode)
+            graphs[bs] = (g, static_in, out)
+        for k, bs in enumerate([4, 16, 16, 4, 16]):
+            g, static_in, out = graphs[bs]
+            with torch.cuda.stream(stream):
+                static_in.copy_(torch.randn(bs, 256, device="cuda", dtype=torch.bfloat16))
+                g.replay()
+                want.append((bs, out.clone()))
+            if k == 2:
+                stream.synchronize()
+                model(torch.randn(2, 256, device="cuda", dtype=torch.bfloat16))  # an eager pass
+        torch.cuda.synchronize()
+        stats = d.close()
+    ds = fastdump.open(tmp_path)
+    passes = graph_passes(ds, "target")
+    assert len(passes) == len(want) and stats["dropped_passes"] == 0
+    for p, (bs, out) in zip(passes, want):
+        got = ds.load("target", 0, p)
+        assert same_bits(torch.as_tensor(got["Sequential"]), out.cpu()), p
+        assert ds.meta("target", 0, p)["graph_batch"] == bs
+    assert len(ds.names("target", 0)) == 7  # six leaves and the root
+
+
+@pytest.mark.cuda
+def test_gpu_graph_record_two_roles_replays_outrun_drain(tmp_path):
+    """Target and draft Dumpers with their own graphs; the draft's drain paused while its graph is
+    replayed more often than its replay ring holds: drops counted, the rest intact."""
+    target, draft = _gpu_model(), _gpu_model(width=128, layers=1)
+    dt = fastdump.attach(target, tmp_path, role="target", tp_rank=0, tp_size=1, writer="thread", strict=True,
+                         device="cuda:0")
+    dd = fastdump.attach(draft, tmp_path, role="draft", tp_rank=0, tp_size=1, writer="thread", strict=True,
+                         device="cuda:0", graph_ring_mb=0.25)
+    stream = torch.cuda.Stream()
+    with torch.inference_mode():
+        tin = torch.randn(8, 256, device="cuda", dtype=torch.bfloat16)
+        din = torch.randn(8, 128, device="cuda", dtype=torch.bfloat16)
+        tg, tout = _gpu_capture(target, tin, stream)
+        dg, dout = _gpu_capture(draft, din, stream)
+        dd._graphs.recorder(0).set_paused(True)
+        want_t, want_d = [], []
+        for _ in range(200):
+            with torch.cuda.stream(stream):
+                din.normal_()
+                dg.replay()
+                want_d.append(dout.clone())
+                tin.normal_()
+                tg.replay()
+                want_t.append(tout.clone())
+        torch.cuda.synchronize()
+        dropped = dd._graphs.recorder(0).stats()["dropped_replays"]
+        assert dropped > 0
+        dd._graphs.recorder(0).set_paused(False)
+        st, sd = dt.close(), dd.close()
+    assert st["dropped_passes"] == 0 and sd["dropped_passes"] == dropped
+    ds = fastdump.open(tmp_path)
+    tp, dp = graph_passes(ds, "target"), graph_passes(ds, "draft")
+    assert len(tp) == 200 and len(dp) == 200 - dropped
+    for p, w in zip(tp, want_t):
+        assert same_bits(torch.as_tensor(ds.load("target", 0, p)["Sequential"]), w.cpu())
+    for p in dp:
+        replay = ds.meta("draft", 0, p)["graph_replay"]
+        assert same_bits(torch.as_tensor(ds.load("draft", 0, p)["Sequential"]), want_d[replay].cpu())
+
+
+def test_graph_recording_memory_is_freed_when_no_graph_can_use_it(m, glue, tmp_path, monkeypatch):
+    """Without a committed graph the recorder's device memory goes at close; with one, it stays
+    (replays write into it) until free_device_memory() after the graph is destroyed."""
+    from fastdump import cuda
+
+    current = Stream(glue)
+    monkeypatch.setattr(cuda, "_current_stream", current)
+    model = Model(m, 4)
+    live = lambda: m._mock.counters()["live_allocs"]  # noqa: E731
+    base = live()
+    d = _attach(tmp_path / "a", writer="thread", device="cuda:0")
+    assert live() >= base + 2  # the staging ring and the recording memory, at attach
+    d.close()
+    assert live() == base  # engine gone (staging ring), recorder freed: it never held a graph
+    d = _attach(tmp_path / "b", writer="thread", device="cuda:0")
+    side = m._mock.stream_create_flags(0)
+    graph, exe = capture(m, model, d, current, side)
+    d.close()
+    assert live() == base + 1  # the graph still exists: its recording memory stays
+    m._mock.graph_exec_destroy(exe)
+    m._mock.graph_destroy(graph)
+    m._mock.stream_destroy(side)
+    free_device_memory(d)
+    assert live() == base
