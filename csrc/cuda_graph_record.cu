@@ -264,6 +264,7 @@ struct GraphRecorder::Impl {
   std::string last_error;
   bool broken = false;
   bool closed = false;
+  uint64_t dropped_at_free = 0;  // the device's count when the mapped block was freed
 
   std::atomic<bool> paused{false};
   std::atomic<bool> stop{false};
@@ -554,6 +555,7 @@ struct GraphRecorder::Impl {
   }
 
   bool idle_now() {
+    if (dmem == nullptr) return true;  // memory freed (close(free_memory)): nothing left to drain
     if (busy.load(std::memory_order_acquire) || n_pending.load(std::memory_order_acquire)) return false;
     if (paused.load(std::memory_order_acquire) || broken_now()) return true;  // nothing more will be drained
     // next_pos belongs to the drain thread: read the log position it consumed instead.
@@ -580,7 +582,7 @@ struct GraphRecorder::Impl {
     s.graphs = graphs.size();
     s.captured_tensors = captured_tensors;
     s.replays = replays;
-    s.dropped_replays = ld_shared(&host->dropped);
+    s.dropped_replays = host ? ld_shared(&host->dropped) : dropped_at_free;
     s.tensors = tensors;
     s.bytes = bytes;
     s.dropped_tensors = dropped_tensors;
@@ -614,6 +616,8 @@ struct GraphRecorder::Impl {
       OnDevice on(device);
       (void)cudaStreamSynchronize(stream);
       (void)cudaStreamDestroy(stream);
+      std::lock_guard<std::mutex> g(mu);  // stats() reads `host`
+      dropped_at_free = ld_shared(&host->dropped);
       (void)cudaFreeHost(host);
       (void)cudaFree(dmem);
       dmem = nullptr;

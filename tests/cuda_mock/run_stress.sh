@@ -18,4 +18,12 @@ for mode in "" nobatch fail; do
   # setarch -R: TSAN needs a non-randomized address space on some kernels
   setarch "$(uname -m)" -R "$OUT/stress_tsan" "$ITERS" "$THREADS" $mode
 done
+# CUDA-graph record mode (csrc/cuda_graph_record.cu)
+GSRC=(-x c++ csrc/cuda_staging.cu csrc/cuda_graph_record.cu -x none csrc/ring.cpp tests/cuda_mock/graph_stress.cpp)
+g++ "${FLAGS[@]}" -O2 "${GSRC[@]}" -lrt -pthread -o "$OUT/graph_stress"
+g++ "${FLAGS[@]}" -O1 -fsanitize=thread "${GSRC[@]}" -lrt -pthread -o "$OUT/graph_stress_tsan"
+echo "== plain graphs"
+"$OUT/graph_stress" "$((ITERS * 2))" 3
+echo "== tsan graphs"
+setarch "$(uname -m)" -R "$OUT/graph_stress_tsan" "$ITERS" 3
 echo "all stress runs passed"
