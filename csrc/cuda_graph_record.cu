@@ -510,6 +510,10 @@ struct GraphRecorder::Impl {
 
   void drain_loop() {
     (void)prctl(PR_SET_TIMERSLACK, 1UL, 0, 0, 0);
+    // Relaxed, like the stager's drain: its staging calls must neither fail nor invalidate a
+    // global-mode capture another thread runs meanwhile (the next batch size's graph).
+    cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+    (void)cudaThreadExchangeStreamCaptureMode(&mode);
     int idle_us = 10;
     while (true) {
       bool did = false;

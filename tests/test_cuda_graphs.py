@@ -344,8 +344,9 @@ def test_graph_no_recording_memory_skips_with_reason_and_keeps_the_capture(m, gl
 
     current = Stream(glue)
     monkeypatch.setattr(cuda, "_current_stream", current)
-    model = Model(m, 4)  # its buffers first: the rest of the memory is then too small
-    m._mock.set("device_free", 1 << 20)
+    model = Model(m, 4)
+    # Memory taken: the attach's two allocations (staging ring, recording memory) fail.
+    m._mock.fail("cudaMalloc", 2, 2)  # cudaErrorMemoryAllocation
     d = _attach(tmp_path, writer="thread", device="cuda:0")
     device_buffer(m, 256)  # raises on a leftover error of the failed allocations
     side = m._mock.stream_create_flags(0)
@@ -509,3 +510,64 @@ def test_graph_recording_memory_is_freed_when_no_graph_can_use_it(m, glue, tmp_p
     m._mock.stream_destroy(side)
     free_device_memory(d)
     assert live() == base
+
+
+def test_graph_replays_drained_while_the_next_graph_is_captured(m, glue, tmp_path, monkeypatch):
+    """A runner captures its next batch size (global mode) while another thread replays the first
+    graph and the drain turns those replays into passes: the capture stays valid, every replay of
+    both graphs is dumped bit-exact."""
+    import threading
+
+    from fastdump import cuda
+
+    m._mock.set("max_delay_us", 100)
+    current = Stream(glue)
+    monkeypatch.setattr(cuda, "_current_stream", current)
+    d = _attach(tmp_path, writer="thread", device="cuda:0")
+    side, side2, other = m._mock.stream_create_flags(0), m._mock.stream_create_flags(0), m._mock.stream_create()
+    a, b = Model(m, 4), Model(m, 8)
+    inputs = [rand_input(a, 300 + k) for k in range(30)]
+    srcs = []
+    for x in inputs:  # uploaded before the capture: no allocation while it runs
+        src = device_buffer(m, a.nbytes)
+        assert m._mock.upload(src, x.contiguous().data_ptr(), a.nbytes) == 0
+        srcs.append(src)
+    ga = capture(m, a, d, current, side)
+    started = threading.Event()
+
+    def replay():
+        for src in srcs:
+            assert m._mock.enqueue_copy(other, a.x, src, a.nbytes) == 0
+            assert m._mock.graph_launch(ga[1], other) == 0
+            started.set()
+        m._mock.sync(other)
+
+    th = threading.Thread(target=replay)
+    th.start()
+    started.wait(30)
+    gb = capture(m, b, d, current, side2)  # asserts it ended valid
+    th.join()
+    xb = rand_input(b, 9)
+    b.set_input(glue, xb)
+    assert m._mock.graph_launch(gb[1], glue) == 0
+    m._mock.sync(glue)
+    try:
+        stats = d.close()
+    finally:
+        for graph, exe in (ga, gb):
+            m._mock.graph_exec_destroy(exe)
+            m._mock.graph_destroy(graph)
+        for s in (side, side2, other):
+            m._mock.stream_destroy(s)
+        free_device_memory(d)
+    assert stats["graph_replays"] == 31 and stats["dropped_passes"] == 0
+    ds = fastdump.open(tmp_path)
+    passes = graph_passes(ds, "target")
+    for p in passes:
+        meta = ds.meta("target", 0, p)
+        model, x = (a, inputs[meta["graph_replay"]]) if meta["cuda_graph"] == 0 else (b, xb)
+        h1, h2 = model.expected(x)
+        got = ds.load("target", 0, p)
+        assert same_bits(torch.as_tensor(got["layers.0"]), h1) and same_bits(torch.as_tensor(got["layers.1"]), h2)
+    assert [ds.meta("target", 0, p)["graph_replay"] for p in passes if ds.meta("target", 0, p)["cuda_graph"] == 0] \
+        == list(range(30))
