@@ -63,6 +63,7 @@ void bind_graph_recorder(py::module_& m) {
              d["tensors"] = s.tensors;
              d["bytes"] = s.bytes;
              d["dropped_tensors"] = s.dropped_tensors;
+             d["lost_pass_ends"] = s.lost_pass_ends;
              d["slot_bytes"] = s.slot_bytes;
              d["slot_used"] = s.slot_used;
              d["ring_bytes"] = s.ring_bytes;

@@ -46,6 +46,9 @@ constexpr uint64_t kSlotAlign = 256;
 constexpr uint64_t kSkip = ~uint64_t(0);   // decision: this replay is not committed
 constexpr uint32_t kMaxGraphs = 4096;      // graphs per recorder (decision words)
 constexpr int kCopyThreads = 256;
+// The drain's longest wait for host-ring space per record: a stalled (alive) writer must not hold
+// it forever (close() joins it); what times out is counted, never written partially.
+constexpr double kDrainWaitS = 10.0;
 
 // Device memory, written only by the graph kernels.
 struct GraphCtl {
@@ -261,6 +264,7 @@ struct GraphRecorder::Impl {
   uint64_t slot_used = 0;
   uint64_t captured_tensors = 0;
   uint64_t replays = 0, tensors = 0, bytes = 0, dropped_tensors = 0;
+  uint64_t unwritten_replays = 0, lost_pass_ends = 0;
   std::string last_error;
   bool broken = false;
   bool closed = false;
@@ -443,8 +447,13 @@ struct GraphRecorder::Impl {
   bool emit_pass(const GraphInfo& gi, uint64_t pos, uint64_t offset, uint64_t replay) {
     const int64_t pass_id = kGraphPassBase + static_cast<int64_t>(pos);
     std::string begin = pass_json("begin", channel, pass_id, gi.meta_head, replay);
-    if (!producer->put_control(channel, begin.data(), begin.size(), true)) {
-      fail("the writer stopped");
+    if (!producer->put_control(channel, begin.data(), begin.size(), true, kDrainWaitS)) {
+      std::lock_guard<std::mutex> g(mu);
+      ++unwritten_replays;  // the writer is behind (or gone): the replay is dropped whole, counted
+      if (!producer->writer_alive() && !broken) {
+        broken = true;
+        last_error = "the writer stopped";
+      }
       return false;
     }
     uint64_t dropped = 0, staged = 0, staged_bytes = 0;
@@ -460,7 +469,7 @@ struct GraphRecorder::Impl {
       src.stream = reinterpret_cast<uintptr_t>(stream);
       int st;
       try {
-        st = stager->stage(channel, t.name_id, pass_id, t.dtype, src, true, nullptr);
+        st = stager->stage(channel, t.name_id, pass_id, t.dtype, src, true, nullptr, kDrainWaitS);
       } catch (const std::exception& e) {
         st = -1;
         if (incomplete.empty()) incomplete = e.what();
@@ -485,15 +494,16 @@ struct GraphRecorder::Impl {
       end += ",\"incomplete\":\"" + q + "\"";
     }
     end += "}";
-    const bool ended = producer->put_control(channel, end.data(), end.size(), true) != 0;
+    const bool ended = producer->put_control(channel, end.data(), end.size(), true, kDrainWaitS) != 0;
     {
       std::lock_guard<std::mutex> g(mu);
       ++replays;
+      if (!ended) ++lost_pass_ends;  // the writer marks the pass incomplete at close
       tensors += staged;
       bytes += staged_bytes;
       dropped_tensors += dropped;
     }
-    if (!ended) fail("the writer stopped");
+    if (!ended && !producer->writer_alive()) fail("the writer stopped");
     if (!incomplete.empty() && incomplete == "CUDA staging stopped") fail(incomplete);
     return ended;
   }
@@ -586,7 +596,8 @@ struct GraphRecorder::Impl {
     s.graphs = graphs.size();
     s.captured_tensors = captured_tensors;
     s.replays = replays;
-    s.dropped_replays = host ? ld_shared(&host->dropped) : dropped_at_free;
+    s.dropped_replays = (host ? ld_shared(&host->dropped) : dropped_at_free) + unwritten_replays;
+    s.lost_pass_ends = lost_pass_ends;
     s.tensors = tensors;
     s.bytes = bytes;
     s.dropped_tensors = dropped_tensors;

@@ -19,7 +19,9 @@ struct GraphRecorderStats {
   uint64_t graphs = 0;             // captures that recorded a commit (graphs whose replays are passes)
   uint64_t captured_tensors = 0;   // tensors recorded into those graphs
   uint64_t replays = 0;            // replays turned into passes (handed to the writer)
-  uint64_t dropped_replays = 0;    // replays the device found no room for (counted inside the graph)
+  uint64_t dropped_replays = 0;    // replays the device found no room for (counted inside the graph),
+                                   // and drained replays whose pass could not be begun (writer behind)
+  uint64_t lost_pass_ends = 0;     // replay passes whose end record could not be written
   uint64_t tensors = 0;            // tensors of those passes staged
   uint64_t bytes = 0;
   uint64_t dropped_tensors = 0;    // tensors of replay passes the stager dropped or could not stage

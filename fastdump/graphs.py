@@ -156,6 +156,7 @@ class GraphRecording:
             totals["bytes"] += s["bytes"]
             totals["dropped"] += s["dropped_tensors"]
             totals["dropped_passes"] += s["dropped_replays"]
+            totals["lost_pass_ends"] = totals.get("lost_pass_ends", 0) + s["lost_pass_ends"]
             totals["graph_replays"] = totals.get("graph_replays", 0) + s["replays"]
             totals["graph_dropped_replays"] = totals.get("graph_dropped_replays", 0) + s["dropped_replays"]
             if s["broken"]:
