@@ -571,3 +571,38 @@ def test_graph_replays_drained_while_the_next_graph_is_captured(m, glue, tmp_pat
         assert same_bits(torch.as_tensor(got["layers.0"]), h1) and same_bits(torch.as_tensor(got["layers.1"]), h2)
     assert [ds.meta("target", 0, p)["graph_replay"] for p in passes if ds.meta("target", 0, p)["cuda_graph"] == 0] \
         == list(range(30))
+
+
+def test_graph_tensor_that_does_not_fit_is_skipped_in_every_replay(m, glue, tmp_path, monkeypatch):
+    """Slots full: the second output is not recorded; the capture pass and every replay pass say
+    so (skipped, with the reason), the first output is still dumped bit-exact."""
+    from fastdump import cuda
+
+    current = Stream(glue)
+    monkeypatch.setattr(cuda, "_current_stream", current)
+    d = _attach(tmp_path, writer="thread", device="cuda:0", graph_ring_mb=0.125)  # 64 KiB of slots
+    side = m._mock.stream_create_flags(0)
+    model = Model(m, 64, width=160)  # 40 KiB per output: the second does not fit
+    graph, exe = capture(m, model, d, current, side)
+    xs = [rand_input(model, 70 + k) for k in range(3)]
+    try:
+        for x in xs:  # one replay at a time: the 64 KiB replay ring holds one 40 KiB entry
+            model.set_input(glue, x)
+            assert m._mock.graph_launch(exe, glue) == 0
+            m._mock.sync(glue)
+            assert d._graphs.recorder(0).flush(30)
+        stats = d.close()
+    finally:
+        m._mock.graph_exec_destroy(exe)
+        m._mock.graph_destroy(graph)
+        m._mock.stream_destroy(side)
+        free_device_memory(d)
+    assert stats["graph_replays"] == 3 and stats["dropped_passes"] == 0
+    ds = fastdump.open(tmp_path)
+    capture_pass = [p for p in ds.passes("target", 0) if p < GRAPH_BASE][-1]
+    assert [s["name"] for s in ds.meta("target", 0, capture_pass)["skipped"]] == ["layers.1"]
+    for p, x in zip(graph_passes(ds, "target"), xs):
+        got = ds.load("target", 0, p)
+        assert set(got) == {"layers.0"} and same_bits(torch.as_tensor(got["layers.0"]), model.expected(x)[0])
+        (skip,) = ds.meta("target", 0, p)["skipped"]
+        assert skip["name"] == "layers.1" and "graph_ring_mb" in skip["reason"]
