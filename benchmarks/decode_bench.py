@@ -9,14 +9,22 @@ One run measures all modes side by side, round-robin per repetition, and reports
   sglang-style-clone  (opt-in) the same with a real copy on CPU (.cpu() is a no-op there)
   naive-h5          snapshot + queue + h5py dataset per tensor in a thread (baselines.py)
   flag              only when FASTDUMP_DIR is set: fastdump.maybe_attach(model, role=...)
+  noop-wrapper      the reference for per-tensor cost: every leaf module's forward wrapped (as
+                    fastdump wraps it) by a function that only calls the original
 
-The loop, per round: k draft decode passes (draft model, one token each), one target verify pass
+Besides step times, each forward's thread CPU time (time.thread_time()) is measured: "CPU/tensor"
+is (thread CPU per step - none's) / tensors dumped per step (module calls per step for the
+baselines and noop-wrapper), and "vs noop" divides it by noop-wrapper's.
+
+The `micro` preset runs a plain decode loop instead (the target alone, one token per step, one
+torch thread: issue 11's shape). The speculative loop, per round: k draft decode passes (draft model, one token each), one target verify pass
 over [last token, k drafts], greedy acceptance, KV rollback (reset the cache length), and a
 draft extend pass over the accepted tokens. Dumps are closed (flushed) outside the timed region;
 the time that takes is reported as "close".
 
     python benchmarks/decode_bench.py --tiny
     python benchmarks/decode_bench.py --preset small --json results/decode-small.json
+    python benchmarks/decode_bench.py --preset micro --modes none,noop-wrapper,fastdump-process
     python benchmarks/decode_bench.py --preset 8b --device cuda --dtype bf16
     python benchmarks/decode_bench.py --preset 8b --cuda-graphs   # graph replay with record mode vs without
 """
@@ -24,6 +32,7 @@ the time that takes is reported as "close".
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import os
 import sys
@@ -63,7 +72,9 @@ from benchmarks.models import PRESETS, allocate_kv_caches, build_models, preset_
 ROLES = ("draft", "target")
 # The pass kind whose step time represents each role in the table.
 ROLE_STEP_MODE = {"draft": "draft", "target": "verify"}
-BASE_MODES = ["none", "fastdump-process", "fastdump-thread", "fastdump-drop", "sglang-style", "naive-h5"]
+BASE_MODES = ["none", "noop-wrapper", "fastdump-process", "fastdump-thread", "fastdump-drop", "sglang-style",
+              "naive-h5"]
+NOOP = "noop-wrapper"  # a reference, not a dumper: it writes nothing
 # Opt-in (--modes): SGLang-style with a real copy on CPU too (see baselines.py).
 EXTRA_MODES = ["sglang-style-clone"]
 FASTDUMP_MODES = {  # mode -> attach() keyword arguments
@@ -84,6 +95,7 @@ class DecodeRun:
     prompt_len: int
     logits: list = field(default_factory=list)  # every pass's logits, in order (bit-exactness check)
     pass_times: list = field(default_factory=list)  # (role, forward_mode, seconds) per pass
+    pass_cpu: list = field(default_factory=list)  # the forward thread's CPU seconds per pass
     loop_seconds: float = 0.0
     accepted: list = field(default_factory=list)  # drafts accepted per round
 
@@ -107,13 +119,7 @@ def speculative_decode(target, draft, prompt: torch.Tensor, rounds: int, k: int,
     batch_size, prompt_len = prompt.shape
     run = DecodeRun(tokens=prompt, prompt_len=prompt_len)
 
-    def forward(role, model, forward_mode, input_ids, *args, last_only=False):
-        with Stopwatch(sync) as watch:
-            on_pass(role, forward_mode=forward_mode, batch_size=batch_size, num_tokens=input_ids.shape[1])
-            logits, hidden = model(input_ids, *args, last_only=last_only)
-        run.pass_times.append((role, forward_mode, watch.seconds))
-        run.logits.append(logits)
-        return logits, hidden
+    forward = _timed_forward(run, sync, on_pass, batch_size)
 
     committed = [prompt]
     loop_start = time.perf_counter()
@@ -160,6 +166,41 @@ def speculative_decode(target, draft, prompt: torch.Tensor, rounds: int, k: int,
     return run
 
 
+def _timed_forward(run: DecodeRun, sync, on_pass, batch_size: int):
+    """forward(role, model, forward_mode, input_ids, ...) that records its step and thread CPU time."""
+    def forward(role, model, forward_mode, input_ids, *args, last_only=False):
+        cpu_start = time.thread_time()
+        with Stopwatch(sync) as watch:
+            on_pass(role, forward_mode=forward_mode, batch_size=batch_size, num_tokens=input_ids.shape[1])
+            logits, hidden = model(input_ids, *args, last_only=last_only)
+        run.pass_cpu.append(time.thread_time() - cpu_start)
+        run.pass_times.append((role, forward_mode, watch.seconds))
+        run.logits.append(logits)
+        return logits, hidden
+
+    return forward
+
+
+def plain_decode(target, prompt: torch.Tensor, steps: int, *, sync=lambda: None,
+                 on_pass=lambda role, **meta: None) -> DecodeRun:
+    """Greedy decoding with the target alone: a prefill, then ``steps`` passes of one token each."""
+    target.kv_cache.reset()
+    batch_size, prompt_len = prompt.shape
+    run = DecodeRun(tokens=prompt, prompt_len=prompt_len)
+    forward = _timed_forward(run, sync, on_pass, batch_size)
+    loop_start = time.perf_counter()
+    sync()
+    logits, _ = forward("target", target, "prefill", prompt, last_only=True)
+    tokens = [prompt, logits[:, -1:].argmax(-1)]
+    for _ in range(steps):
+        logits, _ = forward("target", target, "decode", tokens[-1], last_only=True)
+        tokens.append(logits[:, -1:].argmax(-1))
+    sync()
+    run.loop_seconds = time.perf_counter() - loop_start
+    run.tokens = torch.cat(tokens, dim=1)
+    return run
+
+
 def greedy_decode(target, prompt: torch.Tensor, num_new_tokens: int) -> torch.Tensor:
     """Plain greedy decoding with the target alone (reference for the speculative loop)."""
     target.kv_cache.reset()
@@ -172,6 +213,7 @@ def greedy_decode(target, prompt: torch.Tensor, num_new_tokens: int) -> torch.Te
 
 
 def max_positions_needed(prompt_len: int, rounds: int, k: int) -> int:
+    # (The decode loop needs prompt_len + rounds + 1: less than this with k = 0.)
     # Worst case: every draft accepted in every round, plus the k draft positions of the last round.
     return prompt_len + rounds * (k + 1) + k + 1
 
@@ -203,6 +245,40 @@ class NoDump:
 
     def close(self) -> dict:
         return {role: {"bytes": 0, "dropped": 0} for role in ROLES}
+
+
+def leaf_modules(model) -> list:
+    """The modules every dumper here wraps: fastdump's default selection (every leaf)."""
+    return [(name, m) for name, m in model.named_modules() if name and next(iter(m.children()), None) is None]
+
+
+class NoopWrapperSession(NoDump):
+    """Every leaf's forward replaced, as fastdump replaces it, by a wrapper that only calls it:
+    the floor a Python per-module wrapper costs, against which fastdump's per-tensor cost is read."""
+
+    def __init__(self):
+        self._wrapped: list = []
+
+    def attach(self, models: dict, root: Path) -> None:
+        for model in models.values():
+            for _name, module in leaf_modules(model):
+                if "forward" not in module.__dict__:  # a module shared by both roles: wrapped once
+                    module.__dict__["forward"] = self._wrapper(module.forward)
+                    self._wrapped.append(module)
+
+    @staticmethod
+    def _wrapper(forward):
+        @functools.wraps(forward)
+        def forward_unchanged(*args, **kwargs):
+            return forward(*args, **kwargs)
+
+        return forward_unchanged
+
+    def close(self) -> dict:
+        for module in self._wrapped:
+            del module.__dict__["forward"]
+        self._wrapped.clear()
+        return super().close()
 
 
 class FastdumpSession(NoDump):
@@ -247,6 +323,8 @@ class BaselineSession(NoDump):
 def make_session(mode: str, fastdump, ring_mb: int):
     if mode == "none":
         return NoDump()
+    if mode == NOOP:
+        return NoopWrapperSession()
     if mode in FASTDUMP_MODES:
         return FastdumpSession(fastdump, FASTDUMP_MODES[mode], ring_mb)
     if mode == "flag":
@@ -271,6 +349,7 @@ class ModeResult:
     reason: str | None = None
     pass_times: dict = field(default_factory=dict)  # forward_mode -> [seconds, ...] over all reps
     pass_times_by_rep: list = field(default_factory=list)  # one {forward_mode: [seconds]} per rep
+    pass_cpu: dict = field(default_factory=dict)  # forward_mode -> [thread CPU seconds, ...]
     loop_seconds: list = field(default_factory=list)
     close_seconds: list = field(default_factory=list)
     role_stats: dict = field(default_factory=lambda: {role: [] for role in ROLES})  # per rep
@@ -283,14 +362,18 @@ def run_one(session, models, prompt, args, sync, root: Path, result: ModeResult)
     try:
         session.attach(models, root)  # inside the try: a half-attached session is closed too
         with torch.inference_mode():
-            run = speculative_decode(models["target"], models["draft"], prompt, args.rounds, args.k,
-                                     sync=sync, on_pass=session.on_pass)
+            if args.preset_config.loop == "decode":
+                run = plain_decode(models["target"], prompt, args.rounds, sync=sync, on_pass=session.on_pass)
+            else:
+                run = speculative_decode(models["target"], models["draft"], prompt, args.rounds, args.k,
+                                         sync=sync, on_pass=session.on_pass)
     finally:
         close_start = time.perf_counter()
         stats = session.close()  # flush and wait for the writer: outside the timed loop
         result.close_seconds.append(time.perf_counter() - close_start)
     this_rep: dict = {}
-    for role, forward_mode, seconds in run.pass_times:
+    for (role, forward_mode, seconds), cpu in zip(run.pass_times, run.pass_cpu):
+        result.pass_cpu.setdefault(forward_mode, []).append(cpu)
         result.pass_times.setdefault(forward_mode, []).append(seconds)
         this_rep.setdefault(forward_mode, []).append(seconds)
     result.pass_times_by_rep.append(this_rep)
@@ -311,7 +394,19 @@ def paired_ratio(result: ModeResult, none: ModeResult | None, forward_mode: str)
     return median(ratios) if ratios else None
 
 
-def summarize(results: dict[str, ModeResult], expected_passes: dict) -> dict:
+def cpu_per_tensor(result: ModeResult, none: ModeResult | None, forward_mode: str, per_step: float | None):
+    """Seconds of forward-thread CPU this mode adds per tensor (per module call), from median step CPU."""
+    if none is None or not per_step or not result.pass_cpu.get(forward_mode) or not none.pass_cpu.get(forward_mode):
+        return None
+    return (median(result.pass_cpu[forward_mode]) - median(none.pass_cpu[forward_mode])) / per_step
+
+
+def summarize(results: dict[str, ModeResult], expected_passes: dict, calls_per_pass: dict | None = None,
+              step_modes: dict | None = None) -> dict:
+    """``calls_per_pass``: role -> leaf module calls in one forward (the per-tensor divisor of modes
+    that report no tensor count); ``step_modes``: role -> the pass kind that represents it."""
+    step_modes = step_modes or ROLE_STEP_MODE
+    calls_per_pass = calls_per_pass or {}
     none = results.get("none")
     reference_digest = next(iter(none.logits_digests)) if none and none.logits_digests else None
     summary = {}
@@ -321,14 +416,21 @@ def summarize(results: dict[str, ModeResult], expected_passes: dict) -> dict:
             continue
         loop_median = median(result.loop_seconds)
         roles = {}
-        for role in ROLES:
-            times = result.pass_times.get(ROLE_STEP_MODE[role], [])
-            none_times = none.pass_times.get(ROLE_STEP_MODE[role], []) if none else []
+        for role, step_mode in step_modes.items():
+            times = result.pass_times.get(step_mode, [])
+            none_times = none.pass_times.get(step_mode, []) if none else []
             step, none_step = median(times), median(none_times)
             per_rep = result.role_stats[role]
             bytes_per_rep = [int(s.get("bytes", 0) or 0) for s in per_rep]
+            last = per_rep[-1] if per_rep else {}
+            # fastdump counts what it dumped; the others are divided by the module calls per step.
+            tensors_per_step = (last["tensors"] / last["passes"] if last.get("passes") and last.get("tensors")
+                                else calls_per_pass.get(role))
             roles[role] = {
-                "step_forward_mode": ROLE_STEP_MODE[role],
+                "step_forward_mode": step_mode,
+                "median_thread_cpu_s": median(result.pass_cpu.get(step_mode, [])),
+                "tensors_per_step": tensors_per_step,
+                "thread_cpu_per_tensor_s": cpu_per_tensor(result, none, step_mode, tensors_per_step),
                 "median_step_s": step,
                 "ratio_to_none": step / none_step if none_step == none_step and none_step > 0 else None,
                 "mean_step_s": sum(times) / len(times) if times else None,
@@ -339,7 +441,7 @@ def summarize(results: dict[str, ModeResult], expected_passes: dict) -> dict:
                 "min_step_s": min(times) if times else None,
                 "min_ratio_to_none": min(times) / min(none_times) if times and none_times else None,
                 # Rep by rep (each rep runs every mode once, close in time), then the median.
-                "paired_ratio_to_none": paired_ratio(result, none, ROLE_STEP_MODE[role]),
+                "paired_ratio_to_none": paired_ratio(result, none, step_mode),
                 "bytes_per_rep": bytes_per_rep,
                 "bytes_per_s": median(b / s for b, s in zip(bytes_per_rep, result.loop_seconds)),
                 "dropped_total": sum(int(s.get("dropped", 0) or 0) for s in per_rep),
@@ -367,22 +469,29 @@ def summarize(results: dict[str, ModeResult], expected_passes: dict) -> dict:
                                   and next(iter(result.logits_digests)) == reference_digest),
             "reps": len(result.loop_seconds),
         }
+    noop = summary.get(NOOP, {}).get("roles", {})
+    for entry in summary.values():  # CPU per tensor against the no-op wrapper's per call
+        for role, r in entry.get("roles", {}).items():
+            floor = noop.get(role, {}).get("thread_cpu_per_tensor_s")
+            mine = r["thread_cpu_per_tensor_s"]
+            r["cpu_per_tensor_vs_noop"] = mine / floor if mine is not None and floor and floor > 0 else None
     return summary
 
 
-def print_report(summary: dict) -> None:
+def print_report(summary: dict, roles=ROLES) -> None:
     headers = ["mode", "role", "step (median)", "vs none", "vs none (min)", "loop vs none",
                "loop+flush vs none", "tokens/s",
-               "dumped/s", "dropped", "close (flush)", "bit-exact"]
+               "dumped/s", "dropped", "CPU/tensor", "vs noop", "close (flush)", "bit-exact"]
     rows, notes = [], []
     for mode, entry in summary.items():
         if entry["status"] != "ok":
             rows.append([mode, "-", entry["status"]] + ["-"] * (len(headers) - 3))
             notes.append(f"  {mode}: {entry['reason']}")
             continue
-        for role in ROLES:
+        for role in roles:
             r = entry["roles"][role]
-            first = role == ROLES[0]
+            first = role == roles[0]
+            cpu = r["thread_cpu_per_tensor_s"]
             rows.append([
                 mode if first else "",
                 f"{role} ({r['step_forward_mode']})",
@@ -394,6 +503,8 @@ def print_report(summary: dict) -> None:
                 fmt_rate(entry["tokens_per_s"]) if first else "",
                 fmt_rate(r["bytes_per_s"], "B"),
                 r["dropped_total"],
+                "-" if cpu is None or mode == "none" else f"{cpu * 1e6:.2f} us",
+                fmt_ratio(r["cpu_per_tensor_vs_noop"]) if mode not in ("none", NOOP) else "-",
                 fmt_seconds(entry["median_close_s"]) if first else "",
                 ("yes" if entry["bit_exact_vs_none"] else "NO") if first else "",
             ])
@@ -404,7 +515,9 @@ def print_report(summary: dict) -> None:
           "'vs none (min)': fastest steps (background load only adds time); 'loop vs none': the whole\n"
           "prefill+decode loop (catches bursty costs a median hides, e.g. page-cache writeback);\n"
           "'loop+flush': the loop plus close() (work a short loop defers to its flush). Few rounds keep\n"
-          "every segment open until close: use --rounds 24 or more for the steady state.")
+          "every segment open until close: use --rounds 24 or more for the steady state.\n"
+          "'CPU/tensor': forward-thread CPU (time.thread_time) added per dumped tensor (per module call for\n"
+          "noop-wrapper and the baselines), medians; 'vs noop': that over noop-wrapper's (target: <= 2).")
     if notes:
         print("notes:")
         print("\n".join(notes))
@@ -459,22 +572,58 @@ def parse_args(argv=None):
     return args
 
 
+@contextlib.contextmanager
+def count_leaf_calls(models: dict):
+    """Yields {role: leaf module calls per forward of that model}, filled in when the block ends."""
+    calls = {role: 0 for role in models}
+    forwards = {role: 0 for role in models}
+    running = [None]  # the role whose forward is running (the draft shares modules with the target)
+
+    def count_call(*_):
+        if running[0] is not None:
+            calls[running[0]] += 1
+
+    def start(role):
+        def hook(*_):
+            running[0] = role
+            forwards[role] += 1
+        return hook
+
+    handles, seen = [], set()
+    for role, model in models.items():
+        handles.append(model.register_forward_pre_hook(start(role)))
+        for _name, module in leaf_modules(model):
+            if id(module) not in seen:
+                seen.add(id(module))
+                handles.append(module.register_forward_hook(count_call))
+    result: dict = {}
+    try:
+        yield result
+    finally:
+        for handle in handles:
+            handle.remove()
+        result.update({role: calls[role] / forwards[role] for role in models if forwards[role]})
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    preset, device = args.preset_config, args.device
+    threads = args.threads or preset.threads
+    if threads:
+        torch.set_num_threads(threads)
     if args.cuda_graphs:
         from benchmarks import graph_bench
 
         payload = graph_bench.main(args)
         write_json(args.json, payload)
         return payload
-    preset, device = args.preset_config, args.device
+    decode_loop = preset.loop == "decode"
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit(f"preset {args.preset!r} wants CUDA, which this torch/machine lacks; "
                          "use --device cpu with a smaller preset (tiny, small)")
     config = preset.model
-    needed = max_positions_needed(args.prompt_len, args.rounds, args.k)
+    needed = (args.prompt_len + args.rounds + 1 if decode_loop
+              else max_positions_needed(args.prompt_len, args.rounds, args.k))
     if needed > config.max_seq_len:
         raise SystemExit(f"prompt + rounds*(k+1) needs {needed} positions > max_seq_len {config.max_seq_len}")
 
@@ -482,9 +631,11 @@ def main(argv=None) -> dict:
     print_header(f"decode_bench preset={args.preset} device={device} dtype={str(args.dtype).split('.')[-1]} "
                  f"batch={args.batch} prompt={args.prompt_len} rounds={args.rounds} k={args.k} reps={args.reps}",
                  info)
-    target, draft = build_models(config, device=device, dtype=args.dtype, seed=args.seed)
-    allocate_kv_caches([target, draft], args.batch, needed)
-    models = {"target": target, "draft": draft}
+    target, draft = build_models(config, device=device, dtype=args.dtype, seed=args.seed,
+                                 with_draft=not decode_loop)
+    models = {"target": target} if decode_loop else {"target": target, "draft": draft}
+    allocate_kv_caches(list(models.values()), args.batch, needed)
+    step_modes = {"target": "decode"} if decode_loop else ROLE_STEP_MODE
     generator = torch.Generator().manual_seed(args.seed + 1)
     prompt = torch.randint(0, config.vocab_size, (args.batch, args.prompt_len), generator=generator).to(device)
     sync = stream_synchronizer(device)
@@ -497,9 +648,12 @@ def main(argv=None) -> dict:
         if (mode in FASTDUMP_MODES or mode == "flag") and fastdump is None:
             result.status, result.reason = "unavailable", unavailable_reason
 
-    # Warm-up (allocator, kernels, lazy init), untimed.
-    with torch.inference_mode():
-        speculative_decode(target, draft, prompt, min(args.rounds, 2), args.k, sync=sync)
+    # Warm-up (allocator, kernels, lazy init), untimed; it also counts each model's module calls.
+    with torch.inference_mode(), count_leaf_calls(models) as calls_per_pass:
+        if decode_loop:
+            plain_decode(target, prompt, min(args.rounds, 2), sync=sync)
+        else:
+            speculative_decode(target, draft, prompt, min(args.rounds, 2), args.k, sync=sync)
 
     for rep in range(args.reps):
         for mode in round_robin(args.mode_list, rep):
@@ -525,9 +679,10 @@ def main(argv=None) -> dict:
             if not (rep == args.reps - 1 and (args.keep_dumps or mode == "flag")):
                 remove_tree(root)
 
-    expected_passes = {"target": 1 + args.rounds, "draft": 1 + args.rounds * (args.k + 1)}
-    summary = summarize(results, expected_passes)
-    print_report(summary)
+    expected_passes = ({"target": 1 + args.rounds} if decode_loop
+                       else {"target": 1 + args.rounds, "draft": 1 + args.rounds * (args.k + 1)})
+    summary = summarize(results, expected_passes, calls_per_pass, step_modes)
+    print_report(summary, tuple(step_modes))
     if not args.out and not args.keep_dumps:
         remove_tree(out_root)
     payload = {
@@ -537,7 +692,8 @@ def main(argv=None) -> dict:
             "preset": args.preset, "model": asdict(preset.model), "device": str(device),
             "dtype": str(args.dtype).split(".")[-1], "batch": args.batch, "prompt_len": args.prompt_len,
             "rounds": args.rounds, "k": args.k, "reps": args.reps, "ring_mb": args.ring_mb,
-            "torch_threads": torch.get_num_threads(),
+            "torch_threads": torch.get_num_threads(), "loop": preset.loop,
+            "module_calls_per_pass": calls_per_pass,
             "modes": args.mode_list, "dump_root": str(out_root), "flag_root": flag_root,
             "command": " ".join(sys.argv),
         },

@@ -60,6 +60,10 @@ class Preset:
     rounds: int
     k: int
     reps: int
+    # "speculative": EAGLE-style rounds (draft and target); "decode": the target alone, one token
+    # per step, `rounds` steps.
+    loop: str = "speculative"
+    threads: int | None = None  # torch intra-op threads (None: torch's choice)
 
 
 PRESETS: dict[str, Preset] = {
@@ -73,6 +77,13 @@ PRESETS: dict[str, Preset] = {
         ModelConfig(hidden_size=1024, num_layers=8, num_heads=16, num_kv_heads=4, intermediate_size=2816,
                     vocab_size=32000, max_seq_len=512),
         device="cpu", dtype="fp32", batch_size=4, prompt_len=64, rounds=6, k=4, reps=8),
+    # Issue 11's small CPU decode loop: so little compute per tensor (~30 us) that fastdump's
+    # per-tensor cost shows. Target alone, one token per step, one torch thread.
+    "micro": Preset(
+        ModelConfig(hidden_size=256, num_layers=6, num_heads=4, num_kv_heads=4, intermediate_size=688,
+                    vocab_size=1024, max_seq_len=512),
+        device="cpu", dtype="fp32", batch_size=4, prompt_len=8, rounds=300, k=0, reps=7, loop="decode",
+        threads=1),
     # Llama-3-8B shapes (bf16 on a GPU). Batch 1 and few rounds: one verify pass already dumps
     # ~25 MB of activations, and the dumps must fit the device machine's disk across all modes.
     "8b": Preset(

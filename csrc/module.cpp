@@ -17,12 +17,11 @@ namespace {
 // Copies below this size keep the GIL: releasing and retaking it costs more than the memcpy.
 constexpr uint64_t kReleaseGilBytes = 64 * 1024;
 
-int stage_host(Producer& p, uint32_t channel, uint32_t name_id, int64_t pass_id, uint16_t dtype,
-               uint64_t elem_size, std::vector<int64_t> shape, std::vector<int64_t> strides,
-               uintptr_t ptr, bool block, double timeout_s) {
-  if (shape.size() != strides.size()) throw std::invalid_argument("shape and strides differ in length");
-  HostSource src{reinterpret_cast<const uint8_t*>(ptr), elem_size, std::move(shape), std::move(strides)};
-  uint64_t nbytes = elem_size;
+// Stages `src` (GIL held by the caller; released around long copies and waits).
+int stage_source(Producer& p, uint32_t channel, uint32_t name_id, int64_t pass_id, uint16_t dtype,
+                 const HostSource& src, bool block, double timeout_s) {
+  if (src.shape.size() != src.strides.size()) throw std::invalid_argument("shape and strides differ in length");
+  uint64_t nbytes = src.elem_size;
   for (int64_t d : src.shape) nbytes *= static_cast<uint64_t>(d);
   StageStatus st;
   if (nbytes < kReleaseGilBytes) {
@@ -42,6 +41,50 @@ int stage_host(Producer& p, uint32_t channel, uint32_t name_id, int64_t pass_id,
   }
   return st;
 }
+
+int stage_host(Producer& p, uint32_t channel, uint32_t name_id, int64_t pass_id, uint16_t dtype,
+               uint64_t elem_size, std::vector<int64_t> shape, std::vector<int64_t> strides,
+               uintptr_t ptr, bool block, double timeout_s) {
+  HostSource src{reinterpret_cast<const uint8_t*>(ptr), elem_size, std::move(shape), std::move(strides)};
+  return stage_source(p, channel, name_id, pass_id, dtype, src, block, timeout_s);
+}
+
+// A Python int sequence (torch.Size, tuple, list) into int64s. Tuples (what torch returns) are
+// read directly: pybind's generic list caster costs more than the rest of a small tensor's staging.
+void read_dims(py::handle seq, std::vector<int64_t>* out) {
+  PyObject* obj = seq.ptr();
+  if (!PyTuple_Check(obj)) {
+    *out = py::cast<std::vector<int64_t>>(seq);
+    return;
+  }
+  const Py_ssize_t n = PyTuple_GET_SIZE(obj);
+  out->resize(static_cast<size_t>(n));
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    long long v = PyLong_AsLongLong(PyTuple_GET_ITEM(obj, i));
+    if (v == -1 && PyErr_Occurred()) throw py::error_already_set();
+    (*out)[static_cast<size_t>(i)] = v;
+  }
+}
+
+// One Dumper's hot path into the ring: the channel, pass and wait settings are set once per pass
+// (begin), so staging a CPU tensor is one call with only the tensor's own facts.
+struct ChannelStager {
+  Producer* producer;
+  uint32_t channel;
+  int64_t pass_id = -1;
+  bool block = true;
+  double timeout_s = kWaitForever;
+  HostSource src{};  // its shape/strides vectors are reused: no allocation per tensor once warm
+
+  int stage(uint32_t name_id, uint16_t dtype, uint64_t elem_size, py::handle shape_seq,
+            py::handle strides_seq, uintptr_t ptr) {
+    read_dims(shape_seq, &src.shape);
+    read_dims(strides_seq, &src.strides);
+    src.ptr = reinterpret_cast<const uint8_t*>(ptr);
+    src.elem_size = elem_size;
+    return stage_source(*producer, channel, name_id, pass_id, dtype, src, block, timeout_s);
+  }
+};
 
 // CRC32C of any contiguous buffer (bytes, memoryview, numpy array), continuing from `value`.
 uint32_t crc32c_buffer(py::buffer data, uint32_t value, bool portable) {
@@ -204,6 +247,21 @@ PYBIND11_MODULE(_C, m) {
         d["block_seconds"] = s.block_seconds;
         return d;
       });
+
+  py::class_<ChannelStager>(m, "ChannelStager")
+      .def(py::init([](Producer& p, uint32_t channel) { return ChannelStager{&p, channel}; }),
+           py::arg("producer"), py::arg("channel"), py::keep_alive<1, 2>())
+      .def(
+          "begin",
+          [](ChannelStager& s, int64_t pass_id, bool block, double timeout_s) {
+            s.pass_id = pass_id;
+            s.block = block;
+            s.timeout_s = timeout_s;
+          },
+          py::arg("pass_id"), py::arg("block"), py::arg("timeout_s"), "settings for the pass that starts")
+      .def("stage", &ChannelStager::stage, py::arg("name_id"), py::arg("dtype"), py::arg("elem_size"),
+           py::arg("shape"), py::arg("strides"), py::arg("ptr"),
+           "Producer.stage_host with this channel's pass settings: the same statuses");
 
   py::class_<Consumer>(m, "Consumer")
       .def(py::init<const std::string&>(), py::arg("name"))
