@@ -75,7 +75,7 @@ def test_decode_bench_table_and_modes(decode_run):
         for role in ("draft", "target"):
             role_entry = entry["roles"][role]
             assert role_entry["median_step_s"] > 0
-            if mode != "none":
+            if mode not in ("none", decode_bench.NOOP):  # the no-op wrapper is a reference: it dumps nothing
                 assert role_entry["passes_last_rep"] == result["expected_passes"][role], (mode, role, role_entry)
                 assert role_entry["bytes_per_s"] > 0
                 assert role_entry["error_last_rep"] is None, (mode, role, role_entry)
@@ -106,6 +106,34 @@ def test_sglang_style_pass_files(decode_run):
             assert not any(name.startswith("model.layers.1.") for name in first)
         else:
             assert f"model.layers.{layers - 1}.mlp.down_proj" in first and "model.fc" not in first
+
+
+def test_decode_bench_micro_preset(tmp_path):
+    """Issue 11's shape: the target alone, one token per step, one thread; CPU per tensor reported
+    against the no-op wrapper's, and the dump holds every step."""
+    out, result_json = tmp_path / "dumps", tmp_path / "micro.json"
+    stdout = run_script("decode_bench.py", "--preset", "micro", "--rounds", "6", "--reps", "1", "--modes",
+                        "none,noop-wrapper,fastdump-process", "--out", str(out), "--keep-dumps",
+                        "--json", str(result_json))
+    result = json.loads(result_json.read_text())
+    assert result["config"]["loop"] == "decode" and result["config"]["torch_threads"] == 1
+    assert result["expected_passes"] == {"target": 7}
+    calls = result["config"]["module_calls_per_pass"]["target"]
+    assert calls == len(decode_bench.leaf_modules(build_models(PRESETS["micro"].model, with_draft=False)[0]))
+    assert "CPU/tensor" in stdout and "vs noop" in stdout
+    noop = result["modes"][decode_bench.NOOP]["roles"]["target"]
+    assert noop["tensors_per_step"] == calls and noop["thread_cpu_per_tensor_s"] is not None
+    if not check_mode_status(result["modes"], "fastdump-process", True):
+        return
+    entry = result["modes"]["fastdump-process"]
+    assert entry["bit_exact_vs_none"] and set(entry["roles"]) == {"target"}
+    role = entry["roles"]["target"]
+    assert role["passes_last_rep"] == 7 and role["tensors_per_step"] > calls  # tuple outputs: several
+    # (vs noop is None when noise makes the no-op wrapper's few-step figure <= 0)
+    assert role["thread_cpu_per_tensor_s"] is not None and "cpu_per_tensor_vs_noop" in role
+    with FASTDUMP.open(out / "fastdump-process" / "rep0") as dumps:
+        assert dumps.roles == ["target"] and len(dumps.passes("target")) == 7
+        assert dumps.meta("target", None, 1).get("forward_mode") == "decode"
 
 
 @pytest.mark.skipif(not FASTDUMP_AVAILABLE, reason="fastdump is not importable")

@@ -229,3 +229,80 @@ def test_drop_refuses_a_tensor_larger_than_the_ring():
     big = torch.zeros(1 << 20, dtype=torch.uint8)  # the whole ring
     assert stage(producer, big, block=False) == _C.RING_TOO_SMALL
     assert consumer.next(0.05) is None
+
+
+def _payload_address(view) -> int:
+    return np.frombuffer(view, dtype=np.uint8).__array_interface__["data"][0]
+
+
+def _take_batch(consumer):
+    batch = consumer.next_batch(1.0, view_bytes=1)
+    assert batch, "expected records"
+    return batch
+
+
+def test_ring_rewinds_to_its_start_once_the_writer_has_caught_up():
+    """Issue 11: a control record (a pass start) goes back to offset 0 when the ring is empty, so a
+    writer that keeps up keeps the ring's working set small and warm; nothing is lost or reordered."""
+    producer, consumer = ring(capacity=4 << 20)
+    t = torch.arange(64, dtype=torch.float32)
+
+    assert producer.put_control(0, b'{"op": "begin"}', True) > 0
+    assert stage(producer, t) == _C.STAGED
+    (ctl, *rest) = _take_batch(consumer)  # the control ends its batch
+    (tensor,) = rest or _take_batch(consumer)
+    start = _payload_address(tensor[6])
+    consumer.release()
+    # Move the head past the rewind threshold (256 KiB), the writer keeping up all along.
+    big = torch.randn(64 << 10)  # 256 KiB
+    for i in range(3):
+        assert stage(producer, big, pass_id=1) == _C.STAGED
+        (rec,) = _take_batch(consumer)
+        assert bytes(rec[6]) == big.numpy().tobytes()
+        consumer.release()
+    assert producer.used_bytes() == 0
+    released = producer.released_bytes
+    assert producer.put_control(0, b'{"op": "begin"}', True) > 0
+    assert stage(producer, t, pass_id=2) == _C.STAGED
+    (ctl, *rest) = _take_batch(consumer)
+    (tensor,) = rest or _take_batch(consumer)
+    assert bytes(ctl[6]) == b'{"op": "begin"}' and tensor[3] == 2
+    assert bytes(tensor[6]) == t.numpy().tobytes()
+    assert _payload_address(tensor[6]) == start  # back at the ring's warm start
+    consumer.release()
+    assert producer.released_bytes > released and producer.used_bytes() == 0
+
+
+def test_ring_does_not_rewind_while_the_writer_holds_records():
+    producer, consumer = ring(capacity=4 << 20)
+    big = torch.randn(96 << 10)  # 384 KiB: past the rewind threshold
+    assert stage(producer, big) == _C.STAGED
+    (held,) = _take_batch(consumer)  # a view the writer has not released
+    assert producer.put_control(0, b'{"op": "begin"}', True) > 0
+    assert stage(producer, big, pass_id=1) == _C.STAGED
+    batch = _take_batch(consumer) + _take_batch(consumer)
+    assert [r[0] for r in batch] == [_C.KIND_CONTROL, _C.KIND_TENSOR]
+    assert bytes(held[6]) == big.numpy().tobytes()  # never overwritten
+    assert _payload_address(batch[1][6]) > _payload_address(held[6])
+    consumer.release()
+
+
+def test_channel_stager_stages_like_stage_host():
+    """The per-Dumper entry point (pass settings set once per pass) stages the same bytes."""
+    producer, consumer = ring()
+    lane = _C.ChannelStager(producer, 3)
+    lane.begin(7, True, 5.0)
+    for t in (torch.randn(3, 5), torch.randn(4, 6).t(), torch.tensor(2.5)):
+        assert lane.stage(11, 0, t.element_size(), t.shape, t.stride(), t.data_ptr()) == _C.STAGED
+        kind, channel, name_id, pass_id, _dtype, shape, payload, *_ = consumer.next(1.0)
+        assert (kind, channel, name_id, pass_id, tuple(shape)) == (_C.KIND_TENSOR, 3, 11, 7, tuple(t.shape))
+        assert bytes(payload) == t.contiguous().numpy().tobytes()
+        consumer.release()
+    t = torch.randn(2, 2)
+    assert lane.stage(1, 0, 4, list(t.shape), list(t.stride()), t.data_ptr()) == _C.STAGED  # lists too
+    with pytest.raises(ValueError):
+        lane.stage(1, 0, 4, (2, 2), (2,), t.data_ptr())
+    lane.begin(8, False, 0.0)
+    full = torch.randn(200 << 10)  # 800 KiB of a 1 MiB ring, never consumed: `drop` drops the next
+    assert lane.stage(1, 0, 4, full.shape, full.stride(), full.data_ptr()) == _C.STAGED
+    assert lane.stage(1, 0, 4, full.shape, full.stride(), full.data_ptr()) == _C.DROPPED
