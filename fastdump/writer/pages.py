@@ -20,6 +20,7 @@ from .. import _C
 # O_DIRECT alignment that every Linux block device accepts (memory, offset, length); the ring
 # starts large payloads on the same boundary (csrc/ring.h, kPageBytes).
 ALIGN = _C.PAGE_BYTES
+_copy_into = _C.copy_into  # page[offset:offset + n] = data, bypassing the shared last-level cache
 MIN_PAGE = 16 << 10
 MAX_PAGE = 1 << 20
 SLAB_BYTES = 8 << 20  # pages are cut from slabs this large (one mmap, pre-faulted)
@@ -100,7 +101,7 @@ class PageBuffer:
             end = fill + len(data)
             page = pages[-1]
             if end <= page.nbytes:
-                page[fill:end] = data
+                _copy_into(page, fill, data)  # streaming stores: the model's cache stays its own
                 self.fill = end
                 self.nbytes += end - fill
                 return
@@ -113,7 +114,7 @@ class PageBuffer:
                 self.fill = 0
             page = pages[-1]
             k = min(page.nbytes - self.fill, n - pos)
-            page[self.fill:self.fill + k] = src[pos:pos + k]
+            _copy_into(page, self.fill, src[pos:pos + k])
             self.fill += k
             pos += k
         self.nbytes += n
