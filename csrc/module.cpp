@@ -78,6 +78,10 @@ struct ChannelStager {
   bool block = true;
   double timeout_s = kWaitForever;
   HostSource src{};  // its shape/strides vectors are reused: no allocation per tensor once warm
+  // stage_tensor's torch facts, given at construction (the extension never links libtorch):
+  py::dict fast_codes;  // torch.dtype -> (wire code, element size): dtypes staged without checks
+  py::object strided;   // torch.strided
+  uint64_t staged_tensors = 0, staged_bytes = 0;  // by stage_tensor, until take_counts()
 
   int stage(uint32_t name_id, uint16_t dtype, uint64_t elem_size, py::handle shape_seq,
             py::handle strides_seq, uintptr_t ptr) {
@@ -86,6 +90,49 @@ struct ChannelStager {
     src.ptr = reinterpret_cast<const uint8_t*>(ptr);
     src.elem_size = elem_size;
     return stage_source(*producer, channel, name_id, pass_id, dtype, src, block, timeout_s);
+  }
+
+  // The whole per-tensor hot path for a plain CPU tensor, read through the C API: no Python frame,
+  // no bytecode per attribute (issue 11: on a small model each of those costs the model's thread
+  // several times what it costs in a tight loop). kNotFast: anything else (CUDA, another layout,
+  // a lazy negation bit, a dtype that needs checks): the caller takes its general path.
+  static constexpr int kNotFast = -1;
+  int stage_tensor(uint32_t name_id, py::handle tensor) {
+    static PyObject* s_dtype = PyUnicode_InternFromString("dtype");
+    static PyObject* s_layout = PyUnicode_InternFromString("layout");
+    static PyObject* s_is_cpu = PyUnicode_InternFromString("is_cpu");
+    static PyObject* s_is_neg = PyUnicode_InternFromString("is_neg");
+    static PyObject* s_shape = PyUnicode_InternFromString("shape");
+    static PyObject* s_stride = PyUnicode_InternFromString("stride");
+    static PyObject* s_data_ptr = PyUnicode_InternFromString("data_ptr");
+    PyObject* t = tensor.ptr();
+    auto get = [&](PyObject* name) { return py::reinterpret_steal<py::object>(PyObject_GetAttr(t, name)); };
+    auto call = [&](PyObject* name) { return py::reinterpret_steal<py::object>(PyObject_CallMethodNoArgs(t, name)); };
+    py::object dtype = get(s_dtype);
+    if (!dtype) throw py::error_already_set();
+    PyObject* fast = PyDict_GetItemWithError(fast_codes.ptr(), dtype.ptr());  // borrowed
+    if (fast == nullptr) {
+      if (PyErr_Occurred()) throw py::error_already_set();
+      return kNotFast;
+    }
+    py::object layout = get(s_layout), is_cpu = get(s_is_cpu);
+    if (!layout || !is_cpu) throw py::error_already_set();
+    if (layout.ptr() != strided.ptr() || is_cpu.ptr() != Py_True) return kNotFast;
+    py::object neg = call(s_is_neg);
+    if (!neg) throw py::error_already_set();
+    if (neg.ptr() != Py_False) return kNotFast;
+    py::object shape = get(s_shape), strides = call(s_stride), ptr = call(s_data_ptr);
+    if (!shape || !strides || !ptr) throw py::error_already_set();
+    auto code = py::cast<uint16_t>(PyTuple_GET_ITEM(fast, 0));
+    auto itemsize = py::cast<uint64_t>(PyTuple_GET_ITEM(fast, 1));
+    int st = stage(name_id, code, itemsize, shape, strides, py::cast<uintptr_t>(ptr));
+    if (st == kStaged) {
+      uint64_t nbytes = itemsize;
+      for (int64_t d : src.shape) nbytes *= static_cast<uint64_t>(d);
+      staged_tensors++;
+      staged_bytes += nbytes;
+    }
+    return st;
   }
 };
 
@@ -306,8 +353,25 @@ PYBIND11_MODULE(_C, m) {
       });
 
   py::class_<ChannelStager>(m, "ChannelStager")
-      .def(py::init([](Producer& p, uint32_t channel) { return ChannelStager{&p, channel}; }),
-           py::arg("producer"), py::arg("channel"), py::keep_alive<1, 2>())
+      .def(py::init([](Producer& p, uint32_t channel, py::dict fast_codes, py::object strided) {
+             ChannelStager s{&p, channel};
+             s.fast_codes = std::move(fast_codes);
+             s.strided = std::move(strided);
+             return s;
+           }),
+           py::arg("producer"), py::arg("channel"), py::arg("fast_codes") = py::dict(),
+           py::arg("strided") = py::none(), py::keep_alive<1, 2>())
+      .def("stage_tensor", &ChannelStager::stage_tensor, py::arg("name_id"), py::arg("tensor"),
+           "stage a plain CPU tensor (the same statuses as stage), or NOT_FAST (-1): use the general path")
+      .def(
+          "take_counts",
+          [](ChannelStager& s) {
+            auto out = py::make_tuple(s.staged_tensors, s.staged_bytes);
+            s.staged_tensors = s.staged_bytes = 0;
+            return out;
+          },
+          "(tensors, bytes) stage_tensor staged since the last call")
+      .def_property_readonly_static("NOT_FAST", [](py::object) { return ChannelStager::kNotFast; })
       .def(
           "begin",
           [](ChannelStager& s, int64_t pass_id, bool block, double timeout_s) {
