@@ -273,18 +273,6 @@ void Producer::write_record(uint64_t& head, const Placement& p, uint32_t kind, u
   out->payload_len = payload_len;
 }
 
-void Producer::rewind_if_idle(uint64_t head, Placement& p) const {
-  // The writer has given back everything (tail == head): start this record at offset 0 again,
-  // the padding record skipping the rest of the ring. A writer that keeps up so keeps the ring's
-  // working set to its first few hundred KiB, warm in cache and TLB, instead of walking all of it
-  // (256 MiB by default) on cold memory, which cost a small CPU model ~2-3 us per tensor.
-  const uint64_t cap = seg_.capacity();
-  const uint64_t off = head % cap;
-  if (p.pad || off < std::min(kRewindBytes, cap / 2) || off < p.len) return;
-  if (seg_.header()->tail.load(std::memory_order_acquire) != head) return;
-  p.pad = cap - off;
-}
-
 bool Producer::reserve(uint32_t kind, uint32_t channel, uint32_t name_id, int64_t pass_id,
                        uint16_t dtype, const std::vector<int64_t>& shape, uint64_t payload_len,
                        ChunkInfo chunk, bool block, Reservation* out, double timeout_s) {
@@ -298,7 +286,6 @@ bool Producer::reserve(uint32_t kind, uint32_t channel, uint32_t name_id, int64_
   RingHeader* h = seg_.header();
   uint64_t head = h->head.load(std::memory_order_relaxed);
   Placement p = place(head, kind, poff, payload_len);
-  if (kind == kControl) rewind_if_idle(head, p);
   uint64_t keep_free = (kind == kTensor && !block) ? control_reserve_ : 0;
   if (!wait_for_space(p.bytes() + keep_free, block, timeout_s)) return false;
   write_record(head, p, kind, channel, name_id, pass_id, dtype, shape, payload_len, chunk, out);

@@ -45,8 +45,6 @@ inline uint64_t align_up(uint64_t n) { return (n + kAlign - 1) & ~(kAlign - 1); 
 // O_DIRECT path; fastdump/writer/segments.py DIRECT_BYTES is the same number).
 constexpr uint64_t kPageBytes = 4096;
 constexpr uint64_t kPageAlignedBytes = 1ull << 20;
-// The producer goes back to the ring's start (see Producer::rewind_if_idle) once past this offset.
-constexpr uint64_t kRewindBytes = 256ull << 10;
 
 struct alignas(64) RingHeader {
   uint64_t magic;
@@ -201,8 +199,6 @@ class Producer {
     uint64_t bytes() const { return pad + gap + len; }
   };
   Placement place(uint64_t head, uint32_t kind, uint64_t poff, uint64_t payload_len) const;
-  // A control record (a pass start, mostly) at the ring's start again when the ring is empty.
-  void rewind_if_idle(uint64_t head, Placement& p) const;
   // Writes the padding and the record header at `head` (mu_ held), advancing `head`.
   void write_record(uint64_t& head, const Placement& p, uint32_t kind, uint32_t channel, uint32_t name_id,
                     int64_t pass_id, uint16_t dtype, const std::vector<int64_t>& shape, uint64_t payload_len,

@@ -231,61 +231,6 @@ def test_drop_refuses_a_tensor_larger_than_the_ring():
     assert consumer.next(0.05) is None
 
 
-def _payload_address(view) -> int:
-    return np.frombuffer(view, dtype=np.uint8).__array_interface__["data"][0]
-
-
-def _take_batch(consumer):
-    batch = consumer.next_batch(1.0, view_bytes=1)
-    assert batch, "expected records"
-    return batch
-
-
-def test_ring_rewinds_to_its_start_once_the_writer_has_caught_up():
-    """Issue 11: a control record (a pass start) goes back to offset 0 when the ring is empty, so a
-    writer that keeps up keeps the ring's working set small and warm; nothing is lost or reordered."""
-    producer, consumer = ring(capacity=4 << 20)
-    t = torch.arange(64, dtype=torch.float32)
-
-    assert producer.put_control(0, b'{"op": "begin"}', True) > 0
-    assert stage(producer, t) == _C.STAGED
-    (ctl, *rest) = _take_batch(consumer)  # the control ends its batch
-    (tensor,) = rest or _take_batch(consumer)
-    start = _payload_address(tensor[6])
-    consumer.release()
-    # Move the head past the rewind threshold (256 KiB), the writer keeping up all along.
-    big = torch.randn(64 << 10)  # 256 KiB
-    for i in range(3):
-        assert stage(producer, big, pass_id=1) == _C.STAGED
-        (rec,) = _take_batch(consumer)
-        assert bytes(rec[6]) == big.numpy().tobytes()
-        consumer.release()
-    assert producer.used_bytes() == 0
-    released = producer.released_bytes
-    assert producer.put_control(0, b'{"op": "begin"}', True) > 0
-    assert stage(producer, t, pass_id=2) == _C.STAGED
-    (ctl, *rest) = _take_batch(consumer)
-    (tensor,) = rest or _take_batch(consumer)
-    assert bytes(ctl[6]) == b'{"op": "begin"}' and tensor[3] == 2
-    assert bytes(tensor[6]) == t.numpy().tobytes()
-    assert _payload_address(tensor[6]) == start  # back at the ring's warm start
-    consumer.release()
-    assert producer.released_bytes > released and producer.used_bytes() == 0
-
-
-def test_ring_does_not_rewind_while_the_writer_holds_records():
-    producer, consumer = ring(capacity=4 << 20)
-    big = torch.randn(96 << 10)  # 384 KiB: past the rewind threshold
-    assert stage(producer, big) == _C.STAGED
-    (held,) = _take_batch(consumer)  # a view the writer has not released
-    assert producer.put_control(0, b'{"op": "begin"}', True) > 0
-    assert stage(producer, big, pass_id=1) == _C.STAGED
-    batch = _take_batch(consumer) + _take_batch(consumer)
-    assert [r[0] for r in batch] == [_C.KIND_CONTROL, _C.KIND_TENSOR]
-    assert bytes(held[6]) == big.numpy().tobytes()  # never overwritten
-    assert _payload_address(batch[1][6]) > _payload_address(held[6])
-    consumer.release()
-
 
 def test_channel_stager_stages_like_stage_host():
     """The per-Dumper entry point (pass settings set once per pass) stages the same bytes."""
