@@ -147,6 +147,31 @@ def test_byte_budget_stops_dumping_and_is_recorded(tmp_path):
     assert ds.rank_info("target", 0)["budget_reached"] is True
 
 
+def test_stats_count_what_the_cpp_hot_path_staged(tmp_path):
+    """Issue 11: plain CPU tensors are staged and counted in C++ (ChannelStager.stage_tensor); the
+    Dumper's stats, mid-pass and at close, and the writer's record still count every one."""
+    a, b = torch.randn(3, 4), torch.randn(5, dtype=torch.float64)
+    with fastdump.attach(None, tmp_path) as d:
+        d.begin_pass()
+        d.dump("a", a)      # first use of a name: the general path
+        d.dump("b", b)
+        assert (d.stats()["tensors"], d.stats()["bytes"]) == (2, a.nbytes + b.nbytes)
+        d.end_pass()
+        for _ in range(3):
+            d.begin_pass()
+            d.dump("a", a)  # a known name: the C++ path
+            d.dump("b", b)
+            d.dump("c", a.t())
+            assert d.stats()["tensors"] == 2 + 3 * d.stats()["passes"]  # this pass's three included
+            d.end_pass()
+    stats = d.stats()
+    assert (stats["tensors"], stats["bytes"]) == (11, 4 * (a.nbytes + b.nbytes) + 3 * a.nbytes)
+    ds = fastdump.open(tmp_path)
+    assert ds.passes("target", 0) == [0, 1, 2, 3]
+    assert same_bits(ds.load("target", 0, 3)["c"], a.t().contiguous())
+    assert ds.rank_info("target", 0)["tensors"] == 11
+
+
 def test_every_dtype_round_trips_bit_exact(tmp_path):
     torch.manual_seed(0)
     values = {}

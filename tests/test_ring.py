@@ -231,7 +231,6 @@ def test_drop_refuses_a_tensor_larger_than_the_ring():
     assert consumer.next(0.05) is None
 
 
-
 def test_channel_stager_stages_like_stage_host():
     """The per-Dumper entry point (pass settings set once per pass) stages the same bytes."""
     producer, consumer = ring()
@@ -270,3 +269,24 @@ def test_copy_into_refuses_what_does_not_fit():
         _C.copy_into(bytearray(64), 0, np.zeros((4, 4), np.uint8)[:, ::2])
     with pytest.raises(BufferError):
         _C.copy_into(b"read-only", 0, b"x")
+
+
+def test_channel_stager_stage_tensor_takes_only_plain_cpu_tensors():
+    """stage_tensor (the Dumper's hot path, reading the tensor in C++) stages plain CPU tensors of
+    the dtypes it was given, counts them, and sends everything else back (NOT_FAST) untouched."""
+    producer, consumer = ring()
+    lane = _C.ChannelStager(producer, 0, {torch.float32: (7, 4)}, torch.strided)
+    lane.begin(0, True, 5.0)
+    t = torch.randn(6, 5)[:, 1:]
+    assert lane.stage_tensor(2, t) == _C.STAGED
+    kind, _ch, name_id, _pass, dtype, shape, payload, *_ = consumer.next(1.0)
+    assert (name_id, dtype, tuple(shape)) == (2, 7, (6, 4)) and bytes(payload) == t.contiguous().numpy().tobytes()
+    consumer.release()
+    assert lane.take_counts() == (1, t.numel() * 4) and lane.take_counts() == (0, 0)
+    z = torch.randn(3, dtype=torch.complex64)
+    for other in (torch.randn(3, dtype=torch.float64),       # a dtype not given
+                  torch.randn(4, 4).to_sparse(),             # another layout
+                  z.conj().imag,                              # the lazy negation bit
+                  torch.empty(3, device="meta")):             # not on the CPU
+        assert lane.stage_tensor(2, other) == _C.ChannelStager.NOT_FAST, other
+    assert consumer.next(0.05) is None and lane.take_counts() == (0, 0)
