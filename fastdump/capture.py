@@ -253,7 +253,7 @@ class Dumper:
             if not self._engine.alive:
                 raise RuntimeError(self._engine.error())
             # The CPU hot path: channel, pass id and wait settings live in C++, set once per pass.
-            self._lane = _C.ChannelStager(self._producer, self._channel, _FAST_CODES, _strided)
+            self._lane = self._engine.channel_stager(self._channel, _FAST_CODES, _strided)
             self._prepare_cuda(_cuda_index(device, facts))
             if self._graphs is not None:
                 self._graphs.prepare(_cuda_index(device, facts))

@@ -194,6 +194,10 @@ class Engine:
         self.control(dict(open_msg, op="open", channel=channel), wait=True)
         return channel
 
+    def channel_stager(self, channel: int, fast_codes: dict, strided) -> "_C.ChannelStager":
+        """A channel's CPU hot path into this engine's ring (see Dumper._stage)."""
+        return _C.ChannelStager(self.producer, channel, fast_codes, strided)
+
     def control(self, msg: dict, wait: bool = False, timeout: float = 600.0, block: bool = True,
                 block_timeout: float | None = None):
         """Send a control message in ring order: its seq (0: not sent); with ``wait``, True once the
