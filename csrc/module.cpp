@@ -108,6 +108,9 @@ struct ChannelStager {
     PyObject* t = tensor.ptr();
     auto get = [&](PyObject* name) { return py::reinterpret_steal<py::object>(PyObject_GetAttr(t, name)); };
     auto call = [&](PyObject* name) { return py::reinterpret_steal<py::object>(PyObject_CallMethodNoArgs(t, name)); };
+    py::object is_cpu = get(s_is_cpu);  // first: a CUDA tensor leaves after one read
+    if (!is_cpu) throw py::error_already_set();
+    if (is_cpu.ptr() != Py_True) return kNotFast;
     py::object dtype = get(s_dtype);
     if (!dtype) throw py::error_already_set();
     PyObject* fast = PyDict_GetItemWithError(fast_codes.ptr(), dtype.ptr());  // borrowed
@@ -115,9 +118,9 @@ struct ChannelStager {
       if (PyErr_Occurred()) throw py::error_already_set();
       return kNotFast;
     }
-    py::object layout = get(s_layout), is_cpu = get(s_is_cpu);
-    if (!layout || !is_cpu) throw py::error_already_set();
-    if (layout.ptr() != strided.ptr() || is_cpu.ptr() != Py_True) return kNotFast;
+    py::object layout = get(s_layout);
+    if (!layout) throw py::error_already_set();
+    if (layout.ptr() != strided.ptr()) return kNotFast;
     py::object neg = call(s_is_neg);
     if (!neg) throw py::error_already_set();
     if (neg.ptr() != Py_False) return kNotFast;
