@@ -11,7 +11,7 @@ _C.CudaStager; tensors of each size are staged back to back (policy block) until
 through, then flush(). Bandwidth = bytes / wall time from the first stage() to the end of flush().
 Also reported: the stager's own drain bandwidth (D2H bytes / time with copies in flight), the same
 run with cudaMemcpyBatchAsync switched off (FASTDUMP_CUDA_BATCH=0), and the CPU cost of one
-stage() call for a small (8 KiB) tensor, raw and through fastdump.cuda.stage_tensor.
+stage() call for a small (8 KiB) tensor, raw and through fastdump.staging.cuda.stage_tensor.
 DESIGN.md target: fastdump >= 80% of the pinned peak.
 """
 
@@ -344,7 +344,7 @@ def main(argv=None) -> dict:
     sc = result["stage_cost"]
     if "error" not in sc:
         print(f"stage() CPU cost, 8 KiB tensor: {sc['stage_us']:.1f} µs raw, {sc['stage_tensor_us']:.1f} µs via "
-              f"fastdump.cuda.stage_tensor ({sc['d2h_copies']} copies in {sc['d2h_batches']} batches)")
+              f"fastdump.staging.cuda.stage_tensor ({sc['d2h_copies']} copies in {sc['d2h_batches']} batches)")
     ok = [r["ratio_to_peak"] for r in result["rows"] if r.get("batch_requested") and "ratio_to_peak" in r]
     result["min_ratio_to_peak"] = min(ok) if ok else None
     print(f"pinned peak {peak_gbps:.2f} GB/s; fastdump worst size {min(ok):.0%} of peak (target >= 80%)"

@@ -13,21 +13,19 @@ __version__ = "0.1.0"
 __all__ = ["attach", "open", "diff", "maybe_attach", "Dumper", "__version__"]
 
 
-def attach(model, root, *, role: str = "target", tp_rank=None, tp_size=None, pp_rank=None, pp_size=None,
-           dp_rank=None, dp_size=None, ep_rank=None, ep_size=None, **options):
+def attach(model, root, **options):
     """Start dumping ``model`` (or, with ``model=None``, only what ``Dumper.dump`` is given).
 
-    Writes ``<root>/<role>/TP{tp}_PP{pp}_Rank{rank}_pid{pid}_{session}/``. Ranks default from
-    torch.distributed, then from RANK/WORLD_SIZE-style variables. Options (see README):
-    layers, include, exclude, module_types, inputs, skip_passes, every, pass_range, max_bytes,
-    policy ("block"|"drop"), block_timeout_s, writer ("process"|"thread"), writer_priority ("idle"|"normal"),
-    ring_mb, device_ring_mb, cuda_graphs ("record"|"skip"), graph_ring_mb,
-    segment_passes, segment_mb, segment_seconds, segment_idle_seconds, root_passes, root_name, strict, pass_meta.
+    Writes ``<root>/<role>/TP{tp}_PP{pp}_Rank{rank}_pid{pid}_{session}/``. Ranks (tp_rank, tp_size,
+    pp_rank, pp_size, dp_*, ep_*) default from torch.distributed, then from RANK/WORLD_SIZE-style
+    variables. Every option, its default and its FASTDUMP_* variable: ``fastdump.options.Options``
+    (and README). A bad option raises before the model is touched.
     """
     from .capture import Dumper, resolve_ranks
+    from .options import Options
 
-    ranks = resolve_ranks(tp_rank, tp_size, pp_rank, pp_size, dp_rank, dp_size, ep_rank, ep_size)
-    return Dumper(model, root, role=role, ranks=ranks, **options)
+    opts = Options(root=root, **options)
+    return Dumper(model, opts, ranks=resolve_ranks(**opts.rank_args))
 
 
 def open(root):  # noqa: A001 - mirrors h5py.File / safetensors' naming

@@ -26,7 +26,7 @@ import sys
 import time
 import warnings
 
-from .writer import format as fmt
+from . import format as fmt
 
 DEFAULT_ATOL = 1e-5
 DEFAULT_RTOL = 1e-5

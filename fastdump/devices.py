@@ -99,7 +99,7 @@ def _visible_entry(index: int):
 def _cuda_bus_id(index: int):
     """PCI bus id of CUDA ordinal `index` via fastdump._C (only if CUDA is already usable here)."""
     try:
-        from . import cuda
+        from .staging import cuda
 
         info = cuda.cuda_info()
         for dev in info.get("devices", []):

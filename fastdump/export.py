@@ -75,7 +75,7 @@ def _split(name: str, modules: set):
 
 def _module_names(ds, role, rank):
     """The module names the SGLang drop-in recorded for a rank, or None."""
-    from .integrations.sglang import NAMES_FILE
+    from .format import NAMES_FILE
 
     try:
         data = json.loads(Path(ds.root, role, rank, NAMES_FILE).read_text())

@@ -22,6 +22,7 @@ MANIFEST_VERSION = 1
 
 MANIFEST_FILE = "fastdump.json"
 RANK_FILE = "rank.json"
+NAMES_FILE = "sglang_names.json"  # module names the SGLang drop-in records per rank (read by export)
 
 SEGMENT_RE = re.compile(r"^seg-(\d+)\.h5$")
 

@@ -36,7 +36,7 @@ import numpy as np
 from h5py import h5d
 
 from . import _C, dtypes, fsutil
-from .writer import format as fmt
+from . import format as fmt
 
 _MAX_OPEN_FILES = 16
 

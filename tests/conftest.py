@@ -25,7 +25,7 @@ def pytest_collection_modifyitems(config, items):
 def _no_leaked_writers():
     """Every test leaves no engine behind (a leak would bleed into the next test)."""
     yield
-    from fastdump.engine import Engine
+    from fastdump.staging.engine import Engine
 
     eng = Engine._current
     if eng is not None and not eng.closed and eng.pid == os.getpid():

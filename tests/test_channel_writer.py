@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from fastdump import dtypes, reader
-from fastdump.writer import format as fmt
-from fastdump.writer import h5segment
-from fastdump.writer.segments import ChannelWriter
+from fastdump import format as fmt
+from fastdump.writer import segment_file as h5segment
+from fastdump.writer.channel_writer import ChannelWriter
 
 RANK_DIR = "TP0_PP0_Rank0_pid4242"
 
@@ -343,7 +343,7 @@ def test_pass_that_never_ends_is_flushed_when_far_over_the_limits(tmp_path):
         assert_same(got[f"t{i}"], t)
     meta = ds.meta("target", 0, 0)
     assert meta["complete"] is True and meta["mode"] == "prefill" and meta["tokens"] == 7 and meta["tensors"] == 24
-    from fastdump.cli_dump import verify_dump
+    from fastdump.cli.dump import verify_dump
     assert verify_dump(str(tmp_path)).problems == []
 
 
@@ -558,7 +558,7 @@ def test_unwritable_directory_raises_at_open(tmp_path):
 
 
 def test_writer_does_not_import_torch():
-    code = ("import sys, fastdump.writer.segments, fastdump.writer.h5segment; "
+    code = ("import sys, fastdump.writer.channel_writer, fastdump.writer.segment_file; "
             "assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=os.path.dirname(os.path.dirname(__file__)))
 

@@ -1,5 +1,6 @@
 """FASTDUMP_* environment flag: parsing, one clear error per bad value, maybe_attach."""
 
+import dataclasses
 import re
 from pathlib import Path
 
@@ -9,6 +10,7 @@ import torch
 import fastdump
 from fastdump import config
 from fastdump.config import ConfigError, env_table, maybe_attach, settings_from_env
+from fastdump.options import Options
 
 DOCS = Path(__file__).parents[1] / "docs" / "INTEGRATIONS.md"
 
@@ -81,10 +83,10 @@ def test_env_table_covers_attach():
     rows = env_table()
     assert {r["name"] for r in rows} == {v.name for v in config.ENV_VARS}
     assert all(r["doc"] and r["format"] for r in rows)
-    params = config._attach_params()
-    assert all(r["kwarg"] in params for r in rows if r["kwarg"] != "root")
+    params = {f.name: f for f in dataclasses.fields(Options)}
+    assert all(r["kwarg"] in params for r in rows)
     by_name = {r["name"]: r for r in rows}
-    assert by_name["FASTDUMP_EVERY"]["default"] == params["every"].default  # attach's own default
+    assert by_name["FASTDUMP_EVERY"]["default"] == params["every"].default == 1  # the option's own default
 
 
 class Boom(torch.nn.Module):

@@ -84,8 +84,8 @@ def random_tensor(dt, shape, device="cpu", seed=0):
 
 
 def test_importing_fastdump_does_not_import_cuda_glue():
-    code = ("import sys, fastdump, fastdump.capture, fastdump.engine; "
-            "assert 'fastdump.cuda' not in sys.modules, 'fastdump.cuda imported eagerly'; "
+    code = ("import sys, fastdump, fastdump.capture, fastdump.staging.engine; "
+            "assert 'fastdump.staging.cuda' not in sys.modules, 'fastdump.staging.cuda imported eagerly'; "
             "assert 'fastdump.devices' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
 
@@ -97,21 +97,21 @@ def test_importing_fastdump_does_not_import_cuda_glue():
     ("=f4", "float32"), (">u1", "uint8"),
 ])
 def test_cai_typestr_to_code(typestr, name):
-    from fastdump import cuda
+    from fastdump.staging import cuda
 
     assert cuda.cai_dtype_code(typestr) == dtypes.CODE_BY_NAME[name]
 
 
 @pytest.mark.parametrize("typestr", [">f4", "<V2", "|O8", "<M8", "f4", ""])
 def test_cai_typestr_refused(typestr):
-    from fastdump import cuda
+    from fastdump.staging import cuda
 
     with pytest.raises(ValueError):
         cuda.cai_dtype_code(typestr)
 
 
 def test_cai_typestrs_of_numpy_match_fastdump_codes():
-    from fastdump import cuda
+    from fastdump.staging import cuda
 
     for name in ["float16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32",
                  "uint64", "bool", "complex64", "complex128"]:
@@ -120,7 +120,7 @@ def test_cai_typestrs_of_numpy_match_fastdump_codes():
 
 def test_dlpack_codes_of_every_torch_dtype():
     """Every dtype torch exports through DLPack maps back to its own fastdump code."""
-    from fastdump import cuda
+    from fastdump.staging import cuda
 
     checked = []
     for name, dt in torch_dtypes():
@@ -145,7 +145,7 @@ def test_dlpack_codes_of_every_torch_dtype():
 
 
 def test_dlpack_view_strides_offsets_and_versioned_capsules():
-    from fastdump import cuda
+    from fastdump.staging import cuda
 
     base = torch.arange(60, dtype=torch.float32).reshape(5, 12)
     view = base[1:4, 2::3]
@@ -161,7 +161,7 @@ def test_dlpack_view_strides_offsets_and_versioned_capsules():
 
 
 def test_dlpack_unknown_dtype_refused():
-    from fastdump import cuda
+    from fastdump.staging import cuda
 
     with pytest.raises(ValueError):
         cuda.dlpack_dtype_code(3, 64, 1)  # opaque handle
@@ -170,7 +170,7 @@ def test_dlpack_unknown_dtype_refused():
 
 
 class _FakeEngine:
-    """What stage_array needs from fastdump.engine.Engine: .producer and .cuda_stager(mb)."""
+    """What stage_array needs from fastdump.staging.engine.Engine: .producer and .cuda_stager(mb)."""
 
     def __init__(self, producer, stager=None):
         self.producer = producer
@@ -216,7 +216,7 @@ class Ring:
 
 
 def test_stage_array_numpy_through_dlpack_cpu():
-    from fastdump import cuda
+    from fastdump.staging import cuda
 
     ring = Ring(_C)
     eng = _FakeEngine(ring.producer)
@@ -249,7 +249,7 @@ def test_numpy_arrays_through_the_public_api(tmp_path):
 
 
 def test_status_warns_once_when_compiled_but_unusable(monkeypatch, caplog):
-    from fastdump import cuda
+    from fastdump.staging import cuda
 
     monkeypatch.setattr(cuda, "_info", {"compiled": True, "device_count": 0, "devices": [],
                                         "reason": "cudaErrorNoDevice (no CUDA-capable device is detected)"})
@@ -263,7 +263,7 @@ def test_status_warns_once_when_compiled_but_unusable(monkeypatch, caplog):
 
 
 def test_get_stager_falls_back_to_host_copies_when_unusable(monkeypatch, caplog):
-    from fastdump import cuda
+    from fastdump.staging import cuda
 
     monkeypatch.setattr(cuda, "_info", {"compiled": False, "reason": "built without a CUDA toolkit"})
     monkeypatch.setattr(cuda, "_warned", set())
@@ -787,7 +787,7 @@ def test_mock_threads_devices_and_streams(m):
 
 def test_mock_stage_array_cuda_array_interface_and_dlpack(m):
     """cuda.stage_array's CAI and DLPack paths hand the right pointer, strides and stream to stage()."""
-    from fastdump import cuda
+    from fastdump.staging import cuda
 
     ring = Ring(m)
     stager = m.CudaStager(ring.producer, 1 << 20)
@@ -1245,7 +1245,7 @@ class FakeStream:
 def glue(m, monkeypatch):
     """fastdump's Python CUDA path (engine, capture, cuda.py) running on the double: the engine's
     ring and stager come from the mock build; the current stream is a mock stream."""
-    from fastdump import cuda, engine
+    from fastdump.staging import cuda, engine
 
     monkeypatch.setattr(engine, "_C", m)
     monkeypatch.setattr(cuda, "_C", m)
@@ -1286,7 +1286,7 @@ def test_glue_capture_to_stage_tensor_on_the_double(m, glue, tmp_path):
 def test_review_caching_allocator_reuse_waits_for_the_snapshot(m, glue, tmp_path):
     """A tensor allocated on stream A, hooked while stream C is current: when it is freed, the caching
     allocator reuses its block on A at once unless C was recorded (record_stream)."""
-    from fastdump import cuda
+    from fastdump.staging import cuda
 
     alloc = m._mock.stream_create()
     t = torch.arange(1 << 12, dtype=torch.int32)
@@ -1315,7 +1315,7 @@ def test_review_caching_allocator_reuse_waits_for_the_snapshot(m, glue, tmp_path
 def test_review_dlpack_capsule_kept_until_the_snapshot_read_it(m, glue):
     """DLPack: releasing the capsule lets the producer free and reuse the memory; fastdump keeps it
     until the snapshot has completed."""
-    from fastdump import cuda
+    from fastdump.staging import cuda
 
     ring = Ring(m)
     stager = m.CudaStager(ring.producer, 1 << 20)
@@ -1351,7 +1351,7 @@ def test_review_dlpack_capsule_kept_until_the_snapshot_read_it(m, glue):
 
 
 def test_review_device_ring_allocated_at_attach(m, glue, tmp_path):
-    from fastdump import cuda
+    from fastdump.staging import cuda
 
     d = _attach(tmp_path, writer="thread", device="cuda:1")
     try:
@@ -1367,7 +1367,7 @@ def test_review_device_ring_allocated_at_attach(m, glue, tmp_path):
 def test_review_no_device_ring_drops_and_records_instead_of_synchronous_copies(m, glue, tmp_path):
     """Memory taken by a serving engine before the first tensor: the ring is tried at attach; when it
     cannot be had, tensors are dropped and counted (no synchronous .cpu()), the reason in rank.json."""
-    from fastdump import cuda
+    from fastdump.staging import cuda
 
     m._mock.set("device_free", 64 << 20)  # less than the 256 MiB ring
     calls = []
@@ -1494,7 +1494,7 @@ class DeviceCapsule:
     _DESTRUCTOR = ctypes.CFUNCTYPE(None, ctypes.c_void_p)  # not py_object: the capsule is being freed
 
     def __init__(self, ptr, t, device=0, on_release=None):
-        from fastdump import cuda
+        from fastdump.staging import cuda
 
         nd = t.dim()
         self.shape = (ctypes.c_int64 * max(nd, 1))(*t.shape)
@@ -1727,7 +1727,7 @@ def test_gpu_cupy_array(tmp_path):
 @needs_cuda_build
 def test_gpu_stager_direct_and_graph_capture_is_refused(tmp_path):
     """The C++ stager alone (no engine): stats, pinning, batch copies, and CUDA-graph capture."""
-    from fastdump import cuda
+    from fastdump.staging import cuda
 
     ring = Ring(_C, capacity=64 << 20, chunk=4 << 20)
     stager = cuda.get_stager(ring.producer, 32)
@@ -1763,7 +1763,7 @@ def test_gpu_stager_direct_and_graph_capture_is_refused(tmp_path):
 @pytest.mark.cuda
 @needs_cuda_build
 def test_gpu_status_reports_devices():
-    from fastdump import cuda
+    from fastdump.staging import cuda
 
     st = cuda.status()
     assert st["usable"] and st["device_count"] == torch.cuda.device_count()

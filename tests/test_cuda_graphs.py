@@ -20,7 +20,7 @@ GRAPH_BASE = 1 << 40
 
 
 class Stream:
-    """The 'current stream' seam of fastdump.cuda, switched by the test like torch.cuda.stream()."""
+    """The 'current stream' seam of fastdump.staging.cuda, switched by the test like torch.cuda.stream()."""
 
     def __init__(self, raw):
         self.raw = raw
@@ -99,7 +99,7 @@ def test_graph_replays_become_passes_bit_exact(m, glue, tmp_path, monkeypatch, m
     """Warm-up, two graphs (batch 4 and 8) captured on a side stream, replays with new inputs
     interleaved with eager passes and not synchronized: each replay is one pass, in replay order,
     holding that replay's values, with meta naming the graph."""
-    from fastdump import cuda
+    from fastdump.staging import cuda
 
     m._mock.set("max_delay_us", 200)  # streams run apart, late
     current = Stream(glue)
@@ -178,7 +178,7 @@ def test_graph_replays_become_passes_bit_exact(m, glue, tmp_path, monkeypatch, m
 def test_graph_replays_outrunning_the_drain_are_dropped_and_counted(m, glue, tmp_path, monkeypatch):
     """With the drain stopped, replays fill the device replay ring; later ones are dropped inside
     the graph and counted (never written torn); the ones that fit are written intact."""
-    from fastdump import cuda
+    from fastdump.staging import cuda
 
     current = Stream(glue)
     monkeypatch.setattr(cuda, "_current_stream", current)
@@ -224,7 +224,7 @@ def test_graph_replays_outrunning_the_drain_are_dropped_and_counted(m, glue, tmp
 def test_graph_two_roles_target_and_draft(m, glue, tmp_path, monkeypatch):
     """EAGLE: a target and a draft Dumper, each with its own graph, replayed alternately on one
     stream; each role's passes hold its own replays."""
-    from fastdump import cuda
+    from fastdump.staging import cuda
 
     current = Stream(glue)
     monkeypatch.setattr(cuda, "_current_stream", current)
@@ -268,7 +268,7 @@ def test_graph_two_roles_target_and_draft(m, glue, tmp_path, monkeypatch):
 def test_graph_skip_mode_keeps_the_old_behaviour(m, glue, tmp_path, monkeypatch):
     """cuda_graphs="skip": tensors hooked during a capture are skipped with a reason; replays are
     not dumped; the capture stays valid."""
-    from fastdump import cuda
+    from fastdump.staging import cuda
 
     current = Stream(glue)
     monkeypatch.setattr(cuda, "_current_stream", current)
@@ -294,7 +294,7 @@ def test_graph_skip_mode_keeps_the_old_behaviour(m, glue, tmp_path, monkeypatch)
 def test_graph_recorder_made_during_a_global_capture_keeps_it_valid(m, glue, tmp_path, monkeypatch):
     """No device= hint at attach: the recorder is made at the first captured tensor, inside a
     global-mode capture; its allocations run in relaxed mode and must not invalidate it."""
-    from fastdump import cuda
+    from fastdump.staging import cuda
 
     current = Stream(glue)
     monkeypatch.setattr(cuda, "_current_stream", current)
@@ -340,7 +340,7 @@ def test_graph_no_recording_memory_skips_with_reason_and_keeps_the_capture(m, gl
     """The serving engine took the GPU's memory before attach: no recorder; tensors hooked during
     the capture are skipped with the reason, the capture stays valid, and no CUDA error is left
     behind for the framework's next call (cudaGetLastError)."""
-    from fastdump import cuda
+    from fastdump.staging import cuda
 
     current = Stream(glue)
     monkeypatch.setattr(cuda, "_current_stream", current)
@@ -489,7 +489,7 @@ def test_gpu_graph_record_two_roles_replays_outrun_drain(tmp_path):
 def test_graph_recording_memory_is_freed_when_no_graph_can_use_it(m, glue, tmp_path, monkeypatch):
     """Without a committed graph the recorder's device memory goes at close; with one, it stays
     (replays write into it) until free_device_memory() after the graph is destroyed."""
-    from fastdump import cuda
+    from fastdump.staging import cuda
 
     current = Stream(glue)
     monkeypatch.setattr(cuda, "_current_stream", current)
@@ -518,7 +518,7 @@ def test_graph_replays_drained_while_the_next_graph_is_captured(m, glue, tmp_pat
     both graphs is dumped bit-exact."""
     import threading
 
-    from fastdump import cuda
+    from fastdump.staging import cuda
 
     m._mock.set("max_delay_us", 100)
     current = Stream(glue)
@@ -576,7 +576,7 @@ def test_graph_replays_drained_while_the_next_graph_is_captured(m, glue, tmp_pat
 def test_graph_tensor_that_does_not_fit_is_skipped_in_every_replay(m, glue, tmp_path, monkeypatch):
     """Slots full: the second output is not recorded; the capture pass and every replay pass say
     so (skipped, with the reason), the first output is still dumped bit-exact."""
-    from fastdump import cuda
+    from fastdump.staging import cuda
 
     current = Stream(glue)
     monkeypatch.setattr(cuda, "_current_stream", current)

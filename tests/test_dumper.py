@@ -308,7 +308,7 @@ def test_bad_writer_priority_is_a_clear_error(tmp_path):
 
 
 def test_large_tensors_go_from_the_ring_to_disk_with_o_direct(tmp_path, monkeypatch):
-    from fastdump.writer import h5segment
+    from fastdump.writer import segment_file as h5segment
 
     probe = tmp_path / "probe"
     try:

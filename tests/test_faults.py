@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import fastdump
-from fastdump.engine import SHM_DIR, SHM_PREFIX, remove_stale_segments
+from fastdump.staging.engine import SHM_DIR, SHM_PREFIX, remove_stale_segments
 
 SERVE = textwrap.dedent("""
     import os, sys, torch, fastdump

@@ -20,8 +20,8 @@ import torch
 
 import fastdump
 from fastdump import config
-from fastdump.cli_dump import verify_dump
-from fastdump.engine import Engine
+from fastdump.cli.dump import verify_dump
+from fastdump.staging.engine import Engine
 
 # Outputs of 384 or 640 KiB (rows x 256 float32): two or three chunks of a 1 MiB ring (a chunk is
 # a quarter of it). With a 384 KiB tensor in an otherwise empty ring, a 640 KiB one finds room for
@@ -195,7 +195,7 @@ def test_close_timeout_is_kept_with_a_stopped_writer(tmp_path):
 
 STUCK = textwrap.dedent("""
     import os, signal, sys, time, torch, fastdump
-    from fastdump.engine import Engine
+    from fastdump.staging.engine import Engine
     mode = sys.argv[2]
     model = torch.nn.Sequential(torch.nn.Linear(8, 8))
     d = fastdump.attach(model, sys.argv[1])

@@ -11,8 +11,8 @@ from torch import nn
 import fastdump
 from fastdump import cli
 from fastdump.config import ConfigError, settings_from_env
-from fastdump.writer.segments import ChannelWriter
-from test_segments import Feeder, open_msg
+from fastdump.writer.channel_writer import ChannelWriter
+from test_channel_writer import Feeder, open_msg
 
 
 def wait_for(predicate, timeout=30.0):

@@ -16,7 +16,8 @@ import torch
 from torch import nn
 
 import fastdump
-from fastdump import _C, cli_dump
+from fastdump import _C
+from fastdump.cli import dump as cli_dump
 from fastdump.writer.loop import WriterLoop
 from test_writer_loop import ScriptedConsumer, control, tensor
 
@@ -127,7 +128,7 @@ def _open_msg(tmp_path):
 def test_the_writer_turns_a_bad_record_into_a_recorded_skip(tmp_path):
     """A 40-dim record (a producer without the capture-side check) and a tensor the channel raises
     on cost only themselves: the other tensors, the pass and the writer go on."""
-    from fastdump.writer import segments
+    from fastdump.writer import channel_writer as segments
 
     good = torch.arange(4.0)
     deep = torch.zeros([1] * 39 + [2])

@@ -17,9 +17,10 @@ import pytest
 import torch
 
 import fastdump
-from fastdump import _C, cli_dump, dtypes, fsutil, reader
-from fastdump.writer import format as fmt
-from fastdump.writer.segments import RESERVE_FILE, ChannelWriter
+from fastdump import _C, dtypes, fsutil, reader
+from fastdump.cli import dump as cli_dump
+from fastdump import format as fmt
+from fastdump.writer.channel_writer import RESERVE_FILE, ChannelWriter
 
 RANKS = {"tp_rank": 0, "tp_size": 1, "pp_rank": 0, "pp_size": 1, "rank": 0}
 

@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 import torch
 
-from fastdump import cli_dump, dtypes, fsutil, reader
-from fastdump.writer.segments import ChannelWriter
+from fastdump import dtypes, fsutil, reader
+from fastdump.cli import dump as cli_dump
+from fastdump.writer.channel_writer import ChannelWriter
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TARGET = "TP0_PP0_Rank0_pid100"
@@ -149,10 +150,10 @@ def test_ls_human_and_json(dump, capsys):
 
 
 def test_cli_module_runs_as_a_program(dump):
-    out = subprocess.run([sys.executable, "-m", "fastdump.cli_dump", "ls", str(dump), "--json"],
+    out = subprocess.run([sys.executable, "-m", "fastdump.cli.dump", "ls", str(dump), "--json"],
                          capture_output=True, text=True, check=True, cwd=REPO).stdout
     assert len(json.loads(out)["ranks"]) == 3
-    done = subprocess.run([sys.executable, "-m", "fastdump.cli_dump", "verify", str(dump)],
+    done = subprocess.run([sys.executable, "-m", "fastdump.cli.dump", "verify", str(dump)],
                           capture_output=True, text=True, cwd=REPO)
     assert done.returncode == 0 and done.stdout.strip().endswith("OK")
 

@@ -19,7 +19,7 @@ from torch import nn
 
 import fastdump
 from fastdump.capture import close_all
-from fastdump.writer import format as fmt
+from fastdump import format as fmt
 from fastdump.integrations import sglang as fsg
 
 H, V = 16, 32

@@ -79,7 +79,7 @@ def test_chunks_are_reassembled_and_a_torn_tensor_is_recorded_as_skipped(tmp_pat
 
 
 def test_a_failing_channel_stops_dumping_and_tells_the_producer(tmp_path, monkeypatch):
-    from fastdump.writer import segments
+    from fastdump.writer import channel_writer as segments
 
     def broken(self, *args):
         raise OSError(28, "No space left on device")

@@ -24,12 +24,14 @@ import time
 import weakref
 from pathlib import Path
 
-from . import _C
-from . import dtypes as _dtypes
-from . import graphs as _graphs
-from .engine import Engine
-from .fsutil import atomic_write_json as write_json_atomic, read_json
-from .writer import format as _fmt
+from .. import _C
+from .. import dtypes as _dtypes
+from ..options import Options, _check_int
+from ..staging import engine as _engine
+from .. import graphs as _graphs
+from ..staging.engine import Engine
+from ..fsutil import atomic_write_json as write_json_atomic, read_json
+from .. import format as _fmt
 
 log = logging.getLogger("fastdump")
 
@@ -67,6 +69,7 @@ def _forget_parent_dumpers() -> None:
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_parent_dumpers)
+_engine.on_exit(close_all)  # dumpers close before the engine stops, at interpreter exit
 
 
 # ------------------------------------------------------------------------------------------------
@@ -170,38 +173,29 @@ def select_modules(model, *, layers=None, include=None, exclude=None, module_typ
 class Dumper:
     """Dumps one role/rank of one model. Made by :func:`fastdump.attach`."""
 
-    def __init__(self, model, root, *, role="target", ranks: dict, layers=None, include=None, exclude=None,
-                 module_types=None, inputs=False, skip_passes=0, every=1, pass_range=None, max_bytes=None,
-                 policy="block", block_timeout_s=5.0, writer="process", writer_priority="idle", ring_mb=256,
-                 device_ring_mb=256,
-                 segment_passes=64, segment_mb=256, segment_seconds=30.0, segment_idle_seconds=1.0,
-                 root_passes=True, root_name=None, strict=False, pass_meta=None, device=None,
-                 cuda_graphs="record", graph_ring_mb=256):
-        _validate(root=root, role=role, policy=policy, block_timeout_s=block_timeout_s, writer=writer,
-                  writer_priority=writer_priority, every=every, skip_passes=skip_passes, pass_range=pass_range,
-                  max_bytes=max_bytes, ring_mb=ring_mb, device_ring_mb=device_ring_mb,
-                  segment_passes=segment_passes, segment_mb=segment_mb, segment_seconds=segment_seconds,
-                  segment_idle_seconds=segment_idle_seconds, layers=layers, cuda_graphs=cuda_graphs,
-                  graph_ring_mb=graph_ring_mb)
+    def __init__(self, model, options: Options, *, ranks: dict):
+        """``options``: checked already (``Options.__post_init__``); ``ranks``: from resolve_ranks."""
+        o = self.options = options
+        root, role = o.root, o.role
         self.role = role
         self.ranks = ranks
         self.root = Path(root).absolute()
         self.session = _fmt.new_session_id()  # its own directory, even when the pid repeats
         self.dir = self.root / role / _fmt.rank_dir_name(ranks, os.getpid(), self.session)
-        self.policy = policy
-        self.inputs = bool(inputs)
-        self.skip_passes, self.every = int(skip_passes), int(every)
-        self.pass_range = tuple(int(p) for p in pass_range) if pass_range is not None else None
-        self.max_bytes = max_bytes
-        self.device_ring_mb = device_ring_mb
+        self.policy = o.policy
+        self.inputs = bool(o.inputs)
+        self.skip_passes, self.every = int(o.skip_passes), int(o.every)
+        self.pass_range = tuple(int(p) for p in o.pass_range) if o.pass_range is not None else None
+        self.max_bytes = o.max_bytes
+        self.device_ring_mb = o.device_ring_mb
         self.pass_id = -1
         self.status = "running"
         self.error = None
         # `block` waits for ring space up to block_timeout_s; after a timeout the Dumper stages as
         # under `drop` (self._block False) until the writer gives ring space back (see _begin).
-        self._policy_block = policy == "block"
+        self._policy_block = o.policy == "block"
         self._block = self._policy_block
-        self._block_timeout_s = float(block_timeout_s)
+        self._block_timeout_s = float(o.block_timeout_s)
         self._unconfirmed = collections.deque()  # seqs of pass ends the writer has not handled yet
         self._pid = os.getpid()
         self._capturing = False          # inside a selected pass: the wrappers' only hot check
@@ -209,7 +203,7 @@ class Dumper:
         self._calls: dict = {}           # name -> calls this pass, for name#k
         self._name_ids: dict = {}
         self._meta: dict = {}
-        self._next_meta: dict = dict(pass_meta or {})
+        self._next_meta: dict = dict(o.pass_meta or {})
         self._skipped: dict = {}         # name -> reason, this pass
         self._incomplete = None          # why this pass is not whole (a forward raised, ...), or None
         self._mixed = False              # forwards of several threads ran in this pass
@@ -223,27 +217,19 @@ class Dumper:
                         "lost_pass_ends": 0, "incomplete_passes": 0, "mixed_passes": 0}
         self._wrapped: list = []
         # CUDA-graph record mode (fastdump/graphs.py); None: tensors hooked during a capture are skipped.
-        self._graphs = _graphs.GraphRecording(self, graph_ring_mb) if cuda_graphs == "record" else None
+        self._graphs = _graphs.GraphRecording(self, o.graph_ring_mb) if o.cuda_graphs == "record" else None
         self._engine = None
         self._channel = None
         self._lane = None
         self._closed = False
         self._lock = threading.Lock()
 
-        config = dict(role=role, layers=sorted(layers) if layers is not None else None, include=_pattern(include),
-                      exclude=_pattern(exclude), module_types=[getattr(t, "__name__", str(t)) for t in module_types or ()],
-                      inputs=self.inputs, skip_passes=self.skip_passes, every=self.every,
-                      pass_range=list(self.pass_range) if self.pass_range else None, max_bytes=max_bytes,
-                      policy=policy, block_timeout_s=block_timeout_s, writer=writer,
-                      writer_priority=writer_priority, ring_mb=ring_mb,
-                      device_ring_mb=device_ring_mb, cuda_graphs=cuda_graphs, graph_ring_mb=graph_ring_mb,
-                      segment_passes=segment_passes, segment_mb=segment_mb, segment_seconds=segment_seconds,
-                      segment_idle_seconds=segment_idle_seconds)
+        config = o.manifest_config()
         self._ring_noted = False
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
             _write_manifest(self.root, config)
-            self._engine = Engine.acquire(ring_mb=ring_mb, writer=writer, writer_priority=writer_priority)
+            self._engine = Engine.acquire(o.engine)
             self._producer = self._engine.producer
             facts = _device_facts(model)
             self._channel = self._engine.open_channel({
@@ -254,11 +240,11 @@ class Dumper:
                 raise RuntimeError(self._engine.error())
             # The CPU hot path: channel, pass id and wait settings live in C++, set once per pass.
             self._lane = self._engine.channel_stager(self._channel, _FAST_CODES, _strided)
-            self._prepare_cuda(_cuda_index(device, facts))
+            self._prepare_cuda(_cuda_index(o.device, facts))
             if self._graphs is not None:
-                self._graphs.prepare(_cuda_index(device, facts))
+                self._graphs.prepare(_cuda_index(o.device, facts))
         except Exception as exc:
-            if strict:
+            if o.strict:
                 self._release_engine()
                 raise
             self._disable(f"cannot start dumping to {self.dir}: {exc}")
@@ -266,9 +252,9 @@ class Dumper:
         _warn_if_twin(self)
         _open_dumpers.add(self)
         if model is not None:
-            self._root_name = root_name or type(model).__name__
-            self._install(model, root_passes, layers=layers, include=include, exclude=exclude,
-                          module_types=module_types)
+            self._root_name = o.root_name or type(model).__name__
+            self._install(model, o.root_passes, layers=o.layers, include=o.include, exclude=o.exclude,
+                          module_types=o.module_types)
 
     # -- public API ------------------------------------------------------------------------------
     def begin_pass(self, **meta) -> None:
@@ -604,7 +590,7 @@ class Dumper:
         if t.is_cpu:
             status = self._lane.stage(name_id, code, itemsize, t.shape, t.stride(), t.data_ptr())
         elif t.is_cuda:
-            from . import cuda
+            from ..staging import cuda
 
             stager = self._engine.cuda_stager(self.device_ring_mb)
             status = cuda.stage_tensor(stager, self._channel, name_id, self.pass_id, code, t, self._block,
@@ -629,7 +615,7 @@ class Dumper:
         the free memory; when it cannot be had, that GPU's tensors are dropped (recorded)."""
         if index is None:
             return
-        from . import cuda
+        from ..staging import cuda
 
         if cuda.usable():
             reason = cuda.prepare(self._engine.cuda_stager(self.device_ring_mb), index)
@@ -664,7 +650,7 @@ class Dumper:
         if name_id is None:
             return self._drop_unnamed(name)
         try:
-            from . import cuda
+            from ..staging import cuda
 
             status, nbytes = cuda.stage_array(self._engine, self.device_ring_mb, self._channel,
                                               name_id, self.pass_id, array, self._block,
@@ -979,7 +965,7 @@ def _device_facts(model) -> dict:
     if param.device.type != "cuda":
         return {"type": param.device.type}
     try:
-        from .devices import device_facts
+        from ..devices import device_facts
 
         return dict(device_facts(param.device.index or 0), type="cuda", index=param.device.index or 0)
     except Exception as exc:
@@ -990,65 +976,10 @@ def _write_manifest(root: Path, config: dict) -> None:
     path = root / "fastdump.json"
     if path.exists():
         return
-    from . import __version__
+    from .. import __version__
 
     write_json_atomic(path, {
         "format": "fastdump", "format_version": _fmt.MANIFEST_VERSION, "fastdump_version": __version__,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "host": socket.gethostname(),
         "command": sys.argv, "config": config,
     })
-
-
-def _validate(*, root, role, policy, block_timeout_s, writer, writer_priority, every, skip_passes, pass_range,
-              max_bytes, ring_mb, device_ring_mb, segment_passes, segment_mb, segment_seconds, segment_idle_seconds,
-              layers, cuda_graphs="record", graph_ring_mb=256) -> None:
-    """Bad settings fail at attach, before the model runs, with one clear message."""
-    if not isinstance(root, (str, os.PathLike)) or not os.fspath(root).strip():
-        raise ValueError(f"root must be a non-empty directory path, not {root!r}")
-    if not isinstance(role, str) or not role or "/" in role or role in (".", ".."):
-        raise ValueError(f"role must be a plain directory name, not {role!r}")
-    if policy not in ("block", "drop"):
-        raise ValueError(f"policy must be 'block' or 'drop', not {policy!r}")
-    _check_number("block_timeout_s", block_timeout_s, above=0)
-    if writer not in ("process", "thread"):
-        raise ValueError(f"writer must be 'process' or 'thread', not {writer!r}")
-    if writer_priority not in ("idle", "normal"):
-        raise ValueError(f"writer_priority must be 'idle' or 'normal', not {writer_priority!r}")
-    _check_int("every", every, 1)
-    _check_int("skip_passes", skip_passes, 0)
-    _check_int("segment_passes", segment_passes, 1)
-    if max_bytes is not None:
-        _check_int("max_bytes", max_bytes, 0)
-    if pass_range is not None:
-        if not isinstance(pass_range, (tuple, list)) or len(pass_range) != 2:
-            raise ValueError(f"pass_range must be (start, stop) with start <= stop, not {pass_range!r}")
-        _check_int("pass_range start", pass_range[0], 0)
-        _check_int("pass_range stop", pass_range[1], 0)
-        if pass_range[0] > pass_range[1]:
-            raise ValueError(f"pass_range must be (start, stop) with start <= stop, not {pass_range!r}")
-    if layers is not None:
-        for layer in layers:
-            _check_int("each of layers", layer, 0)
-    _check_number("ring_mb", ring_mb, above=0.25)
-    _check_number("device_ring_mb", device_ring_mb, above=0)
-    if cuda_graphs not in _graphs.MODES:
-        raise ValueError(f"cuda_graphs must be 'record' or 'skip', not {cuda_graphs!r}")
-    _check_number("graph_ring_mb", graph_ring_mb, above=0)
-    _check_number("segment_mb", segment_mb, above=0)
-    _check_number("segment_seconds", segment_seconds, above=0)
-    if not (isinstance(segment_idle_seconds, numbers.Real) and not isinstance(segment_idle_seconds, bool)
-            and segment_idle_seconds == 0):  # 0: never
-        _check_number("segment_idle_seconds (or 0: never)", segment_idle_seconds, above=0)
-
-
-def _check_int(what: str, value, minimum: int) -> None:
-    """An integer (not a bool, not 1.5) of at least ``minimum``."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
-        raise ValueError(f"{what} must be an integer >= {minimum}, not {value!r}")
-
-
-def _check_number(what: str, value, above: float) -> None:
-    """A finite real number (not a bool, not NaN) greater than ``above``."""
-    if (isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value)
-            or not value > above):
-        raise ValueError(f"{what} must be a finite number > {above:g}, not {value!r}")

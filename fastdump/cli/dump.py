@@ -17,8 +17,8 @@ import sys
 
 import numpy as np
 
-from . import dtypes, fsutil
-from .writer import format as fmt
+from .. import dtypes, fsutil
+from .. import format as fmt
 
 # rank.json statuses for which a leftover temporary file is what a kill leaves, not damage.
 _UNFINISHED_STATUSES = ("running", "incomplete")
@@ -96,7 +96,7 @@ def _table(header: list, rows: list) -> str:
 def list_dump(root: str) -> dict:
     """Every rank directory (one per session) with its status and totals. A damaged rank.json or
     segment is reported in ``problems`` (path: reason) and the listing goes on."""
-    from . import reader
+    from .. import reader
 
     with reader.open(root) as ds:
         ranks = []
@@ -218,7 +218,7 @@ def _check_block(report: _Report, where: str, dataset, entries: np.ndarray) -> i
 
 def check_segment(report: _Report, path: str, read_data: bool = False):
     """Check one segment file; return its summary dict (None when it cannot be opened)."""
-    from .reader import DumpError, open_segment
+    from ..reader import DumpError, open_segment
 
     where = path
     try:
@@ -244,7 +244,7 @@ def _check_objects(h5file, where: str) -> None:
     """Raise DumpError for anything that would make reading touch data outside this file or
     allocate more than it holds: links other than hard links, external or virtual storage,
     filters, size claims beyond the file (checked before any table or block is read)."""
-    from .reader import check_dataset, check_link, read_attrs
+    from ..reader import check_dataset, check_link, read_attrs
 
     file_size = os.stat(h5file.filename).st_size
     for name in (fmt.NAMES, fmt.INDEX, fmt.PASSES, fmt.PASS_META):
@@ -259,7 +259,7 @@ def _check_objects(h5file, where: str) -> None:
 
 
 def _check_open_segment(report: _Report, where: str, h5file, read_data: bool):
-    from .reader import read_attrs
+    from ..reader import read_attrs
 
     attrs = read_attrs(h5file, os.stat(h5file.filename).st_size, where)  # sizes checked first
     fmt_name = attrs.get("format")
@@ -362,7 +362,7 @@ def _read_block(report: _Report, where: str, dataset, index: np.ndarray, positio
                 read_bytes: int = 64 << 20) -> None:
     """Read every byte of a block (catches I/O errors) and check each tensor's CRC32C (format 2),
     a few tensors per read so that memory stays bounded by ``read_bytes`` plus one tensor."""
-    from .reader import row_checksum
+    from ..reader import row_checksum
 
     has_crc = "crc32c" in index.dtype.names
     row_bytes = max(1, math.prod(dataset.shape[1:]) * dataset.dtype.itemsize)
@@ -564,7 +564,7 @@ def cmd_verify(args) -> int:
 def tensor_stats(tensor):
     """See ``fastdump.stats.tensor_stats``: one statistics module serves show and diff (imported
     here, late, so that ls and verify never import torch)."""
-    from .stats import tensor_stats as summarize
+    from ..stats import tensor_stats as summarize
 
     return summarize(tensor)
 
@@ -574,7 +574,7 @@ def _number(value) -> str:
 
 
 def cmd_show(args) -> int:
-    from . import reader
+    from .. import reader
 
     pattern = re.compile(args.name) if args.name else None
     try:

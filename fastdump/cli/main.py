@@ -12,8 +12,8 @@ def info() -> dict:
     """What this installation can do: versions, CUDA compiled in or not, GPUs seen, settings."""
     import h5py
 
-    from . import __version__, _C
-    from .config import OTHER_VARS, env_table
+    from .. import __version__, _C
+    from ..config import OTHER_VARS, env_table
 
     facts = {
         "fastdump": __version__,
@@ -61,7 +61,8 @@ def cmd_info(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import cli_dump, compare, export
+    from .. import compare, export
+    from . import dump as cli_dump
 
     parser = argparse.ArgumentParser(prog="fastdump", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -75,13 +76,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    from .reader import DumpError
+    from ..reader import DumpError
 
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
     except DumpError as exc:  # a damaged or crafted dump: say which file and why, no traceback
-        from .cli_dump import _printable
+        from .dump import _printable
 
         print(f"fastdump {args.command}: {_printable(exc)}", file=sys.stderr)
         return 2 if args.command == "diff" else 1  # diff: 1 means "the dumps differ"

@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 import fastdump
+from fastdump import format as fmt
 from fastdump.fsutil import atomic_write_json
 
 logger = logging.getLogger(__name__)
@@ -35,7 +36,7 @@ __all__ = ["register_forward_hook_for_model", "role_for", "install", "SGLangDump
 
 # Written into each rank directory: the module names of the dumped model, so an export can tell a
 # tuple element (``qkv_proj.0``) from a child module (``experts.0``).
-NAMES_FILE = "sglang_names.json"
+NAMES_FILE = fmt.NAMES_FILE
 # The last component of dump_dir by which SGLang's model runner names a role (PR #21694).
 _ROLE_DIRS = ("draft", "target")
 
@@ -242,7 +243,7 @@ def _sglang_entry(model, dump_dir, dump_layers=None, tp_size=1, tp_rank=0, pp_ra
         logger.warning("fastdump: ignoring SGLang tensor-dump options it does not implement: %s %s", args, kwargs)
     from fastdump import config
 
-    settings = config._parse_all(os.environ)
+    settings = config.parse_env(os.environ)
     for k in ("root", "tp_rank", "tp_size", "pp_rank"):  # SGLang's own values win
         settings.pop(k, None)
     role = settings.pop("role", None)

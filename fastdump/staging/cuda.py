@@ -20,8 +20,8 @@ import ctypes
 import logging
 import threading
 
-from . import _C
-from . import dtypes as _dtypes
+from .. import _C
+from .. import dtypes as _dtypes
 
 log = logging.getLogger("fastdump")
 

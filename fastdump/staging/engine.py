@@ -19,7 +19,8 @@ import threading
 import time
 from pathlib import Path
 
-from . import _C
+from .. import _C
+from ..options import EngineOptions
 
 log = logging.getLogger("fastdump")
 
@@ -86,18 +87,14 @@ class Engine:
     _current: "Engine | None" = None
     _lock = threading.Lock()
 
-    def __init__(self, ring_mb: float, writer: str = "process", chunk_mb: float = 0,
-                 start_timeout: float = 60.0, writer_priority: str = "idle"):
+    def __init__(self, options: EngineOptions, chunk_mb: float = 0, start_timeout: float = 60.0):
         """``chunk_mb``: tensors above this are split over several records (0: a quarter of the
         ring, the most a record may take; larger chunks spare the writer a reassembly copy).
         ``writer_priority``: ``idle`` runs the writer process under SCHED_IDLE, so it only takes
         CPU time the model leaves unused (see fastdump/writer/__main__.py); ``normal`` does not.
         A writer thread always shares the serving process's priority."""
-        if writer not in ("process", "thread"):
-            raise ValueError(f"writer must be 'process' or 'thread', not {writer!r}")
-        if writer_priority not in ("idle", "normal"):
-            raise ValueError(f"writer_priority must be 'idle' or 'normal', not {writer_priority!r}")
-        self.writer_priority = writer_priority
+        self.options = options  # checked by EngineOptions; see acquire for who decides them
+        ring_mb, writer, self.writer_priority = options.ring_mb, options.writer, options.writer_priority
         remove_stale_segments()
         self.pid = os.getpid()
         self.mode = writer
@@ -146,7 +143,7 @@ class Engine:
         self.producer.set_writer_fd(self._proc.stdout.fileno())
 
     def _start_thread(self, name: str) -> None:
-        from .writer.loop import run_consumer
+        from ..writer.loop import run_consumer
 
         consumer = _C.Consumer(name)
         self._thread = threading.Thread(target=run_consumer, args=(consumer,),
@@ -326,18 +323,20 @@ class Engine:
 
     # -- process-wide singleton ------------------------------------------------------------------
     @classmethod
-    def acquire(cls, ring_mb: float, writer: str, writer_priority: str = "idle") -> "Engine":
+    def acquire(cls, options: EngineOptions) -> "Engine":
+        """The process's engine, started with ``options`` if none runs. The first attach decides the
+        engine-wide settings; a later one that asks for others gets a warning naming each, and the
+        running engine's."""
         with cls._lock:
             eng = cls._current
             if eng is None or eng.closed or eng.pid != os.getpid():
-                eng = cls(ring_mb=ring_mb, writer=writer, writer_priority=writer_priority)
+                eng = cls(options)
                 cls._current = eng
-            elif eng.mode != writer:
-                log.warning("fastdump: engine already running with writer=%r; ignoring writer=%r",
-                            eng.mode, writer)
-            elif eng.mode == "process" and eng.writer_priority != writer_priority:
-                log.warning("fastdump: writer already running with writer_priority=%r; ignoring %r",
-                            eng.writer_priority, writer_priority)
+            else:
+                differences = eng.options.differences(options)
+                if differences:
+                    log.warning("fastdump: the staging engine already runs with %s; the first attach decides "
+                                "these settings for the whole process", ", ".join(differences))
             eng.refs += 1
             return eng
 
@@ -351,12 +350,21 @@ class Engine:
             self.shutdown(timeout)
 
 
+_EXIT_HOOKS: list = []  # called with the deadline before the engine shuts down (capture's close_all)
+
+
+def on_exit(hook) -> None:
+    """Run ``hook(deadline)`` at interpreter exit, before the engine stops: the layer above (capture)
+    closes its dumpers here without staging importing it back."""
+    if hook not in _EXIT_HOOKS:
+        _EXIT_HOOKS.append(hook)
+
+
 def _shutdown_at_exit() -> None:
     """Bounded by FASTDUMP_EXIT_TIMEOUT_S in all: a stuck writer is killed, never waited for."""
-    from . import capture
-
     deadline = time.monotonic() + exit_timeout()
-    capture.close_all(deadline)
+    for hook in list(_EXIT_HOOKS):
+        hook(deadline)
     eng = Engine._current
     if eng is not None and eng.pid == os.getpid():
         eng.shutdown(max(0.0, deadline - time.monotonic()))

@@ -1,8 +1,9 @@
-"""The writer side: ring loop (``loop``), per-channel aggregation (``segments``), segment files
-(``h5segment``) and the on-disk names shared with the reader (``format``).
+"""The writer side: ring loop (``loop``), per-channel aggregation (``channel_writer``) and the HDF5
+segment files (``segment_file``). The on-disk names it shares with the reader live in
+``fastdump.format``.
 
 Imported by the writer process: numpy and h5py only, never torch. ``ChannelWriter`` is loaded on
-first use so that ``fastdump.writer.format`` stays cheap for the reader.
+first use so that importing ``fastdump.writer`` stays cheap.
 """
 
 __all__ = ["ChannelWriter"]
@@ -10,7 +11,7 @@ __all__ = ["ChannelWriter"]
 
 def __getattr__(name):
     if name == "ChannelWriter":
-        from .segments import ChannelWriter
+        from .channel_writer import ChannelWriter
 
         return ChannelWriter
     raise AttributeError(name)

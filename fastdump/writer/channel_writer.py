@@ -26,8 +26,8 @@ import time
 import numpy as np
 
 from .. import _C, dtypes, fsutil
-from . import format as fmt
-from .h5segment import Block, OpenSegment, write_segment
+from .. import format as fmt
+from .segment_file import Block, OpenSegment, write_segment
 
 MiB = 1 << 20
 MAX_DIMS = 32  # HDF5's limit on a dataset's dimensions (H5S_MAX_RANK); capture skips larger ones too

@@ -17,7 +17,7 @@ import time
 import numpy as np
 
 from .. import _C
-from .segments import ChannelWriter
+from .channel_writer import ChannelWriter
 
 log = logging.getLogger("fastdump.writer")
 

@@ -23,7 +23,7 @@ import numpy as np
 from h5py import h5a, h5d, h5p, h5s, h5t
 
 from .. import dtypes, fsutil
-from . import format as fmt
+from .. import format as fmt
 from .pages import ALIGN, PageBuffer, byte_view
 
 # A block's rows go to the file in one gathered write (pwritev) of at most this many buffers.

@@ -1,0 +1,6 @@
+"""The ``fastdump`` command line: ``main`` (argument parsing, subcommands) and ``dump`` (ls, show,
+verify, stats on a dump). ``python -m fastdump`` runs ``main``."""
+
+from .main import main
+
+__all__ = ["main"]

@@ -1,0 +1,362 @@
+"""Every ``fastdump.attach`` option, defined once: its default, its check, its ``FASTDUMP_*`` variable.
+
+``Options`` is what a Dumper runs with; ``EngineOptions`` (``Options.engine``) is the part that the
+one staging engine of a process shares between its Dumpers: the first attach decides, a later attach
+that asks for something else gets a warning naming the setting (``EngineOptions.differences``).
+
+Each field's metadata holds the environment variable(s) that set it (``env``: ``EnvVar`` entries with
+their string parser) and whether it is recorded in ``fastdump.json``'s ``config`` (``manifest``).
+``fastdump.config`` (the profiling flag), ``fastdump info`` and the integrations read from here; a
+new option is one field below.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+
+# --- parsers: each takes the raw string and returns the value or raises ValueError(reason) ---
+
+def _int(minimum: int) -> Callable[[str], int]:
+    def parse(s: str) -> int:
+        try:
+            v = int(s.strip())
+        except ValueError:
+            v = minimum - 1
+        if v < minimum:
+            raise ValueError(f"must be an integer >= {minimum}")
+        return v
+    parse.__doc__ = f"integer >= {minimum}"
+    return parse
+
+
+def _positive_float(s: str) -> float:
+    """number > 0"""
+    try:
+        v = float(s.strip())
+    except ValueError:
+        v = 0.0
+    if not 0 < v < float("inf"):
+        raise ValueError("must be a finite number > 0")
+    return v
+
+
+def _nonnegative_float(s: str) -> float:
+    """number >= 0"""
+    try:
+        v = float(s.strip())
+    except ValueError:
+        v = -1.0
+    if not 0 <= v < float("inf"):
+        raise ValueError("must be a finite number >= 0")
+    return v
+
+
+def _mb_to_bytes(s: str) -> int:
+    """MiB (number > 0)"""
+    return max(1, int(_positive_float(s) * (1 << 20)))
+
+
+_TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off", ""}
+
+
+def _bool(s: str) -> bool:
+    """0/1/true/false/yes/no/on/off"""
+    v = s.strip().lower()
+    if v in _TRUE:
+        return True
+    if v in _FALSE:
+        return False
+    raise ValueError("must be one of 0, 1, true, false, yes, no, on, off")
+
+
+def _layers(s: str) -> tuple[int, ...]:
+    """comma list of indices and inclusive ranges, e.g. 0,1,5-7"""
+    out: set[int] = set()
+    for part in s.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        lo, sep, hi = part.partition("-")
+        if not lo.strip().isdigit() or (sep and not hi.strip().isdigit()):
+            raise ValueError(f"bad item {part!r}: expected N or N-M with N, M >= 0, e.g. 0,1,5-7")
+        a, b = int(lo), int(hi) if sep else int(lo)
+        if b < a:
+            raise ValueError(f"bad range {part!r}: end before start")
+        out.update(range(a, b + 1))
+    if not out:
+        raise ValueError("no layer index given")
+    return tuple(sorted(out))
+
+
+def _regex(s: str) -> str:
+    """Python regex, re.search on qualified module names"""
+    try:
+        re.compile(s)
+    except re.error as e:
+        raise ValueError(f"not a valid regular expression ({e})") from None
+    return s
+
+
+def _pass_range(s: str) -> tuple[int, int]:
+    """start:stop pass ids, stop exclusive; start may be empty (0)"""
+    lo, sep, hi = s.strip().partition(":")
+    if not sep or not hi.strip().isdigit() or (lo.strip() and not lo.strip().isdigit()):
+        raise ValueError("must be START:STOP with integers, e.g. 10:20 (stop exclusive)")
+    a, b = int(lo or 0), int(hi)
+    if b <= a:
+        raise ValueError("stop must be greater than start")
+    return a, b
+
+
+def _choice(*choices: str) -> Callable[[str], str]:
+    def parse(s: str) -> str:
+        v = s.strip().lower()
+        if v not in choices:
+            raise ValueError(f"must be one of {', '.join(choices)}")
+        return v
+    parse.__doc__ = "|".join(choices)
+    return parse
+
+
+def _names(s: str) -> tuple[str, ...]:
+    """comma list of module class names, e.g. Linear,RMSNorm"""
+    names = tuple(p.strip() for p in s.split(",") if p.strip())
+    if not names or not all(n.isidentifier() for n in names):
+        raise ValueError("must be a comma list of class names, e.g. Linear,RMSNorm")
+    return names
+
+
+def _role(s: str) -> str:
+    """directory-safe name"""
+    v = s.strip()
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", v):
+        raise ValueError("must be a directory-safe name: letters, digits, '_', '.', '-'")
+    return v
+
+
+def _root(s: str) -> str:
+    """directory path"""
+    return s
+
+
+CUDA_GRAPH_MODES = ("record", "skip")  # cuda_graphs=: see fastdump/graphs.py
+
+
+@dataclass(frozen=True)
+class EnvVar:
+    """One ``FASTDUMP_*`` variable: the option (``kwarg``) it sets and how its string is parsed."""
+    name: str
+    kwarg: str
+    parse: Callable[[str], Any]
+    doc: str
+
+
+def _opt(default, *env: tuple, manifest: bool = True):
+    """A field with its default; ``env``: (variable, parser, doc) triples that set it."""
+    return field(default=default, metadata={"env": env, "manifest": manifest})
+
+
+# --- value checks shared by both dataclasses -------------------------------------------------------
+
+def _check_int(what: str, value, minimum: int) -> None:
+    """An integer (not a bool, not 1.5) of at least ``minimum``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
+        raise ValueError(f"{what} must be an integer >= {minimum}, not {value!r}")
+
+
+def _check_number(what: str, value, above: float) -> None:
+    """A finite real number (not a bool, not NaN) greater than ``above``."""
+    if (isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value)
+            or not value > above):
+        raise ValueError(f"{what} must be a finite number > {above:g}, not {value!r}")
+
+
+def _check_choice(what: str, value, choices: tuple) -> None:
+    if value not in choices:
+        raise ValueError(f"{what} must be {' or '.join(repr(c) for c in choices)}, not {value!r}")
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """Settings of the one staging engine per process (ring, writer, device ring): the first attach
+    decides them; see ``differences``."""
+    writer: str = _opt("process", ("FASTDUMP_WRITER", _choice("process", "thread"),
+                                   "HDF5 writer in its own process or a thread"))
+    writer_priority: str = _opt("idle", ("FASTDUMP_WRITER_PRIORITY", _choice("idle", "normal"),
+                                         "writer process on idle CPU only (idle, SCHED_IDLE) or at the model's "
+                                         "priority (normal)"))
+    ring_mb: float = _opt(256, ("FASTDUMP_RING_MB", _positive_float, "shared-memory host ring size, MiB"))
+    device_ring_mb: float = _opt(256, ("FASTDUMP_DEVICE_RING_MB", _positive_float, "GPU staging ring size, MiB"))
+
+    def __post_init__(self):
+        _check_choice("writer", self.writer, ("process", "thread"))
+        _check_choice("writer_priority", self.writer_priority, ("idle", "normal"))
+        _check_number("ring_mb", self.ring_mb, above=0.25)
+        _check_number("device_ring_mb", self.device_ring_mb, above=0)
+
+    def differences(self, asked: "EngineOptions") -> list[str]:
+        """``name=running (asked: value)`` for each setting ``asked`` wants otherwise; the running
+        engine keeps its own. writer_priority only matters for a writer process."""
+        out = []
+        for f in dataclasses.fields(self):
+            mine, theirs = getattr(self, f.name), getattr(asked, f.name)
+            if f.name == "writer_priority" and self.writer != "process":
+                continue
+            if mine != theirs:
+                out.append(f"{f.name}={mine!r} (asked: {theirs!r})")
+        return out
+
+
+_ENGINE_FIELDS = tuple(f.name for f in dataclasses.fields(EngineOptions))
+
+
+@dataclass(frozen=True)
+class Options:
+    """Everything ``fastdump.attach(model, root, **options)`` accepts besides the model, in the
+    order ``fastdump.json`` records them."""
+    root: Any = _opt(None, ("FASTDUMP_DIR", _root, "dump root directory; unset or empty = dumping off"),
+                     manifest=False)
+    role: str = _opt("target", ("FASTDUMP_ROLE", _role, "role used when the code does not name one (default target)"))
+    layers: Any = _opt(None, ("FASTDUMP_LAYERS", _layers,
+                              "keep only these decoder layers (model.layers.N); other modules unaffected"))
+    include: Any = _opt(None, ("FASTDUMP_INCLUDE", _regex, "dump only modules whose qualified name matches"))
+    exclude: Any = _opt(None, ("FASTDUMP_EXCLUDE", _regex, "never dump modules whose qualified name matches"))
+    module_types: Any = _opt(None, ("FASTDUMP_MODULE_TYPES", _names, "dump only modules of these classes"))
+    inputs: bool = _opt(False, ("FASTDUMP_INPUTS", _bool, "also dump module inputs (name.input.0 ...)"))
+    skip_passes: int = _opt(0, ("FASTDUMP_SKIP", _int(0), "skip the first N passes (warm-up)"))
+    every: int = _opt(1, ("FASTDUMP_EVERY", _int(1), "dump one pass in N"))
+    pass_range: Any = _opt(None, ("FASTDUMP_PASSES", _pass_range, "dump only pass ids in [start, stop)"))
+    max_bytes: Any = _opt(None, ("FASTDUMP_MAX_BYTES", _int(0), "stop dumping after this many bytes (recorded in rank.json)"),
+                          ("FASTDUMP_MAX_MB", _mb_to_bytes, "same budget in MiB (do not set both)"))
+    policy: str = _opt("block", ("FASTDUMP_POLICY", _choice("block", "drop"),
+                                 "full ring: wait (block) or drop and count (drop)"))
+    block_timeout_s: float = _opt(5.0, ("FASTDUMP_BLOCK_TIMEOUT_S", _positive_float,
+                                        "policy=block: the longest a forward waits for ring space; then drop "
+                                        "(counted) until the writer catches up"))
+    writer: str = field(default=EngineOptions.__dataclass_fields__["writer"].default, metadata={"manifest": True})
+    writer_priority: str = field(default=EngineOptions.__dataclass_fields__["writer_priority"].default, metadata={"manifest": True})
+    ring_mb: float = field(default=EngineOptions.__dataclass_fields__["ring_mb"].default, metadata={"manifest": True})
+    device_ring_mb: float = field(default=EngineOptions.__dataclass_fields__["device_ring_mb"].default, metadata={"manifest": True})
+    cuda_graphs: str = _opt("record", ("FASTDUMP_CUDA_GRAPHS", _choice(*CUDA_GRAPH_MODES),
+                                       "CUDA graphs: record module outputs into captured graphs, one pass per replay "
+                                       "(record), or skip tensors hooked during a capture (skip)"))
+    graph_ring_mb: float = _opt(256, ("FASTDUMP_GRAPH_RING_MB", _positive_float,
+                                      "per GPU and Dumper: CUDA-graph recording memory, MiB (half static slots, "
+                                      "half replay ring)"))
+    segment_passes: int = _opt(64, ("FASTDUMP_SEGMENT_PASSES", _int(1), "start a new .h5 segment after N passes"))
+    segment_mb: float = _opt(256, ("FASTDUMP_SEGMENT_MB", _positive_float, "start a new .h5 segment after N MiB"))
+    segment_seconds: float = _opt(30.0, ("FASTDUMP_SEGMENT_SECONDS", _positive_float,
+                                         "start a new .h5 segment after N seconds"))
+    segment_idle_seconds: float = _opt(1.0, ("FASTDUMP_SEGMENT_IDLE_SECONDS", _nonnegative_float,
+                                             "writer idle this long after a pass ended: write the open segment "
+                                             "(0 = never)"))
+    root_passes: bool = _opt(True, manifest=False)
+    root_name: Any = _opt(None, manifest=False)
+    strict: bool = _opt(False, ("FASTDUMP_STRICT", _bool,
+                                "fail at attach if dumping cannot start (default: log, serve on)"), manifest=False)
+    pass_meta: Any = _opt(None, manifest=False)
+    device: Any = _opt(None, manifest=False)
+    tp_rank: Any = _opt(None, ("FASTDUMP_TP_RANK", _int(0),
+                               "tensor-parallel rank (default: from torch.distributed / launcher)"), manifest=False)
+    tp_size: Any = _opt(None, ("FASTDUMP_TP_SIZE", _int(1), "tensor-parallel size"), manifest=False)
+    pp_rank: Any = _opt(None, ("FASTDUMP_PP_RANK", _int(0), "pipeline-parallel rank"), manifest=False)
+    pp_size: Any = _opt(None, ("FASTDUMP_PP_SIZE", _int(1), "pipeline-parallel size"), manifest=False)
+    dp_rank: Any = _opt(None, manifest=False)
+    dp_size: Any = _opt(None, manifest=False)
+    ep_rank: Any = _opt(None, manifest=False)
+    ep_size: Any = _opt(None, manifest=False)
+
+    def __post_init__(self):
+        """Bad settings fail at attach, before the model runs, with one clear message."""
+        root, role = self.root, self.role
+        if not isinstance(root, (str, os.PathLike)) or not os.fspath(root).strip():
+            raise ValueError(f"root must be a non-empty directory path, not {root!r}")
+        if not isinstance(role, str) or not role or "/" in role or role in (".", ".."):
+            raise ValueError(f"role must be a plain directory name, not {role!r}")
+        _check_choice("policy", self.policy, ("block", "drop"))
+        _check_number("block_timeout_s", self.block_timeout_s, above=0)
+        self.engine  # the engine-wide settings are checked by EngineOptions
+        _check_int("every", self.every, 1)
+        _check_int("skip_passes", self.skip_passes, 0)
+        _check_int("segment_passes", self.segment_passes, 1)
+        if self.max_bytes is not None:
+            _check_int("max_bytes", self.max_bytes, 0)
+        pass_range = self.pass_range
+        if pass_range is not None:
+            if not isinstance(pass_range, (tuple, list)) or len(pass_range) != 2:
+                raise ValueError(f"pass_range must be (start, stop) with start <= stop, not {pass_range!r}")
+            _check_int("pass_range start", pass_range[0], 0)
+            _check_int("pass_range stop", pass_range[1], 0)
+            if pass_range[0] > pass_range[1]:
+                raise ValueError(f"pass_range must be (start, stop) with start <= stop, not {pass_range!r}")
+        if self.layers is not None:
+            for layer in self.layers:
+                _check_int("each of layers", layer, 0)
+        _check_choice("cuda_graphs", self.cuda_graphs, CUDA_GRAPH_MODES)
+        _check_number("graph_ring_mb", self.graph_ring_mb, above=0)
+        _check_number("segment_mb", self.segment_mb, above=0)
+        _check_number("segment_seconds", self.segment_seconds, above=0)
+        idle = self.segment_idle_seconds
+        if not (isinstance(idle, numbers.Real) and not isinstance(idle, bool) and idle == 0):  # 0: never
+            _check_number("segment_idle_seconds (or 0: never)", idle, above=0)
+
+    @property
+    def engine(self) -> EngineOptions:
+        return EngineOptions(**{name: getattr(self, name) for name in _ENGINE_FIELDS})
+
+    @property
+    def rank_args(self) -> dict:
+        """The rank options, as ``capture.resolve_ranks`` takes them."""
+        return {name: getattr(self, name) for name in RANK_FIELDS}
+
+    def manifest_config(self) -> dict:
+        """The ``config`` object of ``fastdump.json`` and of the writer's channel: JSON values only."""
+        out = {}
+        for f in dataclasses.fields(self):
+            if f.metadata.get("manifest", False):
+                out[f.name] = _to_json(f.name, getattr(self, f.name))
+        return out
+
+
+RANK_FIELDS = ("tp_rank", "tp_size", "pp_rank", "pp_size", "dp_rank", "dp_size", "ep_rank", "ep_size")
+
+
+def _field_of(cls, name):
+    return cls.__dataclass_fields__[name]
+
+
+def _to_json(name: str, value):
+    if name == "layers":
+        return sorted(value) if value is not None else None
+    if name in ("include", "exclude"):
+        return getattr(value, "pattern", value)
+    if name == "module_types":
+        return [getattr(t, "__name__", str(t)) for t in value or ()]
+    if name == "pass_range":
+        return [int(p) for p in value] if value is not None else None
+    if name in ("skip_passes", "every"):
+        return int(value)
+    if name == "inputs":
+        return bool(value)
+    return value
+
+
+def _env_vars() -> tuple[EnvVar, ...]:
+    """Every variable in field order; the engine-wide fields' variables are declared on EngineOptions."""
+    out = []
+    for f in dataclasses.fields(Options):
+        source = _field_of(EngineOptions, f.name) if f.name in _ENGINE_FIELDS else f
+        out.extend(EnvVar(name, f.name, parse, doc) for name, parse, doc in source.metadata.get("env", ()))
+    return tuple(out)
+
+
+ENV_VARS: tuple[EnvVar, ...] = _env_vars()
+OPTION_NAMES = frozenset(f.name for f in dataclasses.fields(Options))
+DEFAULTS = {f.name: f.default for f in dataclasses.fields(Options)}

@@ -1,0 +1,105 @@
+"""fastdump.options: every attach option defined once (default, check, variable); the engine-wide
+settings decided by the first attach, with a warning for a later attach that differs."""
+
+import dataclasses
+import json
+import logging
+
+import pytest
+
+import fastdump
+from fastdump import config
+from fastdump.options import ENV_VARS, EngineOptions, Options
+
+
+def test_every_variable_sets_an_option_and_its_parsed_value_passes_the_check(tmp_path):
+    samples = {"FASTDUMP_DIR": str(tmp_path), "FASTDUMP_ROLE": "draft", "FASTDUMP_LAYERS": "0,2-3",
+               "FASTDUMP_INCLUDE": "mlp", "FASTDUMP_EXCLUDE": "attn", "FASTDUMP_MODULE_TYPES": "Linear",
+               "FASTDUMP_INPUTS": "1", "FASTDUMP_SKIP": "2", "FASTDUMP_EVERY": "3", "FASTDUMP_PASSES": "1:9",
+               "FASTDUMP_MAX_BYTES": "100", "FASTDUMP_MAX_MB": "1", "FASTDUMP_POLICY": "drop",
+               "FASTDUMP_BLOCK_TIMEOUT_S": "0.5", "FASTDUMP_WRITER": "thread", "FASTDUMP_WRITER_PRIORITY": "normal",
+               "FASTDUMP_RING_MB": "8", "FASTDUMP_DEVICE_RING_MB": "16", "FASTDUMP_SEGMENT_PASSES": "4",
+               "FASTDUMP_SEGMENT_MB": "2", "FASTDUMP_SEGMENT_SECONDS": "3", "FASTDUMP_SEGMENT_IDLE_SECONDS": "0",
+               "FASTDUMP_STRICT": "1", "FASTDUMP_TP_RANK": "1", "FASTDUMP_TP_SIZE": "2", "FASTDUMP_PP_RANK": "0",
+               "FASTDUMP_PP_SIZE": "1"}
+    assert set(samples) == {v.name for v in ENV_VARS}  # a new variable needs a sample here
+    fields = {f.name for f in dataclasses.fields(Options)}
+    for var in ENV_VARS:
+        assert var.kwarg in fields, var.name
+        value = var.parse(samples[var.name])
+        opts = Options(**{"root": str(tmp_path), var.kwarg: value})  # __post_init__ accepts it
+        assert getattr(opts, var.kwarg) == value
+
+
+@pytest.mark.parametrize("option, value", [
+    ("every", 0), ("skip_passes", -1), ("policy", "wait"), ("writer", "fork"), ("writer_priority", "low"),
+    ("ring_mb", 0.1), ("device_ring_mb", 0), ("device_ring_mb", float("nan")), ("segment_idle_seconds", -1),
+    ("block_timeout_s", True), ("pass_range", (5, 2)), ("layers", [-1]), ("role", "a/b"), ("root", ""),
+])
+def test_bad_values_fail_at_construction_naming_the_option(tmp_path, option, value):
+    kwargs = {"root": str(tmp_path), option: value}
+    with pytest.raises(ValueError, match=option):
+        Options(**kwargs)
+
+
+def test_unknown_option_is_a_type_error_before_anything_is_written(tmp_path):
+    with pytest.raises(TypeError, match="evry"):
+        fastdump.attach(None, tmp_path, evry=2)
+    assert not list(tmp_path.iterdir())
+
+
+def test_manifest_config_records_the_options_fastdump_json_always_had(tmp_path):
+    d = fastdump.attach(None, tmp_path, layers=(3, 1), include="mlp", every=2, pass_range=(0, 8), writer="thread")
+    try:
+        written = json.loads((tmp_path / "fastdump.json").read_text())["config"]
+    finally:
+        d.close()
+    assert list(written) == ["role", "layers", "include", "exclude", "module_types", "inputs", "skip_passes",
+                             "every", "pass_range", "max_bytes", "policy", "block_timeout_s", "writer",
+                             "writer_priority", "ring_mb", "device_ring_mb", "segment_passes", "segment_mb",
+                             "segment_seconds", "segment_idle_seconds"]
+    assert written["layers"] == [1, 3] and written["include"] == "mlp" and written["pass_range"] == [0, 8]
+    assert written["every"] == 2 and written["writer"] == "thread" and written["module_types"] == []
+
+
+def test_engine_options_are_the_engine_wide_subset():
+    opts = Options(root="/d", ring_mb=8, writer="thread", writer_priority="normal", device_ring_mb=32)
+    assert opts.engine == EngineOptions(ring_mb=8, writer="thread", writer_priority="normal", device_ring_mb=32)
+    assert EngineOptions().differences(EngineOptions()) == []
+    # writer_priority means nothing to a writer thread: no warning for it
+    assert EngineOptions(writer="thread").differences(EngineOptions(writer="thread", writer_priority="normal")) == []
+
+
+def test_a_later_attach_with_another_device_ring_gets_a_warning_and_the_first_setting(tmp_path, caplog):
+    """The first attach decides the engine-wide settings; device_ring_mb differences used to be
+    ignored without a word."""
+    first = fastdump.attach(None, tmp_path, role="a", writer="thread", device_ring_mb=64)
+    try:
+        with caplog.at_level(logging.WARNING, logger="fastdump"):
+            second = fastdump.attach(None, tmp_path, role="b", writer="thread", device_ring_mb=128)
+        try:
+            assert second._engine is first._engine
+            assert first._engine.options.device_ring_mb == 64
+            msgs = [r.getMessage() for r in caplog.records if "device_ring_mb" in r.getMessage()]
+            assert msgs and "device_ring_mb=64 (asked: 128)" in msgs[0], caplog.text
+        finally:
+            second.close()
+    finally:
+        first.close()
+
+
+def test_a_later_attach_with_the_same_engine_settings_says_nothing(tmp_path, caplog):
+    first = fastdump.attach(None, tmp_path, role="a", writer="thread")
+    try:
+        with caplog.at_level(logging.WARNING, logger="fastdump"):
+            second = fastdump.attach(None, tmp_path, role="b", writer="thread")
+        second.close()
+    finally:
+        first.close()
+    assert "staging engine already runs" not in caplog.text
+
+
+def test_integrations_read_the_public_parser():
+    assert config.parse_env({"FASTDUMP_EVERY": "4"}) == {"every": 4}
+    with pytest.raises(config.ConfigError, match="FASTDUMP_EVERY"):
+        config.parse_env({"FASTDUMP_EVERY": "0"})
