@@ -12,7 +12,7 @@ through, then flush(). Bandwidth = bytes / wall time from the first stage() to t
 Also reported: the stager's own drain bandwidth (D2H bytes / time with copies in flight), the same
 run with cudaMemcpyBatchAsync switched off (FASTDUMP_CUDA_BATCH=0), and the CPU cost of one
 stage() call for a small (8 KiB) tensor, raw and through fastdump.staging.cuda.stage_tensor.
-DESIGN.md target: fastdump >= 80% of the pinned peak.
+docs/DESIGN.md target: fastdump >= 80% of the pinned peak.
 """
 
 from __future__ import annotations

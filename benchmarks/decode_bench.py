@@ -511,7 +511,7 @@ def print_report(summary: dict, roles=ROLES) -> None:
             if r["error_last_rep"]:
                 notes.append(f"  {mode}/{role}: status={r['status_last_rep']} error={r['error_last_rep']}")
     print(format_table(headers, rows))
-    print("target (DESIGN.md): fastdump step / none <= 1.10 (CPU small, and GPU 8b eager).\n"
+    print("target (docs/DESIGN.md): fastdump step / none <= 1.10 (CPU small, and GPU 8b eager).\n"
           "'vs none (min)': fastest steps (background load only adds time); 'loop vs none': the whole\n"
           "prefill+decode loop (catches bursty costs a median hides, e.g. page-cache writeback);\n"
           "'loop+flush': the loop plus close() (work a short loop defers to its flush). Few rounds keep\n"

@@ -218,7 +218,7 @@ def print_report(summary: dict, num_leaves: int) -> None:
         if entry.get("writer_error"):
             notes.append(f"  {mode}: writer error: {entry['writer_error']}")
     print(format_table(headers, rows))
-    print("reference (FACTS.md, torch 2.13): no-op hook +1.8 µs/module; clone in hook +8 µs")
+    print("reference (docs/DESIGN.md, torch 2.13): no-op hook +1.8 µs/module; clone in hook +8 µs")
     if notes:
         print("notes:")
         print("\n".join(notes))

@@ -8,7 +8,7 @@
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
+from ._version import __version__
 
 __all__ = ["attach", "open", "diff", "maybe_attach", "Dumper", "__version__"]
 
@@ -32,7 +32,7 @@ def open(root):  # noqa: A001 - mirrors h5py.File / safetensors' naming
     """Read a dump: ``fastdump.open(root).load(role, rank, pass_id) -> dict[str, Tensor]``.
 
     ``root`` may be a list of roots (one per host of a multi-node run): read as one dump."""
-    from .reader import open as _open
+    from .multiroot import open as _open
 
     return _open(root)
 

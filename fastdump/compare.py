@@ -27,6 +27,7 @@ import time
 import warnings
 
 from . import format as fmt
+from .report import _missing_text, _span, _where, layer_of  # noqa: F401 - layer_of is public here too
 
 DEFAULT_ATOL = 1e-5
 DEFAULT_RTOL = 1e-5
@@ -34,7 +35,6 @@ DEFAULT_RTOL = 1e-5
 DEFAULT_METRIC_THRESHOLD = {"rel_diff": 1e-3, "cosine": 1e-3}
 METRICS = ("allclose", "rel_diff", "cosine")
 LAYOUT_META_KEY = "tp_layout"  # pass metadata {name: dim | "replicated" | "sum"}, if the capture side records it
-_LAYER_RE = re.compile(r"(?:^|\.)layers?\.(\d+)(?:\.|$|#)")
 
 
 class DiffError(Exception):
@@ -636,12 +636,6 @@ def _json_safe(value):
     return value
 
 
-def _where(row) -> str:
-    passes = f"pass {row['pass']}" if row["baseline_pass"] == row["pass"] else \
-        f"pass {row['pass']} (baseline {row['baseline_pass']})"
-    return f"{row['role']} rank {row['rank']} {passes}"
-
-
 def _fmt(value) -> str:
     return "-" if value is None else f"{value:.3g}"
 
@@ -656,34 +650,14 @@ def _row_numbers(row) -> str:
     return text
 
 
-def _missing_text(item) -> str:
-    if item["kind"] == "role":
-        return f"role {item['role']!r} only in the {item['only_in']}"
-    if item["kind"] == "rank":
-        return f"role {item['role']} rank {item['rank']} only in the {item['only_in']} ({item['path']})"
-    if item["kind"] == "passes":
-        return f"role {item['role']} rank {item['rank']}: passes {_span(item['passes'])} only in the {item['only_in']}"
-    return f"role {item['role']} rank {item['rank']}: {item['name']!r} only in the {item['only_in']} " \
-           f"(passes {_span(item['passes'])})"
-
-
-def _span(ids: list) -> str:
-    if len(ids) > 6:
-        return f"{ids[0]}..{ids[-1]} ({len(ids)})"
-    return ",".join(str(i) for i in ids)
-
-
-# ------------------------------------------------------------------------------------------ main
-
-
 def _open(source, side: str):
-    from . import reader
+    from . import multiroot
 
     if hasattr(source, "pass_names"):
         return source, False
     roots = [os.fspath(r) for r in source] if isinstance(source, (list, tuple)) else [os.fspath(source)]
     try:
-        return reader.open(roots if len(roots) > 1 else roots[0]), True
+        return multiroot.open(roots if len(roots) > 1 else roots[0]), True
     except (FileNotFoundError, ValueError, OSError) as exc:
         raise DiffError(f"{side}: {exc}") from None
 
@@ -828,12 +802,6 @@ def _diff(base_ds, target_ds, options: Options) -> DiffResult:
 
 def _roots(ds) -> list:
     return list(getattr(ds, "roots", [ds.root]))
-
-
-def layer_of(name: str):
-    """Layer number in a module name (``model.layers.7.mlp`` -> 7), or None."""
-    match = _LAYER_RE.search(name)
-    return int(match.group(1)) if match else None
 
 
 # ------------------------------------------------------------------------------------------- CLI

@@ -20,6 +20,20 @@ from pathlib import Path
 log = logging.getLogger("fastdump")
 
 _nvml_state = {"module": None, "tried": False, "error": None}
+_cuda_info = None
+
+
+def cuda_info(refresh: bool = False) -> dict:
+    """``_C.cuda_info()``, cached (it asks the driver once). Also ``fastdump.staging.cuda.cuda_info``."""
+    global _cuda_info
+    if _cuda_info is None or refresh:
+        from . import _C
+
+        try:
+            _cuda_info = dict(_C.cuda_info())
+        except Exception as exc:  # a broken driver must not break dumping
+            _cuda_info = {"compiled": bool(getattr(_C, "cuda_compiled", lambda: False)()), "reason": str(exc)}
+    return _cuda_info
 
 
 def _nvml():
@@ -99,9 +113,7 @@ def _visible_entry(index: int):
 def _cuda_bus_id(index: int):
     """PCI bus id of CUDA ordinal `index` via fastdump._C (only if CUDA is already usable here)."""
     try:
-        from .staging import cuda
-
-        info = cuda.cuda_info()
+        info = cuda_info()
         for dev in info.get("devices", []):
             if dev.get("index") == index and dev.get("pci_bus_id"):
                 return dev

@@ -132,9 +132,9 @@ def export_sglang(root, out, *, role_subdirs: bool | None = None, names: str = "
     pass file, as SGLang's hook does."""
     import torch
 
-    import fastdump
+    from .multiroot import open as open_dump
 
-    ds = fastdump.open(root)
+    ds = open_dump(root)
     roles, split = _layout(ds, role_subdirs)
     written = 0
     for role in roles:
@@ -166,9 +166,9 @@ def export_sglang_dumper(root, out, *, role_subdirs: bool | None = None, names: 
     (several tensors) becomes ``name.0``, ``name.1`` ... (SGLang's dumper splits tuples the same way)."""
     import torch
 
-    import fastdump
+    from .multiroot import open as open_dump
 
-    ds = fastdump.open(root)
+    ds = open_dump(root)
     roles, split = _layout(ds, role_subdirs)
     written = 0
     for role in roles:

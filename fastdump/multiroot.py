@@ -13,6 +13,14 @@ import os
 from .reader import DumpSet, _rank_dir_key
 
 
+def open(root):  # noqa: A001 - exported as fastdump.open
+    """Open a dump directory for reading; a list of directories (one per host of a multi-node run)
+    reads as one dump with the ranks merged."""
+    if isinstance(root, (list, tuple)):
+        return MultiDumpSet(root)
+    return DumpSet(root)
+
+
 class MultiDumpSet:
     def __init__(self, roots):
         roots = [os.fspath(root) for root in roots]

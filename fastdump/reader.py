@@ -713,12 +713,10 @@ class DumpSet:
         return _to_tensor(rows, dtype_name, scalar)
 
 
-def open(root):  # noqa: A001 - exported as fastdump.open
-    """Open a dump directory for reading; a list of directories (one per host of a multi-node run)
-    reads as one dump with the ranks merged (see ``fastdump.multiroot``)."""
+def open(root):  # noqa: A001
+    """Open one dump directory for reading. ``fastdump.open`` (``multiroot.open``) also takes a list
+    of directories; this module sits below ``multiroot`` and never imports it."""
     if isinstance(root, (list, tuple)):
-        from .multiroot import MultiDumpSet
-
-        return MultiDumpSet(root)
+        raise TypeError("reader.open takes one dump root; use fastdump.open for a list of roots")
     return DumpSet(root)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import html
 import math
 import os
+import re
 
 _REL_FLOOR = 1e-16  # rel_diff of identical tensors is 0; the log axes start here
 _MAX_HEATMAP_PASSES = 400
@@ -102,8 +103,6 @@ def execution_plot(rows: list, title: str, highlight=None) -> str:
 
 def heatmap(rows: list, title: str) -> str:
     """Max rel_diff per (pass, layer) of one role and rank; tensors outside layers in 'other'."""
-    from .compare import layer_of
-
     cells: dict = {}
     passes, layers, other = set(), set(), False
     for row in rows:
@@ -169,8 +168,6 @@ def _table(header: list, rows: list) -> str:
 
 
 def render(result) -> str:
-    from .compare import _missing_text, _where
-
     first = result.first_divergence
     verdict = "PASS" if result.ok else ("FAIL" if result.exit_code == 1 else "ERROR")
     body = [f"<h1>fastdump diff: {verdict}</h1>",
@@ -226,3 +223,40 @@ def write_html(result, path) -> str:
     path = os.fspath(path)
     fsutil.atomic_write_bytes(path, render(result).encode("utf-8"), durable=False)
     return path
+
+
+# --- how a row, a missing item and a layer are described: shared by the text and HTML renderings
+
+_LAYER_RE = re.compile(r"(?:^|\.)layers?\.(\d+)(?:\.|$|#)")
+
+
+def layer_of(name: str):
+    """Layer number in a module name (``model.layers.7.mlp`` -> 7), or None."""
+    match = _LAYER_RE.search(name)
+    return int(match.group(1)) if match else None
+
+
+def _where(row) -> str:
+    passes = f"pass {row['pass']}" if row["baseline_pass"] == row["pass"] else \
+        f"pass {row['pass']} (baseline {row['baseline_pass']})"
+    return f"{row['role']} rank {row['rank']} {passes}"
+
+
+def _missing_text(item) -> str:
+    if item["kind"] == "role":
+        return f"role {item['role']!r} only in the {item['only_in']}"
+    if item["kind"] == "rank":
+        return f"role {item['role']} rank {item['rank']} only in the {item['only_in']} ({item['path']})"
+    if item["kind"] == "passes":
+        return f"role {item['role']} rank {item['rank']}: passes {_span(item['passes'])} only in the {item['only_in']}"
+    return f"role {item['role']} rank {item['rank']}: {item['name']!r} only in the {item['only_in']} " \
+           f"(passes {_span(item['passes'])})"
+
+
+def _span(ids: list) -> str:
+    if len(ids) > 6:
+        return f"{ids[0]}..{ids[-1]} ({len(ids)})"
+    return ",".join(str(i) for i in ids)
+
+
+# ------------------------------------------------------------------------------------------ main

@@ -976,7 +976,7 @@ def _write_manifest(root: Path, config: dict) -> None:
     path = root / "fastdump.json"
     if path.exists():
         return
-    from .. import __version__
+    from .._version import __version__
 
     write_json_atomic(path, {
         "format": "fastdump", "format_version": _fmt.MANIFEST_VERSION, "fastdump_version": __version__,

@@ -1,6 +1,6 @@
 """``fastdump ls / verify / show``: look at a dump from the command line.
 
-``fastdump.cli`` registers these through ``add_arguments``; ``python -m fastdump.cli_dump`` runs
+``fastdump.cli`` registers these through ``add_arguments``; ``python -m fastdump.cli.dump`` runs
 them alone. ``verify`` checks files with h5py directly (not through the reader, which tolerates
 damage) so that it reports every problem instead of stopping at the first.
 """
@@ -606,7 +606,7 @@ def cmd_show(args) -> int:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m fastdump.cli_dump")
+    parser = argparse.ArgumentParser(prog="python -m fastdump.cli.dump")
     add_arguments(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(argv)
     return args.func(args)

@@ -12,7 +12,8 @@ def info() -> dict:
     """What this installation can do: versions, CUDA compiled in or not, GPUs seen, settings."""
     import h5py
 
-    from .. import __version__, _C
+    from .. import _C
+    from .._version import __version__
     from ..config import OTHER_VARS, env_table
 
     facts = {

@@ -22,6 +22,7 @@ import threading
 
 from .. import _C
 from .. import dtypes as _dtypes
+from ..devices import cuda_info  # noqa: F401 - part of this module's face (status, usable)
 
 log = logging.getLogger("fastdump")
 
@@ -39,7 +40,6 @@ RING_UNAVAILABLE = 7
 DEFAULT_DEVICE_RING_MB = 256
 
 _lock = threading.Lock()
-_info = None
 _warned = set()
 _stagers = []  # every stager made in this process (status())
 
@@ -52,17 +52,6 @@ def _warn_once(key: str, msg: str, *args) -> None:
 
 # ------------------------------------------------------------------------------------------------
 # What this build and machine can do
-
-
-def cuda_info(refresh: bool = False) -> dict:
-    """``_C.cuda_info()``, cached (it asks the driver once)."""
-    global _info
-    if _info is None or refresh:
-        try:
-            _info = dict(_C.cuda_info())
-        except Exception as exc:  # a broken driver must not break dumping
-            _info = {"compiled": bool(getattr(_C, "cuda_compiled", lambda: False)()), "reason": str(exc)}
-    return _info
 
 
 def usable() -> bool:

@@ -3,7 +3,7 @@
 One ``ChannelWriter`` per channel (one ``<root>/<role>/<rank dir>``), driven by the writer loop. It
 buffers whole passes in memory, grouping rows per (name, dtype, row shape) so that a segment holds a
 few large datasets instead of one dataset per tensor per pass (h5py costs ~100-250 us per dataset,
-~10 us per row written in one block: FACTS.md). A name with several layouts inside one segment (a
+~10 us per row written in one block: docs/DESIGN.md, "Facts"). A name with several layouts inside one segment (a
 row shape that changes, prefill vs decode shapes, a dtype change) simply gets one block per layout;
 a layout seen in a single pass is per-pass storage. Readers see none of this.
 

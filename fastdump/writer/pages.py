@@ -4,7 +4,7 @@ A segment stores all rows of one name as one dataset (docs/FORMAT.md), so rows o
 wait in the writer until their segment is written. They are copied out of the ring exactly once,
 into these pages. Because pages are aligned to ``ALIGN`` and sized in multiples of it, the segment
 write can hand them to the kernel with O_DIRECT: the disk's DMA reads them and no CPU copies them
-into the page cache, nor writes the page cache back later (h5segment.OpenSegment). And because
+into the page cache, nor writes the page cache back later (segment_file.OpenSegment). And because
 pages are reused from one segment to the next, the writer takes no page faults and makes no
 munmap calls once its first segment is written. Profiles of the writer before this (a fresh
 ``bytes`` per record, then a buffered write) showed ~45% of its CPU in the kernel's page-cache

@@ -4,7 +4,7 @@ The file is built as ``.seg-NNNNNN.h5.tmp``, closed, fsynced, renamed to ``seg-N
 directory fsynced: a visible segment is always complete. On any error the temporary file is removed
 and the error propagates; nothing half-written ever carries a ``seg-*.h5`` name.
 
-Speed notes (FACTS.md): every HDF5 object costs tens of microseconds, so the caller hands over whole
+Speed notes (docs/DESIGN.md, "Facts the design rests on"): every HDF5 object costs tens of microseconds, so the caller hands over whole
 blocks (all rows of one name and layout in the segment); datasets are created with the low-level API
 (~16 us instead of ~55 us through ``create_dataset``), contiguous, no compression, and each block is
 written in as few write calls as possible.
