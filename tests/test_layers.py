@@ -14,7 +14,7 @@ PACKAGE = Path(fastdump.__file__).parent
 # layer -> module prefixes in it (a prefix ending in "." is a folder)
 LAYERS = {
     "base": ("fastdump._C", "fastdump._version", "fastdump.format", "fastdump.dtypes", "fastdump.fsutil",
-             "fastdump.options", "fastdump.devices"),
+             "fastdump.options", "fastdump.protocol", "fastdump.devices"),
     "writer": ("fastdump.writer",),
     "staging": ("fastdump.staging", "fastdump.graphs"),
     "capture": ("fastdump.capture",),

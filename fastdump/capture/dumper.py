@@ -26,6 +26,7 @@ from pathlib import Path
 
 from .. import _C
 from .. import dtypes as _dtypes
+from .. import protocol
 from ..options import Options, _check_int
 from ..staging import engine as _engine
 from .. import graphs as _graphs
@@ -232,10 +233,9 @@ class Dumper:
             self._engine = Engine.acquire(o.engine)
             self._producer = self._engine.producer
             facts = _device_facts(model)
-            self._channel = self._engine.open_channel({
-                "dir": str(self.dir), "role": role, "rank": ranks, "pid": self._pid, "session": self.session,
-                "host": socket.gethostname(), "device": facts, "config": config,
-            })
+            self._channel = self._engine.open_channel(dict(
+                dir=str(self.dir), role=role, rank=ranks, pid=self._pid, session=self.session,
+                host=socket.gethostname(), device=facts, config=config))
             if not self._engine.alive:
                 raise RuntimeError(self._engine.error())
             # The CPU hot path: channel, pass id and wait settings live in C++, set once per pass.
@@ -336,8 +336,7 @@ class Dumper:
             if self._engine.alive and self.status == "running":
                 self._engine.flush_cuda(left())
                 self._fold_lane_counts()
-                ok = self._engine.control({"op": "close", "channel": self._channel, "stats": self._totals},
-                                          wait=True, timeout=left())
+                ok = self._engine.control(protocol.close(self._channel, self._totals), wait=True, timeout=left())
                 if ok and self._engine.alive:  # the final segment write itself can fail (disk full)
                     self.status = "closed"
                 elif self._engine.alive:
@@ -390,7 +389,7 @@ class Dumper:
                 log.warning("fastdump: the writer caught up; %s blocks for ring space again", self.dir)
             self._engine.stalled = False
         self._block = self._policy_block and not self._engine.stalled
-        if not self._engine.control({"op": "begin", "channel": self._channel, "pass": self.pass_id, "meta": {}},
+        if not self._engine.control(protocol.begin(self._channel, self.pass_id),
                                     block=self._block, block_timeout=self._block_timeout_s):
             self._totals["dropped_passes"] += 1  # `drop` with a full ring: the whole pass is dropped
             self._note_stall("a pass start")
@@ -416,15 +415,12 @@ class Dumper:
             meta = {"fastdump_meta_error": f"{type(exc).__name__}: {_short(exc)}"}
         if self._graphs is not None and self._graphs.open is not None:
             self._graphs.end_pass(meta)  # a graph was captured in this pass: its replays become passes
-        msg = {"op": "end", "channel": self._channel, "pass": self.pass_id, "meta": meta,
-               "dropped": self._dropped_pass,
-               "skipped": [{"name": n, "reason": r} for n, r in self._skipped.items()]}
         if self._incomplete is not None:
-            self._totals["incomplete_passes"] += 1
-            msg["incomplete"] = self._incomplete  # the writer records the pass as not complete
+            self._totals["incomplete_passes"] += 1  # the writer records the pass as not complete
             if self._mixed:
-                self._totals["mixed_passes"] += 1
-                msg["mixed"] = True  # `fastdump verify` fails on it
+                self._totals["mixed_passes"] += 1  # `fastdump verify` fails on it
+        msg = protocol.end(self._channel, self.pass_id, meta, self._dropped_pass, self._skipped,
+                           incomplete=self._incomplete, mixed=self._mixed)
         seq = self._engine.control(msg, block=self._block, block_timeout=self._block_timeout_s)
         if seq:
             unconfirmed = self._unconfirmed
@@ -456,8 +452,7 @@ class Dumper:
             if not self._budget_reached:
                 self._budget_reached = True  # said once, not every pass
                 log.warning("fastdump: %s reached its byte budget (%d bytes); dumping stops", self.dir, self.max_bytes)
-                self._engine.control({"op": "note", "channel": self._channel, "status": "running",
-                                      "budget_reached": True}, block=self._block,
+                self._engine.control(protocol.note(self._channel, "running", budget_reached=True), block=self._block,
                                      block_timeout=self._block_timeout_s)
             return False
         return True
@@ -556,7 +551,7 @@ class Dumper:
                 nid = self._name_ids.get(name)
                 if nid is None:
                     nid = len(self._name_ids)
-                    if not self._engine.control({"op": "name", "channel": self._channel, "id": nid, "name": name},
+                    if not self._engine.control(protocol.name(self._channel, nid, name),
                                                 block=self._block, block_timeout=self._block_timeout_s):
                         self._note_stall(name)
                         return None  # `drop` with a full ring: the tensor goes too
@@ -625,9 +620,9 @@ class Dumper:
     def _note_ring_failure(self, reason: str) -> None:
         if not self._ring_noted:  # once: rank.json says why CUDA tensors are dropped
             self._ring_noted = True
-            self._engine.control({"op": "note", "channel": self._channel, "status": "running",
-                                  "cuda_staging": {"device_ring": "unavailable", "reason": reason,
-                                                   "effect": "CUDA tensors on that GPU are dropped and counted"}})
+            self._engine.control(protocol.note(self._channel, "running", cuda_staging={
+                "device_ring": "unavailable", "reason": reason,
+                "effect": "CUDA tensors on that GPU are dropped and counted"}))
 
     def _stage_checked(self, name: str, t) -> None:
         """The rare cases: unsupported dtypes and layouts, lazy conj/neg bits (complex tensors, and
@@ -714,7 +709,7 @@ class Dumper:
         log.error("fastdump: dumping to %s stopped: %s", self.dir, error)
         if self._engine is not None and self._channel is not None and self._engine.alive:
             # The writer is fine (e.g. CUDA staging stopped): it rewrites rank.json later, with this.
-            self._engine.control({"op": "note", "channel": self._channel, "status": "error", "error": error},
+            self._engine.control(protocol.note(self._channel, "error", error=error),
                                  block=self._block)
         try:
             info = read_json(self.dir / "rank.json") or {}

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import atexit
 import itertools
-import json
 import logging
 import os
 import signal
@@ -20,6 +19,7 @@ import time
 from pathlib import Path
 
 from .. import _C
+from .. import protocol
 from ..options import EngineOptions
 
 log = logging.getLogger("fastdump")
@@ -186,9 +186,10 @@ class Engine:
             log.error("fastdump: writer process %d survived SIGKILL", self._proc.pid)
 
     # -- channels ----------------------------------------------------------------------------------
-    def open_channel(self, open_msg: dict) -> int:
+    def open_channel(self, facts: dict) -> int:
+        """A new channel, announced to the writer (``protocol.open_channel``'s fields) and acked."""
         channel = next(self._channels)
-        self.control(dict(open_msg, op="open", channel=channel), wait=True)
+        self.control(protocol.open_channel(channel, **facts), wait=True)
         return channel
 
     def channel_stager(self, channel: int, fast_codes: dict, strided) -> "_C.ChannelStager":
@@ -205,7 +206,7 @@ class Engine:
         Python every WAIT_SLICE_S, so Ctrl-C interrupts it.
         """
         deadline = time.monotonic() + (timeout if block_timeout is None else block_timeout)
-        payload = json.dumps(msg).encode()
+        payload = protocol.encode(msg)
         channel = msg.get("channel", 0)
         seq = self.producer.put_control(channel, payload, False)
         while seq == 0 and block and not self.producer.disabled:
@@ -305,7 +306,7 @@ class Engine:
             except Exception as exc:  # never let teardown crash the host program
                 log.error("fastdump: CUDA stager shutdown failed: %s", exc)
         if self.producer.writer_alive():
-            self.control({"op": "shutdown"}, wait=True, timeout=left())
+            self.control(protocol.shutdown(), wait=True, timeout=left())
         self._stop_writer(timeout=left())
 
     def forget_in_forked_child(self) -> None:

@@ -1,0 +1,75 @@
+"""fastdump.protocol: every control message is built in one place, the writer reads what the
+constructors build, and docs/INTERNALS.md's control-message table says the same."""
+
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from fastdump import _C, protocol
+
+INTERNALS = Path(__file__).resolve().parent.parent / "docs" / "INTERNALS.md"
+
+
+def _doc_table() -> dict:
+    text = INTERNALS.read_text()
+    section = text[text.index("## Control messages"):]
+    section = section[:section.index("\n## ", 3)] if "\n## " in section[3:] else section
+    rows = {}
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 3 and re.fullmatch(r"`\w+`", cells[0]):
+            fields = re.sub(r"\([^)]*\)", "", cells[1])  # parentheses describe a field, they are not fields
+            rows[cells[0].strip("`")] = set(re.findall(r"`(\w+)`", fields))
+    return rows
+
+
+def test_internals_table_lists_every_message_with_its_fields():
+    table = _doc_table()
+    assert set(table) == set(protocol.MESSAGES)
+    for op, (required, optional) in protocol.MESSAGES.items():
+        fields = set(required) | set(optional) | ({"channel"} if op != "shutdown" else set())
+        assert table[op] == fields, f"{op}: INTERNALS says {sorted(table[op])}, protocol has {sorted(fields)}"
+
+
+def test_constructors_build_exactly_the_declared_fields():
+    built = {
+        "open": protocol.open_channel(3, dir="/d", role="target", rank={"tp_rank": 0}, pid=1, session="s",
+                                      host="h", device={}, config={}),
+        "name": protocol.name(3, 7, "model.layers.0"),
+        "begin": protocol.begin(3, 5),
+        "end": protocol.end(3, 5, {"k": 1}, 2, {"x": "why"}, incomplete="raised", mixed=True),
+        "note": protocol.note(3, "running", budget_reached=True),
+        "close": protocol.close(3, {"passes": 1}),
+        "shutdown": protocol.shutdown(),
+    }
+    for op, msg in built.items():
+        required, optional = protocol.MESSAGES[op]
+        keys = set(msg) - {"op", "channel"}
+        assert msg["op"] == op and set(required) <= keys <= set(required) | set(optional), op
+        assert protocol.decode(protocol.encode(msg)) == msg
+    assert built["end"]["skipped"] == [{"name": "x", "reason": "why"}]
+    assert "incomplete" not in protocol.end(3, 5, {}, 0, {}, mixed=True)  # mixed only with incomplete
+    with pytest.raises(TypeError, match="budget"):
+        protocol.note(3, "running", budget=True)
+
+
+def test_next_batch_items_are_records_in_the_declared_order():
+    name = f"/fastdump-test-protocol-{np.random.randint(1 << 30)}"
+    producer = _C.Producer(name, 1 << 20, 0)
+    try:
+        consumer = _C.Consumer(name)
+        data = np.arange(6, dtype=np.float32).reshape(2, 3)
+        assert producer.stage_host(2, 9, 4, 0, 4, (2, 3), (3, 1), data.ctypes.data, True) == _C.STAGED
+        seq = producer.put_control(2, protocol.encode(protocol.begin(2, 4)))
+        batch = consumer.next_batch(1.0)
+    finally:
+        producer.unlink()
+    tensor, control = (protocol.Record._make(item) for item in batch[:2])
+    assert len(batch[0]) == len(protocol.Record._fields)
+    assert (tensor.kind, tensor.channel, tensor.name_id, tensor.pass_id, tensor.shape) == (_C.KIND_TENSOR, 2, 9, 4, (2, 3))
+    assert np.array_equal(np.frombuffer(bytes(tensor.payload), np.float32), data.ravel())
+    assert (tensor.offset, tensor.total) == (0, data.nbytes)
+    assert control.kind == _C.KIND_CONTROL and control.seq == seq
+    assert protocol.decode(control.payload) == protocol.begin(2, 4)
