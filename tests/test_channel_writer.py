@@ -15,6 +15,7 @@ from fastdump import dtypes, reader
 from fastdump import format as fmt
 from fastdump.writer import segment_file as h5segment
 from fastdump.writer.channel_writer import ChannelWriter
+from conftest import require_o_direct
 
 RANK_DIR = "TP0_PP0_Rank0_pid4242"
 
@@ -643,28 +644,8 @@ def test_page_buffer_keeps_the_stream_and_splits_it_for_o_direct():
     assert pool.allocated == allocated  # the second round reuses the pages: no new memory, no faults
 
 
-def _direct_io_supported(directory) -> bool:
-    path = os.path.join(directory, "probe")
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | getattr(os, "O_DIRECT", 0))
-    except OSError:
-        return False
-    os.close(fd)
-    os.unlink(path)
-    return hasattr(os, "O_DIRECT")
-
-
-def _write_odd_rows(tmp_path, monkeypatch):
+def _write_odd_rows(tmp_path, direct):
     """Rows of sizes that leave every kind of tail; returns (sent, O_DIRECT bytes per segment)."""
-    direct = []
-    real_close_fd = h5segment.OpenSegment.close_fd
-
-    def recording_close_fd(self):
-        if self._fd is not None:
-            direct.append(self.direct_bytes)
-        real_close_fd(self)
-
-    monkeypatch.setattr(h5segment.OpenSegment, "close_fd", recording_close_fd)
     gen = torch.Generator().manual_seed(3)
     w = ChannelWriter(open_msg(tmp_path, segment_passes=3))
     f = Feeder(w)
@@ -685,23 +666,21 @@ def _write_odd_rows(tmp_path, monkeypatch):
     return sent, direct
 
 
-def test_buffered_rows_reach_the_disk_with_o_direct(tmp_path, monkeypatch):
-    if not _direct_io_supported(tmp_path):
-        pytest.skip(f"{tmp_path} refuses O_DIRECT")
+def test_buffered_rows_reach_the_disk_with_o_direct(tmp_path, monkeypatch, o_direct_bytes):
+    require_o_direct(tmp_path)
     monkeypatch.delenv("FASTDUMP_NO_DIRECT_IO", raising=False)
-    _, direct = _write_odd_rows(tmp_path, monkeypatch)
+    _, direct = _write_odd_rows(tmp_path, o_direct_bytes)
     assert len(direct) == 3 and all(n > 0 for n in direct)
 
 
-def test_without_o_direct_every_write_is_buffered(tmp_path, monkeypatch):
+def test_without_o_direct_every_write_is_buffered(tmp_path, monkeypatch, o_direct_bytes):
     monkeypatch.setenv("FASTDUMP_NO_DIRECT_IO", "1")
-    _, direct = _write_odd_rows(tmp_path, monkeypatch)
+    _, direct = _write_odd_rows(tmp_path, o_direct_bytes)
     assert direct == [0, 0, 0]
 
 
-def test_a_device_that_refuses_the_alignment_falls_back_to_buffered(tmp_path, monkeypatch):
-    if not _direct_io_supported(tmp_path):
-        pytest.skip(f"{tmp_path} refuses O_DIRECT")
+def test_a_device_that_refuses_the_alignment_falls_back_to_buffered(tmp_path, monkeypatch, o_direct_bytes):
+    require_o_direct(tmp_path)
     import errno
     import fcntl
 
@@ -713,5 +692,5 @@ def test_a_device_that_refuses_the_alignment_falls_back_to_buffered(tmp_path, mo
         return real_pwritev(fd, buffers, offset)
 
     monkeypatch.setattr(h5segment.os, "pwritev", einval_for_direct)
-    _, direct = _write_odd_rows(tmp_path, monkeypatch)
+    _, direct = _write_odd_rows(tmp_path, o_direct_bytes)
     assert direct == [0, 0, 0]

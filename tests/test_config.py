@@ -1,8 +1,6 @@
 """FASTDUMP_* environment flag: parsing, one clear error per bad value, maybe_attach."""
 
 import dataclasses
-import re
-from pathlib import Path
 
 import pytest
 import torch
@@ -11,14 +9,7 @@ import fastdump
 from fastdump import config
 from fastdump.config import ConfigError, env_table, maybe_attach, settings_from_env
 from fastdump.options import Options
-
-DOCS = Path(__file__).parents[1] / "docs" / "INTEGRATIONS.md"
-
-
-def doc_example(name):
-    m = re.search(rf"<!-- example: {name} -->\s*```python\n(.*?)```", DOCS.read_text(), re.S)
-    assert m, f"example {name!r} missing from {DOCS}"
-    return m.group(1)
+from conftest import doc_example
 
 
 def test_unset_means_off():

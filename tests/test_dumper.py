@@ -10,6 +10,7 @@ import torch
 import fastdump
 from fastdump import dtypes
 from toy_models import LeafReference, TinyDraft, TinyLM
+from conftest import require_o_direct
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -307,24 +308,9 @@ def test_bad_writer_priority_is_a_clear_error(tmp_path):
         fastdump.attach(None, tmp_path, writer_priority="realtime")
 
 
-def test_large_tensors_go_from_the_ring_to_disk_with_o_direct(tmp_path, monkeypatch):
-    from fastdump.writer import segment_file as h5segment
-
-    probe = tmp_path / "probe"
-    try:
-        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_DIRECT))
-    except (OSError, AttributeError):
-        pytest.skip(f"{tmp_path} refuses O_DIRECT")
-    probe.unlink()
-    direct = []
-    real_close_fd = h5segment.OpenSegment.close_fd
-
-    def recording_close_fd(self):
-        if self._fd is not None:
-            direct.append(self.direct_bytes)
-        real_close_fd(self)
-
-    monkeypatch.setattr(h5segment.OpenSegment, "close_fd", recording_close_fd)  # the thread writer is here
+def test_large_tensors_go_from_the_ring_to_disk_with_o_direct(tmp_path, o_direct_bytes):
+    require_o_direct(tmp_path)
+    direct = o_direct_bytes  # the thread writer runs in this process, so the recording sees it
     gen = torch.Generator().manual_seed(1)
     sent = [torch.randn((1 << 18) + 1001 * i, generator=gen) for i in range(4)]  # 1 MiB + odd tails
     with fastdump.attach(None, tmp_path, writer="thread", ring_mb=8) as d:

@@ -5,7 +5,6 @@ import json
 import os
 import re
 import shlex
-from pathlib import Path
 
 import pytest
 import torch
@@ -13,14 +12,7 @@ from torch import nn
 
 import fastdump
 from fastdump import export
-
-DOCS = Path(__file__).parents[1] / "docs" / "INTEGRATIONS.md"
-
-
-def doc_example(name):
-    m = re.search(rf"<!-- example: {name} -->\s*```python\n(.*?)```", DOCS.read_text(), re.S)
-    assert m, f"example {name!r} missing from {DOCS}"
-    return m.group(1)
+from conftest import DOCS, doc_example
 
 
 class Block(nn.Module):
@@ -109,7 +101,7 @@ def test_several_roles_cannot_be_flattened(tmp_path):
 def test_docs_example(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     ds = make_dump("dump")
-    (command,) = re.findall(r"^fastdump export .*$", DOCS.read_text(), re.M)  # the documented command line
+    (command,) = re.findall(r"^fastdump export .*$", (DOCS / "INTEGRATIONS.md").read_text(), re.M)  # the documented command line
     from fastdump import cli
 
     assert cli.main(shlex.split(command)[1:]) == 0

@@ -2,8 +2,6 @@
 
 import inspect
 import os
-import re
-from pathlib import Path
 
 import pytest
 import torch
@@ -13,14 +11,7 @@ transformers = pytest.importorskip("transformers", reason="transformers not inst
 
 import fastdump  # noqa: E402
 from fastdump.integrations.hf import dump_generate, forward_meta  # noqa: E402
-
-DOCS = Path(__file__).parents[1] / "docs" / "INTEGRATIONS.md"
-
-
-def doc_example(name):
-    m = re.search(rf"<!-- example: {name} -->\s*```python\n(.*?)```", DOCS.read_text(), re.S)
-    assert m, f"example {name!r} missing from {DOCS}"
-    return m.group(1)
+from conftest import doc_example
 
 
 def tiny_llama(layers, seed):

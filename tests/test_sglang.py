@@ -6,7 +6,6 @@ must equal them bit for bit."""
 import enum
 import math
 import os
-import re
 import subprocess
 import sys
 import textwrap
@@ -21,15 +20,9 @@ import fastdump
 from fastdump.capture import close_all
 from fastdump import format as fmt
 from fastdump.integrations import sglang as fsg
+from conftest import doc_example
 
 H, V = 16, 32
-DOCS = Path(__file__).parents[1] / "docs" / "INTEGRATIONS.md"
-
-
-def doc_example(name):
-    m = re.search(rf"<!-- example: {name} -->\s*```python\n(.*?)```", DOCS.read_text(), re.S)
-    assert m, f"example {name!r} missing from {DOCS}"
-    return m.group(1)
 
 
 class ForwardMode(enum.IntEnum):
