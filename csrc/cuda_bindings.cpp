@@ -320,7 +320,6 @@ void bind_cuda(py::module_& m) {
         "devices [{index, name, uuid, pci_bus_id, total_memory, ...}], reason (when no GPU is usable)");
   m.def("cuda_pointer_device", &cuda_pointer_device, py::arg("ptr"),
         "GPU ordinal owning a device (or managed) pointer; -1 for host memory");
-  m.attr("CAPTURING") = kStageCapturing;
   bind_graph_recorder(m);
 
   py::class_<CudaStager>(m, "CudaStager")

@@ -830,7 +830,7 @@ struct CudaStager::Impl {
     if (ce == cudaErrorStreamCaptureImplicit || (ce == cudaSuccess && cs != cudaStreamCaptureStatusNone)) {
       if (ce != cudaSuccess) (void)cudaGetLastError();
       n_capturing.fetch_add(1, std::memory_order_relaxed);
-      return kStageCapturing;
+      return kCapturing;
     }
     if (ce != cudaSuccess) throw_cuda(ce, "cudaStreamIsCapturing(producer stream)");
     cudaStream_t producer = reinterpret_cast<cudaStream_t>(src.producer_stream);
@@ -841,7 +841,7 @@ struct CudaStager::Impl {
       if (ce == cudaErrorStreamCaptureImplicit || (ce == cudaSuccess && cs != cudaStreamCaptureStatusNone)) {
         if (ce != cudaSuccess) (void)cudaGetLastError();
         n_capturing.fetch_add(1, std::memory_order_relaxed);
-        return kStageCapturing;
+        return kCapturing;
       }
       if (ce != cudaSuccess) throw_cuda(ce, "cudaStreamIsCapturing(producing stream)");
     }

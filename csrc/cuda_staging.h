@@ -12,10 +12,6 @@
 
 namespace fastdump {
 
-// Extra stage() result beside ring.h's StageStatus: the producer stream is being captured into a
-// CUDA graph. Nothing was enqueued (a capture would bake the ring addresses into the graph and the
-// side stream cannot wait on a captured event); the caller should count the tensor as skipped.
-constexpr int kStageCapturing = 5;
 
 // Called by stage() right before it may wait (ring full, `block` policy). The Python binding
 // releases the GIL there, so the fast path keeps it and only waits give it up. Called at most
@@ -116,7 +112,7 @@ class CudaStager {
   CudaStager(const CudaStager&) = delete;
   CudaStager& operator=(const CudaStager&) = delete;
 
-  // Returns a StageStatus (kStaged, kDropped, kDisabled, kTooLarge) or kStageCapturing. A ring full
+  // Returns a StageStatus (kStaged, kDropped, kDisabled, kTooLarge) or kCapturing. A ring full
   // under `block == false` drops the tensor and counts it (also in the producer's dropped count).
   // Never synchronizes the device or the producer stream. Throws std::runtime_error on CUDA errors.
   int stage(uint32_t channel, uint32_t name_id, int64_t pass_id, uint16_t dtype, const CudaSource& src,

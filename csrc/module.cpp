@@ -284,6 +284,8 @@ PYBIND11_MODULE(_C, m) {
   m.attr("TIMED_OUT") = static_cast<int>(kTimedOut);
   m.attr("TORN") = static_cast<int>(kTorn);
   m.attr("RING_TOO_SMALL") = static_cast<int>(kRingTooSmall);
+  m.attr("CAPTURING") = static_cast<int>(kCapturing);
+  m.attr("RING_UNAVAILABLE") = static_cast<int>(kRingUnavailable);
   m.attr("KIND_TENSOR") = static_cast<int>(kTensor);
   m.attr("KIND_CONTROL") = static_cast<int>(kControl);
   m.attr("WRITER_RUNNING") = static_cast<int>(kWriterRunning);

@@ -31,9 +31,14 @@ enum WriterState : uint64_t { kWriterStarting = 0, kWriterRunning = 1, kWriterFa
 //   were published; the writer records it as an incomplete tensor at its pass's end.
 // kRingTooSmall: a non-blocking attempt for a tensor that cannot fit in the ring at once (it could
 //   only be staged by waiting for the writer mid-tensor, which `drop` never does).
+// kCapturing (CUDA stager): the producer stream is being captured into a CUDA graph; nothing was
+//   enqueued (a capture would bake the ring addresses into the graph and the side stream cannot
+//   wait on a captured event); the caller counts the tensor as skipped.
+// kRingUnavailable (Python staging glue): the tensor's GPU has no device ring; nothing was staged.
+// The one definition of every staging status: module.cpp exports each to Python under its name.
 enum StageStatus : int {
-  kStaged = 0, kDropped = 1, kDisabled = 2, kTooLarge = 3, kNoSpace = 4,
-  kTimedOut = 6, kTorn = 7, kRingTooSmall = 8
+  kStaged = 0, kDropped = 1, kDisabled = 2, kTooLarge = 3, kNoSpace = 4, kCapturing = 5,
+  kTimedOut = 6, kTorn = 7, kRingTooSmall = 8, kRingUnavailable = 9
 };
 
 // A wait for ring space: none (`drop`), bounded, or unbounded (timeout_s < 0).

@@ -17,6 +17,8 @@ import logging
 import os
 from pathlib import Path
 
+from . import _C
+
 log = logging.getLogger("fastdump")
 
 _nvml_state = {"module": None, "tried": False, "error": None}
@@ -27,8 +29,6 @@ def cuda_info(refresh: bool = False) -> dict:
     """``_C.cuda_info()``, cached (it asks the driver once). Also ``fastdump.staging.cuda.cuda_info``."""
     global _cuda_info
     if _cuda_info is None or refresh:
-        from . import _C
-
         try:
             _cuda_info = dict(_C.cuda_info())
         except Exception as exc:  # a broken driver must not break dumping

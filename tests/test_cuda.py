@@ -29,7 +29,7 @@ import pytest
 import torch
 
 import fastdump
-from fastdump import _C, dtypes
+from fastdump import _C, devices, dtypes
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -80,7 +80,7 @@ def random_tensor(dt, shape, device="cpu", seed=0):
 
 
 # =================================================================================================
-# CPU unit tests of fastdump/cuda.py
+# CPU unit tests of fastdump/staging/cuda.py
 
 
 def test_importing_fastdump_does_not_import_cuda_glue():
@@ -251,7 +251,7 @@ def test_numpy_arrays_through_the_public_api(tmp_path):
 def test_status_warns_once_when_compiled_but_unusable(monkeypatch, caplog):
     from fastdump.staging import cuda
 
-    monkeypatch.setattr(cuda, "_info", {"compiled": True, "device_count": 0, "devices": [],
+    monkeypatch.setattr(devices, "_cuda_info", {"compiled": True, "device_count": 0, "devices": [],
                                         "reason": "cudaErrorNoDevice (no CUDA-capable device is detected)"})
     monkeypatch.setattr(cuda, "_warned", set())
     with caplog.at_level(logging.WARNING, logger="fastdump"):
@@ -265,7 +265,7 @@ def test_status_warns_once_when_compiled_but_unusable(monkeypatch, caplog):
 def test_get_stager_falls_back_to_host_copies_when_unusable(monkeypatch, caplog):
     from fastdump.staging import cuda
 
-    monkeypatch.setattr(cuda, "_info", {"compiled": False, "reason": "built without a CUDA toolkit"})
+    monkeypatch.setattr(devices, "_cuda_info", {"compiled": False, "reason": "built without a CUDA toolkit"})
     monkeypatch.setattr(cuda, "_warned", set())
     ring = Ring(_C)
     with caplog.at_level(logging.WARNING, logger="fastdump"):
@@ -1249,7 +1249,8 @@ def glue(m, monkeypatch):
 
     monkeypatch.setattr(engine, "_C", m)
     monkeypatch.setattr(cuda, "_C", m)
-    monkeypatch.setattr(cuda, "_info", None)
+    monkeypatch.setattr(devices, "_C", m)  # cuda_info (cached in devices) asks the double too
+    monkeypatch.setattr(devices, "_cuda_info", None)
     monkeypatch.setattr(cuda, "_ring_failures", {})
     current = m._mock.stream_create()
     monkeypatch.setattr(cuda, "_current_stream", lambda device: (current, FakeStream(current)))

@@ -290,3 +290,17 @@ def test_channel_stager_stage_tensor_takes_only_plain_cpu_tensors():
                   torch.empty(3, device="meta")):             # not on the CPU
         assert lane.stage_tensor(2, other) == _C.ChannelStager.NOT_FAST, other
     assert consumer.next(0.05) is None and lane.take_counts() == (0, 0)
+
+
+def test_every_staging_status_has_one_value_defined_in_the_extension():
+    """One StageStatus enum in csrc/ring.h, exported under each name: the Python glue once defined
+    RING_UNAVAILABLE = 7 itself, the value of TORN, so a torn CUDA tensor would have been counted as
+    a device-ring failure."""
+    from fastdump.staging import cuda
+
+    names = ("STAGED", "DROPPED", "DISABLED", "TOO_LARGE", "CAPTURING", "TIMED_OUT", "TORN", "RING_TOO_SMALL",
+             "RING_UNAVAILABLE")
+    values = {name: getattr(_C, name) for name in names}
+    assert len(set(values.values())) == len(names), values
+    assert cuda.CAPTURING == _C.CAPTURING and cuda.RING_UNAVAILABLE == _C.RING_UNAVAILABLE
+    assert cuda.RING_UNAVAILABLE != _C.TORN

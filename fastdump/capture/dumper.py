@@ -822,7 +822,7 @@ class Dumper:
 
 _MISSING = object()
 _MAX_NESTING = 32  # containers inside containers in one output; deeper is skipped with the reason
-_CAPTURING = getattr(_C, "CAPTURING", 5)  # CudaStager.stage: the producer stream is being captured
+_CAPTURING = _C.CAPTURING  # CudaStager.stage: the producer stream is being captured
 _STAGED = _C.STAGED
 _NOT_FAST = _C.ChannelStager.NOT_FAST  # ChannelStager.stage_tensor: take the general path
 

@@ -32,10 +32,10 @@ DISABLED = _C.DISABLED
 TOO_LARGE = _C.TOO_LARGE
 #: stage() result when the producer stream is being captured into a CUDA graph: nothing was staged
 #: (hooks do not run on graph replay anyway); count the tensor as skipped, not as a failure.
-CAPTURING = getattr(_C, "CAPTURING", 5)
+CAPTURING = _C.CAPTURING
 #: stage_tensor() result when the tensor's GPU has no device ring (allocation failed): nothing was
 #: staged; the caller counts the tensor as dropped and records ring_failure(stager) once.
-RING_UNAVAILABLE = 7
+RING_UNAVAILABLE = _C.RING_UNAVAILABLE  # was 7 here, the value of _C.TORN: a torn CUDA tensor read as this
 
 DEFAULT_DEVICE_RING_MB = 256
 
