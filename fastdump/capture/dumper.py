@@ -13,10 +13,7 @@ import collections
 import dataclasses
 import functools
 import logging
-import math
-import numbers
 import os
-import re
 import socket
 import sys
 import threading
@@ -27,7 +24,10 @@ from pathlib import Path
 from .. import _C
 from .. import dtypes as _dtypes
 from .. import protocol
-from ..options import Options, _check_int
+from ..options import Options
+from .manifest import cuda_index as _cuda_index, device_facts as _device_facts, write_manifest as _write_manifest
+from .ranks import resolve_ranks  # noqa: F401 - part of this module's face
+from .selection import root_selected as _root_selected, select_modules
 from ..staging import engine as _engine
 from .. import graphs as _graphs
 from ..staging.engine import Engine
@@ -36,7 +36,6 @@ from .. import format as _fmt
 
 log = logging.getLogger("fastdump")
 
-_LAYER_RE = re.compile(r"^model\.layers\.(\d+)(?:\.|$)")  # layers= means model.layers.N only, as in SGLang
 _open_dumpers: "weakref.WeakSet[Dumper]" = weakref.WeakSet()
 
 
@@ -74,51 +73,7 @@ _engine.on_exit(close_all)  # dumpers close before the engine stops, at interpre
 
 
 # ------------------------------------------------------------------------------------------------
-# Ranks and directory names
-
-
-def _env_int(*names: str):
-    for name in names:
-        value = os.environ.get(name)
-        if value not in (None, ""):
-            try:
-                return int(value)
-            except ValueError:
-                raise ValueError(f"{name}={value!r} is not an integer") from None
-    return None
-
-
-def resolve_ranks(tp_rank=None, tp_size=None, pp_rank=None, pp_size=None, dp_rank=None, dp_size=None,
-                  ep_rank=None, ep_size=None) -> dict:
-    """Ranks as given, else from torch.distributed, else from RANK/WORLD_SIZE-style variables."""
-    dist_rank = dist_size = None
-    try:
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized():
-            dist_rank, dist_size = dist.get_rank(), dist.get_world_size()
-    except Exception:
-        pass
-    if tp_rank is None:
-        tp_rank = dist_rank if dist_rank is not None else _env_int("TP_RANK", "RANK", "LOCAL_RANK")
-    if tp_size is None:
-        tp_size = dist_size if dist_size is not None else _env_int("TP_SIZE", "WORLD_SIZE")
-    for key, value in (("tp_rank", tp_rank), ("tp_size", tp_size), ("pp_rank", pp_rank), ("pp_size", pp_size),
-                       ("dp_rank", dp_rank), ("dp_size", dp_size), ("ep_rank", ep_rank), ("ep_size", ep_size)):
-        if value is not None:
-            _check_int(key, value, 1 if key.endswith("_size") else 0)
-    ranks = {
-        "tp_rank": tp_rank or 0, "tp_size": tp_size or 1,
-        "pp_rank": pp_rank or 0, "pp_size": pp_size or 1,
-        "dp_rank": dp_rank or 0, "dp_size": dp_size or 1,
-        "ep_rank": ep_rank or 0, "ep_size": ep_size or 1,
-    }
-    for key in ("tp", "pp", "dp", "ep"):
-        if not 0 <= ranks[f"{key}_rank"] < ranks[f"{key}_size"]:
-            raise ValueError(f"{key}_rank={ranks[f'{key}_rank']} is outside {key}_size={ranks[f'{key}_size']}")
-    # SGLang's numbering, so dumps line up with SGLang's own directories.
-    ranks["rank"] = ranks["tp_size"] * ranks["pp_rank"] + ranks["tp_rank"]
-    return ranks
+# Twins (ranks: capture/ranks.py; selection: capture/selection.py; manifest: capture/manifest.py)
 
 
 def _warn_if_twin(dumper) -> None:
@@ -131,40 +86,6 @@ def _warn_if_twin(dumper) -> None:
                         "this one writes its own directory %s (give each model its own role=)",
                         dumper.role, _fmt.rank_dir_name(dumper.ranks, dumper._pid), other.dir, dumper.dir)
             return
-
-
-# ------------------------------------------------------------------------------------------------
-# Module selection
-
-
-def select_modules(model, *, layers=None, include=None, exclude=None, module_types=None,
-                   leaves_only=True) -> list:
-    """(qualified name, module) of the modules to capture, in registration order."""
-    layer_set = None if layers is None else {int(i) for i in layers}
-    inc = re.compile(include) if isinstance(include, str) else include
-    exc = re.compile(exclude) if isinstance(exclude, str) else exclude
-    types = tuple(module_types) if module_types else None
-    chosen = []
-    for name, module in model.named_modules():
-        if name == "":
-            continue  # the root is handled by the pass wrapper
-        if leaves_only and next(iter(module.children()), None) is not None:
-            continue
-        if layer_set is not None:
-            m = _LAYER_RE.search(name)
-            if m and int(m.group(1)) not in layer_set:
-                continue
-        if inc is not None and not inc.search(name):
-            continue
-        if exc is not None and exc.search(name):
-            continue
-        if types is not None and not any(
-            (isinstance(t, str) and type(module).__name__ == t) or (isinstance(t, type) and isinstance(module, t))
-            for t in types
-        ):
-            continue
-        chosen.append((name, module))
-    return chosen
 
 
 # ------------------------------------------------------------------------------------------------
@@ -712,11 +633,11 @@ class Dumper:
             self._engine.control(protocol.note(self._channel, "error", error=error),
                                  block=self._block)
         try:
-            info = read_json(self.dir / "rank.json") or {}
+            info = read_json(self.dir / _fmt.RANK_FILE) or {}
             if info.get("status") == "error":
                 return  # the writer recorded its own failure
             info.update(status="error", error=error)
-            write_json_atomic(self.dir / "rank.json", info)
+            write_json_atomic(self.dir / _fmt.RANK_FILE, info)
         except OSError as exc:
             log.error("fastdump: cannot record the error in %s/rank.json: %s", self.dir, exc)
 
@@ -902,21 +823,6 @@ def _short(exc: BaseException, limit: int = 200) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
-def _root_selected(root_name: str, selection: dict) -> bool:
-    include, exclude, types = selection.get("include"), selection.get("exclude"), selection.get("module_types")
-    if types:
-        return False
-    if include is not None and not re.search(include, root_name):
-        return False
-    if exclude is not None and re.search(exclude, root_name):
-        return False
-    return True
-
-
-def _pattern(p):
-    return getattr(p, "pattern", p)
-
-
 def _jsonable(value, outer: tuple = ()):
     """Pass metadata as JSON: tensors become lists, unknown objects their str(); a container inside
     itself or deeper than _MAX_NESTING is cut there (never a RecursionError into the model)."""
@@ -937,44 +843,4 @@ def _jsonable(value, outer: tuple = ()):
     return name if isinstance(name, str) else str(value)
 
 
-def _cuda_index(hint, facts: dict):
-    """The CUDA device to prepare at attach: the `device=` hint ('cuda:1', 1, torch.device) or the
-    model's; None when neither is CUDA."""
-    if hint is not None:
-        text = str(hint)
-        if isinstance(hint, int):
-            return hint
-        if text.startswith("cuda"):
-            return int(text.split(":", 1)[1]) if ":" in text else 0
-        return None
-    return facts.get("index", 0) if facts.get("type") == "cuda" else None
 
-
-def _device_facts(model) -> dict:
-    if model is None or _torch is None:
-        return {}
-    try:
-        param = next(model.parameters())
-    except (StopIteration, AttributeError, TypeError):
-        return {}
-    if param.device.type != "cuda":
-        return {"type": param.device.type}
-    try:
-        from ..devices import device_facts
-
-        return dict(device_facts(param.device.index or 0), type="cuda", index=param.device.index or 0)
-    except Exception as exc:
-        return {"type": "cuda", "index": param.device.index or 0, "error": str(exc)}
-
-
-def _write_manifest(root: Path, config: dict) -> None:
-    path = root / "fastdump.json"
-    if path.exists():
-        return
-    from .._version import __version__
-
-    write_json_atomic(path, {
-        "format": "fastdump", "format_version": _fmt.MANIFEST_VERSION, "fastdump_version": __version__,
-        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "host": socket.gethostname(),
-        "command": sys.argv, "config": config,
-    })

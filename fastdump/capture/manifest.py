@@ -1,0 +1,57 @@
+"""What a dump says about itself at attach: the root's fastdump.json and the device facts sent with
+a channel's open message (the writer puts them in rank.json)."""
+
+from __future__ import annotations
+
+import socket
+import sys
+import time
+from pathlib import Path
+
+from .. import format as _fmt
+from ..fsutil import atomic_write_json
+
+
+def cuda_index(hint, facts: dict):
+    """The CUDA device to prepare at attach: the `device=` hint ('cuda:1', 1, torch.device) or the
+    model's; None when neither is CUDA."""
+    if hint is not None:
+        text = str(hint)
+        if isinstance(hint, int):
+            return hint
+        if text.startswith("cuda"):
+            return int(text.split(":", 1)[1]) if ":" in text else 0
+        return None
+    return facts.get("index", 0) if facts.get("type") == "cuda" else None
+
+
+def device_facts(model) -> dict:
+    """The model's device as the open message carries it: type, and for CUDA the GPU's facts."""
+    if model is None:
+        return {}
+    try:
+        param = next(model.parameters())
+    except (StopIteration, AttributeError, TypeError):
+        return {}
+    if param.device.type != "cuda":
+        return {"type": param.device.type}
+    try:
+        from ..devices import device_facts as gpu_facts
+
+        return dict(gpu_facts(param.device.index or 0), type="cuda", index=param.device.index or 0)
+    except Exception as exc:
+        return {"type": "cuda", "index": param.device.index or 0, "error": str(exc)}
+
+
+def write_manifest(root: Path, config: dict) -> None:
+    """fastdump.json at the dump root, written once by the first Dumper on that root."""
+    path = root / _fmt.MANIFEST_FILE
+    if path.exists():
+        return
+    from .._version import __version__
+
+    atomic_write_json(path, {
+        "format": "fastdump", "format_version": _fmt.MANIFEST_VERSION, "fastdump_version": __version__,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "host": socket.gethostname(),
+        "command": sys.argv, "config": config,
+    })
