@@ -860,13 +860,13 @@ struct CudaStager::Impl {
     }
     const ByteLayout layout = byte_layout(src);
 
-    // Record and segment sizes, in elements. A record is at most a host chunk; a segment (one
+    // Record and span sizes, in elements. A record is at most a host chunk; a span (one
     // snapshot into one device region) is at most half the device ring, a whole number of records.
     const uint64_t dmax = (dev->cap / 2) / kDevAlign * kDevAlign;
     const uint64_t rec_cap = std::min<uint64_t>(prod->chunk_bytes(), dmax);
     const uint64_t rec_elems = rec_cap / src.elem_size;
     if (rec_elems == 0) return kTooLarge;
-    const uint64_t seg_elems = rec_elems * std::max<uint64_t>(1, dmax / (rec_elems * src.elem_size));
+    const uint64_t span_elems = rec_elems * std::max<uint64_t>(1, dmax / (rec_elems * src.elem_size));
 
     // A tensor of several records has all its host records reserved before anything is
     // snapshotted, when they fit in the ring together: it is then staged whole or not at all, and
@@ -900,8 +900,8 @@ struct CudaStager::Impl {
     }
 
     bool started = false;  // part of this tensor is in the rings: finish it even under `drop`
-    for (uint64_t s0 = 0; s0 < numel; s0 += seg_elems) {
-      const uint64_t s1 = std::min(numel, s0 + seg_elems);
+    for (uint64_t s0 = 0; s0 < numel; s0 += span_elems) {
+      const uint64_t s1 = std::min(numel, s0 + span_elems);
       Region* reg = nullptr;
       uint8_t* dptr = nullptr;
       if (!try_alloc(dev, (s1 - s0) * src.elem_size, &reg, &dptr)) {
@@ -948,7 +948,7 @@ struct CudaStager::Impl {
         it.res = res;
         it.len = len;
         if (r0 == s0) {
-          // The snapshot of the whole segment, then its event, both on the producer stream.
+          // The snapshot of the whole span, then its event, both on the producer stream.
           try {
             snapshot(dev, layout, src, s0, s1, dptr, stream);
           } catch (const std::exception& ex) {
@@ -1316,9 +1316,9 @@ struct CudaStager::Impl {
     std::lock_guard<std::mutex> g(reg_mu);
     if (host_pinned.load() || closed.load()) return 0.0;
     DeviceGuard guard(context_device(device));
-    uint8_t* base = prod->segment().data();
+    uint8_t* base = prod->region().data();
     const long page = ::sysconf(_SC_PAGESIZE) > 0 ? ::sysconf(_SC_PAGESIZE) : 4096;
-    const uint64_t len = align_to(prod->segment().capacity(), static_cast<uint64_t>(page));
+    const uint64_t len = align_to(prod->region().capacity(), static_cast<uint64_t>(page));
     RelaxedCapture relaxed;
     const double t0 = now_s();
     for (uint64_t off = 0; off < len; off += reg_piece) {

@@ -231,7 +231,7 @@ py::object next_record(Consumer& c, double timeout_s) {
 // is copied into a bytes object; its space is given back at once while no view is held.
 // With views on, a control record (pass end, close...) ends its batch: every view before it is
 // consumed by the time the caller reaches it, so the caller can release() the batch before the
-// control's possibly slow work (a segment write).
+// control's possibly slow work (an HDF5 segment write).
 py::list next_batch(Consumer& c, double timeout_s, size_t max_records, uint64_t max_bytes, uint64_t view_bytes) {
   py::list out;
   uint64_t bytes = 0;
@@ -304,24 +304,24 @@ PYBIND11_MODULE(_C, m) {
   py::class_<Producer>(m, "Producer")
       .def(py::init<const std::string&, uint64_t, uint64_t>(), py::arg("name"), py::arg("capacity"),
            py::arg("chunk_bytes") = 0)
-      .def_property_readonly("capacity", [](Producer& p) { return p.segment().capacity(); })
+      .def_property_readonly("capacity", [](Producer& p) { return p.region().capacity(); })
       .def_property_readonly("chunk_bytes", &Producer::chunk_bytes)
-      .def_property_readonly("name", [](Producer& p) { return p.segment().name(); })
-      .def("unlink", [](Producer& p) { p.segment().unlink(); })
+      .def_property_readonly("name", [](Producer& p) { return p.region().name(); })
+      .def("unlink", [](Producer& p) { p.region().unlink(); })
       .def("writer_attached",
-           [](Producer& p) { return p.segment().header()->writer_attached.load() != 0; })
-      .def("writer_error", [](Producer& p) { return std::string(p.segment().header()->error); })
+           [](Producer& p) { return p.region().header()->writer_attached.load() != 0; })
+      .def("writer_error", [](Producer& p) { return std::string(p.region().header()->error); })
       .def("set_writer_fd", &Producer::set_writer_fd)
       .def("writer_alive", &Producer::writer_alive)
       .def_property_readonly("disabled", &Producer::disabled)
       .def("disable", &Producer::disable)
       .def("used_bytes",
            [](Producer& p) {
-             RingHeader* h = p.segment().header();
+             RingHeader* h = p.region().header();
              return h->head.load() - h->tail.load();
            })
       .def_property_readonly("released_bytes",
-                             [](Producer& p) { return p.segment().header()->tail.load(); },
+                             [](Producer& p) { return p.region().header()->tail.load(); },
                              "ring bytes the writer has given back so far (monotonic)")
       .def("stage_host", &stage_host, py::arg("channel"), py::arg("name_id"), py::arg("pass_id"),
            py::arg("dtype"), py::arg("elem_size"), py::arg("shape"), py::arg("strides"), py::arg("ptr"),
@@ -400,11 +400,11 @@ PYBIND11_MODULE(_C, m) {
            "list of next() tuples; payloads >= view_bytes are views held until release(), others copies")
       .def("release", &Consumer::release, "give back the space of every record handed out so far")
       .def_property_readonly("holding", &Consumer::holding)
-      .def_property_readonly("capacity", [](Consumer& c) { return c.segment().capacity(); })
+      .def_property_readonly("capacity", [](Consumer& c) { return c.region().capacity(); })
       .def_property_readonly("drained", &Consumer::drained)
       .def_property_readonly("abandoned", &Consumer::abandoned)
       .def_property_readonly("producer_pid",
-                             [](Consumer& c) { return c.segment().header()->producer_pid; })
+                             [](Consumer& c) { return c.region().header()->producer_pid; })
       .def("ack", &Consumer::ack)
       .def("set_state", &Consumer::set_state, py::arg("state"), py::arg("error") = "");
 

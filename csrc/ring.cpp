@@ -77,14 +77,14 @@ bool peer_alive(int fd) {
 }  // namespace
 
 // ---------------------------------------------------------------------------------------------
-// Segment
+// ShmRegion
 
-Segment::~Segment() {
+ShmRegion::~ShmRegion() {
   if (base_) ::munmap(base_, size_);
   if (owner_ && !unlinked_) ::shm_unlink(name_.c_str());
 }
 
-void Segment::create(const std::string& name, uint64_t capacity) {
+void ShmRegion::create(const std::string& name, uint64_t capacity) {
   capacity = align_up(capacity);
   name_ = name;
   size_ = kHeaderBytes + capacity;
@@ -120,7 +120,7 @@ void Segment::create(const std::string& name, uint64_t capacity) {
   h->error[0] = 0;
 }
 
-void Segment::open(const std::string& name) {
+void ShmRegion::open(const std::string& name) {
   name_ = name;
   int fd = ::shm_open(name.c_str(), O_RDWR, 0600);
   if (fd < 0) throw sys_error("shm_open(" + name + ")");
@@ -141,7 +141,7 @@ void Segment::open(const std::string& name) {
   header()->writer_attached.store(1, std::memory_order_release);
 }
 
-void Segment::unlink() {
+void ShmRegion::unlink() {
   if (!unlinked_ && !name_.empty()) {
     ::shm_unlink(name_.c_str());
     unlinked_ = true;

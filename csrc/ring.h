@@ -47,7 +47,7 @@ constexpr double kWaitForever = -1.0;
 inline uint64_t align_up(uint64_t n) { return (n + kAlign - 1) & ~(kAlign - 1); }
 
 // Tensor payloads of this size or more start on a kPageBytes boundary in the ring (the writer's
-// O_DIRECT path; fastdump/writer/segments.py DIRECT_BYTES is the same number).
+// O_DIRECT path; fastdump/writer/channel_writer.py DIRECT_BYTES is the same number).
 constexpr uint64_t kPageBytes = 4096;
 constexpr uint64_t kPageAlignedBytes = 1ull << 20;
 
@@ -62,7 +62,7 @@ struct alignas(64) RingHeader {
   alignas(64) std::atomic<uint64_t> published;   // records made READY (for waking the writer)
   alignas(64) std::atomic<uint64_t> acked_seq;   // highest control seq the writer has handled
   std::atomic<uint64_t> writer_state;
-  std::atomic<uint64_t> writer_attached;         // writer has mapped the segment (producer may unlink)
+  std::atomic<uint64_t> writer_attached;         // writer has mapped the region (producer may unlink)
   char error[1024];                              // writer failure text
 };
 static_assert(sizeof(RingHeader) <= kHeaderBytes, "ring header too large");
@@ -94,13 +94,13 @@ inline uint64_t payload_offset(uint32_t ndim) {
   return align_up(sizeof(RecordHeader) + sizeof(ChunkInfo) + 8ull * ndim);
 }
 
-// A mapped shared-memory segment (either side).
-class Segment {
+// The mapped shared-memory region holding the ring (either side). "Segment" means an HDF5 file.
+class ShmRegion {
  public:
-  Segment() = default;
-  ~Segment();
-  Segment(const Segment&) = delete;
-  Segment& operator=(const Segment&) = delete;
+  ShmRegion() = default;
+  ~ShmRegion();
+  ShmRegion(const ShmRegion&) = delete;
+  ShmRegion& operator=(const ShmRegion&) = delete;
 
   void create(const std::string& name, uint64_t capacity);  // producer
   void open(const std::string& name);                        // writer
@@ -149,7 +149,7 @@ class Producer {
   Producer(const std::string& name, uint64_t capacity, uint64_t chunk_bytes);
   ~Producer();
 
-  Segment& segment() { return seg_; }
+  ShmRegion& region() { return seg_; }
 
   // Writer liveness: fd whose EOF/HUP means the writer is gone (-1: in-process thread writer).
   void set_writer_fd(int fd) { writer_fd_ = fd; }
@@ -212,7 +212,7 @@ class Producer {
   uint64_t span(uint64_t head, uint64_t poff, const std::vector<uint64_t>& plan) const;
   bool wait_for_space(uint64_t need, bool block, double timeout_s);
 
-  Segment seg_;
+  ShmRegion seg_;
   uint64_t chunk_bytes_;
   uint64_t control_reserve_;
   int writer_fd_ = -1;
@@ -240,7 +240,7 @@ class Consumer {
  public:
   explicit Consumer(const std::string& name);
 
-  Segment& segment() { return seg_; }
+  ShmRegion& region() { return seg_; }
   void set_producer_fd(int fd) { producer_fd_ = fd; }
   bool producer_alive();
 
@@ -258,7 +258,7 @@ class Consumer {
   uint64_t abandoned() const { return abandoned_; }
 
  private:
-  Segment seg_;
+  ShmRegion seg_;
   int producer_fd_ = -1;
   uint64_t cursor_ = 0;    // ring position of the next record to hand out
   uint64_t released_ = 0;  // ring position up to which space is given back (the tail we publish)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import fastdump
-from fastdump.staging.engine import SHM_DIR, SHM_PREFIX, remove_stale_segments
+from fastdump.staging.engine import SHM_DIR, SHM_PREFIX, remove_stale_regions
 
 SERVE = textwrap.dedent("""
     import os, sys, torch, fastdump
@@ -126,11 +126,11 @@ def test_leftover_shared_memory_of_a_dead_process_is_removed_at_start(tmp_path):
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     leftover = SHM_DIR / f"{SHM_PREFIX}{int(dead.stdout)}-0"
     leftover.write_bytes(b"\0" * 4096)
-    assert leftover.name in remove_stale_segments()
+    assert leftover.name in remove_stale_regions()
     assert not leftover.exists()
     live = SHM_DIR / f"{SHM_PREFIX}{os.getpid()}-999"
     live.write_bytes(b"")
     try:
-        assert live.name not in remove_stale_segments()
+        assert live.name not in remove_stale_regions()
     finally:
         live.unlink()

@@ -49,8 +49,8 @@ def exit_timeout() -> float:
     return value
 
 
-def remove_stale_segments(shm_dir: Path = SHM_DIR) -> list[str]:
-    """Unlink ring segments whose producer process is gone (left by a crash before unlink)."""
+def remove_stale_regions(shm_dir: Path = SHM_DIR) -> list[str]:
+    """Unlink shared-memory ring regions whose producer process is gone (left by a crash before unlink)."""
     removed = []
     try:
         entries = list(shm_dir.glob(SHM_PREFIX + "*"))
@@ -95,7 +95,7 @@ class Engine:
         A writer thread always shares the serving process's priority."""
         self.options = options  # checked by EngineOptions; see acquire for who decides them
         ring_mb, writer, self.writer_priority = options.ring_mb, options.writer, options.writer_priority
-        remove_stale_segments()
+        remove_stale_regions()
         self.pid = os.getpid()
         self.mode = writer
         self.refs = 0

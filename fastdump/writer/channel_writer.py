@@ -54,7 +54,7 @@ RESERVE_BYTES = 256 << 10  # a rank.json of ~1500 segments; beyond that a short 
 _DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 
 
-class _Pass:
+class _PassState:
     __slots__ = ("pass_id", "meta", "ended", "dropped", "skipped", "tensors", "nbytes", "incomplete", "mixed")
 
     def __init__(self, pass_id: int):
@@ -78,19 +78,19 @@ class _PendingSegment:
         self.name_slot: dict = {}  # channel name id -> position in this segment's name table
         self.names: list = []
         self.index: list = []  # (pass, name slot, block, first row, rows) in arrival order
-        self.passes: dict = {}  # pass id -> _Pass, in order of first appearance
+        self.passes: dict = {}  # pass id -> _PassState, in order of first appearance
         self.open_passes = 0
         self.nbytes = 0
         self.started = None  # time.time() of the first event
         self.last_end = None  # time.time() of the last pass end (idle rotation)
 
 
-def _pass_meta(record: _Pass) -> dict:
+def _pass_meta(pass_state: _PassState) -> dict:
     """A pass's PASS_META entry; ``incomplete``/``mixed`` only when the capture side reported them."""
-    entry = {"meta": record.meta, "skipped": record.skipped}
-    if record.incomplete is not None:
-        entry["incomplete"] = record.incomplete
-        if record.mixed:
+    entry = {"meta": pass_state.meta, "skipped": pass_state.skipped}
+    if pass_state.incomplete is not None:
+        entry["incomplete"] = pass_state.incomplete
+        if pass_state.mixed:
             entry["mixed"] = True
     return entry
 
@@ -127,7 +127,7 @@ class ChannelWriter:
         self._names: dict = {}
         self._pending = _PendingSegment()
         self._open = None  # OpenSegment holding this segment's large tensors, if any yet
-        self._current = None  # the _Pass that received the last tensor (fast path)
+        self._current = None  # the _PassState that received the last tensor (fast path)
 
         # Totals over everything written so far (rank.json).
         self._segments: list = []
@@ -178,27 +178,27 @@ class ChannelWriter:
     def on_begin(self, pass_id: int, meta: dict) -> None:
         if self.error is not None or self._closed:
             return
-        record = self._pass(pass_id)
+        pass_state = self._pass(pass_id)
         if meta:
-            record.meta.update(meta)
+            pass_state.meta.update(meta)
 
     def on_tensor(self, name_id: int, pass_id: int, dtype_code: int, shape: tuple, data: np.ndarray) -> None:
         # Hot path (50k+ calls/s): dictionary lookups and list appends only.
         if self.error is not None or self._closed:
             return
-        record = self._current
-        if record is None or record.pass_id != pass_id:
-            record = self._pass(pass_id)
-            self._current = record
+        pass_state = self._current
+        if pass_state is None or pass_state.pass_id != pass_id:
+            pass_state = self._pass(pass_id)
+            self._current = pass_state
         if type(shape) is not tuple:
             shape = tuple(shape)
         nbytes = len(data)  # 1-D uint8: bytes, numpy array or a view into the ring
         if (not 0 <= dtype_code < len(dtypes.ITEMSIZE) or len(shape) > MAX_DIMS
                 or nbytes != math.prod(shape) * dtypes.ITEMSIZE[dtype_code]):
-            self._skip(record, name_id, f"bad record: dtype code {dtype_code}, shape {list(shape)}, {nbytes} bytes")
+            self._skip(pass_state, name_id, f"bad record: dtype code {dtype_code}, shape {list(shape)}, {nbytes} bytes")
             return
         if shape and nbytes >= DIRECT_BYTES:
-            self._write_direct(record, name_id, pass_id, dtype_code, shape, data)
+            self._write_direct(pass_state, name_id, pass_id, dtype_code, shape, data)
             return
         if shape:
             layout = (name_id, dtype_code, shape[1:])
@@ -214,27 +214,27 @@ class ChannelWriter:
         block.data.append(data)  # our copy: ``data`` may be a view into the ring; first, so a failure leaves no index row
         pending.index.append((pass_id, block.name_slot, block.number, block.rows, rows, crc))
         block.rows += rows
-        record.tensors += 1
-        record.nbytes += nbytes
+        pass_state.tensors += 1
+        pass_state.nbytes += nbytes
         pending.nbytes += nbytes
 
     def on_end(self, pass_id: int, meta: dict, dropped: int = 0, skipped: list = (), incomplete: str = None,
                mixed: bool = False) -> None:
         if self.error is not None or self._closed:
             return
-        record = self._pass(pass_id)
+        pass_state = self._pass(pass_id)
         if incomplete:
-            record.incomplete = str(incomplete)
-            record.mixed = bool(mixed)
+            pass_state.incomplete = str(incomplete)
+            pass_state.mixed = bool(mixed)
         if meta:
-            record.meta.update(meta)
+            pass_state.meta.update(meta)
         if dropped:
-            record.dropped += int(dropped)
+            pass_state.dropped += int(dropped)
             self._dropped_in_passes += int(dropped)
         for entry in skipped or ():
-            self._record_skip(record, dict(entry))
-        if not record.ended:
-            record.ended = True
+            self._record_skip(pass_state, dict(entry))
+        if not pass_state.ended:
+            pass_state.ended = True
             self._pending.open_passes -= 1
         self._current = None
         now = time.time()
@@ -326,15 +326,15 @@ class ChannelWriter:
 
     # ----------------------------------------------------------------- internals
 
-    def _pass(self, pass_id: int) -> _Pass:
+    def _pass(self, pass_id: int) -> _PassState:
         pending = self._pending
-        record = pending.passes.get(pass_id)
-        if record is None:
-            record = pending.passes[pass_id] = _Pass(pass_id)
+        pass_state = pending.passes.get(pass_id)
+        if pass_state is None:
+            pass_state = pending.passes[pass_id] = _PassState(pass_id)
             pending.open_passes += 1
             if pending.started is None:
                 pending.started = time.time()
-        return record
+        return pass_state
 
     def _name_slot(self, name_id: int) -> int:
         pending = self._pending
@@ -352,7 +352,7 @@ class ChannelWriter:
         pending.block_by_layout[layout] = block
         return block
 
-    def _write_direct(self, record: _Pass, name_id: int, pass_id: int, code: int, shape: tuple, data) -> None:
+    def _write_direct(self, pass_state: _PassState, name_id: int, pass_id: int, code: int, shape: tuple, data) -> None:
         """A large tensor: its own block, written into the open segment file now (see DIRECT_BYTES)."""
         pending = self._pending
         block = Block(len(pending.blocks), self._name_slot(name_id), code, shape[1:], scalar=False)
@@ -367,8 +367,8 @@ class ChannelWriter:
         pending.blocks.append(block)  # not in block_by_layout: later rows of the name go elsewhere
         pending.index.append((pass_id, block.name_slot, block.number, 0, block.rows, _crc32c(data)))
         nbytes = len(data)  # 1-D uint8: bytes, numpy array or a view into the ring
-        record.tensors += 1
-        record.nbytes += nbytes
+        pass_state.tensors += 1
+        pass_state.nbytes += nbytes
         pending.nbytes += nbytes
 
     def skip_tensor(self, name_id: int, pass_id: int, reason: str) -> None:
@@ -377,12 +377,12 @@ class ChannelWriter:
             return
         self._skip(self._pass(pass_id), name_id, reason)
 
-    def _skip(self, record: _Pass, name_id: int, reason: str) -> None:
+    def _skip(self, pass_state: _PassState, name_id: int, reason: str) -> None:
         name = self._names.get(name_id, f"<unnamed {name_id}>")
-        self._record_skip(record, {"name": name, "reason": reason})
+        self._record_skip(pass_state, {"name": name, "reason": reason})
 
-    def _record_skip(self, record: _Pass, entry: dict) -> None:
-        record.skipped.append(entry)
+    def _record_skip(self, pass_state: _PassState, entry: dict) -> None:
+        pass_state.skipped.append(entry)
         self._skipped_total += 1
         reason = str(entry.get("reason", ""))
         self._skipped_reasons[reason] = self._skipped_reasons.get(reason, 0) + 1

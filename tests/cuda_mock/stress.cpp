@@ -69,12 +69,12 @@ int main(int argc, char** argv) {
 
   const std::string name = "/fdstress-" + std::to_string(getpid());
   Producer prod(name, 3 << 20, 64 << 10);  // small rings: lots of waiting, wrapping, chunking
-  prod.segment().unlink();
+  prod.region().unlink();
   // The reader follows Consumer::next/release through the producer's own mapping: a second
   // mapping (what Consumer does) has other addresses, which hides the tail hand-off from TSAN.
-  RingHeader* hdr = prod.segment().header();
-  uint8_t* data = prod.segment().data();
-  const uint64_t cap = prod.segment().capacity();
+  RingHeader* hdr = prod.region().header();
+  uint8_t* data = prod.region().data();
+  const uint64_t cap = prod.region().capacity();
 
   std::map<std::pair<uint32_t, uint32_t>, Got> got;  // (channel, name_id)
   std::vector<uint32_t> last_name(static_cast<size_t>(nthreads), 0);
@@ -255,7 +255,7 @@ int main(int argc, char** argv) {
   }
   // Wait for the reader to drain what is left.
   for (int i = 0; i < 400; ++i) {
-    RingHeader* h = prod.segment().header();
+    RingHeader* h = prod.region().header();
     if (h->head.load() == h->tail.load()) break;
     std::this_thread::sleep_for(std::chrono::milliseconds(5));
   }
