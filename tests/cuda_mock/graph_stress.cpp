@@ -64,10 +64,10 @@ int main(int argc, char** argv) {
 
   const std::string name = "/fdgstress-" + std::to_string(getpid());
   Producer prod(name, 2 << 20, 64 << 10);
-  prod.segment().unlink();
-  RingHeader* hdr = prod.segment().header();
-  uint8_t* data = prod.segment().data();
-  const uint64_t cap = prod.segment().capacity();
+  prod.region().unlink();
+  RingHeader* hdr = prod.region().header();
+  uint8_t* data = prod.region().data();
+  const uint64_t cap = prod.region().capacity();
 
   std::vector<std::map<int64_t, Pass>> passes(static_cast<size_t>(ngraphs));
   std::vector<int64_t> last_begin(static_cast<size_t>(ngraphs), -1);
