@@ -146,7 +146,7 @@ def _root(s: str) -> str:
     return s
 
 
-CUDA_GRAPH_MODES = ("record", "skip")  # cuda_graphs=: see fastdump/graphs.py
+CUDA_GRAPH_MODES = ("record", "skip")  # cuda_graphs=: see fastdump/staging/graphs.py
 
 
 @dataclass(frozen=True)

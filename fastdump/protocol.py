@@ -4,7 +4,9 @@ Two kinds of ring record (see docs/INTERNALS.md, "Ring protocol"): tensor record
 records. A control record's payload is one JSON object built by a constructor below, so every
 message the writer can receive is defined here, with its fields; INTERNALS' control-message table
 is checked against ``MESSAGES`` (tests/test_protocol.py). ``Record`` names the fields of one item of
-``_C.Consumer.next_batch``.
+``_C.Consumer.next_batch``. One exception: the CUDA-graph drain thread (csrc/cuda_graph_record.cu,
+``pass_json``) writes a replay's ``begin`` and ``end`` itself, without the GIL, with the fields
+declared here (its ``meta`` carries ``graph_replay``).
 
 Base layer: no torch, no h5py; imported by the staging engine, the Dumper and the writer process.
 """

@@ -1,4 +1,4 @@
-"""CUDA-graph record mode (fastdump/graphs.py, csrc/cuda_graph_record.cu) against the mock CUDA
+"""CUDA-graph record mode (fastdump/staging/graphs.py, csrc/cuda_graph_record.cu) against the mock CUDA
 runtime: the flow of SGLang's / vLLM's graph runners (warm-up passes, capture on a side stream in
 global or thread-local mode, one graph per batch size, replays interleaved with eager passes, a
 target and a draft Dumper), checked byte for byte per replay."""
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import fastdump
-from fastdump.graphs import free_device_memory
+from fastdump.staging.graphs import free_device_memory
 from test_cuda import (GLOBAL, RELAXED, THREAD_LOCAL, FakeCudaTensor, device_buffer, glue, m, mock,  # noqa: F401
                        same_bits, _attach)
 

@@ -16,7 +16,7 @@ LAYERS = {
     "base": ("fastdump._C", "fastdump._version", "fastdump.format", "fastdump.dtypes", "fastdump.fsutil",
              "fastdump.options", "fastdump.protocol", "fastdump.devices"),
     "writer": ("fastdump.writer",),
-    "staging": ("fastdump.staging", "fastdump.graphs"),
+    "staging": ("fastdump.staging",),
     "capture": ("fastdump.capture",),
     "read": ("fastdump.reader", "fastdump.multiroot", "fastdump.stats", "fastdump.report", "fastdump.compare",
              "fastdump.export"),

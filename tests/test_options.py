@@ -18,7 +18,8 @@ def test_every_variable_sets_an_option_and_its_parsed_value_passes_the_check(tmp
                "FASTDUMP_INPUTS": "1", "FASTDUMP_SKIP": "2", "FASTDUMP_EVERY": "3", "FASTDUMP_PASSES": "1:9",
                "FASTDUMP_MAX_BYTES": "100", "FASTDUMP_MAX_MB": "1", "FASTDUMP_POLICY": "drop",
                "FASTDUMP_BLOCK_TIMEOUT_S": "0.5", "FASTDUMP_WRITER": "thread", "FASTDUMP_WRITER_PRIORITY": "normal",
-               "FASTDUMP_RING_MB": "8", "FASTDUMP_DEVICE_RING_MB": "16", "FASTDUMP_SEGMENT_PASSES": "4",
+               "FASTDUMP_RING_MB": "8", "FASTDUMP_DEVICE_RING_MB": "16",
+               "FASTDUMP_CUDA_GRAPHS": "skip", "FASTDUMP_GRAPH_RING_MB": "32", "FASTDUMP_SEGMENT_PASSES": "4",
                "FASTDUMP_SEGMENT_MB": "2", "FASTDUMP_SEGMENT_SECONDS": "3", "FASTDUMP_SEGMENT_IDLE_SECONDS": "0",
                "FASTDUMP_STRICT": "1", "FASTDUMP_TP_RANK": "1", "FASTDUMP_TP_SIZE": "2", "FASTDUMP_PP_RANK": "0",
                "FASTDUMP_PP_SIZE": "1"}
@@ -34,7 +35,7 @@ def test_every_variable_sets_an_option_and_its_parsed_value_passes_the_check(tmp
 @pytest.mark.parametrize("option, value", [
     ("every", 0), ("skip_passes", -1), ("policy", "wait"), ("writer", "fork"), ("writer_priority", "low"),
     ("ring_mb", 0.1), ("device_ring_mb", 0), ("device_ring_mb", float("nan")), ("segment_idle_seconds", -1),
-    ("block_timeout_s", True), ("pass_range", (5, 2)), ("layers", [-1]), ("role", "a/b"), ("root", ""),
+    ("block_timeout_s", True), ("cuda_graphs", "replay"), ("graph_ring_mb", 0), ("pass_range", (5, 2)), ("layers", [-1]), ("role", "a/b"), ("root", ""),
 ])
 def test_bad_values_fail_at_construction_naming_the_option(tmp_path, option, value):
     kwargs = {"root": str(tmp_path), option: value}
@@ -56,7 +57,8 @@ def test_manifest_config_records_the_options_fastdump_json_always_had(tmp_path):
         d.close()
     assert list(written) == ["role", "layers", "include", "exclude", "module_types", "inputs", "skip_passes",
                              "every", "pass_range", "max_bytes", "policy", "block_timeout_s", "writer",
-                             "writer_priority", "ring_mb", "device_ring_mb", "segment_passes", "segment_mb",
+                             "writer_priority", "ring_mb", "device_ring_mb", "cuda_graphs", "graph_ring_mb",
+                             "segment_passes", "segment_mb",
                              "segment_seconds", "segment_idle_seconds"]
     assert written["layers"] == [1, 3] and written["include"] == "mlp" and written["pass_range"] == [0, 8]
     assert written["every"] == 2 and written["writer"] == "thread" and written["module_types"] == []

@@ -29,7 +29,7 @@ from .manifest import cuda_index as _cuda_index, device_facts as _device_facts, 
 from .ranks import resolve_ranks  # noqa: F401 - part of this module's face
 from .selection import root_selected as _root_selected, select_modules
 from ..staging import engine as _engine
-from .. import graphs as _graphs
+from ..staging import graphs as _graphs
 from ..staging.engine import Engine
 from ..fsutil import atomic_write_json as write_json_atomic, read_json
 from .. import format as _fmt
@@ -138,7 +138,7 @@ class Dumper:
         self._totals = {"passes": 0, "tensors": 0, "bytes": 0, "dropped": 0, "skipped": 0, "dropped_passes": 0,
                         "lost_pass_ends": 0, "incomplete_passes": 0, "mixed_passes": 0}
         self._wrapped: list = []
-        # CUDA-graph record mode (fastdump/graphs.py); None: tensors hooked during a capture are skipped.
+        # CUDA-graph record mode (fastdump/staging/graphs.py); None: tensors hooked during a capture are skipped.
         self._graphs = _graphs.GraphRecording(self, o.graph_ring_mb) if o.cuda_graphs == "record" else None
         self._engine = None
         self._channel = None

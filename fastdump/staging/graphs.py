@@ -15,13 +15,13 @@ import logging
 
 log = logging.getLogger("fastdump")
 
-from .options import CUDA_GRAPH_MODES as MODES  # noqa: E402 - defined with the option
+from ..options import CUDA_GRAPH_MODES as MODES  # noqa: E402 - defined with the option
 DEFAULT_GRAPH_RING_MB = 256
 LOG_ENTRIES = 1024  # replays that may wait for the drain at once (per Dumper and GPU)
 
 
 def _C():
-    from .staging import cuda
+    from . import cuda
 
     return cuda._C  # the mock build in tests (the same seam as the staging glue)
 
@@ -86,7 +86,7 @@ class GraphRecording:
     # -- capture (the capturing thread) ----------------------------------------------------------
     def record(self, name: str, name_id: int, code: int, t) -> None:
         """A CUDA tensor hooked while its stream captures: record its snapshot into the graph."""
-        from .staging import cuda
+        from . import cuda
 
         d = self._dumper
         device = t.get_device()
