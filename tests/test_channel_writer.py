@@ -13,7 +13,7 @@ import torch
 
 from fastdump import dtypes, reader
 from fastdump import format as fmt
-from fastdump.writer import segment_file as h5segment
+from fastdump.writer import segment_file
 from fastdump.writer.channel_writer import ChannelWriter
 from conftest import require_o_direct
 
@@ -202,17 +202,17 @@ def test_gathered_write_survives_short_writes_and_many_buffers(tmp_path, monkeyp
                 break
         return real_pwritev(fd, cut, offset)
 
-    monkeypatch.setattr(h5segment.os, "pwritev", short_pwritev)
-    rows = 2 * h5segment._IOV_MAX + 7
+    monkeypatch.setattr(segment_file.os, "pwritev", short_pwritev)
+    rows = 2 * segment_file._IOV_MAX + 7
     sent = {p: torch.arange(p * 37, p * 37 + 37, dtype=torch.int16).reshape(1, 37) for p in range(rows)}
     w = ChannelWriter(open_msg(tmp_path))
     f = Feeder(w)
     for p, t in sent.items():
         f.full_pass(p, {"x": t})
     w.close({})
-    assert max(calls) <= h5segment._IOV_MAX and len(calls) > rows * 74 // 1000
+    assert max(calls) <= segment_file._IOV_MAX and len(calls) > rows * 74 // 1000
     ds = reader.open(tmp_path)
-    for p in (0, 1, h5segment._IOV_MAX, rows - 1):
+    for p in (0, 1, segment_file._IOV_MAX, rows - 1):
         assert_same(ds.tensor("target", 0, "x", p), sent[p])
     with h5py.File(tmp_path / "target" / RANK_DIR / "seg-000000.h5", "r") as h5:
         (block,) = h5["blocks"].values()
@@ -471,7 +471,7 @@ def test_segment_numbers_continue_after_existing_files(tmp_path):
 
 def test_segment_is_invisible_until_complete(tmp_path, monkeypatch):
     seen = []
-    real_publish = h5segment.fsutil.publish
+    real_publish = segment_file.fsutil.publish
 
     def checking_publish(tmp, final):
         directory = os.path.dirname(final)
@@ -481,7 +481,7 @@ def test_segment_is_invisible_until_complete(tmp_path, monkeypatch):
             assert h5.attrs["format"] == fmt.FORMAT_NAME
         real_publish(tmp, final)
 
-    monkeypatch.setattr(h5segment.fsutil, "publish", checking_publish)
+    monkeypatch.setattr(segment_file.fsutil, "publish", checking_publish)
     w = ChannelWriter(open_msg(tmp_path))
     Feeder(w).full_pass(0, {"x": torch.ones(4)})
     w.close({})
@@ -493,7 +493,7 @@ def test_write_error_midway_leaves_no_segment_and_records_error(tmp_path, monkey
     w = ChannelWriter(open_msg(tmp_path, segment_passes=1))
     f = Feeder(w)
     f.full_pass(0, {"a": torch.ones(4), "b": torch.ones(4)})  # one good segment first
-    real_write_block = h5segment.OpenSegment.write_block
+    real_write_block = segment_file.OpenSegment.write_block
     calls = []
 
     def failing_write_block(segment, block):
@@ -502,7 +502,7 @@ def test_write_error_midway_leaves_no_segment_and_records_error(tmp_path, monkey
             raise OSError(28, "No space left on device")
         real_write_block(segment, block)
 
-    monkeypatch.setattr(h5segment.OpenSegment, "write_block", failing_write_block)
+    monkeypatch.setattr(segment_file.OpenSegment, "write_block", failing_write_block)
     w.on_begin(1, {})
     f.tensor(1, "a", torch.ones(4))
     f.tensor(1, "b", torch.ones(4))
@@ -531,7 +531,7 @@ def test_h5py_open_failure_is_reported(tmp_path, monkeypatch):
 
     w = ChannelWriter(open_msg(tmp_path))
     Feeder(w).full_pass(0, {"x": torch.ones(1)})
-    monkeypatch.setattr(h5segment.h5py, "File", refuse)
+    monkeypatch.setattr(segment_file.h5py, "File", refuse)
     with pytest.raises(OSError):
         w.close({})
     info = rank_json(tmp_path)
@@ -691,6 +691,6 @@ def test_a_device_that_refuses_the_alignment_falls_back_to_buffered(tmp_path, mo
             raise OSError(errno.EINVAL, "Invalid argument")
         return real_pwritev(fd, buffers, offset)
 
-    monkeypatch.setattr(h5segment.os, "pwritev", einval_for_direct)
+    monkeypatch.setattr(segment_file.os, "pwritev", einval_for_direct)
     _, direct = _write_odd_rows(tmp_path, o_direct_bytes)
     assert direct == [0, 0, 0]

@@ -1,7 +1,7 @@
 """The CUDA staging path.
 
 Three layers:
-  * CPU unit tests of fastdump/cuda.py (dtype mapping for the CUDA array interface and DLPack,
+  * CPU unit tests of fastdump/staging/cuda.py (dtype mapping for the CUDA array interface and DLPack,
     capsule parsing, fallbacks, status): run everywhere.
   * The real csrc/cuda_staging.cu compiled against a mock CUDA runtime (tests/cuda_mock: streams are
     threads with random delays, events are stream tickets): exercises ring allocation, chunking,

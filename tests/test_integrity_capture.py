@@ -128,11 +128,11 @@ def _open_msg(tmp_path):
 def test_the_writer_turns_a_bad_record_into_a_recorded_skip(tmp_path):
     """A 40-dim record (a producer without the capture-side check) and a tensor the channel raises
     on cost only themselves: the other tensors, the pass and the writer go on."""
-    from fastdump.writer import channel_writer as segments
+    from fastdump.writer import channel_writer
 
     good = torch.arange(4.0)
     deep = torch.zeros([1] * 39 + [2])
-    original = segments.ChannelWriter.on_tensor
+    original = channel_writer.ChannelWriter.on_tensor
 
     def raising_for_name_2(self, name_id, *args):
         if name_id == 2:
@@ -153,12 +153,12 @@ def test_the_writer_turns_a_bad_record_into_a_recorded_skip(tmp_path):
         control(9, op="shutdown"),
     ]
     consumer = ScriptedConsumer(records)
-    segments.ChannelWriter.on_tensor = raising_for_name_2
+    channel_writer.ChannelWriter.on_tensor = raising_for_name_2
     try:
         loop = WriterLoop(consumer)
         assert loop.run() == 0
     finally:
-        segments.ChannelWriter.on_tensor = original
+        channel_writer.ChannelWriter.on_tensor = original
     assert loop.failed is None and consumer.state[0] == _C.WRITER_EXITED
     ds = fastdump.open(tmp_path)
     rank = "TP0_PP0_Rank0_pid1"

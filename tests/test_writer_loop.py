@@ -79,12 +79,12 @@ def test_chunks_are_reassembled_and_a_torn_tensor_is_recorded_as_skipped(tmp_pat
 
 
 def test_a_failing_channel_stops_dumping_and_tells_the_producer(tmp_path, monkeypatch):
-    from fastdump.writer import channel_writer as segments
+    from fastdump.writer import channel_writer
 
     def broken(self, *args):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(segments.ChannelWriter, "on_tensor", broken)
+    monkeypatch.setattr(channel_writer.ChannelWriter, "on_tensor", broken)
     records = [
         control(1, op="open", channel=0, dir=str(tmp_path / "target" / "TP0_PP0_Rank0_pid1"), role="target", rank={}, pid=1, host="h",
                 device={}, config={"segment_passes": 8, "segment_mb": 64, "segment_seconds": 60}),
