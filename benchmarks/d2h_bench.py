@@ -216,7 +216,8 @@ def fastdump_drain(size: int, total: int, ring_bytes: int, device_ring_bytes: in
 
 def stage_call_cost(ring_bytes: int, device_ring_bytes: int, n: int) -> dict:
     """CPU microseconds per stage() of an 8 KiB tensor: raw binding call and through stage_tensor."""
-    from fastdump import _C, cuda, dtypes
+    from fastdump import _C, dtypes
+    from fastdump.staging import cuda
 
     ring = Ring(ring_bytes, 0)
     try:
