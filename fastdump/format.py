@@ -21,7 +21,11 @@ READABLE_VERSIONS = (1, 2)
 MANIFEST_VERSION = 1
 
 MANIFEST_FILE = "fastdump.json"
-RANK_FILE = "rank.json"
+RANK_FILE = "rank.json"  # written by the writer process alone
+# Written by the serving process alone, only when it stopped dumping and the writer could not be
+# told (dead, stopped, or already past its close): {"status": "error", "error": ..., "time": ...}.
+# Readers merge it into rank.json's facts; ``verify`` fails while it exists. One file, one writer.
+PRODUCER_ERROR_FILE = "producer_error.json"
 NAMES_FILE = "sglang_names.json"  # module names the SGLang drop-in records per rank (read by export)
 
 SEGMENT_RE = re.compile(r"^seg-(\d+)\.h5$")
@@ -32,6 +36,18 @@ SEGMENT_RE = re.compile(r"^seg-(\d+)\.h5$")
 # directory. A session id sorts by start time (UTC, microseconds) and ends in random bits:
 # ``TP0_PP0_Rank0_pid1234_20261201T013200.123456Z-9f3ac2e1``. Format 1 names have no session.
 RANK_DIR_RE = re.compile(r"^TP(\d+)_PP(\d+)_Rank(\d+)_pid(\d+)(?:_(\d{8}T\d{6}\.\d{6}Z-[0-9a-f]{8}))?$")
+
+
+def merge_producer_error(info: dict, producer_error) -> dict:
+    """rank.json's facts with the serving process's ``producer_error.json`` merged in: status
+    "error" and its error, unless the writer recorded an error of its own (kept, the earlier cause).
+    The producer's record is kept whole under ``producer_error``."""
+    if not isinstance(producer_error, dict):
+        return info
+    merged = dict(info, producer_error=producer_error)
+    if merged.get("status") != "error" or not merged.get("error"):
+        merged.update(status="error", error=str(producer_error.get("error") or "the serving process stopped dumping"))
+    return merged
 
 
 def new_session_id() -> str:

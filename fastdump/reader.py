@@ -358,14 +358,28 @@ class _Rank:
         try:
             info = fsutil.load_json(path)
         except FileNotFoundError:
-            return {}
+            info = {}
         except (OSError, ValueError) as exc:
             self.dumpset._problem(f"{path}: {exc}")
-            return {}
+            info = {}
         if not isinstance(info, dict):
             self.dumpset._problem(f"{path}: not a JSON object ({type(info).__name__})")
-            return {}
-        return info
+            info = {}
+        return fmt.merge_producer_error(info, self.producer_error)
+
+    @property
+    def producer_error(self):
+        """producer_error.json (the serving process stopped dumping and could not tell the
+        writer), or None when there is none; a damaged one is a problem and reads as an error."""
+        path = os.path.join(self.path, fmt.PRODUCER_ERROR_FILE)
+        try:
+            record = fsutil.load_json(path)
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError) as exc:
+            self.dumpset._problem(f"{path}: {exc}")
+            return {"status": "error", "error": f"unreadable {fmt.PRODUCER_ERROR_FILE}: {exc}"}
+        return record if isinstance(record, dict) else {"status": "error", "error": f"{record!r:.80}"}
 
     @property
     def session(self):
@@ -628,7 +642,8 @@ class DumpSet:
         for entry in os.listdir(role_path):
             path = os.path.join(role_path, entry)
             if fsutil.is_real_dir(path) and any(
-                name == fmt.RANK_FILE or fmt.segment_number(name) is not None for name in os.listdir(path)
+                name in (fmt.RANK_FILE, fmt.PRODUCER_ERROR_FILE) or fmt.segment_number(name) is not None
+                for name in os.listdir(path)
             ):
                 found.append(entry)
         return sorted(found, key=_rank_dir_key)

@@ -1,5 +1,6 @@
 """Faults: the serving process killed, the writer killed, a full disk, leftover shared memory."""
 
+import json
 import os
 import signal
 import subprocess
@@ -12,6 +13,7 @@ import pytest
 import torch
 
 import fastdump
+from fastdump.cli.dump import verify_dump
 from fastdump.staging.engine import SHM_DIR, SHM_PREFIX, remove_stale_regions
 
 SERVE = textwrap.dedent("""
@@ -91,6 +93,29 @@ def test_writer_killed_serving_goes_on_and_the_error_is_recorded(tmp_path, caplo
     info = fastdump.open(tmp_path).rank_info("target", 0)
     assert info["status"] == "error" and info["error"]
     assert "dumping to" in caplog.text and "stopped" in caplog.text
+    # The writer is dead: the reason is in the serving process's own file; rank.json is the dead
+    # writer's alone (its last state), and verify fails on the dump.
+    record = json.loads((d.dir / "producer_error.json").read_text())
+    assert record["error"] == stats["error"] and info["error"] == stats["error"]
+    assert json.loads((d.dir / "rank.json").read_text())["status"] == "running"
+    problems = verify_dump(str(tmp_path)).problems
+    assert any("producer_error.json" in text for text in problems), problems
+
+
+def test_writer_alive_gets_the_reason_as_a_note_and_no_producer_file(tmp_path, monkeypatch):
+    """CUDA staging failing (or any stop with a live writer): the note reaches the writer, which
+    writes rank.json; the serving process writes no file of its own."""
+    model = torch.nn.Linear(8, 8)
+    d = fastdump.attach(model, tmp_path)
+    with torch.inference_mode():
+        model(torch.ones(1, 8))
+        d._disable("test: staging stopped")
+        model(torch.ones(1, 8))
+    stats = d.close()
+    assert stats["status"] == "error" and stats["error"] == "test: staging stopped"
+    assert not (d.dir / "producer_error.json").exists()
+    info = json.loads((d.dir / "rank.json").read_text())
+    assert info["status"] == "error" and info["error"] == "test: staging stopped"
 
 
 @pytest.fixture

@@ -188,8 +188,15 @@ def test_close_timeout_is_kept_with_a_stopped_writer(tmp_path):
     assert stats["status"] == "error"
     assert "close timed out after 2 s" in stats["error"] and "not confirmed on disk" in stats["error"]
     assert int(stats["error"].split("; ")[1].split()[0]) >= 1  # the pass staged after the stop
-    assert json.loads((d.dir / "rank.json").read_text())["status"] == "error"
-    assert verify_dump(str(tmp_path)).problems  # a dump that may have lost passes never verifies
+    # The writer was stopped: the serving process records the reason in its own file, not in
+    # rank.json (one file, one writer); readers merge it, verify names it.
+    assert json.loads((d.dir / "rank.json").read_text())["status"] != "error"
+    record = json.loads((d.dir / "producer_error.json").read_text())
+    assert record["status"] == "error" and record["error"] == stats["error"]
+    info = fastdump.open(tmp_path).rank_info("target", 0)
+    assert info["status"] == "error" and info["error"] == stats["error"]
+    problems = verify_dump(str(tmp_path)).problems  # a dump that may have lost passes never verifies
+    assert any("producer_error.json" in text and "close timed out" in text for text in problems), problems
     assert Engine._current is None  # the writer was killed, not left behind
 
 
@@ -251,7 +258,8 @@ def test_interpreter_exits_cleanly_when_close_is_stuck(tmp_path, mode):
     assert rc == 0, err
     assert time.monotonic() - t0 < 40  # FASTDUMP_EXIT_TIMEOUT_S=2, not 600 s
     rank = next((tmp_path / "dump" / "target").iterdir())
-    assert json.loads((rank / "rank.json").read_text())["status"] == "error"
+    assert json.loads((rank / "producer_error.json").read_text())["status"] == "error"
+    assert fastdump.open(tmp_path / "dump").rank_info("target", 0)["status"] == "error"
 
 
 def test_ctrl_c_interrupts_a_stuck_close(tmp_path):

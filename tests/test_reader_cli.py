@@ -237,6 +237,35 @@ def test_verify_fails_on_error_status(dump, capsys):
     assert code == 1 and "No space left on device" in out
 
 
+def test_producer_error_file_is_merged_by_reader_and_ls_and_fails_verify(dump, capsys):
+    """The serving process's own record (it could not tell the writer) shows in the reader and
+    `ls` as the rank's error and fails verify; rank.json itself is not touched."""
+    rank_dir = dump / "draft" / DRAFT
+    before = (rank_dir / "rank.json").read_bytes()
+    (rank_dir / "producer_error.json").write_text(json.dumps({"status": "error", "error": "close timed out"}))
+    with reader.open(dump) as ds:
+        info = ds.rank_info("draft", DRAFT)
+        assert info["status"] == "error" and info["error"] == "close timed out"
+        assert info["producer_error"]["error"] == "close timed out"
+        assert ds.rank_info("target", TARGET)["status"] == "closed"  # other ranks unaffected
+        assert len(ds.passes("draft", DRAFT)) == 3  # the data stays readable
+    assert run_cli(cli_dump.cmd_ls, "ls", str(dump), "--json") == 0
+    ranks = {r["rank"]: r for r in json.loads(capsys.readouterr().out)["ranks"] if r["role"] == "draft"}
+    assert ranks[DRAFT]["status"] == "error" and ranks[DRAFT]["error"] == "close timed out"
+    code, out = verify(dump, capsys)
+    assert code == 1 and "producer_error.json" in out and "close timed out" in out
+    assert (rank_dir / "rank.json").read_bytes() == before
+
+
+def test_damaged_producer_error_file_still_fails_verify(dump, capsys):
+    rank_dir = dump / "target" / TARGET
+    (rank_dir / "producer_error.json").write_text("{not json")
+    code, out = verify(dump, capsys)
+    assert code == 1 and "producer_error.json" in out
+    with reader.open(dump) as ds:
+        assert ds.rank_info("target", TARGET)["status"] == "error"
+
+
 def test_verify_temp_files_warn_when_interrupted_and_fail_when_closed(tmp_path, capsys):
     root = tmp_path / "dump"
     write_rank(root, "target", TARGET, {p: target_pass(p) for p in range(3)}, status="incomplete")

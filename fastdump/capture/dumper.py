@@ -31,7 +31,7 @@ from .selection import root_selected as _root_selected, select_modules
 from ..staging import engine as _engine
 from ..staging import graphs as _graphs
 from ..staging.engine import Engine
-from ..fsutil import atomic_write_json as write_json_atomic, read_json
+from ..fsutil import atomic_write_json as write_json_atomic
 from .. import format as _fmt
 
 log = logging.getLogger("fastdump")
@@ -232,7 +232,7 @@ class Dumper:
         """Flush everything staged, wait until it is on disk, detach from the model.
 
         Returns within about ``timeout`` seconds whatever the writer does: what was not confirmed
-        on disk by then is recorded as an error in the stats and rank.json. Ctrl-C interrupts it
+        on disk by then is recorded as an error in the stats and producer_error.json. Ctrl-C interrupts it
         (KeyboardInterrupt, after recording the error)."""
         with self._lock:
             if self._closed:
@@ -262,14 +262,14 @@ class Dumper:
                     self.status = "closed"
                 elif self._engine.alive:
                     self._disable(f"close timed out after {timeout:g} s; {self._unconfirmed_passes()} "
-                                  "passes not confirmed on disk")
+                                  "passes not confirmed on disk", writer_stuck=True)
                 else:
                     self._disable(self._engine.error())
             elif self.status == "running":
                 self._disable(self._engine.error())
         except KeyboardInterrupt:
             self._disable(f"close interrupted (KeyboardInterrupt); {self._unconfirmed_passes()} passes "
-                          "not confirmed on disk")
+                          "not confirmed on disk", writer_stuck=True)
             raise
         self._release_engine(left())
         return self.stats()
@@ -621,25 +621,24 @@ class Dumper:
             self._totals["skipped"] += 1
 
     # -- failure ---------------------------------------------------------------------------------
-    def _disable(self, error: str) -> None:
-        """Dumping stops for good; serving goes on. Said once, and recorded in rank.json."""
+    def _disable(self, error: str, writer_stuck: bool = False) -> None:
+        """Dumping stops for good; serving goes on. Said once, and recorded without waiting: a live
+        writer gets it as a note (it writes rank.json; only it does); when the writer is dead,
+        ``writer_stuck`` (close timed out or was interrupted), or the note finds no ring space,
+        it goes to producer_error.json, which readers merge and ``verify`` fails on."""
         if self.status == "error":
             return
         self.status, self.error = "error", error
         self._capturing = False
         log.error("fastdump: dumping to %s stopped: %s", self.dir, error)
-        if self._engine is not None and self._channel is not None and self._engine.alive:
-            # The writer is fine (e.g. CUDA staging stopped): it rewrites rank.json later, with this.
-            self._engine.control(protocol.note(self._channel, "error", error=error),
-                                 block=self._block)
+        if not writer_stuck and self._engine is not None and self._channel is not None and self._engine.alive:
+            if self._engine.control(protocol.note(self._channel, "error", error=error), block=False):
+                return  # in the ring: the writer merges it into rank.json
         try:
-            info = read_json(self.dir / _fmt.RANK_FILE) or {}
-            if info.get("status") == "error":
-                return  # the writer recorded its own failure
-            info.update(status="error", error=error)
-            write_json_atomic(self.dir / _fmt.RANK_FILE, info)
+            write_json_atomic(self.dir / _fmt.PRODUCER_ERROR_FILE,
+                              {"status": "error", "error": error, "pid": os.getpid(), "time": time.time()})
         except OSError as exc:
-            log.error("fastdump: cannot record the error in %s/rank.json: %s", self.dir, exc)
+            log.error("fastdump: cannot record the error in %s/%s: %s", self.dir, _fmt.PRODUCER_ERROR_FILE, exc)
 
     def _release_engine(self, timeout: float = 600.0) -> None:
         if self._engine is not None:

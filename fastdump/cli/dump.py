@@ -431,6 +431,23 @@ def _check_counts(report: _Report, path: str, info: dict, pass_ids: set, tensors
                              "dropped (counted, not dumped)")
 
 
+def _check_producer_error(report: _Report, path: str, status: str) -> str:
+    """producer_error.json exists only when the serving process stopped dumping and could not tell
+    the writer: always a problem. Returns the rank's status with it taken into account."""
+    perr_file = os.path.join(path, fmt.PRODUCER_ERROR_FILE)
+    try:
+        record = fsutil.load_json(perr_file)
+    except FileNotFoundError:
+        return status
+    except (OSError, ValueError) as exc:
+        report.problem(perr_file, str(exc))
+        return "error"
+    error = record.get("error") if isinstance(record, dict) else record
+    report.problem(path, f"the serving process stopped dumping ({fmt.PRODUCER_ERROR_FILE}): {_printable(error)}")
+    # a writer that was stopped or killed may leave temporary files: what a kill leaves
+    return status if status in _UNFINISHED_STATUSES else "error"
+
+
 def check_rank_dir(report: _Report, path: str, read_data: bool = False) -> None:
     rank_file = os.path.join(path, fmt.RANK_FILE)
     try:
@@ -445,6 +462,7 @@ def check_rank_dir(report: _Report, path: str, read_data: bool = False) -> None:
         report.problem(rank_file, f"not a JSON object ({type(info).__name__})")
         info = {}
     status = _check_status(report, path, info)
+    status = _check_producer_error(report, path, status)
 
     entries = os.listdir(path)
     for entry in sorted(entries):
@@ -533,7 +551,8 @@ def verify_dump(root: str, read_data: bool = False) -> _Report:
                 report.problem(rank_path, "symbolic link: not followed (it may point out of the dump)")
                 continue
             if os.path.isdir(rank_path) and any(
-                e == fmt.RANK_FILE or fmt.segment_number(e) is not None or fsutil.is_temp_name(e)
+                e in (fmt.RANK_FILE, fmt.PRODUCER_ERROR_FILE) or fmt.segment_number(e) is not None
+                or fsutil.is_temp_name(e)
                 for e in os.listdir(rank_path)
             ):
                 rank_dirs.append(rank_path)

@@ -291,7 +291,8 @@ class ChannelWriter:
         try:
             if self.error is None:
                 self._guarded(self._flush)
-                self._status = status
+                if self._status != "error":  # a note's "error" (the serving process stopped dumping) stays
+                    self._status = status
                 self._info["closed"] = time.time()
                 self._guarded(self._write_rank_json)
                 fsutil.remove_quietly(self._reserve)  # "closed" is on disk: the reserve's job is done
