@@ -29,6 +29,7 @@ from .manifest import cuda_index as _cuda_index, device_facts as _device_facts, 
 from .ranks import resolve_ranks  # noqa: F401 - part of this module's face
 from .selection import root_selected as _root_selected, select_modules
 from ..staging import engine as _engine
+from ..staging import channel as _channel_mod
 from ..staging import graphs as _graphs
 from ..staging.engine import Engine
 from ..fsutil import atomic_write_json as write_json_atomic
@@ -62,7 +63,7 @@ def _forget_parent_dumpers() -> None:
         engine.forget_in_forked_child()
     for dumper in list(_open_dumpers):
         dumper._capturing = False
-        dumper._engine = dumper._producer = dumper._lane = None
+        dumper._engine = dumper._producer = dumper._channel = dumper._stage_fast = None
         dumper.status = "not dumping in this process (forked child of the attaching process)"
     _open_dumpers.clear()
 
@@ -113,11 +114,6 @@ class Dumper:
         self.pass_id = -1
         self.status = "running"
         self.error = None
-        # `block` waits for ring space up to block_timeout_s; after a timeout the Dumper stages as
-        # under `drop` (self._block False) until the writer gives ring space back (see _begin).
-        self._policy_block = o.policy == "block"
-        self._block = self._policy_block
-        self._block_timeout_s = float(o.block_timeout_s)
         self._unconfirmed = collections.deque()  # seqs of pass ends the writer has not handled yet
         self._pid = os.getpid()
         self._capturing = False          # inside a selected pass: the wrappers' only hot check
@@ -133,35 +129,40 @@ class Dumper:
         self._manual_opener = None       # (frame, instruction) of the begin_pass() that opened it
         self._said: set = set()          # warnings already logged once
         self._names_lock = threading.Lock()
-        self._dropped_pass = 0
         self._budget_reached = False
+        self._folded_drops = (0, 0)  # the channel's drop counts already in _totals
         self._totals = {"passes": 0, "tensors": 0, "bytes": 0, "dropped": 0, "skipped": 0, "dropped_passes": 0,
                         "lost_pass_ends": 0, "incomplete_passes": 0, "mixed_passes": 0}
         self._wrapped: list = []
         # CUDA-graph record mode (fastdump/staging/graphs.py); None: tensors hooked during a capture are skipped.
         self._graphs = _graphs.GraphRecording(self, o.graph_ring_mb) if o.cuda_graphs == "record" else None
         self._engine = None
-        self._channel = None
-        self._lane = None
+        self._channel = None  # staging/channel.py: the ring, the block policy, the stagers, drops
+        self._stage_fast = None  # the channel's C++ hot path (ChannelStager.stage_tensor)
         self._closed = False
         self._lock = threading.Lock()
 
         config = o.manifest_config()
-        self._ring_noted = False
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
             _write_manifest(self.root, config)
             self._engine = Engine.acquire(o.engine)
             self._producer = self._engine.producer
             facts = _device_facts(model)
-            self._channel = self._engine.open_channel(dict(
-                dir=str(self.dir), role=role, rank=ranks, pid=self._pid, session=self.session,
-                host=socket.gethostname(), device=facts, config=config))
+            # `block` waits for ring space up to block_timeout_s; after a timeout the channel stages
+            # as under `drop` until the writer gives ring space back (Channel.begin / note_stall).
+            self._channel = self._engine.open_channel(
+                dict(dir=str(self.dir), role=role, rank=ranks, pid=self._pid, session=self.session,
+                     host=socket.gethostname(), device=facts, config=config),
+                fast_codes=_FAST_CODES, strided=_strided, block=o.policy == "block",
+                block_timeout_s=o.block_timeout_s, device_ring_mb=o.device_ring_mb)
             if not self._engine.alive:
                 raise RuntimeError(self._engine.error())
             # The CPU hot path: channel, pass id and wait settings live in C++, set once per pass.
-            self._lane = self._engine.channel_stager(self._channel, _FAST_CODES, _strided)
-            self._prepare_cuda(_cuda_index(o.device, facts))
+            self._stage_fast = self._channel.stage_fast
+            index = _cuda_index(o.device, facts)
+            if index is not None:
+                self._channel.prepare_cuda(index)
             if self._graphs is not None:
                 self._graphs.prepare(_cuda_index(o.device, facts))
         except Exception as exc:
@@ -257,7 +258,8 @@ class Dumper:
             if self._engine.alive and self.status == "running":
                 self._engine.flush_cuda(left())
                 self._fold_lane_counts()
-                ok = self._engine.control(protocol.close(self._channel, self._totals), wait=True, timeout=left())
+                ok = self._channel.control(protocol.close(self._channel.id, self._totals), wait=True,
+                                           timeout=left())
                 if ok and self._engine.alive:  # the final segment write itself can fail (disk full)
                     self.status = "closed"
                 elif self._engine.alive:
@@ -298,24 +300,14 @@ class Dumper:
         self._calls.clear()
         if self._skipped:
             self._skipped = {}
-        self._dropped_pass = 0
         if self._closed or self._engine is None or self.status != "running" or os.getpid() != self._pid:
             return
         if not self._selected(self.pass_id):
             return
         if not self._engine.alive:  # one poll() per pass: a dead writer stops dumping, not serving
             return self._disable(self._engine.error())
-        if not self._block and self._policy_block and self._engine.space_returned():
-            if self._engine.stalled:
-                log.warning("fastdump: the writer caught up; %s blocks for ring space again", self.dir)
-            self._engine.stalled = False
-        self._block = self._policy_block and not self._engine.stalled
-        if not self._engine.control(protocol.begin(self._channel, self.pass_id),
-                                    block=self._block, block_timeout=self._block_timeout_s):
-            self._totals["dropped_passes"] += 1  # `drop` with a full ring: the whole pass is dropped
-            self._note_stall("a pass start")
-            return
-        self._lane.begin(self.pass_id, self._block, self._block_timeout_s)
+        if not self._channel.begin(self.pass_id):
+            return  # `drop` with a full ring: the whole pass is dropped (the channel counts it)
         self._capturing = True
 
     def _end(self) -> None:
@@ -340,9 +332,9 @@ class Dumper:
             self._totals["incomplete_passes"] += 1  # the writer records the pass as not complete
             if self._mixed:
                 self._totals["mixed_passes"] += 1  # `fastdump verify` fails on it
-        msg = protocol.end(self._channel, self.pass_id, meta, self._dropped_pass, self._skipped,
+        msg = protocol.end(self._channel.id, self.pass_id, meta, self._channel.pass_dropped, self._skipped,
                            incomplete=self._incomplete, mixed=self._mixed)
-        seq = self._engine.control(msg, block=self._block, block_timeout=self._block_timeout_s)
+        seq = self._channel.control(msg)
         if seq:
             unconfirmed = self._unconfirmed
             unconfirmed.append(seq)
@@ -355,14 +347,20 @@ class Dumper:
             self._disable(self._engine.error())
         else:
             self._totals["lost_pass_ends"] += 1  # `drop`, ring full: the writer marks the pass incomplete
-            self._note_stall("a pass end")
+            self._channel.note_stall("a pass end", self.pass_id)
 
     def _fold_lane_counts(self) -> None:
-        """Tensors and bytes the C++ hot path staged (ChannelStager.stage_tensor) into _totals."""
-        if self._lane is not None:
-            tensors, nbytes = self._lane.take_counts()
-            self._totals["tensors"] += tensors
-            self._totals["bytes"] += nbytes
+        """Tensors and bytes the C++ hot path staged (ChannelStager.stage_tensor) into _totals,
+        and the drops the channel counted since the last fold."""
+        channel = self._channel
+        if channel is not None:
+            tensors, nbytes = channel.take_counts()
+            totals = self._totals
+            totals["tensors"] += tensors
+            totals["bytes"] += nbytes
+            totals["dropped"] += channel.dropped - self._folded_drops[0]
+            totals["dropped_passes"] += channel.dropped_passes - self._folded_drops[1]
+            self._folded_drops = (channel.dropped, channel.dropped_passes)
 
     def _selected(self, pass_id: int) -> bool:
         if pass_id < self.skip_passes or (pass_id - self.skip_passes) % self.every:
@@ -373,8 +371,7 @@ class Dumper:
             if not self._budget_reached:
                 self._budget_reached = True  # said once, not every pass
                 log.warning("fastdump: %s reached its byte budget (%d bytes); dumping stops", self.dir, self.max_bytes)
-                self._engine.control(protocol.note(self._channel, "running", budget_reached=True), block=self._block,
-                                     block_timeout=self._block_timeout_s)
+                self._channel.control(protocol.note(self._channel.id, "running", budget_reached=True))
             return False
         return True
 
@@ -472,9 +469,8 @@ class Dumper:
                 nid = self._name_ids.get(name)
                 if nid is None:
                     nid = len(self._name_ids)
-                    if not self._engine.control(protocol.name(self._channel, nid, name),
-                                                block=self._block, block_timeout=self._block_timeout_s):
-                        self._note_stall(name)
+                    if not self._channel.control(protocol.name(self._channel.id, nid, name)):
+                        self._channel.note_stall(name, self.pass_id)
                         return None  # `drop` with a full ring: the tensor goes too
                     self._name_ids[name] = nid
         return nid
@@ -486,7 +482,7 @@ class Dumper:
         if code is None:
             name_id = self._name_ids.get(name)
             if name_id is not None:
-                status = self._lane.stage_tensor(name_id, t)
+                status = self._stage_fast(name_id, t)
                 if status == _STAGED:
                     return
                 if status != _NOT_FAST:
@@ -503,47 +499,12 @@ class Dumper:
             name_id = self._name_id(name)
             if name_id is None:
                 return self._drop_unnamed(name)
-        if t.is_cpu:
-            status = self._lane.stage(name_id, code, itemsize, t.shape, t.stride(), t.data_ptr())
-        elif t.is_cuda:
-            from ..staging import cuda
-
-            stager = self._engine.cuda_stager(self.device_ring_mb)
-            status = cuda.stage_tensor(stager, self._channel, name_id, self.pass_id, code, t, self._block,
-                                       self._block_timeout_s)
-            if status == _CAPTURING and self._graphs is not None:
-                return self._graphs.record(name, name_id, code, t)
-            if status == cuda.RING_UNAVAILABLE:
-                self._producer.count_dropped(1)
-                self._note_ring_failure(cuda.ring_failure(stager))
-                status = _C.DROPPED
-        else:
+        status = self._channel.stage(name_id, self.pass_id, t, code, itemsize)
+        if status == _CAPTURING and self._graphs is not None:
+            return self._graphs.record(name, name_id, code, t)
+        if status == _UNSUPPORTED_DEVICE:
             return self._skip(name, f"tensors on {t.device.type} are not supported")
-        if status == _C.STAGED:
-            totals = self._totals
-            totals["tensors"] += 1
-            totals["bytes"] += t.nbytes
-        else:
-            self._account(name, status, t.nbytes)
-
-    def _prepare_cuda(self, index) -> None:
-        """Allocate the GPU's device ring at attach, before a serving engine sizes its KV cache to
-        the free memory; when it cannot be had, that GPU's tensors are dropped (recorded)."""
-        if index is None:
-            return
-        from ..staging import cuda
-
-        if cuda.usable():
-            reason = cuda.prepare(self._engine.cuda_stager(self.device_ring_mb), index)
-            if reason:
-                self._note_ring_failure(reason)
-
-    def _note_ring_failure(self, reason: str) -> None:
-        if not self._ring_noted:  # once: rank.json says why CUDA tensors are dropped
-            self._ring_noted = True
-            self._engine.control(protocol.note(self._channel, "running", cuda_staging={
-                "device_ring": "unavailable", "reason": reason,
-                "effect": "CUDA tensors on that GPU are dropped and counted"}))
+        self._account(name, status, t.nbytes)
 
     def _stage_checked(self, name: str, t) -> None:
         """The rare cases: unsupported dtypes and layouts, lazy conj/neg bits (complex tensors, and
@@ -558,19 +519,14 @@ class Dumper:
         self._stage(name, t, code)
 
     def _drop_unnamed(self, name: str) -> None:
-        self._producer.count_dropped(1)
-        self._account(name, _C.DROPPED, 0)
+        self._channel.count_drop(in_ring=False)  # `drop`, ring full as its name was sent
 
     def _stage_array(self, name: str, array) -> None:
         name_id = self._name_id(name)
         if name_id is None:
             return self._drop_unnamed(name)
         try:
-            from ..staging import cuda
-
-            status, nbytes = cuda.stage_array(self._engine, self.device_ring_mb, self._channel,
-                                              name_id, self.pass_id, array, self._block,
-                                              timeout_s=self._block_timeout_s)
+            status, nbytes = self._channel.stage_array(name_id, self.pass_id, array)
         except Exception as exc:
             return self._skip(name, f"cannot stage {type(array).__name__}: {exc}")
         self._account(name, status, nbytes)
@@ -580,16 +536,14 @@ class Dumper:
             self._totals["tensors"] += 1
             self._totals["bytes"] += nbytes
         elif status == _C.DROPPED:
-            self._dropped_pass += 1
-            self._totals["dropped"] += 1
+            self._channel.count_drop()
         elif status == _C.TIMED_OUT:
-            self._dropped_pass += 1
-            self._totals["dropped"] += 1
-            self._note_stall(name)
+            self._channel.count_drop()
+            self._channel.note_stall(name, self.pass_id)
         elif status == _C.TORN:  # part of it is in the ring: the writer records it as incomplete
-            self._skip(name, f"incomplete: the writer stalled for block_timeout_s={self._block_timeout_s:g} s "
+            self._skip(name, f"incomplete: the writer stalled for block_timeout_s={self._channel.block_timeout_s:g} s "
                              "while this tensor (larger than the ring) was being staged")
-            self._note_stall(name)
+            self._channel.note_stall(name, self.pass_id)
         elif status == _C.RING_TOO_SMALL:
             self._skip(name, f"{nbytes} bytes do not fit in the ring at once: policy='drop' never waits "
                              "for the writer mid-tensor (raise ring_mb)")
@@ -601,19 +555,6 @@ class Dumper:
             self._skip(name, "CUDA graph capture in progress (replays are not dumped)")
         else:
             self._disable(self._engine.error())
-
-    def _note_stall(self, what: str) -> None:
-        """A send into the ring failed; under a blocking wait that means block_timeout_s ran out:
-        stage as under `drop` from now on (logged once per stall) until the writer catches up."""
-        if not self._block or not self._engine.alive:
-            return
-        self._block = False  # the rest of this pass is staged as under `drop`
-        self._lane.begin(self.pass_id, False, self._block_timeout_s)
-        if not self._engine.stalled:
-            self._engine.mark_stalled()
-            log.error("fastdump: the writer freed no ring space for block_timeout_s=%g s (at %s, pass %d): "
-                      "dropping (counted) until it consumes again", self._block_timeout_s, what,
-                      self.pass_id)
 
     def _skip(self, name: str, reason: str) -> None:
         if name not in self._skipped:
@@ -632,7 +573,7 @@ class Dumper:
         self._capturing = False
         log.error("fastdump: dumping to %s stopped: %s", self.dir, error)
         if not writer_stuck and self._engine is not None and self._channel is not None and self._engine.alive:
-            if self._engine.control(protocol.note(self._channel, "error", error=error), block=False):
+            if self._channel.control(protocol.note(self._channel.id, "error", error=error), block=False):
                 return  # in the ring: the writer merges it into rank.json
         try:
             write_json_atomic(self.dir / _fmt.PRODUCER_ERROR_FILE,
@@ -742,7 +683,8 @@ class Dumper:
 
 _MISSING = object()
 _MAX_NESTING = 32  # containers inside containers in one output; deeper is skipped with the reason
-_CAPTURING = _C.CAPTURING  # CudaStager.stage: the producer stream is being captured
+_CAPTURING = _C.CAPTURING
+_UNSUPPORTED_DEVICE = _channel_mod.UNSUPPORTED_DEVICE  # CudaStager.stage: the producer stream is being captured
 _STAGED = _C.STAGED
 _NOT_FAST = _C.ChannelStager.NOT_FAST  # ChannelStager.stage_tensor: take the general path
 

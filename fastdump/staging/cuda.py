@@ -207,6 +207,12 @@ def stage_tensor(stager, channel: int, name_id: int, pass_id: int, dtype_code: i
     """
     if stager.__class__ is HostFallbackStager:
         return stager.stage_tensor(channel, name_id, pass_id, dtype_code, tensor, block, timeout_s)
+    return stage_on_device(stager, channel, name_id, pass_id, dtype_code, tensor, block, timeout_s)
+
+
+def stage_on_device(stager, channel: int, name_id: int, pass_id: int, dtype_code: int, tensor, block: bool,
+                    timeout_s: float = -1.0) -> int:
+    """``stage_tensor`` for a stager known to be a ``_C.CudaStager`` (a Channel decides that once)."""
     device = tensor.get_device()
     raw, stream = _current_stream(device)
     try:

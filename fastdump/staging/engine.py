@@ -21,6 +21,7 @@ from pathlib import Path
 from .. import _C
 from .. import protocol
 from ..options import EngineOptions
+from .channel import Channel
 
 log = logging.getLogger("fastdump")
 
@@ -186,11 +187,14 @@ class Engine:
             log.error("fastdump: writer process %d survived SIGKILL", self._proc.pid)
 
     # -- channels ----------------------------------------------------------------------------------
-    def open_channel(self, facts: dict) -> int:
-        """A new channel, announced to the writer (``protocol.open_channel``'s fields) and acked."""
+    def open_channel(self, facts: dict, *, fast_codes: dict, strided, block: bool, block_timeout_s: float,
+                     device_ring_mb) -> "Channel":
+        """A new channel, announced to the writer (``protocol.open_channel``'s fields) and acked:
+        the Dumper's one object for staging (fastdump/staging/channel.py)."""
         channel = next(self._channels)
         self.control(protocol.open_channel(channel, **facts), wait=True)
-        return channel
+        return Channel(self, channel, fast_codes, strided, block=block, block_timeout_s=block_timeout_s,
+                       device_ring_mb=device_ring_mb, where=facts.get("dir", ""))
 
     def channel_stager(self, channel: int, fast_codes: dict, strided) -> "_C.ChannelStager":
         """A channel's CPU hot path into this engine's ring (see Dumper._stage)."""

@@ -71,7 +71,7 @@ class GraphRecording:
             self._failures[device] = "CUDA staging is not available"
             return None
         try:
-            rec = C.GraphRecorder(stager, d._channel, device, self._slot_bytes, self._ring_bytes, LOG_ENTRIES)
+            rec = C.GraphRecorder(stager, d._channel.id, device, self._slot_bytes, self._ring_bytes, LOG_ENTRIES)
         except Exception as exc:  # e.g. no device memory left: graphs are then captured without dumping
             self._failures[device] = f"cannot allocate the CUDA-graph recording memory on GPU {device}: {exc}"
             log.warning("fastdump: %s: %s", d.dir, self._failures[device])

@@ -1,0 +1,160 @@
+"""A Dumper's one way into the ring: ``Engine.open_channel(...)`` returns a :class:`Channel`.
+
+The channel holds what staging needs and the Dumper does not: its channel id, the block policy's
+state (block / block timeout, and the fall back to `drop` while the writer is stalled), the stagers
+(the C++ ``ChannelStager`` for plain CPU tensors, the CUDA stager or its host fallback, chosen once),
+and the drop counts. The Dumper keeps passes, names and selection.
+
+Hot path: ``channel.stage_fast`` IS the C++ ``ChannelStager.stage_tensor`` (a plain CPU tensor with
+a known name: one C++ call, no Python frame in between; every Python attribute read there cost the
+model's thread ~0.1-0.2 us per tensor). ``stage`` is the general path behind it.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from .. import _C
+from .. import protocol
+
+log = logging.getLogger("fastdump")
+
+STAGED = _C.STAGED
+DROPPED = _C.DROPPED
+CAPTURING = _C.CAPTURING
+# stage(): a tensor on a device fastdump cannot read (not a _C status: never leaves Python).
+UNSUPPORTED_DEVICE = -1
+assert UNSUPPORTED_DEVICE not in {getattr(_C, n) for n in dir(_C) if n.isupper() and isinstance(getattr(_C, n), int)}
+
+
+class Channel:
+    """One channel of the engine's ring, as its Dumper sees it."""
+
+    def __init__(self, engine, channel_id: int, fast_codes: dict, strided, *, block: bool,
+                 block_timeout_s: float, device_ring_mb, where: str = ""):
+        self.engine = engine
+        self.id = channel_id
+        self.where = where  # for log lines: the rank directory
+        self.lane = engine.channel_stager(channel_id, fast_codes, strided)
+        self.stage_fast = self.lane.stage_tensor  # see the module docstring
+        self.policy_block = bool(block)
+        self.block = self.policy_block  # False while the writer is stalled (see begin / note_stall)
+        self.block_timeout_s = float(block_timeout_s)
+        self.device_ring_mb = device_ring_mb
+        self._cuda = None  # the staging.cuda module, imported with the first CUDA tensor or array
+        self._stage_cuda = None  # the stager's stage function, chosen once (device ring or host fallback)
+        self._ring_noted = False
+        # Drops, counted here only: tensors, whole passes, and this pass's tensors (for its end message).
+        self.dropped = 0
+        self.dropped_passes = 0
+        self.pass_dropped = 0
+
+    # -- control messages ---------------------------------------------------------------------------
+    def control(self, msg: dict, *, block: bool | None = None, wait: bool = False, timeout: float = 600.0):
+        """Send ``msg`` in ring order under this channel's block policy (``block`` overrides it);
+        its seq, 0 when not sent. ``wait``: True once the writer handled it (see Engine.control)."""
+        if wait:
+            return self.engine.control(msg, wait=True, timeout=timeout)
+        return self.engine.control(msg, block=self.block if block is None else block,
+                                   block_timeout=self.block_timeout_s)
+
+    def begin(self, pass_id: int) -> bool:
+        """Open pass ``pass_id`` in the ring; False when `drop` found the ring full (the whole pass
+        is dropped, counted). Under `block`, blocking resumes once the writer gave space back."""
+        engine = self.engine
+        self.pass_dropped = 0
+        if not self.block and self.policy_block and engine.space_returned():
+            if engine.stalled:
+                log.warning("fastdump: the writer caught up; %s blocks for ring space again", self.where)
+            engine.stalled = False
+        self.block = self.policy_block and not engine.stalled
+        if not self.control(protocol.begin(self.id, pass_id)):
+            self.dropped_passes += 1
+            self.note_stall("a pass start", pass_id)
+            return False
+        self.lane.begin(pass_id, self.block, self.block_timeout_s)
+        return True
+
+    def note_stall(self, what: str, pass_id: int) -> None:
+        """A send into the ring failed; under a blocking wait that means block_timeout_s ran out:
+        stage as under `drop` from now on (logged once per stall) until the writer catches up."""
+        if not self.block or not self.engine.alive:
+            return
+        self.block = False  # the rest of this pass is staged as under `drop`
+        self.lane.begin(pass_id, False, self.block_timeout_s)
+        if not self.engine.stalled:
+            self.engine.mark_stalled()
+            log.error("fastdump: the writer freed no ring space for block_timeout_s=%g s (at %s, pass %d): "
+                      "dropping (counted) until it consumes again", self.block_timeout_s, what, pass_id)
+
+    # -- staging ----------------------------------------------------------------------------------------
+    def stage(self, name_id: int, pass_id: int, t, code: int, itemsize: int) -> int:
+        """The general path: a strided tensor of dtype ``code`` with resolved conj/neg bits, on the
+        CPU (the C++ lane) or CUDA (device ring, or the synchronous host fallback). A _C status,
+        or UNSUPPORTED_DEVICE."""
+        if t.is_cpu:
+            return self.lane.stage(name_id, code, itemsize, t.shape, t.stride(), t.data_ptr())
+        if not t.is_cuda:
+            return UNSUPPORTED_DEVICE
+        stage_cuda = self._stage_cuda or self._cuda_stage_function()
+        status = stage_cuda(self.id, name_id, pass_id, code, t, self.block, self.block_timeout_s)
+        if status == self._cuda.RING_UNAVAILABLE:  # that GPU's device ring could not be had
+            self.engine.producer.count_dropped(1)
+            self.note_ring_failure(self._cuda.ring_failure(self.engine.cuda_stager(self.device_ring_mb)))
+            return DROPPED
+        return status
+
+    def stage_array(self, name_id: int, pass_id: int, array):
+        """A CuPy/Numba/DLPack array: (status, nbytes). Raises for an array it cannot read."""
+        cuda = self._cuda_module()
+        return cuda.stage_array(self.engine, self.device_ring_mb, self.id, name_id, pass_id, array,
+                                self.block, timeout_s=self.block_timeout_s)
+
+    def prepare_cuda(self, index) -> None:
+        """Allocate GPU ``index``'s device ring now (at attach, before a serving engine sizes its KV
+        cache to the free memory); when it cannot be had, that GPU's tensors are dropped (recorded)."""
+        cuda = self._cuda_module()
+        if cuda.usable():
+            reason = cuda.prepare(self.engine.cuda_stager(self.device_ring_mb), index)
+            if reason:
+                self.note_ring_failure(reason)
+
+    def note_ring_failure(self, reason: str) -> None:
+        if not self._ring_noted:  # once: rank.json says why CUDA tensors are dropped
+            self._ring_noted = True
+            self.control(protocol.note(self.id, "running", cuda_staging={
+                "device_ring": "unavailable", "reason": reason,
+                "effect": "CUDA tensors on that GPU are dropped and counted"}), block=True)
+
+    # -- counts -------------------------------------------------------------------------------------------
+    def count_drop(self, in_ring: bool = True) -> None:
+        """One tensor dropped in this pass. ``in_ring=False``: the ring never saw it (no name id,
+        no device ring), so the producer's own drop count gets it too."""
+        if not in_ring:
+            self.engine.producer.count_dropped(1)
+        self.pass_dropped += 1
+        self.dropped += 1
+
+    def take_counts(self):
+        """(tensors, bytes) the C++ lane staged since the last call."""
+        return self.lane.take_counts()
+
+    # -- internals ---------------------------------------------------------------------------------------
+    def _cuda_module(self):
+        if self._cuda is None:
+            from . import cuda  # imported once, with the first CUDA tensor: never by a CPU-only run
+
+            self._cuda = cuda
+        return self._cuda
+
+    def _cuda_stage_function(self):
+        """The stager's stage function, decided once: the device ring, or the host fallback."""
+        cuda = self._cuda_module()
+        stager = self.engine.cuda_stager(self.device_ring_mb)
+        if isinstance(stager, cuda.HostFallbackStager):
+            self._stage_cuda = stager.stage_tensor
+        else:
+            def stage_cuda(*args, _stage=cuda.stage_on_device, _stager=stager):
+                return _stage(_stager, *args)
+            self._stage_cuda = stage_cuda
+        return self._stage_cuda
