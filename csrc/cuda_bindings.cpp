@@ -104,14 +104,7 @@ py::dict stats_dict(CudaStager& s) {
 int stage(CudaStager& s, uint32_t channel, uint32_t name_id, int64_t pass_id, uint16_t dtype, uint64_t elem_size,
           std::vector<int64_t> shape, std::vector<int64_t> strides, uintptr_t ptr, int device, uintptr_t stream,
           bool block, uintptr_t producer_stream, double timeout_s) {
-  CudaSource src;
-  src.ptr = ptr;
-  src.elem_size = elem_size;
-  src.shape = std::move(shape);
-  src.strides = std::move(strides);
-  src.device = device;
-  src.stream = stream;
-  src.producer_stream = producer_stream;
+  CudaSource src{ptr, elem_size, std::move(shape), std::move(strides), device, stream, producer_stream};
   GilRelease gil;  // declared before the call: re-acquired after it, even when it throws
   return s.stage(channel, name_id, pass_id, dtype, src, block, &gil, timeout_s);
 }
@@ -157,19 +150,18 @@ void bind_mock(py::module_& m) {
   });
   k.def("free", [](uintptr_t p) { return static_cast<int>(cudaFree(reinterpret_cast<void*>(p))); });
   // Synchronous host<->device transfers for tests (through the copy engine, checked like any copy).
-  k.def("upload", [](uintptr_t dst, uintptr_t src, uint64_t n) {
+  auto sync_copy = [](uintptr_t dst, uintptr_t src, uint64_t n, cudaMemcpyKind kind) {
     py::gil_scoped_release nogil;
-    cudaError_t e = cudaMemcpyAsync(reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src), n,
-                                    cudaMemcpyHostToDevice, cudaStreamLegacy);
+    cudaError_t e = cudaMemcpyAsync(reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src), n, kind,
+                                    cudaStreamLegacy);
     if (e == cudaSuccess) e = cudaStreamSynchronize(cudaStreamLegacy);
     return static_cast<int>(e);
+  };
+  k.def("upload", [sync_copy](uintptr_t dst, uintptr_t src, uint64_t n) {
+    return sync_copy(dst, src, n, cudaMemcpyHostToDevice);
   });
-  k.def("download", [](uintptr_t dst, uintptr_t src, uint64_t n) {
-    py::gil_scoped_release nogil;
-    cudaError_t e = cudaMemcpyAsync(reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src), n,
-                                    cudaMemcpyDeviceToHost, cudaStreamLegacy);
-    if (e == cudaSuccess) e = cudaStreamSynchronize(cudaStreamLegacy);
-    return static_cast<int>(e);
+  k.def("download", [sync_copy](uintptr_t dst, uintptr_t src, uint64_t n) {
+    return sync_copy(dst, src, n, cudaMemcpyDeviceToHost);
   });
   k.def("memcpy_async", [](uintptr_t dst, uintptr_t src, uint64_t n, int kind, uintptr_t s) {
     py::gil_scoped_release nogil;

@@ -28,13 +28,7 @@ void bind_graph_recorder(py::module_& m) {
           "record",
           [](GraphRecorder& r, uint32_t name_id, uint16_t dtype, uint64_t elem_size, std::vector<int64_t> shape,
              std::vector<int64_t> strides, uintptr_t ptr, int device, uintptr_t stream) {
-            CudaSource src;
-            src.ptr = ptr;
-            src.elem_size = elem_size;
-            src.shape = std::move(shape);
-            src.strides = std::move(strides);
-            src.device = device;
-            src.stream = stream;
+            CudaSource src{ptr, elem_size, std::move(shape), std::move(strides), device, stream, 0};
             return r.record(name_id, dtype, src);
           },
           py::arg("name_id"), py::arg("dtype"), py::arg("elem_size"), py::arg("shape"), py::arg("strides"),
