@@ -159,3 +159,30 @@ def test_leftover_shared_memory_of_a_dead_process_is_removed_at_start(tmp_path):
         assert live.name not in remove_stale_regions()
     finally:
         live.unlink()
+
+
+def test_writer_starts_when_fastdump_was_found_through_sys_path_only(tmp_path):
+    """A script that puts the checkout on sys.path (no install, no PYTHONPATH, another working
+    directory): the writer process must import the same fastdump and the dump must be whole."""
+    repo = Path(fastdump.__file__).resolve().parent.parent
+    script = tmp_path / "loop.py"
+    script.write_text(textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {str(repo)!r})
+        import torch, fastdump
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
+        d = fastdump.attach(model, {str(tmp_path / "dump")!r}, strict=True)
+        x = torch.ones(2, 4)
+        with torch.no_grad():
+            y = model(x)
+        st = d.close()
+        assert st["passes"] == 1 and st["tensors"] == 3, st
+        ds = fastdump.open({str(tmp_path / "dump")!r})
+        got = ds.load("target", 0, 0)["Sequential"]
+        assert torch.equal(got, y), (got, y)
+        print("ok")
+    """))
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    run = subprocess.run([sys.executable, str(script)], cwd=str(tmp_path), env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode == 0 and "ok" in run.stdout, run.stderr[-2000:]

@@ -136,7 +136,9 @@ class Engine:
         # a writer in a group of its own would compete with the whole model as an equal, whatever
         # its own priority (measured: ~660 preemptions of torch's threads in a 4 s decode loop).
         env = dict(os.environ)
-        pkg_parent = str(Path(__file__).resolve().parent.parent)
+        # The writer imports this very fastdump, also when the serving process found it through
+        # sys.path rather than an installed package or PYTHONPATH.
+        pkg_parent = str(Path(__file__).resolve().parents[2])  # fastdump/staging/engine.py
         env["PYTHONPATH"] = pkg_parent + os.pathsep + env.get("PYTHONPATH", "")
         group = {"process_group": 0} if sys.version_info >= (3, 11) else {"preexec_fn": os.setpgrp}
         self._proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
