@@ -288,3 +288,24 @@ def test_failed_attach_leaves_no_hooks_behind(tmp_path):
         decode_bench.run_one(session, {"target": target, "draft": draft}, torch.zeros(1, 4, dtype=torch.long),
                              args, lambda: None, tmp_path, result)
     assert not any(m._forward_hooks or m._forward_pre_hooks for m in target.modules())
+
+
+# ------------------------------------------------------------------------------------------------
+# hf_decode_bench
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(not FASTDUMP_AVAILABLE, reason="fastdump is not importable")
+def test_hf_decode_bench_runs_and_dumps_bit_exact(tmp_path):
+    pytest.importorskip("transformers", reason="the hf extra is not installed")
+    result_json = tmp_path / "hf.json"
+    stdout = run_script("hf_decode_bench.py", "--layers", "2", "--hidden", "64", "--steps", "3", "--reps", "1",
+                        "--json", str(result_json))
+    assert "fastdump CPU per tensor" in stdout
+    result = json.loads(result_json.read_text())
+    assert set(result["modes"]) == {"none", "noop-wrapper", "fastdump"}
+    # the leaves of a 2-layer Llama: 2 x (4 attention projections + 3 MLP + act + 2 norms) + embed, norm,
+    # lm_head, and rotary_emb's (cos, sin); plus the root's CausalLMOutput logits (its cache is skipped)
+    assert result["bit_exact_tensors"] == 2 * 10 + 3 + 2  # the read-back check compares every leaf output
+    assert result["tensors_per_step"] == 2 * 10 + 3 + 2 + 1
+    assert result["modes"]["fastdump"]["dropped"] == 0
