@@ -73,3 +73,44 @@ def o_direct_bytes(monkeypatch):
 
     monkeypatch.setattr(segment_file.OpenSegment, "close_fd", recording_close_fd)
     return recorded
+
+
+def write_rank_dir(path, passes, *, role="target", rank=None, status="closed", stats=None, segment_passes=2,
+                   pass_meta=lambda pass_id: {}):
+    """A rank directory written by the real ChannelWriter from ``{pass_id: {name: tensor}}``: the
+    tests' crafted dumps (tests then damage them, or read them back)."""
+    import torch
+
+    from fastdump import dtypes
+    from fastdump.writer.channel_writer import ChannelWriter
+
+    rank = rank or {"tp_rank": 0, "tp_size": 1, "pp_rank": 0, "pp_size": 1, "rank": 0}
+    writer = ChannelWriter({"op": "open", "channel": 0, "dir": str(path), "role": role, "rank": rank,
+                            "pid": 100, "host": "h", "device": {}, "config": {"segment_passes": segment_passes}})
+    names = {}
+    for pass_id, tensors in passes.items():
+        writer.on_begin(pass_id, pass_meta(pass_id))
+        for name, t in tensors.items():
+            if name not in names:
+                names[name] = len(names)
+                writer.on_name(names[name], name)
+            data = t.contiguous().reshape(-1).view(torch.uint8).numpy().copy()
+            writer.on_tensor(names[name], pass_id, dtypes.code_of(t.dtype), tuple(t.shape), data)
+        writer.on_end(pass_id, {}, 0, [])
+    writer.close(stats or {}, status=status)
+    return path
+
+
+def mount_small_tmpfs(tmp_path, size: str):
+    """A tmpfs of ``size`` (e.g. "512k") under tmp_path to fill up: yields its path; skips, saying
+    why, where mounting needs a root this test does not have."""
+    import subprocess
+
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mnt)], capture_output=True,
+                       text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs to fill (needs root): {r.stderr.strip()}")
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)])

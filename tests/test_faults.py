@@ -16,6 +16,8 @@ import fastdump
 from fastdump.cli.dump import verify_dump
 from fastdump.staging.engine import SHM_DIR, SHM_PREFIX, remove_stale_regions
 
+from conftest import mount_small_tmpfs
+
 SERVE = textwrap.dedent("""
     import os, sys, torch, fastdump
     root, progress, rows = sys.argv[1], sys.argv[2], int(sys.argv[3])
@@ -120,13 +122,7 @@ def test_writer_alive_gets_the_reason_as_a_note_and_no_producer_file(tmp_path, m
 
 @pytest.fixture
 def small_disk(tmp_path):
-    mnt = tmp_path / "small"
-    mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=512k", "tmpfs", str(mnt)], capture_output=True, text=True)
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs to fill (needs root): {r.stderr.strip()}")
-    yield mnt
-    subprocess.run(["umount", "-l", str(mnt)])
+    yield from mount_small_tmpfs(tmp_path, "512k")
 
 
 @pytest.mark.parametrize("rows", [64, 1024])  # 64 KiB tensors are buffered, 1 MiB ones written directly

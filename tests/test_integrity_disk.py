@@ -22,25 +22,14 @@ from fastdump.cli import dump as cli_dump
 from fastdump import format as fmt
 from fastdump.writer.channel_writer import RESERVE_FILE, ChannelWriter
 
+from conftest import mount_small_tmpfs, write_rank_dir
+
 RANKS = {"tp_rank": 0, "tp_size": 1, "pp_rank": 0, "pp_size": 1, "rank": 0}
 
 
 def write_dir(path, passes, status="closed", stats=None, segment_passes=2):
     """A rank directory written by the real ChannelWriter: {pass: {name: tensor}}."""
-    writer = ChannelWriter({"op": "open", "channel": 0, "dir": str(path), "role": "target", "rank": RANKS,
-                            "pid": 100, "host": "h", "device": {}, "config": {"segment_passes": segment_passes}})
-    names = {}
-    for pass_id, tensors in passes.items():
-        writer.on_begin(pass_id, {})
-        for name, t in tensors.items():
-            if name not in names:
-                names[name] = len(names)
-                writer.on_name(names[name], name)
-            data = t.contiguous().reshape(-1).view(torch.uint8).numpy().copy()
-            writer.on_tensor(names[name], pass_id, dtypes.code_of(t.dtype), tuple(t.shape), data)
-        writer.on_end(pass_id, {}, 0, [])
-    writer.close(stats or {}, status=status)
-    return path
+    return write_rank_dir(path, passes, rank=RANKS, status=status, stats=stats, segment_passes=segment_passes)
 
 
 def tensors_of(p):
@@ -511,13 +500,7 @@ def test_dropped_passes_are_counted_in_rank_json_and_ls(tmp_path):
 
 @pytest.fixture
 def small_disk(tmp_path):
-    mnt = tmp_path / "small"
-    mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)], capture_output=True, text=True)
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs to fill (needs root): {r.stderr.strip()}")
-    yield mnt
-    subprocess.run(["umount", "-l", str(mnt)])
+    yield from mount_small_tmpfs(tmp_path, "2m")
 
 
 def fill(directory):

@@ -12,9 +12,10 @@ import numpy as np
 import pytest
 import torch
 
-from fastdump import dtypes, fsutil, reader
+from fastdump import fsutil, reader
 from fastdump.cli import dump as cli_dump
-from fastdump.writer.channel_writer import ChannelWriter
+
+from conftest import write_rank_dir
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TARGET = "TP0_PP0_Rank0_pid100"
@@ -24,22 +25,9 @@ DRAFT = "TP0_PP0_Rank0_pid100"
 
 def write_rank(root, role, rank_dir, passes, segment_passes=2, status="closed"):
     rank_number = int(rank_dir.split("_Rank")[1].split("_")[0])
-    writer = ChannelWriter({
-        "op": "open", "channel": 0, "dir": str(root / role / rank_dir), "role": role,
-        "rank": {"tp_rank": rank_number, "tp_size": 2, "pp_rank": 0, "pp_size": 1, "rank": rank_number},
-        "pid": 100, "host": "h", "device": {}, "config": {"segment_passes": segment_passes},
-    })
-    names = {}
-    for pass_id, tensors in passes.items():
-        writer.on_begin(pass_id, {"forward_mode": "decode" if pass_id else "prefill"})
-        for name, t in tensors.items():
-            if name not in names:
-                names[name] = len(names)
-                writer.on_name(names[name], name)
-            data = t.contiguous().reshape(-1).view(torch.uint8).numpy().copy()
-            writer.on_tensor(names[name], pass_id, dtypes.code_of(t.dtype), tuple(t.shape), data)
-        writer.on_end(pass_id, {}, 0, [])
-    writer.close({}, status=status)
+    write_rank_dir(root / role / rank_dir, passes, role=role, status=status, segment_passes=segment_passes,
+                   rank={"tp_rank": rank_number, "tp_size": 2, "pp_rank": 0, "pp_size": 1, "rank": rank_number},
+                   pass_meta=lambda pass_id: {"forward_mode": "decode" if pass_id else "prefill"})
 
 
 def target_pass(p):
