@@ -220,6 +220,34 @@ class Dumper:
             finally:
                 self._end()
 
+    def watch(self, module, name: str, *, convert=None, before=None) -> None:
+        """Capture ``module``'s calls under ``name`` as well: any module (a decoder layer, a whole
+        sub-model), with hooks for calls whose output or arguments need a word of explanation.
+
+        ``convert(output)`` returns what to dump of an output (a tensor, a container of them, None
+        for nothing); the module still returns its output unchanged. The result is named like any
+        output: ``name``, ``name.0`` ..., ``name#k`` for the k-th call in a pass. ``before(args,
+        kwargs)`` runs inside the pass before each call's forward (it may call ``set_pass_meta``);
+        what it returns, a dict or None, is dumped as ``name.<key>`` (``name#k.<key>``): values the
+        call was given. Both run only in a selected pass; one that raises or returns something
+        unusable is recorded as a skip of that call, never raised into the model. ``inputs=True``
+        applies as to every wrapped module. ``close()`` unwraps it. Call it before serving, once
+        per module, for a module this Dumper does not wrap already (leave it out of the selection
+        with ``exclude=``)."""
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"watch: name must be a non-empty string, not {name!r}")
+        if not callable(getattr(module, "forward", None)):
+            raise TypeError(f"watch: {type(module).__name__} has no forward to wrap")
+        for hook, what in ((convert, "convert"), (before, "before")):
+            if hook is not None and not callable(hook):
+                raise TypeError(f"watch: {what} must be callable or None, not {type(hook).__name__}")
+        if self._closed:
+            raise RuntimeError(f"watch: the Dumper of {self.dir} is closed")
+        if any(wrapped is module for wrapped, _, _ in self._wrapped):
+            raise ValueError(f"watch: {name!r}: this Dumper wraps that module already (leave it out of "
+                             "the selection with exclude=, and watch each module once)")
+        self._wrap(module, self._hooked_wrapper(name, module.forward, convert, before))
+
     @property
     def in_pass(self) -> bool:
         """True between a pass's begin and end (root forward or begin_pass)."""
@@ -415,12 +443,39 @@ class Dumper:
             log.warning(fmt, *args)
 
     # -- capture (hot path) ------------------------------------------------------------------------
-    def _capture(self, name: str, value) -> None:
+    def _capture(self, name: str, value, convert=None) -> None:
         if not self._capturing:
             return
         k = self._calls.get(name, 0)
         self._calls[name] = k + 1
-        self._emit_safely(name if k == 0 else f"{name}#{k}", value)
+        call_name = name if k == 0 else f"{name}#{k}"
+        if convert is not None:  # a watched module's hook (watch)
+            try:
+                value = convert(value)
+            except Exception as exc:
+                return self._hook_failed(call_name, "convert(output)", exc)
+        self._emit_safely(call_name, value)
+
+    def _capture_before(self, name: str, before, args, kwargs) -> None:
+        """A watched module's ``before`` hook, and what it returns dumped as ``name[#k].<key>``."""
+        k = self._calls.get(name, 0)  # like inputs: the values of the k-th call share its #k
+        call_name = name if k == 0 else f"{name}#{k}"
+        try:
+            values = before(args, kwargs)
+        except Exception as exc:
+            return self._hook_failed(call_name, "before(args, kwargs)", exc)
+        if values is None or not self._capturing:
+            return
+        if not isinstance(values, dict):
+            reason = f"before(args, kwargs) returned {type(values).__name__}, not a dict or None"
+            return self._hook_failed(call_name, reason, None)
+        for key, value in values.items():
+            self._emit_safely(f"{call_name}.{key}", value)
+
+    def _hook_failed(self, name: str, what: str, exc: Exception | None) -> None:
+        reason = what if exc is None else f"{what} raised {type(exc).__name__}: {_short(exc)}"
+        self._skip(name, reason)
+        self._say_once(("hook", reason), "fastdump: %s: %s skipped: %s", self.dir, name, reason)
 
     def _emit_safely(self, name: str, value) -> None:
         try:
@@ -639,6 +694,29 @@ class Dumper:
                         dumper._capture_failed(name, out, exc)
                 else:
                     dumper._capture(name, out)
+            return out
+
+        return forward_and_capture
+
+    def _hooked_wrapper(self, name: str, forward, convert, before):
+        """A watched module's wrapper (watch): the capture wrapper's rules plus the hooks. It stays
+        Python, and off the hot path of plain leaves."""
+        dumper = self
+        inputs = self.inputs
+
+        @_wraps(forward)
+        def forward_and_capture(*args, **kwargs):
+            if not dumper._capturing:
+                return forward(*args, **kwargs)
+            # torch.compile tracing us: the hooks and the staging run eagerly, at graph breaks
+            outside = _outside_graph if _is_compiling() else _call
+            if before is not None:
+                outside(dumper._capture_before, name, before, args, kwargs)
+            if inputs:
+                outside(dumper._capture_inputs, name, args, kwargs)
+            out = forward(*args, **kwargs)
+            if dumper._capturing:
+                outside(dumper._capture, name, out, convert)
             return out
 
         return forward_and_capture

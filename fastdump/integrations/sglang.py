@@ -9,8 +9,11 @@ Differences from SGLang's own dumper are listed in docs/INTEGRATIONS.md; the mai
   forward land in the same pass as its layers (SGLang saves the pass when the inner ``model``
   returns, which pushes ``model``'s and ``logits_processor``'s outputs into the next pass file);
 - tuple outputs are stored as ``name.0``, ``name.1`` ... and a second call of a module in one pass as
-  ``name#1``; ``fastdump export --format sglang`` writes SGLang's names (``sglang_names.json`` in
-  each rank directory lists the model's module names so the export can tell the two apart).
+  ``name#1`` (``name#1.0`` ...), the top module and ``logits_processor`` included: they are watched
+  by the Dumper (``Dumper.watch``) with the hooks below, which turn SGLang's output objects and the
+  ForwardBatch into tensors; ``fastdump export --format sglang`` writes SGLang's names
+  (``sglang_names.json`` in each rank directory lists the model's module names so the export can
+  tell the two apart).
 
 ``install()`` routes SGLang's ``--debug-tensor-dump-output-folder`` to this module; ``python -m
 fastdump.integrations.sglang <launch_server args>`` does that in every SGLang process.
@@ -69,69 +72,49 @@ def _find_forward_batch(args, kwargs):
     return fb
 
 
-def _flatten(name, value, out):
-    """(name, tensor) pairs with fastdump's naming; LogitsProcessorOutput -> its next_token_logits like
-    SGLang, PPProxyTensors -> name.pp_proxy_tensors.<key>."""
-    if isinstance(value, torch.Tensor):
-        out.append((name, value))
-    elif isinstance(value, (tuple, list)):
-        for i, v in enumerate(value):
-            _flatten(f"{name}.{i}", v, out)
-    elif isinstance(value, dict):
-        for k, v in value.items():
-            _flatten(f"{name}.{k}", v, out)
-    elif isinstance(getattr(value, "next_token_logits", None), torch.Tensor):
-        out.append((name, value.next_token_logits))
-    elif isinstance(getattr(value, "tensors", None), dict):
-        _flatten(f"{name}.pp_proxy_tensors", value.tensors, out)
-    return out
+# The ForwardBatch fields SGLang's hook dumps, as model.forward_batch_info.<field>.
+_BATCH_FIELDS = ("input_ids", "seq_lens", "positions")
+
+
+def _batch_info(dumper):
+    """The top module's ``before`` hook (Dumper.watch): its ForwardBatch's tensors, taken before the
+    forward runs (the values the model was called with), and the pass metadata."""
+    def before(args, kwargs):
+        fb = _find_forward_batch(args, kwargs)
+        if fb is None:
+            return None
+        mode = getattr(fb, "forward_mode", None)
+        bs = getattr(fb, "batch_size", None)
+        if bs is None and isinstance(getattr(fb, "seq_lens", None), torch.Tensor):
+            bs = fb.seq_lens.shape[0]
+        meta = {"forward_mode": getattr(mode, "name", None) or str(mode), "batch_size": bs}
+        if isinstance(getattr(fb, "input_ids", None), torch.Tensor):
+            meta["num_tokens"] = fb.input_ids.shape[0]
+        dumper.set_pass_meta(**meta)
+        fields = {f: getattr(fb, f, None) for f in _BATCH_FIELDS}
+        return {"forward_batch_info": {f: t for f, t in fields.items() if isinstance(t, torch.Tensor)}}
+
+    return before
+
+
+def _sglang_output(value):
+    """The ``convert`` hook of ``model`` and ``logits_processor`` (Dumper.watch): SGLang's output
+    objects as SGLang's hook stores them. A LogitsProcessorOutput is its ``next_token_logits``
+    (stored under the module's name), PPProxyTensors its tensors as ``name.pp_proxy_tensors.<key>``;
+    anything else (tensors, tuples) goes to fastdump's usual naming as returned."""
+    if isinstance(getattr(value, "next_token_logits", None), torch.Tensor):
+        return value.next_token_logits
+    if isinstance(getattr(value, "tensors", None), dict):
+        return {"pp_proxy_tensors": value.tensors}
+    return value
 
 
 class SGLangDumper:
     """What ``register_forward_hook_for_model`` returns (SGLang's TensorDumper face) over a fastdump Dumper."""
 
-    def __init__(self, model, dumper, top_name: str, top, logits_name: str | None, logits_mod, dump_dir: str):
+    def __init__(self, dumper, dump_dir: str):
         self.dumper = dumper
         self._dump_dir = dump_dir
-        self._top_name = top_name
-        self._wrapped = []
-        self._wrap(top, self._top_forward)
-        if logits_mod is not None:
-            self._wrap(logits_mod, lambda orig, a, k: self._dump_output(logits_name, orig(*a, **k)))
-
-    def _wrap(self, module, body):
-        # Wrap the instance's forward rather than registering a hook, so this also fires when the
-        # parent calls ``module.forward(...)`` directly (sglang#26269).
-        orig = module.forward
-
-        def forward(*args, **kwargs):
-            return body(orig, args, kwargs)
-
-        module.forward = forward
-        self._wrapped.append((module, forward))
-
-    def _top_forward(self, orig, args, kwargs):
-        fb = _find_forward_batch(args, kwargs)
-        if fb is not None:
-            # Before the forward runs: these are the values the model was called with.
-            for field in ("input_ids", "seq_lens", "positions"):
-                t = getattr(fb, field, None)
-                if isinstance(t, torch.Tensor):
-                    self.dumper.dump(f"{self._top_name}.forward_batch_info.{field}", t)
-            mode = getattr(fb, "forward_mode", None)
-            bs = getattr(fb, "batch_size", None)
-            if bs is None and isinstance(getattr(fb, "seq_lens", None), torch.Tensor):
-                bs = fb.seq_lens.shape[0]
-            meta = {"forward_mode": getattr(mode, "name", None) or str(mode), "batch_size": bs}
-            if isinstance(getattr(fb, "input_ids", None), torch.Tensor):
-                meta["num_tokens"] = fb.input_ids.shape[0]
-            self.dumper.set_pass_meta(**meta)
-        return self._dump_output(self._top_name, orig(*args, **kwargs))
-
-    def _dump_output(self, name, out):
-        for n, t in _flatten(name, out, []):
-            self.dumper.dump(n, t)
-        return out
 
     def get_dump_dir(self) -> str:
         """Where the files are, built as SGLang builds it: ``dump_dir`` as given joined with the rank
@@ -145,12 +128,9 @@ class SGLangDumper:
         while self.dumper.in_pass:
             self.dumper.end_pass()
 
-    def close(self):
-        for module, forward in self._wrapped:
-            if module.__dict__.get("forward") is forward:  # leave alone what others wrapped over ours
-                del module.__dict__["forward"]
-        self._wrapped = []
-        self.dumper.close()
+    def close(self) -> dict:
+        """Flush, detach from the model (the Dumper unwraps everything it wrapped); the Dumper's stats."""
+        return self.dumper.close()
 
 
 def register_forward_hook_for_model(model, dump_dir, dump_layers=None, tp_size=1, tp_rank=0, pp_rank=0,
@@ -182,22 +162,31 @@ def register_forward_hook_for_model(model, dump_dir, dump_layers=None, tp_size=1
         pat = rf"^{re.escape(top_name)}\.{re.escape(layers_name)}\.(?!(?:{keep})(?:\.|$))\d+(\.|$)"
         fastdump_kwargs["exclude"] = _either(fastdump_kwargs.get("exclude"), pat)
         dump_layers = None
-    # Not dumped by fastdump's own wrappers: the root (SGLang never dumps it; its output is the
-    # LogitsProcessorOutput) and logits_processor, whose logits we take out of that output ourselves.
-    logits_name = "logits_processor" if isinstance(model._modules.get("logits_processor"), torch.nn.Module) else None
-    skip = [re.escape(fastdump_kwargs.get("root_name") or type(model).__name__)] + ([logits_name] if logits_name else [])
+    # Left out of the leaf selection: the root (SGLang never dumps it; its output is the
+    # LogitsProcessorOutput), and the two modules watched with hooks below (a leaf top or a
+    # selected logits_processor would be wrapped twice).
+    logits = model._modules.get("logits_processor")
+    logits = logits if isinstance(logits, torch.nn.Module) else None
+    skip = [re.escape(fastdump_kwargs.get("root_name") or type(model).__name__), re.escape(top_name)]
+    skip += ["logits_processor"] if logits is not None else []
     fastdump_kwargs["exclude"] = _either(fastdump_kwargs.get("exclude"), "^(?:" + "|".join(skip) + ")$")
     # SGLang's signature has no pp_size; rank.json wants one.
     pp_size = fastdump_kwargs.pop("pp_size", None) or _sglang_pp_size() or pp_rank + 1
     dumper = fastdump.attach(model, root, role=role or "target", tp_rank=tp_rank, tp_size=tp_size,
                              pp_rank=pp_rank, pp_size=pp_size, layers=dump_layers, skip_passes=skip_passes,
                              **fastdump_kwargs)
+    try:
+        dumper.watch(top, top_name, convert=_sglang_output, before=_batch_info(dumper))
+        if logits is not None:
+            dumper.watch(logits, "logits_processor", convert=_sglang_output)
+    except BaseException:
+        dumper.close()
+        raise
     _write_module_names(dumper, model, top_name)
     # dumper.dir is <root>/<role>/<rank dir>, absolute: rebuild it from the path as given, like SGLang.
     where = os.path.join(given, dumper.dir.name) if role_from_path else \
         os.path.join(given, *dumper.dir.relative_to(dumper.root).parts)
-    return SGLangDumper(model, dumper, top_name, top, logits_name,
-                        model._modules.get(logits_name) if logits_name else None, where)
+    return SGLangDumper(dumper, where)
 
 
 def _write_module_names(dumper, model, top_name: str) -> None:
