@@ -410,3 +410,181 @@ def test_thread_writer(tmp_path):
         ref(torch.tensor([[5, 6]]), target.new_cache())
     ref.remove()
     assert_pass_equal(fastdump.open(tmp_path).load("target", 0, 0), ref.passes[0], extra={"TinyLM"})
+
+
+# --- Dumper.watch: any module, with convert= / before= hooks --------------------------------------
+
+
+class Scored:
+    """An output object fastdump cannot read by itself (not a tensor, container or dataclass)."""
+
+    def __init__(self, hidden, scores):
+        self.hidden, self.scores = hidden, scores
+
+
+class Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 4)
+
+    def forward(self, x, step):
+        h = self.proj(x)
+        x.mul_(2)  # in place on its input: `before` must see the value it was called with
+        return Scored(h, h.sum(-1))
+
+
+class Twice(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(5)
+        self.block = Block()
+        self.head = torch.nn.Linear(4, 2)
+
+    def forward(self, x):
+        first = self.block(x, step=0)
+        second = self.block.forward(first.hidden, step=1)  # .forward() directly: watched too
+        return self.head(second.hidden)
+
+
+def _watch_twice(d, model, seen):
+    def before(args, kwargs):
+        seen.append(kwargs["step"])
+        d.set_pass_meta(last_step=kwargs["step"])
+        return {"x": args[0], "step": torch.tensor(kwargs["step"])}
+
+    d.watch(model.block, "block", convert=lambda out: (out.hidden, {"scores": out.scores}), before=before)
+
+
+def test_watch_a_module_called_twice_with_hooks(tmp_path):
+    model, xs = Twice(), [torch.randn(3, 4) for _ in range(2)]
+    with torch.no_grad():
+        want = []
+        for x in xs:  # reference: the same forward by hand, values cloned as they are made
+            x = x.clone()
+            x0 = x.clone()
+            h1 = model.block.proj(x)
+            x.mul_(2)
+            h1c = h1.clone()
+            h2 = model.block.proj(h1)
+            h1.mul_(2)
+            want.append({"block.proj": h1c, "block.x": x0, "block.step": torch.tensor(0), "block.0": h1c,
+                         "block.1.scores": h1c.sum(-1), "block#1.x": h1c, "block#1.step": torch.tensor(1),
+                         "block.proj#1": h2, "block#1.0": h2, "block#1.1.scores": h2.sum(-1),
+                         "head": model.head(h2)})
+    seen = []
+    d = fastdump.attach(model, tmp_path, writer="thread", exclude="^(block|Twice)$")
+    _watch_twice(d, model, seen)
+    with torch.no_grad():
+        outs = [model(x.clone()) for x in xs]
+    stats = d.close()
+    assert "forward" not in model.block.__dict__  # unwrapped
+    assert stats["status"] == "closed" and stats["skipped"] == 0 and seen == [0, 1, 0, 1]
+    ds = fastdump.open(tmp_path)
+    for p, (out, expected) in enumerate(zip(outs, want)):
+        got = ds.load("target", 0, p)
+        # the capture order everywhere: inputs/before values, then the leaves inside, then the output
+        assert list(got) == ["block.x", "block.step", "block.proj", "block.0", "block.1.scores",
+                             "block#1.x", "block#1.step", "block.proj#1", "block#1.0", "block#1.1.scores", "head"]
+        for name, value in expected.items():
+            assert same_bits(got[name], value), name
+        assert same_bits(got["head"], out)
+        assert ds.meta("target", 0, p)["last_step"] == 1
+
+
+def test_watch_hooks_run_only_in_selected_passes(tmp_path):
+    model, seen = Twice(), []
+    d = fastdump.attach(model, tmp_path, writer="thread", exclude="^block$", every=2)
+    _watch_twice(d, model, seen)
+    with torch.no_grad():
+        for _ in range(3):
+            model(torch.randn(1, 4))
+    d.close()
+    assert seen == [0, 1, 0, 1]  # passes 0 and 2
+    ds = fastdump.open(tmp_path)
+    assert ds.passes("target", 0) == [0, 2] and "block#1.0" in ds.load("target", 0, 2)
+
+
+@pytest.mark.parametrize("fault", ["convert raises", "before raises", "before returns a list"])
+def test_watch_hooks_that_fail_are_recorded_never_raised(tmp_path, fault):
+    model = Twice()
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        plain = model(x.clone())
+
+    def convert(out):
+        if fault == "convert raises":
+            raise KeyError("no such field")
+        return out.hidden
+
+    def before(args, kwargs):
+        if fault == "before raises":
+            raise RuntimeError("bad batch")
+        return [args[0]] if fault == "before returns a list" else None
+
+    d = fastdump.attach(model, tmp_path, writer="thread", exclude="^block$")
+    d.watch(model.block, "block", convert=convert, before=before)
+    with torch.no_grad():
+        out = model(x.clone())
+    stats = d.close()
+    assert same_bits(out, plain)  # served as without fastdump
+    assert stats["status"] == "closed" and stats["skipped"] == 2  # both calls of block
+    meta = fastdump.open(tmp_path).meta("target", 0, 0)
+    got = fastdump.open(tmp_path).load("target", 0, 0)
+    reasons = {s["name"]: s["reason"] for s in meta["skipped"]}
+    assert set(reasons) == {"block", "block#1"} and meta["complete"] is True
+    expected = {"convert raises": "convert(output) raised KeyError: 'no such field'",
+                "before raises": "before(args, kwargs) raised RuntimeError: bad batch",
+                "before returns a list": "before(args, kwargs) returned list, not a dict or None"}[fault]
+    assert reasons["block"] == expected
+    # what did not fail is there
+    assert {"block.proj", "block.proj#1", "head", "Twice"} <= set(got)
+    assert ("block#1" in got) == (fault != "convert raises")
+    from fastdump import cli
+
+    assert cli.main(["verify", str(tmp_path)]) == 0  # a recorded skip is not lost data
+
+
+def test_watch_refuses_misuse_and_unwraps(tmp_path):
+    model = Twice()
+    own = model.head.forward  # an instance forward set before attach is put back at close
+    model.head.forward = own
+    d = fastdump.attach(model, tmp_path, writer="thread")
+    with pytest.raises(ValueError, match="wraps that module already"):
+        d.watch(model.block.proj, "proj")  # a selected leaf
+    with pytest.raises(ValueError, match="wraps that module already"):
+        d.watch(model, "root")  # the root: its wrapper delimits passes
+    d.watch(model.block, "block")
+    with pytest.raises(ValueError, match="wraps that module already"):
+        d.watch(model.block, "block2")
+    with pytest.raises(ValueError, match="non-empty"):
+        d.watch(model.head, "")
+    with pytest.raises(TypeError, match="convert must be callable"):
+        d.watch(model.head, "h", convert="hidden")
+    with pytest.raises(TypeError, match="no forward"):
+        d.watch(object(), "thing")
+    d.close()
+    assert "forward" not in model.block.__dict__ and "forward" not in model.block.proj.__dict__
+    assert model.head.__dict__["forward"] is own
+    with pytest.raises(RuntimeError, match="closed"):
+        d.watch(model.block, "block")
+
+
+def test_watch_under_torch_compile_dumps_the_real_values(tmp_path):
+    torch._dynamo.reset()
+    model, seen = Twice(), []
+    xs = [torch.randn(3, 4) for _ in range(2)]
+    d = fastdump.attach(model, tmp_path, writer="thread", exclude="^block$")
+    _watch_twice(d, model, seen)
+    compiled = torch.compile(model, backend="eager")
+    with torch.no_grad():
+        outs = [compiled(x.clone()) for x in xs]
+    stats = d.close()
+    torch._dynamo.reset()
+    assert stats["status"] == "closed" and stats["skipped"] == 0 and seen == [0, 1, 0, 1]
+    ds = fastdump.open(tmp_path)
+    for p, (x, out) in enumerate(zip(xs, outs)):
+        got = ds.load("target", 0, p)
+        assert same_bits(got["block.x"], x) and same_bits(got["head"], out) and same_bits(got["Twice"], out)
+        assert same_bits(got["block.0"], got["block.proj"]) and same_bits(got["block#1.0"], got["block.proj#1"])
+        assert same_bits(got["block.1.scores"], got["block.proj"].sum(-1))
+        assert same_bits(got["block#1.x"], got["block.proj"])  # before the second call doubled it

@@ -9,6 +9,7 @@ file naming (name=…___step=…___rank=…___dump_index=….pt holding {"value"
 
 import argparse
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -71,31 +72,36 @@ class Layer(nn.Module):
 
 
 class Model(nn.Module):
-    def __init__(self, n_layers):
+    def __init__(self, n_layers, aux=False):
         super().__init__()
         self.embed_tokens = nn.Embedding(V, H)
         self.layers = nn.ModuleList(Layer() for _ in range(n_layers))
         self.norm = RMSNorm()
+        self.aux = aux
 
     def forward(self, input_ids, positions, forward_batch):
         x, residual = self.embed_tokens(input_ids), None
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
             x, residual = layer(positions, x, forward_batch, residual)
+            if i == 0:
+                first = x
         x, _ = self.norm(x, residual)
-        return x
+        # aux: (hidden, an earlier layer's hidden), as EAGLE3 targets return their aux hidden states
+        return (x, first) if self.aux else x
 
 
 class ForCausalLM(nn.Module):
-    def __init__(self, n_layers=2, seed=0):
+    def __init__(self, n_layers=2, seed=0, aux=False):
         torch.manual_seed(seed)
         super().__init__()
-        self.model = Model(n_layers)
+        self.model = Model(n_layers, aux)
         self.lm_head = ParallelLMHead()
         self.logits_processor = LogitsProcessor()
 
     @torch.no_grad()
     def forward(self, input_ids, positions, forward_batch):
         hidden = self.model(input_ids, positions, forward_batch)  # positional, as SGLang's models do
+        hidden = hidden[0] if isinstance(hidden, tuple) else hidden
         return self.logits_processor(input_ids, hidden, self.lm_head, forward_batch)
 
 
@@ -152,15 +158,16 @@ def load_passes(directory):
     return {p.name: torch.load(p, weights_only=True) for p in sorted(Path(directory).glob("Pass*.pt"))}
 
 
-@pytest.fixture
-def sglang_and_fastdump(tmp_path):
-    """The same three forwards dumped by SGLang's hook (reference) and by fastdump's drop-in."""
+@pytest.fixture(params=[False, True], ids=["tensor-top", "tuple-top"])
+def sglang_and_fastdump(tmp_path, request):
+    """The same three forwards dumped by SGLang's hook (reference) and by fastdump's drop-in; the
+    top-level ``model`` returns a tensor, or a tuple (hidden, aux)."""
     fbs = list(batches())
-    ref_model = ForCausalLM()
+    ref_model = ForCausalLM(aux=request.param)
     SGLangHookReference(ref_model, tmp_path / "sglang")
     for fb in fbs:
         ref_model(fb.input_ids, fb.positions, fb)
-    model = ForCausalLM()
+    model = ForCausalLM(aux=request.param)
     d = fsg.register_forward_hook_for_model(model, tmp_path / "fd", writer="thread")
     for fb in fbs:
         model(fb.input_ids, fb.positions, fb)
@@ -212,6 +219,64 @@ def test_without_shift_a_pass_file_holds_its_own_logits(sglang_and_fastdump, tmp
     stored = fastdump.open(dump).load("target", None, 0)
     assert {"model.layers.1.input_layernorm.0", "model.layers.0.gate.1", "model.layers.0.scale#1"} <= set(stored)
     assert torch.equal(got["Pass00000.pt"]["model.layers.0.scale"], stored["model.layers.0.scale#1"])
+
+
+_TOP_NAME = re.compile(r"^(?:model(?:#1)?(?:\.forward_batch_info\.\w+|\.\d)|logits_processor(?:#1)?)$")
+
+
+def test_top_module_called_twice_in_a_pass_with_tuple_outputs(tmp_path):
+    """Two forwards in one pass (a draft's steps under begin_pass): the top module's tuple output,
+    its ForwardBatch and the logits of each call are named in capture order (``name#k.i``, as every
+    leaf), hold what the model computed, and the export writes the file SGLang's naming gives: the
+    last call under each name, at the first call's position, as from the earlier naming
+    (``name.i#k``)."""
+    fbs = list(batches())[1:]  # two decode steps
+    model = ForCausalLM(aux=True)
+    seen = {"model": [], "logits": []}  # reference: plain hooks, cloned at hook time
+    hooks = [model.model.register_forward_hook(lambda m, a, out: seen["model"].append([t.clone() for t in out])),
+             model.logits_processor.register_forward_hook(
+                 lambda m, a, out: seen["logits"].append(out.next_token_logits.clone()))]
+    for fb in fbs:
+        model(fb.input_ids, fb.positions, fb)
+    for h in hooks:
+        h.remove()
+    d = fsg.register_forward_hook_for_model(model, tmp_path / "fd", writer="thread")
+    d.dumper.begin_pass()
+    outs = [model(fb.input_ids, fb.positions, fb) for fb in fbs]
+    d.dump_current_tensors()
+    d.close()
+    assert "forward" not in model.model.__dict__ and "forward" not in model.logits_processor.__dict__
+
+    ds = fastdump.open(tmp_path / "fd")
+    assert ds.passes("target", None) == [0]
+    stored = ds.load("target", None, 0)
+    fields = ("input_ids", "seq_lens", "positions")
+    assert [n for n in stored if _TOP_NAME.match(n)] == \
+        [f"model.forward_batch_info.{f}" for f in fields] + ["model.0", "model.1", "logits_processor"] + \
+        [f"model#1.forward_batch_info.{f}" for f in fields] + ["model#1.0", "model#1.1", "logits_processor#1"]
+    for k, (fb, out) in enumerate(zip(fbs, outs)):
+        call = "" if k == 0 else f"#{k}"
+        for f in fields:
+            assert_same_value(stored[f"model{call}.forward_batch_info.{f}"], getattr(fb, f), f)
+        for i in (0, 1):
+            assert_same_value(stored[f"model{call}.{i}"], seen["model"][k][i], f"model{call}.{i}")
+        assert_same_value(stored[f"logits_processor{call}"], seen["logits"][k], "logits")
+        assert_same_value(stored[f"logits_processor{call}"], out.next_token_logits, "logits")
+
+    assert export.export_sglang(tmp_path / "fd", tmp_path / "out") == 1
+    (rank_dir,) = (tmp_path / "out").iterdir()
+    got = load_passes(rank_dir)["Pass00000.pt"]
+    assert_same_value(got["model"], seen["model"][1], "model")  # SGLang: the last call, as one list
+    assert_same_value(got["logits_processor"], seen["logits"][1], "logits_processor")
+    assert_same_value(got["model.forward_batch_info.input_ids"], fbs[1].input_ids, "input_ids")
+    # the same file as the earlier naming of the drop-in (second call: name.i#1, name.field#1)
+    earlier = {re.sub(r"^(model|logits_processor)#(\d+)(.*)$", r"\1\3#\2", n): t for n, t in stored.items()}
+    assert "model.0#1" in earlier and "model.forward_batch_info.seq_lens#1" in earlier
+    modules = [n for n, _ in model.named_modules() if n]
+    want = export.sglang_names(earlier, modules)
+    assert list(got) == list(want)
+    for name in want:
+        assert_same_value(got[name], want[name], name)
 
 
 def test_fastdump_names_on_request(sglang_and_fastdump, tmp_path):

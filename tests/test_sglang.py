@@ -324,6 +324,42 @@ def test_dump_current_tensors_ends_an_open_pass(tmp_path):
     assert ds.meta("target", rank, 1)["forward_mode"] == "EXTEND"
 
 
+class PPProxyTensors:
+    """Like SGLang's: what a pipeline stage before the last returns, a dict of tensors inside an object."""
+
+    def __init__(self, tensors):
+        self.tensors = tensors
+
+
+def test_pipeline_stage_output_and_unreadable_outputs(tmp_path):
+    """PPProxyTensors from ``model`` are stored as model.pp_proxy_tensors.<key> (SGLang's names), in
+    each call's name; an output object the hook does not know is a recorded skip, not an error."""
+    model = LlamaForCausalLM()
+    inner = model.model.forward
+    model.model.forward = lambda *a, **k: PPProxyTensors({"hidden_states": inner(*a, **k), "residual": a[0] * 2})
+    model.logits_processor.forward = lambda input_ids, hidden, lm_head, fb: object()  # no tensor in it
+    mine = model.model.forward
+    fbs = list(batches())[1:]
+    d = fsg.register_forward_hook_for_model(model, tmp_path, writer="thread")
+    d.dumper.begin_pass()
+    outs = [run(model, fb) for fb in fbs]
+    d.dumper.end_pass()
+    stats = d.close()
+    assert model.model.__dict__["forward"] is mine  # the instance forward set before is back
+    ds = fastdump.open(tmp_path)
+    got = ds.load("target", only_rank(ds, "target"), 0)
+    for k, fb in enumerate(fbs):
+        call = "" if k == 0 else f"#{k}"
+        assert torch.equal(got[f"model{call}.pp_proxy_tensors.residual"], fb.input_ids * 2)
+        assert torch.equal(got[f"model{call}.pp_proxy_tensors.hidden_states"],
+                           got[f"model.norm{call}.0"])  # the final norm's output
+        assert f"logits_processor{call}" not in got
+    assert all(type(o) is object for o in outs)
+    skipped = {s["name"]: s["reason"] for s in ds.meta("target", only_rank(ds, "target"), 0)["skipped"]}
+    assert set(skipped) == {"logits_processor", "logits_processor#1"} and stats["skipped"] == 2
+    assert "holds no tensor" in skipped["logits_processor"]
+
+
 def test_rank_directory_naming(tmp_path):
     model = LlamaForCausalLM()
     d = fsg.register_forward_hook_for_model(model, tmp_path, None, tp_size=4, tp_rank=3, pp_rank=1)

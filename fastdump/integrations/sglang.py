@@ -102,8 +102,9 @@ def _sglang_output(value):
     objects as SGLang's hook stores them. A LogitsProcessorOutput is its ``next_token_logits``
     (stored under the module's name), PPProxyTensors its tensors as ``name.pp_proxy_tensors.<key>``;
     anything else (tensors, tuples) goes to fastdump's usual naming as returned."""
-    if isinstance(getattr(value, "next_token_logits", None), torch.Tensor):
-        return value.next_token_logits
+    if hasattr(value, "next_token_logits"):  # None in it: nothing (SGLang's hook dumps nothing else of it)
+        logits = value.next_token_logits
+        return logits if isinstance(logits, torch.Tensor) else None
     if isinstance(getattr(value, "tensors", None), dict):
         return {"pp_proxy_tensors": value.tensors}
     return value
