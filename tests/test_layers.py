@@ -132,3 +132,15 @@ def test_nothing_inside_the_package_imports_the_public_api_except_the_front():
     for module, deps in _graph().items():
         if "fastdump" in deps:
             assert _layer(module) == "front", f"{module} imports the top-level fastdump package"
+
+
+def test_the_capture_side_knows_no_serving_framework():
+    """What a framework's objects mean (SGLang's output classes, its ForwardBatch) is an integration's
+    business, handed to the Dumper as watch() hooks; the capture and staging code never names them."""
+    framework_words = ("LogitsProcessorOutput", "next_token_logits", "PPProxyTensors", "pp_proxy_tensors",
+                       "ForwardBatch", "forward_batch")
+    for folder in ("capture", "staging"):
+        for path in (PACKAGE / folder).rglob("*.py"):
+            text = path.read_text()
+            found = [w for w in framework_words if w in text]
+            assert not found, f"{path.relative_to(PACKAGE.parent)} names {found}: move it to fastdump/integrations/"
