@@ -588,3 +588,22 @@ def test_watch_under_torch_compile_dumps_the_real_values(tmp_path):
         assert same_bits(got["block.0"], got["block.proj"]) and same_bits(got["block#1.0"], got["block.proj#1"])
         assert same_bits(got["block.1.scores"], got["block.proj"].sum(-1))
         assert same_bits(got["block#1.x"], got["block.proj"])  # before the second call doubled it
+
+
+def test_watch_on_a_dumper_without_model(tmp_path):
+    """attach(None) + watch: a module of one's choosing, dumped in manual passes only."""
+    block = Block()
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        block(x.clone(), step=0)  # before attach: nothing to do with fastdump
+        d = fastdump.attach(None, tmp_path, writer="thread")
+        d.watch(block, "blk", convert=lambda out: out.scores)
+        block(x.clone(), step=0)  # outside a pass: passes through, no pass of its own
+        d.begin_pass()
+        out = block(x.clone(), step=0)
+        d.end_pass()
+    d.close()
+    ds = fastdump.open(tmp_path)
+    assert ds.passes("target", 0) == [0]
+    got = ds.load("target", 0, 0)
+    assert list(got) == ["blk"] and same_bits(got["blk"], out.scores)
