@@ -3,6 +3,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <cstddef>
 #include <string>
 #include <vector>
 
@@ -16,10 +17,21 @@ namespace fastdump {
 void bind_graph_recorder(py::module_& m) {
   m.attr("GRAPH_PASS_BASE") = kGraphPassBase;
   m.attr("NO_SPACE") = static_cast<int>(kNoSpace);  // GraphRecorder.record: no slot or ring room
+  // The replay span record (fastdump/protocol.py re-exports these; the writer splits the record).
+  m.attr("REPLAY_SPAN_DTYPE") = static_cast<int>(kReplaySpanDtype);
+  m.attr("GRAPH_SPAN_NAME_BASE") = kGraphSpanNameBase;
+  m.attr("REPLAY_HEADER_BYTES") = kReplayHeaderBytes;
+  m.attr("REPLAY_MAGIC") = kReplayMagic;
+  m.attr("REPLAY_HEADER_FIELDS") = py::make_tuple(  // ReplayHeader: little-endian uint64 each, in order
+      py::make_tuple("magic", offsetof(ReplayHeader, magic)), py::make_tuple("pass_id", offsetof(ReplayHeader, pass_id)),
+      py::make_tuple("replay", offsetof(ReplayHeader, replay)),
+      py::make_tuple("span_name_id", offsetof(ReplayHeader, span_name_id)),
+      py::make_tuple("span_bytes", offsetof(ReplayHeader, span_bytes)));
   py::class_<GraphRecorder>(m, "GraphRecorder")
-      .def(py::init<CudaStager*, uint32_t, int, uint64_t, uint64_t, uint32_t>(), py::arg("stager"),
-           py::arg("channel"), py::arg("device"), py::arg("slot_bytes"), py::arg("ring_bytes"),
-           py::arg("log_entries") = 1024,
+      .def(py::init<CudaStager*, uint32_t, int, uint64_t, uint64_t, uint32_t, const std::string&,
+                    const std::string&>(),
+           py::arg("stager"), py::arg("channel"), py::arg("device"), py::arg("slot_bytes"), py::arg("ring_bytes"),
+           py::arg("log_entries") = 1024, py::arg("drop_note") = "", py::arg("drop_mark") = "",
            py::keep_alive<1, 2>(),  // the stager outlives the recorder
            "One per Dumper and GPU; allocates its device memory now (call it outside any capture).")
       .def("begin_graph", &GraphRecorder::begin_graph, py::arg("stream"),
@@ -34,8 +46,22 @@ void bind_graph_recorder(py::module_& m) {
           py::arg("name_id"), py::arg("dtype"), py::arg("elem_size"), py::arg("shape"), py::arg("strides"),
           py::arg("ptr"), py::arg("device"), py::arg("stream"),
           "Record the tensor's snapshot into the graph being captured: STAGED, TOO_LARGE or NO_SPACE.")
-      .def("end_graph", &GraphRecorder::end_graph, py::arg("meta_json"), py::arg("skipped_json") = "[]",
+      .def("end_graph", &GraphRecorder::end_graph,
            "Record the commit kernels; returns the graph id, or -1 when nothing was recorded.")
+      .def(
+          "layout",
+          [](GraphRecorder& r, int graph) {
+            py::list tensors;
+            for (const GraphTensorLayout& t : r.layout(graph))
+              tensors.append(py::make_tuple(t.name_id, t.dtype, py::tuple(py::cast(t.shape)), t.offset, t.nbytes));
+            py::dict d;
+            d["span_name_id"] = r.span_name_id(graph);
+            d["span_bytes"] = r.span_bytes(graph);
+            d["tensors"] = tensors;  // (name_id, dtype, shape, offset, nbytes), offsets from the span's start
+            return d;
+          },
+          py::arg("graph"), "A committed graph's span record: its name id, size and tensor layout.")
+      .def_property_readonly("dropped_replays", &GraphRecorder::dropped_replays)
       .def("abort_graph", &GraphRecorder::abort_graph)
       .def_property_readonly("capturing", &GraphRecorder::capturing)
       .def("set_paused", &GraphRecorder::set_paused, py::arg("paused"))
@@ -56,8 +82,7 @@ void bind_graph_recorder(py::module_& m) {
              d["dropped_replays"] = s.dropped_replays;
              d["tensors"] = s.tensors;
              d["bytes"] = s.bytes;
-             d["dropped_tensors"] = s.dropped_tensors;
-             d["lost_pass_ends"] = s.lost_pass_ends;
+             d["span_records"] = s.span_records;
              d["slot_bytes"] = s.slot_bytes;
              d["slot_used"] = s.slot_used;
              d["ring_bytes"] = s.ring_bytes;

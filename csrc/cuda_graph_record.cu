@@ -9,11 +9,15 @@
 //             addressed by device-side counters; when either is full (the host has not consumed
 //             enough, read from mapped memory) the replay is dropped and counted instead;
 //     copy    (grid):     span → ring entry, unless dropped;
-//     publish (1 thread): write the log entry (mapped host memory), fence, then its stamp.
+//     publish (1 thread): write the entry's ReplayHeader (device memory) and the log entry (mapped
+//             host memory), fence, then its stamp.
 // Every replay runs them, so the host does nothing per replay on the serving thread.
-// Drain thread (one per recorder): poll the log in order; for each stamped entry emit a pass
-// (begin, one CudaStager::stage() per tensor from the ring entry on the drain's own stream, end);
-// give the ring room and the log position back once the stager has completed those records.
+// Drain thread (one per recorder): poll the log in order; each stamped entry is one
+// CudaStager::stage() of the whole entry (header + span) as ONE tensor record on the drain's own
+// stream: O(1) host work per replay, whatever the graph's tensor count. The writer splits the
+// record into the pass's tensors (the layout came once, in the "graph" control message). Give the
+// ring room and the log position back once the stager has completed the record; when the count of
+// dropped replays changed, send the drop note (a template from fastdump/protocol.py).
 #include "cuda_graph_record.h"
 
 #include <cuda_runtime.h>  // tests/cuda_mock/cuda_runtime.h in the mock test build
@@ -44,7 +48,7 @@ namespace {
 
 constexpr uint64_t kSlotAlign = 256;
 constexpr uint64_t kSkip = ~uint64_t(0);   // decision: this replay is not committed
-constexpr uint32_t kMaxGraphs = 4096;      // graphs per recorder (decision words)
+constexpr uint32_t kMaxGraphs = kMaxGraphsPerRecorder;  // graphs per recorder (decision words)
 constexpr int kCopyThreads = 256;
 // The drain's longest wait for host-ring space per record: a stalled (alive) writer must not hold
 // it forever (close() joins it); what times out is counted, never written partially.
@@ -148,12 +152,20 @@ __global__ void __launch_bounds__(kCopyThreads)
     dst[i] = span[i];
 }
 
-__global__ void graph_publish_kernel(const GraphDecision* dec, LogEntry* log, uint64_t log_cap, uint32_t graph) {
+__global__ void graph_publish_kernel(const GraphDecision* dec, LogEntry* log, uint64_t log_cap, uint32_t graph,
+                                     uint8_t* ring, uint64_t ring_bytes, uint64_t span_name_id, uint64_t span_bytes) {
   if (threadIdx.x != 0 || blockIdx.x != 0) return;
   const volatile GraphDecision* d = dec;
   const uint64_t off = d->offset;
   if (off == kSkip) return;
   const uint64_t pos = d->log_pos;
+  // The entry's header: after the copy kernel (stream order), which copied the span's unused header room.
+  volatile ReplayHeader* h = reinterpret_cast<volatile ReplayHeader*>(ring + off % ring_bytes);
+  h->magic = kReplayMagic;
+  h->pass_id = static_cast<uint64_t>(kGraphPassBase) + pos;
+  h->replay = d->replay;
+  h->span_name_id = span_name_id;
+  h->span_bytes = span_bytes;
   volatile LogEntry* e = log + pos % log_cap;
   e->offset = off;
   e->replay = d->replay;
@@ -210,22 +222,12 @@ class OnDevice {
   bool changed_ = false;
 };
 
-struct CapturedTensor {
-  uint32_t name_id;
-  uint16_t dtype;
-  uint64_t elem_size;
-  std::vector<int64_t> shape;
-  uint64_t offset;  // in the graph's span
-  uint64_t nbytes;
-};
-
 struct GraphInfo {
   uint32_t id = 0;
   uint64_t span_offset = 0;  // in the slot area
   uint64_t span_bytes = 0;   // multiple of kSlotAlign
-  std::vector<CapturedTensor> tensors;
-  std::string meta_head;     // the meta JSON object without its closing brace
-  std::string skipped_json;
+  std::vector<GraphTensorLayout> tensors;
+  uint64_t tensor_bytes = 0;  // sum of the tensors' nbytes
   cudaStream_t stream = nullptr;
   bool overflow = false;
 };
@@ -263,8 +265,10 @@ struct GraphRecorder::Impl {
   std::unique_ptr<GraphInfo> open;
   uint64_t slot_used = 0;
   uint64_t captured_tensors = 0;
-  uint64_t replays = 0, tensors = 0, bytes = 0, dropped_tensors = 0;
-  uint64_t unwritten_replays = 0, lost_pass_ends = 0;
+  uint64_t replays = 0, tensors = 0, bytes = 0, span_records = 0;
+  uint64_t unwritten_replays = 0;  // drained replays whose span record could not be staged
+  std::string note_head, note_tail;  // the drop note around the count (empty head: no note)
+  uint64_t noted_drops = 0;          // drain thread only: the count the last note that went out said
   std::string last_error;
   bool broken = false;
   bool closed = false;
@@ -279,10 +283,20 @@ struct GraphRecorder::Impl {
   std::atomic<uint64_t> n_pending{0};
   std::thread drain;
 
-  Impl(CudaStager* s, uint32_t ch, int dev, uint64_t slot_bytes, uint64_t ring_bytes, uint32_t log_entries)
+  Impl(CudaStager* s, uint32_t ch, int dev, uint64_t slot_bytes, uint64_t ring_bytes, uint32_t log_entries,
+       const std::string& drop_note, const std::string& drop_mark)
       : stager(s), producer(s->producer()), channel(ch), device(dev), slot_cap(align_slot(slot_bytes)),
         ring_cap(align_slot(ring_bytes)), log_cap(log_entries) {
     if (slot_cap == 0 || ring_cap == 0 || log_cap == 0) throw std::invalid_argument("graph recorder sizes must be > 0");
+    if (dev < 0 || static_cast<uint64_t>(dev) >= (~kGraphSpanNameBase) / kMaxGraphs)
+      throw std::invalid_argument("graph recorder: device index out of range");
+    if (!drop_note.empty()) {
+      const size_t at = drop_mark.empty() ? std::string::npos : drop_note.find(drop_mark);
+      if (at == std::string::npos || drop_note.find(drop_mark, at + 1) != std::string::npos)
+        throw std::invalid_argument("drop_note must hold drop_mark exactly once");
+      note_head = drop_note.substr(0, at);
+      note_tail = drop_note.substr(at + drop_mark.size());
+    }
     Relaxed relaxed;
     OnDevice on(device);
     FD_GR_CUDA(cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device));
@@ -331,6 +345,7 @@ struct GraphRecorder::Impl {
     open.reset(new GraphInfo());
     open->id = static_cast<uint32_t>(graphs.size());
     open->span_offset = slot_used;
+    open->span_bytes = kReplayHeaderBytes;  // each ring entry opens with its ReplayHeader
     open->stream = cs;
     return static_cast<int>(open->id);
   }
@@ -351,20 +366,17 @@ struct GraphRecorder::Impl {
     OnDevice on(device);
     snapshot_whole(slots + open->span_offset + off, src, sm_count);  // recorded into the graph
     std::vector<int64_t> shape(src.shape);
-    open->tensors.push_back(CapturedTensor{name_id, dtype, src.elem_size, std::move(shape), off, nbytes});
+    open->tensors.push_back(GraphTensorLayout{name_id, dtype, std::move(shape), off, nbytes});
+    open->tensor_bytes += nbytes;
     open->span_bytes = end;
     return kStaged;
   }
 
-  int end_graph(const std::string& meta_json, const std::string& skipped_json) {
+  int end_graph() {
     std::lock_guard<std::mutex> g(mu);
     if (!open) throw std::runtime_error("no CUDA graph capture is open");
     std::unique_ptr<GraphInfo> gi(std::move(open));
     if (gi->tensors.empty()) return -1;
-    if (meta_json.size() < 2 || meta_json.front() != '{' || meta_json.back() != '}')
-      throw std::invalid_argument("meta_json must be a JSON object");
-    gi->meta_head = meta_json.substr(0, meta_json.size() - 1);
-    gi->skipped_json = skipped_json.empty() ? "[]" : skipped_json;
     OnDevice on(device);
     enqueue_commit(*gi);
     slot_used = gi->span_offset + gi->span_bytes;  // the slots stay the graph's for good
@@ -379,6 +391,7 @@ struct GraphRecorder::Impl {
     const uint8_t* span = slots + gi.span_offset;
     const uint64_t need = gi.span_bytes, rb = ring_cap, lc = log_cap;
     const uint32_t id = gi.id;
+    const uint64_t name_id = span_name(gi.id);
 #ifdef FASTDUMP_CUDA_MOCK
     GraphCtl* c = ctl;
     HostCtl* h = host_dev;
@@ -399,6 +412,9 @@ struct GraphRecorder::Impl {
     FD_GR_CUDA(fdmock::enqueue(gi.stream, [=] {  // publish
       const GraphDecision* ds = fdmock::dev_bytes(d);
       if (ds->offset == kSkip) return;
+      const ReplayHeader h{kReplayMagic, static_cast<uint64_t>(kGraphPassBase) + ds->log_pos, ds->replay, name_id,
+                           need};
+      std::memcpy(fdmock::dev_bytes(r + ds->offset % rb), &h, sizeof h);
       LogEntry* e = lg + ds->log_pos % lc;
       e->offset = ds->offset;
       e->replay = ds->replay;
@@ -416,7 +432,7 @@ struct GraphRecorder::Impl {
     graph_copy_kernel<<<static_cast<unsigned>(blocks), kCopyThreads, 0, gi.stream>>>(
         d, reinterpret_cast<const uint4*>(span), ring, rb, units);
     FD_GR_CUDA(cudaGetLastError());
-    graph_publish_kernel<<<1, 1, 0, gi.stream>>>(d, log_dev, lc, id);
+    graph_publish_kernel<<<1, 1, 0, gi.stream>>>(d, log_dev, lc, id, ring, rb, name_id, need);
     FD_GR_CUDA(cudaGetLastError());
 #endif
   }
@@ -434,78 +450,57 @@ struct GraphRecorder::Impl {
     broken = true;
   }
 
-  static std::string pass_json(const char* op, uint32_t channel, int64_t pass_id, const std::string& meta_head,
-                               uint64_t replay) {
-    std::string s = std::string("{\"op\":\"") + op + "\",\"channel\":" + std::to_string(channel) +
-                    ",\"pass\":" + std::to_string(pass_id) + ",\"meta\":" + meta_head;
-    s += meta_head.size() > 1 ? "," : "";
-    s += "\"graph_replay\":" + std::to_string(replay) + "}}";
-    return s;
+  uint32_t span_name(uint32_t graph) const {
+    return kGraphSpanNameBase + static_cast<uint32_t>(device) * kMaxGraphs + graph;
   }
 
-  // One replay → one pass. Returns false when staging stopped for good.
-  bool emit_pass(const GraphInfo& gi, uint64_t pos, uint64_t offset, uint64_t replay) {
+  // One replay → one tensor record: the whole ring entry (header + span), staged like any tensor
+  // (D2D into the staging ring on the drain's stream, batched D2H, published in ring order). The
+  // writer turns it into the pass. Anything but STAGED: the replay is dropped whole and counted
+  // (a chunked record that timed out part-way never completes at the writer: nothing is written).
+  void stage_replay(const GraphInfo& gi, uint64_t pos, uint64_t offset) {
     const int64_t pass_id = kGraphPassBase + static_cast<int64_t>(pos);
-    std::string begin = pass_json("begin", channel, pass_id, gi.meta_head, replay);
-    if (!producer->put_control(channel, begin.data(), begin.size(), true, kDrainWaitS)) {
-      std::lock_guard<std::mutex> g(mu);
-      ++unwritten_replays;  // the writer is behind (or gone): the replay is dropped whole, counted
-      if (!producer->writer_alive() && !broken) {
-        broken = true;
-        last_error = "the writer stopped";
-      }
-      return false;
+    CudaSource src{reinterpret_cast<uintptr_t>(ring + offset % ring_cap), 1, {static_cast<int64_t>(gi.span_bytes)},
+                   {1}, device, reinterpret_cast<uintptr_t>(stream), 0};
+    int st;
+    std::string error;
+    try {
+      st = stager->stage(channel, span_name(gi.id), pass_id, kReplaySpanDtype, src, true, nullptr, kDrainWaitS);
+    } catch (const std::exception& e) {
+      st = -1;
+      error = e.what();
     }
-    uint64_t dropped = 0, staged = 0, staged_bytes = 0;
-    std::string incomplete;
-    for (const CapturedTensor& t : gi.tensors) {
-      CudaSource src;
-      src.ptr = reinterpret_cast<uintptr_t>(ring + offset % ring_cap + t.offset);
-      src.elem_size = t.elem_size;
-      src.shape = t.shape;
-      src.strides.assign(t.shape.size(), 1);
-      for (size_t i = t.shape.size(); i-- > 1;) src.strides[i - 1] = src.strides[i] * t.shape[i];
-      src.device = device;
-      src.stream = reinterpret_cast<uintptr_t>(stream);
-      int st;
-      try {
-        st = stager->stage(channel, t.name_id, pass_id, t.dtype, src, true, nullptr, kDrainWaitS);
-      } catch (const std::exception& e) {
-        st = -1;
-        if (incomplete.empty()) incomplete = e.what();
-      }
-      if (st == kStaged) {
-        ++staged;
-        staged_bytes += t.nbytes;
-      } else {
-        ++dropped;
-        if (st == kDisabled && incomplete.empty()) incomplete = "CUDA staging stopped";
-      }
-    }
-    std::string end = pass_json("end", channel, pass_id, gi.meta_head, replay);
-    end.pop_back();  // reopen the outer object
-    end += ",\"dropped\":" + std::to_string(dropped) + ",\"skipped\":" + gi.skipped_json;
-    if (!incomplete.empty()) {
-      std::string q;
-      for (char c : incomplete) {
-        if (c == '"' || c == '\\') q += '\\';
-        q += (static_cast<unsigned char>(c) < 0x20) ? ' ' : c;
-      }
-      end += ",\"incomplete\":\"" + q + "\"";
-    }
-    end += "}";
-    const bool ended = producer->put_control(channel, end.data(), end.size(), true, kDrainWaitS) != 0;
     {
       std::lock_guard<std::mutex> g(mu);
-      ++replays;
-      if (!ended) ++lost_pass_ends;  // the writer marks the pass incomplete at close
-      tensors += staged;
-      bytes += staged_bytes;
-      dropped_tensors += dropped;
+      ++span_records;
+      if (st == kStaged) {
+        ++replays;
+        tensors += gi.tensors.size();
+        bytes += gi.tensor_bytes;
+      } else {
+        ++unwritten_replays;
+        if (!error.empty() && last_error.empty()) last_error = error;
+      }
     }
-    if (!ended && !producer->writer_alive()) fail("the writer stopped");
-    if (!incomplete.empty() && incomplete == "CUDA staging stopped") fail(incomplete);
-    return ended;
+    if (st == kDisabled) fail(producer->writer_alive() ? "CUDA staging stopped" : "the writer stopped");
+  }
+
+  uint64_t dropped_now() {  // with mu held
+    return (host ? ld_shared(&host->dropped) : dropped_at_free) + unwritten_replays;
+  }
+
+  // The drop note, when the count changed since the last one that went out. Non-blocking: a full
+  // ring just means the next cycle tries again (and close() sends the Dumper's total anyway).
+  void note_drops() {
+    if (note_head.empty()) return;
+    uint64_t n;
+    {
+      std::lock_guard<std::mutex> g(mu);
+      n = dropped_now();
+    }
+    if (n == noted_drops) return;
+    const std::string msg = note_head + std::to_string(n) + note_tail;
+    if (producer->put_control(channel, msg.data(), msg.size(), false, 0)) noted_drops = n;
   }
 
   void release_finished() {
@@ -532,7 +527,7 @@ struct GraphRecorder::Impl {
         LogEntry* e = log + next_pos % log_cap;
         if (ld_shared(&e->stamp) == next_pos + 1) {
           busy.store(1, std::memory_order_release);
-          const uint64_t offset = e->offset, replay = e->replay;
+          const uint64_t offset = e->offset;
           const uint32_t graph = e->graph;
           const GraphInfo* gi = nullptr;
           {
@@ -542,7 +537,7 @@ struct GraphRecorder::Impl {
           if (gi == nullptr) {
             fail("replay log names an unknown graph " + std::to_string(graph));
           } else {
-            emit_pass(*gi, next_pos, offset, replay);
+            stage_replay(*gi, next_pos, offset);
             pending.push_back(PendingRelease{stager->submitted(device), offset + gi->span_bytes, next_pos + 1});
             n_pending.store(pending.size(), std::memory_order_release);
           }
@@ -551,6 +546,7 @@ struct GraphRecorder::Impl {
           did = true;
         }
       }
+      note_drops();
       if (did) {
         idle_us = 10;
         continue;
@@ -596,11 +592,10 @@ struct GraphRecorder::Impl {
     s.graphs = graphs.size();
     s.captured_tensors = captured_tensors;
     s.replays = replays;
-    s.dropped_replays = (host ? ld_shared(&host->dropped) : dropped_at_free) + unwritten_replays;
-    s.lost_pass_ends = lost_pass_ends;
+    s.dropped_replays = dropped_now();
     s.tensors = tensors;
     s.bytes = bytes;
-    s.dropped_tensors = dropped_tensors;
+    s.span_records = span_records;
     s.slot_bytes = slot_cap;
     s.slot_used = slot_used;
     s.ring_bytes = ring_cap;
@@ -650,20 +645,41 @@ struct GraphRecorder::Impl {
 };
 
 GraphRecorder::GraphRecorder(CudaStager* stager, uint32_t channel, int device, uint64_t slot_bytes,
-                             uint64_t ring_bytes, uint32_t log_entries)
-    : impl_(new Impl(stager, channel, device, slot_bytes, ring_bytes, log_entries)) {}
+                             uint64_t ring_bytes, uint32_t log_entries, const std::string& drop_note,
+                             const std::string& drop_mark)
+    : impl_(new Impl(stager, channel, device, slot_bytes, ring_bytes, log_entries, drop_note, drop_mark)) {}
 GraphRecorder::~GraphRecorder() = default;
 int GraphRecorder::begin_graph(uintptr_t stream) { return impl_->begin_graph(stream); }
 int GraphRecorder::record(uint32_t name_id, uint16_t dtype, const CudaSource& src) {
   return impl_->record(name_id, dtype, src);
 }
-int GraphRecorder::end_graph(const std::string& meta_json, const std::string& skipped_json) {
-  return impl_->end_graph(meta_json, skipped_json);
+int GraphRecorder::end_graph() {
+  return impl_->end_graph();
 }
 void GraphRecorder::abort_graph() { impl_->abort_graph(); }
 bool GraphRecorder::capturing() const {
   std::lock_guard<std::mutex> g(impl_->mu);
   return impl_->open != nullptr;
+}
+const GraphInfo& committed(const std::deque<GraphInfo>& graphs, int graph) {
+  if (graph < 0 || static_cast<size_t>(graph) >= graphs.size()) throw std::out_of_range("no such CUDA graph");
+  return graphs[static_cast<size_t>(graph)];
+}
+uint32_t GraphRecorder::span_name_id(int graph) const {
+  std::lock_guard<std::mutex> g(impl_->mu);
+  return impl_->span_name(committed(impl_->graphs, graph).id);
+}
+uint64_t GraphRecorder::span_bytes(int graph) const {
+  std::lock_guard<std::mutex> g(impl_->mu);
+  return committed(impl_->graphs, graph).span_bytes;
+}
+std::vector<GraphTensorLayout> GraphRecorder::layout(int graph) const {
+  std::lock_guard<std::mutex> g(impl_->mu);
+  return committed(impl_->graphs, graph).tensors;
+}
+uint64_t GraphRecorder::dropped_replays() {
+  std::lock_guard<std::mutex> g(impl_->mu);
+  return impl_->dropped_now();
 }
 void GraphRecorder::set_paused(bool paused) { impl_->paused.store(paused, std::memory_order_release); }
 bool GraphRecorder::flush(double timeout_s) { return impl_->flush(timeout_s); }

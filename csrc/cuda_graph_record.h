@@ -15,16 +15,42 @@ namespace fastdump {
 // Replay passes are numbered from here, in replay order (eager passes count from 0).
 constexpr int64_t kGraphPassBase = int64_t(1) << 40;
 
+// Each replay reaches the writer as ONE tensor record (chunked when large): the graph's whole span,
+// dtype kReplaySpanDtype, name id kGraphSpanNameBase + device * kMaxGraphsPerRecorder + graph id,
+// the replay pass's id. The writer splits it into the pass's tensors with the layout the "graph"
+// control message gave when the graph was captured (fastdump/protocol.py, docs/INTERNALS.md). The
+// span opens with a ReplayHeader written on the device by the replay itself.
+constexpr uint16_t kReplaySpanDtype = 0xFFFF;          // no fastdump.dtypes code
+constexpr uint32_t kGraphSpanNameBase = 0xF0000000u;   // name ids of real tensors stay below
+constexpr uint32_t kMaxGraphsPerRecorder = 4096;
+constexpr uint64_t kReplayHeaderBytes = 256;           // the header's room at the start of every span
+constexpr uint64_t kReplayMagic = 0x59414c5045524446ull;  // the bytes "FDREPLAY"
+struct ReplayHeader {       // little-endian, at offset 0 of the span record's payload
+  uint64_t magic;           // kReplayMagic
+  uint64_t pass_id;         // kGraphPassBase + log position (equals the record's pass id)
+  uint64_t replay;          // the graph's replay index (dropped replays included)
+  uint64_t span_name_id;    // equals the record's name id
+  uint64_t span_bytes;      // equals the record's payload size
+};
+static_assert(sizeof(ReplayHeader) == 40 && sizeof(ReplayHeader) <= kReplayHeaderBytes, "replay header layout");
+
+struct GraphTensorLayout {  // one recorded tensor inside a graph's span
+  uint32_t name_id;
+  uint16_t dtype;
+  std::vector<int64_t> shape;
+  uint64_t offset;          // from the span's start (the header included)
+  uint64_t nbytes;
+};
+
 struct GraphRecorderStats {
   uint64_t graphs = 0;             // captures that recorded a commit (graphs whose replays are passes)
   uint64_t captured_tensors = 0;   // tensors recorded into those graphs
-  uint64_t replays = 0;            // replays turned into passes (handed to the writer)
+  uint64_t replays = 0;            // replays turned into passes (their span record handed to the writer)
   uint64_t dropped_replays = 0;    // replays the device found no room for (counted inside the graph),
-                                   // and drained replays whose pass could not be begun (writer behind)
-  uint64_t lost_pass_ends = 0;     // replay passes whose end record could not be written
-  uint64_t tensors = 0;            // tensors of those passes staged
-  uint64_t bytes = 0;
-  uint64_t dropped_tensors = 0;    // tensors of replay passes the stager dropped or could not stage
+                                   // and drained replays whose span record could not be staged
+  uint64_t tensors = 0;            // tensors of those passes
+  uint64_t bytes = 0;              // their bytes (headers and alignment not counted)
+  uint64_t span_records = 0;       // stage() calls of the drain: one per replay
   uint64_t slot_bytes = 0;         // static per-tensor slots (all graphs)
   uint64_t slot_used = 0;
   uint64_t ring_bytes = 0;         // the device replay ring
@@ -40,8 +66,11 @@ class GraphRecorder {
  public:
   // slot_bytes: room for every captured tensor of every graph (static, one slot per tensor);
   // ring_bytes: the device replay ring; log_entries: replays that may wait for the drain at once.
+  // drop_note: a control message (JSON) with `drop_mark` in place of the recorder's count of
+  // dropped replays; the drain sends it, non-blocking, whenever that count changed ("" = never).
   GraphRecorder(CudaStager* stager, uint32_t channel, int device, uint64_t slot_bytes, uint64_t ring_bytes,
-                uint32_t log_entries = 1024);
+                uint32_t log_entries = 1024, const std::string& drop_note = "",
+                const std::string& drop_mark = "");
   ~GraphRecorder();
   GraphRecorder(const GraphRecorder&) = delete;
   GraphRecorder& operator=(const GraphRecorder&) = delete;
@@ -54,12 +83,18 @@ class GraphRecorder {
   // cannot hold it: the graph's replays will lack it). Throws on CUDA errors.
   int record(uint32_t name_id, uint16_t dtype, const CudaSource& src);
   // The captured pass ends: record the commit kernels (claim, copy, publish) on the capturing
-  // stream. meta_json: the replay passes' meta (a JSON object); skipped_json: a JSON list of
-  // {name, reason}. Returns the graph id, or -1 when nothing was recorded (no commit).
-  int end_graph(const std::string& meta_json, const std::string& skipped_json);
+  // stream. Returns the graph id, or -1 when nothing was recorded (no commit). The replay passes'
+  // meta and skips are the writer's business (the "graph" control message, sent by the caller).
+  int end_graph();
   // Forget the open capture without a commit (its slots stay reserved: the graph may still exist).
   void abort_graph();
   bool capturing() const;
+  // A committed graph's span: its record's name id, size and tensors (what the writer needs).
+  uint32_t span_name_id(int graph) const;
+  uint64_t span_bytes(int graph) const;
+  std::vector<GraphTensorLayout> layout(int graph) const;
+  // Replays dropped so far (device claim and drain), cheap: Channel counts drops through it.
+  uint64_t dropped_replays();
 
   // Tests and benchmarks: a paused drain lets replays pile up (and be dropped) on the device.
   void set_paused(bool paused);

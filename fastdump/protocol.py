@@ -4,9 +4,15 @@ Two kinds of ring record (see docs/INTERNALS.md, "Ring protocol"): tensor record
 records. A control record's payload is one JSON object built by a constructor below, so every
 message the writer can receive is defined here, with its fields; INTERNALS' control-message table
 is checked against ``MESSAGES`` (tests/test_protocol.py). ``Record`` names the fields of one item of
-``_C.Consumer.next_batch``. One exception: the CUDA-graph drain thread (csrc/cuda_graph_record.cu,
-``pass_json``) writes a replay's ``begin`` and ``end`` itself, without the GIL, with the fields
-declared here (its ``meta`` carries ``graph_replay``).
+``_C.Consumer.next_batch``.
+
+CUDA-graph replays (fastdump/staging/graphs.py) travel differently: when a graph is captured, a
+``graph`` message gives the writer its layout (tensors, offsets, the replay passes' meta); each
+replay is then ONE tensor record, the *replay span* (dtype ``REPLAY_SPAN_DTYPE``, name id
+``GRAPH_SPAN_NAME_BASE`` + ..., pass id ``GRAPH_PASS_BASE`` + log position), opening with a
+``ReplayHeader`` the GPU wrote. The writer makes the pass from it with ``replay_pass`` (the same
+``begin``/``end`` constructors as any pass). The drain thread (C++, no GIL) writes only span
+records and the ``graph_drops`` note, from the template ``drop_note_template`` builds here.
 
 Base layer: no torch, no h5py; imported by the staging engine, the Dumper and the writer process.
 """
@@ -14,6 +20,7 @@ Base layer: no torch, no h5py; imported by the staging engine, the Dumper and th
 from __future__ import annotations
 
 import json
+import struct
 from typing import Any, NamedTuple
 
 
@@ -40,6 +47,8 @@ MESSAGES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "end": (("pass", "meta", "dropped", "skipped"), ("incomplete", "mixed")),
     "note": (("status",), ("error", "budget_reached", "cuda_staging", "dropped", "dropped_passes")),
     "close": (("stats",), ()),
+    "graph": (("device", "graph", "span_name_id", "span_bytes", "tensors", "meta", "skipped"), ()),
+    "graph_drops": (("device", "dropped_passes"), ()),
     "shutdown": ((), ()),
 }
 
@@ -90,6 +99,68 @@ def close(channel: int, stats: dict) -> dict:
 def shutdown() -> dict:
     """The writer exits after this one."""
     return {"op": "shutdown"}
+
+
+# -- CUDA-graph replays ---------------------------------------------------------------------------
+# The values of csrc/cuda_graph_record.h (the GPU writes the header; tests/test_protocol.py checks
+# them against the extension's exports).
+GRAPH_PASS_BASE = 1 << 40       # replay pass ids: GRAPH_PASS_BASE + log position (replay order)
+REPLAY_SPAN_DTYPE = 0xFFFF      # the span record's dtype code (no fastdump.dtypes code)
+GRAPH_SPAN_NAME_BASE = 0xF0000000  # span name ids: base + device * 4096 + graph (real names below)
+REPLAY_HEADER_BYTES = 256       # the header's room at the start of every span
+REPLAY_MAGIC = int.from_bytes(b"FDREPLAY", "little")
+
+
+class ReplayHeader(NamedTuple):
+    """The first bytes of a replay span, written by the replay itself on the GPU."""
+    magic: int
+    pass_id: int
+    replay: int  # the graph's replay index (dropped replays included: gaps are drops)
+    span_name_id: int
+    span_bytes: int
+
+
+_REPLAY_HEADER = struct.Struct("<5Q")
+
+
+def replay_header(payload) -> ReplayHeader:
+    return ReplayHeader._make(_REPLAY_HEADER.unpack_from(payload, 0))
+
+
+def graph(channel: int, device: int, graph_id: int, span_name_id: int, span_bytes: int, tensors: list,
+          meta: dict, skipped: dict) -> dict:
+    """A graph was captured: its replays arrive as span records of ``span_name_id`` and
+    ``span_bytes``; ``tensors``: ``[name_id, dtype, shape, offset, nbytes]`` each, offsets from the
+    span's start. ``meta``: every replay pass's meta (``cuda_graph``, ``graph_batch``, the capture
+    pass's own); ``skipped``: name -> why the replays lack it."""
+    return {"op": "graph", "channel": channel, "device": device, "graph": graph_id, "span_name_id": span_name_id,
+            "span_bytes": span_bytes, "tensors": [[int(n), int(d), [int(x) for x in shape], int(o), int(b)]
+                                                  for n, d, shape, o, b in tensors],
+            "meta": meta, "skipped": [{"name": n, "reason": r} for n, r in skipped.items()]}
+
+
+def graph_drops(channel: int, device: int, dropped_passes: int) -> dict:
+    """The replays one GPU's recorder of this channel dropped so far (absolute, monotonic)."""
+    return {"op": "graph_drops", "channel": channel, "device": device, "dropped_passes": dropped_passes}
+
+
+_DROP_MARK = 987654321987654321  # stands for the count in the drain's template (found exactly once)
+
+
+def drop_note_template(channel: int, device: int) -> tuple[str, str]:
+    """(JSON, mark): the ``graph_drops`` message with ``mark`` where the C++ drain puts its count."""
+    text = encode(graph_drops(channel, device, _DROP_MARK)).decode()
+    mark = str(_DROP_MARK)
+    assert text.count(mark) == 1
+    return text, mark
+
+
+def replay_pass(channel: int, layout: dict, header: ReplayHeader) -> tuple[dict, dict]:
+    """The ``begin`` and ``end`` of the pass a replay span makes (``layout``: its ``graph`` message).
+    The meta says which replay of which graph: ``graph_replay`` is the header's replay index."""
+    meta = dict(layout["meta"], graph_replay=header.replay)
+    skipped = {e["name"]: e["reason"] for e in layout["skipped"]}
+    return begin(channel, header.pass_id, meta), end(channel, header.pass_id, meta, 0, skipped)
 
 
 def encode(msg: dict) -> bytes:

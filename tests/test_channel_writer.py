@@ -694,3 +694,63 @@ def test_a_device_that_refuses_the_alignment_falls_back_to_buffered(tmp_path, mo
     monkeypatch.setattr(segment_file.os, "pwritev", einval_for_direct)
     _, direct = _write_odd_rows(tmp_path, o_direct_bytes)
     assert direct == [0, 0, 0]
+
+
+def _replay_span(layout: dict, pass_id: int, replay: int, tensors: list, magic=None) -> np.ndarray:
+    """A replay span record as the GPU leaves it: header, then each tensor at its offset."""
+    from fastdump import protocol
+
+    span = np.zeros(layout["span_bytes"], dtype=np.uint8)
+    header = protocol.ReplayHeader(protocol.REPLAY_MAGIC if magic is None else magic, pass_id, replay,
+                                   layout["span_name_id"], layout["span_bytes"])
+    span[:40] = np.frombuffer(np.array(header, dtype="<u8").tobytes(), np.uint8)
+    for (_, _, _, offset, nbytes), t in zip(layout["tensors"], tensors):
+        span[offset:offset + nbytes] = bits(t).numpy()
+    return span
+
+
+def test_replay_span_is_split_into_its_pass_and_a_bad_one_is_never_written(tmp_path):
+    """The writer side of CUDA-graph record mode: a ``graph`` message, then one span record per
+    replay, split into the pass's tensors with the meta protocol.replay_pass builds. A span whose
+    header does not match its record (wrong magic, pass or size) or whose layout never came is an
+    incomplete pass with no tensors, never a pass of wrong data; drains' drop notes reach rank.json
+    while running, and the Dumper's total (which includes them) at close."""
+    from fastdump import protocol
+
+    w = ChannelWriter(open_msg(tmp_path))
+    w.on_name(0, "a")
+    w.on_name(1, "b")
+    a, b = torch.arange(6, dtype=torch.float32).reshape(2, 3), torch.tensor([7, -8], dtype=torch.int16)
+    span_name = protocol.GRAPH_SPAN_NAME_BASE + 1
+    layout = protocol.graph(0, 0, 1, span_name, 256 + 256 + 256,
+                            [[0, dtypes.code_of(a.dtype), [2, 3], 256, 24], [1, dtypes.code_of(b.dtype), [2], 512, 4]],
+                            {"graph": "decode_bs2", "cuda_graph": 1, "graph_batch": 2}, {"c": "too large"})
+    w.on_graph(layout)
+    base = protocol.GRAPH_PASS_BASE
+    good = _replay_span(layout, base, 0, [a, b])
+    w.on_tensor(span_name, base, protocol.REPLAY_SPAN_DTYPE, (len(good),), good)
+    bad_magic = _replay_span(layout, base + 1, 1, [a, b], magic=1)
+    w.on_tensor(span_name, base + 1, protocol.REPLAY_SPAN_DTYPE, (len(bad_magic),), bad_magic)
+    wrong_pass = _replay_span(layout, base + 7, 2, [a, b])
+    w.on_tensor(span_name, base + 2, protocol.REPLAY_SPAN_DTYPE, (len(wrong_pass),), wrong_pass)
+    unknown = _replay_span(dict(layout, span_name_id=span_name + 1), base + 3, 3, [a, b])
+    w.on_tensor(span_name + 1, base + 3, protocol.REPLAY_SPAN_DTYPE, (len(unknown),), unknown)
+    w.on_tensor(span_name, base + 4, protocol.REPLAY_SPAN_DTYPE, (len(good) - 256,), good[256:])
+    w.on_graph_drops(0, 3)
+    w.on_graph_drops(0, 2)  # counts only grow (a late note never lowers it)
+    w.poll()
+    assert json.loads((tmp_path / "target" / RANK_DIR / "rank.json").read_text())["dropped_passes"] == 3
+    w.close({"dropped_passes": 4})  # the Dumper's total: the drains' drops plus an eager pass
+    ds = reader.open(tmp_path)
+    assert ds.passes("target", 0) == [base + i for i in range(5)]
+    got = ds.load("target", 0, base)
+    assert_same(got["a"], a)
+    assert_same(got["b"], b)
+    meta = ds.meta("target", 0, base)
+    assert meta["complete"] and meta["graph_replay"] == 0 and meta["graph"] == "decode_bs2" and meta["tensors"] == 2
+    assert meta["skipped"] == [{"name": "c", "reason": "too large"}]
+    for i, why in ((1, "does not match"), (2, "does not match"), (3, "no layout"), (4, "bytes, the graph's is")):
+        meta = ds.meta("target", 0, base + i)
+        assert not meta["complete"] and why in meta["incomplete"] and meta["tensors"] == 0, (i, meta)
+        assert ds.load("target", 0, base + i) == {}
+    assert ds.rank_info("target", 0)["dropped_passes"] == 4

@@ -175,14 +175,34 @@ def test_graph_replays_become_passes_bit_exact(m, glue, tmp_path, monkeypatch, m
     assert r.returncode == 0, r.stdout + r.stderr
 
 
+def _rank_json(root, role="target"):
+    import json
+
+    (path,) = (root / role).glob("*/rank.json")
+    return json.loads(path.read_text())
+
+
+def _wait_for(predicate, timeout=60.0):
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
 def test_graph_replays_outrunning_the_drain_are_dropped_and_counted(m, glue, tmp_path, monkeypatch):
     """With the drain stopped, replays fill the device replay ring; later ones are dropped inside
-    the graph and counted (never written torn); the ones that fit are written intact."""
+    the graph and counted (never written torn); the ones that fit are written intact. The drops
+    are counted through the Channel as they happen: Dumper.stats() and rank.json say so while the
+    Dumper runs (the drain's graph_drops note), and agree after close; `verify` reports them as it
+    reports eager passes dropped under `drop` (a warning: counted, not lost)."""
     from fastdump.staging import cuda
 
     current = Stream(glue)
     monkeypatch.setattr(cuda, "_current_stream", current)
-    # 128 KiB: 64 KiB of slots, a 64 KiB replay ring = 32 entries of 2 KiB (two 1 KiB tensors).
+    # 128 KiB: 64 KiB of slots, a 64 KiB replay ring = 28 entries of 2.25 KiB (a 256-byte replay
+    # header and two 1 KiB tensors).
     d = _attach(tmp_path, writer="thread", device="cuda:0", graph_ring_mb=0.125)
     side = m._mock.stream_create_flags(0)
     model = Model(m, 4)
@@ -196,7 +216,11 @@ def test_graph_replays_outrunning_the_drain_are_dropped_and_counted(m, glue, tmp
             model.set_input(glue, x)
             assert m._mock.graph_launch(exe, glue) == 0
         m._mock.sync(glue)
-        assert rec.stats()["dropped_replays"] == 8
+        assert rec.stats()["dropped_replays"] == 12
+        # Counted while running, before any eager pass or close: the Channel reads the recorder.
+        assert d.stats()["dropped_passes"] == 12
+        _wait_for(lambda: _rank_json(tmp_path)["dropped_passes"] == 12)  # the drain's note, the writer's poll
+        assert _rank_json(tmp_path)["status"] == "running"
         rec.set_paused(False)
         # A replay after the drain caught up fits again.
         assert rec.flush(30)
@@ -209,16 +233,21 @@ def test_graph_replays_outrunning_the_drain_are_dropped_and_counted(m, glue, tmp
         m._mock.graph_destroy(graph)
         m._mock.stream_destroy(side)
         free_device_memory(d)
-    assert stats["dropped_passes"] == 8 and stats["graph_replays"] == 33
+    assert stats["dropped_passes"] == 12 and stats["graph_replays"] == 29
+    info = _rank_json(tmp_path)
+    assert info["dropped_passes"] == stats["dropped_passes"] and info["status"] == "closed"
     ds = fastdump.open(tmp_path)
     passes = graph_passes(ds, "target")
-    assert len(passes) == 33
+    assert len(passes) == 29
     for i, p in enumerate(passes):
-        x = inputs[i] if i < 32 else inputs[0]
+        x = inputs[i] if i < 28 else inputs[0]
         h1, h2 = model.expected(x)
         got = ds.load("target", 0, p)
         assert same_bits(torch.as_tensor(got["layers.0"]), h1) and same_bits(torch.as_tensor(got["layers.1"]), h2)
-        assert ds.meta("target", 0, p)["graph_replay"] == (i if i < 32 else 40)  # 32..39 dropped
+        assert ds.meta("target", 0, p)["graph_replay"] == (i if i < 28 else 40)  # 28..39 dropped
+    r = subprocess.run([sys.executable, "-m", "fastdump", "verify", "--data", str(tmp_path)], capture_output=True,
+                       text=True)
+    assert r.returncode == 0 and "12 whole pass(es) were dropped" in r.stdout, r.stdout + r.stderr
 
 
 def test_graph_two_roles_target_and_draft(m, glue, tmp_path, monkeypatch):
@@ -606,3 +635,263 @@ def test_graph_tensor_that_does_not_fit_is_skipped_in_every_replay(m, glue, tmp_
         assert set(got) == {"layers.0"} and same_bits(torch.as_tensor(got["layers.0"]), model.expected(x)[0])
         (skip,) = ds.meta("target", 0, p)["skipped"]
         assert skip["name"] == "layers.1" and "graph_ring_mb" in skip["reason"]
+
+
+# =================================================================================================
+# One record per replay (the writer splits it), and the wire messages it travels with
+
+
+class Chain:
+    """``n`` 'layers' on mock device memory, each output h_i = x + (i + 1) bytewise, seen as a
+    tensor of its own dtype and shape (same byte count): many tensors of mixed dtypes per graph."""
+
+    LOOKS = [(torch.int32, 1), (torch.int16, 2), (torch.uint8, 4), (torch.float32, 1), (torch.bfloat16, 2)]
+
+    def __init__(self, m, batch, n, width=16):
+        self.m, self.n = m, n
+        self.shape = (batch, width)  # of the int32 input
+        self.nbytes = batch * width * 4
+        self.x = device_buffer(m, self.nbytes)
+        self.h = [device_buffer(m, self.nbytes) for _ in range(n)]
+        self.views = []
+        for i in range(n):
+            dtype, widen = self.LOOKS[i % len(self.LOOKS)]
+            self.views.append(torch.zeros((batch, width * widen), dtype=dtype))
+
+    def forward(self, dumper, stream):
+        m = self.m
+        dumper.begin_pass()
+        for i, h in enumerate(self.h):
+            assert m._mock.enqueue_copy(stream, h, self.x, self.nbytes) == 0
+            for _ in range(i + 1):
+                assert m._mock.enqueue_increment(stream, h, self.nbytes) == 0
+            dumper.dump(f"chain.{i}", FakeCudaTensor(self.views[i], h))
+        for h in self.h:  # later kernels overwrite every output in place
+            assert m._mock.enqueue_fill(stream, h, self.nbytes, 0xEE) == 0
+        dumper.end_pass()
+
+    def expected(self, x: torch.Tensor) -> list:
+        b = x.contiguous().view(torch.uint8)
+        return [(b + (i + 1)).view(v.dtype).reshape(v.shape) for i, v in enumerate(self.views)]
+
+    def set_input(self, stream, x: torch.Tensor) -> None:
+        src = device_buffer(self.m, self.nbytes)
+        assert self.m._mock.upload(src, x.contiguous().data_ptr(), self.nbytes) == 0
+        assert self.m._mock.enqueue_copy(stream, self.x, src, self.nbytes) == 0
+
+
+class _RingTap:
+    """A Consumer seen through: every record the writer takes off the ring, payload copied."""
+
+    def __init__(self, inner, seen):
+        self._inner, self._seen = inner, seen
+
+    def next_batch(self, *args, **kwargs):
+        from fastdump import protocol
+
+        batch = self._inner.next_batch(*args, **kwargs)
+        for item in batch:
+            r = protocol.Record._make(item)
+            self._seen.append(r._replace(payload=bytes(r.payload)))
+        return batch
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+
+@pytest.fixture
+def ring_tap(monkeypatch):
+    from fastdump.writer import loop
+
+    seen = []
+    init = loop.WriterLoop.__init__
+    monkeypatch.setattr(loop.WriterLoop, "__init__",
+                        lambda self, consumer, *a, **k: init(self, _RingTap(consumer, seen), *a, **k))
+    return seen
+
+
+def _same_shape_of_message(got: dict, want: dict) -> None:
+    """Same keys, and the same JSON types per key (recursively for dicts)."""
+    assert set(got) == set(want), (sorted(got), sorted(want))
+    for key, value in want.items():
+        assert type(got[key]) is type(value), (key, got[key], value)
+        if isinstance(value, dict):
+            _same_shape_of_message(got[key], value)
+
+
+@pytest.mark.parametrize("mode", [GLOBAL, THREAD_LOCAL])
+def test_graph_replay_is_one_span_record_split_by_the_writer(m, glue, tmp_path, monkeypatch, ring_tap, mode):
+    """Two graphs (batch 2 and 6) of 12 tensors of mixed dtypes sharing one engine: per replay the
+    drain stages ONE record (O(1) host work, whatever the tensor count), which the writer splits
+    into the pass's tensors, bit-exact. The ring holds exactly: the graph layouts (``graph``
+    messages, built by protocol.graph), one span record per replay whose GPU-written header matches
+    the record, and the drain's ``graph_drops`` note (protocol.graph_drops's keys and types); no
+    begin/end of replay passes is built in C++ any more."""
+    from fastdump import protocol
+    from fastdump.staging import cuda
+
+    current = Stream(glue)
+    monkeypatch.setattr(cuda, "_current_stream", current)
+    # 0.5 MiB: a 256 KiB replay ring; the batch-6 span is 256 + 12 * 384 bytes.
+    d = _attach(tmp_path, writer="thread", device="cuda:0", graph_ring_mb=0.5)
+    side = m._mock.stream_create_flags(0)
+    chains = {2: Chain(m, 2, 12), 6: Chain(m, 6, 12)}
+    for bs, chain in chains.items():
+        current.raw = glue
+        chain.set_input(glue, rand_input(chain, bs))
+        chain.forward(d, glue)
+    m._mock.sync(glue)
+    execs = {bs: capture(m, chain, d, current, side, mode, batch_size=bs) for bs, chain in chains.items()}
+    current.raw = glue
+    rec = d._graphs.recorder(0)
+    stager = d._engine.cuda_stager(d.device_ring_mb)
+    staged_before = stager.stats()["tensors"]
+    expected, counts = [], {2: 0, 6: 0}
+    try:
+        order = [2, 6, 6, 2, 6, 2, 2, 6]
+        for k, bs in enumerate(order):
+            x = rand_input(chains[bs], 300 + k)
+            chains[bs].set_input(glue, x)
+            assert m._mock.graph_launch(execs[bs][1], glue) == 0
+            expected.append((bs, counts[bs], chains[bs].expected(x)))
+            counts[bs] += 1
+        m._mock.sync(glue)
+        assert rec.flush(60)
+        s = rec.stats()
+        assert s["span_records"] == len(order) and s["replays"] == len(order) and s["tensors"] == 12 * len(order)
+        assert stager.stats()["tensors"] - staged_before == len(order)  # one staging call per replay
+        # Replays that outrun the paused drain: dropped on the device, counted, noted to the writer.
+        rec.set_paused(True)
+        big = chains[6]
+        span = rec.layout(1)["span_bytes"]
+        fits = (256 << 10) // span
+        for k in range(fits + 5):
+            big.set_input(glue, rand_input(big, 900 + k))
+            assert m._mock.graph_launch(execs[6][1], glue) == 0
+        m._mock.sync(glue)
+        dropped = rec.stats()["dropped_replays"]
+        assert dropped >= 5
+        _wait_for(lambda: any(r.kind == m.KIND_CONTROL and b'"graph_drops"' in r.payload for r in ring_tap))
+        rec.set_paused(False)
+        stats = d.close()
+    finally:
+        for graph, exe in execs.values():
+            m._mock.graph_exec_destroy(exe)
+            m._mock.graph_destroy(graph)
+        m._mock.sync(side)
+        m._mock.stream_destroy(side)
+        free_device_memory(d)
+    assert stats["dropped_passes"] == dropped and stats["graph_replays"] == len(order) + fits + 5 - dropped
+
+    ch = d._channel.id
+    mine = [r for r in ring_tap if r.channel == ch]
+    controls = [protocol.decode(r.payload) for r in mine if r.kind == m.KIND_CONTROL]
+    graphs = [c for c in controls if c["op"] == "graph"]
+    assert [g["graph"] for g in graphs] == [0, 1]
+    for g, bs in zip(graphs, (2, 6)):
+        layout = rec.layout(g["graph"])
+        want = protocol.graph(ch, 0, g["graph"], layout["span_name_id"], layout["span_bytes"], layout["tensors"],
+                              {"batch_size": bs, "cuda_graph": g["graph"], "graph_batch": bs}, {})
+        assert g == want
+        assert [t[1] for t in g["tensors"]] == [dtypes_code(v.dtype) for v in chains[bs].views]
+    notes = [c for c in controls if c["op"] == "graph_drops"]
+    assert notes and notes[-1]["dropped_passes"] == dropped
+    for note in notes:
+        _same_shape_of_message(note, protocol.graph_drops(ch, 0, 1))
+    # The drain builds no begin/end: every replay pass is one span record, nothing else.
+    assert not [c for c in controls if c.get("pass", 0) >= GRAPH_BASE]
+    spans = [r for r in mine if r.kind == m.KIND_TENSOR and r.pass_id >= GRAPH_BASE]
+    assert len(spans) == stats["graph_replays"]
+    names = {g["span_name_id"]: g for g in graphs}
+    replays_seen = {0: [], 1: []}
+    for r in spans:
+        g = names[r.name_id]
+        assert r.dtype == protocol.REPLAY_SPAN_DTYPE and r.shape == (g["span_bytes"],)
+        assert (r.offset, r.total) == (0, g["span_bytes"]) and len(r.payload) == g["span_bytes"]
+        h = protocol.replay_header(r.payload)
+        assert h == (protocol.REPLAY_MAGIC, r.pass_id, h.replay, r.name_id, g["span_bytes"])
+        replays_seen[g["graph"]].append(h.replay)
+    assert replays_seen[0] == list(range(counts[2]))
+    assert replays_seen[1][:counts[6]] == list(range(counts[6]))
+    assert replays_seen[1][counts[6]:] == list(range(counts[6], counts[6] + fits)) + \
+        list(range(counts[6] + fits + 5, counts[6] + fits + 5 + (stats["graph_replays"] - len(order) - fits)))
+
+    # On disk: each replay's pass, bit-exact, with the meta the writer built with protocol.begin/end.
+    ds = fastdump.open(tmp_path)
+    passes = graph_passes(ds, "target")
+    assert len(passes) == stats["graph_replays"]
+    for p, (bs, replay, want) in zip(passes, expected):
+        got = ds.load("target", 0, p)
+        assert sorted(got) == sorted(f"chain.{i}" for i in range(12))
+        for i, w in enumerate(want):
+            assert same_bits(torch.as_tensor(got[f"chain.{i}"]), w), (p, i)
+        meta = ds.meta("target", 0, p)
+        assert (meta["cuda_graph"], meta["graph_batch"], meta["graph_replay"]) == ((0 if bs == 2 else 1), bs, replay)
+        assert all(type(meta[k]) is int for k in ("cuda_graph", "graph_batch", "graph_replay"))
+        assert meta["complete"] and meta["tensors"] == 12
+    r = subprocess.run([sys.executable, "-m", "fastdump", "verify", "--data", str(tmp_path)], capture_output=True,
+                       text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def dtypes_code(dtype):
+    from fastdump import dtypes
+
+    return dtypes.code_of(dtype)
+
+
+def test_graph_replay_span_larger_than_a_record_is_chunked_and_reassembled(m, glue, tmp_path, monkeypatch,
+                                                                             ring_tap):
+    """A replay span above the ring's record size (1 MiB ring: 256 KiB records) travels as several
+    chunks of one record; the writer reassembles it, then splits it: bit-exact per replay."""
+    from fastdump.staging import cuda
+
+    current = Stream(glue)
+    monkeypatch.setattr(cuda, "_current_stream", current)
+    d = _attach(tmp_path, writer="thread", device="cuda:0", ring_mb=1, graph_ring_mb=4)
+    side = m._mock.stream_create_flags(0)
+    model = Model(m, 512, width=128)  # two 256 KiB tensors per replay
+    graph, exe = capture(m, model, d, current, side)
+    current.raw = glue
+    expected = []
+    try:
+        for k in range(4):
+            x = rand_input(model, 40 + k)
+            model.set_input(glue, x)
+            assert m._mock.graph_launch(exe, glue) == 0
+            expected.append(model.expected(x))
+        m._mock.sync(glue)
+        stats = d.close()
+    finally:
+        m._mock.graph_exec_destroy(exe)
+        m._mock.graph_destroy(graph)
+        m._mock.stream_destroy(side)
+        free_device_memory(d)
+    assert stats["graph_replays"] == 4 and stats["dropped_passes"] == 0
+    chunks = [r for r in ring_tap if r.kind == m.KIND_TENSOR and r.pass_id == GRAPH_BASE]
+    assert len(chunks) >= 3 and sum(len(r.payload) for r in chunks) == chunks[0].total
+    ds = fastdump.open(tmp_path)
+    passes = graph_passes(ds, "target")
+    assert len(passes) == 4
+    for p, (h1, h2) in zip(passes, expected):
+        got = ds.load("target", 0, p)
+        assert same_bits(torch.as_tensor(got["layers.0"]), h1) and same_bits(torch.as_tensor(got["layers.1"]), h2)
+
+
+def test_replay_wire_constants_match_the_extension(m):
+    """protocol.py's replay-span constants and header layout are the C++ ones (the GPU writes the
+    header, the writer reads it): checked against the mock build and, when built with CUDA, the
+    real extension."""
+    from fastdump import _C as real
+    from fastdump import protocol
+
+    builds = [m] + ([real] if hasattr(real, "REPLAY_MAGIC") else [])
+    for C in builds:
+        assert C.GRAPH_PASS_BASE == protocol.GRAPH_PASS_BASE
+        assert C.REPLAY_SPAN_DTYPE == protocol.REPLAY_SPAN_DTYPE
+        assert C.GRAPH_SPAN_NAME_BASE == protocol.GRAPH_SPAN_NAME_BASE
+        assert C.REPLAY_HEADER_BYTES == protocol.REPLAY_HEADER_BYTES
+        assert C.REPLAY_MAGIC == protocol.REPLAY_MAGIC
+        assert list(C.REPLAY_HEADER_FIELDS) == [(f, 8 * i) for i, f in enumerate(protocol.ReplayHeader._fields)]
+    text, mark = protocol.drop_note_template(3, 1)
+    assert protocol.decode(text.replace(mark, "17")) == protocol.graph_drops(3, 1, 17)

@@ -43,6 +43,9 @@ def test_constructors_build_exactly_the_declared_fields():
         "note": protocol.note(3, "running", budget_reached=True),
         "close": protocol.close(3, {"passes": 1}),
         "shutdown": protocol.shutdown(),
+        "graph": protocol.graph(3, 0, 1, protocol.GRAPH_SPAN_NAME_BASE + 1, 512, [(7, 4, (2, 3), 256, 24)],
+                                {"cuda_graph": 1, "graph_batch": 2}, {"x": "why"}),
+        "graph_drops": protocol.graph_drops(3, 0, 5),
     }
     for op, msg in built.items():
         required, optional = protocol.MESSAGES[op]
@@ -50,6 +53,7 @@ def test_constructors_build_exactly_the_declared_fields():
         assert msg["op"] == op and set(required) <= keys <= set(required) | set(optional), op
         assert protocol.decode(protocol.encode(msg)) == msg
     assert built["end"]["skipped"] == [{"name": "x", "reason": "why"}]
+    assert built["graph"]["tensors"] == [[7, 4, [2, 3], 256, 24]] and built["graph"]["skipped"] == built["end"]["skipped"]
     assert "incomplete" not in protocol.end(3, 5, {}, 0, {}, mixed=True)  # mixed only with incomplete
     with pytest.raises(TypeError, match="budget"):
         protocol.note(3, "running", budget=True)
@@ -73,3 +77,16 @@ def test_next_batch_items_are_records_in_the_declared_order():
     assert (tensor.offset, tensor.total) == (0, data.nbytes)
     assert control.kind == _C.KIND_CONTROL and control.seq == seq
     assert protocol.decode(control.payload) == protocol.begin(2, 4)
+
+
+def test_replay_pass_is_built_with_the_begin_and_end_constructors():
+    """The writer makes a CUDA-graph replay's pass from its ``graph`` message and the span header:
+    the same messages protocol.begin/end build, the meta naming the replay."""
+    layout = protocol.graph(2, 0, 1, protocol.GRAPH_SPAN_NAME_BASE + 1, 512, [], {"cuda_graph": 1, "graph_batch": 8},
+                            {"x": "why"})
+    header = protocol.ReplayHeader(protocol.REPLAY_MAGIC, protocol.GRAPH_PASS_BASE + 9, 4, layout["span_name_id"], 512)
+    begin, end = protocol.replay_pass(2, layout, header)
+    meta = {"cuda_graph": 1, "graph_batch": 8, "graph_replay": 4}
+    assert begin == protocol.begin(2, protocol.GRAPH_PASS_BASE + 9, meta)
+    assert end == protocol.end(2, protocol.GRAPH_PASS_BASE + 9, meta, 0, {"x": "why"})
+    assert layout["meta"] == {"cuda_graph": 1, "graph_batch": 8}  # the layout is not changed

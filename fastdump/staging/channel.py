@@ -46,7 +46,8 @@ class Channel:
         self._ring_noted = False
         # Drops, counted here only: tensors, whole passes, and this pass's tensors (for its end message).
         self.dropped = 0
-        self.dropped_passes = 0
+        self._dropped_pass_starts = 0  # eager passes whose begin found the ring full (`drop`)
+        self._graph_recorders: list = []  # CUDA-graph recorders: their dropped replays are passes too
         self.pass_dropped = 0
 
     # -- control messages ---------------------------------------------------------------------------
@@ -69,7 +70,7 @@ class Channel:
             engine.stalled = False
         self.block = self.policy_block and not engine.stalled
         if not self.control(protocol.begin(self.id, pass_id)):
-            self.dropped_passes += 1
+            self._dropped_pass_starts += 1
             self.note_stall("a pass start", pass_id)
             return False
         self.lane.begin(pass_id, self.block, self.block_timeout_s)
@@ -127,6 +128,20 @@ class Channel:
                 "effect": "CUDA tensors on that GPU are dropped and counted"}), block=True)
 
     # -- counts -------------------------------------------------------------------------------------------
+    @property
+    def dropped_passes(self) -> int:
+        """Whole passes dropped: eager passes (`drop`, ring full as they began) and CUDA-graph
+        replays (dropped on the device or by the drain; each recorder counts them as they happen,
+        read here, so stats() is current while replays run)."""
+        n = self._dropped_pass_starts
+        for rec in self._graph_recorders:
+            n += rec.dropped_replays
+        return n
+
+    def count_graph_drops(self, recorder) -> None:
+        """Count ``recorder``'s dropped replays (a _C.GraphRecorder of this channel) as dropped passes."""
+        self._graph_recorders.append(recorder)
+
     def count_drop(self, in_ring: bool = True) -> None:
         """One tensor dropped in this pass. ``in_ring=False``: the ring never saw it (no name id,
         no device ring), so the producer's own drop count gets it too."""

@@ -5,13 +5,17 @@ recorded into the graph itself (``_C.GraphRecorder``, csrc/cuda_graph_record.cu)
 graph then becomes one pass holding that replay's values, numbered from ``_C.GRAPH_PASS_BASE`` in
 replay order, with pass meta naming the graph (``cuda_graph``: its id, ``graph_batch``: its captured
 batch size where known, ``graph_replay``: the graph's replay index). Python runs only while the
-graph is captured; replays cost no Python. Design and limits: docs/CUDA.md, "CUDA graphs".
+graph is captured (it sends the graph's layout to the writer then: ``protocol.graph``); a replay
+costs no Python and one C++ staging call on the recorder's drain thread (the whole replay as one
+record, which the writer splits). Dropped replays are counted by the Channel, which reads each
+recorder's count. Design and limits: docs/CUDA.md, "CUDA graphs".
 """
 
 from __future__ import annotations
 
-import json
 import logging
+
+from .. import protocol
 
 log = logging.getLogger("fastdump")
 
@@ -70,13 +74,16 @@ class GraphRecording:
         if not hasattr(C, "GraphRecorder") or not isinstance(stager, C.CudaStager):
             self._failures[device] = "CUDA staging is not available"
             return None
+        note, mark = protocol.drop_note_template(d._channel.id, device)  # sent by the drain as drops happen
         try:
-            rec = C.GraphRecorder(stager, d._channel.id, device, self._slot_bytes, self._ring_bytes, LOG_ENTRIES)
+            rec = C.GraphRecorder(stager, d._channel.id, device, self._slot_bytes, self._ring_bytes, LOG_ENTRIES,
+                                  note, mark)
         except Exception as exc:  # e.g. no device memory left: graphs are then captured without dumping
             self._failures[device] = f"cannot allocate the CUDA-graph recording memory on GPU {device}: {exc}"
             log.warning("fastdump: %s: %s", d.dir, self._failures[device])
             return None
         self._recorders[device] = rec
+        d._channel.count_graph_drops(rec)
         return rec
 
     def recorder(self, device: int):
@@ -120,16 +127,15 @@ class GraphRecording:
             d._skip(name, "CUDA graph capture: not recorded: " + why)
 
     def end_pass(self, meta: dict) -> None:
-        """The captured pass ends: commit the graph. Its replays are passes; the capture-time pass
-        itself holds no values (the capture computes nothing) and is marked incomplete, saying so."""
+        """The captured pass ends: commit the graph and send its layout to the writer (in ring
+        order, before any replay's record). Its replays are passes; the capture-time pass itself
+        holds no values (the capture computes nothing) and is marked incomplete, saying so."""
         cap, self.open = self.open, None
         d = self._dumper
         batch = meta.get("batch_size", meta.get("bs", cap.batch))
         graph_meta = dict(meta, cuda_graph=cap.graph, graph_batch=batch)
-        skipped = [{"name": n, "reason": r} for n, r in cap.missing.items()]
         try:
-            gid = cap.recorder.end_graph(json.dumps(graph_meta, separators=(",", ":")),
-                                         json.dumps(skipped, separators=(",", ":")))
+            gid = cap.recorder.end_graph()
         except (RuntimeError, ValueError) as exc:
             cap.recorder.abort_graph()
             d._mark_incomplete(f"CUDA graph capture: the graph's replays are not dumped ({exc})")
@@ -137,13 +143,22 @@ class GraphRecording:
         if gid < 0:
             d._mark_incomplete("CUDA graph capture: nothing was recorded into the graph")
             return
+        span = cap.recorder.layout(gid)
+        msg = protocol.graph(d._channel.id, cap.device, gid, span["span_name_id"], span["span_bytes"],
+                             span["tensors"], graph_meta, cap.missing)
+        if not d._channel.control(msg, block=True):  # the writer is gone or stuck past block_timeout_s
+            log.error("fastdump: %s: the layout of CUDA graph %d did not reach the writer; its replays are "
+                      "written as incomplete passes without tensors", d.dir, gid)
+            d._mark_incomplete(f"CUDA graph capture: the layout of graph {gid} did not reach the writer")
+            return
         d._mark_incomplete(f"CUDA graph capture: values recorded into graph {gid} (batch {batch}); each "
                            f"replay is a pass of its own, numbered from {_C().GRAPH_PASS_BASE}")
 
     # -- end ---------------------------------------------------------------------------------------
     def close(self, totals: dict, timeout: float) -> None:
-        """Flush every replay the GPUs have run, stop the drains, add their counts to ``totals``.
-        The device memory stays: graphs captured with it may still be replayed (see CUDA.md)."""
+        """Flush every replay the GPUs have run, stop the drains, add their passes to ``totals``
+        (their drops are the Channel's: it reads the recorders' counts). The device memory stays:
+        graphs captured with it may still be replayed (see CUDA.md)."""
         if self.open is not None:
             self.open.recorder.abort_graph()
             self.open = None
@@ -154,11 +169,7 @@ class GraphRecording:
             totals["passes"] += s["replays"]
             totals["tensors"] += s["tensors"]
             totals["bytes"] += s["bytes"]
-            totals["dropped"] += s["dropped_tensors"]
-            totals["dropped_passes"] += s["dropped_replays"]
-            totals["lost_pass_ends"] = totals.get("lost_pass_ends", 0) + s["lost_pass_ends"]
             totals["graph_replays"] = totals.get("graph_replays", 0) + s["replays"]
-            totals["graph_dropped_replays"] = totals.get("graph_dropped_replays", 0) + s["dropped_replays"]
             if s["broken"]:
                 log.warning("fastdump: %s: CUDA-graph recording stopped: %s", self._dumper.dir, s["last_error"])
 

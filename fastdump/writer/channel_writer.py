@@ -25,7 +25,7 @@ import time
 
 import numpy as np
 
-from .. import _C, dtypes, fsutil
+from .. import _C, dtypes, fsutil, protocol
 from .. import format as fmt
 from .segment_file import Block, OpenSegment, write_segment
 
@@ -137,12 +137,15 @@ class ChannelWriter:
         self._dropped_in_passes = 0
         self._dropped_total = 0  # the Dumper's count of dropped tensors ("dropped" in its close stats)
         self._dropped_passes = 0  # whole passes the Dumper dropped (their "begin" never reached us)
+        self._graph_dropped: dict = {}  # device -> CUDA-graph replays dropped (the drains' notes, while running)
+        self._graph_layouts: dict = {}  # replay span name id -> its "graph" message
         self._skipped_total = 0
         self._skipped_reasons: dict = {}
         self._stats: dict = {}
         self._status = "running"
         self._note_error = None  # an error the producer side reported (writer itself still fine)
         self._published_pending = 0  # pending_passes as last written to rank.json
+        self._counts_changed = False  # a drop count rank.json does not show yet (graph_drops)
 
         self._info = {
             "format_version": fmt.FORMAT_VERSION,
@@ -195,6 +198,9 @@ class ChannelWriter:
         nbytes = len(data)  # 1-D uint8: bytes, numpy array or a view into the ring
         if (not 0 <= dtype_code < len(dtypes.ITEMSIZE) or len(shape) > MAX_DIMS
                 or nbytes != math.prod(shape) * dtypes.ITEMSIZE[dtype_code]):
+            if dtype_code == protocol.REPLAY_SPAN_DTYPE:  # off the hot path: a CUDA-graph replay
+                self.on_replay(name_id, pass_id, data)
+                return
             self._skip(pass_state, name_id, f"bad record: dtype code {dtype_code}, shape {list(shape)}, {nbytes} bytes")
             return
         if shape and nbytes >= DIRECT_BYTES:
@@ -241,6 +247,42 @@ class ChannelWriter:
         self._pending.last_end = now
         self._rotate_if_due(now)
 
+    def on_graph(self, msg: dict) -> None:
+        """A CUDA graph was captured: the layout its replay spans are split by."""
+        self._graph_layouts[int(msg["span_name_id"])] = msg
+
+    def on_graph_drops(self, device: int, dropped_passes: int) -> None:
+        """A recorder's running count of dropped replays; rank.json shows it at the next poll."""
+        if isinstance(dropped_passes, int) and dropped_passes > self._graph_dropped.get(device, 0):
+            self._graph_dropped[device] = dropped_passes
+            self._counts_changed = True
+
+    def on_replay(self, span_name_id: int, pass_id: int, data) -> None:
+        """One CUDA-graph replay's span record: its pass (begin, its tensors, end), made with the
+        protocol's constructors. A span that does not match its graph's layout or header (which
+        only a bug could cause) becomes an incomplete pass without tensors: `verify` fails on it,
+        since the Dumper counted those tensors as staged."""
+        layout = self._graph_layouts.get(span_name_id)
+        why, header = None, None
+        if layout is None:
+            why = f"no layout for CUDA-graph span {span_name_id:#x} (its graph message was lost)"
+        elif len(data) != layout["span_bytes"] or len(data) < protocol.REPLAY_HEADER_BYTES:
+            why = f"replay span of {len(data)} bytes, the graph's is {layout['span_bytes']}"
+        else:
+            header = protocol.replay_header(data)
+            if header != (protocol.REPLAY_MAGIC, pass_id, header.replay, span_name_id, len(data)):
+                why = f"replay header {tuple(header)} does not match its record (pass {pass_id})"
+        if why is not None:
+            self.on_begin(pass_id, {})
+            self.on_end(pass_id, {}, incomplete="CUDA-graph replay not written: " + why)
+            return
+        begin, end = protocol.replay_pass(self.channel, layout, header)
+        self.on_begin(begin["pass"], begin["meta"])
+        view = memoryview(data) if not isinstance(data, np.ndarray) else data
+        for name_id, dtype_code, shape, offset, nbytes in layout["tensors"]:
+            self.on_tensor(name_id, pass_id, dtype_code, tuple(shape), view[offset:offset + nbytes])
+        self.on_end(end["pass"], end["meta"], end["dropped"], end["skipped"])
+
     def on_note(self, msg: dict) -> None:
         if self._closed:
             return
@@ -262,8 +304,8 @@ class ChannelWriter:
         if self.error is not None or self._closed:
             return
         self._rotate_if_due(time.time() if now is None else now)
-        if self.error is None and self.pending_passes() != self._published_pending:  # a rotation may have failed
-            self._write_progress()
+        if self.error is None and (self._counts_changed or self.pending_passes() != self._published_pending):
+            self._write_progress()  # (a rotation may have failed: error checked again)
 
     def idle(self, now: float = None) -> None:
         """The loop found the ring empty: write the open segment once every pass in it has ended
@@ -471,7 +513,9 @@ class ChannelWriter:
             "status": self._status,
             "error": self.error or self._note_error,
             "dropped": max(self._dropped_total, self._dropped_in_passes),
-            "dropped_passes": self._dropped_passes,
+            # The Dumper's count (sent at close) includes its graphs' drops; while it runs, the
+            # drains' notes are what is known of those.
+            "dropped_passes": max(self._dropped_passes, sum(self._graph_dropped.values())),
             "skipped": self._skipped_total,
             "skipped_reasons": dict(self._skipped_reasons),
             "passes": self._passes_written,
@@ -485,6 +529,7 @@ class ChannelWriter:
 
     def _write_rank_json(self) -> None:
         self._published_pending = self.pending_passes()
+        self._counts_changed = False
         path = os.path.join(self.dir, fmt.RANK_FILE)
         try:
             fsutil.atomic_write_json(path, self.rank_json())
@@ -502,10 +547,11 @@ class ChannelWriter:
                 fsutil.atomic_write_json(path, {**self.rank_json(), "segments": [], "segments_omitted": True})
 
     def _write_progress(self) -> None:
-        """rank.json with a new pending_passes: at most once a poll, not made durable. Best effort:
-        a progress figure that cannot be written (disk full) waits for the next segment's rank.json,
-        which reports any real failure."""
+        """rank.json with a new pending_passes or drop count: at most once a poll, not made durable.
+        Best effort: a progress figure that cannot be written (disk full) waits for the next
+        segment's rank.json, which reports any real failure."""
         self._published_pending = self.pending_passes()
+        self._counts_changed = False
         try:
             fsutil.atomic_write_json(os.path.join(self.dir, fmt.RANK_FILE), self.rank_json(), durable=False)
         except OSError:

@@ -119,7 +119,7 @@ class WriterLoop:
         if op == "end":
             self._drop_torn(channel, msg)
         method = {"name": "on_name", "begin": "on_begin", "end": "on_end", "note": "on_note",
-                  "close": "close"}.get(op)
+                  "close": "close", "graph": "on_graph", "graph_drops": "on_graph_drops"}.get(op)
         if method is None:
             log.warning("fastdump writer: unknown control op %r", op)
             return
@@ -130,6 +130,8 @@ class WriterLoop:
                             msg.get("incomplete"), msg.get("mixed", False)),
             "note": lambda: (msg,),
             "close": lambda: (msg.get("stats") or {},),
+            "graph": lambda: (msg,),
+            "graph_drops": lambda: (msg["device"], msg["dropped_passes"]),
         }[op]()
         self._call(channel, method, *args)
         if op == "close":

@@ -5,9 +5,11 @@
 // mode) and replay stream. Per replay the thread copies a fresh input into the graph's static input
 // in stream order and launches the graph, never synchronizing; a pauser thread stops and restarts
 // the drains so the small replay rings fill and replays are dropped. A reader thread reads the host
-// ring like the writer. Checks: every replay pass holds h1 = x + 1 and h2 = x + 2 (bytewise) of the
-// input of the replay its meta names, passes arrive in replay order per channel, passes + dropped
-// replays = replays, nothing torn.
+// ring like the writer: each replay is one span record (chunked when large), split by the graph's
+// layout. Checks: every replay pass holds h1 = x + 1 and h2 = x + 2 (bytewise) of the input of the
+// replay its header names, the header matches its record, passes arrive in replay order per
+// channel, passes + dropped replays = replays, the drains' drop notes only grow and never exceed
+// the final count, nothing torn.
 #include <unistd.h>
 
 #include <atomic>
@@ -15,6 +17,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <map>
+#include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
@@ -48,6 +51,17 @@ struct Pass {
   std::map<uint32_t, std::vector<uint8_t>> tensors;
 };
 
+struct Span {  // a span record being assembled from its chunks
+  std::vector<uint8_t> bytes;
+  uint64_t filled = 0;
+};
+
+struct Layout {
+  uint32_t name_id = 0;
+  uint64_t span_bytes = 0;
+  std::vector<GraphTensorLayout> tensors;
+};
+
 uint64_t json_uint(const std::string& s, const char* key) {
   const std::string k = std::string("\"") + key + "\":";
   const size_t p = s.find(k);
@@ -71,6 +85,10 @@ int main(int argc, char** argv) {
 
   std::vector<std::map<int64_t, Pass>> passes(static_cast<size_t>(ngraphs));
   std::vector<int64_t> last_begin(static_cast<size_t>(ngraphs), -1);
+  std::vector<std::map<int64_t, Span>> spans(static_cast<size_t>(ngraphs));
+  std::vector<uint64_t> noted(static_cast<size_t>(ngraphs), 0);  // the drains' drop notes, last seen
+  std::mutex layout_mu;  // the graph's "graph message": set by its thread after end_graph
+  std::vector<Layout> layouts(static_cast<size_t>(ngraphs));
   std::atomic<bool> stop_reader{false};
   std::thread reader([&] {
     for (;;) {
@@ -89,23 +107,44 @@ int main(int argc, char** argv) {
       const uint32_t ch = rec->channel;
       if (ch < static_cast<uint32_t>(ngraphs) && rec->kind == kControl) {
         const std::string msg(reinterpret_cast<const char*>(payload), rec->payload_len);
-        const int64_t pass = static_cast<int64_t>(json_uint(msg, "pass"));
-        Pass& p = passes[ch][pass];
-        if (msg.find("\"op\":\"begin\"") != std::string::npos) {
-          CHECK(pass > last_begin[ch], "channel %u: pass %lld began after %lld", ch, (long long)pass,
-                (long long)last_begin[ch]);
-          last_begin[ch] = pass;
-          p.replay = json_uint(msg, "graph_replay");
-        } else if (msg.find("\"op\":\"end\"") != std::string::npos) {
-          p.ended = true;
-          CHECK(json_uint(msg, "dropped") == 0, "channel %u pass %lld: dropped tensors", ch, (long long)pass);
-        }
+        CHECK(msg.find("\"op\":\"graph_drops\"") != std::string::npos, "channel %u: control %s", ch, msg.c_str());
+        const uint64_t n = json_uint(msg, "dropped_passes");
+        CHECK(n > noted[ch], "channel %u: drop note %llu after %llu", ch, (unsigned long long)n,
+              (unsigned long long)noted[ch]);
+        noted[ch] = n;
       } else if (ch < static_cast<uint32_t>(ngraphs) && rec->kind == kTensor) {
+        CHECK(rec->dtype == kReplaySpanDtype, "channel %u: dtype %u", ch, (unsigned)rec->dtype);
         ChunkInfo chunk;
         std::memcpy(&chunk, reinterpret_cast<uint8_t*>(rec) + sizeof(RecordHeader), sizeof(chunk));
-        auto& bytes = passes[ch][rec->pass_id].tensors[rec->name_id];
-        if (bytes.size() < chunk.total) bytes.resize(chunk.total);
-        std::memcpy(bytes.data() + chunk.offset, payload, rec->payload_len);
+        Span& sp = spans[ch][rec->pass_id];
+        if (sp.bytes.size() < chunk.total) sp.bytes.resize(chunk.total);
+        std::memcpy(sp.bytes.data() + chunk.offset, payload, rec->payload_len);
+        sp.filled += rec->payload_len;
+        if (sp.filled == sp.bytes.size()) {  // whole: split it as the writer does
+          Layout lay;
+          {
+            std::lock_guard<std::mutex> g(layout_mu);
+            lay = layouts[ch];
+          }
+          ReplayHeader h;
+          std::memcpy(&h, sp.bytes.data(), sizeof h);
+          CHECK(h.magic == kReplayMagic && h.pass_id == static_cast<uint64_t>(rec->pass_id) &&
+                    h.span_name_id == rec->name_id && h.span_name_id == lay.name_id &&
+                    h.span_bytes == sp.bytes.size() && h.span_bytes == lay.span_bytes,
+                "channel %u pass %lld: replay header does not match", ch, (long long)rec->pass_id);
+          const int64_t pass = rec->pass_id;
+          CHECK(pass > last_begin[ch], "channel %u: pass %lld after %lld", ch, (long long)pass,
+                (long long)last_begin[ch]);
+          last_begin[ch] = pass;
+          Pass& p = passes[ch][pass];
+          p.replay = h.replay;
+          p.ended = true;
+          for (const GraphTensorLayout& t : lay.tensors)
+            if (t.offset + t.nbytes <= sp.bytes.size())
+              p.tensors[t.name_id].assign(sp.bytes.begin() + static_cast<int64_t>(t.offset),
+                                          sp.bytes.begin() + static_cast<int64_t>(t.offset + t.nbytes));
+          spans[ch].erase(pass);
+        }
       }
       hdr->tail.store(tail + rec->total_len, std::memory_order_release);
     }
@@ -117,7 +156,8 @@ int main(int argc, char** argv) {
     stager.register_host();
     std::vector<std::unique_ptr<GraphRecorder>> recs;
     for (int g = 0; g < ngraphs; ++g)  // 16 KiB ring, 16 log entries: replays pile up while paused
-      recs.emplace_back(new GraphRecorder(&stager, static_cast<uint32_t>(g), 0, 64 << 10, 16 << 10, 16));
+      recs.emplace_back(new GraphRecorder(&stager, static_cast<uint32_t>(g), 0, 64 << 10, 16 << 10, 16,
+                                          "{\"op\":\"graph_drops\",\"dropped_passes\":#}", "#"));
     std::atomic<bool> done{false};
     std::thread pauser([&] {
       unsigned k = 0;
@@ -178,7 +218,11 @@ int main(int argc, char** argv) {
         src.ptr = reinterpret_cast<uintptr_t>(h2);
         CHECK(rec.record(1, 5, src) == kStaged, "record h2");
         fdmock::enqueue(cs, [=] { std::memset(fdmock::dev_bytes(static_cast<uint8_t*>(h1)), 0xEE, n); });
-        CHECK(rec.end_graph("{\"graph\":" + std::to_string(g) + "}", "[]") == 0, "end_graph");
+        CHECK(rec.end_graph() == 0, "end_graph");
+        {
+          std::lock_guard<std::mutex> lk(layout_mu);
+          layouts[static_cast<size_t>(g)] = Layout{rec.span_name_id(0), rec.span_bytes(0), rec.layout(0)};
+        }
         cudaGraph_t graph = nullptr;
         CHECK(cudaStreamEndCapture(cs, &graph) == cudaSuccess, "end capture");
         cudaGraphExec_t exe = nullptr;
@@ -220,7 +264,7 @@ int main(int argc, char** argv) {
   stop_reader.store(true);
   reader.join();
 
-  uint64_t total = 0, total_dropped = 0;
+  uint64_t total = 0, total_dropped = 0, total_noted = 0;
   for (int g = 0; g < ngraphs; ++g) {
     const uint64_t n = sizes[static_cast<size_t>(g)];
     uint64_t prev = 0;
@@ -242,13 +286,19 @@ int main(int argc, char** argv) {
     }
     total += passes[static_cast<size_t>(g)].size();
     total_dropped += dropped[static_cast<size_t>(g)];
+    total_noted += noted[static_cast<size_t>(g)];
     CHECK(passes[static_cast<size_t>(g)].size() + dropped[static_cast<size_t>(g)] == static_cast<uint64_t>(replays),
           "graph %d: %zu passes read + %llu dropped != %d", g, passes[static_cast<size_t>(g)].size(),
           (unsigned long long)dropped[static_cast<size_t>(g)], replays);
+    CHECK(noted[static_cast<size_t>(g)] <= dropped[static_cast<size_t>(g)], "graph %d: noted %llu drops of %llu", g,
+          (unsigned long long)noted[static_cast<size_t>(g)], (unsigned long long)dropped[static_cast<size_t>(g)]);
+    CHECK(spans[static_cast<size_t>(g)].empty(), "graph %d: %zu span records never completed", g,
+          spans[static_cast<size_t>(g)].size());
   }
   CHECK(fdmock::config().live_allocs.load() == 0, "device memory leaked: %lld blocks",
         (long long)fdmock::config().live_allocs.load());
-  std::printf("graph stress: %d graphs x %d replays: %llu passes, %llu dropped, %d errors\n", ngraphs, replays,
-              (unsigned long long)total, (unsigned long long)total_dropped, g_errors.load());
+  std::printf("graph stress: %d graphs x %d replays: %llu passes, %llu dropped (%llu in drop notes), %d errors\n",
+              ngraphs, replays, (unsigned long long)total, (unsigned long long)total_dropped,
+              (unsigned long long)total_noted, g_errors.load());
   return g_errors.load() ? 1 : 0;
 }
