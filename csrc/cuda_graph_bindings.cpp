@@ -20,6 +20,7 @@ void bind_graph_recorder(py::module_& m) {
   // The replay span record (fastdump/protocol.py re-exports these; the writer splits the record).
   m.attr("REPLAY_SPAN_DTYPE") = static_cast<int>(kReplaySpanDtype);
   m.attr("GRAPH_SPAN_NAME_BASE") = kGraphSpanNameBase;
+  m.attr("GRAPHS_PER_RECORDER") = kMaxGraphsPerRecorder;
   m.attr("REPLAY_HEADER_BYTES") = kReplayHeaderBytes;
   m.attr("REPLAY_MAGIC") = kReplayMagic;
   m.attr("REPLAY_HEADER_FIELDS") = py::make_tuple(  // ReplayHeader: little-endian uint64 each, in order

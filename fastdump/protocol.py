@@ -106,7 +106,8 @@ def shutdown() -> dict:
 # them against the extension's exports).
 GRAPH_PASS_BASE = 1 << 40       # replay pass ids: GRAPH_PASS_BASE + log position (replay order)
 REPLAY_SPAN_DTYPE = 0xFFFF      # the span record's dtype code (no fastdump.dtypes code)
-GRAPH_SPAN_NAME_BASE = 0xF0000000  # span name ids: base + device * 4096 + graph (real names below)
+GRAPH_SPAN_NAME_BASE = 0xF0000000  # span name ids: base + device * GRAPHS_PER_RECORDER + graph
+GRAPHS_PER_RECORDER = 4096         # (real name ids stay below the base)
 REPLAY_HEADER_BYTES = 256       # the header's room at the start of every span
 REPLAY_MAGIC = int.from_bytes(b"FDREPLAY", "little")
 

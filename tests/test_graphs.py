@@ -890,6 +890,7 @@ def test_replay_wire_constants_match_the_extension(m):
         assert C.GRAPH_PASS_BASE == protocol.GRAPH_PASS_BASE
         assert C.REPLAY_SPAN_DTYPE == protocol.REPLAY_SPAN_DTYPE
         assert C.GRAPH_SPAN_NAME_BASE == protocol.GRAPH_SPAN_NAME_BASE
+        assert C.GRAPHS_PER_RECORDER == protocol.GRAPHS_PER_RECORDER
         assert C.REPLAY_HEADER_BYTES == protocol.REPLAY_HEADER_BYTES
         assert C.REPLAY_MAGIC == protocol.REPLAY_MAGIC
         assert list(C.REPLAY_HEADER_FIELDS) == [(f, 8 * i) for i, f in enumerate(protocol.ReplayHeader._fields)]

@@ -97,3 +97,51 @@ def test_a_failing_channel_stops_dumping_and_tells_the_producer(tmp_path, monkey
     assert loop.run() == 0
     assert consumer.state[0] == _C.WRITER_FAILED and "No space left" in consumer.state[1]
     assert "No space left" in loop.failed
+
+
+def test_replay_spans_chunked_and_a_torn_one_is_forgotten(tmp_path):
+    """CUDA-graph replay spans through the loop: chunks reassembled, then split into the pass. A
+    span whose later chunks never come (the drain's record timed out; the replay was counted as
+    dropped) is forgotten when that GPU's next span begins, and never written."""
+    from fastdump import protocol
+
+    a = torch.arange(40, dtype=torch.int32)
+    name = protocol.GRAPH_SPAN_NAME_BASE + 2 * protocol.GRAPHS_PER_RECORDER  # GPU 2, graph 0
+    other_gpu = protocol.GRAPH_SPAN_NAME_BASE + 5  # GPU 0, graph 5: another drain, left alone
+    layout = protocol.graph(0, 2, 0, name, 512, [[0, dtypes.code_of(a.dtype), [40], 256, 160]],
+                            {"cuda_graph": 0, "graph_batch": 40}, {})
+
+    def span(pass_id, replay, values):
+        head = np.array(protocol.ReplayHeader(protocol.REPLAY_MAGIC, pass_id, replay, name, 512), dtype="<u8")
+        body = np.zeros(512, np.uint8)
+        body[:40] = np.frombuffer(head.tobytes(), np.uint8)
+        body[256:416] = np.frombuffer(values.numpy().tobytes(), np.uint8)
+        return body.tobytes()
+
+    def chunk(name_id, pass_id, data, offset, size):
+        return (_C.KIND_TENSOR, 0, name_id, pass_id, protocol.REPLAY_SPAN_DTYPE, (len(data),),
+                data[offset:offset + size], 0, offset, len(data))
+
+    base = protocol.GRAPH_PASS_BASE
+    torn, whole = span(base, 0, a), span(base + 1, 1, a * 3)
+    records = [
+        control(1, op="open", channel=0, dir=str(tmp_path / "target" / "TP0_PP0_Rank0_pid1"), role="target", rank={},
+                pid=1, host="h", device={}, config={"segment_passes": 8, "segment_mb": 64, "segment_seconds": 60}),
+        control(2, op="name", channel=0, id=0, name="a"),
+        control(3, **layout),
+        chunk(other_gpu, base + 7, bytes(512), 0, 256),
+        chunk(name, base, torn, 0, 256),          # its second half never arrives
+        chunk(name, base + 1, whole, 0, 300),
+        chunk(name, base + 1, whole, 300, 212),
+    ]
+    consumer = ScriptedConsumer(records)
+    loop = WriterLoop(consumer)
+    consumer.records.append(control(4, op="shutdown"))
+    assert loop.run() == 0
+    assert list(loop.partial) == [(0, other_gpu, base + 7)]
+    ds = fastdump.open(tmp_path)
+    assert ds.passes("target", "TP0_PP0_Rank0_pid1") == [base + 1]
+    got = ds.load("target", "TP0_PP0_Rank0_pid1", base + 1)
+    assert torch.equal(torch.as_tensor(got["a"]), a * 3)
+    meta = ds.meta("target", "TP0_PP0_Rank0_pid1", base + 1)
+    assert meta["graph_replay"] == 1 and meta["complete"]

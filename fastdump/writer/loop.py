@@ -95,6 +95,8 @@ class WriterLoop:
         key = (channel, name_id, pass_id)
         part = self.partial.get(key)
         if part is None:
+            if name_id >= protocol.GRAPH_SPAN_NAME_BASE:
+                self._drop_torn_spans(channel, name_id)
             part = self.partial[key] = _Assembly(total)
         part.data[offset:offset + len(payload)] = np.frombuffer(payload, dtype=np.uint8)
         part.filled += len(payload)
@@ -102,6 +104,15 @@ class WriterLoop:
             return None
         del self.partial[key]
         return part.data
+
+    def _drop_torn_spans(self, channel: int, name_id: int) -> None:
+        """A CUDA-graph replay span begins: an unfinished span from the same GPU's drain can never
+        complete (the drain stages one span at a time; its record timed out part-way and the replay
+        was counted as dropped). Forget it: it has no pass and no end message to do so."""
+        device = (name_id - protocol.GRAPH_SPAN_NAME_BASE) // protocol.GRAPHS_PER_RECORDER
+        for key in [k for k in self.partial if k[0] == channel and k[1] >= protocol.GRAPH_SPAN_NAME_BASE
+                    and (k[1] - protocol.GRAPH_SPAN_NAME_BASE) // protocol.GRAPHS_PER_RECORDER == device]:
+            del self.partial[key]
 
     def _control(self, msg: dict) -> None:
         op, channel = msg["op"], msg.get("channel", 0)
