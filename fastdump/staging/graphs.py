@@ -2,7 +2,7 @@
 
 While a CUDA graph is captured with a Dumper attached, each captured module output's snapshot is
 recorded into the graph itself (``_C.GraphRecorder``, csrc/cuda_graph_record.cu); every replay of the
-graph then becomes one pass holding that replay's values, numbered from ``_C.GRAPH_PASS_BASE`` in
+graph then becomes one pass holding that replay's values, numbered from ``protocol.GRAPH_PASS_BASE`` in
 replay order, with pass meta naming the graph (``cuda_graph``: its id, ``graph_batch``: its captured
 batch size where known, ``graph_replay``: the graph's replay index). Python runs only while the
 graph is captured (it sends the graph's layout to the writer then: ``protocol.graph``); a replay
@@ -152,7 +152,7 @@ class GraphRecording:
             d._mark_incomplete(f"CUDA graph capture: the layout of graph {gid} did not reach the writer")
             return
         d._mark_incomplete(f"CUDA graph capture: values recorded into graph {gid} (batch {batch}); each "
-                           f"replay is a pass of its own, numbered from {_C().GRAPH_PASS_BASE}")
+                           f"replay is a pass of its own, numbered from {protocol.GRAPH_PASS_BASE}")
 
     # -- end ---------------------------------------------------------------------------------------
     def close(self, totals: dict, timeout: float) -> None:
