@@ -275,6 +275,12 @@ py::list next_batch(Consumer& c, double timeout_s, size_t max_records, uint64_t 
 
 }  // namespace
 
+void* fastdump::channel_stager_ptr(py::handle lane) { return py::cast<ChannelStager*>(lane); }
+
+int fastdump::stage_tensor_on(void* lane, uint32_t name_id, py::handle tensor) {
+  return static_cast<ChannelStager*>(lane)->stage_tensor(name_id, tensor);
+}
+
 PYBIND11_MODULE(_C, m) {
   m.doc() = "fastdump staging engine (shared-memory ring, CPU and CUDA staging)";
   m.attr("STAGED") = static_cast<int>(kStaged);
@@ -409,4 +415,5 @@ PYBIND11_MODULE(_C, m) {
       .def("set_state", &Consumer::set_state, py::arg("state"), py::arg("error") = "");
 
   bind_cuda(m);
+  bind_forward_wrapper(m);
 }

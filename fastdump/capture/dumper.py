@@ -64,6 +64,7 @@ def _forget_parent_dumpers() -> None:
     for dumper in list(_open_dumpers):
         dumper._capturing = False
         dumper._engine = dumper._producer = dumper._channel = dumper._stage_fast = None
+        dumper._state.lane = None
         dumper.status = "not dumping in this process (forked child of the attaching process)"
     _open_dumpers.clear()
 
@@ -116,10 +117,13 @@ class Dumper:
         self.error = None
         self._unconfirmed = collections.deque()  # seqs of pass ends the writer has not handled yet
         self._pid = os.getpid()
-        self._capturing = False          # inside a selected pass: the wrappers' only hot check
-        self._depth = 0                  # nested begin_pass / root calls
         self._calls: dict = {}           # name -> calls this pass, for name#k
         self._name_ids: dict = {}
+        # What the C++ forward wrappers share: the _capturing flag, _calls, _name_ids, the C++ lane.
+        self._state = _C.CaptureState(self, self._calls, self._name_ids, _TensorType)
+        self._state.dynamo = _DYNAMO  # under torch.compile its Python calls stay outside the graph
+        self._capturing = False          # inside a selected pass: the wrappers' only hot check
+        self._depth = 0                  # nested begin_pass / root calls
         self._meta: dict = {}
         self._next_meta: dict = dict(o.pass_meta or {})
         self._skipped: dict = {}         # name -> reason, this pass
@@ -134,6 +138,7 @@ class Dumper:
         self._totals = {"passes": 0, "tensors": 0, "bytes": 0, "dropped": 0, "skipped": 0, "dropped_passes": 0,
                         "lost_pass_ends": 0, "incomplete_passes": 0, "mixed_passes": 0}
         self._wrapped: list = []
+        self._python_wrappers = False  # set for good once torch.compile traces the model
         # CUDA-graph record mode (fastdump/staging/graphs.py); None: tensors hooked during a capture are skipped.
         self._graphs = _graphs.GraphRecording(self, o.graph_ring_mb) if o.cuda_graphs == "record" else None
         self._engine = None
@@ -160,6 +165,7 @@ class Dumper:
                 raise RuntimeError(self._engine.error())
             # The CPU hot path: channel, pass id and wait settings live in C++, set once per pass.
             self._stage_fast = self._channel.stage_fast
+            self._state.lane = self._channel.lane  # the C++ forward wrappers' stage_tensor
             index = _cuda_index(o.device, facts)
             if index is not None:
                 self._channel.prepare_cuda(index)
@@ -177,6 +183,16 @@ class Dumper:
             self._root_name = o.root_name or type(model).__name__
             self._install(model, o.root_passes, layers=o.layers, include=o.include, exclude=o.exclude,
                           module_types=o.module_types)
+
+    @property
+    def _capturing(self) -> bool:
+        """Inside a selected pass. The flag lives in the C++ CaptureState: the forward wrappers'
+        only check outside a pass reads it there."""
+        return self._state.capturing
+
+    @_capturing.setter
+    def _capturing(self, value: bool) -> None:
+        self._state.capturing = value
 
     # -- public API ------------------------------------------------------------------------------
     def begin_pass(self, **meta) -> None:
@@ -561,6 +577,13 @@ class Dumper:
             return self._skip(name, f"tensors on {t.device.type} are not supported")
         self._account(name, status, t.nbytes)
 
+    def _fast_status(self, name: str, t, status: int) -> None:
+        """The C++ forward wrapper's stage_tensor call returned ``status``, not STAGED: what
+        _stage does with it (NOT_FAST: the general path, which tries stage_tensor once more)."""
+        if status == _NOT_FAST:
+            return self._stage(name, t)
+        self._account(name, status, t.nbytes)
+
     def _stage_checked(self, name: str, t) -> None:
         """The rare cases: unsupported dtypes and layouts, lazy conj/neg bits (complex tensors, and
         real views such as ``z.conj().imag`` that carry torch's negation bit)."""
@@ -668,6 +691,14 @@ class Dumper:
         self._wrapped.clear()
 
     def _capture_wrapper(self, name: str, forward):
+        """The wrapper of a selected module: the C++ ForwardWrapper (csrc/forward_wrapper.cpp),
+        or the Python one where that cannot do the job."""
+        if _NativeWrapper is not None and _native_wrappers and not self._python_wrappers:
+            return _wraps(forward)(_NativeWrapper(self._state, name, forward, self.inputs))
+        return self._python_capture_wrapper(name, forward)
+
+    def _python_capture_wrapper(self, name: str, forward):
+        """The same wrapper in Python: what _capture_wrapper falls back to; tests run both."""
         dumper = self
         inputs = self.inputs
 
@@ -721,6 +752,23 @@ class Dumper:
 
         return forward_and_capture
 
+    def _use_python_wrappers(self) -> None:
+        """torch.compile is tracing the model: from now on its modules get the Python wrapper.
+
+        Dynamo cannot trace C, so at a C++ ForwardWrapper it graph-breaks and runs that module's
+        forward (torch.nn code, which it does not compile on its own) eagerly: a compiled model
+        would compile nothing it dumps. Dynamo inlines the Python wrapper instead, compiling each
+        module's code and breaking only around the staging calls (_outside_graph). Wrappers another
+        wrapper now sits over are left alone."""
+        if self._python_wrappers:
+            return
+        self._python_wrappers = True
+        for i, (module, wrapper, previous) in enumerate(self._wrapped):
+            if type(wrapper) is _NativeWrapper and module.__dict__.get("forward") is wrapper:
+                python = self._python_capture_wrapper(wrapper._fastdump_name, wrapper._fastdump_forward)
+                module.__dict__["forward"] = python
+                self._wrapped[i] = (module, python, previous)
+
     def _root_wrapper(self, name, forward):
         dumper = self
 
@@ -729,6 +777,8 @@ class Dumper:
             if getattr(forward_in_pass, "__fastdump_off__", False):
                 return forward(*args, **kwargs)
             outside = _outside_graph if _is_compiling() else _call  # once per pass: cheap
+            if outside is not _call and not dumper._python_wrappers:
+                outside(dumper._use_python_wrappers)  # before Dynamo meets the C++ wrappers
             outside(dumper._root_begin)
             try:
                 if name is not None and dumper.inputs and dumper._capturing:
@@ -765,6 +815,8 @@ _CAPTURING = _C.CAPTURING
 _UNSUPPORTED_DEVICE = _channel_mod.UNSUPPORTED_DEVICE  # CudaStager.stage: the producer stream is being captured
 _STAGED = _C.STAGED
 _NOT_FAST = _C.ChannelStager.NOT_FAST  # ChannelStager.stage_tensor: take the general path
+_NativeWrapper = getattr(_C, "ForwardWrapper", None)  # csrc/forward_wrapper.cpp
+_native_wrappers = True  # False: every selected module gets the Python wrapper (tests of both)
 
 try:  # torch is a dependency of every model we dump; import it once, here
     import torch as _torch
@@ -806,11 +858,16 @@ if _torch is not None and hasattr(_torch, "_disable_dynamo"):
     # through this is a graph break, and the staging runs eagerly on the real tensors. Lazy: it
     # imports torch._dynamo only when first used, which is while Dynamo is tracing anyway.
     _outside_graph = _torch._disable_dynamo(_call)
+    try:  # the C++ forward wrappers' test for "Dynamo would trace a frame started now"
+        _DYNAMO = (_torch._C._dynamo.eval_frame.get_eval_frame_callback, _outside_graph)
+    except AttributeError:  # pragma: no cover - a torch without it: every fallback call goes around Dynamo
+        _DYNAMO = (lambda: True, _outside_graph)
 else:  # pragma: no cover - without torch nothing is compiled
     def _is_compiling() -> bool:
         return False
 
     _outside_graph = _call
+    _DYNAMO = None
 
 
 def _wraps(forward):

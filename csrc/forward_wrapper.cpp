@@ -1,0 +1,557 @@
+// fastdump._C.ForwardWrapper and fastdump._C.CaptureState: the per-module forward wrapper in C.
+//
+// Issue 11: on a small model the Python wrapper (is_compiling(), attribute reads, *args/**kwargs
+// repacking, the call-count dict, a Python call per tensor and a Python loop for tuple outputs)
+// cost the model's thread ~4 us per dumped tensor; its C++ staging was under 1% of that. This type
+// is the same wrapper written against the C API:
+//  - outside a pass it vectorcalls the original forward and returns (one flag read);
+//  - inside a pass, for an exact torch.Tensor or a tuple/list of exact tensors (None skipped) on
+//    the module's first call of the pass, it stages each tensor through the channel's C++
+//    stage_tensor with name ids cached per wrapper;
+//  - everything else (a second call `name#k`, other outputs, a name without an id yet, a status
+//    other than STAGED, an error) goes to the Dumper's Python methods, which account for it
+//    exactly as the Python wrapper does. Nothing fastdump does raises into the model (failures go
+//    to Dumper._capture_failed); the model's own exceptions propagate unchanged.
+// The wrapper has a __dict__, so functools.update_wrapper gives it __wrapped__, __name__, __doc__...
+// and inspect.signature(module.forward) is the original's (transformers' generate() inspects it).
+// Dynamo cannot trace C code: a compiled model graph-breaks here and the wrapper runs eagerly on
+// real tensors.
+#include <pybind11/pybind11.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "bindings.h"
+#include "ring.h"
+
+namespace py = pybind11;
+
+namespace fastdump {
+namespace {
+
+// Outputs with more elements than this take the Python path (nothing real returns that many).
+constexpr Py_ssize_t kMaxFastElements = 64;
+
+PyObject* s_stage;           // Dumper._stage(name, tensor): a name without an id yet
+PyObject* s_fast_status;     // Dumper._fast_status(name, tensor, status): anything but STAGED
+PyObject* s_capture;         // Dumper._capture(name, output): every other output
+PyObject* s_capture_inputs;  // Dumper._capture_inputs(name, args, kwargs)
+PyObject* s_capture_failed;  // Dumper._capture_failed(name, value, exc)
+PyObject* s_emit_safely;     // Dumper._emit_safely(name, value)
+PyObject* s_use_python;      // Dumper._use_python_wrappers(): torch.compile is tracing the model
+PyObject* s_one;             // 1, the call count of a first call
+
+// One Dumper's state shared by its wrappers. `capturing` is THE flag (Dumper._capturing reads and
+// writes it); `calls` and `name_ids` are the Dumper's own dicts (one source of truth).
+struct CaptureState {
+  PyObject_HEAD
+  int capturing;
+  int probed;  // this pass's first capturing call asked whether torch.compile is tracing
+  PyObject* dumper;
+  PyObject* calls;        // dict: name -> calls this pass (Dumper._calls, cleared per pass)
+  PyObject* name_ids;     // dict: name -> id (Dumper._name_ids; ids never change)
+  PyObject* tensor_type;  // torch.Tensor (exact type: subclasses take the Python path)
+  PyObject* lane;         // the channel's ChannelStager, or None
+  void* lane_ptr;         // its C++ object, or nullptr
+  // torch.compile: while Dynamo's frame callback is set (probe() is not None), every Python frame
+  // started here would be traced; the Dumper's methods are called through outside(method, *args)
+  // (torch._disable_dynamo) instead. Both None without torch.
+  PyObject* dynamo_probe;
+  PyObject* dynamo_outside;
+};
+
+struct ForwardWrapper {
+  PyObject_HEAD
+  CaptureState* state;
+  PyObject* forward;
+  PyObject* name;  // interned
+  int inputs;
+  PyObject* dict;
+  vectorcallfunc vectorcall;
+  // Slot 0: `name`; slot i + 1: `name.i`. Ids are -1 until the Dumper has given one.
+  std::vector<PyObject*>* names;
+  std::vector<int64_t>* ids;
+};
+
+// -- CaptureState -----------------------------------------------------------------------------------
+
+int state_traverse(CaptureState* s, visitproc visit, void* arg) {
+  Py_VISIT(s->dumper);
+  Py_VISIT(s->calls);
+  Py_VISIT(s->name_ids);
+  Py_VISIT(s->tensor_type);
+  Py_VISIT(s->lane);
+  Py_VISIT(s->dynamo_probe);
+  Py_VISIT(s->dynamo_outside);
+  return 0;
+}
+
+int state_clear(CaptureState* s) {
+  s->capturing = 0;
+  s->lane_ptr = nullptr;
+  Py_CLEAR(s->dumper);
+  Py_CLEAR(s->calls);
+  Py_CLEAR(s->name_ids);
+  Py_CLEAR(s->tensor_type);
+  Py_CLEAR(s->lane);
+  Py_CLEAR(s->dynamo_probe);
+  Py_CLEAR(s->dynamo_outside);
+  return 0;
+}
+
+void state_dealloc(CaptureState* s) {
+  PyObject_GC_UnTrack(s);
+  state_clear(s);
+  Py_TYPE(s)->tp_free(reinterpret_cast<PyObject*>(s));
+}
+
+PyObject* state_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
+  static const char* kwlist[] = {"dumper", "calls", "name_ids", "tensor_type", nullptr};
+  PyObject *dumper, *calls, *name_ids, *tensor_type;
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OO!O!O!:CaptureState", const_cast<char**>(kwlist), &dumper,
+                                   &PyDict_Type, &calls, &PyDict_Type, &name_ids, &PyType_Type, &tensor_type))
+    return nullptr;
+  auto* s = reinterpret_cast<CaptureState*>(type->tp_alloc(type, 0));
+  if (s == nullptr) return nullptr;
+  s->capturing = 0;
+  s->dumper = Py_NewRef(dumper);
+  s->calls = Py_NewRef(calls);
+  s->name_ids = Py_NewRef(name_ids);
+  s->tensor_type = Py_NewRef(tensor_type);
+  s->lane = Py_NewRef(Py_None);
+  s->lane_ptr = nullptr;
+  s->dynamo_probe = s->dynamo_outside = nullptr;
+  return reinterpret_cast<PyObject*>(s);
+}
+
+PyObject* state_get_capturing(CaptureState* s, void*) { return PyBool_FromLong(s->capturing); }
+
+int state_set_capturing(CaptureState* s, PyObject* value, void*) {
+  if (value == nullptr) {
+    PyErr_SetString(PyExc_AttributeError, "capturing cannot be deleted");
+    return -1;
+  }
+  int on = PyObject_IsTrue(value);
+  if (on < 0) return -1;
+  s->capturing = on;
+  s->probed = 0;
+  return 0;
+}
+
+PyObject* state_get_lane(CaptureState* s, void*) { return Py_NewRef(s->lane); }
+
+// state.lane = the channel's ChannelStager (its stage_tensor is the hot path), or None.
+int state_set_lane(CaptureState* s, PyObject* value, void*) {
+  if (value == nullptr) value = Py_None;
+  void* ptr = nullptr;
+  if (value != Py_None) {
+    try {
+      ptr = channel_stager_ptr(value);
+    } catch (py::error_already_set& e) {
+      e.restore();
+      return -1;
+    } catch (const std::exception& e) {
+      PyErr_Format(PyExc_TypeError, "lane must be a ChannelStager or None (%s)", e.what());
+      return -1;
+    }
+  }
+  Py_SETREF(s->lane, Py_NewRef(value));
+  s->lane_ptr = ptr;
+  return 0;
+}
+
+PyObject* state_get_dynamo(CaptureState* s, void*) {
+  if (s->dynamo_probe == nullptr) Py_RETURN_NONE;
+  return PyTuple_Pack(2, s->dynamo_probe, s->dynamo_outside);
+}
+
+int state_set_dynamo(CaptureState* s, PyObject* value, void*) {
+  PyObject *probe = nullptr, *outside = nullptr;
+  if (value != nullptr && value != Py_None) {
+    if (!PyTuple_Check(value) || PyTuple_GET_SIZE(value) != 2 || !PyCallable_Check(PyTuple_GET_ITEM(value, 0)) ||
+        !PyCallable_Check(PyTuple_GET_ITEM(value, 1))) {
+      PyErr_SetString(PyExc_TypeError, "dynamo must be None or (probe, outside), two callables");
+      return -1;
+    }
+    probe = Py_NewRef(PyTuple_GET_ITEM(value, 0));
+    outside = Py_NewRef(PyTuple_GET_ITEM(value, 1));
+  }
+  Py_XSETREF(s->dynamo_probe, probe);
+  Py_XSETREF(s->dynamo_outside, outside);
+  return 0;
+}
+
+PyGetSetDef state_getset[] = {
+    {"dynamo", reinterpret_cast<getter>(state_get_dynamo), reinterpret_cast<setter>(state_set_dynamo),
+     "(probe, outside): how Python fallbacks stay outside a torch.compile trace, or None", nullptr},
+    {"capturing", reinterpret_cast<getter>(state_get_capturing), reinterpret_cast<setter>(state_set_capturing),
+     "inside a selected pass: the wrappers' only check outside one", nullptr},
+    {"lane", reinterpret_cast<getter>(state_get_lane), reinterpret_cast<setter>(state_set_lane),
+     "the channel's ChannelStager (stage_tensor), or None: every tensor takes the Python path", nullptr},
+    {nullptr, nullptr, nullptr, nullptr, nullptr}};
+
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmissing-field-initializers"  // the slots are set in bind_forward_wrapper
+PyTypeObject CaptureStateType = {PyVarObject_HEAD_INIT(nullptr, 0)};
+#pragma GCC diagnostic pop
+
+// -- ForwardWrapper: the Python fallbacks -------------------------------------------------------------
+
+// 1: Dynamo would trace a Python frame started now (torch.compile); 0: not; -1: error set.
+int dynamo_tracing(CaptureState* st) {
+  if (st->dynamo_probe == nullptr) return 0;
+  PyObject* callback = PyObject_CallNoArgs(st->dynamo_probe);
+  if (callback == nullptr) return -1;
+  const int tracing = callback != Py_None;
+  Py_DECREF(callback);
+  return tracing;
+}
+
+// dumper.<method>(*argv) (argv[0] is the dumper), kept outside any torch.compile trace.
+PyObject* call_method(CaptureState* st, PyObject* method, PyObject** argv, size_t n) {
+  if (st->dynamo_probe != nullptr) {
+    const int tracing = dynamo_tracing(st);
+    if (tracing < 0) return nullptr;
+    if (tracing) {
+      PyObject* bound = PyObject_GetAttr(st->dumper, method);
+      if (bound == nullptr) return nullptr;
+      PyObject* args[5] = {nullptr, bound};
+      for (size_t i = 1; i < n; ++i) args[i + 1] = argv[i];
+      PyObject* r = PyObject_Vectorcall(st->dynamo_outside, args + 1, n | PY_VECTORCALL_ARGUMENTS_OFFSET, nullptr);
+      Py_DECREF(bound);
+      return r;
+    }
+  }
+  return PyObject_VectorcallMethod(method, argv, n | PY_VECTORCALL_ARGUMENTS_OFFSET, nullptr);
+}
+
+// The pending exception (an Exception, not KeyboardInterrupt & co., which propagate as from the
+// Python wrapper) goes to Dumper._capture_failed(name, value, exc): recorded as a skip, never
+// raised into the model. Returns -1 when a BaseException must propagate.
+int absorb_error(CaptureState* st, PyObject* name, PyObject* value) {
+  if (!PyErr_ExceptionMatches(PyExc_Exception)) return -1;
+  PyObject *type, *exc, *tb;
+  PyErr_Fetch(&type, &exc, &tb);
+  PyErr_NormalizeException(&type, &exc, &tb);
+  if (tb != nullptr && exc != nullptr) PyException_SetTraceback(exc, tb);
+  PyObject* argv[] = {st->dumper, name, value, exc ? exc : Py_None};
+  PyObject* r = call_method(st, s_capture_failed, argv, 4);
+  Py_XDECREF(type);
+  Py_XDECREF(exc);
+  Py_XDECREF(tb);
+  if (r != nullptr) {
+    Py_DECREF(r);
+    return 0;
+  }
+  if (!PyErr_ExceptionMatches(PyExc_Exception)) return -1;
+  // Recording the failure failed too: say so on stderr (sys.unraisablehook), never to the model.
+  PyErr_WriteUnraisable(st->dumper);
+  return 0;
+}
+
+// dumper.<method>(name, value[, extra]) with errors absorbed; -1 only for a propagating BaseException.
+int call_dumper(CaptureState* st, PyObject* method, PyObject* name, PyObject* value, PyObject* extra = nullptr) {
+  PyObject* argv[] = {st->dumper, name, value, extra};
+  size_t n = extra ? 4 : 3;
+  PyObject* r = call_method(st, method, argv, n);
+  if (r != nullptr) {
+    Py_DECREF(r);
+    return 0;
+  }
+  return absorb_error(st, name, value);
+}
+
+// -- ForwardWrapper: staging ------------------------------------------------------------------------------
+
+// The name of slot `slot` (0: name, i + 1: name.i), made and interned once.
+PyObject* slot_name(ForwardWrapper* w, size_t slot) {
+  auto& names = *w->names;
+  if (slot >= names.size()) {
+    names.resize(slot + 1, nullptr);
+    w->ids->resize(slot + 1, -1);
+  }
+  if (names[slot] == nullptr) {
+    PyObject* s = slot == 0 ? Py_NewRef(w->name)
+                            : PyUnicode_FromFormat("%U.%zd", w->name, static_cast<Py_ssize_t>(slot - 1));
+    if (s == nullptr) return nullptr;
+    PyUnicode_InternInPlace(&s);
+    names[slot] = s;
+  }
+  return names[slot];
+}
+
+// Stages one exact tensor under slot `slot`'s name. -1 only for a propagating BaseException.
+int stage_one(ForwardWrapper* w, size_t slot, PyObject* t) {
+  CaptureState* st = w->state;
+  PyObject* name = slot_name(w, slot);
+  if (name == nullptr) return absorb_error(st, w->name, t);
+  int64_t id = (*w->ids)[slot];
+  if (id < 0) {  // ask the Dumper's dict: ids are given by Dumper._name_id (Python, once per name)
+    PyObject* found = PyDict_GetItemWithError(st->name_ids, name);  // borrowed
+    if (found != nullptr && PyLong_CheckExact(found)) {
+      id = PyLong_AsLongLong(found);
+      if (id < 0 || id > UINT32_MAX) {
+        PyErr_Clear();
+        id = -1;
+      } else {
+        (*w->ids)[slot] = id;
+      }
+    } else if (PyErr_Occurred()) {
+      return absorb_error(st, name, t);
+    }
+  }
+  if (id < 0 || st->lane_ptr == nullptr) return call_dumper(st, s_stage, name, t);  // gives the id
+  Py_INCREF(st->lane);  // a fallback below could replace the lane; keep this one alive meanwhile
+  int status;
+  try {
+    status = stage_tensor_on(st->lane_ptr, static_cast<uint32_t>(id), t);
+  } catch (py::error_already_set& e) {
+    e.restore();
+    status = INT32_MIN;
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+    status = INT32_MIN;
+  }
+  Py_DECREF(st->lane);
+  if (status == kStaged) return 0;
+  if (status == INT32_MIN) {  // the Python path stages it again or records why not
+    if (!PyErr_ExceptionMatches(PyExc_Exception)) return -1;
+    PyErr_Clear();
+    return call_dumper(st, s_stage, name, t);
+  }
+  PyObject* code = PyLong_FromLong(status);
+  if (code == nullptr) return absorb_error(st, name, t);
+  int r = call_dumper(st, s_fast_status, name, t, code);
+  Py_DECREF(code);
+  return r;
+}
+
+// An output the C path stages: an exact tensor, or a tuple/list of exact tensors and Nones.
+bool plain_output(PyObject* out, PyObject* tensor_type) {
+  if (Py_TYPE(out) == reinterpret_cast<PyTypeObject*>(tensor_type)) return true;
+  if (!PyTuple_CheckExact(out) && !PyList_CheckExact(out)) return false;
+  const Py_ssize_t n = Py_SIZE(out);
+  if (n > kMaxFastElements) return false;
+  PyObject** items = PySequence_Fast_ITEMS(out);
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    if (items[i] != Py_None && Py_TYPE(items[i]) != reinterpret_cast<PyTypeObject*>(tensor_type)) return false;
+  }
+  return true;
+}
+
+// After forward returned `out` in a pass. -1 only for a propagating BaseException.
+int capture_output(ForwardWrapper* w, PyObject* out) {
+  CaptureState* st = w->state;
+  int seen = 0;
+  if (plain_output(out, st->tensor_type)) {
+    seen = PyDict_Contains(st->calls, w->name);
+    if (seen < 0) return absorb_error(st, w->name, out);
+  }
+  if (seen || !plain_output(out, st->tensor_type)) return call_dumper(st, s_capture, w->name, out);  // name#k...
+  if (PyDict_SetItem(st->calls, w->name, s_one) < 0) return absorb_error(st, w->name, out);
+  if (Py_TYPE(out) == reinterpret_cast<PyTypeObject*>(st->tensor_type)) return stage_one(w, 0, out);
+  Py_INCREF(out);
+  int r = 0;
+  // Py_SIZE each time: a list could change while Python fallbacks run (not by fastdump, but safely).
+  for (Py_ssize_t i = 0; i < Py_SIZE(out) && r == 0 && st->capturing; ++i) {
+    PyObject* item = PySequence_Fast_ITEMS(out)[i];
+    if (item == Py_None) continue;
+    Py_INCREF(item);
+    if (Py_TYPE(item) == reinterpret_cast<PyTypeObject*>(st->tensor_type)) {
+      r = stage_one(w, static_cast<size_t>(i) + 1, item);
+    } else {  // a list element replaced meanwhile (never by fastdump): the general path for it
+      PyObject* name = slot_name(w, static_cast<size_t>(i) + 1);
+      r = name ? call_dumper(st, s_emit_safely, name, item) : absorb_error(st, w->name, item);
+    }
+    Py_DECREF(item);
+  }
+  Py_DECREF(out);
+  return r;
+}
+
+// dumper._capture_inputs(name, args, kwargs), before forward (it may change its inputs in place).
+int capture_inputs(ForwardWrapper* w, PyObject* const* args, size_t nargsf, PyObject* kwnames) {
+  CaptureState* st = w->state;
+  const Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+  PyObject* tuple = PyTuple_New(nargs);
+  PyObject* kwargs = PyDict_New();
+  int r = 0;
+  if (tuple == nullptr || kwargs == nullptr) {
+    r = absorb_error(st, w->name, Py_None);
+  } else {
+    for (Py_ssize_t i = 0; i < nargs; ++i) PyTuple_SET_ITEM(tuple, i, Py_NewRef(args[i]));
+    const Py_ssize_t nkw = kwnames ? PyTuple_GET_SIZE(kwnames) : 0;
+    for (Py_ssize_t i = 0; i < nkw && r == 0; ++i) {
+      if (PyDict_SetItem(kwargs, PyTuple_GET_ITEM(kwnames, i), args[nargs + i]) < 0)
+        r = absorb_error(st, w->name, Py_None);
+    }
+    if (r == 0) r = call_dumper(st, s_capture_inputs, w->name, tuple, kwargs);
+  }
+  Py_XDECREF(tuple);
+  Py_XDECREF(kwargs);
+  return r;
+}
+
+PyObject* capture_call(ForwardWrapper* w, PyObject* const* args, size_t nargsf, PyObject* kwnames) {
+  Py_INCREF(w);  // forward may unwrap the module (dropping the last other reference to us)
+  PyObject* out = nullptr;
+  CaptureState* st = w->state;
+  if (!st->probed) {
+    // Once per pass: a model compiled without the root wrapper seeing it (a compiled submodule,
+    // manual passes) gets the Python wrappers, which Dynamo inlines (Dumper._use_python_wrappers).
+    st->probed = 1;
+    const int tracing = dynamo_tracing(st);
+    PyObject* argv[] = {st->dumper};
+    PyObject* r = tracing > 0 ? call_method(st, s_use_python, argv, 1) : nullptr;
+    if (tracing != 0 && r == nullptr && absorb_error(st, w->name, Py_None) < 0) goto done;
+    Py_XDECREF(r);
+  }
+  if (w->inputs && capture_inputs(w, args, nargsf, kwnames) < 0) goto done;
+  out = PyObject_Vectorcall(w->forward, args, nargsf, kwnames);
+  if (out != nullptr && w->state->capturing && capture_output(w, out) < 0) Py_CLEAR(out);
+done:
+  Py_DECREF(w);
+  return out;
+}
+
+PyObject* wrapper_vectorcall(PyObject* self, PyObject* const* args, size_t nargsf, PyObject* kwnames) {
+  auto* w = reinterpret_cast<ForwardWrapper*>(self);
+  if (w->forward == nullptr) {  // cleared by the garbage collector (a cycle being freed)
+    PyErr_SetString(PyExc_RuntimeError, "fastdump forward wrapper called after it was cleared");
+    return nullptr;
+  }
+  if (!w->state->capturing) return PyObject_Vectorcall(w->forward, args, nargsf, kwnames);
+  return capture_call(w, args, nargsf, kwnames);
+}
+
+// -- ForwardWrapper: the type -------------------------------------------------------------------------------
+
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmissing-field-initializers"  // the slots are set in bind_forward_wrapper
+PyTypeObject ForwardWrapperType = {PyVarObject_HEAD_INIT(nullptr, 0)};
+#pragma GCC diagnostic pop
+
+PyObject* wrapper_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
+  static const char* kwlist[] = {"state", "name", "forward", "inputs", nullptr};
+  PyObject *state, *name, *forward;
+  int inputs = 0;
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O!UO|p:ForwardWrapper", const_cast<char**>(kwlist),
+                                   &CaptureStateType, &state, &name, &forward, &inputs))
+    return nullptr;
+  if (!PyCallable_Check(forward)) {
+    PyErr_SetString(PyExc_TypeError, "forward must be callable");
+    return nullptr;
+  }
+  auto* w = reinterpret_cast<ForwardWrapper*>(type->tp_alloc(type, 0));
+  if (w == nullptr) return nullptr;
+  w->state = reinterpret_cast<CaptureState*>(Py_NewRef(state));
+  w->forward = Py_NewRef(forward);
+  Py_INCREF(name);
+  PyUnicode_InternInPlace(&name);  // calls dict look-ups then compare by identity
+  w->name = name;
+  w->inputs = inputs;
+  w->dict = nullptr;
+  w->vectorcall = wrapper_vectorcall;
+  w->names = new std::vector<PyObject*>();
+  w->ids = new std::vector<int64_t>();
+  return reinterpret_cast<PyObject*>(w);
+}
+
+int wrapper_traverse(ForwardWrapper* w, visitproc visit, void* arg) {
+  Py_VISIT(w->state);
+  Py_VISIT(w->forward);
+  Py_VISIT(w->dict);
+  return 0;
+}
+
+int wrapper_clear(ForwardWrapper* w) {
+  Py_CLEAR(w->forward);
+  Py_CLEAR(w->dict);
+  // state is kept until dealloc: the vectorcall reads it without a check.
+  return 0;
+}
+
+void wrapper_dealloc(ForwardWrapper* w) {
+  PyObject_GC_UnTrack(w);
+  wrapper_clear(w);
+  Py_CLEAR(w->state);
+  Py_CLEAR(w->name);
+  if (w->names != nullptr) {
+    for (PyObject* s : *w->names) Py_XDECREF(s);
+    delete w->names;
+  }
+  delete w->ids;
+  Py_TYPE(w)->tp_free(reinterpret_cast<PyObject*>(w));
+}
+
+PyObject* wrapper_repr(ForwardWrapper* w) {
+  return PyUnicode_FromFormat("<fastdump forward wrapper %R of %R>", w->name, w->forward ? w->forward : Py_None);
+}
+
+PyObject* wrapper_get_forward(ForwardWrapper* w, void*) { return Py_NewRef(w->forward ? w->forward : Py_None); }
+PyObject* wrapper_get_name(ForwardWrapper* w, void*) { return Py_NewRef(w->name); }
+PyObject* wrapper_get_state(ForwardWrapper* w, void*) { return Py_NewRef(reinterpret_cast<PyObject*>(w->state)); }
+
+PyObject* wrapper_self(PyObject* self, PyObject*) { return Py_NewRef(self); }
+
+PyGetSetDef wrapper_getset[] = {
+    {"__dict__", PyObject_GenericGetDict, PyObject_GenericSetDict, nullptr, nullptr},
+    {"_fastdump_forward", reinterpret_cast<getter>(wrapper_get_forward), nullptr, "the wrapped forward", nullptr},
+    {"_fastdump_name", reinterpret_cast<getter>(wrapper_get_name), nullptr, "the dumped name", nullptr},
+    {"_fastdump_state", reinterpret_cast<getter>(wrapper_get_state), nullptr, "its Dumper's CaptureState", nullptr},
+    {nullptr, nullptr, nullptr, nullptr, nullptr}};
+
+// copy/deepcopy of a model keep the wrapper itself, as they keep a Python function.
+PyMethodDef wrapper_methods[] = {
+    {"__copy__", wrapper_self, METH_NOARGS, nullptr},
+    {"__deepcopy__", wrapper_self, METH_O, nullptr},
+    {nullptr, nullptr, 0, nullptr}};
+
+}  // namespace
+
+void bind_forward_wrapper(py::module_& m) {
+  s_stage = PyUnicode_InternFromString("_stage");
+  s_fast_status = PyUnicode_InternFromString("_fast_status");
+  s_capture = PyUnicode_InternFromString("_capture");
+  s_capture_inputs = PyUnicode_InternFromString("_capture_inputs");
+  s_capture_failed = PyUnicode_InternFromString("_capture_failed");
+  s_emit_safely = PyUnicode_InternFromString("_emit_safely");
+  s_use_python = PyUnicode_InternFromString("_use_python_wrappers");
+  s_one = PyLong_FromLong(1);
+  if (!s_stage || !s_fast_status || !s_capture || !s_capture_inputs || !s_capture_failed || !s_emit_safely || !s_use_python || !s_one)
+    throw py::error_already_set();
+
+  PyTypeObject& st = CaptureStateType;
+  st.tp_name = "fastdump._C.CaptureState";
+  st.tp_basicsize = sizeof(CaptureState);
+  st.tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC;
+  st.tp_doc = "CaptureState(dumper, calls, name_ids, tensor_type): one Dumper's state shared by its ForwardWrappers";
+  st.tp_new = state_new;
+  st.tp_dealloc = reinterpret_cast<destructor>(state_dealloc);
+  st.tp_traverse = reinterpret_cast<traverseproc>(state_traverse);
+  st.tp_clear = reinterpret_cast<inquiry>(state_clear);
+  st.tp_getset = state_getset;
+  if (PyType_Ready(&st) < 0) throw py::error_already_set();
+
+  PyTypeObject& wt = ForwardWrapperType;
+  wt.tp_name = "fastdump._C.ForwardWrapper";
+  wt.tp_basicsize = sizeof(ForwardWrapper);
+  wt.tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL;
+  wt.tp_doc = "ForwardWrapper(state, name, forward, inputs=False): a module's forward, dumped while state.capturing";
+  wt.tp_new = wrapper_new;
+  wt.tp_dealloc = reinterpret_cast<destructor>(wrapper_dealloc);
+  wt.tp_traverse = reinterpret_cast<traverseproc>(wrapper_traverse);
+  wt.tp_clear = reinterpret_cast<inquiry>(wrapper_clear);
+  wt.tp_call = PyVectorcall_Call;
+  wt.tp_vectorcall_offset = offsetof(ForwardWrapper, vectorcall);
+  wt.tp_dictoffset = offsetof(ForwardWrapper, dict);
+  wt.tp_getset = wrapper_getset;
+  wt.tp_methods = wrapper_methods;
+  wt.tp_repr = reinterpret_cast<reprfunc>(wrapper_repr);
+  if (PyType_Ready(&wt) < 0) throw py::error_already_set();
+
+  m.attr("CaptureState") = py::reinterpret_borrow<py::object>(reinterpret_cast<PyObject*>(&st));
+  m.attr("ForwardWrapper") = py::reinterpret_borrow<py::object>(reinterpret_cast<PyObject*>(&wt));
+}
+
+}  // namespace fastdump
