@@ -165,7 +165,8 @@ class Dumper:
                 raise RuntimeError(self._engine.error())
             # The CPU hot path: channel, pass id and wait settings live in C++, set once per pass.
             self._stage_fast = self._channel.stage_fast
-            self._state.lane = self._channel.lane  # the C++ forward wrappers' stage_tensor
+            if type(self._channel.lane) is _C.ChannelStager:  # (tests' CUDA-mock engines bring their own)
+                self._state.lane = self._channel.lane  # the C++ forward wrappers' stage_tensor
             index = _cuda_index(o.device, facts)
             if index is not None:
                 self._channel.prepare_cuda(index)

@@ -1,0 +1,348 @@
+"""The per-module forward wrapper: the C++ one (_C.ForwardWrapper, csrc/forward_wrapper.cpp) and the
+Python one it falls back to (hooks, torch.compile) dump the same names and bits; both are tested."""
+
+import gc
+import inspect
+import os
+import signal
+import time
+import weakref
+
+import pytest
+import torch
+from torch import nn
+
+import fastdump
+from fastdump import _C
+from fastdump.capture import dumper as dumper_mod
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return a.contiguous().reshape(-1).view(torch.uint8).equal(b.contiguous().reshape(-1).view(torch.uint8))
+
+
+@pytest.fixture(params=["native", "python"])
+def kind(request, monkeypatch):
+    if request.param == "python":
+        monkeypatch.setattr(dumper_mod, "_native_wrappers", False)
+    return request.param
+
+
+def wrapper_type(kind):
+    return _C.ForwardWrapper if kind == "native" else type(lambda: None)
+
+
+class Norm(nn.Module):
+    """RMSNorm(x, residual) style: a tuple out, and it overwrites its input in place afterwards."""
+
+    def forward(self, x, residual=None):
+        """Norm's own docstring."""
+        if residual is None:
+            return x * 2
+        residual.add_(x)
+        return residual * 0.5, residual
+
+
+class Rotary(nn.Module):
+    def forward(self, q, k):
+        return q.sin(), None, k.cos()  # None elements are skipped, the numbering keeps their place
+
+
+class Heads(nn.Module):
+    def forward(self, x):
+        return [x + 1, x.t(), x[:, :2]]  # a list; a transposed view and a slice (not contiguous)
+
+
+class Odd(nn.Module):
+    def forward(self, x):
+        # A complex tensor (the general path), a Parameter (not an exact tensor), an int, a nested tuple.
+        return x.to(torch.complex64) * 1j, nn.Parameter(x * 3, requires_grad=False), 7, (x - 1,)
+
+
+class Boom(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.armed = False
+
+    def forward(self, x):
+        if self.armed:
+            raise ValueError("boom from the model")
+        return x - 3
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(6, 6)
+        self.norm = Norm()
+        self.rot = Rotary()
+        self.heads = Heads()
+        self.odd = Odd()
+        self.late = nn.Linear(6, 6)
+        self.boom = Boom()
+        self.use_late = False
+        self.seen = []  # (name, value) as each module returned, cloned
+
+    def keep(self, name, value):
+        self.seen.append((name, value.clone()))
+
+    def forward(self, x):
+        seen = self.seen
+        seen.clear()
+        h = self.lin(x)
+        self.keep("lin", h)
+        res = x.clone()
+        normed, res = self.norm(h, res)
+        self.keep("norm.0", normed)
+        self.keep("norm.1", res)
+        q, none, k = self.rot(normed, res)
+        assert none is None
+        self.keep("rot.0", q)
+        self.keep("rot.2", k)
+        normed2, res = self.norm(q, res)  # second call of one module: norm#1.0, norm#1.1
+        self.keep("norm#1.0", normed2)
+        self.keep("norm#1.1", res)
+        heads = self.heads(normed2)
+        for i, t in enumerate(heads):
+            self.keep(f"heads.{i}", t)
+        z, p, _, (w,) = self.odd(heads[0])
+        self.keep("odd.0", z)
+        self.keep("odd.1", p.data)
+        self.keep("odd.3.0", w)
+        out = self.norm(heads[0])  # a third call, a plain tensor: norm#2
+        self.keep("norm#2", out)
+        if self.use_late:  # a module first called mid-run: a new name
+            out = self.late(out)
+            self.keep("late", out)
+        out = self.boom(out)
+        self.keep("boom", out)
+        return out
+
+
+def run(model, d, passes, late_from=None):
+    reference = []
+    with torch.inference_mode():
+        for i in range(passes):
+            model.use_late = late_from is not None and i >= late_from
+            model(torch.randn(4, 6))
+            reference.append(list(model.seen))
+    return reference
+
+
+def check(tmp_path, reference, role="target", root="Model"):
+    ds = fastdump.open(tmp_path)
+    assert ds.passes(role, 0) == list(range(len(reference)))
+    for pass_id, want in enumerate(reference):
+        dumped = ds.load(role, 0, pass_id)
+        names = [n for n in dumped if n != root]
+        assert names == [n for n, _ in want], pass_id
+        for name, value in want:
+            assert same_bits(dumped[name], value), (pass_id, name)
+    return ds
+
+
+def test_every_output_shape_is_dumped_bit_exact_under_its_name(tmp_path, kind):
+    model = Model()
+    d = fastdump.attach(model, tmp_path)
+    assert type(model.lin.forward) is wrapper_type(kind) and type(model.norm.forward) is wrapper_type(kind)
+    reference = run(model, d, passes=4, late_from=2)
+    stats = d.close()
+    assert stats["status"] == "closed" and stats["passes"] == 4
+    assert stats["skipped"] == 0  # odd.2, the int: not tensor data, as before
+    check(tmp_path, reference)
+    # The fast path and the fallbacks count what they staged alike.
+    assert stats["tensors"] == sum(len(p) + 1 for p in reference)  # + the root's output
+
+
+def test_inputs_are_dumped_before_forward_changes_them(tmp_path, kind):
+    model = Model()
+    d = fastdump.attach(model, tmp_path, inputs=True, include="^norm$")
+    x = torch.randn(4, 6)
+    with torch.inference_mode():
+        h = model.lin(x)
+        res = x.clone()
+        model(x)
+    d.close()
+    dumped = fastdump.open(tmp_path).load("target", 0, 0)
+    assert same_bits(dumped["norm.input.0"], h)
+    assert same_bits(dumped["norm.input.1"], res)  # before norm's residual.add_
+    assert "norm#1.input.0" in dumped and "norm#2.input.0" in dumped and "norm#2" in dumped
+
+
+def test_a_stalled_writer_under_drop_drops_whole_passes_and_counts_them(tmp_path, kind):
+    model = Model()
+    d = fastdump.attach(model, tmp_path, ring_mb=1, policy="drop")
+    reference = run(model, d, passes=1)
+    dropped_ids = []
+    os.kill(d._engine._proc.pid, signal.SIGSTOP)  # the writer stalls: the ring fills
+    try:
+        with torch.inference_mode():
+            for i in range(40):  # 64 KiB each, 2.5 MiB in all: more than the ring
+                d.dump(f"filler{i}", torch.full((16384,), float(i)))
+            for _ in range(3000):  # until 3 find no room for their pass start: dropped whole
+                before = d.stats()["dropped_passes"]
+                out = model(torch.randn(4, 6))
+                assert same_bits(out, model.seen[-1][1])  # the wrappers passed everything through
+                if d.stats()["dropped_passes"] > before:
+                    dropped_ids.append(d.pass_id)
+                    if len(dropped_ids) == 3:
+                        break
+            assert len(dropped_ids) == 3
+    finally:
+        os.kill(d._engine._proc.pid, signal.SIGCONT)
+    deadline = time.monotonic() + 60
+    while d._engine.producer.used_bytes() and time.monotonic() < deadline:
+        time.sleep(0.01)  # the writer drains the ring: the next pass finds room
+    reference.append(run(model, d, passes=1)[0])
+    last = d.pass_id
+    stats = d.close()
+    assert stats["status"] == "closed" and stats["dropped_passes"] >= 3
+    ds = fastdump.open(tmp_path)
+    passes = ds.passes("target", 0)
+    assert not set(dropped_ids) & set(passes)
+    for pass_id, want in ((0, reference[0]), (last, reference[1])):  # before and after: whole, bit-exact
+        dumped = ds.load("target", 0, pass_id)
+        assert [n for n in dumped if n != "Model"] == [n for n, _ in want]
+        for name, value in want:
+            assert same_bits(dumped[name], value), name
+
+
+def test_two_dumpers_on_one_model_both_dump_it_and_close_in_any_order(tmp_path, kind):
+    model = Model()
+    original = model.lin.forward
+    first = fastdump.attach(model, tmp_path, role="first")
+    second = fastdump.attach(model, tmp_path, role="second")
+    reference = run(model, first, passes=2)
+    first.close()  # its wrapper sits under the second one's: it becomes a pass-through
+    reference2 = run(model, second, passes=1)
+    second.close()
+    # The first one's wrapper stays where the second found it, a pass-through (as for Python wrappers).
+    assert inspect.unwrap(model.lin.forward) == original
+    x = torch.randn(4, 6)
+    assert same_bits(model.lin.forward(x), original(x))
+    check(tmp_path / "", reference, role="first")
+    check(tmp_path, reference + reference2, role="second")
+
+
+def test_close_restores_forward_and_a_kept_wrapper_passes_through(tmp_path, kind):
+    model = Model()
+    d = fastdump.attach(model, tmp_path)
+    kept = model.norm.forward
+    run(model, d, passes=1)
+    d.close()
+    for module in model.modules():
+        assert "forward" not in module.__dict__
+    x, res = torch.randn(4, 6), torch.randn(4, 6)
+    want = Norm()(x, res.clone())
+    got = kept(x, res.clone())  # called after its Dumper closed: the original forward, nothing else
+    assert all(same_bits(a, b) for a, b in zip(got, want))
+    assert fastdump.open(tmp_path).passes("target", 0) == [0]
+
+
+def test_the_wrapper_keeps_the_signature_and_the_wrapped_forward(tmp_path, kind):
+    model = Model()
+    original = model.norm.forward
+    d = fastdump.attach(model, tmp_path)
+    try:
+        w = model.norm.forward
+        assert inspect.signature(w) == inspect.signature(original)
+        assert list(inspect.signature(w).parameters) == ["x", "residual"]
+        assert w.__wrapped__ == original and inspect.unwrap(w) == original
+        assert (w.__name__, w.__qualname__, w.__doc__, w.__module__) == (
+            "forward", "Norm.forward", "Norm's own docstring.", __name__)
+        assert "__fastdump_off__" not in w.__dict__
+    finally:
+        d.close()
+
+
+def test_an_exception_in_forward_reaches_the_caller_and_the_pass_is_incomplete(tmp_path, kind):
+    model = Model()
+    d = fastdump.attach(model, tmp_path)
+    run(model, d, passes=1)
+    model.boom.armed = True
+    with torch.inference_mode(), pytest.raises(ValueError, match="boom from the model") as raised:
+        model(torch.randn(4, 6))
+    assert raised.traceback[-1].name == "forward"  # raised by the model's code, unchanged
+    model.boom.armed = False
+    reference = run(model, d, passes=1)
+    stats = d.close()
+    assert stats["incomplete_passes"] == 1
+    ds = fastdump.open(tmp_path)
+    assert [ds.meta("target", 0, p)["complete"] for p in (0, 1, 2)] == [True, False, True]
+    assert "ValueError" in ds.meta("target", 0, 1)["incomplete"]
+    assert "boom" not in ds.load("target", 0, 1) and "late" not in ds.load("target", 0, 1)
+    dumped = ds.load("target", 0, 2)
+    for name, value in reference[0]:
+        assert same_bits(dumped[name], value), name
+
+
+def test_a_failing_fallback_is_recorded_never_raised_into_the_model(tmp_path, kind):
+    model = Model()
+    d = fastdump.attach(model, tmp_path)
+
+    def broken(name, value):
+        raise RuntimeError("broken staging")
+
+    d._stage = broken  # every name is new: each one goes through _stage
+    with torch.inference_mode():
+        out = model(torch.randn(4, 6))
+    assert same_bits(out, model.seen[-1][1])
+    del d._stage
+    reference = run(model, d, passes=1)
+    stats = d.close()
+    assert stats["skipped"] > 0
+    ds = fastdump.open(tmp_path)
+    skipped = {s["name"]: s["reason"] for s in ds.meta("target", 0, 0)["skipped"]}
+    assert "broken staging" in skipped["lin"] and "broken staging" in skipped["heads.0" if kind == "native" else "heads"]
+    dumped = ds.load("target", 0, 1)
+    for name, value in reference[0]:
+        assert same_bits(dumped[name], value), name
+
+
+def test_a_closed_model_is_freed(tmp_path, kind):
+    model = Model()
+    d = fastdump.attach(model, tmp_path)
+    run(model, d, passes=1)
+    d.close()
+    ref = weakref.ref(model)
+    del model
+    gc.collect()
+    assert ref() is None
+
+
+def test_the_native_wrapper_ignores_what_it_is_not_given():
+    state = _C.CaptureState(object(), {}, {}, torch.Tensor)
+    with pytest.raises(TypeError):
+        _C.ForwardWrapper(state, "x", 42)
+    with pytest.raises(TypeError):
+        state.lane = object()  # only a ChannelStager, or None
+    w = _C.ForwardWrapper(state, "x", lambda a, b=2: a + b)
+    assert w(1) == 3 and w(1, b=5) == 6  # not capturing: the forward's own result
+    assert w.__copy__() is w
+
+
+def test_a_compiled_submodule_without_a_root_wrapper_switches_to_python_wrappers(tmp_path):
+    model = Model()
+    d = fastdump.attach(model, tmp_path, root_passes=False)
+    assert type(model.lin.forward) is _C.ForwardWrapper
+    torch._dynamo.reset()
+    compiled = torch.compile(model.heads, backend="eager")
+    x = torch.randn(4, 6)
+    with torch.no_grad():
+        d.begin_pass()
+        first = compiled(x)
+        d.end_pass()
+        d.begin_pass()
+        second = compiled(x)
+        d.end_pass()
+    d.close()
+    torch._dynamo.reset()
+    assert d._python_wrappers  # the C++ wrapper saw Dynamo's callback set: the Dumper switched
+    ds = fastdump.open(tmp_path)
+    for pass_id, out in enumerate((first, second)):
+        dumped = ds.load("target", 0, pass_id)
+        assert list(dumped) == ["heads.0", "heads.1", "heads.2"]
+        assert all(same_bits(dumped[f"heads.{i}"], out[i]) for i in range(3))
