@@ -67,6 +67,7 @@ struct ForwardWrapper {
   PyObject* name;  // interned
   int inputs;
   PyObject* dict;
+  PyObject* weaklist;  // weak references work as they do to the Python function it replaces
   vectorcallfunc vectorcall;
   // Slot 0: `name`; slot i + 1: `name.i`. Ids are -1 until the Dumper has given one.
   std::vector<PyObject*>* names;
@@ -342,12 +343,9 @@ bool plain_output(PyObject* out, PyObject* tensor_type) {
 // After forward returned `out` in a pass. -1 only for a propagating BaseException.
 int capture_output(ForwardWrapper* w, PyObject* out) {
   CaptureState* st = w->state;
-  int seen = 0;
-  if (plain_output(out, st->tensor_type)) {
-    seen = PyDict_Contains(st->calls, w->name);
-    if (seen < 0) return absorb_error(st, w->name, out);
-  }
-  if (seen || !plain_output(out, st->tensor_type)) return call_dumper(st, s_capture, w->name, out);  // name#k...
+  const int seen = plain_output(out, st->tensor_type) ? PyDict_Contains(st->calls, w->name) : 1;
+  if (seen < 0) return absorb_error(st, w->name, out);
+  if (seen) return call_dumper(st, s_capture, w->name, out);  // another output or call (name#k): Python
   if (PyDict_SetItem(st->calls, w->name, s_one) < 0) return absorb_error(st, w->name, out);
   if (Py_TYPE(out) == reinterpret_cast<PyTypeObject*>(st->tensor_type)) return stage_one(w, 0, out);
   Py_INCREF(out);
@@ -451,6 +449,7 @@ PyObject* wrapper_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
   w->name = name;
   w->inputs = inputs;
   w->dict = nullptr;
+  w->weaklist = nullptr;
   w->vectorcall = wrapper_vectorcall;
   w->names = new std::vector<PyObject*>();
   w->ids = new std::vector<int64_t>();
@@ -473,6 +472,7 @@ int wrapper_clear(ForwardWrapper* w) {
 
 void wrapper_dealloc(ForwardWrapper* w) {
   PyObject_GC_UnTrack(w);
+  if (w->weaklist != nullptr) PyObject_ClearWeakRefs(reinterpret_cast<PyObject*>(w));
   wrapper_clear(w);
   Py_CLEAR(w->state);
   Py_CLEAR(w->name);
@@ -545,6 +545,7 @@ void bind_forward_wrapper(py::module_& m) {
   wt.tp_call = PyVectorcall_Call;
   wt.tp_vectorcall_offset = offsetof(ForwardWrapper, vectorcall);
   wt.tp_dictoffset = offsetof(ForwardWrapper, dict);
+  wt.tp_weaklistoffset = offsetof(ForwardWrapper, weaklist);
   wt.tp_getset = wrapper_getset;
   wt.tp_methods = wrapper_methods;
   wt.tp_repr = reinterpret_cast<reprfunc>(wrapper_repr);

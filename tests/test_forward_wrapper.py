@@ -322,6 +322,7 @@ def test_the_native_wrapper_ignores_what_it_is_not_given():
     w = _C.ForwardWrapper(state, "x", lambda a, b=2: a + b)
     assert w(1) == 3 and w(1, b=5) == 6  # not capturing: the forward's own result
     assert w.__copy__() is w
+    assert weakref.ref(w)() is w
 
 
 def test_a_compiled_submodule_without_a_root_wrapper_switches_to_python_wrappers(tmp_path):
