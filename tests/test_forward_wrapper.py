@@ -347,3 +347,27 @@ def test_a_compiled_submodule_without_a_root_wrapper_switches_to_python_wrappers
         dumped = ds.load("target", 0, pass_id)
         assert list(dumped) == ["heads.0", "heads.1", "heads.2"]
         assert all(same_bits(dumped[f"heads.{i}"], out[i]) for i in range(3))
+
+
+def test_plain_outputs_are_staged_without_a_python_call(tmp_path):
+    """The native wrapper's point: after the first pass gave every name its id, a first call that
+    returns a tensor or a tuple/list of tensors reaches no Python method of the Dumper."""
+    model = Model()
+    d = fastdump.attach(model, tmp_path)
+    run(model, d, passes=1)
+    called = []
+    for method in ("_stage", "_capture", "_fast_status", "_capture_inputs", "_emit_safely", "_capture_failed"):
+        real = getattr(d, method)
+        setattr(d, method, lambda name, *rest, real=real, method=method: called.append((method, name)) or real(name, *rest))
+    reference = run(model, d, passes=1)
+    for method in ("_stage", "_capture", "_fast_status", "_capture_inputs", "_emit_safely", "_capture_failed"):
+        delattr(d, method)
+    d.close()
+    # Python only for what the C path leaves to it: later calls (norm#1, norm#2), the odd output,
+    # and the root (a Python wrapper, once per pass).
+    plain = {"lin", "norm", "rot", "heads", "boom"}
+    assert not [c for c in called if c[1].split(".")[0] in plain and c != ("_capture", "norm")], called
+    assert called.count(("_capture", "norm")) == 2 and ("_capture", "odd") in called
+    dumped = fastdump.open(tmp_path).load("target", 0, 1)
+    for name, value in reference[0]:
+        assert same_bits(dumped[name], value), name
