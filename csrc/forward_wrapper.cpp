@@ -231,15 +231,19 @@ PyObject* call_method(CaptureState* st, PyObject* method, PyObject** argv, size_
 // raised into the model. Returns -1 when a BaseException must propagate.
 int absorb_error(CaptureState* st, PyObject* name, PyObject* value) {
   if (!PyErr_ExceptionMatches(PyExc_Exception)) return -1;
+#if PY_VERSION_HEX >= 0x030C0000
+  PyObject* exc = PyErr_GetRaisedException();
+#else
   PyObject *type, *exc, *tb;
   PyErr_Fetch(&type, &exc, &tb);
   PyErr_NormalizeException(&type, &exc, &tb);
   if (tb != nullptr && exc != nullptr) PyException_SetTraceback(exc, tb);
+  Py_XDECREF(type);
+  Py_XDECREF(tb);
+#endif
   PyObject* argv[] = {st->dumper, name, value, exc ? exc : Py_None};
   PyObject* r = call_method(st, s_capture_failed, argv, 4);
-  Py_XDECREF(type);
   Py_XDECREF(exc);
-  Py_XDECREF(tb);
   if (r != nullptr) {
     Py_DECREF(r);
     return 0;
@@ -302,10 +306,12 @@ int stage_one(ForwardWrapper* w, size_t slot, PyObject* t) {
     }
   }
   if (id < 0 || st->lane_ptr == nullptr) return call_dumper(st, s_stage, name, t);  // gives the id
-  Py_INCREF(st->lane);  // a fallback below could replace the lane; keep this one alive meanwhile
+  // Held for the call: stage_tensor may release the GIL (large copies) and the lane be replaced.
+  PyObject* lane = Py_NewRef(st->lane);
+  void* lane_ptr = st->lane_ptr;
   int status;
   try {
-    status = stage_tensor_on(st->lane_ptr, static_cast<uint32_t>(id), t);
+    status = stage_tensor_on(lane_ptr, static_cast<uint32_t>(id), t);
   } catch (py::error_already_set& e) {
     e.restore();
     status = INT32_MIN;
@@ -313,7 +319,7 @@ int stage_one(ForwardWrapper* w, size_t slot, PyObject* t) {
     PyErr_SetString(PyExc_RuntimeError, e.what());
     status = INT32_MIN;
   }
-  Py_DECREF(st->lane);
+  Py_DECREF(lane);
   if (status == kStaged) return 0;
   if (status == INT32_MIN) {  // the Python path stages it again or records why not
     if (!PyErr_ExceptionMatches(PyExc_Exception)) return -1;
