@@ -104,6 +104,30 @@ def _regex(s: str) -> str:
     return s
 
 
+def _pattern(option: str, value):
+    """include=/exclude=: a regular expression (str or compiled), or a list of them, which match
+    when any does; kept as one str (or the compiled pattern as given). Checked at attach."""
+    if value is None or isinstance(value, re.Pattern):
+        return value
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, (list, tuple, set, frozenset)) or not items or \
+            not all(isinstance(i, (str, re.Pattern)) for i in items):
+        raise ValueError(f"{option} must be a regular expression (str or re.Pattern) or a non-empty list of "
+                         f"them, not {value!r}")
+    if any(isinstance(i, re.Pattern) and i.flags & ~re.UNICODE for i in items) and len(items) > 1:
+        raise ValueError(f"{option}: a compiled pattern with flags cannot be joined with others (put the flags "
+                         f"inline, e.g. '(?i)mlp'): {value!r}")
+    texts = [getattr(i, "pattern", i) for i in items]
+    if any(isinstance(t, bytes) for t in texts):
+        raise ValueError(f"{option} must match str module names, not bytes: {value!r}")
+    joined = texts[0] if len(texts) == 1 else "|".join(f"(?:{t})" for t in texts)
+    try:
+        re.compile(joined)
+    except (re.error, TypeError) as exc:
+        raise ValueError(f"{option}={value!r} is not a valid regular expression ({exc})") from None
+    return joined
+
+
 def _pass_range(s: str) -> tuple[int, int]:
     """start:stop pass ids, stop exclusive; start may be empty (0)"""
     lo, sep, hi = s.strip().partition(":")
@@ -299,6 +323,8 @@ class Options:
         if self.layers is not None:
             for layer in self.layers:
                 _check_int("each of layers", layer, 0)
+        for name in ("include", "exclude"):
+            object.__setattr__(self, name, _pattern(name, getattr(self, name)))
         _check_choice("cuda_graphs", self.cuda_graphs, CUDA_GRAPH_MODES)
         _check_number("graph_ring_mb", self.graph_ring_mb, above=0)
         _check_number("segment_mb", self.segment_mb, above=0)

@@ -105,3 +105,35 @@ def test_integrations_read_the_public_parser():
     assert config.parse_env({"FASTDUMP_EVERY": "4"}) == {"every": 4}
     with pytest.raises(config.ConfigError, match="FASTDUMP_EVERY"):
         config.parse_env({"FASTDUMP_EVERY": "0"})
+
+
+def test_include_and_exclude_take_a_regex_or_a_list_and_refuse_anything_else_at_attach(tmp_path):
+    """A list of patterns was accepted by attach and failed later, after the writer had started."""
+    import re
+
+    import torch
+
+    import fastdump
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU(), torch.nn.Linear(2, 2))
+    x = torch.ones(1, 2)
+    for include, want in ((["^0$", "^2$"], {"0", "2"}), (("^1$",), {"1"}), (re.compile("^[01]$"), {"0", "1"}),
+                          ([re.compile("^0$"), "^1$"], {"0", "1"})):
+        root = tmp_path / f"dump{len(list(tmp_path.iterdir()))}"
+        d = fastdump.attach(model, root, include=include, exclude=["Sequential"], strict=True)
+        with torch.no_grad():
+            model(x)
+        d.close()
+        got = fastdump.open(root).load("target", 0, 0)
+        assert set(got) == want, (include, sorted(got))
+        with torch.no_grad():
+            outputs = {"0": model[0](x), "1": model[1](model[0](x)), "2": model(x)}
+        for name in want:
+            assert torch.equal(got[name], outputs[name]), name
+    for bad in ([], [1], 3, ["(unclosed"], "(unclosed", [re.compile("a", re.I), "b"], [b"x"]):
+        with pytest.raises(ValueError, match="include"):
+            fastdump.attach(model, tmp_path / "bad", include=bad)
+    assert not (tmp_path / "bad").exists()
+    from fastdump.staging.engine import Engine
+
+    assert Engine._current is None or Engine._current.closed
