@@ -578,3 +578,39 @@ def test_odd_pass_metadata_never_raises_into_the_model(tmp_path):
     assert meta["step"] == 1 and meta["loop"][0] == 1 and "refers to itself" in meta["loop"][1]
     assert same_bits(ds.load("target", 0, 0)["Mlp"], out)
     assert "no str" in ds.meta("target", 0, 1)["fastdump_meta_error"]
+
+
+def test_a_model_that_cannot_be_wrapped_leaves_no_writer_and_no_wrapper(tmp_path):
+    """A failure while wrapping the modules: the model keeps its forwards and no writer is left
+    running (strict raises, the default records the error and serves on)."""
+    import fastdump
+    from fastdump.staging.engine import Engine
+
+    class Odd(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+
+        def named_modules(self, *args, **kwargs):
+            yield "", self
+            yield "a", self.a
+            raise RuntimeError("cannot list my modules")
+
+        def forward(self, x):
+            return self.b(self.a(x))
+
+    model = Odd()
+    x = torch.ones(1, 2)
+    with torch.no_grad():
+        want = model(x)
+    with pytest.raises(RuntimeError, match="cannot list"):
+        fastdump.attach(model, tmp_path / "strict", strict=True)
+    assert "forward" not in model.a.__dict__ and "forward" not in model.__dict__
+    assert Engine._current is None or Engine._current.closed
+    d = fastdump.attach(model, tmp_path / "lenient")
+    assert d.status == "error" and "cannot wrap" in d.error
+    with torch.no_grad():
+        assert torch.equal(model(x), want)
+    assert "forward" not in model.a.__dict__
+    assert Engine._current is None or Engine._current.closed
+    assert d.close()["status"] == "error"

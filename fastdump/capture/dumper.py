@@ -182,8 +182,14 @@ class Dumper:
         _open_dumpers.add(self)
         if model is not None:
             self._root_name = o.root_name or type(model).__name__
-            self._install(model, o.root_passes, layers=o.layers, include=o.include, exclude=o.exclude,
-                          module_types=o.module_types)
+            try:
+                self._install(model, o.root_passes, layers=o.layers, include=o.include, exclude=o.exclude,
+                              module_types=o.module_types)
+            except Exception as exc:  # a model whose modules cannot be walked or wrapped
+                self._disable(f"cannot wrap the model's modules: {type(exc).__name__}: {_short(exc)}")
+                self.close()  # unwraps what was wrapped, stops this Dumper's writer channel
+                if o.strict:
+                    raise
 
     @property
     def _capturing(self) -> bool:
