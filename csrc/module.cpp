@@ -11,6 +11,7 @@
 #include "bindings.h"
 #include "crc32c.h"
 #include "ring.h"
+#include "strided_copy.h"
 
 namespace py = pybind11;
 using namespace fastdump;
@@ -138,36 +139,6 @@ struct ChannelStager {
     return st;
   }
 };
-
-// memcpy with non-temporal (streaming) stores: the writer's copy from the ring into its page
-// buffers, which go to the disk by DMA and are not read again by a CPU. Plain stores would pull a
-// whole segment's worth of buffers (tens of MiB) through the last-level cache the model shares,
-// evicting its weights; issue 11 measured that as model time per dumped tensor.
-void copy_streaming(uint8_t* dst, const uint8_t* src, size_t n) {
-#if defined(__SSE2__)
-  if (n < 256) {  // a few lines: not worth the fence
-    std::memcpy(dst, src, n);
-    return;
-  }
-  const size_t head = (16 - reinterpret_cast<uintptr_t>(dst) % 16) % 16;
-  std::memcpy(dst, src, head);
-  dst += head, src += head, n -= head;
-  for (; n >= 64; n -= 64, dst += 64, src += 64) {
-    __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));
-    __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 16));
-    __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 32));
-    __m128i d = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 48));
-    _mm_stream_si128(reinterpret_cast<__m128i*>(dst), a);
-    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + 16), b);
-    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + 32), c);
-    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + 48), d);
-  }
-  std::memcpy(dst, src, n);
-  _mm_sfence();  // the streamed bytes are visible before anyone (pwritev) reads the buffer
-#else
-  std::memcpy(dst, src, n);
-#endif
-}
 
 // copy_into(dst, offset, src): dst[offset:offset + len(src)] = src, by copy_streaming.
 void copy_into(py::buffer dst, size_t offset, py::buffer src) {
