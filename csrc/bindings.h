@@ -4,6 +4,8 @@
 #include <pybind11/pybind11.h>
 
 #include <cstdint>
+#include <memory>
+#include <vector>
 
 namespace fastdump {
 // Defines cuda_compiled(), cuda_info() and the CUDA staging entry points (csrc/cuda_bindings.cpp),
@@ -18,4 +20,26 @@ void* channel_stager_ptr(pybind11::handle lane);
 int stage_tensor_on(void* lane, uint32_t name_id, pybind11::handle tensor);
 // fastdump._C.GraphRecorder (csrc/cuda_graph_bindings.cpp; CUDA builds only).
 void bind_graph_recorder(pybind11::module_& m);
+
+// The CUDA half of ChannelStager::stage_tensor, the one per-tensor entry of the extension
+// (csrc/cuda_bindings.cpp): a tensor that says it is CUDA, whose dtype, layout and lazy bits the
+// caller already checked, staged through the CudaStager's lean path (CudaStager::stage_lean).
+class CudaTensorLane {
+ public:
+  static constexpr int kNotFast = -1;  // ChannelStager::kNotFast: the caller's general path
+  virtual ~CudaTensorLane() = default;
+  // A staging status, or kNotFast: capturing (the graph recorder runs in Python), a device ring
+  // that could not be had, an error before anything was staged. `tensor`: borrowed.
+  virtual int stage(uint32_t channel, uint32_t name_id, int64_t pass_id, bool block, double timeout_s,
+                    PyObject* tensor, uint16_t code, uint64_t elem_size, const std::vector<int64_t>& shape,
+                    const std::vector<int64_t>& strides, uintptr_t ptr) = 0;
+  // The pass ended: its last snapshots get their event and go to the drain.
+  virtual void end_pass() = 0;
+};
+
+// For ChannelStager.set_cuda: `stager` a _C.CudaStager; raw_stream(device) -> the current
+// cudaStream_t as an int (called per tensor); stream_object(device) -> the stream object passed to
+// tensor.record_stream (called when the raw stream changes). CUDA builds only (else it raises).
+std::shared_ptr<CudaTensorLane> make_cuda_tensor_lane(pybind11::object stager, pybind11::object raw_stream,
+                                                      pybind11::object stream_object);
 }  // namespace fastdump

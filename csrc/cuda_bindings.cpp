@@ -5,6 +5,7 @@
 
 #include <chrono>
 #include <cstring>
+#include <cstring>
 #include <optional>
 #include <thread>
 #include <stdexcept>
@@ -78,6 +79,12 @@ py::dict stats_dict(CudaStager& s) {
   d["cancelled"] = st.cancelled;
   d["dropped"] = st.dropped;
   d["capturing_skipped"] = st.capturing_skipped;
+  d["lean_tensors"] = st.lean_tensors;
+  d["lean_checks"] = st.lean_checks;
+  d["snapshot_events"] = st.snapshot_events;
+  d["drain_wakeups"] = st.drain_wakeups;
+  d["timer_seals"] = st.timer_seals;
+  d["events_every"] = st.events_every;
   d["device_ring_full_waits"] = st.device_ring_full_waits;
   d["device_ring_wait_seconds"] = st.device_ring_wait_seconds;
   d["host_ring_full_waits"] = st.host_ring_full_waits;
@@ -108,6 +115,90 @@ int stage(CudaStager& s, uint32_t channel, uint32_t name_id, int64_t pass_id, ui
   GilRelease gil;  // declared before the call: re-acquired after it, even when it throws
   return s.stage(channel, name_id, pass_id, dtype, src, block, &gil, timeout_s);
 }
+
+// ChannelStager's CUDA lane (bindings.h): one CudaLane of the stager, the tensor's facts read
+// through the C API, the current stream asked per tensor (cheap: torch keeps it per thread) and
+// its stream object (for record_stream) fetched only when the raw stream changes.
+class StagerTensorLane : public CudaTensorLane {
+ public:
+  StagerTensorLane(py::object stager, py::object raw_stream, py::object stream_object)
+      : stager_obj_(std::move(stager)),
+        stager_(stager_obj_.cast<CudaStager*>()),
+        lane_(stager_->open_lane()),
+        raw_stream_(std::move(raw_stream)),
+        stream_object_(std::move(stream_object)) {}
+
+  int stage(uint32_t channel, uint32_t name_id, int64_t pass_id, bool block, double timeout_s, PyObject* tensor,
+            uint16_t code, uint64_t elem_size, const std::vector<int64_t>& shape, const std::vector<int64_t>& strides,
+            uintptr_t ptr) override {
+    if (off_) return kNotFast;
+    static PyObject* s_get_device = PyUnicode_InternFromString("get_device");
+    static PyObject* s_record_stream = PyUnicode_InternFromString("record_stream");
+    py::object dev = py::reinterpret_steal<py::object>(PyObject_CallMethodNoArgs(tensor, s_get_device));
+    if (!dev) return python_error();
+    const long device = PyLong_AsLong(dev.ptr());
+    if (device == -1 && PyErr_Occurred()) return python_error();
+    if (device != device_ || !stream_obj_) {  // the stream object is per device
+      stream_obj_ = py::object();
+      device_ = device;
+    }
+    py::object raw = py::reinterpret_steal<py::object>(PyObject_CallOneArg(raw_stream_.ptr(), dev.ptr()));
+    if (!raw) return python_error();
+    const uintptr_t stream = static_cast<uintptr_t>(PyLong_AsUnsignedLongLong(raw.ptr()));
+    if (PyErr_Occurred()) return python_error();
+    if (stream != raw_ || !stream_obj_) {
+      py::object obj = py::reinterpret_steal<py::object>(PyObject_CallOneArg(stream_object_.ptr(), dev.ptr()));
+      if (!obj) return python_error();
+      stream_obj_ = std::move(obj);
+      raw_ = stream;
+    }
+    src_.ptr = ptr;
+    src_.elem_size = elem_size;
+    src_.shape.assign(shape.begin(), shape.end());  // capacity kept: no allocation once warm
+    src_.strides.assign(strides.begin(), strides.end());
+    src_.device = static_cast<int>(device);
+    src_.stream = stream;
+    src_.producer_stream = 0;
+    int st;
+    try {
+      GilRelease gil;  // released only if the stager has to wait
+      st = stager_->stage_lean(lane_, channel, name_id, pass_id, code, src_, block, &gil, timeout_s);
+    } catch (const std::exception& ex) {
+      // Nothing of the tensor was staged: the general path stages it again and handles the error.
+      // A device ring that cannot be had stays so: stop asking (the general path records why).
+      if (std::strstr(ex.what(), "device staging ring")) off_ = true;
+      return kNotFast;
+    }
+    if (st == kCapturing) return kNotFast;  // the graph recorder (Python) takes it
+    if (st == kStaged) {
+      // The caching allocator must not hand the block out again before the snapshot on this
+      // stream has read it (the tensor may come from another stream). Memory torch does not own
+      // refuses: nothing to protect then.
+      PyObject* r = PyObject_CallMethodOneArg(tensor, s_record_stream, stream_obj_.ptr());
+      if (r) Py_DECREF(r);
+      else PyErr_Clear();
+    }
+    return st;
+  }
+
+  void end_pass() override { stager_->end_pass(lane_); }
+
+ private:
+  int python_error() {
+    PyErr_Clear();
+    return kNotFast;  // the general path asks again and reports it
+  }
+
+  py::object stager_obj_;  // keeps the stager (and its lanes) alive
+  CudaStager* stager_;
+  CudaLane* lane_;
+  py::object raw_stream_, stream_object_;
+  py::object stream_obj_;  // the stream object of (device_, raw_)
+  long device_ = -1;
+  uintptr_t raw_ = 0;
+  bool off_ = false;
+  CudaSource src_;
+};
 
 #ifdef FASTDUMP_CUDA_MOCK
 // Test build only (tests/cuda_mock): drive the mock runtime from Python.
@@ -302,6 +393,11 @@ void bind_mock(py::module_& m) {
 
 }  // namespace
 
+std::shared_ptr<CudaTensorLane> make_cuda_tensor_lane(py::object stager, py::object raw_stream,
+                                                      py::object stream_object) {
+  return std::make_shared<StagerTensorLane>(std::move(stager), std::move(raw_stream), std::move(stream_object));
+}
+
 void bind_cuda(py::module_& m) {
 #ifdef FASTDUMP_CUDA_MOCK
   bind_mock(m);
@@ -351,6 +447,8 @@ void bind_cuda(py::module_& m) {
           },
           py::arg("timeout_s") = 600.0, "Wait until every staged record is published; False on timeout.")
       .def("stats", &stats_dict)
+      .def_property("events_every", &CudaStager::events_every, &CudaStager::set_events_every,
+                    "lean-path snapshots per completion event (N; FASTDUMP_CUDA_EVENTS_EVERY, default 64)")
       .def_property_readonly("device_ring_bytes", &CudaStager::device_ring_bytes)
       .def_property_readonly("producer", &CudaStager::producer, py::return_value_policy::reference)
       .def(

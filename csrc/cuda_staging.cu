@@ -206,42 +206,47 @@ cudaError_t launch_gather_t(uint8_t* dst, const uint8_t* src, const GatherDims<N
 
 // A tensor's layout in bytes: size-1 dimensions removed, the element size as an innermost
 // dimension of stride 1, adjacent dimensions merged where memory allows. One dimension of stride 1
-// left means C-contiguous.
+// left means C-contiguous. Fixed-size arrays: computing it allocates nothing (the lean path).
 struct ByteLayout {
-  std::vector<int64_t> shape;
-  std::vector<int64_t> stride;
-  bool contiguous() const { return shape.size() <= 1 && (shape.empty() || stride[0] == 1); }
+  int nd = 0;
+  int64_t shape[kMaxDims + 1];
+  int64_t stride[kMaxDims + 1];
+  bool contiguous() const { return nd <= 1 && (nd == 0 || stride[0] == 1); }
 };
 
 ByteLayout byte_layout(const CudaSource& src) {
-  ByteLayout l;
   const int64_t e = static_cast<int64_t>(src.elem_size);
-  for (size_t i = 0; i < src.shape.size(); ++i) {
+  int64_t sh[kMaxDims + 1], st[kMaxDims + 1];
+  int n = 0;
+  for (size_t i = 0; i < src.shape.size() && i < static_cast<size_t>(kMaxDims); ++i) {
     if (src.shape[i] == 1) continue;
-    l.shape.push_back(src.shape[i]);
-    l.stride.push_back(src.strides[i] * e);
+    sh[n] = src.shape[i];
+    st[n] = src.strides[i] * e;
+    ++n;
   }
   if (e != 1) {
-    l.shape.push_back(e);
-    l.stride.push_back(1);
+    sh[n] = e;
+    st[n] = 1;
+    ++n;
   }
   // Merge from the inside out: outer (i) and inner (i+1) merge when stride[i] == stride[i+1]*shape[i+1].
-  std::vector<int64_t> sh, st;
-  for (size_t i = l.shape.size(); i-- > 0;) {
-    if (!sh.empty() && l.stride[i] == st.back() * sh.back()) {
-      sh.back() *= l.shape[i];  // the inner stride stays
+  // Built innermost first into l, then reversed.
+  ByteLayout l;
+  for (int i = n; i-- > 0;) {
+    if (l.nd > 0 && st[i] == l.stride[l.nd - 1] * l.shape[l.nd - 1]) {
+      l.shape[l.nd - 1] *= sh[i];  // the inner stride stays
       continue;
     }
-    sh.push_back(l.shape[i]);
-    st.push_back(l.stride[i]);
+    l.shape[l.nd] = sh[i];
+    l.stride[l.nd] = st[i];
+    ++l.nd;
   }
-  std::reverse(sh.begin(), sh.end());
-  std::reverse(st.begin(), st.end());
-  l.shape = std::move(sh);
-  l.stride = std::move(st);
-  if (l.shape.empty()) {  // a single element
-    l.shape.push_back(e);
-    l.stride.push_back(1);
+  std::reverse(l.shape, l.shape + l.nd);
+  std::reverse(l.stride, l.stride + l.nd);
+  if (l.nd == 0) {  // a single element
+    l.shape[0] = e;
+    l.stride[0] = 1;
+    l.nd = 1;
   }
   return l;
 }
@@ -270,7 +275,7 @@ constexpr int kSmallDims = 8;
 // Gather bytes [b0, b1) of the C-order enumeration of `l` (based at src) into dst.
 cudaError_t gather(uint8_t* dst, const uint8_t* src, const ByteLayout& l, uint64_t b0, uint64_t b1, int sm_count,
                    cudaStream_t stream) {
-  const size_t nd = l.shape.size();
+  const size_t nd = static_cast<size_t>(l.nd);
   const bool inner_run = l.stride[nd - 1] == 1;  // innermost dimension is a run of bytes
   // Widest unit W that keeps every access aligned: W divides the innermost run, every outer
   // stride, both addresses and both range ends. Without a byte run (1-byte elements with a
@@ -289,7 +294,9 @@ cudaError_t gather(uint8_t* dst, const uint8_t* src, const ByteLayout& l, uint64
     if (ok) break;
   }
   // Dimensions in units of W bytes.
-  std::vector<int64_t> ushape(l.shape), ustride(l.stride);
+  int64_t ushape[kMaxDims + 1], ustride[kMaxDims + 1];
+  std::copy(l.shape, l.shape + nd, ushape);
+  std::copy(l.stride, l.stride + nd, ustride);
   for (size_t i = 0; i < nd; ++i) {
     if (i == nd - 1 && inner_run) {
       ushape[i] = l.shape[i] / static_cast<int64_t>(w);
@@ -428,11 +435,37 @@ struct Region {
   bool open = true;
 };
 
+// The open regions of a device ring, in allocation order, addressed by a sequence number that stays
+// valid while the region lives. A power-of-two circular buffer that only grows: no allocation per
+// region once warm (a std::deque allocates and frees a node every few dozen regions).
+class RegionRing {
+ public:
+  RegionRing() : buf_(64) {}
+  bool empty() const { return first_ == next_; }
+  size_t size() const { return static_cast<size_t>(next_ - first_); }
+  Region& at(uint64_t seq) { return buf_[seq & (buf_.size() - 1)]; }
+  Region& front() { return at(first_); }
+  void pop_front() { ++first_; }
+  uint64_t push_back(const Region& r) {
+    if (size() == buf_.size()) {  // full: double, every live region keeps its sequence number
+      std::vector<Region> bigger(buf_.size() * 2);
+      for (uint64_t s = first_; s != next_; ++s) bigger[s & (bigger.size() - 1)] = at(s);
+      buf_.swap(bigger);
+    }
+    at(next_) = r;
+    return next_++;
+  }
+
+ private:
+  std::vector<Region> buf_;
+  uint64_t first_ = 0, next_ = 0;
+};
+
 struct DeviceCtx;
 
 struct Item {
   DeviceCtx* dev = nullptr;
-  Region* region = nullptr;
+  uint64_t region = 0;  // sequence number in dev->regions
   cudaEvent_t snap = nullptr;  // only the first record of a region carries the snapshot event
   const uint8_t* dsrc = nullptr;
   Reservation res;
@@ -455,7 +488,7 @@ struct DeviceCtx {
   std::mutex mu;  // guards everything below
   uint64_t head = 0;  // monotonic allocation position
   uint64_t tail = 0;  // monotonic free position
-  std::deque<Region> regions;  // references stay valid: only push_back / pop_front
+  RegionRing regions;
   std::vector<cudaEvent_t> free_events;
   std::vector<cudaEvent_t> all_events;
 
@@ -469,6 +502,24 @@ struct DeviceCtx {
 };
 
 }  // namespace
+
+// See cuda_staging.h. Guarded by `mu`, which is never held while waiting for ring space.
+class CudaLane {
+ public:
+  std::mutex mu;
+  // The checks made for this pass and stream: the thread's current device is `device` and
+  // `stream` was not capturing. Made again when the pass, the device or the stream changes.
+  bool checked = false;
+  int64_t pass_id = 0;
+  int device = -1;
+  uintptr_t stream = 0;
+  // The open batch: snapshots enqueued on `stream` of `dev`, no event recorded after them yet.
+  DeviceCtx* dev = nullptr;
+  std::vector<Item> batch;
+  double opened_at = 0;                 // its first snapshot (the drain seals it after the hold time)
+  std::atomic<bool> has_batch{false};   // read by the drain without `mu`
+  uint64_t tensors = 0;                 // folded into the stager's counts when the batch is sealed
+};
 
 struct CudaStager::Impl {
   Producer* prod;
@@ -485,6 +536,14 @@ struct CudaStager::Impl {
   std::atomic<bool> torn_down{false};  // close() finished: no snapshot reads any source any more
   std::atomic<bool> broken{false};
   std::atomic<int> active{0};
+
+  // Lean path (stage_lean): every lane, the open batches, N and the hold time.
+  std::mutex lanes_mu;
+  std::vector<std::unique_ptr<CudaLane>> lanes;
+  std::atomic<int> open_batches{0};
+  std::atomic<uint32_t> events_every{64};
+  double hold_s = 0.002;  // an open batch older than this is sealed by the drain (bounded latency)
+  double last_stale_check = 0;  // drain thread only
 
   // Work queue to the drain thread.
   std::mutex q_mu;
@@ -513,6 +572,7 @@ struct CudaStager::Impl {
   std::atomic<uint64_t> n_tensors{0}, n_records{0}, n_snapshots{0}, n_kernels{0}, n_2d{0}, snapshot_bytes{0};
   std::atomic<uint64_t> n_copies{0}, n_batches{0}, d2h_bytes{0}, n_published{0}, n_cancelled{0}, n_dropped{0};
   std::atomic<uint64_t> n_capturing{0}, dev_waits{0}, host_waits{0};
+  std::atomic<uint64_t> n_lean{0}, n_checks{0}, n_snap_events{0}, n_wakeups{0}, n_timer_seals{0};
   std::mutex st_mu;
   double dev_wait_s = 0;
   double drain_s = 0;
@@ -530,6 +590,8 @@ struct CudaStager::Impl {
     if (env && env[0] == '0') use_batch.store(false);
     const char* piece = std::getenv("FASTDUMP_CUDA_REGISTER_PIECE_MB");
     if (piece && std::atoll(piece) > 0) reg_piece = static_cast<uint64_t>(std::atoll(piece)) << 20;
+    const char* every = std::getenv("FASTDUMP_CUDA_EVENTS_EVERY");
+    if (every && std::atoll(every) > 0) events_every.store(static_cast<uint32_t>(std::atoll(every)));
 #if CUDART_VERSION < 12080
     use_batch.store(false);
 #endif
@@ -659,7 +721,9 @@ struct CudaStager::Impl {
     return freed;
   }
 
-  bool try_alloc(DeviceCtx* dev, uint64_t bytes, Region** reg, uint8_t** ptr) {
+  // `records`: when nonzero, the region is handed out already closed with that many pending records
+  // (the lean path's single-record tensors: no close_region call, no second lock).
+  bool try_alloc(DeviceCtx* dev, uint64_t bytes, uint64_t* reg, uint8_t** ptr, uint32_t records = 0) {
     const uint64_t len = align_to(bytes, kDevAlign);
     std::lock_guard<std::mutex> g(dev->mu);
     if (dev->head == dev->tail) {  // empty: restart at offset 0, no wrap padding needed
@@ -671,25 +735,28 @@ struct CudaStager::Impl {
     Region r;
     r.start = dev->head;
     r.end = dev->head + pad + len;
-    dev->regions.push_back(r);
-    *reg = &dev->regions.back();
+    if (records) {
+      r.open = false;
+      r.pending = records;
+    }
+    *reg = dev->regions.push_back(r);
     *ptr = dev->ring + (pad ? 0 : off);
     dev->head = r.end;
     return true;
   }
 
-  void close_region(DeviceCtx* dev, Region* reg) {
+  void close_region(DeviceCtx* dev, uint64_t reg) {
     bool freed;
     {
       std::lock_guard<std::mutex> g(dev->mu);
-      reg->open = false;
+      dev->regions.at(reg).open = false;
       freed = reclaim_locked(dev);
     }
     if (freed) notify_progress();
   }
 
   // Blocking allocation: waits for the drain thread to free space. False when staging must stop.
-  bool wait_alloc(DeviceCtx* dev, uint64_t bytes, Region** reg, uint8_t** ptr) {
+  bool wait_alloc(DeviceCtx* dev, uint64_t bytes, uint64_t* reg, uint8_t** ptr) {
     dev_waits.fetch_add(1, std::memory_order_relaxed);
     const double t0 = now_s();
     double last_check = t0;
@@ -727,7 +794,7 @@ struct CudaStager::Impl {
   void push(Item&& it) {
     {
       std::lock_guard<std::mutex> g(it.dev->mu);
-      it.region->pending++;
+      it.dev->regions.at(it.region).pending++;
     }
     submitted.fetch_add(1, std::memory_order_relaxed);
     it.dev->pushed.fetch_add(1, std::memory_order_release);
@@ -745,7 +812,7 @@ struct CudaStager::Impl {
     const uint8_t* base = reinterpret_cast<const uint8_t*>(src.ptr);
     if (l.contiguous()) {
       FD_CUDA(cudaMemcpyAsync(dst, base + b0, b1 - b0, cudaMemcpyDeviceToDevice, stream));
-    } else if (l.shape.size() == 2 && l.stride[1] == 1 && l.stride[0] >= l.shape[1] &&
+    } else if (l.nd == 2 && l.stride[1] == 1 && l.stride[0] >= l.shape[1] &&
                static_cast<uint64_t>(l.shape[1]) >= k2dMinRowBytes && b0 % l.shape[1] == 0 && b1 % l.shape[1] == 0) {
       // Whole rows of a row-strided matrix: one 2-D copy.
       const uint64_t row = static_cast<uint64_t>(l.shape[1]);
@@ -796,7 +863,10 @@ struct CudaStager::Impl {
     const uint64_t total = numel * src.elem_size;
     bool hooked = false;
     auto before_block = [&] {
-      if (!hooked && hook) hook->before_block();
+      if (!hooked) {
+        seal_all(/*wait_for_lock=*/false);  // the space we wait for may be held by open lean batches
+        if (hook) hook->before_block();
+      }
       hooked = true;
     };
     // A blocking wait for host-ring space that ran out (block_timeout_s): dropped whole, counted.
@@ -902,7 +972,7 @@ struct CudaStager::Impl {
     bool started = false;  // part of this tensor is in the rings: finish it even under `drop`
     for (uint64_t s0 = 0; s0 < numel; s0 += span_elems) {
       const uint64_t s1 = std::min(numel, s0 + span_elems);
-      Region* reg = nullptr;
+      uint64_t reg = 0;
       uint8_t* dptr = nullptr;
       if (!try_alloc(dev, (s1 - s0) * src.elem_size, &reg, &dptr)) {
         if (!block && !started && pre.empty()) return drop();
@@ -990,6 +1060,214 @@ struct CudaStager::Impl {
     return kStaged;
   }
 
+
+  // -- lean path (stage_lean) ---------------------------------------------------------------------
+  static constexpr int kNotLean = -100;  // stage() handles it
+
+  int stage_lean(CudaLane* lane, uint32_t channel, uint32_t name_id, int64_t pass_id, uint16_t dtype,
+                 const CudaSource& src, bool block, BlockHook* hook, double timeout_s) {
+    {
+      std::lock_guard<std::mutex> g(lane->mu);
+      // Checked under the lane's lock: close() seals every lane after setting `closed`.
+      if (closed.load() || broken.load() || prod->disabled() || forked_child()) return kDisabled;
+      const int st = try_lean(lane, channel, name_id, pass_id, dtype, src);
+      if (st != kNotLean) return st;
+      seal_locked(lane, true);  // what stage() does next may wait for the drain
+    }
+    return stage(channel, name_id, pass_id, dtype, src, block, hook, timeout_s);
+  }
+
+  // The lean stage of one tensor, or kNotLean (nothing done) when stage() must handle it.
+  int try_lean(CudaLane* lane, uint32_t channel, uint32_t name_id, int64_t pass_id, uint16_t dtype,
+               const CudaSource& src) {
+    if (src.shape.size() != src.strides.size() || src.shape.size() > kMaxDims || src.elem_size == 0 ||
+        src.device < 0 || src.device >= device_count)
+      return kNotLean;  // stage() says what is wrong
+    if (src.producer_stream != 0 && src.producer_stream != src.stream) return kNotLean;
+    uint64_t numel = 1;
+    for (int64_t d : src.shape) {
+      if (d < 0) return kNotLean;
+      numel *= static_cast<uint64_t>(d);
+    }
+    if (numel == 0) return kNotLean;
+    cudaStream_t stream = reinterpret_cast<cudaStream_t>(src.stream);
+    if (!lane->checked || lane->pass_id != pass_id || lane->device != src.device || lane->stream != src.stream) {
+      // A new pass, device or stream: the open batch belongs to the old one; check again. A CUDA
+      // graph capture always runs on a stream that is not the legacy one and begins between
+      // passes or with a stream switch (torch.cuda.graph enters its capture stream), so it is seen.
+      seal_locked(lane, true);
+      lane->checked = false;
+      n_checks.fetch_add(1, std::memory_order_relaxed);
+      int cur = -1;
+      if (cudaGetDevice(&cur) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return kNotLean;
+      }
+      if (cur != src.device) return kNotLean;  // stage() switches devices for it
+      cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
+      const cudaError_t ce = cudaStreamIsCapturing(stream, &cs);
+      if (ce == cudaErrorStreamCaptureImplicit || (ce == cudaSuccess && cs != cudaStreamCaptureStatusNone)) {
+        if (ce != cudaSuccess) (void)cudaGetLastError();
+        n_capturing.fetch_add(1, std::memory_order_relaxed);
+        return kCapturing;  // not cached: checked again at the next tensor
+      }
+      if (ce != cudaSuccess) {
+        (void)cudaGetLastError();
+        return kNotLean;  // stage() raises it
+      }
+      lane->checked = true;
+      lane->pass_id = pass_id;
+      lane->device = src.device;
+      lane->stream = src.stream;
+    }
+    DeviceCtx* dev = devs[src.device].load(std::memory_order_acquire);
+    if (!dev) return kNotLean;  // stage() allocates the device ring (or raises why it cannot)
+    const uint64_t total = numel * src.elem_size;
+    const uint64_t dmax = (dev->cap / 2) / kDevAlign * kDevAlign;
+    if (total > std::min<uint64_t>(prod->chunk_bytes(), dmax)) return kNotLean;  // several records
+    uint64_t reg = 0;
+    uint8_t* dptr = nullptr;
+    if (!try_alloc(dev, total, &reg, &dptr, /*records=*/1)) return kNotLean;  // stage() waits or drops
+    Reservation res;
+    if (!prod->reserve(kTensor, channel, name_id, pass_id, dtype, src.shape, total, ChunkInfo{0, total}, false,
+                       &res)) {
+      release_region(dev, reg);
+      return kNotLean;
+    }
+    try {
+      snapshot(dev, byte_layout(src), src, 0, numel, dptr, stream);
+    } catch (...) {  // nothing of this tensor was enqueued
+      cancel(res);
+      release_region(dev, reg);
+      throw;
+    }
+    n_records.fetch_add(1, std::memory_order_relaxed);
+    Item it;
+    it.dev = dev;
+    it.region = reg;
+    it.dsrc = dptr;
+    it.res = res;
+    it.len = total;
+    if (lane->batch.empty()) {
+      lane->dev = dev;
+      lane->opened_at = now_s();
+      lane->has_batch.store(true, std::memory_order_relaxed);
+      open_batches.fetch_add(1, std::memory_order_relaxed);
+    }
+    lane->batch.push_back(it);  // capacity kept across batches: no allocation once warm
+    lane->tensors++;
+    if (lane->batch.size() >= events_every.load(std::memory_order_relaxed)) seal_locked(lane, true);
+    return kStaged;
+  }
+
+  // A lean region whose record never got a snapshot: give it back.
+  void release_region(DeviceCtx* dev, uint64_t reg) {
+    bool freed;
+    {
+      std::lock_guard<std::mutex> g(dev->mu);
+      dev->regions.at(reg).pending--;
+      freed = reclaim_locked(dev);
+    }
+    if (freed) notify_progress();
+  }
+
+  // lane->mu held. Record one event after the open batch's snapshots on its stream and hand the
+  // whole batch to the drain with one wake-up. `own_thread`: called by the lane's producer thread,
+  // whose current device is the batch's (checked); any other thread switches to it for the call.
+  void seal_locked(CudaLane* lane, bool own_thread) {
+    if (lane->batch.empty()) return;
+    DeviceCtx* dev = lane->dev;
+    std::vector<Item>& batch = lane->batch;
+    n_tensors.fetch_add(lane->tensors, std::memory_order_relaxed);
+    n_lean.fetch_add(lane->tensors, std::memory_order_relaxed);
+    lane->tensors = 0;
+    int prev = -1;
+    bool switched = false;
+    if (!own_thread && cudaGetDevice(&prev) == cudaSuccess && prev != dev->index) {
+      switched = cudaSetDevice(dev->index) == cudaSuccess;
+    }
+    cudaEvent_t ev = nullptr;
+    cudaError_t e = cudaSuccess;
+    std::string err;
+    try {
+      ev = take_event(dev);
+      e = cudaEventRecord(ev, reinterpret_cast<cudaStream_t>(lane->stream));
+    } catch (const std::exception& ex) {
+      e = cudaErrorUnknown;
+      err = ex.what();
+    }
+    if (switched) restore_device(prev);
+    if (e != cudaSuccess) {
+      // The snapshots are queued but cannot be tracked: their regions can never be proven free.
+      // Leave them allocated and give up on CUDA staging (as stage() does); the writer must not
+      // wait for the records.
+      (void)cudaGetLastError();
+      if (ev) give_event(dev, ev);
+      for (const Item& it : batch) cancel(it.res);
+      broken.store(true);
+      set_error(err.empty() ? cuda_error_text(e, "cudaEventRecord(producer stream, lean batch)") : err);
+    } else {
+      n_snap_events.fetch_add(1, std::memory_order_relaxed);
+      batch.back().snap = ev;  // the drain makes the side stream wait on it before the batch's copies
+      submitted.fetch_add(batch.size(), std::memory_order_relaxed);
+      dev->pushed.fetch_add(batch.size(), std::memory_order_release);
+      {
+        std::lock_guard<std::mutex> g(q_mu);
+        queue.insert(queue.end(), batch.begin(), batch.end());
+      }
+      q_cv.notify_one();
+      n_wakeups.fetch_add(1, std::memory_order_relaxed);
+    }
+    batch.clear();
+    lane->has_batch.store(false, std::memory_order_relaxed);
+    open_batches.fetch_sub(1, std::memory_order_relaxed);
+  }
+
+  void end_pass(CudaLane* lane) {
+    std::lock_guard<std::mutex> g(lane->mu);
+    seal_locked(lane, true);
+    lane->checked = false;  // the next pass checks again
+  }
+
+  // Seal every lane's open batch (flush, close, and before stage() waits for space that open
+  // batches may hold). `wait_for_lock` false: lanes busy right now are left to their thread or to
+  // the drain's hold timer.
+  void seal_all(bool wait_for_lock) {
+    if (open_batches.load() == 0) return;
+    std::lock_guard<std::mutex> g(lanes_mu);
+    for (auto& lane : lanes) {
+      if (!lane->has_batch.load(std::memory_order_relaxed)) continue;
+      std::unique_lock<std::mutex> lk(lane->mu, std::defer_lock);
+      if (wait_for_lock) lk.lock();
+      else if (!lk.try_lock()) continue;
+      seal_locked(lane.get(), false);
+    }
+  }
+
+  // Drain thread: seal open batches older than the hold time (a pass that runs long, or a thread
+  // that stopped mid-pass), so completion latency stays bounded without a wake-up per tensor.
+  void seal_stale() {
+    if (open_batches.load(std::memory_order_relaxed) == 0) return;
+    const double now = now_s();
+    if (now - last_stale_check < hold_s / 2) return;
+    last_stale_check = now;
+    std::lock_guard<std::mutex> g(lanes_mu);
+    for (auto& lane : lanes) {
+      if (!lane->has_batch.load(std::memory_order_relaxed)) continue;
+      std::unique_lock<std::mutex> lk(lane->mu, std::try_to_lock);
+      if (!lk || lane->batch.empty() || now - lane->opened_at < hold_s) continue;
+      seal_locked(lane.get(), false);
+      n_timer_seals.fetch_add(1, std::memory_order_relaxed);
+    }
+  }
+
+  CudaLane* open_lane() {
+    std::lock_guard<std::mutex> g(lanes_mu);
+    lanes.emplace_back(new CudaLane());
+    lanes.back()->batch.reserve(std::max<uint32_t>(events_every.load(), 1));
+    return lanes.back().get();
+  }
+
   // -- drain thread ----------------------------------------------------------------------------
   void drain_main() {
     // The drain polls completion events every few microseconds; with the default 50 us timer slack
@@ -1011,7 +1289,11 @@ struct CudaStager::Impl {
             // Stop only once no stage() call can still push work (close() gives up waiting for
             // them after its timeout; their records must still be copied and published).
             if (stop && active.load() == 0) break;
-            q_cv.wait_for(lk, std::chrono::milliseconds(stop ? 5 : 100), [&] { return !queue.empty() || stop; });
+            // Open lean batches: wake within the hold time to seal them (seal_stale below).
+            const auto idle = open_batches.load(std::memory_order_relaxed) > 0
+                                  ? std::chrono::microseconds(static_cast<int64_t>(hold_s * 5e5) + 1)
+                                  : std::chrono::microseconds(stop ? 5000 : 100000);
+            q_cv.wait_for(lk, idle, [&] { return !queue.empty() || stop; });
           } else {
             // Copies in flight: poll their events, backing off from 5 us to 100 us.
             const int us = idle_polls < 8 ? 5 : idle_polls < 32 ? 20 : 100;
@@ -1019,6 +1301,9 @@ struct CudaStager::Impl {
           }
         }
         incoming.swap(queue);
+      }
+      if (incoming.empty()) {
+        seal_stale();  // may push a batch: picked up by the next round
       }
       bool progress = false;
       if (!incoming.empty()) {
@@ -1224,7 +1509,7 @@ struct CudaStager::Impl {
     for (const Item& it : b.items) prod->publish(it.res);
     {
       std::lock_guard<std::mutex> g(dev->mu);
-      for (const Item& it : b.items) it.region->pending--;
+      for (const Item& it : b.items) dev->regions.at(it.region).pending--;
       reclaim_locked(dev);
       dev->free_events.push_back(b.done);
     }
@@ -1283,7 +1568,7 @@ struct CudaStager::Impl {
       cancel(it.res);
       {
         std::lock_guard<std::mutex> g(it.dev->mu);
-        it.region->pending--;
+        it.dev->regions.at(it.region).pending--;
         reclaim_locked(it.dev);
       }
       it.dev->finished.fetch_add(1, std::memory_order_release);
@@ -1346,6 +1631,7 @@ struct CudaStager::Impl {
   }
 
   bool flush(double timeout_s) {
+    seal_all(/*wait_for_lock=*/true);
     const uint64_t target = submitted.load(std::memory_order_acquire);
     const double deadline = now_s() + timeout_s;
     if (completed.load(std::memory_order_acquire) >= target) return true;
@@ -1434,6 +1720,12 @@ struct CudaStager::Impl {
     s.cancelled = n_cancelled.load();
     s.dropped = n_dropped.load();
     s.capturing_skipped = n_capturing.load();
+    s.lean_tensors = n_lean.load();
+    s.lean_checks = n_checks.load();
+    s.snapshot_events = n_snap_events.load();
+    s.drain_wakeups = n_wakeups.load();
+    s.timer_seals = n_timer_seals.load();
+    s.events_every = events_every.load();
     s.device_ring_full_waits = dev_waits.load();
     s.host_ring_full_waits = host_waits.load();
     s.registered_bytes = host_pinned.load() ? reg_len : 0;
@@ -1474,6 +1766,14 @@ int CudaStager::stage(uint32_t channel, uint32_t name_id, int64_t pass_id, uint1
   return impl_->stage(channel, name_id, pass_id, dtype, src, block, hook, timeout_s);
 }
 
+int CudaStager::stage_lean(CudaLane* lane, uint32_t channel, uint32_t name_id, int64_t pass_id, uint16_t dtype,
+                           const CudaSource& src, bool block, BlockHook* hook, double timeout_s) {
+  return impl_->stage_lean(lane, channel, name_id, pass_id, dtype, src, block, hook, timeout_s);
+}
+void CudaStager::end_pass(CudaLane* lane) { impl_->end_pass(lane); }
+CudaLane* CudaStager::open_lane() { return impl_->open_lane(); }
+void CudaStager::set_events_every(uint32_t n) { impl_->events_every.store(std::max<uint32_t>(n, 1)); }
+uint32_t CudaStager::events_every() const { return impl_->events_every.load(); }
 double CudaStager::register_host(int device) { return impl_->register_host(device); }
 void CudaStager::prepare(int device) { impl_->prepare(device); }
 uint64_t CudaStager::submitted(int device) const {

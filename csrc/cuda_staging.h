@@ -83,6 +83,12 @@ struct CudaStagerStats {
   uint64_t cancelled = 0;           // reserved records turned into padding (failure paths)
   uint64_t dropped = 0;             // tensors dropped by this stager (ring full under `drop`)
   uint64_t capturing_skipped = 0;   // stage() calls refused because the stream was capturing
+  uint64_t lean_tensors = 0;        // ... of `tensors`, staged by the lean path (stage_lean)
+  uint64_t lean_checks = 0;         // device/capture checks the lean path made (per pass and stream)
+  uint64_t snapshot_events = 0;     // events recorded after snapshots (one per N lean snapshots)
+  uint64_t drain_wakeups = 0;       // batches handed to the drain with a wake-up (lean seals)
+  uint64_t timer_seals = 0;         // lean batches the drain sealed itself (older than the hold time)
+  uint32_t events_every = 0;        // N: lean snapshots per event
   uint64_t device_ring_full_waits = 0;
   double device_ring_wait_seconds = 0;
   uint64_t host_ring_full_waits = 0;
@@ -102,6 +108,11 @@ void snapshot_whole(uint8_t* dst, const CudaSource& src, int sm_count);
 // Make `prev` the thread's device again, but only if its primary context exists (no stray context).
 void cuda_restore_device(int prev);
 
+// One producer thread's lean staging state (docs/CUDA.md, "The eager path"): the device and
+// capture checks it made for the current pass and stream, and the snapshots enqueued since its
+// last event. Made by CudaStager::open_lane, owned by the stager (valid until it is destroyed).
+class CudaLane;
+
 // One per process (shared by every role/channel): per device a device ring, a side stream and an
 // event pool; one drain thread for all devices. Thread-safe: several threads may stage at once.
 class CudaStager {
@@ -117,6 +128,22 @@ class CudaStager {
   // Never synchronizes the device or the producer stream. Throws std::runtime_error on CUDA errors.
   int stage(uint32_t channel, uint32_t name_id, int64_t pass_id, uint16_t dtype, const CudaSource& src,
             bool block, BlockHook* hook, double timeout_s = kWaitForever);
+
+  // The lean path of stage() (the extension's per-tensor hot path): for the pass `pass_id`, the
+  // current device and the capture state of src.stream are checked once (again when the device or
+  // the stream changes); the snapshot goes on src.stream and the lane's batch, and one event is
+  // recorded per `events_every` snapshots (and at end_pass), after which the drain gets the whole
+  // batch with one wake-up. It never waits: a tensor that needs a wait, several host records, a
+  // device guard or a producer stream goes through stage() (the lane's batch sealed first).
+  // Returns what stage() returns. Thread-safe per lane (a short lock, never held while waiting).
+  int stage_lean(CudaLane* lane, uint32_t channel, uint32_t name_id, int64_t pass_id, uint16_t dtype,
+                 const CudaSource& src, bool block, BlockHook* hook, double timeout_s = kWaitForever);
+  // Record the event of the lane's open batch and hand it to the drain (the pass ended).
+  void end_pass(CudaLane* lane);
+  CudaLane* open_lane();
+  // Lean snapshots per event (N >= 1; FASTDUMP_CUDA_EVENTS_EVERY sets the default, 64).
+  void set_events_every(uint32_t n);
+  uint32_t events_every() const;
 
   // Pin the host ring's data area (cudaHostRegister, portable, in 256 MiB pieces). Idempotent.
   // Runs on `device` (-1: the lowest device with a context already, else the current one), so it

@@ -1,6 +1,8 @@
 // Built when no CUDA toolkit was found: fastdump runs its CPU path and says so.
 #include "bindings.h"
 
+#include <stdexcept>
+
 namespace fastdump {
 
 void bind_cuda(pybind11::module_& m) {
@@ -11,6 +13,10 @@ void bind_cuda(pybind11::module_& m) {
     d["reason"] = "built without a CUDA toolkit";
     return d;
   });
+}
+
+std::shared_ptr<CudaTensorLane> make_cuda_tensor_lane(pybind11::object, pybind11::object, pybind11::object) {
+  throw std::runtime_error("fastdump was built without CUDA");
 }
 
 }  // namespace fastdump

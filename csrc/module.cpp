@@ -83,6 +83,9 @@ struct ChannelStager {
   py::dict fast_codes;  // torch.dtype -> (wire code, element size): dtypes staged without checks
   py::object strided;   // torch.strided
   uint64_t staged_tensors = 0, staged_bytes = 0;  // by stage_tensor, until take_counts()
+  // CUDA tensors' lane into the channel's CUDA stager (set_cuda, once; CUDA builds only). None:
+  // stage_tensor leaves CUDA tensors to the caller's general path.
+  std::shared_ptr<CudaTensorLane> cuda;
 
   int stage(uint32_t name_id, uint16_t dtype, uint64_t elem_size, py::handle shape_seq,
             py::handle strides_seq, uintptr_t ptr) {
@@ -93,15 +96,19 @@ struct ChannelStager {
     return stage_source(*producer, channel, name_id, pass_id, dtype, src, block, timeout_s);
   }
 
-  // The whole per-tensor hot path for a plain CPU tensor, read through the C API: no Python frame,
-  // no bytecode per attribute (issue 11: on a small model each of those costs the model's thread
-  // several times what it costs in a tight loop). kNotFast: anything else (CUDA, another layout,
-  // a lazy negation bit, a dtype that needs checks): the caller takes its general path.
-  static constexpr int kNotFast = -1;
+  // The whole per-tensor hot path, read through the C API: no Python frame, no bytecode per
+  // attribute (issue 11: on a small model each of those costs the model's thread several times what
+  // it costs in a tight loop). A plain CPU tensor goes to the host ring; a CUDA tensor to the CUDA
+  // stager's lean path when set_cuda gave this channel one. kNotFast: anything else (another device
+  // or layout, a lazy negation bit, a dtype that needs checks, a CUDA tensor during a graph capture
+  // or one the lean path cannot take): the caller takes its general path.
+  // The one entry every per-tensor caller uses (the Dumper, forward wrappers): keep its signature.
+  static constexpr int kNotFast = CudaTensorLane::kNotFast;
   int stage_tensor(uint32_t name_id, py::handle tensor) {
     static PyObject* s_dtype = PyUnicode_InternFromString("dtype");
     static PyObject* s_layout = PyUnicode_InternFromString("layout");
     static PyObject* s_is_cpu = PyUnicode_InternFromString("is_cpu");
+    static PyObject* s_is_cuda = PyUnicode_InternFromString("is_cuda");
     static PyObject* s_is_neg = PyUnicode_InternFromString("is_neg");
     static PyObject* s_shape = PyUnicode_InternFromString("shape");
     static PyObject* s_stride = PyUnicode_InternFromString("stride");
@@ -109,9 +116,15 @@ struct ChannelStager {
     PyObject* t = tensor.ptr();
     auto get = [&](PyObject* name) { return py::reinterpret_steal<py::object>(PyObject_GetAttr(t, name)); };
     auto call = [&](PyObject* name) { return py::reinterpret_steal<py::object>(PyObject_CallMethodNoArgs(t, name)); };
-    py::object is_cpu = get(s_is_cpu);  // first: a CUDA tensor leaves after one read
+    py::object is_cpu = get(s_is_cpu);  // first: without a CUDA lane a CUDA tensor leaves after one read
     if (!is_cpu) throw py::error_already_set();
-    if (is_cpu.ptr() != Py_True) return kNotFast;
+    const bool on_cpu = is_cpu.ptr() == Py_True;
+    if (!on_cpu) {
+      if (!cuda) return kNotFast;
+      py::object is_cuda = get(s_is_cuda);
+      if (!is_cuda) throw py::error_already_set();
+      if (is_cuda.ptr() != Py_True) return kNotFast;
+    }
     py::object dtype = get(s_dtype);
     if (!dtype) throw py::error_already_set();
     PyObject* fast = PyDict_GetItemWithError(fast_codes.ptr(), dtype.ptr());  // borrowed
@@ -129,7 +142,15 @@ struct ChannelStager {
     if (!shape || !strides || !ptr) throw py::error_already_set();
     auto code = py::cast<uint16_t>(PyTuple_GET_ITEM(fast, 0));
     auto itemsize = py::cast<uint64_t>(PyTuple_GET_ITEM(fast, 1));
-    int st = stage(name_id, code, itemsize, shape, strides, py::cast<uintptr_t>(ptr));
+    int st;
+    if (on_cpu) {
+      st = stage(name_id, code, itemsize, shape, strides, py::cast<uintptr_t>(ptr));
+    } else {
+      read_dims(shape, &src.shape);  // src's vectors as scratch: no allocation once warm
+      read_dims(strides, &src.strides);
+      st = cuda->stage(channel, name_id, pass_id, block, timeout_s, t, code, itemsize, src.shape, src.strides,
+                       py::cast<uintptr_t>(ptr));
+    }
     if (st == kStaged) {
       uint64_t nbytes = itemsize;
       for (int64_t d : src.shape) nbytes *= static_cast<uint64_t>(d);
@@ -348,11 +369,25 @@ PYBIND11_MODULE(_C, m) {
       .def(
           "take_counts",
           [](ChannelStager& s) {
+            if (s.cuda) s.cuda->end_pass();  // called at every pass end: the pass's last snapshots go
             auto out = py::make_tuple(s.staged_tensors, s.staged_bytes);
             s.staged_tensors = s.staged_bytes = 0;
             return out;
           },
-          "(tensors, bytes) stage_tensor staged since the last call")
+          "(tensors, bytes) stage_tensor staged since the last call; ends the CUDA lane's pass (its last "
+          "snapshots get their event and go to the drain)")
+      .def(
+          "set_cuda",
+          [](ChannelStager& s, py::object stager, py::object raw_stream, py::object stream_object) {
+            s.cuda = make_cuda_tensor_lane(std::move(stager), std::move(raw_stream), std::move(stream_object));
+          },
+          py::arg("stager"), py::arg("raw_stream"), py::arg("stream_object"),
+          "stage CUDA tensors in stage_tensor through `stager` (a CudaStager): raw_stream(device) -> the "
+          "current cudaStream_t as int, stream_object(device) -> the stream given to record_stream")
+      .def_property_readonly("has_cuda", [](ChannelStager& s) { return static_cast<bool>(s.cuda); })
+      .def(
+          "end_pass", [](ChannelStager& s) { if (s.cuda) s.cuda->end_pass(); },
+          "the CUDA lane's pass ended (take_counts does it too)")
       .def_property_readonly_static("NOT_FAST", [](py::object) { return ChannelStager::kNotFast; })
       .def(
           "begin",

@@ -7,7 +7,9 @@ and the drop counts. The Dumper keeps passes, names and selection.
 
 Hot path: ``channel.stage_fast`` IS the C++ ``ChannelStager.stage_tensor`` (a plain CPU tensor with
 a known name: one C++ call, no Python frame in between; every Python attribute read there cost the
-model's thread ~0.1-0.2 us per tensor). ``stage`` is the general path behind it.
+model's thread ~0.1-0.2 us per tensor). Once the channel has a CUDA stager (``prepare_cuda`` at
+attach, or the first CUDA tensor) the same call stages CUDA tensors through the stager's lean path
+(docs/CUDA.md, "The eager path"). ``stage`` is the general path behind it.
 """
 
 from __future__ import annotations
@@ -119,6 +121,8 @@ class Channel:
             reason = cuda.prepare(self.engine.cuda_stager(self.device_ring_mb), index)
             if reason:
                 self.note_ring_failure(reason)
+            else:
+                self._cuda_stage_function()  # chosen now: stage_fast takes CUDA tensors from the start
 
     def note_ring_failure(self, reason: str) -> None:
         if not self._ring_noted:  # once: rank.json says why CUDA tensors are dropped
@@ -172,4 +176,7 @@ class Channel:
             def stage_cuda(*args, _stage=cuda.stage_on_device, _stager=stager):
                 return _stage(_stager, *args)
             self._stage_cuda = stage_cuda
+            if hasattr(self.lane, "set_cuda") and not self.lane.has_cuda:
+                # The C++ hot path takes this channel's CUDA tensors from now on (the lean path).
+                self.lane.set_cuda(stager, *cuda.lane_stream_functions())
         return self._stage_cuda

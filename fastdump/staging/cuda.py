@@ -166,6 +166,21 @@ def _current_stream(device: int):
     return stream.cuda_stream, stream
 
 
+_default_current_stream = _current_stream
+
+
+def lane_stream_functions():
+    """(raw_stream(device), stream_object(device)) for ``ChannelStager.set_cuda``: the current
+    stream as a raw int (asked per tensor; torch answers from a thread-local without a CUDA call)
+    and its stream object for ``record_stream`` (asked only when the raw stream changes). Through
+    ``_current_stream`` when that seam was replaced (tests drive the mock runtime through it)."""
+    if _current_stream is _default_current_stream:
+        import torch
+
+        return torch._C._cuda_getCurrentRawStream, torch.cuda.current_stream
+    return (lambda device: _current_stream(device)[0]), (lambda device: _current_stream(device)[1])
+
+
 _ring_failures: dict = {}  # id(stager) -> why its device ring could not be had
 
 
