@@ -18,6 +18,44 @@
 
 #ifdef FASTDUMP_CUDA_MOCK
 #include <cuda_runtime.h>  // tests/cuda_mock/cuda_runtime.h
+#include <pthread.h>
+
+#include <new>
+
+// Test build only: count, per thread, the heap allocations (operator new) and mutex acquisitions
+// (pthread_mutex_lock) made by this module's code outside the mock runtime's own calls. Both
+// definitions are hidden (-fvisibility=hidden): they replace the library's only inside this .so, so
+// torch, Python and the real fastdump._C are untouched; they forward to malloc and glibc's lock.
+extern "C" int __pthread_mutex_lock(pthread_mutex_t* m);
+extern "C" int pthread_mutex_lock(pthread_mutex_t* m) noexcept {
+  fdmock::ThreadCounts& c = fdmock::thread_counts();
+  if (c.in_mock == 0) ++c.locks;
+  return __pthread_mutex_lock(m);
+}
+namespace {
+void* counted_alloc(std::size_t n) {
+  fdmock::ThreadCounts& c = fdmock::thread_counts();
+  if (c.in_mock == 0) ++c.allocs;
+  void* p = std::malloc(n ? n : 1);
+  return p;
+}
+}  // namespace
+void* operator new(std::size_t n) {
+  void* p = counted_alloc(n);
+  if (!p) throw std::bad_alloc();
+  return p;
+}
+void* operator new[](std::size_t n) {
+  void* p = counted_alloc(n);
+  if (!p) throw std::bad_alloc();
+  return p;
+}
+void* operator new(std::size_t n, const std::nothrow_t&) noexcept { return counted_alloc(n); }
+void* operator new[](std::size_t n, const std::nothrow_t&) noexcept { return counted_alloc(n); }
+void operator delete(void* p) noexcept { std::free(p); }
+void operator delete[](void* p) noexcept { std::free(p); }
+void operator delete(void* p, std::size_t) noexcept { std::free(p); }
+void operator delete[](void* p, std::size_t) noexcept { std::free(p); }
 #endif
 
 namespace py = pybind11;
@@ -221,6 +259,27 @@ void bind_mock(py::module_& m) {
     fdmock::inject(api, count, static_cast<cudaError_t>(error));
   }, py::arg("api"), py::arg("count") = 1, py::arg("error") = static_cast<int>(cudaErrorUnknown));
   k.def("reset", []() { fdmock::reset_device_state(); });
+  // The calling thread's counts (see the top of this file): {"calls": {api: n}, "allocs", "locks"}.
+  k.def("thread_counts", []() {
+    fdmock::ThreadCounts& c = fdmock::thread_counts();
+    std::map<std::string, uint64_t> calls;
+    ++c.in_mock;  // building the answer is not the code's cost
+    for (const auto& kv : c.calls) calls[kv.first] += kv.second;
+    const uint64_t allocs = c.allocs, locks = c.locks;
+    py::dict d;
+    d["calls"] = calls;
+    d["allocs"] = allocs;
+    d["locks"] = locks;
+    --c.in_mock;
+    return d;
+  });
+  k.def("reset_thread_counts", []() {
+    fdmock::ThreadCounts& c = fdmock::thread_counts();
+    ++c.in_mock;
+    c.calls.clear();
+    c.allocs = c.locks = 0;
+    --c.in_mock;
+  });
   k.def("error_name", [](int e) { return std::string(cudaGetErrorName(static_cast<cudaError_t>(e))); });
   k.def("contexts", []() {
     py::list l;
@@ -271,7 +330,7 @@ void bind_mock(py::module_& m) {
   // Deliberately read device memory from the host (a test expects this to kill the process).
   k.def("host_read", [](uintptr_t p) { return static_cast<int>(*reinterpret_cast<volatile uint8_t*>(p)); });
   k.def("stream_create_flags", [](unsigned flags) {
-    cudaStream_t s;
+    cudaStream_t s = nullptr;
     cudaError_t e = cudaStreamCreateWithPriority(&s, flags, 0);
     if (e != cudaSuccess) throw std::runtime_error(cudaGetErrorName(e));
     return reinterpret_cast<uintptr_t>(s);
@@ -281,7 +340,7 @@ void bind_mock(py::module_& m) {
     return static_cast<int>(cudaStreamSynchronize(reinterpret_cast<cudaStream_t>(s)));
   });
   k.def("event_create", []() {
-    cudaEvent_t e;
+    cudaEvent_t e = nullptr;
     cudaError_t r = cudaEventCreateWithFlags(&e, cudaEventDisableTiming);
     if (r != cudaSuccess) throw std::runtime_error(cudaGetErrorName(r));
     return reinterpret_cast<uintptr_t>(e);

@@ -49,6 +49,7 @@ constexpr uint64_t kRegisterPieceMB = 256;          // cudaHostRegister granular
 constexpr int kMaxDevices = 64;
 constexpr size_t kMaxBatchCopies = 256;             // copies per cudaMemcpyBatchAsync call
 constexpr int kPrecreatedEvents = 32;
+constexpr size_t kQueueReserve = 1024;              // records queued to the drain before the queue grows
 constexpr int kGatherThreads = 256;
 constexpr uint64_t k2dMinRowBytes = 512;            // narrower rows: the gather kernel does better
 
@@ -196,6 +197,7 @@ cudaError_t launch_gather_t(uint8_t* dst, const uint8_t* src, const GatherDims<N
 template <typename T, typename I, int N>
 cudaError_t launch_gather_t(uint8_t* dst, const uint8_t* src, const GatherDims<N>& d, uint64_t begin, uint64_t count,
                             int, cudaStream_t stream) {
+  fdmock::CallScope launch("<<<gather_kernel>>>");  // a kernel launch is a runtime call too
   return fdmock::enqueue(stream, [=] {
     T* out = fdmock::dev_bytes(reinterpret_cast<T*>(dst));  // faults on anything but device memory
     const T* in = fdmock::dev_bytes(reinterpret_cast<const T*>(src));
@@ -543,6 +545,9 @@ struct CudaStager::Impl {
   std::atomic<int> open_batches{0};
   std::atomic<uint32_t> events_every{64};
   double hold_s = 0.002;  // an open batch older than this is sealed by the drain (bounded latency)
+  // FASTDUMP_CUDA_CHECK_EACH_TENSOR=1: ask cudaStreamIsCapturing for every lean tensor (for code
+  // that begins a capture mid-pass on the stream it was already running on; docs/CUDA.md).
+  bool check_each_tensor = false;
   double last_stale_check = 0;  // drain thread only
 
   // Work queue to the drain thread.
@@ -590,6 +595,8 @@ struct CudaStager::Impl {
     if (env && env[0] == '0') use_batch.store(false);
     const char* piece = std::getenv("FASTDUMP_CUDA_REGISTER_PIECE_MB");
     if (piece && std::atoll(piece) > 0) reg_piece = static_cast<uint64_t>(std::atoll(piece)) << 20;
+    const char* each = std::getenv("FASTDUMP_CUDA_CHECK_EACH_TENSOR");
+    check_each_tensor = each && each[0] == '1';
     const char* every = std::getenv("FASTDUMP_CUDA_EVENTS_EVERY");
     if (every && std::atoll(every) > 0) events_every.store(static_cast<uint32_t>(std::atoll(every)));
 #if CUDART_VERSION < 12080
@@ -603,6 +610,7 @@ struct CudaStager::Impl {
                                (info.reason.empty() ? std::string("no CUDA device") : info.reason));
     }
     if (device_count > kMaxDevices) device_count = kMaxDevices;
+    queue.reserve(kQueueReserve);  // the lean path's batches append here: no growth once warm
     watch_fork();
     drain_running = true;
     drain = std::thread([this] { drain_main(); });
@@ -1096,6 +1104,8 @@ struct CudaStager::Impl {
       // graph capture always runs on a stream that is not the legacy one and begins between
       // passes or with a stream switch (torch.cuda.graph enters its capture stream), so it is seen.
       seal_locked(lane, true);
+      // A batch left open (its stream captures; FASTDUMP_CUDA_CHECK_EACH_TENSOR) stays on its stream.
+      if (!lane->batch.empty() && (lane->device != src.device || lane->stream != src.stream)) return kNotLean;
       lane->checked = false;
       n_checks.fetch_add(1, std::memory_order_relaxed);
       int cur = -1;
@@ -1119,6 +1129,19 @@ struct CudaStager::Impl {
       lane->pass_id = pass_id;
       lane->device = src.device;
       lane->stream = src.stream;
+    } else if (check_each_tensor) {
+      cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
+      const cudaError_t ce = cudaStreamIsCapturing(stream, &cs);
+      if (ce != cudaSuccess || cs != cudaStreamCaptureStatusNone) {
+        if (ce != cudaSuccess) (void)cudaGetLastError();
+        seal_locked(lane, true);  // what came before the capture began is not in it
+        lane->checked = false;
+        if (ce == cudaErrorStreamCaptureImplicit || ce == cudaSuccess) {
+          n_capturing.fetch_add(1, std::memory_order_relaxed);
+          return kCapturing;
+        }
+        return kNotLean;
+      }
     }
     DeviceCtx* dev = devs[src.device].load(std::memory_order_acquire);
     if (!dev) return kNotLean;  // stage() allocates the device ring (or raises why it cannot)
@@ -1178,14 +1201,39 @@ struct CudaStager::Impl {
     if (lane->batch.empty()) return;
     DeviceCtx* dev = lane->dev;
     std::vector<Item>& batch = lane->batch;
-    n_tensors.fetch_add(lane->tensors, std::memory_order_relaxed);
-    n_lean.fetch_add(lane->tensors, std::memory_order_relaxed);
-    lane->tensors = 0;
     int prev = -1;
     bool switched = false;
     if (!own_thread && cudaGetDevice(&prev) == cudaSuccess && prev != dev->index) {
       switched = cudaSetDevice(dev->index) == cudaSuccess;
     }
+    // An event recorded while the stream captures would be a node of the user's graph, not a mark
+    // of the work before it: one check per batch.
+    cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
+    const cudaError_t ce = cudaStreamIsCapturing(reinterpret_cast<cudaStream_t>(lane->stream), &cs);
+    if (ce == cudaErrorStreamCaptureImplicit || (ce == cudaSuccess && cs != cudaStreamCaptureStatusNone)) {
+      if (ce != cudaSuccess) (void)cudaGetLastError();
+      if (switched) restore_device(prev);
+      if (check_each_tensor) {
+        // Every snapshot of the batch was checked before it was enqueued: all precede the capture.
+        // Sealed once the capture has ended (by this lane's thread or the drain's timer).
+        return;
+      }
+      // A capture began mid-pass on the stream this pass had already checked: snapshots enqueued
+      // since are nodes of the user's graph, not copies made now. Which ones cannot be told, so
+      // the batch is given up, loudly; the device ring may be written by replays: staging stops.
+      for (const Item& it : batch) cancel(it.res);
+      lane->tensors = 0;
+      broken.store(true);
+      set_error("a CUDA graph capture began mid-pass on a stream this pass was already staging on; "
+                "its tensors since the pass began were not dumped (set FASTDUMP_CUDA_CHECK_EACH_TENSOR=1 "
+                "for code that captures on its current stream mid-pass)");
+      std::fprintf(stderr, "fastdump: CUDA staging stopped: capture begun mid-pass on a checked stream\n");
+      batch.clear();
+      lane->has_batch.store(false, std::memory_order_relaxed);
+      open_batches.fetch_sub(1, std::memory_order_relaxed);
+      return;
+    }
+    if (ce != cudaSuccess) (void)cudaGetLastError();
     cudaEvent_t ev = nullptr;
     cudaError_t e = cudaSuccess;
     std::string err;
@@ -1207,6 +1255,8 @@ struct CudaStager::Impl {
       broken.store(true);
       set_error(err.empty() ? cuda_error_text(e, "cudaEventRecord(producer stream, lean batch)") : err);
     } else {
+      n_tensors.fetch_add(lane->tensors, std::memory_order_relaxed);
+      n_lean.fetch_add(lane->tensors, std::memory_order_relaxed);
       n_snap_events.fetch_add(1, std::memory_order_relaxed);
       batch.back().snap = ev;  // the drain makes the side stream wait on it before the batch's copies
       submitted.fetch_add(batch.size(), std::memory_order_relaxed);
@@ -1218,6 +1268,7 @@ struct CudaStager::Impl {
       q_cv.notify_one();
       n_wakeups.fetch_add(1, std::memory_order_relaxed);
     }
+    lane->tensors = 0;
     batch.clear();
     lane->has_batch.store(false, std::memory_order_relaxed);
     open_batches.fetch_sub(1, std::memory_order_relaxed);
@@ -1280,6 +1331,7 @@ struct CudaStager::Impl {
     cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
     (void)cudaThreadExchangeStreamCaptureMode(&mode);
     std::vector<Item> incoming;
+    incoming.reserve(kQueueReserve);  // swapped with `queue`: both keep their capacity
     int idle_polls = 0;
     for (;;) {
       {

@@ -241,6 +241,30 @@ inline cudaError_t enter(const char* api, int dev, bool ctx = true) {
   return e;
 }
 
+// Per-thread counts of what the code under test does on the calling thread (the forward thread,
+// in tests/test_cuda.py's lean-path tests): runtime API calls per function, and, counted by the
+// test module (tests/cuda_mock: cuda_bindings.cpp's mock part), heap allocations and mutex
+// acquisitions made outside the mock's own calls (the mock's internals are not the code's cost).
+struct ThreadCounts {
+  std::map<const char*, uint64_t> calls;  // keyed by __func__ (one static string per function)
+  uint64_t allocs = 0;
+  uint64_t locks = 0;
+  int in_mock = 0;  // depth of mock API calls on this thread
+};
+inline ThreadCounts& thread_counts() {
+  static thread_local ThreadCounts c;
+  return c;
+}
+struct CallScope {
+  explicit CallScope(const char* fn) {
+    ThreadCounts& c = thread_counts();
+    ++c.in_mock;  // first: the map insertion below is the mock's, not the caller's
+    ++c.calls[fn];
+  }
+  ~CallScope() { --thread_counts().in_mock; }
+};
+#define FDMOCK_CALL() fdmock::CallScope fdmock_call_scope_(__func__)
+
 #define FDMOCK_ENTER(api, dev)                                   \
   do {                                                           \
     cudaError_t fdm_e_ = fdmock::enter(api, dev);                \
@@ -651,6 +675,7 @@ inline int primary_ctx_get_state(int dev, unsigned int* flags, int* active) {
 // The runtime API subset.
 
 inline const char* cudaGetErrorName(cudaError_t e) {
+  FDMOCK_CALL();
   switch (e) {
     case cudaSuccess: return "cudaSuccess";
     case cudaErrorInvalidValue: return "cudaErrorInvalidValue";
@@ -679,6 +704,7 @@ inline const char* cudaGetErrorName(cudaError_t e) {
 }
 inline const char* cudaGetErrorString(cudaError_t e) { return cudaGetErrorName(e); }
 inline cudaError_t cudaGetLastError() {
+  FDMOCK_CALL();
   cudaError_t e = fdmock::last_error();
   const int d = fdmock::current_device();
   {
@@ -689,14 +715,17 @@ inline cudaError_t cudaGetLastError() {
   return e;
 }
 inline cudaError_t cudaRuntimeGetVersion(int* v) {
+  FDMOCK_CALL();
   *v = 13000;
   return cudaSuccess;
 }
 inline cudaError_t cudaDriverGetVersion(int* v) {
+  FDMOCK_CALL();
   *v = fdmock::config().device_count.load() > 0 ? 13000 : 0;
   return cudaSuccess;
 }
 inline cudaError_t cudaGetDeviceCount(int* n) {
+  FDMOCK_CALL();
   *n = std::min(fdmock::config().device_count.load(), fdmock::kMaxDevices);
   if (*n <= 0) {
     *n = 0;
@@ -705,10 +734,12 @@ inline cudaError_t cudaGetDeviceCount(int* n) {
   return cudaSuccess;
 }
 inline cudaError_t cudaGetDevice(int* d) {  // 0 on a thread that never set one; creates nothing
+  FDMOCK_CALL();
   *d = fdmock::current_device();
   return cudaSuccess;
 }
 inline cudaError_t cudaSetDevice(int d) {
+  FDMOCK_CALL();
   if (d < 0 || d >= std::min(fdmock::config().device_count.load(), fdmock::kMaxDevices))
     return fdmock::ret(cudaErrorInvalidDevice);
   FDMOCK_ENTER("cudaSetDevice", d);  // since CUDA 12 it initializes the device's primary context
@@ -717,6 +748,7 @@ inline cudaError_t cudaSetDevice(int d) {
 }
 inline cudaError_t cudaGetDriverEntryPointByVersion(const char* symbol, void** fn, unsigned int, unsigned long long,
                                                     cudaDriverEntryPointQueryResult* status = nullptr) {
+  FDMOCK_CALL();
   *fn = nullptr;
   if (std::strcmp(symbol, "cuDevicePrimaryCtxGetState") == 0)
     *fn = reinterpret_cast<void*>(&fdmock::primary_ctx_get_state);
@@ -724,6 +756,7 @@ inline cudaError_t cudaGetDriverEntryPointByVersion(const char* symbol, void** f
   return cudaSuccess;
 }
 inline cudaError_t cudaGetDeviceProperties(cudaDeviceProp* p, int d) {
+  FDMOCK_CALL();
   std::memset(p, 0, sizeof(*p));
   std::snprintf(p->name, sizeof(p->name), "Mock GPU %d", d);
   for (int i = 0; i < 16; ++i) p->uuid.bytes[i] = static_cast<char>(i * 17 + d);
@@ -734,20 +767,24 @@ inline cudaError_t cudaGetDeviceProperties(cudaDeviceProp* p, int d) {
   return cudaSuccess;
 }
 inline cudaError_t cudaDeviceGetPCIBusId(char* buf, int len, int d) {
+  FDMOCK_CALL();
   std::snprintf(buf, static_cast<size_t>(len), "0000:%02X:00.0", 0x10 + d);
   return cudaSuccess;
 }
 inline cudaError_t cudaDeviceGetAttribute(int* v, cudaDeviceAttr, int) {
+  FDMOCK_CALL();
   *v = 4;
   return cudaSuccess;
 }
 inline cudaError_t cudaDeviceGetStreamPriorityRange(int* least, int* greatest) {
+  FDMOCK_CALL();
   FDMOCK_ENTER("cudaDeviceGetStreamPriorityRange", fdmock::current_device());
   *least = 0;
   *greatest = -5;
   return cudaSuccess;
 }
 inline cudaError_t cudaPointerGetAttributes(cudaPointerAttributes* a, const void* p) {
+  FDMOCK_CALL();
   FDMOCK_ENTER("cudaPointerGetAttributes", fdmock::current_device());
   std::memset(a, 0, sizeof(*a));
   a->device = -2;
@@ -766,6 +803,7 @@ inline cudaError_t cudaPointerGetAttributes(cudaPointerAttributes* a, const void
   return cudaSuccess;
 }
 inline cudaError_t cudaMalloc(void** p, size_t n) {
+  FDMOCK_CALL();
   const int dev = fdmock::current_device();
   *p = nullptr;
   FDMOCK_ENTER("cudaMalloc", dev);
@@ -789,6 +827,7 @@ inline cudaError_t cudaMalloc(void** p, size_t n) {
   return cudaSuccess;
 }
 inline cudaError_t cudaFree(void* p) {
+  FDMOCK_CALL();
   if (!p) return cudaSuccess;
   FDMOCK_ENTER("cudaFree", fdmock::current_device());
   if (cudaError_t e = fdmock::unsafe_call()) return fdmock::ret(e);
@@ -807,6 +846,7 @@ inline cudaError_t cudaFree(void* p) {
   return cudaSuccess;
 }
 inline cudaError_t cudaHostAlloc(void** p, size_t n, unsigned int) {
+  FDMOCK_CALL();
   FDMOCK_ENTER("cudaHostAlloc", fdmock::current_device());
   if (cudaError_t e = fdmock::unsafe_call()) return fdmock::ret(e);
   *p = std::aligned_alloc(4096, (n + 4095) / 4096 * 4096);
@@ -818,6 +858,7 @@ inline cudaError_t cudaHostAlloc(void** p, size_t n, unsigned int) {
 // Mapped pinned memory: with unified addressing (every 64-bit platform) the device pointer is the
 // host pointer; mock "kernels" (host lambdas) reach it directly, as GPU kernels do over PCIe.
 inline cudaError_t cudaHostGetDevicePointer(void** dev, void* host, unsigned int flags) {
+  FDMOCK_CALL();
   FDMOCK_ENTER("cudaHostGetDevicePointer", fdmock::current_device());
   if (flags != 0) return fdmock::ret(cudaErrorInvalidValue);
   std::lock_guard<std::mutex> g(fdmock::memory().mu);
@@ -830,6 +871,7 @@ inline cudaError_t cudaHostGetDevicePointer(void** dev, void* host, unsigned int
   return cudaSuccess;
 }
 inline cudaError_t cudaFreeHost(void* p) {
+  FDMOCK_CALL();
   {
     std::lock_guard<std::mutex> g(fdmock::memory().mu);
     if (!fdmock::memory().host_allocs.erase(reinterpret_cast<uintptr_t>(p))) return fdmock::ret(cudaErrorInvalidValue);
@@ -839,6 +881,7 @@ inline cudaError_t cudaFreeHost(void* p) {
   return cudaSuccess;
 }
 inline cudaError_t cudaStreamCreateWithPriority(cudaStream_t* s, unsigned int flags, int) {
+  FDMOCK_CALL();
   const int dev = fdmock::current_device();
   FDMOCK_ENTER("cudaStreamCreateWithPriority", dev);
   auto* st = new fdmock::Stream(dev, flags, false);
@@ -850,9 +893,11 @@ inline cudaError_t cudaStreamCreateWithPriority(cudaStream_t* s, unsigned int fl
   return cudaSuccess;
 }
 inline cudaError_t cudaStreamCreateWithFlags(cudaStream_t* s, unsigned int flags) {
+  FDMOCK_CALL();
   return cudaStreamCreateWithPriority(s, flags, 0);
 }
 inline cudaError_t cudaStreamDestroy(cudaStream_t s) {
+  FDMOCK_CALL();
   if (reinterpret_cast<uintptr_t>(s) <= 2) return fdmock::ret(cudaErrorInvalidResourceHandle);
   auto* st = reinterpret_cast<fdmock::Stream*>(s);
   {
@@ -863,6 +908,7 @@ inline cudaError_t cudaStreamDestroy(cudaStream_t s) {
   return cudaSuccess;
 }
 inline cudaError_t cudaStreamSynchronize(cudaStream_t s) {
+  FDMOCK_CALL();
   fdmock::Stream* st = fdmock::stream_of(s);
   FDMOCK_ENTER("cudaStreamSynchronize", st->device());
   {
@@ -879,6 +925,7 @@ inline cudaError_t cudaStreamSynchronize(cudaStream_t s) {
   return cudaSuccess;
 }
 inline cudaError_t cudaStreamBeginCapture(cudaStream_t s, cudaStreamCaptureMode mode) {
+  FDMOCK_CALL();
   fdmock::Stream* st = fdmock::stream_of(s);
   FDMOCK_ENTER("cudaStreamBeginCapture", st->device());
   if (st->legacy()) return fdmock::ret(cudaErrorStreamCaptureUnsupported);
@@ -898,6 +945,7 @@ inline cudaError_t cudaStreamBeginCapture(cudaStream_t s, cudaStreamCaptureMode 
   return cudaSuccess;
 }
 inline cudaError_t cudaStreamEndCapture(cudaStream_t s, cudaGraph_t* graph) {
+  FDMOCK_CALL();
   fdmock::Stream* st = fdmock::stream_of(s);
   *graph = nullptr;
   std::lock_guard<std::mutex> g(fdmock::big_lock());
@@ -927,6 +975,7 @@ inline cudaError_t cudaStreamEndCapture(cudaStream_t s, cudaGraph_t* graph) {
   return cudaSuccess;
 }
 inline cudaError_t cudaStreamIsCapturing(cudaStream_t s, cudaStreamCaptureStatus* out) {
+  FDMOCK_CALL();
   fdmock::Stream* st = fdmock::stream_of(s);
   FDMOCK_ENTER("cudaStreamIsCapturing", st->device());
   *out = cudaStreamCaptureStatusNone;
@@ -949,6 +998,7 @@ inline cudaError_t cudaStreamGetCaptureInfo(cudaStream_t s, cudaStreamCaptureSta
                                             unsigned long long* id = nullptr, cudaGraph_t* graph = nullptr,
                                             const void** deps = nullptr, const void** edges = nullptr,
                                             size_t* ndeps = nullptr) {
+  FDMOCK_CALL();
   cudaError_t e = cudaStreamIsCapturing(s, out);
   if (e != cudaSuccess) return e;
   std::lock_guard<std::mutex> g(fdmock::big_lock());
@@ -961,10 +1011,12 @@ inline cudaError_t cudaStreamGetCaptureInfo(cudaStream_t s, cudaStreamCaptureSta
   return cudaSuccess;
 }
 inline cudaError_t cudaThreadExchangeStreamCaptureMode(cudaStreamCaptureMode* mode) {
+  FDMOCK_CALL();
   std::swap(fdmock::thread_capture_mode(), *mode);
   return cudaSuccess;
 }
 inline cudaError_t cudaGraphInstantiate(cudaGraphExec_t* exec, cudaGraph_t graph, unsigned long long = 0) {
+  FDMOCK_CALL();
   FDMOCK_ENTER("cudaGraphInstantiate", fdmock::current_device());
   if (!graph) return fdmock::ret(cudaErrorInvalidValue);
   *exec = reinterpret_cast<cudaGraphExec_t>(new fdmock::Graph(*reinterpret_cast<fdmock::Graph*>(graph)));
@@ -972,6 +1024,7 @@ inline cudaError_t cudaGraphInstantiate(cudaGraphExec_t* exec, cudaGraph_t graph
   return cudaSuccess;
 }
 inline cudaError_t cudaGraphLaunch(cudaGraphExec_t exec, cudaStream_t s) {
+  FDMOCK_CALL();
   FDMOCK_ENTER("cudaGraphLaunch", fdmock::current_device());
   auto* g = reinterpret_cast<fdmock::Graph*>(exec);
   return fdmock::ret(fdmock::submit(s, [g] {
@@ -979,27 +1032,32 @@ inline cudaError_t cudaGraphLaunch(cudaGraphExec_t exec, cudaStream_t s) {
   }));
 }
 inline cudaError_t cudaGraphDestroy(cudaGraph_t graph) {
+  FDMOCK_CALL();
   delete reinterpret_cast<fdmock::Graph*>(graph);
   fdmock::config().live_graphs--;
   return cudaSuccess;
 }
 inline cudaError_t cudaGraphExecDestroy(cudaGraphExec_t exec) {
+  FDMOCK_CALL();
   delete reinterpret_cast<fdmock::Graph*>(exec);
   fdmock::config().live_graphs--;
   return cudaSuccess;
 }
 inline cudaError_t cudaEventCreateWithFlags(cudaEvent_t* e, unsigned int) {
+  FDMOCK_CALL();
   FDMOCK_ENTER("cudaEventCreateWithFlags", fdmock::current_device());
   *e = reinterpret_cast<cudaEvent_t>(new fdmock::Event());
   fdmock::config().live_events++;
   return cudaSuccess;
 }
 inline cudaError_t cudaEventDestroy(cudaEvent_t e) {
+  FDMOCK_CALL();
   delete reinterpret_cast<fdmock::Event*>(e);
   fdmock::config().live_events--;
   return cudaSuccess;
 }
 inline cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s) {
+  FDMOCK_CALL();
   auto* ev = reinterpret_cast<fdmock::Event*>(e);
   fdmock::Stream* st = fdmock::stream_of(s);
   FDMOCK_ENTER("cudaEventRecord", st->device());
@@ -1024,6 +1082,7 @@ inline cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s) {
   return cudaSuccess;
 }
 inline cudaError_t cudaEventQuery(cudaEvent_t e) {
+  FDMOCK_CALL();
   auto* ev = reinterpret_cast<fdmock::Event*>(e);
   FDMOCK_ENTER("cudaEventQuery", fdmock::current_device());
   std::shared_ptr<fdmock::Progress> pr;
@@ -1039,6 +1098,7 @@ inline cudaError_t cudaEventQuery(cudaEvent_t e) {
   return pr->get() >= t ? cudaSuccess : cudaErrorNotReady;
 }
 inline cudaError_t cudaStreamWaitEvent(cudaStream_t s, cudaEvent_t e, unsigned int) {
+  FDMOCK_CALL();
   auto* ev = reinterpret_cast<fdmock::Event*>(e);
   fdmock::Stream* st = fdmock::stream_of(s);
   FDMOCK_ENTER("cudaStreamWaitEvent", st->device());
@@ -1075,6 +1135,7 @@ inline cudaError_t cudaStreamWaitEvent(cudaStream_t s, cudaEvent_t e, unsigned i
   return fdmock::ret(fdmock::submit(s, [pr, t] { pr->wait_for(t); }));
 }
 inline cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t n, cudaMemcpyKind kind, cudaStream_t s) {
+  FDMOCK_CALL();
   fdmock::Stream* st = fdmock::stream_of(s);
   FDMOCK_ENTER("cudaMemcpyAsync", st->device());
   fdmock::Side d, sr;
@@ -1088,6 +1149,7 @@ inline cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t n, cudaMem
 }
 inline cudaError_t cudaMemcpy2DAsync(void* dst, size_t dpitch, const void* src, size_t spitch, size_t width,
                                      size_t height, cudaMemcpyKind kind, cudaStream_t s) {
+  FDMOCK_CALL();
   FDMOCK_ENTER("cudaMemcpy2DAsync", fdmock::stream_of(s)->device());
   if (dpitch < width || spitch < width || height == 0) return fdmock::ret(cudaErrorInvalidValue);
   const size_t dspan = dpitch * (height - 1) + width, sspan = spitch * (height - 1) + width;
@@ -1107,6 +1169,7 @@ inline cudaError_t cudaMemcpy2DAsync(void* dst, size_t dpitch, const void* src, 
 inline cudaError_t cudaMemcpyBatchAsync(void* const* dsts, const void* const* srcs, const size_t* sizes,
                                         size_t count, cudaMemcpyAttributes* attrs, size_t* idxs, size_t nattrs,
                                         cudaStream_t s) {
+  FDMOCK_CALL();
   FDMOCK_ENTER("cudaMemcpyBatchAsync", fdmock::stream_of(s)->device());
   if (reinterpret_cast<uintptr_t>(s) <= 1 || nattrs != 1 || idxs[0] != 0 ||
       attrs[0].srcAccessOrder != cudaMemcpySrcAccessOrderStream)
@@ -1132,6 +1195,7 @@ inline cudaError_t cudaMemcpyBatchAsync(void* const* dsts, const void* const* sr
   }));
 }
 inline cudaError_t cudaHostRegister(void* p, size_t n, unsigned int) {
+  FDMOCK_CALL();
   FDMOCK_ENTER("cudaHostRegister", fdmock::current_device());
   if (cudaError_t e = fdmock::unsafe_call()) return fdmock::ret(e);
   std::lock_guard<std::mutex> g(fdmock::memory().mu);
@@ -1148,6 +1212,7 @@ inline cudaError_t cudaHostRegister(void* p, size_t n, unsigned int) {
   return cudaSuccess;
 }
 inline cudaError_t cudaHostUnregister(void* p) {
+  FDMOCK_CALL();
   FDMOCK_ENTER("cudaHostUnregister", fdmock::current_device());
   std::lock_guard<std::mutex> g(fdmock::memory().mu);
   if (!fdmock::memory().pinned.erase(reinterpret_cast<uintptr_t>(p))) return fdmock::ret(cudaErrorHostMemoryNotRegistered);

@@ -1,0 +1,413 @@
+"""The lean CUDA eager path (CudaStager::stage_lean behind ChannelStager.stage_tensor) against the mock
+CUDA runtime: what the forward thread does per tensor (runtime calls, heap allocations, mutex
+acquisitions, counted per thread by the mock build), one event per N snapshots, batches handed to the
+drain, capture detection at pass and stream changes, the fallbacks to the checked path, and the
+content of every staged tensor, bit for bit. docs/CUDA.md, "The eager path"."""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+
+import pytest
+import torch
+
+from fastdump import dtypes
+from fastdump.capture.dumper import _FAST_CODES
+from test_cuda import (GLOBAL, FakeCudaTensor, FakeStream, Ring, _attach, _dump_pass, _load, fake_cuda, glue,  # noqa: F401
+                       m, mock, same_bits, to_device)
+
+NOT_FAST = -1
+
+
+class Current:
+    """The current stream as the lane asks for it (torch._C._cuda_getCurrentRawStream's role)."""
+
+    def __init__(self, raw):
+        self.raw = raw
+        self.asked = 0
+
+    def raw_stream(self, device):
+        self.asked += 1
+        return self.raw
+
+    def stream_object(self, device):
+        return FakeStream(self.raw)
+
+
+class Lane:
+    """A mock ring, a mock CudaStager and a ChannelStager whose CUDA tensors go to the lean path."""
+
+    def __init__(self, m, stream, *, events_every=16, capacity=8 << 20, chunk=0, device_ring=4 << 20, channel=0):
+        self.m = m
+        self.ring = Ring(m, capacity, chunk)
+        self.stager = m.CudaStager(self.ring.producer, device_ring)
+        self.stager.register_host()
+        self.stager.events_every = events_every
+        self.current = Current(stream)
+        self.lane = m.ChannelStager(self.ring.producer, channel, _FAST_CODES, torch.strided)
+        self.lane.set_cuda(self.stager, self.current.raw_stream, self.current.stream_object)
+        self.stager.prepare(0)
+        self.stager.prepare(1)
+
+    def run_pass(self, pass_id, tensors, block=True):
+        self.lane.begin(pass_id, block, -1.0)
+        statuses = [self.lane.stage_tensor(i, t) for i, t in enumerate(tensors)]
+        self.lane.take_counts()  # the pass end: the lane's last batch goes to the drain
+        return statuses
+
+    def close(self):
+        self.stager.close()
+
+
+def fakes(m, n, seed=0, device=0):
+    """n small tensors of assorted dtypes and shapes in mock device memory (contiguous)."""
+    g = torch.Generator().manual_seed(seed)
+    out, cpu = [], []
+    kinds = [torch.float32, torch.bfloat16, torch.int64, torch.float16, torch.int8]
+    for i in range(n):
+        dt = kinds[i % len(kinds)]
+        shape = (1 + i % 4, 16 + (i * 7) % 50)
+        t = torch.randint(-100, 100, shape, generator=g).to(dt)
+        cpu.append(t)
+        out.append(fake_cuda(m, t, device))
+    return out, cpu
+
+
+def check_ring(ring, expected):
+    """expected: {(name_id, pass_id): cpu tensor}; every one in the ring, bit for bit, nothing else."""
+    got, _ = ring.read(timeout=1.0)
+    assert set(got) == {(0, n, p) for (n, p) in expected}, (sorted(got), sorted(expected))
+    for (n, p), t in expected.items():
+        dtype, shape, data = got[(0, n, p)]
+        assert dtype == dtypes.code_of(t.dtype) and shape == tuple(t.shape), (n, p)
+        assert data == t.contiguous().view(torch.uint8).numpy().tobytes(), (n, p)
+
+
+def test_lean_steady_state_costs_on_the_forward_thread(m):
+    """Per pass of T tensors, N snapshots per event, once warm: T snapshot copies, at most
+    ceil(T/N)+1 event records (each after a capture check), one device and one capture check per
+    pass, no other runtime call, no heap
+    allocation per tensor, at most 3 mutex acquisitions per tensor (lane, device ring, host ring) plus 2 per
+    batch; every tensor bit-exact in the ring; every tensor went through the lean path."""
+    stream = m._mock.stream_create()
+    T, N, P = 60, 16, 4
+    lane = Lane(m, stream, events_every=N)
+    try:
+        ts, cpu = fakes(m, T)
+        expected = {}
+        for p in range(2):  # warm: names, lanes, vectors, event pool
+            assert lane.run_pass(p, ts) == [m.STAGED] * T
+            expected.update({(i, p): c for i, c in enumerate(cpu)})
+        m._mock.reset_thread_counts()
+        t0 = time.thread_time_ns()
+        for p in range(2, 2 + P):
+            assert lane.run_pass(p, ts) == [m.STAGED] * T
+            expected.update({(i, p): c for i, c in enumerate(cpu)})
+        ns = (time.thread_time_ns() - t0) / (P * T)
+        counts = m._mock.thread_counts()
+        calls = dict(counts["calls"])
+        print(f"\nmock, forward thread: {ns:.0f} ns CPU per tensor (stage_tensor incl. Python attribute reads); "
+              f"counts over {P * T} tensors: {counts}")
+        assert calls.pop("cudaMemcpyAsync") == P * T
+        assert calls.pop("cudaEventRecord") <= P * (math.ceil(T / N) + 1)
+        # one capture check per pass, and one per batch before its event (never an event in a capture)
+        assert calls.pop("cudaStreamIsCapturing", 0) <= P * (math.ceil(T / N) + 2)
+        assert calls.pop("cudaGetDevice", 0) <= P
+        assert calls == {}, calls  # nothing else on the forward thread
+        total_calls = sum(counts["calls"].values())
+        assert total_calls / (P * T) <= 1 + (2 * math.ceil(T / N) + 4) / T
+        # Pools (events, queues) may still grow once under a drain backlog: never per tensor.
+        assert counts["allocs"] * 50 <= P * T, counts
+        batches = P * (math.ceil(T / N) + 1)
+        assert counts["locks"] <= 3 * P * T + 2 * batches, counts
+        assert lane.stager.flush(10)
+        st = lane.stager.stats()
+        assert st["lean_tensors"] == st["tensors"] == (2 + P) * T
+        assert st["snapshot_events"] <= (2 + P) * (math.ceil(T / N) + 1)
+        assert st["drain_wakeups"] == st["snapshot_events"]
+        assert st["lean_checks"] <= 2 + P  # one per pass
+        check_ring(lane.ring, expected)
+    finally:
+        lane.close()
+        m._mock.stream_destroy(stream)
+
+
+def test_general_path_costs_more_calls(m):
+    """The contrast the lean path is for: the checked stage() makes four runtime calls per tensor on
+    the calling thread (device, capture state, snapshot, event)."""
+    stream = m._mock.stream_create()
+    ring = Ring(m)
+    stager = m.CudaStager(ring.producer, 4 << 20)
+    stager.register_host()
+    stager.prepare(0)
+    try:
+        t = torch.arange(256, dtype=torch.float32)
+        p = to_device(m, t)
+        m._mock.reset_thread_counts()
+        for i in range(10):
+            assert stager.stage(0, i, 0, dtypes.code_of(t.dtype), 4, [256], [1], p, 0, stream, True) == m.STAGED
+        calls = m._mock.thread_counts()["calls"]
+        assert calls["cudaMemcpyAsync"] == 10 and calls["cudaEventRecord"] == 10
+        assert calls["cudaStreamIsCapturing"] == 10 and calls["cudaGetDevice"] >= 10
+        assert stager.flush(10)
+    finally:
+        stager.close()
+        m._mock.stream_destroy(stream)
+
+
+@pytest.mark.parametrize("n_every", [1, 7, 1000])
+def test_lean_pass_end_hands_the_batch_to_the_drain(m, n_every):
+    """One event per N snapshots, and the pass end seals the rest: every record is published without
+    flush(), and the drain copied them in about one batch per event, not one per tensor."""
+    stream = m._mock.stream_create()
+    m._mock.set("max_delay_us", 100)  # the producer stream runs late: the event really orders the copies
+    T = 40
+    lane = Lane(m, stream, events_every=n_every)
+    try:
+        ts, cpu = fakes(m, T, seed=n_every)
+        assert lane.run_pass(0, ts) == [m.STAGED] * T
+        deadline = time.monotonic() + 10
+        while lane.stager.stats()["published"] < T and time.monotonic() < deadline:
+            time.sleep(0.005)
+        st = lane.stager.stats()
+        assert st["published"] == T  # no flush(): the pass end sealed the last batch
+        assert st["snapshot_events"] == math.ceil(T / n_every)
+        assert st["d2h_batches"] <= st["snapshot_events"] + 2 * (n_every == 1000)
+        check_ring(lane.ring, {(i, 0): c for i, c in enumerate(cpu)})
+    finally:
+        lane.close()
+        m._mock.stream_destroy(stream)
+
+
+def test_lean_open_batch_is_sealed_by_the_drain_timer(m):
+    """A pass that stays open (no pass end, fewer than N tensors): the drain seals the batch after
+    the hold time, so its records are published without any further call on the forward thread."""
+    stream = m._mock.stream_create()
+    lane = Lane(m, stream, events_every=1000)
+    try:
+        ts, cpu = fakes(m, 5, seed=3)
+        lane.lane.begin(0, True, -1.0)
+        assert [lane.lane.stage_tensor(i, t) for i, t in enumerate(ts)] == [m.STAGED] * 5
+        deadline = time.monotonic() + 10
+        while lane.stager.stats()["published"] < 5 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        st = lane.stager.stats()
+        assert st["published"] == 5 and st["timer_seals"] >= 1
+        check_ring(lane.ring, {(i, 0): c for i, c in enumerate(cpu)})
+    finally:
+        lane.close()
+        m._mock.stream_destroy(stream)
+
+
+def test_lean_capture_on_a_side_stream_mid_pass_is_seen(m):
+    """torch.cuda.graph switches to its capture stream: a tensor hooked there, mid-pass, is refused
+    (NOT_FAST, so the Dumper's general path gets CAPTURING for the graph recorder) and nothing of
+    the lean path joins the capture; back on the eager stream the lean path stages again."""
+    eager, side = m._mock.stream_create(), m._mock.stream_create_flags(0)
+    lane = Lane(m, eager, events_every=4)
+    try:
+        ts, cpu = fakes(m, 6, seed=5)
+        lane.lane.begin(0, True, -1.0)
+        assert [lane.lane.stage_tensor(i, ts[i]) for i in range(3)] == [m.STAGED] * 3
+        assert m._mock.begin_capture(side, GLOBAL) == 0
+        lane.current.raw = side
+        assert lane.lane.stage_tensor(3, ts[3]) == NOT_FAST
+        assert lane.stager.stage(0, 3, 0, dtypes.code_of(cpu[3].dtype), cpu[3].element_size(), list(cpu[3].shape),
+                                 list(cpu[3].stride()), ts[3].data_ptr(), 0, side, True) == m.CAPTURING
+        assert lane.lane.stage_tensor(4, ts[4]) == NOT_FAST  # still capturing: asked again, not cached
+        err, graph = m._mock.end_capture(side)
+        assert err == 0, m._mock.error_name(err)  # the capture stayed valid
+        lane.current.raw = eager
+        assert lane.lane.stage_tensor(5, ts[5]) == m.STAGED
+        lane.lane.take_counts()
+        assert lane.stager.flush(10)
+        st = lane.stager.stats()
+        assert st["capturing_skipped"] == 3 and st["lean_tensors"] == 4
+        check_ring(lane.ring, {(i, 0): cpu[i] for i in (0, 1, 2, 5)})
+        m._mock.graph_destroy(graph)
+    finally:
+        lane.close()
+        m._mock.stream_destroy(eager)
+        m._mock.stream_destroy(side)
+
+
+def test_lean_capture_begun_between_passes_on_the_same_stream_is_seen(m):
+    """SGLang/vLLM capture each graph in its own forward (a pass of its own), possibly on the stream
+    the warm-up passes ran on: the check made at each pass's first tensor sees the capture."""
+    s = m._mock.stream_create()
+    lane = Lane(m, s, events_every=4)
+    try:
+        ts, cpu = fakes(m, 2, seed=6)
+        assert lane.run_pass(0, ts) == [m.STAGED] * 2
+        assert m._mock.begin_capture(s, GLOBAL) == 0
+        assert lane.run_pass(1, ts) == [NOT_FAST] * 2
+        err, graph = m._mock.end_capture(s)
+        assert err == 0, m._mock.error_name(err)
+        assert lane.run_pass(2, ts) == [m.STAGED] * 2
+        assert lane.stager.flush(10)
+        check_ring(lane.ring, {(i, p): cpu[i] for i in range(2) for p in (0, 2)})
+        m._mock.graph_destroy(graph)
+    finally:
+        lane.close()
+        m._mock.stream_destroy(s)
+
+
+def test_lean_check_each_tensor_sees_a_capture_begun_mid_pass_on_the_same_stream(m, monkeypatch):
+    """FASTDUMP_CUDA_CHECK_EACH_TENSOR=1: for code that begins a capture mid-pass on the stream it was
+    already running on (the one case the per-pass rule misses), every tensor asks."""
+    monkeypatch.setenv("FASTDUMP_CUDA_CHECK_EACH_TENSOR", "1")
+    s = m._mock.stream_create()
+    lane = Lane(m, s, events_every=100)
+    try:
+        ts, cpu = fakes(m, 3, seed=7)
+        lane.lane.begin(0, True, -1.0)
+        assert lane.lane.stage_tensor(0, ts[0]) == m.STAGED
+        assert m._mock.begin_capture(s, GLOBAL) == 0
+        assert lane.lane.stage_tensor(1, ts[1]) == NOT_FAST
+        err, graph = m._mock.end_capture(s)
+        assert err == 0, m._mock.error_name(err)
+        assert lane.lane.stage_tensor(2, ts[2]) == m.STAGED
+        lane.lane.take_counts()
+        assert lane.stager.flush(10)
+        check_ring(lane.ring, {(0, 0): cpu[0], (2, 0): cpu[2]})
+        m._mock.graph_destroy(graph)
+    finally:
+        lane.close()
+        m._mock.stream_destroy(s)
+
+
+def test_lean_fallbacks_stage_through_the_checked_path(m):
+    """What the lean path leaves to stage(): a tensor on another GPU than the current one, a stream
+    change mid-pass, a tensor of several host records, a strided view (gather kernel), an empty
+    tensor: all staged, bit-exact, in one pass, interleaved with lean ones."""
+    s1, s2 = m._mock.stream_create(), m._mock.stream_create()
+    lane = Lane(m, s1, events_every=3, chunk=4096)
+    try:
+        small = torch.arange(100, dtype=torch.int32)
+        big = torch.arange(5000, dtype=torch.int32)                      # 20000 bytes: 5 records of 4096
+        view = torch.arange(64 * 64, dtype=torch.float32).reshape(64, 64)[::2, 1::3]
+        empty = torch.zeros(0, 5)
+        other = torch.arange(77, dtype=torch.int16)
+        items = [(small, 0), (big, 0), (view, 0), (empty, 0), (other, 1), (small * 3, 0)]
+        ts = [fake_cuda(m, t, dev) for t, dev in items]
+        lane.lane.begin(0, True, -1.0)
+        statuses = []
+        for i, t in enumerate(ts):
+            if i == 5:
+                lane.current.raw = s2  # the stream changed mid-pass
+            statuses.append(lane.lane.stage_tensor(i, t))
+        lane.lane.take_counts()
+        assert statuses == [m.STAGED] * len(ts)
+        assert lane.stager.flush(10)
+        check_ring(lane.ring, {(i, 0): t for i, (t, _) in enumerate(items)})
+        st = lane.stager.stats()
+        assert st["tensors"] == len(ts) and st["snapshot_kernels"] >= 1
+    finally:
+        lane.close()
+        m._mock.stream_destroy(s1)
+        m._mock.stream_destroy(s2)
+
+
+def test_lean_full_rings_never_deadlock_with_open_batches(m):
+    """Batches open on the forward thread hold host records the writer waits for: a tensor that must
+    wait for ring space (block) seals them first, so a small host ring and device ring drain while
+    a concurrent writer consumes; every tensor arrives intact. Under `drop` the same rings drop and
+    count instead of waiting."""
+    s = m._mock.stream_create()
+    m._mock.set("max_delay_us", 50)
+    lane = Lane(m, s, events_every=1000, capacity=256 << 10, device_ring=1 << 20)
+    got, stop = {}, threading.Event()
+
+    def consume():
+        while not stop.is_set():
+            r = lane.ring.consumer.next(0.05)
+            if r is None:
+                continue
+            kind, channel, name_id, pass_id, dtype, shape, payload, *_ = r
+            if kind == m.KIND_TENSOR:
+                got[(name_id, pass_id)] = bytes(payload)
+            lane.ring.consumer.release()
+
+    th = threading.Thread(target=consume, daemon=True)
+    th.start()
+    try:
+        t = torch.arange(4096, dtype=torch.float32)  # 16 KiB: the 256 KiB ring holds ~15
+        ts = [fake_cuda(m, t + i) for i in range(8)]
+        for p in range(10):
+            assert lane.run_pass(p, ts) == [m.STAGED] * len(ts)
+        assert lane.stager.flush(20)
+        deadline = time.monotonic() + 20
+        while len(got) < 80 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(got) == 80
+        for (i, p), data in got.items():
+            assert data == (t + i).numpy().tobytes(), (i, p)
+        stop.set()
+        th.join(5)
+        # `drop`, nobody consuming: the ring fills, the rest is dropped and counted, no wait.
+        for p in range(10, 14):
+            statuses = lane.run_pass(p, ts, block=False)
+            assert set(statuses) <= {m.STAGED, m.DROPPED}
+        assert m.DROPPED in statuses and lane.stager.stats()["dropped"] > 0
+    finally:
+        stop.set()
+        lane.close()
+        m._mock.stream_destroy(s)
+
+
+def test_dumper_stages_cuda_tensors_through_the_cpp_entry(m, glue, tmp_path, monkeypatch):
+    """Dumper.dump with a CUDA tensor of a known name: one C++ call (ChannelStager.stage_tensor), no
+    Python staging function; the current stream is recorded on each tensor for the caching
+    allocator; the dump is bit-exact and counted."""
+    from fastdump.staging import cuda
+
+    calls = []
+    real = cuda.stage_on_device
+    monkeypatch.setattr(cuda, "stage_on_device", lambda *a, **k: calls.append(a[2]) or real(*a, **k))
+    cases = {"a": torch.arange(3 * 5 * 7, dtype=torch.float32).reshape(3, 5, 7),
+             "b": torch.arange(600, dtype=torch.float32).to(torch.bfloat16).reshape(20, 30)[2:, ::3],
+             "c": torch.arange(10, dtype=torch.int16)}
+    fakes_ = {k: fake_cuda(m, v) for k, v in cases.items()}
+    d = _attach(tmp_path, writer="thread", device="cuda:0")
+    assert d._channel.lane.has_cuda  # registered at attach (prepare_cuda)
+    for p in range(3):
+        _dump_pass(d, list(fakes_.items()))
+    stats = d.close()
+    assert calls == [] or len(calls) == len(cases)  # at most the first pass (new names) took Python
+    for p in range(3):
+        got = _load(tmp_path, pass_id=p)
+        for k, v in cases.items():
+            assert same_bits(torch.as_tensor(got[k]) if not isinstance(got[k], torch.Tensor) else got[k], v), (p, k)
+    for f in fakes_.values():
+        assert [s.cuda_stream for s in f.recorded] == [glue] * 3
+    st = cuda.status()["stagers"][-1]
+    assert st["lean_tensors"] >= 2 * len(cases)
+    assert stats["tensors"] == 3 * len(cases)
+
+
+def test_lean_capture_begun_mid_pass_on_a_checked_stream_stops_staging_loudly(m):
+    """Without FASTDUMP_CUDA_CHECK_EACH_TENSOR, a capture begun mid-pass on the stream the pass was
+    already staging on is not seen per tensor; the batch's capture check before its event sees it:
+    nothing of that batch is written as if it were data, and staging stops with the reason."""
+    s = m._mock.stream_create()
+    lane = Lane(m, s, events_every=100)
+    try:
+        ts, cpu = fakes(m, 3, seed=8)
+        lane.lane.begin(0, True, -1.0)
+        assert lane.lane.stage_tensor(0, ts[0]) == m.STAGED
+        assert m._mock.begin_capture(s, GLOBAL) == 0
+        assert lane.lane.stage_tensor(1, ts[1]) == m.STAGED  # not checked per tensor: captured
+        lane.lane.take_counts()  # the pass end: the batch's check finds the capture
+        err, graph = m._mock.end_capture(s)
+        assert err == 0, m._mock.error_name(err)
+        st = lane.stager.stats()
+        assert st["broken"] and "mid-pass" in st["last_error"]
+        assert lane.lane.stage_tensor(2, ts[2]) == m.DISABLED
+        got, _ = lane.ring.read(timeout=0.5)
+        assert got == {}  # both records became padding: nothing written as data
+        m._mock.graph_destroy(graph)
+    finally:
+        lane.close()
+        m._mock.stream_destroy(s)
