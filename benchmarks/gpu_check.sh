@@ -2,7 +2,8 @@
 # One command for a machine with an NVIDIA GPU (sized for one H200, < 8 minutes):
 #   benchmarks/gpu_check.sh OUTDIR [--dry-run]
 # Stages: deps (install only what is missing; works offline), build (fastdump._C with CUDA),
-# pytest -m cuda (staging and CUDA-graph record mode), benchmarks/d2h_bench.py (large tensors, then
+# pytest -m cuda (staging and CUDA-graph record mode), benchmarks/lane_bench.py (forward-thread us per
+# staged CUDA tensor, lean vs checked path), benchmarks/d2h_bench.py (large tensors, then
 # decode-size ones), benchmarks/decode_bench.py --preset 8b --cuda-graphs (graph replay with record
 # mode vs without, target and draft), then --preset 8b eager (modes none, fastdump-process,
 # sglang-style, both roles). A failing stage is reported and the others still run. Full log:
@@ -148,6 +149,8 @@ fi
 run_stage pytest-cuda 120 "$PY" -m pytest -m cuda -q -rs -p no:cacheprovider --junitxml="$OUT/pytest-cuda.xml" tests
 if ((DRY)); then
   run_stage d2h-bench 60 "$PY" benchmarks/d2h_bench.py --dry-run --json "$OUT/d2h.json"
+  # The lean path's forward-thread cost against the mock runtime (call counts; times are the mock's).
+  run_stage lane-bench 180 "$PY" benchmarks/lane_bench.py --mock --tensors 100 --passes 3 --json "$OUT/lane.json"
   run_stage decode-graphs 30 "$PY" benchmarks/decode_bench.py --preset tiny --device cpu --cuda-graphs \
     --json "$OUT/graphs.json"
   run_stage decode-bench 120 "$PY" benchmarks/decode_bench.py --preset tiny --device cpu \
@@ -157,6 +160,8 @@ else
   # Decode-size tensors (8 KiB hidden row, 32 KiB, 256 KiB logits row): the per-tensor cost regime.
   run_stage d2h-decode 45 "$PY" benchmarks/d2h_bench.py --sizes-mb 0.0078125,0.03125,0.25 --total-gb 0.25 \
     --reps 2 --peak-mb 256 --no-memcpy-variant --json "$OUT/d2h-decode.json"
+  # Forward-thread us per staged CUDA tensor: the lean path (the Dumper's) against the checked one.
+  run_stage lane-bench 60 "$PY" benchmarks/lane_bench.py --tensors 400 --passes 30 --json "$OUT/lane.json"
   run_stage decode-graphs 90 "$PY" benchmarks/decode_bench.py --preset 8b --device cuda --dtype bfloat16 \
     --cuda-graphs --json "$OUT/graphs.json"
   run_stage decode-bench 240 "$PY" benchmarks/decode_bench.py --preset 8b --device cuda --dtype bfloat16 \
@@ -197,6 +202,17 @@ for line in (out / "stages.tsv").read_text().splitlines():
         elif d:
             detail = d.get("status", "")
         summary[name] = d
+    elif name == "lane-bench":
+        d = load("lane.json") or {}
+        if d.get("status") == "ok":
+            le, ch = d["lean"], d["checked"]
+            detail = (f"{'MOCK ' if d['args'].get('mock') else ''}forward thread per tensor: lean "
+                      f"{le['us_per_tensor_wall']:.2f} us wall / {le['us_per_tensor_cpu']:.2f} us CPU, checked "
+                      f"{ch['us_per_tensor_wall']:.2f} / {ch['us_per_tensor_cpu']:.2f}; "
+                      f"{le['events_per_pass']:.1f} events/pass")
+        elif d:
+            detail = d.get("status", "")
+        summary["lane"] = d
     elif name == "decode-graphs":
         d = load("graphs.json") or {}
         parts = []

@@ -3,6 +3,8 @@
 //   g++ -std=c++17 -O1 -g -fsanitize=thread -DFASTDUMP_CUDA_MOCK=1 -Itests/cuda_mock -Icsrc
 //       -x c++ csrc/cuda_staging.cu -x none csrc/ring.cpp tests/cuda_mock/stress.cpp -lrt -pthread
 //   ./a.out [iterations_per_thread] [threads] [mode]
+// Odd threads stage through the lean path (stage_lean, a lane each, passes of 7 tensors, events
+// every N, pass ends sometimes left to the drain's timer).
 // mode "fail": a CUDA error in the drain halfway (stage() must then return kDisabled, nothing may
 // hang, and what was delivered must still be right); mode "nobatch": cudaMemcpyBatchAsync refused.
 // Several threads stage random strided tensors (random element sizes, shapes, strides, block or
@@ -129,9 +131,13 @@ int main(int argc, char** argv) {
     for (int t = 0; t < nthreads; ++t) {
       threads.emplace_back([&, t] {
         std::mt19937 rng(static_cast<unsigned>(100 + t));
+        // Every other thread stages through a lean lane (stage_lean), half of those on the
+        // tensors' device (lean) and half not (each tensor then takes the checked path).
+        CudaLane* lane = t % 2 == 1 ? stager.open_lane() : nullptr;
         cudaStream_t stream = nullptr;
         fdmock::current_device() = t % 2;
         cudaStreamCreateWithPriority(&stream, cudaStreamNonBlocking, 0);
+        if (lane && t % 4 == 3) fdmock::current_device() = (t + 1) % 2;  // not the tensors' device
         std::vector<std::vector<uint8_t>*> keep;
         std::vector<void*> device_bufs;
         const uint64_t sizes[] = {1, 2, 4, 8, 16, 3, 12};
@@ -206,7 +212,14 @@ int main(int argc, char** argv) {
             fdmock::inject("cudaEventQuery", 1, cudaErrorUnknown);
             failed = true;
           }
-          e.status = stager.stage(static_cast<uint32_t>(t), static_cast<uint32_t>(i), 1, 0, src, block, nullptr);
+          if (lane) {
+            // The lean path: passes of 7 tensors; some pass ends are left to the drain's timer.
+            e.status = stager.stage_lean(lane, static_cast<uint32_t>(t), static_cast<uint32_t>(i), 1 + i / 7, 0, src,
+                                         block, nullptr);
+            if (i % 7 == 6 && rng() % 3) stager.end_pass(lane);
+          } else {
+            e.status = stager.stage(static_cast<uint32_t>(t), static_cast<uint32_t>(i), 1, 0, src, block, nullptr);
+          }
           // Under `drop` a tensor that cannot fit in the ring at once is never staged (kRingTooSmall).
           if (!failed.load())
             CHECK(e.status == kStaged || (!block && (e.status == kDropped || e.status == kRingTooSmall)),
@@ -232,6 +245,7 @@ int main(int argc, char** argv) {
                 (unsigned long long)st.d2h_copies, (unsigned long long)st.d2h_batches,
                 (unsigned long long)st.dropped, (unsigned long long)st.device_ring_full_waits,
                 (unsigned long long)st.host_ring_full_waits, (unsigned long long)st.cancelled);
+    if (nthreads >= 2) CHECK(st.lean_tensors > 0, "no tensor took the lean path");
     CHECK(st.dropped == ps.dropped, "dropped %llu vs producer %llu", (unsigned long long)st.dropped,
           (unsigned long long)ps.dropped);
     CHECK(st.published + st.cancelled >= st.records, "published %llu + cancelled %llu of %llu",
