@@ -87,13 +87,20 @@ def run(mod, tensors, raw_stream, stream_object, passes, events_every, mock):
     from fastdump.capture.dumper import _FAST_CODES
     from fastdump.staging import cuda
 
-    name = f"/fdlane-{id(tensors)}-{time.monotonic_ns()}"
-    prod = mod.Producer(name, 256 << 20, 0)
-    cons = mod.Consumer(name)
-    prod.unlink()
     stop = threading.Event()
-    th = threading.Thread(target=_drain_ring, args=(mod, cons, stop), daemon=True)
-    th.start()
+    if mock:  # the mock module lives in this process only: an in-process consumer thread
+        name = f"/fdlane-{id(tensors)}-{time.monotonic_ns()}"
+        prod = mod.Producer(name, 256 << 20, 0)
+        cons = mod.Consumer(name)
+        prod.unlink()
+        th = threading.Thread(target=_drain_ring, args=(mod, cons, stop), daemon=True)
+        th.start()
+        ring = None
+    else:  # a discarding writer process, as fastdump's writer is one
+        from benchmarks.d2h_bench import Ring as ProcessRing
+
+        ring = ProcessRing(256 << 20, 0)
+        prod, th = ring.producer, None
     stager = mod.CudaStager(prod, 256 << 20)
     stager.register_host()
     stager.prepare(0)
@@ -146,7 +153,10 @@ def run(mod, tensors, raw_stream, stream_object, passes, events_every, mock):
     finally:
         stager.close()
         stop.set()
-        th.join(5)
+        if th is not None:
+            th.join(5)
+        if ring is not None:
+            ring.close()
     return result
 
 
