@@ -1118,8 +1118,9 @@ struct CudaStager::Impl {
       const cudaError_t ce = cudaStreamIsCapturing(stream, &cs);
       if (ce == cudaErrorStreamCaptureImplicit || (ce == cudaSuccess && cs != cudaStreamCaptureStatusNone)) {
         if (ce != cudaSuccess) (void)cudaGetLastError();
-        n_capturing.fetch_add(1, std::memory_order_relaxed);
-        return kCapturing;  // not cached: checked again at the next tensor
+        // Not cached (checked again at the next tensor) and not counted: the caller's general path
+        // stages it again through stage(), which counts it (capturing_skipped) once.
+        return kCapturing;
       }
       if (ce != cudaSuccess) {
         (void)cudaGetLastError();
@@ -1136,10 +1137,7 @@ struct CudaStager::Impl {
         if (ce != cudaSuccess) (void)cudaGetLastError();
         seal_locked(lane, true);  // what came before the capture began is not in it
         lane->checked = false;
-        if (ce == cudaErrorStreamCaptureImplicit || ce == cudaSuccess) {
-          n_capturing.fetch_add(1, std::memory_order_relaxed);
-          return kCapturing;
-        }
+        if (ce == cudaErrorStreamCaptureImplicit || ce == cudaSuccess) return kCapturing;  // as above
         return kNotLean;
       }
     }

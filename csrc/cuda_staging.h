@@ -135,7 +135,8 @@ class CudaStager {
   // recorded per `events_every` snapshots (and at end_pass), after which the drain gets the whole
   // batch with one wake-up. It never waits: a tensor that needs a wait, several host records, a
   // device guard or a producer stream goes through stage() (the lane's batch sealed first).
-  // Returns what stage() returns. Thread-safe per lane (a short lock, never held while waiting).
+  // Returns what stage() returns (kCapturing uncounted: the caller stages it through stage(), which
+  // counts it). Thread-safe per lane (a short lock, never held while waiting).
   int stage_lean(CudaLane* lane, uint32_t channel, uint32_t name_id, int64_t pass_id, uint16_t dtype,
                  const CudaSource& src, bool block, BlockHook* hook, double timeout_s = kWaitForever);
   // Record the event of the lane's open batch and hand it to the drain (the pass ended).

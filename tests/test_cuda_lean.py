@@ -224,7 +224,8 @@ def test_lean_capture_on_a_side_stream_mid_pass_is_seen(m):
         lane.lane.take_counts()
         assert lane.stager.flush(10)
         st = lane.stager.stats()
-        assert st["capturing_skipped"] == 3 and st["lean_tensors"] == 4
+        # counted once per tensor, by stage() (the Dumper's general path, here the direct call)
+        assert st["capturing_skipped"] == 1 and st["lean_tensors"] == 4
         check_ring(lane.ring, {(i, 0): cpu[i] for i in (0, 1, 2, 5)})
         m._mock.graph_destroy(graph)
     finally:
