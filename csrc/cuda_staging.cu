@@ -544,7 +544,7 @@ struct CudaStager::Impl {
   std::vector<std::unique_ptr<CudaLane>> lanes;
   std::atomic<int> open_batches{0};
   std::atomic<uint32_t> events_every{64};
-  double hold_s = 0.002;  // an open batch older than this is sealed by the drain (bounded latency)
+  double hold_s = 0.002;  // an open batch older than this is sealed by the drain (FASTDUMP_CUDA_HOLD_MS)
   // FASTDUMP_CUDA_CHECK_EACH_TENSOR=1: ask cudaStreamIsCapturing for every lean tensor (for code
   // that begins a capture mid-pass on the stream it was already running on; docs/CUDA.md).
   bool check_each_tensor = false;
@@ -595,6 +595,8 @@ struct CudaStager::Impl {
     if (env && env[0] == '0') use_batch.store(false);
     const char* piece = std::getenv("FASTDUMP_CUDA_REGISTER_PIECE_MB");
     if (piece && std::atoll(piece) > 0) reg_piece = static_cast<uint64_t>(std::atoll(piece)) << 20;
+    const char* hold = std::getenv("FASTDUMP_CUDA_HOLD_MS");
+    if (hold && std::atof(hold) > 0) hold_s = std::atof(hold) / 1000.0;
     const char* each = std::getenv("FASTDUMP_CUDA_CHECK_EACH_TENSOR");
     check_each_tensor = each && each[0] == '1';
     const char* every = std::getenv("FASTDUMP_CUDA_EVENTS_EVERY");
@@ -997,7 +999,11 @@ struct CudaStager::Impl {
         Reservation res;
         if (next_pre < pre.size()) {
           res = pre[next_pre++];
-        } else if (!prod->reserve(kTensor, channel, name_id, pass_id, dtype, src.shape, len, chunk, false, &res)) {
+        } else if (!(block ? prod->try_reserve(kTensor, channel, name_id, pass_id, dtype, src.shape, len, chunk, &res)
+                           : prod->reserve(kTensor, channel, name_id, pass_id, dtype, src.shape, len, chunk, false,
+                                           &res))) {
+          // Under `block`, a ring lock held by another thread (which may be waiting for the writer) is
+          // waited for like space: after before_block(), which releases the GIL a thread writer needs.
           if (prod->disabled() || !prod->writer_alive()) {
             close_region(dev, reg);
             return kDisabled;
@@ -1150,10 +1156,11 @@ struct CudaStager::Impl {
     uint8_t* dptr = nullptr;
     if (!try_alloc(dev, total, &reg, &dptr, /*records=*/1)) return kNotLean;  // stage() waits or drops
     Reservation res;
-    if (!prod->reserve(kTensor, channel, name_id, pass_id, dtype, src.shape, total, ChunkInfo{0, total}, false,
-                       &res)) {
+    // Never waits, not even for the ring's allocation lock: a thread that holds it may be waiting for
+    // the writer, and the writer for a record of this lane's open batch (sealed under our lock).
+    if (!prod->try_reserve(kTensor, channel, name_id, pass_id, dtype, src.shape, total, ChunkInfo{0, total}, &res)) {
       release_region(dev, reg);
-      return kNotLean;
+      return kNotLean;  // stage() seals this lane's batch, then waits as its policy says
     }
     try {
       snapshot(dev, byte_layout(src), src, 0, numel, dptr, stream);

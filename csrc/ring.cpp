@@ -281,13 +281,31 @@ void Producer::write_record(uint64_t& head, const Placement& p, uint32_t kind, u
 bool Producer::reserve(uint32_t kind, uint32_t channel, uint32_t name_id, int64_t pass_id,
                        uint16_t dtype, const std::vector<int64_t>& shape, uint64_t payload_len,
                        ChunkInfo chunk, bool block, Reservation* out, double timeout_s) {
-  if (disabled()) return false;
-  if (shape.size() > kMaxDims) return false;
-  const uint64_t cap = seg_.capacity();
-  const uint64_t poff = payload_offset(static_cast<uint32_t>(shape.size()));
-  if (align_up(poff + payload_len) > cap / 2) return false;
-
+  if (!reservable(shape.size(), payload_len)) return false;
   std::lock_guard<std::mutex> g(mu_);
+  return reserve_locked(kind, channel, name_id, pass_id, dtype, shape, payload_len, chunk, block, out, timeout_s);
+}
+
+bool Producer::try_reserve(uint32_t kind, uint32_t channel, uint32_t name_id, int64_t pass_id, uint16_t dtype,
+                           const std::vector<int64_t>& shape, uint64_t payload_len, ChunkInfo chunk,
+                           Reservation* out) {
+  if (!reservable(shape.size(), payload_len)) return false;
+  std::unique_lock<std::mutex> g(mu_, std::try_to_lock);
+  if (!g.owns_lock()) return false;  // another thread allocates, or waits for the writer holding mu_
+  return reserve_locked(kind, channel, name_id, pass_id, dtype, shape, payload_len, chunk, false, out, 0.0);
+}
+
+bool Producer::reservable(size_t ndim, uint64_t payload_len) const {
+  if (disabled()) return false;
+  if (ndim > kMaxDims) return false;
+  const uint64_t poff = payload_offset(static_cast<uint32_t>(ndim));
+  return align_up(poff + payload_len) <= seg_.capacity() / 2;
+}
+
+bool Producer::reserve_locked(uint32_t kind, uint32_t channel, uint32_t name_id, int64_t pass_id, uint16_t dtype,
+                              const std::vector<int64_t>& shape, uint64_t payload_len, ChunkInfo chunk, bool block,
+                              Reservation* out, double timeout_s) {
+  const uint64_t poff = payload_offset(static_cast<uint32_t>(shape.size()));
   RingHeader* h = seg_.header();
   uint64_t head = h->head.load(std::memory_order_relaxed);
   Placement p = place(head, kind, poff, payload_len);

@@ -177,6 +177,11 @@ class Producer {
   bool reserve(uint32_t kind, uint32_t channel, uint32_t name_id, int64_t pass_id, uint16_t dtype,
                const std::vector<int64_t>& shape, uint64_t payload_len, ChunkInfo chunk, bool block,
                Reservation* out, double timeout_s = kWaitForever);
+  // reserve(block = false) that also never waits for the allocation lock: false when another
+  // thread holds it (which may be waiting for the writer). For callers that hold a lock of their own
+  // whose records the writer may be waiting for (the CUDA lean path).
+  bool try_reserve(uint32_t kind, uint32_t channel, uint32_t name_id, int64_t pass_id, uint16_t dtype,
+                   const std::vector<int64_t>& shape, uint64_t payload_len, ChunkInfo chunk, Reservation* out);
   uint64_t control_reserve() const { return control_reserve_; }
   // Whether chunk records of these payload sizes fit in the ring together under `drop` (its control
   // reserve kept free), wherever the ring's end falls.
@@ -204,6 +209,12 @@ class Producer {
     uint64_t bytes() const { return pad + gap + len; }
   };
   Placement place(uint64_t head, uint32_t kind, uint64_t poff, uint64_t payload_len) const;
+  // Whether a record of this rank and payload can be reserved at all (not disabled, fits half the ring).
+  bool reservable(size_t ndim, uint64_t payload_len) const;
+  // reserve() with mu_ held.
+  bool reserve_locked(uint32_t kind, uint32_t channel, uint32_t name_id, int64_t pass_id, uint16_t dtype,
+                      const std::vector<int64_t>& shape, uint64_t payload_len, ChunkInfo chunk, bool block,
+                      Reservation* out, double timeout_s);
   // Writes the padding and the record header at `head` (mu_ held), advancing `head`.
   void write_record(uint64_t& head, const Placement& p, uint32_t kind, uint32_t channel, uint32_t name_id,
                     int64_t pass_id, uint16_t dtype, const std::vector<int64_t>& shape, uint64_t payload_len,

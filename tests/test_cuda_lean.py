@@ -455,3 +455,84 @@ def test_gpu_lean_path_is_taken_and_bit_exact(tmp_path):
         assert same_bits(torch.as_tensor(got["side"]), snap[-1]), p
     st = cuda.status()["stagers"][-1]
     assert st["lean_tensors"] >= 3 * 5, st
+
+
+_RING_LOCK_SCENARIO = r"""
+import sys, threading, time
+sys.path[:0] = [sys.argv[2], sys.argv[2] + "/cuda_mock"]
+import build, torch
+import test_cuda
+from fastdump import dtypes
+from test_cuda_lean import Lane
+from test_cuda import fake_cuda
+m = build.load(build.build())
+m.device_buffers = []
+test_cuda.MOCK_MODULE[0] = m
+s = m._mock.stream_create()
+lane = Lane(m, s, events_every=1000, capacity=256 << 10)
+got, stop = {}, threading.Event()
+
+def consume():  # a thread writer: it needs the GIL
+    while not stop.is_set():
+        r = lane.ring.consumer.next(0.05)
+        if r is None:
+            continue
+        kind, channel, name_id, pass_id, dtype, shape, payload, seq, off, total = r
+        if kind == m.KIND_TENSOR:  # large tensors come in chunk records
+            buf = got.setdefault((channel, name_id), bytearray(total))
+            buf[off:off + len(payload)] = bytes(payload)
+        lane.ring.consumer.release()
+
+consumer = threading.Thread(target=consume, daemon=True)
+consumer.start()
+t = torch.arange(4096, dtype=torch.float32)  # 16 KiB
+ts = [fake_cuda(m, t + i) for i in range(6)]
+lane.lane.begin(0, True, -1.0)
+assert [lane.lane.stage_tensor(i, ts[i]) for i in range(5)] == [m.STAGED] * 5  # open batch: 80 KiB
+big = torch.arange(50000, dtype=torch.int32)  # 200 KiB: fits the ring only once the batch is written
+host = {}
+waiter = threading.Thread(target=lambda: host.update(st=lane.ring.producer.stage_host(
+    1, 0, 0, dtypes.code_of(big.dtype), 4, [big.numel()], [1], big.data_ptr(), True)), daemon=True)
+waiter.start()
+time.sleep(0.3)  # the waiter holds the ring's allocation lock while it waits for the writer
+assert lane.lane.stage_tensor(5, ts[5]) == m.STAGED
+waiter.join(20)
+assert host["st"] == m.STAGED
+lane.lane.take_counts()
+assert lane.stager.flush(20)
+deadline = time.monotonic() + 20
+while len(got) < 7 and time.monotonic() < deadline:
+    time.sleep(0.01)
+assert bytes(got[(1, 0)]) == big.numpy().tobytes()
+for i in range(6):
+    assert bytes(got[(0, i)]) == (t + i).numpy().tobytes(), i
+stop.set()
+consumer.join(10)
+lane.close()
+m._mock.sync(s)
+m._mock.stream_destroy(s)
+print("SCENARIO OK", flush=True)
+"""
+
+
+def test_lean_never_waits_for_the_ring_lock_with_an_open_batch(mock):
+    """Regression (a rare hang of the stress driver): another thread waits for host-ring space while
+    holding the ring's allocation lock, and the (thread) writer waits for a record of this lane's
+    open batch. The lean path must not block on that lock while it holds its lane (the batch could
+    then never be sealed), nor while it holds the GIL the writer needs: it falls back, seals, waits
+    with the GIL released, and everything arrives. The drain's timer is held off
+    (FASTDUMP_CUDA_HOLD_MS). Run in a subprocess: the bug hangs the whole interpreter."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    here = Path(__file__).resolve().parent
+    env = dict(os.environ, FASTDUMP_CUDA_HOLD_MS="60000",
+               PYTHONPATH=os.pathsep.join([str(here.parent), os.environ.get("PYTHONPATH", "")]))
+    try:
+        r = subprocess.run([sys.executable, "-c", _RING_LOCK_SCENARIO, "x", str(here)], env=env,
+                           capture_output=True, text=True, timeout=120)
+    except subprocess.TimeoutExpired:
+        pytest.fail("deadlock: the lean path waited for the ring lock holding its lane or the GIL")
+    assert r.returncode == 0 and "SCENARIO OK" in r.stdout, r.stdout + r.stderr
