@@ -1014,14 +1014,25 @@ struct CudaStager::Impl {
           }
           before_block();
           host_waits.fetch_add(1, std::memory_order_relaxed);
+          // Hold no device-ring space while waiting for the host ring or its lock: device space is
+          // freed in allocation order, and a thread waiting for it may hold the host records the
+          // writer (and so the thread holding the ring lock) waits for. An empty region goes back.
+          const bool fresh = r0 == s0;
+          if (fresh) close_region(dev, reg);
           if (!prod->reserve(kTensor, channel, name_id, pass_id, dtype, src.shape, len, chunk, true, &res,
                              wait_left())) {
-            close_region(dev, reg);
+            if (!fresh) close_region(dev, reg);
             if (prod->disabled() || !prod->writer_alive()) return kDisabled;
             if (!started) return no_space();
             // Records already queued can never be completed: the writer records the tensor as
             // incomplete when its pass ends.
             return kTorn;
+          }
+          if (fresh && !try_alloc(dev, (s1 - s0) * src.elem_size, &reg, &dptr) &&
+              !wait_alloc(dev, (s1 - s0) * src.elem_size, &reg, &dptr)) {
+            cancel(res);
+            cancel_rest();
+            return kDisabled;
           }
         }
         n_records.fetch_add(1, std::memory_order_relaxed);
@@ -1086,7 +1097,7 @@ struct CudaStager::Impl {
       if (closed.load() || broken.load() || prod->disabled() || forked_child()) return kDisabled;
       const int st = try_lean(lane, channel, name_id, pass_id, dtype, src);
       if (st != kNotLean) return st;
-      seal_locked(lane, true);  // what stage() does next may wait for the drain
+      seal_locked(lane, false);  // what stage() does next may wait for the drain
     }
     return stage(channel, name_id, pass_id, dtype, src, block, hook, timeout_s);
   }
@@ -1109,7 +1120,8 @@ struct CudaStager::Impl {
       // A new pass, device or stream: the open batch belongs to the old one; check again. A CUDA
       // graph capture always runs on a stream that is not the legacy one and begins between
       // passes or with a stream switch (torch.cuda.graph enters its capture stream), so it is seen.
-      seal_locked(lane, true);
+      // (The thread's current device may have changed since the batch was opened.)
+      seal_locked(lane, false);
       // A batch left open (its stream captures; FASTDUMP_CUDA_CHECK_EACH_TENSOR) stays on its stream.
       if (!lane->batch.empty() && (lane->device != src.device || lane->stream != src.stream)) return kNotLean;
       lane->checked = false;
@@ -1200,8 +1212,9 @@ struct CudaStager::Impl {
   }
 
   // lane->mu held. Record one event after the open batch's snapshots on its stream and hand the
-  // whole batch to the drain with one wake-up. `own_thread`: called by the lane's producer thread,
-  // whose current device is the batch's (checked); any other thread switches to it for the call.
+  // whole batch to the drain with one wake-up. `own_thread`: the caller just checked that its current
+  // device is the batch's (the N-th lean snapshot); any other caller switches to it for the call.
+  // The batch's stream must still exist: a stream must outlive the pass that staged on it.
   void seal_locked(CudaLane* lane, bool own_thread) {
     if (lane->batch.empty()) return;
     DeviceCtx* dev = lane->dev;
@@ -1281,7 +1294,7 @@ struct CudaStager::Impl {
 
   void end_pass(CudaLane* lane) {
     std::lock_guard<std::mutex> g(lane->mu);
-    seal_locked(lane, true);
+    seal_locked(lane, false);  // the current device may have changed since the last tensor
     lane->checked = false;  // the next pass checks again
   }
 

@@ -228,6 +228,9 @@ int main(int argc, char** argv) {
           fdmock::enqueue(stream, [buf, nbytes] { std::memset(fdmock::dev_bytes(buf), 0xEE, nbytes); });
           expect[static_cast<size_t>(t)][static_cast<uint32_t>(i)] = std::move(e);
         }
+        // A stream must outlive the pass that staged on it: the pass end records the lane's last
+        // event on it (docs/CUDA.md, "The eager path").
+        if (lane) stager.end_pass(lane);
         fdmock::stream_of(stream)->sync();
         cudaStreamDestroy(stream);
         for (void* b : device_bufs) cudaFree(b);
