@@ -462,6 +462,9 @@ void bind_cuda(py::module_& m) {
   bind_mock(m);
 #endif
   m.def("cuda_compiled", []() { return true; });
+  m.def("note_capture_begin", &CudaStager::note_capture_begin,
+        "a CUDA graph capture is about to begin (torch's CUDAGraph.capture_begin): every lean lane checks its "
+        "stream again at its next tensor");
   m.def("cuda_info", &info_dict,
         "CUDA build and run-time facts: compiled, built_with, runtime_version, driver_version, device_count, "
         "devices [{index, name, uuid, pci_bus_id, total_memory, ...}], reason (when no GPU is usable)");

@@ -505,6 +505,9 @@ struct DeviceCtx {
 
 }  // namespace
 
+// Bumped before every CUDA graph capture torch begins (CudaStager::note_capture_begin).
+std::atomic<uint64_t> g_capture_epoch{0};
+
 // See cuda_staging.h. Guarded by `mu`, which is never held while waiting for ring space.
 class CudaLane {
  public:
@@ -515,6 +518,11 @@ class CudaLane {
   int64_t pass_id = 0;
   int device = -1;
   uintptr_t stream = 0;
+  uint64_t capture_epoch = 0;  // g_capture_epoch when checked: a capture begun since is checked for
+  // Every snapshot of the open batch was enqueued before a capture that may now be running on its
+  // stream (a capture-epoch change, or FASTDUMP_CUDA_CHECK_EACH_TENSOR): the batch stays open until
+  // the capture has ended (its event cannot be recorded into the user's graph), then it is sealed.
+  bool batch_precedes_capture = false;
   // The open batch: snapshots enqueued on `stream` of `dev`, no event recorded after them yet.
   DeviceCtx* dev = nullptr;
   std::vector<Item> batch;
@@ -1116,7 +1124,11 @@ struct CudaStager::Impl {
     }
     if (numel == 0) return kNotLean;
     cudaStream_t stream = reinterpret_cast<cudaStream_t>(src.stream);
-    if (!lane->checked || lane->pass_id != pass_id || lane->device != src.device || lane->stream != src.stream) {
+    const uint64_t epoch = g_capture_epoch.load(std::memory_order_acquire);
+    if (lane->checked && lane->capture_epoch != epoch && !lane->batch.empty())
+      lane->batch_precedes_capture = true;  // all its snapshots were checked before that capture began
+    if (!lane->checked || lane->pass_id != pass_id || lane->device != src.device || lane->stream != src.stream ||
+        lane->capture_epoch != epoch) {
       // A new pass, device or stream: the open batch belongs to the old one; check again. A CUDA
       // graph capture always runs on a stream that is not the legacy one and begins between
       // passes or with a stream switch (torch.cuda.graph enters its capture stream), so it is seen.
@@ -1148,6 +1160,7 @@ struct CudaStager::Impl {
       lane->pass_id = pass_id;
       lane->device = src.device;
       lane->stream = src.stream;
+      lane->capture_epoch = epoch;
     } else if (check_each_tensor) {
       cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
       const cudaError_t ce = cudaStreamIsCapturing(stream, &cs);
@@ -1231,7 +1244,7 @@ struct CudaStager::Impl {
     if (ce == cudaErrorStreamCaptureImplicit || (ce == cudaSuccess && cs != cudaStreamCaptureStatusNone)) {
       if (ce != cudaSuccess) (void)cudaGetLastError();
       if (switched) restore_device(prev);
-      if (check_each_tensor) {
+      if (check_each_tensor || lane->batch_precedes_capture) {
         // Every snapshot of the batch was checked before it was enqueued: all precede the capture.
         // Sealed once the capture has ended (by this lane's thread or the drain's timer).
         return;
@@ -1242,12 +1255,13 @@ struct CudaStager::Impl {
       for (const Item& it : batch) cancel(it.res);
       lane->tensors = 0;
       broken.store(true);
-      set_error("a CUDA graph capture began mid-pass on a stream this pass was already staging on; "
-                "its tensors since the pass began were not dumped (set FASTDUMP_CUDA_CHECK_EACH_TENSOR=1 "
-                "for code that captures on its current stream mid-pass)");
+      set_error("a CUDA graph capture not begun through torch's CUDAGraph began mid-pass on a stream this "
+                "pass was already staging on; its tensors since the pass began were not dumped (set "
+                "FASTDUMP_CUDA_CHECK_EACH_TENSOR=1 for code that captures on its current stream mid-pass)");
       std::fprintf(stderr, "fastdump: CUDA staging stopped: capture begun mid-pass on a checked stream\n");
       batch.clear();
       lane->has_batch.store(false, std::memory_order_relaxed);
+      lane->batch_precedes_capture = false;
       open_batches.fetch_sub(1, std::memory_order_relaxed);
       return;
     }
@@ -1289,6 +1303,7 @@ struct CudaStager::Impl {
     lane->tensors = 0;
     batch.clear();
     lane->has_batch.store(false, std::memory_order_relaxed);
+    lane->batch_precedes_capture = false;
     open_batches.fetch_sub(1, std::memory_order_relaxed);
   }
 
@@ -1841,6 +1856,7 @@ int CudaStager::stage_lean(CudaLane* lane, uint32_t channel, uint32_t name_id, i
   return impl_->stage_lean(lane, channel, name_id, pass_id, dtype, src, block, hook, timeout_s);
 }
 void CudaStager::end_pass(CudaLane* lane) { impl_->end_pass(lane); }
+void CudaStager::note_capture_begin() { g_capture_epoch.fetch_add(1, std::memory_order_acq_rel); }
 CudaLane* CudaStager::open_lane() { return impl_->open_lane(); }
 void CudaStager::set_events_every(uint32_t n) { impl_->events_every.store(std::max<uint32_t>(n, 1)); }
 uint32_t CudaStager::events_every() const { return impl_->events_every.load(); }

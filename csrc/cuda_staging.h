@@ -141,6 +141,10 @@ class CudaStager {
                  const CudaSource& src, bool block, BlockHook* hook, double timeout_s = kWaitForever);
   // Record the event of the lane's open batch and hand it to the drain (the pass ended).
   void end_pass(CudaLane* lane);
+  // A CUDA graph capture is about to begin somewhere in this process (fastdump/staging/cuda.py calls
+  // it from torch's CUDAGraph.capture_begin): every lane checks its stream again at its next tensor,
+  // so a capture begun mid-pass on a stream a pass already checked is seen (one load per tensor).
+  static void note_capture_begin();
   CudaLane* open_lane();
   // Lean snapshots per event (N >= 1; FASTDUMP_CUDA_EVENTS_EVERY sets the default, 64).
   void set_events_every(uint32_t n);

@@ -279,6 +279,56 @@ def test_lean_check_each_tensor_sees_a_capture_begun_mid_pass_on_the_same_stream
         m._mock.stream_destroy(s)
 
 
+def test_lean_capture_begun_mid_pass_through_torch_is_seen_and_the_batch_before_it_kept(m):
+    """The per-pass check's gap, closed for torch's captures: CUDAGraph.capture_begin tells the
+    extension first (note_capture_begin), so a capture begun mid-pass on the stream the pass already
+    checked is seen at the next tensor (CAPTURING, for the graph recorder), the snapshots queued
+    before it stay valid and are written once the capture has ended, and staging goes on."""
+    s = m._mock.stream_create()
+    lane = Lane(m, s, events_every=100)
+    try:
+        ts, cpu = fakes(m, 4, seed=11)
+        lane.lane.begin(0, True, -1.0)
+        assert lane.lane.stage_tensor(0, ts[0]) == m.STAGED
+        assert lane.lane.stage_tensor(1, ts[1]) == m.STAGED
+        m.note_capture_begin()  # what the hook on torch.cuda.CUDAGraph.capture_begin does first
+        assert m._mock.begin_capture(s, GLOBAL) == 0
+        assert lane.lane.stage_tensor(2, ts[2]) == NOT_FAST  # CAPTURING: the general path records it
+        err, graph = m._mock.end_capture(s)
+        assert err == 0, m._mock.error_name(err)
+        assert lane.lane.stage_tensor(3, ts[3]) == m.STAGED
+        lane.lane.take_counts()
+        assert lane.stager.flush(10)
+        check_ring(lane.ring, {(0, 0): cpu[0], (1, 0): cpu[1], (3, 0): cpu[3]})
+        st = lane.stager.stats()
+        assert not st.get("broken", False) and "mid-pass" not in (st.get("error") or ""), st
+        m._mock.graph_destroy(graph)
+    finally:
+        lane.close()
+        m._mock.stream_destroy(s)
+
+
+def test_torch_capture_begin_tells_the_extension_first(monkeypatch):
+    """watch_graph_captures wraps torch.cuda.CUDAGraph.capture_begin: the extension hears of the
+    capture before torch begins it, and the original runs with the caller's arguments."""
+    from fastdump import _C as real
+    from fastdump.staging import cuda
+
+    calls = []
+
+    class FakeGraph:
+        def capture_begin(self, pool=None, capture_error_mode="global"):
+            calls.append(("torch", pool, capture_error_mode))
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
+    monkeypatch.setattr(cuda, "_capture_hook", None)
+    monkeypatch.setattr(real, "note_capture_begin", lambda: calls.append(("fastdump",)), raising=False)
+    assert cuda.watch_graph_captures() and cuda.watch_graph_captures()  # once
+    FakeGraph().capture_begin(pool=7, capture_error_mode="relaxed")
+    assert calls == [("fastdump",), ("torch", 7, "relaxed")]
+    assert FakeGraph.capture_begin.__fastdump_original__.__name__ == "capture_begin"
+
+
 def test_lean_fallbacks_stage_through_the_checked_path(m):
     """What the lean path leaves to stage(): a tensor on another GPU than the current one, a stream
     change mid-pass, a tensor of several host records, a strided view (gather kernel), an empty

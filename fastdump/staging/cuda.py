@@ -16,6 +16,7 @@ tensor would stall the server; the reason is recorded in rank.json.
 from __future__ import annotations
 
 import collections
+import functools
 import ctypes
 import logging
 import threading
@@ -152,7 +153,41 @@ def get_stager(producer, device_ring_mb: float = DEFAULT_DEVICE_RING_MB):
         _warn_once("pin", "fastdump: cudaHostRegister of the host ring failed (%s); device-to-host "
                    "copies will be slower", exc)
     _stagers.append(stager)
+    watch_graph_captures()
     return stager
+
+
+def watch_graph_captures() -> bool:
+    """Have torch's ``CUDAGraph.capture_begin`` tell the extension before each capture begins, so a
+    lean lane that checked its stream once per pass checks it again at its next tensor: a capture
+    begun mid-pass on that very stream is then seen, its tensors go to the graph recorder, and the
+    snapshots queued before it are kept (docs/CUDA.md, "The eager path"). Installed once per
+    process; a capture begun outside torch (raw cudaStreamBeginCapture) is not seen this way
+    (FASTDUMP_CUDA_CHECK_EACH_TENSOR=1 covers it). True once installed."""
+    global _capture_hook
+    if _capture_hook is not None:
+        return True
+    try:
+        import torch
+
+        graph_cls = torch.cuda.CUDAGraph
+    except Exception:  # no torch, or a torch without CUDA graphs: nothing to watch
+        return False
+    original = graph_cls.__dict__.get("capture_begin") or getattr(graph_cls, "capture_begin")
+    note = _C.note_capture_begin
+
+    @functools.wraps(original)
+    def capture_begin(self, *args, **kwargs):
+        note()
+        return original(self, *args, **kwargs)
+
+    capture_begin.__fastdump_original__ = original
+    graph_cls.capture_begin = capture_begin
+    _capture_hook = capture_begin
+    return True
+
+
+_capture_hook = None
 
 
 # ------------------------------------------------------------------------------------------------
