@@ -309,3 +309,11 @@ def test_hf_decode_bench_runs_and_dumps_bit_exact(tmp_path):
     assert result["bit_exact_tensors"] == 2 * 10 + 3 + 2  # the read-back check compares every leaf output
     assert result["tensors_per_step"] == 2 * 10 + 3 + 2 + 1
     assert result["modes"]["fastdump"]["dropped"] == 0
+
+
+@pytest.mark.skipif(not FASTDUMP_AVAILABLE, reason="fastdump is not importable")
+def test_writer_interference_bench_runs_all_three_modes():
+    stdout = run_script("writer_interference_bench.py", "--preset", "tiny", "--steps", "5", "--reps", "1")
+    for mode in ("none", "running", "stopped"):
+        assert f"\n{mode}" in "\n" + stdout, stdout
+    assert "dumped tensors/step" in stdout
