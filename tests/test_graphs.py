@@ -848,12 +848,18 @@ def test_graph_replay_span_larger_than_a_record_is_chunked_and_reassembled(m, gl
 
     current = Stream(glue)
     monkeypatch.setattr(cuda, "_current_stream", current)
-    d = _attach(tmp_path, writer="thread", device="cuda:0", ring_mb=1, graph_ring_mb=4)
+    # graph_ring_mb=6: a 3 MiB replay ring holds all four replays (512 KiB + header each), so none
+    # is dropped however slowly the drain goes: it is paused while they run (with 4, a 2 MiB ring
+    # held three and the fourth was dropped whenever the replays outran the drain; drops have a test
+    # of their own)
+    d = _attach(tmp_path, writer="thread", device="cuda:0", ring_mb=1, graph_ring_mb=6)
     side = m._mock.stream_create_flags(0)
     model = Model(m, 512, width=128)  # two 256 KiB tensors per replay
     graph, exe = capture(m, model, d, current, side)
     current.raw = glue
     expected = []
+    for rec in d._graphs._recorders.values():
+        rec.set_paused(True)
     try:
         for k in range(4):
             x = rand_input(model, 40 + k)
@@ -861,6 +867,8 @@ def test_graph_replay_span_larger_than_a_record_is_chunked_and_reassembled(m, gl
             assert m._mock.graph_launch(exe, glue) == 0
             expected.append(model.expected(x))
         m._mock.sync(glue)
+        for rec in d._graphs._recorders.values():
+            rec.set_paused(False)
         stats = d.close()
     finally:
         m._mock.graph_exec_destroy(exe)
