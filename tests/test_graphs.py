@@ -85,6 +85,18 @@ def capture(m, model, dumper, current, capture_stream, mode=GLOBAL, **meta):
     return graph, exe
 
 
+def release(m, graphs, streams=(), dumpers=()):
+    """Test teardown: destroy the (graph, exec) pairs, then the streams, then the Dumpers' recording
+    memory (which replays write into, so only once no graph of theirs can run)."""
+    for graph, exe in graphs:
+        m._mock.graph_exec_destroy(exe)
+        m._mock.graph_destroy(graph)
+    for stream in streams:
+        m._mock.stream_destroy(stream)
+    for dumper in dumpers:
+        free_device_memory(dumper)
+
+
 def rand_input(model, seed):
     g = torch.Generator().manual_seed(seed)
     return torch.randint(-2 ** 31, 2 ** 31 - 1, model.shape, generator=g, dtype=torch.int32)
@@ -140,13 +152,8 @@ def test_graph_replays_become_passes_bit_exact(m, glue, tmp_path, monkeypatch, m
         m._mock.sync(replay_stream)
         stats = d.close()
     finally:
-        for graph, exe in execs.values():
-            m._mock.graph_exec_destroy(exe)
-            m._mock.graph_destroy(graph)
         m._mock.sync(side)
-        m._mock.stream_destroy(side)
-        m._mock.stream_destroy(replay_stream)
-        free_device_memory(d)
+        release(m, execs.values(), [side, replay_stream], [d])
     ds = fastdump.open(tmp_path)
     passes = graph_passes(ds, "target")
     assert passes == [GRAPH_BASE + i for i in range(len(expected))]
@@ -229,10 +236,7 @@ def test_graph_replays_outrunning_the_drain_are_dropped_and_counted(m, glue, tmp
         m._mock.sync(glue)
         stats = d.close()
     finally:
-        m._mock.graph_exec_destroy(exe)
-        m._mock.graph_destroy(graph)
-        m._mock.stream_destroy(side)
-        free_device_memory(d)
+        release(m, [(graph, exe)], [side], [d])
     assert stats["dropped_passes"] == 12 and stats["graph_replays"] == 29
     info = _rank_json(tmp_path)
     assert info["dropped_passes"] == stats["dropped_passes"] and info["status"] == "closed"
@@ -278,12 +282,7 @@ def test_graph_two_roles_target_and_draft(m, glue, tmp_path, monkeypatch):
         draft.close()
         target.close()
     finally:
-        for graph, exe in (tg, dg):
-            m._mock.graph_exec_destroy(exe)
-            m._mock.graph_destroy(graph)
-        m._mock.stream_destroy(side)
-        free_device_memory(target)
-        free_device_memory(draft)
+        release(m, [tg, dg], [side], [target, draft])
     ds = fastdump.open(tmp_path)
     for role in ("target", "draft"):
         passes = graph_passes(ds, role)
@@ -310,10 +309,7 @@ def test_graph_skip_mode_keeps_the_old_behaviour(m, glue, tmp_path, monkeypatch)
         m._mock.sync(glue)
         d.close()
     finally:
-        m._mock.graph_exec_destroy(exe)
-        m._mock.graph_destroy(graph)
-        m._mock.stream_destroy(side)
-        free_device_memory(d)
+        release(m, [(graph, exe)], [side], [d])
     ds = fastdump.open(tmp_path)
     assert ds.passes("target", 0) == [0]
     reasons = {s["name"]: s["reason"] for s in ds.meta("target", 0, 0)["skipped"]}
@@ -338,10 +334,7 @@ def test_graph_recorder_made_during_a_global_capture_keeps_it_valid(m, glue, tmp
         m._mock.sync(glue)
         d.close()
     finally:
-        m._mock.graph_exec_destroy(exe)
-        m._mock.graph_destroy(graph)
-        m._mock.stream_destroy(side)
-        free_device_memory(d)
+        release(m, [(graph, exe)], [side], [d])
     ds = fastdump.open(tmp_path)
     (p,) = graph_passes(ds, "target")
     h1, h2 = model.expected(x)
@@ -385,9 +378,7 @@ def test_graph_no_recording_memory_skips_with_reason_and_keeps_the_capture(m, gl
         m._mock.sync(glue)
         stats = d.close()
     finally:
-        m._mock.graph_exec_destroy(exe)
-        m._mock.graph_destroy(graph)
-        m._mock.stream_destroy(side)
+        release(m, [(graph, exe)], [side])
     ds = fastdump.open(tmp_path)
     assert graph_passes(ds, "target") == [] and stats.get("graph_replays", 0) == 0
     reasons = [s["reason"] for s in ds.meta("target", 0, 0)["skipped"]]
@@ -534,10 +525,7 @@ def test_graph_recording_memory_is_freed_when_no_graph_can_use_it(m, glue, tmp_p
     graph, exe = capture(m, model, d, current, side)
     d.close()
     assert live() == base + 1  # the graph still exists: its recording memory stays
-    m._mock.graph_exec_destroy(exe)
-    m._mock.graph_destroy(graph)
-    m._mock.stream_destroy(side)
-    free_device_memory(d)
+    release(m, [(graph, exe)], [side], [d])
     assert live() == base
 
 
@@ -583,12 +571,7 @@ def test_graph_replays_drained_while_the_next_graph_is_captured(m, glue, tmp_pat
     try:
         stats = d.close()
     finally:
-        for graph, exe in (ga, gb):
-            m._mock.graph_exec_destroy(exe)
-            m._mock.graph_destroy(graph)
-        for s in (side, side2, other):
-            m._mock.stream_destroy(s)
-        free_device_memory(d)
+        release(m, [ga, gb], [side, side2, other], [d])
     assert stats["graph_replays"] == 31 and stats["dropped_passes"] == 0
     ds = fastdump.open(tmp_path)
     passes = graph_passes(ds, "target")
@@ -622,10 +605,7 @@ def test_graph_tensor_that_does_not_fit_is_skipped_in_every_replay(m, glue, tmp_
             assert d._graphs.recorder(0).flush(30)
         stats = d.close()
     finally:
-        m._mock.graph_exec_destroy(exe)
-        m._mock.graph_destroy(graph)
-        m._mock.stream_destroy(side)
-        free_device_memory(d)
+        release(m, [(graph, exe)], [side], [d])
     assert stats["graph_replays"] == 3 and stats["dropped_passes"] == 0
     ds = fastdump.open(tmp_path)
     capture_pass = [p for p in ds.passes("target", 0) if p < GRAPH_BASE][-1]
@@ -775,12 +755,8 @@ def test_graph_replay_is_one_span_record_split_by_the_writer(m, glue, tmp_path, 
         rec.set_paused(False)
         stats = d.close()
     finally:
-        for graph, exe in execs.values():
-            m._mock.graph_exec_destroy(exe)
-            m._mock.graph_destroy(graph)
         m._mock.sync(side)
-        m._mock.stream_destroy(side)
-        free_device_memory(d)
+        release(m, execs.values(), [side], [d])
     assert stats["dropped_passes"] == dropped and stats["graph_replays"] == len(order) + fits + 5 - dropped
 
     ch = d._channel.id
@@ -871,10 +847,7 @@ def test_graph_replay_span_larger_than_a_record_is_chunked_and_reassembled(m, gl
             rec.set_paused(False)
         stats = d.close()
     finally:
-        m._mock.graph_exec_destroy(exe)
-        m._mock.graph_destroy(graph)
-        m._mock.stream_destroy(side)
-        free_device_memory(d)
+        release(m, [(graph, exe)], [side], [d])
     assert stats["graph_replays"] == 4 and stats["dropped_passes"] == 0
     chunks = [r for r in ring_tap if r.kind == m.KIND_TENSOR and r.pass_id == GRAPH_BASE]
     assert len(chunks) >= 3 and sum(len(r.payload) for r in chunks) == chunks[0].total
