@@ -23,7 +23,6 @@ in a separate reference pass.
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import os
 import shutil
@@ -39,6 +38,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import fastdump  # noqa: E402
+from benchmarks.decode_bench import NoopWrapperSession, leaf_modules  # noqa: E402
 
 MODES = ("none", "noop-wrapper", "fastdump")
 
@@ -54,24 +54,6 @@ def build_model(layers: int, hidden: int, heads: int):
                       max_position_embeddings=8192)
     torch.manual_seed(0)
     return LlamaForCausalLM(cfg).eval()
-
-
-def leaves(model):
-    return [m for name, m in model.named_modules() if name and next(iter(m.children()), None) is None]
-
-
-def noop_wrap(model) -> list:
-    wrapped = []
-    for m in leaves(model):
-        forward = m.forward
-
-        @functools.wraps(forward)
-        def forward_unchanged(*args, _forward=forward, **kwargs):
-            return _forward(*args, **kwargs)
-
-        m.__dict__["forward"] = forward_unchanged
-        wrapped.append(m)
-    return wrapped
 
 
 def decode(model, steps: int, batch: int):
@@ -94,16 +76,17 @@ def decode(model, steps: int, batch: int):
 
 def run_mode(model, mode: str, steps: int, batch: int, out: Path) -> dict:
     root = Path(tempfile.mkdtemp(prefix=f"hfbench-{mode}-", dir=out))
-    dumper, wrapped = None, []
+    dumper, noop = None, None
     if mode == "fastdump":
         dumper = fastdump.attach(model, str(root))
     elif mode == "noop-wrapper":
-        wrapped = noop_wrap(model)
+        noop = NoopWrapperSession()  # decode_bench's reference wrapper, on every leaf
+        noop.attach({"target": model}, root)
     try:
         wall, cpu = decode(model, steps, batch)
     finally:
-        for m in wrapped:
-            del m.__dict__["forward"]
+        if noop is not None:
+            noop.close()
         stats = dumper.close() if dumper is not None else None
     result = {"step_s": wall, "thread_cpu_s": cpu}
     if stats is not None:
@@ -118,7 +101,7 @@ def check_bit_exact(model, root: str, batch: int) -> int:
     """Dump one more forward and compare it with what forward hooks saw: the number of tensors checked."""
     seen = {}
     hooks = [m.register_forward_hook(lambda mod, _in, out, name=name: seen.__setitem__(name, out))
-             for name, m in model.named_modules() if name and next(iter(m.children()), None) is None]
+             for name, m in leaf_modules(model)]
     dumper = fastdump.attach(model, root, role="check")
     try:
         with torch.no_grad():
