@@ -114,6 +114,8 @@ def _pattern(option: str, value):
             not all(isinstance(i, (str, re.Pattern)) for i in items):
         raise ValueError(f"{option} must be a regular expression (str or re.Pattern) or a non-empty list of "
                          f"them, not {value!r}")
+    if len(items) == 1 and isinstance(next(iter(items)), re.Pattern):
+        return _pattern(option, next(iter(items)))  # kept as given, its flags with it
     if any(isinstance(i, re.Pattern) and i.flags & ~re.UNICODE for i in items) and len(items) > 1:
         raise ValueError(f"{option}: a compiled pattern with flags cannot be joined with others (put the flags "
                          f"inline, e.g. '(?i)mlp'): {value!r}")

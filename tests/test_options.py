@@ -130,6 +130,11 @@ def test_include_and_exclude_take_a_regex_or_a_list_and_refuse_anything_else_at_
             outputs = {"0": model[0](x), "1": model[1](model[0](x)), "2": model(x)}
         for name in want:
             assert torch.equal(got[name], outputs[name]), name
+    from fastdump.options import Options
+
+    one = re.compile("MLP", re.I)  # a single compiled pattern, alone or in a list, keeps its flags
+    assert Options(root=str(tmp_path), include=[one]).include is one
+    assert Options(root=str(tmp_path), include=one).include is one
     for bad in ([], [1], 3, ["(unclosed"], "(unclosed", [re.compile("a", re.I), "b"], [b"x"]):
         with pytest.raises(ValueError, match="include"):
             fastdump.attach(model, tmp_path / "bad", include=bad)
