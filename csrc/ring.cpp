@@ -118,7 +118,6 @@ void ShmRegion::create(const std::string& name, uint64_t capacity) {
   h->writer_pid = 0;
   h->head.store(0);
   h->tail.store(0);
-  h->published.store(0);
   h->acked_seq.store(0);
   h->writer_state.store(kWriterStarting);
   h->writer_attached.store(0);
@@ -280,10 +279,15 @@ void Producer::write_record(uint64_t& head, const Placement& p, uint32_t kind, u
 
 bool Producer::reserve(uint32_t kind, uint32_t channel, uint32_t name_id, int64_t pass_id,
                        uint16_t dtype, const std::vector<int64_t>& shape, uint64_t payload_len,
-                       ChunkInfo chunk, bool block, Reservation* out, double timeout_s) {
+                       ChunkInfo chunk, bool block, Reservation* out, double timeout_s, bool whole_tensor) {
   if (!reservable(shape.size(), payload_len)) return false;
   std::lock_guard<std::mutex> g(mu_);
-  return reserve_locked(kind, channel, name_id, pass_id, dtype, shape, payload_len, chunk, block, out, timeout_s);
+  if (!reserve_locked(kind, channel, name_id, pass_id, dtype, shape, payload_len, chunk, block, out, timeout_s))
+    return false;
+  // A tensor in one record is staged once reserved (its copy cannot fail): counted under this
+  // lock rather than by taking it a second time after the copy.
+  if (whole_tensor) stats_.tensors++;
+  return true;
 }
 
 bool Producer::try_reserve(uint32_t kind, uint32_t channel, uint32_t name_id, int64_t pass_id, uint16_t dtype,
@@ -356,7 +360,6 @@ int Producer::reserve_all(uint32_t channel, uint32_t name_id, int64_t pass_id, u
 
 void Producer::publish(const Reservation& r) {
   r.rec->state.store(kReady, std::memory_order_release);
-  seg_.header()->published.fetch_add(1, std::memory_order_release);
 }
 
 StageStatus Producer::stage_host(uint32_t channel, uint32_t name_id, int64_t pass_id, uint16_t dtype,
@@ -381,11 +384,12 @@ StageStatus Producer::stage_host(uint32_t channel, uint32_t name_id, int64_t pas
   };
   if (numel <= per_chunk) {  // one record (the common case): no planning, no allocation
     Reservation r;
-    if (!reserve(kTensor, channel, name_id, pass_id, dtype, src.shape, total, ChunkInfo{0, total}, block, &r, wait_s))
+    if (!reserve(kTensor, channel, name_id, pass_id, dtype, src.shape, total, ChunkInfo{0, total}, block, &r, wait_s,
+                 /*whole_tensor=*/true))
       return no_space();
     copy_strided(r.payload, src.ptr, src.elem_size, src.shape, src.strides, 0, numel);
     publish(r);
-    return finish();
+    return kStaged;
   }
   std::vector<uint64_t> plan;
   for (uint64_t first = 0; first < numel; first += per_chunk)

@@ -13,7 +13,7 @@
 namespace fastdump {
 
 constexpr uint64_t kMagic = 0x31474e4952504446ull;  // "FDPRING1"
-constexpr uint64_t kVersion = 1;
+constexpr uint64_t kVersion = 2;  // 2: no `published` counter
 constexpr uint64_t kAlign = 64;
 constexpr uint64_t kHeaderBytes = 4096;
 constexpr uint32_t kMaxDims = 32;  // HDF5 datasets hold at most 32 dimensions (H5S_MAX_RANK)
@@ -59,7 +59,6 @@ struct alignas(64) RingHeader {
   int64_t writer_pid;
   alignas(64) std::atomic<uint64_t> head;        // producer: next byte to allocate (monotonic)
   alignas(64) std::atomic<uint64_t> tail;        // writer: bytes released so far (monotonic)
-  alignas(64) std::atomic<uint64_t> published;   // records made READY (for waking the writer)
   alignas(64) std::atomic<uint64_t> acked_seq;   // highest control seq the writer has handled
   std::atomic<uint64_t> writer_state;
   std::atomic<uint64_t> writer_attached;         // writer has mapped the region (producer may unlink)
@@ -176,7 +175,7 @@ class Producer {
   // control records (names, pass end) still fit while tensors are being dropped.
   bool reserve(uint32_t kind, uint32_t channel, uint32_t name_id, int64_t pass_id, uint16_t dtype,
                const std::vector<int64_t>& shape, uint64_t payload_len, ChunkInfo chunk, bool block,
-               Reservation* out, double timeout_s = kWaitForever);
+               Reservation* out, double timeout_s = kWaitForever, bool whole_tensor = false);
   // reserve(block = false) that also never waits for the allocation lock: false when another
   // thread holds it (which may be waiting for the writer). For callers that hold a lock of their own
   // whose records the writer may be waiting for (the CUDA lean path).

@@ -317,3 +317,17 @@ def test_writer_interference_bench_runs_all_three_modes():
     for mode in ("none", "running", "stopped"):
         assert f"\n{mode}" in "\n" + stdout, stdout
     assert "dumped tensors/step" in stdout
+
+
+@pytest.mark.skipif(not FASTDUMP_AVAILABLE, reason="fastdump is not importable")
+def test_paired_step_bench_dumps_every_other_step_whole(tmp_path):
+    result_json = tmp_path / "paired.json"
+    stdout = run_script("paired_step_bench.py", "--model", "micro", "--steps", "20", "--reps", "2",
+                        "--json", str(result_json))
+    assert "dumped / undumped" in stdout
+    result = json.loads(result_json.read_text())
+    # every dumped step is a whole pass of the micro model; the script exits non-zero on drops, a bad
+    # close, or dumped and undumped steps that do not alternate
+    assert result["tensors_per_dumped_step"] == 95
+    for key in ("dumped_vs_undumped", "undumped_vs_none", "dumped_vs_none"):
+        assert 0.5 < result[key] < 3.0, (key, result[key])

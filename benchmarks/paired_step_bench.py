@@ -1,0 +1,151 @@
+"""fastdump's cost per dumped decode step, measured step by step against undumped steps of the same run.
+
+The step ratios of decode_bench and hf_decode_bench compare whole runs, and on a shared 2-core VM
+the host's noise moves a whole run by several percent (issue 11's micro loop: 1.06x to 1.17x for
+one build). Here fastdump is attached with ``every=2``: every other pass is dumped, so dumped and
+undumped steps alternate within one run, microseconds apart, and their ratio cancels that noise.
+A ``none`` run (no dump) is interleaved with it to show that undumped steps cost what no dump does.
+
+  dumped / undumped   median over repetitions of (median dumped step / median undumped step):
+                      fastdump's own cost per dumped step (wrapper, pass, staging), with the
+                      writer running beside the model as always
+  undumped / none     what attaching costs a step that is not dumped (wrappers, the skipped pass)
+  dumped / none       the whole-run comparison, for reference (noisy)
+
+With ``every=2`` the writer has half the work it has at ``every=1``; its part in the step (none
+measured on this machine: benchmarks/RESULTS.md, "0b") is counted in both kinds of step alike.
+
+    python benchmarks/paired_step_bench.py --model micro     # decode_bench's micro preset
+    python benchmarks/paired_step_bench.py --model hf        # hf_decode_bench's transformers Llama
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import fastdump  # noqa: E402
+
+
+def micro_loop(batch: int):
+    """decode_bench's micro preset: its model and a decode step on one new token."""
+    from benchmarks.models import PRESETS, allocate_kv_caches, build_models
+
+    preset = PRESETS["micro"]
+    model, _ = build_models(preset.model, with_draft=False)
+    ids = torch.randint(0, preset.model.vocab_size, (batch, 1), generator=torch.Generator().manual_seed(1))
+
+    def start(steps: int):
+        allocate_kv_caches([model], batch, steps + 16)
+        return lambda: model(ids)
+
+    return model, start
+
+
+def hf_loop(batch: int):
+    """hf_decode_bench's transformers Llama (6x256), one new token per step with a DynamicCache."""
+    from transformers import DynamicCache
+
+    from benchmarks.hf_decode_bench import build_model
+
+    model = build_model(6, 256, 4)
+    gen = torch.Generator().manual_seed(1)
+    prompt, ids = torch.randint(0, 1024, (batch, 8), generator=gen), torch.randint(0, 1024, (batch, 1), generator=gen)
+
+    def start(steps: int):
+        cache = DynamicCache()
+        model(input_ids=prompt, past_key_values=cache, use_cache=True)
+        return lambda: model(input_ids=ids, past_key_values=cache, use_cache=True)
+
+    return model, start
+
+
+def timed_steps(start, steps: int, dumper=None) -> tuple:
+    """Step times, split into (dumped, undumped) by the Dumper's own pass count when one is attached."""
+    dumped, undumped = [], []
+    passes = (lambda: dumper.stats()["passes"]) if dumper is not None else (lambda: 0)
+    with torch.no_grad():
+        step = start(steps + 10)
+        for _ in range(10):
+            step()
+        for _ in range(steps):
+            before = passes()  # outside the timed region
+            t0 = time.perf_counter()
+            step()
+            elapsed = time.perf_counter() - t0
+            (dumped if passes() > before else undumped).append(elapsed)
+    return dumped, undumped
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", choices=("micro", "hf"), default="micro")
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=400, help="timed steps per run (half of them dumped)")
+    ap.add_argument("--reps", type=int, default=8)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    model, start = (micro_loop if args.model == "micro" else hf_loop)(args.batch)
+    parent = Path(tempfile.mkdtemp(prefix="paired-bench-"))
+    none, dumped, undumped, tensors = [], [], [], []
+    load = [os.getloadavg()[0]]
+    try:
+        for rep in range(args.reps):
+            for mode in (("none", "every2") if rep % 2 == 0 else ("every2", "none")):
+                if mode == "none":
+                    none.append(statistics.median(timed_steps(start, args.steps)[1]))
+                    continue
+                root = tempfile.mkdtemp(dir=parent)
+                dumper = fastdump.attach(model, root, every=2)
+                try:
+                    on, off = timed_steps(start, args.steps, dumper)
+                finally:
+                    stats = dumper.close()
+                shutil.rmtree(root, ignore_errors=True)
+                if stats["dropped"] or stats["status"] != "closed" or abs(len(on) - len(off)) > 1:
+                    raise SystemExit(f"fastdump lost data or did not dump every other step: {stats}")
+                dumped.append(statistics.median(on))
+                undumped.append(statistics.median(off))
+                tensors.append(stats["tensors"] / max(stats["passes"], 1))
+    finally:
+        shutil.rmtree(parent, ignore_errors=True)
+    load.append(os.getloadavg()[0])
+    paired = [d / u for d, u in zip(dumped, undumped)]
+    per_tensor = [(d - u) / t for d, u, t in zip(dumped, undumped, tensors)]
+    result = {
+        "model": args.model, "config": vars(args), "load": load,
+        "tensors_per_dumped_step": statistics.median(tensors),
+        "step_none_s": statistics.median(none), "step_dumped_s": statistics.median(dumped),
+        "step_undumped_s": statistics.median(undumped),
+        "dumped_vs_undumped": statistics.median(paired), "dumped_vs_undumped_range": [min(paired), max(paired)],
+        "undumped_vs_none": statistics.median([u / n for u, n in zip(undumped, none)]),
+        "dumped_vs_none": statistics.median([d / n for d, n in zip(dumped, none)]),
+        "added_per_tensor_s": statistics.median(per_tensor),
+    }
+    print(f"{args.model}: {result['tensors_per_dumped_step']:.0f} tensors per dumped step, {args.reps} reps x "
+          f"{args.steps} steps, torch threads {args.threads}, load {load[0]:.2f} -> {load[1]:.2f}")
+    print(f"step: none {result['step_none_s'] * 1e3:.3f} ms, undumped {result['step_undumped_s'] * 1e3:.3f} ms, "
+          f"dumped {result['step_dumped_s'] * 1e3:.3f} ms")
+    print(f"dumped / undumped {result['dumped_vs_undumped']:.3f}x (range {min(paired):.3f}-{max(paired):.3f}), "
+          f"+{result['added_per_tensor_s'] * 1e6:.2f} us per dumped tensor; undumped / none "
+          f"{result['undumped_vs_none']:.3f}x; dumped / none {result['dumped_vs_none']:.3f}x")
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2))
+    return result
+
+
+if __name__ == "__main__":
+    main()
