@@ -105,7 +105,8 @@ class BuildExt(build_ext):
         return objects
 
 
-sources = [f"{CSRC}/module.cpp", f"{CSRC}/forward_wrapper.cpp", f"{CSRC}/ring.cpp", f"{CSRC}/crc32c.cpp"]
+sources = [f"{CSRC}/module.cpp", f"{CSRC}/forward_wrapper.cpp", f"{CSRC}/ring.cpp", f"{CSRC}/crc32c.cpp",
+           f"{CSRC}/writer_rows.cpp", f"{CSRC}/writer_rows_bindings.cpp"]
 ext_kwargs = dict(include_dirs=[CSRC], extra_compile_args=["-O3"], libraries=["rt"])
 if WITH_CUDA:
     sources += [f"{CSRC}/cuda_bindings.cpp", f"{CSRC}/cuda_graph_bindings.cpp"]

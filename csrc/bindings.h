@@ -18,6 +18,8 @@ void bind_forward_wrapper(pybind11::module_& m);
 // same function): a _C status or ChannelStager.NOT_FAST; throws py::error_already_set & co.
 void* channel_stager_ptr(pybind11::handle lane);
 int stage_tensor_on(void* lane, uint32_t name_id, pybind11::handle tensor);
+// fastdump._C.PagePool, PageBuffer, RowSink (csrc/writer_rows_bindings.cpp).
+void bind_writer_rows(pybind11::module_& m);
 // fastdump._C.GraphRecorder (csrc/cuda_graph_bindings.cpp; CUDA builds only).
 void bind_graph_recorder(pybind11::module_& m);
 

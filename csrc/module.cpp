@@ -11,6 +11,7 @@
 #include "bindings.h"
 #include "crc32c.h"
 #include "ring.h"
+#include "writer_rows.h"
 #include "strided_copy.h"
 
 namespace py = pybind11;
@@ -224,18 +225,45 @@ py::object next_record(Consumer& c, double timeout_s) {
 // With views on, a control record (pass end, close...) ends its batch: every view before it is
 // consumed by the time the caller reaches it, so the caller can release() the batch before the
 // control's possibly slow work (an HDF5 segment write).
-py::list next_batch(Consumer& c, double timeout_s, size_t max_records, uint64_t max_bytes, uint64_t view_bytes) {
+//
+// `sinks` (a dict channel -> RowSink, or None): a tensor record its channel's RowSink takes (a pass
+// and layout the channel writer knows, writer_rows.h) is consumed here and never handed out. The
+// first record a sink does not take ends the batch, so the caller handles it before any later
+// record is taken: index rows stay in arrival order.
+py::list next_batch(Consumer& c, double timeout_s, size_t max_records, uint64_t max_bytes, uint64_t view_bytes,
+                    py::object sinks) {
   py::list out;
   uint64_t bytes = 0;
   bool holding = c.holding();  // views the caller has not released yet: never free them here
   RecordView v;
+  std::vector<std::pair<uint32_t, RowSink*>> fast;  // a few channels: a linear search beats a map
+  if (!sinks.is_none()) {
+    for (auto item : py::cast<py::dict>(sinks)) {
+      // Another build's RowSink (the CUDA test double's extension beside the real one) is not
+      // ours to call: its channel's records all go to Python.
+      if (py::isinstance<RowSink>(item.second))
+        fast.emplace_back(py::cast<uint32_t>(item.first), py::cast<RowSink*>(item.second));
+    }
+  }
+  size_t taken = 0;  // records consumed here: they count as waited for
   while (out.size() < max_records && bytes < max_bytes) {
     bool ok;
     {
       py::gil_scoped_release nogil;
-      ok = c.next(out.size() == 0 ? timeout_s : 0.0, &v);
+      ok = c.next(out.size() == 0 && taken == 0 ? timeout_s : 0.0, &v);
     }
     if (!ok) break;
+    if (v.kind == kTensor && !fast.empty()) {
+      RowSink* sink = nullptr;
+      for (auto& entry : fast)
+        if (entry.first == v.channel) sink = entry.second;
+      if (sink != nullptr && sink->take(v)) {
+        bytes += v.payload_len;
+        ++taken;
+        holding = true;  // the caller's release() gives its space back with the batch
+        continue;
+      }
+    }
     py::tuple shape(v.shape.size());
     for (size_t i = 0; i < v.shape.size(); ++i) shape[i] = py::int_(v.shape[i]);
     bytes += v.payload_len;
@@ -245,6 +273,7 @@ py::list next_batch(Consumer& c, double timeout_s, size_t max_records, uint64_t 
                                                         static_cast<py::ssize_t>(v.payload_len), true);
       out.append(py::make_tuple(v.kind, v.channel, v.name_id, v.pass_id, v.dtype, shape, view, v.seq,
                                 v.chunk.offset, v.chunk.total));
+      if (!fast.empty()) break;  // see above: handled before anything after it is taken
       continue;
     }
     PyObject* raw = PyBytes_FromStringAndSize(nullptr, static_cast<Py_ssize_t>(v.payload_len));
@@ -260,6 +289,7 @@ py::list next_batch(Consumer& c, double timeout_s, size_t max_records, uint64_t 
     out.append(py::make_tuple(v.kind, v.channel, v.name_id, v.pass_id, v.dtype, shape, payload, v.seq,
                               v.chunk.offset, v.chunk.total));
     if (view_bytes && v.kind == kControl) break;  // last in its batch: see above
+    if (!fast.empty() && v.kind == kTensor) break;  // see above
     if (!holding) c.release();
   }
   return out;
@@ -408,8 +438,9 @@ PYBIND11_MODULE(_C, m) {
       .def("next", &next_record, py::arg("timeout_s"),
            "(kind, channel, name_id, pass_id, dtype, shape, payload, seq, chunk_offset, chunk_total) or None")
       .def("next_batch", &next_batch, py::arg("timeout_s"), py::arg("max_records") = 4096,
-           py::arg("max_bytes") = 256ull << 20, py::arg("view_bytes") = 0,
-           "list of next() tuples; payloads >= view_bytes are views held until release(), others copies")
+           py::arg("max_bytes") = 256ull << 20, py::arg("view_bytes") = 0, py::arg("sinks") = py::none(),
+           "list of next() tuples; payloads >= view_bytes are views held until release(), others copies; "
+           "tensor records a channel's RowSink in `sinks` takes are consumed, not listed")
       .def("release", &Consumer::release, "give back the space of every record handed out so far")
       .def_property_readonly("holding", &Consumer::holding)
       .def_property_readonly("capacity", [](Consumer& c) { return c.region().capacity(); })
@@ -422,4 +453,5 @@ PYBIND11_MODULE(_C, m) {
 
   bind_cuda(m);
   bind_forward_wrapper(m);
+  bind_writer_rows(m);
 }

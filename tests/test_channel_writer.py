@@ -622,11 +622,11 @@ def _address(view):
 def test_page_buffer_keeps_the_stream_and_splits_it_for_o_direct():
     gen = np.random.default_rng(0)
     pool = pages.PagePool()
-    buf = pages.PageBuffer()
+    buf = pages.PageBuffer(pool)
     sent = [gen.integers(0, 256, n, dtype=np.uint8) for n in (0, 1, 4095, 4097, 20000, 300_000, 7, 2 << 20)]
     for chunk in sent:
-        buf.append(chunk, pool)
-        buf.append(memoryview(chunk.tobytes()), pool)  # bytes and read-only views too
+        buf.append(chunk)
+        buf.append(memoryview(chunk.tobytes()))  # bytes and read-only views too
     want = b"".join(c.tobytes() * 2 for c in sent)
     assert buf.nbytes == len(want)
     assert b"".join(bytes(v) for v in buf.views()) == want
@@ -636,11 +636,11 @@ def test_page_buffer_keeps_the_stream_and_splits_it_for_o_direct():
     assert (tail.nbytes if tail is not None else 0) == len(want) % pages.ALIGN
     assert all(p.nbytes <= pages.MAX_PAGE for p in buf.pages) and len(buf.pages) < 20
     allocated = pool.allocated
-    buf.free(pool)
-    again = pages.PageBuffer()
+    buf.free()
+    again = pages.PageBuffer(pool)
     for chunk in sent:
-        again.append(chunk, pool)
-        again.append(chunk, pool)
+        again.append(chunk)
+        again.append(chunk)
     assert pool.allocated == allocated  # the second round reuses the pages: no new memory, no faults
 
 

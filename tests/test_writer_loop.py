@@ -14,12 +14,13 @@ class ScriptedConsumer:
     """Hands out a fixed list of records, like Consumer.next_batch, then reports the producer gone."""
 
     capacity = 1 << 20
+    holding = False  # it never takes a record itself (no fast path: every tensor goes to Python)
 
     def __init__(self, records):
         self.records = list(records)
         self.acked, self.state, self.drained = [], None, False
 
-    def next_batch(self, timeout_s, max_bytes=0, view_bytes=0):
+    def next_batch(self, timeout_s, max_bytes=0, view_bytes=0, sinks=None):
         if not self.records:
             self.drained = True
             return []

@@ -55,7 +55,10 @@ _DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 
 
 class _PassState:
-    __slots__ = ("pass_id", "meta", "ended", "dropped", "skipped", "tensors", "nbytes", "incomplete", "mixed")
+    """A pass of the open segment. Its tensors and bytes are counted from the index when the
+    segment is written (most of its rows never pass through Python: RowSink)."""
+
+    __slots__ = ("pass_id", "meta", "ended", "dropped", "skipped", "incomplete", "mixed")
 
     def __init__(self, pass_id: int):
         self.pass_id = pass_id
@@ -63,24 +66,21 @@ class _PassState:
         self.ended = False
         self.dropped = 0
         self.skipped: list = []
-        self.tensors = 0
-        self.nbytes = 0
         self.incomplete = None  # why the capture side says the pass is not whole (it ended all the same)
         self.mixed = False  # forwards of several threads merged into it
 
 
 class _PendingSegment:
-    """Everything received since the last segment file was written."""
+    """Everything received since the last segment file was written. Its index rows and byte count
+    are in the channel's RowSink (C++), which the writer loop's fast path appends to."""
 
     def __init__(self):
         self.blocks: list = []
         self.block_by_layout: dict = {}  # (name_id, dtype code, row shape or None for 0-d) -> Block
         self.name_slot: dict = {}  # channel name id -> position in this segment's name table
         self.names: list = []
-        self.index: list = []  # (pass, name slot, block, first row, rows) in arrival order
         self.passes: dict = {}  # pass id -> _PassState, in order of first appearance
         self.open_passes = 0
-        self.nbytes = 0
         self.started = None  # time.time() of the first event
         self.last_end = None  # time.time() of the last pass end (idle rotation)
 
@@ -128,6 +128,9 @@ class ChannelWriter:
         self._pending = _PendingSegment()
         self._open = None  # OpenSegment holding this segment's large tensors, if any yet
         self._current = None  # the _PassState that received the last tensor (fast path)
+        # The open segment's index rows and bytes; the loop's fast path takes a record into it when
+        # its pass (set_pass) and layout (add_layout) are known here (csrc/writer_rows.h).
+        self.sink = _C.RowSink()
 
         # Totals over everything written so far (rank.json).
         self._segments: list = []
@@ -184,6 +187,8 @@ class ChannelWriter:
         pass_state = self._pass(pass_id)
         if meta:
             pass_state.meta.update(meta)
+        if not pass_state.ended:
+            self._set_current(pass_state)  # its tensors may take the fast path from the first
 
     def on_tensor(self, name_id: int, pass_id: int, dtype_code: int, shape: tuple, data: np.ndarray) -> None:
         # Hot path (50k+ calls/s): dictionary lookups and list appends only.
@@ -192,7 +197,7 @@ class ChannelWriter:
         pass_state = self._current
         if pass_state is None or pass_state.pass_id != pass_id:
             pass_state = self._pass(pass_id)
-            self._current = pass_state
+            self._set_current(pass_state)
         if type(shape) is not tuple:
             shape = tuple(shape)
         nbytes = len(data)  # 1-D uint8: bytes, numpy array or a view into the ring
@@ -212,17 +217,11 @@ class ChannelWriter:
         else:
             layout = (name_id, dtype_code, None)
             rows = 1
-        pending = self._pending
-        block = pending.block_by_layout.get(layout)
+        block = self._pending.block_by_layout.get(layout)
         if block is None:
             block = self._new_block(layout, shape)
-        crc = _crc32c(data)
-        block.data.append(data)  # our copy: ``data`` may be a view into the ring; first, so a failure leaves no index row
-        pending.index.append((pass_id, block.name_slot, block.number, block.rows, rows, crc))
-        block.rows += rows
-        pass_state.tensors += 1
-        pass_state.nbytes += nbytes
-        pending.nbytes += nbytes
+        # Our copy (``data`` may be a view into the ring), its CRC32C and index row, as the fast path does.
+        self.sink.append(block.number, pass_id, data, rows)
 
     def on_end(self, pass_id: int, meta: dict, dropped: int = 0, skipped: list = (), incomplete: str = None,
                mixed: bool = False) -> None:
@@ -242,7 +241,7 @@ class ChannelWriter:
         if not pass_state.ended:
             pass_state.ended = True
             self._pending.open_passes -= 1
-        self._current = None
+        self._set_current(None)
         now = time.time()
         self._pending.last_end = now
         self._rotate_if_due(now)
@@ -340,6 +339,7 @@ class ChannelWriter:
                 fsutil.remove_quietly(self._reserve)  # "closed" is on disk: the reserve's job is done
         finally:
             self._closed = True
+            self.sink.accepting = False
 
     def _take_counts(self, msg: dict) -> None:
         """The Dumper's own counts (its stats: ``dropped`` tensors, ``dropped_passes``), so that
@@ -354,10 +354,12 @@ class ChannelWriter:
         if self.error is None:
             self.error = str(error) or "unknown error"
         self._status = "error"
+        self.sink.accepting = False  # every later record goes to Python, which ignores it
         for block in self._pending.blocks:
             block.data.free()  # the buffered rows' pages go back to the pool
         self._pending = _PendingSegment()
-        self._current = None
+        self._set_current(None)
+        self.sink.reset()
         if self._open is not None:
             self._open.abort()  # never leave its temporary file behind
             self._open = None
@@ -368,6 +370,14 @@ class ChannelWriter:
         fsutil.remove_quietly(self._reserve)  # the channel is done either way
 
     # ----------------------------------------------------------------- internals
+
+    def _set_current(self, pass_state) -> None:
+        """The pass receiving tensors now (None: none); the fast path takes only its tensors."""
+        self._current = pass_state
+        if pass_state is None:
+            self.sink.clear_pass()
+        else:
+            self.sink.set_pass(pass_state.pass_id)
 
     def _pass(self, pass_id: int) -> _PassState:
         pending = self._pending
@@ -391,6 +401,7 @@ class ChannelWriter:
         pending = self._pending
         name_id, code, row_shape = layout
         block = Block(len(pending.blocks), self._name_slot(name_id), code, shape[1:], scalar=row_shape is None)
+        self.sink.add_layout(name_id, code, row_shape, block.number, block.name_slot, block.row_bytes, block.data)
         pending.blocks.append(block)
         pending.block_by_layout[layout] = block
         return block
@@ -408,11 +419,7 @@ class ChannelWriter:
             self.fail(f"{type(exc).__name__}: {exc}")
             raise
         pending.blocks.append(block)  # not in block_by_layout: later rows of the name go elsewhere
-        pending.index.append((pass_id, block.name_slot, block.number, 0, block.rows, _crc32c(data)))
-        nbytes = len(data)  # 1-D uint8: bytes, numpy array or a view into the ring
-        pass_state.tensors += 1
-        pass_state.nbytes += nbytes
-        pending.nbytes += nbytes
+        self.sink.add_index(pass_id, block.name_slot, block.number, 0, block.rows, _crc32c(data), len(data))
 
     def skip_tensor(self, name_id: int, pass_id: int, reason: str) -> None:
         """A tensor the loop could not hand over (on_tensor raised): recorded, the rest goes on."""
@@ -437,7 +444,7 @@ class ChannelWriter:
         factor = 1 if pending.open_passes == 0 else _FORCE_FLUSH_FACTOR
         due = (
             (self.max_passes is not None and len(pending.passes) >= self.max_passes * factor)
-            or (self.max_bytes is not None and pending.nbytes >= self.max_bytes * factor)
+            or (self.max_bytes is not None and self.sink.nbytes >= self.max_bytes * factor)
             or (self.max_seconds is not None and now - pending.started >= self.max_seconds * factor)
         )
         if due:
@@ -457,25 +464,26 @@ class ChannelWriter:
         if not pending.passes:
             return
         self._pending = _PendingSegment()
-        self._current = None
+        self._set_current(None)
         open_segment, self._open = self._open, None
+        index = np.frombuffer(self.sink.index_bytes(), dtype=fmt.INDEX_DTYPE)
+        nbytes = self.sink.nbytes
+        self.sink.reset()
         passes = list(pending.passes.values())
 
-        pass_table = np.array(
-            [(p.pass_id, p.ended and p.incomplete is None, p.dropped, p.tensors, p.nbytes) for p in passes],
-            dtype=fmt.PASS_DTYPE,
-        )
+        pass_table = np.array([(p.pass_id, p.ended and p.incomplete is None, p.dropped, 0, 0) for p in passes],
+                              dtype=fmt.PASS_DTYPE)
+        _count_pass_rows(pass_table, index, pending.blocks)
         pass_meta = [_pass_meta(p) for p in passes]
-        index = np.array(pending.index, dtype=fmt.INDEX_DTYPE)
         pass_ids = pass_table["pass"]
-        tensors = len(pending.index)
+        tensors = len(index)
         complete = all(p.ended for p in passes)  # every pass ended: none continues in the next segment
         summary = {
             "first_pass": int(pass_ids.min()),
             "last_pass": int(pass_ids.max()),
             "passes": len(passes),
             "tensors": tensors,
-            "bytes": pending.nbytes,
+            "bytes": nbytes,
         }
         number = self._next_segment
         write_segment(
@@ -493,7 +501,7 @@ class ChannelWriter:
         self._segments.append({"file": fmt.segment_name(number), **summary, "complete": complete})
         self._passes_written += len(passes)
         self._tensors_written += tensors
-        self._bytes_written += pending.nbytes
+        self._bytes_written += nbytes
         self._write_rank_json()
 
     def _first_free_segment_number(self) -> int:
@@ -556,6 +564,22 @@ class ChannelWriter:
             fsutil.atomic_write_json(os.path.join(self.dir, fmt.RANK_FILE), self.rank_json(), durable=False)
         except OSError:
             pass  # the next segment's rank.json (durable, checked) says what is wrong
+
+
+def _count_pass_rows(pass_table: np.ndarray, index: np.ndarray, blocks: list) -> None:
+    """Fill each pass's ``tensors`` and ``bytes`` from the segment's index rows."""
+    if not len(index):
+        return
+    ids = pass_table["pass"]
+    order = np.argsort(ids, kind="stable")
+    where = order[np.minimum(np.searchsorted(ids, index["pass"], sorter=order), len(ids) - 1)]
+    if not np.array_equal(ids[where], index["pass"]):
+        raise RuntimeError("an index row names a pass the segment does not hold")  # only a bug
+    row_bytes = np.array([block.row_bytes for block in blocks], dtype=np.int64)
+    pass_table["tensors"] = np.bincount(where, minlength=len(ids))
+    per_pass = np.zeros(len(ids), dtype=np.int64)
+    np.add.at(per_pass, where, index["rows"] * row_bytes[index["block"]])
+    pass_table["bytes"] = per_pass
 
 
 def _reserve_space(path: str, nbytes: int) -> None:

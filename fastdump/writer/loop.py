@@ -1,11 +1,14 @@
 """The writer's main loop: take records off the ring in order, hand them to channel writers.
 
 Runs in the writer process (``python -m fastdump.writer``) or in a thread. It owns the ring's
-consumer side: ``next_batch`` hands out tensors as views into the ring; the ChannelWriter copies
-each one once into its page buffers (or writes a large one to the file), and the batch's ring space
-is released before any control record is handled (so the producer never waits on HDF5). Control
-records are acknowledged after they are handled, which is how ``Dumper.close()`` knows its data
-is on disk.
+consumer side. ``next_batch`` takes most tensors itself: a tensor whose pass and layout its
+channel writer already knows is copied into that channel's page buffers, CRC'd and indexed in C++
+(the channel's ``RowSink``, csrc/writer_rows.h) without a Python object per tensor. The others
+(a pass's or a name's first tensor, chunks, large tensors, CUDA-graph spans) come out as views
+into the ring; the ChannelWriter copies each one once into its page buffers (or writes a large one
+to the file). The batch's ring space is released before any control record is handled (so the
+producer never waits on HDF5). Control records are acknowledged after they are handled, which is
+how ``Dumper.close()`` knows its data is on disk.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ class WriterLoop:
         self.consumer = consumer
         self.pin_near_device = pin_near_device  # only a writer process may move its own CPUs
         self.channels: dict[int, ChannelWriter] = {}
+        self.sinks: dict = {}  # channel -> its writer's RowSink: next_batch's fast path
         self.partial: dict[tuple, _Assembly] = {}
         self.failed: str | None = None
 
@@ -54,11 +58,14 @@ class WriterLoop:
             # Every tensor arrives as a view into the ring, held until release(): the channel
             # writer copies it once into its pages, or writes it to the file. A batch that holds
             # views ends at a control record, so the batch is released before that control's work.
-            batch = consumer.next_batch(POLL_SECONDS, max_bytes=batch_bytes, view_bytes=1)
+            batch = consumer.next_batch(POLL_SECONDS, max_bytes=batch_bytes, view_bytes=1, sinks=self.sinks)
             now = time.monotonic()
             if now >= next_poll:
                 self._poll(now)
                 next_poll = now + POLL_SECONDS
+            if not batch and consumer.holding:  # every record of the batch took the fast path
+                consumer.release()
+                continue
             if not batch:
                 if consumer.drained:
                     self._finish("incomplete")  # the serving process died: keep what arrived
@@ -123,7 +130,8 @@ class WriterLoop:
                 pin_writer_near(msg["device"]["pci_bus_id"])
                 self.pin_near_device = False  # the first GPU decides: one writer serves them all
             try:
-                self.channels[channel] = ChannelWriter(msg)
+                writer = self.channels[channel] = ChannelWriter(msg)
+                self.sinks[channel] = writer.sink
             except Exception as exc:
                 self._fail(f"cannot open {msg.get('dir')}: {exc}")
             return
@@ -147,6 +155,7 @@ class WriterLoop:
         self._call(channel, method, *args)
         if op == "close":
             self.channels.pop(channel, None)
+            self.sinks.pop(channel, None)
 
     def _drop_torn(self, channel: int, end_msg: dict) -> None:
         """Chunks of a tensor whose other chunks never came (a failed CUDA drain turns unfinished
@@ -198,6 +207,7 @@ class WriterLoop:
             except Exception:
                 pass
         self.channels.clear()
+        self.sinks.clear()
 
     def _poll(self, now: float) -> None:
         for channel in list(self.channels):
@@ -215,6 +225,7 @@ class WriterLoop:
             except Exception as exc:
                 self._fail(f"{writer_dir(writer)}: {exc}")
         self.channels.clear()
+        self.sinks.clear()
         if self.failed is None:
             self.consumer.set_state(_C.WRITER_EXITED, "")
 

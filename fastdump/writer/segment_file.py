@@ -31,9 +31,13 @@ _IOV_MAX = min(os.sysconf("SC_IOV_MAX"), 1024) if hasattr(os, "sysconf") else 10
 
 
 class Block:
-    """Rows of one tensor name with one dtype and one row shape, waiting to become ``blocks/<n>``."""
+    """Rows of one tensor name with one dtype and one row shape, waiting to become ``blocks/<n>``.
 
-    __slots__ = ("number", "name_slot", "code", "row_shape", "scalar", "rows", "data", "written")
+    ``data`` (a pages.PageBuffer) holds the rows' bytes in row order and counts them (``rows``);
+    the writer's C++ fast path appends to it too. A block written straight to the file
+    (OpenSegment.write_direct) has its rows set once."""
+
+    __slots__ = ("number", "name_slot", "code", "row_shape", "scalar", "data", "written")
 
     def __init__(self, number: int, name_slot: int, code: int, row_shape: tuple, scalar: bool):
         self.number = number
@@ -41,9 +45,20 @@ class Block:
         self.code = code
         self.row_shape = row_shape
         self.scalar = scalar  # rows are 0-d tensors
-        self.rows = 0
-        self.data = PageBuffer()  # the rows' bytes, in row order
+        self.data = PageBuffer()
         self.written = False  # already in the file (OpenSegment.write_direct)
+
+    @property
+    def rows(self) -> int:
+        return self.data.rows
+
+    @rows.setter
+    def rows(self, value: int) -> None:
+        self.data.rows = value
+
+    @property
+    def row_bytes(self) -> int:
+        return dtypes.ITEMSIZE[self.code] * math.prod(self.row_shape)
 
 
 _VLEN_STR = h5t.py_create(h5py.string_dtype(), logical=True)

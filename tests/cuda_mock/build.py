@@ -19,10 +19,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 MOCK = Path(__file__).resolve().parent
-SOURCES = ["csrc/module.cpp", "csrc/forward_wrapper.cpp", "csrc/ring.cpp", "csrc/crc32c.cpp", "csrc/cuda_bindings.cpp", "csrc/cuda_staging.cu",
+SOURCES = ["csrc/module.cpp", "csrc/forward_wrapper.cpp", "csrc/ring.cpp", "csrc/crc32c.cpp", "csrc/writer_rows.cpp",
+           "csrc/writer_rows_bindings.cpp", "csrc/cuda_bindings.cpp", "csrc/cuda_staging.cu",
            "csrc/cuda_graph_record.cu", "csrc/cuda_graph_bindings.cpp"]
 HEADERS = ["csrc/ring.h", "csrc/strided_copy.h", "csrc/bindings.h", "csrc/cuda_staging.h", "csrc/crc32c.h",
-           "csrc/cuda_graph_record.h"]
+           "csrc/cuda_graph_record.h", "csrc/writer_rows.h"]
 
 
 def _flags(extra=()):
