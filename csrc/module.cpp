@@ -162,27 +162,6 @@ struct ChannelStager {
   }
 };
 
-// copy_into(dst, offset, src): dst[offset:offset + len(src)] = src, by copy_streaming.
-void copy_into(py::buffer dst, size_t offset, py::buffer src) {
-  py::buffer_info d = dst.request(true), s = src.request();
-  const size_t dn = static_cast<size_t>(d.size * d.itemsize), sn = static_cast<size_t>(s.size * s.itemsize);
-  auto contiguous = [](const py::buffer_info& b) {
-    py::ssize_t want = b.itemsize;
-    for (py::ssize_t i = b.ndim - 1; i >= 0; --i) {
-      if (b.shape[i] > 1 && b.strides[i] != want) return false;
-      want *= b.shape[i];
-    }
-    return true;
-  };
-  if (!contiguous(d) || !contiguous(s)) throw std::invalid_argument("copy_into needs contiguous buffers");
-  if (offset > dn || sn > dn - offset) throw std::out_of_range("copy_into: source does not fit at offset");
-  auto* out = static_cast<uint8_t*>(d.ptr) + offset;
-  auto* in = static_cast<const uint8_t*>(s.ptr);
-  if (sn < kReleaseGilBytes) return copy_streaming(out, in, sn);
-  py::gil_scoped_release nogil;
-  copy_streaming(out, in, sn);
-}
-
 // CRC32C of any contiguous buffer (bytes, memoryview, numpy array), continuing from `value`.
 uint32_t crc32c_buffer(py::buffer data, uint32_t value, bool portable) {
   py::buffer_info info = data.request();
@@ -324,9 +303,6 @@ PYBIND11_MODULE(_C, m) {
   m.def("crc32c", &crc32c_buffer, py::arg("data"), py::arg("value") = 0u, py::arg("portable") = false,
         "CRC32C (Castagnoli) of a contiguous buffer, continuing from `value`; releases the GIL on large ones.");
   m.attr("CRC32C_IMPL") = crc32c_impl();
-  m.def("copy_into", &copy_into, py::arg("dst"), py::arg("offset"), py::arg("src"),
-        "dst[offset:offset+len(src)] = src with streaming stores (bypassing the caches); "
-        "both contiguous, dst writable");
   m.attr("PAGE_ALIGNED_BYTES") = kPageAlignedBytes;
 
   py::class_<Producer>(m, "Producer")

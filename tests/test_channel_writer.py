@@ -623,7 +623,8 @@ def test_page_buffer_keeps_the_stream_and_splits_it_for_o_direct():
     gen = np.random.default_rng(0)
     pool = pages.PagePool()
     buf = pages.PageBuffer(pool)
-    sent = [gen.integers(0, 256, n, dtype=np.uint8) for n in (0, 1, 4095, 4097, 20000, 300_000, 7, 2 << 20)]
+    # every length and alignment the streaming copy handles (head, 64-byte body, tail; under 256 bytes: memcpy)
+    sent = [gen.integers(0, 256, n, dtype=np.uint8) for n in (0, 1, 4095, 4097, 20000, 300_000, 7, 255, 256, 13, 2 << 20)]
     for chunk in sent:
         buf.append(chunk)
         buf.append(memoryview(chunk.tobytes()))  # bytes and read-only views too

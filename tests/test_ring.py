@@ -252,25 +252,6 @@ def test_channel_stager_stages_like_stage_host():
     assert lane.stage(1, 0, 4, full.shape, full.stride(), full.data_ptr()) == _C.DROPPED
 
 
-@pytest.mark.parametrize("n,offset", [(0, 0), (3, 5), (255, 1), (256, 0), (4099, 13), (200_000, 7)])
-def test_copy_into_streams_exact_bytes(n, offset):
-    """The writer's streaming copy into its page buffers: every byte, at every alignment, nothing else."""
-    dst = bytearray(b"\xaa" * (n + offset + 64))
-    src = np.random.default_rng(n).integers(0, 256, n, dtype=np.uint8)
-    _C.copy_into(dst, offset, memoryview(src))
-    assert dst[offset:offset + n] == src.tobytes()
-    assert dst[:offset] == b"\xaa" * offset and dst[offset + n:] == b"\xaa" * 64
-
-
-def test_copy_into_refuses_what_does_not_fit():
-    with pytest.raises(IndexError):
-        _C.copy_into(bytearray(8), 4, b"12345")
-    with pytest.raises(ValueError):
-        _C.copy_into(bytearray(64), 0, np.zeros((4, 4), np.uint8)[:, ::2])
-    with pytest.raises(BufferError):
-        _C.copy_into(b"read-only", 0, b"x")
-
-
 def test_channel_stager_stage_tensor_takes_only_plain_cpu_tensors():
     """stage_tensor (the Dumper's hot path, reading the tensor in C++) stages plain CPU tensors of
     the dtypes it was given, counts them, and sends everything else back (NOT_FAST) untouched."""
