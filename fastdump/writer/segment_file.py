@@ -74,18 +74,26 @@ def _file_type(storage: np.dtype):
     return tid
 
 
+_SCALAR = h5s.create(h5s.SCALAR)  # one dataspace for every scalar attribute (read-only to HDF5)
+_STR_VALUES: dict = {}  # str -> its attribute value: the dtype and encoding names repeat per block
+
+
 def _str_attr(obj_id, name: bytes, value: str) -> None:
-    attr = h5a.create(obj_id, name, _VLEN_STR, h5s.create(h5s.SCALAR))
-    attr.write(np.array(value.encode("utf-8"), dtype=object))
+    encoded = _STR_VALUES.get(value)
+    if encoded is None:
+        encoded = np.array(value.encode("utf-8"), dtype=object)
+        if len(_STR_VALUES) < 256:
+            _STR_VALUES[value] = encoded
+    h5a.create(obj_id, name, _VLEN_STR, _SCALAR).write(encoded)
 
 
 def _int_attr(obj_id, name: bytes, value: int) -> None:
-    attr = h5a.create(obj_id, name, _INT64, h5s.create(h5s.SCALAR))
+    attr = h5a.create(obj_id, name, _INT64, _SCALAR)
     attr.write(np.array(value, dtype="<i8"))
 
 
 def _float_attr(obj_id, name: bytes, value: float) -> None:
-    attr = h5a.create(obj_id, name, _FLOAT64, h5s.create(h5s.SCALAR))
+    attr = h5a.create(obj_id, name, _FLOAT64, _SCALAR)
     attr.write(np.array(value, dtype="<f8"))
 
 
@@ -175,7 +183,8 @@ class OpenSegment:
         self.number = number
         self._fd = self._direct_fd = None
         self._direct_ok = False
-        self._inflight: list = []  # block writes running on the I/O threads
+        self._queued: list = []  # (body, tail, offset, whole) of blocks created, not yet written
+        self._inflight: list = []  # groups of block writes running on the I/O threads
         self.direct_bytes = 0  # bytes written with O_DIRECT (tests, stats)
         try:
             self.file = h5py.File(self.temp_path, "w", libver="latest", locking=False,
@@ -211,21 +220,41 @@ class OpenSegment:
             _pwritev_all(self._fd, [view], offset)
 
     def write_block(self, block: Block) -> None:
-        """Create ``block``'s dataset and start writing its buffered rows (``block.data``) into it.
+        """Create ``block``'s dataset and queue the write of its buffered rows (``block.data``).
 
-        The write runs on an I/O thread: an O_DIRECT write returns only when the device has the
-        data, so one block after another would wait out the disk's latency each time (8 KiB
-        tensors/s fell by a third on this project's virtual disk). ``finish_writes()`` waits;
-        ``block.data`` must stay untouched until then.
+        ``finish_writes()`` runs the queued writes on the I/O threads and waits for them:
+        an O_DIRECT write returns only when the device has the data, so one block after another
+        would wait out the disk's latency each time (8 KiB tensors/s fell by a third on this
+        project's virtual disk). ``block.data`` must stay untouched until then.
         """
         offset = self._create(block)
         if offset is not None:
             body, tail = block.data.split_aligned()
-            self._inflight.append(_io_threads().submit(self._write_aligned, body, tail, offset,
-                                                       block.data.views()))
+            self._queued.append((body, tail, offset, block.data.views()))
+
+    def _start_writes(self) -> None:
+        """The queued block writes, in one job per I/O thread of about equal bytes: a segment of
+        ~100 small blocks costs a handful of thread hand-offs, not one per block (issue 11: the
+        writer's CPU per segment was dominated by per-block work)."""
+        queued, self._queued = self._queued, []
+        if not queued:
+            return
+        groups = [[] for _ in range(min(IO_THREADS, len(queued)))]
+        sizes = [0] * len(groups)
+        for job in sorted(queued, key=lambda job: -sum(v.nbytes for v in job[3])):
+            k = sizes.index(min(sizes))
+            groups[k].append(job)
+            sizes[k] += sum(v.nbytes for v in job[3])
+        pool = _io_threads()
+        self._inflight.extend(pool.submit(self._write_group, group) for group in groups)
+
+    def _write_group(self, jobs: list) -> int:
+        return sum(self._write_aligned(*job) for job in jobs)
 
     def finish_writes(self) -> None:
-        """Wait for every block write; raise the first error once all have ended."""
+        """Write the queued blocks and wait for every block write; raise the first error once all
+        have ended."""
+        self._start_writes()
         inflight, self._inflight = self._inflight, []
         error = None
         for future in inflight:
@@ -284,6 +313,7 @@ class OpenSegment:
 
     def abort(self) -> None:
         """Drop the temporary file (an error, or a failed channel)."""
+        self._queued = []  # never started: nothing to wait for
         try:
             self.close_fd()
         except Exception:
