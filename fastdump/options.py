@@ -276,7 +276,11 @@ class Options:
     graph_ring_mb: float = _opt(256, ("FASTDUMP_GRAPH_RING_MB", _positive_float,
                                       "per GPU and Dumper: CUDA-graph recording memory, MiB (half static slots, "
                                       "half replay ring)"))
-    segment_passes: int = _opt(64, ("FASTDUMP_SEGMENT_PASSES", _int(1), "start a new .h5 segment after N passes"))
+    # 256, not 64: a segment costs the writer ~10 ms of CPU (a dataset per name and layout, its
+    # writes, rank.json); on a small model (~100 tensors per pass) 64 passes made that ~1.5 us per
+    # tensor, a third of the writer's CPU (benchmarks/RESULTS.md, 0b). segment_mb and
+    # segment_seconds still bound a segment of large passes, segment_idle_seconds its latency.
+    segment_passes: int = _opt(256, ("FASTDUMP_SEGMENT_PASSES", _int(1), "start a new .h5 segment after N passes"))
     segment_mb: float = _opt(256, ("FASTDUMP_SEGMENT_MB", _positive_float, "start a new .h5 segment after N MiB"))
     segment_seconds: float = _opt(30.0, ("FASTDUMP_SEGMENT_SECONDS", _positive_float,
                                          "start a new .h5 segment after N seconds"))
