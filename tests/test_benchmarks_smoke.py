@@ -317,6 +317,7 @@ def test_writer_interference_bench_runs_all_three_modes():
     for mode in ("none", "running", "stopped"):
         assert f"\n{mode}" in "\n" + stdout, stdout
     assert "dumped tensors/step" in stdout
+    assert "writer CPU/tensor" in stdout  # the running writer's own CPU, from /proc
 
 
 @pytest.mark.skipif(not FASTDUMP_AVAILABLE, reason="fastdump is not importable")
