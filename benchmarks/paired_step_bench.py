@@ -12,8 +12,9 @@ A ``none`` run (no dump) is interleaved with it to show that undumped steps cost
   undumped / none     what attaching costs a step that is not dumped (wrappers, the skipped pass)
   dumped / none       the whole-run comparison, for reference (noisy)
 
-With ``every=2`` the writer has half the work it has at ``every=1``; its part in the step (none
-measured on this machine: benchmarks/RESULTS.md, "0b") is counted in both kinds of step alike.
+With ``every=2`` the writer has half the work it has at ``every=1``, and whatever it takes from
+the model lands in both kinds of step alike: ``dumped / undumped`` is the forward thread's own
+cost; ``undumped / none`` shows the writer's share (benchmarks/RESULTS.md, 0e).
 
     python benchmarks/paired_step_bench.py --model micro     # decode_bench's micro preset
     python benchmarks/paired_step_bench.py --model hf        # hf_decode_bench's transformers Llama

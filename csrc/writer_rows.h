@@ -4,7 +4,7 @@
 //
 // Issue 11: the writer spent ~6.5 us of CPU per small tensor, most of it Python per record (a
 // tuple per record, dict lookups, a bound call to copy and one to CRC); beside a small model on a
-// 2-core machine that CPU is taken from the model (benchmarks/RESULTS.md, section 0b). Now a
+// 2-core machine that CPU is taken from the model (benchmarks/RESULTS.md, section 0e). Now a
 // record whose pass and layout the channel writer already knows is taken here, inside
 // Consumer.next_batch: copied once into its block's pages (streaming stores), CRC32C'd, and
 // indexed, with no Python object made for it. Every other record (a new pass, name or layout, a

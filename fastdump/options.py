@@ -278,7 +278,7 @@ class Options:
                                       "half replay ring)"))
     # 256, not 64: a segment costs the writer ~10 ms of CPU (a dataset per name and layout, its
     # writes, rank.json); on a small model (~100 tensors per pass) 64 passes made that ~1.5 us per
-    # tensor, a third of the writer's CPU (benchmarks/RESULTS.md, 0b). segment_mb and
+    # tensor, a third of the writer's CPU (benchmarks/RESULTS.md, 0e). segment_mb and
     # segment_seconds still bound a segment of large passes, segment_idle_seconds its latency.
     segment_passes: int = _opt(256, ("FASTDUMP_SEGMENT_PASSES", _int(1), "start a new .h5 segment after N passes"))
     segment_mb: float = _opt(256, ("FASTDUMP_SEGMENT_MB", _positive_float, "start a new .h5 segment after N MiB"))
