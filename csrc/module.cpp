@@ -225,24 +225,33 @@ py::list next_batch(Consumer& c, double timeout_s, size_t max_records, uint64_t 
     }
   }
   size_t taken = 0;  // records consumed here: they count as waited for
+  auto sink_for = [&](uint32_t channel) -> RowSink* {
+    for (auto& entry : fast)
+      if (entry.first == channel) return entry.second;
+    return nullptr;
+  };
   while (out.size() < max_records && bytes < max_bytes) {
     bool ok;
     {
+      // Without the GIL: the wait, and the records the fast path takes (C++ state only; the
+      // sinks are the writer loop's, which is this thread). A thread writer must not hold the
+      // serving thread up for a whole batch of copies.
       py::gil_scoped_release nogil;
-      ok = c.next(out.size() == 0 && taken == 0 ? timeout_s : 0.0, &v);
-    }
-    if (!ok) break;
-    if (v.kind == kTensor && !fast.empty()) {
-      RowSink* sink = nullptr;
-      for (auto& entry : fast)
-        if (entry.first == v.channel) sink = entry.second;
-      if (sink != nullptr && sink->take(v)) {
+      while (true) {
+        ok = c.next(out.size() == 0 && taken == 0 ? timeout_s : 0.0, &v);
+        if (!ok || v.kind != kTensor || fast.empty()) break;
+        RowSink* sink = sink_for(v.channel);
+        if (sink == nullptr || !sink->take(v)) break;
         bytes += v.payload_len;
         ++taken;
         holding = true;  // the caller's release() gives its space back with the batch
-        continue;
+        if (taken + out.size() >= max_records || bytes >= max_bytes) {
+          ok = false;  // the batch is full: nothing handed out from this round
+          break;
+        }
       }
     }
+    if (!ok) break;
     py::tuple shape(v.shape.size());
     for (size_t i = 0; i < v.shape.size(); ++i) shape[i] = py::int_(v.shape[i]);
     bytes += v.payload_len;
