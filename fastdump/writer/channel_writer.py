@@ -191,7 +191,8 @@ class ChannelWriter:
             self._set_current(pass_state)  # its tensors may take the fast path from the first
 
     def on_tensor(self, name_id: int, pass_id: int, dtype_code: int, shape: tuple, data: np.ndarray) -> None:
-        # Hot path (50k+ calls/s): dictionary lookups and list appends only.
+        # The tensors the loop's C++ fast path declined (a pass's or layout's first, chunks, large
+        # ones, CUDA-graph spans): what they teach (pass, layout) lets the fast path take the next.
         if self.error is not None or self._closed:
             return
         pass_state = self._current

@@ -55,9 +55,10 @@ class WriterLoop:
         # or wait for nothing).
         batch_bytes = min(BATCH_BYTES, max(consumer.capacity // 4, 1))
         while True:
-            # Every tensor arrives as a view into the ring, held until release(): the channel
-            # writer copies it once into its pages, or writes it to the file. A batch that holds
-            # views ends at a control record, so the batch is released before that control's work.
+            # The tensors next_batch did not take itself arrive as views into the ring, held until
+            # release(): the channel writer copies each once into its pages, or writes it to the
+            # file. A batch ends at a control record or at a tensor the fast path declined, so the
+            # batch is released before that control's work, and rows stay in arrival order.
             batch = consumer.next_batch(POLL_SECONDS, max_bytes=batch_bytes, view_bytes=1, sinks=self.sinks)
             now = time.monotonic()
             if now >= next_poll:
