@@ -3,7 +3,6 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
-#include <algorithm>
 #include <cstring>
 #if defined(__SSE2__)
 #include <emmintrin.h>
@@ -74,34 +73,6 @@ void read_dims(py::handle seq, std::vector<int64_t>* out) {
 
 // One Dumper's hot path into the ring: the channel, pass and wait settings are set once per pass
 // (begin), so staging a CPU tensor is one call with only the tensor's own facts.
-// DLPack's legacy capsule ("dltensor"), as torch._C._to_dlpack makes it (dlpack.h, v0.8; only read).
-struct DLDevice {
-  int32_t device_type;  // 1 CPU, 2 CUDA
-  int32_t device_id;
-};
-struct DLDataType {
-  uint8_t code;
-  uint8_t bits;
-  uint16_t lanes;
-};
-struct DLTensor {
-  void* data;
-  DLDevice device;
-  int32_t ndim;
-  DLDataType dtype;
-  int64_t* shape;
-  int64_t* strides;  // in elements; null: C-contiguous
-  uint64_t byte_offset;
-};
-struct DLManagedTensor {
-  DLTensor dl_tensor;
-  void* manager_ctx;
-  void (*deleter)(DLManagedTensor*);
-};
-constexpr int32_t kDLCPU = 1;
-
-uint32_t dl_key(const DLDataType& t) { return t.code | (uint32_t{t.bits} << 8) | (uint32_t{t.lanes} << 16); }
-
 struct ChannelStager {
   Producer* producer;
   uint32_t channel;
@@ -113,12 +84,6 @@ struct ChannelStager {
   py::dict fast_codes;  // torch.dtype -> (wire code, element size): dtypes staged without checks
   py::object strided;   // torch.strided
   uint64_t staged_tensors = 0, staged_bytes = 0;  // by stage_tensor, until take_counts()
-  // The tensor's facts in one call (set_dlpack): torch._C._to_dlpack, and the DLPack dtypes of the
-  // fast dtypes -> (wire code, element size). None: seven attribute reads per tensor instead.
-  py::object to_dlpack;
-  PyTypeObject* dl_exact_type = nullptr;  // torch.Tensor: subclasses may override attributes DLPack would not see
-  std::vector<std::pair<uint32_t, std::pair<uint16_t, uint64_t>>> dl_codes;
-  std::vector<uint32_t> dl_ambiguous;  // DLPack dtypes of several torch dtypes (uint8, uint1..uint7)
   // CUDA tensors' lane into the channel's CUDA stager (set_cuda, once; CUDA builds only). None:
   // stage_tensor leaves CUDA tensors to the caller's general path.
   std::shared_ptr<CudaTensorLane> cuda;
@@ -140,97 +105,7 @@ struct ChannelStager {
   // or one the lean path cannot take): the caller takes its general path.
   // The one entry every per-tensor caller uses (the Dumper, forward wrappers): keep its signature.
   static constexpr int kNotFast = CudaTensorLane::kNotFast;
-
-  // Learns the DLPack dtype of each (sample tensor, wire code, element size); a DLPack dtype that
-  // two of them share (torch exports uint8 and uint1..uint7 alike) is read through the attributes.
-  void set_dlpack(py::object fn, py::list samples) {
-    std::vector<std::pair<uint32_t, std::pair<uint16_t, uint64_t>>> codes;
-    std::vector<uint32_t> ambiguous;
-    for (py::handle item : samples) {
-      auto sample = py::cast<py::tuple>(item);
-      py::object cap = fn(sample[0]);
-      auto* m = static_cast<DLManagedTensor*>(PyCapsule_GetPointer(cap.ptr(), "dltensor"));
-      if (m == nullptr) throw py::error_already_set();
-      const uint32_t key = dl_key(m->dl_tensor.dtype);
-      for (auto& c : codes)
-        if (c.first == key) ambiguous.push_back(key);
-      codes.emplace_back(key, std::make_pair(py::cast<uint16_t>(sample[1]), py::cast<uint64_t>(sample[2])));
-    }
-    dl_codes.clear();
-    for (auto& c : codes)
-      if (std::find(ambiguous.begin(), ambiguous.end(), c.first) == ambiguous.end()) dl_codes.push_back(c);
-    dl_ambiguous = std::move(ambiguous);
-    dl_exact_type = samples.size() ? Py_TYPE(py::cast<py::tuple>(samples[0])[0].ptr()) : nullptr;
-    to_dlpack = std::move(fn);
-  }
-
-  // stage_tensor's facts through one DLPack export instead of seven attribute reads (issue 11:
-  // those reads cost ~0.7 us per tensor in a decode loop). CPU tensors of the exact torch.Tensor
-  // type only: a subclass (its attributes may be overridden) and a tensor on any other device take
-  // the attribute path, as CUDA tensors always did. The lazy negation bit is not in DLPack:
-  // is_neg() is still asked. Anything the export refuses (sparse, meta...) takes the general path.
-  int stage_tensor_dlpack(uint32_t name_id, PyObject* t) {
-    static PyObject* s_is_neg = PyUnicode_InternFromString("is_neg");
-    if (Py_TYPE(t) != dl_exact_type) return stage_tensor_attributes(name_id, t);
-    PyObject* raw = PyObject_CallOneArg(to_dlpack.ptr(), t);
-    if (raw == nullptr) {
-      if (!PyErr_ExceptionMatches(PyExc_Exception)) throw py::error_already_set();
-      PyErr_Clear();
-      return kNotFast;
-    }
-    py::object cap = py::reinterpret_steal<py::object>(raw);  // its release frees the export
-    auto* m = static_cast<DLManagedTensor*>(PyCapsule_GetPointer(raw, "dltensor"));
-    if (m == nullptr) {
-      PyErr_Clear();
-      return kNotFast;
-    }
-    const DLTensor& d = m->dl_tensor;
-    if (d.device.device_type != kDLCPU) return stage_tensor_attributes(name_id, t);
-    const uint32_t key = dl_key(d.dtype);
-    const std::pair<uint16_t, uint64_t>* fast = nullptr;
-    for (auto& c : dl_codes)
-      if (c.first == key) fast = &c.second;
-    if (fast == nullptr) {
-      if (std::find(dl_ambiguous.begin(), dl_ambiguous.end(), key) != dl_ambiguous.end())
-        return stage_tensor_attributes(name_id, t);  // which torch dtype: only its attribute says
-      return kNotFast;
-    }
-    if (d.ndim < 0) return kNotFast;
-    py::object neg = py::reinterpret_steal<py::object>(PyObject_CallMethodNoArgs(t, s_is_neg));
-    if (!neg) throw py::error_already_set();
-    if (neg.ptr() != Py_False) return kNotFast;
-    const auto ndim = static_cast<size_t>(d.ndim);
-    src.shape.assign(d.shape, d.shape + ndim);
-    if (d.strides != nullptr) {
-      src.strides.assign(d.strides, d.strides + ndim);
-    } else {  // C-contiguous
-      src.strides.resize(ndim);
-      int64_t step = 1;
-      for (size_t i = ndim; i-- > 0;) src.strides[i] = step, step *= d.shape[i];
-    }
-    const auto ptr = reinterpret_cast<uintptr_t>(d.data) + static_cast<uintptr_t>(d.byte_offset);
-    const uint16_t code = fast->first;
-    const uint64_t itemsize = fast->second;
-    src.ptr = reinterpret_cast<const uint8_t*>(ptr);
-    src.elem_size = itemsize;
-    const int st = stage_source(*producer, channel, name_id, pass_id, code, src, block, timeout_s);
-    if (st == kStaged) count_staged(itemsize);
-    return st;
-  }
-
-  void count_staged(uint64_t itemsize) {
-    uint64_t nbytes = itemsize;
-    for (int64_t d : src.shape) nbytes *= static_cast<uint64_t>(d);
-    staged_tensors++;
-    staged_bytes += nbytes;
-  }
-
   int stage_tensor(uint32_t name_id, py::handle tensor) {
-    if (to_dlpack && !to_dlpack.is_none()) return stage_tensor_dlpack(name_id, tensor.ptr());
-    return stage_tensor_attributes(name_id, tensor.ptr());
-  }
-
-  int stage_tensor_attributes(uint32_t name_id, PyObject* t) {
     static PyObject* s_dtype = PyUnicode_InternFromString("dtype");
     static PyObject* s_layout = PyUnicode_InternFromString("layout");
     static PyObject* s_is_cpu = PyUnicode_InternFromString("is_cpu");
@@ -239,6 +114,7 @@ struct ChannelStager {
     static PyObject* s_shape = PyUnicode_InternFromString("shape");
     static PyObject* s_stride = PyUnicode_InternFromString("stride");
     static PyObject* s_data_ptr = PyUnicode_InternFromString("data_ptr");
+    PyObject* t = tensor.ptr();
     auto get = [&](PyObject* name) { return py::reinterpret_steal<py::object>(PyObject_GetAttr(t, name)); };
     auto call = [&](PyObject* name) { return py::reinterpret_steal<py::object>(PyObject_CallMethodNoArgs(t, name)); };
     py::object is_cpu = get(s_is_cpu);  // first: without a CUDA lane a CUDA tensor leaves after one read
@@ -276,7 +152,12 @@ struct ChannelStager {
       st = cuda->stage(channel, name_id, pass_id, block, timeout_s, t, code, itemsize, src.shape, src.strides,
                        py::cast<uintptr_t>(ptr));
     }
-    if (st == kStaged) count_staged(itemsize);
+    if (st == kStaged) {
+      uint64_t nbytes = itemsize;
+      for (int64_t d : src.shape) nbytes *= static_cast<uint64_t>(d);
+      staged_tensors++;
+      staged_bytes += nbytes;
+    }
     return st;
   }
 };
@@ -498,9 +379,6 @@ PYBIND11_MODULE(_C, m) {
            }),
            py::arg("producer"), py::arg("channel"), py::arg("fast_codes") = py::dict(),
            py::arg("strided") = py::none(), py::keep_alive<1, 2>())
-      .def("set_dlpack", &ChannelStager::set_dlpack, py::arg("to_dlpack"), py::arg("samples"),
-           "read tensor facts through to_dlpack (torch._C._to_dlpack); samples: (tensor, wire code, "
-           "element size) of each fast dtype")
       .def("stage_tensor", &ChannelStager::stage_tensor, py::arg("name_id"), py::arg("tensor"),
            "stage a plain CPU tensor (the same statuses as stage), or NOT_FAST (-1): use the general path")
       .def(

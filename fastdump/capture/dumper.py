@@ -168,10 +168,6 @@ class Dumper:
             if type(self._channel.lane) is _C.ChannelStager:  # (tests' CUDA-mock engines bring their own)
                 self._state.lane = self._channel.lane  # the C++ forward wrappers' stage_tensor
             index = _cuda_index(o.device, facts)
-            if _use_dlpack and _DLPACK_FACTS is not None and index is None and self._state.lane is not None:
-                # A CPU model: a tensor's facts in one DLPack export (CUDA tensors keep the reads
-                # the lean CUDA path was tested with).
-                self._channel.lane.set_dlpack(*_DLPACK_FACTS)
             if index is not None:
                 self._channel.prepare_cuda(index)
             if self._graphs is not None:
@@ -857,28 +853,6 @@ def _fast_codes() -> dict:
 
 
 _FAST_CODES = _fast_codes()
-
-
-def _dlpack_facts():
-    """(to_dlpack, [(sample tensor, wire code, element size)] of the fast dtypes DLPack exports), for
-    ChannelStager.set_dlpack; None without torch's DLPack export."""
-    try:
-        from torch.utils.dlpack import to_dlpack
-    except ImportError:  # pragma: no cover - no torch, or a torch without DLPack
-        return None
-    samples = []
-    for dtype, (code, size) in _FAST_CODES.items():
-        sample = _torch.zeros(1, dtype=dtype)
-        try:
-            to_dlpack(sample)
-        except Exception:
-            continue  # a dtype DLPack cannot carry: its tensors take the attribute path
-        samples.append((sample, code, size))
-    return to_dlpack, samples
-
-
-_DLPACK_FACTS = _dlpack_facts() if _torch is not None else None
-_use_dlpack = True  # False: stage_tensor reads a tensor's attributes one by one (tests of both)
 
 
 def _call(fn, *args):
