@@ -5,9 +5,34 @@
 
 #include <cstdint>
 #include <memory>
+#include <stdexcept>
+#include <string>
 #include <vector>
 
 namespace fastdump {
+// Copies and checksums of at least this many bytes release the GIL (a thread writer must not
+// hold the serving thread up); below it, releasing and retaking the GIL costs more than the copy.
+constexpr uint64_t kReleaseGilBytes = 64 * 1024;
+
+// The bytes of a C-contiguous buffer (bytes, memoryview, numpy array of any dtype); `what` names
+// the caller in the error for any other buffer. `info` keeps the buffer alive while it is used.
+struct ContiguousBytes {
+  pybind11::buffer_info info;
+  const uint8_t* ptr;
+  size_t n;
+};
+inline ContiguousBytes contiguous_bytes(const pybind11::buffer& data, const char* what) {
+  pybind11::buffer_info info = data.request();
+  for (pybind11::ssize_t i = info.ndim - 1, want = info.itemsize; i >= 0; --i) {
+    if (info.shape[i] > 1 && info.strides[i] != want)
+      throw std::invalid_argument(std::string(what) + " needs a contiguous buffer");
+    want *= info.shape[i];
+  }
+  const auto* ptr = static_cast<const uint8_t*>(info.ptr);
+  const size_t n = static_cast<size_t>(info.size) * static_cast<size_t>(info.itemsize);
+  return ContiguousBytes{std::move(info), ptr, n};
+}
+
 // Defines cuda_compiled(), cuda_info() and the CUDA staging entry points (csrc/cuda_bindings.cpp),
 // or their CPU-only stand-ins (csrc/cuda_stub.cpp).
 void bind_cuda(pybind11::module_& m);

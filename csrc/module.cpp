@@ -19,9 +19,6 @@ using namespace fastdump;
 
 namespace {
 
-// Copies below this size keep the GIL: releasing and retaking it costs more than the memcpy.
-constexpr uint64_t kReleaseGilBytes = 64 * 1024;
-
 // Stages `src` (GIL held by the caller; released around long copies and waits).
 int stage_source(Producer& p, uint32_t channel, uint32_t name_id, int64_t pass_id, uint16_t dtype,
                  const HostSource& src, bool block, double timeout_s) {
@@ -164,19 +161,10 @@ struct ChannelStager {
 
 // CRC32C of any contiguous buffer (bytes, memoryview, numpy array), continuing from `value`.
 uint32_t crc32c_buffer(py::buffer data, uint32_t value, bool portable) {
-  py::buffer_info info = data.request();
-  if (info.ndim > 1) {
-    for (py::ssize_t i = info.ndim - 1, want = info.itemsize; i >= 0; --i) {
-      if (info.shape[i] > 1 && info.strides[i] != want) throw std::invalid_argument("crc32c needs a contiguous buffer");
-      want *= info.shape[i];
-    }
-  } else if (info.ndim == 1 && info.shape[0] > 1 && info.strides[0] != info.itemsize) {
-    throw std::invalid_argument("crc32c needs a contiguous buffer");
-  }
-  const size_t nbytes = static_cast<size_t>(info.size) * static_cast<size_t>(info.itemsize);
-  if (nbytes < kReleaseGilBytes) return crc32c(info.ptr, nbytes, value, portable);
+  const ContiguousBytes src = contiguous_bytes(data, "crc32c");
+  if (src.n < kReleaseGilBytes) return crc32c(src.ptr, src.n, value, portable);
   py::gil_scoped_release nogil;
-  return crc32c(info.ptr, nbytes, value, portable);
+  return crc32c(src.ptr, src.n, value, portable);
 }
 
 py::object next_record(Consumer& c, double timeout_s) {

@@ -3,7 +3,6 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
-#include <cstring>
 
 #include "bindings.h"
 #include "ring.h"
@@ -13,27 +12,6 @@ namespace py = pybind11;
 
 namespace fastdump {
 namespace {
-
-constexpr size_t kReleaseGilBytes = 64 * 1024;
-
-// A contiguous buffer's bytes (bytes, memoryview, numpy array of any dtype).
-struct Bytes {
-  py::buffer_info info;
-  const uint8_t* ptr;
-  size_t n;
-};
-
-Bytes bytes_of(const py::buffer& data) {
-  py::buffer_info info = data.request();
-  py::ssize_t want = info.itemsize;
-  for (py::ssize_t i = info.ndim - 1; i >= 0; --i) {
-    if (info.shape[i] > 1 && info.strides[i] != want) throw std::invalid_argument("needs a C-contiguous buffer");
-    want *= info.shape[i];
-  }
-  const auto* ptr = static_cast<const uint8_t*>(info.ptr);
-  const size_t n = static_cast<size_t>(info.size) * static_cast<size_t>(info.itemsize);
-  return Bytes{std::move(info), ptr, n};
-}
 
 // Read-only views of the buffer's memory: valid until free() (the pages are then reused).
 py::memoryview view_of(const uint8_t* ptr, size_t n) {
@@ -85,7 +63,7 @@ void bind_writer_rows(py::module_& m) {
       .def(
           "append",
           [](PageBuffer& b, py::buffer data) {
-            Bytes src = bytes_of(data);
+            const ContiguousBytes src = contiguous_bytes(data, "PageBuffer.append");
             if (src.n < kReleaseGilBytes) return b.append(src.ptr, src.n);
             py::gil_scoped_release nogil;
             b.append(src.ptr, src.n);
@@ -120,7 +98,7 @@ void bind_writer_rows(py::module_& m) {
       .def(
           "append",
           [](RowSink& s, int32_t block, int64_t pass_id, py::buffer data, int64_t rows) {
-            Bytes src = bytes_of(data);
+            const ContiguousBytes src = contiguous_bytes(data, "RowSink.append");
             s.append(block, pass_id, src.ptr, src.n, rows);
           },
           py::arg("block"), py::arg("pass_id"), py::arg("data"), py::arg("rows"))
