@@ -241,10 +241,10 @@ class OpenSegment:
             return
         groups = [[] for _ in range(min(IO_THREADS, len(queued)))]
         sizes = [0] * len(groups)
-        for job in sorted(queued, key=lambda job: -sum(v.nbytes for v in job[3])):
-            k = sizes.index(min(sizes))
+        for nbytes, job in sorted(((sum(v.nbytes for v in job[3]), job) for job in queued), key=lambda e: -e[0]):
+            k = sizes.index(min(sizes))  # the lightest group so far takes the next largest block
             groups[k].append(job)
-            sizes[k] += sum(v.nbytes for v in job[3])
+            sizes[k] += nbytes
         pool = _io_threads()
         self._inflight.extend(pool.submit(self._write_group, group) for group in groups)
 
