@@ -13,6 +13,7 @@
 #include "ring.h"
 #include "writer_rows.h"
 #include "strided_copy.h"
+#include "tensor_reader.h"
 
 namespace py = pybind11;
 using namespace fastdump;
@@ -68,6 +69,13 @@ void read_dims(py::handle seq, std::vector<int64_t>* out) {
   }
 }
 
+static_assert(kReaderMaxDims == static_cast<int>(kMaxDims), "tensor_reader.h and ring.h disagree on dims");
+
+// The torch-aware tensor reader (fastdump._torch_reader, through set_tensor_reader), or nullptr:
+// stage_tensor reads tensors through their Python attributes. One per process (one torch).
+const TensorReader* g_reader = nullptr;
+uint64_t g_reader_epoch = 0;  // bumped by each set_tensor_reader: stagers rebuild their dtype table
+
 // One Dumper's hot path into the ring: the channel, pass and wait settings are set once per pass
 // (begin), so staging a CPU tensor is one call with only the tensor's own facts.
 struct ChannelStager {
@@ -84,6 +92,11 @@ struct ChannelStager {
   // CUDA tensors' lane into the channel's CUDA stager (set_cuda, once; CUDA builds only). None:
   // stage_tensor leaves CUDA tensors to the caller's general path.
   std::shared_ptr<CudaTensorLane> cuda;
+  // With a tensor reader: c10::ScalarType -> (wire code, element size) of fast_codes' dtypes
+  // (code -1: not one of them), built for g_reader_epoch; and the reader's scratch.
+  std::vector<std::pair<int32_t, uint32_t>> scalar_codes;
+  uint64_t scalar_codes_epoch = 0;
+  TensorFacts facts{};
 
   int stage(uint32_t name_id, uint16_t dtype, uint64_t elem_size, py::handle shape_seq,
             py::handle strides_seq, uintptr_t ptr) {
@@ -94,15 +107,66 @@ struct ChannelStager {
     return stage_source(*producer, channel, name_id, pass_id, dtype, src, block, timeout_s);
   }
 
-  // The whole per-tensor hot path, read through the C API: no Python frame, no bytecode per
-  // attribute (issue 11: on a small model each of those costs the model's thread several times what
-  // it costs in a tight loop). A plain CPU tensor goes to the host ring; a CUDA tensor to the CUDA
-  // stager's lean path when set_cuda gave this channel one. kNotFast: anything else (another device
-  // or layout, a lazy negation bit, a dtype that needs checks, a CUDA tensor during a graph capture
-  // or one the lean path cannot take): the caller takes its general path.
+  // The whole per-tensor hot path: no Python frame. The tensor's facts come from the tensor reader
+  // (its TensorImpl) when one is set and takes the tensor, else from its Python attributes through
+  // the C API (issue 11: on a small model those reads cost the model's thread more than the rest of
+  // staging). A plain CPU tensor goes to the host ring; a CUDA tensor to the CUDA stager's lean path
+  // when set_cuda gave this channel one. kNotFast: anything else (another device or layout, a lazy
+  // negation bit, a dtype that needs checks, a CUDA tensor during a graph capture or one the lean
+  // path cannot take): the caller takes its general path.
   // The one entry every per-tensor caller uses (the Dumper, forward wrappers): keep its signature.
   static constexpr int kNotFast = CudaTensorLane::kNotFast;
   int stage_tensor(uint32_t name_id, py::handle tensor) {
+    if (g_reader != nullptr && g_reader->read(tensor.ptr(), &facts) == 1) return stage_facts(name_id, tensor.ptr());
+    return stage_by_attributes(name_id, tensor);
+  }
+
+  // The tensor reader's facts (in `facts`) of `t`: what stage_by_attributes does with the same facts.
+  int stage_facts(uint32_t name_id, PyObject* t) {
+    if (scalar_codes_epoch != g_reader_epoch) build_scalar_codes();
+    const auto st = static_cast<size_t>(facts.scalar_type);
+    if (st >= scalar_codes.size() || scalar_codes[st].first < 0) return kNotFast;
+    const auto code = static_cast<uint16_t>(scalar_codes[st].first);
+    const uint64_t itemsize = scalar_codes[st].second;
+    const auto n = static_cast<size_t>(facts.ndim);
+    src.shape.assign(facts.sizes, facts.sizes + n);  // src's vectors: no allocation once warm
+    src.strides.assign(facts.strides, facts.strides + n);
+    const auto ptr = reinterpret_cast<uintptr_t>(facts.data);
+    int status;
+    if (facts.device == kReaderCpu) {
+      src.ptr = static_cast<const uint8_t*>(facts.data);
+      src.elem_size = itemsize;
+      status = stage_source(*producer, channel, name_id, pass_id, code, src, block, timeout_s);
+    } else {
+      if (!cuda) return kNotFast;
+      status = cuda->stage(channel, name_id, pass_id, block, timeout_s, t, code, itemsize, src.shape, src.strides, ptr);
+    }
+    count_staged(status, itemsize);
+    return status;
+  }
+
+  void build_scalar_codes() {
+    scalar_codes.clear();
+    for (auto item : fast_codes) {
+      const int st = g_reader->scalar_type(item.first.ptr());
+      if (st < 0 || st > 1024) continue;
+      if (static_cast<size_t>(st) >= scalar_codes.size()) scalar_codes.resize(static_cast<size_t>(st) + 1, {-1, 0});
+      auto entry = py::reinterpret_borrow<py::tuple>(item.second);
+      scalar_codes[static_cast<size_t>(st)] = {py::cast<int32_t>(entry[0]), py::cast<uint32_t>(entry[1])};
+    }
+    scalar_codes_epoch = g_reader_epoch;
+  }
+
+  void count_staged(int status, uint64_t itemsize) {
+    if (status != kStaged) return;
+    uint64_t nbytes = itemsize;
+    for (int64_t d : src.shape) nbytes *= static_cast<uint64_t>(d);
+    staged_tensors++;
+    staged_bytes += nbytes;
+  }
+
+  // Without a reader, or for what it declines: the facts through the tensor's Python attributes.
+  int stage_by_attributes(uint32_t name_id, py::handle tensor) {
     static PyObject* s_dtype = PyUnicode_InternFromString("dtype");
     static PyObject* s_layout = PyUnicode_InternFromString("layout");
     static PyObject* s_is_cpu = PyUnicode_InternFromString("is_cpu");
@@ -149,12 +213,7 @@ struct ChannelStager {
       st = cuda->stage(channel, name_id, pass_id, block, timeout_s, t, code, itemsize, src.shape, src.strides,
                        py::cast<uintptr_t>(ptr));
     }
-    if (st == kStaged) {
-      uint64_t nbytes = itemsize;
-      for (int64_t d : src.shape) nbytes *= static_cast<uint64_t>(d);
-      staged_tensors++;
-      staged_bytes += nbytes;
-    }
+    count_staged(st, itemsize);
     return st;
   }
 };
@@ -357,6 +416,45 @@ PYBIND11_MODULE(_C, m) {
         d["block_seconds"] = s.block_seconds;
         return d;
       });
+
+  m.def(
+      "set_tensor_reader",
+      [](py::object capsule) {
+        if (capsule.is_none()) {
+          g_reader = nullptr;
+        } else {
+          auto* reader = static_cast<const TensorReader*>(PyCapsule_GetPointer(capsule.ptr(), "fastdump.TensorReader"));
+          if (reader == nullptr) throw py::error_already_set();
+          if (reader->abi != kTensorReaderAbi)
+            throw std::invalid_argument("tensor reader ABI " + std::to_string(reader->abi) + ", this build takes " +
+                                        std::to_string(kTensorReaderAbi));
+          g_reader = reader;
+        }
+        ++g_reader_epoch;
+      },
+      py::arg("reader"),
+      "ChannelStager.stage_tensor reads tensors through `reader` (fastdump._torch_reader.READER), or, "
+      "with None, through their Python attributes");
+  m.def(
+      "read_tensor_facts",
+      [](py::handle tensor) -> py::object {
+        TensorFacts f{};
+        if (g_reader == nullptr || g_reader->read(tensor.ptr(), &f) != 1) return py::none();
+        py::tuple shape(f.ndim), strides(f.ndim);
+        for (int i = 0; i < f.ndim; ++i) {
+          shape[i] = py::int_(f.sizes[i]);
+          strides[i] = py::int_(f.strides[i]);
+        }
+        return py::make_tuple(f.device == kReaderCpu ? "cpu" : "cuda", f.scalar_type, shape, strides,
+                              reinterpret_cast<uintptr_t>(f.data));
+      },
+      py::arg("tensor"),
+      "(device, scalar type, shape, strides, data pointer) as the tensor reader reads them, or None "
+      "(no reader, or one that declines the tensor): for tests");
+  m.def(
+      "tensor_reader",
+      []() -> py::object { return g_reader ? py::object(py::str(g_reader->torch_version)) : py::object(py::none()); },
+      "the torch version of the tensor reader in use, or None (attribute reads)");
 
   py::class_<ChannelStager>(m, "ChannelStager")
       .def(py::init([](Producer& p, uint32_t channel, py::dict fast_codes, py::object strided) {
