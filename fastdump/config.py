@@ -32,6 +32,8 @@ OTHER_VARS = {
     "FASTDUMP_NO_DIRECT_IO": "writer: 1 = write through the page cache, never O_DIRECT",
     "FASTDUMP_CUDA": "build (setup.py): 1 = CUDA path required, 0 = CPU-only build",
     "FASTDUMP_CUDA_ARCHS": "build (setup.py): CUDA architectures to compile for",
+    "FASTDUMP_TORCH_READER": "build (setup.py): 1 = fastdump._torch_reader required, 0 = not built; "
+                             "run time: 0 = read tensors through their Python attributes",
 }
 
 

@@ -32,6 +32,9 @@ def info() -> dict:
         facts["torch_cuda"] = torch.version.cuda
     except ImportError:
         facts["torch"] = None
+    from ..staging import tensor_reader
+
+    facts["tensor_reader"] = tensor_reader.describe()
     return facts
 
 
@@ -43,6 +46,8 @@ def cmd_info(args) -> int:
     cuda = facts["cuda"]
     print(f"fastdump {facts['fastdump']}  python {facts['python']}  torch {facts['torch']}")
     print(f"h5py {facts['h5py']}  HDF5 {facts['hdf5']}")
+    reader = facts["tensor_reader"]
+    print(f"tensor reader: {reader['reader']} ({reader['why']})")
     if cuda.get("compiled"):
         print(f"CUDA compiled in (built with {cuda.get('built_with')}); runtime {cuda.get('runtime_version')}, "
               f"driver {cuda.get('driver_version')}")

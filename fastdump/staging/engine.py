@@ -21,6 +21,7 @@ from pathlib import Path
 from .. import _C
 from .. import protocol
 from ..options import EngineOptions
+from . import tensor_reader
 from .channel import Channel
 
 log = logging.getLogger("fastdump")
@@ -200,6 +201,7 @@ class Engine:
 
     def channel_stager(self, channel: int, fast_codes: dict, strided) -> "_C.ChannelStager":
         """A channel's CPU hot path into this engine's ring (see Dumper._stage)."""
+        tensor_reader.install()  # once per process: how stage_tensor reads tensors
         return _C.ChannelStager(self.producer, channel, fast_codes, strided)
 
     def control(self, msg: dict, wait: bool = False, timeout: float = 600.0, block: bool = True,
