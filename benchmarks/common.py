@@ -209,6 +209,12 @@ def machine_info(device: torch.device | None = None) -> dict:
         info["hdf5"] = h5py.version.hdf5_version
     except ImportError:
         pass
+    try:
+        from fastdump.staging import tensor_reader  # noqa: PLC0415
+
+        info["tensor_reader"] = tensor_reader.describe()["reader"]  # "torch" or "attributes"
+    except ImportError:
+        pass
     if device is not None and device.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(device)
         info["cuda"] = torch.version.cuda

@@ -18,6 +18,11 @@ cost; ``undumped / none`` shows the writer's share (benchmarks/RESULTS.md, 0e).
 
     python benchmarks/paired_step_bench.py --model micro     # decode_bench's micro preset
     python benchmarks/paired_step_bench.py --model hf        # hf_decode_bench's transformers Llama
+    python benchmarks/paired_step_bench.py --model micro --compare-reader   # tensor reader vs attributes
+
+``--compare-reader`` adds a third run per repetition, the same ``every=2`` dump with the tensor
+reader switched off (``fastdump.staging.tensor_reader.set_enabled(False)``: tensors read through
+their Python attributes), so the reader's saving is measured side by side with the rest.
 """
 
 from __future__ import annotations
@@ -96,28 +101,46 @@ def main(argv=None) -> dict:
     ap.add_argument("--steps", type=int, default=400, help="timed steps per run (half of them dumped)")
     ap.add_argument("--reps", type=int, default=8)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--compare-reader", action="store_true",
+                    help="also dump with the tensor reader off (attribute reads), interleaved")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
+    from fastdump.staging import tensor_reader
+
+    reader = tensor_reader.install()
+    if args.compare_reader and reader["reader"] != "torch":
+        raise SystemExit(f"--compare-reader needs the tensor reader: {reader['why']}")
     torch.set_num_threads(args.threads)
     model, start = (micro_loop if args.model == "micro" else hf_loop)(args.batch)
     parent = Path(tempfile.mkdtemp(prefix="paired-bench-"))
     none, dumped, undumped, tensors = [], [], [], []
+    attrs_dumped, attrs_undumped = [], []
+    modes = ("none", "every2", "every2-attributes") if args.compare_reader else ("none", "every2")
     load = [os.getloadavg()[0]]
     try:
         for rep in range(args.reps):
-            for mode in (("none", "every2") if rep % 2 == 0 else ("every2", "none")):
+            for mode in modes[rep % len(modes):] + modes[:rep % len(modes)]:  # rotated: no fixed order
                 if mode == "none":
                     none.append(statistics.median(timed_steps(start, args.steps)[1]))
                     continue
                 root = tempfile.mkdtemp(dir=parent)
+                attributes = mode == "every2-attributes"
+                if attributes:
+                    tensor_reader.set_enabled(False)
                 dumper = fastdump.attach(model, root, every=2)
                 try:
                     on, off = timed_steps(start, args.steps, dumper)
                 finally:
                     stats = dumper.close()
+                    if attributes:
+                        tensor_reader.set_enabled(True)
                 shutil.rmtree(root, ignore_errors=True)
                 if stats["dropped"] or stats["status"] != "closed" or abs(len(on) - len(off)) > 1:
                     raise SystemExit(f"fastdump lost data or did not dump every other step: {stats}")
+                if attributes:
+                    attrs_dumped.append(statistics.median(on))
+                    attrs_undumped.append(statistics.median(off))
+                    continue
                 dumped.append(statistics.median(on))
                 undumped.append(statistics.median(off))
                 tensors.append(stats["tensors"] / max(stats["passes"], 1))
@@ -127,7 +150,7 @@ def main(argv=None) -> dict:
     paired = [d / u for d, u in zip(dumped, undumped)]
     per_tensor = [(d - u) / t for d, u, t in zip(dumped, undumped, tensors)]
     result = {
-        "model": args.model, "config": vars(args), "load": load,
+        "model": args.model, "config": vars(args), "load": load, "tensor_reader": reader["reader"],
         "tensors_per_dumped_step": statistics.median(tensors),
         "step_none_s": statistics.median(none), "step_dumped_s": statistics.median(dumped),
         "step_undumped_s": statistics.median(undumped),
@@ -137,12 +160,21 @@ def main(argv=None) -> dict:
         "added_per_tensor_s": statistics.median(per_tensor),
     }
     print(f"{args.model}: {result['tensors_per_dumped_step']:.0f} tensors per dumped step, {args.reps} reps x "
-          f"{args.steps} steps, torch threads {args.threads}, load {load[0]:.2f} -> {load[1]:.2f}")
+          f"{args.steps} steps, torch threads {args.threads}, tensor reader {reader['reader']}, "
+          f"load {load[0]:.2f} -> {load[1]:.2f}")
     print(f"step: none {result['step_none_s'] * 1e3:.3f} ms, undumped {result['step_undumped_s'] * 1e3:.3f} ms, "
           f"dumped {result['step_dumped_s'] * 1e3:.3f} ms")
     print(f"dumped / undumped {result['dumped_vs_undumped']:.3f}x (range {min(paired):.3f}-{max(paired):.3f}), "
           f"+{result['added_per_tensor_s'] * 1e6:.2f} us per dumped tensor; undumped / none "
           f"{result['undumped_vs_none']:.3f}x; dumped / none {result['dumped_vs_none']:.3f}x")
+    if args.compare_reader:
+        attrs = [d / u for d, u in zip(attrs_dumped, attrs_undumped)]
+        result["attributes_dumped_vs_undumped"] = statistics.median(attrs)
+        result["attributes_added_per_tensor_s"] = statistics.median(
+            [(d - u) / t for d, u, t in zip(attrs_dumped, attrs_undumped, tensors)])
+        print(f"reader off (attribute reads): dumped / undumped {result['attributes_dumped_vs_undumped']:.3f}x "
+              f"(range {min(attrs):.3f}-{max(attrs):.3f}), +{result['attributes_added_per_tensor_s'] * 1e6:.2f} us "
+              f"per dumped tensor")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
     return result
