@@ -164,7 +164,23 @@ def replay_pass(channel: int, layout: dict, header: ReplayHeader) -> tuple[dict,
     return begin(channel, header.pass_id, meta), end(channel, header.pass_id, meta, 0, skipped)
 
 
+# Every pass sends a begin and an end, most of them with no meta and nothing skipped: those two are
+# formatted directly (a fifteenth of json.dumps' time, ~9 us of a pass's ~32 us on a slow CPU), the
+# same bytes json.dumps gives them (tests/test_protocol.py); anything else goes through json.
+_PLAIN_BEGIN = b'{"op": "begin", "channel": %d, "pass": %d, "meta": {}}'
+_PLAIN_END = b'{"op": "end", "channel": %d, "pass": %d, "meta": {}, "dropped": %d, "skipped": []}'
+
+
 def encode(msg: dict) -> bytes:
+    op = msg.get("op")
+    if op == "begin" and len(msg) == 4 and msg["meta"] == {}:
+        channel, pass_id = msg["channel"], msg["pass"]
+        if type(channel) is int and type(pass_id) is int:  # (not bool, not a float: %d would hide it)
+            return _PLAIN_BEGIN % (channel, pass_id)
+    elif op == "end" and len(msg) == 6 and msg["meta"] == {} and msg["skipped"] == []:
+        channel, pass_id, dropped = msg["channel"], msg["pass"], msg["dropped"]
+        if type(channel) is int and type(pass_id) is int and type(dropped) is int:
+            return _PLAIN_END % (channel, pass_id, dropped)
     return json.dumps(msg).encode()
 
 

@@ -1,6 +1,7 @@
 """fastdump.protocol: every control message is built in one place, the writer reads what the
 constructors build, and docs/INTERNALS.md's control-message table says the same."""
 
+import json
 import re
 from pathlib import Path
 
@@ -57,6 +58,20 @@ def test_constructors_build_exactly_the_declared_fields():
     assert "incomplete" not in protocol.end(3, 5, {}, 0, {}, mixed=True)  # mixed only with incomplete
     with pytest.raises(TypeError, match="budget"):
         protocol.note(3, "running", budget=True)
+
+
+def test_plain_begin_and_end_encode_to_the_bytes_json_gives():
+    """encode() formats a pass's plain begin/end itself: the same bytes as json.dumps, and
+    everything else (meta, skips, odd numbers) still through json."""
+    plain = [protocol.begin(0, 1), protocol.begin(7, 2**40 + 3), protocol.end(3, 5, {}, 0, {}),
+             protocol.end(65535, 2**63 - 1, {}, 12, {}), protocol.end(1, -1, {}, 0, {})]
+    other = [protocol.begin(3, 5, {"step": 1}), protocol.end(3, 5, {}, 0, {"x": "why"}),
+             protocol.end(3, 5, {}, 0, {}, incomplete="raised"), protocol.begin(True, 5),
+             protocol.begin(3, 5.0), protocol.end(3, 5, {}, False, {}), {"op": "begin", "channel": 1, "pass": 2,
+                                                                       "meta": {}, "extra": 1}]
+    for msg in plain + other:
+        assert protocol.encode(msg) == json.dumps(msg).encode(), msg
+        assert protocol.decode(protocol.encode(msg)) == msg
 
 
 def test_next_batch_items_are_records_in_the_declared_order():

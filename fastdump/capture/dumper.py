@@ -374,7 +374,7 @@ class Dumper:
         self._totals["passes"] += 1
         self._fold_lane_counts()
         try:
-            meta = _jsonable(self._meta)
+            meta = _jsonable(self._meta) if self._meta else {}  # (most passes carry none)
         except Exception as exc:  # a user's object whose str() raises: the pass is kept, its meta said so
             meta = {"fastdump_meta_error": f"{type(exc).__name__}: {_short(exc)}"}
         if self._graphs is not None and self._graphs.open is not None:
