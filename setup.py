@@ -79,12 +79,27 @@ EXTRAS = {
 
 
 class BuildExt(build_ext):
-    """Compiles the .cu sources with nvcc before the C++ link."""
+    """Compiles the .cu sources with nvcc before the C++ link; an optional tensor reader that does
+    not compile (a compiler without C++20, torch without its headers) is left out, not fatal."""
+
+    def build_extensions(self):
+        self._left_out = set()
+        super().build_extensions()
+        # An extension left out must not be copied in place or listed as an output (pip would fail).
+        self.extensions = [ext for ext in self.extensions if ext.name not in self._left_out]
 
     def build_extension(self, ext):
         if WITH_CUDA and ext.name == "fastdump._C":
             ext.extra_objects = [*ext.extra_objects, *self._nvcc(ext)]
-        super().build_extension(ext)
+        if ext.name != "fastdump._torch_reader" or os.environ.get("FASTDUMP_TORCH_READER") == "1":
+            return super().build_extension(ext)
+        try:
+            super().build_extension(ext)
+        except Exception as exc:  # CompileError, LinkError, a missing header: fastdump works without it
+            self._left_out.add(ext.name)
+            print(f"fastdump: fastdump._torch_reader not built ({type(exc).__name__}: {exc}); tensors are "
+                  "read through their Python attributes (FASTDUMP_TORCH_READER=1 makes this an error)",
+                  file=sys.stderr, flush=True)
 
     def _nvcc(self, ext):
         import pybind11
