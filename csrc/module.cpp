@@ -20,12 +20,21 @@ using namespace fastdump;
 
 namespace {
 
+// A tensor with elements but a null data pointer: its storage was freed or resized to 0 bytes
+// under it (untyped_storage().resize_(0), as FSDP does). Reading it would fault: the caller
+// records the tensor as skipped with this reason (exported as _C.NO_DATA for the Python paths).
+constexpr const char* kNoData = "its storage holds no data (freed, or resized to 0 bytes): not read";
+// The tensor reader's -1: the storage is null or ends before the tensor's last element.
+constexpr const char* kStorageShort =
+    "its storage holds no data or ends before its last element (freed or resized under it): not read";
+
 // Stages `src` (GIL held by the caller; released around long copies and waits).
 int stage_source(Producer& p, uint32_t channel, uint32_t name_id, int64_t pass_id, uint16_t dtype,
                  const HostSource& src, bool block, double timeout_s) {
   if (src.shape.size() != src.strides.size()) throw std::invalid_argument("shape and strides differ in length");
   uint64_t nbytes = src.elem_size;
   for (int64_t d : src.shape) nbytes *= static_cast<uint64_t>(d);
+  if (src.ptr == nullptr && nbytes != 0) throw std::invalid_argument(kNoData);
   StageStatus st;
   if (nbytes < kReleaseGilBytes) {
     st = p.stage_host(channel, name_id, pass_id, dtype, src, /*block=*/false);
@@ -54,6 +63,12 @@ int stage_host(Producer& p, uint32_t channel, uint32_t name_id, int64_t pass_id,
 
 // A Python int sequence (torch.Size, tuple, list) into int64s. Tuples (what torch returns) are
 // read directly: pybind's generic list caster costs more than the rest of a small tensor's staging.
+bool has_no_elements(const std::vector<int64_t>& shape) {
+  for (int64_t d : shape)
+    if (d == 0) return true;
+  return false;
+}
+
 void read_dims(py::handle seq, std::vector<int64_t>* out) {
   PyObject* obj = seq.ptr();
   if (!PyTuple_Check(obj)) {
@@ -117,7 +132,11 @@ struct ChannelStager {
   // The one entry every per-tensor caller uses (the Dumper, forward wrappers): keep its signature.
   static constexpr int kNotFast = CudaTensorLane::kNotFast;
   int stage_tensor(uint32_t name_id, py::handle tensor) {
-    if (g_reader != nullptr && g_reader->read(tensor.ptr(), &facts) == 1) return stage_facts(name_id, tensor.ptr());
+    if (g_reader != nullptr) {
+      const int read = g_reader->read(tensor.ptr(), &facts);
+      if (read == 1) return stage_facts(name_id, tensor.ptr());
+      if (read < 0) throw std::invalid_argument(kStorageShort);  // the caller records the skip
+    }
     return stage_by_attributes(name_id, tensor);
   }
 
@@ -210,8 +229,9 @@ struct ChannelStager {
     } else {
       read_dims(shape, &src.shape);  // src's vectors as scratch: no allocation once warm
       read_dims(strides, &src.strides);
-      st = cuda->stage(channel, name_id, pass_id, block, timeout_s, t, code, itemsize, src.shape, src.strides,
-                       py::cast<uintptr_t>(ptr));
+      const auto data = py::cast<uintptr_t>(ptr);
+      if (data == 0 && !has_no_elements(src.shape)) throw std::invalid_argument(kNoData);
+      st = cuda->stage(channel, name_id, pass_id, block, timeout_s, t, code, itemsize, src.shape, src.strides, data);
     }
     count_staged(st, itemsize);
     return st;
@@ -344,6 +364,7 @@ PYBIND11_MODULE(_C, m) {
   m.attr("DROPPED") = static_cast<int>(kDropped);
   m.attr("DISABLED") = static_cast<int>(kDisabled);
   m.attr("TOO_LARGE") = static_cast<int>(kTooLarge);
+  m.attr("NO_DATA") = kNoData;  // why a tensor with elements and a null data pointer is not read
   m.attr("TIMED_OUT") = static_cast<int>(kTimedOut);
   m.attr("TORN") = static_cast<int>(kTorn);
   m.attr("RING_TOO_SMALL") = static_cast<int>(kRingTooSmall);
@@ -439,7 +460,9 @@ PYBIND11_MODULE(_C, m) {
       "read_tensor_facts",
       [](py::handle tensor) -> py::object {
         TensorFacts f{};
-        if (g_reader == nullptr || g_reader->read(tensor.ptr(), &f) != 1) return py::none();
+        const int read = g_reader == nullptr ? 0 : g_reader->read(tensor.ptr(), &f);
+        if (read < 0) return py::str("storage short");
+        if (read != 1) return py::none();
         py::tuple shape(f.ndim), strides(f.ndim);
         for (int i = 0; i < f.ndim; ++i) {
           shape[i] = py::int_(f.sizes[i]);
@@ -449,8 +472,8 @@ PYBIND11_MODULE(_C, m) {
                               reinterpret_cast<uintptr_t>(f.data));
       },
       py::arg("tensor"),
-      "(device, scalar type, shape, strides, data pointer) as the tensor reader reads them, or None "
-      "(no reader, or one that declines the tensor): for tests");
+      "(device, scalar type, shape, strides, data pointer) as the tensor reader reads them, 'storage short' "
+      "(its storage does not hold its elements) or None (no reader, or one that declines the tensor): for tests");
   m.def(
       "tensor_reader",
       []() -> py::object { return g_reader ? py::object(py::str(g_reader->torch_version)) : py::object(py::none()); },

@@ -15,7 +15,7 @@
 
 namespace fastdump {
 
-constexpr uint32_t kTensorReaderAbi = 1;
+constexpr uint32_t kTensorReaderAbi = 2;  // 2: read() may return -1
 constexpr int kReaderMaxDims = 32;  // ring.h's kMaxDims (asserted where both are seen)
 
 enum ReaderDevice : int32_t { kReaderCpu = 0, kReaderCuda = 1 };
@@ -33,7 +33,10 @@ struct TensorReader {
   uint32_t abi;  // kTensorReaderAbi
   // 1: `tensor` is an exact torch.Tensor (or nn.Parameter) that is dense, strided, on the CPU or a
   // CUDA device, without lazy conj/neg bits, with at most kReaderMaxDims dims: its facts are in
-  // *out. 0: anything else (the caller's attribute path decides). Never raises; GIL held.
+  // *out. -1: such a tensor whose elements its storage does not hold (storage freed, or resized
+  // smaller under it, as FSDP does to parameters): reading it would fault or read another
+  // allocation, so the caller must not. 0: anything else (the caller's attribute path decides).
+  // Never raises; GIL held.
   int (*read)(PyObject* tensor, TensorFacts* out);
   // A torch.dtype's c10::ScalarType, or -1 for anything else. Never raises.
   int (*scalar_type)(PyObject* dtype);

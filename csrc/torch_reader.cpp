@@ -20,6 +20,28 @@ namespace {
 
 using fastdump::TensorFacts;
 
+// Whether the storage holds every element the tensor addresses. torch lets a storage be freed or
+// shrunk under its tensors (untyped_storage().resize_(0), as FSDP does): their data pointer is then
+// null or points at a smaller allocation, and a copy would fault or read someone else's memory.
+bool storage_holds(const c10::TensorImpl& impl, c10::IntArrayRef sizes, c10::IntArrayRef strides) {
+  uint64_t last = 0;  // the last element's index from the first, in elements
+  for (size_t d = 0; d < sizes.size(); ++d) {
+    if (sizes[d] == 0) return true;  // no elements: nothing is read
+    if (strides[d] < 0) return false;
+    uint64_t reach;
+    if (__builtin_mul_overflow(static_cast<uint64_t>(sizes[d] - 1), static_cast<uint64_t>(strides[d]), &reach) ||
+        __builtin_add_overflow(last, reach, &last))
+      return false;
+  }
+  const c10::Storage& storage = impl.storage();
+  if (storage.data() == nullptr) return false;
+  uint64_t end;  // one past the last element's last byte, from the storage's start
+  if (__builtin_add_overflow(last + 1, static_cast<uint64_t>(impl.storage_offset()), &end) ||
+      __builtin_mul_overflow(end, static_cast<uint64_t>(impl.itemsize()), &end))
+    return false;
+  return end <= storage.nbytes();
+}
+
 int read_facts(PyObject* obj, TensorFacts* out) {
   // Subclasses (FakeTensor, DTensor, __torch_function__ wrappers) may answer .shape & co. their own
   // way: only what THPVariable_CheckExact accepts (Tensor, Parameter) is read from its TensorImpl.
@@ -38,6 +60,7 @@ int read_facts(PyObject* obj, TensorFacts* out) {
     const int64_t ndim = impl->dim();
     if (ndim < 0 || ndim > fastdump::kReaderMaxDims) return 0;
     const c10::IntArrayRef sizes = impl->sizes(), strides = impl->strides();
+    if (!storage_holds(*impl, sizes, strides)) return -1;
     std::memcpy(out->sizes, sizes.data(), static_cast<size_t>(ndim) * sizeof(int64_t));
     std::memcpy(out->strides, strides.data(), static_cast<size_t>(ndim) * sizeof(int64_t));
     out->ndim = static_cast<int32_t>(ndim);

@@ -13,6 +13,7 @@ import time
 import pytest
 import torch
 
+import fastdump
 from fastdump import dtypes
 from fastdump.capture.dumper import _FAST_CODES
 from test_cuda import (GLOBAL, FakeCudaTensor, FakeStream, Ring, _attach, _dump_pass, _load, fake_cuda, glue,  # noqa: F401
@@ -436,6 +437,31 @@ def test_dumper_stages_cuda_tensors_through_the_cpp_entry(m, glue, tmp_path, mon
     st = cuda.status()["stagers"][-1]
     assert st["lean_tensors"] >= 2 * len(cases)
     assert stats["tensors"] == 3 * len(cases)
+
+
+def test_a_cuda_tensor_whose_storage_was_freed_is_skipped_not_copied(m, glue, tmp_path):
+    """A CUDA tensor with elements and a null data pointer (its storage freed under it): a copy would
+    fault on the device or, through the synchronous fallback, on the host. It is skipped with the
+    reason on every pass, first (general path) and later (the C++ entry), and nothing else is lost."""
+    from fastdump import _C
+    from fastdump.staging import cuda
+
+    good = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    freed = FakeCudaTensor(torch.zeros(3, 4), 0)
+    d = _attach(tmp_path, writer="thread", device="cuda:0")
+    for p in range(3):
+        _dump_pass(d, [("good", fake_cuda(m, good)), ("freed", freed), ("after", fake_cuda(m, good + 1))])
+    stats = d.close()
+    assert stats["tensors"] == 6 and stats["skipped"] == 3
+    for p in range(3):
+        got = _load(tmp_path, pass_id=p)
+        assert list(got) == ["good", "after"], p
+        assert same_bits(got["good"], good) and same_bits(got["after"], good + 1)
+        skipped = fastdump.open(tmp_path).meta("target", 0, p)["skipped"]
+        assert skipped == [{"name": "freed", "reason": f"cannot capture FakeCudaTensor: ValueError: {_C.NO_DATA}"}]
+    assert freed.recorded == []  # never handed to the allocator as in use: nothing was enqueued
+    with pytest.raises(ValueError, match="holds no data"):  # the Python CUDA path refuses it too
+        cuda.stage_on_device(None, 0, 0, 0, 0, freed, True)
 
 
 def test_lean_capture_begun_mid_pass_on_a_checked_stream_stops_staging_loudly(m):

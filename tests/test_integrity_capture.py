@@ -461,6 +461,74 @@ def test_odd_outputs_never_raise_into_the_model_and_are_skipped_with_a_reason(tm
     assert not verify(tmp_path).problems
 
 
+FREED_STORAGE_SCRIPT = textwrap.dedent("""
+    import json, sys, torch
+    import fastdump
+    from fastdump import _C
+
+    class Freed(torch.nn.Module):  # returns a tensor whose storage it then frees or shrinks (as FSDP does)
+        def __init__(self, nbytes):
+            super().__init__()
+            self.nbytes = nbytes
+        def forward(self, x):
+            out = x * 2
+            out.untyped_storage().resize_(self.nbytes)
+            return out
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.before, self.freed, self.after = torch.nn.Identity(), Freed(0), torch.nn.Identity()
+            self.shrunk = Freed(8)  # 2 of its 6 floats
+        def forward(self, x):
+            return self.before(x + 1), self.freed(x), self.shrunk(x), self.after(x - 1)
+
+    model, x = Model(), torch.arange(6.0).reshape(2, 3)
+    with fastdump.attach(model, sys.argv[1], root_name="m") as d:
+        for _ in range(2):  # the first pass takes the general path (new names), the second the fast one
+            model(x)
+        d.begin_pass()
+        d.dump("manual", model.freed(x))
+        d.end_pass()
+    print(json.dumps({"reader": _C.tensor_reader(), "no_data": _C.NO_DATA}))
+""")
+
+
+@pytest.mark.parametrize("reader", ["torch", "attributes"])
+def test_a_tensor_whose_storage_was_freed_is_skipped_not_read(tmp_path, reader):
+    """torch lets a storage be freed or shrunk under its tensors (``untyped_storage().resize_(0)``):
+    the data pointer is then null (reading it faults: torch's own ``clone`` does) or points at a
+    smaller allocation. The model must be served, the tensor recorded as skipped, the rest dumped."""
+    env = dict(os.environ, FASTDUMP_TORCH_READER="1" if reader == "torch" else "0")
+    if reader == "torch":
+        pytest.importorskip("fastdump._torch_reader", reason="the tensor reader is not built here")
+    run = subprocess.run([sys.executable, "-c", FREED_STORAGE_SCRIPT, str(tmp_path)], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]  # a fault would end the model's process
+    info = json.loads(run.stdout.strip().splitlines()[-1])
+    assert info["reader"] == (str(torch.__version__) if reader == "torch" else None)
+    ds = fastdump.open(tmp_path)
+    x = torch.arange(6.0).reshape(2, 3)
+    short = "ends before its last element"  # the tensor reader's words: it also sees a shrunk storage
+    for p in (0, 1):  # pass 0 names each tensor first (the general path), pass 1 is the hot path alone
+        dumped = ds.load("target", 0, p)
+        skipped = {s["name"]: s["reason"] for s in ds.meta("target", 0, p)["skipped"]}
+        # Each output on its own: the root's tuple loses only its unreadable elements.
+        for name, want in (("before", x + 1), ("after", x - 1), ("m.0", x + 1), ("m.3", x - 1)):
+            assert same_bits(dumped[name], want), (p, name, skipped)
+        assert "freed" not in dumped and "m.1" not in dumped
+        for name in ("freed", "m.1"):
+            assert info["no_data"] in skipped[name] or short in skipped[name], (p, skipped)
+        if reader == "torch":  # only the TensorImpl read knows the storage's size
+            assert "shrunk" not in dumped and "m.2" not in dumped, p
+            assert short in skipped["shrunk"] and short in skipped["m.2"], (p, skipped)
+        else:  # without it the shrunk storage's first bytes are read, as torch's own kernels read them
+            assert list(dumped) == ["before", "shrunk", "after", "m.0", "m.2", "m.3"], (p, skipped)
+    manual = {s["name"]: s["reason"] for s in ds.meta("target", 0, 2)["skipped"]}
+    assert list(manual) == ["freed", "manual"] and "not read" in manual["manual"], manual
+    assert not verify(tmp_path).problems
+
+
 # ------------------------------------------------------------------------- item 20: bad settings
 
 

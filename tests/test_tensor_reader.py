@@ -167,6 +167,25 @@ def test_reader_declines_what_it_must_not_read():
 
 
 @needs_reader
+def test_reader_refuses_a_tensor_its_storage_does_not_hold():
+    """A storage freed or shrunk under its tensor (``untyped_storage().resize_``, as FSDP does): the
+    reader says so (-1), and stage_tensor raises instead of reading past the allocation."""
+    freed, shrunk, whole = torch.randn(4, 4), torch.randn(4, 4), torch.randn(4, 4)
+    freed.untyped_storage().resize_(0)
+    shrunk.untyped_storage().resize_(60)  # one float short of the 16
+    last_row = whole[3:]  # ends exactly where the storage ends
+    with reader(True):
+        assert _C.read_tensor_facts(freed) == "storage short"
+        assert _C.read_tensor_facts(shrunk) == "storage short"
+        assert _C.read_tensor_facts(last_row)[2] == (1, 4)
+        assert _C.read_tensor_facts(shrunk[:3, :3]) is not None  # the view's own elements are all there
+    assert stage_all([freed, shrunk], True)[0] == ["ValueError", "ValueError"]
+    assert stage_all([freed], False)[0] == ["ValueError"]  # the attribute path sees the null pointer
+    statuses, records, _ = stage_all([last_row, shrunk[:3, :3]], True)
+    assert statuses == [_C.STAGED] * 2 and records[0][4] == c_order_bytes(last_row)
+
+
+@needs_reader
 def test_tensor_reader_falls_back_when_the_extension_cannot_load(monkeypatch):
     monkeypatch.setitem(sys.modules, "fastdump._torch_reader", None)  # import raises ImportError
     state = tensor_reader._probe()

@@ -521,14 +521,16 @@ class Dumper:
                 return self._skip(name, f"nested more than {_MAX_NESTING} containers deep")
             outer = outer + (id(value),)
             if isinstance(value, (tuple, list)):
-                for i, item in enumerate(value):
-                    self._emit(f"{name}.{i}", item, outer)
+                items = ((f"{name}.{i}", item) for i, item in enumerate(value))
             elif isinstance(value, dict):
-                for key, item in value.items():
-                    self._emit(f"{name}.{key}", item, outer)
+                items = ((f"{name}.{key}", item) for key, item in value.items())
             else:
-                for field in dataclasses.fields(value):
-                    self._emit(f"{name}.{field.name}", getattr(value, field.name), outer)
+                items = ((f"{name}.{f.name}", getattr(value, f.name)) for f in dataclasses.fields(value))
+            for item_name, item in items:
+                try:  # one element that cannot be read is skipped alone, not with its siblings
+                    self._emit(item_name, item, outer)
+                except Exception as exc:
+                    self._capture_failed(item_name, item, exc)
             return
         self._skip(name, f"{type(value).__module__}.{type(value).__qualname__} holds no tensor fastdump can read")
 
@@ -557,7 +559,8 @@ class Dumper:
         # The hot path: for a plain CPU tensor with a known name, one call into C++, which reads the
         # tensor and counts it (folded into _totals at the pass end). Issue 11: on a small model,
         # every Python attribute read here cost the model's thread ~0.1-0.2 us per tensor.
-        if code is None:
+        plain = code is None
+        if plain:
             name_id = self._name_ids.get(name)
             if name_id is not None:
                 status = self._stage_fast(name_id, t)
@@ -565,6 +568,7 @@ class Dumper:
                     return
                 if status != _NOT_FAST:
                     return self._account(name, status, t.nbytes)
+                plain = False  # the hot path declined it: no second try below
             # The general path: a new name, CUDA, unusual dtypes, layouts or lazy bits.
             fast = _FAST_CODES.get(t.dtype)
             if fast is None or t.layout is not _strided or t.is_neg():
@@ -577,7 +581,13 @@ class Dumper:
             name_id = self._name_id(name)
             if name_id is None:
                 return self._drop_unnamed(name)
-        status = self._channel.stage(name_id, self.pass_id, t, code, itemsize)
+        # A new name's first plain tensor goes the hot path's way too, so that the first pass reads
+        # it as every later pass will (the tensor reader's storage check included).
+        status = self._stage_fast(name_id, t) if plain else _NOT_FAST
+        if status == _STAGED:
+            return
+        if status == _NOT_FAST:
+            status = self._channel.stage(name_id, self.pass_id, t, code, itemsize)
         if status == _CAPTURING and self._graphs is not None:
             return self._graphs.record(name, name_id, code, t)
         if status == _UNSUPPORTED_DEVICE:

@@ -263,12 +263,14 @@ def stage_tensor(stager, channel: int, name_id: int, pass_id: int, dtype_code: i
 def stage_on_device(stager, channel: int, name_id: int, pass_id: int, dtype_code: int, tensor, block: bool,
                     timeout_s: float = -1.0) -> int:
     """``stage_tensor`` for a stager known to be a ``_C.CudaStager`` (a Channel decides that once)."""
+    ptr = tensor.data_ptr()
+    if not ptr and tensor.numel():  # storage freed under it: even the synchronous fallback would fault
+        raise ValueError(_C.NO_DATA)
     device = tensor.get_device()
     raw, stream = _current_stream(device)
     try:
         status = stager.stage(channel, name_id, pass_id, dtype_code, tensor.element_size(), tensor.shape,
-                              tensor.stride(), tensor.data_ptr(), device, raw, block,
-                              timeout_s=timeout_s)
+                              tensor.stride(), ptr, device, raw, block, timeout_s=timeout_s)
     except (RuntimeError, ValueError) as exc:
         if _is_ring_failure(exc):
             _ring_failures[id(stager)] = str(exc)

@@ -110,9 +110,12 @@ class GraphRecording:
         elif device != cap.device:
             cap.missing[name] = "on another GPU than the graph's first tensor"
             return d._skip(name, "CUDA graph capture: tensor on another GPU than the graph's first tensor")
+        ptr = t.data_ptr()
+        if not ptr and t.numel():
+            cap.missing[name] = _C().NO_DATA
+            return d._skip(name, "CUDA graph capture: not recorded: " + _C().NO_DATA)
         try:
-            status = cap.recorder.record(name_id, code, t.element_size(), t.shape, t.stride(), t.data_ptr(),
-                                         device, raw)
+            status = cap.recorder.record(name_id, code, t.element_size(), t.shape, t.stride(), ptr, device, raw)
         except RuntimeError as exc:
             cap.missing[name] = str(exc)
             return d._skip(name, f"CUDA graph capture: not recorded ({exc})")
