@@ -61,14 +61,14 @@ int stage_host(Producer& p, uint32_t channel, uint32_t name_id, int64_t pass_id,
   return stage_source(p, channel, name_id, pass_id, dtype, src, block, timeout_s);
 }
 
-// A Python int sequence (torch.Size, tuple, list) into int64s. Tuples (what torch returns) are
-// read directly: pybind's generic list caster costs more than the rest of a small tensor's staging.
 bool has_no_elements(const std::vector<int64_t>& shape) {
   for (int64_t d : shape)
     if (d == 0) return true;
   return false;
 }
 
+// A Python int sequence (torch.Size, tuple, list) into int64s. Tuples (what torch returns) are
+// read directly: pybind's generic list caster costs more than the rest of a small tensor's staging.
 void read_dims(py::handle seq, std::vector<int64_t>* out) {
   PyObject* obj = seq.ptr();
   if (!PyTuple_Check(obj)) {

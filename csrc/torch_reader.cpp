@@ -36,7 +36,7 @@ bool storage_holds(const c10::TensorImpl& impl, c10::IntArrayRef sizes, c10::Int
   const c10::Storage& storage = impl.storage();
   if (storage.data() == nullptr) return false;
   uint64_t end;  // one past the last element's last byte, from the storage's start
-  if (__builtin_add_overflow(last + 1, static_cast<uint64_t>(impl.storage_offset()), &end) ||
+  if (__builtin_add_overflow(last, 1 + static_cast<uint64_t>(impl.storage_offset()), &end) ||
       __builtin_mul_overflow(end, static_cast<uint64_t>(impl.itemsize()), &end))
     return false;
   return end <= storage.nbytes();

@@ -559,8 +559,8 @@ class Dumper:
         # The hot path: for a plain CPU tensor with a known name, one call into C++, which reads the
         # tensor and counts it (folded into _totals at the pass end). Issue 11: on a small model,
         # every Python attribute read here cost the model's thread ~0.1-0.2 us per tensor.
-        plain = code is None
-        if plain:
+        new_plain = False  # a plain tensor of a new name: the hot path's turn comes once it has an id
+        if code is None:
             name_id = self._name_ids.get(name)
             if name_id is not None:
                 status = self._stage_fast(name_id, t)
@@ -568,12 +568,12 @@ class Dumper:
                     return
                 if status != _NOT_FAST:
                     return self._account(name, status, t.nbytes)
-                plain = False  # the hot path declined it: no second try below
             # The general path: a new name, CUDA, unusual dtypes, layouts or lazy bits.
             fast = _FAST_CODES.get(t.dtype)
             if fast is None or t.layout is not _strided or t.is_neg():
                 return self._stage_checked(name, t)
             code, itemsize = fast
+            new_plain = name_id is None
         else:
             itemsize = t.element_size()
         name_id = self._name_ids.get(name)
@@ -583,7 +583,7 @@ class Dumper:
                 return self._drop_unnamed(name)
         # A new name's first plain tensor goes the hot path's way too, so that the first pass reads
         # it as every later pass will (the tensor reader's storage check included).
-        status = self._stage_fast(name_id, t) if plain else _NOT_FAST
+        status = self._stage_fast(name_id, t) if new_plain else _NOT_FAST
         if status == _STAGED:
             return
         if status == _NOT_FAST:
