@@ -20,6 +20,17 @@ cost; ``undumped / none`` shows the writer's share (benchmarks/RESULTS.md, 0e).
     python benchmarks/paired_step_bench.py --model hf        # hf_decode_bench's transformers Llama
     python benchmarks/paired_step_bench.py --model micro --compare-reader   # tensor reader vs attributes
 
+``--vs-noop`` answers issue 11's per-tensor target (fastdump's forward-thread CPU per dumped
+tensor <= 2x a no-op forward wrapper's, in the decode loop) from one run: fastdump stays attached
+(``every=2``) and, between steps and outside the timed region, the module forwards are swapped so
+that the steps of one run are of four kinds, in a random order per group of four: dumped, undumped
+(fastdump's wrappers), bare (no wrapper at all) and noop (each leaf in a Python wrapper that only
+calls it, decode_bench's noop-wrapper). Each step's thread CPU time (``time.thread_time``) and wall
+time are recorded. Each group holds one step of each kind, run back to back, so differences within
+a group cancel the host's drift: per dumped tensor = median over groups of (dumped - bare) /
+tensors per step; per no-op call = median of (noop - bare) / leaf calls per step; the summary
+pools the groups of every repetition. ``--steps`` counts steps of all four kinds.
+
 ``--compare-reader`` adds a third run per repetition, the same ``every=2`` dump with the tensor
 reader switched off (``fastdump.staging.tensor_reader.set_enabled(False)``: tensors read through
 their Python attributes), so the reader's saving is measured side by side with the rest.
@@ -28,8 +39,10 @@ their Python attributes), so the reader's saving is measured side by side with t
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
+import random
 import shutil
 import statistics
 import sys
@@ -42,6 +55,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import fastdump  # noqa: E402
+from benchmarks.decode_bench import leaf_modules  # noqa: E402  (what its noop-wrapper wraps)
 
 
 def micro_loop(batch: int):
@@ -94,6 +108,150 @@ def timed_steps(start, steps: int, dumper=None) -> tuple:
     return dumped, undumped
 
 
+CACHE_STEPS = 400  # --vs-noop: steps per KV cache
+
+
+def noop_wrapper(forward):
+    """decode_bench's reference wrapper: calls the forward, nothing else."""
+
+    @functools.wraps(forward)
+    def forward_unchanged(*args, **kwargs):
+        return forward(*args, **kwargs)
+
+    return forward_unchanged
+
+
+def interleaved_steps(model, start, groups: int, dumper, seed: int) -> dict:
+    """Thread CPU and wall time of ``groups`` groups of four steps, one of each kind (dumped,
+    undumped, bare, noop) in a random order (see --vs-noop in the docstring).
+
+    fastdump's wrappers stay in the modules' ``__dict__`` between its steps; for a bare step they
+    are taken out, for a noop step every leaf gets the no-op wrapper over its class's forward.
+    With ``every=2`` the two fastdump steps of a group are one dumped and one undumped."""
+    hooked = [m for m in model.modules() if "forward" in m.__dict__]  # fastdump's wrappers
+    theirs = [m.__dict__["forward"] for m in hooked]
+    leaves = [m for _, m in leaf_modules(model)]
+    noops = [noop_wrapper(type(m).forward.__get__(m)) for m in leaves]
+    calls = [0]
+
+    def counting(forward):
+        def counted(*args, **kwargs):
+            calls[0] += 1
+            return forward(*args, **kwargs)
+        return counted
+
+    def use(kind: str) -> None:
+        for m in hooked + leaves:
+            m.__dict__.pop("forward", None)
+        if kind == "fastdump":
+            for m, f in zip(hooked, theirs):
+                m.__dict__["forward"] = f
+        elif kind == "noop":
+            for m, f in zip(leaves, noops):
+                m.__dict__["forward"] = f
+        elif kind == "count":
+            for m in leaves:
+                m.__dict__["forward"] = counting(type(m).forward.__get__(m))
+
+    rng = random.Random(seed)
+    rows, done = [], 0
+    with torch.no_grad():
+        step = start(CACHE_STEPS + 16)
+        use("count")  # how many leaf calls a step makes: the no-op wrapper's call count
+        step()
+        wrapped_calls = calls[0]
+        use("fastdump")
+        for _ in range(6):
+            step()
+        for _ in range(groups):
+            if done + 4 > CACHE_STEPS:
+                step, done = start(CACHE_STEPS + 16), 0  # a fresh KV cache: the micro model holds 512 positions
+            kinds = ["fastdump", "fastdump", "bare", "noop"]
+            rng.shuffle(kinds)
+            row = {}
+            for kind in kinds:
+                use(kind)
+                before = dumper.stats()["passes"]
+                c0, t0 = time.thread_time(), time.perf_counter()
+                step()
+                t1, c1 = time.perf_counter(), time.thread_time()
+                if kind == "fastdump":
+                    kind = "dumped" if dumper.stats()["passes"] > before else "undumped"
+                row[kind] = (c1 - c0, t1 - t0)
+            done += 4
+            if len(row) == 4:  # one of each (a group whose two fastdump steps were alike is left out)
+                rows.append(row)
+        use("fastdump")
+    return {"groups": rows, "wrapped_calls": wrapped_calls}
+
+
+def per_call(rows: list, kind: str, clock: int, count: float) -> float:
+    """Median over groups of (kind's step - the bare step of the same group) / count: the two steps
+    ran microseconds apart, so the host's drift cancels."""
+    return statistics.median((r[kind][clock] - r["bare"][clock]) / count for r in rows)
+
+
+def vs_noop(args) -> dict:
+    from fastdump.staging import tensor_reader
+
+    reader = tensor_reader.install()
+    torch.set_num_threads(args.threads)
+    model, start = (micro_loop if args.model == "micro" else hf_loop)(args.batch)
+    parent = Path(tempfile.mkdtemp(prefix="paired-bench-"))
+    reps, pooled, load = [], [], [os.getloadavg()[0]]
+    tensors = calls = None
+    try:
+        for rep in range(args.reps):
+            root = tempfile.mkdtemp(dir=parent)
+            dumper = fastdump.attach(model, root, every=2)
+            try:
+                run = interleaved_steps(model, start, args.steps // 4, dumper, seed=rep)
+            finally:
+                stats = dumper.close()
+            shutil.rmtree(root, ignore_errors=True)
+            if stats["dropped"] or stats["status"] != "closed":
+                raise SystemExit(f"fastdump lost data: {stats}")
+            tensors, calls = stats["tensors"] / max(stats["passes"], 1), run["wrapped_calls"]
+            rows = run["groups"]
+            pooled += rows
+            r = {"groups": len(rows)}
+            for i, clock in enumerate(("cpu", "wall")):
+                r[f"{clock}_per_tensor_s"] = per_call(rows, "dumped", i, tensors)
+                r[f"{clock}_noop_per_call_s"] = per_call(rows, "noop", i, calls)
+                r[f"{clock}_undumped_per_call_s"] = per_call(rows, "undumped", i, calls)
+            reps.append(r)
+            print(f"rep {rep}: {len(rows)} groups; per dumped tensor {r['cpu_per_tensor_s'] * 1e6:.2f} us CPU / "
+                  f"{r['wall_per_tensor_s'] * 1e6:.2f} us wall; no-op wrapper per call "
+                  f"{r['cpu_noop_per_call_s'] * 1e6:.2f} / {r['wall_noop_per_call_s'] * 1e6:.2f} us", flush=True)
+    finally:
+        shutil.rmtree(parent, ignore_errors=True)
+    load.append(os.getloadavg()[0])
+    result = {"model": args.model, "config": vars(args), "load": load, "tensor_reader": reader["reader"],
+              "tensors_per_dumped_step": tensors, "wrapped_calls": calls, "groups": len(pooled), "reps": reps,
+              "bare_step_cpu_s": statistics.median(r["bare"][0] for r in pooled)}
+    for i, clock in enumerate(("cpu", "wall")):  # all groups of all repetitions pooled
+        result[f"{clock}_per_tensor_s"] = per_call(pooled, "dumped", i, tensors)
+        result[f"{clock}_noop_per_call_s"] = per_call(pooled, "noop", i, calls)
+        result[f"{clock}_undumped_per_call_s"] = per_call(pooled, "undumped", i, calls)
+        noop = result[f"{clock}_noop_per_call_s"]
+        result[f"{clock}_vs_noop"] = result[f"{clock}_per_tensor_s"] / noop if noop > 0 else None
+    print(f"{args.model}: {tensors:.0f} tensors per dumped step, {calls} leaf calls per step, {args.reps} reps x "
+          f"{args.steps} interleaved steps, bare step {result['bare_step_cpu_s'] * 1e3:.3f} ms CPU, torch threads "
+          f"{args.threads}, tensor reader {reader['reader']}, load {load[0]:.2f} -> {load[1]:.2f}")
+    print(f"per dumped tensor: {result['cpu_per_tensor_s'] * 1e6:.2f} us thread CPU, "
+          f"{result['wall_per_tensor_s'] * 1e6:.2f} us wall; per no-op wrapper call: "
+          f"{result['cpu_noop_per_call_s'] * 1e6:.2f} us CPU, {result['wall_noop_per_call_s'] * 1e6:.2f} us wall; "
+          f"per undumped fastdump call: {result['cpu_undumped_per_call_s'] * 1e6:.2f} us CPU "
+          f"(medians of same-group differences, {len(pooled)} groups)")
+    ratio = result["cpu_vs_noop"]
+    print("fastdump per dumped tensor / no-op wrapper per call (thread CPU): "
+          + (f"{ratio:.2f}x" if ratio is not None else "not defined (the no-op wrapper measured <= 0)")
+          + " (issue 11 target: <= 2x)")
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2))
+    return result
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", choices=("micro", "hf"), default="micro")
@@ -103,8 +261,12 @@ def main(argv=None) -> dict:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--compare-reader", action="store_true",
                     help="also dump with the tensor reader off (attribute reads), interleaved")
+    ap.add_argument("--vs-noop", action="store_true",
+                    help="per dumped tensor against a no-op wrapper per call, thread CPU and wall, steps interleaved")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
+    if args.vs_noop:
+        return vs_noop(args)
     from fastdump.staging import tensor_reader
 
     reader = tensor_reader.install()

@@ -332,3 +332,18 @@ def test_paired_step_bench_dumps_every_other_step_whole(tmp_path):
     assert result["tensors_per_dumped_step"] == 95
     for key in ("dumped_vs_undumped", "undumped_vs_none", "dumped_vs_none"):
         assert 0.5 < result[key] < 3.0, (key, result[key])
+
+
+@pytest.mark.skipif(not FASTDUMP_AVAILABLE, reason="fastdump is not importable")
+def test_paired_step_bench_vs_noop_interleaves_four_kinds_of_step(tmp_path):
+    result_json = tmp_path / "vs_noop.json"
+    stdout = run_script("paired_step_bench.py", "--model", "micro", "--vs-noop", "--steps", "40", "--reps", "2",
+                        "--json", str(result_json))
+    assert "per dumped tensor" in stdout and "no-op wrapper per call" in stdout
+    result = json.loads(result_json.read_text())
+    # 95 tensors per dumped pass (every leaf and the root's output), 75 leaf modules each called once
+    assert result["tensors_per_dumped_step"] == 95
+    assert result["wrapped_calls"] == 75
+    # each group of four steps held one dumped, one undumped, one bare and one noop step
+    assert result["groups"] == 2 * 10
+    assert all(rep["groups"] == 10 for rep in result["reps"])
