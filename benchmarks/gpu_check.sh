@@ -210,6 +210,10 @@ for line in (out / "stages.tsv").read_text().splitlines():
                       f"{le['us_per_tensor_wall']:.2f} us wall / {le['us_per_tensor_cpu']:.2f} us CPU, checked "
                       f"{ch['us_per_tensor_wall']:.2f} / {ch['us_per_tensor_cpu']:.2f}; "
                       f"{le['events_per_pass']:.1f} events/pass")
+            pc = d.get("python_calls")
+            if pc:
+                detail += (f"; of it, Python calls: get_device {pc['get_device_us']:.2f}, raw stream "
+                           f"{pc['raw_stream_us']:.2f}, record_stream {pc['record_stream_us']:.2f} us")
         elif d:
             detail = d.get("status", "")
         summary["lane"] = d

@@ -11,7 +11,11 @@ Rows, per staged tensor on the forward thread (wall and thread CPU time):
   checked  fastdump.staging.cuda.stage_on_device: the general path (Python, a 12-argument binding,
            device and capture checks and an event per tensor).
 Also: events and drain batches per pass (the stager's counters); with --mock, runtime calls, heap
-allocations and mutex acquisitions per tensor on the forward thread, as the mock counts them.
+allocations and mutex acquisitions per tensor on the forward thread, as the mock counts them; and the
+three Python-level calls the lean path still makes per CUDA tensor (``tensor.get_device()``, the
+current raw stream, ``tensor.record_stream(stream)``; csrc/cuda_bindings.cpp, StagerTensorLane), each
+timed alone in a tight loop over the same tensors: their share of the lean row says whether moving
+them into C++ (the torch-aware reader) is worth it.
 
 --mock: tests/cuda_mock builds fastdump._C against the mock runtime (needs g++; ~1 min, cached in
 build/). Its times are the MOCK's: its cudaMemcpyAsync hands work to a thread (a lock and a wake-up),
@@ -160,6 +164,35 @@ def run(mod, tensors, raw_stream, stream_object, passes, events_every, mock):
     return result
 
 
+def python_calls(tensors, raw_stream, stream_object, reps: int = 5) -> dict:
+    """us per tensor of each Python-level call the lean lane makes, alone in a tight loop (best of reps)."""
+    dev = tensors[0].get_device()
+    stream = stream_object(dev)
+
+    def best(fn) -> float:
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return min(times) / len(tensors) * 1e6
+
+    def get_device():
+        for t in tensors:
+            t.get_device()
+
+    def current_stream():
+        for t in tensors:
+            raw_stream(dev)
+
+    def record_stream():
+        for t in tensors:
+            t.record_stream(stream)
+
+    return {"get_device_us": best(get_device), "raw_stream_us": best(current_stream),
+            "record_stream_us": best(record_stream)}
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tensors", type=int, default=400, help="tensors per pass (an 8B decode step dumps ~350-490)")
@@ -194,6 +227,7 @@ def main(argv=None) -> dict:
         try:
             result.update(run(mod, tensors, lambda d: stream, lambda d: _Stream(stream), args.passes,
                               args.events_every, mock=True))
+            result["python_calls"] = python_calls(tensors, lambda d: stream, lambda d: _Stream(stream))
         finally:
             mod._mock.sync(stream)
             for t in tensors:
@@ -213,6 +247,7 @@ def main(argv=None) -> dict:
         torch.cuda.synchronize()
         result.update(run(_C, tensors, torch._C._cuda_getCurrentRawStream, torch.cuda.current_stream, args.passes,
                           args.events_every, mock=False))
+        result["python_calls"] = python_calls(tensors, torch._C._cuda_getCurrentRawStream, torch.cuda.current_stream)
         torch.cuda.synchronize()
         where = torch.cuda.get_device_name()
     rows = []
@@ -226,6 +261,11 @@ def main(argv=None) -> dict:
     print(f"lane_bench on {where}: {args.tensors} tensors of {args.numel} bf16 per pass, N={args.events_every}")
     print(format_table(["path", "us/tensor wall", "us/tensor CPU", "events/pass", "D2H batches/pass",
                         "runtime calls/tensor", "allocs/tensor", "locks/tensor"], rows))
+    pc = result["python_calls"]
+    print(f"Python-level calls per CUDA tensor in the lean path, each alone in a tight loop: get_device() "
+          f"{pc['get_device_us']:.3f} us, current raw stream {pc['raw_stream_us']:.3f} us, record_stream() "
+          f"{pc['record_stream_us']:.3f} us (together {sum(pc.values()):.2f} of the lean row's "
+          f"{result['lean']['us_per_tensor_cpu']:.2f} us CPU)")
     result["where"] = where
     result["status"] = "ok"
     write_json(args.json, result)

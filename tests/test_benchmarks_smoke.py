@@ -347,3 +347,20 @@ def test_paired_step_bench_vs_noop_interleaves_four_kinds_of_step(tmp_path):
     # each group of four steps held one dumped, one undumped, one bare and one noop step
     assert result["groups"] == 2 * 10
     assert all(rep["groups"] == 10 for rep in result["reps"])
+
+
+@pytest.mark.skipif(not FASTDUMP_AVAILABLE, reason="fastdump is not importable")
+def test_lane_bench_against_the_mock_runtime(tmp_path):
+    # gpu_check.sh --dry-run runs this; on a GPU the same script measures the real lean path
+    result_json = tmp_path / "lane.json"
+    stdout = run_script("lane_bench.py", "--mock", "--tensors", "70", "--passes", "2", "--json", str(result_json))
+    result = json.loads(result_json.read_text())
+    if result["status"] == "skipped":
+        pytest.skip(f"the mock CUDA runtime could not be built here: {stdout.strip()[-200:]}")
+    assert result["status"] == "ok"
+    lean, checked = result["lean"], result["checked"]
+    assert lean["lean_tensors"] == 2 * 70  # every tensor took the lean path
+    assert checked["events_per_pass"] == 70.0  # the checked path records an event per tensor
+    assert lean["events_per_pass"] == 2.0  # the lean one: one per 64 snapshots, and one at the pass end
+    assert set(result["python_calls"]) == {"get_device_us", "raw_stream_us", "record_stream_us"}
+    assert "Python-level calls per CUDA tensor" in stdout
