@@ -217,14 +217,56 @@ def test_two_dumpers_on_one_model_both_dump_it_and_close_in_any_order(tmp_path, 
     second = fastdump.attach(model, tmp_path, role="second")
     reference = run(model, first, passes=2)
     first.close()  # its wrapper sits under the second one's: it becomes a pass-through
+    assert model.lin.__dict__["forward"].__wrapped__.__fastdump_off__  # the first one's, under the second's
     reference2 = run(model, second, passes=1)
     second.close()
-    # The first one's wrapper stays where the second found it, a pass-through (as for Python wrappers).
-    assert inspect.unwrap(model.lin.forward) == original
-    x = torch.randn(4, 6)
-    assert same_bits(model.lin.forward(x), original(x))
+    # The second one puts back what the first one's pass-through wrapped: no wrapper is left.
+    for module in model.modules():
+        assert "forward" not in module.__dict__
+    assert model.lin.forward == original
     check(tmp_path / "", reference, role="first")
     check(tmp_path, reference + reference2, role="second")
+
+
+def test_attach_close_cycles_in_attach_order_leave_no_wrapper_and_no_dumper_behind(tmp_path, kind):
+    # EAGLE's draft and target share modules (embeddings, LM head); a server that switches dumping
+    # on and off closes its Dumpers in the order it attached them. Each cycle used to leave one
+    # more dead wrapper on the shared modules, each keeping its closed Dumper alive.
+    model = Model()
+    closed = []
+    for cycle in range(3):
+        target = fastdump.attach(model, tmp_path / f"c{cycle}", role="target")
+        draft = fastdump.attach(model, tmp_path / f"c{cycle}", role="draft")
+        want = run(model, target, passes=1)
+        target.close()
+        draft.close()
+        check(tmp_path / f"c{cycle}", want, role="target")
+        check(tmp_path / f"c{cycle}", want, role="draft")
+        assert all("forward" not in m.__dict__ for m in model.modules())
+        closed += [weakref.ref(target), weakref.ref(draft)]
+        del target, draft
+    gc.collect()
+    assert [r() for r in closed] == [None] * 6
+
+
+def test_a_foreign_wrapper_over_ours_keeps_ours_as_a_pass_through(tmp_path, kind):
+    model = Model()
+    original = model.lin.forward
+    d = fastdump.attach(model, tmp_path)
+    ours = model.lin.forward
+    calls = []
+
+    def foreign(*args, **kwargs):  # someone else's wrapper (accelerate's hooks do this)
+        calls.append(1)
+        return ours(*args, **kwargs)
+
+    model.lin.forward = foreign
+    want = run(model, d, passes=1)
+    d.close()
+    assert model.lin.__dict__["forward"] is foreign  # not ours to remove
+    x = torch.randn(4, 6)
+    assert same_bits(model.lin.forward(x), original(x)) and len(calls) == 2
+    check(tmp_path, want)
 
 
 def test_close_restores_forward_and_a_kept_wrapper_passes_through(tmp_path, kind):

@@ -699,12 +699,16 @@ class Dumper:
     def _unwrap(self) -> None:
         for module, wrapper, previous in reversed(self._wrapped):
             if module.__dict__.get("forward") is wrapper:
+                previous = _skip_stale(previous)
                 if previous is _MISSING:
                     del module.__dict__["forward"]
                 else:
                     module.__dict__["forward"] = previous
             else:
-                wrapper.__fastdump_off__ = True  # someone wrapped over us: become a pass-through
+                # Someone wrapped over us: become a pass-through, and say what we wrapped, so that a
+                # Dumper whose wrapper sits over ours restores that instead of us when it closes.
+                wrapper.__fastdump_previous__ = previous
+                wrapper.__fastdump_off__ = True
         self._wrapped.clear()
 
     def _capture_wrapper(self, name: str, forward):
@@ -889,13 +893,29 @@ else:  # pragma: no cover - without torch nothing is compiled
 
 def _wraps(forward):
     """functools.wraps without our own markers: it copies ``__dict__``, and a wrapper made over a
-    stale fastdump wrapper must not inherit its ``__fastdump_off__``."""
+    stale fastdump wrapper must not inherit its ``__fastdump_off__`` or ``__fastdump_previous__``."""
     def decorate(wrapper):
         functools.wraps(forward)(wrapper)
         wrapper.__dict__.pop("__fastdump_off__", None)
+        wrapper.__dict__.pop("__fastdump_previous__", None)
         return wrapper
 
     return decorate
+
+
+def _skip_stale(forward):
+    """What a closing Dumper puts back: ``forward``, or, when that is the pass-through wrapper of a
+    Dumper closed earlier (attach A, attach B, close A, close B), what that wrapper wrapped. Without
+    this, every such attach/close cycle left one more dead wrapper on the module (and kept its closed
+    Dumper alive through it)."""
+    seen = 0
+    while forward is not _MISSING and seen < 1000:  # (a bound on a chain someone made circular)
+        marks = getattr(forward, "__dict__", None)
+        if not isinstance(marks, dict) or not marks.get("__fastdump_off__") or "__fastdump_previous__" not in marks:
+            break
+        forward = marks["__fastdump_previous__"]
+        seen += 1
+    return forward
 
 
 def _is_dataclass_instance(value) -> bool:
