@@ -1,6 +1,7 @@
 """The per-module forward wrapper: the C++ one (_C.ForwardWrapper, csrc/forward_wrapper.cpp) and the
 Python one it falls back to (hooks, torch.compile) dump the same names and bits; both are tested."""
 
+import copy
 import gc
 import inspect
 import os
@@ -413,3 +414,40 @@ def test_plain_outputs_are_staged_without_a_python_call(tmp_path):
     dumped = fastdump.open(tmp_path).load("target", 0, 1)
     for name, value in reference[0]:
         assert same_bits(dumped[name], value), name
+
+
+def test_a_deep_copy_of_a_dumped_model_computes_with_its_own_weights_and_is_not_dumped(tmp_path, kind):
+    # A wrapper calls the forward bound to the module it was made for, and deepcopy keeps functions
+    # as they are: the copy ran the original modules, with the original's weights, even after close.
+    model = Model()
+    d = fastdump.attach(model, tmp_path)
+    want = run(model, d, passes=1)
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in twin.parameters():
+            p.add_(1.0)
+    for module in twin.modules():  # what our wrappers wrapped: the class's forward, not dumped
+        assert "forward" not in module.__dict__ and "__deepcopy__" not in module.__dict__
+    reference, original = Model(), Model()  # unwrapped, with the copy's and the original's weights
+    reference.load_state_dict(twin.state_dict())
+    original.load_state_dict(model.state_dict())
+    x = torch.randn(4, 6)
+    with torch.inference_mode():
+        got = twin(x)
+        assert same_bits(got, reference(x)) and not same_bits(got, original(x))
+    want += run(model, d, passes=1)  # the original still dumps, pass 1 after the copy's forward
+    d.close()
+    for module in model.modules():
+        assert "forward" not in module.__dict__ and "__deepcopy__" not in module.__dict__
+    check(tmp_path, want)  # passes 0 and 1 only: the copy's forward was not dumped
+
+
+def test_a_module_with_its_own_deepcopy_keeps_it(tmp_path, kind):
+    class Custom(nn.Linear):
+        def __deepcopy__(self, memo):
+            return "custom copy"
+
+    model = nn.Sequential(Custom(3, 3))
+    with fastdump.attach(model, tmp_path):
+        assert "__deepcopy__" not in model[0].__dict__
+        assert copy.deepcopy(model[0]) == "custom copy"

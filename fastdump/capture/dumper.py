@@ -10,6 +10,7 @@ returning, so later in-place kernels cannot change what is dumped.
 from __future__ import annotations
 
 import collections
+import copy
 import dataclasses
 import functools
 import logging
@@ -18,6 +19,7 @@ import socket
 import sys
 import threading
 import time
+import types
 import weakref
 from pathlib import Path
 
@@ -693,7 +695,9 @@ class Dumper:
 
     def _wrap(self, module, wrapper) -> None:
         previous = module.__dict__.get("forward", _MISSING)
+        _mark_ours(wrapper, previous)
         module.__dict__["forward"] = wrapper
+        _install_copier(module)
         self._wrapped.append((module, wrapper, previous))
 
     def _unwrap(self) -> None:
@@ -705,10 +709,11 @@ class Dumper:
                 else:
                     module.__dict__["forward"] = previous
             else:
-                # Someone wrapped over us: become a pass-through, and say what we wrapped, so that a
-                # Dumper whose wrapper sits over ours restores that instead of us when it closes.
-                wrapper.__fastdump_previous__ = previous
+                # Someone wrapped over us: become a pass-through. A Dumper whose wrapper sits over
+                # ours restores what ours wraps when it closes (_skip_stale).
                 wrapper.__fastdump_off__ = True
+            if not _is_ours(module.__dict__.get("forward")):
+                _remove_copier(module)
         self._wrapped.clear()
 
     def _capture_wrapper(self, name: str, forward):
@@ -787,6 +792,7 @@ class Dumper:
         for i, (module, wrapper, previous) in enumerate(self._wrapped):
             if type(wrapper) is _NativeWrapper and module.__dict__.get("forward") is wrapper:
                 python = self._python_capture_wrapper(wrapper._fastdump_name, wrapper._fastdump_forward)
+                _mark_ours(python, previous)
                 module.__dict__["forward"] = python
                 self._wrapped[i] = (module, python, previous)
 
@@ -903,19 +909,78 @@ def _wraps(forward):
     return decorate
 
 
+# Every wrapper a Dumper put on a module, weakly: "ours" is decided by identity, since
+# functools.wraps copies a wrapper's __dict__ (our marks included) into whatever wraps it.
+_OURS = weakref.WeakSet()
+
+
+def _mark_ours(wrapper, previous) -> None:
+    """Remember what ``wrapper`` wraps: the module's instance forward before it (_MISSING: none)."""
+    wrapper.__fastdump_previous__ = previous
+    _OURS.add(wrapper)
+
+
+def _is_ours(forward) -> bool:
+    try:
+        return forward in _OURS
+    except TypeError:  # (an unhashable callable someone put there)
+        return False
+
+
+def _wrapped_by(forward):
+    """What our wrapper ``forward`` wraps (_MISSING: the class's forward)."""
+    return forward.__dict__.get("__fastdump_previous__", _MISSING)
+
+
 def _skip_stale(forward):
     """What a closing Dumper puts back: ``forward``, or, when that is the pass-through wrapper of a
     Dumper closed earlier (attach A, attach B, close A, close B), what that wrapper wrapped. Without
     this, every such attach/close cycle left one more dead wrapper on the module (and kept its closed
     Dumper alive through it)."""
-    seen = 0
-    while forward is not _MISSING and seen < 1000:  # (a bound on a chain someone made circular)
-        marks = getattr(forward, "__dict__", None)
-        if not isinstance(marks, dict) or not marks.get("__fastdump_off__") or "__fastdump_previous__" not in marks:
-            break
-        forward = marks["__fastdump_previous__"]
-        seen += 1
+    while _is_ours(forward) and forward.__dict__.get("__fastdump_off__"):
+        forward = _wrapped_by(forward)
     return forward
+
+
+def _deepcopy_undumped(module, memo):
+    """``copy.deepcopy`` of a module a Dumper wraps (installed as the instance's ``__deepcopy__``).
+
+    A wrapper calls the forward bound to the module it was made for, and deepcopy copies functions
+    as they are: the copy would run the original module, with the original's weights, and go on
+    doing so after the Dumper closed. So the copy is made without our wrappers: it gets what they
+    wrap (the class's forward, or the instance forward someone set before us) and is not dumped."""
+    reduced = type(module).__reduce_ex__(module, 4)
+    func, args, state = reduced[0], reduced[1], reduced[2] if len(reduced) > 2 else None
+    if not isinstance(state, dict) or any(x is not None for x in reduced[3:]):
+        raise TypeError(f"fastdump: cannot deep-copy {type(module).__name__} while a Dumper wraps it "
+                        "(close the Dumper first)")
+    copied = func(*copy.deepcopy(args, memo))
+    memo[id(module)] = copied
+    state = dict(state)
+    state.pop("__deepcopy__", None)
+    forward = state.pop("forward", _MISSING)
+    while _is_ours(forward):
+        forward = _wrapped_by(forward)
+    if forward is not _MISSING:
+        state["forward"] = forward
+    state = copy.deepcopy(state, memo)
+    if hasattr(copied, "__setstate__"):
+        copied.__setstate__(state)
+    else:
+        copied.__dict__.update(state)
+    return copied
+
+
+def _install_copier(module) -> None:
+    """Give ``module`` _deepcopy_undumped, unless it or its class has a ``__deepcopy__`` of its own."""
+    if "__deepcopy__" not in module.__dict__ and getattr(type(module), "__deepcopy__", None) is None:
+        module.__dict__["__deepcopy__"] = types.MethodType(_deepcopy_undumped, module)
+
+
+def _remove_copier(module) -> None:
+    copier = module.__dict__.get("__deepcopy__")
+    if getattr(copier, "__func__", None) is _deepcopy_undumped:
+        del module.__dict__["__deepcopy__"]
 
 
 def _is_dataclass_instance(value) -> bool:
