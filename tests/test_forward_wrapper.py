@@ -451,3 +451,43 @@ def test_a_module_with_its_own_deepcopy_keeps_it(tmp_path, kind):
     with fastdump.attach(model, tmp_path):
         assert "__deepcopy__" not in model[0].__dict__
         assert copy.deepcopy(model[0]) == "custom copy"
+
+
+class Layered(nn.Module):
+    """model.layers.N, as HF and SGLang name decoder layers (what layers= selects)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(1)
+        self.model = nn.Module()
+        self.model.layers = nn.ModuleList(nn.Sequential(nn.Linear(4, 4), nn.ReLU()) for _ in range(3))
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x):
+        for layer in self.model.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+def test_a_compiled_model_is_dumped_under_its_eager_names(tmp_path):
+    # torch.compile(model) is an OptimizedModule whose children sit under "_orig_mod": the names
+    # (and layers=) must be the eager model's, or a compiled run cannot be diffed against an eager one.
+    x = torch.randn(2, 4)
+    eager = Layered()
+    with fastdump.attach(eager, tmp_path / "eager", layers=[0, 2]):
+        with torch.no_grad():
+            want = eager(x)
+    model = Layered()
+    model.model.layers[1] = torch.compile(model.model.layers[1], backend="eager")  # a compiled submodule
+    compiled = torch.compile(model, backend="eager")
+    with fastdump.attach(compiled, tmp_path / "compiled", layers=[0, 2]):
+        with torch.no_grad():
+            got = compiled(x)
+    assert same_bits(got, want)
+    a = fastdump.open(tmp_path / "eager").load("target", 0, 0)
+    b = fastdump.open(tmp_path / "compiled").load("target", 0, 0)
+    assert list(a) == ["model.layers.0.0", "model.layers.0.1", "model.layers.2.0", "model.layers.2.1", "head",
+                       "Layered"]
+    assert list(b) == list(a)
+    for name in a:
+        assert same_bits(a[name], b[name]), name

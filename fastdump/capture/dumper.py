@@ -29,7 +29,7 @@ from .. import protocol
 from ..options import Options
 from .manifest import cuda_index as _cuda_index, device_facts as _device_facts, write_manifest as _write_manifest
 from .ranks import resolve_ranks  # noqa: F401 - part of this module's face
-from .selection import root_selected as _root_selected, select_modules
+from .selection import original as _original_module, root_selected as _root_selected, select_modules
 from ..staging import engine as _engine
 from ..staging import channel as _channel_mod
 from ..staging import graphs as _graphs
@@ -183,7 +183,7 @@ class Dumper:
         _warn_if_twin(self)
         _open_dumpers.add(self)
         if model is not None:
-            self._root_name = o.root_name or type(model).__name__
+            self._root_name = o.root_name or type(_original_module(model)).__name__
             try:
                 self._install(model, o.root_passes, layers=o.layers, include=o.include, exclude=o.exclude,
                               module_types=o.module_types)

@@ -8,6 +8,28 @@ import re
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)(?:\.|$)")  # layers= means model.layers.N only, as in SGLang
 
 
+def original(module):
+    """The module ``torch.compile`` wrapped, for a compiled one (an ``OptimizedModule``); else itself."""
+    inner = module.__dict__.get("_modules", {}).get("_orig_mod")
+    return inner if inner is not None and type(module).__name__ == "OptimizedModule" else module
+
+
+def named_modules(model):
+    """``model.named_modules()`` under the names the uncompiled model gives them: the ``_orig_mod``
+    level that ``torch.compile`` adds (``torch.compile(model)``, or a compiled submodule) is left out
+    of every name and the compiled wrapper itself is not listed, so a compiled run's dump and an eager
+    one's have the same names (``fastdump diff``) and ``layers=`` still finds ``model.layers.N``."""
+    wrappers = set()  # (full names of the compiled wrappers seen; parents come before children)
+    for name, module in model.named_modules():
+        if original(module) is not module:
+            wrappers.add(name)
+            continue
+        parts = name.split(".") if name else []
+        kept = [part for i, part in enumerate(parts)
+                if not (part == "_orig_mod" and ".".join(parts[:i]) in wrappers)]
+        yield ".".join(kept), module
+
+
 def select_modules(model, *, layers=None, include=None, exclude=None, module_types=None,
                    leaves_only=True) -> list:
     """(qualified name, module) of the modules to capture, in registration order."""
@@ -16,7 +38,7 @@ def select_modules(model, *, layers=None, include=None, exclude=None, module_typ
     exc = re.compile(exclude) if isinstance(exclude, str) else exclude
     types = tuple(module_types) if module_types else None
     chosen = []
-    for name, module in model.named_modules():
+    for name, module in named_modules(model):
         if name == "":
             continue  # the root is handled by the pass wrapper
         if leaves_only and next(iter(module.children()), None) is not None:

@@ -31,6 +31,7 @@ import torch
 
 import fastdump
 from fastdump import format as fmt
+from fastdump.capture.selection import named_modules
 from fastdump.fsutil import atomic_write_json
 
 logger = logging.getLogger(__name__)
@@ -194,7 +195,7 @@ def _write_module_names(dumper, model, top_name: str) -> None:
     """Record the model's module names next to the dump (see NAMES_FILE). Best effort: a dump
     without it is exported with fastdump's names."""
     try:
-        names = [name for name, _ in model.named_modules() if name]
+        names = [name for name, _ in named_modules(model) if name]
         atomic_write_json(str(dumper.dir / NAMES_FILE), {"top": top_name, "modules": names}, durable=False)
     except Exception as exc:  # never stop serving for this
         logger.warning("fastdump: cannot write %s in %s: %s", NAMES_FILE, dumper.dir, exc)
