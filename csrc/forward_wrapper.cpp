@@ -12,6 +12,11 @@
 //    other than STAGED, an error) goes to the Dumper's Python methods, which account for it
 //    exactly as the Python wrapper does. Nothing fastdump does raises into the model (failures go
 //    to Dumper._capture_failed); the model's own exceptions propagate unchanged.
+// Given an `owner` (the module, when what it wraps is the module's class forward), the wrapper
+// follows that class's forward as attribute lookup would: a library that patches the class after
+// attach (`Cls.forward = patched`) is honoured while dumping, as it is without fastdump. The check
+// is one compare per call (the type's attribute-cache version tag); a changed tag looks the
+// forward up again.
 // The wrapper has a __dict__, so functools.update_wrapper gives it __wrapped__, __name__, __doc__...
 // and inspect.signature(module.forward) is the original's (transformers' generate() inspects it).
 // Dynamo cannot trace C code: a compiled model graph-breaks here and the wrapper runs eagerly on
@@ -64,6 +69,9 @@ struct ForwardWrapper {
   PyObject_HEAD
   CaptureState* state;
   PyObject* forward;
+  PyObject* owner;        // the module whose class forward `forward` is bound from, or nullptr
+  PyObject* owner_func;   // what the class's `forward` attribute was when `forward` was bound
+  unsigned int type_tag;  // Py_TYPE(owner)->tp_version_tag then (0: none; then looked up per call)
   PyObject* name;  // interned
   int inputs;
   PyObject* dict;
@@ -396,6 +404,37 @@ int capture_inputs(ForwardWrapper* w, PyObject* const* args, size_t nargsf, PyOb
   return r;
 }
 
+PyObject* s_forward;  // "forward"
+
+// The owner's class forward, bound to the owner, when it is not what `forward` was bound from
+// (the class was patched, or a base class's forward changed). Never raises: on any failure the
+// wrapper keeps calling what it has.
+void follow_class_forward(ForwardWrapper* w) {
+  PyTypeObject* type = Py_TYPE(w->owner);
+  PyObject* func = _PyType_Lookup(type, s_forward);  // borrowed; assigns the type a version tag
+  w->type_tag = type->tp_version_tag;
+  if (func == nullptr || func == w->owner_func) return;
+  PyObject* bound;
+  if (PyFunction_Check(func)) {
+    bound = PyMethod_New(func, w->owner);
+  } else if (Py_TYPE(func)->tp_descr_get != nullptr) {
+    bound = Py_TYPE(func)->tp_descr_get(func, w->owner, reinterpret_cast<PyObject*>(type));
+  } else {
+    bound = Py_NewRef(func);
+  }
+  if (bound == nullptr) {
+    PyErr_Clear();
+    return;
+  }
+  Py_SETREF(w->forward, bound);
+  Py_SETREF(w->owner_func, Py_NewRef(func));
+}
+
+inline void check_owner(ForwardWrapper* w) {
+  if (w->owner != nullptr && (Py_TYPE(w->owner)->tp_version_tag != w->type_tag || w->type_tag == 0))
+    follow_class_forward(w);
+}
+
 PyObject* capture_call(ForwardWrapper* w, PyObject* const* args, size_t nargsf, PyObject* kwnames) {
   Py_INCREF(w);  // forward may unwrap the module (dropping the last other reference to us)
   PyObject* out = nullptr;
@@ -424,6 +463,7 @@ PyObject* wrapper_vectorcall(PyObject* self, PyObject* const* args, size_t nargs
     PyErr_SetString(PyExc_RuntimeError, "fastdump forward wrapper called after it was cleared");
     return nullptr;
   }
+  check_owner(w);
   if (!w->state->capturing) return PyObject_Vectorcall(w->forward, args, nargsf, kwnames);
   return capture_call(w, args, nargsf, kwnames);
 }
@@ -436,20 +476,33 @@ PyTypeObject ForwardWrapperType = {PyVarObject_HEAD_INIT(nullptr, 0)};
 #pragma GCC diagnostic pop
 
 PyObject* wrapper_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
-  static const char* kwlist[] = {"state", "name", "forward", "inputs", nullptr};
-  PyObject *state, *name, *forward;
+  static const char* kwlist[] = {"state", "name", "forward", "inputs", "owner", nullptr};
+  PyObject *state, *name, *forward, *owner = Py_None;
   int inputs = 0;
-  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O!UO|p:ForwardWrapper", const_cast<char**>(kwlist),
-                                   &CaptureStateType, &state, &name, &forward, &inputs))
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O!UO|pO:ForwardWrapper", const_cast<char**>(kwlist),
+                                   &CaptureStateType, &state, &name, &forward, &inputs, &owner))
     return nullptr;
   if (!PyCallable_Check(forward)) {
     PyErr_SetString(PyExc_TypeError, "forward must be callable");
     return nullptr;
   }
+  // Follow the owner's class forward only when `forward` is that forward bound to the owner.
+  PyObject* owner_func = nullptr;
+  if (owner != Py_None) {
+    owner_func = _PyType_Lookup(Py_TYPE(owner), s_forward);  // borrowed
+    if (owner_func == nullptr || !PyMethod_Check(forward) || PyMethod_GET_SELF(forward) != owner ||
+        PyMethod_GET_FUNCTION(forward) != owner_func) {
+      PyErr_SetString(PyExc_ValueError, "owner: forward is not owner's class forward bound to owner");
+      return nullptr;
+    }
+  }
   auto* w = reinterpret_cast<ForwardWrapper*>(type->tp_alloc(type, 0));
   if (w == nullptr) return nullptr;
   w->state = reinterpret_cast<CaptureState*>(Py_NewRef(state));
   w->forward = Py_NewRef(forward);
+  w->owner = owner_func != nullptr ? Py_NewRef(owner) : nullptr;
+  w->owner_func = Py_XNewRef(owner_func);
+  w->type_tag = owner_func != nullptr ? Py_TYPE(owner)->tp_version_tag : 0;
   Py_INCREF(name);
   PyUnicode_InternInPlace(&name);  // calls dict look-ups then compare by identity
   w->name = name;
@@ -465,12 +518,16 @@ PyObject* wrapper_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
 int wrapper_traverse(ForwardWrapper* w, visitproc visit, void* arg) {
   Py_VISIT(w->state);
   Py_VISIT(w->forward);
+  Py_VISIT(w->owner);
+  Py_VISIT(w->owner_func);
   Py_VISIT(w->dict);
   return 0;
 }
 
 int wrapper_clear(ForwardWrapper* w) {
   Py_CLEAR(w->forward);
+  Py_CLEAR(w->owner);
+  Py_CLEAR(w->owner_func);
   Py_CLEAR(w->dict);
   // state is kept until dealloc: the vectorcall reads it without a check.
   return 0;
@@ -496,6 +553,7 @@ PyObject* wrapper_repr(ForwardWrapper* w) {
 
 PyObject* wrapper_get_forward(ForwardWrapper* w, void*) { return Py_NewRef(w->forward ? w->forward : Py_None); }
 PyObject* wrapper_get_name(ForwardWrapper* w, void*) { return Py_NewRef(w->name); }
+PyObject* wrapper_get_owner(ForwardWrapper* w, void*) { return Py_NewRef(w->owner ? w->owner : Py_None); }
 PyObject* wrapper_get_state(ForwardWrapper* w, void*) { return Py_NewRef(reinterpret_cast<PyObject*>(w->state)); }
 
 PyObject* wrapper_self(PyObject* self, PyObject*) { return Py_NewRef(self); }
@@ -504,6 +562,8 @@ PyGetSetDef wrapper_getset[] = {
     {"__dict__", PyObject_GenericGetDict, PyObject_GenericSetDict, nullptr, nullptr},
     {"_fastdump_forward", reinterpret_cast<getter>(wrapper_get_forward), nullptr, "the wrapped forward", nullptr},
     {"_fastdump_name", reinterpret_cast<getter>(wrapper_get_name), nullptr, "the dumped name", nullptr},
+    {"_fastdump_owner", reinterpret_cast<getter>(wrapper_get_owner), nullptr,
+     "the module whose class forward it follows, or None", nullptr},
     {"_fastdump_state", reinterpret_cast<getter>(wrapper_get_state), nullptr, "its Dumper's CaptureState", nullptr},
     {nullptr, nullptr, nullptr, nullptr, nullptr}};
 
@@ -524,7 +584,8 @@ void bind_forward_wrapper(py::module_& m) {
   s_emit_safely = PyUnicode_InternFromString("_emit_safely");
   s_use_python = PyUnicode_InternFromString("_use_python_wrappers");
   s_one = PyLong_FromLong(1);
-  if (!s_stage || !s_fast_status || !s_capture || !s_capture_inputs || !s_capture_failed || !s_emit_safely || !s_use_python || !s_one)
+  s_forward = PyUnicode_InternFromString("forward");
+  if (!s_forward || !s_stage || !s_fast_status || !s_capture || !s_capture_inputs || !s_capture_failed || !s_emit_safely || !s_use_python || !s_one)
     throw py::error_already_set();
 
   PyTypeObject& st = CaptureStateType;
@@ -543,7 +604,8 @@ void bind_forward_wrapper(py::module_& m) {
   wt.tp_name = "fastdump._C.ForwardWrapper";
   wt.tp_basicsize = sizeof(ForwardWrapper);
   wt.tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL;
-  wt.tp_doc = "ForwardWrapper(state, name, forward, inputs=False): a module's forward, dumped while state.capturing";
+  wt.tp_doc = "ForwardWrapper(state, name, forward, inputs=False, owner=None): a module's forward, dumped while "
+               "state.capturing; with owner, forward is owner's class forward and follows it when the class changes";
   wt.tp_new = wrapper_new;
   wt.tp_dealloc = reinterpret_cast<destructor>(wrapper_dealloc);
   wt.tp_traverse = reinterpret_cast<traverseproc>(wrapper_traverse);

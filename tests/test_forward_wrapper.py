@@ -491,3 +491,61 @@ def test_a_compiled_model_is_dumped_under_its_eager_names(tmp_path):
     assert list(b) == list(a)
     for name in a:
         assert same_bits(a[name], b[name]), name
+
+
+def test_a_class_patched_after_attach_runs_patched_and_is_dumped(tmp_path, kind):
+    # Libraries patch model classes (kernels, quantization) after the model is built; with the
+    # wrapper holding the forward it was bound to at attach, the served model ignored the patch
+    # while dumping was on.
+    class Scale(nn.Module):
+        def forward(self, x):
+            return x * 2
+
+    class Sub(Scale):  # inherits Scale.forward
+        pass
+
+    class Top(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(3, 3)
+            self.a, self.b = Scale(), Sub()
+
+        def forward(self, x):
+            return self.b(self.a(self.lin(x)))
+
+    model = Top()
+    x = torch.randn(2, 3)
+    served = []
+    d = fastdump.attach(model, tmp_path)
+    with torch.inference_mode():
+        lin = nn.functional.linear(x, model.lin.weight, model.lin.bias)
+        served.append(model(x))
+        Scale.forward = lambda self, x: x + 100  # a and b (a subclass) both follow
+        served.append(model(x))
+        Top.unrelated = 1  # a class change that leaves forward alone
+        Top.forward = lambda self, x: self.a(x)  # the root's class
+        served.append(model(x))
+    d.close()
+    want = [{"lin": lin, "a": lin * 2, "b": lin * 4, "Top": lin * 4},
+            {"lin": lin, "a": lin + 100, "b": (lin + 100) + 100, "Top": (lin + 100) + 100},
+            {"a": x + 100, "Top": x + 100}]
+    ds = fastdump.open(tmp_path)
+    assert ds.passes("target", 0) == [0, 1, 2]
+    for pass_id, expected in enumerate(want):
+        assert same_bits(served[pass_id], expected["Top"]), pass_id
+        dumped = ds.load("target", 0, pass_id)
+        assert list(dumped) == list(expected), pass_id
+        for name, value in expected.items():
+            assert same_bits(dumped[name], value), (pass_id, name)
+
+
+def test_an_instance_forward_set_before_attach_is_what_runs(tmp_path, kind):
+    model = nn.Sequential(nn.Linear(3, 3))
+    model[0].forward = lambda x: x - 1  # the instance's own forward, not its class's
+    x = torch.randn(2, 3)
+    with fastdump.attach(model, tmp_path):
+        nn.Linear.forward = nn.Linear.forward  # a class change: the instance forward still wins
+        with torch.inference_mode():
+            out = model(x)
+    assert same_bits(out, x - 1)
+    assert same_bits(fastdump.open(tmp_path).load("target", 0, 0)["0"], x - 1)

@@ -271,7 +271,7 @@ class Dumper:
         if any(wrapped is module for wrapped, _, _ in self._wrapped):
             raise ValueError(f"watch: {name!r}: this Dumper wraps that module already (leave it out of "
                              "the selection with exclude=, and watch each module once)")
-        self._wrap(module, self._hooked_wrapper(name, module.forward, convert, before))
+        self._wrap(module, self._hooked_wrapper(name, module.forward, convert, before, _owner_of(module)))
 
     @property
     def in_pass(self) -> bool:
@@ -686,12 +686,13 @@ class Dumper:
     # -- installing wrappers -------------------------------------------------------------------------
     def _install(self, model, root_passes: bool, **selection) -> None:
         for name, module in select_modules(model, **selection):
-            self._wrap(module, self._capture_wrapper(name, module.forward))
+            self._wrap(module, self._capture_wrapper(name, module.forward, _owner_of(module)))
         root_selected = _root_selected(self._root_name, selection)
         if root_passes:
-            self._wrap(model, self._root_wrapper(self._root_name if root_selected else None, model.forward))
+            self._wrap(model, self._root_wrapper(self._root_name if root_selected else None, model.forward,
+                                                 _owner_of(model)))
         elif root_selected:
-            self._wrap(model, self._capture_wrapper(self._root_name, model.forward))
+            self._wrap(model, self._capture_wrapper(self._root_name, model.forward, _owner_of(model)))
 
     def _wrap(self, module, wrapper) -> None:
         previous = module.__dict__.get("forward", _MISSING)
@@ -716,19 +717,20 @@ class Dumper:
                 _remove_copier(module)
         self._wrapped.clear()
 
-    def _capture_wrapper(self, name: str, forward):
+    def _capture_wrapper(self, name: str, forward, owner=None):
         """The wrapper of a selected module: the C++ ForwardWrapper (csrc/forward_wrapper.cpp),
         or the Python one where that cannot do the job."""
         if _NativeWrapper is not None and _native_wrappers and not self._python_wrappers:
-            return _wraps(forward)(_NativeWrapper(self._state, name, forward, self.inputs))
-        return self._python_capture_wrapper(name, forward)
+            return _wraps(forward)(_NativeWrapper(self._state, name, forward, self.inputs, owner))
+        return self._python_capture_wrapper(name, forward, owner)
 
-    def _python_capture_wrapper(self, name: str, forward):
+    def _python_capture_wrapper(self, name: str, forward, owner=None):
         """The same wrapper in Python: what _capture_wrapper falls back to; tests run both."""
         dumper = self
         inputs = self.inputs
+        original, forward = forward, _following(owner, forward)
 
-        @_wraps(forward)  # keeps the signature: transformers' generate() inspects it
+        @_wraps(original)  # keeps the signature: transformers' generate() inspects it
         def forward_and_capture(*args, **kwargs):
             if not dumper._capturing:
                 return forward(*args, **kwargs)
@@ -755,13 +757,14 @@ class Dumper:
 
         return forward_and_capture
 
-    def _hooked_wrapper(self, name: str, forward, convert, before):
+    def _hooked_wrapper(self, name: str, forward, convert, before, owner=None):
         """A watched module's wrapper (watch): the capture wrapper's rules plus the hooks. It stays
         Python, and off the hot path of plain leaves."""
         dumper = self
         inputs = self.inputs
+        original, forward = forward, _following(owner, forward)
 
-        @_wraps(forward)
+        @_wraps(original)
         def forward_and_capture(*args, **kwargs):
             if not dumper._capturing:
                 return forward(*args, **kwargs)
@@ -791,15 +794,17 @@ class Dumper:
         self._python_wrappers = True
         for i, (module, wrapper, previous) in enumerate(self._wrapped):
             if type(wrapper) is _NativeWrapper and module.__dict__.get("forward") is wrapper:
-                python = self._python_capture_wrapper(wrapper._fastdump_name, wrapper._fastdump_forward)
+                python = self._python_capture_wrapper(wrapper._fastdump_name, wrapper._fastdump_forward,
+                                                      wrapper._fastdump_owner)
                 _mark_ours(python, previous)
                 module.__dict__["forward"] = python
                 self._wrapped[i] = (module, python, previous)
 
-    def _root_wrapper(self, name, forward):
+    def _root_wrapper(self, name, forward, owner=None):
         dumper = self
+        original, forward = forward, _following(owner, forward)
 
-        @_wraps(forward)
+        @_wraps(original)
         def forward_in_pass(*args, **kwargs):
             if getattr(forward_in_pass, "__fastdump_off__", False):
                 return forward(*args, **kwargs)
@@ -907,6 +912,36 @@ def _wraps(forward):
         return wrapper
 
     return decorate
+
+
+def _owner_of(module):
+    """``module`` when its forward is its class's (no instance forward set): the wrappers then follow
+    the class's forward as attribute lookup does, so a class patched after attach (a library's
+    kernels applied to a built model) runs patched with dumping on, as it does without. Else None."""
+    if "forward" in module.__dict__:
+        return None
+    bound = module.forward
+    if (type(bound) is not types.MethodType or bound.__self__ is not module
+            or bound.__func__ is not getattr(type(module), "forward", None)):
+        return None
+    return module
+
+
+def _following(owner, forward):
+    """``forward``, or for an owner (_owner_of) a callable that calls the owner's class forward as
+    attribute lookup finds it at each call (the Python wrappers' twin of ForwardWrapper's owner)."""
+    if owner is None:
+        return forward
+    cls = type(owner)
+
+    def class_forward(*args, **kwargs):
+        f = cls.forward
+        if type(f) is types.FunctionType:
+            return f(owner, *args, **kwargs)
+        get = getattr(type(f), "__get__", None)
+        return (f if get is None else get(f, owner, cls))(*args, **kwargs)
+
+    return class_forward
 
 
 # Every wrapper a Dumper put on a module, weakly: "ours" is decided by identity, since
