@@ -753,13 +753,13 @@ def test_graph_replay_is_one_span_record_split_by_the_writer(m, glue, tmp_path, 
         assert dropped >= 5
         _wait_for(lambda: any(r.kind == m.KIND_CONTROL and b'"graph_drops"' in r.payload for r in ring_tap))
         rec.set_paused(False)
+        ch = d._channel.id  # (close() lets go of the channel)
         stats = d.close()
     finally:
         m._mock.sync(side)
         release(m, execs.values(), [side], [d])
     assert stats["dropped_passes"] == dropped and stats["graph_replays"] == len(order) + fits + 5 - dropped
 
-    ch = d._channel.id
     mine = [r for r in ring_tap if r.channel == ch]
     controls = [protocol.decode(r.payload) for r in mine if r.kind == m.KIND_CONTROL]
     graphs = [c for c in controls if c["op"] == "graph"]

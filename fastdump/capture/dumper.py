@@ -65,8 +65,7 @@ def _forget_parent_dumpers() -> None:
         engine.forget_in_forked_child()
     for dumper in list(_open_dumpers):
         dumper._capturing = False
-        dumper._engine = dumper._producer = dumper._channel = dumper._stage_fast = None
-        dumper._state.lane = None
+        dumper._let_go_of_the_ring(fold=False)  # the parent's counts are the parent's
         dumper.status = "not dumping in this process (forked child of the attaching process)"
     _open_dumpers.clear()
 
@@ -327,7 +326,18 @@ class Dumper:
                           "not confirmed on disk", writer_stuck=True)
             raise
         self._release_engine(left())
+        self._let_go_of_the_ring()
         return self.stats()
+
+    def _let_go_of_the_ring(self, fold: bool = True) -> None:
+        """Drop this Dumper's references to the ring (its 256 MiB mapping is freed with the last
+        one). A Dumper sits in reference cycles (its wrappers, its capture state), so without this
+        a closed Dumper kept its ring mapped and resident until the garbage collector happened to
+        run: each attach/close cycle of a serving process added the ring's size to its RSS."""
+        if fold:
+            self._fold_lane_counts()  # the last counts, while the channel is still here
+        self._engine = self._producer = self._channel = self._stage_fast = None
+        self._state.lane = None
 
     def _unconfirmed_passes(self) -> int:
         acked = self._producer.acked_seq
