@@ -549,3 +549,27 @@ def test_an_instance_forward_set_before_attach_is_what_runs(tmp_path, kind):
             out = model(x)
     assert same_bits(out, x - 1)
     assert same_bits(fastdump.open(tmp_path).load("target", 0, 0)["0"], x - 1)
+
+
+def test_torch_export_of_a_dumped_model_is_no_pass(tmp_path, kind):
+    # torch.export (non-strict, its default) traces the model with fake tensors: nothing runs for
+    # real. It used to open a pass of skipped FakeTensors (shifting every later pass id) and switch
+    # the leaves to the Python wrappers for good. (Strict export fails at the C wrappers, which
+    # Dynamo cannot trace, as it did before: close the Dumper first.)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    x = torch.randn(2, 4)
+    d = fastdump.attach(model, tmp_path)
+    program = torch.export.export(model, (x,))
+    assert d.pass_id == -1 and d.stats()["skipped"] == 0
+    if kind == "native":
+        assert type(model[0].__dict__["forward"]) is _C.ForwardWrapper
+    with torch.inference_mode():
+        out = model(x)  # pass 0: the first forward that ran
+        first = model[0](x)  # (outside a pass: not dumped)
+        assert same_bits(program.module()(x), out)
+    d.close()
+    ds = fastdump.open(tmp_path)
+    assert ds.passes("target", 0) == [0]
+    dumped = ds.load("target", 0, 0)
+    assert list(dumped) == ["0", "1", "2", "Sequential"]
+    assert same_bits(dumped["0"], first) and same_bits(dumped["Sequential"], out)

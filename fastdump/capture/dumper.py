@@ -818,6 +818,8 @@ class Dumper:
         def forward_in_pass(*args, **kwargs):
             if getattr(forward_in_pass, "__fastdump_off__", False):
                 return forward(*args, **kwargs)
+            if _is_exporting():  # torch.export traces a graph from fake tensors: nothing to dump, no pass
+                return forward(*args, **kwargs)
             outside = _outside_graph if _is_compiling() else _call  # once per pass: cheap
             if outside is not _call and not dumper._python_wrappers:
                 outside(dumper._use_python_wrappers)  # before Dynamo meets the C++ wrappers
@@ -896,6 +898,7 @@ def _call(fn, *args):
 
 if _torch is not None and hasattr(_torch, "_disable_dynamo"):
     _is_compiling = _torch.compiler.is_compiling
+    _is_exporting = getattr(_torch.compiler, "is_exporting", lambda: False)
     # torch.compile must not trace into the staging code (symbolic shapes, raw pointers): a call
     # through this is a graph break, and the staging runs eagerly on the real tensors. Lazy: it
     # imports torch._dynamo only when first used, which is while Dynamo is tracing anyway.
@@ -907,6 +910,8 @@ if _torch is not None and hasattr(_torch, "_disable_dynamo"):
 else:  # pragma: no cover - without torch nothing is compiled
     def _is_compiling() -> bool:
         return False
+
+    _is_exporting = _is_compiling
 
     _outside_graph = _call
     _DYNAMO = None
