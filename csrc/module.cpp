@@ -23,7 +23,8 @@ namespace {
 // A tensor with elements but a null data pointer: its storage was freed or resized to 0 bytes
 // under it (untyped_storage().resize_(0), as FSDP does). Reading it would fault: the caller
 // records the tensor as skipped with this reason (exported as _C.NO_DATA for the Python paths).
-constexpr const char* kNoData = "its storage holds no data (freed, or resized to 0 bytes): not read";
+constexpr const char* kNoData =
+    "its storage holds no data (freed, resized to 0 bytes, or a tensor subclass without storage of its own): not read";
 // The tensor reader's -1: the storage is null or ends before the tensor's last element.
 constexpr const char* kStorageShort =
     "its storage holds no data or ends before its last element (freed or resized under it): not read";

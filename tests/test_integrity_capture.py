@@ -529,6 +529,45 @@ def test_a_tensor_whose_storage_was_freed_is_skipped_not_read(tmp_path, reader):
     assert not verify(tmp_path).problems
 
 
+DTENSOR_SCRIPT = textwrap.dedent("""
+    import json, sys, torch, torch.distributed as dist, fastdump
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    dist.init_process_group("gloo", store=dist.FileStore(sys.argv[2], 1), rank=0, world_size=1)
+    mesh = init_device_mesh("cpu", (1,))
+
+    class Sharded(torch.nn.Module):
+        def forward(self, x):
+            return distribute_tensor(x * 2, mesh, [Shard(0)]), distribute_tensor(x - 1, mesh, [Replicate()])
+
+    model = torch.nn.Sequential(Sharded())
+    d = fastdump.attach(model, sys.argv[1])
+    with torch.no_grad():
+        outs = [model(torch.arange(6.0).reshape(2, 3) + k) for k in range(2)]
+    d.close()
+    dist.destroy_process_group()
+    print(json.dumps([[o.to_local().tolist() for o in out] for out in outs]))
+""")
+
+
+def test_a_dtensor_output_is_dumped_as_this_ranks_local_shard(tmp_path):
+    """A DTensor (torch.distributed's tensor-parallel tensors) is a wrapper without storage of its
+    own: its data pointer is null. It was skipped with a reason that spoke of a freed storage; its
+    local shard is what this rank computed, and what a plain TP model's rank would hold."""
+    pytest.importorskip("torch.distributed.tensor", reason="this torch has no torch.distributed.tensor")
+    run = subprocess.run([sys.executable, "-c", DTENSOR_SCRIPT, str(tmp_path / "dump"), str(tmp_path / "store")],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    served = json.loads(run.stdout.strip().splitlines()[-1])
+    ds = fastdump.open(tmp_path / "dump")
+    for p, (shard, replica) in enumerate(served):
+        dumped = ds.load("target", 0, p)
+        assert ds.meta("target", 0, p)["skipped"] == []
+        assert same_bits(dumped["0.0"], torch.tensor(shard)) and same_bits(dumped["0.1"], torch.tensor(replica))
+        assert same_bits(dumped["Sequential.0"], torch.tensor(shard))
+    assert not verify(tmp_path / "dump").problems
+
+
 # ------------------------------------------------------------------------- item 20: bad settings
 
 

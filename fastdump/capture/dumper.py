@@ -521,6 +521,8 @@ class Dumper:
     def _emit(self, name: str, value, outer: tuple) -> None:
         """Stage ``value``'s tensors under ``name``; ``outer``: ids of the containers it sits in."""
         if isinstance(value, _Tensor):
+            if type(value).__name__ == "DTensor" and _is_dtensor(value):
+                value = value.to_local()  # this rank's shard, as a rank of a plain TP model holds it
             return self._stage(name, value)
         if value is None or isinstance(value, (int, float, bool, str, bytes)):
             return  # not tensor data
@@ -927,6 +929,16 @@ def _wraps(forward):
         return wrapper
 
     return decorate
+
+
+def _is_dtensor(value) -> bool:
+    """A torch.distributed DTensor: a wrapper without storage of its own, whose data is its local
+    shard (``to_local()``, no communication). Imported only when a tensor by that name shows up."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except Exception:  # pragma: no cover - a torch without torch.distributed
+        return False
+    return isinstance(value, DTensor)
 
 
 def _owner_of(module):
