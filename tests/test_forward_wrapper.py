@@ -573,3 +573,23 @@ def test_torch_export_of_a_dumped_model_is_no_pass(tmp_path, kind):
     dumped = ds.load("target", 0, 0)
     assert list(dumped) == ["0", "1", "2", "Sequential"]
     assert same_bits(dumped["0"], first) and same_bits(dumped["Sequential"], out)
+
+
+def test_a_module_whose_class_is_swapped_after_attach_runs_its_new_class(tmp_path, kind):
+    # Some libraries change a built module's __class__ (FSDP2's fully_shard makes a subclass).
+    class Plus(nn.Module):
+        def forward(self, x):
+            return x + 1
+
+    class Plus1000(Plus):
+        def forward(self, x):
+            return x + 1000
+
+    model = nn.Sequential(Plus(), nn.Identity())
+    x = torch.zeros(2)
+    with fastdump.attach(model, tmp_path):
+        model[0].__class__ = Plus1000
+        with torch.inference_mode():
+            out = model(x)
+    assert same_bits(out, x + 1000)
+    assert same_bits(fastdump.open(tmp_path).load("target", 0, 0)["0"], x + 1000)

@@ -959,9 +959,9 @@ def _following(owner, forward):
     attribute lookup finds it at each call (the Python wrappers' twin of ForwardWrapper's owner)."""
     if owner is None:
         return forward
-    cls = type(owner)
 
     def class_forward(*args, **kwargs):
+        cls = type(owner)  # (at call time: some libraries swap a module's __class__, FSDP2 does)
         f = cls.forward
         if type(f) is types.FunctionType:
             return f(owner, *args, **kwargs)
