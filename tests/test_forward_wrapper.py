@@ -593,3 +593,26 @@ def test_a_module_whose_class_is_swapped_after_attach_runs_its_new_class(tmp_pat
             out = model(x)
     assert same_bits(out, x + 1000)
     assert same_bits(fastdump.open(tmp_path).load("target", 0, 0)["0"], x + 1000)
+
+
+def test_a_deep_copy_of_a_dumped_compiled_model_is_its_own_and_not_dumped(tmp_path, kind):
+    # torch.compile's OptimizedModule copies itself through __reduce__ (no state dict): the copy
+    # must be made from a copy of the original module without our wrappers, as without a Dumper.
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    compiled = torch.compile(model, backend="eager")
+    x = torch.randn(2, 4)
+    d = fastdump.attach(compiled, tmp_path)
+    with torch.inference_mode():
+        out = compiled(x)  # pass 0
+    twin = copy.deepcopy(compiled)
+    with torch.no_grad():
+        for p in twin.parameters():
+            p.add_(1.0)
+        got = twin(x)
+    lin = twin._orig_mod[0]
+    assert same_bits(got, nn.functional.relu(nn.functional.linear(x, lin.weight, lin.bias)))
+    assert all("forward" not in m.__dict__ and "__deepcopy__" not in m.__dict__ for m in twin._orig_mod.modules())
+    d.close()
+    ds = fastdump.open(tmp_path)
+    assert ds.passes("target", 0) == [0]  # the copy's forward was not dumped
+    assert same_bits(ds.load("target", 0, 0)["Sequential"], out)
