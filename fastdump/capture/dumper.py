@@ -138,7 +138,7 @@ class Dumper:
         self._folded_drops = (0, 0)  # the channel's drop counts already in _totals
         self._totals = {"passes": 0, "tensors": 0, "bytes": 0, "dropped": 0, "skipped": 0, "dropped_passes": 0,
                         "lost_pass_ends": 0, "incomplete_passes": 0, "mixed_passes": 0}
-        self._wrapped: list = []
+        self._wrapped: list = []  # (module, our wrapper), in wrapping order; what each wraps: _wrapped_by
         self._python_wrappers = False  # set for good once torch.compile traces the model
         # CUDA-graph record mode (fastdump/staging/graphs.py); None: tensors hooked during a capture are skipped.
         self._graphs = _graphs.GraphRecording(self, o.graph_ring_mb) if o.cuda_graphs == "record" else None
@@ -267,7 +267,7 @@ class Dumper:
                 raise TypeError(f"watch: {what} must be callable or None, not {type(hook).__name__}")
         if self._closed:
             raise RuntimeError(f"watch: the Dumper of {self.dir} is closed")
-        if any(wrapped is module for wrapped, _, _ in self._wrapped):
+        if any(wrapped is module for wrapped, _ in self._wrapped):
             raise ValueError(f"watch: {name!r}: this Dumper wraps that module already (leave it out of "
                              "the selection with exclude=, and watch each module once)")
         self._wrap(module, self._hooked_wrapper(name, module.forward, convert, before, _owner_of(module)))
@@ -707,16 +707,15 @@ class Dumper:
             self._wrap(model, self._capture_wrapper(self._root_name, model.forward, _owner_of(model)))
 
     def _wrap(self, module, wrapper) -> None:
-        previous = module.__dict__.get("forward", _MISSING)
-        _mark_ours(wrapper, previous)
+        _mark_ours(wrapper, module.__dict__.get("forward", _MISSING))
         module.__dict__["forward"] = wrapper
         _install_copier(module)
-        self._wrapped.append((module, wrapper, previous))
+        self._wrapped.append((module, wrapper))
 
     def _unwrap(self) -> None:
-        for module, wrapper, previous in reversed(self._wrapped):
+        for module, wrapper in reversed(self._wrapped):
             if module.__dict__.get("forward") is wrapper:
-                previous = _skip_stale(previous)
+                previous = _skip_stale(_wrapped_by(wrapper))
                 if previous is _MISSING:
                     del module.__dict__["forward"]
                 else:
@@ -804,13 +803,13 @@ class Dumper:
         if self._python_wrappers:
             return
         self._python_wrappers = True
-        for i, (module, wrapper, previous) in enumerate(self._wrapped):
+        for i, (module, wrapper) in enumerate(self._wrapped):
             if type(wrapper) is _NativeWrapper and module.__dict__.get("forward") is wrapper:
                 python = self._python_capture_wrapper(wrapper._fastdump_name, wrapper._fastdump_forward,
                                                       wrapper._fastdump_owner)
-                _mark_ours(python, previous)
+                _mark_ours(python, _wrapped_by(wrapper))
                 module.__dict__["forward"] = python
-                self._wrapped[i] = (module, python, previous)
+                self._wrapped[i] = (module, python)
 
     def _root_wrapper(self, name, forward, owner=None):
         dumper = self
