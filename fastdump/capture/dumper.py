@@ -1010,37 +1010,28 @@ def _deepcopy_undumped(module, memo):
     as they are: the copy would run the original module, with the original's weights, and go on
     doing so after the Dumper closed. So the copy is made without our wrappers: it gets what they
     wrap (the class's forward, or the instance forward someone set before us) and is not dumped."""
+    # A module reduces to (cls, args, its __dict__) through object.__reduce_ex__, or to (cls, args)
+    # through a __reduce__ of its own (OptimizedModule); other forms are refused, loudly.
     reduced = type(module).__reduce_ex__(module, 4)
-    if isinstance(reduced, str) or len(reduced) < 2:
+    state = reduced[2] if len(reduced) > 2 else None
+    if any(x is not None for x in reduced[3:]) or not (state is None or isinstance(state, dict)):
         raise TypeError(f"fastdump: cannot deep-copy {type(module).__name__} while a Dumper wraps it "
                         "(close the Dumper first)")
-    func, args = reduced[0], reduced[1]
-    state, listiter, dictiter = (tuple(reduced[2:5]) + (None, None, None))[:3]
-    copied = func(*copy.deepcopy(args, memo))  # (a module made by its __reduce__, as OptimizedModule is)
+    copied = reduced[0](*copy.deepcopy(reduced[1], memo))
     memo[id(module)] = copied
     if state is not None:
-        attrs, slots = state if isinstance(state, tuple) and len(state) == 2 else (state, None)
-        if isinstance(attrs, dict):
-            attrs = dict(attrs)
-            attrs.pop("__deepcopy__", None)
-            forward = attrs.pop("forward", _MISSING)
-            while _is_ours(forward):
-                forward = _wrapped_by(forward)
-            if forward is not _MISSING:
-                attrs["forward"] = forward
-        state = copy.deepcopy(attrs if slots is None else (attrs, slots), memo)
-        if hasattr(copied, "__setstate__"):
+        state = dict(state)
+        state.pop("__deepcopy__", None)
+        forward = state.pop("forward", _MISSING)
+        while _is_ours(forward):
+            forward = _wrapped_by(forward)
+        if forward is not _MISSING:
+            state["forward"] = forward
+        state = copy.deepcopy(state, memo)
+        if hasattr(copied, "__setstate__"):  # nn.Module's; watch() also takes other objects
             copied.__setstate__(state)
         else:
-            attrs, slots = state if isinstance(state, tuple) and len(state) == 2 else (state, None)
-            if attrs:
-                copied.__dict__.update(attrs)
-            for key, value in (slots or {}).items():
-                setattr(copied, key, value)
-    for item in listiter or ():
-        copied.append(copy.deepcopy(item, memo))
-    for key, value in dictiter or ():
-        copied[copy.deepcopy(key, memo)] = copy.deepcopy(value, memo)
+            copied.__dict__.update(state)
     return copied
 
 
