@@ -3,6 +3,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <cstdio>
 #include <cstring>
 #if defined(__SSE2__)
 #include <emmintrin.h>
@@ -113,6 +114,27 @@ struct ChannelStager {
   std::vector<std::pair<int32_t, uint32_t>> scalar_codes;
   uint64_t scalar_codes_epoch = 0;
   TensorFacts facts{};
+
+  // A pass's begin and end records in the common case (no meta, nothing skipped, whole): the bytes
+  // fastdump/protocol.py's encode() gives them (_PLAIN_BEGIN, _PLAIN_END), put without waiting. One
+  // C call instead of four Python frames and a dict each, at every pass (issue 11: a begin/end pair
+  // costs the forward thread ~100 us between the model's kernels). 0: no room now, or the producer
+  // is disabled; the caller takes its general path, which may wait.
+  uint64_t put_plain_begin(int64_t pass) {
+    char buf[96];
+    const int n = std::snprintf(buf, sizeof buf, "{\"op\": \"begin\", \"channel\": %u, \"pass\": %lld, \"meta\": {}}",
+                                channel, static_cast<long long>(pass));
+    return producer->put_control(channel, buf, static_cast<uint64_t>(n), /*block=*/false, 0);
+  }
+
+  uint64_t put_plain_end(int64_t pass, uint64_t dropped) {
+    char buf[160];
+    const int n = std::snprintf(buf, sizeof buf,
+                                "{\"op\": \"end\", \"channel\": %u, \"pass\": %lld, \"meta\": {}, \"dropped\": %llu, "
+                                "\"skipped\": []}",
+                                channel, static_cast<long long>(pass), static_cast<unsigned long long>(dropped));
+    return producer->put_control(channel, buf, static_cast<uint64_t>(n), /*block=*/false, 0);
+  }
 
   int stage(uint32_t name_id, uint16_t dtype, uint64_t elem_size, py::handle shape_seq,
             py::handle strides_seq, uintptr_t ptr) {
@@ -522,6 +544,22 @@ PYBIND11_MODULE(_C, m) {
             s.timeout_s = timeout_s;
           },
           py::arg("pass_id"), py::arg("block"), py::arg("timeout_s"), "settings for the pass that starts")
+      .def(
+          "open_pass",
+          [](ChannelStager& s, int64_t pass_id, bool block, double timeout_s) {
+            const uint64_t seq = s.put_plain_begin(pass_id);
+            if (seq != 0) {
+              s.pass_id = pass_id;
+              s.block = block;
+              s.timeout_s = timeout_s;
+            }
+            return seq;
+          },
+          py::arg("pass_id"), py::arg("block"), py::arg("timeout_s"),
+          "put pass_id's plain begin record without waiting and, once it is in, take the pass's settings "
+          "(begin): its seq, or 0 (nothing done: no room now, or disabled)")
+      .def("put_plain_end", &ChannelStager::put_plain_end, py::arg("pass_id"), py::arg("dropped"),
+           "put pass_id's plain end record (no meta, nothing skipped) without waiting: its seq, or 0")
       .def("stage", &ChannelStager::stage, py::arg("name_id"), py::arg("dtype"), py::arg("elem_size"),
            py::arg("shape"), py::arg("strides"), py::arg("ptr"),
            "Producer.stage_host with this channel's pass settings: the same statuses");

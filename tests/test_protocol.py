@@ -105,3 +105,43 @@ def test_replay_pass_is_built_with_the_begin_and_end_constructors():
     assert begin == protocol.begin(2, protocol.GRAPH_PASS_BASE + 9, meta)
     assert end == protocol.end(2, protocol.GRAPH_PASS_BASE + 9, meta, 0, {"x": "why"})
     assert layout["meta"] == {"cuda_graph": 1, "graph_batch": 8}  # the layout is not changed
+
+
+def test_the_lanes_plain_begin_and_end_records_are_the_bytes_encode_gives():
+    """ChannelStager.open_pass / put_plain_end (a pass's begin and end in one C call each) put the
+    same bytes protocol.encode gives the plain messages, edge values included; a full ring puts
+    nothing and leaves the lane's pass settings alone (the caller's general path decides)."""
+    torch = pytest.importorskip("torch")
+    name = f"/fastdump-test-protocol-{np.random.randint(1 << 30)}"
+    producer = _C.Producer(name, 1 << 20, 0)
+    try:
+        consumer = _C.Consumer(name)
+        cases = [(0, 1, 0), (65535, 2**63 - 1, 12), (7, 2**40 + 3, 2**64 - 1), (3, -1, 0)]
+        expected = []
+        for channel, pass_id, dropped in cases:
+            lane = _C.ChannelStager(producer, channel)
+            begin_seq = lane.open_pass(pass_id, True, 1.0)
+            end_seq = lane.put_plain_end(pass_id, dropped)
+            assert 0 < begin_seq < end_seq
+            expected += [(begin_seq, channel, protocol.encode(protocol.begin(channel, pass_id))),
+                         (end_seq, channel, protocol.encode(protocol.end(channel, pass_id, {}, dropped, {})))]
+        got = [protocol.Record._make(item) for item in consumer.next_batch(1.0)]
+        assert [(r.seq, r.channel, bytes(r.payload)) for r in got] == expected
+        assert all(r.kind == _C.KIND_CONTROL for r in got)
+        consumer.release()
+    finally:
+        producer.unlink()
+    # A ring with no room: nothing is put, and the pass settings stay as they were.
+    name = f"/fastdump-test-protocol-{np.random.randint(1 << 30)}"
+    producer = _C.Producer(name, 64 * 1024, 0)
+    try:
+        lane = _C.ChannelStager(producer, 1, {torch.float32: (7, 4)}, torch.strided)
+        lane.begin(5, False, 0.0)
+        for size in (1000, 1):  # full to the last record's worth
+            while producer.put_control(1, b"x" * size, False):
+                pass
+        assert lane.open_pass(6, True, 1.0) == 0 and lane.put_plain_end(6, 0) == 0
+        # still pass 5 under `drop`: a tensor that does not fit is dropped, not waited for
+        assert lane.stage_tensor(1, torch.ones(4096)) == _C.DROPPED
+    finally:
+        producer.unlink()

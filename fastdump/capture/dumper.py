@@ -395,9 +395,7 @@ class Dumper:
             self._totals["incomplete_passes"] += 1  # the writer records the pass as not complete
             if self._mixed:
                 self._totals["mixed_passes"] += 1  # `fastdump verify` fails on it
-        msg = protocol.end(self._channel.id, self.pass_id, meta, self._channel.pass_dropped, self._skipped,
-                           incomplete=self._incomplete, mixed=self._mixed)
-        seq = self._channel.control(msg)
+        seq = self._channel.end(self.pass_id, meta, self._skipped, self._incomplete, self._mixed)
         if seq:
             unconfirmed = self._unconfirmed
             unconfirmed.append(seq)

@@ -71,12 +71,23 @@ class Channel:
                 log.warning("fastdump: the writer caught up; %s blocks for ring space again", self.where)
             engine.stalled = False
         self.block = self.policy_block and not engine.stalled
+        if self.lane.open_pass(pass_id, self.block, self.block_timeout_s):
+            return True  # the common case: the begin record went in at once (one C call)
         if not self.control(protocol.begin(self.id, pass_id)):
             self._dropped_pass_starts += 1
             self.note_stall("a pass start", pass_id)
             return False
         self.lane.begin(pass_id, self.block, self.block_timeout_s)
         return True
+
+    def end(self, pass_id: int, meta: dict, skipped: dict, incomplete: str | None, mixed: bool) -> int:
+        """Close pass ``pass_id`` in the ring (see protocol.end): its seq, 0 when not sent."""
+        if not meta and not skipped and incomplete is None and not mixed:
+            seq = self.lane.put_plain_end(pass_id, self.pass_dropped)  # the common case, one C call
+            if seq:
+                return seq
+        return self.control(protocol.end(self.id, pass_id, meta, self.pass_dropped, skipped,
+                                         incomplete=incomplete, mixed=mixed))
 
     def note_stall(self, what: str, pass_id: int) -> None:
         """A send into the ring failed; under a blocking wait that means block_timeout_s ran out:
