@@ -3,7 +3,6 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
-#include <cstdio>
 #include <cstring>
 #if defined(__SSE2__)
 #include <emmintrin.h>
@@ -115,25 +114,46 @@ struct ChannelStager {
   uint64_t scalar_codes_epoch = 0;
   TensorFacts facts{};
 
-  // A pass's begin and end records in the common case (no meta, nothing skipped, whole): the bytes
-  // fastdump/protocol.py's encode() gives them (_PLAIN_BEGIN, _PLAIN_END), put without waiting. One
-  // C call instead of four Python frames and a dict each, at every pass (issue 11: a begin/end pair
-  // costs the forward thread ~100 us between the model's kernels). 0: no room now, or the producer
-  // is disabled; the caller takes its general path, which may wait.
+  // A pass's begin and end records in the common case (no meta, nothing skipped, whole), put
+  // without waiting: one C call instead of four Python frames and a dict each, at every pass
+  // (issue 11: a begin/end pair cost the forward thread ~100 us between the model's kernels). The
+  // text is protocol.py's (set_pass_templates: its plain_pass_templates, split around the numbers
+  // put in). 0: no templates, no room now, or the producer is disabled; the caller takes its
+  // general path, which may wait.
+  std::string begin_text[2];  // begin_text[0] + pass + begin_text[1]
+  std::string end_text[3];    // end_text[0] + pass + end_text[1] + dropped + end_text[2]
+  bool has_templates = false;
+  std::string message;  // reused: no allocation per pass once warm
+
+  void set_pass_templates(const std::string& begin, const std::string& end, const std::string& pass_mark,
+                          const std::string& dropped_mark) {
+    std::string rest;
+    split_once(begin, pass_mark, &begin_text[0], &begin_text[1]);
+    split_once(end, pass_mark, &end_text[0], &rest);
+    split_once(rest, dropped_mark, &end_text[1], &end_text[2]);
+    has_templates = true;
+  }
+
   uint64_t put_plain_begin(int64_t pass) {
-    char buf[96];
-    const int n = std::snprintf(buf, sizeof buf, "{\"op\": \"begin\", \"channel\": %u, \"pass\": %lld, \"meta\": {}}",
-                                channel, static_cast<long long>(pass));
-    return producer->put_control(channel, buf, static_cast<uint64_t>(n), /*block=*/false, 0);
+    if (!has_templates) return 0;
+    message.assign(begin_text[0]).append(std::to_string(pass)).append(begin_text[1]);
+    return producer->put_control(channel, message.data(), message.size(), /*block=*/false, 0);
   }
 
   uint64_t put_plain_end(int64_t pass, uint64_t dropped) {
-    char buf[160];
-    const int n = std::snprintf(buf, sizeof buf,
-                                "{\"op\": \"end\", \"channel\": %u, \"pass\": %lld, \"meta\": {}, \"dropped\": %llu, "
-                                "\"skipped\": []}",
-                                channel, static_cast<long long>(pass), static_cast<unsigned long long>(dropped));
-    return producer->put_control(channel, buf, static_cast<uint64_t>(n), /*block=*/false, 0);
+    if (!has_templates) return 0;
+    message.assign(end_text[0]).append(std::to_string(pass)).append(end_text[1]);
+    message.append(std::to_string(dropped)).append(end_text[2]);
+    return producer->put_control(channel, message.data(), message.size(), /*block=*/false, 0);
+  }
+
+  // `text` around the one occurrence of `mark` (std::invalid_argument unless exactly one).
+  static void split_once(const std::string& text, const std::string& mark, std::string* before, std::string* after) {
+    const size_t at = mark.empty() ? std::string::npos : text.find(mark);
+    if (at == std::string::npos || text.find(mark, at + 1) != std::string::npos)
+      throw std::invalid_argument("a pass template must hold each mark exactly once, the pass before the count");
+    *before = text.substr(0, at);
+    *after = text.substr(at + mark.size());
   }
 
   int stage(uint32_t name_id, uint16_t dtype, uint64_t elem_size, py::handle shape_seq,
@@ -557,9 +577,12 @@ PYBIND11_MODULE(_C, m) {
           },
           py::arg("pass_id"), py::arg("block"), py::arg("timeout_s"),
           "put pass_id's plain begin record without waiting and, once it is in, take the pass's settings "
-          "(begin): its seq, or 0 (nothing done: no room now, or disabled)")
+          "(begin): its seq, or 0 (nothing done: no templates, no room now, or disabled)")
       .def("put_plain_end", &ChannelStager::put_plain_end, py::arg("pass_id"), py::arg("dropped"),
            "put pass_id's plain end record (no meta, nothing skipped) without waiting: its seq, or 0")
+      .def("set_pass_templates", &ChannelStager::set_pass_templates, py::arg("begin"), py::arg("end"),
+           py::arg("pass_mark"), py::arg("dropped_mark"),
+           "the plain begin/end messages open_pass and put_plain_end put (protocol.plain_pass_templates)")
       .def("stage", &ChannelStager::stage, py::arg("name_id"), py::arg("dtype"), py::arg("elem_size"),
            py::arg("shape"), py::arg("strides"), py::arg("ptr"),
            "Producer.stage_host with this channel's pass settings: the same statuses");

@@ -156,6 +156,17 @@ def drop_note_template(channel: int, device: int) -> tuple[str, str]:
     return text, mark
 
 
+_PASS_MARK = 876543210876543210  # stands for the pass id in plain_pass_templates (found exactly once)
+
+
+def plain_pass_templates(channel: int) -> tuple[str, str, str, str]:
+    """(begin, end, pass mark, dropped mark): a pass's plain begin and end (no meta, nothing
+    skipped) as encode() gives them, with marks where the channel's C++ lane puts the pass id and
+    the dropped count (ChannelStager.set_pass_templates; open_pass and put_plain_end send them)."""
+    return (encode(begin(channel, _PASS_MARK)).decode(), encode(end(channel, _PASS_MARK, {}, _DROP_MARK, {})).decode(),
+            str(_PASS_MARK), str(_DROP_MARK))
+
+
 def replay_pass(channel: int, layout: dict, header: ReplayHeader) -> tuple[dict, dict]:
     """The ``begin`` and ``end`` of the pass a replay span makes (``layout``: its ``graph`` message).
     The meta says which replay of which graph: ``graph_replay`` is the header's replay index."""

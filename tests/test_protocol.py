@@ -108,9 +108,10 @@ def test_replay_pass_is_built_with_the_begin_and_end_constructors():
 
 
 def test_the_lanes_plain_begin_and_end_records_are_the_bytes_encode_gives():
-    """ChannelStager.open_pass / put_plain_end (a pass's begin and end in one C call each) put the
-    same bytes protocol.encode gives the plain messages, edge values included; a full ring puts
-    nothing and leaves the lane's pass settings alone (the caller's general path decides)."""
+    """ChannelStager.open_pass / put_plain_end (a pass's begin and end in one C call each), from
+    protocol.plain_pass_templates, put the same bytes protocol.encode gives the plain messages, edge
+    values included; templates without each mark once are refused; a full ring puts nothing and
+    leaves the lane's pass settings alone (the caller's general path decides)."""
     torch = pytest.importorskip("torch")
     name = f"/fastdump-test-protocol-{np.random.randint(1 << 30)}"
     producer = _C.Producer(name, 1 << 20, 0)
@@ -120,6 +121,8 @@ def test_the_lanes_plain_begin_and_end_records_are_the_bytes_encode_gives():
         expected = []
         for channel, pass_id, dropped in cases:
             lane = _C.ChannelStager(producer, channel)
+            assert lane.open_pass(pass_id, True, 1.0) == 0  # no templates yet: the Python path sends it
+            lane.set_pass_templates(*protocol.plain_pass_templates(channel))
             begin_seq = lane.open_pass(pass_id, True, 1.0)
             end_seq = lane.put_plain_end(pass_id, dropped)
             assert 0 < begin_seq < end_seq
@@ -131,11 +134,16 @@ def test_the_lanes_plain_begin_and_end_records_are_the_bytes_encode_gives():
         consumer.release()
     finally:
         producer.unlink()
+    with pytest.raises(ValueError, match="exactly once"):
+        lane.set_pass_templates('{"pass": 1, "again": 1}', '{"pass": 1, "dropped": 2}', "1", "2")
+    with pytest.raises(ValueError, match="exactly once"):
+        lane.set_pass_templates('{"pass": 1}', '{"dropped": 2, "pass": 1}', "1", "2")  # the count first
     # A ring with no room: nothing is put, and the pass settings stay as they were.
     name = f"/fastdump-test-protocol-{np.random.randint(1 << 30)}"
     producer = _C.Producer(name, 64 * 1024, 0)
     try:
         lane = _C.ChannelStager(producer, 1, {torch.float32: (7, 4)}, torch.strided)
+        lane.set_pass_templates(*protocol.plain_pass_templates(1))
         lane.begin(5, False, 0.0)
         for size in (1000, 1):  # full to the last record's worth
             while producer.put_control(1, b"x" * size, False):

@@ -202,7 +202,9 @@ class Engine:
     def channel_stager(self, channel: int, fast_codes: dict, strided) -> "_C.ChannelStager":
         """A channel's CPU hot path into this engine's ring (see Dumper._stage)."""
         tensor_reader.install()  # once per process: how stage_tensor reads tensors
-        return _C.ChannelStager(self.producer, channel, fast_codes, strided)
+        lane = _C.ChannelStager(self.producer, channel, fast_codes, strided)
+        lane.set_pass_templates(*protocol.plain_pass_templates(channel))  # a pass's begin/end in one C call
+        return lane
 
     def control(self, msg: dict, wait: bool = False, timeout: float = 600.0, block: bool = True,
                 block_timeout: float | None = None):
