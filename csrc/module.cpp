@@ -437,6 +437,8 @@ PYBIND11_MODULE(_C, m) {
       .def("writer_error", [](Producer& p) { return std::string(p.region().header()->error); })
       .def("set_writer_fd", &Producer::set_writer_fd)
       .def("writer_alive", &Producer::writer_alive)
+      .def("writer_seen_alive", &Producer::writer_seen_alive, py::arg("max_age_s"),
+           "writer_alive(), its pipe polled only when the last poll that found it alive is older than max_age_s")
       .def_property_readonly("disabled", &Producer::disabled)
       .def("disable", &Producer::disable)
       .def("used_bytes",

@@ -176,7 +176,16 @@ bool Producer::writer_alive() {
     disable();
     return false;
   }
+  alive_at_s_.store(now_s(), std::memory_order_relaxed);
   return true;
+}
+
+bool Producer::writer_seen_alive(double max_age_s) {
+  if (disabled()) return false;
+  const uint64_t st = seg_.header()->writer_state.load(std::memory_order_acquire);
+  if (st != kWriterFailed && st != kWriterExited && now_s() - alive_at_s_.load(std::memory_order_relaxed) < max_age_s)
+    return true;
+  return writer_alive();
 }
 
 bool Producer::wait_for_space(uint64_t need, bool block, double timeout_s) {

@@ -153,6 +153,10 @@ class Producer {
   // Writer liveness: fd whose EOF/HUP means the writer is gone (-1: in-process thread writer).
   void set_writer_fd(int fd) { writer_fd_ = fd; }
   bool writer_alive();
+  // writer_alive() for a check made at every pass: the writer's state in the ring header is read
+  // each time, its pipe polled (a syscall, ~5 us between the model's kernels on a VM) only when
+  // the last poll that found it alive is older than `max_age_s`.
+  bool writer_seen_alive(double max_age_s);
   bool disabled() const { return disabled_.load(std::memory_order_relaxed); }
   void disable() { disabled_.store(true); }
 
@@ -227,6 +231,7 @@ class Producer {
   uint64_t control_reserve_;
   int writer_fd_ = -1;
   std::atomic<bool> disabled_{false};
+  std::atomic<double> alive_at_s_{-1e300};  // when writer_alive() last found the writer alive (now_s())
   std::mutex mu_;               // serializes allocation (head) among producer threads
   uint64_t next_seq_ = 1;
   ProducerStats stats_;

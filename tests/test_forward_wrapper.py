@@ -406,14 +406,59 @@ def test_plain_outputs_are_staged_without_a_python_call(tmp_path):
     for method in ("_stage", "_capture", "_fast_status", "_capture_inputs", "_emit_safely", "_capture_failed"):
         delattr(d, method)
     d.close()
-    # Python only for what the C path leaves to it: later calls (norm#1, norm#2), the odd output,
-    # and the root (a Python wrapper, once per pass).
-    plain = {"lin", "norm", "rot", "heads", "boom"}
+    # Python only for what the C path leaves to it: later calls (norm#1, norm#2) and the odd output.
+    # The root's own plain output goes through the C path too.
+    plain = {"lin", "norm", "rot", "heads", "boom", "Model"}
     assert not [c for c in called if c[1].split(".")[0] in plain and c != ("_capture", "norm")], called
     assert called.count(("_capture", "norm")) == 2 and ("_capture", "odd") in called
     dumped = fastdump.open(tmp_path).load("target", 0, 1)
     for name, value in reference[0]:
         assert same_bits(dumped[name], value), name
+
+
+class TupleRoot(nn.Module):
+    """A root returning what a causal LM's forward returns: logits and hidden states (and a None)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(6, 6)
+
+    def forward(self, x):
+        h = self.lin(x)
+        return h.softmax(-1), None, h
+
+
+def test_the_roots_own_tuple_output_and_inputs_are_dumped_bit_exact(tmp_path, kind):
+    """The root's output and inputs, each pass: the native kind stages the output without a Python
+    call of the Dumper (its inputs take the Python path, as any module's), both kinds alike."""
+    model = TupleRoot()
+    d = fastdump.attach(model, tmp_path, inputs=True)
+    called, seen = [], []
+    with torch.inference_mode():
+        for i in range(3):
+            if i == 1:  # the first pass gave the names their ids
+                for method in ("_stage", "_capture", "_fast_status", "_emit_safely", "_capture_failed"):
+                    real = getattr(d, method)
+                    setattr(d, method, lambda name, *rest, real=real, method=method:
+                            called.append((method, name)) or real(name, *rest))
+            x = torch.randn(4, 6)
+            logits, none, h = model(x)
+            assert none is None
+            seen.append((x.clone(), logits.clone(), h.clone()))
+    stats = d.close()
+    assert stats["status"] == "closed" and stats["passes"] == 3 and stats["skipped"] == 0
+    ds = fastdump.open(tmp_path)
+    for p, (x, logits, h) in enumerate(seen):
+        dumped = ds.load("target", 0, p)
+        assert same_bits(dumped["TupleRoot.0"], logits) and same_bits(dumped["TupleRoot.2"], h), p
+        assert same_bits(dumped["TupleRoot.input.0"], x) and same_bits(dumped["lin"], h), p
+        assert "TupleRoot.1" not in dumped  # the None keeps its place in the numbering, nothing dumped
+    root_output_calls = [c for c in called if c[1].startswith("TupleRoot") and ".input." not in c[1]]
+    if kind == "native":
+        assert not root_output_calls, root_output_calls
+    else:
+        assert ("_capture", "TupleRoot") in root_output_calls
 
 
 def test_a_deep_copy_of_a_dumped_model_computes_with_its_own_weights_and_is_not_dumped(tmp_path, kind):

@@ -190,6 +190,33 @@ def test_dead_writer_disables_a_blocked_producer():
     assert producer.disabled
 
 
+def test_the_pass_check_polls_the_writer_pipe_at_most_every_max_age():
+    """writer_seen_alive, each pass's check: the writer's state in the ring header every time, its
+    pipe (a syscall) only once the last poll that found it alive is older than max_age_s."""
+    r, w = os.pipe()
+    producer, consumer = ring()
+    producer.set_writer_fd(r)
+    assert producer.writer_alive()  # polled just now: alive
+    os.close(w)  # what SIGKILL does to the writer's end
+    assert producer.writer_seen_alive(3600.0)  # that poll still counts
+    assert not producer.disabled
+    assert not producer.writer_seen_alive(0.0)  # polled again: gone
+    assert producer.disabled and not producer.writer_seen_alive(3600.0)
+    os.close(r)
+
+
+def test_the_pass_check_sees_a_failed_writer_at_once():
+    r, w = os.pipe()
+    producer, consumer = ring()
+    producer.set_writer_fd(r)
+    assert producer.writer_alive()
+    consumer.set_state(_C.WRITER_FAILED, "disk full")  # its pipe stays open: only the state says so
+    assert not producer.writer_seen_alive(3600.0)
+    assert producer.disabled
+    os.close(w)
+    os.close(r)
+
+
 def test_drop_stages_a_chunked_tensor_whole_or_not_at_all():
     """No consumer (a stopped writer): under `drop` a tensor of several chunks is never half in the
     ring, and staging never waits (before: later chunks waited for the writer forever)."""

@@ -363,11 +363,12 @@ class Dumper:
         self._calls.clear()
         if self._skipped:
             self._skipped = {}
-        if self._closed or self._engine is None or self.status != "running" or os.getpid() != self._pid:
+        # (A forked child's copies have no engine: _forget_parent_dumpers, at fork.)
+        if self._closed or self._engine is None or self.status != "running":
             return
         if not self._selected(self.pass_id):
             return
-        if not self._engine.alive:  # one poll() per pass: a dead writer stops dumping, not serving
+        if not self._engine.alive_lately:  # a dead writer stops dumping, not serving
             return self._disable(self._engine.error())
         if not self._channel.begin(self.pass_id):
             return  # `drop` with a full ring: the whole pass is dropped (the channel counts it)
@@ -812,6 +813,13 @@ class Dumper:
     def _root_wrapper(self, name, forward, owner=None):
         dumper = self
         original, forward = forward, _following(owner, forward)
+        # The root's own output (when selected) is captured by a C++ ForwardWrapper inside the pass,
+        # as any selected module's: a tuple of logits and hidden states is staged without the
+        # Python path's frames (~45 us a pass in the micro decode loop, benchmarks/RESULTS.md 0i).
+        # Under torch.compile the Python path below runs, which Dynamo can trace.
+        native = None
+        if name is not None and _NativeWrapper is not None and _native_wrappers and not self._python_wrappers:
+            native = _NativeWrapper(self._state, name, original, self.inputs, owner)
 
         @_wraps(original)
         def forward_in_pass(*args, **kwargs):
@@ -824,6 +832,8 @@ class Dumper:
                 outside(dumper._use_python_wrappers)  # before Dynamo meets the C++ wrappers
             outside(dumper._root_begin)
             try:
+                if native is not None and outside is _call and not dumper._python_wrappers:
+                    return native(*args, **kwargs)  # inputs and output captured in C++, as for a leaf
                 if name is not None and dumper.inputs and dumper._capturing:
                     outside(dumper._capture_inputs, name, args, kwargs)
                 out = forward(*args, **kwargs)

@@ -31,6 +31,9 @@ SHM_DIR = Path("/dev/shm")
 _counter = itertools.count()
 # Blocking waits return to Python this often, so Ctrl-C (KeyboardInterrupt) gets through.
 WAIT_SLICE_S = 0.1
+# How stale a pass's check that the writer lives may be: the poll of its pipe is a syscall, which
+# costs the forward thread ~5 us per pass between the model's kernels (benchmarks/RESULTS.md 0i).
+LIVENESS_POLL_S = 0.02
 EXIT_TIMEOUT_VAR = "FASTDUMP_EXIT_TIMEOUT_S"
 DEFAULT_EXIT_TIMEOUT_S = 30.0
 
@@ -250,6 +253,13 @@ class Engine:
     @property
     def alive(self) -> bool:
         return self.producer.writer_alive()
+
+    @property
+    def alive_lately(self) -> bool:
+        """``alive`` as each pass checks it: the writer's own state is read every time, its pipe
+        polled at most every LIVENESS_POLL_S (a writer killed with SIGKILL is noticed that much
+        later; what was staged meanwhile is in a dump the closing Dumper records as failed)."""
+        return self.producer.writer_seen_alive(LIVENESS_POLL_S)
 
     def error(self) -> str:
         text = self.producer.writer_error()
