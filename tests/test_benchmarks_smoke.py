@@ -335,6 +335,17 @@ def test_paired_step_bench_dumps_every_other_step_whole(tmp_path):
 
 
 @pytest.mark.skipif(not FASTDUMP_AVAILABLE, reason="fastdump is not importable")
+def test_pass_bench_times_the_root_wrapper_of_whole_passes(tmp_path):
+    result_json = tmp_path / "pass.json"
+    stdout = run_script("pass_bench.py", "--steps", "20", "--json", str(result_json))
+    assert "root wrapper" in stdout
+    result = json.loads(result_json.read_text())
+    # the script exits non-zero unless every step was a whole dumped pass, nothing dropped
+    assert result["tensors_per_pass"] == 95 and result["steps"] == 20
+    assert 0 < result["begin_per_pass_s"] < result["root_wrapper_per_pass_s"] < 0.05
+
+
+@pytest.mark.skipif(not FASTDUMP_AVAILABLE, reason="fastdump is not importable")
 def test_paired_step_bench_vs_noop_interleaves_four_kinds_of_step(tmp_path):
     result_json = tmp_path / "vs_noop.json"
     stdout = run_script("paired_step_bench.py", "--model", "micro", "--vs-noop", "--steps", "40", "--reps", "2",
