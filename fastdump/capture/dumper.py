@@ -385,7 +385,8 @@ class Dumper:
             return
         self._capturing = False
         self._totals["passes"] += 1
-        self._fold_lane_counts()
+        if self.max_bytes is not None:  # the budget needs the bytes now; stats() and close() fold anyway
+            self._fold_lane_counts()
         try:
             meta = _jsonable(self._meta) if self._meta else {}  # (most passes carry none)
         except Exception as exc:  # a user's object whose str() raises: the pass is kept, its meta said so
