@@ -157,11 +157,16 @@ def fmt_rate(value: float | None, unit: str = "") -> str:
 
 
 def write_json(path: str | os.PathLike | None, payload: dict) -> None:
+    """Written to a temporary file, then renamed over ``path``: a process killed mid-write (a stage
+    timeout in gpu_check.sh) leaves the previous complete version, never half a file. The scripts
+    call it after every finished piece of work, so a killed run still leaves its partial results."""
     if not path:
         return
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(payload, indent=2, sort_keys=False, default=str) + "\n")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(payload, indent=2, sort_keys=False, default=str) + "\n")
+    os.replace(tmp, path)
 
 
 def tensor_digest(tensors: Iterable[torch.Tensor]) -> str:

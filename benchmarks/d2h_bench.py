@@ -271,6 +271,13 @@ def host_path_dry_run(size: int, total: int, ring_bytes: int, chunk_bytes: int) 
 # ------------------------------------------------------------------------------------------------
 
 
+def size_label(size: int) -> str:
+    """'8 KiB', '256 KiB', '1 MiB', '1.5 MiB': decode-size tensors are far below 1 MiB."""
+    if size < 1 << 20:
+        return f"{size / 1024:g} KiB"
+    return f"{size / (1 << 20):g} MiB"
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes-mb", default="1,4,16,64", help="tensor sizes, MiB")
@@ -286,7 +293,9 @@ def main(argv=None) -> dict:
     args = p.parse_args(argv)
     sizes = [int(float(s) * (1 << 20)) for s in args.sizes_mb.split(",") if s]
     total = int(args.total_gb * (1 << 30))
-    result = {"args": vars(args), "rows": []}
+    # "status" stays "partial" until the end; the JSON is rewritten after every row, so a run
+    # killed part-way (gpu_check.sh's stage timeout) still leaves the rows it finished.
+    result = {"args": vars(args), "rows": [], "status": "partial"}
 
     if args.dry_run or not torch.cuda.is_available():
         why = "dry run" if args.dry_run else "no CUDA device visible to torch"
@@ -297,7 +306,8 @@ def main(argv=None) -> dict:
                                   min(args.chunk_mb, 16) << 20)
             assert r["writer_bytes"] >= r["bytes"], r
             result["rows"].append(r)
-            rows.append([f"{size >> 20} MiB", "host memcpy (CPU path)", f"{r['GBps']:.2f}", "-", "-"])
+            write_json(args.json, result)
+            rows.append([size_label(size), "host memcpy (CPU path)", f"{r['GBps']:.2f}", "-", "-"])
         print(format_table(["size", "path", "GB/s", "vs peak", "notes"], rows))
         result["status"] = "dry-run"
         write_json(args.json, result)
@@ -315,6 +325,7 @@ def main(argv=None) -> dict:
         peak["registered_shm_error"] = str(exc)
     peak_gbps = max(v for k, v in peak.items() if k.endswith("GBps"))
     result["peak"] = dict(peak, peak_GBps=peak_gbps)
+    write_json(args.json, result)
     print("peak: " + ", ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}" for k, v in peak.items()))
 
     rows = []
@@ -326,13 +337,17 @@ def main(argv=None) -> dict:
                                    batch)
             except Exception as exc:
                 r = {"size": size, "batch_requested": batch, "error": f"{type(exc).__name__}: {exc}"}
-                rows.append([f"{size >> 20} MiB", "batch" if batch else "memcpy", "-", "-", "-", r["error"]])
+                rows.append([size_label(size), "batch" if batch else "memcpy", "-", "-", "-", r["error"]])
                 result["rows"].append(r)
+                write_json(args.json, result)
                 continue
             r["batch_requested"] = batch
             r["ratio_to_peak"] = r["GBps"] / peak_gbps
             result["rows"].append(r)
-            rows.append([f"{size >> 20} MiB", "batch" if r["batch_api"] else "memcpy", f"{r['GBps']:.2f}",
+            result["min_ratio_to_peak"] = min((x["ratio_to_peak"] for x in result["rows"]
+                                               if x.get("batch_requested") and "ratio_to_peak" in x), default=None)
+            write_json(args.json, result)
+            rows.append([size_label(size), "batch" if r["batch_api"] else "memcpy", f"{r['GBps']:.2f}",
                          f"{r['drain_GBps']:.2f}" if r["drain_GBps"] else "-", f"{r['ratio_to_peak']:.0%}",
                          f"{r['d2h_copies']} copies/{r['d2h_batches']} batches, waits dev {r['device_ring_waits']}"
                          f" host {r['host_ring_waits']}" + (f"; {r['last_error']}" if r["last_error"] else "")])

@@ -614,7 +614,8 @@ def main(argv=None) -> dict:
     if args.cuda_graphs:
         from benchmarks import graph_bench
 
-        payload = graph_bench.main(args)
+        # graph_bench saves after each role (a killed run keeps the roles it finished)
+        payload = graph_bench.main(args, save=lambda partial: write_json(args.json, partial))
         write_json(args.json, payload)
         return payload
     decode_loop = preset.loop == "decode"
@@ -655,6 +656,36 @@ def main(argv=None) -> dict:
         else:
             speculative_decode(target, draft, prompt, min(args.rounds, 2), args.k, sync=sync)
 
+    expected_passes = ({"target": 1 + args.rounds} if decode_loop
+                       else {"target": 1 + args.rounds, "draft": 1 + args.rounds * (args.k + 1)})
+    payload = {
+        "benchmark": "decode",
+        "machine": info,
+        "config": {
+            "preset": args.preset, "model": asdict(preset.model), "device": str(device),
+            "dtype": str(args.dtype).split(".")[-1], "batch": args.batch, "prompt_len": args.prompt_len,
+            "rounds": args.rounds, "k": args.k, "reps": args.reps, "ring_mb": args.ring_mb,
+            "torch_threads": torch.get_num_threads(), "loop": preset.loop,
+            "module_calls_per_pass": calls_per_pass,
+            "modes": args.mode_list, "dump_root": str(out_root), "flag_root": flag_root,
+            "command": " ".join(sys.argv),
+        },
+        "expected_passes": expected_passes,
+    }
+
+    def save(partial: bool) -> dict:
+        """Summarize the runs done so far and write the JSON: rewritten after every (rep, mode), so a
+        run killed part-way (gpu_check.sh's stage timeout) leaves its finished repetitions."""
+        ran = {mode: r for mode, r in results.items() if r.status != "ok" or r.loop_seconds}
+        summary = summarize(ran, expected_passes, calls_per_pass, step_modes)
+        payload["modes"] = {mode: summary.get(mode, {"status": "pending", "reason": "not run yet"})
+                            for mode in results}
+        payload["partial"] = partial
+        payload["runs_done"] = {mode: len(r.loop_seconds) for mode, r in results.items()}
+        write_json(args.json, payload)
+        return payload["modes"]
+
+    save(partial=True)
     for rep in range(args.reps):
         for mode in round_robin(args.mode_list, rep):
             result = results[mode]
@@ -678,30 +709,13 @@ def main(argv=None) -> dict:
             # whose root the user chose).
             if not (rep == args.reps - 1 and (args.keep_dumps or mode == "flag")):
                 remove_tree(root)
+            save(partial=True)
 
-    expected_passes = ({"target": 1 + args.rounds} if decode_loop
-                       else {"target": 1 + args.rounds, "draft": 1 + args.rounds * (args.k + 1)})
-    summary = summarize(results, expected_passes, calls_per_pass, step_modes)
+    payload["machine"]["load_average_end"] = load_average()
+    summary = save(partial=False)  # before the report: a failing print loses no result
     print_report(summary, tuple(step_modes))
     if not args.out and not args.keep_dumps:
         remove_tree(out_root)
-    payload = {
-        "benchmark": "decode",
-        "machine": info,
-        "config": {
-            "preset": args.preset, "model": asdict(preset.model), "device": str(device),
-            "dtype": str(args.dtype).split(".")[-1], "batch": args.batch, "prompt_len": args.prompt_len,
-            "rounds": args.rounds, "k": args.k, "reps": args.reps, "ring_mb": args.ring_mb,
-            "torch_threads": torch.get_num_threads(), "loop": preset.loop,
-            "module_calls_per_pass": calls_per_pass,
-            "modes": args.mode_list, "dump_root": str(out_root), "flag_root": flag_root,
-            "command": " ".join(sys.argv),
-        },
-        "expected_passes": expected_passes,
-        "modes": summary,
-    }
-    payload["machine"]["load_average_end"] = load_average()
-    write_json(args.json, payload)
     return payload
 
 

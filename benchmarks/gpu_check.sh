@@ -1,19 +1,37 @@
 #!/usr/bin/env bash
-# One command for a machine with an NVIDIA GPU (sized for one H200, < 8 minutes):
+# One command for a machine with an NVIDIA GPU (sized for one H200; ends within GPU_CHECK_BUDGET_S,
+# default 470 s, so under 8 minutes):
 #   benchmarks/gpu_check.sh OUTDIR [--dry-run]
-# Stages: deps (install only what is missing; works offline), build (fastdump._C with CUDA),
-# pytest -m cuda (staging and CUDA-graph record mode), benchmarks/lane_bench.py (forward-thread us per
-# staged CUDA tensor, lean vs checked path), benchmarks/d2h_bench.py (large tensors, then
-# decode-size ones), benchmarks/decode_bench.py --preset 8b --cuda-graphs (graph replay with record
-# mode vs without, target and draft), then --preset 8b eager (modes none, fastdump-process,
-# sglang-style, both roles). A failing stage is reported and the others still run. Full log:
-# OUTDIR/gpu_check.log; JSON results: OUTDIR/*.json; the summary table is printed last
-# (OUTDIR/summary.txt, OUTDIR/summary.json).
+# Stages, in this order (each under a timeout; a failing stage is reported and the others still run):
+#   deps           check the Python packages; install only missing ones, from wheels in .whl/ (offline)
+#   build          fastdump._C with CUDA
+#   decode-bench   decode_bench.py --preset 8b eager: modes none, fastdump-process, sglang-style, both roles
+#   decode-graphs  decode_bench.py --preset 8b --cuda-graphs: graph replay with record mode vs without
+#   pytest-cuda    pytest -m cuda (staging and CUDA-graph record mode), with a per-test timeout
+#   lane-bench     lane_bench.py: forward-thread us per staged CUDA tensor, lean vs checked path
+#   d2h-bench      d2h_bench.py: large tensors, fastdump's drain vs the pinned-copy peak
+#   d2h-decode     d2h_bench.py: decode-size tensors (8 KiB hidden row, 32 KiB, 256 KiB logits row)
+# Time: a stage gets at most its own maximum, and never the floors kept for the stages after it
+# (decode-bench 120 s, decode-graphs 60 s, pytest-cuda 45 s; scaled down when the budget cannot hold
+# them): a slow build cannot starve the two main measurements, nor they the tests. The benchmarks
+# rewrite their JSON after every finished piece: a stage killed by its timeout still reports what it
+# measured, marked partial. The script ends within the budget plus a few seconds: give the call that
+# runs it a timeout of 500 s or more.
+# OUTDIR gets three files (the GPU machine's tool returns at most 8): gpu_check.log (every stage's
+# output), summary.json (each stage's status, seconds, rc, limit and results) and results.tar.gz (the
+# benchmark JSON files, the pytest junit XML, stages.tsv). stdout gets a line per stage, the last 40
+# lines of each failed or timed-out stage's output (the log may not come back; at most 5,000
+# characters in all) and the summary table last: under 10,000 characters, within the 12,000 kept.
 # --dry-run: no GPU needed: checks deps, skips the CUDA build, runs the cuda tests (they skip), and
-# runs both benchmarks in their CPU forms, to check this script's plumbing.
+# runs the benchmarks in their CPU or mock forms, to check this script's plumbing.
 # Environment: PYTHON (default python3), CUDA_HOME (default: /usr/local/cuda or nvcc's), FASTDUMP_CUDA_ARCHS
-# (default 90 here: one arch builds faster), GPU_CHECK_BUDGET_S (default 470: total wall-clock budget).
+# (default 90 here: one arch builds faster), GPU_CHECK_BUDGET_S (default 470: total wall-clock budget),
+# STAGES (comma-separated stage names, default all, e.g. STAGES=decode-bench,pytest-cuda to rerun what
+# failed; build is added when fastdump._C is missing or lacks CUDA), GPU_CHECK_MAX_S (per-stage maximum
+# seconds overridden, e.g. GPU_CHECK_MAX_S=decode-bench=300).
 set -u -o pipefail
+# The GPU machine is offline: pip must not look for an index (nor for its own newer version).
+export PIP_NO_INDEX=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 
 if [[ $# -lt 1 || "$1" == -* ]]; then
   echo "usage: $0 OUTDIR [--dry-run]" >&2
@@ -22,12 +40,7 @@ fi
 OUT=$1
 DRY=0
 [[ "${2:-}" == "--dry-run" ]] && DRY=1
-mkdir -p "$OUT"
-OUT=$(cd "$OUT" && pwd)
-LOG="$OUT/gpu_check.log"
-STATUS="$OUT/stages.tsv"
-: >"$LOG"
-: >"$STATUS"
+mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd) || exit 2
 cd "$(dirname "$0")/.." || exit 2
 REPO=$(pwd)
 PY=${PYTHON:-python3}
@@ -35,44 +48,51 @@ command -v "$PY" >/dev/null 2>&1 || PY=python
 export PYTHONUNBUFFERED=1
 BUDGET=${GPU_CHECK_BUDGET_S:-470}
 START=$(date +%s)
+END_RESERVE=10        # the summary and packing after the last stage
+KILL_GRACE=10         # timeout --kill-after: a stage may run this long past its limit
+TEST_TIMEOUT=45       # seconds per test in pytest-cuda: one hang must not cost the other tests
+TAIL_LINES=40
+TAIL_STAGE_CHARS=2500 # of one failed stage's output on stdout
+TAIL_LEFT=5000        # of all of them: the device tool keeps only stdout's last 12,000 characters
 
-log() { echo "$*" | tee -a "$LOG"; }
+ALL_STAGES=(deps build decode-bench decode-graphs pytest-cuda lane-bench d2h-bench d2h-decode)
+declare -A MAX=([deps]=60 [build]=180 [decode-bench]=240 [decode-graphs]=120 [pytest-cuda]=120
+  [lane-bench]=60 [d2h-bench]=60 [d2h-decode]=40)
+((DRY)) && MAX[lane-bench]=180  # the mock runtime's build (about a minute on 2 cores, cached after)
+# Floors: seconds a stage keeps whatever the stages before it took. Sized so that the build still
+# gets its 180 s (the full CUDA build took 107 s on a 2-core VM) within the default budget.
+declare -A FLOOR=([decode-bench]=120 [decode-graphs]=60 [pytest-cuda]=45)
 
-# run_stage NAME MAX_SECONDS COMMAND...: runs with a timeout (never past the overall budget),
-# logs everything, records "name<TAB>status<TAB>seconds<TAB>rc".
-run_stage() {
-  local name=$1 max=$2
-  shift 2
-  local now left limit t0 rc status
-  now=$(date +%s)
-  left=$((BUDGET - (now - START)))
-  limit=$max
-  ((left < limit)) && limit=$left
-  if ((limit < 5)); then
-    log "=== $name: skipped (time budget of ${BUDGET}s used up)"
-    printf '%s\tskipped (budget)\t0\t-\n' "$name" >>"$STATUS"
-    return 0
-  fi
-  log "=== $name (limit ${limit}s): $*"
-  t0=$(date +%s)
-  # bash -c: the command may be one of this script's functions (exported below).
-  timeout --kill-after=10 "$limit" bash -c '"$@"' _ "$@" >>"$LOG" 2>&1
-  rc=$?
-  if ((rc == 0)); then
-    status=ok
-  elif ((rc == 124 || rc == 137)); then
-    status="timeout after ${limit}s"
-  else
-    status="FAILED (rc $rc)"
-  fi
-  log "=== $name: $status in $(($(date +%s) - t0))s"
-  printf '%s\t%s\t%s\t%s\n' "$name" "$status" "$(($(date +%s) - t0))" "$rc" >>"$STATUS"
-  return 0
-}
+say() { echo "$*" | tee -a "$LOG"; }
+die() { echo "gpu_check: $*" >&2; exit 2; }
+
+IFS=, read -ra overrides <<<"${GPU_CHECK_MAX_S:-}"
+for o in "${overrides[@]}"; do
+  [[ "$o" =~ ^([a-z0-9-]+)=([0-9]+)$ && -n "${MAX[${BASH_REMATCH[1]}]+x}" ]] ||
+    die "GPU_CHECK_MAX_S: '$o' is not STAGE=SECONDS (stages: ${ALL_STAGES[*]})"
+  MAX[${BASH_REMATCH[1]}]=${BASH_REMATCH[2]}
+done
+declare -A WANT=()
+if [[ -z "${STAGES:-}" || "${STAGES}" == all ]]; then
+  for s in "${ALL_STAGES[@]}"; do WANT[$s]=1; done
+else
+  IFS=, read -ra wanted <<<"$STAGES"
+  for s in "${wanted[@]}"; do
+    [[ -n "${MAX[$s]+x}" ]] || die "STAGES: unknown stage '$s' (stages: ${ALL_STAGES[*]})"
+    WANT[$s]=1
+  done
+fi
+
+# Only three files go to OUTDIR; everything else is written here and packed into results.tar.gz.
+WORK=$(mktemp -d "${TMPDIR:-/tmp}/gpu_check.XXXXXX") || exit 2
+LOG="$OUT/gpu_check.log"
+STATUS="$WORK/stages.tsv"
+: >"$LOG"
+: >"$STATUS"
 
 # ---- deps ---------------------------------------------------------------------------------------
 deps() {
-  local missing=()
+  local missing=() pkgs=() mod
   for mod in h5py pybind11 pytest numpy torch setuptools; do
     "$PY" -c "import $mod" 2>/dev/null || missing+=("$mod")
   done
@@ -81,18 +101,23 @@ deps() {
     return 0
   fi
   echo "missing: ${missing[*]}"
-  if [[ " ${missing[*]} " == *" torch "* ]]; then
-    echo "torch is missing: it must be preinstalled on a GPU machine" >&2
-  fi
-  local pkgs=("${missing[@]/torch/}")
+  for mod in "${missing[@]}"; do
+    if [[ $mod == torch ]]; then
+      echo "torch is missing: it must be preinstalled on a GPU machine" >&2
+    else
+      pkgs+=("$mod")
+    fi
+  done
+  ((${#pkgs[@]})) || return 1
   if ((DRY)); then
     echo "dry run: not installing ${pkgs[*]}"
     return 1
   fi
   if [[ -d .whl ]] && compgen -G ".whl/*.whl" >/dev/null; then  # carried wheels (offline machines)
-    "$PY" -m pip install -q --no-index --no-deps --find-links .whl "${pkgs[@]}" && return 0
+    "$PY" -m pip install -q --no-deps --find-links .whl "${pkgs[@]}" && return 0
   fi
-  "$PY" -m pip install -q --retries 0 --timeout 15 "${pkgs[@]}"
+  echo "no wheels for ${pkgs[*]} in .whl/ (pip does not use an index here: the machine is offline)" >&2
+  return 1
 }
 
 # ---- build --------------------------------------------------------------------------------------
@@ -128,128 +153,206 @@ check_import() {
   "$PY" -c "import fastdump._C as c, json; print('cuda_compiled', c.cuda_compiled()); print(json.dumps(c.cuda_info()))"
 }
 
+# ---- stage commands -----------------------------------------------------------------------------
+stage_command() {  # NAME: sets CMD
+  local name=$1
+  case "$name" in
+    deps) CMD=(deps) ;;
+    build) if ((DRY)); then CMD=(check_import); else CMD=(build); fi ;;
+    pytest-cuda)
+      CMD=("$PY" -m pytest -m cuda -v -rfEs --tb=short -p no:cacheprovider --junitxml="$WORK/pytest-cuda.xml")
+      if "$PY" -c "import pytest_timeout" 2>/dev/null; then
+        CMD+=(--timeout "$TEST_TIMEOUT")  # fails the hung test and goes on
+      else
+        CMD+=(-o "faulthandler_timeout=$TEST_TIMEOUT")  # only dumps the hung test's stacks to the log
+      fi
+      CMD+=(tests) ;;
+    decode-bench)
+      if ((DRY)); then
+        CMD=("$PY" benchmarks/decode_bench.py --preset tiny --device cpu)
+      else
+        CMD=("$PY" benchmarks/decode_bench.py --preset 8b --device cuda --dtype bfloat16)
+      fi
+      CMD+=(--modes none,fastdump-process,sglang-style --json "$WORK/decode.json") ;;
+    decode-graphs)
+      if ((DRY)); then
+        CMD=("$PY" benchmarks/decode_bench.py --preset tiny --device cpu)
+      else
+        CMD=("$PY" benchmarks/decode_bench.py --preset 8b --device cuda --dtype bfloat16)
+      fi
+      CMD+=(--cuda-graphs --json "$WORK/graphs.json") ;;
+    lane-bench)
+      if ((DRY)); then  # against the mock runtime: call counts; its times are the mock's
+        CMD=("$PY" benchmarks/lane_bench.py --mock --tensors 100 --passes 3)
+      else
+        CMD=("$PY" benchmarks/lane_bench.py --tensors 400 --passes 30)
+      fi
+      CMD+=(--json "$WORK/lane.json") ;;
+    d2h-bench)
+      if ((DRY)); then
+        CMD=("$PY" benchmarks/d2h_bench.py --dry-run)
+      else
+        CMD=("$PY" benchmarks/d2h_bench.py --total-gb 4 --reps 3)
+      fi
+      CMD+=(--json "$WORK/d2h.json") ;;
+    d2h-decode)
+      CMD=("$PY" benchmarks/d2h_bench.py --sizes-mb 0.0078125,0.03125,0.25 --total-gb 0.25)
+      if ((DRY)); then
+        CMD+=(--dry-run)
+      else
+        CMD+=(--reps 2 --peak-mb 256 --no-memcpy-variant)
+      fi
+      CMD+=(--json "$WORK/d2h-decode.json") ;;
+  esac
+}
+
+# ---- running a stage ----------------------------------------------------------------------------
+# Seconds kept for the floored stages after stage NAME (each with its kill grace and 2 s of slack).
+reserved_after() {
+  local name=$1 after=0 sum=0 s
+  for s in "${SELECTED[@]}"; do
+    if ((after)); then
+      ((${FLOOR[$s]:-0} > 0)) && sum=$((sum + FLOOR[$s] + KILL_GRACE + 2))
+    fi
+    [[ $s == "$name" ]] && after=1
+  done
+  echo "$sum"
+}
+
+# The failed stage's last lines, to stdout: the one output that comes back even when files do not.
+print_tail() {  # NAME START END (byte range of the stage's output in the log)
+  local name=$1 start=$2 end=$3 text chars
+  if ((TAIL_LEFT < 200)); then
+    echo "--- $name: see gpu_check.log (stdout's budget for failed stages' output is used up)"
+    return
+  fi
+  text=$(tail -c +"$((start + 1))" "$LOG" | head -c "$((end - start))" | tail -n "$TAIL_LINES" | cut -c1-200)
+  chars=$TAIL_STAGE_CHARS
+  ((chars > TAIL_LEFT)) && chars=$TAIL_LEFT
+  ((${#text} > chars)) && text="[...]${text: -chars}"
+  TAIL_LEFT=$((TAIL_LEFT - ${#text}))
+  echo "--- last $TAIL_LINES lines of $name's output:"
+  echo "$text"
+  echo "--- end of $name's output"
+}
+
+# Runs with a timeout that leaves the floors of the later stages, logs everything, records
+# "name status seconds rc limit log_start log_end" in stages.tsv.
+run_stage() {  # NAME COMMAND...
+  local name=$1
+  shift
+  local now left limit t0 rc status secs start end
+  now=$(date +%s)
+  left=$((BUDGET - END_RESERVE - (now - START) - $(reserved_after "$name") - KILL_GRACE))
+  limit=${MAX[$name]}
+  ((left < limit)) && limit=$left
+  ((limit < 1)) && limit=1  # timeout 0 would mean no limit
+  if ((left < 5)); then
+    say "=== $name: skipped (time budget of ${BUDGET}s used up)"
+    printf '%s\tskipped (budget)\t0\t-\t0\t0\t0\n' "$name" >>"$STATUS"
+    return 0
+  fi
+  say "=== $name (limit ${limit}s)"
+  echo "command: $*" >>"$LOG"
+  start=$(stat -c %s "$LOG")
+  t0=$(date +%s)
+  RUNNING="$name	$t0	$limit	$start"  # for finish() if this script is stopped mid-stage
+  # bash -c: the command may be one of this script's functions (exported below).
+  timeout --kill-after="$KILL_GRACE" "$limit" bash -c '"$@"' _ "$@" >>"$LOG" 2>&1
+  rc=$?
+  RUNNING=""
+  secs=$(($(date +%s) - t0))
+  end=$(stat -c %s "$LOG")
+  if ((rc == 0)); then
+    status=ok
+  elif ((rc == 124 || rc == 137)); then
+    status="timeout after ${limit}s"
+  else
+    status="FAILED (rc $rc)"
+  fi
+  say "=== $name: $status in ${secs}s"
+  printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "$name" "$status" "$secs" "$rc" "$limit" "$start" "$end" >>"$STATUS"
+  ((rc == 0)) || print_tail "$name" "$start" "$end"
+  pack  # after every stage: a run killed later still leaves what it had
+}
+
+pack() {
+  tar -czf "$OUT/.results.tar.gz.tmp" -C "$WORK" --exclude='.*.tmp' . 2>>"$LOG" &&
+    mv -f "$OUT/.results.tar.gz.tmp" "$OUT/results.tar.gz"
+}
+
+RUNNING=""
+SUMMARIZED=0
+finish() {
+  ((SUMMARIZED)) && return
+  SUMMARIZED=1
+  if [[ -n "$RUNNING" ]]; then  # stopped (SIGTERM, Ctrl-C) while this stage ran
+    local name t0 limit start
+    IFS=$'\t' read -r name t0 limit start <<<"$RUNNING"
+    printf '%s\tinterrupted\t%s\t-\t%s\t%s\t%s\n' "$name" "$(($(date +%s) - t0))" "$limit" "$start" \
+      "$(stat -c %s "$LOG")" >>"$STATUS"
+    print_tail "$name" "$start" "$(stat -c %s "$LOG")"
+  fi
+  if ! "$PY" benchmarks/gpu_check_summary.py "$OUT" "$WORK" "$BUDGET" "$DRY" 2>>"$LOG"; then
+    echo "summary failed (see gpu_check.log); stages (name, status, seconds, rc, limit):"
+    cut -f1-5 "$STATUS"
+  fi
+  pack
+  # The device tool returns files up to 16 MiB: keep a runaway log's head and tail.
+  if (($(stat -c %s "$LOG") > 15 << 20)); then
+    {
+      head -c $((4 << 20)) "$LOG"
+      printf '\n[... gpu_check.log cut to its first 4 and last 10 MiB ...]\n'
+      tail -c $((10 << 20)) "$LOG"
+    } >"$WORK/log.cut" && mv -f "$WORK/log.cut" "$LOG"
+  fi
+  rm -rf "$WORK"
+}
+trap finish EXIT
+trap 'exit 143' TERM INT HUP
+
 # ---- stages ------------------------------------------------------------------------------------
 export PY DRY
 export -f deps find_cuda_home build check_import
-log "gpu_check: $(date -u +%FT%TZ) repo=$REPO out=$OUT dry_run=$DRY python=$("$PY" --version 2>&1)"
+say "gpu_check: $(date -u +%FT%TZ) repo=$REPO out=$OUT dry_run=$DRY budget=${BUDGET}s python=$("$PY" --version 2>&1)"
 if command -v nvidia-smi >/dev/null 2>&1; then
-  log "$(nvidia-smi --query-gpu=name,driver_version,memory.total,pcie.link.gen.current,pcie.link.width.current \
+  say "$(nvidia-smi --query-gpu=name,driver_version,memory.total,pcie.link.gen.current,pcie.link.width.current \
     --format=csv,noheader 2>&1 | head -8)"
 else
-  log "nvidia-smi: not found"
+  say "nvidia-smi: not found"
 fi
-log "$(df -h /dev/shm 2>&1 | tail -1); $(free -g 2>/dev/null | awk '/Mem:/ {print "memory total " $2 " GiB, available " $7 " GiB"}')"
+say "$(df -h /dev/shm 2>&1 | tail -1); $(free -g 2>/dev/null | awk '/Mem:/ {print "memory total " $2 " GiB, available " $7 " GiB"}')"
+others=$(find "$OUT" -mindepth 1 -maxdepth 1 ! -name gpu_check.log ! -name summary.json ! -name results.tar.gz | wc -l)
+((others)) && say "note: OUTDIR already holds $others other entries (the device tool returns at most 8 files)"
 
-run_stage deps 90 deps
-if ((DRY)); then
-  run_stage build 30 check_import
-else
-  run_stage build 180 build
+# A rerun of some stages on a fresh machine needs the build first.
+if ((!DRY)) && [[ -z "${WANT[build]+x}" ]] && ((${#WANT[@]} > ${WANT[deps]:-0})) &&
+  ! "$PY" -c 'import sys, fastdump._C as c; sys.exit(not c.cuda_compiled())' >/dev/null 2>&1; then
+  say "note: fastdump._C is missing or built without CUDA: stage build added"
+  WANT[build]=1
 fi
-run_stage pytest-cuda 120 "$PY" -m pytest -m cuda -q -rs -p no:cacheprovider --junitxml="$OUT/pytest-cuda.xml" tests
-if ((DRY)); then
-  run_stage d2h-bench 60 "$PY" benchmarks/d2h_bench.py --dry-run --json "$OUT/d2h.json"
-  # The lean path's forward-thread cost against the mock runtime (call counts; times are the mock's).
-  run_stage lane-bench 180 "$PY" benchmarks/lane_bench.py --mock --tensors 100 --passes 3 --json "$OUT/lane.json"
-  run_stage decode-graphs 30 "$PY" benchmarks/decode_bench.py --preset tiny --device cpu --cuda-graphs \
-    --json "$OUT/graphs.json"
-  run_stage decode-bench 120 "$PY" benchmarks/decode_bench.py --preset tiny --device cpu \
-    --modes none,fastdump-process,sglang-style --json "$OUT/decode.json"
-else
-  run_stage d2h-bench 60 "$PY" benchmarks/d2h_bench.py --total-gb 4 --reps 3 --json "$OUT/d2h.json"
-  # Decode-size tensors (8 KiB hidden row, 32 KiB, 256 KiB logits row): the per-tensor cost regime.
-  run_stage d2h-decode 45 "$PY" benchmarks/d2h_bench.py --sizes-mb 0.0078125,0.03125,0.25 --total-gb 0.25 \
-    --reps 2 --peak-mb 256 --no-memcpy-variant --json "$OUT/d2h-decode.json"
-  # Forward-thread us per staged CUDA tensor: the lean path (the Dumper's) against the checked one.
-  run_stage lane-bench 60 "$PY" benchmarks/lane_bench.py --tensors 400 --passes 30 --json "$OUT/lane.json"
-  run_stage decode-graphs 90 "$PY" benchmarks/decode_bench.py --preset 8b --device cuda --dtype bfloat16 \
-    --cuda-graphs --json "$OUT/graphs.json"
-  run_stage decode-bench 240 "$PY" benchmarks/decode_bench.py --preset 8b --device cuda --dtype bfloat16 \
-    --modes none,fastdump-process,sglang-style --json "$OUT/decode.json"
+SELECTED=()
+for s in "${ALL_STAGES[@]}"; do
+  [[ -n "${WANT[$s]+x}" ]] && SELECTED+=("$s")
+done
+
+# Floors that cannot all fit in 3/4 of the budget shrink in proportion.
+floor_sum=0 floored=0
+for s in "${SELECTED[@]}"; do
+  ((${FLOOR[$s]:-0} > 0)) && floor_sum=$((floor_sum + FLOOR[$s])) floored=$((floored + 1))
+done
+room=$(((BUDGET - END_RESERVE) * 3 / 4 - floored * (KILL_GRACE + 2)))
+((room < 0)) && room=0
+if ((floor_sum > room)); then
+  for s in "${SELECTED[@]}"; do
+    ((${FLOOR[$s]:-0} > 0)) && FLOOR[$s]=$((FLOOR[$s] * room / floor_sum))
+  done
+  say "note: budget ${BUDGET}s: stage floors scaled to $room/$floor_sum"
 fi
 
-# ---- summary (last) ----------------------------------------------------------------------------
-"$PY" - "$OUT" <<'EOF' 2>>"$LOG" | tee "$OUT/summary.txt"
-import json, re, sys
-from pathlib import Path
-out = Path(sys.argv[1])
-log = (out / "gpu_check.log").read_text(errors="replace")
-rows, summary = [], {"stages": {}}
-
-def load(name):
-    try:
-        return json.loads((out / name).read_text())
-    except Exception:
-        return None
-
-for line in (out / "stages.tsv").read_text().splitlines():
-    name, status, secs, rc = line.split("\t")
-    summary["stages"][name] = {"status": status, "seconds": int(secs)}
-    detail = ""
-    if name == "pytest-cuda":
-        m = re.findall(r"^=*\s*((?:\d+ \w+(?:, )?)+) in [\d.]+s", log, re.M)
-        detail = m[-1] if m else ""
-    elif name == "build":
-        m = re.findall(r'"name": "([^"]+)"', log)
-        detail = ", ".join(sorted(set(m))) if m else ""
-    elif name in ("d2h-bench", "d2h-decode"):
-        d = load("d2h.json" if name == "d2h-bench" else "d2h-decode.json") or {}
-        if d.get("status") == "ok":
-            detail = f"peak {d['peak']['peak_GBps']:.1f} GB/s, fastdump worst {d['min_ratio_to_peak']:.0%} of peak"
-            sc = d.get("stage_cost", {})
-            if "stage_us" in sc:
-                detail += f", stage() {sc['stage_us']:.1f} us"
-        elif d:
-            detail = d.get("status", "")
-        summary[name] = d
-    elif name == "lane-bench":
-        d = load("lane.json") or {}
-        if d.get("status") == "ok":
-            le, ch = d["lean"], d["checked"]
-            detail = (f"{'MOCK ' if d['args'].get('mock') else ''}forward thread per tensor: lean "
-                      f"{le['us_per_tensor_wall']:.2f} us wall / {le['us_per_tensor_cpu']:.2f} us CPU, checked "
-                      f"{ch['us_per_tensor_wall']:.2f} / {ch['us_per_tensor_cpu']:.2f}; "
-                      f"{le['events_per_pass']:.1f} events/pass")
-            pc = d.get("python_calls")
-            if pc:
-                detail += (f"; of it, Python calls: get_device {pc['get_device_us']:.2f}, raw stream "
-                           f"{pc['raw_stream_us']:.2f}, record_stream {pc['record_stream_us']:.2f} us")
-        elif d:
-            detail = d.get("status", "")
-        summary["lane"] = d
-    elif name == "decode-graphs":
-        d = load("graphs.json") or {}
-        parts = []
-        for role, r in (d.get("roles") or {}).items():
-            if r.get("status") != "ok":
-                parts.append(f"{role}: {r.get('status')}")
-                continue
-            parts.append(f"{role} {r['ratio']:.3f}x ({r['replay_s_plain'] * 1e3:.2f} ms, "
-                         f"{r['tensors_per_pass']} t/pass, dropped {r['dropped_passes']})"
-                         + ("" if r.get("bit_exact") else " NOT bit-exact"))
-        detail = "; ".join(parts) or str(d.get("status", ""))
-        summary["graphs"] = d
-    elif name == "decode-bench":
-        d = load("decode.json") or {}
-        parts = []
-        for mode, e in (d.get("modes") or {}).items():
-            if mode == "none":
-                continue
-            if e.get("status") != "ok":
-                parts.append(f"{mode}: {e.get('status')}")
-                continue
-            r = [f"{role} {v['ratio_to_none']:.3f}x" for role, v in e["roles"].items() if v.get("ratio_to_none")]
-            parts.append(f"{mode}: " + " ".join(r) + ("" if e.get("bit_exact_vs_none") else " NOT bit-exact"))
-        detail = "; ".join(parts)
-        summary["decode"] = {k: v for k, v in (d.get("modes") or {}).items()}
-    rows.append((name, status, f"{secs}s", detail))
-(out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
-w = [max(len(r[i]) for r in rows + [("stage", "status", "time", "result")]) for i in range(4)]
-fmt = lambda r: "| " + " | ".join(c.ljust(w[i]) for i, c in enumerate(r)) + " |"
-print(fmt(("stage", "status", "time", "result")))
-print("|" + "|".join("-" * (x + 2) for x in w) + "|")
-for r in rows:
-    print(fmt(r))
-print(f"full log: {out / 'gpu_check.log'}")
-EOF
+for name in "${SELECTED[@]}"; do
+  stage_command "$name"
+  run_stage "$name" "${CMD[@]}"
+done
+finish
 exit 0

@@ -86,7 +86,7 @@ def _drain_ring(mod, consumer, stop):
             consumer.release()
 
 
-def run(mod, tensors, raw_stream, stream_object, passes, events_every, mock):
+def run(mod, tensors, raw_stream, stream_object, passes, events_every, mock, on_row=lambda label, row: None):
     from fastdump import dtypes
     from fastdump.capture.dumper import _FAST_CODES
     from fastdump.staging import cuda
@@ -153,6 +153,7 @@ def run(mod, tensors, raw_stream, stream_object, passes, events_every, mock):
                 row["allocs_per_tensor"] = counts["allocs"] / n
                 row["locks_per_tensor"] = counts["locks"] / n
             result[label] = row
+            on_row(label, row)
         result["stats"] = stager.stats()
     finally:
         stager.close()
@@ -204,6 +205,11 @@ def main(argv=None) -> dict:
     args = p.parse_args(argv)
     result = {"args": vars(args)}
 
+    def save_row(label, row):  # after each row: a run killed part-way still leaves what it measured
+        result[label] = row
+        result["status"] = "partial"
+        write_json(args.json, result)
+
     if args.mock:
         sys.path.insert(0, str(ROOT / "tests" / "cuda_mock"))
         try:
@@ -226,7 +232,7 @@ def main(argv=None) -> dict:
             tensors.append(MockTensor(torch.bfloat16, (1, args.numel), ptr))
         try:
             result.update(run(mod, tensors, lambda d: stream, lambda d: _Stream(stream), args.passes,
-                              args.events_every, mock=True))
+                              args.events_every, mock=True, on_row=save_row))
             result["python_calls"] = python_calls(tensors, lambda d: stream, lambda d: _Stream(stream))
         finally:
             mod._mock.sync(stream)
@@ -246,7 +252,7 @@ def main(argv=None) -> dict:
         tensors = [torch.randn(1, args.numel, device="cuda").to(torch.bfloat16) for _ in range(args.tensors)]
         torch.cuda.synchronize()
         result.update(run(_C, tensors, torch._C._cuda_getCurrentRawStream, torch.cuda.current_stream, args.passes,
-                          args.events_every, mock=False))
+                          args.events_every, mock=False, on_row=save_row))
         result["python_calls"] = python_calls(tensors, torch._C._cuda_getCurrentRawStream, torch.cuda.current_stream)
         torch.cuda.synchronize()
         where = torch.cuda.get_device_name()

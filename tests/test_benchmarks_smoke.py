@@ -375,3 +375,80 @@ def test_lane_bench_against_the_mock_runtime(tmp_path):
     assert lean["events_per_pass"] == 2.0  # the lean one: one per 64 snapshots, and one at the pass end
     assert set(result["python_calls"]) == {"get_device_us", "raw_stream_us", "record_stream_us"}
     assert "Python-level calls per CUDA tensor" in stdout
+
+
+# ------------------------------------------------------------------------------------------------
+# gpu_check.sh (the one call on a GPU machine) in its dry-run form
+# ------------------------------------------------------------------------------------------------
+
+
+def run_gpu_check(out: Path, env_extra: dict | None = None) -> str:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("FASTDUMP_", "GPU_CHECK_", "STAGES"))}
+    env.update(env_extra or {})
+    proc = subprocess.run(["bash", str(REPO / "benchmarks" / "gpu_check.sh"), str(out), "--dry-run"], cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, f"gpu_check.sh failed:\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    return proc.stdout
+
+
+@pytest.mark.skipif(not FASTDUMP_AVAILABLE, reason="fastdump is not importable")
+def test_gpu_check_dry_run_leaves_three_files_and_a_table(tmp_path):
+    # The GPU machine's tool returns at most 8 files and the last 12,000 characters of output.
+    out = tmp_path / "out"
+    stdout = run_gpu_check(out)
+    assert sorted(p.name for p in out.iterdir()) == ["gpu_check.log", "results.tar.gz", "summary.json"]
+    assert len(stdout) < 12000
+    summary = json.loads((out / "summary.json").read_text())
+    stages = summary["stages"]
+    assert list(stages) == ["deps", "build", "decode-bench", "decode-graphs", "pytest-cuda", "lane-bench",
+                            "d2h-bench", "d2h-decode"]
+    for name, stage in stages.items():
+        assert stage["status"] == "ok", (name, stage)
+        assert f"| {name} " in stdout
+    assert "fastdump-process:" in stages["decode-bench"]["result"]
+    assert summary["results"]["decode"]["partial"] is False
+    import tarfile
+
+    with tarfile.open(out / "results.tar.gz") as tar:
+        names = {Path(n).name for n in tar.getnames()}
+    assert {"stages.tsv", "pytest-cuda.xml", "decode.json", "graphs.json", "d2h.json", "d2h-decode.json",
+            "lane.json"} <= names
+
+
+def test_gpu_check_timed_out_stage_prints_its_tail(tmp_path):
+    out = tmp_path / "out"
+    stdout = run_gpu_check(out, {"STAGES": "decode-bench", "GPU_CHECK_MAX_S": "decode-bench=1"})
+    assert "=== decode-bench: timeout after 1s" in stdout
+    assert "--- last 40 lines of decode-bench's output:" in stdout
+    stage = json.loads((out / "summary.json").read_text())["stages"]["decode-bench"]
+    assert stage["status"] == "timeout after 1s" and stage["rc"] == "124"
+    assert sorted(p.name for p in out.iterdir()) == ["gpu_check.log", "results.tar.gz", "summary.json"]
+
+
+def test_gpu_check_summary_reads_partial_results(tmp_path):
+    """A benchmark killed by its stage timeout leaves the JSON of its finished pieces: shown as partial;
+    a graph role whose check replays were all dropped reads 'unchecked', never 'NOT bit-exact'."""
+    from benchmarks import gpu_check_summary
+
+    out, work = tmp_path / "out", tmp_path / "work"
+    out.mkdir()
+    work.mkdir()
+    log = b"=== decode-bench\nsome output\n=== decode-graphs\nmore\n"
+    (out / "gpu_check.log").write_bytes(log)
+    (work / "stages.tsv").write_text("decode-bench\ttimeout after 150s\t160\t124\t150\t0\t28\n"
+                                     "decode-graphs\tok\t40\t0\t75\t28\t50\n")
+    role = {"status": "ok", "ratio": 1.02, "replay_s_plain": 0.004, "tensors_per_pass": 387, "dropped_timed": 3,
+            "timed_dumped_replays": 200, "bit_exact": None, "checked_replays": 0}
+    (work / "graphs.json").write_text(json.dumps({"status": "ok", "partial": False, "roles": {"target": role}}))
+    (work / "decode.json").write_text(json.dumps({
+        "partial": True, "config": {"reps": 3}, "runs_done": {"none": 2, "fastdump-process": 1},
+        "modes": {"none": {"status": "ok", "roles": {}},
+                  "fastdump-process": {"status": "ok", "bit_exact_vs_none": True,
+                                       "roles": {"target": {"ratio_to_none": 1.05}}},
+                  "sglang-style": {"status": "pending"}}}))
+    assert gpu_check_summary.main([str(out), str(work), "470", "0"]) == 0
+    stages = json.loads((out / "summary.json").read_text())["stages"]
+    decode, graphs = stages["decode-bench"]["result"], stages["decode-graphs"]["result"]
+    assert decode.startswith("partial (runs of 3: none 2, fastdump-process 1")
+    assert "fastdump-process: target 1.050x" in decode and "sglang-style: pending" in decode
+    assert "unchecked" in graphs and "NOT bit-exact" not in graphs and "dropped 3/200 timed" in graphs
