@@ -14,7 +14,7 @@ import torch
 import fastdump
 from fastdump.staging.graphs import free_device_memory
 from test_cuda import (GLOBAL, RELAXED, THREAD_LOCAL, FakeCudaTensor, device_buffer, glue, m, mock,  # noqa: F401
-                       same_bits, _attach)
+                       needs_cuda_build, same_bits, _attach)
 
 GRAPH_BASE = 1 << 40
 
@@ -431,6 +431,7 @@ def _gpu_capture(model, static_in, stream, mode="global"):
 
 
 @pytest.mark.cuda
+@needs_cuda_build
 @pytest.mark.parametrize("mode", ["global", "thread_local"])
 def test_gpu_graph_record_bit_exact_per_replay(tmp_path, mode):
     """Two graphs (batch 4 and 16) on a side stream, replays with fresh inputs interleaved with an
@@ -466,6 +467,7 @@ def test_gpu_graph_record_bit_exact_per_replay(tmp_path, mode):
 
 
 @pytest.mark.cuda
+@needs_cuda_build
 def test_gpu_graph_record_two_roles_replays_outrun_drain(tmp_path):
     """Target and draft Dumpers with their own graphs; the draft's drain paused while its graph is
     replayed more often than its replay ring holds: drops counted, the rest intact."""
