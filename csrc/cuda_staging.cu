@@ -1241,8 +1241,15 @@ struct CudaStager::Impl {
     // of the work before it: one check per batch.
     cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
     const cudaError_t ce = cudaStreamIsCapturing(reinterpret_cast<cudaStream_t>(lane->stream), &cs);
-    if (ce == cudaErrorStreamCaptureImplicit || (ce == cudaSuccess && cs != cudaStreamCaptureStatusNone)) {
-      if (ce != cudaSuccess) (void)cudaGetLastError();
+    if (ce == cudaErrorStreamCaptureImplicit) {
+      // The batch is on the legacy stream and a blocking stream of the device captures (another
+      // thread's): the legacy stream itself never captures, so the snapshots are real copies, but an
+      // event recorded on it now would join that capture. Sealed once the capture has ended.
+      (void)cudaGetLastError();
+      if (switched) restore_device(prev);
+      return;
+    }
+    if (ce == cudaSuccess && cs != cudaStreamCaptureStatusNone) {
       if (switched) restore_device(prev);
       if (check_each_tensor || lane->batch_precedes_capture) {
         // Every snapshot of the batch was checked before it was enqueued: all precede the capture.
@@ -1328,6 +1335,23 @@ struct CudaStager::Impl {
     }
   }
 
+  // close(): a batch still held open because a capture is under way can never be sealed now; its
+  // records become padding (counted as cancelled), so that the writer never waits for them.
+  void cancel_open_batches() {
+    if (open_batches.load() == 0) return;
+    std::lock_guard<std::mutex> g(lanes_mu);
+    for (auto& lane : lanes) {
+      std::lock_guard<std::mutex> lk(lane->mu);
+      if (lane->batch.empty()) continue;
+      for (const Item& it : lane->batch) cancel(it.res);
+      lane->batch.clear();
+      lane->tensors = 0;
+      lane->has_batch.store(false, std::memory_order_relaxed);
+      lane->batch_precedes_capture = false;
+      open_batches.fetch_sub(1, std::memory_order_relaxed);
+    }
+  }
+
   // Drain thread: seal open batches older than the hold time (a pass that runs long, or a thread
   // that stopped mid-pass), so completion latency stays bounded without a wake-up per tensor.
   void seal_stale() {
@@ -1341,7 +1365,7 @@ struct CudaStager::Impl {
       std::unique_lock<std::mutex> lk(lane->mu, std::try_to_lock);
       if (!lk || lane->batch.empty() || now - lane->opened_at < hold_s) continue;
       seal_locked(lane.get(), false);
-      n_timer_seals.fetch_add(1, std::memory_order_relaxed);
+      if (lane->batch.empty()) n_timer_seals.fetch_add(1, std::memory_order_relaxed);  // not held by a capture
     }
   }
 
@@ -1757,6 +1781,7 @@ struct CudaStager::Impl {
       flush(std::max(0.0, deadline - now_s()));
     } catch (...) {  // the drain thread must be joined below whatever happens
     }
+    cancel_open_batches();
     {
       std::lock_guard<std::mutex> g(q_mu);
       stop = true;
