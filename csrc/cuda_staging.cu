@@ -591,6 +591,7 @@ struct CudaStager::Impl {
   double drain_s = 0;
   double register_s = 0;
   std::string last_error;
+  std::string batch_fallback;  // stats().batch_api_fallback
   // drain-thread only
   uint64_t inflight_batches = 0;
   double busy_since = 0;
@@ -646,6 +647,11 @@ struct CudaStager::Impl {
   void set_error(const std::string& msg) {
     std::lock_guard<std::mutex> g(st_mu);
     last_error = msg;
+  }
+
+  void set_batch_fallback(const std::string& why) {
+    std::lock_guard<std::mutex> g(st_mu);
+    batch_fallback = why;
   }
 
   void notify_progress() {
@@ -1467,13 +1473,11 @@ struct CudaStager::Impl {
     // One call for the whole batch (CUDA 12.8+; not capturable, which is fine on this thread).
     // Only into pinned memory: pageable destinations go through the plain path below.
     if (pinned && use_batch.load(std::memory_order_relaxed)) {
+      // Location hints stay zeroed: they apply only to managed or pageable system memory, never to
+      // device memory copied into a pinned ring, and a driver need not accept what it ignores.
       cudaMemcpyAttributes attr;
       std::memset(&attr, 0, sizeof(attr));
       attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
-      attr.srcLocHint.type = cudaMemLocationTypeDevice;
-      attr.srcLocHint.id = dev->index;
-      attr.dstLocHint.type = cudaMemLocationTypeHost;
-      attr.dstLocHint.id = 0;
       attr.flags = cudaMemcpyFlagPreferOverlapWithCompute;
       size_t attr_idx = 0;
 #if CUDART_VERSION >= 13000
@@ -1488,8 +1492,9 @@ struct CudaStager::Impl {
       (void)cudaGetLastError();
       // Unsupported here (old driver, unusual memory): per-copy from now on. Re-issuing copies the
       // failed batch may have queued is harmless: the same bytes to the same place, in stream order.
+      // Not an error: staging goes on as well, only with more calls.
       use_batch.store(false);
-      set_error("cudaMemcpyBatchAsync unavailable, using cudaMemcpyAsync: " + cuda_error_text(e, "batch"));
+      set_batch_fallback(cuda_error_text(e, "cudaMemcpyBatchAsync"));
     }
 #endif
     for (size_t i = 0; i < dsts.size(); ++i) {
@@ -1848,6 +1853,7 @@ struct CudaStager::Impl {
       s.drain_seconds = drain_s;
       s.register_seconds = register_s;
       s.last_error = last_error;
+      s.batch_api_fallback = batch_fallback;
     }
     if (broken.load() && s.last_error.empty()) s.last_error = "CUDA staging stopped";
     std::lock_guard<std::mutex> init_lock(init_mu);

@@ -779,7 +779,9 @@ def test_mock_batch_api_refused_falls_back_to_memcpy(m):
     got, _ = ring.read()
     assert got[(0, 0, 0)][2] == t.numpy().tobytes()
     st = stager.stats()
-    assert not st["batch_api"] and "cudaMemcpyBatchAsync" in st["last_error"]
+    # Recorded in a stat of its own, not as an error: staging goes on per copy.
+    assert not st["batch_api"] and "cudaMemcpyBatchAsync" in st["batch_api_fallback"], st
+    assert st["last_error"] == "" and not st["broken"], st
     stager.close()
 
 
@@ -1842,7 +1844,7 @@ def test_gpu_cupy_array(tmp_path):
 
 @pytest.mark.cuda
 @needs_cuda_build
-def test_gpu_stager_direct_and_graph_capture_is_refused(tmp_path):
+def test_gpu_stager_direct_and_graph_capture_is_refused(tmp_path, record_property):
     """The C++ stager alone (no engine): stats, pinning, batch copies, and CUDA-graph capture."""
     from fastdump.staging import cuda
 
@@ -1858,7 +1860,13 @@ def test_gpu_stager_direct_and_graph_capture_is_refused(tmp_path):
         assert got[(0, i, 0)][2] == t.cpu().numpy().tobytes()
     st = stager.stats()
     assert st["registered_bytes"] >= 64 << 20, st
-    assert st["batch_api"] and st["last_error"] == "", st  # cudaMemcpyBatchAsync in use, no fallback
+    assert st["last_error"] == "" and not st["broken"], st
+    # Which D2H path ran is reported, not asserted: a driver may refuse the batch API, and the
+    # per-copy path it falls back to is as correct (the bytes are checked above).
+    path = ("cudaMemcpyBatchAsync" if st["batch_api"] else
+            f"cudaMemcpyAsync per copy ({st['batch_api_fallback'] or 'batch API not in use'})")
+    record_property("d2h_path", path)  # in the junit XML
+    print(f"\nD2H copies: {path}")
 
     g = torch.cuda.CUDAGraph()
     static = torch.zeros(1000, device="cuda")
