@@ -211,6 +211,7 @@ def fastdump_drain(size: int, total: int, ring_bytes: int, device_ring_bytes: in
         "batch_api": st["batch_api"], "register_s": reg_s, "writer_records": records, "writer_bytes": nbytes,
         "ring_bytes": ring.ring_bytes,
         "last_error": st["last_error"],
+        "batch_api_fallback": st.get("batch_api_fallback", ""),
     }
 
 
@@ -350,7 +351,8 @@ def main(argv=None) -> dict:
             rows.append([size_label(size), "batch" if r["batch_api"] else "memcpy", f"{r['GBps']:.2f}",
                          f"{r['drain_GBps']:.2f}" if r["drain_GBps"] else "-", f"{r['ratio_to_peak']:.0%}",
                          f"{r['d2h_copies']} copies/{r['d2h_batches']} batches, waits dev {r['device_ring_waits']}"
-                         f" host {r['host_ring_waits']}" + (f"; {r['last_error']}" if r["last_error"] else "")])
+                         f" host {r['host_ring_waits']}" + (f"; {r['last_error']}" if r["last_error"] else "")
+                         + (f"; batch API refused: {r['batch_api_fallback']}" if r["batch_api_fallback"] else "")])
     try:
         result["stage_cost"] = stage_call_cost(256 << 20, 256 << 20, 20000)
     except Exception as exc:

@@ -130,6 +130,7 @@ py::dict stats_dict(CudaStager& s) {
   d["register_seconds"] = st.register_seconds;
   d["registered_bytes"] = st.registered_bytes;
   d["batch_api"] = st.batch_api;
+  d["batch_api_fallback"] = st.batch_api_fallback;
   d["last_error"] = st.last_error;
   d["broken"] = st.broken;
   d["drain_timer_slack_ns"] = st.drain_timer_slack_ns;

@@ -81,6 +81,7 @@ void bind_graph_recorder(py::module_& m) {
              d["captured_tensors"] = s.captured_tensors;
              d["replays"] = s.replays;
              d["dropped_replays"] = s.dropped_replays;
+             d["unwritten_replays"] = s.unwritten_replays;
              d["tensors"] = s.tensors;
              d["bytes"] = s.bytes;
              d["span_records"] = s.span_records;

@@ -51,8 +51,15 @@ constexpr uint64_t kSkip = ~uint64_t(0);   // decision: this replay is not commi
 constexpr uint32_t kMaxGraphs = kMaxGraphsPerRecorder;  // graphs per recorder (decision words)
 constexpr int kCopyThreads = 256;
 // The drain's longest wait for host-ring space per record: a stalled (alive) writer must not hold
-// it forever (close() joins it); what times out is counted, never written partially.
+// it forever (close() joins it); what times out is counted, never written partially. Once close()
+// has begun, no wait outlasts its deadline.
 constexpr double kDrainWaitS = 10.0;
+
+using Clock = std::chrono::steady_clock;
+
+Clock::time_point after_s(double seconds) {
+  return Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(seconds));
+}
 
 // Device memory, written only by the graph kernels.
 struct GraphCtl {
@@ -276,7 +283,10 @@ struct GraphRecorder::Impl {
 
   std::atomic<bool> paused{false};
   std::atomic<bool> stop{false};
-  std::chrono::steady_clock::time_point stop_deadline;  // set before `stop`
+  // close()'s deadline (set when it begins): the drain's waits end by then, and replays still
+  // unstaged at it are counted as unwritten, never staged.
+  std::atomic<Clock::rep> close_deadline{Clock::time_point::max().time_since_epoch().count()};
+  std::atomic<bool> end_waits{false};  // set at close()'s deadline: ends a staging wait under way
   std::atomic<uint64_t> busy{0};  // the drain is inside a pass (flush waits for it)
   uint64_t next_pos = 0;          // drain thread only
   std::deque<PendingRelease> pending;  // drain thread only (size mirrored in n_pending)
@@ -458,14 +468,14 @@ struct GraphRecorder::Impl {
   // (D2D into the staging ring on the drain's stream, batched D2H, published in ring order). The
   // writer turns it into the pass. Anything but STAGED: the replay is dropped whole and counted
   // (a chunked record that timed out part-way never completes at the writer: nothing is written).
-  void stage_replay(const GraphInfo& gi, uint64_t pos, uint64_t offset) {
+  void stage_replay(const GraphInfo& gi, uint64_t pos, uint64_t offset, double wait_s) {
     const int64_t pass_id = kGraphPassBase + static_cast<int64_t>(pos);
     CudaSource src{reinterpret_cast<uintptr_t>(ring + offset % ring_cap), 1, {static_cast<int64_t>(gi.span_bytes)},
                    {1}, device, reinterpret_cast<uintptr_t>(stream), 0};
     int st;
     std::string error;
     try {
-      st = stager->stage(channel, span_name(gi.id), pass_id, kReplaySpanDtype, src, true, nullptr, kDrainWaitS);
+      st = stager->stage(channel, span_name(gi.id), pass_id, kReplaySpanDtype, src, true, nullptr, wait_s);
     } catch (const std::exception& e) {
       st = -1;
       error = e.what();
@@ -513,16 +523,41 @@ struct GraphRecorder::Impl {
     n_pending.store(pending.size(), std::memory_order_release);
   }
 
+  Clock::time_point close_by() const { return Clock::time_point(Clock::duration(close_deadline.load())); }
+
+  // How long the drain may wait for host-ring space for one replay: kDrainWaitS, and never past
+  // close()'s deadline.
+  double wait_for_space_s() const {
+    const double left = std::chrono::duration<double>(close_by() - Clock::now()).count();
+    return std::max(0.0, std::min(kDrainWaitS, left));
+  }
+
+  // The drain stops: replays published but not staged are counted as unwritten (dropped passes),
+  // never silently lost. (close() set host->closed first: no replay claims a position after it.)
+  void count_unstaged_replays() {
+    uint64_t n = 0;
+    while (ld_shared(&log[next_pos % log_cap].stamp) == next_pos + 1) {
+      ++n;
+      ++next_pos;
+    }
+    if (n == 0) return;
+    std::lock_guard<std::mutex> g(mu);
+    unwritten_replays += n;
+  }
+
   void drain_loop() {
     (void)prctl(PR_SET_TIMERSLACK, 1UL, 0, 0, 0);
     // Relaxed, like the stager's drain: its staging calls must neither fail nor invalidate a
     // global-mode capture another thread runs meanwhile (the next batch size's graph).
     cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
     (void)cudaThreadExchangeStreamCaptureMode(&mode);
+    Producer::set_thread_wait_cancel(&end_waits);  // close() can end a wait that began before it
     int idle_us = 10;
     while (true) {
       bool did = false;
       if (!pending.empty()) release_finished();
+      const bool stopping = stop.load(std::memory_order_acquire);
+      if (stopping && Clock::now() >= close_by()) break;  // close()'s time is up
       if (!paused.load(std::memory_order_acquire) && !broken_now()) {
         LogEntry* e = log + next_pos % log_cap;
         if (ld_shared(&e->stamp) == next_pos + 1) {
@@ -537,7 +572,7 @@ struct GraphRecorder::Impl {
           if (gi == nullptr) {
             fail("replay log names an unknown graph " + std::to_string(graph));
           } else {
-            stage_replay(*gi, next_pos, offset);
+            stage_replay(*gi, next_pos, offset, wait_for_space_s());
             pending.push_back(PendingRelease{stager->submitted(device), offset + gi->span_bytes, next_pos + 1});
             n_pending.store(pending.size(), std::memory_order_release);
           }
@@ -551,12 +586,13 @@ struct GraphRecorder::Impl {
         idle_us = 10;
         continue;
       }
-      if (stop.load(std::memory_order_acquire) &&
-          (pending.empty() || std::chrono::steady_clock::now() > stop_deadline))
-        return;
+      if (stopping && pending.empty()) break;
       std::this_thread::sleep_for(std::chrono::microseconds(idle_us));
       idle_us = std::min(idle_us * 2, 1000);
     }
+    count_unstaged_replays();
+    note_drops();
+    Producer::set_thread_wait_cancel(nullptr);
   }
 
   bool broken_now() {
@@ -573,12 +609,11 @@ struct GraphRecorder::Impl {
     return ld_shared(&log[consumed % log_cap].stamp) != consumed + 1;
   }
 
-  bool flush(double timeout_s) {
-    const auto deadline = std::chrono::steady_clock::now() +
-                          std::chrono::duration_cast<std::chrono::steady_clock::duration>(
-                              std::chrono::duration<double>(timeout_s));
+  bool flush(double timeout_s) { return flush_until(after_s(timeout_s)); }
+
+  bool flush_until(Clock::time_point deadline) {
     int calm = 0;  // consecutive idle looks: the drain may be between two steps
-    while (std::chrono::steady_clock::now() < deadline) {
+    while (Clock::now() < deadline) {
       calm = idle_now() ? calm + 1 : 0;
       if (calm >= 3) return true;
       std::this_thread::sleep_for(std::chrono::microseconds(200));
@@ -593,6 +628,7 @@ struct GraphRecorder::Impl {
     s.captured_tensors = captured_tensors;
     s.replays = replays;
     s.dropped_replays = dropped_now();
+    s.unwritten_replays = unwritten_replays;
     s.tensors = tensors;
     s.bytes = bytes;
     s.span_records = span_records;
@@ -612,12 +648,14 @@ struct GraphRecorder::Impl {
       if (graphs.empty() && !open) free_memory = true;  // no graph can ever write into it
     }
     if (drain.joinable()) {
+      // One deadline for the flush and the drain's last steps: close() takes about timeout_s at
+      // most, whatever the writer does.
+      const Clock::time_point deadline = after_s(timeout_s);
+      close_deadline.store(deadline.time_since_epoch().count());
       paused.store(false, std::memory_order_release);
-      flush(timeout_s);
+      const bool flushed = flush_until(deadline);
       st_shared(&host->closed, 1);  // later replays: no claim, no count
-      stop_deadline = std::chrono::steady_clock::now() +
-                      std::chrono::duration_cast<std::chrono::steady_clock::duration>(
-                          std::chrono::duration<double>(timeout_s));
+      if (!flushed) end_waits.store(true, std::memory_order_release);  // a wait begun before close()
       stop.store(true, std::memory_order_release);
       drain.join();
     }

@@ -48,6 +48,8 @@ struct GraphRecorderStats {
   uint64_t replays = 0;            // replays turned into passes (their span record handed to the writer)
   uint64_t dropped_replays = 0;    // replays the device found no room for (counted inside the graph),
                                    // and drained replays whose span record could not be staged
+  uint64_t unwritten_replays = 0;  // ... of which replays published but not written: their record
+                                   // could not be staged, or close() ran out of time before it
   uint64_t tensors = 0;            // tensors of those passes
   uint64_t bytes = 0;              // their bytes (headers and alignment not counted)
   uint64_t span_records = 0;       // stage() calls of the drain: one per replay
@@ -101,7 +103,9 @@ class GraphRecorder {
   // Wait until every replay published so far is a pass whose tensors reached the host ring.
   bool flush(double timeout_s);
   GraphRecorderStats stats();
-  // Stop the drain thread (after flushing). Replays after close are neither recorded nor counted.
+  // Stop the drain thread (after flushing), within about `timeout_s` whatever the writer does:
+  // replays the drain has not staged by then are counted as unwritten (dropped_replays), never
+  // staged. Replays after close are neither recorded nor counted.
   // Device memory is kept unless free_memory or no graph was committed: graphs captured with this
   // recorder write into it on every replay, so it may be freed only once they are destroyed.
   // Callable again later with free_memory = true.

@@ -591,6 +591,7 @@ struct CudaStager::Impl {
   double drain_s = 0;
   double register_s = 0;
   std::string last_error;
+  std::string batch_fallback;  // stats().batch_api_fallback
   // drain-thread only
   uint64_t inflight_batches = 0;
   double busy_since = 0;
@@ -646,6 +647,11 @@ struct CudaStager::Impl {
   void set_error(const std::string& msg) {
     std::lock_guard<std::mutex> g(st_mu);
     last_error = msg;
+  }
+
+  void set_batch_fallback(const std::string& why) {
+    std::lock_guard<std::mutex> g(st_mu);
+    batch_fallback = why;
   }
 
   void notify_progress() {
@@ -1241,8 +1247,15 @@ struct CudaStager::Impl {
     // of the work before it: one check per batch.
     cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
     const cudaError_t ce = cudaStreamIsCapturing(reinterpret_cast<cudaStream_t>(lane->stream), &cs);
-    if (ce == cudaErrorStreamCaptureImplicit || (ce == cudaSuccess && cs != cudaStreamCaptureStatusNone)) {
-      if (ce != cudaSuccess) (void)cudaGetLastError();
+    if (ce == cudaErrorStreamCaptureImplicit) {
+      // The batch is on the legacy stream and a blocking stream of the device captures (another
+      // thread's): the legacy stream itself never captures, so the snapshots are real copies, but an
+      // event recorded on it now would join that capture. Sealed once the capture has ended.
+      (void)cudaGetLastError();
+      if (switched) restore_device(prev);
+      return;
+    }
+    if (ce == cudaSuccess && cs != cudaStreamCaptureStatusNone) {
       if (switched) restore_device(prev);
       if (check_each_tensor || lane->batch_precedes_capture) {
         // Every snapshot of the batch was checked before it was enqueued: all precede the capture.
@@ -1328,6 +1341,23 @@ struct CudaStager::Impl {
     }
   }
 
+  // close(): a batch still held open because a capture is under way can never be sealed now; its
+  // records become padding (counted as cancelled), so that the writer never waits for them.
+  void cancel_open_batches() {
+    if (open_batches.load() == 0) return;
+    std::lock_guard<std::mutex> g(lanes_mu);
+    for (auto& lane : lanes) {
+      std::lock_guard<std::mutex> lk(lane->mu);
+      if (lane->batch.empty()) continue;
+      for (const Item& it : lane->batch) cancel(it.res);
+      lane->batch.clear();
+      lane->tensors = 0;
+      lane->has_batch.store(false, std::memory_order_relaxed);
+      lane->batch_precedes_capture = false;
+      open_batches.fetch_sub(1, std::memory_order_relaxed);
+    }
+  }
+
   // Drain thread: seal open batches older than the hold time (a pass that runs long, or a thread
   // that stopped mid-pass), so completion latency stays bounded without a wake-up per tensor.
   void seal_stale() {
@@ -1341,7 +1371,7 @@ struct CudaStager::Impl {
       std::unique_lock<std::mutex> lk(lane->mu, std::try_to_lock);
       if (!lk || lane->batch.empty() || now - lane->opened_at < hold_s) continue;
       seal_locked(lane.get(), false);
-      n_timer_seals.fetch_add(1, std::memory_order_relaxed);
+      if (lane->batch.empty()) n_timer_seals.fetch_add(1, std::memory_order_relaxed);  // not held by a capture
     }
   }
 
@@ -1443,13 +1473,11 @@ struct CudaStager::Impl {
     // One call for the whole batch (CUDA 12.8+; not capturable, which is fine on this thread).
     // Only into pinned memory: pageable destinations go through the plain path below.
     if (pinned && use_batch.load(std::memory_order_relaxed)) {
+      // Location hints stay zeroed: they apply only to managed or pageable system memory, never to
+      // device memory copied into a pinned ring, and a driver need not accept what it ignores.
       cudaMemcpyAttributes attr;
       std::memset(&attr, 0, sizeof(attr));
       attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
-      attr.srcLocHint.type = cudaMemLocationTypeDevice;
-      attr.srcLocHint.id = dev->index;
-      attr.dstLocHint.type = cudaMemLocationTypeHost;
-      attr.dstLocHint.id = 0;
       attr.flags = cudaMemcpyFlagPreferOverlapWithCompute;
       size_t attr_idx = 0;
 #if CUDART_VERSION >= 13000
@@ -1464,8 +1492,9 @@ struct CudaStager::Impl {
       (void)cudaGetLastError();
       // Unsupported here (old driver, unusual memory): per-copy from now on. Re-issuing copies the
       // failed batch may have queued is harmless: the same bytes to the same place, in stream order.
+      // Not an error: staging goes on as well, only with more calls.
       use_batch.store(false);
-      set_error("cudaMemcpyBatchAsync unavailable, using cudaMemcpyAsync: " + cuda_error_text(e, "batch"));
+      set_batch_fallback(cuda_error_text(e, "cudaMemcpyBatchAsync"));
     }
 #endif
     for (size_t i = 0; i < dsts.size(); ++i) {
@@ -1757,6 +1786,7 @@ struct CudaStager::Impl {
       flush(std::max(0.0, deadline - now_s()));
     } catch (...) {  // the drain thread must be joined below whatever happens
     }
+    cancel_open_batches();
     {
       std::lock_guard<std::mutex> g(q_mu);
       stop = true;
@@ -1823,6 +1853,7 @@ struct CudaStager::Impl {
       s.drain_seconds = drain_s;
       s.register_seconds = register_s;
       s.last_error = last_error;
+      s.batch_api_fallback = batch_fallback;
     }
     if (broken.load() && s.last_error.empty()) s.last_error = "CUDA staging stopped";
     std::lock_guard<std::mutex> init_lock(init_mu);

@@ -96,6 +96,8 @@ struct CudaStagerStats {
   double register_seconds = 0;      // cudaHostRegister of the host ring
   uint64_t registered_bytes = 0;
   bool batch_api = false;           // cudaMemcpyBatchAsync in use (else per-copy cudaMemcpyAsync)
+  std::string batch_api_fallback;   // why the drain gave cudaMemcpyBatchAsync up for per-copy copies
+                                    // ("" unless the runtime refused it: staging goes on, no error)
   std::string last_error;
   bool broken = false;              // staging stopped for good (last_error says why)
   long drain_timer_slack_ns = -1;   // the drain thread's timer slack (-1: not started yet)

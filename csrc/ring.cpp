@@ -79,6 +79,9 @@ bool peer_alive(int fd) {
   return true;
 }
 
+// Producer::set_thread_wait_cancel: the calling thread's flag that ends its waits for space.
+thread_local const std::atomic<bool>* t_wait_cancel = nullptr;
+
 }  // namespace
 
 // ---------------------------------------------------------------------------------------------
@@ -188,6 +191,8 @@ bool Producer::writer_seen_alive(double max_age_s) {
   return writer_alive();
 }
 
+void Producer::set_thread_wait_cancel(const std::atomic<bool>* flag) { t_wait_cancel = flag; }
+
 bool Producer::wait_for_space(uint64_t need, bool block, double timeout_s) {
   RingHeader* h = seg_.header();
   const uint64_t cap = seg_.capacity();
@@ -206,6 +211,10 @@ bool Producer::wait_for_space(uint64_t need, bool block, double timeout_s) {
       if (!writer_alive()) return false;
     }
     if (timeout_s > 0 && t - t0 >= timeout_s) {  // a stopped writer must not hold the model hostage
+      ok = false;
+      break;
+    }
+    if (t_wait_cancel && t_wait_cancel->load(std::memory_order_acquire)) {  // ended early, as a timeout
       ok = false;
       break;
     }

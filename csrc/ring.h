@@ -197,6 +197,11 @@ class Producer {
                    bool block, double timeout_s, std::vector<Reservation>* out);
   void publish(const Reservation& r);
 
+  // Ends the calling thread's waits for ring space (as a timeout does) once `*flag` is true, for
+  // a thread that must be stoppable mid-wait (the CUDA-graph recorder's drain, at close). Per
+  // thread; nullptr (the default) for none. `*flag` must outlive the thread's waits.
+  static void set_thread_wait_cancel(const std::atomic<bool>* flag);
+
   uint64_t chunk_bytes() const { return chunk_bytes_; }
   ProducerStats stats();
   void count_dropped(uint64_t n) {

@@ -490,6 +490,89 @@ def test_lean_capture_begun_mid_pass_on_a_checked_stream_stops_staging_loudly(m)
         m._mock.stream_destroy(s)
 
 
+def _capture_on_another_thread(m, stream, mode=GLOBAL):
+    """Begin a capture of `stream` on a thread of its own (CuPy's or a raw cudaStreamBeginCapture);
+    returns end(), which ends it there and gives back (error, graph)."""
+    began, ending, result = threading.Event(), threading.Event(), {}
+
+    def run():
+        result["begin"] = m._mock.begin_capture(stream, mode)
+        began.set()
+        ending.wait(30)
+        result["end"] = m._mock.end_capture(stream)
+
+    th = threading.Thread(target=run)
+    th.start()
+    assert began.wait(10) and result["begin"] == 0
+
+    def end():
+        ending.set()
+        th.join(10)
+        return result["end"]
+
+    return end
+
+
+def test_lean_batch_on_the_legacy_stream_waits_out_a_blocking_stream_capture(m):
+    """Review finding 6: a lean batch open on the legacy stream (torch's default) while another thread
+    captures a blocking stream: the batch's capture check gets cudaErrorStreamCaptureImplicit, which
+    says only that the legacy stream is unusable until that capture ends (the legacy stream never
+    captures; the capture is not invalidated). The batch is kept (no event recorded into the capture),
+    sealed once the capture has ended, and staging goes on; nothing is lost, nothing stops."""
+    blocking = m._mock.stream_create_flags(0)
+    lane = Lane(m, 0, events_every=100)
+    try:
+        ts, cpu = fakes(m, 3, seed=12)
+        lane.lane.begin(0, True, -1.0)
+        assert [lane.lane.stage_tensor(i, ts[i]) for i in range(2)] == [m.STAGED] * 2
+        end_capture = _capture_on_another_thread(m, blocking)
+        lane.lane.take_counts()  # the pass end seals: Implicit
+        time.sleep(0.05)  # the drain's hold timer tries again meanwhile (every ~1 ms)
+        st = lane.stager.stats()
+        assert not st["broken"] and st["last_error"] == "", st
+        assert st["published"] == 0 and st["cancelled"] == 0
+        err, graph = end_capture()
+        assert err == 0, m._mock.error_name(err)  # the other thread's capture stayed valid
+        assert lane.stager.flush(10)
+        assert lane.run_pass(1, [ts[2]]) == [m.STAGED]
+        assert lane.stager.flush(10)
+        st = lane.stager.stats()
+        assert not st["broken"] and st["published"] == 3 and st["lean_tensors"] == 3
+        check_ring(lane.ring, {(0, 0): cpu[0], (1, 0): cpu[1], (0, 1): cpu[2]})
+        m._mock.graph_destroy(graph)
+    finally:
+        lane.close()
+        m._mock.stream_destroy(blocking)
+
+
+def test_lean_batch_held_by_a_capture_at_close_becomes_padding(m):
+    """A batch still held open by a capture when the stager closes can never be sealed: its records
+    become padding (counted as cancelled), so the writer never waits for them."""
+    blocking = m._mock.stream_create_flags(0)
+    lane = Lane(m, 0, events_every=100)
+    end_capture = None
+    try:
+        ts, _ = fakes(m, 2, seed=13)
+        lane.lane.begin(0, True, -1.0)
+        assert [lane.lane.stage_tensor(i, ts[i]) for i in range(2)] == [m.STAGED] * 2
+        end_capture = _capture_on_another_thread(m, blocking)
+        lane.lane.take_counts()
+        t0 = time.monotonic()
+        lane.stager.close(1.0)
+        assert time.monotonic() - t0 < 5
+        st = lane.stager.stats()
+        assert st["cancelled"] == 2 and st["published"] == 0
+        got, _ = lane.ring.read(timeout=0.5)  # the reader passes the padding: nothing waits, nothing written
+        assert got == {} and lane.ring.producer.used_bytes() == 0
+    finally:
+        if end_capture is not None:
+            err, graph = end_capture()
+            assert err == 0, m._mock.error_name(err)
+            m._mock.graph_destroy(graph)
+        lane.close()
+        m._mock.stream_destroy(blocking)
+
+
 # =================================================================================================
 # On a GPU (benchmarks/gpu_check.sh runs these)
 

@@ -13,8 +13,8 @@ import torch
 
 import fastdump
 from fastdump.staging.graphs import free_device_memory
-from test_cuda import (GLOBAL, RELAXED, THREAD_LOCAL, FakeCudaTensor, device_buffer, glue, m, mock,  # noqa: F401
-                       same_bits, _attach)
+from test_cuda import (GLOBAL, RELAXED, THREAD_LOCAL, FakeCudaTensor, Ring, device_buffer, glue, m,  # noqa: F401
+                       mock, needs_cuda_build, same_bits, _attach)
 
 GRAPH_BASE = 1 << 40
 
@@ -385,6 +385,72 @@ def test_graph_no_recording_memory_skips_with_reason_and_keeps_the_capture(m, gl
     assert len(reasons) == 2 and all("CUDA-graph recording memory" in r for r in reasons), reasons
 
 
+def test_graph_close_honours_its_timeout_with_a_stalled_writer(m):
+    """Review finding 5: a writer that is alive but consumes nothing. The drain staged the replays
+    the host ring holds and waits for space for the next (up to 10 s per replay). close(timeout)
+    returns within about its timeout (before: flush's timeout, then the drain's 10 s wait for every
+    stamped replay, i.e. minutes), and every replay is accounted for: written, or counted as
+    unwritten (a dropped pass), none lost."""
+    import threading
+    import time
+
+    from fastdump import dtypes
+
+    ring = Ring(m, capacity=1 << 20)  # nobody reads it: the stalled writer
+    stager = m.CudaStager(ring.producer, 4 << 20)
+    stager.register_host()
+    rec = m.GraphRecorder(stager, 0, 0, 1 << 20, 8 << 20, 64)
+    side, launch = m._mock.stream_create_flags(0), m._mock.stream_create()
+    cpu = torch.arange(32 << 10, dtype=torch.int32)  # 128 KiB a replay: about 7 fit in the host ring
+    src = device_buffer(m, cpu.nbytes)
+    assert m._mock.upload(src, cpu.data_ptr(), cpu.nbytes) == 0
+    assert m._mock.begin_capture(side, GLOBAL) == 0
+    gid = rec.begin_graph(side)
+    assert rec.record(0, dtypes.code_of(cpu.dtype), 4, [cpu.numel()], [1], src, 0, side) == m.STAGED
+    assert rec.end_graph() == gid
+    err, graph = m._mock.end_capture(side)
+    assert err == 0, m._mock.error_name(err)
+    exe = m._mock.graph_instantiate(graph)
+    n_replays, timeout = 20, 1.0
+    closer = None
+    try:
+        for _ in range(n_replays):
+            assert m._mock.graph_launch(exe, launch) == 0
+        m._mock.sync(launch)
+        _wait_for(lambda: stager.stats()["host_ring_full_waits"] > 0, 30)  # the drain waits for the writer
+        staged_before_close = rec.stats()["replays"]
+        assert 0 < staged_before_close < n_replays
+        took = []
+
+        def close():
+            t0 = time.monotonic()
+            rec.close(timeout)
+            took.append(time.monotonic() - t0)
+
+        closer = threading.Thread(target=close)
+        closer.start()
+        closer.join(timeout + 4)
+        assert not closer.is_alive(), "close() outlasted its timeout by seconds (the writer is stalled)"
+        assert timeout - 0.1 <= took[0] < timeout + 3
+        s = rec.stats()
+        assert s["replays"] + s["dropped_replays"] == n_replays, s
+        assert s["unwritten_replays"] == s["dropped_replays"] == n_replays - s["replays"] > 0, s
+        assert s["span_records"] <= s["replays"] + 1  # at most the one whose wait close() ended was tried
+        got, _ = ring.read()  # the written replays, whole (read() asserts nothing is torn)
+        assert len(got) == s["replays"]
+    finally:
+        if closer is not None and closer.is_alive():  # the old behaviour: let the writer consume so it ends
+            while closer.is_alive():
+                ring.read(timeout=0.05)
+            closer.join()
+        m._mock.graph_exec_destroy(exe)
+        m._mock.graph_destroy(graph)
+        rec.close(10.0, True)
+        stager.close()
+        m._mock.stream_destroy(side)
+        m._mock.stream_destroy(launch)
+
+
 @pytest.mark.slow
 def test_graph_stress_driver():
     """The C++ driver (tests/cuda_mock/graph_stress.cpp): three graphs captured on three threads in
@@ -431,6 +497,7 @@ def _gpu_capture(model, static_in, stream, mode="global"):
 
 
 @pytest.mark.cuda
+@needs_cuda_build
 @pytest.mark.parametrize("mode", ["global", "thread_local"])
 def test_gpu_graph_record_bit_exact_per_replay(tmp_path, mode):
     """Two graphs (batch 4 and 16) on a side stream, replays with fresh inputs interleaved with an
@@ -466,6 +533,7 @@ def test_gpu_graph_record_bit_exact_per_replay(tmp_path, mode):
 
 
 @pytest.mark.cuda
+@needs_cuda_build
 def test_gpu_graph_record_two_roles_replays_outrun_drain(tmp_path):
     """Target and draft Dumpers with their own graphs; the draft's drain paused while its graph is
     replayed more often than its replay ring holds: drops counted, the rest intact."""

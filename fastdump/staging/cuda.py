@@ -8,7 +8,8 @@ Python cost small.
 
 When CUDA staging is unusable (fastdump built without a toolkit, no driver/GPU at run time) CUDA
 tensors still get dumped, through a synchronous ``.cpu()`` copy into the host ring: correct, slow, and
-said once in the log. When only a GPU's device ring cannot be allocated (a serving engine took the
+said once in the log; never while the tensor's stream is being captured into a CUDA graph (the copy
+would break the capture): such a tensor is refused as CAPTURING, as the C++ stager refuses it. When only a GPU's device ring cannot be allocated (a serving engine took the
 memory), that GPU's tensors are dropped and counted instead (RING_UNAVAILABLE): a synchronous copy per
 tensor would stall the server; the reason is recorded in rank.json.
 """
@@ -99,9 +100,14 @@ class HostFallbackStager:
     def __init__(self, producer, reason: str):
         self.producer = producer
         self.reason = reason
-        self._stats = {"fallback": True, "reason": reason, "tensors": 0, "bytes": 0}
+        self._stats = {"fallback": True, "reason": reason, "tensors": 0, "bytes": 0, "capturing_skipped": 0}
 
     def stage_tensor(self, channel, name_id, pass_id, dtype_code, tensor, block, timeout_s=-1.0) -> int:
+        if _stream_capturing(tensor):
+            # A synchronous copy on a capturing stream is illegal and invalidates the user's graph:
+            # refused like the C++ stager refuses it (the caller counts CAPTURING as a skip).
+            self._stats["capturing_skipped"] += 1
+            return CAPTURING
         host = _to_host(tensor)
         status = self.producer.stage_host(channel, name_id, pass_id, dtype_code, host.element_size(),
                                           host.shape, host.stride(), host.data_ptr(), block, timeout_s)
@@ -277,7 +283,8 @@ def stage_on_device(stager, channel: int, name_id: int, pass_id: int, dtype_code
             return RING_UNAVAILABLE
 
         # Raised before anything of this tensor was staged (bad arguments, device ring allocation
-        # failed, a CUDA error): keep the dump correct through the slow path.
+        # failed, a CUDA error): keep the dump correct through the slow path (which refuses a
+        # capturing stream, as stage() does).
         _warn_once(f"stage:{type(exc).__name__}:{exc}", "fastdump: CUDA staging failed (%s); "
                    "falling back to a synchronous copy", exc)
         return HostFallbackStager(stager.producer, str(exc)).stage_tensor(
@@ -289,6 +296,20 @@ def stage_on_device(stager, channel: int, name_id: int, pass_id: int, dtype_code
             _warn_once(f"record_stream:{exc}", "fastdump: record_stream failed (%s); the snapshot relies on "
                        "the tensor staying allocated until the current stream reached it", exc)
     return status
+
+
+def _stream_capturing(tensor) -> bool:
+    """Whether the stream a ``.cpu()`` copy of ``tensor`` runs on (its GPU's current stream) is
+    being captured into a CUDA graph."""
+    device = tensor.get_device()
+    if device < 0:
+        return False  # a host tensor: its copy is no CUDA work
+    import torch
+
+    if device == torch.cuda.current_device():
+        return torch.cuda.is_current_stream_capturing()
+    with torch.cuda.device(device):
+        return torch.cuda.is_current_stream_capturing()
 
 
 _INT_BY_SIZE = None

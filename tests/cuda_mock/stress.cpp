@@ -264,9 +264,11 @@ int main(int argc, char** argv) {
       CHECK(st.cancelled == 0, "cancelled %llu", (unsigned long long)st.cancelled);
       CHECK(st.published == st.records, "published %llu of %llu", (unsigned long long)st.published,
             (unsigned long long)st.records);
-      if (mode == "nobatch") CHECK(!st.batch_api && st.last_error.find("cudaMemcpyBatchAsync") != std::string::npos,
-                                   "no fallback: %s", st.last_error.c_str());
-      else CHECK(st.last_error.empty(), "error: %s", st.last_error.c_str());
+      if (mode == "nobatch")
+        CHECK(!st.batch_api && st.batch_api_fallback.find("cudaMemcpyBatchAsync") != std::string::npos,
+              "no fallback: %s", st.batch_api_fallback.c_str());
+      else CHECK(st.batch_api_fallback.empty(), "fallback: %s", st.batch_api_fallback.c_str());
+      CHECK(st.last_error.empty(), "error: %s", st.last_error.c_str());
     }
     stager.close();
   }
