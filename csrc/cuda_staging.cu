@@ -960,7 +960,7 @@ struct CudaStager::Impl {
     const uint64_t rec_cap = std::min<uint64_t>(prod->chunk_bytes(), dmax);
     const uint64_t rec_elems = rec_cap / src.elem_size;
     if (rec_elems == 0) return kTooLarge;
-    const uint64_t span_elems = rec_elems * std::max<uint64_t>(1, dmax / (rec_elems * src.elem_size));
+    uint64_t span_elems = rec_elems * std::max<uint64_t>(1, dmax / (rec_elems * src.elem_size));
 
     // A tensor of several records has all its host records reserved before anything is
     // snapshotted, when they fit in the ring together: it is then staged whole or not at all, and
@@ -990,6 +990,18 @@ struct CudaStager::Impl {
           if (!prod->fits_whole(src.shape.size(), plan)) return kRingTooSmall;
           return drop();  // only the wrap at the ring's end was in the way
         }
+        // One record per segment here. Each record's reservation may wait for the writer (or for the
+        // ring's lock, held by a thread that waits for the writer), and no thread may hold device-ring
+        // space while it does: device space is freed in allocation order, and a thread that holds host
+        // records the writer waits for (its reserve_all'd records, or the record it got after its
+        // fresh region went back) may be waiting for that space: a cycle (device region -> host ring
+        // -> writer -> that thread's record -> device space). With several records per segment, the
+        // segment's region (already holding its snapshot) stayed open across the waits of its second
+        // and later records: the rare hang of tests/cuda_mock/stress.cpp, made deterministic in
+        // tests/cuda_mock/ring_cycle.cpp. With one record per segment every wait is the segment's
+        // first, whose empty region is given back before waiting (below). It costs a snapshot and an
+        // event per record, only for tensors larger than the host ring, staged at the writer's pace.
+        span_elems = rec_elems;
       }
     }
 
@@ -1013,40 +1025,51 @@ struct CudaStager::Impl {
         Reservation res;
         if (next_pre < pre.size()) {
           res = pre[next_pre++];
-        } else if (!(block ? prod->try_reserve(kTensor, channel, name_id, pass_id, dtype, src.shape, len, chunk, &res)
-                           : prod->reserve(kTensor, channel, name_id, pass_id, dtype, src.shape, len, chunk, false,
-                                           &res))) {
-          // Under `block`, a ring lock held by another thread (which may be waiting for the writer) is
-          // waited for like space: after before_block(), which releases the GIL a thread writer needs.
+        } else if (!prod->try_reserve(kTensor, channel, name_id, pass_id, dtype, src.shape, len, chunk, &res)) {
+          // try_reserve never waits, not even for the ring's allocation lock: the thread holding it
+          // may be waiting for the writer (a blocking reservation), and this thread holds device-ring
+          // space now. Under both policies (`drop` used to take the lock with Producer::reserve while
+          // holding the region: a hang of tests/cuda_mock/stress.cpp, see ring_cycle.cpp).
           if (prod->disabled() || !prod->writer_alive()) {
             close_region(dev, reg);
             return kDisabled;
           }
-          if (!block && !started) {
-            close_region(dev, reg);
-            return drop();
-          }
-          before_block();
-          host_waits.fetch_add(1, std::memory_order_relaxed);
           // Hold no device-ring space while waiting for the host ring or its lock: device space is
           // freed in allocation order, and a thread waiting for it may hold the host records the
           // writer (and so the thread holding the ring lock) waits for. An empty region goes back.
+          // A record reserved here is always its segment's first (`fresh`): records come from `pre`
+          // or the segment is one record (see span_elems above); a later record's wait would hold
+          // the segment's region, which already holds its snapshot and cannot go back.
           const bool fresh = r0 == s0;
           if (fresh) close_region(dev, reg);
-          if (!prod->reserve(kTensor, channel, name_id, pass_id, dtype, src.shape, len, chunk, true, &res,
-                             wait_left())) {
+          // Under `drop` (nothing of the tensor staged yet) only the lock is waited for, never space:
+          // no room means the tensor is dropped. Under `block`, a ring lock held by another thread
+          // (which may be waiting for the writer) is waited for like space: after before_block(),
+          // which releases the GIL a thread writer needs.
+          const bool may_wait = block || started;
+          if (may_wait) {
+            before_block();
+            host_waits.fetch_add(1, std::memory_order_relaxed);
+          }
+          if (!prod->reserve(kTensor, channel, name_id, pass_id, dtype, src.shape, len, chunk, may_wait, &res,
+                             may_wait ? wait_left() : 0.0)) {
             if (!fresh) close_region(dev, reg);
             if (prod->disabled() || !prod->writer_alive()) return kDisabled;
+            if (!may_wait) return drop();
             if (!started) return no_space();
             // Records already queued can never be completed: the writer records the tensor as
             // incomplete when its pass ends.
             return kTorn;
           }
-          if (fresh && !try_alloc(dev, (s1 - s0) * src.elem_size, &reg, &dptr) &&
-              !wait_alloc(dev, (s1 - s0) * src.elem_size, &reg, &dptr)) {
-            cancel(res);
-            cancel_rest();
-            return kDisabled;
+          if (fresh && !try_alloc(dev, (s1 - s0) * src.elem_size, &reg, &dptr)) {
+            // Holding a host record the writer will wait for, this thread may wait for the device
+            // ring (under `drop` too, as with `pre`): that space depends on the drain alone.
+            before_block();
+            if (!wait_alloc(dev, (s1 - s0) * src.elem_size, &reg, &dptr)) {
+              cancel(res);
+              cancel_rest();
+              return kDisabled;
+            }
           }
         }
         n_records.fetch_add(1, std::memory_order_relaxed);

@@ -1659,6 +1659,24 @@ def test_mock_stress_threads_random_layouts():
         assert r.returncode == 0, f"mode {mode!r}:\n{r.stdout}\n{r.stderr}"
 
 
+def test_mock_no_device_space_held_while_waiting_for_host_ring():
+    """tests/cuda_mock/ring_cycle.cpp: the stress driver's rare hang, made deterministic. stage() must
+    hold no device-ring space while it waits for the host ring or its lock (a tensor larger than the
+    host ring, staged record by record; a `drop` reservation finding the ring's lock taken), else
+    device ring -> host ring -> writer -> a thread's reserved records -> device ring is a cycle."""
+    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if not cxx:
+        pytest.skip("no C++ compiler")
+    out = ROOT / "build" / "cuda_mock_ring_cycle"
+    out.parent.mkdir(exist_ok=True)
+    subprocess.run([cxx, "-std=c++17", "-O1", "-DFASTDUMP_CUDA_MOCK=1", f"-I{HERE / 'cuda_mock'}",
+                    f"-I{ROOT / 'csrc'}", "-x", "c++", str(ROOT / "csrc/cuda_staging.cu"), "-x", "none",
+                    str(ROOT / "csrc/ring.cpp"), str(HERE / "cuda_mock/ring_cycle.cpp"), "-lrt", "-pthread", "-o",
+                    str(out)], check=True)
+    r = subprocess.run([str(out)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, f"{r.stdout}\n{r.stderr}"
+
+
 # =================================================================================================
 # On a GPU, through the public API
 

@@ -18,6 +18,11 @@ for mode in "" nobatch fail; do
   # setarch -R: TSAN needs a non-randomized address space on some kernels
   setarch "$(uname -m)" -R "$OUT/stress_tsan" "$ITERS" "$THREADS" $mode
 done
+# The two-ring cycle, deterministic (tests/cuda_mock/ring_cycle.cpp)
+g++ "${FLAGS[@]}" -O1 -x c++ csrc/cuda_staging.cu -x none csrc/ring.cpp tests/cuda_mock/ring_cycle.cpp -lrt -pthread \
+  -o "$OUT/ring_cycle"
+echo "== ring cycle"
+"$OUT/ring_cycle"
 # CUDA-graph record mode (csrc/cuda_graph_record.cu)
 GSRC=(-x c++ csrc/cuda_staging.cu csrc/cuda_graph_record.cu -x none csrc/ring.cpp tests/cuda_mock/graph_stress.cpp)
 g++ "${FLAGS[@]}" -O2 "${GSRC[@]}" -lrt -pthread -o "$OUT/graph_stress"
