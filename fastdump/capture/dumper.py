@@ -571,8 +571,9 @@ class Dumper:
 
     def _stage(self, name: str, t, code=None) -> None:
         # The hot path: for a plain CPU tensor with a known name, one call into C++, which reads the
-        # tensor and counts it (folded into _totals by stats(), close() and a byte budget's check). Issue 11: on a small model,
-        # every Python attribute read here cost the model's thread ~0.1-0.2 us per tensor.
+        # tensor and counts it (folded into _totals by stats(), close() and a byte budget's check).
+        # Issue 11: on a small model, every Python attribute read here cost the model's thread
+        # ~0.1-0.2 us per tensor.
         new_plain = False  # a plain tensor of a new name: the hot path's turn comes once it has an id
         if code is None:
             name_id = self._name_ids.get(name)
