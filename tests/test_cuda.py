@@ -1642,18 +1642,20 @@ class DeviceCapsule:
         return capsule
 
 
+def mock_driver(name, cuda_sources, opt):
+    """tests/cuda_mock/<name>.cpp built against the mock runtime (build.driver); skips without a compiler."""
+    import build as mock_build
+
+    try:
+        return mock_build.driver(name, cuda_sources, opt)
+    except RuntimeError as exc:
+        pytest.skip(str(exc))
+
+
 @pytest.mark.slow
 def test_mock_stress_threads_random_layouts():
     """The C++ stress driver (random layouts, element sizes, streams, delays; 3 modes)."""
-    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
-    if not cxx:
-        pytest.skip("no C++ compiler")
-    out = ROOT / "build" / "cuda_mock_stress"
-    out.parent.mkdir(exist_ok=True)
-    subprocess.run([cxx, "-std=c++17", "-O2", "-DFASTDUMP_CUDA_MOCK=1", f"-I{HERE / 'cuda_mock'}",
-                    f"-I{ROOT / 'csrc'}", "-x", "c++", str(ROOT / "csrc/cuda_staging.cu"), "-x", "none",
-                    str(ROOT / "csrc/ring.cpp"), str(HERE / "cuda_mock/stress.cpp"), "-lrt", "-pthread", "-o",
-                    str(out)], check=True)
+    out = mock_driver("stress", ["csrc/cuda_staging.cu"], "-O2")
     for mode in ("", "nobatch", "fail"):
         r = subprocess.run([str(out), "300", "4", mode], capture_output=True, text=True, timeout=300)
         assert r.returncode == 0, f"mode {mode!r}:\n{r.stdout}\n{r.stderr}"
@@ -1664,15 +1666,7 @@ def test_mock_no_device_space_held_while_waiting_for_host_ring():
     hold no device-ring space while it waits for the host ring or its lock (a tensor larger than the
     host ring, staged record by record; a `drop` reservation finding the ring's lock taken), else
     device ring -> host ring -> writer -> a thread's reserved records -> device ring is a cycle."""
-    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
-    if not cxx:
-        pytest.skip("no C++ compiler")
-    out = ROOT / "build" / "cuda_mock_ring_cycle"
-    out.parent.mkdir(exist_ok=True)
-    subprocess.run([cxx, "-std=c++17", "-O1", "-DFASTDUMP_CUDA_MOCK=1", f"-I{HERE / 'cuda_mock'}",
-                    f"-I{ROOT / 'csrc'}", "-x", "c++", str(ROOT / "csrc/cuda_staging.cu"), "-x", "none",
-                    str(ROOT / "csrc/ring.cpp"), str(HERE / "cuda_mock/ring_cycle.cpp"), "-lrt", "-pthread", "-o",
-                    str(out)], check=True)
+    out = mock_driver("ring_cycle", ["csrc/cuda_staging.cu"], "-O1")
     r = subprocess.run([str(out)], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, f"{r.stdout}\n{r.stderr}"
 

@@ -456,20 +456,9 @@ def test_graph_stress_driver():
     """The C++ driver (tests/cuda_mock/graph_stress.cpp): three graphs captured on three threads in
     global and thread-local mode, unsynchronized replays, drains paused and restarted; every pass
     checked byte for byte, passes + dropped = replays (run_stress.sh also runs it under TSan)."""
-    import os
-    import shutil
-    from pathlib import Path
+    from test_cuda import mock_driver
 
-    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
-    if not cxx:
-        pytest.skip("no C++ compiler")
-    root = Path(__file__).resolve().parents[1]
-    out = root / "build" / "cuda_mock_graph_stress"
-    out.parent.mkdir(exist_ok=True)
-    subprocess.run([cxx, "-std=c++17", "-O2", "-DFASTDUMP_CUDA_MOCK=1", f"-I{root / 'tests/cuda_mock'}",
-                    f"-I{root / 'csrc'}", "-x", "c++", str(root / "csrc/cuda_staging.cu"),
-                    str(root / "csrc/cuda_graph_record.cu"), "-x", "none", str(root / "csrc/ring.cpp"),
-                    str(root / "tests/cuda_mock/graph_stress.cpp"), "-lrt", "-pthread", "-o", str(out)], check=True)
+    out = mock_driver("graph_stress", ["csrc/cuda_staging.cu", "csrc/cuda_graph_record.cu"], "-O2")
     r = subprocess.run([str(out), "300", "3"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "0 errors" in r.stdout

@@ -67,6 +67,21 @@ def build(opt: str = "-O1", extra=(), tag: str = "") -> Path:
     return so
 
 
+def driver(name: str, cuda_sources, opt: str = "-O2") -> Path:
+    """Compile a standalone C++ driver (tests/cuda_mock/<name>.cpp) with ``cuda_sources`` (csrc/*.cu,
+    compiled as C++) and csrc/ring.cpp against the mock runtime; returns the executable's path.
+    Raises RuntimeError without a C++ compiler (callers skip)."""
+    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if not cxx:
+        raise RuntimeError("no C++ compiler")
+    out = ROOT / "build" / f"cuda_mock_{name}"
+    out.parent.mkdir(exist_ok=True)
+    subprocess.run([cxx, "-std=c++17", opt, "-DFASTDUMP_CUDA_MOCK=1", f"-I{MOCK}", f"-I{ROOT / 'csrc'}",
+                    "-x", "c++", *(str(ROOT / src) for src in cuda_sources), "-x", "none", str(ROOT / "csrc/ring.cpp"),
+                    str(MOCK / f"{name}.cpp"), "-lrt", "-pthread", "-o", str(out)], check=True)
+    return out
+
+
 def load(so: Path):
     loader = importlib.machinery.ExtensionFileLoader("_C", str(so))
     spec = importlib.util.spec_from_file_location("_C", str(so), loader=loader)

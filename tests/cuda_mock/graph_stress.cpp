@@ -22,6 +22,7 @@
 #include <thread>
 #include <vector>
 
+#include "check.h"
 #include "cuda_graph_record.h"
 #include "cuda_runtime.h"
 #include "cuda_staging.h"
@@ -30,16 +31,6 @@
 using namespace fastdump;
 
 namespace {
-
-std::atomic<int> g_errors{0};
-#define CHECK(cond, ...)                       \
-  do {                                         \
-    if (!(cond)) {                             \
-      std::fprintf(stderr, "FAIL: " __VA_ARGS__); \
-      std::fprintf(stderr, "\n");              \
-      g_errors++;                              \
-    }                                          \
-  } while (0)
 
 uint8_t input_byte(int graph, uint64_t replay, uint64_t i) {
   return static_cast<uint8_t>(graph * 31 + replay * 7 + i * 13);
@@ -299,6 +290,6 @@ int main(int argc, char** argv) {
         (long long)fdmock::config().live_allocs.load());
   std::printf("graph stress: %d graphs x %d replays: %llu passes, %llu dropped (%llu in drop notes), %d errors\n",
               ngraphs, replays, (unsigned long long)total, (unsigned long long)total_dropped,
-              (unsigned long long)total_noted, g_errors.load());
-  return g_errors.load() ? 1 : 0;
+              (unsigned long long)total_noted, check_failures.load());
+  return check_failures.load() ? 1 : 0;
 }

@@ -40,6 +40,7 @@
 #include <thread>
 #include <vector>
 
+#include "check.h"
 #include "cuda_runtime.h"
 #include "cuda_staging.h"
 #include "ring.h"
@@ -47,18 +48,6 @@
 using namespace fastdump;
 
 namespace {
-
-int failures = 0;
-
-#define CHECK(cond, ...)                                        \
-  do {                                                          \
-    if (!(cond)) {                                              \
-      std::fprintf(stderr, "FAIL %s:%d: ", __FILE__, __LINE__); \
-      std::fprintf(stderr, __VA_ARGS__);                        \
-      std::fprintf(stderr, "\n");                               \
-      failures++;                                               \
-    }                                                           \
-  } while (0)
 
 constexpr uint64_t kChunk = 64 << 10;
 constexpr uint64_t kRecord = 65664;  // align64(64 header + 16 chunk info + 8 shape) + 64 KiB payload
@@ -278,6 +267,6 @@ int main() {
     stop_reader = true;
     reader.join();
   }
-  std::printf("failures %d\n", failures);
-  return failures ? 1 : 0;
+  std::printf("failures %d\n", check_failures.load());
+  return check_failures.load() ? 1 : 0;
 }

@@ -23,6 +23,7 @@
 #include <thread>
 #include <vector>
 
+#include "check.h"
 #include "cuda_runtime.h"
 #include "cuda_staging.h"
 #include "ring.h"
@@ -43,18 +44,6 @@ struct Got {
   uint64_t total = 0;
   bool any = false;
 };
-
-std::atomic<int> failures{0};
-
-#define CHECK(cond, ...)                                     \
-  do {                                                       \
-    if (!(cond)) {                                           \
-      std::fprintf(stderr, "FAIL %s:%d: ", __FILE__, __LINE__); \
-      std::fprintf(stderr, __VA_ARGS__);                     \
-      std::fprintf(stderr, "\n");                            \
-      failures++;                                            \
-    }                                                        \
-  } while (0)
 
 }  // namespace
 
@@ -319,6 +308,6 @@ int main(int argc, char** argv) {
         "leak: allocs %llu events %llu registrations %llu", (unsigned long long)c.live_allocs.load(),
         (unsigned long long)c.live_events.load(), (unsigned long long)c.registered_ranges.load());
   std::printf("staged %llu dropped %llu, batch calls %llu, failures %d\n", (unsigned long long)staged,
-              (unsigned long long)dropped, (unsigned long long)c.batch_calls.load(), failures.load());
-  return failures.load() ? 1 : 0;
+              (unsigned long long)dropped, (unsigned long long)c.batch_calls.load(), check_failures.load());
+  return check_failures.load() ? 1 : 0;
 }
