@@ -9,9 +9,10 @@ Python cost small.
 When CUDA staging is unusable (fastdump built without a toolkit, no driver/GPU at run time) CUDA
 tensors still get dumped, through a synchronous ``.cpu()`` copy into the host ring: correct, slow, and
 said once in the log; never while the tensor's stream is being captured into a CUDA graph (the copy
-would break the capture): such a tensor is refused as CAPTURING, as the C++ stager refuses it. When only a GPU's device ring cannot be allocated (a serving engine took the
-memory), that GPU's tensors are dropped and counted instead (RING_UNAVAILABLE): a synchronous copy per
-tensor would stall the server; the reason is recorded in rank.json.
+would break the capture): such a tensor is refused as CAPTURING, as the C++ stager refuses it. When
+only a GPU's device ring cannot be allocated (a serving engine took the memory), that GPU's tensors
+are dropped and counted instead (RING_UNAVAILABLE): a synchronous copy per tensor would stall the
+server; the reason is recorded in rank.json.
 """
 
 from __future__ import annotations
