@@ -346,6 +346,19 @@ def test_pass_bench_times_the_root_wrapper_of_whole_passes(tmp_path):
 
 
 @pytest.mark.skipif(not FASTDUMP_AVAILABLE, reason="fastdump is not importable")
+def test_leaf_bench_times_whole_dumped_passes_against_undumped_ones(tmp_path):
+    result_json = tmp_path / "leaf.json"
+    stdout = run_script("leaf_bench.py", "--leaves", "10", "--groups", "12", "--pollute-kib", "4",
+                        "--json", str(result_json))
+    assert "per dumped tensor" in stdout
+    result = json.loads(result_json.read_text())
+    # the script exits non-zero unless every dumped pass staged every leaf and the root, none dropped
+    assert result["tensors_per_dumped_pass"] == 11 and result["groups"] == 12
+    assert result["tensors"] == 11 * result["passes"] and result["passes"] >= 12
+    assert 0 < result["per_tensor_us"] < 1000
+
+
+@pytest.mark.skipif(not FASTDUMP_AVAILABLE, reason="fastdump is not importable")
 def test_paired_step_bench_vs_noop_interleaves_four_kinds_of_step(tmp_path):
     result_json = tmp_path / "vs_noop.json"
     stdout = run_script("paired_step_bench.py", "--model", "micro", "--vs-noop", "--steps", "40", "--reps", "2",
