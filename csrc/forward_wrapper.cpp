@@ -5,9 +5,11 @@
 // cost the model's thread ~4 us per dumped tensor; its C++ staging was under 1% of that. This type
 // is the same wrapper written against the C API:
 //  - outside a pass it vectorcalls the original forward and returns (one flag read);
-//  - inside a pass, for an exact torch.Tensor or a tuple/list of exact tensors (None skipped) on
-//    the module's first call of the pass, it stages each tensor through the channel's C++
-//    stage_tensor with name ids cached per wrapper;
+//  - inside a pass it numbers the call when it starts (its `#k`: calls are numbered in the order
+//    they start, so a module that calls itself gives its inputs and its output the same number);
+//    for an exact torch.Tensor or a tuple/list of exact tensors (None skipped) returned by the
+//    module's first call of the pass, it stages each tensor through the channel's C++ stage_tensor
+//    with name ids cached per wrapper;
 //  - everything else (a second call `name#k`, other outputs, a name without an id yet, a status
 //    other than STAGED, an error) goes to the Dumper's Python methods, which account for it
 //    exactly as the Python wrapper does. Nothing fastdump does raises into the model (failures go
@@ -52,6 +54,7 @@ struct CaptureState {
   PyObject_HEAD
   int capturing;
   int probed;  // this pass's first capturing call asked whether torch.compile is tracing
+  uint64_t serial;  // passes begun (capturing turned on): a call that outlives its pass is numbered again
   PyObject* dumper;
   PyObject* calls;        // dict: name -> calls this pass (Dumper._calls, cleared per pass)
   PyObject* name_ids;     // dict: name -> id (Dumper._name_ids; ids never change)
@@ -123,6 +126,7 @@ PyObject* state_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
   auto* s = reinterpret_cast<CaptureState*>(type->tp_alloc(type, 0));
   if (s == nullptr) return nullptr;
   s->capturing = 0;
+  s->serial = 0;
   s->dumper = Py_NewRef(dumper);
   s->calls = Py_NewRef(calls);
   s->name_ids = Py_NewRef(name_ids);
@@ -142,6 +146,7 @@ int state_set_capturing(CaptureState* s, PyObject* value, void*) {
   }
   int on = PyObject_IsTrue(value);
   if (on < 0) return -1;
+  if (on && !s->capturing) s->serial++;
   s->capturing = on;
   s->probed = 0;
   return 0;
@@ -224,7 +229,7 @@ PyObject* call_method(CaptureState* st, PyObject* method, PyObject** argv, size_
     if (tracing) {
       PyObject* bound = PyObject_GetAttr(st->dumper, method);
       if (bound == nullptr) return nullptr;
-      PyObject* args[5] = {nullptr, bound};
+      PyObject* args[8] = {nullptr, bound};
       for (size_t i = 1; i < n; ++i) args[i + 1] = argv[i];
       PyObject* r = PyObject_Vectorcall(st->dynamo_outside, args + 1, n | PY_VECTORCALL_ARGUMENTS_OFFSET, nullptr);
       Py_DECREF(bound);
@@ -262,10 +267,12 @@ int absorb_error(CaptureState* st, PyObject* name, PyObject* value) {
   return 0;
 }
 
-// dumper.<method>(name, value[, extra]) with errors absorbed; -1 only for a propagating BaseException.
-int call_dumper(CaptureState* st, PyObject* method, PyObject* name, PyObject* value, PyObject* extra = nullptr) {
-  PyObject* argv[] = {st->dumper, name, value, extra};
-  size_t n = extra ? 4 : 3;
+// dumper.<method>(name, value[, extra[, more]]) with errors absorbed; -1 only for a propagating
+// BaseException.
+int call_dumper(CaptureState* st, PyObject* method, PyObject* name, PyObject* value, PyObject* extra = nullptr,
+                PyObject* more = nullptr) {
+  PyObject* argv[] = {st->dumper, name, value, extra, more};
+  size_t n = more ? 5 : extra ? 4 : 3;
   PyObject* r = call_method(st, method, argv, n);
   if (r != nullptr) {
     Py_DECREF(r);
@@ -354,13 +361,40 @@ bool plain_output(PyObject* out, PyObject* tensor_type) {
   return true;
 }
 
-// After forward returned `out` in a pass. -1 only for a propagating BaseException.
-int capture_output(ForwardWrapper* w, PyObject* out) {
+// The number of a call of `name` starting now in this pass (Dumper._claim's twin): calls[name] is
+// the count of calls started so far. -1: not numbered (the error went to _capture_failed; the
+// output is numbered when it returns); -2: a BaseException propagates.
+Py_ssize_t claim_call(CaptureState* st, PyObject* name) {
+  Py_ssize_t k = 0;
+  PyObject* started = PyDict_GetItemWithError(st->calls, name);  // borrowed
+  if (started != nullptr) {
+    k = PyLong_Check(started) ? PyLong_AsSsize_t(started) : -1;
+    if (k < 0) {
+      if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "fastdump: a call count is not a count");
+      return absorb_error(st, name, Py_None) < 0 ? -2 : -1;
+    }
+  } else if (PyErr_Occurred()) {
+    return absorb_error(st, name, Py_None) < 0 ? -2 : -1;
+  }
+  PyObject* next = k == 0 ? Py_NewRef(s_one) : PyLong_FromSsize_t(k + 1);
+  const int failed = next == nullptr || PyDict_SetItem(st->calls, name, next) < 0;
+  Py_XDECREF(next);
+  if (failed) return absorb_error(st, name, Py_None) < 0 ? -2 : -1;
+  return k;
+}
+
+// After forward returned `out` in a pass, for the call numbered `k` when it started (-1: number it
+// now). -1 only for a propagating BaseException.
+int capture_output(ForwardWrapper* w, PyObject* out, Py_ssize_t k) {
   CaptureState* st = w->state;
-  const int seen = plain_output(out, st->tensor_type) ? PyDict_Contains(st->calls, w->name) : 1;
-  if (seen < 0) return absorb_error(st, w->name, out);
-  if (seen) return call_dumper(st, s_capture, w->name, out);  // another output or call (name#k): Python
-  if (PyDict_SetItem(st->calls, w->name, s_one) < 0) return absorb_error(st, w->name, out);
+  if (k != 0 || !plain_output(out, st->tensor_type)) {  // another output or call (name#k): Python
+    if (k < 0) return call_dumper(st, s_capture, w->name, out);
+    PyObject* number = PyLong_FromSsize_t(k);
+    if (number == nullptr) return absorb_error(st, w->name, out);
+    const int r = call_dumper(st, s_capture, w->name, out, Py_None, number);
+    Py_DECREF(number);
+    return r;
+  }
   if (Py_TYPE(out) == reinterpret_cast<PyTypeObject*>(st->tensor_type)) return stage_one(w, 0, out);
   Py_INCREF(out);
   int r = 0;
@@ -381,8 +415,8 @@ int capture_output(ForwardWrapper* w, PyObject* out) {
   return r;
 }
 
-// dumper._capture_inputs(name, args, kwargs), before forward (it may change its inputs in place).
-int capture_inputs(ForwardWrapper* w, PyObject* const* args, size_t nargsf, PyObject* kwnames) {
+// dumper._capture_inputs(name, args, kwargs, k), before forward (it may change its inputs in place).
+int capture_inputs(ForwardWrapper* w, PyObject* const* args, size_t nargsf, PyObject* kwnames, Py_ssize_t k) {
   CaptureState* st = w->state;
   const Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
   PyObject* tuple = PyTuple_New(nargs);
@@ -397,7 +431,11 @@ int capture_inputs(ForwardWrapper* w, PyObject* const* args, size_t nargsf, PyOb
       if (PyDict_SetItem(kwargs, PyTuple_GET_ITEM(kwnames, i), args[nargs + i]) < 0)
         r = absorb_error(st, w->name, Py_None);
     }
-    if (r == 0) r = call_dumper(st, s_capture_inputs, w->name, tuple, kwargs);
+    if (r == 0) {
+      PyObject* number = k >= 0 ? PyLong_FromSsize_t(k) : Py_NewRef(Py_None);
+      r = number ? call_dumper(st, s_capture_inputs, w->name, tuple, kwargs, number) : absorb_error(st, w->name, Py_None);
+      Py_XDECREF(number);
+    }
   }
   Py_XDECREF(tuple);
   Py_XDECREF(kwargs);
@@ -449,9 +487,15 @@ PyObject* capture_call(ForwardWrapper* w, PyObject* const* args, size_t nargsf, 
     if (tracing != 0 && r == nullptr && absorb_error(st, w->name, Py_None) < 0) goto done;
     Py_XDECREF(r);
   }
-  if (w->inputs && capture_inputs(w, args, nargsf, kwnames) < 0) goto done;
-  out = PyObject_Vectorcall(w->forward, args, nargsf, kwnames);
-  if (out != nullptr && w->state->capturing && capture_output(w, out) < 0) Py_CLEAR(out);
+  {
+    const Py_ssize_t k = claim_call(st, w->name);
+    if (k == -2) goto done;
+    const uint64_t serial = st->serial;
+    if (w->inputs && capture_inputs(w, args, nargsf, kwnames, k) < 0) goto done;
+    out = PyObject_Vectorcall(w->forward, args, nargsf, kwnames);
+    // A pass that ended (and another that began) inside the call: number the output in the new one.
+    if (out != nullptr && st->capturing && capture_output(w, out, st->serial == serial ? k : -1) < 0) Py_CLEAR(out);
+  }
 done:
   Py_DECREF(w);
   return out;

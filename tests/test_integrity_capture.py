@@ -721,3 +721,73 @@ def test_a_model_that_cannot_be_wrapped_leaves_no_writer_and_no_wrapper(tmp_path
     assert "forward" not in model.a.__dict__
     assert Engine._current is None or Engine._current.closed
     assert d.close()["status"] == "error"
+
+
+class CallsTwice(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.lin(self.lin(x))
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_a_module_that_calls_itself_numbers_its_calls_as_they_start(tmp_path, monkeypatch, native):
+    """Inputs, hooks' values and output of one call share its #k even when the calls nest: the outer
+    call starts first (#0) and returns last. Numbered as they returned, the inner and the outer call
+    both dumped `Nest.input.0` (two tensors under one name, which the reader then renamed)."""
+    from fastdump.capture import dumper as dumper_mod
+
+    monkeypatch.setattr(dumper_mod, "_native_wrappers", native)
+
+    class Nest(nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x, depth):
+            h = self.lin(x)
+            return (self(h, depth - 1) if depth else h) * 3
+
+    model = Nest()
+    d = fastdump.attach(model, tmp_path, inputs=True)
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        out = model(x, 2)
+    d.close()
+    dumped = fastdump.open(tmp_path).load("target", 0, 0)
+    with torch.no_grad():
+        h0 = model.lin(x)
+        h1 = model.lin(h0)
+        h2 = model.lin(h1)
+    assert same_bits(out, h2 * 3 * 3 * 3)
+    want = {"Nest": out, "Nest#1": h2 * 3 * 3, "Nest#2": h2 * 3,
+            "Nest.input.0": x, "Nest#1.input.0": h0, "Nest#2.input.0": h1,
+            "lin": h0, "lin#1": h1, "lin#2": h2, "lin.input.0": x, "lin#1.input.0": h0, "lin#2.input.0": h1}
+    assert sorted(dumped) == sorted(want)
+    for name, value in want.items():
+        assert same_bits(dumped[name], value), name
+    assert verify(tmp_path).problems == []
+
+
+def test_verify_fails_a_pass_holding_two_tensors_under_one_name(tmp_path):
+    """A dump() named like a numbered call (`lin#1`) collides with it: the pass holds two tensors
+    under one name, which is mixed data. verify must say so, and the reader keeps both."""
+    model = CallsTwice()
+    d = fastdump.attach(model, tmp_path)
+    x = torch.randn(2, 4)
+    marker = torch.full((3,), 7.0)
+    with torch.no_grad():
+        d.begin_pass()
+        model(x)
+        d.dump("lin#1", marker)
+        d.end_pass()
+    d.close()
+    problems = verify(tmp_path).problems
+    assert len(problems) == 1 and "pass 0: 2 tensors named 'lin#1'" in problems[0], problems
+    dumped = fastdump.open(tmp_path).load("target", 0, 0)
+    assert same_bits(dumped["lin#1"], model.lin(model.lin(x))) and same_bits(dumped["lin#1#dup1"], marker)
+    assert cli_dump.main(["verify", str(tmp_path)]) == 1

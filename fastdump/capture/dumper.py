@@ -13,6 +13,7 @@ import collections
 import copy
 import dataclasses
 import functools
+import inspect
 import logging
 import os
 import socket
@@ -118,7 +119,8 @@ class Dumper:
         self.error = None
         self._unconfirmed = collections.deque()  # seqs of pass ends the writer has not handled yet
         self._pid = os.getpid()
-        self._calls: dict = {}           # name -> calls this pass, for name#k
+        self._calls: dict = {}           # name -> calls started this pass, for name#k (_claim)
+        self._open_calls: list = []      # (name, k, pass_id) of calls the outside() wrappers opened
         self._name_ids: dict = {}
         # What the C++ forward wrappers share: the _capturing flag, _calls, _name_ids, the C++ lane.
         self._state = _C.CaptureState(self, self._calls, self._name_ids, _TensorType)
@@ -361,6 +363,8 @@ class Dumper:
         self.pass_id += 1
         self._meta, self._next_meta = self._next_meta, {}
         self._calls.clear()
+        if self._open_calls:
+            self._open_calls.clear()  # (calls that raised: never closed)
         if self._skipped:
             self._skipped = {}
         # (A forked child's copies have no engine: _forget_parent_dumpers, at fork.)
@@ -478,11 +482,20 @@ class Dumper:
             log.warning(fmt, *args)
 
     # -- capture (hot path) ------------------------------------------------------------------------
-    def _capture(self, name: str, value, convert=None) -> None:
-        if not self._capturing:
-            return
+    def _claim(self, name: str) -> int:
+        """The number (``#k``) of a call of ``name`` that starts now in this pass. Calls are numbered
+        in the order they start, so that a call's inputs, its hooks' values and its output share one
+        number even when the module calls itself (an inner call starts later and returns first)."""
         k = self._calls.get(name, 0)
         self._calls[name] = k + 1
+        return k
+
+    def _capture(self, name: str, value, convert=None, k=None) -> None:
+        """``value`` returned by the call numbered ``k`` (None: a call, or a dump(), numbered now)."""
+        if not self._capturing:
+            return
+        if k is None:
+            k = self._claim(name)
         call_name = name if k == 0 else f"{name}#{k}"
         if convert is not None:  # a watched module's hook (watch)
             try:
@@ -491,9 +504,10 @@ class Dumper:
                 return self._hook_failed(call_name, "convert(output)", exc)
         self._emit_safely(call_name, value)
 
-    def _capture_before(self, name: str, before, args, kwargs) -> None:
+    def _capture_before(self, name: str, before, args, kwargs, k=None) -> None:
         """A watched module's ``before`` hook, and what it returns dumped as ``name[#k].<key>``."""
-        k = self._calls.get(name, 0)  # like inputs: the values of the k-th call share its #k
+        if k is None:  # (the call was not numbered at its start: the number the next call gets)
+            k = self._calls.get(name, 0)
         call_name = name if k == 0 else f"{name}#{k}"
         try:
             values = before(args, kwargs)
@@ -506,6 +520,36 @@ class Dumper:
             return self._hook_failed(call_name, reason, None)
         for key, value in values.items():
             self._emit_safely(f"{call_name}.{key}", value)
+
+    # The wrappers whose steps run through `outside` (torch.compile's graph breaks, watch()'s hooks)
+    # keep no number in a local: a value that changes every pass, flowing through a frame Dynamo
+    # traces, would recompile it every pass. They open the call here instead; it is closed (and its
+    # output captured) by _exit_call. Calls nest, so the innermost open call of a name is the one.
+    def _enter_call(self, name: str, args=(), kwargs=None, inputs: bool = False, before=None) -> None:
+        """A call of ``name`` starts: numbered, kept open, its ``before`` hook's values and its inputs
+        (with ``inputs``) captured under its number."""
+        if not self._capturing:
+            return
+        k = self._claim(name)
+        self._open_calls.append((name, k, self.pass_id))
+        if before is not None:
+            self._capture_before(name, before, args, kwargs, k)
+        if inputs and self._capturing:
+            self._capture_inputs(name, args, kwargs, k)
+
+    def _open_number(self, name: str, close: bool = False):
+        """The number of the innermost open call of ``name`` in this pass, or None."""
+        calls = self._open_calls
+        for i in range(len(calls) - 1, -1, -1):
+            if calls[i][0] == name:
+                _, k, pass_id = calls.pop(i) if close else calls[i]
+                return k if pass_id == self.pass_id else None
+        return None
+
+    def _exit_call(self, name: str, value, convert=None) -> None:
+        k = self._open_number(name, close=True)
+        if self._capturing:
+            self._capture(name, value, convert, k)
 
     def _hook_failed(self, name: str, what: str, exc: Exception | None) -> None:
         reason = what if exc is None else f"{what} raised {type(exc).__name__}: {_short(exc)}"
@@ -747,24 +791,29 @@ class Dumper:
             if not dumper._capturing:
                 return forward(*args, **kwargs)
             if _is_compiling():  # torch.compile is tracing us: stage the real values at graph breaks
-                if inputs:
-                    _outside_graph(dumper._capture_inputs, name, args, kwargs)
-                out = forward(*args, **kwargs)
-                _outside_graph(dumper._capture, name, out)
+                if inputs:  # numbered as it starts, as eagerly (one graph break before, as ever)
+                    _outside_graph(dumper._enter_call, name, args, kwargs, True)
+                    out = forward(*args, **kwargs)
+                    _outside_graph(dumper._exit_call, name, out)
+                else:  # numbered as it returns: no second graph break per module (docs/INTERNALS.md)
+                    out = forward(*args, **kwargs)
+                    _outside_graph(dumper._capture, name, out)
                 return out
+            pass_id = dumper.pass_id
+            k = dumper._claim(name)  # numbered as it starts (see _claim)
             if inputs:  # before forward: it may change its inputs in place
-                dumper._capture_inputs(name, args, kwargs)
+                dumper._capture_inputs(name, args, kwargs, k)
             out = forward(*args, **kwargs)
             if dumper._capturing:
-                calls = dumper._calls
-                if type(out) is _TensorType and name not in calls:
-                    calls[name] = 1  # the common case, inlined: first call, one plain tensor
+                if dumper.pass_id != pass_id:
+                    k = None  # its pass ended inside the call: numbered in the new one
+                if k == 0 and type(out) is _TensorType:  # the common case, inlined: first call, one tensor
                     try:  # free in 3.11 unless raised: nothing fastdump does may raise into the model
                         dumper._stage(name, out)
                     except Exception as exc:
                         dumper._capture_failed(name, out, exc)
                 else:
-                    dumper._capture(name, out)
+                    dumper._capture(name, out, None, k)
             return out
 
         return forward_and_capture
@@ -782,11 +831,12 @@ class Dumper:
                 return forward(*args, **kwargs)
             # torch.compile tracing us: the hooks and the staging run eagerly, at graph breaks
             outside = _outside_graph if _is_compiling() else _call
-            if before is not None:
-                outside(dumper._capture_before, name, before, args, kwargs)
-            if inputs:
-                outside(dumper._capture_inputs, name, args, kwargs)
-            out = forward(*args, **kwargs)
+            if before is not None or inputs or outside is _call:  # numbered as it starts (see _claim)
+                outside(dumper._enter_call, name, args, kwargs, inputs, before)
+                out = forward(*args, **kwargs)
+                outside(dumper._exit_call, name, out, convert)
+                return out
+            out = forward(*args, **kwargs)  # compiled, nothing before forward: numbered as it returns
             if dumper._capturing:
                 outside(dumper._capture, name, out, convert)
             return out
@@ -836,10 +886,13 @@ class Dumper:
             try:
                 if native is not None and outside is _call and not dumper._python_wrappers:
                     return native(*args, **kwargs)  # inputs and output captured in C++, as for a leaf
-                if name is not None and dumper.inputs and dumper._capturing:
-                    outside(dumper._capture_inputs, name, args, kwargs)
+                if name is not None and dumper._capturing and (dumper.inputs or outside is _call):
+                    outside(dumper._enter_call, name, args, kwargs, dumper.inputs)  # numbered as it starts
+                    out = forward(*args, **kwargs)
+                    outside(dumper._exit_call, name, out)
+                    return out
                 out = forward(*args, **kwargs)
-                if name is not None and dumper._capturing:
+                if name is not None and dumper._capturing:  # compiled, no inputs: numbered as it returns
                     outside(dumper._capture, name, out)
             except BaseException as exc:
                 outside(dumper._forward_raised, exc)
@@ -850,8 +903,10 @@ class Dumper:
 
         return forward_in_pass
 
-    def _capture_inputs(self, name: str, args, kwargs) -> None:
-        k = self._calls.get(name, 0)  # inputs of the k-th call share its #k
+    def _capture_inputs(self, name: str, args, kwargs, k=None) -> None:
+        """The inputs of the call numbered ``k`` (see _claim), dumped as ``name[#k].input.<i|key>``."""
+        if k is None:  # (the call was not numbered at its start: the number the next call gets)
+            k = self._calls.get(name, 0)
         base = name if k == 0 else f"{name}#{k}"
         if not self._capturing:
             return
@@ -969,11 +1024,18 @@ def _following(owner, forward):
     if owner is None:
         return forward
 
+    # What `cls.forward` last gave as a plain function, and whether the class attribute behind it
+    # is a staticmethod (which `cls.forward` unwraps to the same plain function): found in the MRO
+    # only when the class or its forward changes, not at every call.
+    seen = [None, None, False]  # [cls, function, static]
+
     def class_forward(*args, **kwargs):
         cls = type(owner)  # (at call time: some libraries swap a module's __class__, FSDP2 does)
         f = cls.forward
         if type(f) is types.FunctionType:
-            return f(owner, *args, **kwargs)
+            if seen[0] is not cls or seen[1] is not f:
+                seen[:] = [cls, f, isinstance(inspect.getattr_static(cls, "forward", None), staticmethod)]
+            return f(*args, **kwargs) if seen[2] else f(owner, *args, **kwargs)
         get = getattr(type(f), "__get__", None)
         return (f if get is None else get(f, owner, cls))(*args, **kwargs)
 

@@ -319,6 +319,7 @@ def _check_open_segment(report: _Report, where: str, h5file, read_data: bool):
     pass_ids = passes["pass"].tolist()
     if len(set(pass_ids)) != len(pass_ids):
         report.problem(where, "a pass id appears twice in the passes table")
+    _check_unique_names(report, where, index, names)
     stray = set(np.unique(index["pass"]).tolist()) - set(pass_ids)
     if stray:
         report.problem(where, f"tensors of passes missing from the passes table: {sorted(stray)[:5]}")
@@ -411,6 +412,21 @@ def _check_status(report: _Report, path: str, info: dict) -> str:
     if error and status != "error":
         report.problem(path, f"status {_printable(status)}, but an error was recorded: {_printable(error)}")
     return status
+
+
+def _check_unique_names(report: _Report, where: str, index, names) -> None:
+    """Two tensors under one name in one pass are mixed data (the capture layer names every call
+    and element uniquely): the reader would have to rename one, and nobody could tell which is which."""
+    if not len(index):
+        return
+    keys = np.stack([index["pass"].astype(np.int64), index["name"].astype(np.int64)], axis=1)
+    unique, counts = np.unique(keys, axis=0, return_counts=True)
+    repeated = unique[counts > 1]
+    for (pass_id, slot), count in zip(repeated[:5].tolist(), counts[counts > 1][:5].tolist()):
+        name = names[slot] if isinstance(names, list) and 0 <= slot < len(names) else slot
+        report.problem(where, f"pass {pass_id}: {count} tensors named {name!r} (mixed: which is which is lost)")
+    if len(repeated) > 5:
+        report.problem(where, f"... and {len(repeated) - 5} more names repeated within a pass")
 
 
 def _check_counts(report: _Report, path: str, info: dict, pass_ids: set, tensors: int) -> None:
