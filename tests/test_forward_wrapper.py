@@ -661,3 +661,42 @@ def test_a_deep_copy_of_a_dumped_compiled_model_is_its_own_and_not_dumped(tmp_pa
     ds = fastdump.open(tmp_path)
     assert ds.passes("target", 0) == [0]  # the copy's forward was not dumped
     assert same_bits(ds.load("target", 0, 0)["Sequential"], out)
+
+
+def test_a_compiled_model_with_inputs_numbers_each_call_and_does_not_recompile_per_pass(tmp_path):
+    """Under torch.compile with inputs=True a call is numbered when it starts, in the graph break
+    that captures its inputs (Dumper._enter_call), and closed by the one that captures its output:
+    inputs and output share #k, and no per-pass value flows through the traced frames (which would
+    recompile them every pass)."""
+    import torch._dynamo
+
+    class Twice(nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.lin(self.lin(x)) + 1
+
+    torch._dynamo.reset()
+    model = Twice()
+    compiled = torch.compile(model, backend="eager")
+    xs = [torch.randn(2, 4) for _ in range(4)]
+    with fastdump.attach(compiled, tmp_path, inputs=True):
+        with torch.no_grad():
+            outs = [compiled(x) for x in xs[:2]]
+            frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+            outs += [compiled(x) for x in xs[2:]]
+            assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == frames  # nothing recompiled
+    ds = fastdump.open(tmp_path)
+    assert ds.passes("target", 0) == [0, 1, 2, 3]
+    for p, (x, out) in enumerate(zip(xs, outs)):
+        with torch.no_grad():
+            a = model.lin(x)
+            b = model.lin(a)
+        dumped = ds.load("target", 0, p)
+        want = {"lin.input.0": x, "lin": a, "lin#1.input.0": a, "lin#1": b, "Twice.input.0": x, "Twice": out}
+        assert sorted(dumped) == sorted(want), (p, list(dumped))
+        for name, value in want.items():
+            assert same_bits(dumped[name], value), (p, name)
