@@ -307,8 +307,6 @@ def test_two_names_sharing_a_block_are_reported(dump):
     assert code == 1 and has(problems, "seg-000000.h5 block 0", "name different tensors"), problems
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: the reader does not check that a block holds one name: "
-                                       "index rows with swapped names return swapped data, CRC-checked")
 def test_reader_refuses_two_names_sharing_a_block(dump, expected):
     def change(index):
         index["name"][4], index["name"][5] = 1, 0
@@ -353,8 +351,6 @@ def test_reader_refuses_rows_whose_pass_ids_were_swapped(dump, expected):
 # ------------------------------------------------------------------------------- name table
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: verify accepts a name table that is a list of non-strings "
-                                       "(the reader refuses the segment as unreadable)")
 def test_name_table_with_non_string_entries(dump, expected):
     set_names(seg(dump, 0), [0, 1, 2, "Sequential"])
     ds = open_quietly(dump)
@@ -366,16 +362,12 @@ def test_name_table_with_non_string_entries(dump, expected):
     assert code == 1 and has(problems, "seg-000000.h5", "name table"), problems
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: verify accepts a name table with the same name twice: each "
-                                       "pass then holds two tensors named '0' (checked by slot, not by name)")
 def test_verify_fails_a_name_table_naming_two_slots_alike(dump):
     set_names(seg(dump, 0), ["0", "0", "2", "Sequential"])
     code, problems, _ = verify(dump)
     assert code == 1 and has(problems, "seg-000000.h5", "'0'"), problems
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: with a name listed twice in the name table, load()['0'] is slot "
-                                       "0's tensor but tensor('0') and series('0') silently return slot 1's")
 def test_reader_is_consistent_about_a_name_listed_twice(dump, expected):
     set_names(seg(dump, 0), ["0", "0", "2", "Sequential"])
     with fastdump.open(dump) as ds:
@@ -532,8 +524,6 @@ def test_negative_and_huge_pass_ids_read_back_without_error(dump, expected):
         assert ds.meta("target", 0, huge)["tensors"] == 4
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: verify misses a pass split over two segments that holds the "
-                                       "same name in both parts (names are checked per segment only)")
 def test_a_continued_pass_with_a_name_in_both_segments(dump, expected):
     """The writer may flush a pass still open (complete = 0) and continue it in the next segment.
     Here seg 0's pass 1 is marked so and seg 1's pass 2 is relabelled 1: pass 1 then holds each
@@ -570,8 +560,6 @@ def test_a_segment_renamed_leaving_a_gap(dump, expected):
         assert same(ds.load("target", 0, 3, check=True)["1"], expected[3]["1"])
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: verify does not compare a segment's 'segment' attribute with "
-                                       "the number in its file name (FORMAT.md: 'the number in the file name')")
 def test_a_renamed_segment_whose_number_attribute_disagrees(dump):
     """The last segment renamed seg-000004.h5 (a gap: 2 and 3 missing) and rank.json made to agree:
     only the file's own ``segment`` attribute (2) tells."""
@@ -635,8 +623,6 @@ def test_rank_json_damaged(dump, expected, content, capsys):
     assert cli_dump.main(["ls", str(dump)]) == 0
 
 
-@pytest.mark.xfail(strict=True, raises=TypeError, reason="BUG: a rank.json segments entry whose 'file' is a "
-                                                          "list or object crashes verify (TypeError: unhashable)")
 @pytest.mark.parametrize("bad_file", [["seg-000000.h5"], {"a": 1}])
 def test_rank_json_segment_file_of_the_wrong_type(dump, bad_file):
     edit_rank_json(dump, lambda info: info["segments"][0].update(file=bad_file))
@@ -644,9 +630,6 @@ def test_rank_json_segment_file_of_the_wrong_type(dump, bad_file):
     assert code == 1 and has(problems, "rank.json"), problems
 
 
-@pytest.mark.xfail(strict=True, raises=RecursionError, reason="BUG: deeply nested JSON (rank.json) raises "
-                                                               "RecursionError out of fsutil.load_json: verify, "
-                                                               "ls and the reader crash")
 @pytest.mark.parametrize("entry", ["verify", "reader", "ls"])
 def test_deeply_nested_rank_json(dump, entry, capsys):
     (rank_dir(dump) / "rank.json").write_text("[" * 100_000 + "]" * 100_000)
@@ -661,8 +644,6 @@ def test_deeply_nested_rank_json(dump, entry, capsys):
         assert cli_dump.main(["ls", str(dump)]) == 0
 
 
-@pytest.mark.xfail(strict=True, raises=RecursionError, reason="BUG: deeply nested producer_error.json / "
-                                                               "fastdump.json raise RecursionError (same cause)")
 @pytest.mark.parametrize("file", ["producer_error", "manifest"])
 def test_deeply_nested_other_json(dump, file):
     path = rank_dir(dump) / "producer_error.json" if file == "producer_error" else dump / "fastdump.json"
