@@ -147,7 +147,7 @@ def load_json(path: str, max_bytes: int = MAX_JSON_BYTES):
         os.close(fd)
     try:
         return json.loads(b"".join(chunks).decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as exc:
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:  # RecursionError: nesting too deep
         raise ValueError(f"not valid JSON ({exc})") from None
 
 

@@ -135,8 +135,8 @@ class SegmentIndex:
     """The tables of one segment file (no tensor data), checked against each other.
 
     Construction raises ``DumpError`` (file and row named) when the tables cannot be trusted: rows
-    naming no name, rows overlapping or leaving gaps in their block, rows disagreeing with the pass
-    table. Blocks themselves are checked when first read (``block``: present, stored in this file,
+    naming no name, a name listed twice, rows of two names in one block, rows overlapping or leaving
+    gaps in their block, rows disagreeing with the pass table. Blocks themselves are checked when first read (``block``: present, stored in this file,
     as many rows as the index covers), before any of their data is read; a missing or bad block
     fails the reads that need it, not the rest of the segment.
     A bad ``pass_meta`` entry only loses that pass's metadata: it is listed in ``problems``.
@@ -167,6 +167,8 @@ class SegmentIndex:
         names = json.loads(_attr_str(h5file[fmt.NAMES][()]))
         if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
             raise DumpError(f"{path}: the name table is not a list of strings")
+        if len(set(names)) != len(names):  # two slots, one name: load() and tensor() would disagree
+            raise DumpError(f"{path}: the name table lists a name twice")
         self.names: list = names
         self.index: np.ndarray = h5file[fmt.INDEX][()]
         self.passes: np.ndarray = h5file[fmt.PASSES][()]
@@ -226,6 +228,11 @@ class SegmentIndex:
             i = wrong[0]
             bad([order[i]], f"rows {int(firsts[i])}..{int(stops[i])} of block {int(blocks[i])} "
                             f"{'overlap the previous tensor' if firsts[i] < expected[i] else 'leave a gap'}")
+        # One block holds one name (its layout's): rows naming another would return its data.
+        names = index["name"][order]
+        other = np.flatnonzero(~starts_block[1:] & (names[1:] != names[:-1])) + 1
+        if len(other):
+            bad([order[other[0]]], f"block {int(blocks[other[0]])} holds rows of more than one name")
         last_of_block = np.flatnonzero(np.append(blocks[1:] != blocks[:-1], True)) if len(order) else []
         block_rows = {int(blocks[i]): int(stops[i]) for i in last_of_block}
         return block_rows
@@ -245,7 +252,7 @@ class SegmentIndex:
                     raise ValueError("not {\"meta\": {...}, \"skipped\": [...]}")
                 parsed.append({**entry, "meta": entry.get("meta") or {},  # other keys: incomplete, mixed
                                "skipped": [s for s in entry.get("skipped") or [] if isinstance(s, dict)]})
-            except (ValueError, TypeError) as exc:
+            except (ValueError, TypeError, RecursionError) as exc:
                 self.problems.append(f"{self.path}: pass_meta of pass {int(self.passes['pass'][position])} "
                                      f"unreadable ({exc}); its metadata is ignored")
                 parsed.append(dict(empty))

@@ -8,6 +8,7 @@ damage) so that it reports every problem instead of stopping at the first.
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import math
 import os
@@ -284,15 +285,18 @@ def _check_open_segment(report: _Report, where: str, h5file, read_data: bool):
     if index.dtype != fmt.INDEX_DTYPES[version] or passes.dtype != fmt.PASS_DTYPE:
         report.problem(where, "index or passes table has an unexpected layout")
         return None
-    if not isinstance(names, list):
-        report.problem(where, "the name table is not a JSON list")
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        report.problem(where, "the name table is not a JSON list of strings")
         return None
+    repeated = [n for n, count in collections.Counter(names).items() if count > 1]
+    if repeated:  # two slots, one name: their tensors are mixed under that name
+        report.problem(where, f"the name table lists {repeated[0]!r} more than once")
     if len(pass_meta) != len(passes):
         report.problem(where, f"{len(pass_meta)} pass_meta entries for {len(passes)} passes")
     for row, text in zip(passes, pass_meta):
         try:
             entry = json.loads(text)
-        except ValueError:
+        except (ValueError, RecursionError):
             report.problem(where, "pass_meta entry is not JSON")
             break
         _check_pass_reports(report, where, int(row["pass"]), entry)
@@ -339,6 +343,16 @@ def _check_open_segment(report: _Report, where: str, h5file, read_data: bool):
     }
     stored_summary = dict(summary)
     summary["pass_ids"] = pass_ids
+
+    def names_of(pass_id):  # a pass the writer flushed unfinished continues in the next segment
+        slots = index["name"][index["pass"] == pass_id].tolist()
+        return [names[s] if 0 <= s < len(names) else s for s in slots]
+
+    summary["first_names"], summary["last_names"] = names_of(summary["first_pass"]), names_of(summary["last_pass"])
+    number = fmt.segment_number(os.path.basename(where))
+    stored = attrs.get("segment", number)
+    if not isinstance(stored, int) or stored != number:  # a renamed or copied-in file
+        report.problem(where, f"attribute segment={_printable(repr(stored)):.80} but the file name says {number}")
     for key in ("first_pass", "last_pass", "passes", "tensors", "bytes"):
         stored = attrs.get(key)
         if isinstance(stored, int) and stored_summary[key] is not None and int(stored) != stored_summary[key]:
@@ -503,7 +517,10 @@ def check_rank_dir(report: _Report, path: str, read_data: bool = False) -> None:
         if not isinstance(item, dict):
             report.problem(path, f"{fmt.RANK_FILE} segments entry is not an object: {item!r:.80}")
             continue
-        listed[item.get("file")] = item
+        if not isinstance(item.get("file"), str):
+            report.problem(path, f"{fmt.RANK_FILE} segments entry without a file name: {item!r:.80}")
+            continue
+        listed[item["file"]] = item
         if item.get("file") not in on_disk_names:
             report.problem(path, f"{item.get('file')} is listed in {fmt.RANK_FILE} but missing")
             continue
@@ -533,17 +550,30 @@ def check_rank_dir(report: _Report, path: str, read_data: bool = False) -> None:
 
     # Segments cover disjoint, increasing pass ranges. The one allowed overlap: a pass the writer had
     # to flush before it ended (marked incomplete) continues in the next segment.
-    previous = None
+    # A continued pass must not repeat a name across its parts either (mixed data, as within one
+    # segment: _check_unique_names); carried: the names of the pass so far.
+    previous, carried = None, []
     for _, name in on_disk:
         summary = summaries.get(name)
         if summary is None or summary["first_pass"] is None:
             continue
+        continued = False
         if previous is not None:
             prev_name, prev = previous
             continued = summary["first_pass"] == prev["last_pass"] and prev["last_pass"] in prev["incomplete"]
             if summary["first_pass"] <= prev["last_pass"] and not continued:
                 report.problem(path, f"{name} passes {summary['first_pass']}..{summary['last_pass']} overlap "
                                      f"{prev_name} passes {prev['first_pass']}..{prev['last_pass']}")
+        if continued:
+            again = sorted(set(carried) & set(summary["first_names"]), key=str)
+            if again:
+                report.problem(path, f"pass {summary['first_pass']}: tensors named {again[0]!r} in both {name} and "
+                                     f"an earlier segment ({len(again)} name(s); mixed: which is which is lost)")
+            carried = carried + summary["first_names"]
+        else:
+            carried = summary["first_names"]
+        if summary["last_pass"] != summary["first_pass"]:
+            carried = summary["last_names"]
         previous = (name, summary)
 
 
