@@ -90,6 +90,8 @@ def parse_metric(text: str):
         threshold = float(value) if sep else DEFAULT_METRIC_THRESHOLD[name]
     except ValueError:
         raise ValueError(f"--metric {text!r}: threshold must be a number") from None
+    if not threshold >= 0:  # NaN would pass everything ('x > nan' is False), a negative nothing
+        raise ValueError(f"--metric {text!r}: threshold must be >= 0")
     return name, threshold
 
 
@@ -275,7 +277,8 @@ def _pair_units(role: str, base_refs: list, target_refs: list, missing: list) ->
             if b is None or t is None:
                 only = "baseline" if t is None else "target"
                 ref = b or t
-                missing.append({"kind": "rank", "only_in": only, "role": role, "rank": ref.rank, "path": ref.path})
+                missing.append({"kind": "rank", "only_in": only, "role": role, "rank": ref.rank,
+                                "dp_rank": ref.dp_rank, "path": ref.path})
                 continue
             units.append(Unit(role, t.rank, [[b]], [[t]]))
         return units
@@ -286,7 +289,7 @@ def _pair_units(role: str, base_refs: list, target_refs: list, missing: list) ->
         if not b or not t:
             for ref in b or t:
                 missing.append({"kind": "rank", "only_in": "baseline" if b else "target", "role": role,
-                                "rank": ref.rank, "path": ref.path})
+                                "rank": ref.rank, "dp_rank": ref.dp_rank, "path": ref.path})
             continue
         label = f"dp{dp}:merged"
         units.append(Unit(role, label, _stages(b), _stages(t)))
@@ -363,7 +366,7 @@ class _PassCache:
             loaded = None
             if small:
                 try:
-                    loaded = ref.ds.load(ref.role, ref.name, pass_id)
+                    loaded = ref.ds.load(ref.role, ref.name, pass_id, check=True)
                 except Exception:  # a damaged block: read tensor by tensor, so only that tensor fails
                     loaded = None
             self._passes[key] = loaded
@@ -372,7 +375,8 @@ class _PassCache:
             if name not in loaded:
                 raise KeyError(name)
             return loaded[name]
-        return ref.ds.tensor(ref.role, ref.name, name, pass_id)
+        # check=True: a changed bit is damage (exit 2, segment named), not a model divergence.
+        return ref.ds.tensor(ref.role, ref.name, name, pass_id, check=True)
 
 
 def _read_shards(stage: list, name: str, pass_id: int, cache: _PassCache) -> list:
@@ -486,10 +490,9 @@ def _verdict(result: dict, options: Options) -> list:
     for metric, threshold in options.metrics:
         if metric == "allclose" or result["bitwise"]:
             bad = result["mismatches"] > 0
-        elif metric == "rel_diff":
-            bad = result["rel_diff"] > threshold or result["nonfinite_mismatches"] > 0
-        else:
-            bad = (1.0 - result["cosine"]) > threshold or result["nonfinite_mismatches"] > 0
+        else:  # 'not <=': an undefined (NaN) distance fails
+            distance = result["rel_diff"] if metric == "rel_diff" else 1.0 - result["cosine"]
+            bad = not distance <= threshold or result["nonfinite_mismatches"] > 0
         if bad:
             failed.append(metric if threshold is None else f"{metric}>{threshold:g}")
     return failed
@@ -557,8 +560,9 @@ class _Progress:
 class DiffResult:
     """Outcome of a comparison. ``ok`` is True when every compared tensor is within tolerance."""
 
-    def __init__(self, baseline_roots, target_roots, options: Options, rows, missing, problems):
+    def __init__(self, baseline_roots, target_roots, options: Options, rows, missing, problems, notes=()):
         self.baseline, self.target = baseline_roots, target_roots
+        self.notes = list(notes)  # facts that do not change the verdict but qualify it (incomplete dumps)
         self.options = options
         self.rows = rows
         self.missing = missing
@@ -595,7 +599,7 @@ class DiffResult:
         return {"baseline": self.baseline, "target": self.target, "options": self.options.as_dict(),
                 "ok": self.ok, "exit_code": self.exit_code, "first_divergence": self.first_divergence,
                 "compared": self.compared, "failed": self.failed, "missing": self.missing,
-                "problems": self.problems, "rows": self.rows}
+                "problems": self.problems, "notes": self.notes, "rows": self.rows}
 
     def to_json(self, indent=None) -> str:
         """Strict JSON: infinities and NaN (a max_rel over a zero baseline) become strings."""
@@ -615,12 +619,15 @@ class DiffResult:
                        f"(atol {self.options.atol:g}, rtol {self.options.rtol:g})")
         else:
             out.append(f"first divergence: {_where(first)} {first['name']}  {_row_numbers(first)}")
-        for row in self.failures:
-            out.append(f"FAIL {_where(row)} {row['name']}  {_row_numbers(row)}")
+        for row in self.failures:  # ERROR: unreadable or damaged data, not a divergence of the model
+            label = "ERROR" if row["status"] == "error" else "FAIL"
+            out.append(f"{label} {_where(row)} {row['name']}  {_row_numbers(row)}")
         for item in self.missing:
             out.append("missing: " + _missing_text(item))
         for problem in self.problems:
             out.append(f"ERROR: {problem}")
+        for note in self.notes:
+            out.append(f"note: {note}")
         out.append(f"compared {self.compared}, failed {self.failed}, missing {len(self.missing)}"
                    + (f", problems {len(self.problems) + len(self.read_errors)}" if self.exit_code == 2 else ""))
         return out
@@ -690,26 +697,31 @@ def diff(baseline, target, **options) -> DiffResult:
             target_ds.close()
 
 
-def _check_side(ds, side: str, roles: list, options: Options) -> None:
+def _check_side(ds, side: str, roles: list, options: Options, notes: list) -> None:
     if not ds.roles:
         raise DiffError(f"{side} {ds.root}: no rank directories (expected <root>/<role>/<rank>/rank.json)")
     for role in roles:
         if role not in ds.roles:
             raise DiffError(f"{side} {ds.root}: no role {role!r} (roles: {ds.roles})")
-    if not options.allow_running:
-        for role in roles:
-            for name in ds.ranks(role):
-                ref = RankRef(ds, role, name)
+    for role in roles:
+        for name in ds.ranks(role):
+            ref = RankRef(ds, role, name)
+            error = ds.rank_info(role, name).get("error")
+            if ref.status in ("running", "error") and not options.allow_running:
                 temp = [e for e in os.listdir(ref.path) if e.endswith(".tmp")]
-                if ref.status == "running":
-                    raise DiffError(f"{side} {ref.path}: rank.json status is 'running' (the dump is still being "
-                                    f"written, or its writer was killed"
-                                    + (f"; open segment {temp[0]}" if temp else "")
-                                    + "); compare it once closed, or pass --allow-running to compare what is there")
+                why = (f"writing failed: {error}" if ref.status == "error" else
+                       "the dump is still being written, or its writer was killed")
+                raise DiffError(f"{side} {ref.path}: status is {ref.status!r} ({why}"
+                                + (f"; open segment {temp[0]}" if temp else "")
+                                + "); compare it once closed, or pass --allow-running to compare what is there")
+            if ref.status not in ("closed", "unknown"):
+                # 'incomplete' (the producer died; what it published was written) is still evidence
+                # worth comparing, but never silently.
+                notes.append(f"{side} {ref.path}: status is {ref.status!r}" + (f" ({error})" if error else ""))
 
 
 def _diff(base_ds, target_ds, options: Options) -> DiffResult:
-    missing, problems, rows = [], [], []
+    missing, problems, rows, notes = [], [], [], []
     roles = options.roles or sorted(set(base_ds.roles) | set(target_ds.roles))
     if not options.roles:
         for role in roles:
@@ -718,8 +730,8 @@ def _diff(base_ds, target_ds, options: Options) -> DiffResult:
                     missing.append({"kind": "role", "only_in": "target" if side == "baseline" else "baseline",
                                     "role": role})
         roles = [role for role in roles if role in base_ds.roles and role in target_ds.roles]
-    _check_side(base_ds, "baseline", roles, options)
-    _check_side(target_ds, "target", roles, options)
+    _check_side(base_ds, "baseline", roles, options, notes)
+    _check_side(target_ds, "target", roles, options, notes)
     if not roles:
         raise DiffError(f"no role in common: baseline has {base_ds.roles}, target has {target_ds.roles}")
 
@@ -742,6 +754,11 @@ def _diff(base_ds, target_ds, options: Options) -> DiffResult:
         for done, (unit_index, unit, pair) in enumerate(work, start=1):
             key, b_pass, t_pass = pair
             cache.clear()  # one pass pair in memory at a time
+            for side, stages, pass_id in (("baseline", unit.baseline, b_pass), ("target", unit.target, t_pass)):
+                meta = stages[0][0].ds.meta(stages[0][0].role, stages[0][0].name, pass_id)
+                if meta.get("complete") is False:  # compared, but the capture side said it is not whole
+                    notes.append(f"{unit.role} rank {unit.label}: {side} pass {pass_id} is marked incomplete"
+                                 + (f" ({meta['incomplete']})" if meta.get("incomplete") else ""))
             try:
                 base_names = _names_in_order(unit.baseline, b_pass)
                 target_names = _names_in_order(unit.target, t_pass)
@@ -783,11 +800,15 @@ def _diff(base_ds, target_ds, options: Options) -> DiffResult:
     problems.extend(base_ds.problems)
     problems.extend(target_ds.problems)
     rows.sort(key=lambda row: row.pop("_key"))
-    result = DiffResult(_roots(base_ds), _roots(target_ds), options, rows, missing, problems)
+    result = DiffResult(_roots(base_ds), _roots(target_ds), options, rows, missing, problems, notes)
     if result.compared == 0:
         common = base_names_seen & target_names_seen
-        if not work:
-            reason = "no passes in common (see missing; --align order or meta:KEY=VALUE pairs passes by order)"
+        if not units:
+            reason = "no rank in common" + "".join(f"\n  {_missing_text(item)}" for item in missing
+                                                   if item["kind"] == "rank")
+        elif not work:
+            reason = "no passes in common (--align order or meta:KEY=VALUE pairs passes by order)" + "".join(
+                f"\n  {_missing_text(item)}" for item in missing if item["kind"] == "passes")
         elif not common:
             reason = (f"no tensor name in common ({len(base_names_seen)} baseline names, "
                       f"{len(target_names_seen)} target names): these look like dumps of different models")

@@ -246,7 +246,8 @@ def _missing_text(item) -> str:
     if item["kind"] == "role":
         return f"role {item['role']!r} only in the {item['only_in']}"
     if item["kind"] == "rank":
-        return f"role {item['role']} rank {item['rank']} only in the {item['only_in']} ({item['path']})"
+        dp = f" (dp {item['dp_rank']})" if item.get("dp_rank") is not None else ""  # rank numbers repeat per DP replica
+        return f"role {item['role']} rank {item['rank']}{dp} only in the {item['only_in']} ({item['path']})"
     if item["kind"] == "passes":
         return f"role {item['role']} rank {item['rank']}: passes {_span(item['passes'])} only in the {item['only_in']}"
     return f"role {item['role']} rank {item['rank']}: {item['name']!r} only in the {item['only_in']} " \

@@ -7,6 +7,7 @@ counted, never summed: one NaN must not turn every statistic into NaN.
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import numpy as np
@@ -129,8 +130,10 @@ def compare(baseline, target, atol: float, rtol: float) -> dict:
 
     ``mismatch``: fraction of elements breaking ``|target - baseline| <= atol + rtol * |baseline|``;
     NaN equals NaN and an infinity equals the same infinity (a NaN or Inf on one side only is a
-    mismatch). ``rel_diff = 1 - 2*sum(xy) / sum(x^2 + y^2)`` and ``cosine`` are over the elements
-    finite on both sides. ``max_rel`` is ``max |a-b| / |b|`` (inf where b is 0 and a is not).
+    mismatch). Integer pairs take their differences exactly (2**53 vs 2**53+1 differ); a complex
+    element counts once. ``rel_diff = 1 - 2*sum(xy) / sum(x^2 + y^2)`` and ``cosine`` are over the
+    elements finite on both sides, summed scaled (no overflow), exactly 0 and 1 when those elements
+    are all equal. ``max_rel`` is ``max |a-b| / |b|`` (inf where b is 0 and a is not).
     Types with no arithmetic are compared bit for bit (``bitwise`` True, metrics None).
     """
     numel = baseline.numel()
@@ -142,43 +145,84 @@ def compare(baseline, target, atol: float, rtol: float) -> dict:
         return {"numel": numel, "bitwise": True, "max_abs": None, "max_rel": None, "rel_diff": None,
                 "cosine": None, "mismatch": 0.0 if equal else 1.0, "mismatches": 0 if equal else numel,
                 "nonfinite_mismatches": 0, "baseline": None, "target": None}
+    exact = _exact_int_dtype(baseline.dtype, target.dtype)
+    ints = zip(_native_chunks(baseline, exact), _native_chunks(target, exact)) if exact else itertools.repeat(None)
+    pairs = 2 if baseline.is_complex() or target.is_complex() else 1  # a complex element is 2 parts
     sxy = sxx = syy = 0.0
+    scale = -1100  # the sums are of (x / 2**scale): huge float64 values must not overflow them
     max_abs = max_rel = 0.0
     mismatches = nonfinite_mismatches = 0
+    equal = True  # every element finite on both sides is equal: exact 0 distance, whatever the rounding
     base_summary, target_summary = Summary(), Summary()
-    for b, a in zip(as_float64_chunks(baseline), as_float64_chunks(target)):
+    for b, a, raw in zip(as_float64_chunks(baseline), as_float64_chunks(target), ints):
         base_summary.add(b)
         target_summary.add(a)
         finite = np.isfinite(a) & np.isfinite(b)
+        with np.errstate(invalid="ignore", over="ignore"):
+            err = np.abs(a - b)
+        if raw is not None:  # integers: the exact difference, never rounded to 0 above 2**53
+            rb, ra = raw
+            err = (np.maximum(ra, rb).astype(np.uint64) - np.minimum(ra, rb).astype(np.uint64)).astype(np.float64)
+        abs_b = np.abs(b)
+        # Non-finite elements: equal when identical (NaN==NaN, +inf==+inf), otherwise a mismatch.
+        odd = ~finite & ~((np.isnan(a) & np.isnan(b)) | (a == b))
+        bad = odd | (finite & (err > atol + rtol * abs_b))
+        if pairs == 2:  # one complex element counts once, whichever of its parts differ
+            odd, bad = odd.reshape(-1, 2).any(axis=1), bad.reshape(-1, 2).any(axis=1)
+        nonfinite_mismatches += int(np.count_nonzero(odd))
+        mismatches += int(np.count_nonzero(bad))
         if not finite.all():
-            # Non-finite elements: equal when identical (NaN==NaN, +inf==+inf), otherwise a mismatch.
-            odd = ~finite
-            same = (np.isnan(a) & np.isnan(b)) | (a == b)
-            bad = int(np.count_nonzero(odd & ~same))
-            nonfinite_mismatches += bad
-            mismatches += bad
-            a, b = a[finite], b[finite]
+            a, b, err, abs_b = a[finite], b[finite], err[finite], abs_b[finite]
         if a.size == 0:
             continue
-        err = np.abs(a - b)
-        abs_b = np.abs(b)
-        mismatches += int(np.count_nonzero(err > atol + rtol * abs_b))
-        max_abs = max(max_abs, float(err.max()))
+        chunk_max = float(err.max())
+        max_abs = max(max_abs, chunk_max)
+        equal = equal and chunk_max == 0
         with np.errstate(divide="ignore", invalid="ignore"):
             rel = np.where(err == 0, 0.0, err / abs_b)  # x/0 -> inf, 0/0 -> 0
         max_rel = max(max_rel, float(rel.max()))
+        peak = max(float(np.abs(a).max()), float(abs_b.max()))
+        if peak > 0 and math.frexp(peak)[1] > scale:
+            new_scale = math.frexp(peak)[1]
+            shrink = math.ldexp(1.0, 2 * (scale - new_scale))
+            sxy, sxx, syy, scale = sxy * shrink, sxx * shrink, syy * shrink, new_scale
+        a, b = np.ldexp(a, -scale), np.ldexp(b, -scale)  # powers of two: exact
         sxy += float(np.dot(a, b))
         sxx += float(np.dot(a, a))
         syy += float(np.dot(b, b))
     energy = sxx + syy
-    rel_diff = 0.0 if energy == 0 else 1.0 - 2.0 * sxy / energy
-    norms = math.sqrt(sxx) * math.sqrt(syy)
-    cosine = (1.0 if sxx == syy == 0 else 0.0) if norms == 0 else sxy / norms
+    if equal:
+        rel_diff, cosine = 0.0, 1.0
+    else:
+        rel_diff = 0.0 if energy == 0 else 1.0 - 2.0 * sxy / energy
+        norms = math.sqrt(sxx * syy)
+        cosine = (1.0 if sxx == syy == 0 else 0.0) if norms == 0 else min(1.0, max(-1.0, sxy / norms))
     return {"numel": numel, "bitwise": False, "max_abs": max_abs, "max_rel": max_rel,
             "rel_diff": max(rel_diff, 0.0), "cosine": cosine,
             "mismatch": mismatches / numel if numel else 0.0, "mismatches": mismatches,
             "nonfinite_mismatches": nonfinite_mismatches,
             "baseline": base_summary.as_dict(), "target": target_summary.as_dict()}
+
+
+# Integer types that int64 holds exactly (uint16/uint32 exist in newer torch only).
+_INT64_SAFE = {torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64} | \
+    {getattr(torch, name) for name in ("uint16", "uint32") if hasattr(torch, name)}
+
+
+def _exact_int_dtype(*dtypes):
+    """The numpy type that holds both integer dtypes exactly; None (compare in float64) when either
+    is not an integer, or for uint64 against another type."""
+    if all(d in _INT64_SAFE for d in dtypes):
+        return np.int64
+    if all(d == getattr(torch, "uint64", None) for d in dtypes):
+        return np.uint64
+    return None
+
+
+def _native_chunks(tensor, np_dtype):
+    flat = tensor.detach().reshape(-1).cpu()
+    for start in range(0, flat.numel(), CHUNK_ELEMENTS):
+        yield flat[start:start + CHUNK_ELEMENTS].numpy().astype(np_dtype)
 
 
 def allclose_ok(result: dict) -> bool:

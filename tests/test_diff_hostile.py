@@ -1,0 +1,635 @@
+"""Hostile tests of the comparator (fastdump diff / fastdump.diff) on real dumps made by
+``fastdump.attach`` on small CPU models: odd dtypes and shapes, non-finite values, tolerance and
+metric options at their edges, names/passes/roles/ranks on one side only, incomplete and corrupt
+dumps, JSON against text, and an EAGLE-style target + draft dump compared across two runs.
+
+Tests once marked ``xfail(strict=True, reason="BUG: ...")`` documented bugs found in fastdump; those
+bugs are fixed and the tests pass.
+"""
+
+import glob
+import json
+import os
+import shutil
+import signal
+import time
+
+import h5py
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import fastdump
+from fastdump import cli
+from fastdump.compare import DiffError
+
+from toy_models import TinyDraft, TinyLM
+
+NAN, INF = float("nan"), float("inf")
+
+
+# ------------------------------------------------------------------------------------- helpers
+
+
+class Emit(nn.Module):
+    """A module whose output is a fixed tensor: its dump holds exactly that tensor, under its name."""
+
+    def __init__(self, tensor):
+        super().__init__()
+        self.tensor = tensor
+
+    def forward(self, x):
+        return self.tensor.clone()
+
+
+class Bag(nn.Module):
+    """Children named after the tensors they emit; the root ('Bag') returns its input unchanged."""
+
+    def __init__(self, tensors):
+        super().__init__()
+        for name, tensor in tensors.items():
+            self.add_module(name, Emit(tensor))
+
+    def forward(self, x):
+        for child in self.children():
+            child(x)
+        return x
+
+
+def dump_bag(root, tensors, passes=1, role="target", **options):
+    """Dump one pass per forward of a Bag of ``tensors`` ({name: tensor}) with fastdump.attach."""
+    model = Bag(tensors)
+    with fastdump.attach(model, root, role=role, writer="thread", **options), torch.inference_mode():
+        for _ in range(passes):
+            model(torch.zeros(1))
+    return root
+
+
+def pair(tmp_path, baseline, target, **kw):
+    """Two dumps of a Bag: {name: tensor} each."""
+    return dump_bag(tmp_path / "base", baseline, **kw), dump_bag(tmp_path / "target", target, **kw)
+
+
+def row_of(result, name, pass_id=0, role="target"):
+    (row,) = [r for r in result.rows if r["name"] == name and r["pass"] == pass_id and r["role"] == role]
+    return row
+
+
+def run(capsys, *argv):
+    code = cli.main(["diff", *map(str, argv)])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def rank_dir(root, role="target"):
+    (entry,) = os.listdir(os.path.join(root, role))
+    return os.path.join(root, role, entry)
+
+
+def dump_lm(root, model, steps=3, role="target", **options):
+    caches = model.new_cache()
+    ids = torch.tensor([[3, 14, 15, 9]])
+    with fastdump.attach(model, root, role=role, writer="thread", **options) as dumper, torch.inference_mode():
+        for step in range(steps):
+            dumper.set_pass_meta(forward_mode="prefill" if step == 0 else "decode")
+            ids = model(ids, caches)[:, -1:].argmax(-1)
+    return root
+
+
+@pytest.fixture(scope="module")
+def lm(tmp_path_factory):
+    return dump_lm(tmp_path_factory.mktemp("lm") / "a", TinyLM(seed=0))
+
+
+# ------------------------------------------------------------------------------ dtypes and shapes
+
+
+def test_same_values_in_other_dtypes_compare_equal_and_both_dtypes_are_reported(tmp_path):
+    values = [1.0, -2.5, 0.375, 1024.0]  # exact in every float type used here
+    base, target = pair(tmp_path, {"f": torch.tensor(values), "b": torch.tensor(values),
+                                   "i": torch.tensor([1, -2, 3], dtype=torch.int8)},
+                        {"f": torch.tensor(values, dtype=torch.float64), "b": torch.tensor(values, dtype=torch.bfloat16),
+                         "i": torch.tensor([1, -2, 3], dtype=torch.int64)})
+    result = fastdump.diff(base, target, atol=0, rtol=0)
+    assert result.ok and result.exit_code == 0 and result.compared == 4
+    for name, dtype, baseline_dtype in (("f", "float64", "float32"), ("b", "bfloat16", "float32"),
+                                        ("i", "int64", "int8")):
+        row = row_of(result, name)
+        assert (row["dtype"], row["baseline_dtype"], row["max_abs"], row["mismatches"]) == \
+            (dtype, baseline_dtype, 0.0, 0)
+
+
+def test_same_numel_other_shape_fails_that_name_only(tmp_path, capsys):
+    base, target = pair(tmp_path, {"x": torch.ones(2, 3), "r": torch.ones(6), "e": torch.zeros(0, 3)},
+                        {"x": torch.ones(3, 2), "r": torch.ones(1, 6), "e": torch.zeros(0, 4)})
+    result = fastdump.diff(base, target)
+    assert result.exit_code == 1 and result.failed == 3
+    assert result.compared == 1  # only the root 'Bag' had numbers
+    reasons = {row["name"]: row["reason"] for row in result.failures}
+    assert reasons == {"x": "shape [3, 2] vs baseline [2, 3]", "r": "shape [1, 6] vs baseline [6]",
+                       "e": "shape [0, 4] vs baseline [0, 3]"}
+    assert all(row["status"] == "fail" and row["max_abs"] is None for row in result.failures)
+    assert result.first_divergence["name"] == "x"
+    code, out, err = run(capsys, base, target)
+    assert code == 1 and "Traceback" not in err
+    assert "FAIL target rank 0 pass 0 x  [shape [3, 2] vs baseline [2, 3]]" in out.splitlines()
+    assert out.splitlines()[-1] == "compared 1, failed 3, missing 0"
+
+
+def test_nan_positions_equal_pass_one_sided_nan_and_inf_sign_fail(tmp_path):
+    base, target = pair(
+        tmp_path,
+        {"same": torch.tensor([NAN, 1.0, INF, -INF]), "moved": torch.tensor([NAN, 1.0, 2.0]),
+         "sign": torch.tensor([INF, 1.0]), "allnan": torch.full((3,), NAN)},
+        {"same": torch.tensor([NAN, 1.0, INF, -INF]), "moved": torch.tensor([1.0, NAN, 2.5]),
+         "sign": torch.tensor([-INF, 1.0]), "allnan": torch.ones(3)})
+    result = fastdump.diff(base, target, atol=0, rtol=0)
+    same = row_of(result, "same")
+    assert (same["status"], same["max_abs"], same["mismatches"], same["rel_diff"], same["cosine"]) == \
+        ("ok", 0.0, 0, 0.0, 1.0)
+    assert same["target_stats"]["nan"] == 1 and same["target_stats"]["inf"] == 2
+    moved = row_of(result, "moved")  # NaN moved from element 0 to 1; element 2: 2 vs 2.5
+    assert moved["status"] == "fail" and moved["mismatches"] == 3 and moved["mismatch"] == 1.0
+    assert moved["max_abs"] == 0.5 and moved["max_rel"] == 0.25  # over elements finite on both sides
+    sign = row_of(result, "sign")  # +inf against -inf: a mismatch, invisible in the finite-only numbers
+    assert sign["status"] == "fail" and sign["mismatches"] == 1 and sign["mismatch"] == 0.5
+    assert sign["max_abs"] == 0.0
+    allnan = row_of(result, "allnan")
+    assert allnan["status"] == "fail" and allnan["mismatches"] == 3 and allnan["baseline_stats"]["nan"] == 3
+    # NaN on one side is a failure under every metric, not only allclose.
+    for metric in ("rel_diff=1", "cosine=2"):
+        loose = fastdump.diff(base, target, metric=[metric])
+        assert {r["name"] for r in loose.failures} == {"moved", "sign", "allnan"}, metric
+
+
+def test_negative_zero_equals_zero_at_zero_tolerance(tmp_path):
+    base, target = pair(tmp_path, {"z": torch.tensor([0.0, -0.0, 1.0])}, {"z": torch.tensor([-0.0, 0.0, 1.0])})
+    row = row_of(fastdump.diff(base, target, atol=0, rtol=0), "z")
+    assert (row["status"], row["max_abs"], row["max_rel"], row["mismatches"]) == ("ok", 0.0, 0.0, 0)
+
+
+def test_integer_and_bool_tensors_report_exact_numbers(tmp_path):
+    base, target = pair(tmp_path, {"i": torch.tensor([1, 2, 3], dtype=torch.int32),
+                                   "flag": torch.tensor([True, False, True, False])},
+                        {"i": torch.tensor([1, 2, 4], dtype=torch.int32),
+                         "flag": torch.tensor([True, True, True, False])})
+    result = fastdump.diff(base, target, atol=0, rtol=0)
+    i = row_of(result, "i")
+    assert (i["status"], i["max_abs"], i["mismatches"], i["dtype"]) == ("fail", 1.0, 1, "int32")
+    assert i["max_rel"] == pytest.approx(1 / 3)
+    flag = row_of(result, "flag")
+    assert (flag["status"], flag["max_abs"], flag["mismatches"], flag["mismatch"], flag["dtype"]) == \
+        ("fail", 1.0, 1, 0.25, "bool")
+    assert flag["max_rel"] == INF  # True against a False baseline
+    # 0 and 1 tolerate a bool flip; the rows then pass.
+    assert fastdump.diff(base, target, atol=1, rtol=0).ok
+
+
+def test_int64_beyond_2_pow_53_differing_by_one_is_a_mismatch(tmp_path):
+    base, target = pair(tmp_path, {"ids": torch.tensor([2 ** 53, 7])}, {"ids": torch.tensor([2 ** 53 + 1, 7])})
+    result = fastdump.diff(base, target, atol=0, rtol=0)
+    row = row_of(result, "ids")
+    assert row["status"] == "fail" and row["mismatches"] == 1 and row["max_abs"] == 1.0
+
+
+def test_complex_tensors_compare_real_and_imaginary_parts(tmp_path):
+    base, target = pair(tmp_path, {"c": torch.tensor([1 + 2j, 3 + 4j])}, {"c": torch.tensor([1 + 2j, 3 - 4j])})
+    result = fastdump.diff(base, target, atol=0, rtol=0)
+    row = row_of(result, "c")
+    assert (row["status"], row["dtype"], row["numel"], row["mismatches"], row["mismatch"], row["max_abs"]) == \
+        ("fail", "complex64", 2, 1, 0.5, 8.0)
+    assert fastdump.diff(base, base, atol=0, rtol=0).ok
+
+
+def test_complex_mismatch_fraction_is_at_most_one(tmp_path, capsys):
+    base, target = pair(tmp_path, {"c": torch.tensor([1 + 1j])}, {"c": torch.tensor([2 + 2j])})
+    row = row_of(fastdump.diff(base, target, atol=0, rtol=0), "c")
+    assert row["numel"] == 1 and row["mismatches"] <= 1 and row["mismatch"] <= 1.0
+
+
+def test_zero_dim_and_empty_tensors(tmp_path):
+    base, target = pair(tmp_path, {"s": torch.tensor(3.0), "e": torch.zeros(0, 3)},
+                        {"s": torch.tensor(4.0), "e": torch.zeros(0, 3)})
+    result = fastdump.diff(base, target)
+    s = row_of(result, "s")
+    assert (s["status"], s["shape"], s["numel"], s["max_abs"], s["mismatch"]) == ("fail", [], 1, 1.0, 1.0)
+    assert s["max_rel"] == pytest.approx(1 / 3)
+    e = row_of(result, "e")  # an empty tensor is compared (counted) and passes
+    assert (e["status"], e["shape"], e["numel"], e["max_abs"], e["mismatch"], e["mismatches"]) == \
+        ("ok", [0, 3], 0, 0.0, 0.0, 0)
+    assert result.compared == 3 and result.failed == 1
+
+
+def test_float16_overflow_to_inf_and_float32_extremes(tmp_path):
+    big = 3.0e38
+    base, target = pair(tmp_path, {"h": torch.tensor([65504.0, 1.0], dtype=torch.float16),
+                                   "f": torch.tensor([big, 1.0])},
+                        {"h": torch.tensor([INF, 1.0], dtype=torch.float16), "f": torch.tensor([-big, 1.0])})
+    result = fastdump.diff(base, target)
+    h = row_of(result, "h")
+    assert (h["status"], h["mismatches"], h["max_abs"]) == ("fail", 1, 0.0)
+    assert h["target_stats"]["inf"] == 1 and h["baseline_stats"]["max"] == 65504.0
+    f = row_of(result, "f")  # the difference 6e38 overflows float32 but not the float64 arithmetic
+    assert f["status"] == "fail" and f["max_abs"] == pytest.approx(2 * float(torch.tensor(big)))
+    assert f["max_rel"] == pytest.approx(2.0) and f["cosine"] < 0 and f["rel_diff"] > 1
+    for metric in ("rel_diff", "cosine"):
+        assert not fastdump.diff(base, target, name="^f$", metric=[metric]).ok
+
+
+@pytest.mark.parametrize("metric", ["rel_diff", "cosine"])
+def test_huge_float64_opposite_tensors_fail_rel_diff_and_cosine(tmp_path, metric):
+    huge = torch.full((3,), 1e200, dtype=torch.float64)
+    base, target = pair(tmp_path, {"x": huge}, {"x": -huge})
+    result = fastdump.diff(base, target, name="^x$", metric=[metric])
+    assert not result.ok and result.failed == 1
+
+
+def test_huge_float64_opposite_tensors_fail_allclose(tmp_path, capsys):
+    huge = torch.full((3,), 1e200, dtype=torch.float64)
+    base, target = pair(tmp_path, {"x": huge}, {"x": -huge})
+    row = row_of(fastdump.diff(base, target), "x")
+    assert row["status"] == "fail" and row["max_abs"] == 2e200 and row["mismatches"] == 3
+    code, out, _ = run(capsys, base, target, "--json")
+    assert code == 1
+    (x,) = [r for r in json.loads(out)["rows"] if r["name"] == "x"]
+    assert x["max_abs"] == 2e200  # strict JSON even where the metrics are not finite
+
+
+# ----------------------------------------------------------------------- tolerance and metric edges
+
+
+def test_self_comparison_is_all_equal_even_at_zero_tolerance(lm, capsys):
+    names = fastdump.open(lm).pass_names("target", 0, 0)
+    result = fastdump.diff(lm, lm, atol=0, rtol=0, metric=["allclose", "rel_diff=0"])
+    assert result.ok and result.failed == 0 and result.missing == [] and result.problems == []
+    assert result.compared == 3 * len(names)
+    assert all(row["max_abs"] == 0 and row["rel_diff"] == 0 and row["mismatches"] == 0 for row in result.rows)
+    code, out, err = run(capsys, lm, lm, "--atol", "0", "--rtol", "0")
+    assert code == 0 and out.splitlines()[0] == \
+        f"no divergence: {3 * len(names)} tensor(s) compared, all within tolerance (atol 0, rtol 0)"
+
+
+def test_self_comparison_passes_cosine_zero(lm):
+    result = fastdump.diff(lm, lm, metric=["cosine=0"])
+    assert result.ok and result.failed == 0
+
+
+@pytest.mark.parametrize("option,value,message", [
+    ("--atol", "-1", "atol and rtol must be >= 0"), ("--rtol", "nan", "atol and rtol must be >= 0"),
+    ("--atol", "nan", "atol and rtol must be >= 0"), ("--tol", "x=nan,0", "tolerances must be >= 0"),
+    ("--tol", "x=0,-1e-9", "tolerances must be >= 0"), ("--metric", "cosine=abc", "threshold must be a number"),
+    ("--metric", "allclose=1", "takes no threshold"), ("--passes", "-1", "N-M"), ("--align", "offset:x", "offset:K"),
+])
+def test_bad_tolerances_and_options_exit_2_with_message(lm, capsys, option, value, message):
+    code, out, err = run(capsys, lm, lm, f"{option}={value}")
+    assert code == 2 and message in err and out == "" and "Traceback" not in err
+
+
+def test_nan_metric_threshold_is_refused(tmp_path, capsys):
+    base, target = pair(tmp_path, {"x": torch.tensor([1.0, 2.0])}, {"x": torch.tensor([-1.0, -2.0])})
+    code, out, err = run(capsys, base, target, "--metric", "rel_diff=nan")
+    assert code == 2 and "threshold" in err
+
+
+def test_negative_metric_threshold_is_refused(lm, capsys):
+    code, out, err = run(capsys, lm, lm, "--metric", "rel_diff=-1")
+    assert code == 2 and "threshold" in err
+
+
+def test_tolerance_edges_infinite_atol_and_first_matching_tol(tmp_path, capsys):
+    base, target = pair(tmp_path, {"x": torch.tensor([1.0, 2.0]), "y": torch.tensor([1.0, NAN])},
+                        {"x": torch.tensor([1e30, 2.0]), "y": torch.tensor([1.0, 1.0])})
+    # atol inf absorbs any finite difference, never a NaN on one side.
+    result = fastdump.diff(base, target, atol=INF)
+    assert row_of(result, "x")["status"] == "ok" and row_of(result, "y")["status"] == "fail"
+    # The first matching --tol wins: x strict (0,0) before the catch-all.
+    code, out, err = run(capsys, base, target, "--tol", "^x$=0,0", "--tol", ".*=inf,0")
+    assert code == 1
+    fails = [line.split()[6] for line in out.splitlines() if line.startswith("FAIL ")]
+    assert fails == ["x", "y"]
+    result = fastdump.diff(base, target, tol=["^x$=0,0", ".*=inf,0"])
+    assert (row_of(result, "x")["atol"], row_of(result, "Bag")["atol"]) == (0.0, INF)
+
+
+def test_one_ulp_difference_at_zero_tolerance_reports_exact_numbers(tmp_path):
+    one = torch.tensor([1.0, 1.0])
+    ulp = torch.nextafter(one, torch.tensor(2.0))
+    base, target = pair(tmp_path, {"x": one}, {"x": ulp})
+    row = row_of(fastdump.diff(base, target, atol=0, rtol=0), "x")
+    assert row["status"] == "fail" and row["mismatches"] == 2 and row["max_abs"] == 2.0 ** -23
+    assert row["max_rel"] == 2.0 ** -23
+    assert fastdump.diff(base, target, atol=0, rtol=2.0 ** -23).ok  # |a-b| <= rtol*|b| exactly
+
+
+# ------------------------------------------------------------------ names, passes, roles, ranks
+
+
+def test_names_on_one_side_are_listed_missing_with_their_passes(tmp_path, capsys):
+    base = dump_bag(tmp_path / "base", {"x": torch.ones(2), "only_base": torch.ones(1)}, passes=2)
+    target = dump_bag(tmp_path / "target", {"x": torch.ones(2), "only_target": torch.ones(1)}, passes=2)
+    result = fastdump.diff(base, target)
+    assert result.exit_code == 0 and result.compared == 4  # x and Bag, 2 passes
+    assert sorted((m["name"], m["only_in"], m["passes"]) for m in result.missing) == \
+        [("only_base", "baseline", [0, 1]), ("only_target", "target", [0, 1])]
+    code, out, err = run(capsys, base, target)
+    assert code == 0
+    assert "missing: role target rank 0: 'only_base' only in the baseline (passes 0,1)" in out.splitlines()
+    assert "missing: role target rank 0: 'only_target' only in the target (passes 0,1)" in out.splitlines()
+    assert out.splitlines()[-1] == "compared 4, failed 0, missing 2"
+    # --name restricting to a one-sided name: nothing to compare is an error, not a pass.
+    code, out, err = run(capsys, base, target, "--name", "only_")
+    assert code == 2 and "matches no tensor present on both sides" in err
+
+
+def test_different_pass_counts_list_the_extra_passes(lm, tmp_path, capsys):
+    short = dump_lm(tmp_path / "short", TinyLM(seed=0), steps=2)
+    names = fastdump.open(lm).pass_names("target", 0, 0)
+    result = fastdump.diff(lm, short)
+    assert result.ok and result.compared == 2 * len(names)
+    assert result.missing == [{"kind": "passes", "only_in": "baseline", "role": "target", "rank": 0, "passes": [2]}]
+    code, out, _ = run(capsys, short, lm)
+    assert code == 0 and "missing: role target rank 0: passes 2 only in the target" in out
+    code, out, err = run(capsys, lm, short, "--passes", "2-")
+    assert code == 2 and "no passes in common" in err
+
+
+def test_an_empty_root_and_a_dump_with_no_pass_exit_2(lm, tmp_path, capsys):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    code, out, err = run(capsys, lm, empty)
+    assert code == 2 and "no rank directories" in err and out == ""
+    nothing = tmp_path / "nothing"
+    with fastdump.attach(TinyLM(seed=0), nothing, writer="thread"):
+        pass  # attached, closed, no forward
+    code, out, err = run(capsys, lm, nothing)
+    assert code == 2 and "no passes in common" in err and "Traceback" not in err
+
+
+def test_other_role_on_one_side_is_missing_and_role_filter(lm, tmp_path, capsys):
+    other = tmp_path / "other"
+    dump_lm(other, TinyLM(seed=0))
+    dump_lm(other, TinyLM(seed=0), role="extra")
+    result = fastdump.diff(lm, other)
+    assert result.ok and result.missing == [{"kind": "role", "only_in": "target", "role": "extra"}]
+    code, out, err = run(capsys, lm, other, "--role", "extra")
+    assert code == 2 and "no role 'extra'" in err
+    code, out, err = run(capsys, other, lm)
+    assert code == 0 and "missing: role 'extra' only in the baseline" in out
+
+
+def test_ranks_with_nothing_in_common_exit_2(tmp_path, capsys):
+    dp0 = dump_lm(tmp_path / "dp0", TinyLM(seed=0), dp_rank=0, dp_size=2)
+    dp1 = dump_lm(tmp_path / "dp1", TinyLM(seed=0), dp_rank=1, dp_size=2)
+    code, out, err = run(capsys, dp0, dp1)
+    assert code == 2 and out == "" and "Traceback" not in err
+    code, out, err = run(capsys, dp0, dp0, "--rank", "1")
+    assert code == 2 and "no rank 1 present on both sides" in err
+
+
+def test_ranks_with_nothing_in_common_are_named(tmp_path, capsys):
+    dp0 = dump_lm(tmp_path / "dp0", TinyLM(seed=0), dp_rank=0, dp_size=2)
+    dp1 = dump_lm(tmp_path / "dp1", TinyLM(seed=0), dp_rank=1, dp_size=2)
+    code, out, err = run(capsys, dp0, dp1)
+    assert code == 2 and "rank" in err.split("\n")[0] and "passes in common" not in err
+
+
+# ----------------------------------------------------------------------------- EAGLE target/draft
+
+
+def run_eagle(root, nudge=0.0, steps=2, k=2):
+    """Prefill, then rounds of k draft passes (role draft) and one verify pass (role target)."""
+    target = TinyLM(seed=0)
+    draft = TinyDraft(target, seed=1)
+    with torch.no_grad():
+        draft.fc.weight[0, -1] += nudge  # acts on the token embedding half (hidden is 0 at pass 0)
+    dt = fastdump.attach(target, root, role="target", writer="thread")
+    dd = fastdump.attach(draft, root, role="draft", writer="thread")
+    try:
+        with torch.inference_mode():
+            tcache, dcache = target.new_cache(), {"k": [], "v": []}
+            logits = target(torch.tensor([[3, 14, 15, 92, 65]]), tcache)
+            hidden = torch.zeros(1, 1, target.model.embed.embedding_dim)
+            tok = logits[:, -1:].argmax(-1)
+            for _ in range(steps):
+                drafted = []
+                for _ in range(k):
+                    dl, hidden = draft(tok, hidden, dcache)
+                    tok = dl.argmax(-1)
+                    drafted.append(tok)
+                tok = target(torch.cat(drafted, 1), tcache)[:, -1:].argmax(-1)
+    finally:
+        assert dt.close()["status"] == "closed" and dd.close()["status"] == "closed"
+    return root
+
+
+@pytest.fixture(scope="module")
+def eagle(tmp_path_factory):
+    base = tmp_path_factory.mktemp("eagle")
+    return run_eagle(base / "a"), run_eagle(base / "b"), run_eagle(base / "nudged", nudge=0.5)
+
+
+def test_eagle_two_runs_compare_equal_role_by_role(eagle):
+    a, b, _ = eagle
+    result = fastdump.diff(a, b, atol=0, rtol=0)
+    assert result.ok and result.missing == []
+    with fastdump.open(a) as ds:
+        assert ds.roles == ["draft", "target"]
+        expected = sum(len(ds.pass_names(role, 0, p)) for role in ds.roles for p in ds.passes(role, 0))
+    assert result.compared == expected
+    assert {row["role"] for row in result.rows} == {"draft", "target"}
+
+
+def test_eagle_nudged_draft_diverges_in_the_draft_role_first(eagle, capsys):
+    a, _, nudged = eagle
+    result = fastdump.diff(a, nudged)
+    first = result.first_divergence
+    assert (first["role"], first["pass"], first["name"]) == ("draft", 0, "fc")
+    # The target's prefill (pass 0) ran before any draft pass: untouched.
+    assert all(row["status"] == "ok" for row in result.rows if row["role"] == "target" and row["pass"] == 0)
+    # Restricted to the target role's prefill: no divergence; to the draft role: the same first row.
+    assert fastdump.diff(a, nudged, role="target", passes="0").ok
+    only_draft = fastdump.diff(a, nudged, role="draft")
+    assert only_draft.first_divergence["name"] == "fc" and {r["role"] for r in only_draft.rows} == {"draft"}
+    code, out, err = run(capsys, a, nudged, "--role", "draft")
+    assert code == 1 and out.startswith("first divergence: draft rank 0 pass 0 fc  ")
+
+
+def test_eagle_draft_role_missing_in_one_run(eagle, tmp_path, capsys):
+    a, _, _ = eagle
+    target_only = tmp_path / "target_only"
+    shutil.copytree(a, target_only)
+    shutil.rmtree(target_only / "draft")
+    result = fastdump.diff(a, target_only)
+    assert result.ok and result.missing == [{"kind": "role", "only_in": "baseline", "role": "draft"}]
+    assert {row["role"] for row in result.rows} == {"target"}
+    code, out, err = run(capsys, a, target_only, "--role", "draft")
+    assert code == 2 and "target" in err and "no role 'draft'" in err
+
+
+# ----------------------------------------------------------------------- incomplete and corrupt
+
+
+def test_writer_killed_mid_dump_is_refused(tmp_path, lm, capsys):
+    """A real writer process killed with SIGKILL after it wrote two passes, serving goes on."""
+    model = TinyLM(seed=0)
+    caches = model.new_cache()
+    root = tmp_path / "killed"
+    dumper = fastdump.attach(model, root, segment_passes=1)  # the process writer, one segment per pass
+    ids = torch.tensor([[3, 14, 15, 9]])
+    with torch.inference_mode():
+        for step in range(2):
+            dumper.set_pass_meta(forward_mode="prefill" if step == 0 else "decode")
+            ids = model(ids, caches)[:, -1:].argmax(-1)
+        deadline = time.monotonic() + 30
+        while len(glob.glob(str(root / "target" / "*" / "seg-*.h5"))) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(glob.glob(str(root / "target" / "*" / "seg-*.h5"))) == 2
+        os.kill(dumper._engine._proc.pid, signal.SIGKILL)
+        dumper._engine._proc.wait()
+        dumper.set_pass_meta(forward_mode="decode")
+        model(ids, caches)
+    assert dumper.close()["status"] == "error"
+    assert json.load(open(os.path.join(rank_dir(root), "rank.json")))["status"] == "running"
+    code, out, err = run(capsys, lm, root)
+    assert "Traceback" not in err
+    assert code == 2 and "writer" in err
+
+
+@pytest.mark.parametrize("status", ["incomplete", "error"])
+def test_incomplete_or_failed_dump_is_reported(lm, tmp_path, status):
+    root = tmp_path / "bad"
+    shutil.copytree(lm, root)
+    path = os.path.join(rank_dir(root), "rank.json")
+    info = json.load(open(path))
+    info["status"] = status
+    if status == "error":
+        info["error"] = "No space left on device"
+    with open(path, "w") as f:
+        json.dump(info, f)
+    if status == "error":  # writing failed: refused like 'running' (docs/COMPARE.md 'Bad input')
+        with pytest.raises(DiffError, match="No space left on device"):
+            fastdump.diff(lm, root)
+        assert fastdump.diff(lm, root, allow_running=True).notes
+        return
+    result = fastdump.diff(lm, root)  # 'incomplete': compared, with a note
+    text = "\n".join(result.lines())
+    assert result.ok and "note: target " in text and "status is 'incomplete'" in text
+    assert result.notes == json.loads(result.to_json())["notes"] and len(result.notes) == 1
+
+
+def test_pass_marked_incomplete_is_reported(lm, tmp_path):
+    root = tmp_path / "incomplete_pass"
+    shutil.copytree(lm, root)
+    (segment,) = glob.glob(os.path.join(rank_dir(root), "seg-*.h5"))
+    with h5py.File(segment, "r+") as f:
+        passes = f["passes"][()]
+        passes["complete"][passes["pass"] == 1] = 0
+        f["passes"][...] = passes
+    assert fastdump.open(root).meta("target", 0, 1)["complete"] is False
+    result = fastdump.diff(lm, root)
+    text = "\n".join(result.lines())
+    assert "note: target rank 0: target pass 1 is marked incomplete" in text
+    assert json.loads(result.to_json())["notes"] == result.notes and len(result.notes) == 1
+
+
+def _flip_one_data_bit(root, name, pass_id):
+    (segment,) = glob.glob(os.path.join(rank_dir(root), "seg-*.h5"))
+    with h5py.File(segment, "r") as f:
+        index, names = f["index"][()], json.loads(f["names"][()])
+        row = index[(index["pass"] == pass_id) & (index["name"] == names.index(name))][0]
+        block = f["blocks"][str(row["block"])]
+        offset = block.id.get_offset()
+        row_bytes = block.dtype.itemsize * int(np.prod(block.shape[1:]))
+    raw = bytearray(open(segment, "rb").read())
+    raw[offset + int(row["first_row"]) * row_bytes + 5] ^= 0x01
+    with open(segment, "wb") as f:
+        f.write(bytes(raw))
+    return segment
+
+
+def test_flipped_data_bit_is_a_corruption_not_a_divergence(tmp_path, capsys):
+    base = dump_bag(tmp_path / "base", {"x": torch.arange(8, dtype=torch.float32)}, passes=3)
+    target = tmp_path / "target"
+    shutil.copytree(base, target)
+    segment = _flip_one_data_bit(target, "x", 1)
+    code, out, err = run(capsys, base, target)
+    assert code == 2 and "checksum" in out + err and segment in out + err
+
+
+def test_flipped_data_bit_is_never_silently_equal(tmp_path, capsys):
+    """What diff does today with a flipped bit: at least not 'equal' (the bit is in the mantissa)."""
+    base = dump_bag(tmp_path / "base", {"x": torch.arange(8, dtype=torch.float32)}, passes=3)
+    target = tmp_path / "target"
+    shutil.copytree(base, target)
+    _flip_one_data_bit(target, "x", 1)
+    code, out, err = run(capsys, base, target)
+    assert code != 0 and "Traceback" not in err
+
+
+@pytest.mark.parametrize("damage", ["header", "empty", "truncated"])
+def test_corrupt_segment_exits_2_naming_the_file(tmp_path, lm, capsys, damage):
+    root = tmp_path / "corrupt"
+    shutil.copytree(lm, root)
+    (segment,) = glob.glob(os.path.join(rank_dir(root), "seg-*.h5"))
+    raw = bytearray(open(segment, "rb").read())
+    if damage == "header":
+        raw[:64] = bytes(b ^ 0xFF for b in raw[:64])
+    elif damage == "empty":
+        raw = bytearray()
+    else:
+        raw = raw[:len(raw) // 2]
+    with open(segment, "wb") as f:
+        f.write(bytes(raw))
+    code, out, err = run(capsys, lm, root)
+    assert code == 2 and segment in out + err and "Traceback" not in err
+    code, out, err = run(capsys, lm, root, "--json")
+    assert code == 2 and "Traceback" not in err
+
+
+def test_garbage_rank_json_is_a_problem_exit_2(tmp_path, lm, capsys):
+    root = tmp_path / "garbage"
+    shutil.copytree(lm, root)
+    path = os.path.join(rank_dir(root), "rank.json")
+    with open(path, "w") as f:
+        f.write("{not json")
+    code, out, err = run(capsys, lm, root)
+    assert code == 2 and "Traceback" not in err
+    assert any(line.startswith("ERROR: ") and path in line and "not valid JSON" in line for line in out.splitlines())
+    assert out.splitlines()[-1].endswith(", problems 1")
+
+
+# -------------------------------------------------------------------------------- JSON vs text
+
+
+def test_json_matches_text_output(tmp_path, capsys):
+    base = dump_bag(tmp_path / "base", {"a": torch.tensor([1.0, 2.0]), "z": torch.tensor([0.0, 1.0]),
+                                        "s": torch.ones(2, 2), "gone": torch.ones(1)}, passes=2)
+    target = dump_bag(tmp_path / "target", {"a": torch.tensor([1.0, 2.0]), "z": torch.tensor([1e-3, 1.0]),
+                                            "s": torch.ones(4), "new": torch.ones(1)}, passes=2)
+    code_text, out, _ = run(capsys, base, target)
+    code_json, raw, _ = run(capsys, base, target, "--json")
+
+    def strict(constant):
+        raise AssertionError(f"not strict JSON: {constant}")
+
+    data = json.loads(raw, parse_constant=strict)
+    assert code_text == code_json == data["exit_code"] == 1 and data["ok"] is False
+    lines = out.splitlines()
+    assert lines[-1] == f"compared {data['compared']}, failed {data['failed']}, missing {len(data['missing'])}"
+    assert (data["compared"], data["failed"], len(data["missing"])) == (6, 4, 2)  # a, z, Bag x 2 passes
+    fail_rows = [r for r in data["rows"] if r["status"] != "ok"]
+    assert [(line.split()[4], line.split()[5]) for line in lines if line.startswith("FAIL ")] == \
+        [("pass", str(r["pass"])) for r in fail_rows]
+    assert [line.split()[6] for line in lines if line.startswith("FAIL ")] == [r["name"] for r in fail_rows] == \
+        ["z", "s", "z", "s"]
+    first = data["first_divergence"]
+    assert lines[0].startswith(f"first divergence: target rank 0 pass 0 {first['name']}  ") and first["name"] == "z"
+    assert first["max_rel"] == "inf" and first["max_abs"] == pytest.approx(1e-3)  # 1e-3 against an exact 0
+    assert "max_rel inf" in lines[0]
+    (s_row,) = [r for r in fail_rows if r["name"] == "s" and r["pass"] == 0]
+    assert s_row["reason"] == "shape [4] vs baseline [2, 2]" and s_row["max_abs"] is None
+    missing = {(m["name"], m["only_in"]) for m in data["missing"]}
+    assert missing == {("gone", "baseline"), ("new", "target")}
+    assert sum(line.startswith("missing: ") for line in lines) == 2
+    assert data["options"]["atol"] == 1e-5 and data["rows"][0]["atol"] == 1e-5
