@@ -507,6 +507,33 @@ def test_passes_out_of_order_across_segments(dump, expected):
         assert same(ds.load("target", 0, 0)["0"], expected[2]["0"])
 
 
+def test_cuda_graph_replays_between_eager_passes_do_not_overlap_across_segments(dump, expected):
+    """Replay passes (numbered from GRAPH_PASS_BASE) arrive between eager passes, so a segment's
+    min..max spans both kinds: seg 0 holds eager 0 and replay B, seg 1 eager 2 and replay B+1.
+    That is a legitimate dump: ranges are disjoint for each kind, and verify must not call it an
+    overlap. Two segments whose replays do overlap still fail."""
+    from fastdump import protocol
+
+    base = protocol.GRAPH_PASS_BASE
+    relabel_passes(seg(dump, 0), {0: 0, 1: base})
+    relabel_passes(seg(dump, 1), {2: 2, 3: base + 1})
+
+    def change(info):
+        info["segments"][0].update(first_pass=0, last_pass=base)
+        info["segments"][1].update(first_pass=2, last_pass=base + 1)
+
+    edit_rank_json(dump, change)
+    code, problems, _ = verify(dump)
+    assert code == 0, problems
+    with fastdump.open(dump) as ds:
+        assert ds.passes("target", 0) == [0, 2, 4, base, base + 1]
+        assert same(ds.load("target", 0, base + 1)["0"], expected[3]["0"])
+    relabel_passes(seg(dump, 1), {2: 2, base + 1: base})  # now both segments hold replay B
+    edit_rank_json(dump, lambda info: info["segments"][1].update(last_pass=base))
+    code, problems, _ = verify(dump)
+    assert code == 1 and has(problems, f"seg-000001.h5 passes {base}..{base} overlap seg-000000.h5"), problems
+
+
 def test_negative_and_huge_pass_ids_read_back_without_error(dump, expected):
     huge = (1 << 62) + 3
     relabel_passes(seg(dump, 0), {0: -7, 1: -6})

@@ -18,7 +18,7 @@ import sys
 
 import numpy as np
 
-from .. import dtypes, fsutil
+from .. import dtypes, fsutil, protocol
 from .. import format as fmt
 
 # rank.json statuses for which a leftover temporary file is what a kill leaves, not damage.
@@ -348,7 +348,7 @@ def _check_open_segment(report: _Report, where: str, h5file, read_data: bool):
         slots = index["name"][index["pass"] == pass_id].tolist()
         return [names[s] if 0 <= s < len(names) else s for s in slots]
 
-    summary["first_names"], summary["last_names"] = names_of(summary["first_pass"]), names_of(summary["last_pass"])
+    summary["names_of"] = names_of
     number = fmt.segment_number(os.path.basename(where))
     stored = attrs.get("segment", number)
     if not isinstance(stored, int) or stored != number:  # a renamed or copied-in file
@@ -548,33 +548,39 @@ def check_rank_dir(report: _Report, path: str, read_data: bool = False) -> None:
         pass_ids.update(summary["pass_ids"])
     _check_counts(report, path, info, pass_ids, sum(summary["tensors"] for summary in summaries.values()))
 
-    # Segments cover disjoint, increasing pass ranges. The one allowed overlap: a pass the writer had
-    # to flush before it ended (marked incomplete) continues in the next segment.
-    # A continued pass must not repeat a name across its parts either (mixed data, as within one
-    # segment: _check_unique_names); carried: the names of the pass so far.
-    previous, carried = None, []
-    for _, name in on_disk:
-        summary = summaries.get(name)
-        if summary is None or summary["first_pass"] is None:
-            continue
-        continued = False
-        if previous is not None:
-            prev_name, prev = previous
-            continued = summary["first_pass"] == prev["last_pass"] and prev["last_pass"] in prev["incomplete"]
-            if summary["first_pass"] <= prev["last_pass"] and not continued:
-                report.problem(path, f"{name} passes {summary['first_pass']}..{summary['last_pass']} overlap "
-                                     f"{prev_name} passes {prev['first_pass']}..{prev['last_pass']}")
-        if continued:
-            again = sorted(set(carried) & set(summary["first_names"]), key=str)
-            if again:
-                report.problem(path, f"pass {summary['first_pass']}: tensors named {again[0]!r} in both {name} and "
-                                     f"an earlier segment ({len(again)} name(s); mixed: which is which is lost)")
-            carried = carried + summary["first_names"]
-        else:
-            carried = summary["first_names"]
-        if summary["last_pass"] != summary["first_pass"]:
-            carried = summary["last_names"]
-        previous = (name, summary)
+    # Segments cover disjoint, increasing pass ranges, eager passes and CUDA-graph replays each on
+    # their own: replays are numbered from GRAPH_PASS_BASE and arrive between eager passes, so one
+    # segment may hold eager passes 0..5 and replays B..B+3, the next 6..9 and B+4..B+7. The one
+    # allowed overlap: a pass the writer had to flush before it ended (marked incomplete) continues
+    # in the next segment. A continued pass must not repeat a name across its parts either (mixed
+    # data, as within one segment: _check_unique_names); carried: the names of the pass so far.
+    for replays in (False, True):
+        previous, carried = None, []
+        for _, name in on_disk:
+            summary = summaries.get(name)
+            ids = [p for p in summary["pass_ids"] if (p >= protocol.GRAPH_PASS_BASE) == replays] if summary else []
+            if not ids:
+                continue
+            first, last = min(ids), max(ids)
+            continued = False
+            if previous is not None:
+                prev_name, prev_first, prev_last, prev_incomplete = previous
+                continued = first == prev_last and prev_last in prev_incomplete
+                if first <= prev_last and not continued:
+                    report.problem(path, f"{name} passes {first}..{last} overlap {prev_name} passes "
+                                         f"{prev_first}..{prev_last}")
+            first_names = summary["names_of"](first)
+            if continued:
+                again = sorted(set(carried) & set(first_names), key=str)
+                if again:
+                    report.problem(path, f"pass {first}: tensors named {again[0]!r} in both {name} and an "
+                                         f"earlier segment ({len(again)} name(s); mixed: which is which is lost)")
+                carried = carried + first_names
+            else:
+                carried = first_names
+            if last != first:
+                carried = summary["names_of"](last)
+            previous = (name, first, last, summary["incomplete"])
 
 
 def verify_dump(root: str, read_data: bool = False) -> _Report:
