@@ -24,7 +24,6 @@ work costs about 3x what it costs here (benchmarks/RESULTS.md, 0j). Use this to 
 from __future__ import annotations
 
 import argparse
-import functools
 import random
 import shutil
 import statistics
@@ -40,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import fastdump  # noqa: E402
 from benchmarks.common import load_average, write_json  # noqa: E402
+from benchmarks.paired_step_bench import noop_wrapper  # noqa: E402  (decode_bench's reference)
 
 
 class FixedLeaf(nn.Module):
@@ -66,14 +66,6 @@ class Leaves(nn.Module):
         for leaf in self.leaves:
             x = leaf(x)
         return x
-
-
-def noop_wrapper(forward):
-    @functools.wraps(forward)
-    def forward_unchanged(*args, **kwargs):
-        return forward(*args, **kwargs)
-
-    return forward_unchanged
 
 
 def measure(leaves: int, numel: int, pollute_kib: int, groups: int, seed: int) -> dict:
