@@ -494,9 +494,7 @@ class Dumper:
         """``value`` returned by the call numbered ``k`` (None: a call, or a dump(), numbered now)."""
         if not self._capturing:
             return
-        if k is None:
-            k = self._claim(name)
-        call_name = name if k == 0 else f"{name}#{k}"
+        call_name = _call_name(name, self._claim(name) if k is None else k)
         if convert is not None:  # a watched module's hook (watch)
             try:
                 value = convert(value)
@@ -504,11 +502,9 @@ class Dumper:
                 return self._hook_failed(call_name, "convert(output)", exc)
         self._emit_safely(call_name, value)
 
-    def _capture_before(self, name: str, before, args, kwargs, k=None) -> None:
+    def _capture_before(self, name: str, before, args, kwargs, k: int) -> None:
         """A watched module's ``before`` hook, and what it returns dumped as ``name[#k].<key>``."""
-        if k is None:  # (the call was not numbered at its start: the number the next call gets)
-            k = self._calls.get(name, 0)
-        call_name = name if k == 0 else f"{name}#{k}"
+        call_name = _call_name(name, k)
         try:
             values = before(args, kwargs)
         except Exception as exc:
@@ -537,17 +533,15 @@ class Dumper:
         if inputs and self._capturing:
             self._capture_inputs(name, args, kwargs, k)
 
-    def _open_number(self, name: str, close: bool = False):
-        """The number of the innermost open call of ``name`` in this pass, or None."""
-        calls = self._open_calls
+    def _exit_call(self, name: str, value, convert=None) -> None:
+        """The innermost open call of ``name`` returned ``value``: closed, its output captured under
+        its number (numbered now if it was opened in another pass, or never)."""
+        k, calls = None, self._open_calls
         for i in range(len(calls) - 1, -1, -1):
             if calls[i][0] == name:
-                _, k, pass_id = calls.pop(i) if close else calls[i]
-                return k if pass_id == self.pass_id else None
-        return None
-
-    def _exit_call(self, name: str, value, convert=None) -> None:
-        k = self._open_number(name, close=True)
+                _, opened_k, pass_id = calls.pop(i)
+                k = opened_k if pass_id == self.pass_id else None
+                break
         if self._capturing:
             self._capture(name, value, convert, k)
 
@@ -905,9 +899,8 @@ class Dumper:
 
     def _capture_inputs(self, name: str, args, kwargs, k=None) -> None:
         """The inputs of the call numbered ``k`` (see _claim), dumped as ``name[#k].input.<i|key>``."""
-        if k is None:  # (the call was not numbered at its start: the number the next call gets)
-            k = self._calls.get(name, 0)
-        base = name if k == 0 else f"{name}#{k}"
+        # (k None: the C wrapper could not number the call at its start: the number the next call gets)
+        base = _call_name(name, self._calls.get(name, 0) if k is None else k)
         if not self._capturing:
             return
         for i, arg in enumerate(args):
@@ -1016,6 +1009,11 @@ def _owner_of(module):
             or bound.__func__ is not getattr(type(module), "forward", None)):
         return None
     return module
+
+
+def _call_name(name: str, k: int) -> str:
+    """The name of a module's k-th call in a pass: ``name``, then ``name#1``, ``name#2``..."""
+    return name if k == 0 else f"{name}#{k}"
 
 
 def _following(owner, forward):
