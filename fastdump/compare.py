@@ -803,12 +803,13 @@ def _diff(base_ds, target_ds, options: Options) -> DiffResult:
     result = DiffResult(_roots(base_ds), _roots(target_ds), options, rows, missing, problems, notes)
     if result.compared == 0:
         common = base_names_seen & target_names_seen
+        def listed(kind):  # the one-sided items of that kind, a line each
+            return "".join(f"\n  {_missing_text(item)}" for item in missing if item["kind"] == kind)
+
         if not units:
-            reason = "no rank in common" + "".join(f"\n  {_missing_text(item)}" for item in missing
-                                                   if item["kind"] == "rank")
+            reason = "no rank in common" + listed("rank")
         elif not work:
-            reason = "no passes in common (--align order or meta:KEY=VALUE pairs passes by order)" + "".join(
-                f"\n  {_missing_text(item)}" for item in missing if item["kind"] == "passes")
+            reason = "no passes in common (--align order or meta:KEY=VALUE pairs passes by order)" + listed("passes")
         elif not common:
             reason = (f"no tensor name in common ({len(base_names_seen)} baseline names, "
                       f"{len(target_names_seen)} target names): these look like dumps of different models")

@@ -136,9 +136,10 @@ class SegmentIndex:
 
     Construction raises ``DumpError`` (file and row named) when the tables cannot be trusted: rows
     naming no name, a name listed twice, rows of two names in one block, rows overlapping or leaving
-    gaps in their block, rows disagreeing with the pass table. Blocks themselves are checked when first read (``block``: present, stored in this file,
-    as many rows as the index covers), before any of their data is read; a missing or bad block
-    fails the reads that need it, not the rest of the segment.
+    gaps in their block, rows disagreeing with the pass table. Blocks themselves are checked when
+    first read (``block``: present, stored in this file, as many rows as the index covers), before
+    any of their data is read; a missing or bad block fails the reads that need it, not the rest of
+    the segment.
     A bad ``pass_meta`` entry only loses that pass's metadata: it is listed in ``problems``.
     """
 

@@ -435,8 +435,8 @@ def _check_unique_names(report: _Report, where: str, index, names) -> None:
         return
     keys = np.stack([index["pass"].astype(np.int64), index["name"].astype(np.int64)], axis=1)
     unique, counts = np.unique(keys, axis=0, return_counts=True)
-    repeated = unique[counts > 1]
-    for (pass_id, slot), count in zip(repeated[:5].tolist(), counts[counts > 1][:5].tolist()):
+    repeated, times = unique[counts > 1], counts[counts > 1]
+    for (pass_id, slot), count in zip(repeated[:5].tolist(), times[:5].tolist()):
         name = names[slot] if isinstance(names, list) and 0 <= slot < len(names) else slot
         report.problem(where, f"pass {pass_id}: {count} tensors named {name!r} (mixed: which is which is lost)")
     if len(repeated) > 5:
@@ -521,10 +521,10 @@ def check_rank_dir(report: _Report, path: str, read_data: bool = False) -> None:
             report.problem(path, f"{fmt.RANK_FILE} segments entry without a file name: {item!r:.80}")
             continue
         listed[item["file"]] = item
-        if item.get("file") not in on_disk_names:
-            report.problem(path, f"{item.get('file')} is listed in {fmt.RANK_FILE} but missing")
+        if item["file"] not in on_disk_names:
+            report.problem(path, f"{item['file']} is listed in {fmt.RANK_FILE} but missing")
             continue
-        found = summaries.get(item.get("file"))
+        found = summaries.get(item["file"])
         if found is None:
             continue
         for key in ("first_pass", "last_pass", "passes", "tensors", "bytes"):
