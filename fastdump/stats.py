@@ -158,11 +158,12 @@ def compare(baseline, target, atol: float, rtol: float) -> dict:
         base_summary.add(b)
         target_summary.add(a)
         finite = np.isfinite(a) & np.isfinite(b)
-        with np.errstate(invalid="ignore", over="ignore"):
-            err = np.abs(a - b)
         if raw is not None:  # integers: the exact difference, never rounded to 0 above 2**53
             rb, ra = raw
             err = (np.maximum(ra, rb).astype(np.uint64) - np.minimum(ra, rb).astype(np.uint64)).astype(np.float64)
+        else:
+            with np.errstate(invalid="ignore", over="ignore"):
+                err = np.abs(a - b)
         abs_b = np.abs(b)
         # Non-finite elements: equal when identical (NaN==NaN, +inf==+inf), otherwise a mismatch.
         odd = ~finite & ~((np.isnan(a) & np.isnan(b)) | (a == b))
