@@ -14,9 +14,9 @@ import numpy as np
 
 FORMAT_NAME = "fastdump-segment"
 # Version of segment files and rank.json. 2: index rows carry a CRC32C; rank directories carry a
-# session id. Readers read versions 1 and 2.
-FORMAT_VERSION = 2
-READABLE_VERSIONS = (1, 2)
+# session id. 3: a segment's tables carry a CRC32C too (ATTR_TABLES_CRC). Readers read 1 to 3.
+FORMAT_VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)
 # Version of the run manifest (fastdump.json), independent of the segment format.
 MANIFEST_VERSION = 1
 
@@ -109,7 +109,31 @@ _INDEX_FIELDS_V1 = [
 INDEX_DTYPE_V1 = np.dtype(_INDEX_FIELDS_V1)
 # Format 2: CRC32C (Castagnoli) of the tensor's bytes as stored (its rows, C order, little-endian).
 INDEX_DTYPE = np.dtype(_INDEX_FIELDS_V1 + [("crc32c", "<u4")])
-INDEX_DTYPES = {1: INDEX_DTYPE_V1, 2: INDEX_DTYPE}
+INDEX_DTYPES = {1: INDEX_DTYPE_V1, 2: INDEX_DTYPE, 3: INDEX_DTYPE}
+
+# Format 3: root attribute, CRC32C of the segment's tables as stored. A row's own crc32c covers its
+# data only, so an index row whose pass, name or block changed (or two rows that traded pass ids)
+# still checks; this covers what says which data is whose.
+ATTR_TABLES_CRC = "tables_crc32c"
+
+
+def tables_crc32c(names_text, index: np.ndarray, passes: np.ndarray, pass_meta) -> int:
+    """CRC32C of: the NAMES text, "\n", the INDEX rows, the PASSES rows (both packed,
+    little-endian, as INDEX_DTYPE/PASS_DTYPE lay them out), then each PASS_META entry followed by
+    "\n" (entries are ASCII JSON, which never holds a raw newline). Text may be str or bytes."""
+    from . import _C
+
+    def text(value) -> bytes:
+        if isinstance(value, str):
+            return value.encode("utf-8")
+        if isinstance(value, bytes):
+            return value
+        raise ValueError(f"a table holds {type(value).__name__} where text belongs")
+
+    value = _C.crc32c(text(names_text) + b"\n")
+    value = _C.crc32c(np.ascontiguousarray(index).view(np.uint8), value)
+    value = _C.crc32c(np.ascontiguousarray(passes).view(np.uint8), value)
+    return _C.crc32c(b"".join(text(entry) + b"\n" for entry in pass_meta), value)
 
 PASS_DTYPE = np.dtype(
     [

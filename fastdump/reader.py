@@ -102,6 +102,21 @@ def row_checksum(rows: np.ndarray) -> int:
     return _C.crc32c(np.ascontiguousarray(rows))
 
 
+def check_tables(attrs: dict, names_text, index, passes, pass_meta, where: str) -> None:
+    """Raise DumpError unless a format-3 segment's tables match their CRC32C: a relabelled index
+    row keeps its data's CRC, so without this it would hand one pass's tensor to another."""
+    stored = attrs.get(fmt.ATTR_TABLES_CRC)
+    if not isinstance(stored, int):
+        raise DumpError(f"{where}: no {fmt.ATTR_TABLES_CRC!r} attribute (format 3 requires one)")
+    try:
+        found = fmt.tables_crc32c(names_text, index, passes, pass_meta)
+    except (TypeError, ValueError) as exc:
+        raise DumpError(f"{where}: tables not laid out as format 3 says ({exc})") from None
+    if found != stored:
+        raise DumpError(f"{where}: the names, index, passes and pass_meta tables have CRC32C {found:08x}, "
+                        f"written as {stored & 0xFFFFFFFF:08x}: a table changed after it was written")
+
+
 def open_segment(path: str) -> h5py.File:
     """Open a segment read-only with HDF5's default locking (so that h5py.File(path) elsewhere in
     the process still works), falling back to no locking on filesystems without lock support:
@@ -165,7 +180,8 @@ class SegmentIndex:
             check_dataset(h5file[name], self.file_size, f"{path} {name!r}")
         if not isinstance(h5file[fmt.BLOCKS], h5py.Group):
             raise DumpError(f"{path}: {fmt.BLOCKS!r} is not a group")
-        names = json.loads(_attr_str(h5file[fmt.NAMES][()]))
+        names_text = h5file[fmt.NAMES][()]
+        names = json.loads(_attr_str(names_text))
         if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
             raise DumpError(f"{path}: the name table is not a list of strings")
         if len(set(names)) != len(names):  # two slots, one name: load() and tensor() would disagree
@@ -177,10 +193,13 @@ class SegmentIndex:
             raise DumpError(f"{path}: index table has layout {self.index.dtype}, expected {fmt.INDEX_DTYPES[version]}")
         if self.passes.dtype != fmt.PASS_DTYPE or self.passes.ndim != 1:
             raise DumpError(f"{path}: passes table has layout {self.passes.dtype}, expected {fmt.PASS_DTYPE}")
+        pass_meta = h5file[fmt.PASS_META][()]
+        if version >= 3:
+            check_tables(self.attrs, names_text, self.index, self.passes, pass_meta, path)
         self.has_checksums = "crc32c" in self.index.dtype.names
         self._said_unchecked = False
         self._block_rows = self._check_rows()
-        self.pass_meta: list = self._parse_pass_meta(h5file[fmt.PASS_META][()])
+        self.pass_meta: list = self._parse_pass_meta(pass_meta)
         self._slot_of_name = {name: slot for slot, name in enumerate(self.names)}
         self._rows_of_pass = None
         self._blocks: dict = {}  # block number -> (dataset, torch dtype name, scalar rows?)

@@ -114,3 +114,19 @@ def mount_small_tmpfs(tmp_path, size: str):
         pytest.skip(f"cannot mount a small tmpfs to fill (needs root): {r.stderr.strip()}")
     yield mnt
     subprocess.run(["umount", "-l", str(mnt)])
+
+
+def restamp_tables(path) -> None:
+    """Recompute a segment's ``tables_crc32c`` after a test rewrote its tables: the file then looks
+    like one a faulty writer wrote consistently, which the structural checks must catch on their
+    own (a table changed on disk without this is caught by the checksum first)."""
+    import h5py
+    import numpy as np
+
+    from fastdump import format as fmt
+
+    with h5py.File(path, "r+") as f:
+        if f.attrs.get("format_version", 0) < 3:
+            return
+        value = fmt.tables_crc32c(f[fmt.NAMES][()], f[fmt.INDEX][()], f[fmt.PASSES][()], f[fmt.PASS_META][()])
+        f.attrs[fmt.ATTR_TABLES_CRC] = np.int64(value)

@@ -22,7 +22,7 @@ from fastdump.cli import dump as cli_dump
 from fastdump import format as fmt
 from fastdump.writer.channel_writer import RESERVE_FILE, ChannelWriter
 
-from conftest import mount_small_tmpfs, write_rank_dir
+from conftest import mount_small_tmpfs, restamp_tables, write_rank_dir
 
 RANKS = {"tp_rank": 0, "tp_size": 1, "pp_rank": 0, "pp_size": 1, "rank": 0}
 
@@ -82,8 +82,10 @@ def test_crc32c_known_values_and_both_implementations_agree():
 
 def test_every_index_row_carries_the_crc_of_its_tensor(dump):
     with h5py.File(segment(dump), "r") as f:
-        assert f.attrs["format_version"] == 2
+        assert f.attrs["format_version"] == 3
         index = f["index"][()]
+        assert f.attrs[fmt.ATTR_TABLES_CRC] == fmt.tables_crc32c(
+            f["names"][()], index, f["passes"][()], f["pass_meta"][()])
         assert index.dtype == fmt.INDEX_DTYPE
         for row in index:
             rows = f["blocks"][str(row["block"])][row["first_row"]:row["first_row"] + row["rows"]]
@@ -144,10 +146,13 @@ def test_format_1_dumps_still_read(dump):
 
 
 def rewrite_index(path, change):
+    """Change index rows as a faulty writer would: the tables checksum is stamped to match, so the
+    row checks must catch it themselves (tables changed on disk: test_verify_hostile)."""
     with h5py.File(path, "r+") as f:
         index = f["index"][()]
         change(index)
         f["index"][...] = index
+    restamp_tables(path)
 
 
 def set_field(row, field, value):
@@ -215,6 +220,7 @@ def test_bad_pass_meta_is_reported_and_show_goes_on(dump, capsys):
         meta[1] = b"{broken"
         del f["pass_meta"]
         f.create_dataset("pass_meta", data=meta, dtype=h5py.string_dtype())
+    restamp_tables(segment(dump))  # as a faulty writer would have written it
     assert cli_dump.main(["show", str(dump), "--pass", "0"]) == 0
     captured = capsys.readouterr()
     assert "pass_meta of pass 0" in captured.err and "seg-000000.h5" in captured.err
@@ -552,7 +558,7 @@ def test_an_attribute_larger_than_its_file_is_refused_before_reading(dump):
             reader.read_attrs(f["blocks"]["0"], 1000, "x")
 
 
-@pytest.mark.parametrize("kind", ["index-soft-link", "names-not-a-list", "version-3"])
+@pytest.mark.parametrize("kind", ["index-soft-link", "names-not-a-list", "version-4"])
 def test_crafted_tables_are_refused(dump, kind):
     with h5py.File(segment(dump), "r+") as f:
         if kind == "index-soft-link":
@@ -563,7 +569,7 @@ def test_crafted_tables_are_refused(dump, kind):
             del f["names"]
             f.create_dataset("names", data='{"a": 1}', dtype=h5py.string_dtype())
         else:
-            f.attrs["format_version"] = 3
+            f.attrs["format_version"] = 4
     with pytest.warns(UserWarning, match="unreadable segment"):
         ds = fastdump.open(dump)
         with pytest.raises(reader.DumpError, match="seg-000000.h5"):

@@ -27,6 +27,8 @@ from fastdump import reader
 from fastdump import format as fmt
 from fastdump.cli import dump as cli_dump
 
+from conftest import restamp_tables
+
 NAMES = ["0", "1", "2", "Sequential"]  # what the model below dumps per pass, in dump order
 PASSES = 5
 
@@ -115,20 +117,24 @@ def has(problems, *needles):
     return any(all(n in p for n in needles) for p in problems)
 
 
-def rewrite(path, table, change):
-    """Rewrite the table (``index`` or ``passes``) of a segment through ``change(array)``."""
+def rewrite(path, table, change, restamp=True):
+    """Rewrite the table (``index`` or ``passes``) of a segment through ``change(array)``; with
+    ``restamp`` its tables checksum follows (a faulty writer), without it the change is damage."""
     with h5py.File(path, "r+") as f:
         data = f[table][()]
         data = change(data)
         if data is not None:
             del f[table]
             f.create_dataset(table, data=data)
+    if restamp:
+        restamp_tables(path)
 
 
 def set_names(path, names):
     with h5py.File(path, "r+") as f:
         del f["names"]
         f.create_dataset("names", data=json.dumps(names), dtype=h5py.string_dtype())
+    restamp_tables(path)
 
 
 def set_attrs(path, **attrs):
@@ -147,6 +153,7 @@ def relabel_passes(path, mapping):
         f["passes"][...] = passes
         f.attrs["first_pass"] = int(passes["pass"].min())
         f.attrs["last_pass"] = int(passes["pass"].max())
+    restamp_tables(path)
 
 
 def same(a, b):
@@ -328,24 +335,51 @@ def _swap_pass_labels(index):
     return index
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: verify misses index rows whose pass ids were swapped within a "
-                                       "block (rows out of dump order): pass 0 then reads pass 1's data")
 def test_verify_fails_rows_whose_pass_ids_were_swapped(dump):
-    rewrite(seg(dump, 0), "index", _swap_pass_labels)
-    code, problems, _ = verify(dump, "--data")
-    assert code == 1, "verify --data passed a dump whose pass 0 returns pass 1's tensor"
+    rewrite(seg(dump, 0), "index", _swap_pass_labels, restamp=False)
+    code, problems, _ = verify(dump)  # no --data needed: the tables' own checksum catches it
+    assert code == 1 and has(problems, "seg-000000.h5", "tables have CRC32C", "changed after it was written"), problems
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: the reader returns pass 1's tensor as pass 0's when the index's "
-                                       "pass ids are swapped within a block (check=True passes)")
 def test_reader_refuses_rows_whose_pass_ids_were_swapped(dump, expected):
-    rewrite(seg(dump, 0), "index", _swap_pass_labels)
+    rewrite(seg(dump, 0), "index", _swap_pass_labels, restamp=False)
     ds = open_quietly(dump)
-    try:
-        got = ds.load("target", 0, 0, check=True)
-    except reader.DumpError:
-        return
-    assert same(got["0"], expected[0]["0"]), "pass 0's '0' is pass 1's data"
+    with pytest.raises(reader.DumpError, match="seg-000000.h5.*changed after it was written"):
+        ds.load("target", 0, 0, check=True)
+    assert same(ds.load("target", 0, 3)["0"], expected[3]["0"])  # the other segment still reads
+
+
+@pytest.mark.parametrize("table", ["names", "passes", "pass_meta"])
+def test_any_table_changed_on_disk_fails_verify_and_the_reader(dump, table):
+    """One byte of each table changed with no other sign: only the tables checksum can tell."""
+    with h5py.File(seg(dump, 0), "r+") as f:
+        if table == "names":
+            text = f["names"][()].decode().replace('"1"', '"7"')
+            del f["names"]
+            f.create_dataset("names", data=text, dtype=h5py.string_dtype())
+        elif table == "passes":
+            passes = f["passes"][()]
+            passes["dropped"][0] += 1
+            f["passes"][...] = passes
+        else:
+            meta = [m.decode() for m in f["pass_meta"][()]]
+            meta[0] = meta[0].replace("{}", '{"step": 9}', 1)
+            assert meta[0] != f["pass_meta"][0].decode()
+            del f["pass_meta"]
+            f.create_dataset("pass_meta", data=np.array(meta, dtype=object), dtype=h5py.string_dtype())
+    code, problems, _ = verify(dump)
+    assert code == 1 and has(problems, "seg-000000.h5", "changed after it was written"), problems
+    with pytest.raises(reader.DumpError, match="changed after it was written"):
+        open_quietly(dump).load("target", 0, 0)
+
+
+def test_a_segment_of_format_3_without_its_tables_checksum_is_refused(dump):
+    with h5py.File(seg(dump, 0), "r+") as f:
+        del f.attrs[fmt.ATTR_TABLES_CRC]
+    code, problems, _ = verify(dump)
+    assert code == 1 and has(problems, "seg-000000.h5", "no 'tables_crc32c'"), problems
+    with pytest.raises(reader.DumpError, match="tables_crc32c"):
+        open_quietly(dump).load("target", 0, 0)
 
 
 # ------------------------------------------------------------------------------- name table

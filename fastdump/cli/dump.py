@@ -260,7 +260,7 @@ def _check_objects(h5file, where: str) -> None:
 
 
 def _check_open_segment(report: _Report, where: str, h5file, read_data: bool):
-    from ..reader import read_attrs
+    from ..reader import DumpError, check_tables, read_attrs
 
     attrs = read_attrs(h5file, os.stat(h5file.filename).st_size, where)  # sizes checked first
     fmt_name = attrs.get("format")
@@ -278,13 +278,22 @@ def _check_open_segment(report: _Report, where: str, h5file, read_data: bool):
     _check_objects(h5file, where)
     if read_data and version < 2:
         report.warning(where, f"format {version}: no checksums, data read but not checked")
-    names = json.loads(h5file[fmt.NAMES][()])
+    names_text = h5file[fmt.NAMES][()]
+    names = json.loads(names_text)
     index = h5file[fmt.INDEX][()]
     passes = h5file[fmt.PASSES][()]
     pass_meta = h5file[fmt.PASS_META][()]
     if index.dtype != fmt.INDEX_DTYPES[version] or passes.dtype != fmt.PASS_DTYPE:
         report.problem(where, "index or passes table has an unexpected layout")
         return None
+    if version >= 3:  # the tables say which data is whose; a relabelled row keeps its data's CRC
+        try:
+            check_tables(attrs, names_text, index, passes, pass_meta, where)
+        except DumpError as exc:
+            report.problem(where, str(exc).removeprefix(where + ": "))
+    else:
+        report.warning(where, f"format {version}: the tables carry no checksum (a relabelled index row "
+                              "would go unseen)")
     if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
         report.problem(where, "the name table is not a JSON list of strings")
         return None

@@ -371,12 +371,15 @@ def write_segment(
                 else:
                     _str_attr(root, key.encode(), value if isinstance(value, str) else _json_ascii(value))
 
-            f.create_dataset(fmt.NAMES, data=_json_ascii(list(names)), dtype=h5py.string_dtype())
+            names_text = _json_ascii(list(names))
+            meta_texts = [_json_ascii(m) for m in pass_meta]
+            _int_attr(root, fmt.ATTR_TABLES_CRC.encode(), fmt.tables_crc32c(names_text, index, passes, meta_texts))
+            f.create_dataset(fmt.NAMES, data=names_text, dtype=h5py.string_dtype())
             f.create_dataset(fmt.INDEX, data=index)
             f.create_dataset(fmt.PASSES, data=passes)
             f.create_dataset(
                 fmt.PASS_META,
-                data=np.array([_json_ascii(m) for m in pass_meta], dtype=object),
+                data=np.array(meta_texts, dtype=object),
                 dtype=h5py.string_dtype(),
                 shape=(len(pass_meta),),
             )
