@@ -333,6 +333,23 @@ def _pass_pairs(unit: Unit, options: Options, missing: list) -> list:
 # ------------------------------------------------------------------------------------- unsharding
 
 
+def _incomplete_pass_notes(unit, side: str, stages: list, pass_id: int) -> list:
+    """A note for each shard of a side whose pass is compared although the capture side said it
+    is not whole (every TP and PP shard: one incomplete shard makes the reassembled pass so)."""
+    refs = [ref for stage in stages for ref in stage]
+    notes = []
+    for ref in refs:
+        try:
+            meta = ref.ds.meta(ref.role, ref.name, pass_id)
+        except (KeyError, ValueError):  # ValueError: reader.DumpError, a segment it cannot read
+            continue  # this shard's tensors of the pass are reported missing or ERROR when read
+        if meta.get("complete") is False:
+            notes.append(f"{unit.role} rank {unit.label}: {side} pass {pass_id} is marked incomplete"
+                         + (f" in {ref.name}" if len(refs) > 1 else "")
+                         + (f" ({meta['incomplete']})" if meta.get("incomplete") else ""))
+    return notes
+
+
 def _names_in_order(stages: list, pass_id: int) -> dict:
     """{name: stage index} of a pass, in dump order, stage 0's names first."""
     found: dict = {}
@@ -755,10 +772,7 @@ def _diff(base_ds, target_ds, options: Options) -> DiffResult:
             key, b_pass, t_pass = pair
             cache.clear()  # one pass pair in memory at a time
             for side, stages, pass_id in (("baseline", unit.baseline, b_pass), ("target", unit.target, t_pass)):
-                meta = stages[0][0].ds.meta(stages[0][0].role, stages[0][0].name, pass_id)
-                if meta.get("complete") is False:  # compared, but the capture side said it is not whole
-                    notes.append(f"{unit.role} rank {unit.label}: {side} pass {pass_id} is marked incomplete"
-                                 + (f" ({meta['incomplete']})" if meta.get("incomplete") else ""))
+                notes.extend(_incomplete_pass_notes(unit, side, stages, pass_id))
             try:
                 base_names = _names_in_order(unit.baseline, b_pass)
                 target_names = _names_in_order(unit.target, t_pass)

@@ -174,9 +174,12 @@ def render(result) -> str:
             _table(["", ""], [["baseline", " + ".join(result.baseline)], ["target", " + ".join(result.target)],
                               ["compared", result.compared], ["failed", result.failed],
                               ["missing", len(result.missing)], ["problems", len(result.problems)],
+                              ["notes", len(result.notes)],
                               ["tolerance", f"|a-b| <= atol + rtol*|b|, atol {result.options.atol:g}, "
                                             f"rtol {result.options.rtol:g}"],
                               ["options", result.options.as_dict()]])]
+    if result.notes:  # they qualify the verdict (an incomplete dump or pass), so they come before it is explained
+        body.append("<h2>Notes</h2><ul>" + "".join(f"<li>{_esc(n)}</li>" for n in result.notes) + "</ul>")
     if first is not None:
         body.append(f'<p class="first">First divergence: <b>{_esc(first["name"])}</b> — {_esc(_where(first))}; '
                     f'max_abs {_num(first.get("max_abs"))}, rel_diff {_num(first.get("rel_diff"))}'

@@ -472,3 +472,37 @@ def test_bfloat16_against_float32_with_metrics(twins, tmp_path, capsys):
     assert code == 0, out + err
     code, out, err = run(capsys, twins[0], low, "--metric", "rel_diff=1e-9")
     assert code == 1 and "exceeds rel_diff>1e-09" in out
+
+
+def _mark_pass_incomplete(rank_dir, pass_id):
+    """What the writer records when a pass never ended (passes table complete = 0)."""
+    import h5py
+
+    from conftest import restamp_tables
+
+    for segment in sorted(rank_dir.glob("seg-*.h5")):
+        with h5py.File(segment, "r+") as f:
+            passes = f["passes"][()]
+            if pass_id not in passes["pass"]:
+                continue
+            passes["complete"][passes["pass"] == pass_id] = 0
+            f["passes"][...] = passes
+        restamp_tables(segment)
+        return
+    raise AssertionError(f"no pass {pass_id} in {rank_dir}")
+
+
+def test_a_pass_incomplete_in_one_tp_shard_only_is_noted_in_text_json_and_html(tmp_path):
+    base = manual_dump(tmp_path / "tp1", 1)
+    target = manual_dump(tmp_path / "tp2", 2)
+    (shard1,) = (target / "target").glob("TP1_*")
+    _mark_pass_incomplete(shard1, 1)  # the second shard: the first one's pass is whole
+    result = fastdump.diff(base, target, unshard={"partial$": "sum"})
+    expected = f"target rank dp0:merged: target pass 1 is marked incomplete in {shard1.name}"
+    assert result.ok and result.notes == [expected], result.notes
+    assert expected in "\n".join(result.lines())
+    assert json.loads(result.to_json())["notes"] == [expected]
+    page = tmp_path / "report.html"
+    result.to_html(page)
+    html = page.read_text()
+    assert "<h2>Notes</h2>" in html and f"marked incomplete in {shard1.name}" in html
