@@ -1,0 +1,240 @@
+"""Hostile capture: odd tensors and odd module outputs, as a hostile user would return them.
+
+The rule every test checks: what is dumped equals, bit for bit, what the module returned at the
+moment its wrapper ran (a later in-place change must not leak in), or the tensor is recorded as a
+skip with a reason (the pass's ``skipped``, rank.json's ``skipped_reasons``); the model is served
+unchanged and never sees an error; and ``fastdump verify`` fails whenever data was lost or mixed.
+
+Most models here run two passes: the first names every tensor (the Dumper's general path), the
+second takes the hot path alone (the C forward wrapper and ``stage_tensor``), and both must agree.
+"""
+
+import collections
+import contextlib
+import dataclasses
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import fastdump
+from fastdump import _C, dtypes
+from fastdump.cli import dump as cli_dump
+
+try:
+    from fastdump import _torch_reader
+except ImportError:  # a build without the tensor reader: only the attribute path is tested
+    _torch_reader = None
+
+READERS = ["torch", "attributes"] if _torch_reader is not None else ["attributes"]
+
+
+def _byte_view(t: torch.Tensor) -> torch.Tensor:
+    """t's bytes as a uint8 tensor of shape (*t.shape, itemsize), aliasing t's storage (any dtype:
+    many dtypes have no copy kernel of their own)."""
+    size = t.element_size()
+    base = torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage())
+    return base.as_strided([*t.shape, size], [s * size for s in t.stride()] + [1], t.storage_offset() * size)
+
+
+def raw(t: torch.Tensor) -> torch.Tensor:
+    """t's elements' bytes in C order: compared with torch.equal, NaN payloads and -0.0 included."""
+    t = t.detach()
+    if t.is_neg():
+        t = t.resolve_neg()
+    if t.is_conj():
+        t = t.resolve_conj()
+    return _byte_view(t).contiguous().reshape(-1)
+
+
+def snapshot(t: torch.Tensor) -> torch.Tensor:
+    """A copy of t as it is now (dtype, shape, bits), immune to later in-place changes."""
+    return raw(t).clone().view(t.dtype).reshape(t.shape)
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(raw(a), raw(b))
+
+
+def scribble(t) -> None:
+    """Overwrite (invert) every byte of t's storage in place: what a fused kernel or an in-place op
+    in the parent does to a child's output after the child returned."""
+    if isinstance(t, torch.Tensor) and t.layout == torch.strided and t.device.type == "cpu":
+        with torch.no_grad():
+            torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage()).bitwise_not_()
+
+
+def verify(root, data=True):
+    return cli_dump.verify_dump(str(root), read_data=data)
+
+
+@contextlib.contextmanager
+def tensor_reader(which: str):
+    """The process-wide tensor reader on ("torch") or off ("attributes") for the block."""
+    before = _C.tensor_reader() is not None
+    if _torch_reader is not None:
+        _C.set_tensor_reader(_torch_reader.READER if which == "torch" else None)
+    try:
+        yield
+    finally:
+        if _torch_reader is not None:
+            _C.set_tensor_reader(_torch_reader.READER if before else None)
+
+
+def skipped_of(ds, p=0) -> dict:
+    return {s["name"]: s["reason"] for s in ds.meta("target", 0, p)["skipped"]}
+
+
+class Fn(nn.Module):
+    """A leaf whose output is fn(x)."""
+
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, x):
+        return self.fn(x)
+
+
+class Scribbler(nn.Module):
+    """Calls each child, snapshots what it returned, then overwrites it in place (as a fused kernel
+    or an in-place activation in the parent would) before the next child runs."""
+
+    def __init__(self, fns: dict, mutate=scribble):
+        super().__init__()
+        self.kids = nn.ModuleDict({k: Fn(fn) for k, fn in fns.items()})
+        self.mutate = mutate
+        self.seen = []  # one {name: snapshot} per forward
+
+    def forward(self, x):
+        seen = {}
+        for key, kid in self.kids.items():
+            out = kid(x)
+            seen[key] = snapshot(out)
+            self.mutate(out)
+        self.seen.append(seen)
+        return x.sum()
+
+
+# ------------------------------------------------------------------ odd layouts, then overwritten
+
+
+def _odd_layouts() -> dict:
+    def fresh(x, n=24):  # a new tensor every call, computed from x (scribbling it spares x)
+        return (x[:1] * 0 + torch.arange(float(n))).reshape(-1)
+
+    return {
+        "transposed": lambda x: fresh(x).reshape(4, 6).t(),
+        "permuted_3d": lambda x: fresh(x).reshape(2, 3, 4).permute(2, 0, 1),
+        "channels_last": lambda x: fresh(x, 48).reshape(2, 3, 2, 4).contiguous(memory_format=torch.channels_last),
+        "expanded_stride0": lambda x: fresh(x, 3).reshape(3, 1).expand(3, 5),
+        "expanded_all0": lambda x: fresh(x, 1).reshape(()).expand(4, 2, 3),
+        "every_third": lambda x: fresh(x)[1::3],
+        "storage_offset": lambda x: fresh(x)[7:].reshape(-1)[:5],
+        "narrow_of_huge": lambda x: (x[:1] * 0 + torch.arange(4e6))[3_999_990:3_999_993],  # 16 MB storage
+        "last_elements": lambda x: fresh(x).reshape(4, 6)[3:, 4:],
+        "overlapping": lambda x: fresh(x, 8).as_strided((4, 3), (1, 1)),  # rows share elements
+        "diagonal": lambda x: fresh(x, 16).reshape(4, 4).diagonal(),
+        "zero_d": lambda x: fresh(x).sum(),
+        "zero_d_view": lambda x: fresh(x)[5],
+        "empty_0x5": lambda x: fresh(x, 0).reshape(0, 5),
+        "empty_5x0": lambda x: fresh(x, 0).reshape(5, 0),
+        "empty_strided": lambda x: torch.empty_strided((3, 0, 2), (0, 7, 1000)),
+        "dims_32": lambda x: fresh(x, 2).reshape([1] * 31 + [2]),
+        "dims_32_strided": lambda x: fresh(x, 8).reshape([2] + [1] * 30 + [4])[:, ..., ::2],
+        "unit_dims_odd_strides": lambda x: fresh(x, 6).as_strided((1, 6, 1), (99, 1, 1000)),
+        "neg_bit": lambda x: torch.complex(fresh(x, 3), fresh(x, 3) + 1).conj().imag,  # lazy negation
+        "int_view_of_float": lambda x: fresh(x).view(torch.int32)[::2],
+        "byte_view": lambda x: fresh(x, 6).view(torch.uint8).reshape(6, 4).t(),
+    }
+
+
+@pytest.mark.parametrize("which", READERS)
+def test_odd_layouts_are_dumped_as_returned_not_as_overwritten_later(tmp_path, which):
+    fns = _odd_layouts()
+    model = Scribbler(fns)
+    x = torch.ones(3)
+    with tensor_reader(which), fastdump.attach(model, tmp_path, root_name="root"):
+        served = [model(x) for _ in range(3)]  # pass 0: the general path; 1 and 2: the hot path
+    plain = Scribbler(fns)
+    assert [model(x) for _ in range(3)] == served == [plain(x) for _ in range(3)]  # detached: same again
+    ds = fastdump.open(tmp_path)
+    assert ds.passes("target", 0) == [0, 1, 2]
+    for p in range(3):
+        dumped = ds.load("target", 0, p, check=True)
+        assert skipped_of(ds, p) == {}
+        assert set(dumped) == {f"kids.{k}" for k in fns} | {"root"}
+        for key, want in model.seen[p].items():
+            got = dumped[f"kids.{key}"]
+            assert same_bits(got, want), (p, key, got, want)
+        assert same_bits(dumped["root"], served[p])
+    assert ds.rank_info("target", 0)["bytes"] < 3 * 4096  # the narrow slice, not its 16 MB storage
+    assert not verify(tmp_path).problems
+
+
+# ------------------------------------------------------------------------- every dtype, overwritten
+
+
+def _every_dtype(x) -> dict:
+    """One tensor per dtype torch has (and fastdump's table names), every bit pattern, strided."""
+    gen = torch.Generator().manual_seed(int(x.sum()))
+    out = {}
+    for name in dtypes.NAMES:
+        dtype = getattr(torch, name, None)
+        if not isinstance(dtype, torch.dtype):
+            continue
+        size = dtypes.ITEMSIZE[dtypes.CODE_BY_NAME[name]]
+        bytes_ = torch.randint(0, 256, (4, 6 * size), dtype=torch.uint8, generator=gen)
+        if name == "bool":
+            out[name] = (bytes_ % 2 == 1).t()[::2]
+        else:
+            out[name] = bytes_.view(dtype).t()[1::2]  # NaN payloads, -0.0, subnormals, strided
+    out["float32_specials"] = torch.tensor([float("nan"), -0.0, float("inf"), -float("inf"), 1e-45])
+    for name in ("complex32", "complex64", "complex128"):  # the lazy conjugation bit, not in the bytes
+        out[f"{name}_conj"] = out[name].conj()
+    return out
+
+
+class DtypeZoo(nn.Module):
+    def __init__(self, container):
+        super().__init__()
+        self.container = container
+
+    def forward(self, x):
+        values = _every_dtype(x)
+        return tuple(values.values()) if self.container == "tuple" else values
+
+
+class DtypeParent(nn.Module):
+    def __init__(self, container):
+        super().__init__()
+        self.zoo = DtypeZoo(container)
+        self.seen = []
+
+    def forward(self, x):
+        out = self.zoo(x)
+        values = out if isinstance(out, dict) else dict(zip(_every_dtype(x), out))
+        self.seen.append({k: snapshot(v) for k, v in values.items()})
+        for v in values.values():
+            scribble(v)
+        return x
+
+
+@pytest.mark.parametrize("container", ["tuple", "dict"])  # tuple: the C wrapper's path; dict: Python's
+def test_every_dtype_a_module_returns_is_dumped_bit_exact_before_it_is_overwritten(tmp_path, container):
+    model = DtypeParent(container)
+    with warnings.catch_warnings(), fastdump.attach(model, tmp_path) as d:
+        warnings.simplefilter("ignore")  # complex32: "experimental"
+        for step in range(2):
+            model(torch.full((2,), float(step)))
+    assert d.stats()["skipped"] == 0
+    ds = fastdump.open(tmp_path)
+    keys = list(_every_dtype(torch.zeros(1)))
+    for p in range(2):
+        dumped = ds.load("target", 0, p, check=True)
+        for i, key in enumerate(keys):
+            name = f"zoo.{i}" if container == "tuple" else f"zoo.{key}"
+            assert same_bits(dumped[name], model.seen[p][key]), (p, key)
+    assert not verify(tmp_path).problems
