@@ -238,3 +238,173 @@ def test_every_dtype_a_module_returns_is_dumped_bit_exact_before_it_is_overwritt
             name = f"zoo.{i}" if container == "tuple" else f"zoo.{key}"
             assert same_bits(dumped[name], model.seen[p][key]), (p, key)
     assert not verify(tmp_path).problems
+
+
+# ------------------------------------------------------------------------------- odd containers
+
+Pair = collections.namedtuple("Pair", "first second")
+
+
+@dataclasses.dataclass(frozen=True)
+class Frozen:
+    hidden: torch.Tensor
+    extra: object = None
+    note: str = "n"
+
+
+def _tensors_in(value, out):
+    if isinstance(value, torch.Tensor):
+        out.append(value)
+    elif isinstance(value, (tuple, list)):
+        for v in value:
+            _tensors_in(v, out)
+    elif isinstance(value, dict):
+        for v in value.values():
+            _tensors_in(v, out)
+    elif dataclasses.is_dataclass(value):
+        for f in dataclasses.fields(value):
+            _tensors_in(getattr(value, f.name), out)
+    return out
+
+
+class Containers(nn.Module):
+    """Each child returns a container; the parent snapshots it, then scribbles every tensor in it."""
+
+    def __init__(self):
+        super().__init__()
+        a = lambda x, k: x * 0 + k  # noqa: E731 - a fresh tensor each call
+        self.fns = {
+            "tuple": lambda x: (a(x, 1), None, a(x, 2)),
+            "list": lambda x: [a(x, 3), [a(x, 4), (a(x, 5),)]],
+            "dict": lambda x: {"q": a(x, 6), "k": {"inner": a(x, 7)}, "none": None},
+            "ordered": lambda x: collections.OrderedDict(z=a(x, 8), a=a(x, 9)),
+            "int_keys": lambda x: {3: a(x, 10), None: a(x, 11), (1, 2): a(x, 12)},
+            "namedtuple": lambda x: Pair(a(x, 13), Pair(a(x, 14), None)),
+            "dataclass": lambda x: Frozen(a(x, 15), extra=[a(x, 16), 2]),
+            "scalars": lambda x: (1, 2.5, True, "s", b"b", None, a(x, 17), torch.Size([2, 3])),
+            "same_twice": lambda x: (lambda t: (t, t, [t]))(a(x, 18)),
+            "many": lambda x: tuple(a(x, 100 + i) for i in range(70)),  # over the C path's 64
+            "only_none": lambda x: None,
+            "an_int": lambda x: 7,
+            "empty_tuple": lambda x: (),
+            "empty_dict": lambda x: {},
+        }
+        self.kids = nn.ModuleDict({k: Fn(fn) for k, fn in self.fns.items()})
+        self.shared = Fn(lambda x: x * 0 + 19)
+        self.seen = []
+
+    def forward(self, x):
+        seen = {}
+        for key, kid in self.kids.items():
+            out = kid(x)
+            seen[key] = [snapshot(t) for t in _tensors_in(out, [])]
+            for t in _tensors_in(out, []):
+                scribble(t)
+        t = self.shared(x)
+        again = nn.Identity()(t)  # not a child: returns the same object
+        seen["shared"] = [snapshot(t)]
+        self.seen.append(seen)
+        return t, again, {"t": t}
+
+
+EXPECTED_NAMES = {
+    "tuple": ["0", "2"],
+    "list": ["0", "1.0", "1.1.0"],
+    "dict": ["q", "k.inner"],
+    "ordered": ["z", "a"],
+    "int_keys": ["3", "None", "(1, 2)"],
+    "namedtuple": ["0", "1.0"],
+    "dataclass": ["hidden", "extra.0"],
+    "scalars": ["6"],
+    "same_twice": ["0", "1", "2.0"],
+    "many": [str(i) for i in range(70)],
+    "only_none": [], "an_int": [], "empty_tuple": [], "empty_dict": [],
+}
+
+
+def test_containers_are_flattened_bit_exact_in_order_and_nothing_else_is_recorded(tmp_path):
+    model = Containers()
+    x = torch.arange(3.0)
+    with fastdump.attach(model, tmp_path, root_name="root"):
+        served = [model(x) for _ in range(2)]
+    assert all(s[0] is s[1] is s[2]["t"] for s in served)  # the model's own objects, untouched
+    ds = fastdump.open(tmp_path)
+    for p in range(2):
+        dumped = ds.load("target", 0, p, check=True)
+        assert skipped_of(ds, p) == {}, p  # None, ints, strings, Size: not tensor data, not a skip
+        want = []
+        for key, suffixes in EXPECTED_NAMES.items():
+            names = [f"kids.{key}" + (f".{s}" if s else "") for s in suffixes]
+            want += names
+            assert len(names) == len(model.seen[p][key]), key
+            for name, snap in zip(names, model.seen[p][key]):
+                assert same_bits(dumped[name], snap), (p, name)
+        want += ["shared", "root.0", "root.1", "root.2.t"]
+        assert list(dumped) == want  # dump order: the order the tensors were returned
+        for name in ("shared", "root.0", "root.1", "root.2.t"):
+            assert same_bits(dumped[name], model.seen[p]["shared"][0]), name
+    assert not verify(tmp_path).problems
+
+
+def test_dict_keys_that_print_alike_are_both_kept_and_verify_fails_the_mixed_pass(tmp_path):
+    """{0: a, "0": b} flattens to two tensors named ``name.0``: which is which is lost, so the pass
+    is mixed data and verify must fail it (the reader keeps both: ``name.0``, ``name.0#dup1``)."""
+    model = nn.Sequential(Fn(lambda x: {0: x + 1, "0": x + 2}))
+    x = torch.arange(3.0)
+    with fastdump.attach(model, tmp_path):
+        model(x)
+    dumped = fastdump.open(tmp_path).load("target", 0, 0)
+    assert same_bits(dumped["0.0"], x + 1) and same_bits(dumped["0.0#dup1"], x + 2)
+    assert any("2 tensors named '0.0'" in p for p in verify(tmp_path, data=False).problems)
+
+
+class BadKey:
+    def __format__(self, spec):
+        raise RuntimeError("no text for this key")
+
+
+@dataclasses.dataclass
+class Unset:
+    a: torch.Tensor
+    b: torch.Tensor = dataclasses.field(init=False)  # never set: reading it raises
+    c: torch.Tensor = None
+
+
+class Each(nn.Module):
+    """Calls each child on x; returns nothing."""
+
+    def __init__(self, *fns):
+        super().__init__()
+        self.kids = nn.ModuleList(Fn(fn) for fn in fns)
+        self.outs = []
+
+    def forward(self, x):
+        self.outs.append([kid(x) for kid in self.kids])
+
+
+def test_an_unreadable_container_entry_never_raises_and_is_recorded(tmp_path):
+    model = Each(lambda x: {"a": x + 1, BadKey(): x + 2, "c": x + 3}, lambda x: Unset(x + 4, c=x + 5),
+                 lambda x: iter([x]))
+    x = torch.arange(3.0)
+    with fastdump.attach(model, tmp_path):
+        model(x)
+    out = model.outs[0]
+    assert isinstance(out[1], Unset) and same_bits(next(out[2]), x)  # served as returned, not consumed
+    ds = fastdump.open(tmp_path)
+    dumped, skipped = ds.load("target", 0, 0), skipped_of(ds)
+    assert same_bits(dumped["kids.0.a"], x + 1) and same_bits(dumped["kids.1.a"], x + 4)
+    assert "no text for this key" in skipped["kids.0"] and "has no attribute 'b'" in skipped["kids.1"]
+    assert "holds no tensor" in skipped["kids.2"]
+    assert not verify(tmp_path).problems
+
+
+@pytest.mark.xfail(strict=True, reason="BUG: _emit forms an entry's name (and reads a dataclass field) outside its "
+                                       "per-entry try, so one unreadable key or field loses every later sibling "
+                                       "(recorded only as a skip of the whole container), against its own comment")
+def test_an_unreadable_container_entry_costs_only_itself(tmp_path):
+    model = Each(lambda x: {"a": x + 1, BadKey(): x + 2, "c": x + 3}, lambda x: Unset(x + 4, c=x + 5))
+    x = torch.arange(3.0)
+    with fastdump.attach(model, tmp_path):
+        model(x)
+    dumped = fastdump.open(tmp_path).load("target", 0, 0)
+    assert same_bits(dumped["kids.0.c"], x + 3) and same_bits(dumped["kids.1.c"], x + 5)
