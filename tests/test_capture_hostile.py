@@ -408,3 +408,108 @@ def test_an_unreadable_container_entry_costs_only_itself(tmp_path):
         model(x)
     dumped = fastdump.open(tmp_path).load("target", 0, 0)
     assert same_bits(dumped["kids.0.c"], x + 3) and same_bits(dumped["kids.1.c"], x + 5)
+
+
+# ----------------------------------------------------------------------------- tensor subclasses
+
+
+class Counting(torch.Tensor):
+    """A __torch_function__ subclass that minds its own business (counts what is done to it)."""
+
+    calls = 0
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        Counting.calls += 1
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+class Refusing(torch.Tensor):
+    """A subclass that refuses every attribute read fastdump would make (data_ptr, shape, ...)."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") in ("data_ptr", "__get__", "stride", "is_neg", "dim", "element_size"):
+            raise RuntimeError("refused by the subclass")
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+class Subclasses(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.arange(6.0).reshape(2, 3))
+        self.param = Fn(lambda x: self.weight)  # returns a Parameter (requires_grad, a subclass)
+        self.counting = Fn(lambda x: (x * 2).as_subclass(Counting))
+        self.counting_view = Fn(lambda x: (x.repeat(2) * 3).as_subclass(Counting)[1::2])
+
+    def forward(self, x):
+        return self.param(x), self.counting(x), self.counting_view(x)
+
+
+@pytest.mark.parametrize("which", READERS)
+def test_parameters_and_torch_function_subclasses_are_dumped_and_served_as_they_are(tmp_path, which):
+    model = Subclasses()
+    x = torch.arange(4.0)
+    with tensor_reader(which), fastdump.attach(model, tmp_path, root_name="root"):
+        served = [model(x) for _ in range(2)]
+    for out in served:
+        assert out[0] is model.weight and type(out[1]) is Counting and type(out[2]) is Counting
+    ds = fastdump.open(tmp_path)
+    for p in range(2):
+        dumped = ds.load("target", 0, p)
+        assert skipped_of(ds, p) == {}
+        for name, want in (("param", model.weight), ("counting", x * 2), ("counting_view", (x.repeat(2) * 3)[1::2])):
+            assert type(dumped[name]) is torch.Tensor
+            assert same_bits(dumped[name], want.detach().as_subclass(torch.Tensor)), (p, name)
+            assert same_bits(dumped[f"root.{list(dict(model.named_children())).index(name)}"], dumped[name])
+    assert not verify(tmp_path).problems
+
+
+@pytest.mark.xfail(strict=True, reason="BUG: Dumper._capture_failed reads value.is_nested to word the reason; "
+                                       "a subclass that raises there makes the recording itself fail, so the tensor "
+                                       "is lost with no skip recorded (only an unraisable-exception message)")
+@pytest.mark.parametrize("which", READERS)
+def test_a_subclass_that_refuses_to_be_read_is_a_recorded_skip(tmp_path, which):
+    model = Each(lambda x: x + 1, lambda x: (x * 3).as_subclass(Refusing), lambda x: x - 1)
+    x = torch.arange(3.0)
+    with tensor_reader(which), fastdump.attach(model, tmp_path):
+        for _ in range(2):
+            model(x)
+    assert all(type(o[1]) is Refusing for o in model.outs)
+    ds = fastdump.open(tmp_path)
+    for p in range(2):
+        dumped = ds.load("target", 0, p)
+        assert same_bits(dumped["kids.0"], x + 1) and same_bits(dumped["kids.2"], x - 1)
+        assert "kids.1" not in dumped
+        assert "refused by the subclass" in skipped_of(ds, p).get("kids.1", ""), p  # not lost silently
+    assert ds.rank_info("target", 0)["skipped"] == 2
+
+
+class Liar(torch.Tensor):
+    """A subclass whose .shape and .stride() claim more than its TensorImpl holds."""
+
+    @property
+    def shape(self):
+        return torch.Size([1 << 18])
+
+    def stride(self, *args):
+        return (1,)
+
+
+@pytest.mark.xfail(strict=True, reason="BUG: a tensor subclass (not Parameter) is read through its Python "
+                                       "attributes, which it may override: a subclass whose .shape says more than "
+                                       "its storage holds makes fastdump read past the tensor (garbage dumped, "
+                                       "verify OK; past the allocation it would fault)")
+def test_a_subclass_that_lies_about_its_shape_is_never_read_past_its_elements(tmp_path):
+    # The lie stays inside one big storage here, so the bug reads the storage's other elements, not
+    # unmapped memory: deterministic, and the test process survives.
+    storage = torch.arange(float(1 << 18))
+    model = Each(lambda x: storage[:4].as_subclass(Liar))
+    with fastdump.attach(model, tmp_path):
+        model(torch.zeros(1))
+    ds = fastdump.open(tmp_path)
+    dumped = ds.load("target", 0, 0)
+    if "kids.0" in dumped:  # what the TensorImpl holds, or a recorded skip
+        assert same_bits(dumped["kids.0"], storage[:4])
+    else:
+        assert "kids.0" in skipped_of(ds)
