@@ -465,9 +465,6 @@ def test_parameters_and_torch_function_subclasses_are_dumped_and_served_as_they_
     assert not verify(tmp_path).problems
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: Dumper._capture_failed reads value.is_nested to word the reason; "
-                                       "a subclass that raises there makes the recording itself fail, so the tensor "
-                                       "is lost with no skip recorded (only an unraisable-exception message)")
 @pytest.mark.parametrize("which", READERS)
 def test_a_subclass_that_refuses_to_be_read_is_a_recorded_skip(tmp_path, which):
     model = Each(lambda x: x + 1, lambda x: (x * 3).as_subclass(Refusing), lambda x: x - 1)

@@ -587,7 +587,11 @@ class Dumper:
         self._skip(name, f"{type(value).__module__}.{type(value).__qualname__} holds no tensor fastdump can read")
 
     def _capture_failed(self, name: str, value, exc: Exception) -> None:
-        if isinstance(value, _Tensor) and value.is_nested:
+        try:  # a subclass may refuse this read too: the skip must still be recorded
+            nested = isinstance(value, _Tensor) and value.is_nested
+        except Exception:
+            nested = False
+        if nested:
             reason = f"nested tensor (layout {value.layout}) is not supported"
         else:
             reason = f"cannot capture {type(value).__name__}: {type(exc).__name__}: {_short(exc)}"
