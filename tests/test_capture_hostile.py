@@ -504,3 +504,174 @@ def test_a_subclass_that_lies_about_its_shape_is_never_read_past_its_elements(tm
         assert same_bits(dumped["kids.0"], storage[:4])
     else:
         assert "kids.0" in skipped_of(ds)
+
+
+# ------------------------------------------------------------- what cannot be stored: recorded skips
+
+
+def test_sparse_meta_quantized_and_object_arrays_are_recorded_skips_numpy_arrays_are_dumped(tmp_path):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # sparse CSR "beta", quantize "deprecated"
+        model = Each(
+            lambda x: x.reshape(2, 3).to_sparse(),
+            lambda x: x.reshape(2, 3).to_sparse_csr(),
+            lambda x: torch.empty(3, device="meta"),
+            lambda x: torch.quantize_per_tensor(x, 0.5, 0, torch.qint8),
+            lambda x: np.array([1, "a"], dtype=object),
+            lambda x: np.arange(6, dtype=np.float32)[::-2],  # numpy: negative strides
+            lambda x: np.frombuffer(bytes(range(8)), dtype=np.uint8),  # read-only
+            lambda x: np.array([[True, False, True]]).T,
+            lambda x: x + 1,
+        )
+        x = torch.arange(6.0)
+        with fastdump.attach(model, tmp_path):
+            for _ in range(2):
+                model(x)
+    ds = fastdump.open(tmp_path)
+    for p in range(2):
+        dumped, skipped = ds.load("target", 0, p), skipped_of(ds, p)
+        assert "not strided" in skipped["kids.0"] and "not strided" in skipped["kids.1"]
+        assert "meta" in skipped["kids.2"] and "quantized" in skipped["kids.3"]
+        assert "kids.4" in skipped and len(skipped) == 5
+        assert same_bits(dumped["kids.5"], torch.tensor([5.0, 3.0, 1.0]))
+        assert same_bits(dumped["kids.6"], torch.arange(8, dtype=torch.uint8))
+        assert same_bits(dumped["kids.7"], torch.tensor([[True], [False], [True]]))
+        assert same_bits(dumped["kids.8"], x + 1)
+    assert sum(ds.rank_info("target", 0)["skipped_reasons"].values()) == 10
+    assert not verify(tmp_path).problems
+
+
+# ------------------------------------------------------------------------ autograd and inference mode
+
+
+class Mlp(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.up, self.act, self.down = nn.Linear(4, 8), nn.ReLU(inplace=True), nn.Linear(8, 4)
+
+    def forward(self, x):
+        h = self.up(x)
+        return self.down(self.act(h))  # the in-place ReLU overwrites up's output after it returned
+
+
+def test_grad_mode_and_inference_mode_serve_the_same_results_and_gradients(tmp_path):
+    x = torch.randn(3, 4)
+    plain = Mlp()
+    want = plain(x)
+    want.sum().backward()
+    want_grads = [p.grad.clone() for p in plain.parameters()]
+    model = Mlp()
+    with fastdump.attach(model, tmp_path, root_name="mlp"):
+        out = model(x)                          # pass 0: grad mode
+        out.sum().backward()
+        with torch.inference_mode():
+            inf = model(x)                      # pass 1: inference mode
+        with torch.no_grad():
+            model(x)                            # pass 2
+    assert same_bits(out, want) and out.requires_grad and out.grad_fn is not None
+    assert inf.is_inference() and same_bits(inf, want)
+    assert all(same_bits(p.grad, g) for p, g in zip(model.parameters(), want_grads))
+    up = nn.functional.linear(x, plain.up.weight, plain.up.bias).detach()
+    ds = fastdump.open(tmp_path)
+    for p in range(3):
+        dumped = ds.load("target", 0, p)
+        assert same_bits(dumped["up"], up), p  # before the in-place ReLU
+        assert same_bits(dumped["act"], up.relu()) and same_bits(dumped["mlp"], want.detach())
+        assert not dumped["mlp"].requires_grad
+    assert not verify(tmp_path).problems
+
+
+# --------------------------------------------------------------- storage changed after the return
+
+
+class Cache(nn.Module):
+    """Returns its own buffer, updated in place, on every call (a KV cache's way)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("buf", torch.zeros(4))
+
+    def forward(self, x):
+        self.buf.add_(x)
+        return self.buf
+
+
+class Shrinks(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.cache, self.make = Cache(), Fn(lambda x: x * 10)
+
+    def forward(self, x):
+        first = self.cache(x)
+        second = self.cache(x)  # the same object again: name#1
+        made = self.make(x)
+        made.untyped_storage().resize_(0)  # freed right after return (as FSDP does)
+        first.mul_(-1)
+        return second is first
+
+
+def test_a_returned_buffer_changed_or_freed_after_return_is_dumped_as_it_was(tmp_path):
+    model = Shrinks()
+    x = torch.arange(4.0)
+    with fastdump.attach(model, tmp_path):
+        assert model(x) is True and model(x) is True
+    ds = fastdump.open(tmp_path)
+    buf = torch.zeros(4)
+    for p in range(2):
+        dumped = ds.load("target", 0, p)
+        buf = buf + x
+        assert same_bits(dumped["cache"], buf), p
+        buf = buf + x
+        assert same_bits(dumped["cache#1"], buf), p
+        buf = -buf
+        assert same_bits(dumped["make"], x * 10), p
+    assert same_bits(model.cache.buf, buf)
+    assert not verify(tmp_path).problems
+
+
+# ------------------------------------------------------------------------ larger than the ring
+
+
+class Big(nn.Module):
+    """Returns tensors larger than a 4 MiB ring (one of them a stride-0 expansion of 4 bytes),
+    and overwrites them in place as soon as they are returned."""
+
+    def __init__(self):
+        super().__init__()
+        self.strided = Fn(lambda x: (x[:1] * 0 + torch.arange(float(3 << 20))).reshape(3, -1)[:, ::2])  # 6 MiB
+        self.expanded = Fn(lambda x: (x[:1] * 0 + 7).expand(3 << 20))  # 12 MiB from one float
+        self.small = Fn(lambda x: x + 1)
+        self.seen = []
+
+    def forward(self, x):
+        seen = {}
+        for name in ("strided", "expanded", "small"):
+            out = getattr(self, name)(x)
+            seen[name] = snapshot(out)
+            scribble(out)
+        self.seen.append(seen)
+        return x * 2
+
+
+@pytest.mark.parametrize("policy", ["block", "drop"])
+def test_tensors_larger_than_the_ring_are_dumped_whole_under_block_and_skipped_under_drop(tmp_path, policy):
+    model = Big()
+    x = torch.arange(3.0)
+    with fastdump.attach(model, tmp_path, ring_mb=4, policy=policy, root_name="big") as d:
+        served = [model(x) for _ in range(2)]
+    assert all(same_bits(s, x * 2) for s in served)
+    assert d.stats()["dropped"] == 0
+    ds = fastdump.open(tmp_path)
+    for p in range(2):
+        dumped, skipped = ds.load("target", 0, p, check=True), skipped_of(ds, p)
+        for name in ("small", "big"):
+            assert same_bits(dumped[name], model.seen[p].get(name, x * 2)), (p, name)
+        if policy == "block":
+            assert skipped == {}
+            for name in ("strided", "expanded"):
+                assert same_bits(dumped[name], model.seen[p][name]), (p, name)
+        else:  # drop never waits mid-tensor: these could never be staged whole
+            assert "strided" not in dumped and "expanded" not in dumped
+            assert "do not fit in the ring" in skipped["strided"] and "do not fit in the ring" in skipped["expanded"]
+    assert not verify(tmp_path).problems
