@@ -573,21 +573,29 @@ class Dumper:
                 return self._skip(name, f"nested more than {_MAX_NESTING} containers deep")
             outer = outer + (id(value),)
             if isinstance(value, (tuple, list)):
-                items = ((f"{name}.{i}", item) for i, item in enumerate(value))
+                items = enumerate(value)
             elif isinstance(value, dict):
-                items = ((f"{name}.{key}", item) for key, item in value.items())
+                items = value.items()
             else:
-                items = ((f"{name}.{f.name}", getattr(value, f.name)) for f in dataclasses.fields(value))
-            for item_name, item in items:
-                try:  # one element that cannot be read is skipped alone, not with its siblings
+                items = ((f.name, _MISSING) for f in dataclasses.fields(value))
+            for key, item in items:
+                item_name = f"{name}.<{type(key).__name__} key>"  # until the key's own text is had
+                try:  # one element that cannot be read (or named) is skipped alone, not with its siblings
+                    item_name = f"{name}.{key}"
+                    if item is _MISSING:
+                        item = getattr(value, key)
                     self._emit(item_name, item, outer)
                 except Exception as exc:
-                    self._capture_failed(item_name, item, exc)
+                    self._capture_failed(item_name, value if item is _MISSING else item, exc)
             return
         self._skip(name, f"{type(value).__module__}.{type(value).__qualname__} holds no tensor fastdump can read")
 
     def _capture_failed(self, name: str, value, exc: Exception) -> None:
-        if isinstance(value, _Tensor) and value.is_nested:
+        try:  # a subclass may refuse this read too: the skip must still be recorded
+            nested = isinstance(value, _Tensor) and value.is_nested
+        except Exception:
+            nested = False
+        if nested:
             reason = f"nested tensor (layout {value.layout}) is not supported"
         else:
             reason = f"cannot capture {type(value).__name__}: {type(exc).__name__}: {_short(exc)}"

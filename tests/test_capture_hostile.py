@@ -1,0 +1,677 @@
+"""Hostile capture: odd tensors and odd module outputs, as a hostile user would return them.
+
+The rule every test checks: what is dumped equals, bit for bit, what the module returned at the
+moment its wrapper ran (a later in-place change must not leak in), or the tensor is recorded as a
+skip with a reason (the pass's ``skipped``, rank.json's ``skipped_reasons``); the model is served
+unchanged and never sees an error; and ``fastdump verify`` fails whenever data was lost or mixed.
+
+Most models here run two passes: the first names every tensor (the Dumper's general path), the
+second takes the hot path alone (the C forward wrapper and ``stage_tensor``), and both must agree.
+"""
+
+import collections
+import contextlib
+import dataclasses
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import fastdump
+from fastdump import _C, dtypes
+from fastdump.cli import dump as cli_dump
+
+try:
+    from fastdump import _torch_reader
+except ImportError:  # a build without the tensor reader: only the attribute path is tested
+    _torch_reader = None
+
+READERS = ["torch", "attributes"] if _torch_reader is not None else ["attributes"]
+
+
+def _byte_view(t: torch.Tensor) -> torch.Tensor:
+    """t's bytes as a uint8 tensor of shape (*t.shape, itemsize), aliasing t's storage (any dtype:
+    many dtypes have no copy kernel of their own)."""
+    size = t.element_size()
+    base = torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage())
+    return base.as_strided([*t.shape, size], [s * size for s in t.stride()] + [1], t.storage_offset() * size)
+
+
+def raw(t: torch.Tensor) -> torch.Tensor:
+    """t's elements' bytes in C order: compared with torch.equal, NaN payloads and -0.0 included."""
+    t = t.detach()
+    if t.is_neg():
+        t = t.resolve_neg()
+    if t.is_conj():
+        t = t.resolve_conj()
+    return _byte_view(t).contiguous().reshape(-1)
+
+
+def snapshot(t: torch.Tensor) -> torch.Tensor:
+    """A copy of t as it is now (dtype, shape, bits), immune to later in-place changes."""
+    return raw(t).clone().view(t.dtype).reshape(t.shape)
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(raw(a), raw(b))
+
+
+def scribble(t) -> None:
+    """Overwrite (invert) every byte of t's storage in place: what a fused kernel or an in-place op
+    in the parent does to a child's output after the child returned."""
+    if isinstance(t, torch.Tensor) and t.layout == torch.strided and t.device.type == "cpu":
+        with torch.no_grad():
+            torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage()).bitwise_not_()
+
+
+def verify(root, data=True):
+    return cli_dump.verify_dump(str(root), read_data=data)
+
+
+@contextlib.contextmanager
+def tensor_reader(which: str):
+    """The process-wide tensor reader on ("torch") or off ("attributes") for the block."""
+    before = _C.tensor_reader() is not None
+    if _torch_reader is not None:
+        _C.set_tensor_reader(_torch_reader.READER if which == "torch" else None)
+    try:
+        yield
+    finally:
+        if _torch_reader is not None:
+            _C.set_tensor_reader(_torch_reader.READER if before else None)
+
+
+def skipped_of(ds, p=0) -> dict:
+    return {s["name"]: s["reason"] for s in ds.meta("target", 0, p)["skipped"]}
+
+
+class Fn(nn.Module):
+    """A leaf whose output is fn(x)."""
+
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, x):
+        return self.fn(x)
+
+
+class Scribbler(nn.Module):
+    """Calls each child, snapshots what it returned, then overwrites it in place (as a fused kernel
+    or an in-place activation in the parent would) before the next child runs."""
+
+    def __init__(self, fns: dict, mutate=scribble):
+        super().__init__()
+        self.kids = nn.ModuleDict({k: Fn(fn) for k, fn in fns.items()})
+        self.mutate = mutate
+        self.seen = []  # one {name: snapshot} per forward
+
+    def forward(self, x):
+        seen = {}
+        for key, kid in self.kids.items():
+            out = kid(x)
+            seen[key] = snapshot(out)
+            self.mutate(out)
+        self.seen.append(seen)
+        return x.sum()
+
+
+# ------------------------------------------------------------------ odd layouts, then overwritten
+
+
+def _odd_layouts() -> dict:
+    def fresh(x, n=24):  # a new tensor every call, computed from x (scribbling it spares x)
+        return (x[:1] * 0 + torch.arange(float(n))).reshape(-1)
+
+    return {
+        "transposed": lambda x: fresh(x).reshape(4, 6).t(),
+        "permuted_3d": lambda x: fresh(x).reshape(2, 3, 4).permute(2, 0, 1),
+        "channels_last": lambda x: fresh(x, 48).reshape(2, 3, 2, 4).contiguous(memory_format=torch.channels_last),
+        "expanded_stride0": lambda x: fresh(x, 3).reshape(3, 1).expand(3, 5),
+        "expanded_all0": lambda x: fresh(x, 1).reshape(()).expand(4, 2, 3),
+        "every_third": lambda x: fresh(x)[1::3],
+        "storage_offset": lambda x: fresh(x)[7:].reshape(-1)[:5],
+        "narrow_of_huge": lambda x: (x[:1] * 0 + torch.arange(4e6))[3_999_990:3_999_993],  # 16 MB storage
+        "last_elements": lambda x: fresh(x).reshape(4, 6)[3:, 4:],
+        "overlapping": lambda x: fresh(x, 8).as_strided((4, 3), (1, 1)),  # rows share elements
+        "diagonal": lambda x: fresh(x, 16).reshape(4, 4).diagonal(),
+        "zero_d": lambda x: fresh(x).sum(),
+        "zero_d_view": lambda x: fresh(x)[5],
+        "empty_0x5": lambda x: fresh(x, 0).reshape(0, 5),
+        "empty_5x0": lambda x: fresh(x, 0).reshape(5, 0),
+        "empty_strided": lambda x: torch.empty_strided((3, 0, 2), (0, 7, 1000)),
+        "dims_32": lambda x: fresh(x, 2).reshape([1] * 31 + [2]),
+        "dims_32_strided": lambda x: fresh(x, 8).reshape([2] + [1] * 30 + [4])[:, ..., ::2],
+        "unit_dims_odd_strides": lambda x: fresh(x, 6).as_strided((1, 6, 1), (99, 1, 1000)),
+        "neg_bit": lambda x: torch.complex(fresh(x, 3), fresh(x, 3) + 1).conj().imag,  # lazy negation
+        "int_view_of_float": lambda x: fresh(x).view(torch.int32)[::2],
+        "byte_view": lambda x: fresh(x, 6).view(torch.uint8).reshape(6, 4).t(),
+    }
+
+
+@pytest.mark.parametrize("which", READERS)
+def test_odd_layouts_are_dumped_as_returned_not_as_overwritten_later(tmp_path, which):
+    fns = _odd_layouts()
+    model = Scribbler(fns)
+    x = torch.ones(3)
+    with tensor_reader(which), fastdump.attach(model, tmp_path, root_name="root"):
+        served = [model(x) for _ in range(3)]  # pass 0: the general path; 1 and 2: the hot path
+    plain = Scribbler(fns)
+    assert [model(x) for _ in range(3)] == served == [plain(x) for _ in range(3)]  # detached: same again
+    ds = fastdump.open(tmp_path)
+    assert ds.passes("target", 0) == [0, 1, 2]
+    for p in range(3):
+        dumped = ds.load("target", 0, p, check=True)
+        assert skipped_of(ds, p) == {}
+        assert set(dumped) == {f"kids.{k}" for k in fns} | {"root"}
+        for key, want in model.seen[p].items():
+            got = dumped[f"kids.{key}"]
+            assert same_bits(got, want), (p, key, got, want)
+        assert same_bits(dumped["root"], served[p])
+    assert ds.rank_info("target", 0)["bytes"] < 3 * 4096  # the narrow slice, not its 16 MB storage
+    assert not verify(tmp_path).problems
+
+
+# ------------------------------------------------------------------------- every dtype, overwritten
+
+
+def _every_dtype(x) -> dict:
+    """One tensor per dtype torch has (and fastdump's table names), every bit pattern, strided."""
+    gen = torch.Generator().manual_seed(int(x.sum()))
+    out = {}
+    for name in dtypes.NAMES:
+        dtype = getattr(torch, name, None)
+        if not isinstance(dtype, torch.dtype):
+            continue
+        size = dtypes.ITEMSIZE[dtypes.CODE_BY_NAME[name]]
+        bytes_ = torch.randint(0, 256, (4, 6 * size), dtype=torch.uint8, generator=gen)
+        if name == "bool":
+            out[name] = (bytes_ % 2 == 1).t()[::2]
+        else:
+            out[name] = bytes_.view(dtype).t()[1::2]  # NaN payloads, -0.0, subnormals, strided
+    out["float32_specials"] = torch.tensor([float("nan"), -0.0, float("inf"), -float("inf"), 1e-45])
+    for name in ("complex32", "complex64", "complex128"):  # the lazy conjugation bit, not in the bytes
+        out[f"{name}_conj"] = out[name].conj()
+    return out
+
+
+class DtypeZoo(nn.Module):
+    def __init__(self, container):
+        super().__init__()
+        self.container = container
+
+    def forward(self, x):
+        values = _every_dtype(x)
+        return tuple(values.values()) if self.container == "tuple" else values
+
+
+class DtypeParent(nn.Module):
+    def __init__(self, container):
+        super().__init__()
+        self.zoo = DtypeZoo(container)
+        self.seen = []
+
+    def forward(self, x):
+        out = self.zoo(x)
+        values = out if isinstance(out, dict) else dict(zip(_every_dtype(x), out))
+        self.seen.append({k: snapshot(v) for k, v in values.items()})
+        for v in values.values():
+            scribble(v)
+        return x
+
+
+@pytest.mark.parametrize("container", ["tuple", "dict"])  # tuple: the C wrapper's path; dict: Python's
+def test_every_dtype_a_module_returns_is_dumped_bit_exact_before_it_is_overwritten(tmp_path, container):
+    model = DtypeParent(container)
+    with warnings.catch_warnings(), fastdump.attach(model, tmp_path) as d:
+        warnings.simplefilter("ignore")  # complex32: "experimental"
+        for step in range(2):
+            model(torch.full((2,), float(step)))
+    assert d.stats()["skipped"] == 0
+    ds = fastdump.open(tmp_path)
+    keys = list(_every_dtype(torch.zeros(1)))
+    for p in range(2):
+        dumped = ds.load("target", 0, p, check=True)
+        for i, key in enumerate(keys):
+            name = f"zoo.{i}" if container == "tuple" else f"zoo.{key}"
+            assert same_bits(dumped[name], model.seen[p][key]), (p, key)
+    assert not verify(tmp_path).problems
+
+
+# ------------------------------------------------------------------------------- odd containers
+
+Pair = collections.namedtuple("Pair", "first second")
+
+
+@dataclasses.dataclass(frozen=True)
+class Frozen:
+    hidden: torch.Tensor
+    extra: object = None
+    note: str = "n"
+
+
+def _tensors_in(value, out):
+    if isinstance(value, torch.Tensor):
+        out.append(value)
+    elif isinstance(value, (tuple, list)):
+        for v in value:
+            _tensors_in(v, out)
+    elif isinstance(value, dict):
+        for v in value.values():
+            _tensors_in(v, out)
+    elif dataclasses.is_dataclass(value):
+        for f in dataclasses.fields(value):
+            _tensors_in(getattr(value, f.name), out)
+    return out
+
+
+class Containers(nn.Module):
+    """Each child returns a container; the parent snapshots it, then scribbles every tensor in it."""
+
+    def __init__(self):
+        super().__init__()
+        a = lambda x, k: x * 0 + k  # noqa: E731 - a fresh tensor each call
+        self.fns = {
+            "tuple": lambda x: (a(x, 1), None, a(x, 2)),
+            "list": lambda x: [a(x, 3), [a(x, 4), (a(x, 5),)]],
+            "dict": lambda x: {"q": a(x, 6), "k": {"inner": a(x, 7)}, "none": None},
+            "ordered": lambda x: collections.OrderedDict(z=a(x, 8), a=a(x, 9)),
+            "int_keys": lambda x: {3: a(x, 10), None: a(x, 11), (1, 2): a(x, 12)},
+            "namedtuple": lambda x: Pair(a(x, 13), Pair(a(x, 14), None)),
+            "dataclass": lambda x: Frozen(a(x, 15), extra=[a(x, 16), 2]),
+            "scalars": lambda x: (1, 2.5, True, "s", b"b", None, a(x, 17), torch.Size([2, 3])),
+            "same_twice": lambda x: (lambda t: (t, t, [t]))(a(x, 18)),
+            "many": lambda x: tuple(a(x, 100 + i) for i in range(70)),  # over the C path's 64
+            "only_none": lambda x: None,
+            "an_int": lambda x: 7,
+            "empty_tuple": lambda x: (),
+            "empty_dict": lambda x: {},
+        }
+        self.kids = nn.ModuleDict({k: Fn(fn) for k, fn in self.fns.items()})
+        self.shared = Fn(lambda x: x * 0 + 19)
+        self.seen = []
+
+    def forward(self, x):
+        seen = {}
+        for key, kid in self.kids.items():
+            out = kid(x)
+            seen[key] = [snapshot(t) for t in _tensors_in(out, [])]
+            for t in _tensors_in(out, []):
+                scribble(t)
+        t = self.shared(x)
+        again = nn.Identity()(t)  # not a child: returns the same object
+        seen["shared"] = [snapshot(t)]
+        self.seen.append(seen)
+        return t, again, {"t": t}
+
+
+EXPECTED_NAMES = {
+    "tuple": ["0", "2"],
+    "list": ["0", "1.0", "1.1.0"],
+    "dict": ["q", "k.inner"],
+    "ordered": ["z", "a"],
+    "int_keys": ["3", "None", "(1, 2)"],
+    "namedtuple": ["0", "1.0"],
+    "dataclass": ["hidden", "extra.0"],
+    "scalars": ["6"],
+    "same_twice": ["0", "1", "2.0"],
+    "many": [str(i) for i in range(70)],
+    "only_none": [], "an_int": [], "empty_tuple": [], "empty_dict": [],
+}
+
+
+def test_containers_are_flattened_bit_exact_in_order_and_nothing_else_is_recorded(tmp_path):
+    model = Containers()
+    x = torch.arange(3.0)
+    with fastdump.attach(model, tmp_path, root_name="root"):
+        served = [model(x) for _ in range(2)]
+    assert all(s[0] is s[1] is s[2]["t"] for s in served)  # the model's own objects, untouched
+    ds = fastdump.open(tmp_path)
+    for p in range(2):
+        dumped = ds.load("target", 0, p, check=True)
+        assert skipped_of(ds, p) == {}, p  # None, ints, strings, Size: not tensor data, not a skip
+        want = []
+        for key, suffixes in EXPECTED_NAMES.items():
+            names = [f"kids.{key}" + (f".{s}" if s else "") for s in suffixes]
+            want += names
+            assert len(names) == len(model.seen[p][key]), key
+            for name, snap in zip(names, model.seen[p][key]):
+                assert same_bits(dumped[name], snap), (p, name)
+        want += ["shared", "root.0", "root.1", "root.2.t"]
+        assert list(dumped) == want  # dump order: the order the tensors were returned
+        for name in ("shared", "root.0", "root.1", "root.2.t"):
+            assert same_bits(dumped[name], model.seen[p]["shared"][0]), name
+    assert not verify(tmp_path).problems
+
+
+def test_dict_keys_that_print_alike_are_both_kept_and_verify_fails_the_mixed_pass(tmp_path):
+    """{0: a, "0": b} flattens to two tensors named ``name.0``: which is which is lost, so the pass
+    is mixed data and verify must fail it (the reader keeps both: ``name.0``, ``name.0#dup1``)."""
+    model = nn.Sequential(Fn(lambda x: {0: x + 1, "0": x + 2}))
+    x = torch.arange(3.0)
+    with fastdump.attach(model, tmp_path):
+        model(x)
+    dumped = fastdump.open(tmp_path).load("target", 0, 0)
+    assert same_bits(dumped["0.0"], x + 1) and same_bits(dumped["0.0#dup1"], x + 2)
+    assert any("2 tensors named '0.0'" in p for p in verify(tmp_path, data=False).problems)
+
+
+class BadKey:
+    def __format__(self, spec):
+        raise RuntimeError("no text for this key")
+
+
+@dataclasses.dataclass
+class Unset:
+    a: torch.Tensor
+    b: torch.Tensor = dataclasses.field(init=False)  # never set: reading it raises
+    c: torch.Tensor = None
+
+
+class Each(nn.Module):
+    """Calls each child on x; returns nothing."""
+
+    def __init__(self, *fns):
+        super().__init__()
+        self.kids = nn.ModuleList(Fn(fn) for fn in fns)
+        self.outs = []
+
+    def forward(self, x):
+        self.outs.append([kid(x) for kid in self.kids])
+
+
+def test_an_unreadable_container_entry_costs_only_itself_and_is_recorded(tmp_path):
+    """A dict key that cannot be turned into text, a dataclass field that cannot be read: that entry
+    is a recorded skip; its siblings, before and after it, are dumped; the model never sees it."""
+    model = Each(lambda x: {"a": x + 1, BadKey(): x + 2, "c": x + 3}, lambda x: Unset(x + 4, c=x + 5),
+                 lambda x: iter([x]))
+    x = torch.arange(3.0)
+    with fastdump.attach(model, tmp_path):
+        model(x)
+    out = model.outs[0]
+    assert isinstance(out[1], Unset) and same_bits(next(out[2]), x)  # served as returned, not consumed
+    ds = fastdump.open(tmp_path)
+    dumped, skipped = ds.load("target", 0, 0), skipped_of(ds)
+    assert list(dumped) == ["kids.0.a", "kids.0.c", "kids.1.a", "kids.1.c"]
+    for name, want in zip(dumped, (x + 1, x + 3, x + 4, x + 5)):
+        assert same_bits(dumped[name], want), name
+    assert skipped.keys() == {"kids.0.<BadKey key>", "kids.1.b", "kids.2"}
+    assert "no text for this key" in skipped["kids.0.<BadKey key>"]
+    assert "has no attribute 'b'" in skipped["kids.1.b"] and "Unset" in skipped["kids.1.b"]
+    assert "holds no tensor" in skipped["kids.2"]
+    assert not verify(tmp_path).problems
+
+
+# ----------------------------------------------------------------------------- tensor subclasses
+
+
+class Counting(torch.Tensor):
+    """A __torch_function__ subclass that minds its own business (counts what is done to it)."""
+
+    calls = 0
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        Counting.calls += 1
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+class Refusing(torch.Tensor):
+    """A subclass that refuses every attribute read fastdump would make (data_ptr, shape, ...)."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") in ("data_ptr", "__get__", "stride", "is_neg", "dim", "element_size"):
+            raise RuntimeError("refused by the subclass")
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+class Subclasses(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.arange(6.0).reshape(2, 3))
+        self.param = Fn(lambda x: self.weight)  # returns a Parameter (requires_grad, a subclass)
+        self.counting = Fn(lambda x: (x * 2).as_subclass(Counting))
+        self.counting_view = Fn(lambda x: (x.repeat(2) * 3).as_subclass(Counting)[1::2])
+
+    def forward(self, x):
+        return self.param(x), self.counting(x), self.counting_view(x)
+
+
+@pytest.mark.parametrize("which", READERS)
+def test_parameters_and_torch_function_subclasses_are_dumped_and_served_as_they_are(tmp_path, which):
+    model = Subclasses()
+    x = torch.arange(4.0)
+    with tensor_reader(which), fastdump.attach(model, tmp_path, root_name="root"):
+        served = [model(x) for _ in range(2)]
+    for out in served:
+        assert out[0] is model.weight and type(out[1]) is Counting and type(out[2]) is Counting
+    ds = fastdump.open(tmp_path)
+    for p in range(2):
+        dumped = ds.load("target", 0, p)
+        assert skipped_of(ds, p) == {}
+        for name, want in (("param", model.weight), ("counting", x * 2), ("counting_view", (x.repeat(2) * 3)[1::2])):
+            assert type(dumped[name]) is torch.Tensor
+            assert same_bits(dumped[name], want.detach().as_subclass(torch.Tensor)), (p, name)
+            assert same_bits(dumped[f"root.{list(dict(model.named_children())).index(name)}"], dumped[name])
+    assert not verify(tmp_path).problems
+
+
+@pytest.mark.parametrize("which", READERS)
+def test_a_subclass_that_refuses_to_be_read_is_a_recorded_skip(tmp_path, which):
+    model = Each(lambda x: x + 1, lambda x: (x * 3).as_subclass(Refusing), lambda x: x - 1)
+    x = torch.arange(3.0)
+    with tensor_reader(which), fastdump.attach(model, tmp_path):
+        for _ in range(2):
+            model(x)
+    assert all(type(o[1]) is Refusing for o in model.outs)
+    ds = fastdump.open(tmp_path)
+    for p in range(2):
+        dumped = ds.load("target", 0, p)
+        assert same_bits(dumped["kids.0"], x + 1) and same_bits(dumped["kids.2"], x - 1)
+        assert "kids.1" not in dumped
+        assert "refused by the subclass" in skipped_of(ds, p).get("kids.1", ""), p  # not lost silently
+    assert ds.rank_info("target", 0)["skipped"] == 2
+
+
+class Liar(torch.Tensor):
+    """A subclass whose .shape and .stride() claim more than its TensorImpl holds."""
+
+    @property
+    def shape(self):
+        return torch.Size([1 << 18])
+
+    def stride(self, *args):
+        return (1,)
+
+
+@pytest.mark.xfail(strict=True, reason="BUG: a tensor subclass (not Parameter) is read through its Python "
+                                       "attributes, which it may override: a subclass whose .shape says more than "
+                                       "its storage holds makes fastdump read past the tensor (garbage dumped, "
+                                       "verify OK; past the allocation it would fault)")
+def test_a_subclass_that_lies_about_its_shape_is_never_read_past_its_elements(tmp_path):
+    # The lie stays inside one big storage here, so the bug reads the storage's other elements, not
+    # unmapped memory: deterministic, and the test process survives.
+    storage = torch.arange(float(1 << 18))
+    model = Each(lambda x: storage[:4].as_subclass(Liar))
+    with fastdump.attach(model, tmp_path):
+        model(torch.zeros(1))
+    ds = fastdump.open(tmp_path)
+    dumped = ds.load("target", 0, 0)
+    if "kids.0" in dumped:  # what the TensorImpl holds, or a recorded skip
+        assert same_bits(dumped["kids.0"], storage[:4])
+    else:
+        assert "kids.0" in skipped_of(ds)
+
+
+# ------------------------------------------------------------- what cannot be stored: recorded skips
+
+
+def test_sparse_meta_quantized_and_object_arrays_are_recorded_skips_numpy_arrays_are_dumped(tmp_path):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # sparse CSR "beta", quantize "deprecated"
+        model = Each(
+            lambda x: x.reshape(2, 3).to_sparse(),
+            lambda x: x.reshape(2, 3).to_sparse_csr(),
+            lambda x: torch.empty(3, device="meta"),
+            lambda x: torch.quantize_per_tensor(x, 0.5, 0, torch.qint8),
+            lambda x: np.array([1, "a"], dtype=object),
+            lambda x: np.arange(6, dtype=np.float32)[::-2],  # numpy: negative strides
+            lambda x: np.frombuffer(bytes(range(8)), dtype=np.uint8),  # read-only
+            lambda x: np.array([[True, False, True]]).T,
+            lambda x: x + 1,
+        )
+        x = torch.arange(6.0)
+        with fastdump.attach(model, tmp_path):
+            for _ in range(2):
+                model(x)
+    ds = fastdump.open(tmp_path)
+    for p in range(2):
+        dumped, skipped = ds.load("target", 0, p), skipped_of(ds, p)
+        assert "not strided" in skipped["kids.0"] and "not strided" in skipped["kids.1"]
+        assert "meta" in skipped["kids.2"] and "quantized" in skipped["kids.3"]
+        assert "kids.4" in skipped and len(skipped) == 5
+        assert same_bits(dumped["kids.5"], torch.tensor([5.0, 3.0, 1.0]))
+        assert same_bits(dumped["kids.6"], torch.arange(8, dtype=torch.uint8))
+        assert same_bits(dumped["kids.7"], torch.tensor([[True], [False], [True]]))
+        assert same_bits(dumped["kids.8"], x + 1)
+    assert sum(ds.rank_info("target", 0)["skipped_reasons"].values()) == 10
+    assert not verify(tmp_path).problems
+
+
+# ------------------------------------------------------------------------ autograd and inference mode
+
+
+class Mlp(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.up, self.act, self.down = nn.Linear(4, 8), nn.ReLU(inplace=True), nn.Linear(8, 4)
+
+    def forward(self, x):
+        h = self.up(x)
+        return self.down(self.act(h))  # the in-place ReLU overwrites up's output after it returned
+
+
+def test_grad_mode_and_inference_mode_serve_the_same_results_and_gradients(tmp_path):
+    x = torch.randn(3, 4)
+    plain = Mlp()
+    want = plain(x)
+    want.sum().backward()
+    want_grads = [p.grad.clone() for p in plain.parameters()]
+    model = Mlp()
+    with fastdump.attach(model, tmp_path, root_name="mlp"):
+        out = model(x)                          # pass 0: grad mode
+        out.sum().backward()
+        with torch.inference_mode():
+            inf = model(x)                      # pass 1: inference mode
+        with torch.no_grad():
+            model(x)                            # pass 2
+    assert same_bits(out, want) and out.requires_grad and out.grad_fn is not None
+    assert inf.is_inference() and same_bits(inf, want)
+    assert all(same_bits(p.grad, g) for p, g in zip(model.parameters(), want_grads))
+    up = nn.functional.linear(x, plain.up.weight, plain.up.bias).detach()
+    ds = fastdump.open(tmp_path)
+    for p in range(3):
+        dumped = ds.load("target", 0, p)
+        assert same_bits(dumped["up"], up), p  # before the in-place ReLU
+        assert same_bits(dumped["act"], up.relu()) and same_bits(dumped["mlp"], want.detach())
+        assert not dumped["mlp"].requires_grad
+    assert not verify(tmp_path).problems
+
+
+# --------------------------------------------------------------- storage changed after the return
+
+
+class Cache(nn.Module):
+    """Returns its own buffer, updated in place, on every call (a KV cache's way)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("buf", torch.zeros(4))
+
+    def forward(self, x):
+        self.buf.add_(x)
+        return self.buf
+
+
+class Shrinks(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.cache, self.make = Cache(), Fn(lambda x: x * 10)
+
+    def forward(self, x):
+        first = self.cache(x)
+        second = self.cache(x)  # the same object again: name#1
+        made = self.make(x)
+        made.untyped_storage().resize_(0)  # freed right after return (as FSDP does)
+        first.mul_(-1)
+        return second is first
+
+
+def test_a_returned_buffer_changed_or_freed_after_return_is_dumped_as_it_was(tmp_path):
+    model = Shrinks()
+    x = torch.arange(4.0)
+    with fastdump.attach(model, tmp_path):
+        assert model(x) is True and model(x) is True
+    ds = fastdump.open(tmp_path)
+    buf = torch.zeros(4)
+    for p in range(2):
+        dumped = ds.load("target", 0, p)
+        buf = buf + x
+        assert same_bits(dumped["cache"], buf), p
+        buf = buf + x
+        assert same_bits(dumped["cache#1"], buf), p
+        buf = -buf
+        assert same_bits(dumped["make"], x * 10), p
+    assert same_bits(model.cache.buf, buf)
+    assert not verify(tmp_path).problems
+
+
+# ------------------------------------------------------------------------ larger than the ring
+
+
+class Big(nn.Module):
+    """Returns tensors larger than a 4 MiB ring (one of them a stride-0 expansion of 4 bytes),
+    and overwrites them in place as soon as they are returned."""
+
+    def __init__(self):
+        super().__init__()
+        self.strided = Fn(lambda x: (x[:1] * 0 + torch.arange(float(3 << 20))).reshape(3, -1)[:, ::2])  # 6 MiB
+        self.expanded = Fn(lambda x: (x[:1] * 0 + 7).expand(3 << 20))  # 12 MiB from one float
+        self.small = Fn(lambda x: x + 1)
+        self.seen = []
+
+    def forward(self, x):
+        seen = {}
+        for name in ("strided", "expanded", "small"):
+            out = getattr(self, name)(x)
+            seen[name] = snapshot(out)
+            scribble(out)
+        self.seen.append(seen)
+        return x * 2
+
+
+@pytest.mark.parametrize("policy", ["block", "drop"])
+def test_tensors_larger_than_the_ring_are_dumped_whole_under_block_and_skipped_under_drop(tmp_path, policy):
+    model = Big()
+    x = torch.arange(3.0)
+    with fastdump.attach(model, tmp_path, ring_mb=4, policy=policy, root_name="big") as d:
+        served = [model(x) for _ in range(2)]
+    assert all(same_bits(s, x * 2) for s in served)
+    assert d.stats()["dropped"] == 0
+    ds = fastdump.open(tmp_path)
+    for p in range(2):
+        dumped, skipped = ds.load("target", 0, p, check=True), skipped_of(ds, p)
+        for name in ("small", "big"):
+            assert same_bits(dumped[name], model.seen[p].get(name, x * 2)), (p, name)
+        if policy == "block":
+            assert skipped == {}
+            for name in ("strided", "expanded"):
+                assert same_bits(dumped[name], model.seen[p][name]), (p, name)
+        else:  # drop never waits mid-tensor: these could never be staged whole
+            assert "strided" not in dumped and "expanded" not in dumped
+            assert "do not fit in the ring" in skipped["strided"] and "do not fit in the ring" in skipped["expanded"]
+    assert not verify(tmp_path).problems
