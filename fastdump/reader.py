@@ -537,7 +537,7 @@ class DumpSet:
             "last_pass": passes[-1] if passes else None,
             "incomplete_passes": sorted(incomplete),
             "segments": len(segments),
-            "unreadable_segments": len(entry.segment_paths()) - len(segments),
+            "unreadable_segments": len(entry.unreadable),
             "tensors": sum(len(segment.index) for segment in segments),
             "bytes": sum(int(segment.passes["bytes"].sum()) for segment in segments),
         }
