@@ -139,7 +139,7 @@ def _rank_dir_key(name: str):
     if parsed:
         tp, pp, rank, pid, session = parsed
         return (0, rank, tp, pp, session or "", pid)
-    return (1, [(0, int(part)) if part.isdigit() else (1, part) for part in re.split(r"(\d+)", name)])
+    return (1, [(0, int(part)) if part.isdecimal() else (1, part) for part in re.split(r"(\d+)", name)])
 
 
 def _attr_str(value) -> str:
@@ -662,18 +662,28 @@ class DumpSet:
     def _rank_dirs(self, role: str) -> list:
         """Rank directories of a role. Symbolic links (to a role or rank directory) are not
         followed: they may point out of the dump."""
+        if not isinstance(role, str) or role in ("", ".", "..") or "/" in role or "\0" in role:
+            return []  # a role is one entry of the root: never a path out of it
         role_path = os.path.join(self.root, role)
         if not fsutil.is_real_dir(role_path):
             return []
         found = []
-        for entry in os.listdir(role_path):
+        for entry in self._listdir(role_path):
             path = os.path.join(role_path, entry)
             if fsutil.is_real_dir(path) and any(
                 name in (fmt.RANK_FILE, fmt.PRODUCER_ERROR_FILE) or fmt.segment_number(name) is not None
-                for name in os.listdir(path)
+                for name in self._listdir(path)
             ):
                 found.append(entry)
         return sorted(found, key=_rank_dir_key)
+
+    def _listdir(self, path: str) -> list:
+        """Entries of a directory; one that cannot be listed (no permission) is a problem, and empty."""
+        try:
+            return os.listdir(path)
+        except OSError as exc:
+            self._problem(f"{path}: cannot list ({exc.strerror or exc}); skipped", warn=True)
+            return []
 
     def _role(self, role):
         if role is not None:

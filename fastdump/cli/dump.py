@@ -132,8 +132,8 @@ def list_dump(root: str) -> dict:
 def cmd_ls(args) -> int:
     try:
         listing = list_dump(args.root)
-    except FileNotFoundError as exc:
-        print(f"fastdump ls: {exc}", file=sys.stderr)
+    except OSError as exc:  # a missing or unlistable root
+        print(f"fastdump ls: {_printable(exc)}", file=sys.stderr)
         return 1
     if args.json:
         print(json.dumps(listing, indent=2, default=str))
