@@ -142,6 +142,11 @@ def _rank_dir_key(name: str):
     return (1, [(0, int(part)) if part.isdecimal() else (1, part) for part in re.split(r"(\d+)", name)])
 
 
+def _is_rank_number(rank) -> bool:
+    """A rank given by number (an int or numpy integer, not a bool); anything else is a directory name."""
+    return isinstance(rank, (int, np.integer)) and not isinstance(rank, (bool, np.bool_))
+
+
 def _attr_str(value) -> str:
     return value.decode("utf-8") if isinstance(value, bytes) else str(value)
 
@@ -504,6 +509,10 @@ class DumpSet:
         names = self._rank_dirs(role)
         if rank is None:
             return names
+        if not _is_rank_number(rank):  # a directory name, as every other method takes
+            if str(rank) not in names:
+                raise KeyError(f"no rank {str(rank)!r} in role {role!r} (ranks: {names})")
+            return [str(rank)]
         return [n for n in names if self._rank_obj(role, n).rank_number() == int(rank)]
 
     def rank_info(self, role: str = None, rank=None, *, session: str = None) -> dict:
@@ -578,14 +587,16 @@ class DumpSet:
         no checksums and are returned unchecked). ``session``: see ``sessions``.
         """
         result: dict = {}
-        for segment in self._segments_of_pass(role, rank, pass_id, session):
+        segments = self._segments_of_pass(role, rank, pass_id, session)
+        taken = set(self.pass_names(role, rank, pass_id, session=session))  # a renamed duplicate avoids them all
+        for segment in segments:
             h5file = self._file(segment.path)
             for position in segment.rows_of_pass(pass_id).tolist():
                 name = segment.names[int(segment.index["name"][position])]
                 if select is not None and not select(name):
                     continue
                 if name in result:  # the capture layer makes names unique per pass; never lose one
-                    name = self._unique(result, name)
+                    name = self._unique(result, name, taken)
                 result[name] = self._read_row(segment, h5file, position, check)
         return result
 
@@ -701,7 +712,7 @@ class DumpSet:
         two sessions."""
         role = self._role(role)
         names = self._rank_dirs(role)
-        if rank is not None and not (isinstance(rank, (int, np.integer)) and not isinstance(rank, bool)):
+        if rank is not None and not _is_rank_number(rank):
             name = str(rank)
             if name not in names:
                 raise KeyError(f"no rank {name!r} in role {role!r} (ranks: {names})")
@@ -729,6 +740,9 @@ class DumpSet:
         return self._ranks[key]
 
     def _segments_of_pass(self, role, rank, pass_id, session=None) -> list:
+        if not isinstance(pass_id, (int, np.integer)) or isinstance(pass_id, (bool, np.bool_)):
+            # True == 1 and 2.0 == 2 as dict keys: they would read passes 1 and 2
+            raise KeyError(f"no pass {pass_id!r}: a pass id is an integer")
         entry = self._rank(role, rank, session)
         segments = entry.pass_map.get(pass_id)
         if not segments:
@@ -748,9 +762,10 @@ class DumpSet:
         return h5file
 
     @staticmethod
-    def _unique(existing: dict, name: str) -> str:
+    def _unique(existing: dict, name: str, taken=()) -> str:
+        """``name#dupK``, K the first free one: neither returned already nor a real name of the pass."""
         k = 1
-        while f"{name}#dup{k}" in existing:
+        while f"{name}#dup{k}" in existing or f"{name}#dup{k}" in taken:
             k += 1
         return f"{name}#dup{k}"
 

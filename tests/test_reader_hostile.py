@@ -358,7 +358,6 @@ def test_rank_directories_that_almost_match_the_pattern(dump, lookalike, capsys)
 # ------------------------------------------------------------------------- sessions and ranks
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: sessions() int()s a directory name (ValueError) and takes True as rank 1")
 def test_sessions_accepts_what_rank_accepts(dump):
     write(dump, R0B, tag=50.0)
     with fastdump.open(dump) as ds:
@@ -378,7 +377,6 @@ def test_sessions_accepts_what_rank_accepts(dump):
             ds.load("target", R0, 1, session=session)  # the directory is not that session
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: MultiDumpSet refuses numpy integer ranks and has no sessions()")
 def test_multi_root_sessions_and_numpy_ranks(tmp_path):
     a, b = tmp_path / "host0", tmp_path / "host1"
     write(a, R0)
@@ -394,7 +392,6 @@ def test_multi_root_sessions_and_numpy_ranks(tmp_path):
             ds.load("target", True, 2)
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: MultiDumpSet: AttributeError when rank.json's rank is not an object")
 def test_multi_root_with_a_damaged_rank_json_is_a_clear_error_or_reads(tmp_path):
     a, b = tmp_path / "host0", tmp_path / "host1"
     write(a, R0)
@@ -437,7 +434,6 @@ def test_a_role_name_never_leads_out_of_the_root(dump, tmp_path):
 # ------------------------------------------------------------------------- pass ids and names
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: pass id True reads pass 1, 2.0 reads pass 2")
 def test_pass_ids_that_are_not_integers_are_refused(dump):
     with fastdump.open(dump) as ds:
         assert same(ds.load("target", 0, np.int64(1))["a"], tensors_of(1)["a"])
@@ -477,7 +473,6 @@ def test_names_given_by_the_user(dump):
         assert ds.load("target", 0, 1, select=lambda n: False) == {}
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: load's name#dup1 renaming overwrites a tensor really named name#dup1")
 def test_a_real_name_looking_like_a_dup_suffix_keeps_its_own_data(tmp_path):
     """``load`` renames a second tensor of one name in one pass ``name#dup1`` (a faulty writer);
     a tensor really named ``a#dup1`` must not be overwritten by it nor handed out under its name."""
