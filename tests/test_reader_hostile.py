@@ -275,11 +275,7 @@ def _setpriv():
     return ["setpriv", "--bounding-set", "-dac_override,-dac_read_search"]
 
 
-@pytest.mark.parametrize("what", [
-    pytest.param("rank-dir", marks=pytest.mark.xfail(strict=True, reason="BUG: PermissionError traceback from ls/export")),
-    pytest.param("segment", marks=pytest.mark.xfail(strict=True, reason="BUG: export skips an unreadable segment and exits 0")),
-    pytest.param("role-dir", marks=pytest.mark.xfail(strict=True, reason="BUG: PermissionError traceback from ls/export")),
-])
+@pytest.mark.parametrize("what", ["rank-dir", "segment", "role-dir"])
 def test_unreadable_entries_chmod_000(dump, tmp_path, what):
     prefix = _setpriv()
     target = {"rank-dir": dump / "target" / R1, "segment": dump / "target" / R1 / "seg-000001.h5",
@@ -535,7 +531,6 @@ def test_ls_escapes_control_characters_in_role_and_rank_names(tmp_path, capsys):
     assert code == 1 and no_escapes(out + err)
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: export prints role/rank names raw: terminal escapes")
 def test_export_messages_escape_control_characters(tmp_path, capsys):
     root = tmp_path / "dump"
     rank = "evil\x1b[2J\x1b]0;t\x07"
@@ -544,7 +539,6 @@ def test_export_messages_escape_control_characters(tmp_path, capsys):
     assert no_escapes(out + err), repr(err)
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: show --name '[' raises re.error: traceback")
 def test_show_with_a_bad_regular_expression_exits_1_with_a_message(dump, capsys):
     code, out, err = cli("show", dump, "--rank", "0", "--pass", "0", "--name", "[", capsys=capsys)
     assert code == 1 and "regular expression" in err and "Traceback" not in err
@@ -630,7 +624,6 @@ def test_export_sglang_dumper_odd_dtypes_round_trip_bit_exact(odd_dump, tmp_path
     ["export", "{file}", "{out}"],
     ["export", "{dump}", "{file}"],  # the output is a file
 ])
-@pytest.mark.xfail(strict=True, reason="BUG: export lets FileNotFoundError/ValueError/OSError out: traceback")
 def test_export_on_bad_input_exits_non_zero_without_traceback(dump, tmp_path, argv, capsys):
     two_roles = tmp_path / "two_roles"
     write(two_roles, R0)
@@ -647,7 +640,6 @@ def test_export_on_bad_input_exits_non_zero_without_traceback(dump, tmp_path, ar
     assert code != 0 and err.strip() and "Traceback" not in err
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: export skips an unreadable segment's passes and exits 0")
 def test_export_of_a_dump_with_an_unreadable_segment_fails(dump, tmp_path, capsys):
     seg = dump / "target" / R1 / "seg-000001.h5"
     seg.write_bytes(seg.read_bytes()[:200])

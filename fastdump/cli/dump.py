@@ -656,7 +656,11 @@ def _number(value) -> str:
 def cmd_show(args) -> int:
     from .. import reader
 
-    pattern = re.compile(args.name) if args.name else None
+    try:
+        pattern = re.compile(args.name) if args.name else None
+    except re.error as exc:
+        print(f"fastdump show: --name {_printable(args.name)!r} is not a regular expression ({exc})", file=sys.stderr)
+        return 1
     try:
         with reader.open(args.root) as ds:
             rank, session = _rank_arg(args.rank), getattr(args, "session", None)
