@@ -29,6 +29,7 @@ import json
 import math
 import os
 import re
+import threading
 import warnings
 
 import h5py
@@ -466,8 +467,30 @@ class _Rank:
         return number if isinstance(number, int) and not isinstance(number, bool) else None
 
 
+def _locked(method):
+    """Run a DumpSet method under its lock: threads share its open files (an LRU that closes the
+    oldest) and its cached indexes, so one thread must not close a file another is reading."""
+    import functools
+
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
+
+    return wrapper
+
+
 class DumpSet:
-    """A dump directory (``<root>/<role>/<rank dir>/seg-*.h5``). Use as a context manager or ``close()``."""
+    """A dump directory (``<root>/<role>/<rank dir>/seg-*.h5``). Use as a context manager or ``close()``.
+    One DumpSet may be read from several threads (calls are serialized) and after ``fork``."""
+
+    @property
+    def _lock(self):
+        # A child forked while another thread held the lock would wait for it forever: a new
+        # process gets a new lock.
+        if self._lock_pid != os.getpid():
+            self._lock_pid, self._lock_obj = os.getpid(), threading.RLock()
+        return self._lock_obj
 
     def __init__(self, root):
         self.root = os.path.abspath(os.fspath(root))
@@ -476,10 +499,12 @@ class DumpSet:
         self.problems: list = []  # unreadable files met so far (path: reason)
         self._files: collections.OrderedDict = collections.OrderedDict()  # path -> open h5py.File (LRU)
         self._ranks: dict = {}  # (role, rank dir) -> _Rank
+        self._lock_pid, self._lock_obj = os.getpid(), threading.RLock()
 
     # ---------------------------------------------------------------- directory level
 
     @property
+    @_locked
     def manifest(self) -> dict:
         """fastdump.json ({} when missing; {} and a problem when unreadable or not an object)."""
         path = os.path.join(self.root, fmt.MANIFEST_FILE)
@@ -496,13 +521,16 @@ class DumpSet:
         return manifest
 
     @property
+    @_locked
     def roles(self) -> list:
         return sorted(role for role in os.listdir(self.root) if self._rank_dirs(role))
 
+    @_locked
     def ranks(self, role: str = None) -> list:
         """Rank directory names of a role: one per dumping session (a process may have several)."""
         return self._rank_dirs(self._role(role))
 
+    @_locked
     def sessions(self, role: str = None, rank=None) -> list:
         """Rank directory names matching ``rank`` (a number, or None for all), in start order."""
         role = self._role(role)
@@ -515,19 +543,23 @@ class DumpSet:
             return [str(rank)]
         return [n for n in names if self._rank_obj(role, n).rank_number() == int(rank)]
 
+    @_locked
     def rank_info(self, role: str = None, rank=None, *, session: str = None) -> dict:
         """rank.json of a rank directory ({} when missing)."""
         return self._rank(role, rank, session).info
 
+    @_locked
     def segments(self, role: str = None, rank=None, *, session: str = None) -> list:
         """Paths of the visible segment files, in order."""
         return self._rank(role, rank, session).segment_paths()
 
     # ---------------------------------------------------------------- passes and tensors
 
+    @_locked
     def passes(self, role: str = None, rank=None, *, session: str = None) -> list:
         return list(self._rank(role, rank, session).pass_map)
 
+    @_locked
     def summary(self, role: str = None, rank=None, *, session: str = None) -> dict:
         """Totals of a rank from its readable segments (what ``fastdump ls`` prints)."""
         entry = self._rank(role, rank, session)
@@ -551,6 +583,7 @@ class DumpSet:
             "bytes": sum(int(segment.passes["bytes"].sum()) for segment in segments),
         }
 
+    @_locked
     def names(self, role: str = None, rank=None, *, session: str = None) -> list:
         """Every tensor name of a rank, in order of first appearance."""
         seen: dict = {}
@@ -560,6 +593,7 @@ class DumpSet:
                 seen.setdefault(segment.names[slot], None)
         return list(seen)
 
+    @_locked
     def meta(self, role: str = None, rank=None, pass_id: int = None, *, session: str = None) -> dict:
         """Pass metadata as given by the capture side, plus ``complete``, ``dropped``, ``skipped``,
         ``tensors`` and ``bytes`` (these five keys are fastdump's own), and, for a pass the capture
@@ -578,6 +612,7 @@ class DumpSet:
         return {**merged, "complete": complete, "dropped": dropped, "skipped": skipped,
                 "tensors": tensors, "bytes": nbytes, **reported}
 
+    @_locked
     def load(self, role: str = None, rank=None, pass_id: int = None, select=None, *, session: str = None,
              check: bool = False) -> dict:
         """{name: tensor} of one pass, in the order the tensors were dumped.
@@ -600,6 +635,7 @@ class DumpSet:
                 result[name] = self._read_row(segment, h5file, position, check)
         return result
 
+    @_locked
     def pass_names(self, role: str = None, rank=None, pass_id: int = None, *, session: str = None) -> list:
         """Tensor names of one pass in the order they were dumped, without reading tensor data."""
         names = []
@@ -608,6 +644,7 @@ class DumpSet:
             names.extend(segment.names[int(slot)] for slot in slots)
         return names
 
+    @_locked
     def tensor(self, role: str = None, rank=None, name: str = None, pass_id: int = None, *,
                session: str = None, check: bool = False):
         """One tensor by name and pass (KeyError when that pass has no such tensor)."""
@@ -618,6 +655,7 @@ class DumpSet:
                 return self._read_row(segment, self._file(segment.path), int(hits[0]), check)
         raise KeyError(f"no tensor {name!r} in pass {pass_id}")
 
+    @_locked
     def series(self, role: str = None, rank=None, name: str = None, *, session: str = None,
                check: bool = False) -> dict:
         """{pass_id: tensor} of one name across all passes (each block read once per segment)."""
@@ -644,10 +682,12 @@ class DumpSet:
 
     # ---------------------------------------------------------------- housekeeping
 
+    @_locked
     def refresh(self) -> None:
         """Forget cached indexes, to see segments written since (a dump being written)."""
         self._ranks.clear()
 
+    @_locked
     def close(self) -> None:
         while self._files:
             _, h5file = self._files.popitem()

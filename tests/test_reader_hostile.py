@@ -672,7 +672,6 @@ def many_segments(tmp_path):
     return root
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: threads evict (close) each other's open files; a failure is then cached as an unreadable segment")
 def test_one_dumpset_read_from_several_threads(many_segments):
     """More segments than the reader keeps open (16): threads evict each other's files."""
     errors = []
