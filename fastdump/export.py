@@ -106,7 +106,7 @@ def _shift_late(passes, top: str):
 def _passes(ds, role, rank, modules, names, shift, top):
     """(pass id, {SGLang name: tensor}) of a rank, in pass order."""
     def converted():
-        for pass_id in ds.passes(role, rank):
+        for pass_id in _passes_of(ds, role, rank):
             # clone: a loaded tensor may view a larger block, and torch.save writes whole storages
             tensors = {name: t.clone() for name, t in ds.load(role, rank, pass_id).items()}
             yield pass_id, (sglang_names(tensors, modules) if names == "sglang" else tensors)
@@ -116,6 +116,11 @@ def _passes(ds, role, rank, modules, names, shift, top):
 
 def _layout(ds, role_subdirs):
     roles = list(ds.roles)
+    unlisted = [p for p in ds.problems if "cannot list" in p]
+    if unlisted:  # its ranks would be missing from the export without a word
+        from .reader import DumpError
+
+        raise DumpError("not exported: " + "; ".join(unlisted))
     split = len(roles) > 1 if role_subdirs is None else role_subdirs
     if len(roles) > 1 and not split:  # roles of one process share rank directory names
         raise ValueError(f"{ds.root} has roles {roles}: they need role subdirectories")
@@ -219,8 +224,20 @@ def _one_tensor_each(tensors: dict):
 
 def _warn_unnamed(names, modules, role, rank):
     if names == "sglang" and modules is None:
-        print(f"fastdump export: {role}/{rank} has no module list (not dumped through the SGLang drop-in): "
-              f"names kept as stored", file=sys.stderr)
+        print(f"fastdump export: {_printable(role)}/{_printable(rank)} has no module list (not dumped through the "
+              f"SGLang drop-in): names kept as stored", file=sys.stderr)
+
+
+def _passes_of(ds, role, rank) -> list:
+    """The rank's pass ids; a DumpError when a segment could not be read (its passes would be
+    missing from the export without a word)."""
+    from .reader import DumpError
+
+    passes = ds.passes(role, rank)
+    if ds.summary(role, rank)["unreadable_segments"]:
+        unreadable = [p for p in ds.problems if "unreadable segment" in p]
+        raise DumpError(f"{role}/{rank}: unreadable segment(s), not exported: " + "; ".join(unreadable))
+    return passes
 
 
 def add_arguments(subparsers):
@@ -242,7 +259,22 @@ def add_arguments(subparsers):
     return p
 
 
+def _printable(text) -> str:
+    """As ``fastdump.cli.dump._printable`` (this module sits below the CLI): escape what a terminal
+    would obey in a name from the dump."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in str(text))
+
+
 def cmd_export(args) -> int:
+    try:
+        return _cmd_export(args)
+    except (KeyError, ValueError, OSError) as exc:  # DumpError is a ValueError: no traceback, say why
+        print(f"fastdump export: {_printable(exc.args[0] if isinstance(exc, KeyError) and exc.args else exc)}",
+              file=sys.stderr)
+        return 1
+
+
+def _cmd_export(args) -> int:
     split = {"auto": None, "always": True, "never": False}[args.role_subdirs]
     if args.format == "sglang-dumper":
         if args.sglang_pass_shift:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 
-from .reader import DumpSet, _rank_dir_key
+from .reader import DumpSet, _is_rank_number, _rank_dir_key
 
 
 def open(root):  # noqa: A001 - exported as fastdump.open
@@ -44,7 +44,8 @@ class MultiDumpSet:
                                          f"{self._owners[(role, name)].root} and {ds.root}")
                     entry = ds._rank_obj(role, name)
                     number = entry.rank_number()
-                    dp = (entry.info.get("rank") or {}).get("dp_rank", 0)
+                    ranks = entry.info.get("rank")
+                    dp = ranks.get("dp_rank", 0) if isinstance(ranks, dict) else 0  # damaged: say 0
                     if number is not None:
                         key = (role, number, dp, entry.session)  # sessions of one rank are separate runs
                         if key in seen:
@@ -70,6 +71,18 @@ class MultiDumpSet:
         role = self._role(role)
         return sorted((name for r, name in self._owners if r == role), key=_rank_dir_key)
 
+    def sessions(self, role: str = None, rank=None) -> list:
+        """Rank directory names matching ``rank`` (a number, a directory name, or None for all)."""
+        role = self._role(role)
+        names = self.ranks(role)
+        if rank is None:
+            return names
+        if not _is_rank_number(rank):
+            if str(rank) not in names:
+                raise KeyError(f"no rank {str(rank)!r} in role {role!r} (ranks: {names})")
+            return [str(rank)]
+        return [n for n in names if self._owners[(role, n)]._rank_obj(role, n).rank_number() == int(rank)]
+
     def _role(self, role):
         if role is not None:
             if role not in self.roles:
@@ -90,7 +103,7 @@ class MultiDumpSet:
             if len(names) != 1:
                 raise ValueError(f"rank must be given: role {role!r} has ranks {names}")
             name = names[0]
-        elif isinstance(rank, int) and not isinstance(rank, bool):
+        elif _is_rank_number(rank):
             matches = [n for n in names if self._owners[(role, n)]._rank_obj(role, n).rank_number() == rank]
             if not matches:
                 raise KeyError(f"rank {rank} of role {role!r} is missing: {names}")

@@ -29,6 +29,7 @@ import json
 import math
 import os
 import re
+import threading
 import warnings
 
 import h5py
@@ -139,7 +140,12 @@ def _rank_dir_key(name: str):
     if parsed:
         tp, pp, rank, pid, session = parsed
         return (0, rank, tp, pp, session or "", pid)
-    return (1, [(0, int(part)) if part.isdigit() else (1, part) for part in re.split(r"(\d+)", name)])
+    return (1, [(0, int(part)) if part.isdecimal() else (1, part) for part in re.split(r"(\d+)", name)])
+
+
+def _is_rank_number(rank) -> bool:
+    """A rank given by number (an int or numpy integer, not a bool); anything else is a directory name."""
+    return isinstance(rank, (int, np.integer)) and not isinstance(rank, (bool, np.bool_))
 
 
 def _attr_str(value) -> str:
@@ -461,8 +467,30 @@ class _Rank:
         return number if isinstance(number, int) and not isinstance(number, bool) else None
 
 
+def _locked(method):
+    """Run a DumpSet method under its lock: threads share its open files (an LRU that closes the
+    oldest) and its cached indexes, so one thread must not close a file another is reading."""
+    import functools
+
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
+
+    return wrapper
+
+
 class DumpSet:
-    """A dump directory (``<root>/<role>/<rank dir>/seg-*.h5``). Use as a context manager or ``close()``."""
+    """A dump directory (``<root>/<role>/<rank dir>/seg-*.h5``). Use as a context manager or ``close()``.
+    One DumpSet may be read from several threads (calls are serialized) and after ``fork``."""
+
+    @property
+    def _lock(self):
+        # A child forked while another thread held the lock would wait for it forever: a new
+        # process gets a new lock.
+        if self._lock_pid != os.getpid():
+            self._lock_pid, self._lock_obj = os.getpid(), threading.RLock()
+        return self._lock_obj
 
     def __init__(self, root):
         self.root = os.path.abspath(os.fspath(root))
@@ -471,10 +499,12 @@ class DumpSet:
         self.problems: list = []  # unreadable files met so far (path: reason)
         self._files: collections.OrderedDict = collections.OrderedDict()  # path -> open h5py.File (LRU)
         self._ranks: dict = {}  # (role, rank dir) -> _Rank
+        self._lock_pid, self._lock_obj = os.getpid(), threading.RLock()
 
     # ---------------------------------------------------------------- directory level
 
     @property
+    @_locked
     def manifest(self) -> dict:
         """fastdump.json ({} when missing; {} and a problem when unreadable or not an object)."""
         path = os.path.join(self.root, fmt.MANIFEST_FILE)
@@ -491,34 +521,45 @@ class DumpSet:
         return manifest
 
     @property
+    @_locked
     def roles(self) -> list:
         return sorted(role for role in os.listdir(self.root) if self._rank_dirs(role))
 
+    @_locked
     def ranks(self, role: str = None) -> list:
         """Rank directory names of a role: one per dumping session (a process may have several)."""
         return self._rank_dirs(self._role(role))
 
+    @_locked
     def sessions(self, role: str = None, rank=None) -> list:
         """Rank directory names matching ``rank`` (a number, or None for all), in start order."""
         role = self._role(role)
         names = self._rank_dirs(role)
         if rank is None:
             return names
+        if not _is_rank_number(rank):  # a directory name, as every other method takes
+            if str(rank) not in names:
+                raise KeyError(f"no rank {str(rank)!r} in role {role!r} (ranks: {names})")
+            return [str(rank)]
         return [n for n in names if self._rank_obj(role, n).rank_number() == int(rank)]
 
+    @_locked
     def rank_info(self, role: str = None, rank=None, *, session: str = None) -> dict:
         """rank.json of a rank directory ({} when missing)."""
         return self._rank(role, rank, session).info
 
+    @_locked
     def segments(self, role: str = None, rank=None, *, session: str = None) -> list:
         """Paths of the visible segment files, in order."""
         return self._rank(role, rank, session).segment_paths()
 
     # ---------------------------------------------------------------- passes and tensors
 
+    @_locked
     def passes(self, role: str = None, rank=None, *, session: str = None) -> list:
         return list(self._rank(role, rank, session).pass_map)
 
+    @_locked
     def summary(self, role: str = None, rank=None, *, session: str = None) -> dict:
         """Totals of a rank from its readable segments (what ``fastdump ls`` prints)."""
         entry = self._rank(role, rank, session)
@@ -537,11 +578,12 @@ class DumpSet:
             "last_pass": passes[-1] if passes else None,
             "incomplete_passes": sorted(incomplete),
             "segments": len(segments),
-            "unreadable_segments": len(entry.segment_paths()) - len(segments),
+            "unreadable_segments": len(entry.unreadable),
             "tensors": sum(len(segment.index) for segment in segments),
             "bytes": sum(int(segment.passes["bytes"].sum()) for segment in segments),
         }
 
+    @_locked
     def names(self, role: str = None, rank=None, *, session: str = None) -> list:
         """Every tensor name of a rank, in order of first appearance."""
         seen: dict = {}
@@ -551,6 +593,7 @@ class DumpSet:
                 seen.setdefault(segment.names[slot], None)
         return list(seen)
 
+    @_locked
     def meta(self, role: str = None, rank=None, pass_id: int = None, *, session: str = None) -> dict:
         """Pass metadata as given by the capture side, plus ``complete``, ``dropped``, ``skipped``,
         ``tensors`` and ``bytes`` (these five keys are fastdump's own), and, for a pass the capture
@@ -569,6 +612,7 @@ class DumpSet:
         return {**merged, "complete": complete, "dropped": dropped, "skipped": skipped,
                 "tensors": tensors, "bytes": nbytes, **reported}
 
+    @_locked
     def load(self, role: str = None, rank=None, pass_id: int = None, select=None, *, session: str = None,
              check: bool = False) -> dict:
         """{name: tensor} of one pass, in the order the tensors were dumped.
@@ -578,17 +622,20 @@ class DumpSet:
         no checksums and are returned unchecked). ``session``: see ``sessions``.
         """
         result: dict = {}
-        for segment in self._segments_of_pass(role, rank, pass_id, session):
+        segments = self._segments_of_pass(role, rank, pass_id, session)
+        taken = set(self.pass_names(role, rank, pass_id, session=session))  # a renamed duplicate avoids them all
+        for segment in segments:
             h5file = self._file(segment.path)
             for position in segment.rows_of_pass(pass_id).tolist():
                 name = segment.names[int(segment.index["name"][position])]
                 if select is not None and not select(name):
                     continue
                 if name in result:  # the capture layer makes names unique per pass; never lose one
-                    name = self._unique(result, name)
+                    name = self._unique(result, name, taken)
                 result[name] = self._read_row(segment, h5file, position, check)
         return result
 
+    @_locked
     def pass_names(self, role: str = None, rank=None, pass_id: int = None, *, session: str = None) -> list:
         """Tensor names of one pass in the order they were dumped, without reading tensor data."""
         names = []
@@ -597,6 +644,7 @@ class DumpSet:
             names.extend(segment.names[int(slot)] for slot in slots)
         return names
 
+    @_locked
     def tensor(self, role: str = None, rank=None, name: str = None, pass_id: int = None, *,
                session: str = None, check: bool = False):
         """One tensor by name and pass (KeyError when that pass has no such tensor)."""
@@ -607,6 +655,7 @@ class DumpSet:
                 return self._read_row(segment, self._file(segment.path), int(hits[0]), check)
         raise KeyError(f"no tensor {name!r} in pass {pass_id}")
 
+    @_locked
     def series(self, role: str = None, rank=None, name: str = None, *, session: str = None,
                check: bool = False) -> dict:
         """{pass_id: tensor} of one name across all passes (each block read once per segment)."""
@@ -633,10 +682,12 @@ class DumpSet:
 
     # ---------------------------------------------------------------- housekeeping
 
+    @_locked
     def refresh(self) -> None:
         """Forget cached indexes, to see segments written since (a dump being written)."""
         self._ranks.clear()
 
+    @_locked
     def close(self) -> None:
         while self._files:
             _, h5file = self._files.popitem()
@@ -662,18 +713,28 @@ class DumpSet:
     def _rank_dirs(self, role: str) -> list:
         """Rank directories of a role. Symbolic links (to a role or rank directory) are not
         followed: they may point out of the dump."""
+        if not isinstance(role, str) or role in ("", ".", "..") or "/" in role or "\0" in role:
+            return []  # a role is one entry of the root: never a path out of it
         role_path = os.path.join(self.root, role)
         if not fsutil.is_real_dir(role_path):
             return []
         found = []
-        for entry in os.listdir(role_path):
+        for entry in self._listdir(role_path):
             path = os.path.join(role_path, entry)
             if fsutil.is_real_dir(path) and any(
                 name in (fmt.RANK_FILE, fmt.PRODUCER_ERROR_FILE) or fmt.segment_number(name) is not None
-                for name in os.listdir(path)
+                for name in self._listdir(path)
             ):
                 found.append(entry)
         return sorted(found, key=_rank_dir_key)
+
+    def _listdir(self, path: str) -> list:
+        """Entries of a directory; one that cannot be listed (no permission) is a problem, and empty."""
+        try:
+            return os.listdir(path)
+        except OSError as exc:
+            self._problem(f"{path}: cannot list ({exc.strerror or exc}); skipped", warn=True)
+            return []
 
     def _role(self, role):
         if role is not None:
@@ -691,7 +752,7 @@ class DumpSet:
         two sessions."""
         role = self._role(role)
         names = self._rank_dirs(role)
-        if rank is not None and not (isinstance(rank, (int, np.integer)) and not isinstance(rank, bool)):
+        if rank is not None and not _is_rank_number(rank):
             name = str(rank)
             if name not in names:
                 raise KeyError(f"no rank {name!r} in role {role!r} (ranks: {names})")
@@ -719,6 +780,9 @@ class DumpSet:
         return self._ranks[key]
 
     def _segments_of_pass(self, role, rank, pass_id, session=None) -> list:
+        if not isinstance(pass_id, (int, np.integer)) or isinstance(pass_id, (bool, np.bool_)):
+            # True == 1 and 2.0 == 2 as dict keys: they would read passes 1 and 2
+            raise KeyError(f"no pass {pass_id!r}: a pass id is an integer")
         entry = self._rank(role, rank, session)
         segments = entry.pass_map.get(pass_id)
         if not segments:
@@ -738,9 +802,10 @@ class DumpSet:
         return h5file
 
     @staticmethod
-    def _unique(existing: dict, name: str) -> str:
+    def _unique(existing: dict, name: str, taken=()) -> str:
+        """``name#dupK``, K the first free one: neither returned already nor a real name of the pass."""
         k = 1
-        while f"{name}#dup{k}" in existing:
+        while f"{name}#dup{k}" in existing or f"{name}#dup{k}" in taken:
             k += 1
         return f"{name}#dup{k}"
 

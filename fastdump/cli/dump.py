@@ -132,8 +132,8 @@ def list_dump(root: str) -> dict:
 def cmd_ls(args) -> int:
     try:
         listing = list_dump(args.root)
-    except FileNotFoundError as exc:
-        print(f"fastdump ls: {exc}", file=sys.stderr)
+    except OSError as exc:  # a missing or unlistable root
+        print(f"fastdump ls: {_printable(exc)}", file=sys.stderr)
         return 1
     if args.json:
         print(json.dumps(listing, indent=2, default=str))
@@ -656,7 +656,11 @@ def _number(value) -> str:
 def cmd_show(args) -> int:
     from .. import reader
 
-    pattern = re.compile(args.name) if args.name else None
+    try:
+        pattern = re.compile(args.name) if args.name else None
+    except re.error as exc:
+        print(f"fastdump show: --name {_printable(args.name)!r} is not a regular expression ({exc})", file=sys.stderr)
+        return 1
     try:
         with reader.open(args.root) as ds:
             rank, session = _rank_arg(args.rank), getattr(args, "session", None)

@@ -1,0 +1,750 @@
+"""Hostile tests of the read side: the public reader API (``fastdump.open`` -> DumpSet /
+MultiDumpSet), ``fastdump ls / show / export`` and multi-root reading, on dumps being written,
+killed writers, odd directory contents, odd names and ids, odd dtypes and concurrent readers.
+
+The rule: a read returns exactly what was dumped or raises a clear error (DumpError / ValueError /
+KeyError naming the path), never another tensor's data, never hangs, never crashes; a CLI command
+on bad input exits non-zero with a message and no traceback.
+"""
+
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+import fastdump
+from fastdump import format as fmt
+from fastdump import reader
+from fastdump.cli.main import main as cli_main_entry
+
+from conftest import write_rank_dir
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+R0 = "TP0_PP0_Rank0_pid100_20260101T000000.000000Z-00000001"
+R0B = "TP0_PP0_Rank0_pid100_20260101T000001.000000Z-00000002"  # a second session of rank 0
+R1 = "TP1_PP0_Rank1_pid101_20260101T000000.000000Z-00000003"
+RANK0 = {"tp_rank": 0, "tp_size": 2, "pp_rank": 0, "pp_size": 1, "rank": 0}
+RANK1 = {"tp_rank": 1, "tp_size": 2, "pp_rank": 0, "pp_size": 1, "rank": 1}
+
+
+def tensors_of(p, tag=0.0):
+    return {"a": torch.arange(12, dtype=torch.float32).reshape(3, 4) + p + tag,
+            "b": torch.full((2,), p, dtype=torch.int64)}
+
+
+def write(root, rank_dir, passes=4, rank=RANK0, tag=0.0, **kw):
+    return write_rank_dir(root / "target" / rank_dir, {p: tensors_of(p, tag) for p in range(passes)}, rank=rank,
+                          **kw)
+
+
+@pytest.fixture
+def dump(tmp_path):
+    root = tmp_path / "dump"
+    write(root, R0, segment_passes=2)
+    write(root, R1, rank=RANK1, tag=100.0, segment_passes=2)
+    return root
+
+
+def same(a, b):
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(
+        a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+
+
+def cli(*argv, capsys=None):
+    """``fastdump ARGV`` in this process: (exit code, stdout, stderr). An exception escaping main
+    is what a user would see as a traceback: it fails the test."""
+    code = cli_main_entry([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def cli_proc(*argv, prefix=(), timeout=120):
+    return subprocess.run([*prefix, sys.executable, "-m", "fastdump", *map(str, argv)], capture_output=True,
+                          text=True, timeout=timeout, cwd=REPO)
+
+
+def no_escapes(text):
+    return not any(c in text for c in "\x1b\x07\x9b\x00\r")
+
+
+def wait_for(predicate, timeout=30.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.02)
+    return predicate()
+
+
+# ------------------------------------------------------------------------- a dump being written
+
+
+@pytest.mark.parametrize("writer", ["thread", "process"])
+def test_reading_between_segments_of_a_live_dump(tmp_path, writer):
+    root = tmp_path / "live"
+    model = torch.nn.Linear(4, 4)
+    d = fastdump.attach(model, root, writer=writer, segment_passes=1, segment_idle_seconds=0)
+    try:
+        outs = []
+        ds = fastdump.open(root)
+        with torch.inference_mode():
+            for p in range(6):
+                outs.append(model(torch.full((1, 4), float(p))))
+                rank = d.dir.name
+                # the segment of pass p - 1 is on disk once pass p began (segment_passes=1)
+                assert wait_for(lambda: len(list(d.dir.glob("seg-*.h5"))) >= p)
+                # a writer's temporary file is never read, whatever it holds
+                (d.dir / f".seg-{900 + p:06d}.h5.tmp").write_bytes(b"half a segment")
+                ds.refresh()
+                visible = ds.passes("target", rank)
+                assert visible == list(range(len(visible))) and len(visible) >= p
+                for q in visible:
+                    assert same(ds.load("target", rank, q, check=True)["Linear"], outs[q])
+                summary = ds.summary("target", rank)
+                assert summary["unreadable_segments"] == 0 and summary["passes"] == len(visible)
+                assert ds.rank_info("target", rank)["status"] == "running"
+        ds.close()
+    finally:
+        d.close()
+    with fastdump.open(root) as ds:
+        assert ds.passes("target", 0) == list(range(6))
+        assert all(same(ds.load("target", 0, p, check=True)["Linear"], outs[p]) for p in range(6))
+        assert ds.rank_info("target", 0)["status"] == "closed"
+
+
+def test_summary_of_a_cached_rank_does_not_call_new_segments_unreadable(dump):
+    """A long-lived DumpSet sees a segment written after its index was cached: until refresh() it is
+    simply not there yet, not an 'unreadable segment'."""
+    ds = fastdump.open(dump)
+    assert ds.passes("target", 0) == [0, 1, 2, 3]
+    rank_dir = dump / "target" / R0
+    write_rank_dir(dump / "scratch", {4: tensors_of(4)}, rank=RANK0)
+    shutil.copy(dump / "scratch" / "seg-000000.h5", rank_dir / "seg-000002.h5")  # the writer's next segment
+    summary = ds.summary("target", 0)
+    assert summary["unreadable_segments"] == 0, summary
+    assert summary["segments"] == 2 and summary["passes"] == 4
+    ds.refresh()
+    assert ds.passes("target", 0) == [0, 1, 2, 3, 4] and ds.summary("target", 0)["unreadable_segments"] == 0
+    assert same(ds.load("target", 0, 4)["a"], tensors_of(4)["a"])
+
+
+def test_ls_during_a_live_dump_lists_pending_passes_and_exits_0(tmp_path, capsys):
+    root = tmp_path / "live"
+    model = torch.nn.Linear(4, 4)
+    d = fastdump.attach(model, root, writer="thread", segment_passes=1000, segment_idle_seconds=0)
+    try:
+        with torch.inference_mode():
+            for p in range(3):
+                model(torch.ones(1, 4))
+        d.begin_pass()  # an open pass: nothing of it is on disk
+        code, out, err = cli("ls", root, capsys=capsys)
+        assert code == 0 and "running" in out and "Traceback" not in err
+        with fastdump.open(root) as ds:
+            with pytest.raises(KeyError):
+                ds.load("target", 0, 3)
+        d.end_pass()
+    finally:
+        d.close()
+
+
+# ------------------------------------------------------------------------------ a killed writer
+
+
+def test_a_sigkilled_writer_leaves_a_readable_running_dump(tmp_path, capsys):
+    root = tmp_path / "killed"
+    model = torch.nn.Linear(4, 4)
+    d = fastdump.attach(model, root, segment_passes=1, segment_idle_seconds=0)  # the writer process
+    try:
+        outs = []
+        with torch.inference_mode():
+            for p in range(4):
+                outs.append(model(torch.full((1, 4), float(p))))
+        assert wait_for(lambda: len(list(d.dir.glob("seg-*.h5"))) >= 3)
+        os.kill(d._engine._proc.pid, signal.SIGKILL)
+        d._engine._proc.wait()
+        (d.dir / ".seg-000099.h5.tmp").write_bytes(os.urandom(4096))  # what a kill mid-segment leaves
+        with fastdump.open(root) as ds:
+            assert ds.rank_info("target", 0)["status"] == "running"
+            passes = ds.passes("target", 0)
+            assert len(passes) >= 3 and passes == list(range(len(passes)))
+            for p in passes:
+                assert same(ds.load("target", 0, p, check=True)["Linear"], outs[p])
+            assert not ds.problems
+        code, out, err = cli("ls", root, capsys=capsys)
+        assert code == 0 and "running" in out and "Traceback" not in err
+        code, out, err = cli("show", root, "--pass", "0", capsys=capsys)
+        assert code == 0 and "Linear" in out
+    finally:
+        d.close(timeout=10)
+    assert fastdump.open(root).rank_info("target", 0)["status"] == "error"
+
+
+def test_a_dump_left_running_by_a_dead_process_reads_and_ls_says_so(tmp_path, capsys):
+    root = tmp_path / "dump"
+    write(root, R0, status="running")
+    info_path = root / "target" / R0 / "rank.json"
+    info = json.loads(info_path.read_text())
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    info.update(pid=dead.pid, host=__import__("socket").gethostname())
+    info_path.write_text(json.dumps(info))
+    with fastdump.open(root) as ds:
+        assert same(ds.load("target", 0, 3)["a"], tensors_of(3)["a"])
+    code, out, _ = cli("ls", root, capsys=capsys)
+    assert code == 0 and "its process is gone" in out
+
+
+# ------------------------------------------------------------------- odd directory contents
+
+
+def test_empty_role_and_rank_directories_and_stray_entries(dump, tmp_path, capsys):
+    outside = tmp_path / "outside"
+    write(outside, R0, tag=666.0)
+    (dump / "README").write_text("not a role")
+    (dump / "emptyrole").mkdir()
+    (dump / "target" / "TP5_PP0_Rank5_pid1_20260101T000000.000000Z-00000009").mkdir()  # no files at all
+    os.symlink(outside / "target", dump / "linked")
+    os.symlink(outside / "target" / R0, dump / "target" / "TP7_PP0_Rank7_pid7")
+    os.mkfifo(dump / "fifo")
+    os.mkfifo(dump / "target" / "fifo")
+    (dump / "seg-000000.h5").mkdir()
+    (dump / "target" / "seg-000000.h5").mkdir()
+    (dump / "target" / R0 / "seg-000009.h5").mkdir()  # a directory named like a segment
+    (dump / "target" / R0 / "notes.txt").write_text("hello")
+    (dump / "target" / R0 / "seg-000010.h5.bak").write_bytes(b"junk")
+    with fastdump.open(dump) as ds:
+        assert ds.roles == ["target"]
+        assert ds.ranks("target") == [R0, R1]
+        with pytest.warns(UserWarning, match="seg-000009.h5.*not a regular file"):
+            assert ds.passes("target", 0) == [0, 1, 2, 3]
+        assert same(ds.load("target", 0, 2)["a"], tensors_of(2)["a"])
+        with pytest.raises(KeyError, match="emptyrole"):
+            ds.passes("emptyrole", 0)
+        with pytest.raises(KeyError, match="linked"):
+            ds.passes("linked", 0)
+        with pytest.raises(KeyError):
+            ds.passes("target", 7)
+        with pytest.raises(reader.DumpError, match="no pass 9 .*seg-000009.h5"):
+            ds.load("target", 0, 9)  # may be in the segment it could not read: not a plain KeyError
+    code, out, err = cli("ls", dump, capsys=capsys)
+    assert code == 0 and R0 in out and "TP5" not in out and "666" not in out
+    code, out, err = cli("show", dump, "--rank", "1", "--pass", "1", capsys=capsys)
+    assert code == 0 and "a " in out
+
+
+def test_a_rank_directory_with_rank_json_and_no_segment(tmp_path, capsys):
+    root = tmp_path / "dump"
+    from fastdump.writer.channel_writer import ChannelWriter
+
+    writer = ChannelWriter({"op": "open", "channel": 0, "dir": str(root / "target" / R0), "role": "target",
+                            "rank": RANK0, "pid": 100, "host": "h", "device": {}, "config": {}})
+    writer.close({})
+    with fastdump.open(root) as ds:
+        assert ds.ranks("target") == [R0] and ds.passes("target", 0) == [] and ds.names("target", 0) == []
+        assert ds.series("target", 0, "a") == {}
+        with pytest.raises(KeyError, match="no pass 0"):
+            ds.load("target", 0, 0)
+        assert ds.summary("target", 0)["passes"] == 0
+    code, out, _ = cli("ls", root, capsys=capsys)
+    assert code == 0 and R0 in out
+    code, _, err = cli("show", root, "--pass", "0", capsys=capsys)
+    assert code == 1 and "no pass 0" in err and "Traceback" not in err
+    code, out, err = cli("export", root, tmp_path / "out", capsys=capsys)
+    assert code != 0 and "Traceback" not in err
+
+
+def _setpriv():
+    """A command prefix that takes the DAC override capabilities away (root ignores chmod 000)."""
+    if os.geteuid() != 0:
+        return []
+    if shutil.which("setpriv") is None:
+        pytest.skip("running as root and setpriv is missing: chmod 000 cannot stop this process")
+    probe = subprocess.run(["setpriv", "--bounding-set", "-dac_override,-dac_read_search", "true"],
+                           capture_output=True)
+    if probe.returncode != 0:
+        pytest.skip(f"setpriv cannot drop capabilities here: {probe.stderr!r}")
+    return ["setpriv", "--bounding-set", "-dac_override,-dac_read_search"]
+
+
+@pytest.mark.parametrize("what", ["rank-dir", "segment", "role-dir"])
+def test_unreadable_entries_chmod_000(dump, tmp_path, what):
+    prefix = _setpriv()
+    target = {"rank-dir": dump / "target" / R1, "segment": dump / "target" / R1 / "seg-000001.h5",
+              "role-dir": dump / "draftrole"}[what]
+    if what == "role-dir":
+        write_rank_dir(target / R0, {0: tensors_of(0)}, rank=RANK0, role="draftrole")
+    os.chmod(target, 0)
+    try:
+        done = cli_proc("ls", dump, prefix=prefix)
+        assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
+        assert R0 in done.stdout
+        assert "Permission denied" in done.stderr and str(target) in done.stderr
+        done = cli_proc("show", dump, "--role", "target", "--rank", "0", "--pass", "3", prefix=prefix)
+        assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr  # another rank reads
+        done = cli_proc("show", dump, "--role", "target", "--rank", "1", "--pass", "3", prefix=prefix)
+        if what != "role-dir":
+            assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+        done = cli_proc("export", "--role-subdirs", "always", dump, tmp_path / "out", prefix=prefix)
+        assert done.returncode != 0 and "Traceback" not in done.stderr, done.stderr
+        assert str(target) in done.stderr
+    finally:
+        os.chmod(target, 0o755)
+
+
+def test_unreadable_rank_directory_in_process(dump, monkeypatch):
+    """Same as above without needing capabilities: listing a rank directory fails with EACCES."""
+    real = os.listdir
+    bad = str(dump / "target" / R1)
+
+    def listdir(path="."):
+        if os.fspath(path) == bad:
+            raise PermissionError(13, "Permission denied", bad)
+        return real(path)
+
+    monkeypatch.setattr(os, "listdir", listdir)
+    with fastdump.open(dump) as ds:
+        assert ds.roles == ["target"]
+        assert same(ds.load("target", 0, 1)["a"], tensors_of(1)["a"])
+        assert any(bad in p for p in ds.problems)
+
+
+# ----------------------------------------------------------------------- almost-matching names
+
+
+@pytest.mark.parametrize("lookalike", [
+    R0 + "\n",  # '$' matches before a final newline
+    R0 + " ",
+    R0.lower(),
+    R0[:-1] + "G",  # not hex
+    "TP\u0660_PP0_Rank\u0660_pid100",  # Arabic-Indic digits are \d for re
+    "TP0_PP0_Rank0_pid100_backup",
+    "TP00_PP0_Rank00_pid100",
+    "\u00b2",  # a superscript digit: str.isdigit() but not int()
+    "2\u00b2",
+])
+def test_rank_directories_that_almost_match_the_pattern(dump, lookalike, capsys):
+    """A look-alike directory (holding another run's data, and a rank.json saying rank 0) is read
+    under its own name, and a rank *number* never silently picks it or the real one's data up
+    wrongly: either the real rank 0 or a refusal to choose."""
+    write(dump, lookalike, tag=1000.0)
+    with fastdump.open(dump) as ds:
+        assert lookalike in ds.ranks("target")
+        assert same(ds.load("target", lookalike, 2)["a"], tensors_of(2, 1000.0)["a"])
+        assert same(ds.load("target", R0, 2)["a"], tensors_of(2)["a"])
+        try:
+            got = ds.load("target", 0, 2)
+        except ValueError as exc:
+            assert "sessions" in str(exc)
+        else:
+            assert same(got["a"], tensors_of(2)["a"])
+        assert same(ds.load("target", 1, 2)["a"], tensors_of(2, 100.0)["a"])
+    code, out, err = cli("ls", dump, capsys=capsys)
+    assert code == 0 and no_escapes(out + err)
+
+
+# ------------------------------------------------------------------------- sessions and ranks
+
+
+def test_sessions_accepts_what_rank_accepts(dump):
+    write(dump, R0B, tag=50.0)
+    with fastdump.open(dump) as ds:
+        assert ds.sessions("target", 0) == [R0, R0B]
+        assert ds.sessions("target", np.int64(0)) == [R0, R0B]
+        assert ds.sessions("target", R0B) == [R0B]  # a directory name, as every other method takes
+        with pytest.raises((KeyError, ValueError, TypeError)):
+            ds.sessions("target", True)  # a bool is not rank 1
+        with pytest.raises(ValueError, match="2 sessions"):
+            ds.passes("target", 0)
+        with pytest.raises(ValueError, match="2 sessions"):
+            ds.rank_info("target", 0)
+        session = fmt.parse_rank_dir(R0B)[4]
+        assert same(ds.tensor("target", 0, "a", 1, session=session), tensors_of(1, 50.0)["a"])
+        assert same(ds.series("target", 0, "a", session=session)[3], tensors_of(3, 50.0)["a"])
+        with pytest.raises(KeyError):
+            ds.load("target", R0, 1, session=session)  # the directory is not that session
+
+
+def test_multi_root_sessions_and_numpy_ranks(tmp_path):
+    a, b = tmp_path / "host0", tmp_path / "host1"
+    write(a, R0)
+    write(a, R0B, tag=50.0)
+    write(b, R1, rank=RANK1, tag=100.0)
+    with fastdump.open([a, b]) as ds:
+        assert ds.ranks("target") == [R0, R0B, R1]
+        assert same(ds.load("target", np.int64(1), 2)["a"], tensors_of(2, 100.0)["a"])
+        assert ds.sessions("target", 0) == [R0, R0B]
+        with pytest.raises(ValueError, match="2 sessions"):
+            ds.load("target", np.int64(0), 2)
+        with pytest.raises(KeyError):
+            ds.load("target", True, 2)
+
+
+def test_multi_root_with_a_damaged_rank_json_is_a_clear_error_or_reads(tmp_path):
+    a, b = tmp_path / "host0", tmp_path / "host1"
+    write(a, R0)
+    write(b, R1, rank=RANK1, tag=100.0)
+    path = b / "target" / R1 / "rank.json"
+    info = json.loads(path.read_text())
+    info["rank"] = [1]
+    path.write_text(json.dumps(info))
+    with fastdump.open([a, b]) as ds:
+        assert same(ds.load("target", 1, 2)["a"], tensors_of(2, 100.0)["a"])
+
+
+def test_multi_root_refuses_one_root_twice_and_the_same_rank_twice(tmp_path):
+    a, b = tmp_path / "host0", tmp_path / "host1"
+    write(a, R0)
+    shutil.copytree(a, b)
+    with pytest.raises(ValueError, match="duplicate rank"):
+        fastdump.open([a, b])
+    with pytest.raises(ValueError, match="twice"):
+        fastdump.open([a, str(a) + "/"])
+    os.symlink(a, tmp_path / "alias")
+    with pytest.raises(ValueError, match="duplicate"):
+        fastdump.open([a, tmp_path / "alias"])
+    with pytest.raises(ValueError):
+        fastdump.open([])
+    with pytest.raises(FileNotFoundError):
+        fastdump.open([a, tmp_path / "missing"])
+
+
+def test_a_role_name_never_leads_out_of_the_root(dump, tmp_path):
+    other = tmp_path / "other"
+    write(other, R0, tag=666.0)
+    with fastdump.open(dump) as ds:
+        for role in ("../other/target", "../other/target/", "target/../../other/target", ".", "..", "", "/",
+                     str(other / "target"), "target\0"):
+            with pytest.raises(KeyError):
+                ds.load(role, 0, 0)
+
+
+# ------------------------------------------------------------------------- pass ids and names
+
+
+def test_pass_ids_that_are_not_integers_are_refused(dump):
+    with fastdump.open(dump) as ds:
+        assert same(ds.load("target", 0, np.int64(1))["a"], tensors_of(1)["a"])
+        for bad in (True, False, 1.0, np.float64(2.0), "1", None, [1]):
+            with pytest.raises((KeyError, TypeError)):
+                ds.load("target", 0, bad)
+            with pytest.raises((KeyError, TypeError)):
+                ds.tensor("target", 0, "a", bad)
+            with pytest.raises((KeyError, TypeError)):
+                ds.meta("target", 0, bad)
+            with pytest.raises((KeyError, TypeError)):
+                ds.pass_names("target", 0, bad)
+
+
+@pytest.mark.parametrize("pass_id", [-1, -(1 << 63), 4, (1 << 63) - 1, 1 << 63, 1 << 200, -(1 << 200),
+                                     np.uint64((1 << 64) - 1), np.int64(-1)])
+def test_absent_negative_and_huge_pass_ids_are_a_key_error(dump, pass_id, capsys):
+    with fastdump.open(dump) as ds:
+        for call in (lambda: ds.load("target", 0, pass_id), lambda: ds.tensor("target", 0, "a", pass_id),
+                     lambda: ds.meta("target", 0, pass_id), lambda: ds.pass_names("target", 0, pass_id)):
+            with pytest.raises(KeyError, match="no pass"):
+                call()
+    code, _, err = cli("show", dump, "--rank", "0", "--pass", int(pass_id), capsys=capsys)
+    assert code == 1 and "no pass" in err and "Traceback" not in err
+
+
+def test_names_given_by_the_user(dump):
+    with fastdump.open(dump) as ds:
+        for name in ("nope", "", "a\0", "A", " a", "a ", "a#dup1", "b.0", "blocks/0", "0"):
+            with pytest.raises(KeyError):
+                ds.tensor("target", 0, name, 1)
+            assert ds.series("target", 0, name) == {}
+        for name in (None, 0, b"a"):
+            with pytest.raises((KeyError, TypeError)):
+                ds.tensor("target", 0, name, 1)
+        assert same(ds.tensor("target", 0, "b", 1), tensors_of(1)["b"])
+        assert ds.load("target", 0, 1, select=lambda n: False) == {}
+
+
+def test_a_real_name_looking_like_a_dup_suffix_keeps_its_own_data(tmp_path):
+    """``load`` renames a second tensor of one name in one pass ``name#dup1`` (a faulty writer);
+    a tensor really named ``a#dup1`` must not be overwritten by it nor handed out under its name."""
+    root = tmp_path / "dump"
+    rd = root / "target" / R0
+    write_rank_dir(rd, {0: {"a": torch.zeros(2), "c": torch.full((2,), 7.0), "a#dup1": torch.ones(2)}}, rank=RANK0)
+    import h5py
+
+    from conftest import restamp_tables
+
+    seg = rd / "seg-000000.h5"
+    with h5py.File(seg, "r+") as f:  # a faulty writer: 'c' stored under the name of 'a'
+        index = f["index"][()]
+        names = json.loads(f["names"][()])
+        index["name"][index["name"] == names.index("c")] = names.index("a")
+        f["index"][...] = index
+    restamp_tables(seg)
+    with fastdump.open(root) as ds:
+        try:
+            got = ds.load("target", 0, 0)
+        except reader.DumpError:
+            return
+        assert same(got["a#dup1"], torch.ones(2)), got
+        assert same(ds.tensor("target", 0, "a#dup1", 0), torch.ones(2))
+
+
+# ------------------------------------------------------------ unicode and control characters
+
+
+EVIL_NAMES = ["x\x1b[2J\x1b[H", "t\x1b]0;pwned\x07", "csi\x9b31m", "rtl\u202egnp.exe", "nl\nnext", "cr\rover",
+              "nul\0byte", "tab\tbed", "zero\u200bwidth", "\u00e9\u4e2d\U0001f600", "bell\x07"]
+
+
+def test_show_escapes_control_characters_in_tensor_names_and_meta(tmp_path, capsys):
+    root = tmp_path / "dump"
+    tensors = {name: torch.full((2,), float(i)) for i, name in enumerate(EVIL_NAMES)}
+    write_rank_dir(root / "target" / R0, {0: tensors}, rank=RANK0,
+                   pass_meta=lambda p: {"mode\x1b[31m": "decode\x1b]0;x\x07"})
+    with fastdump.open(root) as ds:
+        got = ds.load("target", 0, 0)
+        assert list(got) == EVIL_NAMES
+        assert all(same(got[name], tensors[name]) for name in EVIL_NAMES)
+        assert same(ds.tensor("target", 0, "nul\0byte", 0), tensors["nul\0byte"])
+    code, out, err = cli("show", root, "--pass", "0", capsys=capsys)
+    assert code == 0 and no_escapes(out + err), repr(out)
+    assert "\\x1b" in out and "\u00e9\u4e2d" in out
+    assert "\u202e" not in out and "\u200b" not in out
+    assert len(out.splitlines()) == 2 + len(EVIL_NAMES)  # one line per tensor: no raw newline from a name
+    code, out, err = cli("show", root, "--pass", "0", "--name", "^nl", capsys=capsys)
+    assert code == 0 and len(out.splitlines()) == 3
+
+
+def test_ls_escapes_control_characters_in_role_and_rank_names(tmp_path, capsys):
+    root = tmp_path / "dump"
+    role = "role\x1b[2J"
+    write_rank_dir(root / role / (R0 + "\x1b]0;t\x07"), {0: tensors_of(0)}, rank=RANK0, role=role)
+    code, out, err = cli("ls", root, capsys=capsys)
+    assert code == 0 and no_escapes(out + err) and "\\x1b" in out
+    code, out, err = cli("show", root, "--role", "nosuch\x1b[2J", "--pass", "0", capsys=capsys)
+    assert code == 1 and no_escapes(out + err)
+
+
+def test_export_messages_escape_control_characters(tmp_path, capsys):
+    root = tmp_path / "dump"
+    rank = "evil\x1b[2J\x1b]0;t\x07"
+    write_rank_dir(root / "target" / rank, {0: tensors_of(0)}, rank=RANK0)
+    code, out, err = cli("export", root, tmp_path / "out", capsys=capsys)
+    assert no_escapes(out + err), repr(err)
+
+
+def test_show_with_a_bad_regular_expression_exits_1_with_a_message(dump, capsys):
+    code, out, err = cli("show", dump, "--rank", "0", "--pass", "0", "--name", "[", capsys=capsys)
+    assert code == 1 and "regular expression" in err and "Traceback" not in err
+
+
+# --------------------------------------------------------------------------------- export
+
+
+ODD = {
+    "bf16": torch.tensor([1.5, -0.0, float("inf"), float("nan")], dtype=torch.bfloat16),
+    "bf16_nan_payloads": torch.tensor([0x7FC1, -1, 0x7F81], dtype=torch.int16).view(torch.bfloat16),
+    "f8e4m3": torch.tensor(range(256), dtype=torch.uint8).view(torch.float8_e4m3fn),
+    "f8e5m2": torch.tensor(range(256), dtype=torch.uint8).view(torch.float8_e5m2),
+    "f8e4m3fnuz": torch.tensor(range(256), dtype=torch.uint8).view(torch.float8_e4m3fnuz),
+    "f8e8m0": torch.tensor([0, 1, 127, 255], dtype=torch.uint8).view(torch.float8_e8m0fnu),
+    "f4x2": torch.tensor([0x00, 0x12, 0xFF], dtype=torch.uint8).view(torch.float4_e2m1fn_x2),
+    "c64": torch.tensor([1 + 2j, float("nan") - 1j], dtype=torch.complex64),
+    "c128": torch.tensor([[1e300 + 1e-300j]], dtype=torch.complex128),
+    "c32": torch.tensor([0x3C00_7E01, 0], dtype=torch.int32).view(torch.complex32),
+    "bool": torch.tensor([[True, False], [False, True]]),
+    "scalar": torch.tensor(3.25),
+    "scalar_bf16": torch.tensor(-2.5, dtype=torch.bfloat16),
+    "scalar_bool": torch.tensor(True),
+    "empty_rows": torch.empty(0, 3, dtype=torch.float16),
+    "empty_cols": torch.empty(2, 0, dtype=torch.int8),
+    "empty_1d_f8": torch.empty(0, dtype=torch.float8_e5m2),
+    "u64": torch.tensor([-1, -(1 << 63)], dtype=torch.int64).view(torch.uint64),
+    "i64_min": torch.tensor([-(1 << 63)], dtype=torch.int64),
+    "f16_subnormal": torch.tensor([1, -32767, 0x7C01], dtype=torch.int16).view(torch.float16),
+}
+
+
+@pytest.fixture
+def odd_dump(tmp_path):
+    root = tmp_path / "odd"
+    passes = {p: {name: t.clone() for name, t in ODD.items()} for p in range(2)}
+    write_rank_dir(root / "target" / R0, passes, rank=RANK0, segment_passes=1)
+    return root
+
+
+def test_odd_dtypes_read_back_bit_exact(odd_dump):
+    with fastdump.open(odd_dump) as ds:
+        for p in (0, 1):
+            got = ds.load("target", 0, p, check=True)
+            assert list(got) == list(ODD)
+            for name, want in ODD.items():
+                assert same(got[name], want), name
+                assert got[name].is_contiguous()
+        series = ds.series("target", 0, "scalar_bf16", check=True)
+        assert list(series) == [0, 1] and all(same(t, ODD["scalar_bf16"]) for t in series.values())
+
+
+def test_export_sglang_odd_dtypes_round_trip_bit_exact(odd_dump, tmp_path, capsys):
+    out = tmp_path / "out"
+    code, _, err = cli("export", "--names", "fastdump", odd_dump, out, capsys=capsys)
+    assert code == 0, err
+    for p in (0, 1):
+        got = torch.load(out / R0 / f"Pass{p:05d}.pt", weights_only=True)
+        assert list(got) == list(ODD)
+        for name, want in ODD.items():
+            assert same(got[name], want), name
+            assert got[name].untyped_storage().nbytes() == want.numel() * want.element_size(), name
+
+
+def test_export_sglang_dumper_odd_dtypes_round_trip_bit_exact(odd_dump, tmp_path, capsys):
+    out = tmp_path / "out"
+    code, _, err = cli("export", "--format", "sglang-dumper", "--names", "fastdump", odd_dump, out, capsys=capsys)
+    assert code == 0, err
+    files = sorted(out.glob("*.pt"))
+    assert len(files) == 2 * len(ODD)
+    for path in files:
+        record = torch.load(path, weights_only=True)
+        meta = record["meta"]
+        assert path.name == f"name={meta['name']}___step={meta['step']}___rank=0___dump_index={meta['dump_index']}.pt"
+        assert same(record["value"], ODD[meta["name"]]), meta["name"]
+
+
+@pytest.mark.parametrize("argv", [
+    ["export", "{missing}", "{out}"],
+    ["export", "--format", "sglang", "--role-subdirs", "never", "{two_roles}", "{out}"],
+    ["export", "--format", "sglang-dumper", "{bad_name}", "{out}"],
+    ["export", "--format", "sglang-dumper", "{sessions}", "{out}"],
+    ["export", "{file}", "{out}"],
+    ["export", "{dump}", "{file}"],  # the output is a file
+])
+def test_export_on_bad_input_exits_non_zero_without_traceback(dump, tmp_path, argv, capsys):
+    two_roles = tmp_path / "two_roles"
+    write(two_roles, R0)
+    write_rank_dir(two_roles / "draft" / R0, {0: tensors_of(0)}, rank=RANK0, role="draft")
+    bad_name = tmp_path / "bad_name"
+    write_rank_dir(bad_name / "target" / R0, {0: {"a___b=c": torch.ones(1)}}, rank=RANK0)
+    sessions = tmp_path / "sessions"
+    write(sessions, R0)
+    write(sessions, R0B)
+    (tmp_path / "file").write_text("x")
+    values = dict(missing=tmp_path / "missing", out=tmp_path / "out", two_roles=two_roles, bad_name=bad_name,
+                  sessions=sessions, file=tmp_path / "file", dump=dump)
+    code, out, err = cli(*[a.format(**values) for a in argv], capsys=capsys)
+    assert code != 0 and err.strip() and "Traceback" not in err
+
+
+def test_export_of_a_dump_with_an_unreadable_segment_fails(dump, tmp_path, capsys):
+    seg = dump / "target" / R1 / "seg-000001.h5"
+    seg.write_bytes(seg.read_bytes()[:200])
+    with pytest.warns(UserWarning, match="unreadable segment"):
+        code, out, err = cli("export", "--names", "fastdump", dump, tmp_path / "out", capsys=capsys)
+    assert code != 0 and "seg-000001.h5" in err and "Traceback" not in err
+
+
+def test_export_reads_several_roots_as_one_dump(tmp_path):
+    from fastdump import export
+
+    a, b = tmp_path / "host0", tmp_path / "host1"
+    write(a, R0)
+    write(b, R1, rank=RANK1, tag=100.0)
+    out = tmp_path / "out"
+    assert export.export_sglang([a, b], out, names="fastdump") == 8
+    got = torch.load(out / R1 / "Pass00002.pt", weights_only=True)
+    assert same(got["a"], tensors_of(2, 100.0)["a"])
+
+
+# ------------------------------------------------------------------------------- concurrency
+
+
+@pytest.fixture
+def many_segments(tmp_path):
+    root = tmp_path / "many"
+    write_rank_dir(root / "target" / R0, {p: tensors_of(p) for p in range(40)}, rank=RANK0, segment_passes=1)
+    write_rank_dir(root / "target" / R1, {p: tensors_of(p, 100.0) for p in range(40)}, rank=RANK1,
+                   segment_passes=1)
+    return root
+
+
+def test_one_dumpset_read_from_several_threads(many_segments):
+    """More segments than the reader keeps open (16): threads evict each other's files."""
+    errors = []
+
+    def work(ds, seed):
+        rng = random.Random(seed)
+        for _ in range(150):
+            p, rank = rng.randrange(40), rng.randrange(2)
+            tag = 100.0 * rank
+            try:
+                kind = rng.randrange(3)
+                if kind == 0:
+                    ok = same(ds.load("target", rank, p, check=True)["a"], tensors_of(p, tag)["a"])
+                elif kind == 1:
+                    ok = same(ds.tensor("target", rank, "b", p, check=True), tensors_of(p, tag)["b"])
+                else:
+                    ok = ds.meta("target", rank, p)["tensors"] == 2
+                if not ok:
+                    errors.append(f"wrong data: rank {rank} pass {p}")
+            except Exception as exc:  # noqa: BLE001 - every failure is the finding
+                errors.append(f"{type(exc).__name__}: {exc}"[:300])
+
+    for multi in (False, True):
+        ds = fastdump.open([many_segments] if multi else many_segments)
+        threads = [threading.Thread(target=work, args=(ds, seed)) for seed in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert not any(t.is_alive() for t in threads), "a reader thread hangs"
+        assert not errors, errors[:5]
+        assert not ds.problems, ds.problems
+        ds.close()
+
+
+def test_reading_after_fork_even_while_another_thread_reads(many_segments):
+    """A child forked from a process holding an open DumpSet (and a thread in the middle of a read)
+    reads it exactly and does not hang. Run in a subprocess: a hang there cannot hang pytest."""
+    script = f"""
+import os, sys, threading, time, torch
+sys.path.insert(0, {os.path.join(REPO, 'tests')!r})
+import fastdump
+from test_reader_hostile import tensors_of, same
+ds = fastdump.open({str(many_segments)!r})
+ds.load("target", 0, 0)
+stop = []
+def spin():
+    i = 0
+    while not stop:
+        ds.load("target", 0, i % 40); ds.tensor("target", 1, "a", (i * 7) % 40); i += 1
+t = threading.Thread(target=spin); t.start()
+children = []
+for k in range(8):
+    time.sleep(0.01)
+    pid = os.fork()
+    if pid == 0:
+        ok = all(same(ds.load("target", r, p, check=True)["a"], tensors_of(p, 100.0 * r)["a"])
+                 for r in (0, 1) for p in range(0, 40, 3))
+        os._exit(0 if ok else 3)
+    children.append(pid)
+stop.append(1); t.join()
+codes = []
+for pid in children:
+    deadline = time.monotonic() + 30
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            codes.append(os.waitstatus_to_exitcode(status)); break
+        if time.monotonic() > deadline:
+            os.kill(pid, 9); os.waitpid(pid, 0); codes.append("hung"); break
+        time.sleep(0.02)
+print(codes)
+sys.exit(0 if codes == [0] * len(children) else 1)
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=240, cwd=REPO)
+    assert done.returncode == 0, done.stdout + done.stderr[-2000:]
