@@ -43,9 +43,14 @@ bool storage_holds(const c10::TensorImpl& impl, c10::IntArrayRef sizes, c10::Int
 }
 
 int read_facts(PyObject* obj, TensorFacts* out) {
-  // Subclasses (FakeTensor, DTensor, __torch_function__ wrappers) may answer .shape & co. their own
-  // way: only what THPVariable_CheckExact accepts (Tensor, Parameter) is read from its TensorImpl.
-  if (!THPVariable_CheckExact(obj)) return 0;
+  // Any tensor, subclasses included, is read from its TensorImpl: that is what its memory holds,
+  // whatever the subclass's Python .shape or .stride() claim (one that claimed more would have the
+  // copy read past its elements). Subclasses with Python dispatch (FakeTensor, DTensor,
+  // FunctionalTensor: their TensorImpl is a wrapper) are declined below, to the attribute path.
+  // (A subtype check, not isinstance(): no __instancecheck__ to run, nothing to raise.)
+  if (!THPVariable_CheckExact(obj) &&
+      (THPVariableClass == nullptr || !PyObject_TypeCheck(obj, reinterpret_cast<PyTypeObject*>(THPVariableClass))))
+    return 0;
   try {
     const at::Tensor& t = THPVariable_Unpack(obj);
     const c10::TensorImpl* impl = t.unsafeGetTensorImpl();

@@ -73,6 +73,9 @@ def verify(root, data=True):
 @contextlib.contextmanager
 def tensor_reader(which: str):
     """The process-wide tensor reader on ("torch") or off ("attributes") for the block."""
+    from fastdump.staging import tensor_reader as reader_setup
+
+    reader_setup.install()  # first, or the restore below would leave a not-yet-installed reader off for good
     before = _C.tensor_reader() is not None
     if _torch_reader is not None:
         _C.set_tensor_reader(_torch_reader.READER if which == "torch" else None)
@@ -487,10 +490,8 @@ class Liar(torch.Tensor):
         return (1,)
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: a tensor subclass (not Parameter) is read through its Python "
-                                       "attributes, which it may override: a subclass whose .shape says more than "
-                                       "its storage holds makes fastdump read past the tensor (garbage dumped, "
-                                       "verify OK; past the allocation it would fault)")
+@pytest.mark.skipif(_torch_reader is None, reason="without the torch reader a subclass's Python attributes are "
+                                                "all fastdump can read (docs/INTERNALS.md)")
 def test_a_subclass_that_lies_about_its_shape_is_never_read_past_its_elements(tmp_path):
     # The lie stays inside one big storage here, so the bug reads the storage's other elements, not
     # unmapped memory: deterministic, and the test process survives.
