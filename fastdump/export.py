@@ -23,6 +23,8 @@ import re
 import sys
 from pathlib import Path
 
+from .report import printable as _printable
+
 __all__ = ["export_sglang", "export_sglang_dumper", "sglang_names", "add_arguments", "cmd_export"]
 
 # In a stored name: the call index a second call of a module in one pass gets (``name#1``).
@@ -257,12 +259,6 @@ def add_arguments(subparsers):
     p.add_argument("out", metavar="OUT", help="output directory")
     p.set_defaults(func=cmd_export)
     return p
-
-
-def _printable(text) -> str:
-    """As ``fastdump.cli.dump._printable`` (this module sits below the CLI): escape what a terminal
-    would obey in a name from the dump."""
-    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in str(text))
 
 
 def cmd_export(args) -> int:

@@ -230,6 +230,14 @@ def write_html(result, path) -> str:
 
 # --- how a row, a missing item and a layer are described: shared by the text and HTML renderings
 
+
+def printable(text) -> str:
+    """Text from a dump may hold any character; escape the ones a terminal would swallow or obey
+    (ANSI escapes in a crafted status, error or directory name). Used by every command that prints
+    names from a dump (ls, show, verify, export)."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in str(text))
+
+
 _LAYER_RE = re.compile(r"(?:^|\.)layers?\.(\d+)(?:\.|$|#)")
 
 

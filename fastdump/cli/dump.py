@@ -20,6 +20,7 @@ import numpy as np
 
 from .. import dtypes, fsutil, protocol
 from .. import format as fmt
+from ..report import printable as _printable
 
 # rank.json statuses for which a leftover temporary file is what a kill leaves, not damage.
 _UNFINISHED_STATUSES = ("running", "incomplete")
@@ -49,12 +50,6 @@ def add_arguments(subparsers) -> None:
 
 def _rank_arg(text):
     return int(text) if text is not None and text.isdigit() else text
-
-
-def _printable(name) -> str:
-    """Text from a dump may hold any character; escape the ones a terminal would swallow or obey
-    (ANSI escapes in a crafted status, error or directory name)."""
-    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in str(name))
 
 
 def _count(value) -> int:
