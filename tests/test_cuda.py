@@ -362,8 +362,24 @@ def test_stage_error_fallback_never_copies_while_the_stream_captures(monkeypatch
     assert len(copies) == 1 and ring.read()[0][(0, 2, 1)][2] == cpu.numpy().tobytes()
 
 
+@pytest.fixture
+def attribute_reads():
+    """The tensor reader off for the test: FakeCudaTensor is a GPU tensor only in its Python
+    attributes, and the reader reads a subclass's TensorImpl (a CPU one here)."""
+    from fastdump.staging import tensor_reader
+
+    was_on = tensor_reader.install()["reader"] == "torch"
+    tensor_reader.set_enabled(False)
+    try:
+        yield
+    finally:
+        if was_on:
+            tensor_reader.set_enabled(True)
+
+
 @pytest.mark.parametrize("cuda_graphs", ["record", "skip"])
-def test_dumper_with_host_fallback_skips_tensors_hooked_during_a_capture(monkeypatch, tmp_path, cuda_graphs):
+def test_dumper_with_host_fallback_skips_tensors_hooked_during_a_capture(monkeypatch, tmp_path, cuda_graphs,
+                                                                           attribute_reads):
     """Through the Dumper: a tensor hooked while its stream captures is recorded as skipped in the
     pass (as with the C++ stager's CAPTURING; `verify` and stats see it), never copied; the next
     pass, outside the capture, dumps it through the synchronous copy."""
