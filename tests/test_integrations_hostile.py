@@ -38,7 +38,7 @@ V = 96
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     a, b = a.detach(), b.detach()
     return a.dtype == b.dtype and a.shape == b.shape and \
-        torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+        torch.equal(a.reshape(-1).contiguous().view(torch.uint8), b.reshape(-1).contiguous().view(torch.uint8))
 
 
 def assert_same_pass(got: dict, want: dict, what=""):
@@ -291,3 +291,94 @@ def test_shared_module_run_by_another_thread_never_lands_in_the_open_pass_of_the
     mixed = [n for n in tgt if "#1" in n]
     # Either the draft's calls stay out of the target's pass, or the pass is marked mixed and verify fails.
     assert not mixed or not verify_ok(tmp_path), mixed
+
+
+# ------------------------------------------------------------------ sessions, dtypes, compile, grads
+
+
+def forward_steps(model, steps=3):
+    """Prefill then decode steps with HF's cache, called as an engine calls the model."""
+    ids = torch.tensor([[1, 5, 9, 7], [2, 4, 6, 8]])
+    outs, cache = [], None
+    with torch.no_grad():
+        for _ in range(steps):
+            o = model(input_ids=ids, cache=cache, use_cache=True)
+            cache = o.cache
+            outs.append(o.logits.clone())
+            ids = o.logits[:, -1:].argmax(-1)
+    return outs
+
+
+def test_attach_run_close_attach_again_restarts_names_and_pass_ids_and_keeps_the_old_session(tmp_path):
+    model = tiny_llama()
+    rec = Recorder(target=model)
+    ref = forward_steps(model)
+    rec.remove()
+    sessions = []
+    for cycle in range(3):
+        with fastdump.attach(model, tmp_path, role="target") as d:
+            outs = forward_steps(model, steps=cycle + 1)
+        sessions.append(d.dir.name)
+        assert all(same_bits(a, b) for a, b in zip(outs, ref))
+        assert "forward" not in model.__dict__ and "forward" not in model.lm_head.__dict__
+    ds = fastdump.open(tmp_path)
+    assert sorted(ds.ranks("target")) == sorted(sessions)
+    with pytest.raises(ValueError, match="session"):
+        ds.load("target", 0, 0)  # three sessions of rank 0: never guessed, never merged
+    for cycle, name in enumerate(sessions):
+        assert ds.passes("target", name) == list(range(cycle + 1))  # pass ids restart per session
+        for p in range(cycle + 1):
+            assert_same_pass(ds.load("target", name, p), rec.passes["target"][p], (cycle, p))
+    assert verify_ok(tmp_path)
+
+
+@pytest.mark.parametrize("convert", ["half", "bfloat16", "to-float64"])
+def test_dtype_change_after_attach_is_dumped_in_the_new_dtype_bit_exact(tmp_path, convert):
+    def change(m):
+        return {"half": m.half, "bfloat16": m.bfloat16, "to-float64": lambda: m.to(torch.float64)}[convert]()
+
+    plain, model = tiny_llama(), tiny_llama()
+    change(plain)
+    rec = Recorder(target=plain)
+    ref = forward_steps(plain, steps=2)
+    rec.remove()
+    with fastdump.attach(model, tmp_path) as d:
+        assert change(model) is model
+        outs = forward_steps(model, steps=2)
+    assert d.status == "closed"
+    assert all(same_bits(a, b) for a, b in zip(outs, ref))
+    got, _ = dumped_passes(tmp_path, "target")
+    assert len(got) == 2
+    for p, (g, want) in enumerate(zip(got, rec.passes["target"])):
+        assert_same_pass(g, want, p)
+    assert got[0]["lm_head"].dtype == ref[0].dtype != torch.float32
+    assert verify_ok(tmp_path)
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "grad-checkpointing"])
+def test_training_step_with_dumper_attached_keeps_loss_gradients_and_dumps_the_forward(tmp_path, checkpointing):
+    ids = torch.tensor([[1, 5, 9, 7, 3], [2, 4, 6, 8, 10]])
+
+    def step(model):
+        model.train()
+        if checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        out = model(input_ids=ids, labels=ids)
+        out.loss.backward()
+        return out.loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    plain = tiny_llama()
+    rec = Recorder(target=plain)
+    want_loss, want_grads = step(plain)
+    rec.remove()
+    model = tiny_llama()
+    with fastdump.attach(model, tmp_path, root_name="LlamaForCausalLM") as d:
+        loss, grads = step(model)  # the backward (and its recomputed forwards) runs outside the pass
+    assert d.status == "closed"
+    assert same_bits(loss, want_loss)
+    assert grads.keys() == want_grads.keys() and all(same_bits(grads[n], want_grads[n]) for n in grads)
+    got, metas = dumped_passes(tmp_path, "target")
+    assert len(got) == 1 and metas[0]["complete"]  # checkpointing's recomputation is no pass of its own
+    assert_same_pass(got[0], rec.passes["target"][0])
+    assert not any(t.requires_grad for t in got[0].values())
+    assert verify_ok(tmp_path)
