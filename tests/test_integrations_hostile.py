@@ -382,3 +382,34 @@ def test_training_step_with_dumper_attached_keeps_loss_gradients_and_dumps_the_f
     assert_same_pass(got[0], rec.passes["target"][0])
     assert not any(t.requires_grad for t in got[0].values())
     assert verify_ok(tmp_path)
+
+
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+def test_compiled_hf_model_dumps_what_the_compiled_model_computed(tmp_path, backend):
+    """torch.compile of an HF model with a Dumper attached: eager names, the logits it returned bit for
+    bit, every module equal to the eager run (bit for bit where the backend keeps eager's kernels)."""
+    if backend == "inductor" and shutil.which(os.environ.get("CXX", "g++")) is None:
+        pytest.skip("inductor on CPU needs a C++ compiler")
+    torch._dynamo.reset()
+    model = tiny_llama()
+    rec = Recorder(target=model)
+    ref = forward_steps(model, steps=2)
+    rec.remove()
+    with fastdump.attach(model, tmp_path) as d:
+        compiled = torch.compile(model, backend=backend)
+        outs = forward_steps(compiled, steps=2)
+    torch._dynamo.reset()
+    assert d.status == "closed" and d.stats()["skipped"] == 2  # the cache object of each pass, recorded
+    got, metas = dumped_passes(tmp_path, "target")
+    assert len(got) == 2 and all(m["complete"] for m in metas)
+    for p, (g, want, out) in enumerate(zip(got, rec.passes["target"], outs)):
+        assert sorted(g) == sorted(want), p  # eager names, no _orig_mod
+        assert same_bits(g["LlamaForCausalLM.logits"], out) and same_bits(g["lm_head"], out)
+        for name in want:
+            if backend == "inductor":
+                torch.testing.assert_close(g[name], want[name], rtol=1e-4, atol=1e-5)
+            else:
+                assert same_bits(g[name], want[name]), (p, name)
+    if backend != "inductor":
+        assert all(same_bits(a, b) for a, b in zip(outs, ref))
+    assert verify_ok(tmp_path)
