@@ -10,7 +10,6 @@ Tiny models only (hidden 32, 1-2 layers), built from configs: no network, no GPU
 
 import dataclasses
 import enum
-import glob
 import os
 import shutil
 import threading
@@ -413,3 +412,191 @@ def test_compiled_hf_model_dumps_what_the_compiled_model_computed(tmp_path, back
     if backend != "inductor":
         assert all(same_bits(a, b) for a, b in zip(outs, ref))
     assert verify_ok(tmp_path)
+
+
+def test_module_names_that_look_like_call_indices_make_verify_fail_not_lie(tmp_path):
+    """A module literally named ``lin#1`` next to a ``lin`` called twice: two tensors get one name.
+    Which is which is lost, so verify must fail (the reader keeps both)."""
+
+    class Odd(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.d = nn.ModuleDict({"lin": nn.Linear(2, 2), "lin#1": nn.Linear(2, 2)})
+
+        def forward(self, x):
+            return self.d["lin"](self.d["lin"](x)), self.d["lin#1"](x)
+
+    model = Odd()
+    with torch.no_grad():
+        want = model(torch.ones(1, 2))
+        with fastdump.attach(model, tmp_path):
+            got = model(torch.ones(1, 2))
+    assert all(same_bits(a, b) for a, b in zip(got, want))
+    assert not verify_ok(tmp_path)
+
+
+# ------------------------------------------------------------------------------- the SGLang drop-in
+
+from test_sglang import V as SG_V, ForwardBatch, ForwardMode, LlamaForCausalLM as SGLlama  # noqa: E402
+from test_sglang import reference_pass, run as sg_run  # noqa: E402
+
+
+def sg_eagle_pair():
+    """SGLang's EAGLE worker pair: the draft gets the target's embedding and LM head (set_embed_and_head)."""
+    target, draft = SGLlama(n_layers=2, seed=0), SGLlama(n_layers=1, seed=1)
+    draft.model.embed_tokens = target.model.embed_tokens
+    draft.lm_head = target.lm_head
+    return target, draft
+
+
+def eagle_schedule(target, draft, steps=2, k=3):
+    """What SGLang's EAGLE worker runs per step: several draft forwards and one target verify."""
+    g = torch.Generator().manual_seed(7)
+
+    def fb(mode, n):
+        return ForwardBatch(mode, torch.randint(0, SG_V, (n,), generator=g), torch.tensor([n]), torch.arange(n),
+                            extend_seq_lens=torch.tensor([n]))
+
+    schedule = [(target, fb(ForwardMode.EXTEND, 5)), (draft, fb(ForwardMode.DRAFT_EXTEND, 5))]
+    for _ in range(steps):
+        schedule += [(draft, fb(ForwardMode.DECODE, 1)) for _ in range(k)]
+        schedule += [(target, fb(ForwardMode.TARGET_VERIFY, k + 1)), (draft, fb(ForwardMode.DRAFT_EXTEND, 2))]
+    return schedule
+
+
+@pytest.fixture
+def eagle_sglang_dump(tmp_path):
+    """Target and draft dumped by the entry install() puts into SGLang, called as its model runner
+    calls it (positional, ``<folder>/target`` and ``<folder>/draft``), under an odd folder name."""
+    folder = tmp_path / "dump dir ü #1 [x]"
+    target, draft = sg_eagle_pair()
+    schedule = eagle_schedule(target, draft)
+    refs = [reference_pass(m, fb) for m, fb in schedule]
+    dumpers = {role: fsg._sglang_entry(m, os.path.join(str(folder), role) + os.sep, None, 1, 0, 0)
+               for role, m in (("target", target), ("draft", draft))}
+    outs = []
+    try:
+        for m, fb in schedule:
+            outs.append(sg_run(m, fb))
+            for d in dumpers.values():
+                d.dump_current_tensors()  # nothing pending after a forward: changes nothing
+    finally:
+        for d in dumpers.values():
+            d.close()
+    return folder, target, draft, schedule, refs, outs, dumpers
+
+
+def test_sglang_eagle_pair_sharing_embedding_one_process_each_role_bit_exact(eagle_sglang_dump):
+    folder, target, draft, schedule, refs, outs, dumpers = eagle_sglang_dump
+    for role, d in dumpers.items():
+        assert Path(d.get_dump_dir()).parent == folder / role  # SGLang's place, the odd name kept
+    assert "forward" not in target.model.embed_tokens.__dict__
+    ds = fastdump.open(folder)
+    assert sorted(ds.roles) == ["draft", "target"]
+    seen = {"target": 0, "draft": 0}
+    for (m, fb), (want, ref_out), out in zip(schedule, refs, outs):
+        role = "target" if m is target else "draft"
+        rank = only_rank(ds, role)
+        got = ds.load(role, rank, seen[role])
+        assert_same_pass(got, want, (role, seen[role]))
+        assert same_bits(out.next_token_logits, ref_out.next_token_logits)  # served unchanged
+        assert same_bits(got["logits_processor"], out.next_token_logits)
+        assert ds.meta(role, rank, seen[role])["forward_mode"] == fb.forward_mode.name
+        seen[role] += 1
+    assert seen == {"target": 3, "draft": 9}
+    assert verify_ok(folder)
+
+
+def test_sglang_eagle_dump_exports_to_both_sglang_layouts_and_reads_back(eagle_sglang_dump, tmp_path):
+    folder, target, draft, schedule, refs, outs, _ = eagle_sglang_dump
+    want = {"target": [], "draft": []}
+    for (m, _), (rec, _), out in zip(schedule, refs, outs):
+        want["target" if m is target else "draft"].append((rec, out))
+
+    out_dir = tmp_path / "pt out"
+    assert cli.main(["export", "--format", "sglang", str(folder), str(out_dir)]) == 0
+    for role in ("target", "draft"):
+        (rank_dir,) = (out_dir / role).iterdir()
+        files = sorted(rank_dir.glob("Pass*.pt"))
+        assert [f.name for f in files] == [f"Pass{p:05d}.pt" for p in range(len(want[role]))]
+        for f, (rec, out) in zip(files, want[role]):
+            got = torch.load(f, weights_only=True)
+            assert same_bits(got["logits_processor"], out.next_token_logits)
+            assert same_bits(got["model.embed_tokens"], rec["model.embed_tokens"])
+            assert same_bits(got["model"], rec["model"])
+            # the fused add + norm's (out, residual): one list under the module's name, as SGLang's hook
+            norm = got["model.layers.0.post_attention_layernorm"]
+            assert isinstance(norm, list) and len(norm) == 2
+            assert all(same_bits(a, rec[f"model.layers.0.post_attention_layernorm.{i}"]) for i, a in enumerate(norm))
+            assert "model.embed_tokens#1" not in got
+
+    dumper_dir = tmp_path / "dumper out"
+    assert cli.main(["export", "--format", "sglang-dumper", str(folder), str(dumper_dir)]) == 0
+    assert sorted(os.listdir(dumper_dir)) == ["draft", "target"]
+    for role in ("target", "draft"):
+        rows = {}
+        for path in (dumper_dir / role).glob("*.pt"):
+            key = dict(kv.split("=", 1) for kv in path.stem.split("___"))
+            rows[(key["name"], int(key["step"]))] = path
+        steps = {step for _, step in rows}
+        assert steps == set(range(len(want[role])))
+        for step, (rec, out) in enumerate(want[role]):
+            saved = torch.load(rows[("logits_processor", step)], weights_only=False)
+            assert same_bits(saved["value"], out.next_token_logits)
+            assert saved["meta"]["step"] == step and saved["meta"]["rank"] == 0
+            saved = torch.load(rows[("model.embed_tokens", step)], weights_only=False)
+            assert same_bits(saved["value"], rec["model.embed_tokens"])
+
+
+def test_sglang_data_lost_in_one_role_fails_verify_of_the_root(eagle_sglang_dump):
+    folder = eagle_sglang_dump[0]
+    assert verify_ok(folder)
+    segs = list((folder / "draft").glob("*/seg-*.h5"))
+    assert segs
+    segs[-1].unlink()
+    assert not verify_ok(folder)
+
+
+def test_sglang_rerun_into_the_same_folder_keeps_both_sessions_apart(tmp_path, capsys):
+    """A server restarted with the same --debug-tensor-dump-output-folder (same pid in a container):
+    two sessions of rank 0 side by side, each whole; the per-tensor export refuses to merge them."""
+    model = SGLlama(seed=0)
+    fbs = eagle_schedule(model, model, steps=1, k=1)
+    refs = [reference_pass(model, fb)[0] for _, fb in fbs]
+    for _ in range(2):
+        d = fsg._sglang_entry(model, str(tmp_path / "dump"), None, 1, 0, 0)
+        for _, fb in fbs:
+            sg_run(model, fb)
+        d.close()
+    ds = fastdump.open(tmp_path / "dump")
+    assert len(ds.ranks("target")) == 2
+    for rank in ds.ranks("target"):
+        for p, want in enumerate(refs):
+            assert_same_pass(ds.load("target", rank, p), want, (rank, p))
+    assert verify_ok(tmp_path / "dump")
+    assert cli.main(["export", "--format", "sglang", str(tmp_path / "dump"), str(tmp_path / "pt")]) == 0
+    assert len(list((tmp_path / "pt").iterdir())) == 2  # one directory per session
+    capsys.readouterr()
+    assert cli.main(["export", "--format", "sglang-dumper", str(tmp_path / "dump"), str(tmp_path / "d")]) != 0
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "export them separately" in err
+
+
+def test_sglang_bad_input_is_a_clear_error_before_the_model_is_touched(tmp_path, monkeypatch):
+    model = SGLlama(seed=0)
+    fb = next(iter(eagle_schedule(model, model)))[1]
+    want = sg_run(model, fb).next_token_logits
+    monkeypatch.setenv("TENSOR_DUMP_TOP_LEVEL_MODULE_NAME", "transformer")
+    with pytest.raises(ValueError, match="transformer"):
+        fsg._sglang_entry(model, str(tmp_path / "a"), None, 1, 0, 0)
+    monkeypatch.delenv("TENSOR_DUMP_TOP_LEVEL_MODULE_NAME")
+    with pytest.raises(ValueError):
+        fsg._sglang_entry(model, "", None, 1, 0, 0)
+    with pytest.raises((ValueError, TypeError)):
+        fsg._sglang_entry(model, str(tmp_path / "b"), ["x"], 1, 0, 0)
+    monkeypatch.setenv("FASTDUMP_EVERY", "0")
+    with pytest.raises(ValueError, match="FASTDUMP_EVERY"):
+        fsg._sglang_entry(model, str(tmp_path / "c"), None, 1, 0, 0)
+    for m in model.modules():
+        assert "forward" not in m.__dict__  # nothing left wrapped by a refused call
+    assert same_bits(sg_run(model, fb).next_token_logits, want)
