@@ -600,3 +600,87 @@ def test_sglang_bad_input_is_a_clear_error_before_the_model_is_touched(tmp_path,
     for m in model.modules():
         assert "forward" not in m.__dict__  # nothing left wrapped by a refused call
     assert same_bits(sg_run(model, fb).next_token_logits, want)
+
+
+class KwOnly(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(32, 32) / 8)
+
+    def forward(self, *, hidden_states, scale=None):  # keyword arguments only
+        return transformers.modeling_outputs.BaseModelOutputWithPast(last_hidden_state=hidden_states @ self.weight,
+                                                                     past_key_values=None, attentions=None)
+
+
+class InPlace(nn.Module):
+    def forward(self, x):
+        return x.mul_(2)  # returns its input, changed in place
+
+
+class WithNone(nn.Module):
+    def forward(self, x):
+        return (None, x + 1, (None, x - 1))
+
+
+def test_hf_style_odd_signatures_and_outputs_inside_generate(tmp_path):
+    """Leaves called with keywords only, returning a ModelOutput with None fields, a tuple with None
+    in it, or their own input changed in place (then changed again by the next module): each dumped as
+    it was when it returned; generate() unchanged."""
+
+    def build():
+        model = tiny_llama(1)
+        layer = model.model.layers[0]
+        kw, inplace, with_none = KwOnly(), InPlace(), WithNone()
+        layer.kw, layer.inplace, layer.with_none = kw, inplace, with_none
+        real = layer.mlp.forward
+
+        def mlp(x):
+            h = kw(hidden_states=x).last_hidden_state
+            h = inplace(h)
+            h = inplace(h)  # the same tensor again: name#1, twice the value of the first call
+            return real(h + with_none(h)[1] * 0)
+
+        layer.mlp.forward = mlp
+        return model
+
+    ids, mask = prompts(3)
+    plain = build()
+    rec = Recorder(target=plain)
+    ref = greedy(plain, ids, mask)
+    rec.remove()
+    model = build()
+    with dump_generate(model, tmp_path):
+        out = greedy(model, ids, mask)
+    assert torch.equal(out.sequences, ref.sequences) and all(same_bits(a, b) for a, b in zip(out.logits, ref.logits))
+    got, _ = dumped_passes(tmp_path, "target")
+    assert len(got) == len(rec.passes["target"]) == 5
+    for p, (g, want) in enumerate(zip(got, rec.passes["target"])):
+        assert_same_pass(g, want, p)
+        first, second = g["model.layers.0.inplace"], g["model.layers.0.inplace#1"]
+        assert same_bits(second, first * 2)  # each call as it returned, not the final value
+        assert "model.layers.0.kw.last_hidden_state" in g and "model.layers.0.with_none.2.1" in g
+    assert verify_ok(tmp_path)
+
+
+def test_sglang_inputs_by_keyword_are_dumped_with_fastdump_inputs(tmp_path, monkeypatch):
+    """FASTDUMP_INPUTS=1 under the SGLang entry: the ForwardBatch given to ``model`` by keyword is
+    dumped (its tensor fields; its enum field is no tensor data and is left out)."""
+    monkeypatch.setenv("FASTDUMP_INPUTS", "1")
+    model = SGLlama(seed=0)
+    (_, fb), = eagle_schedule(model, model)[:1]
+    want, ref_out = reference_pass(model, fb)
+    d = fsg._sglang_entry(model, str(tmp_path), None, 1, 0, 0)
+    try:
+        out = sg_run(model, fb)
+    finally:
+        stats = d.close()
+    assert same_bits(out.next_token_logits, ref_out.next_token_logits)
+    got = fastdump.open(tmp_path).load("target", only_rank(fastdump.open(tmp_path), "target"), 0)
+    for k, t in want.items():
+        assert same_bits(got[k], t), k
+    assert same_bits(got["model.input.forward_batch.input_ids"], fb.input_ids)
+    assert same_bits(got["model.input.forward_batch.extend_seq_lens"], fb.extend_seq_lens)
+    # the LM head module handed to logits_processor is no tensor: a recorded skip, nothing else is
+    skipped = fastdump.open(tmp_path).meta("target", only_rank(fastdump.open(tmp_path), "target"), 0)["skipped"]
+    assert [s["name"] for s in skipped] == ["logits_processor.input.2"] and stats["skipped"] == 1
+    assert verify_ok(tmp_path)
