@@ -272,6 +272,48 @@ def test_forwards_of_several_threads_one_after_another_are_not_flagged(tmp_path)
     assert not verify(tmp_path).problems and not verify(tmp_path).warnings
 
 
+class CallsFromAWorker(nn.Module):
+    """Runs its `shared` leaf on a worker thread while the forward's pass is open: what a module
+    shared with another model (served from another thread) or a thread-pool branch does."""
+
+    def __init__(self, shared):
+        super().__init__()
+        self.first = nn.Linear(4, 4)
+        self.shared = shared
+
+    def forward(self, x):
+        x = self.first(x)
+        worker = threading.Thread(target=lambda: self.shared(torch.ones(1, 4)))
+        worker.start()
+        worker.join()
+        return self.shared(x)
+
+
+@pytest.mark.parametrize("wrappers", ["native", "python"])
+def test_a_leaf_called_from_another_thread_during_the_pass_marks_it_mixed(tmp_path, wrappers):
+    """Only the root's forwards used to be checked for threads: a leaf called from another thread
+    joined the open pass as `shared#0` silently (two forwards' values mixed, verify OK)."""
+    model = CallsFromAWorker(nn.Linear(4, 4))
+    x = torch.randn(1, 4)
+    d = fastdump.attach(model, tmp_path)
+    try:
+        if wrappers == "python":
+            d._use_python_wrappers()  # as under torch.compile
+        with torch.no_grad():
+            got = model(x)
+    finally:
+        stats = d.close()
+    with torch.no_grad():
+        assert torch.equal(got, model.shared(model.first(x)))  # served unchanged
+    assert stats["mixed_passes"] == 1
+    ds = fastdump.open(tmp_path)
+    meta = ds.meta("target", 0, 0)
+    assert meta["mixed"] is True and "several threads" in meta["incomplete"]
+    dumped = ds.load("target", 0, 0)
+    assert torch.equal(dumped["shared"], model.shared(torch.ones(1, 4)).detach())  # the worker's call came first
+    assert any("mixes tensors" in p for p in verify(tmp_path).problems)
+
+
 # ------------------------------------------------------------- item 9: failed and dangling passes
 
 

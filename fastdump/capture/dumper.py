@@ -486,6 +486,8 @@ class Dumper:
         """The number (``#k``) of a call of ``name`` that starts now in this pass. Calls are numbered
         in the order they start, so that a call's inputs, its hooks' values and its output share one
         number even when the module calls itself (an inner call starts later and returns first)."""
+        if self._pass_thread != threading.get_ident():  # as the C wrapper's claim_call: see there
+            self._mark_mixed()
         k = self._calls.get(name, 0)
         self._calls[name] = k + 1
         return k
