@@ -134,6 +134,7 @@ class Dumper:
         self._mixed = False              # forwards of several threads ran in this pass
         self._pass_thread = None         # thread that opened the pass
         self._manual_opener = None       # (frame, instruction) of the begin_pass() that opened it
+        self._root_opener = None         # the root wrapper's frame whose forward opened the pass
         self._said: set = set()          # warnings already logged once
         self._names_lock = threading.Lock()
         self._budget_reached = False
@@ -354,29 +355,49 @@ class Dumper:
     # -- passes ----------------------------------------------------------------------------------
     def _begin(self) -> None:
         self._depth += 1
+        opening = False  # the channel was asked to open the pass: its begin may be in the ring
+        try:
+            if self._depth > 1:
+                if self._pass_thread != threading.get_ident():
+                    self._mark_mixed()
+                return
+            self._pass_thread = threading.get_ident()
+            self._incomplete, self._mixed = None, False
+            self.pass_id += 1
+            self._meta, self._next_meta = self._next_meta, {}
+            self._calls.clear()
+            if self._open_calls:
+                self._open_calls.clear()  # (calls that raised: never closed)
+            if self._skipped:
+                self._skipped = {}
+            # (A forked child's copies have no engine: _forget_parent_dumpers, at fork.)
+            if self._closed or self._engine is None or self.status != "running":
+                return
+            if not self._selected(self.pass_id):
+                return
+            if not self._engine.alive_lately:  # a dead writer stops dumping, not serving
+                return self._disable(self._engine.error())
+            opening = True
+            if not self._channel.begin(self.pass_id):
+                return  # `drop` with a full ring: the whole pass is dropped (the channel counts it)
+            self._capturing = True
+        except BaseException as exc:
+            self._begin_interrupted(exc, opening)
+            raise
+
+    def _begin_interrupted(self, exc: BaseException, opening: bool) -> None:
+        """Ctrl-C (KeyboardInterrupt, raised wherever a signal is delivered: a wait for ring space,
+        a call's return) or any other exception stopped _begin after it counted the depth. The
+        caller never gets to its _end, so undo the count here: a pass left open would swallow every
+        later forward, dumping nothing more while verify said OK. A pass this call was opening is
+        ended at once, marked incomplete (its begin may be in the ring already)."""
         if self._depth > 1:
-            if self._pass_thread != threading.get_ident():
-                self._mark_mixed()
+            self._depth -= 1  # a nested begin: the open pass goes on
             return
-        self._pass_thread = threading.get_ident()
-        self._incomplete, self._mixed = None, False
-        self.pass_id += 1
-        self._meta, self._next_meta = self._next_meta, {}
-        self._calls.clear()
-        if self._open_calls:
-            self._open_calls.clear()  # (calls that raised: never closed)
-        if self._skipped:
-            self._skipped = {}
-        # (A forked child's copies have no engine: _forget_parent_dumpers, at fork.)
-        if self._closed or self._engine is None or self.status != "running":
-            return
-        if not self._selected(self.pass_id):
-            return
-        if not self._engine.alive_lately:  # a dead writer stops dumping, not serving
-            return self._disable(self._engine.error())
-        if not self._channel.begin(self.pass_id):
-            return  # `drop` with a full ring: the whole pass is dropped (the channel counts it)
-        self._capturing = True
+        self._mark_incomplete(f"interrupted as it began: {type(exc).__name__}")
+        if opening:
+            self._capturing = True  # so that _end sends the pass's end, whether its begin went in or not
+        self._end()
 
     def _end(self) -> None:
         if self._depth == 0:
@@ -384,37 +405,61 @@ class Dumper:
         self._depth -= 1
         if self._depth > 0:
             return
-        self._manual_opener = None  # (holds a frame: let it go with the pass)
+        self._manual_opener = self._root_opener = None  # (frames: let them go with the pass)
         if not self._capturing:
             return
         self._capturing = False
         self._totals["passes"] += 1
-        if self.max_bytes is not None:  # the budget needs the bytes now; stats() and close() fold anyway
-            self._fold_lane_counts()
+        sent = False  # the pass's end is in the ring (or known lost)
         try:
-            meta = _jsonable(self._meta) if self._meta else {}  # (most passes carry none)
-        except Exception as exc:  # a user's object whose str() raises: the pass is kept, its meta said so
-            meta = {"fastdump_meta_error": f"{type(exc).__name__}: {_short(exc)}"}
-        if self._graphs is not None and self._graphs.open is not None:
-            self._graphs.end_pass(meta)  # a graph was captured in this pass: its replays become passes
-        if self._incomplete is not None:
-            self._totals["incomplete_passes"] += 1  # the writer records the pass as not complete
-            if self._mixed:
-                self._totals["mixed_passes"] += 1  # `fastdump verify` fails on it
-        seq = self._channel.end(self.pass_id, meta, self._skipped, self._incomplete, self._mixed)
-        if seq:
-            unconfirmed = self._unconfirmed
-            unconfirmed.append(seq)
-            if len(unconfirmed) > 64:  # forget what the writer has handled (checked now and then)
-                acked = self._producer.acked_seq
-                while unconfirmed and unconfirmed[0] <= acked:
-                    unconfirmed.popleft()
+            if self.max_bytes is not None:  # the budget needs the bytes now; stats() and close() fold anyway
+                self._fold_lane_counts()
+            try:
+                meta = _jsonable(self._meta) if self._meta else {}  # (most passes carry none)
+            except Exception as exc:  # a user's object whose str() raises: the pass is kept, its meta said so
+                meta = {"fastdump_meta_error": f"{type(exc).__name__}: {_short(exc)}"}
+            if self._graphs is not None and self._graphs.open is not None:
+                self._graphs.end_pass(meta)  # a graph was captured in this pass: its replays become passes
+            if self._incomplete is not None:
+                self._totals["incomplete_passes"] += 1  # the writer records the pass as not complete
+                if self._mixed:
+                    self._totals["mixed_passes"] += 1  # `fastdump verify` fails on it
+            seq = self._channel.end(self.pass_id, meta, self._skipped, self._incomplete, self._mixed)
+            sent = True
+            if seq:
+                unconfirmed = self._unconfirmed
+                unconfirmed.append(seq)
+                if len(unconfirmed) > 64:  # forget what the writer has handled (checked now and then)
+                    acked = self._producer.acked_seq
+                    while unconfirmed and unconfirmed[0] <= acked:
+                        unconfirmed.popleft()
+                return
+            if not self._engine.alive:
+                self._disable(self._engine.error())
+            else:
+                self._totals["lost_pass_ends"] += 1  # `drop`, ring full: the writer marks the pass incomplete
+                self._channel.note_stall("a pass end", self.pass_id)
+        except BaseException as exc:
+            if not sent:
+                self._end_interrupted(exc)
+            raise
+
+    def _end_interrupted(self, exc: BaseException) -> None:
+        """Ctrl-C (or another exception) stopped _end before the pass's end reached the ring (a wait
+        for ring space returns to Python so that Ctrl-C gets through): send the end now without
+        waiting, marked incomplete; when even that finds no room the pass is a lost end, which the
+        writer marks incomplete. Never a pass left open in the ring for good."""
+        reason = f"interrupted as it ended: {type(exc).__name__}"
+        if self._incomplete is None:
+            self._incomplete = reason
+            self._totals["incomplete_passes"] += 1
+        channel = self._channel
+        if channel is None or self.status != "running":
             return
-        if not self._engine.alive:
-            self._disable(self._engine.error())
-        else:
-            self._totals["lost_pass_ends"] += 1  # `drop`, ring full: the writer marks the pass incomplete
-            self._channel.note_stall("a pass end", self.pass_id)
+        msg = protocol.end(channel.id, self.pass_id, {}, channel.pass_dropped, self._skipped,
+                           incomplete=self._incomplete, mixed=self._mixed)
+        if not channel.control(msg, block=False):
+            self._totals["lost_pass_ends"] += 1
 
     def _fold_lane_counts(self) -> None:
         """Tensors and bytes the C++ hot path staged (ChannelStager.stage_tensor) into _totals,
@@ -462,15 +507,28 @@ class Dumper:
             self._mark_incomplete(f"a forward raised {type(exc).__name__}: {_short(exc)}")
 
     def _root_begin(self) -> None:
-        """A root forward starts: close a dangling manual pass first (see begin_pass)."""
-        opener = self._manual_opener
-        if (opener is not None and self._pass_thread == threading.get_ident()
-                and not _on_stack(opener[0], sys._getframe(1))):
-            self._close_dangling("the function that called begin_pass() returned without end_pass()")
+        """A root forward starts: close a dangling manual pass first (see begin_pass), or a pass
+        an earlier root forward of this thread opened and never ended (a signal's exception,
+        Ctrl-C, delivered on its way to _end: a Python call's first instruction is such a point)."""
+        caller = sys._getframe(1)
+        if caller.f_code is _CALL_CODE:
+            caller = caller.f_back
+        if caller is not None and caller.f_code is not _ROOT_CODE:
+            caller = None  # (compiled: Dynamo's frames; no check)
+        if self._depth > 0 and self._pass_thread == threading.get_ident():
+            opener = self._manual_opener
+            if opener is not None and not _on_stack(opener[0], caller or sys._getframe(1)):
+                self._close_dangling("the function that called begin_pass() returned without end_pass()")
+            elif (opener is None and self._root_opener is not None and caller is not None
+                  and not _on_stack(self._root_opener, caller)):
+                self._close_dangling("the root forward that opened it returned without ending it "
+                                     "(interrupted)", manual=False)
+        if self._depth == 0:
+            self._root_opener = caller  # before _begin: no moment where the pass is open unrecorded
         self._begin()
 
-    def _close_dangling(self, why: str) -> None:
-        self._mark_incomplete(f"dangling manual pass: {why}; closed at the next pass")
+    def _close_dangling(self, why: str, manual: bool = True) -> None:
+        self._mark_incomplete(f"dangling {'manual ' if manual else ''}pass: {why}; closed at the next pass")
         self._say_once("dangling", "fastdump: %s: %s; the open pass %d is closed, marked incomplete",
                        self.dir, why, self.pass_id)
         self._depth = 1
@@ -956,11 +1014,17 @@ def _fast_codes() -> dict:
     return codes
 
 
+# The root wrapper's code (see Dumper._root_begin): the frame that opened a pass is one of it.
+_ROOT_CODE = next(c for c in Dumper._root_wrapper.__code__.co_consts
+                  if isinstance(c, types.CodeType) and c.co_name == "forward_in_pass")
 _FAST_CODES = _fast_codes()
 
 
 def _call(fn, *args):
     return fn(*args)
+
+
+_CALL_CODE = _call.__code__
 
 
 if _torch is not None and hasattr(_torch, "_disable_dynamo"):
