@@ -372,3 +372,422 @@ def test_ctrl_c_at_every_point_of_the_dumpers_code_leaves_later_passes_whole_and
         else:
             assert p in clean, f"pass {p} is neither a clean nor an interrupted forward's"
     assert verify_cli(tmp_path).returncode == 0
+
+
+# ------------------------------------------------------------- the serving process killed mid-pass
+
+SERVE_UNTIL_KILLED = """
+    import os, sys, time, torch, fastdump
+    from torch import nn
+    root, marker, stop_at, seg = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+    torch.manual_seed(0)
+
+    class Gate(nn.Module):  # in pass `stop_at` it says so and waits for the SIGKILL, mid-pass
+        def __init__(self):
+            super().__init__()
+            self.n = 0
+
+        def forward(self, x):
+            if self.n == stop_at:
+                open(marker, "w").close()
+                time.sleep(600)
+            self.n += 1
+            return x * 2
+
+    model = nn.Sequential(nn.Linear(16, 16), Gate(), nn.Linear(16, 16))
+    d = fastdump.attach(model, root, segment_passes=seg)
+    with torch.no_grad():
+        for i in range(10 ** 6):
+            model(torch.full((4, 16), float(i)))
+"""
+
+
+def killed_reference(n):
+    torch.manual_seed(0)
+    first, last = nn.Linear(16, 16), nn.Linear(16, 16)
+    out = []
+    with torch.no_grad():
+        for i in range(n):
+            a = first(torch.full((4, 16), float(i)))
+            b = a * 2
+            c = last(b)
+            out.append({"0": a, "1": b, "2": c, "Sequential": c})
+    return out
+
+
+@pytest.mark.parametrize("seg", [1, 4, 1000])
+def test_serving_process_killed_mid_pass_keeps_every_finished_pass_and_flags_the_open_one(tmp_path, seg):
+    stop_at = random.Random(seg).randrange(3, 40)
+    root, marker = tmp_path / "dump", tmp_path / "marker"
+    script = tmp_path / "serve.py"
+    script.write_text(textwrap.dedent(SERVE_UNTIL_KILLED))
+    proc = subprocess.Popen([sys.executable, str(script), str(root), str(marker), str(stop_at), str(seg)], env=ENV)
+    try:
+        assert wait_for(marker.exists, timeout=60), "the serving process never reached the pass"
+    finally:
+        proc.kill()
+        proc.wait()
+    assert wait_for(lambda: any(json.loads(p.read_text()).get("status") == "incomplete"
+                                for p in root.glob("target/*/rank.json")), timeout=30)
+    ds = fastdump.open(root)
+    rank = rank_of(ds)
+    want = killed_reference(stop_at + 1)
+    # Every pass that finished before the kill is on disk, whole and exact (data accepted, not lost).
+    assert ds.passes("target", rank) == list(range(stop_at + 1))
+    for p in range(stop_at):
+        got = ds.load("target", rank, p, check=True)
+        assert sorted(got) == ["0", "1", "2", "Sequential"] and ds.meta("target", rank, p)["complete"]
+        assert all(same_bits(got[k], want[p][k]) for k in got), p
+    # The pass the kill cut is kept as far as it went, and says it is not whole.
+    cut = ds.load("target", rank, stop_at, check=True)
+    assert list(cut) == ["0"] and same_bits(cut["0"], want[stop_at]["0"])
+    assert ds.meta("target", rank, stop_at)["complete"] is False
+    assert_verify_fails(root, "status incomplete")
+
+
+# -------------------------------------------------------------------------------------------- fork
+
+FORK_SERVE = """
+    import json, os, sys, torch, fastdump
+    from torch import nn
+    root, mode = sys.argv[1], sys.argv[2]
+    torch.manual_seed(0)
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up, self.act, self.down = nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16)
+            self.fork_in = -1  # the forward that forks, from inside the pass
+            self.calls = 0
+
+        def forward(self, x):
+            h = self.act(self.up(x))
+            if self.calls == self.fork_in:
+                self.child = os.fork()
+            self.calls += 1
+            return self.down(h)
+
+    model = Net()
+    d = fastdump.attach(model, root, writer=mode.split("-")[1])
+    outs = {}
+    with torch.no_grad():
+        for i in range(3):
+            outs[i] = model(torch.full((2, 16), float(i))).tolist()
+        if mode.startswith("inside"):
+            model.fork_in = model.calls
+            out = model(torch.full((2, 16), 3.0))   # both parent and child return from this forward
+            if model.child == 0:   # the child: its copy of the pass must stage nothing
+                res = [model(torch.full((2, 16), 100.0 + i)).tolist() for i in range(5)]
+                c = fastdump.attach(model, root)      # its own session, its own engine
+                res += [model(torch.full((2, 16), 200.0 + i)).tolist() for i in range(3)]
+                st = c.close()
+                json.dump({"res": res, "status": st["status"], "dir": st["dir"]}, open(root + "/child.json", "w"))
+                os._exit(0)
+            outs[3] = out.tolist()
+            os.waitpid(model.child, 0)
+        else:
+            pid = os.fork()
+            if pid == 0:   # the child serves the parent's model, then exits the normal way (atexit)
+                for i in range(20):
+                    model(torch.full((2, 16), 100.0 + i))
+                sys.exit(0)
+            for i in range(3, 8):   # the parent serves at the same time
+                outs[i] = model(torch.full((2, 16), float(i))).tolist()
+            assert os.waitpid(pid, 0)[1] == 0
+        st = d.close()
+    print(json.dumps({"outs": outs, "status": st["status"], "passes": st["passes"], "dir": st["dir"]}))
+"""
+
+
+@pytest.mark.parametrize("mode", ["inside-process", "inside-thread", "beside-process"])
+def test_a_forked_child_running_the_model_never_writes_into_the_parents_dump(tmp_path, mode):
+    root = tmp_path / "dump"
+    rc, out, err = run_script(tmp_path, FORK_SERVE, root, mode)
+    assert rc == 0, err[-3000:]
+    result = json.loads(out.strip().splitlines()[-1])
+    assert result["status"] == "closed"
+    torch.manual_seed(0)
+    ref = Net()  # same seed, same layer shapes and order as the script's Net: same weights
+    ds = fastdump.open(root)
+    parent = Path(result["dir"]).name
+    outs = {int(k): torch.tensor(v) for k, v in result["outs"].items()}
+    assert ds.passes("target", parent) == sorted(outs) and result["passes"] == len(outs)
+    for p in ds.passes("target", parent):
+        x = torch.full((2, 16), float(p))
+        got = ds.load("target", parent, p, check=True)
+        want = expected(ref, x)
+        assert sorted(got) == sorted(want) and all(same_bits(got[k], want[k]) for k in want), p
+        assert torch.allclose(outs[p], want["Net"])
+        assert ds.meta("target", parent, p)["complete"]
+    if mode.startswith("inside"):
+        child = json.loads((root / "child.json").read_text())
+        assert child["status"] == "closed" and Path(child["dir"]).name != parent
+        cdir = Path(child["dir"]).name
+        assert ds.passes("target", cdir) == [0, 1, 2]  # only what its own Dumper saw
+        for p in range(3):
+            x = torch.full((2, 16), 200.0 + p)
+            assert same_bits(ds.load("target", cdir, p)["Net"], expected(ref, x)["Net"])
+        assert torch.allclose(torch.tensor(child["res"][0]), expected(ref, torch.full((2, 16), 100.0))["Net"])
+        (root / "child.json").unlink()
+    else:
+        assert ds.ranks("target") == [parent]  # the child made nothing of its own
+    assert_verifies(root)
+
+
+def _pool_work(i):
+    with torch.no_grad():
+        return _POOL_MODEL(torch.full((2, 16), float(i)))
+
+
+_POOL_MODEL = None
+
+
+def test_multiprocessing_fork_workers_serve_the_attached_model_without_touching_its_dump(tmp_path):
+    import multiprocessing
+
+    global _POOL_MODEL
+    model = Net()
+    ref = copy.deepcopy(model)
+    _POOL_MODEL = model
+    inputs = {}
+    try:
+        with fastdump.attach(model, tmp_path) as d:
+            with torch.no_grad():
+                inputs[0] = torch.full((2, 16), -1.0)
+                model(inputs[0])
+            with multiprocessing.get_context("fork").Pool(2) as pool:
+                results = pool.map(_pool_work, range(40))
+            with torch.no_grad():
+                inputs[1] = torch.full((2, 16), -2.0)
+                model(inputs[1])
+    finally:
+        _POOL_MODEL = None
+    for i, out in enumerate(results):
+        assert same_bits(out, expected(ref, torch.full((2, 16), float(i)))["Net"])
+    assert d.stats()["status"] == "closed" and d.stats()["passes"] == 2
+    check_passes_against(tmp_path, inputs, ref)
+    assert fastdump.open(tmp_path).passes("target", 0) == [0, 1]
+    assert_verifies(tmp_path)
+
+
+# ----------------------------------------------------------------------------------------- threads
+
+
+@pytest.mark.xfail(strict=False, reason="BUG (intermittent here; deterministic in "
+                   "test_another_threads_forward_at_every_switch_point...): unflagged mixed passes")
+def test_threads_racing_forwards_never_leave_an_unflagged_mixed_pass(tmp_path):
+    """Forwards of several threads on one attached model, with the interpreter switching threads
+    as often as it can: a pass that is not flagged mixed must hold one forward's tensors, exactly."""
+    model = Net()
+    ref = copy.deepcopy(model)
+    values = {}  # root output bytes -> the input's value
+    for t in range(4):
+        for i in range(25):
+            v = float(t * 100 + i)
+            values[expected(ref, torch.full((1, 16), v))["Net"].numpy().tobytes()] = v
+    errors, outs = [], {}
+    start = threading.Barrier(4)
+
+    def serve(t):
+        try:
+            start.wait(30)
+            for i in range(25):
+                v = float(t * 100 + i)
+                with torch.no_grad():
+                    outs[v] = model(torch.full((1, 16), v))
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        d = fastdump.attach(model, tmp_path)
+        workers = [threading.Thread(target=serve, args=(t,)) for t in range(4)]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join(120)
+    finally:
+        sys.setswitchinterval(old)
+        stats = d.close(timeout=60)
+    assert not errors and len(outs) == 100
+    for v, out in outs.items():  # the model's answers never change
+        assert same_bits(out, expected(ref, torch.full((1, 16), v))["Net"])
+    ds = fastdump.open(tmp_path)
+    rank = rank_of(ds)
+    mixed = 0
+    for p in ds.passes("target", rank):
+        meta = ds.meta("target", rank, p)
+        got = ds.load("target", rank, p, check=True)
+        if meta.get("mixed"):
+            mixed += 1
+            assert meta["complete"] is False
+            continue
+        assert sorted(got) == ["Net", "act", "down", "up"], f"pass {p} is not flagged yet holds {sorted(got)}"
+        v = values.get(got["Net"].numpy().tobytes())
+        assert v is not None, f"pass {p}: its output is no forward's"
+        want = expected(ref, torch.full((1, 16), v))
+        assert all(same_bits(got[k], want[k]) for k in want), f"pass {p} mixes forwards unflagged"
+    assert mixed == stats["mixed_passes"]
+    if mixed:
+        assert_verify_fails(tmp_path, "mixes tensors")
+    else:  # (the interpreter happened to serialize them: then the dump is whole)
+        assert_verifies(tmp_path)
+
+
+# ------------------------------------------------------------------ several Dumpers, shared modules
+
+
+@pytest.mark.parametrize("first_closed", ["a", "b"])
+def test_two_dumpers_on_one_model_both_dump_it_whole_whichever_closes_first(tmp_path, first_closed):
+    model = Net()
+    ref = copy.deepcopy(model)
+    xs = {i: torch.randn(2, 16) for i in range(5)}
+    dumpers = {"a": fastdump.attach(model, tmp_path, role="a"), "b": fastdump.attach(model, tmp_path, role="b")}
+    with torch.no_grad():
+        for i in range(3):
+            assert same_bits(model(xs[i]), expected(ref, xs[i])["Net"])
+        dumpers[first_closed].close()
+        for i in range(3, 5):
+            assert same_bits(model(xs[i]), expected(ref, xs[i])["Net"])
+    last = "b" if first_closed == "a" else "a"
+    dumpers[last].close()
+    assert "forward" not in model.__dict__ and all("forward" not in m.__dict__ for m in model.modules())
+    for role, n in ((first_closed, 3), (last, 5)):
+        ds = check_passes_against(tmp_path, xs, ref, role=role)
+        assert ds.passes(role, rank_of(ds, role)) == list(range(n)), role
+    assert_verifies(tmp_path)
+
+
+class Head(nn.Module):
+    def __init__(self, shared, seed):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.embed = shared
+        self.proj = nn.Linear(16, 16)
+
+    def forward(self, x):
+        return self.proj(self.embed(x))
+
+
+def test_target_and_draft_sharing_a_module_each_dump_their_own_calls_in_any_close_order(tmp_path):
+    torch.manual_seed(0)
+    shared = nn.Linear(16, 16)
+    target, draft = Head(shared, 1), Head(shared, 2)
+    rt, rd = copy.deepcopy(target), copy.deepcopy(draft)
+    dt = fastdump.attach(target, tmp_path, role="target")
+    dd = fastdump.attach(draft, tmp_path, role="draft")
+    xs = {i: torch.randn(3, 16) for i in range(8)}
+    seen = {"target": [], "draft": []}
+    with torch.no_grad():
+        for i in range(6):  # interleaved, as speculative decoding does
+            role, model = ("target", target) if i % 2 == 0 else ("draft", draft)
+            model(xs[i])
+            seen[role].append(i)
+        dt.close()  # the target's Dumper goes first; the draft keeps dumping the shared module
+        draft(xs[6])
+        seen["draft"].append(6)
+        target(xs[7])  # not dumped any more
+    dd.close()
+    assert "forward" not in shared.__dict__
+    ds = fastdump.open(tmp_path)
+    for role, ref in (("target", rt), ("draft", rd)):
+        rank = rank_of(ds, role)
+        assert ds.passes(role, rank) == list(range(len(seen[role])))
+        for p, i in enumerate(seen[role]):
+            got = ds.load(role, rank, p, check=True)
+            with torch.no_grad():
+                e = ref.embed(xs[i])
+                want = {"embed": e, "proj": ref.proj(e), "Head": ref.proj(e)}
+            assert sorted(got) == sorted(want), (role, p, sorted(got))
+            assert all(same_bits(got[k], want[k]) for k in want), (role, p)
+    assert_verifies(tmp_path)
+
+
+class OtherThreadAt:
+    """A profile function (set in one thread) that, at the n-th point of fastdump's Python code
+    where CPython may switch threads (a Python function's start, a C call's return), runs a whole
+    forward of another thread and waits for it: every interleaving of "B runs while A is at point
+    n", in turn, deterministically."""
+
+    def __init__(self, n, other):
+        self.n, self.seen, self.other, self.where = n, 0, other, None
+
+    def __call__(self, frame, event, arg):
+        if event in ("call", "c_return") and frame.f_code.co_filename.startswith(PKG):
+            self.seen += 1
+            if self.seen == self.n:
+                self.where = f"{event} {frame.f_code.co_name}:{frame.f_lineno} {getattr(arg, '__name__', '')}"
+                t = threading.Thread(target=self.other)
+                t.start()
+                t.join(30)
+                assert not t.is_alive(), f"the other thread's forward hung with this one at {self.where}"
+
+
+@pytest.mark.xfail(strict=True, reason="BUG: Dumper._begin resets the pass's mixed flag (and sets the opener "
+                   "thread) after a thread switch point: a second thread entering then is not flagged, "
+                   "its forward is lost or merged unflagged and verify says OK")
+def test_another_threads_forward_at_every_switch_point_is_flagged_or_kept_apart(tmp_path):
+    model = Net()
+    ref = copy.deepcopy(model)
+    values, errors = {}, []
+
+    def forward(v):
+        values[expected(ref, torch.full((1, 16), v))["Net"].numpy().tobytes()] = v
+        with torch.no_grad():
+            out = model(torch.full((1, 16), v))
+        assert same_bits(out, expected(ref, torch.full((1, 16), v))["Net"])
+
+    def other(v):
+        def run():
+            try:
+                forward(v)
+            except BaseException as exc:  # pragma: no cover - reported below
+                errors.append(exc)
+        return run
+
+    d = fastdump.attach(model, tmp_path)
+    where, flagged, unflagged = {}, 0, []
+    try:
+        forward(-1.0)  # names known: the hot path from here on, as in serving
+        for n in range(1, 200):
+            hook = OtherThreadAt(n, other(1000.0 + n))
+            sys.setprofile(hook)
+            try:
+                forward(float(n))
+            finally:
+                sys.setprofile(None)
+            if hook.where is None:
+                break  # past the last point of a forward
+            where[float(n)] = where[1000.0 + n] = hook.where
+            if d.stats()["mixed_passes"] > flagged:
+                flagged = d.stats()["mixed_passes"]
+            else:  # not flagged: then both forwards must be dumped, each in a pass of its own
+                unflagged.append(n)
+    finally:
+        stats = d.close()
+    assert not errors, errors
+    assert len(where) > 10
+    ds = fastdump.open(tmp_path)
+    rank = rank_of(ds)
+    mixed, found = 0, set()
+    for p in ds.passes("target", rank):
+        meta = ds.meta("target", rank, p)
+        got = ds.load("target", rank, p, check=True)
+        if meta.get("mixed"):
+            mixed += 1
+            continue
+        v = values.get(got["Net"].numpy().tobytes()) if "Net" in got else None
+        at = where.get(v, "")
+        assert sorted(got) == ["Net", "act", "down", "up"] or not meta["complete"], \
+            f"pass {p} ({at}) is marked whole, not mixed, yet holds {sorted(got)}"
+        found.add(v)
+        for name, t in got.items():  # whatever it holds is one forward's
+            base = name.split("#")[0]
+            assert "#" not in name, f"pass {p} ({at}) holds {name} without being flagged mixed"
+            assert v is not None and same_bits(t, expected(ref, torch.full((1, 16), v))[base]), \
+                f"pass {p} ({at}): {name} is another forward's"
+    for n in unflagged:
+        assert {float(n), 1000.0 + n} <= found, f"at {where[float(n)]}: a forward was lost and nothing flagged"
+    assert mixed == stats["mixed_passes"] and mixed >= 1
+    assert_verify_fails(tmp_path, "mixes tensors")
