@@ -573,8 +573,6 @@ def test_multiprocessing_fork_workers_serve_the_attached_model_without_touching_
 # ----------------------------------------------------------------------------------------- threads
 
 
-@pytest.mark.xfail(strict=False, reason="BUG (intermittent here; deterministic in "
-                   "test_another_threads_forward_at_every_switch_point...): unflagged mixed passes")
 def test_threads_racing_forwards_never_leave_an_unflagged_mixed_pass(tmp_path):
     """Forwards of several threads on one attached model, with the interpreter switching threads
     as often as it can: a pass that is not flagged mixed must hold one forward's tensors, exactly."""
@@ -724,9 +722,6 @@ class OtherThreadAt:
                 assert not t.is_alive(), f"the other thread's forward hung with this one at {self.where}"
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: Dumper._begin resets the pass's mixed flag (and sets the opener "
-                   "thread) after a thread switch point: a second thread entering then is not flagged, "
-                   "its forward is lost or merged unflagged and verify says OK")
 def test_another_threads_forward_at_every_switch_point_is_flagged_or_kept_apart(tmp_path):
     model = Net()
     ref = copy.deepcopy(model)

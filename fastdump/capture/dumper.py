@@ -41,6 +41,7 @@ from .. import format as _fmt
 log = logging.getLogger("fastdump")
 
 _open_dumpers: "weakref.WeakSet[Dumper]" = weakref.WeakSet()
+_MIXED_REASON = "forwards of several threads ran at once in this pass (mixed tensors)"
 
 
 def close_all(deadline: float | None = None) -> None:
@@ -235,7 +236,8 @@ class Dumper:
         """Dump a value no module returns (tensors, CuPy/DLPack arrays, tuples/lists/dicts/dataclasses
         of them)."""
         if self._capturing:
-            if self._pass_thread != threading.get_ident():
+            if self._pass_thread != threading.get_ident() and not self._mixed:
+                self._mixed = True
                 self._mark_mixed()  # another thread's pass is open: this value would join it
             self._capture(name, value)
         elif self._depth == 0 and not self._closed and self._engine is not None:
@@ -354,14 +356,20 @@ class Dumper:
 
     # -- passes ----------------------------------------------------------------------------------
     def _begin(self) -> None:
+        # Threads: from the count to the opener's marks below there is no call, hence no point
+        # where another thread can run (with the GIL): a second thread that enters the pass sees
+        # the opener's thread and its mark of mixing sticks (a get_ident() or a reset after the
+        # count let it see the previous pass's thread, or erased its mark).
+        me = threading.get_ident()
         self._depth += 1
         opening = False  # the channel was asked to open the pass: its begin may be in the ring
         try:
             if self._depth > 1:
-                if self._pass_thread != threading.get_ident():
+                if self._pass_thread != me and not self._mixed:
+                    self._mixed = True  # before any call: no thread switch between the check and the mark
                     self._mark_mixed()
                 return
-            self._pass_thread = threading.get_ident()
+            self._pass_thread = me
             self._incomplete, self._mixed = None, False
             self.pass_id += 1
             self._meta, self._next_meta = self._next_meta, {}
@@ -405,26 +413,36 @@ class Dumper:
         self._depth -= 1
         if self._depth > 0:
             return
+        # What this pass is, read before any call: at a call another thread may run and open the
+        # next pass (new id, meta, skips, drop count), and this end must still be this pass's.
+        state = self._state
+        capturing = state.capturing
+        state.capturing = False
+        pass_id, meta, skipped, incomplete, mixed = (self.pass_id, self._meta, self._skipped, self._incomplete,
+                                                     self._mixed)
         self._manual_opener = self._root_opener = None  # (frames: let them go with the pass)
-        if not self._capturing:
+        if not capturing:
             return
-        self._capturing = False
+        if mixed and incomplete is None:
+            incomplete = _MIXED_REASON  # (marked mixed, the reason not set yet: a thread switch between)
+        channel = self._channel
+        dropped = channel.pass_dropped
         self._totals["passes"] += 1
         sent = False  # the pass's end is in the ring (or known lost)
         try:
             if self.max_bytes is not None:  # the budget needs the bytes now; stats() and close() fold anyway
                 self._fold_lane_counts()
             try:
-                meta = _jsonable(self._meta) if self._meta else {}  # (most passes carry none)
+                meta = _jsonable(meta) if meta else {}  # (most passes carry none)
             except Exception as exc:  # a user's object whose str() raises: the pass is kept, its meta said so
                 meta = {"fastdump_meta_error": f"{type(exc).__name__}: {_short(exc)}"}
             if self._graphs is not None and self._graphs.open is not None:
                 self._graphs.end_pass(meta)  # a graph was captured in this pass: its replays become passes
-            if self._incomplete is not None:
+            if incomplete is not None:
                 self._totals["incomplete_passes"] += 1  # the writer records the pass as not complete
-                if self._mixed:
+                if mixed:
                     self._totals["mixed_passes"] += 1  # `fastdump verify` fails on it
-            seq = self._channel.end(self.pass_id, meta, self._skipped, self._incomplete, self._mixed)
+            seq = channel.end(pass_id, meta, skipped, incomplete, mixed, dropped)
             sent = True
             if seq:
                 unconfirmed = self._unconfirmed
@@ -438,28 +456,21 @@ class Dumper:
                 self._disable(self._engine.error())
             else:
                 self._totals["lost_pass_ends"] += 1  # `drop`, ring full: the writer marks the pass incomplete
-                self._channel.note_stall("a pass end", self.pass_id)
+                channel.note_stall("a pass end", pass_id)
         except BaseException as exc:
             if not sent:
-                self._end_interrupted(exc)
+                self._end_interrupted(exc, incomplete)
             raise
 
-    def _end_interrupted(self, exc: BaseException) -> None:
-        """Ctrl-C (or another exception) stopped _end before the pass's end reached the ring (a wait
-        for ring space returns to Python so that Ctrl-C gets through): send the end now without
-        waiting, marked incomplete; when even that finds no room the pass is a lost end, which the
-        writer marks incomplete. Never a pass left open in the ring for good."""
-        reason = f"interrupted as it ended: {type(exc).__name__}"
-        if self._incomplete is None:
-            self._incomplete = reason
+    def _end_interrupted(self, exc: BaseException, incomplete) -> None:
+        """Ctrl-C (or another exception) stopped _end before it knew the pass's end was in the ring
+        (a wait for ring space returns to Python so that Ctrl-C gets through; a C call's return is
+        a point where a signal's exception is raised, too). Sending it again could put a second end
+        behind one already written: a lost pass end, as under `drop` with a full ring, which the
+        writer records as not complete when its segment is written."""
+        if incomplete is None:
             self._totals["incomplete_passes"] += 1
-        channel = self._channel
-        if channel is None or self.status != "running":
-            return
-        msg = protocol.end(channel.id, self.pass_id, {}, channel.pass_dropped, self._skipped,
-                           incomplete=self._incomplete, mixed=self._mixed)
-        if not channel.control(msg, block=False):
-            self._totals["lost_pass_ends"] += 1
+        self._totals["lost_pass_ends"] += 1
 
     def _fold_lane_counts(self) -> None:
         """Tensors and bytes the C++ hot path staged (ChannelStager.stage_tensor) into _totals,
@@ -493,11 +504,10 @@ class Dumper:
             self._incomplete = reason
 
     def _mark_mixed(self) -> None:
-        """A second thread entered the open pass: its tensors and the first thread's are merged."""
-        if self._mixed:
-            return
+        """A second thread entered the open pass: its tensors and the first thread's are merged.
+        The caller sets ``_mixed`` first, without a call in between (see _begin)."""
         self._mixed = True
-        self._mark_incomplete("forwards of several threads ran at once in this pass (mixed tensors)")
+        self._mark_incomplete(_MIXED_REASON)
         self._say_once("threads", "fastdump: %s: forwards from several threads at once on one Dumper: their "
                                   "passes are merged, marked incomplete (mixed) and fail `fastdump verify`; "
                                   "run one forward at a time per Dumper", self.dir)
@@ -519,8 +529,8 @@ class Dumper:
             opener = self._manual_opener
             if opener is not None and not _on_stack(opener[0], caller or sys._getframe(1)):
                 self._close_dangling("the function that called begin_pass() returned without end_pass()")
-            elif (opener is None and self._root_opener is not None and caller is not None
-                  and not _on_stack(self._root_opener, caller)):
+            elif (opener is None and self._root_opener is not None and caller is not None and not self._mixed
+                  and not _on_stack(self._root_opener, caller)):  # (mixed: the count left is another thread's)
                 self._close_dangling("the root forward that opened it returned without ending it "
                                      "(interrupted)", manual=False)
         if self._depth == 0:
