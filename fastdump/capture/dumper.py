@@ -438,6 +438,8 @@ class Dumper:
                 meta = {"fastdump_meta_error": f"{type(exc).__name__}: {_short(exc)}"}
             if self._graphs is not None and self._graphs.open is not None:
                 self._graphs.end_pass(meta)  # a graph was captured in this pass: its replays become passes
+                if incomplete is None:  # (it marks this pass, the capture's, as holding no values)
+                    incomplete = self._incomplete
             if incomplete is not None:
                 self._totals["incomplete_passes"] += 1  # the writer records the pass as not complete
                 if mixed:
