@@ -41,6 +41,7 @@ from .. import format as _fmt
 log = logging.getLogger("fastdump")
 
 _open_dumpers: "weakref.WeakSet[Dumper]" = weakref.WeakSet()
+_MIXED_REASON = "forwards of several threads ran at once in this pass (mixed tensors)"
 
 
 def close_all(deadline: float | None = None) -> None:
@@ -134,6 +135,7 @@ class Dumper:
         self._mixed = False              # forwards of several threads ran in this pass
         self._pass_thread = None         # thread that opened the pass
         self._manual_opener = None       # (frame, instruction) of the begin_pass() that opened it
+        self._root_opener = None         # the root wrapper's frame whose forward opened the pass
         self._said: set = set()          # warnings already logged once
         self._names_lock = threading.Lock()
         self._budget_reached = False
@@ -234,7 +236,8 @@ class Dumper:
         """Dump a value no module returns (tensors, CuPy/DLPack arrays, tuples/lists/dicts/dataclasses
         of them)."""
         if self._capturing:
-            if self._pass_thread != threading.get_ident():
+            if self._pass_thread != threading.get_ident() and not self._mixed:
+                self._mixed = True
                 self._mark_mixed()  # another thread's pass is open: this value would join it
             self._capture(name, value)
         elif self._depth == 0 and not self._closed and self._engine is not None:
@@ -353,30 +356,56 @@ class Dumper:
 
     # -- passes ----------------------------------------------------------------------------------
     def _begin(self) -> None:
+        # Threads: from the count to the opener's marks below there is no call, hence no point
+        # where another thread can run (with the GIL): a second thread that enters the pass sees
+        # the opener's thread and its mark of mixing sticks (a get_ident() or a reset after the
+        # count let it see the previous pass's thread, or erased its mark).
+        me = threading.get_ident()
         self._depth += 1
+        opening = False  # the channel was asked to open the pass: its begin may be in the ring
+        try:
+            if self._depth > 1:
+                if self._pass_thread != me and not self._mixed:
+                    self._mixed = True  # before any call: no thread switch between the check and the mark
+                    self._mark_mixed()
+                return
+            self._pass_thread = me
+            self._incomplete, self._mixed = None, False
+            self.pass_id += 1
+            self._meta, self._next_meta = self._next_meta, {}
+            self._calls.clear()
+            if self._open_calls:
+                self._open_calls.clear()  # (calls that raised: never closed)
+            if self._skipped:
+                self._skipped = {}
+            # (A forked child's copies have no engine: _forget_parent_dumpers, at fork.)
+            if self._closed or self._engine is None or self.status != "running":
+                return
+            if not self._selected(self.pass_id):
+                return
+            if not self._engine.alive_lately:  # a dead writer stops dumping, not serving
+                return self._disable(self._engine.error())
+            opening = True
+            if not self._channel.begin(self.pass_id):
+                return  # `drop` with a full ring: the whole pass is dropped (the channel counts it)
+            self._capturing = True
+        except BaseException as exc:
+            self._begin_interrupted(exc, opening)
+            raise
+
+    def _begin_interrupted(self, exc: BaseException, opening: bool) -> None:
+        """Ctrl-C (KeyboardInterrupt, raised wherever a signal is delivered: a wait for ring space,
+        a call's return) or any other exception stopped _begin after it counted the depth. The
+        caller never gets to its _end, so undo the count here: a pass left open would swallow every
+        later forward, dumping nothing more while verify said OK. A pass this call was opening is
+        ended at once, marked incomplete (its begin may be in the ring already)."""
         if self._depth > 1:
-            if self._pass_thread != threading.get_ident():
-                self._mark_mixed()
+            self._depth -= 1  # a nested begin: the open pass goes on
             return
-        self._pass_thread = threading.get_ident()
-        self._incomplete, self._mixed = None, False
-        self.pass_id += 1
-        self._meta, self._next_meta = self._next_meta, {}
-        self._calls.clear()
-        if self._open_calls:
-            self._open_calls.clear()  # (calls that raised: never closed)
-        if self._skipped:
-            self._skipped = {}
-        # (A forked child's copies have no engine: _forget_parent_dumpers, at fork.)
-        if self._closed or self._engine is None or self.status != "running":
-            return
-        if not self._selected(self.pass_id):
-            return
-        if not self._engine.alive_lately:  # a dead writer stops dumping, not serving
-            return self._disable(self._engine.error())
-        if not self._channel.begin(self.pass_id):
-            return  # `drop` with a full ring: the whole pass is dropped (the channel counts it)
-        self._capturing = True
+        self._mark_incomplete(f"interrupted as it began: {type(exc).__name__}")
+        if opening:
+            self._capturing = True  # so that _end sends the pass's end, whether its begin went in or not
+        self._end()
 
     def _end(self) -> None:
         if self._depth == 0:
@@ -384,37 +413,66 @@ class Dumper:
         self._depth -= 1
         if self._depth > 0:
             return
-        self._manual_opener = None  # (holds a frame: let it go with the pass)
-        if not self._capturing:
+        # What this pass is, read before any call: at a call another thread may run and open the
+        # next pass (new id, meta, skips, drop count), and this end must still be this pass's.
+        state = self._state
+        capturing = state.capturing
+        state.capturing = False
+        pass_id, meta, skipped, incomplete, mixed = (self.pass_id, self._meta, self._skipped, self._incomplete,
+                                                     self._mixed)
+        self._manual_opener = self._root_opener = None  # (frames: let them go with the pass)
+        if not capturing:
             return
-        self._capturing = False
+        if mixed and incomplete is None:
+            incomplete = _MIXED_REASON  # (marked mixed, the reason not set yet: a thread switch between)
+        channel = self._channel
+        dropped = channel.pass_dropped
         self._totals["passes"] += 1
-        if self.max_bytes is not None:  # the budget needs the bytes now; stats() and close() fold anyway
-            self._fold_lane_counts()
+        sent = False  # the pass's end is in the ring (or known lost)
         try:
-            meta = _jsonable(self._meta) if self._meta else {}  # (most passes carry none)
-        except Exception as exc:  # a user's object whose str() raises: the pass is kept, its meta said so
-            meta = {"fastdump_meta_error": f"{type(exc).__name__}: {_short(exc)}"}
-        if self._graphs is not None and self._graphs.open is not None:
-            self._graphs.end_pass(meta)  # a graph was captured in this pass: its replays become passes
-        if self._incomplete is not None:
-            self._totals["incomplete_passes"] += 1  # the writer records the pass as not complete
-            if self._mixed:
-                self._totals["mixed_passes"] += 1  # `fastdump verify` fails on it
-        seq = self._channel.end(self.pass_id, meta, self._skipped, self._incomplete, self._mixed)
-        if seq:
-            unconfirmed = self._unconfirmed
-            unconfirmed.append(seq)
-            if len(unconfirmed) > 64:  # forget what the writer has handled (checked now and then)
-                acked = self._producer.acked_seq
-                while unconfirmed and unconfirmed[0] <= acked:
-                    unconfirmed.popleft()
-            return
-        if not self._engine.alive:
-            self._disable(self._engine.error())
-        else:
-            self._totals["lost_pass_ends"] += 1  # `drop`, ring full: the writer marks the pass incomplete
-            self._channel.note_stall("a pass end", self.pass_id)
+            if self.max_bytes is not None:  # the budget needs the bytes now; stats() and close() fold anyway
+                self._fold_lane_counts()
+            try:
+                meta = _jsonable(meta) if meta else {}  # (most passes carry none)
+            except Exception as exc:  # a user's object whose str() raises: the pass is kept, its meta said so
+                meta = {"fastdump_meta_error": f"{type(exc).__name__}: {_short(exc)}"}
+            if self._graphs is not None and self._graphs.open is not None:
+                self._graphs.end_pass(meta)  # a graph was captured in this pass: its replays become passes
+                if incomplete is None:  # (it marks this pass, the capture's, as holding no values)
+                    incomplete = self._incomplete
+            if incomplete is not None:
+                self._totals["incomplete_passes"] += 1  # the writer records the pass as not complete
+                if mixed:
+                    self._totals["mixed_passes"] += 1  # `fastdump verify` fails on it
+            seq = channel.end(pass_id, meta, skipped, incomplete, mixed, dropped)
+            sent = True
+            if seq:
+                unconfirmed = self._unconfirmed
+                unconfirmed.append(seq)
+                if len(unconfirmed) > 64:  # forget what the writer has handled (checked now and then)
+                    acked = self._producer.acked_seq
+                    while unconfirmed and unconfirmed[0] <= acked:
+                        unconfirmed.popleft()
+                return
+            if not self._engine.alive:
+                self._disable(self._engine.error())
+            else:
+                self._totals["lost_pass_ends"] += 1  # `drop`, ring full: the writer marks the pass incomplete
+                channel.note_stall("a pass end", pass_id)
+        except BaseException as exc:
+            if not sent:
+                self._end_interrupted(exc, incomplete)
+            raise
+
+    def _end_interrupted(self, exc: BaseException, incomplete) -> None:
+        """Ctrl-C (or another exception) stopped _end before it knew the pass's end was in the ring
+        (a wait for ring space returns to Python so that Ctrl-C gets through; a C call's return is
+        a point where a signal's exception is raised, too). Sending it again could put a second end
+        behind one already written: a lost pass end, as under `drop` with a full ring, which the
+        writer records as not complete when its segment is written."""
+        if incomplete is None:
+            self._totals["incomplete_passes"] += 1
+        self._totals["lost_pass_ends"] += 1
 
     def _fold_lane_counts(self) -> None:
         """Tensors and bytes the C++ hot path staged (ChannelStager.stage_tensor) into _totals,
@@ -448,11 +506,10 @@ class Dumper:
             self._incomplete = reason
 
     def _mark_mixed(self) -> None:
-        """A second thread entered the open pass: its tensors and the first thread's are merged."""
-        if self._mixed:
-            return
+        """A second thread entered the open pass: its tensors and the first thread's are merged.
+        The caller sets ``_mixed`` first, without a call in between (see _begin)."""
         self._mixed = True
-        self._mark_incomplete("forwards of several threads ran at once in this pass (mixed tensors)")
+        self._mark_incomplete(_MIXED_REASON)
         self._say_once("threads", "fastdump: %s: forwards from several threads at once on one Dumper: their "
                                   "passes are merged, marked incomplete (mixed) and fail `fastdump verify`; "
                                   "run one forward at a time per Dumper", self.dir)
@@ -462,15 +519,28 @@ class Dumper:
             self._mark_incomplete(f"a forward raised {type(exc).__name__}: {_short(exc)}")
 
     def _root_begin(self) -> None:
-        """A root forward starts: close a dangling manual pass first (see begin_pass)."""
-        opener = self._manual_opener
-        if (opener is not None and self._pass_thread == threading.get_ident()
-                and not _on_stack(opener[0], sys._getframe(1))):
-            self._close_dangling("the function that called begin_pass() returned without end_pass()")
+        """A root forward starts: close a dangling manual pass first (see begin_pass), or a pass
+        an earlier root forward of this thread opened and never ended (a signal's exception,
+        Ctrl-C, delivered on its way to _end: a Python call's first instruction is such a point)."""
+        caller = sys._getframe(1)
+        if caller.f_code is _CALL_CODE:
+            caller = caller.f_back
+        if caller is not None and caller.f_code is not _ROOT_CODE:
+            caller = None  # (compiled: Dynamo's frames; no check)
+        if self._depth > 0 and self._pass_thread == threading.get_ident():
+            opener = self._manual_opener
+            if opener is not None and not _on_stack(opener[0], caller or sys._getframe(1)):
+                self._close_dangling("the function that called begin_pass() returned without end_pass()")
+            elif (opener is None and self._root_opener is not None and caller is not None and not self._mixed
+                  and not _on_stack(self._root_opener, caller)):  # (mixed: the count left is another thread's)
+                self._close_dangling("the root forward that opened it returned without ending it "
+                                     "(interrupted)", manual=False)
+        if self._depth == 0:
+            self._root_opener = caller  # before _begin: no moment where the pass is open unrecorded
         self._begin()
 
-    def _close_dangling(self, why: str) -> None:
-        self._mark_incomplete(f"dangling manual pass: {why}; closed at the next pass")
+    def _close_dangling(self, why: str, manual: bool = True) -> None:
+        self._mark_incomplete(f"dangling {'manual ' if manual else ''}pass: {why}; closed at the next pass")
         self._say_once("dangling", "fastdump: %s: %s; the open pass %d is closed, marked incomplete",
                        self.dir, why, self.pass_id)
         self._depth = 1
@@ -958,11 +1028,17 @@ def _fast_codes() -> dict:
     return codes
 
 
+# The root wrapper's code (see Dumper._root_begin): the frame that opened a pass is one of it.
+_ROOT_CODE = next(c for c in Dumper._root_wrapper.__code__.co_consts
+                  if isinstance(c, types.CodeType) and c.co_name == "forward_in_pass")
 _FAST_CODES = _fast_codes()
 
 
 def _call(fn, *args):
     return fn(*args)
+
+
+_CALL_CODE = _call.__code__
 
 
 if _torch is not None and hasattr(_torch, "_disable_dynamo"):

@@ -80,13 +80,18 @@ class Channel:
         self.lane.begin(pass_id, self.block, self.block_timeout_s)
         return True
 
-    def end(self, pass_id: int, meta: dict, skipped: dict, incomplete: str | None, mixed: bool) -> int:
-        """Close pass ``pass_id`` in the ring (see protocol.end): its seq, 0 when not sent."""
+    def end(self, pass_id: int, meta: dict, skipped: dict, incomplete: str | None, mixed: bool,
+            dropped: int | None = None) -> int:
+        """Close pass ``pass_id`` in the ring (see protocol.end): its seq, 0 when not sent.
+        ``dropped``: the pass's drops as read when it ended (default: ``pass_dropped`` now; another
+        thread's next pass may have reset it since)."""
+        if dropped is None:
+            dropped = self.pass_dropped
         if not meta and not skipped and incomplete is None and not mixed:
-            seq = self.lane.put_plain_end(pass_id, self.pass_dropped)  # the common case, one C call
+            seq = self.lane.put_plain_end(pass_id, dropped)  # the common case, one C call
             if seq:
                 return seq
-        return self.control(protocol.end(self.id, pass_id, meta, self.pass_dropped, skipped,
+        return self.control(protocol.end(self.id, pass_id, meta, dropped, skipped,
                                          incomplete=incomplete, mixed=mixed))
 
     def note_stall(self, what: str, pass_id: int) -> None:
