@@ -25,6 +25,7 @@ Anything else is a ``DumpError`` (a ValueError) naming the file and what is wron
 from __future__ import annotations
 
 import collections
+import functools
 import json
 import math
 import os
@@ -470,8 +471,6 @@ class _Rank:
 def _locked(method):
     """Run a DumpSet method under its lock: threads share its open files (an LRU that closes the
     oldest) and its cached indexes, so one thread must not close a file another is reading."""
-    import functools
-
     @functools.wraps(method)
     def wrapper(self, *args, **kwargs):
         with self._lock:
@@ -622,15 +621,16 @@ class DumpSet:
         no checksums and are returned unchecked). ``session``: see ``sessions``.
         """
         result: dict = {}
-        segments = self._segments_of_pass(role, rank, pass_id, session)
-        taken = set(self.pass_names(role, rank, pass_id, session=session))  # a renamed duplicate avoids them all
-        for segment in segments:
+        taken = None  # the pass's real names, which a renamed duplicate avoids: read only if one occurs
+        for segment in self._segments_of_pass(role, rank, pass_id, session):
             h5file = self._file(segment.path)
             for position in segment.rows_of_pass(pass_id).tolist():
                 name = segment.names[int(segment.index["name"][position])]
                 if select is not None and not select(name):
                     continue
                 if name in result:  # the capture layer makes names unique per pass; never lose one
+                    if taken is None:
+                        taken = set(self.pass_names(role, rank, pass_id, session=session))
                     name = self._unique(result, name, taken)
                 result[name] = self._read_row(segment, h5file, position, check)
         return result

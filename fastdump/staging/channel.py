@@ -81,12 +81,10 @@ class Channel:
         return True
 
     def end(self, pass_id: int, meta: dict, skipped: dict, incomplete: str | None, mixed: bool,
-            dropped: int | None = None) -> int:
+            dropped: int) -> int:
         """Close pass ``pass_id`` in the ring (see protocol.end): its seq, 0 when not sent.
-        ``dropped``: the pass's drops as read when it ended (default: ``pass_dropped`` now; another
-        thread's next pass may have reset it since)."""
-        if dropped is None:
-            dropped = self.pass_dropped
+        ``dropped``: the pass's drops (``pass_dropped``) as read when it ended: another thread's
+        next pass may have reset the counter since."""
         if not meta and not skipped and incomplete is None and not mixed:
             seq = self.lane.put_plain_end(pass_id, dropped)  # the common case, one C call
             if seq:
