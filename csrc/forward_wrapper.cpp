@@ -46,7 +46,7 @@ PyObject* s_capture_inputs;  // Dumper._capture_inputs(name, args, kwargs)
 PyObject* s_capture_failed;  // Dumper._capture_failed(name, value, exc)
 PyObject* s_emit_safely;     // Dumper._emit_safely(name, value)
 PyObject* s_use_python;      // Dumper._use_python_wrappers(): torch.compile is tracing the model
-PyObject* s_mark_mixed;      // Dumper._mark_mixed(): a call from another thread joined the open pass
+PyObject* s_check_thread;    // Dumper._check_thread(): a call from another thread joined the open pass
 PyObject* s_one;             // 1, the call count of a first call
 
 // One Dumper's state shared by its wrappers. `capturing` is THE flag (Dumper._capturing reads and
@@ -57,7 +57,6 @@ struct CaptureState {
   int probed;  // this pass's first capturing call asked whether torch.compile is tracing
   uint64_t serial;  // passes begun (capturing turned on): a call that outlives its pass is numbered again
   unsigned long pass_thread;  // the thread that turned capturing on (opened the pass)
-  int foreign_seen;  // this pass already told the Dumper about a call from another thread
   PyObject* dumper;
   PyObject* calls;        // dict: name -> calls this pass (Dumper._calls, cleared per pass)
   PyObject* name_ids;     // dict: name -> id (Dumper._name_ids; ids never change)
@@ -131,7 +130,6 @@ PyObject* state_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
   s->capturing = 0;
   s->serial = 0;
   s->pass_thread = 0;
-  s->foreign_seen = 0;
   s->dumper = Py_NewRef(dumper);
   s->calls = Py_NewRef(calls);
   s->name_ids = Py_NewRef(name_ids);
@@ -155,7 +153,6 @@ int state_set_capturing(CaptureState* s, PyObject* value, void*) {
   if (on) s->pass_thread = PyThread_get_thread_ident();
   s->capturing = on;
   s->probed = 0;
-  s->foreign_seen = 0;
   return 0;
 }
 
@@ -375,10 +372,10 @@ Py_ssize_t claim_call(CaptureState* st, PyObject* name) {
   // A module shared with another model (an EAGLE draft's embedding) or called from a worker thread
   // runs here while this Dumper's pass is open on another thread: its tensors join the pass, which
   // is then marked mixed (verify fails) rather than silently holding another forward's values.
-  if (!st->foreign_seen && PyThread_get_thread_ident() != st->pass_thread) {
-    st->foreign_seen = 1;
+  // (The Dumper marks a pass mixed once; calls after that cost it an attribute test.)
+  if (PyThread_get_thread_ident() != st->pass_thread) {
     PyObject* argv[] = {st->dumper};
-    PyObject* r = call_method(st, s_mark_mixed, argv, 1);
+    PyObject* r = call_method(st, s_check_thread, argv, 1);
     if (r == nullptr && absorb_error(st, name, Py_None) < 0) return -2;
     Py_XDECREF(r);
   }
@@ -644,10 +641,10 @@ void bind_forward_wrapper(py::module_& m) {
   s_capture_failed = PyUnicode_InternFromString("_capture_failed");
   s_emit_safely = PyUnicode_InternFromString("_emit_safely");
   s_use_python = PyUnicode_InternFromString("_use_python_wrappers");
-  s_mark_mixed = PyUnicode_InternFromString("_mark_mixed");
+  s_check_thread = PyUnicode_InternFromString("_check_thread");
   s_one = PyLong_FromLong(1);
   s_forward = PyUnicode_InternFromString("forward");
-  if (!s_forward || !s_stage || !s_fast_status || !s_capture || !s_capture_inputs || !s_capture_failed || !s_emit_safely || !s_use_python || !s_mark_mixed || !s_one)
+  if (!s_forward || !s_stage || !s_fast_status || !s_capture || !s_capture_inputs || !s_capture_failed || !s_emit_safely || !s_use_python || !s_check_thread || !s_one)
     throw py::error_already_set();
 
   PyTypeObject& st = CaptureStateType;

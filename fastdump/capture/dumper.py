@@ -236,9 +236,7 @@ class Dumper:
         """Dump a value no module returns (tensors, CuPy/DLPack arrays, tuples/lists/dicts/dataclasses
         of them)."""
         if self._capturing:
-            if self._pass_thread != threading.get_ident() and not self._mixed:
-                self._mixed = True
-                self._mark_mixed()  # another thread's pass is open: this value would join it
+            self._check_thread()  # another thread's pass is open: this value would join it
             self._capture(name, value)
         elif self._depth == 0 and not self._closed and self._engine is not None:
             # Outside any pass: a pass of its own, so the value is never silently lost.
@@ -505,6 +503,12 @@ class Dumper:
         if self._incomplete is None:
             self._incomplete = reason
 
+    def _check_thread(self) -> None:
+        """Inside the open pass: a calling thread other than the one that opened it marks it mixed."""
+        if self._pass_thread != threading.get_ident() and not self._mixed:
+            self._mixed = True  # (set before the call, as _begin does)
+            self._mark_mixed()
+
     def _mark_mixed(self) -> None:
         """A second thread entered the open pass: its tensors and the first thread's are merged.
         The caller sets ``_mixed`` first, without a call in between (see _begin)."""
@@ -556,8 +560,7 @@ class Dumper:
         """The number (``#k``) of a call of ``name`` that starts now in this pass. Calls are numbered
         in the order they start, so that a call's inputs, its hooks' values and its output share one
         number even when the module calls itself (an inner call starts later and returns first)."""
-        if self._pass_thread != threading.get_ident():  # as the C wrapper's claim_call: see there
-            self._mark_mixed()
+        self._check_thread()  # as the C wrapper's claim_call: see there
         k = self._calls.get(name, 0)
         self._calls[name] = k + 1
         return k
