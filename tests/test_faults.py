@@ -104,6 +104,28 @@ def test_writer_killed_serving_goes_on_and_the_error_is_recorded(tmp_path, caplo
     assert any("producer_error.json" in text for text in problems), problems
 
 
+def test_attach_after_the_writer_died_starts_a_new_writer(tmp_path, caplog):
+    # The draft's Dumper still holds the engine whose writer was killed; a new attach (the target
+    # re-attached, say) must not get that dead engine, whose Dumpers can only record an error.
+    draft, target = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+    old = fastdump.attach(draft, tmp_path / "a", role="draft")
+    with torch.inference_mode():
+        draft(torch.ones(1, 8))
+        os.kill(old._engine._proc.pid, signal.SIGKILL)
+        old._engine._proc.wait()
+        new = fastdump.attach(target, tmp_path / "b")
+        assert new._engine is not old._engine and new.status == "running"
+        x = torch.arange(8.0).reshape(1, 8)
+        want = target(x)
+        draft(x)  # the old Dumper goes on failing on its own, serving untouched
+    assert "writer has stopped" in caplog.text
+    assert new.close()["status"] == "closed"
+    assert old.close()["status"] == "error"
+    assert not verify_dump(str(tmp_path / "b")).problems
+    assert torch.equal(fastdump.open(tmp_path / "b").load("target", 0, 0)["Linear"], want)
+    assert verify_dump(str(tmp_path / "a")).problems
+
+
 def test_writer_alive_gets_the_reason_as_a_note_and_no_producer_file(tmp_path, monkeypatch):
     """CUDA staging failing (or any stop with a live writer): the note reaches the writer, which
     writes rank.json; the serving process writes no file of its own."""

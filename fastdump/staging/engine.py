@@ -347,10 +347,15 @@ class Engine:
     def acquire(cls, options: EngineOptions) -> "Engine":
         """The process's engine, started with ``options`` if none runs. The first attach decides the
         engine-wide settings; a later one that asks for others gets a warning naming each, and the
-        running engine's."""
+        running engine's. An engine whose writer has died (killed, crashed) is not handed out again:
+        its Dumpers have stopped (and say why); a new attach gets a new engine and writer, and the
+        old one shuts down when its last Dumper lets go of it."""
         with cls._lock:
             eng = cls._current
-            if eng is None or eng.closed or eng.pid != os.getpid():
+            if eng is None or eng.closed or eng.pid != os.getpid() or not eng.alive:
+                if eng is not None and not eng.closed and eng.pid == os.getpid():
+                    log.warning("fastdump: the staging engine's writer has stopped (%s); starting a new one "
+                                "for this attach", eng.error())
                 eng = cls(options)
                 cls._current = eng
             else:
