@@ -118,10 +118,10 @@ def _passes(ds, role, rank, modules, names, shift, top):
 
 def _layout(ds, role_subdirs):
     roles = list(ds.roles)
-    unlisted = [p for p in ds.problems if "cannot list" in p]
-    if unlisted:  # its ranks would be missing from the export without a word
-        from .reader import DumpError
+    from .reader import DumpError, Problem
 
+    unlisted = [p for p in ds.problems if p.kind == Problem.UNLISTABLE]
+    if unlisted:  # its ranks would be missing from the export without a word
         raise DumpError("not exported: " + "; ".join(unlisted))
     split = len(roles) > 1 if role_subdirs is None else role_subdirs
     if len(roles) > 1 and not split:  # roles of one process share rank directory names
@@ -233,11 +233,11 @@ def _warn_unnamed(names, modules, role, rank):
 def _passes_of(ds, role, rank) -> list:
     """The rank's pass ids; a DumpError when a segment could not be read (its passes would be
     missing from the export without a word)."""
-    from .reader import DumpError
+    from .reader import DumpError, Problem
 
     passes = ds.passes(role, rank)
     if ds.summary(role, rank)["unreadable_segments"]:
-        unreadable = [p for p in ds.problems if "unreadable segment" in p]
+        unreadable = [p for p in ds.problems if p.kind == Problem.UNREADABLE_SEGMENT]
         raise DumpError(f"{role}/{rank}: unreadable segment(s), not exported: " + "; ".join(unreadable))
     return passes
 

@@ -47,6 +47,24 @@ class DumpError(ValueError):
     """A file of the dump is damaged or crafted: its path and what is wrong are in the message."""
 
 
+class Problem(str):
+    """One entry of ``DumpSet.problems``: its text ("path: what is wrong"), with the ``path`` it is
+    about and its ``kind``, so that a tool can act on a kind without matching the text:
+    ``UNLISTABLE`` (a directory that cannot be listed: what it holds is missing),
+    ``UNREADABLE_SEGMENT`` (a segment skipped whole), ``BAD_FILE`` (a JSON file of the dump),
+    ``BAD_PASS_META`` (a segment's pass metadata, ignored: its tensors read)."""
+
+    UNLISTABLE, UNREADABLE_SEGMENT, BAD_FILE, BAD_PASS_META = ("unlistable", "unreadable segment", "bad file",
+                                                               "bad pass meta")
+    path: str
+    kind: str
+
+    def __new__(cls, path: str, kind: str, what: str):
+        problem = super().__new__(cls, f"{path}: {what}")
+        problem.path, problem.kind = path, kind
+        return problem
+
+
 # How the writer stores datasets: in the file itself, contiguous (or compact, HDF5's choice for
 # tiny ones). External storage, virtual datasets and filters could make a read touch other files
 # or allocate far more than the file holds.
@@ -267,8 +285,8 @@ class SegmentIndex:
     def _parse_pass_meta(self, texts) -> list:
         empty = {"meta": {}, "skipped": []}
         if len(texts) != len(self.passes):
-            self.problems.append(f"{self.path}: {len(texts)} pass_meta entries for {len(self.passes)} passes; "
-                                 "pass metadata ignored")
+            self.problems.append(Problem(self.path, Problem.BAD_PASS_META, f"{len(texts)} pass_meta entries for "
+                                         f"{len(self.passes)} passes; pass metadata ignored"))
             return [dict(empty) for _ in range(len(self.passes))]
         parsed = []
         for position, text in enumerate(texts):
@@ -280,8 +298,9 @@ class SegmentIndex:
                 parsed.append({**entry, "meta": entry.get("meta") or {},  # other keys: incomplete, mixed
                                "skipped": [s for s in entry.get("skipped") or [] if isinstance(s, dict)]})
             except (ValueError, TypeError, RecursionError) as exc:
-                self.problems.append(f"{self.path}: pass_meta of pass {int(self.passes['pass'][position])} "
-                                     f"unreadable ({exc}); its metadata is ignored")
+                self.problems.append(Problem(self.path, Problem.BAD_PASS_META,
+                                             f"pass_meta of pass {int(self.passes['pass'][position])} "
+                                             f"unreadable ({exc}); its metadata is ignored"))
                 parsed.append(dict(empty))
         return parsed
 
@@ -394,10 +413,10 @@ class _Rank:
         except FileNotFoundError:
             info = {}
         except (OSError, ValueError) as exc:
-            self.dumpset._problem(f"{path}: {exc}")
+            self.dumpset._problem(Problem(path, Problem.BAD_FILE, str(exc)))
             info = {}
         if not isinstance(info, dict):
-            self.dumpset._problem(f"{path}: not a JSON object ({type(info).__name__})")
+            self.dumpset._problem(Problem(path, Problem.BAD_FILE, f"not a JSON object ({type(info).__name__})"))
             info = {}
         return fmt.merge_producer_error(info, self.producer_error)
 
@@ -411,7 +430,7 @@ class _Rank:
         except FileNotFoundError:
             return None
         except (OSError, ValueError) as exc:
-            self.dumpset._problem(f"{path}: {exc}")
+            self.dumpset._problem(Problem(path, Problem.BAD_FILE, str(exc)))
             return {"status": "error", "error": f"unreadable {fmt.PRODUCER_ERROR_FILE}: {exc}"}
         return record if isinstance(record, dict) else {"status": "error", "error": f"{record!r:.80}"}
 
@@ -441,7 +460,8 @@ class _Rank:
                     detail = str(exc) if isinstance(exc, DumpError) else f"{type(exc).__name__}: {exc}"
                     detail = detail[len(path) + 2:] if detail.startswith(path + ": ") else detail
                     self.unreadable.append(path)
-                    self.dumpset._problem(f"{path}: unreadable segment ({detail}); skipped", warn=True)
+                    self.dumpset._problem(Problem(path, Problem.UNREADABLE_SEGMENT,
+                                                  f"unreadable segment ({detail}); skipped"), warn=True)
                     continue
                 for text in segment.problems:
                     self.dumpset._problem(text, warn=True)
@@ -495,7 +515,7 @@ class DumpSet:
         self.root = os.path.abspath(os.fspath(root))
         if not os.path.isdir(self.root):
             raise FileNotFoundError(f"no dump directory at {self.root}")
-        self.problems: list = []  # unreadable files met so far (path: reason)
+        self.problems: list = []  # Problems met so far: unreadable files and directories
         self._files: collections.OrderedDict = collections.OrderedDict()  # path -> open h5py.File (LRU)
         self._ranks: dict = {}  # (role, rank dir) -> _Rank
         self._lock_pid, self._lock_obj = os.getpid(), threading.RLock()
@@ -512,10 +532,10 @@ class DumpSet:
         except FileNotFoundError:
             return {}
         except (OSError, ValueError) as exc:
-            self._problem(f"{path}: {exc}")
+            self._problem(Problem(path, Problem.BAD_FILE, str(exc)))
             return {}
         if not isinstance(manifest, dict):
-            self._problem(f"{path}: not a JSON object ({type(manifest).__name__})")
+            self._problem(Problem(path, Problem.BAD_FILE, f"not a JSON object ({type(manifest).__name__})"))
             return {}
         return manifest
 
@@ -704,7 +724,7 @@ class DumpSet:
 
     # ---------------------------------------------------------------- internals
 
-    def _problem(self, text: str, warn: bool = False) -> None:
+    def _problem(self, text: Problem, warn: bool = False) -> None:
         if text not in self.problems:
             self.problems.append(text)
             if warn:
@@ -733,7 +753,7 @@ class DumpSet:
         try:
             return os.listdir(path)
         except OSError as exc:
-            self._problem(f"{path}: cannot list ({exc.strerror or exc}); skipped", warn=True)
+            self._problem(Problem(path, Problem.UNLISTABLE, f"cannot list ({exc.strerror or exc}); skipped"), warn=True)
             return []
 
     def _role(self, role):
@@ -788,7 +808,7 @@ class DumpSet:
         if not segments:
             if entry.unreadable:  # the pass may be in a segment that could not be read
                 raise DumpError(f"no pass {pass_id} in the readable segments of {entry.path}; unreadable: "
-                                + "; ".join(p for p in self.problems if p.startswith(entry.path)))
+                                + "; ".join(p for p in self.problems if p.path.startswith(entry.path)))
             raise KeyError(f"no pass {pass_id}")
         return segments
 

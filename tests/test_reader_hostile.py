@@ -24,6 +24,7 @@ import torch
 import fastdump
 from fastdump import format as fmt
 from fastdump import reader
+from fastdump.reader import Problem
 from fastdump.cli.main import main as cli_main_entry
 
 from conftest import write_rank_dir
@@ -315,6 +316,8 @@ def test_unreadable_rank_directory_in_process(dump, monkeypatch):
         assert ds.roles == ["target"]
         assert same(ds.load("target", 0, 1)["a"], tensors_of(1)["a"])
         assert any(bad in p for p in ds.problems)
+        # (each problem carries its path and kind: export refuses on the kind, not on the text)
+        assert [(p.path, p.kind) for p in ds.problems] == [(bad, Problem.UNLISTABLE)]
 
 
 # ----------------------------------------------------------------------- almost-matching names
@@ -646,6 +649,9 @@ def test_export_of_a_dump_with_an_unreadable_segment_fails(dump, tmp_path, capsy
     with pytest.warns(UserWarning, match="unreadable segment"):
         code, out, err = cli("export", "--names", "fastdump", dump, tmp_path / "out", capsys=capsys)
     assert code != 0 and "seg-000001.h5" in err and "Traceback" not in err
+    with pytest.warns(UserWarning, match="unreadable segment"), fastdump.open(dump) as ds:
+        ds.passes("target", 1)
+        assert [(p.path, p.kind) for p in ds.problems] == [(str(seg), Problem.UNREADABLE_SEGMENT)]
 
 
 def test_export_reads_several_roots_as_one_dump(tmp_path):
