@@ -140,7 +140,10 @@ struct ChannelStager {
     return producer->put_control(channel, message.data(), message.size(), /*block=*/false, 0);
   }
 
+  // Also ends the CUDA lane's pass first: its last snapshots get their event and go to the drain now,
+  // not when the drain's hold timer finds the batch.
   uint64_t put_plain_end(int64_t pass, uint64_t dropped) {
+    if (cuda) cuda->end_pass();
     if (!has_templates) return 0;
     message.assign(end_text[0]).append(std::to_string(pass)).append(end_text[1]);
     message.append(std::to_string(dropped)).append(end_text[2]);
@@ -538,7 +541,7 @@ PYBIND11_MODULE(_C, m) {
       .def(
           "take_counts",
           [](ChannelStager& s) {
-            if (s.cuda) s.cuda->end_pass();  // called at every pass end: the pass's last snapshots go
+            if (s.cuda) s.cuda->end_pass();  // (put_plain_end and end_pass do it at a pass's end)
             auto out = py::make_tuple(s.staged_tensors, s.staged_bytes);
             s.staged_tensors = s.staged_bytes = 0;
             return out;
@@ -556,7 +559,8 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("has_cuda", [](ChannelStager& s) { return static_cast<bool>(s.cuda); })
       .def(
           "end_pass", [](ChannelStager& s) { if (s.cuda) s.cuda->end_pass(); },
-          "the CUDA lane's pass ended (take_counts does it too)")
+          "the CUDA lane's pass ended: its last snapshots get their event and go to the drain (put_plain_end "
+          "and take_counts do it too)")
       .def_property_readonly_static("NOT_FAST", [](py::object) { return ChannelStager::kNotFast; })
       .def(
           "begin",
@@ -581,7 +585,8 @@ PYBIND11_MODULE(_C, m) {
           "put pass_id's plain begin record without waiting and, once it is in, take the pass's settings "
           "(begin): its seq, or 0 (nothing done: no templates, no room now, or disabled)")
       .def("put_plain_end", &ChannelStager::put_plain_end, py::arg("pass_id"), py::arg("dropped"),
-           "put pass_id's plain end record (no meta, nothing skipped) without waiting: its seq, or 0")
+           "end the CUDA lane's pass (end_pass) and put pass_id's plain end record (no meta, nothing "
+           "skipped) without waiting: its seq, or 0")
       .def("set_pass_templates", &ChannelStager::set_pass_templates, py::arg("begin"), py::arg("end"),
            py::arg("pass_mark"), py::arg("dropped_mark"),
            "the plain begin/end messages open_pass and put_plain_end put (protocol.plain_pass_templates)")

@@ -439,6 +439,40 @@ def test_dumper_stages_cuda_tensors_through_the_cpp_entry(m, glue, tmp_path, mon
     assert stats["tensors"] == 3 * len(cases)
 
 
+@pytest.mark.parametrize("plain_end", [True, False])
+def test_the_dumpers_pass_end_hands_the_lanes_last_batch_to_the_drain(m, glue, tmp_path, monkeypatch, plain_end):
+    """A pass's end seals its CUDA lane's open batch (fewer snapshots than events_every): its records
+    are published at once, not after the drain's hold timer (set to a minute here), whether the
+    end record is the plain one (put in C++) or carries metadata (the general path)."""
+    monkeypatch.setenv("FASTDUMP_CUDA_HOLD_MS", "60000")
+    from fastdump.staging import cuda
+
+    cases = {"a": torch.arange(12, dtype=torch.float32), "b": torch.arange(6, dtype=torch.int16)}
+    fakes_ = {k: fake_cuda(m, v) for k, v in cases.items()}
+    d = _attach(tmp_path, writer="thread", device="cuda:0")
+    try:
+        for p in range(2):
+            d.begin_pass()
+            if not plain_end:
+                d.set_pass_meta(step=p)
+            for name, t in fakes_.items():
+                d.dump(name, t)
+            d.end_pass()
+            st = cuda.status()["stagers"][-1]
+            want = (p + 1) * len(cases)
+            deadline = time.monotonic() + 10
+            while st["published"] < want and time.monotonic() < deadline:
+                time.sleep(0.01)
+                st = cuda.status()["stagers"][-1]
+            assert st["published"] == want and st["timer_seals"] == 0, st
+    finally:
+        d.close()
+    for p in range(2):
+        got = _load(tmp_path, pass_id=p)
+        for k, v in cases.items():
+            assert same_bits(torch.as_tensor(got[k]) if not isinstance(got[k], torch.Tensor) else got[k], v), (p, k)
+
+
 def test_a_cuda_tensor_whose_storage_was_freed_is_skipped_not_copied(m, glue, tmp_path):
     """A CUDA tensor with elements and a null data pointer (its storage freed under it): a copy would
     fault on the device or, through the synchronous fallback, on the host. It is skipped with the

@@ -86,9 +86,11 @@ class Channel:
         ``dropped``: the pass's drops (``pass_dropped``) as read when it ended: another thread's
         next pass may have reset the counter since."""
         if not meta and not skipped and incomplete is None and not mixed:
-            seq = self.lane.put_plain_end(pass_id, dropped)  # the common case, one C call
-            if seq:
+            seq = self.lane.put_plain_end(pass_id, dropped)  # the common case, one C call (it ends the
+            if seq:                                           # CUDA lane's pass too)
                 return seq
+        else:
+            self.lane.end_pass()  # the CUDA lane's last batch goes to the drain now, not at its hold timer
         return self.control(protocol.end(self.id, pass_id, meta, dropped, skipped,
                                          incomplete=incomplete, mixed=mixed))
 
