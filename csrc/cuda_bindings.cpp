@@ -191,17 +191,21 @@ class StagerTensorLane : public CudaTensorLane {
       stream_obj_ = std::move(obj);
       raw_ = stream;
     }
-    src_.ptr = ptr;
-    src_.elem_size = elem_size;
-    src_.shape.assign(shape.begin(), shape.end());  // capacity kept: no allocation once warm
-    src_.strides.assign(strides.begin(), strides.end());
-    src_.device = static_cast<int>(device);
-    src_.stream = stream;
-    src_.producer_stream = 0;
+    // This thread's own source and stream object: once the GIL is released (a wait for space),
+    // another thread may stage through this lane and refill the lane's members.
+    thread_local CudaSource src;
+    src.ptr = ptr;
+    src.elem_size = elem_size;
+    src.shape.assign(shape.begin(), shape.end());  // capacity kept: no allocation once warm
+    src.strides.assign(strides.begin(), strides.end());
+    src.device = static_cast<int>(device);
+    src.stream = stream;
+    src.producer_stream = 0;
+    const py::object stream_obj = stream_obj_;
     int st;
     try {
       GilRelease gil;  // released only if the stager has to wait
-      st = stager_->stage_lean(lane_, channel, name_id, pass_id, code, src_, block, &gil, timeout_s);
+      st = stager_->stage_lean(lane_, channel, name_id, pass_id, code, src, block, &gil, timeout_s);
     } catch (const std::exception& ex) {
       // Nothing of the tensor was staged: the general path stages it again and handles the error.
       // A device ring that cannot be had stays so: stop asking (the general path records why).
@@ -213,7 +217,7 @@ class StagerTensorLane : public CudaTensorLane {
       // The caching allocator must not hand the block out again before the snapshot on this
       // stream has read it (the tensor may come from another stream). Memory torch does not own
       // refuses: nothing to protect then.
-      PyObject* r = PyObject_CallMethodOneArg(tensor, s_record_stream, stream_obj_.ptr());
+      PyObject* r = PyObject_CallMethodOneArg(tensor, s_record_stream, stream_obj.ptr());
       if (r) Py_DECREF(r);
       else PyErr_Clear();
     }
@@ -236,7 +240,6 @@ class StagerTensorLane : public CudaTensorLane {
   long device_ = -1;
   uintptr_t raw_ = 0;
   bool off_ = false;
-  CudaSource src_;
 };
 
 #ifdef FASTDUMP_CUDA_MOCK

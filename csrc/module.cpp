@@ -29,7 +29,21 @@ constexpr const char* kNoData =
 constexpr const char* kStorageShort =
     "its storage holds no data or ends before its last element (freed or resized under it): not read";
 
-// Stages `src` (GIL held by the caller; released around long copies and waits).
+// `src` copied into this thread's own scratch, for use while the GIL is released: `src` may be a
+// ChannelStager's scratch, which another thread staging through the same channel then refills
+// (a mixed pass: the copy under way read the other tensor's shape and strides, looped or read
+// past its own tensor). No allocation once warm.
+const HostSource& own_source(const HostSource& src) {
+  thread_local HostSource mine{};
+  mine.ptr = src.ptr;
+  mine.elem_size = src.elem_size;
+  mine.shape.assign(src.shape.begin(), src.shape.end());
+  mine.strides.assign(src.strides.begin(), src.strides.end());
+  return mine;
+}
+
+// Stages `src` (GIL held by the caller; released around long copies and waits, which read this
+// thread's own copy of `src`).
 int stage_source(Producer& p, uint32_t channel, uint32_t name_id, int64_t pass_id, uint16_t dtype,
                  const HostSource& src, bool block, double timeout_s) {
   if (src.shape.size() != src.strides.size()) throw std::invalid_argument("shape and strides differ in length");
@@ -41,12 +55,14 @@ int stage_source(Producer& p, uint32_t channel, uint32_t name_id, int64_t pass_i
     st = p.stage_host(channel, name_id, pass_id, dtype, src, /*block=*/false);
     if (st == kNoSpace && block) {
       // Waiting for the writer: a thread writer needs the GIL to make progress.
+      const HostSource& mine = own_source(src);
       py::gil_scoped_release nogil;
-      st = p.stage_host(channel, name_id, pass_id, dtype, src, true, timeout_s);
+      st = p.stage_host(channel, name_id, pass_id, dtype, mine, true, timeout_s);
     }
   } else {
+    const HostSource& mine = own_source(src);
     py::gil_scoped_release nogil;
-    st = p.stage_host(channel, name_id, pass_id, dtype, src, block, timeout_s);
+    st = p.stage_host(channel, name_id, pass_id, dtype, mine, block, timeout_s);
   }
   if (st == kNoSpace || st == kTimedOut) {  // dropped whole; TIMED_OUT tells the caller it waited
     p.count_dropped(1);
@@ -197,6 +213,7 @@ struct ChannelStager {
     src.shape.assign(facts.sizes, facts.sizes + n);  // src's vectors: no allocation once warm
     src.strides.assign(facts.strides, facts.strides + n);
     const auto ptr = reinterpret_cast<uintptr_t>(facts.data);
+    const uint64_t nbytes = bytes_of(src.shape, itemsize);  // (src is refilled if another thread stages meanwhile)
     int status;
     if (facts.device == kReaderCpu) {
       src.ptr = static_cast<const uint8_t*>(facts.data);
@@ -206,7 +223,7 @@ struct ChannelStager {
       if (!cuda) return kNotFast;
       status = cuda->stage(channel, name_id, pass_id, block, timeout_s, t, code, itemsize, src.shape, src.strides, ptr);
     }
-    count_staged(status, itemsize);
+    count_staged(status, nbytes);
     return status;
   }
 
@@ -222,10 +239,14 @@ struct ChannelStager {
     scalar_codes_epoch = g_reader_epoch;
   }
 
-  void count_staged(int status, uint64_t itemsize) {
-    if (status != kStaged) return;
+  static uint64_t bytes_of(const std::vector<int64_t>& shape, uint64_t itemsize) {
     uint64_t nbytes = itemsize;
-    for (int64_t d : src.shape) nbytes *= static_cast<uint64_t>(d);
+    for (int64_t d : shape) nbytes *= static_cast<uint64_t>(d);
+    return nbytes;
+  }
+
+  void count_staged(int status, uint64_t nbytes) {
+    if (status != kStaged) return;
     staged_tensors++;
     staged_bytes += nbytes;
   }
@@ -269,17 +290,20 @@ struct ChannelStager {
     if (!shape || !strides || !ptr) throw py::error_already_set();
     auto code = py::cast<uint16_t>(PyTuple_GET_ITEM(fast, 0));
     auto itemsize = py::cast<uint64_t>(PyTuple_GET_ITEM(fast, 1));
+    read_dims(shape, &src.shape);  // src's vectors as scratch: no allocation once warm
+    read_dims(strides, &src.strides);
+    const auto data = py::cast<uintptr_t>(ptr);
+    const uint64_t nbytes = bytes_of(src.shape, itemsize);  // (src is refilled if another thread stages meanwhile)
     int st;
     if (on_cpu) {
-      st = stage(name_id, code, itemsize, shape, strides, py::cast<uintptr_t>(ptr));
+      src.ptr = reinterpret_cast<const uint8_t*>(data);
+      src.elem_size = itemsize;
+      st = stage_source(*producer, channel, name_id, pass_id, code, src, block, timeout_s);
     } else {
-      read_dims(shape, &src.shape);  // src's vectors as scratch: no allocation once warm
-      read_dims(strides, &src.strides);
-      const auto data = py::cast<uintptr_t>(ptr);
       if (data == 0 && !has_no_elements(src.shape)) throw std::invalid_argument(kNoData);
       st = cuda->stage(channel, name_id, pass_id, block, timeout_s, t, code, itemsize, src.shape, src.strides, data);
     }
-    count_staged(st, itemsize);
+    count_staged(st, nbytes);
     return st;
   }
 };
@@ -402,6 +426,25 @@ void* fastdump::channel_stager_ptr(py::handle lane) { return py::cast<ChannelSta
 
 int fastdump::stage_tensor_on(void* lane, uint32_t name_id, py::handle tensor) {
   return static_cast<ChannelStager*>(lane)->stage_tensor(name_id, tensor);
+}
+
+bool fastdump::lane_writer_seen_alive(void* lane, double max_age_s) {
+  return static_cast<ChannelStager*>(lane)->producer->writer_seen_alive(max_age_s);
+}
+
+uint64_t fastdump::lane_open_pass(void* lane, int64_t pass_id, bool block, double timeout_s) {
+  auto* s = static_cast<ChannelStager*>(lane);
+  const uint64_t seq = s->put_plain_begin(pass_id);
+  if (seq != 0) {
+    s->pass_id = pass_id;
+    s->block = block;
+    s->timeout_s = timeout_s;
+  }
+  return seq;
+}
+
+uint64_t fastdump::lane_put_plain_end(void* lane, int64_t pass_id, uint64_t dropped) {
+  return static_cast<ChannelStager*>(lane)->put_plain_end(pass_id, dropped);
 }
 
 PYBIND11_MODULE(_C, m) {
@@ -573,13 +616,7 @@ PYBIND11_MODULE(_C, m) {
       .def(
           "open_pass",
           [](ChannelStager& s, int64_t pass_id, bool block, double timeout_s) {
-            const uint64_t seq = s.put_plain_begin(pass_id);
-            if (seq != 0) {
-              s.pass_id = pass_id;
-              s.block = block;
-              s.timeout_s = timeout_s;
-            }
-            return seq;
+            return lane_open_pass(&s, pass_id, block, timeout_s);
           },
           py::arg("pass_id"), py::arg("block"), py::arg("timeout_s"),
           "put pass_id's plain begin record without waiting and, once it is in, take the pass's settings "

@@ -12,6 +12,7 @@ second takes the hot path alone (the C forward wrapper and ``stage_tensor``), an
 import collections
 import contextlib
 import dataclasses
+import threading
 import warnings
 
 import numpy as np
@@ -676,3 +677,38 @@ def test_tensors_larger_than_the_ring_are_dumped_whole_under_block_and_skipped_u
             assert "strided" not in dumped and "expanded" not in dumped
             assert "do not fit in the ring" in skipped["strided"] and "do not fit in the ring" in skipped["expanded"]
     assert not verify(tmp_path).problems
+
+
+# -- two threads staging through one channel at once ----------------------------------------------
+
+def test_two_threads_staging_large_strided_tensors_through_one_dumper_keep_each_tensors_bytes(tmp_path):
+    """A copy of 64 KiB or more runs with the GIL released; another thread staging through the same
+    Dumper meanwhile used to refill the channel's scratch shape and strides under it: the copy read
+    the other tensor's layout (looping for minutes, or past its own tensor). The pass is mixed, and
+    says so; each tensor in it must still be one of the two, whole, under its own name."""
+    d = fastdump.attach(None, tmp_path)
+    a = torch.arange(1024 * 256, dtype=torch.float32).reshape(1024, 256).t()  # [256, 1024], 1 MiB, strided
+    b = -torch.arange(64 * 8192, dtype=torch.float32).reshape(64, 8192)[:, ::2]  # [64, 4096], strided
+    want = {"a": a.contiguous(), "b": b.contiguous()}
+    go = threading.Barrier(2)
+
+    def stage(name):
+        go.wait()
+        for _ in range(40):
+            d.dump(name, a if name == "a" else b)
+
+    d.begin_pass()
+    threads = [threading.Thread(target=stage, args=(name,)) for name in "ab"]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads), "a copy never finished"
+    d.end_pass()
+    stats = d.close()
+    assert stats["tensors"] == 80 and stats["dropped"] == 0
+    ds = fastdump.open(tmp_path)
+    got = ds.load("target", 0, 0, check=True)
+    assert len(got) == 80
+    for name, t in got.items():
+        assert same_bits(t, want[name[0]]), name
