@@ -68,6 +68,7 @@ struct CaptureState {
   // (torch._disable_dynamo) instead. Both None without torch.
   PyObject* dynamo_probe;
   PyObject* dynamo_outside;
+  double liveness_s;  // root_pass: the writer seen alive this recently (engine.LIVENESS_POLL_S)
 };
 
 struct ForwardWrapper {
@@ -137,6 +138,7 @@ PyObject* state_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
   s->lane = Py_NewRef(Py_None);
   s->lane_ptr = nullptr;
   s->dynamo_probe = s->dynamo_outside = nullptr;
+  s->liveness_s = 0.02;
   return reinterpret_cast<PyObject*>(s);
 }
 
@@ -199,7 +201,22 @@ int state_set_dynamo(CaptureState* s, PyObject* value, void*) {
   return 0;
 }
 
+PyObject* state_get_liveness(CaptureState* s, void*) { return PyFloat_FromDouble(s->liveness_s); }
+
+int state_set_liveness(CaptureState* s, PyObject* value, void*) {
+  const double v = value ? PyFloat_AsDouble(value) : -1.0;
+  if (v == -1.0 && PyErr_Occurred()) return -1;
+  if (!(v >= 0)) {
+    PyErr_SetString(PyExc_ValueError, "liveness_s must be a number of seconds >= 0");
+    return -1;
+  }
+  s->liveness_s = v;
+  return 0;
+}
+
 PyGetSetDef state_getset[] = {
+    {"liveness_s", reinterpret_cast<getter>(state_get_liveness), reinterpret_cast<setter>(state_set_liveness),
+     "root_pass opens a pass itself only when the writer was seen alive this recently (seconds)", nullptr},
     {"dynamo", reinterpret_cast<getter>(state_get_dynamo), reinterpret_cast<setter>(state_set_dynamo),
      "(probe, outside): how Python fallbacks stay outside a torch.compile trace, or None", nullptr},
     {"capturing", reinterpret_cast<getter>(state_get_capturing), reinterpret_cast<setter>(state_set_capturing),
@@ -526,6 +543,298 @@ PyObject* wrapper_vectorcall(PyObject* self, PyObject* const* args, size_t nargs
   return capture_call(w, args, nargsf, kwnames);
 }
 
+// -- CaptureState.root_pass: a root forward's pass, begin and end in C ---------------------------------
+//
+// Issue 11: a root forward's pass begin and end in Python (Dumper._root_begin, _begin, Channel.begin,
+// the engine's liveness property, _end, Channel.end: a dozen frames, properties and pybind calls) cost
+// a small model's decode loop 40-110 us a pass, nearly all of it cache and TLB misses: the model's
+// kernels evict everything between two passes (benchmarks/RESULTS.md 0l). root_pass does the
+// common case in one C call: a pass with no metadata, skips, budget, pass selection, stall or graph
+// capture, opened and closed with the lane's plain records. Each side first reads the Dumper's
+// attributes and changes nothing unless its record went into the ring; then it sets them as the
+// Python methods do, with no Python code in between (no other thread or signal can get in). Every
+// other case runs the Python methods, unchanged.
+
+// The pending exception as one object (normalized, with its traceback); nullptr when none.
+PyObject* fetch_exception() {
+#if PY_VERSION_HEX >= 0x030C0000
+  return PyErr_GetRaisedException();
+#else
+  PyObject *type, *exc, *tb;
+  PyErr_Fetch(&type, &exc, &tb);
+  PyErr_NormalizeException(&type, &exc, &tb);
+  if (tb != nullptr && exc != nullptr) PyException_SetTraceback(exc, tb);
+  Py_XDECREF(type);
+  Py_XDECREF(tb);
+  return exc;
+#endif
+}
+
+// Raises `exc` again (the reference is stolen).
+void restore_exception(PyObject* exc) {
+  if (exc == nullptr) return;
+#if PY_VERSION_HEX >= 0x030C0000
+  PyErr_SetRaisedException(exc);
+#else
+  PyErr_Restore(Py_NewRef(reinterpret_cast<PyObject*>(Py_TYPE(exc))), exc, PyException_GetTraceback(exc));
+#endif
+}
+
+// A handler raised while `exc` (owned) was being handled: as in Python, its exception replaces
+// exc, which becomes its __context__.
+PyObject* replace_exception(PyObject* exc) {
+  PyObject* now = fetch_exception();
+  if (now == nullptr) return exc;
+  if (exc != nullptr && exc != now) {
+    PyException_SetContext(now, exc);  // steals exc
+  } else {
+    Py_XDECREF(exc);
+  }
+  return now;
+}
+
+struct PassNames {
+  PyObject *depth, *closed, *engine, *status, *running, *next_meta, *meta, *open_calls, *skipped, *skip_passes,
+      *every, *pass_range, *max_bytes, *channel, *block, *policy_block, *stalled, *block_timeout_s, *pass_dropped,
+      *pass_thread, *incomplete, *mixed, *pass_id, *root_opener, *manual_opener, *graphs, *open, *totals, *passes,
+      *unconfirmed, *append, *root_begin, *end, *forward_raised, *trim_unconfirmed, *channel_engine, *zero;
+};
+PassNames n;
+
+bool init_pass_names() {
+  struct { PyObject** slot; const char* text; } names[] = {
+      {&n.depth, "_depth"}, {&n.closed, "_closed"}, {&n.engine, "_engine"}, {&n.status, "status"},
+      {&n.running, "running"}, {&n.next_meta, "_next_meta"}, {&n.meta, "_meta"}, {&n.open_calls, "_open_calls"},
+      {&n.skipped, "_skipped"}, {&n.skip_passes, "skip_passes"}, {&n.every, "every"}, {&n.pass_range, "pass_range"},
+      {&n.max_bytes, "max_bytes"}, {&n.channel, "_channel"}, {&n.block, "block"}, {&n.policy_block, "policy_block"},
+      {&n.stalled, "stalled"}, {&n.block_timeout_s, "block_timeout_s"}, {&n.pass_dropped, "pass_dropped"},
+      {&n.pass_thread, "_pass_thread"}, {&n.incomplete, "_incomplete"}, {&n.mixed, "_mixed"},
+      {&n.pass_id, "pass_id"}, {&n.root_opener, "_root_opener"}, {&n.manual_opener, "_manual_opener"},
+      {&n.graphs, "_graphs"}, {&n.open, "open"}, {&n.totals, "_totals"}, {&n.passes, "passes"},
+      {&n.unconfirmed, "_unconfirmed"}, {&n.append, "append"}, {&n.root_begin, "_root_begin"}, {&n.end, "_end"},
+      {&n.forward_raised, "_forward_raised"}, {&n.trim_unconfirmed, "_trim_unconfirmed"},
+      {&n.channel_engine, "engine"}};
+  for (auto& name : names) {
+    *name.slot = PyUnicode_InternFromString(name.text);
+    if (*name.slot == nullptr) return false;
+  }
+  n.zero = PyLong_FromLong(0);
+  return n.zero != nullptr;
+}
+
+// An owned reference, released at scope exit.
+struct Ref {
+  PyObject* p;
+  explicit Ref(PyObject* o) : p(o) {}
+  ~Ref() { Py_XDECREF(p); }
+  Ref(const Ref&) = delete;
+  Ref& operator=(const Ref&) = delete;
+};
+
+// obj.name as a new reference; nullptr, with no error left set, when it cannot be read (then the
+// fast path does not apply and the Python method meets the same attribute).
+PyObject* read(PyObject* obj, PyObject* name) {
+  PyObject* v = PyObject_GetAttr(obj, name);
+  if (v == nullptr) PyErr_Clear();
+  return v;
+}
+
+bool int_of(PyObject* v, long long* out) {
+  if (v == nullptr || !PyLong_CheckExact(v)) return false;
+  int overflow = 0;
+  *out = PyLong_AsLongLongAndOverflow(v, &overflow);
+  if (*out == -1 && PyErr_Occurred()) {
+    PyErr_Clear();
+    return false;
+  }
+  return overflow == 0;
+}
+
+bool is_int(PyObject* v, long long want) {
+  long long x;
+  return int_of(v, &x) && x == want;
+}
+
+bool empty_dict(PyObject* v) { return v != nullptr && PyDict_CheckExact(v) && PyDict_GET_SIZE(v) == 0; }
+
+// state.capturing = True, as its setter does it.
+void start_capturing(CaptureState* st) {
+  if (!st->capturing) st->serial++;
+  st->pass_thread = PyThread_get_thread_ident();
+  st->capturing = 1;
+  st->probed = 0;
+}
+
+// 1: this call opened the pass (its plain begin record is in the ring); 0: not a plain pass, or no
+// room for its record now, and nothing was changed: the caller runs Dumper._root_begin; -1: setting
+// the Dumper's attributes failed (a MemoryError), which propagates.
+int root_begin_fast(CaptureState* st) {
+  if (st->capturing || st->lane_ptr == nullptr) return 0;
+  PyObject* d = st->dumper;
+  Ref depth(read(d, n.depth)), closed(read(d, n.closed)), engine(read(d, n.engine)), status(read(d, n.status));
+  if (!is_int(depth.p, 0) || closed.p != Py_False || engine.p == nullptr || engine.p == Py_None ||
+      status.p == nullptr || !PyUnicode_CheckExact(status.p) || PyUnicode_Compare(status.p, n.running) != 0)
+    return 0;
+  Ref next_meta(read(d, n.next_meta)), open_calls(read(d, n.open_calls)), skipped(read(d, n.skipped));
+  if (!empty_dict(next_meta.p) || open_calls.p == nullptr || !PyList_CheckExact(open_calls.p) ||
+      PyList_GET_SIZE(open_calls.p) != 0 || !empty_dict(skipped.p))
+    return 0;
+  Ref skip(read(d, n.skip_passes)), every(read(d, n.every)), range(read(d, n.pass_range)), budget(read(d, n.max_bytes));
+  if (!is_int(skip.p, 0) || !is_int(every.p, 1) || range.p != Py_None || budget.p != Py_None) return 0;
+  Ref channel(read(d, n.channel));
+  if (channel.p == nullptr || channel.p == Py_None) return 0;
+  Ref block(read(channel.p, n.block)), policy(read(channel.p, n.policy_block)), timeout(read(channel.p, n.block_timeout_s));
+  if ((block.p != Py_True && block.p != Py_False) || block.p != policy.p || timeout.p == nullptr) return 0;
+  if (policy.p == Py_True) {  // (a stalled writer: Channel.begin decides whether to block again)
+    Ref channel_engine(read(channel.p, n.channel_engine));
+    Ref stalled(channel_engine.p ? read(channel_engine.p, n.stalled) : nullptr);
+    if (stalled.p != Py_False) return 0;
+  }
+  const double timeout_s = PyFloat_AsDouble(timeout.p);
+  if (timeout_s == -1.0 && PyErr_Occurred()) {
+    PyErr_Clear();
+    return 0;
+  }
+  Ref pass_id(read(d, n.pass_id));
+  long long previous;
+  if (!int_of(pass_id.p, &previous) || previous == LLONG_MAX) return 0;
+  const long long next = previous + 1;
+  try {  // C++ only from here to the record: the writer seen alive lately, then the plain begin
+    if (!lane_writer_seen_alive(st->lane_ptr, st->liveness_s)) return 0;  // Python disables the Dumper
+    if (lane_open_pass(st->lane_ptr, next, block.p == Py_True, timeout_s) == 0) return 0;
+  } catch (const std::exception&) {
+    return 0;
+  }
+  // The pass is open in the ring. The attributes _root_begin, _begin and Channel.begin set, in
+  // their order; what they replace is released at the end (a __del__ could let another thread in).
+  PyObject* frame = reinterpret_cast<PyObject*>(PyEval_GetFrame());  // borrowed: forward_in_pass's
+  Ref old_opener(read(d, n.root_opener)), old_meta(read(d, n.meta));
+  Ref me(PyLong_FromUnsignedLong(PyThread_get_thread_ident())), next_id(PyLong_FromLongLong(next)),
+      fresh(PyDict_New());
+  if (me.p == nullptr || next_id.p == nullptr || fresh.p == nullptr) return -1;
+  if (PyObject_SetAttr(d, n.root_opener, frame ? frame : Py_None) < 0 || PyObject_SetAttr(d, n.depth, s_one) < 0 ||
+      PyObject_SetAttr(d, n.pass_thread, me.p) < 0 || PyObject_SetAttr(d, n.incomplete, Py_None) < 0 ||
+      PyObject_SetAttr(d, n.mixed, Py_False) < 0 || PyObject_SetAttr(d, n.pass_id, next_id.p) < 0 ||
+      PyObject_SetAttr(d, n.meta, next_meta.p) < 0 || PyObject_SetAttr(d, n.next_meta, fresh.p) < 0)
+    return -1;
+  PyDict_Clear(st->calls);
+  if (PyObject_SetAttr(channel.p, n.pass_dropped, n.zero) < 0) return -1;
+  start_capturing(st);
+  return 1;
+}
+
+// 1: this call ended the pass (its plain end record is in the ring); 0: not a plain end, or no room
+// for its record now, and nothing was changed: the caller runs Dumper._end; -1: an error propagates
+// (the pass has ended).
+int root_end_fast(CaptureState* st) {
+  if (!st->capturing || st->lane_ptr == nullptr) return 0;
+  PyObject* d = st->dumper;
+  Ref depth(read(d, n.depth)), incomplete(read(d, n.incomplete)), mixed(read(d, n.mixed)), meta(read(d, n.meta)),
+      skipped(read(d, n.skipped)), budget(read(d, n.max_bytes)), graphs(read(d, n.graphs));
+  if (!is_int(depth.p, 1) || incomplete.p != Py_None || mixed.p != Py_False || !empty_dict(meta.p) ||
+      !empty_dict(skipped.p) || budget.p != Py_None || graphs.p == nullptr)
+    return 0;
+  if (graphs.p != Py_None) {  // a graph captured in this pass: GraphRecording.end_pass (Python)
+    Ref open(read(graphs.p, n.open));
+    if (open.p != Py_None) return 0;
+  }
+  Ref channel(read(d, n.channel)), pass_id(read(d, n.pass_id)), totals(read(d, n.totals)),
+      unconfirmed(read(d, n.unconfirmed));
+  Ref dropped(channel.p && channel.p != Py_None ? read(channel.p, n.pass_dropped) : nullptr);
+  long long pass, drops, passes;
+  if (!int_of(pass_id.p, &pass) || !int_of(dropped.p, &drops) || drops < 0 || totals.p == nullptr ||
+      !PyDict_CheckExact(totals.p) || unconfirmed.p == nullptr)
+    return 0;
+  PyObject* counted = PyDict_GetItemWithError(totals.p, n.passes);  // borrowed
+  if (!int_of(counted, &passes) || passes == LLONG_MAX) {
+    PyErr_Clear();
+    return 0;
+  }
+  uint64_t seq;
+  try {  // C++ only: the CUDA lane's pass ends, then the plain end record
+    seq = lane_put_plain_end(st->lane_ptr, pass, static_cast<uint64_t>(drops));
+  } catch (const std::exception&) {
+    return 0;
+  }
+  if (seq == 0) return 0;
+  // The end is in the ring: what _end sets.
+  st->capturing = 0;
+  st->probed = 0;
+  Ref old_opener(read(d, n.root_opener));
+  Ref count(PyLong_FromLongLong(passes + 1)), seq_obj(PyLong_FromUnsignedLongLong(seq));
+  if (count.p == nullptr || seq_obj.p == nullptr) return -1;
+  if (PyObject_SetAttr(d, n.depth, n.zero) < 0 || PyObject_SetAttr(d, n.manual_opener, Py_None) < 0 ||
+      PyObject_SetAttr(d, n.root_opener, Py_None) < 0 || PyDict_SetItem(totals.p, n.passes, count.p) < 0)
+    return -1;
+  Ref appended(PyObject_CallMethodOneArg(unconfirmed.p, n.append, seq_obj.p));  // (a deque: C)
+  if (appended.p == nullptr) return -1;
+  const Py_ssize_t waiting = PyObject_Length(unconfirmed.p);
+  if (waiting < 0) return -1;
+  if (waiting > 64) {  // forget what the writer has handled (Dumper._trim_unconfirmed, now and then)
+    PyObject* argv[] = {d};
+    Ref r(call_method(st, n.trim_unconfirmed, argv, 1));
+    if (r.p == nullptr) return -1;
+  }
+  return 1;
+}
+
+// state.root_pass(inner, args, kwargs): the root wrapper's pass around inner(*args, **kwargs) (the
+// root's ForwardWrapper), for forward_in_pass when torch.compile is not tracing: begin, the forward,
+// end, as its Python code does them, the plain case in C and every other through the Dumper's methods.
+PyObject* state_root_pass(CaptureState* st, PyObject* const* argv, Py_ssize_t nargs) {
+  if (nargs != 3 || !PyTuple_Check(argv[1]) || (argv[2] != Py_None && !PyDict_Check(argv[2]))) {
+    PyErr_SetString(PyExc_TypeError, "root_pass(inner, args: tuple, kwargs: dict | None)");
+    return nullptr;
+  }
+  if (st->dumper == nullptr) {
+    PyErr_SetString(PyExc_RuntimeError, "fastdump CaptureState used after it was cleared");
+    return nullptr;
+  }
+  Py_INCREF(st);  // the forward may drop the Dumper (and its state) for good
+  PyObject* d = Py_NewRef(st->dumper);
+  PyObject* out = nullptr;
+  PyObject* self_arg[] = {d, nullptr};
+  const int began = root_begin_fast(st);
+  if (began == 0) {
+    PyObject* r = call_method(st, n.root_begin, self_arg, 1);
+    if (r == nullptr) goto done;  // (nothing to end: as forward_in_pass, whose begin is before its try)
+    Py_DECREF(r);
+  } else if (began < 0) {
+    goto done;
+  }
+  {
+    PyObject* kwargs = argv[2] != Py_None && PyDict_GET_SIZE(argv[2]) ? argv[2] : nullptr;
+    out = PyObject_Call(argv[0], argv[1], kwargs);
+  }
+  if (out == nullptr) {  // forward_in_pass's `except BaseException: _forward_raised(exc)` and `finally: _end()`
+    PyObject* exc = fetch_exception();
+    self_arg[1] = exc;
+    PyObject* r = call_method(st, n.forward_raised, self_arg, 2);
+    if (r == nullptr) exc = replace_exception(exc);
+    Py_XDECREF(r);
+    r = call_method(st, n.end, self_arg, 1);
+    if (r == nullptr) exc = replace_exception(exc);
+    Py_XDECREF(r);
+    restore_exception(exc);
+    goto done;
+  }
+  {
+    const int ended = root_end_fast(st);
+    PyObject* r = ended == 0 ? call_method(st, n.end, self_arg, 1) : nullptr;
+    if (ended < 0 || (ended == 0 && r == nullptr)) Py_CLEAR(out);
+    Py_XDECREF(r);
+  }
+done:
+  Py_DECREF(d);
+  Py_DECREF(st);
+  return out;
+}
+
+PyMethodDef state_methods[] = {
+    {"root_pass", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(state_root_pass)), METH_FASTCALL,
+     "root_pass(inner, args, kwargs): the root wrapper's pass around inner(*args, **kwargs)"},
+    {nullptr, nullptr, 0, nullptr}};
+
 // -- ForwardWrapper: the type -------------------------------------------------------------------------------
 
 #pragma GCC diagnostic push
@@ -644,7 +953,7 @@ void bind_forward_wrapper(py::module_& m) {
   s_check_thread = PyUnicode_InternFromString("_check_thread");
   s_one = PyLong_FromLong(1);
   s_forward = PyUnicode_InternFromString("forward");
-  if (!s_forward || !s_stage || !s_fast_status || !s_capture || !s_capture_inputs || !s_capture_failed || !s_emit_safely || !s_use_python || !s_check_thread || !s_one)
+  if (!s_forward || !s_stage || !s_fast_status || !s_capture || !s_capture_inputs || !s_capture_failed || !s_emit_safely || !s_use_python || !s_check_thread || !s_one || !init_pass_names())
     throw py::error_already_set();
 
   PyTypeObject& st = CaptureStateType;
@@ -657,6 +966,7 @@ void bind_forward_wrapper(py::module_& m) {
   st.tp_traverse = reinterpret_cast<traverseproc>(state_traverse);
   st.tp_clear = reinterpret_cast<inquiry>(state_clear);
   st.tp_getset = state_getset;
+  st.tp_methods = state_methods;
   if (PyType_Ready(&st) < 0) throw py::error_already_set();
 
   PyTypeObject& wt = ForwardWrapperType;

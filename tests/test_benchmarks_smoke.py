@@ -337,12 +337,13 @@ def test_paired_step_bench_dumps_every_other_step_whole(tmp_path):
 @pytest.mark.skipif(not FASTDUMP_AVAILABLE, reason="fastdump is not importable")
 def test_pass_bench_times_the_root_wrapper_of_whole_passes(tmp_path):
     result_json = tmp_path / "pass.json"
-    stdout = run_script("pass_bench.py", "--steps", "20", "--json", str(result_json))
-    assert "root wrapper" in stdout
+    stdout = run_script("pass_bench.py", "--steps", "20", "--rounds", "1", "--json", str(result_json))
+    assert "root wrapper" in stdout and "C / Python per pass" in stdout
     result = json.loads(result_json.read_text())
     # the script exits non-zero unless every step was a whole dumped pass, nothing dropped
     assert result["tensors_per_pass"] == 95 and result["steps"] == 20
-    assert 0 < result["begin_per_pass_s"] < result["root_wrapper_per_pass_s"] < 0.05
+    assert 0 < result["begin_per_pass_s"] < result["python_per_pass_s"] < 0.05
+    assert 0 < result["c_per_pass_s"] < 0.05 and result["runs"]["c"][0]["begin_per_pass_s"] is None
 
 
 @pytest.mark.skipif(not FASTDUMP_AVAILABLE, reason="fastdump is not importable")

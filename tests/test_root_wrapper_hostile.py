@@ -45,12 +45,16 @@ def skipped_of(ds, pass_id, role="target") -> dict:
     return {s["name"]: s["reason"] for s in ds.meta(role, 0, pass_id)["skipped"]}
 
 
-@pytest.fixture(params=["native", "python"])
+@pytest.fixture(params=["native", "native-python-pass", "python"])
 def kind(request, monkeypatch):
-    """The root (and leaf) wrappers in C++ (the common case) or in Python (torch.compile's path)."""
+    """The root (and leaf) wrappers in C++ (the common case: the root's pass begins and ends in C,
+    CaptureState.root_pass), the same with the pass begun and ended in Python (Dumper._root_begin,
+    _end: every pass that is not plain), or all in Python (torch.compile's path)."""
     if request.param == "python":
         monkeypatch.setattr(dumper_mod, "_native_wrappers", False)
-    return request.param
+    if request.param == "native-python-pass":
+        monkeypatch.setattr(dumper_mod, "_native_root_pass", False)
+    return request.param.split("-")[0]
 
 
 def root_kind(model, kind, root_selected=True):

@@ -126,6 +126,7 @@ class Dumper:
         # What the C++ forward wrappers share: the _capturing flag, _calls, _name_ids, the C++ lane.
         self._state = _C.CaptureState(self, self._calls, self._name_ids, _TensorType)
         self._state.dynamo = _DYNAMO  # under torch.compile its Python calls stay outside the graph
+        self._state.liveness_s = _engine.LIVENESS_POLL_S  # (its root_pass checks the writer as _begin does)
         self._capturing = False          # inside a selected pass: the wrappers' only hot check
         self._depth = 0                  # nested begin_pass / root calls
         self._meta: dict = {}
@@ -445,12 +446,9 @@ class Dumper:
             seq = channel.end(pass_id, meta, skipped, incomplete, mixed, dropped)
             sent = True
             if seq:
-                unconfirmed = self._unconfirmed
-                unconfirmed.append(seq)
-                if len(unconfirmed) > 64:  # forget what the writer has handled (checked now and then)
-                    acked = self._producer.acked_seq
-                    while unconfirmed and unconfirmed[0] <= acked:
-                        unconfirmed.popleft()
+                self._unconfirmed.append(seq)
+                if len(self._unconfirmed) > 64:
+                    self._trim_unconfirmed()
                 return
             if not self._engine.alive:
                 self._disable(self._engine.error())
@@ -461,6 +459,12 @@ class Dumper:
             if not sent:
                 self._end_interrupted(exc, incomplete)
             raise
+
+    def _trim_unconfirmed(self) -> None:
+        """Forget the pass ends the writer has handled (checked now and then, not at every pass)."""
+        unconfirmed, acked = self._unconfirmed, self._producer.acked_seq
+        while unconfirmed and unconfirmed[0] <= acked:
+            unconfirmed.popleft()
 
     def _end_interrupted(self, exc: BaseException, incomplete) -> None:
         """Ctrl-C (or another exception) stopped _end before it knew the pass's end was in the ring
@@ -949,6 +953,9 @@ class Dumper:
         native = None
         if name is not None and _NativeWrapper is not None and _native_wrappers and not self._python_wrappers:
             native = _NativeWrapper(self._state, name, original, self.inputs, owner)
+        # The pass's begin and end around it in C too, in the common case (CaptureState.root_pass:
+        # ~40-110 us a pass in Python in the micro decode loop, mostly cache misses; RESULTS.md 0l).
+        root_pass = self._state.root_pass if native is not None and _native_root_pass else None
 
         @_wraps(original)
         def forward_in_pass(*args, **kwargs):
@@ -957,6 +964,8 @@ class Dumper:
             if _is_exporting():  # torch.export traces a graph from fake tensors: nothing to dump, no pass
                 return forward(*args, **kwargs)
             outside = _outside_graph if _is_compiling() else _call  # once per pass: cheap
+            if root_pass is not None and outside is _call and not dumper._python_wrappers:
+                return root_pass(native, args, kwargs)  # this function's pass, as below (C)
             if outside is not _call and not dumper._python_wrappers:
                 outside(dumper._use_python_wrappers)  # before Dynamo meets the C++ wrappers
             outside(dumper._root_begin)
@@ -1003,6 +1012,7 @@ _STAGED = _C.STAGED
 _NOT_FAST = _C.ChannelStager.NOT_FAST  # ChannelStager.stage_tensor: take the general path
 _NativeWrapper = getattr(_C, "ForwardWrapper", None)  # csrc/forward_wrapper.cpp
 _native_wrappers = True  # False: every selected module gets the Python wrapper (tests of both)
+_native_root_pass = True  # False: a root forward's pass begins and ends in Python (tests of both)
 
 try:  # torch is a dependency of every model we dump; import it once, here
     import torch as _torch
