@@ -12,8 +12,9 @@ import torch
 from torch import nn
 
 import fastdump
-from test_cuda import (GLOBAL, THREAD_LOCAL, FakeCudaTensor, device_buffer, fake_cuda, glue, m,  # noqa: F401
+from test_cuda import (GLOBAL, RELAXED, THREAD_LOCAL, FakeCudaTensor, device_buffer, fake_cuda, glue, m,  # noqa: F401
                        mock, same_bits)
+from test_cuda_lean import _capture_on_another_thread
 from test_graphs import GRAPH_BASE, Stream, rand_input, release
 
 
@@ -217,3 +218,44 @@ def test_record_mode_through_the_c_wrappers(m, native, tmp_path, monkeypatch, mo
     assert stats["status"] == "closed" and stats["graph_replays"] == 4 and stats["tensors"] == n == 7 * 3
     assert stats["passes"] == 4 + 4 and stats["incomplete_passes"] == 1 and stats["dropped_passes"] == 0
 
+
+def test_close_with_a_lean_batch_held_by_a_capture(m, native, tmp_path, monkeypatch):
+    """A pass on the legacy stream ends while another thread captures a blocking stream: its lean
+    batch is held (an event on the legacy stream would join that capture). close() with the
+    capture still running must not wait for the writer behind those records for its whole
+    timeout (and then stop the writer with passes unwritten): the held records become padding,
+    counted as dropped, the earlier pass is on disk, and the counts match the disk."""
+    from fastdump.staging import cuda
+
+    monkeypatch.setenv("FASTDUMP_CUDA_HOLD_MS", "60000")
+    monkeypatch.setattr(cuda, "_current_stream", Stream(0))  # torch's default: the legacy stream
+    blocking = m._mock.stream_create_flags(0)
+    cpu = [torch.arange(10, dtype=torch.float32) + i for i in range(4)]
+    fakes = [fake_cuda(m, t) for t in cpu]
+    d = _attach_model(None, tmp_path)
+    d.begin_pass()
+    d.dump("a", fakes[0])
+    d.dump("b", fakes[1])
+    d.end_pass()
+    m._mock.sync(0)
+    end = None
+    try:
+        d.begin_pass()
+        d.dump("a", fakes[2])
+        d.dump("b", fakes[3])
+        end = _capture_on_another_thread(m, blocking, RELAXED)
+        d.end_pass()  # the batch is held: the capture is still open
+        t0 = time.monotonic()
+        stats = d.close(timeout=20)
+        took = time.monotonic() - t0
+    finally:
+        if end is not None:
+            err, graph = end()
+            assert err == 0, m._mock.error_name(err)  # the other thread's capture stayed valid
+            m._mock.graph_destroy(graph)
+        m._mock.stream_destroy(blocking)
+    assert took < 10, took
+    assert stats["status"] == "closed", stats
+    assert _check_passes(tmp_path, {0: {"a": cpu[0], "b": cpu[1]}, 1: {}}) == stats["tensors"] == 2
+    assert stats["dropped"] == 2
+    assert _stager_stats()["cancelled"] == 2
