@@ -259,3 +259,46 @@ def test_close_with_a_lean_batch_held_by_a_capture(m, native, tmp_path, monkeypa
     assert _check_passes(tmp_path, {0: {"a": cpu[0], "b": cpu[1]}, 1: {}}) == stats["tensors"] == 2
     assert stats["dropped"] == 2
     assert _stager_stats()["cancelled"] == 2
+
+
+def test_byte_budget_with_cuda_tensors_through_the_c_wrappers(m, native, tmp_path):
+    """max_bytes with CUDA tensors staged in C: the lane's counts are folded at each pass end (the
+    budget's check at the next begin needs them), so dumping stops after the pass that reached
+    the budget; what is on disk is what stats() counts."""
+    net = Net(m)
+    per_pass = 4 * 8 * 4 + 3 * 5 * 2 + 3 * 5 * 4 + 16 * 4 + 2 * 3 * 2 + 5 * 8
+    d = _attach_model(net, tmp_path, max_bytes=2 * per_pass + 1)
+    for step in range(5):
+        net(step)
+    stats = d.close()
+    assert stats["passes"] == 3 and stats["bytes"] == 3 * per_pass
+    assert _check_passes(tmp_path, {p: net.expected[p] for p in range(3)}) == stats["tensors"] == 18
+    assert fastdump.open(tmp_path).passes("target", 0) == [0, 1, 2]
+
+
+def test_target_and_draft_share_the_cuda_stager_through_the_c_wrappers(m, native, tmp_path):
+    """An EAGLE pair: two Dumpers, one engine and CUDA stager, one lane each, passes interleaved;
+    the target closes while the draft's pass is open and the draft goes on: each role holds its
+    own values, bit for bit, and the shared stager published every tensor."""
+    target, draft = Net(m), Net(m)
+    t = _attach_model(target, tmp_path, role="target")
+    dr = _attach_model(draft, tmp_path, role="draft")
+    for step in range(3):
+        target(step)
+        draft(10 + step)
+    draft.a(50)  # outside a pass: nothing
+    dr.begin_pass()
+    draft.a(60)
+    ts = t.close()
+    draft.c(61)
+    dr.end_pass()
+    draft(70)
+    ds_ = dr.close()
+    assert ts["tensors"] == 18 and _check_passes(tmp_path, dict(enumerate(target.expected))) == 18
+    want = dict(enumerate(draft.expected[:3]))
+    want[3] = {"a": (torch.arange(32, dtype=torch.int64).reshape(4, 8) + 60000).to(torch.float32),
+               "c": (torch.arange(16, dtype=torch.int64) * 3 + 61000).to(torch.int32)}
+    want[4] = draft.expected[3]
+    assert _check_passes(tmp_path, want, role="draft") == ds_["tensors"] == 18 + 2 + 6
+    st = _stager_stats()
+    assert st["published"] == st["lean_tensors"] == 18 + 26 and st["cancelled"] == 0
