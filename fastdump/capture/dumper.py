@@ -314,6 +314,11 @@ class Dumper:
             if self._engine.alive and self.status == "running":
                 self._engine.flush_cuda(left())
                 self._fold_lane_counts()
+                # Records a capture holds are padding now (never written): dropped, not staged.
+                held = self._engine.close_cuda_if_last(left())
+                if held > 0:
+                    self._totals["tensors"] -= held
+                    self._totals["dropped"] += held
                 ok = self._channel.control(protocol.close(self._channel.id, self._totals), wait=True,
                                            timeout=left())
                 if ok and self._engine.alive:  # the final segment write itself can fail (disk full)

@@ -309,6 +309,20 @@ class Engine:
                 cuda.release_read()  # sources held for snapshots that have now completed
                 return ok
 
+    def close_cuda_if_last(self, timeout: float) -> int:
+        """The engine's last Dumper is closing: close the CUDA stager now, before that Dumper sends
+        its ``close`` and waits for the writer's ack. A lean batch held open by a CUDA-graph capture
+        (another thread's, on a blocking stream, while the batch is on the legacy stream) can never
+        be sealed; the stager's close turns its records into padding. Left to shutdown(), which
+        runs after the ack, the writer waited at those records and the close its whole timeout.
+        Returns the records so cancelled (0 when other Dumpers still use the engine)."""
+        stager = self._cuda_stager
+        if stager is None or self.refs > 1:
+            return 0
+        before = stager.stats().get("cancelled", 0)
+        stager.close(timeout)
+        return stager.stats().get("cancelled", 0) - before
+
     def shutdown(self, timeout: float = 600.0) -> None:
         """Drain and stop the writer within ``timeout`` seconds in all, then kill it."""
         if self.closed:
