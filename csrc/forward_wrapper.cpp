@@ -260,13 +260,10 @@ PyObject* call_method(CaptureState* st, PyObject* method, PyObject** argv, size_
   return PyObject_VectorcallMethod(method, argv, n | PY_VECTORCALL_ARGUMENTS_OFFSET, nullptr);
 }
 
-// The pending exception (an Exception, not KeyboardInterrupt & co., which propagate as from the
-// Python wrapper) goes to Dumper._capture_failed(name, value, exc): recorded as a skip, never
-// raised into the model. Returns -1 when a BaseException must propagate.
-int absorb_error(CaptureState* st, PyObject* name, PyObject* value) {
-  if (!PyErr_ExceptionMatches(PyExc_Exception)) return -1;
+// The pending exception as one object (normalized, with its traceback); nullptr when none.
+PyObject* fetch_exception() {
 #if PY_VERSION_HEX >= 0x030C0000
-  PyObject* exc = PyErr_GetRaisedException();
+  return PyErr_GetRaisedException();
 #else
   PyObject *type, *exc, *tb;
   PyErr_Fetch(&type, &exc, &tb);
@@ -274,7 +271,16 @@ int absorb_error(CaptureState* st, PyObject* name, PyObject* value) {
   if (tb != nullptr && exc != nullptr) PyException_SetTraceback(exc, tb);
   Py_XDECREF(type);
   Py_XDECREF(tb);
+  return exc;
 #endif
+}
+
+// The pending exception (an Exception, not KeyboardInterrupt & co., which propagate as from the
+// Python wrapper) goes to Dumper._capture_failed(name, value, exc): recorded as a skip, never
+// raised into the model. Returns -1 when a BaseException must propagate.
+int absorb_error(CaptureState* st, PyObject* name, PyObject* value) {
+  if (!PyErr_ExceptionMatches(PyExc_Exception)) return -1;
+  PyObject* exc = fetch_exception();
   PyObject* argv[] = {st->dumper, name, value, exc ? exc : Py_None};
   PyObject* r = call_method(st, s_capture_failed, argv, 4);
   Py_XDECREF(exc);
@@ -554,21 +560,6 @@ PyObject* wrapper_vectorcall(PyObject* self, PyObject* const* args, size_t nargs
 // attributes and changes nothing unless its record went into the ring; then it sets them as the
 // Python methods do, with no Python code in between (no other thread or signal can get in). Every
 // other case runs the Python methods, unchanged.
-
-// The pending exception as one object (normalized, with its traceback); nullptr when none.
-PyObject* fetch_exception() {
-#if PY_VERSION_HEX >= 0x030C0000
-  return PyErr_GetRaisedException();
-#else
-  PyObject *type, *exc, *tb;
-  PyErr_Fetch(&type, &exc, &tb);
-  PyErr_NormalizeException(&type, &exc, &tb);
-  if (tb != nullptr && exc != nullptr) PyException_SetTraceback(exc, tb);
-  Py_XDECREF(type);
-  Py_XDECREF(tb);
-  return exc;
-#endif
-}
 
 // Raises `exc` again (the reference is stolen).
 void restore_exception(PyObject* exc) {
