@@ -73,7 +73,9 @@ def cupy_requirement():
 EXTRAS = {
     "torch": ["torch"],  # not pinned: an engine brings its own build (CI installs the CPU one)
     "cuda": [cupy_requirement(), "nvidia-ml-py"],
-    "test": ["pytest", "pybind11>=2.12"],  # pybind11: tests build a mock-CUDA copy of the extension
+    # pybind11: tests build a mock-CUDA copy of the extension; pytest-timeout: a hung test fails
+    # alone instead of running CI past its limit.
+    "test": ["pytest", "pytest-timeout", "pybind11>=2.12"],
     "hf": ["transformers>=4.57"],
 }
 
