@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 import fastdump
+from fastdump.cli.dump import verify_dump
 from test_cuda import (GLOBAL, RELAXED, THREAD_LOCAL, FakeCudaTensor, device_buffer, fake_cuda, glue, m,  # noqa: F401
                        mock, same_bits)
 from test_cuda_lean import _capture_on_another_thread
@@ -224,7 +225,7 @@ def test_close_with_a_lean_batch_held_by_a_capture(m, native, tmp_path, monkeypa
     batch is held (an event on the legacy stream would join that capture). close() with the
     capture still running must not wait for the writer behind those records for its whole
     timeout (and then stop the writer with passes unwritten): the held records become padding,
-    counted as dropped, the earlier pass is on disk, and the counts match the disk."""
+    counted as lost (they were staged: `verify` fails on them), the earlier pass is on disk."""
     from fastdump.staging import cuda
 
     monkeypatch.setenv("FASTDUMP_CUDA_HOLD_MS", "60000")
@@ -256,9 +257,11 @@ def test_close_with_a_lean_batch_held_by_a_capture(m, native, tmp_path, monkeypa
         m._mock.stream_destroy(blocking)
     assert took < 10, took
     assert stats["status"] == "closed", stats
-    assert _check_passes(tmp_path, {0: {"a": cpu[0], "b": cpu[1]}, 1: {}}) == stats["tensors"] == 2
-    assert stats["dropped"] == 2
+    assert _check_passes(tmp_path, {0: {"a": cpu[0], "b": cpu[1]}, 1: {}}) == 2
+    assert stats["tensors"] == 4 and stats["lost_at_close"] == 2 and stats["dropped"] == 0
     assert _stager_stats()["cancelled"] == 2
+    problems = verify_dump(str(tmp_path)).problems
+    assert len(problems) == 1 and "2 staged tensor(s) were lost at close" in problems[0], problems
 
 
 def test_byte_budget_with_cuda_tensors_through_the_c_wrappers(m, native, tmp_path):

@@ -293,6 +293,58 @@ def test_graph_two_roles_target_and_draft(m, glue, tmp_path, monkeypatch):
             assert same_bits(torch.as_tensor(got["layers.1"]), h2)
 
 
+# Pass 1 captures the graph; each selection leaves it out (max_bytes=1: pass 0 reaches the budget).
+@pytest.mark.parametrize("selection,eager", [({"every": 3}, [0]), ({"skip_passes": 2}, [2]),
+                                             ({"pass_range": (0, 1)}, [0]), ({"max_bytes": 1}, [0])])
+def test_graph_captured_in_a_pass_the_selection_leaves_out_is_recorded(m, glue, tmp_path, monkeypatch, selection,
+                                                                      eager):
+    """Selection (every, skip_passes, pass_range, max_bytes) is of eager passes. A graph captured in
+    a pass it leaves out (a runner captures at start-up, in what a user skipping warm-ups counts as
+    pass 1) is still recorded: each replay is a pass of its own, bit for bit, as documented. Before,
+    the capture's tensors were never hooked, and no replay was ever dumped, silently."""
+    from fastdump.staging import cuda
+
+    current = Stream(glue)
+    monkeypatch.setattr(cuda, "_current_stream", current)
+    monkeypatch.setattr(cuda, "_capture_running", lambda: m._mock.capture_info(current.raw)[1] != 0)
+    d = _attach(tmp_path, writer="thread", device="cuda:0", **selection)
+    side = m._mock.stream_create_flags(0)
+    model = Model(m, 4)
+    inputs = {0: rand_input(model, 0), 2: rand_input(model, 99)}
+    model.set_input(glue, inputs[0])
+    model.forward(d, glue)  # pass 0
+    m._mock.sync(glue)
+    graph, exe = capture(m, model, d, current, side, graph="decode_bs4")  # pass 1
+    current.raw = glue
+    expected = []
+    try:
+        for k in range(3):
+            x = rand_input(model, 10 + k)
+            model.set_input(glue, x)
+            assert m._mock.graph_launch(exe, glue) == 0
+            expected.append(model.expected(x))
+        model.set_input(glue, inputs[2])
+        model.forward(d, glue)  # pass 2
+        m._mock.sync(glue)
+        stats = d.close()
+    finally:
+        m._mock.sync(side)
+        release(m, [(graph, exe)], [side], [d])
+    ds = fastdump.open(tmp_path)
+    assert [p for p in ds.passes("target", 0) if p < GRAPH_BASE] == sorted(eager + [1])  # 1 holds nothing
+    for p in eager:
+        got = ds.load("target", 0, p)
+        h1, h2 = model.expected(inputs[p])
+        assert same_bits(torch.as_tensor(got["layers.0"]), h1) and same_bits(torch.as_tensor(got["layers.1"]), h2)
+    assert "recorded into graph" in ds.meta("target", 0, 1)["incomplete"]
+    passes = graph_passes(ds, "target")
+    assert len(passes) == 3 and stats["graph_replays"] == 3
+    for p, (h1, h2) in zip(passes, expected):
+        got = ds.load("target", 0, p)
+        assert same_bits(torch.as_tensor(got["layers.0"]), h1) and same_bits(torch.as_tensor(got["layers.1"]), h2)
+        assert ds.meta("target", 0, p)["graph"] == "decode_bs4"
+
+
 def test_graph_skip_mode_keeps_the_old_behaviour(m, glue, tmp_path, monkeypatch):
     """cuda_graphs="skip": tensors hooked during a capture are skipped with a reason; replays are
     not dumped; the capture stays valid."""

@@ -142,7 +142,7 @@ class Dumper:
         self._budget_reached = False
         self._folded_drops = (0, 0)  # the channel's drop counts already in _totals
         self._totals = {"passes": 0, "tensors": 0, "bytes": 0, "dropped": 0, "skipped": 0, "dropped_passes": 0,
-                        "lost_pass_ends": 0, "incomplete_passes": 0, "mixed_passes": 0}
+                        "lost_pass_ends": 0, "incomplete_passes": 0, "mixed_passes": 0, "lost_at_close": 0}
         self._wrapped: list = []  # (module, our wrapper), in wrapping order; what each wraps: _wrapped_by
         self._python_wrappers = False  # set for good once torch.compile traces the model
         # CUDA-graph record mode (fastdump/staging/graphs.py); None: tensors hooked during a capture are skipped.
@@ -314,11 +314,13 @@ class Dumper:
             if self._engine.alive and self.status == "running":
                 self._engine.flush_cuda(left())
                 self._fold_lane_counts()
-                # Records a capture holds are padding now (never written): dropped, not staged.
+                # Records a capture holds are padding now (never written). They were staged, so they
+                # are lost, not dropped by policy: rank.json says so and `fastdump verify` fails.
                 held = self._engine.close_cuda_if_last(left())
                 if held > 0:
-                    self._totals["tensors"] -= held
-                    self._totals["dropped"] += held
+                    self._totals["lost_at_close"] += held
+                    log.error("fastdump: %d staged CUDA tensors lost at close: a CUDA-graph capture still "
+                              "running on another stream held their batch", held)
                 ok = self._channel.control(protocol.close(self._channel.id, self._totals), wait=True,
                                            timeout=left())
                 if ok and self._engine.alive:  # the final segment write itself can fail (disk full)
@@ -385,7 +387,9 @@ class Dumper:
             # (A forked child's copies have no engine: _forget_parent_dumpers, at fork.)
             if self._closed or self._engine is None or self.status != "running":
                 return
-            if not self._selected(self.pass_id):
+            # Selection applies to eager passes; a graph captured in a pass left out is recorded
+            # all the same, since each of its replays is a pass of its own.
+            if not self._selected(self.pass_id) and (self._graphs is None or not self._graphs.capture_running()):
                 return
             if not self._engine.alive_lately:  # a dead writer stops dumping, not serving
                 return self._disable(self._engine.error())

@@ -456,6 +456,11 @@ def _check_counts(report: _Report, path: str, info: dict, pass_ids: set, tensors
     if isinstance(passes_sent, int) and len(pass_ids) < passes_sent:
         report.problem(path, f"the Dumper dumped {passes_sent} passes; {len(pass_ids)} are on disk")
     skipped = _count(info.get("skipped", 0))
+    lost = _count(stats.get("lost_at_close", 0))
+    if lost:
+        report.problem(path, f"{lost} staged tensor(s) were lost at close: a CUDA-graph capture still "
+                             "running on another stream held their batch")
+        tensors += lost  # explained above; the count below looks for any other loss
     if isinstance(tensors_sent, int) and tensors + skipped < tensors_sent:
         report.problem(path, f"the Dumper staged {tensors_sent} tensors; {tensors} are on disk "
                              f"({skipped} recorded as skipped)")

@@ -211,6 +211,16 @@ def _current_stream(device: int):
 _default_current_stream = _current_stream
 
 
+def _capture_running() -> bool:
+    """Whether the current GPU's current stream is being captured into a CUDA graph (without an
+    initialized CUDA, none is). Asked at the begin of a pass the Dumper's selection leaves out: a
+    graph captured in it must still be recorded, or none of its replays is ever dumped. A seam:
+    the mock-runtime tests replace it."""
+    import torch
+
+    return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
+
+
 def lane_stream_functions():
     """(raw_stream(device), stream_object(device)) for ``ChannelStager.set_cuda``: the current
     stream as a raw int (asked per tensor; torch answers from a thread-local without a CUDA call)

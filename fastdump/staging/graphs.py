@@ -91,6 +91,13 @@ class GraphRecording:
         return self._recorders.get(int(device))
 
     # -- capture (the capturing thread) ----------------------------------------------------------
+    @staticmethod
+    def capture_running() -> bool:
+        """A graph is being captured on the current stream: the pass beginning is its forward."""
+        from . import cuda
+
+        return cuda._capture_running()
+
     def record(self, name: str, name_id: int, code: int, t) -> None:
         """A CUDA tensor hooked while its stream captures: record its snapshot into the graph."""
         from . import cuda
