@@ -84,6 +84,23 @@ bool has_no_elements(const std::vector<int64_t>& shape) {
   return false;
 }
 
+// Whether every element of a tensor at `data` (shape, strides in elements) lies within the
+// `nbytes` of its storage at `base`. The copy reads exactly that range: outside it, it faults (a
+// storage freed or resized under a view) and the served model would crash.
+bool within_storage(uintptr_t base, uint64_t nbytes, uintptr_t data, const std::vector<int64_t>& shape,
+                    const std::vector<int64_t>& strides, uint64_t itemsize) {
+  if (has_no_elements(shape)) return true;
+  if (nbytes == 0 || base == 0 || shape.size() != strides.size()) return false;
+  __int128 lo = 0, hi = 0;  // byte offsets of the lowest and highest element from `data`
+  for (size_t i = 0; i < shape.size(); ++i) {
+    const __int128 span = static_cast<__int128>(shape[i] - 1) * strides[i] * static_cast<__int128>(itemsize);
+    (span < 0 ? lo : hi) += span;
+  }
+  const __int128 first = static_cast<__int128>(data) + lo - base;
+  const __int128 end = static_cast<__int128>(data) + hi + itemsize - base;
+  return first >= 0 && end <= static_cast<__int128>(nbytes);
+}
+
 // A Python int sequence (torch.Size, tuple, list) into int64s. Tuples (what torch returns) are
 // read directly: pybind's generic list caster costs more than the rest of a small tensor's staging.
 void read_dims(py::handle seq, std::vector<int64_t>* out) {
@@ -120,6 +137,7 @@ struct ChannelStager {
   // stage_tensor's torch facts, given at construction (the extension never links libtorch):
   py::dict fast_codes;  // torch.dtype -> (wire code, element size): dtypes staged without checks
   py::object strided;   // torch.strided
+  py::object tensor_type;  // torch.Tensor: its subclasses' Python attributes are not believed here
   uint64_t staged_tensors = 0, staged_bytes = 0;  // by stage_tensor, until take_counts()
   // CUDA tensors' lane into the channel's CUDA stager (set_cuda, once; CUDA builds only). None:
   // stage_tensor leaves CUDA tensors to the caller's general path.
@@ -261,7 +279,13 @@ struct ChannelStager {
     static PyObject* s_shape = PyUnicode_InternFromString("shape");
     static PyObject* s_stride = PyUnicode_InternFromString("stride");
     static PyObject* s_data_ptr = PyUnicode_InternFromString("data_ptr");
+    static PyObject* s_untyped_storage = PyUnicode_InternFromString("untyped_storage");
+    static PyObject* s_nbytes = PyUnicode_InternFromString("nbytes");
     PyObject* t = tensor.ptr();
+    // A subclass can override any attribute read below (a property, __torch_function__), and a
+    // wrong address or extent would make the copy read outside the tensor: the general path reads
+    // what its TensorImpl holds instead (Channel.stage, host_layout).
+    if (tensor_type && reinterpret_cast<PyObject*>(Py_TYPE(t)) != tensor_type.ptr()) return kNotFast;
     auto get = [&](PyObject* name) { return py::reinterpret_steal<py::object>(PyObject_GetAttr(t, name)); };
     auto call = [&](PyObject* name) { return py::reinterpret_steal<py::object>(PyObject_CallMethodNoArgs(t, name)); };
     py::object is_cpu = get(s_is_cpu);  // first: without a CUDA lane a CUDA tensor leaves after one read
@@ -294,13 +318,22 @@ struct ChannelStager {
     read_dims(strides, &src.strides);
     const auto data = py::cast<uintptr_t>(ptr);
     const uint64_t nbytes = bytes_of(src.shape, itemsize);  // (src is refilled if another thread stages meanwhile)
+    if (data == 0 && !has_no_elements(src.shape)) throw std::invalid_argument(kNoData);
+    if (!has_no_elements(src.shape)) {  // the tensor reader's storage check, through the attributes
+      py::object storage = call(s_untyped_storage);
+      if (!storage) throw py::error_already_set();
+      py::object base = py::reinterpret_steal<py::object>(PyObject_CallMethodNoArgs(storage.ptr(), s_data_ptr));
+      py::object size = py::reinterpret_steal<py::object>(PyObject_CallMethodNoArgs(storage.ptr(), s_nbytes));
+      if (!base || !size) throw py::error_already_set();
+      if (!within_storage(py::cast<uintptr_t>(base), py::cast<uint64_t>(size), data, src.shape, src.strides, itemsize))
+        throw std::invalid_argument(kStorageShort);
+    }
     int st;
     if (on_cpu) {
       src.ptr = reinterpret_cast<const uint8_t*>(data);
       src.elem_size = itemsize;
       st = stage_source(*producer, channel, name_id, pass_id, code, src, block, timeout_s);
     } else {
-      if (data == 0 && !has_no_elements(src.shape)) throw std::invalid_argument(kNoData);
       st = cuda->stage(channel, name_id, pass_id, block, timeout_s, t, code, itemsize, src.shape, src.strides, data);
     }
     count_staged(st, nbytes);
@@ -453,6 +486,7 @@ PYBIND11_MODULE(_C, m) {
   m.attr("DROPPED") = static_cast<int>(kDropped);
   m.attr("DISABLED") = static_cast<int>(kDisabled);
   m.attr("TOO_LARGE") = static_cast<int>(kTooLarge);
+  m.attr("STORAGE_SHORT") = kStorageShort;  // why a tensor reaching outside its storage is not read
   m.attr("NO_DATA") = kNoData;  // why a tensor with elements and a null data pointer is not read
   m.attr("TIMED_OUT") = static_cast<int>(kTimedOut);
   m.attr("TORN") = static_cast<int>(kTorn);
@@ -571,14 +605,15 @@ PYBIND11_MODULE(_C, m) {
       "the torch version of the tensor reader in use, or None (attribute reads)");
 
   py::class_<ChannelStager>(m, "ChannelStager")
-      .def(py::init([](Producer& p, uint32_t channel, py::dict fast_codes, py::object strided) {
+      .def(py::init([](Producer& p, uint32_t channel, py::dict fast_codes, py::object strided, py::object tensor_type) {
              ChannelStager s{&p, channel};
              s.fast_codes = std::move(fast_codes);
              s.strided = std::move(strided);
+             if (!tensor_type.is_none()) s.tensor_type = std::move(tensor_type);
              return s;
            }),
            py::arg("producer"), py::arg("channel"), py::arg("fast_codes") = py::dict(),
-           py::arg("strided") = py::none(), py::keep_alive<1, 2>())
+           py::arg("strided") = py::none(), py::arg("tensor_type") = py::none(), py::keep_alive<1, 2>())
       .def("stage_tensor", &ChannelStager::stage_tensor, py::arg("name_id"), py::arg("tensor"),
            "stage a plain CPU tensor (the same statuses as stage), or NOT_FAST (-1): use the general path")
       .def(

@@ -1350,6 +1350,8 @@ class FakeCudaTensor(torch.Tensor):
     def __new__(cls, cpu, ptr, device=0):
         t = torch.Tensor._make_subclass(cls, cpu)
         t._ptr, t._device, t.recorded = ptr, device, []
+        storage = cpu.untyped_storage()  # to_device uploads the whole storage
+        t._storage = FakeStorage(ptr - (cpu.data_ptr() - storage.data_ptr()), storage.nbytes())
         return t
 
     @classmethod
@@ -1363,11 +1365,27 @@ class FakeCudaTensor(torch.Tensor):
     def data_ptr(self):
         return self._ptr
 
+    def untyped_storage(self):
+        return self._storage
+
     def get_device(self):
         return self._device
 
     def record_stream(self, stream):
         self.recorded.append(stream)
+
+
+class FakeStorage:
+    """A fake CUDA tensor's storage: the mock device memory its CPU storage was uploaded to."""
+
+    def __init__(self, ptr, nbytes):
+        self.ptr, self.size = ptr, nbytes
+
+    def data_ptr(self):
+        return self.ptr
+
+    def nbytes(self):
+        return self.size
 
 
 class FakeStream:
@@ -1388,6 +1406,7 @@ def glue(m, monkeypatch):
     monkeypatch.setattr(cuda, "_ring_failures", {})
     current = m._mock.stream_create()
     monkeypatch.setattr(cuda, "_current_stream", lambda device: (current, FakeStream(current)))
+    monkeypatch.setattr(engine, "_exact_tensor_type", lambda: FakeCudaTensor)  # staged in C, as on a GPU
     yield current
     m._mock.sync(current)
     m._mock.stream_destroy(current)

@@ -536,6 +536,62 @@ FREED_STORAGE_SCRIPT = textwrap.dedent("""
 """)
 
 
+LYING_SUBCLASS_SCRIPT = textwrap.dedent("""
+    import json, sys, torch, fastdump
+    from torch.overrides import TorchFunctionMode
+
+    class Liar(torch.Tensor):  # Python attributes that say another address and a larger shape
+        def data_ptr(self):
+            return 8
+        @property
+        def shape(self):
+            return torch.Size([1 << 30])
+        def stride(self, *dim):
+            return (1 << 20,)
+
+    class LyingMode(TorchFunctionMode):  # a mode answering data_ptr for every tensor
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if func is torch.Tensor.data_ptr:
+                return 16
+            return func(*args, **(kwargs or {}))
+
+    d = fastdump.attach(None, sys.argv[1])
+    for p in range(2):  # pass 0 names each tensor (the general path), pass 1 is the hot path
+        d.begin_pass()
+        d.dump("liar", (torch.arange(6.0) + p).as_subclass(Liar))
+        with LyingMode():
+            d.dump("moded", torch.arange(4.0) - p)
+        d.end_pass()
+    print(json.dumps({"status": d.close()["status"]}))
+""")
+
+
+@pytest.mark.parametrize("reader", ["torch", "attributes"])
+def test_a_subclass_or_mode_lying_about_its_layout_never_makes_the_copy_read_elsewhere(tmp_path, reader):
+    """A tensor subclass (or a torch function mode) may answer data_ptr(), shape and stride()
+    with anything. The copy reads exactly the range those facts give, so believing them read
+    another address (the served process died with SIGSEGV without the tensor reader). Both ways
+    read what the TensorImpl holds for a subclass, whose real values are dumped. A mode answers
+    for plain tensors too: the tensor reader does not ask it; the attribute reads do, and then
+    find the address outside the tensor's storage and record the tensor as skipped."""
+    env = dict(os.environ, FASTDUMP_TORCH_READER="1" if reader == "torch" else "0")
+    if reader == "torch":
+        pytest.importorskip("fastdump._torch_reader", reason="the tensor reader is not built here")
+    run = subprocess.run([sys.executable, "-c", LYING_SUBCLASS_SCRIPT, str(tmp_path)], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]  # a fault would end the model's process
+    assert json.loads(run.stdout.strip().splitlines()[-1])["status"] == "closed"
+    ds = fastdump.open(tmp_path)
+    for p in range(2):
+        got = ds.load("target", 0, p)
+        assert same_bits(got["liar"], torch.arange(6.0) + p), p
+        if reader == "torch":
+            assert same_bits(got["moded"], torch.arange(4.0) - p), p
+        else:
+            skipped = {s["name"]: s["reason"] for s in ds.meta("target", 0, p)["skipped"]}
+            assert "moded" not in got and "ends before its last element" in skipped["moded"], (p, skipped)
+
+
 @pytest.mark.parametrize("reader", ["torch", "attributes"])
 def test_a_tensor_whose_storage_was_freed_is_skipped_not_read(tmp_path, reader):
     """torch lets a storage be freed or shrunk under its tensors (``untyped_storage().resize_(0)``):
@@ -561,11 +617,11 @@ def test_a_tensor_whose_storage_was_freed_is_skipped_not_read(tmp_path, reader):
         assert "freed" not in dumped and "m.1" not in dumped
         for name in ("freed", "m.1"):
             assert info["no_data"] in skipped[name] or short in skipped[name], (p, skipped)
-        if reader == "torch":  # only the TensorImpl read knows the storage's size
-            assert "shrunk" not in dumped and "m.2" not in dumped, p
-            assert short in skipped["shrunk"] and short in skipped["m.2"], (p, skipped)
-        else:  # without it the shrunk storage's first bytes are read, as torch's own kernels read them
-            assert list(dumped) == ["before", "shrunk", "after", "m.0", "m.2", "m.3"], (p, skipped)
+        # Both ways check the tensor's extent against its storage's size (the attribute reads ask
+        # untyped_storage()): a storage shrunk under a view is not read past its end.
+        assert "shrunk" not in dumped and "m.2" not in dumped, p
+        assert short in skipped["shrunk"] and short in skipped["m.2"], (p, skipped)
+        assert list(dumped) == ["before", "after", "m.0", "m.3"], (p, skipped)
     manual = {s["name"]: s["reason"] for s in ds.meta("target", 0, 2)["skipped"]}
     assert list(manual) == ["freed", "manual"] and "not read" in manual["manual"], manual
     assert not verify(tmp_path).problems

@@ -86,6 +86,13 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+
+def _exact_tensor_type():
+    """The one tensor type whose Python attributes ChannelStager.stage_tensor reads without the
+    tensor reader (a subclass's may lie: it takes the general path). A seam: the mock-runtime tests
+    stage their fake CUDA tensor type in C as a GPU's torch.Tensor."""
+    return sys.modules["torch"].Tensor  # (strided given: torch is imported)
+
 class Engine:
     """The ring plus its writer (a child process by default, or a thread)."""
 
@@ -205,7 +212,8 @@ class Engine:
     def channel_stager(self, channel: int, fast_codes: dict, strided) -> "_C.ChannelStager":
         """A channel's CPU hot path into this engine's ring (see Dumper._stage)."""
         tensor_reader.install()  # once per process: how stage_tensor reads tensors
-        lane = _C.ChannelStager(self.producer, channel, fast_codes, strided)
+        tensor_type = _exact_tensor_type() if strided is not None else None
+        lane = _C.ChannelStager(self.producer, channel, fast_codes, strided, tensor_type)
         lane.set_pass_templates(*protocol.plain_pass_templates(channel))  # a pass's begin/end in one C call
         return lane
 
