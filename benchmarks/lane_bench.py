@@ -42,6 +42,19 @@ from benchmarks.common import format_table, write_json
 ROOT = Path(__file__).resolve().parent.parent
 
 
+class _MockStorage:
+    __slots__ = ("_ptr", "_nbytes")
+
+    def __init__(self, ptr, nbytes):
+        self._ptr, self._nbytes = ptr, nbytes
+
+    def data_ptr(self):
+        return self._ptr
+
+    def nbytes(self):
+        return self._nbytes
+
+
 class MockTensor:
     """What stage_tensor reads from a torch CUDA tensor, as plain attributes (the mock has no torch
     CUDA tensors; a torch subclass would add __torch_function__ to every read)."""
@@ -62,6 +75,9 @@ class MockTensor:
 
     def data_ptr(self):
         return self._ptr
+
+    def untyped_storage(self):  # the attribute reads check the tensor's extent against its storage
+        return _MockStorage(self._ptr, math.prod(self.shape) * self.element_size())
 
     def get_device(self):
         return 0
