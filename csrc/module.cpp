@@ -193,10 +193,17 @@ struct ChannelStager {
     *after = text.substr(at + mark.size());
   }
 
+  // The general path's entry (Channel.stage): a CPU tensor's facts as its TensorImpl holds them
+  // (channel.host_layout), checked here against its storage (`storage_base`, `storage_nbytes`) as
+  // the fast paths check theirs: the copy reads exactly that range.
   int stage(uint32_t name_id, uint16_t dtype, uint64_t elem_size, py::handle shape_seq,
-            py::handle strides_seq, uintptr_t ptr) {
+            py::handle strides_seq, uintptr_t ptr, uintptr_t storage_base, uint64_t storage_nbytes) {
     read_dims(shape_seq, &src.shape);
     read_dims(strides_seq, &src.strides);
+    // (stage_source raises for mismatched lengths and a null pointer)
+    if (ptr != 0 && src.shape.size() == src.strides.size() &&
+        !within_storage(storage_base, storage_nbytes, ptr, src.shape, src.strides, elem_size))
+      throw std::invalid_argument(kStorageShort);
     src.ptr = reinterpret_cast<const uint8_t*>(ptr);
     src.elem_size = elem_size;
     return stage_source(*producer, channel, name_id, pass_id, dtype, src, block, timeout_s);
@@ -663,8 +670,9 @@ PYBIND11_MODULE(_C, m) {
            py::arg("pass_mark"), py::arg("dropped_mark"),
            "the plain begin/end messages open_pass and put_plain_end put (protocol.plain_pass_templates)")
       .def("stage", &ChannelStager::stage, py::arg("name_id"), py::arg("dtype"), py::arg("elem_size"),
-           py::arg("shape"), py::arg("strides"), py::arg("ptr"),
-           "Producer.stage_host with this channel's pass settings: the same statuses");
+           py::arg("shape"), py::arg("strides"), py::arg("ptr"), py::arg("storage_base"), py::arg("storage_nbytes"),
+           "Producer.stage_host with this channel's pass settings, after checking the extent against the "
+           "storage: the same statuses (ValueError NO_DATA / STORAGE_SHORT for a tensor it must not read)");
 
   py::class_<Consumer>(m, "Consumer")
       .def(py::init<const std::string&>(), py::arg("name"))

@@ -258,25 +258,37 @@ def test_drop_refuses_a_tensor_larger_than_the_ring():
     assert consumer.next(0.05) is None
 
 
+def bounds(t):
+    """ChannelStager.stage's storage arguments: where t's storage starts and its bytes."""
+    return t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()
+
+
 def test_channel_stager_stages_like_stage_host():
     """The per-Dumper entry point (pass settings set once per pass) stages the same bytes."""
     producer, consumer = ring()
     lane = _C.ChannelStager(producer, 3)
     lane.begin(7, True, 5.0)
     for t in (torch.randn(3, 5), torch.randn(4, 6).t(), torch.tensor(2.5)):
-        assert lane.stage(11, 0, t.element_size(), t.shape, t.stride(), t.data_ptr()) == _C.STAGED
+        assert lane.stage(11, 0, t.element_size(), t.shape, t.stride(), t.data_ptr(), *bounds(t)) == _C.STAGED
         kind, channel, name_id, pass_id, _dtype, shape, payload, *_ = consumer.next(1.0)
         assert (kind, channel, name_id, pass_id, tuple(shape)) == (_C.KIND_TENSOR, 3, 11, 7, tuple(t.shape))
         assert bytes(payload) == t.contiguous().numpy().tobytes()
         consumer.release()
     t = torch.randn(2, 2)
-    assert lane.stage(1, 0, 4, list(t.shape), list(t.stride()), t.data_ptr()) == _C.STAGED  # lists too
-    with pytest.raises(ValueError):
-        lane.stage(1, 0, 4, (2, 2), (2,), t.data_ptr())
+    assert lane.stage(1, 0, 4, list(t.shape), list(t.stride()), t.data_ptr(), *bounds(t)) == _C.STAGED  # lists too
+    with pytest.raises(ValueError, match="length"):
+        lane.stage(1, 0, 4, (2, 2), (2,), t.data_ptr(), *bounds(t))
+    for shape, strides, offset in (((3, 2), (2, 1), 0), ((2, 2), (2, 1), 1), ((2, 2), (-2, 1), 0)):
+        with pytest.raises(ValueError, match="storage"):  # any element outside the storage: never read
+            lane.stage(1, 0, 4, shape, strides, t.data_ptr() + 4 * offset, *bounds(t))
+    with pytest.raises(ValueError, match="no data"):
+        lane.stage(1, 0, 4, (2, 2), (2, 1), 0, *bounds(t))
+    empty = torch.empty(0)
+    assert lane.stage(1, 0, 4, empty.shape, empty.stride(), empty.data_ptr(), 0, 0) == _C.STAGED  # nothing to read
     lane.begin(8, False, 0.0)
     full = torch.randn(200 << 10)  # 800 KiB of a 1 MiB ring, never consumed: `drop` drops the next
-    assert lane.stage(1, 0, 4, full.shape, full.stride(), full.data_ptr()) == _C.STAGED
-    assert lane.stage(1, 0, 4, full.shape, full.stride(), full.data_ptr()) == _C.DROPPED
+    assert lane.stage(1, 0, 4, full.shape, full.stride(), full.data_ptr(), *bounds(full)) == _C.STAGED
+    assert lane.stage(1, 0, 4, full.shape, full.stride(), full.data_ptr(), *bounds(full)) == _C.DROPPED
 
 
 def test_channel_stager_stage_tensor_takes_only_plain_cpu_tensors():

@@ -28,12 +28,13 @@ CAPTURING = _C.CAPTURING
 UNSUPPORTED_DEVICE = -1
 
 
-def host_layout(t, itemsize: int) -> tuple:
-    """(shape, strides, address) of a CPU tensor as its TensorImpl holds them, checked against its
-    storage. The copy reads exactly that range, so a wrong address or extent would crash the
-    served model: a subclass's Python overrides (properties, ``__torch_function__``) and torch
-    function modes are not asked, and a tensor reaching outside its storage (freed or resized
-    under a view) raises ValueError, which the caller records as the tensor's skip."""
+def host_layout(t) -> tuple:
+    """(shape, strides, address, storage address, storage bytes) of a CPU tensor as its TensorImpl
+    holds them: the arguments of ``ChannelStager.stage``, which checks the extent against the
+    storage before it copies. A subclass's Python overrides (properties, ``__torch_function__``)
+    and torch function modes are not asked: a wrong address or extent would make the copy read
+    outside the tensor and crash the served model. ValueError (the tensor's recorded skip) for a
+    subclass without storage of its own."""
     import torch
 
     base_class = torch.Tensor
@@ -42,17 +43,11 @@ def host_layout(t, itemsize: int) -> tuple:
         try:
             ptr = base_class.data_ptr(t)
             storage = base_class.untyped_storage(t)
-            start, nbytes = storage.data_ptr(), storage.nbytes()
-        except RuntimeError:  # a subclass without storage of its own (a wrapper subclass)
+            return shape, strides, ptr, storage.data_ptr(), storage.nbytes()
+        except RuntimeError:  # a wrapper subclass: no storage of its own
             raise ValueError(_C.NO_DATA) from None
-    if all(shape):  # elements to read
-        if not ptr:
-            raise ValueError(_C.NO_DATA)
-        lo = sum((n - 1) * s for n, s in zip(shape, strides) if s < 0) * itemsize
-        hi = sum((n - 1) * s for n, s in zip(shape, strides) if s > 0) * itemsize + itemsize
-        if not nbytes or not start or ptr + lo < start or ptr + hi > start + nbytes:
-            raise ValueError(_C.STORAGE_SHORT)
-    return shape, strides, ptr
+
+
 assert UNSUPPORTED_DEVICE not in {getattr(_C, n) for n in dir(_C) if n.isupper() and isinstance(getattr(_C, n), int)}
 
 
@@ -139,7 +134,7 @@ class Channel:
         CPU (the C++ lane) or CUDA (device ring, or the synchronous host fallback). A _C status,
         or UNSUPPORTED_DEVICE."""
         if t.is_cpu:
-            return self.lane.stage(name_id, code, itemsize, *host_layout(t, itemsize))
+            return self.lane.stage(name_id, code, itemsize, *host_layout(t))
         if not t.is_cuda:
             return UNSUPPORTED_DEVICE
         stage_cuda = self._stage_cuda or self._cuda_stage_function()
