@@ -102,6 +102,13 @@ def rand_input(model, seed):
     return torch.randint(-2 ** 31, 2 ** 31 - 1, model.shape, generator=g, dtype=torch.int32)
 
 
+def replay(m, model, exe, stream, x):
+    """One replay of ``exe`` on ``stream`` with ``x`` as its input: what that replay computes."""
+    model.set_input(stream, x)
+    assert m._mock.graph_launch(exe, stream) == 0
+    return model.expected(x)
+
+
 def graph_passes(ds, role):
     return [p for p in ds.passes(role, 0) if p >= GRAPH_BASE]
 
@@ -136,10 +143,8 @@ def test_graph_replays_become_passes_bit_exact(m, glue, tmp_path, monkeypatch, m
         counts = {4: 0, 8: 0}
         for k, bs in enumerate([4, 8, 8, 4, 4, 8, 4]):
             model = models[bs]
-            x = rand_input(model, 100 + k)
-            model.set_input(replay_stream, x)
-            assert m._mock.graph_launch(execs[bs][1], replay_stream) == 0
-            expected.append((bs, counts[bs], *model.expected(x)))
+            h1, h2 = replay(m, model, execs[bs][1], replay_stream, rand_input(model, 100 + k))
+            expected.append((bs, counts[bs], h1, h2))
             counts[bs] += 1
             if k % 3 == 1:  # an eager pass between replays (prefill)
                 e = models[4]
@@ -157,14 +162,14 @@ def test_graph_replays_become_passes_bit_exact(m, glue, tmp_path, monkeypatch, m
     ds = fastdump.open(tmp_path)
     passes = graph_passes(ds, "target")
     assert passes == [GRAPH_BASE + i for i in range(len(expected))]
-    for p, (bs, replay, h1, h2) in zip(passes, expected):
+    for p, (bs, index, h1, h2) in zip(passes, expected):
         got = ds.load("target", 0, p)
         assert set(got) == {"layers.0", "layers.1"}
         assert same_bits(torch.as_tensor(got["layers.0"]), h1), (p, bs)
         assert same_bits(torch.as_tensor(got["layers.1"]), h2), (p, bs)
         meta = ds.meta("target", 0, p)
         assert meta["graph"] == f"decode_bs{bs}" and meta["graph_batch"] == bs
-        assert meta["graph_replay"] == replay and meta["complete"]
+        assert meta["graph_replay"] == index and meta["complete"]
         assert meta["cuda_graph"] == (0 if bs == 4 else 1)
     # The eager passes (warm-ups, prefill) are ordinary passes; the capture passes hold nothing.
     eager = [p for p in ds.passes("target", 0) if p < GRAPH_BASE]
@@ -275,9 +280,7 @@ def test_graph_two_roles_target_and_draft(m, glue, tmp_path, monkeypatch):
                 x = rand_input(model, 50 + k).to(model.cpu.dtype) if model.cpu.dtype == torch.int32 else \
                     torch.randint(-2 ** 15, 2 ** 15 - 1, model.shape, dtype=torch.int16,
                                   generator=torch.Generator().manual_seed(k))
-                model.set_input(glue, x)
-                assert m._mock.graph_launch(exe, glue) == 0
-                expected[role].append(model.expected(x))
+                expected[role].append(replay(m, model, exe, glue, x))
         m._mock.sync(glue)
         draft.close()
         target.close()
@@ -319,10 +322,7 @@ def test_graph_captured_in_a_pass_the_selection_leaves_out_is_recorded(m, glue, 
     expected = []
     try:
         for k in range(3):
-            x = rand_input(model, 10 + k)
-            model.set_input(glue, x)
-            assert m._mock.graph_launch(exe, glue) == 0
-            expected.append(model.expected(x))
+            expected.append(replay(m, model, exe, glue, rand_input(model, 10 + k)))
         model.set_input(glue, inputs[2])
         model.forward(d, glue)  # pass 2
         m._mock.sync(glue)
@@ -840,9 +840,7 @@ def test_graph_replay_is_one_span_record_split_by_the_writer(m, glue, tmp_path, 
         order = [2, 6, 6, 2, 6, 2, 2, 6]
         for k, bs in enumerate(order):
             x = rand_input(chains[bs], 300 + k)
-            chains[bs].set_input(glue, x)
-            assert m._mock.graph_launch(execs[bs][1], glue) == 0
-            expected.append((bs, counts[bs], chains[bs].expected(x)))
+            expected.append((bs, counts[bs], replay(m, chains[bs], execs[bs][1], glue, x)))
             counts[bs] += 1
         m._mock.sync(glue)
         assert rec.flush(60)
@@ -905,13 +903,13 @@ def test_graph_replay_is_one_span_record_split_by_the_writer(m, glue, tmp_path, 
     ds = fastdump.open(tmp_path)
     passes = graph_passes(ds, "target")
     assert len(passes) == stats["graph_replays"]
-    for p, (bs, replay, want) in zip(passes, expected):
+    for p, (bs, index, want) in zip(passes, expected):
         got = ds.load("target", 0, p)
         assert sorted(got) == sorted(f"chain.{i}" for i in range(12))
         for i, w in enumerate(want):
             assert same_bits(torch.as_tensor(got[f"chain.{i}"]), w), (p, i)
         meta = ds.meta("target", 0, p)
-        assert (meta["cuda_graph"], meta["graph_batch"], meta["graph_replay"]) == ((0 if bs == 2 else 1), bs, replay)
+        assert (meta["cuda_graph"], meta["graph_batch"], meta["graph_replay"]) == ((0 if bs == 2 else 1), bs, index)
         assert all(type(meta[k]) is int for k in ("cuda_graph", "graph_batch", "graph_replay"))
         assert meta["complete"] and meta["tensors"] == 12
     r = subprocess.run([sys.executable, "-m", "fastdump", "verify", "--data", str(tmp_path)], capture_output=True,
@@ -947,10 +945,7 @@ def test_graph_replay_span_larger_than_a_record_is_chunked_and_reassembled(m, gl
         rec.set_paused(True)
     try:
         for k in range(4):
-            x = rand_input(model, 40 + k)
-            model.set_input(glue, x)
-            assert m._mock.graph_launch(exe, glue) == 0
-            expected.append(model.expected(x))
+            expected.append(replay(m, model, exe, glue, rand_input(model, 40 + k)))
         m._mock.sync(glue)
         for rec in d._graphs._recorders.values():
             rec.set_paused(False)

@@ -566,6 +566,19 @@ LYING_SUBCLASS_SCRIPT = textwrap.dedent("""
 """)
 
 
+def run_with_reader(script: str, root, reader: str) -> dict:
+    """Runs ``script`` (a model dumping into ``root``) in a fresh process with the tensor reader
+    ("torch") or without it ("attributes"): the JSON of its last line. A fault in the copy would
+    end that process, not the test's."""
+    if reader == "torch":
+        pytest.importorskip("fastdump._torch_reader", reason="the tensor reader is not built here")
+    env = dict(os.environ, FASTDUMP_TORCH_READER="1" if reader == "torch" else "0")
+    run = subprocess.run([sys.executable, "-c", script, str(root)], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
 @pytest.mark.parametrize("reader", ["torch", "attributes"])
 def test_a_subclass_or_mode_lying_about_its_layout_never_makes_the_copy_read_elsewhere(tmp_path, reader):
     """A tensor subclass (or a torch function mode) may answer data_ptr(), shape and stride()
@@ -574,13 +587,7 @@ def test_a_subclass_or_mode_lying_about_its_layout_never_makes_the_copy_read_els
     read what the TensorImpl holds for a subclass, whose real values are dumped. A mode answers
     for plain tensors too: the tensor reader does not ask it; the attribute reads do, and then
     find the address outside the tensor's storage and record the tensor as skipped."""
-    env = dict(os.environ, FASTDUMP_TORCH_READER="1" if reader == "torch" else "0")
-    if reader == "torch":
-        pytest.importorskip("fastdump._torch_reader", reason="the tensor reader is not built here")
-    run = subprocess.run([sys.executable, "-c", LYING_SUBCLASS_SCRIPT, str(tmp_path)], env=env,
-                         capture_output=True, text=True, timeout=120)
-    assert run.returncode == 0, run.stderr[-2000:]  # a fault would end the model's process
-    assert json.loads(run.stdout.strip().splitlines()[-1])["status"] == "closed"
+    assert run_with_reader(LYING_SUBCLASS_SCRIPT, tmp_path, reader)["status"] == "closed"
     ds = fastdump.open(tmp_path)
     for p in range(2):
         got = ds.load("target", 0, p)
@@ -597,13 +604,7 @@ def test_a_tensor_whose_storage_was_freed_is_skipped_not_read(tmp_path, reader):
     """torch lets a storage be freed or shrunk under its tensors (``untyped_storage().resize_(0)``):
     the data pointer is then null (reading it faults: torch's own ``clone`` does) or points at a
     smaller allocation. The model must be served, the tensor recorded as skipped, the rest dumped."""
-    env = dict(os.environ, FASTDUMP_TORCH_READER="1" if reader == "torch" else "0")
-    if reader == "torch":
-        pytest.importorskip("fastdump._torch_reader", reason="the tensor reader is not built here")
-    run = subprocess.run([sys.executable, "-c", FREED_STORAGE_SCRIPT, str(tmp_path)], env=env,
-                         capture_output=True, text=True, timeout=120)
-    assert run.returncode == 0, run.stderr[-2000:]  # a fault would end the model's process
-    info = json.loads(run.stdout.strip().splitlines()[-1])
+    info = run_with_reader(FREED_STORAGE_SCRIPT, tmp_path, reader)
     assert info["reader"] == (str(torch.__version__) if reader == "torch" else None)
     ds = fastdump.open(tmp_path)
     x = torch.arange(6.0).reshape(2, 3)
