@@ -14,9 +14,10 @@ import numpy as np
 
 FORMAT_NAME = "fastdump-segment"
 # Version of segment files and rank.json. 2: index rows carry a CRC32C; rank directories carry a
-# session id. 3: a segment's tables carry a CRC32C too (ATTR_TABLES_CRC). Readers read 1 to 3.
-FORMAT_VERSION = 3
-READABLE_VERSIONS = (1, 2, 3)
+# session id. 3: a segment's tables carry a CRC32C too (ATTR_TABLES_CRC). 4: each block carries a
+# CRC32C of what its attributes and row shape say (ATTR_BLOCK_CRC). Readers read 1 to 4.
+FORMAT_VERSION = 4
+READABLE_VERSIONS = (1, 2, 3, 4)
 # Version of the run manifest (fastdump.json), independent of the segment format.
 MANIFEST_VERSION = 1
 
@@ -109,7 +110,7 @@ _INDEX_FIELDS_V1 = [
 INDEX_DTYPE_V1 = np.dtype(_INDEX_FIELDS_V1)
 # Format 2: CRC32C (Castagnoli) of the tensor's bytes as stored (its rows, C order, little-endian).
 INDEX_DTYPE = np.dtype(_INDEX_FIELDS_V1 + [("crc32c", "<u4")])
-INDEX_DTYPES = {1: INDEX_DTYPE_V1, 2: INDEX_DTYPE, 3: INDEX_DTYPE}
+INDEX_DTYPES = {1: INDEX_DTYPE_V1, 2: INDEX_DTYPE, 3: INDEX_DTYPE, 4: INDEX_DTYPE}
 
 # Format 3: root attribute, CRC32C of the segment's tables as stored. A row's own crc32c covers its
 # data only, so an index row whose pass, name or block changed (or two rows that traded pass ids)
@@ -134,6 +135,22 @@ def tables_crc32c(names_text, index: np.ndarray, passes: np.ndarray, pass_meta) 
     value = _C.crc32c(np.ascontiguousarray(index).view(np.uint8), value)
     value = _C.crc32c(np.ascontiguousarray(passes).view(np.uint8), value)
     return _C.crc32c(b"".join(text(entry) + b"\n" for entry in pass_meta), value)
+
+# Format 4: attribute of each block, CRC32C of block_text(): how its stored bytes are read back
+# (dtype, encoding, 0-d rows, row shape). Neither the rows' CRC (the bytes as stored) nor the
+# tables' covers these, and a bfloat16 block relabelled uint16, or (N, 4, 8) rows relabelled
+# (N, 8, 4), would read back as other values with every other check passing.
+ATTR_BLOCK_CRC = "block_crc32c"
+
+
+def block_crc32c(number: int, dtype_name: str, encoding: str, scalar: bool, row_shape) -> int:
+    """CRC32C of ``"<number> <dtype> <encoding> <0|1> <d1,d2,...>"`` (ASCII): a block's number
+    (attributes moved to another block fail) and what its attributes and dataset shape say."""
+    from . import _C
+
+    dims = ",".join(str(int(d)) for d in row_shape)
+    return _C.crc32c(f"{int(number)} {dtype_name} {encoding} {int(bool(scalar))} {dims}".encode("ascii"))
+
 
 PASS_DTYPE = np.dtype(
     [

@@ -137,6 +137,21 @@ def check_tables(attrs: dict, names_text, index, passes, pass_meta, where: str) 
                         f"written as {stored & 0xFFFFFFFF:08x}: a table changed after it was written")
 
 
+def check_block_crc(attrs: dict, number: int, dtype_name: str, encoding: str, scalar: bool, row_shape,
+                    where: str) -> None:
+    """Raise DumpError unless a format-4 block's attributes and row shape match its CRC32C: they say
+    how its bytes read back, and the rows' own CRC covers only the bytes."""
+    stored = attrs.get(fmt.ATTR_BLOCK_CRC)
+    stored = int(stored) if isinstance(stored, np.integer) else stored
+    if not isinstance(stored, int) or isinstance(stored, bool):
+        raise DumpError(f"{where}: no {fmt.ATTR_BLOCK_CRC!r} attribute (format 4 requires one)")
+    found = fmt.block_crc32c(number, dtype_name, encoding, scalar, row_shape)
+    if found != stored:
+        raise DumpError(f"{where}: dtype {dtype_name!r}, encoding {encoding!r}, scalar {int(scalar)}, rows of "
+                        f"{tuple(row_shape)} have CRC32C {found:08x}, written as {stored & 0xFFFFFFFF:08x}: the "
+                        "block's attributes or shape changed after it was written")
+
+
 def open_segment(path: str) -> h5py.File:
     """Open a segment read-only with HDF5's default locking (so that h5py.File(path) elsewhere in
     the process still works), falling back to no locking on filesystems without lock support:
@@ -357,6 +372,11 @@ class SegmentIndex:
         scalar = bool(scalar)
         if dataset.ndim == 0 or (scalar and dataset.ndim != 1):
             raise DumpError(f"{where}: shape {dataset.shape} does not fit {'scalar ' if scalar else ''}rows")
+        encoding = _attr_str(attrs.get(fmt.ATTR_ENCODING, ""))
+        if self.version >= 4:
+            check_block_crc(attrs, number, dtype_name, encoding, scalar, dataset.shape[1:], where)
+        if encoding and encoding != dtypes.ENCODING[code]:
+            raise DumpError(f"{where}: encoding {encoding!r}, expected {dtypes.ENCODING[code]!r} for {dtype_name}")
         rows = self._block_rows.get(number, 0)
         if dataset.shape[0] != rows:
             raise DumpError(f"{where}: {dataset.shape[0]} rows, but its index rows cover {rows}")

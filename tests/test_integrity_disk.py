@@ -82,7 +82,7 @@ def test_crc32c_known_values_and_both_implementations_agree():
 
 def test_every_index_row_carries_the_crc_of_its_tensor(dump):
     with h5py.File(segment(dump), "r") as f:
-        assert f.attrs["format_version"] == 3
+        assert f.attrs["format_version"] == 4
         index = f["index"][()]
         assert f.attrs[fmt.ATTR_TABLES_CRC] == fmt.tables_crc32c(
             f["names"][()], index, f["passes"][()], f["pass_meta"][()])
@@ -558,7 +558,73 @@ def test_an_attribute_larger_than_its_file_is_refused_before_reading(dump):
             reader.read_attrs(f["blocks"]["0"], 1000, "x")
 
 
-@pytest.mark.parametrize("kind", ["index-soft-link", "names-not-a-list", "version-4"])
+ODD_BLOCKS = {"bf16": torch.tensor([1.5, -2.25, 3.0e5], dtype=torch.bfloat16),
+              "e4m3": torch.tensor([0.5, -1.75, 240.0]).to(torch.float8_e4m3fn),
+              "zero_d": torch.tensor(2.5), "one": torch.tensor([2.5]),
+              "cube": torch.arange(64, dtype=torch.float32).reshape(2, 4, 8)}
+
+
+def block_of(f, name):
+    """The block dataset holding ``name``'s rows."""
+    names = json.loads(f[fmt.NAMES][()])
+    index = f[fmt.INDEX][()]
+    return f[fmt.BLOCKS][str(int(index["block"][index["name"] == names.index(name)][0]))]
+
+
+@pytest.mark.parametrize("kind", ["bf16-as-uint16", "e4m3-as-e5m2", "0-d-as-(1,)", "(1,)-as-0-d", "rows-reshaped",
+                                  "attributes-swapped"])
+def test_a_block_relabelled_after_writing_is_refused(tmp_path, kind):
+    """A block's attributes and row shape say how its bytes read back; the rows' CRC covers only
+    the bytes. Relabelled (bfloat16 as uint16, one float8 as the other, 0-d rows as (1,) and back,
+    (N, 4, 8) rows as (N, 8, 4), two blocks' attributes traded), the data read back as other
+    values with every check passing: format 4's block CRC makes each such change fail loudly."""
+    root = tmp_path / "dump"
+    write_dir(root / "target" / RANK_DIR, {0: ODD_BLOCKS})
+    with h5py.File(segment(root), "r+") as f:
+        if kind == "bf16-as-uint16":
+            block_of(f, "bf16").attrs["dtype"] = "uint16"
+        elif kind == "e4m3-as-e5m2":
+            block_of(f, "e4m3").attrs["dtype"] = "float8_e5m2"
+        elif kind == "0-d-as-(1,)":
+            del block_of(f, "zero_d").attrs[fmt.ATTR_SCALAR]
+        elif kind == "(1,)-as-0-d":
+            block_of(f, "one").attrs[fmt.ATTR_SCALAR] = 1
+        elif kind == "rows-reshaped":
+            block = block_of(f, "cube")
+            rows, attrs = block[()].reshape(-1, 8, 4), dict(block.attrs)
+            name = block.name
+            del f[name]
+            f[name] = rows
+            f[name].attrs.update(attrs)
+        else:
+            a, b = block_of(f, "zero_d"), block_of(f, "one")
+            a_attrs, b_attrs = dict(a.attrs), dict(b.attrs)
+            for block, attrs in ((a, b_attrs), (b, a_attrs)):
+                for key in list(block.attrs):
+                    del block.attrs[key]
+                block.attrs.update(attrs)
+    problems = verify(root, "--data").problems
+    assert any("block" in p and "changed after it was written" in p for p in problems), problems
+    with fastdump.open(root) as ds:
+        with pytest.raises(reader.DumpError, match="changed after it was written"):
+            ds.load("target", 0, 0, check=True)
+
+
+def test_blocks_written_whole_read_back_bit_exact(tmp_path):
+    """The odd blocks above, untouched: read back exactly, and verify --data passes."""
+    root = tmp_path / "dump"
+    write_dir(root / "target" / RANK_DIR, {0: ODD_BLOCKS})
+    report = verify(root, "--data")
+    assert not report.problems, report.problems
+    with fastdump.open(root) as ds:
+        got = ds.load("target", 0, 0, check=True)
+    assert list(got) == list(ODD_BLOCKS)
+    for name, want in ODD_BLOCKS.items():
+        assert got[name].dtype == want.dtype and got[name].shape == want.shape, name
+        assert torch.equal(got[name].reshape(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8)), name
+
+
+@pytest.mark.parametrize("kind", ["index-soft-link", "names-not-a-list", "version-5"])
 def test_crafted_tables_are_refused(dump, kind):
     with h5py.File(segment(dump), "r+") as f:
         if kind == "index-soft-link":
@@ -569,7 +635,7 @@ def test_crafted_tables_are_refused(dump, kind):
             del f["names"]
             f.create_dataset("names", data='{"a": 1}', dtype=h5py.string_dtype())
         else:
-            f.attrs["format_version"] = 4
+            f.attrs["format_version"] = 5
     with pytest.warns(UserWarning, match="unreadable segment"):
         ds = fastdump.open(dump)
         with pytest.raises(reader.DumpError, match="seg-000000.h5"):

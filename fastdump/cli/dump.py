@@ -176,8 +176,10 @@ class _Report:
         self.warnings.append(f"{where}: {text}")
 
 
-def _check_block(report: _Report, where: str, dataset, entries: np.ndarray) -> int:
+def _check_block(report: _Report, where: str, dataset, entries: np.ndarray, number: int, version: int) -> int:
     """Check one block dataset against the index rows pointing at it; return its row byte size."""
+    from ..reader import DumpError, check_block_crc
+
     attrs = dataset.attrs
     dtype_name = attrs.get(fmt.ATTR_DTYPE)
     dtype_name = dtype_name.decode() if isinstance(dtype_name, bytes) else dtype_name
@@ -195,6 +197,11 @@ def _check_block(report: _Report, where: str, dataset, entries: np.ndarray) -> i
         report.problem(where, "block has no row axis")
         return 0
     scalar = bool(attrs.get(fmt.ATTR_SCALAR, 0))
+    if version >= 4:  # how the bytes read back: the rows' CRC covers only the bytes
+        try:
+            check_block_crc(attrs, number, dtype_name, encoding or "", scalar, dataset.shape[1:], where)
+        except DumpError as exc:
+            report.problem(where, str(exc).removeprefix(where + ": "))
     if scalar and (dataset.ndim != 1 or np.any(entries["rows"] != 1)):
         report.problem(where, "scalar block must be 1-D with one row per tensor")
     if len(entries) == 0:
@@ -319,7 +326,7 @@ def _check_open_segment(report: _Report, where: str, h5file, read_data: bool):
         dataset = blocks[str(number)]
         mine = index["block"] == number
         before = len(report.problems)
-        row_bytes = _check_block(report, f"{where} block {number}", dataset, index[mine])
+        row_bytes = _check_block(report, f"{where} block {number}", dataset, index[mine], number, version)
         entry_bytes[mine] = index["rows"][mine] * row_bytes
         if read_data and len(report.problems) == before:  # rows known to lie inside the block
             _read_block(report, f"{where} block {number}", dataset, index, np.flatnonzero(mine))

@@ -121,6 +121,9 @@ def _create_dataset(group_id, block: Block, dcpl=None):
     _str_attr(dset, fmt.ATTR_ENCODING.encode(), dtypes.ENCODING[block.code])
     if block.scalar:
         _int_attr(dset, fmt.ATTR_SCALAR.encode(), 1)
+    _int_attr(dset, fmt.ATTR_BLOCK_CRC.encode(), fmt.block_crc32c(block.number, dtypes.NAMES[block.code],
+                                                                  dtypes.ENCODING[block.code], block.scalar,
+                                                                  block.row_shape))
     return dset
 
 
