@@ -56,6 +56,7 @@ class Problem(str):
 
     UNLISTABLE, UNREADABLE_SEGMENT, BAD_FILE, BAD_PASS_META = ("unlistable", "unreadable segment", "bad file",
                                                                "bad pass meta")
+    REPEATED_PASS = "repeated pass"  # a pass found whole in one segment and again in another: not read
     path: str
     kind: str
 
@@ -423,6 +424,7 @@ class _Rank:
         self._segments = None
         self._passes = None  # pass id -> [SegmentIndex, ...] containing it
         self.unreadable: list = []  # segment paths that could not be read
+        self.repeated: set = set()  # pass ids found whole in one segment and again in another (pass_map)
 
     @property
     def info(self) -> dict:
@@ -497,6 +499,17 @@ class _Rank:
                 for pass_id in segment.passes["pass"].tolist():
                     found.setdefault(pass_id, []).append(segment)
             self._passes = dict(sorted(found.items()))
+            for pass_id, segments in self._passes.items():
+                # A pass continues in a later segment only when the writer flushed it unfinished
+                # (complete = 0 in every part but the last). One whole already is two copies, or
+                # two sessions' passes: which tensors are whose cannot be told, so it is not read.
+                whole = [k for k, s in enumerate(segments[:-1]) if s.pass_record(pass_id)[0]["complete"]]
+                if whole:
+                    self.repeated.add(pass_id)
+                    first, again = segments[whole[0]], segments[whole[0] + 1]
+                    self.dumpset._problem(Problem(self.path, Problem.REPEATED_PASS, (
+                        f"pass {pass_id} is whole in {first.file_name} and appears again in {again.file_name}: "
+                        "not read (copied or mixed segments)")), warn=True)
         return self._passes
 
     def rank_number(self):
@@ -700,7 +713,10 @@ class DumpSet:
                check: bool = False) -> dict:
         """{pass_id: tensor} of one name across all passes (each block read once per segment)."""
         result: dict = {}
-        for segment in self._rank(role, rank, session).segments:
+        directory = self._rank(role, rank, session)
+        _ = directory.pass_map  # finds the repeated passes, which are not read
+        repeated = directory.repeated
+        for segment in directory.segments:
             positions = segment.rows_of_name(name)
             if len(positions) == 0:
                 continue
@@ -713,6 +729,8 @@ class DumpSet:
                 stop = int((in_block["first_row"] + in_block["rows"]).max())
                 rows = dataset[start:stop]
                 for position, entry in zip(positions[entries["block"] == block_number].tolist(), in_block):
+                    if int(entry["pass"]) in repeated:
+                        continue
                     first = int(entry["first_row"]) - start
                     part = rows[first:first + int(entry["rows"])]
                     if check:
@@ -825,6 +843,9 @@ class DumpSet:
             raise KeyError(f"no pass {pass_id!r}: a pass id is an integer")
         entry = self._rank(role, rank, session)
         segments = entry.pass_map.get(pass_id)
+        if pass_id in entry.repeated:
+            raise DumpError("; ".join(p for p in self.problems if p.path == entry.path
+                                      and p.kind == Problem.REPEATED_PASS and f"pass {pass_id} " in p))
         if not segments:
             if entry.unreadable:  # the pass may be in a segment that could not be read
                 raise DumpError(f"no pass {pass_id} in the readable segments of {entry.path}; unreadable: "

@@ -297,6 +297,10 @@ def test_unreadable_entries_chmod_000(dump, tmp_path, what):
         done = cli_proc("export", "--role-subdirs", "always", dump, tmp_path / "out", prefix=prefix)
         assert done.returncode != 0 and "Traceback" not in done.stderr, done.stderr
         assert str(target) in done.stderr
+        done = cli_proc("verify", dump, prefix=prefix)  # what it cannot read is a problem, not a traceback
+        assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+        if what != "segment":  # (a segment's own open error names it already)
+            assert f"{target}: cannot list: Permission denied" in done.stdout + done.stderr
     finally:
         os.chmod(target, 0o755)
 
@@ -754,3 +758,26 @@ sys.exit(0 if codes == [0] * len(children) else 1)
 """
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=240, cwd=REPO)
     assert done.returncode == 0, done.stdout + done.stderr[-2000:]
+
+
+def test_a_pass_whole_in_one_segment_and_found_again_in_another_is_not_read(tmp_path):
+    """A pass continues in a later segment only when the writer flushed it unfinished. A segment of
+    another session copied into a rank directory repeats whole passes: which copy is real cannot be
+    told, so the reader refuses those passes (it merged them, handing back 'a' and 'a#dup1', and
+    diff compared only the first), reads the others, and verify fails."""
+    mine, other = tmp_path / "dump" / "target" / R0, tmp_path / "other" / "target" / R0
+    write_rank_dir(mine, {p: {"a": torch.full((3,), float(p))} for p in range(4)})
+    write_rank_dir(other, {p: {"a": torch.full((3,), 100.0 + p)} for p in range(2)})
+    shutil.copy(other / fmt.segment_name(0), mine / fmt.segment_name(2))
+    with pytest.warns(UserWarning, match="appears again"):
+        ds = fastdump.open(tmp_path / "dump")
+        with pytest.raises(reader.DumpError, match="pass 0 is whole in seg-000000.h5 and appears again in seg-000002"):
+            ds.load("target", 0, 0)
+    assert [(p.kind, p.path) for p in ds.problems] == [(Problem.REPEATED_PASS, str(mine))] * 2  # passes 0 and 1
+    with pytest.raises(reader.DumpError):
+        ds.meta("target", 0, 1)
+    assert {p: t.tolist() for p, t in ds.series("target", 0, "a").items()} == {2: [2.0] * 3, 3: [3.0] * 3}
+    assert ds.load("target", 0, 3)["a"].tolist() == [3.0] * 3
+    done = subprocess.run([sys.executable, "-m", "fastdump", "verify", str(tmp_path / "dump")], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stdout + done.stderr

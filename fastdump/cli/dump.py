@@ -606,14 +606,23 @@ def verify_dump(root: str, read_data: bool = False) -> _Report:
         report.problem(root, "no such directory")
         return report
     rank_dirs = []
-    for role in sorted(os.listdir(root)):
+
+    def listed(path: str) -> list:
+        """A directory's entries; one that cannot be listed is a problem (its ranks go unchecked)."""
+        try:
+            return sorted(os.listdir(path))
+        except OSError as exc:
+            report.problem(path, f"cannot list: {exc.strerror or exc}")
+            return []
+
+    for role in listed(root):
         role_path = os.path.join(root, role)
         if os.path.islink(role_path):
             report.problem(role_path, "symbolic link: not followed (it may point out of the dump)")
             continue
         if not os.path.isdir(role_path):
             continue
-        for rank in sorted(os.listdir(role_path)):
+        for rank in listed(role_path):
             rank_path = os.path.join(role_path, rank)
             if os.path.islink(rank_path):
                 report.problem(rank_path, "symbolic link: not followed (it may point out of the dump)")
@@ -621,7 +630,7 @@ def verify_dump(root: str, read_data: bool = False) -> _Report:
             if os.path.isdir(rank_path) and any(
                 e in (fmt.RANK_FILE, fmt.PRODUCER_ERROR_FILE) or fmt.segment_number(e) is not None
                 or fsutil.is_temp_name(e)
-                for e in os.listdir(rank_path)
+                for e in listed(rank_path)
             ):
                 rank_dirs.append(rank_path)
     if not rank_dirs:
