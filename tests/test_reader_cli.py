@@ -137,6 +137,20 @@ def test_ls_human_and_json(dump, capsys):
     assert target["status"] == "closed" and target["dropped"] == 0 and target["incomplete_passes"] == []
 
 
+def test_ls_and_show_say_each_problem_once_without_python_warnings(dump):
+    """The reader warns of each problem (Python warnings, for programs); ls and show print their own
+    ``warning:`` line per problem, and not the Python warning again with its source line."""
+    path = seg_path(dump, number=1)
+    path.write_bytes(path.read_bytes()[:100])
+    for argv in (["ls", dump], ["show", dump, "--role", "target", "--rank", TARGET, "--pass", "0"]):
+        done = subprocess.run([sys.executable, "-m", "fastdump", *map(str, argv)], capture_output=True, text=True,
+                              cwd=REPO, timeout=120)
+        assert done.returncode == 0, done.stderr
+        assert "UserWarning" not in done.stderr and "warnings.warn" not in done.stderr, done.stderr
+        said = [line for line in done.stderr.splitlines() if "seg-000001.h5" in line]
+        assert len(said) == 1 and said[0].startswith("warning: ") and "unreadable segment" in said[0], done.stderr
+
+
 def test_cli_module_runs_as_a_program(dump):
     out = subprocess.run([sys.executable, "-m", "fastdump.cli.dump", "ls", str(dump), "--json"],
                          capture_output=True, text=True, check=True, cwd=REPO).stdout

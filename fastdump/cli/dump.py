@@ -15,6 +15,7 @@ import os
 import re
 import socket
 import sys
+import warnings
 
 import numpy as np
 
@@ -124,9 +125,22 @@ def list_dump(root: str) -> dict:
         return {"root": ds.root, "manifest": manifest, "ranks": ranks, "problems": list(ds.problems)}
 
 
+def _print_warnings(problems: list, caught: list) -> None:
+    """The reader's problems as ``warning:`` lines, then what else it warned of (its Python warnings
+    repeat each problem: those are not printed twice, nor with a source line)."""
+    said = {f"fastdump: {text}" for text in problems}
+    for text in problems:
+        print(f"warning: {_printable(text)}", file=sys.stderr)
+    for w in caught:
+        if str(w.message) not in said:
+            print(f"warning: {_printable(str(w.message).removeprefix('fastdump: '))}", file=sys.stderr)
+
+
 def cmd_ls(args) -> int:
     try:
-        listing = list_dump(args.root)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            listing = list_dump(args.root)
     except OSError as exc:  # a missing or unlistable root
         print(f"fastdump ls: {_printable(exc)}", file=sys.stderr)
         return 1
@@ -136,8 +150,7 @@ def cmd_ls(args) -> int:
     manifest = listing["manifest"]
     version = manifest.get("fastdump_version") or manifest.get("version")
     print(_printable(listing["root"]) + (f"  (fastdump {_printable(version)})" if version else ""))
-    for text in listing["problems"]:
-        print(f"warning: {_printable(text)}", file=sys.stderr)
+    _print_warnings(listing["problems"], caught)
     if not listing["ranks"]:
         print("no rank directories")
         return 0
@@ -678,18 +691,19 @@ def cmd_show(args) -> int:
         print(f"fastdump show: --name {_printable(args.name)!r} is not a regular expression ({exc})", file=sys.stderr)
         return 1
     try:
-        with reader.open(args.root) as ds:
+        with warnings.catch_warnings(record=True) as caught, reader.open(args.root) as ds:
+            warnings.simplefilter("always")
             rank, session = _rank_arg(args.rank), getattr(args, "session", None)
             tensors = ds.load(args.role, rank, args.pass_id, select=pattern.search if pattern else None,
                               session=session)
             meta = ds.meta(args.role, rank, args.pass_id, session=session)
             problems = list(ds.problems)
     except (KeyError, ValueError, OSError) as exc:  # DumpError is a ValueError
+        _print_warnings([], caught)
         print(f"fastdump show: {_printable(exc.args[0] if isinstance(exc, KeyError) and exc.args else exc)}",
               file=sys.stderr)
         return 1
-    for text in problems:
-        print(f"warning: {_printable(text)}", file=sys.stderr)
+    _print_warnings(problems, caught)
     print(f"pass {args.pass_id}: " + json.dumps(meta, default=str))
     rows = []
     for name, tensor in tensors.items():
