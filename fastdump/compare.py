@@ -8,7 +8,10 @@ How the two sides line up:
   * passes by pass id, shifted by an offset, or (``align``) the n-th pass with the n-th pass,
     optionally only passes whose metadata field has a given value (``meta:forward_mode=decode``);
   * tensors by name; within a pass they are visited in the target's dump order (execution order),
-    which is what "first divergence" means: the earliest pass first, then the first tensor dumped.
+    which is what "first divergence" means: the earliest pass first, then the earliest PP stage,
+    then the first tensor dumped (TP and DP ranks run a tensor at once: then the lowest rank).
+  * a rank number with several sessions on one side, or a malformed rank.json, is refused (exit 2);
+    a rank on one side only, or a pass one TP rank lacks, is a difference (exit 1).
 
 (This module is ``compare``, not ``diff``, so that it never shadows the function ``fastdump.diff``.)
 
@@ -193,20 +196,55 @@ class Options:
 # ----------------------------------------------------------------------------------------- ranks
 
 
+# Sizes above this are damage, not a cluster: refused before anything is allocated per rank.
+MAX_PARALLEL_SIZE = 65536
+_RANK_NUMBER_KEYS = ("tp_rank", "pp_rank", "dp_rank", "rank")
+_RANK_SIZE_KEYS = ("tp_size", "pp_size")
+
+
+def _rank_numbers(info: dict, path: str) -> dict:
+    """rank.json's "rank" object, checked: ranks are integers >= 0, sizes integers in
+    1..MAX_PARALLEL_SIZE (a null or absent one is unknown). Damage is a DiffError naming the
+    file, never a traceback, nor a size that makes diff allocate until it is killed."""
+    numbers = info.get("rank")
+    if numbers is None:
+        return {}
+    if not isinstance(numbers, dict):
+        raise DiffError(f"{path}: \"rank\" is {numbers!r:.80}, not an object of rank numbers")
+    for key in _RANK_NUMBER_KEYS + _RANK_SIZE_KEYS:
+        value = numbers.get(key)
+        if value is None:
+            continue
+        low = 1 if key in _RANK_SIZE_KEYS else 0
+        high = MAX_PARALLEL_SIZE if key in _RANK_SIZE_KEYS else None
+        if not isinstance(value, int) or isinstance(value, bool) or value < low or (high and value > high):
+            bound = f"{low}..{high}" if high else f">= {low}"
+            raise DiffError(f"{path}: rank.{key} is {value!r:.80}, expected an integer {bound}")
+    for rank_key, size_key in (("tp_rank", "tp_size"), ("pp_rank", "pp_size")):
+        rank, size = numbers.get(rank_key), numbers.get(size_key)
+        if rank is not None and size is not None and rank >= size:
+            raise DiffError(f"{path}: rank.{rank_key} {rank} is not below rank.{size_key} {size}")
+    return numbers
+
+
 class RankRef:
     """One rank directory of one side, identified by its rank numbers."""
 
-    def __init__(self, ds, role: str, name: str):
-        self.ds, self.role, self.name = ds, role, name
+    def __init__(self, ds, role: str, name: str, side: str):
+        self.ds, self.role, self.name, self.side = ds, role, name, side
+        self.path = ds.rank_path(role, name) if hasattr(ds, "rank_path") else os.path.join(ds.root, role, name)
         info = ds.rank_info(role, name)
+        rank_file = os.path.join(self.path, fmt.RANK_FILE)
         self.status = info.get("status", "unknown")
-        numbers = info.get("rank") or {}
+        if not isinstance(self.status, str):
+            raise DiffError(f"{side} {rank_file}: status is {self.status!r:.80}, not a string")
+        numbers = _rank_numbers(info, f"{side} {rank_file}")
         match = fmt.RANK_DIR_RE.match(name)
         from_dir = [int(g) for g in match.groups()[:3]] if match else [None, None, None]
 
         def number(key, fallback):
             value = numbers.get(key)
-            return int(value) if isinstance(value, int) and not isinstance(value, bool) else fallback
+            return fallback if value is None else value
 
         self.tp_rank = number("tp_rank", from_dir[0] if from_dir[0] is not None else 0)
         self.pp_rank = number("pp_rank", from_dir[1] if from_dir[1] is not None else 0)
@@ -214,14 +252,55 @@ class RankRef:
         self.dp_rank = number("dp_rank", 0)
         self.tp_size = number("tp_size", None)
         self.pp_size = number("pp_size", None)
-        self.path = ds.rank_path(role, name) if hasattr(ds, "rank_path") else os.path.join(ds.root, role, name)
+        self._passes = None
+
+    @property
+    def passes(self) -> set:
+        """Pass ids of this rank directory (read once)."""
+        if self._passes is None:
+            self._passes = set(_read(self, None, self.ds.passes))
+        return self._passes
+
+    def where(self, pass_id=None) -> str:
+        """'<side> dump <root>, role R, rank N (<dir>)[, pass P]': what a read error names."""
+        root = os.path.dirname(os.path.dirname(self.path))
+        return (f"{self.side} dump {root}, role {self.role!r}, rank {self.rank} ({self.name})"
+                + ("" if pass_id is None else f", pass {pass_id}"))
 
     def __repr__(self):
         return f"{self.role}/{self.name}"
 
 
-def _side_ranks(ds, role: str) -> list:
-    refs = [RankRef(ds, role, name) for name in ds.ranks(role)]
+class _ReadError(DiffError):
+    """The reader failed on one rank's passes or one of its passes (reader.DumpError: damaged, or a
+    pass in two segments; an OSError). Within the pass loop a problem (exit 2), the other passes
+    are still compared; anywhere else it stops the diff (exit 2)."""
+
+
+def _read(ref: RankRef, pass_id, method, *args):
+    """``method(role, rank dir, *args)`` of the reader; its errors become a _ReadError naming
+    side, dump, role, rank and pass."""
+    try:
+        return method(ref.role, ref.name, *args)
+    except (ValueError, KeyError, OSError) as exc:  # reader.DumpError is a ValueError
+        reason = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc  # str(KeyError) adds quotes
+        raise _ReadError(f"{ref.where(pass_id)}: cannot read ({type(exc).__name__}: {reason})") from None
+
+
+def _side_ranks(ds, role: str, side: str) -> list:
+    refs = [RankRef(ds, role, name, side) for name in ds.ranks(role)]
+    by_numbers: dict = {}
+    for ref in refs:
+        by_numbers.setdefault((ref.dp_rank, ref.pp_rank, ref.tp_rank), []).append(ref)
+    for (dp, pp, tp), same in by_numbers.items():
+        if len(same) > 1:
+            # Attach/close twice into one root leaves one directory per session: comparing one of
+            # them (the last, as a dict would) would hide the others.
+            raise DiffError(
+                f"{side} role {role!r}: rank {same[0].rank} (dp {dp} pp {pp} tp {tp}) has {len(same)} sessions "
+                f"(rank directories): {[ref.path for ref in same]}; diff compares one session per rank. To "
+                f"compare one, copy its directory alone into a root of its own (mkdir -p NEW/{role} && "
+                f"cp -r DIR NEW/{role}/) and give NEW as the {side} dump")
     # Sizes missing from rank.json: count the ranks of the same stage / the stages.
     for ref in refs:
         if ref.tp_size is None:
@@ -238,11 +317,12 @@ def _stages(refs: list) -> list:
         by_stage.setdefault(ref.pp_rank, []).append(ref)
     stages = []
     for pp in sorted(by_stage):
-        group = sorted(by_stage[pp], key=lambda r: r.tp_rank)
-        if len({r.tp_rank for r in group}) != len(group):
-            raise DiffError(f"role {group[0].role!r}: two rank directories claim pp {pp} tp {group[0].tp_rank}: "
-                            f"{[r.path for r in group]}")
-        expected = group[0].tp_size
+        group = sorted(by_stage[pp], key=lambda r: r.tp_rank)  # one per tp rank: _side_ranks checked
+        sizes = sorted({r.tp_size for r in group})
+        if len(sizes) > 1:
+            raise DiffError(f"role {group[0].role!r} pp {pp}: the rank directories disagree on tp_size {sizes} "
+                            f"({os.path.dirname(group[0].path)})")
+        expected = sizes[0]  # at most MAX_PARALLEL_SIZE: RankRef checked
         if [r.tp_rank for r in group] != list(range(expected)):
             # Unsharding a partial group would compare half a tensor and blame the shapes.
             raise DiffError(f"role {group[0].role!r} pp {pp}: TP ranks {[r.tp_rank for r in group]} present of "
@@ -255,13 +335,21 @@ def _stages(refs: list) -> list:
 class Unit:
     """What is compared as one: a baseline rank group against a target rank group."""
 
-    def __init__(self, role, label, baseline_stages, target_stages):
+    def __init__(self, role, label, baseline_stages, target_stages, pp_rank=0, peers=None):
         self.role, self.label = role, label
         self.baseline, self.target = baseline_stages, target_stages
+        self.pp_rank = pp_rank  # the PP stage a one-rank unit runs; a merged unit holds every stage
+        # (baseline ranks, target ranks) whose passes say which passes a side ran: a one-rank unit's
+        # TP group, so that a pass its rank lacks but its group ran is compared, and fails.
+        self.peers = peers or (_ranks_of(baseline_stages), _ranks_of(target_stages))
 
     @property
     def target_ranks(self):
-        return [ref.rank for stage in self.target for ref in stage]
+        return [ref.rank for ref in _ranks_of(self.target)]
+
+
+def _ranks_of(stages: list) -> list:
+    return [ref for stage in stages for ref in stage]
 
 
 def _pair_units(role: str, base_refs: list, target_refs: list, missing: list) -> list:
@@ -280,7 +368,9 @@ def _pair_units(role: str, base_refs: list, target_refs: list, missing: list) ->
                 missing.append({"kind": "rank", "only_in": only, "role": role, "rank": ref.rank,
                                 "dp_rank": ref.dp_rank, "path": ref.path})
                 continue
-            units.append(Unit(role, t.rank, [[b]], [[t]]))
+            tp_groups = tuple([r for r in refs if (r.dp_rank, r.pp_rank) == key[:2]]
+                              for refs in (base_refs, target_refs))
+            units.append(Unit(role, t.rank, [[b]], [[t]], pp_rank=t.pp_rank, peers=tp_groups))
         return units
     # Different parallel layouts: rebuild whole tensors on each side, per DP replica.
     for dp in sorted({r.dp_rank for r in base_refs} | {r.dp_rank for r in target_refs}):
@@ -299,10 +389,20 @@ def _pair_units(role: str, base_refs: list, target_refs: list, missing: list) ->
 # ---------------------------------------------------------------------------------------- passes
 
 
+def _pass_holders(refs: list) -> dict:
+    """{pass id: the first rank holding it}, in pass order, over the ranks of a side: a pass the
+    lead rank lacks is still compared (the ranks without it fail its rows)."""
+    holders: dict = {}
+    for ref in refs:
+        for pass_id in ref.passes:
+            holders.setdefault(pass_id, ref)
+    return dict(sorted(holders.items()))
+
+
 def _pass_pairs(unit: Unit, options: Options, missing: list) -> list:
     """[(sort key, baseline pass, target pass)] for one unit."""
-    lead_b, lead_t = unit.baseline[0][0], unit.target[0][0]
-    b_passes, t_passes = lead_b.ds.passes(lead_b.role, lead_b.name), lead_t.ds.passes(lead_t.role, lead_t.name)
+    b_holders, t_holders = (_pass_holders(peers) for peers in unit.peers)
+    b_passes, t_passes = list(b_holders), list(t_holders)
     align = options.align
     if align is None or align[0] == "offset":
         shift = 0 if align is None else align[1]  # baseline pass p pairs with target pass p + shift
@@ -317,8 +417,8 @@ def _pass_pairs(unit: Unit, options: Options, missing: list) -> list:
     else:
         if align[0] == "meta":
             _, key, value = align
-            b_passes = [p for p in b_passes if lead_b.ds.meta(lead_b.role, lead_b.name, p).get(key) == value]
-            t_passes = [p for p in t_passes if lead_t.ds.meta(lead_t.role, lead_t.name, p).get(key) == value]
+            b_passes = [p for p in b_passes if _read(b_holders[p], p, b_holders[p].ds.meta, p).get(key) == value]
+            t_passes = [p for p in t_passes if _read(t_holders[p], p, t_holders[p].ds.meta, p).get(key) == value]
         n = min(len(b_passes), len(t_passes))
         for side, passes in (("baseline", b_passes), ("target", t_passes)):
             if len(passes) > n:
@@ -336,12 +436,12 @@ def _pass_pairs(unit: Unit, options: Options, missing: list) -> list:
 def _incomplete_pass_notes(unit, side: str, stages: list, pass_id: int) -> list:
     """A note for each shard of a side whose pass is compared although the capture side said it
     is not whole (every TP and PP shard: one incomplete shard makes the reassembled pass so)."""
-    refs = [ref for stage in stages for ref in stage]
+    refs = _ranks_of(stages)
     notes = []
     for ref in refs:
         try:
             meta = ref.ds.meta(ref.role, ref.name, pass_id)
-        except (KeyError, ValueError):  # ValueError: reader.DumpError, a segment it cannot read
+        except (KeyError, ValueError, OSError):  # ValueError: reader.DumpError, a segment it cannot read
             continue  # this shard's tensors of the pass are reported missing or ERROR when read
         if meta.get("complete") is False:
             notes.append(f"{unit.role} rank {unit.label}: {side} pass {pass_id} is marked incomplete"
@@ -350,13 +450,42 @@ def _incomplete_pass_notes(unit, side: str, stages: list, pass_id: int) -> list:
     return notes
 
 
-def _names_in_order(stages: list, pass_id: int) -> dict:
-    """{name: stage index} of a pass, in dump order, stage 0's names first."""
+# How the reader names the second copy of a name in one pass ('a#dup1'): load() returns both.
+_READER_COPY_RE = re.compile(r"(.+)#dup\d+")
+
+
+def _ambiguous_name(names: list):
+    """A name one rank's pass holds twice, as listed ('a', 'a') or as load() renames it ('a',
+    'a#dup1'); None when there is none. Such a pass is in two segments (a segment of another
+    session copied in): which copy is the pass cannot be told, so neither is compared."""
+    listed, seen = set(names), set()
+    for name in names:
+        copy_of = _READER_COPY_RE.fullmatch(name)
+        if name in seen or (copy_of and copy_of.group(1) in listed):
+            return name
+        seen.add(name)
+    return None
+
+
+def _names_in_order(stages: list, pass_id: int, cache: "_PassCache") -> dict:
+    """{name: stage index} of a pass, in dump order: stage 0's names first; within a stage its
+    first TP rank's order, then any name only a later TP rank holds (each name is then read from
+    every rank of its stage, and a rank without it fails that row). Raises _ReadError when a
+    rank's pass cannot be read, or holds a name twice."""
     found: dict = {}
     for index, stage in enumerate(stages):
-        lead = stage[0]
-        for name in lead.ds.pass_names(lead.role, lead.name, pass_id):
-            found.setdefault(name, index)
+        for ref in stage:
+            if pass_id not in ref.passes:
+                continue  # its rows say the pass is missing on this rank
+            names = cache.names(ref, pass_id)
+            twice = _ambiguous_name(names)
+            if twice is not None:
+                raise _ReadError(f"{ref.where(pass_id)}: tensor {twice!r} is in the pass twice (the pass is "
+                                 f"in two segments?); which copy to compare is ambiguous, so the pass is not "
+                                 f"compared")
+            for name in names:
+                # A later PP stage dumping a name again (the model's root module) keeps the first.
+                found.setdefault(name, index)
     return found
 
 
@@ -372,9 +501,18 @@ class _PassCache:
 
     def __init__(self):
         self._passes: dict = {}  # (rank path, pass id) -> {name: tensor} or None (read per tensor)
+        self._names: dict = {}  # (rank path, pass id) -> [name, ...]
 
     def clear(self) -> None:
         self._passes.clear()
+        self._names.clear()
+
+    def names(self, ref: RankRef, pass_id: int) -> list:
+        """Tensor names of one rank's pass, in dump order (read once per pass pair)."""
+        key = (ref.path, pass_id)
+        if key not in self._names:
+            self._names[key] = _read(ref, pass_id, ref.ds.pass_names, pass_id)
+        return self._names[key]
 
     def tensor(self, ref: RankRef, name: str, pass_id: int):
         key = (ref.path, pass_id)
@@ -399,11 +537,14 @@ class _PassCache:
 def _read_shards(stage: list, name: str, pass_id: int, cache: _PassCache) -> list:
     shards = []
     for ref in stage:
+        # Missing data on one rank of a group fails the row (exit 1), as a differing value would.
+        if pass_id not in ref.passes:
+            raise _RowError("fail", f"pass {pass_id} missing on {ref.side} rank {ref.rank}", ref.path)
+        if name not in cache.names(ref, pass_id):
+            raise _RowError("fail", f"missing on {ref.side} rank {ref.rank} pass {pass_id}", ref.path)
         try:
             shards.append(cache.tensor(ref, name, pass_id))
         except Exception as exc:  # a damaged block: report where, keep comparing the rest
-            if isinstance(exc, KeyError) and name not in ref.ds.pass_names(ref.role, ref.name, pass_id):
-                raise _RowError("fail", f"missing on rank {ref.rank} pass {pass_id}", ref.path) from None
             raise _RowError("read", f"cannot read pass {pass_id} ({type(exc).__name__}: {exc})", ref.path) from None
     return shards
 
@@ -490,11 +631,17 @@ def _assemble(base_shards: list, target_shards: list, rule, atol: float, rtol: f
             rule)
 
 
+def _holds(stages: list, pass_id: int) -> bool:
+    return any(pass_id in ref.passes for ref in _ranks_of(stages))
+
+
 def _recorded_layout(stages: list, pass_id: int) -> dict:
-    lead = stages[0][0]
     if len(stages) == 1 and len(stages[0]) == 1:
         return {}
-    layout = lead.ds.meta(lead.role, lead.name, pass_id).get(LAYOUT_META_KEY)
+    holder = next((ref for ref in _ranks_of(stages) if pass_id in ref.passes), None)  # the lead may lack it
+    if holder is None:
+        return {}
+    layout = _read(holder, pass_id, holder.ds.meta, pass_id).get(LAYOUT_META_KEY)
     return layout if isinstance(layout, dict) else {}
 
 
@@ -588,6 +735,8 @@ class DiffResult:
         failing = [row for row in rows if row["status"] != "ok"]
         self.failed = len(failing)
         self.first_divergence = failing[0] if failing else None
+        # A rank on one side only is data missing from the comparison: the dumps differ (exit 1).
+        self.missing_ranks = [item for item in missing if item["kind"] == "rank"]
 
     def __repr__(self) -> str:
         first = self.first_divergence
@@ -602,7 +751,7 @@ class DiffResult:
     def exit_code(self) -> int:
         if self.problems or self.read_errors:
             return 2
-        return 1 if self.failed else 0
+        return 1 if self.failed or self.missing_ranks else 0
 
     @property
     def ok(self) -> bool:
@@ -631,7 +780,13 @@ class DiffResult:
         """Human-readable report: the first divergence first, then one line per failing tensor."""
         out = []
         first = self.first_divergence
-        if first is None:
+        if first is None and self.problems:
+            out.append(f"no divergence in the {self.compared} tensor(s) compared, but {len(self.problems)} read "
+                       f"problem(s) (ERROR lines below) leave the comparison incomplete")
+        elif first is None and self.missing_ranks:
+            out.append(f"ranks missing: {len(self.missing_ranks)} rank(s) on one side only (listed below); "
+                       f"the {self.compared} tensor(s) compared are within tolerance")
+        elif first is None:
             out.append(f"no divergence: {self.compared} tensor(s) compared, all within tolerance "
                        f"(atol {self.options.atol:g}, rtol {self.options.rtol:g})")
         else:
@@ -722,7 +877,7 @@ def _check_side(ds, side: str, roles: list, options: Options, notes: list) -> No
             raise DiffError(f"{side} {ds.root}: no role {role!r} (roles: {ds.roles})")
     for role in roles:
         for name in ds.ranks(role):
-            ref = RankRef(ds, role, name)
+            ref = RankRef(ds, role, name, side)
             error = ds.rank_info(role, name).get("error")
             if ref.status in ("running", "error") and not options.allow_running:
                 temp = [e for e in os.listdir(ref.path) if e.endswith(".tmp")]
@@ -754,11 +909,15 @@ def _diff(base_ds, target_ds, options: Options) -> DiffResult:
 
     units = []
     for role in roles:
-        units.extend(_pair_units(role, _side_ranks(base_ds, role), _side_ranks(target_ds, role), missing))
+        units.extend(_pair_units(role, _side_ranks(base_ds, role, "baseline"), _side_ranks(target_ds, role, "target"),
+                                 missing))
     if options.rank is not None:
         units = [unit for unit in units if options.rank in unit.target_ranks]
         if not units:
             raise DiffError(f"no rank {options.rank} present on both sides")
+        # Other ranks were not asked about: their absence on one side says nothing here.
+        missing = [item for item in missing if item["kind"] != "rank" or item["rank"] == options.rank]
+    role_order = {role: index for index, role in enumerate(roles)}
     work = [(unit_index, unit, pair) for unit_index, unit in enumerate(units)
             for pair in _pass_pairs(unit, options, missing)]
 
@@ -774,14 +933,20 @@ def _diff(base_ds, target_ds, options: Options) -> DiffResult:
             for side, stages, pass_id in (("baseline", unit.baseline, b_pass), ("target", unit.target, t_pass)):
                 notes.extend(_incomplete_pass_notes(unit, side, stages, pass_id))
             try:
-                base_names = _names_in_order(unit.baseline, b_pass)
-                target_names = _names_in_order(unit.target, t_pass)
-            except KeyError as exc:
-                problems.append(f"{unit.role} rank {unit.label} pass {t_pass}: {exc}")
+                base_names = _names_in_order(unit.baseline, b_pass, cache)
+                target_names = _names_in_order(unit.target, t_pass, cache)
+                layouts = [_recorded_layout(unit.target, t_pass), _recorded_layout(unit.baseline, b_pass)]
+            except _ReadError as exc:  # a damaged or ambiguous pass: exit 2, the other passes still compared
+                problems.append(str(exc))
                 continue
+            # A rank without a pass its TP group ran (paired ranks; a merged unit reads every rank):
+            # the other side's names are compared, and each row fails naming that rank.
+            if not _holds(unit.target, t_pass):
+                target_names = dict(base_names)
+            elif not _holds(unit.baseline, b_pass):
+                base_names = dict(target_names)
             base_names_seen.update(base_names)
             target_names_seen.update(target_names)
-            layouts = [_recorded_layout(unit.target, t_pass), _recorded_layout(unit.baseline, b_pass)]
             wanted = options.name_filter
             for side, names, other in (("target", target_names, base_names), ("baseline", base_names, target_names)):
                 for name in names:
@@ -801,7 +966,9 @@ def _diff(base_ds, target_ds, options: Options) -> DiffResult:
                         row["path"] = exc.path
                 except ValueError as exc:  # a bad recorded layout rule
                     row.update({"status": "error", "reason": str(exc), "max_abs": None})
-                row["_key"] = (key, unit_index, order)
+                # Execution order: the pass, then its PP stages in turn, then the tensor's position;
+                # TP and DP ranks run the same position at once, so the lowest rank is named first.
+                row["_key"] = (key, role_order[unit.role], unit.pp_rank, order, unit_index)
                 failed += row["status"] != "ok"
                 rows.append(row)
             progress.update(done, len(work), len(rows), failed)
@@ -824,6 +991,8 @@ def _diff(base_ds, target_ds, options: Options) -> DiffResult:
             reason = "no rank in common" + listed("rank")
         elif not work:
             reason = "no passes in common (--align order or meta:KEY=VALUE pairs passes by order)" + listed("passes")
+        elif not (base_names_seen or target_names_seen) and problems:
+            reason = "no pass could be read"
         elif not common:
             reason = (f"no tensor name in common ({len(base_names_seen)} baseline names, "
                       f"{len(target_names_seen)} target names): these look like dumps of different models")

@@ -1,7 +1,9 @@
 """Hostile tests of the comparator (fastdump diff / fastdump.diff) on real dumps made by
 ``fastdump.attach`` on small CPU models: odd dtypes and shapes, non-finite values, tolerance and
 metric options at their edges, names/passes/roles/ranks on one side only, incomplete and corrupt
-dumps, JSON against text, and an EAGLE-style target + draft dump compared across two runs.
+dumps, rank directories (several sessions, malformed rank.json, a pass or a rank missing on one TP
+rank, ambiguous passes), JSON against text, and an EAGLE-style target + draft dump compared across
+two runs.
 
 Tests once marked ``xfail(strict=True, reason="BUG: ...")`` documented bugs found in fastdump; those
 bugs are fixed and the tests pass.
@@ -12,6 +14,8 @@ import json
 import os
 import shutil
 import signal
+import subprocess
+import sys
 import time
 
 import h5py
@@ -25,7 +29,7 @@ from fastdump import cli
 from fastdump.compare import DiffError
 
 from toy_models import TinyDraft, TinyLM
-from conftest import restamp_tables
+from conftest import restamp_tables, write_rank_dir
 
 NAN, INF = float("nan"), float("inf")
 
@@ -635,3 +639,250 @@ def test_json_matches_text_output(tmp_path, capsys):
     assert missing == {("gone", "baseline"), ("new", "target")}
     assert sum(line.startswith("missing: ") for line in lines) == 2
     assert data["options"]["atol"] == 1e-5 and data["rows"][0]["atol"] == 1e-5
+
+
+# ------------------------------------------------- rank directories: sessions, rank.json, TP groups
+
+
+def crafted_rank(root, passes, tp=0, tp_size=1, pp=0, pp_size=1):
+    """A rank directory written by the real writer from {pass id: {name: tensor}}, named as fastdump
+    names it (one session per rank, as separate processes have)."""
+    number = pp * tp_size + tp
+    rank = {"tp_rank": tp, "tp_size": tp_size, "pp_rank": pp, "pp_size": pp_size, "rank": number}
+    name = f"TP{tp}_PP{pp}_Rank{number}_pid100_20260101T000000.000000Z-{number:08x}"
+    return write_rank_dir(os.path.join(root, "target", name), passes, rank=rank)
+
+
+def edit_rank_json(rank_path, **fields):
+    """Set top-level fields of a rank directory's rank.json ('rank' replaces the whole object)."""
+    path = os.path.join(rank_path, "rank.json")
+    with open(path) as f:
+        info = json.load(f)
+    info.update(fields)
+    with open(path, "w") as f:
+        json.dump(info, f)
+    return path
+
+
+def test_two_sessions_of_one_rank_are_refused_naming_both(tmp_path, capsys):
+    base = dump_bag(tmp_path / "base", {"x": torch.ones(2)}, passes=2)
+    target = dump_bag(tmp_path / "target", {"x": torch.ones(2)}, passes=2)
+    dump_bag(tmp_path / "target", {"x": torch.ones(2) * 5}, passes=2)  # attach/close again: a second session
+    sessions = sorted(os.listdir(target / "target"))  # same pid: in start order
+    assert len(sessions) == 2
+    code, out, err = run(capsys, base, target)
+    assert code == 2 and out == "" and "Traceback" not in err
+    assert "target role 'target': rank 0 (dp 0 pp 0 tp 0) has 2 sessions" in err
+    assert all(str(target / "target" / session) in err for session in sessions)
+    # What the message says to do works: a session alone in a root of its own is compared.
+    for session, expected_code in zip(sessions, (0, 1)):
+        alone = tmp_path / f"alone-{expected_code}" / "target"
+        shutil.copytree(target / "target" / session, alone / session)
+        assert run(capsys, base, alone.parent)[0] == expected_code
+
+
+@pytest.mark.parametrize("size", [10**9, 10**30])
+def test_absurd_tp_size_in_rank_json_exits_2_at_once(tmp_path, size):
+    passes = {p: {"a": torch.ones(4) * p} for p in range(2)}
+    crafted_rank(tmp_path / "base", passes)
+    edit_rank_json(crafted_rank(tmp_path / "target", passes),
+                   rank={"tp_rank": 0, "tp_size": size, "pp_rank": 0, "pp_size": 1, "rank": 0})
+
+    def bounded_memory():  # 10**9 once made diff allocate a list of 10**9 ranks until it was killed
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))
+
+    done = subprocess.run([sys.executable, "-m", "fastdump", "diff", str(tmp_path / "base"), str(tmp_path / "target")],
+                          capture_output=True, text=True, timeout=120, preexec_fn=bounded_memory)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert f"rank.json: rank.tp_size is {size}, expected an integer 1..65536" in done.stderr
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("rank", 5, '"rank" is 5, not an object of rank numbers'),
+    ("rank", "x", "\"rank\" is 'x', not an object of rank numbers"),
+    ("rank", [0], '"rank" is [0], not an object of rank numbers'),
+    ("rank.tp_rank", "0", "rank.tp_rank is '0', expected an integer >= 0"),
+    ("rank.pp_rank", True, "rank.pp_rank is True, expected an integer >= 0"),
+    ("rank.dp_rank", -1, "rank.dp_rank is -1, expected an integer >= 0"),
+    ("rank.pp_size", 0, "rank.pp_size is 0, expected an integer 1..65536"),
+    ("rank.tp_size", 2.0, "rank.tp_size is 2.0, expected an integer 1..65536"),
+    ("rank.tp_rank", 3, "rank.tp_rank 3 is not below rank.tp_size 1"),
+    ("status", ["closed"], "status is ['closed'], not a string"),
+])
+def test_malformed_rank_json_field_exits_2_naming_file_and_field(tmp_path, capsys, field, value, message):
+    passes = {p: {"a": torch.ones(4) * p} for p in range(2)}
+    crafted_rank(tmp_path / "base", passes)
+    target = crafted_rank(tmp_path / "target", passes)
+    with open(os.path.join(target, "rank.json")) as f:
+        info = json.load(f)
+    if field.startswith("rank."):
+        value = {**info["rank"], field.partition(".")[2]: value}
+        field = "rank"
+    path = edit_rank_json(target, **{field: value})
+    code, out, err = run(capsys, tmp_path / "base", tmp_path / "target")
+    assert code == 2 and out == "" and "Traceback" not in err
+    assert err == f"fastdump diff: target {path}: {message}\n"
+
+
+def test_tp_ranks_disagreeing_on_tp_size_exit_2(tmp_path, capsys):
+    full = torch.arange(8, dtype=torch.float32)
+    crafted_rank(tmp_path / "base", {0: {"a": full}})
+    crafted_rank(tmp_path / "target", {0: {"a": full[:4]}}, tp=0, tp_size=2)
+    crafted_rank(tmp_path / "target", {0: {"a": full[4:]}}, tp=1, tp_size=3)
+    code, out, err = run(capsys, tmp_path / "base", tmp_path / "target")
+    assert code == 2 and "Traceback" not in err
+    assert "role 'target' pp 0: the rank directories disagree on tp_size [2, 3]" in err
+
+
+@pytest.mark.parametrize("baseline_tp", [1, 2], ids=["merged", "paired"])
+@pytest.mark.parametrize("lacking", [0, 1], ids=["lead-rank", "other-rank"])
+def test_a_pass_missing_on_one_tp_rank_fails_naming_that_rank(tmp_path, capsys, baseline_tp, lacking):
+    full = {p: torch.arange(8, dtype=torch.float32) + p for p in range(3)}
+
+    def shards(tp, tp_size, pass_ids):
+        return {p: {"a": full[p].chunk(tp_size)[tp]} for p in pass_ids}
+
+    for tp in range(baseline_tp):
+        crafted_rank(tmp_path / "base", shards(tp, baseline_tp, range(3)), tp=tp, tp_size=baseline_tp)
+    target = tmp_path / "target"
+    for tp in range(2):
+        path = crafted_rank(target, shards(tp, 2, (0, 2) if tp == lacking else range(3)), tp=tp, tp_size=2)
+        if tp == lacking:
+            lacking_path = path
+    code, out, err = run(capsys, tmp_path / "base", target)
+    assert code == 1 and "Traceback" not in err
+    label = "dp0:merged" if baseline_tp == 1 else lacking
+    assert out.splitlines()[0] == (f"first divergence: target rank {label} pass 1 a  "
+                                   f"[pass 1 missing on target rank {lacking}] ({lacking_path})")
+    result = fastdump.diff(tmp_path / "base", target)
+    expected = [(1, f"pass 1 missing on target rank {lacking}")]
+    assert [(row["pass"], row["reason"]) for row in result.failures] == expected
+    assert result.missing == []
+
+
+def test_first_divergence_across_ranks_follows_execution_order(tmp_path, capsys):
+    """Same layout on both sides (each rank paired with its twin): TP ranks run each layer at once,
+    PP stages one after the other, so the first divergence is the earliest layer on any TP rank,
+    and in the earliest stage."""
+    names = [f"model.layers.{i}.mlp" for i in range(4)]
+
+    def passes(nudged_layer=None):
+        tensors = {name: torch.arange(4, dtype=torch.float32) + i for i, name in enumerate(names)}
+        if nudged_layer is not None:
+            tensors[names[nudged_layer]] = tensors[names[nudged_layer]] + 1
+        return {0: tensors, 1: {name: t.clone() for name, t in tensors.items()}}
+
+    nudges = {(0, 0): 3, (1, 0): 1, (0, 1): 0}  # (tp, pp) -> the layer that rank diverges at in pass 0
+    for side in ("base", "target"):
+        for (tp, pp), layer in nudges.items():
+            crafted_rank(tmp_path / side, passes(layer if side == "target" else None), tp=tp, tp_size=2, pp=pp,
+                         pp_size=2)
+        crafted_rank(tmp_path / side, passes(), tp=1, tp_size=2, pp=1, pp_size=2)
+    code, out, err = run(capsys, tmp_path / "base", tmp_path / "target")
+    assert code == 1 and out.startswith("first divergence: target rank 1 pass 0 model.layers.1.mlp  ")
+    result = fastdump.diff(tmp_path / "base", tmp_path / "target")
+    # tp rank 1's layer 1, then tp rank 0's layer 3 (stage 0), then stage 1 (global rank 2)
+    assert [(row["rank"], row["pass"], row["name"]) for row in result.failures] == [
+        (1, 0, names[1]), (0, 0, names[3]), (2, 0, names[0])] + [
+        (rank, 1, names[layer]) for rank, layer in ((1, 1), (0, 3), (2, 0))]
+
+
+def test_a_rank_missing_on_one_side_is_a_difference(tmp_path, capsys):
+    passes = {p: {"a": torch.ones(4) * p} for p in range(2)}
+    crafted_rank(tmp_path / "base", passes, tp=0, tp_size=2)
+    lost = crafted_rank(tmp_path / "base", passes, tp=1, tp_size=2)
+    crafted_rank(tmp_path / "target", passes, tp=0, tp_size=2)  # its tp rank 1 directory is gone
+    code, out, err = run(capsys, tmp_path / "base", tmp_path / "target")
+    lines = out.splitlines()
+    assert code == 1 and "Traceback" not in err
+    assert lines[0] == ("ranks missing: 1 rank(s) on one side only (listed below); "
+                        "the 2 tensor(s) compared are within tolerance")
+    assert f"missing: role target rank 1 (dp 0) only in the baseline ({lost})" in lines
+    result = fastdump.diff(tmp_path / "base", tmp_path / "target")
+    assert result.exit_code == 1 and not result.ok and result.first_divergence is None
+    assert json.loads(result.to_json())["exit_code"] == 1
+    # --rank 0 asks about rank 0 only: present and equal on both sides.
+    assert fastdump.diff(tmp_path / "base", tmp_path / "target", rank=0).exit_code == 0
+
+
+def test_a_pass_in_two_segments_is_ambiguous_never_silently_equal(tmp_path, capsys):
+    """A segment of another session holding passes 0 and 1 copied into a rank directory: pass 0
+    has two versions of 'a'. Neither is picked: the pass is a read problem naming where it is."""
+    passes = {p: {"a": torch.ones(3) * p} for p in range(4)}
+    crafted_rank(tmp_path / "base", passes)
+    rank_path = crafted_rank(tmp_path / "target", passes)
+    other = write_rank_dir(tmp_path / "other", {p: {"a": torch.ones(3) * p + 100} for p in range(2)})
+    shutil.copy(sorted(glob.glob(os.path.join(other, "seg-*.h5")))[0], os.path.join(rank_path, "seg-000002.h5"))
+    code, out, err = run(capsys, tmp_path / "base", tmp_path / "target")
+    assert code == 2 and "Traceback" not in err and not out.startswith("no divergence:")
+    where = f"target dump {tmp_path / 'target'}, role 'target', rank 0 ({os.path.basename(rank_path)}), pass "
+    # The reader may refuse the pass itself (DumpError) or list 'a' twice: either way, both passes named.
+    assert all(f"{where}{pass_id}: " in out + err for pass_id in (0, 1)), out + err
+
+
+@pytest.mark.parametrize("listed", [["a", "a"], ["a", "a#dup1"]])
+def test_a_name_listed_twice_in_a_pass_is_not_dropped(tmp_path, capsys, monkeypatch, listed):
+    from fastdump import reader
+
+    passes = {p: {"a": torch.ones(3) * p} for p in range(2)}
+    crafted_rank(tmp_path / "base", passes)
+    rank_path = crafted_rank(tmp_path / "target", passes)
+    real = reader.DumpSet.pass_names
+
+    def pass_names(self, role=None, rank=None, pass_id=None, **kwargs):
+        if self.root == str(tmp_path / "target") and pass_id == 0:
+            return list(listed)  # what the reader returns for a pass found in two segments
+        return real(self, role, rank, pass_id, **kwargs)
+
+    monkeypatch.setattr(reader.DumpSet, "pass_names", pass_names)
+    code, out, err = run(capsys, tmp_path / "base", tmp_path / "target")
+    assert code == 2
+    assert (f"ERROR: target dump {tmp_path / 'target'}, role 'target', rank 0 ({os.path.basename(rank_path)}), "
+            f"pass 0: tensor '{listed[1]}' is in the pass twice") in out.splitlines()[1]
+    assert out.splitlines()[-1] == "compared 1, failed 0, missing 0, problems 1"  # pass 1 still compared
+
+
+@pytest.mark.parametrize("error", ["DumpError", "ValueError", "KeyError", "OSError"])
+def test_a_read_error_in_one_pass_exits_2_naming_dump_role_rank_and_pass(tmp_path, capsys, monkeypatch, error):
+    from fastdump import reader
+
+    passes = {p: {"a": torch.ones(3) * p} for p in range(3)}
+    crafted_rank(tmp_path / "base", passes)
+    rank_path = crafted_rank(tmp_path / "target", passes)
+    exception = {"DumpError": reader.DumpError, "ValueError": ValueError, "KeyError": KeyError,
+                 "OSError": OSError}[error]
+    real = reader.DumpSet.pass_names
+
+    def pass_names(self, role=None, rank=None, pass_id=None, **kwargs):
+        if self.root == str(tmp_path / "target") and pass_id == 1:
+            raise exception("boom")
+        return real(self, role, rank, pass_id, **kwargs)
+
+    monkeypatch.setattr(reader.DumpSet, "pass_names", pass_names)
+    code, out, err = run(capsys, tmp_path / "base", tmp_path / "target")
+    assert code == 2 and "Traceback" not in err
+    assert (f"ERROR: target dump {tmp_path / 'target'}, role 'target', rank 0 ({os.path.basename(rank_path)}), "
+            f"pass 1: cannot read ({error}: boom)") in out.splitlines()
+    assert {row["pass"] for row in fastdump.diff(tmp_path / "base", tmp_path / "target").rows} == {0, 2}
+
+
+def test_a_read_error_listing_a_ranks_passes_exits_2_naming_dump_role_and_rank(tmp_path, capsys, monkeypatch):
+    from fastdump import reader
+
+    passes = {p: {"a": torch.ones(3) * p} for p in range(2)}
+    crafted_rank(tmp_path / "base", passes)
+    rank_path = crafted_rank(tmp_path / "target", passes)
+    real = reader.DumpSet.passes
+
+    def broken_passes(self, role=None, rank=None, **kwargs):
+        if self.root == str(tmp_path / "base"):
+            raise reader.DumpError("pass 0 is complete in two segments")
+        return real(self, role, rank, **kwargs)
+
+    monkeypatch.setattr(reader.DumpSet, "passes", broken_passes)
+    code, out, err = run(capsys, tmp_path / "base", tmp_path / "target")
+    assert code == 2 and out == "" and "Traceback" not in err
+    assert err == (f"fastdump diff: baseline dump {tmp_path / 'base'}, role 'target', rank 0 "
+                   f"({os.path.basename(rank_path)}): cannot read (DumpError: pass 0 is complete in two segments)\n")
