@@ -776,21 +776,23 @@ class DiffResult:
 
         return write_html(self, path)
 
+    def headline(self) -> str:
+        """The verdict in one line (the text report's first, the HTML report's summary)."""
+        first = self.first_divergence
+        if first is not None:
+            return f"first divergence: {_where(first)} {first['name']}  {_row_numbers(first)}"
+        if self.problems:
+            return (f"no divergence in the {self.compared} tensor(s) compared, but {len(self.problems)} read "
+                    f"problem(s) (ERROR lines below) leave the comparison incomplete")
+        if self.missing_ranks:
+            return (f"ranks missing: {len(self.missing_ranks)} rank(s) on one side only (listed below); "
+                    f"the {self.compared} tensor(s) compared are within tolerance")
+        return (f"no divergence: {self.compared} tensor(s) compared, all within tolerance "
+                f"(atol {self.options.atol:g}, rtol {self.options.rtol:g})")
+
     def lines(self) -> list:
         """Human-readable report: the first divergence first, then one line per failing tensor."""
-        out = []
-        first = self.first_divergence
-        if first is None and self.problems:
-            out.append(f"no divergence in the {self.compared} tensor(s) compared, but {len(self.problems)} read "
-                       f"problem(s) (ERROR lines below) leave the comparison incomplete")
-        elif first is None and self.missing_ranks:
-            out.append(f"ranks missing: {len(self.missing_ranks)} rank(s) on one side only (listed below); "
-                       f"the {self.compared} tensor(s) compared are within tolerance")
-        elif first is None:
-            out.append(f"no divergence: {self.compared} tensor(s) compared, all within tolerance "
-                       f"(atol {self.options.atol:g}, rtol {self.options.rtol:g})")
-        else:
-            out.append(f"first divergence: {_where(first)} {first['name']}  {_row_numbers(first)}")
+        out = [self.headline()]
         for row in self.failures:  # ERROR: unreadable or damaged data, not a divergence of the model
             label = "ERROR" if row["status"] == "error" else "FAIL"
             out.append(f"{label} {_where(row)} {row['name']}  {_row_numbers(row)}")

@@ -186,7 +186,7 @@ def render(result) -> str:
                     + (f', {_esc(first.get("reason"))}' if first.get("reason") else "") + "</p>")
         focus = (first["role"], first["rank"], first["pass"])
     else:
-        body.append("<p>No divergence: every compared tensor is within tolerance.</p>")
+        body.append(f"<p>{_esc(result.headline())}</p>")  # (missing ranks or read problems: not a pass)
         focus = (result.rows[0]["role"], result.rows[0]["rank"], result.rows[0]["pass"]) if result.rows else None
     if focus is not None:
         pass_rows = [r for r in result.rows if (r["role"], r["rank"], r["pass"]) == focus]

@@ -803,6 +803,9 @@ def test_a_rank_missing_on_one_side_is_a_difference(tmp_path, capsys):
     result = fastdump.diff(tmp_path / "base", tmp_path / "target")
     assert result.exit_code == 1 and not result.ok and result.first_divergence is None
     assert json.loads(result.to_json())["exit_code"] == 1
+    result.to_html(tmp_path / "report.html")  # the page says so too, not "no divergence"
+    page = (tmp_path / "report.html").read_text()
+    assert "fastdump diff: FAIL" in page and "ranks missing: 1 rank(s)" in page and "no divergence" not in page.lower()
     # --rank 0 asks about rank 0 only: present and equal on both sides.
     assert fastdump.diff(tmp_path / "base", tmp_path / "target", rank=0).exit_code == 0
 
