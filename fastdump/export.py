@@ -4,6 +4,9 @@
 
     <out>/[<role>/]TP{tp}_PP{pp}_Rank{rank}_pid{pid}/Pass{NNNNN}.pt   torch.save({name: CPU tensor or list})
 
+(SGLang's directory name: fastdump's session suffix is dropped, unless several sessions of one process
+are in the dump; then each keeps its whole name, so that none is merged into another.)
+
 ``--format sglang-dumper``: the layout of SGLang's ``dumper`` (``sglang.srt.debug_utils.dumper``),
 which ``dump_loader.read_meta`` and SGLang's comparator read: one directory per role, one file per
 tensor, all ranks together,
@@ -14,18 +17,31 @@ Role subdirectories appear when the dump has several roles (an EAGLE run gives `
 ``target/``, as SGLang writes since PR #21694); a single-role dump is laid out flat like a plain SGLang
 run. Names are SGLang's (see :func:`sglang_names`) when the dump was made through fastdump's SGLang
 drop-in, which records the model's module names; otherwise they stay fastdump's.
+
+A dump is evidence: SGLang's tools cannot tell a partial pass from a whole one. Export refuses a dump
+with a rank not closed (status running, error, incomplete) or a pass marked incomplete or with
+dropped tensors (:class:`PartialDumpError`), unless ``partial=True`` (``--partial``): then each such
+pass is exported as written, with a warning, and ``fastdump_passes.json`` / the ``fastdump_pass`` meta
+record it. Tensors the capture side recorded as skipped (e.g. quantized dtypes) are left out with a
+warning.
 """
 
 from __future__ import annotations
 
+import collections
 import json
+import os
 import re
 import sys
 from pathlib import Path
 
+from . import format as fmt
+from . import fsutil
+from .options import RANK_FIELDS
 from .report import printable as _printable
 
-__all__ = ["export_sglang", "export_sglang_dumper", "sglang_names", "add_arguments", "cmd_export"]
+__all__ = ["export_sglang", "export_sglang_dumper", "sglang_names", "PartialDumpError", "add_arguments",
+           "cmd_export"]
 
 # In a stored name: the call index a second call of a module in one pass gets (``name#1``).
 _CALL_RE = re.compile(r"#(\d+)(?=\.|$)")
@@ -75,15 +91,27 @@ def _split(name: str, modules: set):
     return None, call, plain
 
 
-def _module_names(ds, role, rank):
-    """The module names the SGLang drop-in recorded for a rank, or None."""
-    from .format import NAMES_FILE
+def _rank_path(ds, role, rank) -> str:
+    # A MultiDumpSet's root is a display string ("a + b"): each rank lives under its own root.
+    return ds.rank_path(role, rank) if hasattr(ds, "rank_path") else os.path.join(ds.root, role, rank)
 
+
+def _module_names(ds, role, rank, names):
+    """(module names, top module name) the SGLang drop-in recorded for a rank; (None, "model")
+    without them, said on stderr when SGLang names were asked for or the file is unusable."""
+    path = os.path.join(_rank_path(ds, role, rank), fmt.NAMES_FILE)
     try:
-        data = json.loads(Path(ds.root, role, rank, NAMES_FILE).read_text())
-        return data["modules"], data.get("top", "model")
-    except (OSError, ValueError, KeyError, TypeError):
-        return None, "model"
+        data = fsutil.load_json(path)  # no link followed out of the dump, no FIFO waited on
+        modules, top = (data.get("modules"), data.get("top", "model")) if isinstance(data, dict) else (None, None)
+        if not (isinstance(modules, list) and all(isinstance(m, str) for m in modules) and isinstance(top, str)):
+            raise ValueError('not {"modules": [name, ...], "top": name}')
+        return modules, top
+    except FileNotFoundError:
+        if names == "sglang":
+            _say(f"{role}/{rank} has no module list (not dumped through the SGLang drop-in): names kept as stored")
+    except (OSError, ValueError) as exc:
+        _say(f"warning: {role}/{rank}/{fmt.NAMES_FILE} not read ({exc}): names kept as stored")
+    return None, "model"
 
 
 def _shift_late(passes, top: str):
@@ -105,10 +133,10 @@ def _shift_late(passes, top: str):
         carry, carry_from = late, pass_id
 
 
-def _passes(ds, role, rank, modules, names, shift, top):
+def _passes(ds, role, rank, pass_ids, modules, names, shift, top):
     """(pass id, {SGLang name: tensor}) of a rank, in pass order."""
     def converted():
-        for pass_id in _passes_of(ds, role, rank):
+        for pass_id in pass_ids:
             # clone: a loaded tensor may view a larger block, and torch.save writes whole storages
             tensors = {name: t.clone() for name, t in ds.load(role, rank, pass_id).items()}
             yield pass_id, (sglang_names(tensors, modules) if names == "sglang" else tensors)
@@ -129,77 +157,235 @@ def _layout(ds, role_subdirs):
     return roles, split
 
 
+# ------------------------------------------------------------------------ is the dump whole?
+
+_MAX_LISTED = 20  # problems listed in a refusal; the rest are counted
+
+
+class PartialDumpError(ValueError):
+    """The dump is not whole (a rank not closed, a pass incomplete or with dropped tensors) and
+    ``partial`` was not given. ``problems``: one line per such rank and pass."""
+
+    HEADER = "not exported: the dump is not whole"
+    HINT = "to export it as written (each such pass recorded in fastdump_passes.json)"
+
+    def __init__(self, problems: list):
+        self.problems = list(problems)
+        listed = self.problems[:_MAX_LISTED]
+        if len(self.problems) > _MAX_LISTED:
+            listed.append(f"... and {len(self.problems) - _MAX_LISTED} more")
+        self.listed = listed
+        super().__init__(f"{self.HEADER}: {'; '.join(listed)}; pass partial=True {self.HINT}")
+
+    def lines(self) -> list:
+        """The command line's message: one line per problem."""
+        return [f"{self.HEADER}:", *(f"  {line}" for line in self.listed), f"pass --partial {self.HINT}"]
+
+
+# Why a rank status other than "closed" leaves passes missing or cut short (as fastdump diff says it).
+_STATUS_WHY = {
+    "running": "the dump is still being written, or its writer was killed",
+    "incomplete": "the dumping process exited without close(): its last pass may be cut short",
+}
+
+
+def _status_problem(info: dict):
+    """Why a rank is not known to be whole (rank.json's status), or None."""
+    if "status" not in info:
+        return "rank.json has no status (missing or damaged): not known to be whole"
+    status, error = info["status"], info.get("error")
+    if status == "closed":
+        return f"status is 'closed' but an error was recorded ({error})" if error else None
+    why = f"writing failed: {error}" if status == "error" else _STATUS_WHY.get(status, "not a finished dump")
+    return f"status is {status!r} ({why})"
+
+
+def _pass_problem(meta: dict) -> str:
+    """Why a pass is not whole ("" when it is), from its metadata (``DumpSet.meta``)."""
+    parts = []
+    if meta.get("complete") is False:
+        parts.append("is marked incomplete" + (f" ({meta['incomplete']})" if meta.get("incomplete") else ""))
+    if meta.get("dropped"):
+        parts.append(f"lost {meta['dropped']} tensor(s) (dropped under policy drop)")
+    return " and ".join(parts)
+
+
+def _skip_note(metas: list):
+    """What the capture side recorded as not dumped in a rank's passes (quantized dtypes, objects it
+    cannot read), or None. Known and named, so exported (with this note), not refused."""
+    skipped = [entry for meta in metas for entry in meta.get("skipped") or []]
+    if not skipped:
+        return None
+    passes = sum(1 for meta in metas if meta.get("skipped"))
+    reasons = list(dict.fromkeys(str(entry.get("reason", "no reason given")) for entry in skipped))
+    names = list(dict.fromkeys(str(entry.get("name", "?")) for entry in skipped))
+    return (f"{len(skipped)} tensor(s) in {passes} pass(es) were not dumped ({'; '.join(reasons[:3])}"
+            f"{'; ...' if len(reasons) > 3 else ''}): {', '.join(names[:3])}{', ...' if len(names) > 3 else ''} "
+            "left out of the export")
+
+
+def _survey(ds, roles, partial: bool) -> dict:
+    """{(role, rank): {pass id: metadata}} of every rank, once the dump is known to be whole: a
+    PartialDumpError otherwise, unless ``partial`` (then a warning per rank and pass not whole).
+    Recorded skips are a warning either way."""
+    metas, problems, notes = {}, [], []
+    for role in roles:
+        for rank in ds.ranks(role):
+            where = f"{role}/{rank}"
+            status = _status_problem(ds.rank_info(role, rank))
+            if status:
+                problems.append(f"{where}: {status}")
+            metas[role, rank] = {p: ds.meta(role, rank, p) for p in _passes_of(ds, role, rank)}
+            for pass_id, meta in metas[role, rank].items():
+                why = _pass_problem(meta)
+                if why:
+                    problems.append(f"{where}: pass {pass_id} {why}")
+            note = _skip_note(list(metas[role, rank].values()))
+            if note:
+                notes.append(f"{where}: {note}")
+    if problems and not partial:
+        raise PartialDumpError(problems)
+    for line in problems:
+        _say(f"warning: {line}; exported as written (--partial)")
+    for line in notes:
+        _say(f"warning: {line}")
+    return metas
+
+
+# ------------------------------------------------------------------------ the two layouts
+
+def _sglang_dir_names(ds, role) -> dict:
+    """{rank directory: its name in the export}: SGLang's ``TP{tp}_PP{pp}_Rank{rank}_pid{pid}``,
+    fastdump's session suffix dropped. Sessions of one process (attach/close twice, a restarted server
+    reusing the pid) would share that name: each of them keeps its whole name, none merged."""
+    wanted = {}
+    for rank in ds.ranks(role):
+        parsed = fmt.parse_rank_dir(rank)
+        wanted[rank] = (fmt.rank_dir_name({"tp_rank": parsed[0], "pp_rank": parsed[1], "rank": parsed[2]}, parsed[3])
+                        if parsed else rank)
+    sharing = collections.defaultdict(list)
+    for rank, name in wanted.items():
+        sharing[name].append(rank)
+    for name, ranks in sharing.items():
+        if len(ranks) > 1:
+            _say(f"{role}/{name} has {len(ranks)} sessions in this dump: each is exported under its whole "
+                 f"directory name ({', '.join(ranks)})")
+            wanted.update({rank: rank for rank in ranks})
+    return wanted
+
+
 def export_sglang(root, out, *, role_subdirs: bool | None = None, names: str = "sglang",
-                  pass_shift: bool = False) -> int:
+                  pass_shift: bool = False, partial: bool = False) -> int:
     """Write every pass of every role/rank of the dump at ``root`` as SGLang's ``PassNNNNN.pt`` files
     under ``out``; returns the file count.
 
     ``role_subdirs`` None: only when the dump has more than one role. ``names``: "sglang" or
     "fastdump" (as stored). ``pass_shift``: move ``model``/``logits_processor`` outputs to the next
-    pass file, as SGLang's hook does."""
+    pass file, as SGLang's hook does. ``partial``: export a dump that is not whole (see
+    :class:`PartialDumpError`, raised otherwise) as written."""
     import torch
 
     from .multiroot import open as open_dump
 
     ds = open_dump(root)
     roles, split = _layout(ds, role_subdirs)
+    metas = _survey(ds, roles, partial)
     written = 0
     for role in roles:
+        out_names = _sglang_dir_names(ds, role)
         for rank in ds.ranks(role):
-            dest = Path(out, role, rank) if split else Path(out, rank)
+            dest = Path(out, role, out_names[rank]) if split else Path(out, out_names[rank])
             dest.mkdir(parents=True, exist_ok=True)
-            modules, top = _module_names(ds, role, rank)
-            _warn_unnamed(names, modules, role, rank)
-            for pass_id, tensors in _passes(ds, role, rank, modules, names, pass_shift, top):
+            modules, top = _module_names(ds, role, rank, names)
+            pass_metas = metas[role, rank]
+            for pass_id, tensors in _passes(ds, role, rank, list(pass_metas), modules, names, pass_shift, top):
                 if tensors:
                     torch.save(tensors, dest / f"Pass{pass_id:05d}.pt")
                     written += 1
-            metas = {str(p): ds.meta(role, rank, p) for p in ds.passes(role, rank)}
-            (dest / "fastdump_passes.json").write_text(json.dumps(metas, indent=1, default=str))
+            (dest / "fastdump_passes.json").write_text(
+                json.dumps({str(p): meta for p, meta in pass_metas.items()}, indent=1, default=str))
     return written
 
 
 # Characters a name cannot hold in the dumper layout: read_meta splits the file stem on "___" and "=".
 _BAD_IN_FILENAME = ("___", "=", "/", "\0")
+_MAX_RANK = 2**31 - 1  # ranks and sizes are int32 in torch.distributed
 
 
-def export_sglang_dumper(root, out, *, role_subdirs: bool | None = None, names: str = "sglang") -> int:
+def _json_text(value) -> str:
+    text = json.dumps(value, default=str)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _parallel_info(where: str, info: dict):
+    """(world rank, world size, sglang_parallel_info) from rank.json's ``rank`` object; a ValueError
+    naming the field when it is not what fastdump writes (a damaged or crafted rank.json)."""
+    if "rank" not in info:
+        raise ValueError(f'{where}: rank.json has no "rank" object (rank numbers)')
+    ranks = info["rank"]
+    if not isinstance(ranks, dict):
+        raise ValueError(f'{where}: rank.json "rank" is {_json_text(ranks)}, not an object of rank numbers')
+    if "rank" not in ranks:
+        raise ValueError(f"{where}: rank.json has no rank number (rank.rank)")
+    numbers = {}
+    for key in ("rank", *RANK_FIELDS):
+        if key in ranks:
+            value, low = ranks[key], 1 if key.endswith("_size") else 0
+            if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= _MAX_RANK:
+                raise ValueError(f"{where}: rank.json rank.{key} is {_json_text(value)}, not an integer "
+                                 f"from {low} to {_MAX_RANK}")
+            numbers[key] = value
+    for kind in ("tp", "pp", "dp", "ep"):
+        rank, size = numbers.get(f"{kind}_rank"), numbers.get(f"{kind}_size")
+        if rank is not None and size is not None and rank >= size:
+            raise ValueError(f"{where}: rank.json rank.{kind}_rank {rank} is outside {kind}_size {size}")
+    world_size = numbers.get("tp_size", 1) * numbers.get("pp_size", 1)
+    if numbers["rank"] >= world_size:  # fastdump numbers ranks as SGLang: tp_size * pp_rank + tp_rank
+        raise ValueError(f"{where}: rank.json rank.rank {numbers['rank']} is outside tp_size * pp_size = {world_size}")
+    return numbers["rank"], world_size, {key: numbers[key] for key in RANK_FIELDS if key in numbers}
+
+
+def _dumper_ranks(ds, role) -> dict:
+    """{rank directory: (world rank, world size, parallel info)} of a role, checked before anything
+    is written: file names carry only the world rank, so two directories of one rank would collide."""
+    found, seen = {}, {}
+    for rank in ds.ranks(role):
+        found[rank] = _parallel_info(f"{role}/{rank}", ds.rank_info(role, rank))
+        world_rank = found[rank][0]
+        if world_rank in seen:
+            raise ValueError(f"{role}: ranks {seen[world_rank]} and {rank} are both rank {world_rank} "
+                             f"(several runs in one dump?); export them separately")
+        seen[world_rank] = rank
+    return found
+
+
+def export_sglang_dumper(root, out, *, role_subdirs: bool | None = None, names: str = "sglang",
+                         partial: bool = False) -> int:
     """Write the dump at ``root`` in SGLang's dumper layout under ``out``; returns the file count.
 
     One file per tensor: ``name=…___step=<pass id>___rank=<world rank>___dump_index=<n>.pt`` holding
     ``{"value": tensor, "meta": {...}}`` with SGLang's meta fields (name, step, rank, dump_index,
     world_rank, world_size, sglang_parallel_info) plus ``fastdump_pass`` (the pass metadata).
     ``dump_index`` counts a rank's tensors from 1 in dump order, as SGLang's dumper does. A list output
-    (several tensors) becomes ``name.0``, ``name.1`` ... (SGLang's dumper splits tuples the same way)."""
+    (several tensors) becomes ``name.0``, ``name.1`` ... (SGLang's dumper splits tuples the same way).
+    ``partial``: as for :func:`export_sglang`."""
     import torch
 
     from .multiroot import open as open_dump
 
     ds = open_dump(root)
     roles, split = _layout(ds, role_subdirs)
+    metas = _survey(ds, roles, partial)
+    plans = {role: _dumper_ranks(ds, role) for role in roles}
     written = 0
     for role in roles:
         dest = Path(out, role) if split else Path(out)
         dest.mkdir(parents=True, exist_ok=True)
-        seen_ranks: dict = {}
-        for rank in ds.ranks(role):
-            info = ds.rank_info(role, rank)
-            ranks = info.get("rank") or {}
-            world_rank = ranks.get("rank")
-            if not isinstance(world_rank, int):
-                raise ValueError(f"{role}/{rank}: rank.json has no rank number")
-            if world_rank in seen_ranks:  # file names carry only the rank: they would collide
-                raise ValueError(f"{role}: ranks {seen_ranks[world_rank]} and {rank} are both rank {world_rank} "
-                                 f"(several runs in one dump?); export them separately")
-            seen_ranks[world_rank] = rank
-            world_size = int(ranks.get("tp_size", 1)) * int(ranks.get("pp_size", 1))
-            parallel = {k: ranks[k] for k in ("tp_rank", "tp_size", "pp_rank", "pp_size", "dp_rank", "dp_size",
-                                              "ep_rank", "ep_size") if k in ranks}
-            modules, top = _module_names(ds, role, rank)
-            _warn_unnamed(names, modules, role, rank)
+        for rank, (world_rank, world_size, parallel) in plans[role].items():
+            modules, top = _module_names(ds, role, rank, names)
             dump_index = 0
-            for pass_id, tensors in _passes(ds, role, rank, modules, names, False, top):
-                pass_meta = ds.meta(role, rank, pass_id)
+            pass_metas = metas[role, rank]
+            for pass_id, tensors in _passes(ds, role, rank, list(pass_metas), modules, names, False, top):
                 for name, value in _one_tensor_each(tensors):
                     bad = [c for c in _BAD_IN_FILENAME if c in name]
                     if bad:
@@ -208,7 +394,7 @@ def export_sglang_dumper(root, out, *, role_subdirs: bool | None = None, names: 
                     dump_index += 1
                     fields = {"name": name, "step": pass_id, "rank": world_rank, "dump_index": dump_index}
                     meta = {**fields, "world_rank": world_rank, "world_size": world_size,
-                            "sglang_parallel_info": parallel, "fastdump_pass": pass_meta}
+                            "sglang_parallel_info": parallel, "fastdump_pass": pass_metas[pass_id]}
                     filename = "___".join(f"{k}={v}" for k, v in fields.items()) + ".pt"
                     torch.save({"value": value, "meta": meta}, dest / filename)
                     written += 1
@@ -224,10 +410,8 @@ def _one_tensor_each(tensors: dict):
             yield name, value
 
 
-def _warn_unnamed(names, modules, role, rank):
-    if names == "sglang" and modules is None:
-        print(f"fastdump export: {_printable(role)}/{_printable(rank)} has no module list (not dumped through the "
-              f"SGLang drop-in): names kept as stored", file=sys.stderr)
+def _say(text) -> None:
+    print(f"fastdump export: {_printable(text)}", file=sys.stderr)
 
 
 def _passes_of(ds, role, rank) -> list:
@@ -244,7 +428,10 @@ def _passes_of(ds, role, rank) -> list:
 
 def add_arguments(subparsers):
     p = subparsers.add_parser("export", help="convert a dump for SGLang's tools (Pass*.pt or dumper layout)",
-                              description=__doc__.split("\n\n")[0])
+                              description=__doc__.split("\n\n")[0],
+                              epilog="Exit status: 0 files written; 1 nothing written, or the dump could not be "
+                                     "read; 2 refused: a dump not whole (without --partial), a malformed "
+                                     "rank.json, a layout the dump cannot be written in")
     p.add_argument("--format", choices=["sglang", "sglang-dumper"], default="sglang",
                    help="sglang: Pass*.pt per rank (tensor-dump hook); sglang-dumper: one file per tensor "
                         "(SGLang's dumper, read by its comparator)")
@@ -255,6 +442,10 @@ def add_arguments(subparsers):
     p.add_argument("--sglang-pass-shift", action="store_true",
                    help="--format sglang: put model/logits_processor outputs in the next pass file, as "
                         "SGLang's hook does (byte-level comparison with SGLang's own dumps)")
+    p.add_argument("--partial", action="store_true",
+                   help="export a dump that is not whole (a rank not closed: running, error, incomplete; a "
+                        "pass marked incomplete or with dropped tensors) as written, one warning per such "
+                        "rank and pass; refused otherwise (exit 2)")
     p.add_argument("root", metavar="ROOT", help="fastdump dump root")
     p.add_argument("out", metavar="OUT", help="output directory")
     p.set_defaults(func=cmd_export)
@@ -262,24 +453,32 @@ def add_arguments(subparsers):
 
 
 def cmd_export(args) -> int:
+    from .reader import DumpError
+
     try:
         return _cmd_export(args)
-    except (KeyError, ValueError, OSError) as exc:  # DumpError is a ValueError: no traceback, say why
-        print(f"fastdump export: {_printable(exc.args[0] if isinstance(exc, KeyError) and exc.args else exc)}",
-              file=sys.stderr)
+    except PartialDumpError as exc:
+        for line in exc.lines():
+            _say(line)
+        return 2
+    except (DumpError, KeyError, OSError) as exc:  # the dump could not be read (or OUT written): say why
+        _say(exc.args[0] if isinstance(exc, KeyError) and exc.args else exc)
         return 1
+    except ValueError as exc:  # refused: a malformed rank.json, a layout the dump cannot be written in
+        _say(exc)
+        return 2
 
 
 def _cmd_export(args) -> int:
     split = {"auto": None, "always": True, "never": False}[args.role_subdirs]
     if args.format == "sglang-dumper":
         if args.sglang_pass_shift:
-            print("fastdump export: --sglang-pass-shift applies to --format sglang only", file=sys.stderr)
+            _say("--sglang-pass-shift applies to --format sglang only")
             return 2
-        n = export_sglang_dumper(args.root, args.out, role_subdirs=split, names=args.names)
+        n = export_sglang_dumper(args.root, args.out, role_subdirs=split, names=args.names, partial=args.partial)
         print(f"wrote {n} tensor file(s) under {args.out}")
     else:
         n = export_sglang(args.root, args.out, role_subdirs=split, names=args.names,
-                          pass_shift=args.sglang_pass_shift)
+                          pass_shift=args.sglang_pass_shift, partial=args.partial)
         print(f"wrote {n} pass file(s) under {args.out}")
     return 0 if n else 1

@@ -52,10 +52,18 @@ def make_dump(root, roles=("target",)):
     return fastdump.open(root)
 
 
+def sglang_dir(rank):
+    """SGLang's name of a rank directory: fastdump's, less its session suffix."""
+    name, session = rank.rsplit("_", 1)
+    assert re.fullmatch(r"\d{8}T\d{6}\.\d{6}Z-[0-9a-f]{8}", session) and re.fullmatch(r"TP\d+_PP\d+_Rank\d+_pid\d+", name)
+    return name
+
+
 def check_export(ds, out, split):
     for role in ds.roles:
+        assert sorted(os.listdir(out / role if split else out)) == sorted(sglang_dir(r) for r in ds.ranks(role))
         for rank in ds.ranks(role):
-            dest = out / role / rank if split else out / rank
+            dest = out / role / sglang_dir(rank) if split else out / sglang_dir(rank)
             passes = ds.passes(role, rank)
             assert sorted(p.name for p in dest.glob("Pass*.pt")) == [f"Pass{p:05d}.pt" for p in passes]
             metas = json.loads((dest / "fastdump_passes.json").read_text())
@@ -108,3 +116,175 @@ def test_docs_example(tmp_path, monkeypatch, capsys):
     exec(compile(doc_example("export"), "INTEGRATIONS.md:export", "exec"), {})
     rank = ds.ranks("target")[0]
     assert capsys.readouterr().out.count("Pass0") == len(ds.passes("target", rank)) == 3
+
+
+def run_cli(*argv, capsys):
+    from fastdump import cli
+
+    code = cli.main(["export", *map(str, argv)])
+    out, err = capsys.readouterr()
+    assert "Traceback" not in err
+    return code, out, err
+
+
+# --- sessions of one process ---------------------------------------------------------------------------
+
+
+def test_sessions_of_one_process_keep_their_whole_names(tmp_path, capsys):
+    """attach/close twice in one process: two sessions under one SGLang name. Each is exported under
+    its whole directory name, with its own tensors: never merged into one directory."""
+    for scale in (1.0, 5.0):
+        with fastdump.attach(None, tmp_path / "dump", writer="thread") as d:
+            d.dump("x", torch.full((3,), scale))
+    ds = fastdump.open(tmp_path / "dump")
+    first, second = ds.ranks("target")
+    assert sglang_dir(first) == sglang_dir(second)
+    code, _, err = run_cli(tmp_path / "dump", tmp_path / "out", capsys=capsys)
+    assert code == 0
+    assert sorted(os.listdir(tmp_path / "out")) == [first, second]
+    assert f"target/{sglang_dir(first)} has 2 sessions" in err and first in err and second in err
+    for rank, scale in ((first, 1.0), (second, 5.0)):
+        got = torch.load(tmp_path / "out" / rank / "Pass00000.pt", weights_only=True)
+        assert list(got) == ["x"] and torch.equal(got["x"], torch.full((3,), scale))
+
+
+# --- dumps that are not whole --------------------------------------------------------------------------
+
+RANKS = {"tp_rank": 0, "tp_size": 1, "pp_rank": 0, "pp_size": 1, "rank": 0}
+R0 = "TP0_PP0_Rank0_pid100_20260101T000000.000000Z-00000001"
+
+
+def write_passes(root, ends=None, status="closed", info=None, passes=3):
+    """A rank directory written by the real ChannelWriter, pass p holding {"a": p, "b": -p}, ended
+    with ``ends[p]`` as ChannelWriter.on_end's keywords (incomplete=, dropped=, skipped=); ``info``:
+    fields then set in rank.json (status "error" and its error, say)."""
+    from fastdump import dtypes
+    from fastdump.writer.channel_writer import ChannelWriter
+
+    path = root / "target" / R0
+    writer = ChannelWriter({"op": "open", "channel": 0, "dir": str(path), "role": "target", "rank": RANKS,
+                            "pid": 100, "host": "h", "device": {}, "config": {"segment_passes": 2}})
+    writer.on_name(0, "a")
+    writer.on_name(1, "b")
+    for p in range(passes):
+        writer.on_begin(p, {"step": p})
+        for slot, value in ((0, p), (1, -p)):
+            data = torch.full((4,), float(value)).view(torch.uint8).numpy().copy()
+            writer.on_tensor(slot, p, dtypes.code_of(torch.float32), (4,), data)
+        writer.on_end(p, {}, **(ends or {}).get(p, {}))
+    writer.close({}, status=status)
+    if info:
+        rank_json = path / "rank.json"
+        rank_json.write_text(json.dumps({**json.loads(rank_json.read_text()), **info}))
+    return root
+
+
+NOT_WHOLE = {
+    "incomplete pass": (dict(ends={1: {"incomplete": "a forward raised RuntimeError: boom"}}),
+                        ["pass 1 is marked incomplete (a forward raised RuntimeError: boom)"]),
+    "dropped tensors": (dict(ends={2: {"dropped": 3}}), ["pass 2 lost 3 tensor(s) (dropped under policy drop)"]),
+    "status error": (dict(info={"status": "error", "error": "No space left on device"}),
+                     ["status is 'error' (writing failed: No space left on device)"]),
+    "status running": (dict(status="running"),
+                       ["status is 'running' (the dump is still being written, or its writer was killed)"]),
+    "status incomplete": (dict(status="incomplete"), ["status is 'incomplete' (the dumping process exited"]),
+}
+
+
+@pytest.mark.parametrize("fmt", ["sglang", "sglang-dumper"])
+@pytest.mark.parametrize("case", list(NOT_WHOLE))
+def test_a_dump_not_whole_is_refused_unless_partial(tmp_path, capsys, case, fmt):
+    kwargs, reasons = NOT_WHOLE[case]
+    dump = write_passes(tmp_path / "dump", **kwargs)
+    out = tmp_path / "out"
+    code, _, err = run_cli("--format", fmt, "--names", "fastdump", dump, out, capsys=capsys)
+    assert code == 2 and not out.exists()
+    assert "not exported: the dump is not whole" in err and "--partial" in err
+    problem_lines = [line for line in err.splitlines() if line.startswith("fastdump export:   ")]
+    assert len(problem_lines) == len(reasons)
+    for line, reason in zip(problem_lines, reasons):
+        assert f"target/{R0}: {reason}" in line
+    api = export.export_sglang if fmt == "sglang" else export.export_sglang_dumper
+    with pytest.raises(ValueError, match=re.escape(reasons[0])) as refused:
+        api(dump, tmp_path / "out-api", names="fastdump")
+    assert isinstance(refused.value, export.PartialDumpError) and not (tmp_path / "out-api").exists()
+
+    # --partial: written as it is, one warning per rank/pass not whole, recorded with the pass
+    code, _, err = run_cli("--format", fmt, "--names", "fastdump", "--partial", dump, out, capsys=capsys)
+    assert code == 0
+    warnings = [line for line in err.splitlines() if line.startswith("fastdump export: warning: ")]
+    assert len(warnings) == len(reasons)
+    for line, reason in zip(warnings, reasons):
+        assert f"target/{R0}: {reason}" in line and line.endswith("exported as written (--partial)")
+    ds = fastdump.open(dump)
+    if fmt == "sglang":
+        dest = out / "TP0_PP0_Rank0_pid100"
+        assert sorted(p.name for p in dest.glob("Pass*.pt")) == ["Pass00000.pt", "Pass00001.pt", "Pass00002.pt"]
+        recorded = json.loads((dest / "fastdump_passes.json").read_text())
+        for p in range(3):
+            got = torch.load(dest / f"Pass{p:05d}.pt", weights_only=True)
+            assert torch.equal(got["a"], torch.full((4,), float(p))) and torch.equal(got["b"], torch.full((4,), -p * 1.0))
+            assert recorded[str(p)] == json.loads(json.dumps(ds.meta("target", 0, p)))
+    else:
+        recorded = {}
+        for path in out.glob("*.pt"):
+            saved = torch.load(path, weights_only=False)
+            recorded[saved["meta"]["step"]] = saved["meta"]["fastdump_pass"]
+        assert len(list(out.glob("*.pt"))) == 6
+        assert recorded == {p: ds.meta("target", 0, p) for p in range(3)}
+    if case == "incomplete pass":
+        assert recorded[1 if fmt == "sglang-dumper" else "1"]["complete"] is False
+    if case == "dropped tensors":
+        assert recorded[2 if fmt == "sglang-dumper" else "2"]["dropped"] == 3
+
+
+def test_a_rank_json_without_status_is_not_known_whole(tmp_path, capsys):
+    dump = write_passes(tmp_path / "dump")
+    rank_json = dump / "target" / R0 / "rank.json"
+    info = json.loads(rank_json.read_text())
+    del info["status"]
+    rank_json.write_text(json.dumps(info))
+    code, _, err = run_cli(dump, tmp_path / "out", capsys=capsys)
+    assert code == 2 and f"target/{R0}: rank.json has no status" in err and not (tmp_path / "out").exists()
+
+
+def test_a_forward_that_raised_leaves_a_pass_export_refuses(tmp_path, capsys):
+    """The audit's case through the real capture path: pass 1's forward raised half-way."""
+    class Boom(nn.Module):
+        fire = False
+
+        def forward(self, x):
+            if self.fire:
+                raise RuntimeError("boom")
+            return x * 2
+
+    model = nn.Sequential(nn.Linear(4, 4), Boom(), nn.Linear(4, 4))
+    with fastdump.attach(model, tmp_path / "dump", writer="thread"), torch.no_grad():
+        for p in range(3):
+            model[1].fire = p == 1
+            try:
+                model(torch.ones(1, 4))
+            except RuntimeError:
+                pass
+    ds = fastdump.open(tmp_path / "dump")
+    (rank,) = ds.ranks("target")
+    assert ds.meta("target", rank, 1)["complete"] is False
+    code, _, err = run_cli(tmp_path / "dump", tmp_path / "out", capsys=capsys)
+    assert code == 2 and f"target/{rank}: pass 1 is marked incomplete (a forward raised RuntimeError: boom)" in err
+    code, _, err = run_cli("--partial", tmp_path / "dump", tmp_path / "out", capsys=capsys)
+    assert code == 0 and err.count("exported as written (--partial)") == 1
+    dest = tmp_path / "out" / sglang_dir(rank)
+    assert list(torch.load(dest / "Pass00001.pt", weights_only=True)) == ["0"]  # what was dumped before the raise
+    assert json.loads((dest / "fastdump_passes.json").read_text())["1"]["incomplete"].endswith("boom")
+
+
+def test_recorded_skips_are_exported_with_a_warning(tmp_path, capsys):
+    skip = {"skipped": [{"name": "q", "reason": "quantized tensor (scale/zero point are not part of its bytes)"}]}
+    dump = write_passes(tmp_path / "dump", ends={0: skip, 2: skip})
+    code, _, err = run_cli("--names", "fastdump", dump, tmp_path / "out", capsys=capsys)
+    assert code == 0
+    (line,) = [line for line in err.splitlines() if "warning" in line]
+    assert f"target/{R0}: 2 tensor(s) in 2 pass(es) were not dumped (quantized tensor" in line and ": q left out" in line
+    dest = tmp_path / "out" / "TP0_PP0_Rank0_pid100"
+    assert list(torch.load(dest / "Pass00000.pt", weights_only=True)) == ["a", "b"]
+    assert json.loads((dest / "fastdump_passes.json").read_text())["0"]["skipped"] == skip["skipped"]

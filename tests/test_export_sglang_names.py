@@ -8,8 +8,11 @@ overwrites the first. The dumper layout is read back with a loader written from 
 file naming (name=…___step=…___rank=…___dump_index=….pt holding {"value", "meta"})."""
 
 import argparse
+import json
 import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -19,6 +22,7 @@ from torch import nn
 import fastdump
 from fastdump import export
 from fastdump.integrations import sglang as fsg
+from conftest import write_rank_dir
 from test_sglang import (H, V, ForwardBatch, LogitsProcessor, LogitsProcessorOutput, ParallelLMHead, RadixAttention,
                          RMSNorm, batches)
 
@@ -384,3 +388,93 @@ def test_pass_shift_moves_pipeline_proxy_outputs_too():
     got = dict(export._shift_late(iter(passes), "model"))
     assert list(got[0]) == ["model.forward_batch_info.input_ids", "model.embed_tokens"]
     assert got[1]["model.pp_proxy_tensors.hidden_states"] is t[2] and got[1]["model.embed_tokens"] is t[4]
+
+
+# --- sglang_names.json: each rank's own, read as safely as every file of a dump --------------------------
+
+MLP = {p: {"model.layers.0.mlp.0": torch.full((2,), float(p)), "model.layers.0.mlp.1": torch.full((2,), -float(p)),
+           "model": torch.zeros(1)} for p in range(2)}
+MODULES = {"top": "model", "modules": ["model", "model.layers.0", "model.layers.0.mlp"]}
+
+
+def mlp_rank(root, tp_rank, session):
+    ranks = {"tp_rank": tp_rank, "tp_size": 2, "pp_rank": 0, "pp_size": 1, "rank": tp_rank}
+    path = root / "target" / f"TP{tp_rank}_PP0_Rank{tp_rank}_pid100_20260101T000000.000000Z-{session}"
+    return write_rank_dir(path, MLP, rank=ranks)
+
+
+def test_multi_root_export_reads_each_ranks_own_module_list(tmp_path, capsys):
+    roots = [tmp_path / "host0", tmp_path / "host1"]
+    for tp_rank, root in enumerate(roots):
+        (mlp_rank(root, tp_rank, f"0000000{tp_rank}") / "sglang_names.json").write_text(json.dumps(MODULES))
+    assert export.export_sglang(roots, tmp_path / "out") == 4
+    assert "no module list" not in capsys.readouterr().err
+    assert len(os.listdir(tmp_path / "out")) == 2
+    for rank_dir in (tmp_path / "out").iterdir():
+        got = load_passes(rank_dir)["Pass00001.pt"]
+        assert list(got) == ["model.layers.0.mlp", "model"]  # SGLang's names: the tuple as one list
+        assert [t.tolist() for t in got["model.layers.0.mlp"]] == [[1.0, 1.0], [-1.0, -1.0]]
+
+
+@pytest.mark.parametrize("kind", ["symlink", "fifo", "not an object"])
+def test_a_module_list_that_is_not_a_plain_file_is_not_read(tmp_path, kind):
+    """A link out of the dump is not followed and a FIFO is not waited on: the names fall back to the
+    stored ones, as without the file, and stderr says why."""
+    rank_dir = mlp_rank(tmp_path / "dump", 0, "00000001")
+    names_file = rank_dir / "sglang_names.json"
+    outside = tmp_path / "outside.json"
+    outside.write_text(json.dumps(MODULES))
+    if kind == "symlink":
+        names_file.symlink_to(outside)
+    elif kind == "fifo":
+        os.mkfifo(names_file)
+    else:
+        names_file.write_text(json.dumps(["model"]))
+    # a subprocess: a FIFO opened for reading would block this test forever
+    done = subprocess.run([sys.executable, "-m", "fastdump", "export", str(tmp_path / "dump"), str(tmp_path / "out")],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and "Traceback" not in done.stderr
+    assert "warning: target/" in done.stderr and "sglang_names.json not read (" in done.stderr
+    assert "names kept as stored" in done.stderr
+    if kind == "symlink":
+        assert "symbolic links are not followed" in done.stderr
+    (out_dir,) = (tmp_path / "out").iterdir()
+    got = load_passes(out_dir)["Pass00001.pt"]
+    assert list(got) == list(MLP[1])  # fastdump's names: the module list was not used
+    assert all(torch.equal(got[name], MLP[1][name]) for name in got)
+
+
+# --- rank.json's rank numbers, as the dumper layout uses them ---------------------------------------------
+
+BAD_RANKS = {
+    "not an object (5)": (5, 'rank.json "rank" is 5, not an object of rank numbers'),
+    "not an object (x)": ("x", 'rank.json "rank" is "x", not an object of rank numbers'),
+    "not an object ([0])": ([0], 'rank.json "rank" is [0], not an object of rank numbers'),
+    "no rank number": ({"tp_rank": 0, "tp_size": 1}, "rank.json has no rank number (rank.rank)"),
+    "rank a bool": ({"rank": True}, "rank.json rank.rank is true, not an integer from 0"),
+    "tp_size null": ({"rank": 0, "tp_size": None}, "rank.json rank.tp_size is null, not an integer from 1"),
+    "tp_size 0": ({"rank": 0, "tp_size": 0}, "rank.json rank.tp_size is 0, not an integer from 1"),
+    "tp_size a string": ({"rank": 0, "tp_size": "2"}, 'rank.json rank.tp_size is "2", not an integer from 1'),
+    "pp_size 1.5": ({"rank": 0, "pp_size": 1.5}, "rank.json rank.pp_size is 1.5, not an integer from 1"),
+    "negative rank": ({"rank": -1}, "rank.json rank.rank is -1, not an integer from 0"),
+    "huge rank": ({"rank": 10**30}, "rank.json rank.rank is 1000000000000000000000000000000, not an integer"),
+    "tp_rank outside tp_size": ({"rank": 0, "tp_rank": 2, "tp_size": 2}, "rank.json rank.tp_rank 2 is outside tp_size 2"),
+    "rank outside the world": ({"rank": 4, "tp_size": 2, "pp_size": 2}, "rank.json rank.rank 4 is outside tp_size * pp_size = 4"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_RANKS))
+def test_dumper_layout_refuses_a_malformed_rank_json(tmp_path, capsys, case):
+    from fastdump import cli
+
+    value, message = BAD_RANKS[case]
+    rank_dir = mlp_rank(tmp_path / "dump", 0, "00000001")
+    info = json.loads((rank_dir / "rank.json").read_text())
+    (rank_dir / "rank.json").write_text(json.dumps({**info, "rank": value}))
+    code = cli.main(["export", "--format", "sglang-dumper", str(tmp_path / "dump"), str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err
+    assert f"fastdump export: target/{rank_dir.name}: {message}" in err
+    assert not (tmp_path / "out").exists()  # checked before anything is written
+    with pytest.raises(ValueError, match=re.escape(message)):
+        export.export_sglang_dumper(tmp_path / "dump", tmp_path / "out")

@@ -603,7 +603,7 @@ def test_export_sglang_odd_dtypes_round_trip_bit_exact(odd_dump, tmp_path, capsy
     code, _, err = cli("export", "--names", "fastdump", odd_dump, out, capsys=capsys)
     assert code == 0, err
     for p in (0, 1):
-        got = torch.load(out / R0 / f"Pass{p:05d}.pt", weights_only=True)
+        got = torch.load(out / "TP0_PP0_Rank0_pid100" / f"Pass{p:05d}.pt", weights_only=True)
         assert list(got) == list(ODD)
         for name, want in ODD.items():
             assert same(got[name], want), name
@@ -666,7 +666,7 @@ def test_export_reads_several_roots_as_one_dump(tmp_path):
     write(b, R1, rank=RANK1, tag=100.0)
     out = tmp_path / "out"
     assert export.export_sglang([a, b], out, names="fastdump") == 8
-    got = torch.load(out / R1 / "Pass00002.pt", weights_only=True)
+    got = torch.load(out / "TP1_PP0_Rank1_pid101" / "Pass00002.pt", weights_only=True)
     assert same(got["a"], tensors_of(2, 100.0)["a"])
 
 
