@@ -251,7 +251,7 @@ class Options:
                      manifest=False)
     role: str = _opt("target", ("FASTDUMP_ROLE", _role, "role used when the code does not name one (default target)"))
     layers: Any = _opt(None, ("FASTDUMP_LAYERS", _layers,
-                              "keep only these decoder layers (model.layers.N); other modules unaffected"))
+                              "keep only these decoder layers (layers.N or model.layers.N); other modules unaffected"))
     include: Any = _opt(None, ("FASTDUMP_INCLUDE", _regex, "dump only modules whose qualified name matches"))
     exclude: Any = _opt(None, ("FASTDUMP_EXCLUDE", _regex, "never dump modules whose qualified name matches"))
     module_types: Any = _opt(None, ("FASTDUMP_MODULE_TYPES", _names, "dump only modules of these classes"))

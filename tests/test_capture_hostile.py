@@ -712,3 +712,212 @@ def test_two_threads_staging_large_strided_tensors_through_one_dumper_keep_each_
     assert len(got) == 80
     for name, t in got.items():
         assert same_bits(t, want[name[0]]), name
+
+
+# -- models fastdump cannot wrap whole, and copies it must not run --------------------------------
+
+
+def leaf_outputs(model, x) -> dict:
+    """Run ``model`` once (no Dumper) and return {leaf name: a snapshot of what it returned} (one
+    call each), taken by forward hooks that are gone again afterwards."""
+    seen, handles = {}, []
+    for name, module in model.named_modules():
+        if name and next(iter(module.children()), None) is None and not isinstance(module, torch.jit.ScriptModule):
+            handles.append(module.register_forward_hook(
+                lambda m, args, out, name=name: seen.setdefault(name, snapshot(out))))
+    try:
+        with torch.no_grad():
+            out = model(x)
+    finally:
+        for h in handles:
+            h.remove()
+    return dict(seen, __out__=snapshot(out))
+
+
+class WithScripted(nn.Module):
+    def __init__(self, kind):
+        super().__init__()
+        torch.manual_seed(0)
+        self.pre, self.post = nn.Linear(4, 4), nn.Linear(4, 2)
+        inner = nn.Sequential(nn.Linear(4, 4), nn.ReLU())  # children: inside TorchScript, never wrappable
+        self.scripted = torch.jit.script(inner) if kind == "script" else torch.jit.trace(inner, torch.ones(1, 4))
+
+    def forward(self, x):
+        return self.post(self.scripted(self.pre(x)))
+
+
+@pytest.mark.parametrize("kind", ["script", "trace"])
+def test_a_scripted_or_traced_submodule_is_recorded_as_not_wrapped_and_the_rest_is_dumped(tmp_path, kind):
+    """A ScriptModule's _modules is no dict: attach used to stop dumping at once ("'OrderedModuleDict'
+    object has no attribute 'get'"). It and its submodules are left alone and recorded; the Python
+    modules around it are dumped as usual."""
+    from fastdump.capture import dumper as dumper_mod
+
+    model = WithScripted(kind)
+    x = torch.randn(3, 4)
+    want = leaf_outputs(model, x)
+    want["scripted"] = snapshot(model.scripted(want["pre"]))
+    with fastdump.attach(model, tmp_path, root_name="root") as d:
+        assert d.status == "running", d.error
+        with torch.no_grad():
+            served = [model(x) for _ in range(2)]
+        assert not any(dumper_mod._is_ours(m.__dict__.get("forward")) for m in model.scripted.modules())
+    assert all(same_bits(s, want["__out__"]) for s in served)  # the model's results, unchanged
+    assert list(d.not_wrapped) == ["scripted"] and "TorchScript" in d.not_wrapped["scripted"]
+    ds = fastdump.open(tmp_path)
+    assert ds.rank_info("target", 0)["config"]["not_wrapped"] == d.not_wrapped
+    for p in range(2):
+        dumped = ds.load("target", 0, p, check=True)
+        assert list(dumped) == ["pre", "post", "root"], p
+        assert same_bits(dumped["pre"], want["pre"]) and same_bits(dumped["post"], want["post"])
+        assert same_bits(dumped["root"], want["__out__"])
+    assert not verify(tmp_path).problems
+
+
+@pytest.mark.parametrize("kind", ["script", "trace"])
+def test_a_scripted_root_is_refused_before_any_directory_or_writer_exists(tmp_path, kind):
+    """attach used to raise AttributeError after it had made the rank directory and opened a writer
+    channel (``fastdump ls`` showed it running forever)."""
+    from fastdump.capture import dumper as dumper_mod
+    from fastdump.staging.engine import Engine
+
+    plain = nn.Linear(4, 4)
+    model = torch.jit.script(plain) if kind == "script" else torch.jit.trace(plain, torch.ones(1, 4))
+    x = torch.randn(2, 4)
+    want = snapshot(model(x))
+    with pytest.raises(ValueError, match="ScriptModule"):
+        fastdump.attach(model, tmp_path / "dump")
+    assert not (tmp_path / "dump").exists()
+    assert Engine._current is None or Engine._current.closed
+    assert not list(dumper_mod._open_dumpers)
+    assert not dumper_mod._is_ours(model.__dict__.get("forward")) and same_bits(model(x), want)
+
+
+def _fake_replicate(monkeypatch):
+    """torch's replicate() on the CPU: only its cross-GPU broadcast is replaced, by copies with
+    doubled values (so that a replica's weights differ from the original's)."""
+    import sys
+
+    import torch.nn.parallel  # noqa: F401 - loads torch.nn.parallel.replicate
+
+    rep = sys.modules["torch.nn.parallel.replicate"]
+    monkeypatch.setattr(rep, "_broadcast_coalesced_reshape",
+                        lambda tensors, devices, detach=False: [[t.detach() * 2 for t in tensors] for _ in devices])
+    monkeypatch.setattr(rep, "_get_device_index", lambda d, *a, **k: 0)
+    return rep.replicate
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_dataparallel_replicas_compute_with_their_own_weights_and_are_not_dumped(tmp_path, monkeypatch, native):
+    """replicate() copies each module's __dict__, and our wrapper with it, which is bound to the
+    original module: every replica computed with the original's weights (attach changed DataParallel's
+    results). Replicas get the class's forward, as without fastdump; two of them run at once in two
+    threads, as DataParallel runs them, without opening a pass; the original stays dumped."""
+    from fastdump.capture import dumper as dumper_mod
+
+    monkeypatch.setattr(dumper_mod, "_native_wrappers", native)
+    replicate = _fake_replicate(monkeypatch)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    x = torch.randn(3, 4)
+    with torch.no_grad():
+        want = [snapshot(r(x)) for r in replicate(model, [0, 1], detach=True)]
+    want_model = leaf_outputs(model, x)
+    assert not same_bits(want[0], want_model["__out__"])  # (the replicas' weights do differ)
+    with fastdump.attach(model, tmp_path, root_name="root") as d:
+        replicas = replicate(model, [0, 1], detach=True)
+        got, go = [None, None], threading.Barrier(2)
+
+        def run(i):
+            go.wait()
+            with torch.no_grad():
+                got[i] = snapshot(replicas[i](x))
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert [same_bits(g, w) for g, w in zip(got, want)] == [True, True]
+        assert d.pass_id == -1  # no replica's forward was a pass
+        assert not any(any(a in m.__dict__ for a in ("forward", "__deepcopy__", "_replicate_for_data_parallel"))
+                       for r in replicas for m in r.modules())  # as without fastdump
+        with torch.no_grad():
+            served = model(x)   # pass 0: the original, dumped as ever
+    assert same_bits(served, want_model["__out__"])
+    assert "_replicate_for_data_parallel" not in model.__dict__ and "forward" not in model[0].__dict__
+    ds = fastdump.open(tmp_path)
+    assert ds.passes("target", 0) == [0]
+    dumped = ds.load("target", 0, 0, check=True)
+    assert list(dumped) == ["0", "1", "2", "root"]
+    for name in ("0", "1", "2"):
+        assert same_bits(dumped[name], want_model[name]), name
+    assert same_bits(dumped["root"], want_model["__out__"])
+    assert not verify(tmp_path).problems
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.fc(x)
+
+
+class LayeredNames(nn.Module):
+    """Decoder layers at `layers.N` and at `model.layers.N`, and look-alikes that are no layers."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.ModuleList(Block() for _ in range(3))
+        self.model = nn.Module()
+        self.model.layers = nn.ModuleList(Block() for _ in range(3))
+        self.xlayers = nn.ModuleList(Block() for _ in range(2))
+        self.vision = nn.Module()
+        self.vision.layers = nn.ModuleList(Block() for _ in range(2))
+
+    def forward(self, x):
+        for block in [*self.layers, *self.model.layers, *self.xlayers, *self.vision.layers]:
+            x = block(x)
+        return x
+
+
+def test_layers_keeps_the_chosen_layers_at_layers_N_and_model_layers_N_and_no_other_name(tmp_path):
+    """layers= used to filter model.layers.N only: a model whose decoder layers are top-level
+    `layers.N` was dumped whole. Names that only look alike are no layers: kept."""
+    model = LayeredNames()
+    x = torch.randn(2, 4)
+    want = leaf_outputs(model, x)
+    with fastdump.attach(model, tmp_path, layers=[1], root_name="root"):
+        with torch.no_grad():
+            served = model(x)
+    assert same_bits(served, want["__out__"])
+    dumped = fastdump.open(tmp_path).load("target", 0, 0, check=True)
+    assert list(dumped) == ["layers.1.fc", "model.layers.1.fc", "xlayers.0.fc", "xlayers.1.fc",
+                            "vision.layers.0.fc", "vision.layers.1.fc", "root"]
+    for name, t in dumped.items():
+        assert same_bits(t, want["__out__" if name == "root" else name]), name
+
+
+@pytest.mark.parametrize("kept", [nn.Linear, "Linear"])
+def test_module_types_keeps_the_root_when_it_is_of_a_kept_type(tmp_path, kept):
+    """module_types= never kept the root: attach(nn.Linear(..), module_types=[nn.Linear]) dumped
+    empty passes. A root of another type is still left out."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 4)
+    linear = nn.Linear(4, 4)
+    seq = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    want_linear, want_seq = snapshot(linear(x)), leaf_outputs(seq, x)
+    with fastdump.attach(linear, tmp_path / "linear", module_types=[kept]):
+        with torch.no_grad():
+            assert same_bits(linear(x), want_linear)
+    with fastdump.attach(seq, tmp_path / "seq", module_types=[kept]):
+        with torch.no_grad():
+            assert same_bits(seq(x), want_seq["__out__"])
+    dumped = fastdump.open(tmp_path / "linear").load("target", 0, 0, check=True)
+    assert list(dumped) == ["Linear"] and same_bits(dumped["Linear"], want_linear)
+    dumped = fastdump.open(tmp_path / "seq").load("target", 0, 0, check=True)
+    assert list(dumped) == ["0", "2"]
+    assert same_bits(dumped["0"], want_seq["0"]) and same_bits(dumped["2"], want_seq["2"])

@@ -786,6 +786,70 @@ def test_odd_pass_metadata_never_raises_into_the_model(tmp_path):
     assert "no str" in ds.meta("target", 0, 1)["fastdump_meta_error"]
 
 
+def test_pass_metadata_of_every_kind_is_kept_as_json(tmp_path):
+    """Complex values (tensors, Python, numpy) are [real, imag] pairs; enum members their name;
+    any other object its str(), whole (a Path or a config with a ``name`` field was recorded as
+    that name alone). Before, a complex tensor raised TypeError out of the model's forward at the
+    pass's end and the pass was lost with verify saying OK."""
+    import enum
+    import pathlib
+
+    import numpy as np
+
+    class Mode(enum.Enum):
+        DECODE = 1
+
+    @dataclasses.dataclass
+    class Config:
+        name: str
+        layers: int
+
+    path = pathlib.Path("/models/llama-8b/step_1000/model.safetensors")
+    model = Mlp()
+    with fastdump.attach(model, tmp_path) as d:
+        d.set_pass_meta(z=torch.tensor([1 + 2j, -0.5j]), c=3 - 4j, npz=np.array([1j]), npf=np.float32(0.5),
+                        mode=Mode.DECODE, path=path, config=Config("llama", 32))
+        out = model(torch.randn(2, 8))
+        d.begin_pass(z=torch.tensor(2j))  # a manual pass's meta too
+        d.dump("x", torch.ones(2))
+        d.end_pass()
+    ds = fastdump.open(tmp_path)
+    meta = ds.meta("target", 0, 0)
+    assert meta["z"] == [[1.0, 2.0], [0.0, -0.5]] and meta["c"] == [3.0, -4.0] and meta["npz"] == [[0.0, 1.0]]
+    assert meta["npf"] == 0.5 and meta["mode"] == "DECODE"
+    assert meta["path"] == str(path) and meta["config"] == str(Config("llama", 32))
+    assert meta["complete"] and same_bits(ds.load("target", 0, 0)["Mlp"], out)
+    assert ds.meta("target", 0, 1)["z"] == [0.0, 2.0] and ds.meta("target", 0, 1)["complete"]
+    assert subprocess.run([sys.executable, "-m", "fastdump", "verify", str(tmp_path)]).returncode == 0
+
+
+@pytest.mark.parametrize("selection", [dict(every=2), dict(skip_passes=1), dict(pass_range=(1, 3))])
+def test_a_dump_outside_any_pass_is_kept_and_moves_no_forward_in_or_out(tmp_path, selection):
+    """dump() outside a pass is a pass of its own: always dumped (the caller asked for that value),
+    and not counted by every/skip_passes/pass_range, which pick the same forwards as without it.
+    Before, it went through the selection: lost silently, and it shifted which forwards were dumped."""
+    model = Mlp()
+    xs = [torch.randn(2, 8, generator=torch.Generator().manual_seed(k)) for k in range(4)]
+    with fastdump.attach(model, tmp_path / "plain", **selection) as d:
+        for x in xs:
+            model(x)
+    plain_forwards = len(fastdump.open(tmp_path / "plain").passes("target", 0))
+    with fastdump.attach(model, tmp_path / "mixed", **selection) as d:
+        outs = []
+        for k, x in enumerate(xs):
+            outs.append(model(x))
+            d.dump("extra", torch.full((3,), float(k)))
+    ds = fastdump.open(tmp_path / "mixed")
+    extras = [p for p in ds.passes("target", 0) if "extra" in ds.pass_names("target", 0, p)]
+    forwards = [p for p in ds.passes("target", 0) if p not in extras]
+    assert [ds.load("target", 0, p)["extra"].tolist() for p in extras] == [[float(k)] * 3 for k in range(4)]
+    assert len(forwards) == plain_forwards
+    expected = {"every": [0, 2], "skip_passes": [1, 2, 3], "pass_range": [1, 2]}[next(iter(selection))]
+    assert forwards == [2 * k for k in expected]  # forward k is pass 2k: each is followed by a dump's pass
+    for p, k in zip(forwards, expected):
+        assert same_bits(ds.load("target", 0, p)["Mlp"], outs[k])
+
+
 def test_a_model_that_cannot_be_wrapped_leaves_no_writer_and_no_wrapper(tmp_path):
     """A failure while wrapping the modules: the model keeps its forwards and no writer is left
     running (strict raises, the default records the error and serves on)."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 import copy
 import dataclasses
+import enum
 import functools
 import inspect
 import logging
@@ -31,6 +32,8 @@ from ..options import Options
 from .manifest import cuda_index as _cuda_index, device_facts as _device_facts, write_manifest as _write_manifest
 from .ranks import resolve_ranks  # noqa: F401 - part of this module's face
 from .selection import original as _original_module, root_selected as _root_selected, select_modules
+from .selection import SCRIPT_REASON as _SCRIPT_REASON, is_script_module as _is_script_module, \
+    script_modules as _script_modules
 from ..staging import engine as _engine
 from ..staging import channel as _channel_mod
 from ..staging import graphs as _graphs
@@ -102,6 +105,12 @@ class Dumper:
 
     def __init__(self, model, options: Options, *, ranks: dict):
         """``options``: checked already (``Options.__post_init__``); ``ranks``: from resolve_ranks."""
+        if model is not None and _is_script_module(_original_module(model)):
+            # Refused before anything is created: no directory, no writer. (Its submodules run as
+            # TorchScript, so only its output could be dumped; a Python parent gives that.)
+            raise ValueError(f"fastdump.attach: the model is a torch.jit ScriptModule ({type(model).__name__}), "
+                             "whose forward fastdump cannot wrap: attach the model before scripting or "
+                             "tracing it, or a Python module that calls it (its output is then dumped)")
         o = self.options = options
         root, role = o.root, o.role
         self.role = role
@@ -116,6 +125,7 @@ class Dumper:
         self.max_bytes = o.max_bytes
         self.device_ring_mb = o.device_ring_mb
         self.pass_id = -1
+        self._standalone_passes = 0  # passes of dump() calls outside any pass: selection does not count them
         self.status = "running"
         self.error = None
         self._unconfirmed = collections.deque()  # seqs of pass ends the writer has not handled yet
@@ -154,6 +164,12 @@ class Dumper:
         self._lock = threading.Lock()
 
         config = o.manifest_config()
+        # Submodules fastdump cannot wrap (TorchScript): {name: reason}, logged and kept in rank.json's
+        # config. (A model that cannot even be walked fails in _install, which records why.)
+        try:
+            self.not_wrapped = _script_modules(model) if model is not None else {}
+        except Exception:
+            self.not_wrapped = {}
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
             _write_manifest(self.root, config)
@@ -164,7 +180,8 @@ class Dumper:
             # as under `drop` until the writer gives ring space back (Channel.begin / note_stall).
             self._channel = self._engine.open_channel(
                 dict(dir=str(self.dir), role=role, rank=ranks, pid=self._pid, session=self.session,
-                     host=socket.gethostname(), device=facts, config=config),
+                     host=socket.gethostname(), device=facts,
+                     config=dict(config, not_wrapped=self.not_wrapped) if self.not_wrapped else config),
                 fast_codes=_FAST_CODES, strided=_strided, block=o.policy == "block",
                 block_timeout_s=o.block_timeout_s, device_ring_mb=o.device_ring_mb)
             if not self._engine.alive:
@@ -196,6 +213,9 @@ class Dumper:
                 self.close()  # unwraps what was wrapped, stops this Dumper's writer channel
                 if o.strict:
                     raise
+            if self.not_wrapped and self.status == "running":
+                log.warning("fastdump: %s: not wrapped: %s: %s", self.dir, ", ".join(self.not_wrapped),
+                            _SCRIPT_REASON)
 
     @property
     def _capturing(self) -> bool:
@@ -240,8 +260,9 @@ class Dumper:
             self._check_thread()  # another thread's pass is open: this value would join it
             self._capture(name, value)
         elif self._depth == 0 and not self._closed and self._engine is not None:
-            # Outside any pass: a pass of its own, so the value is never silently lost.
-            self._begin()
+            # Outside any pass: a pass of its own, always dumped (every/skip_passes/pass_range do
+            # not apply to it, nor count it), so the value is never silently lost.
+            self._begin(standalone=True)
             try:
                 if self._capturing:
                     self._capture(name, value)
@@ -361,7 +382,7 @@ class Dumper:
         self.close()
 
     # -- passes ----------------------------------------------------------------------------------
-    def _begin(self) -> None:
+    def _begin(self, standalone: bool = False) -> None:
         # Threads: from the count to the opener's marks below there is no call, hence no point
         # where another thread can run (with the GIL): a second thread that enters the pass sees
         # the opener's thread and its mark of mixing sticks (a get_ident() or a reset after the
@@ -378,6 +399,8 @@ class Dumper:
             self._pass_thread = me
             self._incomplete, self._mixed = None, False
             self.pass_id += 1
+            if standalone:
+                self._standalone_passes += 1
             self._meta, self._next_meta = self._next_meta, {}
             self._calls.clear()
             if self._open_calls:
@@ -389,7 +412,8 @@ class Dumper:
                 return
             # Selection applies to eager passes; a graph captured in a pass left out is recorded
             # all the same, since each of its replays is a pass of its own.
-            if not self._selected(self.pass_id) and (self._graphs is None or not self._graphs.capture_running()):
+            if not self._selected(self.pass_id, standalone) and (
+                    self._graphs is None or not self._graphs.capture_running()):
                 return
             if not self._engine.alive_lately:  # a dead writer stops dumping, not serving
                 return self._disable(self._engine.error())
@@ -498,11 +522,16 @@ class Dumper:
             totals["dropped_passes"] += channel.dropped_passes - self._folded_drops[1]
             self._folded_drops = (channel.dropped, channel.dropped_passes)
 
-    def _selected(self, pass_id: int) -> bool:
-        if pass_id < self.skip_passes or (pass_id - self.skip_passes) % self.every:
-            return False
-        if self.pass_range is not None and not self.pass_range[0] <= pass_id < self.pass_range[1]:
-            return False
+    def _selected(self, pass_id: int, standalone: bool = False) -> bool:
+        """Whether pass ``pass_id`` is dumped. every/skip_passes/pass_range pick root forwards and
+        manual passes, counted without the passes of dump() calls outside any pass: those are
+        always dumped (the caller asked for that value), and they move no other pass in or out."""
+        if not standalone:
+            counted = pass_id - self._standalone_passes
+            if counted < self.skip_passes or (counted - self.skip_passes) % self.every:
+                return False
+            if self.pass_range is not None and not self.pass_range[0] <= counted < self.pass_range[1]:
+                return False
         if self.max_bytes is not None and self._totals["bytes"] >= self.max_bytes:
             if not self._budget_reached:
                 self._budget_reached = True  # said once, not every pass
@@ -834,7 +863,7 @@ class Dumper:
     def _install(self, model, root_passes: bool, **selection) -> None:
         for name, module in select_modules(model, **selection):
             self._wrap(module, self._capture_wrapper(name, module.forward, _owner_of(module)))
-        root_selected = _root_selected(self._root_name, selection)
+        root_selected = _root_selected(model, self._root_name, selection)
         if root_passes:
             self._wrap(model, self._root_wrapper(self._root_name if root_selected else None, model.forward,
                                                  _owner_of(model)))
@@ -1199,12 +1228,7 @@ def _deepcopy_undumped(module, memo):
     memo[id(module)] = copied
     if state is not None:
         state = dict(state)
-        state.pop("__deepcopy__", None)
-        forward = state.pop("forward", _MISSING)
-        while _is_ours(forward):
-            forward = _wrapped_by(forward)
-        if forward is not _MISSING:
-            state["forward"] = forward
+        _undumped_state(state)
         state = copy.deepcopy(state, memo)
         if hasattr(copied, "__setstate__"):  # nn.Module's; watch() also takes other objects
             copied.__setstate__(state)
@@ -1213,16 +1237,49 @@ def _deepcopy_undumped(module, memo):
     return copied
 
 
+def _replicate_undumped(module):
+    """``nn.Module._replicate_for_data_parallel`` of a module a Dumper wraps (installed on the
+    instance, as ``__deepcopy__`` is). DataParallel's replicate() gives each replica a copy of the
+    module's ``__dict__``, our wrapper included, which calls the forward of the module it was made
+    for: every replica computed with the original's weights, on the original's device. A replica
+    gets what our wrappers wrap instead and is not dumped: DataParallel runs its replicas in one
+    thread per device at once, and their calls in one pass would be mixed (docs/INTERNALS.md)."""
+    replica = type(module)._replicate_for_data_parallel(module)
+    _undumped_state(replica.__dict__)
+    return replica
+
+
+_COPIERS = {"__deepcopy__": _deepcopy_undumped, "_replicate_for_data_parallel": _replicate_undumped}
+
+
+def _undumped_state(state: dict) -> None:
+    """A copy of a wrapped module's ``__dict__``, made the state of a module nothing dumps: our
+    wrappers give way to what they wrap (the class's forward, or an instance forward set before
+    us), and our copiers go."""
+    for attr, copier in _COPIERS.items():
+        if getattr(state.get(attr), "__func__", None) is copier:
+            del state[attr]
+    forward = state.pop("forward", _MISSING)
+    while _is_ours(forward):
+        forward = _wrapped_by(forward)
+    if forward is not _MISSING:
+        state["forward"] = forward
+
+
 def _install_copier(module) -> None:
-    """Give ``module`` _deepcopy_undumped, unless it or its class has a ``__deepcopy__`` of its own."""
-    if "__deepcopy__" not in module.__dict__ and getattr(type(module), "__deepcopy__", None) is None:
-        module.__dict__["__deepcopy__"] = types.MethodType(_deepcopy_undumped, module)
+    """Give ``module`` our copiers: _deepcopy_undumped unless it or its class has a ``__deepcopy__``
+    of its own; _replicate_undumped when its class replicates for DataParallel (every nn.Module)."""
+    cls, own = type(module), module.__dict__
+    if "__deepcopy__" not in own and getattr(cls, "__deepcopy__", None) is None:
+        own["__deepcopy__"] = types.MethodType(_deepcopy_undumped, module)
+    if "_replicate_for_data_parallel" not in own and callable(getattr(cls, "_replicate_for_data_parallel", None)):
+        own["_replicate_for_data_parallel"] = types.MethodType(_replicate_undumped, module)
 
 
 def _remove_copier(module) -> None:
-    copier = module.__dict__.get("__deepcopy__")
-    if getattr(copier, "__func__", None) is _deepcopy_undumped:
-        del module.__dict__["__deepcopy__"]
+    for attr, copier in _COPIERS.items():
+        if getattr(module.__dict__.get(attr), "__func__", None) is copier:
+            del module.__dict__[attr]
 
 
 def _is_dataclass_instance(value) -> bool:
@@ -1244,8 +1301,10 @@ def _short(exc: BaseException, limit: int = 200) -> str:
 
 
 def _jsonable(value, outer: tuple = ()):
-    """Pass metadata as JSON: tensors become lists, unknown objects their str(); a container inside
-    itself or deeper than _MAX_NESTING is cut there (never a RecursionError into the model)."""
+    """Pass metadata as JSON: tensors and numpy values become lists (complex ones as [real, imag]
+    pairs), enum members their name, other objects their str(); a container inside itself or
+    deeper than _MAX_NESTING is cut there (never a RecursionError into the model). Every value it
+    returns is one json.dumps takes: a pass's end must never raise into the model."""
     if isinstance(value, (dict, list, tuple)):
         if id(value) in outer:
             return "<cut: refers to itself>"
@@ -1257,10 +1316,19 @@ def _jsonable(value, outer: tuple = ()):
         return [_jsonable(v, outer) for v in value]
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
+    if isinstance(value, complex):
+        return [value.real, value.imag]
     if isinstance(value, _Tensor):
-        return value.detach().cpu().tolist() if value.numel() <= 4096 else f"<tensor {tuple(value.shape)}>"
-    name = getattr(value, "name", None)
-    return name if isinstance(name, str) else str(value)
+        if value.numel() > 4096:
+            return f"<tensor {tuple(value.shape)}>"
+        value = value.detach().cpu()
+        return (_torch.view_as_real(value) if value.is_complex() else value).tolist()  # bools, ints, floats
+    if isinstance(value, enum.Enum):  # e.g. an engine's ForwardMode.DECODE: its name, not "ForwardMode.DECODE"
+        return value.name
+    if type(value).__module__ == "numpy" and hasattr(value, "tolist"):  # arrays and scalars
+        return _jsonable(value.tolist(), outer) if getattr(value, "size", 1) <= 4096 else \
+            f"<array {tuple(value.shape)}>"
+    return str(value)
 
 
 

@@ -4,14 +4,46 @@ exclude= and module_types= (the same options as SGLang's dumper where it has the
 from __future__ import annotations
 
 import re
+import sys
 
-_LAYER_RE = re.compile(r"^model\.layers\.(\d+)(?:\.|$)")  # layers= means model.layers.N only, as in SGLang
+# layers=: the decoder layers at `layers.N` or `model.layers.N` (SGLang's), from the start of the
+# qualified name; any other name (`xlayers.1`, `encoder.layers.1`) is not a layer and is kept.
+_LAYER_RE = re.compile(r"^(?:model\.)?layers\.(\d+)(?:\.|$)")
+
+SCRIPT_REASON = ("torch.jit ScriptModule (scripted or traced): its forward runs as TorchScript, "
+                 "which fastdump cannot wrap; neither it nor its submodules are dumped")
 
 
 def original(module):
     """The module ``torch.compile`` wrapped, for a compiled one (an ``OptimizedModule``); else itself."""
-    inner = module.__dict__.get("_modules", {}).get("_orig_mod")
-    return inner if inner is not None and type(module).__name__ == "OptimizedModule" else module
+    if type(module).__name__ != "OptimizedModule":
+        return module
+    modules = module.__dict__.get("_modules")  # (a ScriptModule's is no dict: checked after the type)
+    inner = modules.get("_orig_mod") if isinstance(modules, dict) else None
+    return inner if inner is not None else module
+
+
+def is_script_module(module) -> bool:
+    """A ``torch.jit.script``'ed or traced module. Its submodules run inside TorchScript, which never
+    calls a Python forward, and its own forward is part of the compiled module (``torch.jit.save``,
+    a scripted parent): fastdump wraps neither. (No torch.jit imported: no ScriptModule exists.)"""
+    jit = sys.modules.get("torch.jit")
+    script_module = getattr(jit, "ScriptModule", None)
+    return script_module is not None and isinstance(module, script_module)
+
+
+def script_modules(model) -> dict:
+    """{qualified name: reason} of the outermost ScriptModules inside ``model`` (not the root): left
+    unwrapped, with everything in them (see is_script_module)."""
+    found = {}
+    for name, module in named_modules(model):
+        if name and is_script_module(module) and not _inside(name, found):
+            found[name] = SCRIPT_REASON
+    return found
+
+
+def _inside(name: str, prefixes) -> bool:
+    return any(name.startswith(prefix + ".") for prefix in prefixes)
 
 
 def named_modules(model):
@@ -37,10 +69,13 @@ def select_modules(model, *, layers=None, include=None, exclude=None, module_typ
     inc = re.compile(include) if isinstance(include, str) else include
     exc = re.compile(exclude) if isinstance(exclude, str) else exclude
     types = tuple(module_types) if module_types else None
+    scripted = script_modules(model)
     chosen = []
     for name, module in named_modules(model):
         if name == "":
             continue  # the root is handled by the pass wrapper
+        if name in scripted or _inside(name, scripted):
+            continue  # TorchScript: not wrappable (the Dumper records them, see script_modules)
         if leaves_only and next(iter(module.children()), None) is not None:
             continue
         if layer_set is not None:
@@ -51,20 +86,24 @@ def select_modules(model, *, layers=None, include=None, exclude=None, module_typ
             continue
         if exc is not None and exc.search(name):
             continue
-        if types is not None and not any(
-            (isinstance(t, str) and type(module).__name__ == t) or (isinstance(t, type) and isinstance(module, t))
-            for t in types
-        ):
+        if types is not None and not _of_types(module, types):
             continue
         chosen.append((name, module))
     return chosen
 
 
-def root_selected(root_name: str, selection: dict) -> bool:
+def _of_types(module, types) -> bool:
+    """``module`` is of one of ``types`` (module_types=: classes, or class names)."""
+    return any((isinstance(t, str) and type(module).__name__ == t) or (isinstance(t, type) and isinstance(module, t))
+               for t in types)
+
+
+def root_selected(root, root_name: str, selection: dict) -> bool:
     """Whether the root module itself is dumped under this selection (its forward delimits passes
-    either way)."""
+    either way). ``module_types=`` keeps it when it is of a kept type, as any module; a compiled
+    root is judged by the module it compiled, as its submodules are."""
     include, exclude, types = selection.get("include"), selection.get("exclude"), selection.get("module_types")
-    if types:
+    if types and not _of_types(original(root), tuple(types)):
         return False
     if include is not None and not re.search(include, root_name):
         return False

@@ -158,8 +158,9 @@ def register_forward_hook_for_model(model, dump_dir, dump_layers=None, tp_size=1
     top = model._modules.get(top_name)
     if top is None:
         raise ValueError(f"model should have a module named {top_name!r} (set TENSOR_DUMP_TOP_LEVEL_MODULE_NAME)")
-    if (layers_name != "layers" or top_name != "model") and dump_layers is not None:
-        # fastdump's layers= knows model.layers.N only; express other layouts as a regex.
+    if dump_layers is not None:
+        # SGLang filters <top>.<layers>.N only (fastdump's layers= also takes a top-level layers.N):
+        # a regex on exactly that layout.
         keep = "|".join(str(int(i)) for i in dump_layers)
         pat = rf"^{re.escape(top_name)}\.{re.escape(layers_name)}\.(?!(?:{keep})(?:\.|$))\d+(\.|$)"
         fastdump_kwargs["exclude"] = _either(fastdump_kwargs.get("exclude"), pat)
