@@ -240,6 +240,10 @@ def test_empty_role_and_rank_directories_and_stray_entries(dump, tmp_path, capsy
     assert code == 0 and R0 in out and "TP5" not in out and "666" not in out
     code, out, err = cli("show", dump, "--rank", "1", "--pass", "1", capsys=capsys)
     assert code == 0 and "a " in out
+    # A session's directory without any file: that session recorded nothing, not even why.
+    code, out, err = cli("verify", dump, capsys=capsys)
+    empty = dump / "target" / "TP5_PP0_Rank5_pid1_20260101T000000.000000Z-00000009"
+    assert code == 1 and f"{empty}: a session directory with no rank.json" in out + err, out + err
 
 
 def test_a_rank_directory_with_rank_json_and_no_segment(tmp_path, capsys):

@@ -620,32 +620,37 @@ def verify_dump(root: str, read_data: bool = False) -> _Report:
         return report
     rank_dirs = []
 
-    def listed(path: str) -> list:
-        """A directory's entries; one that cannot be listed is a problem (its ranks go unchecked)."""
+    def listed(path: str):
+        """A directory's entries; one that cannot be listed is a problem (its ranks go unchecked): None."""
         try:
             return sorted(os.listdir(path))
         except OSError as exc:
             report.problem(path, f"cannot list: {exc.strerror or exc}")
-            return []
+            return None
 
-    for role in listed(root):
+    for role in listed(root) or ():
         role_path = os.path.join(root, role)
         if os.path.islink(role_path):
             report.problem(role_path, "symbolic link: not followed (it may point out of the dump)")
             continue
         if not os.path.isdir(role_path):
             continue
-        for rank in listed(role_path):
+        for rank in listed(role_path) or ():
             rank_path = os.path.join(role_path, rank)
             if os.path.islink(rank_path):
                 report.problem(rank_path, "symbolic link: not followed (it may point out of the dump)")
                 continue
-            if os.path.isdir(rank_path) and any(
-                e in (fmt.RANK_FILE, fmt.PRODUCER_ERROR_FILE) or fmt.segment_number(e) is not None
-                or fsutil.is_temp_name(e)
-                for e in listed(rank_path)
-            ):
+            entries = listed(rank_path) if os.path.isdir(rank_path) else None
+            if entries is None:
+                continue
+            if any(e in (fmt.RANK_FILE, fmt.PRODUCER_ERROR_FILE) or fmt.segment_number(e) is not None
+                   or fsutil.is_temp_name(e) for e in entries):
                 rank_dirs.append(rank_path)
+            elif fmt.parse_rank_dir(rank):
+                # A session's directory is made at attach; its writer then writes rank.json. Without
+                # any file the session recorded nothing at all (a full disk at its start, say).
+                report.problem(rank_path, "a session directory with no rank.json, producer_error.json or "
+                                          "segment: this session recorded nothing (not even why)")
     if not rank_dirs:
         report.problem(root, "no rank directories (expected <root>/<role>/<rank>/rank.json)")
     for rank_path in rank_dirs:
