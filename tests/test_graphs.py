@@ -207,8 +207,8 @@ def test_graph_replays_outrunning_the_drain_are_dropped_and_counted(m, glue, tmp
     """With the drain stopped, replays fill the device replay ring; later ones are dropped inside
     the graph and counted (never written torn); the ones that fit are written intact. The drops
     are counted through the Channel as they happen: Dumper.stats() and rank.json say so while the
-    Dumper runs (the drain's graph_drops note), and agree after close; `verify` reports them as it
-    reports eager passes dropped under `drop` (a warning: counted, not lost)."""
+    Dumper runs (the drain's graph_drops note), and agree after close; under policy `block` (the
+    default) `verify` fails on them: the dump is not whole (under `drop` it would warn)."""
     from fastdump.staging import cuda
 
     current = Stream(glue)
@@ -256,7 +256,8 @@ def test_graph_replays_outrunning_the_drain_are_dropped_and_counted(m, glue, tmp
         assert ds.meta("target", 0, p)["graph_replay"] == (i if i < 28 else 40)  # 28..39 dropped
     r = subprocess.run([sys.executable, "-m", "fastdump", "verify", "--data", str(tmp_path)], capture_output=True,
                        text=True)
-    assert r.returncode == 0 and "12 whole pass(es) were dropped" in r.stdout, r.stdout + r.stderr
+    assert r.returncode == 1 and "policy 'block': 0 tensor(s) and 12 whole pass(es) were dropped" in r.stdout, \
+        r.stdout + r.stderr
 
 
 def test_graph_two_roles_target_and_draft(m, glue, tmp_path, monkeypatch):
@@ -914,7 +915,9 @@ def test_graph_replay_is_one_span_record_split_by_the_writer(m, glue, tmp_path, 
         assert meta["complete"] and meta["tensors"] == 12
     r = subprocess.run([sys.executable, "-m", "fastdump", "verify", "--data", str(tmp_path)], capture_output=True,
                        text=True)
-    assert r.returncode == 0, r.stdout + r.stderr
+    # The replays the paused drain dropped make the dump not whole (policy block); nothing else fails.
+    assert r.returncode == 1 and f"{stats['dropped_passes']} whole pass(es) were dropped" in r.stdout, r.stdout
+    assert "policy 'block'" in r.stdout and "1 problem(s)" in r.stdout, r.stdout
 
 
 def dtypes_code(dtype):

@@ -476,12 +476,14 @@ def test_verify_fails_when_passes_the_dumper_sent_are_missing(tmp_path):
     assert any("staged 15 tensors; 9 are on disk" in p for p in problems), problems
 
 
-def test_dropped_passes_are_counted_in_rank_json_and_ls(tmp_path):
-    """policy='drop' with a stalled writer: whole passes are dropped; the Dumper, rank.json and ls
-    agree on every count, and ls shows the dropped passes."""
+@pytest.mark.parametrize("policy", ["drop", "block"])
+def test_dropped_passes_are_counted_in_rank_json_and_ls(tmp_path, policy):
+    """A stalled writer: whole passes are dropped; the Dumper, rank.json and ls agree on every
+    count, and ls shows the dropped passes. verify warns under `drop` (the user chose to drop) and
+    fails under `block` (which loses nothing while the writer keeps up: this dump is not whole)."""
     root = tmp_path / "dump"
     model = torch.nn.Linear(4, 4)
-    d = fastdump.attach(model, root, policy="drop", ring_mb=1)
+    d = fastdump.attach(model, root, policy=policy, ring_mb=1, block_timeout_s=0.05)
     writer = d._engine._proc
     os.kill(writer.pid, signal.SIGSTOP)  # the ring fills up to the last byte: passes cannot even begin
     forwards = 0
@@ -501,7 +503,9 @@ def test_dropped_passes_are_counted_in_rank_json_and_ls(tmp_path):
     assert listing["passes"] == stats["passes"] == forwards - stats["dropped_passes"]
     assert f"{stats['dropped']} +{stats['dropped_passes']} passes" in cli("ls", root).stdout
     done = cli("verify", root)
-    assert done.returncode == 0 and f"{stats['dropped_passes']} whole pass(es) were dropped" in done.stdout
+    assert f"policy '{policy}': {stats['dropped']} tensor(s) and {stats['dropped_passes']} whole pass(es) were dropped" \
+        in done.stdout, done.stdout
+    assert done.returncode == (0 if policy == "drop" else 1), done.stdout
 
 
 @pytest.fixture

@@ -469,8 +469,10 @@ def _check_unique_names(report: _Report, where: str, index, names) -> None:
 
 def _check_counts(report: _Report, path: str, info: dict, pass_ids: set, tensors: int) -> None:
     """The Dumper's own counts (rank.json ``stats``, sent at close) against what is on disk: a
-    pass or tensor it handed over that is not on disk is lost. Drops are reported, not failed:
-    policy "drop" drops by design and counts them."""
+    pass or tensor it handed over that is not on disk is lost. Drops under policy "drop" are
+    reported, not failed: that policy drops by design and counts them. Under "block" (the default,
+    which loses nothing while the writer keeps up) a drop means the writer fell behind for longer
+    than block_timeout_s, or CUDA-graph replays outran the drain: the dump is not whole, and fails."""
     stats = info.get("stats") if isinstance(info.get("stats"), dict) else {}
     passes_sent, tensors_sent = stats.get("passes"), stats.get("tensors")
     if isinstance(passes_sent, int) and len(pass_ids) < passes_sent:
@@ -486,8 +488,13 @@ def _check_counts(report: _Report, path: str, info: dict, pass_ids: set, tensors
                              f"({skipped} recorded as skipped)")
     dropped, dropped_passes = _count(info.get("dropped", 0)), _count(info.get("dropped_passes", 0))
     if dropped or dropped_passes:
-        report.warning(path, f"policy drop: {dropped} tensor(s) and {dropped_passes} whole pass(es) were "
-                             "dropped (counted, not dumped)")
+        config = info.get("config") if isinstance(info.get("config"), dict) else {}
+        counts = f"{dropped} tensor(s) and {dropped_passes} whole pass(es) were dropped (counted, not dumped)"
+        if config.get("policy") == "drop":
+            report.warning(path, f"policy 'drop': {counts}")
+        else:
+            report.problem(path, f"policy {config.get('policy', 'block')!r}: {counts}: the writer fell behind "
+                                 "for longer than block_timeout_s, or CUDA-graph replays outran the drain")
 
 
 def _check_producer_error(report: _Report, path: str, status: str) -> str:
