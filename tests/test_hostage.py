@@ -97,9 +97,15 @@ def run_forwards(model, first, n, limit):
     return outs, elapsed
 
 
-def check_on_disk(root, outs, dumper_stats):
-    """Every pass on disk holds exactly what the model computed, or records the tensor dropped."""
-    assert not verify_dump(str(root)).problems
+def check_on_disk(root, outs, dumper_stats, policy="drop"):
+    """Every pass on disk holds exactly what the model computed, or records the tensor dropped.
+    verify: nothing wrong under `drop`; under `block` the drops alone (that policy's dump is then
+    not whole)."""
+    problems = verify_dump(str(root)).problems
+    if policy == "block":
+        assert len(problems) == 1 and "policy 'block'" in problems[0] and "were dropped" in problems[0], problems
+    else:
+        assert not problems, problems
     ds = fastdump.open(root)
     on_disk_dropped = 0
     for p in ds.passes("target", 0):
@@ -166,7 +172,7 @@ def test_block_timeout_drops_instead_of_freezing_forward(tmp_path):
         cont(pid)
         stats = d.close()
     assert stats["status"] == "closed"
-    check_on_disk(tmp_path, outs, stats)
+    check_on_disk(tmp_path, outs, stats, policy="block")
 
 
 def test_close_timeout_is_kept_with_a_stopped_writer(tmp_path):
@@ -198,6 +204,167 @@ def test_close_timeout_is_kept_with_a_stopped_writer(tmp_path):
     problems = verify_dump(str(tmp_path)).problems  # a dump that may have lost passes never verifies
     assert any("producer_error.json" in text and "close timed out" in text for text in problems), problems
     assert Engine._current is None  # the writer was killed, not left behind
+
+
+def small_model(seed):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(8, 8))
+
+
+def small_input(i):
+    return torch.full((2, 8), float(i) / 3)
+
+
+@pytest.mark.parametrize("segment_passes", [8, 256])
+def test_close_timeout_counts_the_passes_missing_on_disk(tmp_path, segment_passes):
+    """N in "N passes not confirmed on disk" is what is missing on disk, not the pass ends the
+    writer has not acked: it acks a pass end once buffered, long before its segment is written."""
+    model = small_model(0)
+    d = fastdump.attach(model, tmp_path, segment_passes=segment_passes, segment_idle_seconds=0)
+    pid = writer_pid()
+    try:
+        with torch.inference_mode():
+            for i in range(20):
+                model(small_input(i))
+        written = 20 // segment_passes * segment_passes  # 16 or 0: the rest wait in the open segment
+        rank_json = d.dir / "rank.json"
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:  # every pass end handled (acked), the full segments written
+            info = json.loads(rank_json.read_text())
+            if info["passes"] == written and info["pending_passes"] == 20 - written:
+                break
+            time.sleep(0.05)
+        assert (info["passes"], info["pending_passes"]) == (written, 20 - written), info
+        os.kill(pid, signal.SIGSTOP)
+        with torch.inference_mode():
+            for i in range(20, 23):  # pass ends the writer never sees
+                model(small_input(i))
+        stats = d.close(timeout=2)
+    finally:
+        cont(pid)
+        kill(pid)
+    assert stats["status"] == "error" and stats["passes"] == 23
+    assert stats["error"].startswith("close timed out after 2 s; ") and stats["error"].endswith(
+        " passes not confirmed on disk")
+    unconfirmed = int(stats["error"].split("; ")[1].split()[0])
+    ds = fastdump.open(tmp_path)
+    on_disk = ds.passes("target", 0)
+    assert on_disk == list(range(written))
+    for p in on_disk:  # what is on disk is whole
+        assert torch.equal(ds.load("target", 0, p)["Sequential"], model(small_input(p)))
+    assert unconfirmed == stats["passes"] - len(on_disk) == 23 - written  # before: 3, the unacked ones
+    assert json.loads((d.dir / "producer_error.json").read_text())["error"] == stats["error"]
+
+
+def attach_in_thread(model, root, limit, **settings):
+    """attach() in a thread; (Dumper, seconds it took), or fail if it takes more than `limit` s."""
+    result = {}
+
+    def work():
+        t0 = time.monotonic()
+        result["dumper"] = fastdump.attach(model, root, **settings)
+        result["elapsed"] = time.monotonic() - t0
+
+    t = threading.Thread(target=work, daemon=True)
+    t.start()
+    t.join(limit)
+    assert not t.is_alive(), f"attach did not return in {limit} s: the stopped writer holds it hostage"
+    return result["dumper"], result["elapsed"]
+
+
+def test_attach_with_a_stopped_writer_gives_up_within_block_timeout(tmp_path):
+    """The EAGLE draft attached while the target's writer is stopped: attach gives up after
+    block_timeout_s with a disabled Dumper saying why; the draft serves, the target dumps on."""
+    target, draft = small_model(0), small_model(1)
+    with torch.inference_mode():
+        draft_reference = [draft(small_input(i)) for i in range(3)]
+    dt = fastdump.attach(target, tmp_path, role="target")
+    pid = writer_pid()
+    outs = {}
+    try:
+        with torch.inference_mode():
+            outs[0] = target(small_input(0))
+        drained()
+        os.kill(pid, signal.SIGSTOP)
+        dd, elapsed = attach_in_thread(draft, tmp_path, limit=20, role="draft", block_timeout_s=1.0)
+        assert 0.9 < elapsed < 4, f"attach took {elapsed:.1f} s with block_timeout_s=1"
+        stats = dd.stats()
+        assert stats["status"] == "error"
+        assert f"writer process {pid} did not answer within 1 s (block_timeout_s" in stats["error"]
+        assert "stopped or stuck" in stats["error"] and str(dd.dir) in stats["error"]
+        with torch.inference_mode():  # the draft serves, unwrapped, computing as without fastdump
+            assert all(torch.equal(draft(small_input(i)), draft_reference[i]) for i in range(3))
+        assert "forward" not in draft[0].__dict__ and "forward" not in draft.__dict__
+        with torch.inference_mode():
+            outs[1] = target(small_input(1))  # staged while stopped (the ring has room)
+        cont(pid)
+        drained()
+        with torch.inference_mode():
+            for i in range(2, 5):
+                outs[i] = target(small_input(i))
+        assert dd.close(timeout=1)["status"] == "error"
+        target_stats = dt.close(timeout=30)
+    finally:
+        cont(pid)
+    assert target_stats["status"] == "closed" and target_stats["passes"] == 5
+    assert Engine._current is None  # the draft let go of the engine: the target's close stopped the writer
+    assert gone(pid)
+    ds = fastdump.open(tmp_path)
+    assert ds.passes("target", 0) == list(range(5))
+    for p, out in outs.items():
+        assert torch.equal(ds.load("target", 0, p)["Sequential"], out)
+    # The draft's directory says why it holds nothing: the serving process recorded it at once;
+    # the writer, continued, got the withdrawn open and recorded it too.
+    assert json.loads((dd.dir / "producer_error.json").read_text())["error"] == stats["error"]
+    draft_rank = json.loads((dd.dir / "rank.json").read_text())
+    assert draft_rank["status"] == "error" and "did not answer within 1 s" in draft_rank["error"]
+    assert draft_rank["passes"] == 0 and not list(dd.dir.glob("seg-*"))
+    problems = verify_dump(str(tmp_path)).problems
+    assert problems and all("draft" in text for text in problems), problems
+    assert any("producer_error.json" in text and "did not answer" in text for text in problems), problems
+
+
+def test_ctrl_c_during_a_stuck_attach_propagates_and_leaves_nothing_half_open(tmp_path):
+    target, draft = small_model(0), small_model(1)
+    dt = fastdump.attach(target, tmp_path, role="target")
+    engine, pid = Engine._current, writer_pid()
+
+    def ctrl_c(*_):
+        raise KeyboardInterrupt
+
+    old = signal.signal(signal.SIGALRM, ctrl_c)
+    try:
+        with torch.inference_mode():
+            target(small_input(0))
+        drained()
+        os.kill(pid, signal.SIGSTOP)
+        signal.setitimer(signal.ITIMER_REAL, 0.5)
+        t0 = time.monotonic()
+        with pytest.raises(KeyboardInterrupt):
+            fastdump.attach(draft, tmp_path, role="draft", block_timeout_s=60)
+        elapsed = time.monotonic() - t0
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        assert elapsed < 5, f"Ctrl-C took {elapsed:.1f} s to get through attach"
+        assert engine.refs == 1 and Engine._current is engine  # the target's reference alone
+        assert "forward" not in draft.__dict__ and "forward" not in draft[0].__dict__
+        (draft_dir,) = (tmp_path / "draft").iterdir()
+        record = json.loads((draft_dir / "producer_error.json").read_text())
+        assert record["status"] == "error" and record["error"] == "attach interrupted (KeyboardInterrupt)"
+        cont(pid)
+        with torch.inference_mode():
+            target(small_input(1))
+        stats = dt.close(timeout=30)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+        cont(pid)
+    assert stats["status"] == "closed" and stats["passes"] == 2
+    assert Engine._current is None and gone(pid)  # nothing held the engine once the target closed
+    assert fastdump.open(tmp_path).passes("target", 0) == [0, 1]
+    draft_rank = json.loads((draft_dir / "rank.json").read_text())  # the writer got the withdrawn open
+    assert draft_rank["status"] == "error" and "KeyboardInterrupt" in draft_rank["error"]
+    problems = verify_dump(str(tmp_path)).problems
+    assert problems and all("draft" in text for text in problems), problems
 
 
 STUCK = textwrap.dedent("""

@@ -38,7 +38,7 @@ from ..staging import engine as _engine
 from ..staging import channel as _channel_mod
 from ..staging import graphs as _graphs
 from ..staging.engine import Engine
-from ..fsutil import atomic_write_json as write_json_atomic
+from ..fsutil import atomic_write_json as write_json_atomic, load_json as _load_json
 from .. import format as _fmt
 
 log = logging.getLogger("fastdump")
@@ -197,10 +197,13 @@ class Dumper:
                 self._graphs.prepare(_cuda_index(o.device, facts))
         except Exception as exc:
             if o.strict:
-                self._release_engine()
+                self._abandon_attach(None)
                 raise
-            self._disable(f"cannot start dumping to {self.dir}: {exc}")
+            self._abandon_attach(f"cannot start dumping to {self.dir}: {exc}")
             return
+        except BaseException as exc:  # Ctrl-C (KeyboardInterrupt) during attach: recorded, then raised
+            self._abandon_attach(f"attach interrupted ({type(exc).__name__})", writer_stuck=True)
+            raise
         _warn_if_twin(self)
         _open_dumpers.add(self)
         if model is not None:
@@ -372,8 +375,33 @@ class Dumper:
         self._state.lane = None
 
     def _unconfirmed_passes(self) -> int:
-        acked = self._producer.acked_seq
-        return sum(1 for seq in self._unconfirmed if seq > acked)
+        """Passes this Dumper ended that are not known to be on disk (a close that timed out or was
+        interrupted says how many). The writer acks a pass end once it has buffered it, long before
+        its segment is written (256 passes, segment_seconds, idle or close): acks say nothing of the
+        disk. What is: the segments rank.json lists, which the writer writes after each segment
+        file (see _passes_on_disk). Read here, at close only, never per pass."""
+        acked = self._producer.acked_seq if self._producer is not None else 0
+        not_handled = sum(1 for seq in self._unconfirmed if seq > acked)  # not even buffered
+        return max(not_handled, self._totals["passes"] - self._passes_on_disk())
+
+    def _passes_on_disk(self) -> int:
+        """Ended passes in the segment files rank.json lists (0 when it cannot be read). A pass a
+        segment holds unfinished (``complete`` false: it was split) counts once, with its end."""
+        try:
+            info = _load_json(str(self.dir / _fmt.RANK_FILE))
+            segments = info.get("segments")
+            if not isinstance(segments, list) or info.get("segments_omitted"):
+                return int(info.get("passes") or 0)  # (a full disk left the list out)
+            on_disk, open_pass = 0, None  # the previous segment's unfinished last pass
+            for segment in segments:
+                on_disk += int(segment["passes"])
+                if open_pass is not None and int(segment["first_pass"]) == open_pass:
+                    on_disk -= 1  # the same pass again, continued
+                open_pass = None if segment.get("complete", True) else int(segment["last_pass"])
+            return on_disk - (open_pass is not None)  # the last one's end is not on disk
+        except Exception as exc:  # missing, unreadable, malformed: nothing is known to be on disk
+            log.debug("fastdump: %s: cannot read %s: %s", self.dir, _fmt.RANK_FILE, exc)
+            return 0
 
     def __enter__(self):
         return self
@@ -853,6 +881,22 @@ class Dumper:
                               {"status": "error", "error": error, "pid": os.getpid(), "time": time.time()})
         except OSError as exc:
             log.error("fastdump: cannot record the error in %s/%s: %s", self.dir, _fmt.PRODUCER_ERROR_FILE, exc)
+
+    def _abandon_attach(self, error: str | None, writer_stuck: bool = False) -> None:
+        """Attach failed or was interrupted: record ``error`` (None: the caller raises it, strict=),
+        close this Dumper's channel if it was opened (without waiting), and let go of the engine now
+        (its shutdown, if this was its last Dumper, bounded by block_timeout_s), so that no
+        half-started Dumper keeps the writer or its ring: a stuck writer is then killed by the
+        last close, the engine's shutdown or exit. ``close()`` of such a Dumper only reports."""
+        if error is not None:
+            self._disable(error, writer_stuck=writer_stuck)
+        try:
+            if self._channel is not None and self._engine is not None and self._engine.alive:
+                self._channel.control(protocol.close(self._channel.id, self._totals), block=False)
+        except Exception as exc:
+            log.debug("fastdump: %s: closing the channel of a failed attach: %s", self.dir, exc)
+        self._release_engine(self.options.block_timeout_s)
+        self._let_go_of_the_ring(fold=False)
 
     def _release_engine(self, timeout: float = 600.0) -> None:
         if self._engine is not None:

@@ -36,6 +36,9 @@ WAIT_SLICE_S = 0.1
 LIVENESS_POLL_S = 0.02
 EXIT_TIMEOUT_VAR = "FASTDUMP_EXIT_TIMEOUT_S"
 DEFAULT_EXIT_TIMEOUT_S = 30.0
+# A writer thread still busy when its stop's time is up is told to give up at its next batch
+# boundary (writer.loop.StopSignal.abandon); this long is waited for that.
+THREAD_ABANDON_S = 1.0
 
 
 def exit_timeout() -> float:
@@ -157,10 +160,12 @@ class Engine:
         self.producer.set_writer_fd(self._proc.stdout.fileno())
 
     def _start_thread(self, name: str) -> None:
-        from ..writer.loop import run_consumer
+        from ..writer.loop import StopSignal, run_consumer  # imports h5py: registers its atexit hook
 
+        _exit_hook_before_h5pys()
         consumer = _C.Consumer(name)
-        self._thread = threading.Thread(target=run_consumer, args=(consumer,),
+        self._thread_stop = StopSignal()
+        self._thread = threading.Thread(target=run_consumer, args=(consumer, False, self._thread_stop),
                                         name="fastdump-writer", daemon=True)
         self._thread.start()
 
@@ -186,7 +191,21 @@ class Engine:
                 self._kill_writer()
             self._proc.stdout.close()
         if self._thread is not None:
-            self._thread.join(timeout)
+            self._stop_thread(timeout)
+
+    def _stop_thread(self, timeout: float) -> None:
+        """A writer thread: the producer is done (as the stdin EOF of a writer process). The loop
+        drains what is in the ring and returns; one still busy after ``timeout`` is told to give
+        up at its next batch boundary. A thread left running would abort the interpreter at exit
+        (it is a daemon inside C++ code: "terminate called without an active exception")."""
+        self._thread_stop.requested = True
+        self._thread.join(max(timeout, 0))
+        if self._thread.is_alive():
+            self._thread_stop.abandon = True
+            self._thread.join(THREAD_ABANDON_S)
+            if self._thread.is_alive():
+                log.error("fastdump: the writer thread did not end in %.1f s (stuck in a disk write?)",
+                          timeout + THREAD_ABANDON_S)
 
     def _kill_writer(self) -> None:
         """SIGKILL the writer's process group (it leads its own; SIGKILL also ends a stopped one)."""
@@ -201,11 +220,38 @@ class Engine:
 
     # -- channels ----------------------------------------------------------------------------------
     def open_channel(self, facts: dict, *, fast_codes: dict, strided, block: bool, block_timeout_s: float,
-                     device_ring_mb) -> "Channel":
+                     device_ring_mb, min_wait_s: float = 1.0) -> "Channel":
         """A new channel, announced to the writer (``protocol.open_channel``'s fields) and acked:
-        the Dumper's one object for staging (fastdump/staging/channel.py)."""
+        the Dumper's one object for staging (fastdump/staging/channel.py).
+
+        Waits for the writer (ring space, then its ack) ``block_timeout_s`` in all, the longest a
+        forward waits for it, but at least ``min_wait_s`` (the writer creates the directory and
+        makes its first rank.json durable: a tiny block_timeout_s must not make a healthy writer
+        fail an attach for good). A writer that is stopped or stuck (SIGSTOP, a debugger, a frozen
+        disk) or dead raises RuntimeError saying so, never holds attach hostage. Ctrl-C interrupts
+        the wait (KeyboardInterrupt). Whenever no channel is returned, the open is withdrawn: an
+        error note and a ``close`` follow it into the ring without waiting, so a writer that gets
+        to the open later records the channel as failed and closes it (ignored if it never came)."""
         channel = next(self._channels)
-        self.control(protocol.open_channel(channel, **facts), wait=True)
+        wait_s = max(block_timeout_s, min_wait_s)
+        deadline = time.monotonic() + wait_s
+        try:
+            seq = self.control(protocol.open_channel(channel, **facts), block_timeout=wait_s)
+            if not (seq != 0 and self.wait_acked(seq, max(0.0, deadline - time.monotonic()))):
+                if not self.alive:
+                    raise RuntimeError(self.error())
+                who = f"writer process {self._proc.pid}" if self._proc is not None else "writer thread"
+                raise RuntimeError(f"the {who} did not answer within {wait_s:g} s (block_timeout_s, "
+                                   f"at least {min_wait_s:g} s): "
+                                   "it is stopped or stuck (SIGSTOP, a debugger, a frozen disk?)")
+        except BaseException as exc:
+            try:  # withdraw the open; a writer that never got it ignores both
+                if self.control(protocol.note(channel, "error", error=f"attach gave up: {type(exc).__name__}: "
+                                              f"{exc}"), block=False):
+                    self.control(protocol.close(channel, {}), block=False)
+            except Exception as withdraw_exc:  # the exception being raised is the one that matters
+                log.debug("fastdump: withdrawing channel %d: %s", channel, withdraw_exc)
+            raise
         return Channel(self, channel, fast_codes, strided, block=block, block_timeout_s=block_timeout_s,
                        device_ring_mb=device_ring_mb, where=facts.get("dir", ""))
 
@@ -419,3 +465,21 @@ def _shutdown_at_exit() -> None:
 
 
 atexit.register(_shutdown_at_exit)
+# atexit hooks run newest first. h5py's own hook unregisters its type converters; when it ran
+# before ours, a writer thread's final segment writes at exit failed ("TypeError: Operation not
+# defined for data type class") and every buffered pass was lost. h5py imported before this module
+# registered its hook first: ours already runs before it.
+_EXIT_HOOK_BEFORE_H5PYS = "h5py" in sys.modules
+
+
+def _exit_hook_before_h5pys() -> None:
+    """A writer thread writes HDF5 in this process: make our exit hook run before h5py's (imported
+    by now), by registering it again, newest. Only a writer thread needs h5py here at exit."""
+    global _EXIT_HOOK_BEFORE_H5PYS
+    if _EXIT_HOOK_BEFORE_H5PYS:
+        return
+    import h5py  # noqa: F401  (its atexit hook is registered by now)
+
+    atexit.unregister(_shutdown_at_exit)
+    atexit.register(_shutdown_at_exit)
+    _EXIT_HOOK_BEFORE_H5PYS = True

@@ -19,6 +19,7 @@ import time
 import numpy as np
 
 from .. import _C, protocol
+from . import segment_file
 from .channel_writer import ChannelWriter
 
 log = logging.getLogger("fastdump.writer")
@@ -37,10 +38,29 @@ class _Assembly:
         self.filled = 0
 
 
+class StopSignal:
+    """How the serving process stops its writer THREAD (a writer process learns it from its stdin's
+    EOF, the ring's ``drained``): the producer never dies in-process, and a writer that failed is not
+    sent the ``shutdown`` message (Engine.shutdown), so without this its loop idled forever (close()
+    waited its whole timeout, and at exit the daemon thread, still inside next_batch, aborted the
+    interpreter: "terminate called without an active exception").
+
+    ``requested``: the producer is done; drain what is in the ring, finish, return.
+    ``abandon``: return at the next batch boundary, failing the channels still open (their
+    temporary files removed), as a killed writer process would have left them."""
+
+    __slots__ = ("requested", "abandon")
+
+    def __init__(self):
+        self.requested = False
+        self.abandon = False
+
+
 class WriterLoop:
-    def __init__(self, consumer, pin_near_device: bool = False):
+    def __init__(self, consumer, pin_near_device: bool = False, stop: StopSignal | None = None):
         self.consumer = consumer
         self.pin_near_device = pin_near_device  # only a writer process may move its own CPUs
+        self.stop = stop  # a writer thread's (see StopSignal); None in a writer process
         self.channels: dict[int, ChannelWriter] = {}
         self.sinks: dict = {}  # channel -> its writer's RowSink: next_batch's fast path
         self.partial: dict[tuple, _Assembly] = {}
@@ -54,7 +74,11 @@ class WriterLoop:
         # A small ring must not be held whole while a batch is consumed (the producer would drop
         # or wait for nothing).
         batch_bytes = min(BATCH_BYTES, max(consumer.capacity // 4, 1))
+        stop = self.stop
         while True:
+            if stop is not None and stop.abandon:
+                self._abandon()
+                return 0
             # The tensors next_batch did not take itself arrive as views into the ring, held until
             # release(): the channel writer copies each once into its pages, or writes it to the
             # file. A batch ends at a control record or at a tensor the fast path declined, so the
@@ -68,8 +92,9 @@ class WriterLoop:
                 consumer.release()
                 continue
             if not batch:
-                if consumer.drained:
-                    self._finish("incomplete")  # the serving process died: keep what arrived
+                # The serving process died, or (writer thread) stopped us: keep what arrived.
+                if consumer.drained or (stop is not None and stop.requested):
+                    self._finish("incomplete")
                     return 0
                 self._idle()  # only when nothing arrived: never on the busy path
                 continue
@@ -219,6 +244,13 @@ class WriterLoop:
         for channel in list(self.channels):
             self._call(channel, "idle", now)
 
+    def _abandon(self) -> None:
+        """A writer thread given up on by its serving process (StopSignal.abandon)."""
+        if self.channels:
+            self._fail("writer stopped before it finished: the serving process stopped waiting for it")
+        elif self.failed is None:
+            self.consumer.set_state(_C.WRITER_EXITED, "")
+
     def _finish(self, status: str) -> None:
         for channel, writer in list(self.channels.items()):
             try:
@@ -235,10 +267,16 @@ def writer_dir(writer) -> str:
     return str(getattr(writer, "dir", "?"))
 
 
-def run_consumer(consumer, pin_near_device: bool = False) -> int:
+def run_consumer(consumer, pin_near_device: bool = False, stop: StopSignal | None = None) -> int:
+    """The writer's loop until it ends; ``stop``: a writer thread's StopSignal (None in a process).
+    The I/O threads of segment writes end with the last loop of the process: a closed writer
+    thread leaves no thread behind in the serving process."""
+    segment_file.hold_io_threads()
     try:
-        return WriterLoop(consumer, pin_near_device).run()
+        return WriterLoop(consumer, pin_near_device, stop).run()
     except BaseException as exc:  # a crash of the loop itself: say so where the producer looks
         log.exception("fastdump writer crashed")
         consumer.set_state(_C.WRITER_FAILED, f"writer crashed: {type(exc).__name__}: {exc}")
         return 1
+    finally:
+        segment_file.release_io_threads()

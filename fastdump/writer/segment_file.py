@@ -16,7 +16,8 @@ import errno
 import json
 import math
 import os
-from concurrent.futures import ThreadPoolExecutor
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import h5py
 import numpy as np
@@ -156,10 +157,45 @@ def _normal_priority() -> None:
 def _io_threads() -> ThreadPoolExecutor:
     """Threads that run block writes; they wait on the disk with the GIL released."""
     global _IO_POOL
-    if _IO_POOL is None:
-        _IO_POOL = ThreadPoolExecutor(max_workers=IO_THREADS, thread_name_prefix="fastdump-io",
-                                      initializer=_normal_priority)
-    return _IO_POOL
+    with _IO_LOCK:
+        if _IO_POOL is None:
+            _IO_POOL = ThreadPoolExecutor(max_workers=IO_THREADS, thread_name_prefix="fastdump-io",
+                                          initializer=_normal_priority)
+        return _IO_POOL
+
+
+_IO_LOCK = threading.Lock()
+_IO_HOLDERS = 0  # writer loops running in this process (loop.run_consumer)
+
+
+def hold_io_threads() -> None:
+    """A writer loop starts: the I/O threads (made at its first segment) stay until it ends."""
+    global _IO_HOLDERS
+    with _IO_LOCK:
+        _IO_HOLDERS += 1
+
+
+def release_io_threads() -> None:
+    """A writer loop ended: with the process's last one, its I/O threads end too. A writer THREAD
+    in the serving process leaves none behind after close() (they idled there for good)."""
+    global _IO_HOLDERS, _IO_POOL
+    with _IO_LOCK:
+        _IO_HOLDERS = max(0, _IO_HOLDERS - 1)
+        if _IO_HOLDERS or _IO_POOL is None:
+            return
+        pool, _IO_POOL = _IO_POOL, None
+        # Its threads are idle: every segment write waits for its block writes (finish_writes).
+        pool.shutdown(wait=True)
+
+
+def _run_inline(fn, *args) -> Future:
+    """``fn(*args)`` run here, as a finished Future."""
+    future = Future()
+    try:
+        future.set_result(fn(*args))
+    except BaseException as exc:
+        future.set_exception(exc)
+    return future
 
 
 class OpenSegment:
@@ -249,7 +285,15 @@ class OpenSegment:
             groups[k].append(job)
             sizes[k] += nbytes
         pool = _io_threads()
-        self._inflight.extend(pool.submit(self._write_group, group) for group in groups)
+        for group in groups:
+            try:
+                future = pool.submit(self._write_group, group)
+            except RuntimeError:
+                # "cannot schedule new futures after interpreter shutdown": concurrent.futures stops
+                # every pool before the atexit hooks run, where a writer THREAD writes the final
+                # segments of the Dumpers closed at exit (engine._shutdown_at_exit). Write here.
+                future = _run_inline(self._write_group, group)
+            self._inflight.append(future)
 
     def _write_group(self, jobs: list) -> int:
         return sum(self._write_aligned(*job) for job in jobs)
