@@ -340,7 +340,8 @@ class Unit:
         self.baseline, self.target = baseline_stages, target_stages
         self.pp_rank = pp_rank  # the PP stage a one-rank unit runs; a merged unit holds every stage
         # (baseline ranks, target ranks) whose passes say which passes a side ran: a one-rank unit's
-        # TP group, so that a pass its rank lacks but its group ran is compared, and fails.
+        # DP replica (every TP rank and PP stage runs every pass), so that a pass its rank lacks but
+        # its replica ran is compared, and fails.
         self.peers = peers or (_ranks_of(baseline_stages), _ranks_of(target_stages))
 
     @property
@@ -368,9 +369,8 @@ def _pair_units(role: str, base_refs: list, target_refs: list, missing: list) ->
                 missing.append({"kind": "rank", "only_in": only, "role": role, "rank": ref.rank,
                                 "dp_rank": ref.dp_rank, "path": ref.path})
                 continue
-            tp_groups = tuple([r for r in refs if (r.dp_rank, r.pp_rank) == key[:2]]
-                              for refs in (base_refs, target_refs))
-            units.append(Unit(role, t.rank, [[b]], [[t]], pp_rank=t.pp_rank, peers=tp_groups))
+            replicas = tuple([r for r in refs if r.dp_rank == key[0]] for refs in (base_refs, target_refs))
+            units.append(Unit(role, t.rank, [[b]], [[t]], pp_rank=t.pp_rank, peers=replicas))
         return units
     # Different parallel layouts: rebuild whole tensors on each side, per DP replica.
     for dp in sorted({r.dp_rank for r in base_refs} | {r.dp_rank for r in target_refs}):

@@ -762,6 +762,22 @@ def test_a_pass_missing_on_one_tp_rank_fails_naming_that_rank(tmp_path, capsys, 
     assert result.missing == []
 
 
+def test_a_pass_missing_on_a_whole_pp_stage_fails_naming_that_stage(tmp_path, capsys):
+    """Every PP stage runs every pass: a pass the target's stage 1 lacks while its stage 0 ran it
+    is missing data (exit 1), not a pass "only in the baseline" (exit 0, as it was)."""
+    def stage(pp, pass_ids):
+        return {p: {f"model.layers.{pp}.mlp": torch.arange(4, dtype=torch.float32) + p} for p in pass_ids}
+
+    for pp in range(2):
+        crafted_rank(tmp_path / "base", stage(pp, range(3)), pp=pp, pp_size=2)
+        path = crafted_rank(tmp_path / "target", stage(pp, (0, 2) if pp == 1 else range(3)), pp=pp, pp_size=2)
+    code, out, err = run(capsys, tmp_path / "base", tmp_path / "target")
+    assert code == 1 and "Traceback" not in err, out + err
+    result = fastdump.diff(tmp_path / "base", tmp_path / "target")
+    assert [(row["pass"], row["reason"]) for row in result.failures] == [(1, "pass 1 missing on target rank 1")]
+    assert str(path) in out
+
+
 def test_first_divergence_across_ranks_follows_execution_order(tmp_path, capsys):
     """Same layout on both sides (each rank paired with its twin): TP ranks run each layer at once,
     PP stages one after the other, so the first divergence is the earliest layer on any TP rank,
