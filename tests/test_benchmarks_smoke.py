@@ -466,3 +466,19 @@ def test_gpu_check_summary_reads_partial_results(tmp_path):
     assert decode.startswith("partial (runs of 3: none 2, fastdump-process 1")
     assert "fastdump-process: target 1.050x" in decode and "sglang-style: pending" in decode
     assert "unchecked" in graphs and "NOT bit-exact" not in graphs and "dropped 3/200 timed" in graphs
+
+
+def test_readme_demo_dumps_both_roles_and_verifies(tmp_path):
+    """The README's first command ends in examples/demo.py: an EAGLE-style target and draft decode
+    with both roles dumped, the target's prefill logits checked bit for bit, then ls and verify."""
+    import fastdump
+
+    root = tmp_path / "demo"
+    done = subprocess.run([sys.executable, str(REPO / "examples" / "demo.py"), str(root)], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "lm_head equals the model's logits: True" in done.stdout
+    assert done.stdout.rstrip().endswith("OK"), done.stdout[-2000:]
+    ds = fastdump.open(root)
+    assert ds.roles == ["draft", "target"]
+    assert all(ds.rank_info(role, 0)["status"] == "closed" and ds.passes(role, 0) for role in ds.roles)
