@@ -232,7 +232,7 @@ class RankRef:
 
     def __init__(self, ds, role: str, name: str, side: str):
         self.ds, self.role, self.name, self.side = ds, role, name, side
-        self.path = ds.rank_path(role, name) if hasattr(ds, "rank_path") else os.path.join(ds.root, role, name)
+        self.path = ds.rank_path(role, name)
         info = ds.rank_info(role, name)
         rank_file = os.path.join(self.path, fmt.RANK_FILE)
         self.status = info.get("status", "unknown")

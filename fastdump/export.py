@@ -91,15 +91,10 @@ def _split(name: str, modules: set):
     return None, call, plain
 
 
-def _rank_path(ds, role, rank) -> str:
-    # A MultiDumpSet's root is a display string ("a + b"): each rank lives under its own root.
-    return ds.rank_path(role, rank) if hasattr(ds, "rank_path") else os.path.join(ds.root, role, rank)
-
-
 def _module_names(ds, role, rank, names):
     """(module names, top module name) the SGLang drop-in recorded for a rank; (None, "model")
     without them, said on stderr when SGLang names were asked for or the file is unusable."""
-    path = os.path.join(_rank_path(ds, role, rank), fmt.NAMES_FILE)
+    path = os.path.join(ds.rank_path(role, rank), fmt.NAMES_FILE)  # (a MultiDumpSet's root is no path)
     try:
         data = fsutil.load_json(path)  # no link followed out of the dump, no FIFO waited on
         modules, top = (data.get("modules"), data.get("top", "model")) if isinstance(data, dict) else (None, None)

@@ -596,6 +596,11 @@ class DumpSet:
         return [n for n in names if self._rank_obj(role, n).rank_number() == int(rank)]
 
     @_locked
+    def rank_path(self, role: str = None, rank=None, *, session: str = None) -> str:
+        """The rank directory's path (as MultiDumpSet.rank_path: each rank under its own root)."""
+        return self._rank(role, rank, session).path
+
+    @_locked
     def rank_info(self, role: str = None, rank=None, *, session: str = None) -> dict:
         """rank.json of a rank directory ({} when missing)."""
         return self._rank(role, rank, session).info
