@@ -40,6 +40,19 @@ METRICS = ("allclose", "rel_diff", "cosine")
 LAYOUT_META_KEY = "tp_layout"  # pass metadata {name: dim | "replicated" | "sum"}, if the capture side records it
 
 
+# Why a rank status other than "closed" leaves a dump not whole: diff refuses or notes it, export
+# refuses it (in the same words).
+_UNFINISHED_WHY = {
+    "running": "the dump is still being written, or its writer was killed",
+    "incomplete": "the dumping process exited without close(): its last pass may be cut short",
+}
+
+
+def unfinished_why(status: str, error) -> str:
+    """Why a rank with ``status`` (not "closed") and rank.json's ``error`` may lack data."""
+    return f"writing failed: {error}" if status == "error" else _UNFINISHED_WHY.get(status, "not a finished dump")
+
+
 class DiffError(Exception):
     """The dumps cannot be compared at all (usage or read error): ``fastdump diff`` exits 2."""
 
@@ -883,9 +896,7 @@ def _check_side(ds, side: str, roles: list, options: Options, notes: list) -> No
             error = ds.rank_info(role, name).get("error")
             if ref.status in ("running", "error") and not options.allow_running:
                 temp = [e for e in os.listdir(ref.path) if e.endswith(".tmp")]
-                why = (f"writing failed: {error}" if ref.status == "error" else
-                       "the dump is still being written, or its writer was killed")
-                raise DiffError(f"{side} {ref.path}: status is {ref.status!r} ({why}"
+                raise DiffError(f"{side} {ref.path}: status is {ref.status!r} ({unfinished_why(ref.status, error)}"
                                 + (f"; open segment {temp[0]}" if temp else "")
                                 + "); compare it once closed, or pass --allow-running to compare what is there")
             if ref.status not in ("closed", "unknown"):

@@ -37,6 +37,7 @@ from pathlib import Path
 
 from . import format as fmt
 from . import fsutil
+from .compare import unfinished_why
 from .options import RANK_FIELDS
 from .report import printable as _printable
 
@@ -177,13 +178,6 @@ class PartialDumpError(ValueError):
         return [f"{self.HEADER}:", *(f"  {line}" for line in self.listed), f"pass --partial {self.HINT}"]
 
 
-# Why a rank status other than "closed" leaves passes missing or cut short (as fastdump diff says it).
-_STATUS_WHY = {
-    "running": "the dump is still being written, or its writer was killed",
-    "incomplete": "the dumping process exited without close(): its last pass may be cut short",
-}
-
-
 def _status_problem(info: dict):
     """Why a rank is not known to be whole (rank.json's status), or None."""
     if "status" not in info:
@@ -191,8 +185,7 @@ def _status_problem(info: dict):
     status, error = info["status"], info.get("error")
     if status == "closed":
         return f"status is 'closed' but an error was recorded ({error})" if error else None
-    why = f"writing failed: {error}" if status == "error" else _STATUS_WHY.get(status, "not a finished dump")
-    return f"status is {status!r} ({why})"
+    return f"status is {status!r} ({unfinished_why(status, error)})"  # in diff's words
 
 
 def _pass_problem(meta: dict) -> str:
