@@ -588,7 +588,8 @@ struct PassNames {
   PyObject *depth, *closed, *engine, *status, *running, *next_meta, *meta, *open_calls, *skipped, *skip_passes,
       *every, *pass_range, *max_bytes, *channel, *block, *policy_block, *stalled, *block_timeout_s, *pass_dropped,
       *pass_thread, *incomplete, *mixed, *pass_id, *root_opener, *manual_opener, *graphs, *open, *totals, *passes,
-      *unconfirmed, *append, *root_begin, *end, *forward_raised, *trim_unconfirmed, *channel_engine, *zero;
+      *unconfirmed, *append, *root_begin, *end, *forward_raised, *trim_unconfirmed, *channel_engine, *late_ends,
+      *zero;
 };
 PassNames n;
 
@@ -604,7 +605,7 @@ bool init_pass_names() {
       {&n.graphs, "_graphs"}, {&n.open, "open"}, {&n.totals, "_totals"}, {&n.passes, "passes"},
       {&n.unconfirmed, "_unconfirmed"}, {&n.append, "append"}, {&n.root_begin, "_root_begin"}, {&n.end, "_end"},
       {&n.forward_raised, "_forward_raised"}, {&n.trim_unconfirmed, "_trim_unconfirmed"},
-      {&n.channel_engine, "engine"}};
+      {&n.channel_engine, "engine"}, {&n.late_ends, "_late_ends"}};
   for (auto& name : names) {
     *name.slot = PyUnicode_InternFromString(name.text);
     if (*name.slot == nullptr) return false;
@@ -666,10 +667,13 @@ int root_begin_fast(CaptureState* st) {
   if (!is_int(depth.p, 0) || closed.p != Py_False || engine.p == nullptr || engine.p == Py_None ||
       status.p == nullptr || !PyUnicode_CheckExact(status.p) || PyUnicode_Compare(status.p, n.running) != 0)
     return 0;
-  Ref next_meta(read(d, n.next_meta)), open_calls(read(d, n.open_calls)), skipped(read(d, n.skipped));
+  Ref next_meta(read(d, n.next_meta)), open_calls(read(d, n.open_calls)), skipped(read(d, n.skipped)),
+      late_ends(read(d, n.late_ends));
   if (!empty_dict(next_meta.p) || open_calls.p == nullptr || !PyList_CheckExact(open_calls.p) ||
       PyList_GET_SIZE(open_calls.p) != 0 || !empty_dict(skipped.p))
     return 0;
+  // Pass ends a full ring refused wait to be sent again (Dumper._send_late_ends, after the begin).
+  if (late_ends.p == nullptr || !PyList_CheckExact(late_ends.p) || PyList_GET_SIZE(late_ends.p) != 0) return 0;
   Ref skip(read(d, n.skip_passes)), every(read(d, n.every)), range(read(d, n.pass_range)), budget(read(d, n.max_bytes));
   if (!is_int(skip.p, 0) || !is_int(every.p, 1) || range.p != Py_None || budget.p != Py_None) return 0;
   Ref channel(read(d, n.channel));

@@ -517,6 +517,10 @@ PYBIND11_MODULE(_C, m) {
            py::arg("chunk_bytes") = 0)
       .def_property_readonly("capacity", [](Producer& p) { return p.region().capacity(); })
       .def_property_readonly("chunk_bytes", &Producer::chunk_bytes)
+      .def_property_readonly(
+          "max_control_bytes",
+          [](Producer& p) { return p.region().capacity() / 2 - payload_offset(0); },
+          "the largest control payload a record can carry (a record takes at most half the ring)")
       .def_property_readonly("name", [](Producer& p) { return p.region().name(); })
       .def("unlink", [](Producer& p) { p.region().unlink(); })
       .def("writer_attached",

@@ -331,7 +331,9 @@ bool Producer::reserve_locked(uint32_t kind, uint32_t channel, uint32_t name_id,
   RingHeader* h = seg_.header();
   uint64_t head = h->head.load(std::memory_order_relaxed);
   Placement p = place(head, kind, poff, payload_len);
-  uint64_t keep_free = (kind == kTensor && !block) ? control_reserve_ : 0;
+  // Tensors never take the control reserve, blocking or not: when a wait for space runs out
+  // (block_timeout_s) the pass's end record must still fit, or its drop count would be lost.
+  const uint64_t keep_free = kind == kTensor ? control_reserve_ : 0;
   if (!wait_for_space(p.bytes() + keep_free, block, timeout_s)) return false;
   write_record(head, p, kind, channel, name_id, pass_id, dtype, shape, payload_len, chunk, out);
   // Header complete before the writer can see it (it reads head with acquire).
@@ -360,7 +362,7 @@ int Producer::reserve_all(uint32_t channel, uint32_t name_id, int64_t pass_id, u
   std::lock_guard<std::mutex> g(mu_);
   RingHeader* h = seg_.header();
   uint64_t head = h->head.load(std::memory_order_relaxed);
-  const uint64_t keep_free = block ? 0 : control_reserve_;
+  const uint64_t keep_free = control_reserve_;  // (as reserve_locked: the pass end's room)
   const uint64_t need = span(head, poff, plan) + keep_free;
   if (need > seg_.capacity()) return -1;  // no wait can make room for all of it from here
   if (!wait_for_space(need, block, timeout_s)) return 0;

@@ -175,8 +175,8 @@ class Producer {
 
   // Low level, for the CUDA path: reserve a record (blocking or not); publish later.
   // Returns false when no space (non-blocking) or disabled.
-  // A non-blocking tensor leaves `control_reserve()` bytes free, so that under `drop` the pass's
-  // control records (names, pass end) still fit while tensors are being dropped.
+  // A tensor leaves `control_reserve()` bytes free, so that the pass's control records (names,
+  // pass end) still fit while tensors are dropped (`drop`, or `block` once a wait ran out).
   bool reserve(uint32_t kind, uint32_t channel, uint32_t name_id, int64_t pass_id, uint16_t dtype,
                const std::vector<int64_t>& shape, uint64_t payload_len, ChunkInfo chunk, bool block,
                Reservation* out, double timeout_s = kWaitForever, bool whole_tensor = false);
@@ -186,8 +186,8 @@ class Producer {
   bool try_reserve(uint32_t kind, uint32_t channel, uint32_t name_id, int64_t pass_id, uint16_t dtype,
                    const std::vector<int64_t>& shape, uint64_t payload_len, ChunkInfo chunk, Reservation* out);
   uint64_t control_reserve() const { return control_reserve_; }
-  // Whether chunk records of these payload sizes fit in the ring together under `drop` (its control
-  // reserve kept free), wherever the ring's end falls.
+  // Whether chunk records of these payload sizes fit in the ring together (its control reserve
+  // kept free), wherever the ring's end falls.
   bool fits_whole(size_t ndim, const std::vector<uint64_t>& plan) const;
   // All chunk records of one tensor at once (mu_ taken here): 1 reserved; 0 no space (after
   // waiting, with `block`) or disabled; -1 they can never fit in the ring together from the current

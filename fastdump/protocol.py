@@ -44,7 +44,7 @@ MESSAGES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "open": (("dir", "role", "rank", "pid", "session", "host", "device", "config"), ()),
     "name": (("id", "name"), ()),
     "begin": (("pass", "meta"), ()),
-    "end": (("pass", "meta", "dropped", "skipped"), ("incomplete", "mixed")),
+    "end": (("pass", "meta", "dropped", "skipped"), ("incomplete", "mixed", "late")),
     "note": (("status",), ("error", "budget_reached", "cuda_staging", "dropped", "dropped_passes")),
     "close": (("stats",), ()),
     "graph": (("device", "graph", "span_name_id", "span_bytes", "tensors", "meta", "skipped"), ()),
@@ -70,15 +70,19 @@ def begin(channel: int, pass_id: int, meta: dict | None = None) -> dict:
 
 
 def end(channel: int, pass_id: int, meta: dict, dropped: int, skipped: dict,
-        incomplete: str | None = None, mixed: bool = False) -> dict:
+        incomplete: str | None = None, mixed: bool = False, late: bool = False) -> dict:
     """A pass ends. ``skipped``: name -> reason. ``incomplete``: why the pass is not whole (stored
-    complete = 0); ``mixed``: forwards of several threads ran in it (``verify`` fails on it)."""
+    complete = 0); ``mixed``: forwards of several threads ran in it (``verify`` fails on it).
+    ``late``: sent again after a full ring refused it (later passes' records came first); the
+    writer takes it only for a pass it can still complete without reordering its segments."""
     msg = {"op": "end", "channel": channel, "pass": pass_id, "meta": meta, "dropped": dropped,
            "skipped": [{"name": n, "reason": r} for n, r in skipped.items()]}
     if incomplete is not None:
         msg["incomplete"] = incomplete
         if mixed:
             msg["mixed"] = True
+    if late:
+        msg["late"] = True
     return msg
 
 
@@ -180,6 +184,26 @@ def replay_pass(channel: int, layout: dict, header: ReplayHeader) -> tuple[dict,
 # same bytes json.dumps gives them (tests/test_protocol.py); anything else goes through json.
 _PLAIN_BEGIN = b'{"op": "begin", "channel": %d, "pass": %d, "meta": {}}'
 _PLAIN_END = b'{"op": "end", "channel": %d, "pass": %d, "meta": {}, "dropped": %d, "skipped": []}'
+
+
+def fit(msg: dict, payload: bytes, max_bytes: int) -> bytes | None:
+    """``msg``'s payload cut to ``max_bytes`` (a record takes at most half the ring), or None when
+    it cannot be. An end keeps what a pass needs (its drop count, completeness) and says what it
+    lost: a user's metadata of any size, or a huge skip list, must not lose the end itself (the
+    pass would be stored incomplete, its drops counted in no pass) nor make the sender spin."""
+    if len(payload) <= max_bytes:
+        return payload
+    if msg.get("op") != "end":
+        return None
+    cut = dict(msg, meta={"fastdump_meta_error": f"the end message carrying it took {len(payload)} bytes, "
+                                                 f"more than the ring's record limit ({max_bytes})"})
+    payload = encode(cut)
+    if len(payload) > max_bytes:
+        skipped = msg.get("skipped") or []
+        cut["skipped"] = [{"name": "(fastdump)", "reason": f"{len(skipped)} skipped tensors not listed: "
+                                                          "their list exceeded the ring's record limit"}]
+        payload = encode(cut)
+    return payload if len(payload) <= max_bytes else None
 
 
 def encode(msg: dict) -> bytes:

@@ -601,16 +601,23 @@ def test_mock_tensor_larger_than_both_rings(m):
     stager = m.CudaStager(ring.producer, 1 << 20)  # segments of 512 KiB
     stager.register_host()
     t = torch.randint(-2 ** 31, 2 ** 31 - 1, (3 << 20,), dtype=torch.int32)  # 12 MiB
+    stream = m._mock.stream_create()
+    # The stream's first copies wait behind a sleep, so the device ring fills and the stager must
+    # wait for it, however fast the drain and the reader run on a loaded machine.
+    m._mock.enqueue_sleep(stream, 0.2)
     result = {}
     reader = threading.Thread(target=lambda: result.update(ring.read(timeout=2)[0]))
     reader.start()  # the writer must consume while we stage: the host ring holds 1 MiB
-    assert stage(stager, t.view(-1, 1024).t()) == m.STAGED
-    assert stager.flush(30)
-    reader.join()
-    assert result[(0, 0, 0)][2] == t.view(-1, 1024).t().contiguous().numpy().tobytes()
-    st = stager.stats()
-    assert st["snapshots"] >= 24 and st["device_ring_full_waits"] > 0
-    stager.close()
+    try:
+        assert stage(stager, t.view(-1, 1024).t(), stream=stream) == m.STAGED
+        assert stager.flush(30)
+        reader.join()
+        assert result[(0, 0, 0)][2] == t.view(-1, 1024).t().contiguous().numpy().tobytes()
+        st = stager.stats()
+        assert st["snapshots"] >= 24 and st["device_ring_full_waits"] > 0
+    finally:
+        stager.close()
+        m._mock.stream_destroy(stream)
 
 
 def test_mock_drop_policy_counts_and_keeps_the_rest_intact(m):

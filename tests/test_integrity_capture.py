@@ -823,6 +823,57 @@ def test_pass_metadata_of_every_kind_is_kept_as_json(tmp_path):
     assert subprocess.run([sys.executable, "-m", "fastdump", "verify", str(tmp_path)]).returncode == 0
 
 
+@pytest.mark.parametrize("policy", ["block", "drop"])
+def test_pass_metadata_larger_than_the_ring_can_carry_is_recorded_lost_and_the_pass_kept(tmp_path, policy):
+    """A pass's metadata travels in its end record, and a record takes at most half the ring.
+    Metadata larger than that is replaced by a note saying so, the end still goes, and verify warns.
+    Before, under `block` the forward thread spun block_timeout_s on an end no wait could fit, the
+    pass was stored incomplete, and (once lost ends were sent again) close() spun until its timeout."""
+    import time
+
+    model = Mlp()
+    d = fastdump.attach(model, tmp_path, ring_mb=4, policy=policy)
+    with torch.no_grad():
+        d.set_pass_meta(step=0, big="x" * (3 << 20))  # 3 MiB; the ring's records take at most 2 MiB
+        t0 = time.monotonic()
+        out0 = model(torch.randn(2, 8))
+        assert time.monotonic() - t0 < 1.0
+        d.set_pass_meta(step=1)
+        out1 = model(torch.randn(2, 8))
+    t0 = time.monotonic()
+    stats = d.close(timeout=30)
+    assert time.monotonic() - t0 < 5.0 and stats["status"] == "closed", stats
+    assert stats["lost_pass_ends"] == 0 and stats["late_pass_ends"] == 0, stats
+    ds = fastdump.open(tmp_path)
+    meta0, meta1 = ds.meta("target", 0, 0), ds.meta("target", 0, 1)
+    assert meta0["complete"] and "big" not in meta0 and "step" not in meta0
+    assert "more than the ring's record limit" in meta0["fastdump_meta_error"]
+    assert meta1["complete"] and meta1["step"] == 1
+    assert same_bits(ds.load("target", 0, 0)["Mlp"], out0) and same_bits(ds.load("target", 0, 1)["Mlp"], out1)
+    done = subprocess.run([sys.executable, "-m", "fastdump", "verify", str(tmp_path)], capture_output=True, text=True)
+    assert done.returncode == 0 and "pass 0: metadata not kept: the end message carrying it took" in done.stdout, \
+        done.stdout
+
+
+def test_a_control_message_no_ring_could_hold_is_refused_at_once(tmp_path):
+    """Only an end can be cut to fit; any other message too large for a record is not sent, at once
+    (a blocking send used to retry it, spinning, until its timeout)."""
+    import time
+
+    from fastdump import protocol
+
+    model = Mlp()
+    with fastdump.attach(model, tmp_path, ring_mb=4) as d:
+        engine = d._engine
+        t0 = time.monotonic()
+        msg = protocol.note(d._channel.id, "running", error="e" * (3 << 20))
+        assert engine.control(msg, block_timeout=10) == 0
+        assert engine.control(msg, wait=True, timeout=10) is False
+        assert time.monotonic() - t0 < 2.0
+        model(torch.randn(2, 8))
+    assert fastdump.open(tmp_path).meta("target", 0, 0)["complete"]
+
+
 @pytest.mark.parametrize("selection", [dict(every=2), dict(skip_passes=1), dict(pass_range=(1, 3))])
 def test_a_dump_outside_any_pass_is_kept_and_moves_no_forward_in_or_out(tmp_path, selection):
     """dump() outside a pass is a pass of its own: always dumped (the caller asked for that value),

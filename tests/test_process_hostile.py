@@ -254,6 +254,60 @@ def test_writer_stopped_and_continued_at_random_moments_loses_only_what_it_count
     assert "checksum" not in done.stdout, done.stdout
 
 
+@pytest.mark.parametrize("policy", ["drop", "block"])
+def test_a_pass_end_the_full_ring_refused_reaches_the_writer_late_with_its_drops_and_metadata(tmp_path, policy):
+    """The writer stopped until even the ring's control reserve is full: a pass end is refused.
+    It is kept and sent once the ring takes records again, so that its pass is whole on disk with
+    its drop count and metadata (before, they were lost, the pass stored incomplete, and its
+    drops counted in no pass)."""
+    model = Net(dim=128)
+    ref = copy.deepcopy(model)
+    d = fastdump.attach(model, tmp_path, policy=policy, block_timeout_s=0.2, ring_mb=1, segment_passes=4)
+    pid = writer_pid(d)
+    inputs, i = {}, 0
+    try:
+        signal_quietly(pid, signal.SIGSTOP)
+        with torch.no_grad():
+            # Tensors stop at the control reserve; begins and ends then fill it, ends (with their
+            # metadata) the larger records, so an end is the first record it refuses.
+            while d.stats()["lost_pass_ends"] == 0:
+                assert i < 5000, d.stats()
+                d.set_pass_meta(step=i, note="n" * 40)
+                inputs[i] = torch.randn(64, 128)
+                model(inputs[i])
+                i += 1
+            lost = i - 1
+            signal_quietly(pid, signal.SIGCONT)
+            # The next pass that opens in the ring sends the late end (a pass whose begin still
+            # finds the ring full is dropped whole, as any).
+            while d.stats()["late_pass_ends"] == 0:
+                assert i < lost + 200, d.stats()
+                time.sleep(0.01)
+                d.set_pass_meta(step=i, note="")
+                inputs[i] = torch.randn(64, 128)
+                model(inputs[i])
+                i += 1
+        stats = d.close(timeout=60)
+    finally:
+        signal_quietly(pid, signal.SIGCONT)
+        d.close(timeout=10)  # (a failed assertion above: no engine left running)
+    assert stats["status"] == "closed" and stats["dropped"] > 0, stats
+    assert stats["late_pass_ends"] == 1 and stats["lost_pass_ends"] == 0, stats
+    ds = check_passes_against(tmp_path, inputs, ref, allow_drops=True)
+    rank = rank_of(ds)
+    passes = ds.passes("target", rank)
+    assert lost in passes and len(passes) + stats["dropped_passes"] == i
+    metas = {p: ds.meta("target", rank, p) for p in passes}
+    # Every pass on disk is whole but for the drops it counts, and carries its own metadata.
+    assert all(m["complete"] and m["step"] == p and m["tensors"] + m["dropped"] == 4
+               for p, m in metas.items()), metas[lost]
+    assert metas[lost]["dropped"] > 0 and metas[lost]["note"] == "n" * 40
+    assert sum(m["dropped"] for m in metas.values()) == stats["dropped"]
+    done = verify_cli(tmp_path)
+    assert done.returncode == (0 if policy == "drop" else 1), done.stdout
+    assert "pass end" not in done.stdout, done.stdout
+
+
 # ------------------------------------------------------------------------- Ctrl-C inside a forward
 
 

@@ -153,3 +153,20 @@ def test_the_lanes_plain_begin_and_end_records_are_the_bytes_encode_gives():
         assert lane.stage_tensor(1, torch.ones(4096)) == _C.DROPPED
     finally:
         producer.unlink()
+
+
+def test_an_end_too_large_for_a_record_is_cut_to_fit_and_says_what_it_lost():
+    skipped = {f"layer{i}.q": "quantized tensor " + "r" * 50 for i in range(2000)}
+    msg = protocol.end(3, 7, {"big": "x" * 100_000}, 5, skipped, incomplete="forward raised")
+    full = protocol.encode(msg)
+    assert protocol.fit(msg, full, len(full)) is full  # fits: unchanged
+    cut = json.loads(protocol.fit(msg, full, len(full) - 50_000))  # the metadata goes, the skips stay
+    assert cut["meta"]["fastdump_meta_error"].startswith(f"the end message carrying it took {len(full)} bytes")
+    assert (cut["pass"], cut["dropped"], cut["incomplete"], len(cut["skipped"])) == (7, 5, "forward raised", 2000)
+    cut = json.loads(protocol.fit(msg, full, 4096))  # the skip list goes too, counted
+    assert (cut["pass"], cut["dropped"], cut["incomplete"]) == (7, 5, "forward raised")
+    assert cut["skipped"] == [{"name": "(fastdump)", "reason": "2000 skipped tensors not listed: their list "
+                                                              "exceeded the ring's record limit"}]
+    assert protocol.fit(msg, full, 100) is None  # nothing left to cut
+    note = protocol.note(3, "running", error="e" * 1000)
+    assert protocol.fit(note, protocol.encode(note), 500) is None  # only an end is cut

@@ -45,6 +45,7 @@ log = logging.getLogger("fastdump")
 
 _open_dumpers: "weakref.WeakSet[Dumper]" = weakref.WeakSet()
 _MIXED_REASON = "forwards of several threads ran at once in this pass (mixed tensors)"
+_MAX_LATE_ENDS = 4096  # refused pass ends kept to send again (each a small dict)
 
 
 def close_all(deadline: float | None = None) -> None:
@@ -129,6 +130,10 @@ class Dumper:
         self.status = "running"
         self.error = None
         self._unconfirmed = collections.deque()  # seqs of pass ends the writer has not handled yet
+        # Pass ends a full ring refused, oldest first: sent again, marked late (_send_late_ends).
+        # A list: the C root_pass reads it, and takes its fast begin only while it is empty.
+        self._late_ends: list = []
+        self._late_lock = threading.Lock()
         self._pid = os.getpid()
         self._calls: dict = {}           # name -> calls started this pass, for name#k (_claim)
         self._open_calls: list = []      # (name, k, pass_id) of calls the outside() wrappers opened
@@ -152,7 +157,8 @@ class Dumper:
         self._budget_reached = False
         self._folded_drops = (0, 0)  # the channel's drop counts already in _totals
         self._totals = {"passes": 0, "tensors": 0, "bytes": 0, "dropped": 0, "skipped": 0, "dropped_passes": 0,
-                        "lost_pass_ends": 0, "incomplete_passes": 0, "mixed_passes": 0, "lost_at_close": 0}
+                        "lost_pass_ends": 0, "late_pass_ends": 0, "interrupted_pass_ends": 0,
+                        "incomplete_passes": 0, "mixed_passes": 0, "lost_at_close": 0}
         self._wrapped: list = []  # (module, our wrapper), in wrapping order; what each wraps: _wrapped_by
         self._python_wrappers = False  # set for good once torch.compile traces the model
         # CUDA-graph record mode (fastdump/staging/graphs.py); None: tensors hooked during a capture are skipped.
@@ -345,6 +351,8 @@ class Dumper:
                     self._totals["lost_at_close"] += held
                     log.error("fastdump: %d staged CUDA tensors lost at close: a CUDA-graph capture still "
                               "running on another stream held their batch", held)
+                if self._late_ends:  # the writer got going again: their passes' ends, before the close
+                    self._send_late_ends(deadline)
                 ok = self._channel.control(protocol.close(self._channel.id, self._totals), wait=True,
                                            timeout=left())
                 if ok and self._engine.alive:  # the final segment write itself can fail (disk full)
@@ -449,6 +457,8 @@ class Dumper:
             if not self._channel.begin(self.pass_id):
                 return  # `drop` with a full ring: the whole pass is dropped (the channel counts it)
             self._capturing = True
+            if self._late_ends:  # the ring took a record again: the refused ends may go now
+                self._send_late_ends()
         except BaseException as exc:
             self._begin_interrupted(exc, opening)
             raise
@@ -513,13 +523,41 @@ class Dumper:
                 return
             if not self._engine.alive:
                 self._disable(self._engine.error())
-            else:
-                self._totals["lost_pass_ends"] += 1  # `drop`, ring full: the writer marks the pass incomplete
+            else:  # the ring is full (`drop`, or `block` past block_timeout_s): the end goes later
+                self._totals["lost_pass_ends"] += 1
+                if len(self._late_ends) < _MAX_LATE_ENDS:  # (beyond: lost; the writer marks the pass incomplete)
+                    self._late_ends.append(protocol.end(channel.id, pass_id, meta, dropped, skipped,
+                                                        incomplete=incomplete, mixed=mixed, late=True))
                 channel.note_stall("a pass end", pass_id)
         except BaseException as exc:
             if not sent:
                 self._end_interrupted(exc, incomplete)
             raise
+
+    def _send_late_ends(self, deadline: float | None = None) -> None:
+        """Send the pass ends a full ring refused, oldest first, until one is refused again (it
+        waits for the next pass that opens, or close). ``deadline``: wait for space until then
+        (close); None: never wait. Each carries what only the end says: the
+        pass's drop count, metadata and skips; without it the pass stays `complete = 0` with its
+        drops counted in no pass. The writer completes a pass it still buffers, or continues the
+        one it flushed unfinished last (docs/INTERNALS.md, "Lost pass ends"). Never sent twice:
+        one thread at a time, and a sent end is removed before the next is tried."""
+        if not self._late_lock.acquire(blocking=False):
+            return  # another thread is sending them
+        try:
+            late, engine = self._late_ends, self._engine
+            while late and engine is not None:
+                if deadline is None:  # (at a pass's begin: never a wait)
+                    sent = engine.control(late[0], block=False)
+                else:
+                    sent = engine.control(late[0], block_timeout=max(0.0, deadline - time.monotonic()))
+                if not sent:
+                    return
+                del late[0]
+                self._totals["lost_pass_ends"] -= 1
+                self._totals["late_pass_ends"] += 1
+        finally:
+            self._late_lock.release()
 
     def _trim_unconfirmed(self) -> None:
         """Forget the pass ends the writer has handled (checked now and then, not at every pass)."""
@@ -535,7 +573,7 @@ class Dumper:
         writer records as not complete when its segment is written."""
         if incomplete is None:
             self._totals["incomplete_passes"] += 1
-        self._totals["lost_pass_ends"] += 1
+        self._totals["interrupted_pass_ends"] += 1
 
     def _fold_lane_counts(self) -> None:
         """Tensors and bytes the C++ hot path staged (ChannelStager.stage_tensor) into _totals,

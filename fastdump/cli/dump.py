@@ -387,8 +387,13 @@ def _check_open_segment(report: _Report, where: str, h5file, read_data: bool):
 def _check_pass_reports(report: _Report, where: str, pass_id: int, entry) -> None:
     """What the capture side said about a pass: mixed tensors of concurrent forwards fail the dump
     (they cannot be told apart); other reasons a pass is incomplete (a forward that raised, a
-    dangling manual pass) are reported."""
-    if not isinstance(entry, dict) or not entry.get("incomplete"):
+    dangling manual pass) are reported, and so is pass metadata the capture side could not keep."""
+    if not isinstance(entry, dict):
+        return
+    meta = entry.get("meta")
+    if isinstance(meta, dict) and meta.get("fastdump_meta_error"):
+        report.warning(where, f"pass {pass_id}: metadata not kept: {_printable(str(meta['fastdump_meta_error']))}")
+    if not entry.get("incomplete"):
         return
     reason = _printable(str(entry["incomplete"]))
     if entry.get("mixed"):
@@ -486,15 +491,26 @@ def _check_counts(report: _Report, path: str, info: dict, pass_ids: set, tensors
     if isinstance(tensors_sent, int) and tensors + skipped < tensors_sent:
         report.problem(path, f"the Dumper staged {tensors_sent} tensors; {tensors} are on disk "
                              f"({skipped} recorded as skipped)")
+    config = info.get("config") if isinstance(info.get("config"), dict) else {}
     dropped, dropped_passes = _count(info.get("dropped", 0)), _count(info.get("dropped_passes", 0))
     if dropped or dropped_passes:
-        config = info.get("config") if isinstance(info.get("config"), dict) else {}
         counts = f"{dropped} tensor(s) and {dropped_passes} whole pass(es) were dropped (counted, not dumped)"
         if config.get("policy") == "drop":
             report.warning(path, f"policy 'drop': {counts}")
         else:
             report.problem(path, f"policy {config.get('policy', 'block')!r}: {counts}: the writer fell behind "
                                  "for longer than block_timeout_s, or CUDA-graph replays outran the drain")
+    # A pass end the ring refused and that never reached the writer in time (its passes are stored
+    # complete = 0): their drop counts, metadata and skips are nowhere on disk. Like a drop, it is
+    # the `drop` policy's to accept; under `block` the dump is not whole.
+    ends = _count(stats.get("lost_pass_ends", 0)) + _count(info.get("late_pass_ends_left_out", 0))
+    if ends:
+        text = (f"{ends} pass end(s) never reached the writer in time (ring full): those passes are stored "
+                "incomplete, without their drop counts, metadata and skips")
+        if config.get("policy") == "drop":
+            report.warning(path, f"policy 'drop': {text}")
+        else:
+            report.problem(path, text)
 
 
 def _check_producer_error(report: _Report, path: str, status: str) -> str:

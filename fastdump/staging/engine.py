@@ -124,6 +124,7 @@ class Engine:
         self._cuda_lock = threading.Lock()
         name = f"/{SHM_PREFIX}{self.pid}-{next(_counter)}"
         self.producer = _C.Producer(name, int(ring_mb * (1 << 20)), int(chunk_mb * (1 << 20)))
+        self._max_control_bytes = self.producer.max_control_bytes
         self._proc = None
         self._thread = None
         try:
@@ -275,6 +276,12 @@ class Engine:
         deadline = time.monotonic() + (timeout if block_timeout is None else block_timeout)
         payload = protocol.encode(msg)
         channel = msg.get("channel", 0)
+        if len(payload) > self._max_control_bytes:  # no wait can make room for it: never spin on it
+            payload = protocol.fit(msg, payload, self._max_control_bytes)
+            if payload is None:
+                log.error("fastdump: a %r message of more than %d bytes cannot go through the ring; not sent",
+                          msg.get("op"), self._max_control_bytes)
+                return False if wait else 0
         seq = self.producer.put_control(channel, payload, False)
         while seq == 0 and block and not self.producer.disabled:
             left = deadline - time.monotonic()

@@ -18,6 +18,7 @@ still allows it) and is re-raised so the loop can log it; from then on every met
 from __future__ import annotations
 
 import errno
+import logging
 import math
 import os
 import socket
@@ -28,6 +29,8 @@ import numpy as np
 from .. import _C, dtypes, fsutil, protocol
 from .. import format as fmt
 from .segment_file import Block, OpenSegment, write_segment
+
+log = logging.getLogger("fastdump.writer")
 
 MiB = 1 << 20
 MAX_DIMS = 32  # HDF5's limit on a dataset's dimensions (H5S_MAX_RANK); capture skips larger ones too
@@ -138,6 +141,8 @@ class ChannelWriter:
         self._tensors_written = 0
         self._bytes_written = 0
         self._dropped_in_passes = 0
+        self._unfinished_last = None  # the last segment's last pass, when it was flushed unfinished
+        self._late_ends_left_out = 0  # late pass ends that came too late to be written (_takes_late_end)
         self._dropped_total = 0  # the Dumper's count of dropped tensors ("dropped" in its close stats)
         self._dropped_passes = 0  # whole passes the Dumper dropped (their "begin" never reached us)
         self._graph_dropped: dict = {}  # device -> CUDA-graph replays dropped (the drains' notes, while running)
@@ -225,8 +230,10 @@ class ChannelWriter:
         self.sink.append(block.number, pass_id, data, rows)
 
     def on_end(self, pass_id: int, meta: dict, dropped: int = 0, skipped: list = (), incomplete: str = None,
-               mixed: bool = False) -> None:
+               mixed: bool = False, late: bool = False) -> None:
         if self.error is not None or self._closed:
+            return
+        if late and not self._takes_late_end(pass_id):
             return
         pass_state = self._pass(pass_id)
         if incomplete:
@@ -246,6 +253,22 @@ class ChannelWriter:
         now = time.time()
         self._pending.last_end = now
         self._rotate_if_due(now)
+
+    def _takes_late_end(self, pass_id: int) -> bool:
+        """A pass end the ring refused at first, sent again after later records (protocol.end's
+        ``late``). It completes the pass while this segment still holds it unfinished, or continues
+        the pass the last segment ended unfinished (as a long pass does). Any other place would put
+        the pass in two segments out of order; it is then left out, its pass `complete = 0` and
+        its drops counted in rank.json's totals only (logged; rank.json counts such ends)."""
+        state = self._pending.passes.get(pass_id)
+        if state is not None:
+            return not state.ended  # (ended: a copy of an end already taken)
+        if pass_id == self._unfinished_last:
+            return True
+        self._late_ends_left_out += 1
+        log.warning("fastdump writer: %s: the late end of pass %d came after its segment was written "
+                    "with later passes; its pass stays incomplete", self.dir, pass_id)
+        return False
 
     def on_graph(self, msg: dict) -> None:
         """A CUDA graph was captured: the layout its replay spans are split by."""
@@ -479,6 +502,8 @@ class ChannelWriter:
         pass_ids = pass_table["pass"]
         tensors = len(index)
         complete = all(p.ended for p in passes)  # every pass ended: none continues in the next segment
+        last = pending.passes[int(pass_ids.max())]
+        self._unfinished_last = None if last.ended else last.pass_id  # the next segment may continue it
         summary = {
             "first_pass": int(pass_ids.min()),
             "last_pass": int(pass_ids.max()),
@@ -517,7 +542,9 @@ class ChannelWriter:
 
     def rank_json(self) -> dict:
         """The current content of rank.json."""
+        late = {"late_pass_ends_left_out": self._late_ends_left_out} if self._late_ends_left_out else {}
         return {
+            **late,
             **self._info,
             "status": self._status,
             "error": self.error or self._note_error,

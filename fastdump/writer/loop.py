@@ -172,7 +172,7 @@ class WriterLoop:
             "name": lambda: (msg["id"], msg["name"]),
             "begin": lambda: (msg["pass"], msg.get("meta") or {}),
             "end": lambda: (msg["pass"], msg.get("meta") or {}, msg.get("dropped", 0), msg.get("skipped", []),
-                            msg.get("incomplete"), msg.get("mixed", False)),
+                            msg.get("incomplete"), msg.get("mixed", False), msg.get("late", False)),
             "note": lambda: (msg,),
             "close": lambda: (msg.get("stats") or {},),
             "graph": lambda: (msg,),
