@@ -209,35 +209,17 @@ class Options:
 # ----------------------------------------------------------------------------------------- ranks
 
 
-# Sizes above this are damage, not a cluster: refused before anything is allocated per rank.
-MAX_PARALLEL_SIZE = 65536
-_RANK_NUMBER_KEYS = ("tp_rank", "pp_rank", "dp_rank", "rank")
-_RANK_SIZE_KEYS = ("tp_size", "pp_size")
-
-
 def _rank_numbers(info: dict, path: str) -> dict:
-    """rank.json's "rank" object, checked: ranks are integers >= 0, sizes integers in
-    1..MAX_PARALLEL_SIZE (a null or absent one is unknown). Damage is a DiffError naming the
-    file, never a traceback, nor a size that makes diff allocate until it is killed."""
+    """rank.json's "rank" object, checked (format.check_rank_numbers; absent: {}, nothing known).
+    Damage is a DiffError naming the file, never a traceback, nor a size that makes diff allocate
+    until it is killed."""
     numbers = info.get("rank")
     if numbers is None:
         return {}
-    if not isinstance(numbers, dict):
-        raise DiffError(f"{path}: \"rank\" is {numbers!r:.80}, not an object of rank numbers")
-    for key in _RANK_NUMBER_KEYS + _RANK_SIZE_KEYS:
-        value = numbers.get(key)
-        if value is None:
-            continue
-        low = 1 if key in _RANK_SIZE_KEYS else 0
-        high = MAX_PARALLEL_SIZE if key in _RANK_SIZE_KEYS else None
-        if not isinstance(value, int) or isinstance(value, bool) or value < low or (high and value > high):
-            bound = f"{low}..{high}" if high else f">= {low}"
-            raise DiffError(f"{path}: rank.{key} is {value!r:.80}, expected an integer {bound}")
-    for rank_key, size_key in (("tp_rank", "tp_size"), ("pp_rank", "pp_size")):
-        rank, size = numbers.get(rank_key), numbers.get(size_key)
-        if rank is not None and size is not None and rank >= size:
-            raise DiffError(f"{path}: rank.{rank_key} {rank} is not below rank.{size_key} {size}")
-    return numbers
+    try:
+        return fmt.check_rank_numbers(numbers)
+    except ValueError as exc:
+        raise DiffError(f"{path}: {exc}") from None
 
 
 class RankRef:
@@ -335,7 +317,7 @@ def _stages(refs: list) -> list:
         if len(sizes) > 1:
             raise DiffError(f"role {group[0].role!r} pp {pp}: the rank directories disagree on tp_size {sizes} "
                             f"({os.path.dirname(group[0].path)})")
-        expected = sizes[0]  # at most MAX_PARALLEL_SIZE: RankRef checked
+        expected = sizes[0]  # at most fmt.MAX_PARALLEL_SIZE: RankRef checked
         if [r.tp_rank for r in group] != list(range(expected)):
             # Unsharding a partial group would compare half a tensor and blame the shapes.
             raise DiffError(f"role {group[0].role!r} pp {pp}: TP ranks {[r.tp_rank for r in group]} present of "

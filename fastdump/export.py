@@ -297,39 +297,20 @@ def export_sglang(root, out, *, role_subdirs: bool | None = None, names: str = "
 
 # Characters a name cannot hold in the dumper layout: read_meta splits the file stem on "___" and "=".
 _BAD_IN_FILENAME = ("___", "=", "/", "\0")
-_MAX_RANK = 2**31 - 1  # ranks and sizes are int32 in torch.distributed
-
-
-def _json_text(value) -> str:
-    text = json.dumps(value, default=str)
-    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _parallel_info(where: str, info: dict):
-    """(world rank, world size, sglang_parallel_info) from rank.json's ``rank`` object; a ValueError
-    naming the field when it is not what fastdump writes (a damaged or crafted rank.json)."""
+    """(world rank, world size, sglang_parallel_info) from rank.json's ``rank`` object, checked
+    (format.check_rank_numbers); a ValueError naming the field when it is not what fastdump writes."""
     if "rank" not in info:
         raise ValueError(f'{where}: rank.json has no "rank" object (rank numbers)')
-    ranks = info["rank"]
-    if not isinstance(ranks, dict):
-        raise ValueError(f'{where}: rank.json "rank" is {_json_text(ranks)}, not an object of rank numbers')
-    if "rank" not in ranks:
+    try:
+        numbers = fmt.check_rank_numbers(info["rank"])
+    except ValueError as exc:
+        raise ValueError(f"{where}: rank.json {exc}") from None
+    if "rank" not in numbers:
         raise ValueError(f"{where}: rank.json has no rank number (rank.rank)")
-    numbers = {}
-    for key in ("rank", *RANK_FIELDS):
-        if key in ranks:
-            value, low = ranks[key], 1 if key.endswith("_size") else 0
-            if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= _MAX_RANK:
-                raise ValueError(f"{where}: rank.json rank.{key} is {_json_text(value)}, not an integer "
-                                 f"from {low} to {_MAX_RANK}")
-            numbers[key] = value
-    for kind in ("tp", "pp", "dp", "ep"):
-        rank, size = numbers.get(f"{kind}_rank"), numbers.get(f"{kind}_size")
-        if rank is not None and size is not None and rank >= size:
-            raise ValueError(f"{where}: rank.json rank.{kind}_rank {rank} is outside {kind}_size {size}")
     world_size = numbers.get("tp_size", 1) * numbers.get("pp_size", 1)
-    if numbers["rank"] >= world_size:  # fastdump numbers ranks as SGLang: tp_size * pp_rank + tp_rank
-        raise ValueError(f"{where}: rank.json rank.rank {numbers['rank']} is outside tp_size * pp_size = {world_size}")
     return numbers["rank"], world_size, {key: numbers[key] for key in RANK_FIELDS if key in numbers}
 
 

@@ -6,6 +6,7 @@ when an old reader could misread the new layout).
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import time
@@ -37,6 +38,43 @@ SEGMENT_RE = re.compile(r"^seg-(\d+)\.h5$")
 # directory. A session id sorts by start time (UTC, microseconds) and ends in random bits:
 # ``TP0_PP0_Rank0_pid1234_20261201T013200.123456Z-9f3ac2e1``. Format 1 names have no session.
 RANK_DIR_RE = re.compile(r"^TP(\d+)_PP(\d+)_Rank(\d+)_pid(\d+)(?:_(\d{8}T\d{6}\.\d{6}Z-[0-9a-f]{8}))?$")
+
+
+# rank.json's "rank" object (capture/ranks.py writes every key, as integers).
+RANK_KEYS = ("rank", "tp_rank", "tp_size", "pp_rank", "pp_size", "dp_rank", "dp_size", "ep_rank", "ep_size")
+MAX_PARALLEL_SIZE = 65536  # a larger size is damage (diff sizes its tables by tp_size and pp_size)
+
+
+def check_rank_numbers(numbers) -> dict:
+    """rank.json's "rank" object, checked as fastdump writes it: each rank present an integer >= 0,
+    each size an integer 1..MAX_PARALLEL_SIZE, each rank below its size, the world rank below
+    tp_size * pp_size (SGLang's numbering). Returns it. ValueError names the field: attach refuses
+    such ranks, and diff and export refuse a damaged or crafted file with that message, never a
+    traceback nor a size they would allocate by."""
+    if not isinstance(numbers, dict):
+        raise ValueError(f'"rank" is {_json_text(numbers)}, not an object of rank numbers')
+    for key in RANK_KEYS:
+        if key not in numbers:
+            continue
+        value, size = numbers[key], key.endswith("_size")
+        if (isinstance(value, bool) or not isinstance(value, int) or value < (1 if size else 0)
+                or (size and value > MAX_PARALLEL_SIZE)):
+            bound = f"1..{MAX_PARALLEL_SIZE}" if size else ">= 0"
+            raise ValueError(f"rank.{key} is {_json_text(value)}, expected an integer {bound}")
+    for kind in ("tp", "pp", "dp", "ep"):
+        rank, size = numbers.get(f"{kind}_rank"), numbers.get(f"{kind}_size")
+        if rank is not None and size is not None and rank >= size:
+            raise ValueError(f"rank.{kind}_rank {rank} is not below rank.{kind}_size {size}")
+    world = numbers.get("tp_size", 1) * numbers.get("pp_size", 1)
+    if numbers.get("rank", 0) >= world:
+        raise ValueError(f"rank.rank {numbers['rank']} is not below tp_size * pp_size = {world}")
+    return numbers
+
+
+def _json_text(value) -> str:
+    """``value`` as the JSON file spells it, cut to 60 characters (for messages)."""
+    text = json.dumps(value, default=str)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def merge_producer_error(info: dict, producer_error) -> dict:

@@ -701,10 +701,10 @@ def test_absurd_tp_size_in_rank_json_exits_2_at_once(tmp_path, size):
 
 @pytest.mark.parametrize("field, value, message", [
     ("rank", 5, '"rank" is 5, not an object of rank numbers'),
-    ("rank", "x", "\"rank\" is 'x', not an object of rank numbers"),
+    ("rank", "x", '"rank" is "x", not an object of rank numbers'),
     ("rank", [0], '"rank" is [0], not an object of rank numbers'),
-    ("rank.tp_rank", "0", "rank.tp_rank is '0', expected an integer >= 0"),
-    ("rank.pp_rank", True, "rank.pp_rank is True, expected an integer >= 0"),
+    ("rank.tp_rank", "0", 'rank.tp_rank is "0", expected an integer >= 0'),
+    ("rank.pp_rank", True, "rank.pp_rank is true, expected an integer >= 0"),
     ("rank.dp_rank", -1, "rank.dp_rank is -1, expected an integer >= 0"),
     ("rank.pp_size", 0, "rank.pp_size is 0, expected an integer 1..65536"),
     ("rank.tp_size", 2.0, "rank.tp_size is 2.0, expected an integer 1..65536"),

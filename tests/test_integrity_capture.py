@@ -677,6 +677,7 @@ def test_a_dtensor_output_is_dumped_as_this_ranks_local_shard(tmp_path):
     {"device_ring_mb": -5}, {"device_ring_mb": float("nan")},
     {"max_bytes": float("nan")}, {"max_bytes": -1}, {"pass_range": (0.5, 3)}, {"pass_range": (0, "9")},
     {"layers": [1.5]}, {"tp_rank": True}, {"tp_size": 0}, {"pp_rank": 0.0}, {"dp_rank": -1},
+    {"tp_size": 65537}, {"dp_size": 10**9, "dp_rank": 0},  # beyond what diff and export read back
 ])
 def test_bad_numeric_settings_raise_at_attach(tmp_path, options):
     with pytest.raises(ValueError):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 
+from ..format import check_rank_numbers
 from ..options import _check_int
 
 
@@ -49,4 +50,4 @@ def resolve_ranks(tp_rank=None, tp_size=None, pp_rank=None, pp_size=None, dp_ran
             raise ValueError(f"{key}_rank={ranks[f'{key}_rank']} is outside {key}_size={ranks[f'{key}_size']}")
     # SGLang's numbering, so dumps line up with SGLang's own directories.
     ranks["rank"] = ranks["tp_size"] * ranks["pp_rank"] + ranks["tp_rank"]
-    return ranks
+    return check_rank_numbers(ranks)  # (sizes beyond what diff and export accept: refused here already)
