@@ -555,11 +555,14 @@ PyObject* wrapper_vectorcall(PyObject* self, PyObject* const* args, size_t nargs
 // the engine's liveness property, _end, Channel.end: a dozen frames, properties and pybind calls) cost
 // a small model's decode loop 40-110 us a pass, nearly all of it cache and TLB misses: the model's
 // kernels evict everything between two passes (benchmarks/RESULTS.md 0l). root_pass does the
-// common case in one C call: a pass with no metadata, skips, budget, pass selection, stall or graph
-// capture, opened and closed with the lane's plain records. Each side first reads the Dumper's
-// attributes and changes nothing unless its record went into the ring; then it sets them as the
-// Python methods do, with no Python code in between (no other thread or signal can get in). Every
-// other case runs the Python methods, unchanged.
+// common case in one C call: a pass with no metadata, skips, budget, stall or graph capture, opened
+// and closed with the lane's plain records. The selection (every, skip_passes, pass_range) is made
+// here too: a pass it leaves out needs no record, only the Dumper's pass state, unless a CUDA graph
+// is being captured (asked of GraphRecording.capture_running, the one Python call, made before any
+// attribute is read for good). Each side first reads the Dumper's attributes and changes nothing
+// unless its record went into the ring (or none was needed); then it sets them as the Python methods
+// do, with no Python code in between (no other thread or signal can get in). Every other case runs
+// the Python methods, unchanged.
 
 // Raises `exc` again (the reference is stolen).
 void restore_exception(PyObject* exc) {
@@ -589,7 +592,7 @@ struct PassNames {
       *every, *pass_range, *max_bytes, *channel, *block, *policy_block, *stalled, *block_timeout_s, *pass_dropped,
       *pass_thread, *incomplete, *mixed, *pass_id, *root_opener, *manual_opener, *graphs, *open, *totals, *passes,
       *unconfirmed, *append, *root_begin, *end, *forward_raised, *trim_unconfirmed, *channel_engine, *late_ends,
-      *zero;
+      *standalone_passes, *capture_running, *zero;
 };
 PassNames n;
 
@@ -605,7 +608,8 @@ bool init_pass_names() {
       {&n.graphs, "_graphs"}, {&n.open, "open"}, {&n.totals, "_totals"}, {&n.passes, "passes"},
       {&n.unconfirmed, "_unconfirmed"}, {&n.append, "append"}, {&n.root_begin, "_root_begin"}, {&n.end, "_end"},
       {&n.forward_raised, "_forward_raised"}, {&n.trim_unconfirmed, "_trim_unconfirmed"},
-      {&n.channel_engine, "engine"}, {&n.late_ends, "_late_ends"}};
+      {&n.channel_engine, "engine"}, {&n.late_ends, "_late_ends"}, {&n.standalone_passes, "_standalone_passes"},
+      {&n.capture_running, "capture_running"}};
   for (auto& name : names) {
     *name.slot = PyUnicode_InternFromString(name.text);
     if (*name.slot == nullptr) return false;
@@ -657,12 +661,48 @@ void start_capturing(CaptureState* st) {
   st->probed = 0;
 }
 
-// 1: this call opened the pass (its plain begin record is in the ring); 0: not a plain pass, or no
-// room for its record now, and nothing was changed: the caller runs Dumper._root_begin; -1: setting
-// the Dumper's attributes failed (a MemoryError), which propagates.
+// Dumper._selected for root forward `next` (every, skip_passes, pass_range; no byte budget): 1 dumped,
+// 0 left out, -1 not readable here (the caller takes the Python path).
+int root_selected(PyObject* d, long long next) {
+  Ref skip(read(d, n.skip_passes)), every(read(d, n.every)), range(read(d, n.pass_range)),
+      standalone(read(d, n.standalone_passes));
+  long long skip_n, every_n, standalone_n, lo = 0, hi = LLONG_MAX;
+  if (!int_of(skip.p, &skip_n) || !int_of(every.p, &every_n) || !int_of(standalone.p, &standalone_n) ||
+      skip_n < 0 || every_n < 1 || standalone_n < 0 || standalone_n > next || range.p == nullptr)
+    return -1;
+  if (range.p != Py_None) {
+    if (!PyTuple_CheckExact(range.p) || PyTuple_GET_SIZE(range.p) != 2 || !int_of(PyTuple_GET_ITEM(range.p, 0), &lo) ||
+        !int_of(PyTuple_GET_ITEM(range.p, 1), &hi))
+      return -1;
+  }
+  const long long counted = next - standalone_n;  // dump() calls outside a pass are not counted
+  return counted >= skip_n && (counted - skip_n) % every_n == 0 && lo <= counted && counted < hi;
+}
+
+// 1: this call opened the pass: its plain begin record is in the ring (a pass the selection keeps),
+// or none is needed (a pass it leaves out, with no CUDA graph being captured); 0: not a plain pass,
+// or no room for its record now, and nothing was changed: the caller runs Dumper._root_begin; -1:
+// setting the Dumper's attributes failed (a MemoryError), which propagates.
 int root_begin_fast(CaptureState* st) {
   if (st->capturing || st->lane_ptr == nullptr) return 0;
   PyObject* d = st->dumper;
+  long long previous;
+  {
+    Ref pass_id(read(d, n.pass_id));
+    if (!int_of(pass_id.p, &previous) || previous == LLONG_MAX) return 0;
+  }
+  const int selected = root_selected(d, previous + 1);
+  if (selected < 0) return 0;
+  if (selected == 0) {  // left out, unless a CUDA graph is being captured (GraphRecording: Python)
+    Ref graphs(read(d, n.graphs));
+    if (graphs.p == nullptr) return 0;
+    if (graphs.p != Py_None) {
+      Ref running(PyObject_CallMethodNoArgs(graphs.p, n.capture_running));
+      if (running.p == nullptr) PyErr_Clear();
+      if (running.p != Py_False) return 0;
+    }
+    // (Python ran: what was read above is read again below, and the pass id must not have moved.)
+  }
   Ref depth(read(d, n.depth)), closed(read(d, n.closed)), engine(read(d, n.engine)), status(read(d, n.status));
   if (!is_int(depth.p, 0) || closed.p != Py_False || engine.p == nullptr || engine.p == Py_None ||
       status.p == nullptr || !PyUnicode_CheckExact(status.p) || PyUnicode_Compare(status.p, n.running) != 0)
@@ -674,8 +714,8 @@ int root_begin_fast(CaptureState* st) {
     return 0;
   // Pass ends a full ring refused wait to be sent again (Dumper._send_late_ends, after the begin).
   if (late_ends.p == nullptr || !PyList_CheckExact(late_ends.p) || PyList_GET_SIZE(late_ends.p) != 0) return 0;
-  Ref skip(read(d, n.skip_passes)), every(read(d, n.every)), range(read(d, n.pass_range)), budget(read(d, n.max_bytes));
-  if (!is_int(skip.p, 0) || !is_int(every.p, 1) || range.p != Py_None || budget.p != Py_None) return 0;
+  Ref budget(read(d, n.max_bytes));
+  if (budget.p != Py_None) return 0;
   Ref channel(read(d, n.channel));
   if (channel.p == nullptr || channel.p == Py_None) return 0;
   Ref block(read(channel.p, n.block)), policy(read(channel.p, n.policy_block)), timeout(read(channel.p, n.block_timeout_s));
@@ -691,17 +731,19 @@ int root_begin_fast(CaptureState* st) {
     return 0;
   }
   Ref pass_id(read(d, n.pass_id));
-  long long previous;
-  if (!int_of(pass_id.p, &previous) || previous == LLONG_MAX) return 0;
+  long long now;
+  if (!int_of(pass_id.p, &now) || now != previous) return 0;
   const long long next = previous + 1;
-  try {  // C++ only from here to the record: the writer seen alive lately, then the plain begin
-    if (!lane_writer_seen_alive(st->lane_ptr, st->liveness_s)) return 0;  // Python disables the Dumper
-    if (lane_open_pass(st->lane_ptr, next, block.p == Py_True, timeout_s) == 0) return 0;
-  } catch (const std::exception&) {
-    return 0;
+  if (selected) {
+    try {  // C++ only from here to the record: the writer seen alive lately, then the plain begin
+      if (!lane_writer_seen_alive(st->lane_ptr, st->liveness_s)) return 0;  // Python disables the Dumper
+      if (lane_open_pass(st->lane_ptr, next, block.p == Py_True, timeout_s) == 0) return 0;
+    } catch (const std::exception&) {
+      return 0;
+    }
   }
-  // The pass is open in the ring. The attributes _root_begin, _begin and Channel.begin set, in
-  // their order; what they replace is released at the end (a __del__ could let another thread in).
+  // The pass is open (in the ring, when kept). The attributes _root_begin, _begin and Channel.begin
+  // set, in their order; what they replace is released at the end (a __del__ could let another thread in).
   PyObject* frame = reinterpret_cast<PyObject*>(PyEval_GetFrame());  // borrowed: forward_in_pass's
   Ref old_opener(read(d, n.root_opener)), old_meta(read(d, n.meta));
   Ref me(PyLong_FromUnsignedLong(PyThread_get_thread_ident())), next_id(PyLong_FromLongLong(next)),
@@ -713,6 +755,7 @@ int root_begin_fast(CaptureState* st) {
       PyObject_SetAttr(d, n.meta, next_meta.p) < 0 || PyObject_SetAttr(d, n.next_meta, fresh.p) < 0)
     return -1;
   PyDict_Clear(st->calls);
+  if (!selected) return 1;  // (nothing captured: as _begin returns for a pass it leaves out)
   if (PyObject_SetAttr(channel.p, n.pass_dropped, n.zero) < 0) return -1;
   start_capturing(st);
   return 1;
@@ -722,8 +765,17 @@ int root_begin_fast(CaptureState* st) {
 // for its record now, and nothing was changed: the caller runs Dumper._end; -1: an error propagates
 // (the pass has ended).
 int root_end_fast(CaptureState* st) {
-  if (!st->capturing || st->lane_ptr == nullptr) return 0;
+  if (st->lane_ptr == nullptr) return 0;
   PyObject* d = st->dumper;
+  if (!st->capturing) {  // a pass left out (or not dumping): what _end does when nothing was captured
+    Ref depth(read(d, n.depth));
+    if (!is_int(depth.p, 1)) return 0;
+    Ref old_root(read(d, n.root_opener)), old_manual(read(d, n.manual_opener));  // (released last)
+    if (PyObject_SetAttr(d, n.depth, n.zero) < 0 || PyObject_SetAttr(d, n.manual_opener, Py_None) < 0 ||
+        PyObject_SetAttr(d, n.root_opener, Py_None) < 0)
+      return -1;
+    return 1;
+  }
   Ref depth(read(d, n.depth)), incomplete(read(d, n.incomplete)), mixed(read(d, n.mixed)), meta(read(d, n.meta)),
       skipped(read(d, n.skipped)), budget(read(d, n.max_bytes)), graphs(read(d, n.graphs));
   if (!is_int(depth.p, 1) || incomplete.p != Py_None || mixed.p != Py_False || !empty_dict(meta.p) ||

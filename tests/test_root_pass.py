@@ -1,8 +1,8 @@
 """The root forward's pass begun and ended in C (``CaptureState.root_pass``, csrc/forward_wrapper.cpp).
 
-It takes a pass only when it is plain (no metadata, skips, budget, pass selection, stall, graph
-capture, nesting or thread mixing) and its begin or end record goes into the ring at once; anything
-else runs Dumper._root_begin / _end as before. These tests check both sides of that line: what the
+It takes a pass only when it is plain (no metadata, skips, budget, stall, graph capture, nesting or
+thread mixing) and its begin or end record goes into the ring at once (a pass the selection leaves
+out needs none); anything else runs Dumper._root_begin / _end as before. These tests check both sides of that line: what the
 C path dumps is what the Python path dumps, bit for bit, with the same pass table, and each case
 that is not plain is seen and handed to Python."""
 
@@ -55,9 +55,9 @@ def counted(monkeypatch):
     for name in ("_root_begin", "_end", "_begin", "_forward_raised"):
         real = getattr(dumper_mod.Dumper, name)
 
-        def spy(self, *args, _real=real, _name=name):
+        def spy(self, *args, _real=real, _name=name, **kwargs):
             calls[_name] += 1
-            return _real(self, *args)
+            return _real(self, *args, **kwargs)
 
         monkeypatch.setattr(dumper_mod.Dumper, name, spy)
     return calls
@@ -92,12 +92,10 @@ def test_plain_passes_are_the_same_on_disk_whichever_path_took_them(tmp_path, mo
     assert not verify_dump(str(tmp_path)).problems
 
 
-@pytest.mark.parametrize("case", ["meta", "every", "skip_passes", "pass_range", "max_bytes", "raises",
-                                  "nested", "manual", "drop"])
+@pytest.mark.parametrize("case", ["meta", "max_bytes", "raises", "nested", "manual", "drop"])
 def test_a_pass_that_is_not_plain_goes_through_python_and_is_right(tmp_path, counted, case):
     model = Net()
-    options = {"every": {"every": 2}, "skip_passes": {"skip_passes": 1}, "pass_range": {"pass_range": (1, 3)},
-               "max_bytes": {"max_bytes": 1 << 20}, "drop": {"policy": "drop"}}.get(case, {})
+    options = {"max_bytes": {"max_bytes": 1 << 20}, "drop": {"policy": "drop"}}.get(case, {})
     d = fastdump.attach(model, tmp_path, **options)
     xs = [torch.full((2, 8), float(i)) for i in range(4)]
     with torch.no_grad():
@@ -121,7 +119,7 @@ def test_a_pass_that_is_not_plain_goes_through_python_and_is_right(tmp_path, cou
                 model(x)
     stats = d.close()
     ds = fastdump.open(tmp_path)
-    selected = {"every": [0, 2], "skip_passes": [1, 2, 3], "pass_range": [1, 2]}.get(case, [0, 1, 2, 3])
+    selected = [0, 1, 2, 3]
     assert ds.passes("target", 0) == selected
     for p in selected:
         got = ds.load("target", 0, p)
@@ -142,12 +140,70 @@ def test_a_pass_that_is_not_plain_goes_through_python_and_is_right(tmp_path, cou
             assert meta["step"] == p
     assert stats["passes"] == len(selected)
     # Each such pass (and only such a pass, at its begin or its end) took a Python method.
-    python_passes = {"meta": 4, "every": 4, "skip_passes": 4, "pass_range": 4, "max_bytes": 4, "raises": 1,
-                     "nested": 1, "manual": 1, "drop": 0}[case]
+    python_passes = {"meta": 4, "max_bytes": 4, "raises": 1, "nested": 1, "manual": 1, "drop": 0}[case]
     assert counted["_begin"] >= python_passes or counted["_end"] >= python_passes, dict(counted)
     if case == "drop":  # plain passes under `drop`: the C path
         assert dict(counted) == {}
     assert not verify_dump(str(tmp_path)).problems
+
+
+SELECTIONS = {"every": dict(every=3), "skip_passes": dict(skip_passes=2), "pass_range": dict(pass_range=(2, 5)),
+              "all three": dict(every=2, skip_passes=1, pass_range=(0, 6))}
+
+
+def python_selects(i, every=1, skip_passes=0, pass_range=None):
+    return i >= skip_passes and (i - skip_passes) % every == 0 and (pass_range is None or pass_range[0] <= i < pass_range[1])
+
+
+@pytest.mark.parametrize("selection", list(SELECTIONS))
+def test_the_selection_is_made_in_c_as_python_makes_it(tmp_path, monkeypatch, counted, selection):
+    """every/skip_passes/pass_range: the C path picks the same forwards as Dumper._selected, dumps
+    the same values, and leaves the others out without any Python pass method. A dump() outside a
+    pass is a pass of its own that neither counts."""
+    options = SELECTIONS[selection]
+    xs = [torch.full((2, 8), float(i)) - 3.5 for i in range(8)]
+    found = {}
+    for native in (True, False):
+        monkeypatch.setattr(dumper_mod, "_native_root_pass", native)
+        counted.clear()
+        model = Net()
+        d = fastdump.attach(model, tmp_path / str(native), **options)
+        with torch.no_grad():
+            for i, x in enumerate(xs):
+                if i == 3:
+                    d.dump("extra", torch.full((2,), 7.0))  # pass 3, standalone
+                model(x)
+        stats = d.close()
+        roots = counted["_root_begin"]
+        assert roots == (0 if native else 8), dict(counted)
+        ds = fastdump.open(tmp_path / str(native))
+        found[native] = {p: ds.load("target", 0, p) for p in ds.passes("target", 0)}
+        assert stats["passes"] == len(found[native]) and not verify_dump(str(tmp_path / str(native))).problems
+    kept = [i for i in range(8) if python_selects(i, **options)]
+    ids = {i: i if i < 3 else i + 1 for i in kept}  # forwards after the dump() are a pass id later
+    assert list(found[True]) == sorted([*ids.values(), 3]) == list(found[False])
+    assert list(found[True][3]) == ["extra"]
+    for i, p in ids.items():
+        want = expected(Net(), xs[i])
+        for native in (True, False):
+            assert list(found[native][p]) == list(want)
+            assert all(bits(found[native][p][k]).equal(bits(want[k])) for k in want), (native, i)
+
+
+def test_a_pass_left_out_while_a_cuda_graph_is_captured_goes_to_python_and_is_dumped(tmp_path, monkeypatch, counted):
+    """A graph captured in a pass the selection leaves out must still be recorded (GraphRecording):
+    the C path asks capture_running and, when it says yes, hands the pass to Python."""
+    from fastdump.staging import graphs
+
+    monkeypatch.setattr(graphs.GraphRecording, "capture_running", staticmethod(lambda: True))
+    model = Net()
+    d = fastdump.attach(model, tmp_path, every=2)
+    with torch.no_grad():
+        for i in range(4):
+            model(torch.full((2, 8), float(i)))
+    d.close()
+    assert counted["_root_begin"] == 2  # the passes left out; the kept ones took the C path
+    assert fastdump.open(tmp_path).passes("target", 0) == [0, 1, 2, 3]
 
 
 def test_the_same_exception_object_reaches_the_caller_and_the_pass_says_why(tmp_path):
@@ -234,16 +290,21 @@ def test_pass_ends_the_writer_handled_are_forgotten(tmp_path, monkeypatch, nativ
     monkeypatch.setattr(dumper_mod, "_native_root_pass", native_pass)
     model = Net()
     d = fastdump.attach(model, tmp_path)
-    with torch.no_grad():
-        for _ in range(100):
-            model(torch.ones(1, 8))
+    def all_acked():
         deadline = time.monotonic() + 20
         while d._producer.acked_seq < d._unconfirmed[-1] and time.monotonic() < deadline:
             time.sleep(0.02)  # the writer acknowledges what it handled, in its own time
-        for _ in range(65):
+
+    with torch.no_grad():
+        for _ in range(100):
             model(torch.ones(1, 8))
-    # the 65th pass since found more than 64 waiting and forgot the 100 handled (_trim_unconfirmed)
-    assert len(d._unconfirmed) < 65
+        all_acked()
+        for _ in range(64):  # the first of them found 101 waiting and forgot the 100 handled
+            model(torch.ones(1, 8))
+        assert len(d._unconfirmed) == 64
+        all_acked()
+        model(torch.ones(1, 8))  # 65 waiting: the 64 handled are forgotten (_trim_unconfirmed)
+    assert len(d._unconfirmed) == 1
     assert d.close()["passes"] == 165
 
 

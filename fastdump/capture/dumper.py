@@ -943,7 +943,7 @@ class Dumper:
 
     # -- installing wrappers -------------------------------------------------------------------------
     def _install(self, model, root_passes: bool, **selection) -> None:
-        for name, module in select_modules(model, **selection):
+        for name, module in select_modules(model, **selection, scripted=self.not_wrapped):
             self._wrap(module, self._capture_wrapper(name, module.forward, _owner_of(module)))
         root_selected = _root_selected(model, self._root_name, selection)
         if root_passes:

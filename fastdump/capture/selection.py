@@ -63,13 +63,15 @@ def named_modules(model):
 
 
 def select_modules(model, *, layers=None, include=None, exclude=None, module_types=None,
-                   leaves_only=True) -> list:
-    """(qualified name, module) of the modules to capture, in registration order."""
+                   leaves_only=True, scripted: dict | None = None) -> list:
+    """(qualified name, module) of the modules to capture, in registration order. ``scripted``:
+    script_modules(model) when the caller has it already (the Dumper does, from its attach)."""
     layer_set = None if layers is None else {int(i) for i in layers}
     inc = re.compile(include) if isinstance(include, str) else include
     exc = re.compile(exclude) if isinstance(exclude, str) else exclude
     types = tuple(module_types) if module_types else None
-    scripted = script_modules(model)
+    if scripted is None:
+        scripted = script_modules(model)
     chosen = []
     for name, module in named_modules(model):
         if name == "":

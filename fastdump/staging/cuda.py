@@ -21,6 +21,7 @@ import collections
 import functools
 import ctypes
 import logging
+import sys
 import threading
 
 from .. import _C
@@ -216,9 +217,10 @@ def _capture_running() -> bool:
     initialized CUDA, none is). Asked at the begin of a pass the Dumper's selection leaves out: a
     graph captured in it must still be recorded, or none of its replays is ever dumped. A seam:
     the mock-runtime tests replace it."""
-    import torch
-
-    return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
+    torch_cuda = sys.modules.get("torch.cuda")
+    if not getattr(torch_cuda, "_initialized", False):  # (no call: asked at every pass left out)
+        return False
+    return torch_cuda.is_initialized() and torch_cuda.is_current_stream_capturing()
 
 
 def lane_stream_functions():

@@ -20,14 +20,24 @@ from .. import protocol
 log = logging.getLogger("fastdump")
 
 from ..options import CUDA_GRAPH_MODES as MODES  # noqa: E402 - defined with the option
+
+_cuda_module = None  # fastdump.staging.cuda, imported at the first use (it is never imported eagerly)
+
+
+def _import_cuda():
+    global _cuda_module
+    from . import cuda
+
+    _cuda_module = cuda
+    return cuda
+
+
 DEFAULT_GRAPH_RING_MB = 256
 LOG_ENTRIES = 1024  # replays that may wait for the drain at once (per Dumper and GPU)
 
 
 def _C():
-    from . import cuda
-
-    return cuda._C  # the mock build in tests (the same seam as the staging glue)
+    return (_cuda_module or _import_cuda())._C  # the mock build in tests (the same seam as the staging glue)
 
 
 class CapturedPass:
@@ -93,10 +103,10 @@ class GraphRecording:
     # -- capture (the capturing thread) ----------------------------------------------------------
     @staticmethod
     def capture_running() -> bool:
-        """A graph is being captured on the current stream: the pass beginning is its forward."""
-        from . import cuda
-
-        return cuda._capture_running()
+        """A graph is being captured on the current stream: the pass beginning is its forward.
+        Asked at every pass the selection leaves out: the module is looked up once (a `from .
+        import` runs importlib's Python code at each call: ~10 us a pass, in cold caches)."""
+        return (_cuda_module or _import_cuda())._capture_running()
 
     def record(self, name: str, name_id: int, code: int, t) -> None:
         """A CUDA tensor hooked while its stream captures: record its snapshot into the graph."""
