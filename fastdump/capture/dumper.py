@@ -202,6 +202,9 @@ class Dumper:
             if self._graphs is not None:
                 self._graphs.prepare(_cuda_index(o.device, facts))
         except Exception as exc:
+            if _raised_in_a_signal_handler(exc):  # the caller's (a deadline's alarm): theirs to see, as Ctrl-C
+                self._abandon_attach(f"attach interrupted ({type(exc).__name__})", writer_stuck=True)
+                raise
             if o.strict:
                 self._abandon_attach(None)
                 raise
@@ -1380,6 +1383,30 @@ def _on_stack(frame, start) -> bool:
 def _short(exc: BaseException, limit: int = 200) -> str:
     text = str(exc)
     return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _raised_in_a_signal_handler(exc: BaseException) -> bool:
+    """Whether ``exc`` was raised by (or under) a Python signal handler the process installed: a
+    frame of its traceback runs a handler's code. Attach waits for the writer in slices that return
+    to Python so that signals get through; an exception a handler raises there (a deadline's
+    SIGALRM raising TimeoutError) is the caller's control flow, not a failure to start dumping."""
+    import signal
+
+    handlers = set()
+    for signum in signal.valid_signals():
+        try:
+            handler = signal.getsignal(signum)
+        except (OSError, ValueError):
+            continue
+        code = getattr(getattr(handler, "__func__", handler), "__code__", None)
+        if code is not None:
+            handlers.add(code)
+    tb = exc.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code in handlers:
+            return True
+        tb = tb.tb_next
+    return False
 
 
 def _jsonable(value, outer: tuple = ()):
