@@ -1006,3 +1006,200 @@ def test_verify_fails_a_pass_holding_two_tensors_under_one_name(tmp_path):
     dumped = fastdump.open(tmp_path).load("target", 0, 0)
     assert same_bits(dumped["lin#1"], model.lin(model.lin(x))) and same_bits(dumped["lin#1#dup1"], marker)
     assert cli_dump.main(["verify", str(tmp_path)]) == 1
+
+
+class StrRaises(Exception):
+    def __str__(self):
+        raise RuntimeError("str() refused")
+
+
+class RaisesUnprintable(nn.Module):
+    def forward(self, x):
+        raise StrRaises()
+
+
+def test_a_model_exception_whose_str_raises_reaches_the_caller_as_itself(tmp_path):
+    """The pass's record of the exception reads its text, which may raise: the model's exception
+    must still reach the caller unchanged and its pass be marked incomplete. Before, the caller got
+    fastdump's RuntimeError and the pass, missing its last tensors, was stored complete."""
+    model = nn.Sequential(nn.Linear(4, 4), RaisesUnprintable(), nn.Linear(4, 4))
+    with fastdump.attach(model, tmp_path):
+        with pytest.raises(StrRaises):
+            model(torch.randn(1, 4))
+    meta = fastdump.open(tmp_path).meta("target", 0, 0)
+    assert meta["complete"] is False and "StrRaises" in meta["incomplete"]
+    assert any("pass 0 is incomplete" in w for w in verify(tmp_path).warnings)
+
+
+def test_a_hook_raising_an_unprintable_exception_is_a_recorded_skip(tmp_path):
+    model = Mlp()
+
+    def convert(output):
+        raise StrRaises()
+
+    with fastdump.attach(model, tmp_path, exclude="up") as d:
+        d.watch(model.up, "up", convert=convert)
+        out = model(torch.randn(2, 8))  # no exception into the model
+    assert out.shape == (2, 8)
+    skipped = fastdump.open(tmp_path).meta("target", 0, 0)["skipped"]
+    assert [s["name"] for s in skipped] == ["up"] and "StrRaises" in skipped[0]["reason"]
+
+
+def test_pass_metadata_holding_an_int_json_cannot_print_is_kept_as_a_note(tmp_path):
+    """json.dumps refuses ints of over 4300 digits: a pass's end carrying one raised ValueError into
+    the model, and the pass lost its end while verify said OK."""
+    model = Mlp()
+    with fastdump.attach(model, tmp_path) as d:
+        d.set_pass_meta(n=10 ** 5000, small=2 ** 70, step=1)
+        out = model(torch.randn(2, 8))
+        d.begin_pass(n=[-(10 ** 5000)])
+        d.end_pass()
+    assert d.stats()["interrupted_pass_ends"] == 0 and d.stats()["incomplete_passes"] == 0
+    ds = fastdump.open(tmp_path)
+    meta = ds.meta("target", 0, 0)
+    assert meta["complete"] and meta["n"] == "<int of 16610 bits>" and meta["small"] == 2 ** 70
+    assert meta["step"] == 1 and same_bits(ds.load("target", 0, 0)["Mlp"], out)
+    assert ds.meta("target", 0, 1)["n"] == ["<int of 16610 bits>"]
+
+
+class ReturnsLookalikes(nn.Module):
+    def forward(self, x):
+        return {1: x + 1, "1": x + 2, "a.b": x + 3, "a": {"b": x + 4, "c": x + 5}}
+
+
+class TupleParent(nn.Module):
+    """Its tuple output's first part reads `block.0`, the name of its own first child."""
+
+    def __init__(self):
+        super().__init__()
+        self.add_module("0", nn.Linear(4, 4))
+
+    def forward(self, x):
+        y = getattr(self, "0")(x)
+        return y * 2, y * 3
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_parts_of_an_output_named_alike_are_dumped_once_and_the_other_skipped(tmp_path, monkeypatch, native):
+    """Parts are named after their keys' text: 1 and "1", "a.b" and "a" holding "b", or a tuple part
+    of a watched module and its child (`block.0`). Before, both went under one name and verify failed
+    the pass as mixed; now the first keeps the name, each later one is a recorded skip."""
+    from fastdump.capture import dumper as dumper_mod
+
+    monkeypatch.setattr(dumper_mod, "_native_wrappers", native)
+    model = nn.Sequential(ReturnsLookalikes())  # the root returns the same dict: its parts too
+    x = torch.randn(2, 4)
+    with fastdump.attach(model, tmp_path):
+        model(x)
+    dumped = fastdump.open(tmp_path).load("target", 0, 0)
+    for prefix in ("0", "Sequential"):
+        assert same_bits(dumped[f"{prefix}.1"], x + 1) and same_bits(dumped[f"{prefix}.a.b"], x + 3)
+        assert same_bits(dumped[f"{prefix}.a.c"], x + 5)
+    skipped = {s["name"]: s["reason"] for s in fastdump.open(tmp_path).meta("target", 0, 0)["skipped"]}
+    assert set(skipped) == {"0.1", "0.a.b", "Sequential.1", "Sequential.a.b"}
+    assert all("same name" in r for r in skipped.values())
+    assert not [n for n in dumped if "#dup" in n] and not verify(tmp_path).problems
+
+    block_root = tmp_path / "block"
+    block = nn.Sequential(TupleParent())
+    x = torch.randn(2, 4)
+    with fastdump.attach(block, block_root, exclude="^0$") as d:
+        d.watch(block[0], "0")
+        block(x)
+    dumped = fastdump.open(block_root).load("target", 0, 0)
+    child = getattr(block[0], "0")(x)
+    assert same_bits(dumped["0.0"], child) and same_bits(dumped["0.1"], child * 3)
+    skipped = fastdump.open(block_root).meta("target", 0, 0)["skipped"]
+    assert [s["name"] for s in skipped] == ["0.0"] and "module's name" in skipped[0]["reason"]
+    assert not verify(block_root).problems
+
+
+def test_a_root_whose_tuple_parts_read_as_its_childrens_names_is_dumped_whole(tmp_path):
+    """root_name="model" with a child `model` holding `0`: the root's tuple part `model.0` is the
+    child's name. Such a root takes the Python wrapper, which skips that part with the reason."""
+    class Root(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.model = nn.Sequential(nn.Linear(4, 4))
+
+        def forward(self, x):
+            y = self.model(x)
+            return y + 1, y + 2
+
+    model = Root()
+    x = torch.randn(2, 4)
+    with fastdump.attach(model, tmp_path, root_name="model"):
+        out = model(x)
+    dumped = fastdump.open(tmp_path).load("target", 0, 0)
+    assert same_bits(dumped["model.0"], model.model(x)) and same_bits(dumped["model.1"], out[1])
+    assert [s["name"] for s in fastdump.open(tmp_path).meta("target", 0, 0)["skipped"]] == ["model.0"]
+    assert not verify(tmp_path).problems
+
+
+def test_end_pass_without_begin_pass_never_ends_a_root_forwards_pass(tmp_path, caplog):
+    """An unmatched end_pass() inside a root forward ended the root's pass: the rest of the forward
+    was not dumped and the pass read as whole."""
+    class Root(nn.Module):
+        def __init__(self, dumper_box):
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+            self.box = dumper_box
+
+        def forward(self, x):
+            y = self.a(x)
+            self.box[0].end_pass()
+            return self.b(y)
+
+    box = []
+    model = Root(box)
+    x = torch.randn(2, 4)
+    with caplog.at_level(logging.WARNING, logger="fastdump"):
+        with fastdump.attach(model, tmp_path) as d:
+            box.append(d)
+            out = model(x)
+            d.end_pass()  # outside any pass: nothing
+    dumped = fastdump.open(tmp_path).load("target", 0, 0)
+    assert list(dumped) == ["a", "b", "Root"] and same_bits(dumped["Root"], out)
+    assert fastdump.open(tmp_path).meta("target", 0, 0)["complete"]
+    assert "end_pass() without an open begin_pass(): ignored" in caplog.text
+
+
+def test_pass_metadata_keys_the_reader_adds_itself_are_refused(tmp_path):
+    """DumpSet.meta adds complete, dropped, skipped, tensors, bytes (and incomplete, mixed): a user's
+    key of one of those names was overwritten, or read as fastdump's own flag."""
+    model = Mlp()
+    with fastdump.attach(model, tmp_path) as d:
+        for key in ("complete", "incomplete", "mixed", "dropped", "tensors"):
+            with pytest.raises(ValueError, match=repr(key)):
+                d.set_pass_meta(**{key: 1})
+            with pytest.raises(ValueError, match=repr(key)):
+                d.begin_pass(**{key: 1})
+        assert not d.in_pass
+        d.set_pass_meta(step=3)
+        model(torch.randn(2, 8))
+    meta = fastdump.open(tmp_path).meta("target", 0, 0)
+    assert meta["step"] == 3 and meta["complete"] is True and "mixed" not in meta
+
+
+def test_verify_warns_of_a_pass_stored_incomplete_without_a_reason(tmp_path, monkeypatch):
+    """A pass whose end never reached the writer (a full ring refused it and it was not sent later,
+    or Ctrl-C cut it off) is stored not complete, with no reason: verify says so."""
+    from fastdump.capture import dumper as dumper_mod
+
+    monkeypatch.setattr(dumper_mod, "_MAX_LATE_ENDS", 0)  # a refused end is lost, not sent later
+    monkeypatch.setattr(dumper_mod, "_native_root_pass", False)  # every end through Channel.end
+    model = Mlp()
+    d = fastdump.attach(model, tmp_path, policy="drop")
+    model(torch.randn(2, 8))
+    channel = d._channel
+    real_end = channel.end
+    monkeypatch.setattr(channel, "end", lambda *args: 0 if args[0] == 1 else real_end(*args))
+    model(torch.randn(2, 8))  # pass 1: its end "refused"
+    monkeypatch.setattr(channel, "end", real_end)
+    model(torch.randn(2, 8))
+    d.close()
+    assert d.stats()["lost_pass_ends"] == 1
+    ds = fastdump.open(tmp_path)
+    assert ds.meta("target", 0, 1)["complete"] is False and "incomplete" not in ds.meta("target", 0, 1)
+    report = verify(tmp_path)
+    assert any("stored incomplete without a reason" in w and "pass 1" in w for w in report.warnings), report.warnings

@@ -17,6 +17,7 @@ import functools
 import inspect
 import logging
 import os
+import signal
 import socket
 import sys
 import threading
@@ -160,6 +161,11 @@ class Dumper:
                         "lost_pass_ends": 0, "late_pass_ends": 0, "interrupted_pass_ends": 0,
                         "incomplete_passes": 0, "mixed_passes": 0, "lost_at_close": 0}
         self._wrapped: list = []  # (module, our wrapper), in wrapping order; what each wraps: _wrapped_by
+        self._module_names: set = set()  # the names wrapped modules dump under (a container's parts must not take one)
+        self._flat_names: set = set()    # names given to containers' parts in pass _flat_pass (see _part_name)
+        self._flat_pass = None
+        self._indexed_parents: set = set()
+        self._manual_depth = 0           # begin_pass() calls not yet ended in the open pass
         self._python_wrappers = False  # set for good once torch.compile traces the model
         # CUDA-graph record mode (fastdump/staging/graphs.py); None: tensors hooked during a capture are skipped.
         self._graphs = _graphs.GraphRecording(self, o.graph_ring_mb) if o.cuda_graphs == "record" else None
@@ -248,6 +254,7 @@ class Dumper:
         returned without ``end_pass()``, or when the same ``begin_pass()`` call runs again, the pass
         is dangling: it is closed (recorded incomplete, logged) at the next root forward or
         ``begin_pass()``, which start a pass of their own."""
+        _check_meta_keys("begin_pass", meta)
         caller = sys._getframe(1)
         opener = self._manual_opener
         if opener is not None and opener[0] is caller and opener[1] == caller.f_lasti:
@@ -255,14 +262,25 @@ class Dumper:
         (self._meta if self._depth > 0 else self._next_meta).update(meta)  # nested: the open pass's
         opening = self._depth == 0
         self._begin()
+        self._manual_depth += 1
         if opening:
             self._manual_opener = (caller, caller.f_lasti)
 
     def end_pass(self) -> None:
+        """End the pass the matching ``begin_pass()`` began. Without one open it does nothing
+        (logged once): it must not end a pass a root forward opened, whose later tensors would be
+        lost while the pass read as whole."""
+        if self._manual_depth == 0:
+            self._say_once("end_pass", "fastdump: %s: end_pass() without an open begin_pass(): ignored", self.dir)
+            return
+        self._manual_depth -= 1
         self._end()
 
     def set_pass_meta(self, **meta) -> None:
-        """Small JSON-able facts about the current pass (or the next one, outside a pass)."""
+        """Small JSON-able facts about the current pass (or the next one, outside a pass). The keys
+        ``DumpSet.meta`` adds of its own (complete, dropped, skipped, tensors, bytes, incomplete,
+        mixed) are refused (ValueError): a reader could not tell the two apart."""
+        _check_meta_keys("set_pass_meta", meta)
         (self._meta if self._depth > 0 else self._next_meta).update(meta)
 
     def dump(self, name: str, value) -> None:
@@ -307,6 +325,7 @@ class Dumper:
         if any(wrapped is module for wrapped, _ in self._wrapped):
             raise ValueError(f"watch: {name!r}: this Dumper wraps that module already (leave it out of "
                              "the selection with exclude=, and watch each module once)")
+        self._module_names.add(name)
         self._wrap(module, self._hooked_wrapper(name, module.forward, convert, before, _owner_of(module)))
 
     @property
@@ -494,6 +513,7 @@ class Dumper:
         pass_id, meta, skipped, incomplete, mixed = (self.pass_id, self._meta, self._skipped, self._incomplete,
                                                      self._mixed)
         self._manual_opener = self._root_opener = None  # (frames: let them go with the pass)
+        self._manual_depth = 0
         if not capturing:
             return
         if mixed and incomplete is None:
@@ -540,11 +560,13 @@ class Dumper:
     def _send_late_ends(self, deadline: float | None = None) -> None:
         """Send the pass ends a full ring refused, oldest first, until one is refused again (it
         waits for the next pass that opens, or close). ``deadline``: wait for space until then
-        (close); None: never wait. Each carries what only the end says: the
-        pass's drop count, metadata and skips; without it the pass stays `complete = 0` with its
-        drops counted in no pass. The writer completes a pass it still buffers, or continues the
-        one it flushed unfinished last (docs/INTERNALS.md, "Lost pass ends"). Never sent twice:
-        one thread at a time, and a sent end is removed before the next is tried."""
+        (close); None: never wait.
+
+        Each carries what only the end says: the pass's drop count, metadata and skips; without it
+        the pass stays `complete = 0`, its drops counted in no pass. The writer completes a pass it
+        still buffers, or continues the one it flushed unfinished last (docs/INTERNALS.md, "Lost
+        pass ends"). Never sent twice: one thread at a time, and a sent end is removed before the
+        next is tried."""
         if not self._late_lock.acquire(blocking=False):
             return  # another thread is sending them
         try:
@@ -768,6 +790,10 @@ class Dumper:
                 item_name = f"{name}.<{type(key).__name__} key>"  # until the key's own text is had
                 try:  # one element that cannot be read (or named) is skipped alone, not with its siblings
                     item_name = f"{name}.{key}"
+                    taken = self._name_taken(item_name)
+                    if taken:
+                        self._skip(item_name, taken)
+                        continue
                     if item is _MISSING:
                         item = getattr(value, key)
                     self._emit(item_name, item, outer)
@@ -775,6 +801,21 @@ class Dumper:
                     self._capture_failed(item_name, value if item is _MISSING else item, exc)
             return
         self._skip(name, f"{type(value).__module__}.{type(value).__qualname__} holds no tensor fastdump can read")
+
+    def _name_taken(self, name: str) -> str | None:
+        """Why a container's part cannot be dumped as ``name``, or None (the name is its own now).
+        Parts are named by their keys' text, and two keys can read alike (1 and "1"; a key holding
+        a dot, "a.b", and "a" holding "b"), or a part like a module ("layers.0" returning a tuple
+        whose first part reads "layers.0.0", the name of its child): a second tensor under one
+        name would look mixed (verify fails) and neither could be told apart. The first keeps it."""
+        if name in self._module_names:
+            return "a part of this output reads as a module's name (its key holds a dot, or it is a module's child)"
+        if self._flat_pass != self.pass_id:
+            self._flat_pass, self._flat_names = self.pass_id, set()
+        if name in self._flat_names:
+            return "another value of this pass has the same name (keys that read alike: 1 and '1', or a dotted key)"
+        self._flat_names.add(name)
+        return None
 
     def _capture_failed(self, name: str, value, exc: Exception) -> None:
         try:  # a subclass may refuse this read too: the skip must still be recorded
@@ -946,9 +987,18 @@ class Dumper:
 
     # -- installing wrappers -------------------------------------------------------------------------
     def _install(self, model, root_passes: bool, **selection) -> None:
-        for name, module in select_modules(model, **selection, scripted=self.not_wrapped):
-            self._wrap(module, self._capture_wrapper(name, module.forward, _owner_of(module)))
+        selected = list(select_modules(model, **selection, scripted=self.not_wrapped))
         root_selected = _root_selected(model, self._root_name, selection)
+        self._module_names.update(name for name, _ in selected)
+        if root_selected:
+            self._module_names.add(self._root_name)
+        # Modules whose tuple output's parts would read as a selected child's name (``m.0``, a
+        # Sequential's): the C wrapper names tuple parts without asking, so these take the Python
+        # wrapper, which checks each part's name (_name_taken).
+        self._indexed_parents = {head for head, _, tail in (n.rpartition(".") for n in self._module_names)
+                                 if head and tail.isdigit()}
+        for name, module in selected:
+            self._wrap(module, self._capture_wrapper(name, module.forward, _owner_of(module)))
         if root_passes:
             self._wrap(model, self._root_wrapper(self._root_name if root_selected else None, model.forward,
                                                  _owner_of(model)))
@@ -980,7 +1030,8 @@ class Dumper:
     def _capture_wrapper(self, name: str, forward, owner=None):
         """The wrapper of a selected module: the C++ ForwardWrapper (csrc/forward_wrapper.cpp),
         or the Python one where that cannot do the job."""
-        if _NativeWrapper is not None and _native_wrappers and not self._python_wrappers:
+        if _NativeWrapper is not None and _native_wrappers and not self._python_wrappers and \
+                name not in self._indexed_parents:
             return _wraps(forward)(_NativeWrapper(self._state, name, forward, self.inputs, owner))
         return self._python_capture_wrapper(name, forward, owner)
 
@@ -1074,7 +1125,8 @@ class Dumper:
         # Python path's frames (~45 us a pass in the micro decode loop, benchmarks/RESULTS.md 0i).
         # Under torch.compile the Python path below runs, which Dynamo can trace.
         native = None
-        if name is not None and _NativeWrapper is not None and _native_wrappers and not self._python_wrappers:
+        if name is not None and _NativeWrapper is not None and _native_wrappers and not self._python_wrappers \
+                and name not in self._indexed_parents:
             native = _NativeWrapper(self._state, name, original, self.inputs, owner)
         # The pass's begin and end around it in C too, in the common case (CaptureState.root_pass:
         # ~40-110 us a pass in Python in the micro decode loop, mostly cache misses; RESULTS.md 0l).
@@ -1381,7 +1433,12 @@ def _on_stack(frame, start) -> bool:
 
 
 def _short(exc: BaseException, limit: int = 200) -> str:
-    text = str(exc)
+    """An exception's text for a record, shortened; never raises (a model's exception whose str()
+    fails must still reach the caller as itself)."""
+    try:
+        text = str(exc)
+    except Exception as inner:
+        text = f"<its str() raised {type(inner).__name__}>"
     return text if len(text) <= limit else text[:limit] + "..."
 
 
@@ -1390,8 +1447,6 @@ def _raised_in_a_signal_handler(exc: BaseException) -> bool:
     frame of its traceback runs a handler's code. Attach waits for the writer in slices that return
     to Python so that signals get through; an exception a handler raises there (a deadline's
     SIGALRM raising TimeoutError) is the caller's control flow, not a failure to start dumping."""
-    import signal
-
     handlers = set()
     for signum in signal.valid_signals():
         try:
@@ -1409,6 +1464,17 @@ def _raised_in_a_signal_handler(exc: BaseException) -> bool:
     return False
 
 
+_RESERVED_META = ("complete", "dropped", "skipped", "tensors", "bytes", "incomplete", "mixed")  # DumpSet.meta's own
+_MAX_META_INT_BITS = 2000  # ~600 digits: under the lowest limit Python lets json.dumps print (640)
+
+
+def _check_meta_keys(caller: str, meta: dict) -> None:
+    taken = [key for key in _RESERVED_META if key in meta]
+    if taken:
+        raise ValueError(f"{caller}: {', '.join(map(repr, taken))}: a key fastdump's readers add to every "
+                         f"pass's meta ({', '.join(_RESERVED_META)}); use another name")
+
+
 def _jsonable(value, outer: tuple = ()):
     """Pass metadata as JSON: tensors and numpy values become lists (complex ones as [real, imag]
     pairs), enum members their name, other objects their str(); a container inside itself or
@@ -1423,6 +1489,8 @@ def _jsonable(value, outer: tuple = ()):
         if isinstance(value, dict):
             return {str(k): _jsonable(v, outer) for k, v in value.items()}
         return [_jsonable(v, outer) for v in value]
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > _MAX_META_INT_BITS:
+        return f"<int of {value.bit_length()} bits>"  # json.dumps refuses ints of over 4300 digits (or fewer)
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
     if isinstance(value, complex):
