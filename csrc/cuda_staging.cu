@@ -198,6 +198,9 @@ template <typename T, typename I, int N>
 cudaError_t launch_gather_t(uint8_t* dst, const uint8_t* src, const GatherDims<N>& d, uint64_t begin, uint64_t count,
                             int, cudaStream_t stream) {
   fdmock::CallScope launch("<<<gather_kernel>>>");  // a kernel launch is a runtime call too
+  // The same guide: a kernel launch fails if issued to a stream not of the current device (and
+  // stream 0 is the current device's legacy stream).
+  if (fdmock::stream_of(stream)->device() != fdmock::current_device()) return fdmock::ret(cudaErrorInvalidResourceHandle);
   return fdmock::enqueue(stream, [=] {
     T* out = fdmock::dev_bytes(reinterpret_cast<T*>(dst));  // faults on anything but device memory
     const T* in = fdmock::dev_bytes(reinterpret_cast<const T*>(src));
@@ -310,12 +313,16 @@ cudaError_t gather(uint8_t* dst, const uint8_t* src, const ByteLayout& l, uint64
   const uint64_t begin = b0 / w, count = (b1 - b0) / w;
   // 32-bit index arithmetic when every index and offset stays far below 2^31 (the grid-stride
   // loop adds at most a few hundred thousand past `count`).
+  // Every dimension too: a broadcast one (stride 0) adds nothing to the span, but its index is
+  // still computed, and a 2^32-long one would wrap.
   uint64_t span = 0;
+  bool dims_small = true;
   for (size_t i = 0; i < nd; ++i) {
     const uint64_t s = static_cast<uint64_t>(ustride[i] < 0 ? -ustride[i] : ustride[i]);
     span += static_cast<uint64_t>(ushape[i] - 1) * s;
+    dims_small = dims_small && static_cast<uint64_t>(ushape[i]) < (1ull << 30);
   }
-  const bool small = begin + count < (1ull << 30) && span < (1ull << 30);
+  const bool small = begin + count < (1ull << 30) && span < (1ull << 30) && dims_small;
   if (nd <= static_cast<size_t>(kSmallDims)) {
     GatherDims<kSmallDims> d{};
     d.ndim = static_cast<int>(nd);
@@ -486,6 +493,9 @@ struct DeviceCtx {
   uint8_t* ring = nullptr;
   uint64_t cap = 0;
   cudaStream_t side = nullptr;
+  // A user's graph captured lean snapshots into `ring` (a capture begun mid-pass, seal_locked):
+  // its replays write there for as long as it lives, so close() never frees it.
+  std::atomic<bool> ring_in_foreign_graph{false};
 
   std::mutex mu;  // guards everything below
   uint64_t head = 0;  // monotonic allocation position
@@ -1153,6 +1163,18 @@ struct CudaStager::Impl {
     }
     if (numel == 0) return kNotLean;
     cudaStream_t stream = reinterpret_cast<cudaStream_t>(src.stream);
+    // The calling thread's current device, at every tensor (a thread-local read in the runtime,
+    // unlike the capture check): the cached check below is the lane's, shared by every thread that
+    // stages through it, and a thread may switch devices mid-pass (`with torch.cuda.device(1)`
+    // around a GPU-0 tensor's hook). The snapshot and its event must be issued with the tensor's
+    // device current: a kernel or event on another device's stream fails, and the legacy stream
+    // (0) would be the other device's, unordered with the kernels that produced the tensor.
+    int cur = -1;
+    if (cudaGetDevice(&cur) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return kNotLean;
+    }
+    if (cur != src.device) return kNotLean;  // stage() switches devices for it
     const uint64_t epoch = g_capture_epoch.load(std::memory_order_acquire);
     if (lane->checked && lane->capture_epoch != epoch && !lane->batch.empty())
       lane->batch_precedes_capture = true;  // all its snapshots were checked before that capture began
@@ -1167,12 +1189,6 @@ struct CudaStager::Impl {
       if (!lane->batch.empty() && (lane->device != src.device || lane->stream != src.stream)) return kNotLean;
       lane->checked = false;
       n_checks.fetch_add(1, std::memory_order_relaxed);
-      int cur = -1;
-      if (cudaGetDevice(&cur) != cudaSuccess) {
-        (void)cudaGetLastError();
-        return kNotLean;
-      }
-      if (cur != src.device) return kNotLean;  // stage() switches devices for it
       cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
       const cudaError_t ce = cudaStreamIsCapturing(stream, &cs);
       if (ce == cudaErrorStreamCaptureImplicit || (ce == cudaSuccess && cs != cudaStreamCaptureStatusNone)) {
@@ -1290,6 +1306,7 @@ struct CudaStager::Impl {
       // the batch is given up, loudly; the device ring may be written by replays: staging stops.
       for (const Item& it : batch) cancel(it.res);
       lane->tensors = 0;
+      dev->ring_in_foreign_graph.store(true);  // (its regions are never given back either)
       broken.store(true);
       set_error("a CUDA graph capture not begun through torch's CUDAGraph began mid-pass on a stream this "
                 "pass was already staging on; its tensors since the pass began were not dumped (set "
@@ -1827,7 +1844,13 @@ struct CudaStager::Impl {
         (void)cudaStreamSynchronize(dev->side);
         for (cudaEvent_t ev : dev->all_events) (void)cudaEventDestroy(ev);
         (void)cudaStreamDestroy(dev->side);
-        (void)cudaFree(dev->ring);
+        if (dev->ring_in_foreign_graph.load()) {
+          std::fprintf(stderr, "fastdump: the CUDA staging ring of device %d is left allocated (%llu bytes): a "
+                       "graph captured mid-pass writes into it at each replay\n", dev->index,
+                       static_cast<unsigned long long>(dev->cap));
+        } else {
+          (void)cudaFree(dev->ring);
+        }
       }
       (void)cudaGetLastError();
       delete dev;

@@ -1403,7 +1403,9 @@ class FakeStream:
 @pytest.fixture
 def glue(m, monkeypatch):
     """fastdump's Python CUDA path (engine, capture, cuda.py) running on the double: the engine's
-    ring and stager come from the mock build; the current stream is a mock stream."""
+    ring and stager come from the mock build; the current stream is a mock stream on device 0 and
+    the legacy stream elsewhere (as in torch, a stream belongs to one device: the mock refuses an
+    event or a kernel on another device's stream)."""
     from fastdump.staging import cuda, engine
 
     monkeypatch.setattr(engine, "_C", m)
@@ -1412,7 +1414,8 @@ def glue(m, monkeypatch):
     monkeypatch.setattr(devices, "_cuda_info", None)
     monkeypatch.setattr(cuda, "_ring_failures", {})
     current = m._mock.stream_create()
-    monkeypatch.setattr(cuda, "_current_stream", lambda device: (current, FakeStream(current)))
+    monkeypatch.setattr(cuda, "_current_stream",
+                        lambda device: (current, FakeStream(current)) if device == 0 else (0, FakeStream(0)))
     monkeypatch.setattr(engine, "_exact_tensor_type", lambda: FakeCudaTensor)  # staged in C, as on a GPU
     yield current
     m._mock.sync(current)
@@ -1440,8 +1443,8 @@ def test_glue_capture_to_stage_tensor_on_the_double(m, glue, tmp_path):
         got = _load(tmp_path, pass_id=p)
         for k, v in cases.items():
             assert same_bits(torch.as_tensor(got[k]) if not isinstance(got[k], torch.Tensor) else got[k], v), k
-    for f in fakes.values():
-        assert [s.cuda_stream for s in f.recorded] == [glue, glue]
+    for k, f in fakes.items():
+        assert [s.cuda_stream for s in f.recorded] == [0 if k == "on_gpu1" else glue] * 2, k
 
 
 def test_review_caching_allocator_reuse_waits_for_the_snapshot(m, glue, tmp_path):

@@ -23,7 +23,9 @@ NOT_FAST = -1
 
 
 class Current:
-    """The current stream as the lane asks for it (torch._C._cuda_getCurrentRawStream's role)."""
+    """The current stream of each device as the lane asks for it (torch._C._cuda_getCurrentRawStream's
+    role): ``raw`` on device 0, the legacy stream (0) elsewhere, as in torch, where a stream belongs
+    to one device (the mock refuses a kernel or an event on another device's stream)."""
 
     def __init__(self, raw):
         self.raw = raw
@@ -31,10 +33,10 @@ class Current:
 
     def raw_stream(self, device):
         self.asked += 1
-        return self.raw
+        return self.raw if device == 0 else 0
 
     def stream_object(self, device):
-        return FakeStream(self.raw)
+        return FakeStream(self.raw_stream(device))
 
 
 class Lane:
@@ -88,8 +90,8 @@ def check_ring(ring, expected):
 
 def test_lean_steady_state_costs_on_the_forward_thread(m):
     """Per pass of T tensors, N snapshots per event, once warm: T snapshot copies, at most
-    ceil(T/N)+1 event records (each after a capture check), one device and one capture check per
-    pass (and a device check at its end), no other runtime call, no heap
+    ceil(T/N)+1 event records (each after a capture check), one capture check per pass, the current
+    device read per tensor (and at the pass's end), no other runtime call, no heap
     allocation per tensor, at most 3 mutex acquisitions per tensor (lane, device ring, host ring) plus 2 per
     batch; every tensor bit-exact in the ring; every tensor went through the lean path."""
     stream = m._mock.stream_create()
@@ -115,10 +117,12 @@ def test_lean_steady_state_costs_on_the_forward_thread(m):
         assert calls.pop("cudaEventRecord") <= P * (math.ceil(T / N) + 1)
         # one capture check per pass, and one per batch before its event (never an event in a capture)
         assert calls.pop("cudaStreamIsCapturing", 0) <= P * (math.ceil(T / N) + 2)
-        assert calls.pop("cudaGetDevice", 0) <= 2 * P  # the pass's check, and its end's seal
+        # the current device, at each tensor (a thread-local read: a thread may switch devices
+        # mid-pass), and at the pass end's seal
+        assert calls.pop("cudaGetDevice", 0) <= P * T + 2 * P
         assert calls == {}, calls  # nothing else on the forward thread
         total_calls = sum(counts["calls"].values())
-        assert total_calls / (P * T) <= 1 + (2 * math.ceil(T / N) + 5) / T
+        assert total_calls / (P * T) <= 2 + (2 * math.ceil(T / N) + 5) / T
         # Pools (events, queues) may still grow once under a drain backlog: never per tensor.
         assert counts["allocs"] * 50 <= P * T, counts
         batches = P * (math.ceil(T / N) + 1)
@@ -518,7 +522,50 @@ def test_lean_capture_begun_mid_pass_on_a_checked_stream_stops_staging_loudly(m)
         assert lane.lane.stage_tensor(2, ts[2]) == m.DISABLED
         got, _ = lane.ring.read(timeout=0.5)
         assert got == {}  # both records became padding: nothing written as data
+        # The graph holds a snapshot into device 0's ring and writes it at each replay: close()
+        # must leave that ring allocated (before, it was freed, and torch's allocator could hand
+        # the memory to a tensor the replays then overwrote). Device 1's ring is freed.
+        control = Lane(m, s)
+        live = m._mock.counters()["live_allocs"]
+        control.close()
+        freed_normally = live - m._mock.counters()["live_allocs"]
+        live = m._mock.counters()["live_allocs"]
+        lane.close()
+        assert live - m._mock.counters()["live_allocs"] == freed_normally - 1 >= 1
         m._mock.graph_destroy(graph)
+    finally:
+        lane.close()
+        m._mock.stream_destroy(s)
+
+
+def test_lean_a_thread_that_switched_devices_mid_pass_stages_on_the_tensors_device(m):
+    """The lean path's cached check belongs to the lane (pass, device, stream), not to a thread's
+    current device: a hook that runs under `with torch.cuda.device(1)` mid-pass, on a GPU-0 tensor,
+    had its snapshot issued with device 1 current: a kernel on device 0's stream (a strided view's
+    gather), which CUDA refuses, or a copy on device 1's legacy stream, unordered with the kernels
+    that made the tensor. The device is now read at every tensor; such a tensor takes the checked
+    path, which switches to its device and back."""
+    s = m._mock.stream_create()  # device 0
+    lane = Lane(m, s, events_every=2)
+    try:
+        base = torch.arange(32 * 32, dtype=torch.float32).reshape(32, 32)
+        items = [base[0], base[:, 1::3], base[5] * 2, base[::2, ::4]]  # contiguous and strided views
+        ts = [fake_cuda(m, t) for t in items]
+        lane.lane.begin(0, True, -1.0)
+        assert lane.lane.stage_tensor(0, ts[0]) == m.STAGED  # the pass's check, cached
+        assert m._mock.set_device(1) == 0
+        try:
+            statuses = [lane.lane.stage_tensor(i, ts[i]) for i in range(1, 4)]
+            assert m._mock.get_device() == 1  # the thread's device, as it was
+        finally:
+            m._mock.set_device(0)
+        assert statuses == [m.STAGED] * 3
+        lane.lane.take_counts()
+        assert lane.stager.flush(10)
+        st = lane.stager.stats()
+        assert not st["broken"] and st["last_error"] == "", st
+        assert st["lean_tensors"] == 1 and st["tensors"] == 4
+        check_ring(lane.ring, {(i, 0): t for i, t in enumerate(items)})
     finally:
         lane.close()
         m._mock.stream_destroy(s)

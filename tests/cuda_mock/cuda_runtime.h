@@ -513,6 +513,7 @@ inline cudaError_t enqueue(cudaStream_t h, std::function<void()> fn) {
 }
 
 struct Event {
+  int device = 0;  // current when it was created: it is recorded only on that device's streams
   std::mutex mu;
   std::shared_ptr<Progress> progress;  // of the stream it was last recorded on
   uint64_t ticket = 0;
@@ -1046,7 +1047,9 @@ inline cudaError_t cudaGraphExecDestroy(cudaGraphExec_t exec) {
 inline cudaError_t cudaEventCreateWithFlags(cudaEvent_t* e, unsigned int) {
   FDMOCK_CALL();
   FDMOCK_ENTER("cudaEventCreateWithFlags", fdmock::current_device());
-  *e = reinterpret_cast<cudaEvent_t>(new fdmock::Event());
+  auto* ev = new fdmock::Event();
+  ev->device = fdmock::current_device();
+  *e = reinterpret_cast<cudaEvent_t>(ev);
   fdmock::config().live_events++;
   return cudaSuccess;
 }
@@ -1061,6 +1064,9 @@ inline cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s) {
   auto* ev = reinterpret_cast<fdmock::Event*>(e);
   fdmock::Stream* st = fdmock::stream_of(s);
   FDMOCK_ENTER("cudaEventRecord", st->device());
+  // CUDA Programming Guide, "Stream and Event Behavior": cudaEventRecord() fails if the event and
+  // the stream belong to different devices (stream 0 is the current device's legacy stream).
+  if (ev->device != st->device()) return fdmock::ret(cudaErrorInvalidResourceHandle);
   std::shared_ptr<fdmock::Capture> cap;
   {
     std::lock_guard<std::mutex> g(fdmock::big_lock());
