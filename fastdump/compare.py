@@ -479,9 +479,18 @@ def _names_in_order(stages: list, pass_id: int, cache: "_PassCache") -> dict:
                                  f"in two segments?); which copy to compare is ambiguous, so the pass is not "
                                  f"compared")
             for name in names:
-                # A later PP stage dumping a name again (the model's root module) keeps the first.
-                found.setdefault(name, index)
+                # A name several PP stages dump is the root module's, which every stage runs: its
+                # output is the model's from the last stage that has it (stage 0's is that stage's
+                # hidden states), its inputs the model's from the first.
+                if name not in found:
+                    found[name] = index
+                elif found[name] != index and not _INPUT_NAME.search(name):
+                    del found[name]  # (it moves to where the last stage's names are)
+                    found[name] = index
     return found
+
+
+_INPUT_NAME = re.compile(r"\.input\.")  # name[#k].input.<i|key>[.part]: what a call was given
 
 
 class _PassCache:

@@ -180,6 +180,32 @@ def tables_crc32c(names_text, index: np.ndarray, passes: np.ndarray, pass_meta) 
 # (N, 8, 4), would read back as other values with every other check passing.
 ATTR_BLOCK_CRC = "block_crc32c"
 
+# Root attribute (any format, since 2026-12): the session id of the rank directory the segment was
+# written for. The tables' CRCs say nothing of whose a segment is, so a segment copied in from
+# another session's directory (another run's seg-000001.h5 over this one's) read back as this
+# session's passes. Readers and verify refuse a segment whose session is not its directory's.
+ATTR_SESSION = "session"
+
+
+def expected_session(rank_dir_name: str, info: dict) -> str | None:
+    """The session a rank directory's segments must carry: its name's, else rank.json's."""
+    parsed = parse_rank_dir(rank_dir_name)
+    if parsed and parsed[4]:
+        return parsed[4]
+    session = info.get("session") if isinstance(info, dict) else None
+    return session if isinstance(session, str) else None
+
+
+def foreign_session(session, expected) -> str | None:
+    """Why a segment whose ATTR_SESSION is ``session`` is not its directory's, or None. A segment
+    written before the attribute existed carries none and is taken as its directory's."""
+    if isinstance(session, bytes):
+        session = session.decode("utf-8", "replace")
+    if session is None or expected is None or session == expected:
+        return None
+    return (f"written by session {str(session)[:80]!r}, not this directory's {expected!r}: copied in from "
+            "another run")
+
 
 def block_crc32c(number: int, dtype_name: str, encoding: str, scalar: bool, row_shape) -> int:
     """CRC32C of ``"<number> <dtype> <encoding> <0|1> <d1,d2,...>"`` (ASCII): a block's number

@@ -146,9 +146,20 @@ def load_json(path: str, max_bytes: int = MAX_JSON_BYTES):
     finally:
         os.close(fd)
     try:
-        return json.loads(b"".join(chunks).decode("utf-8"))
+        return json.loads(b"".join(chunks).decode("utf-8"), object_pairs_hook=_unique_keys)
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:  # RecursionError: nesting too deep
         raise ValueError(f"not valid JSON ({exc})") from None
+
+
+def _unique_keys(pairs: list) -> dict:
+    """A JSON object whose keys are all different: json keeps the last of two, which would let a
+    damaged or crafted file say one thing to one reader and another to the next."""
+    obj = dict(pairs)
+    if len(obj) != len(pairs):
+        seen = set()
+        again = next(key for key, _ in pairs if key in seen or seen.add(key))
+        raise ValueError(f"key {again!r} appears twice in one object")
+    return obj
 
 
 def read_json(path: str, default=None):

@@ -487,6 +487,11 @@ class _Rank:
                     continue
                 for text in segment.problems:
                     self.dumpset._problem(text, warn=True)
+                foreign = fmt.foreign_session(segment.attrs.get(fmt.ATTR_SESSION), fmt.expected_session(self.name, self.info))
+                if foreign:
+                    self.unreadable.append(path)
+                    self.dumpset._problem(Problem(path, Problem.UNREADABLE_SEGMENT, f"{foreign}; skipped"), warn=True)
+                    continue
                 segments.append(segment)
             self._segments = segments
         return self._segments
@@ -878,9 +883,15 @@ class DumpSet:
     @staticmethod
     def _read_row(segment: SegmentIndex, h5file: h5py.File, position: int, check: bool = False):
         entry = segment.index[position]
-        dataset, dtype_name, scalar = segment.block(h5file, int(entry["block"]))
-        first = int(entry["first_row"])
-        rows = dataset[first:first + int(entry["rows"])]
+        try:
+            dataset, dtype_name, scalar = segment.block(h5file, int(entry["block"]))
+            first = int(entry["first_row"])
+            rows = dataset[first:first + int(entry["rows"])]
+        except DumpError:
+            raise
+        except (OSError, RuntimeError, KeyError, ValueError, TypeError) as exc:  # HDF5's own: a damaged file
+            raise DumpError(f"{segment.path}: block {int(entry['block'])} cannot be read "
+                            f"({type(exc).__name__}: {exc})") from None
         if check:
             segment.check_rows(position, rows)
         return _to_tensor(rows, dtype_name, scalar)

@@ -30,8 +30,9 @@ def _chunk_to_float64(part) -> np.ndarray:
     return part.to(torch.float64).numpy()
 
 
-def as_float64_chunks(tensor):
-    """Yield the flattened tensor as float64 numpy chunks (complex: interleaved real/imag parts).
+def as_float64_chunks(tensor, complex_parts: bool = False):
+    """Yield the flattened tensor as float64 numpy chunks (complex: interleaved real/imag parts;
+    ``complex_parts``: a real tensor too, with imaginary parts 0, to compare with a complex one).
 
     Raises TypeError for types with no arithmetic (bits*, sub-byte ints, float4): callers compare
     those bit for bit instead.
@@ -39,7 +40,7 @@ def as_float64_chunks(tensor):
     flat = tensor.detach().reshape(-1)
     if flat.device.type != "cpu":
         flat = flat.cpu()
-    if flat.is_complex():
+    if flat.is_complex() or complex_parts:
         flat = torch.view_as_real(flat.to(torch.complex128)).reshape(-1)
     for start in range(0, flat.numel(), CHUNK_ELEMENTS):
         part = flat[start:start + CHUNK_ELEMENTS]
@@ -154,7 +155,11 @@ def compare(baseline, target, atol: float, rtol: float) -> dict:
     mismatches = nonfinite_mismatches = 0
     equal = True  # every element finite on both sides is equal: exact 0 distance, whatever the rounding
     base_summary, target_summary = Summary(), Summary()
-    for b, a, raw in zip(as_float64_chunks(baseline), as_float64_chunks(target), ints):
+    # A complex side against a real one: both as (real, imag) pairs, the real side's imag 0. (Each
+    # alone yields one float per element on one side and two on the other: zip compared the wrong
+    # parts, and left out the rest.)
+    chunks = (as_float64_chunks(baseline, complex_parts=pairs == 2), as_float64_chunks(target, complex_parts=pairs == 2))
+    for b, a, raw in zip(*chunks, ints):
         base_summary.add(b)
         target_summary.add(a)
         finite = np.isfinite(a) & np.isfinite(b)

@@ -905,3 +905,80 @@ def test_a_read_error_listing_a_ranks_passes_exits_2_naming_dump_role_and_rank(t
     assert code == 2 and out == "" and "Traceback" not in err
     assert err == (f"fastdump diff: baseline dump {tmp_path / 'base'}, role 'target', rank 0 "
                    f"({os.path.basename(rank_path)}): cannot read (DumpError: pass 0 is complete in two segments)\n")
+
+
+@pytest.mark.parametrize("big", [False, True])
+def test_complex_against_real_compares_both_as_complex(tmp_path, big):
+    """A complex tensor yields two floats per element and a real one one: zipping the two streams
+    compared the wrong parts. Small tensors raised numpy's shape error (exit 2); a real tensor
+    holding the first half of the complex one's (re, im) pairs compared equal (exit 0)."""
+    n = (1 << 20) if big else 2
+    values = torch.complex(torch.arange(n, dtype=torch.float32), torch.arange(n, dtype=torch.float32) + 0.5)
+    lookalike = torch.view_as_real(values[: n // 2]).reshape(-1).clone()  # as many elements, other values
+    base, target = pair(tmp_path, {"x": values}, {"x": lookalike})
+    result = fastdump.diff(base, target)
+    row = row_of(result, "x")
+    assert not result.ok and row["status"] == "fail" and row["mismatch"] == 1.0, row
+    real = tmp_path / "real"
+    dump_bag(real, {"x": values.real.clone()})
+    row = row_of(fastdump.diff(base, real), "x")  # the real parts are equal, the imaginary ones not
+    assert row["status"] == "fail" and row["mismatch"] == 1.0
+    if not big:
+        same = tmp_path / "same"
+        dump_bag(same, {"x": torch.complex(values.real, torch.zeros(n))})
+        assert fastdump.diff(same, real).ok  # a complex tensor with no imaginary part equals its real one
+
+
+def test_a_block_hdf5_cannot_read_is_a_dump_error_naming_the_file(tmp_path, lm, capsys, monkeypatch):
+    """HDF5's own errors on a damaged file (a flipped bit in a group's metadata: RuntimeError
+    "incorrect metadata checksum") reached load() as they were, and `fastdump show` and `export`
+    printed a traceback. They are a DumpError naming the file now."""
+    from fastdump import reader
+
+    def damaged(self, h5file, number):
+        raise RuntimeError("Unable to synchronously check link existence (incorrect metadata checksum)")
+
+    monkeypatch.setattr(reader.SegmentIndex, "block", damaged)
+    with pytest.raises(reader.DumpError, match=r"seg-000000\.h5: block 0 cannot be read .*metadata checksum"):
+        fastdump.open(lm).load("target", 0, 0)
+    for argv in (["show", lm, "--pass", "0"], ["export", "--format", "sglang", lm, tmp_path / "out"]):
+        code = cli.main([str(a) for a in argv])
+        err = capsys.readouterr().err
+        assert code != 0 and "seg-000000.h5: block 0 cannot be read" in err and "Traceback" not in err
+
+
+def test_pp_stages_compare_the_roots_output_from_the_last_stage(tmp_path):
+    """One computation dumped with PP=1 and with PP=2 (every stage runs the root module): the
+    PP=1 root output is the model's, the last stage's; stage 0's is its hidden states. Before,
+    the first stage's was compared, and identical runs diverged at the root."""
+    torch.manual_seed(0)
+    layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
+
+    class Net(nn.Module):
+        def __init__(self, own):
+            super().__init__()
+            self.own = own
+            self.layers = nn.ModuleDict({str(i): layers[i] for i in own})
+
+        def forward(self, x):
+            for i in self.own:
+                x = self.layers[str(i)](x)
+            return x
+
+    x = torch.randn(2, 8)
+    one, two = tmp_path / "pp1", tmp_path / "pp2"
+    with torch.inference_mode():
+        whole = Net([0, 1, 2, 3])
+        with fastdump.attach(whole, one, writer="thread", inputs=True, tp_rank=0, tp_size=1, pp_rank=0, pp_size=1):
+            whole(x)
+        first, last = Net([0, 1]), Net([2, 3])
+        d0 = fastdump.attach(first, two, writer="thread", inputs=True, tp_rank=0, tp_size=1, pp_rank=0, pp_size=2)
+        d1 = fastdump.attach(last, two, writer="thread", inputs=True, tp_rank=0, tp_size=1, pp_rank=1, pp_size=2)
+        last(first(x))
+        d0.close()
+        d1.close()
+    result = fastdump.diff(one, two, atol=0, rtol=0)
+    assert result.ok, [(r["name"], r["status"], r.get("reason")) for r in result.rows]
+    names = [r["name"] for r in result.rows]
+    assert "Net" in names and "Net.input.0" in names  # output from stage 1, input from stage 0
+    assert names.index("Net") == len(names) - 1  # executed last: after every layer

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 import fastdump
-from fastdump import reader
+from fastdump import fsutil, reader
 from fastdump import format as fmt
 from fastdump.cli import dump as cli_dump
 
@@ -822,3 +822,58 @@ def test_verify_reports_never_raise_through_the_cli(dump):
     assert has(problems, "seg-000002.h5", "name outside the name table")
     assert has(problems, "seg-000001.h5", "cannot open")
     assert has(problems, "rank.json", "not valid JSON")
+
+
+@pytest.mark.parametrize("change, text", [
+    (lambda i: i["stats"].update(passes=6.0), "rank.json stats.passes is 6.0, not a count"),
+    (lambda i: i["stats"].update(tensors=24.0), "rank.json stats.tensors is 24.0, not a count"),
+    (lambda i: i.update(dropped=2.0), "rank.json dropped is 2.0, not a count"),
+    (lambda i: i.update(dropped=-5), "rank.json dropped is -5, not a count"),
+    (lambda i: i.update(dropped=float("nan")), "rank.json dropped is NaN, not a count"),
+    (lambda i: i["stats"].update(lost_pass_ends=True), "rank.json stats.lost_pass_ends is true, not a count"),
+    (lambda i: i["rank"].update(tp_size=1.0), "rank.tp_size is 1.0, expected an integer 1..65536"),
+    (lambda i: i["rank"].update(tp_rank="0"), 'rank.tp_rank is "0", expected an integer >= 0'),
+], ids=["stats-passes-float", "stats-tensors-float", "dropped-float", "dropped-negative", "dropped-nan",
+        "lost-ends-bool", "tp-size-float", "tp-rank-string"])
+def test_rank_json_counts_and_ranks_of_the_wrong_type_are_problems(dump, change, text):
+    """A count verify cannot read was taken as none: 6.0 passes sent against 5 on disk, or 2.0
+    tensors dropped under `block`, passed; ranks diff and export refuse passed verify."""
+    edit_rank_json(dump, change)
+    code, problems, _ = verify(dump)
+    assert code == 1 and has(problems, text), problems
+
+
+def test_rank_json_with_a_key_twice_is_refused(dump):
+    """JSON keeps the last of two keys: one reader could see `"rank": {...tp_size: 1}` and another
+    program the first; such a file is refused as damaged."""
+    text = (rank_dir(dump) / "rank.json").read_text()
+    assert text.startswith("{")
+    (rank_dir(dump) / "rank.json").write_text('{"rank": {"tp_size": 2, "tp_rank": 1}, ' + text[1:])
+    code, problems, _ = verify(dump)
+    assert code == 1 and has(problems, "key 'rank' appears twice"), problems
+    with pytest.raises(ValueError, match="appears twice"):
+        fsutil.load_json(str(rank_dir(dump) / "rank.json"))
+
+
+def test_a_segment_copied_in_from_another_sessions_directory_fails_verify_and_is_not_read(dump, expected, tmp_path):
+    """Another run's seg-000001.h5 over this one's: rank.json's entry, the tables and every CRC
+    still matched, so verify said OK and the reader returned the other run's passes 2 and 3 as
+    this session's. Each segment now carries its session id."""
+    other = tmp_path / "other"
+    model = make_model()
+    with torch.no_grad():
+        model[0].weight.add_(1.0)
+    d = fastdump.attach(model, str(other), segment_passes=2)
+    with torch.inference_mode():
+        for p in range(PASSES):
+            model(model_input(p))
+    d.close()
+    with h5py.File(seg(dump, 1), "r") as f:
+        assert f.attrs[fmt.ATTR_SESSION] == fmt.parse_rank_dir(rank_dir(dump).name)[4]
+    shutil.copy(seg(other, 1), seg(dump, 1))
+    code, problems, _ = verify(dump, "--data")
+    assert code == 1 and has(problems, "seg-000001.h5: written by session"), problems
+    assert has(problems, "copied in from another run")
+    with pytest.warns(UserWarning, match="copied in from another run"), fastdump.open(dump) as ds:
+        assert ds.passes("target", 0) == [0, 1, 4]
+        assert same(ds.load("target", 0, 4, check=True)["2"], expected[4]["2"])

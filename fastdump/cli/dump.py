@@ -317,6 +317,7 @@ def _check_open_segment(report: _Report, where: str, h5file, read_data: bool):
         report.problem(where, f"the name table lists {repeated[0]!r} more than once")
     if len(pass_meta) != len(passes):
         report.problem(where, f"{len(pass_meta)} pass_meta entries for {len(passes)} passes")
+    explained = set()  # passes stored not complete whose capture side said why
     for row, text in zip(passes, pass_meta):
         try:
             entry = json.loads(text)
@@ -324,6 +325,8 @@ def _check_open_segment(report: _Report, where: str, h5file, read_data: bool):
             report.problem(where, "pass_meta entry is not JSON")
             break
         _check_pass_reports(report, where, int(row["pass"]), entry)
+        if isinstance(entry, dict) and entry.get("incomplete"):
+            explained.add(int(row["pass"]))
     if len(index) and (index["name"].min() < 0 or index["name"].max() >= len(names)):
         report.problem(where, "index refers to a name outside the name table")
 
@@ -367,6 +370,8 @@ def _check_open_segment(report: _Report, where: str, h5file, read_data: bool):
     }
     stored_summary = dict(summary)
     summary["pass_ids"] = pass_ids
+    summary["unexplained"] = set(summary["incomplete"]) - explained
+    summary["session"] = attrs.get(fmt.ATTR_SESSION)
 
     def names_of(pass_id):  # a pass the writer flushed unfinished continues in the next segment
         slots = index["name"][index["pass"] == pass_id].tolist()
@@ -479,20 +484,31 @@ def _check_counts(report: _Report, path: str, info: dict, pass_ids: set, tensors
     which loses nothing while the writer keeps up) a drop means the writer fell behind for longer
     than block_timeout_s, or CUDA-graph replays outran the drain: the dump is not whole, and fails."""
     stats = info.get("stats") if isinstance(info.get("stats"), dict) else {}
-    passes_sent, tensors_sent = stats.get("passes"), stats.get("tensors")
-    if isinstance(passes_sent, int) and len(pass_ids) < passes_sent:
+
+    def count(obj: dict, key: str, where: str = "") -> int:
+        """A count rank.json holds: what is missing is 0, anything but an integer >= 0 a problem
+        (a damaged count must not pass for none: 4.0 passes sent, or -5 dropped)."""
+        value = obj.get(key, 0)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            report.problem(path, f"{fmt.RANK_FILE} {where}{key} is {_printable(json.dumps(value))[:40]}, "
+                                 "not a count (an integer >= 0)")
+            return 0
+        return value
+
+    passes_sent, tensors_sent = count(stats, "passes", "stats."), count(stats, "tensors", "stats.")
+    if len(pass_ids) < passes_sent:
         report.problem(path, f"the Dumper dumped {passes_sent} passes; {len(pass_ids)} are on disk")
-    skipped = _count(info.get("skipped", 0))
-    lost = _count(stats.get("lost_at_close", 0))
+    skipped = count(info, "skipped")
+    lost = count(stats, "lost_at_close", "stats.")
     if lost:
         report.problem(path, f"{lost} staged tensor(s) were lost at close: a CUDA-graph capture still "
                              "running on another stream held their batch")
         tensors += lost  # explained above; the count below looks for any other loss
-    if isinstance(tensors_sent, int) and tensors + skipped < tensors_sent:
+    if tensors + skipped < tensors_sent:
         report.problem(path, f"the Dumper staged {tensors_sent} tensors; {tensors} are on disk "
                              f"({skipped} recorded as skipped)")
     config = info.get("config") if isinstance(info.get("config"), dict) else {}
-    dropped, dropped_passes = _count(info.get("dropped", 0)), _count(info.get("dropped_passes", 0))
+    dropped, dropped_passes = count(info, "dropped"), count(info, "dropped_passes")
     if dropped or dropped_passes:
         counts = f"{dropped} tensor(s) and {dropped_passes} whole pass(es) were dropped (counted, not dumped)"
         if config.get("policy") == "drop":
@@ -503,7 +519,7 @@ def _check_counts(report: _Report, path: str, info: dict, pass_ids: set, tensors
     # A pass end the ring refused and that never reached the writer in time (its passes are stored
     # complete = 0): their drop counts, metadata and skips are nowhere on disk. Like a drop, it is
     # the `drop` policy's to accept; under `block` the dump is not whole.
-    ends = _count(stats.get("lost_pass_ends", 0)) + _count(info.get("late_pass_ends_left_out", 0))
+    ends = count(stats, "lost_pass_ends", "stats.") + count(info, "late_pass_ends_left_out")
     if ends:
         text = (f"{ends} pass end(s) never reached the writer in time (ring full): those passes are stored "
                 "incomplete, without their drop counts, metadata and skips")
@@ -545,6 +561,11 @@ def check_rank_dir(report: _Report, path: str, read_data: bool = False) -> None:
         info = {}
     status = _check_status(report, path, info)
     status = _check_producer_error(report, path, status)
+    if "rank" in info:
+        try:
+            fmt.check_rank_numbers(info["rank"])
+        except ValueError as exc:
+            report.problem(rank_file, str(exc))
 
     entries = os.listdir(path)
     for entry in sorted(entries):
@@ -561,6 +582,12 @@ def check_rank_dir(report: _Report, path: str, read_data: bool = False) -> None:
         summary = check_segment(report, os.path.join(path, name), read_data)
         if summary is not None:
             summaries[name] = summary
+
+    expected = fmt.expected_session(os.path.basename(path), info)
+    for name, summary in summaries.items():
+        foreign = fmt.foreign_session(summary["session"], expected)
+        if foreign:  # mixed: its passes would read as this session's
+            report.problem(os.path.join(path, name), foreign)
 
     on_disk_names = {name for _, name in on_disk}
     listed = {}
@@ -596,9 +623,17 @@ def check_rank_dir(report: _Report, path: str, read_data: bool = False) -> None:
                 report.problem(path, f"{fmt.RANK_FILE} total {key}={info[key]} but its segments add up to {total}")
 
     pass_ids = set()
-    for summary in summaries.values():
-        pass_ids.update(summary["pass_ids"])
+    unexplained = set()  # passes whose last part on disk is not complete, with no reason given
+    for _, name in on_disk:
+        summary = summaries.get(name)
+        if summary is not None:
+            unexplained = (unexplained - set(summary["pass_ids"])) | summary["unexplained"]
+            pass_ids.update(summary["pass_ids"])
     _check_counts(report, path, info, pass_ids, sum(summary["tensors"] for summary in summaries.values()))
+    if unexplained and status not in _UNFINISHED_STATUSES:
+        first = sorted(unexplained)
+        report.warning(path, f"{len(first)} pass(es) stored incomplete without a reason (their end never reached "
+                             f"the writer: dropped from a full ring, or cut off by Ctrl-C), e.g. pass {first[0]}")
 
     # Segments cover disjoint, increasing pass ranges, eager passes and CUDA-graph replays each on
     # their own: replays are numbered from GRAPH_PASS_BASE and arrive between eager passes, so one

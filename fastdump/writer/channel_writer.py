@@ -520,7 +520,8 @@ class ChannelWriter:
             index=index,
             passes=pass_table,
             pass_meta=pass_meta,
-            attrs={**summary, "complete": complete, "role": str(self._info["role"]), "created": time.time()},
+            attrs={**summary, "complete": complete, "role": str(self._info["role"]), "created": time.time(),
+                   **({fmt.ATTR_SESSION: self._info["session"]} if isinstance(self._info["session"], str) else {})},
             open_segment=open_segment,
         )
         self._next_segment = number + 1
