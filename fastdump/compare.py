@@ -21,6 +21,7 @@ pass pair at a time, never a whole dump) and compared in float64 chunks by ``fas
 
 from __future__ import annotations
 
+import collections
 import json
 import math
 import os
@@ -30,7 +31,7 @@ import time
 import warnings
 
 from . import format as fmt
-from .report import _missing_text, _span, _where, layer_of  # noqa: F401 - layer_of is public here too
+from .report import _missing_text, _span, _where, layer_of, printable  # noqa: F401 - layer_of is public here too
 
 DEFAULT_ATOL = 1e-5
 DEFAULT_RTOL = 1e-5
@@ -305,24 +306,38 @@ def _side_ranks(ds, role: str, side: str) -> list:
     return refs
 
 
-def _stages(refs: list) -> list:
-    """Ranks of one DP replica as [[tp ranks of pp stage 0], [stage 1], ...]."""
+def _stages(refs: list, only_in: str, missing: list) -> list:
+    """Ranks of one DP replica as [[tp ranks of pp stage 0], [stage 1], ...]: its whole stages. A
+    stage, or a TP rank of one, that the sizes in rank.json say ran but that has no directory here
+    is listed missing (``only_in``: the other side; the diff fails) and its stage left out:
+    unsharding half a tensor would blame the shapes, and a stage absent was not compared at all."""
     by_stage: dict = {}
     for ref in refs:
         by_stage.setdefault(ref.pp_rank, []).append(ref)
+    role, dp, where = refs[0].role, refs[0].dp_rank, os.path.dirname(refs[0].path)
+    pp_sizes = sorted({r.pp_size for r in refs})
+    if len(pp_sizes) > 1:
+        raise DiffError(f"role {role!r} dp {dp}: the rank directories disagree on pp_size {pp_sizes} ({where})")
+
+    def absent(rank: str, why: str) -> None:
+        missing.append({"kind": "rank", "only_in": only_in, "role": role, "rank": rank, "dp_rank": dp,
+                        "path": f"no rank directory in {where}: {why}"})
+
     stages = []
-    for pp in sorted(by_stage):
-        group = sorted(by_stage[pp], key=lambda r: r.tp_rank)  # one per tp rank: _side_ranks checked
+    for pp in range(max(pp_sizes[0], max(by_stage) + 1)):
+        group = sorted(by_stage.get(pp, []), key=lambda r: r.tp_rank)  # one per tp rank: _side_ranks checked
+        if not group:
+            absent(f"pp{pp}", f"pp stage {pp} of {pp_sizes[0]}, not compared")
+            continue
         sizes = sorted({r.tp_size for r in group})
         if len(sizes) > 1:
-            raise DiffError(f"role {group[0].role!r} pp {pp}: the rank directories disagree on tp_size {sizes} "
-                            f"({os.path.dirname(group[0].path)})")
-        expected = sizes[0]  # at most fmt.MAX_PARALLEL_SIZE: RankRef checked
-        if [r.tp_rank for r in group] != list(range(expected)):
-            # Unsharding a partial group would compare half a tensor and blame the shapes.
-            raise DiffError(f"role {group[0].role!r} pp {pp}: TP ranks {[r.tp_rank for r in group]} present of "
-                            f"tp_size {expected} ({os.path.dirname(group[0].path)}); a rank is missing, so its "
-                            f"tensors cannot be reassembled")
+            raise DiffError(f"role {role!r} pp {pp}: the rank directories disagree on tp_size {sizes} ({where})")
+        present = [r.tp_rank for r in group]
+        if present != list(range(sizes[0])):  # (tp_size at most fmt.MAX_PARALLEL_SIZE: RankRef checked)
+            for tp in sorted(set(range(sizes[0])) - set(present)):
+                absent(f"pp{pp} tp{tp}", f"tp rank {tp} of {sizes[0]}: pp stage {pp} cannot be reassembled, "
+                                         "not compared")
+            continue
         stages.append(group)
     return stages
 
@@ -330,8 +345,9 @@ def _stages(refs: list) -> list:
 class Unit:
     """What is compared as one: a baseline rank group against a target rank group."""
 
-    def __init__(self, role, label, baseline_stages, target_stages, pp_rank=0, peers=None):
+    def __init__(self, role, label, baseline_stages, target_stages, pp_rank=0, peers=None, dp_rank=None):
         self.role, self.label = role, label
+        self.dp_rank = dp_rank  # its DP replica, where the role has several (rank numbers repeat per replica)
         self.baseline, self.target = baseline_stages, target_stages
         self.pp_rank = pp_rank  # the PP stage a one-rank unit runs; a merged unit holds every stage
         # (baseline ranks, target ranks) whose passes say which passes a side ran: a one-rank unit's
@@ -353,6 +369,7 @@ def _pair_units(role: str, base_refs: list, target_refs: list, missing: list) ->
         return {(r.tp_size, r.pp_size) for r in refs}
 
     units = []
+    several_dp = len({r.dp_rank for r in base_refs + target_refs}) > 1
     if layout(base_refs) == layout(target_refs) and len(layout(base_refs)) == 1:
         base_by_key = {(r.dp_rank, r.pp_rank, r.tp_rank): r for r in base_refs}
         target_by_key = {(r.dp_rank, r.pp_rank, r.tp_rank): r for r in target_refs}
@@ -365,7 +382,8 @@ def _pair_units(role: str, base_refs: list, target_refs: list, missing: list) ->
                                 "dp_rank": ref.dp_rank, "path": ref.path})
                 continue
             replicas = tuple([r for r in refs if r.dp_rank == key[0]] for refs in (base_refs, target_refs))
-            units.append(Unit(role, t.rank, [[b]], [[t]], pp_rank=t.pp_rank, peers=replicas))
+            units.append(Unit(role, t.rank, [[b]], [[t]], pp_rank=t.pp_rank, peers=replicas,
+                              dp_rank=key[0] if several_dp else None))
         return units
     # Different parallel layouts: rebuild whole tensors on each side, per DP replica.
     for dp in sorted({r.dp_rank for r in base_refs} | {r.dp_rank for r in target_refs}):
@@ -377,7 +395,9 @@ def _pair_units(role: str, base_refs: list, target_refs: list, missing: list) ->
                                 "rank": ref.rank, "dp_rank": ref.dp_rank, "path": ref.path})
             continue
         label = f"dp{dp}:merged"
-        units.append(Unit(role, label, _stages(b), _stages(t)))
+        b_stages, t_stages = _stages(b, "target", missing), _stages(t, "baseline", missing)
+        if b_stages and t_stages:
+            units.append(Unit(role, label, b_stages, t_stages))
     return units
 
 
@@ -571,6 +591,8 @@ def _combine(shards: list, rule, atol: float, rtol: float, side: str):
 
     if len(shards) == 1:
         return shards[0]
+    if rule == "pairwise":  # (see _assemble) one tensor per TP rank, stacked
+        return torch.stack(shards)
     if rule == "replicated":
         for k, shard in enumerate(shards[1:], start=1):
             if shard.shape != shards[0].shape:
@@ -625,6 +647,12 @@ def _assemble(base_shards: list, target_shards: list, rule, atol: float, rtol: f
     """(baseline tensor, target tensor, rule used) from each side's TP shards."""
     if len(base_shards) == 1 and len(target_shards) == 1:
         return base_shards[0], target_shards[0], None
+    if rule is None and len(base_shards) == len(target_shards) and \
+            len({tuple(s.shape) for s in base_shards + target_shards}) == 1:
+        # The same TP size on both sides (their PP sizes differ): rank k against rank k, whatever
+        # the shards are. Taken as replicated, column shards of one run failed against the same
+        # shards of the other ("tp ranks 0 and 1 disagree").
+        rule = "pairwise"
     if rule is None:
         rule = _infer_rule(base_shards, target_shards)
         if rule is None:
@@ -739,8 +767,9 @@ class DiffResult:
         failing = [row for row in rows if row["status"] != "ok"]
         self.failed = len(failing)
         self.first_divergence = failing[0] if failing else None
-        # A rank on one side only is data missing from the comparison: the dumps differ (exit 1).
-        self.missing_ranks = [item for item in missing if item["kind"] == "rank"]
+        # A role, rank or stage on one side only is data missing from the comparison: the dumps
+        # differ (exit 1). (A name on one side only, or a pass, is listed, not failed.)
+        self.missing_ranks = [item for item in missing if item["kind"] in ("role", "rank", "stage_passes")]
 
     def __repr__(self) -> str:
         first = self.first_divergence
@@ -789,8 +818,10 @@ class DiffResult:
             return (f"no divergence in the {self.compared} tensor(s) compared, but {len(self.problems)} read "
                     f"problem(s) (ERROR lines below) leave the comparison incomplete")
         if self.missing_ranks:
-            return (f"ranks missing: {len(self.missing_ranks)} rank(s) on one side only (listed below); "
-                    f"the {self.compared} tensor(s) compared are within tolerance")
+            kinds = collections.Counter(item["kind"] for item in self.missing_ranks)
+            what = ", ".join(f"{n} {_MISSING_KIND[kind]}" for kind, n in sorted(kinds.items(), key=lambda kv: kv[0]))
+            return (f"{'ranks' if set(kinds) == {'rank'} else 'data'} missing: {what} on one side only (listed "
+                    f"below); the {self.compared} tensor(s) compared are within tolerance")
         return (f"no divergence: {self.compared} tensor(s) compared, all within tolerance "
                 f"(atol {self.options.atol:g}, rtol {self.options.rtol:g})")
 
@@ -808,7 +839,10 @@ class DiffResult:
             out.append(f"note: {note}")
         out.append(f"compared {self.compared}, failed {self.failed}, missing {len(self.missing)}"
                    + (f", problems {len(self.problems) + len(self.read_errors)}" if self.exit_code == 2 else ""))
-        return out
+        return [printable(line) for line in out]  # names come from the dump: no terminal escapes
+
+
+_MISSING_KIND = {"role": "role(s)", "rank": "rank(s)", "stage_passes": "stage(s) without a pass"}
 
 
 def _json_safe(value):
@@ -927,6 +961,7 @@ def _diff(base_ds, target_ds, options: Options) -> DiffResult:
 
     progress = _Progress(options.progress)
     missing_names: dict = {}
+    stage_gaps: dict = {}  # (role, unit label, side, pp stage) -> passes no rank of that stage holds
     base_names_seen, target_names_seen = set(), set()
     failed = 0
     try:
@@ -936,6 +971,10 @@ def _diff(base_ds, target_ds, options: Options) -> DiffResult:
             cache.clear()  # one pass pair in memory at a time
             for side, stages, pass_id in (("baseline", unit.baseline, b_pass), ("target", unit.target, t_pass)):
                 notes.extend(_incomplete_pass_notes(unit, side, stages, pass_id))
+                if len(stages) > 1 and _holds(stages, pass_id):  # a whole stage without it: its names are unknown
+                    for index, stage in enumerate(stages):
+                        if not _holds([stage], pass_id):
+                            stage_gaps.setdefault((unit.role, unit.label, side, stage[0].pp_rank), []).append(pass_id)
             try:
                 base_names = _names_in_order(unit.baseline, b_pass, cache)
                 target_names = _names_in_order(unit.target, t_pass, cache)
@@ -961,6 +1000,8 @@ def _diff(base_ds, target_ds, options: Options) -> DiffResult:
                     continue
                 row = {"role": unit.role, "rank": unit.label, "pass": t_pass, "baseline_pass": b_pass,
                        "name": name, "order": order}
+                if unit.dp_rank is not None:
+                    row["dp_rank"] = unit.dp_rank
                 try:
                     row.update(_compare_name(unit, pair, name, base_names[name], t_stage, options, layouts, cache))
                 except _RowError as exc:
@@ -979,6 +1020,9 @@ def _diff(base_ds, target_ds, options: Options) -> DiffResult:
     finally:
         progress.close()
 
+    for (role, label, side, pp), passes in stage_gaps.items():
+        missing.append({"kind": "stage_passes", "only_in": "baseline" if side == "target" else "target",
+                        "role": role, "rank": label, "pp_rank": pp, "side": side, "passes": passes})
     for (role, label, name, side), passes in missing_names.items():
         missing.append({"kind": "name", "only_in": side, "role": role, "rank": label, "name": name,
                         "passes": passes})

@@ -184,17 +184,19 @@ def render(result) -> str:
         body.append(f'<p class="first">First divergence: <b>{_esc(first["name"])}</b> — {_esc(_where(first))}; '
                     f'max_abs {_num(first.get("max_abs"))}, rel_diff {_num(first.get("rel_diff"))}'
                     + (f', {_esc(first.get("reason"))}' if first.get("reason") else "") + "</p>")
-        focus = (first["role"], first["rank"], first["pass"])
+        focus = (first["role"], first["rank"], first.get("dp_rank"), first["pass"])
     else:
         body.append(f"<p>{_esc(result.headline())}</p>")  # (missing ranks or read problems: not a pass)
-        focus = (result.rows[0]["role"], result.rows[0]["rank"], result.rows[0]["pass"]) if result.rows else None
-    if focus is not None:
-        pass_rows = [r for r in result.rows if (r["role"], r["rank"], r["pass"]) == focus]
+        row = result.rows[0] if result.rows else None
+        focus = (row["role"], row["rank"], row.get("dp_rank"), row["pass"]) if row else None
+    if focus is not None:  # one rank of one DP replica (rank numbers repeat per replica)
+        where = f"{focus[0]} rank {focus[1]}" + (f" (dp {focus[2]})" if focus[2] is not None else "")
+        pass_rows = [r for r in result.rows if (r["role"], r["rank"], r.get("dp_rank"), r["pass"]) == focus]
         body.append("<h2>Error per module along execution order</h2>")
-        body.append(execution_plot(pass_rows, f"{focus[0]} rank {focus[1]} pass {focus[2]}", highlight=first))
-        unit_rows = [r for r in result.rows if (r["role"], r["rank"]) == focus[:2]]
+        body.append(execution_plot(pass_rows, f"{where} pass {focus[3]}", highlight=first))
+        unit_rows = [r for r in result.rows if (r["role"], r["rank"], r.get("dp_rank")) == focus[:3]]
         body.append("<h2>rel_diff by pass and layer</h2>")
-        body.append(heatmap(unit_rows, f"{focus[0]} rank {focus[1]}: max rel_diff per pass x layer"))
+        body.append(heatmap(unit_rows, f"{where}: max rel_diff per pass x layer"))
     failures = result.failures
     body.append(f"<h2>Failing tensors ({len(failures)})</h2>")
     body.append(_table(
@@ -250,7 +252,8 @@ def layer_of(name: str):
 def _where(row) -> str:
     passes = f"pass {row['pass']}" if row["baseline_pass"] == row["pass"] else \
         f"pass {row['pass']} (baseline {row['baseline_pass']})"
-    return f"{row['role']} rank {row['rank']} {passes}"
+    dp = f" (dp {row['dp_rank']})" if row.get("dp_rank") is not None else ""  # rank numbers repeat per replica
+    return f"{row['role']} rank {row['rank']}{dp} {passes}"
 
 
 def _missing_text(item) -> str:
@@ -259,6 +262,9 @@ def _missing_text(item) -> str:
     if item["kind"] == "rank":
         dp = f" (dp {item['dp_rank']})" if item.get("dp_rank") is not None else ""  # rank numbers repeat per DP replica
         return f"role {item['role']} rank {item['rank']}{dp} only in the {item['only_in']} ({item['path']})"
+    if item["kind"] == "stage_passes":  # its names are unknown: what that stage dumps was not compared
+        return (f"role {item['role']} rank {item['rank']}: passes {_span(item['passes'])} missing on every rank of "
+                f"the {item['side']}'s pp stage {item['pp_rank']} (the other stages ran them)")
     if item["kind"] == "passes":
         return f"role {item['role']} rank {item['rank']}: passes {_span(item['passes'])} only in the {item['only_in']}"
     return f"role {item['role']} rank {item['rank']}: {item['name']!r} only in the {item['only_in']} " \

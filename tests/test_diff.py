@@ -334,8 +334,9 @@ def test_missing_tp_rank_is_refused_not_blamed_on_shapes(tmp_path, capsys):
     target = manual_dump(tmp_path / "tp2", 2)
     (lost,) = [e for e in os.listdir(target / "target") if e.startswith("TP1_")]
     shutil.rmtree(target / "target" / lost)
-    code, out, err = run(capsys, base, target)
-    assert code == 2 and "TP ranks [0] present of tp_size 2" in err
+    code, out, err = run(capsys, base, target)  # nothing else to compare: no rank in common (exit 2)
+    assert code == 2 and "no rank in common" in err
+    assert "rank pp0 tp1 (dp 0) only in the baseline" in err and "tp rank 1 of 2" in err
 
 
 def test_bad_inputs_exit_2_without_traceback(tmp_path, twins, capsys):

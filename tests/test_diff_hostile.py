@@ -375,12 +375,15 @@ def test_other_role_on_one_side_is_missing_and_role_filter(lm, tmp_path, capsys)
     other = tmp_path / "other"
     dump_lm(other, TinyLM(seed=0))
     dump_lm(other, TinyLM(seed=0), role="extra")
-    result = fastdump.diff(lm, other)
-    assert result.ok and result.missing == [{"kind": "role", "only_in": "target", "role": "extra"}]
+    result = fastdump.diff(lm, other)  # a role on one side only: none of its data compared (exit 1)
+    assert result.exit_code == 1 and result.failed == 0
+    assert result.missing == [{"kind": "role", "only_in": "target", "role": "extra"}]
     code, out, err = run(capsys, lm, other, "--role", "extra")
     assert code == 2 and "no role 'extra'" in err
     code, out, err = run(capsys, other, lm)
-    assert code == 0 and "missing: role 'extra' only in the baseline" in out
+    assert code == 1 and "missing: role 'extra' only in the baseline" in out
+    assert out.startswith("data missing: 1 role(s) on one side only")
+    assert run(capsys, other, lm, "--role", "target")[0] == 0  # the roles both have: the same
 
 
 def test_ranks_with_nothing_in_common_exit_2(tmp_path, capsys):
@@ -465,9 +468,10 @@ def test_eagle_draft_role_missing_in_one_run(eagle, tmp_path, capsys):
     target_only = tmp_path / "target_only"
     shutil.copytree(a, target_only)
     shutil.rmtree(target_only / "draft")
-    result = fastdump.diff(a, target_only)
-    assert result.ok and result.missing == [{"kind": "role", "only_in": "baseline", "role": "draft"}]
-    assert {row["role"] for row in result.rows} == {"target"}
+    result = fastdump.diff(a, target_only)  # the draft's data is missing: exit 1 (it was 0)
+    assert result.exit_code == 1 and result.missing == [{"kind": "role", "only_in": "baseline", "role": "draft"}]
+    assert {row["role"] for row in result.rows} == {"target"} and result.failed == 0
+    assert fastdump.diff(a, target_only, role="target").ok
     code, out, err = run(capsys, a, target_only, "--role", "draft")
     assert code == 2 and "target" in err and "no role 'draft'" in err
 
@@ -982,3 +986,102 @@ def test_pp_stages_compare_the_roots_output_from_the_last_stage(tmp_path):
     names = [r["name"] for r in result.rows]
     assert "Net" in names and "Net.input.0" in names  # output from stage 1, input from stage 0
     assert names.index("Net") == len(names) - 1  # executed last: after every layer
+
+
+def manual_rank(root, passes, **ranks):
+    """One rank directory of ``passes`` ([{name: tensor}], dumped by hand), ranks as attach takes them."""
+    with fastdump.attach(None, root, writer="thread", **ranks) as d:
+        for tensors in passes:
+            d.begin_pass()
+            for name, tensor in tensors.items():
+                d.dump(name, tensor)
+            d.end_pass()
+    return root
+
+
+def test_a_pp_stage_or_tp_rank_absent_on_one_side_of_merged_layouts_fails(tmp_path, capsys):
+    """TP1/PP1 against TP1/PP2 (or TP2/PP2), with stage 1 absent, or a TP rank of it: the stage's
+    names were listed only as names on one side ("no divergence", exit 0), or the diff stopped at
+    once (exit 2, every other role uncompared). The absent ranks are missing ranks now (exit 1)."""
+    torch.manual_seed(0)
+    l = [torch.randn(2, 4) for _ in range(4)]
+    base = manual_rank(tmp_path / "base", [{f"layers.{i}": l[i] for i in range(4)}])
+    manual_rank(tmp_path / "base", [{"other": l[0]}], role="draft")
+    stage0 = tmp_path / "stage0"
+    manual_rank(stage0, [{"layers.0": l[0], "layers.1": l[1]}], pp_rank=0, pp_size=2)
+    manual_rank(stage0, [{"other": l[0]}], role="draft")
+    code, out, _ = run(capsys, base, stage0)
+    assert code == 1 and "rank pp1 (dp 0) only in the baseline" in out and "pp stage 1 of 2" in out, out
+    torn = tmp_path / "torn"  # stage 1 of TP 2 with its tp rank 1 absent: cannot be reassembled
+    manual_rank(torn, [{"layers.0": l[0], "layers.1": l[1]}], pp_rank=0, pp_size=2)
+    manual_rank(torn, [{"layers.2": l[2][:, :2], "layers.3": l[3][:, :2]}], tp_rank=0, tp_size=2, pp_rank=1,
+                pp_size=2)
+    manual_rank(torn, [{"other": l[0]}], role="draft")
+    result = fastdump.diff(base, torn)
+    assert result.exit_code == 1 and {r["role"] for r in result.rows} == {"target", "draft"}
+    assert any(item["kind"] == "rank" and item["rank"] == "pp1 tp1" for item in result.missing), result.missing
+
+
+def test_a_pass_a_whole_pp_stage_lacks_in_merged_layouts_fails(tmp_path, capsys):
+    """Merged layouts (TP1/PP2 against TP2/PP2): a pass that every rank of a stage lacks, while the
+    other stage ran it, dropped that stage's names, listed as names on one side: exit 0."""
+    torch.manual_seed(0)
+    l = [torch.randn(2, 4) for _ in range(4)]
+    p = [{f"layers.{i}": l[i] + k for i in range(4)} for k in range(2)]
+    base = tmp_path / "base"
+    manual_rank(base, [{n: t[n] for n in ("layers.0", "layers.1")} for t in p], pp_rank=0, pp_size=2)
+    manual_rank(base, [{n: t[n] for n in ("layers.2", "layers.3")} for t in p], pp_rank=1, pp_size=2)
+    target = tmp_path / "target"
+    for tp in range(2):
+        cols = slice(2 * tp, 2 * tp + 2)
+        manual_rank(target, [{n: t[n][:, cols] for n in ("layers.0", "layers.1")} for t in p], tp_rank=tp, tp_size=2,
+                    pp_rank=0, pp_size=2)
+        manual_rank(target, [{n: t[n][:, cols] for n in ("layers.2", "layers.3")} for t in p[:1]], tp_rank=tp,
+                    tp_size=2, pp_rank=1, pp_size=2)  # stage 1 ran pass 0 only
+    code, out, _ = run(capsys, base, target, "--unshard", "layers=1")
+    assert code == 1 and "passes 1 missing on every rank of the target's pp stage 1" in out, out
+
+
+def test_equal_tp_sizes_with_different_pp_sizes_compare_rank_by_rank(tmp_path):
+    """TP2/PP1 against TP2/PP2, the same column shards: merged, equal shard shapes were taken as
+    replicated and failed ("tp ranks 0 and 1 disagree"). With as many shards on both sides, rank
+    k is compared with rank k, and a difference on one rank still fails."""
+    torch.manual_seed(0)
+    l0, l1 = torch.randn(3, 8), torch.randn(3, 8)
+    base, target, nudged = tmp_path / "base", tmp_path / "target", tmp_path / "nudged"
+    for r in range(2):
+        cols = slice(4 * r, 4 * r + 4)
+        manual_rank(base, [{"layers.0": l0[:, cols], "layers.1": l1[:, cols]}], tp_rank=r, tp_size=2)
+        for root, bump in ((target, 0.0), (nudged, 1.0 if r == 1 else 0.0)):
+            manual_rank(root, [{"layers.0": l0[:, cols]}], tp_rank=r, tp_size=2, pp_rank=0, pp_size=2)
+            manual_rank(root, [{"layers.1": l1[:, cols] + bump}], tp_rank=r, tp_size=2, pp_rank=1, pp_size=2)
+    result = fastdump.diff(base, target, atol=0, rtol=0)
+    assert result.ok and {r["unshard"] for r in result.rows} == {"pairwise"}, result.rows
+    result = fastdump.diff(base, nudged)
+    assert [r["name"] for r in result.failures] == ["layers.1"] and result.failures[0]["mismatch"] == 0.5
+
+
+def test_dp_replicas_are_named_in_rows_lines_and_the_report(tmp_path, capsys):
+    """Rank numbers repeat per DP replica: rows of two replicas could not be told apart, and the
+    HTML report plotted both replicas' tensors as one pass."""
+    torch.manual_seed(0)
+    l = [torch.randn(2, 4) for _ in range(3)]
+    base, target = tmp_path / "base", tmp_path / "target"
+    for dp in range(2):
+        manual_rank(base, [{f"layers.{i}": l[i] for i in range(3)}], dp_rank=dp, dp_size=2)
+        manual_rank(target, [{f"layers.{i}": l[i] + (dp == 1 and i > 0) for i in range(3)}], dp_rank=dp, dp_size=2)
+    result = fastdump.diff(base, target)
+    assert {(r["dp_rank"], r["name"]) for r in result.failures} == {(1, "layers.1"), (1, "layers.2")}
+    assert result.lines()[0].startswith("first divergence: target rank 0 (dp 1) pass 0 layers.1")
+    page = open(result.to_html(tmp_path / "r.html")).read()
+    assert "target rank 0 (dp 1) pass 0" in page
+
+
+def test_names_from_a_dump_never_reach_the_terminal_raw(tmp_path, capsys):
+    """A tensor name holding ANSI escapes or a newline could forge lines of the report ("no
+    divergence"); show escaped them, diff did not."""
+    evil = "evil\x1b[2J\x1b[H\nno divergence: all fine"
+    base, target = pair(tmp_path, {evil: torch.zeros(2)}, {evil: torch.ones(2)})
+    code, out, err = run(capsys, base, target)
+    assert code == 1 and "\x1b" not in out and "\\x1b[2J" in out
+    assert all(not line.startswith("no divergence") for line in out.splitlines())
