@@ -603,8 +603,9 @@ def test_mock_tensor_larger_than_both_rings(m):
     t = torch.randint(-2 ** 31, 2 ** 31 - 1, (3 << 20,), dtype=torch.int32)  # 12 MiB
     stream = m._mock.stream_create()
     # The stream's first copies wait behind a sleep, so the device ring fills and the stager must
-    # wait for it, however fast the drain and the reader run on a loaded machine.
-    m._mock.enqueue_sleep(stream, 0.2)
+    # wait for it, however fast the drain and the reader run. (0.2 s was not enough on a loaded
+    # machine: the sleep, which starts as it is enqueued, had ended before the third segment.)
+    m._mock.enqueue_sleep(stream, 1.5)
     result = {}
     reader = threading.Thread(target=lambda: result.update(ring.read(timeout=2)[0]))
     reader.start()  # the writer must consume while we stage: the host ring holds 1 MiB

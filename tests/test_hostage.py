@@ -451,3 +451,36 @@ def test_block_timeout_from_the_environment():
         "root": "/d", "block_timeout_s": 2.5}
     with pytest.raises(config.ConfigError, match="FASTDUMP_BLOCK_TIMEOUT_S"):
         config.settings_from_env({"FASTDUMP_DIR": "/d", "FASTDUMP_BLOCK_TIMEOUT_S": "0"})
+
+
+def test_tensors_larger_than_the_ring_a_stalled_writer_cut_off_are_drops_and_fail_verify(tmp_path):
+    """`block`, tensors larger than the ring (staged chunk by chunk as the writer frees space), the
+    writer stopped: the first tensor times out with part of it in the ring (TORN), and the channel
+    then stages as under `drop`, where such a tensor cannot go in at once (RING_TOO_SMALL). Both
+    were recorded as skips (which say a tensor cannot be stored at all), so verify said OK with
+    tensors lost to the stall. They are drops now, counted in their pass, and verify fails."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 1152), torch.nn.ReLU())
+    x = torch.randn(512, 64)  # outputs of 512 x 1152 fp32: 2.25 MiB each, the ring 1 MiB
+    d = fastdump.attach(model, tmp_path, policy="block", block_timeout_s=0.3, ring_mb=1)
+    pid = writer_pid()
+    try:
+        with torch.inference_mode():
+            model(x)  # pass 0: the writer frees space as the chunks go in
+            drained()
+            os.kill(pid, signal.SIGSTOP)  # the ring is empty: the first chunk fits, the second waits
+            model(x)  # pass 1: "0" torn after 0.3 s; "1" and "Sequential" cannot go in at once
+            stats = d.stats()
+            assert stats["dropped"] == 3 and stats["skipped"] == 0, stats
+            cont(pid)
+            drained()
+            out = model(x)  # pass 2: blocking again, whole
+    finally:
+        cont(pid)
+        stats = d.close()
+    assert stats["status"] == "closed" and stats["dropped"] == 3 and stats["skipped"] == 0
+    ds = fastdump.open(tmp_path)
+    assert ds.meta("target", 0, 1)["dropped"] == 3 and ds.load("target", 0, 1) == {}
+    assert torch.equal(ds.load("target", 0, 2)["Sequential"], out)
+    problems = verify_dump(str(tmp_path)).problems
+    assert any("policy 'block': 3 tensor(s)" in p for p in problems), problems

@@ -923,13 +923,19 @@ class Dumper:
         elif status == _C.TIMED_OUT:
             self._channel.count_drop()
             self._channel.note_stall(name, self.pass_id)
-        elif status == _C.TORN:  # part of it is in the ring: the writer records it as incomplete
-            self._skip(name, f"incomplete: the writer stalled for block_timeout_s={self._channel.block_timeout_s:g} s "
-                             "while this tensor (larger than the ring) was being staged")
+        elif status == _C.TORN:
+            # The writer stalled for block_timeout_s while this tensor (larger than the ring) was
+            # being staged: the part in the ring is not kept (the writer never stores part of a
+            # tensor). Lost to the stall like a TIMED_OUT tensor, it is a drop (verify fails it
+            # under `block`), not a skip, which says a tensor cannot be stored at all.
+            self._channel.count_drop(in_ring=False)  # (the ring counts only whole tensors it refused)
             self._channel.note_stall(name, self.pass_id)
         elif status == _C.RING_TOO_SMALL:
-            self._skip(name, f"{nbytes} bytes do not fit in the ring at once: policy='drop' never waits "
-                             "for the writer mid-tensor (raise ring_mb)")
+            if self.options.policy == "block":  # staging as under `drop` since a stall (note_stall): a drop
+                self._channel.count_drop(in_ring=False)
+            else:
+                self._skip(name, f"{nbytes} bytes do not fit in the ring at once: policy='drop' never waits "
+                                 "for the writer mid-tensor (raise ring_mb)")
         elif status == _C.TOO_LARGE:  # _C.MAX_DIMS is HDF5's limit: the writer could not store it
             self._skip(name, "more than %d dimensions" % _C.MAX_DIMS)
         elif status == _CAPTURING:
