@@ -278,6 +278,7 @@ def export_sglang(root, out, *, role_subdirs: bool | None = None, names: str = "
     ds = open_dump(root)
     roles, split = _layout(ds, role_subdirs)
     metas = _survey(ds, roles, partial)
+    _fresh_out(out)
     written = 0
     for role in roles:
         out_names = _sglang_dir_names(ds, role)
@@ -297,6 +298,38 @@ def export_sglang(root, out, *, role_subdirs: bool | None = None, names: str = "
 
 # Characters a name cannot hold in the dumper layout: read_meta splits the file stem on "___" and "=".
 _BAD_IN_FILENAME = ("___", "=", "/", "\0")
+_MAX_FILENAME_BYTES = 255  # (NAME_MAX of Linux file systems)
+
+
+def _fresh_out(out) -> None:
+    """Make OUT, which must be new or an empty directory: refused (ValueError) before anything is
+    written otherwise. File names carry no session, so another export's files left there would
+    read as this run's (SGLang's tools glob them all), and a link inside OUT would be followed
+    out of it. An empty OUT ("", an unset $OUT) would write into the current directory."""
+    if not str(out):
+        raise ValueError("OUT is empty (an unset variable?): give the directory to write into")
+    path = Path(out)
+    if path.exists() or path.is_symlink():
+        if not path.is_dir():
+            raise ValueError(f"{out}: exists and is not a directory")
+        if any(path.iterdir()):
+            raise ValueError(f"{out}: not empty; export into a new or empty directory (files of another export "
+                             "there would be read as this one's)")
+    path.mkdir(parents=True, exist_ok=True)
+
+
+def _check_dumper_names(ds, role, rank, world_rank: int, passes) -> None:
+    """Every name of a rank fits the dumper layout's file names, checked before anything is
+    written (a refusal halfway left an export that looked whole)."""
+    longest = len(f"name=___step={max(passes, default=0)}___rank={world_rank}___dump_index={10 ** 12}.pt")
+    for name in ds.names(role, rank):
+        bad = [c for c in _BAD_IN_FILENAME if c in name]
+        if bad:
+            raise ValueError(f"{role}/{rank}: tensor name {name!r} contains {bad[0]!r}, which SGLang's dumper file "
+                             "names cannot hold")
+        if len(name.encode("utf-8", "surrogatepass")) + longest + 8 > _MAX_FILENAME_BYTES:  # (+8: ".<i>" parts)
+            raise ValueError(f"{role}/{rank}: tensor name {name[:40]!r}... is too long for a file name "
+                             f"({_MAX_FILENAME_BYTES} bytes)")
 
 
 def _parallel_info(where: str, info: dict):
@@ -346,6 +379,10 @@ def export_sglang_dumper(root, out, *, role_subdirs: bool | None = None, names: 
     roles, split = _layout(ds, role_subdirs)
     metas = _survey(ds, roles, partial)
     plans = {role: _dumper_ranks(ds, role) for role in roles}
+    for role in roles:
+        for rank, (world_rank, _, _) in plans[role].items():
+            _check_dumper_names(ds, role, rank, world_rank, list(metas[role, rank]))
+    _fresh_out(out)
     written = 0
     for role in roles:
         dest = Path(out, role) if split else Path(out)
@@ -357,7 +394,7 @@ def export_sglang_dumper(root, out, *, role_subdirs: bool | None = None, names: 
             for pass_id, tensors in _passes(ds, role, rank, list(pass_metas), modules, names, False, top):
                 for name, value in _one_tensor_each(tensors):
                     bad = [c for c in _BAD_IN_FILENAME if c in name]
-                    if bad:
+                    if bad:  # (_check_dumper_names saw every stored name: a mapped one, to be sure)
                         raise ValueError(f"{role}/{rank} pass {pass_id}: tensor name {name!r} contains {bad[0]!r}, "
                                          f"which SGLang's dumper file names cannot hold")
                     dump_index += 1

@@ -288,3 +288,50 @@ def test_recorded_skips_are_exported_with_a_warning(tmp_path, capsys):
     dest = tmp_path / "out" / "TP0_PP0_Rank0_pid100"
     assert list(torch.load(dest / "Pass00000.pt", weights_only=True)) == ["a", "b"]
     assert json.loads((dest / "fastdump_passes.json").read_text())["0"]["skipped"] == skip["skipped"]
+
+
+@pytest.mark.parametrize("fmt", ["sglang", "sglang-dumper"])
+def test_out_must_be_new_or_empty_and_never_the_current_directory(tmp_path, monkeypatch, fmt):
+    """File names carry no session: a second export into the same OUT left the first's passes
+    beside its own, read by SGLang's tools as one run; a link left in OUT was followed out of it
+    (a victim file overwritten with a zip); OUT "" (an unset $OUT) wrote into the current directory."""
+    make_dump(tmp_path / "dump")
+    write = export.export_sglang if fmt == "sglang" else export.export_sglang_dumper
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match="OUT is empty"):
+        write(tmp_path / "dump", "")
+    assert sorted(os.listdir(tmp_path)) == ["dump"]
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "precious.txt").write_text("keep me")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "Pass00000.pt").symlink_to(victim / "precious.txt")
+    with pytest.raises(ValueError, match="not empty"):
+        write(tmp_path / "dump", out)
+    assert (victim / "precious.txt").read_text() == "keep me" and os.listdir(out) == ["Pass00000.pt"]
+    (out / "Pass00000.pt").unlink()
+    assert write(tmp_path / "dump", out) > 0  # an empty OUT is fine
+    with pytest.raises(ValueError, match="not empty"):
+        write(tmp_path / "dump", out)
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ValueError, match="not a directory"):
+        write(tmp_path / "dump", tmp_path / "file")
+
+
+@pytest.mark.parametrize("name, message", [("a/b", "contains '/'"), ("é" * 120, "too long for a file name")])
+def test_a_name_the_dumper_layout_cannot_hold_is_refused_before_anything_is_written(tmp_path, capsys, name, message):
+    """Checked as each file was written, a bad name in pass 1 left pass 0's files behind (exit 2,
+    "refused"); a name too long for a file name failed the write (exit 1, "nothing written")."""
+    with fastdump.attach(None, tmp_path / "dump", writer="thread") as d:
+        for p in range(2):
+            d.begin_pass()
+            d.dump("ok", torch.ones(2))
+            if p == 1:
+                d.dump(name, torch.zeros(2))
+            d.end_pass()
+    parser = argparse.ArgumentParser()
+    export.add_arguments(parser.add_subparsers())
+    args = parser.parse_args(["export", "--format", "sglang-dumper", str(tmp_path / "dump"), str(tmp_path / "out")])
+    assert args.func(args) == 2
+    assert message in capsys.readouterr().err and not (tmp_path / "out").exists()
