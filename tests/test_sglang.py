@@ -778,3 +778,31 @@ def test_launcher_with_sglang_0_5_23_layout(tmp_path):
     ds = fastdump.open(root)
     got = ds.load("target", only_rank(ds, "target"), 0)
     assert {"model", "model.0", "model.1", "lm_head"} <= set(got)
+
+
+def test_a_logits_processor_below_the_top_module_holds_the_logits(tmp_path, monkeypatch):
+    """A VL model served with TENSOR_DUMP_TOP_LEVEL_MODULE_NAME=language_model (SGLang's own
+    deepseek-vl2 test): its logits processor is `language_model.logits_processor`. SGLang's hook
+    stores that module's LogitsProcessorOutput as its logits; only a root-level logits_processor was
+    watched, so the nested one was dumped as a dataclass (`...logits_processor.next_token_logits`)."""
+    monkeypatch.setenv("TENSOR_DUMP_TOP_LEVEL_MODULE_NAME", "language_model")
+
+    class VisionLanguage(Part):
+        def __init__(self):
+            super().__init__()
+            self.vision = nn.Linear(H, H)
+            self.language_model = LlamaForCausalLM()
+
+        @torch.no_grad()
+        def forward(self, input_ids, positions, forward_batch):
+            return self.language_model(input_ids, positions, forward_batch)
+
+    model = VisionLanguage()
+    fb = next(batches())
+    d = fsg.register_forward_hook_for_model(model, tmp_path, None, 1, 0, 0)
+    out = run(model, fb)
+    d.close()
+    ds = fastdump.open(tmp_path)
+    got = ds.load("target", only_rank(ds, "target"), 0)
+    assert torch.equal(got["language_model.logits_processor"], out.next_token_logits)
+    assert not [name for name in got if "next_token_logits" in name]

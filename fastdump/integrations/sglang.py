@@ -166,12 +166,13 @@ def register_forward_hook_for_model(model, dump_dir, dump_layers=None, tp_size=1
         fastdump_kwargs["exclude"] = _either(fastdump_kwargs.get("exclude"), pat)
         dump_layers = None
     # Left out of the leaf selection: the root (SGLang never dumps it; its output is the
-    # LogitsProcessorOutput), and the two modules watched with hooks below (a leaf top or a
-    # selected logits_processor would be wrapped twice).
-    logits = model._modules.get("logits_processor")
-    logits = logits if isinstance(logits, torch.nn.Module) else None
+    # LogitsProcessorOutput), and the modules watched with hooks below (a leaf top or a selected
+    # logits_processor would be wrapped twice). A logits processor may sit below the root (a VL
+    # model's `language_model.logits_processor`): SGLang's hook stores any module's
+    # LogitsProcessorOutput as its logits, under that module's name.
+    logits = _logits_processors(model)
     skip = [re.escape(fastdump_kwargs.get("root_name") or type(model).__name__), re.escape(top_name)]
-    skip += ["logits_processor"] if logits is not None else []
+    skip += [re.escape(name) for name in logits]
     fastdump_kwargs["exclude"] = _either(fastdump_kwargs.get("exclude"), "^(?:" + "|".join(skip) + ")$")
     # SGLang's signature has no pp_size; rank.json wants one.
     pp_size = fastdump_kwargs.pop("pp_size", None) or _sglang_pp_size() or pp_rank + 1
@@ -180,8 +181,9 @@ def register_forward_hook_for_model(model, dump_dir, dump_layers=None, tp_size=1
                              **fastdump_kwargs)
     try:
         dumper.watch(top, top_name, convert=_sglang_output, before=_batch_info(dumper))
-        if logits is not None:
-            dumper.watch(logits, "logits_processor", convert=_sglang_output)
+        for name, module in logits.items():
+            if module is not top:
+                dumper.watch(module, name, convert=_sglang_output)
     except BaseException:
         dumper.close()
         raise
@@ -190,6 +192,17 @@ def register_forward_hook_for_model(model, dump_dir, dump_layers=None, tp_size=1
     where = os.path.join(given, dumper.dir.name) if role_from_path else \
         os.path.join(given, *dumper.dir.relative_to(dumper.root).parts)
     return SGLangDumper(dumper, where)
+
+
+def _logits_processors(model) -> dict:
+    """{qualified name: module} of the model's logits processors: modules named ``logits_processor``
+    or of a class named ``LogitsProcessor``, at any depth (not inside another one)."""
+    found = {}
+    for name, module in named_modules(model):
+        if name and (name.rpartition(".")[2] == "logits_processor" or type(module).__name__ == "LogitsProcessor") \
+                and not any(name.startswith(outer + ".") for outer in found):
+            found[name] = module
+    return found
 
 
 def _write_module_names(dumper, model, top_name: str) -> None:
