@@ -663,3 +663,35 @@ def test_multi_root_reading_never_mixes_sessions(tmp_path):
         got = ds.load("target", 0, 0, session=fmt.parse_rank_dir(second)[4])
         assert torch.equal(got["a"], tensors_of(5)["a"])
         assert torch.equal(ds.load("target", first, 0)["a"], tensors_of(0)["a"])
+
+
+def test_a_routine_rank_json_write_that_needs_the_reserve_records_the_full_disk_and_stops(tmp_path, monkeypatch):
+    """The disk fills between segments: the rank.json written after a segment is refused (ENOSPC).
+    The reserve was spent on it and writing went on; the next segment took the freed space, its
+    own failure found no reserve for rank.json, and the dump was left "running" with no error.
+    Now the write that spends the reserve records the full disk (status "error") and stops."""
+    import errno
+
+    path = tmp_path / "target" / "TP0_PP0_Rank0_pid1_20260101T000000.000000Z-00000003"
+    writer = ChannelWriter({"op": "open", "channel": 0, "dir": str(path), "role": "target", "rank": RANKS,
+                            "pid": 1, "host": "h", "device": {}, "config": {"segment_passes": 1}})
+    real, refused = fsutil.atomic_write_json, []
+
+    def full_once(target, data, **kwargs):
+        if target.endswith(fmt.RANK_FILE) and data.get("passes") == 1 and not refused:
+            refused.append(target)
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(target, data, **kwargs)
+
+    monkeypatch.setattr(fsutil, "atomic_write_json", full_once)
+    writer.on_name(0, "x")
+    with pytest.raises(OSError):
+        for p in range(5):
+            writer.on_begin(p, {})
+            writer.on_tensor(0, p, dtypes.code_of(torch.float32), (4,), np.ones(16, np.uint8))
+            writer.on_end(p, {}, 0, [])
+    assert refused and p == 0  # the first segment's rank.json: nothing more was written
+    info = json.loads((path / fmt.RANK_FILE).read_text())
+    assert info["status"] == "error" and "disk full" in info["error"] and "No space left" in info["error"]
+    assert [s["file"] for s in info["segments"]] == ["seg-000000.h5"] and not (path / RESERVE_FILE).exists()
+    assert verify(tmp_path).problems

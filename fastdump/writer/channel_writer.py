@@ -575,6 +575,14 @@ class ChannelWriter:
                 raise
             # Disk full: give up the reserved space so that this rank.json (its error) lands;
             # if even that is too little, without the segment list (readers list the files).
+            # A routine write (after a segment) that needs the reserve is the failure itself: the
+            # reserve is spent once, so this rank.json says so, and the caller stops writing (the
+            # next segment would take the freed space and its failure find none for rank.json,
+            # leaving it "running").
+            spent_here = self.error is None
+            if spent_here:
+                self.error = f"disk full: {exc.strerror or exc} writing {fmt.RANK_FILE}"
+                self._status = "error"
             fsutil.remove_quietly(self._reserve)
             try:
                 fsutil.atomic_write_json(path, self.rank_json())
@@ -582,6 +590,8 @@ class ChannelWriter:
                 if again.errno not in _DISK_FULL:
                     raise
                 fsutil.atomic_write_json(path, {**self.rank_json(), "segments": [], "segments_omitted": True})
+            if spent_here:
+                raise
 
     def _write_progress(self) -> None:
         """rank.json with a new pending_passes or drop count: at most once a poll, not made durable.
