@@ -184,7 +184,14 @@ def _status_problem(info: dict):
         return "rank.json has no status (missing or damaged): not known to be whole"
     status, error = info["status"], info.get("error")
     if status == "closed":
-        return f"status is 'closed' but an error was recorded ({error})" if error else None
+        if error:
+            return f"status is 'closed' but an error was recorded ({error})"
+        # Whole passes dropped (policy drop, the ring full as they began; CUDA-graph replays that
+        # outran the drain) are gaps in the pass ids: no pass's metadata says so.
+        dropped = info.get("dropped_passes")
+        if isinstance(dropped, int) and not isinstance(dropped, bool) and dropped > 0:
+            return f"{dropped} whole pass(es) were dropped (gaps in the pass ids)"
+        return None
     return f"status is {status!r} ({unfinished_why(status, error)})"  # in diff's words
 
 

@@ -188,6 +188,8 @@ NOT_WHOLE = {
     "status running": (dict(status="running"),
                        ["status is 'running' (the dump is still being written, or its writer was killed)"]),
     "status incomplete": (dict(status="incomplete"), ["status is 'incomplete' (the dumping process exited"]),
+    # whole passes dropped leave gaps no pass's metadata shows: they were exported as if whole
+    "dropped passes": (dict(info={"dropped_passes": 2}), ["2 whole pass(es) were dropped (gaps in the pass ids)"]),
 }
 
 
