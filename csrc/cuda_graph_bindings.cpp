@@ -64,6 +64,8 @@ void bind_graph_recorder(py::module_& m) {
           py::arg("graph"), "A committed graph's span record: its name id, size and tensor layout.")
       .def_property_readonly("dropped_replays", &GraphRecorder::dropped_replays)
       .def("abort_graph", &GraphRecorder::abort_graph)
+      .def("capture_ended", &GraphRecorder::capture_ended,
+           "The open graph's capture is over (ended, or another since on its stream): not committable.")
       .def_property_readonly("capturing", &GraphRecorder::capturing)
       .def("set_paused", &GraphRecorder::set_paused, py::arg("paused"))
       .def(

@@ -236,6 +236,7 @@ struct GraphInfo {
   std::vector<GraphTensorLayout> tensors;
   uint64_t tensor_bytes = 0;  // sum of the tensors' nbytes
   cudaStream_t stream = nullptr;
+  unsigned long long capture_id = 0;  // the capture it was begun in (cudaStreamGetCaptureInfo)
   bool overflow = false;
 };
 
@@ -346,7 +347,8 @@ struct GraphRecorder::Impl {
   int begin_graph(uintptr_t s) {
     cudaStream_t cs = reinterpret_cast<cudaStream_t>(s);
     cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
-    FD_GR_CUDA(cudaStreamIsCapturing(cs, &st));
+    unsigned long long capture_id = 0;
+    FD_GR_CUDA(cudaStreamGetCaptureInfo(cs, &st, &capture_id));
     if (st != cudaStreamCaptureStatusActive) throw std::runtime_error("the stream is not capturing a CUDA graph");
     std::lock_guard<std::mutex> g(mu);
     if (closed || broken) throw std::runtime_error("graph recorder closed" + (last_error.empty() ? "" : ": " + last_error));
@@ -357,7 +359,27 @@ struct GraphRecorder::Impl {
     open->span_offset = slot_used;
     open->span_bytes = kReplayHeaderBytes;  // each ring entry opens with its ReplayHeader
     open->stream = cs;
+    open->capture_id = capture_id;
     return static_cast<int>(open->id);
+  }
+
+  // Whether the open graph's capture is over (ended, or another capture on its stream since): its
+  // commit kernels would run once, at once, publishing slots no replay wrote, and the graph's
+  // replays would have none. mu held.
+  bool capture_ended_locked() {
+    if (!open) return false;
+    cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
+    unsigned long long id = 0;
+    if (cudaStreamGetCaptureInfo(open->stream, &st, &id) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return true;
+    }
+    return st != cudaStreamCaptureStatusActive || id != open->capture_id;
+  }
+
+  bool capture_ended() {
+    std::lock_guard<std::mutex> g(mu);
+    return capture_ended_locked();
   }
 
   int record(uint32_t name_id, uint16_t dtype, const CudaSource& src) {
@@ -385,6 +407,12 @@ struct GraphRecorder::Impl {
   int end_graph() {
     std::lock_guard<std::mutex> g(mu);
     if (!open) throw std::runtime_error("no CUDA graph capture is open");
+    if (capture_ended_locked()) {
+      slot_used = std::max(slot_used, open->span_offset + open->span_bytes);  // (the graph may be replayed)
+      open.reset();
+      throw std::runtime_error("the capture ended before the pass did: the graph holds no commit, its replays "
+                               "cannot be dumped (end the pass inside the capture)");
+    }
     std::unique_ptr<GraphInfo> gi(std::move(open));
     if (gi->tensors.empty()) return -1;
     OnDevice on(device);
@@ -695,6 +723,7 @@ int GraphRecorder::end_graph() {
   return impl_->end_graph();
 }
 void GraphRecorder::abort_graph() { impl_->abort_graph(); }
+bool GraphRecorder::capture_ended() { return impl_->capture_ended(); }
 bool GraphRecorder::capturing() const {
   std::lock_guard<std::mutex> g(impl_->mu);
   return impl_->open != nullptr;

@@ -90,6 +90,9 @@ class GraphRecorder {
   int end_graph();
   // Forget the open capture without a commit (its slots stay reserved: the graph may still exist).
   void abort_graph();
+  // The open graph's capture is over (ended, or its stream captures another since): it can no
+  // longer be committed, and tensors must not be recorded into it.
+  bool capture_ended();
   bool capturing() const;
   // A committed graph's span: its record's name id, size and tensors (what the writer needs).
   uint32_t span_name_id(int graph) const;

@@ -984,3 +984,101 @@ def test_replay_wire_constants_match_the_extension(m):
         assert list(C.REPLAY_HEADER_FIELDS) == [(f, 8 * i) for i, f in enumerate(protocol.ReplayHeader._fields)]
     text, mark = protocol.drop_note_template(3, 1)
     assert protocol.decode(text.replace(mark, "17")) == protocol.graph_drops(3, 1, 17)
+
+
+class _Forward:
+    """Model.forward without its pass: the tests below begin and end the pass themselves."""
+
+    @staticmethod
+    def run(m, model, dumper, stream):
+        assert m._mock.enqueue_copy(stream, model.h1, model.x, model.nbytes) == 0
+        assert m._mock.enqueue_increment(stream, model.h1, model.nbytes) == 0
+        dumper.dump("layers.0", FakeCudaTensor(model.cpu, model.h1))
+        assert m._mock.enqueue_copy(stream, model.h2, model.h1, model.nbytes) == 0
+        assert m._mock.enqueue_increment(stream, model.h2, model.nbytes) == 0
+        dumper.dump("layers.1", FakeCudaTensor(model.cpu, model.h2))
+
+
+def test_a_graph_whose_pass_ends_after_its_capture_is_not_committed_and_fails_verify(m, glue, tmp_path,
+                                                                                   monkeypatch):
+    """begin_pass(); capture; end_pass() after the capture ended: the commit kernels went onto a
+    stream no longer capturing, ran once at once and published slots no replay wrote (the mock's
+    0xA5 poison) as a complete replay pass, while the graph's real replays were not dumped nor
+    counted, and verify said OK. Now the graph is given up: no replay pass, the loss counted
+    (graphs_not_dumped) and verify fails."""
+    from fastdump.cli.dump import verify_dump
+    from fastdump.staging import cuda
+
+    current = Stream(glue)
+    monkeypatch.setattr(cuda, "_current_stream", current)
+    d = _attach(tmp_path, writer="thread", device="cuda:0")
+    side = m._mock.stream_create_flags(0)
+    model = Model(m, 4)
+    d.begin_pass()
+    current.raw = side
+    assert m._mock.begin_capture(side, GLOBAL) == 0
+    _Forward.run(m, model, d, side)
+    err, graph = m._mock.end_capture(side)
+    assert err == 0, m._mock.error_name(err)
+    current.raw = glue
+    d.end_pass()  # the capture is over
+    exe = m._mock.graph_instantiate(graph)
+    try:
+        for k in range(3):
+            replay(m, model, exe, glue, rand_input(model, k))
+        m._mock.sync(glue)
+        stats = d.close()
+    finally:
+        release(m, [(graph, exe)], [side], [d])
+    assert stats["graphs_not_dumped"] == 1
+    ds = fastdump.open(tmp_path)
+    assert graph_passes(ds, "target") == []  # no replay pass of values no replay wrote
+    assert "the capture ended before the pass did" in ds.meta("target", 0, 0)["incomplete"]
+    problems = verify_dump(str(tmp_path)).problems
+    assert any("1 CUDA graph(s) captured while dumping cannot be dumped" in p for p in problems), problems
+
+
+def test_a_new_capture_in_a_pass_whose_capture_ended_starts_a_graph_of_its_own(m, glue, tmp_path, monkeypatch):
+    """A capture raised (its pass never ended), then the runner captured again on the same stream:
+    the new capture's tensors were recorded into the stale graph, whose commit never reached a live
+    capture; the new graph's replays were lost uncounted. The stale graph is now given up (counted)
+    and the new capture records a graph of its own, committed when the pass ends inside it."""
+    from fastdump.staging import cuda
+
+    current = Stream(glue)
+    monkeypatch.setattr(cuda, "_current_stream", current)
+    d = _attach(tmp_path, writer="thread", device="cuda:0")
+    side = m._mock.stream_create_flags(0)
+    model = Model(m, 4)
+    d.begin_pass()  # the pass of the capture that fails
+    current.raw = side
+    assert m._mock.begin_capture(side, GLOBAL) == 0
+    _Forward.run(m, model, d, side)
+    err, failed = m._mock.end_capture(side)  # it raised: torch's __exit__ ends the capture
+    m._mock.graph_destroy(failed)
+    assert m._mock.begin_capture(side, GLOBAL) == 0  # the retry, in the same (never ended) pass
+    _Forward.run(m, model, d, side)
+    d.end_pass()  # inside the new capture: its graph commits
+    err, graph = m._mock.end_capture(side)
+    assert err == 0, m._mock.error_name(err)
+    current.raw = glue
+    exe = m._mock.graph_instantiate(graph)
+    expected = {}
+    try:
+        for k in range(3):
+            expected[k] = replay(m, model, exe, glue, rand_input(model, 10 + k))
+        m._mock.sync(glue)
+        stats = d.close()
+    finally:
+        release(m, [(graph, exe)], [side], [d])
+    assert stats["graphs_not_dumped"] == 1  # the failed capture's
+    ds = fastdump.open(tmp_path)
+    passes = graph_passes(ds, "target")
+    assert len(passes) == 3
+    for p in passes:
+        meta, got = ds.meta("target", 0, p), ds.load("target", 0, p)
+        want = expected[meta["graph_replay"]]
+        # (the second calls of the pass: numbered #1, the failed capture's were the first)
+        assert sorted(got) == ["layers.0#1", "layers.1#1"]
+        assert torch.equal(torch.as_tensor(got["layers.0#1"]), want[0])
+        assert torch.equal(torch.as_tensor(got["layers.1#1"]), want[1])

@@ -159,7 +159,7 @@ class Dumper:
         self._folded_drops = (0, 0)  # the channel's drop counts already in _totals
         self._totals = {"passes": 0, "tensors": 0, "bytes": 0, "dropped": 0, "skipped": 0, "dropped_passes": 0,
                         "lost_pass_ends": 0, "late_pass_ends": 0, "interrupted_pass_ends": 0,
-                        "incomplete_passes": 0, "mixed_passes": 0, "lost_at_close": 0}
+                        "incomplete_passes": 0, "mixed_passes": 0, "lost_at_close": 0, "graphs_not_dumped": 0}
         self._wrapped: list = []  # (module, our wrapper), in wrapping order; what each wraps: _wrapped_by
         self._module_names: set = set()  # the names wrapped modules dump under (a container's parts must not take one)
         self._flat_names: set = set()    # names given to containers' parts in pass _flat_pass (see _part_name)

@@ -507,6 +507,10 @@ def _check_counts(report: _Report, path: str, info: dict, pass_ids: set, tensors
     if tensors + skipped < tensors_sent:
         report.problem(path, f"the Dumper staged {tensors_sent} tensors; {tensors} are on disk "
                              f"({skipped} recorded as skipped)")
+    graphs = count(stats, "graphs_not_dumped", "stats.")
+    if graphs:
+        report.problem(path, f"{graphs} CUDA graph(s) captured while dumping cannot be dumped: their replays ran "
+                             "unseen (see the capture pass's incomplete reason)")
     config = info.get("config") if isinstance(info.get("config"), dict) else {}
     dropped, dropped_passes = count(info, "dropped"), count(info, "dropped_passes")
     if dropped or dropped_passes:

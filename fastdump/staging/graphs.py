@@ -116,6 +116,12 @@ class GraphRecording:
         device = t.get_device()
         raw, _ = cuda._current_stream(device)
         cap = self.open
+        if cap is not None and cap.recorder.capture_ended():
+            # The capture this pass began in is over (a capture that raised, then a new one in a
+            # pass that never ended): its graph can no longer be committed. Given up, loudly, and
+            # this tensor starts a graph of its own in the capture running now.
+            self._give_up(cap, "the capture it was recorded in ended before its pass did")
+            cap = None
         if cap is None:
             rec = self._recorder(device)
             if rec is None:
@@ -155,10 +161,12 @@ class GraphRecording:
         batch = meta.get("batch_size", meta.get("bs", cap.batch))
         graph_meta = dict(meta, cuda_graph=cap.graph, graph_batch=batch)
         try:
+            # A pass that ends after its capture did (end_pass() after the `with torch.cuda.graph`
+            # block, close() ending a capture that raised) cannot commit: its kernels would run
+            # once, now, and publish slots no replay wrote as a replay (end_graph refuses).
             gid = cap.recorder.end_graph()
         except (RuntimeError, ValueError) as exc:
-            cap.recorder.abort_graph()
-            d._mark_incomplete(f"CUDA graph capture: the graph's replays are not dumped ({exc})")
+            self._give_up(cap, str(exc))
             return
         if gid < 0:
             d._mark_incomplete("CUDA graph capture: nothing was recorded into the graph")
@@ -173,6 +181,20 @@ class GraphRecording:
             return
         d._mark_incomplete(f"CUDA graph capture: values recorded into graph {gid} (batch {batch}); each "
                            f"replay is a pass of its own, numbered from {protocol.GRAPH_PASS_BASE}")
+
+    def _give_up(self, cap, why: str) -> None:
+        """A captured graph that will not be dumped: its replays run unseen, so the loss is counted
+        (``graphs_not_dumped``: verify fails on it) and its capture pass marked incomplete. Its
+        slots stay reserved (abort_graph): the graph may still be replayed."""
+        cap.recorder.abort_graph()
+        if self.open is cap:
+            self.open = None
+        d = self._dumper
+        d._totals["graphs_not_dumped"] += 1
+        d._mark_incomplete(f"CUDA graph capture: the graph's replays are not dumped ({why})")
+        if "give_up" not in self._said:
+            self._said.add("give_up")
+            log.error("fastdump: %s: a captured CUDA graph's replays are not dumped: %s", d.dir, why)
 
     # -- end ---------------------------------------------------------------------------------------
     def close(self, totals: dict, timeout: float) -> None:
