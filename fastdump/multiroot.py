@@ -32,16 +32,23 @@ class MultiDumpSet:
             self.close()
             raise ValueError(f"a dump root is given twice: {self.roots}")
         self.root = " + ".join(self.roots)
-        self._owners: dict = {}  # (role, rank dir name) -> DumpSet
-        seen: dict = {}  # (role, global rank, dp rank) -> path
+        try:
+            self._owners = self._find_owners()  # (role, rank dir name) -> DumpSet
+        except ValueError:
+            self.close()
+            raise
+
+    def _find_owners(self) -> dict:
+        """Which root holds each rank directory; ValueError for one rank in two roots."""
+        owners: dict = {}
+        seen: dict = {}  # (role, global rank, dp rank, session) -> path
         for ds in self.sets:
             for role in ds.roles:
                 for name in ds.ranks(role):
                     path = os.path.join(ds.root, role, name)
-                    if (role, name) in self._owners:
-                        self.close()
+                    if (role, name) in owners:
                         raise ValueError(f"duplicate rank directory {role}/{name} in "
-                                         f"{self._owners[(role, name)].root} and {ds.root}")
+                                         f"{owners[(role, name)].root} and {ds.root}")
                     entry = ds._rank_obj(role, name)
                     number = entry.rank_number()
                     ranks = entry.info.get("rank")
@@ -49,11 +56,11 @@ class MultiDumpSet:
                     if number is not None:
                         key = (role, number, dp, entry.session)  # sessions of one rank are separate runs
                         if key in seen:
-                            self.close()
                             raise ValueError(f"duplicate rank: role {role!r} rank {number} (dp {dp}) is in both "
                                              f"{seen[key]} and {path}")
                         seen[key] = path
-                    self._owners[(role, name)] = ds
+                    owners[(role, name)] = ds
+        return owners
 
     @property
     def problems(self) -> list:
@@ -117,13 +124,16 @@ class MultiDumpSet:
                 raise KeyError(f"no rank {name!r} in role {role!r} (ranks: {names})")
         return self._owners[(role, name)], role, name
 
-    def rank_path(self, role: str = None, rank=None) -> str:
-        ds, role, name = self._owner(role, rank)
+    def rank_path(self, role: str = None, rank=None, *, session: str = None) -> str:
+        ds, role, name = self._owner(role, rank, session)
         return os.path.join(ds.root, role, name)
 
     def refresh(self) -> None:
+        """Read the roots again, as DumpSet.refresh does: roles and sessions made since are seen
+        (a ValueError, as at open, when a rank is now in two roots)."""
         for ds in self.sets:
             ds.refresh()
+        self._owners = self._find_owners()
 
     def close(self) -> None:
         for ds in getattr(self, "sets", []):

@@ -1203,3 +1203,13 @@ def test_verify_warns_of_a_pass_stored_incomplete_without_a_reason(tmp_path, mon
     assert ds.meta("target", 0, 1)["complete"] is False and "incomplete" not in ds.meta("target", 0, 1)
     report = verify(tmp_path)
     assert any("stored incomplete without a reason" in w and "pass 1" in w for w in report.warnings), report.warnings
+
+
+def test_pass_metadata_keys_that_read_alike_are_both_kept(tmp_path):
+    """{1: "a", "1": "b"} became {"1": "b"}: JSON keys are text, and the first value was lost."""
+    model = Mlp()
+    with fastdump.attach(model, tmp_path) as d:
+        d.set_pass_meta(keys={1: "a", "1": "b", "'1'": "c"})
+        model(torch.randn(2, 8))
+    # the later of two alike keys goes under its repr: "1" as '1', then "'1'" as "'1'"
+    assert fastdump.open(tmp_path).meta("target", 0, 0)["keys"] == {"1": "a", "'1'": "b", "\"'1'\"": "c"}

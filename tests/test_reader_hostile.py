@@ -785,3 +785,54 @@ def test_a_pass_whole_in_one_segment_and_found_again_in_another_is_not_read(tmp_
     done = subprocess.run([sys.executable, "-m", "fastdump", "verify", str(tmp_path / "dump")], capture_output=True,
                           text=True, timeout=120)
     assert done.returncode == 1 and "Traceback" not in done.stderr, done.stdout + done.stderr
+
+
+def test_ls_says_the_open_segments_passes_were_lost_once_its_process_is_gone(tmp_path, capsys):
+    """A running rank whose process is gone has no open segment any more: its pending passes were
+    never written. ls showed them as "in the open segment", as if they would still come."""
+    root = tmp_path / "gone"
+    script = (f"import os, signal, torch, fastdump\n"
+              f"m = torch.nn.Linear(4, 4)\n"
+              f"d = fastdump.attach(m, {str(root)!r}, writer='thread', segment_passes=1000, segment_idle_seconds=0)\n"
+              f"import json, glob, time\n"
+              f"with torch.inference_mode():\n"
+              f"    [m(torch.ones(1, 4)) for _ in range(5)]\n"
+              f"deadline = time.monotonic() + 30\n"
+              f"while time.monotonic() < deadline:\n"
+              f"    f = glob.glob({str(root)!r} + '/target/*/rank.json')\n"
+              f"    if f and json.load(open(f[0])).get('pending_passes') == 5: break\n"
+              f"    time.sleep(0.05)\n"
+              f"os.kill(os.getpid(), signal.SIGKILL)\n")
+    subprocess.run([sys.executable, "-c", script], timeout=120)
+    code, out, err = cli("ls", root, capsys=capsys)
+    assert "5 pass(es) of the open segment lost with its process" in out and "in the open segment]" not in out
+    from fastdump.cli import dump as cli_dump
+
+    listed = cli_dump.list_dump(str(root))["ranks"][0]
+    assert listed["pending_passes"] == 0 and listed["lost_pending_passes"] == 5 and listed["producer_gone"]
+
+
+def test_a_multi_root_refresh_sees_roles_and_sessions_made_since(tmp_path):
+    """MultiDumpSet.refresh() refreshed each root but kept the rank directories it found at open:
+    a role or a session written since stayed invisible (a multi-host dump read as it is written)."""
+    model = torch.nn.Linear(4, 4)
+    with fastdump.attach(model, tmp_path / "a", writer="thread"):
+        model(torch.ones(1, 4))
+    multi = fastdump.open([tmp_path / "a"])
+    assert multi.roles == ["target"]
+    x = torch.full((1, 4), 3.0)
+    with fastdump.attach(model, tmp_path / "a", role="draft", writer="thread"):
+        out = model(x)
+    multi.refresh()
+    assert multi.roles == ["draft", "target"]
+    assert torch.equal(multi.load("draft", 0, 0)["Linear"], out)
+    with fastdump.attach(model, tmp_path / "a", writer="thread"):  # a second session of target rank 0
+        model(x)
+    multi.refresh()
+    sessions = multi.sessions("target", 0)
+    assert len(sessions) == 2
+    with pytest.raises(ValueError, match="2 sessions"):
+        multi.load("target", 0, 0)
+    session = fmt.parse_rank_dir(sessions[1])[4]
+    assert multi.rank_path("target", 0, session=session).endswith(sessions[1])  # (it took no session=)
+    multi.close()

@@ -1493,7 +1493,15 @@ def _jsonable(value, outer: tuple = ()):
             return f"<cut: nested more than {_MAX_NESTING} deep>"
         outer = outer + (id(value),)
         if isinstance(value, dict):
-            return {str(k): _jsonable(v, outer) for k, v in value.items()}
+            out = {}
+            for k, v in value.items():
+                key = k if isinstance(k, str) else str(k)
+                if key in out:  # keys that read alike (1 and "1"): the later one under its repr, not lost
+                    key, n = repr(k), 1
+                    while key in out:
+                        key, n = f"{k!r}#{n}", n + 1
+                out[key] = _jsonable(v, outer)
+            return out
         return [_jsonable(v, outer) for v in value]
     if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > _MAX_META_INT_BITS:
         return f"<int of {value.bit_length()} bits>"  # json.dumps refuses ints of over 4300 digits (or fewer)

@@ -102,6 +102,7 @@ def list_dump(root: str) -> dict:
                 info = ds.rank_info(role, rank)
                 status = info.get("status", "unknown")
                 error = info.get("error")
+                gone = _pid_gone(info)
                 entry = {
                     "role": role,
                     "rank": rank,
@@ -110,9 +111,11 @@ def list_dump(root: str) -> dict:
                     "dropped": _count(info.get("dropped", 0)),
                     "dropped_passes": _count(info.get("dropped_passes", 0)),
                     "skipped": _count(info.get("skipped", 0)),
-                    "producer_gone": _pid_gone(info),
-                    # ended passes the writer still holds in its open segment (a running rank)
-                    "pending_passes": _count(info.get("pending_passes", 0)) if status == "running" else 0,
+                    "producer_gone": gone,
+                    # ended passes the writer still holds in its open segment (a running rank whose
+                    # process lives: once it is gone, they were never written)
+                    "pending_passes": _count(info.get("pending_passes", 0)) if status == "running" and not gone else 0,
+                    "lost_pending_passes": _count(info.get("pending_passes", 0)) if status == "running" and gone else 0,
                 }
                 try:
                     entry.update(ds.summary(role, rank))
@@ -166,6 +169,8 @@ def cmd_ls(args) -> int:
             status += f" [{len(r['incomplete_passes'])} incomplete pass(es)]"
         if r["pending_passes"]:
             status += f" [+{r['pending_passes']} pass(es) in the open segment]"
+        if r["lost_pending_passes"]:
+            status += f" [{r['lost_pending_passes']} pass(es) of the open segment lost with its process]"
         dropped = str(r["dropped"]) + (f" +{r['dropped_passes']} passes" if r["dropped_passes"] else "")
         rows.append([_printable(r["role"]), _printable(r["rank"]), r["passes"], span, r["segments"], r["tensors"],
                      _size(r["bytes"]), dropped, r["skipped"], _printable(status)])
