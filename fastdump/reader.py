@@ -626,7 +626,8 @@ class DumpSet:
         """Totals of a rank from its readable segments (what ``fastdump ls`` prints)."""
         entry = self._rank(role, rank, session)
         segments = entry.segments
-        passes = list(entry.pass_map)
+        # (a pass whole in one segment and found again in another is not read: not counted)
+        passes = [p for p in entry.pass_map if p not in entry.repeated]
         incomplete = set()
         for segment in segments:
             for row in segment.passes:
@@ -641,6 +642,7 @@ class DumpSet:
             "incomplete_passes": sorted(incomplete),
             "segments": len(segments),
             "unreadable_segments": len(entry.unreadable),
+            "repeated_passes": sorted(entry.repeated),  # in two segments: not read (copied or mixed)
             "tensors": sum(len(segment.index) for segment in segments),
             "bytes": sum(int(segment.passes["bytes"].sum()) for segment in segments),
         }
@@ -810,6 +812,8 @@ class DumpSet:
                 raise KeyError(f"no role {role!r} in {self.root} (roles: {self.roles})")
             return role
         roles = self.roles
+        if not roles:
+            raise KeyError(f"no rank directories in {self.root} (expected <root>/<role>/<rank>/rank.json)")
         if len(roles) != 1:
             raise ValueError(f"role must be given: {self.root} holds roles {roles}")
         return roles[0]

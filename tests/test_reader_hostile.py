@@ -836,3 +836,26 @@ def test_a_multi_root_refresh_sees_roles_and_sessions_made_since(tmp_path):
     session = fmt.parse_rank_dir(sessions[1])[4]
     assert multi.rank_path("target", 0, session=session).endswith(sessions[1])  # (it took no session=)
     multi.close()
+
+
+def test_ls_counts_no_pass_the_reader_refuses_and_flags_it(tmp_path, capsys):
+    """A segment copied in under another number repeats passes already whole in the first: the
+    reader refuses them (which copy is the pass cannot be told), but ls counted them, with a plain
+    `closed` status. They are flagged now and not counted. An empty root says it has no rank."""
+    root = tmp_path / "copied"
+    model = torch.nn.Linear(4, 4)
+    with fastdump.attach(model, root, writer="thread", segment_passes=2):
+        with torch.inference_mode():
+            for _ in range(5):
+                model(torch.ones(1, 4))
+    (rank,) = (root / "target").iterdir()
+    shutil.copy(rank / "seg-000000.h5", rank / "seg-000009.h5")
+    with pytest.warns(UserWarning):
+        with fastdump.open(root) as ds:
+            summary = ds.summary("target", 0)
+    assert summary["repeated_passes"] == [0, 1] and summary["passes"] == 3
+    code, out, err = cli("ls", root, capsys=capsys)  # (the reader's warnings go to stderr)
+    assert "2 pass(es) in two segments: not read" in out and "seg-000009.h5" in err
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(KeyError, match="no rank directories"):
+        fastdump.open(tmp_path / "empty").passes()

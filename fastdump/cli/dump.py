@@ -122,7 +122,7 @@ def list_dump(root: str) -> dict:
                 except Exception as exc:  # never a traceback: say which rank and why, go on
                     ds.problems.append(f"{os.path.join(ds.root, role, rank)}: {type(exc).__name__}: {exc}")
                     entry.update(passes=0, first_pass=None, last_pass=None, incomplete_passes=[], segments=0,
-                                 unreadable_segments=0, tensors=0, bytes=0)
+                                 unreadable_segments=0, repeated_passes=[], tensors=0, bytes=0)
                 ranks.append(entry)
         manifest = ds.manifest
         return {"root": ds.root, "manifest": manifest, "ranks": ranks, "problems": list(ds.problems)}
@@ -169,6 +169,8 @@ def cmd_ls(args) -> int:
             status += f" [{len(r['incomplete_passes'])} incomplete pass(es)]"
         if r["pending_passes"]:
             status += f" [+{r['pending_passes']} pass(es) in the open segment]"
+        if r.get("repeated_passes"):
+            status += f" [{len(r['repeated_passes'])} pass(es) in two segments: not read]"
         if r["lost_pending_passes"]:
             status += f" [{r['lost_pending_passes']} pass(es) of the open segment lost with its process]"
         dropped = str(r["dropped"]) + (f" +{r['dropped_passes']} passes" if r["dropped_passes"] else "")
