@@ -162,7 +162,7 @@ class Dumper:
                         "incomplete_passes": 0, "mixed_passes": 0, "lost_at_close": 0, "graphs_not_dumped": 0}
         self._wrapped: list = []  # (module, our wrapper), in wrapping order; what each wraps: _wrapped_by
         self._module_names: set = set()  # the names wrapped modules dump under (a container's parts must not take one)
-        self._flat_names: set = set()    # names given to containers' parts in pass _flat_pass (see _part_name)
+        self._flat_names: set = set()    # names given to containers' parts in pass _flat_pass (see _name_taken)
         self._flat_pass = None
         self._indexed_parents: set = set()
         self._manual_depth = 0           # begin_pass() calls not yet ended in the open pass
