@@ -216,6 +216,12 @@ def block_crc32c(number: int, dtype_name: str, encoding: str, scalar: bool, row_
     return _C.crc32c(f"{int(number)} {dtype_name} {encoding} {int(bool(scalar))} {dims}".encode("ascii"))
 
 
+# The keys DumpSet.meta adds to every pass's metadata itself; the capture side refuses them as user keys.
+READER_META_KEYS = ("complete", "dropped", "skipped", "tensors", "bytes")
+INCOMPLETE_META_KEYS = ("incomplete", "mixed")  # added where the capture side marked the pass incomplete
+RESERVED_META_KEYS = READER_META_KEYS + INCOMPLETE_META_KEYS
+
+
 PASS_DTYPE = np.dtype(
     [
         ("pass", "<i8"),

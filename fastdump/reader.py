@@ -667,7 +667,7 @@ class DumpSet:
         for segment in self._segments_of_pass(role, rank, pass_id, session):
             row, meta = segment.pass_record(pass_id)
             merged.update(meta.get("meta") or {})
-            reported.update({key: meta[key] for key in ("incomplete", "mixed") if meta.get(key)})
+            reported.update({key: meta[key] for key in fmt.INCOMPLETE_META_KEYS if meta.get(key)})
             complete = bool(row["complete"])  # a pass split over segments counts as its last part says
             dropped += int(row["dropped"])
             skipped.extend(meta.get("skipped") or [])

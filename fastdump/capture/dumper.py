@@ -1470,7 +1470,7 @@ def _raised_in_a_signal_handler(exc: BaseException) -> bool:
     return False
 
 
-_RESERVED_META = ("complete", "dropped", "skipped", "tensors", "bytes", "incomplete", "mixed")  # DumpSet.meta's own
+_RESERVED_META = _fmt.RESERVED_META_KEYS  # DumpSet.meta's own
 _MAX_META_INT_BITS = 2000  # ~600 digits: under the lowest limit Python lets json.dumps print (640)
 
 

@@ -53,9 +53,14 @@ def _rank_arg(text):
     return int(text) if text is not None and text.isdigit() else text
 
 
+def _is_count(value) -> bool:
+    """An integer >= 0 (JSON's true, 4.0 and -5 are not)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
 def _count(value) -> int:
     """A count from rank.json, or 0 when it is not a non-negative integer (a damaged file)."""
-    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0
+    return value if _is_count(value) else 0
 
 
 def _pid_gone(info: dict) -> bool:
@@ -496,7 +501,7 @@ def _check_counts(report: _Report, path: str, info: dict, pass_ids: set, tensors
         """A count rank.json holds: what is missing is 0, anything but an integer >= 0 a problem
         (a damaged count must not pass for none: 4.0 passes sent, or -5 dropped)."""
         value = obj.get(key, 0)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        if not _is_count(value):
             report.problem(path, f"{fmt.RANK_FILE} {where}{key} is {_printable(json.dumps(value))[:40]}, "
                                  "not a count (an integer >= 0)")
             return 0
