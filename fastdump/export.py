@@ -45,7 +45,7 @@ __all__ = ["export_sglang", "export_sglang_dumper", "sglang_names", "PartialDump
            "cmd_export"]
 
 # In a stored name: the call index a second call of a module in one pass gets (``name#1``).
-_CALL_RE = re.compile(r"#(\d+)(?=\.|$)")
+_CALL_RE = fmt.CALL_SUFFIX_RE
 # What the tuple/list elements of an output add to its module's name: ``.0``, ``.1.0`` ...
 _ELEMENTS_RE = re.compile(r"(?:\.\d+)+")
 

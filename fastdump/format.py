@@ -126,6 +126,16 @@ def segment_number(file_name: str):
     return int(match.group(1)) if match else None
 
 
+# Tensor names: a module's k-th call in a pass (k >= 1) is stored as ``name#k`` (``name#k.0`` ...).
+# A name of the user's that holds such a part would read as another call's, so capture refuses it.
+CALL_SUFFIX_RE = re.compile(r"#(\d+)(?=\.|$)")
+
+
+def reads_as_call(name: str) -> bool:
+    """``name`` holds a ``#k`` part (``a#1``, ``a#1.b``), which only call numbering may add."""
+    return CALL_SUFFIX_RE.search(name) is not None
+
+
 # Objects inside a segment file.
 NAMES = "names"  # scalar string: JSON array of tensor names (JSON keeps any character, NUL included)
 INDEX = "index"  # one row per stored tensor, in the order tensors arrived

@@ -20,6 +20,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from . import format as _fmt
+
 
 # --- parsers: each takes the raw string and returns the value or raises ValueError(reason) ---
 
@@ -310,6 +312,10 @@ class Options:
             raise ValueError(f"root must be a non-empty directory path, not {root!r}")
         if not isinstance(role, str) or not role or "/" in role or role in (".", ".."):
             raise ValueError(f"role must be a plain directory name, not {role!r}")
+        root_name = self.root_name
+        if root_name is not None and not (isinstance(root_name, str) and root_name and not _fmt.reads_as_call(root_name)):
+            raise ValueError(f"root_name must be a non-empty string without a '#<digits>' part (a repeated "
+                             f"call's), not {root_name!r}")
         _check_choice("policy", self.policy, ("block", "drop"))
         _check_number("block_timeout_s", self.block_timeout_s, above=0)
         self.engine  # the engine-wide settings are checked by EngineOptions

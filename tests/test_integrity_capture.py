@@ -1213,3 +1213,105 @@ def test_pass_metadata_keys_that_read_alike_are_both_kept(tmp_path):
         model(torch.randn(2, 8))
     # the later of two alike keys goes under its repr: "1" as '1', then "'1'" as "'1'"
     assert fastdump.open(tmp_path).meta("target", 0, 0)["keys"] == {"1": "a", "'1'": "b", "\"'1'\"": "c"}
+
+
+# -- names that read as another's: `#k` is call numbering's, `b.0` a tuple part's ----------------
+class CallLikeChild(nn.Module):
+    """A child attribute named ``a#1`` beside ``a``, which the forward calls twice: the second call
+    of ``a`` is stored as ``a#1`` too."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = nn.Linear(4, 4)
+        self.add_module("a#1", nn.Linear(4, 4))
+
+    def forward(self, x):
+        return self.a(self.a(x)) + getattr(self, "a#1")(x)
+
+
+def test_a_module_whose_name_reads_as_a_repeated_call_is_not_wrapped_and_nothing_reads_mixed(tmp_path, caplog):
+    """Both were stored as 'a#1' and verify failed the pass as mixed; now 'a#1' the module is left
+    unwrapped with the reason (rank.json's config, the log), and 'a#1' is a's second call."""
+    model, x = CallLikeChild(), torch.randn(2, 4)
+    with caplog.at_level(logging.WARNING, logger="fastdump"):
+        with fastdump.attach(model, tmp_path) as d:
+            out = model(x)
+    ds = fastdump.open(tmp_path)
+    tensors = ds.load("target", 0, 0)
+    assert list(tensors) == ["a", "a#1", "CallLikeChild"]
+    assert same_bits(tensors["a#1"], model.a(model.a(x)))
+    assert same_bits(tensors["CallLikeChild"], out)
+    assert not verify(tmp_path).problems
+    config = json.loads((d.dir / "rank.json").read_text())["config"]
+    assert "repeated call" in config["not_wrapped"]["a#1"]
+    assert any("not wrapped: a#1" in r.getMessage() for r in caplog.records)
+
+
+def test_names_given_to_dump_that_read_as_another_values_are_recorded_skips(tmp_path):
+    """dump('a#1') beside a's second call, dump('b.0') beside module b's tuple output (named by the C
+    wrapper) and beside dump('c', (t,)): two tensors under one name, which verify called mixed."""
+
+    class TupleOut(nn.Module):
+        def forward(self, x):
+            return x + 1, x + 2
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.b = TupleOut()
+
+        def forward(self, x):
+            return self.b(x)
+
+    model, x = Model(), torch.randn(3)
+    with fastdump.attach(model, tmp_path) as d:
+        d.begin_pass()
+        model(x)
+        d.dump("a", x * 10)
+        d.dump("a", x * 11)
+        d.dump("a#1", x * 12)             # reads as a's second call
+        d.dump("b.0", x * 13)             # reads as b's first tuple part
+        d.dump("c.0", x * 14)
+        d.dump("c", (x * 15,))            # its part reads as the value above
+        d.dump(7, x * 16)                 # not a name
+        d.dump("c.0", x * 17)             # a second call of "c.0": its own name
+        d.end_pass()
+    ds = fastdump.open(tmp_path)
+    passes = ds.passes("target", 0)
+    tensors = ds.load("target", 0, passes[-1])
+    assert list(tensors) == ["b.0", "b.1", "Model.0", "Model.1", "a", "a#1", "c.0", "c.0#1"]
+    for name, factor in (("a", 10), ("a#1", 11), ("c.0", 14), ("c.0#1", 17)):
+        assert same_bits(tensors[name], x * factor), name
+    assert same_bits(tensors["b.0"], x + 1)
+    skipped = {s["name"]: s["reason"] for s in ds.meta("target", 0, passes[-1])["skipped"]}
+    assert set(skipped) == {"a#1", "b.0", "c.0", "<dump() name 7>"}
+    assert "repeated call" in skipped["a#1"] and "module 'b'" in skipped["b.0"]
+    assert "same name" in skipped["c.0"]
+    assert not verify(tmp_path).problems
+
+
+def test_a_watched_modules_before_values_and_output_parts_never_share_a_name(tmp_path):
+    """before() returning {"0": ...} and the module's tuple output both named 'w.0'."""
+    model = Mlp()
+    with fastdump.attach(model, tmp_path, include="^$") as d:
+        d.watch(model.up, "w", convert=lambda out: (out, out * 2), before=lambda args, kwargs: {"0": args[0]})
+        x = torch.randn(2, 8)
+        model(x)
+    ds = fastdump.open(tmp_path)
+    tensors = ds.load("target", 0, 0)
+    assert same_bits(tensors["w.0"], x) and same_bits(tensors["w.1"], model.up(x) * 2)
+    skipped = ds.meta("target", 0, 0)["skipped"]
+    assert [s["name"] for s in skipped] == ["w.0"] and "same name" in skipped[0]["reason"]
+    assert not verify(tmp_path).problems
+
+
+@pytest.mark.parametrize("bad", ["x#1", "x#2.y", "", 5])
+def test_root_name_that_reads_as_a_call_or_is_no_name_is_refused_at_attach(tmp_path, bad):
+    with pytest.raises(ValueError, match="root_name"):
+        fastdump.attach(Mlp(), tmp_path, root_name=bad)
+
+
+def test_watch_refuses_a_name_that_reads_as_a_call(tmp_path):
+    with fastdump.attach(Mlp(), tmp_path) as d, pytest.raises(ValueError, match="repeated call"):
+        d.watch(nn.Linear(2, 2), "x#1")

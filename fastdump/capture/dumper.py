@@ -33,8 +33,7 @@ from ..options import Options
 from .manifest import cuda_index as _cuda_index, device_facts as _device_facts, write_manifest as _write_manifest
 from .ranks import resolve_ranks  # noqa: F401 - part of this module's face
 from .selection import original as _original_module, root_selected as _root_selected, select_modules
-from .selection import SCRIPT_REASON as _SCRIPT_REASON, is_script_module as _is_script_module, \
-    script_modules as _script_modules
+from .selection import is_script_module as _is_script_module, not_wrappable as _not_wrappable
 from ..staging import engine as _engine
 from ..staging import channel as _channel_mod
 from ..staging import graphs as _graphs
@@ -176,10 +175,11 @@ class Dumper:
         self._lock = threading.Lock()
 
         config = o.manifest_config()
-        # Submodules fastdump cannot wrap (TorchScript): {name: reason}, logged and kept in rank.json's
-        # config. (A model that cannot even be walked fails in _install, which records why.)
+        # Submodules fastdump cannot wrap (TorchScript; names that read as a call's): {name: reason},
+        # logged and kept in rank.json's config. (A model that cannot even be walked fails in
+        # _install, which records why.)
         try:
-            self.not_wrapped = _script_modules(model) if model is not None else {}
+            self.not_wrapped = _not_wrappable(model) if model is not None else {}
         except Exception:
             self.not_wrapped = {}
         try:
@@ -232,8 +232,9 @@ class Dumper:
                 if o.strict:
                     raise
             if self.not_wrapped and self.status == "running":
-                log.warning("fastdump: %s: not wrapped: %s: %s", self.dir, ", ".join(self.not_wrapped),
-                            _SCRIPT_REASON)
+                for reason in dict.fromkeys(self.not_wrapped.values()):
+                    log.warning("fastdump: %s: not wrapped: %s: %s", self.dir,
+                                ", ".join(n for n, r in self.not_wrapped.items() if r == reason), reason)
 
     @property
     def _capturing(self) -> bool:
@@ -288,14 +289,14 @@ class Dumper:
         of them)."""
         if self._capturing:
             self._check_thread()  # another thread's pass is open: this value would join it
-            self._capture(name, value)
+            self._capture(name, value, given=True)
         elif self._depth == 0 and not self._closed and self._engine is not None:
             # Outside any pass: a pass of its own, always dumped (every/skip_passes/pass_range do
             # not apply to it, nor count it), so the value is never silently lost.
             self._begin(standalone=True)
             try:
                 if self._capturing:
-                    self._capture(name, value)
+                    self._capture(name, value, given=True)
             finally:
                 self._end()
 
@@ -315,6 +316,8 @@ class Dumper:
         with ``exclude=``)."""
         if not isinstance(name, str) or not name:
             raise ValueError(f"watch: name must be a non-empty string, not {name!r}")
+        if _fmt.reads_as_call(name):
+            raise ValueError(f"watch: {name!r}: a name holding '#<digits>' reads as a repeated call's (name#k)")
         if not callable(getattr(module, "forward", None)):
             raise TypeError(f"watch: {type(module).__name__} has no forward to wrap")
         for hook, what in ((convert, "convert"), (before, "before")):
@@ -698,11 +701,18 @@ class Dumper:
         self._calls[name] = k + 1
         return k
 
-    def _capture(self, name: str, value, convert=None, k=None) -> None:
-        """``value`` returned by the call numbered ``k`` (None: a call, or a dump(), numbered now)."""
+    def _capture(self, name: str, value, convert=None, k=None, given=False) -> None:
+        """``value`` returned by the call numbered ``k`` (None: a call, or a dump(), numbered now).
+        ``given``: a value of dump(), whose name is the caller's and may read as another's."""
         if not self._capturing:
             return
+        if given and not (isinstance(name, str) and name):
+            return self._skip(f"<dump() name {_short_repr(name)}>", "a name must be a non-empty string")
         call_name = _call_name(name, self._claim(name) if k is None else k)
+        if given:
+            taken = self._given_name_taken(name, call_name)
+            if taken:
+                return self._skip(call_name, taken)
         if convert is not None:  # a watched module's hook (watch)
             try:
                 value = convert(value)
@@ -723,7 +733,12 @@ class Dumper:
             reason = f"before(args, kwargs) returned {type(values).__name__}, not a dict or None"
             return self._hook_failed(call_name, reason, None)
         for key, value in values.items():
-            self._emit_safely(f"{call_name}.{key}", value)
+            item_name = f"{call_name}.{key}"
+            taken = self._name_taken(item_name)  # its output's parts and its children's names
+            if taken:
+                self._skip(item_name, taken)
+                continue
+            self._emit_safely(item_name, value)
 
     # The wrappers whose steps run through `outside` (torch.compile's graph breaks, watch()'s hooks)
     # keep no number in a local: a value that changes every pass, flowing through a frame Dynamo
@@ -816,6 +831,22 @@ class Dumper:
             return "another value of this pass has the same name (keys that read alike: 1 and '1', or a dotted key)"
         self._flat_names.add(name)
         return None
+
+    def _given_name_taken(self, name: str, call_name: str) -> str | None:
+        """Why a value given to dump() cannot be stored as ``call_name`` (``name`` numbered), or None.
+        Its name is the caller's: one holding ``#k`` reads as a repeated call's, and ``b.0`` as the
+        first part of module ``b``'s tuple output (which the C wrapper names without asking)."""
+        if _fmt.reads_as_call(name):
+            return "its name holds '#<digits>', which reads as a repeated call's (name#k)"
+        stem = name
+        while True:
+            head, _, tail = stem.rpartition(".")
+            if not (head and tail.isdigit()):
+                break
+            stem = head
+            if stem in self._module_names:
+                return f"its name reads as a part of module {stem!r}'s output"
+        return self._name_taken(call_name) if call_name not in self._module_names else None
 
     def _capture_failed(self, name: str, value, exc: Exception) -> None:
         try:  # a subclass may refuse this read too: the skip must still be recorded
@@ -1445,6 +1476,15 @@ def _short(exc: BaseException, limit: int = 200) -> str:
         text = str(exc)
     except Exception as inner:
         text = f"<its str() raised {type(inner).__name__}>"
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _short_repr(value, limit: int = 80) -> str:
+    """repr() of a value for a record, shortened; never raises."""
+    try:
+        text = repr(value)
+    except Exception as inner:
+        text = f"<{type(value).__name__} whose repr() raised {type(inner).__name__}>"
     return text if len(text) <= limit else text[:limit] + "..."
 
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 import re
 import sys
 
+from .. import format as _fmt
+
 # layers=: the decoder layers at `layers.N` or `model.layers.N` (SGLang's), from the start of the
 # qualified name; any other name (`xlayers.1`, `encoder.layers.1`) is not a layer and is kept.
 _LAYER_RE = re.compile(r"^(?:model\.)?layers\.(\d+)(?:\.|$)")
@@ -39,6 +41,22 @@ def script_modules(model) -> dict:
     for name, module in named_modules(model):
         if name and is_script_module(module) and not _inside(name, found):
             found[name] = SCRIPT_REASON
+    return found
+
+
+CALL_NAME_REASON = ("its name holds '#<digits>', which reads as a repeated call's (name#k) in a dump; "
+                    "neither it nor its submodules are dumped (watch() it under another name)")
+
+
+def not_wrappable(model) -> dict:
+    """{qualified name: reason} of the modules inside ``model`` left unwrapped, with everything in
+    them: TorchScript ones (script_modules), and ones whose name reads as another module's
+    repeated call (``a#1`` beside ``a`` called twice: two tensors under one name, which would
+    read as mixed)."""
+    found = script_modules(model)
+    for name, _ in named_modules(model):
+        if name and _fmt.reads_as_call(name) and name not in found and not _inside(name, found):
+            found[name] = CALL_NAME_REASON
     return found
 
 
