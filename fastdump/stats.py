@@ -40,14 +40,26 @@ def as_float64_chunks(tensor, complex_parts: bool = False):
     flat = tensor.detach().reshape(-1)
     if flat.device.type != "cpu":
         flat = flat.cpu()
-    if flat.is_complex() or complex_parts:
-        flat = torch.view_as_real(flat.to(torch.complex128)).reshape(-1)
-    for start in range(0, flat.numel(), CHUNK_ELEMENTS):
-        part = flat[start:start + CHUNK_ELEMENTS]
+    pairs = flat.is_complex() or complex_parts
+    # Complex: converted a chunk at a time too (a whole-tensor complex128 copy is 16 bytes an
+    # element), half as many elements a chunk, as each yields two floats.
+    step = max(1, CHUNK_ELEMENTS // 2) if pairs else CHUNK_ELEMENTS
+    for start in range(0, flat.numel(), step):
+        part = flat[start:start + step]
+        if pairs:
+            part = torch.view_as_real(part.to(torch.complex128)).reshape(-1)
         try:
             yield _chunk_to_float64(part)
         except (RuntimeError, NotImplementedError, TypeError) as exc:
             raise TypeError(f"dtype {tensor.dtype} has no arithmetic ({exc})") from None
+
+
+def _summarized(chunk: np.ndarray, is_complex: bool, pairs: bool) -> np.ndarray:
+    """What a side's statistics are over, from its (re, im) chunk: a complex side's magnitudes, a
+    real side's values (``fastdump show``'s statistics, never the interleaved parts)."""
+    if not pairs:
+        return chunk
+    return np.hypot(chunk[0::2], chunk[1::2]) if is_complex else chunk[0::2]
 
 
 _ARITHMETIC: dict = {}
@@ -115,12 +127,10 @@ def tensor_stats(tensor):
     Returns None for types with no arithmetic (bits*, sub-byte ints, float4): their raw bits are
     stored but have no values to summarize.
     """
-    if tensor.is_complex():
-        tensor = tensor.to(torch.complex128).abs()
     summary = Summary()
     try:
         for chunk in as_float64_chunks(tensor):
-            summary.add(chunk)
+            summary.add(_summarized(chunk, tensor.is_complex(), tensor.is_complex()))
     except TypeError:
         return None
     return summary.as_dict()
@@ -160,8 +170,8 @@ def compare(baseline, target, atol: float, rtol: float) -> dict:
     # parts, and left out the rest.)
     chunks = (as_float64_chunks(baseline, complex_parts=pairs == 2), as_float64_chunks(target, complex_parts=pairs == 2))
     for b, a, raw in zip(*chunks, ints):
-        base_summary.add(b)
-        target_summary.add(a)
+        base_summary.add(_summarized(b, baseline.is_complex(), pairs == 2))
+        target_summary.add(_summarized(a, target.is_complex(), pairs == 2))
         finite = np.isfinite(a) & np.isfinite(b)
         if raw is not None:  # integers: the exact difference, never rounded to 0 above 2**53
             rb, ra = raw

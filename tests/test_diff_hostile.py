@@ -207,6 +207,22 @@ def test_complex_tensors_compare_real_and_imaginary_parts(tmp_path):
     assert fastdump.diff(base, base, atol=0, rtol=0).ok
 
 
+def test_complex_statistics_are_magnitudes_as_in_show(tmp_path, capsys):
+    """diff's baseline_stats/target_stats are `fastdump show`'s statistics. They were taken over
+    the interleaved (re, im) parts: 3+4j, 6+8j gave min 3, max 8 (show: 5, 10), and a real tensor
+    compared with a complex one had zeros mixed in (1, 2 gave min 0, mean 0.75)."""
+    c = torch.tensor([3 + 4j, 6 + 8j, complex(NAN, NAN)], dtype=torch.complex64)
+    base, target = pair(tmp_path, {"c": c, "r": torch.tensor([1.0, 2.0])},
+                        {"c": c, "r": torch.tensor([1 + 0j, 2 + 0j], dtype=torch.complex64)})
+    result = fastdump.diff(base, target)
+    assert result.ok
+    for side in ("baseline_stats", "target_stats"):
+        assert row_of(result, "c")[side] == {"min": 5.0, "max": 10.0, "mean": 7.5, "std": 2.5, "nan": 1, "inf": 0}
+        assert row_of(result, "r")[side] == {"min": 1.0, "max": 2.0, "mean": 1.5, "std": 0.5, "nan": 0, "inf": 0}
+    assert cli.main(["show", str(target), "--pass", "0", "--name", "^c$"]) == 0
+    assert "c     complex64  [3]    5    10   7.5   2.5  1    0" in capsys.readouterr().out
+
+
 def test_complex_mismatch_fraction_is_at_most_one(tmp_path, capsys):
     base, target = pair(tmp_path, {"c": torch.tensor([1 + 1j])}, {"c": torch.tensor([2 + 2j])})
     row = row_of(fastdump.diff(base, target, atol=0, rtol=0), "c")
