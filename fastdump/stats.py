@@ -81,13 +81,16 @@ class Summary:
     """min / max / mean / std (population) over finite values, NaN and Inf counts; fed by chunks.
 
     Means and variances merge chunk by chunk (Chan et al.), which stays accurate where a running
-    sum of squares would cancel.
+    sum of squares would cancel. They are kept divided by 2**scale (the largest magnitude's
+    exponent so far): float64 values above 1e154 square past the float64 range, and a sum of values
+    near 1e308 overflows (mean inf, std inf or NaN).
     """
 
     def __init__(self):
         self.count = 0
-        self.mean = 0.0
-        self.m2 = 0.0
+        self.scale = 0
+        self.mean = 0.0  # / 2**scale
+        self.m2 = 0.0  # / 2**(2*scale)
         self.min = math.inf
         self.max = -math.inf
         self.nan = 0
@@ -103,6 +106,16 @@ class Summary:
             chunk = chunk[finite_mask]
         if n == 0:
             return
+        low, high = float(chunk.min()), float(chunk.max())
+        peak = max(-low, high)
+        scale = math.frexp(peak)[1] if peak > 0 else self.scale
+        if self.count == 0:
+            self.scale = scale
+        elif scale > self.scale:
+            self.mean = math.ldexp(self.mean, self.scale - scale)
+            self.m2 = math.ldexp(self.m2, 2 * (self.scale - scale))
+            self.scale = scale
+        chunk = np.ldexp(chunk, -self.scale)  # |values| < 1: powers of two, exact
         mean = float(chunk.mean())
         centered = chunk - mean
         m2 = float(np.dot(centered, centered))
@@ -111,14 +124,14 @@ class Summary:
         self.mean += delta * n / total
         self.m2 += m2 + delta * delta * self.count * n / total
         self.count = total
-        self.min = min(self.min, float(chunk.min()))
-        self.max = max(self.max, float(chunk.max()))
+        self.min = min(self.min, low)
+        self.max = max(self.max, high)
 
     def as_dict(self) -> dict:
         if self.count == 0:
             return {"min": None, "max": None, "mean": None, "std": None, "nan": self.nan, "inf": self.inf}
-        return {"min": self.min, "max": self.max, "mean": self.mean, "std": math.sqrt(self.m2 / self.count),
-                "nan": self.nan, "inf": self.inf}
+        return {"min": self.min, "max": self.max, "mean": math.ldexp(self.mean, self.scale),
+                "std": math.ldexp(math.sqrt(self.m2 / self.count), self.scale), "nan": self.nan, "inf": self.inf}
 
 
 def tensor_stats(tensor):

@@ -223,6 +223,23 @@ def test_complex_statistics_are_magnitudes_as_in_show(tmp_path, capsys):
     assert "c     complex64  [3]    5    10   7.5   2.5  1    0" in capsys.readouterr().out
 
 
+def test_float64_statistics_near_the_float64_limit_do_not_overflow(tmp_path, capsys):
+    """Sums of values near 1e308 overflowed (mean inf, std NaN), squares of values above 1e154 too
+    (std inf), in `fastdump show` and in diff's statistics."""
+    big = torch.tensor([1e308, 1e308], dtype=torch.float64)
+    wide = torch.tensor([1e200, -1e200], dtype=torch.float64)
+    base, _ = pair(tmp_path, {"big": big, "wide": wide}, {"big": big, "wide": wide})
+    result = fastdump.diff(base, base)
+    assert row_of(result, "big")["baseline_stats"] == {"min": 1e308, "max": 1e308, "mean": 1e308, "std": 0.0,
+                                                       "nan": 0, "inf": 0}
+    wide_stats = row_of(result, "wide")["target_stats"]
+    assert wide_stats["mean"] == 0.0 and wide_stats["std"] == pytest.approx(1e200, rel=1e-15)
+    assert cli.main(["show", str(base), "--pass", "0", "--name", "big|wide"]) == 0
+    table = capsys.readouterr().out.splitlines()[1:]
+    assert table[1].split()[3:] == ["1e+308", "1e+308", "1e+308", "0", "0", "0"]
+    assert table[2].split()[3:] == ["-1e+200", "1e+200", "0", "1e+200", "0", "0"]
+
+
 def test_complex_mismatch_fraction_is_at_most_one(tmp_path, capsys):
     base, target = pair(tmp_path, {"c": torch.tensor([1 + 1j])}, {"c": torch.tensor([2 + 2j])})
     row = row_of(fastdump.diff(base, target, atol=0, rtol=0), "c")
