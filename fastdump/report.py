@@ -226,7 +226,9 @@ def write_html(result, path) -> str:
     from . import fsutil
 
     path = os.fspath(path)
-    fsutil.atomic_write_bytes(path, render(result).encode("utf-8"), durable=False)
+    # A dump name may hold a lone surrogate (any Python str is a name): written as \udXXX, never
+    # an encoding error that leaves no report.
+    fsutil.atomic_write_bytes(path, render(result).encode("utf-8", "backslashreplace"), durable=False)
     return path
 
 

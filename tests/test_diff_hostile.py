@@ -1118,3 +1118,19 @@ def test_names_from_a_dump_never_reach_the_terminal_raw(tmp_path, capsys):
     code, out, err = run(capsys, base, target)
     assert code == 1 and "\x1b" not in out and "\\x1b[2J" in out
     assert all(not line.startswith("no divergence") for line in out.splitlines())
+
+
+def test_html_report_of_a_name_with_a_lone_surrogate_is_written(tmp_path, capsys):
+    """Dump names are any Python str, a lone surrogate too (the dump and the other reports keep
+    it). Encoding the page as UTF-8 raised, and `diff --html` exited 2 without a report."""
+    name = "layers.0.a\ud800b"
+    for side, value in (("base", 0.0), ("target", 1.0)):
+        with fastdump.attach(None, tmp_path / side, writer="thread") as dumper:
+            dumper.begin_pass()
+            dumper.dump(name, torch.full((2,), value))
+            dumper.end_pass()
+    report = tmp_path / "r.html"
+    code, out, err = run(capsys, tmp_path / "base", tmp_path / "target", "--html", report)
+    assert code == 1 and err == "" and "a\\ud800b" in out
+    page = report.read_text(encoding="utf-8")
+    assert "a\\ud800b" in page and "First divergence" in page
