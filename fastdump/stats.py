@@ -155,9 +155,9 @@ def compare(baseline, target, atol: float, rtol: float) -> dict:
     ``mismatch``: fraction of elements breaking ``|target - baseline| <= atol + rtol * |baseline|``;
     NaN equals NaN and an infinity equals the same infinity (a NaN or Inf on one side only is a
     mismatch). Integer pairs take their differences exactly (2**53 vs 2**53+1 differ); a complex
-    element counts once. ``rel_diff = 1 - 2*sum(xy) / sum(x^2 + y^2)`` and ``cosine`` are over the
-    elements finite on both sides, summed scaled (no overflow), exactly 0 and 1 when those elements
-    are all equal. ``max_rel`` is ``max |a-b| / |b|`` (inf where b is 0 and a is not).
+    element counts once. ``rel_diff = 1 - 2*sum(xy) / sum(x^2 + y^2)``, taken as
+    ``sum((x-y)^2) / sum(x^2 + y^2)`` (no cancellation), and ``cosine`` are over the elements finite
+    on both sides, summed scaled (no overflow), exactly 0 and 1 when those elements are all equal. ``max_rel`` is ``max |a-b| / |b|`` (inf where b is 0 and a is not).
     Types with no arithmetic are compared bit for bit (``bitwise`` True, metrics None).
     """
     numel = baseline.numel()
@@ -172,8 +172,11 @@ def compare(baseline, target, atol: float, rtol: float) -> dict:
     exact = _exact_int_dtype(baseline.dtype, target.dtype)
     ints = zip(_native_chunks(baseline, exact), _native_chunks(target, exact)) if exact else itertools.repeat(None)
     pairs = 2 if baseline.is_complex() or target.is_complex() else 1  # a complex element is 2 parts
-    sxy = sxx = syy = 0.0
-    scale = -1100  # the sums are of (x / 2**scale): huge float64 values must not overflow them
+    # Sums of x / 2**scale: huge float64 values must not overflow them. Each side has its own
+    # scale (a common one underflowed the smaller side's squares to 0: cosine 0 for vectors
+    # pointing the same way); sdd, of the differences, is at the larger of the two.
+    sxy = sxx = syy = sdd = 0.0
+    scale_a = scale_b = scale_d = -1100
     max_abs = max_rel = 0.0
     mismatches = nonfinite_mismatches = 0
     equal = True  # every element finite on both sides is equal: exact 0 distance, whatever the rounding
@@ -210,24 +213,33 @@ def compare(baseline, target, atol: float, rtol: float) -> dict:
         with np.errstate(divide="ignore", invalid="ignore"):
             rel = np.where(err == 0, 0.0, err / abs_b)  # x/0 -> inf, 0/0 -> 0
         max_rel = max(max_rel, float(rel.max()))
-        peak = max(float(np.abs(a).max()), float(abs_b.max()))
-        if peak > 0 and math.frexp(peak)[1] > scale:
-            new_scale = math.frexp(peak)[1]
-            shrink = math.ldexp(1.0, 2 * (scale - new_scale))
-            sxy, sxx, syy, scale = sxy * shrink, sxx * shrink, syy * shrink, new_scale
-        a, b = np.ldexp(a, -scale), np.ldexp(b, -scale)  # powers of two: exact
+        peak_a, peak_b = float(np.abs(a).max()), float(abs_b.max())
+        new_a = max(scale_a, math.frexp(peak_a)[1]) if peak_a > 0 else scale_a  # (frexp(0) is 0)
+        new_b = max(scale_b, math.frexp(peak_b)[1]) if peak_b > 0 else scale_b
+        new_d = max(new_a, new_b)
+        sxx = math.ldexp(sxx, 2 * (scale_a - new_a))
+        syy = math.ldexp(syy, 2 * (scale_b - new_b))
+        sxy = math.ldexp(sxy, scale_a - new_a + scale_b - new_b)
+        sdd = math.ldexp(sdd, 2 * (scale_d - new_d))
+        scale_a, scale_b, scale_d = new_a, new_b, new_d
+        # Integers: the exact difference (2**53 and 2**53+1 are one float64); else the scaled
+        # values' (powers of two: exact, and |a-b| of huge values overflows).
+        d = np.ldexp(err, -scale_d) if raw is not None else np.ldexp(a, -scale_d) - np.ldexp(b, -scale_d)
+        a, b = np.ldexp(a, -scale_a), np.ldexp(b, -scale_b)
         sxy += float(np.dot(a, b))
         sxx += float(np.dot(a, a))
         syy += float(np.dot(b, b))
-    energy = sxx + syy
+        sdd += float(np.dot(d, d))
+    # sum(x^2 + y^2) at the differences' scale
+    energy = math.ldexp(sxx, 2 * (scale_a - scale_d)) + math.ldexp(syy, 2 * (scale_b - scale_d))
     if equal:
         rel_diff, cosine = 0.0, 1.0
     else:
-        rel_diff = 0.0 if energy == 0 else 1.0 - 2.0 * sxy / energy
+        rel_diff = 0.0 if energy == 0 else sdd / energy
         norms = math.sqrt(sxx * syy)
         cosine = (1.0 if sxx == syy == 0 else 0.0) if norms == 0 else min(1.0, max(-1.0, sxy / norms))
     return {"numel": numel, "bitwise": False, "max_abs": max_abs, "max_rel": max_rel,
-            "rel_diff": max(rel_diff, 0.0), "cosine": cosine,
+            "rel_diff": rel_diff, "cosine": cosine,
             "mismatch": mismatches / numel if numel else 0.0, "mismatches": mismatches,
             "nonfinite_mismatches": nonfinite_mismatches,
             "baseline": base_summary.as_dict(), "target": target_summary.as_dict()}

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 import fastdump
-from fastdump import cli
+from fastdump import cli, stats
 from fastdump.compare import DiffError
 
 from toy_models import TinyDraft, TinyLM
@@ -358,6 +358,42 @@ def test_one_ulp_difference_at_zero_tolerance_reports_exact_numbers(tmp_path):
     assert row["status"] == "fail" and row["mismatches"] == 2 and row["max_abs"] == 2.0 ** -23
     assert row["max_rel"] == 2.0 ** -23
     assert fastdump.diff(base, target, atol=0, rtol=2.0 ** -23).ok  # |a-b| <= rtol*|b| exactly
+
+
+def test_rel_diff_of_a_one_ulp_difference_is_not_lost_to_cancellation(tmp_path):
+    """rel_diff was 1 - 2*sum(ab)/sum(a^2+b^2): one float32 element of 4096 one ulp off gave
+    exactly 0 (so `--metric rel_diff=0`, "equal", passed a tensor that differs), and every
+    element one ulp off in 2**20 gave 3.9e-14 for 3.9e-15. It is now sum((a-b)^2)/sum(a^2+b^2),
+    the same quantity without the cancellation."""
+    torch.manual_seed(0)
+    x = torch.randn(4096)
+    one = x.clone()
+    one[7] = torch.nextafter(x[7], torch.tensor(INF))
+    base, target = pair(tmp_path, {"x": x}, {"x": one})
+    row = row_of(fastdump.diff(base, target), "x")
+    d = one.double() - x.double()
+    expected = float((d * d).sum() / (one.double() ** 2 + x.double() ** 2).sum())
+    assert row["rel_diff"] == pytest.approx(expected, rel=1e-12, abs=0)
+    assert not fastdump.diff(base, target, name="^x$", metric=["rel_diff=0"]).ok
+    ints = stats.compare(torch.tensor([2 ** 53, 3]), torch.tensor([2 ** 53 + 1, 3]), 0, 0)  # one float64
+    assert ints["rel_diff"] == pytest.approx(1 / (2 ** 107 + 2 ** 54 + 18), rel=1e-12, abs=0)
+    many = torch.randn(1 << 20, dtype=torch.float32)
+    ulps = torch.nextafter(many, torch.full_like(many, INF))
+    r = stats.compare(many, ulps, 0, 0)
+    d = ulps.double() - many.double()
+    assert r["rel_diff"] == pytest.approx(float((d * d).sum() / (ulps.double() ** 2 + many.double() ** 2).sum()),
+                                          rel=1e-9, abs=0)
+
+
+@pytest.mark.parametrize("base,target,cosine", [
+    ([1e160, 1e160], [1e-160, 2e-160], 3 / 10 ** 0.5),  # parallel-ish, magnitudes 1e320 apart
+    ([-235.0], [-1e-310], 1.0),  # a subnormal against a normal number of the same sign
+])
+def test_cosine_of_sides_far_apart_in_magnitude(base, target, cosine):
+    """Both sides' sums were scaled by the larger side's power of two: the smaller side's squares
+    then underflowed to 0 and cosine came out 0 for vectors pointing the same way."""
+    r = stats.compare(torch.tensor(base, dtype=torch.float64), torch.tensor(target, dtype=torch.float64), 0, 0)
+    assert r["cosine"] == pytest.approx(cosine, rel=1e-12)
 
 
 # ------------------------------------------------------------------ names, passes, roles, ranks
