@@ -77,6 +77,14 @@ def has_arithmetic(dtype) -> bool:
     return known
 
 
+def _scaled(values: np.ndarray, exponent: int) -> np.ndarray:
+    """values / 2**exponent, exact but where it underflows (np.ldexp, ten times slower, only where
+    2**-exponent is not a normal float64)."""
+    if -1022 <= exponent <= 1022:
+        return values * math.ldexp(1.0, -exponent)
+    return np.ldexp(values, -exponent)
+
+
 class Summary:
     """min / max / mean / std (population) over finite values, NaN and Inf counts; fed by chunks.
 
@@ -115,7 +123,7 @@ class Summary:
             self.mean = math.ldexp(self.mean, self.scale - scale)
             self.m2 = math.ldexp(self.m2, 2 * (self.scale - scale))
             self.scale = scale
-        chunk = np.ldexp(chunk, -self.scale)  # |values| < 1: powers of two, exact
+        chunk = _scaled(chunk, self.scale)  # |values| < 1
         mean = float(chunk.mean())
         centered = chunk - mean
         m2 = float(np.dot(centered, centered))
@@ -222,10 +230,10 @@ def compare(baseline, target, atol: float, rtol: float) -> dict:
         sxy = math.ldexp(sxy, scale_a - new_a + scale_b - new_b)
         sdd = math.ldexp(sdd, 2 * (scale_d - new_d))
         scale_a, scale_b, scale_d = new_a, new_b, new_d
-        # Integers: the exact difference (2**53 and 2**53+1 are one float64); else the scaled
-        # values' (powers of two: exact, and |a-b| of huge values overflows).
-        d = np.ldexp(err, -scale_d) if raw is not None else np.ldexp(a, -scale_d) - np.ldexp(b, -scale_d)
-        a, b = np.ldexp(a, -scale_a), np.ldexp(b, -scale_b)
+        # |a-b| (integers: exact, 2**53 and 2**53+1 are one float64); where it overflowed (1e308
+        # against -1e308), the difference of the scaled values.
+        d = _scaled(err, scale_d) if chunk_max < math.inf else _scaled(a, scale_d) - _scaled(b, scale_d)
+        a, b = _scaled(a, scale_a), _scaled(b, scale_b)
         sxy += float(np.dot(a, b))
         sxx += float(np.dot(a, a))
         syy += float(np.dot(b, b))
