@@ -607,9 +607,11 @@ def _combine(shards: list, rule, atol: float, rtol: float, side: str):
     if rule == "sum":
         if any(s.shape != shards[0].shape for s in shards):
             raise _RowError("fail", f"{side}: partial sums of different shapes {[_shape(s) for s in shards]}")
-        total = shards[0].to(torch.float64)
+        # complex128 for complex shards: .to(float64) drops the imaginary part, on both sides alike
+        wide = torch.complex128 if any(s.is_complex() for s in shards) else torch.float64
+        total = shards[0].to(wide)
         for shard in shards[1:]:
-            total = total + shard.to(torch.float64)
+            total = total + shard.to(wide)
         return total
     try:
         return torch.cat(shards, dim=rule)
