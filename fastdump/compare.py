@@ -31,7 +31,7 @@ import time
 import warnings
 
 from . import format as fmt
-from .report import _missing_text, _span, _where, layer_of, printable  # noqa: F401 - layer_of is public here too
+from .report import _missing_text, _span, _where, layer_of, percent, printable  # noqa: F401 - layer_of is public here too
 
 DEFAULT_ATOL = 1e-5
 DEFAULT_RTOL = 1e-5
@@ -865,7 +865,7 @@ def _row_numbers(row) -> str:
     if row.get("max_abs") is None and not row.get("bitwise"):
         return f"[{row.get('reason')}]" + (f" ({row['path']})" if row.get("path") else "")
     text = (f"max_abs {_fmt(row['max_abs'])}  max_rel {_fmt(row['max_rel'])}  rel_diff {_fmt(row['rel_diff'])}  "
-            f"cosine {_fmt(row['cosine'])}  mismatch {row['mismatch']:.2%}")
+            f"cosine {_fmt(row['cosine'])}  mismatch {percent(row['mismatch'])}")
     if row["status"] != "ok":
         text += f"  [{row.get('reason')}]"
     return text

@@ -396,6 +396,20 @@ def test_cosine_of_sides_far_apart_in_magnitude(base, target, cosine):
     assert r["cosine"] == pytest.approx(cosine, rel=1e-12)
 
 
+def test_a_few_mismatches_in_a_large_tensor_never_read_zero_percent(tmp_path, capsys):
+    """The mismatch fraction was printed with two decimals: one element of 2**20 off made a FAIL
+    line (and the report's table) read "mismatch 0.00%"."""
+    x = torch.zeros(1 << 20)
+    y = x.clone()
+    y[5] = 1.0
+    base, target = pair(tmp_path, {"x": x}, {"x": y})
+    report = tmp_path / "r.html"
+    code, out, _ = run(capsys, base, target, "--html", report)
+    (line,) = [line for line in out.splitlines() if line.startswith("FAIL ")]
+    assert code == 1 and "0.00%" not in line and "mismatch 9.5e-05%" in line
+    assert "0.00%" not in report.read_text() and "9.5e-05%" in report.read_text()
+
+
 # ------------------------------------------------------------------ names, passes, roles, ranks
 
 
