@@ -600,13 +600,17 @@ def _combine(shards: list, rule, atol: float, rtol: float, side: str):
                                         f"{_shape(shards[0])} on tp rank 0")
             check = stats.compare(shards[0], shard, atol, rtol)
             if check["mismatches"]:
+                # (types with no arithmetic are compared bit for bit: no max abs to give)
+                how = "their bits differ" if check["bitwise"] else f"max abs {check['max_abs']:.3g}"
                 raise _RowError("fail", f"{side}: tp ranks 0 and {k} disagree on a tensor treated as replicated "
-                                        f"(max abs {check['max_abs']:.3g}); partial sums? give --unshard "
-                                        f"'NAME=sum'")
+                                        f"({how}); partial sums? give --unshard 'NAME=sum'")
         return shards[0]
     if rule == "sum":
         if any(s.shape != shards[0].shape for s in shards):
             raise _RowError("fail", f"{side}: partial sums of different shapes {[_shape(s) for s in shards]}")
+        if not all(stats.has_arithmetic(s.dtype) for s in shards):  # float4, bits*: no values to add
+            raise _RowError("fail", f"{side}: {shards[0].dtype} shards cannot be summed (no arithmetic); give "
+                                    f"--unshard 'NAME=DIM' or 'NAME=replicated'")
         # complex128 for complex shards: .to(float64) drops the imaginary part, on both sides alike
         wide = torch.complex128 if any(s.is_complex() for s in shards) else torch.float64
         total = shards[0].to(wide)

@@ -410,6 +410,31 @@ def test_a_few_mismatches_in_a_large_tensor_never_read_zero_percent(tmp_path, ca
     assert "0.00%" not in report.read_text() and "9.5e-05%" in report.read_text()
 
 
+@pytest.mark.parametrize("unshard,reason", [
+    (None, "tp ranks 0 and 1 disagree on a tensor treated as replicated (their bits differ)"),
+    ({"w": "sum"}, "cannot be summed (no arithmetic)"),
+])
+def test_tp_shards_of_a_type_with_no_arithmetic_fail_never_crash(tmp_path, unshard, reason):
+    """float4 shards are compared bit for bit, with no max abs: the replicated check formatted
+    None with .3g and a sum rule called .to(float64); both raised out of diff (a traceback)."""
+    def f4(*values):
+        return torch.tensor(values, dtype=torch.uint8).view(torch.float4_e2m1fn_x2)
+
+    def dump(root, shards):
+        for rank, shard in enumerate(shards):
+            with fastdump.attach(None, root, tp_rank=rank, tp_size=len(shards), writer="thread") as dumper:
+                dumper.begin_pass()
+                dumper.dump("w", shard)
+                dumper.dump("x", torch.ones(2))  # (a diff that compares nothing exits 2)
+                dumper.end_pass()
+        return root
+
+    base, target = dump(tmp_path / "tp1", [f4(1, 2)]), dump(tmp_path / "tp2", [f4(1, 2), f4(1, 3)])
+    result = fastdump.diff(base, target, unshard=unshard)
+    row = row_of(result, "w")
+    assert result.exit_code == 1 and row["status"] == "fail" and reason in row["reason"]
+
+
 # ------------------------------------------------------------------ names, passes, roles, ranks
 
 
