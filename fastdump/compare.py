@@ -31,7 +31,8 @@ import time
 import warnings
 
 from . import format as fmt
-from .report import _missing_text, _span, _where, layer_of, percent, printable  # noqa: F401 - layer_of is public here too
+from .report import _missing_text, _span, _where, layer_of, printable  # noqa: F401 - layer_of is public here too
+from .report import percent
 
 DEFAULT_ATOL = 1e-5
 DEFAULT_RTOL = 1e-5

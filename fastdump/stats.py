@@ -165,8 +165,9 @@ def compare(baseline, target, atol: float, rtol: float) -> dict:
     mismatch). Integer pairs take their differences exactly (2**53 vs 2**53+1 differ); a complex
     element counts once. ``rel_diff = 1 - 2*sum(xy) / sum(x^2 + y^2)``, taken as
     ``sum((x-y)^2) / sum(x^2 + y^2)`` (no cancellation), and ``cosine`` are over the elements finite
-    on both sides, summed scaled (no overflow), exactly 0 and 1 when those elements are all equal. ``max_rel`` is ``max |a-b| / |b|`` (inf where b is 0 and a is not).
-    Types with no arithmetic are compared bit for bit (``bitwise`` True, metrics None).
+    on both sides, summed scaled (no overflow), exactly 0 and 1 when those elements are all equal.
+    ``max_rel`` is ``max |a-b| / |b|`` (inf where b is 0 and a is not). Types with no arithmetic
+    are compared bit for bit (``bitwise`` True, metrics None).
     """
     numel = baseline.numel()
     if numel != target.numel():
