@@ -32,6 +32,7 @@ import warnings
 
 from . import format as fmt
 from .report import _missing_text, _span, _where, layer_of, printable  # noqa: F401 - layer_of is public here too
+from .report import percent
 
 DEFAULT_ATOL = 1e-5
 DEFAULT_RTOL = 1e-5
@@ -600,16 +601,22 @@ def _combine(shards: list, rule, atol: float, rtol: float, side: str):
                                         f"{_shape(shards[0])} on tp rank 0")
             check = stats.compare(shards[0], shard, atol, rtol)
             if check["mismatches"]:
+                # (types with no arithmetic are compared bit for bit: no max abs to give)
+                how = "their bits differ" if check["bitwise"] else f"max abs {check['max_abs']:.3g}"
                 raise _RowError("fail", f"{side}: tp ranks 0 and {k} disagree on a tensor treated as replicated "
-                                        f"(max abs {check['max_abs']:.3g}); partial sums? give --unshard "
-                                        f"'NAME=sum'")
+                                        f"({how}); partial sums? give --unshard 'NAME=sum'")
         return shards[0]
     if rule == "sum":
         if any(s.shape != shards[0].shape for s in shards):
             raise _RowError("fail", f"{side}: partial sums of different shapes {[_shape(s) for s in shards]}")
-        total = shards[0].to(torch.float64)
+        if not all(stats.has_arithmetic(s.dtype) for s in shards):  # float4, bits*: no values to add
+            raise _RowError("fail", f"{side}: {shards[0].dtype} shards cannot be summed (no arithmetic); give "
+                                    f"--unshard 'NAME=DIM' or 'NAME=replicated'")
+        # complex128 for complex shards: .to(float64) drops the imaginary part, on both sides alike
+        wide = torch.complex128 if any(s.is_complex() for s in shards) else torch.float64
+        total = shards[0].to(wide)
         for shard in shards[1:]:
-            total = total + shard.to(torch.float64)
+            total = total + shard.to(wide)
         return total
     try:
         return torch.cat(shards, dim=rule)
@@ -863,7 +870,7 @@ def _row_numbers(row) -> str:
     if row.get("max_abs") is None and not row.get("bitwise"):
         return f"[{row.get('reason')}]" + (f" ({row['path']})" if row.get("path") else "")
     text = (f"max_abs {_fmt(row['max_abs'])}  max_rel {_fmt(row['max_rel'])}  rel_diff {_fmt(row['rel_diff'])}  "
-            f"cosine {_fmt(row['cosine'])}  mismatch {row['mismatch']:.2%}")
+            f"cosine {_fmt(row['cosine'])}  mismatch {percent(row['mismatch'])}")
     if row["status"] != "ok":
         text += f"  [{row.get('reason')}]"
     return text

@@ -29,6 +29,13 @@ def _num(value) -> str:
     return str(value)
 
 
+def percent(fraction) -> str:
+    """A mismatch fraction as a percentage: two decimals, or two significant digits where those
+    would read 0.00% (one element of 2**20 off is 9.5e-05%, never a FAIL "mismatch 0.00%")."""
+    text = f"{fraction:.2%}"
+    return f"{fraction * 100:.2g}%" if fraction > 0 and text == "0.00%" else text
+
+
 def _log_rel(value) -> float:
     if value is None or not math.isfinite(value):
         return 0.0
@@ -205,7 +212,7 @@ def render(result) -> str:
         [[r["role"], r["rank"], r["pass"], r["baseline_pass"], r["order"], r["name"], r.get("shape", "-"),
           f"{r.get('baseline_dtype', '-')}/{r.get('dtype', '-')}", _num(r.get("max_abs")), _num(r.get("max_rel")),
           _num(r.get("rel_diff")), _num(r.get("cosine")),
-          "-" if r.get("mismatch") is None else f"{r['mismatch']:.2%}", r.get("reason", "")]
+          "-" if r.get("mismatch") is None else percent(r["mismatch"]), r.get("reason", "")]
          for r in failures[:_MAX_TABLE_ROWS]]))
     if len(failures) > _MAX_TABLE_ROWS:
         body.append(f"<p>… {len(failures) - _MAX_TABLE_ROWS} more (see --json)</p>")
@@ -226,7 +233,9 @@ def write_html(result, path) -> str:
     from . import fsutil
 
     path = os.fspath(path)
-    fsutil.atomic_write_bytes(path, render(result).encode("utf-8"), durable=False)
+    # A dump name may hold a lone surrogate (any Python str is a name): written as \udXXX, never
+    # an encoding error that leaves no report.
+    fsutil.atomic_write_bytes(path, render(result).encode("utf-8", "backslashreplace"), durable=False)
     return path
 
 

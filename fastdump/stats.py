@@ -40,14 +40,26 @@ def as_float64_chunks(tensor, complex_parts: bool = False):
     flat = tensor.detach().reshape(-1)
     if flat.device.type != "cpu":
         flat = flat.cpu()
-    if flat.is_complex() or complex_parts:
-        flat = torch.view_as_real(flat.to(torch.complex128)).reshape(-1)
-    for start in range(0, flat.numel(), CHUNK_ELEMENTS):
-        part = flat[start:start + CHUNK_ELEMENTS]
+    pairs = flat.is_complex() or complex_parts
+    # Complex: converted a chunk at a time too (a whole-tensor complex128 copy is 16 bytes an
+    # element), half as many elements a chunk, as each yields two floats.
+    step = max(1, CHUNK_ELEMENTS // 2) if pairs else CHUNK_ELEMENTS
+    for start in range(0, flat.numel(), step):
+        part = flat[start:start + step]
+        if pairs:
+            part = torch.view_as_real(part.to(torch.complex128)).reshape(-1)
         try:
             yield _chunk_to_float64(part)
         except (RuntimeError, NotImplementedError, TypeError) as exc:
             raise TypeError(f"dtype {tensor.dtype} has no arithmetic ({exc})") from None
+
+
+def _summarized(chunk: np.ndarray, is_complex: bool, pairs: bool) -> np.ndarray:
+    """What a side's statistics are over, from its (re, im) chunk: a complex side's magnitudes, a
+    real side's values (``fastdump show``'s statistics, never the interleaved parts)."""
+    if not pairs:
+        return chunk
+    return np.hypot(chunk[0::2], chunk[1::2]) if is_complex else chunk[0::2]
 
 
 _ARITHMETIC: dict = {}
@@ -65,17 +77,28 @@ def has_arithmetic(dtype) -> bool:
     return known
 
 
+def _scaled(values: np.ndarray, exponent: int) -> np.ndarray:
+    """values / 2**exponent, exact but where it underflows (np.ldexp, ten times slower, only where
+    2**-exponent is not a normal float64)."""
+    if -1022 <= exponent <= 1022:
+        return values * math.ldexp(1.0, -exponent)
+    return np.ldexp(values, -exponent)
+
+
 class Summary:
     """min / max / mean / std (population) over finite values, NaN and Inf counts; fed by chunks.
 
     Means and variances merge chunk by chunk (Chan et al.), which stays accurate where a running
-    sum of squares would cancel.
+    sum of squares would cancel. They are kept divided by 2**scale (the largest magnitude's
+    exponent so far): float64 values above 1e154 square past the float64 range, and a sum of values
+    near 1e308 overflows (mean inf, std inf or NaN).
     """
 
     def __init__(self):
         self.count = 0
-        self.mean = 0.0
-        self.m2 = 0.0
+        self.scale = 0
+        self.mean = 0.0  # / 2**scale
+        self.m2 = 0.0  # / 2**(2*scale)
         self.min = math.inf
         self.max = -math.inf
         self.nan = 0
@@ -91,6 +114,16 @@ class Summary:
             chunk = chunk[finite_mask]
         if n == 0:
             return
+        low, high = float(chunk.min()), float(chunk.max())
+        peak = max(-low, high)
+        scale = math.frexp(peak)[1] if peak > 0 else self.scale
+        if self.count == 0:
+            self.scale = scale
+        elif scale > self.scale:
+            self.mean = math.ldexp(self.mean, self.scale - scale)
+            self.m2 = math.ldexp(self.m2, 2 * (self.scale - scale))
+            self.scale = scale
+        chunk = _scaled(chunk, self.scale)  # |values| < 1
         mean = float(chunk.mean())
         centered = chunk - mean
         m2 = float(np.dot(centered, centered))
@@ -99,14 +132,14 @@ class Summary:
         self.mean += delta * n / total
         self.m2 += m2 + delta * delta * self.count * n / total
         self.count = total
-        self.min = min(self.min, float(chunk.min()))
-        self.max = max(self.max, float(chunk.max()))
+        self.min = min(self.min, low)
+        self.max = max(self.max, high)
 
     def as_dict(self) -> dict:
         if self.count == 0:
             return {"min": None, "max": None, "mean": None, "std": None, "nan": self.nan, "inf": self.inf}
-        return {"min": self.min, "max": self.max, "mean": self.mean, "std": math.sqrt(self.m2 / self.count),
-                "nan": self.nan, "inf": self.inf}
+        return {"min": self.min, "max": self.max, "mean": math.ldexp(self.mean, self.scale),
+                "std": math.ldexp(math.sqrt(self.m2 / self.count), self.scale), "nan": self.nan, "inf": self.inf}
 
 
 def tensor_stats(tensor):
@@ -115,12 +148,10 @@ def tensor_stats(tensor):
     Returns None for types with no arithmetic (bits*, sub-byte ints, float4): their raw bits are
     stored but have no values to summarize.
     """
-    if tensor.is_complex():
-        tensor = tensor.to(torch.complex128).abs()
     summary = Summary()
     try:
         for chunk in as_float64_chunks(tensor):
-            summary.add(chunk)
+            summary.add(_summarized(chunk, tensor.is_complex(), tensor.is_complex()))
     except TypeError:
         return None
     return summary.as_dict()
@@ -132,10 +163,11 @@ def compare(baseline, target, atol: float, rtol: float) -> dict:
     ``mismatch``: fraction of elements breaking ``|target - baseline| <= atol + rtol * |baseline|``;
     NaN equals NaN and an infinity equals the same infinity (a NaN or Inf on one side only is a
     mismatch). Integer pairs take their differences exactly (2**53 vs 2**53+1 differ); a complex
-    element counts once. ``rel_diff = 1 - 2*sum(xy) / sum(x^2 + y^2)`` and ``cosine`` are over the
-    elements finite on both sides, summed scaled (no overflow), exactly 0 and 1 when those elements
-    are all equal. ``max_rel`` is ``max |a-b| / |b|`` (inf where b is 0 and a is not).
-    Types with no arithmetic are compared bit for bit (``bitwise`` True, metrics None).
+    element counts once. ``rel_diff = 1 - 2*sum(xy) / sum(x^2 + y^2)``, taken as
+    ``sum((x-y)^2) / sum(x^2 + y^2)`` (no cancellation), and ``cosine`` are over the elements finite
+    on both sides, summed scaled (no overflow), exactly 0 and 1 when those elements are all equal.
+    ``max_rel`` is ``max |a-b| / |b|`` (inf where b is 0 and a is not). Types with no arithmetic
+    are compared bit for bit (``bitwise`` True, metrics None).
     """
     numel = baseline.numel()
     if numel != target.numel():
@@ -149,8 +181,11 @@ def compare(baseline, target, atol: float, rtol: float) -> dict:
     exact = _exact_int_dtype(baseline.dtype, target.dtype)
     ints = zip(_native_chunks(baseline, exact), _native_chunks(target, exact)) if exact else itertools.repeat(None)
     pairs = 2 if baseline.is_complex() or target.is_complex() else 1  # a complex element is 2 parts
-    sxy = sxx = syy = 0.0
-    scale = -1100  # the sums are of (x / 2**scale): huge float64 values must not overflow them
+    # Sums of x / 2**scale: huge float64 values must not overflow them. Each side has its own
+    # scale (a common one underflowed the smaller side's squares to 0: cosine 0 for vectors
+    # pointing the same way); sdd, of the differences, is at the larger of the two.
+    sxy = sxx = syy = sdd = 0.0
+    scale_a = scale_b = scale_d = -1100
     max_abs = max_rel = 0.0
     mismatches = nonfinite_mismatches = 0
     equal = True  # every element finite on both sides is equal: exact 0 distance, whatever the rounding
@@ -160,8 +195,8 @@ def compare(baseline, target, atol: float, rtol: float) -> dict:
     # parts, and left out the rest.)
     chunks = (as_float64_chunks(baseline, complex_parts=pairs == 2), as_float64_chunks(target, complex_parts=pairs == 2))
     for b, a, raw in zip(*chunks, ints):
-        base_summary.add(b)
-        target_summary.add(a)
+        base_summary.add(_summarized(b, baseline.is_complex(), pairs == 2))
+        target_summary.add(_summarized(a, target.is_complex(), pairs == 2))
         finite = np.isfinite(a) & np.isfinite(b)
         if raw is not None:  # integers: the exact difference, never rounded to 0 above 2**53
             rb, ra = raw
@@ -187,24 +222,33 @@ def compare(baseline, target, atol: float, rtol: float) -> dict:
         with np.errstate(divide="ignore", invalid="ignore"):
             rel = np.where(err == 0, 0.0, err / abs_b)  # x/0 -> inf, 0/0 -> 0
         max_rel = max(max_rel, float(rel.max()))
-        peak = max(float(np.abs(a).max()), float(abs_b.max()))
-        if peak > 0 and math.frexp(peak)[1] > scale:
-            new_scale = math.frexp(peak)[1]
-            shrink = math.ldexp(1.0, 2 * (scale - new_scale))
-            sxy, sxx, syy, scale = sxy * shrink, sxx * shrink, syy * shrink, new_scale
-        a, b = np.ldexp(a, -scale), np.ldexp(b, -scale)  # powers of two: exact
+        peak_a, peak_b = float(np.abs(a).max()), float(abs_b.max())
+        new_a = max(scale_a, math.frexp(peak_a)[1]) if peak_a > 0 else scale_a  # (frexp(0) is 0)
+        new_b = max(scale_b, math.frexp(peak_b)[1]) if peak_b > 0 else scale_b
+        new_d = max(new_a, new_b)
+        sxx = math.ldexp(sxx, 2 * (scale_a - new_a))
+        syy = math.ldexp(syy, 2 * (scale_b - new_b))
+        sxy = math.ldexp(sxy, scale_a - new_a + scale_b - new_b)
+        sdd = math.ldexp(sdd, 2 * (scale_d - new_d))
+        scale_a, scale_b, scale_d = new_a, new_b, new_d
+        # |a-b| (integers: exact, 2**53 and 2**53+1 are one float64); where it overflowed (1e308
+        # against -1e308), the difference of the scaled values.
+        d = _scaled(err, scale_d) if chunk_max < math.inf else _scaled(a, scale_d) - _scaled(b, scale_d)
+        a, b = _scaled(a, scale_a), _scaled(b, scale_b)
         sxy += float(np.dot(a, b))
         sxx += float(np.dot(a, a))
         syy += float(np.dot(b, b))
-    energy = sxx + syy
+        sdd += float(np.dot(d, d))
+    # sum(x^2 + y^2) at the differences' scale
+    energy = math.ldexp(sxx, 2 * (scale_a - scale_d)) + math.ldexp(syy, 2 * (scale_b - scale_d))
     if equal:
         rel_diff, cosine = 0.0, 1.0
     else:
-        rel_diff = 0.0 if energy == 0 else 1.0 - 2.0 * sxy / energy
+        rel_diff = 0.0 if energy == 0 else sdd / energy
         norms = math.sqrt(sxx * syy)
         cosine = (1.0 if sxx == syy == 0 else 0.0) if norms == 0 else min(1.0, max(-1.0, sxy / norms))
     return {"numel": numel, "bitwise": False, "max_abs": max_abs, "max_rel": max_rel,
-            "rel_diff": max(rel_diff, 0.0), "cosine": cosine,
+            "rel_diff": rel_diff, "cosine": cosine,
             "mismatch": mismatches / numel if numel else 0.0, "mismatches": mismatches,
             "nonfinite_mismatches": nonfinite_mismatches,
             "baseline": base_summary.as_dict(), "target": target_summary.as_dict()}

@@ -202,6 +202,27 @@ def test_tp2_against_tp1_unshards(tmp_path, capsys):
     assert {row["name"] for row in bad} == {"o_partial"} and "partial sums" in bad[0]["reason"]
 
 
+def test_sum_unshard_keeps_imaginary_parts(tmp_path):
+    """Partial sums were added as .to(float64), which drops a complex shard's imaginary part:
+    TP2 against TP4 compared only the real parts, and imaginary parts that differ passed."""
+    full = torch.tensor([1 + 1j, 2 + 2j], dtype=torch.complex64)
+
+    def dump(root, shards):
+        for rank, shard in enumerate(shards):
+            with fastdump.attach(None, root, tp_rank=rank, tp_size=len(shards), writer="thread") as dumper:
+                dumper.begin_pass()
+                dumper.dump("o_proj", shard)
+                dumper.end_pass()
+        return root
+
+    base = dump(tmp_path / "tp2", [full / 2] * 2)
+    target = dump(tmp_path / "tp4", [full.real.to(torch.complex64) / 4] * 4)  # imaginary parts 0
+    result = fastdump.diff(base, target, unshard={"o_proj": "sum"})
+    (row,) = result.rows
+    assert not result.ok and row["status"] == "fail" and row["mismatches"] == 2 and row["max_abs"] == 2.0
+    assert fastdump.diff(base, dump(tmp_path / "same", [full / 4] * 4), unshard={"o_proj": "sum"}).ok
+
+
 def test_tp2_one_shard_changed_names_that_tensor(tmp_path, capsys):
     base = manual_dump(tmp_path / "tp1", 1)
     target = manual_dump(tmp_path / "tp2", 2, change=("qkv", 1, 1))

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 import fastdump
-from fastdump import cli
+from fastdump import cli, stats
 from fastdump.compare import DiffError
 
 from toy_models import TinyDraft, TinyLM
@@ -207,6 +207,39 @@ def test_complex_tensors_compare_real_and_imaginary_parts(tmp_path):
     assert fastdump.diff(base, base, atol=0, rtol=0).ok
 
 
+def test_complex_statistics_are_magnitudes_as_in_show(tmp_path, capsys):
+    """diff's baseline_stats/target_stats are `fastdump show`'s statistics. They were taken over
+    the interleaved (re, im) parts: 3+4j, 6+8j gave min 3, max 8 (show: 5, 10), and a real tensor
+    compared with a complex one had zeros mixed in (1, 2 gave min 0, mean 0.75)."""
+    c = torch.tensor([3 + 4j, 6 + 8j, complex(NAN, NAN)], dtype=torch.complex64)
+    base, target = pair(tmp_path, {"c": c, "r": torch.tensor([1.0, 2.0])},
+                        {"c": c, "r": torch.tensor([1 + 0j, 2 + 0j], dtype=torch.complex64)})
+    result = fastdump.diff(base, target)
+    assert result.ok
+    for side in ("baseline_stats", "target_stats"):
+        assert row_of(result, "c")[side] == {"min": 5.0, "max": 10.0, "mean": 7.5, "std": 2.5, "nan": 1, "inf": 0}
+        assert row_of(result, "r")[side] == {"min": 1.0, "max": 2.0, "mean": 1.5, "std": 0.5, "nan": 0, "inf": 0}
+    assert cli.main(["show", str(target), "--pass", "0", "--name", "^c$"]) == 0
+    assert "c     complex64  [3]    5    10   7.5   2.5  1    0" in capsys.readouterr().out
+
+
+def test_float64_statistics_near_the_float64_limit_do_not_overflow(tmp_path, capsys):
+    """Sums of values near 1e308 overflowed (mean inf, std NaN), squares of values above 1e154 too
+    (std inf), in `fastdump show` and in diff's statistics."""
+    big = torch.tensor([1e308, 1e308], dtype=torch.float64)
+    wide = torch.tensor([1e200, -1e200], dtype=torch.float64)
+    base, _ = pair(tmp_path, {"big": big, "wide": wide}, {"big": big, "wide": wide})
+    result = fastdump.diff(base, base)
+    assert row_of(result, "big")["baseline_stats"] == {"min": 1e308, "max": 1e308, "mean": 1e308, "std": 0.0,
+                                                       "nan": 0, "inf": 0}
+    wide_stats = row_of(result, "wide")["target_stats"]
+    assert wide_stats["mean"] == 0.0 and wide_stats["std"] == pytest.approx(1e200, rel=1e-15)
+    assert cli.main(["show", str(base), "--pass", "0", "--name", "big|wide"]) == 0
+    table = capsys.readouterr().out.splitlines()[1:]
+    assert table[1].split()[3:] == ["1e+308", "1e+308", "1e+308", "0", "0", "0"]
+    assert table[2].split()[3:] == ["-1e+200", "1e+200", "0", "1e+200", "0", "0"]
+
+
 def test_complex_mismatch_fraction_is_at_most_one(tmp_path, capsys):
     base, target = pair(tmp_path, {"c": torch.tensor([1 + 1j])}, {"c": torch.tensor([2 + 2j])})
     row = row_of(fastdump.diff(base, target, atol=0, rtol=0), "c")
@@ -325,6 +358,81 @@ def test_one_ulp_difference_at_zero_tolerance_reports_exact_numbers(tmp_path):
     assert row["status"] == "fail" and row["mismatches"] == 2 and row["max_abs"] == 2.0 ** -23
     assert row["max_rel"] == 2.0 ** -23
     assert fastdump.diff(base, target, atol=0, rtol=2.0 ** -23).ok  # |a-b| <= rtol*|b| exactly
+
+
+def test_rel_diff_of_a_one_ulp_difference_is_not_lost_to_cancellation(tmp_path):
+    """rel_diff was 1 - 2*sum(ab)/sum(a^2+b^2): one float32 element of 4096 one ulp off gave
+    exactly 0 (so `--metric rel_diff=0`, "equal", passed a tensor that differs), and every
+    element one ulp off in 2**20 gave 3.9e-14 for 3.9e-15. It is now sum((a-b)^2)/sum(a^2+b^2),
+    the same quantity without the cancellation."""
+    torch.manual_seed(0)
+    x = torch.randn(4096)
+    one = x.clone()
+    one[7] = torch.nextafter(x[7], torch.tensor(INF))
+    base, target = pair(tmp_path, {"x": x}, {"x": one})
+    row = row_of(fastdump.diff(base, target), "x")
+    d = one.double() - x.double()
+    expected = float((d * d).sum() / (one.double() ** 2 + x.double() ** 2).sum())
+    assert row["rel_diff"] == pytest.approx(expected, rel=1e-12, abs=0)
+    assert not fastdump.diff(base, target, name="^x$", metric=["rel_diff=0"]).ok
+    ints = stats.compare(torch.tensor([2 ** 53, 3]), torch.tensor([2 ** 53 + 1, 3]), 0, 0)  # one float64
+    assert ints["rel_diff"] == pytest.approx(1 / (2 ** 107 + 2 ** 54 + 18), rel=1e-12, abs=0)
+    many = torch.randn(1 << 20, dtype=torch.float32)
+    ulps = torch.nextafter(many, torch.full_like(many, INF))
+    r = stats.compare(many, ulps, 0, 0)
+    d = ulps.double() - many.double()
+    assert r["rel_diff"] == pytest.approx(float((d * d).sum() / (ulps.double() ** 2 + many.double() ** 2).sum()),
+                                          rel=1e-9, abs=0)
+
+
+@pytest.mark.parametrize("base,target,cosine", [
+    ([1e160, 1e160], [1e-160, 2e-160], 3 / 10 ** 0.5),  # parallel-ish, magnitudes 1e320 apart
+    ([-235.0], [-1e-310], 1.0),  # a subnormal against a normal number of the same sign
+])
+def test_cosine_of_sides_far_apart_in_magnitude(base, target, cosine):
+    """Both sides' sums were scaled by the larger side's power of two: the smaller side's squares
+    then underflowed to 0 and cosine came out 0 for vectors pointing the same way."""
+    r = stats.compare(torch.tensor(base, dtype=torch.float64), torch.tensor(target, dtype=torch.float64), 0, 0)
+    assert r["cosine"] == pytest.approx(cosine, rel=1e-12)
+
+
+def test_a_few_mismatches_in_a_large_tensor_never_read_zero_percent(tmp_path, capsys):
+    """The mismatch fraction was printed with two decimals: one element of 2**20 off made a FAIL
+    line (and the report's table) read "mismatch 0.00%"."""
+    x = torch.zeros(1 << 20)
+    y = x.clone()
+    y[5] = 1.0
+    base, target = pair(tmp_path, {"x": x}, {"x": y})
+    report = tmp_path / "r.html"
+    code, out, _ = run(capsys, base, target, "--html", report)
+    (line,) = [line for line in out.splitlines() if line.startswith("FAIL ")]
+    assert code == 1 and "0.00%" not in line and "mismatch 9.5e-05%" in line
+    assert "0.00%" not in report.read_text() and "9.5e-05%" in report.read_text()
+
+
+@pytest.mark.parametrize("unshard,reason", [
+    (None, "tp ranks 0 and 1 disagree on a tensor treated as replicated (their bits differ)"),
+    ({"w": "sum"}, "cannot be summed (no arithmetic)"),
+])
+def test_tp_shards_of_a_type_with_no_arithmetic_fail_never_crash(tmp_path, unshard, reason):
+    """float4 shards are compared bit for bit, with no max abs: the replicated check formatted
+    None with .3g and a sum rule called .to(float64); both raised out of diff (a traceback)."""
+    def f4(*values):
+        return torch.tensor(values, dtype=torch.uint8).view(torch.float4_e2m1fn_x2)
+
+    def dump(root, shards):
+        for rank, shard in enumerate(shards):
+            with fastdump.attach(None, root, tp_rank=rank, tp_size=len(shards), writer="thread") as dumper:
+                dumper.begin_pass()
+                dumper.dump("w", shard)
+                dumper.dump("x", torch.ones(2))  # (a diff that compares nothing exits 2)
+                dumper.end_pass()
+        return root
+
+    base, target = dump(tmp_path / "tp1", [f4(1, 2)]), dump(tmp_path / "tp2", [f4(1, 2), f4(1, 3)])
+    result = fastdump.diff(base, target, unshard=unshard)
+    row = row_of(result, "w")
+    assert result.exit_code == 1 and row["status"] == "fail" and reason in row["reason"]
 
 
 # ------------------------------------------------------------------ names, passes, roles, ranks
@@ -1085,3 +1193,19 @@ def test_names_from_a_dump_never_reach_the_terminal_raw(tmp_path, capsys):
     code, out, err = run(capsys, base, target)
     assert code == 1 and "\x1b" not in out and "\\x1b[2J" in out
     assert all(not line.startswith("no divergence") for line in out.splitlines())
+
+
+def test_html_report_of_a_name_with_a_lone_surrogate_is_written(tmp_path, capsys):
+    """Dump names are any Python str, a lone surrogate too (the dump and the other reports keep
+    it). Encoding the page as UTF-8 raised, and `diff --html` exited 2 without a report."""
+    name = "layers.0.a\ud800b"
+    for side, value in (("base", 0.0), ("target", 1.0)):
+        with fastdump.attach(None, tmp_path / side, writer="thread") as dumper:
+            dumper.begin_pass()
+            dumper.dump(name, torch.full((2,), value))
+            dumper.end_pass()
+    report = tmp_path / "r.html"
+    code, out, err = run(capsys, tmp_path / "base", tmp_path / "target", "--html", report)
+    assert code == 1 and err == "" and "a\\ud800b" in out
+    page = report.read_text(encoding="utf-8")
+    assert "a\\ud800b" in page and "First divergence" in page
