@@ -581,9 +581,14 @@ def _stage_cai(engine, device_ring_mb, channel, name_id, pass_id, array, cai, bl
         return stager.stage_tensor(channel, name_id, pass_id, code, torch.as_tensor(array, device="cuda"),
                                    block, timeout_s), nbytes
     device = _cai_device(array, ptr)
-    return (stager.stage(channel, name_id, pass_id, code, size, shape, strides, ptr, device, stream, block,
-                         timeout_s=timeout_s),
-            nbytes)
+    status = stager.stage(channel, name_id, pass_id, code, size, shape, strides, ptr, device, stream, block,
+                          timeout_s=timeout_s)
+    if status == STAGED:
+        # As a DLPack capsule: the caller may drop the array as soon as this returns, and its pool
+        # (CuPy's is per stream) may hand the memory to a kernel on another stream before the
+        # snapshot on `stream` has read it. Kept until the snapshot completed.
+        hold_until_read(stager, device, array)
+    return status, nbytes
 
 
 def _cai_device(array, ptr: int) -> int:
