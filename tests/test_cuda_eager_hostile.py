@@ -44,3 +44,49 @@ def test_cai_array_released_right_after_the_dump_is_kept_until_read(m, glue, tmp
         m._mock.stream_destroy(busy)
     got = fastdump.open(tmp_path).load("target", 0, 0)
     assert same_bits(torch.as_tensor(got["x"]), t)
+
+
+class _Interface:
+    """A bare `__cuda_array_interface__` object (no stream: the data is ready)."""
+
+    def __init__(self, ptr, shape, strides_bytes, typestr="<f4"):
+        self.__cuda_array_interface__ = {"data": (ptr, False), "shape": shape, "strides": strides_bytes,
+                                         "typestr": typestr, "version": 3, "stream": None}
+
+
+def test_broadcast_views_whose_size_overflows_are_skipped_at_once(m, glue, tmp_path):
+    """Broadcast (stride-0) views that say 2^64 bytes or more: a torch tensor (2^61 float64, which
+    torch allows) wrapped to 0 bytes and was staged as an empty record under its huge shape (the
+    writer refused it: 'bad record'); an interface array of 2^62 float32 was planned record by record
+    until the plan ran out of memory (over a minute on the model's thread, then bad_alloc). Both are
+    now skipped at once with the reason; everything else is dumped bit for bit, and `verify` passes."""
+    import time
+
+    from fastdump.cli.dump import verify_dump
+    from test_cuda import device_buffer, fake_cuda
+
+    ok = torch.arange(6, dtype=torch.int32)
+    d = _attach(tmp_path, writer="thread", device="cuda:0", policy="drop")
+    p = device_buffer(m, 64)
+    t0 = time.monotonic()
+    d.begin_pass()
+    d.dump("ok", fake_cuda(m, ok))
+    d.dump("torch_huge", fake_cuda(m, torch.tensor(1.5, dtype=torch.float64).expand(2 ** 61)))
+    d.dump("array_huge", _Interface(p, (2 ** 62,), (0,)))
+    d.dump("array_wraps_to_0", _Interface(p, (2 ** 32, 2 ** 32), (0, 0)))
+    d.dump("empty", _Interface(p, (2 ** 20, 0, 3), (0, 0, 0)))  # no bytes: fine
+    d.dump("broadcast_4tib", _Interface(p, (2 ** 40,), (0,)))  # fits 64 bits, not the ring: `drop` skips it
+    d.end_pass()
+    assert time.monotonic() - t0 < 10
+    stats = d.close()
+    assert stats["tensors"] == 2 and stats["skipped"] == 4, stats
+    reasons = d._skipped
+    for name in ("torch_huge", "array_huge", "array_wraps_to_0"):
+        assert "2^63 bytes" in reasons[name], (name, reasons)
+    assert "do not fit in the ring" in reasons["broadcast_4tib"]
+    got = fastdump.open(tmp_path).load("target", 0, 0)
+    assert set(got) == {"ok", "empty"}
+    assert same_bits(torch.as_tensor(got["ok"]), ok)
+    assert tuple(got["empty"].shape) == (2 ** 20, 0, 3)
+    report = verify_dump(str(tmp_path), read_data=True)
+    assert report.problems == [], report.problems

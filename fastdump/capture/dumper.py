@@ -937,7 +937,8 @@ class Dumper:
                 self._skip(name, f"{nbytes} bytes do not fit in the ring at once: policy='drop' never waits "
                                  "for the writer mid-tensor (raise ring_mb)")
         elif status == _C.TOO_LARGE:  # _C.MAX_DIMS is HDF5's limit: the writer could not store it
-            self._skip(name, "more than %d dimensions" % _C.MAX_DIMS)
+            # (or a broadcast view whose size overflows: shape x element size >= 2^63 bytes, CUDA)
+            self._skip(name, "more than %d dimensions, or more than 2^63 bytes" % _C.MAX_DIMS)
         elif status == _CAPTURING:
             # Python wrappers run only while a graph is captured, never on replay: copying then
             # would dump a capture-time value under every replay. Recorded, not staged.
