@@ -90,3 +90,36 @@ def test_broadcast_views_whose_size_overflows_are_skipped_at_once(m, glue, tmp_p
     assert tuple(got["empty"].shape) == (2 ** 20, 0, 3)
     report = verify_dump(str(tmp_path), read_data=True)
     assert report.problems == [], report.problems
+
+
+def test_drain_failure_tearing_a_staged_tensor_fails_verify(m, glue, tmp_path, monkeypatch):
+    """A tensor of two records, STAGED (counted by the Dumper), whose first record reached the host
+    ring before the D2H copy of its second failed: the drain turns the rest into padding and the
+    writer stores the tensor as skipped (an incomplete tensor). It was accepted and lost: rank.json
+    says why and `fastdump verify` fails (the skip used to explain the missing tensor: no problem)."""
+    import json
+
+    from fastdump import format as fmt
+    from fastdump.cli.dump import verify_dump
+    from test_cuda import fake_cuda
+
+    monkeypatch.setenv("FASTDUMP_CUDA_BATCH", "0")  # the drain's D2H copies are cudaMemcpyAsync calls
+    big = torch.arange(1 << 19, dtype=torch.float32).reshape(512, 1024).t()  # 2 MiB, gathered: no memcpy
+    small = torch.arange(10, dtype=torch.int16).reshape(2, 5).t()  # gathered too
+    fb, fs = fake_cuda(m, big), fake_cuda(m, small)
+    d = _attach(tmp_path, writer="thread", device="cuda:0", device_ring_mb=4, ring_mb=4)
+    # One copy batch per record (at most a device ring / 8); the third D2H copy (big's second record) fails.
+    m._mock.fail("cudaMemcpyAsync", 1, 999, skip=2)
+    m._mock.enqueue_sleep(glue, 0.3)  # the snapshots run late: both tensors are STAGED before any copy ran
+    d.begin_pass()
+    d.dump("small", fs)
+    d.dump("big", fb)
+    d.end_pass()
+    stats = d.close()
+    assert stats["tensors"] == 2 and stats["skipped"] == 0
+    info = json.loads(next(tmp_path.rglob("rank.json")).read_text())
+    assert info["skipped_reasons"] == {fmt.TORN_TENSOR_REASON: 1}, info
+    got = fastdump.open(tmp_path).load("target", 0, 0)
+    assert set(got) == {"small"} and same_bits(torch.as_tensor(got["small"]), small)
+    report = verify_dump(str(tmp_path), read_data=True)
+    assert any("1 staged tensor(s) were torn" in p for p in report.problems), report.problems
