@@ -123,3 +123,38 @@ def test_drain_failure_tearing_a_staged_tensor_fails_verify(m, glue, tmp_path, m
     assert set(got) == {"small"} and same_bits(torch.as_tensor(got["small"]), small)
     report = verify_dump(str(tmp_path), read_data=True)
     assert any("1 staged tensor(s) were torn" in p for p in report.problems), report.problems
+
+
+def test_drain_failure_after_the_last_tensor_is_recorded(m, glue, tmp_path, monkeypatch):
+    """The drain fails after the Dumper's last CUDA tensor was STAGED: no later tensor sees DISABLED,
+    so the Dumper closed as if nothing happened (rank.json: status closed, no reason) while the
+    pass's tensors became padding. rank.json now says why CUDA staging stopped, and `verify` fails on
+    the missing tensors; the earlier pass is whole."""
+    import json
+
+    from fastdump.cli.dump import verify_dump
+    from test_cuda import fake_cuda
+
+    monkeypatch.setenv("FASTDUMP_CUDA_BATCH", "0")  # the drain's D2H copies are cudaMemcpyAsync calls
+    first = torch.arange(64, dtype=torch.float32).reshape(8, 8).t()  # gathered: no cudaMemcpyAsync
+    last = [torch.arange(12, dtype=torch.int32).reshape(3, 4).t() + i for i in range(3)]
+    f0, fl = fake_cuda(m, first), [fake_cuda(m, t) for t in last]
+    d = _attach(tmp_path, writer="thread", device="cuda:0")
+    d.begin_pass()
+    d.dump("x", f0)
+    d.end_pass()
+    assert d._engine.flush_cuda(10)
+    m._mock.fail("cudaMemcpyAsync", 1, 999)  # the next D2H copy fails
+    m._mock.enqueue_sleep(glue, 0.3)  # the snapshots run late: every tensor is STAGED first
+    d.begin_pass()
+    for i, f in enumerate(fl):
+        d.dump(f"y{i}", f)
+    d.end_pass()
+    stats = d.close()
+    assert stats["tensors"] == 4
+    info = json.loads(next(tmp_path.rglob("rank.json")).read_text())
+    assert "D2H copy" in info["cuda_staging"]["stopped"], info.get("cuda_staging")
+    ds = fastdump.open(tmp_path)
+    assert same_bits(torch.as_tensor(ds.load("target", 0, 0)["x"]), first)
+    report = verify_dump(str(tmp_path), read_data=True)
+    assert any("the Dumper staged 4 tensors; 1 are on disk" in p for p in report.problems), report.problems

@@ -366,6 +366,14 @@ class Dumper:
             if self._engine.alive and self.status == "running":
                 self._engine.flush_cuda(left())
                 self._fold_lane_counts()
+                stopped = self._engine.cuda_staging_stopped()
+                if stopped:
+                    # The drain failed after this Dumper's last CUDA tensor (a later one would have
+                    # seen DISABLED): what it had not copied became padding. rank.json says why;
+                    # `verify` counts what is missing.
+                    log.error("fastdump: %s: %s", self.dir, stopped)
+                    self._channel.control(protocol.note(self._channel.id, "running",
+                                                        cuda_staging={"stopped": stopped}), block=True)
                 # Records a capture holds are padding now (never written). They were staged, so they
                 # are lost, not dropped by policy: rank.json says so and `fastdump verify` fails.
                 held = self._engine.close_cuda_if_last(left())

@@ -316,8 +316,8 @@ class ChannelWriter:
             self._note_error = str(msg["error"])
         if msg.get("budget_reached"):
             self._info["budget_reached"] = True  # max_bytes hit: later passes were not dumped
-        if msg.get("cuda_staging"):
-            self._info["cuda_staging"] = msg["cuda_staging"]  # e.g. why CUDA tensors were dropped
+        if isinstance(msg.get("cuda_staging"), dict):  # e.g. why CUDA tensors were dropped; why staging stopped
+            self._info["cuda_staging"] = {**(self._info.get("cuda_staging") or {}), **msg["cuda_staging"]}
         if self.error is None:
             self._guarded(self._write_rank_json)
 
