@@ -158,3 +158,32 @@ def test_drain_failure_after_the_last_tensor_is_recorded(m, glue, tmp_path, monk
     assert same_bits(torch.as_tensor(ds.load("target", 0, 0)["x"]), first)
     report = verify_dump(str(tmp_path), read_data=True)
     assert any("the Dumper staged 4 tensors; 1 are on disk" in p for p in report.problems), report.problems
+
+
+def test_empty_tensor_numpy_cannot_represent_is_skipped_not_stored(m, glue, tmp_path):
+    """torch makes an empty CUDA tensor of shape (2^40, 0, 2^40); numpy cannot (its other dimensions
+    span more than 2^63 bytes). It was staged (0 bytes: nothing to copy) and stored, and its block
+    made the whole segment unreadable: the pass failed to load, `verify` said 0 passes on disk. Now
+    the writer skips it with the reason; the rest of the pass and the next pass are whole."""
+    from fastdump.cli.dump import verify_dump
+    from test_cuda import fake_cuda
+
+    ok = torch.arange(4.0)
+    d = _attach(tmp_path, writer="thread", device="cuda:0")
+    for p in range(2):
+        d.begin_pass()
+        d.dump("ok", fake_cuda(m, ok + p))
+        if p == 0:
+            d.dump("wide", fake_cuda(m, torch.empty(2 ** 40, 0, 2 ** 40)))
+            d.dump("empty", fake_cuda(m, torch.empty(2 ** 20, 0, 3)))  # numpy can: stored
+        d.end_pass()
+    d.close()
+    ds = fastdump.open(tmp_path)
+    got = ds.load("target", 0, 0)
+    assert set(got) == {"ok", "empty"} and tuple(got["empty"].shape) == (2 ** 20, 0, 3)
+    assert same_bits(torch.as_tensor(got["ok"]), ok)
+    assert same_bits(torch.as_tensor(ds.load("target", 0, 1)["ok"]), ok + 1)
+    report = verify_dump(str(tmp_path), read_data=True)
+    assert report.problems == [], report.problems
+    reasons = ds.rank_info("target", 0).get("skipped_reasons", {})
+    assert any("numpy" in r for r in reasons), reasons
