@@ -187,3 +187,26 @@ def test_empty_tensor_numpy_cannot_represent_is_skipped_not_stored(m, glue, tmp_
     assert report.problems == [], report.problems
     reasons = ds.rank_info("target", 0).get("skipped_reasons", {})
     assert any("numpy" in r for r in reasons), reasons
+
+
+def test_no_device_ring_drops_foreign_arrays_like_tensors(m, glue, tmp_path):
+    """The GPU's device ring cannot be had (a serving engine took the memory): a torch tensor is
+    dropped and counted (verify fails under `block`), but a CuPy-style array was *skipped* ('cannot
+    stage'), which verify accepts. Both are drops now, with the reason in rank.json once."""
+    import json
+
+    from fastdump.cli.dump import verify_dump
+
+    t = torch.arange(100, dtype=torch.float32)
+    ptr = to_device(m, t)
+    m._mock.set("device_free", 64 << 20)  # less than the 256 MiB ring
+    d = _attach(tmp_path, writer="thread")  # no device hint: the ring is tried at the first array
+    d.begin_pass()
+    d.dump("arr", _Interface(ptr, (100,), None))
+    d.end_pass()
+    stats = d.close()
+    assert stats["dropped"] == 1 and stats["skipped"] == 0 and stats["tensors"] == 0, stats
+    info = json.loads(next(tmp_path.rglob("rank.json")).read_text())
+    assert info["dropped"] == 1 and info["cuda_staging"]["device_ring"] == "unavailable"
+    report = verify_dump(str(tmp_path))
+    assert any("1 tensor(s) and 0 whole pass(es) were dropped" in p for p in report.problems), report.problems
