@@ -366,14 +366,6 @@ class Dumper:
             if self._engine.alive and self.status == "running":
                 self._engine.flush_cuda(left())
                 self._fold_lane_counts()
-                stopped = self._engine.cuda_staging_stopped()
-                if stopped:
-                    # The drain failed after this Dumper's last CUDA tensor (a later one would have
-                    # seen DISABLED): what it had not copied became padding. rank.json says why;
-                    # `verify` counts what is missing.
-                    log.error("fastdump: %s: %s", self.dir, stopped)
-                    self._channel.control(protocol.note(self._channel.id, "running",
-                                                        cuda_staging={"stopped": stopped}), block=True)
                 # Records a capture holds are padding now (never written). They were staged, so they
                 # are lost, not dropped by policy: rank.json says so and `fastdump verify` fails.
                 held = self._engine.close_cuda_if_last(left())
@@ -381,6 +373,14 @@ class Dumper:
                     self._totals["lost_at_close"] += held
                     log.error("fastdump: %d staged CUDA tensors lost at close: a CUDA-graph capture still "
                               "running on another stream held their batch", held)
+                stopped = self._engine.cuda_staging_stopped()
+                if stopped:
+                    # The drain failed after this Dumper's last CUDA tensor (a later one would have
+                    # seen DISABLED), or in the final flush: what it had not copied became padding.
+                    # rank.json says why; `verify` counts what is missing.
+                    log.error("fastdump: %s: %s", self.dir, stopped)
+                    self._channel.control(protocol.note(self._channel.id, "running",
+                                                        cuda_staging={"stopped": stopped}), block=True)
                 if self._late_ends:  # the writer got going again: their passes' ends, before the close
                     self._send_late_ends(deadline)
                 ok = self._channel.control(protocol.close(self._channel.id, self._totals), wait=True,
