@@ -258,10 +258,12 @@ void bind_mock(py::module_& m) {
     else if (name == "capturing") c.capturing = static_cast<int>(v);
     else throw std::invalid_argument(name);
   });
-  // The next `count` calls of `api` (a runtime function's name, or "kernel") fail with `error`.
-  k.def("fail", [](const std::string& api, int count, int error) {
-    fdmock::inject(api, count, static_cast<cudaError_t>(error));
-  }, py::arg("api"), py::arg("count") = 1, py::arg("error") = static_cast<int>(cudaErrorUnknown));
+  // The next `count` calls of `api` (a runtime function's name, or "kernel") fail with `error`,
+  // after `skip` more calls that succeed (a failure mid-run: the second D2H copy of a tensor).
+  k.def("fail", [](const std::string& api, int count, int error, int skip) {
+    fdmock::inject(api, count, static_cast<cudaError_t>(error), skip);
+  }, py::arg("api"), py::arg("count") = 1, py::arg("error") = static_cast<int>(cudaErrorUnknown),
+     py::arg("skip") = 0);
   k.def("reset", []() { fdmock::reset_device_state(); });
   // The calling thread's counts (see the top of this file): {"calls": {api: n}, "allocs", "locks"}.
   k.def("thread_counts", []() {

@@ -889,12 +889,15 @@ struct CudaStager::Impl {
     if (src.elem_size == 0) throw std::invalid_argument("elem_size must be positive");
     if (src.device < 0 || src.device >= device_count)
       throw std::invalid_argument("no CUDA device " + std::to_string(src.device));
-    uint64_t numel = 1;
-    for (int64_t d : src.shape) {
+    for (int64_t d : src.shape)
       if (d < 0) throw std::invalid_argument("negative dimension");
-      numel *= static_cast<uint64_t>(d);
+    uint64_t numel = 0, total = 0;
+    if (!count_bytes(src, &numel, &total)) {
+      // A broadcast (stride-0) view can say more bytes than 64 bits hold (torch allows 2^61 float64
+      // elements). Wrapped, it was staged as a few bytes under that shape (a record the writer
+      // refuses), or planned record by record until the plan exhausted memory. Nothing can store it.
+      return kTooLarge;
     }
-    const uint64_t total = numel * src.elem_size;
     bool hooked = false;
     auto before_block = [&] {
       if (!hooked) {
@@ -983,9 +986,14 @@ struct CudaStager::Impl {
     const double deadline = timeout_s < 0 ? -1 : now_s() + timeout_s;
     auto wait_left = [&] { return deadline < 0 ? kWaitForever : std::max(deadline - now_s(), 1e-6); };
     if (numel > rec_elems) {
+      // Larger than the whole host ring: it cannot be reserved at once, and its plan (one entry per
+      // record) could be too large to build (a broadcast view of 2^60 elements).
+      const bool fits = total <= prod->region().capacity();
       std::vector<uint64_t> plan;
-      for (uint64_t r0 = 0; r0 < numel; r0 += rec_elems) plan.push_back((std::min(numel, r0 + rec_elems) - r0) * src.elem_size);
-      int got = prod->reserve_all(channel, name_id, pass_id, dtype, src.shape, plan, total, false, 0, &pre);
+      if (fits)
+        for (uint64_t r0 = 0; r0 < numel; r0 += rec_elems)
+          plan.push_back((std::min(numel, r0 + rec_elems) - r0) * src.elem_size);
+      int got = fits ? prod->reserve_all(channel, name_id, pass_id, dtype, src.shape, plan, total, false, 0, &pre) : -1;
       if (got == 0) {
         if (prod->disabled() || !prod->writer_alive()) return kDisabled;
         if (!block) return drop();
@@ -997,7 +1005,7 @@ struct CudaStager::Impl {
       if (got < 0) {
         pre.clear();  // too large for the ring at once: records are reserved one by one below
         if (!block) {  // `drop` never waits for the writer mid-tensor
-          if (!prod->fits_whole(src.shape.size(), plan)) return kRingTooSmall;
+          if (!fits || !prod->fits_whole(src.shape.size(), plan)) return kRingTooSmall;
           return drop();  // only the wrap at the ring's end was in the way
         }
         // One record per segment here. Each record's reservation may wait for the writer (or for the
@@ -1133,6 +1141,27 @@ struct CudaStager::Impl {
   }
 
 
+  // Elements and bytes of `src`; false for a negative dimension or a size of more than 2^63 bytes
+  // (a dimension of 0 makes any other size fine: nothing to copy).
+  static bool count_bytes(const CudaSource& src, uint64_t* numel, uint64_t* bytes) {
+    uint64_t n = 1;
+    bool zero = false, over = false;
+    for (int64_t d : src.shape) {
+      if (d < 0) return false;
+      if (d == 0) zero = true;
+      else if (__builtin_mul_overflow(n, static_cast<uint64_t>(d), &n)) over = true;
+    }
+    if (zero) {
+      *numel = *bytes = 0;
+      return true;
+    }
+    uint64_t b = 0;
+    if (over || __builtin_mul_overflow(n, src.elem_size, &b) || b > (1ull << 63)) return false;
+    *numel = n;
+    *bytes = b;
+    return true;
+  }
+
   // -- lean path (stage_lean) ---------------------------------------------------------------------
   static constexpr int kNotLean = -100;  // stage() handles it
 
@@ -1156,12 +1185,8 @@ struct CudaStager::Impl {
         src.device < 0 || src.device >= device_count)
       return kNotLean;  // stage() says what is wrong
     if (src.producer_stream != 0 && src.producer_stream != src.stream) return kNotLean;
-    uint64_t numel = 1;
-    for (int64_t d : src.shape) {
-      if (d < 0) return kNotLean;
-      numel *= static_cast<uint64_t>(d);
-    }
-    if (numel == 0) return kNotLean;
+    uint64_t numel = 0, total = 0;
+    if (!count_bytes(src, &numel, &total) || numel == 0) return kNotLean;  // stage() says what is wrong
     cudaStream_t stream = reinterpret_cast<cudaStream_t>(src.stream);
     // The calling thread's current device, at every tensor (a thread-local read in the runtime,
     // unlike the capture check): the cached check below is the lane's, shared by every thread that
@@ -1219,7 +1244,6 @@ struct CudaStager::Impl {
     }
     DeviceCtx* dev = devs[src.device].load(std::memory_order_acquire);
     if (!dev) return kNotLean;  // stage() allocates the device ring (or raises why it cannot)
-    const uint64_t total = numel * src.elem_size;
     const uint64_t dmax = (dev->cap / 2) / kDevAlign * kDevAlign;
     if (total > std::min<uint64_t>(prod->chunk_bytes(), dmax)) return kNotLean;  // several records
     uint64_t reg = 0;

@@ -29,6 +29,10 @@ RANK_FILE = "rank.json"  # written by the writer process alone
 # Readers merge it into rank.json's facts; ``verify`` fails while it exists. One file, one writer.
 PRODUCER_ERROR_FILE = "producer_error.json"
 NAMES_FILE = "sglang_names.json"  # module names the SGLang drop-in records per rank (read by export)
+# The skip reason the writer gives a chunked tensor whose other chunks never came (a failed CUDA
+# drain turned them into padding after the tensor was staged): rank.json skipped_reasons counts it,
+# and ``verify`` fails on it, since that tensor was accepted and then lost.
+TORN_TENSOR_REASON = "incomplete tensor (staging failed mid-copy)"
 
 SEGMENT_RE = re.compile(r"^seg-(\d+)\.h5$")
 

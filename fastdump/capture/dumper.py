@@ -376,6 +376,14 @@ class Dumper:
                     self._totals["lost_at_close"] += held
                     log.error("fastdump: %d staged CUDA tensors lost at close: a CUDA-graph capture still "
                               "running on another stream held their batch", held)
+                stopped = self._engine.cuda_staging_stopped()
+                if stopped:
+                    # The drain failed after this Dumper's last CUDA tensor (a later one would have
+                    # seen DISABLED), or in the final flush: what it had not copied became padding.
+                    # rank.json says why; `verify` counts what is missing.
+                    log.error("fastdump: %s: %s", self.dir, stopped)
+                    self._channel.control(protocol.note(self._channel.id, "running",
+                                                        cuda_staging={"stopped": stopped}), block=True)
                 if self._late_ends:  # the writer got going again: their passes' ends, before the close
                     self._send_late_ends(deadline)
                 ok = self._channel.control(protocol.close(self._channel.id, self._totals), wait=True,
@@ -968,7 +976,8 @@ class Dumper:
                 self._skip(name, f"{nbytes} bytes do not fit in the ring at once: policy='drop' never waits "
                                  "for the writer mid-tensor (raise ring_mb)")
         elif status == _C.TOO_LARGE:  # _C.MAX_DIMS is HDF5's limit: the writer could not store it
-            self._skip(name, "more than %d dimensions" % _C.MAX_DIMS)
+            # (or a broadcast view whose size overflows: shape x element size >= 2^63 bytes, CUDA)
+            self._skip(name, "more than %d dimensions, or more than 2^63 bytes" % _C.MAX_DIMS)
         elif status == _CAPTURING:
             # Python wrappers run only while a graph is captured, never on replay: copying then
             # would dump a capture-time value under every replay. Recorded, not staged.

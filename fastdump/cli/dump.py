@@ -511,6 +511,11 @@ def _check_counts(report: _Report, path: str, info: dict, pass_ids: set, tensors
     if len(pass_ids) < passes_sent:
         report.problem(path, f"the Dumper dumped {passes_sent} passes; {len(pass_ids)} are on disk")
     skipped = count(info, "skipped")
+    reasons = info.get("skipped_reasons") if isinstance(info.get("skipped_reasons"), dict) else {}
+    torn = count(reasons, fmt.TORN_TENSOR_REASON, "skipped_reasons.")
+    if torn:  # staged, then lost: a skip that explains the missing tensor would hide the loss
+        report.problem(path, f"{torn} staged tensor(s) were torn: part of their copies failed (a CUDA drain "
+                             "error) after they were accepted; they are not on disk")
     lost = count(stats, "lost_at_close", "stats.")
     if lost:
         report.problem(path, f"{lost} staged tensor(s) were lost at close: a CUDA-graph capture still "

@@ -148,8 +148,13 @@ class Channel:
     def stage_array(self, name_id: int, pass_id: int, array):
         """A CuPy/Numba/DLPack array: (status, nbytes). Raises for an array it cannot read."""
         cuda = self._cuda_module()
-        return cuda.stage_array(self.engine, self.device_ring_mb, self.id, name_id, pass_id, array,
-                                self.block, timeout_s=self.block_timeout_s)
+        status, nbytes = cuda.stage_array(self.engine, self.device_ring_mb, self.id, name_id, pass_id, array,
+                                          self.block, timeout_s=self.block_timeout_s)
+        if status == cuda.RING_UNAVAILABLE:  # that GPU's device ring could not be had: as for a torch tensor
+            self.engine.producer.count_dropped(1)
+            self.note_ring_failure(cuda.ring_failure(self.engine.cuda_stager(self.device_ring_mb)))
+            return DROPPED, nbytes
+        return status, nbytes
 
     def prepare_cuda(self, index) -> None:
         """Allocate GPU ``index``'s device ring now (at attach, before a serving engine sizes its KV

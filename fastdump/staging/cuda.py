@@ -481,7 +481,8 @@ def _elem_size(code: int) -> int:
 
 def stage_array(engine, device_ring_mb, channel: int, name_id: int, pass_id: int, array, block: bool,
                 dtype_code: int | None = None, stream: int | None = None, timeout_s: float = -1.0):
-    """Stage a CuPy/Numba (``__cuda_array_interface__``) or DLPack array. Returns (status, nbytes).
+    """Stage a CuPy/Numba (``__cuda_array_interface__``) or DLPack array. Returns (status, nbytes);
+    status RING_UNAVAILABLE when the array's GPU has no device ring (the caller counts a drop).
     ``block`` waits up to ``timeout_s`` (< 0: no limit) for ring space.
 
     Stream protocol: for the CUDA array interface, the array's own ``stream`` entry is the stream the
@@ -519,14 +520,28 @@ def stage_array(engine, device_ring_mb, channel: int, name_id: int, pass_id: int
         status = stager.stage_tensor(channel, name_id, pass_id, code, _torch_from_dlpack_capsule(capsule), block,
                                      timeout_s)
     else:
-        status = stager.stage(channel, name_id, pass_id, code, size, v["shape"], v["strides"], v["ptr"],
-                              v["device_id"], consumer_stream, block, timeout_s=timeout_s)
+        status = _stage_or_ring_failure(stager, channel, name_id, pass_id, code, size, v["shape"], v["strides"],
+                                        v["ptr"], v["device_id"], consumer_stream, block, timeout_s)
         if status == STAGED:
             # Releasing the capsule lets the producer free (and its allocator reuse) the memory,
             # ordered on the producer's stream only: keep it until the snapshot has read it.
             hold_until_read(stager, v["device_id"], capsule)
     del capsule
     return status, nbytes
+
+
+def _stage_or_ring_failure(stager, channel, name_id, pass_id, code, size, shape, strides, ptr, device, stream,
+                           block, timeout_s) -> int:
+    """``stager.stage`` for a foreign array; RING_UNAVAILABLE (noted for ring_failure) when the GPU has
+    no device ring, as ``stage_on_device`` answers for a torch tensor: the caller counts a drop."""
+    try:
+        return stager.stage(channel, name_id, pass_id, code, size, shape, strides, ptr, device, stream, block,
+                            timeout_s=timeout_s)
+    except (RuntimeError, ValueError) as exc:
+        if not _is_ring_failure(exc):
+            raise
+        _ring_failures[id(stager)] = str(exc)
+        return RING_UNAVAILABLE
 
 
 _held = collections.deque()  # (stager, device, ticket, object): sources still read by a snapshot
@@ -581,9 +596,14 @@ def _stage_cai(engine, device_ring_mb, channel, name_id, pass_id, array, cai, bl
         return stager.stage_tensor(channel, name_id, pass_id, code, torch.as_tensor(array, device="cuda"),
                                    block, timeout_s), nbytes
     device = _cai_device(array, ptr)
-    return (stager.stage(channel, name_id, pass_id, code, size, shape, strides, ptr, device, stream, block,
-                         timeout_s=timeout_s),
-            nbytes)
+    status = _stage_or_ring_failure(stager, channel, name_id, pass_id, code, size, shape, strides, ptr, device,
+                                    stream, block, timeout_s)
+    if status == STAGED:
+        # As a DLPack capsule: the caller may drop the array as soon as this returns, and its pool
+        # (CuPy's is per stream) may hand the memory to a kernel on another stream before the
+        # snapshot on `stream` has read it. Kept until the snapshot completed.
+        hold_until_read(stager, device, array)
+    return status, nbytes
 
 
 def _cai_device(array, ptr: int) -> int:

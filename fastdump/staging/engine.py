@@ -333,6 +333,10 @@ class Engine:
             return stager_error
         return "writer stopped"
 
+    def cuda_staging_stopped(self) -> str:
+        """Why CUDA staging stopped for good ('' while it runs, or when there is no CUDA stager)."""
+        return self._cuda_stager_error()
+
     def _cuda_stager_error(self) -> str:
         """The CUDA stager's own error when it stopped staging (DISABLED with a live writer)."""
         if self._cuda_stager is None:

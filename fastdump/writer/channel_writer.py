@@ -107,6 +107,16 @@ def _limit(config: dict, key: str, scale: float = 1.0):
     return value * scale if value > 0 else None
 
 
+def _too_wide(shape: tuple, itemsize: int) -> bool:
+    """Whether numpy refuses an array of this shape: its non-zero dimensions times the item size
+    exceed the largest signed 64-bit size (zero dimensions do not make it fit)."""
+    n = itemsize
+    for d in shape:
+        if d:
+            n *= d
+    return n > (1 << 63) - 1
+
+
 class ChannelWriter:
     """Turns one channel's events into ``seg-*.h5`` files and ``rank.json`` in ``open_msg["dir"]``.
 
@@ -214,6 +224,12 @@ class ChannelWriter:
                 return
             self._skip(pass_state, name_id, f"bad record: dtype code {dtype_code}, shape {list(shape)}, {nbytes} bytes")
             return
+        if not nbytes and _too_wide(shape, dtypes.ITEMSIZE[dtype_code]):
+            # torch makes an empty (2^40, 0, 2^40) tensor; numpy cannot: stored, its block made the
+            # whole segment unreadable (every pass in it).
+            self._skip(pass_state, name_id, f"empty tensor of shape {list(shape)}: its other dimensions span more "
+                                            "than 2^63 bytes, which numpy (and so the reader) cannot represent")
+            return
         if shape and nbytes >= DIRECT_BYTES:
             self._write_direct(pass_state, name_id, pass_id, dtype_code, shape, data)
             return
@@ -316,8 +332,8 @@ class ChannelWriter:
             self._note_error = str(msg["error"])
         if msg.get("budget_reached"):
             self._info["budget_reached"] = True  # max_bytes hit: later passes were not dumped
-        if msg.get("cuda_staging"):
-            self._info["cuda_staging"] = msg["cuda_staging"]  # e.g. why CUDA tensors were dropped
+        if isinstance(msg.get("cuda_staging"), dict):  # e.g. why CUDA tensors were dropped; why staging stopped
+            self._info["cuda_staging"] = {**(self._info.get("cuda_staging") or {}), **msg["cuda_staging"]}
         if self.error is None:
             self._guarded(self._write_rank_json)
 

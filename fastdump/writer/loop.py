@@ -19,6 +19,7 @@ import time
 import numpy as np
 
 from .. import _C, protocol
+from .. import format as fmt
 from . import segment_file
 from .channel_writer import ChannelWriter
 
@@ -193,7 +194,7 @@ class WriterLoop:
             del self.partial[key]
             name = names.get(key[1], f"name #{key[1]}")
             if not any(entry.get("name") == name for entry in skipped):  # the producer may have said why
-                skipped.append({"name": name, "reason": "incomplete tensor (staging failed mid-copy)"})
+                skipped.append({"name": name, "reason": fmt.TORN_TENSOR_REASON})
 
     def _call(self, channel: int, method: str, *args) -> None:
         writer = self.channels.get(channel)

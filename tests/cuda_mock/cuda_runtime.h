@@ -206,15 +206,21 @@ inline cudaError_t* sticky() {
   return s;
 }
 
-inline std::map<std::string, std::pair<int, cudaError_t>>& injected() {
-  static std::map<std::string, std::pair<int, cudaError_t>> m;
+struct Injected {
+  int skip = 0;   // calls that still succeed before the failures begin
+  int count = 0;  // calls that fail then
+  cudaError_t error = cudaErrorUnknown;
+};
+
+inline std::map<std::string, Injected>& injected() {
+  static std::map<std::string, Injected> m;
   return m;
 }
 
-inline void inject(const std::string& api, int count, cudaError_t e) {
+inline void inject(const std::string& api, int count, cudaError_t e, int skip = 0) {
   std::lock_guard<std::mutex> g(big_lock());
   if (count <= 0) injected().erase(api);
-  else injected()[api] = {count, e};
+  else injected()[api] = Injected{skip, count, e};
 }
 
 inline cudaError_t ret(cudaError_t e) {
@@ -236,8 +242,12 @@ inline cudaError_t enter(const char* api, int dev, bool ctx = true) {
   if (dev >= 0 && dev < kMaxDevices && sticky()[dev] != cudaSuccess) return sticky()[dev];
   auto it = injected().find(api);
   if (it == injected().end()) return cudaSuccess;
-  cudaError_t e = it->second.second;
-  if (--it->second.first <= 0) injected().erase(it);
+  if (it->second.skip > 0) {
+    --it->second.skip;
+    return cudaSuccess;
+  }
+  cudaError_t e = it->second.error;
+  if (--it->second.count <= 0) injected().erase(it);
   return e;
 }
 
