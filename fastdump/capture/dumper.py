@@ -29,7 +29,7 @@ from pathlib import Path
 from .. import _C
 from .. import dtypes as _dtypes
 from .. import protocol
-from ..options import Options
+from ..options import RESERVED_META, Options
 from .manifest import cuda_index as _cuda_index, device_facts as _device_facts, write_manifest as _write_manifest
 from .ranks import resolve_ranks  # noqa: F401 - part of this module's face
 from .selection import original as _original_module, root_selected as _root_selected, select_modules
@@ -1470,7 +1470,7 @@ def _raised_in_a_signal_handler(exc: BaseException) -> bool:
     return False
 
 
-_RESERVED_META = ("complete", "dropped", "skipped", "tensors", "bytes", "incomplete", "mixed")  # DumpSet.meta's own
+_RESERVED_META = RESERVED_META  # DumpSet.meta's own
 _MAX_META_INT_BITS = 2000  # ~600 digits: under the lowest limit Python lets json.dumps print (640)
 
 
