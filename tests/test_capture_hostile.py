@@ -797,6 +797,22 @@ def test_a_scripted_root_is_refused_before_any_directory_or_writer_exists(tmp_pa
     assert not dumper_mod._is_ours(model.__dict__.get("forward")) and same_bits(model(x), want)
 
 
+def test_a_root_name_that_reads_as_a_modules_name_is_refused_at_attach(tmp_path):
+    """root_name="lm_head" dumped the root's output as ``lm_head`` and the LM head's as ``lm_head#1``,
+    as if the head had run twice; root_name="model.final.0" made the tuple part of that name a
+    recorded skip (lost). Both are refused before anything is created; a free name is kept."""
+    model = WithScripted("script")
+    for name in ("pre", "post", "pre.x", "scripted", "scripted.0"):
+        with pytest.raises(ValueError, match="root_name"):
+            fastdump.attach(model, tmp_path / "d", root_name=name)
+        assert not (tmp_path / "d").exists()
+    x = torch.randn(2, 4)
+    with fastdump.attach(model, tmp_path / "d", root_name="prefix") as d:
+        with torch.no_grad():
+            out = model(x)
+    assert d.status == "closed" and same_bits(fastdump.open(tmp_path / "d").load("target", 0, 0)["prefix"], out)
+
+
 def _fake_replicate(monkeypatch):
     """torch's replicate() on the CPU: only its cross-GPU broadcast is replaced, by copies with
     doubled values (so that a replica's weights differ from the original's)."""

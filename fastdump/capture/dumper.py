@@ -32,7 +32,7 @@ from .. import protocol
 from ..options import RESERVED_META, Options
 from .manifest import cuda_index as _cuda_index, device_facts as _device_facts, write_manifest as _write_manifest
 from .ranks import resolve_ranks  # noqa: F401 - part of this module's face
-from .selection import original as _original_module, root_selected as _root_selected, select_modules
+from .selection import named_modules, original as _original_module, root_selected as _root_selected, select_modules
 from .selection import SCRIPT_REASON as _SCRIPT_REASON, is_script_module as _is_script_module, \
     script_modules as _script_modules
 from ..staging import engine as _engine
@@ -113,6 +113,8 @@ class Dumper:
             raise ValueError(f"fastdump.attach: the model is a torch.jit ScriptModule ({type(model).__name__}), "
                              "whose forward fastdump cannot wrap: attach the model before scripting or "
                              "tracing it, or a Python module that calls it (its output is then dumped)")
+        if model is not None and options.root_name is not None:
+            _check_root_name(model, options.root_name)  # before anything is created, as above
         o = self.options = options
         root, role = o.root, o.role
         self.role = role
@@ -1289,6 +1291,16 @@ def _owner_of(module):
             or bound.__func__ is not getattr(type(module), "forward", None)):
         return None
     return module
+
+
+def _check_root_name(model, root_name: str) -> None:
+    """root_name= must not be, or lie under, a module's qualified name: the root's output and that
+    module's share the name (root_name="lm_head" dumped the root as ``lm_head`` and the LM head as
+    ``lm_head#1``, as if called twice), or one's parts skip the other's (``model.final.0``)."""
+    clash = [name for name, _ in named_modules(model) if name and (root_name == name or root_name.startswith(name + "."))]
+    if clash:  # (the deepest one named: parents come first)
+        raise ValueError(f"fastdump.attach: root_name={root_name!r} reads as the model's module {clash[-1]!r}: "
+                         "its output and that module's would share names; choose another root_name")
 
 
 def _call_name(name: str, k: int) -> str:
