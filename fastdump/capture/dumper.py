@@ -33,8 +33,8 @@ from ..options import RESERVED_META, Options
 from .manifest import cuda_index as _cuda_index, device_facts as _device_facts, write_manifest as _write_manifest
 from .ranks import resolve_ranks  # noqa: F401 - part of this module's face
 from .selection import named_modules, original as _original_module, root_selected as _root_selected, select_modules
-from .selection import SCRIPT_REASON as _SCRIPT_REASON, is_script_module as _is_script_module, \
-    script_modules as _script_modules
+from .selection import SHADOWED_REASON as _SHADOWED_REASON, forward_shadowed as _forward_shadowed, \
+    is_script_module as _is_script_module, unwrappable_modules as _unwrappable_modules
 from ..staging import engine as _engine
 from ..staging import channel as _channel_mod
 from ..staging import graphs as _graphs
@@ -178,10 +178,10 @@ class Dumper:
         self._lock = threading.Lock()
 
         config = o.manifest_config()
-        # Submodules fastdump cannot wrap (TorchScript): {name: reason}, logged and kept in rank.json's
-        # config. (A model that cannot even be walked fails in _install, which records why.)
+        # Modules fastdump cannot wrap (TorchScript; a forward property): {name: reason}, logged and kept
+        # in rank.json's config. (A model that cannot even be walked fails in _install, which records why.)
         try:
-            self.not_wrapped = _script_modules(model) if model is not None else {}
+            self.not_wrapped = _unwrappable_modules(model, self._root_name_of(model)) if model is not None else {}
         except Exception:
             self.not_wrapped = {}
         try:
@@ -224,7 +224,7 @@ class Dumper:
         _warn_if_twin(self)
         _open_dumpers.add(self)
         if model is not None:
-            self._root_name = o.root_name or type(_original_module(model)).__name__
+            self._root_name = self._root_name_of(model)
             try:
                 self._install(model, o.root_passes, layers=o.layers, include=o.include, exclude=o.exclude,
                               module_types=o.module_types)
@@ -234,8 +234,11 @@ class Dumper:
                 if o.strict:
                     raise
             if self.not_wrapped and self.status == "running":
-                log.warning("fastdump: %s: not wrapped: %s: %s", self.dir, ", ".join(self.not_wrapped),
-                            _SCRIPT_REASON)
+                log.warning("fastdump: %s: not wrapped: %s", self.dir,
+                            "; ".join(f"{name}: {why}" for name, why in self.not_wrapped.items()))
+
+    def _root_name_of(self, model) -> str:
+        return self.options.root_name or type(_original_module(model)).__name__
 
     @property
     def _capturing(self) -> bool:
@@ -319,6 +322,8 @@ class Dumper:
             raise ValueError(f"watch: name must be a non-empty string, not {name!r}")
         if not callable(getattr(module, "forward", None)):
             raise TypeError(f"watch: {type(module).__name__} has no forward to wrap")
+        if _forward_shadowed(module):
+            raise TypeError(f"watch: {type(module).__name__}'s forward is a property: a wrapper would never run")
         for hook, what in ((convert, "convert"), (before, "before")):
             if hook is not None and not callable(hook):
                 raise TypeError(f"watch: {what} must be callable or None, not {type(hook).__name__}")
@@ -995,7 +1000,8 @@ class Dumper:
 
     # -- installing wrappers -------------------------------------------------------------------------
     def _install(self, model, root_passes: bool, **selection) -> None:
-        selected = list(select_modules(model, **selection, scripted=self.not_wrapped))
+        scripted = {name: why for name, why in self.not_wrapped.items() if why != _SHADOWED_REASON}  # (with all inside)
+        selected = list(select_modules(model, **selection, scripted=scripted))
         root_selected = _root_selected(model, self._root_name, selection)
         self._module_names.update(name for name, _ in selected)
         if root_selected:
@@ -1007,6 +1013,8 @@ class Dumper:
                                  if head and tail.isdigit()}
         for name, module in selected:
             self._wrap(module, self._capture_wrapper(name, module.forward, _owner_of(module)))
+        if _forward_shadowed(model):
+            return  # no wrapper of the root would run: recorded in not_wrapped (no root passes)
         if root_passes:
             self._wrap(model, self._root_wrapper(self._root_name if root_selected else None, model.forward,
                                                  _owner_of(model)))

@@ -3,6 +3,7 @@ exclude= and module_types= (the same options as SGLang's dumper where it has the
 
 from __future__ import annotations
 
+import inspect
 import re
 import sys
 
@@ -42,6 +43,29 @@ def script_modules(model) -> dict:
     return found
 
 
+SHADOWED_REASON = ("its class's forward is a property (a data descriptor), which the instance forward fastdump "
+                   "sets cannot override: the wrapper would never run; it is not dumped (its submodules are)")
+
+
+def forward_shadowed(module) -> bool:
+    """Whether ``module``'s class defines ``forward`` as a data descriptor (a property): attribute
+    lookup then never reaches an instance ``forward``, so fastdump's wrapper would sit there unused
+    and the module would silently not be dumped."""
+    attr = inspect.getattr_static(type(module), "forward", None)
+    return hasattr(type(attr), "__set__") or hasattr(type(attr), "__delete__")
+
+
+def unwrappable_modules(model, root_name: str) -> dict:
+    """{qualified name: reason} of what fastdump cannot wrap in ``model``: the outermost TorchScript
+    submodules (script_modules) and every module whose forward is shadowed (forward_shadowed; the
+    root under ``root_name``)."""
+    found = script_modules(model)
+    for name, module in named_modules(model):
+        if name not in found and not _inside(name, found) and forward_shadowed(module):
+            found[name or root_name] = SHADOWED_REASON
+    return found
+
+
 def _inside(name: str, prefixes) -> bool:
     return any(name.startswith(prefix + ".") for prefix in prefixes)
 
@@ -78,6 +102,8 @@ def select_modules(model, *, layers=None, include=None, exclude=None, module_typ
             continue  # the root is handled by the pass wrapper
         if name in scripted or _inside(name, scripted):
             continue  # TorchScript: not wrappable (the Dumper records them, see script_modules)
+        if forward_shadowed(module):
+            continue  # a wrapper would never run (the Dumper records them, see unwrappable_modules)
         if leaves_only and next(iter(module.children()), None) is not None:
             continue
         if layer_set is not None:
