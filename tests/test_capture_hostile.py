@@ -869,6 +869,45 @@ def test_a_root_name_that_reads_as_a_modules_name_is_refused_at_attach(tmp_path)
     assert d.status == "closed" and same_bits(fastdump.open(tmp_path / "d").load("target", 0, 0)["prefix"], out)
 
 
+class WithParametrized(nn.Module):
+    """weight_norm through torch.nn.utils.parametrize (as audio models use it): the Linear gets a
+    ``parametrizations`` child, which computes its weight whenever the weight is read."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.norm = nn.utils.parametrizations.weight_norm(nn.Linear(4, 4))
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.norm(x)))
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_a_parametrized_module_is_dumped_as_the_leaf_it_is(tmp_path, monkeypatch, native):
+    """A parametrized Linear has a child (its ParametrizationList), so it was no leaf: its output was
+    missing from every pass, and only the weight its parametrization computed was dumped."""
+    from fastdump.capture import dumper as dumper_mod
+
+    monkeypatch.setattr(dumper_mod, "_native_wrappers", native)
+    model = WithParametrized()
+    x = torch.randn(3, 4)
+    with torch.no_grad():
+        weight = snapshot(model.norm.weight)
+        norm = snapshot(model.norm(x))
+        out = snapshot(model(x))
+    with fastdump.attach(model, tmp_path, root_name="root"):
+        with torch.no_grad():
+            served = model(x)
+    assert same_bits(served, out)
+    dumped = fastdump.open(tmp_path).load("target", 0, 0, check=True)
+    assert list(dumped) == ["norm.parametrizations.weight.0", "norm", "head", "root"]
+    assert same_bits(dumped["norm"], norm) and same_bits(dumped["norm.parametrizations.weight.0"], weight)
+    assert same_bits(dumped["root"], out)
+    assert all("forward" not in m.__dict__ for m in model.modules())
+    assert not verify(tmp_path).problems
+
+
 def _fake_replicate(monkeypatch):
     """torch's replicate() on the CPU: only its cross-GPU broadcast is replaced, by copies with
     doubled values (so that a replica's weights differ from the original's)."""

@@ -104,7 +104,7 @@ def select_modules(model, *, layers=None, include=None, exclude=None, module_typ
             continue  # TorchScript: not wrappable (the Dumper records them, see script_modules)
         if forward_shadowed(module):
             continue  # a wrapper would never run (the Dumper records them, see unwrappable_modules)
-        if leaves_only and next(iter(module.children()), None) is not None:
+        if leaves_only and not _is_leaf(module):
             continue
         if layer_set is not None:
             m = _LAYER_RE.search(name)
@@ -118,6 +118,18 @@ def select_modules(model, *, layers=None, include=None, exclude=None, module_typ
             continue
         chosen.append((name, module))
     return chosen
+
+
+def _is_leaf(module) -> bool:
+    """A module without children, or whose only child is the ``parametrizations`` container that
+    ``torch.nn.utils.parametrize`` adds (weight_norm, spectral_norm, orthogonal): a parametrized
+    Linear is still the leaf that computes the activation (its parametrizations, which compute the
+    weight when it is read, are leaves of their own). Its output used to be missing from the dump."""
+    children = dict(module.named_children())
+    if not children:
+        return True
+    parametrize = sys.modules.get("torch.nn.utils.parametrize")  # (imported by whoever parametrized it)
+    return list(children) == ["parametrizations"] and parametrize is not None and parametrize.is_parametrized(module)
 
 
 def _of_types(module, types) -> bool:
