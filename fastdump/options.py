@@ -17,6 +17,8 @@ import math
 import numbers
 import os
 import re
+import sys
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -91,6 +93,8 @@ def _layers(s: str) -> tuple[int, ...]:
         a, b = int(lo), int(hi) if sep else int(lo)
         if b < a:
             raise ValueError(f"bad range {part!r}: end before start")
+        if b > MAX_LAYER:  # (a typo's 0-10000000000 would be a set of 10^10 ints: minutes, then out of memory)
+            raise ValueError(f"bad item {part!r}: layer indices go up to {MAX_LAYER}")
         out.update(range(a, b + 1))
     if not out:
         raise ValueError("no layer index given")
@@ -175,6 +179,9 @@ def _root(s: str) -> str:
 
 
 CUDA_GRAPH_MODES = ("record", "skip")  # cuda_graphs=: see fastdump/staging/graphs.py
+MAX_LAYER = (1 << 20) - 1  # layers=: far above any model's layer count
+# The keys DumpSet.meta adds to every pass's metadata: set_pass_meta, begin_pass and pass_meta= refuse them.
+RESERVED_META = _fmt.RESERVED_META_KEYS
 
 
 @dataclass(frozen=True)
@@ -209,6 +216,74 @@ def _check_number(what: str, value, above: float) -> None:
 def _check_choice(what: str, value, choices: tuple) -> None:
     if value not in choices:
         raise ValueError(f"{what} must be {' or '.join(repr(c) for c in choices)}, not {value!r}")
+
+
+def _flag(what: str, value) -> bool:
+    """A switch: True or False (1 or 0, numpy's bools); ``inputs="false"`` was taken as True."""
+    if isinstance(value, bool) or (isinstance(value, numbers.Integral) and value in (0, 1)) \
+            or (type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_")):
+        return bool(value)
+    raise ValueError(f"{what} must be True or False, not {value!r}")
+
+
+def _layer_list(value) -> tuple:
+    """layers=: layer indices (a list, tuple, set, range or iterator), kept as a sorted tuple. Read
+    once, here: an iterator read by this check was empty by the time the modules were selected, so
+    no layer was dumped; an int or a str (``layers=5``, ``"0,1"``) is refused with the option's name."""
+    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+        raise ValueError(f"layers must be a list of layer indices (e.g. [0, 1, 5]), not {value!r}")
+    out = set()
+    for layer in value:
+        _check_int("each of layers", layer, 0)
+        if layer > MAX_LAYER:  # (range(10**12) would be checked for hours)
+            raise ValueError(f"each of layers must be at most {MAX_LAYER}, not {layer!r}")
+        out.add(int(layer))
+    return tuple(sorted(out))
+
+
+def _module_types(value) -> tuple:
+    """module_types=: a class or class name, or a non-empty list of them, kept as a tuple. A str
+    was read as its letters and a generator used up by fastdump.json, each keeping no module; a
+    class alone failed while wrapping, after the writer had started."""
+    items = (value,) if isinstance(value, (str, type)) else value
+    if isinstance(items, Iterable) and not isinstance(items, (bytes, Mapping)):
+        items = tuple(items)
+        if items and all(isinstance(t, type) or (isinstance(t, str) and t.isidentifier()) for t in items):
+            return items
+    raise ValueError(f"module_types must be a class or class name (as type(module).__name__ gives it: "
+                     f"'Linear', not 'nn.Linear'), or a non-empty list of them, not {value!r}")
+
+
+def _pass_meta(value):
+    """pass_meta=: the first pass's metadata, a dict whose keys are none of RESERVED_META (as
+    set_pass_meta checks: a reader could not tell them from its own)."""
+    if not isinstance(value, Mapping):
+        raise ValueError(f"pass_meta must be a dict, not {value!r}")
+    taken = [key for key in RESERVED_META if key in value]
+    if taken:
+        raise ValueError(f"pass_meta: {', '.join(map(repr, taken))}: a key fastdump's readers add to every "
+                         f"pass's meta ({', '.join(RESERVED_META)}); use another name")
+    return dict(value)
+
+
+def _check_device(value) -> None:
+    """device=: None, a CUDA index (int >= 0), or a device ('cuda:1', torch.device); 'cuda:x' failed
+    while starting (dumping off, no error at attach) and 'banana' was ignored."""
+    if value is None:
+        return
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        return _check_int("device", value, 0)
+    text = str(value) if isinstance(value, str) or type(value).__name__ == "device" else None
+    torch = sys.modules.get("torch")
+    try:
+        if text is None:
+            raise ValueError
+        if torch is not None:
+            torch.device(text)  # (a Dumper of a model has torch imported: the check a model's .to() makes)
+        if text.startswith("cuda") and not re.fullmatch(r"cuda(:\d+)?", text):
+            raise ValueError
+    except (ValueError, RuntimeError, TypeError):
+        raise ValueError(f"device must be a CUDA device index or a device such as 'cuda:1', not {value!r}") from None
 
 
 @dataclass(frozen=True)
@@ -333,8 +408,14 @@ class Options:
             if pass_range[0] > pass_range[1]:
                 raise ValueError(f"pass_range must be (start, stop) with start <= stop, not {pass_range!r}")
         if self.layers is not None:
-            for layer in self.layers:
-                _check_int("each of layers", layer, 0)
+            object.__setattr__(self, "layers", _layer_list(self.layers))
+        if self.module_types is not None:
+            object.__setattr__(self, "module_types", _module_types(self.module_types))
+        for name in ("inputs", "strict", "root_passes"):
+            object.__setattr__(self, name, _flag(name, getattr(self, name)))
+        if self.pass_meta is not None:
+            object.__setattr__(self, "pass_meta", _pass_meta(self.pass_meta))
+        _check_device(self.device)
         for name in ("include", "exclude"):
             object.__setattr__(self, name, _pattern(name, getattr(self, name)))
         _check_choice("cuda_graphs", self.cuda_graphs, CUDA_GRAPH_MODES)

@@ -797,6 +797,117 @@ def test_a_scripted_root_is_refused_before_any_directory_or_writer_exists(tmp_pa
     assert not dumper_mod._is_ours(model.__dict__.get("forward")) and same_bits(model(x), want)
 
 
+class PropertyForward(nn.Module):
+    """A module whose class defines forward as a property (it picks an implementation per call)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    @property
+    def forward(self):
+        return self._scaled
+
+    def _scaled(self, x):
+        return self.lin(x) * 2
+
+
+class WithPropertyForward(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.pre, self.prop, self.act = nn.Linear(4, 4), PropertyForward(), nn.SiLU()
+        self.act.__class__ = type("SiLUByProperty", (nn.SiLU,), {"forward": property(lambda m: torch.tanh)})
+
+    def forward(self, x):
+        return self.act(self.prop(self.pre(x)))
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_a_module_whose_forward_is_a_property_is_recorded_as_not_wrapped(tmp_path, monkeypatch, native):
+    """A property on the class hides the instance forward fastdump sets: the wrapper never ran and
+    the module (a leaf: act) was silently missing from every pass, recorded nowhere. It is listed
+    in not_wrapped with the reason; its submodules are dumped; watch() refuses it; close() leaves
+    nothing behind."""
+    from fastdump.capture import dumper as dumper_mod
+
+    monkeypatch.setattr(dumper_mod, "_native_wrappers", native)
+    model = WithPropertyForward()
+    x = torch.randn(3, 4)
+    with torch.no_grad():
+        pre = snapshot(model.pre(x))
+        lin = snapshot(model.prop.lin(pre))
+        out = snapshot(model(x))
+    with fastdump.attach(model, tmp_path, root_name="root") as d:
+        with torch.no_grad():
+            served = model(x)
+        with pytest.raises(TypeError, match="property"):
+            d.watch(model.prop, "prop")
+    assert same_bits(served, out)
+    assert sorted(d.not_wrapped) == ["act", "prop"] and "property" in d.not_wrapped["act"]
+    ds = fastdump.open(tmp_path)
+    assert ds.rank_info("target", 0)["config"]["not_wrapped"] == d.not_wrapped
+    dumped = ds.load("target", 0, 0, check=True)
+    assert list(dumped) == ["pre", "prop.lin", "root"]
+    assert same_bits(dumped["pre"], pre) and same_bits(dumped["prop.lin"], lin) and same_bits(dumped["root"], out)
+    assert all("forward" not in m.__dict__ for m in model.modules())
+
+
+def test_a_root_name_that_reads_as_a_modules_name_is_refused_at_attach(tmp_path):
+    """root_name="lm_head" dumped the root's output as ``lm_head`` and the LM head's as ``lm_head#1``,
+    as if the head had run twice; root_name="model.final.0" made the tuple part of that name a
+    recorded skip (lost). Both are refused before anything is created; a free name is kept."""
+    model = WithScripted("script")
+    for name in ("pre", "post", "pre.x", "scripted", "scripted.0"):
+        with pytest.raises(ValueError, match="root_name"):
+            fastdump.attach(model, tmp_path / "d", root_name=name)
+        assert not (tmp_path / "d").exists()
+    x = torch.randn(2, 4)
+    with fastdump.attach(model, tmp_path / "d", root_name="prefix") as d:
+        with torch.no_grad():
+            out = model(x)
+    assert d.status == "closed" and same_bits(fastdump.open(tmp_path / "d").load("target", 0, 0)["prefix"], out)
+
+
+class WithParametrized(nn.Module):
+    """weight_norm through torch.nn.utils.parametrize (as audio models use it): the Linear gets a
+    ``parametrizations`` child, which computes its weight whenever the weight is read."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.norm = nn.utils.parametrizations.weight_norm(nn.Linear(4, 4))
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.norm(x)))
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_a_parametrized_module_is_dumped_as_the_leaf_it_is(tmp_path, monkeypatch, native):
+    """A parametrized Linear has a child (its ParametrizationList), so it was no leaf: its output was
+    missing from every pass, and only the weight its parametrization computed was dumped."""
+    from fastdump.capture import dumper as dumper_mod
+
+    monkeypatch.setattr(dumper_mod, "_native_wrappers", native)
+    model = WithParametrized()
+    x = torch.randn(3, 4)
+    with torch.no_grad():
+        weight = snapshot(model.norm.weight)
+        norm = snapshot(model.norm(x))
+        out = snapshot(model(x))
+    with fastdump.attach(model, tmp_path, root_name="root"):
+        with torch.no_grad():
+            served = model(x)
+    assert same_bits(served, out)
+    dumped = fastdump.open(tmp_path).load("target", 0, 0, check=True)
+    assert list(dumped) == ["norm.parametrizations.weight.0", "norm", "head", "root"]
+    assert same_bits(dumped["norm"], norm) and same_bits(dumped["norm.parametrizations.weight.0"], weight)
+    assert same_bits(dumped["root"], out)
+    assert all("forward" not in m.__dict__ for m in model.modules())
+    assert not verify(tmp_path).problems
+
+
 def _fake_replicate(monkeypatch):
     """torch's replicate() on the CPU: only its cross-GPU broadcast is replaced, by copies with
     doubled values (so that a replica's weights differ from the original's)."""

@@ -7,7 +7,7 @@ import torch
 
 import fastdump
 from fastdump import config
-from fastdump.config import ConfigError, env_table, maybe_attach, settings_from_env
+from fastdump.config import ConfigError, env_table, maybe_attach, parse_env, settings_from_env
 from fastdump.options import Options
 from conftest import doc_example
 
@@ -129,3 +129,15 @@ def test_docs_example(tmp_path, monkeypatch):
     rank = ds.ranks("target")[0]
     assert ds.passes("target", rank) == [0]
     assert torch.equal(ds.load("target", rank, 0)["1"], torch.relu(ns["model"][0](torch.ones(2, 8))).detach())
+
+
+def test_a_huge_layer_range_is_refused_not_expanded():
+    """FASTDUMP_LAYERS=0-100000000 took 35 s and GBs to parse (a set of every index); one more zero
+    ran the server out of memory at start-up."""
+    import time
+
+    start = time.monotonic()
+    with pytest.raises(ConfigError, match="FASTDUMP_LAYERS.*up to"):
+        parse_env({"FASTDUMP_LAYERS": "0-10000000000"})
+    assert time.monotonic() - start < 1
+    assert parse_env({"FASTDUMP_LAYERS": "0-3,1048575"})["layers"] == (0, 1, 2, 3, 1048575)

@@ -142,3 +142,86 @@ def test_include_and_exclude_take_a_regex_or_a_list_and_refuse_anything_else_at_
     from fastdump.staging.engine import Engine
 
     assert Engine._current is None or Engine._current.closed
+
+
+def _dump_of(tmp_path, **options):
+    """A three-layer model run once with ``options``: (its dump's names, {name: output the module returned})."""
+    import torch
+
+    class Layer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin, self.act = torch.nn.Linear(4, 4), torch.nn.SiLU()
+
+        def forward(self, x):
+            return self.act(self.lin(x))
+
+    model = torch.nn.Module()
+    model.layers = torch.nn.ModuleList(Layer() for _ in range(3))
+    model.forward = lambda x: model.layers[2](model.layers[1](model.layers[0](x)))
+    seen = {}
+    for name, module in model.named_modules():
+        if name.count(".") == 2:
+            module.register_forward_hook(lambda m, a, out, name=name: seen.setdefault(name, out.clone()))
+    root = tmp_path / f"d{len(list(tmp_path.iterdir()))}"
+    d = fastdump.attach(model, root, writer="thread", root_name="root", **options)
+    try:
+        with torch.no_grad():
+            model(torch.randn(2, 4))
+    finally:
+        d.close()
+    got = fastdump.open(root).load("target", 0, 0)
+    for name, value in got.items():
+        if name != "root":
+            assert torch.equal(value, seen[name]), name
+    return sorted(got), seen
+
+
+def test_layers_and_module_types_given_as_an_iterator_a_class_or_a_name_select_what_a_list_does(tmp_path):
+    """layers= given as a generator was read up by attach's check: no layer was dumped, without a
+    word. module_types="Linear" kept no module (read as its letters), a generator was read up by
+    fastdump.json, and module_types=nn.Linear failed while wrapping (dumping off, no error)."""
+    import torch
+
+    want, _ = _dump_of(tmp_path, layers=[0, 2])
+    assert want == ["layers.0.act", "layers.0.lin", "layers.2.act", "layers.2.lin", "root"]
+    assert _dump_of(tmp_path, layers=(i for i in (0, 2)))[0] == want
+    assert _dump_of(tmp_path, layers={2, 0})[0] == want
+    linears = ["layers.0.lin", "layers.1.lin", "layers.2.lin"]
+    for types in ([torch.nn.Linear], ["Linear"], torch.nn.Linear, "Linear", (t for t in [torch.nn.Linear])):
+        assert _dump_of(tmp_path, module_types=types)[0] == linears, types
+    assert Options(root="/d", layers=iter([3, 1])).layers == (1, 3)
+    assert Options(root="/d", module_types="Linear").module_types == ("Linear",)
+
+
+@pytest.mark.parametrize("option, value", [
+    ("layers", 5), ("layers", "0,1"), ("layers", [1 << 20]), ("layers", range(10 ** 12)),
+    ("module_types", []), ("module_types", [1]), ("module_types", "nn.Linear"), ("module_types", {"Linear": 1}),
+    ("inputs", "false"), ("strict", "no"), ("root_passes", None), ("inputs", 2),
+    ("root_name", 5), ("root_name", ""), ("pass_meta", "x"), ("pass_meta", {"mixed": True}),
+    ("pass_meta", {"complete": False}), ("device", "cuda:x"), ("device", "banana"), ("device", -1),
+    ("device", True), ("device", 1.5),
+])
+def test_bad_values_of_the_other_options_fail_at_attach_naming_the_option(tmp_path, option, value):
+    """Each used to be accepted: taken as true ("false", "no"), ignored ("banana"), or failing later
+    (while wrapping or starting: dumping off, no error at attach). pass_meta={"mixed": True} made a
+    whole pass read as mixed while `fastdump verify` said OK; set_pass_meta refuses those keys."""
+    import time
+
+    import torch
+
+    start = time.monotonic()
+    with pytest.raises(ValueError, match=option):
+        fastdump.attach(torch.nn.Linear(2, 2), tmp_path / "d", **{option: value})
+    assert not (tmp_path / "d").exists()  # before anything was created
+    assert time.monotonic() - start < 5  # (range(10**12) is not walked)
+
+
+def test_good_values_of_the_other_options_are_kept(tmp_path):
+    import numpy as np
+    import torch
+
+    o = Options(root="/d", inputs=1, strict=np.True_, root_passes=0, pass_meta={"step": 1}, device="cuda:1")
+    assert (o.inputs, o.strict, o.root_passes, o.pass_meta) == (True, True, False, {"step": 1})
+    for device in (None, 0, 3, "cuda", "cpu", torch.device("cuda", 2), torch.device("cpu")):
+        assert Options(root="/d", device=device).device is device

@@ -29,11 +29,12 @@ from pathlib import Path
 from .. import _C
 from .. import dtypes as _dtypes
 from .. import protocol
-from ..options import Options
+from ..options import RESERVED_META, Options
 from .manifest import cuda_index as _cuda_index, device_facts as _device_facts, write_manifest as _write_manifest
 from .ranks import resolve_ranks  # noqa: F401 - part of this module's face
-from .selection import original as _original_module, root_selected as _root_selected, select_modules
-from .selection import is_script_module as _is_script_module, not_wrappable as _not_wrappable
+from .selection import named_modules, original as _original_module, root_selected as _root_selected, select_modules
+from .selection import SHADOWED_REASON as _SHADOWED_REASON, forward_shadowed as _forward_shadowed, \
+    is_script_module as _is_script_module, unwrappable_modules as _unwrappable_modules
 from ..staging import engine as _engine
 from ..staging import channel as _channel_mod
 from ..staging import graphs as _graphs
@@ -112,6 +113,8 @@ class Dumper:
             raise ValueError(f"fastdump.attach: the model is a torch.jit ScriptModule ({type(model).__name__}), "
                              "whose forward fastdump cannot wrap: attach the model before scripting or "
                              "tracing it, or a Python module that calls it (its output is then dumped)")
+        if model is not None and options.root_name is not None:
+            _check_root_name(model, options.root_name)  # before anything is created, as above
         o = self.options = options
         root, role = o.root, o.role
         self.role = role
@@ -175,11 +178,11 @@ class Dumper:
         self._lock = threading.Lock()
 
         config = o.manifest_config()
-        # Submodules fastdump cannot wrap (TorchScript; names that read as a call's): {name: reason},
-        # logged and kept in rank.json's config. (A model that cannot even be walked fails in
-        # _install, which records why.)
+        # Modules fastdump cannot wrap (TorchScript; a forward property; a name that reads as a
+        # call's): {name: reason}, logged and kept in rank.json's config. (A model that cannot even
+        # be walked fails in _install, which records why.)
         try:
-            self.not_wrapped = _not_wrappable(model) if model is not None else {}
+            self.not_wrapped = _unwrappable_modules(model, self._root_name_of(model)) if model is not None else {}
         except Exception:
             self.not_wrapped = {}
         try:
@@ -222,7 +225,7 @@ class Dumper:
         _warn_if_twin(self)
         _open_dumpers.add(self)
         if model is not None:
-            self._root_name = o.root_name or type(_original_module(model)).__name__
+            self._root_name = self._root_name_of(model)
             try:
                 self._install(model, o.root_passes, layers=o.layers, include=o.include, exclude=o.exclude,
                               module_types=o.module_types)
@@ -232,9 +235,11 @@ class Dumper:
                 if o.strict:
                     raise
             if self.not_wrapped and self.status == "running":
-                for reason in dict.fromkeys(self.not_wrapped.values()):
-                    log.warning("fastdump: %s: not wrapped: %s: %s", self.dir,
-                                ", ".join(n for n, r in self.not_wrapped.items() if r == reason), reason)
+                log.warning("fastdump: %s: not wrapped: %s", self.dir,
+                            "; ".join(f"{name}: {why}" for name, why in self.not_wrapped.items()))
+
+    def _root_name_of(self, model) -> str:
+        return self.options.root_name or type(_original_module(model)).__name__
 
     @property
     def _capturing(self) -> bool:
@@ -320,6 +325,8 @@ class Dumper:
             raise ValueError(f"watch: {name!r}: a name holding '#<digits>' reads as a repeated call's (name#k)")
         if not callable(getattr(module, "forward", None)):
             raise TypeError(f"watch: {type(module).__name__} has no forward to wrap")
+        if _forward_shadowed(module):
+            raise TypeError(f"watch: {type(module).__name__}'s forward is a property: a wrapper would never run")
         for hook, what in ((convert, "convert"), (before, "before")):
             if hook is not None and not callable(hook):
                 raise TypeError(f"watch: {what} must be callable or None, not {type(hook).__name__}")
@@ -1033,7 +1040,8 @@ class Dumper:
 
     # -- installing wrappers -------------------------------------------------------------------------
     def _install(self, model, root_passes: bool, **selection) -> None:
-        selected = list(select_modules(model, **selection, scripted=self.not_wrapped))
+        scripted = {name: why for name, why in self.not_wrapped.items() if why != _SHADOWED_REASON}  # (with all inside)
+        selected = list(select_modules(model, **selection, scripted=scripted))
         root_selected = _root_selected(model, self._root_name, selection)
         self._module_names.update(name for name, _ in selected)
         if root_selected:
@@ -1045,6 +1053,8 @@ class Dumper:
                                  if head and tail.isdigit()}
         for name, module in selected:
             self._wrap(module, self._capture_wrapper(name, module.forward, _owner_of(module)))
+        if _forward_shadowed(model):
+            return  # no wrapper of the root would run: recorded in not_wrapped (no root passes)
         if root_passes:
             self._wrap(model, self._root_wrapper(self._root_name if root_selected else None, model.forward,
                                                  _owner_of(model)))
@@ -1331,6 +1341,16 @@ def _owner_of(module):
     return module
 
 
+def _check_root_name(model, root_name: str) -> None:
+    """root_name= must not be, or lie under, a module's qualified name: the root's output and that
+    module's share the name (root_name="lm_head" dumped the root as ``lm_head`` and the LM head as
+    ``lm_head#1``, as if called twice), or one's parts skip the other's (``model.final.0``)."""
+    clash = [name for name, _ in named_modules(model) if name and (root_name == name or root_name.startswith(name + "."))]
+    if clash:  # (the deepest one named: parents come first)
+        raise ValueError(f"fastdump.attach: root_name={root_name!r} reads as the model's module {clash[-1]!r}: "
+                         "its output and that module's would share names; choose another root_name")
+
+
 def _call_name(name: str, k: int) -> str:
     """The name of a module's k-th call in a pass: ``name``, then ``name#1``, ``name#2``..."""
     return name if k == 0 else f"{name}#{k}"
@@ -1519,7 +1539,7 @@ def _raised_in_a_signal_handler(exc: BaseException) -> bool:
     return False
 
 
-_RESERVED_META = _fmt.RESERVED_META_KEYS  # DumpSet.meta's own
+_RESERVED_META = RESERVED_META  # DumpSet.meta's own
 _MAX_META_INT_BITS = 2000  # ~600 digits: under the lowest limit Python lets json.dumps print (640)
 
 

@@ -3,6 +3,7 @@ exclude= and module_types= (the same options as SGLang's dumper where it has the
 
 from __future__ import annotations
 
+import inspect
 import re
 import sys
 
@@ -46,17 +47,31 @@ def script_modules(model) -> dict:
 
 CALL_NAME_REASON = ("its name holds '#<digits>', which reads as a repeated call's (name#k) in a dump; "
                     "neither it nor its submodules are dumped (watch() it under another name)")
+SHADOWED_REASON = ("its class's forward is a property (a data descriptor), which the instance forward fastdump "
+                   "sets cannot override: the wrapper would never run; it is not dumped (its submodules are)")
 
 
-def not_wrappable(model) -> dict:
-    """{qualified name: reason} of the modules inside ``model`` left unwrapped, with everything in
-    them: TorchScript ones (script_modules), and ones whose name reads as another module's
-    repeated call (``a#1`` beside ``a`` called twice: two tensors under one name, which would
-    read as mixed)."""
+def forward_shadowed(module) -> bool:
+    """Whether ``module``'s class defines ``forward`` as a data descriptor (a property): attribute
+    lookup then never reaches an instance ``forward``, so fastdump's wrapper would sit there unused
+    and the module would silently not be dumped."""
+    attr = inspect.getattr_static(type(module), "forward", None)
+    return hasattr(type(attr), "__set__") or hasattr(type(attr), "__delete__")
+
+
+def unwrappable_modules(model, root_name: str) -> dict:
+    """{qualified name: reason} of what fastdump cannot wrap in ``model``: the outermost TorchScript
+    submodules (script_modules) and every module whose forward is shadowed (forward_shadowed; the
+    root under ``root_name``), and every module whose name reads as another's repeated call
+    (``a#1`` beside ``a`` called twice: two tensors under one name, which would read as mixed)."""
     found = script_modules(model)
-    for name, _ in named_modules(model):
-        if name and _fmt.reads_as_call(name) and name not in found and not _inside(name, found):
-            found[name] = CALL_NAME_REASON
+    for name, module in named_modules(model):
+        if name in found or _inside(name, found):
+            continue
+        if name and _fmt.reads_as_call(name):
+            found[name] = CALL_NAME_REASON  # with its submodules, whose names read so too
+        elif forward_shadowed(module):
+            found[name or root_name] = SHADOWED_REASON
     return found
 
 
@@ -96,7 +111,9 @@ def select_modules(model, *, layers=None, include=None, exclude=None, module_typ
             continue  # the root is handled by the pass wrapper
         if name in scripted or _inside(name, scripted):
             continue  # TorchScript: not wrappable (the Dumper records them, see script_modules)
-        if leaves_only and next(iter(module.children()), None) is not None:
+        if forward_shadowed(module):
+            continue  # a wrapper would never run (the Dumper records them, see unwrappable_modules)
+        if leaves_only and not _is_leaf(module):
             continue
         if layer_set is not None:
             m = _LAYER_RE.search(name)
@@ -110,6 +127,18 @@ def select_modules(model, *, layers=None, include=None, exclude=None, module_typ
             continue
         chosen.append((name, module))
     return chosen
+
+
+def _is_leaf(module) -> bool:
+    """A module without children, or whose only child is the ``parametrizations`` container that
+    ``torch.nn.utils.parametrize`` adds (weight_norm, spectral_norm, orthogonal): a parametrized
+    Linear is still the leaf that computes the activation (its parametrizations, which compute the
+    weight when it is read, are leaves of their own). Its output used to be missing from the dump."""
+    children = dict(module.named_children())
+    if not children:
+        return True
+    parametrize = sys.modules.get("torch.nn.utils.parametrize")  # (imported by whoever parametrized it)
+    return list(children) == ["parametrizations"] and parametrize is not None and parametrize.is_parametrized(module)
 
 
 def _of_types(module, types) -> bool:
