@@ -25,6 +25,7 @@ import fastdump
 from fastdump import format as fmt
 from fastdump import reader
 from fastdump.reader import Problem
+from fastdump.cli.dump import list_dump
 from fastdump.cli.main import main as cli_main_entry
 
 from conftest import write_rank_dir
@@ -859,3 +860,50 @@ def test_ls_counts_no_pass_the_reader_refuses_and_flags_it(tmp_path, capsys):
     (tmp_path / "empty").mkdir()
     with pytest.raises(KeyError, match="no rank directories"):
         fastdump.open(tmp_path / "empty").passes()
+
+
+# ----------------------------------------------------------------------- long runs, many sessions
+
+
+def _counting(monkeypatch, module, attr, wanted):
+    """Count the calls of ``module.attr`` whose first argument ``wanted(arg)`` accepts."""
+    real, calls = getattr(module, attr), []
+
+    def counted(path, *args, **kwargs):
+        if wanted(os.fspath(path)):
+            calls.append(path)
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(module, attr, counted)
+    return calls
+
+
+def test_a_rank_with_many_segments_reads_rank_json_once(tmp_path, monkeypatch):
+    """Opening a rank's segments read rank.json once per segment (the session check evaluated
+    ``self.info`` for each): a server's dump of S segments has a rank.json listing S segments, so
+    indexing it parsed S² entries (2000 segments: ~30 s of JSON alone)."""
+    root = tmp_path / "dump"
+    write(root, R0, passes=40, segment_passes=1)  # 40 segments
+    reads = _counting(monkeypatch, reader.fsutil, "load_json", lambda p: p.endswith(fmt.RANK_FILE))
+    with fastdump.open(root) as ds:
+        assert ds.passes("target", 0) == list(range(40))
+        assert same(ds.load("target", 0, 39)["a"], tensors_of(39)["a"])
+    assert len(reads) <= 2, len(reads)
+
+
+def test_many_sessions_under_one_root_list_each_rank_directory_once(tmp_path, monkeypatch):
+    """Each reader call (rank_info, summary, load...) listed every rank directory of the role,
+    twice: `fastdump ls` of a root with R sessions (a server's attach/close loop) made ~4·R² listdir
+    calls (301 sessions: 364k calls, ~25 s). Each DumpSet lists a rank directory twice now: once
+    to find it, once for its segments."""
+    root = tmp_path / "dump"
+    names = [f"TP0_PP0_Rank0_pid100_20260101T{k // 60:02d}{k % 60:02d}00.000000Z-{k:08x}" for k in range(30)]
+    for name in names:
+        write(root, name, passes=1)
+    listed = _counting(monkeypatch, os, "listdir", lambda p: os.path.dirname(p) == str(root / "target"))
+    assert [entry["rank"] for entry in list_dump(root)["ranks"]] == names
+    with fastdump.open(root) as ds:
+        for name in names:
+            assert same(ds.load("target", name, 0)["b"], tensors_of(0)["b"])
+            assert ds.meta("target", name, 0)["complete"]
+    assert len(listed) <= 2 * 2 * len(names), len(listed)  # (two DumpSets)
