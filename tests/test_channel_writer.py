@@ -446,6 +446,23 @@ def test_pass_metadata_dropped_and_skipped(tmp_path):
     assert [s["file"] for s in info["segments"]] == ["seg-000000.h5"]
 
 
+def test_skipped_reasons_stay_bounded_when_every_pass_has_a_new_one(tmp_path):
+    """skipped_reasons took one key per distinct reason: reasons carrying an exception's text (a
+    request id) made rank.json grow by one key a pass for as long as the server ran."""
+    from fastdump.writer.channel_writer import MAX_SKIP_REASONS, OTHER_SKIP_REASONS
+
+    w = ChannelWriter(open_msg(tmp_path, segment_passes=50))
+    f = Feeder(w)
+    for p in range(200):
+        f.full_pass(p, {"x": torch.ones(1)}, skipped=[{"name": "h", "reason": f"convert raised: request {p}"}])
+    w.close({})
+    info = rank_json(tmp_path)
+    reasons = info["skipped_reasons"]
+    assert info["skipped"] == 200 and sum(reasons.values()) == 200
+    assert len(reasons) == MAX_SKIP_REASONS + 1 and reasons[OTHER_SKIP_REASONS] == 200 - MAX_SKIP_REASONS
+    assert reader.open(tmp_path).meta("target", 0, 199)["skipped"] == [{"name": "h", "reason": "convert raised: request 199"}]
+
+
 def test_unfinished_pass_at_close_is_marked_incomplete(tmp_path):
     w = ChannelWriter(open_msg(tmp_path))
     f = Feeder(w)

@@ -54,6 +54,13 @@ _FORCE_FLUSH_FACTOR = 4
 # still say "error" (a full disk must never look like a healthy dump). Removed at a normal close.
 RESERVE_FILE = ".rank.json.reserve"
 RESERVE_BYTES = 256 << 10  # a rank.json of ~1500 segments; beyond that a short one is written
+
+# rank.json's skipped_reasons holds this many distinct reasons; later ones are counted under
+# OTHER_SKIP_REASONS. A reason may carry an exception's text, which can differ every pass (a
+# request id): unbounded, the map grew by one key a pass, in rank.json too (rewritten every poll).
+# Each pass's own skipped list keeps every reason whole.
+MAX_SKIP_REASONS = 64
+OTHER_SKIP_REASONS = "(other reasons: see each pass's skipped list)"
 _DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 
 
@@ -458,8 +465,10 @@ class ChannelWriter:
     def _record_skip(self, pass_state: _PassState, entry: dict) -> None:
         pass_state.skipped.append(entry)
         self._skipped_total += 1
-        reason = str(entry.get("reason", ""))
-        self._skipped_reasons[reason] = self._skipped_reasons.get(reason, 0) + 1
+        reason, reasons = str(entry.get("reason", "")), self._skipped_reasons
+        if reason not in reasons and len(reasons) >= MAX_SKIP_REASONS:
+            reason = OTHER_SKIP_REASONS
+        reasons[reason] = reasons.get(reason, 0) + 1
 
     def _rotate_if_due(self, now: float) -> None:
         pending = self._pending
