@@ -143,7 +143,7 @@ class ChannelWriter:
         self.sink = _C.RowSink()
 
         # Totals over everything written so far (rank.json).
-        self._segments: list = []
+        self._segments = fsutil.EncodedList()  # (each entry encoded once: rank.json is rewritten often)
         self._passes_written = 0
         self._tensors_written = 0
         self._bytes_written = 0
@@ -568,7 +568,7 @@ class ChannelWriter:
             "pending_passes": self.pending_passes(),  # ended, still in the open segment
             "tensors": self._tensors_written,
             "bytes": self._bytes_written,
-            "segments": list(self._segments),
+            "segments": self._segments,
             "stats": dict(self._stats),
             "updated": time.time(),
         }
