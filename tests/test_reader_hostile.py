@@ -907,3 +907,40 @@ def test_many_sessions_under_one_root_list_each_rank_directory_once(tmp_path, mo
             assert same(ds.load("target", name, 0)["b"], tensors_of(0)["b"])
             assert ds.meta("target", name, 0)["complete"]
     assert len(listed) <= 2 * 2 * len(names), len(listed)  # (two DumpSets)
+
+
+def test_refresh_reads_only_the_segments_written_since(tmp_path, monkeypatch):
+    """refresh() forgot every segment's index: a reader following a live dump re-read all of its
+    segments at each refresh (114 segments: ~2.5 s a refresh; a long run's: hours). A segment file
+    never changes once written, so only new ones are read; one replaced under its name is read again."""
+    from fastdump.writer.channel_writer import ChannelWriter
+    from fastdump import dtypes
+
+    path = tmp_path / "dump" / "target" / R0
+    writer = ChannelWriter({"op": "open", "channel": 0, "dir": str(path), "role": "target", "rank": RANK0,
+                            "pid": 100, "host": "h", "device": {}, "config": {"segment_passes": 1}})
+    writer.on_name(0, "a")
+
+    def passes(ids):
+        for p in ids:
+            writer.on_begin(p, {})
+            t = tensors_of(p)["a"]
+            writer.on_tensor(0, p, dtypes.code_of(t.dtype), tuple(t.shape), t.reshape(-1).view(torch.uint8).numpy().copy())
+            writer.on_end(p, {}, 0, [])
+
+    passes(range(20))
+    built = _counting(monkeypatch, reader, "SegmentIndex", lambda p: True)
+    ds = fastdump.open(tmp_path / "dump")
+    assert ds.passes("target", 0) == list(range(20)) and len(built) == 20
+    passes(range(20, 25))
+    ds.refresh()
+    assert ds.passes("target", 0) == list(range(25)) and len(built) == 25  # the 5 new ones only
+    assert same(ds.load("target", 0, 24)["a"], tensors_of(24)["a"])
+    writer.close({})
+    shutil.copy(path / "seg-000001.h5", path / "copy.tmp")
+    os.replace(path / "copy.tmp", path / "seg-000003.h5")  # pass 1 again, under pass 3's segment
+    ds.refresh()
+    with pytest.warns(UserWarning, match="pass 1 is whole"):
+        assert 3 not in ds.passes("target", 0)
+    assert len(built) == 26
+    ds.close()
