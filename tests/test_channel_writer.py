@@ -301,15 +301,15 @@ def test_rotation_by_seconds_in_poll_and_at_pass_end(tmp_path):
     w = ChannelWriter(open_msg(tmp_path, segment_seconds=30))
     f = Feeder(w)
     f.full_pass(0, {"x": torch.ones(1)})
-    w.poll(time.time())
+    w.poll(time.monotonic())
     assert seg_files(tmp_path) == []  # not old enough
-    w.poll(time.time() + 31)
+    w.poll(time.monotonic() + 31)
     assert seg_files(tmp_path) == ["seg-000000.h5"]  # idle data is not held forever
 
     # A pass still open when the age is reached is not split: the segment waits for its end.
     w.on_begin(1, {})
     f.tensor(1, "x", torch.ones(1))
-    w.poll(time.time() + 100)
+    w.poll(time.monotonic() + 100)
     assert seg_files(tmp_path) == ["seg-000000.h5"]
     w.on_end(1, {}, 0, [])
     assert seg_files(tmp_path) == ["seg-000000.h5"]  # the new segment's clock started with pass 1
@@ -324,11 +324,11 @@ def test_pass_that_never_ends_is_flushed_when_far_over_the_limits(tmp_path):
     chunks = [torch.full((256, 256), float(i)) for i in range(24)]  # 256 KiB each, 6 MiB in all
     for i, t in enumerate(chunks[:12]):
         f.tensor(0, f"t{i}", t)
-    w.poll(time.time())
+    w.poll(time.monotonic())
     assert seg_files(tmp_path) == []  # 3 MiB: over the limit, but a pass is not split lightly
     for i, t in enumerate(chunks[12:18], start=12):
         f.tensor(0, f"t{i}", t)
-    w.poll(time.time())
+    w.poll(time.monotonic())
     assert seg_files(tmp_path) == ["seg-000000.h5"]  # 4.5 MiB > 4x the limit: memory is bounded
     for i, t in enumerate(chunks[18:], start=18):
         f.tensor(0, f"t{i}", t)
@@ -365,7 +365,7 @@ def test_a_late_pass_end_completes_its_pass_only_where_the_segments_stay_in_orde
     big = [torch.full((256, 256), float(i)) for i in range(18)]
     for i, t in enumerate(big):
         f.tensor(2, f"t{i}", t)
-    w.poll(time.time())
+    w.poll(time.monotonic())
     assert [s["last_pass"] for s in rank_json(tmp_path)["segments"]] == [1, 2]
     w.on_begin(3, {})
     f.tensor(3, "x", torch.full((2,), 3.0))
@@ -609,7 +609,7 @@ def test_write_error_midway_leaves_no_segment_and_records_error(tmp_path, monkey
     assert w.failed
     # From now on nothing is written and nothing raises; the loop may still call us.
     f.full_pass(2, {"a": torch.ones(4)})
-    w.poll(time.time() + 1e6)
+    w.poll(time.monotonic() + 1e6)
     w.fail("second failure")
     w.close({})
     assert sorted(os.listdir(directory)) == ["rank.json", "seg-000000.h5"]

@@ -91,8 +91,10 @@ class _PendingSegment:
         self.names: list = []
         self.passes: dict = {}  # pass id -> _PassState, in order of first appearance
         self.open_passes = 0
-        self.started = None  # time.time() of the first event
-        self.last_end = None  # time.time() of the last pass end (idle rotation)
+        # time.monotonic(), never the wall clock: a clock set back (NTP, an operator) held the open
+        # segment in memory, not on disk, for as long as it was set back
+        self.started = None  # of the first event
+        self.last_end = None  # of the last pass end (idle rotation)
 
 
 def _pass_meta(pass_state: _PassState) -> dict:
@@ -257,7 +259,7 @@ class ChannelWriter:
             pass_state.ended = True
             self._pending.open_passes -= 1
         self._set_current(None)
-        now = time.time()
+        now = time.monotonic()
         self._pending.last_end = now
         self._rotate_if_due(now)
 
@@ -330,10 +332,10 @@ class ChannelWriter:
 
     def poll(self, now: float = None) -> None:
         """Rotate by age, and publish a changed ``pending_passes`` in rank.json; the loop calls this
-        every POLL_SECONDS. ``now`` is ``time.time()`` (wall clock, as the loop passes)."""
+        every POLL_SECONDS. ``now`` is ``time.monotonic()`` (as the loop passes)."""
         if self.error is not None or self._closed:
             return
-        self._rotate_if_due(time.time() if now is None else now)
+        self._rotate_if_due(time.monotonic() if now is None else now)
         if self.error is None and (self._counts_changed or self.pending_passes() != self._published_pending):
             self._write_progress()  # (a rotation may have failed: error checked again)
 
@@ -345,7 +347,7 @@ class ChannelWriter:
         if self.idle_seconds is None or self.error is not None or self._closed or not pending.passes \
                 or pending.open_passes or pending.last_end is None:
             return
-        if (time.time() if now is None else now) - pending.last_end >= self.idle_seconds:
+        if (time.monotonic() if now is None else now) - pending.last_end >= self.idle_seconds:
             self._guarded(self._flush)
 
     def pending_passes(self) -> int:
@@ -417,7 +419,7 @@ class ChannelWriter:
             pass_state = pending.passes[pass_id] = _PassState(pass_id)
             pending.open_passes += 1
             if pending.started is None:
-                pending.started = time.time()
+                pending.started = time.monotonic()
         return pass_state
 
     def _name_slot(self, name_id: int) -> int:
