@@ -30,6 +30,7 @@ import json
 import math
 import os
 import re
+import stat
 import threading
 import warnings
 
@@ -168,6 +169,7 @@ def open_segment(path: str) -> h5py.File:
         return h5py.File(path, "r", locking=False)
 
 
+@functools.lru_cache(maxsize=1 << 16)  # (sorting a role's rank directories at every call)
 def _rank_dir_key(name: str):
     """Order rank directories by global rank, then session start (then pid); other names
     naturally ('x10' after 'x2')."""
@@ -475,9 +477,10 @@ class _Rank:
     def segments(self) -> list:
         if self._segments is None:
             segments = []
+            expected = None  # the session its segments carry: rank.json read once, not per segment
             for path in self.segment_paths():
                 try:
-                    segment = SegmentIndex(path, self.dumpset._file(path))
+                    segment = self.dumpset._segment_index(path)
                 except Exception as exc:  # one damaged file must not hide the rest of the dump
                     detail = str(exc) if isinstance(exc, DumpError) else f"{type(exc).__name__}: {exc}"
                     detail = detail[len(path) + 2:] if detail.startswith(path + ": ") else detail
@@ -487,7 +490,9 @@ class _Rank:
                     continue
                 for text in segment.problems:
                     self.dumpset._problem(text, warn=True)
-                foreign = fmt.foreign_session(segment.attrs.get(fmt.ATTR_SESSION), fmt.expected_session(self.name, self.info))
+                if expected is None:  # (a long run's rank.json lists thousands of segments)
+                    expected = (fmt.expected_session(self.name, self.info),)
+                foreign = fmt.foreign_session(segment.attrs.get(fmt.ATTR_SESSION), expected[0])
                 if foreign:
                     self.unreadable.append(path)
                     self.dumpset._problem(Problem(path, Problem.UNREADABLE_SEGMENT, f"{foreign}; skipped"), warn=True)
@@ -556,6 +561,11 @@ class DumpSet:
         self.problems: list = []  # Problems met so far: unreadable files and directories
         self._files: collections.OrderedDict = collections.OrderedDict()  # path -> open h5py.File (LRU)
         self._ranks: dict = {}  # (role, rank dir) -> _Rank
+        # (role, entry) found to be a rank directory: each is listed once, not at every call (a
+        # root of R sessions made each call list R directories; ls, R calls: R² listings)
+        self._rank_dir_names: set = set()
+        # path -> (file identity, SegmentIndex): kept across refresh() (see _segment_index)
+        self._segment_indexes: dict = {}
         self._lock_pid, self._lock_obj = os.getpid(), threading.RLock()
 
     # ---------------------------------------------------------------- directory level
@@ -585,13 +595,12 @@ class DumpSet:
     @_locked
     def ranks(self, role: str = None) -> list:
         """Rank directory names of a role: one per dumping session (a process may have several)."""
-        return self._rank_dirs(self._role(role))
+        return list(self._role_and_rank_dirs(role)[1])
 
     @_locked
     def sessions(self, role: str = None, rank=None) -> list:
         """Rank directory names matching ``rank`` (a number, or None for all), in start order."""
-        role = self._role(role)
-        names = self._rank_dirs(role)
+        role, names = self._role_and_rank_dirs(role)
         if rank is None:
             return names
         if not _is_rank_number(rank):  # a directory name, as every other method takes
@@ -754,8 +763,10 @@ class DumpSet:
 
     @_locked
     def refresh(self) -> None:
-        """Forget cached indexes, to see segments written since (a dump being written)."""
+        """Forget cached indexes, to see segments and sessions written since (a dump being
+        written). A segment file whose identity is unchanged keeps its index: only new files are read."""
         self._ranks.clear()
+        self._rank_dir_names.clear()
 
     @_locked
     def close(self) -> None:
@@ -788,13 +799,17 @@ class DumpSet:
         role_path = os.path.join(self.root, role)
         if not fsutil.is_real_dir(role_path):
             return []
-        found = []
+        found, known = [], self._rank_dir_names
         for entry in self._listdir(role_path):
+            if (role, entry) in known:
+                found.append(entry)
+                continue
             path = os.path.join(role_path, entry)
             if fsutil.is_real_dir(path) and any(
                 name in (fmt.RANK_FILE, fmt.PRODUCER_ERROR_FILE) or fmt.segment_number(name) is not None
                 for name in self._listdir(path)
             ):
+                known.add((role, entry))
                 found.append(entry)
         return sorted(found, key=_rank_dir_key)
 
@@ -807,23 +822,27 @@ class DumpSet:
             return []
 
     def _role(self, role):
+        return self._role_and_rank_dirs(role)[0]
+
+    def _role_and_rank_dirs(self, role) -> tuple:
+        """The role meant (see _role) and its rank directories, listed once."""
         if role is not None:
-            if not self._rank_dirs(role):
+            names = self._rank_dirs(role)
+            if not names:
                 raise KeyError(f"no role {role!r} in {self.root} (roles: {self.roles})")
-            return role
+            return role, names
         roles = self.roles
         if not roles:
             raise KeyError(f"no rank directories in {self.root} (expected <root>/<role>/<rank>/rank.json)")
         if len(roles) != 1:
             raise ValueError(f"role must be given: {self.root} holds roles {roles}")
-        return roles[0]
+        return roles[0], self._rank_dirs(roles[0])
 
     def _rank(self, role, rank, session=None) -> _Rank:
         """The one rank directory meant: by directory name, or by rank number (+ ``session``).
         Several sessions matching a number is a ValueError listing them: a reader never mixes
         two sessions."""
-        role = self._role(role)
-        names = self._rank_dirs(role)
+        role, names = self._role_and_rank_dirs(role)
         if rank is not None and not _is_rank_number(rank):
             name = str(rank)
             if name not in names:
@@ -866,6 +885,25 @@ class DumpSet:
                                 + "; ".join(p for p in self.problems if p.path.startswith(entry.path)))
             raise KeyError(f"no pass {pass_id}")
         return segments
+
+    def _segment_index(self, path: str) -> SegmentIndex:
+        """A segment's checked index. A segment file is written whole and renamed into place, never
+        changed: while the same file is there, the index read before a refresh() is the index.
+        (Re-reading every segment at each refresh made a reader following a live dump spend
+        O(segments) a refresh: ~2.5 s for 114 segments, hours for a week-long run's.)"""
+        try:
+            info = os.lstat(path)
+        except OSError:
+            info = None
+        identity = (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns) \
+            if info is not None and stat.S_ISREG(info.st_mode) else None
+        cached = self._segment_indexes.get(path)
+        if identity is not None and cached is not None and cached[0] == identity:
+            return cached[1]
+        segment = SegmentIndex(path, self._file(path))
+        if identity is not None:
+            self._segment_indexes[path] = (identity, segment)
+        return segment
 
     def _file(self, path: str) -> h5py.File:
         h5file = self._files.pop(path, None)

@@ -574,6 +574,35 @@ def test_watch_hooks_that_fail_are_recorded_never_raised(tmp_path, fault):
     assert cli.main(["verify", str(tmp_path)]) == 0  # a recorded skip is not lost data
 
 
+def test_a_hook_failing_with_a_new_message_each_pass_is_said_once_and_rank_json_stays_small(tmp_path, caplog):
+    """A convert() whose exception text changes every pass (a request id in it): each distinct
+    text was a new "said once" key (a set growing by one entry and one warning per pass, for as
+    long as the server runs) and a new key of rank.json's skipped_reasons (O(passes) bytes,
+    rewritten 4 times a second). Each pass still records its own text."""
+    import json
+    import logging
+
+    model, served = Twice(), [0]
+
+    def convert(out):
+        raise KeyError(f"request {served[0]} not found")
+
+    d = fastdump.attach(model, tmp_path, writer="thread", exclude="^block$")
+    d.watch(model.block, "block", convert=convert)
+    with caplog.at_level(logging.WARNING, logger="fastdump"), torch.no_grad():
+        for served[0] in range(150):
+            model(torch.randn(1, 4))
+    stats = d.close()
+    assert stats["status"] == "closed" and stats["skipped"] == 300  # (two calls of block a pass)
+    said = [r for r in caplog.records if "convert(output) raised KeyError" in r.getMessage()]
+    assert len(said) == 1, len(said)
+    info = json.loads((d.dir / "rank.json").read_text())
+    assert info["skipped"] == 300 and sum(info["skipped_reasons"].values()) == 300
+    assert len(info["skipped_reasons"]) <= 65, len(info["skipped_reasons"])
+    ds = fastdump.open(tmp_path)
+    assert ds.meta("target", 0, 149)["skipped"][0]["reason"] == "convert(output) raised KeyError: 'request 149 not found'"
+
+
 def test_watch_refuses_misuse_and_unwraps(tmp_path):
     model = Twice()
     own = model.head.forward  # an instance forward set before attach is put back at close

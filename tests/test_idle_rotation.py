@@ -56,6 +56,32 @@ def test_idle_writes_ended_passes_after_the_delay(tmp_path):
     writer.close()
 
 
+def test_a_wall_clock_set_back_does_not_hold_passes_off_the_disk(tmp_path, monkeypatch):
+    """Idle and age rotation measured the wall clock: set back an hour (NTP, an operator) after a
+    pass ended, `now - last_end` stayed negative, and the ended passes stayed in the writer's
+    memory, not on disk, for that hour (segment_seconds likewise). They use time.monotonic()."""
+    from fastdump.writer import channel_writer
+
+    writer = make_writer(tmp_path, segment_idle_seconds=0.2, segment_seconds=0.2, segment_passes=100)
+    feed = Feeder(writer)
+    feed.full_pass(0, {"x": torch.arange(4.0)})
+    real = time.time
+    monkeypatch.setattr(channel_writer.time, "time", lambda: real() - 3600)  # the clock is set back
+    time.sleep(0.3)
+    writer.idle()
+    assert len(segments(writer)) == 1  # on disk a segment_idle_seconds after the pass ended
+    writer.on_begin(1, {})
+    feed.tensor(1, "x", torch.ones(4))
+    time.sleep(0.9)  # (a pass still open: written at 4 segment_seconds, split)
+    writer.poll()
+    assert len(segments(writer)) == 2
+    monkeypatch.setattr(channel_writer.time, "time", real)
+    writer.on_end(1, {}, 0, [])
+    writer.close()
+    ds = fastdump.open(tmp_path)
+    assert torch.equal(ds.load("target", "TP0_PP0_Rank0_pid4242", 1)["x"], torch.ones(4))
+
+
 def test_idle_never_splits_an_open_pass(tmp_path):
     writer = make_writer(tmp_path, segment_idle_seconds=1.0)
     feed = Feeder(writer)

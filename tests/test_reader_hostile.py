@@ -25,6 +25,7 @@ import fastdump
 from fastdump import format as fmt
 from fastdump import reader
 from fastdump.reader import Problem
+from fastdump.cli.dump import list_dump
 from fastdump.cli.main import main as cli_main_entry
 
 from conftest import write_rank_dir
@@ -859,3 +860,87 @@ def test_ls_counts_no_pass_the_reader_refuses_and_flags_it(tmp_path, capsys):
     (tmp_path / "empty").mkdir()
     with pytest.raises(KeyError, match="no rank directories"):
         fastdump.open(tmp_path / "empty").passes()
+
+
+# ----------------------------------------------------------------------- long runs, many sessions
+
+
+def _counting(monkeypatch, module, attr, wanted):
+    """Count the calls of ``module.attr`` whose first argument ``wanted(arg)`` accepts."""
+    real, calls = getattr(module, attr), []
+
+    def counted(path, *args, **kwargs):
+        if wanted(os.fspath(path)):
+            calls.append(path)
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(module, attr, counted)
+    return calls
+
+
+def test_a_rank_with_many_segments_reads_rank_json_once(tmp_path, monkeypatch):
+    """Opening a rank's segments read rank.json once per segment (the session check evaluated
+    ``self.info`` for each): a server's dump of S segments has a rank.json listing S segments, so
+    indexing it parsed S² entries (2000 segments: ~30 s of JSON alone)."""
+    root = tmp_path / "dump"
+    write(root, R0, passes=40, segment_passes=1)  # 40 segments
+    reads = _counting(monkeypatch, reader.fsutil, "load_json", lambda p: p.endswith(fmt.RANK_FILE))
+    with fastdump.open(root) as ds:
+        assert ds.passes("target", 0) == list(range(40))
+        assert same(ds.load("target", 0, 39)["a"], tensors_of(39)["a"])
+    assert len(reads) <= 2, len(reads)
+
+
+def test_many_sessions_under_one_root_list_each_rank_directory_once(tmp_path, monkeypatch):
+    """Each reader call (rank_info, summary, load...) listed every rank directory of the role,
+    twice: `fastdump ls` of a root with R sessions (a server's attach/close loop) made ~4·R² listdir
+    calls (301 sessions: 364k calls, ~25 s). Each DumpSet lists a rank directory twice now: once
+    to find it, once for its segments."""
+    root = tmp_path / "dump"
+    names = [f"TP0_PP0_Rank0_pid100_20260101T{k // 60:02d}{k % 60:02d}00.000000Z-{k:08x}" for k in range(30)]
+    for name in names:
+        write(root, name, passes=1)
+    listed = _counting(monkeypatch, os, "listdir", lambda p: os.path.dirname(p) == str(root / "target"))
+    assert [entry["rank"] for entry in list_dump(root)["ranks"]] == names
+    with fastdump.open(root) as ds:
+        for name in names:
+            assert same(ds.load("target", name, 0)["b"], tensors_of(0)["b"])
+            assert ds.meta("target", name, 0)["complete"]
+    assert len(listed) <= 2 * 2 * len(names), len(listed)  # (two DumpSets)
+
+
+def test_refresh_reads_only_the_segments_written_since(tmp_path, monkeypatch):
+    """refresh() forgot every segment's index: a reader following a live dump re-read all of its
+    segments at each refresh (114 segments: ~2.5 s a refresh; a long run's: hours). A segment file
+    never changes once written, so only new ones are read; one replaced under its name is read again."""
+    from fastdump.writer.channel_writer import ChannelWriter
+    from fastdump import dtypes
+
+    path = tmp_path / "dump" / "target" / R0
+    writer = ChannelWriter({"op": "open", "channel": 0, "dir": str(path), "role": "target", "rank": RANK0,
+                            "pid": 100, "host": "h", "device": {}, "config": {"segment_passes": 1}})
+    writer.on_name(0, "a")
+
+    def passes(ids):
+        for p in ids:
+            writer.on_begin(p, {})
+            t = tensors_of(p)["a"]
+            writer.on_tensor(0, p, dtypes.code_of(t.dtype), tuple(t.shape), t.reshape(-1).view(torch.uint8).numpy().copy())
+            writer.on_end(p, {}, 0, [])
+
+    passes(range(20))
+    built = _counting(monkeypatch, reader, "SegmentIndex", lambda p: True)
+    ds = fastdump.open(tmp_path / "dump")
+    assert ds.passes("target", 0) == list(range(20)) and len(built) == 20
+    passes(range(20, 25))
+    ds.refresh()
+    assert ds.passes("target", 0) == list(range(25)) and len(built) == 25  # the 5 new ones only
+    assert same(ds.load("target", 0, 24)["a"], tensors_of(24)["a"])
+    writer.close({})
+    shutil.copy(path / "seg-000001.h5", path / "copy.tmp")
+    os.replace(path / "copy.tmp", path / "seg-000003.h5")  # pass 1 again, under pass 3's segment
+    ds.refresh()
+    with pytest.warns(UserWarning, match="pass 1 is whole"):
+        assert 3 not in ds.passes("target", 0)
+    assert len(built) == 26
+    ds.close()

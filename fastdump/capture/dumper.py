@@ -786,7 +786,9 @@ class Dumper:
     def _hook_failed(self, name: str, what: str, exc: Exception | None) -> None:
         reason = what if exc is None else f"{what} raised {type(exc).__name__}: {_short(exc)}"
         self._skip(name, reason)
-        self._say_once(("hook", reason), "fastdump: %s: %s skipped: %s", self.dir, name, reason)
+        # Said once per hook and exception type, not per text: a text that changes every pass (a
+        # request id in it) would log every pass and grow _said for as long as the model serves.
+        self._say_once(("hook", what, type(exc)), "fastdump: %s: %s skipped: %s", self.dir, name, reason)
 
     def _emit_safely(self, name: str, value) -> None:
         try:
@@ -873,7 +875,8 @@ class Dumper:
         else:
             reason = f"cannot capture {type(value).__name__}: {type(exc).__name__}: {_short(exc)}"
         self._skip(name, reason)
-        self._say_once(("failed", reason), "fastdump: %s: %s skipped: %s", self.dir, name, reason)
+        key = ("failed", type(value), type(exc)) if not nested else ("failed", reason)  # (as _hook_failed's)
+        self._say_once(key, "fastdump: %s: %s skipped: %s", self.dir, name, reason)
 
     def _name_id(self, name: str) -> int:
         nid = self._name_ids.get(name)

@@ -54,6 +54,13 @@ _FORCE_FLUSH_FACTOR = 4
 # still say "error" (a full disk must never look like a healthy dump). Removed at a normal close.
 RESERVE_FILE = ".rank.json.reserve"
 RESERVE_BYTES = 256 << 10  # a rank.json of ~1500 segments; beyond that a short one is written
+
+# rank.json's skipped_reasons holds this many distinct reasons; later ones are counted under
+# OTHER_SKIP_REASONS. A reason may carry an exception's text, which can differ every pass (a
+# request id): unbounded, the map grew by one key a pass, in rank.json too (rewritten every poll).
+# Each pass's own skipped list keeps every reason whole.
+MAX_SKIP_REASONS = 64
+OTHER_SKIP_REASONS = "(other reasons: see each pass's skipped list)"
 _DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 
 
@@ -84,8 +91,10 @@ class _PendingSegment:
         self.names: list = []
         self.passes: dict = {}  # pass id -> _PassState, in order of first appearance
         self.open_passes = 0
-        self.started = None  # time.time() of the first event
-        self.last_end = None  # time.time() of the last pass end (idle rotation)
+        # time.monotonic(), never the wall clock: a clock set back (NTP, an operator) held the open
+        # segment in memory, not on disk, for as long as it was set back
+        self.started = None  # of the first event
+        self.last_end = None  # of the last pass end (idle rotation)
 
 
 def _pass_meta(pass_state: _PassState) -> dict:
@@ -146,7 +155,7 @@ class ChannelWriter:
         self.sink = _C.RowSink()
 
         # Totals over everything written so far (rank.json).
-        self._segments: list = []
+        self._segments = fsutil.EncodedList()  # (each entry encoded once: rank.json is rewritten often)
         self._passes_written = 0
         self._tensors_written = 0
         self._bytes_written = 0
@@ -266,7 +275,7 @@ class ChannelWriter:
             pass_state.ended = True
             self._pending.open_passes -= 1
         self._set_current(None)
-        now = time.time()
+        now = time.monotonic()
         self._pending.last_end = now
         self._rotate_if_due(now)
 
@@ -339,10 +348,10 @@ class ChannelWriter:
 
     def poll(self, now: float = None) -> None:
         """Rotate by age, and publish a changed ``pending_passes`` in rank.json; the loop calls this
-        every POLL_SECONDS. ``now`` is ``time.time()`` (wall clock, as the loop passes)."""
+        every POLL_SECONDS. ``now`` is ``time.monotonic()`` (as the loop passes)."""
         if self.error is not None or self._closed:
             return
-        self._rotate_if_due(time.time() if now is None else now)
+        self._rotate_if_due(time.monotonic() if now is None else now)
         if self.error is None and (self._counts_changed or self.pending_passes() != self._published_pending):
             self._write_progress()  # (a rotation may have failed: error checked again)
 
@@ -354,7 +363,7 @@ class ChannelWriter:
         if self.idle_seconds is None or self.error is not None or self._closed or not pending.passes \
                 or pending.open_passes or pending.last_end is None:
             return
-        if (time.time() if now is None else now) - pending.last_end >= self.idle_seconds:
+        if (time.monotonic() if now is None else now) - pending.last_end >= self.idle_seconds:
             self._guarded(self._flush)
 
     def pending_passes(self) -> int:
@@ -426,7 +435,7 @@ class ChannelWriter:
             pass_state = pending.passes[pass_id] = _PassState(pass_id)
             pending.open_passes += 1
             if pending.started is None:
-                pending.started = time.time()
+                pending.started = time.monotonic()
         return pass_state
 
     def _name_slot(self, name_id: int) -> int:
@@ -474,8 +483,10 @@ class ChannelWriter:
     def _record_skip(self, pass_state: _PassState, entry: dict) -> None:
         pass_state.skipped.append(entry)
         self._skipped_total += 1
-        reason = str(entry.get("reason", ""))
-        self._skipped_reasons[reason] = self._skipped_reasons.get(reason, 0) + 1
+        reason, reasons = str(entry.get("reason", "")), self._skipped_reasons
+        if reason not in reasons and len(reasons) >= MAX_SKIP_REASONS:
+            reason = OTHER_SKIP_REASONS
+        reasons[reason] = reasons.get(reason, 0) + 1
 
     def _rotate_if_due(self, now: float) -> None:
         pending = self._pending
@@ -575,7 +586,7 @@ class ChannelWriter:
             "pending_passes": self.pending_passes(),  # ended, still in the open segment
             "tensors": self._tensors_written,
             "bytes": self._bytes_written,
-            "segments": list(self._segments),
+            "segments": self._segments,
             "stats": dict(self._stats),
             "updated": time.time(),
         }

@@ -238,10 +238,10 @@ class WriterLoop:
 
     def _poll(self, now: float) -> None:
         for channel in list(self.channels):
-            self._call(channel, "poll", time.time())
+            self._call(channel, "poll", now)  # (time.monotonic(): rotation never reads the wall clock)
 
     def _idle(self) -> None:
-        now = time.time()
+        now = time.monotonic()
         for channel in list(self.channels):
             self._call(channel, "idle", now)
 
