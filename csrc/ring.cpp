@@ -386,9 +386,20 @@ StageStatus Producer::stage_host(uint32_t channel, uint32_t name_id, int64_t pas
                                  const HostSource& src, bool block, double timeout_s) {
   if (disabled()) return kDisabled;
   if (src.shape.size() > kMaxDims) return kTooLarge;
-  uint64_t numel = 1;
-  for (int64_t d : src.shape) numel *= static_cast<uint64_t>(d);
-  const uint64_t total = numel * src.elem_size;
+  // A broadcast view (stride 0) may claim more bytes than any process holds: its size must not
+  // wrap (2**61 float64s would read as 0 bytes), and no plan is made of it (below).
+  // (A dimension of 0 makes any other size fine: nothing to copy.)
+  uint64_t numel = 1, total = 0;
+  bool zero = false, over = false;
+  for (int64_t d : src.shape) {
+    if (d < 0) return kTooLarge;
+    if (d == 0) zero = true;
+    else if (__builtin_mul_overflow(numel, static_cast<uint64_t>(d), &numel)) over = true;
+  }
+  if (zero) numel = 0;
+  else if (over || __builtin_mul_overflow(numel, static_cast<uint64_t>(src.elem_size), &total) ||
+           total > (uint64_t{1} << 63))
+    return kTooLarge;
   // Split into element-aligned chunks; a tensor of one element is never split.
   uint64_t per_chunk = chunk_bytes_ / src.elem_size;
   if (per_chunk == 0) return kTooLarge;
@@ -411,13 +422,18 @@ StageStatus Producer::stage_host(uint32_t channel, uint32_t name_id, int64_t pas
     publish(r);
     return kStaged;
   }
+  auto chunk_elems = [&](uint64_t first) { return numel - first < per_chunk ? numel - first : per_chunk; };
+  // Larger than the whole ring (its payload alone): no plan of its chunks is made, since a
+  // terabyte-sized broadcast view would take minutes and gigabytes to plan on the model's thread.
+  const bool over_ring = total > seg_.capacity();
   std::vector<uint64_t> plan;
-  for (uint64_t first = 0; first < numel; first += per_chunk)
-    plan.push_back((numel - first < per_chunk ? numel - first : per_chunk) * src.elem_size);
-
-  // Staged whole or not at all: every chunk's record is reserved before the first byte is copied.
+  int got = -1;
   std::vector<Reservation> rs;
-  int got = reserve_all(channel, name_id, pass_id, dtype, src.shape, plan, total, block, wait_s, &rs);
+  if (!over_ring) {
+    for (uint64_t first = 0; first < numel; first += per_chunk) plan.push_back(chunk_elems(first) * src.elem_size);
+    // Staged whole or not at all: every chunk's record is reserved before the first byte is copied.
+    got = reserve_all(channel, name_id, pass_id, dtype, src.shape, plan, total, block, wait_s, &rs);
+  }
   if (got == 0) return no_space();
   if (got > 0) {
     uint64_t first = 0;
@@ -431,19 +447,19 @@ StageStatus Producer::stage_host(uint32_t channel, uint32_t name_id, int64_t pas
   }
   // Larger than the ring can hold at once: it can only go in as the writer frees space, chunk by
   // chunk. `drop` never waits for the writer, so it never stages such a tensor.
-  if (!block) return fits_whole(src.shape.size(), plan) ? kNoSpace : kRingTooSmall;  // kNoSpace: the wrap was in the way
+  if (!block) return !over_ring && fits_whole(src.shape.size(), plan) ? kNoSpace : kRingTooSmall;  // kNoSpace: the wrap was in the way
   const double deadline = timeout_s < 0 ? -1 : now_s() + timeout_s;
   uint64_t first = 0;
-  for (size_t i = 0; i < plan.size(); ++i) {
-    uint64_t count = plan[i] / src.elem_size;
+  while (first < numel) {
+    const uint64_t count = chunk_elems(first);
     double left = deadline < 0 ? kWaitForever : std::max(deadline - now_s(), 1e-6);
     Reservation r;
-    if (!reserve(kTensor, channel, name_id, pass_id, dtype, src.shape, plan[i], ChunkInfo{first * src.elem_size, total},
-                 true, &r, left)) {
+    if (!reserve(kTensor, channel, name_id, pass_id, dtype, src.shape, count * src.elem_size,
+                 ChunkInfo{first * src.elem_size, total}, true, &r, left)) {
       StageStatus st = no_space();
       // Chunks already published can never be completed: the writer records the tensor as
       // incomplete when its pass ends.
-      return (st == kTimedOut && i > 0) ? kTorn : st;
+      return (st == kTimedOut && first > 0) ? kTorn : st;
     }
     copy_strided(r.payload, src.ptr, src.elem_size, src.shape, src.strides, first, first + count);
     publish(r);

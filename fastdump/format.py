@@ -33,6 +33,16 @@ NAMES_FILE = "sglang_names.json"  # module names the SGLang drop-in records per 
 # drain turned them into padding after the tensor was staged): rank.json skipped_reasons counts it,
 # and ``verify`` fails on it, since that tensor was accepted and then lost.
 TORN_TENSOR_REASON = "incomplete tensor (staging failed mid-copy)"
+# The start of the skip reason of a tensor the writer received and could not store (an exception
+# of its own, e.g. no memory to put a chunked tensor together). Accepted and then lost, too.
+WRITER_LOST_REASON = "writer could not store it"
+
+
+def is_loss(reason: str) -> bool:
+    """A skip reason that records a loss (a tensor accepted, then not stored): rank.json's
+    ``lost_tensors`` counts these, and ``verify`` fails on them. Other skips are values fastdump
+    says it cannot store."""
+    return reason == TORN_TENSOR_REASON or reason.startswith(WRITER_LOST_REASON)
 
 SEGMENT_RE = re.compile(r"^seg-(\d+)\.h5$")
 

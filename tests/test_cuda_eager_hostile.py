@@ -122,7 +122,8 @@ def test_drain_failure_tearing_a_staged_tensor_fails_verify(m, glue, tmp_path, m
     got = fastdump.open(tmp_path).load("target", 0, 0)
     assert set(got) == {"small"} and same_bits(torch.as_tensor(got["small"]), small)
     report = verify_dump(str(tmp_path), read_data=True)
-    assert any("1 staged tensor(s) were torn" in p for p in report.problems), report.problems
+    assert any("1 staged tensor(s) were lost after they were accepted: torn" in p for p in report.problems), \
+        report.problems
 
 
 def test_drain_failure_after_the_last_tensor_is_recorded(m, glue, tmp_path, monkeypatch):

@@ -1312,3 +1312,59 @@ def test_root_name_that_reads_as_a_call_or_is_no_name_is_refused_at_attach(tmp_p
 def test_watch_refuses_a_name_that_reads_as_a_call(tmp_path):
     with fastdump.attach(Mlp(), tmp_path) as d, pytest.raises(ValueError, match="repeated call"):
         d.watch(nn.Linear(2, 2), "x#1")
+
+
+# -- tensors too large to plan or to put together ---------------------------------------------------
+def test_a_cpu_broadcast_view_whose_size_overflows_is_skipped_at_once(tmp_path):
+    """expand(2**61) float64 claims 2**64 bytes: the size wrapped (0 bytes) and the producer planned
+    one record per ring chunk for minutes before bad_alloc, on the model's thread."""
+    import time
+
+    huge = torch.tensor(1.5, dtype=torch.float64).expand(2 ** 61)
+    with fastdump.attach(None, tmp_path, writer="thread") as d:
+        d.begin_pass()
+        d.dump("before", torch.arange(4.0))
+        started = time.monotonic()
+        d.dump("huge", huge)
+        took = time.monotonic() - started
+        d.dump("after", torch.arange(3.0))
+        d.end_pass()
+    assert took < 1.0
+    ds = fastdump.open(tmp_path)
+    assert list(ds.load("target", 0, 0)) == ["before", "after"]
+    skipped = ds.meta("target", 0, 0)["skipped"]
+    assert [s["name"] for s in skipped] == ["huge"] and "2^63 bytes" in skipped[0]["reason"]
+    assert not verify(tmp_path).problems
+
+
+def test_a_chunked_tensor_the_writer_cannot_put_together_is_lost_and_fails_verify(tmp_path, monkeypatch):
+    """No memory to assemble a tensor split over ring records (an 8 TiB broadcast view): the writer
+    died ("writer crashed: MemoryError") and dumping stopped everywhere. Now that tensor alone is
+    lost, recorded (rank.json lost_tensors, the pass's skipped list), and verify fails on it."""
+    from fastdump.writer import loop
+
+    real = loop._Assembly.__init__
+
+    def no_memory_for_big(self, total):
+        if total > 2 << 20:
+            raise MemoryError(f"Unable to allocate {total} bytes")
+        real(self, total)
+
+    monkeypatch.setattr(loop._Assembly, "__init__", no_memory_for_big)
+    big, small = torch.arange(3 << 18, dtype=torch.float32), torch.arange(5.0)  # 3 MiB: 3 records of 1 MiB
+    with fastdump.attach(None, tmp_path, writer="thread", ring_mb=4) as d:
+        d.begin_pass()
+        d.dump("big", big)
+        d.dump("small", small)
+        d.end_pass()
+        d.begin_pass()
+        d.dump("next", small * 2)
+        d.end_pass()
+    ds = fastdump.open(tmp_path)
+    assert list(ds.load("target", 0, 0)) == ["small"] and same_bits(ds.load("target", 0, 0)["small"], small)
+    assert same_bits(ds.load("target", 0, 1)["next"], small * 2)
+    skipped = ds.meta("target", 0, 0)["skipped"]
+    assert [s["name"] for s in skipped] == ["big"] and "MemoryError" in skipped[0]["reason"]
+    info = json.loads((d.dir / "rank.json").read_text())
+    assert info["status"] == "closed" and info["lost_tensors"] == 1
+    assert any("1 staged tensor(s) were lost after they were accepted" in p for p in verify(tmp_path).problems)

@@ -512,10 +512,12 @@ def _check_counts(report: _Report, path: str, info: dict, pass_ids: set, tensors
         report.problem(path, f"the Dumper dumped {passes_sent} passes; {len(pass_ids)} are on disk")
     skipped = count(info, "skipped")
     reasons = info.get("skipped_reasons") if isinstance(info.get("skipped_reasons"), dict) else {}
-    torn = count(reasons, fmt.TORN_TENSOR_REASON, "skipped_reasons.")
-    if torn:  # staged, then lost: a skip that explains the missing tensor would hide the loss
-        report.problem(path, f"{torn} staged tensor(s) were torn: part of their copies failed (a CUDA drain "
-                             "error) after they were accepted; they are not on disk")
+    torn = count(reasons, fmt.TORN_TENSOR_REASON, "skipped_reasons.")  # (rank.json before lost_tensors)
+    lost = max(count(info, "lost_tensors"), torn)
+    if lost:  # staged, then lost: a skip that explains the missing tensor would hide the loss
+        report.problem(path, f"{lost} staged tensor(s) were lost after they were accepted: torn (part of their "
+                             "copies failed, a CUDA drain error) or not stored by the writer (each pass's "
+                             "skipped list says which and why); they are not on disk")
     lost = count(stats, "lost_at_close", "stats.")
     if lost:
         report.problem(path, f"{lost} staged tensor(s) were lost at close: a CUDA-graph capture still "

@@ -168,6 +168,7 @@ class ChannelWriter:
         self._graph_layouts: dict = {}  # replay span name id -> its "graph" message
         self._skipped_total = 0
         self._skipped_reasons: dict = {}
+        self._lost_total = 0  # of those skips, tensors accepted and then lost (fmt.is_loss)
         self._stats: dict = {}
         self._status = "running"
         self._note_error = None  # an error the producer side reported (writer itself still fine)
@@ -484,6 +485,8 @@ class ChannelWriter:
         pass_state.skipped.append(entry)
         self._skipped_total += 1
         reason, reasons = str(entry.get("reason", "")), self._skipped_reasons
+        if fmt.is_loss(reason):  # counted apart: the reasons below are capped, this never is
+            self._lost_total += 1
         if reason not in reasons and len(reasons) >= MAX_SKIP_REASONS:
             reason = OTHER_SKIP_REASONS
         reasons[reason] = reasons.get(reason, 0) + 1
@@ -582,6 +585,7 @@ class ChannelWriter:
             "dropped_passes": max(self._dropped_passes, sum(self._graph_dropped.values())),
             "skipped": self._skipped_total,
             "skipped_reasons": dict(self._skipped_reasons),
+            "lost_tensors": self._lost_total,
             "passes": self._passes_written,
             "pending_passes": self.pending_passes(),  # ended, still in the open segment
             "tensors": self._tensors_written,

@@ -131,8 +131,17 @@ class WriterLoop:
         if part is None:
             if name_id >= protocol.GRAPH_SPAN_NAME_BASE:
                 self._drop_torn_spans(channel, name_id)
-            part = self.partial[key] = _Assembly(total)
-        part.data[offset:offset + len(payload)] = np.frombuffer(payload, dtype=np.uint8)
+            try:
+                part = _Assembly(total)
+            except MemoryError as exc:  # (a broadcast view of terabytes): lost, said once, the writer goes on
+                part = _Assembly(0)
+                part.data = None  # takes the rest of its chunks and keeps nothing
+                writer = self.channels.get(channel)
+                if writer is not None:
+                    self._tensor_failed(writer, name_id, pass_id, exc)
+            self.partial[key] = part
+        if part.data is not None:
+            part.data[offset:offset + len(payload)] = np.frombuffer(payload, dtype=np.uint8)
         part.filled += len(payload)
         if part.filled < total:
             return None
@@ -191,7 +200,8 @@ class WriterLoop:
         names = getattr(self.channels.get(channel), "names", {})
         skipped = end_msg.setdefault("skipped", [])
         for key in torn:
-            del self.partial[key]
+            if self.partial.pop(key).data is None:
+                continue  # its loss is recorded already (_assemble)
             name = names.get(key[1], f"name #{key[1]}")
             if not any(entry.get("name") == name for entry in skipped):  # the producer may have said why
                 skipped.append({"name": name, "reason": fmt.TORN_TENSOR_REASON})
@@ -210,7 +220,7 @@ class WriterLoop:
         channel itself failed or the disk did (OSError), which stops writing as before."""
         if getattr(writer, "failed", False) or isinstance(exc, OSError):
             return self._fail_writer(writer, exc)
-        reason = f"writer could not store it: {type(exc).__name__}: {exc}"
+        reason = f"{fmt.WRITER_LOST_REASON}: {type(exc).__name__}: {exc}"
         log.error("fastdump writer: %s: tensor #%s of pass %s skipped: %s", writer_dir(writer), name_id, pass_id,
                   reason)
         try:
