@@ -1368,3 +1368,14 @@ def test_a_chunked_tensor_the_writer_cannot_put_together_is_lost_and_fails_verif
     info = json.loads((d.dir / "rank.json").read_text())
     assert info["status"] == "closed" and info["lost_tensors"] == 1
     assert any("1 staged tensor(s) were lost after they were accepted" in p for p in verify(tmp_path).problems)
+
+
+def test_close_inside_the_models_forward_says_so(tmp_path):
+    """The pass close() cut short was said to lack an end_pass() call, which a root forward never makes."""
+    model = Mlp()
+    box = []
+    model.act.register_forward_hook(lambda *_: box[0].close() and None)
+    box.append(fastdump.attach(model, tmp_path))
+    model(torch.randn(2, 8))
+    meta = fastdump.open(tmp_path).meta("target", 0, 0)
+    assert meta["complete"] is False and meta["incomplete"] == "still open at close(): closed inside the model's forward"

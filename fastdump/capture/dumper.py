@@ -368,7 +368,9 @@ class Dumper:
 
         try:
             if self._depth > 0:
-                self._mark_incomplete("still open at close(): end_pass() was not called")
+                self._mark_incomplete("still open at close(): closed inside the model's forward"
+                                      if self._root_opener is not None else
+                                      "still open at close(): end_pass() was not called")
                 self._depth = 1
                 self._end()
             if self._graphs is not None:  # replays' passes and counts, before the final flush; stops its drains
