@@ -906,7 +906,7 @@ class Dumper:
                 if status == _STAGED:
                     return
                 if status != _NOT_FAST:
-                    return self._account(name, status, t.nbytes)
+                    return self._account(name, status, t.nbytes, t)
             # The general path: a new name, CUDA, unusual dtypes, layouts or lazy bits.
             fast = _FAST_CODES.get(t.dtype)
             if fast is None or t.layout is not _strided or t.is_neg():
@@ -931,14 +931,14 @@ class Dumper:
             return self._graphs.record(name, name_id, code, t)
         if status == _UNSUPPORTED_DEVICE:
             return self._skip(name, f"tensors on {t.device.type} are not supported")
-        self._account(name, status, t.nbytes)
+        self._account(name, status, t.nbytes, t)
 
     def _fast_status(self, name: str, t, status: int) -> None:
         """The C++ forward wrapper's stage_tensor call returned ``status``, not STAGED: what
         _stage does with it (NOT_FAST: the general path, which tries stage_tensor once more)."""
         if status == _NOT_FAST:
             return self._stage(name, t)
-        self._account(name, status, t.nbytes)
+        self._account(name, status, t.nbytes, t)
 
     def _stage_checked(self, name: str, t) -> None:
         """The rare cases: unsupported dtypes and layouts, lazy conj/neg bits (complex tensors, and
@@ -963,9 +963,11 @@ class Dumper:
             status, nbytes = self._channel.stage_array(name_id, self.pass_id, array)
         except Exception as exc:
             return self._skip(name, f"cannot stage {type(array).__name__}: {exc}")
-        self._account(name, status, nbytes)
+        self._account(name, status, nbytes, array)
 
-    def _account(self, name: str, status: int, nbytes: int) -> None:
+    def _account(self, name: str, status: int, nbytes: int, value=None) -> None:
+        """What a staging ``status`` of ``value`` (a tensor or an array of ``nbytes``) means: counted,
+        dropped or skipped with the reason."""
         if status == _C.STAGED:
             self._totals["tensors"] += 1
             self._totals["bytes"] += nbytes
@@ -988,8 +990,17 @@ class Dumper:
                 self._skip(name, f"{nbytes} bytes do not fit in the ring at once: policy='drop' never waits "
                                  "for the writer mid-tensor (raise ring_mb)")
         elif status == _C.TOO_LARGE:  # _C.MAX_DIMS is HDF5's limit: the writer could not store it
-            # (or a broadcast view whose size overflows: shape x element size >= 2^63 bytes, CUDA)
-            self._skip(name, "more than %d dimensions, or more than 2^63 bytes" % _C.MAX_DIMS)
+            # or a broadcast view whose size overflows: shape x element size > 2^63 bytes
+            try:
+                dims = int(value.ndim)
+            except Exception:
+                dims = None
+            if dims is not None and dims > _C.MAX_DIMS:
+                self._skip(name, "more than %d dimensions" % _C.MAX_DIMS)
+            elif dims is not None:
+                self._skip(name, "more than 2^63 bytes (a broadcast view's shape)")
+            else:
+                self._skip(name, "more than %d dimensions, or more than 2^63 bytes" % _C.MAX_DIMS)
         elif status == _CAPTURING:
             # Python wrappers run only while a graph is captured, never on replay: copying then
             # would dump a capture-time value under every replay. Recorded, not staged.
