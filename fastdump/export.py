@@ -129,13 +129,31 @@ def _shift_late(passes, top: str):
         carry, carry_from = late, pass_id
 
 
-def _passes(ds, role, rank, pass_ids, modules, names, shift, top):
-    """(pass id, {SGLang name: tensor}) of a rank, in pass order."""
+def _batch_info_last(tensors: dict, top: str) -> dict:
+    """SGLang's order in a pass file: the top module's hook adds its ForwardBatch
+    (``<top>.forward_batch_info.*``) when the module returns, after every layer and just before
+    ``<top>``'s own output; fastdump takes it before the forward runs, so it is stored first."""
+    info = f"{top}.forward_batch_info."
+    batch = [n for n in tensors if n.startswith(info)]
+    if not batch:
+        return tensors
+    rest = [n for n in tensors if not n.startswith(info)]
+    # <top>'s output: a tensor or list, or on a pipeline stage before the last its PPProxyTensors
+    cut = next((i for i, n in enumerate(rest) if n == top or n.startswith(top + ".pp_proxy_tensors.")), len(rest))
+    return {n: tensors[n] for n in rest[:cut] + batch + rest[cut:]}
+
+
+def _passes(ds, role, rank, pass_ids, modules, names, shift, top, hook_order=False):
+    """(pass id, {SGLang name: tensor}) of a rank, in pass order; ``hook_order``: each pass's names
+    in the order SGLang's tensor-dump hook writes them (else capture order)."""
     def converted():
         for pass_id in pass_ids:
             # clone: a loaded tensor may view a larger block, and torch.save writes whole storages
             tensors = {name: t.clone() for name, t in ds.load(role, rank, pass_id).items()}
-            yield pass_id, (sglang_names(tensors, modules) if names == "sglang" else tensors)
+            if names == "sglang" and modules is not None:
+                tensors = sglang_names(tensors, modules)
+                tensors = _batch_info_last(tensors, top) if hook_order else tensors
+            yield pass_id, tensors
 
     return _shift_late(converted(), top) if shift else converted()
 
@@ -294,7 +312,8 @@ def export_sglang(root, out, *, role_subdirs: bool | None = None, names: str = "
             dest.mkdir(parents=True, exist_ok=True)
             modules, top = _module_names(ds, role, rank, names)
             pass_metas = metas[role, rank]
-            for pass_id, tensors in _passes(ds, role, rank, list(pass_metas), modules, names, pass_shift, top):
+            for pass_id, tensors in _passes(ds, role, rank, list(pass_metas), modules, names, pass_shift, top,
+                                            hook_order=True):
                 if tensors:
                     torch.save(tensors, dest / f"Pass{pass_id:05d}.pt")
                     written += 1

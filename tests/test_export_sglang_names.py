@@ -193,9 +193,11 @@ def test_pass_shift_reproduces_sglang_files(sglang_and_fastdump, tmp_path):
     got, want = load_passes(rank_dir), load_passes(ref_dir)
     assert list(got) == list(want) == ["Pass00000.pt", "Pass00001.pt", "Pass00002.pt"]
     for file, ref in want.items():
-        assert sorted(got[file]) == sorted(ref), file
+        # SGLang's order too: its top hook adds the ForwardBatch after the layers, just before saving
+        assert list(got[file]) == list(ref), file
         for name in ref:
             assert_same_value(got[file][name], ref[name], f"{file}:{name}")
+        assert (rank_dir / file).read_bytes() == (ref_dir / file).read_bytes(), file  # the same file, byte for byte
     # the conventions this covers, checked by name
     layer = want["Pass00001.pt"]
     assert isinstance(layer["model.layers.0.input_layernorm"], torch.Tensor)  # first layer: no residual
@@ -219,6 +221,9 @@ def test_without_shift_a_pass_file_holds_its_own_logits(sglang_and_fastdump, tmp
             if ref_file in want:  # SGLang never writes the last pass's late outputs
                 assert_same_value(value, want[ref_file][name], f"{file}:{name}")
         assert {"model", "logits_processor", "model.layers.1.scale"} <= set(tensors)
+        # SGLang's order: layers, the ForwardBatch (taken by the top hook), then the late outputs
+        assert list(tensors)[-5:] == [f"model.forward_batch_info.{f}" for f in ("input_ids", "seq_lens", "positions")] \
+            + ["model", "logits_processor"], file
     # storage keeps fastdump's names: tuple elements and the second call
     stored = fastdump.open(dump).load("target", None, 0)
     assert {"model.layers.1.input_layernorm.0", "model.layers.0.gate.1", "model.layers.0.scale#1"} <= set(stored)
@@ -278,7 +283,9 @@ def test_top_module_called_twice_in_a_pass_with_tuple_outputs(tmp_path):
     assert "model.0#1" in earlier and "model.forward_batch_info.seq_lens#1" in earlier
     modules = [n for n, _ in model.named_modules() if n]
     want = export.sglang_names(earlier, modules)
-    assert list(got) == list(want)
+    fields = [f"model.forward_batch_info.{f}" for f in fields]
+    assert list(got) == [n for n in want if n not in fields and n != "model" and n != "logits_processor"] + \
+        fields + ["model", "logits_processor"]  # SGLang's order: the ForwardBatch just before the top output
     for name in want:
         assert_same_value(got[name], want[name], name)
 
