@@ -93,21 +93,39 @@ def _split(name: str, modules: set):
 
 
 def _module_names(ds, role, rank, names):
-    """(module names, top module name) the SGLang drop-in recorded for a rank; (None, "model")
-    without them, said on stderr when SGLang names were asked for or the file is unusable."""
+    """(module names, top module name, aliases) the SGLang drop-in recorded for a rank; (None,
+    "model", {}) without them, said on stderr when SGLang names were asked for or the file is
+    unusable. aliases: {stored name: [SGLang names]} of leaves held under several names."""
     path = os.path.join(ds.rank_path(role, rank), fmt.NAMES_FILE)  # (a MultiDumpSet's root is no path)
     try:
         data = fsutil.load_json(path)  # no link followed out of the dump, no FIFO waited on
         modules, top = (data.get("modules"), data.get("top", "model")) if isinstance(data, dict) else (None, None)
         if not (isinstance(modules, list) and all(isinstance(m, str) for m in modules) and isinstance(top, str)):
             raise ValueError('not {"modules": [name, ...], "top": name}')
-        return modules, top
+        aliases = data.get("aliases", {})  # (absent: written before aliases were recorded)
+        if not (isinstance(aliases, dict) and all(isinstance(v, list) and all(isinstance(n, str) for n in v)
+                                                  for v in aliases.values())):
+            raise ValueError('"aliases" is not {name: [name, ...]}')
+        return modules, top, aliases
     except FileNotFoundError:
         if names == "sglang":
             _say(f"{role}/{rank} has no module list (not dumped through the SGLang drop-in): names kept as stored")
     except (OSError, ValueError) as exc:
         _say(f"warning: {role}/{rank}/{fmt.NAMES_FILE} not read ({exc}): names kept as stored")
-    return None, "model"
+    return None, "model", {}
+
+
+def _under_aliases(tensors: dict, aliases: dict) -> dict:
+    """A shared leaf's entry (SGLang names) under every name SGLang's hook gives it, in its place:
+    SGLang hooks each path to the module, so each call is stored under all of them and the last
+    one stays. Each name gets its own copy (SGLang's ``.cpu()`` copies once per hook)."""
+    if not aliases:
+        return tensors
+    out = {}
+    for name, value in tensors.items():
+        for i, alias in enumerate(aliases.get(name, [name])):
+            out[alias] = value if i == 0 else ([t.clone() for t in value] if isinstance(value, list) else value.clone())
+    return out
 
 
 def _shift_late(passes, top: str):
@@ -143,7 +161,7 @@ def _batch_info_last(tensors: dict, top: str) -> dict:
     return {n: tensors[n] for n in rest[:cut] + batch + rest[cut:]}
 
 
-def _passes(ds, role, rank, pass_ids, modules, names, shift, top, hook_order=False):
+def _passes(ds, role, rank, pass_ids, modules, names, shift, top, hook_order=False, aliases=None):
     """(pass id, {SGLang name: tensor}) of a rank, in pass order; ``hook_order``: each pass's names
     in the order SGLang's tensor-dump hook writes them (else capture order)."""
     def converted():
@@ -151,7 +169,7 @@ def _passes(ds, role, rank, pass_ids, modules, names, shift, top, hook_order=Fal
             # clone: a loaded tensor may view a larger block, and torch.save writes whole storages
             tensors = {name: t.clone() for name, t in ds.load(role, rank, pass_id).items()}
             if names == "sglang" and modules is not None:
-                tensors = sglang_names(tensors, modules)
+                tensors = _under_aliases(sglang_names(tensors, modules), aliases or {})
                 tensors = _batch_info_last(tensors, top) if hook_order else tensors
             yield pass_id, tensors
 
@@ -310,10 +328,10 @@ def export_sglang(root, out, *, role_subdirs: bool | None = None, names: str = "
         for rank in ds.ranks(role):
             dest = Path(out, role, out_names[rank]) if split else Path(out, out_names[rank])
             dest.mkdir(parents=True, exist_ok=True)
-            modules, top = _module_names(ds, role, rank, names)
+            modules, top, aliases = _module_names(ds, role, rank, names)
             pass_metas = metas[role, rank]
             for pass_id, tensors in _passes(ds, role, rank, list(pass_metas), modules, names, pass_shift, top,
-                                            hook_order=True):
+                                            hook_order=True, aliases=aliases):
                 if tensors:
                     torch.save(tensors, dest / f"Pass{pass_id:05d}.pt")
                     written += 1
@@ -414,10 +432,11 @@ def export_sglang_dumper(root, out, *, role_subdirs: bool | None = None, names: 
         dest = Path(out, role) if split else Path(out)
         dest.mkdir(parents=True, exist_ok=True)
         for rank, (world_rank, world_size, parallel) in plans[role].items():
-            modules, top = _module_names(ds, role, rank, names)
+            modules, top, aliases = _module_names(ds, role, rank, names)
             dump_index = 0
             pass_metas = metas[role, rank]
-            for pass_id, tensors in _passes(ds, role, rank, list(pass_metas), modules, names, False, top):
+            for pass_id, tensors in _passes(ds, role, rank, list(pass_metas), modules, names, False, top,
+                                            aliases=aliases):
                 for name, value in _one_tensor_each(tensors):
                     bad = [c for c in _BAD_IN_FILENAME if c in name]
                     if bad:  # (_check_dumper_names saw every stored name: a mapped one, to be sure)

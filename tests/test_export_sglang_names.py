@@ -112,11 +112,16 @@ class ForCausalLM(nn.Module):
 class SGLangHookReference:
     """SGLang's hook semantics (see the module docstring); .cpu() is a copy on GPU, so clone here."""
 
-    def __init__(self, model, directory):
+    def __init__(self, model, directory, dump_layers=None):
         self.dir = Path(directory)
         self.dir.mkdir(parents=True)
         self.current, self.pass_id = {}, 0
-        for name, module in model.named_modules():
+        # SGLang recurses through _modules: a module held under several names gets a hook on each
+        for name, module in model.named_modules(remove_duplicate=False):
+            parts = name.split(".")
+            if dump_layers is not None and parts[:2] == ["model", "layers"] and len(parts) > 2 \
+                    and int(parts[2]) not in dump_layers:
+                continue
             if name and (name == "model" or not module._modules):
                 module.register_forward_hook(self._hook(name, name == "model"))
 
@@ -288,6 +293,46 @@ def test_top_module_called_twice_in_a_pass_with_tuple_outputs(tmp_path):
         fields + ["model", "logits_processor"]  # SGLang's order: the ForwardBatch just before the top output
     for name in want:
         assert_same_value(got[name], want[name], name)
+
+
+@pytest.mark.parametrize("dump_layers", [None, [1, 2], [0]], ids=["all", "not-layer-0", "layer-0"])
+def test_a_leaf_shared_by_every_layer_is_under_each_of_its_names(tmp_path, dump_layers):
+    """SGLang's get_rope returns one cached rotary_emb for every layer: its hook is registered on
+    each path, so every call is stored under every layer's name (the last call stays). fastdump wraps
+    the instance once, under its first name; the export writes SGLang's file, and with dump_layers
+    not keeping layer 0 the shared leaf is still dumped (its other names are kept)."""
+    def shared_rope(seed):
+        model = ForCausalLM(n_layers=3, seed=seed)
+        for layer in model.model.layers:
+            layer.rotary_emb = model.model.layers[0].rotary_emb
+        return model
+
+    fbs = list(batches())
+    ref = shared_rope(0)
+    SGLangHookReference(ref, tmp_path / "sglang", dump_layers)
+    for fb in fbs:
+        ref(fb.input_ids, fb.positions, fb)
+    model = shared_rope(0)
+    d = fsg.register_forward_hook_for_model(model, tmp_path / "fd", dump_layers, writer="thread")
+    for fb in fbs:
+        model(fb.input_ids, fb.positions, fb)
+    d.close()
+    assert run_cli("--format", "sglang", "--sglang-pass-shift", tmp_path / "fd", tmp_path / "out") == 0
+    (rank_dir,) = (tmp_path / "out").iterdir()
+    got, want = load_passes(rank_dir), load_passes(tmp_path / "sglang")
+    assert list(got) == list(want) == ["Pass00000.pt", "Pass00001.pt", "Pass00002.pt"]
+    kept = [0, 1, 2] if dump_layers is None else dump_layers
+    for file, ref_tensors in want.items():
+        assert [n for n in ref_tensors if n.endswith("rotary_emb")] == [f"model.layers.{i}.rotary_emb" for i in kept]
+        assert list(got[file]) == list(ref_tensors), file
+        for name in ref_tensors:
+            assert_same_value(got[file][name], ref_tensors[name], f"{file}:{name}")
+        assert (rank_dir / file).read_bytes() == (tmp_path / "sglang" / file).read_bytes(), file
+
+    assert run_cli("--format", "sglang-dumper", tmp_path / "fd", tmp_path / "dumper") == 0
+    rows = read_meta(tmp_path / "dumper")
+    assert sorted(r["name"] for r in rows if r["step"] == 0 and ".rotary_emb." in r["name"]) == \
+        sorted(f"model.layers.{i}.rotary_emb.{j}" for i in kept for j in (0, 1))
 
 
 def test_fastdump_names_on_request(sglang_and_fastdump, tmp_path):
