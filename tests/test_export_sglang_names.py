@@ -295,16 +295,20 @@ def test_top_module_called_twice_in_a_pass_with_tuple_outputs(tmp_path):
         assert_same_value(got[name], want[name], name)
 
 
-@pytest.mark.parametrize("dump_layers", [None, [1, 2], [0]], ids=["all", "not-layer-0", "layer-0"])
-def test_a_leaf_shared_by_every_layer_is_under_each_of_its_names(tmp_path, dump_layers):
+@pytest.mark.parametrize("dump_layers, tied", [(None, False), ([1, 2], False), ([0], False), ([2], True)],
+                         ids=["all", "not-layer-0", "layer-0", "tied-embeddings"])
+def test_a_leaf_shared_by_every_layer_is_under_each_of_its_names(tmp_path, dump_layers, tied):
     """SGLang's get_rope returns one cached rotary_emb for every layer: its hook is registered on
     each path, so every call is stored under every layer's name (the last call stays). fastdump wraps
     the instance once, under its first name; the export writes SGLang's file, and with dump_layers
-    not keeping layer 0 the shared leaf is still dumped (its other names are kept)."""
+    not keeping layer 0 the shared leaf is still dumped (its other names are kept). Tied embeddings
+    (lm_head is model.embed_tokens): SGLang stores the embedding output as ``lm_head`` too."""
     def shared_rope(seed):
         model = ForCausalLM(n_layers=3, seed=seed)
         for layer in model.model.layers:
             layer.rotary_emb = model.model.layers[0].rotary_emb
+        if tied:
+            model.lm_head = model.model.embed_tokens
         return model
 
     fbs = list(batches())
@@ -324,6 +328,7 @@ def test_a_leaf_shared_by_every_layer_is_under_each_of_its_names(tmp_path, dump_
     kept = [0, 1, 2] if dump_layers is None else dump_layers
     for file, ref_tensors in want.items():
         assert [n for n in ref_tensors if n.endswith("rotary_emb")] == [f"model.layers.{i}.rotary_emb" for i in kept]
+        assert ("lm_head" in ref_tensors) == tied
         assert list(got[file]) == list(ref_tensors), file
         for name in ref_tensors:
             assert_same_value(got[file][name], ref_tensors[name], f"{file}:{name}")
