@@ -362,11 +362,12 @@ def _fresh_out(out) -> None:
     path.mkdir(parents=True, exist_ok=True)
 
 
-def _check_dumper_names(ds, role, rank, world_rank: int, passes) -> None:
-    """Every name of a rank fits the dumper layout's file names, checked before anything is
-    written (a refusal halfway left an export that looked whole)."""
+def _check_dumper_names(ds, role, rank, world_rank: int, passes, aliases=()) -> None:
+    """Every name of a rank (and every SGLang name recorded for a shared leaf) fits the dumper
+    layout's file names, checked before anything is written (a refusal halfway left an export that
+    looked whole)."""
     longest = len(f"name=___step={max(passes, default=0)}___rank={world_rank}___dump_index={10 ** 12}.pt")
-    for name in ds.names(role, rank):
+    for name in [*ds.names(role, rank), *aliases]:
         bad = [c for c in _BAD_IN_FILENAME if c in name]
         if bad:
             raise ValueError(f"{role}/{rank}: tensor name {name!r} contains {bad[0]!r}, which SGLang's dumper file "
@@ -423,16 +424,19 @@ def export_sglang_dumper(root, out, *, role_subdirs: bool | None = None, names: 
     roles, split = _layout(ds, role_subdirs)
     metas = _survey(ds, roles, partial)
     plans = {role: _dumper_ranks(ds, role) for role in roles}
+    recorded = {(role, rank): _module_names(ds, role, rank, names) for role in roles for rank in plans[role]}
     for role in roles:
         for rank, (world_rank, _, _) in plans[role].items():
-            _check_dumper_names(ds, role, rank, world_rank, list(metas[role, rank]))
+            aliases = recorded[role, rank][2] if names == "sglang" else {}
+            _check_dumper_names(ds, role, rank, world_rank, list(metas[role, rank]),
+                                [alias for listed in aliases.values() for alias in listed])
     _fresh_out(out)
     written = 0
     for role in roles:
         dest = Path(out, role) if split else Path(out)
         dest.mkdir(parents=True, exist_ok=True)
         for rank, (world_rank, world_size, parallel) in plans[role].items():
-            modules, top, aliases = _module_names(ds, role, rank, names)
+            modules, top, aliases = recorded[role, rank]
             dump_index = 0
             pass_metas = metas[role, rank]
             for pass_id, tensors in _passes(ds, role, rank, list(pass_metas), modules, names, False, top,

@@ -501,6 +501,25 @@ def test_a_module_list_that_is_not_a_plain_file_is_not_read(tmp_path, kind):
     assert all(torch.equal(got[name], MLP[1][name]) for name in got)
 
 
+@pytest.mark.parametrize("aliases, refused", [({"model.layers.0.mlp": "x"}, None),
+                                               ({"model.layers.0.mlp": ["a", "../outside"]}, "'/'")],
+                         ids=["not a list", "a name no file can hold"])
+def test_recorded_aliases_are_checked(tmp_path, capsys, aliases, refused):
+    """sglang_names.json's "aliases" (a shared leaf's SGLang names) come from the dump: a malformed
+    entry is not used (names kept as stored, said on stderr), and a name the dumper layout cannot
+    hold is refused before anything is written."""
+    rank_dir = mlp_rank(tmp_path / "dump", 0, "00000001")
+    (rank_dir / "sglang_names.json").write_text(json.dumps({**MODULES, "aliases": aliases}))
+    code = run_cli("--format", "sglang-dumper", tmp_path / "dump", tmp_path / "out")
+    err = capsys.readouterr().err
+    if refused:
+        assert code == 2 and refused in err and not (tmp_path / "out").exists()
+        assert not (tmp_path / "outside").exists()
+    else:
+        assert code == 0 and '"aliases" is not {name: [name, ...]}' in err and "names kept as stored" in err
+        assert {r["name"] for r in read_meta(tmp_path / "out")} == set(MLP[0])
+
+
 # --- rank.json's rank numbers, as the dumper layout uses them ---------------------------------------------
 
 BAD_RANKS = {
