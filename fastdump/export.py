@@ -93,21 +93,39 @@ def _split(name: str, modules: set):
 
 
 def _module_names(ds, role, rank, names):
-    """(module names, top module name) the SGLang drop-in recorded for a rank; (None, "model")
-    without them, said on stderr when SGLang names were asked for or the file is unusable."""
+    """(module names, top module name, aliases) the SGLang drop-in recorded for a rank; (None,
+    "model", {}) without them, said on stderr when SGLang names were asked for or the file is
+    unusable. aliases: {stored name: [SGLang names]} of leaves held under several names."""
     path = os.path.join(ds.rank_path(role, rank), fmt.NAMES_FILE)  # (a MultiDumpSet's root is no path)
     try:
         data = fsutil.load_json(path)  # no link followed out of the dump, no FIFO waited on
         modules, top = (data.get("modules"), data.get("top", "model")) if isinstance(data, dict) else (None, None)
         if not (isinstance(modules, list) and all(isinstance(m, str) for m in modules) and isinstance(top, str)):
             raise ValueError('not {"modules": [name, ...], "top": name}')
-        return modules, top
+        aliases = data.get("aliases", {})  # (absent: written before aliases were recorded)
+        if not (isinstance(aliases, dict) and all(isinstance(v, list) and all(isinstance(n, str) for n in v)
+                                                  for v in aliases.values())):
+            raise ValueError('"aliases" is not {name: [name, ...]}')
+        return modules, top, aliases
     except FileNotFoundError:
         if names == "sglang":
             _say(f"{role}/{rank} has no module list (not dumped through the SGLang drop-in): names kept as stored")
     except (OSError, ValueError) as exc:
         _say(f"warning: {role}/{rank}/{fmt.NAMES_FILE} not read ({exc}): names kept as stored")
-    return None, "model"
+    return None, "model", {}
+
+
+def _under_aliases(tensors: dict, aliases: dict) -> dict:
+    """A shared leaf's entry (SGLang names) under every name SGLang's hook gives it, in its place:
+    SGLang hooks each path to the module, so each call is stored under all of them and the last
+    one stays. Each name gets its own copy (SGLang's ``.cpu()`` copies once per hook)."""
+    if not aliases:
+        return tensors
+    out = {}
+    for name, value in tensors.items():
+        for i, alias in enumerate(aliases.get(name, [name])):
+            out[alias] = value if i == 0 else ([t.clone() for t in value] if isinstance(value, list) else value.clone())
+    return out
 
 
 def _shift_late(passes, top: str):
@@ -129,13 +147,31 @@ def _shift_late(passes, top: str):
         carry, carry_from = late, pass_id
 
 
-def _passes(ds, role, rank, pass_ids, modules, names, shift, top):
-    """(pass id, {SGLang name: tensor}) of a rank, in pass order."""
+def _batch_info_last(tensors: dict, top: str) -> dict:
+    """SGLang's order in a pass file: the top module's hook adds its ForwardBatch
+    (``<top>.forward_batch_info.*``) when the module returns, after every layer and just before
+    ``<top>``'s own output; fastdump takes it before the forward runs, so it is stored first."""
+    info = f"{top}.forward_batch_info."
+    batch = [n for n in tensors if n.startswith(info)]
+    if not batch:
+        return tensors
+    rest = [n for n in tensors if not n.startswith(info)]
+    # <top>'s output: a tensor or list, or on a pipeline stage before the last its PPProxyTensors
+    cut = next((i for i, n in enumerate(rest) if n == top or n.startswith(top + ".pp_proxy_tensors.")), len(rest))
+    return {n: tensors[n] for n in rest[:cut] + batch + rest[cut:]}
+
+
+def _passes(ds, role, rank, pass_ids, modules, names, shift, top, hook_order=False, aliases=None):
+    """(pass id, {SGLang name: tensor}) of a rank, in pass order; ``hook_order``: each pass's names
+    in the order SGLang's tensor-dump hook writes them (else capture order)."""
     def converted():
         for pass_id in pass_ids:
             # clone: a loaded tensor may view a larger block, and torch.save writes whole storages
             tensors = {name: t.clone() for name, t in ds.load(role, rank, pass_id).items()}
-            yield pass_id, (sglang_names(tensors, modules) if names == "sglang" else tensors)
+            if names == "sglang" and modules is not None:
+                tensors = _under_aliases(sglang_names(tensors, modules), aliases or {})
+                tensors = _batch_info_last(tensors, top) if hook_order else tensors
+            yield pass_id, tensors
 
     return _shift_late(converted(), top) if shift else converted()
 
@@ -292,9 +328,10 @@ def export_sglang(root, out, *, role_subdirs: bool | None = None, names: str = "
         for rank in ds.ranks(role):
             dest = Path(out, role, out_names[rank]) if split else Path(out, out_names[rank])
             dest.mkdir(parents=True, exist_ok=True)
-            modules, top = _module_names(ds, role, rank, names)
+            modules, top, aliases = _module_names(ds, role, rank, names)
             pass_metas = metas[role, rank]
-            for pass_id, tensors in _passes(ds, role, rank, list(pass_metas), modules, names, pass_shift, top):
+            for pass_id, tensors in _passes(ds, role, rank, list(pass_metas), modules, names, pass_shift, top,
+                                            hook_order=True, aliases=aliases):
                 if tensors:
                     torch.save(tensors, dest / f"Pass{pass_id:05d}.pt")
                     written += 1
@@ -325,11 +362,12 @@ def _fresh_out(out) -> None:
     path.mkdir(parents=True, exist_ok=True)
 
 
-def _check_dumper_names(ds, role, rank, world_rank: int, passes) -> None:
-    """Every name of a rank fits the dumper layout's file names, checked before anything is
-    written (a refusal halfway left an export that looked whole)."""
+def _check_dumper_names(ds, role, rank, world_rank: int, passes, aliases=()) -> None:
+    """Every name of a rank (and every SGLang name recorded for a shared leaf) fits the dumper
+    layout's file names, checked before anything is written (a refusal halfway left an export that
+    looked whole)."""
     longest = len(f"name=___step={max(passes, default=0)}___rank={world_rank}___dump_index={10 ** 12}.pt")
-    for name in ds.names(role, rank):
+    for name in [*ds.names(role, rank), *aliases]:
         bad = [c for c in _BAD_IN_FILENAME if c in name]
         if bad:
             raise ValueError(f"{role}/{rank}: tensor name {name!r} contains {bad[0]!r}, which SGLang's dumper file "
@@ -386,19 +424,23 @@ def export_sglang_dumper(root, out, *, role_subdirs: bool | None = None, names: 
     roles, split = _layout(ds, role_subdirs)
     metas = _survey(ds, roles, partial)
     plans = {role: _dumper_ranks(ds, role) for role in roles}
+    recorded = {(role, rank): _module_names(ds, role, rank, names) for role in roles for rank in plans[role]}
     for role in roles:
         for rank, (world_rank, _, _) in plans[role].items():
-            _check_dumper_names(ds, role, rank, world_rank, list(metas[role, rank]))
+            aliases = recorded[role, rank][2] if names == "sglang" else {}
+            _check_dumper_names(ds, role, rank, world_rank, list(metas[role, rank]),
+                                [alias for listed in aliases.values() for alias in listed])
     _fresh_out(out)
     written = 0
     for role in roles:
         dest = Path(out, role) if split else Path(out)
         dest.mkdir(parents=True, exist_ok=True)
         for rank, (world_rank, world_size, parallel) in plans[role].items():
-            modules, top = _module_names(ds, role, rank, names)
+            modules, top, aliases = recorded[role, rank]
             dump_index = 0
             pass_metas = metas[role, rank]
-            for pass_id, tensors in _passes(ds, role, rank, list(pass_metas), modules, names, False, top):
+            for pass_id, tensors in _passes(ds, role, rank, list(pass_metas), modules, names, False, top,
+                                            aliases=aliases):
                 for name, value in _one_tensor_each(tensors):
                     bad = [c for c in _BAD_IN_FILENAME if c in name]
                     if bad:  # (_check_dumper_names saw every stored name: a mapped one, to be sure)

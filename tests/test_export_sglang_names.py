@@ -112,11 +112,16 @@ class ForCausalLM(nn.Module):
 class SGLangHookReference:
     """SGLang's hook semantics (see the module docstring); .cpu() is a copy on GPU, so clone here."""
 
-    def __init__(self, model, directory):
+    def __init__(self, model, directory, dump_layers=None):
         self.dir = Path(directory)
         self.dir.mkdir(parents=True)
         self.current, self.pass_id = {}, 0
-        for name, module in model.named_modules():
+        # SGLang recurses through _modules: a module held under several names gets a hook on each
+        for name, module in model.named_modules(remove_duplicate=False):
+            parts = name.split(".")
+            if dump_layers is not None and parts[:2] == ["model", "layers"] and len(parts) > 2 \
+                    and int(parts[2]) not in dump_layers:
+                continue
             if name and (name == "model" or not module._modules):
                 module.register_forward_hook(self._hook(name, name == "model"))
 
@@ -193,9 +198,11 @@ def test_pass_shift_reproduces_sglang_files(sglang_and_fastdump, tmp_path):
     got, want = load_passes(rank_dir), load_passes(ref_dir)
     assert list(got) == list(want) == ["Pass00000.pt", "Pass00001.pt", "Pass00002.pt"]
     for file, ref in want.items():
-        assert sorted(got[file]) == sorted(ref), file
+        # SGLang's order too: its top hook adds the ForwardBatch after the layers, just before saving
+        assert list(got[file]) == list(ref), file
         for name in ref:
             assert_same_value(got[file][name], ref[name], f"{file}:{name}")
+        assert (rank_dir / file).read_bytes() == (ref_dir / file).read_bytes(), file  # the same file, byte for byte
     # the conventions this covers, checked by name
     layer = want["Pass00001.pt"]
     assert isinstance(layer["model.layers.0.input_layernorm"], torch.Tensor)  # first layer: no residual
@@ -219,6 +226,9 @@ def test_without_shift_a_pass_file_holds_its_own_logits(sglang_and_fastdump, tmp
             if ref_file in want:  # SGLang never writes the last pass's late outputs
                 assert_same_value(value, want[ref_file][name], f"{file}:{name}")
         assert {"model", "logits_processor", "model.layers.1.scale"} <= set(tensors)
+        # SGLang's order: layers, the ForwardBatch (taken by the top hook), then the late outputs
+        assert list(tensors)[-5:] == [f"model.forward_batch_info.{f}" for f in ("input_ids", "seq_lens", "positions")] \
+            + ["model", "logits_processor"], file
     # storage keeps fastdump's names: tuple elements and the second call
     stored = fastdump.open(dump).load("target", None, 0)
     assert {"model.layers.1.input_layernorm.0", "model.layers.0.gate.1", "model.layers.0.scale#1"} <= set(stored)
@@ -278,9 +288,56 @@ def test_top_module_called_twice_in_a_pass_with_tuple_outputs(tmp_path):
     assert "model.0#1" in earlier and "model.forward_batch_info.seq_lens#1" in earlier
     modules = [n for n, _ in model.named_modules() if n]
     want = export.sglang_names(earlier, modules)
-    assert list(got) == list(want)
+    fields = [f"model.forward_batch_info.{f}" for f in fields]
+    assert list(got) == [n for n in want if n not in fields and n != "model" and n != "logits_processor"] + \
+        fields + ["model", "logits_processor"]  # SGLang's order: the ForwardBatch just before the top output
     for name in want:
         assert_same_value(got[name], want[name], name)
+
+
+@pytest.mark.parametrize("dump_layers, tied", [(None, False), ([1, 2], False), ([0], False), ([2], True)],
+                         ids=["all", "not-layer-0", "layer-0", "tied-embeddings"])
+def test_a_leaf_shared_by_every_layer_is_under_each_of_its_names(tmp_path, dump_layers, tied):
+    """SGLang's get_rope returns one cached rotary_emb for every layer: its hook is registered on
+    each path, so every call is stored under every layer's name (the last call stays). fastdump wraps
+    the instance once, under its first name; the export writes SGLang's file, and with dump_layers
+    not keeping layer 0 the shared leaf is still dumped (its other names are kept). Tied embeddings
+    (lm_head is model.embed_tokens): SGLang stores the embedding output as ``lm_head`` too."""
+    def shared_rope(seed):
+        model = ForCausalLM(n_layers=3, seed=seed)
+        for layer in model.model.layers:
+            layer.rotary_emb = model.model.layers[0].rotary_emb
+        if tied:
+            model.lm_head = model.model.embed_tokens
+        return model
+
+    fbs = list(batches())
+    ref = shared_rope(0)
+    SGLangHookReference(ref, tmp_path / "sglang", dump_layers)
+    for fb in fbs:
+        ref(fb.input_ids, fb.positions, fb)
+    model = shared_rope(0)
+    d = fsg.register_forward_hook_for_model(model, tmp_path / "fd", dump_layers, writer="thread")
+    for fb in fbs:
+        model(fb.input_ids, fb.positions, fb)
+    d.close()
+    assert run_cli("--format", "sglang", "--sglang-pass-shift", tmp_path / "fd", tmp_path / "out") == 0
+    (rank_dir,) = (tmp_path / "out").iterdir()
+    got, want = load_passes(rank_dir), load_passes(tmp_path / "sglang")
+    assert list(got) == list(want) == ["Pass00000.pt", "Pass00001.pt", "Pass00002.pt"]
+    kept = [0, 1, 2] if dump_layers is None else dump_layers
+    for file, ref_tensors in want.items():
+        assert [n for n in ref_tensors if n.endswith("rotary_emb")] == [f"model.layers.{i}.rotary_emb" for i in kept]
+        assert ("lm_head" in ref_tensors) == tied
+        assert list(got[file]) == list(ref_tensors), file
+        for name in ref_tensors:
+            assert_same_value(got[file][name], ref_tensors[name], f"{file}:{name}")
+        assert (rank_dir / file).read_bytes() == (tmp_path / "sglang" / file).read_bytes(), file
+
+    assert run_cli("--format", "sglang-dumper", tmp_path / "fd", tmp_path / "dumper") == 0
+    rows = read_meta(tmp_path / "dumper")
+    assert sorted(r["name"] for r in rows if r["step"] == 0 and ".rotary_emb." in r["name"]) == \
+        sorted(f"model.layers.{i}.rotary_emb.{j}" for i in kept for j in (0, 1))
 
 
 def test_fastdump_names_on_request(sglang_and_fastdump, tmp_path):
@@ -442,6 +499,25 @@ def test_a_module_list_that_is_not_a_plain_file_is_not_read(tmp_path, kind):
     got = load_passes(out_dir)["Pass00001.pt"]
     assert list(got) == list(MLP[1])  # fastdump's names: the module list was not used
     assert all(torch.equal(got[name], MLP[1][name]) for name in got)
+
+
+@pytest.mark.parametrize("aliases, refused", [({"model.layers.0.mlp": "x"}, None),
+                                               ({"model.layers.0.mlp": ["a", "../outside"]}, "'/'")],
+                         ids=["not a list", "a name no file can hold"])
+def test_recorded_aliases_are_checked(tmp_path, capsys, aliases, refused):
+    """sglang_names.json's "aliases" (a shared leaf's SGLang names) come from the dump: a malformed
+    entry is not used (names kept as stored, said on stderr), and a name the dumper layout cannot
+    hold is refused before anything is written."""
+    rank_dir = mlp_rank(tmp_path / "dump", 0, "00000001")
+    (rank_dir / "sglang_names.json").write_text(json.dumps({**MODULES, "aliases": aliases}))
+    code = run_cli("--format", "sglang-dumper", tmp_path / "dump", tmp_path / "out")
+    err = capsys.readouterr().err
+    if refused:
+        assert code == 2 and refused in err and not (tmp_path / "out").exists()
+        assert not (tmp_path / "outside").exists()
+    else:
+        assert code == 0 and '"aliases" is not {name: [name, ...]}' in err and "names kept as stored" in err
+        assert {r["name"] for r in read_meta(tmp_path / "out")} == set(MLP[0])
 
 
 # --- rank.json's rank numbers, as the dumper layout uses them ---------------------------------------------

@@ -79,13 +79,14 @@ def _inside(name: str, prefixes) -> bool:
     return any(name.startswith(prefix + ".") for prefix in prefixes)
 
 
-def named_modules(model):
+def named_modules(model, remove_duplicate: bool = True):
     """``model.named_modules()`` under the names the uncompiled model gives them: the ``_orig_mod``
     level that ``torch.compile`` adds (``torch.compile(model)``, or a compiled submodule) is left out
     of every name and the compiled wrapper itself is not listed, so a compiled run's dump and an eager
-    one's have the same names (``fastdump diff``) and ``layers=`` still finds ``model.layers.N``."""
+    one's have the same names (``fastdump diff``) and ``layers=`` still finds ``model.layers.N``.
+    ``remove_duplicate=False``: a module held by several parents is listed under each of its names."""
     wrappers = set()  # (full names of the compiled wrappers seen; parents come before children)
-    for name, module in model.named_modules():
+    for name, module in model.named_modules(remove_duplicate=remove_duplicate):
         if original(module) is not module:
             wrappers.add(name)
             continue

@@ -158,13 +158,19 @@ def register_forward_hook_for_model(model, dump_dir, dump_layers=None, tp_size=1
     top = model._modules.get(top_name)
     if top is None:
         raise ValueError(f"model should have a module named {top_name!r} (set TENSOR_DUMP_TOP_LEVEL_MODULE_NAME)")
+    skipped_layer = None
     if dump_layers is not None:
         # SGLang filters <top>.<layers>.N only (fastdump's layers= also takes a top-level layers.N):
         # a regex on exactly that layout.
         keep = "|".join(str(int(i)) for i in dump_layers)
-        pat = rf"^{re.escape(top_name)}\.{re.escape(layers_name)}\.(?!(?:{keep})(?:\.|$))\d+(\.|$)"
-        fastdump_kwargs["exclude"] = _either(fastdump_kwargs.get("exclude"), pat)
+        skipped_layer = rf"{re.escape(top_name)}\.{re.escape(layers_name)}\.(?!(?:{keep})(?:\.|$))\d+(\.|$)"
         dump_layers = None
+    aliases, rescued = _shared_leaves(model, skipped_layer and re.compile(skipped_layer))
+    if skipped_layer:
+        # a shared leaf (SGLang's cached rotary_emb) whose first name is in a skipped layer is still
+        # dumped when it also sits in a kept one, as SGLang's hook on that path does
+        spare = "".join(f"(?!{re.escape(name)}$)" for name in rescued)
+        fastdump_kwargs["exclude"] = _either(fastdump_kwargs.get("exclude"), f"^{spare}{skipped_layer}")
     # Left out of the leaf selection: the root (SGLang never dumps it; its output is the
     # LogitsProcessorOutput), and the modules watched with hooks below (a leaf top or a selected
     # logits_processor would be wrapped twice). A logits processor may sit below the root (a VL
@@ -187,7 +193,7 @@ def register_forward_hook_for_model(model, dump_dir, dump_layers=None, tp_size=1
     except BaseException:
         dumper.close()
         raise
-    _write_module_names(dumper, model, top_name)
+    _write_module_names(dumper, model, top_name, aliases)
     # dumper.dir is <root>/<role>/<rank dir>, absolute: rebuild it from the path as given, like SGLang.
     where = os.path.join(given, dumper.dir.name) if role_from_path else \
         os.path.join(given, *dumper.dir.relative_to(dumper.root).parts)
@@ -205,12 +211,36 @@ def _logits_processors(model) -> dict:
     return found
 
 
-def _write_module_names(dumper, model, top_name: str) -> None:
-    """Record the model's module names next to the dump (see NAMES_FILE). Best effort: a dump
-    without it is exported with fastdump's names."""
+def _shared_leaves(model, skipped_layer):
+    """A leaf module held under several names (SGLang's ``get_rope`` returns one cached
+    ``rotary_emb`` for every layer) is wrapped once, under its first name; SGLang's hook is
+    registered on every path to it, so each of its calls is stored under all of those names.
+    Returns ({first name: [the names SGLang dumps it under, in hook order]}, [first names that
+    ``skipped_layer`` matches while another of their names is kept])."""
+    paths: dict = {}
+    for name, module in named_modules(model, remove_duplicate=False):
+        if name and next(module.children(), None) is None:
+            paths.setdefault(id(module), []).append(name)
+    aliases, rescued = {}, []
+    for names in paths.values():
+        if len(names) < 2:
+            continue
+        kept = [n for n in names if not (skipped_layer and skipped_layer.match(n))]
+        if kept:
+            aliases[names[0]] = kept
+            if kept[0] != names[0]:
+                rescued.append(names[0])
+    return aliases, rescued
+
+
+def _write_module_names(dumper, model, top_name: str, aliases: dict) -> None:
+    """Record the model's module names next to the dump (see NAMES_FILE), and the names SGLang
+    gives a shared leaf (see _shared_leaves). Best effort: a dump without it is exported with
+    fastdump's names."""
     try:
         names = [name for name, _ in named_modules(model) if name]
-        atomic_write_json(str(dumper.dir / NAMES_FILE), {"top": top_name, "modules": names}, durable=False)
+        atomic_write_json(str(dumper.dir / NAMES_FILE), {"top": top_name, "modules": names, "aliases": aliases},
+                          durable=False)
     except Exception as exc:  # never stop serving for this
         logger.warning("fastdump: cannot write %s in %s: %s", NAMES_FILE, dumper.dir, exc)
 
