@@ -285,7 +285,8 @@ def test_bad_launcher_variables_are_refused_naming_the_variable(world, monkeypat
 def test_tp2_dump_diffs_clean_against_tp1_and_a_corrupt_shard_is_named(tmp_path):
     """A column-parallel then row-parallel (all_reduce) MLP in two processes: each rank's dump is
     what it computed, it unshards to the TP=1 run, and one rank's nudged shard is found at its
-    module (pairing TP=2 with TP=2 names the rank)."""
+    module and rank: against TP=1 the merged row says whose shard differs, against TP=2 the row
+    is the rank's."""
     _, ref1 = run_world(tmp_path, tmp_path / "tp1", 1)
     _, ref2 = run_world(tmp_path, tmp_path / "tp2", 2, tp=2)
     _, bad = run_world(tmp_path, tmp_path / "bad", 2, tp=2, corrupt=1)
@@ -303,8 +304,13 @@ def test_tp2_dump_diffs_clean_against_tp1_and_a_corrupt_shard_is_named(tmp_path)
     assert result.ok and result.compared == 16, result.to_json()
     assert {row["unshard"] for row in json.loads(result.to_json())["rows"]} == {1, "replicated"}
 
+    # Merged, the row names no rank (dp0:merged): it says whose shard differs. It did not.
     result = fastdump.diff(str(tmp_path / "tp1"), str(tmp_path / "bad"))
-    assert not result.ok and result.first_divergence["name"] == "up" and result.first_divergence["pass"] == 0
+    first = result.first_divergence
+    assert not result.ok and (first["name"], first["pass"], first["rank"]) == ("up", 0, "dp0:merged")
+    assert first["failing_tp_ranks"] == {"target": [1]} and "(in the shard of target tp rank 1)" in first["reason"]
+    result = fastdump.diff(str(tmp_path / "bad"), str(tmp_path / "tp1"))
+    assert result.first_divergence["failing_tp_ranks"] == {"baseline": [1]}
     result = fastdump.diff(str(tmp_path / "tp2"), str(tmp_path / "bad"))
     assert not result.ok
     assert (result.first_divergence["name"], result.first_divergence["rank"]) == ("up", 1)
