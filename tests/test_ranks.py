@@ -225,6 +225,8 @@ def world(monkeypatch):
     (3, 4, {"tp_size": 2, "dp_rank": 1, "dp_size": 2}, numbers(1, 2, dp=1, dp_size=2)),
     (3, 4, {"tp_size": 2, "pp_size": 2}, numbers(1, 2, 1, 2)),
     (1, 2, {"tp_rank": 0, "tp_size": 1}, numbers(0, 1)),
+    (1, 2, {"tp_rank": 0, "tp_size": 1, "pp_size": 2}, numbers(0, 1, 1, 2)),  # explicit TP, stage from the world
+    (1, 2, {"tp_rank": 0, "tp_size": 1, "pp_rank": 0, "pp_size": 2}, numbers(0, 1, 0, 2)),  # all explicit
 ])
 def test_ranks_from_a_world(world, rank, size, given, want):
     world(rank, size)
@@ -238,6 +240,7 @@ def test_ranks_from_a_world(world, rank, size, given, want):
     (1, 2, {"pp_rank": 0, "pp_size": 2}, "pp_rank=0 disagrees with rank 1"),
     (2, 4, {"tp_size": 2}, "world of 4 processes is not tp_size * pp_size = 2 * 1"),
     (0, 2, {"tp_rank": 2}, "tp_rank=2 is outside tp_size=2"),
+    (1, 4, {"tp_size": 1, "pp_size": 2, "dp_size": 2}, "pp_size=2 without pp_rank"),
 ])
 def test_ranks_a_world_leaves_ambiguous_are_refused(world, rank, size, given, words):
     """Before, each of these gave some process a directory of another rank, or of none (3 of a

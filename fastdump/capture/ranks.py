@@ -59,6 +59,7 @@ def _tp_from_world(world, tp_rank, tp_size, pp_rank, pp, dp):
     whatever the sizes leave ambiguous is a ValueError, never a guess: the world rank taken whole
     as the TP rank gave a PP stage or a DP replica the directory of another TP rank."""
     w_rank, w_size, where = world
+    tp_rank_given = tp_rank is not None
     if tp_size is None:
         if dp > 1:  # a world of one replica (SGLang) or of all of them (torchrun): cannot tell
             raise ValueError(f"dp_size={dp} without tp_size: {where} of {w_size} processes cannot tell TP ranks "
@@ -71,13 +72,16 @@ def _tp_from_world(world, tp_rank, tp_size, pp_rank, pp, dp):
             sizes = f"tp_size * pp_size{' (* dp_size)' if dp > 1 else ''} = {tp_size} * {pp}{f' (* {dp})' if dp > 1 else ''}"
             raise ValueError(f"{where} of {w_size} processes is not {sizes}; give tp_rank= (and the other ranks)")
         tp_rank = w_rank % tp_size
-        if w_size == tp_size * pp:  # the world is one replica: its rank is SGLang's rank
-            if pp_rank is None:
-                pp_rank = w_rank // tp_size
-            elif pp_rank != w_rank // tp_size:
-                raise ValueError(f"pp_rank={pp_rank} disagrees with rank {w_rank} of {where} (rank = tp_size * pp_rank "
-                                 f"+ tp_rank makes it pp_rank {w_rank // tp_size} with tp_size={tp_size}); "
-                                 "give tp_rank= too")
+    if w_size == tp_size * pp:  # the world is one replica: its rank is SGLang's rank
+        if pp_rank is None:
+            pp_rank = w_rank // tp_size
+        elif pp_rank != w_rank // tp_size and not tp_rank_given:
+            raise ValueError(f"pp_rank={pp_rank} disagrees with rank {w_rank} of {where} (rank = tp_size * pp_rank "
+                             f"+ tp_rank makes it pp_rank {w_rank // tp_size} with tp_size={tp_size}); "
+                             "give tp_rank= too")
+    elif pp_rank is None and pp > 1:  # every stage would be stage 0
+        raise ValueError(f"pp_size={pp} without pp_rank: {where} of {w_size} processes is not tp_size * pp_size "
+                         f"= {tp_size} * {pp}; give pp_rank=")
     return tp_rank, tp_size, pp_rank
 
 
@@ -88,13 +92,16 @@ def resolve_ranks(tp_rank=None, tp_size=None, pp_rank=None, pp_size=None, dp_ran
                        ("dp_rank", dp_rank), ("dp_size", dp_size), ("ep_rank", ep_rank), ("ep_size", ep_size)):
         if value is not None:
             _check_int(key, value, 1 if key.endswith("_size") else 0)
+    def missing():
+        return tp_rank is None or tp_size is None or (pp_rank is None and (pp_size or 1) > 1)
+
     world = None
-    if tp_rank is None or tp_size is None:
+    if missing():
         world = _dist_world()
         if world is None:  # no torch.distributed: TP_RANK/TP_SIZE as some launchers set them, then RANK/WORLD_SIZE
             tp_rank = tp_rank if tp_rank is not None else _env_int(0, "TP_RANK")[1]
             tp_size = tp_size if tp_size is not None else _env_int(1, "TP_SIZE")[1]
-            world = _env_world() if tp_rank is None or tp_size is None else None
+            world = _env_world() if missing() else None
     if world is not None:
         tp_rank, tp_size, pp_rank = _tp_from_world(world, tp_rank, tp_size, pp_rank, pp_size or 1, dp_size or 1)
     ranks = {
