@@ -46,7 +46,8 @@ WORKER = textwrap.dedent("""
         def __init__(self, w, b, k):
             super().__init__()
             n = w.shape[0] // tp
-            self.weight, self.bias = nn.Parameter(w[k * n:(k + 1) * n].clone()), nn.Parameter(b[k * n:(k + 1) * n].clone())
+            rows = slice(k * n, (k + 1) * n)
+            self.weight, self.bias = nn.Parameter(w[rows].clone()), nn.Parameter(b[rows].clone())
         def forward(self, x):
             return nn.functional.linear(x, self.weight, self.bias)
 

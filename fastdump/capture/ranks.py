@@ -42,7 +42,8 @@ def _env_world():
     _, size = _env_int(1, "WORLD_SIZE")
     if size is None:
         if rank:  # a rank of a world of unknown size: any TP size would be a guess
-            raise ValueError(f"{rank_name}={rank} is set but WORLD_SIZE is not: set both, or give tp_rank= and tp_size=")
+            raise ValueError(f"{rank_name}={rank} is set but WORLD_SIZE is not: set both, or give tp_rank= and "
+                             "tp_size=")
         return None
     if rank is None:
         if size > 1:  # every process would be rank 0
@@ -69,7 +70,8 @@ def _tp_from_world(world, tp_rank, tp_size, pp_rank, pp, dp):
         tp_size = w_size // pp
     if tp_rank is None:
         if w_size not in (tp_size * pp, tp_size * pp * dp):
-            sizes = f"tp_size * pp_size{' (* dp_size)' if dp > 1 else ''} = {tp_size} * {pp}{f' (* {dp})' if dp > 1 else ''}"
+            with_dp = (" (* dp_size)", f" (* {dp})") if dp > 1 else ("", "")
+            sizes = f"tp_size * pp_size{with_dp[0]} = {tp_size} * {pp}{with_dp[1]}"
             raise ValueError(f"{where} of {w_size} processes is not {sizes}; give tp_rank= (and the other ranks)")
         tp_rank = w_rank % tp_size
     if w_size == tp_size * pp:  # the world is one replica: its rank is SGLang's rank
