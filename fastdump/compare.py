@@ -730,7 +730,37 @@ def _compare_name(unit, pass_pair, name, b_stage, t_stage, options, layouts, cac
         row["reason"] = "exceeds " + ", ".join(failed)
         if used_rule == "replicated" and rule is None:
             row["reason"] += " (shards were taken as replicated; if they are partial sums give --unshard 'NAME=sum')"
+        # A merged row names no rank: say whose shard differs, as a TP=2 against TP=2 diff would.
+        ranks = None
+        if isinstance(used_rule, int) and not isinstance(used_rule, bool):
+            ranks = {side: _failing_shards(side, shards, whole, used_rule, atol, rtol, options)
+                     for side, shards, whole in (("baseline", base_shards, target), ("target", target_shards, base))
+                     if len(shards) > 1}
+        elif used_rule == "pairwise":  # TP rank k against TP rank k
+            ranks = {"target": [k for k, pair in enumerate(zip(base_shards, target_shards))
+                                if _verdict(stats.compare(*pair, atol, rtol), options)]}
+        if ranks is not None:
+            row["failing_tp_ranks"] = ranks
+            said = [f"{side} tp rank{'s' if len(ks) > 1 else ''} {', '.join(map(str, ks))}"
+                    for side, ks in ranks.items() if ks]
+            if said:
+                row["reason"] += f" (in the shard of {'; '.join(said)})"
     return row
+
+
+def _failing_shards(side: str, shards: list, whole, dim: int, atol: float, rtol: float, options) -> list:
+    """The TP ranks of ``side`` whose shard (along ``dim``) fails against its slice of the other
+    side's tensor ``whole``, under the row's rule."""
+    from . import stats
+
+    failing, start = [], 0
+    for k, shard in enumerate(shards):
+        part = whole.narrow(dim, start, shard.shape[dim])
+        start += shard.shape[dim]
+        pair = (shard, part) if side == "baseline" else (part, shard)  # compare(baseline, target)
+        if _verdict(stats.compare(*pair, atol, rtol), options):
+            failing.append(k)
+    return failing
 
 
 class _Progress:

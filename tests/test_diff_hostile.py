@@ -1167,6 +1167,9 @@ def test_equal_tp_sizes_with_different_pp_sizes_compare_rank_by_rank(tmp_path):
     assert result.ok and {r["unshard"] for r in result.rows} == {"pairwise"}, result.rows
     result = fastdump.diff(base, nudged)
     assert [r["name"] for r in result.failures] == ["layers.1"] and result.failures[0]["mismatch"] == 0.5
+    # The merged row names no rank: it says whose shard differs.
+    assert result.failures[0]["failing_tp_ranks"] == {"target": [1]}
+    assert result.failures[0]["reason"].endswith("(in the shard of target tp rank 1)")
 
 
 def test_dp_replicas_are_named_in_rows_lines_and_the_report(tmp_path, capsys):
