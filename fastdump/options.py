@@ -259,11 +259,17 @@ def _pass_meta(value):
     set_pass_meta checks: a reader could not tell them from its own)."""
     if not isinstance(value, Mapping):
         raise ValueError(f"pass_meta must be a dict, not {value!r}")
-    taken = [key for key in RESERVED_META if key in value]
-    if taken:
-        raise ValueError(f"pass_meta: {', '.join(map(repr, taken))}: a key fastdump's readers add to every "
-                         f"pass's meta ({', '.join(RESERVED_META)}); use another name")
+    check_meta_keys("pass_meta", value)
     return dict(value)
+
+
+def check_meta_keys(caller: str, meta) -> None:
+    """ValueError naming ``caller`` when ``meta`` holds a key of RESERVED_META (pass_meta=,
+    set_pass_meta, begin_pass)."""
+    taken = [key for key in RESERVED_META if key in meta]
+    if taken:
+        raise ValueError(f"{caller}: {', '.join(map(repr, taken))}: a key fastdump's readers add to every "
+                         f"pass's meta ({', '.join(RESERVED_META)}); use another name")
 
 
 def _check_device(value) -> None:

@@ -29,7 +29,7 @@ from pathlib import Path
 from .. import _C
 from .. import dtypes as _dtypes
 from .. import protocol
-from ..options import RESERVED_META, Options
+from ..options import Options, check_meta_keys as _check_meta_keys
 from .manifest import cuda_index as _cuda_index, device_facts as _device_facts, write_manifest as _write_manifest
 from .ranks import resolve_ranks  # noqa: F401 - part of this module's face
 from .selection import named_modules, original as _original_module, root_selected as _root_selected, select_modules
@@ -1555,15 +1555,7 @@ def _raised_in_a_signal_handler(exc: BaseException) -> bool:
     return False
 
 
-_RESERVED_META = RESERVED_META  # DumpSet.meta's own
 _MAX_META_INT_BITS = 2000  # ~600 digits: under the lowest limit Python lets json.dumps print (640)
-
-
-def _check_meta_keys(caller: str, meta: dict) -> None:
-    taken = [key for key in _RESERVED_META if key in meta]
-    if taken:
-        raise ValueError(f"{caller}: {', '.join(map(repr, taken))}: a key fastdump's readers add to every "
-                         f"pass's meta ({', '.join(_RESERVED_META)}); use another name")
 
 
 def _jsonable(value, outer: tuple = ()):
