@@ -877,3 +877,20 @@ def test_a_segment_copied_in_from_another_sessions_directory_fails_verify_and_is
     with pytest.warns(UserWarning, match="copied in from another run"), fastdump.open(dump) as ds:
         assert ds.passes("target", 0) == [0, 1, 4]
         assert same(ds.load("target", 0, 4, check=True)["2"], expected[4]["2"])
+
+
+def test_a_tp_rank_with_no_directory_is_a_warning_naming_it(tmp_path):
+    """rank.json says tp_size 2 and only TP rank 1 is here: verify said OK without a word. Nothing
+    fastdump accepted was lost (the rank never attached, or it is another node's root), so this is
+    a warning, not a problem; it names the absent rank."""
+    for tp_rank in (1,):
+        with fastdump.attach(None, tmp_path, tp_rank=tp_rank, tp_size=2, writer="thread") as d:
+            d.dump("x", torch.arange(3.0))
+    report = cli_dump.verify_dump(str(tmp_path))
+    assert not report.problems
+    absent = [w for w in report.warnings if "no directory here" in w]
+    assert len(absent) == 1 and "TP0_PP0 has no directory here" in absent[0], report.warnings
+    with fastdump.attach(None, tmp_path, tp_rank=0, tp_size=2, writer="thread") as d:
+        d.dump("x", torch.arange(3.0))
+    report = cli_dump.verify_dump(str(tmp_path))
+    assert not report.problems and not [w for w in report.warnings if "no directory here" in w], report.warnings

@@ -736,7 +736,34 @@ def verify_dump(root: str, read_data: bool = False) -> _Report:
         report.problem(root, "no rank directories (expected <root>/<role>/<rank>/rank.json)")
     for rank_path in rank_dirs:
         check_rank_dir(report, rank_path, read_data)
+    _warn_of_absent_ranks(report, root, rank_dirs)
     return report
+
+
+def _warn_of_absent_ranks(report: _Report, root: str, rank_dirs: list) -> None:
+    """A warning where the ranks' rank.json files name TP/PP ranks no directory here holds: a rank
+    that never attached (it lost nothing fastdump had accepted, so this is no problem), or another
+    node's root (read several with ``fastdump.open([...])`` and ``diff``)."""
+    held: dict = {}  # (role, dp_rank, tp_size, pp_size) -> {(tp_rank, pp_rank)}
+    for rank_path in rank_dirs:
+        try:
+            info = fsutil.load_json(os.path.join(rank_path, fmt.RANK_FILE))
+            numbers = fmt.check_rank_numbers(info.get("rank")) if isinstance(info, dict) else None
+        except (OSError, ValueError):
+            continue  # check_rank_dir said what is wrong with it
+        if not numbers:
+            continue
+        role = os.path.basename(os.path.dirname(rank_path))
+        key = (role, numbers.get("dp_rank", 0), numbers.get("tp_size", 1), numbers.get("pp_size", 1))
+        held.setdefault(key, set()).add((numbers.get("tp_rank", 0), numbers.get("pp_rank", 0)))
+    for (role, dp_rank, tp_size, pp_size), ranks in sorted(held.items()):
+        absent = [(tp, pp) for pp in range(pp_size) for tp in range(tp_size) if (tp, pp) not in ranks]
+        if absent:
+            shown = ", ".join(f"TP{tp}_PP{pp}" for tp, pp in absent[:8]) + (" ..." if len(absent) > 8 else "")
+            dp = f" (dp rank {dp_rank})" if dp_rank else ""
+            report.warning(os.path.join(root, role), f"its ranks{dp} say tp_size {tp_size} and pp_size {pp_size}, "
+                           f"but {shown} ha{'s' if len(absent) == 1 else 've'} no directory here: a rank that "
+                           "never attached, or another node's root (fastdump.open and diff take several roots)")
 
 
 def cmd_verify(args) -> int:
