@@ -23,10 +23,10 @@ TARGET1 = "TP1_PP0_Rank1_pid101"
 DRAFT = "TP0_PP0_Rank0_pid100"
 
 
-def write_rank(root, role, rank_dir, passes, segment_passes=2, status="closed"):
+def write_rank(root, role, rank_dir, passes, segment_passes=2, status="closed", tp_size=2):
     rank_number = int(rank_dir.split("_Rank")[1].split("_")[0])
     write_rank_dir(root / role / rank_dir, passes, role=role, status=status, segment_passes=segment_passes,
-                   rank={"tp_rank": rank_number, "tp_size": 2, "pp_rank": 0, "pp_size": 1, "rank": rank_number},
+                   rank={"tp_rank": rank_number, "tp_size": tp_size, "pp_rank": 0, "pp_size": 1, "rank": rank_number},
                    pass_meta=lambda pass_id: {"forward_mode": "decode" if pass_id else "prefill"})
 
 
@@ -45,7 +45,7 @@ def dump(tmp_path):
     root = tmp_path / "dump"
     write_rank(root, "target", TARGET, {p: target_pass(p) for p in range(5)})
     write_rank(root, "target", TARGET1, {p: target_pass(p) for p in range(5)})
-    write_rank(root, "draft", DRAFT, {p: {"draft.out": torch.ones(1, 2) * p} for p in range(3)})
+    write_rank(root, "draft", DRAFT, {p: {"draft.out": torch.ones(1, 2) * p} for p in range(3)}, tp_size=1)
     fsutil.atomic_write_json(str(root / "fastdump.json"), {"format_version": 1, "fastdump_version": "0.1.0"})
     return root
 
