@@ -725,10 +725,13 @@ def leaf_outputs(model, x) -> dict:
     """Run ``model`` once (no Dumper) and return {leaf name: a snapshot of what it returned} (one
     call each), taken by forward hooks that are gone again afterwards."""
     seen, handles = {}, []
+
+    def keep_first(name, out) -> None:  # (a hook that returns a value replaces the output)
+        seen.setdefault(name, snapshot(out))
+
     for name, module in model.named_modules():
         if name and next(iter(module.children()), None) is None and not isinstance(module, torch.jit.ScriptModule):
-            handles.append(module.register_forward_hook(
-                lambda m, args, out, name=name: seen.setdefault(name, snapshot(out))))
+            handles.append(module.register_forward_hook(lambda m, args, out, name=name: keep_first(name, out)))
     try:
         with torch.no_grad():
             out = model(x)
@@ -1036,3 +1039,56 @@ def test_module_types_keeps_the_root_when_it_is_of_a_kept_type(tmp_path, kept):
     dumped = fastdump.open(tmp_path / "seq").load("target", 0, 0, check=True)
     assert list(dumped) == ["0", "2"]
     assert same_bits(dumped["0"], want_seq["0"]) and same_bits(dumped["2"], want_seq["2"])
+
+
+class SharedRotary(nn.Module):
+    """Every layer holds one cached rotary-like leaf (SGLang's get_rope, many HF ports), first
+    registered under layer 0."""
+
+    def __init__(self):
+        super().__init__()
+        rotary = nn.Tanh()
+        self.layers = nn.ModuleList(nn.Module() for _ in range(3))
+        for layer in self.layers:
+            layer.fc = nn.Linear(4, 4)
+            layer.rotary = rotary
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer.rotary(layer.fc(x))
+        return x
+
+
+@pytest.mark.parametrize("selection", [dict(layers=[1, 2]), dict(exclude=r"^layers\.0\.")])
+def test_a_shared_leaf_whose_first_name_the_selection_leaves_out_is_recorded_not_silently_missing(
+        tmp_path, caplog, selection):
+    """A leaf held by every layer is wrapped once, under its first name (layers.0.rotary). With
+    layers=[1, 2] that name is left out, so the leaf was not dumped at all, though the selection
+    keeps layers.1.rotary and layers.2.rotary, and nothing said so. It is now in not_wrapped (and
+    rank.json's config, and the log) with the reason; what is dumped is still bit-exact."""
+    torch.manual_seed(0)
+    model = SharedRotary()
+    x = torch.randn(2, 4)
+    want = leaf_outputs(model, x)
+    with caplog.at_level("WARNING", logger="fastdump"):
+        with fastdump.attach(model, tmp_path, root_name="root", **selection) as d:
+            with torch.no_grad():
+                model(x)
+    assert list(d.not_wrapped) == ["layers.0.rotary"]
+    assert "layers.1.rotary, layers.2.rotary" in d.not_wrapped["layers.0.rotary"]
+    assert "not dumped" in d.not_wrapped["layers.0.rotary"]
+    assert "layers.0.rotary" in caplog.text
+    with fastdump.open(tmp_path) as ds:
+        assert ds.rank_info("target", 0)["config"]["not_wrapped"] == d.not_wrapped
+        dumped = ds.load("target", 0, 0, check=True)
+    assert list(dumped) == ["layers.1.fc", "layers.2.fc", "root"]
+    for name, t in dumped.items():
+        assert same_bits(t, want["__out__" if name == "root" else name]), name
+
+
+def test_a_shared_leaf_the_selection_keeps_under_its_first_name_is_not_recorded(tmp_path):
+    model = SharedRotary()
+    with fastdump.attach(model, tmp_path, layers=[0], root_name="root") as d:
+        with torch.no_grad():
+            model(torch.randn(2, 4))
+    assert d.not_wrapped == {}

@@ -34,7 +34,8 @@ from .manifest import cuda_index as _cuda_index, device_facts as _device_facts, 
 from .ranks import resolve_ranks  # noqa: F401 - part of this module's face
 from .selection import named_modules, original as _original_module, root_selected as _root_selected, select_modules
 from .selection import SHADOWED_REASON as _SHADOWED_REASON, forward_shadowed as _forward_shadowed, \
-    is_script_module as _is_script_module, unwrappable_modules as _unwrappable_modules
+    is_script_module as _is_script_module, shared_left_out as _shared_left_out, \
+    unwrappable_modules as _unwrappable_modules
 from ..staging import engine as _engine
 from ..staging import channel as _channel_mod
 from ..staging import graphs as _graphs
@@ -185,6 +186,14 @@ class Dumper:
             self.not_wrapped = _unwrappable_modules(model, self._root_name_of(model)) if model is not None else {}
         except Exception:
             self.not_wrapped = {}
+        # And shared modules the selection asks for under a name they are not wrapped under (not
+        # TorchScript: _install's `scripted` leaves these out).
+        try:
+            self._shared_left_out = _shared_left_out(model, layers=o.layers, include=o.include, exclude=o.exclude,
+                                                     module_types=o.module_types) if model is not None else {}
+        except Exception:
+            self._shared_left_out = {}
+        self.not_wrapped.update(self._shared_left_out)
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
             _write_manifest(self.root, config)
@@ -1056,7 +1065,8 @@ class Dumper:
 
     # -- installing wrappers -------------------------------------------------------------------------
     def _install(self, model, root_passes: bool, **selection) -> None:
-        scripted = {name: why for name, why in self.not_wrapped.items() if why != _SHADOWED_REASON}  # (with all inside)
+        scripted = {name: why for name, why in self.not_wrapped.items()  # (with all inside)
+                    if why != _SHADOWED_REASON and name not in self._shared_left_out}
         selected = list(select_modules(model, **selection, scripted=scripted))
         root_selected = _root_selected(model, self._root_name, selection)
         self._module_names.update(name for name, _ in selected)

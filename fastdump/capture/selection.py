@@ -100,34 +100,66 @@ def select_modules(model, *, layers=None, include=None, exclude=None, module_typ
                    leaves_only=True, scripted: dict | None = None) -> list:
     """(qualified name, module) of the modules to capture, in registration order. ``scripted``:
     script_modules(model) when the caller has it already (the Dumper does, from its attach)."""
+    if scripted is None:
+        scripted = script_modules(model)
+    kept = _selection(layers, include, exclude, module_types, leaves_only)
+    return [(name, module) for name, module in named_modules(model)
+            if name and not (name in scripted or _inside(name, scripted)) and kept(name, module)]
+
+
+SHARED_LEFT_OUT_REASON = ("a module held under several names is wrapped once, under its first name, and the "
+                          "selection (layers=, include=, exclude=) leaves that name out while it keeps {kept}; "
+                          "its calls cannot be told apart by the path they come from, so it is not dumped")
+
+
+def shared_left_out(model, *, layers=None, include=None, exclude=None, module_types=None,
+                    leaves_only=True) -> dict:
+    """{first name: reason} of the modules held under several names (a rotary embedding cached for
+    every layer) whose first name the selection leaves out while it keeps another: the wrapper,
+    installed under the first name, is not installed, so a module the selection asks for would be
+    silently missing (the Dumper records them in not_wrapped). SGLang's drop-in dumps them under
+    each name instead (integrations/sglang.py, ``_shared_leaves``)."""
+    kept = _selection(layers, include, exclude, module_types, leaves_only)
+    first, others = {}, {}
+    for name, module in named_modules(model, remove_duplicate=False):
+        if not name:
+            continue
+        if id(module) not in first:
+            first[id(module)] = (name, module)
+        elif name != first[id(module)][0]:
+            others.setdefault(id(module), []).append(name)
+    found = {}
+    for key, names in others.items():
+        name, module = first[key]
+        wanted = [alias for alias in names if kept(alias, module)]
+        if wanted and not kept(name, module):
+            found[name] = SHARED_LEFT_OUT_REASON.format(kept=", ".join(wanted[:4]) + (" ..." if len(wanted) > 4 else ""))
+    return found
+
+
+def _selection(layers, include, exclude, module_types, leaves_only):
+    """The selection's test of one (name, module): a predicate."""
     layer_set = None if layers is None else {int(i) for i in layers}
     inc = re.compile(include) if isinstance(include, str) else include
     exc = re.compile(exclude) if isinstance(exclude, str) else exclude
     types = tuple(module_types) if module_types else None
-    if scripted is None:
-        scripted = script_modules(model)
-    chosen = []
-    for name, module in named_modules(model):
-        if name == "":
-            continue  # the root is handled by the pass wrapper
-        if name in scripted or _inside(name, scripted):
-            continue  # TorchScript: not wrappable (the Dumper records them, see script_modules)
+
+    def kept(name: str, module) -> bool:
         if forward_shadowed(module):
-            continue  # a wrapper would never run (the Dumper records them, see unwrappable_modules)
+            return False  # a wrapper would never run (the Dumper records them, see unwrappable_modules)
         if leaves_only and not _is_leaf(module):
-            continue
+            return False
         if layer_set is not None:
             m = _LAYER_RE.search(name)
             if m and int(m.group(1)) not in layer_set:
-                continue
+                return False
         if inc is not None and not inc.search(name):
-            continue
+            return False
         if exc is not None and exc.search(name):
-            continue
-        if types is not None and not _of_types(module, types):
-            continue
-        chosen.append((name, module))
-    return chosen
+            return False
+        return types is None or _of_types(module, types)
+
+    return kept
 
 
 def _is_leaf(module) -> bool:
