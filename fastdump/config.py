@@ -34,6 +34,13 @@ OTHER_VARS = {
     "FASTDUMP_CUDA_ARCHS": "build (setup.py): CUDA architectures to compile for",
     "FASTDUMP_TORCH_READER": "build (setup.py): 1 = fastdump._torch_reader required, 0 = not built; "
                              "run time: 0 = read tensors through their Python attributes",
+    "FASTDUMP_CUPY": "build (setup.py): the CuPy wheel the cuda extra names (e.g. cupy-cuda12x)",
+    # Read by the CUDA stager (csrc/cuda_staging.cu, docs/CUDA.md) when it starts.
+    "FASTDUMP_CUDA_BATCH": "CUDA: 0 = no cudaMemcpyBatchAsync (one copy per record)",
+    "FASTDUMP_CUDA_REGISTER_PIECE_MB": "CUDA: MiB per cudaHostRegister call pinning the ring (default 256)",
+    "FASTDUMP_CUDA_HOLD_MS": "CUDA: ms an open batch waits before the drain seals it (default 2)",
+    "FASTDUMP_CUDA_CHECK_EACH_TENSOR": "CUDA: 1 = ask the capture state for every tensor (captures begun mid-pass)",
+    "FASTDUMP_CUDA_EVENTS_EVERY": "CUDA: snapshots per completion event (default 64)",
 }
 
 

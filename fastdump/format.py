@@ -211,6 +211,20 @@ ATTR_BLOCK_CRC = "block_crc32c"
 ATTR_SESSION = "session"
 
 
+# Root attribute: the number in the segment's file name. A pass the writer flushed unfinished
+# continues in the next segment and is read back in file-number order, so a renamed file (two
+# parts swapped by hand) would hand back that pass's tensors out of order; no CRC covers the name.
+ATTR_SEGMENT = "segment"
+
+
+def renamed_segment(stored, number: int) -> str | None:
+    """Why a segment whose ATTR_SEGMENT is ``stored`` is not the file numbered ``number``, or None
+    (None also when the attribute is absent)."""
+    if stored is None or (isinstance(stored, int) and not isinstance(stored, bool) and stored == number):
+        return None
+    return f"written as segment {str(stored)[:40]}: renamed"
+
+
 def expected_session(rank_dir_name: str, info: dict) -> str | None:
     """The session a rank directory's segments must carry: its name's, else rank.json's."""
     parsed = parse_rank_dir(rank_dir_name)

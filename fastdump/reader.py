@@ -24,6 +24,7 @@ Anything else is a ``DumpError`` (a ValueError) naming the file and what is wron
 
 from __future__ import annotations
 
+import bisect
 import collections
 import functools
 import json
@@ -427,6 +428,7 @@ class _Rank:
         self._passes = None  # pass id -> [SegmentIndex, ...] containing it
         self.unreadable: list = []  # segment paths that could not be read
         self.repeated: set = set()  # pass ids found whole in one segment and again in another (pass_map)
+        self.partial: dict = {}  # pass id -> why a part of it may be in a segment not read (pass_map)
 
     @property
     def info(self) -> dict:
@@ -520,7 +522,41 @@ class _Rank:
                     self.dumpset._problem(Problem(self.path, Problem.REPEATED_PASS, (
                         f"pass {pass_id} is whole in {first.file_name} and appears again in {again.file_name}: "
                         "not read (copied or mixed segments)")), warn=True)
+            self._find_partial_passes()
         return self._passes
+
+    def _find_partial_passes(self) -> None:
+        """Passes a part of which may lie in a segment that is not read (one between its parts that
+        is unreadable or missing, or one rank.json lists as holding a part before or after the
+        parts read), or whose parts lie in renamed files. Merging the parts read would return the pass without that part's tensors,
+        or its parts in another order."""
+        numbers = sorted(segment.number for segment in self.segments)
+        read = set(numbers)
+        info = self.info
+        listed = info.get("segments") if isinstance(info.get("segments"), list) else []
+        listed = {e.get("file"): e for e in listed if isinstance(e, dict) and isinstance(e.get("file"), str)
+                  and isinstance(e.get("first_pass"), int) and isinstance(e.get("last_pass"), int)}
+        lost = {os.path.basename(path) for path in self.unreadable}
+        lost |= {name for name in listed if fmt.segment_number(name) is not None
+                 and fmt.segment_number(name) not in read and not os.path.lexists(os.path.join(self.path, name))}
+        # (number, first pass, last pass, whether its last pass ended there) of each listed one
+        lost = [(fmt.segment_number(name), listed[name]["first_pass"], listed[name]["last_pass"],
+                 listed[name].get("complete") is not False) for name in sorted(lost) if name in listed]
+        for pass_id, segments in self._passes.items():
+            first, last = segments[0].number, segments[-1].number
+            gaps = last - first + 1 - (bisect.bisect_right(numbers, last) - bisect.bisect_left(numbers, first))
+            where = [] if not gaps else [f"{gaps} segments numbered {first + 1}..{last - 1}"] if gaps > 4 \
+                else [fmt.segment_name(n) for n in range(first + 1, last) if n not in read]
+            where += [fmt.segment_name(number) for number, low, high, whole in lost
+                      if low <= pass_id <= high and fmt.segment_name(number) not in where
+                      and ((number < first and pass_id == high and not whole)
+                           or (number > last and not segments[-1].pass_record(pass_id)[0]["complete"]))]
+            if len(segments) > 1:  # its parts are merged in file-number order: a renamed file's is unknown
+                where += [f"{segment.file_name} ({why})" for segment in segments
+                          if (why := fmt.renamed_segment(segment.attrs.get(fmt.ATTR_SEGMENT), segment.number))]
+            if where:
+                self.partial[pass_id] = (f"{self.path}: pass {pass_id}: part of it may be in {', '.join(where)}, "
+                                         "(unreadable, missing or renamed): not read")
 
     def rank_number(self):
         parsed = fmt.parse_rank_dir(self.name)
@@ -750,7 +786,7 @@ class DumpSet:
                 stop = int((in_block["first_row"] + in_block["rows"]).max())
                 rows = dataset[start:stop]
                 for position, entry in zip(positions[entries["block"] == block_number].tolist(), in_block):
-                    if int(entry["pass"]) in repeated:
+                    if int(entry["pass"]) in repeated or int(entry["pass"]) in directory.partial:
                         continue
                     first = int(entry["first_row"]) - start
                     part = rows[first:first + int(entry["rows"])]
@@ -879,6 +915,8 @@ class DumpSet:
         if pass_id in entry.repeated:
             raise DumpError("; ".join(p for p in self.problems if p.path == entry.path
                                       and p.kind == Problem.REPEATED_PASS and f"pass {pass_id} " in p))
+        if pass_id in entry.partial:
+            raise DumpError(entry.partial[pass_id])
         if not segments:
             if entry.unreadable:  # the pass may be in a segment that could not be read
                 raise DumpError(f"no pass {pass_id} in the readable segments of {entry.path}; unreadable: "

@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 import time
+import warnings
 
 import h5py
 import numpy as np
@@ -346,6 +347,62 @@ def test_pass_that_never_ends_is_flushed_when_far_over_the_limits(tmp_path):
     assert meta["complete"] is True and meta["mode"] == "prefill" and meta["tokens"] == 7 and meta["tensors"] == 24
     from fastdump.cli.dump import verify_dump
     assert verify_dump(str(tmp_path)).problems == []
+
+
+def split_pass_dump(root):
+    """Pass 0 flushed unfinished twice (parts in seg-000000..2), pass 1 whole in seg-000003."""
+    w = ChannelWriter(open_msg(root, segment_mb=1))
+    f = Feeder(w)
+    w.on_begin(0, {})
+    chunks = [torch.full((256, 256), float(i)) for i in range(40)]  # 256 KiB each
+    for i, t in enumerate(chunks):
+        f.tensor(0, f"t{i}", t)
+        if i in (17, 35):
+            w.poll(time.monotonic())  # over 4x the limit: the part so far is written
+    w.on_end(0, {}, 0, [])
+    f.full_pass(1, {"x": torch.ones(2)})
+    w.close({})
+    assert [(s["first_pass"], s["complete"]) for s in rank_json(root)["segments"]] == \
+        [(0, False), (0, False), (0, True), (1, True)]
+    return chunks
+
+
+@pytest.mark.parametrize("damage", ["swapped", "missing", "truncated", "truncated first"])
+def test_a_pass_whose_part_is_not_read_is_refused_not_returned_short_or_reordered(tmp_path, damage):
+    """A pass the writer split over segments is merged in file-number order. Two of its parts'
+    files swapped by hand were merged in the wrong order (verify failed, load did not); one part
+    missing or unreadable left a pass with tensors missing, `complete` and no error."""
+    chunks = split_pass_dump(tmp_path)
+    rank = tmp_path / "target" / RANK_DIR
+    name = {"swapped": "seg-000000.h5", "missing": "seg-000001.h5", "truncated": "seg-000001.h5",
+            "truncated first": "seg-000000.h5"}[damage]
+    if damage == "swapped":
+        os.rename(rank / "seg-000000.h5", rank / "x")
+        os.rename(rank / "seg-000001.h5", rank / "seg-000000.h5")
+        os.rename(rank / "x", rank / "seg-000001.h5")
+    elif damage == "missing":
+        os.remove(rank / name)
+    else:
+        os.truncate(rank / name, 5000)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ds = reader.open(tmp_path)
+        assert ds.passes("target", 0) == [0, 1]
+        with pytest.raises(reader.DumpError, match=f"pass 0: part of it may be in .*{name}.*: not read"):
+            ds.load("target", 0, 0)
+        with pytest.raises(reader.DumpError, match="pass 0: part of it may be in"):
+            ds.meta("target", 0, 0)
+        assert list(ds.series("target", 0, "t39")) == []
+        assert_same(ds.load("target", 0, 1)["x"], torch.ones(2))
+        if damage == "swapped":
+            with pytest.raises(reader.DumpError, match=r"seg-000000.h5 \(written as segment 1: renamed\)"):
+                ds.load("target", 0, 0)
+    intact = tmp_path / "intact"
+    split_pass_dump(intact)
+    got = reader.open(intact).load("target", 0, 0)
+    assert list(got) == [f"t{i}" for i in range(40)]
+    for i, t in enumerate(chunks):
+        assert_same(got[f"t{i}"], t)
 
 
 def test_a_late_pass_end_completes_its_pass_only_where_the_segments_stay_in_order(tmp_path):

@@ -70,6 +70,25 @@ def test_variables_read_elsewhere_are_not_reported_as_misspelt(recwarn):
     assert not [w for w in recwarn if "unknown environment variable" in str(w.message)]
 
 
+def test_every_variable_the_code_reads_is_known(recwarn):
+    """The CUDA stager's FASTDUMP_CUDA_* tuning variables (docs/CUDA.md) were warned about as
+    'unknown environment variable ...; ignored' by maybe_attach, and missing from `fastdump info`,
+    though the stager reads them."""
+    import pathlib
+    import re
+
+    repo = pathlib.Path(__file__).resolve().parent.parent
+    read = set()
+    for path in [repo / "setup.py", *(repo / "fastdump").rglob("*.py"), *(repo / "csrc").glob("*.*")]:
+        text = path.read_text(errors="replace")
+        read |= set(re.findall(r'(?:getenv|environ\.get|environ\[)\(?"(FASTDUMP_[A-Z0-9_]+)"', text))
+    assert {"FASTDUMP_CUDA_HOLD_MS", "FASTDUMP_CUDA_BATCH", "FASTDUMP_NO_DIRECT_IO"} <= read  # (the scan works)
+    known = {v.name for v in config.ENV_VARS} | set(config.OTHER_VARS)
+    assert read - known == set()
+    settings_from_env({"FASTDUMP_DIR": "/d", **{name: "1" for name in config.OTHER_VARS}})
+    assert not [w for w in recwarn if "unknown environment variable" in str(w.message)]
+
+
 def test_env_table_covers_attach():
     rows = env_table()
     assert {r["name"] for r in rows} == {v.name for v in config.ENV_VARS}

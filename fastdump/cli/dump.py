@@ -36,7 +36,7 @@ def add_arguments(subparsers) -> None:
     p = subparsers.add_parser("verify", help="check segments against their index and rank.json (exit 1 on a problem)")
     p.add_argument("root")
     p.add_argument("--json", action="store_true", help="machine-readable output")
-    p.add_argument("--data", action="store_true", help="also read every tensor byte (catches I/O errors)")
+    p.add_argument("--data", action="store_true", help="also read every tensor byte and check every CRC32C (catches I/O errors and flipped bits)")
     p.set_defaults(func=cmd_verify)
 
     p = subparsers.add_parser("show", help="tensors of one pass: dtype, shape, summary statistics")

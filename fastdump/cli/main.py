@@ -73,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fastdump", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("info", help="versions, CUDA support, GPUs, settings")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_info)
     cli_dump.add_arguments(sub)
     compare.add_arguments(sub)
