@@ -166,7 +166,8 @@ def compare(baseline, target, atol: float, rtol: float) -> dict:
     element counts once. ``rel_diff = 1 - 2*sum(xy) / sum(x^2 + y^2)``, taken as
     ``sum((x-y)^2) / sum(x^2 + y^2)`` (no cancellation), and ``cosine`` are over the elements finite
     on both sides, summed scaled (no overflow), exactly 0 and 1 when those elements are all equal.
-    ``max_rel`` is ``max |a-b| / |b|`` (inf where b is 0 and a is not). Types with no arithmetic
+    ``max_rel`` is ``max |a-b| / |b|`` (inf where b is 0 and a is not); complex elements' ``max_abs``
+    and ``max_rel`` are of magnitudes, over elements finite whole. Types with no arithmetic
     are compared bit for bit (``bitwise`` True, metrics None).
     """
     numel = baseline.numel()
@@ -212,16 +213,22 @@ def compare(baseline, target, atol: float, rtol: float) -> dict:
             odd, bad = odd.reshape(-1, 2).any(axis=1), bad.reshape(-1, 2).any(axis=1)
         nonfinite_mismatches += int(np.count_nonzero(odd))
         mismatches += int(np.count_nonzero(bad))
+        if pairs == 2:  # max_abs, max_rel of complex elements: on magnitudes, elements finite whole
+            whole = finite.reshape(-1, 2).all(axis=1)
+            complex_abs, complex_rel = _complex_max_abs_rel(err.reshape(-1, 2)[whole], b.reshape(-1, 2)[whole])
         if not finite.all():
             a, b, err, abs_b = a[finite], b[finite], err[finite], abs_b[finite]
         if a.size == 0:
             continue
         chunk_max = float(err.max())
-        max_abs = max(max_abs, chunk_max)
         equal = equal and chunk_max == 0
-        with np.errstate(divide="ignore", invalid="ignore"):
-            rel = np.where(err == 0, 0.0, err / abs_b)  # x/0 -> inf, 0/0 -> 0
-        max_rel = max(max_rel, float(rel.max()))
+        if pairs == 2:
+            max_abs, max_rel = max(max_abs, complex_abs), max(max_rel, complex_rel)
+        else:
+            max_abs = max(max_abs, chunk_max)
+            with np.errstate(divide="ignore", invalid="ignore"):
+                rel = np.where(err == 0, 0.0, err / abs_b)  # x/0 -> inf, 0/0 -> 0
+            max_rel = max(max_rel, float(rel.max()))
         peak_a, peak_b = float(np.abs(a).max()), float(abs_b.max())
         new_a = max(scale_a, math.frexp(peak_a)[1]) if peak_a > 0 else scale_a  # (frexp(0) is 0)
         new_b = max(scale_b, math.frexp(peak_b)[1]) if peak_b > 0 else scale_b
@@ -252,6 +259,25 @@ def compare(baseline, target, atol: float, rtol: float) -> dict:
             "mismatch": mismatches / numel if numel else 0.0, "mismatches": mismatches,
             "nonfinite_mismatches": nonfinite_mismatches,
             "baseline": base_summary.as_dict(), "target": target_summary.as_dict()}
+
+
+def _complex_max_abs_rel(err: np.ndarray, b: np.ndarray):
+    """(max |a-b|, max |a-b| / |b|) of complex elements, from rows (re, im) of |a-b|'s parts and of
+    b: on magnitudes, as the statistics (per part, 1+1j against 1+0j read max_rel inf, not 1). Each
+    magnitude is its larger part times the hypot of the parts over it: |b| of finite parts near
+    1e308 did not overflow, nor the ratio of two magnitudes near the ends of the range."""
+    if err.size == 0:
+        return 0.0, 0.0
+    b = np.abs(b)
+    top_e, top_b = err.max(axis=1), b.max(axis=1)
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore", under="ignore"):
+        unit_e = np.hypot(err[:, 0] / top_e, err[:, 1] / top_e)  # in [1, sqrt 2]: NaN where top_e is 0 or inf
+        unit_b = np.hypot(b[:, 0] / top_b, b[:, 1] / top_b)
+        magnitude = top_e * unit_e
+        rel = (top_e / top_b) * (unit_e / unit_b)
+    magnitude = np.where(top_e == 0, 0.0, np.where(np.isinf(top_e), np.inf, magnitude))
+    rel = np.where(top_e == 0, 0.0, np.where(np.isinf(top_e) | (top_b == 0), np.inf, rel))  # x/0 -> inf, 0/0 -> 0
+    return float(magnitude.max()), float(rel.max())
 
 
 # Integer types that int64 holds exactly (uint16/uint32 exist in newer torch only).

@@ -207,6 +207,38 @@ def test_complex_tensors_compare_real_and_imaginary_parts(tmp_path):
     assert fastdump.diff(base, base, atol=0, rtol=0).ok
 
 
+def test_complex_max_abs_and_max_rel_are_of_magnitudes_as_an_exact_reference_says(tmp_path):
+    """max_rel of complex elements was taken per part: 1+1j against 1+0j read inf (|a-b|/|b| is 1),
+    against 1+0.001j 999 (0.999). Now max_abs and max_rel are of magnitudes, checked against the
+    same formula in 60-digit decimals, also near the float64 range's ends."""
+    from decimal import Decimal, localcontext
+
+    pairs = [(1 + 0j, 1 + 1j), (1 + 1e-3j, 1 + 1j), (3 + 4j, 3 - 4j), (-2.5 + 0.125j, 1e-3 - 7j),
+             (1.5e308 + 1.5e308j, 1.5e308 + 1e308j),  # |b| above the float64 range, parts finite
+             (3e-320j, 1e-320 + 2e-320j), (1e300 + 0j, 1e300 + 1e-300j), (0.1 + 0.2j, 0.1 + 0.2j)]
+    base = {f"c{i}": torch.tensor([b], dtype=torch.complex128) for i, (b, _) in enumerate(pairs)}
+    target = {f"c{i}": torch.tensor([a], dtype=torch.complex128) for i, (_, a) in enumerate(pairs)}
+    base["all"] = torch.tensor([b for b, _ in pairs], dtype=torch.complex128)
+    target["all"] = torch.tensor([a for _, a in pairs], dtype=torch.complex128)
+    result = fastdump.diff(*pair(tmp_path, base, target), atol=0, rtol=0)
+
+    def exact(b, a):  # (|a-b|, |a-b| / |b|) of the float64 parts, in decimals
+        with localcontext() as ctx:
+            ctx.prec = 60
+            d = ((Decimal(a.real) - Decimal(b.real)) ** 2 + (Decimal(a.imag) - Decimal(b.imag)) ** 2).sqrt()
+            return float(d), float(d / (Decimal(b.real) ** 2 + Decimal(b.imag) ** 2).sqrt())
+
+    want = [exact(b, a) for b, a in pairs]
+    for i, (abs_, rel) in enumerate(want):
+        row = row_of(result, f"c{i}")
+        assert row["max_abs"] == pytest.approx(abs_, rel=1e-15, abs=0), (i, row["max_abs"], abs_)
+        assert row["max_rel"] == pytest.approx(rel, rel=1e-15, abs=0), (i, row["max_rel"], rel)
+    assert want[0] == (1.0, 1.0) and want[-1] == (0.0, 0.0)
+    row = row_of(result, "all")
+    assert (row["max_abs"], row["max_rel"]) == pytest.approx((max(w[0] for w in want), max(w[1] for w in want)),
+                                                             rel=1e-15, abs=0)
+
+
 def test_complex_statistics_are_magnitudes_as_in_show(tmp_path, capsys):
     """diff's baseline_stats/target_stats are `fastdump show`'s statistics. They were taken over
     the interleaved (re, im) parts: 3+4j, 6+8j gave min 3, max 8 (show: 5, 10), and a real tensor
