@@ -164,7 +164,8 @@ def compare(baseline, target, atol: float, rtol: float) -> dict:
     NaN equals NaN and an infinity equals the same infinity (a NaN or Inf on one side only is a
     mismatch). Integer pairs take their differences exactly (2**53 vs 2**53+1 differ); a complex
     element counts once. ``rel_diff = 1 - 2*sum(xy) / sum(x^2 + y^2)``, taken as
-    ``sum((x-y)^2) / sum(x^2 + y^2)`` (no cancellation), and ``cosine`` are over the elements finite
+    ``sum((x-y)^2) / sum(x^2 + y^2)`` (no cancellation), ``cosine`` and ``cosine_distance`` (1 -
+    cosine, kept where it is under float64's precision at 1: see ``_cosine``) are over the elements finite
     on both sides, summed scaled (no overflow), exactly 0 and 1 when those elements are all equal.
     ``max_rel`` is ``max |a-b| / |b|`` (inf where b is 0 and a is not); complex elements' ``max_abs``
     and ``max_rel`` are of magnitudes, over elements finite whole. Types with no arithmetic
@@ -177,7 +178,7 @@ def compare(baseline, target, atol: float, rtol: float) -> dict:
         equal = baseline.dtype == target.dtype and torch.equal(
             baseline.reshape(-1).view(torch.uint8), target.reshape(-1).view(torch.uint8))
         return {"numel": numel, "bitwise": True, "max_abs": None, "max_rel": None, "rel_diff": None,
-                "cosine": None, "mismatch": 0.0 if equal else 1.0, "mismatches": 0 if equal else numel,
+                "cosine": None, "cosine_distance": None, "mismatch": 0.0 if equal else 1.0, "mismatches": 0 if equal else numel,
                 "nonfinite_mismatches": 0, "baseline": None, "target": None}
     exact = _exact_int_dtype(baseline.dtype, target.dtype)
     ints = zip(_native_chunks(baseline, exact), _native_chunks(target, exact)) if exact else itertools.repeat(None)
@@ -185,7 +186,7 @@ def compare(baseline, target, atol: float, rtol: float) -> dict:
     # Sums of x / 2**scale: huge float64 values must not overflow them. Each side has its own
     # scale (a common one underflowed the smaller side's squares to 0: cosine 0 for vectors
     # pointing the same way); sdd, of the differences, is at the larger of the two.
-    sxy = sxx = syy = sdd = 0.0
+    sxy = sxx = syy = sdd = sdb = 0.0
     scale_a = scale_b = scale_d = -1100
     max_abs = max_rel = 0.0
     mismatches = nonfinite_mismatches = 0
@@ -237,28 +238,54 @@ def compare(baseline, target, atol: float, rtol: float) -> dict:
         syy = math.ldexp(syy, 2 * (scale_b - new_b))
         sxy = math.ldexp(sxy, scale_a - new_a + scale_b - new_b)
         sdd = math.ldexp(sdd, 2 * (scale_d - new_d))
+        sdb = math.ldexp(sdb, 2 * (scale_d - new_d))
         scale_a, scale_b, scale_d = new_a, new_b, new_d
-        # |a-b| (integers: exact, 2**53 and 2**53+1 are one float64); where it overflowed (1e308
-        # against -1e308), the difference of the scaled values.
-        d = _scaled(err, scale_d) if chunk_max < math.inf else _scaled(a, scale_d) - _scaled(b, scale_d)
+        # a - b, signed (integers: exact, 2**53 and 2**53+1 are one float64); where it overflowed
+        # (1e308 against -1e308), the difference of the scaled values.
+        if chunk_max < math.inf:
+            d = _scaled(np.where(rb > ra if raw is not None else b > a, -err, err), scale_d)
+        else:
+            d = _scaled(a, scale_d) - _scaled(b, scale_d)
+        b_at_d = None if scale_b == scale_d else _scaled(b, scale_d)  # b at the differences' scale
         a, b = _scaled(a, scale_a), _scaled(b, scale_b)
         sxy += float(np.dot(a, b))
         sxx += float(np.dot(a, a))
         syy += float(np.dot(b, b))
         sdd += float(np.dot(d, d))
+        sdb += float(np.dot(d, b if b_at_d is None else b_at_d))
     # sum(x^2 + y^2) at the differences' scale
     energy = math.ldexp(sxx, 2 * (scale_a - scale_d)) + math.ldexp(syy, 2 * (scale_b - scale_d))
     if equal:
-        rel_diff, cosine = 0.0, 1.0
+        rel_diff, cosine, cosine_distance = 0.0, 1.0, 0.0
     else:
         rel_diff = 0.0 if energy == 0 else sdd / energy
-        norms = math.sqrt(sxx * syy)
-        cosine = (1.0 if sxx == syy == 0 else 0.0) if norms == 0 else min(1.0, max(-1.0, sxy / norms))
+        cosine, cosine_distance = _cosine(sxx, syy, sxy, sdd, sdb, scale_a - scale_d, scale_b - scale_d)
     return {"numel": numel, "bitwise": False, "max_abs": max_abs, "max_rel": max_rel,
-            "rel_diff": rel_diff, "cosine": cosine,
+            "rel_diff": rel_diff, "cosine": cosine, "cosine_distance": cosine_distance,
             "mismatch": mismatches / numel if numel else 0.0, "mismatches": mismatches,
             "nonfinite_mismatches": nonfinite_mismatches,
             "baseline": base_summary.as_dict(), "target": target_summary.as_dict()}
+
+
+def _cosine(sxx, syy, sxy, sdd, sdb, shift_a, shift_b):
+    """(cosine, 1 - cosine) of sides with sums Σa², Σb², Σab (each side at its own scale) and
+    Σ(a-b)², Σ(a-b)b (at the larger scale, a and b there 2**shift_a, 2**shift_b times theirs).
+
+    1 - Σab/(|a||b|) rounds to 0 where it is under 1e-16: a tensor one ulp off passed cosine=0.
+    Where the norms are close it is taken as (Σ(a-b)² - (|a|-|b|)²) / (2|a||b|), with |a|-|b| =
+    (|a|²-|b|²)/(|a|+|b|) and |a|²-|b|² = 2Σ(a-b)b + Σ(a-b)²: no term there cancels (norms far
+    apart would: (|a|-|b|)² ~ Σ(a-b)²; there the plain cosine loses nothing)."""
+    norms = math.sqrt(sxx * syy)
+    if norms == 0:
+        cosine = 1.0 if sxx == syy == 0 else 0.0
+        return cosine, 1.0 - cosine
+    cosine = min(1.0, max(-1.0, sxy / norms))
+    norm_a, norm_b = math.ldexp(math.sqrt(sxx), shift_a), math.ldexp(math.sqrt(syy), shift_b)
+    if norm_a == 0 or norm_b == 0 or (norm_a - norm_b) ** 2 > norm_a * norm_b:
+        return cosine, 1.0 - cosine
+    gap = (2 * sdb + sdd) / (norm_a + norm_b)  # |a| - |b|
+    distance = min(2.0, max(0.0, (sdd - gap * gap) / (2 * norm_a * norm_b)))
+    return 1.0 - distance, distance
 
 
 def _complex_max_abs_rel(err: np.ndarray, b: np.ndarray):

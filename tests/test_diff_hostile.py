@@ -11,6 +11,7 @@ bugs are fixed and the tests pass.
 
 import glob
 import json
+import math
 import os
 import shutil
 import signal
@@ -415,6 +416,43 @@ def test_rel_diff_of_a_one_ulp_difference_is_not_lost_to_cancellation(tmp_path):
     d = ulps.double() - many.double()
     assert r["rel_diff"] == pytest.approx(float((d * d).sum() / (ulps.double() ** 2 + many.double() ** 2).sum()),
                                           rel=1e-9, abs=0)
+
+
+def _exact_cosine_distance(a, b):
+    """1 - cosine of two tensors' float64 values, from rationals: (1 - cos²) / (1 + cos)."""
+    from fractions import Fraction
+
+    a, b = ([Fraction(v) for v in t.double().reshape(-1).tolist()] for t in (a, b))
+    ab, aa, bb = sum(x * y for x, y in zip(a, b)), sum(x * x for x in a), sum(y * y for y in b)
+    square = ab * ab / (aa * bb)
+    return float((1 - square) / (1 + Fraction(math.copysign(math.sqrt(float(square)), ab))))
+
+
+def test_cosine_of_a_tensor_one_ulp_off_is_not_1_and_fails_cosine_zero(tmp_path, capsys):
+    """1 - cosine of a tensor one ulp off is ~1e-36: 1 - Σab/(|a||b|) rounded it to 0, cosine read
+    1 and `--metric cosine=0` passed a tensor that differs. 1 - cosine is now kept (checked against
+    rationals), printed as `1-X`; equal tensors still give exactly 0 and pass."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(1000, dtype=torch.float64, generator=g)
+    one = x.clone()
+    one[3] = torch.nextafter(x[3], torch.tensor(INF, dtype=torch.float64))
+    f32 = torch.randn(4096, generator=g)
+    f32_one = f32.clone()
+    f32_one[100] = torch.nextafter(f32[100], torch.tensor(-INF))
+    ints, noisy = torch.arange(1, 100), x + 0.3 * torch.randn(1000, dtype=torch.float64, generator=g)
+    base, target = pair(tmp_path, {"x": x, "f32": f32, "ints": ints, "noisy": x, "same": x},
+                        {"x": one, "f32": f32_one, "ints": ints + (ints == 6), "noisy": noisy, "same": x.clone()})
+    result = fastdump.diff(base, target, metric=["cosine=0"])
+    for name, b, t in (("x", x, one), ("f32", f32, f32_one), ("ints", ints, ints + (ints == 6)), ("noisy", x, noisy)):
+        row = row_of(result, name)
+        assert row["status"] == "fail" and row["reason"] == "exceeds cosine>0", row
+        assert row["cosine_distance"] == pytest.approx(_exact_cosine_distance(b, t), rel=1e-12, abs=0), name
+    assert 0 < row_of(result, "x")["cosine_distance"] < 1e-30 and row_of(result, "x")["cosine"] == 1.0
+    same = row_of(result, "same")
+    assert (same["status"], same["cosine"], same["cosine_distance"]) == ("ok", 1.0, 0.0)
+    code, out, _ = run(capsys, base, target, "--metric", "cosine=0", "--name", "^x$")
+    want = f"cosine 1-{row_of(result, 'x')['cosine_distance']:.3g}  mismatch"
+    assert code == 1 and want in out.splitlines()[0], out
 
 
 @pytest.mark.parametrize("base,target,cosine", [
