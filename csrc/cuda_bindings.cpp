@@ -4,8 +4,12 @@
 #include <pybind11/stl.h>
 
 #include <chrono>
+#include <condition_variable>
 #include <cstring>
 #include <cstring>
+#include <map>
+#include <memory>
+#include <mutex>
 #include <optional>
 #include <thread>
 #include <stdexcept>
@@ -244,6 +248,24 @@ class StagerTensorLane : public CudaTensorLane {
 
 #ifdef FASTDUMP_CUDA_MOCK
 // Test build only (tests/cuda_mock): drive the mock runtime from Python.
+struct MockGate {  // enqueue_gate / open_gate
+  std::mutex mu;
+  std::condition_variable cv;
+  bool open = false;
+};
+std::mutex& mock_gates_mu() {
+  static std::mutex mu;
+  return mu;
+}
+std::map<uint64_t, std::shared_ptr<MockGate>>& mock_gates() {
+  static std::map<uint64_t, std::shared_ptr<MockGate>> gates;
+  return gates;
+}
+uint64_t& mock_gate_serial() {
+  static uint64_t serial = 0;
+  return serial;
+}
+
 void bind_mock(py::module_& m) {
   py::module_ k = m.def_submodule("_mock", "controls of the mock CUDA runtime (tests only)");
   k.def("set", [](const std::string& name, int64_t v) {
@@ -452,6 +474,39 @@ void bind_mock(py::module_& m) {
     return static_cast<int>(fdmock::enqueue(reinterpret_cast<cudaStream_t>(s), [=] {
       std::this_thread::sleep_for(std::chrono::duration<double>(seconds));
     }));
+  });
+  // A gate: the stream's later work waits until open_gate(id) (a pause that, unlike a sleep, cannot
+  // end before the test has seen what it waits for). Returns the gate's id.
+  k.def("enqueue_gate", [](uintptr_t s) {
+    auto gate = std::make_shared<MockGate>();
+    uint64_t id;
+    {
+      std::lock_guard<std::mutex> g(mock_gates_mu());
+      id = ++mock_gate_serial();
+      mock_gates()[id] = gate;
+    }
+    const int e = static_cast<int>(fdmock::enqueue(reinterpret_cast<cudaStream_t>(s), [gate] {
+      std::unique_lock<std::mutex> lk(gate->mu);
+      gate->cv.wait(lk, [&] { return gate->open; });
+    }));
+    if (e != 0) throw std::runtime_error("enqueue_gate: error " + std::to_string(e));
+    return id;
+  });
+  k.def("open_gate", [](uint64_t id) {
+    std::shared_ptr<MockGate> gate;
+    {
+      std::lock_guard<std::mutex> g(mock_gates_mu());
+      auto it = mock_gates().find(id);
+      if (it == mock_gates().end()) return false;
+      gate = it->second;
+      mock_gates().erase(it);
+    }
+    {
+      std::lock_guard<std::mutex> g(gate->mu);
+      gate->open = true;
+    }
+    gate->cv.notify_all();
+    return true;
   });
 }
 #endif

@@ -32,7 +32,7 @@ import warnings
 
 from . import format as fmt
 from .report import _missing_text, _span, _where, layer_of, printable  # noqa: F401 - layer_of is public here too
-from .report import percent
+from .report import cosine_text, percent
 
 DEFAULT_ATOL = 1e-5
 DEFAULT_RTOL = 1e-5
@@ -694,7 +694,7 @@ def _verdict(result: dict, options: Options) -> list:
         if metric == "allclose" or result["bitwise"]:
             bad = result["mismatches"] > 0
         else:  # 'not <=': an undefined (NaN) distance fails
-            distance = result["rel_diff"] if metric == "rel_diff" else 1.0 - result["cosine"]
+            distance = result["rel_diff"] if metric == "rel_diff" else result["cosine_distance"]
             bad = not distance <= threshold or result["nonfinite_mismatches"] > 0
         if bad:
             failed.append(metric if threshold is None else f"{metric}>{threshold:g}")
@@ -722,8 +722,8 @@ def _compare_name(unit, pass_pair, name, b_stage, t_stage, options, layouts, cac
         raise _RowError("fail", f"shape {_shape(target)} vs baseline {_shape(base)}")
     result = stats.compare(base, target, atol, rtol)
     failed = _verdict(result, options)
-    row.update({key: result[key] for key in ("max_abs", "max_rel", "rel_diff", "cosine", "mismatch",
-                                             "mismatches", "numel", "bitwise")})
+    row.update({key: result[key] for key in ("max_abs", "max_rel", "rel_diff", "cosine", "cosine_distance",
+                                             "mismatch", "mismatches", "numel", "bitwise")})
     row["baseline_stats"], row["target_stats"] = result["baseline"], result["target"]
     row["status"] = "fail" if failed else "ok"
     if failed:
@@ -900,7 +900,7 @@ def _row_numbers(row) -> str:
     if row.get("max_abs") is None and not row.get("bitwise"):
         return f"[{row.get('reason')}]" + (f" ({row['path']})" if row.get("path") else "")
     text = (f"max_abs {_fmt(row['max_abs'])}  max_rel {_fmt(row['max_rel'])}  rel_diff {_fmt(row['rel_diff'])}  "
-            f"cosine {_fmt(row['cosine'])}  mismatch {percent(row['mismatch'])}")
+            f"cosine {cosine_text(row)}  mismatch {percent(row['mismatch'])}")
     if row["status"] != "ok":
         text += f"  [{row.get('reason')}]"
     return text

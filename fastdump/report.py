@@ -36,6 +36,14 @@ def percent(fraction) -> str:
     return f"{fraction * 100:.2g}%" if fraction > 0 and text == "0.00%" else text
 
 
+def cosine_text(row) -> str:
+    """A row's cosine, with its distance from 1 where the cosine alone would read 1: a tensor that
+    differs must not print as identical (one ulp off: ``1-3.1e-36``)."""
+    text = _num(row.get("cosine"))
+    distance = row.get("cosine_distance")
+    return f"1-{distance:.3g}" if text == "1" and distance else text
+
+
 def _log_rel(value) -> float:
     if value is None or not math.isfinite(value):
         return 0.0
@@ -211,7 +219,7 @@ def render(result) -> str:
          "cosine", "mismatch", "reason"],
         [[r["role"], r["rank"], r["pass"], r["baseline_pass"], r["order"], r["name"], r.get("shape", "-"),
           f"{r.get('baseline_dtype', '-')}/{r.get('dtype', '-')}", _num(r.get("max_abs")), _num(r.get("max_rel")),
-          _num(r.get("rel_diff")), _num(r.get("cosine")),
+          _num(r.get("rel_diff")), cosine_text(r),
           "-" if r.get("mismatch") is None else percent(r["mismatch"]), r.get("reason", "")]
          for r in failures[:_MAX_TABLE_ROWS]]))
     if len(failures) > _MAX_TABLE_ROWS:

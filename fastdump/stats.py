@@ -164,9 +164,11 @@ def compare(baseline, target, atol: float, rtol: float) -> dict:
     NaN equals NaN and an infinity equals the same infinity (a NaN or Inf on one side only is a
     mismatch). Integer pairs take their differences exactly (2**53 vs 2**53+1 differ); a complex
     element counts once. ``rel_diff = 1 - 2*sum(xy) / sum(x^2 + y^2)``, taken as
-    ``sum((x-y)^2) / sum(x^2 + y^2)`` (no cancellation), and ``cosine`` are over the elements finite
+    ``sum((x-y)^2) / sum(x^2 + y^2)`` (no cancellation), ``cosine`` and ``cosine_distance`` (1 -
+    cosine, kept where it is under float64's precision at 1: see ``_cosine``) are over the elements finite
     on both sides, summed scaled (no overflow), exactly 0 and 1 when those elements are all equal.
-    ``max_rel`` is ``max |a-b| / |b|`` (inf where b is 0 and a is not). Types with no arithmetic
+    ``max_rel`` is ``max |a-b| / |b|`` (inf where b is 0 and a is not); complex elements' ``max_abs``
+    and ``max_rel`` are of magnitudes, over elements finite whole. Types with no arithmetic
     are compared bit for bit (``bitwise`` True, metrics None).
     """
     numel = baseline.numel()
@@ -176,7 +178,7 @@ def compare(baseline, target, atol: float, rtol: float) -> dict:
         equal = baseline.dtype == target.dtype and torch.equal(
             baseline.reshape(-1).view(torch.uint8), target.reshape(-1).view(torch.uint8))
         return {"numel": numel, "bitwise": True, "max_abs": None, "max_rel": None, "rel_diff": None,
-                "cosine": None, "mismatch": 0.0 if equal else 1.0, "mismatches": 0 if equal else numel,
+                "cosine": None, "cosine_distance": None, "mismatch": 0.0 if equal else 1.0, "mismatches": 0 if equal else numel,
                 "nonfinite_mismatches": 0, "baseline": None, "target": None}
     exact = _exact_int_dtype(baseline.dtype, target.dtype)
     ints = zip(_native_chunks(baseline, exact), _native_chunks(target, exact)) if exact else itertools.repeat(None)
@@ -184,7 +186,7 @@ def compare(baseline, target, atol: float, rtol: float) -> dict:
     # Sums of x / 2**scale: huge float64 values must not overflow them. Each side has its own
     # scale (a common one underflowed the smaller side's squares to 0: cosine 0 for vectors
     # pointing the same way); sdd, of the differences, is at the larger of the two.
-    sxy = sxx = syy = sdd = 0.0
+    sxy = sxx = syy = sdd = sdb = 0.0
     scale_a = scale_b = scale_d = -1100
     max_abs = max_rel = 0.0
     mismatches = nonfinite_mismatches = 0
@@ -212,16 +214,22 @@ def compare(baseline, target, atol: float, rtol: float) -> dict:
             odd, bad = odd.reshape(-1, 2).any(axis=1), bad.reshape(-1, 2).any(axis=1)
         nonfinite_mismatches += int(np.count_nonzero(odd))
         mismatches += int(np.count_nonzero(bad))
+        if pairs == 2:  # max_abs, max_rel of complex elements: on magnitudes, elements finite whole
+            whole = finite.reshape(-1, 2).all(axis=1)
+            complex_abs, complex_rel = _complex_max_abs_rel(err.reshape(-1, 2)[whole], b.reshape(-1, 2)[whole])
         if not finite.all():
             a, b, err, abs_b = a[finite], b[finite], err[finite], abs_b[finite]
         if a.size == 0:
             continue
         chunk_max = float(err.max())
-        max_abs = max(max_abs, chunk_max)
         equal = equal and chunk_max == 0
-        with np.errstate(divide="ignore", invalid="ignore"):
-            rel = np.where(err == 0, 0.0, err / abs_b)  # x/0 -> inf, 0/0 -> 0
-        max_rel = max(max_rel, float(rel.max()))
+        if pairs == 2:
+            max_abs, max_rel = max(max_abs, complex_abs), max(max_rel, complex_rel)
+        else:
+            max_abs = max(max_abs, chunk_max)
+            with np.errstate(divide="ignore", invalid="ignore"):
+                rel = np.where(err == 0, 0.0, err / abs_b)  # x/0 -> inf, 0/0 -> 0
+            max_rel = max(max_rel, float(rel.max()))
         peak_a, peak_b = float(np.abs(a).max()), float(abs_b.max())
         new_a = max(scale_a, math.frexp(peak_a)[1]) if peak_a > 0 else scale_a  # (frexp(0) is 0)
         new_b = max(scale_b, math.frexp(peak_b)[1]) if peak_b > 0 else scale_b
@@ -230,28 +238,73 @@ def compare(baseline, target, atol: float, rtol: float) -> dict:
         syy = math.ldexp(syy, 2 * (scale_b - new_b))
         sxy = math.ldexp(sxy, scale_a - new_a + scale_b - new_b)
         sdd = math.ldexp(sdd, 2 * (scale_d - new_d))
+        sdb = math.ldexp(sdb, 2 * (scale_d - new_d))
         scale_a, scale_b, scale_d = new_a, new_b, new_d
-        # |a-b| (integers: exact, 2**53 and 2**53+1 are one float64); where it overflowed (1e308
-        # against -1e308), the difference of the scaled values.
-        d = _scaled(err, scale_d) if chunk_max < math.inf else _scaled(a, scale_d) - _scaled(b, scale_d)
+        # a - b, signed (integers: exact, 2**53 and 2**53+1 are one float64); where it overflowed
+        # (1e308 against -1e308), the difference of the scaled values.
+        if chunk_max < math.inf:
+            d = _scaled(np.where(rb > ra if raw is not None else b > a, -err, err), scale_d)
+        else:
+            d = _scaled(a, scale_d) - _scaled(b, scale_d)
+        b_at_d = None if scale_b == scale_d else _scaled(b, scale_d)  # b at the differences' scale
         a, b = _scaled(a, scale_a), _scaled(b, scale_b)
         sxy += float(np.dot(a, b))
         sxx += float(np.dot(a, a))
         syy += float(np.dot(b, b))
         sdd += float(np.dot(d, d))
+        sdb += float(np.dot(d, b if b_at_d is None else b_at_d))
     # sum(x^2 + y^2) at the differences' scale
     energy = math.ldexp(sxx, 2 * (scale_a - scale_d)) + math.ldexp(syy, 2 * (scale_b - scale_d))
     if equal:
-        rel_diff, cosine = 0.0, 1.0
+        rel_diff, cosine, cosine_distance = 0.0, 1.0, 0.0
     else:
         rel_diff = 0.0 if energy == 0 else sdd / energy
-        norms = math.sqrt(sxx * syy)
-        cosine = (1.0 if sxx == syy == 0 else 0.0) if norms == 0 else min(1.0, max(-1.0, sxy / norms))
+        cosine, cosine_distance = _cosine(sxx, syy, sxy, sdd, sdb, scale_a - scale_d, scale_b - scale_d)
     return {"numel": numel, "bitwise": False, "max_abs": max_abs, "max_rel": max_rel,
-            "rel_diff": rel_diff, "cosine": cosine,
+            "rel_diff": rel_diff, "cosine": cosine, "cosine_distance": cosine_distance,
             "mismatch": mismatches / numel if numel else 0.0, "mismatches": mismatches,
             "nonfinite_mismatches": nonfinite_mismatches,
             "baseline": base_summary.as_dict(), "target": target_summary.as_dict()}
+
+
+def _cosine(sxx, syy, sxy, sdd, sdb, shift_a, shift_b):
+    """(cosine, 1 - cosine) of sides with sums Σa², Σb², Σab (each side at its own scale) and
+    Σ(a-b)², Σ(a-b)b (at the larger scale, a and b there 2**shift_a, 2**shift_b times theirs).
+
+    1 - Σab/(|a||b|) rounds to 0 where it is under 1e-16: a tensor one ulp off passed cosine=0.
+    Where the norms are close it is taken as (Σ(a-b)² - (|a|-|b|)²) / (2|a||b|), with |a|-|b| =
+    (|a|²-|b|²)/(|a|+|b|) and |a|²-|b|² = 2Σ(a-b)b + Σ(a-b)²: no term there cancels (norms far
+    apart would: (|a|-|b|)² ~ Σ(a-b)²; there the plain cosine loses nothing)."""
+    norms = math.sqrt(sxx * syy)
+    if norms == 0:
+        cosine = 1.0 if sxx == syy == 0 else 0.0
+        return cosine, 1.0 - cosine
+    cosine = min(1.0, max(-1.0, sxy / norms))
+    norm_a, norm_b = math.ldexp(math.sqrt(sxx), shift_a), math.ldexp(math.sqrt(syy), shift_b)
+    if norm_a == 0 or norm_b == 0 or (norm_a - norm_b) ** 2 > norm_a * norm_b:
+        return cosine, 1.0 - cosine
+    gap = (2 * sdb + sdd) / (norm_a + norm_b)  # |a| - |b|
+    distance = min(2.0, max(0.0, (sdd - gap * gap) / (2 * norm_a * norm_b)))
+    return 1.0 - distance, distance
+
+
+def _complex_max_abs_rel(err: np.ndarray, b: np.ndarray):
+    """(max |a-b|, max |a-b| / |b|) of complex elements, from rows (re, im) of |a-b|'s parts and of
+    b: on magnitudes, as the statistics (per part, 1+1j against 1+0j read max_rel inf, not 1). Each
+    magnitude is its larger part times the hypot of the parts over it: |b| of finite parts near
+    1e308 did not overflow, nor the ratio of two magnitudes near the ends of the range."""
+    if err.size == 0:
+        return 0.0, 0.0
+    b = np.abs(b)
+    top_e, top_b = err.max(axis=1), b.max(axis=1)
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore", under="ignore"):
+        unit_e = np.hypot(err[:, 0] / top_e, err[:, 1] / top_e)  # in [1, sqrt 2]: NaN where top_e is 0 or inf
+        unit_b = np.hypot(b[:, 0] / top_b, b[:, 1] / top_b)
+        magnitude = top_e * unit_e
+        rel = (top_e / top_b) * (unit_e / unit_b)
+    magnitude = np.where(top_e == 0, 0.0, np.where(np.isinf(top_e), np.inf, magnitude))
+    rel = np.where(top_e == 0, 0.0, np.where(np.isinf(top_e) | (top_b == 0), np.inf, rel))  # x/0 -> inf, 0/0 -> 0
+    return float(magnitude.max()), float(rel.max())
 
 
 # Integer types that int64 holds exactly (uint16/uint32 exist in newer torch only).

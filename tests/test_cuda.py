@@ -597,26 +597,41 @@ def test_mock_snapshot_is_ordered_on_the_producer_stream(m, seed):
 
 
 def test_mock_tensor_larger_than_both_rings(m):
-    ring = Ring(m, capacity=1 << 20, chunk=64 << 10)
+    # The host ring is larger than the device ring (both far below the tensor): records are reserved
+    # in it at stage time, so with a host ring no larger it filled first and the device ring's
+    # wait depended on timing (whether the drain had freed host space by then).
+    ring = Ring(m, capacity=2 << 20, chunk=64 << 10)
     stager = m.CudaStager(ring.producer, 1 << 20)  # segments of 512 KiB
     stager.register_host()
     t = torch.randint(-2 ** 31, 2 ** 31 - 1, (3 << 20,), dtype=torch.int32)  # 12 MiB
     stream = m._mock.stream_create()
-    # The stream's first copies wait behind a sleep, so the device ring fills and the stager must
-    # wait for it, however fast the drain and the reader run. (0.2 s was not enough on a loaded
-    # machine: the sleep, which starts as it is enqueued, had ended before the third segment.)
-    m._mock.enqueue_sleep(stream, 1.5)
+    # The stream's copies wait behind a gate, opened only once the stager waits for device-ring
+    # space: the ring is certainly full while the big tensor is staged. (A sleep of 1.5 s ended, on
+    # a loaded machine, before the device ring was full: no wait, and the test failed.)
+    gate = m._mock.enqueue_gate(stream)
+
+    def open_when_the_stager_waits():
+        deadline = time.monotonic() + 60
+        while stager.stats()["device_ring_full_waits"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        m._mock.open_gate(gate)
+
     result = {}
     reader = threading.Thread(target=lambda: result.update(ring.read(timeout=2)[0]))
-    reader.start()  # the writer must consume while we stage: the host ring holds 1 MiB
+    opener = threading.Thread(target=open_when_the_stager_waits)
+    reader.start()  # the writer must consume while we stage: the host ring holds 2 MiB
+    opener.start()
     try:
         assert stage(stager, t.view(-1, 1024).t(), stream=stream) == m.STAGED
+        opener.join()
         assert stager.flush(30)
         reader.join()
         assert result[(0, 0, 0)][2] == t.view(-1, 1024).t().contiguous().numpy().tobytes()
         st = stager.stats()
         assert st["snapshots"] >= 24 and st["device_ring_full_waits"] > 0
     finally:
+        m._mock.open_gate(gate)  # (False when already open) a shut gate would hang stream_destroy
+        opener.join()
         stager.close()
         m._mock.stream_destroy(stream)
 

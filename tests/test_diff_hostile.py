@@ -11,6 +11,7 @@ bugs are fixed and the tests pass.
 
 import glob
 import json
+import math
 import os
 import shutil
 import signal
@@ -207,6 +208,38 @@ def test_complex_tensors_compare_real_and_imaginary_parts(tmp_path):
     assert fastdump.diff(base, base, atol=0, rtol=0).ok
 
 
+def test_complex_max_abs_and_max_rel_are_of_magnitudes_as_an_exact_reference_says(tmp_path):
+    """max_rel of complex elements was taken per part: 1+1j against 1+0j read inf (|a-b|/|b| is 1),
+    against 1+0.001j 999 (0.999). Now max_abs and max_rel are of magnitudes, checked against the
+    same formula in 60-digit decimals, also near the float64 range's ends."""
+    from decimal import Decimal, localcontext
+
+    pairs = [(1 + 0j, 1 + 1j), (1 + 1e-3j, 1 + 1j), (3 + 4j, 3 - 4j), (-2.5 + 0.125j, 1e-3 - 7j),
+             (1.5e308 + 1.5e308j, 1.5e308 + 1e308j),  # |b| above the float64 range, parts finite
+             (3e-320j, 1e-320 + 2e-320j), (1e300 + 0j, 1e300 + 1e-300j), (0.1 + 0.2j, 0.1 + 0.2j)]
+    base = {f"c{i}": torch.tensor([b], dtype=torch.complex128) for i, (b, _) in enumerate(pairs)}
+    target = {f"c{i}": torch.tensor([a], dtype=torch.complex128) for i, (_, a) in enumerate(pairs)}
+    base["all"] = torch.tensor([b for b, _ in pairs], dtype=torch.complex128)
+    target["all"] = torch.tensor([a for _, a in pairs], dtype=torch.complex128)
+    result = fastdump.diff(*pair(tmp_path, base, target), atol=0, rtol=0)
+
+    def exact(b, a):  # (|a-b|, |a-b| / |b|) of the float64 parts, in decimals
+        with localcontext() as ctx:
+            ctx.prec = 60
+            d = ((Decimal(a.real) - Decimal(b.real)) ** 2 + (Decimal(a.imag) - Decimal(b.imag)) ** 2).sqrt()
+            return float(d), float(d / (Decimal(b.real) ** 2 + Decimal(b.imag) ** 2).sqrt())
+
+    want = [exact(b, a) for b, a in pairs]
+    for i, (abs_, rel) in enumerate(want):
+        row = row_of(result, f"c{i}")
+        assert row["max_abs"] == pytest.approx(abs_, rel=1e-15, abs=0), (i, row["max_abs"], abs_)
+        assert row["max_rel"] == pytest.approx(rel, rel=1e-15, abs=0), (i, row["max_rel"], rel)
+    assert want[0] == (1.0, 1.0) and want[-1] == (0.0, 0.0)
+    row = row_of(result, "all")
+    assert (row["max_abs"], row["max_rel"]) == pytest.approx((max(w[0] for w in want), max(w[1] for w in want)),
+                                                             rel=1e-15, abs=0)
+
+
 def test_complex_statistics_are_magnitudes_as_in_show(tmp_path, capsys):
     """diff's baseline_stats/target_stats are `fastdump show`'s statistics. They were taken over
     the interleaved (re, im) parts: 3+4j, 6+8j gave min 3, max 8 (show: 5, 10), and a real tensor
@@ -383,6 +416,43 @@ def test_rel_diff_of_a_one_ulp_difference_is_not_lost_to_cancellation(tmp_path):
     d = ulps.double() - many.double()
     assert r["rel_diff"] == pytest.approx(float((d * d).sum() / (ulps.double() ** 2 + many.double() ** 2).sum()),
                                           rel=1e-9, abs=0)
+
+
+def _exact_cosine_distance(a, b):
+    """1 - cosine of two tensors' float64 values, from rationals: (1 - cos²) / (1 + cos)."""
+    from fractions import Fraction
+
+    a, b = ([Fraction(v) for v in t.double().reshape(-1).tolist()] for t in (a, b))
+    ab, aa, bb = sum(x * y for x, y in zip(a, b)), sum(x * x for x in a), sum(y * y for y in b)
+    square = ab * ab / (aa * bb)
+    return float((1 - square) / (1 + Fraction(math.copysign(math.sqrt(float(square)), ab))))
+
+
+def test_cosine_of_a_tensor_one_ulp_off_is_not_1_and_fails_cosine_zero(tmp_path, capsys):
+    """1 - cosine of a tensor one ulp off is ~1e-36: 1 - Σab/(|a||b|) rounded it to 0, cosine read
+    1 and `--metric cosine=0` passed a tensor that differs. 1 - cosine is now kept (checked against
+    rationals), printed as `1-X`; equal tensors still give exactly 0 and pass."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(1000, dtype=torch.float64, generator=g)
+    one = x.clone()
+    one[3] = torch.nextafter(x[3], torch.tensor(INF, dtype=torch.float64))
+    f32 = torch.randn(4096, generator=g)
+    f32_one = f32.clone()
+    f32_one[100] = torch.nextafter(f32[100], torch.tensor(-INF))
+    ints, noisy = torch.arange(1, 100), x + 0.3 * torch.randn(1000, dtype=torch.float64, generator=g)
+    base, target = pair(tmp_path, {"x": x, "f32": f32, "ints": ints, "noisy": x, "same": x},
+                        {"x": one, "f32": f32_one, "ints": ints + (ints == 6), "noisy": noisy, "same": x.clone()})
+    result = fastdump.diff(base, target, metric=["cosine=0"])
+    for name, b, t in (("x", x, one), ("f32", f32, f32_one), ("ints", ints, ints + (ints == 6)), ("noisy", x, noisy)):
+        row = row_of(result, name)
+        assert row["status"] == "fail" and row["reason"] == "exceeds cosine>0", row
+        assert row["cosine_distance"] == pytest.approx(_exact_cosine_distance(b, t), rel=1e-12, abs=0), name
+    assert 0 < row_of(result, "x")["cosine_distance"] < 1e-30 and row_of(result, "x")["cosine"] == 1.0
+    same = row_of(result, "same")
+    assert (same["status"], same["cosine"], same["cosine_distance"]) == ("ok", 1.0, 0.0)
+    code, out, _ = run(capsys, base, target, "--metric", "cosine=0", "--name", "^x$")
+    want = f"cosine 1-{row_of(result, 'x')['cosine_distance']:.3g}  mismatch"
+    assert code == 1 and want in out.splitlines()[0], out
 
 
 @pytest.mark.parametrize("base,target,cosine", [

@@ -214,7 +214,7 @@ def world(monkeypatch):
         monkeypatch.setattr(dist, "is_initialized", lambda: True)
         monkeypatch.setattr(dist, "get_rank", lambda *a: rank)
         monkeypatch.setattr(dist, "get_world_size", lambda *a: size)
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TP_RANK", "TP_SIZE"):
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "TP_RANK", "TP_SIZE"):
         monkeypatch.delenv(name, raising=False)
     return set_world
 
@@ -253,7 +253,10 @@ def test_ranks_a_world_leaves_ambiguous_are_refused(world, rank, size, given, wo
 
 @pytest.mark.parametrize("env, want", [
     ({"RANK": "1", "WORLD_SIZE": "2"}, numbers(1, 2)),
-    ({"LOCAL_RANK": "1", "WORLD_SIZE": "2"}, numbers(1, 2)),
+    ({"LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}, numbers(1, 2)),  # one node, no WORLD_SIZE
+    ({"LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "WORLD_SIZE": "2"}, numbers(1, 2)),  # one node, the world
+    ({"LOCAL_RANK": "0", "WORLD_SIZE": "1"}, numbers(0, 1)),
+    ({"RANK": "9", "LOCAL_RANK": "1", "WORLD_SIZE": "16", "LOCAL_WORLD_SIZE": "8"}, numbers(9, 16)),  # RANK wins
     ({"RANK": "0"}, numbers(0, 1)),
     ({"TP_RANK": "1", "TP_SIZE": "2", "RANK": "5", "WORLD_SIZE": "8"}, numbers(1, 2)),
     ({"RANK": "3", "WORLD_SIZE": "4", "PP": "2"}, numbers(1, 2, 1, 2)),
@@ -272,6 +275,12 @@ def test_ranks_from_launcher_variables(world, monkeypatch, env, want):
     ({"RANK": "1.5", "WORLD_SIZE": "2"}, "RANK='1.5' is not an integer >= 0"),
     ({"RANK": "1", "WORLD_SIZE": "0"}, "WORLD_SIZE='0' is not an integer >= 1"),
     ({"RANK": "2", "WORLD_SIZE": "2"}, "RANK=2 is not below WORLD_SIZE=2"),
+    ({"LOCAL_RANK": "1"}, "LOCAL_RANK=1 is set but RANK, WORLD_SIZE and LOCAL_WORLD_SIZE are not"),
+    ({"LOCAL_RANK": "2", "LOCAL_WORLD_SIZE": "2"}, "LOCAL_RANK=2 is not below LOCAL_WORLD_SIZE=2"),
+    ({"LOCAL_RANK": "1", "WORLD_SIZE": "2"},
+     "LOCAL_RANK=1 is set without RANK, with WORLD_SIZE=2 and LOCAL_WORLD_SIZE is not set"),
+    ({"LOCAL_RANK": "0", "WORLD_SIZE": "16"},
+     "LOCAL_RANK=0 is set without RANK, with WORLD_SIZE=16 and LOCAL_WORLD_SIZE is not set"),
 ])
 def test_bad_launcher_variables_are_refused_naming_the_variable(world, monkeypatch, tmp_path, env, words):
     """RANK=-1 was refused as "tp_rank must be an integer >= 0", WORLD_SIZE alone made every process
@@ -281,6 +290,28 @@ def test_bad_launcher_variables_are_refused_naming_the_variable(world, monkeypat
     with pytest.raises(ValueError, match=words.replace(".", r"\.")):
         fastdump.attach(torch.nn.Linear(2, 2), tmp_path / "dump")
     assert not (tmp_path / "dump").exists()
+
+
+def test_local_rank_of_two_nodes_is_refused_and_of_one_node_dumps_its_own_rank(world, monkeypatch, tmp_path):
+    """A launcher of 2 nodes x 8 setting LOCAL_RANK=1, WORLD_SIZE=16 (no RANK) made the process of
+    each node TP rank 1 of 16: the two nodes' data went to one rank directory name (one shared root)
+    and global rank 9 had none. Now attach refuses it naming the variables, creating nothing; a
+    LOCAL_RANK on a node that is the whole world (LOCAL_WORLD_SIZE = WORLD_SIZE) is that rank."""
+    for name, value in {"LOCAL_RANK": "1", "WORLD_SIZE": "16", "LOCAL_WORLD_SIZE": "8"}.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match="LOCAL_RANK=1 is set without RANK, with WORLD_SIZE=16 and "
+                                         "LOCAL_WORLD_SIZE=8: .* set RANK"):
+        fastdump.attach(torch.nn.Linear(2, 2), tmp_path / "dump")
+    assert not (tmp_path / "dump").exists()
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    model, x = torch.nn.Linear(2, 3), torch.randn(4, 2)
+    with fastdump.attach(model, tmp_path / "dump"):
+        with torch.no_grad():
+            want = model(x)
+    assert rank_dirs(tmp_path / "dump") == {"TP1_PP0_Rank1": numbers(1, 2)}
+    assert same_bits(fastdump.open(tmp_path / "dump").load("target", 1, 0)["Linear"], want)
 
 
 # ------------------------------------------------------------------------ TP=2 against TP=1, roles

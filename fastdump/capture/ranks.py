@@ -36,21 +36,49 @@ def _dist_world():
     return None
 
 
+def _env_local_world(local: int):
+    """(rank, size, where from) of a LOCAL_RANK set without RANK, or None. LOCAL_RANK numbers one
+    node's processes: it is a world rank only where the node is the whole world (LOCAL_WORLD_SIZE,
+    and WORLD_SIZE equal to it or unset); taken with a WORLD_SIZE of several nodes, each node's
+    LOCAL_RANK=1 claimed the same TP rank and their data met in one rank directory."""
+    _, local_size = _env_int(1, "LOCAL_WORLD_SIZE")
+    _, size = _env_int(1, "WORLD_SIZE")
+    if local_size is None and size == 1:  # a world of one process is one node
+        local_size = 1
+    if local_size is None and size is None:
+        if local:  # a rank of a world of unknown size: any TP size would be a guess
+            raise ValueError(f"LOCAL_RANK={local} is set but RANK, WORLD_SIZE and LOCAL_WORLD_SIZE are not: set "
+                             "RANK and WORLD_SIZE, or give tp_rank= and tp_size=")
+        return None
+    if local_size is None or (size is not None and size != local_size):
+        local_size_text = "LOCAL_WORLD_SIZE is not set" if local_size is None else f"LOCAL_WORLD_SIZE={local_size}"
+        raise ValueError(f"LOCAL_RANK={local} is set without RANK, with WORLD_SIZE={size} and {local_size_text}: "
+                         "LOCAL_RANK numbers one node's processes, and which of several nodes this is cannot be "
+                         "told; set RANK (torchrun does), or give tp_rank= and tp_size=")
+    if local >= local_size:
+        raise ValueError(f"LOCAL_RANK={local} is not below LOCAL_WORLD_SIZE={local_size}")
+    return local, local_size, "the launcher's one-node world (LOCAL_RANK/LOCAL_WORLD_SIZE)"
+
+
 def _env_world():
-    """(rank, size, where from) of the launcher's RANK (or LOCAL_RANK) and WORLD_SIZE, or None."""
-    rank_name, rank = _env_int(0, "RANK", "LOCAL_RANK")
+    """(rank, size, where from) of the launcher's RANK and WORLD_SIZE (RANK wins over LOCAL_RANK),
+    or of a one-node LOCAL_RANK, or None."""
+    _, rank = _env_int(0, "RANK")
+    if rank is None:
+        _, local = _env_int(0, "LOCAL_RANK")
+        if local is not None:
+            return _env_local_world(local)
     _, size = _env_int(1, "WORLD_SIZE")
     if size is None:
         if rank:  # a rank of a world of unknown size: any TP size would be a guess
-            raise ValueError(f"{rank_name}={rank} is set but WORLD_SIZE is not: set both, or give tp_rank= and "
-                             "tp_size=")
+            raise ValueError(f"RANK={rank} is set but WORLD_SIZE is not: set both, or give tp_rank= and tp_size=")
         return None
     if rank is None:
         if size > 1:  # every process would be rank 0
             raise ValueError(f"WORLD_SIZE={size} is set but RANK is not: set both, or give tp_rank= and tp_size=")
         rank = 0
     if rank >= size:
-        raise ValueError(f"{rank_name}={rank} is not below WORLD_SIZE={size}")
+        raise ValueError(f"RANK={rank} is not below WORLD_SIZE={size}")
     return rank, size, "the launcher's world (RANK/WORLD_SIZE)"
 
 
