@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import warnings
 
 import numpy as np
 import torch
@@ -69,7 +70,9 @@ def has_arithmetic(dtype) -> bool:
     known = _ARITHMETIC.get(dtype)
     if known is None:
         try:
-            torch.zeros(1, dtype=dtype).to(torch.float64)
+            with warnings.catch_warnings():  # (complex: "casting complex values to real discards ...")
+                warnings.simplefilter("ignore")
+                torch.zeros(1, dtype=dtype).to(torch.float64)
             known = True
         except (RuntimeError, NotImplementedError, TypeError):
             known = False

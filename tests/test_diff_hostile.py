@@ -18,6 +18,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 
 import h5py
 import numpy as np
@@ -1282,3 +1283,12 @@ def test_html_report_of_a_name_with_a_lone_surrogate_is_written(tmp_path, capsys
     assert code == 1 and err == "" and "a\\ud800b" in out
     page = report.read_text(encoding="utf-8")
     assert "a\\ud800b" in page and "First divergence" in page
+
+
+def test_asking_whether_complex_has_arithmetic_warns_of_nothing():
+    """stats.has_arithmetic(complex64) cast a complex zero to float64 to find out, and torch warned
+    "Casting complex values to real discards the imaginary part" into every diff of complex dumps."""
+    stats._ARITHMETIC.pop(torch.complex64, None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert stats.has_arithmetic(torch.complex64)
