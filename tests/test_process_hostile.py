@@ -535,6 +535,67 @@ def check_killed_mid_pass(tmp_path, stop_at, seg, stop_writer=False):
     assert_verify_fails(root, "status incomplete")
 
 
+SERVE_ON_A_TOSTOP_TERMINAL = """
+    import json, os, pty, sys, termios
+    root = sys.argv[1]
+    pid, fd = pty.fork()  # the child serves in the foreground of a terminal of its own
+    if pid == 0:
+        attrs = termios.tcgetattr(0)
+        attrs[3] |= termios.TOSTOP  # `stty tostop`: a background process group that writes is stopped
+        termios.tcsetattr(0, termios.TCSANOW, attrs)
+        import torch, fastdump
+        from torch import nn
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16))
+        d = fastdump.attach(model, root, block_timeout_s=1)
+        # the writer logs a line on the terminal (a message it does not know makes it warn)
+        d._channel.control({"op": "no such op", "channel": d._channel.id})
+        with torch.no_grad():
+            for i in range(5):
+                model(torch.full((2, 16), float(i)))
+        st = d.close(timeout=10)
+        print("RESULT " + json.dumps({"status": st["status"], "error": st["error"]}), flush=True)
+        os._exit(0)
+    out = b""
+    while True:
+        try:
+            chunk = os.read(fd, 65536)
+        except OSError:
+            break
+        if not chunk:
+            break
+        out += chunk
+    os.waitpid(pid, 0)
+    sys.stdout.write(out.decode(errors="replace"))
+"""
+
+
+def test_a_writer_logging_to_a_tostop_terminal_is_not_stopped(tmp_path):
+    # The writer's process group is a background one of the serving terminal: under `stty tostop`
+    # its first log line there stopped it (SIGTTOU) for good, and every pass after was lost.
+    root = tmp_path / "dump"
+    code, out, err = run_script(tmp_path, SERVE_ON_A_TOSTOP_TERMINAL, root, timeout=120)
+    assert code == 0, out + err
+    result = json.loads(out.split("RESULT ", 1)[1].splitlines()[0])
+    assert result == {"status": "closed", "error": None}, out
+    assert "unknown control op" in out, out  # the writer did log on the terminal
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16))
+    ds = fastdump.open(root)
+    rank = rank_of(ds)
+    assert ds.passes("target", rank) == list(range(5))
+    with torch.no_grad():
+        for p in range(5):
+            x = torch.full((2, 16), float(p))
+            a = ref[0](x)
+            b = ref[1](a)
+            c = ref[2](b)
+            got = ds.load("target", rank, p, check=True)
+            assert sorted(got) == ["0", "1", "2", "Sequential"] and ds.meta("target", rank, p)["complete"]
+            assert all(same_bits(got[k], v) for k, v in {"0": a, "1": b, "2": c, "Sequential": c}.items())
+    assert_verifies(root)
+
+
 # -------------------------------------------------------------------------------------------- fork
 
 FORK_SERVE = """
