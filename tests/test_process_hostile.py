@@ -439,9 +439,10 @@ def test_ctrl_c_at_every_point_of_the_dumpers_code_leaves_later_passes_whole_and
 # ------------------------------------------------------------- the serving process killed mid-pass
 
 SERVE_UNTIL_KILLED = """
-    import os, sys, time, torch, fastdump
+    import os, signal, sys, time, torch, fastdump
     from torch import nn
     root, marker, stop_at, seg = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+    stop_writer = sys.argv[5:] == ["stop-writer"]
     torch.manual_seed(0)
 
     class Gate(nn.Module):  # in pass `stop_at` it says so and waits for the SIGKILL, mid-pass
@@ -451,6 +452,10 @@ SERVE_UNTIL_KILLED = """
 
         def forward(self, x):
             if self.n == stop_at:
+                if stop_writer:  # the writer stopped (SIGSTOP) when its serving process dies
+                    pid = d._engine._proc.pid
+                    os.kill(pid, signal.SIGSTOP)
+                    open(marker + ".writer", "w").write(str(pid))
                 open(marker, "w").close()
                 time.sleep(600)
             self.n += 1
@@ -479,18 +484,41 @@ def killed_reference(n):
 
 @pytest.mark.parametrize("seg", [1, 4, 1000])
 def test_serving_process_killed_mid_pass_keeps_every_finished_pass_and_flags_the_open_one(tmp_path, seg):
-    stop_at = random.Random(seg).randrange(3, 40)
+    check_killed_mid_pass(tmp_path, random.Random(seg).randrange(3, 40), seg)
+
+
+@pytest.mark.parametrize("seg", [1, 1000])
+def test_serving_process_killed_while_its_writer_is_stopped_keeps_every_finished_pass(tmp_path, seg):
+    # The writer leads its own process group: once its serving process is gone, that group is
+    # orphaned, and the kernel sends a stopped member of an orphaned group SIGHUP then SIGCONT.
+    # The writer died of that SIGHUP, losing every pass of its open segment (found by fuzzing).
+    check_killed_mid_pass(tmp_path, 5, seg, stop_writer=True)
+
+
+def check_killed_mid_pass(tmp_path, stop_at, seg, stop_writer=False):
     root, marker = tmp_path / "dump", tmp_path / "marker"
     script = tmp_path / "serve.py"
     script.write_text(textwrap.dedent(SERVE_UNTIL_KILLED))
-    proc = subprocess.Popen([sys.executable, str(script), str(root), str(marker), str(stop_at), str(seg)], env=ENV)
+    proc = subprocess.Popen([sys.executable, str(script), str(root), str(marker), str(stop_at), str(seg)]
+                            + (["stop-writer"] if stop_writer else []), env=ENV)
+    writer = None
     try:
         assert wait_for(marker.exists, timeout=60), "the serving process never reached the pass"
+        if stop_writer:
+            writer = int((tmp_path / "marker.writer").read_text())
     finally:
         proc.kill()
         proc.wait()
-    assert wait_for(lambda: any(json.loads(p.read_text()).get("status") == "incomplete"
-                                for p in root.glob("target/*/rank.json")), timeout=30)
+        if writer is not None:
+            time.sleep(0.2)  # (the orphaned group's SIGHUP comes as the serving process is reaped)
+            signal_quietly(writer, signal.SIGCONT)
+    try:
+        assert wait_for(lambda: any(json.loads(p.read_text()).get("status") == "incomplete"
+                                    for p in root.glob("target/*/rank.json")), timeout=30), \
+            [p.read_text() for p in root.glob("target/*/rank.json")]
+    finally:
+        if writer is not None:
+            signal_quietly(writer, signal.SIGKILL)
     ds = fastdump.open(root)
     rank = rank_of(ds)
     want = killed_reference(stop_at + 1)
@@ -505,6 +533,67 @@ def test_serving_process_killed_mid_pass_keeps_every_finished_pass_and_flags_the
     assert list(cut) == ["0"] and same_bits(cut["0"], want[stop_at]["0"])
     assert ds.meta("target", rank, stop_at)["complete"] is False
     assert_verify_fails(root, "status incomplete")
+
+
+SERVE_ON_A_TOSTOP_TERMINAL = """
+    import json, os, pty, sys, termios
+    root = sys.argv[1]
+    pid, fd = pty.fork()  # the child serves in the foreground of a terminal of its own
+    if pid == 0:
+        attrs = termios.tcgetattr(0)
+        attrs[3] |= termios.TOSTOP  # `stty tostop`: a background process group that writes is stopped
+        termios.tcsetattr(0, termios.TCSANOW, attrs)
+        import torch, fastdump
+        from torch import nn
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16))
+        d = fastdump.attach(model, root, block_timeout_s=1)
+        # the writer logs a line on the terminal (a message it does not know makes it warn)
+        d._channel.control({"op": "no such op", "channel": d._channel.id})
+        with torch.no_grad():
+            for i in range(5):
+                model(torch.full((2, 16), float(i)))
+        st = d.close(timeout=10)
+        print("RESULT " + json.dumps({"status": st["status"], "error": st["error"]}), flush=True)
+        os._exit(0)
+    out = b""
+    while True:
+        try:
+            chunk = os.read(fd, 65536)
+        except OSError:
+            break
+        if not chunk:
+            break
+        out += chunk
+    os.waitpid(pid, 0)
+    sys.stdout.write(out.decode(errors="replace"))
+"""
+
+
+def test_a_writer_logging_to_a_tostop_terminal_is_not_stopped(tmp_path):
+    # The writer's process group is a background one of the serving terminal: under `stty tostop`
+    # its first log line there stopped it (SIGTTOU) for good, and every pass after was lost.
+    root = tmp_path / "dump"
+    code, out, err = run_script(tmp_path, SERVE_ON_A_TOSTOP_TERMINAL, root, timeout=120)
+    assert code == 0, out + err
+    result = json.loads(out.split("RESULT ", 1)[1].splitlines()[0])
+    assert result == {"status": "closed", "error": None}, out
+    assert "unknown control op" in out, out  # the writer did log on the terminal
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16))
+    ds = fastdump.open(root)
+    rank = rank_of(ds)
+    assert ds.passes("target", rank) == list(range(5))
+    with torch.no_grad():
+        for p in range(5):
+            x = torch.full((2, 16), float(p))
+            a = ref[0](x)
+            b = ref[1](a)
+            c = ref[2](b)
+            got = ds.load("target", rank, p, check=True)
+            assert sorted(got) == ["0", "1", "2", "Sequential"] and ds.meta("target", rank, p)["complete"]
+            assert all(same_bits(got[k], v) for k, v in {"0": a, "1": b, "2": c, "Sequential": c}.items())
+    assert_verifies(root)
 
 
 # -------------------------------------------------------------------------------------------- fork

@@ -48,7 +48,14 @@ def main() -> int:
     gc.freeze()
     gc.set_threshold(100_000, 50, 100)
     # Only the serving process's fate ends us; a Ctrl-C sent to its group must not cut the drain.
+    # Nor a SIGHUP: we lead our own process group, which the serving process's death orphans, and
+    # the kernel then sends SIGHUP (and SIGCONT) to it if we are stopped; it killed us with every
+    # pass still in the open segment. A hangup of the terminal reaches the serving process instead.
+    # And our own process group is a background one of the serving terminal: under `stty tostop`
+    # our first log line there would stop us (SIGTTOU) for good. Ignored, the write goes through.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    signal.signal(signal.SIGTTOU, signal.SIG_IGN)
     producer_pipe = os.dup(sys.stdin.fileno())
     sys.stdout = sys.stderr  # keep stray prints off the liveness pipe
     consumer = _C.Consumer(args.shm)
