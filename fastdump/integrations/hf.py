@@ -5,11 +5,15 @@
 
 Roles ``target`` (``model``) and ``draft`` (``assistant_model``); each forward call of a model is one
 pass, with metadata ``forward_mode``, ``batch_size``, ``num_tokens`` (input tokens, all sequences)
-and ``cached_tokens`` (KV-cache length before the call). ``forward_mode``:
+and ``cached_tokens`` (KV-cache length before the call); a target pass that scores candidate tokens
+(assisted generation, prompt lookup) also has ``candidates`` (candidate tokens per sequence, 0 when
+the candidate generator proposed none). ``forward_mode``:
 
-- ``prefill``: nothing cached yet (the first call of a generate);
+- ``prefill``: nothing cached yet (the first call of a generate; in assisted generation it scores the
+  first candidates too: see ``candidates``);
 - ``decode``: one new token per sequence on top of the cache;
-- ``verify``: the target scoring several candidate tokens of the assistant at once;
+- ``verify``: the target scoring candidate tokens (of the assistant, or prompt lookup's) on top of
+  the cache;
 - ``extend``: several new tokens on top of a cache otherwise (the assistant catching up on the
   tokens the target accepted, or a chunked prompt).
 
@@ -18,6 +22,7 @@ transformers is optional (``pip install fastdump[hf]``); this module imports it 
 
 from __future__ import annotations
 
+import types
 from contextlib import contextmanager
 
 import fastdump
@@ -37,11 +42,25 @@ def _cached_tokens(cache) -> int:
         return 0
 
 
-def forward_meta(args, kwargs, *, verifies: bool = False) -> dict:
-    """Pass metadata for one causal-LM forward call, from its arguments (no tensor work)."""
-    ids = kwargs.get("input_ids", args[0] if args else None)
-    if ids is None:
-        ids = kwargs.get("inputs_embeds")
+def _new_tokens(args, kwargs):
+    """The tokens (ids or embeddings, [batch, tokens, ...]) a call feeds: an encoder-decoder's
+    decoder input when it has one (its encoder runs once, see dump_generate), else the model's."""
+    for key in ("decoder_input_ids", "decoder_inputs_embeds", "input_ids"):
+        ids = kwargs.get(key)
+        if ids is not None:
+            return ids
+    if args:
+        return args[0]
+    return kwargs.get("inputs_embeds")
+
+
+def forward_meta(args, kwargs, *, verifies: bool = False, candidates: int | None = None) -> dict:
+    """Pass metadata for one causal-LM forward call, from its arguments (no tensor work).
+
+    ``candidates``: the candidate tokens per sequence this call scores (assisted generation), None
+    when it scores none; ``verifies=True`` says the same without a count (any call feeding several
+    tokens on top of a cache verifies)."""
+    ids = _new_tokens(args, kwargs)
     batch, new = (ids.shape[0], ids.shape[1]) if ids is not None and ids.dim() >= 2 else (1, 0)
     # transformers 5 names the cache argument `cache`, 4.x `past_key_values`
     cached = _cached_tokens(kwargs.get("cache", kwargs.get("past_key_values")))
@@ -50,20 +69,102 @@ def forward_meta(args, kwargs, *, verifies: bool = False) -> dict:
     elif new == 1:
         mode = "decode"
     else:
-        mode = "verify" if verifies else "extend"
-    return {"forward_mode": mode, "batch_size": batch, "num_tokens": batch * new, "cached_tokens": cached}
+        mode = "verify" if verifies or candidates else "extend"
+    meta = {"forward_mode": mode, "batch_size": batch, "num_tokens": batch * new, "cached_tokens": cached}
+    if candidates is not None:
+        meta["candidates"] = candidates
+    return meta
+
+
+class _Candidates:
+    """What the candidate generator of the running assisted generate proposed last: the length of
+    the sequence it returned (prompt, accepted tokens and candidates) and the candidates in it.
+
+    The target's next call that covers exactly that sequence (cached + new tokens) scores them;
+    any other call (a plain generate after an assisted one that raised) does not."""
+
+    def __init__(self):
+        self.total, self.count = None, None
+
+    def take(self, args, kwargs, cached: int) -> int | None:
+        total, count = self.total, self.count
+        self.total = self.count = None
+        if total is None:
+            return None
+        ids = _new_tokens(args, kwargs)
+        if ids is None or ids.dim() < 2 or cached + ids.shape[1] != total:
+            return None
+        return count
+
+    def wrap_generator_factory(self, model):
+        """Wrap ``model._get_candidate_generator`` (one instance attribute) so that every candidate
+        generator it makes reports its candidates here. False when the model has none to wrap."""
+        if not callable(getattr(type(model), "_get_candidate_generator", None)) \
+                or "_get_candidate_generator" in vars(model):
+            return False
+        state = self
+
+        def _get_candidate_generator(self, *args, **kwargs):
+            state.total = state.count = None  # a new generate
+            generator = type(self)._get_candidate_generator(self, *args, **kwargs)
+            get = getattr(generator, "get_candidates", None)
+            if callable(get):
+                def get_candidates(input_ids, *a, **k):
+                    state.total = state.count = None
+                    out = get(input_ids, *a, **k)
+                    try:
+                        total = int(out[0].shape[-1])
+                        state.total, state.count = total, total - int(input_ids.shape[-1])
+                    except Exception:  # an unknown generator's output: no count, never an error in generate
+                        pass
+                    return out
+                try:
+                    generator.get_candidates = get_candidates
+                except Exception:
+                    pass
+            return generator
+
+        # bound: a deep copy of the model binds it to the copy
+        model._get_candidate_generator = types.MethodType(_get_candidate_generator, model)
+        return True
 
 
 def _attach(model, root, role, verifies, attach_kwargs):
     # fastdump's forward wrappers keep the signature that generate() inspects (functools.wraps).
     dumper = fastdump.attach(model, root, role=role, **attach_kwargs)
+    candidates = _Candidates()
+    # The candidates a target call scores, when transformers lets us see them; else (an old or
+    # unknown transformers) every call of a target with an assistant that feeds several tokens on a
+    # cache is taken to verify, as before.
+    counted = role == "target" and candidates.wrap_generator_factory(model)
 
     def pre_hook(module, args, kwargs):
         # Runs before fastdump's wrapper begins the pass: set_pass_meta then feeds the coming pass.
-        dumper.set_pass_meta(**forward_meta(args, kwargs, verifies=verifies))
+        # Never raises into the model: metadata it cannot work out is recorded as such.
+        try:
+            if counted:
+                meta = forward_meta(args, kwargs)
+                n = candidates.take(args, kwargs, meta["cached_tokens"])
+                if n is not None:
+                    meta = forward_meta(args, kwargs, candidates=n)
+            else:
+                meta = forward_meta(args, kwargs, verifies=verifies)
+        except Exception as exc:
+            meta = {"fastdump_meta_error": f"{type(exc).__name__}: {exc}"[:200]}
+        try:
+            dumper.set_pass_meta(**meta)
+        except Exception:
+            pass
 
-    handle = model.register_forward_pre_hook(pre_hook, with_kwargs=True)
-    return dumper, handle
+    handles = [model.register_forward_pre_hook(pre_hook, with_kwargs=True)]
+
+    def detach():
+        for handle in handles:
+            handle.remove()
+        if counted:
+            vars(model).pop("_get_candidate_generator", None)
+
+    return dumper, detach
 
 
 @contextmanager
@@ -79,6 +180,6 @@ def dump_generate(model, root, *, assistant_model=None, **attach_kwargs):
             attached.append(("draft", *_attach(assistant_model, root, "draft", False, attach_kwargs)))
         yield {role: dumper for role, dumper, _ in attached}
     finally:
-        for _, dumper, handle in reversed(attached):
-            handle.remove()
+        for _, dumper, detach in reversed(attached):
+            detach()
             dumper.close()

@@ -1,0 +1,185 @@
+"""Hugging Face generate() dumped the way users run it: every dumped tensor equals, bit for bit, what
+the module computed at that moment (recorded by forward hooks that clone it), the pass metadata says
+what ran, and `fastdump verify` passes exactly when nothing was lost or mixed."""
+
+import copy
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+transformers = pytest.importorskip("transformers", reason="transformers not installed (pip install fastdump[hf])")
+transformers.logging.set_verbosity_error()
+
+import fastdump  # noqa: E402
+from fastdump.integrations.hf import dump_generate  # noqa: E402
+
+
+def tiny_llama(layers=2, seed=0, **kw):
+    torch.manual_seed(seed)
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                                   num_attention_heads=4, num_key_value_heads=2, **kw)
+    return transformers.LlamaForCausalLM(cfg).eval()
+
+
+def tiny_t5():
+    torch.manual_seed(0)
+    cfg = transformers.T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_decoder_layers=1,
+                                num_heads=2, decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)
+    return transformers.T5ForConditionalGeneration(cfg).eval()
+
+
+def _flatten(name, value, out):
+    if isinstance(value, torch.Tensor):
+        out[name] = value.detach().clone()
+    elif isinstance(value, (tuple, list)):
+        for i, item in enumerate(value):
+            _flatten(f"{name}.{i}", item, out)
+    elif isinstance(value, dict):  # ModelOutput too (its None fields are no keys)
+        for key, item in value.items():
+            _flatten(f"{name}.{key}", item, out)
+
+
+class Recorder:
+    """The reference: each leaf's and the root's output, cloned by forward hooks, one dict per
+    forward of ``root`` that ran at least one module (named as fastdump names them)."""
+
+    def __init__(self, root, modules=None):
+        self.passes, self.cur, self.calls, self.active = [], None, {}, False
+        self.handles = [root.register_forward_pre_hook(self._begin)]
+        named = modules or [(n, m) for n, m in root.named_modules() if n and not list(m.children())] + \
+            [(type(root).__name__, root)]
+        for name, module in named:
+            self.handles.append(module.register_forward_hook(self._hook(name)))
+        self.handles.append(root.register_forward_hook(self._end))
+
+    def _begin(self, module, args):
+        self.cur, self.calls, self.active = {}, {}, True
+
+    def _end(self, module, args, out):
+        self.active = False
+
+    def _hook(self, name):
+        def hook(module, args, out):
+            if not self.active:
+                return
+            if not self.passes or self.passes[-1] is not self.cur:
+                self.passes.append(self.cur)
+            k = self.calls.get(name, 0)
+            self.calls[name] = k + 1
+            _flatten(name if k == 0 else f"{name}#{k}", out, self.cur)
+        return hook
+
+    def remove(self):
+        for h in self.handles:
+            h.remove()
+
+
+def assert_dump_equals(root, role, passes):
+    """The role's dump holds exactly ``passes`` (name -> tensor), bit for bit; returns the metas."""
+    ds = fastdump.open(root)
+    (rank,) = ds.ranks(role)
+    ids = ds.passes(role, rank)
+    assert len(ids) == len(passes)
+    for p, ref in zip(ids, passes):
+        got = ds.load(role, rank, p, check=True)
+        assert sorted(got) == sorted(ref), p
+        for name, t in ref.items():
+            assert got[name].dtype == t.dtype and got[name].shape == t.shape and torch.equal(got[name], t), (p, name)
+    return [ds.meta(role, rank, p) for p in ids]
+
+
+def verify(root):
+    r = subprocess.run([sys.executable, "-m", "fastdump", "verify", str(root)], capture_output=True, text=True,
+                       timeout=60)
+    return r.returncode, r.stdout + r.stderr
+
+
+PROMPT = torch.tensor([[0, 0, 1, 5, 9, 7], [3, 3, 8, 2, 4, 6]])
+MASK = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
+
+
+@pytest.mark.parametrize("kw, batch", [
+    (dict(do_sample=False), 2),                                      # greedy, left padding
+    (dict(do_sample=True, top_k=5), 2),                              # sampling
+    (dict(num_beams=3, num_return_sequences=2, do_sample=False), 6),  # beams reordered between steps
+    (dict(use_cache=False, do_sample=False), 2),                     # no cache: every call is a prefill
+    (dict(cache_implementation="static", do_sample=False), 2),
+    (dict(prefill_chunk_size=4, do_sample=False), 2),                # chunked prompt: prefill, extend
+    (dict(output_hidden_states=True, output_attentions=True, output_logits=True,
+          return_dict_in_generate=True, do_sample=False), 2),
+])
+def test_generate_modes_dump_what_ran(tmp_path, kw, batch):
+    model = tiny_llama(attn_implementation="eager")
+    rec = Recorder(model)
+    with dump_generate(model, tmp_path, writer="thread"):
+        model.generate(PROMPT, attention_mask=MASK, max_new_tokens=3, pad_token_id=0, **kw)
+    rec.remove()
+    metas = assert_dump_equals(tmp_path, "target", rec.passes)
+    assert all(m["complete"] and m["batch_size"] == batch for m in metas)
+    assert all("candidates" not in m and m["forward_mode"] != "verify" for m in metas)
+    if kw.get("use_cache") is False:
+        assert [m["forward_mode"] for m in metas] == ["prefill"] * 3
+        assert [m["num_tokens"] for m in metas] == [12, 14, 16]
+    elif "prefill_chunk_size" in kw:
+        assert [(m["forward_mode"], m["cached_tokens"]) for m in metas] == \
+            [("prefill", 0), ("extend", 4), ("decode", 6), ("decode", 7)]
+    else:
+        assert [(m["forward_mode"], m["cached_tokens"]) for m in metas] == \
+            [("prefill", 0), ("decode", 6), ("decode", 7)]
+    assert verify(tmp_path) == (0, "OK\n")
+
+
+def test_assisted_candidates_are_what_the_target_scored(tmp_path):
+    """Each target pass of assisted generation says how many candidates it scored: its lm_head has
+    one row per candidate plus the next token's (logits_to_keep), and `verify` marks exactly the
+    passes that score candidates on top of a cache."""
+    model, draft = tiny_llama(2, 0), tiny_llama(1, 1)
+    recs = {"target": Recorder(model), "draft": Recorder(draft)}
+    with dump_generate(model, tmp_path, assistant_model=draft, writer="thread"):
+        model.generate(torch.tensor([[1, 5, 9, 7]]), assistant_model=draft, max_new_tokens=5, do_sample=False,
+                       pad_token_id=0)
+    for r in recs.values():
+        r.remove()
+    metas = assert_dump_equals(tmp_path, "target", recs["target"].passes)
+    assert_dump_equals(tmp_path, "draft", recs["draft"].passes)
+    for m, ref in zip(metas, recs["target"].passes):
+        assert ref["lm_head"].shape[1] == m["candidates"] + 1
+        assert m["forward_mode"] == ("prefill" if m["cached_tokens"] == 0 else
+                                     "verify" if m["candidates"] else "decode")
+    assert metas[-1]["candidates"] == 0 and any(m["forward_mode"] == "verify" for m in metas)
+    assert verify(tmp_path) == (0, "OK\n")
+
+
+def test_prompt_lookup_passes_verify(tmp_path):
+    """Prompt lookup decoding has no assistant model, but its target passes score candidates all
+    the same: they are `verify` passes with their candidate count, not `extend`."""
+    model = tiny_llama()
+    rec = Recorder(model)
+    with dump_generate(model, tmp_path, writer="thread"):
+        model.generate(torch.tensor([[1, 5, 9, 7, 1, 5, 9, 7]]), prompt_lookup_num_tokens=3, max_new_tokens=6,
+                       do_sample=False, pad_token_id=0)
+    rec.remove()
+    metas = assert_dump_equals(tmp_path, "target", rec.passes)
+    for m, ref in zip(metas, rec.passes):
+        assert ref["lm_head"].shape[1] == m["candidates"] + 1
+    modes = [m["forward_mode"] for m in metas]
+    assert "verify" in modes and "extend" not in modes
+    assert all((m["forward_mode"] == "verify") == (m["cached_tokens"] > 0 and m["candidates"] > 0) for m in metas)
+
+
+def test_plain_generate_beside_an_assistant_verifies_nothing(tmp_path):
+    """dump_generate(assistant_model=draft) does not make every multi-token call of the target a
+    `verify`: a generate without the assistant (here a chunked prompt) scores no candidates."""
+    model, draft = tiny_llama(2, 0), tiny_llama(1, 1)
+    with dump_generate(model, tmp_path, assistant_model=draft, writer="thread"):
+        model.generate(torch.tensor([[1, 5, 9, 7, 2, 3, 4, 5]]), prefill_chunk_size=3, max_new_tokens=2,
+                       do_sample=False, pad_token_id=0)
+    ds = fastdump.open(tmp_path)
+    (rank,) = ds.ranks("target")
+    metas = [ds.meta("target", rank, p) for p in ds.passes("target", rank)]
+    assert [m["forward_mode"] for m in metas] == ["prefill", "extend", "extend", "decode"]
+    assert all("candidates" not in m for m in metas)
