@@ -183,3 +183,75 @@ def test_plain_generate_beside_an_assistant_verifies_nothing(tmp_path):
     metas = [ds.meta("target", rank, p) for p in ds.passes("target", rank)]
     assert [m["forward_mode"] for m in metas] == ["prefill", "extend", "extend", "decode"]
     assert all("candidates" not in m for m in metas)
+
+
+def test_encoder_decoder_generate_dumps_the_encoder(tmp_path):
+    """An encoder-decoder's generate() runs the encoder once, outside any forward of the model: it is
+    a pass of its own (`encode`), its tensors what the encoder computed; the decoder's passes count
+    the decoder's tokens."""
+    model = tiny_t5()
+    leaves = [(n, m) for n, m in model.named_modules() if n and not list(m.children())]
+    enc = Recorder(model.get_encoder(), [(n, m) for n, m in leaves if n.startswith("encoder.")])
+    dec = Recorder(model)
+    with dump_generate(model, tmp_path, writer="thread"):
+        model.generate(torch.tensor([[5, 6, 7, 8], [9, 9, 9, 9]]), max_new_tokens=3, do_sample=False)
+    enc.remove()
+    dec.remove()
+    assert len(enc.passes) == 1 and enc.passes[0]
+    metas = assert_dump_equals(tmp_path, "target", enc.passes + dec.passes)
+    assert metas[0]["forward_mode"] == "encode" and metas[0]["num_tokens"] == 8
+    assert [(m["forward_mode"], m["batch_size"], m["num_tokens"]) for m in metas[1:]] == \
+        [("prefill", 2, 2)] + [("decode", 2, 2)] * (len(metas) - 2)
+    assert verify(tmp_path) == (0, "OK\n")
+
+
+@pytest.mark.parametrize("exc", [RuntimeError, KeyboardInterrupt])
+def test_encoder_raising_leaves_an_incomplete_pass(tmp_path, exc):
+    """The encoder raising mid-way (a hook's error, Ctrl-C): its pass holds what ran, marked
+    incomplete; the next generate's passes are whole and their own."""
+    model = tiny_t5()
+    armed = [True]
+
+    def bomb(module, args, out):
+        if armed[0]:
+            armed[0] = False
+            raise exc("stop")
+
+    h = model.encoder.block[0].layer[1].register_forward_hook(bomb)
+    with dump_generate(model, tmp_path, writer="thread"):
+        with pytest.raises(exc):
+            model.generate(torch.tensor([[5, 6, 7, 8]]), max_new_tokens=2, do_sample=False)
+        model.generate(torch.tensor([[5, 6, 7, 8]]), max_new_tokens=2, do_sample=False)
+    h.remove()
+    ds = fastdump.open(tmp_path)
+    (rank,) = ds.ranks("target")
+    metas = [ds.meta("target", rank, p) for p in ds.passes("target", rank)]
+    assert [(m["forward_mode"], m["complete"]) for m in metas] == \
+        [("encode", False), ("encode", True), ("prefill", True), ("decode", True)]
+    first = ds.load("target", rank, 0)
+    assert "encoder.block.0.layer.0.SelfAttention.q" in first and "encoder.final_layer_norm" not in first
+    assert "decoder.embed_tokens" not in ds.load("target", rank, 1)  # each pass holds its own call only
+    code, out = verify(tmp_path)
+    assert code == 0 and "pass 0 is incomplete" in out
+
+
+def test_ctrl_c_closing_the_draft_still_closes_the_target(tmp_path):
+    """Ctrl-C while dump_generate closes the draft's Dumper: the target's is closed and its model
+    restored all the same, then the KeyboardInterrupt goes on."""
+    model, draft = tiny_llama(2, 0), tiny_llama(1, 1)
+    with pytest.raises(KeyboardInterrupt):
+        with dump_generate(model, tmp_path, assistant_model=draft, writer="thread") as dumpers:
+            model.generate(torch.tensor([[1, 5, 9, 7]]), assistant_model=draft, max_new_tokens=2, do_sample=False,
+                           pad_token_id=0)
+            close = dumpers["draft"].close
+
+            def interrupted_close(*a, **k):
+                close(*a, **k)
+                raise KeyboardInterrupt
+
+            dumpers["draft"].close = interrupted_close
+    assert dumpers["target"].status == "closed"
+    for m in (model, draft):
+        assert not m._forward_pre_hooks and not any("forward" in vars(mod) for mod in m.modules())
+    assert "_get_candidate_generator" not in vars(model)
+    assert verify(tmp_path) == (0, "OK\n")

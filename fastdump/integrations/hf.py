@@ -17,6 +17,9 @@ the candidate generator proposed none). ``forward_mode``:
 - ``extend``: several new tokens on top of a cache otherwise (the assistant catching up on the
   tokens the target accepted, or a chunked prompt).
 
+An encoder-decoder's encoder, which generate() runs outside any forward of the model, is a pass of
+its own (``forward_mode`` ``encode``).
+
 transformers is optional (``pip install fastdump[hf]``); this module imports it nowhere.
 """
 
@@ -157,6 +160,7 @@ def _attach(model, root, role, verifies, attach_kwargs):
             pass
 
     handles = [model.register_forward_pre_hook(pre_hook, with_kwargs=True)]
+    handles += _encoder_passes(model, dumper)
 
     def detach():
         for handle in handles:
@@ -165,6 +169,55 @@ def _attach(model, root, role, verifies, attach_kwargs):
             vars(model).pop("_get_candidate_generator", None)
 
     return dumper, detach
+
+
+def _encoder_passes(model, dumper) -> list:
+    """An encoder-decoder's generate() runs the encoder once, before and outside any forward of the
+    model (``model.get_encoder()(...)``): without a pass of its own nothing it computes is dumped.
+    Make each such call a pass (``forward_mode`` ``encode``); a call inside the model's forward
+    (``model(input_ids, decoder_input_ids=...)``) stays in that forward's pass. Returns the hooks'
+    handles."""
+    if not getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+        return []
+    try:
+        encoder = model.get_encoder()
+    except Exception:
+        encoder = None
+    if encoder is None or encoder is model or not hasattr(encoder, "register_forward_pre_hook"):
+        return []
+    opened = []  # [True] while an encoder pass this hook began is open
+
+    def end(reason=None):
+        opened.clear()
+        if reason is not None:
+            dumper._mark_incomplete(reason)
+        dumper.end_pass()
+
+    def before(module, args, kwargs):
+        if opened:  # the previous call raised a BaseException that no hook saw (Ctrl-C)
+            end("the encoder's forward was interrupted: its pass never ended")
+        if dumper.in_pass:
+            return
+        meta = {"forward_mode": "encode"}
+        try:
+            ids = kwargs.get("input_ids", args[0] if args else None)
+            if ids is None:
+                ids = kwargs.get("inputs_embeds")
+            if ids is not None and ids.dim() >= 2:
+                meta.update(batch_size=int(ids.shape[0]), num_tokens=int(ids.shape[0] * ids.shape[1]),
+                            cached_tokens=0)
+        except Exception:  # (input_features, say: the mode alone)
+            pass
+        dumper.begin_pass(**meta)
+        opened.append(True)
+
+    def after(module, args, output):
+        if opened:
+            # always_call: on an Exception in forward torch calls this with output None
+            end("the encoder's forward raised" if output is None else None)
+
+    return [encoder.register_forward_pre_hook(before, with_kwargs=True),
+            encoder.register_forward_hook(after, always_call=True)]
 
 
 @contextmanager
@@ -180,6 +233,16 @@ def dump_generate(model, root, *, assistant_model=None, **attach_kwargs):
             attached.append(("draft", *_attach(assistant_model, root, "draft", False, attach_kwargs)))
         yield {role: dumper for role, dumper, _ in attached}
     finally:
+        # Every role is detached and closed even when closing one is interrupted (Ctrl-C in its
+        # close): the first such exception is raised once all are done.
+        error = None
         for _, dumper, detach in reversed(attached):
-            detach()
-            dumper.close()
+            try:
+                try:
+                    detach()
+                finally:
+                    dumper.close()
+            except BaseException as exc:
+                error = error or exc
+        if error is not None:
+            raise error
