@@ -255,3 +255,44 @@ def test_ctrl_c_closing_the_draft_still_closes_the_target(tmp_path):
         assert not m._forward_pre_hooks and not any("forward" in vars(mod) for mod in m.modules())
     assert "_get_candidate_generator" not in vars(model)
     assert verify(tmp_path) == (0, "OK\n")
+
+
+def test_early_exit_drafts_are_marked(tmp_path):
+    """assistant_early_exit: the target drafts its own candidates with its first layers. Those calls
+    are target passes too; `draft: True` tells them from the passes that score the candidates."""
+    model = tiny_llama(2, 0)
+    rec = Recorder(model)
+    with dump_generate(model, tmp_path, writer="thread"):
+        model.generate(torch.tensor([[1, 5, 9, 7]]), assistant_early_exit=1, max_new_tokens=4, do_sample=False,
+                       pad_token_id=0)
+    rec.remove()
+    metas = assert_dump_equals(tmp_path, "target", rec.passes)
+    assert any(m.get("draft") for m in metas) and any("candidates" in m for m in metas)
+    for m, ref in zip(metas, rec.passes):
+        drafted = "model.layers.1.mlp.down_proj" not in ref  # (the early exit ran layer 0 only)
+        assert m.get("draft", False) == drafted and ("candidates" in m) == (not drafted)
+
+
+def test_metadata_that_cannot_be_read_never_stops_the_model(tmp_path):
+    """A cache object whose length cannot be read (a custom or hybrid cache): the forward runs and is
+    dumped, the pass's metadata says why it has none."""
+    class Cache:
+        def get_seq_length(self):
+            raise NotImplementedError("hybrid cache: ask a layer")
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(4, 4)
+
+        def forward(self, input_ids, past_key_values=None):
+            return self.proj(input_ids.float())
+
+    model = Model()
+    x = torch.ones(2, 3, 4)
+    with dump_generate(model, tmp_path, writer="thread"):
+        out = model(x, past_key_values=Cache())
+    ds = fastdump.open(tmp_path)
+    (rank,) = ds.ranks("target")
+    assert torch.equal(ds.load("target", rank, 0)["proj"], out)
+    assert ds.meta("target", rank, 0)["fastdump_meta_error"] == "NotImplementedError: hybrid cache: ask a layer"

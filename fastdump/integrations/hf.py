@@ -7,7 +7,8 @@ Roles ``target`` (``model``) and ``draft`` (``assistant_model``); each forward c
 pass, with metadata ``forward_mode``, ``batch_size``, ``num_tokens`` (input tokens, all sequences)
 and ``cached_tokens`` (KV-cache length before the call); a target pass that scores candidate tokens
 (assisted generation, prompt lookup) also has ``candidates`` (candidate tokens per sequence, 0 when
-the candidate generator proposed none). ``forward_mode``:
+the candidate generator proposed none); a target pass that drafts candidates for itself (early exit,
+``assistant_early_exit=``) has ``draft: True``. ``forward_mode``:
 
 - ``prefill``: nothing cached yet (the first call of a generate; in assisted generation it scores the
   first candidates too: see ``candidates``);
@@ -88,6 +89,7 @@ class _Candidates:
 
     def __init__(self):
         self.total, self.count = None, None
+        self.drafting = False  # inside the candidate generator: a call of the model is it drafting
 
     def take(self, args, kwargs, cached: int) -> int | None:
         total, count = self.total, self.count
@@ -114,7 +116,11 @@ class _Candidates:
             if callable(get):
                 def get_candidates(input_ids, *a, **k):
                     state.total = state.count = None
-                    out = get(input_ids, *a, **k)
+                    state.drafting = True
+                    try:
+                        out = get(input_ids, *a, **k)
+                    finally:
+                        state.drafting = False
                     try:
                         total = int(out[0].shape[-1])
                         state.total, state.count = total, total - int(input_ids.shape[-1])
@@ -150,6 +156,8 @@ def _attach(model, root, role, verifies, attach_kwargs):
                 n = candidates.take(args, kwargs, meta["cached_tokens"])
                 if n is not None:
                     meta = forward_meta(args, kwargs, candidates=n)
+                elif candidates.drafting:  # the model drafting for itself (assistant_early_exit)
+                    meta["draft"] = True
             else:
                 meta = forward_meta(args, kwargs, verifies=verifies)
         except Exception as exc:
