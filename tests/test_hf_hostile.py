@@ -296,3 +296,21 @@ def test_metadata_that_cannot_be_read_never_stops_the_model(tmp_path):
     (rank,) = ds.ranks("target")
     assert torch.equal(ds.load("target", rank, 0)["proj"], out)
     assert ds.meta("target", rank, 0)["fastdump_meta_error"] == "NotImplementedError: hybrid cache: ask a layer"
+
+
+def test_model_assisting_itself_is_one_role(tmp_path):
+    """assistant_model=model (speculative decoding's sanity check: every candidate accepted): one
+    Dumper in role target, its drafting calls marked, each call dumped once. Two Dumpers on one
+    model put every call, drafting and verifying alike, in both roles."""
+    model = tiny_llama(2, 0)
+    rec = Recorder(model)
+    with dump_generate(model, tmp_path, assistant_model=model, writer="thread") as dumpers:
+        assert dumpers["draft"] is dumpers["target"]
+        model.generate(torch.tensor([[1, 5, 9, 7]]), assistant_model=model, max_new_tokens=4, do_sample=False,
+                       pad_token_id=0)
+    rec.remove()
+    assert fastdump.open(tmp_path).roles == ["target"]
+    metas = assert_dump_equals(tmp_path, "target", rec.passes)
+    assert any(m.get("draft") for m in metas)
+    assert all(m.get("draft", False) != ("candidates" in m) for m in metas)
+    assert verify(tmp_path) == (0, "OK\n")

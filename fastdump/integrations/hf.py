@@ -233,13 +233,21 @@ def dump_generate(model, root, *, assistant_model=None, **attach_kwargs):
     """Dump ``model`` as role ``target`` and ``assistant_model`` (if any) as role ``draft`` under ``root``.
 
     Yields ``{"target": Dumper, "draft": Dumper}`` (no "draft" without an assistant); everything is
-    flushed and the models are restored on exit. ``attach_kwargs`` go to ``fastdump.attach`` (both roles)."""
+    flushed and the models are restored on exit. ``attach_kwargs`` go to ``fastdump.attach`` (both roles).
+
+    ``assistant_model=model`` (the model drafting for itself, a sanity check of speculative
+    decoding): one Dumper, role ``target``, under both keys; the drafting calls are marked
+    ``draft: True``. Two Dumpers on one model would each dump every call of both roles."""
     attached = []
+    itself = assistant_model is model
     try:
         attached.append(("target", *_attach(model, root, "target", assistant_model is not None, attach_kwargs)))
-        if assistant_model is not None:
+        if assistant_model is not None and not itself:
             attached.append(("draft", *_attach(assistant_model, root, "draft", False, attach_kwargs)))
-        yield {role: dumper for role, dumper, _ in attached}
+        dumpers = {role: dumper for role, dumper, _ in attached}
+        if itself:
+            dumpers["draft"] = dumpers["target"]
+        yield dumpers
     finally:
         # Every role is detached and closed even when closing one is interrupted (Ctrl-C in its
         # close): the first such exception is raised once all are done.
