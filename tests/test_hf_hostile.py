@@ -314,3 +314,27 @@ def test_model_assisting_itself_is_one_role(tmp_path):
     assert any(m.get("draft") for m in metas)
     assert all(m.get("draft", False) != ("candidates" in m) for m in metas)
     assert verify(tmp_path) == (0, "OK\n")
+
+
+def test_both_roles_merge_in_the_order_they_ran(tmp_path):
+    """Pass ids count per role; `call_index` orders the passes of both roles as they ran, so the
+    draft passes that proposed a verify pass's candidates are the ones just before it."""
+    model, draft = tiny_llama(2, 0), tiny_llama(1, 1)
+    draft.model.embed_tokens = model.model.embed_tokens  # an assistant sharing the target's embedding
+    ran = []
+    hooks = [m.register_forward_pre_hook(lambda mod, a, role=role: ran.append(role))
+             for role, m in (("target", model), ("draft", draft))]
+    recs = {"target": Recorder(model), "draft": Recorder(draft)}
+    with dump_generate(model, tmp_path, assistant_model=draft, writer="thread"):
+        model.generate(torch.tensor([[1, 5, 9, 7]]), assistant_model=draft, max_new_tokens=4, do_sample=False,
+                       pad_token_id=0)
+    for h in hooks:
+        h.remove()
+    merged = []
+    for role, rec in recs.items():
+        rec.remove()
+        metas = assert_dump_equals(tmp_path, role, rec.passes)  # the shared embedding in each role's passes
+        assert all("model.embed_tokens" in ref for ref in rec.passes)
+        merged += [(m["call_index"], role) for m in metas]
+    assert [role for _, role in sorted(merged)] == ran and "draft" in ran
+    assert sorted(i for i, _ in merged) == list(range(len(ran)))

@@ -4,11 +4,13 @@
         model.generate(input_ids, assistant_model=draft, max_new_tokens=16)
 
 Roles ``target`` (``model``) and ``draft`` (``assistant_model``); each forward call of a model is one
-pass, with metadata ``forward_mode``, ``batch_size``, ``num_tokens`` (input tokens, all sequences)
-and ``cached_tokens`` (KV-cache length before the call); a target pass that scores candidate tokens
-(assisted generation, prompt lookup) also has ``candidates`` (candidate tokens per sequence, 0 when
-the candidate generator proposed none); a target pass that drafts candidates for itself (early exit,
-``assistant_early_exit=``) has ``draft: True``. ``forward_mode``:
+pass, with metadata ``forward_mode``, ``batch_size``, ``num_tokens`` (input tokens, all sequences),
+``cached_tokens`` (KV-cache length before the call) and ``call_index`` (the call's place among the
+calls of both roles in this ``dump_generate``, from 0: sorting both roles' passes by it gives the
+order they ran in). A target pass that scores candidate tokens (assisted generation, prompt lookup)
+also has ``candidates`` (candidate tokens per sequence, 0 when the candidate generator proposed
+none); a target pass that drafts candidates for itself (``assistant_early_exit=``) has ``draft: True``.
+``forward_mode``:
 
 - ``prefill``: nothing cached yet (the first call of a generate; in assisted generation it scores the
   first candidates too: see ``candidates``);
@@ -26,6 +28,7 @@ transformers is optional (``pip install fastdump[hf]``); this module imports it 
 
 from __future__ import annotations
 
+import itertools
 import types
 from contextlib import contextmanager
 
@@ -138,7 +141,7 @@ class _Candidates:
         return True
 
 
-def _attach(model, root, role, verifies, attach_kwargs):
+def _attach(model, root, role, verifies, attach_kwargs, calls):
     # fastdump's forward wrappers keep the signature that generate() inspects (functools.wraps).
     dumper = fastdump.attach(model, root, role=role, **attach_kwargs)
     candidates = _Candidates()
@@ -162,13 +165,14 @@ def _attach(model, root, role, verifies, attach_kwargs):
                 meta = forward_meta(args, kwargs, verifies=verifies)
         except Exception as exc:
             meta = {"fastdump_meta_error": f"{type(exc).__name__}: {exc}"[:200]}
+        meta["call_index"] = next(calls)
         try:
             dumper.set_pass_meta(**meta)
         except Exception:
             pass
 
     handles = [model.register_forward_pre_hook(pre_hook, with_kwargs=True)]
-    handles += _encoder_passes(model, dumper)
+    handles += _encoder_passes(model, dumper, calls)
 
     def detach():
         for handle in handles:
@@ -179,7 +183,7 @@ def _attach(model, root, role, verifies, attach_kwargs):
     return dumper, detach
 
 
-def _encoder_passes(model, dumper) -> list:
+def _encoder_passes(model, dumper, calls) -> list:
     """An encoder-decoder's generate() runs the encoder once, before and outside any forward of the
     model (``model.get_encoder()(...)``): without a pass of its own nothing it computes is dumped.
     Make each such call a pass (``forward_mode`` ``encode``); a call inside the model's forward
@@ -206,7 +210,7 @@ def _encoder_passes(model, dumper) -> list:
             end("the encoder's forward was interrupted: its pass never ended")
         if dumper.in_pass:
             return
-        meta = {"forward_mode": "encode"}
+        meta = {"forward_mode": "encode", "call_index": next(calls)}
         try:
             ids = kwargs.get("input_ids", args[0] if args else None)
             if ids is None:
@@ -240,10 +244,11 @@ def dump_generate(model, root, *, assistant_model=None, **attach_kwargs):
     ``draft: True``. Two Dumpers on one model would each dump every call of both roles."""
     attached = []
     itself = assistant_model is model
+    calls = itertools.count()  # one count for both roles: their passes merge in call order
     try:
-        attached.append(("target", *_attach(model, root, "target", assistant_model is not None, attach_kwargs)))
+        attached.append(("target", *_attach(model, root, "target", assistant_model is not None, attach_kwargs, calls)))
         if assistant_model is not None and not itself:
-            attached.append(("draft", *_attach(assistant_model, root, "draft", False, attach_kwargs)))
+            attached.append(("draft", *_attach(assistant_model, root, "draft", False, attach_kwargs, calls)))
         dumpers = {role: dumper for role, dumper, _ in attached}
         if itself:
             dumpers["draft"] = dumpers["target"]
