@@ -338,3 +338,48 @@ def test_both_roles_merge_in_the_order_they_ran(tmp_path):
         merged += [(m["call_index"], role) for m in metas]
     assert [role for _, role in sorted(merged)] == ran and "draft" in ran
     assert sorted(i for i, _ in merged) == list(range(len(ran)))
+
+
+def test_close_from_another_thread_mid_generate(tmp_path):
+    """close() from another thread while generate() is inside a forward: generate() finishes undisturbed,
+    the passes before are whole, the one cut short is incomplete with what ran before the close, and
+    nothing after the close is dumped (verify warns, never OK-without-a-word)."""
+    import threading
+
+    model = tiny_llama(2, 0)
+    rec = Recorder(model)
+    inside, closed, n = threading.Event(), threading.Event(), [0]
+
+    def pause(module, args, out):  # the second pass, half-way: let the other thread close
+        n[0] += 1
+        if n[0] == 2:
+            inside.set()
+            assert closed.wait(10)
+
+    h = model.model.layers[0].mlp.register_forward_hook(pause)
+    result = {}
+    with dump_generate(model, tmp_path, writer="thread") as dumpers:
+        def run():
+            result["out"] = model.generate(torch.tensor([[1, 5, 9, 7]]), max_new_tokens=4, do_sample=False,
+                                           pad_token_id=0)
+        t = threading.Thread(target=run)
+        t.start()
+        assert inside.wait(10)
+        dumpers["target"].close()
+        closed.set()
+        t.join(10)
+    h.remove()
+    rec.remove()
+    assert result["out"].shape == (1, 8) and len(rec.passes) == 4
+    ds = fastdump.open(tmp_path)
+    (rank,) = ds.ranks("target")
+    assert ds.passes("target", rank) == [0, 1]
+    got0 = ds.load("target", rank, 0)
+    assert sorted(got0) == sorted(rec.passes[0]) and all(torch.equal(got0[k], v) for k, v in rec.passes[0].items())
+    meta = ds.meta("target", rank, 1)
+    assert not meta["complete"] and "closed inside the model's forward" in meta["incomplete"]
+    cut = ds.load("target", rank, 1)
+    assert cut and all(torch.equal(cut[k], rec.passes[1][k]) for k in cut)
+    assert "model.layers.1.mlp.down_proj" not in cut  # (ran after the close)
+    code, out = verify(tmp_path)
+    assert code == 0 and "pass 1 is incomplete" in out
