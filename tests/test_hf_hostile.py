@@ -383,3 +383,26 @@ def test_close_from_another_thread_mid_generate(tmp_path):
     assert "model.layers.1.mlp.down_proj" not in cut  # (ran after the close)
     code, out = verify(tmp_path)
     assert code == 0 and "pass 1 is incomplete" in out
+
+
+def test_whisper_encoder_pass_counts_sequences_not_mel_bins(tmp_path):
+    """Whisper's encoder takes features [batch, mel bins, frames]: its pass has the batch size and no
+    token count (mel bins are no tokens); what it computed is dumped."""
+    torch.manual_seed(0)
+    cfg = transformers.WhisperConfig(vocab_size=64, num_mel_bins=8, encoder_layers=1, decoder_layers=1,
+                                     encoder_attention_heads=2, decoder_attention_heads=2, d_model=16,
+                                     encoder_ffn_dim=32, decoder_ffn_dim=32, max_source_positions=10,
+                                     max_target_positions=32, decoder_start_token_id=1, pad_token_id=0,
+                                     eos_token_id=2, bos_token_id=1, begin_suppress_tokens=None, suppress_tokens=None)
+    model = transformers.WhisperForConditionalGeneration(cfg).eval()
+    leaves = [(n, m) for n, m in model.named_modules() if n and not list(m.children())]
+    enc = Recorder(model.get_encoder(), [(n, m) for n, m in leaves if ".encoder." in f".{n}"])
+    dec = Recorder(model)
+    with dump_generate(model, tmp_path, writer="thread"):
+        model.generate(input_features=torch.randn(2, 8, 20), max_new_tokens=2, do_sample=False)
+    enc.remove()
+    dec.remove()
+    metas = assert_dump_equals(tmp_path, "target", enc.passes + dec.passes)
+    assert metas[0]["forward_mode"] == "encode" and metas[0]["batch_size"] == 2 and "num_tokens" not in metas[0]
+    assert [m["forward_mode"] for m in metas[1:]] == ["prefill", "decode"]
+    assert verify(tmp_path) == (0, "OK\n")

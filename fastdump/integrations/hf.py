@@ -212,13 +212,18 @@ def _encoder_passes(model, dumper, calls) -> list:
             return
         meta = {"forward_mode": "encode", "call_index": next(calls)}
         try:
-            ids = kwargs.get("input_ids", args[0] if args else None)
+            first = args[0] if args else None
+            ids = kwargs.get("input_ids", first if first is not None and not first.is_floating_point() else None)
             if ids is None:
                 ids = kwargs.get("inputs_embeds")
             if ids is not None and ids.dim() >= 2:
                 meta.update(batch_size=int(ids.shape[0]), num_tokens=int(ids.shape[0] * ids.shape[1]),
                             cached_tokens=0)
-        except Exception:  # (input_features, say: the mode alone)
+            else:  # features (Whisper's mel frames, pixels): sequences, but no tokens to count
+                features = kwargs.get("input_features", first)
+                if features is not None and features.dim() >= 2:
+                    meta.update(batch_size=int(features.shape[0]), cached_tokens=0)
+        except Exception:  # an input it cannot read: the mode alone
             pass
         dumper.begin_pass(**meta)
         opened.append(True)
