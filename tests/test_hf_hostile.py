@@ -45,16 +45,17 @@ def _flatten(name, value, out):
 
 class Recorder:
     """The reference: each leaf's and the root's output, cloned by forward hooks, one dict per
-    forward of ``root`` that ran at least one module (named as fastdump names them)."""
+    forward of ``root`` (until ``last`` returns) that ran at least one module (named as fastdump
+    names them)."""
 
-    def __init__(self, root, modules=None):
+    def __init__(self, root, modules=None, last=None):
         self.passes, self.cur, self.calls, self.active = [], None, {}, False
         self.handles = [root.register_forward_pre_hook(self._begin)]
         named = modules or [(n, m) for n, m in root.named_modules() if n and not list(m.children())] + \
             [(type(root).__name__, root)]
         for name, module in named:
             self.handles.append(module.register_forward_hook(self._hook(name)))
-        self.handles.append(root.register_forward_hook(self._end))
+        self.handles.append((last or root).register_forward_hook(self._end))  # the pass ends as it returns
 
     def _begin(self, module, args):
         self.cur, self.calls, self.active = {}, {}, True
@@ -406,3 +407,54 @@ def test_whisper_encoder_pass_counts_sequences_not_mel_bins(tmp_path):
     assert metas[0]["forward_mode"] == "encode" and metas[0]["batch_size"] == 2 and "num_tokens" not in metas[0]
     assert [m["forward_mode"] for m in metas[1:]] == ["prefill", "decode"]
     assert verify(tmp_path) == (0, "OK\n")
+
+
+def tiny_llava():
+    torch.manual_seed(0)
+    vision = transformers.CLIPVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                           num_attention_heads=2, image_size=8, patch_size=4, projection_dim=16)
+    text = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                    num_attention_heads=2, num_key_value_heads=1)
+    return transformers.LlavaForConditionalGeneration(transformers.LlavaConfig(
+        vision_config=vision, text_config=text, image_token_id=5, vision_feature_select_strategy="full",
+        vision_feature_layer=-1)).eval()
+
+
+def test_vision_language_generate_dumps_the_image_encoder(tmp_path):
+    """A VLM's generate() encodes the image (vision tower, projector) before the first forward, outside
+    it: that is a pass of its own (`encode`, `modality` image) holding what they computed."""
+    model = tiny_llava()
+    leaves = [(n, m) for n, m in model.named_modules() if n and not list(m.children())]
+    image = Recorder(model.model.vision_tower, [(n, m) for n, m in leaves if "vision_tower" in n or "projector" in n],
+                     last=model.model.multi_modal_projector)  # one pass: the tower, then the projector
+    text_passes = Recorder(model)
+    with dump_generate(model, tmp_path, writer="thread"):
+        model.generate(input_ids=torch.tensor([[1, 5, 5, 5, 5, 5, 7, 8]]), pixel_values=torch.randn(1, 3, 8, 8),
+                       max_new_tokens=2, do_sample=False, pad_token_id=0)
+    image.remove()
+    text_passes.remove()
+    assert len(image.passes) == 1 and "model.multi_modal_projector.linear_2" in image.passes[0]
+    metas = assert_dump_equals(tmp_path, "target", image.passes + text_passes.passes)
+    assert (metas[0]["forward_mode"], metas[0]["modality"]) == ("encode", "image")
+    assert [m["forward_mode"] for m in metas[1:]] == ["prefill", "decode"]
+    assert verify(tmp_path) == (0, "OK\n")
+
+
+def test_image_encoder_raising_leaves_an_incomplete_pass(tmp_path):
+    model = tiny_llava()
+
+    def bomb(module, args, out):
+        raise RuntimeError("projector failed")
+
+    h = model.model.multi_modal_projector.register_forward_hook(bomb)
+    with dump_generate(model, tmp_path, writer="thread"):
+        with pytest.raises(RuntimeError, match="projector failed"):
+            model.generate(input_ids=torch.tensor([[1, 5, 5, 5, 5, 5, 7, 8]]), pixel_values=torch.randn(1, 3, 8, 8),
+                           max_new_tokens=2, do_sample=False, pad_token_id=0)
+    h.remove()
+    ds = fastdump.open(tmp_path)
+    (rank,) = ds.ranks("target")
+    assert ds.passes("target", rank) == [0]
+    meta = ds.meta("target", rank, 0)
+    assert meta["forward_mode"] == "encode" and meta["incomplete"] == "a forward raised RuntimeError: projector failed"
+    assert "model.multi_modal_projector.linear_2" in ds.load("target", rank, 0)  # (what ran before the hook)

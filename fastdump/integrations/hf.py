@@ -20,14 +20,15 @@ none); a target pass that drafts candidates for itself (``assistant_early_exit=`
 - ``extend``: several new tokens on top of a cache otherwise (the assistant catching up on the
   tokens the target accepted, or a chunked prompt).
 
-An encoder-decoder's encoder, which generate() runs outside any forward of the model, is a pass of
-its own (``forward_mode`` ``encode``).
+An encoder-decoder's encoder and a vision-language model's image (video) encoding, which generate()
+runs outside any forward of the model, are passes of their own (``forward_mode`` ``encode``).
 
 transformers is optional (``pip install fastdump[hf]``); this module imports it nowhere.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import types
 from contextlib import contextmanager
@@ -173,12 +174,15 @@ def _attach(model, root, role, verifies, attach_kwargs, calls):
 
     handles = [model.register_forward_pre_hook(pre_hook, with_kwargs=True)]
     handles += _encoder_passes(model, dumper, calls)
+    patched = _feature_passes(model, dumper, calls)  # (owner, attribute) pairs to remove again
 
     def detach():
         for handle in handles:
             handle.remove()
         if counted:
             vars(model).pop("_get_candidate_generator", None)
+        for owner, attribute in patched:
+            vars(owner).pop(attribute, None)
 
     return dumper, detach
 
@@ -235,6 +239,46 @@ def _encoder_passes(model, dumper, calls) -> list:
 
     return [encoder.register_forward_pre_hook(before, with_kwargs=True),
             encoder.register_forward_hook(after, always_call=True)]
+
+
+def _feature_passes(model, dumper, calls) -> list:
+    """A vision-language model's generate() encodes the images (videos) before the first forward,
+    outside it: ``model.base_model.get_image_features(...)`` runs the vision tower and the projector,
+    whose tensors no pass would hold. Make each such call a pass (``forward_mode`` ``encode``,
+    ``modality``); one inside a forward of the model stays in its pass. Returns the (object,
+    attribute) pairs set (instance attributes over the class's methods)."""
+    base = getattr(model, "base_model", None)
+    try:
+        modalities = tuple(getattr(model, "input_modalities", ()) or ())
+    except Exception:
+        modalities = ()
+    patched = []
+    for modality in ("image", "video"):
+        attribute = f"get_{modality}_features"
+        if modality not in modalities or base is None or attribute in vars(base) \
+                or not callable(getattr(type(base), attribute, None)):
+            continue
+        method = getattr(type(base), attribute)
+        setattr(base, attribute, types.MethodType(_encoding_pass(dumper, calls, method, modality), base))
+        patched.append((base, attribute))
+    return patched
+
+
+def _encoding_pass(dumper, calls, method, modality):
+    # generate() reads the method's signature to pick its arguments: keep it (functools.wraps)
+    @functools.wraps(method)
+    def encode(self, *args, **kwargs):
+        if dumper.in_pass:
+            return method(self, *args, **kwargs)
+        dumper.begin_pass(forward_mode="encode", modality=modality, call_index=next(calls))
+        try:
+            return method(self, *args, **kwargs)
+        except BaseException as exc:
+            dumper._forward_raised(exc)  # the pass is incomplete, as a root forward's that raised
+            raise
+        finally:
+            dumper.end_pass()
+    return encode
 
 
 @contextmanager
