@@ -134,14 +134,15 @@ def test_generate_modes_dump_what_ran(tmp_path, kw, batch):
     assert verify(tmp_path) == (0, "OK\n")
 
 
-def test_assisted_candidates_are_what_the_target_scored(tmp_path):
+@pytest.mark.parametrize("sample", [False, True], ids=["greedy", "speculative-sampling"])
+def test_assisted_candidates_are_what_the_target_scored(tmp_path, sample):
     """Each target pass of assisted generation says how many candidates it scored: its lm_head has
     one row per candidate plus the next token's (logits_to_keep), and `verify` marks exactly the
     passes that score candidates on top of a cache."""
     model, draft = tiny_llama(2, 0), tiny_llama(1, 1)
     recs = {"target": Recorder(model), "draft": Recorder(draft)}
     with dump_generate(model, tmp_path, assistant_model=draft, writer="thread"):
-        model.generate(torch.tensor([[1, 5, 9, 7]]), assistant_model=draft, max_new_tokens=5, do_sample=False,
+        model.generate(torch.tensor([[1, 5, 9, 7]]), assistant_model=draft, max_new_tokens=5, do_sample=sample,
                        pad_token_id=0)
     for r in recs.values():
         r.remove()
