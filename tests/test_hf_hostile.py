@@ -459,3 +459,29 @@ def test_image_encoder_raising_leaves_an_incomplete_pass(tmp_path):
     meta = ds.meta("target", rank, 0)
     assert meta["forward_mode"] == "encode" and meta["incomplete"] == "a forward raised RuntimeError: projector failed"
     assert "model.multi_modal_projector.linear_2" in ds.load("target", rank, 0)  # (what ran before the hook)
+
+
+def test_candidates_of_an_interrupted_generate_label_no_later_pass(tmp_path):
+    """Ctrl-C after the assistant proposed candidates but before the target scored them (a pre-hook
+    of the user's): the next generate's prefill, the same length as that candidate sequence, scored
+    no candidates."""
+    model, draft = tiny_llama(2, 0), tiny_llama(1, 1)
+    armed = [True]
+
+    def interrupt(module, args):
+        if armed[0]:
+            armed[0] = False
+            raise KeyboardInterrupt
+
+    h = model.register_forward_pre_hook(interrupt)  # before dump_generate's: the verify never starts
+    with dump_generate(model, tmp_path, assistant_model=draft, writer="thread"):
+        with pytest.raises(KeyboardInterrupt):
+            model.generate(torch.tensor([[1, 5, 9, 7]]), assistant_model=draft, max_new_tokens=3, do_sample=False,
+                           pad_token_id=0)
+        model.generate(torch.tensor([[1, 5, 9, 7, 2]]), max_new_tokens=2, do_sample=False, pad_token_id=0)
+    h.remove()
+    ds = fastdump.open(tmp_path)
+    (rank,) = ds.ranks("target")
+    metas = [ds.meta("target", rank, p) for p in ds.passes("target", rank)]
+    assert [(m["forward_mode"], m["num_tokens"]) for m in metas] == [("prefill", 5), ("decode", 1)]
+    assert all("candidates" not in m for m in metas)

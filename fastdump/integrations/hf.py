@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import sys
 import types
 from contextlib import contextmanager
 
@@ -84,21 +85,38 @@ def forward_meta(args, kwargs, *, verifies: bool = False, candidates: int | None
     return meta
 
 
+def _on_stack(caller) -> bool:
+    """``caller`` (id and code of a frame, see _Candidates) is running: a frame of the current stack.
+    (Its id alone could be a later frame's at the same address; a frame itself, held, would keep an
+    interrupted generate's cache alive.)"""
+    if caller is None:
+        return False
+    frame_id, code = caller
+    f = sys._getframe(1)
+    while f is not None:
+        if id(f) == frame_id and f.f_code is code:
+            return True
+        f = f.f_back
+    return False
+
+
 class _Candidates:
     """What the candidate generator of the running assisted generate proposed last: the length of
     the sequence it returned (prompt, accepted tokens and candidates) and the candidates in it.
 
-    The target's next call that covers exactly that sequence (cached + new tokens) scores them;
-    any other call (a plain generate after an assisted one that raised) does not."""
+    The target's next call, made from the loop that asked for them and covering exactly that
+    sequence (cached + new tokens), scores them; any other call (a generate after an assisted one
+    interrupted before its verify) does not."""
 
     def __init__(self):
         self.total, self.count = None, None
+        self.caller = None  # (id, code) of the frame that asked for them: generate's decoding loop
         self.drafting = False  # inside the candidate generator: a call of the model is it drafting
 
     def take(self, args, kwargs, cached: int) -> int | None:
-        total, count = self.total, self.count
-        self.total = self.count = None
-        if total is None:
+        total, count, caller = self.total, self.count, self.caller
+        self.total = self.count = self.caller = None
+        if total is None or not _on_stack(caller):  # (a generate interrupted before its verify: stale)
             return None
         ids = _new_tokens(args, kwargs)
         if ids is None or ids.dim() < 2 or cached + ids.shape[1] != total:
@@ -114,12 +132,12 @@ class _Candidates:
         state = self
 
         def _get_candidate_generator(self, *args, **kwargs):
-            state.total = state.count = None  # a new generate
+            state.total = state.count = state.caller = None  # a new generate
             generator = type(self)._get_candidate_generator(self, *args, **kwargs)
             get = getattr(generator, "get_candidates", None)
             if callable(get):
                 def get_candidates(input_ids, *a, **k):
-                    state.total = state.count = None
+                    state.total = state.count = state.caller = None
                     state.drafting = True
                     try:
                         out = get(input_ids, *a, **k)
@@ -128,6 +146,8 @@ class _Candidates:
                     try:
                         total = int(out[0].shape[-1])
                         state.total, state.count = total, total - int(input_ids.shape[-1])
+                        caller = sys._getframe(1)
+                        state.caller = (id(caller), caller.f_code)
                     except Exception:  # an unknown generator's output: no count, never an error in generate
                         pass
                     return out
