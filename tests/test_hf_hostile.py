@@ -485,3 +485,45 @@ def test_candidates_of_an_interrupted_generate_label_no_later_pass(tmp_path):
     metas = [ds.meta("target", rank, p) for p in ds.passes("target", rank)]
     assert [(m["forward_mode"], m["num_tokens"]) for m in metas] == [("prefill", 5), ("decode", 1)]
     assert all("candidates" not in m for m in metas)
+
+
+class Adapter(torch.nn.Module):
+    """A wrapper as PEFT's PeftModel is one: generate() handed down to the model it holds two levels
+    down (``base_model.model``), whose own forward, not the wrapper's, is what generate() calls."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.base_model = torch.nn.Module()
+        self.base_model.model = model
+
+    def forward(self, *args, **kwargs):
+        return self.base_model.model(*args, **kwargs)
+
+    def generate(self, *args, **kwargs):
+        return self.base_model.model.generate(*args, **kwargs)
+
+
+def test_wrapper_handing_generate_down_is_dumped(tmp_path):
+    """dump_generate(peft_model) and peft_model.generate(): the wrapper's forward never runs, so no
+    root forward would open a pass and nothing was dumped, verify OK. Each forward of the generation
+    model inside is a pass."""
+    inner = tiny_llama()
+    model = Adapter(inner)
+    rec = Recorder(inner, [(f"base_model.model.{n}", m) for n, m in inner.named_modules()
+                           if n and not list(m.children())])
+    with dump_generate(model, tmp_path, writer="thread"):
+        model.generate(PROMPT, attention_mask=MASK, max_new_tokens=3, do_sample=False, pad_token_id=0)
+        model(PROMPT)  # the wrapper's own forward: one pass, its modules once
+    rec.remove()
+    assert len(rec.passes) == 4
+    ds = fastdump.open(tmp_path)
+    (rank,) = ds.ranks("target")
+    assert ds.passes("target", rank) == [0, 1, 2, 3]
+    for p, ref in zip(range(3), rec.passes):
+        got = ds.load("target", rank, p)
+        assert sorted(got) == sorted(ref) and all(torch.equal(got[k], v) for k, v in ref.items())
+    assert "Adapter.logits" in ds.load("target", rank, 3)
+    metas = [ds.meta("target", rank, p) for p in range(4)]
+    assert [(m["forward_mode"], m["cached_tokens"], m["batch_size"]) for m in metas] == \
+        [("prefill", 0, 2), ("decode", 6, 2), ("decode", 7, 2), ("prefill", 0, 2)]
+    assert verify(tmp_path) == (0, "OK\n")

@@ -193,7 +193,7 @@ def _attach(model, root, role, verifies, attach_kwargs, calls):
             pass
 
     handles = [model.register_forward_pre_hook(pre_hook, with_kwargs=True)]
-    handles += _encoder_passes(model, dumper, calls)
+    handles += _outside_passes(model, dumper, calls, verifies)
     patched = _feature_passes(model, dumper, calls)  # (owner, attribute) pairs to remove again
 
     def detach():
@@ -207,21 +207,56 @@ def _attach(model, root, role, verifies, attach_kwargs, calls):
     return dumper, detach
 
 
-def _encoder_passes(model, dumper, calls) -> list:
-    """An encoder-decoder's generate() runs the encoder once, before and outside any forward of the
-    model (``model.get_encoder()(...)``): without a pass of its own nothing it computes is dumped.
-    Make each such call a pass (``forward_mode`` ``encode``); a call inside the model's forward
-    (``model(input_ids, decoder_input_ids=...)``) stays in that forward's pass. Returns the hooks'
-    handles."""
-    if not getattr(getattr(model, "config", None), "is_encoder_decoder", False):
-        return []
+def _outside_passes(model, dumper, calls, verifies) -> list:
+    """Modules that generate() runs outside any forward of ``model``, whose tensors no pass would
+    hold, each call made a pass of its own (a call inside a forward of the model stays in its pass).
+    Returns the hooks' handles.
+
+    - An encoder-decoder's encoder: generate() runs it once, before the first forward
+      (``model.get_encoder()(...)``); ``forward_mode`` ``encode``.
+    - A generation model inside ``model`` (a wrapper's, PEFT's ``base_model.model``, a multimodal
+      model's ``language_model``) when ``model.generate`` hands generation to it: its forwards are
+      the passes, with the metadata a root forward gets."""
+    hooked = []
+    if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+        try:
+            encoder = model.get_encoder()
+        except Exception:
+            encoder = None
+        if encoder is not None and encoder is not model and hasattr(encoder, "register_forward_pre_hook"):
+            hooked.append((encoder, lambda args, kwargs: _encoder_meta(args, kwargs)))
+    for _, sub in model.named_modules():
+        if sub is not model and callable(getattr(sub, "prepare_inputs_for_generation", None)) \
+                and callable(getattr(sub, "generate", None)) and all(sub is not m for m, _ in hooked):
+            hooked.append((sub, lambda args, kwargs: forward_meta(args, kwargs, verifies=verifies)))
+    handles = []
+    for module, meta_of in hooked:
+        handles += _pass_of_its_own(module, dumper, calls, meta_of)
+    return handles
+
+
+def _encoder_meta(args, kwargs) -> dict:
+    meta = {"forward_mode": "encode"}
     try:
-        encoder = model.get_encoder()
-    except Exception:
-        encoder = None
-    if encoder is None or encoder is model or not hasattr(encoder, "register_forward_pre_hook"):
-        return []
-    opened = []  # [True] while an encoder pass this hook began is open
+        first = args[0] if args else None
+        ids = kwargs.get("input_ids", first if first is not None and not first.is_floating_point() else None)
+        if ids is None:
+            ids = kwargs.get("inputs_embeds")
+        if ids is not None and ids.dim() >= 2:
+            meta.update(batch_size=int(ids.shape[0]), num_tokens=int(ids.shape[0] * ids.shape[1]), cached_tokens=0)
+        else:  # features (Whisper's mel frames, pixels): sequences, but no tokens to count
+            features = kwargs.get("input_features", first)
+            if features is not None and features.dim() >= 2:
+                meta.update(batch_size=int(features.shape[0]), cached_tokens=0)
+    except Exception:  # an input it cannot read: the mode alone
+        pass
+    return meta
+
+
+def _pass_of_its_own(module, dumper, calls, meta_of) -> list:
+    """Hooks making each call of ``module`` outside a pass a (manual) pass, metadata ``meta_of(args,
+    kwargs)``; a call that raises leaves it incomplete."""
+    opened = []  # [True] while a pass these hooks began is open
 
     def end(reason=None):
         opened.clear()
@@ -231,34 +266,24 @@ def _encoder_passes(model, dumper, calls) -> list:
 
     def before(module, args, kwargs):
         if opened:  # the previous call raised a BaseException that no hook saw (Ctrl-C)
-            end("the encoder's forward was interrupted: its pass never ended")
+            end(f"the forward of {type(module).__name__} was interrupted: its pass never ended")
         if dumper.in_pass:
             return
-        meta = {"forward_mode": "encode", "call_index": next(calls)}
         try:
-            first = args[0] if args else None
-            ids = kwargs.get("input_ids", first if first is not None and not first.is_floating_point() else None)
-            if ids is None:
-                ids = kwargs.get("inputs_embeds")
-            if ids is not None and ids.dim() >= 2:
-                meta.update(batch_size=int(ids.shape[0]), num_tokens=int(ids.shape[0] * ids.shape[1]),
-                            cached_tokens=0)
-            else:  # features (Whisper's mel frames, pixels): sequences, but no tokens to count
-                features = kwargs.get("input_features", first)
-                if features is not None and features.dim() >= 2:
-                    meta.update(batch_size=int(features.shape[0]), cached_tokens=0)
-        except Exception:  # an input it cannot read: the mode alone
-            pass
+            meta = meta_of(args, kwargs)
+        except Exception as exc:  # never into the model
+            meta = {"fastdump_meta_error": f"{type(exc).__name__}: {exc}"[:200]}
+        meta["call_index"] = next(calls)
         dumper.begin_pass(**meta)
         opened.append(True)
 
     def after(module, args, output):
         if opened:
             # always_call: on an Exception in forward torch calls this with output None
-            end("the encoder's forward raised" if output is None else None)
+            end(f"the forward of {type(module).__name__} raised" if output is None else None)
 
-    return [encoder.register_forward_pre_hook(before, with_kwargs=True),
-            encoder.register_forward_hook(after, always_call=True)]
+    return [module.register_forward_pre_hook(before, with_kwargs=True),
+            module.register_forward_hook(after, always_call=True)]
 
 
 def _feature_passes(model, dumper, calls) -> list:
