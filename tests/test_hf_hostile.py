@@ -527,3 +527,23 @@ def test_wrapper_handing_generate_down_is_dumped(tmp_path):
     assert [(m["forward_mode"], m["cached_tokens"], m["batch_size"]) for m in metas] == \
         [("prefill", 0, 2), ("decode", 6, 2), ("decode", 7, 2), ("prefill", 0, 2)]
     assert verify(tmp_path) == (0, "OK\n")
+
+
+def test_wrapper_handing_assisted_generate_down_counts_candidates(tmp_path):
+    inner, draft = tiny_llama(2, 0), tiny_llama(1, 1)
+    model = Adapter(inner)
+    rec = Recorder(inner, [(f"base_model.model.{n}", m) for n, m in inner.named_modules()
+                           if n and not list(m.children())])
+    with dump_generate(model, tmp_path, assistant_model=draft, writer="thread"):
+        model.generate(torch.tensor([[1, 5, 9, 7]]), assistant_model=draft, max_new_tokens=4, do_sample=False,
+                       pad_token_id=0)
+    rec.remove()
+    assert "_get_candidate_generator" not in vars(inner)
+    ds = fastdump.open(tmp_path)
+    (rank,) = ds.ranks("target")
+    assert len(ds.passes("target", rank)) == len(rec.passes)
+    for p, ref in zip(ds.passes("target", rank), rec.passes):
+        meta = ds.meta("target", rank, p)
+        assert ref["base_model.model.lm_head"].shape[1] == meta["candidates"] + 1
+        assert torch.equal(ds.load("target", rank, p)["base_model.model.lm_head"], ref["base_model.model.lm_head"])
+    assert any(ds.meta("target", rank, p)["forward_mode"] == "verify" for p in ds.passes("target", rank))

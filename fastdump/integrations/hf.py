@@ -165,27 +165,12 @@ class _Candidates:
 def _attach(model, root, role, verifies, attach_kwargs, calls):
     # fastdump's forward wrappers keep the signature that generate() inspects (functools.wraps).
     dumper = fastdump.attach(model, root, role=role, **attach_kwargs)
-    candidates = _Candidates()
-    # The candidates a target call scores, when transformers lets us see them; else (an old or
-    # unknown transformers) every call of a target with an assistant that feeds several tokens on a
-    # cache is taken to verify, as before.
-    counted = role == "target" and candidates.wrap_generator_factory(model)
+    undo = []  # (object, attribute) pairs set, to remove again
+    meta_of = _generation_meta(model, role, verifies, undo)
 
     def pre_hook(module, args, kwargs):
         # Runs before fastdump's wrapper begins the pass: set_pass_meta then feeds the coming pass.
-        # Never raises into the model: metadata it cannot work out is recorded as such.
-        try:
-            if counted:
-                meta = forward_meta(args, kwargs)
-                n = candidates.take(args, kwargs, meta["cached_tokens"])
-                if n is not None:
-                    meta = forward_meta(args, kwargs, candidates=n)
-                elif candidates.drafting:  # the model drafting for itself (assistant_early_exit)
-                    meta["draft"] = True
-            else:
-                meta = forward_meta(args, kwargs, verifies=verifies)
-        except Exception as exc:
-            meta = {"fastdump_meta_error": f"{type(exc).__name__}: {exc}"[:200]}
+        meta = meta_of(args, kwargs)
         meta["call_index"] = next(calls)
         try:
             dumper.set_pass_meta(**meta)
@@ -193,21 +178,46 @@ def _attach(model, root, role, verifies, attach_kwargs, calls):
             pass
 
     handles = [model.register_forward_pre_hook(pre_hook, with_kwargs=True)]
-    handles += _outside_passes(model, dumper, calls, verifies)
-    patched = _feature_passes(model, dumper, calls)  # (owner, attribute) pairs to remove again
+    handles += _outside_passes(model, dumper, calls, role, verifies, undo)
+    undo += _feature_passes(model, dumper, calls)
 
     def detach():
         for handle in handles:
             handle.remove()
-        if counted:
-            vars(model).pop("_get_candidate_generator", None)
-        for owner, attribute in patched:
+        for owner, attribute in undo:
             vars(owner).pop(attribute, None)
 
     return dumper, detach
 
 
-def _outside_passes(model, dumper, calls, verifies) -> list:
+def _generation_meta(model, role, verifies, undo):
+    """``meta_of(args, kwargs)``: the metadata of a forward of generation model ``model``, never
+    raising (what it cannot work out is recorded as such). A target counts the candidates each call
+    scores when transformers lets it see them (``model._get_candidate_generator``, recorded in
+    ``undo``); else (an old or unknown transformers) every call of a target with an assistant that
+    feeds several tokens on a cache is taken to verify."""
+    candidates = _Candidates()
+    counted = role == "target" and candidates.wrap_generator_factory(model)
+    if counted:
+        undo.append((model, "_get_candidate_generator"))
+
+    def meta_of(args, kwargs):
+        try:
+            if not counted:
+                return forward_meta(args, kwargs, verifies=verifies)
+            meta = forward_meta(args, kwargs)
+            n = candidates.take(args, kwargs, meta["cached_tokens"])
+            if n is not None:
+                return forward_meta(args, kwargs, candidates=n)
+            if candidates.drafting:  # the model drafting for itself (assistant_early_exit)
+                meta["draft"] = True
+            return meta
+        except Exception as exc:
+            return {"fastdump_meta_error": f"{type(exc).__name__}: {exc}"[:200]}
+    return meta_of
+
+
+def _outside_passes(model, dumper, calls, role, verifies, undo) -> list:
     """Modules that generate() runs outside any forward of ``model``, whose tensors no pass would
     hold, each call made a pass of its own (a call inside a forward of the model stays in its pass).
     Returns the hooks' handles.
@@ -224,11 +234,11 @@ def _outside_passes(model, dumper, calls, verifies) -> list:
         except Exception:
             encoder = None
         if encoder is not None and encoder is not model and hasattr(encoder, "register_forward_pre_hook"):
-            hooked.append((encoder, lambda args, kwargs: _encoder_meta(args, kwargs)))
+            hooked.append((encoder, _encoder_meta))
     for _, sub in model.named_modules():
         if sub is not model and callable(getattr(sub, "prepare_inputs_for_generation", None)) \
                 and callable(getattr(sub, "generate", None)) and all(sub is not m for m, _ in hooked):
-            hooked.append((sub, lambda args, kwargs: forward_meta(args, kwargs, verifies=verifies)))
+            hooked.append((sub, _generation_meta(sub, role, verifies, undo)))
     handles = []
     for module, meta_of in hooked:
         handles += _pass_of_its_own(module, dumper, calls, meta_of)
