@@ -2,10 +2,10 @@
 the module computed at that moment (recorded by forward hooks that clone it), the pass metadata says
 what ran, and `fastdump verify` passes exactly when nothing was lost or mixed."""
 
-import copy
 import os
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -547,3 +547,31 @@ def test_wrapper_handing_assisted_generate_down_counts_candidates(tmp_path):
         assert ref["base_model.model.lm_head"].shape[1] == meta["candidates"] + 1
         assert torch.equal(ds.load("target", rank, p)["base_model.model.lm_head"], ref["base_model.model.lm_head"])
     assert any(ds.meta("target", rank, p)["forward_mode"] == "verify" for p in ds.passes("target", rank))
+
+
+def test_a_model_refusing_a_hook_leaves_nothing_attached(tmp_path):
+    """dump_generate cannot hook a module it needs (a TorchScript encoder refuses forward hooks): the
+    error is raised at once, and neither the Dumper nor a wrapper nor a hook is left on the model."""
+    class EncoderDecoder(torch.nn.Module):
+        config = type("Config", (), {"is_encoder_decoder": True})()
+
+        def __init__(self):
+            super().__init__()
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", DeprecationWarning)  # (torch.jit.script's)
+                self.encoder = torch.jit.script(torch.nn.Linear(2, 2))
+            self.head = torch.nn.Linear(2, 2)
+
+        def get_encoder(self):
+            return self.encoder
+
+        def forward(self, x):
+            return self.head(self.encoder(x))
+
+    model = EncoderDecoder()
+    with pytest.raises(RuntimeError, match="not supported on ScriptModules"):
+        with dump_generate(model, tmp_path, writer="thread"):
+            pass
+    assert not model._forward_pre_hooks and "forward" not in vars(model.head)
+    code, out = verify(tmp_path)
+    assert code == 0, out  # a Dumper closed with no passes: nothing lost

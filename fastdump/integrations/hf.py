@@ -165,21 +165,7 @@ class _Candidates:
 def _attach(model, root, role, verifies, attach_kwargs, calls):
     # fastdump's forward wrappers keep the signature that generate() inspects (functools.wraps).
     dumper = fastdump.attach(model, root, role=role, **attach_kwargs)
-    undo = []  # (object, attribute) pairs set, to remove again
-    meta_of = _generation_meta(model, role, verifies, undo)
-
-    def pre_hook(module, args, kwargs):
-        # Runs before fastdump's wrapper begins the pass: set_pass_meta then feeds the coming pass.
-        meta = meta_of(args, kwargs)
-        meta["call_index"] = next(calls)
-        try:
-            dumper.set_pass_meta(**meta)
-        except Exception:
-            pass
-
-    handles = [model.register_forward_pre_hook(pre_hook, with_kwargs=True)]
-    handles += _outside_passes(model, dumper, calls, role, verifies, undo)
-    undo += _feature_passes(model, dumper, calls)
+    handles, undo = [], []  # hooks, and (object, attribute) pairs set: removed again by detach
 
     def detach():
         for handle in handles:
@@ -187,6 +173,27 @@ def _attach(model, root, role, verifies, attach_kwargs, calls):
         for owner, attribute in undo:
             vars(owner).pop(attribute, None)
 
+    try:
+        meta_of = _generation_meta(model, role, verifies, undo)
+
+        def pre_hook(module, args, kwargs):
+            # Runs before fastdump's wrapper begins the pass: set_pass_meta then feeds the coming pass.
+            meta = meta_of(args, kwargs)
+            meta["call_index"] = next(calls)
+            try:
+                dumper.set_pass_meta(**meta)
+            except Exception:
+                pass
+
+        handles.append(model.register_forward_pre_hook(pre_hook, with_kwargs=True))
+        _outside_passes(model, dumper, calls, role, verifies, handles, undo)
+        _feature_passes(model, dumper, calls, undo)
+    except BaseException:  # (a model that refuses a hook): nothing of this role is left attached
+        try:
+            detach()
+        finally:
+            dumper.close()
+        raise
     return dumper, detach
 
 
@@ -217,16 +224,17 @@ def _generation_meta(model, role, verifies, undo):
     return meta_of
 
 
-def _outside_passes(model, dumper, calls, role, verifies, undo) -> list:
+def _outside_passes(model, dumper, calls, role, verifies, handles, undo) -> None:
     """Modules that generate() runs outside any forward of ``model``, whose tensors no pass would
     hold, each call made a pass of its own (a call inside a forward of the model stays in its pass).
-    Returns the hooks' handles.
 
     - An encoder-decoder's encoder: generate() runs it once, before the first forward
       (``model.get_encoder()(...)``); ``forward_mode`` ``encode``.
     - A generation model inside ``model`` (a wrapper's, PEFT's ``base_model.model``, a multimodal
       model's ``language_model``) when ``model.generate`` hands generation to it: its forwards are
-      the passes, with the metadata a root forward gets."""
+      the passes, with the metadata a root forward gets.
+
+    The hooks' handles go to ``handles`` as they are made."""
     hooked = []
     if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
         try:
@@ -236,13 +244,19 @@ def _outside_passes(model, dumper, calls, role, verifies, undo) -> list:
         if encoder is not None and encoder is not model and hasattr(encoder, "register_forward_pre_hook"):
             hooked.append((encoder, _encoder_meta))
     for _, sub in model.named_modules():
-        if sub is not model and callable(getattr(sub, "prepare_inputs_for_generation", None)) \
-                and callable(getattr(sub, "generate", None)) and all(sub is not m for m, _ in hooked):
+        if sub is not model and _generates(sub) and all(sub is not m for m, _ in hooked):
             hooked.append((sub, _generation_meta(sub, role, verifies, undo)))
-    handles = []
     for module, meta_of in hooked:
-        handles += _pass_of_its_own(module, dumper, calls, meta_of)
-    return handles
+        _pass_of_its_own(module, dumper, calls, meta_of, handles)
+
+
+def _generates(module) -> bool:
+    """A transformers generation model (``generate`` and ``prepare_inputs_for_generation``)."""
+    try:
+        return callable(getattr(module, "prepare_inputs_for_generation", None)) \
+            and callable(getattr(module, "generate", None))
+    except Exception:  # (an attribute lookup that raises: a proxy module's __getattr__)
+        return False
 
 
 def _encoder_meta(args, kwargs) -> dict:
@@ -263,9 +277,9 @@ def _encoder_meta(args, kwargs) -> dict:
     return meta
 
 
-def _pass_of_its_own(module, dumper, calls, meta_of) -> list:
+def _pass_of_its_own(module, dumper, calls, meta_of, handles) -> None:
     """Hooks making each call of ``module`` outside a pass a (manual) pass, metadata ``meta_of(args,
-    kwargs)``; a call that raises leaves it incomplete."""
+    kwargs)``; a call that raises leaves it incomplete. Their handles go to ``handles``."""
     opened = []  # [True] while a pass these hooks began is open
 
     def end(reason=None):
@@ -292,22 +306,21 @@ def _pass_of_its_own(module, dumper, calls, meta_of) -> list:
             # always_call: on an Exception in forward torch calls this with output None
             end(f"the forward of {type(module).__name__} raised" if output is None else None)
 
-    return [module.register_forward_pre_hook(before, with_kwargs=True),
-            module.register_forward_hook(after, always_call=True)]
+    handles.append(module.register_forward_pre_hook(before, with_kwargs=True))
+    handles.append(module.register_forward_hook(after, always_call=True))
 
 
-def _feature_passes(model, dumper, calls) -> list:
+def _feature_passes(model, dumper, calls, undo) -> None:
     """A vision-language model's generate() encodes the images (videos) before the first forward,
     outside it: ``model.base_model.get_image_features(...)`` runs the vision tower and the projector,
     whose tensors no pass would hold. Make each such call a pass (``forward_mode`` ``encode``,
-    ``modality``); one inside a forward of the model stays in its pass. Returns the (object,
-    attribute) pairs set (instance attributes over the class's methods)."""
+    ``modality``); one inside a forward of the model stays in its pass. The (object, attribute)
+    pairs set (instance attributes over the class's methods) go to ``undo``."""
     base = getattr(model, "base_model", None)
     try:
         modalities = tuple(getattr(model, "input_modalities", ()) or ())
     except Exception:
         modalities = ()
-    patched = []
     for modality in ("image", "video"):
         attribute = f"get_{modality}_features"
         if modality not in modalities or base is None or attribute in vars(base) \
@@ -315,8 +328,7 @@ def _feature_passes(model, dumper, calls) -> list:
             continue
         method = getattr(type(base), attribute)
         setattr(base, attribute, types.MethodType(_encoding_pass(dumper, calls, method, modality), base))
-        patched.append((base, attribute))
-    return patched
+        undo.append((base, attribute))
 
 
 def _encoding_pass(dumper, calls, method, modality):
