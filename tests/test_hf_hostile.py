@@ -575,3 +575,31 @@ def test_a_model_refusing_a_hook_leaves_nothing_attached(tmp_path):
     assert not model._forward_pre_hooks and "forward" not in vars(model.head)
     code, out = verify(tmp_path)
     assert code == 0, out  # a Dumper closed with no passes: nothing lost
+
+
+def test_interrupted_inner_pass_does_not_mark_the_next_forward(tmp_path):
+    """Ctrl-C inside a pass dump_generate opened for a handed-down generate: that pass is incomplete;
+    the wrapper's own forward after it (a root pass, the inner model inside it) is whole."""
+    inner = tiny_llama()
+    model = Adapter(inner)
+    armed = [True]
+
+    def interrupt(module, args, out):
+        if armed[0]:
+            armed[0] = False
+            raise KeyboardInterrupt
+
+    h = inner.model.layers[1].register_forward_hook(interrupt)
+    with dump_generate(model, tmp_path, writer="thread"):
+        with pytest.raises(KeyboardInterrupt):
+            model.generate(PROMPT, attention_mask=MASK, max_new_tokens=2, do_sample=False, pad_token_id=0)
+        model(PROMPT)
+        model.generate(PROMPT, attention_mask=MASK, max_new_tokens=1, do_sample=False, pad_token_id=0)
+    h.remove()
+    ds = fastdump.open(tmp_path)
+    (rank,) = ds.ranks("target")
+    metas = [ds.meta("target", rank, p) for p in ds.passes("target", rank)]
+    assert [m["complete"] for m in metas] == [False, True, True]
+    assert "Adapter.logits" in ds.load("target", rank, 1)
+    code, out = verify(tmp_path)
+    assert code == 0 and "pass 0 is incomplete" in out and "pass 1 " not in out

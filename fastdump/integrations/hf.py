@@ -280,13 +280,16 @@ def _encoder_meta(args, kwargs) -> dict:
 def _pass_of_its_own(module, dumper, calls, meta_of, handles) -> None:
     """Hooks making each call of ``module`` outside a pass a (manual) pass, metadata ``meta_of(args,
     kwargs)``; a call that raises leaves it incomplete. Their handles go to ``handles``."""
-    opened = []  # [True] while a pass these hooks began is open
+    opened = []  # [id] of the pass these hooks began, while it is open
 
     def end(reason=None):
-        opened.clear()
-        if reason is not None:
-            dumper._mark_incomplete(reason)
-        dumper.end_pass()
+        pass_id = opened.pop()
+        # Only that pass: close(), or a root forward finding it dangling, may have ended it already
+        # and another be open now.
+        if dumper.in_pass and dumper.pass_id == pass_id:
+            if reason is not None:
+                dumper._mark_incomplete(reason)
+            dumper.end_pass()
 
     def before(module, args, kwargs):
         if opened:  # the previous call raised a BaseException that no hook saw (Ctrl-C)
@@ -299,7 +302,7 @@ def _pass_of_its_own(module, dumper, calls, meta_of, handles) -> None:
             meta = {"fastdump_meta_error": f"{type(exc).__name__}: {exc}"[:200]}
         meta["call_index"] = next(calls)
         dumper.begin_pass(**meta)
-        opened.append(True)
+        opened.append(dumper.pass_id)
 
     def after(module, args, output):
         if opened:
