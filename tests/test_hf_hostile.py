@@ -603,3 +603,49 @@ def test_interrupted_inner_pass_does_not_mark_the_next_forward(tmp_path):
     assert "Adapter.logits" in ds.load("target", rank, 1)
     code, out = verify(tmp_path)
     assert code == 0 and "pass 0 is incomplete" in out and "pass 1 " not in out
+
+
+def word_tokenizer(words):
+    tokenizers = pytest.importorskip("tokenizers")
+    t = tokenizers.Tokenizer(tokenizers.models.WordLevel({w: i for i, w in enumerate(words)}, unk_token=words[0]))
+    t.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+    t.decoder = tokenizers.decoders.WordPiece()
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=t, unk_token=words[0], pad_token=words[0],
+                                                eos_token=words[1])
+
+
+def test_universal_assisted_pruned_lm_head_is_dumped(tmp_path):
+    """Universal assisted generation (assistant with its own tokenizer, sampling) prunes the
+    assistant's lm_head into a new module as generate() starts: its logits are dumped too (no
+    wrapper ran for it: the draft's passes had no logits, verify OK)."""
+    target_tok = word_tokenizer([f"w{i}" for i in range(128)])
+    draft_tok = word_tokenizer([f"w{i}" for i in range(64)] + [f"x{i}" for i in range(32)])
+    model = tiny_llama(2, 0)
+    torch.manual_seed(1)
+    draft = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2)).eval()
+    rec = Recorder(draft)
+    heads = []  # (module, output) of every Linear call: the pruned head does not exist yet
+    hook = torch.nn.modules.module.register_module_forward_hook(
+        lambda m, a, out: heads.append((m, out.detach().clone())) if type(m) is torch.nn.Linear else None)
+    try:
+        with dump_generate(model, tmp_path, assistant_model=draft, writer="thread"):
+            model.generate(target_tok("w5 w9 w7 w3", return_tensors="pt").input_ids, assistant_model=draft,
+                           tokenizer=target_tok, assistant_tokenizer=draft_tok, max_new_tokens=3, do_sample=True,
+                           pad_token_id=0)
+    finally:
+        hook.remove()
+        rec.remove()
+    pruned = draft.lm_head.pruned_lm_head  # (transformers leaves the assistant pruned)
+    logits = [out for m, out in heads if m is pruned]
+    ds = fastdump.open(tmp_path)
+    (rank,) = ds.ranks("draft")
+    passes = ds.passes("draft", rank)
+    assert len(passes) == len(rec.passes) == len(logits) > 0
+    for p, ref, want in zip(passes, rec.passes, logits):
+        got = ds.load("draft", rank, p)
+        assert torch.equal(got.pop("lm_head.pruned_lm_head"), want)
+        assert sorted(got) == sorted(k for k in ref if k != "lm_head")  # (the original head no longer runs)
+        assert all(torch.equal(got[k], ref[k]) for k in got)
+    assert verify(tmp_path) == (0, "OK\n")

@@ -32,11 +32,15 @@ import functools
 import itertools
 import sys
 import types
+import logging
 from contextlib import contextmanager
 
 import fastdump
+from fastdump.capture.selection import select_modules
 
 __all__ = ["dump_generate", "forward_meta"]
+
+log = logging.getLogger("fastdump")
 
 
 def _cached_tokens(cache) -> int:
@@ -123,9 +127,10 @@ class _Candidates:
             return None
         return count
 
-    def wrap_generator_factory(self, model):
+    def wrap_generator_factory(self, model, made=None):
         """Wrap ``model._get_candidate_generator`` (one instance attribute) so that every candidate
-        generator it makes reports its candidates here. False when the model has none to wrap."""
+        generator it makes reports its candidates here, and ``made()`` runs once it is made. False
+        when the model has none to wrap."""
         if not callable(getattr(type(model), "_get_candidate_generator", None)) \
                 or "_get_candidate_generator" in vars(model):
             return False
@@ -134,6 +139,8 @@ class _Candidates:
         def _get_candidate_generator(self, *args, **kwargs):
             state.total = state.count = state.caller = None  # a new generate
             generator = type(self)._get_candidate_generator(self, *args, **kwargs)
+            if made is not None:
+                made()
             get = getattr(generator, "get_candidates", None)
             if callable(get):
                 def get_candidates(input_ids, *a, **k):
@@ -162,9 +169,42 @@ class _Candidates:
         return True
 
 
-def _attach(model, root, role, verifies, attach_kwargs, calls):
+class _Session:
+    """What the roles of one ``dump_generate`` share: the count of their calls (``call_index``),
+    and the models each Dumper watches, to check again for modules transformers puts in them."""
+
+    def __init__(self):
+        self.calls = itertools.count()
+        self.models = []  # (Dumper, model)
+
+    def adopt_new_modules(self) -> None:
+        """Dump the modules transformers put into a model after attach (universal assisted
+        generation prunes the assistant's lm_head into a new Linear, ``lm_head.pruned_lm_head``),
+        selected as at attach: no wrapper would run for them, and what they compute would be
+        missing from every pass without a word. Runs as generate() makes its candidate generator."""
+        for dumper, model in self.models:
+            try:
+                o = dumper.options
+                wrapped = {id(m) for m, _ in dumper._wrapped}
+                fresh = [(name, m) for name, m in select_modules(
+                    model, layers=o.layers, include=o.include, exclude=o.exclude, module_types=o.module_types)
+                    if id(m) not in wrapped]
+            except Exception as exc:  # never an error in generate: said, and the modules go undumped
+                log.warning("fastdump: %s: cannot check %s for new modules: %s", dumper.dir, type(model).__name__, exc)
+                continue
+            for name, module in fresh:
+                try:
+                    dumper.watch(module, name)
+                    log.info("fastdump: %s: %s put into the model during generate(): dumped too", dumper.dir, name)
+                except Exception as exc:
+                    log.warning("fastdump: %s: %s, put into the model during generate(), is not dumped: %s",
+                                dumper.dir, name, exc)
+
+
+def _attach(model, root, role, verifies, attach_kwargs, session):
     # fastdump's forward wrappers keep the signature that generate() inspects (functools.wraps).
     dumper = fastdump.attach(model, root, role=role, **attach_kwargs)
+    session.models.append((dumper, model))
     handles, undo = [], []  # hooks, and (object, attribute) pairs set: removed again by detach
 
     def detach():
@@ -174,20 +214,20 @@ def _attach(model, root, role, verifies, attach_kwargs, calls):
             vars(owner).pop(attribute, None)
 
     try:
-        meta_of = _generation_meta(model, role, verifies, undo)
+        meta_of = _generation_meta(model, role, verifies, undo, session)
 
         def pre_hook(module, args, kwargs):
             # Runs before fastdump's wrapper begins the pass: set_pass_meta then feeds the coming pass.
             meta = meta_of(args, kwargs)
-            meta["call_index"] = next(calls)
+            meta["call_index"] = next(session.calls)
             try:
                 dumper.set_pass_meta(**meta)
             except Exception:
                 pass
 
         handles.append(model.register_forward_pre_hook(pre_hook, with_kwargs=True))
-        _outside_passes(model, dumper, calls, role, verifies, handles, undo)
-        _feature_passes(model, dumper, calls, undo)
+        _outside_passes(model, dumper, session, role, verifies, handles, undo)
+        _feature_passes(model, dumper, session, undo)
     except BaseException:  # (a model that refuses a hook): nothing of this role is left attached
         try:
             detach()
@@ -197,14 +237,14 @@ def _attach(model, root, role, verifies, attach_kwargs, calls):
     return dumper, detach
 
 
-def _generation_meta(model, role, verifies, undo):
+def _generation_meta(model, role, verifies, undo, session):
     """``meta_of(args, kwargs)``: the metadata of a forward of generation model ``model``, never
     raising (what it cannot work out is recorded as such). A target counts the candidates each call
     scores when transformers lets it see them (``model._get_candidate_generator``, recorded in
     ``undo``); else (an old or unknown transformers) every call of a target with an assistant that
     feeds several tokens on a cache is taken to verify."""
     candidates = _Candidates()
-    counted = role == "target" and candidates.wrap_generator_factory(model)
+    counted = role == "target" and candidates.wrap_generator_factory(model, session.adopt_new_modules)
     if counted:
         undo.append((model, "_get_candidate_generator"))
 
@@ -224,7 +264,7 @@ def _generation_meta(model, role, verifies, undo):
     return meta_of
 
 
-def _outside_passes(model, dumper, calls, role, verifies, handles, undo) -> None:
+def _outside_passes(model, dumper, session, role, verifies, handles, undo) -> None:
     """Modules that generate() runs outside any forward of ``model``, whose tensors no pass would
     hold, each call made a pass of its own (a call inside a forward of the model stays in its pass).
 
@@ -245,9 +285,9 @@ def _outside_passes(model, dumper, calls, role, verifies, handles, undo) -> None
             hooked.append((encoder, _encoder_meta))
     for _, sub in model.named_modules():
         if sub is not model and _generates(sub) and all(sub is not m for m, _ in hooked):
-            hooked.append((sub, _generation_meta(sub, role, verifies, undo)))
+            hooked.append((sub, _generation_meta(sub, role, verifies, undo, session)))
     for module, meta_of in hooked:
-        _pass_of_its_own(module, dumper, calls, meta_of, handles)
+        _pass_of_its_own(module, dumper, session, meta_of, handles)
 
 
 def _generates(module) -> bool:
@@ -277,7 +317,7 @@ def _encoder_meta(args, kwargs) -> dict:
     return meta
 
 
-def _pass_of_its_own(module, dumper, calls, meta_of, handles) -> None:
+def _pass_of_its_own(module, dumper, session, meta_of, handles) -> None:
     """Hooks making each call of ``module`` outside a pass a (manual) pass, metadata ``meta_of(args,
     kwargs)``; a call that raises leaves it incomplete. Their handles go to ``handles``."""
     opened = []  # [id] of the pass these hooks began, while it is open
@@ -300,7 +340,7 @@ def _pass_of_its_own(module, dumper, calls, meta_of, handles) -> None:
             meta = meta_of(args, kwargs)
         except Exception as exc:  # never into the model
             meta = {"fastdump_meta_error": f"{type(exc).__name__}: {exc}"[:200]}
-        meta["call_index"] = next(calls)
+        meta["call_index"] = next(session.calls)
         dumper.begin_pass(**meta)
         opened.append(dumper.pass_id)
 
@@ -313,7 +353,7 @@ def _pass_of_its_own(module, dumper, calls, meta_of, handles) -> None:
     handles.append(module.register_forward_hook(after, always_call=True))
 
 
-def _feature_passes(model, dumper, calls, undo) -> None:
+def _feature_passes(model, dumper, session, undo) -> None:
     """A vision-language model's generate() encodes the images (videos) before the first forward,
     outside it: ``model.base_model.get_image_features(...)`` runs the vision tower and the projector,
     whose tensors no pass would hold. Make each such call a pass (``forward_mode`` ``encode``,
@@ -330,17 +370,17 @@ def _feature_passes(model, dumper, calls, undo) -> None:
                 or not callable(getattr(type(base), attribute, None)):
             continue
         method = getattr(type(base), attribute)
-        setattr(base, attribute, types.MethodType(_encoding_pass(dumper, calls, method, modality), base))
+        setattr(base, attribute, types.MethodType(_encoding_pass(dumper, session, method, modality), base))
         undo.append((base, attribute))
 
 
-def _encoding_pass(dumper, calls, method, modality):
+def _encoding_pass(dumper, session, method, modality):
     # generate() reads the method's signature to pick its arguments: keep it (functools.wraps)
     @functools.wraps(method)
     def encode(self, *args, **kwargs):
         if dumper.in_pass:
             return method(self, *args, **kwargs)
-        dumper.begin_pass(forward_mode="encode", modality=modality, call_index=next(calls))
+        dumper.begin_pass(forward_mode="encode", modality=modality, call_index=next(session.calls))
         try:
             return method(self, *args, **kwargs)
         except BaseException as exc:
@@ -363,11 +403,11 @@ def dump_generate(model, root, *, assistant_model=None, **attach_kwargs):
     ``draft: True``. Two Dumpers on one model would each dump every call of both roles."""
     attached = []
     itself = assistant_model is model
-    calls = itertools.count()  # one count for both roles: their passes merge in call order
+    session = _Session()
     try:
-        attached.append(("target", *_attach(model, root, "target", assistant_model is not None, attach_kwargs, calls)))
+        attached.append(("target", *_attach(model, root, "target", assistant_model is not None, attach_kwargs, session)))
         if assistant_model is not None and not itself:
-            attached.append(("draft", *_attach(assistant_model, root, "draft", False, attach_kwargs, calls)))
+            attached.append(("draft", *_attach(assistant_model, root, "draft", False, attach_kwargs, session)))
         dumpers = {role: dumper for role, dumper, _ in attached}
         if itself:
             dumpers["draft"] = dumpers["target"]
