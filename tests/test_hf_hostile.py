@@ -649,3 +649,21 @@ def test_universal_assisted_pruned_lm_head_is_dumped(tmp_path):
         assert sorted(got) == sorted(k for k in ref if k != "lm_head")  # (the original head no longer runs)
         assert all(torch.equal(got[k], ref[k]) for k in got)
     assert verify(tmp_path) == (0, "OK\n")
+
+
+def test_assistant_held_inside_the_target_stays_in_its_role(tmp_path):
+    """An assistant that is a submodule of the target (a drafter shipped inside the model): its
+    forwards are the draft's passes, not also passes of the target's (both Dumpers wrap its leaves)."""
+    model, draft = tiny_llama(2, 0), tiny_llama(1, 1)
+    model.drafter = draft
+    recs = {"target": Recorder(model, [(n, m) for n, m in model.named_modules()
+                                       if n and not list(m.children()) and not n.startswith("drafter.")]
+                       + [("LlamaForCausalLM", model)]),
+            "draft": Recorder(draft)}
+    with dump_generate(model, tmp_path, assistant_model=draft, writer="thread"):
+        model.generate(torch.tensor([[1, 5, 9, 7]]), assistant_model=draft, max_new_tokens=3, do_sample=False,
+                       pad_token_id=0)
+    for r in recs.values():
+        r.remove()
+    for role, rec in recs.items():
+        assert_dump_equals(tmp_path, role, rec.passes)

@@ -173,9 +173,10 @@ class _Session:
     """What the roles of one ``dump_generate`` share: the count of their calls (``call_index``),
     and the models each Dumper watches, to check again for modules transformers puts in them."""
 
-    def __init__(self):
+    def __init__(self, roots=()):
         self.calls = itertools.count()
         self.models = []  # (Dumper, model)
+        self.roots = list(roots)  # every role's model: none is another's inner generation model
 
     def adopt_new_modules(self) -> None:
         """Dump the modules transformers put into a model after attach (universal assisted
@@ -284,7 +285,7 @@ def _outside_passes(model, dumper, session, role, verifies, handles, undo) -> No
         if encoder is not None and encoder is not model and hasattr(encoder, "register_forward_pre_hook"):
             hooked.append((encoder, _encoder_meta))
     for _, sub in model.named_modules():
-        if sub is not model and _generates(sub) and all(sub is not m for m, _ in hooked):
+        if all(sub is not m for m in session.roots) and _generates(sub) and all(sub is not m for m, _ in hooked):
             hooked.append((sub, _generation_meta(sub, role, verifies, undo, session)))
     for module, meta_of in hooked:
         _pass_of_its_own(module, dumper, session, meta_of, handles)
@@ -403,7 +404,7 @@ def dump_generate(model, root, *, assistant_model=None, **attach_kwargs):
     ``draft: True``. Two Dumpers on one model would each dump every call of both roles."""
     attached = []
     itself = assistant_model is model
-    session = _Session()
+    session = _Session(roots=(model, assistant_model))
     try:
         attached.append(("target", *_attach(model, root, "target", assistant_model is not None, attach_kwargs, session)))
         if assistant_model is not None and not itself:
