@@ -184,12 +184,15 @@ class _Session:
         selected as at attach: no wrapper would run for them, and what they compute would be
         missing from every pass without a word. Runs as generate() makes its candidate generator."""
         for dumper, model in self.models:
+            if dumper.status != "running":
+                continue  # (closed, or not dumping)
             try:
                 o = dumper.options
                 wrapped = {id(m) for m, _ in dumper._wrapped}
+                left = tuple(dumper.not_wrapped)  # (left out at attach, with all inside: why is recorded)
                 fresh = [(name, m) for name, m in select_modules(
                     model, layers=o.layers, include=o.include, exclude=o.exclude, module_types=o.module_types)
-                    if id(m) not in wrapped]
+                    if id(m) not in wrapped and not any(name == n or name.startswith(n + ".") for n in left)]
             except Exception as exc:  # never an error in generate: said, and the modules go undumped
                 log.warning("fastdump: %s: cannot check %s for new modules: %s", dumper.dir, type(model).__name__, exc)
                 continue
