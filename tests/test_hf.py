@@ -109,6 +109,12 @@ def test_forward_meta_modes():
         {"forward_mode": "decode", "batch_size": 2, "num_tokens": 2, "cached_tokens": 5}
     assert forward_meta((), {"input_ids": ids3, "past_key_values": Cache(5)}, verifies=True)["forward_mode"] == "verify"
     assert forward_meta((), {"input_ids": ids3, "past_key_values": Cache(5)})["forward_mode"] == "extend"
+    # a counted verify says how many candidates; a call scoring none is what its shape says
+    assert forward_meta((), {"input_ids": ids3, "cache": Cache(5)}, candidates=2) == \
+        {"forward_mode": "verify", "batch_size": 2, "num_tokens": 6, "cached_tokens": 5, "candidates": 2}
+    assert forward_meta((), {"input_ids": ids1, "cache": Cache(5)}, candidates=0)["forward_mode"] == "decode"
+    # an encoder-decoder's call: the decoder's tokens, not the encoder's
+    assert forward_meta((), {"input_ids": ids3, "decoder_input_ids": ids1, "cache": Cache(5)})["num_tokens"] == 2
     legacy = ((torch.zeros(2, 4, 7, 8), torch.zeros(2, 4, 7, 8)),)
     assert forward_meta((), {"inputs_embeds": torch.zeros(2, 1, 16), "past_key_values": legacy})["cached_tokens"] == 7
 
