@@ -3,7 +3,8 @@
 # default 470 s, so under 8 minutes):
 #   benchmarks/gpu_check.sh OUTDIR [--dry-run]
 # Stages, in this order (each under a timeout; a failing stage is reported and the others still run):
-#   deps           check the Python packages; install only missing ones, from wheels in .whl/ (offline)
+#   deps           check the Python packages; install only missing ones (and what they need) from wheels
+#                  in .whl/ (offline; .whl/ is git-ignored: carry it); fails unless all import then
 #   build          fastdump._C with CUDA
 #   decode-bench   decode_bench.py --preset 8b eager: modes none, fastdump-process, sglang-style, both roles
 #   decode-graphs  decode_bench.py --preset 8b --cuda-graphs: graph replay with record mode vs without
@@ -114,9 +115,20 @@ deps() {
     return 1
   fi
   if [[ -d .whl ]] && compgen -G ".whl/*.whl" >/dev/null; then  # carried wheels (offline machines)
-    "$PY" -m pip install -q --no-deps --find-links .whl "${pkgs[@]}" && return 0
+    # With their dependencies (pytest needs pluggy and iniconfig), found in .whl/ too: PIP_NO_INDEX
+    # keeps pip offline, and what is installed already satisfies the rest.
+    "$PY" -m pip install -q --find-links .whl "${pkgs[@]}" ||
+      echo "pip could not install ${pkgs[*]} from .whl/ (their dependencies must be there too)" >&2
+  else
+    echo "no wheels for ${pkgs[*]} in .whl/ (pip does not use an index here: the machine is offline)" >&2
   fi
-  echo "no wheels for ${pkgs[*]} in .whl/ (pip does not use an index here: the machine is offline)" >&2
+  # The stage is ok only if every module imports now (torch included).
+  local still=()
+  for mod in "${missing[@]}"; do
+    "$PY" -c "import $mod" 2>/dev/null || still+=("$mod")
+  done
+  ((${#still[@]} == 0)) && return 0
+  echo "still missing: ${still[*]}" >&2
   return 1
 }
 

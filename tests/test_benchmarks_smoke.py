@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -437,6 +438,63 @@ def test_gpu_check_timed_out_stage_prints_its_tail(tmp_path):
     stage = json.loads((out / "summary.json").read_text())["stages"]["decode-bench"]
     assert stage["status"] == "timeout after 1s" and stage["rc"] == "124"
     assert sorted(p.name for p in out.iterdir()) == ["gpu_check.log", "results.tar.gz", "summary.json"]
+
+
+_FAKE_PYTHON = r"""#!/usr/bin/env bash
+# A Python without pytest: `import pytest` works once pip installed pytest AND its dependency pluggy;
+# `-m pip install` installs what it names, and pluggy with pytest unless --no-deps (as pip does).
+state=$FAKE_STATE
+if [[ "$1" == -c && "$2" =~ ^import\ (pytest|torch)$ ]]; then
+  [[ ${BASH_REMATCH[1]} == pytest && -e $state/pytest && -e $state/pluggy ]]
+  exit
+fi
+if [[ "$1" == -m && "$2" == pip ]]; then
+  echo "$*" >>"$state/pip_calls"
+  deps=1
+  for a in "$@"; do [[ $a == --no-deps ]] && deps=0; done
+  for a in "${@:3}"; do
+    [[ $a == -* || $a == install || $a == .whl ]] && continue
+    touch "$state/$a"
+    [[ $a == pytest && $deps == 1 ]] && touch "$state/pluggy"
+  done
+  exit 0
+fi
+exec "$REAL_PYTHON" "$@"
+"""
+
+
+def test_gpu_check_deps_installs_carried_wheels_with_their_dependencies(tmp_path):
+    """The GPU machine is offline: a missing package comes from wheels carried in .whl/. It was
+    installed with --no-deps, so pytest came without pluggy and still did not import, and the stage
+    said ok anyway. Now its dependencies come from .whl/ too, and the stage is ok only if every
+    module imports afterwards (torch, which no wheel brings, fails it)."""
+    tree = tmp_path / "tree"
+    (tree / "benchmarks").mkdir(parents=True)
+    for f in ("gpu_check.sh", "gpu_check_summary.py"):
+        shutil.copy(REPO / "benchmarks" / f, tree / "benchmarks" / f)
+    (tree / ".whl").mkdir()
+    (tree / ".whl" / "pytest-9.0.0-py3-none-any.whl").write_bytes(b"")
+    state = tmp_path / "state"
+    state.mkdir()
+    fake = tmp_path / "python"
+    fake.write_text(_FAKE_PYTHON)
+    fake.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("FASTDUMP_", "GPU_CHECK_", "STAGES"))}
+    env.update(PYTHON=str(fake), FAKE_STATE=str(state), REAL_PYTHON=sys.executable, STAGES="deps",
+               PYTHONPATH=str(REPO))
+
+    def deps_stage(out):
+        proc = subprocess.run(["bash", str(tree / "benchmarks" / "gpu_check.sh"), str(out)], cwd=tree, env=env,
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr
+        return json.loads((out / "summary.json").read_text())["stages"]["deps"], (out / "gpu_check.log").read_text()
+
+    stage, log = deps_stage(tmp_path / "out1")
+    assert "--no-deps" not in (state / "pip_calls").read_text()
+    assert (state / "pytest").exists() and (state / "pluggy").exists()  # pytest imports now
+    # torch is still missing (no wheel brings it): the stage fails and says so
+    assert stage["status"] == "FAILED (rc 1)", stage
+    assert "still missing: torch" in log and "pytest" not in log.split("still missing:")[1].splitlines()[0]
 
 
 def test_gpu_check_summary_reads_partial_results(tmp_path):

@@ -1816,6 +1816,9 @@ def test_gpu_in_place_overwrite_after_hook_and_output_unchanged(tmp_path, side_s
     model = _Chain().cuda()
     x = torch.randn(64, 2048, device="cuda")
     stream = torch.cuda.Stream() if side_stream else torch.cuda.current_stream()
+    # torch's pooled streams are non-blocking: without this wait the side stream may read x (and
+    # the weights) before the default stream's randn and copies have written them.
+    stream.wait_stream(torch.cuda.current_stream())
     with torch.no_grad(), torch.cuda.stream(stream):
         plain = model(x.clone())
     clones = {}
