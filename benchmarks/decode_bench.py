@@ -320,6 +320,14 @@ class BaselineSession(NoDump):
         return close_all(self._dumpers)
 
 
+def _shm_free_mb() -> int | None:
+    try:
+        st = os.statvfs("/dev/shm")
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize >> 20
+
+
 def make_session(mode: str, fastdump, ring_mb: int):
     if mode == "none":
         return NoDump()
@@ -565,6 +573,11 @@ def parse_args(argv=None):
         preset.batch_size, preset.prompt_len, preset.rounds, preset.k, preset.reps)
     if args.ring_mb is None:
         args.ring_mb = 2048 if args.device.type == "cuda" else 256
+        free_mb = _shm_free_mb()
+        if free_mb is not None and args.ring_mb > free_mb * 3 // 4:
+            # A container's /dev/shm (64 MiB by default) would fail every fastdump mode at attach.
+            args.ring_mb = max(16, free_mb * 3 // 4)
+            print(f"decode_bench: /dev/shm has {free_mb} MiB free: ring_mb {args.ring_mb}", file=sys.stderr)
     modes = parse_modes(args.modes, BASE_MODES + EXTRA_MODES, parser.error, always_first="none")
     if os.environ.get("FASTDUMP_DIR"):
         modes.append("flag")
