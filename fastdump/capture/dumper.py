@@ -812,6 +812,8 @@ class Dumper:
         if isinstance(value, _Tensor):
             if type(value).__name__ == "DTensor" and _is_dtensor(value):
                 value = value.to_local()  # this rank's shard, as a rank of a plain TP model holds it
+            if type(value).__name__ == "AsyncCollectiveTensor" and _is_async_collective(value):
+                value = value.trigger_wait()  # a functional collective's result, waited for as its first use would
             return self._stage(name, value)
         if value is None or isinstance(value, (int, float, bool, str, bytes)):
             return  # not tensor data
@@ -1352,6 +1354,19 @@ def _is_dtensor(value) -> bool:
     except Exception:  # pragma: no cover - a torch without torch.distributed
         return False
     return isinstance(value, DTensor)
+
+
+def _is_async_collective(value) -> bool:
+    """A functional collective's result (``torch.distributed._functional_collectives``: what
+    torch-native tensor parallelism and a DTensor's ``to_local()`` after a redistribute return): a
+    wrapper without storage whose data is the collective's output once waited for. Waiting is what
+    the tensor's first use does anyway (on CUDA the current stream waits for the collective's, no
+    host synchronisation), so the dump is the value the next module receives."""
+    try:
+        from torch.distributed._functional_collectives import AsyncCollectiveTensor
+    except Exception:  # pragma: no cover - a torch without torch.distributed
+        return False
+    return isinstance(value, AsyncCollectiveTensor)
 
 
 def _owner_of(module):
