@@ -588,6 +588,57 @@ def test_grad_mode_and_inference_mode_serve_the_same_results_and_gradients(tmp_p
     assert not verify(tmp_path).problems
 
 
+# ---------------------------------------------------------------------- torch.func and stateless calls
+
+
+def _tiny():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+
+
+@pytest.mark.parametrize("which", READERS)
+def test_functional_calls_dump_the_swapped_parameters_results_and_transforms_are_recorded_skips(tmp_path, which):
+    """functional_call runs the module with other parameters: what is dumped is what that call
+    computed. Inside vmap, grad, jvp and functionalize a module's output is torch.func's wrapper,
+    whose TensorImpl holds no values: a recorded skip saying so (it read as a freed storage), never
+    bytes read from the wrapper; what the transforms return is what they return without fastdump."""
+    x = torch.randn(5, 3)
+    plain = _tiny()
+    swapped = {k: v.detach() * 2 + 1 for k, v in plain.named_parameters()}
+    transforms = {
+        "vmap": lambda m: torch.func.vmap(m)(x),
+        "grad": lambda m: torch.func.grad(lambda p: torch.func.functional_call(m, p, (x,)).sum())(
+            dict(m.named_parameters())),
+        "jvp": lambda m: torch.func.jvp(m, (x,), (torch.ones_like(x),)),
+        "functionalize": lambda m: torch.func.functionalize(m)(x),
+    }
+    want = {k: f(plain) for k, f in transforms.items()}
+    model = _tiny()
+    with tensor_reader(which), fastdump.attach(model, tmp_path, root_name="root"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # stateless.functional_call is deprecated
+        for _ in range(2):  # passes 0-1, then 6-7: names new, then the hot path
+            served = [torch.func.functional_call(model, swapped, (x,)),
+                      torch.nn.utils.stateless.functional_call(model, swapped, (x,))]
+            got = {k: f(model) for k, f in transforms.items()}  # passes 2-5, then 8-11
+            assert all(same_bits(a, b) for k in want for a, b in zip(
+                torch.utils._pytree.tree_leaves(got[k]), torch.utils._pytree.tree_leaves(want[k]))), k
+    lin = nn.functional.linear
+    first = lin(x, swapped["0.weight"], swapped["0.bias"])
+    last = lin(first.tanh(), swapped["2.weight"], swapped["2.bias"])
+    ds = fastdump.open(tmp_path)
+    assert ds.passes("target", 0) == list(range(12))
+    for p in range(12):
+        dumped, skipped = ds.load("target", 0, p), skipped_of(ds, p)
+        if p % 6 < 2:
+            assert skipped == {} and list(dumped) == ["0", "1", "2", "root"]
+            assert same_bits(dumped["0"], first) and same_bits(dumped["root"], last), p
+            assert same_bits(dumped["1"], first.tanh()) and same_bits(served[p % 6], dumped["root"])
+        else:
+            assert dumped == {} and set(skipped) == {"0", "1", "2", "root"}, p
+            assert all("torch.func transform" in why for why in skipped.values()), skipped
+    assert not verify(tmp_path).problems
+
+
 # --------------------------------------------------------------- storage changed after the return
 
 

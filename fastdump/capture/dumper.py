@@ -885,6 +885,9 @@ class Dumper:
             nested = False
         if nested:
             reason = f"nested tensor (layout {value.layout}) is not supported"
+        elif _in_a_transform(value):  # (its storage check's words would speak of a freed storage)
+            reason = ("a torch.func transform's tensor (vmap, grad, jvp, functionalize): a wrapper without "
+                      "values of its own; dump outside the transform")
         else:
             reason = f"cannot capture {type(value).__name__}: {type(exc).__name__}: {_short(exc)}"
         self._skip(name, reason)
@@ -1354,6 +1357,15 @@ def _is_dtensor(value) -> bool:
     except Exception:  # pragma: no cover - a torch without torch.distributed
         return False
     return isinstance(value, DTensor)
+
+
+def _in_a_transform(value) -> bool:
+    """A tensor torch.func made inside a transform (vmap's batched tensor, grad's and jvp's
+    wrappers, functionalize's): its TensorImpl holds no data, only the level's wrapped value."""
+    try:
+        return isinstance(value, _Tensor) and _torch._C._functorch.is_functorch_wrapped_tensor(value)
+    except Exception:  # (a torch without functorch; a subclass that refuses)
+        return False
 
 
 def _is_async_collective(value) -> bool:
