@@ -19,6 +19,8 @@ import numpy as np
 import pytest
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import fastdump
 from fastdump import _C, dtypes
@@ -510,6 +512,68 @@ def test_a_subclass_that_lies_about_its_shape_is_never_read_past_its_elements(tm
         assert same_bits(dumped["kids.0"], storage[:4])
     else:
         assert "kids.0" in skipped_of(ds)
+
+
+class Logging(TorchDispatchMode):
+    """A dispatch mode that records every op (as a profiler's or a debugging mode does) and, when
+    asked to, changes what copies compute: neither may see or change fastdump's own work."""
+
+    def __init__(self, scale=None):
+        super().__init__()
+        self.ops, self.scale = [], scale
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func))
+        out = func(*args, **(kwargs or {}))
+        if self.scale is not None and func in (torch.ops.aten.clone.default, torch.ops.aten._conj_physical.default):
+            out = out * self.scale
+        return out
+
+
+class FunctionLog(TorchFunctionMode):
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.calls.append(getattr(func, "__name__", str(func)))
+        return func(*args, **(kwargs or {}))
+
+
+_METADATA_READS = {"__get__", "is_conj", "is_neg", "element_size", "stride", "data_ptr", "untyped_storage"}
+
+
+def _lazy_bits():
+    return Each(lambda x: torch.complex(x, -x).conj(), lambda x: torch.complex(x, x + 1).conj().imag, lambda x: x + 1)
+
+
+@pytest.mark.parametrize("which", READERS)
+def test_the_callers_modes_neither_see_nor_change_the_copy_of_a_lazy_conj_or_neg_view(tmp_path, which):
+    """A conj or neg view is resolved into a copy before staging. That copy ran through the modes
+    active in the forward: a logging mode saw ops the model never ran, and a mode that changes
+    results (here: scales every copy) made the dump differ from what the module returned."""
+    x = torch.arange(3.0)
+    seen = []
+    for attached in (False, True):
+        model = _lazy_bits()
+        with contextlib.ExitStack() as stack:
+            if attached:
+                stack.enter_context(tensor_reader(which))
+                stack.enter_context(fastdump.attach(model, tmp_path))
+            modes = [(Logging(scale), FunctionLog()) for scale in (None, 10, None, 10)]  # passes 0-3
+            for dispatch, function in modes:
+                with function, dispatch:
+                    model(x)
+        # (A function mode is asked about the metadata fastdump reads on its general path.)
+        seen.append([(d.ops, [c for c in f.calls if c not in _METADATA_READS]) for d, f in modes])
+    assert seen[0] == seen[1]  # the modes saw the model's ops, no op of fastdump's
+    ds = fastdump.open(tmp_path)
+    for p, outs in enumerate(model.outs):
+        dumped = ds.load("target", 0, p)
+        assert skipped_of(ds, p) == {}
+        for i, out in enumerate(outs):
+            assert same_bits(dumped[f"kids.{i}"], out), (p, i)  # what the module returned, resolved here
+    assert not verify(tmp_path).problems
 
 
 # ------------------------------------------------------------- what cannot be stored: recorded skips

@@ -962,8 +962,12 @@ class Dumper:
             return self._skip(name, _dtypes.UNSUPPORTED_REASON.get(_dtypes.torch_name(t.dtype), f"dtype {t.dtype}"))
         if t.layout is not _strided:
             return self._skip(name, f"layout {t.layout} is not strided")
-        if t.is_conj() or t.is_neg():
-            t = t.resolve_conj().resolve_neg()  # the lazy bits are not in the bytes
+        if t.is_conj() or t.is_neg():  # the lazy bits are not in the bytes: resolved into a copy
+            # with the caller's torch function and dispatch modes (a logging or counting mode, one
+            # that changes results) and a subclass's overrides left out: they must neither see
+            # fastdump's copy nor change what it holds.
+            with _torch._C.DisableTorchFunction(), _torch._C._DisableTorchDispatch():
+                t = _TensorType.resolve_neg(_TensorType.resolve_conj(t))
         self._stage(name, t, code)
 
     def _drop_unnamed(self, name: str) -> None:
