@@ -703,6 +703,66 @@ def test_functional_calls_dump_the_swapped_parameters_results_and_transforms_are
     assert not verify(tmp_path).problems
 
 
+# ------------------------------------------------------------------------ other libraries' hooks
+
+
+class Chain(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.c = nn.Linear(3, 3), nn.Linear(3, 3), nn.Linear(3, 3)
+
+    def forward(self, x):
+        return self.c(self.b(self.a(x)))
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_hooks_of_other_libraries_change_what_the_next_module_receives_not_the_dump(tmp_path, monkeypatch, native):
+    """The documented semantics, hook by hook: a module's dump is what its forward returned,
+    before its forward hooks (replacing, in place, prepended, always_call, global); its inputs
+    (inputs=True) are what its forward received, after its pre-hooks (with_kwargs too); hooks
+    registered before or after attach, or removed between passes, alike. The root's own hooks run
+    outside its pass: modules they call are not dumped."""
+    from fastdump.capture import dumper as dumper_mod
+
+    monkeypatch.setattr(dumper_mod, "_native_wrappers", native)
+    model, x = Chain(), torch.randn(2, 3)
+    model.b.register_forward_pre_hook(lambda m, args: (args[0] * 2,))
+    model.a.register_forward_hook(lambda m, args, out: out + 100)
+    model.register_forward_hook(lambda m, args, out: model.a(out))  # outside the pass
+    with fastdump.attach(model, tmp_path, inputs=True, root_name="root") as d:
+        model.c.register_forward_pre_hook(lambda m, args, kwargs: ((args[0] - 1,), kwargs), with_kwargs=True)
+        model.c.register_forward_hook(lambda m, args, out: out.add_(0.5))  # in place, after the next
+        model.c.register_forward_hook(lambda m, args, out: out * 3, prepend=True, always_call=True)
+        every = torch.nn.modules.module.register_module_forward_hook(
+            lambda m, args, out: out.neg() if m is model.b else None)
+        with torch.no_grad():
+            served = [model(x)]
+            every.remove()
+            served.append(model(x))
+    lin = nn.functional.linear
+    with torch.no_grad():
+        a = lin(x, model.a.weight, model.a.bias)
+        b_in = (a + 100) * 2
+        b = lin(b_in, model.b.weight, model.b.bias)
+        want = []
+        for b_out in (-b, b):  # the global hook, then without it
+            c_in = b_out - 1
+            c = lin(c_in, model.c.weight, model.c.bias)
+            root = c * 3 + 0.5
+            want.append({"a": a, "a.input.0": x, "b": b, "b.input.0": b_in, "c": c, "c.input.0": c_in,
+                         "root": root, "root.input.0": x})
+            assert same_bits(served[len(want) - 1], lin(root, model.a.weight, model.a.bias) + 100)
+    ds = fastdump.open(tmp_path)
+    assert ds.passes("target", 0) == [0, 1]
+    for p in range(2):
+        dumped = ds.load("target", 0, p)
+        assert sorted(dumped) == sorted(want[p]), p  # no a#1: the root's hook ran after its pass
+        for name, value in want[p].items():
+            assert same_bits(dumped[name], value), (p, name)
+    assert not verify(tmp_path).problems
+
+
 # --------------------------------------------------------------- storage changed after the return
 
 
