@@ -763,6 +763,30 @@ def test_hooks_of_other_libraries_change_what_the_next_module_receives_not_the_d
     assert not verify(tmp_path).problems
 
 
+def test_autocast_and_a_fake_tensor_pass_dump_real_values_or_nothing(tmp_path):
+    """Under autocast a module returns bfloat16: dumped as returned. Under FakeTensorMode nothing
+    runs for real: no fake bytes are stored, each output is a recorded skip, and the passes after
+    it are dumped bit-exact."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    model, x = Mlp(), torch.randn(3, 4)
+    with fastdump.attach(model, tmp_path, root_name="mlp"), torch.no_grad():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            cast = model(x)                                      # pass 0
+        with FakeTensorMode(allow_non_fake_inputs=True) as fake:
+            model(fake.from_tensor(x))                           # pass 1
+        real = model(x)                                          # pass 2
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        up_cast = model.up(x)
+    ds = fastdump.open(tmp_path)
+    dumped = [ds.load("target", 0, p) for p in range(3)]
+    assert cast.dtype == torch.bfloat16 and same_bits(dumped[0]["mlp"], cast)
+    assert same_bits(dumped[0]["up"], up_cast)
+    assert dumped[1] == {} and set(skipped_of(ds, 1)) == {"up", "act", "down", "mlp"}
+    assert same_bits(dumped[2]["mlp"], real) and skipped_of(ds, 2) == {}
+    assert not verify(tmp_path).problems
+
+
 # --------------------------------------------------------------- storage changed after the return
 
 
