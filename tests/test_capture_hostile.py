@@ -19,6 +19,8 @@ import numpy as np
 import pytest
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import fastdump
 from fastdump import _C, dtypes
@@ -512,6 +514,68 @@ def test_a_subclass_that_lies_about_its_shape_is_never_read_past_its_elements(tm
         assert "kids.0" in skipped_of(ds)
 
 
+class Logging(TorchDispatchMode):
+    """A dispatch mode that records every op (as a profiler's or a debugging mode does) and, when
+    asked to, changes what copies compute: neither may see or change fastdump's own work."""
+
+    def __init__(self, scale=None):
+        super().__init__()
+        self.ops, self.scale = [], scale
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func))
+        out = func(*args, **(kwargs or {}))
+        if self.scale is not None and func in (torch.ops.aten.clone.default, torch.ops.aten._conj_physical.default):
+            out = out * self.scale
+        return out
+
+
+class FunctionLog(TorchFunctionMode):
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.calls.append(getattr(func, "__name__", str(func)))
+        return func(*args, **(kwargs or {}))
+
+
+_METADATA_READS = {"__get__", "is_conj", "is_neg", "element_size", "stride", "data_ptr", "untyped_storage"}
+
+
+def _lazy_bits():
+    return Each(lambda x: torch.complex(x, -x).conj(), lambda x: torch.complex(x, x + 1).conj().imag, lambda x: x + 1)
+
+
+@pytest.mark.parametrize("which", READERS)
+def test_the_callers_modes_neither_see_nor_change_the_copy_of_a_lazy_conj_or_neg_view(tmp_path, which):
+    """A conj or neg view is resolved into a copy before staging. That copy ran through the modes
+    active in the forward: a logging mode saw ops the model never ran, and a mode that changes
+    results (here: scales every copy) made the dump differ from what the module returned."""
+    x = torch.arange(3.0)
+    seen = []
+    for attached in (False, True):
+        model = _lazy_bits()
+        with contextlib.ExitStack() as stack:
+            if attached:
+                stack.enter_context(tensor_reader(which))
+                stack.enter_context(fastdump.attach(model, tmp_path))
+            modes = [(Logging(scale), FunctionLog()) for scale in (None, 10, None, 10)]  # passes 0-3
+            for dispatch, function in modes:
+                with function, dispatch:
+                    model(x)
+        # (A function mode is asked about the metadata fastdump reads on its general path.)
+        seen.append([(d.ops, [c for c in f.calls if c not in _METADATA_READS]) for d, f in modes])
+    assert seen[0] == seen[1]  # the modes saw the model's ops, no op of fastdump's
+    ds = fastdump.open(tmp_path)
+    for p, outs in enumerate(model.outs):
+        dumped = ds.load("target", 0, p)
+        assert skipped_of(ds, p) == {}
+        for i, out in enumerate(outs):
+            assert same_bits(dumped[f"kids.{i}"], out), (p, i)  # what the module returned, resolved here
+    assert not verify(tmp_path).problems
+
+
 # ------------------------------------------------------------- what cannot be stored: recorded skips
 
 
@@ -585,6 +649,141 @@ def test_grad_mode_and_inference_mode_serve_the_same_results_and_gradients(tmp_p
         assert same_bits(dumped["up"], up), p  # before the in-place ReLU
         assert same_bits(dumped["act"], up.relu()) and same_bits(dumped["mlp"], want.detach())
         assert not dumped["mlp"].requires_grad
+    assert not verify(tmp_path).problems
+
+
+# ---------------------------------------------------------------------- torch.func and stateless calls
+
+
+def _tiny():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+
+
+@pytest.mark.parametrize("which", READERS)
+def test_functional_calls_dump_the_swapped_parameters_results_and_transforms_are_recorded_skips(tmp_path, which):
+    """functional_call runs the module with other parameters: what is dumped is what that call
+    computed. Inside vmap, grad, jvp and functionalize a module's output is torch.func's wrapper,
+    whose TensorImpl holds no values: a recorded skip saying so (it read as a freed storage), never
+    bytes read from the wrapper; what the transforms return is what they return without fastdump."""
+    x = torch.randn(5, 3)
+    plain = _tiny()
+    swapped = {k: v.detach() * 2 + 1 for k, v in plain.named_parameters()}
+    transforms = {
+        "vmap": lambda m: torch.func.vmap(m)(x),
+        "grad": lambda m: torch.func.grad(lambda p: torch.func.functional_call(m, p, (x,)).sum())(
+            dict(m.named_parameters())),
+        "jvp": lambda m: torch.func.jvp(m, (x,), (torch.ones_like(x),)),
+        "functionalize": lambda m: torch.func.functionalize(m)(x),
+    }
+    want = {k: f(plain) for k, f in transforms.items()}
+    model = _tiny()
+    with tensor_reader(which), fastdump.attach(model, tmp_path, root_name="root"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # stateless.functional_call is deprecated
+        for _ in range(2):  # passes 0-1, then 6-7: names new, then the hot path
+            served = [torch.func.functional_call(model, swapped, (x,)),
+                      torch.nn.utils.stateless.functional_call(model, swapped, (x,))]
+            got = {k: f(model) for k, f in transforms.items()}  # passes 2-5, then 8-11
+            assert all(same_bits(a, b) for k in want for a, b in zip(
+                torch.utils._pytree.tree_leaves(got[k]), torch.utils._pytree.tree_leaves(want[k]))), k
+    lin = nn.functional.linear
+    first = lin(x, swapped["0.weight"], swapped["0.bias"])
+    last = lin(first.tanh(), swapped["2.weight"], swapped["2.bias"])
+    ds = fastdump.open(tmp_path)
+    assert ds.passes("target", 0) == list(range(12))
+    for p in range(12):
+        dumped, skipped = ds.load("target", 0, p), skipped_of(ds, p)
+        if p % 6 < 2:
+            assert skipped == {} and list(dumped) == ["0", "1", "2", "root"]
+            assert same_bits(dumped["0"], first) and same_bits(dumped["root"], last), p
+            assert same_bits(dumped["1"], first.tanh()) and same_bits(served[p % 6], dumped["root"])
+        else:
+            assert dumped == {} and set(skipped) == {"0", "1", "2", "root"}, p
+            assert all("torch.func transform" in why for why in skipped.values()), skipped
+    assert not verify(tmp_path).problems
+
+
+# ------------------------------------------------------------------------ other libraries' hooks
+
+
+class Chain(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.c = nn.Linear(3, 3), nn.Linear(3, 3), nn.Linear(3, 3)
+
+    def forward(self, x):
+        return self.c(self.b(self.a(x)))
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_hooks_of_other_libraries_change_what_the_next_module_receives_not_the_dump(tmp_path, monkeypatch, native):
+    """The documented semantics, hook by hook: a module's dump is what its forward returned,
+    before its forward hooks (replacing, in place, prepended, always_call, global); its inputs
+    (inputs=True) are what its forward received, after its pre-hooks (with_kwargs too); hooks
+    registered before or after attach, or removed between passes, alike. The root's own hooks run
+    outside its pass: modules they call are not dumped."""
+    from fastdump.capture import dumper as dumper_mod
+
+    monkeypatch.setattr(dumper_mod, "_native_wrappers", native)
+    model, x = Chain(), torch.randn(2, 3)
+    model.b.register_forward_pre_hook(lambda m, args: (args[0] * 2,))
+    model.a.register_forward_hook(lambda m, args, out: out + 100)
+    model.register_forward_hook(lambda m, args, out: model.a(out))  # outside the pass
+    with fastdump.attach(model, tmp_path, inputs=True, root_name="root") as d:
+        model.c.register_forward_pre_hook(lambda m, args, kwargs: ((args[0] - 1,), kwargs), with_kwargs=True)
+        model.c.register_forward_hook(lambda m, args, out: out.add_(0.5))  # in place, after the next
+        model.c.register_forward_hook(lambda m, args, out: out * 3, prepend=True, always_call=True)
+        every = torch.nn.modules.module.register_module_forward_hook(
+            lambda m, args, out: out.neg() if m is model.b else None)
+        with torch.no_grad():
+            served = [model(x)]
+            every.remove()
+            served.append(model(x))
+    lin = nn.functional.linear
+    with torch.no_grad():
+        a = lin(x, model.a.weight, model.a.bias)
+        b_in = (a + 100) * 2
+        b = lin(b_in, model.b.weight, model.b.bias)
+        want = []
+        for b_out in (-b, b):  # the global hook, then without it
+            c_in = b_out - 1
+            c = lin(c_in, model.c.weight, model.c.bias)
+            root = c * 3 + 0.5
+            want.append({"a": a, "a.input.0": x, "b": b, "b.input.0": b_in, "c": c, "c.input.0": c_in,
+                         "root": root, "root.input.0": x})
+            assert same_bits(served[len(want) - 1], lin(root, model.a.weight, model.a.bias) + 100)
+    ds = fastdump.open(tmp_path)
+    assert ds.passes("target", 0) == [0, 1]
+    for p in range(2):
+        dumped = ds.load("target", 0, p)
+        assert sorted(dumped) == sorted(want[p]), p  # no a#1: the root's hook ran after its pass
+        for name, value in want[p].items():
+            assert same_bits(dumped[name], value), (p, name)
+    assert not verify(tmp_path).problems
+
+
+def test_autocast_and_a_fake_tensor_pass_dump_real_values_or_nothing(tmp_path):
+    """Under autocast a module returns bfloat16: dumped as returned. Under FakeTensorMode nothing
+    runs for real: no fake bytes are stored, each output is a recorded skip, and the passes after
+    it are dumped bit-exact."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    model, x = Mlp(), torch.randn(3, 4)
+    with fastdump.attach(model, tmp_path, root_name="mlp"), torch.no_grad():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            cast = model(x)                                      # pass 0
+        with FakeTensorMode(allow_non_fake_inputs=True) as fake:
+            model(fake.from_tensor(x))                           # pass 1
+        real = model(x)                                          # pass 2
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        up_cast = model.up(x)
+    ds = fastdump.open(tmp_path)
+    dumped = [ds.load("target", 0, p) for p in range(3)]
+    assert cast.dtype == torch.bfloat16 and same_bits(dumped[0]["mlp"], cast)
+    assert same_bits(dumped[0]["up"], up_cast)
+    assert dumped[1] == {} and set(skipped_of(ds, 1)) == {"up", "act", "down", "mlp"}
+    assert same_bits(dumped[2]["mlp"], real) and skipped_of(ds, 2) == {}
     assert not verify(tmp_path).problems
 
 

@@ -671,6 +671,51 @@ def test_a_dtensor_output_is_dumped_as_this_ranks_local_shard(tmp_path):
     assert not verify(tmp_path / "dump").problems
 
 
+FUNCOL_SCRIPT = textwrap.dedent("""
+    import json, sys, torch, torch.distributed as dist, fastdump
+    import torch.distributed._functional_collectives as funcol
+    dist.init_process_group("gloo", store=dist.FileStore(sys.argv[2], 1), rank=0, world_size=1)
+
+    class Reduced(torch.nn.Module):  # tensor parallelism's row-parallel output, the functional way
+        def forward(self, x):
+            return funcol.all_reduce(x * 2, "sum", dist.group.WORLD)
+
+    class Parts(torch.nn.Module):  # a view of one, and one inside a tuple
+        def forward(self, x):
+            return funcol.all_reduce(x - 1, "sum", dist.group.WORLD)[1:], (funcol.all_reduce(x + 7, "sum", dist.group.WORLD),)
+
+    model = torch.nn.Sequential(Reduced(), Parts())
+    d = fastdump.attach(model, sys.argv[1], inputs=True)
+    with torch.no_grad():
+        outs = [model(torch.arange(6.0).reshape(2, 3) + k) for k in range(2)]
+    d.close()
+    dist.destroy_process_group()
+    print(json.dumps([[type(o[0]).__name__, type(o[1][0]).__name__] for o in outs]))
+""")
+
+
+def test_a_functional_collectives_result_is_dumped_as_the_value_the_next_module_receives(tmp_path):
+    """Functional collectives (torch-native tensor parallelism, a DTensor's to_local() after a
+    redistribute) return an AsyncCollectiveTensor: a wrapper without storage whose values are the
+    collective's output once waited for, as its first use does. Every such output was skipped as
+    a tensor "without storage of its own"."""
+    pytest.importorskip("torch.distributed._functional_collectives", reason="this torch has no functional collectives")
+    run = subprocess.run([sys.executable, "-c", FUNCOL_SCRIPT, str(tmp_path / "dump"), str(tmp_path / "store")],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert json.loads(run.stdout.strip().splitlines()[-1]) == [["AsyncCollectiveTensor"] * 2] * 2  # served as they are
+    ds = fastdump.open(tmp_path / "dump")
+    for p in range(2):
+        x = torch.arange(6.0).reshape(2, 3) + p
+        dumped = ds.load("target", 0, p)
+        assert ds.meta("target", 0, p)["skipped"] == [], p
+        y = x * 2
+        assert same_bits(dumped["0"], y) and same_bits(dumped["1.input.0"], y)  # what the next one got
+        assert same_bits(dumped["1.0"], (y - 1)[1:]) and same_bits(dumped["1.1.0"], y + 7)
+        assert same_bits(dumped["Sequential.0"], (y - 1)[1:]) and same_bits(dumped["Sequential.1.0"], y + 7)
+    assert not verify(tmp_path / "dump").problems
+
+
 # ------------------------------------------------------------------------- item 20: bad settings
 
 

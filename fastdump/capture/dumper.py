@@ -812,6 +812,8 @@ class Dumper:
         if isinstance(value, _Tensor):
             if type(value).__name__ == "DTensor" and _is_dtensor(value):
                 value = value.to_local()  # this rank's shard, as a rank of a plain TP model holds it
+            if type(value).__name__ == "AsyncCollectiveTensor" and _is_async_collective(value):
+                value = value.trigger_wait()  # a functional collective's result, waited for as its first use would
             return self._stage(name, value)
         if value is None or isinstance(value, (int, float, bool, str, bytes)):
             return  # not tensor data
@@ -883,6 +885,9 @@ class Dumper:
             nested = False
         if nested:
             reason = f"nested tensor (layout {value.layout}) is not supported"
+        elif _in_a_transform(value):  # (its storage check's words would speak of a freed storage)
+            reason = ("a torch.func transform's tensor (vmap, grad, jvp, functionalize): a wrapper without "
+                      "values of its own; dump outside the transform")
         else:
             reason = f"cannot capture {type(value).__name__}: {type(exc).__name__}: {_short(exc)}"
         self._skip(name, reason)
@@ -957,8 +962,12 @@ class Dumper:
             return self._skip(name, _dtypes.UNSUPPORTED_REASON.get(_dtypes.torch_name(t.dtype), f"dtype {t.dtype}"))
         if t.layout is not _strided:
             return self._skip(name, f"layout {t.layout} is not strided")
-        if t.is_conj() or t.is_neg():
-            t = t.resolve_conj().resolve_neg()  # the lazy bits are not in the bytes
+        if t.is_conj() or t.is_neg():  # the lazy bits are not in the bytes: resolved into a copy
+            # with the caller's torch function and dispatch modes (a logging or counting mode, one
+            # that changes results) and a subclass's overrides left out: they must neither see
+            # fastdump's copy nor change what it holds.
+            with _torch._C.DisableTorchFunction(), _torch._C._DisableTorchDispatch():
+                t = _TensorType.resolve_neg(_TensorType.resolve_conj(t))
         self._stage(name, t, code)
 
     def _drop_unnamed(self, name: str) -> None:
@@ -1352,6 +1361,28 @@ def _is_dtensor(value) -> bool:
     except Exception:  # pragma: no cover - a torch without torch.distributed
         return False
     return isinstance(value, DTensor)
+
+
+def _in_a_transform(value) -> bool:
+    """A tensor torch.func made inside a transform (vmap's batched tensor, grad's and jvp's
+    wrappers, functionalize's): its TensorImpl holds no data, only the level's wrapped value."""
+    try:
+        return isinstance(value, _Tensor) and _torch._C._functorch.is_functorch_wrapped_tensor(value)
+    except Exception:  # (a torch without functorch; a subclass that refuses)
+        return False
+
+
+def _is_async_collective(value) -> bool:
+    """A functional collective's result (``torch.distributed._functional_collectives``: what
+    torch-native tensor parallelism and a DTensor's ``to_local()`` after a redistribute return): a
+    wrapper without storage whose data is the collective's output once waited for. Waiting is what
+    the tensor's first use does anyway (on CUDA the current stream waits for the collective's, no
+    host synchronisation), so the dump is the value the next module receives."""
+    try:
+        from torch.distributed._functional_collectives import AsyncCollectiveTensor
+    except Exception:  # pragma: no cover - a torch without torch.distributed
+        return False
+    return isinstance(value, AsyncCollectiveTensor)
 
 
 def _owner_of(module):
