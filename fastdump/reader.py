@@ -412,14 +412,16 @@ class SegmentIndex:
 
 
 def _to_tensor(rows: np.ndarray, dtype_name: str, scalar: bool):
+    """``rows`` as read from the file, which nothing else holds (a pass's whole rows, or one of the
+    disjoint parts of rows read for a series): the tensor keeps that memory, no copy."""
     shape = () if scalar else rows.shape
     if rows.size == 0:
         # h5py hands back empty arrays with zero strides; give users ordinary contiguous strides.
         import torch
 
         return torch.empty(shape, dtype=getattr(torch, dtype_name))
-    tensor = dtypes.to_torch(rows, dtype_name)
-    # to_torch goes through np.ascontiguousarray, which turns 0-d into 1-d: restore the shape.
+    tensor = dtypes.to_torch(rows, dtype_name, copy=False)
+    # (a scalar block's row is 1-d: restore the 0-d shape)
     return tensor.reshape(shape)
 
 

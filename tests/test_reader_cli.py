@@ -107,6 +107,33 @@ def test_reading_many_segments_keeps_open_hdf5_ids_bounded(tmp_path):
     assert max(counts[reader._MAX_OPEN_FILES:]) <= counts[reader._MAX_OPEN_FILES], counts
 
 
+def test_loading_a_tensor_needs_its_size_once(tmp_path):
+    """load, tensor and series hand back the array read from the file, not a copy of it: a 500 MB
+    tensor must not need 1 GB to load."""
+    import tracemalloc
+
+    big = {p: {"big": torch.arange(1 << 22, dtype=torch.float32) + p, "small": torch.ones(3) * p} for p in range(2)}
+    write_rank(tmp_path / "dump", "target", TARGET, big, segment_passes=2, tp_size=1)
+    size = big[0]["big"].nbytes
+    with reader.open(tmp_path / "dump") as ds:
+        ds.load("target", 0, 0, select=lambda name: name == "small")  # index read outside the measure
+        for read, want in ((lambda: ds.load("target", 0, 1, check=True)["big"], big[1]["big"]),
+                           (lambda: ds.tensor("target", 0, "big", 0), big[0]["big"])):
+            tracemalloc.start()
+            got = read()
+            peak = tracemalloc.get_traced_memory()[1]
+            tracemalloc.stop()
+            assert torch.equal(got, want) and peak < 1.5 * size, (peak, size)
+            del got
+        tracemalloc.start()
+        series = ds.series("target", 0, "big")
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+        assert all(torch.equal(series[p], big[p]["big"]) for p in range(2)) and peak < 2.5 * size, (peak, size)
+        series[0].add_(1)  # the parts share one read buffer, each its own rows
+        assert torch.equal(series[1], big[1]["big"])
+
+
 def test_reader_skips_an_unreadable_segment_with_a_warning(dump):
     path = seg_path(dump, number=1)
     path.write_bytes(path.read_bytes()[:100])
