@@ -218,26 +218,28 @@ class SegmentIndex:
         self.version = version
         for name in (fmt.NAMES, fmt.INDEX, fmt.PASSES, fmt.PASS_META, fmt.BLOCKS):
             check_link(h5file, name, path)
+        tables = {}  # each opened once: a segment's index costs ms in h5py calls, paid per segment
         for name in (fmt.NAMES, fmt.INDEX, fmt.PASSES, fmt.PASS_META):
-            if not isinstance(h5file[name], h5py.Dataset):
+            tables[name] = h5file[name]
+            if not isinstance(tables[name], h5py.Dataset):
                 raise DumpError(f"{path}: {name!r} is not a dataset")
-            check_dataset(h5file[name], self.file_size, f"{path} {name!r}")
+            check_dataset(tables[name], self.file_size, f"{path} {name!r}")
         if not isinstance(h5file[fmt.BLOCKS], h5py.Group):
             raise DumpError(f"{path}: {fmt.BLOCKS!r} is not a group")
-        names_text = h5file[fmt.NAMES][()]
+        names_text = tables[fmt.NAMES][()]
         names = json.loads(_attr_str(names_text))
         if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
             raise DumpError(f"{path}: the name table is not a list of strings")
         if len(set(names)) != len(names):  # two slots, one name: load() and tensor() would disagree
             raise DumpError(f"{path}: the name table lists a name twice")
         self.names: list = names
-        self.index: np.ndarray = h5file[fmt.INDEX][()]
-        self.passes: np.ndarray = h5file[fmt.PASSES][()]
+        self.index: np.ndarray = tables[fmt.INDEX][()]
+        self.passes: np.ndarray = tables[fmt.PASSES][()]
         if self.index.dtype != fmt.INDEX_DTYPES[version] or self.index.ndim != 1:
             raise DumpError(f"{path}: index table has layout {self.index.dtype}, expected {fmt.INDEX_DTYPES[version]}")
         if self.passes.dtype != fmt.PASS_DTYPE or self.passes.ndim != 1:
             raise DumpError(f"{path}: passes table has layout {self.passes.dtype}, expected {fmt.PASS_DTYPE}")
-        pass_meta = h5file[fmt.PASS_META][()]
+        pass_meta = tables[fmt.PASS_META][()]
         if version >= 3:
             check_tables(self.attrs, names_text, self.index, self.passes, pass_meta, path)
         self.has_checksums = "crc32c" in self.index.dtype.names
