@@ -90,12 +90,16 @@ def code_of(dtype) -> int:
     return code
 
 
-def to_torch(array: np.ndarray, name: str):
-    """Rebuild the torch tensor from its stored array (bit for bit)."""
+def to_torch(array: np.ndarray, name: str, copy: bool = True):
+    """Rebuild the torch tensor from its stored array (bit for bit). ``copy=False``: the array is the
+    caller's alone (just read from the file), so the tensor shares its memory when it can, instead
+    of needing twice a tensor's size to load it."""
     import torch
 
     dtype = getattr(torch, name)
-    tensor = torch.from_numpy(np.array(array, copy=True, order="C"))  # keeps 0-d as 0-d
+    if copy or not (array.flags.c_contiguous and array.flags.writeable):
+        array = np.array(array, copy=True, order="C")  # keeps 0-d as 0-d
+    tensor = torch.from_numpy(array)
     if tensor.dtype != dtype:
         tensor = tensor.view(dtype)
     return tensor

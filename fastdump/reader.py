@@ -218,26 +218,28 @@ class SegmentIndex:
         self.version = version
         for name in (fmt.NAMES, fmt.INDEX, fmt.PASSES, fmt.PASS_META, fmt.BLOCKS):
             check_link(h5file, name, path)
+        tables = {}  # each opened once: a segment's index costs ms in h5py calls, paid per segment
         for name in (fmt.NAMES, fmt.INDEX, fmt.PASSES, fmt.PASS_META):
-            if not isinstance(h5file[name], h5py.Dataset):
+            tables[name] = h5file[name]
+            if not isinstance(tables[name], h5py.Dataset):
                 raise DumpError(f"{path}: {name!r} is not a dataset")
-            check_dataset(h5file[name], self.file_size, f"{path} {name!r}")
+            check_dataset(tables[name], self.file_size, f"{path} {name!r}")
         if not isinstance(h5file[fmt.BLOCKS], h5py.Group):
             raise DumpError(f"{path}: {fmt.BLOCKS!r} is not a group")
-        names_text = h5file[fmt.NAMES][()]
+        names_text = tables[fmt.NAMES][()]
         names = json.loads(_attr_str(names_text))
         if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
             raise DumpError(f"{path}: the name table is not a list of strings")
         if len(set(names)) != len(names):  # two slots, one name: load() and tensor() would disagree
             raise DumpError(f"{path}: the name table lists a name twice")
         self.names: list = names
-        self.index: np.ndarray = h5file[fmt.INDEX][()]
-        self.passes: np.ndarray = h5file[fmt.PASSES][()]
+        self.index: np.ndarray = tables[fmt.INDEX][()]
+        self.passes: np.ndarray = tables[fmt.PASSES][()]
         if self.index.dtype != fmt.INDEX_DTYPES[version] or self.index.ndim != 1:
             raise DumpError(f"{path}: index table has layout {self.index.dtype}, expected {fmt.INDEX_DTYPES[version]}")
         if self.passes.dtype != fmt.PASS_DTYPE or self.passes.ndim != 1:
             raise DumpError(f"{path}: passes table has layout {self.passes.dtype}, expected {fmt.PASS_DTYPE}")
-        pass_meta = h5file[fmt.PASS_META][()]
+        pass_meta = tables[fmt.PASS_META][()]
         if version >= 3:
             check_tables(self.attrs, names_text, self.index, self.passes, pass_meta, path)
         self.has_checksums = "crc32c" in self.index.dtype.names
@@ -349,11 +351,18 @@ class SegmentIndex:
     def block(self, h5file: h5py.File, number: int):
         """(dataset, torch dtype name, scalar rows?) of ``blocks/<number>``, checked before use."""
         if self._blocks_file is not h5file:  # dataset handles die with the file they came from
-            self._blocks_file, self._blocks = h5file, {}
+            self.forget_blocks()
+            self._blocks_file = h5file
         info = self._blocks.get(number)
         if info is None:
             info = self._blocks[number] = self._check_block(h5file, number)
         return info
+
+    def forget_blocks(self) -> None:
+        """Drop the block handles (when their file is closed). A dataset handle that has been read
+        holds an HDF5 datatype id even after its file is closed, and every file close scans every
+        open id: kept for each segment ever read, they made reading N segments cost O(N²)."""
+        self._blocks_file, self._blocks = None, {}
 
     def _check_block(self, h5file: h5py.File, number: int):
         where = f"{self.path} block {number}"
@@ -405,14 +414,16 @@ class SegmentIndex:
 
 
 def _to_tensor(rows: np.ndarray, dtype_name: str, scalar: bool):
+    """``rows`` as read from the file, which nothing else holds (a pass's whole rows, or one of the
+    disjoint parts of rows read for a series): the tensor keeps that memory, no copy."""
     shape = () if scalar else rows.shape
     if rows.size == 0:
         # h5py hands back empty arrays with zero strides; give users ordinary contiguous strides.
         import torch
 
         return torch.empty(shape, dtype=getattr(torch, dtype_name))
-    tensor = dtypes.to_torch(rows, dtype_name)
-    # to_torch goes through np.ascontiguousarray, which turns 0-d into 1-d: restore the shape.
+    tensor = dtypes.to_torch(rows, dtype_name, copy=False)
+    # (a scalar block's row is 1-d: restore the 0-d shape)
     return tensor.reshape(shape)
 
 
@@ -807,8 +818,7 @@ class DumpSet:
     @_locked
     def close(self) -> None:
         while self._files:
-            _, h5file = self._files.popitem()
-            h5file.close()
+            self._close_file(*self._files.popitem())
 
     def __enter__(self):
         return self
@@ -948,9 +958,15 @@ class DumpSet:
         if h5file is None:
             h5file = open_segment(path)
             while len(self._files) >= _MAX_OPEN_FILES:
-                self._files.popitem(last=False)[1].close()
+                self._close_file(*self._files.popitem(last=False))
         self._files[path] = h5file
         return h5file
+
+    def _close_file(self, path: str, h5file: h5py.File) -> None:
+        cached = self._segment_indexes.get(path)
+        if cached is not None and cached[1]._blocks_file is h5file:
+            cached[1].forget_blocks()
+        h5file.close()
 
     @staticmethod
     def _unique(existing: dict, name: str, taken=()) -> str:

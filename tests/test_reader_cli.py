@@ -86,6 +86,54 @@ def test_reader_directory_api(dump):
             ds.passes(None, 0)  # two roles: must choose
 
 
+def test_reading_many_segments_keeps_open_hdf5_ids_bounded(tmp_path):
+    """Loading passes of more segments than the reader keeps open must not leave one HDF5 id per
+    block read behind: each file close scans every open id, so a leak made a whole-dump read (diff,
+    export, a loop over passes) of N segments O(N²) (2000 one-pass segments: 36 s, 4000: 159 s)."""
+    segments = 3 * reader._MAX_OPEN_FILES
+    passes = {p: {f"m{k}": torch.arange(4, dtype=torch.float32) * k + p for k in range(4)} for p in range(segments)}
+    write_rank(tmp_path / "dump", "target", TARGET, passes, segment_passes=1, tp_size=1)
+
+    def open_ids():
+        return h5py.h5f.get_obj_count(h5py.h5f.OBJ_ALL, h5py.h5f.OBJ_ALL)
+
+    with reader.open(tmp_path / "dump") as ds:
+        counts = []
+        for p in ds.passes("target", 0):
+            got = ds.load("target", 0, p)
+            assert list(got) == list(passes[p]) and all(torch.equal(got[n], passes[p][n]) for n in got)
+            counts.append(open_ids())
+    # once the open-file cache is full, what is open stays as it is: 16 files and their blocks
+    assert max(counts[reader._MAX_OPEN_FILES:]) <= counts[reader._MAX_OPEN_FILES], counts
+
+
+def test_loading_a_tensor_needs_its_size_once(tmp_path):
+    """load, tensor and series hand back the array read from the file, not a copy of it: a 500 MB
+    tensor must not need 1 GB to load."""
+    import tracemalloc
+
+    big = {p: {"big": torch.arange(1 << 22, dtype=torch.float32) + p, "small": torch.ones(3) * p} for p in range(2)}
+    write_rank(tmp_path / "dump", "target", TARGET, big, segment_passes=2, tp_size=1)
+    size = big[0]["big"].nbytes
+    with reader.open(tmp_path / "dump") as ds:
+        ds.load("target", 0, 0, select=lambda name: name == "small")  # index read outside the measure
+        for read, want in ((lambda: ds.load("target", 0, 1, check=True)["big"], big[1]["big"]),
+                           (lambda: ds.tensor("target", 0, "big", 0), big[0]["big"])):
+            tracemalloc.start()
+            got = read()
+            peak = tracemalloc.get_traced_memory()[1]
+            tracemalloc.stop()
+            assert torch.equal(got, want) and peak < 1.5 * size, (peak, size)
+            del got
+        tracemalloc.start()
+        series = ds.series("target", 0, "big")
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+        assert all(torch.equal(series[p], big[p]["big"]) for p in range(2)) and peak < 2.5 * size, (peak, size)
+        series[0].add_(1)  # the parts share one read buffer, each its own rows
+        assert torch.equal(series[1], big[1]["big"])
+
+
 def test_reader_skips_an_unreadable_segment_with_a_warning(dump):
     path = seg_path(dump, number=1)
     path.write_bytes(path.read_bytes()[:100])
