@@ -539,8 +539,8 @@ class _Rank:
     def _find_partial_passes(self) -> None:
         """Passes a part of which may lie in a segment that is not read (one between its parts that
         is unreadable or missing, or one rank.json lists as holding a part before or after the
-        parts read), or whose parts lie in renamed files. Merging the parts read would return the pass without that part's tensors,
-        or its parts in another order."""
+        parts read), or whose parts lie in renamed files. Merging the parts read would return the pass
+        without that part's tensors, or its parts in another order."""
         numbers = sorted(segment.number for segment in self.segments)
         read = set(numbers)
         info = self.info
@@ -566,7 +566,7 @@ class _Rank:
                 where += [f"{segment.file_name} ({why})" for segment in segments
                           if (why := fmt.renamed_segment(segment.attrs.get(fmt.ATTR_SEGMENT), segment.number))]
             if where:
-                self.partial[pass_id] = (f"{self.path}: pass {pass_id}: part of it may be in {', '.join(where)}, "
+                self.partial[pass_id] = (f"{self.path}: pass {pass_id}: part of it may be in {', '.join(where)} "
                                          "(unreadable, missing or renamed): not read")
 
     def rank_number(self):
