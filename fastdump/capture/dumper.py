@@ -1230,6 +1230,8 @@ class Dumper:
             if _is_exporting():  # torch.export traces a graph from fake tensors: nothing to dump, no pass
                 return forward(*args, **kwargs)
             outside = _outside_graph if _is_compiling() else _call  # once per pass: cheap
+            if outside is _call and _fake_mode_active():  # a shape or memory estimate: no values, no pass
+                return forward(*args, **kwargs)  # (a pass of skips would shift every later pass id)
             if root_pass is not None and outside is _call and not dumper._python_wrappers:
                 return root_pass(native, args, kwargs)  # this function's pass, as below (C)
             if outside is not _call and not dumper._python_wrappers:
@@ -1323,6 +1325,14 @@ _CALL_CODE = _call.__code__
 if _torch is not None and hasattr(_torch, "_disable_dynamo"):
     _is_compiling = _torch.compiler.is_compiling
     _is_exporting = getattr(_torch.compiler, "is_exporting", lambda: False)
+    try:  # a FakeTensorMode is active (its forward computes shapes, not values)
+        _FAKE_MODE = _torch._C._TorchDispatchModeKey.FAKE
+
+        def _fake_mode_active() -> bool:
+            return _torch._C._get_dispatch_mode(_FAKE_MODE) is not None
+    except AttributeError:  # pragma: no cover - a torch without the key
+        def _fake_mode_active() -> bool:
+            return False
     # torch.compile must not trace into the staging code (symbolic shapes, raw pointers): a call
     # through this is a graph break, and the staging runs eagerly on the real tensors. Lazy: it
     # imports torch._dynamo only when first used, which is while Dynamo is tracing anyway.
@@ -1335,7 +1345,7 @@ else:  # pragma: no cover - without torch nothing is compiled
     def _is_compiling() -> bool:
         return False
 
-    _is_exporting = _is_compiling
+    _is_exporting = _fake_mode_active = _is_compiling
 
     _outside_graph = _call
     _DYNAMO = None
