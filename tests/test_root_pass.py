@@ -292,20 +292,23 @@ def test_pass_ends_the_writer_handled_are_forgotten(tmp_path, monkeypatch, nativ
     d = fastdump.attach(model, tmp_path)
     def all_acked():
         deadline = time.monotonic() + 20
-        while d._producer.acked_seq < d._unconfirmed[-1] and time.monotonic() < deadline:
+        while d._unconfirmed and d._producer.acked_seq < d._unconfirmed[-1] and time.monotonic() < deadline:
             time.sleep(0.02)  # the writer acknowledges what it handled, in its own time
+        assert not d._unconfirmed or d._producer.acked_seq >= d._unconfirmed[-1], "the writer acknowledged nothing"
 
     with torch.no_grad():
         for _ in range(100):
             model(torch.ones(1, 8))
         all_acked()
-        for _ in range(64):  # the first of them found 101 waiting and forgot the 100 handled
+        # How many are still listed depends on how fast the writer acknowledged during the 100 (the
+        # trims at 65 waiting forget only what it had handled by then): all of them are handled now.
+        handled = list(d._unconfirmed)
+        more = max(1, 65 - len(handled))
+        for _ in range(more):  # the pass that makes 65 waiting forgets the handled ones
             model(torch.ones(1, 8))
-        assert len(d._unconfirmed) == 64
-        all_acked()
-        model(torch.ones(1, 8))  # 65 waiting: the 64 handled are forgotten (_trim_unconfirmed)
-    assert len(d._unconfirmed) == 1
-    assert d.close()["passes"] == 165
+        assert d._unconfirmed and all(seq > (handled[-1] if handled else 0) for seq in d._unconfirmed)
+        assert len(d._unconfirmed) <= more
+    assert d.close()["passes"] == 100 + more
 
 
 def test_a_dead_writer_is_noticed_by_the_c_path_and_serving_goes_on(tmp_path, caplog):
