@@ -569,7 +569,9 @@ def _check_producer_error(report: _Report, path: str, status: str) -> str:
     return status if status in _UNFINISHED_STATUSES else "error"
 
 
-def check_rank_dir(report: _Report, path: str, read_data: bool = False) -> None:
+def check_rank_dir(report: _Report, path: str, read_data: bool = False) -> dict | None:
+    """Checks one rank directory into ``report``. Returns its rank.json's checked rank numbers (None
+    when it has none that check)."""
     rank_file = os.path.join(path, fmt.RANK_FILE)
     try:
         info = fsutil.load_json(rank_file)
@@ -584,9 +586,10 @@ def check_rank_dir(report: _Report, path: str, read_data: bool = False) -> None:
         info = {}
     status = _check_status(report, path, info)
     status = _check_producer_error(report, path, status)
+    numbers = None
     if "rank" in info:
         try:
-            fmt.check_rank_numbers(info["rank"])
+            numbers = fmt.check_rank_numbers(info["rank"])
         except ValueError as exc:
             report.problem(rank_file, str(exc))
 
@@ -691,6 +694,7 @@ def check_rank_dir(report: _Report, path: str, read_data: bool = False) -> None:
             if last != first:
                 carried = summary["names_of"](last)
             previous = (name, first, last, summary["incomplete"])
+    return numbers
 
 
 def verify_dump(root: str, read_data: bool = False) -> _Report:
@@ -734,25 +738,20 @@ def verify_dump(root: str, read_data: bool = False) -> _Report:
                                           "segment: this session recorded nothing (not even why)")
     if not rank_dirs:
         report.problem(root, "no rank directories (expected <root>/<role>/<rank>/rank.json)")
-    for rank_path in rank_dirs:
-        check_rank_dir(report, rank_path, read_data)
-    _warn_of_absent_ranks(report, root, rank_dirs)
+    numbers = {rank_path: check_rank_dir(report, rank_path, read_data) for rank_path in rank_dirs}
+    _warn_of_absent_ranks(report, root, numbers)
     return report
 
 
-def _warn_of_absent_ranks(report: _Report, root: str, rank_dirs: list) -> None:
+def _warn_of_absent_ranks(report: _Report, root: str, rank_numbers: dict) -> None:
     """A warning where the ranks' rank.json files name TP/PP ranks no directory here holds: a rank
     that never attached (it lost nothing fastdump had accepted, so this is no problem), or another
-    node's root (read several with ``fastdump.open([...])`` and ``diff``)."""
+    node's root (read several with ``fastdump.open([...])`` and ``diff``). ``rank_numbers``: {rank
+    directory: its checked rank numbers, None where check_rank_dir found none}."""
     held: dict = {}  # (role, dp_rank, tp_size, pp_size) -> {(tp_rank, pp_rank)}
-    for rank_path in rank_dirs:
-        try:
-            info = fsutil.load_json(os.path.join(rank_path, fmt.RANK_FILE))
-            numbers = fmt.check_rank_numbers(info.get("rank")) if isinstance(info, dict) else None
-        except (OSError, ValueError):
-            continue  # check_rank_dir said what is wrong with it
+    for rank_path, numbers in rank_numbers.items():
         if not numbers:
-            continue
+            continue  # (check_rank_dir said what is wrong with it, if anything)
         role = os.path.basename(os.path.dirname(rank_path))
         key = (role, numbers.get("dp_rank", 0), numbers.get("tp_size", 1), numbers.get("pp_size", 1))
         held.setdefault(key, set()).add((numbers.get("tp_rank", 0), numbers.get("pp_rank", 0)))
