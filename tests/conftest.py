@@ -1,3 +1,4 @@
+import dataclasses
 import os
 import signal
 import sys
@@ -130,3 +131,21 @@ def restamp_tables(path) -> None:
             return
         value = fmt.tables_crc32c(f[fmt.NAMES][()], f[fmt.INDEX][()], f[fmt.PASSES][()], f[fmt.PASS_META][()])
         f.attrs[fmt.ATTR_TABLES_CRC] = np.int64(value)
+
+
+def flatten_output(name, value, into: dict) -> None:
+    """fastdump's naming of one module output, as clones into ``into``: a tensor under ``name``,
+    tuple/list parts ``.i``, dict (and ModelOutput) keys ``.key``, dataclass fields ``.field``."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        into[name] = value.detach().clone()
+    elif isinstance(value, (tuple, list)):
+        for i, v in enumerate(value):
+            flatten_output(f"{name}.{i}", v, into)
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            flatten_output(f"{name}.{k}", v, into)
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+        for f in dataclasses.fields(value):
+            flatten_output(f"{name}.{f.name}", getattr(value, f.name), into)

@@ -16,6 +16,7 @@ transformers.logging.set_verbosity_error()
 
 import fastdump  # noqa: E402
 from fastdump.integrations.hf import dump_generate  # noqa: E402
+from conftest import flatten_output  # noqa: E402
 
 
 def tiny_llama(layers=2, seed=0, **kw):
@@ -30,17 +31,6 @@ def tiny_t5():
     cfg = transformers.T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_decoder_layers=1,
                                 num_heads=2, decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)
     return transformers.T5ForConditionalGeneration(cfg).eval()
-
-
-def _flatten(name, value, out):
-    if isinstance(value, torch.Tensor):
-        out[name] = value.detach().clone()
-    elif isinstance(value, (tuple, list)):
-        for i, item in enumerate(value):
-            _flatten(f"{name}.{i}", item, out)
-    elif isinstance(value, dict):  # ModelOutput too (its None fields are no keys)
-        for key, item in value.items():
-            _flatten(f"{name}.{key}", item, out)
 
 
 class Recorder:
@@ -71,7 +61,7 @@ class Recorder:
                 self.passes.append(self.cur)
             k = self.calls.get(name, 0)
             self.calls[name] = k + 1
-            _flatten(name if k == 0 else f"{name}#{k}", out, self.cur)
+            flatten_output(name if k == 0 else f"{name}#{k}", out, self.cur)
         return hook
 
     def remove(self):

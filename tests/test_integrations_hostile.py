@@ -8,7 +8,6 @@ verify`` fails whenever data was lost or mixed; bad input is a clear error, neve
 
 Tiny models only (hidden 32, 1-2 layers), built from configs: no network, no GPU."""
 
-import dataclasses
 import enum
 import os
 import shutil
@@ -27,6 +26,7 @@ from fastdump.integrations import sglang as fsg  # noqa: E402
 
 transformers = pytest.importorskip("transformers", reason="transformers not installed (pip install fastdump[hf])")
 from fastdump.integrations.hf import dump_generate  # noqa: E402
+from conftest import flatten_output  # noqa: E402
 
 V = 96
 
@@ -51,21 +51,6 @@ def tiny_llama(layers=2, seed=0, **kw):
     cfg = transformers.LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
                                    num_attention_heads=4, num_key_value_heads=2, pad_token_id=0, **kw)
     return transformers.LlamaForCausalLM(cfg).eval()
-
-
-def flatten(name, value, into):
-    """fastdump's naming of one output (tensor, tuple/list .i, dict/ModelOutput .key, dataclass .field)."""
-    if isinstance(value, torch.Tensor):
-        into[name] = value.detach().clone()
-    elif isinstance(value, (tuple, list)):
-        for i, v in enumerate(value):
-            flatten(f"{name}.{i}", v, into)
-    elif isinstance(value, dict):
-        for k, v in value.items():
-            flatten(f"{name}.{k}", v, into)
-    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
-        for f in dataclasses.fields(value):
-            flatten(f"{name}.{f.name}", getattr(value, f.name), into)
 
 
 class Recorder:
@@ -98,7 +83,7 @@ class Recorder:
         calls = self._calls[-1]
         k = calls.get(name, 0)
         calls[name] = k + 1
-        flatten(name if k == 0 else f"{name}#{k}", out, rec)
+        flatten_output(name if k == 0 else f"{name}#{k}", out, rec)
 
     def _leaf(self, by_role):
         def hook(mod, args, out):
