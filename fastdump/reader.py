@@ -39,7 +39,7 @@ import h5py
 import numpy as np
 from h5py import h5d
 
-from . import _C, dtypes, fsutil
+from . import _C, dtypes, fsutil, protocol
 from . import format as fmt
 
 _MAX_OPEN_FILES = 16
@@ -188,6 +188,13 @@ def _is_rank_number(rank) -> bool:
 
 def _attr_str(value) -> str:
     return value.decode("utf-8") if isinstance(value, bytes) else str(value)
+
+
+def _listed_segments(info: dict) -> dict:
+    """{file: entry} of the segments rank.json lists with integer first_pass and last_pass."""
+    listed = info.get("segments") if isinstance(info.get("segments"), list) else []
+    return {e.get("file"): e for e in listed if isinstance(e, dict) and isinstance(e.get("file"), str)
+            and isinstance(e.get("first_pass"), int) and isinstance(e.get("last_pass"), int)}
 
 
 class SegmentIndex:
@@ -348,6 +355,14 @@ class SegmentIndex:
             return None
         return self.passes[hits[0]], self.pass_meta[hits[0]]
 
+    def begins_with(self, pass_id: int) -> bool:
+        """``pass_id`` is this segment's first pass of its kind (eager passes and CUDA-graph replays
+        each run in order): the one pass that may have begun in the segment before."""
+        ids = self.passes["pass"]
+        replay = pass_id >= protocol.GRAPH_PASS_BASE
+        ids = ids[(ids >= protocol.GRAPH_PASS_BASE) == replay]
+        return len(ids) > 0 and int(ids.min()) == pass_id
+
     def block(self, h5file: h5py.File, number: int):
         """(dataset, torch dtype name, scalar rows?) of ``blocks/<number>``, checked before use."""
         if self._blocks_file is not h5file:  # dataset handles die with the file they came from
@@ -436,7 +451,10 @@ class _Rank:
         self.name = name
         self.path = os.path.join(dumpset.root, role, name)
         self._segments = None
+        self._paths = None  # the visible segment files when ``segments`` was built
         self._passes = None  # pass id -> [SegmentIndex, ...] containing it
+        self._read: dict = {}  # segment path -> its SegmentIndex, or None when not read (see _read_segment)
+        self._facts = None  # (rank.json, the segments it lists with a pass range), read once for indexing
         self.unreadable: list = []  # segment paths that could not be read
         self.repeated: set = set()  # pass ids found whole in one segment and again in another (pass_map)
         self.partial: dict = {}  # pass id -> why a part of it may be in a segment not read (pass_map)
@@ -486,32 +504,45 @@ class _Rank:
                 numbered.append((number, os.path.join(self.path, entry)))
         return [path for _, path in sorted(numbered)]
 
+    def _indexing_facts(self) -> tuple:
+        """(rank.json, {file: entry} of the segments it lists with a pass range), read once while
+        indexing: a long run's rank.json lists thousands of segments."""
+        if self._facts is None:
+            info = self.info
+            self._facts = (info, _listed_segments(info))
+        return self._facts
+
+    def _read_segment(self, path: str):
+        """The checked index of one segment file, or None when it cannot be read or is another
+        session's (then listed in ``unreadable`` and ``problems``). Each file is read once."""
+        if path in self._read:
+            return self._read[path]
+        segment = None
+        try:
+            segment = self.dumpset._segment_index(path)
+        except Exception as exc:  # one damaged file must not hide the rest of the dump
+            detail = str(exc) if isinstance(exc, DumpError) else f"{type(exc).__name__}: {exc}"
+            detail = detail[len(path) + 2:] if detail.startswith(path + ": ") else detail
+            self.unreadable.append(path)
+            self.dumpset._problem(Problem(path, Problem.UNREADABLE_SEGMENT,
+                                          f"unreadable segment ({detail}); skipped"), warn=True)
+        else:
+            for text in segment.problems:
+                self.dumpset._problem(text, warn=True)
+            expected = fmt.expected_session(self.name, self._indexing_facts()[0])
+            foreign = fmt.foreign_session(segment.attrs.get(fmt.ATTR_SESSION), expected)
+            if foreign:
+                self.unreadable.append(path)
+                self.dumpset._problem(Problem(path, Problem.UNREADABLE_SEGMENT, f"{foreign}; skipped"), warn=True)
+                segment = None
+        self._read[path] = segment
+        return segment
+
     @property
     def segments(self) -> list:
         if self._segments is None:
-            segments = []
-            expected = None  # the session its segments carry: rank.json read once, not per segment
-            for path in self.segment_paths():
-                try:
-                    segment = self.dumpset._segment_index(path)
-                except Exception as exc:  # one damaged file must not hide the rest of the dump
-                    detail = str(exc) if isinstance(exc, DumpError) else f"{type(exc).__name__}: {exc}"
-                    detail = detail[len(path) + 2:] if detail.startswith(path + ": ") else detail
-                    self.unreadable.append(path)
-                    self.dumpset._problem(Problem(path, Problem.UNREADABLE_SEGMENT,
-                                                  f"unreadable segment ({detail}); skipped"), warn=True)
-                    continue
-                for text in segment.problems:
-                    self.dumpset._problem(text, warn=True)
-                if expected is None:  # (a long run's rank.json lists thousands of segments)
-                    expected = (fmt.expected_session(self.name, self.info),)
-                foreign = fmt.foreign_session(segment.attrs.get(fmt.ATTR_SESSION), expected[0])
-                if foreign:
-                    self.unreadable.append(path)
-                    self.dumpset._problem(Problem(path, Problem.UNREADABLE_SEGMENT, f"{foreign}; skipped"), warn=True)
-                    continue
-                segments.append(segment)
-            self._segments = segments
+            self._paths = self.segment_paths()
+            self._segments = [segment for segment in map(self._read_segment, self._paths) if segment is not None]
         return self._segments
 
     @property
@@ -543,11 +574,13 @@ class _Rank:
         without that part's tensors, or its parts in another order."""
         numbers = sorted(segment.number for segment in self.segments)
         read = set(numbers)
-        info = self.info
-        listed = info.get("segments") if isinstance(info.get("segments"), list) else []
-        listed = {e.get("file"): e for e in listed if isinstance(e, dict) and isinstance(e.get("file"), str)
-                  and isinstance(e.get("first_pass"), int) and isinstance(e.get("last_pass"), int)}
+        listed = self._indexing_facts()[1]
         lost = {os.path.basename(path) for path in self.unreadable}
+        # An unreadable file rank.json does not list (the writer was killed before listing it) has
+        # no known range: it may hold the start of the pass that begins the next file, or the rest
+        # of the pass the file before it left unfinished.
+        visible = sorted(fmt.segment_number(os.path.basename(path)) for path in self._paths)
+        unlisted = {fmt.segment_number(name) for name in lost if name not in listed}
         lost |= {name for name in listed if fmt.segment_number(name) is not None
                  and fmt.segment_number(name) not in read and not os.path.lexists(os.path.join(self.path, name))}
         # (number, first pass, last pass, whether its last pass ended there) of each listed one
@@ -562,6 +595,14 @@ class _Rank:
                       if low <= pass_id <= high and fmt.segment_name(number) not in where
                       and ((number < first and pass_id == high and not whole)
                            or (number > last and not segments[-1].pass_record(pass_id)[0]["complete"]))]
+            if unlisted:
+                before = bisect.bisect_left(visible, first) - 1
+                after = bisect.bisect_right(visible, last)
+                if before >= 0 and visible[before] in unlisted and segments[0].begins_with(pass_id):
+                    where.append(fmt.segment_name(visible[before]))
+                if after < len(visible) and visible[after] in unlisted \
+                        and not segments[-1].pass_record(pass_id)[0]["complete"]:
+                    where.append(fmt.segment_name(visible[after]))
             if len(segments) > 1:  # its parts are merged in file-number order: a renamed file's is unknown
                 where += [f"{segment.file_name} ({why})" for segment in segments
                           if (why := fmt.renamed_segment(segment.attrs.get(fmt.ATTR_SEGMENT), segment.number))]

@@ -405,6 +405,37 @@ def test_a_pass_whose_part_is_not_read_is_refused_not_returned_short_or_reordere
         assert_same(got[f"t{i}"], t)
 
 
+@pytest.mark.parametrize("lost", ["seg-000000.h5", "seg-000002.h5"])
+def test_a_pass_next_to_an_unreadable_unlisted_segment_is_refused(tmp_path, lost):
+    """A writer killed between renaming segments and updating rank.json leaves them unlisted: an
+    unreadable one has no known pass range. Pass 0's first part in such a file (seg 0) loaded as
+    its later parts alone, with no error; so did pass 0 with its last part in one (seg 2: the part
+    read ends unfinished). Pass 1 begins seg 3: after an unreadable seg 2 it may have begun there
+    too; after a readable one it reads."""
+    split_pass_dump(tmp_path)
+    rank = tmp_path / "target" / RANK_DIR
+    info = rank_json(tmp_path)
+    info["segments"] = info["segments"][3:]  # as if the writer never listed seg 0..2
+    (rank / "rank.json").write_text(json.dumps(info))
+    os.truncate(rank / lost, 5000)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for full_index in (False, True):  # the lookup of one pass; the rank's whole index
+            ds = reader.open(tmp_path)
+            if full_index:
+                assert ds.passes("target", 0) == [0, 1]
+            with pytest.raises(reader.DumpError, match=f"pass 0: part of it may be in {lost} "):
+                ds.load("target", 0, 0)
+            with pytest.raises(reader.DumpError, match="pass 0: part of it may be in"):
+                ds.meta("target", 0, 0)
+            if lost == "seg-000002.h5":
+                with pytest.raises(reader.DumpError, match="pass 1: part of it may be in seg-000002.h5 "):
+                    ds.load("target", 0, 1)
+            else:
+                assert_same(ds.load("target", 0, 1)["x"], torch.ones(2))
+            assert list(ds.series("target", 0, "t39")) == []
+
+
 def test_a_late_pass_end_completes_its_pass_only_where_the_segments_stay_in_order(tmp_path):
     """A pass end the full ring refused comes again after later records (protocol.end, late=True).
     It completes a pass still buffered, or continues the pass the last segment ended unfinished;
