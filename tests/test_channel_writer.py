@@ -386,6 +386,8 @@ def test_a_pass_whose_part_is_not_read_is_refused_not_returned_short_or_reordere
         os.truncate(rank / name, 5000)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
+        with pytest.raises(reader.DumpError, match=f"pass 0: part of it may be in .*{name}.*: not read"):
+            reader.open(tmp_path).load("target", 0, 0)  # the lookup of one pass, as the full index below
         ds = reader.open(tmp_path)
         assert ds.passes("target", 0) == [0, 1]
         with pytest.raises(reader.DumpError, match=f"pass 0: part of it may be in .*{name}.*: not read"):
@@ -434,6 +436,28 @@ def test_a_pass_next_to_an_unreadable_unlisted_segment_is_refused(tmp_path, lost
             else:
                 assert_same(ds.load("target", 0, 1)["x"], torch.ones(2))
             assert list(ds.series("target", 0, "t39")) == []
+
+
+@pytest.mark.parametrize("lie", ["first part", "middle part", "last part"])
+def test_a_pass_found_without_the_full_index_is_whole_even_where_rank_json_lies(tmp_path, lie):
+    """Loading one pass reads only the segments whose range in rank.json holds it (and the files
+    either side). rank.json giving a part's file another range must not hand the pass back short:
+    the file read next to the parts shows the lie, and the full index merges every part."""
+    chunks = split_pass_dump(tmp_path)
+    rank = tmp_path / "target" / RANK_DIR
+    info = rank_json(tmp_path)
+    k = {"first part": 0, "middle part": 1, "last part": 2}[lie]
+    info["segments"][k].update(first_pass=7, last_pass=7)
+    (rank / "rank.json").write_text(json.dumps(info))
+    ds = reader.open(tmp_path)
+    got = ds.load("target", 0, 0)
+    assert list(got) == [f"t{i}" for i in range(40)]
+    for i, t in enumerate(chunks):
+        assert_same(got[f"t{i}"], t)
+    assert reader.open(tmp_path).meta("target", 0, 0)["tensors"] == 40
+    assert_same(reader.open(tmp_path).load("target", 0, 1)["x"], torch.ones(2))
+    with pytest.raises(KeyError):
+        reader.open(tmp_path).load("target", 0, 7)
 
 
 def test_a_late_pass_end_completes_its_pass_only_where_the_segments_stay_in_order(tmp_path):
