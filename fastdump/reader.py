@@ -199,6 +199,25 @@ def _listed_segments(info: dict) -> dict:
             and isinstance(e.get("first_pass"), int) and isinstance(e.get("last_pass"), int)}
 
 
+def _kind_bounds(low: np.ndarray, high: np.ndarray, known: list) -> tuple:
+    """(last eager pass, first replay) each file may hold, from the pass ranges rank.json gives
+    (``known``; the others may hold any pass). A file holding eager passes and CUDA-graph replays
+    has a range spanning both kinds; each kind runs in file order, so a file's eager passes end
+    at the next file's first one (the same pass, continued, at most) and its replays start at the
+    last replay of the file before."""
+    base = protocol.GRAPH_PASS_BASE
+    eager_high, replay_low = np.minimum(high, base - 1), np.maximum(low, base)
+    following = _INT64.max  # the first eager pass of the files after
+    for k in reversed(range(len(known))):
+        if known[k] and low[k] < base:
+            eager_high[k], following = min(eager_high[k], following), low[k]
+    preceding = _INT64.min  # the last replay of the files before
+    for k in range(len(known)):
+        if known[k] and high[k] >= base:
+            replay_low[k], preceding = max(replay_low[k], preceding), high[k]
+    return eager_high, replay_low
+
+
 def _known_range(entry):
     """(first pass, last pass) of a rank.json segments entry, or None when it gives none usable."""
     if entry is None:
@@ -563,8 +582,9 @@ class _Rank:
         None when this does not settle it: no segment holds the pass, one that may is unreadable,
         a file's passes are not the range rank.json gives it, or the pass is split oddly (repeated,
         parts not in consecutive files, renamed files). The full index (``pass_map``) then decides,
-        with its errors. Trusted from rank.json: that a file it lists holds no pass outside the
-        range it gives (``fastdump verify`` checks every file against it)."""
+        with its errors. Trusted: that a file rank.json lists holds no pass outside the range it
+        gives, and that eager passes and CUDA-graph replays each run in file order (a pass the
+        writer flushed unfinished goes on in the next file); ``fastdump verify`` checks both."""
         if self._passes is not None or not _INT64.min <= pass_id <= _INT64.max:
             return None
         if self._lookup is None:
@@ -574,24 +594,34 @@ class _Rank:
             ranges = [_known_range(listed.get(name)) or (_INT64.min, _INT64.max) for name in names]
             visible = set(names)
             missing = [_known_range(entry) for name, entry in listed.items() if name not in visible]
+            low = np.array([r[0] for r in ranges], dtype=np.int64).reshape(-1)
+            high = np.array([r[1] for r in ranges], dtype=np.int64).reshape(-1)
             self._lookup = (paths, np.array([fmt.segment_number(name) for name in names], dtype=np.int64),
-                            np.array([r[0] for r in ranges], dtype=np.int64).reshape(-1),
-                            np.array([r[1] for r in ranges], dtype=np.int64).reshape(-1),
+                            low, high, *_kind_bounds(low, high, [name in listed for name in names]),
                             [r for r in missing if r is not None], listed)
-        paths, numbers, low, high, missing, listed = self._lookup
+        paths, numbers, low, high, eager_high, replay_low, missing, listed = self._lookup
         if any(first <= pass_id <= last for first, last in missing):  # listed, gone: the full index says so
             return None
 
-        def read(k):  # the file's index, when it is read and holds what rank.json says
+        def read(k):  # the file's index, when it is read and holds what rank.json (and the order) say
             segment = self._read_segment(paths[k])
             if segment is None or len(segment.passes) == 0:
                 return None
             ids = segment.passes["pass"]
             expected = _known_range(listed.get(segment.file_name))
-            return segment if expected in (None, (int(ids.min()), int(ids.max()))) else None
+            replays = ids >= protocol.GRAPH_PASS_BASE
+            if expected not in (None, (int(ids.min()), int(ids.max()))) \
+                    or (~replays).any() and int(ids[~replays].max()) > eager_high[k] \
+                    or replays.any() and int(ids[replays].min()) < replay_low[k]:
+                return None
+            return segment
 
+        if pass_id < protocol.GRAPH_PASS_BASE:
+            may_hold = (low <= pass_id) & (pass_id <= eager_high)
+        else:
+            may_hold = (replay_low <= pass_id) & (pass_id <= high)
         parts = []
-        for k in np.flatnonzero((low <= pass_id) & (pass_id <= high)).tolist():
+        for k in np.flatnonzero(may_hold).tolist():
             segment = read(k)
             if segment is None:
                 return None

@@ -909,6 +909,25 @@ def test_loading_one_pass_reads_only_the_segments_that_can_hold_it(tmp_path, mon
     assert len(built) == 40
 
 
+def test_loading_one_pass_of_a_dump_with_graph_replays_reads_few_segments(tmp_path, monkeypatch):
+    """A segment holding eager passes and CUDA-graph replays (ids from GRAPH_PASS_BASE) has a pass
+    range spanning both kinds in rank.json: nearly every segment's range held any eager pass, and
+    loading one read them all. Each kind's passes run in file order, which bounds each file's."""
+    from fastdump.protocol import GRAPH_PASS_BASE as B
+
+    root = tmp_path / "dump"
+    order = [p for k in range(30) for p in (k, B + k)]  # segment k: eager pass k and replay B + k
+    write_rank_dir(root / "target" / R0, {p: tensors_of(p % B) for p in order}, rank=RANK0, segment_passes=2)
+    built = _counting(monkeypatch, reader, "SegmentIndex", lambda p: True)
+    with fastdump.open(root) as ds:
+        for p in (15, B + 15, 29, B):
+            got = ds.load("target", 0, p)
+            assert list(got) == ["a", "b"] and all(same(got[n], tensors_of(p % B)[n]) for n in got)
+        assert ds.meta("target", 0, B + 20)["tensors"] == 2
+        assert len(built) <= 12, sorted(os.path.basename(p) for p in built)
+        assert ds.passes("target", 0) == list(range(30)) + [B + k for k in range(30)]
+
+
 def test_many_sessions_under_one_root_list_each_rank_directory_once(tmp_path, monkeypatch):
     """Each reader call (rank_info, summary, load...) listed every rank directory of the role,
     twice: `fastdump ls` of a root with R sessions (a server's attach/close loop) made ~4·R² listdir
