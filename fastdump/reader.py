@@ -632,6 +632,9 @@ class _Rank:
         first, last = parts[0][0], parts[-1][0]
         if last - first + 1 != len(parts) or numbers[last] - numbers[first] != last - first:
             return None  # a file between its parts without it, or a number missing there
+        if (numbers[first] > 0 and (first == 0 or numbers[first - 1] != numbers[first] - 1)) \
+                or (last + 1 < len(paths) and numbers[last + 1] != numbers[last] + 1):
+            return None  # a file either side is gone: the full index tells whether it may hold a part
         # A part in a file either side would be there had rank.json given that file's range right.
         if any(read(k) is None for k in (first - 1, last + 1) if 0 <= k < len(paths)):
             return None
@@ -674,11 +677,19 @@ class _Rank:
         read = set(numbers)
         listed = self._indexing_facts()[1]
         lost = {os.path.basename(path) for path in self.unreadable}
-        # An unreadable file rank.json does not list (the writer was killed before listing it) has
-        # no known range: it may hold the start of the pass that begins the next file, or the rest
-        # of the pass the file before it left unfinished.
-        visible = sorted(fmt.segment_number(os.path.basename(path)) for path in self._paths)
-        unlisted = {fmt.segment_number(name) for name in lost if name not in listed}
+        # A file rank.json does not list (the writer was killed before listing it, or a full disk
+        # left rank.json without its list) has no known range when it is unreadable, or gone (a
+        # number below the highest, the writer numbering files one by one): it may hold the start
+        # of the pass that begins the file after it, or the rest of the pass the one before left
+        # unfinished.
+        visible = {fmt.segment_number(os.path.basename(path)) for path in self._paths}
+        highest = max(visible, default=-1)
+        listed_numbers = {fmt.segment_number(name) for name in listed}
+        unreadable = {fmt.segment_number(name) for name in lost}
+
+        def unknown(number):
+            return number not in listed_numbers and 0 <= number and (
+                number in unreadable or (number not in visible and number < highest))
         lost |= {name for name in listed if fmt.segment_number(name) is not None
                  and fmt.segment_number(name) not in read and not os.path.lexists(os.path.join(self.path, name))}
         # (number, first pass, last pass, whether its last pass ended there) of each listed one
@@ -693,14 +704,10 @@ class _Rank:
                       if low <= pass_id <= high and fmt.segment_name(number) not in where
                       and ((number < first and pass_id == high and not whole)
                            or (number > last and not segments[-1].pass_record(pass_id)[0]["complete"]))]
-            if unlisted:
-                before = bisect.bisect_left(visible, first) - 1
-                after = bisect.bisect_right(visible, last)
-                if before >= 0 and visible[before] in unlisted and segments[0].begins_with(pass_id):
-                    where.append(fmt.segment_name(visible[before]))
-                if after < len(visible) and visible[after] in unlisted \
-                        and not segments[-1].pass_record(pass_id)[0]["complete"]:
-                    where.append(fmt.segment_name(visible[after]))
+            if unknown(first - 1) and segments[0].begins_with(pass_id):
+                where.append(fmt.segment_name(first - 1))
+            if unknown(last + 1) and not segments[-1].pass_record(pass_id)[0]["complete"]:
+                where.append(fmt.segment_name(last + 1))
             if len(segments) > 1:  # its parts are merged in file-number order: a renamed file's is unknown
                 where += [f"{segment.file_name} ({why})" for segment in segments
                           if (why := fmt.renamed_segment(segment.attrs.get(fmt.ATTR_SEGMENT), segment.number))]

@@ -408,18 +408,22 @@ def test_a_pass_whose_part_is_not_read_is_refused_not_returned_short_or_reordere
 
 
 @pytest.mark.parametrize("lost", ["seg-000000.h5", "seg-000002.h5"])
-def test_a_pass_next_to_an_unreadable_unlisted_segment_is_refused(tmp_path, lost):
-    """A writer killed between renaming segments and updating rank.json leaves them unlisted: an
-    unreadable one has no known pass range. Pass 0's first part in such a file (seg 0) loaded as
-    its later parts alone, with no error; so did pass 0 with its last part in one (seg 2: the part
-    read ends unfinished). Pass 1 begins seg 3: after an unreadable seg 2 it may have begun there
-    too; after a readable one it reads."""
+@pytest.mark.parametrize("damage", ["truncated", "removed"])
+def test_a_pass_next_to_an_unreadable_unlisted_segment_is_refused(tmp_path, lost, damage):
+    """A writer killed between renaming segments and updating rank.json leaves them unlisted (a
+    full disk leaves rank.json without its list): an unreadable or removed one has no known pass
+    range. Pass 0's first part in such a file (seg 0) loaded as its later parts alone, with no
+    error; so did pass 0 with its last part in one (seg 2: the part read ends unfinished). Pass 1
+    begins seg 3: after a lost seg 2 it may have begun there too; after a readable one it reads."""
     split_pass_dump(tmp_path)
     rank = tmp_path / "target" / RANK_DIR
     info = rank_json(tmp_path)
     info["segments"] = info["segments"][3:]  # as if the writer never listed seg 0..2
     (rank / "rank.json").write_text(json.dumps(info))
-    os.truncate(rank / lost, 5000)
+    if damage == "truncated":
+        os.truncate(rank / lost, 5000)
+    else:
+        os.remove(rank / lost)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for full_index in (False, True):  # the lookup of one pass; the rank's whole index
