@@ -377,9 +377,28 @@ struct GraphRecorder::Impl {
     return st != cudaStreamCaptureStatusActive || id != open->capture_id;
   }
 
+  // The open graph's capture is still open but invalidated (an unsafe call, an error on a captured
+  // stream): cudaStreamEndCapture will return no graph, so nothing recorded into it can ever run.
+  // Unlike a capture that ended, no graph's replays go unseen. mu held.
+  bool capture_invalidated_locked() {
+    if (!open) return false;
+    cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
+    unsigned long long id = 0;
+    if (cudaStreamGetCaptureInfo(open->stream, &st, &id) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return false;
+    }
+    return st == cudaStreamCaptureStatusInvalidated && id == open->capture_id;
+  }
+
   bool capture_ended() {
     std::lock_guard<std::mutex> g(mu);
     return capture_ended_locked();
+  }
+
+  bool capture_invalidated() {
+    std::lock_guard<std::mutex> g(mu);
+    return capture_invalidated_locked();
   }
 
   int record(uint32_t name_id, uint16_t dtype, const CudaSource& src) {
@@ -477,7 +496,10 @@ struct GraphRecorder::Impl {
 
   void abort_graph() {
     std::lock_guard<std::mutex> g(mu);
-    if (open) slot_used = std::max(slot_used, open->span_offset + open->span_bytes);  // copies may be in a graph
+    // The copies may be in a graph, whose replays write the slots: kept, unless its capture was
+    // invalidated (no graph comes of it: the next graph may have them).
+    if (open && !capture_invalidated_locked())
+      slot_used = std::max(slot_used, open->span_offset + open->span_bytes);
     open.reset();
   }
 
@@ -724,6 +746,7 @@ int GraphRecorder::end_graph() {
 }
 void GraphRecorder::abort_graph() { impl_->abort_graph(); }
 bool GraphRecorder::capture_ended() { return impl_->capture_ended(); }
+bool GraphRecorder::capture_invalidated() { return impl_->capture_invalidated(); }
 bool GraphRecorder::capturing() const {
   std::lock_guard<std::mutex> g(impl_->mu);
   return impl_->open != nullptr;

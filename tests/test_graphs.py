@@ -1082,3 +1082,53 @@ def test_a_new_capture_in_a_pass_whose_capture_ended_starts_a_graph_of_its_own(m
         assert sorted(got) == ["layers.0#1", "layers.1#1"]
         assert torch.equal(torch.as_tensor(got["layers.0#1"]), want[0])
         assert torch.equal(torch.as_tensor(got["layers.1#1"]), want[1])
+
+
+@pytest.mark.parametrize("pass_ends", ["after_invalidation", "at_invalidation"])
+def test_an_invalidated_capture_retried_is_not_a_graph_lost(m, glue, tmp_path, monkeypatch, pass_ends):
+    """A capture invalidated mid-pass (the forward made an unsafe call in global mode) yields no
+    graph: cudaStreamEndCapture fails and nothing recorded into it can ever run. It was given up as
+    a graph whose replays "ran unseen" (graphs_not_dumped), so verify failed a dump in which the
+    runner's retried capture had every replay dumped. Now it is an incomplete capture pass saying
+    why, its slots go to the retry's graph, and verify passes."""
+    from fastdump.cli.dump import verify_dump
+    from fastdump.staging import cuda
+
+    current = Stream(glue)
+    monkeypatch.setattr(cuda, "_current_stream", current)
+    d = _attach(tmp_path, writer="thread", device="cuda:0")
+    side = m._mock.stream_create_flags(0)
+    model = Model(m, 4)
+    current.raw = side
+    assert m._mock.begin_capture(side, GLOBAL) == 0
+    d.begin_pass()
+    assert m._mock.enqueue_copy(side, model.h1, model.x, model.nbytes) == 0
+    d.dump("layers.0", FakeCudaTensor(model.cpu, model.h1))
+    with pytest.raises(RuntimeError, match="cudaErrorStreamCaptureUnsupported"):
+        m._mock.malloc(16)  # unsafe during a global capture: invalidates it
+    assert m._mock.capture_info(side)[1] == 2  # cudaStreamCaptureStatusInvalidated
+    if pass_ends == "after_invalidation":  # a tensor after it, then the pass ends inside the capture
+        d.dump("layers.1", FakeCudaTensor(model.cpu, model.h2))
+    d.end_pass()
+    err, failed = m._mock.end_capture(side)
+    assert m._mock.error_name(err) == "cudaErrorStreamCaptureInvalidated" and failed == 0
+    rec = d._graphs.recorder(0)
+    assert rec.stats()["slot_used"] == 0  # the failed capture's slots are free again
+    graph, exe = capture(m, model, d, current, side, graph="retry")  # the runner retries
+    current.raw = glue
+    try:
+        expected = [replay(m, model, exe, glue, rand_input(model, 40 + k)) for k in range(3)]
+        m._mock.sync(glue)
+        stats = d.close()
+    finally:
+        release(m, [(graph, exe)], [side], [d])
+    assert stats["graphs_not_dumped"] == 0 and stats["graph_replays"] == 3 and stats["dropped_passes"] == 0
+    ds = fastdump.open(tmp_path)
+    assert "the capture was invalidated" in ds.meta("target", 0, 0)["incomplete"]
+    passes = graph_passes(ds, "target")
+    assert len(passes) == 3
+    for p, (h1, h2) in zip(passes, expected):
+        got = ds.load("target", 0, p)
+        assert same_bits(torch.as_tensor(got["layers.0"]), h1) and same_bits(torch.as_tensor(got["layers.1"]), h2)
+        assert ds.meta("target", 0, p)["graph"] == "retry"
+    assert verify_dump(str(tmp_path)).problems == []

@@ -116,6 +116,10 @@ class GraphRecording:
         device = t.get_device()
         raw, _ = cuda._current_stream(device)
         cap = self.open
+        if cap is not None and cap.recorder.capture_invalidated():
+            # No graph will come of it (cudaStreamEndCapture fails): nothing to dump, nothing lost.
+            self._invalidated(cap)
+            return d._skip(name, "CUDA graph capture: not recorded: the capture was invalidated (it makes no graph)")
         if cap is not None and cap.recorder.capture_ended():
             # The capture this pass began in is over (a capture that raised, then a new one in a
             # pass that never ended): its graph can no longer be committed. Given up, loudly, and
@@ -158,6 +162,9 @@ class GraphRecording:
         holds no values (the capture computes nothing) and is marked incomplete, saying so."""
         cap, self.open = self.open, None
         d = self._dumper
+        if cap.recorder.capture_invalidated():  # the capture failed: no graph, no replay to miss
+            self._invalidated(cap)
+            return
         batch = meta.get("batch_size", meta.get("bs", cap.batch))
         graph_meta = dict(meta, cuda_graph=cap.graph, graph_batch=batch)
         try:
@@ -195,6 +202,17 @@ class GraphRecording:
         if "give_up" not in self._said:
             self._said.add("give_up")
             log.error("fastdump: %s: a captured CUDA graph's replays are not dumped: %s", d.dir, why)
+
+    def _invalidated(self, cap) -> None:
+        """The capture of ``cap`` was invalidated: cudaStreamEndCapture returns no graph, so its
+        recorded snapshots never run and no replay is missed. Not counted as a graph not dumped
+        (a runner that retries a failed capture dumps every replay of the graph it then makes);
+        the capture pass says why it holds nothing."""
+        cap.recorder.abort_graph()  # (its slots go to the next graph)
+        if self.open is cap:
+            self.open = None
+        self._dumper._mark_incomplete("CUDA graph capture: the capture was invalidated; it makes no graph, "
+                                      "nothing was recorded")
 
     # -- end ---------------------------------------------------------------------------------------
     def close(self, totals: dict, timeout: float) -> None:
