@@ -695,7 +695,9 @@ struct GraphRecorder::Impl {
       std::lock_guard<std::mutex> g(mu);
       if (closed && !free_memory) return;
       closed = true;
-      if (graphs.empty() && !open) free_memory = true;  // no graph can ever write into it
+      // No graph can ever write into it: none committed, none open, and no given-up graph's
+      // snapshots in a graph (abort_graph and a failed end_graph keep their slots in slot_used).
+      if (graphs.empty() && !open && slot_used == 0) free_memory = true;
     }
     if (drain.joinable()) {
       // One deadline for the flush and the drain's last steps: close() takes about timeout_s at

@@ -113,7 +113,8 @@ class GraphRecorder {
   // Stop the drain thread (after flushing), within about `timeout_s` whatever the writer does:
   // replays the drain has not staged by then are counted as unwritten (dropped_replays), never
   // staged. Replays after close are neither recorded nor counted.
-  // Device memory is kept unless free_memory or no graph was committed: graphs captured with this
+  // Device memory is kept unless free_memory or no graph holds its snapshots (none committed, none
+  // given up after recording): graphs captured with this
   // recorder write into it on every replay, so it may be freed only once they are destroyed.
   // Callable again later with free_memory = true.
   void close(double timeout_s, bool free_memory);

@@ -1132,3 +1132,52 @@ def test_an_invalidated_capture_retried_is_not_a_graph_lost(m, glue, tmp_path, m
         assert same_bits(torch.as_tensor(got["layers.0"]), h1) and same_bits(torch.as_tensor(got["layers.1"]), h2)
         assert ds.meta("target", 0, p)["graph"] == "retry"
     assert verify_dump(str(tmp_path)).problems == []
+
+
+def test_a_given_up_graph_keeps_the_recording_memory_at_close(m, glue, tmp_path, monkeypatch):
+    """A graph given up (its pass ended after its capture) still holds its snapshot copies, which
+    write the recorder's slots at every replay. close() freed the recording memory all the same
+    ("no graph was committed"): the graph's next replay wrote into freed device memory, which the
+    next Dumper's recorder gets back from cudaMalloc. Now the memory stays until
+    free_device_memory(); the old graph replayed between the next Dumper's replays changes none of
+    their values."""
+    from fastdump.staging import cuda
+
+    current = Stream(glue)
+    monkeypatch.setattr(cuda, "_current_stream", current)
+    live = lambda: m._mock.counters()["live_allocs"]  # noqa: E731
+    side = m._mock.stream_create_flags(0)
+    model, model_b = Model(m, 4), Model(m, 4)
+    base = live()
+    a = _attach(tmp_path / "a", writer="thread", device="cuda:0")
+    a.begin_pass()
+    current.raw = side
+    assert m._mock.begin_capture(side, GLOBAL) == 0
+    _Forward.run(m, model, a, side)
+    err, old_graph = m._mock.end_capture(side)
+    assert err == 0, m._mock.error_name(err)
+    current.raw = glue
+    a.end_pass()  # after the capture: given up
+    old_exe = m._mock.graph_instantiate(old_graph)
+    assert a.close()["graphs_not_dumped"] == 1
+    assert live() == base + 1  # the given-up graph writes into it: kept
+    b = _attach(tmp_path / "b", writer="thread", device="cuda:0")
+    graph, exe = capture(m, model_b, b, current, side)
+    current.raw = glue
+    try:
+        expected = []
+        for k in range(4):
+            replay(m, model, old_exe, glue, rand_input(model, 60 + k))  # the old graph, after its Dumper closed
+            expected.append(replay(m, model_b, exe, glue, rand_input(model_b, 70 + k)))
+        m._mock.sync(glue)
+        stats = b.close()
+    finally:
+        release(m, [(old_graph, old_exe), (graph, exe)], [side], [a, b])
+    assert stats["graph_replays"] == 4 and stats["dropped_passes"] == 0
+    ds = fastdump.open(tmp_path / "b")
+    passes = graph_passes(ds, "target")
+    assert len(passes) == 4
+    for p, (h1, h2) in zip(passes, expected):
+        got = ds.load("target", 0, p)
+        assert same_bits(torch.as_tensor(got["layers.0"]), h1) and same_bits(torch.as_tensor(got["layers.1"]), h2)
+
