@@ -1181,3 +1181,85 @@ def test_a_given_up_graph_keeps_the_recording_memory_at_close(m, glue, tmp_path,
         got = ds.load("target", 0, p)
         assert same_bits(torch.as_tensor(got["layers.0"]), h1) and same_bits(torch.as_tensor(got["layers.1"]), h2)
 
+
+class _TorchGraph:
+    """Stands in for torch.cuda.CUDAGraph on the mock runtime (the methods fastdump wraps)."""
+
+    def __init__(self, m, stream):
+        self.m, self.stream, self.graph, self.exe = m, stream, None, None
+
+    def capture_begin(self, pool=None, capture_error_mode="global"):
+        assert self.m._mock.begin_capture(self.stream, GLOBAL) == 0
+
+    def capture_end(self):
+        err, self.graph = self.m._mock.end_capture(self.stream)
+        assert err == 0, self.m._mock.error_name(err)
+        self.exe = self.m._mock.graph_instantiate(self.graph)
+
+    def reset(self):
+        release(self.m, [(self.graph, self.exe)])
+        self.graph = self.exe = None
+
+
+@pytest.mark.parametrize("gone", ["reset", "deleted"])
+def test_free_device_memory_refuses_while_a_torch_graph_still_writes_into_it(m, glue, tmp_path, monkeypatch, gone):
+    """free_device_memory() called while a graph captured with the Dumper still exists (a serving
+    engine that closes its Dumper and frees, keeping its graphs): the memory went back to cudaMalloc,
+    the next Dumper's recorder got it, and the old graph's replays claimed, copied and published in
+    the new recorder's ring under its graph ids: the new Dumper's replay passes held the old graph's
+    values with wrong replay indices, and verify said OK. torch graphs are tracked now: the memory
+    is kept (False, logged) while the graph exists, and freed once it is reset or deleted."""
+    import gc
+
+    from fastdump.cli.dump import verify_dump
+    from fastdump.staging import cuda
+
+    current = Stream(glue)
+    monkeypatch.setattr(cuda, "_current_stream", current)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", _TorchGraph)
+    monkeypatch.setattr(cuda, "_capture_hook", None)
+    for name in ("capture_begin", "capture_end", "reset"):  # the wrappers go with the test
+        monkeypatch.setattr(_TorchGraph, name, _TorchGraph.__dict__[name])
+    assert cuda.watch_graph_captures()
+    live = lambda: m._mock.counters()["live_allocs"]  # noqa: E731
+    side = m._mock.stream_create_flags(0)
+    model, model_b = Model(m, 4), Model(m, 4)
+    base = live()
+    a = _attach(tmp_path / "a", writer="thread", device="cuda:0", graph_ring_mb=1)
+    g = torch.cuda.CUDAGraph(m, side)  # torch.cuda.graph(g, stream=side): capture_begin, forward, capture_end
+    current.raw = side
+    g.capture_begin()
+    model.forward(a, side)
+    g.capture_end()
+    current.raw = glue
+    a.close()
+    assert free_device_memory(a) is False and live() == base + 1  # g exists: kept
+    b = _attach(tmp_path / "b", writer="thread", device="cuda:0", graph_ring_mb=1)
+    graph, exe = capture(m, model_b, b, current, side)
+    current.raw = glue
+    try:
+        expected = []
+        for k in range(3):
+            replay(m, model, g.exe, glue, rand_input(model, 20 + k))
+            m._mock.sync(glue)
+            expected.append(replay(m, model_b, exe, glue, rand_input(model_b, 30 + k)))
+            m._mock.sync(glue)
+        b.close()
+    finally:
+        release(m, [(graph, exe)], [], [b])
+        if gone == "reset":
+            g.reset()
+        else:
+            release(m, [(g.graph, g.exe)])
+            del g
+            gc.collect()
+        m._mock.stream_destroy(side)
+    before = live()
+    assert free_device_memory(a) is True and live() == before - 1
+    ds = fastdump.open(tmp_path / "b")
+    passes = graph_passes(ds, "target")
+    assert [ds.meta("target", 0, p)["graph_replay"] for p in passes] == [0, 1, 2]
+    for p, (h1, h2) in zip(passes, expected):
+        got = ds.load("target", 0, p)
+        assert same_bits(torch.as_tensor(got["layers.0"]), h1) and same_bits(torch.as_tensor(got["layers.1"]), h2)
+    assert verify_dump(str(tmp_path / "b")).problems == []

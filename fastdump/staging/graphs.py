@@ -43,10 +43,11 @@ def _C():
 class CapturedPass:
     """The pass of one graph capture: its recorder, graph id and the facts its replays carry."""
 
-    __slots__ = ("recorder", "graph", "device", "batch", "recorded", "missing")
+    __slots__ = ("recorder", "graph", "device", "batch", "recorded", "missing", "owner")
 
-    def __init__(self, recorder, graph: int, device: int):
+    def __init__(self, recorder, graph: int, device: int, owner=None):
         self.recorder, self.graph, self.device = recorder, graph, device
+        self.owner = owner     # the torch CUDAGraph being captured (cuda.capturing_graph), or None
         self.batch = None      # leading dimension of the first recorded tensor
         self.recorded = 0
         self.missing: dict = {}  # name -> why the replays lack it
@@ -64,6 +65,7 @@ class GraphRecording:
         self._ring_bytes = max(total - total // 2, 1 << 16)
         self._recorders: dict = {}   # device -> _C.GraphRecorder
         self._failures: dict = {}    # device -> why it has none
+        self._writers: dict = {}     # device -> [owner token or None]: graphs that write its memory
         self.open: CapturedPass | None = None
         self._said: set = set()
 
@@ -131,7 +133,7 @@ class GraphRecording:
             if rec is None:
                 return d._skip(name, "CUDA graph capture: no recorder (" + self._failures.get(device, "?") + ")")
             try:
-                cap = self.open = CapturedPass(rec, rec.begin_graph(raw), device)
+                cap = self.open = CapturedPass(rec, rec.begin_graph(raw), device, cuda.capturing_graph())
             except RuntimeError as exc:
                 return d._skip(name, f"CUDA graph capture: not recorded ({exc})")
         elif device != cap.device:
@@ -167,6 +169,8 @@ class GraphRecording:
             return
         batch = meta.get("batch_size", meta.get("bs", cap.batch))
         graph_meta = dict(meta, cuda_graph=cap.graph, graph_batch=batch)
+        if cap.recorded:  # its snapshots are in the graph (committed or not): its replays write the slots
+            self._writers.setdefault(cap.device, []).append(cap.owner)
         try:
             # A pass that ends after its capture did (end_pass() after the `with torch.cuda.graph`
             # block, close() ending a capture that raised) cannot commit: its kernels would run
@@ -196,6 +200,8 @@ class GraphRecording:
         cap.recorder.abort_graph()
         if self.open is cap:
             self.open = None
+            if cap.recorded:  # (end_pass noted it already)
+                self._writers.setdefault(cap.device, []).append(cap.owner)
         d = self._dumper
         d._totals["graphs_not_dumped"] += 1
         d._mark_incomplete(f"CUDA graph capture: the graph's replays are not dumped ({why})")
@@ -220,8 +226,10 @@ class GraphRecording:
         (their drops are the Channel's: it reads the recorders' counts). The device memory stays:
         graphs captured with it may still be replayed (see CUDA.md)."""
         if self.open is not None:
-            self.open.recorder.abort_graph()
-            self.open = None
+            cap, self.open = self.open, None
+            cap.recorder.abort_graph()
+            if cap.recorded:
+                self._writers.setdefault(cap.device, []).append(cap.owner)
         _synchronize(list(self._recorders))
         for rec in self._recorders.values():
             rec.close(timeout)
@@ -236,19 +244,38 @@ class GraphRecording:
     def stats(self) -> dict:
         return {dev: rec.stats() for dev, rec in self._recorders.items()}
 
-    def free_device_memory(self) -> None:
-        for rec in self._recorders.values():
-            rec.close(60.0, True)
-        self._recorders.clear()
+    def free_device_memory(self) -> bool:
+        """Free each GPU's recording memory that no torch CUDAGraph still writes into; True when
+        all of it was freed. A GPU with such a graph keeps its memory (logged): freed, its next
+        replay would write into memory cudaMalloc hands out again, the next Dumper's recorder
+        included, whose replay passes would then hold this graph's values and pass verify."""
+        kept = 0
+        for dev in list(self._recorders):
+            live = sum(1 for owner in self._writers.get(dev, ()) if owner is not None and owner.alive())
+            if live:
+                kept += live
+                continue
+            self._recorders.pop(dev).close(60.0, True)
+        if kept:
+            log.error("fastdump: %s: CUDA-graph recording memory not freed: %d torch CUDA graph(s) captured "
+                      "while the Dumper was attached still exist and write into it at every replay; free it "
+                      "after they are reset or deleted", self._dumper.dir, kept)
+        return not kept
 
 
-def free_device_memory(dumper) -> None:
+def free_device_memory(dumper) -> bool:
     """Give back a closed Dumper's CUDA-graph recording memory (slots and replay ring). Call it only
     once every graph captured while the Dumper was attached has been destroyed: each replay of such
-    a graph writes into that memory. (Without a committed graph it is freed at close already.)"""
+    a graph writes into that memory. (Without a committed graph it is freed at close already.)
+
+    Graphs captured through ``torch.cuda.CUDAGraph`` are tracked: while one of them still exists
+    (not reset, not garbage-collected) the memory is kept, an error is logged and False is
+    returned. Graphs captured outside torch (raw ``cudaStreamBeginCapture``) cannot be tracked:
+    for those the caller's word is taken. True when everything was freed."""
     recording = getattr(dumper, "_graphs", None)
     if recording is not None:
-        recording.free_device_memory()
+        return recording.free_device_memory()
+    return True
 
 
 def _synchronize(devices) -> None:
