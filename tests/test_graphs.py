@@ -1263,3 +1263,71 @@ def test_free_device_memory_refuses_while_a_torch_graph_still_writes_into_it(m, 
         got = ds.load("target", 0, p)
         assert same_bits(torch.as_tensor(got["layers.0"]), h1) and same_bits(torch.as_tensor(got["layers.1"]), h2)
     assert verify_dump(str(tmp_path / "b")).problems == []
+
+
+class _Layer(torch.nn.Module):
+    """dst = src + 1 (bytewise) on the current (mock) stream; returns dst as a fake CUDA tensor."""
+
+    def __init__(self, m, current, model, src, dst):
+        super().__init__()
+        self.m, self.current, self.model, self.src, self.dst = m, current, model, src, dst
+
+    def forward(self, x):
+        assert self.m._mock.enqueue_copy(self.current.raw, self.dst, self.src, self.model.nbytes) == 0
+        assert self.m._mock.enqueue_increment(self.current.raw, self.dst, self.model.nbytes) == 0
+        return FakeCudaTensor(self.model.cpu, self.dst)
+
+
+class _Net(torch.nn.Module):
+    def __init__(self, m, current, model):
+        super().__init__()
+        self.l0 = _Layer(m, current, model, model.x, model.h1)
+        self.l1 = _Layer(m, current, model, model.h1, model.h2)
+        self.fail = False
+
+    def forward(self, x):
+        a = self.l0(x)
+        if self.fail:
+            raise RuntimeError("boom")
+        return self.l1(a)
+
+
+def test_replays_of_a_graph_whose_capture_forward_raised_are_incomplete(m, glue, tmp_path, monkeypatch):
+    """The model's forward raised inside `with torch.cuda.graph(g)`: the root forward ended its
+    pass (inside the capture: the graph committed) and torch's __exit__ ended the capture, so g
+    holds the layers before the exception only. Its capture pass said "a forward raised", but every
+    replay pass read as a whole forward (complete, layer l1 neither there nor skipped). Now each
+    replay pass is incomplete with the capture pass's reason, its recorded values intact."""
+    from fastdump.staging import cuda
+
+    current = Stream(glue)
+    monkeypatch.setattr(cuda, "_current_stream", current)
+    model = Model(m, 4)
+    net = _Net(m, current, model)
+    d = fastdump.attach(net, tmp_path, tp_rank=0, tp_size=1, writer="thread", strict=True, device="cuda:0")
+    side = m._mock.stream_create_flags(0)
+    current.raw = side
+    assert m._mock.begin_capture(side, GLOBAL) == 0
+    net.fail = True
+    with pytest.raises(RuntimeError, match="boom"):
+        net(FakeCudaTensor(model.cpu, model.x))
+    err, graph = m._mock.end_capture(side)  # torch.cuda.graph's __exit__
+    assert err == 0, m._mock.error_name(err)
+    exe = m._mock.graph_instantiate(graph)
+    current.raw = glue
+    try:
+        expected = [replay(m, model, exe, glue, rand_input(model, 80 + k)) for k in range(2)]
+        m._mock.sync(glue)
+        stats = d.close()
+    finally:
+        release(m, [(graph, exe)], [side], [d])
+    assert stats["graph_replays"] == 2
+    ds = fastdump.open(tmp_path)
+    passes = graph_passes(ds, "target")
+    assert len(passes) == 2
+    for p, (h1, _) in zip(passes, expected):
+        meta = ds.meta("target", 0, p)
+        assert not meta["complete"]
+        assert meta["incomplete"] == "captured in an incomplete pass: a forward raised RuntimeError: boom"
+        got = ds.load("target", 0, p)
+        assert list(got) == ["l0"] and same_bits(torch.as_tensor(got["l0"]), h1)

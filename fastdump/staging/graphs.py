@@ -158,10 +158,12 @@ class GraphRecording:
             cap.missing[name] = why
             d._skip(name, "CUDA graph capture: not recorded: " + why)
 
-    def end_pass(self, meta: dict) -> None:
+    def end_pass(self, meta: dict, incomplete: str | None = None) -> None:
         """The captured pass ends: commit the graph and send its layout to the writer (in ring
         order, before any replay's record). Its replays are passes; the capture-time pass itself
-        holds no values (the capture computes nothing) and is marked incomplete, saying so."""
+        holds no values (the capture computes nothing) and is marked incomplete, saying so.
+        ``incomplete``: why the capture's pass was already not whole (its forward raised, ...):
+        the graph holds only what was captured before, so every replay pass says so too."""
         cap, self.open = self.open, None
         d = self._dumper
         if cap.recorder.capture_invalidated():  # the capture failed: no graph, no replay to miss
@@ -184,7 +186,8 @@ class GraphRecording:
             return
         span = cap.recorder.layout(gid)
         msg = protocol.graph(d._channel.id, cap.device, gid, span["span_name_id"], span["span_bytes"],
-                             span["tensors"], graph_meta, cap.missing)
+                             span["tensors"], graph_meta, cap.missing,
+                             None if incomplete is None else f"captured in an incomplete pass: {incomplete}")
         if not d._channel.control(msg, block=True):  # the writer is gone or stuck past block_timeout_s
             log.error("fastdump: %s: the layout of CUDA graph %d did not reach the writer; its replays are "
                       "written as incomplete passes without tensors", d.dir, gid)
