@@ -1331,3 +1331,53 @@ def test_replays_of_a_graph_whose_capture_forward_raised_are_incomplete(m, glue,
         assert meta["incomplete"] == "captured in an incomplete pass: a forward raised RuntimeError: boom"
         got = ds.load("target", 0, p)
         assert list(got) == ["l0"] and same_bits(torch.as_tensor(got["l0"]), h1)
+
+
+def test_one_graph_replayed_from_two_threads_on_two_streams(m, glue, tmp_path, monkeypatch):
+    """The same graph launched from two threads on two streams at once. CUDA orders each launch of
+    an executable graph after its previous ones, so replays never overlap and share the graph's
+    slots and decision word safely; the mock ran them concurrently (each replay's in-place 0xEE
+    kernel tore the other's values), which no GPU does: it orders them now. Every replay is one
+    whole pass, bit-exact, its replay index unique."""
+    import threading
+
+    from fastdump.staging import cuda
+
+    m._mock.set("max_delay_us", 100)
+    current = Stream(glue)
+    monkeypatch.setattr(cuda, "_current_stream", current)
+    d = _attach(tmp_path, writer="thread", device="cuda:0")
+    side = m._mock.stream_create_flags(0)
+    streams = [m._mock.stream_create(), m._mock.stream_create()]
+    model = Model(m, 4, width=4096)
+    graph, exe = capture(m, model, d, current, side)
+    current.raw = glue
+    x = rand_input(model, 1)  # one input for every replay: their order cannot change a value
+    model.set_input(glue, x)
+    m._mock.sync(glue)
+    h1, h2 = model.expected(x)
+    errors = []
+
+    def launch(stream):
+        for _ in range(20):
+            errors.append(m._mock.graph_launch(exe, stream))
+
+    try:
+        threads = [threading.Thread(target=launch, args=(s,)) for s in streams]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for s in streams:
+            m._mock.sync(s)
+        stats = d.close()
+    finally:
+        release(m, [(graph, exe)], [side, *streams], [d])
+    assert errors == [0] * 40
+    assert stats["graph_replays"] == 40 and stats["dropped_passes"] == 0
+    ds = fastdump.open(tmp_path)
+    passes = graph_passes(ds, "target")
+    assert sorted(ds.meta("target", 0, p)["graph_replay"] for p in passes) == list(range(40))
+    for p in passes:
+        got = ds.load("target", 0, p)
+        assert same_bits(torch.as_tensor(got["layers.0"]), h1) and same_bits(torch.as_tensor(got["layers.1"]), h2)
