@@ -1381,3 +1381,42 @@ def test_one_graph_replayed_from_two_threads_on_two_streams(m, glue, tmp_path, m
     for p in passes:
         got = ds.load("target", 0, p)
         assert same_bits(torch.as_tensor(got["layers.0"]), h1) and same_bits(torch.as_tensor(got["layers.1"]), h2)
+
+
+@pytest.mark.cuda
+@needs_cuda_build
+def test_gpu_free_device_memory_waits_for_the_torch_graphs(tmp_path):
+    """The CUDAGraph wrappers on real torch: after close, free_device_memory keeps the recording
+    memory while a graph captured with the Dumper exists (its replays still run, undumped, and
+    change nothing the next Dumper dumps), and frees it once the graph is reset; then a second
+    graph, deleted instead, the same way."""
+    import gc
+
+    model = _gpu_model()
+    stream = torch.cuda.Stream()
+    for how in ("reset", "deleted"):
+        root = tmp_path / how
+        d = fastdump.attach(model, root, tp_rank=0, tp_size=1, writer="thread", strict=True, device="cuda:0")
+        with torch.inference_mode():
+            static_in = torch.randn(4, 256, device="cuda", dtype=torch.bfloat16)
+            g, out = _gpu_capture(model, static_in, stream)
+            torch.cuda.synchronize()
+            d.close()
+            assert free_device_memory(d) is False
+            d2 = fastdump.attach(model, root / "next", tp_rank=0, tp_size=1, writer="thread", strict=True,
+                                 device="cuda:0")
+            x = torch.randn(2, 256, device="cuda", dtype=torch.bfloat16)
+            with torch.cuda.stream(stream):
+                g.replay()  # the closed Dumper's graph: dumps nothing
+            stream.synchronize()
+            want = model(x)
+            torch.cuda.synchronize()
+            d2.close()
+            assert same_bits(torch.as_tensor(fastdump.open(root / "next").load("target", 0, 0)["Sequential"]),
+                             want.cpu())
+            if how == "reset":
+                g.reset()
+            else:
+                del g, out
+                gc.collect()
+            assert free_device_memory(d) is True
