@@ -1420,3 +1420,31 @@ def test_gpu_free_device_memory_waits_for_the_torch_graphs(tmp_path):
                 del g, out
                 gc.collect()
             assert free_device_memory(d) is True
+
+
+def test_free_device_memory_before_close_keeps_the_recorder(m, glue, tmp_path, monkeypatch):
+    """free_device_memory() on a Dumper still open (its graph already destroyed) stopped and freed
+    the recorder, so close() no longer counted its replays: stats() said 1 pass and 0 tensors
+    while 3 replay passes were on disk. It now refuses (False) until close(), which counts them."""
+    from fastdump.staging import cuda
+
+    current = Stream(glue)
+    monkeypatch.setattr(cuda, "_current_stream", current)
+    d = _attach(tmp_path, writer="thread", device="cuda:0")
+    side = m._mock.stream_create_flags(0)
+    model = Model(m, 4)
+    graph, exe = capture(m, model, d, current, side)
+    current.raw = glue
+    expected = [replay(m, model, exe, glue, rand_input(model, 90 + k)) for k in range(3)]
+    m._mock.sync(glue)
+    release(m, [(graph, exe)], [side])
+    assert free_device_memory(d) is False
+    stats = d.close()
+    assert stats["graph_replays"] == 3 and stats["passes"] == 4 and stats["tensors"] == 6
+    assert free_device_memory(d) is True
+    ds = fastdump.open(tmp_path)
+    passes = graph_passes(ds, "target")
+    assert len(passes) == 3
+    for p, (h1, h2) in zip(passes, expected):
+        got = ds.load("target", 0, p)
+        assert same_bits(torch.as_tensor(got["layers.0"]), h1) and same_bits(torch.as_tensor(got["layers.1"]), h2)

@@ -273,12 +273,17 @@ def free_device_memory(dumper) -> bool:
 
     Graphs captured through ``torch.cuda.CUDAGraph`` are tracked: while one of them still exists
     (not reset, not garbage-collected) the memory is kept, an error is logged and False is
-    returned. Graphs captured outside torch (raw ``cudaStreamBeginCapture``) cannot be tracked:
-    for those the caller's word is taken. True when everything was freed."""
+    returned (so for a Dumper not closed yet). Graphs captured outside torch (raw
+    ``cudaStreamBeginCapture``) cannot be tracked: for those the caller's word is taken. True when
+    everything was freed."""
     recording = getattr(dumper, "_graphs", None)
-    if recording is not None:
-        return recording.free_device_memory()
-    return True
+    if recording is None:
+        return True
+    if not dumper._closed:  # its drains still run, and close() still has to count their replays
+        log.error("fastdump: %s: free_device_memory() before close(): the CUDA-graph recording memory is kept "
+                  "(close the Dumper first)", dumper.dir)
+        return False
+    return recording.free_device_memory()
 
 
 def _synchronize(devices) -> None:
