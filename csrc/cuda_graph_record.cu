@@ -349,6 +349,8 @@ struct GraphRecorder::Impl {
     cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
     unsigned long long capture_id = 0;
     FD_GR_CUDA(cudaStreamGetCaptureInfo(cs, &st, &capture_id));
+    if (st == cudaStreamCaptureStatusInvalidated)
+      throw std::runtime_error("the CUDA graph capture was invalidated: it makes no graph");
     if (st != cudaStreamCaptureStatusActive) throw std::runtime_error("the stream is not capturing a CUDA graph");
     std::lock_guard<std::mutex> g(mu);
     if (closed || broken) throw std::runtime_error("graph recorder closed" + (last_error.empty() ? "" : ": " + last_error));

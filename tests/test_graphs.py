@@ -1107,8 +1107,9 @@ def test_an_invalidated_capture_retried_is_not_a_graph_lost(m, glue, tmp_path, m
     with pytest.raises(RuntimeError, match="cudaErrorStreamCaptureUnsupported"):
         m._mock.malloc(16)  # unsafe during a global capture: invalidates it
     assert m._mock.capture_info(side)[1] == 2  # cudaStreamCaptureStatusInvalidated
-    if pass_ends == "after_invalidation":  # a tensor after it, then the pass ends inside the capture
+    if pass_ends == "after_invalidation":  # tensors after it, then the pass ends inside the capture
         d.dump("layers.1", FakeCudaTensor(model.cpu, model.h2))
+        d.dump("layers.2", FakeCudaTensor(model.cpu, model.h2))
     d.end_pass()
     err, failed = m._mock.end_capture(side)
     assert m._mock.error_name(err) == "cudaErrorStreamCaptureInvalidated" and failed == 0
@@ -1125,6 +1126,10 @@ def test_an_invalidated_capture_retried_is_not_a_graph_lost(m, glue, tmp_path, m
     assert stats["graphs_not_dumped"] == 0 and stats["graph_replays"] == 3 and stats["dropped_passes"] == 0
     ds = fastdump.open(tmp_path)
     assert "the capture was invalidated" in ds.meta("target", 0, 0)["incomplete"]
+    if pass_ends == "after_invalidation":
+        assert {e["name"]: e["reason"] for e in ds.meta("target", 0, 0)["skipped"]} == {
+            "layers.1": "CUDA graph capture: not recorded: the capture was invalidated (it makes no graph)",
+            "layers.2": "CUDA graph capture: not recorded (the CUDA graph capture was invalidated: it makes no graph)"}
     passes = graph_passes(ds, "target")
     assert len(passes) == 3
     for p, (h1, h2) in zip(passes, expected):
