@@ -66,6 +66,8 @@ void bind_graph_recorder(py::module_& m) {
       .def("abort_graph", &GraphRecorder::abort_graph)
       .def("capture_ended", &GraphRecorder::capture_ended,
            "The open graph's capture is over (ended, or another since on its stream): not committable.")
+      .def("capture_invalidated", &GraphRecorder::capture_invalidated,
+           "The open graph's capture is invalidated, not ended yet: it yields no graph (nothing to dump).")
       .def_property_readonly("capturing", &GraphRecorder::capturing)
       .def("set_paused", &GraphRecorder::set_paused, py::arg("paused"))
       .def(

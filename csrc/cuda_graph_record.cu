@@ -349,6 +349,8 @@ struct GraphRecorder::Impl {
     cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
     unsigned long long capture_id = 0;
     FD_GR_CUDA(cudaStreamGetCaptureInfo(cs, &st, &capture_id));
+    if (st == cudaStreamCaptureStatusInvalidated)
+      throw std::runtime_error("the CUDA graph capture was invalidated: it makes no graph");
     if (st != cudaStreamCaptureStatusActive) throw std::runtime_error("the stream is not capturing a CUDA graph");
     std::lock_guard<std::mutex> g(mu);
     if (closed || broken) throw std::runtime_error("graph recorder closed" + (last_error.empty() ? "" : ": " + last_error));
@@ -377,9 +379,28 @@ struct GraphRecorder::Impl {
     return st != cudaStreamCaptureStatusActive || id != open->capture_id;
   }
 
+  // The open graph's capture is still open but invalidated (an unsafe call, an error on a captured
+  // stream): cudaStreamEndCapture will return no graph, so nothing recorded into it can ever run.
+  // Unlike a capture that ended, no graph's replays go unseen. mu held.
+  bool capture_invalidated_locked() {
+    if (!open) return false;
+    cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
+    unsigned long long id = 0;
+    if (cudaStreamGetCaptureInfo(open->stream, &st, &id) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return false;
+    }
+    return st == cudaStreamCaptureStatusInvalidated && id == open->capture_id;
+  }
+
   bool capture_ended() {
     std::lock_guard<std::mutex> g(mu);
     return capture_ended_locked();
+  }
+
+  bool capture_invalidated() {
+    std::lock_guard<std::mutex> g(mu);
+    return capture_invalidated_locked();
   }
 
   int record(uint32_t name_id, uint16_t dtype, const CudaSource& src) {
@@ -477,7 +498,10 @@ struct GraphRecorder::Impl {
 
   void abort_graph() {
     std::lock_guard<std::mutex> g(mu);
-    if (open) slot_used = std::max(slot_used, open->span_offset + open->span_bytes);  // copies may be in a graph
+    // The copies may be in a graph, whose replays write the slots: kept, unless its capture was
+    // invalidated (no graph comes of it: the next graph may have them).
+    if (open && !capture_invalidated_locked())
+      slot_used = std::max(slot_used, open->span_offset + open->span_bytes);
     open.reset();
   }
 
@@ -673,7 +697,9 @@ struct GraphRecorder::Impl {
       std::lock_guard<std::mutex> g(mu);
       if (closed && !free_memory) return;
       closed = true;
-      if (graphs.empty() && !open) free_memory = true;  // no graph can ever write into it
+      // No graph can ever write into it: none committed, none open, and no given-up graph's
+      // snapshots in a graph (abort_graph and a failed end_graph keep their slots in slot_used).
+      if (graphs.empty() && !open && slot_used == 0) free_memory = true;
     }
     if (drain.joinable()) {
       // One deadline for the flush and the drain's last steps: close() takes about timeout_s at
@@ -724,6 +750,7 @@ int GraphRecorder::end_graph() {
 }
 void GraphRecorder::abort_graph() { impl_->abort_graph(); }
 bool GraphRecorder::capture_ended() { return impl_->capture_ended(); }
+bool GraphRecorder::capture_invalidated() { return impl_->capture_invalidated(); }
 bool GraphRecorder::capturing() const {
   std::lock_guard<std::mutex> g(impl_->mu);
   return impl_->open != nullptr;

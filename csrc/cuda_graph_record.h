@@ -88,11 +88,15 @@ class GraphRecorder {
   // stream. Returns the graph id, or -1 when nothing was recorded (no commit). The replay passes'
   // meta and skips are the writer's business (the "graph" control message, sent by the caller).
   int end_graph();
-  // Forget the open capture without a commit (its slots stay reserved: the graph may still exist).
+  // Forget the open capture without a commit (its slots stay reserved: the graph may still exist;
+  // not when its capture was invalidated, which makes no graph).
   void abort_graph();
   // The open graph's capture is over (ended, or its stream captures another since): it can no
   // longer be committed, and tensors must not be recorded into it.
   bool capture_ended();
+  // The open graph's capture was invalidated and has not ended yet: it will yield no graph, so
+  // none of its replays can go unseen (a failed capture, not a lost graph).
+  bool capture_invalidated();
   bool capturing() const;
   // A committed graph's span: its record's name id, size and tensors (what the writer needs).
   uint32_t span_name_id(int graph) const;
@@ -109,7 +113,8 @@ class GraphRecorder {
   // Stop the drain thread (after flushing), within about `timeout_s` whatever the writer does:
   // replays the drain has not staged by then are counted as unwritten (dropped_replays), never
   // staged. Replays after close are neither recorded nor counted.
-  // Device memory is kept unless free_memory or no graph was committed: graphs captured with this
+  // Device memory is kept unless free_memory or no graph holds its snapshots (none committed, none
+  // given up after recording): graphs captured with this
   // recorder write into it on every replay, so it may be freed only once they are destroyed.
   // Callable again later with free_memory = true.
   void close(double timeout_s, bool free_memory);

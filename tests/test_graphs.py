@@ -1082,3 +1082,374 @@ def test_a_new_capture_in_a_pass_whose_capture_ended_starts_a_graph_of_its_own(m
         assert sorted(got) == ["layers.0#1", "layers.1#1"]
         assert torch.equal(torch.as_tensor(got["layers.0#1"]), want[0])
         assert torch.equal(torch.as_tensor(got["layers.1#1"]), want[1])
+
+
+@pytest.mark.parametrize("pass_ends", ["after_invalidation", "at_invalidation"])
+def test_an_invalidated_capture_retried_is_not_a_graph_lost(m, glue, tmp_path, monkeypatch, pass_ends):
+    """A capture invalidated mid-pass (the forward made an unsafe call in global mode) yields no
+    graph: cudaStreamEndCapture fails and nothing recorded into it can ever run. It was given up as
+    a graph whose replays "ran unseen" (graphs_not_dumped), so verify failed a dump in which the
+    runner's retried capture had every replay dumped. Now it is an incomplete capture pass saying
+    why, its slots go to the retry's graph, and verify passes."""
+    from fastdump.cli.dump import verify_dump
+    from fastdump.staging import cuda
+
+    current = Stream(glue)
+    monkeypatch.setattr(cuda, "_current_stream", current)
+    d = _attach(tmp_path, writer="thread", device="cuda:0")
+    side = m._mock.stream_create_flags(0)
+    model = Model(m, 4)
+    current.raw = side
+    assert m._mock.begin_capture(side, GLOBAL) == 0
+    d.begin_pass()
+    assert m._mock.enqueue_copy(side, model.h1, model.x, model.nbytes) == 0
+    d.dump("layers.0", FakeCudaTensor(model.cpu, model.h1))
+    with pytest.raises(RuntimeError, match="cudaErrorStreamCaptureUnsupported"):
+        m._mock.malloc(16)  # unsafe during a global capture: invalidates it
+    assert m._mock.capture_info(side)[1] == 2  # cudaStreamCaptureStatusInvalidated
+    if pass_ends == "after_invalidation":  # tensors after it, then the pass ends inside the capture
+        d.dump("layers.1", FakeCudaTensor(model.cpu, model.h2))
+        d.dump("layers.2", FakeCudaTensor(model.cpu, model.h2))
+    d.end_pass()
+    err, failed = m._mock.end_capture(side)
+    assert m._mock.error_name(err) == "cudaErrorStreamCaptureInvalidated" and failed == 0
+    rec = d._graphs.recorder(0)
+    assert rec.stats()["slot_used"] == 0  # the failed capture's slots are free again
+    graph, exe = capture(m, model, d, current, side, graph="retry")  # the runner retries
+    current.raw = glue
+    try:
+        expected = [replay(m, model, exe, glue, rand_input(model, 40 + k)) for k in range(3)]
+        m._mock.sync(glue)
+        stats = d.close()
+    finally:
+        release(m, [(graph, exe)], [side], [d])
+    assert stats["graphs_not_dumped"] == 0 and stats["graph_replays"] == 3 and stats["dropped_passes"] == 0
+    ds = fastdump.open(tmp_path)
+    assert "the capture was invalidated" in ds.meta("target", 0, 0)["incomplete"]
+    if pass_ends == "after_invalidation":
+        assert {e["name"]: e["reason"] for e in ds.meta("target", 0, 0)["skipped"]} == {
+            "layers.1": "CUDA graph capture: not recorded: the capture was invalidated (it makes no graph)",
+            "layers.2": "CUDA graph capture: not recorded (the CUDA graph capture was invalidated: it makes no graph)"}
+    passes = graph_passes(ds, "target")
+    assert len(passes) == 3
+    for p, (h1, h2) in zip(passes, expected):
+        got = ds.load("target", 0, p)
+        assert same_bits(torch.as_tensor(got["layers.0"]), h1) and same_bits(torch.as_tensor(got["layers.1"]), h2)
+        assert ds.meta("target", 0, p)["graph"] == "retry"
+    assert verify_dump(str(tmp_path)).problems == []
+
+
+def test_a_given_up_graph_keeps_the_recording_memory_at_close(m, glue, tmp_path, monkeypatch):
+    """A graph given up (its pass ended after its capture) still holds its snapshot copies, which
+    write the recorder's slots at every replay. close() freed the recording memory all the same
+    ("no graph was committed"): the graph's next replay wrote into freed device memory, which the
+    next Dumper's recorder gets back from cudaMalloc. Now the memory stays until
+    free_device_memory(); the old graph replayed between the next Dumper's replays changes none of
+    their values."""
+    from fastdump.staging import cuda
+
+    current = Stream(glue)
+    monkeypatch.setattr(cuda, "_current_stream", current)
+    live = lambda: m._mock.counters()["live_allocs"]  # noqa: E731
+    side = m._mock.stream_create_flags(0)
+    model, model_b = Model(m, 4), Model(m, 4)
+    base = live()
+    a = _attach(tmp_path / "a", writer="thread", device="cuda:0")
+    a.begin_pass()
+    current.raw = side
+    assert m._mock.begin_capture(side, GLOBAL) == 0
+    _Forward.run(m, model, a, side)
+    err, old_graph = m._mock.end_capture(side)
+    assert err == 0, m._mock.error_name(err)
+    current.raw = glue
+    a.end_pass()  # after the capture: given up
+    old_exe = m._mock.graph_instantiate(old_graph)
+    assert a.close()["graphs_not_dumped"] == 1
+    assert live() == base + 1  # the given-up graph writes into it: kept
+    b = _attach(tmp_path / "b", writer="thread", device="cuda:0")
+    graph, exe = capture(m, model_b, b, current, side)
+    current.raw = glue
+    try:
+        expected = []
+        for k in range(4):
+            replay(m, model, old_exe, glue, rand_input(model, 60 + k))  # the old graph, after its Dumper closed
+            expected.append(replay(m, model_b, exe, glue, rand_input(model_b, 70 + k)))
+        m._mock.sync(glue)
+        stats = b.close()
+    finally:
+        release(m, [(old_graph, old_exe), (graph, exe)], [side], [a, b])
+    assert stats["graph_replays"] == 4 and stats["dropped_passes"] == 0
+    ds = fastdump.open(tmp_path / "b")
+    passes = graph_passes(ds, "target")
+    assert len(passes) == 4
+    for p, (h1, h2) in zip(passes, expected):
+        got = ds.load("target", 0, p)
+        assert same_bits(torch.as_tensor(got["layers.0"]), h1) and same_bits(torch.as_tensor(got["layers.1"]), h2)
+
+
+class _TorchGraph:
+    """Stands in for torch.cuda.CUDAGraph on the mock runtime (the methods fastdump wraps)."""
+
+    def __init__(self, m, stream):
+        self.m, self.stream, self.graph, self.exe = m, stream, None, None
+
+    def capture_begin(self, pool=None, capture_error_mode="global"):
+        assert self.m._mock.begin_capture(self.stream, GLOBAL) == 0
+
+    def capture_end(self):
+        err, self.graph = self.m._mock.end_capture(self.stream)
+        assert err == 0, self.m._mock.error_name(err)
+        self.exe = self.m._mock.graph_instantiate(self.graph)
+
+    def reset(self):
+        release(self.m, [(self.graph, self.exe)])
+        self.graph = self.exe = None
+
+
+@pytest.mark.parametrize("gone", ["reset", "deleted"])
+def test_free_device_memory_refuses_while_a_torch_graph_still_writes_into_it(m, glue, tmp_path, monkeypatch, gone):
+    """free_device_memory() called while a graph captured with the Dumper still exists (a serving
+    engine that closes its Dumper and frees, keeping its graphs): the memory went back to cudaMalloc,
+    the next Dumper's recorder got it, and the old graph's replays claimed, copied and published in
+    the new recorder's ring under its graph ids: the new Dumper's replay passes held the old graph's
+    values with wrong replay indices, and verify said OK. torch graphs are tracked now: the memory
+    is kept (False, logged) while the graph exists, and freed once it is reset or deleted."""
+    import gc
+
+    from fastdump.cli.dump import verify_dump
+    from fastdump.staging import cuda
+
+    current = Stream(glue)
+    monkeypatch.setattr(cuda, "_current_stream", current)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", _TorchGraph)
+    monkeypatch.setattr(cuda, "_capture_hook", None)
+    for name in ("capture_begin", "capture_end", "reset"):  # the wrappers go with the test
+        monkeypatch.setattr(_TorchGraph, name, _TorchGraph.__dict__[name])
+    assert cuda.watch_graph_captures()
+    live = lambda: m._mock.counters()["live_allocs"]  # noqa: E731
+    side = m._mock.stream_create_flags(0)
+    model, model_b = Model(m, 4), Model(m, 4)
+    base = live()
+    a = _attach(tmp_path / "a", writer="thread", device="cuda:0", graph_ring_mb=1)
+    g = torch.cuda.CUDAGraph(m, side)  # torch.cuda.graph(g, stream=side): capture_begin, forward, capture_end
+    current.raw = side
+    g.capture_begin()
+    model.forward(a, side)
+    g.capture_end()
+    current.raw = glue
+    a.close()
+    assert free_device_memory(a) is False and live() == base + 1  # g exists: kept
+    b = _attach(tmp_path / "b", writer="thread", device="cuda:0", graph_ring_mb=1)
+    graph, exe = capture(m, model_b, b, current, side)
+    current.raw = glue
+    try:
+        expected = []
+        for k in range(3):
+            replay(m, model, g.exe, glue, rand_input(model, 20 + k))
+            m._mock.sync(glue)
+            expected.append(replay(m, model_b, exe, glue, rand_input(model_b, 30 + k)))
+            m._mock.sync(glue)
+        b.close()
+    finally:
+        release(m, [(graph, exe)], [], [b])
+        if gone == "reset":
+            g.reset()
+        else:
+            release(m, [(g.graph, g.exe)])
+            del g
+            gc.collect()
+        m._mock.stream_destroy(side)
+    before = live()
+    assert free_device_memory(a) is True and live() == before - 1
+    ds = fastdump.open(tmp_path / "b")
+    passes = graph_passes(ds, "target")
+    assert [ds.meta("target", 0, p)["graph_replay"] for p in passes] == [0, 1, 2]
+    for p, (h1, h2) in zip(passes, expected):
+        got = ds.load("target", 0, p)
+        assert same_bits(torch.as_tensor(got["layers.0"]), h1) and same_bits(torch.as_tensor(got["layers.1"]), h2)
+    assert verify_dump(str(tmp_path / "b")).problems == []
+
+
+class _Layer(torch.nn.Module):
+    """dst = src + 1 (bytewise) on the current (mock) stream; returns dst as a fake CUDA tensor."""
+
+    def __init__(self, m, current, model, src, dst):
+        super().__init__()
+        self.m, self.current, self.model, self.src, self.dst = m, current, model, src, dst
+
+    def forward(self, x):
+        assert self.m._mock.enqueue_copy(self.current.raw, self.dst, self.src, self.model.nbytes) == 0
+        assert self.m._mock.enqueue_increment(self.current.raw, self.dst, self.model.nbytes) == 0
+        return FakeCudaTensor(self.model.cpu, self.dst)
+
+
+class _Net(torch.nn.Module):
+    def __init__(self, m, current, model):
+        super().__init__()
+        self.l0 = _Layer(m, current, model, model.x, model.h1)
+        self.l1 = _Layer(m, current, model, model.h1, model.h2)
+        self.fail = False
+
+    def forward(self, x):
+        a = self.l0(x)
+        if self.fail:
+            raise RuntimeError("boom")
+        return self.l1(a)
+
+
+def test_replays_of_a_graph_whose_capture_forward_raised_are_incomplete(m, glue, tmp_path, monkeypatch):
+    """The model's forward raised inside `with torch.cuda.graph(g)`: the root forward ended its
+    pass (inside the capture: the graph committed) and torch's __exit__ ended the capture, so g
+    holds the layers before the exception only. Its capture pass said "a forward raised", but every
+    replay pass read as a whole forward (complete, layer l1 neither there nor skipped). Now each
+    replay pass is incomplete with the capture pass's reason, its recorded values intact."""
+    from fastdump.staging import cuda
+
+    current = Stream(glue)
+    monkeypatch.setattr(cuda, "_current_stream", current)
+    model = Model(m, 4)
+    net = _Net(m, current, model)
+    d = fastdump.attach(net, tmp_path, tp_rank=0, tp_size=1, writer="thread", strict=True, device="cuda:0")
+    side = m._mock.stream_create_flags(0)
+    current.raw = side
+    assert m._mock.begin_capture(side, GLOBAL) == 0
+    net.fail = True
+    with pytest.raises(RuntimeError, match="boom"):
+        net(FakeCudaTensor(model.cpu, model.x))
+    err, graph = m._mock.end_capture(side)  # torch.cuda.graph's __exit__
+    assert err == 0, m._mock.error_name(err)
+    exe = m._mock.graph_instantiate(graph)
+    current.raw = glue
+    try:
+        expected = [replay(m, model, exe, glue, rand_input(model, 80 + k)) for k in range(2)]
+        m._mock.sync(glue)
+        stats = d.close()
+    finally:
+        release(m, [(graph, exe)], [side], [d])
+    assert stats["graph_replays"] == 2
+    ds = fastdump.open(tmp_path)
+    passes = graph_passes(ds, "target")
+    assert len(passes) == 2
+    for p, (h1, _) in zip(passes, expected):
+        meta = ds.meta("target", 0, p)
+        assert not meta["complete"]
+        assert meta["incomplete"] == "captured in an incomplete pass: a forward raised RuntimeError: boom"
+        got = ds.load("target", 0, p)
+        assert list(got) == ["l0"] and same_bits(torch.as_tensor(got["l0"]), h1)
+
+
+def test_one_graph_replayed_from_two_threads_on_two_streams(m, glue, tmp_path, monkeypatch):
+    """The same graph launched from two threads on two streams at once. CUDA orders each launch of
+    an executable graph after its previous ones, so replays never overlap and share the graph's
+    slots and decision word safely; the mock ran them concurrently (each replay's in-place 0xEE
+    kernel tore the other's values), which no GPU does: it orders them now. Every replay is one
+    whole pass, bit-exact, its replay index unique."""
+    import threading
+
+    from fastdump.staging import cuda
+
+    m._mock.set("max_delay_us", 100)
+    current = Stream(glue)
+    monkeypatch.setattr(cuda, "_current_stream", current)
+    d = _attach(tmp_path, writer="thread", device="cuda:0")
+    side = m._mock.stream_create_flags(0)
+    streams = [m._mock.stream_create(), m._mock.stream_create()]
+    model = Model(m, 4, width=4096)
+    graph, exe = capture(m, model, d, current, side)
+    current.raw = glue
+    x = rand_input(model, 1)  # one input for every replay: their order cannot change a value
+    model.set_input(glue, x)
+    m._mock.sync(glue)
+    h1, h2 = model.expected(x)
+    errors = []
+
+    def launch(stream):
+        for _ in range(20):
+            errors.append(m._mock.graph_launch(exe, stream))
+
+    try:
+        threads = [threading.Thread(target=launch, args=(s,)) for s in streams]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for s in streams:
+            m._mock.sync(s)
+        stats = d.close()
+    finally:
+        release(m, [(graph, exe)], [side, *streams], [d])
+    assert errors == [0] * 40
+    assert stats["graph_replays"] == 40 and stats["dropped_passes"] == 0
+    ds = fastdump.open(tmp_path)
+    passes = graph_passes(ds, "target")
+    assert sorted(ds.meta("target", 0, p)["graph_replay"] for p in passes) == list(range(40))
+    for p in passes:
+        got = ds.load("target", 0, p)
+        assert same_bits(torch.as_tensor(got["layers.0"]), h1) and same_bits(torch.as_tensor(got["layers.1"]), h2)
+
+
+@pytest.mark.cuda
+@needs_cuda_build
+def test_gpu_free_device_memory_waits_for_the_torch_graphs(tmp_path):
+    """The CUDAGraph wrappers on real torch: after close, free_device_memory keeps the recording
+    memory while a graph captured with the Dumper exists (its replays still run, undumped, and
+    change nothing the next Dumper dumps), and frees it once the graph is reset; then a second
+    graph, deleted instead, the same way."""
+    import gc
+
+    model = _gpu_model()
+    stream = torch.cuda.Stream()
+    for how in ("reset", "deleted"):
+        root = tmp_path / how
+        d = fastdump.attach(model, root, tp_rank=0, tp_size=1, writer="thread", strict=True, device="cuda:0")
+        with torch.inference_mode():
+            static_in = torch.randn(4, 256, device="cuda", dtype=torch.bfloat16)
+            g, out = _gpu_capture(model, static_in, stream)
+            torch.cuda.synchronize()
+            d.close()
+            assert free_device_memory(d) is False
+            d2 = fastdump.attach(model, root / "next", tp_rank=0, tp_size=1, writer="thread", strict=True,
+                                 device="cuda:0")
+            x = torch.randn(2, 256, device="cuda", dtype=torch.bfloat16)
+            with torch.cuda.stream(stream):
+                g.replay()  # the closed Dumper's graph: dumps nothing
+            stream.synchronize()
+            want = model(x)
+            torch.cuda.synchronize()
+            d2.close()
+            assert same_bits(torch.as_tensor(fastdump.open(root / "next").load("target", 0, 0)["Sequential"]),
+                             want.cpu())
+            if how == "reset":
+                g.reset()
+            else:
+                del g, out
+                gc.collect()
+            assert free_device_memory(d) is True
+
+
+def test_free_device_memory_before_close_keeps_the_recorder(m, glue, tmp_path, monkeypatch):
+    """free_device_memory() on a Dumper still open (its graph already destroyed) stopped and freed
+    the recorder, so close() no longer counted its replays: stats() said 1 pass and 0 tensors
+    while 3 replay passes were on disk. It now refuses (False) until close(), which counts them."""
+    from fastdump.staging import cuda
+
+    current = Stream(glue)
+    monkeypatch.setattr(cuda, "_current_stream", current)
+    d = _attach(tmp_path, writer="thread", device="cuda:0")
+    side = m._mock.stream_create_flags(0)
+    model = Model(m, 4)
+    graph, exe = capture(m, model, d, current, side)
+    current.raw = glue
+    expected = [replay(m, model, exe, glue, rand_input(model, 90 + k)) for k in range(3)]
+    m._mock.sync(glue)
+    release(m, [(graph, exe)], [side])
+    assert free_device_memory(d) is False
+    stats = d.close()
+    assert stats["graph_replays"] == 3 and stats["passes"] == 4 and stats["tensors"] == 6
+    assert free_device_memory(d) is True
+    ds = fastdump.open(tmp_path)
+    passes = graph_passes(ds, "target")
+    assert len(passes) == 3
+    for p, (h1, h2) in zip(passes, expected):
+        got = ds.load("target", 0, p)
+        assert same_bits(torch.as_tensor(got["layers.0"]), h1) and same_bits(torch.as_tensor(got["layers.1"]), h2)

@@ -559,7 +559,7 @@ class Dumper:
             except Exception as exc:  # a user's object whose str() raises: the pass is kept, its meta said so
                 meta = {"fastdump_meta_error": f"{type(exc).__name__}: {_short(exc)}"}
             if self._graphs is not None and self._graphs.open is not None:
-                self._graphs.end_pass(meta)  # a graph was captured in this pass: its replays become passes
+                self._graphs.end_pass(meta, incomplete)  # a graph was captured in this pass: its replays are passes
                 if incomplete is None:  # (it marks this pass, the capture's, as holding no values)
                     incomplete = self._incomplete
             if incomplete is not None:

@@ -187,15 +187,87 @@ def watch_graph_captures() -> bool:
     @functools.wraps(original)
     def capture_begin(self, *args, **kwargs):
         note()
-        return original(self, *args, **kwargs)
+        _new_generation(self)
+        _capturing.graph = _GraphToken(self)
+        try:
+            return original(self, *args, **kwargs)
+        except BaseException:
+            _capturing.graph = None
+            raise
 
     capture_begin.__fastdump_original__ = original
     graph_cls.capture_begin = capture_begin
+    for name in ("capture_end", "reset"):
+        method = graph_cls.__dict__.get(name) or getattr(graph_cls, name, None)
+        if method is not None:
+            setattr(graph_cls, name, _wrap_graph_method(method, name))
     _capture_hook = capture_begin
     return True
 
 
 _capture_hook = None
+
+# Which torch CUDAGraph each thread is capturing (between its capture_begin and capture_end), so the
+# graph recorder knows which graphs write into its device memory: free_device_memory refuses while
+# one of them still exists (staging/graphs.py). A graph's generation grows at each capture_begin
+# and reset(): a token of an older generation is a graph that no longer exists.
+_capturing = threading.local()
+_generations = None  # weakref.WeakKeyDictionary: torch CUDAGraph -> generation
+
+
+def _new_generation(graph) -> None:
+    global _generations
+    import weakref
+
+    if _generations is None:
+        _generations = weakref.WeakKeyDictionary()
+    try:
+        _generations[graph] = _generations.get(graph, 0) + 1
+    except TypeError:  # (not weakly referable: such a graph is not tracked)
+        pass
+
+
+def _wrap_graph_method(method, name):
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        if name == "reset":  # the graph is destroyed: its tokens are dead
+            _new_generation(self)
+            return method(self, *args, **kwargs)
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            _capturing.graph = None  # the capture ended (or failed to)
+
+    wrapper.__fastdump_original__ = method
+    return wrapper
+
+
+class _GraphToken:
+    """One capture of a torch CUDAGraph: ``alive()`` while that graph may still be replayed (the
+    object exists and has neither been reset nor captured again since)."""
+
+    __slots__ = ("_ref", "_generation")
+
+    def __init__(self, graph):
+        import weakref
+
+        try:
+            self._ref = weakref.ref(graph)
+        except TypeError:
+            self._ref = None
+        self._generation = _generations.get(graph) if (_generations is not None and self._ref) else None
+
+    def alive(self) -> bool:
+        if self._ref is None:
+            return True  # not trackable: assume it may be replayed
+        graph = self._ref()
+        return graph is not None and _generations is not None and _generations.get(graph) == self._generation
+
+
+def capturing_graph():
+    """The token of the torch CUDAGraph this thread is capturing, or None (no torch capture: a raw
+    cudaStreamBeginCapture, CuPy's graphs; fastdump cannot tell when such a graph is destroyed)."""
+    return getattr(_capturing, "graph", None)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -43,10 +43,11 @@ def _C():
 class CapturedPass:
     """The pass of one graph capture: its recorder, graph id and the facts its replays carry."""
 
-    __slots__ = ("recorder", "graph", "device", "batch", "recorded", "missing")
+    __slots__ = ("recorder", "graph", "device", "batch", "recorded", "missing", "owner")
 
-    def __init__(self, recorder, graph: int, device: int):
+    def __init__(self, recorder, graph: int, device: int, owner=None):
         self.recorder, self.graph, self.device = recorder, graph, device
+        self.owner = owner     # the torch CUDAGraph being captured (cuda.capturing_graph), or None
         self.batch = None      # leading dimension of the first recorded tensor
         self.recorded = 0
         self.missing: dict = {}  # name -> why the replays lack it
@@ -64,6 +65,7 @@ class GraphRecording:
         self._ring_bytes = max(total - total // 2, 1 << 16)
         self._recorders: dict = {}   # device -> _C.GraphRecorder
         self._failures: dict = {}    # device -> why it has none
+        self._writers: dict = {}     # device -> [owner token or None]: graphs that write its memory
         self.open: CapturedPass | None = None
         self._said: set = set()
 
@@ -116,6 +118,10 @@ class GraphRecording:
         device = t.get_device()
         raw, _ = cuda._current_stream(device)
         cap = self.open
+        if cap is not None and cap.recorder.capture_invalidated():
+            # No graph will come of it (cudaStreamEndCapture fails): nothing to dump, nothing lost.
+            self._invalidated(cap)
+            return d._skip(name, "CUDA graph capture: not recorded: the capture was invalidated (it makes no graph)")
         if cap is not None and cap.recorder.capture_ended():
             # The capture this pass began in is over (a capture that raised, then a new one in a
             # pass that never ended): its graph can no longer be committed. Given up, loudly, and
@@ -127,7 +133,7 @@ class GraphRecording:
             if rec is None:
                 return d._skip(name, "CUDA graph capture: no recorder (" + self._failures.get(device, "?") + ")")
             try:
-                cap = self.open = CapturedPass(rec, rec.begin_graph(raw), device)
+                cap = self.open = CapturedPass(rec, rec.begin_graph(raw), device, cuda.capturing_graph())
             except RuntimeError as exc:
                 return d._skip(name, f"CUDA graph capture: not recorded ({exc})")
         elif device != cap.device:
@@ -152,14 +158,21 @@ class GraphRecording:
             cap.missing[name] = why
             d._skip(name, "CUDA graph capture: not recorded: " + why)
 
-    def end_pass(self, meta: dict) -> None:
+    def end_pass(self, meta: dict, incomplete: str | None = None) -> None:
         """The captured pass ends: commit the graph and send its layout to the writer (in ring
         order, before any replay's record). Its replays are passes; the capture-time pass itself
-        holds no values (the capture computes nothing) and is marked incomplete, saying so."""
+        holds no values (the capture computes nothing) and is marked incomplete, saying so.
+        ``incomplete``: why the capture's pass was already not whole (its forward raised, ...):
+        the graph holds only what was captured before, so every replay pass says so too."""
         cap, self.open = self.open, None
         d = self._dumper
+        if cap.recorder.capture_invalidated():  # the capture failed: no graph, no replay to miss
+            self._invalidated(cap)
+            return
         batch = meta.get("batch_size", meta.get("bs", cap.batch))
         graph_meta = dict(meta, cuda_graph=cap.graph, graph_batch=batch)
+        if cap.recorded:  # its snapshots are in the graph (committed or not): its replays write the slots
+            self._writers.setdefault(cap.device, []).append(cap.owner)
         try:
             # A pass that ends after its capture did (end_pass() after the `with torch.cuda.graph`
             # block, close() ending a capture that raised) cannot commit: its kernels would run
@@ -173,7 +186,8 @@ class GraphRecording:
             return
         span = cap.recorder.layout(gid)
         msg = protocol.graph(d._channel.id, cap.device, gid, span["span_name_id"], span["span_bytes"],
-                             span["tensors"], graph_meta, cap.missing)
+                             span["tensors"], graph_meta, cap.missing,
+                             None if incomplete is None else f"captured in an incomplete pass: {incomplete}")
         if not d._channel.control(msg, block=True):  # the writer is gone or stuck past block_timeout_s
             log.error("fastdump: %s: the layout of CUDA graph %d did not reach the writer; its replays are "
                       "written as incomplete passes without tensors", d.dir, gid)
@@ -189,6 +203,8 @@ class GraphRecording:
         cap.recorder.abort_graph()
         if self.open is cap:
             self.open = None
+            if cap.recorded:  # (end_pass noted it already)
+                self._writers.setdefault(cap.device, []).append(cap.owner)
         d = self._dumper
         d._totals["graphs_not_dumped"] += 1
         d._mark_incomplete(f"CUDA graph capture: the graph's replays are not dumped ({why})")
@@ -196,14 +212,27 @@ class GraphRecording:
             self._said.add("give_up")
             log.error("fastdump: %s: a captured CUDA graph's replays are not dumped: %s", d.dir, why)
 
+    def _invalidated(self, cap) -> None:
+        """The capture of ``cap`` was invalidated: cudaStreamEndCapture returns no graph, so its
+        recorded snapshots never run and no replay is missed. Not counted as a graph not dumped
+        (a runner that retries a failed capture dumps every replay of the graph it then makes);
+        the capture pass says why it holds nothing."""
+        cap.recorder.abort_graph()  # (its slots go to the next graph)
+        if self.open is cap:
+            self.open = None
+        self._dumper._mark_incomplete("CUDA graph capture: the capture was invalidated; it makes no graph, "
+                                      "nothing was recorded")
+
     # -- end ---------------------------------------------------------------------------------------
     def close(self, totals: dict, timeout: float) -> None:
         """Flush every replay the GPUs have run, stop the drains, add their passes to ``totals``
         (their drops are the Channel's: it reads the recorders' counts). The device memory stays:
         graphs captured with it may still be replayed (see CUDA.md)."""
         if self.open is not None:
-            self.open.recorder.abort_graph()
-            self.open = None
+            cap, self.open = self.open, None
+            cap.recorder.abort_graph()
+            if cap.recorded:
+                self._writers.setdefault(cap.device, []).append(cap.owner)
         _synchronize(list(self._recorders))
         for rec in self._recorders.values():
             rec.close(timeout)
@@ -218,19 +247,43 @@ class GraphRecording:
     def stats(self) -> dict:
         return {dev: rec.stats() for dev, rec in self._recorders.items()}
 
-    def free_device_memory(self) -> None:
-        for rec in self._recorders.values():
-            rec.close(60.0, True)
-        self._recorders.clear()
+    def free_device_memory(self) -> bool:
+        """Free each GPU's recording memory that no torch CUDAGraph still writes into; True when
+        all of it was freed. A GPU with such a graph keeps its memory (logged): freed, its next
+        replay would write into memory cudaMalloc hands out again, the next Dumper's recorder
+        included, whose replay passes would then hold this graph's values and pass verify."""
+        kept = 0
+        for dev in list(self._recorders):
+            live = sum(1 for owner in self._writers.get(dev, ()) if owner is not None and owner.alive())
+            if live:
+                kept += live
+                continue
+            self._recorders.pop(dev).close(60.0, True)
+        if kept:
+            log.error("fastdump: %s: CUDA-graph recording memory not freed: %d torch CUDA graph(s) captured "
+                      "while the Dumper was attached still exist and write into it at every replay; free it "
+                      "after they are reset or deleted", self._dumper.dir, kept)
+        return not kept
 
 
-def free_device_memory(dumper) -> None:
+def free_device_memory(dumper) -> bool:
     """Give back a closed Dumper's CUDA-graph recording memory (slots and replay ring). Call it only
     once every graph captured while the Dumper was attached has been destroyed: each replay of such
-    a graph writes into that memory. (Without a committed graph it is freed at close already.)"""
+    a graph writes into that memory. (Without a committed graph it is freed at close already.)
+
+    Graphs captured through ``torch.cuda.CUDAGraph`` are tracked: while one of them still exists
+    (not reset, not garbage-collected) the memory is kept, an error is logged and False is
+    returned (so for a Dumper not closed yet). Graphs captured outside torch (raw
+    ``cudaStreamBeginCapture``) cannot be tracked: for those the caller's word is taken. True when
+    everything was freed."""
     recording = getattr(dumper, "_graphs", None)
-    if recording is not None:
-        recording.free_device_memory()
+    if recording is None:
+        return True
+    if not dumper._closed:  # its drains still run, and close() still has to count their replays
+        log.error("fastdump: %s: free_device_memory() before close(): the CUDA-graph recording memory is kept "
+                  "(close the Dumper first)", dumper.dir)
+        return False
+    return recording.free_device_memory()
 
 
 def _synchronize(devices) -> None:

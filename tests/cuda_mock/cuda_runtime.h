@@ -424,8 +424,23 @@ inline Stream* stream_of(cudaStream_t h) {
 // ------------------------------------------------------------------------------------------------
 // Graph capture
 
+// CUDA orders each launch of an executable graph after its previous launches, whatever the stream
+// ("cudaGraphLaunch": a graph exec never runs concurrently with itself): launches take tickets.
+struct LaunchOrder {
+  std::mutex mu;
+  std::condition_variable cv;
+  uint64_t launched = 0, done = 0;
+  std::set<uint64_t> abandoned;  // tickets whose launch failed: skipped
+  void finish_locked() {
+    ++done;
+    while (abandoned.erase(done)) ++done;
+    cv.notify_all();
+  }
+};
+
 struct Graph {
   std::vector<std::function<void()>> ops;  // in issue order: a valid topological order
+  std::shared_ptr<LaunchOrder> order;      // executable graphs only
 };
 
 struct Capture {
@@ -1030,7 +1045,9 @@ inline cudaError_t cudaGraphInstantiate(cudaGraphExec_t* exec, cudaGraph_t graph
   FDMOCK_CALL();
   FDMOCK_ENTER("cudaGraphInstantiate", fdmock::current_device());
   if (!graph) return fdmock::ret(cudaErrorInvalidValue);
-  *exec = reinterpret_cast<cudaGraphExec_t>(new fdmock::Graph(*reinterpret_cast<fdmock::Graph*>(graph)));
+  auto* x = new fdmock::Graph(*reinterpret_cast<fdmock::Graph*>(graph));
+  x->order = std::make_shared<fdmock::LaunchOrder>();
+  *exec = reinterpret_cast<cudaGraphExec_t>(x);
   fdmock::config().live_graphs++;
   return cudaSuccess;
 }
@@ -1038,9 +1055,38 @@ inline cudaError_t cudaGraphLaunch(cudaGraphExec_t exec, cudaStream_t s) {
   FDMOCK_CALL();
   FDMOCK_ENTER("cudaGraphLaunch", fdmock::current_device());
   auto* g = reinterpret_cast<fdmock::Graph*>(exec);
-  return fdmock::ret(fdmock::submit(s, [g] {
+  bool capturing;
+  {
+    std::lock_guard<std::mutex> l(fdmock::big_lock());
+    capturing = fdmock::stream_of(s)->capture != nullptr;
+  }
+  if (capturing)  // (launched inside a capture: a child graph, ordered only when its graph runs)
+    return fdmock::ret(fdmock::submit(s, [g] {
+      for (auto& op : g->ops) op();
+    }));
+  std::shared_ptr<fdmock::LaunchOrder> order = g->order;
+  uint64_t ticket;
+  {
+    std::lock_guard<std::mutex> l(order->mu);
+    ticket = order->launched++;
+  }
+  const cudaError_t e = fdmock::submit(s, [g, order, ticket] {
+    {
+      std::unique_lock<std::mutex> l(order->mu);
+      order->cv.wait(l, [&] { return order->done == ticket; });
+    }
     for (auto& op : g->ops) op();
-  }));
+    std::lock_guard<std::mutex> l(order->mu);
+    order->finish_locked();
+  });
+  if (e != cudaSuccess) {
+    std::lock_guard<std::mutex> l(order->mu);
+    if (order->done == ticket)
+      order->finish_locked();
+    else
+      order->abandoned.insert(ticket);
+  }
+  return fdmock::ret(e);
 }
 inline cudaError_t cudaGraphDestroy(cudaGraph_t graph) {
   FDMOCK_CALL();
