@@ -301,6 +301,20 @@ def _skip_note(metas: list):
             "left out of the export")
 
 
+def _unwrapped_note(info: dict):
+    """The modules the capture side left unwrapped (rank.json ``config.not_wrapped``: a name holding
+    ``#<digits>``, TorchScript...), which SGLang's hook dumps and the export cannot; or None."""
+    config = info.get("config")
+    unwrapped = config.get("not_wrapped") if isinstance(config, dict) else None
+    if not isinstance(unwrapped, dict) or not unwrapped:
+        return None
+    names = [str(name) for name in unwrapped]
+    reasons = list(dict.fromkeys(str(reason) for reason in unwrapped.values()))
+    return (f"{len(names)} module(s) were not wrapped, so not dumped, and are missing from the export "
+            f"({'; '.join(reasons[:3])}{'; ...' if len(reasons) > 3 else ''}): "
+            f"{', '.join(names[:3])}{', ...' if len(names) > 3 else ''}")
+
+
 def _survey(ds, roles, partial: bool) -> dict:
     """{(role, rank): {pass id: metadata}} of every rank, once the dump is known to be whole: a
     PartialDumpError otherwise, unless ``partial`` (then a warning per rank and pass not whole).
@@ -309,9 +323,13 @@ def _survey(ds, roles, partial: bool) -> dict:
     for role in roles:
         for rank in ds.ranks(role):
             where = f"{role}/{rank}"
-            status = _status_problem(ds.rank_info(role, rank))
+            info = ds.rank_info(role, rank)
+            status = _status_problem(info)
             if status:
                 problems.append(f"{where}: {status}")
+            unwrapped = _unwrapped_note(info)
+            if unwrapped:
+                notes.append(f"{where}: {unwrapped}")
             metas[role, rank] = {p: ds.meta(role, rank, p) for p in _passes_of(ds, role, rank)}
             for pass_id, meta in metas[role, rank].items():
                 why = _pass_problem(meta)
