@@ -182,6 +182,9 @@ class Dumper:
         self._stage_fast = None  # the channel's C++ hot path (ChannelStager.stage_tensor)
         self._closed = False
         self._lock = threading.Lock()
+        # _fold_lane_counts and _staged_so_far (reentrant: a signal handler's stats() may come in
+        # on the thread that holds it)
+        self._counts_lock = threading.RLock()
 
         config = o.manifest_config()
         # Modules fastdump cannot wrap (TorchScript; a forward property; a name that reads as a
@@ -560,10 +563,10 @@ class Dumper:
         self._totals["passes"] += 1
         sent = False  # the pass's end is in the ring (or known lost)
         try:
-            if self.max_bytes is not None or structure_at:  # (the budget needs the bytes now; stats() and
-                self._fold_lane_counts()                      # close() fold anyway)
+            if self.max_bytes is not None:  # the budget needs the bytes now; stats() and close() fold anyway
+                self._fold_lane_counts()
             if structure_at:
-                structure = _placed(structure, structure_at, self._totals["tensors"])
+                structure = _placed(structure, structure_at, self._staged_so_far())
             try:
                 meta = _jsonable(meta) if meta else {}  # (most passes carry none)
             except Exception as exc:  # a user's object whose str() raises: the pass is kept, its meta said so
@@ -645,13 +648,14 @@ class Dumper:
         and the drops the channel counted since the last fold."""
         channel = self._channel
         if channel is not None:
-            tensors, nbytes = channel.take_counts()
-            totals = self._totals
-            totals["tensors"] += tensors
-            totals["bytes"] += nbytes
-            totals["dropped"] += channel.dropped - self._folded_drops[0]
-            totals["dropped_passes"] += channel.dropped_passes - self._folded_drops[1]
-            self._folded_drops = (channel.dropped, channel.dropped_passes)
+            with self._counts_lock:
+                tensors, nbytes = channel.take_counts()
+                totals = self._totals
+                totals["tensors"] += tensors
+                totals["bytes"] += nbytes
+                totals["dropped"] += channel.dropped - self._folded_drops[0]
+                totals["dropped_passes"] += channel.dropped_passes - self._folded_drops[1]
+                self._folded_drops = (channel.dropped, channel.dropped_passes)
 
     def _selected(self, pass_id: int, standalone: bool = False) -> bool:
         """Whether pass ``pass_id`` is dumped. every/skip_passes/pass_range pick root forwards and
@@ -772,8 +776,18 @@ class Dumper:
             return
         self._structure[call_name] = {"kinds": kinds}
         if not held:  # nothing of it is stored: where it returned among the pass's tensors
-            self._fold_lane_counts()
-            self._structure_at[call_name] = self._totals["tensors"]
+            self._structure_at[call_name] = self._staged_so_far()
+
+    def _staged_so_far(self) -> int:
+        """Tensors this Dumper staged so far: those folded into _totals and those the C++ lane holds
+        uncounted, read without folding them (a fold ends the CUDA lane's batch). Under
+        _counts_lock: a fold by another thread (stats()) moves counts from one to the other."""
+        with self._counts_lock:
+            pending = getattr(self._channel.lane, "pending_tensors", None) if self._channel is not None else 0
+            if pending is None:  # (a lane without the count: the tests' CUDA-mock engines)
+                self._fold_lane_counts()
+                pending = 0
+            return self._totals["tensors"] + pending
 
     def _capture_before(self, name: str, before, args, kwargs, k: int) -> None:
         """A watched module's ``before`` hook, and what it returns dumped as ``name[#k].<key>``."""
