@@ -7,9 +7,9 @@
 //  - outside a pass it vectorcalls the original forward and returns (one flag read);
 //  - inside a pass it numbers the call when it starts (its `#k`: calls are numbered in the order
 //    they start, so a module that calls itself gives its inputs and its output the same number);
-//    for an exact torch.Tensor or a tuple/list of exact tensors (None skipped; at least one tensor) returned by the
-//    module's first call of the pass, it stages each tensor through the channel's C++ stage_tensor
-//    with name ids cached per wrapper;
+//    for an exact torch.Tensor or a tuple/list of exact tensors (None skipped; at least one tensor)
+//    returned by the module's first call of the pass, it stages each tensor through the channel's
+//    C++ stage_tensor with name ids cached per wrapper;
 //  - everything else (a second call `name#k`, other outputs, a name without an id yet, a status
 //    other than STAGED, an error) goes to the Dumper's Python methods, which account for it
 //    exactly as the Python wrapper does. Nothing fastdump does raises into the model (failures go
