@@ -73,6 +73,7 @@ def _forget_parent_dumpers() -> None:
         engine.forget_in_forked_child()
     for dumper in list(_open_dumpers):
         dumper._capturing = False
+        dumper._counts_lock = threading.RLock()  # (another thread of the parent may have held it)
         dumper._let_go_of_the_ring(fold=False)  # the parent's counts are the parent's
         dumper.status = "not dumping in this process (forked child of the attaching process)"
     _open_dumpers.clear()
