@@ -7,9 +7,9 @@
 //  - outside a pass it vectorcalls the original forward and returns (one flag read);
 //  - inside a pass it numbers the call when it starts (its `#k`: calls are numbered in the order
 //    they start, so a module that calls itself gives its inputs and its output the same number);
-//    for an exact torch.Tensor or a tuple/list of exact tensors (None skipped) returned by the
-//    module's first call of the pass, it stages each tensor through the channel's C++ stage_tensor
-//    with name ids cached per wrapper;
+//    for an exact torch.Tensor or a tuple/list of exact tensors (None skipped; at least one tensor)
+//    returned by the module's first call of the pass, it stages each tensor through the channel's
+//    C++ stage_tensor with name ids cached per wrapper;
 //  - everything else (a second call `name#k`, other outputs, a name without an id yet, a status
 //    other than STAGED, an error) goes to the Dumper's Python methods, which account for it
 //    exactly as the Python wrapper does. Nothing fastdump does raises into the model (failures go
@@ -375,17 +375,22 @@ int stage_one(ForwardWrapper* w, size_t slot, PyObject* t) {
   return r;
 }
 
-// An output the C path stages: an exact tensor, or a tuple/list of exact tensors and Nones.
+// An output the C path stages: an exact tensor, or a tuple/list of exact tensors and Nones holding
+// at least one tensor. One holding none (`(None, None)`, `()`) goes to Python, which records its
+// structure (Dumper._structure): its names alone would not say it was returned.
 bool plain_output(PyObject* out, PyObject* tensor_type) {
   if (Py_TYPE(out) == reinterpret_cast<PyTypeObject*>(tensor_type)) return true;
   if (!PyTuple_CheckExact(out) && !PyList_CheckExact(out)) return false;
   const Py_ssize_t n = Py_SIZE(out);
   if (n > kMaxFastElements) return false;
   PyObject** items = PySequence_Fast_ITEMS(out);
+  bool any = false;
   for (Py_ssize_t i = 0; i < n; ++i) {
-    if (items[i] != Py_None && Py_TYPE(items[i]) != reinterpret_cast<PyTypeObject*>(tensor_type)) return false;
+    if (items[i] == Py_None) continue;
+    if (Py_TYPE(items[i]) != reinterpret_cast<PyTypeObject*>(tensor_type)) return false;
+    any = true;
   }
-  return true;
+  return any;
 }
 
 // The number of a call of `name` starting now in this pass (Dumper._claim's twin): calls[name] is
@@ -592,7 +597,7 @@ struct PassNames {
       *every, *pass_range, *max_bytes, *channel, *block, *policy_block, *stalled, *block_timeout_s, *pass_dropped,
       *pass_thread, *incomplete, *mixed, *pass_id, *root_opener, *manual_opener, *graphs, *open, *totals, *passes,
       *unconfirmed, *append, *root_begin, *end, *forward_raised, *trim_unconfirmed, *channel_engine, *late_ends,
-      *standalone_passes, *capture_running, *zero;
+      *standalone_passes, *capture_running, *structure, *zero;
 };
 PassNames n;
 
@@ -609,7 +614,7 @@ bool init_pass_names() {
       {&n.unconfirmed, "_unconfirmed"}, {&n.append, "append"}, {&n.root_begin, "_root_begin"}, {&n.end, "_end"},
       {&n.forward_raised, "_forward_raised"}, {&n.trim_unconfirmed, "_trim_unconfirmed"},
       {&n.channel_engine, "engine"}, {&n.late_ends, "_late_ends"}, {&n.standalone_passes, "_standalone_passes"},
-      {&n.capture_running, "capture_running"}};
+      {&n.capture_running, "capture_running"}, {&n.structure, "_structure"}};
   for (auto& name : names) {
     *name.slot = PyUnicode_InternFromString(name.text);
     if (*name.slot == nullptr) return false;
@@ -708,9 +713,9 @@ int root_begin_fast(CaptureState* st) {
       status.p == nullptr || !PyUnicode_CheckExact(status.p) || PyUnicode_Compare(status.p, n.running) != 0)
     return 0;
   Ref next_meta(read(d, n.next_meta)), open_calls(read(d, n.open_calls)), skipped(read(d, n.skipped)),
-      late_ends(read(d, n.late_ends));
+      structure(read(d, n.structure)), late_ends(read(d, n.late_ends));
   if (!empty_dict(next_meta.p) || open_calls.p == nullptr || !PyList_CheckExact(open_calls.p) ||
-      PyList_GET_SIZE(open_calls.p) != 0 || !empty_dict(skipped.p))
+      PyList_GET_SIZE(open_calls.p) != 0 || !empty_dict(skipped.p) || !empty_dict(structure.p))
     return 0;
   // Pass ends a full ring refused wait to be sent again (Dumper._send_late_ends, after the begin).
   if (late_ends.p == nullptr || !PyList_CheckExact(late_ends.p) || PyList_GET_SIZE(late_ends.p) != 0) return 0;
@@ -777,9 +782,10 @@ int root_end_fast(CaptureState* st) {
     return 1;
   }
   Ref depth(read(d, n.depth)), incomplete(read(d, n.incomplete)), mixed(read(d, n.mixed)), meta(read(d, n.meta)),
-      skipped(read(d, n.skipped)), budget(read(d, n.max_bytes)), graphs(read(d, n.graphs));
+      skipped(read(d, n.skipped)), structure(read(d, n.structure)), budget(read(d, n.max_bytes)),
+      graphs(read(d, n.graphs));
   if (!is_int(depth.p, 1) || incomplete.p != Py_None || mixed.p != Py_False || !empty_dict(meta.p) ||
-      !empty_dict(skipped.p) || budget.p != Py_None || graphs.p == nullptr)
+      !empty_dict(skipped.p) || !empty_dict(structure.p) || budget.p != Py_None || graphs.p == nullptr)
     return 0;
   if (graphs.p != Py_None) {  // a graph captured in this pass: GraphRecording.end_pass (Python)
     Ref open(read(graphs.p, n.open));

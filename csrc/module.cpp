@@ -637,6 +637,10 @@ PYBIND11_MODULE(_C, m) {
           },
           "(tensors, bytes) stage_tensor staged since the last call; ends the CUDA lane's pass (its last "
           "snapshots get their event and go to the drain)")
+      .def_property_readonly(
+          "pending_tensors", [](const ChannelStager& s) { return s.staged_tensors; },
+          "tensors stage_tensor staged since the last take_counts, which it leaves as they are (no CUDA "
+          "batch ended): where a module's output lies among its pass's tensors (Dumper._staged_so_far)")
       .def(
           "set_cuda",
           [](ChannelStager& s, py::object stager, py::object raw_stream, py::object stream_object) {

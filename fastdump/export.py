@@ -50,22 +50,31 @@ _CALL_RE = fmt.CALL_SUFFIX_RE
 _ELEMENTS_RE = re.compile(r"(?:\.\d+)+")
 
 
-def sglang_names(tensors: dict, modules) -> dict:
-    """``{name: tensor}`` of one pass (storage order) under the names SGLang's hook gives them.
+def sglang_names(tensors: dict, modules, structure: dict | None = None) -> dict:
+    """``{name: tensor}`` of one pass (storage order, every tensor of the pass) under the names
+    SGLang's hook gives them.
 
     ``modules``: the model's module names (``sglang_names.json``); None keeps fastdump's names.
     SGLang's rules: an output tuple/list with one non-None tensor is stored under the module's name,
-    with several as one list (``None`` left out); a module called twice keeps its last call (the
-    dict entry is overwritten in place). Other names (``model.forward_batch_info.*``, inputs, dict
-    outputs) keep their fastdump name, less any ``#k`` call index."""
+    with several as one list (``None`` left out), with none as ``[]``; a module called twice keeps
+    its last call (the dict entry is overwritten in place). Other names
+    (``model.forward_batch_info.*``, inputs, dict outputs) keep their fastdump name, less any ``#k``
+    call index. ``structure``: the pass's record of output structures (``DumpSet.structure``): what
+    was a dict (its digit keys read as tuple elements) and which tuples held no tensor; without it
+    (a dump made before it was recorded) names alone decide."""
     if modules is None:
         return dict(tensors)
     modules = set(modules)
+    structure = structure or {}
+    empty = _empty_outputs(structure, modules, len(tensors))  # [(position, module)] in position order
     grouped: dict = {}  # (key, call) -> [tensor, ...] of a tuple output, in element order
     out: dict = {}
-    for name, tensor in tensors.items():
+    for position, (name, tensor) in enumerate(tensors.items()):
+        while empty and empty[0][0] <= position:
+            out[empty.pop(0)[1]] = []  # (a later call overwrites it in place, as SGLang's dict does)
         module, call, rest = _split(name, modules)
-        if module is None or (rest and not _ELEMENTS_RE.fullmatch(rest)):
+        if module is None or (rest and not (_ELEMENTS_RE.fullmatch(rest)
+                                            and _in_sequences(structure.get(_call_name(module, call)), rest))):
             out[_CALL_RE.sub("", name)] = tensor  # not a module output's element: the name, last call wins
             continue
         if not rest:
@@ -75,7 +84,39 @@ def sglang_names(tensors: dict, modules) -> dict:
         if not elements:
             out[module] = elements  # keeps the position of its first element; a later call overwrites
         elements.append(tensor)
+    for _, module in empty:
+        out[module] = []
     return {key: (value[0] if isinstance(value, list) and len(value) == 1 else value) for key, value in out.items()}
+
+
+def _call_name(module: str, call: int) -> str:
+    return f"{module}#{call}" if call else module
+
+
+def _in_sequences(entry, rest: str) -> bool:
+    """Whether part ``rest`` (``.1.0``) of an output lies in tuples/lists only, by the output's
+    structure record ``entry`` (no record: names alone say so). A dict's digit key reads alike."""
+    if not entry:
+        return True
+    kinds, path = entry["kinds"], ""
+    for key in rest[1:].split("."):
+        if not kinds.get(path, "tuple").startswith(("tuple", "list")):
+            return False
+        path += "." + key
+    return True
+
+
+def _empty_outputs(structure: dict, modules: set, stored: int) -> list:
+    """[(position among the pass's ``stored`` tensors, module)] of the module outputs that were a
+    tuple/list holding no tensor (SGLang stores ``[]`` for one), in the order they returned."""
+    found = []
+    for order, (call_name, entry) in enumerate(structure.items()):
+        if call_name == fmt.STRUCTURE_LOST or "after" not in entry:
+            continue
+        module, _, rest = _split(call_name, modules)
+        if module is not None and not rest and entry["kinds"].get("", "").startswith(("tuple:", "list:")):
+            found.append((max(0, stored - entry["after"]), order, module))
+    return [(position, module) for position, _, module in sorted(found)]
 
 
 def _split(name: str, modules: set):
@@ -169,7 +210,12 @@ def _passes(ds, role, rank, pass_ids, modules, names, shift, top, hook_order=Fal
             # clone: a loaded tensor may view a larger block, and torch.save writes whole storages
             tensors = {name: t.clone() for name, t in ds.load(role, rank, pass_id).items()}
             if names == "sglang" and modules is not None:
-                tensors = _under_aliases(sglang_names(tensors, modules), aliases or {})
+                structure = ds.structure(role, rank, pass_id)
+                if fmt.STRUCTURE_LOST in structure:
+                    _say(f"warning: {role}/{rank} pass {pass_id}: its outputs' structure was not recorded "
+                         f"({structure[fmt.STRUCTURE_LOST]}): names alone decide (a dict with digit keys reads "
+                         "as a list, a tuple of Nones is left out)")
+                tensors = _under_aliases(sglang_names(tensors, modules, structure), aliases or {})
                 tensors = _batch_info_last(tensors, top) if hook_order else tensors
             yield pass_id, tensors
 
@@ -255,6 +301,20 @@ def _skip_note(metas: list):
             "left out of the export")
 
 
+def _unwrapped_note(info: dict):
+    """The modules the capture side left unwrapped (rank.json ``config.not_wrapped``: a name holding
+    ``#<digits>``, TorchScript...), which SGLang's hook dumps and the export cannot; or None."""
+    config = info.get("config")
+    unwrapped = config.get("not_wrapped") if isinstance(config, dict) else None
+    if not isinstance(unwrapped, dict) or not unwrapped:
+        return None
+    names = [str(name) for name in unwrapped]
+    reasons = list(dict.fromkeys(str(reason) for reason in unwrapped.values()))
+    return (f"{len(names)} module(s) were not wrapped, so not dumped, and are missing from the export "
+            f"({'; '.join(reasons[:3])}{'; ...' if len(reasons) > 3 else ''}): "
+            f"{', '.join(names[:3])}{', ...' if len(names) > 3 else ''}")
+
+
 def _survey(ds, roles, partial: bool) -> dict:
     """{(role, rank): {pass id: metadata}} of every rank, once the dump is known to be whole: a
     PartialDumpError otherwise, unless ``partial`` (then a warning per rank and pass not whole).
@@ -263,9 +323,13 @@ def _survey(ds, roles, partial: bool) -> dict:
     for role in roles:
         for rank in ds.ranks(role):
             where = f"{role}/{rank}"
-            status = _status_problem(ds.rank_info(role, rank))
+            info = ds.rank_info(role, rank)
+            status = _status_problem(info)
             if status:
                 problems.append(f"{where}: {status}")
+            unwrapped = _unwrapped_note(info)
+            if unwrapped:
+                notes.append(f"{where}: {unwrapped}")
             metas[role, rank] = {p: ds.meta(role, rank, p) for p in _passes_of(ds, role, rank)}
             for pass_id, meta in metas[role, rank].items():
                 why = _pass_problem(meta)

@@ -155,6 +155,12 @@ NAMES = "names"  # scalar string: JSON array of tensor names (JSON keeps any cha
 INDEX = "index"  # one row per stored tensor, in the order tensors arrived
 PASSES = "passes"  # one row per pass
 PASS_META = "pass_meta"  # per pass (same order as PASSES): JSON {"meta": {...}, "skipped": [...]}
+# A pass_meta entry's key beside "meta" and "skipped", only where the pass has one (a reader that
+# does not know it reads everything else as before: no format version): {call name: {"kinds":
+# {part path: kind}, "after": n}} for outputs whose stored names do not tell their container
+# structure (docs/FORMAT.md, "Output structure").
+PASS_STRUCTURE = "structure"
+STRUCTURE_LOST = "(fastdump)"  # its only key when the record was cut (the pass end exceeded the ring's limit)
 BLOCKS = "blocks"  # group of datasets "0", "1", ...: rows of one name with one dtype and row shape
 
 # Dataset attributes.

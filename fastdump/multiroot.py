@@ -159,6 +159,6 @@ def _delegate(method_name: str):
     return method
 
 
-for _name in ("rank_info", "segments", "passes", "summary", "names", "meta", "load", "pass_names", "tensor",
-              "series"):
+for _name in ("rank_info", "segments", "passes", "summary", "names", "meta", "structure", "load", "pass_names",
+              "tensor", "series"):
     setattr(MultiDumpSet, _name, _delegate(_name))

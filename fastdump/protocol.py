@@ -23,6 +23,8 @@ import json
 import struct
 from typing import Any, NamedTuple
 
+from . import format as fmt
+
 
 class Record(NamedTuple):
     """One item of ``Consumer.next_batch``, in the order the extension returns it. The writer's hot
@@ -44,7 +46,7 @@ MESSAGES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "open": (("dir", "role", "rank", "pid", "session", "host", "device", "config"), ()),
     "name": (("id", "name"), ()),
     "begin": (("pass", "meta"), ()),
-    "end": (("pass", "meta", "dropped", "skipped"), ("incomplete", "mixed", "late")),
+    "end": (("pass", "meta", "dropped", "skipped"), ("incomplete", "mixed", "late", "structure")),
     "note": (("status",), ("error", "budget_reached", "cuda_staging", "dropped", "dropped_passes")),
     "close": (("stats",), ()),
     "graph": (("device", "graph", "span_name_id", "span_bytes", "tensors", "meta", "skipped"), ("incomplete",)),
@@ -70,11 +72,13 @@ def begin(channel: int, pass_id: int, meta: dict | None = None) -> dict:
 
 
 def end(channel: int, pass_id: int, meta: dict, dropped: int, skipped: dict,
-        incomplete: str | None = None, mixed: bool = False, late: bool = False) -> dict:
+        incomplete: str | None = None, mixed: bool = False, late: bool = False, structure: dict | None = None) -> dict:
     """A pass ends. ``skipped``: name -> reason. ``incomplete``: why the pass is not whole (stored
     complete = 0); ``mixed``: forwards of several threads ran in it (``verify`` fails on it).
     ``late``: sent again after a full ring refused it (later passes' records came first); the
-    writer takes it only for a pass it can still complete without reordering its segments."""
+    writer takes it only for a pass it can still complete without reordering its segments.
+    ``structure``: call name -> the container structure of its output, for outputs whose stored
+    names do not tell it (docs/FORMAT.md, pass_meta)."""
     msg = {"op": "end", "channel": channel, "pass": pass_id, "meta": meta, "dropped": dropped,
            "skipped": [{"name": n, "reason": r} for n, r in skipped.items()]}
     if incomplete is not None:
@@ -83,6 +87,8 @@ def end(channel: int, pass_id: int, meta: dict, dropped: int, skipped: dict,
             msg["mixed"] = True
     if late:
         msg["late"] = True
+    if structure:
+        msg[fmt.PASS_STRUCTURE] = structure
     return msg
 
 
@@ -202,6 +208,8 @@ def fit(msg: dict, payload: bytes, max_bytes: int) -> bytes | None:
         return None
     cut = dict(msg, meta={"fastdump_meta_error": f"the end message carrying it took {len(payload)} bytes, "
                                                  f"more than the ring's record limit ({max_bytes})"})
+    if fmt.PASS_STRUCTURE in cut:  # (export then says the pass's output structures were not recorded)
+        cut[fmt.PASS_STRUCTURE] = {fmt.STRUCTURE_LOST: "the end message exceeded the ring's record limit"}
     payload = encode(cut)
     if len(payload) > max_bytes:
         skipped = msg.get("skipped") or []

@@ -879,6 +879,21 @@ class DumpSet:
                 "tensors": tensors, "bytes": nbytes, **reported}
 
     @_locked
+    def structure(self, role: str = None, rank=None, pass_id: int = None, *, session: str = None) -> dict:
+        """The container structure of the pass's outputs whose stored names do not tell it:
+        ``{call name: {"kinds": {part path: kind}, "after": n}}`` (docs/FORMAT.md, "Output
+        structure"); {} for a pass without one, or written before fastdump recorded it. An entry
+        that is not of that form is left out; ``format.STRUCTURE_LOST`` as a key: the capture side
+        could not send the record (the pass's outputs are then known by their names only)."""
+        found: dict = {}
+        for segment in self._segments_of_pass(role, rank, pass_id, session):
+            _, entry = segment.pass_record(pass_id)
+            record = entry.get(fmt.PASS_STRUCTURE)
+            if isinstance(record, dict):
+                found.update({name: value for name, value in record.items() if _structure_entry_ok(name, value)})
+        return found
+
+    @_locked
     def load(self, role: str = None, rank=None, pass_id: int = None, select=None, *, session: str = None,
              check: bool = False) -> dict:
         """{name: tensor} of one pass, in the order the tensors were dumped.
@@ -1149,3 +1164,13 @@ def open(root):  # noqa: A001
         raise TypeError("reader.open takes one dump root; use fastdump.open for a list of roots")
     return DumpSet(root)
 
+
+def _structure_entry_ok(name, value) -> bool:
+    """Whether a structure record's entry is what the capture side writes (DumpSet.structure)."""
+    if name == fmt.STRUCTURE_LOST:
+        return True
+    if not (isinstance(name, str) and isinstance(value, dict) and isinstance(value.get("kinds"), dict)):
+        return False
+    after = value.get("after", 0)
+    return (all(isinstance(k, str) and isinstance(v, str) for k, v in value["kinds"].items())
+            and isinstance(after, int) and not isinstance(after, bool) and after >= 0)

@@ -292,6 +292,30 @@ def test_recorded_skips_are_exported_with_a_warning(tmp_path, capsys):
     assert json.loads((dest / "fastdump_passes.json").read_text())["0"]["skipped"] == skip["skipped"]
 
 
+def test_modules_left_unwrapped_are_named_by_export(tmp_path, capsys):
+    """A submodule whose own name holds ``#<digits>`` reads as a repeated call's part, so it is left
+    unwrapped (rank.json config.not_wrapped); SGLang's hook would dump it. The export, which lacks
+    it, says so and names it instead of writing files that look whole."""
+    class Add(nn.Module):
+        def forward(self, x):
+            return x + 1
+
+    model = nn.Sequential()
+    model.add_module("a", Add())
+    model.add_module("b#1", Add())
+    x = torch.randn(3)
+    with fastdump.attach(model, tmp_path / "dump", writer="thread"):
+        model(x)
+    code, _, err = run_cli("--names", "fastdump", tmp_path / "dump", tmp_path / "out", capsys=capsys)
+    assert code == 0
+    (line,) = [line for line in err.splitlines() if "not wrapped" in line]
+    assert "1 module(s) were not wrapped, so not dumped, and are missing from the export" in line
+    assert line.endswith(": b#1") and "reads as a repeated call's" in line
+    (rank_dir,) = (tmp_path / "out").iterdir()
+    got = torch.load(rank_dir / "Pass00000.pt", weights_only=True)
+    assert list(got) == ["a", "Sequential"] and torch.equal(got["a"], x + 1)
+
+
 @pytest.mark.parametrize("fmt", ["sglang", "sglang-dumper"])
 def test_out_must_be_new_or_empty_and_never_the_current_directory(tmp_path, monkeypatch, fmt):
     """File names carry no session: a second export into the same OUT left the first's passes

@@ -348,6 +348,116 @@ def test_fastdump_names_on_request(sglang_and_fastdump, tmp_path):
     assert set(got) == set(fastdump.open(dump).load("target", None, 1))
 
 
+class NoExperts(nn.Module):
+    def forward(self, x):  # (None, None): a rank holding none of a layer's experts; SGLang stores []
+        return None, None
+
+
+class Maybe(nn.Module):
+    def forward(self, x, skip):  # called twice a layer: (t, t) and then () (SGLang: [] in place)
+        return () if skip else (x * 2, x - 1)
+
+
+class EmptyOutputsLayer(Layer):
+    def __init__(self):
+        super().__init__()
+        self.experts = NoExperts()
+        self.maybe = Maybe()
+        self.empty = Maybe()
+
+    def forward(self, positions, x, forward_batch, residual):
+        self.experts(x)
+        self.maybe(x, False)
+        self.maybe(x, True)
+        self.empty(x, True)  # (first call, C wrapper) () holding no tensor
+        return super().forward(positions, x, forward_batch, residual)
+
+
+def empty_outputs_model():
+    model = ForCausalLM()
+    torch.manual_seed(3)
+    model.model.layers = nn.ModuleList(EmptyOutputsLayer() for _ in range(2))
+    return model
+
+
+def test_outputs_holding_no_tensor_export_as_sglang_stores_them(tmp_path):
+    """A module returning (None, None) or () stores no tensor; SGLang's hook stores [] under its name
+    (last call wins, at the first call's place). The pass's structure record lets the export write
+    SGLang's file byte for byte (key order included), and a reader that ignores the record still
+    reads the pass."""
+    fbs = list(batches())
+    ref_model = empty_outputs_model()
+    SGLangHookReference(ref_model, tmp_path / "sglang")
+    for fb in fbs:
+        ref_model(fb.input_ids, fb.positions, fb)
+    model = empty_outputs_model()
+    d = fsg.register_forward_hook_for_model(model, tmp_path / "fd", writer="thread")
+    for fb in fbs:
+        model(fb.input_ids, fb.positions, fb)
+    d.close()
+    want = load_passes(tmp_path / "sglang")
+    assert want["Pass00001.pt"]["model.layers.0.experts"] == [] and want["Pass00001.pt"]["model.layers.1.maybe"] == []
+
+    assert run_cli("--format", "sglang", "--sglang-pass-shift", tmp_path / "fd", tmp_path / "out") == 0
+    (rank_dir,) = (tmp_path / "out").iterdir()
+    got = load_passes(rank_dir)
+    assert list(got) == list(want)
+    for file in want:
+        assert list(got[file]) == list(want[file]), file
+        assert (rank_dir / file).read_bytes() == (tmp_path / "sglang" / file).read_bytes(), file
+
+    ds = fastdump.open(tmp_path / "fd")
+    assert not any(".experts" in n or ".empty" in n for n in ds.names("target", None))
+    assert ds.structure("target", None, 0)["model.layers.0.experts"]["kinds"] == {"": "tuple:empty"}
+    assert ds.structure("target", None, 0)["model.layers.1.maybe#1"]["kinds"] == {"": "tuple:empty"}
+    assert "structure" not in ds.meta("target", None, 0)  # (the metadata a user sees is unchanged)
+    assert subprocess.run([sys.executable, "-m", "fastdump", "verify", str(tmp_path / "fd")],
+                          capture_output=True).returncode == 0
+
+
+def test_a_dict_output_with_digit_keys_keeps_its_names(tmp_path):
+    """{"0": a, "1": b} is stored as name.0, name.1, like a tuple's parts; the export keeps a dict's
+    parts under their names (SGLang's hook saves no dict), where a tuple's become one list. A dict
+    inside a tuple keeps its parts' names too."""
+    class Router(nn.Module):
+        def forward(self, x):
+            return {"0": x + 1, "1": x * 2}
+
+    class Pair(nn.Module):
+        def forward(self, x):
+            return x - 1, {"0": x * 3}
+
+    class Top(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.router, self.pair, self.tup = Router(), Pair(), RotaryEmbedding()
+
+        def forward(self, x):
+            return self.router(x)["0"] + self.pair(x)[0] + self.tup(torch.arange(4), x, x)[0]
+
+    model, x = Top(), torch.randn(4, H)
+    d = fastdump.attach(model, tmp_path / "fd", writer="thread")
+    model(x)
+    d.close()
+    modules = [n for n, _ in model.named_modules() if n]
+    (d.dir / fsg.NAMES_FILE).write_text(json.dumps({"top": "model", "modules": modules}))  # (as the drop-in)
+    export.export_sglang(tmp_path / "fd", tmp_path / "out")
+    (got,) = load_passes(next((tmp_path / "out").iterdir())).values()
+    ds = fastdump.open(tmp_path / "fd")
+    stored = ds.load("target", None, 0)
+    assert {"router.0", "router.1", "pair.0", "pair.1.0", "tup.0", "tup.1"} <= set(stored)
+    for name in ("router.0", "router.1", "pair.1.0"):
+        assert_same_value(got[name], stored[name], name)
+    assert_same_value(got["router.0"], x + 1, "router.0")
+    assert_same_value(got["pair"], x - 1, "pair")  # (t, dict): its one tensor part under the name
+    assert_same_value(got["tup"], [stored["tup.0"], stored["tup.1"]], "tup")  # a tuple: one list
+    assert "router" not in got
+    direct = export.sglang_names(stored, modules, ds.structure("target", None, 0))
+    assert list(got) == list(direct)
+    # a dump made before the structure was recorded: names alone, as before
+    assert_same_value(export.sglang_names(stored, modules)["router"], [stored["router.0"], stored["router.1"]], "old")
+
+
 def test_sglang_names_rules():
     t = [torch.full((1,), float(i)) for i in range(6)]
     modules = {"model", "model.norm", "model.experts", "model.experts.0", "model.experts.1", "lm"}

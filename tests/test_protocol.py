@@ -34,6 +34,19 @@ def test_internals_table_lists_every_message_with_its_fields():
         assert table[op] == fields, f"{op}: INTERNALS says {sorted(table[op])}, protocol has {sorted(fields)}"
 
 
+def test_an_end_cut_to_fit_says_its_structure_record_was_lost():
+    """The output-structure record goes with the metadata when an end is too large for a record; it
+    is replaced by a marker (export then warns that names alone decide), never kept half."""
+    structure = {f"layer{i}.experts": {"kinds": {"": "tuple:empty"}, "after": i} for i in range(3000)}
+    msg = protocol.end(3, 7, {}, 0, {}, structure=structure)
+    full = protocol.encode(msg)
+    assert json.loads(full)["structure"] == structure
+    cut = json.loads(protocol.fit(msg, full, 4096))
+    assert cut["structure"] == {"(fastdump)": "the end message exceeded the ring's record limit"}
+    assert (cut["pass"], cut["dropped"], cut["skipped"]) == (7, 0, [])
+    assert "structure" not in protocol.end(3, 7, {}, 0, {}, structure={})  # nothing to record: a plain end
+
+
 def test_constructors_build_exactly_the_declared_fields():
     built = {
         "open": protocol.open_channel(3, dir="/d", role="target", rank={"tp_rank": 0}, pid=1, session="s",

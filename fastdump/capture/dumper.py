@@ -73,6 +73,7 @@ def _forget_parent_dumpers() -> None:
         engine.forget_in_forked_child()
     for dumper in list(_open_dumpers):
         dumper._capturing = False
+        dumper._counts_lock = threading.RLock()  # (another thread of the parent may have held it)
         dumper._let_go_of_the_ring(fold=False)  # the parent's counts are the parent's
         dumper.status = "not dumping in this process (forked child of the attaching process)"
     _open_dumpers.clear()
@@ -151,6 +152,11 @@ class Dumper:
         self._meta: dict = {}
         self._next_meta: dict = dict(o.pass_meta or {})
         self._skipped: dict = {}         # name -> reason, this pass
+        # Call name -> the container structure of its output, this pass, for outputs whose stored
+        # names do not tell it (_structure_of); _structure_at: of those that stored nothing, the
+        # tensors staged before they returned (a position, made relative at the pass's end).
+        self._structure: dict = {}
+        self._structure_at: dict = {}
         self._incomplete = None          # why this pass is not whole (a forward raised, ...), or None
         self._mixed = False              # forwards of several threads ran in this pass
         self._pass_thread = None         # thread that opened the pass
@@ -177,6 +183,9 @@ class Dumper:
         self._stage_fast = None  # the channel's C++ hot path (ChannelStager.stage_tensor)
         self._closed = False
         self._lock = threading.Lock()
+        # _fold_lane_counts and _staged_so_far (reentrant: a signal handler's stats() may come in
+        # on the thread that holds it)
+        self._counts_lock = threading.RLock()
 
         config = o.manifest_config()
         # Modules fastdump cannot wrap (TorchScript; a forward property; a name that reads as a
@@ -494,6 +503,8 @@ class Dumper:
                 self._open_calls.clear()  # (calls that raised: never closed)
             if self._skipped:
                 self._skipped = {}
+            if self._structure:
+                self._structure, self._structure_at = {}, {}
             # (A forked child's copies have no engine: _forget_parent_dumpers, at fork.)
             if self._closed or self._engine is None or self.status != "running":
                 return
@@ -541,6 +552,7 @@ class Dumper:
         state.capturing = False
         pass_id, meta, skipped, incomplete, mixed = (self.pass_id, self._meta, self._skipped, self._incomplete,
                                                      self._mixed)
+        structure, structure_at = self._structure, self._structure_at
         self._manual_opener = self._root_opener = None  # (frames: let them go with the pass)
         self._manual_depth = 0
         if not capturing:
@@ -554,6 +566,8 @@ class Dumper:
         try:
             if self.max_bytes is not None:  # the budget needs the bytes now; stats() and close() fold anyway
                 self._fold_lane_counts()
+            if structure_at:
+                structure = _placed(structure, structure_at, self._staged_so_far())
             try:
                 meta = _jsonable(meta) if meta else {}  # (most passes carry none)
             except Exception as exc:  # a user's object whose str() raises: the pass is kept, its meta said so
@@ -566,7 +580,7 @@ class Dumper:
                 self._totals["incomplete_passes"] += 1  # the writer records the pass as not complete
                 if mixed:
                     self._totals["mixed_passes"] += 1  # `fastdump verify` fails on it
-            seq = channel.end(pass_id, meta, skipped, incomplete, mixed, dropped)
+            seq = channel.end(pass_id, meta, skipped, incomplete, mixed, dropped, structure)
             sent = True
             if seq:
                 self._unconfirmed.append(seq)
@@ -579,7 +593,8 @@ class Dumper:
                 self._totals["lost_pass_ends"] += 1
                 if len(self._late_ends) < _MAX_LATE_ENDS:  # (beyond: lost; the writer marks the pass incomplete)
                     self._late_ends.append(protocol.end(channel.id, pass_id, meta, dropped, skipped,
-                                                        incomplete=incomplete, mixed=mixed, late=True))
+                                                        incomplete=incomplete, mixed=mixed, late=True,
+                                                        structure=structure))
                 channel.note_stall("a pass end", pass_id)
         except BaseException as exc:
             if not sent:
@@ -634,13 +649,14 @@ class Dumper:
         and the drops the channel counted since the last fold."""
         channel = self._channel
         if channel is not None:
-            tensors, nbytes = channel.take_counts()
-            totals = self._totals
-            totals["tensors"] += tensors
-            totals["bytes"] += nbytes
-            totals["dropped"] += channel.dropped - self._folded_drops[0]
-            totals["dropped_passes"] += channel.dropped_passes - self._folded_drops[1]
-            self._folded_drops = (channel.dropped, channel.dropped_passes)
+            with self._counts_lock:
+                tensors, nbytes = channel.take_counts()
+                totals = self._totals
+                totals["tensors"] += tensors
+                totals["bytes"] += nbytes
+                totals["dropped"] += channel.dropped - self._folded_drops[0]
+                totals["dropped_passes"] += channel.dropped_passes - self._folded_drops[1]
+                self._folded_drops = (channel.dropped, channel.dropped_passes)
 
     def _selected(self, pass_id: int, standalone: bool = False) -> bool:
         """Whether pass ``pass_id`` is dumped. every/skip_passes/pass_range pick root forwards and
@@ -744,7 +760,35 @@ class Dumper:
                 value = convert(value)
             except Exception as exc:
                 return self._hook_failed(call_name, "convert(output)", exc)
+        if not isinstance(value, _Tensor) and value is not None:
+            self._note_structure(call_name, value)
         self._emit_safely(call_name, value)
+
+    def _note_structure(self, call_name: str, value) -> None:
+        """Record the container structure of an output whose stored names would not tell it (a
+        dict with digit keys reads as a tuple; a tuple of Nones stores nothing). A plain tensor or
+        tuple/list of tensors, what nearly every module returns, records nothing (the C wrapper
+        stages those without coming here)."""
+        try:
+            kinds, held = _structure_of(value)
+        except Exception:  # (a key whose str() raises...: _emit records the skip)
+            return
+        if kinds is None:
+            return
+        self._structure[call_name] = {"kinds": kinds}
+        if not held:  # nothing of it is stored: where it returned among the pass's tensors
+            self._structure_at[call_name] = self._staged_so_far()
+
+    def _staged_so_far(self) -> int:
+        """Tensors this Dumper staged so far: those folded into _totals and those the C++ lane holds
+        uncounted, read without folding them (a fold ends the CUDA lane's batch). Under
+        _counts_lock: a fold by another thread (stats()) moves counts from one to the other."""
+        with self._counts_lock:
+            pending = getattr(self._channel.lane, "pending_tensors", None) if self._channel is not None else 0
+            if pending is None:  # (a lane without the count: the tests' CUDA-mock engines)
+                self._fold_lane_counts()
+                pending = 0
+            return self._totals["tensors"] + pending
 
     def _capture_before(self, name: str, before, args, kwargs, k: int) -> None:
         """A watched module's ``before`` hook, and what it returns dumped as ``name[#k].<key>``."""
@@ -1554,6 +1598,52 @@ def _remove_copier(module) -> None:
 
 def _is_dataclass_instance(value) -> bool:
     return dataclasses.is_dataclass(value) and not isinstance(value, type)
+
+
+def _structure_of(value):
+    """({part path: container kind}, whether it holds a tensor) of an output: path "" is the output,
+    ".k" its part k (the suffix its stored names get), kind "tuple", "list", "dict" or
+    "dataclass", with ":empty" when that container holds no tensor or array at any depth. kinds
+    None: nothing worth recording (no container, or a tuple/list of tensors and non-containers
+    holding a tensor: its names ``name.0`` ... say it). Cycles and depth are cut as _emit cuts them."""
+    kinds: dict = {}
+
+    def walk(item, path: str, outer: tuple) -> bool:
+        if isinstance(item, _Tensor) or hasattr(item, "__cuda_array_interface__") or hasattr(item, "__dlpack__"):
+            return True
+        if isinstance(item, (tuple, list)):
+            kind, parts = ("tuple" if isinstance(item, tuple) else "list"), enumerate(item)
+        elif isinstance(item, dict):
+            kind, parts = "dict", item.items()
+        elif _is_dataclass_instance(item):
+            kind, parts = "dataclass", ((f.name, _MISSING) for f in dataclasses.fields(item))
+        else:
+            return False
+        if id(item) in outer or len(outer) >= _MAX_NESTING:
+            return False
+        kinds[path] = kind
+        outer = outer + (id(item),)
+        held = False
+        for key, part in parts:
+            try:
+                held = walk(getattr(item, key) if part is _MISSING else part, f"{path}.{key}", outer) or held
+            except Exception:  # (a field that cannot be read: _emit records it)
+                pass
+        if not held:
+            kinds[path] = kind + ":empty"
+        return held
+
+    held = walk(value, "", ())
+    plain = held and len(kinds) == 1 and isinstance(value, (tuple, list))
+    return (None if plain or not kinds else kinds), held
+
+
+def _placed(structure: dict, staged_at: dict, staged: int) -> dict:
+    """The pass's structure record with each output that stored nothing placed: ``after``, the
+    tensors the pass stored after it returned (``staged``: tensors staged by now), which reads the
+    same whatever the Dumper staged before the pass."""
+    return {name: (dict(entry, after=staged - staged_at[name]) if name in staged_at else entry)
+            for name, entry in structure.items()}
 
 
 def _on_stack(frame, start) -> bool:

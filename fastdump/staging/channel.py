@@ -103,18 +103,18 @@ class Channel:
         return True
 
     def end(self, pass_id: int, meta: dict, skipped: dict, incomplete: str | None, mixed: bool,
-            dropped: int) -> int:
+            dropped: int, structure: dict | None = None) -> int:
         """Close pass ``pass_id`` in the ring (see protocol.end): its seq, 0 when not sent.
         ``dropped``: the pass's drops (``pass_dropped``) as read when it ended: another thread's
         next pass may have reset the counter since."""
-        if not meta and not skipped and incomplete is None and not mixed:
+        if not meta and not skipped and incomplete is None and not mixed and not structure:
             seq = self.lane.put_plain_end(pass_id, dropped)  # the common case, one C call (it ends the
             if seq:                                           # CUDA lane's pass too)
                 return seq
         else:
             self.lane.end_pass()  # the CUDA lane's last batch goes to the drain now, not at its hold timer
         return self.control(protocol.end(self.id, pass_id, meta, dropped, skipped,
-                                         incomplete=incomplete, mixed=mixed))
+                                         incomplete=incomplete, mixed=mixed, structure=structure))
 
     def note_stall(self, what: str, pass_id: int) -> None:
         """A send into the ring failed; under a blocking wait that means block_timeout_s ran out:

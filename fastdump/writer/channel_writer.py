@@ -68,7 +68,7 @@ class _PassState:
     """A pass of the open segment. Its tensors and bytes are counted from the index when the
     segment is written (most of its rows never pass through Python: RowSink)."""
 
-    __slots__ = ("pass_id", "meta", "ended", "dropped", "skipped", "incomplete", "mixed")
+    __slots__ = ("pass_id", "meta", "ended", "dropped", "skipped", "incomplete", "mixed", "structure")
 
     def __init__(self, pass_id: int):
         self.pass_id = pass_id
@@ -78,6 +78,7 @@ class _PassState:
         self.skipped: list = []
         self.incomplete = None  # why the capture side says the pass is not whole (it ended all the same)
         self.mixed = False  # forwards of several threads merged into it
+        self.structure = None  # output structures the names do not tell (format.PASS_STRUCTURE)
 
 
 class _PendingSegment:
@@ -100,6 +101,8 @@ class _PendingSegment:
 def _pass_meta(pass_state: _PassState) -> dict:
     """A pass's PASS_META entry; ``incomplete``/``mixed`` only when the capture side reported them."""
     entry = {"meta": pass_state.meta, "skipped": pass_state.skipped}
+    if pass_state.structure:
+        entry[fmt.PASS_STRUCTURE] = pass_state.structure
     if pass_state.incomplete is not None:
         entry["incomplete"] = pass_state.incomplete
         if pass_state.mixed:
@@ -256,7 +259,7 @@ class ChannelWriter:
         self.sink.append(block.number, pass_id, data, rows)
 
     def on_end(self, pass_id: int, meta: dict, dropped: int = 0, skipped: list = (), incomplete: str = None,
-               mixed: bool = False, late: bool = False) -> None:
+               mixed: bool = False, late: bool = False, structure: dict | None = None) -> None:
         if self.error is not None or self._closed:
             return
         if late and not self._takes_late_end(pass_id):
@@ -267,6 +270,8 @@ class ChannelWriter:
             pass_state.mixed = bool(mixed)
         if meta:
             pass_state.meta.update(meta)
+        if structure and isinstance(structure, dict):
+            pass_state.structure = structure
         if dropped:
             pass_state.dropped += int(dropped)
             self._dropped_in_passes += int(dropped)
