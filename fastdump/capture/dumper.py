@@ -1604,9 +1604,10 @@ def _structure_of(value):
     """({part path: container kind}, whether it holds a tensor) of an output: path "" is the output,
     ".k" its part k (the suffix its stored names get), kind "tuple", "list", "dict" or
     "dataclass", with ":empty" when that container holds no tensor or array at any depth. kinds
-    None: nothing worth recording (no container, or a tuple/list of tensors and non-containers
-    holding a tensor: its names ``name.0`` ... say it). Cycles and depth are cut as _emit cuts them."""
+    None: nothing the stored names do not already say (no container holding no tensor, no dict
+    with a key like "0"). Cycles and depth are cut as _emit cuts them."""
     kinds: dict = {}
+    digit_keys = [False]  # a dict whose key reads like an element index ("0")
 
     def walk(item, path: str, outer: tuple) -> bool:
         if isinstance(item, _Tensor) or hasattr(item, "__cuda_array_interface__") or hasattr(item, "__dlpack__"):
@@ -1615,6 +1616,7 @@ def _structure_of(value):
             kind, parts = ("tuple" if isinstance(item, tuple) else "list"), enumerate(item)
         elif isinstance(item, dict):
             kind, parts = "dict", item.items()
+            digit_keys[0] = digit_keys[0] or any(str(key).isdecimal() for key in item)
         elif _is_dataclass_instance(item):
             kind, parts = "dataclass", ((f.name, _MISSING) for f in dataclasses.fields(item))
         else:
@@ -1634,8 +1636,11 @@ def _structure_of(value):
         return held
 
     held = walk(value, "", ())
-    plain = held and len(kinds) == 1 and isinstance(value, (tuple, list))
-    return (None if plain or not kinds else kinds), held
+    # Only what names cannot tell is recorded: a container holding no tensor, a dict whose keys read
+    # as element indices. Any other output (an HF ModelOutput, a dict of named tensors) records
+    # nothing, so its pass keeps the C pass end.
+    untold = any(kind.endswith(":empty") for kind in kinds.values()) or digit_keys[0]
+    return (kinds if untold else None), held
 
 
 def _placed(structure: dict, staged_at: dict, staged: int) -> dict:
