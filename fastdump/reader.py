@@ -39,7 +39,7 @@ import h5py
 import numpy as np
 from h5py import h5d
 
-from . import _C, dtypes, fsutil
+from . import _C, dtypes, fsutil, segment_list
 from . import format as fmt
 
 _MAX_OPEN_FILES = 16
@@ -543,8 +543,7 @@ class _Rank:
         without that part's tensors, or its parts in another order."""
         numbers = sorted(segment.number for segment in self.segments)
         read = set(numbers)
-        info = self.info
-        listed = info.get("segments") if isinstance(info.get("segments"), list) else []
+        listed = self.listed_segments()
         listed = {e.get("file"): e for e in listed if isinstance(e, dict) and isinstance(e.get("file"), str)
                   and isinstance(e.get("first_pass"), int) and isinstance(e.get("last_pass"), int)}
         lost = {os.path.basename(path) for path in self.unreadable}
@@ -568,6 +567,14 @@ class _Rank:
             if where:
                 self.partial[pass_id] = (f"{self.path}: pass {pass_id}: part of it may be in {', '.join(where)} "
                                          "(unreadable, missing or renamed): not read")
+
+    def listed_segments(self) -> list:
+        """The segments rank.json lists (segments.jsonl's committed lines from format 5); [] and a
+        problem when that list cannot be trusted."""
+        entries, problem, _ = segment_list.read(self.path, self.info)
+        if problem:
+            self.dumpset._problem(Problem(self.path, Problem.BAD_FILE, problem))
+        return entries
 
     def rank_number(self):
         parsed = fmt.parse_rank_dir(self.name)
