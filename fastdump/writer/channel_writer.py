@@ -1,4 +1,4 @@
-"""Per-channel aggregation: decoded ring events -> segment files + rank.json.
+"""Per-channel aggregation: decoded ring events -> segment files, segments.jsonl and rank.json.
 
 One ``ChannelWriter`` per channel (one ``<root>/<role>/<rank dir>``), driven by the writer loop. It
 buffers whole passes in memory, grouping rows per (name, dtype, row shape) so that a segment holds a
