@@ -16,14 +16,23 @@ import numpy as np
 FORMAT_NAME = "fastdump-segment"
 # Version of segment files and rank.json. 2: index rows carry a CRC32C; rank directories carry a
 # session id. 3: a segment's tables carry a CRC32C too (ATTR_TABLES_CRC). 4: each block carries a
-# CRC32C of what its attributes and row shape say (ATTR_BLOCK_CRC). Readers read 1 to 4.
-FORMAT_VERSION = 4
-READABLE_VERSIONS = (1, 2, 3, 4)
+# CRC32C of what its attributes and row shape say (ATTR_BLOCK_CRC). 5: rank.json no longer lists
+# the segments; each closed segment's entry is appended to SEGMENT_LIST_FILE, and rank.json says how
+# much of that file is committed (segment files are as in 4). Readers read 1 to 5.
+FORMAT_VERSION = 5
+READABLE_VERSIONS = (1, 2, 3, 4, 5)
+APPENDED_LIST_VERSION = 5  # the first format whose segment list is SEGMENT_LIST_FILE, not rank.json's
 # Version of the run manifest (fastdump.json), independent of the segment format.
 MANIFEST_VERSION = 1
 
 MANIFEST_FILE = "fastdump.json"
 RANK_FILE = "rank.json"  # written by the writer process alone
+# Format 5: one JSON line per closed segment, appended (never rewritten) by the writer process; rank.json
+# says how many lines (and bytes, and their CRC32C) are committed. Rewritten whole after every
+# segment, rank.json's list cost a long run O(N^2) bytes written (4000 one-pass segments: 20 s).
+SEGMENT_LIST_FILE = "segments.jsonl"
+# rank.json's record of the committed part of SEGMENT_LIST_FILE: lines, bytes, CRC32C of those bytes.
+LIST_COUNT, LIST_BYTES, LIST_CRC = "segments_listed", "segments_bytes", "segments_crc32c"
 # Written by the serving process alone, only when it stopped dumping and the writer could not be
 # told (dead, stopped, or already past its close): {"status": "error", "error": ..., "time": ...}.
 # Readers merge it into rank.json's facts; ``verify`` fails while it exists. One file, one writer.
@@ -178,7 +187,7 @@ _INDEX_FIELDS_V1 = [
 INDEX_DTYPE_V1 = np.dtype(_INDEX_FIELDS_V1)
 # Format 2: CRC32C (Castagnoli) of the tensor's bytes as stored (its rows, C order, little-endian).
 INDEX_DTYPE = np.dtype(_INDEX_FIELDS_V1 + [("crc32c", "<u4")])
-INDEX_DTYPES = {1: INDEX_DTYPE_V1, 2: INDEX_DTYPE, 3: INDEX_DTYPE, 4: INDEX_DTYPE}
+INDEX_DTYPES = {1: INDEX_DTYPE_V1, 2: INDEX_DTYPE, 3: INDEX_DTYPE, 4: INDEX_DTYPE, 5: INDEX_DTYPE}
 
 # Format 3: root attribute, CRC32C of the segment's tables as stored. A row's own crc32c covers its
 # data only, so an index row whose pass, name or block changed (or two rows that traded pass ids)

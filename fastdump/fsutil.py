@@ -93,44 +93,9 @@ def atomic_write_bytes(path: str, data: bytes, durable: bool = True) -> None:
 
 
 def atomic_write_json(path: str, obj, durable: bool = True) -> None:
-    """``atomic_write_bytes`` of pretty JSON; values JSON can't hold are written as ``str()``. A
-    top-level value of ``obj`` that is an ``EncodedList`` is written from its items' kept text."""
-    encoded = {key: value for key, value in obj.items() if isinstance(value, EncodedList) and value.whole()} \
-        if isinstance(obj, dict) else {}
-    if encoded:
-        token = f"fastdump-encoded-{os.urandom(8).hex()}-"  # a placeholder no other value holds
-        obj = {key: f"{token}{key}" if key in encoded else value for key, value in obj.items()}
+    """``atomic_write_bytes`` of pretty JSON; values JSON can't hold are written as ``str()``."""
     text = json.dumps(obj, indent=2, sort_keys=False, default=str, ensure_ascii=False)
-    for key, value in encoded.items():
-        text = text.replace(json.dumps(f"{token}{key}", ensure_ascii=False), value.text(), 1)
     atomic_write_bytes(path, (text + "\n").encode("utf-8"), durable=durable)
-
-
-class EncodedList(list):
-    """A list that only grows (``append``), whose items are encoded as indented JSON once, as they
-    are appended: ``atomic_write_json`` writes it, as a top-level value, from that text. rank.json
-    lists every segment and is rewritten after each one and at every writer poll; json's indented
-    encoder is pure Python, so encoding the whole list each time cost a long run's writer more of
-    its time with every segment (30,000 segments: ~0.5 s a write, 4 writes a second)."""
-
-    def __init__(self, items=()):
-        super().__init__()
-        self._texts: list = []
-        for item in items:
-            self.append(item)
-
-    def append(self, item) -> None:
-        super().append(item)
-        text = json.dumps(item, indent=2, sort_keys=False, default=str, ensure_ascii=False)
-        self._texts.append("    " + text.replace("\n", "\n    "))  # (JSON strings hold no raw newline)
-
-    def whole(self) -> bool:
-        """Non-empty, and changed only by append (else it is encoded as a plain list)."""
-        return 0 < len(self) == len(self._texts)
-
-    def text(self) -> str:
-        """The list as ``json.dumps(..., indent=2)`` writes a top-level value of an object."""
-        return "[\n" + ",\n".join(self._texts) + "\n  ]"
 
 
 # rank.json and fastdump.json are small; a larger file is damage (or /dev/zero behind a link).
@@ -181,12 +146,12 @@ def load_json(path: str, max_bytes: int = MAX_JSON_BYTES):
     finally:
         os.close(fd)
     try:
-        return json.loads(b"".join(chunks).decode("utf-8"), object_pairs_hook=_unique_keys)
+        return json.loads(b"".join(chunks).decode("utf-8"), object_pairs_hook=unique_keys)
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:  # RecursionError: nesting too deep
         raise ValueError(f"not valid JSON ({exc})") from None
 
 
-def _unique_keys(pairs: list) -> dict:
+def unique_keys(pairs: list) -> dict:
     """A JSON object whose keys are all different: json keeps the last of two, which would let a
     damaged or crafted file say one thing to one reader and another to the next."""
     obj = dict(pairs)

@@ -40,7 +40,7 @@ import h5py
 import numpy as np
 from h5py import h5d
 
-from . import _C, dtypes, fsutil, protocol
+from . import _C, dtypes, fsutil, protocol, segment_list
 from . import format as fmt
 
 _MAX_OPEN_FILES = 16
@@ -192,9 +192,9 @@ def _attr_str(value) -> str:
     return value.decode("utf-8") if isinstance(value, bytes) else str(value)
 
 
-def _listed_segments(info: dict) -> dict:
-    """{file: entry} of the segments rank.json lists with integer first_pass and last_pass."""
-    listed = info.get("segments") if isinstance(info.get("segments"), list) else []
+def _listed_segments(listed: list) -> dict:
+    """{file: entry} of the listed segments (``_Rank.listed_segments``) with integer first_pass
+    and last_pass."""
     return {e.get("file"): e for e in listed if isinstance(e, dict) and isinstance(e.get("file"), str)
             and isinstance(e.get("first_pass"), int) and isinstance(e.get("last_pass"), int)}
 
@@ -535,11 +535,10 @@ class _Rank:
         return [path for _, path in sorted(numbered)]
 
     def _indexing_facts(self) -> tuple:
-        """(rank.json, {file: entry} of the segments it lists with a pass range), read once while
-        indexing: a long run's rank.json lists thousands of segments."""
+        """(rank.json, {file: entry} of the listed segments with a pass range), read once while
+        indexing: a long run lists thousands of segments."""
         if self._facts is None:
-            info = self.info
-            self._facts = (info, _listed_segments(info))
+            self._facts = (self.info, _listed_segments(self.listed_segments()))
         return self._facts
 
     def _read_segment(self, path: str):
@@ -714,6 +713,14 @@ class _Rank:
             if where:
                 self.partial[pass_id] = (f"{self.path}: pass {pass_id}: part of it may be in {', '.join(where)} "
                                          "(unreadable, missing or renamed): not read")
+
+    def listed_segments(self) -> list:
+        """The segments rank.json lists (segments.jsonl's committed lines from format 5); [] and a
+        problem when that list cannot be trusted."""
+        entries, problem, _ = segment_list.read(self.path, self.info)
+        if problem:
+            self.dumpset._problem(Problem(self.path, Problem.BAD_FILE, problem))
+        return entries
 
     def rank_number(self):
         parsed = fmt.parse_rank_dir(self.name)

@@ -149,3 +149,55 @@ def flatten_output(name, value, into: dict) -> None:
     elif dataclasses.is_dataclass(value) and not isinstance(value, type):
         for f in dataclasses.fields(value):
             flatten_output(f"{name}.{f.name}", getattr(value, f.name), into)
+
+
+def read_rank_json(rank_dir) -> dict:
+    """A rank directory's rank.json with its segment list under ``"segments"`` whatever the format
+    (from format 5 the list is segments.jsonl's committed lines): what tests edit."""
+    from fastdump import fsutil, segment_list
+
+    info = fsutil.load_json(os.path.join(rank_dir, "rank.json"))
+    if segment_list.appended(info):
+        entries, problem, _ = segment_list.read(str(rank_dir), info)
+        assert problem is None, problem
+        info["segments"] = entries
+    return info
+
+
+def write_rank_json(rank_dir, info) -> None:
+    """Write back ``info`` (read_rank_json's, edited) as its format keeps it: from format 5, its
+    ``"segments"`` as segments.jsonl, committed (lines, bytes, CRC32C) in rank.json, as the writer
+    does; so an edited list reads as one a faulty writer wrote, not as a damaged file."""
+    import json
+
+    from fastdump import _C, segment_list
+    from fastdump import format as fmt
+
+    info = dict(info)
+    if segment_list.appended(info):
+        data = b"".join(json.dumps(entry).encode("ascii") + b"\n" for entry in info.pop("segments"))
+        with open(os.path.join(rank_dir, fmt.SEGMENT_LIST_FILE), "wb") as f:
+            f.write(data)
+        info.update({fmt.LIST_COUNT: data.count(b"\n"), fmt.LIST_BYTES: len(data), fmt.LIST_CRC: _C.crc32c(data)})
+    with open(os.path.join(rank_dir, "rank.json"), "w") as f:
+        json.dump(info, f)
+
+
+def as_format_4(rank_dir) -> None:
+    """Turn a rank directory the writer wrote (format 5) into the format-4 directory it was before
+    format 5: the list back in rank.json, segments.jsonl gone, every file saying version 4 (segment
+    files are laid out as in 4; the version attribute is covered by no checksum)."""
+    import h5py
+
+    from fastdump import format as fmt
+
+    info = read_rank_json(rank_dir)
+    for key in (fmt.LIST_COUNT, fmt.LIST_BYTES, fmt.LIST_CRC):
+        del info[key]
+    info["format_version"] = 4
+    os.unlink(os.path.join(rank_dir, fmt.SEGMENT_LIST_FILE))
+    write_rank_json(rank_dir, info)
+    for name in os.listdir(rank_dir):
+        if fmt.segment_number(name) is not None:
+            with h5py.File(os.path.join(rank_dir, name), "r+") as f:
+                f.attrs["format_version"] = 4

@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 import torch
 
-from fastdump import dtypes, reader
+from fastdump import _C, dtypes, fsutil, reader
 from fastdump import format as fmt
 from fastdump.writer import segment_file
 from fastdump.writer.channel_writer import ChannelWriter
-from conftest import require_o_direct
+from conftest import read_rank_json, require_o_direct, write_rank_json
 
 RANK_DIR = "TP0_PP0_Rank0_pid4242"
 
@@ -74,7 +74,8 @@ def random_tensor(name, shape, gen):
 
 
 def rank_json(root, role="target"):
-    return json.loads((root / role / RANK_DIR / "rank.json").read_text())
+    """rank.json, its segment list under "segments" (segments.jsonl's from format 5)."""
+    return read_rank_json(root / role / RANK_DIR)
 
 
 def seg_files(root, role="target"):
@@ -419,7 +420,7 @@ def test_a_pass_next_to_an_unreadable_unlisted_segment_is_refused(tmp_path, lost
     rank = tmp_path / "target" / RANK_DIR
     info = rank_json(tmp_path)
     info["segments"] = info["segments"][3:]  # as if the writer never listed seg 0..2
-    (rank / "rank.json").write_text(json.dumps(info))
+    write_rank_json(rank, info)
     if damage == "truncated":
         os.truncate(rank / lost, 5000)
     else:
@@ -452,7 +453,7 @@ def test_a_pass_found_without_the_full_index_is_whole_even_where_rank_json_lies(
     info = rank_json(tmp_path)
     k = {"first part": 0, "middle part": 1, "last part": 2}[lie]
     info["segments"][k].update(first_pass=7, last_pass=7)
-    (rank / "rank.json").write_text(json.dumps(info))
+    write_rank_json(rank, info)
     ds = reader.open(tmp_path)
     got = ds.load("target", 0, 0)
     assert list(got) == [f"t{i}" for i in range(40)]
@@ -559,7 +560,7 @@ def test_pass_metadata_dropped_and_skipped(tmp_path):
     assert info["role"] == "target" and info["rank"]["tp_size"] == 1 and info["pid"] == 4242
     assert info["host"] == "testhost" and info["device"] == {"name": "cpu"} and info["config"]["policy"] == "block"
     assert info["stats"]["tensors_staged"] == 3
-    assert [s["file"] for s in info["segments"]] == ["seg-000000.h5"]
+    assert [s["file"] for s in rank_json(tmp_path)["segments"]] == ["seg-000000.h5"]
 
 
 def test_skipped_reasons_stay_bounded_when_every_pass_has_a_new_one(tmp_path):
@@ -580,32 +581,37 @@ def test_skipped_reasons_stay_bounded_when_every_pass_has_a_new_one(tmp_path):
 
 
 def test_rank_json_costs_no_more_to_write_as_segments_accumulate(tmp_path, monkeypatch):
-    """rank.json lists every segment and is rewritten after each one (and at every poll): each
-    write encoded the whole list again with json's pure-Python indented encoder, so a long run's
-    writer spent O(segments) CPU a write (2000 one-pass segments: ~170 s of JSON; 30,000 segments:
-    ~0.5 s a write). Each entry is encoded once now; the file reads exactly as before."""
-    real, encoded = json.dumps, []
+    """rank.json listed every segment and was rewritten whole (fsynced) after each one: bytes
+    written grew as N^2 over a run (4000 one-pass segments: 20 s of writing; 8000: minutes). From
+    format 5 each segment appends one line to segments.jsonl and rank.json keeps only the totals
+    and the committed count, so each of its writes is as large after 80 segments as after 1."""
+    real, written = fsutil.atomic_write_bytes, []
 
-    def dumps(obj, *args, **kwargs):
-        text = real(obj, *args, **kwargs)
-        encoded.append(len(text))
-        return text
+    def recording(path, data, **kwargs):
+        if path.endswith(fmt.RANK_FILE):
+            written.append(len(data))
+        return real(path, data, **kwargs)
 
+    monkeypatch.setattr(fsutil, "atomic_write_bytes", recording)
     w = ChannelWriter(open_msg(tmp_path, segment_passes=1))
     f = Feeder(w)
-    monkeypatch.setattr(json, "dumps", dumps)
     for p in range(80):
         f.full_pass(p, {"x": torch.full((1,), float(p))})
         w.poll()
-    monkeypatch.setattr(json, "dumps", real)
     w.close({})
-    text = (tmp_path / "target" / RANK_DIR / "rank.json").read_text()
+    directory = tmp_path / "target" / RANK_DIR
+    text = (directory / "rank.json").read_text()
     info = json.loads(text)
     assert text == json.dumps(info, indent=2, ensure_ascii=False) + "\n"  # the layout it always had
-    assert [s["file"] for s in info["segments"]] == [f"seg-{p:06d}.h5" for p in range(80)]
-    assert [s["first_pass"] for s in info["segments"]] == list(range(80))
-    # (before: ~40 times the final file's size, half the list at each of 80 writes)
-    assert sum(encoded) < 12 * len(text), (sum(encoded), len(text))
+    assert "segments" not in info and info["format_version"] == 5
+    lines = (directory / fmt.SEGMENT_LIST_FILE).read_bytes()
+    assert info[fmt.LIST_COUNT] == 80 and info[fmt.LIST_BYTES] == len(lines) and info[fmt.LIST_CRC] == _C.crc32c(lines)
+    listed = rank_json(tmp_path)["segments"]
+    assert [s["file"] for s in listed] == [f"seg-{p:06d}.h5" for p in range(80)]
+    assert [(s["first_pass"], s["last_pass"], s["passes"], s["tensors"], s["bytes"], s["complete"]) for s in listed] \
+        == [(p, p, 1, 1, 4, True) for p in range(80)]
+    # (before: each write ~170 bytes longer than the last, 13 KiB more at the 80th)
+    assert max(written) - written[1] < 64, written
     ds = reader.open(tmp_path)
     assert_same(ds.load("target", 0, 79)["x"], torch.full((1,), 79.0))
 
@@ -695,8 +701,9 @@ def test_segment_is_invisible_until_complete(tmp_path, monkeypatch):
     w = ChannelWriter(open_msg(tmp_path))
     Feeder(w).full_pass(0, {"x": torch.ones(4)})
     w.close({})
-    assert seen == [[".rank.json.reserve", ".seg-000000.h5.tmp", "rank.json"]]  # reserve: see test_integrity_disk
-    assert sorted(os.listdir(tmp_path / "target" / RANK_DIR)) == ["rank.json", "seg-000000.h5"]
+    # reserve: see test_integrity_disk
+    assert seen == [[".rank.json.reserve", ".seg-000000.h5.tmp", "rank.json", "segments.jsonl"]]
+    assert sorted(os.listdir(tmp_path / "target" / RANK_DIR)) == ["rank.json", "seg-000000.h5", "segments.jsonl"]
 
 
 def test_write_error_midway_leaves_no_segment_and_records_error(tmp_path, monkeypatch):
@@ -719,7 +726,8 @@ def test_write_error_midway_leaves_no_segment_and_records_error(tmp_path, monkey
     with pytest.raises(OSError, match="No space left"):
         w.on_end(1, {}, 0, [])
     directory = tmp_path / "target" / RANK_DIR
-    assert sorted(os.listdir(directory)) == ["rank.json", "seg-000000.h5"]  # no temp file left, no bad segment
+    # no temp file left, no bad segment
+    assert sorted(os.listdir(directory)) == ["rank.json", "seg-000000.h5", "segments.jsonl"]
     info = rank_json(tmp_path)
     assert info["status"] == "error" and "No space left" in info["error"]
     assert w.failed
@@ -728,7 +736,7 @@ def test_write_error_midway_leaves_no_segment_and_records_error(tmp_path, monkey
     w.poll(time.monotonic() + 1e6)
     w.fail("second failure")
     w.close({})
-    assert sorted(os.listdir(directory)) == ["rank.json", "seg-000000.h5"]
+    assert sorted(os.listdir(directory)) == ["rank.json", "seg-000000.h5", "segments.jsonl"]
     info = rank_json(tmp_path)
     assert info["status"] == "error" and "No space left" in info["error"]
     ds = reader.open(tmp_path)

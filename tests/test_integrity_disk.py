@@ -22,7 +22,7 @@ from fastdump.cli import dump as cli_dump
 from fastdump import format as fmt
 from fastdump.writer.channel_writer import RESERVE_FILE, ChannelWriter
 
-from conftest import mount_small_tmpfs, restamp_tables, write_rank_dir
+from conftest import mount_small_tmpfs, read_rank_json, restamp_tables, write_rank_dir
 
 RANKS = {"tp_rank": 0, "tp_size": 1, "pp_rank": 0, "pp_size": 1, "rank": 0}
 
@@ -82,7 +82,7 @@ def test_crc32c_known_values_and_both_implementations_agree():
 
 def test_every_index_row_carries_the_crc_of_its_tensor(dump):
     with h5py.File(segment(dump), "r") as f:
-        assert f.attrs["format_version"] == 4
+        assert f.attrs["format_version"] == fmt.FORMAT_VERSION == 5
         index = f["index"][()]
         assert f.attrs[fmt.ATTR_TABLES_CRC] == fmt.tables_crc32c(
             f["names"][()], index, f["passes"][()], f["pass_meta"][()])
@@ -639,7 +639,7 @@ def test_crafted_tables_are_refused(dump, kind):
             del f["names"]
             f.create_dataset("names", data='{"a": 1}', dtype=h5py.string_dtype())
         else:
-            f.attrs["format_version"] = 5
+            f.attrs["format_version"] = 6
     with pytest.warns(UserWarning, match="unreadable segment"):
         ds = fastdump.open(dump)
         with pytest.raises(reader.DumpError, match="seg-000000.h5"):
@@ -691,7 +691,180 @@ def test_a_routine_rank_json_write_that_needs_the_reserve_records_the_full_disk_
             writer.on_tensor(0, p, dtypes.code_of(torch.float32), (4,), np.ones(16, np.uint8))
             writer.on_end(p, {}, 0, [])
     assert refused and p == 0  # the first segment's rank.json: nothing more was written
-    info = json.loads((path / fmt.RANK_FILE).read_text())
+    info = read_rank_json(path)
     assert info["status"] == "error" and "disk full" in info["error"] and "No space left" in info["error"]
     assert [s["file"] for s in info["segments"]] == ["seg-000000.h5"] and not (path / RESERVE_FILE).exists()
     assert verify(tmp_path).problems
+
+
+# ------------------------------------------------------------------ the segment list (format 5)
+
+
+def small_pass(p):
+    return {"a": torch.arange(6, dtype=torch.float32).reshape(2, 3) + p, "b": torch.full((4,), p, dtype=torch.int64)}
+
+
+def list_dump(root, status):
+    """Three one-pass segments, their list in segments.jsonl."""
+    write_dir(root / "target" / RANK_DIR, {p: small_pass(p) for p in range(3)}, status=status, segment_passes=1)
+    return rank_dir(root)
+
+
+def commit_lines(path, count):
+    """rank.json commits only the first ``count`` lines of segments.jsonl: what a writer killed
+    after appending the next line(s) and before rewriting rank.json leaves."""
+    info = json.loads((path / fmt.RANK_FILE).read_text())
+    data = (path / fmt.SEGMENT_LIST_FILE).read_bytes()
+    kept = b"".join(data.splitlines(keepends=True)[:count])
+    info.update({fmt.LIST_COUNT: count, fmt.LIST_BYTES: len(kept), fmt.LIST_CRC: _C.crc32c(kept)})
+    (path / fmt.RANK_FILE).write_text(json.dumps(info))
+
+
+def read_all(root):
+    with fastdump.open(root) as ds:
+        loaded = {p: ds.load("target", 0, p, check=True) for p in ds.passes("target", 0)}
+        return loaded, list(ds.problems)
+
+
+def test_the_segment_list_is_appended_and_rank_json_commits_it(tmp_path):
+    path = list_dump(tmp_path / "dump", "closed")
+    info = json.loads((path / fmt.RANK_FILE).read_text())
+    data = (path / fmt.SEGMENT_LIST_FILE).read_bytes()
+    assert info["format_version"] == 5 and "segments" not in info
+    assert (info[fmt.LIST_COUNT], info[fmt.LIST_BYTES], info[fmt.LIST_CRC]) == (3, len(data), _C.crc32c(data))
+    assert [json.loads(line) for line in data.splitlines()] == [
+        {"file": fmt.segment_name(p), "first_pass": p, "last_pass": p, "passes": 1, "tensors": 2, "bytes": 56,
+         "complete": True} for p in range(3)]
+    assert not verify(tmp_path / "dump").problems
+
+
+@pytest.mark.parametrize("tail", ["torn", "whole"])
+def test_a_line_after_the_committed_ones_is_never_read_as_listed(tmp_path, tail):
+    """A writer killed mid-append leaves a torn last line; killed between the append and rank.json,
+    a whole one rank.json does not commit. Neither is part of the list: the segment file is read
+    as an unlisted one was before format 5 (a warning while the status is unfinished), and the
+    torn text is never parsed as an entry."""
+    root = tmp_path / "dump"
+    path = list_dump(root, "running")
+    if tail == "torn":
+        with open(path / fmt.SEGMENT_LIST_FILE, "ab") as f:
+            f.write(b'{"file": "seg-000003.h5", "first_pass": 3, "last_pa')
+        unlisted = []
+    else:
+        commit_lines(path, 2)
+        unlisted = ["seg-000002.h5 is not listed in segments.jsonl (status running)"]
+    loaded, problems = read_all(root)
+    assert list(loaded) == [0, 1, 2] and not problems
+    for p in range(3):
+        for name, t in small_pass(p).items():
+            assert torch.equal(loaded[p][name], t)
+    report = verify(root)
+    assert len(report.problems) == 1 and "status running: the writer never finished" in report.problems[0], \
+        report.problems
+    assert any("after the lines rank.json commits (status running" in w for w in report.warnings), report.warnings
+    for text in unlisted:
+        assert any(text in w for w in report.warnings), report.warnings
+    info = json.loads((path / fmt.RANK_FILE).read_text())
+    info["status"] = "closed"  # a closed writer never leaves one: damage
+    (path / fmt.RANK_FILE).write_text(json.dumps(info))
+    assert any("after the lines rank.json commits" in p for p in verify(root).problems)
+
+
+@pytest.mark.parametrize("damage", ["byte-changed", "truncated", "missing", "count-wrong", "not-a-count"])
+def test_a_damaged_committed_list_fails_verify_and_is_reported_by_the_reader(tmp_path, damage):
+    root = tmp_path / "dump"
+    path = list_dump(root, "closed")
+    list_file = path / fmt.SEGMENT_LIST_FILE
+    data = list_file.read_bytes()
+    if damage == "byte-changed":  # what rank.json commits is checked, not only parsed
+        list_file.write_bytes(data.replace(b'"last_pass": 1', b'"last_pass": 2'))
+        expected = "the list changed after it was written"
+    elif damage == "truncated":
+        list_file.write_bytes(data[:-10])
+        expected = f"segments.jsonl holds {len(data) - 10} bytes, rank.json commits 3 segment(s) in {len(data)}"
+    elif damage == "missing":
+        list_file.unlink()
+        expected = "segments.jsonl missing: rank.json commits 3 segment(s) to it"
+    else:
+        info = json.loads((path / fmt.RANK_FILE).read_text())
+        info[fmt.LIST_COUNT] = 2 if damage == "count-wrong" else "3"
+        (path / fmt.RANK_FILE).write_text(json.dumps(info))
+        expected = "commits 2 line(s)" if damage == "count-wrong" else "segments_listed is '3', not an integer"
+    report = verify(root)
+    assert any(expected in p for p in report.problems), report.problems
+    loaded, problems = read_all(root)  # the segments themselves still read
+    assert list(loaded) == [0, 1, 2] and any(expected in p and p.kind == reader.Problem.BAD_FILE for p in problems)
+
+
+def test_a_failed_append_records_the_error_and_leaves_the_list_committed(tmp_path, monkeypatch):
+    """The disk fills while a segment's line is appended: half of it lands. rank.json says error,
+    commits the lines before it, and the half line is never read."""
+    import errno
+
+    from fastdump import segment_list
+
+    path = tmp_path / "target" / RANK_DIR
+    writer = ChannelWriter({"op": "open", "channel": 0, "dir": str(path), "role": "target", "rank": RANKS,
+                            "pid": 1, "host": "h", "device": {}, "config": {"segment_passes": 1}})
+    real, calls = os.pwrite, []
+
+    def half_then_full(fd, data, offset):
+        calls.append(offset)
+        if len(calls) == 1:
+            return real(fd, data, offset)
+        if len(calls) == 2:
+            return real(fd, data[:len(data) // 2], offset)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(segment_list.os, "pwrite", half_then_full)
+    writer.on_name(0, "x")
+    with pytest.raises(OSError, match="No space left"):
+        for p in range(3):
+            writer.on_begin(p, {})
+            writer.on_tensor(0, p, dtypes.code_of(torch.float32), (2,), np.ones(8, np.uint8))
+            writer.on_end(p, {}, 0, [])
+    assert p == 1
+    monkeypatch.undo()
+    info = read_rank_json(path)
+    assert info["status"] == "error" and "No space left" in info["error"]
+    assert [s["file"] for s in info["segments"]] == ["seg-000000.h5"] and not (path / RESERVE_FILE).exists()
+    report = verify(tmp_path)
+    assert any("No space left" in p for p in report.problems)
+    assert any("after the lines rank.json commits (status error" in w for w in report.warnings), report.warnings
+    with fastdump.open(tmp_path) as ds:  # both segment files are whole: read
+        assert ds.passes("target", 0) == [0, 1]
+
+
+def test_format_4_dumps_read_verify_and_diff_as_before(tmp_path):
+    """Format 4 kept the list in rank.json: such dumps read, verify and diff exactly as the same
+    data written as format 5, and verify still checks their list."""
+    from fastdump import compare
+
+    from conftest import as_format_4
+
+    roots = {}
+    for version in (4, 5):
+        for side, bump in (("base", 0.0), ("new", 1.0)):
+            root = tmp_path / f"v{version}-{side}"
+            passes = {p: small_pass(p) for p in range(5)}
+            passes[3]["a"] = passes[3]["a"] + bump
+            path = write_dir(root / "target" / RANK_DIR, passes, segment_passes=2)
+            if version == 4:
+                as_format_4(path)
+                info = json.loads((path / fmt.RANK_FILE).read_text())
+                assert info["format_version"] == 4 and len(info["segments"]) == 3
+                assert not (path / fmt.SEGMENT_LIST_FILE).exists()
+            roots[version, side] = root
+    for side in ("base", "new"):
+        old, new = read_all(roots[4, side]), read_all(roots[5, side])
+        assert not old[1] and not new[1] and list(old[0]) == list(new[0]) == [0, 1, 2, 3, 4]
+        for p, tensors in new[0].items():
+            assert all(torch.equal(old[0][p][name], t) for name, t in tensors.items())
+        old_report, new_report = verify(roots[4, side], "--data"), verify(roots[5, side], "--data")
+        assert not old_report.problems and old_report.warnings == new_report.warnings
+    results = [compare.diff(roots[version, "base"], roots[version, "new"]) for version in (4, 5)]
+    assert [r.rows for r in results[:1]] == [r.rows for r in results[1:]] and not results[0].ok
+    assert results[0].first_divergence["pass"] == 3 and results[0].problems == results[1].problems == []
+    # Its list is still checked against the files.
+    segment(roots[4, "base"], 1).unlink()
+    assert any("seg-000001.h5 is listed in rank.json but missing" in p for p in verify(roots[4, "base"]).problems)

@@ -15,7 +15,7 @@ import torch
 from fastdump import fsutil, reader
 from fastdump.cli import dump as cli_dump
 
-from conftest import write_rank_dir
+from conftest import read_rank_json, write_rank_dir, write_rank_json
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TARGET = "TP0_PP0_Rank0_pid100"
@@ -142,9 +142,32 @@ def test_reader_skips_an_unreadable_segment_with_a_warning(dump):
         assert ds.problems and "seg-000001.h5" in ds.problems[0]
 
 
+def crc32c_by_hand(data: bytes) -> int:
+    """CRC32C (Castagnoli, reflected polynomial 0x82F63B78), bit by bit: no fastdump code."""
+    crc = 0xFFFFFFFF
+    for byte in data:
+        crc ^= byte
+        for _ in range(8):
+            crc = (crc >> 1) ^ (0x82F63B78 if crc & 1 else 0)
+    return crc ^ 0xFFFFFFFF
+
+
 def test_reader_by_hand_with_h5py_alone(dump):
-    """docs/FORMAT.md's recipe: enough to read a pass without fastdump."""
-    with h5py.File(seg_path(dump, number=1), "r") as f:
+    """docs/FORMAT.md's recipe: enough to read a pass without fastdump: the segment list (format 5:
+    segments.jsonl's committed lines), then the pass from the segment that holds it."""
+    rank_dir = seg_path(dump).parent
+    with open(rank_dir / "rank.json") as f:
+        info = json.load(f)
+    with open(rank_dir / "segments.jsonl", "ab") as f:
+        f.write(b'{"file": "seg-000009.h5", "first_pa')  # a killed writer's torn line: not listed
+    with open(rank_dir / "segments.jsonl", "rb") as f:
+        committed = f.read(info["segments_bytes"])
+    assert crc32c_by_hand(committed) == info["segments_crc32c"]
+    segments = [json.loads(line) for line in committed.splitlines()]
+    assert len(segments) == info["segments_listed"] == 3
+    holding = [s["file"] for s in segments if s["first_pass"] <= 3 <= s["last_pass"]]
+    assert holding == ["seg-000001.h5"]
+    with h5py.File(rank_dir / holding[0], "r") as f:
         names = json.loads(f["names"][()])
         index = f["index"][()]
         out = {}
@@ -262,18 +285,18 @@ def test_verify_fails_on_segment_missing_vs_rank_json(dump, capsys):
     seg_path(dump, number=1).unlink()
     code, out = verify(dump, capsys)
     assert code == 1
-    assert "seg-000001.h5 is listed in rank.json but missing" in out
+    assert "seg-000001.h5 is listed in segments.jsonl but missing" in out
 
 
 def test_verify_fails_on_overlapping_passes(dump, capsys):
     rank_dir = dump / "target" / TARGET
     shutil.copy(seg_path(dump, number=1), rank_dir / "seg-000003.h5")
-    info = json.loads((rank_dir / "rank.json").read_text())
+    info = read_rank_json(rank_dir)
     info["segments"].append(dict(info["segments"][1], file="seg-000003.h5"))
     info["passes"] += 2
     info["tensors"] += 10
     info["bytes"] += info["segments"][1]["bytes"]
-    (rank_dir / "rank.json").write_text(json.dumps(info))
+    write_rank_json(rank_dir, info)
     code, out = verify(dump, capsys)
     assert code == 1 and "overlap" in out
 
@@ -337,15 +360,15 @@ def test_verify_unlisted_segment(tmp_path, capsys):
     root = tmp_path / "dump"
     write_rank(root, "target", TARGET, {p: target_pass(p) for p in range(4)}, status="running")
     rank_dir = root / "target" / TARGET
-    info = json.loads((rank_dir / "rank.json").read_text())
-    info["segments"] = info["segments"][:1]  # killed between the rename and the rank.json update
-    (rank_dir / "rank.json").write_text(json.dumps(info))
+    info = read_rank_json(rank_dir)
+    info["segments"] = info["segments"][:1]  # killed between the rename and the segment list's update
+    write_rank_json(rank_dir, info)
     code, out = verify(root, capsys)
     # Listed as a warning; the dump fails only because status running means unfinished.
     assert code == 1 and "warning:" in out and "seg-000001.h5 is not listed" in out
     assert out.count("PROBLEM") == 1 and "status running" in out, out
     info["status"] = "closed"
-    (rank_dir / "rank.json").write_text(json.dumps(info))
+    write_rank_json(rank_dir, info)
     code, out = verify(root, capsys)
     assert code == 1 and "seg-000001.h5 is not listed" in out
 

@@ -27,6 +27,7 @@ from fastdump import fsutil, reader
 from fastdump import format as fmt
 from fastdump.cli import dump as cli_dump
 
+import conftest
 from conftest import restamp_tables
 
 NAMES = ["0", "1", "2", "Sequential"]  # what the model below dumps per pass, in dump order
@@ -92,11 +93,12 @@ def seg(root, number):
 
 
 def rank_json(root):
-    return json.loads((rank_dir(root) / "rank.json").read_text())
+    """rank.json, its segment list under "segments" (segments.jsonl's from format 5)."""
+    return conftest.read_rank_json(rank_dir(root))
 
 
 def write_rank_json(root, info):
-    (rank_dir(root) / "rank.json").write_text(json.dumps(info))
+    conftest.write_rank_json(rank_dir(root), info)
 
 
 def edit_rank_json(root, change):
@@ -580,8 +582,8 @@ def test_negative_and_huge_pass_ids_read_back_without_error(dump, expected):
     relabel_passes(seg(dump, 2), {4: huge})
     code, problems, _ = verify(dump, "--data")  # rank.json still says 0..1 and 4
     assert code == 1
-    assert has(problems, "seg-000000.h5: rank.json says first_pass=0, file has -7"), problems
-    assert has(problems, f"seg-000002.h5: rank.json says first_pass=4, file has {huge}"), problems
+    assert has(problems, "seg-000000.h5: segments.jsonl says first_pass=0, file has -7"), problems
+    assert has(problems, f"seg-000002.h5: segments.jsonl says first_pass=4, file has {huge}"), problems
     with fastdump.open(dump) as ds:
         assert ds.passes("target", 0) == [-7, -6, 2, 3, huge]
         assert same(ds.load("target", 0, -6, check=True)["2"], expected[1]["2"])
@@ -620,8 +622,8 @@ def test_a_segment_renamed_leaving_a_gap(dump, expected):
     os.rename(seg(dump, 1), seg(dump, 3))
     code, problems, _ = verify(dump)
     assert code == 1
-    assert has(problems, "seg-000001.h5 is listed in rank.json but missing"), problems
-    assert has(problems, "seg-000003.h5 is not listed in rank.json"), problems
+    assert has(problems, "seg-000001.h5 is listed in segments.jsonl but missing"), problems
+    assert has(problems, "seg-000003.h5 is not listed in segments.jsonl"), problems
     with fastdump.open(dump) as ds:  # the data itself is all there
         assert ds.passes("target", 0) == list(range(PASSES))
         assert same(ds.load("target", 0, 3, check=True)["1"], expected[3]["1"])
@@ -647,7 +649,7 @@ def test_a_segment_from_another_session_copied_in(dump, pristine, tmp_path):
     d.close()
     shutil.copy(rank_dir(other) / "seg-000000.h5", seg(dump, 3))  # passes 0..6: overlap
     code, problems, _ = verify(dump)
-    assert code == 1 and has(problems, "seg-000003.h5 is not listed in rank.json")
+    assert code == 1 and has(problems, "seg-000003.h5 is not listed in segments.jsonl")
     assert has(problems, "seg-000003.h5 passes 0..6 overlap"), problems
 
 
@@ -659,12 +661,12 @@ def test_a_segment_from_another_session_copied_in(dump, pristine, tmp_path):
     (lambda i: i.update(tensors=12), "rank.json total tensors=12 but its segments add up to 20"),
     (lambda i: i["stats"].update(passes=7), "the Dumper dumped 7 passes; 5 are on disk"),
     (lambda i: i["stats"].update(tensors=25), "the Dumper staged 25 tensors; 20 are on disk"),
-    (lambda i: i["segments"][0].update(tensors=10), "seg-000000.h5: rank.json says tensors=10, file has 8"),
-    (lambda i: i["segments"][2].update(last_pass=6, passes=3), "seg-000002.h5: rank.json says last_pass=6"),
+    (lambda i: i["segments"][0].update(tensors=10), "seg-000000.h5: segments.jsonl says tensors=10, file has 8"),
+    (lambda i: i["segments"][2].update(last_pass=6, passes=3), "seg-000002.h5: segments.jsonl says last_pass=6"),
     (lambda i: i.update(segments=i["segments"][:2], passes=4, tensors=16, bytes=320),
-     "seg-000002.h5 is not listed in rank.json"),
+     "seg-000002.h5 is not listed in segments.jsonl"),
     (lambda i: i["segments"].append(dict(i["segments"][2], file="seg-000003.h5", first_pass=5, last_pass=5)),
-     "seg-000003.h5 is listed in rank.json but missing"),
+     "seg-000003.h5 is listed in segments.jsonl but missing"),
     (lambda i: i.update(passes="5"), "rank.json total passes=5 but its segments add up to 5"),
 ], ids=["passes-more", "tensors-fewer", "stats-passes", "stats-tensors", "segment-tensors", "segment-range",
         "segment-unlisted", "segment-lost", "passes-string"])
@@ -694,7 +696,7 @@ def test_rank_json_damaged(dump, expected, content, capsys):
 def test_rank_json_segment_file_of_the_wrong_type(dump, bad_file):
     edit_rank_json(dump, lambda info: info["segments"][0].update(file=bad_file))
     code, problems, _ = verify(dump)
-    assert code == 1 and has(problems, "rank.json"), problems
+    assert code == 1 and has(problems, "segments.jsonl segments entry without a file name"), problems
 
 
 @pytest.mark.parametrize("entry", ["verify", "reader", "ls"])

@@ -42,6 +42,7 @@ from ..staging import graphs as _graphs
 from ..staging.engine import Engine
 from ..fsutil import atomic_write_json as write_json_atomic, load_json as _load_json
 from .. import format as _fmt
+from .. import segment_list as _segment_list
 
 log = logging.getLogger("fastdump")
 
@@ -457,9 +458,9 @@ class Dumper:
         segment holds unfinished (``complete`` false: it was split) counts once, with its end."""
         try:
             info = _load_json(str(self.dir / _fmt.RANK_FILE))
-            segments = info.get("segments")
-            if not isinstance(segments, list) or info.get("segments_omitted"):
-                return int(info.get("passes") or 0)  # (a full disk left the list out)
+            segments, problem, _ = _segment_list.read(str(self.dir), info)  # (its own writer's: this format)
+            if problem:
+                raise ValueError(problem)
             on_disk, open_pass = 0, None  # the previous segment's unfinished last pass
             for segment in segments:
                 on_disk += int(segment["passes"])

@@ -19,7 +19,7 @@ import warnings
 
 import numpy as np
 
-from .. import dtypes, fsutil, protocol
+from .. import dtypes, fsutil, protocol, segment_list
 from .. import format as fmt
 from ..report import printable as _printable
 
@@ -617,27 +617,36 @@ def check_rank_dir(report: _Report, path: str, read_data: bool = False) -> dict 
 
     on_disk_names = {name for _, name in on_disk}
     listed = {}
-    segments = info.get("segments") if isinstance(info.get("segments"), list) else []
+    segments, why, tail = segment_list.read(path, info)
+    listing = fmt.SEGMENT_LIST_FILE if segment_list.appended(info) else fmt.RANK_FILE  # where the list is
+    if why:
+        report.problem(path, why)
+    if tail:  # a writer killed between appending a segment's line and rank.json; never a closed one
+        text = f"{fmt.SEGMENT_LIST_FILE} holds {tail} bytes after the lines {fmt.RANK_FILE} commits"
+        if status in _UNFINISHED_STATUSES or status == "error":  # (an append that failed leaves one too)
+            report.warning(path, text + f" (status {status}: what an interrupted writer leaves; not read)")
+        else:
+            report.problem(path, text)
     for item in segments:
         if not isinstance(item, dict):
-            report.problem(path, f"{fmt.RANK_FILE} segments entry is not an object: {item!r:.80}")
+            report.problem(path, f"{listing} segments entry is not an object: {item!r:.80}")
             continue
         if not isinstance(item.get("file"), str):
-            report.problem(path, f"{fmt.RANK_FILE} segments entry without a file name: {item!r:.80}")
+            report.problem(path, f"{listing} segments entry without a file name: {item!r:.80}")
             continue
         listed[item["file"]] = item
         if item["file"] not in on_disk_names:
-            report.problem(path, f"{item['file']} is listed in {fmt.RANK_FILE} but missing")
+            report.problem(path, f"{item['file']} is listed in {listing} but missing")
             continue
         found = summaries.get(item["file"])
         if found is None:
             continue
         for key in ("first_pass", "last_pass", "passes", "tensors", "bytes"):
             if key in item and item[key] != found[key]:
-                report.problem(path, f"{item['file']}: {fmt.RANK_FILE} says {key}={item[key]}, file has {found[key]}")
+                report.problem(path, f"{item['file']}: {listing} says {key}={item[key]}, file has {found[key]}")
     for _, name in on_disk:
         if name not in listed:
-            text = f"{name} is not listed in {fmt.RANK_FILE}"
+            text = f"{name} is not listed in {listing}"
             if status in _UNFINISHED_STATUSES:
                 report.warning(path, text + f" (status {status})")
             else:

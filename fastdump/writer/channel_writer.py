@@ -1,4 +1,4 @@
-"""Per-channel aggregation: decoded ring events -> segment files + rank.json.
+"""Per-channel aggregation: decoded ring events -> segment files, segments.jsonl and rank.json.
 
 One ``ChannelWriter`` per channel (one ``<root>/<role>/<rank dir>``), driven by the writer loop. It
 buffers whole passes in memory, grouping rows per (name, dtype, row shape) so that a segment holds a
@@ -26,7 +26,7 @@ import time
 
 import numpy as np
 
-from .. import _C, dtypes, fsutil, protocol
+from .. import _C, dtypes, fsutil, protocol, segment_list
 from .. import format as fmt
 from .segment_file import Block, OpenSegment, write_segment
 
@@ -53,7 +53,7 @@ _FORCE_FLUSH_FACTOR = 4
 # Space held back for rank.json: when the disk fills, this file is deleted so that rank.json can
 # still say "error" (a full disk must never look like a healthy dump). Removed at a normal close.
 RESERVE_FILE = ".rank.json.reserve"
-RESERVE_BYTES = 256 << 10  # a rank.json of ~1500 segments; beyond that a short one is written
+RESERVE_BYTES = 256 << 10  # rank.json no longer grows with the segments (segments.jsonl): a few KiB
 
 # rank.json's skipped_reasons holds this many distinct reasons; later ones are counted under
 # OTHER_SKIP_REASONS. A reason may carry an exception's text, which can differ every pass (a
@@ -158,7 +158,6 @@ class ChannelWriter:
         self.sink = _C.RowSink()
 
         # Totals over everything written so far (rank.json).
-        self._segments = fsutil.EncodedList()  # (each entry encoded once: rank.json is rewritten often)
         self._passes_written = 0
         self._tensors_written = 0
         self._bytes_written = 0
@@ -191,6 +190,7 @@ class ChannelWriter:
         }
         os.makedirs(self.dir, exist_ok=True)
         self._next_segment = self._first_free_segment_number()
+        self._list = segment_list.Appender(self.dir)  # before rank.json, whose write makes it durable
         self._reserve = os.path.join(self.dir, RESERVE_FILE)
         self._write_rank_json()
         _reserve_space(self._reserve, RESERVE_BYTES)
@@ -560,7 +560,7 @@ class ChannelWriter:
             open_segment=open_segment,
         )
         self._next_segment = number + 1
-        self._segments.append({"file": fmt.segment_name(number), **summary, "complete": complete})
+        self._list.append({"file": fmt.segment_name(number), **summary, "complete": complete})
         self._passes_written += len(passes)
         self._tensors_written += tensors
         self._bytes_written += nbytes
@@ -595,7 +595,7 @@ class ChannelWriter:
             "pending_passes": self.pending_passes(),  # ended, still in the open segment
             "tensors": self._tensors_written,
             "bytes": self._bytes_written,
-            "segments": self._segments,
+            **self._list.committed(),  # the lines of segments.jsonl that are durable
             "stats": dict(self._stats),
             "updated": time.time(),
         }
@@ -609,8 +609,8 @@ class ChannelWriter:
         except OSError as exc:
             if exc.errno not in _DISK_FULL or not os.path.exists(self._reserve):
                 raise
-            # Disk full: give up the reserved space so that this rank.json (its error) lands;
-            # if even that is too little, without the segment list (readers list the files).
+            # Disk full: give up the reserved space so that this rank.json (its error) lands
+            # (it is a few KiB however many segments there are: they are in segments.jsonl).
             # A routine write (after a segment) that needs the reserve is the failure itself: the
             # reserve is spent once, so this rank.json says so, and the caller stops writing (the
             # next segment would take the freed space and its failure find none for rank.json,
@@ -620,12 +620,7 @@ class ChannelWriter:
                 self.error = f"disk full: {exc.strerror or exc} writing {fmt.RANK_FILE}"
                 self._status = "error"
             fsutil.remove_quietly(self._reserve)
-            try:
-                fsutil.atomic_write_json(path, self.rank_json())
-            except OSError as again:
-                if again.errno not in _DISK_FULL:
-                    raise
-                fsutil.atomic_write_json(path, {**self.rank_json(), "segments": [], "segments_omitted": True})
+            fsutil.atomic_write_json(path, self.rank_json())
             if spent_here:
                 raise
 
