@@ -1292,3 +1292,88 @@ def test_asking_whether_complex_has_arithmetic_warns_of_nothing():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert stats.has_arithmetic(torch.complex64)
+
+
+def test_html_report_of_hostile_names_is_escaped_well_formed_and_bounded(tmp_path):
+    """Names, paths and option values from the dump's world reach the report: markup must stay
+    text, control characters must not make the page malformed (a raw NUL, form feed), a newline
+    must not join two names, and a 100k-character name must not make the report 100 KB per
+    mention. The page parses as XML, so every element is closed and every text escaped."""
+    import xml.etree.ElementTree as ET
+
+    names = ["layers.0.<script>alert(1)</script>", 'layers.1."q"&amp;', "layers.2.]]><!--", "a\nb\x00c\x07\x0c",
+             "é✓\u202egnp.exe", "layers.3." + "x" * 100_000]
+    roots = []
+    for side, value in (('b<i>&"', 0.0), ("t</svg>", 1.0)):
+        with fastdump.attach(None, tmp_path / side, writer="thread") as dumper:
+            for _ in range(2):
+                dumper.begin_pass()
+                dumper.set_pass_meta(mode="<script>")
+                for name in names:
+                    dumper.dump(name, torch.full((2,), value))
+                dumper.end_pass()
+        roots.append(tmp_path / side)
+    result = fastdump.diff(*roots, align="meta:mode=<script>")
+    assert result.failed == 2 * len(names)
+    page = open(result.to_html(tmp_path / "r.html"), encoding="utf-8").read()
+    tree = ET.fromstring(page)  # raises on malformed markup or a raw control character
+    assert not [e for e in tree.iter() if e.tag.split("}")[-1] in ("script", "i")]
+    cells = ["".join(td.itertext()) for td in tree.iter("td")]
+    assert "layers.0.<script>alert(1)</script>" in cells and 'layers.1."q"&amp;' in cells
+    assert "layers.2.]]><!--" in cells and "a\\nb\\x00c\\x07\\x0c" in cells and "é✓\\u202egnp.exe" in cells
+    assert any(c.startswith("layers.3.xxx") and "more characters]" in c for c in cells)
+    assert str(tmp_path / 'b<i>&"') in cells and "{'role': None" in "".join(cells)
+    assert "meta:mode=<script>" in "".join(cells)
+    assert "x" * 2000 not in page and len(page) < 60_000
+
+
+def _dump_passes(root, passes, value):
+    with fastdump.attach(None, root, writer="thread") as dumper:
+        for _ in range(passes):
+            dumper.begin_pass()
+            for i in range(20):
+                dumper.dump(f"model.layers.{i % 4}.m{i}", torch.full((4,), value + i))
+            dumper.end_pass()
+    return root
+
+
+def test_diff_memory_is_bounded_whatever_the_number_of_rows(tmp_path, capfd, monkeypatch):
+    """diff kept every row (~1.2 KB each) and printed the JSON as one string: 40k passes of 95
+    tensors held 663 MB. Past rowlog.MEMORY_ROWS the rows go to a temporary file, and the text,
+    JSON and HTML outputs are written from it a row at a time: four times the rows (every one
+    failing) must not take more memory, and every row is still in the outputs."""
+    import tracemalloc
+
+    from fastdump import report, rowlog
+
+    monkeypatch.setattr(rowlog, "MEMORY_ROWS", 50)
+    monkeypatch.setattr(report, "_MAX_TABLE_ROWS", 20)  # (the report's bound; 2000 rows by default)
+    peaks = {}
+    for passes in (15, 60):
+        base = _dump_passes(tmp_path / f"a{passes}", passes, 0.0)
+        target = _dump_passes(tmp_path / f"b{passes}", passes, 1.0)
+        page = tmp_path / f"r{passes}.html"
+        argv = ["diff", str(base), str(target), "--html", str(page)]
+        assert cli.main(argv + ["--json"]) == 1  # (imports and caches warm before measuring)
+        capfd.readouterr()
+        tracemalloc.start()
+        try:
+            assert cli.main(argv + ["--json"]) == 1
+            assert cli.main(argv) == 1
+            peaks[passes] = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        out = capfd.readouterr().out.splitlines()
+        data = json.loads(out[0])
+        assert len(data["rows"]) == data["failed"] == passes * 20 and data["exit_code"] == 1
+        assert [(r["pass"], r["name"]) for r in data["rows"]] == \
+            [(p, f"model.layers.{i % 4}.m{i}") for p in range(passes) for i in range(20)]
+        assert data["rows"][-1]["max_abs"] == 1.0 and data["rows"][-1]["target_stats"]["max"] == 20.0
+        assert data["first_divergence"] == data["rows"][0]
+        text = out[1:]
+        assert text[0].startswith("first divergence: target rank 0 pass 0 model.layers.0.m0")
+        assert sum(line.startswith("FAIL ") for line in text) == passes * 20
+        assert text[-2] == f"compared {passes * 20}, failed {passes * 20}, missing 0"
+        page = page.read_text()
+        assert f"<h2>Failing tensors ({passes * 20})</h2>" in page and f"{passes * 20 - 20} more" in page
+    assert peaks[60] < peaks[15] * 1.2 + (200 << 10), peaks
