@@ -125,6 +125,8 @@ def parse_passes(spec: str):
             raise ValueError(f"--passes {spec!r}: expected comma-separated N, N-M or N-")
         first = int(match.group(1))
         last = first if not match.group(2) else (int(match.group(3)) if match.group(3) else None)
+        if last is not None and last < first:  # selects nothing: "no passes in common" would blame the dumps
+            raise ValueError(f"--passes {spec!r}: {part!r} ends before it starts")
         ranges.append((first, last))
     return lambda pass_id: any(pass_id >= a and (b is None or pass_id <= b) for a, b in ranges)
 
@@ -1192,6 +1194,20 @@ def _roots_arg(positional, repeated, side):
     return roots
 
 
+def _check_report_path(path: str) -> None:
+    """--html REPORT must name a file that can be written: found out after the comparison, the
+    diff's verdict was lost to an error naming a temporary file."""
+    if not path:
+        raise DiffError("--html: give a file name")
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise DiffError(f"--html {path!r}: is a directory")
+    if not os.path.isdir(folder):
+        raise DiffError(f"--html {path!r}: no directory {folder!r}")
+    if not os.access(folder, os.W_OK):
+        raise DiffError(f"--html {path!r}: directory {folder!r} is not writable")
+
+
 def cmd_diff(args) -> int:
     positional = [p for p in (args.baseline, args.target) if p]
     try:
@@ -1211,6 +1227,8 @@ def cmd_diff(args) -> int:
             target_roots = _roots_arg(None, args.target_root, "target")
         else:
             raise DiffError("give BASELINE TARGET, or --baseline-root/--target-root")
+        if args.html is not None:
+            _check_report_path(args.html)  # before comparing: a diff may take hours
         result = diff(base_roots, target_roots, role=args.role, rank=args.rank, passes=args.passes,
                       name=args.name, atol=args.atol, rtol=args.rtol, tol=args.tol, metric=args.metric,
                       align=args.align, unshard=args.unshard, allow_running=args.allow_running, progress=True)

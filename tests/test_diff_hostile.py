@@ -358,6 +358,27 @@ def test_bad_tolerances_and_options_exit_2_with_message(lm, capsys, option, valu
     assert code == 2 and message in err and out == "" and "Traceback" not in err
 
 
+@pytest.mark.parametrize("value,message", [
+    ("{tmp}/no/such/dir/r.html", "--html '{tmp}/no/such/dir/r.html': no directory '{tmp}/no/such/dir'"),
+    ("{tmp}", "--html '{tmp}': is a directory"), ("", "--html: give a file name"),
+])
+def test_a_report_that_cannot_be_written_is_refused_before_comparing(lm, tmp_path, capsys, monkeypatch, value,
+                                                                    message):
+    """The report path was first tried after the whole comparison (hours, on a large dump): the
+    verdict was lost to an error naming a temporary file, and an empty --html was ignored."""
+    from fastdump import compare
+
+    monkeypatch.setattr(compare, "diff", lambda *a, **k: pytest.fail("compared before checking --html"))
+    code, out, err = run(capsys, lm, lm, f"--html={value.format(tmp=tmp_path)}")
+    assert (code, out, err) == (2, "", f"fastdump diff: {message.format(tmp=tmp_path)}\n")
+
+
+def test_a_pass_range_that_ends_before_it_starts_is_a_usage_error(lm, capsys):
+    """'--passes 5-2' selected nothing and the diff blamed the dumps ("no passes in common")."""
+    code, out, err = run(capsys, lm, lm, "--passes", "0,5-2")
+    assert (code, out, err) == (2, "", "fastdump diff: --passes '0,5-2': '5-2' ends before it starts\n")
+
+
 def test_nan_metric_threshold_is_refused(tmp_path, capsys):
     base, target = pair(tmp_path, {"x": torch.tensor([1.0, 2.0])}, {"x": torch.tensor([-1.0, -2.0])})
     code, out, err = run(capsys, base, target, "--metric", "rel_diff=nan")
