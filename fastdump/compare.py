@@ -888,8 +888,14 @@ class DiffResult:
             what = ", ".join(f"{n} {_MISSING_KIND[kind]}" for kind, n in sorted(kinds.items(), key=lambda kv: kv[0]))
             return (f"{'ranks' if set(kinds) == {'rank'} else 'data'} missing: {what} on one side only (listed "
                     f"below); the {self.compared} tensor(s) compared are within tolerance")
-        return (f"no divergence: {self.compared} tensor(s) compared, all within tolerance "
-                f"(atol {self.options.atol:g}, rtol {self.options.rtol:g})")
+        tolerance = f"(atol {self.options.atol:g}, rtol {self.options.rtol:g})"
+        if self.missing:  # names or passes on one side only: listed, not failed, but never "all fine"
+            names = len({(m["role"], m["name"]) for m in self.missing if m["kind"] == "name"})
+            passes = sum(len(m["passes"]) for m in self.missing if m["kind"] == "passes")
+            what = " and ".join(f"{n} {kind}" for n, kind in ((names, "name(s)"), (passes, "pass(es)")) if n)
+            return (f"no divergence in the {self.compared} tensor(s) compared {tolerance}; not compared: {what} "
+                    f"on one side only (listed below)")
+        return f"no divergence: {self.compared} tensor(s) compared, all within tolerance {tolerance}"
 
     def lines(self) -> list:
         """Human-readable report: the first divergence first, then one line per failing tensor."""

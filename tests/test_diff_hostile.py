@@ -559,6 +559,19 @@ def test_different_pass_counts_list_the_extra_passes(lm, tmp_path, capsys):
     assert code == 2 and "no passes in common" in err
 
 
+def test_names_and_passes_on_one_side_only_are_in_the_first_line_never_all_within_tolerance(tmp_path, capsys):
+    """A target that never dumped 'y' and stopped a pass early read "no divergence: 2 tensor(s)
+    compared, all within tolerance" on its first line: the line a CI log shows."""
+    base = dump_bag(tmp_path / "base", {"x": torch.ones(2), "y": torch.ones(1)}, passes=3)
+    target = dump_bag(tmp_path / "target", {"x": torch.ones(2)}, passes=2)
+    code, out, err = run(capsys, base, target, "--name", "^[xy]$")
+    assert code == 0 and out.splitlines()[0] == (
+        "no divergence in the 2 tensor(s) compared (atol 1e-05, rtol 1e-05); not compared: 1 name(s) and 1 "
+        "pass(es) on one side only (listed below)")
+    page = fastdump.diff(base, target).to_html(tmp_path / "r.html")
+    assert "all within tolerance" not in open(page).read()
+
+
 def test_an_empty_root_and_a_dump_with_no_pass_exit_2(lm, tmp_path, capsys):
     empty = tmp_path / "empty"
     empty.mkdir()
