@@ -170,7 +170,7 @@ class Options:
 
     def __init__(self, role=None, rank=None, passes=None, name=None, atol=DEFAULT_ATOL, rtol=DEFAULT_RTOL,
                  tol=None, metric=None, align=None, unshard=None, allow_running=False, progress=False):
-        self.roles = _as_list(role)
+        self.roles = list(dict.fromkeys(_as_list(role)))  # a role given twice was compared twice, counted twice
         self.rank = None if rank is None else int(rank)
         self.passes_spec = passes
         self.pass_filter = parse_passes(str(passes)) if passes is not None else None

@@ -599,6 +599,14 @@ def test_other_role_on_one_side_is_missing_and_role_filter(lm, tmp_path, capsys)
     assert run(capsys, other, lm, "--role", "target")[0] == 0  # the roles both have: the same
 
 
+def test_a_role_given_twice_is_compared_once(lm, capsys):
+    """--role target --role target compared every tensor twice: 'compared' and 'failed' doubled."""
+    once = fastdump.diff(lm, lm, role="target")
+    code, out, err = run(capsys, lm, lm, "--role", "target", "--role", "target")
+    assert code == 0 and out.splitlines()[-1] == f"compared {once.compared}, failed 0, missing 0"
+    assert once.compared == len(fastdump.diff(lm, lm, role=["target", "target"]).rows) > 0
+
+
 def test_ranks_with_nothing_in_common_exit_2(tmp_path, capsys):
     dp0 = dump_lm(tmp_path / "dp0", TinyLM(seed=0), dp_rank=0, dp_size=2)
     dp1 = dump_lm(tmp_path / "dp1", TinyLM(seed=0), dp_rank=1, dp_size=2)
