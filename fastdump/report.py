@@ -160,7 +160,10 @@ def heatmap(rows: list, title: str) -> str:
             continue  # (a pass not drawn: its cells would grow with the dump)
         max_kept = max(max_kept, row["pass"])
         key = (row["pass"], layer)
-        cells[key] = max(cells.get(key, 0.0), value)
+        worst, failing = cells.get(key, (0.0, 0))
+        # A NaN rel_diff is the worst; a failing tensor counts whatever its rel_diff (a NaN on
+        # one side only has rel_diff 0: colored alone, its cell read as identical).
+        cells[key] = (value if math.isnan(value) or value > worst else worst, failing + (row["status"] != "ok"))
         if layer is not None:
             layers.add(layer)
     pass_list = sorted(passes)[:_MAX_HEATMAP_PASSES]
@@ -190,21 +193,25 @@ def heatmap(rows: list, title: str) -> str:
             parts.append(f'<text x="{left - 6}" y="{top + ri * cell_h + cell_h / 2 + 4:.1f}" font-size="10" '
                          f'text-anchor="end" font-family="sans-serif">{pass_id}</text>')
         for ci, layer in enumerate(columns):
-            value = cells.get((pass_id, layer))
+            value, failing = cells.get((pass_id, layer), (None, 0))
+            stroke = ""
             if value is None:
                 fill, tip = "#e8e8e8", "no tensors"
             else:
                 fill = _color((_log_rel(value) - lo) / (0 - lo))
                 tip = f"pass {pass_id} layer {'other' if layer is None else layer}: max rel_diff {value:.3g}"
+                if failing:  # outlined: failing, whatever the color says
+                    tip += f", {failing} failing"
+                    stroke = ' stroke="#d22820" stroke-width="2"'
             parts.append(f'<rect x="{left + ci * cell_w}" y="{top + ri * cell_h}" width="{cell_w}" '
-                         f'height="{cell_h}" fill="{fill}"><title>{_esc(tip)}</title></rect>')
+                         f'height="{cell_h}" fill="{fill}"{stroke}><title>{_esc(tip)}</title></rect>')
     bar_x = left + cell_w * len(columns) + 30
     for k in range(20):
         parts.append(f'<rect x="{bar_x}" y="{top + k * 10}" width="14" height="10" fill="{_color(1 - k / 19)}"/>')
     parts.append(f'<text x="{bar_x + 18}" y="{top + 8}" font-size="10" font-family="sans-serif">1</text>')
     parts.append(f'<text x="{bar_x + 18}" y="{top + 200}" font-size="10" font-family="sans-serif">1e-16</text>')
     parts.append(f'<text x="{left}" y="{height - 14}" font-size="12" font-family="sans-serif">columns: layer '
-                 f'number (max rel_diff over its tensors); rows: pass</text>')
+                 f'number (max rel_diff over its tensors); rows: pass; outlined in red: a tensor fails</text>')
     parts.append("</svg>")
     return "\n".join(parts)
 

@@ -1421,3 +1421,24 @@ def test_diff_memory_is_bounded_whatever_the_number_of_rows(tmp_path, capfd, mon
         page = page.read_text()
         assert f"<h2>Failing tensors ({passes * 20})</h2>" in page and f"{passes * 20 - 20} more" in page
     assert peaks[60] < peaks[15] * 1.2 + (200 << 10), peaks
+
+
+def test_heatmap_marks_a_failing_cell_whose_rel_diff_reads_identical(tmp_path):
+    """A NaN on one side only fails the tensor, but its rel_diff (over elements finite on both
+    sides) is 0: the heatmap colored its cell as identical, the same as the cells that match."""
+    import xml.etree.ElementTree as ET
+
+    for side, first in (("base", 1.0), ("target", NAN)):
+        with fastdump.attach(None, tmp_path / side, writer="thread") as dumper:
+            dumper.begin_pass()
+            dumper.dump("layers.0.a", torch.tensor([first, 2.0]))
+            dumper.dump("layers.1.b", torch.tensor([1.0, 2.0]))
+            dumper.end_pass()
+    result = fastdump.diff(tmp_path / "base", tmp_path / "target")
+    assert [(r["name"], r["rel_diff"]) for r in result.failures] == [("layers.0.a", 0.0)]
+    tree = ET.parse(result.to_html(tmp_path / "r.html"))
+    cells = {rect.find("{http://www.w3.org/2000/svg}title").text: rect.get("stroke")
+             for rect in tree.iter("{http://www.w3.org/2000/svg}rect")
+             if rect.find("{http://www.w3.org/2000/svg}title") is not None}
+    assert cells["pass 0 layer 0: max rel_diff 0, 1 failing"] == "#d22820"
+    assert cells["pass 0 layer 1: max rel_diff 0"] is None
