@@ -732,6 +732,9 @@ def _compare_name(unit, pass_pair, name, b_stage, t_stage, options, layouts, cac
     row["status"] = "fail" if failed else "ok"
     if failed:
         row["reason"] = "exceeds " + ", ".join(failed)
+        if result["nonfinite_mismatches"]:  # max_abs, rel_diff, cosine leave them out: they may read 0 and 1
+            row["reason"] += (f"; {result['nonfinite_mismatches']} element(s) NaN or infinite on one side only "
+                              f"(or infinite of opposite signs), left out of max_abs, rel_diff and cosine")
         if used_rule == "replicated" and rule is None:
             row["reason"] += " (shards were taken as replicated; if they are partial sums give --unshard 'NAME=sum')"
         # A merged row names no rank: say whose shard differs, as a TP=2 against TP=2 diff would.

@@ -170,6 +170,18 @@ def test_nan_positions_equal_pass_one_sided_nan_and_inf_sign_fail(tmp_path):
         assert {r["name"] for r in loose.failures} == {"moved", "sign", "allnan"}, metric
 
 
+def test_a_failure_only_in_non_finite_elements_says_so_in_its_line(tmp_path, capsys):
+    """+inf against -inf (or a NaN on one side only) fails, but every number of the FAIL line is
+    over the elements finite on both sides: it read "max_abs 0 ... rel_diff 0 cosine 1", as a
+    match would, with no word of why."""
+    base, target = pair(tmp_path, {"sign": torch.tensor([INF, 1.0])}, {"sign": torch.tensor([-INF, 1.0])})
+    code, out, err = run(capsys, base, target)
+    assert code == 1 and out.splitlines()[0] == (
+        "first divergence: target rank 0 pass 0 sign  max_abs 0  max_rel 0  rel_diff 0  cosine 1  mismatch 50.00%  "
+        "[exceeds allclose; 1 element(s) NaN or infinite on one side only (or infinite of opposite signs), left "
+        "out of max_abs, rel_diff and cosine]")
+
+
 def test_negative_zero_equals_zero_at_zero_tolerance(tmp_path):
     base, target = pair(tmp_path, {"z": torch.tensor([0.0, -0.0, 1.0])}, {"z": torch.tensor([-0.0, 0.0, 1.0])})
     row = row_of(fastdump.diff(base, target, atol=0, rtol=0), "z")
