@@ -17,6 +17,8 @@ How the two sides line up:
 
 Tensors are read one name at a time (all shards of that name; a small pass is read whole, one
 pass pair at a time, never a whole dump) and compared in float64 chunks by ``fastdump.stats.compare``.
+The rows are made in execution order and kept by ``fastdump.rowlog.RowLog`` (past 20,000, in a
+temporary file), so a diff's memory does not grow with the number of tensors compared.
 """
 
 from __future__ import annotations
