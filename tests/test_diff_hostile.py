@@ -1454,3 +1454,32 @@ def test_heatmap_marks_a_failing_cell_whose_rel_diff_reads_identical(tmp_path):
              if rect.find("{http://www.w3.org/2000/svg}title") is not None}
     assert cells["pass 0 layer 0: max rel_diff 0, 1 failing"] == "#d22820"
     assert cells["pass 0 layer 1: max rel_diff 0"] is None
+
+
+def test_html_report_lists_and_plot_are_bounded_and_keep_the_first_divergence(tmp_path, monkeypatch):
+    """Missing items, notes and problems were listed whole and the plot drew every tensor of the
+    pass: the report grew with the dump. Past their bounds they say how many more, and a sampled
+    plot still draws the first divergence."""
+    import xml.etree.ElementTree as ET
+
+    from fastdump import report
+
+    monkeypatch.setattr(report, "_MAX_LIST_ITEMS", 2)
+    monkeypatch.setattr(report, "_MAX_PLOT_POINTS", 3)
+    for side, names, changed in (("base", range(15), None), ("target", range(10), "layers.5.x")):
+        with fastdump.attach(None, tmp_path / side, writer="thread") as dumper:
+            dumper.begin_pass()
+            for i in names:
+                dumper.dump(f"layers.{i}.x", torch.full((2,), 1.0 + (f"layers.{i}.x" == changed)))
+            dumper.end_pass()
+    result = fastdump.diff(tmp_path / "base", tmp_path / "target")
+    assert len(result.missing) == 5 and result.first_divergence["name"] == "layers.5.x"
+    page = open(result.to_html(tmp_path / "r.html")).read()
+    tree = ET.fromstring(page)
+    (missing,) = [ul for ul in tree.iter("ul")]
+    assert [li.text for li in missing][1:] == ["role target rank 0: 'layers.11.x' only in the baseline (passes 0)",
+                                               "… 3 more (see the text or --json output)"]
+    svg = "{http://www.w3.org/2000/svg}"
+    circles = [c.find(f"{svg}title").text for c in tree.iter(f"{svg}circle")]
+    assert [c.partition(":")[0] for c in circles] == ["0", "4", "5", "8"]
+    assert "(every 4th of 10 tensors)" in page
