@@ -17,11 +17,14 @@ How the two sides line up:
 
 Tensors are read one name at a time (all shards of that name; a small pass is read whole, one
 pass pair at a time, never a whole dump) and compared in float64 chunks by ``fastdump.stats.compare``.
+The rows are made in execution order and kept by ``fastdump.rowlog.RowLog`` (past 20,000, in a
+temporary file), so a diff's memory does not grow with the number of tensors compared.
 """
 
 from __future__ import annotations
 
 import collections
+import itertools
 import json
 import math
 import os
@@ -33,6 +36,7 @@ import warnings
 from . import format as fmt
 from .report import _missing_text, _span, _where, layer_of, printable  # noqa: F401 - layer_of is public here too
 from .report import cosine_text, percent
+from .rowlog import RowLog
 
 DEFAULT_ATOL = 1e-5
 DEFAULT_RTOL = 1e-5
@@ -123,6 +127,8 @@ def parse_passes(spec: str):
             raise ValueError(f"--passes {spec!r}: expected comma-separated N, N-M or N-")
         first = int(match.group(1))
         last = first if not match.group(2) else (int(match.group(3)) if match.group(3) else None)
+        if last is not None and last < first:  # selects nothing: "no passes in common" would blame the dumps
+            raise ValueError(f"--passes {spec!r}: {part!r} ends before it starts")
         ranges.append((first, last))
     return lambda pass_id: any(pass_id >= a and (b is None or pass_id <= b) for a, b in ranges)
 
@@ -166,7 +172,7 @@ class Options:
 
     def __init__(self, role=None, rank=None, passes=None, name=None, atol=DEFAULT_ATOL, rtol=DEFAULT_RTOL,
                  tol=None, metric=None, align=None, unshard=None, allow_running=False, progress=False):
-        self.roles = _as_list(role)
+        self.roles = list(dict.fromkeys(_as_list(role)))  # a role given twice was compared twice, counted twice
         self.rank = None if rank is None else int(rank)
         self.passes_spec = passes
         self.pass_filter = parse_passes(str(passes)) if passes is not None else None
@@ -728,6 +734,9 @@ def _compare_name(unit, pass_pair, name, b_stage, t_stage, options, layouts, cac
     row["status"] = "fail" if failed else "ok"
     if failed:
         row["reason"] = "exceeds " + ", ".join(failed)
+        if result["nonfinite_mismatches"]:  # max_abs, rel_diff, cosine leave them out: they may read 0 and 1
+            row["reason"] += (f"; {result['nonfinite_mismatches']} element(s) NaN or infinite on one side only "
+                              f"(or infinite of opposite signs), left out of max_abs, rel_diff and cosine")
         if used_rule == "replicated" and rule is None:
             row["reason"] += " (shards were taken as replicated; if they are partial sums give --unshard 'NAME=sum')"
         # A merged row names no rank: say whose shard differs, as a TP=2 against TP=2 diff would.
@@ -797,13 +806,16 @@ class DiffResult:
         self.baseline, self.target = baseline_roots, target_roots
         self.notes = list(notes)  # facts that do not change the verdict but qualify it (incomplete dumps)
         self.options = options
-        self.rows = rows
+        if not isinstance(rows, RowLog):
+            log = RowLog(memory_rows=len(rows))
+            for row in rows:
+                log.append(row)
+            rows = log
+        self._rows = rows  # in execution order; past rowlog.MEMORY_ROWS in a temporary file
         self.missing = missing
         self.problems = problems
-        self.compared = sum(1 for row in rows if row.get("max_abs") is not None or row.get("bitwise"))
-        failing = [row for row in rows if row["status"] != "ok"]
-        self.failed = len(failing)
-        self.first_divergence = failing[0] if failing else None
+        self.compared, self.failed = rows.compared, rows.failed
+        self.first_divergence = rows.first_failure
         # A role, rank or stage on one side only is data missing from the comparison: the dumps
         # differ (exit 1). (A name on one side only, or a pass, is listed, not failed.)
         self.missing_ranks = [item for item in missing if item["kind"] in ("role", "rank", "stage_passes")]
@@ -814,12 +826,22 @@ class DiffResult:
         return f"DiffResult(ok={self.ok}, compared={self.compared}, failed={self.failed}{where})"
 
     @property
+    def rows(self):
+        """Every row in execution order: a list, or past rowlog.MEMORY_ROWS an iterable read back
+        from a temporary file (``len`` and ``[i]`` work on both)."""
+        return self._rows if self._rows.spilled else self._rows.as_list()
+
+    def iter_failures(self):
+        """The failing rows in execution order, one at a time (any number of them)."""
+        return (row for row in self._rows if row["status"] != "ok")
+
+    @property
     def read_errors(self) -> list:
-        return [row for row in self.rows if row["status"] == "error"]
+        return [row for row in self.iter_failures() if row["status"] == "error"] if self._rows.errors else []
 
     @property
     def exit_code(self) -> int:
-        if self.problems or self.read_errors:
+        if self.problems or self._rows.errors:
             return 2
         return 1 if self.failed or self.missing_ranks else 0
 
@@ -829,17 +851,29 @@ class DiffResult:
 
     @property
     def failures(self) -> list:
-        return [row for row in self.rows if row["status"] != "ok"]
+        return list(self.iter_failures())
 
-    def as_dict(self) -> dict:
+    def _head(self) -> dict:
         return {"baseline": self.baseline, "target": self.target, "options": self.options.as_dict(),
                 "ok": self.ok, "exit_code": self.exit_code, "first_divergence": self.first_divergence,
                 "compared": self.compared, "failed": self.failed, "missing": self.missing,
-                "problems": self.problems, "notes": self.notes, "rows": self.rows}
+                "problems": self.problems, "notes": self.notes}
+
+    def as_dict(self) -> dict:
+        return dict(self._head(), rows=self._rows.as_list())
 
     def to_json(self, indent=None) -> str:
         """Strict JSON: infinities and NaN (a max_rel over a zero baseline) become strings."""
         return json.dumps(_json_safe(self.as_dict()), indent=indent, default=str, allow_nan=False)
+
+    def write_json(self, out) -> None:
+        """``to_json()`` and a newline, written to the text stream ``out`` a row at a time: the
+        text of a large diff is never held whole in memory."""
+        head = json.dumps(_json_safe(dict(self._head(), rows=[])), default=str, allow_nan=False)
+        out.write(head[:-len("]}")])  # (rows is the last key)
+        for k, row in enumerate(self._rows):
+            out.write((", " if k else "") + json.dumps(_json_safe(row), default=str, allow_nan=False))
+        out.write("]}\n")
 
     def to_html(self, path) -> str:
         from .report import write_html
@@ -859,24 +893,33 @@ class DiffResult:
             what = ", ".join(f"{n} {_MISSING_KIND[kind]}" for kind, n in sorted(kinds.items(), key=lambda kv: kv[0]))
             return (f"{'ranks' if set(kinds) == {'rank'} else 'data'} missing: {what} on one side only (listed "
                     f"below); the {self.compared} tensor(s) compared are within tolerance")
-        return (f"no divergence: {self.compared} tensor(s) compared, all within tolerance "
-                f"(atol {self.options.atol:g}, rtol {self.options.rtol:g})")
+        tolerance = f"(atol {self.options.atol:g}, rtol {self.options.rtol:g})"
+        if self.missing:  # names or passes on one side only: listed, not failed, but never "all fine"
+            names = len({(m["role"], m["name"]) for m in self.missing if m["kind"] == "name"})
+            passes = sum(len(m["passes"]) for m in self.missing if m["kind"] == "passes")
+            what = " and ".join(f"{n} {kind}" for n, kind in ((names, "name(s)"), (passes, "pass(es)")) if n)
+            return (f"no divergence in the {self.compared} tensor(s) compared {tolerance}; not compared: {what} "
+                    f"on one side only (listed below)")
+        return f"no divergence: {self.compared} tensor(s) compared, all within tolerance {tolerance}"
 
     def lines(self) -> list:
         """Human-readable report: the first divergence first, then one line per failing tensor."""
-        out = [self.headline()]
-        for row in self.failures:  # ERROR: unreadable or damaged data, not a divergence of the model
+        return list(self.iter_lines())
+
+    def iter_lines(self):
+        """``lines()`` one at a time (a diff may fail millions of tensors)."""
+        yield printable(self.headline())
+        for row in self.iter_failures():  # ERROR: unreadable or damaged data, not a divergence of the model
             label = "ERROR" if row["status"] == "error" else "FAIL"
-            out.append(f"{label} {_where(row)} {row['name']}  {_row_numbers(row)}")
+            yield printable(f"{label} {_where(row)} {row['name']}  {_row_numbers(row)}")  # no terminal escapes
         for item in self.missing:
-            out.append("missing: " + _missing_text(item))
+            yield printable("missing: " + _missing_text(item))
         for problem in self.problems:
-            out.append(f"ERROR: {problem}")
+            yield printable(f"ERROR: {problem}")
         for note in self.notes:
-            out.append(f"note: {note}")
-        out.append(f"compared {self.compared}, failed {self.failed}, missing {len(self.missing)}"
-                   + (f", problems {len(self.problems) + len(self.read_errors)}" if self.exit_code == 2 else ""))
-        return [printable(line) for line in out]  # names come from the dump: no terminal escapes
+            yield printable(f"note: {note}")
+        yield (f"compared {self.compared}, failed {self.failed}, missing {len(self.missing)}"
+               + (f", problems {len(self.problems) + self._rows.errors}" if self.exit_code == 2 else ""))
 
 
 _MISSING_KIND = {"role": "role(s)", "rank": "rank(s)", "stage_passes": "stage(s) without a pass"}
@@ -968,7 +1011,7 @@ def _check_side(ds, side: str, roles: list, options: Options, notes: list) -> No
 
 
 def _diff(base_ds, target_ds, options: Options) -> DiffResult:
-    missing, problems, rows, notes = [], [], [], []
+    missing, problems, notes = [], [], []
     roles = options.roles or sorted(set(base_ds.roles) | set(target_ds.roles))
     if not options.roles:
         for role in roles:
@@ -993,18 +1036,32 @@ def _diff(base_ds, target_ds, options: Options) -> DiffResult:
         # Other ranks were not asked about: their absence on one side says nothing here.
         missing = [item for item in missing if item["kind"] != "rank" or item["rank"] == options.rank]
     role_order = {role: index for index, role in enumerate(roles)}
-    work = [(unit_index, unit, pair) for unit_index, unit in enumerate(units)
-            for pair in _pass_pairs(unit, options, missing)]
+    # In execution order (the pass, the role, the PP stage; then the units running it at once), so
+    # that rows leave the loop in their final order and need not all be held to be sorted.
+    work = sorted(((unit_index, unit, pair) for unit_index, unit in enumerate(units)
+                   for pair in _pass_pairs(unit, options, missing)),
+                  key=lambda item: (item[2][0], role_order[item[1].role], item[1].pp_rank, item[0]))
 
     progress = _Progress(options.progress)
     missing_names: dict = {}
     stage_gaps: dict = {}  # (role, unit label, side, pp stage) -> passes no rank of that stage holds
     base_names_seen, target_names_seen = set(), set()
-    failed = 0
+    rows = RowLog()
+    group, group_key = [], None  # rows of one pass of one PP stage (all its TP/DP units), to be ordered
+
+    def flush():
+        group.sort(key=lambda row: row.pop("_key"))
+        for row in group:
+            rows.append(row)
+        group.clear()
+
     try:
         cache = _PassCache()
         for done, (unit_index, unit, pair) in enumerate(work, start=1):
             key, b_pass, t_pass = pair
+            if (key, role_order[unit.role], unit.pp_rank) != group_key:
+                flush()
+                group_key = (key, role_order[unit.role], unit.pp_rank)
             cache.clear()  # one pass pair in memory at a time
             for side, stages, pass_id in (("baseline", unit.baseline, b_pass), ("target", unit.target, t_pass)):
                 notes.extend(_incomplete_pass_notes(unit, side, stages, pass_id))
@@ -1050,10 +1107,10 @@ def _diff(base_ds, target_ds, options: Options) -> DiffResult:
                     row.update({"status": "error", "reason": str(exc), "max_abs": None})
                 # Execution order: the pass, then its PP stages in turn, then the tensor's position;
                 # TP and DP ranks run the same position at once, so the lowest rank is named first.
-                row["_key"] = (key, role_order[unit.role], unit.pp_rank, order, unit_index)
-                failed += row["status"] != "ok"
-                rows.append(row)
-            progress.update(done, len(work), len(rows), failed)
+                row["_key"] = (order, unit_index)
+                group.append(row)
+            progress.update(done, len(work), len(rows) + len(group), rows.failed)
+        flush()
     finally:
         progress.close()
 
@@ -1065,7 +1122,6 @@ def _diff(base_ds, target_ds, options: Options) -> DiffResult:
                         "passes": passes})
     problems.extend(base_ds.problems)
     problems.extend(target_ds.problems)
-    rows.sort(key=lambda row: row.pop("_key"))
     result = DiffResult(_roots(base_ds), _roots(target_ds), options, rows, missing, problems, notes)
     if result.compared == 0:
         common = base_names_seen & target_names_seen
@@ -1081,11 +1137,11 @@ def _diff(base_ds, target_ds, options: Options) -> DiffResult:
         elif not common:
             reason = (f"no tensor name in common ({len(base_names_seen)} baseline names, "
                       f"{len(target_names_seen)} target names): these look like dumps of different models")
-        elif options.name_filter is not None and not rows:
+        elif options.name_filter is not None and not len(rows):
             reason = f"--name {options.name_spec!r} matches no tensor present on both sides"
         else:
             reason = "no tensor could be compared: " + "; ".join(
-                f"{row['name']}: {row.get('reason')}" for row in rows[:3])
+                f"{row['name']}: {row.get('reason')}" for row in itertools.islice(rows, 3))
         raise DiffError(reason + "".join(f"\n  {problem}" for problem in problems))
     return result
 
@@ -1149,6 +1205,20 @@ def _roots_arg(positional, repeated, side):
     return roots
 
 
+def _check_report_path(path: str) -> None:
+    """--html REPORT must name a file that can be written: found out after the comparison, the
+    diff's verdict was lost to an error naming a temporary file."""
+    if not path:
+        raise DiffError("--html: give a file name")
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise DiffError(f"--html {path!r}: is a directory")
+    if not os.path.isdir(folder):
+        raise DiffError(f"--html {path!r}: no directory {folder!r}")
+    if not os.access(folder, os.W_OK):
+        raise DiffError(f"--html {path!r}: directory {folder!r} is not writable")
+
+
 def cmd_diff(args) -> int:
     positional = [p for p in (args.baseline, args.target) if p]
     try:
@@ -1168,6 +1238,8 @@ def cmd_diff(args) -> int:
             target_roots = _roots_arg(None, args.target_root, "target")
         else:
             raise DiffError("give BASELINE TARGET, or --baseline-root/--target-root")
+        if args.html is not None:
+            _check_report_path(args.html)  # before comparing: a diff may take hours
         result = diff(base_roots, target_roots, role=args.role, rank=args.rank, passes=args.passes,
                       name=args.name, atol=args.atol, rtol=args.rtol, tol=args.tol, metric=args.metric,
                       align=args.align, unshard=args.unshard, allow_running=args.allow_running, progress=True)
@@ -1178,9 +1250,9 @@ def cmd_diff(args) -> int:
         return 2
     try:
         if args.json:
-            print(result.to_json(indent=None))
+            result.write_json(sys.stdout)
         else:
-            for line in result.lines():
+            for line in result.iter_lines():
                 print(line)
             if args.html:
                 print(f"report: {args.html}")

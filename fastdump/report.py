@@ -8,17 +8,40 @@ opens anywhere (an air-gapped cluster's browser, a CI artifact viewer). Every te
 from __future__ import annotations
 
 import html
+import itertools
 import math
 import os
 import re
 
 _REL_FLOOR = 1e-16  # rel_diff of identical tensors is 0; the log axes start here
 _MAX_HEATMAP_PASSES = 400
+_MAX_HEATMAP_LAYERS = 400
 _MAX_TABLE_ROWS = 2000
+_MAX_LIST_ITEMS = 1000  # notes, missing items, problems: the rest are in the text and JSON output
+_MAX_PLOT_POINTS = 4000
+_MAX_TEXT = 1000  # characters of one name or message; a name may be 100k characters long
+
+
+def _clip(text: str) -> str:
+    if len(text) <= _MAX_TEXT:
+        return text
+    half = _MAX_TEXT // 2
+    return f"{text[:half]}…[{len(text) - 2 * half} more characters]…{text[-half:]}"
 
 
 def _esc(value) -> str:
-    return html.escape(str(value), quote=True)
+    """Text from the dump, as HTML (also inside SVG): escaped, control characters written as
+    ``printable`` writes them for a terminal (a raw NUL or form feed makes the page malformed, a
+    newline would join two names into one), and clipped so that the report stays bounded."""
+    return html.escape(_clip(printable(value)), quote=True)
+
+
+def _items(items, text) -> str:
+    """A bounded <ul> of ``text(item)``."""
+    shown = "".join(f"<li>{_esc(text(item))}</li>" for item in items[:_MAX_LIST_ITEMS])
+    more = f"<li>… {len(items) - _MAX_LIST_ITEMS} more (see the text or --json output)</li>" \
+        if len(items) > _MAX_LIST_ITEMS else ""
+    return f"<ul>{shown}{more}</ul>"
 
 
 def _num(value) -> str:
@@ -62,7 +85,12 @@ def _color(fraction: float) -> str:
 
 
 def execution_plot(rows: list, title: str, highlight=None) -> str:
-    """rel_diff (log scale) of each tensor of one pass along execution order; failures in red."""
+    """rel_diff (log scale) of each tensor of one pass along execution order; failures in red.
+    Past _MAX_PLOT_POINTS tensors, an even sample of them (and the first divergence)."""
+    if len(rows) > _MAX_PLOT_POINTS:
+        step = -(-len(rows) // _MAX_PLOT_POINTS)
+        title += f" (every {step}th of {len(rows)} tensors)"
+        rows = [row for i, row in enumerate(rows) if i % step == 0 or row is highlight]
     width, height, left, right, top, bottom = 900, 320, 60, 20, 30, 70
     plot_w, plot_h = width - left - right, height - top - bottom
     n = max(len(rows), 1)
@@ -120,21 +148,31 @@ def heatmap(rows: list, title: str) -> str:
     """Max rel_diff per (pass, layer) of one role and rank; tensors outside layers in 'other'."""
     cells: dict = {}
     passes, layers, other = set(), set(), False
+    max_kept = -1  # the last pass with cells: rows come in pass order, the first passes are drawn
     for row in rows:
         layer = layer_of(row["name"])
         other |= layer is None
         value = row.get("rel_diff")
         if value is None:
             value = 0.0 if row["status"] == "ok" else 1.0
-        key = (row["pass"], layer)
-        cells[key] = max(cells.get(key, 0.0), value)
         passes.add(row["pass"])
+        if len(passes) > _MAX_HEATMAP_PASSES and row["pass"] > max_kept:
+            continue  # (a pass not drawn: its cells would grow with the dump)
+        max_kept = max(max_kept, row["pass"])
+        key = (row["pass"], layer)
+        worst, failing = cells.get(key, (0.0, 0))
+        # A NaN rel_diff is the worst; a failing tensor counts whatever its rel_diff (a NaN on
+        # one side only has rel_diff 0: colored alone, its cell read as identical).
+        cells[key] = (value if math.isnan(value) or value > worst else worst, failing + (row["status"] != "ok"))
         if layer is not None:
             layers.add(layer)
     pass_list = sorted(passes)[:_MAX_HEATMAP_PASSES]
     if len(passes) > len(pass_list):
         title += f" (first {len(pass_list)} of {len(passes)} passes)"
-    columns = sorted(layers) + ([None] if other else [])
+    columns = sorted(layers)[:_MAX_HEATMAP_LAYERS]
+    if len(layers) > len(columns):
+        title += f" (first {len(columns)} of {len(layers)} layers)"
+    columns += [None] if other else []
     cell_w = max(8, min(40, 800 // max(len(columns), 1)))
     cell_h = max(2, min(20, 500 // max(len(pass_list), 1)))
     left, top = 60, 40
@@ -155,21 +193,25 @@ def heatmap(rows: list, title: str) -> str:
             parts.append(f'<text x="{left - 6}" y="{top + ri * cell_h + cell_h / 2 + 4:.1f}" font-size="10" '
                          f'text-anchor="end" font-family="sans-serif">{pass_id}</text>')
         for ci, layer in enumerate(columns):
-            value = cells.get((pass_id, layer))
+            value, failing = cells.get((pass_id, layer), (None, 0))
+            stroke = ""
             if value is None:
                 fill, tip = "#e8e8e8", "no tensors"
             else:
                 fill = _color((_log_rel(value) - lo) / (0 - lo))
                 tip = f"pass {pass_id} layer {'other' if layer is None else layer}: max rel_diff {value:.3g}"
+                if failing:  # outlined: failing, whatever the color says
+                    tip += f", {failing} failing"
+                    stroke = ' stroke="#d22820" stroke-width="2"'
             parts.append(f'<rect x="{left + ci * cell_w}" y="{top + ri * cell_h}" width="{cell_w}" '
-                         f'height="{cell_h}" fill="{fill}"><title>{_esc(tip)}</title></rect>')
+                         f'height="{cell_h}" fill="{fill}"{stroke}><title>{_esc(tip)}</title></rect>')
     bar_x = left + cell_w * len(columns) + 30
     for k in range(20):
         parts.append(f'<rect x="{bar_x}" y="{top + k * 10}" width="14" height="10" fill="{_color(1 - k / 19)}"/>')
     parts.append(f'<text x="{bar_x + 18}" y="{top + 8}" font-size="10" font-family="sans-serif">1</text>')
     parts.append(f'<text x="{bar_x + 18}" y="{top + 200}" font-size="10" font-family="sans-serif">1e-16</text>')
     parts.append(f'<text x="{left}" y="{height - 14}" font-size="12" font-family="sans-serif">columns: layer '
-                 f'number (max rel_diff over its tensors); rows: pass</text>')
+                 f'number (max rel_diff over its tensors); rows: pass; outlined in red: a tensor fails</text>')
     parts.append("</svg>")
     return "\n".join(parts)
 
@@ -194,7 +236,7 @@ def render(result) -> str:
                                             f"rtol {result.options.rtol:g}"],
                               ["options", result.options.as_dict()]])]
     if result.notes:  # they qualify the verdict (an incomplete dump or pass), so they come before it is explained
-        body.append("<h2>Notes</h2><ul>" + "".join(f"<li>{_esc(n)}</li>" for n in result.notes) + "</ul>")
+        body.append("<h2>Notes</h2>" + _items(result.notes, str))
     if first is not None:
         body.append(f'<p class="first">First divergence: <b>{_esc(first["name"])}</b> — {_esc(_where(first))}; '
                     f'max_abs {_num(first.get("max_abs"))}, rel_diff {_num(first.get("rel_diff"))}'
@@ -202,18 +244,20 @@ def render(result) -> str:
         focus = (first["role"], first["rank"], first.get("dp_rank"), first["pass"])
     else:
         body.append(f"<p>{_esc(result.headline())}</p>")  # (missing ranks or read problems: not a pass)
-        row = result.rows[0] if result.rows else None
+        row = next(iter(result.rows), None)
         focus = (row["role"], row["rank"], row.get("dp_rank"), row["pass"]) if row else None
     if focus is not None:  # one rank of one DP replica (rank numbers repeat per replica)
         where = f"{focus[0]} rank {focus[1]}" + (f" (dp {focus[2]})" if focus[2] is not None else "")
+        # (the rows are read one at a time: a large diff keeps them in a file)
         pass_rows = [r for r in result.rows if (r["role"], r["rank"], r.get("dp_rank"), r["pass"]) == focus]
+        # (rows read back from a file are copies: the first divergence is found among them)
+        highlight = None if first is None else next((r for r in pass_rows if r == first), None)
         body.append("<h2>Error per module along execution order</h2>")
-        body.append(execution_plot(pass_rows, f"{where} pass {focus[3]}", highlight=first))
-        unit_rows = [r for r in result.rows if (r["role"], r["rank"], r.get("dp_rank")) == focus[:3]]
+        body.append(execution_plot(pass_rows, f"{where} pass {focus[3]}", highlight=highlight))
+        unit_rows = (r for r in result.rows if (r["role"], r["rank"], r.get("dp_rank")) == focus[:3])
         body.append("<h2>rel_diff by pass and layer</h2>")
         body.append(heatmap(unit_rows, f"{where}: max rel_diff per pass x layer"))
-    failures = result.failures
-    body.append(f"<h2>Failing tensors ({len(failures)})</h2>")
+    body.append(f"<h2>Failing tensors ({result.failed})</h2>")
     body.append(_table(
         ["role", "rank", "pass", "base pass", "#", "name", "shape", "dtype", "max_abs", "max_rel", "rel_diff",
          "cosine", "mismatch", "reason"],
@@ -221,18 +265,17 @@ def render(result) -> str:
           f"{r.get('baseline_dtype', '-')}/{r.get('dtype', '-')}", _num(r.get("max_abs")), _num(r.get("max_rel")),
           _num(r.get("rel_diff")), cosine_text(r),
           "-" if r.get("mismatch") is None else percent(r["mismatch"]), r.get("reason", "")]
-         for r in failures[:_MAX_TABLE_ROWS]]))
-    if len(failures) > _MAX_TABLE_ROWS:
-        body.append(f"<p>… {len(failures) - _MAX_TABLE_ROWS} more (see --json)</p>")
+         for r in itertools.islice(result.iter_failures(), _MAX_TABLE_ROWS)]))
+    if result.failed > _MAX_TABLE_ROWS:
+        body.append(f"<p>… {result.failed - _MAX_TABLE_ROWS} more (see --json)</p>")
     if result.missing:
-        body.append(f"<h2>Missing ({len(result.missing)})</h2><ul>"
-                    + "".join(f"<li>{_esc(_missing_text(m))}</li>" for m in result.missing) + "</ul>")
+        body.append(f"<h2>Missing ({len(result.missing)})</h2>" + _items(result.missing, _missing_text))
     if result.problems:
-        body.append("<h2>Problems</h2><ul>" + "".join(f"<li>{_esc(p)}</li>" for p in result.problems) + "</ul>")
+        body.append(f"<h2>Problems ({len(result.problems)})</h2>" + _items(result.problems, str))
     style = ("body{font-family:sans-serif;margin:24px;color:#222}table{border-collapse:collapse;margin:8px 0}"
              "td,th{border:1px solid #ccc;padding:2px 6px;font-size:12px;text-align:left}"
              ".first{font-size:16px;color:#a01010}svg{display:block;margin:8px 0}")
-    return ("<!DOCTYPE html>\n<html><head><meta charset=\"utf-8\"><title>fastdump diff</title>"
+    return ("<!DOCTYPE html>\n<html><head><meta charset=\"utf-8\"/><title>fastdump diff</title>"
             f"<style>{style}</style></head><body>\n" + "\n".join(body) + "\n</body></html>\n")
 
 

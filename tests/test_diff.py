@@ -138,7 +138,8 @@ def test_html_report_names_the_divergence_and_holds_svg_plots(twins, perturbed, 
     assert len(cells) == 3 * 4
     assert "pass 0 layer 0: max rel_diff 0" in cells
     (layer1,) = [t for t in cells if t.startswith("pass 0 layer 1:")]
-    assert float(layer1.rpartition(" ")[2]) > 1e-6
+    value, _, failing = layer1.partition("max rel_diff ")[2].partition(", ")
+    assert float(value) > 1e-6 and failing.endswith(" failing")
 
 
 # ------------------------------------------------------------------------------------ TP unshard

@@ -170,6 +170,18 @@ def test_nan_positions_equal_pass_one_sided_nan_and_inf_sign_fail(tmp_path):
         assert {r["name"] for r in loose.failures} == {"moved", "sign", "allnan"}, metric
 
 
+def test_a_failure_only_in_non_finite_elements_says_so_in_its_line(tmp_path, capsys):
+    """+inf against -inf (or a NaN on one side only) fails, but every number of the FAIL line is
+    over the elements finite on both sides: it read "max_abs 0 ... rel_diff 0 cosine 1", as a
+    match would, with no word of why."""
+    base, target = pair(tmp_path, {"sign": torch.tensor([INF, 1.0])}, {"sign": torch.tensor([-INF, 1.0])})
+    code, out, err = run(capsys, base, target)
+    assert code == 1 and out.splitlines()[0] == (
+        "first divergence: target rank 0 pass 0 sign  max_abs 0  max_rel 0  rel_diff 0  cosine 1  mismatch 50.00%  "
+        "[exceeds allclose; 1 element(s) NaN or infinite on one side only (or infinite of opposite signs), left "
+        "out of max_abs, rel_diff and cosine]")
+
+
 def test_negative_zero_equals_zero_at_zero_tolerance(tmp_path):
     base, target = pair(tmp_path, {"z": torch.tensor([0.0, -0.0, 1.0])}, {"z": torch.tensor([-0.0, 0.0, 1.0])})
     row = row_of(fastdump.diff(base, target, atol=0, rtol=0), "z")
@@ -358,6 +370,27 @@ def test_bad_tolerances_and_options_exit_2_with_message(lm, capsys, option, valu
     assert code == 2 and message in err and out == "" and "Traceback" not in err
 
 
+@pytest.mark.parametrize("value,message", [
+    ("{tmp}/no/such/dir/r.html", "--html '{tmp}/no/such/dir/r.html': no directory '{tmp}/no/such/dir'"),
+    ("{tmp}", "--html '{tmp}': is a directory"), ("", "--html: give a file name"),
+])
+def test_a_report_that_cannot_be_written_is_refused_before_comparing(lm, tmp_path, capsys, monkeypatch, value,
+                                                                    message):
+    """The report path was first tried after the whole comparison (hours, on a large dump): the
+    verdict was lost to an error naming a temporary file, and an empty --html was ignored."""
+    from fastdump import compare
+
+    monkeypatch.setattr(compare, "diff", lambda *a, **k: pytest.fail("compared before checking --html"))
+    code, out, err = run(capsys, lm, lm, f"--html={value.format(tmp=tmp_path)}")
+    assert (code, out, err) == (2, "", f"fastdump diff: {message.format(tmp=tmp_path)}\n")
+
+
+def test_a_pass_range_that_ends_before_it_starts_is_a_usage_error(lm, capsys):
+    """'--passes 5-2' selected nothing and the diff blamed the dumps ("no passes in common")."""
+    code, out, err = run(capsys, lm, lm, "--passes", "0,5-2")
+    assert (code, out, err) == (2, "", "fastdump diff: --passes '0,5-2': '5-2' ends before it starts\n")
+
+
 def test_nan_metric_threshold_is_refused(tmp_path, capsys):
     base, target = pair(tmp_path, {"x": torch.tensor([1.0, 2.0])}, {"x": torch.tensor([-1.0, -2.0])})
     code, out, err = run(capsys, base, target, "--metric", "rel_diff=nan")
@@ -538,6 +571,19 @@ def test_different_pass_counts_list_the_extra_passes(lm, tmp_path, capsys):
     assert code == 2 and "no passes in common" in err
 
 
+def test_names_and_passes_on_one_side_only_are_in_the_first_line_never_all_within_tolerance(tmp_path, capsys):
+    """A target that never dumped 'y' and stopped a pass early read "no divergence: 2 tensor(s)
+    compared, all within tolerance" on its first line: the line a CI log shows."""
+    base = dump_bag(tmp_path / "base", {"x": torch.ones(2), "y": torch.ones(1)}, passes=3)
+    target = dump_bag(tmp_path / "target", {"x": torch.ones(2)}, passes=2)
+    code, out, err = run(capsys, base, target, "--name", "^[xy]$")
+    assert code == 0 and out.splitlines()[0] == (
+        "no divergence in the 2 tensor(s) compared (atol 1e-05, rtol 1e-05); not compared: 1 name(s) and 1 "
+        "pass(es) on one side only (listed below)")
+    page = fastdump.diff(base, target).to_html(tmp_path / "r.html")
+    assert "all within tolerance" not in open(page).read()
+
+
 def test_an_empty_root_and_a_dump_with_no_pass_exit_2(lm, tmp_path, capsys):
     empty = tmp_path / "empty"
     empty.mkdir()
@@ -563,6 +609,14 @@ def test_other_role_on_one_side_is_missing_and_role_filter(lm, tmp_path, capsys)
     assert code == 1 and "missing: role 'extra' only in the baseline" in out
     assert out.startswith("data missing: 1 role(s) on one side only")
     assert run(capsys, other, lm, "--role", "target")[0] == 0  # the roles both have: the same
+
+
+def test_a_role_given_twice_is_compared_once(lm, capsys):
+    """--role target --role target compared every tensor twice: 'compared' and 'failed' doubled."""
+    once = fastdump.diff(lm, lm, role="target")
+    code, out, err = run(capsys, lm, lm, "--role", "target", "--role", "target")
+    assert code == 0 and out.splitlines()[-1] == f"compared {once.compared}, failed 0, missing 0"
+    assert once.compared == len(fastdump.diff(lm, lm, role=["target", "target"]).rows) > 0
 
 
 def test_ranks_with_nothing_in_common_exit_2(tmp_path, capsys):
@@ -1292,3 +1346,140 @@ def test_asking_whether_complex_has_arithmetic_warns_of_nothing():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert stats.has_arithmetic(torch.complex64)
+
+
+def test_html_report_of_hostile_names_is_escaped_well_formed_and_bounded(tmp_path):
+    """Names, paths and option values from the dump's world reach the report: markup must stay
+    text, control characters must not make the page malformed (a raw NUL, form feed), a newline
+    must not join two names, and a 100k-character name must not make the report 100 KB per
+    mention. The page parses as XML, so every element is closed and every text escaped."""
+    import xml.etree.ElementTree as ET
+
+    names = ["layers.0.<script>alert(1)</script>", 'layers.1."q"&amp;', "layers.2.]]><!--", "a\nb\x00c\x07\x0c",
+             "é✓\u202egnp.exe", "layers.3." + "x" * 100_000]
+    roots = []
+    for side, value in (('b<i>&"', 0.0), ("t</svg>", 1.0)):
+        with fastdump.attach(None, tmp_path / side, writer="thread") as dumper:
+            for _ in range(2):
+                dumper.begin_pass()
+                dumper.set_pass_meta(mode="<script>")
+                for name in names:
+                    dumper.dump(name, torch.full((2,), value))
+                dumper.end_pass()
+        roots.append(tmp_path / side)
+    result = fastdump.diff(*roots, align="meta:mode=<script>")
+    assert result.failed == 2 * len(names)
+    page = open(result.to_html(tmp_path / "r.html"), encoding="utf-8").read()
+    tree = ET.fromstring(page)  # raises on malformed markup or a raw control character
+    assert not [e for e in tree.iter() if e.tag.split("}")[-1] in ("script", "i")]
+    cells = ["".join(td.itertext()) for td in tree.iter("td")]
+    assert "layers.0.<script>alert(1)</script>" in cells and 'layers.1."q"&amp;' in cells
+    assert "layers.2.]]><!--" in cells and "a\\nb\\x00c\\x07\\x0c" in cells and "é✓\\u202egnp.exe" in cells
+    assert any(c.startswith("layers.3.xxx") and "more characters]" in c for c in cells)
+    assert str(tmp_path / 'b<i>&"') in cells and "{'role': None" in "".join(cells)
+    assert "meta:mode=<script>" in "".join(cells)
+    assert "x" * 2000 not in page and len(page) < 60_000
+
+
+def _dump_passes(root, passes, value):
+    with fastdump.attach(None, root, writer="thread") as dumper:
+        for _ in range(passes):
+            dumper.begin_pass()
+            for i in range(20):
+                dumper.dump(f"model.layers.{i % 4}.m{i}", torch.full((4,), value + i))
+            dumper.end_pass()
+    return root
+
+
+def test_diff_memory_is_bounded_whatever_the_number_of_rows(tmp_path, capfd, monkeypatch):
+    """diff kept every row (~1.2 KB each) and printed the JSON as one string: 40k passes of 95
+    tensors held 663 MB. Past rowlog.MEMORY_ROWS the rows go to a temporary file, and the text,
+    JSON and HTML outputs are written from it a row at a time: four times the rows (every one
+    failing) must not take more memory, and every row is still in the outputs."""
+    import tracemalloc
+
+    from fastdump import report, rowlog
+
+    monkeypatch.setattr(rowlog, "MEMORY_ROWS", 50)
+    monkeypatch.setattr(report, "_MAX_TABLE_ROWS", 20)  # (the report's bound; 2000 rows by default)
+    peaks = {}
+    for passes in (15, 60):
+        base = _dump_passes(tmp_path / f"a{passes}", passes, 0.0)
+        target = _dump_passes(tmp_path / f"b{passes}", passes, 1.0)
+        page = tmp_path / f"r{passes}.html"
+        argv = ["diff", str(base), str(target), "--html", str(page)]
+        if not peaks:
+            assert cli.main(argv + ["--json"]) == 1  # (imports and caches warm before measuring)
+            capfd.readouterr()
+        tracemalloc.start()
+        try:
+            assert cli.main(argv + ["--json"]) == 1
+            assert cli.main(argv) == 1
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        peaks[passes] = peak
+        out = capfd.readouterr().out.splitlines()
+        data = json.loads(out[0])
+        assert len(data["rows"]) == data["failed"] == passes * 20 and data["exit_code"] == 1
+        assert [(r["pass"], r["name"]) for r in data["rows"]] == \
+            [(p, f"model.layers.{i % 4}.m{i}") for p in range(passes) for i in range(20)]
+        assert data["rows"][-1]["max_abs"] == 1.0 and data["rows"][-1]["target_stats"]["max"] == 20.0
+        assert data["first_divergence"] == data["rows"][0]
+        text = out[1:]
+        assert text[0].startswith("first divergence: target rank 0 pass 0 model.layers.0.m0")
+        assert sum(line.startswith("FAIL ") for line in text) == passes * 20
+        assert text[-2] == f"compared {passes * 20}, failed {passes * 20}, missing 0"
+        page = page.read_text()
+        assert f"<h2>Failing tensors ({passes * 20})</h2>" in page and f"{passes * 20 - 20} more" in page
+    assert peaks[60] < peaks[15] * 1.2 + (200 << 10), peaks
+
+
+def test_heatmap_marks_a_failing_cell_whose_rel_diff_reads_identical(tmp_path):
+    """A NaN on one side only fails the tensor, but its rel_diff (over elements finite on both
+    sides) is 0: the heatmap colored its cell as identical, the same as the cells that match."""
+    import xml.etree.ElementTree as ET
+
+    for side, first in (("base", 1.0), ("target", NAN)):
+        with fastdump.attach(None, tmp_path / side, writer="thread") as dumper:
+            dumper.begin_pass()
+            dumper.dump("layers.0.a", torch.tensor([first, 2.0]))
+            dumper.dump("layers.1.b", torch.tensor([1.0, 2.0]))
+            dumper.end_pass()
+    result = fastdump.diff(tmp_path / "base", tmp_path / "target")
+    assert [(r["name"], r["rel_diff"]) for r in result.failures] == [("layers.0.a", 0.0)]
+    tree = ET.parse(result.to_html(tmp_path / "r.html"))
+    cells = {rect.find("{http://www.w3.org/2000/svg}title").text: rect.get("stroke")
+             for rect in tree.iter("{http://www.w3.org/2000/svg}rect")
+             if rect.find("{http://www.w3.org/2000/svg}title") is not None}
+    assert cells["pass 0 layer 0: max rel_diff 0, 1 failing"] == "#d22820"
+    assert cells["pass 0 layer 1: max rel_diff 0"] is None
+
+
+def test_html_report_lists_and_plot_are_bounded_and_keep_the_first_divergence(tmp_path, monkeypatch):
+    """Missing items, notes and problems were listed whole and the plot drew every tensor of the
+    pass: the report grew with the dump. Past their bounds they say how many more, and a sampled
+    plot still draws the first divergence."""
+    import xml.etree.ElementTree as ET
+
+    from fastdump import report
+
+    monkeypatch.setattr(report, "_MAX_LIST_ITEMS", 2)
+    monkeypatch.setattr(report, "_MAX_PLOT_POINTS", 3)
+    for side, names, changed in (("base", range(15), None), ("target", range(10), "layers.5.x")):
+        with fastdump.attach(None, tmp_path / side, writer="thread") as dumper:
+            dumper.begin_pass()
+            for i in names:
+                dumper.dump(f"layers.{i}.x", torch.full((2,), 1.0 + (f"layers.{i}.x" == changed)))
+            dumper.end_pass()
+    result = fastdump.diff(tmp_path / "base", tmp_path / "target")
+    assert len(result.missing) == 5 and result.first_divergence["name"] == "layers.5.x"
+    page = open(result.to_html(tmp_path / "r.html")).read()
+    tree = ET.fromstring(page)
+    (missing,) = [ul for ul in tree.iter("ul")]
+    assert [li.text for li in missing][1:] == ["role target rank 0: 'layers.11.x' only in the baseline (passes 0)",
+                                               "… 3 more (see the text or --json output)"]
+    svg = "{http://www.w3.org/2000/svg}"
+    circles = [c.find(f"{svg}title").text for c in tree.iter(f"{svg}circle")]
+    assert [c.partition(":")[0] for c in circles] == ["0", "4", "5", "8"]
+    assert "(every 4th of 10 tensors)" in page
