@@ -449,6 +449,46 @@ def test_two_live_dumpers_same_root_and_role_get_their_own_directories(tmp_path,
     assert cli("verify", root).returncode == 0
 
 
+def test_a_session_directory_that_exists_is_never_shared(tmp_path, monkeypatch, caplog):
+    """Two Dumpers of one pid (containers: pid 1 each, on a shared volume) drawing the same session
+    id both wrote <root>/target/<one dir>: the second's segments and rank.json replaced the first's,
+    one model's passes were lost and verify said OK. A directory that exists is another's: a fresh
+    id is drawn; when none is free, attach fails without writing into the other's directory."""
+    root = tmp_path / "dump"
+    fixed = "20260101T000000.000000Z-0000abcd"
+    ids = iter([fixed, fixed])  # both draw the same id once; the second draws again
+    real = fmt.new_session_id
+    monkeypatch.setattr(fmt, "new_session_id", lambda: next(ids, None) or real())
+    target, x = model_and_input(0)
+    draft, y = model_and_input(1)
+    d1 = fastdump.attach(target, root, writer="thread")
+    d2 = fastdump.attach(draft, root, writer="thread")
+    assert d1.session == fixed and d2.session != fixed and d1.dir != d2.dir and d2.status == "running"
+    with torch.inference_mode():
+        outs = [(target(x), draft(y)) for _ in range(3)]
+    d1.close()
+    d2.close()
+    ds = fastdump.open(root)
+    for p, (t_out, d_out) in enumerate(outs):
+        assert torch.equal(ds.load("target", d1.dir.name, p)["Linear"], t_out)
+        assert torch.equal(ds.load("target", d2.dir.name, p)["Linear"], d_out)
+    assert cli("verify", root).returncode == 0
+
+    monkeypatch.setattr(fmt, "new_session_id", lambda: fixed)  # every id taken: attach gives up
+    before = sorted(os.listdir(d1.dir))
+    with caplog.at_level(logging.ERROR, logger="fastdump"):
+        d3 = fastdump.attach(draft, root, writer="thread")
+    assert d3.status == "error" and "existed already" in d3.error
+    with torch.inference_mode():
+        assert torch.equal(draft(y), outs[0][1])  # serving goes on
+    d3.close()
+    assert sorted(os.listdir(d1.dir)) == before  # no producer_error.json in the other's directory
+    assert torch.equal(fastdump.open(root).load("target", d1.dir.name, 0)["Linear"], outs[0][0])
+    assert cli("verify", root).returncode == 0
+    with pytest.raises(FileExistsError, match="existed already"):
+        fastdump.attach(draft, root, writer="thread", strict=True)
+
+
 # ------------------------------------------------------------------- status, counts, full disk
 
 

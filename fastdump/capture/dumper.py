@@ -87,6 +87,9 @@ _engine.on_exit(close_all)  # dumpers close before the engine stops, at interpre
 # Twins (ranks: capture/ranks.py; selection: capture/selection.py; manifest: capture/manifest.py)
 
 
+_DIR_TRIES = 8  # fresh session ids drawn before a Dumper gives up on its own directory
+
+
 def _warn_if_twin(dumper) -> None:
     """Two live Dumpers of one process on the same root, role and ranks (a draft attached without
     ``role=``, say) write separate session directories; say so, since it is rarely intended."""
@@ -123,6 +126,7 @@ class Dumper:
         self.root = Path(root).absolute()
         self.session = _fmt.new_session_id()  # its own directory, even when the pid repeats
         self.dir = self.root / role / _fmt.rank_dir_name(ranks, os.getpid(), self.session)
+        self._own_dir = False  # self.dir made by this Dumper (_make_own_dir): only then written to
         self.policy = o.policy
         self.inputs = bool(o.inputs)
         self.skip_passes, self.every = int(o.skip_passes), int(o.every)
@@ -195,7 +199,7 @@ class Dumper:
             self._shared_left_out = {}
         self.not_wrapped.update(self._shared_left_out)
         try:
-            self.dir.mkdir(parents=True, exist_ok=True)
+            self._make_own_dir()
             _write_manifest(self.root, config)
             self._engine = Engine.acquire(o.engine)
             self._producer = self._engine.producer
@@ -246,6 +250,22 @@ class Dumper:
             if self.not_wrapped and self.status == "running":
                 log.warning("fastdump: %s: not wrapped: %s", self.dir,
                             "; ".join(f"{name}: {why}" for name, why in self.not_wrapped.items()))
+
+    def _make_own_dir(self) -> None:
+        """Create this session's rank directory, which no one else may write: a directory that
+        already exists (two processes of one pid, as containers have, starting in one microsecond
+        with the same random bits; a test's fixed session id) belongs to another Dumper, whose
+        segments and rank.json this one's writer would overwrite. A fresh session id is drawn."""
+        for _ in range(_DIR_TRIES):
+            self.dir.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                self.dir.mkdir()
+                self._own_dir = True
+                return
+            except FileExistsError:
+                self.session = _fmt.new_session_id()
+                self.dir = self.dir.parent / _fmt.rank_dir_name(self.ranks, self._pid, self.session)
+        raise FileExistsError(f"{_DIR_TRIES} session directories in {self.dir.parent} existed already")
 
     def _root_name_of(self, model) -> str:
         return self.options.root_name or type(_original_module(model)).__name__
@@ -1045,6 +1065,9 @@ class Dumper:
         if not writer_stuck and self._engine is not None and self._channel is not None and self._engine.alive:
             if self._channel.control(protocol.note(self._channel.id, "error", error=error), block=False):
                 return  # in the ring: the writer merges it into rank.json
+        if not self._own_dir:  # (not made, or another Dumper's: its dump is not this one's to mark)
+            log.error("fastdump: %s is not this Dumper's directory: the error is not recorded there", self.dir)
+            return
         try:
             write_json_atomic(self.dir / _fmt.PRODUCER_ERROR_FILE,
                               {"status": "error", "error": error, "pid": os.getpid(), "time": time.time()})
