@@ -14,7 +14,7 @@ import os
 import warnings
 from typing import Any, Mapping
 
-from .options import DEFAULTS, ENV_VARS, OPTION_NAMES, EnvVar  # noqa: F401 - EnvVar re-exported
+from .options import DEFAULTS, ENV_VARS, OPTION_NAMES, EnvVar, Options  # noqa: F401 - EnvVar re-exported
 
 __all__ = ["ConfigError", "ENV_VARS", "env_table", "parse_env", "settings_from_env", "maybe_attach"]
 
@@ -56,6 +56,7 @@ def parse_env(environ: Mapping[str, str] = os.environ) -> dict[str, Any]:
             continue
         try:
             value = var.parse(raw)
+            _check_alone(var.kwarg, value)
         except ValueError as e:
             raise ConfigError(f"{var.name}={raw!r}: {e}") from None
         if var.kwarg in out:  # FASTDUMP_MAX_BYTES and FASTDUMP_MAX_MB
@@ -68,6 +69,13 @@ def parse_env(environ: Mapping[str, str] = os.environ) -> dict[str, Any]:
             hint = f" (did you mean {near[0]}?)" if near else ""
             warnings.warn(f"unknown environment variable {key}{hint}; ignored", stacklevel=3)
     return out
+
+
+def _check_alone(kwarg: str, value) -> None:
+    """The checks ``attach`` makes (Options), on this one setting: a value the parser took but
+    attach refuses (FASTDUMP_RING_MB=0.1, a blank FASTDUMP_DIR) failed later with a message that
+    named the option, not the variable."""
+    Options(**{"root": "."} | {kwarg: value})
 
 
 def settings_from_env(environ: Mapping[str, str] = os.environ) -> dict[str, Any] | None:

@@ -389,7 +389,8 @@ class Options:
     def __post_init__(self):
         """Bad settings fail at attach, before the model runs, with one clear message."""
         root, role = self.root, self.role
-        if not isinstance(root, (str, os.PathLike)) or not os.fspath(root).strip():
+        if not isinstance(root, (str, os.PathLike)) or not os.fspath(root).strip() \
+                or "\0" in str(os.fspath(root)):  # (no file name holds NUL: mkdir would fail after attach)
             raise ValueError(f"root must be a non-empty directory path, not {root!r}")
         if not isinstance(role, str) or not role or "/" in role or role in (".", ".."):
             raise ValueError(f"role must be a plain directory name, not {role!r}")

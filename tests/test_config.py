@@ -47,12 +47,40 @@ def test_parses_every_variable():
     ("FASTDUMP_WRITER_PRIORITY", "low"),
     ("FASTDUMP_SEGMENT_SECONDS", "nan"), ("FASTDUMP_RING_MB", "inf"), ("FASTDUMP_ROLE", "../x"),
     ("FASTDUMP_MODULE_TYPES", "nn.Linear"),
+    # Parsed, then refused by attach with a message naming ring_mb/root, not the variable:
+    ("FASTDUMP_RING_MB", "0.1"), ("FASTDUMP_RING_MB", "0.25"), ("FASTDUMP_DIR", " "), ("FASTDUMP_DIR", "\t"),
 ])
 def test_one_clear_error(var, value):
     with pytest.raises(ConfigError) as e:
         settings_from_env({"FASTDUMP_DIR": "/d", var: value})
     assert str(e.value).startswith(f"{var}={value!r}: ") and "\n" not in str(e.value)
     assert isinstance(e.value, ValueError)
+
+
+ODD_VALUES = ["", " ", "-1", "0", "0.1", "0.25", "1", "1e3", "0x10", "1_000", "true", "yes", "5e-324",
+              "99999999999999999999999999", "1e300", "\u0663", "0:1", "drop", "thread", "Linear", "0-3", "a\x00b"]
+
+
+@pytest.mark.parametrize("var", [v.name for v in config.ENV_VARS])
+def test_every_value_a_variable_takes_attach_takes(var):
+    """A value parse_env accepts must be one attach accepts: FASTDUMP_RING_MB=0.1 parsed, then
+    maybe_attach raised 'ring_mb must be ... > 0.25', naming no variable."""
+    for raw in ODD_VALUES:
+        try:
+            settings = parse_env({var: raw})
+        except ConfigError as e:
+            assert str(e).startswith(f"{var}={raw!r}: ")
+            continue
+        settings.setdefault("root", ".")
+        Options(**settings)
+
+
+def test_maybe_attach_names_the_variable_attach_would_refuse(tmp_path):
+    with pytest.raises(ConfigError, match=r"^FASTDUMP_RING_MB='0\.2': ring_mb must be"):
+        maybe_attach(Boom(), environ={"FASTDUMP_DIR": str(tmp_path), "FASTDUMP_RING_MB": "0.2"})
+    with pytest.raises(ConfigError, match=r"^FASTDUMP_DIR='  ': root must be"):
+        maybe_attach(Boom(), environ={"FASTDUMP_DIR": "  "})
+    assert not list(tmp_path.iterdir())
 
 
 def test_conflicting_budgets():
