@@ -489,6 +489,31 @@ def test_a_session_directory_that_exists_is_never_shared(tmp_path, monkeypatch, 
         fastdump.attach(draft, root, writer="thread", strict=True)
 
 
+def test_a_root_inside_a_dump_is_refused(tmp_path, caplog):
+    """FASTDUMP_DIR set to a rank directory that `fastdump ls` printed: the second dump was written
+    inside the first (its fastdump.json and target/ among the first's segments), and verify said OK."""
+    root = tmp_path / "dump"
+    model, x = model_and_input(0)
+    d = fastdump.attach(model, root, writer="thread")
+    with torch.inference_mode():
+        out = model(x)
+    d.close()
+    before = {p: sorted(os.listdir(p)) for p in (root, d.dir.parent, d.dir)}
+    for inner, what in ((d.dir, "is a rank directory"), (d.dir.parent, "is a role directory"),
+                        (d.dir / "sub", "is inside a rank directory")):
+        with caplog.at_level(logging.ERROR, logger="fastdump"):
+            d2 = fastdump.attach(model, inner, writer="thread")
+        assert d2.status == "error" and what in d2.error, d2.error
+        with torch.inference_mode():
+            assert torch.equal(model(x), out)  # serving goes on
+        d2.close()
+        with pytest.raises(ValueError, match=what):
+            fastdump.attach(model, inner, writer="thread", strict=True)
+    assert {p: sorted(os.listdir(p)) for p in before} == before
+    assert torch.equal(fastdump.open(root).load("target", d.dir.name, 0)["Linear"], out)
+    assert cli("verify", root).returncode == 0
+
+
 # ------------------------------------------------------------------- status, counts, full disk
 
 

@@ -90,6 +90,26 @@ _engine.on_exit(close_all)  # dumpers close before the engine stops, at interpre
 _DIR_TRIES = 8  # fresh session ids drawn before a Dumper gives up on its own directory
 
 
+def _check_not_inside_a_dump(root: Path) -> None:
+    """A root that is a rank or role directory of a dump (a path copied from `fastdump ls`) would put
+    a second dump inside the first: files in evidence that no writer of it made. Refused."""
+    if (root / _fmt.RANK_FILE).exists() or any(_fmt.SEGMENT_RE.match(n) for n in _listing(root)):
+        raise ValueError(f"{root} is a rank directory of a dump (it holds {_fmt.RANK_FILE} or segments): "
+                         "give the dump's root, or a new directory")
+    if _fmt.parse_rank_dir(root.parent.name) is not None and (root.parent / _fmt.RANK_FILE).exists():
+        raise ValueError(f"{root} is inside a rank directory of a dump: give the dump's root, or a new directory")
+    if any(_fmt.parse_rank_dir(n) is not None and (root / n / _fmt.RANK_FILE).exists() for n in _listing(root)):
+        raise ValueError(f"{root} is a role directory of a dump (<root>/<role>, it holds rank directories): "
+                         "give the dump's root, or a new directory")
+
+
+def _listing(directory: Path) -> list:
+    try:
+        return os.listdir(directory)
+    except OSError:
+        return []  # (missing: made next; unreadable: mkdir says why)
+
+
 def _warn_if_twin(dumper) -> None:
     """Two live Dumpers of one process on the same root, role and ranks (a draft attached without
     ``role=``, say) write separate session directories; say so, since it is rarely intended."""
@@ -199,6 +219,7 @@ class Dumper:
             self._shared_left_out = {}
         self.not_wrapped.update(self._shared_left_out)
         try:
+            _check_not_inside_a_dump(self.root)
             self._make_own_dir()
             _write_manifest(self.root, config)
             self._engine = Engine.acquire(o.engine)
