@@ -179,6 +179,30 @@ def test_leftover_shared_memory_of_a_dead_process_is_removed_at_start(tmp_path):
         live.unlink()
 
 
+def test_a_leftover_region_of_this_pid_does_not_stop_dumping(tmp_path, monkeypatch):
+    """A container restarted as pid 1 on a /dev/shm that outlived it finds its own pid's leftover
+    region (never swept: the pid is alive, its own); every attach failed with shm_open EEXIST."""
+    import itertools
+
+    from fastdump.staging import engine
+
+    assert engine.Engine._current is None  # (this attach starts a ring of its own)
+    monkeypatch.setattr(engine, "_counter", itertools.count())  # the name the killed process took first
+    leftover = SHM_DIR / f"{SHM_PREFIX}{os.getpid()}-0"
+    leftover.write_bytes(b"\0" * 4096)
+    try:
+        model = torch.nn.Linear(4, 4)
+        d = fastdump.attach(model, tmp_path, writer="thread")
+        assert d.status == "running", d.error
+        with torch.inference_mode():
+            out = model(torch.ones(2, 4))
+        d.close()
+        assert torch.equal(fastdump.open(tmp_path).load("target", 0, 0)["Linear"], out)
+        assert leftover.exists()  # (not this process's to remove: maybe a live one's, same pid)
+    finally:
+        leftover.unlink()
+
+
 def test_writer_starts_when_fastdump_was_found_through_sys_path_only(tmp_path):
     """A script that puts the checkout on sys.path (no install, no PYTHONPATH, another working
     directory): the writer process must import the same fastdump and the dump must be whole."""

@@ -122,7 +122,10 @@ class Engine:
         self._channels = itertools.count()
         self._cuda_stager = None
         self._cuda_lock = threading.Lock()
-        name = f"/{SHM_PREFIX}{self.pid}-{next(_counter)}"
+        # Random bits too: a region left by a killed process of the same pid (a restarted container's
+        # pid 1 on a /dev/shm that outlived it, which remove_stale_regions must leave: it may be
+        # another live container's) made shm_open fail with EEXIST at every attach.
+        name = f"/{SHM_PREFIX}{self.pid}-{next(_counter)}-{os.urandom(4).hex()}"
         self.producer = _C.Producer(name, int(ring_mb * (1 << 20)), int(chunk_mb * (1 << 20)))
         self._max_control_bytes = self.producer.max_control_bytes
         self._proc = None
