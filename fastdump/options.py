@@ -175,6 +175,8 @@ def _role(s: str) -> str:
 
 def _root(s: str) -> str:
     """directory path"""
+    if s != s.strip():  # FASTDUMP_DIR=$(cat file) keeps the newline: the dump went to 'dump\n', not 'dump'
+        raise ValueError("starts or ends with whitespace (a newline from $(...)?); no dump root is named so")
     return s
 
 
