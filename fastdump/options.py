@@ -27,16 +27,16 @@ from . import format as _fmt
 
 # --- parsers: each takes the raw string and returns the value or raises ValueError(reason) ---
 
-def _int(minimum: int) -> Callable[[str], int]:
+def _int(minimum: int, maximum: int | None = None) -> Callable[[str], int]:
     def parse(s: str) -> int:
         try:
             v = int(s.strip())
         except ValueError:
             v = minimum - 1
-        if v < minimum:
-            raise ValueError(f"must be an integer >= {minimum}")
+        if v < minimum or (maximum is not None and v > maximum):
+            raise ValueError(f"must be an integer >= {minimum}" + (f" and <= {maximum}" if maximum is not None else ""))
         return v
-    parse.__doc__ = f"integer >= {minimum}"
+    parse.__doc__ = f"integer >= {minimum}" + (f", <= {maximum}" if maximum is not None else "")
     return parse
 
 
@@ -378,11 +378,11 @@ class Options:
                                 "fail at attach if dumping cannot start (default: log, serve on)"), manifest=False)
     pass_meta: Any = _opt(None, manifest=False)
     device: Any = _opt(None, manifest=False)
-    tp_rank: Any = _opt(None, ("FASTDUMP_TP_RANK", _int(0),
+    tp_rank: Any = _opt(None, ("FASTDUMP_TP_RANK", _int(0, _fmt.MAX_PARALLEL_SIZE - 1),
                                "tensor-parallel rank (default: from torch.distributed / launcher)"), manifest=False)
-    tp_size: Any = _opt(None, ("FASTDUMP_TP_SIZE", _int(1), "tensor-parallel size"), manifest=False)
-    pp_rank: Any = _opt(None, ("FASTDUMP_PP_RANK", _int(0), "pipeline-parallel rank"), manifest=False)
-    pp_size: Any = _opt(None, ("FASTDUMP_PP_SIZE", _int(1), "pipeline-parallel size"), manifest=False)
+    tp_size: Any = _opt(None, ("FASTDUMP_TP_SIZE", _int(1, _fmt.MAX_PARALLEL_SIZE), "tensor-parallel size"), manifest=False)
+    pp_rank: Any = _opt(None, ("FASTDUMP_PP_RANK", _int(0, _fmt.MAX_PARALLEL_SIZE - 1), "pipeline-parallel rank"), manifest=False)
+    pp_size: Any = _opt(None, ("FASTDUMP_PP_SIZE", _int(1, _fmt.MAX_PARALLEL_SIZE), "pipeline-parallel size"), manifest=False)
     dp_rank: Any = _opt(None, manifest=False)
     dp_size: Any = _opt(None, manifest=False)
     ep_rank: Any = _opt(None, manifest=False)

@@ -51,6 +51,8 @@ def test_parses_every_variable():
     ("FASTDUMP_RING_MB", "0.1"), ("FASTDUMP_RING_MB", "0.25"), ("FASTDUMP_DIR", " "), ("FASTDUMP_DIR", "\t"),
     # FASTDUMP_DIR=$(cat file): the dump went to a directory named 'dump\n', where no one looks
     ("FASTDUMP_DIR", "/tmp/dump\n"), ("FASTDUMP_DIR", " /tmp/dump"),
+    # attach refused these with 'rank.tp_size is 100000, expected an integer 1..65536', no variable named
+    ("FASTDUMP_TP_SIZE", "100000"), ("FASTDUMP_PP_SIZE", "99999999999999999999"), ("FASTDUMP_TP_RANK", "65536"),
 ])
 def test_one_clear_error(var, value):
     with pytest.raises(ConfigError) as e:
