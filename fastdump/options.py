@@ -208,11 +208,18 @@ def _check_int(what: str, value, minimum: int) -> None:
         raise ValueError(f"{what} must be an integer >= {minimum}, not {value!r}")
 
 
-def _check_number(what: str, value, above: float) -> None:
-    """A finite real number (not a bool, not NaN) greater than ``above``."""
+def _check_number(what: str, value, above: float, at_most: float | None = None) -> None:
+    """A finite real number (not a bool, not NaN) greater than ``above`` (and at most ``at_most``)."""
     if (isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value)
             or not value > above):
         raise ValueError(f"{what} must be a finite number > {above:g}, not {value!r}")
+    if at_most is not None and value > at_most:
+        raise ValueError(f"{what} must be at most {at_most:.15g} (MiB), not {value!r}")
+
+
+# A ring larger than this (4 TiB) is a typo: 1e26 failed at attach with pybind11's "incompatible
+# constructor arguments" (a byte count beyond 64 bits), recorded as the dump's error.
+MAX_RING_MB = float(1 << 22)
 
 
 def _check_choice(what: str, value, choices: tuple) -> None:
@@ -309,8 +316,8 @@ class EngineOptions:
     def __post_init__(self):
         _check_choice("writer", self.writer, ("process", "thread"))
         _check_choice("writer_priority", self.writer_priority, ("idle", "normal"))
-        _check_number("ring_mb", self.ring_mb, above=0.25)
-        _check_number("device_ring_mb", self.device_ring_mb, above=0)
+        _check_number("ring_mb", self.ring_mb, above=0.25, at_most=MAX_RING_MB)
+        _check_number("device_ring_mb", self.device_ring_mb, above=0, at_most=MAX_RING_MB)
 
     def differences(self, asked: "EngineOptions") -> list[str]:
         """``name=running (asked: value)`` for each setting ``asked`` wants otherwise; the running
@@ -428,7 +435,7 @@ class Options:
         for name in ("include", "exclude"):
             object.__setattr__(self, name, _pattern(name, getattr(self, name)))
         _check_choice("cuda_graphs", self.cuda_graphs, CUDA_GRAPH_MODES)
-        _check_number("graph_ring_mb", self.graph_ring_mb, above=0)
+        _check_number("graph_ring_mb", self.graph_ring_mb, above=0, at_most=MAX_RING_MB)
         _check_number("segment_mb", self.segment_mb, above=0)
         _check_number("segment_seconds", self.segment_seconds, above=0)
         idle = self.segment_idle_seconds
