@@ -401,8 +401,10 @@ class Options:
         if not isinstance(root, (str, os.PathLike)) or not os.fspath(root).strip() \
                 or "\0" in str(os.fspath(root)):  # (no file name holds NUL: mkdir would fail after attach)
             raise ValueError(f"root must be a non-empty directory path, not {root!r}")
-        if not isinstance(role, str) or not role or "/" in role or role in (".", ".."):
+        if not isinstance(role, str) or not role or "/" in role or role in (".", "..") or "\0" in role:
             raise ValueError(f"role must be a plain directory name, not {role!r}")
+        if len(os.fsencode(role)) > 255:  # NAME_MAX: mkdir failed after attach (ENAMETOOLONG), dumping off
+            raise ValueError(f"role must be a directory name of at most 255 bytes, not {len(os.fsencode(role))}")
         root_name = self.root_name
         if root_name is not None and not (isinstance(root_name, str) and root_name and not _fmt.reads_as_call(root_name)):
             raise ValueError(f"root_name must be a non-empty string without a '#<digits>' part (a repeated "

@@ -55,6 +55,7 @@ def test_parses_every_variable():
     ("FASTDUMP_TP_SIZE", "100000"), ("FASTDUMP_PP_SIZE", "99999999999999999999"), ("FASTDUMP_TP_RANK", "65536"),
     # attach took these; the dump then failed with pybind11's "incompatible constructor arguments"
     ("FASTDUMP_RING_MB", "1e26"), ("FASTDUMP_DEVICE_RING_MB", "1e26"), ("FASTDUMP_GRAPH_RING_MB", "1e26"),
+    ("FASTDUMP_ROLE", "r" * 256),  # longer than a directory name may be: mkdir failed after attach
 ])
 def test_one_clear_error(var, value):
     with pytest.raises(ConfigError) as e:
