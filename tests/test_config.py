@@ -1,6 +1,7 @@
 """FASTDUMP_* environment flag: parsing, one clear error per bad value, maybe_attach."""
 
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -211,3 +212,25 @@ def test_a_huge_layer_range_is_refused_not_expanded():
         parse_env({"FASTDUMP_LAYERS": "0-10000000000"})
     assert time.monotonic() - start < 1
     assert parse_env({"FASTDUMP_LAYERS": "0-3,1048575"})["layers"] == (0, 1, 2, 3, 1048575)
+
+
+def test_fastdump_info_checks_the_variables_set(monkeypatch, capsys):
+    """`fastdump info` listed the variables but not the values set: an operator checking the flag
+    before a run was told nothing about FASTDUMP_EVERY=0 (exit 0)."""
+    from fastdump.cli.main import main as cli_main
+
+    for key in [k for k in __import__("os").environ if k.startswith("FASTDUMP_")]:
+        monkeypatch.delenv(key)
+    monkeypatch.setenv("FASTDUMP_DIR", "/tmp/d")
+    monkeypatch.setenv("FASTDUMP_EVERY", "0")
+    assert cli_main(["info"]) == 1
+    out = capsys.readouterr().out
+    assert "  FASTDUMP_EVERY='0'\n" in out and "ERROR: FASTDUMP_EVERY='0': must be an integer >= 1\n" in out
+    assert cli_main(["info", "--json"]) == 1
+    assert json.loads(capsys.readouterr().out)["environment_now"]["error"] == "FASTDUMP_EVERY='0': must be an integer >= 1"
+    monkeypatch.setenv("FASTDUMP_EVERY", "2")
+    monkeypatch.setenv("FASTDUMP_EVRY", "3")
+    assert cli_main(["info"]) == 0
+    out = capsys.readouterr().out
+    assert "warning: unknown environment variable FASTDUMP_EVRY (did you mean FASTDUMP_EVERY?); ignored" in out
+    assert "ERROR" not in out
