@@ -514,6 +514,19 @@ def test_a_root_inside_a_dump_is_refused(tmp_path, caplog):
     assert cli("verify", root).returncode == 0
 
 
+def test_a_root_that_is_a_dangling_link_is_named_so(tmp_path):
+    """FASTDUMP_DIR a symbolic link to a directory not mounted yet: the recorded error said only
+    '[Errno 17] File exists'."""
+    os.symlink(tmp_path / "not-mounted", tmp_path / "dump")
+    model, _ = model_and_input(0)
+    d = fastdump.attach(model, tmp_path / "dump", writer="thread")
+    assert d.status == "error" and d.error.endswith(f"{tmp_path / 'dump'} is a symbolic link to nothing"), d.error
+    d.close()
+    with pytest.raises(FileExistsError, match="is a symbolic link to nothing"):
+        fastdump.attach(model, tmp_path / "dump", writer="thread", strict=True)
+    assert sorted(os.listdir(tmp_path)) == ["dump"]
+
+
 # ------------------------------------------------------------------- status, counts, full disk
 
 

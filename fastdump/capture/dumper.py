@@ -278,7 +278,11 @@ class Dumper:
         with the same random bits; a test's fixed session id) belongs to another Dumper, whose
         segments and rank.json this one's writer would overwrite. A fresh session id is drawn."""
         for _ in range(_DIR_TRIES):
-            self.dir.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                self.dir.parent.mkdir(parents=True, exist_ok=True)
+            except FileExistsError as exc:  # (said only "File exists" of a root that is a dangling link)
+                what = "a symbolic link to nothing" if os.path.islink(exc.filename or "") else "not a directory"
+                raise FileExistsError(f"{exc.filename} is {what}") from None
             try:
                 self.dir.mkdir()
                 self._own_dir = True
