@@ -177,6 +177,10 @@ def _root(s: str) -> str:
     """directory path"""
     if s != s.strip():  # FASTDUMP_DIR=$(cat file) keeps the newline: the dump went to 'dump\n', not 'dump'
         raise ValueError("starts or ends with whitespace (a newline from $(...)?); no dump root is named so")
+    # An env file (docker --env-file, systemd Environment=) or quotes leave these as typed: the dump
+    # went to ./~/dump or ./$HOME/dump, where no one looks.
+    if s.startswith("~") or re.search(r"\$(\{|[A-Za-z_])", s):
+        raise ValueError("holds '~' or '$VAR' that no shell expanded; give the path itself")
     return s
 
 

@@ -52,6 +52,8 @@ def test_parses_every_variable():
     ("FASTDUMP_RING_MB", "0.1"), ("FASTDUMP_RING_MB", "0.25"), ("FASTDUMP_DIR", " "), ("FASTDUMP_DIR", "\t"),
     # FASTDUMP_DIR=$(cat file): the dump went to a directory named 'dump\n', where no one looks
     ("FASTDUMP_DIR", "/tmp/dump\n"), ("FASTDUMP_DIR", " /tmp/dump"),
+    # an env file's or quoted '~/dump', '$HOME/dump': the dump went to ./~/dump, ./$HOME/dump
+    ("FASTDUMP_DIR", "~/dump"), ("FASTDUMP_DIR", "$HOME/dump"), ("FASTDUMP_DIR", "/data/${RUN}/dump"),
     # attach refused these with 'rank.tp_size is 100000, expected an integer 1..65536', no variable named
     ("FASTDUMP_TP_SIZE", "100000"), ("FASTDUMP_PP_SIZE", "99999999999999999999"), ("FASTDUMP_TP_RANK", "65536"),
     # attach took these; the dump then failed with pybind11's "incompatible constructor arguments"
@@ -105,6 +107,11 @@ def test_a_variable_read_elsewhere_that_its_reader_would_misread_is_refused(var,
     for good in ("1", "0") if var != "FASTDUMP_CUDA_HOLD_MS" else ("0.5", "2"):
         if not (good == "0" and var in ("FASTDUMP_CUDA_EVENTS_EVERY", "FASTDUMP_CUDA_REGISTER_PIECE_MB")):
             assert settings_from_env({"FASTDUMP_DIR": "/d", var: good}) == {"root": "/d"}
+
+
+def test_dump_roots_with_odd_characters_are_taken_as_given():
+    for root in ("/tmp/a b/c", "/tmp/caf\u00e9/\u6f22", "/tmp/x~y", "/tmp/price$", "/tmp/a$1"):
+        assert settings_from_env({"FASTDUMP_DIR": root}) == {"root": root}
 
 
 def test_conflicting_budgets():
