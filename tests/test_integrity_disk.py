@@ -773,3 +773,25 @@ def test_a_routine_rank_json_write_that_needs_the_reserve_records_the_full_disk_
     assert info["status"] == "error" and "disk full" in info["error"] and "No space left" in info["error"]
     assert [s["file"] for s in info["segments"]] == ["seg-000000.h5"] and not (path / RESERVE_FILE).exists()
     assert verify(tmp_path).problems
+
+
+def test_two_writers_of_one_pid_never_share_a_temporary_file(tmp_path, monkeypatch):
+    """Two containers whose servers are both pid 1 write the shared root's fastdump.json at once:
+    both named their temporary file '.fastdump.json.1-0.tmp' (pid and a counter from 0), so one
+    truncated and wrote into the file the other was about to rename into place."""
+    import itertools
+
+    target = str(tmp_path / "fastdump.json")
+    names = []
+    for _ in range(2):  # each process's counter starts at 0
+        monkeypatch.setattr(fsutil, "_counter", itertools.count())
+        names.append(fsutil.temp_path(target))
+    assert names[0] != names[1] and all(fsutil.is_temp_name(os.path.basename(n)) for n in names)
+    # And should a name be taken anyway, the write fails rather than share (or remove) that file.
+    taken = names[0]
+    with open(taken, "wb") as f:
+        f.write(b"the other writer's")
+    monkeypatch.setattr(fsutil, "temp_path", lambda path, unique=True: taken)
+    with pytest.raises(FileExistsError):
+        fsutil.atomic_write_json(target, {"a": 1})
+    assert open(taken, "rb").read() == b"the other writer's" and not os.path.exists(target)
