@@ -241,3 +241,24 @@ def test_fastdump_info_checks_the_variables_set(monkeypatch, capsys):
     out = capsys.readouterr().out
     assert "warning: unknown environment variable FASTDUMP_EVRY (did you mean FASTDUMP_EVERY?); ignored" in out
     assert "ERROR" not in out
+
+
+def test_a_selection_that_matches_no_module_is_said(tmp_path, caplog):
+    """FASTDUMP_MODULE_TYPES=Linaer (or an INCLUDE no name matches): every pass was recorded with no
+    tensor, and nothing said why."""
+    import logging
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
+    env = {"FASTDUMP_DIR": str(tmp_path / "a"), "FASTDUMP_WRITER": "thread", "FASTDUMP_MODULE_TYPES": "Linaer"}
+    with caplog.at_level(logging.WARNING, logger="fastdump"):
+        maybe_attach(model, environ=env).close()
+    assert "the selection module_types=('Linaer',) matches no module of the model" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="fastdump"):
+        d = maybe_attach(model, environ=dict(env, FASTDUMP_DIR=str(tmp_path / "b"), FASTDUMP_MODULE_TYPES="Linear"))
+        with torch.inference_mode():
+            out = model[0](torch.ones(1, 4))
+            model(torch.ones(1, 4))
+        d.close()
+    assert "matches no module" not in caplog.text
+    assert torch.equal(fastdump.open(tmp_path / "b").load("target", 0, 0)["0"], out)

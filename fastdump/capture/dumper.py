@@ -1126,6 +1126,11 @@ class Dumper:
                     if why != _SHADOWED_REASON and name not in self._shared_left_out}
         selected = list(select_modules(model, **selection, scripted=scripted))
         root_selected = _root_selected(model, self._root_name, selection)
+        chosen = {k: v for k, v in selection.items() if v is not None}
+        if not selected and not root_selected and chosen:  # (a typo: FASTDUMP_MODULE_TYPES=Linaer)
+            log.warning("fastdump: %s: the selection %s matches no module of the model: passes are counted, "
+                        "no tensor is dumped", self.dir,
+                        ", ".join(f"{k}={getattr(v, 'pattern', v)!r}" for k, v in chosen.items()))
         self._module_names.update(name for name, _ in selected)
         if root_selected:
             self._module_names.add(self._root_name)
