@@ -102,6 +102,10 @@ def parse_env(environ: Mapping[str, str] = os.environ) -> dict[str, Any]:
         if var.kwarg in out:  # FASTDUMP_MAX_BYTES and FASTDUMP_MAX_MB
             raise ConfigError(f"{var.name}={raw!r}: conflicts with FASTDUMP_MAX_BYTES; set only one of them")
         out[var.kwarg] = value
+    for rank, size in (("tp_rank", "tp_size"), ("pp_rank", "pp_size")):  # (attach said 'tp_rank=2 is outside ...')
+        if rank in out and size in out and out[rank] >= out[size]:
+            r, z = (f"FASTDUMP_{k.upper()}" for k in (rank, size))
+            raise ConfigError(f"{r}={environ[r]!r}: must be below {z}={environ[z]!r}")
     for name, check in _RUNTIME_CHECKS.items():
         raw = environ.get(name)
         if raw is not None and raw != "":  # (empty: unset, as each reader takes it)

@@ -114,6 +114,15 @@ def test_dump_roots_with_odd_characters_are_taken_as_given():
         assert settings_from_env({"FASTDUMP_DIR": root}) == {"root": root}
 
 
+def test_a_rank_outside_its_size_names_both_variables():
+    with pytest.raises(ConfigError, match=r"^FASTDUMP_TP_RANK='2': must be below FASTDUMP_TP_SIZE='2'$"):
+        settings_from_env({"FASTDUMP_DIR": "/d", "FASTDUMP_TP_RANK": "2", "FASTDUMP_TP_SIZE": "2"})
+    with pytest.raises(ConfigError, match=r"^FASTDUMP_PP_RANK='3': must be below FASTDUMP_PP_SIZE='1'$"):
+        settings_from_env({"FASTDUMP_DIR": "/d", "FASTDUMP_PP_RANK": "3", "FASTDUMP_PP_SIZE": "1"})
+    assert settings_from_env({"FASTDUMP_DIR": "/d", "FASTDUMP_TP_RANK": "1", "FASTDUMP_TP_SIZE": "2"}) == \
+        {"root": "/d", "tp_rank": 1, "tp_size": 2}
+
+
 def test_conflicting_budgets():
     with pytest.raises(ConfigError, match="FASTDUMP_MAX_MB='1'.*only one"):
         settings_from_env({"FASTDUMP_DIR": "/d", "FASTDUMP_MAX_BYTES": "10", "FASTDUMP_MAX_MB": "1"})
