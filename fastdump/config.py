@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import difflib
 import os
+import re
 import warnings
 from typing import Any, Mapping
 
-from .options import DEFAULTS, ENV_VARS, OPTION_NAMES, EnvVar  # noqa: F401 - EnvVar re-exported
+from .options import DEFAULTS, ENV_VARS, OPTION_NAMES, EnvVar, Options  # noqa: F401 - EnvVar re-exported
+from .options import _bool, _nonnegative_float
 
 __all__ = ["ConfigError", "ENV_VARS", "env_table", "parse_env", "settings_from_env", "maybe_attach"]
 
@@ -44,6 +46,44 @@ OTHER_VARS = {
 }
 
 
+def _exactly(*choices: str):
+    def parse(s: str) -> str:
+        if s not in choices:
+            raise ValueError(f"must be exactly {' or '.join(choices)}")
+        return s
+    return parse
+
+
+def _digits(s: str) -> int:
+    """What C's atoll reads whole: '1e3' was read as 1, '0x10' as 0 (then ignored)."""
+    if not (s.isascii() and s.isdigit() and int(s) >= 1):
+        raise ValueError("must be an integer >= 1 (digits only)")
+    return int(s)
+
+
+def _decimal(s: str) -> float:
+    """What C's atof reads whole, > 0: '0x10' and 'inf' are numbers to atof, not to a reader of the docs."""
+    if not re.fullmatch(r"(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?", s) or not 0 < float(s) < float("inf"):
+        raise ValueError("must be a decimal number > 0")
+    return float(s)
+
+
+# Checks of OTHER_VARS read at run time (by the writer, the engine, the C++ CUDA stager). These are
+# read where they are used, without this module; a value they would misread ('true' where the CUDA
+# stager looks for '1', FASTDUMP_NO_DIRECT_IO=0 read as set) is a ConfigError here instead.
+# (Build-time variables are setup.py's.)
+_RUNTIME_CHECKS = {
+    "FASTDUMP_EXIT_TIMEOUT_S": _nonnegative_float,
+    "FASTDUMP_NO_DIRECT_IO": _bool,
+    "FASTDUMP_TORCH_READER": _exactly("0", "1"),
+    "FASTDUMP_CUDA_BATCH": _exactly("0", "1"),
+    "FASTDUMP_CUDA_CHECK_EACH_TENSOR": _exactly("0", "1"),
+    "FASTDUMP_CUDA_REGISTER_PIECE_MB": _digits,
+    "FASTDUMP_CUDA_EVENTS_EVERY": _digits,
+    "FASTDUMP_CUDA_HOLD_MS": _decimal,
+}
+
+
 def parse_env(environ: Mapping[str, str] = os.environ) -> dict[str, Any]:
     """Every FASTDUMP_* variable that is set, parsed to attach kwargs (FASTDUMP_DIR included if set).
 
@@ -56,11 +96,23 @@ def parse_env(environ: Mapping[str, str] = os.environ) -> dict[str, Any]:
             continue
         try:
             value = var.parse(raw)
+            _check_alone(var.kwarg, value)
         except ValueError as e:
             raise ConfigError(f"{var.name}={raw!r}: {e}") from None
         if var.kwarg in out:  # FASTDUMP_MAX_BYTES and FASTDUMP_MAX_MB
             raise ConfigError(f"{var.name}={raw!r}: conflicts with FASTDUMP_MAX_BYTES; set only one of them")
         out[var.kwarg] = value
+    for rank, size in (("tp_rank", "tp_size"), ("pp_rank", "pp_size")):  # (attach said 'tp_rank=2 is outside ...')
+        if rank in out and size in out and out[rank] >= out[size]:
+            r, z = (f"FASTDUMP_{k.upper()}" for k in (rank, size))
+            raise ConfigError(f"{r}={environ[r]!r}: must be below {z}={environ[z]!r}")
+    for name, check in _RUNTIME_CHECKS.items():
+        raw = environ.get(name)
+        if raw is not None and raw != "":  # (empty: unset, as each reader takes it)
+            try:
+                check(raw)
+            except ValueError as e:
+                raise ConfigError(f"{name}={raw!r}: {e}") from None
     # A misspelt variable would otherwise be ignored silently: the dump then differs from what was asked.
     for key in environ:
         if key.startswith("FASTDUMP_") and key not in _BY_NAME and key not in OTHER_VARS:
@@ -68,6 +120,13 @@ def parse_env(environ: Mapping[str, str] = os.environ) -> dict[str, Any]:
             hint = f" (did you mean {near[0]}?)" if near else ""
             warnings.warn(f"unknown environment variable {key}{hint}; ignored", stacklevel=3)
     return out
+
+
+def _check_alone(kwarg: str, value) -> None:
+    """The checks ``attach`` makes (Options), on this one setting: a value the parser took but
+    attach refuses (FASTDUMP_RING_MB=0.1, a blank FASTDUMP_DIR) failed later with a message that
+    named the option, not the variable."""
+    Options(**{"root": "."} | {kwarg: value})
 
 
 def settings_from_env(environ: Mapping[str, str] = os.environ) -> dict[str, Any] | None:

@@ -14,8 +14,9 @@ import stat
 import threading
 
 # Temporary names start with '.' and end with '.tmp': readers skip them, `fastdump verify` reports
-# leftovers. pid + counter keep concurrent writers of one target (several ranks writing the run
-# manifest, two threads) from clobbering each other's temporary file.
+# leftovers. pid + counter + random bits keep concurrent writers of one target (several ranks writing
+# the run manifest, two threads; two containers whose processes are both pid 1 on one shared root,
+# whose counters both start at 0) from clobbering each other's temporary file.
 TMP_SUFFIX = ".tmp"
 _counter = itertools.count()
 _counter_lock = threading.Lock()
@@ -27,7 +28,7 @@ def temp_path(path: str, unique: bool = True) -> str:
     if unique:
         with _counter_lock:
             n = next(_counter)
-        name = f".{name}.{os.getpid()}-{n}{TMP_SUFFIX}"
+        name = f".{name}.{os.getpid()}-{n}-{os.urandom(4).hex()}{TMP_SUFFIX}"
     else:
         name = f".{name}{TMP_SUFFIX}"
     return os.path.join(directory, name)
@@ -78,8 +79,9 @@ def remove_quietly(path: str) -> None:
 def atomic_write_bytes(path: str, data: bytes, durable: bool = True) -> None:
     """Replace ``path`` with ``data`` so that readers see the old or the new content, never a mix."""
     tmp = temp_path(path)
+    f = open(tmp, "xb")  # exclusive: never another writer's file (nor removed below), whatever the name
     try:
-        with open(tmp, "wb") as f:
+        with f:
             f.write(data)
             if durable:
                 f.flush()

@@ -27,16 +27,16 @@ from . import format as _fmt
 
 # --- parsers: each takes the raw string and returns the value or raises ValueError(reason) ---
 
-def _int(minimum: int) -> Callable[[str], int]:
+def _int(minimum: int, maximum: int | None = None) -> Callable[[str], int]:
     def parse(s: str) -> int:
         try:
             v = int(s.strip())
         except ValueError:
             v = minimum - 1
-        if v < minimum:
-            raise ValueError(f"must be an integer >= {minimum}")
+        if v < minimum or (maximum is not None and v > maximum):
+            raise ValueError(f"must be an integer >= {minimum}" + (f" and <= {maximum}" if maximum is not None else ""))
         return v
-    parse.__doc__ = f"integer >= {minimum}"
+    parse.__doc__ = f"integer >= {minimum}" + (f", <= {maximum}" if maximum is not None else "")
     return parse
 
 
@@ -175,6 +175,12 @@ def _role(s: str) -> str:
 
 def _root(s: str) -> str:
     """directory path"""
+    if s != s.strip():  # FASTDUMP_DIR=$(cat file) keeps the newline: the dump went to 'dump\n', not 'dump'
+        raise ValueError("starts or ends with whitespace (a newline from $(...)?); no dump root is named so")
+    # An env file (docker --env-file, systemd Environment=) or quotes leave these as typed: the dump
+    # went to ./~/dump or ./$HOME/dump, where no one looks.
+    if s.startswith("~") or re.search(r"\$(\{|[A-Za-z_])", s):
+        raise ValueError("holds '~' or '$VAR' that no shell expanded; give the path itself")
     return s
 
 
@@ -206,11 +212,18 @@ def _check_int(what: str, value, minimum: int) -> None:
         raise ValueError(f"{what} must be an integer >= {minimum}, not {value!r}")
 
 
-def _check_number(what: str, value, above: float) -> None:
-    """A finite real number (not a bool, not NaN) greater than ``above``."""
+def _check_number(what: str, value, above: float, at_most: float | None = None) -> None:
+    """A finite real number (not a bool, not NaN) greater than ``above`` (and at most ``at_most``)."""
     if (isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value)
             or not value > above):
         raise ValueError(f"{what} must be a finite number > {above:g}, not {value!r}")
+    if at_most is not None and value > at_most:
+        raise ValueError(f"{what} must be at most {at_most:.15g} (MiB), not {value!r}")
+
+
+# A ring larger than this (4 TiB) is a typo: 1e26 failed at attach with pybind11's "incompatible
+# constructor arguments" (a byte count beyond 64 bits), recorded as the dump's error.
+MAX_RING_MB = float(1 << 22)
 
 
 def _check_choice(what: str, value, choices: tuple) -> None:
@@ -307,8 +320,8 @@ class EngineOptions:
     def __post_init__(self):
         _check_choice("writer", self.writer, ("process", "thread"))
         _check_choice("writer_priority", self.writer_priority, ("idle", "normal"))
-        _check_number("ring_mb", self.ring_mb, above=0.25)
-        _check_number("device_ring_mb", self.device_ring_mb, above=0)
+        _check_number("ring_mb", self.ring_mb, above=0.25, at_most=MAX_RING_MB)
+        _check_number("device_ring_mb", self.device_ring_mb, above=0, at_most=MAX_RING_MB)
 
     def differences(self, asked: "EngineOptions") -> list[str]:
         """``name=running (asked: value)`` for each setting ``asked`` wants otherwise; the running
@@ -376,11 +389,11 @@ class Options:
                                 "fail at attach if dumping cannot start (default: log, serve on)"), manifest=False)
     pass_meta: Any = _opt(None, manifest=False)
     device: Any = _opt(None, manifest=False)
-    tp_rank: Any = _opt(None, ("FASTDUMP_TP_RANK", _int(0),
+    tp_rank: Any = _opt(None, ("FASTDUMP_TP_RANK", _int(0, _fmt.MAX_PARALLEL_SIZE - 1),
                                "tensor-parallel rank (default: from torch.distributed / launcher)"), manifest=False)
-    tp_size: Any = _opt(None, ("FASTDUMP_TP_SIZE", _int(1), "tensor-parallel size"), manifest=False)
-    pp_rank: Any = _opt(None, ("FASTDUMP_PP_RANK", _int(0), "pipeline-parallel rank"), manifest=False)
-    pp_size: Any = _opt(None, ("FASTDUMP_PP_SIZE", _int(1), "pipeline-parallel size"), manifest=False)
+    tp_size: Any = _opt(None, ("FASTDUMP_TP_SIZE", _int(1, _fmt.MAX_PARALLEL_SIZE), "tensor-parallel size"), manifest=False)
+    pp_rank: Any = _opt(None, ("FASTDUMP_PP_RANK", _int(0, _fmt.MAX_PARALLEL_SIZE - 1), "pipeline-parallel rank"), manifest=False)
+    pp_size: Any = _opt(None, ("FASTDUMP_PP_SIZE", _int(1, _fmt.MAX_PARALLEL_SIZE), "pipeline-parallel size"), manifest=False)
     dp_rank: Any = _opt(None, manifest=False)
     dp_size: Any = _opt(None, manifest=False)
     ep_rank: Any = _opt(None, manifest=False)
@@ -389,10 +402,13 @@ class Options:
     def __post_init__(self):
         """Bad settings fail at attach, before the model runs, with one clear message."""
         root, role = self.root, self.role
-        if not isinstance(root, (str, os.PathLike)) or not os.fspath(root).strip():
+        if not isinstance(root, (str, os.PathLike)) or not os.fspath(root).strip() \
+                or "\0" in str(os.fspath(root)):  # (no file name holds NUL: mkdir would fail after attach)
             raise ValueError(f"root must be a non-empty directory path, not {root!r}")
-        if not isinstance(role, str) or not role or "/" in role or role in (".", ".."):
+        if not isinstance(role, str) or not role or "/" in role or role in (".", "..") or "\0" in role:
             raise ValueError(f"role must be a plain directory name, not {role!r}")
+        if len(os.fsencode(role)) > 255:  # NAME_MAX: mkdir failed after attach (ENAMETOOLONG), dumping off
+            raise ValueError(f"role must be a directory name of at most 255 bytes, not {len(os.fsencode(role))}")
         root_name = self.root_name
         if root_name is not None and not (isinstance(root_name, str) and root_name and not _fmt.reads_as_call(root_name)):
             raise ValueError(f"root_name must be a non-empty string without a '#<digits>' part (a repeated "
@@ -425,7 +441,7 @@ class Options:
         for name in ("include", "exclude"):
             object.__setattr__(self, name, _pattern(name, getattr(self, name)))
         _check_choice("cuda_graphs", self.cuda_graphs, CUDA_GRAPH_MODES)
-        _check_number("graph_ring_mb", self.graph_ring_mb, above=0)
+        _check_number("graph_ring_mb", self.graph_ring_mb, above=0, at_most=MAX_RING_MB)
         _check_number("segment_mb", self.segment_mb, above=0)
         _check_number("segment_seconds", self.segment_seconds, above=0)
         idle = self.segment_idle_seconds

@@ -163,6 +163,10 @@ def open_segment(path: str) -> h5py.File:
     visible segments are immutable, so locking protects nothing here. Only a regular file is
     opened (a FIFO would hang; a symbolic link may point out of the dump)."""
     if not fsutil.is_regular_file(path):
+        try:
+            os.lstat(path)
+        except OSError as exc:  # (a directory without search permission: not a FIFO, as was said)
+            raise DumpError(f"{path}: cannot read ({exc.strerror or exc})") from None
         raise DumpError(f"{path}: not a regular file (symbolic links, FIFOs and devices are not read)")
     try:
         return h5py.File(path, "r")

@@ -898,6 +898,15 @@ def test_without_o_direct_every_write_is_buffered(tmp_path, monkeypatch, o_direc
     assert direct == [0, 0, 0]
 
 
+@pytest.mark.parametrize("value", ["0", "false", "off"])
+def test_no_direct_io_set_to_a_false_value_keeps_o_direct(tmp_path, monkeypatch, o_direct_bytes, value):
+    """FASTDUMP_NO_DIRECT_IO=0 was read as set: every segment went through the page cache."""
+    require_o_direct(tmp_path)
+    monkeypatch.setenv("FASTDUMP_NO_DIRECT_IO", value)
+    _, direct = _write_odd_rows(tmp_path, o_direct_bytes)
+    assert len(direct) == 3 and all(n > 0 for n in direct)
+
+
 def test_a_device_that_refuses_the_alignment_falls_back_to_buffered(tmp_path, monkeypatch, o_direct_bytes):
     require_o_direct(tmp_path)
     import errno

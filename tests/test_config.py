@@ -1,6 +1,7 @@
 """FASTDUMP_* environment flag: parsing, one clear error per bad value, maybe_attach."""
 
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -47,12 +48,79 @@ def test_parses_every_variable():
     ("FASTDUMP_WRITER_PRIORITY", "low"),
     ("FASTDUMP_SEGMENT_SECONDS", "nan"), ("FASTDUMP_RING_MB", "inf"), ("FASTDUMP_ROLE", "../x"),
     ("FASTDUMP_MODULE_TYPES", "nn.Linear"),
+    # Parsed, then refused by attach with a message naming ring_mb/root, not the variable:
+    ("FASTDUMP_RING_MB", "0.1"), ("FASTDUMP_RING_MB", "0.25"), ("FASTDUMP_DIR", " "), ("FASTDUMP_DIR", "\t"),
+    # FASTDUMP_DIR=$(cat file): the dump went to a directory named 'dump\n', where no one looks
+    ("FASTDUMP_DIR", "/tmp/dump\n"), ("FASTDUMP_DIR", " /tmp/dump"),
+    # an env file's or quoted '~/dump', '$HOME/dump': the dump went to ./~/dump, ./$HOME/dump
+    ("FASTDUMP_DIR", "~/dump"), ("FASTDUMP_DIR", "$HOME/dump"), ("FASTDUMP_DIR", "/data/${RUN}/dump"),
+    # attach refused these with 'rank.tp_size is 100000, expected an integer 1..65536', no variable named
+    ("FASTDUMP_TP_SIZE", "100000"), ("FASTDUMP_PP_SIZE", "99999999999999999999"), ("FASTDUMP_TP_RANK", "65536"),
+    # attach took these; the dump then failed with pybind11's "incompatible constructor arguments"
+    ("FASTDUMP_RING_MB", "1e26"), ("FASTDUMP_DEVICE_RING_MB", "1e26"), ("FASTDUMP_GRAPH_RING_MB", "1e26"),
+    ("FASTDUMP_ROLE", "r" * 256),  # longer than a directory name may be: mkdir failed after attach
 ])
 def test_one_clear_error(var, value):
     with pytest.raises(ConfigError) as e:
         settings_from_env({"FASTDUMP_DIR": "/d", var: value})
     assert str(e.value).startswith(f"{var}={value!r}: ") and "\n" not in str(e.value)
     assert isinstance(e.value, ValueError)
+
+
+ODD_VALUES = ["", " ", "-1", "0", "0.1", "0.25", "1", "1e3", "0x10", "1_000", "true", "yes", "5e-324",
+              "99999999999999999999999999", "1e300", "\u0663", "0:1", "drop", "thread", "Linear", "0-3", "a\x00b"]
+
+
+@pytest.mark.parametrize("var", [v.name for v in config.ENV_VARS])
+def test_every_value_a_variable_takes_attach_takes(var):
+    """A value parse_env accepts must be one attach accepts: FASTDUMP_RING_MB=0.1 parsed, then
+    maybe_attach raised 'ring_mb must be ... > 0.25', naming no variable."""
+    for raw in ODD_VALUES:
+        try:
+            settings = parse_env({var: raw})
+        except ConfigError as e:
+            assert str(e).startswith(f"{var}={raw!r}: ")
+            continue
+        settings.setdefault("root", ".")
+        Options(**settings)
+
+
+def test_maybe_attach_names_the_variable_attach_would_refuse(tmp_path):
+    with pytest.raises(ConfigError, match=r"^FASTDUMP_RING_MB='0\.2': ring_mb must be"):
+        maybe_attach(Boom(), environ={"FASTDUMP_DIR": str(tmp_path), "FASTDUMP_RING_MB": "0.2"})
+    with pytest.raises(ConfigError, match=r"^FASTDUMP_DIR='  ': "):
+        maybe_attach(Boom(), environ={"FASTDUMP_DIR": "  "})
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("var,value", [
+    ("FASTDUMP_NO_DIRECT_IO", "maybe"), ("FASTDUMP_CUDA_CHECK_EACH_TENSOR", "true"), ("FASTDUMP_CUDA_BATCH", "no"),
+    ("FASTDUMP_CUDA_EVENTS_EVERY", "1e3"), ("FASTDUMP_CUDA_REGISTER_PIECE_MB", "0x10"), ("FASTDUMP_CUDA_HOLD_MS", "0"),
+    ("FASTDUMP_CUDA_HOLD_MS", "inf"), ("FASTDUMP_TORCH_READER", "false"), ("FASTDUMP_EXIT_TIMEOUT_S", "-1"),
+])
+def test_a_variable_read_elsewhere_that_its_reader_would_misread_is_refused(var, value):
+    """The CUDA stager reads its flags by their first character and its numbers with atoll/atof:
+    FASTDUMP_CUDA_CHECK_EACH_TENSOR=true was off and FASTDUMP_CUDA_EVENTS_EVERY=1e3 was 1, silently."""
+    with pytest.raises(ConfigError) as e:
+        settings_from_env({"FASTDUMP_DIR": "/d", var: value})
+    assert str(e.value).startswith(f"{var}={value!r}: ")
+    for good in ("1", "0") if var != "FASTDUMP_CUDA_HOLD_MS" else ("0.5", "2"):
+        if not (good == "0" and var in ("FASTDUMP_CUDA_EVENTS_EVERY", "FASTDUMP_CUDA_REGISTER_PIECE_MB")):
+            assert settings_from_env({"FASTDUMP_DIR": "/d", var: good}) == {"root": "/d"}
+
+
+def test_dump_roots_with_odd_characters_are_taken_as_given():
+    for root in ("/tmp/a b/c", "/tmp/caf\u00e9/\u6f22", "/tmp/x~y", "/tmp/price$", "/tmp/a$1"):
+        assert settings_from_env({"FASTDUMP_DIR": root}) == {"root": root}
+
+
+def test_a_rank_outside_its_size_names_both_variables():
+    with pytest.raises(ConfigError, match=r"^FASTDUMP_TP_RANK='2': must be below FASTDUMP_TP_SIZE='2'$"):
+        settings_from_env({"FASTDUMP_DIR": "/d", "FASTDUMP_TP_RANK": "2", "FASTDUMP_TP_SIZE": "2"})
+    with pytest.raises(ConfigError, match=r"^FASTDUMP_PP_RANK='3': must be below FASTDUMP_PP_SIZE='1'$"):
+        settings_from_env({"FASTDUMP_DIR": "/d", "FASTDUMP_PP_RANK": "3", "FASTDUMP_PP_SIZE": "1"})
+    assert settings_from_env({"FASTDUMP_DIR": "/d", "FASTDUMP_TP_RANK": "1", "FASTDUMP_TP_SIZE": "2"}) == \
+        {"root": "/d", "tp_rank": 1, "tp_size": 2}
 
 
 def test_conflicting_budgets():
@@ -160,3 +228,46 @@ def test_a_huge_layer_range_is_refused_not_expanded():
         parse_env({"FASTDUMP_LAYERS": "0-10000000000"})
     assert time.monotonic() - start < 1
     assert parse_env({"FASTDUMP_LAYERS": "0-3,1048575"})["layers"] == (0, 1, 2, 3, 1048575)
+
+
+def test_fastdump_info_checks_the_variables_set(monkeypatch, capsys):
+    """`fastdump info` listed the variables but not the values set: an operator checking the flag
+    before a run was told nothing about FASTDUMP_EVERY=0 (exit 0)."""
+    from fastdump.cli.main import main as cli_main
+
+    for key in [k for k in __import__("os").environ if k.startswith("FASTDUMP_")]:
+        monkeypatch.delenv(key)
+    monkeypatch.setenv("FASTDUMP_DIR", "/tmp/d")
+    monkeypatch.setenv("FASTDUMP_EVERY", "0")
+    assert cli_main(["info"]) == 1
+    out = capsys.readouterr().out
+    assert "  FASTDUMP_EVERY='0'\n" in out and "ERROR: FASTDUMP_EVERY='0': must be an integer >= 1\n" in out
+    assert cli_main(["info", "--json"]) == 1
+    assert json.loads(capsys.readouterr().out)["environment_now"]["error"] == "FASTDUMP_EVERY='0': must be an integer >= 1"
+    monkeypatch.setenv("FASTDUMP_EVERY", "2")
+    monkeypatch.setenv("FASTDUMP_EVRY", "3")
+    assert cli_main(["info"]) == 0
+    out = capsys.readouterr().out
+    assert "warning: unknown environment variable FASTDUMP_EVRY (did you mean FASTDUMP_EVERY?); ignored" in out
+    assert "ERROR" not in out
+
+
+def test_a_selection_that_matches_no_module_is_said(tmp_path, caplog):
+    """FASTDUMP_MODULE_TYPES=Linaer (or an INCLUDE no name matches): every pass was recorded with no
+    tensor, and nothing said why."""
+    import logging
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
+    env = {"FASTDUMP_DIR": str(tmp_path / "a"), "FASTDUMP_WRITER": "thread", "FASTDUMP_MODULE_TYPES": "Linaer"}
+    with caplog.at_level(logging.WARNING, logger="fastdump"):
+        maybe_attach(model, environ=env).close()
+    assert "the selection module_types=('Linaer',) matches no module of the model" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="fastdump"):
+        d = maybe_attach(model, environ=dict(env, FASTDUMP_DIR=str(tmp_path / "b"), FASTDUMP_MODULE_TYPES="Linear"))
+        with torch.inference_mode():
+            out = model[0](torch.ones(1, 4))
+            model(torch.ones(1, 4))
+        d.close()
+    assert "matches no module" not in caplog.text
+    assert torch.equal(fastdump.open(tmp_path / "b").load("target", 0, 0)["0"], out)

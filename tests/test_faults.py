@@ -14,7 +14,7 @@ import torch
 
 import fastdump
 from fastdump.cli.dump import verify_dump
-from fastdump.staging.engine import SHM_DIR, SHM_PREFIX, remove_stale_regions
+from fastdump.staging.engine import SHM_DIR, SHM_PREFIX, STALE_REGION_AGE_S, remove_stale_regions
 
 from conftest import mount_small_tmpfs
 
@@ -169,6 +169,8 @@ def test_leftover_shared_memory_of_a_dead_process_is_removed_at_start(tmp_path):
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     leftover = SHM_DIR / f"{SHM_PREFIX}{int(dead.stdout)}-0"
     leftover.write_bytes(b"\0" * 4096)
+    old = time.time() - STALE_REGION_AGE_S - 1
+    os.utime(leftover, (old, old))
     assert leftover.name in remove_stale_regions()
     assert not leftover.exists()
     live = SHM_DIR / f"{SHM_PREFIX}{os.getpid()}-999"
@@ -177,6 +179,43 @@ def test_leftover_shared_memory_of_a_dead_process_is_removed_at_start(tmp_path):
         assert live.name not in remove_stale_regions()
     finally:
         live.unlink()
+
+
+def test_a_young_region_of_a_pid_not_seen_here_is_left_alone():
+    """Containers of one pod share /dev/shm but not their pids: another container's attach in
+    progress has a region whose pid is dead from here. Unlinking it (as any dead pid's) made that
+    attach fail: its writer, starting, found no region to map."""
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    young = SHM_DIR / f"{SHM_PREFIX}{int(dead.stdout)}-0-0badcafe"
+    young.write_bytes(b"\0" * 4096)
+    try:
+        assert young.name not in remove_stale_regions() and young.exists()
+    finally:
+        young.unlink()
+
+
+def test_a_leftover_region_of_this_pid_does_not_stop_dumping(tmp_path, monkeypatch):
+    """A container restarted as pid 1 on a /dev/shm that outlived it finds its own pid's leftover
+    region (never swept: the pid is alive, its own); every attach failed with shm_open EEXIST."""
+    import itertools
+
+    from fastdump.staging import engine
+
+    assert engine.Engine._current is None  # (this attach starts a ring of its own)
+    monkeypatch.setattr(engine, "_counter", itertools.count())  # the name the killed process took first
+    leftover = SHM_DIR / f"{SHM_PREFIX}{os.getpid()}-0"
+    leftover.write_bytes(b"\0" * 4096)
+    try:
+        model = torch.nn.Linear(4, 4)
+        d = fastdump.attach(model, tmp_path, writer="thread")
+        assert d.status == "running", d.error
+        with torch.inference_mode():
+            out = model(torch.ones(2, 4))
+        d.close()
+        assert torch.equal(fastdump.open(tmp_path).load("target", 0, 0)["Linear"], out)
+        assert leftover.exists()  # (not this process's to remove: maybe a live one's, same pid)
+    finally:
+        leftover.unlink()
 
 
 def test_writer_starts_when_fastdump_was_found_through_sys_path_only(tmp_path):

@@ -449,6 +449,84 @@ def test_two_live_dumpers_same_root_and_role_get_their_own_directories(tmp_path,
     assert cli("verify", root).returncode == 0
 
 
+def test_a_session_directory_that_exists_is_never_shared(tmp_path, monkeypatch, caplog):
+    """Two Dumpers of one pid (containers: pid 1 each, on a shared volume) drawing the same session
+    id both wrote <root>/target/<one dir>: the second's segments and rank.json replaced the first's,
+    one model's passes were lost and verify said OK. A directory that exists is another's: a fresh
+    id is drawn; when none is free, attach fails without writing into the other's directory."""
+    root = tmp_path / "dump"
+    fixed = "20260101T000000.000000Z-0000abcd"
+    ids = iter([fixed, fixed])  # both draw the same id once; the second draws again
+    real = fmt.new_session_id
+    monkeypatch.setattr(fmt, "new_session_id", lambda: next(ids, None) or real())
+    target, x = model_and_input(0)
+    draft, y = model_and_input(1)
+    d1 = fastdump.attach(target, root, writer="thread")
+    d2 = fastdump.attach(draft, root, writer="thread")
+    assert d1.session == fixed and d2.session != fixed and d1.dir != d2.dir and d2.status == "running"
+    with torch.inference_mode():
+        outs = [(target(x), draft(y)) for _ in range(3)]
+    d1.close()
+    d2.close()
+    ds = fastdump.open(root)
+    for p, (t_out, d_out) in enumerate(outs):
+        assert torch.equal(ds.load("target", d1.dir.name, p)["Linear"], t_out)
+        assert torch.equal(ds.load("target", d2.dir.name, p)["Linear"], d_out)
+    assert cli("verify", root).returncode == 0
+
+    monkeypatch.setattr(fmt, "new_session_id", lambda: fixed)  # every id taken: attach gives up
+    before = sorted(os.listdir(d1.dir))
+    with caplog.at_level(logging.ERROR, logger="fastdump"):
+        d3 = fastdump.attach(draft, root, writer="thread")
+    assert d3.status == "error" and "existed already" in d3.error
+    with torch.inference_mode():
+        assert torch.equal(draft(y), outs[0][1])  # serving goes on
+    d3.close()
+    assert sorted(os.listdir(d1.dir)) == before  # no producer_error.json in the other's directory
+    assert torch.equal(fastdump.open(root).load("target", d1.dir.name, 0)["Linear"], outs[0][0])
+    assert cli("verify", root).returncode == 0
+    with pytest.raises(FileExistsError, match="existed already"):
+        fastdump.attach(draft, root, writer="thread", strict=True)
+
+
+def test_a_root_inside_a_dump_is_refused(tmp_path, caplog):
+    """FASTDUMP_DIR set to a rank directory that `fastdump ls` printed: the second dump was written
+    inside the first (its fastdump.json and target/ among the first's segments), and verify said OK."""
+    root = tmp_path / "dump"
+    model, x = model_and_input(0)
+    d = fastdump.attach(model, root, writer="thread")
+    with torch.inference_mode():
+        out = model(x)
+    d.close()
+    before = {p: sorted(os.listdir(p)) for p in (root, d.dir.parent, d.dir)}
+    for inner, what in ((d.dir, "is a rank directory"), (d.dir.parent, "is a role directory"),
+                        (d.dir / "sub", "is inside a rank directory")):
+        with caplog.at_level(logging.ERROR, logger="fastdump"):
+            d2 = fastdump.attach(model, inner, writer="thread")
+        assert d2.status == "error" and what in d2.error, d2.error
+        with torch.inference_mode():
+            assert torch.equal(model(x), out)  # serving goes on
+        d2.close()
+        with pytest.raises(ValueError, match=what):
+            fastdump.attach(model, inner, writer="thread", strict=True)
+    assert {p: sorted(os.listdir(p)) for p in before} == before
+    assert torch.equal(fastdump.open(root).load("target", d.dir.name, 0)["Linear"], out)
+    assert cli("verify", root).returncode == 0
+
+
+def test_a_root_that_is_a_dangling_link_is_named_so(tmp_path):
+    """FASTDUMP_DIR a symbolic link to a directory not mounted yet: the recorded error said only
+    '[Errno 17] File exists'."""
+    os.symlink(tmp_path / "not-mounted", tmp_path / "dump")
+    model, _ = model_and_input(0)
+    d = fastdump.attach(model, tmp_path / "dump", writer="thread")
+    assert d.status == "error" and d.error.endswith(f"{tmp_path / 'dump'} is a symbolic link to nothing"), d.error
+    d.close()
+    with pytest.raises(FileExistsError, match="is a symbolic link to nothing"):
+        fastdump.attach(model, tmp_path / "dump", writer="thread", strict=True)
+    assert sorted(os.listdir(tmp_path)) == ["dump"]
+
+
 # ------------------------------------------------------------------- status, counts, full disk
 
 
@@ -868,3 +946,25 @@ def test_format_4_dumps_read_verify_and_diff_as_before(tmp_path):
     # Its list is still checked against the files.
     segment(roots[4, "base"], 1).unlink()
     assert any("seg-000001.h5 is listed in rank.json but missing" in p for p in verify(roots[4, "base"]).problems)
+
+
+def test_two_writers_of_one_pid_never_share_a_temporary_file(tmp_path, monkeypatch):
+    """Two containers whose servers are both pid 1 write the shared root's fastdump.json at once:
+    both named their temporary file '.fastdump.json.1-0.tmp' (pid and a counter from 0), so one
+    truncated and wrote into the file the other was about to rename into place."""
+    import itertools
+
+    target = str(tmp_path / "fastdump.json")
+    names = []
+    for _ in range(2):  # each process's counter starts at 0
+        monkeypatch.setattr(fsutil, "_counter", itertools.count())
+        names.append(fsutil.temp_path(target))
+    assert names[0] != names[1] and all(fsutil.is_temp_name(os.path.basename(n)) for n in names)
+    # And should a name be taken anyway, the write fails rather than share (or remove) that file.
+    taken = names[0]
+    with open(taken, "wb") as f:
+        f.write(b"the other writer's")
+    monkeypatch.setattr(fsutil, "temp_path", lambda path, unique=True: taken)
+    with pytest.raises(FileExistsError):
+        fsutil.atomic_write_json(target, {"a": 1})
+    assert open(taken, "rb").read() == b"the other writer's" and not os.path.exists(target)

@@ -981,3 +981,26 @@ def test_refresh_reads_only_the_segments_written_since(tmp_path, monkeypatch):
         assert 3 not in ds.passes("target", 0)
     assert len(built) == 26
     ds.close()
+
+
+def test_a_segment_that_cannot_be_looked_at_is_not_called_a_fifo(tmp_path, monkeypatch):
+    """A rank directory readable but not searchable (chmod 444, or an unreadable mount): every
+    segment was reported as 'not a regular file (symbolic links, FIFOs and devices are not read)'."""
+    seg = tmp_path / "seg-000000.h5"
+    seg.write_bytes(b"")
+    real_lstat = os.lstat
+
+    def denied(path, *args, **kwargs):
+        if os.fspath(path) == str(seg):
+            raise PermissionError(13, "Permission denied", str(seg))
+        return real_lstat(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "lstat", denied)
+    with pytest.raises(reader.DumpError) as e:
+        reader.open_segment(str(seg))
+    assert str(e.value) == f"{seg}: cannot read (Permission denied)"
+    monkeypatch.setattr(os, "lstat", real_lstat)
+    seg.unlink()
+    os.mkfifo(seg)
+    with pytest.raises(reader.DumpError, match="not a regular file"):
+        reader.open_segment(str(seg))

@@ -725,6 +725,26 @@ def test_deeply_nested_other_json(dump, file):
             assert ds.manifest == {}
 
 
+@pytest.mark.parametrize("damage,text", [
+    ("dir", "not a regular file"), ("fifo", "not a regular file"), ("garbage", "not valid JSON"),
+    ("list", "not a JSON object"), ("nested", "not valid JSON"),
+])
+def test_a_damaged_fastdump_json_fails_verify(dump, damage, text):
+    """fastdump.json, the run's record, as a directory, a FIFO or damaged: `ls` warned, verify said OK."""
+    path = dump / "fastdump.json"
+    path.unlink()
+    if damage == "dir":
+        path.mkdir()
+    elif damage == "fifo":
+        os.mkfifo(path)
+    else:
+        path.write_text({"garbage": "{not json", "list": "[1, 2]", "nested": "[" * 100_000}[damage])
+    code, problems, _ = verify(dump)
+    assert code == 1 and has(problems, "fastdump.json", text), problems
+    path.rmdir() if damage == "dir" else path.unlink()
+    assert verify(dump)[0] == 0  # absent: a root whose first Dumper wrote none
+
+
 def test_symlinked_rank_json_is_not_followed(dump, tmp_path):
     outside = tmp_path / "outside.json"
     shutil.copy(rank_dir(dump) / "rank.json", outside)

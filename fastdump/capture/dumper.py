@@ -89,6 +89,29 @@ _engine.on_exit(close_all)  # dumpers close before the engine stops, at interpre
 # Twins (ranks: capture/ranks.py; selection: capture/selection.py; manifest: capture/manifest.py)
 
 
+_DIR_TRIES = 8  # fresh session ids drawn before a Dumper gives up on its own directory
+
+
+def _check_not_inside_a_dump(root: Path) -> None:
+    """A root that is a rank or role directory of a dump (a path copied from `fastdump ls`) would put
+    a second dump inside the first: files in evidence that no writer of it made. Refused."""
+    if (root / _fmt.RANK_FILE).exists() or any(_fmt.SEGMENT_RE.match(n) for n in _listing(root)):
+        raise ValueError(f"{root} is a rank directory of a dump (it holds {_fmt.RANK_FILE} or segments): "
+                         "give the dump's root, or a new directory")
+    if _fmt.parse_rank_dir(root.parent.name) is not None and (root.parent / _fmt.RANK_FILE).exists():
+        raise ValueError(f"{root} is inside a rank directory of a dump: give the dump's root, or a new directory")
+    if any(_fmt.parse_rank_dir(n) is not None and (root / n / _fmt.RANK_FILE).exists() for n in _listing(root)):
+        raise ValueError(f"{root} is a role directory of a dump (<root>/<role>, it holds rank directories): "
+                         "give the dump's root, or a new directory")
+
+
+def _listing(directory: Path) -> list:
+    try:
+        return os.listdir(directory)
+    except OSError:
+        return []  # (missing: made next; unreadable: mkdir says why)
+
+
 def _warn_if_twin(dumper) -> None:
     """Two live Dumpers of one process on the same root, role and ranks (a draft attached without
     ``role=``, say) write separate session directories; say so, since it is rarely intended."""
@@ -125,6 +148,7 @@ class Dumper:
         self.root = Path(root).absolute()
         self.session = _fmt.new_session_id()  # its own directory, even when the pid repeats
         self.dir = self.root / role / _fmt.rank_dir_name(ranks, os.getpid(), self.session)
+        self._own_dir = False  # self.dir made by this Dumper (_make_own_dir): only then written to
         self.policy = o.policy
         self.inputs = bool(o.inputs)
         self.skip_passes, self.every = int(o.skip_passes), int(o.every)
@@ -205,7 +229,8 @@ class Dumper:
             self._shared_left_out = {}
         self.not_wrapped.update(self._shared_left_out)
         try:
-            self.dir.mkdir(parents=True, exist_ok=True)
+            _check_not_inside_a_dump(self.root)
+            self._make_own_dir()
             _write_manifest(self.root, config)
             self._engine = Engine.acquire(o.engine)
             self._producer = self._engine.producer
@@ -256,6 +281,26 @@ class Dumper:
             if self.not_wrapped and self.status == "running":
                 log.warning("fastdump: %s: not wrapped: %s", self.dir,
                             "; ".join(f"{name}: {why}" for name, why in self.not_wrapped.items()))
+
+    def _make_own_dir(self) -> None:
+        """Create this session's rank directory, which no one else may write: a directory that
+        already exists (two processes of one pid, as containers have, starting in one microsecond
+        with the same random bits; a test's fixed session id) belongs to another Dumper, whose
+        segments and rank.json this one's writer would overwrite. A fresh session id is drawn."""
+        for _ in range(_DIR_TRIES):
+            try:
+                self.dir.parent.mkdir(parents=True, exist_ok=True)
+            except FileExistsError as exc:  # (said only "File exists" of a root that is a dangling link)
+                what = "a symbolic link to nothing" if os.path.islink(exc.filename or "") else "not a directory"
+                raise FileExistsError(f"{exc.filename} is {what}") from None
+            try:
+                self.dir.mkdir()
+                self._own_dir = True
+                return
+            except FileExistsError:
+                self.session = _fmt.new_session_id()
+                self.dir = self.dir.parent / _fmt.rank_dir_name(self.ranks, self._pid, self.session)
+        raise FileExistsError(f"{_DIR_TRIES} session directories in {self.dir.parent} existed already")
 
     def _root_name_of(self, model) -> str:
         return self.options.root_name or type(_original_module(model)).__name__
@@ -1090,6 +1135,9 @@ class Dumper:
         if not writer_stuck and self._engine is not None and self._channel is not None and self._engine.alive:
             if self._channel.control(protocol.note(self._channel.id, "error", error=error), block=False):
                 return  # in the ring: the writer merges it into rank.json
+        if not self._own_dir:  # (not made, or another Dumper's: its dump is not this one's to mark)
+            log.error("fastdump: %s is not this Dumper's directory: the error is not recorded there", self.dir)
+            return
         try:
             write_json_atomic(self.dir / _fmt.PRODUCER_ERROR_FILE,
                               {"status": "error", "error": error, "pid": os.getpid(), "time": time.time()})
@@ -1123,6 +1171,11 @@ class Dumper:
                     if why != _SHADOWED_REASON and name not in self._shared_left_out}
         selected = list(select_modules(model, **selection, scripted=scripted))
         root_selected = _root_selected(model, self._root_name, selection)
+        chosen = {k: v for k, v in selection.items() if v is not None}
+        if not selected and not root_selected and chosen:  # (a typo: FASTDUMP_MODULE_TYPES=Linaer)
+            log.warning("fastdump: %s: the selection %s matches no module of the model: passes are counted, "
+                        "no tensor is dumped", self.dir,
+                        ", ".join(f"{k}={getattr(v, 'pattern', v)!r}" for k, v in chosen.items()))
         self._module_names.update(name for name, _ in selected)
         if root_selected:
             self._module_names.add(self._root_name)

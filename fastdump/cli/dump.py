@@ -749,7 +749,24 @@ def verify_dump(root: str, read_data: bool = False) -> _Report:
         report.problem(root, "no rank directories (expected <root>/<role>/<rank>/rank.json)")
     numbers = {rank_path: check_rank_dir(report, rank_path, read_data) for rank_path in rank_dirs}
     _warn_of_absent_ranks(report, root, numbers)
+    _check_manifest(report, root)
     return report
+
+
+def _check_manifest(report: _Report, root: str) -> None:
+    """fastdump.json, the run's record (config, command, versions): it may be absent (a root whose
+    first Dumper wrote none), but one that is there and damaged, a directory or a FIFO was passed
+    as OK while ls warned about it."""
+    path = os.path.join(root, fmt.MANIFEST_FILE)
+    if not os.path.lexists(path):
+        return
+    try:
+        manifest = fsutil.load_json(path)
+    except (OSError, ValueError) as exc:
+        report.problem(path, str(exc))
+        return
+    if not isinstance(manifest, dict):
+        report.problem(path, f"not a JSON object ({type(manifest).__name__})")
 
 
 def _warn_of_absent_ranks(report: _Report, root: str, rank_numbers: dict) -> None:

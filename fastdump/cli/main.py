@@ -35,14 +35,37 @@ def info() -> dict:
     from ..staging import tensor_reader
 
     facts["tensor_reader"] = tensor_reader.describe()
+    facts["environment_now"] = environment_now()
     return facts
+
+
+def environment_now(environ=None) -> dict:
+    """The FASTDUMP_* variables set here and what maybe_attach makes of them: ``set`` {name: value},
+    ``error`` (the ConfigError it would raise, or None), ``warnings`` (misspelt names). The table
+    above it only documents; an operator checking the flag before a run saw no fault in it."""
+    import os
+    import warnings
+
+    from ..config import ConfigError, parse_env
+
+    environ = os.environ if environ is None else environ
+    out = {"set": {k: v for k, v in sorted(environ.items()) if k.startswith("FASTDUMP_")}, "error": None,
+           "warnings": []}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            parse_env(environ)
+        except ConfigError as exc:
+            out["error"] = str(exc)
+    out["warnings"] = [str(w.message) for w in caught]
+    return out
 
 
 def cmd_info(args) -> int:
     facts = info()
     if args.json:
         print(json.dumps(facts, indent=2, default=str))
-        return 0
+        return 1 if facts["environment_now"]["error"] else 0
     cuda = facts["cuda"]
     print(f"fastdump {facts['fastdump']}  python {facts['python']}  torch {facts['torch']}")
     print(f"h5py {facts['h5py']}  HDF5 {facts['hdf5']}")
@@ -63,6 +86,15 @@ def cmd_info(args) -> int:
     print("other variables:")
     for name, doc in facts["other_environment"].items():
         print(f"  {name:<26} {doc}")
+    now = facts["environment_now"]
+    print("set in this environment:" if now["set"] else "set in this environment: none")
+    for name, value in now["set"].items():
+        print(f"  {name}={value!r}")
+    for text in now["warnings"]:
+        print(f"warning: {text}")
+    if now["error"]:
+        print(f"ERROR: {now['error']}")
+        return 1
     return 0
 
 

@@ -57,6 +57,13 @@ def exit_timeout() -> float:
     return value
 
 
+# A region's name lives from its creation until the writer has mapped it (then it is unlinked), at
+# most the engine's start timeout (60 s). A younger one may be an attach in progress in another pid
+# namespace sharing /dev/shm (containers of one pod), whose pid looks dead from here: unlinking it
+# made that attach fail (its writer found no region).
+STALE_REGION_AGE_S = 180.0
+
+
 def remove_stale_regions(shm_dir: Path = SHM_DIR) -> list[str]:
     """Unlink shared-memory ring regions whose producer process is gone (left by a crash before unlink)."""
     removed = []
@@ -70,6 +77,11 @@ def remove_stale_regions(shm_dir: Path = SHM_DIR) -> list[str]:
         except ValueError:
             continue
         if pid == os.getpid() or _pid_alive(pid):
+            continue
+        try:
+            if time.time() - path.stat().st_mtime < STALE_REGION_AGE_S:
+                continue
+        except OSError:
             continue
         try:
             path.unlink()
@@ -122,7 +134,10 @@ class Engine:
         self._channels = itertools.count()
         self._cuda_stager = None
         self._cuda_lock = threading.Lock()
-        name = f"/{SHM_PREFIX}{self.pid}-{next(_counter)}"
+        # Random bits too: a region left by a killed process of the same pid (a restarted container's
+        # pid 1 on a /dev/shm that outlived it, which remove_stale_regions must leave: it may be
+        # another live container's) made shm_open fail with EEXIST at every attach.
+        name = f"/{SHM_PREFIX}{self.pid}-{next(_counter)}-{os.urandom(4).hex()}"
         self.producer = _C.Producer(name, int(ring_mb * (1 << 20)), int(chunk_mb * (1 << 20)))
         self._max_control_bytes = self.producer.max_control_bytes
         self._proc = None

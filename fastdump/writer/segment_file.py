@@ -128,11 +128,16 @@ def _create_dataset(group_id, block: Block, dcpl=None):
     return dset
 
 
+def no_direct_io() -> bool:
+    """FASTDUMP_NO_DIRECT_IO set to anything but 0/false/no/off/empty (=0 turned O_DIRECT off)."""
+    return os.environ.get("FASTDUMP_NO_DIRECT_IO", "").strip().lower() not in ("", "0", "false", "no", "off")
+
+
 def _open_direct(path: str):
     """A second descriptor with O_DIRECT, or None where the file system refuses it (tmpfs before
     Linux 6.6, some network and FUSE file systems) or the platform lacks it."""
     flag = getattr(os, "O_DIRECT", 0)
-    if not flag or os.environ.get("FASTDUMP_NO_DIRECT_IO"):
+    if not flag or no_direct_io():
         return None
     try:
         return os.open(path, os.O_WRONLY | flag)
