@@ -373,6 +373,37 @@ def test_manual_passes_and_metadata(tmp_path):
     assert list(ds.load("target", 0, 2)) == ["outside"]
 
 
+def test_manual_pass_block_and_end_pass_incomplete(tmp_path):
+    """The public way to run a pass by hand: a with-block is one pass, and one an exception leaves
+    is stored incomplete with it (as a root forward that raised); end_pass(incomplete=) says why."""
+    lin = torch.nn.Linear(2, 2)
+    x = torch.randn(1, 2)
+    with fastdump.attach(lin, tmp_path, root_passes=False) as d, torch.inference_mode():
+        with d.manual_pass(forward_mode="encode") as same:
+            outs = [lin(x), lin(x + 1)]
+        with pytest.raises(RuntimeError, match="boom"):
+            with d.manual_pass(forward_mode="decode"):
+                outs.append(lin(x + 2))
+                raise RuntimeError("boom")
+        d.begin_pass(step=2)
+        outs.append(lin(x + 3))
+        d.end_pass(incomplete="the verify step was cut short")
+        with pytest.raises(ValueError, match="complete"):
+            d.manual_pass(complete=True)
+    assert same is d
+    ds = fastdump.open(tmp_path)
+    assert ds.passes("target", 0) == [0, 1, 2]
+    dumped = [ds.load("target", 0, p) for p in (0, 1, 2)]
+    assert list(dumped[0]) == ["Linear", "Linear#1"]
+    assert same_bits(dumped[0]["Linear"], outs[0]) and same_bits(dumped[0]["Linear#1"], outs[1])
+    assert same_bits(dumped[1]["Linear"], outs[2]) and same_bits(dumped[2]["Linear"], outs[3])
+    metas = [ds.meta("target", 0, p) for p in (0, 1, 2)]
+    assert metas[0]["complete"] and metas[0]["forward_mode"] == "encode"
+    assert not metas[1]["complete"] and metas[1]["incomplete"] == "a forward raised RuntimeError: boom"
+    assert not metas[2]["complete"] and metas[2]["incomplete"] == "the verify step was cut short"
+    assert metas[2]["step"] == 2
+
+
 def test_unwritable_root_keeps_the_model_serving(tmp_path, caplog):
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")

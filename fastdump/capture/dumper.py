@@ -270,7 +270,10 @@ class Dumper:
         is dangling: it is closed (recorded incomplete, logged) at the next root forward or
         ``begin_pass()``, which start a pass of their own."""
         _check_meta_keys("begin_pass", meta)
-        caller = sys._getframe(1)
+        self._begin_manual(meta, sys._getframe(1))
+
+    def _begin_manual(self, meta: dict, caller) -> None:
+        """begin_pass() called from ``caller`` (the frame whose return leaves the pass dangling)."""
         opener = self._manual_opener
         if opener is not None and opener[0] is caller and opener[1] == caller.f_lasti:
             self._close_dangling("begin_pass() ran again before end_pass()")
@@ -281,15 +284,28 @@ class Dumper:
         if opening:
             self._manual_opener = (caller, caller.f_lasti)
 
-    def end_pass(self) -> None:
+    def end_pass(self, incomplete: str | None = None) -> bool:
         """End the pass the matching ``begin_pass()`` began. Without one open it does nothing
         (logged once): it must not end a pass a root forward opened, whose later tensors would be
-        lost while the pass read as whole."""
+        lost while the pass read as whole. ``incomplete``: why the pass is not a whole forward (a
+        call in it raised): it is stored ``complete = False`` with that reason (the first reason
+        given for a pass is the one kept), as a root forward that raised. Returns whether it ended
+        a ``begin_pass()`` (False: none was open)."""
         if self._manual_depth == 0:
             self._say_once("end_pass", "fastdump: %s: end_pass() without an open begin_pass(): ignored", self.dir)
-            return
+            return False
+        if incomplete is not None and self._depth > 0:
+            self._mark_incomplete(str(incomplete)[:200])
         self._manual_depth -= 1
         self._end()
+        return True
+
+    def manual_pass(self, **meta) -> "_ManualPass":
+        """``with dumper.manual_pass(**meta):`` one pass around the block: ``begin_pass(**meta)``
+        before it, ``end_pass()`` after it; an exception leaving the block ends the pass incomplete
+        with the exception as the reason (as a root forward that raised) and propagates."""
+        _check_meta_keys("manual_pass", meta)
+        return _ManualPass(self, meta)
 
     def set_pass_meta(self, **meta) -> None:
         """Small JSON-able facts about the current pass (or the next one, outside a pass). The keys
@@ -1267,6 +1283,23 @@ class Dumper:
             self._emit_safely(f"{base}.input.{i}", arg)
         for key, arg in kwargs.items():
             self._emit_safely(f"{base}.input.{key}", arg)
+
+
+class _ManualPass:
+    """What ``Dumper.manual_pass`` returns: the with-block is the pass (its frame, the opener)."""
+
+    __slots__ = ("dumper", "meta")
+
+    def __init__(self, dumper: Dumper, meta: dict):
+        self.dumper, self.meta = dumper, meta
+
+    def __enter__(self) -> Dumper:
+        self.dumper._begin_manual(self.meta, sys._getframe(1))
+        return self.dumper
+
+    def __exit__(self, kind, exc, tb) -> bool:
+        self.dumper.end_pass(None if exc is None else f"a forward raised {type(exc).__name__}: {_short(exc)}")
+        return False
 
 
 # ------------------------------------------------------------------------------------------------
