@@ -260,6 +260,14 @@ class Dumper:
     def _capturing(self, value: bool) -> None:
         self._state.capturing = value
 
+    @property
+    def _in_selected_pass(self) -> bool:
+        """Inside a selected pass, capturing or suspended: another Dumper's pass (an EAGLE draft run
+        inside the target's forward) is open inside it on its thread, and its wrappers pass through
+        until that one ends. A value given to ``dump()`` meanwhile is still this pass's."""
+        state = self._state
+        return state.capturing or state.suspended
+
     # -- public API ------------------------------------------------------------------------------
     def begin_pass(self, **meta) -> None:
         """Start a pass by hand (nests: only the outermost begin/end pair counts).
@@ -317,7 +325,7 @@ class Dumper:
     def dump(self, name: str, value) -> None:
         """Dump a value no module returns (tensors, CuPy/DLPack arrays, tuples/lists/dicts/dataclasses
         of them)."""
-        if self._capturing:
+        if self._in_selected_pass:
             self._check_thread()  # another thread's pass is open: this value would join it
             self._capture(name, value, given=True)
         elif self._depth == 0 and not self._closed and self._engine is not None:
@@ -500,6 +508,10 @@ class Dumper:
                     self._mark_mixed()
                 return
             self._pass_thread = me
+            # A pass of another Dumper open on this thread (this one runs inside its forward): its
+            # wrappers pass through until this pass ends, so the modules both wrap (EAGLE's shared
+            # embedding and LM head) are this pass's alone. (C: nothing to do when none is open.)
+            self._state.suspend_others()
             self._incomplete, self._mixed = None, False
             self.pass_id += 1
             if standalone:
@@ -553,8 +565,9 @@ class Dumper:
         # What this pass is, read before any call: at a call another thread may run and open the
         # next pass (new id, meta, skips, drop count), and this end must still be this pass's.
         state = self._state
-        capturing = state.capturing
+        capturing = state.capturing or state.suspended  # (suspended: its end is still to be sent)
         state.capturing = False
+        state.resume_held()  # the passes this one nested in capture again
         pass_id, meta, skipped, incomplete, mixed = (self.pass_id, self._meta, self._skipped, self._incomplete,
                                                      self._mixed)
         self._manual_opener = self._root_opener = None  # (frames: let them go with the pass)
@@ -746,7 +759,7 @@ class Dumper:
     def _capture(self, name: str, value, convert=None, k=None, given=False) -> None:
         """``value`` returned by the call numbered ``k`` (None: a call, or a dump(), numbered now).
         ``given``: a value of dump(), whose name is the caller's and may read as another's."""
-        if not self._capturing:
+        if not (self._capturing or given and self._state.suspended):
             return
         if given and not (isinstance(name, str) and name):
             return self._skip(f"<dump() name {_short_repr(name)}>", "a name must be a non-empty string")
@@ -1107,6 +1120,9 @@ class Dumper:
         if _forward_shadowed(model):
             return  # no wrapper of the root would run: recorded in not_wrapped (no root passes)
         if root_passes:
+            # Two Dumpers on this one model nest root wrapper in root wrapper at every forward: their
+            # passes must not suspend each other as another model's pass nested in one does.
+            self._state.root_key = id(_original_module(model))
             self._wrap(model, self._root_wrapper(self._root_name if root_selected else None, model.forward,
                                                  _owner_of(model)))
         elif root_selected:
