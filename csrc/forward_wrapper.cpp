@@ -978,7 +978,17 @@ PyObject* state_resume_held(CaptureState* st, PyObject*) {
   Py_RETURN_NONE;
 }
 
+// Whether `other` is a state this one's open pass suspended, suspended still.
+PyObject* state_holds(CaptureState* st, PyObject* other) {
+  for (CaptureState* o : *st->held) {
+    if (reinterpret_cast<PyObject*>(o) == other && o->suspended) Py_RETURN_TRUE;
+  }
+  Py_RETURN_FALSE;
+}
+
 PyMethodDef state_methods[] = {
+    {"holds", reinterpret_cast<PyCFunction>(state_holds), METH_O,
+     "holds(state): this Dumper's open pass suspended `state`'s, which is suspended still"},
     {"suspend_others", reinterpret_cast<PyCFunction>(state_suspend_others), METH_NOARGS,
      "a pass of this Dumper opens: the other Dumpers' passes open on this thread stop capturing until it ends"},
     {"resume_held", reinterpret_cast<PyCFunction>(state_resume_held), METH_NOARGS,

@@ -820,3 +820,46 @@ def test_two_dumpers_on_one_model_with_different_selections_both_dump_every_forw
         assert sorted(dumped) == ["embed", "embed.input.0"]
         assert same_bits(dumped["embed"], e) and same_bits(dumped["embed.input.0"], ids)
     assert not cli_dump.verify_dump(str(tmp_path)).problems
+
+
+def test_a_draft_pass_begun_inside_the_target_forward_and_never_ended_is_closed_with_it(tmp_path):
+    """The draft's begin_pass() inside the target's forward without its end_pass(): the target's
+    pass cannot hold what ran after that (its own output went to no pass), so it is incomplete, and
+    the draft's pass is closed with it, dangling, rather than left open for the target's next
+    passes to suspend and take the draft's later calls."""
+    target = _Eagle3Target()
+    draft = _Eagle3Draft(target)
+    dt = fastdump.attach(target, tmp_path, role="target")
+    dd = fastdump.attach(draft, tmp_path, role="draft", root_passes=False)
+    drafted = []
+
+    def run_draft(ids, hidden):
+        target.run_draft = None  # the first forward only
+        dd.begin_pass(forward_mode="draft")  # never ended
+        drafted.append((ids + 1, draft(ids + 1, hidden)))
+
+    target.run_draft = run_draft
+    prompts = [torch.tensor([[1, 2, 3]]), torch.tensor([[4]])]
+    with torch.inference_mode():
+        logits = [target(ids) for ids in prompts]
+    assert dt.close()["status"] == "closed" and dd.close()["status"] == "closed"
+
+    ds = fastdump.open(tmp_path)
+    with torch.inference_mode():
+        e = [target.embed(ids) for ids in prompts]
+        h = [target.layer(x) for x in e]
+    first, second = ds.load("target", 0, 0), ds.load("target", 0, 1)
+    assert sorted(first) == ["embed", "layer", "lm_head"]  # its own calls, none of the draft's
+    assert same_bits(first["embed"], e[0]) and same_bits(first["layer"], h[0])
+    assert same_bits(first["lm_head"], logits[0])
+    meta = ds.meta("target", 0, 0)
+    assert not meta["complete"] and meta["incomplete"].startswith("a pass of another Dumper opened inside")
+    assert sorted(second) == ["_Eagle3Target", "embed", "layer", "lm_head"] and ds.meta("target", 0, 1)["complete"]
+    assert same_bits(second["_Eagle3Target"], logits[1]) and same_bits(second["layer"], h[1])
+    assert ds.passes("draft", 0) == [0]
+    ids, (dl, dh) = drafted[0]
+    dumped = ds.load("draft", 0, 0)
+    assert sorted(dumped) == ["_Eagle3Draft.0", "_Eagle3Draft.1", "embed", "fc", "lm_head"]
+    assert same_bits(dumped["lm_head"], dl) and same_bits(dumped["fc"], dh)
+    meta = ds.meta("draft", 0, 0)
+    assert not meta["complete"] and "opened inside ended" in meta["incomplete"]

@@ -562,6 +562,8 @@ class Dumper:
         self._depth -= 1
         if self._depth > 0:
             return
+        if self._state.suspended:
+            self._end_nested_first()
         # What this pass is, read before any call: at a call another thread may run and open the
         # next pass (new id, meta, skips, drop count), and this end must still be this pass's.
         state = self._state
@@ -614,6 +616,20 @@ class Dumper:
             if not sent:
                 self._end_interrupted(exc, incomplete)
             raise
+
+    def _end_nested_first(self) -> None:
+        """This pass ends while a pass of another Dumper opened inside it is still open (a draft's
+        begin_pass() in the target's forward without its end_pass()): what ran since that one
+        opened went to it, not here (this pass's own output included), so this pass is incomplete;
+        and that one is dangling: closed now, marked so, or every later pass of this Dumper would
+        suspend it and take the other role's calls as its own."""
+        self._mark_incomplete("a pass of another Dumper opened inside this one was still open when it "
+                              "ended: what ran after that one opened is not in this pass")
+        for other in list(_open_dumpers):
+            if other is not self and other._state.holds(self._state):
+                other._close_dangling(f"it was still open when the pass of role {self.role!r} it was "
+                                      "opened inside ended", manual=other._manual_depth > 0)
+                return
 
     def _send_late_ends(self, deadline: float | None = None) -> None:
         """Send the pass ends a full ring refused, oldest first, until one is refused again (it
