@@ -95,6 +95,21 @@ void set_capturing_flag(CaptureState* s, int on) {
   s->capturing = on;
 }
 
+// Whether a pass of `s` opened now on this thread would suspend `o`'s.
+inline bool nests_in(CaptureState* s, CaptureState* o, unsigned long me) {
+  return o != s && o->pass_thread == me && (s->root_key == 0 || o->root_key != s->root_key);
+}
+
+// Whether a pass of `s` opened now would nest in another Dumper's (root_pass then takes the Python
+// path, which records the outer pass in the inner one's metadata).
+bool would_nest(CaptureState* s) {
+  if (g_capturing.empty()) return false;
+  const unsigned long me = PyThread_get_thread_ident();
+  for (CaptureState* o : g_capturing)
+    if (nests_in(s, o, me)) return true;
+  return false;
+}
+
 // A pass of `s` opens on this thread: every other state capturing on this thread (a pass this one
 // nests in) is suspended until `s`'s pass ends (resume_held).
 void suspend_others(CaptureState* s) {
@@ -102,7 +117,7 @@ void suspend_others(CaptureState* s) {
   const unsigned long me = PyThread_get_thread_ident();
   for (size_t i = 0; i < g_capturing.size();) {
     CaptureState* o = g_capturing[i];
-    if (o == s || o->pass_thread != me || (s->root_key != 0 && o->root_key == s->root_key)) {
+    if (!nests_in(s, o, me)) {
       ++i;
       continue;
     }
@@ -772,7 +787,7 @@ int root_selected(PyObject* d, long long next) {
 // or no room for its record now, and nothing was changed: the caller runs Dumper._root_begin; -1:
 // setting the Dumper's attributes failed (a MemoryError), which propagates.
 int root_begin_fast(CaptureState* st) {
-  if (st->capturing || st->lane_ptr == nullptr) return 0;
+  if (st->capturing || st->lane_ptr == nullptr || would_nest(st)) return 0;
   PyObject* d = st->dumper;
   long long previous;
   {
@@ -843,7 +858,7 @@ int root_begin_fast(CaptureState* st) {
       PyObject_SetAttr(d, n.meta, next_meta.p) < 0 || PyObject_SetAttr(d, n.next_meta, fresh.p) < 0)
     return -1;
   PyDict_Clear(st->calls);
-  suspend_others(st);  // (as _begin: a pass of this Dumper nested in another's owns the thread's calls)
+  suspend_others(st);  // (nothing to suspend: would_nest said so; kept as _begin's twin)
   if (!selected) return 1;  // (nothing captured: as _begin returns for a pass it leaves out)
   if (PyObject_SetAttr(channel.p, n.pass_dropped, n.zero) < 0) return -1;
   start_capturing(st);
@@ -968,9 +983,20 @@ done:
   return out;
 }
 
+// The Dumpers whose passes it suspended (a list, empty when it nests in none).
 PyObject* state_suspend_others(CaptureState* st, PyObject*) {
+  const size_t before = st->held->size();
   suspend_others(st);
-  Py_RETURN_NONE;
+  PyObject* dumpers = PyList_New(0);
+  if (dumpers == nullptr) return nullptr;  // (they are suspended all the same; resumed at its end)
+  for (size_t i = before; i < st->held->size(); ++i) {
+    PyObject* d = (*st->held)[i]->dumper;
+    if (d != nullptr && PyList_Append(dumpers, d) < 0) {
+      Py_DECREF(dumpers);
+      return nullptr;
+    }
+  }
+  return dumpers;
 }
 
 PyObject* state_resume_held(CaptureState* st, PyObject*) {

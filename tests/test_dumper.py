@@ -745,13 +745,13 @@ def test_a_draft_run_inside_the_target_forward_is_its_own_pass_alone(tmp_path, m
     monkeypatch.setattr(dumper_mod, "_native_root_pass", native_pass)
     target = _Eagle3Target()
     draft = _Eagle3Draft(target)
-    drafted = []  # (ids, aux, draft logits, draft hidden) per draft step
+    drafted = []  # (ids, aux, draft logits, draft hidden, the target's pass) per draft step
 
     def run_draft(ids, hidden):
         for step in range(2):
             ids = ids + step + 1
             logits, h = draft(ids, hidden)
-            drafted.append((ids, hidden, logits, h))
+            drafted.append((ids, hidden, logits, h, dt.pass_id))
 
     hook = None
     if where == "forward":
@@ -787,7 +787,9 @@ def _check_eagle3_passes(ds, target, prompts, logits, drafted, draft_every):
     kept = list(range(0, len(drafted), draft_every))
     assert ds.passes("draft", 0) == kept
     for pass_id in kept:
-        ids, aux, dl, dh = drafted[pass_id]
+        ids, aux, dl, dh, target_pass = drafted[pass_id]
+        # where it ran: a reader can put the two roles' passes in order
+        assert ds.meta("draft", 0, pass_id)["nested_in"] == [{"role": "target", "pass": target_pass}]
         want = {"embed": target.embed(ids), "fc": dh, "lm_head": dl, "_Eagle3Draft.0": dl, "_Eagle3Draft.1": dh}
         dumped = ds.load("draft", 0, pass_id)
         assert sorted(dumped) == sorted(want)
@@ -855,6 +857,7 @@ def test_a_draft_pass_begun_inside_the_target_forward_and_never_ended_is_closed_
     meta = ds.meta("target", 0, 0)
     assert not meta["complete"] and meta["incomplete"].startswith("a pass of another Dumper opened inside")
     assert sorted(second) == ["_Eagle3Target", "embed", "layer", "lm_head"] and ds.meta("target", 0, 1)["complete"]
+    assert "nested_in" not in ds.meta("target", 0, 1)
     assert same_bits(second["_Eagle3Target"], logits[1]) and same_bits(second["layer"], h[1])
     assert ds.passes("draft", 0) == [0]
     ids, (dl, dh) = drafted[0]
