@@ -25,6 +25,7 @@
 // real tensors.
 #include <pybind11/pybind11.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <vector>
 
@@ -69,7 +70,77 @@ struct CaptureState {
   PyObject* dynamo_probe;
   PyObject* dynamo_outside;
   double liveness_s;  // root_pass: the writer seen alive this recently (engine.LIVENESS_POLL_S)
+  // Nesting (an EAGLE draft run inside the target's forward, by a hook or the forward itself): while
+  // another Dumper's pass is open inside this one's on its thread, this one's wrappers pass through
+  // (`capturing` 0, `suspended` 1), so calls of modules both wrap (the shared embedding and LM head)
+  // go to the innermost pass alone. Zero cost per call: the wrappers read `capturing` as ever.
+  int suspended;
+  std::vector<CaptureState*>* held;  // the states this one's open pass suspended (owned), resumed at its end
+  // id() of the model whose root forward opens this Dumper's passes (0: none). Two Dumpers on one
+  // model (different selections) nest root in root on every forward: both capture it, as ever.
+  unsigned long long root_key;
 };
+
+// The states whose wrappers capture now (capturing 1), borrowed: a pass that opens looks here for
+// the passes open on its thread (one or two entries; none outside a nested pass). GIL-guarded.
+std::vector<CaptureState*> g_capturing;
+
+// Every change of `capturing` goes through here, so g_capturing stays exact.
+void set_capturing_flag(CaptureState* s, int on) {
+  if (on && !s->capturing) {
+    g_capturing.push_back(s);
+  } else if (!on && s->capturing) {
+    g_capturing.erase(std::remove(g_capturing.begin(), g_capturing.end(), s), g_capturing.end());
+  }
+  s->capturing = on;
+}
+
+// Whether a pass of `s` opened now on this thread would suspend `o`'s.
+inline bool nests_in(CaptureState* s, CaptureState* o, unsigned long me) {
+  return o != s && o->pass_thread == me && (s->root_key == 0 || o->root_key != s->root_key);
+}
+
+// Whether a pass of `s` opened now would nest in another Dumper's (root_pass then takes the Python
+// path, which records the outer pass in the inner one's metadata).
+bool would_nest(CaptureState* s) {
+  if (g_capturing.empty()) return false;
+  const unsigned long me = PyThread_get_thread_ident();
+  for (CaptureState* o : g_capturing)
+    if (nests_in(s, o, me)) return true;
+  return false;
+}
+
+// A pass of `s` opens on this thread: every other state capturing on this thread (a pass this one
+// nests in) is suspended until `s`'s pass ends (resume_held).
+void suspend_others(CaptureState* s) {
+  if (g_capturing.empty()) return;
+  const unsigned long me = PyThread_get_thread_ident();
+  for (size_t i = 0; i < g_capturing.size();) {
+    CaptureState* o = g_capturing[i];
+    if (!nests_in(s, o, me)) {
+      ++i;
+      continue;
+    }
+    g_capturing.erase(g_capturing.begin() + static_cast<std::ptrdiff_t>(i));
+    o->capturing = 0;
+    o->suspended = 1;
+    s->held->push_back(reinterpret_cast<CaptureState*>(Py_NewRef(reinterpret_cast<PyObject*>(o))));
+  }
+}
+
+// `s`'s pass ended: the passes it suspended capture again, unless they ended (or stopped) meanwhile.
+void resume_held(CaptureState* s) {
+  if (s->held == nullptr || s->held->empty()) return;
+  std::vector<CaptureState*> held;
+  held.swap(*s->held);
+  for (CaptureState* o : held) {
+    if (o->suspended) {
+      o->suspended = 0;
+      set_capturing_flag(o, 1);  // (serial, pass_thread unchanged: the same pass goes on)
+    }
+  }
+  for (CaptureState* o : held) Py_DECREF(reinterpret_cast<PyObject*>(o));
+}
 
 struct ForwardWrapper {
   PyObject_HEAD
@@ -98,11 +169,19 @@ int state_traverse(CaptureState* s, visitproc visit, void* arg) {
   Py_VISIT(s->lane);
   Py_VISIT(s->dynamo_probe);
   Py_VISIT(s->dynamo_outside);
+  if (s->held != nullptr)
+    for (CaptureState* o : *s->held) Py_VISIT(reinterpret_cast<PyObject*>(o));
   return 0;
 }
 
 int state_clear(CaptureState* s) {
-  s->capturing = 0;
+  set_capturing_flag(s, 0);
+  s->suspended = 0;
+  if (s->held != nullptr) {
+    std::vector<CaptureState*> held;
+    held.swap(*s->held);
+    for (CaptureState* o : held) Py_DECREF(reinterpret_cast<PyObject*>(o));
+  }
   s->lane_ptr = nullptr;
   Py_CLEAR(s->dumper);
   Py_CLEAR(s->calls);
@@ -117,6 +196,7 @@ int state_clear(CaptureState* s) {
 void state_dealloc(CaptureState* s) {
   PyObject_GC_UnTrack(s);
   state_clear(s);
+  delete s->held;
   Py_TYPE(s)->tp_free(reinterpret_cast<PyObject*>(s));
 }
 
@@ -129,6 +209,9 @@ PyObject* state_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
   auto* s = reinterpret_cast<CaptureState*>(type->tp_alloc(type, 0));
   if (s == nullptr) return nullptr;
   s->capturing = 0;
+  s->suspended = 0;
+  s->held = new std::vector<CaptureState*>();
+  s->root_key = 0;
   s->serial = 0;
   s->pass_thread = 0;
   s->dumper = Py_NewRef(dumper);
@@ -153,8 +236,20 @@ int state_set_capturing(CaptureState* s, PyObject* value, void*) {
   if (on < 0) return -1;
   if (on && !s->capturing) s->serial++;
   if (on) s->pass_thread = PyThread_get_thread_ident();
-  s->capturing = on;
+  set_capturing_flag(s, on);
+  s->suspended = 0;  // (a pass set or stopped by hand is no longer waiting for a nested one)
   s->probed = 0;
+  return 0;
+}
+
+PyObject* state_get_suspended(CaptureState* s, void*) { return PyBool_FromLong(s->suspended); }
+
+PyObject* state_get_root_key(CaptureState* s, void*) { return PyLong_FromUnsignedLongLong(s->root_key); }
+
+int state_set_root_key(CaptureState* s, PyObject* value, void*) {
+  const unsigned long long v = value ? PyLong_AsUnsignedLongLong(value) : 0;
+  if (v == static_cast<unsigned long long>(-1) && PyErr_Occurred()) return -1;
+  s->root_key = v;
   return 0;
 }
 
@@ -221,6 +316,13 @@ PyGetSetDef state_getset[] = {
      "(probe, outside): how Python fallbacks stay outside a torch.compile trace, or None", nullptr},
     {"capturing", reinterpret_cast<getter>(state_get_capturing), reinterpret_cast<setter>(state_set_capturing),
      "inside a selected pass: the wrappers' only check outside one", nullptr},
+    {"root_key", reinterpret_cast<getter>(state_get_root_key), reinterpret_cast<setter>(state_set_root_key),
+     "id() of the model whose root forward opens the passes (0: none): passes of two Dumpers on one root do "
+     "not suspend each other",
+     nullptr},
+    {"suspended", reinterpret_cast<getter>(state_get_suspended), nullptr,
+     "in a selected pass, inside which another Dumper's pass is open on its thread (its wrappers pass through)",
+     nullptr},
     {"lane", reinterpret_cast<getter>(state_get_lane), reinterpret_cast<setter>(state_set_lane),
      "the channel's ChannelStager (stage_tensor), or None: every tensor takes the Python path", nullptr},
     {nullptr, nullptr, nullptr, nullptr, nullptr}};
@@ -662,7 +764,8 @@ bool empty_dict(PyObject* v) { return v != nullptr && PyDict_CheckExact(v) && Py
 void start_capturing(CaptureState* st) {
   if (!st->capturing) st->serial++;
   st->pass_thread = PyThread_get_thread_ident();
-  st->capturing = 1;
+  set_capturing_flag(st, 1);
+  st->suspended = 0;
   st->probed = 0;
 }
 
@@ -689,7 +792,7 @@ int root_selected(PyObject* d, long long next) {
 // or no room for its record now, and nothing was changed: the caller runs Dumper._root_begin; -1:
 // setting the Dumper's attributes failed (a MemoryError), which propagates.
 int root_begin_fast(CaptureState* st) {
-  if (st->capturing || st->lane_ptr == nullptr) return 0;
+  if (st->capturing || st->lane_ptr == nullptr || would_nest(st)) return 0;
   PyObject* d = st->dumper;
   long long previous;
   {
@@ -760,6 +863,7 @@ int root_begin_fast(CaptureState* st) {
       PyObject_SetAttr(d, n.meta, next_meta.p) < 0 || PyObject_SetAttr(d, n.next_meta, fresh.p) < 0)
     return -1;
   PyDict_Clear(st->calls);
+  suspend_others(st);  // (nothing to suspend: would_nest said so; kept as _begin's twin)
   if (!selected) return 1;  // (nothing captured: as _begin returns for a pass it leaves out)
   if (PyObject_SetAttr(channel.p, n.pass_dropped, n.zero) < 0) return -1;
   start_capturing(st);
@@ -770,12 +874,13 @@ int root_begin_fast(CaptureState* st) {
 // for its record now, and nothing was changed: the caller runs Dumper._end; -1: an error propagates
 // (the pass has ended).
 int root_end_fast(CaptureState* st) {
-  if (st->lane_ptr == nullptr) return 0;
+  if (st->lane_ptr == nullptr || st->suspended) return 0;  // (suspended: its end goes through _end)
   PyObject* d = st->dumper;
   if (!st->capturing) {  // a pass left out (or not dumping): what _end does when nothing was captured
     Ref depth(read(d, n.depth));
     if (!is_int(depth.p, 1)) return 0;
     Ref old_root(read(d, n.root_opener)), old_manual(read(d, n.manual_opener));  // (released last)
+    resume_held(st);
     if (PyObject_SetAttr(d, n.depth, n.zero) < 0 || PyObject_SetAttr(d, n.manual_opener, Py_None) < 0 ||
         PyObject_SetAttr(d, n.root_opener, Py_None) < 0)
       return -1;
@@ -811,8 +916,9 @@ int root_end_fast(CaptureState* st) {
   }
   if (seq == 0) return 0;
   // The end is in the ring: what _end sets.
-  st->capturing = 0;
+  set_capturing_flag(st, 0);
   st->probed = 0;
+  resume_held(st);
   Ref old_opener(read(d, n.root_opener));
   Ref count(PyLong_FromLongLong(passes + 1)), seq_obj(PyLong_FromUnsignedLongLong(seq));
   if (count.p == nullptr || seq_obj.p == nullptr) return -1;
@@ -883,7 +989,42 @@ done:
   return out;
 }
 
+// The Dumpers whose passes it suspended (a list, empty when it nests in none).
+PyObject* state_suspend_others(CaptureState* st, PyObject*) {
+  const size_t before = st->held->size();
+  suspend_others(st);
+  PyObject* dumpers = PyList_New(0);
+  if (dumpers == nullptr) return nullptr;  // (they are suspended all the same; resumed at its end)
+  for (size_t i = before; i < st->held->size(); ++i) {
+    PyObject* d = (*st->held)[i]->dumper;
+    if (d != nullptr && PyList_Append(dumpers, d) < 0) {
+      Py_DECREF(dumpers);
+      return nullptr;
+    }
+  }
+  return dumpers;
+}
+
+PyObject* state_resume_held(CaptureState* st, PyObject*) {
+  resume_held(st);
+  Py_RETURN_NONE;
+}
+
+// Whether `other` is a state this one's open pass suspended, suspended still.
+PyObject* state_holds(CaptureState* st, PyObject* other) {
+  for (CaptureState* o : *st->held) {
+    if (reinterpret_cast<PyObject*>(o) == other && o->suspended) Py_RETURN_TRUE;
+  }
+  Py_RETURN_FALSE;
+}
+
 PyMethodDef state_methods[] = {
+    {"holds", reinterpret_cast<PyCFunction>(state_holds), METH_O,
+     "holds(state): this Dumper's open pass suspended `state`'s, which is suspended still"},
+    {"suspend_others", reinterpret_cast<PyCFunction>(state_suspend_others), METH_NOARGS,
+     "a pass of this Dumper opens: the other Dumpers' passes open on this thread stop capturing until it ends"},
+    {"resume_held", reinterpret_cast<PyCFunction>(state_resume_held), METH_NOARGS,
+     "this Dumper's pass ended: the passes it suspended capture again (those still open)"},
     {"root_pass", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(state_root_pass)), METH_FASTCALL,
      "root_pass(inner, args, kwargs): the root wrapper's pass around inner(*args, **kwargs)"},
     {nullptr, nullptr, 0, nullptr}};

@@ -10,6 +10,7 @@ import torch
 
 import fastdump
 from fastdump import dtypes
+from fastdump.cli import dump as cli_dump
 from toy_models import LeafReference, TinyDraft, TinyLM
 from conftest import read_rank_json, require_o_direct
 
@@ -373,6 +374,37 @@ def test_manual_passes_and_metadata(tmp_path):
     assert list(ds.load("target", 0, 2)) == ["outside"]
 
 
+def test_manual_pass_block_and_end_pass_incomplete(tmp_path):
+    """The public way to run a pass by hand: a with-block is one pass, and one an exception leaves
+    is stored incomplete with it (as a root forward that raised); end_pass(incomplete=) says why."""
+    lin = torch.nn.Linear(2, 2)
+    x = torch.randn(1, 2)
+    with fastdump.attach(lin, tmp_path, root_passes=False) as d, torch.inference_mode():
+        with d.manual_pass(forward_mode="encode") as same:
+            outs = [lin(x), lin(x + 1)]
+        with pytest.raises(RuntimeError, match="boom"):
+            with d.manual_pass(forward_mode="decode"):
+                outs.append(lin(x + 2))
+                raise RuntimeError("boom")
+        d.begin_pass(step=2)
+        outs.append(lin(x + 3))
+        d.end_pass(incomplete="the verify step was cut short")
+        with pytest.raises(ValueError, match="complete"):
+            d.manual_pass(complete=True)
+    assert same is d
+    ds = fastdump.open(tmp_path)
+    assert ds.passes("target", 0) == [0, 1, 2]
+    dumped = [ds.load("target", 0, p) for p in (0, 1, 2)]
+    assert list(dumped[0]) == ["Linear", "Linear#1"]
+    assert same_bits(dumped[0]["Linear"], outs[0]) and same_bits(dumped[0]["Linear#1"], outs[1])
+    assert same_bits(dumped[1]["Linear"], outs[2]) and same_bits(dumped[2]["Linear"], outs[3])
+    metas = [ds.meta("target", 0, p) for p in (0, 1, 2)]
+    assert metas[0]["complete"] and metas[0]["forward_mode"] == "encode"
+    assert not metas[1]["complete"] and metas[1]["incomplete"] == "a forward raised RuntimeError: boom"
+    assert not metas[2]["complete"] and metas[2]["incomplete"] == "the verify step was cut short"
+    assert metas[2]["step"] == 2
+
+
 def test_unwritable_root_keeps_the_model_serving(tmp_path, caplog):
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
@@ -666,3 +698,171 @@ def test_watch_on_a_dumper_without_model(tmp_path):
     assert ds.passes("target", 0) == [0]
     got = ds.load("target", 0, 0)
     assert list(got) == ["blk"] and same_bits(got["blk"], out.scores)
+
+
+class _Eagle3Target(torch.nn.Module):
+    """Runs ``run_draft(ids, hidden)`` inside its own forward (EAGLE-3: the draft takes the target's
+    hidden state), or leaves it to a forward hook on ``layer``."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(5)
+        self.embed = torch.nn.Embedding(50, 8)
+        self.layer = torch.nn.Linear(8, 8)
+        self.lm_head = torch.nn.Linear(8, 50, bias=False)
+        self.run_draft = None
+
+    def forward(self, ids):
+        h = self.layer(self.embed(ids))
+        logits = self.lm_head(h)
+        if self.run_draft is not None:
+            self.run_draft(ids, h)
+        return logits
+
+
+class _Eagle3Draft(torch.nn.Module):
+    def __init__(self, target):
+        super().__init__()
+        self.embed, self.lm_head = target.embed, target.lm_head  # shared, as EAGLE's are
+        self.fc = torch.nn.Linear(16, 8)
+
+    def forward(self, ids, aux):
+        h = self.fc(torch.cat([self.embed(ids), aux], -1))
+        return self.lm_head(h), h
+
+
+@pytest.mark.parametrize("native_pass", [True, False])
+@pytest.mark.parametrize("where", ["forward", "hook"])
+@pytest.mark.parametrize("draft_every", [1, 2])
+def test_a_draft_run_inside_the_target_forward_is_its_own_pass_alone(tmp_path, monkeypatch, native_pass, where,
+                                                                      draft_every):
+    """EAGLE-3 style: the draft runs inside the target's forward (the forward itself, or a hook on one
+    of its modules), two draft steps per target step, on the modules both share. Each role's pass
+    holds what its own forward computed, nothing of the other's (the target's pass used to get the
+    draft's embedding and LM head calls as `embed#1`, `lm_head#1`..., and verify said OK); so also
+    when the draft's passes are left out by its selection."""
+    from fastdump.capture import dumper as dumper_mod
+    monkeypatch.setattr(dumper_mod, "_native_root_pass", native_pass)
+    target = _Eagle3Target()
+    draft = _Eagle3Draft(target)
+    drafted = []  # (ids, aux, draft logits, draft hidden, the target's pass) per draft step
+
+    def run_draft(ids, hidden):
+        for step in range(2):
+            ids = ids + step + 1
+            logits, h = draft(ids, hidden)
+            drafted.append((ids, hidden, logits, h, dt.pass_id))
+
+    hook = None
+    if where == "forward":
+        target.run_draft = run_draft
+    else:
+        hook = target.layer.register_forward_hook(lambda m, args, out: run_draft(args[0].argmax(-1) % 50, out))
+    dt = fastdump.attach(target, tmp_path, role="target")
+    dd = fastdump.attach(draft, tmp_path, role="draft", every=draft_every)
+    prompts = [torch.tensor([[1, 2, 3]]), torch.tensor([[4]]), torch.tensor([[5]])]
+    with torch.inference_mode():
+        logits = [target(ids) for ids in prompts]
+    assert dt.close()["status"] == "closed" and dd.close()["status"] == "closed"
+    target.run_draft = None
+    if hook is not None:
+        hook.remove()
+
+    ds = fastdump.open(tmp_path)
+    assert ds.passes("target", 0) == [0, 1, 2]
+    with torch.inference_mode():  # (the references: the same modules on the same inputs, after close)
+        _check_eagle3_passes(ds, target, prompts, logits, drafted, draft_every)
+    assert not cli_dump.verify_dump(str(tmp_path)).problems
+
+
+def _check_eagle3_passes(ds, target, prompts, logits, drafted, draft_every):
+    for pass_id, ids in enumerate(prompts):
+        e = target.embed(ids)
+        h = target.layer(e)
+        want = {"embed": e, "layer": h, "lm_head": logits[pass_id], "_Eagle3Target": logits[pass_id]}
+        dumped = ds.load("target", 0, pass_id)
+        assert sorted(dumped) == sorted(want)
+        assert all(same_bits(dumped[n], want[n]) for n in want)
+        assert ds.meta("target", 0, pass_id)["complete"]
+    kept = list(range(0, len(drafted), draft_every))
+    assert ds.passes("draft", 0) == kept
+    for pass_id in kept:
+        ids, aux, dl, dh, target_pass = drafted[pass_id]
+        # where it ran: a reader can put the two roles' passes in order
+        assert ds.meta("draft", 0, pass_id)["nested_in"] == [{"role": "target", "pass": target_pass}]
+        want = {"embed": target.embed(ids), "fc": dh, "lm_head": dl, "_Eagle3Draft.0": dl, "_Eagle3Draft.1": dh}
+        dumped = ds.load("draft", 0, pass_id)
+        assert sorted(dumped) == sorted(want)
+        assert all(same_bits(dumped[n], want[n]) for n in want)
+
+
+@pytest.mark.parametrize("native_pass", [True, False])
+def test_two_dumpers_on_one_model_with_different_selections_both_dump_every_forward(tmp_path, monkeypatch,
+                                                                                      native_pass):
+    """Their root wrappers nest at every forward (the later one's around the earlier's): neither pass
+    is suspended for the other's, as a draft's pass nested in the target's forward suspends that."""
+    from fastdump.capture import dumper as dumper_mod
+    monkeypatch.setattr(dumper_mod, "_native_root_pass", native_pass)
+    target = _Eagle3Target()
+    wide = fastdump.attach(target, tmp_path, role="wide")
+    narrow = fastdump.attach(target, tmp_path, role="narrow", include=r"^embed$", inputs=True)
+    prompts = [torch.tensor([[1, 2, 3]]), torch.tensor([[4]])]
+    with torch.inference_mode():
+        logits = [target(ids) for ids in prompts]
+    assert narrow.close()["status"] == "closed" and wide.close()["status"] == "closed"
+    ds = fastdump.open(tmp_path)
+    for pass_id, ids in enumerate(prompts):
+        with torch.inference_mode():
+            e = target.embed(ids)
+            h = target.layer(e)
+        want = {"embed": e, "layer": h, "lm_head": logits[pass_id], "_Eagle3Target": logits[pass_id]}
+        dumped = ds.load("wide", 0, pass_id)
+        assert sorted(dumped) == sorted(want) and all(same_bits(dumped[n], want[n]) for n in want)
+        dumped = ds.load("narrow", 0, pass_id)
+        assert sorted(dumped) == ["embed", "embed.input.0"]
+        assert same_bits(dumped["embed"], e) and same_bits(dumped["embed.input.0"], ids)
+    assert not cli_dump.verify_dump(str(tmp_path)).problems
+
+
+def test_a_draft_pass_begun_inside_the_target_forward_and_never_ended_is_closed_with_it(tmp_path):
+    """The draft's begin_pass() inside the target's forward without its end_pass(): the target's
+    pass cannot hold what ran after that (its own output went to no pass), so it is incomplete, and
+    the draft's pass is closed with it, dangling, rather than left open for the target's next
+    passes to suspend and take the draft's later calls."""
+    target = _Eagle3Target()
+    draft = _Eagle3Draft(target)
+    dt = fastdump.attach(target, tmp_path, role="target")
+    dd = fastdump.attach(draft, tmp_path, role="draft", root_passes=False)
+    drafted = []
+
+    def run_draft(ids, hidden):
+        target.run_draft = None  # the first forward only
+        dd.begin_pass(forward_mode="draft")  # never ended
+        drafted.append((ids + 1, draft(ids + 1, hidden)))
+
+    target.run_draft = run_draft
+    prompts = [torch.tensor([[1, 2, 3]]), torch.tensor([[4]])]
+    with torch.inference_mode():
+        logits = [target(ids) for ids in prompts]
+    assert dt.close()["status"] == "closed" and dd.close()["status"] == "closed"
+
+    ds = fastdump.open(tmp_path)
+    with torch.inference_mode():
+        e = [target.embed(ids) for ids in prompts]
+        h = [target.layer(x) for x in e]
+    first, second = ds.load("target", 0, 0), ds.load("target", 0, 1)
+    assert sorted(first) == ["embed", "layer", "lm_head"]  # its own calls, none of the draft's
+    assert same_bits(first["embed"], e[0]) and same_bits(first["layer"], h[0])
+    assert same_bits(first["lm_head"], logits[0])
+    meta = ds.meta("target", 0, 0)
+    assert not meta["complete"] and meta["incomplete"].startswith("a pass of another Dumper opened inside")
+    assert sorted(second) == ["_Eagle3Target", "embed", "layer", "lm_head"] and ds.meta("target", 0, 1)["complete"]
+    assert "nested_in" not in ds.meta("target", 0, 1)
+    assert same_bits(second["_Eagle3Target"], logits[1]) and same_bits(second["layer"], h[1])
+    assert ds.passes("draft", 0) == [0]
+    ids, (dl, dh) = drafted[0]
+    dumped = ds.load("draft", 0, 0)
+    assert sorted(dumped) == ["_Eagle3Draft.0", "_Eagle3Draft.1", "embed", "fc", "lm_head"]
+    assert same_bits(dumped["lm_head"], dl) and same_bits(dumped["fc"], dh)
+    meta = ds.meta("draft", 0, 0)
+    assert not meta["complete"] and "opened inside ended" in meta["incomplete"]

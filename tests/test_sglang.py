@@ -806,3 +806,21 @@ def test_a_logits_processor_below_the_top_module_holds_the_logits(tmp_path, monk
     got = ds.load("target", only_rank(ds, "target"), 0)
     assert torch.equal(got["language_model.logits_processor"], out.next_token_logits)
     assert not [name for name in got if "next_token_logits" in name]
+
+
+def test_dump_current_tensors_inside_the_forward_returns_and_leaves_its_pass_whole(tmp_path):
+    """SGLang's dumper API called from inside the model's forward (a hook, a nested call): it ended
+    manual passes until none was open, and end_pass() never ends a root forward's pass, so it spun
+    for ever inside the served forward. It returns, and the forward's pass stays one whole pass."""
+    model, fbs = LlamaForCausalLM(), list(batches())
+    d = fsg.register_forward_hook_for_model(model, tmp_path)
+    calls = []
+    model.model.layers[0].register_forward_hook(lambda *_: calls.append(d.dump_current_tensors()))
+    reference = run(model, fbs[0])
+    d.close()
+    assert calls == [None]
+    ds = fastdump.open(tmp_path)
+    rank = only_rank(ds, "target")
+    assert ds.passes("target", rank) == [0]
+    assert ds.meta("target", rank, 0)["complete"]
+    assert torch.equal(ds.load("target", rank, 0)["logits_processor"], reference.next_token_logits)

@@ -315,6 +315,14 @@ class Dumper:
     def _capturing(self, value: bool) -> None:
         self._state.capturing = value
 
+    @property
+    def _in_selected_pass(self) -> bool:
+        """Inside a selected pass, capturing or suspended: another Dumper's pass (an EAGLE draft run
+        inside the target's forward) is open inside it on its thread, and its wrappers pass through
+        until that one ends. A value given to ``dump()`` meanwhile is still this pass's."""
+        state = self._state
+        return state.capturing or state.suspended
+
     # -- public API ------------------------------------------------------------------------------
     def begin_pass(self, **meta) -> None:
         """Start a pass by hand (nests: only the outermost begin/end pair counts).
@@ -325,7 +333,10 @@ class Dumper:
         is dangling: it is closed (recorded incomplete, logged) at the next root forward or
         ``begin_pass()``, which start a pass of their own."""
         _check_meta_keys("begin_pass", meta)
-        caller = sys._getframe(1)
+        self._begin_manual(meta, sys._getframe(1))
+
+    def _begin_manual(self, meta: dict, caller) -> None:
+        """begin_pass() called from ``caller`` (the frame whose return leaves the pass dangling)."""
         opener = self._manual_opener
         if opener is not None and opener[0] is caller and opener[1] == caller.f_lasti:
             self._close_dangling("begin_pass() ran again before end_pass()")
@@ -336,15 +347,28 @@ class Dumper:
         if opening:
             self._manual_opener = (caller, caller.f_lasti)
 
-    def end_pass(self) -> None:
+    def end_pass(self, incomplete: str | None = None) -> bool:
         """End the pass the matching ``begin_pass()`` began. Without one open it does nothing
         (logged once): it must not end a pass a root forward opened, whose later tensors would be
-        lost while the pass read as whole."""
+        lost while the pass read as whole. ``incomplete``: why the pass is not a whole forward (a
+        call in it raised): it is stored ``complete = False`` with that reason (the first reason
+        given for a pass is the one kept), as a root forward that raised. Returns whether it ended
+        a ``begin_pass()`` (False: none was open)."""
         if self._manual_depth == 0:
             self._say_once("end_pass", "fastdump: %s: end_pass() without an open begin_pass(): ignored", self.dir)
-            return
+            return False
+        if incomplete is not None and self._depth > 0:
+            self._mark_incomplete(str(incomplete)[:200])
         self._manual_depth -= 1
         self._end()
+        return True
+
+    def manual_pass(self, **meta) -> "_ManualPass":
+        """``with dumper.manual_pass(**meta):`` one pass around the block: ``begin_pass(**meta)``
+        before it, ``end_pass()`` after it; an exception leaving the block ends the pass incomplete
+        with the exception as the reason (as a root forward that raised) and propagates."""
+        _check_meta_keys("manual_pass", meta)
+        return _ManualPass(self, meta)
 
     def set_pass_meta(self, **meta) -> None:
         """Small JSON-able facts about the current pass (or the next one, outside a pass). The keys
@@ -356,7 +380,7 @@ class Dumper:
     def dump(self, name: str, value) -> None:
         """Dump a value no module returns (tensors, CuPy/DLPack arrays, tuples/lists/dicts/dataclasses
         of them)."""
-        if self._capturing:
+        if self._in_selected_pass:
             self._check_thread()  # another thread's pass is open: this value would join it
             self._capture(name, value, given=True)
         elif self._depth == 0 and not self._closed and self._engine is not None:
@@ -539,11 +563,17 @@ class Dumper:
                     self._mark_mixed()
                 return
             self._pass_thread = me
+            # A pass of another Dumper open on this thread (this one runs inside its forward): its
+            # wrappers pass through until this pass ends, so the modules both wrap (EAGLE's shared
+            # embedding and LM head) are this pass's alone. (C: nothing to do when none is open.)
+            outer = self._state.suspend_others()
             self._incomplete, self._mixed = None, False
             self.pass_id += 1
             if standalone:
                 self._standalone_passes += 1
             self._meta, self._next_meta = self._next_meta, {}
+            if outer:  # where it ran, so a reader can put the roles' passes in order
+                self._meta["nested_in"] = [{"role": d.role, "pass": d.pass_id} for d in outer]
             self._calls.clear()
             if self._open_calls:
                 self._open_calls.clear()  # (calls that raised: never closed)
@@ -591,11 +621,14 @@ class Dumper:
         self._depth -= 1
         if self._depth > 0:
             return
+        if self._state.suspended:
+            self._end_nested_first()
         # What this pass is, read before any call: at a call another thread may run and open the
         # next pass (new id, meta, skips, drop count), and this end must still be this pass's.
         state = self._state
-        capturing = state.capturing
+        capturing = state.capturing or state.suspended  # (suspended: its end is still to be sent)
         state.capturing = False
+        state.resume_held()  # the passes this one nested in capture again
         pass_id, meta, skipped, incomplete, mixed = (self.pass_id, self._meta, self._skipped, self._incomplete,
                                                      self._mixed)
         structure, structure_at = self._structure, self._structure_at
@@ -646,6 +679,20 @@ class Dumper:
             if not sent:
                 self._end_interrupted(exc, incomplete)
             raise
+
+    def _end_nested_first(self) -> None:
+        """This pass ends while a pass of another Dumper opened inside it is still open (a draft's
+        begin_pass() in the target's forward without its end_pass()): what ran since that one
+        opened went to it, not here (this pass's own output included), so this pass is incomplete;
+        and that one is dangling: closed now, marked so, or every later pass of this Dumper would
+        suspend it and take the other role's calls as its own."""
+        self._mark_incomplete("a pass of another Dumper opened inside this one was still open when it "
+                              "ended: what ran after that one opened is not in this pass")
+        for other in list(_open_dumpers):
+            if other is not self and other._state.holds(self._state):
+                other._close_dangling(f"it was still open when the pass of role {self.role!r} it was "
+                                      "opened inside ended", manual=other._manual_depth > 0)
+                return
 
     def _send_late_ends(self, deadline: float | None = None) -> None:
         """Send the pass ends a full ring refused, oldest first, until one is refused again (it
@@ -792,7 +839,7 @@ class Dumper:
     def _capture(self, name: str, value, convert=None, k=None, given=False) -> None:
         """``value`` returned by the call numbered ``k`` (None: a call, or a dump(), numbered now).
         ``given``: a value of dump(), whose name is the caller's and may read as another's."""
-        if not self._capturing:
+        if not (self._capturing or given and self._state.suspended):
             return
         if given and not (isinstance(name, str) and name):
             return self._skip(f"<dump() name {_short_repr(name)}>", "a name must be a non-empty string")
@@ -1189,6 +1236,9 @@ class Dumper:
         if _forward_shadowed(model):
             return  # no wrapper of the root would run: recorded in not_wrapped (no root passes)
         if root_passes:
+            # Two Dumpers on this one model nest root wrapper in root wrapper at every forward: their
+            # passes must not suspend each other as another model's pass nested in one does.
+            self._state.root_key = id(_original_module(model))
             self._wrap(model, self._root_wrapper(self._root_name if root_selected else None, model.forward,
                                                  _owner_of(model)))
         elif root_selected:
@@ -1365,6 +1415,23 @@ class Dumper:
             self._emit_safely(f"{base}.input.{i}", arg)
         for key, arg in kwargs.items():
             self._emit_safely(f"{base}.input.{key}", arg)
+
+
+class _ManualPass:
+    """What ``Dumper.manual_pass`` returns: the with-block is the pass (its frame, the opener)."""
+
+    __slots__ = ("dumper", "meta")
+
+    def __init__(self, dumper: Dumper, meta: dict):
+        self.dumper, self.meta = dumper, meta
+
+    def __enter__(self) -> Dumper:
+        self.dumper._begin_manual(self.meta, sys._getframe(1))
+        return self.dumper
+
+    def __exit__(self, kind, exc, tb) -> bool:
+        self.dumper.end_pass(None if exc is None else f"a forward raised {type(exc).__name__}: {_short(exc)}")
+        return False
 
 
 # ------------------------------------------------------------------------------------------------

@@ -331,9 +331,7 @@ def _pass_of_its_own(module, dumper, session, meta_of, handles) -> None:
         # Only that pass: close(), or a root forward finding it dangling, may have ended it already
         # and another be open now.
         if dumper.in_pass and dumper.pass_id == pass_id:
-            if reason is not None:
-                dumper._mark_incomplete(reason)
-            dumper.end_pass()
+            dumper.end_pass(incomplete=reason)
 
     def before(module, args, kwargs):
         if opened:  # the previous call raised a BaseException that no hook saw (Ctrl-C)
@@ -384,14 +382,9 @@ def _encoding_pass(dumper, session, method, modality):
     def encode(self, *args, **kwargs):
         if dumper.in_pass:
             return method(self, *args, **kwargs)
-        dumper.begin_pass(forward_mode="encode", modality=modality, call_index=next(session.calls))
-        try:
+        # (one that raises leaves its pass incomplete, as a root forward's)
+        with dumper.manual_pass(forward_mode="encode", modality=modality, call_index=next(session.calls)):
             return method(self, *args, **kwargs)
-        except BaseException as exc:
-            dumper._forward_raised(exc)  # the pass is incomplete, as a root forward's that raised
-            raise
-        finally:
-            dumper.end_pass()
     return encode
 
 

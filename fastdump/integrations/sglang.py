@@ -126,9 +126,11 @@ class SGLangDumper:
     def dump_current_tensors(self):
         """SGLang writes the pending pass file here. fastdump already ends each pass when the root
         module returns, so there is nothing pending after a forward; inside one (a nested call or a
-        pass opened with ``dumper.begin_pass()``) this ends the open pass early."""
-        while self.dumper.in_pass:
-            self.dumper.end_pass()
+        pass opened with ``dumper.begin_pass()``) this ends the open pass early. Called inside the
+        model's forward it ends nothing of the forward's own pass (its later tensors would be lost
+        while the pass read as whole); it used to loop there for ever, ``end_pass()`` doing nothing."""
+        while self.dumper.in_pass and self.dumper.end_pass():
+            pass
 
     def close(self) -> dict:
         """Flush, detach from the model (the Dumper unwraps everything it wrapped); the Dumper's stats."""
