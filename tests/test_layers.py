@@ -14,12 +14,12 @@ PACKAGE = Path(fastdump.__file__).parent
 # layer -> module prefixes in it (a prefix ending in "." is a folder)
 LAYERS = {
     "base": ("fastdump._C", "fastdump._version", "fastdump.format", "fastdump.dtypes", "fastdump.fsutil",
-             "fastdump.options", "fastdump.protocol", "fastdump.devices"),
+             "fastdump.options", "fastdump.protocol", "fastdump.devices", "fastdump.segment_list"),
     "writer": ("fastdump.writer",),
     "staging": ("fastdump.staging",),
     "capture": ("fastdump.capture",),
     "read": ("fastdump.reader", "fastdump.multiroot", "fastdump.stats", "fastdump.report", "fastdump.compare",
-             "fastdump.export"),
+             "fastdump.rowlog", "fastdump.export"),
     "front": ("fastdump", "fastdump.__main__", "fastdump.config", "fastdump.cli", "fastdump.integrations"),
 }
 # What each layer may import besides itself. The writer runs in its own process and sees only the
