@@ -563,15 +563,17 @@ class Dumper:
                     self._mark_mixed()
                 return
             self._pass_thread = me
-            # A pass of another Dumper open on this thread (this one runs inside its forward): its
-            # wrappers pass through until this pass ends, so the modules both wrap (EAGLE's shared
-            # embedding and LM head) are this pass's alone. (C: nothing to do when none is open.)
-            outer = self._state.suspend_others()
             self._incomplete, self._mixed = None, False
             self.pass_id += 1
             if standalone:
                 self._standalone_passes += 1
             self._meta, self._next_meta = self._next_meta, {}
+            # A pass of another Dumper open on this thread (this one runs inside its forward): its
+            # wrappers pass through until this pass ends, so the modules both wrap (EAGLE's shared
+            # embedding and LM head) are this pass's alone. (C: nothing to do when none is open.)
+            # After the marks above: the call is a point where another thread may run and mark
+            # this pass mixed, a mark the reset above would have erased.
+            outer = self._state.suspend_others()
             if outer:  # where it ran, so a reader can put the roles' passes in order
                 self._meta["nested_in"] = [{"role": d.role, "pass": d.pass_id} for d in outer]
             self._calls.clear()
