@@ -3,7 +3,8 @@
 A diff makes one row (~1.2 KB as a dict) per compared tensor: 40k passes of 95 tensors held 663 MB.
 ``RowLog`` keeps the first ``MEMORY_ROWS`` in a list and, past them, every row in a temporary file
 of JSON lines, read back as often as a report needs them. What the verdict needs (counts, the first
-failing row) is kept as the rows go by.
+failing row) is kept as the rows go by. The file has no name (``tempfile.TemporaryFile``): a diff
+killed with SIGKILL leaves nothing behind in TMPDIR.
 """
 
 from __future__ import annotations
@@ -11,16 +12,8 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-import weakref
 
 MEMORY_ROWS = 20000  # ~24 MB of rows; a diff of more spills them to a temporary file
-
-
-def _remove(path: str) -> None:
-    try:
-        os.unlink(path)
-    except OSError:
-        pass
 
 
 class RowLog:
@@ -30,7 +23,6 @@ class RowLog:
         self.memory_rows = MEMORY_ROWS if memory_rows is None else memory_rows
         self._rows: list = []
         self._file = None
-        self._path = None
         self._count = 0
         self.compared = 0  # rows with numbers (not a shape or read error)
         self.failed = 0  # status fail or error
@@ -49,9 +41,7 @@ class RowLog:
             self._rows.append(row)
             return
         if self._file is None:
-            fd, self._path = tempfile.mkstemp(prefix="fastdump-diff-rows-", suffix=".jsonl")
-            self._file = os.fdopen(fd, "w", encoding="utf-8")
-            weakref.finalize(self, _remove, self._path)  # the file goes with the log
+            self._file = tempfile.TemporaryFile(prefix="fastdump-diff-rows-", suffix=".jsonl")
             for kept in self._rows:
                 self._write(kept)
             self._rows = []
@@ -60,7 +50,7 @@ class RowLog:
     def _write(self, row: dict) -> None:
         # Rows hold plain Python values; json keeps inf and NaN (read back as floats) and every
         # string (a lone surrogate as \\ud800).
-        self._file.write(json.dumps(row, ensure_ascii=True) + "\n")
+        self._file.write(json.dumps(row, ensure_ascii=True).encode("ascii") + b"\n")
 
     @property
     def spilled(self) -> bool:
@@ -76,7 +66,15 @@ class RowLog:
         return self._read()
 
     def _read(self):
-        with open(self._path, encoding="utf-8") as lines:
+        # pread at its own offset: the writes' file position is left alone, and several readings
+        # may interleave (the report walks the rows more than once).
+        fd, offset, tail = self._file.fileno(), 0, b""
+        while True:
+            chunk = os.pread(fd, 1 << 16, offset)  # (what the rows in hand may hold at once)
+            if not chunk:
+                return
+            offset += len(chunk)
+            *lines, tail = (tail + chunk).split(b"\n")
             for line in lines:
                 yield json.loads(line)
 
@@ -100,6 +98,5 @@ class RowLog:
     def close(self) -> None:
         if self._file is not None:
             self._file.close()
-            _remove(self._path)
             self._file = None
             self._rows, self._count = [], 0

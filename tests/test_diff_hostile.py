@@ -1435,6 +1435,29 @@ def test_diff_memory_is_bounded_whatever_the_number_of_rows(tmp_path, capfd, mon
     assert peaks[60] < peaks[15] * 1.2 + (200 << 10), peaks
 
 
+def test_spilled_rows_leave_no_file_behind_and_read_back_as_written(tmp_path, monkeypatch):
+    """The rows past rowlog.MEMORY_ROWS went to a named file in TMPDIR, removed at close or
+    garbage collection: a diff killed with SIGKILL (or Ctrl-C'd twice) left it there. The file has
+    no name now; the rows still read back in order, as often as asked, also interleaved."""
+    import tempfile
+
+    from fastdump import rowlog
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    log = rowlog.RowLog(memory_rows=3)
+    rows = [{"pass": p, "name": f"m{p}\u00e9\ud800", "status": "fail" if p % 2 else "ok", "max_abs": float("inf")}
+            for p in range(2000)]  # (about 150 KB: more than one read of the file)
+    for row in rows:
+        log.append(row)
+    assert log.spilled and os.listdir(tmp_path) == []
+    assert [r["pass"] for r in log] == list(range(2000)) and log[1999]["name"] == rows[1999]["name"]
+    outer = iter(log)
+    assert next(outer)["pass"] == 0 and [r["pass"] for r in log][:2] == [0, 1] and next(outer)["pass"] == 1
+    assert log.failed == 1000 and log.first_failure["pass"] == 1
+    log.close()
+    assert os.listdir(tmp_path) == []
+
+
 def test_heatmap_marks_a_failing_cell_whose_rel_diff_reads_identical(tmp_path):
     """A NaN on one side only fails the tensor, but its rel_diff (over elements finite on both
     sides) is 0: the heatmap colored its cell as identical, the same as the cells that match."""
