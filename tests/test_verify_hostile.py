@@ -745,6 +745,21 @@ def test_a_damaged_fastdump_json_fails_verify(dump, damage, text):
     assert verify(dump)[0] == 0  # absent: a root whose first Dumper wrote none
 
 
+@pytest.mark.parametrize("kind", ["fifo", "file"])
+def test_a_session_name_that_is_not_a_directory_fails_verify(dump, kind):
+    """A second session's directory replaced by a FIFO or a file (a copy gone wrong): verify skipped
+    the entry without a word and said OK for the session that is still there."""
+    name = rank_dir(dump).name
+    name = name[:-1] + ("1" if name.endswith("0") else "0")  # another session id of that rank
+    assert fmt.parse_rank_dir(name)
+    path = dump / "target" / name
+    os.mkfifo(path) if kind == "fifo" else path.write_bytes(b"not a directory")
+    code, problems, _ = verify(dump)
+    assert code == 1 and has(problems, name, "not a directory"), problems
+    path.unlink()
+    assert verify(dump)[0] == 0
+
+
 def test_symlinked_rank_json_is_not_followed(dump, tmp_path):
     outside = tmp_path / "outside.json"
     shutil.copy(rank_dir(dump) / "rank.json", outside)

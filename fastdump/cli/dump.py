@@ -736,6 +736,11 @@ def verify_dump(root: str, read_data: bool = False) -> _Report:
                 continue
             entries = listed(rank_path) if os.path.isdir(rank_path) else None
             if entries is None:
+                if fmt.parse_rank_dir(rank) and not os.path.isdir(rank_path):
+                    # A session's name on a file, a FIFO...: its directory was replaced or never
+                    # made by fastdump; whatever that session wrote is not here.
+                    report.problem(rank_path, "named as a session's directory but not a directory: that "
+                                              "session's dump is not here")
                 continue
             if any(e in (fmt.RANK_FILE, fmt.PRODUCER_ERROR_FILE) or fmt.segment_number(e) is not None
                    or fsutil.is_temp_name(e) for e in entries):
