@@ -120,9 +120,10 @@ def is_real_dir(path: str) -> bool:
         return False
 
 
-def load_json(path: str, max_bytes: int = MAX_JSON_BYTES):
-    """Parsed JSON at ``path``, read only if it is a regular file (no link, FIFO or device) of at
-    most ``max_bytes``. Raises FileNotFoundError when missing, ValueError saying why otherwise."""
+def open_regular(path: str):
+    """(descriptor open for reading, its fstat) of a regular file at ``path``: never follows a link
+    nor blocks on a FIFO or device. Raises FileNotFoundError when missing, ValueError saying why
+    otherwise. The caller closes the descriptor."""
     flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
     try:
         fd = os.open(path, flags)
@@ -134,6 +135,17 @@ def load_json(path: str, max_bytes: int = MAX_JSON_BYTES):
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
             raise ValueError("not a regular file")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, info
+
+
+def load_json(path: str, max_bytes: int = MAX_JSON_BYTES):
+    """Parsed JSON at ``path``, read only if it is a regular file (no link, FIFO or device) of at
+    most ``max_bytes``. Raises FileNotFoundError when missing, ValueError saying why otherwise."""
+    fd, info = open_regular(path)
+    try:
         if info.st_size > max_bytes:
             raise ValueError(f"{info.st_size} bytes, more than the {max_bytes} a JSON file here may have")
         chunks, total = [], 0

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import stat
 
 from . import _C, fsutil
 from . import format as fmt
@@ -112,17 +111,8 @@ def read(directory: str, info: dict):
 def _read_prefix(path: str, nbytes: int):
     """The first ``nbytes`` bytes of a regular file (fewer when it is shorter), and its size. Never
     follows a link nor opens a FIFO or device; reads no more than the file holds."""
-    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+    fd, info = fsutil.open_regular(path)
     try:
-        fd = os.open(path, flags)
-    except FileNotFoundError:
-        raise
-    except OSError as exc:
-        raise ValueError(f"cannot open ({exc.strerror or exc}; symbolic links are not followed)") from None
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise ValueError("not a regular file")
         want, chunks = min(nbytes, info.st_size), []
         while want > 0:
             chunk = os.read(fd, min(want, 1 << 24))
