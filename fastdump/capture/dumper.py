@@ -95,12 +95,13 @@ _DIR_TRIES = 8  # fresh session ids drawn before a Dumper gives up on its own di
 def _check_not_inside_a_dump(root: Path) -> None:
     """A root that is a rank or role directory of a dump (a path copied from `fastdump ls`) would put
     a second dump inside the first: files in evidence that no writer of it made. Refused."""
-    if (root / _fmt.RANK_FILE).exists() or any(_fmt.SEGMENT_RE.match(n) for n in _listing(root)):
+    names = _listing(root)
+    if (root / _fmt.RANK_FILE).exists() or any(_fmt.SEGMENT_RE.match(n) for n in names):
         raise ValueError(f"{root} is a rank directory of a dump (it holds {_fmt.RANK_FILE} or segments): "
                          "give the dump's root, or a new directory")
     if _fmt.parse_rank_dir(root.parent.name) is not None and (root.parent / _fmt.RANK_FILE).exists():
         raise ValueError(f"{root} is inside a rank directory of a dump: give the dump's root, or a new directory")
-    if any(_fmt.parse_rank_dir(n) is not None and (root / n / _fmt.RANK_FILE).exists() for n in _listing(root)):
+    if any(_fmt.parse_rank_dir(n) is not None and (root / n / _fmt.RANK_FILE).exists() for n in names):
         raise ValueError(f"{root} is a role directory of a dump (<root>/<role>, it holds rank directories): "
                          "give the dump's root, or a new directory")
 
