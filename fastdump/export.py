@@ -74,7 +74,7 @@ def sglang_names(tensors: dict, modules, structure: dict | None = None) -> dict:
             out[empty.pop(0)[1]] = []  # (a later call overwrites it in place, as SGLang's dict does)
         module, call, rest = _split(name, modules)
         if module is None or (rest and not (_ELEMENTS_RE.fullmatch(rest)
-                                            and _in_sequences(structure.get(_call_name(module, call)), rest))):
+                                            and _in_sequences(structure.get(fmt.call_name(module, call)), rest))):
             out[_CALL_RE.sub("", name)] = tensor  # not a module output's element: the name, last call wins
             continue
         if not rest:
@@ -87,10 +87,6 @@ def sglang_names(tensors: dict, modules, structure: dict | None = None) -> dict:
     for _, module in empty:
         out[module] = []
     return {key: (value[0] if isinstance(value, list) and len(value) == 1 else value) for key, value in out.items()}
-
-
-def _call_name(module: str, call: int) -> str:
-    return f"{module}#{call}" if call else module
 
 
 def _in_sequences(entry, rest: str) -> bool:

@@ -154,6 +154,11 @@ def segment_number(file_name: str):
 CALL_SUFFIX_RE = re.compile(r"#(\d+)(?=\.|$)")
 
 
+def call_name(name: str, k: int) -> str:
+    """The name of a module's k-th call in a pass: ``name``, then ``name#1``, ``name#2``..."""
+    return name if k == 0 else f"{name}#{k}"
+
+
 def reads_as_call(name: str) -> bool:
     """``name`` holds a ``#k`` part (``a#1``, ``a#1.b``), which only call numbering may add."""
     return CALL_SUFFIX_RE.search(name) is not None

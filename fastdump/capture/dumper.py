@@ -1586,9 +1586,7 @@ def _check_root_name(model, root_name: str) -> None:
                          "its output and that module's would share names; choose another root_name")
 
 
-def _call_name(name: str, k: int) -> str:
-    """The name of a module's k-th call in a pass: ``name``, then ``name#1``, ``name#2``..."""
-    return name if k == 0 else f"{name}#{k}"
+_call_name = _fmt.call_name
 
 
 def _following(owner, forward):
