@@ -1039,11 +1039,8 @@ class DumpSet:
             self._problem(Problem(path, Problem.UNLISTABLE, f"cannot list ({exc.strerror or exc}); skipped"), warn=True)
             return []
 
-    def _role(self, role):
-        return self._role_and_rank_dirs(role)[0]
-
     def _role_and_rank_dirs(self, role) -> tuple:
-        """The role meant (see _role) and its rank directories, listed once."""
+        """The role meant (``role``, or the only one when None) and its rank directories, listed once."""
         if role is not None:
             names = self._rank_dirs(role)
             if not names:
