@@ -329,7 +329,3 @@ def _native_chunks(tensor, np_dtype):
     flat = tensor.detach().reshape(-1).cpu()
     for start in range(0, flat.numel(), CHUNK_ELEMENTS):
         yield flat[start:start + CHUNK_ELEMENTS].numpy().astype(np_dtype)
-
-
-def allclose_ok(result: dict) -> bool:
-    return result["mismatches"] == 0
