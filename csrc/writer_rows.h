@@ -23,7 +23,7 @@ namespace fastdump {
 
 struct RecordView;
 
-// Page sizes: MIN_PAGE << k up to MAX_PAGE, cut from pre-faulted slabs that are never unmapped
+// Page sizes: kMinPage << k up to kMaxPage, cut from pre-faulted slabs that are never unmapped
 // (reused from one segment to the next: no page faults, no munmap once warm). Pages are aligned
 // to kPageBytes and sized in its multiples, so a segment write can hand them to O_DIRECT.
 constexpr size_t kMinPage = 16 << 10;
