@@ -1,5 +1,5 @@
-"""The ``fastdump`` command line: ``main`` (argument parsing, subcommands) and ``dump`` (ls, show,
-verify, stats on a dump). ``python -m fastdump`` runs ``main``."""
+"""The ``fastdump`` command line: ``main`` (argument parsing, subcommands) and ``dump`` (ls, verify,
+show on a dump). ``python -m fastdump`` runs ``main``."""
 
 from .main import main
 
