@@ -20,7 +20,7 @@ from pathlib import Path
 
 from .. import _C
 from .. import protocol
-from ..options import EngineOptions
+from ..options import EngineOptions, _nonnegative_float
 from . import tensor_reader
 from .channel import Channel
 
@@ -47,14 +47,11 @@ def exit_timeout() -> float:
     if raw in (None, ""):
         return DEFAULT_EXIT_TIMEOUT_S
     try:
-        value = float(raw)
+        return _nonnegative_float(raw)  # the parser fastdump.config checks this variable with
     except ValueError:
-        value = -1.0
-    if not 0 <= value < float("inf"):
         log.error("fastdump: %s=%r is not a number of seconds >= 0; using %g", EXIT_TIMEOUT_VAR, raw,
                   DEFAULT_EXIT_TIMEOUT_S)
         return DEFAULT_EXIT_TIMEOUT_S
-    return value
 
 
 # A region's name lives from its creation until the writer has mapped it (then it is unlinked), at
