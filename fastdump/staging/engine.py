@@ -114,7 +114,7 @@ class Engine:
     def __init__(self, options: EngineOptions, chunk_mb: float = 0, start_timeout: float = 60.0):
         """``chunk_mb``: tensors above this are split over several records (0: a quarter of the
         ring, the most a record may take; larger chunks spare the writer a reassembly copy).
-        ``writer_priority``: ``idle`` runs the writer process under SCHED_IDLE, so it only takes
+        ``options.writer_priority``: ``idle`` runs the writer process under SCHED_IDLE, so it only takes
         CPU time the model leaves unused (see fastdump/writer/__main__.py); ``normal`` does not.
         A writer thread always shares the serving process's priority."""
         self.options = options  # checked by EngineOptions; see acquire for who decides them
@@ -125,7 +125,7 @@ class Engine:
         self.refs = 0
         self.closed = False
         # A blocking wait for ring space timed out (block_timeout_s): Dumpers stage as under `drop`
-        # until the writer gives ring space back again (see Dumper._begin).
+        # until the writer gives ring space back again (see Channel.begin).
         self.stalled = False
         self._stall_released = 0
         self._channels = itertools.count()
