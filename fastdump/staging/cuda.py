@@ -41,8 +41,6 @@ CAPTURING = _C.CAPTURING
 #: staged; the caller counts the tensor as dropped and records ring_failure(stager) once.
 RING_UNAVAILABLE = _C.RING_UNAVAILABLE  # was 7 here, the value of _C.TORN: a torn CUDA tensor read as this
 
-DEFAULT_DEVICE_RING_MB = 256
-
 _lock = threading.Lock()
 _warned = set()
 _stagers = []  # every stager made in this process (status())
@@ -131,10 +129,11 @@ class HostFallbackStager:
         pass
 
 
-def get_stager(producer, device_ring_mb: float = DEFAULT_DEVICE_RING_MB):
+def get_stager(producer, device_ring_mb: float):
     """The process's stager for ``producer``: a ``_C.CudaStager`` with the host ring pinned, or a
     ``HostFallbackStager`` (logged once, with the reason) when CUDA staging cannot run here.
 
+    ``device_ring_mb``: the engine's (``EngineOptions.device_ring_mb``, where its default lives).
     Call once per engine (pinning costs ~0.1-1 s per GiB); the engine caches the result.
     """
     if not usable():
