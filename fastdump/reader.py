@@ -496,17 +496,7 @@ class _Rank:
     @property
     def info(self) -> dict:
         """rank.json ({} when missing; {} and a problem when it is not a JSON object)."""
-        path = os.path.join(self.path, fmt.RANK_FILE)
-        try:
-            info = fsutil.load_json(path)
-        except FileNotFoundError:
-            info = {}
-        except (OSError, ValueError) as exc:
-            self.dumpset._problem(Problem(path, Problem.BAD_FILE, str(exc)))
-            info = {}
-        if not isinstance(info, dict):
-            self.dumpset._problem(Problem(path, Problem.BAD_FILE, f"not a JSON object ({type(info).__name__})"))
-            info = {}
+        info = self.dumpset._json_object(os.path.join(self.path, fmt.RANK_FILE))
         return fmt.merge_producer_error(info, self.producer_error)
 
     @property
@@ -778,18 +768,22 @@ class DumpSet:
     @_locked
     def manifest(self) -> dict:
         """fastdump.json ({} when missing; {} and a problem when unreadable or not an object)."""
-        path = os.path.join(self.root, fmt.MANIFEST_FILE)
+        return self._json_object(os.path.join(self.root, fmt.MANIFEST_FILE))
+
+    def _json_object(self, path: str) -> dict:
+        """A JSON object file of the dump (fastdump.json, rank.json): {} when missing; {} and a
+        ``BAD_FILE`` problem when it is unreadable, damaged or not an object."""
         try:
-            manifest = fsutil.load_json(path)
+            obj = fsutil.load_json(path)
         except FileNotFoundError:
             return {}
         except (OSError, ValueError) as exc:
             self._problem(Problem(path, Problem.BAD_FILE, str(exc)))
             return {}
-        if not isinstance(manifest, dict):
-            self._problem(Problem(path, Problem.BAD_FILE, f"not a JSON object ({type(manifest).__name__})"))
+        if not isinstance(obj, dict):
+            self._problem(Problem(path, Problem.BAD_FILE, f"not a JSON object ({type(obj).__name__})"))
             return {}
-        return manifest
+        return obj
 
     @property
     @_locked
