@@ -78,8 +78,8 @@ struct alignas(64) RecordHeader {
   uint16_t ndim;
   uint32_t flags;
   uint64_t payload_len;   // bytes of payload in this record
-  // For a tensor split over several records: where this part starts, and the whole size.
-  // (Stored after the fixed header to keep it at 64 bytes.)
+  // For a tensor split over several records, where this part starts and the whole size are in
+  // the ChunkInfo that follows the header (not in it: it stays 64 bytes).
 };
 static_assert(sizeof(RecordHeader) == 64, "record header must be 64 bytes");
 
