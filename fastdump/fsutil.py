@@ -1,8 +1,11 @@
-"""Crash-safe small file writes.
+"""Crash-safe small file writes, and the guarded opens and reads of a dump's small files.
 
 A reader (or a human with ``cat``) must never see a half-written ``rank.json`` or ``fastdump.json``:
 we write a temporary file in the same directory, fsync it, rename it over the target (atomic on
 POSIX) and fsync the directory so the rename itself survives a crash.
+
+A dump may come from someone else: ``open_regular`` and ``load_json`` open only regular files
+(never following a link, never blocking on a FIFO) and read JSON of bounded size, each key once.
 """
 
 from __future__ import annotations
