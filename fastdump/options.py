@@ -466,7 +466,8 @@ class Options:
         return out
 
 
-RANK_FIELDS = ("tp_rank", "tp_size", "pp_rank", "pp_size", "dp_rank", "dp_size", "ep_rank", "ep_size")
+# The rank options: rank.json's "rank" object without the world rank, which capture/ranks.py derives.
+RANK_FIELDS = tuple(key for key in _fmt.RANK_KEYS if key != "rank")
 
 
 def _field_of(cls, name):
