@@ -173,15 +173,20 @@ def _shift_late(passes, top: str):
     carry, carry_from = {}, None
     for pass_id, tensors in passes:
         names = list(tensors)
-        # model's output: a tensor, or on a pipeline stage before the last its PPProxyTensors
-        cut = next((i for i, n in enumerate(names) if n == top or n.startswith(top + ".pp_proxy_tensors.")),
-                   len(names))
+        cut = _top_output_at(names, top)
         early = {n: tensors[n] for n in names[:cut]}
         late = {n: tensors[n] for n in names[cut:]}
         merged = dict(carry) if carry_from == pass_id - 1 else {}
         merged.update(early)
         yield pass_id, merged
         carry, carry_from = late, pass_id
+
+
+def _top_output_at(names: list, top: str) -> int:
+    """Where ``top``'s own output starts in a pass's ``names`` (a tensor or list under ``top``, or
+    on a pipeline stage before the last its PPProxyTensors); ``len(names)`` when it is not there."""
+    return next((i for i, n in enumerate(names) if n == top or n.startswith(top + ".pp_proxy_tensors.")),
+                len(names))
 
 
 def _batch_info_last(tensors: dict, top: str) -> dict:
@@ -193,8 +198,7 @@ def _batch_info_last(tensors: dict, top: str) -> dict:
     if not batch:
         return tensors
     rest = [n for n in tensors if not n.startswith(info)]
-    # <top>'s output: a tensor or list, or on a pipeline stage before the last its PPProxyTensors
-    cut = next((i for i, n in enumerate(rest) if n == top or n.startswith(top + ".pp_proxy_tensors.")), len(rest))
+    cut = _top_output_at(rest, top)
     return {n: tensors[n] for n in rest[:cut] + batch + rest[cut:]}
 
 
