@@ -615,6 +615,29 @@ def check_rank_dir(report: _Report, path: str, read_data: bool = False) -> dict 
         if foreign:  # mixed: its passes would read as this session's
             report.problem(os.path.join(path, name), foreign)
 
+    _check_segment_list(report, path, info, status, on_disk, summaries)
+
+    pass_ids = set()
+    unexplained = set()  # passes whose last part on disk is not complete, with no reason given
+    for _, name in on_disk:
+        summary = summaries.get(name)
+        if summary is not None:
+            unexplained = (unexplained - set(summary["pass_ids"])) | summary["unexplained"]
+            pass_ids.update(summary["pass_ids"])
+    _check_counts(report, path, info, pass_ids, sum(summary["tensors"] for summary in summaries.values()))
+    if unexplained and status not in _UNFINISHED_STATUSES:
+        first = sorted(unexplained)
+        report.warning(path, f"{len(first)} pass(es) stored incomplete without a reason (their end never reached "
+                             f"the writer: dropped from a full ring, or cut off by Ctrl-C), e.g. pass {first[0]}")
+
+    _check_pass_order(report, path, on_disk, summaries)
+    return numbers
+
+
+def _check_segment_list(report: _Report, path: str, info: dict, status: str, on_disk: list,
+                        summaries: dict) -> None:
+    """The segment list (segments.jsonl, or rank.json's before format 5) against the segment files
+    ``on_disk`` ((number, name), sorted) and their ``summaries``, and rank.json's totals against it."""
     on_disk_names = {name for _, name in on_disk}
     listed = {}
     segments, why, tail = segment_list.read(path, info)
@@ -657,27 +680,16 @@ def check_rank_dir(report: _Report, path: str, read_data: bool = False) -> dict 
             if key in info and info[key] != total:
                 report.problem(path, f"{fmt.RANK_FILE} total {key}={info[key]} but its segments add up to {total}")
 
-    pass_ids = set()
-    unexplained = set()  # passes whose last part on disk is not complete, with no reason given
-    for _, name in on_disk:
-        summary = summaries.get(name)
-        if summary is not None:
-            unexplained = (unexplained - set(summary["pass_ids"])) | summary["unexplained"]
-            pass_ids.update(summary["pass_ids"])
-    _check_counts(report, path, info, pass_ids, sum(summary["tensors"] for summary in summaries.values()))
-    if unexplained and status not in _UNFINISHED_STATUSES:
-        first = sorted(unexplained)
-        report.warning(path, f"{len(first)} pass(es) stored incomplete without a reason (their end never reached "
-                             f"the writer: dropped from a full ring, or cut off by Ctrl-C), e.g. pass {first[0]}")
 
-    # Segments cover disjoint, increasing pass ranges, eager passes and CUDA-graph replays each on
-    # their own: replays are numbered from GRAPH_PASS_BASE and arrive between eager passes, so one
-    # segment may hold eager passes 0..5 and replays B..B+3, the next 6..9 and B+4..B+7. The one
-    # allowed overlap: a pass the writer had to flush before it ended (marked incomplete) continues
-    # in the next segment. A continued pass must not repeat a name across its parts either (mixed
-    # data, as within one segment: _check_unique_names); carried: the names of the pass so far.
+def _check_pass_order(report: _Report, path: str, on_disk: list, summaries: dict) -> None:
+    """Segments cover disjoint, increasing pass ranges, eager passes and CUDA-graph replays each on
+    their own: replays are numbered from GRAPH_PASS_BASE and arrive between eager passes, so one
+    segment may hold eager passes 0..5 and replays B..B+3, the next 6..9 and B+4..B+7. The one
+    allowed overlap: a pass the writer had to flush before it ended (marked incomplete) continues
+    in the next segment. A continued pass must not repeat a name across its parts either (mixed
+    data, as within one segment: _check_unique_names)."""
     for replays in (False, True):
-        previous, carried = None, []
+        previous, carried = None, []  # carried: the names of the continued pass so far
         for _, name in on_disk:
             summary = summaries.get(name)
             ids = [p for p in summary["pass_ids"] if (p >= protocol.GRAPH_PASS_BASE) == replays] if summary else []
@@ -703,7 +715,6 @@ def check_rank_dir(report: _Report, path: str, read_data: bool = False) -> dict 
             if last != first:
                 carried = summary["names_of"](last)
             previous = (name, first, last, summary["incomplete"])
-    return numbers
 
 
 def verify_dump(root: str, read_data: bool = False) -> _Report:
