@@ -66,6 +66,13 @@ def role_for(is_draft_worker: bool, speculative_algorithm=None) -> str | None:
     return "target" if name in _EAGLE_FAMILY else None
 
 
+def _split_role(dump_dir: str) -> str | None:
+    """The role SGLang's EAGLE split names by ``dump_dir``'s last component (``.../draft``,
+    ``.../target``), or None for a single-role run's folder."""
+    name = Path(dump_dir).name
+    return name if name in _ROLE_DIRS else None
+
+
 def _find_forward_batch(args, kwargs):
     fb = kwargs.get("forward_batch")
     if fb is None:  # positional: ForwardBatch is duck-typed so SGLang need not be importable
@@ -152,9 +159,9 @@ def register_forward_hook_for_model(model, dump_dir, dump_layers=None, tp_size=1
     num_tokens. ``fastdump_kwargs`` go to ``fastdump.attach``. The top-level module name can be
     changed with SGLang's TENSOR_DUMP_TOP_LEVEL_MODULE_NAME / TENSOR_DUMP_LAYERS_MODULE_NAME variables."""
     given = os.fspath(dump_dir)
-    root, role_from_path = given, role is None and Path(given).name in _ROLE_DIRS
+    root, role_from_path = given, role is None and _split_role(given) is not None
     if role_from_path:
-        root, role = str(Path(given).parent), Path(given).name
+        root, role = str(Path(given).parent), _split_role(given)
     top_name = os.getenv("TENSOR_DUMP_TOP_LEVEL_MODULE_NAME", "model")
     layers_name = os.getenv("TENSOR_DUMP_LAYERS_MODULE_NAME", "layers")
     top = model._modules.get(top_name)
@@ -284,7 +291,7 @@ def _sglang_entry(model, dump_dir, dump_layers=None, tp_size=1, tp_rank=0, pp_ra
     for k in ("root", "tp_rank", "tp_size", "pp_rank"):  # SGLang's own values win
         settings.pop(k, None)
     role = settings.pop("role", None)
-    if Path(os.fspath(dump_dir)).name in _ROLE_DIRS:
+    if _split_role(os.fspath(dump_dir)) is not None:
         role = None  # SGLang's EAGLE split decides; FASTDUMP_ROLE applies to a single-role run only
     layers = settings.pop("layers", None)
     return register_forward_hook_for_model(model, dump_dir, layers if dump_layers is None else dump_layers,
