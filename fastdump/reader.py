@@ -12,7 +12,7 @@
 Only visible ``seg-*.h5`` files are read: they are complete by construction (the writer renames
 them into place), so a dump can be read while it is still being written. Each segment's small
 tables (names, row index, passes) are read once and cached, and only when needed: one pass's
-segments are found through rank.json's pass ranges (_Rank.segments_of_pass). Tensors are read by
+segments are found through the segment list's pass ranges (_Rank.segments_of_pass). Tensors are read by
 slicing their rows out of the block dataset, so loading one pass never reads other passes' data. Nothing here
 unpickles or evaluates anything from the dump. torch is imported only to build tensors.
 
@@ -204,7 +204,7 @@ def _listed_segments(listed: list) -> dict:
 
 
 def _kind_bounds(low: np.ndarray, high: np.ndarray, known: list) -> tuple:
-    """(last eager pass, first replay) each file may hold, from the pass ranges rank.json gives
+    """(last eager pass, first replay) each file may hold, from the pass ranges the segment list gives
     (``known``; the others may hold any pass). A file holding eager passes and CUDA-graph replays
     has a range spanning both kinds; each kind runs in file order, so a file's eager passes end
     at the next file's first one (the same pass, continued, at most) and its replays start at the
@@ -223,7 +223,7 @@ def _kind_bounds(low: np.ndarray, high: np.ndarray, known: list) -> tuple:
 
 
 def _known_range(entry):
-    """(first pass, last pass) of a rank.json segments entry, or None when it gives none usable."""
+    """(first pass, last pass) of a segment list entry, or None when it gives none usable."""
     if entry is None:
         return None
     first, last = entry["first_pass"], entry["last_pass"]
@@ -570,12 +570,12 @@ class _Rank:
 
     def segments_of_pass(self, pass_id: int):
         """The readable segments holding ``pass_id``, in file order, having read only those whose
-        pass range in rank.json holds it, those rank.json does not list, and the files either side
+        pass range in the segment list holds it, those the list leaves out, and the files either side
         (indexing every segment cost ~3 ms each: 14 s to load one pass of a 4000-segment rank).
         None when this does not settle it: no segment holds the pass, one that may is unreadable,
-        a file's passes are not the range rank.json gives it, or the pass is split oddly (repeated,
+        a file's passes are not the range the list gives it, or the pass is split oddly (repeated,
         parts not in consecutive files, renamed files). The full index (``pass_map``) then decides,
-        with its errors. Trusted: that a file rank.json lists holds no pass outside the range it
+        with its errors. Trusted: that a file the list names holds no pass outside the range it
         gives, and that eager passes and CUDA-graph replays each run in file order (a pass the
         writer flushed unfinished goes on in the next file); ``fastdump verify`` checks both."""
         if self._passes is not None or not _INT64.min <= pass_id <= _INT64.max:
@@ -663,8 +663,8 @@ class _Rank:
 
     def _find_partial_passes(self) -> None:
         """Passes a part of which may lie in a segment that is not read (one between its parts that
-        is unreadable or missing, or one rank.json lists as holding a part before or after the
-        parts read), or whose parts lie in renamed files. Merging the parts read would return the pass
+        is unreadable or missing, or one the segment list names as holding a part before or after
+        the parts read), or whose parts lie in renamed files. Merging the parts read would return the pass
         without that part's tensors, or its parts in another order."""
         numbers = sorted(segment.number for segment in self.segments)
         read = set(numbers)
@@ -709,8 +709,8 @@ class _Rank:
                                          "(unreadable, missing or renamed): not read")
 
     def listed_segments(self) -> list:
-        """The segments rank.json lists (segments.jsonl's committed lines from format 5); [] and a
-        problem when that list cannot be trusted."""
+        """The segment list (segments.jsonl's committed lines; before format 5, rank.json's
+        ``segments``); [] and a problem when that list cannot be trusted."""
         entries, problem, _ = segment_list.read(self.path, self.info)
         if problem:
             self.dumpset._problem(Problem(self.path, Problem.BAD_FILE, problem))
