@@ -517,14 +517,14 @@ class Dumper:
         """Passes this Dumper ended that are not known to be on disk (a close that timed out or was
         interrupted says how many). The writer acks a pass end once it has buffered it, long before
         its segment is written (256 passes, segment_seconds, idle or close): acks say nothing of the
-        disk. What is: the segments rank.json lists, which the writer writes after each segment
-        file (see _passes_on_disk). Read here, at close only, never per pass."""
+        disk. What is: the segment list (segments.jsonl, committed by rank.json), which the writer
+        extends after each segment file (see _passes_on_disk). Read here, at close only, never per pass."""
         acked = self._producer.acked_seq if self._producer is not None else 0
         not_handled = sum(1 for seq in self._unconfirmed if seq > acked)  # not even buffered
         return max(not_handled, self._totals["passes"] - self._passes_on_disk())
 
     def _passes_on_disk(self) -> int:
-        """Ended passes in the segment files rank.json lists (0 when it cannot be read). A pass a
+        """Ended passes in the segment files the segment list names (0 when it cannot be read). A pass a
         segment holds unfinished (``complete`` false: it was split) counts once, with its end."""
         try:
             info = _load_json(str(self.dir / _fmt.RANK_FILE))
