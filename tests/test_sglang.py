@@ -6,6 +6,7 @@ must equal them bit for bit."""
 import enum
 import math
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -281,6 +282,24 @@ def test_dump_layers_filters_only_decoder_layers(tmp_path):
     assert any(k.startswith("model.layers.1.") for k in got)
     assert not any(k.startswith(("model.layers.0.", "model.layers.2.")) for k in got)
     assert {"model.embed_tokens", "model.norm.0", "model", "logits_processor"} <= set(got)
+
+
+@pytest.mark.parametrize("exclude", ["mlp", ["mlp"], ("mlp", "^nothing$"), re.compile("mlp")],
+                         ids=["str", "list", "tuple", "compiled"])
+def test_exclude_given_in_any_form_leaves_out_what_it_names(tmp_path, exclude):
+    # exclude= as a list or compiled pattern was formatted into the layer/root patterns as text:
+    # ['mlp'] became a character class, leaving out every name holding m, l, p or a quote.
+    model = LlamaForCausalLM(n_layers=2)
+    fb = next(batches())
+    want, _ = reference_pass(model, fb)
+    d = fsg.register_forward_hook_for_model(model, str(tmp_path), exclude=exclude)
+    run(model, fb)
+    d.close()
+    ds = fastdump.open(tmp_path)
+    got = ds.load("target", only_rank(ds, "target"), 0)
+    assert set(got) == {k for k in want if "mlp" not in k}
+    assert any("mlp" in k for k in want) and "logits_processor" in got
+    assert_equal_bitwise(got, {k: v for k, v in want.items() if k in got})
 
 
 def test_dump_layers_with_other_layout(tmp_path, monkeypatch):

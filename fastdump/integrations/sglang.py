@@ -264,8 +264,13 @@ def _sglang_pp_size() -> int | None:
         return None
 
 
-def _either(a: str | None, b: str) -> str:
-    return b if not a else f"(?:{a})|(?:{b})"
+def _either(a, b: str):
+    """The caller's exclude= (a str, a compiled pattern or a list of them) and one more pattern, as a
+    list: options joins the items itself (a list or a compiled pattern formatted into a str is a
+    different, wrong pattern)."""
+    if a is None or (isinstance(a, str) and not a):
+        return b
+    return [*a, b] if isinstance(a, (list, tuple, set, frozenset)) else [a, b]
 
 
 # --- routing SGLang's --debug-tensor-dump-output-folder to fastdump ---
