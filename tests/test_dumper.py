@@ -783,7 +783,10 @@ def _check_eagle3_passes(ds, target, prompts, logits, drafted, draft_every):
         dumped = ds.load("target", 0, pass_id)
         assert sorted(dumped) == sorted(want)
         assert all(same_bits(dumped[n], want[n]) for n in want)
-        assert ds.meta("target", 0, pass_id)["complete"]
+        meta = ds.meta("target", 0, pass_id)
+        assert meta["complete"]
+        # and what ran inside it: every draft pass, the ones the draft's selection left out too
+        assert meta["suspended_for"] == [{"role": "draft", "pass": p} for p, d in enumerate(drafted) if d[4] == pass_id]
     kept = list(range(0, len(drafted), draft_every))
     assert ds.passes("draft", 0) == kept
     for pass_id in kept:
@@ -866,3 +869,90 @@ def test_a_draft_pass_begun_inside_the_target_forward_and_never_ended_is_closed_
     assert same_bits(dumped["lm_head"], dl) and same_bits(dumped["fc"], dh)
     meta = ds.meta("draft", 0, 0)
     assert not meta["complete"] and "opened inside ended" in meta["incomplete"]
+
+
+@pytest.mark.parametrize("native_pass", [True, False])
+@pytest.mark.parametrize("draft_root_selected", [True, False])
+def test_a_draft_forward_outside_any_pass_of_its_own_stays_out_of_the_target_pass(tmp_path, monkeypatch, capsys,
+                                                                                  native_pass, draft_root_selected):
+    """The draft attached with root_passes=False runs inside the target's forward without a pass of
+    its own (no begin_pass): its calls of the embedding and LM head both share went into the
+    target's pass as `embed#1`, `lm_head#1`, which read as the target calling them twice, and verify
+    said OK. The target's pass is suspended while the draft's forward runs, and says so
+    (suspended_for, pass None: the draft's calls went to no pass); the target's own repeated calls,
+    before and after the draft's, are still `name#k`."""
+    from fastdump.capture import dumper as dumper_mod
+    monkeypatch.setattr(dumper_mod, "_native_root_pass", native_pass)
+    target = _Eagle3Target()
+    draft = _Eagle3Draft(target)
+    dt = fastdump.attach(target, tmp_path, role="target")
+    dd = fastdump.attach(draft, tmp_path, role="draft", root_passes=False,
+                         exclude=None if draft_root_selected else r"^_Eagle3Draft$")
+    extra = []  # the target's own second calls: (embed(ids + 3), lm_head(h)) per pass
+
+    def run_draft(ids, hidden):
+        e = target.embed(ids + 3)  # the target's own code: a legitimate repeated call
+        for step in range(2):  # draft steps, one through module.forward as engines call it
+            (draft if step == 0 else draft.forward)(ids + step + 1, hidden)
+        extra.append((e, target.lm_head(hidden)))
+
+    target.run_draft = run_draft
+    prompts = [torch.tensor([[1, 2, 3]]), torch.tensor([[4]])]
+    with torch.inference_mode():
+        logits = [target(ids) for ids in prompts]
+        target.run_draft = None
+        after = target(torch.tensor([[6]]))  # no draft: nothing suspended
+    assert dt.close()["status"] == "closed" and dd.close()["status"] == "closed"
+
+    ds = fastdump.open(tmp_path)
+    assert ds.passes("target", 0) == [0, 1, 2] and ds.ranks("draft") and ds.passes("draft", 0) == []
+    with torch.inference_mode():
+        for pass_id, ids in enumerate(prompts):
+            e = target.embed(ids)
+            h = target.layer(e)
+            want = {"embed": e, "layer": h, "lm_head": logits[pass_id], "_Eagle3Target": logits[pass_id],
+                    "embed#1": extra[pass_id][0], "lm_head#1": extra[pass_id][1]}
+            dumped = ds.load("target", 0, pass_id)
+            assert sorted(dumped) == sorted(want)
+            assert all(same_bits(dumped[n], want[n]) for n in want)
+            meta = ds.meta("target", 0, pass_id)
+            assert meta["complete"] and meta["suspended_for"] == [{"role": "draft", "pass": None}] * 2
+    assert sorted(ds.load("target", 0, 2)) == ["_Eagle3Target", "embed", "layer", "lm_head"]
+    assert same_bits(ds.load("target", 0, 2)["lm_head"], after)
+    assert "suspended_for" not in ds.meta("target", 0, 2)
+    assert not cli_dump.verify_dump(str(tmp_path)).problems
+    capsys.readouterr()
+    assert cli_dump.main(["ls", str(tmp_path)]) == 0
+    assert "[2 pass(es) suspended for another role's: meta suspended_for]" in capsys.readouterr().out
+    assert cli_dump.main(["show", str(tmp_path), "--role", "target", "--pass", "0"]) == 0
+    assert '"suspended_for": [{"role": "draft", "pass": null}, {"role": "draft", "pass": null}]' \
+        in capsys.readouterr().out
+
+
+def test_a_draft_pass_begun_inside_its_own_forward_outside_passes_nests_in_the_target_pass(tmp_path):
+    """root_passes=False, the draft's pass begun and ended inside its forward (hooks on its `fc`),
+    the forward run inside the target's: the pass records where it ran (nested_in), the target's
+    pass records both the forward and the pass (suspended_for), and the draft's LM head call after
+    its pass ended, still inside its forward, goes to neither pass."""
+    target = _Eagle3Target()
+    draft = _Eagle3Draft(target)
+    dt = fastdump.attach(target, tmp_path, role="target")
+    dd = fastdump.attach(draft, tmp_path, role="draft", root_passes=False)
+    draft.fc.register_forward_pre_hook(lambda m, args: dd.begin_pass(step="fc"))
+    draft.fc.register_forward_hook(lambda m, args, out: dd.end_pass() and None)
+    drafted = []
+    target.run_draft = lambda ids, hidden: drafted.append(draft(ids + 1, hidden))
+    with torch.inference_mode():
+        logits = target(torch.tensor([[1, 2, 3]]))
+    assert dt.close()["status"] == "closed" and dd.close()["status"] == "closed"
+
+    ds = fastdump.open(tmp_path)
+    assert sorted(ds.load("target", 0, 0)) == ["_Eagle3Target", "embed", "layer", "lm_head"]
+    assert same_bits(ds.load("target", 0, 0)["lm_head"], logits)
+    assert ds.meta("target", 0, 0)["suspended_for"] == [{"role": "draft", "pass": None}, {"role": "draft", "pass": 0}]
+    assert ds.passes("draft", 0) == [0]
+    assert sorted(ds.load("draft", 0, 0)) == ["fc"] and same_bits(ds.load("draft", 0, 0)["fc"], drafted[0][1])
+    meta = ds.meta("draft", 0, 0)
+    assert meta["complete"] and meta["step"] == "fc" and meta["nested_in"] == [{"role": "target", "pass": 0}]
+    assert not cli_dump.verify_dump(str(tmp_path)).problems
+

@@ -49,6 +49,7 @@ log = logging.getLogger("fastdump")
 _open_dumpers: "weakref.WeakSet[Dumper]" = weakref.WeakSet()
 _MIXED_REASON = "forwards of several threads ran at once in this pass (mixed tensors)"
 _MAX_LATE_ENDS = 4096  # refused pass ends kept to send again (each a small dict)
+_MAX_SUSPENDED_FOR = 256  # entries of a pass's suspended_for kept (the rest counted)
 
 
 def close_all(deadline: float | None = None) -> None:
@@ -201,6 +202,9 @@ class Dumper:
         self._flat_pass = None
         self._indexed_parents: set = set()
         self._manual_depth = 0           # begin_pass() calls not yet ended in the open pass
+        # Per root forward running outside any pass of this Dumper that suspended other Dumpers'
+        # passes (root_passes=False, _outside_pass_wrapper): those Dumpers.
+        self._forwards_outside_passes: list = []
         self._python_wrappers = False  # set for good once torch.compile traces the model
         # CUDA-graph record mode (fastdump/staging/graphs.py); None: tensors hooked during a capture are skipped.
         self._graphs = _graphs.GraphRecording(self, o.graph_ring_mb) if o.cuda_graphs == "record" else None
@@ -575,8 +579,13 @@ class Dumper:
             # After the marks above: the call is a point where another thread may run and mark
             # this pass mixed, a mark the reset above would have erased.
             outer = self._state.suspend_others()
-            if outer:  # where it ran, so a reader can put the roles' passes in order
+            if not outer and self._forwards_outside_passes:  # (begun inside such a forward: suspended by it)
+                outer = self._forwards_outside_passes[-1]
+            if outer:  # where it ran, and in the outer pass what ran inside it: a reader can put the
+                # roles' passes in order
                 self._meta["nested_in"] = [{"role": d.role, "pass": d.pass_id} for d in outer]
+                for other in outer:
+                    other._note_suspended_for(self.role, self.pass_id)
             self._calls.clear()
             if self._open_calls:
                 self._open_calls.clear()  # (calls that raised: never closed)
@@ -631,7 +640,8 @@ class Dumper:
         state = self._state
         capturing = state.capturing or state.suspended  # (suspended: its end is still to be sent)
         state.capturing = False
-        state.resume_held()  # the passes this one nested in capture again
+        if not self._forwards_outside_passes:  # (else they capture again when that forward returns)
+            state.resume_held()  # the passes this one nested in capture again
         pass_id, meta, skipped, incomplete, mixed = (self.pass_id, self._meta, self._skipped, self._incomplete,
                                                      self._mixed)
         structure, structure_at = self._structure, self._structure_at
@@ -1244,8 +1254,14 @@ class Dumper:
             self._state.root_key = id(_original_module(model))
             self._wrap(model, self._root_wrapper(self._root_name if root_selected else None, model.forward,
                                                  _owner_of(model)))
-        elif root_selected:
-            self._wrap(model, self._capture_wrapper(self._root_name, model.forward, _owner_of(model)))
+        else:
+            # The root's forward outside a pass of this Dumper: see _outside_pass_wrapper. (Keyed to
+            # the model as a root wrapper's passes are: another Dumper's pass on this same model is
+            # not another model's, and is not suspended by this one's.)
+            self._state.root_key = id(_original_module(model))
+            owner = _owner_of(model)
+            inner = self._capture_wrapper(self._root_name, model.forward, owner) if root_selected else None
+            self._wrap(model, self._outside_pass_wrapper(inner, model.forward, owner))
 
     def _wrap(self, module, wrapper) -> None:
         _mark_ours(wrapper, module.__dict__.get("forward", _MISSING))
@@ -1407,6 +1423,61 @@ class Dumper:
             return out
 
         return forward_in_pass
+
+    def _outside_pass_wrapper(self, inner, forward, owner=None):
+        """The root's wrapper with ``root_passes=False`` (``inner``: its capture wrapper when the root
+        is selected, else None). Run while no pass of this Dumper is open, on a thread where another
+        Dumper's pass is (an EAGLE draft run inside the target's forward without a pass of its own),
+        it suspends that pass until it returns: the modules both wrap (the shared embedding and LM
+        head) would otherwise put this model's calls into the other model's pass as ``embed#1``,
+        indistinguishable from that model calling them twice, and verify said OK. The suspended pass
+        records it (``suspended_for``, pass null: this model's calls went to no pass)."""
+        dumper = self
+        original, forward = forward, _following(owner, forward)
+        if inner is None:
+            inner = forward
+
+        @_wraps(original)
+        def forward_outside_passes(*args, **kwargs):
+            if dumper._depth > 0 or getattr(forward_outside_passes, "__fastdump_off__", False):
+                return inner(*args, **kwargs)  # in a pass of its own (which suspended the others), or closed
+            outside = _outside_graph if _is_compiling() else _call
+            if not outside(dumper._suspend_for_forward):
+                return inner(*args, **kwargs)  # (the common case: no other pass open on this thread)
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                outside(dumper._resume_after_forward)
+
+        return forward_outside_passes
+
+    def _suspend_for_forward(self) -> bool:
+        """The root's forward starts outside any pass of this Dumper (_outside_pass_wrapper): suspend
+        the passes of other Dumpers open on this thread. Whether it suspended any."""
+        outer = self._state.suspend_others()
+        if not outer:
+            return False
+        for other in outer:
+            other._note_suspended_for(self.role, None)
+        self._forwards_outside_passes.append(outer)
+        return True
+
+    def _resume_after_forward(self) -> None:
+        """That forward returned (or raised): what it suspended captures again, unless a pass of
+        this Dumper begun inside it is still open (its end resumes them)."""
+        self._forwards_outside_passes.pop()
+        if self._depth == 0 and not self._forwards_outside_passes:
+            self._state.resume_held()
+
+    def _note_suspended_for(self, role: str, pass_id) -> None:
+        """This Dumper's open pass was suspended while a pass of ``role`` (``pass_id``; None: a
+        forward of that role's model outside any pass of its own) ran inside it on its thread: in
+        its meta, ``suspended_for``, so a reader sees the gap and can put the roles' passes in order."""
+        entries = self._meta.setdefault("suspended_for", [])
+        if len(entries) < _MAX_SUSPENDED_FOR:
+            entries.append({"role": role, "pass": pass_id})
+        else:  # (a manual pass around thousands of draft steps: the count, not the list)
+            self._meta["suspended_for_left_out"] = self._meta.get("suspended_for_left_out", 0) + 1
 
     def _capture_inputs(self, name: str, args, kwargs, k=None) -> None:
         """The inputs of the call numbered ``k`` (see _claim), dumped as ``name[#k].input.<i|key>``."""
