@@ -956,3 +956,80 @@ def test_a_draft_pass_begun_inside_its_own_forward_outside_passes_nests_in_the_t
     assert meta["complete"] and meta["step"] == "fc" and meta["nested_in"] == [{"role": "target", "pass": 0}]
     assert not cli_dump.verify_dump(str(tmp_path)).problems
 
+
+@pytest.mark.parametrize("closer", ["forward", "thread"])
+def test_the_draft_dumper_closed_inside_its_nested_pass_keeps_the_rest_of_its_forward_out_of_the_target_pass(
+        tmp_path, closer):
+    """The draft's Dumper closed in the middle of its pass nested in the target's forward (by a hook
+    in the draft's forward, or by another thread meanwhile): the target's pass captured again at
+    once, and took the draft's later LM head call as its own `lm_head#1`, complete, verify OK. It
+    stays suspended until the draft's forward returns; the target's own later calls are its own."""
+    import threading
+    target = _Eagle3Target()
+    draft = _Eagle3Draft(target)
+    dt = fastdump.attach(target, tmp_path, role="target")
+    dd = fastdump.attach(draft, tmp_path, role="draft")
+    closed = []
+
+    def close_draft(module, args, out):
+        if closer == "forward":
+            closed.append(dd.close())
+        else:
+            t = threading.Thread(target=lambda: closed.append(dd.close()))
+            t.start()
+            t.join()
+
+    draft.fc.register_forward_hook(close_draft)
+    own = []  # the target's own LM head call after the draft's forward
+
+    def run_draft(ids, hidden):
+        draft(ids + 1, hidden)
+        own.append(target.lm_head(hidden + 1))
+
+    target.run_draft = run_draft
+    with torch.inference_mode():
+        logits = target(torch.tensor([[1, 2, 3]]))
+        target.run_draft = None
+        second = target(torch.tensor([[4]]))
+    assert [s["status"] for s in closed] == ["closed"] and dt.close()["status"] == "closed"
+
+    ds = fastdump.open(tmp_path)
+    dumped = ds.load("target", 0, 0)
+    assert sorted(dumped) == ["_Eagle3Target", "embed", "layer", "lm_head", "lm_head#1"]
+    assert same_bits(dumped["lm_head"], logits) and same_bits(dumped["lm_head#1"], own[0])
+    meta = ds.meta("target", 0, 0)
+    assert meta["complete"] and meta["suspended_for"] == [{"role": "draft", "pass": 0}]
+    assert sorted(ds.load("target", 0, 1)) == ["_Eagle3Target", "embed", "layer", "lm_head"]
+    assert same_bits(ds.load("target", 0, 1)["lm_head"], second) and ds.meta("target", 0, 1)["complete"]
+    assert sorted(ds.load("draft", 0, 0)) == ["embed", "fc"]
+    assert ds.meta("draft", 0, 0)["incomplete"].startswith("still open at close()")
+    assert not cli_dump.verify_dump(str(tmp_path)).problems
+
+
+def test_the_draft_dumper_closed_inside_its_nested_manual_pass_marks_the_target_pass_mixed(tmp_path):
+    """As above with the draft's pass begun by hand (begin_pass() in the target's forward): where
+    that pass's forward ends is not known, so the target's pass captures again at the close, takes
+    the draft's LM head call as `lm_head#1`, and is marked mixed: verify fails."""
+    target = _Eagle3Target()
+    draft = _Eagle3Draft(target)
+    dt = fastdump.attach(target, tmp_path, role="target")
+    dd = fastdump.attach(draft, tmp_path, role="draft", root_passes=False)
+    draft.fc.register_forward_hook(lambda m, args, out: dd.close() and None)
+
+    def run_draft(ids, hidden):
+        dd.begin_pass()
+        draft(ids + 1, hidden)
+
+    target.run_draft = run_draft
+    with torch.inference_mode():
+        target(torch.tensor([[1, 2, 3]]))
+    assert dt.close()["mixed_passes"] == 1
+
+    ds = fastdump.open(tmp_path)
+    assert sorted(ds.load("target", 0, 0)) == ["_Eagle3Target", "embed", "layer", "lm_head", "lm_head#1"]
+    meta = ds.meta("target", 0, 0)
+    reason = ("a pass of role 'draft' nested in it was ended by close() before its end_pass(): what ran after "
+              "(that role's calls of the modules both wrap too) went into this pass (mixed tensors)")
+    assert meta["mixed"] is True and meta["incomplete"] == reason
+    problems = cli_dump.verify_dump(str(tmp_path)).problems
+    assert len(problems) == 1 and problems[0].endswith(f"pass 0 mixes tensors of several forwards: {reason}")

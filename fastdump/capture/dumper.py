@@ -205,6 +205,9 @@ class Dumper:
         # Per root forward running outside any pass of this Dumper that suspended other Dumpers'
         # passes (root_passes=False, _outside_pass_wrapper): those Dumpers.
         self._forwards_outside_passes: list = []
+        # close() ended a pass its root forward opened, still running, that suspended other Dumpers'
+        # passes: they capture again when that forward returns (_cut_outer_passes).
+        self._resume_at_root_return = False
         self._python_wrappers = False  # set for good once torch.compile traces the model
         # CUDA-graph record mode (fastdump/staging/graphs.py); None: tensors hooked during a capture are skipped.
         self._graphs = _graphs.GraphRecording(self, o.graph_ring_mb) if o.cuda_graphs == "record" else None
@@ -464,6 +467,7 @@ class Dumper:
                 self._mark_incomplete("still open at close(): closed inside the model's forward"
                                       if self._root_opener is not None else
                                       "still open at close(): end_pass() was not called")
+                self._cut_outer_passes()
                 self._depth = 1
                 self._end()
             if self._graphs is not None:  # replays' passes and counts, before the final flush; stops its drains
@@ -629,6 +633,9 @@ class Dumper:
 
     def _end(self) -> None:
         if self._depth == 0:
+            if self._resume_at_root_return and self._pass_thread == threading.get_ident():
+                self._resume_at_root_return = False  # the root forward close() cut short returned
+                self._state.resume_held()
             return
         self._depth -= 1
         if self._depth > 0:
@@ -640,7 +647,7 @@ class Dumper:
         state = self._state
         capturing = state.capturing or state.suspended  # (suspended: its end is still to be sent)
         state.capturing = False
-        if not self._forwards_outside_passes:  # (else they capture again when that forward returns)
+        if not (self._forwards_outside_passes or self._resume_at_root_return):  # (else: when that forward returns)
             state.resume_held()  # the passes this one nested in capture again
         pass_id, meta, skipped, incomplete, mixed = (self.pass_id, self._meta, self._skipped, self._incomplete,
                                                      self._mixed)
@@ -706,6 +713,29 @@ class Dumper:
                 other._close_dangling(f"it was still open when the pass of role {self.role!r} it was "
                                       "opened inside ended", manual=other._manual_depth > 0)
                 return
+
+    def _cut_outer_passes(self) -> None:
+        """close() ends this Dumper's pass while it is nested in passes of other Dumpers, perhaps
+        with the forward in it still running (closed inside it, or from another thread). Resumed
+        now, they would take that forward's later calls of the modules both wrap (the shared
+        embedding and LM head) as ``lm_head#1``, ..., which read as their own model's. A pass a root
+        forward opened: they stay suspended until that forward returns (its wrapper's _end resumes
+        them), as they do for a root forward outside passes (_outside_pass_wrapper). A begin_pass()
+        pass: where its forward ends is not known, so they are resumed now and marked mixed
+        (verify fails)."""
+        if self._forwards_outside_passes:
+            return
+        outer = [other for other in list(_open_dumpers) if other is not self and self._state.holds(other._state)]
+        if not outer:
+            return
+        if self._root_opener is not None and self._manual_depth == 0:
+            self._resume_at_root_return = True
+            return
+        for other in outer:
+            other._mixed = True  # (before the reason, as _check_thread does)
+            other._mark_incomplete(f"a pass of role {self.role!r} nested in it was ended by close() before "
+                                   "its end_pass(): what ran after (that role's calls of the modules both wrap "
+                                   "too) went into this pass (mixed tensors)")
 
     def _send_late_ends(self, deadline: float | None = None) -> None:
         """Send the pass ends a full ring refused, oldest first, until one is refused again (it
