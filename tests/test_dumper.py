@@ -1033,3 +1033,61 @@ def test_the_draft_dumper_closed_inside_its_nested_manual_pass_marks_the_target_
     assert meta["mixed"] is True and meta["incomplete"] == reason
     problems = cli_dump.verify_dump(str(tmp_path)).problems
     assert len(problems) == 1 and problems[0].endswith(f"pass 0 mixes tensors of several forwards: {reason}")
+
+
+@pytest.mark.parametrize("root_passes", [True, False])
+@pytest.mark.parametrize("caught", [True, False])
+def test_a_draft_forward_raising_inside_the_target_forward_gives_the_target_pass_back(tmp_path, root_passes, caught):
+    """The draft's forward raises inside the target's (after its embedding and fc ran): the target's
+    pass captures again from there on, with its own later calls only; caught by the target, its
+    pass stays complete; raised through it, it is incomplete with the reason. The next target pass
+    is whole and suspended for nothing."""
+    target = _Eagle3Target()
+    draft = _Eagle3Draft(target)
+    dt = fastdump.attach(target, tmp_path, role="target")
+    dd = fastdump.attach(draft, tmp_path, role="draft", root_passes=root_passes)
+
+    def boom(module, args, out):
+        raise RuntimeError("boom")
+
+    hook = draft.fc.register_forward_hook(boom)
+    own = []
+
+    def run_draft(ids, hidden):
+        try:
+            draft(ids + 1, hidden)
+        except RuntimeError:
+            if not caught:
+                raise
+        own.append(target.lm_head(hidden + 1))
+
+    target.run_draft = run_draft
+    with torch.inference_mode():
+        if caught:
+            target(torch.tensor([[1, 2, 3]]))
+        else:
+            with pytest.raises(RuntimeError, match="boom"):
+                target(torch.tensor([[1, 2, 3]]))
+        target.run_draft = None
+        hook.remove()
+        second = target(torch.tensor([[4]]))
+    assert dd.close()["status"] == "closed" and dt.close()["status"] == "closed"
+
+    ds = fastdump.open(tmp_path)
+    first, meta = ds.load("target", 0, 0), ds.meta("target", 0, 0)
+    draft_pass = 0 if root_passes else None
+    assert meta["suspended_for"] == [{"role": "draft", "pass": draft_pass}]
+    if caught:
+        assert sorted(first) == ["_Eagle3Target", "embed", "layer", "lm_head", "lm_head#1"] and meta["complete"]
+        assert same_bits(first["lm_head#1"], own[0])
+    else:
+        assert sorted(first) == ["embed", "layer", "lm_head"]
+        assert not meta["complete"] and meta["incomplete"] == "a forward raised RuntimeError: boom"
+    assert sorted(ds.load("target", 0, 1)) == ["_Eagle3Target", "embed", "layer", "lm_head"]
+    assert same_bits(ds.load("target", 0, 1)["lm_head"], second) and "suspended_for" not in ds.meta("target", 0, 1)
+    if root_passes:
+        assert sorted(ds.load("draft", 0, 0)) == ["embed", "fc"]
+        assert ds.meta("draft", 0, 0)["incomplete"] == "a forward raised RuntimeError: boom"
+    else:
+        assert ds.passes("draft", 0) == []
+    assert not cli_dump.verify_dump(str(tmp_path)).problems

@@ -1472,12 +1472,13 @@ class Dumper:
             if dumper._depth > 0 or getattr(forward_outside_passes, "__fastdump_off__", False):
                 return inner(*args, **kwargs)  # in a pass of its own (which suspended the others), or closed
             outside = _outside_graph if _is_compiling() else _call
-            if not outside(dumper._suspend_for_forward):
-                return inner(*args, **kwargs)  # (the common case: no other pass open on this thread)
-            try:
+            held = len(dumper._forwards_outside_passes)
+            try:  # (Ctrl-C between the suspend and the forward: still resumed)
+                outside(dumper._suspend_for_forward)  # (the common case: no other pass open here, nothing)
                 return inner(*args, **kwargs)
             finally:
-                outside(dumper._resume_after_forward)
+                if len(dumper._forwards_outside_passes) > held:
+                    outside(dumper._resume_after_forward)
 
         return forward_outside_passes
 
@@ -1487,9 +1488,9 @@ class Dumper:
         outer = self._state.suspend_others()
         if not outer:
             return False
+        self._forwards_outside_passes.append(outer)  # first: from here on the wrapper resumes them
         for other in outer:
             other._note_suspended_for(self.role, None)
-        self._forwards_outside_passes.append(outer)
         return True
 
     def _resume_after_forward(self) -> None:
