@@ -1091,3 +1091,32 @@ def test_a_draft_forward_raising_inside_the_target_forward_gives_the_target_pass
     else:
         assert ds.passes("draft", 0) == []
     assert not cli_dump.verify_dump(str(tmp_path)).problems
+
+
+@pytest.mark.parametrize("key", ["nested_in", "suspended_for", "suspended_for_left_out"])
+def test_the_nesting_meta_keys_are_fastdumps_own(tmp_path, key):
+    """A user's key of that name would read as a nesting of two roles' passes that never happened."""
+    lin = torch.nn.Linear(2, 2)
+    with fastdump.attach(lin, tmp_path, root_passes=False) as d:
+        for call in (d.set_pass_meta, d.begin_pass, d.manual_pass):
+            with pytest.raises(ValueError, match=f"'{key}': a key fastdump's readers add"):
+                call(**{key: []})
+    assert not d.in_pass
+
+
+def test_a_pass_suspended_for_many_draft_passes_keeps_the_first_256_and_counts_the_rest(tmp_path):
+    """A manual target pass around 300 draft steps: suspended_for stays small (its pass's meta
+    travels through the ring with the pass's end) and says how many it left out."""
+    target = _Eagle3Target()
+    draft = _Eagle3Draft(target)
+    dt = fastdump.attach(target, tmp_path, role="target", root_passes=False)
+    dd = fastdump.attach(draft, tmp_path, role="draft", every=1000)  # (its pass 0 alone is dumped)
+    ids = torch.tensor([[1, 2]])
+    with torch.inference_mode(), dt.manual_pass():
+        hidden = target.layer(target.embed(ids))
+        for _ in range(300):
+            draft(ids, hidden)
+    assert dd.close()["passes"] == 1 and dt.close()["status"] == "closed"
+    meta = fastdump.open(tmp_path).meta("target", 0, 0)
+    assert meta["suspended_for"] == [{"role": "draft", "pass": p} for p in range(256)]
+    assert meta["suspended_for_left_out"] == 44 and meta["complete"]
