@@ -1120,3 +1120,25 @@ def test_a_pass_suspended_for_many_draft_passes_keeps_the_first_256_and_counts_t
     meta = fastdump.open(tmp_path).meta("target", 0, 0)
     assert meta["suspended_for"] == [{"role": "draft", "pass": p} for p in range(256)]
     assert meta["suspended_for_left_out"] == 44 and meta["complete"]
+
+
+def test_an_idle_dumper_on_a_submodule_leaves_the_whole_model_pass_alone(tmp_path):
+    """A Dumper attached with root_passes=False to a submodule, to dump it on demand, runs outside a
+    pass of its own inside the pass of a Dumper on the whole model: its forward is that model's own
+    computation, which that pass keeps (the rule that keeps an EAGLE draft's forward out of the
+    target's pass is for models that are not part of it)."""
+    target = _Eagle3Target()
+    whole = fastdump.attach(target, tmp_path, role="whole")
+    layer = fastdump.attach(target.layer, tmp_path, role="layer", root_passes=False, inputs=True)
+    with torch.inference_mode():
+        logits = [target(torch.tensor([[1, 2, 3]])), target(torch.tensor([[4]]))]
+    assert layer.close()["passes"] == 0 and whole.close()["status"] == "closed"
+    ds = fastdump.open(tmp_path)
+    for pass_id in (0, 1):
+        dumped = ds.load("whole", 0, pass_id)
+        assert sorted(dumped) == ["_Eagle3Target", "embed", "layer", "lm_head"]
+        with torch.inference_mode():
+            assert same_bits(dumped["layer"], target.layer(dumped["embed"]))
+        assert same_bits(dumped["lm_head"], logits[pass_id])
+        meta = ds.meta("whole", 0, pass_id)
+        assert meta["complete"] and "suspended_for" not in meta

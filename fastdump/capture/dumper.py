@@ -208,6 +208,8 @@ class Dumper:
         # close() ended a pass its root forward opened, still running, that suspended other Dumpers'
         # passes: they capture again when that forward returns (_cut_outer_passes).
         self._resume_at_root_return = False
+        self._model_ref = lambda: None  # weakref to the model's (uncompiled) root, set by _install
+        self._holds_models: dict = {}    # model weakref -> whether it is part of this Dumper's model
         self._python_wrappers = False  # set for good once torch.compile traces the model
         # CUDA-graph record mode (fastdump/staging/graphs.py); None: tensors hooked during a capture are skipped.
         self._graphs = _graphs.GraphRecording(self, o.graph_ring_mb) if o.cuda_graphs == "record" else None
@@ -1257,6 +1259,7 @@ class Dumper:
 
     # -- installing wrappers -------------------------------------------------------------------------
     def _install(self, model, root_passes: bool, **selection) -> None:
+        self._model_ref = weakref.ref(_original_module(model))
         scripted = {name: why for name, why in self.not_wrapped.items()  # (with all inside)
                     if why != _SHADOWED_REASON and name not in self._shared_left_out}
         selected = list(select_modules(model, **selection, scripted=scripted))
@@ -1488,10 +1491,26 @@ class Dumper:
         outer = self._state.suspend_others()
         if not outer:
             return False
+        if not self._forwards_outside_passes and any(other._model_holds(self._model_ref) for other in outer):
+            # This model is part of that pass's model (a Dumper on one of its submodules, dumping on
+            # demand): its forward is that model's own computation, which that pass keeps.
+            self._state.resume_held()
+            return False
         self._forwards_outside_passes.append(outer)  # first: from here on the wrapper resumes them
         for other in outer:
             other._note_suspended_for(self.role, None)
         return True
+
+    def _model_holds(self, model_ref) -> bool:
+        """Whether ``model_ref()`` is this Dumper's model or one of its submodules (cached per model:
+        asked only where passes nest, a walk of the model's modules the first time)."""
+        held = self._holds_models.get(model_ref)
+        if held is None:
+            mine, other = self._model_ref(), model_ref()
+            held = mine is not None and other is not None and any(m is other for m in mine.modules())
+            if len(self._holds_models) < 64:  # (a few models per process)
+                self._holds_models[model_ref] = held
+        return held
 
     def _resume_after_forward(self) -> None:
         """That forward returned (or raised): what it suspended captures again, unless a pass of
