@@ -1142,3 +1142,35 @@ def test_an_idle_dumper_on_a_submodule_leaves_the_whole_model_pass_alone(tmp_pat
         assert same_bits(dumped["lm_head"], logits[pass_id])
         meta = ds.meta("whole", 0, pass_id)
         assert meta["complete"] and "suspended_for" not in meta
+
+
+def test_a_target_pass_ended_inside_a_draft_forward_outside_passes_is_whole(tmp_path, caplog):
+    """The target's manual pass ended (by a hook) while the draft's forward, outside any pass of its
+    own, had it suspended: nothing of the target's pass went elsewhere, so it is complete, and no
+    dangling draft pass is "closed" (there is none). It was marked incomplete, and a draft pass -1
+    reported closed."""
+    target = _Eagle3Target()
+    draft = _Eagle3Draft(target)
+    dt = fastdump.attach(target, tmp_path, role="target", root_passes=False)
+    dd = fastdump.attach(draft, tmp_path, role="draft", root_passes=False)
+    draft.fc.register_forward_hook(lambda m, args, out: dt.end_pass() and None)
+    ids = torch.tensor([[1, 2]])
+    with torch.inference_mode():
+        dt.begin_pass()
+        e = target.embed(ids)
+        h = target.layer(e)
+        draft(ids, h)
+        target.lm_head(h)  # after the target's pass ended: in no pass
+        dt.begin_pass()
+        logits = target(ids)
+        dt.end_pass()
+    assert dd.close()["passes"] == 0 and dt.close()["incomplete_passes"] == 0
+    assert "dangling" not in caplog.text and "closed, marked incomplete" not in caplog.text
+    ds = fastdump.open(tmp_path)
+    first = ds.load("target", 0, 0)
+    assert sorted(first) == ["embed", "layer"] and same_bits(first["embed"], e) and same_bits(first["layer"], h)
+    meta = ds.meta("target", 0, 0)
+    assert meta["complete"] and meta["suspended_for"] == [{"role": "draft", "pass": None}]
+    second = ds.load("target", 0, 1)
+    assert sorted(second) == ["_Eagle3Target", "embed", "layer", "lm_head"] and same_bits(second["lm_head"], logits)
+    assert ds.meta("target", 0, 1)["complete"] and not cli_dump.verify_dump(str(tmp_path)).problems

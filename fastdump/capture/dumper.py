@@ -707,14 +707,18 @@ class Dumper:
         begin_pass() in the target's forward without its end_pass()): what ran since that one
         opened went to it, not here (this pass's own output included), so this pass is incomplete;
         and that one is dangling: closed now, marked so, or every later pass of this Dumper would
-        suspend it and take the other role's calls as its own."""
+        suspend it and take the other role's calls as its own. (Suspended by another model's forward
+        outside any pass of its Dumper (_outside_pass_wrapper) instead: nothing of this pass went
+        elsewhere, and that forward resumes nothing once this pass has ended.)"""
+        holder = next((other for other in list(_open_dumpers)
+                       if other is not self and other._state.holds(self._state)), None)
+        if holder is not None and holder._depth == 0 and holder._forwards_outside_passes:
+            return
         self._mark_incomplete("a pass of another Dumper opened inside this one was still open when it "
                               "ended: what ran after that one opened is not in this pass")
-        for other in list(_open_dumpers):
-            if other is not self and other._state.holds(self._state):
-                other._close_dangling(f"it was still open when the pass of role {self.role!r} it was "
-                                      "opened inside ended", manual=other._manual_depth > 0)
-                return
+        if holder is not None:
+            holder._close_dangling(f"it was still open when the pass of role {self.role!r} it was "
+                                   "opened inside ended", manual=holder._manual_depth > 0)
 
     def _cut_outer_passes(self) -> None:
         """close() ends this Dumper's pass while it is nested in passes of other Dumpers, perhaps
