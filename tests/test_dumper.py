@@ -1174,3 +1174,30 @@ def test_a_target_pass_ended_inside_a_draft_forward_outside_passes_is_whole(tmp_
     second = ds.load("target", 0, 1)
     assert sorted(second) == ["_Eagle3Target", "embed", "layer", "lm_head"] and same_bits(second["lm_head"], logits)
     assert ds.meta("target", 0, 1)["complete"] and not cli_dump.verify_dump(str(tmp_path)).problems
+
+
+def test_a_draft_pass_begun_after_the_target_pass_ended_inside_the_draft_forward_nests_in_nothing(tmp_path):
+    """Inside the draft's forward (outside any pass of its own) the target's pass ends, then the
+    draft's begins: it ran inside no target pass, so it has no nested_in (it named the ended one)."""
+    target = _Eagle3Target()
+    draft = _Eagle3Draft(target)
+    dt = fastdump.attach(target, tmp_path, role="target", root_passes=False)
+    dd = fastdump.attach(draft, tmp_path, role="draft", root_passes=False)
+
+    def switch(module, args, out):
+        dt.end_pass()
+        dd.begin_pass()
+
+    draft.fc.register_forward_hook(switch)
+    ids = torch.tensor([[1, 2]])
+    with torch.inference_mode():
+        dt.begin_pass()
+        h = target.layer(target.embed(ids))
+        draft_logits, _ = draft(ids, h)
+        dd.end_pass()
+    assert dd.close()["passes"] == 1 and dt.close()["passes"] == 1
+    ds = fastdump.open(tmp_path)
+    assert sorted(ds.load("draft", 0, 0)) == ["lm_head"] and same_bits(ds.load("draft", 0, 0)["lm_head"], draft_logits)
+    assert "nested_in" not in ds.meta("draft", 0, 0)
+    assert ds.meta("target", 0, 0)["suspended_for"] == [{"role": "draft", "pass": None}]
+    assert sorted(ds.load("target", 0, 0)) == ["embed", "layer"]

@@ -585,8 +585,9 @@ class Dumper:
             # After the marks above: the call is a point where another thread may run and mark
             # this pass mixed, a mark the reset above would have erased.
             outer = self._state.suspend_others()
-            if not outer and self._forwards_outside_passes:  # (begun inside such a forward: suspended by it)
-                outer = self._forwards_outside_passes[-1]
+            if not outer and self._forwards_outside_passes:  # (begun inside such a forward: suspended by it,
+                # those still suspended)
+                outer = [d for d in self._forwards_outside_passes[-1] if self._state.holds(d._state)]
             if outer:  # where it ran, and in the outer pass what ran inside it: a reader can put the
                 # roles' passes in order
                 self._meta["nested_in"] = [{"role": d.role, "pass": d.pass_id} for d in outer]
