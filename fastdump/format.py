@@ -277,7 +277,11 @@ def block_crc32c(number: int, dtype_name: str, encoding: str, scalar: bool, row_
 # The keys DumpSet.meta adds to every pass's metadata itself; the capture side refuses them as user keys.
 READER_META_KEYS = ("complete", "dropped", "skipped", "tensors", "bytes")
 INCOMPLETE_META_KEYS = ("incomplete", "mixed")  # added where the capture side marked the pass incomplete
-RESERVED_META_KEYS = READER_META_KEYS + INCOMPLETE_META_KEYS
+# Added by the capture side where passes of two Dumpers nested on one thread (an EAGLE draft inside the
+# target's forward): the inner pass's `nested_in`, the outer's `suspended_for` (and the count of its
+# entries left out past 256).
+NESTING_META_KEYS = ("nested_in", "suspended_for", "suspended_for_left_out")
+RESERVED_META_KEYS = READER_META_KEYS + INCOMPLETE_META_KEYS + NESTING_META_KEYS
 
 
 PASS_DTYPE = np.dtype(

@@ -835,18 +835,28 @@ class DumpSet:
         segments = entry.segments
         # (a pass whole in one segment and found again in another is not read: not counted)
         passes = [p for p in entry.pass_map if p not in entry.repeated]
-        incomplete = set()
+        incomplete, nested, suspended = set(), set(), set()
         for segment in segments:
-            for row in segment.passes:
+            for row, meta in zip(segment.passes, segment.pass_meta):
                 if not row["complete"]:
                     incomplete.add(int(row["pass"]))
                 else:
                     incomplete.discard(int(row["pass"]))
+                user_meta = meta.get("meta") if isinstance(meta, dict) else None
+                if isinstance(user_meta, dict):  # (passes of two roles nested on one thread)
+                    if user_meta.get("nested_in"):
+                        nested.add(int(row["pass"]))
+                    if user_meta.get("suspended_for"):
+                        suspended.add(int(row["pass"]))
         return {
             "passes": len(passes),
             "first_pass": passes[0] if passes else None,
             "last_pass": passes[-1] if passes else None,
             "incomplete_passes": sorted(incomplete),
+            # passes run inside another role's pass (meta nested_in), and passes that were suspended
+            # while another role's forward ran inside them (meta suspended_for)
+            "nested_passes": len(nested),
+            "suspended_passes": len(suspended),
             "segments": len(segments),
             "unreadable_segments": len(entry.unreadable),
             "repeated_passes": sorted(entry.repeated),  # in two segments: not read (copied or mixed)

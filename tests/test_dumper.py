@@ -783,7 +783,10 @@ def _check_eagle3_passes(ds, target, prompts, logits, drafted, draft_every):
         dumped = ds.load("target", 0, pass_id)
         assert sorted(dumped) == sorted(want)
         assert all(same_bits(dumped[n], want[n]) for n in want)
-        assert ds.meta("target", 0, pass_id)["complete"]
+        meta = ds.meta("target", 0, pass_id)
+        assert meta["complete"]
+        # and what ran inside it: every draft pass, the ones the draft's selection left out too
+        assert meta["suspended_for"] == [{"role": "draft", "pass": p} for p, d in enumerate(drafted) if d[4] == pass_id]
     kept = list(range(0, len(drafted), draft_every))
     assert ds.passes("draft", 0) == kept
     for pass_id in kept:
@@ -866,3 +869,335 @@ def test_a_draft_pass_begun_inside_the_target_forward_and_never_ended_is_closed_
     assert same_bits(dumped["lm_head"], dl) and same_bits(dumped["fc"], dh)
     meta = ds.meta("draft", 0, 0)
     assert not meta["complete"] and "opened inside ended" in meta["incomplete"]
+
+
+@pytest.mark.parametrize("native_pass", [True, False])
+@pytest.mark.parametrize("draft_root_selected", [True, False])
+def test_a_draft_forward_outside_any_pass_of_its_own_stays_out_of_the_target_pass(tmp_path, monkeypatch, capsys,
+                                                                                  native_pass, draft_root_selected):
+    """The draft attached with root_passes=False runs inside the target's forward without a pass of
+    its own (no begin_pass): its calls of the embedding and LM head both share went into the
+    target's pass as `embed#1`, `lm_head#1`, which read as the target calling them twice, and verify
+    said OK. The target's pass is suspended while the draft's forward runs, and says so
+    (suspended_for, pass None: the draft's calls went to no pass); the target's own repeated calls,
+    before and after the draft's, are still `name#k`."""
+    from fastdump.capture import dumper as dumper_mod
+    monkeypatch.setattr(dumper_mod, "_native_root_pass", native_pass)
+    target = _Eagle3Target()
+    draft = _Eagle3Draft(target)
+    dt = fastdump.attach(target, tmp_path, role="target")
+    dd = fastdump.attach(draft, tmp_path, role="draft", root_passes=False,
+                         exclude=None if draft_root_selected else r"^_Eagle3Draft$")
+    extra = []  # the target's own second calls: (embed(ids + 3), lm_head(h)) per pass
+
+    def run_draft(ids, hidden):
+        e = target.embed(ids + 3)  # the target's own code: a legitimate repeated call
+        for step in range(2):  # draft steps, one through module.forward as engines call it
+            (draft if step == 0 else draft.forward)(ids + step + 1, hidden)
+        extra.append((e, target.lm_head(hidden)))
+
+    target.run_draft = run_draft
+    prompts = [torch.tensor([[1, 2, 3]]), torch.tensor([[4]])]
+    with torch.inference_mode():
+        logits = [target(ids) for ids in prompts]
+        target.run_draft = None
+        after = target(torch.tensor([[6]]))  # no draft: nothing suspended
+    assert dt.close()["status"] == "closed" and dd.close()["status"] == "closed"
+
+    ds = fastdump.open(tmp_path)
+    assert ds.passes("target", 0) == [0, 1, 2] and ds.ranks("draft") and ds.passes("draft", 0) == []
+    with torch.inference_mode():
+        for pass_id, ids in enumerate(prompts):
+            e = target.embed(ids)
+            h = target.layer(e)
+            want = {"embed": e, "layer": h, "lm_head": logits[pass_id], "_Eagle3Target": logits[pass_id],
+                    "embed#1": extra[pass_id][0], "lm_head#1": extra[pass_id][1]}
+            dumped = ds.load("target", 0, pass_id)
+            assert sorted(dumped) == sorted(want)
+            assert all(same_bits(dumped[n], want[n]) for n in want)
+            meta = ds.meta("target", 0, pass_id)
+            assert meta["complete"] and meta["suspended_for"] == [{"role": "draft", "pass": None}] * 2
+    assert sorted(ds.load("target", 0, 2)) == ["_Eagle3Target", "embed", "layer", "lm_head"]
+    assert same_bits(ds.load("target", 0, 2)["lm_head"], after)
+    assert "suspended_for" not in ds.meta("target", 0, 2)
+    assert not cli_dump.verify_dump(str(tmp_path)).problems
+    capsys.readouterr()
+    assert cli_dump.main(["ls", str(tmp_path)]) == 0
+    assert "[2 pass(es) suspended for another role's: meta suspended_for]" in capsys.readouterr().out
+    assert cli_dump.main(["show", str(tmp_path), "--role", "target", "--pass", "0"]) == 0
+    assert '"suspended_for": [{"role": "draft", "pass": null}, {"role": "draft", "pass": null}]' \
+        in capsys.readouterr().out
+
+
+def test_a_draft_pass_begun_inside_its_own_forward_outside_passes_nests_in_the_target_pass(tmp_path):
+    """root_passes=False, the draft's pass begun and ended inside its forward (hooks on its `fc`),
+    the forward run inside the target's: the pass records where it ran (nested_in), the target's
+    pass records both the forward and the pass (suspended_for), and the draft's LM head call after
+    its pass ended, still inside its forward, goes to neither pass."""
+    target = _Eagle3Target()
+    draft = _Eagle3Draft(target)
+    dt = fastdump.attach(target, tmp_path, role="target")
+    dd = fastdump.attach(draft, tmp_path, role="draft", root_passes=False)
+    draft.fc.register_forward_pre_hook(lambda m, args: dd.begin_pass(step="fc"))
+    draft.fc.register_forward_hook(lambda m, args, out: dd.end_pass() and None)
+    drafted = []
+    target.run_draft = lambda ids, hidden: drafted.append(draft(ids + 1, hidden))
+    with torch.inference_mode():
+        logits = target(torch.tensor([[1, 2, 3]]))
+    assert dt.close()["status"] == "closed" and dd.close()["status"] == "closed"
+
+    ds = fastdump.open(tmp_path)
+    assert sorted(ds.load("target", 0, 0)) == ["_Eagle3Target", "embed", "layer", "lm_head"]
+    assert same_bits(ds.load("target", 0, 0)["lm_head"], logits)
+    assert ds.meta("target", 0, 0)["suspended_for"] == [{"role": "draft", "pass": None}, {"role": "draft", "pass": 0}]
+    assert ds.passes("draft", 0) == [0]
+    assert sorted(ds.load("draft", 0, 0)) == ["fc"] and same_bits(ds.load("draft", 0, 0)["fc"], drafted[0][1])
+    meta = ds.meta("draft", 0, 0)
+    assert meta["complete"] and meta["step"] == "fc" and meta["nested_in"] == [{"role": "target", "pass": 0}]
+    assert not cli_dump.verify_dump(str(tmp_path)).problems
+
+
+@pytest.mark.parametrize("closer", ["forward", "thread"])
+def test_the_draft_dumper_closed_inside_its_nested_pass_keeps_the_rest_of_its_forward_out_of_the_target_pass(
+        tmp_path, closer):
+    """The draft's Dumper closed in the middle of its pass nested in the target's forward (by a hook
+    in the draft's forward, or by another thread meanwhile): the target's pass captured again at
+    once, and took the draft's later LM head call as its own `lm_head#1`, complete, verify OK. It
+    stays suspended until the draft's forward returns; the target's own later calls are its own."""
+    import threading
+    target = _Eagle3Target()
+    draft = _Eagle3Draft(target)
+    dt = fastdump.attach(target, tmp_path, role="target")
+    dd = fastdump.attach(draft, tmp_path, role="draft")
+    closed = []
+
+    def close_draft(module, args, out):
+        if closer == "forward":
+            closed.append(dd.close())
+        else:
+            t = threading.Thread(target=lambda: closed.append(dd.close()))
+            t.start()
+            t.join()
+
+    draft.fc.register_forward_hook(close_draft)
+    own = []  # the target's own LM head call after the draft's forward
+
+    def run_draft(ids, hidden):
+        draft(ids + 1, hidden)
+        own.append(target.lm_head(hidden + 1))
+
+    target.run_draft = run_draft
+    with torch.inference_mode():
+        logits = target(torch.tensor([[1, 2, 3]]))
+        target.run_draft = None
+        second = target(torch.tensor([[4]]))
+    assert [s["status"] for s in closed] == ["closed"] and dt.close()["status"] == "closed"
+
+    ds = fastdump.open(tmp_path)
+    dumped = ds.load("target", 0, 0)
+    assert sorted(dumped) == ["_Eagle3Target", "embed", "layer", "lm_head", "lm_head#1"]
+    assert same_bits(dumped["lm_head"], logits) and same_bits(dumped["lm_head#1"], own[0])
+    meta = ds.meta("target", 0, 0)
+    assert meta["complete"] and meta["suspended_for"] == [{"role": "draft", "pass": 0}]
+    assert sorted(ds.load("target", 0, 1)) == ["_Eagle3Target", "embed", "layer", "lm_head"]
+    assert same_bits(ds.load("target", 0, 1)["lm_head"], second) and ds.meta("target", 0, 1)["complete"]
+    assert sorted(ds.load("draft", 0, 0)) == ["embed", "fc"]
+    assert ds.meta("draft", 0, 0)["incomplete"].startswith("still open at close()")
+    assert not cli_dump.verify_dump(str(tmp_path)).problems
+
+
+def test_the_draft_dumper_closed_inside_its_nested_manual_pass_marks_the_target_pass_mixed(tmp_path):
+    """As above with the draft's pass begun by hand (begin_pass() in the target's forward): where
+    that pass's forward ends is not known, so the target's pass captures again at the close, takes
+    the draft's LM head call as `lm_head#1`, and is marked mixed: verify fails."""
+    target = _Eagle3Target()
+    draft = _Eagle3Draft(target)
+    dt = fastdump.attach(target, tmp_path, role="target")
+    dd = fastdump.attach(draft, tmp_path, role="draft", root_passes=False)
+    draft.fc.register_forward_hook(lambda m, args, out: dd.close() and None)
+
+    def run_draft(ids, hidden):
+        dd.begin_pass()
+        draft(ids + 1, hidden)
+
+    target.run_draft = run_draft
+    with torch.inference_mode():
+        target(torch.tensor([[1, 2, 3]]))
+    assert dt.close()["mixed_passes"] == 1
+
+    ds = fastdump.open(tmp_path)
+    assert sorted(ds.load("target", 0, 0)) == ["_Eagle3Target", "embed", "layer", "lm_head", "lm_head#1"]
+    meta = ds.meta("target", 0, 0)
+    reason = ("a pass of role 'draft' nested in it was ended by close() before its end_pass(): what ran after "
+              "(that role's calls of the modules both wrap too) went into this pass (mixed tensors)")
+    assert meta["mixed"] is True and meta["incomplete"] == reason
+    problems = cli_dump.verify_dump(str(tmp_path)).problems
+    assert len(problems) == 1 and problems[0].endswith(f"pass 0 mixes tensors of several forwards: {reason}")
+
+
+@pytest.mark.parametrize("root_passes", [True, False])
+@pytest.mark.parametrize("caught", [True, False])
+def test_a_draft_forward_raising_inside_the_target_forward_gives_the_target_pass_back(tmp_path, root_passes, caught):
+    """The draft's forward raises inside the target's (after its embedding and fc ran): the target's
+    pass captures again from there on, with its own later calls only; caught by the target, its
+    pass stays complete; raised through it, it is incomplete with the reason. The next target pass
+    is whole and suspended for nothing."""
+    target = _Eagle3Target()
+    draft = _Eagle3Draft(target)
+    dt = fastdump.attach(target, tmp_path, role="target")
+    dd = fastdump.attach(draft, tmp_path, role="draft", root_passes=root_passes)
+
+    def boom(module, args, out):
+        raise RuntimeError("boom")
+
+    hook = draft.fc.register_forward_hook(boom)
+    own = []
+
+    def run_draft(ids, hidden):
+        try:
+            draft(ids + 1, hidden)
+        except RuntimeError:
+            if not caught:
+                raise
+        own.append(target.lm_head(hidden + 1))
+
+    target.run_draft = run_draft
+    with torch.inference_mode():
+        if caught:
+            target(torch.tensor([[1, 2, 3]]))
+        else:
+            with pytest.raises(RuntimeError, match="boom"):
+                target(torch.tensor([[1, 2, 3]]))
+        target.run_draft = None
+        hook.remove()
+        second = target(torch.tensor([[4]]))
+    assert dd.close()["status"] == "closed" and dt.close()["status"] == "closed"
+
+    ds = fastdump.open(tmp_path)
+    first, meta = ds.load("target", 0, 0), ds.meta("target", 0, 0)
+    draft_pass = 0 if root_passes else None
+    assert meta["suspended_for"] == [{"role": "draft", "pass": draft_pass}]
+    if caught:
+        assert sorted(first) == ["_Eagle3Target", "embed", "layer", "lm_head", "lm_head#1"] and meta["complete"]
+        assert same_bits(first["lm_head#1"], own[0])
+    else:
+        assert sorted(first) == ["embed", "layer", "lm_head"]
+        assert not meta["complete"] and meta["incomplete"] == "a forward raised RuntimeError: boom"
+    assert sorted(ds.load("target", 0, 1)) == ["_Eagle3Target", "embed", "layer", "lm_head"]
+    assert same_bits(ds.load("target", 0, 1)["lm_head"], second) and "suspended_for" not in ds.meta("target", 0, 1)
+    if root_passes:
+        assert sorted(ds.load("draft", 0, 0)) == ["embed", "fc"]
+        assert ds.meta("draft", 0, 0)["incomplete"] == "a forward raised RuntimeError: boom"
+    else:
+        assert ds.passes("draft", 0) == []
+    assert not cli_dump.verify_dump(str(tmp_path)).problems
+
+
+@pytest.mark.parametrize("key", ["nested_in", "suspended_for", "suspended_for_left_out"])
+def test_the_nesting_meta_keys_are_fastdumps_own(tmp_path, key):
+    """A user's key of that name would read as a nesting of two roles' passes that never happened."""
+    lin = torch.nn.Linear(2, 2)
+    with fastdump.attach(lin, tmp_path, root_passes=False) as d:
+        for call in (d.set_pass_meta, d.begin_pass, d.manual_pass):
+            with pytest.raises(ValueError, match=f"'{key}': a key fastdump's readers add"):
+                call(**{key: []})
+    assert not d.in_pass
+
+
+def test_a_pass_suspended_for_many_draft_passes_keeps_the_first_256_and_counts_the_rest(tmp_path):
+    """A manual target pass around 300 draft steps: suspended_for stays small (its pass's meta
+    travels through the ring with the pass's end) and says how many it left out."""
+    target = _Eagle3Target()
+    draft = _Eagle3Draft(target)
+    dt = fastdump.attach(target, tmp_path, role="target", root_passes=False)
+    dd = fastdump.attach(draft, tmp_path, role="draft", every=1000)  # (its pass 0 alone is dumped)
+    ids = torch.tensor([[1, 2]])
+    with torch.inference_mode(), dt.manual_pass():
+        hidden = target.layer(target.embed(ids))
+        for _ in range(300):
+            draft(ids, hidden)
+    assert dd.close()["passes"] == 1 and dt.close()["status"] == "closed"
+    meta = fastdump.open(tmp_path).meta("target", 0, 0)
+    assert meta["suspended_for"] == [{"role": "draft", "pass": p} for p in range(256)]
+    assert meta["suspended_for_left_out"] == 44 and meta["complete"]
+
+
+def test_an_idle_dumper_on_a_submodule_leaves_the_whole_model_pass_alone(tmp_path):
+    """A Dumper attached with root_passes=False to a submodule, to dump it on demand, runs outside a
+    pass of its own inside the pass of a Dumper on the whole model: its forward is that model's own
+    computation, which that pass keeps (the rule that keeps an EAGLE draft's forward out of the
+    target's pass is for models that are not part of it)."""
+    target = _Eagle3Target()
+    whole = fastdump.attach(target, tmp_path, role="whole")
+    layer = fastdump.attach(target.layer, tmp_path, role="layer", root_passes=False, inputs=True)
+    with torch.inference_mode():
+        logits = [target(torch.tensor([[1, 2, 3]])), target(torch.tensor([[4]]))]
+    assert layer.close()["passes"] == 0 and whole.close()["status"] == "closed"
+    ds = fastdump.open(tmp_path)
+    for pass_id in (0, 1):
+        dumped = ds.load("whole", 0, pass_id)
+        assert sorted(dumped) == ["_Eagle3Target", "embed", "layer", "lm_head"]
+        with torch.inference_mode():
+            assert same_bits(dumped["layer"], target.layer(dumped["embed"]))
+        assert same_bits(dumped["lm_head"], logits[pass_id])
+        meta = ds.meta("whole", 0, pass_id)
+        assert meta["complete"] and "suspended_for" not in meta
+
+
+def test_a_target_pass_ended_inside_a_draft_forward_outside_passes_is_whole(tmp_path, caplog):
+    """The target's manual pass ended (by a hook) while the draft's forward, outside any pass of its
+    own, had it suspended: nothing of the target's pass went elsewhere, so it is complete, and no
+    dangling draft pass is "closed" (there is none). It was marked incomplete, and a draft pass -1
+    reported closed."""
+    target = _Eagle3Target()
+    draft = _Eagle3Draft(target)
+    dt = fastdump.attach(target, tmp_path, role="target", root_passes=False)
+    dd = fastdump.attach(draft, tmp_path, role="draft", root_passes=False)
+    draft.fc.register_forward_hook(lambda m, args, out: dt.end_pass() and None)
+    ids = torch.tensor([[1, 2]])
+    with torch.inference_mode():
+        dt.begin_pass()
+        e = target.embed(ids)
+        h = target.layer(e)
+        draft(ids, h)
+        target.lm_head(h)  # after the target's pass ended: in no pass
+        dt.begin_pass()
+        logits = target(ids)
+        dt.end_pass()
+    assert dd.close()["passes"] == 0 and dt.close()["incomplete_passes"] == 0
+    assert "dangling" not in caplog.text and "closed, marked incomplete" not in caplog.text
+    ds = fastdump.open(tmp_path)
+    first = ds.load("target", 0, 0)
+    assert sorted(first) == ["embed", "layer"] and same_bits(first["embed"], e) and same_bits(first["layer"], h)
+    meta = ds.meta("target", 0, 0)
+    assert meta["complete"] and meta["suspended_for"] == [{"role": "draft", "pass": None}]
+    second = ds.load("target", 0, 1)
+    assert sorted(second) == ["_Eagle3Target", "embed", "layer", "lm_head"] and same_bits(second["lm_head"], logits)
+    assert ds.meta("target", 0, 1)["complete"] and not cli_dump.verify_dump(str(tmp_path)).problems
+
+
+def test_a_draft_pass_begun_after_the_target_pass_ended_inside_the_draft_forward_nests_in_nothing(tmp_path):
+    """Inside the draft's forward (outside any pass of its own) the target's pass ends, then the
+    draft's begins: it ran inside no target pass, so it has no nested_in (it named the ended one)."""
+    target = _Eagle3Target()
+    draft = _Eagle3Draft(target)
+    dt = fastdump.attach(target, tmp_path, role="target", root_passes=False)
+    dd = fastdump.attach(draft, tmp_path, role="draft", root_passes=False)
+
+    def switch(module, args, out):
+        dt.end_pass()
+        dd.begin_pass()
+
+    draft.fc.register_forward_hook(switch)
+    ids = torch.tensor([[1, 2]])
+    with torch.inference_mode():
+        dt.begin_pass()
+        h = target.layer(target.embed(ids))
+        draft_logits, _ = draft(ids, h)
+        dd.end_pass()
+    assert dd.close()["passes"] == 1 and dt.close()["passes"] == 1
+    ds = fastdump.open(tmp_path)
+    assert sorted(ds.load("draft", 0, 0)) == ["lm_head"] and same_bits(ds.load("draft", 0, 0)["lm_head"], draft_logits)
+    assert "nested_in" not in ds.meta("draft", 0, 0)
+    assert ds.meta("target", 0, 0)["suspended_for"] == [{"role": "draft", "pass": None}]
+    assert sorted(ds.load("target", 0, 0)) == ["embed", "layer"]

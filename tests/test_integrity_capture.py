@@ -1431,3 +1431,40 @@ def test_close_inside_the_models_forward_says_so(tmp_path):
     model(torch.randn(2, 8))
     meta = fastdump.open(tmp_path).meta("target", 0, 0)
     assert meta["complete"] is False and meta["incomplete"] == "still open at close(): closed inside the model's forward"
+
+
+@pytest.mark.parametrize("draft_root_passes", [True, False])
+def test_an_eagle_draft_run_on_another_thread_inside_the_target_forward_fails_verify(tmp_path, draft_root_passes):
+    """The draft (sharing the target's embedding and LM head) run on a worker thread that the
+    target's forward waits for: a pass opened on another thread suspends nothing, so its calls of
+    the shared modules reach the target's open pass as `embed#1`, `lm_head#1`. That pass is marked
+    mixed and verify fails; the draft's own pass (root passes) holds its calls, whole."""
+    from test_dumper import _Eagle3Draft, _Eagle3Target
+    target = _Eagle3Target()
+    draft = _Eagle3Draft(target)
+    dt = fastdump.attach(target, tmp_path, role="target")
+    dd = fastdump.attach(draft, tmp_path, role="draft", root_passes=draft_root_passes)
+    drafted = []
+
+    def run_draft(ids, hidden):
+        worker = threading.Thread(target=lambda: drafted.append(draft(ids + 1, hidden)))
+        worker.start()
+        worker.join()
+
+    target.run_draft = run_draft
+    with torch.inference_mode():
+        target(torch.tensor([[1, 2, 3]]))
+    assert dd.close()["status"] == "closed" and dt.close()["mixed_passes"] == 1
+    ds = fastdump.open(tmp_path)
+    assert sorted(ds.load("target", 0, 0)) == ["_Eagle3Target", "embed", "embed#1", "layer", "lm_head", "lm_head#1"]
+    meta = ds.meta("target", 0, 0)
+    assert meta["mixed"] is True and "suspended_for" not in meta
+    problems = verify(tmp_path).problems
+    assert len(problems) == 1 and "target" in problems[0] and "pass 0 mixes tensors" in problems[0]
+    if draft_root_passes:
+        dumped = ds.load("draft", 0, 0)
+        assert sorted(dumped) == ["_Eagle3Draft.0", "_Eagle3Draft.1", "embed", "fc", "lm_head"]
+        assert same_bits(dumped["lm_head"], drafted[0][0]) and same_bits(dumped["fc"], drafted[0][1])
+        assert ds.meta("draft", 0, 0)["complete"] and "nested_in" not in ds.meta("draft", 0, 0)
+    else:
+        assert ds.passes("draft", 0) == []

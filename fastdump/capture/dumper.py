@@ -49,6 +49,7 @@ log = logging.getLogger("fastdump")
 _open_dumpers: "weakref.WeakSet[Dumper]" = weakref.WeakSet()
 _MIXED_REASON = "forwards of several threads ran at once in this pass (mixed tensors)"
 _MAX_LATE_ENDS = 4096  # refused pass ends kept to send again (each a small dict)
+_MAX_SUSPENDED_FOR = 256  # entries of a pass's suspended_for kept (the rest counted)
 
 
 def close_all(deadline: float | None = None) -> None:
@@ -201,6 +202,14 @@ class Dumper:
         self._flat_pass = None
         self._indexed_parents: set = set()
         self._manual_depth = 0           # begin_pass() calls not yet ended in the open pass
+        # Per root forward running outside any pass of this Dumper that suspended other Dumpers'
+        # passes (root_passes=False, _outside_pass_wrapper): those Dumpers.
+        self._forwards_outside_passes: list = []
+        # close() ended a pass its root forward opened, still running, that suspended other Dumpers'
+        # passes: they capture again when that forward returns (_cut_outer_passes).
+        self._resume_at_root_return = False
+        self._model_ref = lambda: None  # weakref to the model's (uncompiled) root, set by _install
+        self._holds_models: dict = {}    # model weakref -> whether it is part of this Dumper's model
         self._python_wrappers = False  # set for good once torch.compile traces the model
         # CUDA-graph record mode (fastdump/staging/graphs.py); None: tensors hooked during a capture are skipped.
         self._graphs = _graphs.GraphRecording(self, o.graph_ring_mb) if o.cuda_graphs == "record" else None
@@ -460,6 +469,7 @@ class Dumper:
                 self._mark_incomplete("still open at close(): closed inside the model's forward"
                                       if self._root_opener is not None else
                                       "still open at close(): end_pass() was not called")
+                self._cut_outer_passes()
                 self._depth = 1
                 self._end()
             if self._graphs is not None:  # replays' passes and counts, before the final flush; stops its drains
@@ -575,8 +585,14 @@ class Dumper:
             # After the marks above: the call is a point where another thread may run and mark
             # this pass mixed, a mark the reset above would have erased.
             outer = self._state.suspend_others()
-            if outer:  # where it ran, so a reader can put the roles' passes in order
+            if not outer and self._forwards_outside_passes:  # (begun inside such a forward: suspended by it,
+                # those still suspended)
+                outer = [d for d in self._forwards_outside_passes[-1] if self._state.holds(d._state)]
+            if outer:  # where it ran, and in the outer pass what ran inside it: a reader can put the
+                # roles' passes in order
                 self._meta["nested_in"] = [{"role": d.role, "pass": d.pass_id} for d in outer]
+                for other in outer:
+                    other._note_suspended_for(self.role, self.pass_id)
             self._calls.clear()
             if self._open_calls:
                 self._open_calls.clear()  # (calls that raised: never closed)
@@ -620,6 +636,9 @@ class Dumper:
 
     def _end(self) -> None:
         if self._depth == 0:
+            if self._resume_at_root_return and self._pass_thread == threading.get_ident():
+                self._resume_at_root_return = False  # the root forward close() cut short returned
+                self._state.resume_held()
             return
         self._depth -= 1
         if self._depth > 0:
@@ -631,7 +650,8 @@ class Dumper:
         state = self._state
         capturing = state.capturing or state.suspended  # (suspended: its end is still to be sent)
         state.capturing = False
-        state.resume_held()  # the passes this one nested in capture again
+        if not (self._forwards_outside_passes or self._resume_at_root_return):  # (else: when that forward returns)
+            state.resume_held()  # the passes this one nested in capture again
         pass_id, meta, skipped, incomplete, mixed = (self.pass_id, self._meta, self._skipped, self._incomplete,
                                                      self._mixed)
         structure, structure_at = self._structure, self._structure_at
@@ -688,14 +708,41 @@ class Dumper:
         begin_pass() in the target's forward without its end_pass()): what ran since that one
         opened went to it, not here (this pass's own output included), so this pass is incomplete;
         and that one is dangling: closed now, marked so, or every later pass of this Dumper would
-        suspend it and take the other role's calls as its own."""
+        suspend it and take the other role's calls as its own. (Suspended by another model's forward
+        outside any pass of its Dumper (_outside_pass_wrapper) instead: nothing of this pass went
+        elsewhere, and that forward resumes nothing once this pass has ended.)"""
+        holder = next((other for other in list(_open_dumpers)
+                       if other is not self and other._state.holds(self._state)), None)
+        if holder is not None and holder._depth == 0 and holder._forwards_outside_passes:
+            return
         self._mark_incomplete("a pass of another Dumper opened inside this one was still open when it "
                               "ended: what ran after that one opened is not in this pass")
-        for other in list(_open_dumpers):
-            if other is not self and other._state.holds(self._state):
-                other._close_dangling(f"it was still open when the pass of role {self.role!r} it was "
-                                      "opened inside ended", manual=other._manual_depth > 0)
-                return
+        if holder is not None:
+            holder._close_dangling(f"it was still open when the pass of role {self.role!r} it was "
+                                   "opened inside ended", manual=holder._manual_depth > 0)
+
+    def _cut_outer_passes(self) -> None:
+        """close() ends this Dumper's pass while it is nested in passes of other Dumpers, perhaps
+        with the forward in it still running (closed inside it, or from another thread). Resumed
+        now, they would take that forward's later calls of the modules both wrap (the shared
+        embedding and LM head) as ``lm_head#1``, ..., which read as their own model's. A pass a root
+        forward opened: they stay suspended until that forward returns (its wrapper's _end resumes
+        them), as they do for a root forward outside passes (_outside_pass_wrapper). A begin_pass()
+        pass: where its forward ends is not known, so they are resumed now and marked mixed
+        (verify fails)."""
+        if self._forwards_outside_passes:
+            return
+        outer = [other for other in list(_open_dumpers) if other is not self and self._state.holds(other._state)]
+        if not outer:
+            return
+        if self._root_opener is not None and self._manual_depth == 0:
+            self._resume_at_root_return = True
+            return
+        for other in outer:
+            other._mixed = True  # (before the reason, as _check_thread does)
+            other._mark_incomplete(f"a pass of role {self.role!r} nested in it was ended by close() before "
+                                   "its end_pass(): what ran after (that role's calls of the modules both wrap "
+                                   "too) went into this pass (mixed tensors)")
 
     def _send_late_ends(self, deadline: float | None = None) -> None:
         """Send the pass ends a full ring refused, oldest first, until one is refused again (it
@@ -1217,6 +1264,7 @@ class Dumper:
 
     # -- installing wrappers -------------------------------------------------------------------------
     def _install(self, model, root_passes: bool, **selection) -> None:
+        self._model_ref = weakref.ref(_original_module(model))
         scripted = {name: why for name, why in self.not_wrapped.items()  # (with all inside)
                     if why != _SHADOWED_REASON and name not in self._shared_left_out}
         selected = list(select_modules(model, **selection, scripted=scripted))
@@ -1244,8 +1292,14 @@ class Dumper:
             self._state.root_key = id(_original_module(model))
             self._wrap(model, self._root_wrapper(self._root_name if root_selected else None, model.forward,
                                                  _owner_of(model)))
-        elif root_selected:
-            self._wrap(model, self._capture_wrapper(self._root_name, model.forward, _owner_of(model)))
+        else:
+            # The root's forward outside a pass of this Dumper: see _outside_pass_wrapper. (Keyed to
+            # the model as a root wrapper's passes are: another Dumper's pass on this same model is
+            # not another model's, and is not suspended by this one's.)
+            self._state.root_key = id(_original_module(model))
+            owner = _owner_of(model)
+            inner = self._capture_wrapper(self._root_name, model.forward, owner) if root_selected else None
+            self._wrap(model, self._outside_pass_wrapper(inner, model.forward, owner))
 
     def _wrap(self, module, wrapper) -> None:
         _mark_ours(wrapper, module.__dict__.get("forward", _MISSING))
@@ -1407,6 +1461,78 @@ class Dumper:
             return out
 
         return forward_in_pass
+
+    def _outside_pass_wrapper(self, inner, forward, owner=None):
+        """The root's wrapper with ``root_passes=False`` (``inner``: its capture wrapper when the root
+        is selected, else None). Run while no pass of this Dumper is open, on a thread where another
+        Dumper's pass is (an EAGLE draft run inside the target's forward without a pass of its own),
+        it suspends that pass until it returns: the modules both wrap (the shared embedding and LM
+        head) would otherwise put this model's calls into the other model's pass as ``embed#1``,
+        indistinguishable from that model calling them twice, and verify said OK. The suspended pass
+        records it (``suspended_for``, pass null: this model's calls went to no pass)."""
+        dumper = self
+        original, forward = forward, _following(owner, forward)
+        if inner is None:
+            inner = forward
+
+        @_wraps(original)
+        def forward_outside_passes(*args, **kwargs):
+            if dumper._depth > 0 or getattr(forward_outside_passes, "__fastdump_off__", False):
+                return inner(*args, **kwargs)  # in a pass of its own (which suspended the others), or closed
+            outside = _outside_graph if _is_compiling() else _call
+            held = len(dumper._forwards_outside_passes)
+            try:  # (Ctrl-C between the suspend and the forward: still resumed)
+                outside(dumper._suspend_for_forward)  # (the common case: no other pass open here, nothing)
+                return inner(*args, **kwargs)
+            finally:
+                if len(dumper._forwards_outside_passes) > held:
+                    outside(dumper._resume_after_forward)
+
+        return forward_outside_passes
+
+    def _suspend_for_forward(self) -> bool:
+        """The root's forward starts outside any pass of this Dumper (_outside_pass_wrapper): suspend
+        the passes of other Dumpers open on this thread. Whether it suspended any."""
+        outer = self._state.suspend_others()
+        if not outer:
+            return False
+        if not self._forwards_outside_passes and any(other._model_holds(self._model_ref) for other in outer):
+            # This model is part of that pass's model (a Dumper on one of its submodules, dumping on
+            # demand): its forward is that model's own computation, which that pass keeps.
+            self._state.resume_held()
+            return False
+        self._forwards_outside_passes.append(outer)  # first: from here on the wrapper resumes them
+        for other in outer:
+            other._note_suspended_for(self.role, None)
+        return True
+
+    def _model_holds(self, model_ref) -> bool:
+        """Whether ``model_ref()`` is this Dumper's model or one of its submodules (cached per model:
+        asked only where passes nest, a walk of the model's modules the first time)."""
+        held = self._holds_models.get(model_ref)
+        if held is None:
+            mine, other = self._model_ref(), model_ref()
+            held = mine is not None and other is not None and any(m is other for m in mine.modules())
+            if len(self._holds_models) < 64:  # (a few models per process)
+                self._holds_models[model_ref] = held
+        return held
+
+    def _resume_after_forward(self) -> None:
+        """That forward returned (or raised): what it suspended captures again, unless a pass of
+        this Dumper begun inside it is still open (its end resumes them)."""
+        self._forwards_outside_passes.pop()
+        if self._depth == 0 and not self._forwards_outside_passes:
+            self._state.resume_held()
+
+    def _note_suspended_for(self, role: str, pass_id) -> None:
+        """This Dumper's open pass was suspended while a pass of ``role`` (``pass_id``; None: a
+        forward of that role's model outside any pass of its own) ran inside it on its thread: in
+        its meta, ``suspended_for``, so a reader sees the gap and can put the roles' passes in order."""
+        entries = self._meta.setdefault("suspended_for", [])
+        if len(entries) < _MAX_SUSPENDED_FOR:
+            entries.append({"role": role, "pass": pass_id})
+        else:  # (a manual pass around thousands of draft steps: the count, not the list)
+            self._meta["suspended_for_left_out"] = self._meta.get("suspended_for_left_out", 0) + 1
 
     def _capture_inputs(self, name: str, args, kwargs, k=None) -> None:
         """The inputs of the call numbered ``k`` (see _claim), dumped as ``name[#k].input.<i|key>``."""

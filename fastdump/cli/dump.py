@@ -127,7 +127,8 @@ def list_dump(root: str) -> dict:
                 except Exception as exc:  # never a traceback: say which rank and why, go on
                     ds.problems.append(f"{os.path.join(ds.root, role, rank)}: {type(exc).__name__}: {exc}")
                     entry.update(passes=0, first_pass=None, last_pass=None, incomplete_passes=[], segments=0,
-                                 unreadable_segments=0, repeated_passes=[], tensors=0, bytes=0)
+                                 unreadable_segments=0, repeated_passes=[], tensors=0, bytes=0,
+                                 nested_passes=0, suspended_passes=0)
                 ranks.append(entry)
         manifest = ds.manifest
         return {"root": ds.root, "manifest": manifest, "ranks": ranks, "problems": list(ds.problems)}
@@ -172,6 +173,10 @@ def cmd_ls(args) -> int:
             status += f" [{r['unreadable_segments']} unreadable segment(s)]"
         if r["incomplete_passes"]:
             status += f" [{len(r['incomplete_passes'])} incomplete pass(es)]"
+        if r.get("nested_passes"):
+            status += f" [{r['nested_passes']} pass(es) ran inside another role's: meta nested_in]"
+        if r.get("suspended_passes"):
+            status += f" [{r['suspended_passes']} pass(es) suspended for another role's: meta suspended_for]"
         if r["pending_passes"]:
             status += f" [+{r['pending_passes']} pass(es) in the open segment]"
         if r.get("repeated_passes"):
