@@ -14,6 +14,7 @@ recorder's count. Design and limits: docs/CUDA.md, "CUDA graphs".
 from __future__ import annotations
 
 import logging
+import threading
 import weakref
 
 from .. import protocol
@@ -70,6 +71,7 @@ class GraphRecording:
         # device -> [(owner token or None, capture serial)]: graphs that write its memory (their
         # slots), until reclaim_dead() gives the slots of those that can never run again back.
         self._writers: dict = {}
+        self._writers_lock = threading.Lock()  # (reclaim_dead runs on the thread that begins a capture)
         self.open: CapturedPass | None = None
         self._said: set = set()
         _recordings.add(self)
@@ -233,7 +235,8 @@ class GraphRecording:
 
     # -- slots of graphs that can never run again -------------------------------------------------
     def _hold(self, cap) -> None:
-        self._writers.setdefault(cap.device, []).append((cap.owner, cap.serial))
+        with self._writers_lock:
+            self._writers.setdefault(cap.device, []).append((cap.owner, cap.serial))
 
     def reclaim_dead(self) -> int:
         """Give back the slots of the torch CUDAGraphs captured with this Dumper that can never be
@@ -243,14 +246,17 @@ class GraphRecording:
         before the reset may still be writing them). Graphs captured outside torch are never
         known dead: their slots stay. Returns the captures whose slots were given back."""
         given = 0
-        for dev, held in self._writers.items():
+        with self._writers_lock:
+            dead = {dev: [serial for owner, serial in held if owner is not None and not owner.alive()]
+                    for dev, held in self._writers.items()}
+        for dev, serials in dead.items():
             rec = self._recorders.get(dev)
-            dead = [serial for owner, serial in held if owner is not None and not owner.alive()]
-            if rec is None or not dead:
+            if rec is None or not serials:
                 continue
-            done = set(rec.reclaim(dead))
+            done = set(rec.reclaim(serials))  # (synchronizes the device, without the GIL)
             if done:
-                self._writers[dev] = [(owner, serial) for owner, serial in held if serial not in done]
+                with self._writers_lock:
+                    self._writers[dev] = [(o, s) for o, s in self._writers[dev] if s not in done]
                 given += len(done)
         return given
 
@@ -286,7 +292,8 @@ class GraphRecording:
         included, whose replay passes would then hold this graph's values and pass verify."""
         kept = 0
         for dev in list(self._recorders):
-            live = sum(1 for owner, _ in self._writers.get(dev, ()) if owner is not None and owner.alive())
+            with self._writers_lock:
+                live = sum(1 for owner, _ in self._writers.get(dev, ()) if owner is not None and owner.alive())
             if live:
                 kept += live
                 continue
