@@ -119,12 +119,21 @@ FD_GR_HD inline void st_shared(uint64_t* p, uint64_t v) {
 #endif
 }
 
-// A full fence as seen by the other side of the mapped memory (the close() handshake).
-FD_GR_HD inline void fence_shared() {
+// The close() handshake (see HostCtl): a store, then a load of another word, that must not be
+// reordered (a store-load fence on the device; sequentially consistent accesses on the host).
+FD_GR_HD inline void st_shared_sc(uint64_t* p, uint64_t v) {
 #ifdef __CUDA_ARCH__
+  *reinterpret_cast<volatile uint64_t*>(p) = v;
   __threadfence_system();
 #else
-  __atomic_thread_fence(__ATOMIC_SEQ_CST);
+  __atomic_store_n(p, v, __ATOMIC_SEQ_CST);
+#endif
+}
+FD_GR_HD inline uint64_t ld_shared_sc(const uint64_t* p) {
+#ifdef __CUDA_ARCH__
+  return *reinterpret_cast<const volatile uint64_t*>(p);
+#else
+  return __atomic_load_n(p, __ATOMIC_SEQ_CST);
 #endif
 }
 
@@ -136,12 +145,12 @@ FD_GR_HD inline void claim_locked(C* ctl, D* dec, HostCtl* host, uint64_t need, 
   dec->replays = replay + 1;
   dec->replay = replay;
   // (host words below are only ever written under the lock)
-  st_shared(&host->claims_begun, ld_shared(&host->claims_begun) + 1);
-  fence_shared();  // counted before `closed` is read (close() reads them in the other order)
+  // Counted before `closed` is read (close() writes `closed`, then reads this).
+  st_shared_sc(&host->claims_begun, ld_shared(&host->claims_begun) + 1);
   const uint64_t tail = ld_shared(&host->consumed_bytes), log_tail = ld_shared(&host->log_consumed);
   uint64_t start = ctl->head;
   if (start % ring_bytes + need > ring_bytes) start += ring_bytes - start % ring_bytes;  // entries never wrap
-  if (ld_shared(&host->closed) || start + need - tail > ring_bytes || ctl->log_head - log_tail >= log_cap) {
+  if (ld_shared_sc(&host->closed) || start + need - tail > ring_bytes || ctl->log_head - log_tail >= log_cap) {
     // No room, or a replay launched while (or after) the Dumper closed: a whole pass dropped, counted.
     st_shared(&host->dropped, ld_shared(&host->dropped) + 1);
     dec->offset = kSkip;
@@ -152,7 +161,9 @@ FD_GR_HD inline void claim_locked(C* ctl, D* dec, HostCtl* host, uint64_t need, 
     ctl->head = start + need;
     st_shared(&host->log_claimed, ctl->log_head);
   }
-  fence_shared();
+#ifdef __CUDA_ARCH__
+  __threadfence_system();  // the decision's words before claims_done (st_shared releases on the host)
+#endif
   st_shared(&host->claims_done, ld_shared(&host->claims_done) + 1);
 }
 
@@ -828,9 +839,8 @@ struct GraphRecorder::Impl {
       // From here on a replay claims nothing (counted as dropped); one that claimed before is
       // waited for and staged by the drain (or counted): a replay launched while close() runs is
       // written whole or counted, never lost unseen. See HostCtl.
-      __atomic_store_n(&host->closed, uint64_t(1), __ATOMIC_SEQ_CST);
-      fence_shared();
-      const uint64_t begun = ld_shared(&host->claims_begun);
+      st_shared_sc(&host->closed, 1);
+      const uint64_t begun = ld_shared_sc(&host->claims_begun);
       while (ld_shared(&host->claims_done) < begun && Clock::now() < deadline)
         std::this_thread::sleep_for(std::chrono::microseconds(50));
       const uint64_t decided = ld_shared(&host->claims_done);

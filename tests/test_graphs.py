@@ -1502,6 +1502,7 @@ def test_recaptured_graphs_reuse_the_slots_of_graphs_that_no_longer_exist(m, glu
         for rnd in range(4):
             g = _torch_capture(m, model, d, current, side)
             current.raw = glue
+            assert d._graphs.recorder(0).flush(30)  # (the last round's last replay: drained)
             for k in range(2):  # the second not waited for: still running when the graph goes
                 expected.append((k, replay(m, model, g.exe, glue, rand_input(model, 10 * rnd + k))))
                 if k == 0:  # (the replay ring holds one span at a time: no replay is dropped for room)
