@@ -1743,3 +1743,50 @@ def test_replay_passes_carry_the_structure_recorded_at_capture(m, glue, tmp_path
              for p in (eager, replayed)}
     assert list(named[replayed]) == list(named[eager]) == ["l0", "e", "l1.0", "_StructNet"], named
     assert same_bits(torch.as_tensor(named[replayed]["l1.0"]), expected[1])
+
+
+def test_a_recaptured_graph_in_the_slots_of_one_reset_between_live_graphs(m, glue, tmp_path, monkeypatch):
+    """Graphs of three batch sizes, the middle one reset and captured again (a partial recapture):
+    the new graph's span goes into the freed hole, the only room large enough, and never over the
+    live graphs on either side: every graph's replays stay bit-exact, interleaved."""
+    from fastdump.cli.dump import verify_dump
+    from fastdump.staging import cuda
+
+    current = Stream(glue)
+    monkeypatch.setattr(cuda, "_current_stream", current)
+    _watch_torch_graphs(monkeypatch)
+    side = m._mock.stream_create_flags(0)
+    # spans: 64.25 KiB, 256.25 KiB, 128.25 KiB of the 512 KiB of slots: 63.25 KiB left after them
+    models = {"a": Model(m, 4, width=2048), "b": Model(m, 4, width=8192), "c": Model(m, 4, width=4096)}
+    d = _attach(tmp_path, writer="thread", device="cuda:0", graph_ring_mb=1)
+    graphs = {}
+    try:
+        for key, model in models.items():
+            graphs[key] = _torch_capture(m, model, d, current, side)
+        graphs["b"].reset()
+        graphs["b"] = _torch_capture(m, models["b"], d, current, side)
+        current.raw = glue
+        rec = d._graphs.recorder(0)
+        expected = []
+        for k, key in enumerate("abcbca"):
+            expected.append((key, replay(m, models[key], graphs[key].exe, glue, rand_input(models[key], 40 + k))))
+            m._mock.sync(glue)
+            assert rec.flush(30)
+        stats = rec.stats()
+        d.close()
+        for g in graphs.values():
+            g.reset()
+    finally:
+        m._mock.sync(glue)
+        m._mock.stream_destroy(side)
+        free_device_memory(d)
+    assert stats["reclaimed_graphs"] == 1 and stats["dropped_replays"] == 0, stats
+    ds = fastdump.open(tmp_path)
+    passes = graph_passes(ds, "target")
+    assert len(passes) == len(expected)
+    for p, (key, (h1, h2)) in zip(passes, expected):
+        got = ds.load("target", 0, p)
+        assert set(got) == {"layers.0", "layers.1"}, (key, ds.meta("target", 0, p))
+        assert same_bits(torch.as_tensor(got["layers.0"]), h1), key
+        assert same_bits(torch.as_tensor(got["layers.1"]), h2), key
+    assert verify_dump(str(tmp_path)).problems == []
