@@ -64,6 +64,16 @@ void bind_graph_recorder(py::module_& m) {
           py::arg("graph"), "A committed graph's span record: its name id, size and tensor layout.")
       .def_property_readonly("dropped_replays", &GraphRecorder::dropped_replays)
       .def("abort_graph", &GraphRecorder::abort_graph)
+      .def_property_readonly("open_serial", &GraphRecorder::open_serial,
+                             "The open capture's serial (0: none), which reclaim() takes.")
+      .def(
+          "reclaim",
+          [](GraphRecorder& r, std::vector<uint64_t> serials) {
+            py::gil_scoped_release nogil;  // (it synchronizes the device)
+            return r.reclaim(serials);
+          },
+          py::arg("serials"),
+          "Give back the slots of captures whose graphs can never run again; returns the serials given back.")
       .def("capture_ended", &GraphRecorder::capture_ended,
            "The open graph's capture is over (ended, or another since on its stream): not committable.")
       .def("capture_invalidated", &GraphRecorder::capture_invalidated,
@@ -91,6 +101,9 @@ void bind_graph_recorder(py::module_& m) {
              d["span_records"] = s.span_records;
              d["slot_bytes"] = s.slot_bytes;
              d["slot_used"] = s.slot_used;
+             d["reclaimed_graphs"] = s.reclaimed_graphs;
+             d["reclaimed_bytes"] = s.reclaimed_bytes;
+             d["claimed_replays"] = s.claimed_replays;
              d["ring_bytes"] = s.ring_bytes;
              d["last_error"] = s.last_error;
              d["broken"] = s.broken;

@@ -27,6 +27,7 @@
 #include <condition_variable>
 #include <cstring>
 #include <deque>
+#include <map>
 #include <mutex>
 #include <stdexcept>
 #include <string>
@@ -81,9 +82,17 @@ struct alignas(64) HostCtl {
   uint64_t log_consumed;    // host → device: log positions given back
   uint64_t closed;          // host → device: nonzero after close(): replays do nothing
   uint64_t pad0[5];
-  uint64_t dropped;         // device → host: replays dropped for want of room
-  uint64_t pad1[7];
+  uint64_t dropped;         // device → host: replays dropped (no room, or claimed after close())
+  // device → host, for close(): every replay that may take a log position is either seen by it or
+  // sees `closed` (a claim counts itself in claims_begun BEFORE it reads `closed`; close() sets
+  // `closed` BEFORE it reads claims_begun, then waits for claims_done to catch up and reads
+  // log_claimed: no position is taken after that).
+  uint64_t claims_begun;
+  uint64_t claims_done;
+  uint64_t log_claimed;     // log positions taken (the device's log_head)
+  uint64_t pad1[4];
 };
+static_assert(sizeof(HostCtl) == 128, "host control block layout");
 struct LogEntry {
   uint64_t stamp;   // log position + 1 once the entry is complete
   uint64_t offset;  // ring position of the replay's entry
@@ -110,6 +119,24 @@ FD_GR_HD inline void st_shared(uint64_t* p, uint64_t v) {
 #endif
 }
 
+// The close() handshake (see HostCtl): a store, then a load of another word, that must not be
+// reordered (a store-load fence on the device; sequentially consistent accesses on the host).
+FD_GR_HD inline void st_shared_sc(uint64_t* p, uint64_t v) {
+#ifdef __CUDA_ARCH__
+  *reinterpret_cast<volatile uint64_t*>(p) = v;
+  __threadfence_system();
+#else
+  __atomic_store_n(p, v, __ATOMIC_SEQ_CST);
+#endif
+}
+FD_GR_HD inline uint64_t ld_shared_sc(const uint64_t* p) {
+#ifdef __CUDA_ARCH__
+  return *reinterpret_cast<const volatile uint64_t*>(p);
+#else
+  return __atomic_load_n(p, __ATOMIC_SEQ_CST);
+#endif
+}
+
 // The claim, run by one thread with the lock held. `ctl` and `dec` are device memory, `host` mapped.
 template <typename C, typename D>
 FD_GR_HD inline void claim_locked(C* ctl, D* dec, HostCtl* host, uint64_t need, uint64_t ring_bytes,
@@ -117,22 +144,27 @@ FD_GR_HD inline void claim_locked(C* ctl, D* dec, HostCtl* host, uint64_t need, 
   const uint64_t replay = dec->replays;
   dec->replays = replay + 1;
   dec->replay = replay;
-  if (ld_shared(&host->closed)) {
-    dec->offset = kSkip;
-    return;
-  }
+  // (host words below are only ever written under the lock)
+  // Counted before `closed` is read (close() writes `closed`, then reads this).
+  st_shared_sc(&host->claims_begun, ld_shared(&host->claims_begun) + 1);
   const uint64_t tail = ld_shared(&host->consumed_bytes), log_tail = ld_shared(&host->log_consumed);
   uint64_t start = ctl->head;
   if (start % ring_bytes + need > ring_bytes) start += ring_bytes - start % ring_bytes;  // entries never wrap
-  if (start + need - tail > ring_bytes || ctl->log_head - log_tail >= log_cap) {
-    st_shared(&host->dropped, ld_shared(&host->dropped) + 1);  // only ever written under the lock
+  if (ld_shared_sc(&host->closed) || start + need - tail > ring_bytes || ctl->log_head - log_tail >= log_cap) {
+    // No room, or a replay launched while (or after) the Dumper closed: a whole pass dropped, counted.
+    st_shared(&host->dropped, ld_shared(&host->dropped) + 1);
     dec->offset = kSkip;
-    return;
+  } else {
+    dec->offset = start;
+    dec->log_pos = ctl->log_head;
+    ctl->log_head = ctl->log_head + 1;
+    ctl->head = start + need;
+    st_shared(&host->log_claimed, ctl->log_head);
   }
-  dec->offset = start;
-  dec->log_pos = ctl->log_head;
-  ctl->log_head = ctl->log_head + 1;
-  ctl->head = start + need;
+#ifdef __CUDA_ARCH__
+  __threadfence_system();  // the decision's words before claims_done (st_shared releases on the host)
+#endif
+  st_shared(&host->claims_done, ld_shared(&host->claims_done) + 1);
 }
 
 #ifndef FASTDUMP_CUDA_MOCK
@@ -231,7 +263,9 @@ class OnDevice {
 
 struct GraphInfo {
   uint32_t id = 0;
+  uint64_t serial = 0;       // the capture's number (begin_graph): what reclaim() names
   uint64_t span_offset = 0;  // in the slot area
+  uint64_t slot_limit = 0;   // end of the free slot extent the span grows in
   uint64_t span_bytes = 0;   // multiple of kSlotAlign
   std::vector<GraphTensorLayout> tensors;
   uint64_t tensor_bytes = 0;  // sum of the tensors' nbytes
@@ -268,10 +302,17 @@ struct GraphRecorder::Impl {
   LogEntry* log_dev = nullptr;
   cudaStream_t stream = nullptr;  // the drain's own stream (non-blocking)
 
-  mutable std::mutex mu;          // graphs, open capture, counters
+  mutable std::mutex mu;          // graphs, open capture, slots, counters
   std::deque<GraphInfo> graphs;   // committed graphs, by id
   std::unique_ptr<GraphInfo> open;
-  uint64_t slot_used = 0;
+  // The slot area: free extents (offset -> bytes, coalesced) and the spans graphs hold (capture
+  // serial -> offset, bytes). A span is held from its capture until reclaim() proves that no
+  // replay of its graph can run any more.
+  std::map<uint64_t, uint64_t> free_slots;
+  std::map<uint64_t, std::pair<uint64_t, uint64_t>> held_slots;
+  uint64_t next_serial = 1;
+  uint64_t slot_used = 0;          // bytes held
+  uint64_t reclaimed_graphs = 0, reclaimed_bytes = 0;
   uint64_t captured_tensors = 0;
   uint64_t replays = 0, tensors = 0, bytes = 0, span_records = 0;
   uint64_t unwritten_replays = 0;  // drained replays whose span record could not be staged
@@ -281,6 +322,14 @@ struct GraphRecorder::Impl {
   bool broken = false;
   bool closed = false;
   uint64_t dropped_at_free = 0;  // the device's count when the mapped block was freed
+  // The count close() reported: replays after close() returned are neither dumped nor counted (the
+  // Dumper's totals are final by then).
+  bool drops_final = false;
+  uint64_t final_drops = 0;
+  // close(): the log positions claimed when no replay could claim one any more; the drain stages
+  // up to it (or counts what it could not).
+  std::atomic<uint64_t> final_pos{~uint64_t(0)};
+  uint64_t undecided_claims = 0;  // claims close() saw begun but not decided by its deadline
 
   std::atomic<bool> paused{false};
   std::atomic<bool> stop{false};
@@ -299,6 +348,7 @@ struct GraphRecorder::Impl {
       : stager(s), producer(s->producer()), channel(ch), device(dev), slot_cap(align_slot(slot_bytes)),
         ring_cap(align_slot(ring_bytes)), log_cap(log_entries) {
     if (slot_cap == 0 || ring_cap == 0 || log_cap == 0) throw std::invalid_argument("graph recorder sizes must be > 0");
+    free_slots[0] = slot_cap;
     if (dev < 0 || static_cast<uint64_t>(dev) >= (~kGraphSpanNameBase) / kMaxGraphs)
       throw std::invalid_argument("graph recorder: device index out of range");
     if (!drop_note.empty()) {
@@ -358,7 +408,14 @@ struct GraphRecorder::Impl {
     if (graphs.size() >= kMaxGraphs) throw std::runtime_error("too many CUDA graphs recorded by one Dumper");
     open.reset(new GraphInfo());
     open->id = static_cast<uint32_t>(graphs.size());
-    open->span_offset = slot_used;
+    open->serial = next_serial++;
+    // The graph's span grows in the largest free extent (its size is known only at its end).
+    open->span_offset = open->slot_limit = slot_cap;
+    for (const auto& f : free_slots)
+      if (open->slot_limit - open->span_offset < f.second) {
+        open->span_offset = f.first;
+        open->slot_limit = f.first + f.second;
+      }
     open->span_bytes = kReplayHeaderBytes;  // each ring entry opens with its ReplayHeader
     open->stream = cs;
     open->capture_id = capture_id;
@@ -412,7 +469,7 @@ struct GraphRecorder::Impl {
     uint64_t nbytes = src.elem_size;
     for (int64_t d : src.shape) nbytes *= static_cast<uint64_t>(d);
     const uint64_t off = open->span_bytes, end = off + align_slot(nbytes);
-    if (open->span_offset + end > slot_cap || end > ring_cap) {
+    if (open->span_offset + end > open->slot_limit || end > ring_cap) {
       open->overflow = true;
       return kNoSpace;
     }
@@ -429,7 +486,7 @@ struct GraphRecorder::Impl {
     std::lock_guard<std::mutex> g(mu);
     if (!open) throw std::runtime_error("no CUDA graph capture is open");
     if (capture_ended_locked()) {
-      slot_used = std::max(slot_used, open->span_offset + open->span_bytes);  // (the graph may be replayed)
+      hold_slots_locked(*open);  // (the graph may be replayed)
       open.reset();
       throw std::runtime_error("the capture ended before the pass did: the graph holds no commit, its replays "
                                "cannot be dumped (end the pass inside the capture)");
@@ -438,7 +495,7 @@ struct GraphRecorder::Impl {
     if (gi->tensors.empty()) return -1;
     OnDevice on(device);
     enqueue_commit(*gi);
-    slot_used = gi->span_offset + gi->span_bytes;  // the slots stay the graph's for good
+    hold_slots_locked(*gi);  // the graph's until reclaim()
     captured_tensors += gi->tensors.size();
     const int id = static_cast<int>(gi->id);
     graphs.push_back(std::move(*gi));
@@ -500,9 +557,75 @@ struct GraphRecorder::Impl {
     std::lock_guard<std::mutex> g(mu);
     // The copies may be in a graph, whose replays write the slots: kept, unless its capture was
     // invalidated (no graph comes of it: the next graph may have them).
-    if (open && !capture_invalidated_locked())
-      slot_used = std::max(slot_used, open->span_offset + open->span_bytes);
+    if (open && !capture_invalidated_locked()) hold_slots_locked(*open);
     open.reset();
+  }
+
+  // The span of `gi` (opened at the start of a free extent) is taken out of the free slots, held
+  // under its capture's serial. Nothing when no snapshot was recorded into it. mu held.
+  void hold_slots_locked(const GraphInfo& gi) {
+    if (gi.tensors.empty()) return;
+    auto f = free_slots.find(gi.span_offset);
+    if (f == free_slots.end() || f->second < gi.span_bytes) return;  // (cannot happen: record() checked)
+    const uint64_t rest = f->second - gi.span_bytes;
+    free_slots.erase(f);
+    if (rest) free_slots[gi.span_offset + gi.span_bytes] = rest;
+    held_slots[gi.serial] = {gi.span_offset, gi.span_bytes};
+    slot_used += gi.span_bytes;
+  }
+
+  // Give back the slots of the captures `serials`, whose graphs the caller knows can never be
+  // launched again (torch reset() or collected them). A replay launched before may still be in
+  // flight, writing those slots (its snapshots) and reading them (its copy kernel): the device is
+  // synchronized first, and nothing is given back when it cannot be (a capture running on the
+  // device; an error). A replay's pass needs only its ring entry, never the slots, so one still
+  // waiting for the drain is unaffected. Returns the serials given back.
+  std::vector<uint64_t> reclaim(const std::vector<uint64_t>& serials) {
+    {
+      std::lock_guard<std::mutex> g(mu);
+      if (dmem == nullptr) return {};
+      bool any = false;
+      for (uint64_t s : serials) any = any || held_slots.count(s);
+      if (!any) return {};
+    }
+    {
+      Relaxed relaxed;  // (never invalidates another thread's capture)
+      OnDevice on(device);
+      const cudaError_t e = cudaDeviceSynchronize();
+      if (e != cudaSuccess) {
+        (void)cudaGetLastError();
+        return {};
+      }
+    }
+    std::vector<uint64_t> done;
+    std::lock_guard<std::mutex> g(mu);
+    for (uint64_t s : serials) {
+      auto h = held_slots.find(s);
+      if (h == held_slots.end()) continue;
+      free_extent_locked(h->second.first, h->second.second);
+      slot_used -= h->second.second;
+      reclaimed_bytes += h->second.second;
+      ++reclaimed_graphs;
+      held_slots.erase(h);
+      done.push_back(s);
+    }
+    return done;
+  }
+
+  void free_extent_locked(uint64_t off, uint64_t bytes) {
+    auto next = free_slots.lower_bound(off);
+    if (next != free_slots.end() && off + bytes == next->first) {  // merge with the extent after
+      bytes += next->second;
+      next = free_slots.erase(next);
+    }
+    if (next != free_slots.begin()) {
+      auto prev = std::prev(next);
+      if (prev->first + prev->second == off) {  // ... and the one before
+        prev->second += bytes;
+        return;
+      }
+    }
+    free_slots[off] = bytes;
   }
 
   // ------------------------------------------------------------------ drain side
@@ -548,6 +671,7 @@ struct GraphRecorder::Impl {
   }
 
   uint64_t dropped_now() {  // with mu held
+    if (drops_final) return final_drops;
     return (host ? ld_shared(&host->dropped) : dropped_at_free) + unwritten_replays;
   }
 
@@ -584,17 +708,14 @@ struct GraphRecorder::Impl {
     return std::max(0.0, std::min(kDrainWaitS, left));
   }
 
-  // The drain stops: replays published but not staged are counted as unwritten (dropped passes),
-  // never silently lost. (close() set host->closed first: no replay claims a position after it.)
+  // The drain stops: replays that claimed a log position but were not staged (published or not
+  // yet) are counted as unwritten (dropped passes), never silently lost; and so are the claims
+  // close() could not see decided (each may have taken a position after it looked).
   void count_unstaged_replays() {
-    uint64_t n = 0;
-    while (ld_shared(&log[next_pos % log_cap].stamp) == next_pos + 1) {
-      ++n;
-      ++next_pos;
-    }
-    if (n == 0) return;
+    const uint64_t last = final_pos.load(std::memory_order_acquire);
+    uint64_t n = last > next_pos && last != ~uint64_t(0) ? last - next_pos : 0;
     std::lock_guard<std::mutex> g(mu);
-    unwritten_replays += n;
+    unwritten_replays += n + undecided_claims;
   }
 
   void drain_loop() {
@@ -638,7 +759,11 @@ struct GraphRecorder::Impl {
         idle_us = 10;
         continue;
       }
-      if (stopping && pending.empty()) break;
+      // close() waits for every replay that claimed a position before it closed (the last ones may
+      // still be copying on the GPU); paused or broken, they are counted instead.
+      if (stopping && pending.empty() &&
+          (next_pos >= final_pos.load(std::memory_order_acquire) || paused.load() || broken_now()))
+        break;
       std::this_thread::sleep_for(std::chrono::microseconds(idle_us));
       idle_us = std::min(idle_us * 2, 1000);
     }
@@ -686,6 +811,9 @@ struct GraphRecorder::Impl {
     s.span_records = span_records;
     s.slot_bytes = slot_cap;
     s.slot_used = slot_used;
+    s.reclaimed_graphs = reclaimed_graphs;
+    s.reclaimed_bytes = reclaimed_bytes;
+    s.claimed_replays = host ? ld_shared(&host->log_claimed) : 0;
     s.ring_bytes = ring_cap;
     s.last_error = last_error;
     s.broken = broken;
@@ -697,9 +825,9 @@ struct GraphRecorder::Impl {
       std::lock_guard<std::mutex> g(mu);
       if (closed && !free_memory) return;
       closed = true;
-      // No graph can ever write into it: none committed, none open, and no given-up graph's
-      // snapshots in a graph (abort_graph and a failed end_graph keep their slots in slot_used).
-      if (graphs.empty() && !open && slot_used == 0) free_memory = true;
+      // No graph can ever write into it: none open, and none holding slots (committed or given
+      // up after recording; reclaim() gives a graph's slots back once it can never run again).
+      if (!open && held_slots.empty()) free_memory = true;
     }
     if (drain.joinable()) {
       // One deadline for the flush and the drain's last steps: close() takes about timeout_s at
@@ -708,10 +836,29 @@ struct GraphRecorder::Impl {
       close_deadline.store(deadline.time_since_epoch().count());
       paused.store(false, std::memory_order_release);
       const bool flushed = flush_until(deadline);
-      st_shared(&host->closed, 1);  // later replays: no claim, no count
+      // From here on a replay claims nothing (counted as dropped); one that claimed before is
+      // waited for and staged by the drain (or counted): a replay launched while close() runs is
+      // written whole or counted, never lost unseen. See HostCtl.
+      st_shared_sc(&host->closed, 1);
+      const uint64_t begun = ld_shared_sc(&host->claims_begun);
+      while (ld_shared(&host->claims_done) < begun && Clock::now() < deadline)
+        std::this_thread::sleep_for(std::chrono::microseconds(50));
+      const uint64_t decided = ld_shared(&host->claims_done);
+      {
+        std::lock_guard<std::mutex> g(mu);
+        undecided_claims = decided < begun ? begun - decided : 0;
+      }
+      final_pos.store(ld_shared(&host->log_claimed), std::memory_order_release);
       if (!flushed) end_waits.store(true, std::memory_order_release);  // a wait begun before close()
       stop.store(true, std::memory_order_release);
       drain.join();
+    }
+    {
+      std::lock_guard<std::mutex> g(mu);
+      if (!drops_final) {
+        final_drops = dropped_now();  // what the Dumper reports; later replays are not its passes
+        drops_final = true;
+      }
     }
     if (free_memory && dmem) {
       Relaxed relaxed;
@@ -749,6 +896,13 @@ int GraphRecorder::end_graph() {
   return impl_->end_graph();
 }
 void GraphRecorder::abort_graph() { impl_->abort_graph(); }
+uint64_t GraphRecorder::open_serial() const {
+  std::lock_guard<std::mutex> g(impl_->mu);
+  return impl_->open ? impl_->open->serial : 0;
+}
+std::vector<uint64_t> GraphRecorder::reclaim(const std::vector<uint64_t>& serials) {
+  return impl_->reclaim(serials);
+}
 bool GraphRecorder::capture_ended() { return impl_->capture_ended(); }
 bool GraphRecorder::capture_invalidated() { return impl_->capture_invalidated(); }
 bool GraphRecorder::capturing() const {

@@ -54,7 +54,10 @@ struct GraphRecorderStats {
   uint64_t bytes = 0;              // their bytes (headers and alignment not counted)
   uint64_t span_records = 0;       // stage() calls of the drain: one per replay
   uint64_t slot_bytes = 0;         // static per-tensor slots (all graphs)
-  uint64_t slot_used = 0;
+  uint64_t slot_used = 0;          // bytes of the slots graphs hold
+  uint64_t reclaimed_graphs = 0;   // captures whose slots reclaim() gave back
+  uint64_t reclaimed_bytes = 0;
+  uint64_t claimed_replays = 0;    // replays that took a log position so far (staged, or to be)
   uint64_t ring_bytes = 0;         // the device replay ring
   std::string last_error;
   bool broken = false;
@@ -91,6 +94,12 @@ class GraphRecorder {
   // Forget the open capture without a commit (its slots stay reserved: the graph may still exist;
   // not when its capture was invalidated, which makes no graph).
   void abort_graph();
+  // The open capture's serial (0: none): the name reclaim() takes for the slots it holds.
+  uint64_t open_serial() const;
+  // Give back the slots of captures whose graphs can never be launched again (the caller knows:
+  // torch reset or collected them). Synchronizes the device first (a replay launched before may be
+  // in flight); gives back nothing when it cannot. Returns the serials given back.
+  std::vector<uint64_t> reclaim(const std::vector<uint64_t>& serials);
   // The open graph's capture is over (ended, or its stream captures another since): it can no
   // longer be committed, and tensors must not be recorded into it.
   bool capture_ended();
@@ -112,7 +121,8 @@ class GraphRecorder {
   GraphRecorderStats stats();
   // Stop the drain thread (after flushing), within about `timeout_s` whatever the writer does:
   // replays the drain has not staged by then are counted as unwritten (dropped_replays), never
-  // staged. Replays after close are neither recorded nor counted.
+  // staged. A replay that claimed before close() closed the recorder is staged (or counted); one
+  // that claims after it is dropped and counted until close() returns (the count is final then).
   // Device memory is kept unless free_memory or no graph holds its snapshots (none committed, none
   // given up after recording): graphs captured with this
   // recorder write into it on every replay, so it may be freed only once they are destroyed.

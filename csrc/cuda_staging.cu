@@ -1320,6 +1320,12 @@ struct CudaStager::Impl {
     }
     if (ce == cudaSuccess && cs != cudaStreamCaptureStatusNone) {
       if (switched) restore_device(prev);
+      // A torch capture begun since the lane checked (the epoch moved): every snapshot of the batch
+      // was enqueued by a tensor that still saw the old epoch, i.e. before that capture began.
+      // Marked here too, not only by the lane's next tensor: the drain's hold timer may seal first
+      // (the timer-seal race), and giving the batch up then stopped staging for the process.
+      if (lane->checked && lane->capture_epoch != g_capture_epoch.load(std::memory_order_acquire))
+        lane->batch_precedes_capture = true;
       if (check_each_tensor || lane->batch_precedes_capture) {
         // Every snapshot of the batch was checked before it was enqueued: all precede the capture.
         // Sealed once the capture has ended (by this lane's thread or the drain's timer).

@@ -49,7 +49,8 @@ MESSAGES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "end": (("pass", "meta", "dropped", "skipped"), ("incomplete", "mixed", "late", "structure")),
     "note": (("status",), ("error", "budget_reached", "cuda_staging", "dropped", "dropped_passes")),
     "close": (("stats",), ()),
-    "graph": (("device", "graph", "span_name_id", "span_bytes", "tensors", "meta", "skipped"), ("incomplete",)),
+    "graph": (("device", "graph", "span_name_id", "span_bytes", "tensors", "meta", "skipped"),
+              ("incomplete", "structure")),
     "graph_drops": (("device", "dropped_passes"), ()),
     "shutdown": ((), ()),
 }
@@ -139,18 +140,21 @@ def replay_header(payload) -> ReplayHeader:
 
 
 def graph(channel: int, device: int, graph_id: int, span_name_id: int, span_bytes: int, tensors: list,
-          meta: dict, skipped: dict, incomplete: str | None = None) -> dict:
+          meta: dict, skipped: dict, incomplete: str | None = None, structure: dict | None = None) -> dict:
     """A graph was captured: its replays arrive as span records of ``span_name_id`` and
     ``span_bytes``; ``tensors``: ``[name_id, dtype, shape, offset, nbytes]`` each, offsets from the
     span's start. ``meta``: every replay pass's meta (``cuda_graph``, ``graph_batch``, the capture
     pass's own); ``skipped``: name -> why the replays lack it; ``incomplete``: why every replay
-    pass is not a whole forward (the capture's pass was not: e.g. its forward raised)."""
+    pass is not a whole forward (the capture's pass was not: e.g. its forward raised);
+    ``structure``: the capture pass's output structures (``end``'s), which every replay pass carries."""
     msg = {"op": "graph", "channel": channel, "device": device, "graph": graph_id, "span_name_id": span_name_id,
            "span_bytes": span_bytes, "tensors": [[int(n), int(d), [int(x) for x in shape], int(o), int(b)]
                                                  for n, d, shape, o, b in tensors],
            "meta": meta, "skipped": [{"name": n, "reason": r} for n, r in skipped.items()]}
     if incomplete is not None:
         msg["incomplete"] = incomplete
+    if structure:
+        msg[fmt.PASS_STRUCTURE] = structure
     return msg
 
 
@@ -187,7 +191,8 @@ def replay_pass(channel: int, layout: dict, header: ReplayHeader) -> tuple[dict,
     meta = dict(layout["meta"], graph_replay=header.replay)
     skipped = {e["name"]: e["reason"] for e in layout["skipped"]}
     return begin(channel, header.pass_id, meta), end(channel, header.pass_id, meta, 0, skipped,
-                                                     incomplete=layout.get("incomplete"))
+                                                     incomplete=layout.get("incomplete"),
+                                                     structure=layout.get(fmt.PASS_STRUCTURE))
 
 
 # Every pass sends a begin and an end, most of them with no meta and nothing skipped: those two are

@@ -1453,3 +1453,340 @@ def test_free_device_memory_before_close_keeps_the_recorder(m, glue, tmp_path, m
     for p, (h1, h2) in zip(passes, expected):
         got = ds.load("target", 0, p)
         assert same_bits(torch.as_tensor(got["layers.0"]), h1) and same_bits(torch.as_tensor(got["layers.1"]), h2)
+
+
+def _watch_torch_graphs(monkeypatch):
+    """torch.cuda.CUDAGraph is _TorchGraph, with fastdump's capture_begin/capture_end/reset wrappers."""
+    from fastdump.staging import cuda
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", _TorchGraph)
+    monkeypatch.setattr(cuda, "_capture_hook", None)
+    for name in ("capture_begin", "capture_end", "reset"):  # the wrappers go with the test
+        monkeypatch.setattr(_TorchGraph, name, _TorchGraph.__dict__[name])
+    assert cuda.watch_graph_captures()
+
+
+def _torch_capture(m, model, dumper, current, stream):
+    """torch.cuda.graph(g, stream=stream) with the forward inside; returns g."""
+    g = torch.cuda.CUDAGraph(m, stream)
+    current.raw = stream
+    g.capture_begin()
+    model.forward(dumper, stream)
+    g.capture_end()
+    return g
+
+
+@pytest.mark.parametrize("gone", ["reset", "deleted"])
+def test_recaptured_graphs_reuse_the_slots_of_graphs_that_no_longer_exist(m, glue, tmp_path, monkeypatch, gone):
+    """An engine that recaptures its graphs (CUDAGraph.reset() or a new CUDAGraph, then capture
+    again, as SGLang and vLLM do): a graph's slots were never given back, so the second capture of
+    a graph whose span takes half the slots had no room and its replays lacked a tensor (skipped
+    with a reason), and every later recapture lost more. The slots of a graph reset or collected
+    now go to the next capture (after the device is synchronized): four rounds in slots that hold
+    barely two spans, every replay pass whole and bit-exact, replays of a round left in flight at
+    its reset."""
+    import gc
+
+    from fastdump.cli.dump import verify_dump
+    from fastdump.staging import cuda
+
+    current = Stream(glue)
+    monkeypatch.setattr(cuda, "_current_stream", current)
+    _watch_torch_graphs(monkeypatch)
+    m._mock.set("max_delay_us", 100)
+    side = m._mock.stream_create_flags(0)
+    model = Model(m, 4, width=8192)  # 2 tensors of 128 KiB: a span of 256.25 KiB; the slots: 512 KiB
+    d = _attach(tmp_path, writer="thread", device="cuda:0", graph_ring_mb=1)
+    expected, g = [], None
+    try:
+        for rnd in range(4):
+            g = _torch_capture(m, model, d, current, side)
+            current.raw = glue
+            assert d._graphs.recorder(0).flush(30)  # (the last round's last replay: drained)
+            for k in range(2):  # the second not waited for: still running when the graph goes
+                expected.append((k, replay(m, model, g.exe, glue, rand_input(model, 10 * rnd + k))))
+                if k == 0:  # (the replay ring holds one span at a time: no replay is dropped for room)
+                    m._mock.sync(glue)
+                    assert d._graphs.recorder(0).flush(30)
+            if gone == "reset":
+                g.reset()
+            else:
+                release(m, [(g.graph, g.exe)])
+                g = None
+                gc.collect()
+        rec = d._graphs.recorder(0).stats()
+        m._mock.sync(glue)
+        stats = d.close()
+    finally:
+        m._mock.sync(glue)
+        m._mock.stream_destroy(side)
+        free_device_memory(d)
+    assert rec["reclaimed_graphs"] == 3 and rec["slot_used"] == 256 + 2 * (128 << 10), rec
+    assert stats["graph_replays"] == 8 and stats["dropped_passes"] == 0 and stats["skipped"] == 0, stats
+    ds = fastdump.open(tmp_path)
+    passes = graph_passes(ds, "target")
+    assert len(passes) == 8
+    for p, (k, (h1, h2)) in zip(passes, expected):
+        got = ds.load("target", 0, p)
+        assert set(got) == {"layers.0", "layers.1"}, ds.meta("target", 0, p)
+        assert same_bits(torch.as_tensor(got["layers.0"]), h1) and same_bits(torch.as_tensor(got["layers.1"]), h2)
+        assert ds.meta("target", 0, p)["graph_replay"] == k
+    assert verify_dump(str(tmp_path)).problems == []
+
+
+def test_slots_of_a_reset_graph_wait_for_its_replay_still_queued(m, glue, tmp_path, monkeypatch):
+    """The old graph's replay is still queued (behind other work) when the graph is reset and the
+    next one captured: given back at once, its slots would be the new graph's while that replay
+    still writes and reads them. The device is synchronized first: the new capture begins only
+    after the old replay ran; the old replay's pass holds its values, the new graph's replays
+    theirs, in the old graph's slots."""
+    import threading
+    import time
+
+    from fastdump.staging import cuda
+
+    current = Stream(glue)
+    monkeypatch.setattr(cuda, "_current_stream", current)
+    _watch_torch_graphs(monkeypatch)
+    side, late = m._mock.stream_create_flags(0), m._mock.stream_create()
+    model = Model(m, 4, width=8192)
+    d = _attach(tmp_path, writer="thread", device="cuda:0", graph_ring_mb=1)
+    timer = None
+    try:
+        g = _torch_capture(m, model, d, current, side)
+        current.raw = glue
+        gate = m._mock.enqueue_gate(late)
+        old = replay(m, model, g.exe, late, rand_input(model, 1))  # queued behind the gate
+        g.reset()
+        opened = []
+        timer = threading.Timer(0.3, lambda: (opened.append(time.monotonic()), m._mock.open_gate(gate)))
+        timer.start()
+        g2 = torch.cuda.CUDAGraph(m, side)
+        current.raw = side
+        g2.capture_begin()
+        began = time.monotonic()
+        assert opened and began >= opened[0], "the capture began while the reset graph's replay was queued"
+        model.forward(d, side)
+        g2.capture_end()
+        current.raw = glue
+        assert d._graphs.recorder(0).flush(30)
+        new = []
+        for k in range(2):  # (the replay ring holds one span at a time: no replay is dropped for room)
+            new.append(replay(m, model, g2.exe, glue, rand_input(model, 2 + k)))
+            m._mock.sync(glue)
+            assert d._graphs.recorder(0).flush(30)
+        rec = d._graphs.recorder(0).stats()
+        stats = d.close()
+        g2.reset()
+    finally:
+        if timer is not None:
+            timer.join()
+        m._mock.sync(late)
+        for s in (side, late):
+            m._mock.stream_destroy(s)
+        free_device_memory(d)
+    assert rec["reclaimed_graphs"] == 1 and stats["graph_replays"] == 3 and stats["skipped"] == 0, (rec, stats)
+    ds = fastdump.open(tmp_path)
+    passes = graph_passes(ds, "target")
+    assert len(passes) == 3
+    for p, (h1, h2) in zip(passes, [old] + new):
+        got = ds.load("target", 0, p)
+        assert same_bits(torch.as_tensor(got["layers.0"]), h1) and same_bits(torch.as_tensor(got["layers.1"]), h2)
+
+
+def test_a_replay_claimed_while_close_runs_is_written(m, glue, tmp_path, monkeypatch):
+    """A replay running when close() begins, past its claim (it has a log position) but not yet
+    published: close() flushed the drain (idle: nothing published), closed the recorder and stopped
+    the drain, and the replay published into a log nobody read: neither written nor counted, and
+    verify said OK. close() now sees every claimed position and waits for it (the drain stages it),
+    or counts it as dropped when it cannot."""
+    from fastdump.cli.dump import verify_dump
+    from fastdump.staging import cuda
+
+    current = Stream(glue)
+    monkeypatch.setattr(cuda, "_current_stream", current)
+    side = m._mock.stream_create_flags(0)
+    model = Model(m, 4)
+    d = _attach(tmp_path, writer="thread", device="cuda:0")
+    graph, exe = capture(m, model, d, current, side)
+    current.raw = glue
+    try:
+        m._mock.set("graph_node_us", 300_000)  # each node of a replay takes 0.3 s: publish is 0.6 s after claim
+        expected = replay(m, model, exe, glue, rand_input(model, 5))
+        rec = d._graphs.recorder(0)
+        _wait_for(lambda: rec.stats()["claimed_replays"] == 1)
+        assert rec.stats()["replays"] == 0
+        stats = d.close()
+    finally:
+        m._mock.sync(glue)
+        m._mock.set("graph_node_us", 0)
+        release(m, [(graph, exe)], [side], [d])
+    assert stats["graph_replays"] == 1 and stats["dropped_passes"] == 0, stats
+    ds = fastdump.open(tmp_path)
+    (p,) = graph_passes(ds, "target")
+    got = ds.load("target", 0, p)
+    assert same_bits(torch.as_tensor(got["layers.0"]), expected[0])
+    assert same_bits(torch.as_tensor(got["layers.1"]), expected[1])
+    assert verify_dump(str(tmp_path)).problems == []
+
+
+def test_replays_after_close_returned_change_no_count(m):
+    """A replay that claims after close() closed the recorder is dropped and counted while close()
+    runs (it happened while the Dumper closed); once close() returned the count is final (what
+    rank.json says): replays launched before but run after it change nothing."""
+    from fastdump import dtypes
+
+    ring = Ring(m, capacity=1 << 20)
+    stager = m.CudaStager(ring.producer, 4 << 20)
+    rec = m.GraphRecorder(stager, 0, 0, 1 << 20, 1 << 20, 64)
+    side, launch = m._mock.stream_create_flags(0), m._mock.stream_create()
+    cpu = torch.arange(256, dtype=torch.int32)
+    src = device_buffer(m, cpu.nbytes)
+    assert m._mock.upload(src, cpu.data_ptr(), cpu.nbytes) == 0
+    assert m._mock.begin_capture(side, GLOBAL) == 0
+    gid = rec.begin_graph(side)
+    assert rec.record(0, dtypes.code_of(cpu.dtype), 4, [cpu.numel()], [1], src, 0, side) == m.STAGED
+    assert rec.end_graph() == gid
+    err, graph = m._mock.end_capture(side)
+    assert err == 0, m._mock.error_name(err)
+    exe = m._mock.graph_instantiate(graph)
+    try:
+        assert m._mock.graph_launch(exe, launch) == 0
+        m._mock.sync(launch)
+        assert rec.flush(30)
+        gate = m._mock.enqueue_gate(launch)
+        for _ in range(3):
+            assert m._mock.graph_launch(exe, launch) == 0
+        rec.close(5.0, False)  # (the gate holds them: they claim after close())
+        assert rec.stats()["replays"] == 1 and rec.dropped_replays == 0
+        m._mock.open_gate(gate)
+        m._mock.sync(launch)
+        assert rec.stats()["dropped_replays"] == 0 and rec.stats()["replays"] == 1  # final at close()
+        got, _ = ring.read()
+        assert len(got) == 1
+    finally:
+        m._mock.sync(launch)
+        m._mock.graph_exec_destroy(exe)
+        m._mock.graph_destroy(graph)
+        rec.close(10.0, True)
+        stager.close()
+        m._mock.stream_destroy(side)
+        m._mock.stream_destroy(launch)
+
+
+class _EmptyOut(torch.nn.Module):
+    def forward(self, x):
+        return (None, [])  # stores nothing: a tuple holding no tensor
+
+
+class _DictLayer(_Layer):
+    def forward(self, x):
+        return {"0": super().forward(x)}  # a dict whose key reads as an element index
+
+
+class _StructNet(torch.nn.Module):
+    """Outputs whose structure the stored names cannot tell: l0 (a tensor), e ((None, []): nothing
+    stored), l1 ({"0": tensor}, stored as l1.0 like a tuple's element)."""
+
+    def __init__(self, m, current, model):
+        super().__init__()
+        self.l0 = _Layer(m, current, model, model.x, model.h1)
+        self.e = _EmptyOut()
+        self.l1 = _DictLayer(m, current, model, model.h1, model.h2)
+
+    def forward(self, x):
+        a = self.l0(x)
+        self.e(a)
+        return self.l1(a)["0"]
+
+
+def test_replay_passes_carry_the_structure_recorded_at_capture(m, glue, tmp_path, monkeypatch):
+    """The eager path records, per pass, the output structures the stored names cannot tell (a
+    tuple holding no tensor, a dict with digit keys); replay passes carried none, so
+    `export --names sglang` named a replay pass's tensors unlike the same forward run eagerly (the
+    dict read as a tuple, the empty output left out). The capture pass's record now goes with the
+    graph's layout to every replay pass, its positions counted among the recorded tensors."""
+    from fastdump import export
+    from fastdump.staging import cuda
+
+    current = Stream(glue)
+    monkeypatch.setattr(cuda, "_current_stream", current)
+    model = Model(m, 4)
+    net = _StructNet(m, current, model)
+    d = fastdump.attach(net, tmp_path, tp_rank=0, tp_size=1, writer="thread", strict=True, device="cuda:0")
+    side = m._mock.stream_create_flags(0)
+    try:
+        current.raw = glue
+        model.set_input(glue, rand_input(model, 1))
+        net(FakeCudaTensor(model.cpu, model.x))  # the eager pass
+        m._mock.sync(glue)
+        current.raw = side
+        assert m._mock.begin_capture(side, GLOBAL) == 0
+        net(FakeCudaTensor(model.cpu, model.x))
+        err, graph = m._mock.end_capture(side)
+        assert err == 0, m._mock.error_name(err)
+        exe = m._mock.graph_instantiate(graph)
+        current.raw = glue
+        expected = replay(m, model, exe, glue, rand_input(model, 2))
+        m._mock.sync(glue)
+        d.close()
+    finally:
+        release(m, [(graph, exe)], [side], [d])
+    ds = fastdump.open(tmp_path)
+    eager = min(ds.passes("target", 0))
+    (replayed,) = graph_passes(ds, "target")
+    want = ds.structure("target", 0, eager)
+    assert set(want) == {"e", "l1"} and want["e"]["after"] == 2, want  # (l1.0 and the root output after it)
+    assert ds.structure("target", 0, replayed) == want
+    modules = ["l0", "e", "l1"]
+    named = {p: export.sglang_names(ds.load("target", 0, p), modules, ds.structure("target", 0, p))
+             for p in (eager, replayed)}
+    assert list(named[replayed]) == list(named[eager]) == ["l0", "e", "l1.0", "_StructNet"], named
+    assert same_bits(torch.as_tensor(named[replayed]["l1.0"]), expected[1])
+
+
+def test_a_recaptured_graph_in_the_slots_of_one_reset_between_live_graphs(m, glue, tmp_path, monkeypatch):
+    """Graphs of three batch sizes, the middle one reset and captured again (a partial recapture):
+    the new graph's span goes into the freed hole, the only room large enough, and never over the
+    live graphs on either side: every graph's replays stay bit-exact, interleaved."""
+    from fastdump.cli.dump import verify_dump
+    from fastdump.staging import cuda
+
+    current = Stream(glue)
+    monkeypatch.setattr(cuda, "_current_stream", current)
+    _watch_torch_graphs(monkeypatch)
+    side = m._mock.stream_create_flags(0)
+    # spans: 64.25 KiB, 256.25 KiB, 128.25 KiB of the 512 KiB of slots: 63.25 KiB left after them
+    models = {"a": Model(m, 4, width=2048), "b": Model(m, 4, width=8192), "c": Model(m, 4, width=4096)}
+    d = _attach(tmp_path, writer="thread", device="cuda:0", graph_ring_mb=1)
+    graphs = {}
+    try:
+        for key, model in models.items():
+            graphs[key] = _torch_capture(m, model, d, current, side)
+        graphs["b"].reset()
+        graphs["b"] = _torch_capture(m, models["b"], d, current, side)
+        current.raw = glue
+        rec = d._graphs.recorder(0)
+        expected = []
+        for k, key in enumerate("abcbca"):
+            expected.append((key, replay(m, models[key], graphs[key].exe, glue, rand_input(models[key], 40 + k))))
+            m._mock.sync(glue)
+            assert rec.flush(30)
+        stats = rec.stats()
+        d.close()
+        for g in graphs.values():
+            g.reset()
+    finally:
+        m._mock.sync(glue)
+        m._mock.stream_destroy(side)
+        free_device_memory(d)
+    assert stats["reclaimed_graphs"] == 1 and stats["dropped_replays"] == 0, stats
+    ds = fastdump.open(tmp_path)
+    passes = graph_passes(ds, "target")
+    assert len(passes) == len(expected)
+    for p, (key, (h1, h2)) in zip(passes, expected):
+        got = ds.load("target", 0, p)
+        assert set(got) == {"layers.0", "layers.1"}, (key, ds.meta("target", 0, p))
+        assert same_bits(torch.as_tensor(got["layers.0"]), h1), key
+        assert same_bits(torch.as_tensor(got["layers.1"]), h2), key
+    assert verify_dump(str(tmp_path)).problems == []

@@ -675,7 +675,8 @@ class Dumper:
             except Exception as exc:  # a user's object whose str() raises: the pass is kept, its meta said so
                 meta = {"fastdump_meta_error": f"{type(exc).__name__}: {_short(exc)}"}
             if self._graphs is not None and self._graphs.open is not None:
-                self._graphs.end_pass(meta, incomplete)  # a graph was captured in this pass: its replays are passes
+                # A graph was captured in this pass: its replays are passes (with this pass's structure record).
+                self._graphs.end_pass(meta, incomplete, structure)
                 if incomplete is None:  # (it marks this pass, the capture's, as holding no values)
                     incomplete = self._incomplete
             if incomplete is not None:
@@ -931,7 +932,10 @@ class Dumper:
             if pending is None:  # (a lane without the count: the tests' CUDA-mock engines)
                 self._fold_lane_counts()
                 pending = 0
-            return self._totals["tensors"] + pending
+            # A graph being captured: its recorded tensors are the ones its replay passes will store.
+            graphs = self._graphs
+            recorded = graphs.open.recorded if graphs is not None and graphs.open is not None else 0
+            return self._totals["tensors"] + pending + recorded
 
     def _capture_before(self, name: str, before, args, kwargs, k: int) -> None:
         """A watched module's ``before`` hook, and what it returns dumped as ``name[#k].<key>``."""

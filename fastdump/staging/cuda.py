@@ -187,12 +187,18 @@ def watch_graph_captures() -> bool:
     def capture_begin(self, *args, **kwargs):
         note()
         _new_generation(self)
+        if not _open_captures:  # (the device cannot be synchronized while another capture runs)
+            from .graphs import reclaim_dead_graphs
+
+            reclaim_dead_graphs()  # slots of graphs reset or collected go to this capture
         _capturing.graph = _GraphToken(self)
         try:
-            return original(self, *args, **kwargs)
+            result = original(self, *args, **kwargs)
         except BaseException:
             _capturing.graph = None
             raise
+        _open_captures.add(id(self))
+        return result
 
     capture_begin.__fastdump_original__ = original
     graph_cls.capture_begin = capture_begin
@@ -211,6 +217,7 @@ _capture_hook = None
 # one of them still exists (staging/graphs.py). A graph's generation grows at each capture_begin
 # and reset(): a token of an older generation is a graph that no longer exists.
 _capturing = threading.local()
+_open_captures: set = set()  # id() of the torch CUDAGraphs between capture_begin and capture_end
 _generations = None  # weakref.WeakKeyDictionary: torch CUDAGraph -> generation
 
 
@@ -231,11 +238,13 @@ def _wrap_graph_method(method, name):
     def wrapper(self, *args, **kwargs):
         if name == "reset":  # the graph is destroyed: its tokens are dead
             _new_generation(self)
+            _open_captures.discard(id(self))  # (a capture that never ended)
             return method(self, *args, **kwargs)
         try:
             return method(self, *args, **kwargs)
         finally:
             _capturing.graph = None  # the capture ended (or failed to)
+            _open_captures.discard(id(self))
 
     wrapper.__fastdump_original__ = method
     return wrapper

@@ -14,6 +14,8 @@ recorder's count. Design and limits: docs/CUDA.md, "CUDA graphs".
 from __future__ import annotations
 
 import logging
+import threading
+import weakref
 
 from .. import protocol
 
@@ -43,11 +45,12 @@ def _C():
 class CapturedPass:
     """The pass of one graph capture: its recorder, graph id and the facts its replays carry."""
 
-    __slots__ = ("recorder", "graph", "device", "batch", "recorded", "missing", "owner")
+    __slots__ = ("recorder", "graph", "device", "batch", "recorded", "missing", "owner", "serial")
 
     def __init__(self, recorder, graph: int, device: int, owner=None):
         self.recorder, self.graph, self.device = recorder, graph, device
         self.owner = owner     # the torch CUDAGraph being captured (cuda.capturing_graph), or None
+        self.serial = recorder.open_serial  # names the slots it holds (GraphRecorder.reclaim)
         self.batch = None      # leading dimension of the first recorded tensor
         self.recorded = 0
         self.missing: dict = {}  # name -> why the replays lack it
@@ -65,9 +68,13 @@ class GraphRecording:
         self._ring_bytes = max(total - total // 2, 1 << 16)
         self._recorders: dict = {}   # device -> _C.GraphRecorder
         self._failures: dict = {}    # device -> why it has none
-        self._writers: dict = {}     # device -> [owner token or None]: graphs that write its memory
+        # device -> [(owner token or None, capture serial)]: graphs that write its memory (their
+        # slots), until reclaim_dead() gives the slots of those that can never run again back.
+        self._writers: dict = {}
+        self._writers_lock = threading.Lock()  # (reclaim_dead runs on the thread that begins a capture)
         self.open: CapturedPass | None = None
         self._said: set = set()
+        _recordings.add(self)
 
     # -- recorders --------------------------------------------------------------------------------
     def prepare(self, device) -> str:
@@ -158,12 +165,14 @@ class GraphRecording:
             cap.missing[name] = why
             d._skip(name, "CUDA graph capture: not recorded: " + why)
 
-    def end_pass(self, meta: dict, incomplete: str | None = None) -> None:
+    def end_pass(self, meta: dict, incomplete: str | None = None, structure: dict | None = None) -> None:
         """The captured pass ends: commit the graph and send its layout to the writer (in ring
         order, before any replay's record). Its replays are passes; the capture-time pass itself
         holds no values (the capture computes nothing) and is marked incomplete, saying so.
         ``incomplete``: why the capture's pass was already not whole (its forward raised, ...):
-        the graph holds only what was captured before, so every replay pass says so too."""
+        the graph holds only what was captured before, so every replay pass says so too.
+        ``structure``: the capture pass's structure record (Dumper._end): every replay pass
+        carries it, so it exports under the same names as the eager pass."""
         cap, self.open = self.open, None
         d = self._dumper
         if cap.recorder.capture_invalidated():  # the capture failed: no graph, no replay to miss
@@ -172,7 +181,7 @@ class GraphRecording:
         batch = meta.get("batch_size", meta.get("bs", cap.batch))
         graph_meta = dict(meta, cuda_graph=cap.graph, graph_batch=batch)
         if cap.recorded:  # its snapshots are in the graph (committed or not): its replays write the slots
-            self._writers.setdefault(cap.device, []).append(cap.owner)
+            self._hold(cap)
         try:
             # A pass that ends after its capture did (end_pass() after the `with torch.cuda.graph`
             # block, close() ending a capture that raised) cannot commit: its kernels would run
@@ -187,7 +196,8 @@ class GraphRecording:
         span = cap.recorder.layout(gid)
         msg = protocol.graph(d._channel.id, cap.device, gid, span["span_name_id"], span["span_bytes"],
                              span["tensors"], graph_meta, cap.missing,
-                             None if incomplete is None else f"captured in an incomplete pass: {incomplete}")
+                             None if incomplete is None else f"captured in an incomplete pass: {incomplete}",
+                             structure)
         if not d._channel.control(msg, block=True):  # the writer is gone or stuck past block_timeout_s
             log.error("fastdump: %s: the layout of CUDA graph %d did not reach the writer; its replays are "
                       "written as incomplete passes without tensors", d.dir, gid)
@@ -204,7 +214,7 @@ class GraphRecording:
         if self.open is cap:
             self.open = None
             if cap.recorded:  # (end_pass noted it already)
-                self._writers.setdefault(cap.device, []).append(cap.owner)
+                self._hold(cap)
         d = self._dumper
         d._totals["graphs_not_dumped"] += 1
         d._mark_incomplete(f"CUDA graph capture: the graph's replays are not dumped ({why})")
@@ -223,6 +233,33 @@ class GraphRecording:
         self._dumper._mark_incomplete("CUDA graph capture: the capture was invalidated; it makes no graph, "
                                       "nothing was recorded")
 
+    # -- slots of graphs that can never run again -------------------------------------------------
+    def _hold(self, cap) -> None:
+        with self._writers_lock:
+            self._writers.setdefault(cap.device, []).append((cap.owner, cap.serial))
+
+    def reclaim_dead(self) -> int:
+        """Give back the slots of the torch CUDAGraphs captured with this Dumper that can never be
+        replayed again (reset, captured again, or collected: an engine that recaptures its graphs).
+        Without it every recapture takes new slots until graph_ring_mb/2 is full and the next
+        graphs' tensors are skipped. The recorder synchronizes the device first (a replay launched
+        before the reset may still be writing them). Graphs captured outside torch are never
+        known dead: their slots stay. Returns the captures whose slots were given back."""
+        given = 0
+        with self._writers_lock:
+            dead = {dev: [serial for owner, serial in held if owner is not None and not owner.alive()]
+                    for dev, held in self._writers.items()}
+        for dev, serials in dead.items():
+            rec = self._recorders.get(dev)
+            if rec is None or not serials:
+                continue
+            done = set(rec.reclaim(serials))  # (synchronizes the device, without the GIL)
+            if done:
+                with self._writers_lock:
+                    self._writers[dev] = [(o, s) for o, s in self._writers[dev] if s not in done]
+                given += len(done)
+        return given
+
     # -- end ---------------------------------------------------------------------------------------
     def close(self, totals: dict, timeout: float) -> None:
         """Flush every replay the GPUs have run, stop the drains, add their passes to ``totals``
@@ -232,7 +269,8 @@ class GraphRecording:
             cap, self.open = self.open, None
             cap.recorder.abort_graph()
             if cap.recorded:
-                self._writers.setdefault(cap.device, []).append(cap.owner)
+                self._hold(cap)
+        _recordings.discard(self)
         _synchronize(list(self._recorders))
         for rec in self._recorders.values():
             rec.close(timeout)
@@ -254,7 +292,8 @@ class GraphRecording:
         included, whose replay passes would then hold this graph's values and pass verify."""
         kept = 0
         for dev in list(self._recorders):
-            live = sum(1 for owner in self._writers.get(dev, ()) if owner is not None and owner.alive())
+            with self._writers_lock:
+                live = sum(1 for owner, _ in self._writers.get(dev, ()) if owner is not None and owner.alive())
             if live:
                 kept += live
                 continue
@@ -264,6 +303,21 @@ class GraphRecording:
                       "while the Dumper was attached still exist and write into it at every replay; free it "
                       "after they are reset or deleted", self._dumper.dir, kept)
         return not kept
+
+
+_recordings: "weakref.WeakSet[GraphRecording]" = weakref.WeakSet()  # the Dumpers' not closed yet
+
+
+def reclaim_dead_graphs() -> None:
+    """Called by torch's ``CUDAGraph.capture_begin`` (wrapped in staging/cuda.py) before a capture
+    begins, when no other torch capture is open: every Dumper gives back the slots of its graphs
+    that can never run again, so the capture about to begin finds them free."""
+    for recording in list(_recordings):
+        if recording.open is None:  # (a capture of its own is open: later)
+            try:
+                recording.reclaim_dead()
+            except Exception as exc:  # never fail the user's capture over it
+                log.warning("fastdump: reclaiming the slots of CUDA graphs that no longer exist failed: %s", exc)
 
 
 def free_device_memory(dumper) -> bool:

@@ -335,7 +335,8 @@ class ChannelWriter:
         view = memoryview(data) if not isinstance(data, np.ndarray) else data
         for name_id, dtype_code, shape, offset, nbytes in layout["tensors"]:
             self.on_tensor(name_id, pass_id, dtype_code, tuple(shape), view[offset:offset + nbytes])
-        self.on_end(end["pass"], end["meta"], end["dropped"], end["skipped"], incomplete=end.get("incomplete"))
+        self.on_end(end["pass"], end["meta"], end["dropped"], end["skipped"], incomplete=end.get("incomplete"),
+                    structure=end.get(fmt.PASS_STRUCTURE))
 
     def on_note(self, msg: dict) -> None:
         if self._closed:

@@ -154,6 +154,7 @@ inline uint64_t env_seed() {
 struct Config {
   std::atomic<int> device_count{2};
   std::atomic<int> max_delay_us{0};           // each stream op sleeps a random 0..max first
+  std::atomic<int> graph_node_us{0};          // each node of a launched graph runs this long (a kernel's time)
   std::atomic<uint64_t> seed{env_seed()};     // of those delays (FASTDUMP_MOCK_SEED; 0: random)
   std::atomic<int> capturing{0};              // legacy knob: every stream reports an active capture
   std::atomic<uint64_t> device_free{1ull << 34};  // bytes cudaMalloc can still hand out per device
@@ -310,8 +311,23 @@ class Stream {
     rng_.seed(seed ? seed * 1000003u + serial++ : std::random_device{}());
     config().live_streams++;
     thread_ = std::thread([this] { run(); });
+    std::lock_guard<std::mutex> g(registry_mu());
+    registry().insert(this);
+  }
+  // Every stream, for cudaDeviceSynchronize (its own lock: streams are made without big_lock()).
+  static std::mutex& registry_mu() {
+    static std::mutex mu;
+    return mu;
+  }
+  static std::set<Stream*>& registry() {
+    static std::set<Stream*> s;
+    return s;
   }
   ~Stream() {
+    {
+      std::lock_guard<std::mutex> g(registry_mu());
+      registry().erase(this);
+    }
     {
       std::lock_guard<std::mutex> g(mu_);
       stop_ = true;
@@ -950,6 +966,30 @@ inline cudaError_t cudaStreamSynchronize(cudaStream_t s) {
   FDMOCK_ENTER("", st->device());  // a fault while we waited is reported here
   return cudaSuccess;
 }
+// Waits for the work of every stream of the current device enqueued before the call. Refused
+// (cudaErrorStreamCaptureUnsupported, nothing invalidated) while a stream of the device captures:
+// the graph recorder never synchronizes then.
+inline cudaError_t cudaDeviceSynchronize() {
+  FDMOCK_CALL();
+  const int dev = fdmock::current_device();
+  FDMOCK_ENTER("cudaDeviceSynchronize", dev);
+  {
+    std::lock_guard<std::mutex> g(fdmock::big_lock());
+    for (auto& c : fdmock::captures())
+      if (c->device == dev) return fdmock::ret(cudaErrorStreamCaptureUnsupported);
+    if (cudaError_t e = fdmock::unsafe_call_locked()) return fdmock::ret(e);
+  }
+  std::vector<std::pair<std::shared_ptr<fdmock::Progress>, uint64_t>> waits;
+  {
+    std::lock_guard<std::mutex> g(fdmock::Stream::registry_mu());
+    for (fdmock::Stream* st : fdmock::Stream::registry())
+      if (st->device() == dev) waits.emplace_back(st->progress(), st->enqueued());
+  }
+  fdmock::config().syncs++;
+  for (auto& w : waits) w.first->wait_for(w.second);
+  FDMOCK_ENTER("", dev);  // a fault while we waited is reported here
+  return cudaSuccess;
+}
 inline cudaError_t cudaStreamBeginCapture(cudaStream_t s, cudaStreamCaptureMode mode) {
   FDMOCK_CALL();
   fdmock::Stream* st = fdmock::stream_of(s);
@@ -1070,12 +1110,19 @@ inline cudaError_t cudaGraphLaunch(cudaGraphExec_t exec, cudaStream_t s) {
     std::lock_guard<std::mutex> l(order->mu);
     ticket = order->launched++;
   }
-  const cudaError_t e = fdmock::submit(s, [g, order, ticket] {
+  // The launch keeps its own copy of the nodes: an executable graph destroyed while a launch of
+  // it is in flight is freed on completion (cudaGraphExecDestroy), never under the running launch.
+  auto ops = std::make_shared<std::vector<std::function<void()>>>(g->ops);
+  const cudaError_t e = fdmock::submit(s, [ops, order, ticket] {
     {
       std::unique_lock<std::mutex> l(order->mu);
       order->cv.wait(l, [&] { return order->done == ticket; });
     }
-    for (auto& op : g->ops) op();
+    for (auto& op : *ops) {
+      if (const int us = fdmock::config().graph_node_us.load())
+        std::this_thread::sleep_for(std::chrono::microseconds(us));
+      op();
+    }
     std::lock_guard<std::mutex> l(order->mu);
     order->finish_locked();
   });
