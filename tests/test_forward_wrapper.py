@@ -487,6 +487,40 @@ def test_a_deep_copy_of_a_dumped_model_computes_with_its_own_weights_and_is_not_
     check(tmp_path, want)  # passes 0 and 1 only: the copy's forward was not dumped
 
 
+@pytest.mark.parametrize("how", ["pickle", "torch.save"])
+def test_a_pickled_dumped_model_loads_back_undumped_and_computes_the_same(tmp_path, kind, how):
+    # pickle / torch.save(model) of a wrapped model raised (the wrappers cannot be pickled); one
+    # that could be pickled would call the original's forward. The loaded copy is a model nothing dumps.
+    import io
+    import pickle
+
+    model = Model()
+    d = fastdump.attach(model, tmp_path)
+    want = run(model, d, passes=1)
+    if how == "pickle":
+        twin = pickle.loads(pickle.dumps(model))
+    else:
+        buffer = io.BytesIO()
+        torch.save(model, buffer)
+        buffer.seek(0)
+        twin = torch.load(buffer, weights_only=False)
+    fastdump_attrs = {"forward", "__deepcopy__", "__getstate__", "_replicate_for_data_parallel"}
+    for module in twin.modules():
+        assert not fastdump_attrs & set(module.__dict__), type(module)
+    reference = Model()  # unwrapped, with the same weights
+    reference.load_state_dict(model.state_dict())
+    for a, b in zip(twin.state_dict().values(), reference.state_dict().values()):
+        assert same_bits(a, b)
+    x = torch.randn(4, 6)
+    with torch.inference_mode():
+        assert same_bits(twin(x), reference(x))
+    want += run(model, d, passes=1)  # the original still dumps, pass 1 after the copy's forward
+    d.close()
+    for module in model.modules():
+        assert not fastdump_attrs & set(module.__dict__), type(module)
+    check(tmp_path, want)  # passes 0 and 1 only: the copy's forward was not dumped
+
+
 def test_a_module_with_its_own_deepcopy_keeps_it(tmp_path, kind):
     class Custom(nn.Linear):
         def __deepcopy__(self, memo):

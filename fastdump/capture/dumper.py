@@ -1685,7 +1685,24 @@ def _replicate_undumped(module):
     return replica
 
 
-_COPIERS = {"__deepcopy__": _deepcopy_undumped, "_replicate_for_data_parallel": _replicate_undumped}
+def _getstate_undumped(module):
+    """``__getstate__`` of a module a Dumper wraps (installed on the instance, as ``__deepcopy__`` is):
+    what ``pickle`` and ``torch.save`` store. Our wrappers cannot be pickled (the C one is no Python
+    function, the Python ones are closures), so pickling a wrapped model raised; and a wrapper that
+    could be would call the forward of the module it was made for. The state stored is the module's
+    without our wrappers and copiers, so what is loaded back is a model nothing dumps."""
+    getstate = getattr(type(module), "__getstate__", None)  # nn.Module's (object's from Python 3.11)
+    state = module.__dict__ if getstate is None else getstate(module)
+    if not isinstance(state, dict):
+        raise TypeError(f"fastdump: cannot pickle {type(module).__name__} while a Dumper wraps it "
+                        "(close the Dumper first)")
+    state = dict(state)
+    _undumped_state(state)
+    return state
+
+
+_COPIERS = {"__deepcopy__": _deepcopy_undumped, "_replicate_for_data_parallel": _replicate_undumped,
+            "__getstate__": _getstate_undumped}
 
 
 def _undumped_state(state: dict) -> None:
@@ -1704,12 +1721,15 @@ def _undumped_state(state: dict) -> None:
 
 def _install_copier(module) -> None:
     """Give ``module`` our copiers: _deepcopy_undumped unless it or its class has a ``__deepcopy__``
-    of its own; _replicate_undumped when its class replicates for DataParallel (every nn.Module)."""
+    of its own; _replicate_undumped when its class replicates for DataParallel (every nn.Module);
+    _getstate_undumped (pickle), which wraps the class's ``__getstate__``."""
     cls, own = type(module), module.__dict__
     if "__deepcopy__" not in own and getattr(cls, "__deepcopy__", None) is None:
         own["__deepcopy__"] = types.MethodType(_deepcopy_undumped, module)
     if "_replicate_for_data_parallel" not in own and callable(getattr(cls, "_replicate_for_data_parallel", None)):
         own["_replicate_for_data_parallel"] = types.MethodType(_replicate_undumped, module)
+    if "__getstate__" not in own:
+        own["__getstate__"] = types.MethodType(_getstate_undumped, module)
 
 
 def _remove_copier(module) -> None:
