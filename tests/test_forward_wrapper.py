@@ -734,3 +734,50 @@ def test_a_compiled_model_with_inputs_numbers_each_call_and_does_not_recompile_p
         assert sorted(dumped) == sorted(want), (p, list(dumped))
         for name, value in want.items():
             assert same_bits(dumped[name], value), (p, name)
+
+
+class LoRA(nn.Module):
+    """What LoRA and quantization libraries do: a module set in a linear's place, holding it."""
+
+    def __init__(self, base):
+        super().__init__()
+        self.base = base
+        self.down, self.up = nn.Linear(4, 3, bias=False), nn.Linear(3, base.out_features, bias=False)
+
+    def forward(self, x):
+        return self.base(x) + self.up(self.down(x))
+
+
+def test_modules_put_into_the_model_after_attach_are_dumped_under_the_names_they_take(tmp_path, kind):
+    # A module registered after attach got no wrapper: its outputs were missing from every pass,
+    # and verify said OK.
+    model = Layered()
+    d = fastdump.attach(model, tmp_path, layers=[0, 1])
+    torch.manual_seed(2)
+    fresh = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+    model.model.layers[1] = fresh  # ModuleList.__setitem__
+    old_head = model.head
+    model.head = LoRA(old_head)  # __setattr__; the old head lives on inside it, under its old name
+    model.model.layers[2] = nn.Sequential(nn.Linear(4, 4), nn.ReLU())  # outside layers=[0, 1]
+    x = torch.randn(2, 4)
+    with torch.inference_mode():
+        out = model(x)
+        l0 = model.model.layers[0][0](x)
+        h0 = model.model.layers[0][1](l0)
+        a = fresh[0](h0)
+        b = fresh[1](a)
+        h2 = model.model.layers[2](b)
+        head, down = old_head(h2), model.head.down(h2)
+        up = model.head.up(down)
+    d.close()
+    assert same_bits(out, head + up)
+    for module in model.modules():  # close() took every wrapper off, the adopted ones too
+        assert "forward" not in module.__dict__ and "__deepcopy__" not in module.__dict__
+    model.model.layers[0] = nn.Linear(4, 4)  # after close: nothing follows registrations any more
+    assert "forward" not in model.model.layers[0].__dict__
+    dumped = fastdump.open(tmp_path).load("target", 0, 0)
+    want = {"model.layers.0.0": l0, "model.layers.0.1": h0, "model.layers.1.0": a, "model.layers.1.1": b, "head": head, "head.down": down, "head.up": up,
+            "Layered": out}
+    assert sorted(dumped) == sorted(want)
+    for name, value in want.items():
+        assert same_bits(dumped[name], value), name

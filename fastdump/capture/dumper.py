@@ -33,6 +33,7 @@ from ..options import Options, check_meta_keys as _check_meta_keys
 from .manifest import cuda_index as _cuda_index, device_facts as _device_facts, write_manifest as _write_manifest
 from .ranks import resolve_ranks  # noqa: F401 - part of this module's face
 from .selection import named_modules, original as _original_module, root_selected as _root_selected, select_modules
+from .selection import select_subtree as _select_subtree
 from .selection import SHADOWED_REASON as _SHADOWED_REASON, forward_shadowed as _forward_shadowed, \
     is_script_module as _is_script_module, shared_left_out as _shared_left_out, \
     unwrappable_modules as _unwrappable_modules
@@ -1236,6 +1237,7 @@ class Dumper:
                                  if head and tail.isdigit()}
         for name, module in selected:
             self._wrap(module, self._capture_wrapper(name, module.forward, _owner_of(module)))
+        self._follow_registrations(model, selection)
         if _forward_shadowed(model):
             return  # no wrapper of the root would run: recorded in not_wrapped (no root passes)
         if root_passes:
@@ -1247,6 +1249,50 @@ class Dumper:
         elif root_selected:
             self._wrap(model, self._capture_wrapper(self._root_name, model.forward, _owner_of(model)))
 
+    def _follow_registrations(self, model, selection: dict) -> None:
+        """Wrap the modules put into the model after attach (``model.layers[0] = new``, a LoRA or
+        quantization wrapper set in a module's place), selected as at attach under the name they
+        take: no wrapper would run for them, and their outputs were missing from every pass without
+        a word (verify OK). torch calls a global module registration hook from ``__setattr__``,
+        ``add_module`` and ``register_module`` (not on a direct ``_modules[name] = m``): a dict
+        lookup per registration anywhere in the process while a Dumper is attached, none per forward."""
+        if _torch is None:
+            return
+        paths = weakref.WeakKeyDictionary()  # each module of the model -> its (first) name
+        for name, module in named_modules(model):
+            paths.setdefault(module, name)
+        self._paths = paths
+
+        def registered(parent, name, module):
+            prefix = paths.get(parent) if isinstance(name, str) else None
+            if prefix is None or self._closed or module is None:
+                return None
+            try:
+                self._adopt(f"{prefix}.{name}" if prefix else name, module, selection)
+            except Exception as exc:  # never into the model: said, and the module goes undumped
+                log.warning("fastdump: %s: %s, put into the model after attach, is not dumped: %s: %s",
+                            self.dir, name, type(exc).__name__, _short(exc))
+            return None
+
+        self._registration_hook = _torch.nn.modules.module.register_module_module_registration_hook(registered)
+
+    def _adopt(self, prefix: str, module, selection: dict) -> None:
+        """Wrap what the selection keeps of ``module``, now registered in the model as ``prefix``.
+        A module already wrapped keeps its wrapper and the name it had (one moved into a wrapper
+        set in its place: ``model.proj = LoRA(model.proj)``)."""
+        for name, sub in named_modules(module):
+            self._paths.setdefault(sub, f"{prefix}.{name}" if name else prefix)
+        wrapped = {id(m) for m, _ in self._wrapped}
+        fresh = [(name, sub) for name, sub in _select_subtree(module, prefix, **selection) if id(sub) not in wrapped]
+        self._module_names.update(name for name, _ in fresh)
+        self._indexed_parents |= {head for head, _, tail in (name.rpartition(".") for name, _ in fresh)
+                                  if head and tail.isdigit()}  # (as _install: these take the Python wrapper)
+        for name, sub in fresh:
+            self._wrap(sub, self._capture_wrapper(name, sub.forward, _owner_of(sub)))
+        if fresh:
+            log.info("fastdump: %s: %s put into the model after attach: dumped too", self.dir,
+                     ", ".join(name for name, _ in fresh))
+
     def _wrap(self, module, wrapper) -> None:
         _mark_ours(wrapper, module.__dict__.get("forward", _MISSING))
         module.__dict__["forward"] = wrapper
@@ -1254,6 +1300,10 @@ class Dumper:
         self._wrapped.append((module, wrapper))
 
     def _unwrap(self) -> None:
+        hook = getattr(self, "_registration_hook", None)
+        if hook is not None:
+            hook.remove()
+            self._registration_hook = None
         for module, wrapper in reversed(self._wrapped):
             if module.__dict__.get("forward") is wrapper:
                 previous = _skip_stale(_wrapped_by(wrapper))
