@@ -781,3 +781,92 @@ def test_modules_put_into_the_model_after_attach_are_dumped_under_the_names_they
     assert sorted(dumped) == sorted(want)
     for name, value in want.items():
         assert same_bits(dumped[name], value), name
+
+
+@pytest.mark.parametrize("order", ["compile_then_attach", "attach_then_compile"])
+def test_a_compiled_model_of_many_module_types_stays_compiled_while_dumped(tmp_path, order):
+    """A model looping over its layers, compiled with fastdump attached, ran eagerly: compiled
+    first, every pass (Dynamo met a C wrapper in the loop and skipped the model's forward for good;
+    no graph at all); attached first, every module after the 8th (all wrappers shared one code
+    object, recompiled per module up to Dynamo's recompile limit). The values were right either way."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    kinds = [lambda: nn.Linear(8, 8), nn.ReLU, nn.GELU, nn.Tanh, nn.Sigmoid, lambda: nn.LayerNorm(8)]
+
+    class Loop(nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.layers = nn.ModuleList(k() for k in kinds * 2)
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = layer(x)
+            return x
+
+    torch._dynamo.reset()
+    counters.clear()
+    model = Loop()
+    if order == "compile_then_attach":
+        compiled = torch.compile(model, backend="eager")
+        d = fastdump.attach(compiled, tmp_path)
+    else:
+        d = fastdump.attach(model, tmp_path)
+        compiled = torch.compile(model, backend="eager")
+    xs = [torch.randn(2, 8) for _ in range(2)]
+    with torch.no_grad():
+        outs = [compiled(x) for x in xs]
+    d.close()
+    # Each of the 12 modules compiled (its code before and after its dump's graph break), none left to eager.
+    assert counters["stats"]["unique_graphs"] >= len(model.layers), dict(counters["stats"])
+    ds = fastdump.open(tmp_path)
+    assert ds.passes("target", 0) == [0, 1]
+    for p, (x, out) in enumerate(zip(xs, outs)):
+        dumped = ds.load("target", 0, p)
+        assert sorted(dumped) == sorted([f"layers.{i}" for i in range(12)] + ["Loop"])
+        with torch.no_grad():
+            for i, layer in enumerate(model.layers):
+                x = layer(x)
+                assert same_bits(dumped[f"layers.{i}"], x), (p, i)
+        assert same_bits(dumped["Loop"], out) and same_bits(out, x)
+
+
+@pytest.mark.parametrize("order", ["compile_then_attach", "attach_then_compile"])
+def test_a_fullgraph_compile_serves_undumped_and_verify_says_so(tmp_path, order):
+    """fullgraph=True allows no graph break, and staging is one: such a compile raised into the
+    model (Dynamo's Unsupported) while fastdump was attached. It serves now, its modules undumped,
+    counted (stats compiled_not_dumped) and verify fails with the reason."""
+    import torch._dynamo
+    from fastdump.cli import dump as cli_dump
+
+    torch._dynamo.reset()
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        want = model(x)
+    if order == "compile_then_attach":
+        compiled = torch.compile(model, backend="eager", fullgraph=True)
+        d = fastdump.attach(compiled, tmp_path)
+    else:
+        d = fastdump.attach(model, tmp_path)
+        compiled = torch.compile(model, backend="eager", fullgraph=True)
+    with torch.no_grad():
+        outs = [compiled(x), compiled(x)]
+    stats = d.close()
+    for out in outs:
+        assert same_bits(out, want)
+    ds = fastdump.open(tmp_path)
+    if order == "compile_then_attach":  # the root wrapper runs before Dynamo: its passes, the output only
+        assert stats["compiled_not_dumped"] == 3  # the three leaves, traced once
+        assert ds.passes("target", 0) == [0, 1]
+        for p in (0, 1):
+            dumped = ds.load("target", 0, p)
+            assert list(dumped) == ["Sequential"] and same_bits(dumped["Sequential"], want)
+    else:  # the whole forward, the pass's begin and end included, is in the graph: no pass at all
+        assert stats["compiled_not_dumped"] == 1
+        assert stats["passes"] == 0
+    report = cli_dump.verify_dump(str(tmp_path))
+    assert [p.split(": ", 1)[1] for p in report.problems] == [
+        f"{stats['compiled_not_dumped']} dumped module(s) were compiled into graphs that may not break "
+        "(torch.compile fullgraph=True): that compiled code ran undumped"]

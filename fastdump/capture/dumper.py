@@ -195,7 +195,8 @@ class Dumper:
         self._folded_drops = (0, 0)  # the channel's drop counts already in _totals
         self._totals = {"passes": 0, "tensors": 0, "bytes": 0, "dropped": 0, "skipped": 0, "dropped_passes": 0,
                         "lost_pass_ends": 0, "late_pass_ends": 0, "interrupted_pass_ends": 0,
-                        "incomplete_passes": 0, "mixed_passes": 0, "lost_at_close": 0, "graphs_not_dumped": 0}
+                        "incomplete_passes": 0, "mixed_passes": 0, "lost_at_close": 0, "graphs_not_dumped": 0,
+                        "compiled_not_dumped": 0}
         self._wrapped: list = []  # (module, our wrapper), in wrapping order; what each wraps: _wrapped_by
         self._module_names: set = set()  # the names wrapped modules dump under (a container's parts must not take one)
         self._flat_names: set = set()    # names given to containers' parts in pass _flat_pass (see _name_taken)
@@ -203,6 +204,8 @@ class Dumper:
         self._indexed_parents: set = set()
         self._manual_depth = 0           # begin_pass() calls not yet ended in the open pass
         self._python_wrappers = False  # set for good once torch.compile traces the model
+        self._tokens: list = []  # this Dumper's entries in _GRAPH_TOKENS
+        self._strict_graph_names: set = set()  # modules traced into graphs that may not break
         # CUDA-graph record mode (fastdump/staging/graphs.py); None: tensors hooked during a capture are skipped.
         self._graphs = _graphs.GraphRecording(self, o.graph_ring_mb) if o.cuda_graphs == "record" else None
         self._engine = None
@@ -1222,6 +1225,13 @@ class Dumper:
                     if why != _SHADOWED_REASON and name not in self._shared_left_out}
         selected = list(select_modules(model, **selection, scripted=scripted))
         root_selected = _root_selected(model, self._root_name, selection)
+        if any(_original_module(m) is not m for m in model.modules()):
+            # torch.compile'd (the model or a submodule): Python wrappers from the start. The C ones
+            # switch at their first call in a pass, once Dynamo has met them in its first trace: a
+            # graph break in the model's loop over its layers, for which Dynamo skips the model's
+            # forward for good. The root wrapper of torch.compile(model) runs before Dynamo starts,
+            # so never saw it either: the compiled model ran eagerly, every pass, without a word.
+            self._python_wrappers = True
         chosen = {k: v for k, v in selection.items() if v is not None}
         if not selected and not root_selected and chosen:  # (a typo: FASTDUMP_MODULE_TYPES=Linaer)
             log.warning("fastdump: %s: the selection %s matches no module of the model: passes are counted, "
@@ -1260,11 +1270,17 @@ class Dumper:
             return
         paths = weakref.WeakKeyDictionary()  # each module of the model -> its (first) name
         for name, module in named_modules(model):
-            paths.setdefault(module, name)
+            try:
+                paths.setdefault(module, name)
+            except TypeError:  # unhashable (__eq__ without __hash__): its registrations go unseen
+                pass
         self._paths = paths
 
         def registered(parent, name, module):
-            prefix = paths.get(parent) if isinstance(name, str) else None
+            try:  # (a module class with __eq__ and no __hash__ cannot be looked up: not ours)
+                prefix = paths.get(parent) if isinstance(name, str) else None
+            except TypeError:
+                return None
             if prefix is None or self._closed or module is None:
                 return None
             try:
@@ -1281,7 +1297,12 @@ class Dumper:
         A module already wrapped keeps its wrapper and the name it had (one moved into a wrapper
         set in its place: ``model.proj = LoRA(model.proj)``)."""
         for name, sub in named_modules(module):
-            self._paths.setdefault(sub, f"{prefix}.{name}" if name else prefix)
+            try:
+                self._paths.setdefault(sub, f"{prefix}.{name}" if name else prefix)
+            except TypeError:  # (unhashable, as above)
+                pass
+        if any(_original_module(m) is not m for m in module.modules()):
+            self._use_python_wrappers()  # a torch.compile'd module put in: as at attach (_install)
         wrapped = {id(m) for m, _ in self._wrapped}
         fresh = [(name, sub) for name, sub in _select_subtree(module, prefix, **selection) if id(sub) not in wrapped]
         self._module_names.update(name for name, _ in fresh)
@@ -1300,6 +1321,9 @@ class Dumper:
         self._wrapped.append((module, wrapper))
 
     def _unwrap(self) -> None:
+        for token in self._tokens:
+            _GRAPH_TOKENS.pop(token, None)
+        self._tokens.clear()
         hook = getattr(self, "_registration_hook", None)
         if hook is not None:
             hook.remove()
@@ -1332,12 +1356,15 @@ class Dumper:
         dumper = self
         inputs = self.inputs
         original, forward = forward, _following(owner, forward)
+        token = self._graph_token(name)
 
         @_wraps(original)  # keeps the signature: transformers' generate() inspects it
         def forward_and_capture(*args, **kwargs):
             if not dumper._capturing:
                 return forward(*args, **kwargs)
             if _is_compiling():  # torch.compile is tracing us: stage the real values at graph breaks
+                if _no_graph_breaks(token):  # fullgraph=True: none allowed; served undumped, counted
+                    return forward(*args, **kwargs)
                 if inputs:  # numbered as it starts, as eagerly (one graph break before, as ever)
                     _outside_graph(dumper._enter_call, name, args, kwargs, True)
                     out = forward(*args, **kwargs)
@@ -1363,6 +1390,11 @@ class Dumper:
                     dumper._capture(name, out, None, k)
             return out
 
+        # A code object of its own: Dynamo keeps its compiled frames per code object, and where it
+        # compiles the wrappers as frames (the model's own frame skipped, as Dynamo does for a graph
+        # break in its loop over the layers) every module's wrapper was a recompile of one code
+        # object, until Dynamo's recompile limit (8) sent the rest to eager, every pass.
+        forward_and_capture.__code__ = forward_and_capture.__code__.replace()
         return forward_and_capture
 
     def _hooked_wrapper(self, name: str, forward, convert, before, owner=None):
@@ -1371,6 +1403,7 @@ class Dumper:
         dumper = self
         inputs = self.inputs
         original, forward = forward, _following(owner, forward)
+        token = self._graph_token(name)
 
         @_wraps(original)
         def forward_and_capture(*args, **kwargs):
@@ -1378,6 +1411,8 @@ class Dumper:
                 return forward(*args, **kwargs)
             # torch.compile tracing us: the hooks and the staging run eagerly, at graph breaks
             outside = _outside_graph if _is_compiling() else _call
+            if outside is not _call and _no_graph_breaks(token):  # fullgraph=True: served undumped, counted
+                return forward(*args, **kwargs)
             if before is not None or inputs or outside is _call:  # numbered as it starts (see _claim)
                 outside(dumper._enter_call, name, args, kwargs, inputs, before)
                 out = forward(*args, **kwargs)
@@ -1389,6 +1424,30 @@ class Dumper:
             return out
 
         return forward_and_capture
+
+    def _graph_token(self, name: str) -> int:
+        """A number naming (this Dumper, ``name``) for _no_graph_breaks, which Dynamo calls with
+        constants only; forgotten at close."""
+        token = next(_GRAPH_TOKEN_COUNT)
+        _GRAPH_TOKENS[token] = (weakref.ref(self), name)
+        self._tokens.append(token)
+        return token
+
+    def _traced_without_graph_breaks(self, name: str) -> None:
+        """Dynamo traced ``name``'s wrapper into a graph that may not break (``torch.compile(...,
+        fullgraph=True)``, ``torch._dynamo.error_on_graph_break``): staging needs a graph break, so
+        that compiled code runs undumped. The modules so traced are counted (``compiled_not_dumped``,
+        which fails ``fastdump verify``) and logged: before, such a compile raised into the model."""
+        if name in self._strict_graph_names:  # (Dynamo may trace a frame more than once)
+            return
+        self._strict_graph_names.add(name)
+        self._totals["compiled_not_dumped"] = len(self._strict_graph_names)
+        self._use_python_wrappers()  # Dynamo reads the leaves' forward after this: not the C ones
+        if "fullgraph" not in self._said:
+            self._said.add("fullgraph")
+            log.warning("fastdump: %s: %s is compiled without graph breaks (torch.compile fullgraph=True): "
+                        "the modules in that graph are served undumped (stats compiled_not_dumped; verify "
+                        "fails). Compile without fullgraph=True to dump them.", self.dir, name)
 
     def _use_python_wrappers(self) -> None:
         """torch.compile is tracing the model: from now on its modules get the Python wrapper.
@@ -1423,6 +1482,7 @@ class Dumper:
         # The pass's begin and end around it in C too, in the common case (CaptureState.root_pass:
         # ~40-110 us a pass in Python in the micro decode loop, mostly cache misses; RESULTS.md 0l).
         root_pass = self._state.root_pass if native is not None and _native_root_pass else None
+        token = self._graph_token(name if name is not None else self._root_name)
 
         @_wraps(original)
         def forward_in_pass(*args, **kwargs):
@@ -1431,6 +1491,8 @@ class Dumper:
             if _is_exporting():  # torch.export traces a graph from fake tensors: nothing to dump, no pass
                 return forward(*args, **kwargs)
             outside = _outside_graph if _is_compiling() else _call  # once per pass: cheap
+            if outside is not _call and _no_graph_breaks(token):  # fullgraph=True: no pass; counted
+                return forward(*args, **kwargs)
             if outside is _call and _fake_mode_active():  # a shape or memory estimate: no values, no pass
                 return forward(*args, **kwargs)  # (a pass of skips would shift every later pass id)
             if root_pass is not None and outside is _call and not dumper._python_wrappers:
@@ -1567,6 +1629,32 @@ else:  # pragma: no cover - without torch nothing is compiled
 
     _outside_graph = _call
     _DYNAMO = None
+
+
+_GRAPH_TOKENS: dict = {}  # Dumper._graph_token: token -> (weakref to the Dumper, name)
+_GRAPH_TOKEN_COUNT = __import__("itertools").count()
+
+
+def _no_graph_breaks(token: int) -> bool:
+    """Called by a wrapper Dynamo is tracing: True when the graph may not break (fullgraph=True),
+    so the wrapper must not stage (each staging call is a graph break). Dynamo runs it once, while
+    tracing, and compiles its answer in as a constant (``_dynamo_marked_constant``, what
+    ``torch._dynamo.assume_constant_result`` sets, without importing torch._dynamo here)."""
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+        tx = InstructionTranslator.current_tx()
+        strict = bool(tx is not None and (tx.one_graph or getattr(tx, "error_on_graph_break", False)))
+    except Exception:  # a torch without these: as before (a fullgraph compile fails at our graph break)
+        return False
+    if strict:
+        dumper, name = _GRAPH_TOKENS.get(token, (lambda: None, None))
+        dumper = dumper()
+        if dumper is not None and not dumper._closed:
+            dumper._traced_without_graph_breaks(name)
+    return strict
+
+
+_no_graph_breaks._dynamo_marked_constant = True
 
 
 def _wraps(forward):
