@@ -1423,6 +1423,7 @@ class Dumper:
                 outside(dumper._capture, name, out, convert)
             return out
 
+        forward_and_capture.__code__ = forward_and_capture.__code__.replace()  # (as _python_capture_wrapper)
         return forward_and_capture
 
     def _graph_token(self, name: str) -> int:
