@@ -487,6 +487,40 @@ def test_a_deep_copy_of_a_dumped_model_computes_with_its_own_weights_and_is_not_
     check(tmp_path, want)  # passes 0 and 1 only: the copy's forward was not dumped
 
 
+@pytest.mark.parametrize("how", ["pickle", "torch.save"])
+def test_a_pickled_dumped_model_loads_back_undumped_and_computes_the_same(tmp_path, kind, how):
+    # pickle / torch.save(model) of a wrapped model raised (the wrappers cannot be pickled); one
+    # that could be pickled would call the original's forward. The loaded copy is a model nothing dumps.
+    import io
+    import pickle
+
+    model = Model()
+    d = fastdump.attach(model, tmp_path)
+    want = run(model, d, passes=1)
+    if how == "pickle":
+        twin = pickle.loads(pickle.dumps(model))
+    else:
+        buffer = io.BytesIO()
+        torch.save(model, buffer)
+        buffer.seek(0)
+        twin = torch.load(buffer, weights_only=False)
+    fastdump_attrs = {"forward", "__deepcopy__", "__getstate__", "_replicate_for_data_parallel"}
+    for module in twin.modules():
+        assert not fastdump_attrs & set(module.__dict__), type(module)
+    reference = Model()  # unwrapped, with the same weights
+    reference.load_state_dict(model.state_dict())
+    for a, b in zip(twin.state_dict().values(), reference.state_dict().values()):
+        assert same_bits(a, b)
+    x = torch.randn(4, 6)
+    with torch.inference_mode():
+        assert same_bits(twin(x), reference(x))
+    want += run(model, d, passes=1)  # the original still dumps, pass 1 after the copy's forward
+    d.close()
+    for module in model.modules():
+        assert not fastdump_attrs & set(module.__dict__), type(module)
+    check(tmp_path, want)  # passes 0 and 1 only: the copy's forward was not dumped
+
+
 def test_a_module_with_its_own_deepcopy_keeps_it(tmp_path, kind):
     class Custom(nn.Linear):
         def __deepcopy__(self, memo):
@@ -700,3 +734,139 @@ def test_a_compiled_model_with_inputs_numbers_each_call_and_does_not_recompile_p
         assert sorted(dumped) == sorted(want), (p, list(dumped))
         for name, value in want.items():
             assert same_bits(dumped[name], value), (p, name)
+
+
+class LoRA(nn.Module):
+    """What LoRA and quantization libraries do: a module set in a linear's place, holding it."""
+
+    def __init__(self, base):
+        super().__init__()
+        self.base = base
+        self.down, self.up = nn.Linear(4, 3, bias=False), nn.Linear(3, base.out_features, bias=False)
+
+    def forward(self, x):
+        return self.base(x) + self.up(self.down(x))
+
+
+def test_modules_put_into_the_model_after_attach_are_dumped_under_the_names_they_take(tmp_path, kind):
+    # A module registered after attach got no wrapper: its outputs were missing from every pass,
+    # and verify said OK.
+    model = Layered()
+    d = fastdump.attach(model, tmp_path, layers=[0, 1])
+    torch.manual_seed(2)
+    fresh = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+    model.model.layers[1] = fresh  # ModuleList.__setitem__
+    old_head = model.head
+    model.head = LoRA(old_head)  # __setattr__; the old head lives on inside it, under its old name
+    model.model.layers[2] = nn.Sequential(nn.Linear(4, 4), nn.ReLU())  # outside layers=[0, 1]
+    x = torch.randn(2, 4)
+    with torch.inference_mode():
+        out = model(x)
+        l0 = model.model.layers[0][0](x)
+        h0 = model.model.layers[0][1](l0)
+        a = fresh[0](h0)
+        b = fresh[1](a)
+        h2 = model.model.layers[2](b)
+        head, down = old_head(h2), model.head.down(h2)
+        up = model.head.up(down)
+    d.close()
+    assert same_bits(out, head + up)
+    for module in model.modules():  # close() took every wrapper off, the adopted ones too
+        assert "forward" not in module.__dict__ and "__deepcopy__" not in module.__dict__
+    model.model.layers[0] = nn.Linear(4, 4)  # after close: nothing follows registrations any more
+    assert "forward" not in model.model.layers[0].__dict__
+    dumped = fastdump.open(tmp_path).load("target", 0, 0)
+    want = {"model.layers.0.0": l0, "model.layers.0.1": h0, "model.layers.1.0": a, "model.layers.1.1": b, "head": head, "head.down": down, "head.up": up,
+            "Layered": out}
+    assert sorted(dumped) == sorted(want)
+    for name, value in want.items():
+        assert same_bits(dumped[name], value), name
+
+
+@pytest.mark.parametrize("order", ["compile_then_attach", "attach_then_compile"])
+def test_a_compiled_model_of_many_module_types_stays_compiled_while_dumped(tmp_path, order):
+    """A model looping over its layers, compiled with fastdump attached, ran eagerly: compiled
+    first, every pass (Dynamo met a C wrapper in the loop and skipped the model's forward for good;
+    no graph at all); attached first, every module after the 8th (all wrappers shared one code
+    object, recompiled per module up to Dynamo's recompile limit). The values were right either way."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    kinds = [lambda: nn.Linear(8, 8), nn.ReLU, nn.GELU, nn.Tanh, nn.Sigmoid, lambda: nn.LayerNorm(8)]
+
+    class Loop(nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.layers = nn.ModuleList(k() for k in kinds * 2)
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = layer(x)
+            return x
+
+    torch._dynamo.reset()
+    counters.clear()
+    model = Loop()
+    if order == "compile_then_attach":
+        compiled = torch.compile(model, backend="eager")
+        d = fastdump.attach(compiled, tmp_path)
+    else:
+        d = fastdump.attach(model, tmp_path)
+        compiled = torch.compile(model, backend="eager")
+    xs = [torch.randn(2, 8) for _ in range(2)]
+    with torch.no_grad():
+        outs = [compiled(x) for x in xs]
+    d.close()
+    # Each of the 12 modules compiled (its code before and after its dump's graph break), none left to eager.
+    assert counters["stats"]["unique_graphs"] >= len(model.layers), dict(counters["stats"])
+    ds = fastdump.open(tmp_path)
+    assert ds.passes("target", 0) == [0, 1]
+    for p, (x, out) in enumerate(zip(xs, outs)):
+        dumped = ds.load("target", 0, p)
+        assert sorted(dumped) == sorted([f"layers.{i}" for i in range(12)] + ["Loop"])
+        with torch.no_grad():
+            for i, layer in enumerate(model.layers):
+                x = layer(x)
+                assert same_bits(dumped[f"layers.{i}"], x), (p, i)
+        assert same_bits(dumped["Loop"], out) and same_bits(out, x)
+
+
+@pytest.mark.parametrize("order", ["compile_then_attach", "attach_then_compile"])
+def test_a_fullgraph_compile_serves_undumped_and_verify_says_so(tmp_path, order):
+    """fullgraph=True allows no graph break, and staging is one: such a compile raised into the
+    model (Dynamo's Unsupported) while fastdump was attached. It serves now, its modules undumped,
+    counted (stats compiled_not_dumped) and verify fails with the reason."""
+    import torch._dynamo
+    from fastdump.cli import dump as cli_dump
+
+    torch._dynamo.reset()
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        want = model(x)
+    if order == "compile_then_attach":
+        compiled = torch.compile(model, backend="eager", fullgraph=True)
+        d = fastdump.attach(compiled, tmp_path)
+    else:
+        d = fastdump.attach(model, tmp_path)
+        compiled = torch.compile(model, backend="eager", fullgraph=True)
+    with torch.no_grad():
+        outs = [compiled(x), compiled(x)]
+    stats = d.close()
+    for out in outs:
+        assert same_bits(out, want)
+    ds = fastdump.open(tmp_path)
+    if order == "compile_then_attach":  # the root wrapper runs before Dynamo: its passes, the output only
+        assert stats["compiled_not_dumped"] == 3  # the three leaves, traced once
+        assert ds.passes("target", 0) == [0, 1]
+        for p in (0, 1):
+            dumped = ds.load("target", 0, p)
+            assert list(dumped) == ["Sequential"] and same_bits(dumped["Sequential"], want)
+    else:  # the whole forward, the pass's begin and end included, is in the graph: no pass at all
+        assert stats["compiled_not_dumped"] == 1
+        assert stats["passes"] == 0
+    report = cli_dump.verify_dump(str(tmp_path))
+    assert [p.split(": ", 1)[1] for p in report.problems] == [
+        f"{stats['compiled_not_dumped']} dumped module(s) were compiled into graphs that may not break "
+        "(torch.compile fullgraph=True): that compiled code ran undumped"]

@@ -657,3 +657,38 @@ def test_assistant_held_inside_the_target_stays_in_its_role(tmp_path):
         r.remove()
     for role, rec in recs.items():
         assert_dump_equals(tmp_path, role, rec.passes)
+
+
+def test_target_modules_a_candidate_generator_calls_itself_join_no_pass(tmp_path, monkeypatch):
+    # DFlash (noise embeddings, candidate logits), Gemma 4's assistant (the last token's embedding)
+    # and MTP (its MtpModel shares the target's embedding, rotary and head) call the target's modules
+    # from get_candidates, outside any forward. Those calls belong to no pass: each pass holds its
+    # forward's calls alone (a call before the forward would take the name, the forward's `#1`).
+    from transformers.generation import candidate_generator as cg
+
+    target, draft = tiny_llama(), tiny_llama(layers=1, seed=1)
+    made = []
+    real = cg.AssistedCandidateGenerator.get_candidates
+
+    def get_candidates(self, input_ids, *args, **kwargs):
+        made.append(target.model.embed_tokens(input_ids[:, -1:]))
+        out = real(self, input_ids, *args, **kwargs)
+        made.append(target.lm_head(made[-1]))
+        return out
+
+    monkeypatch.setattr(cg.AssistedCandidateGenerator, "get_candidates", get_candidates)
+    fed = []
+    hook = target.register_forward_pre_hook(lambda m, args, kwargs: fed.append(kwargs["input_ids"].clone()),
+                                            with_kwargs=True)
+    with dump_generate(target, tmp_path, assistant_model=draft):
+        with torch.no_grad():
+            target.generate(PROMPT[:1], assistant_model=draft, max_new_tokens=5, do_sample=False)
+    hook.remove()
+    assert len(made) >= 4
+    ds = fastdump.open(tmp_path)
+    assert ds.passes("target", 0) == list(range(len(fed)))
+    for p, ids in enumerate(fed):
+        dumped = ds.load("target", 0, p)
+        assert not [n for n in dumped if "#" in n], (p, list(dumped))
+        assert torch.equal(dumped["model.embed_tokens"], target.model.embed_tokens.weight[ids]), p
+    assert verify(tmp_path)[0] == 0

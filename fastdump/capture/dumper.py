@@ -33,6 +33,7 @@ from ..options import Options, check_meta_keys as _check_meta_keys
 from .manifest import cuda_index as _cuda_index, device_facts as _device_facts, write_manifest as _write_manifest
 from .ranks import resolve_ranks  # noqa: F401 - part of this module's face
 from .selection import named_modules, original as _original_module, root_selected as _root_selected, select_modules
+from .selection import select_subtree as _select_subtree
 from .selection import SHADOWED_REASON as _SHADOWED_REASON, forward_shadowed as _forward_shadowed, \
     is_script_module as _is_script_module, shared_left_out as _shared_left_out, \
     unwrappable_modules as _unwrappable_modules
@@ -195,7 +196,8 @@ class Dumper:
         self._folded_drops = (0, 0)  # the channel's drop counts already in _totals
         self._totals = {"passes": 0, "tensors": 0, "bytes": 0, "dropped": 0, "skipped": 0, "dropped_passes": 0,
                         "lost_pass_ends": 0, "late_pass_ends": 0, "interrupted_pass_ends": 0,
-                        "incomplete_passes": 0, "mixed_passes": 0, "lost_at_close": 0, "graphs_not_dumped": 0}
+                        "incomplete_passes": 0, "mixed_passes": 0, "lost_at_close": 0, "graphs_not_dumped": 0,
+                        "compiled_not_dumped": 0}
         self._wrapped: list = []  # (module, our wrapper), in wrapping order; what each wraps: _wrapped_by
         self._module_names: set = set()  # the names wrapped modules dump under (a container's parts must not take one)
         self._flat_names: set = set()    # names given to containers' parts in pass _flat_pass (see _name_taken)
@@ -211,6 +213,8 @@ class Dumper:
         self._model_ref = lambda: None  # weakref to the model's (uncompiled) root, set by _install
         self._holds_models: dict = {}    # model weakref -> whether it is part of this Dumper's model
         self._python_wrappers = False  # set for good once torch.compile traces the model
+        self._tokens: list = []  # this Dumper's entries in _GRAPH_TOKENS
+        self._strict_graph_names: set = set()  # modules traced into graphs that may not break
         # CUDA-graph record mode (fastdump/staging/graphs.py); None: tensors hooked during a capture are skipped.
         self._graphs = _graphs.GraphRecording(self, o.graph_ring_mb) if o.cuda_graphs == "record" else None
         self._engine = None
@@ -1273,6 +1277,13 @@ class Dumper:
                     if why != _SHADOWED_REASON and name not in self._shared_left_out}
         selected = list(select_modules(model, **selection, scripted=scripted))
         root_selected = _root_selected(model, self._root_name, selection)
+        if any(_original_module(m) is not m for m in model.modules()):
+            # torch.compile'd (the model or a submodule): Python wrappers from the start. The C ones
+            # switch at their first call in a pass, once Dynamo has met them in its first trace: a
+            # graph break in the model's loop over its layers, for which Dynamo skips the model's
+            # forward for good. The root wrapper of torch.compile(model) runs before Dynamo starts,
+            # so never saw it either: the compiled model ran eagerly, every pass, without a word.
+            self._python_wrappers = True
         chosen = {k: v for k, v in selection.items() if v is not None}
         if not selected and not root_selected and chosen:  # (a typo: FASTDUMP_MODULE_TYPES=Linaer)
             log.warning("fastdump: %s: the selection %s matches no module of the model: passes are counted, "
@@ -1288,6 +1299,7 @@ class Dumper:
                                  if head and tail.isdigit()}
         for name, module in selected:
             self._wrap(module, self._capture_wrapper(name, module.forward, _owner_of(module)))
+        self._follow_registrations(model, selection)
         if _forward_shadowed(model):
             return  # no wrapper of the root would run: recorded in not_wrapped (no root passes)
         if root_passes:
@@ -1305,6 +1317,61 @@ class Dumper:
             inner = self._capture_wrapper(self._root_name, model.forward, owner) if root_selected else None
             self._wrap(model, self._outside_pass_wrapper(inner, model.forward, owner))
 
+    def _follow_registrations(self, model, selection: dict) -> None:
+        """Wrap the modules put into the model after attach (``model.layers[0] = new``, a LoRA or
+        quantization wrapper set in a module's place), selected as at attach under the name they
+        take: no wrapper would run for them, and their outputs were missing from every pass without
+        a word (verify OK). torch calls a global module registration hook from ``__setattr__``,
+        ``add_module`` and ``register_module`` (not on a direct ``_modules[name] = m``): a dict
+        lookup per registration anywhere in the process while a Dumper is attached, none per forward."""
+        if _torch is None:
+            return
+        paths = weakref.WeakKeyDictionary()  # each module of the model -> its (first) name
+        for name, module in named_modules(model):
+            try:
+                paths.setdefault(module, name)
+            except TypeError:  # unhashable (__eq__ without __hash__): its registrations go unseen
+                pass
+        self._paths = paths
+
+        def registered(parent, name, module):
+            try:  # (a module class with __eq__ and no __hash__ cannot be looked up: not ours)
+                prefix = paths.get(parent) if isinstance(name, str) else None
+            except TypeError:
+                return None
+            if prefix is None or self._closed or module is None:
+                return None
+            try:
+                self._adopt(f"{prefix}.{name}" if prefix else name, module, selection)
+            except Exception as exc:  # never into the model: said, and the module goes undumped
+                log.warning("fastdump: %s: %s, put into the model after attach, is not dumped: %s: %s",
+                            self.dir, name, type(exc).__name__, _short(exc))
+            return None
+
+        self._registration_hook = _torch.nn.modules.module.register_module_module_registration_hook(registered)
+
+    def _adopt(self, prefix: str, module, selection: dict) -> None:
+        """Wrap what the selection keeps of ``module``, now registered in the model as ``prefix``.
+        A module already wrapped keeps its wrapper and the name it had (one moved into a wrapper
+        set in its place: ``model.proj = LoRA(model.proj)``)."""
+        for name, sub in named_modules(module):
+            try:
+                self._paths.setdefault(sub, f"{prefix}.{name}" if name else prefix)
+            except TypeError:  # (unhashable, as above)
+                pass
+        if any(_original_module(m) is not m for m in module.modules()):
+            self._use_python_wrappers()  # a torch.compile'd module put in: as at attach (_install)
+        wrapped = {id(m) for m, _ in self._wrapped}
+        fresh = [(name, sub) for name, sub in _select_subtree(module, prefix, **selection) if id(sub) not in wrapped]
+        self._module_names.update(name for name, _ in fresh)
+        self._indexed_parents |= {head for head, _, tail in (name.rpartition(".") for name, _ in fresh)
+                                  if head and tail.isdigit()}  # (as _install: these take the Python wrapper)
+        for name, sub in fresh:
+            self._wrap(sub, self._capture_wrapper(name, sub.forward, _owner_of(sub)))
+        if fresh:
+            log.info("fastdump: %s: %s put into the model after attach: dumped too", self.dir,
+                     ", ".join(name for name, _ in fresh))
+
     def _wrap(self, module, wrapper) -> None:
         _mark_ours(wrapper, module.__dict__.get("forward", _MISSING))
         module.__dict__["forward"] = wrapper
@@ -1312,6 +1379,13 @@ class Dumper:
         self._wrapped.append((module, wrapper))
 
     def _unwrap(self) -> None:
+        for token in self._tokens:
+            _GRAPH_TOKENS.pop(token, None)
+        self._tokens.clear()
+        hook = getattr(self, "_registration_hook", None)
+        if hook is not None:
+            hook.remove()
+            self._registration_hook = None
         for module, wrapper in reversed(self._wrapped):
             if module.__dict__.get("forward") is wrapper:
                 previous = _skip_stale(_wrapped_by(wrapper))
@@ -1340,12 +1414,15 @@ class Dumper:
         dumper = self
         inputs = self.inputs
         original, forward = forward, _following(owner, forward)
+        token = self._graph_token(name)
 
         @_wraps(original)  # keeps the signature: transformers' generate() inspects it
         def forward_and_capture(*args, **kwargs):
             if not dumper._capturing:
                 return forward(*args, **kwargs)
             if _is_compiling():  # torch.compile is tracing us: stage the real values at graph breaks
+                if _no_graph_breaks(token):  # fullgraph=True: none allowed; served undumped, counted
+                    return forward(*args, **kwargs)
                 if inputs:  # numbered as it starts, as eagerly (one graph break before, as ever)
                     _outside_graph(dumper._enter_call, name, args, kwargs, True)
                     out = forward(*args, **kwargs)
@@ -1371,6 +1448,11 @@ class Dumper:
                     dumper._capture(name, out, None, k)
             return out
 
+        # A code object of its own: Dynamo keeps its compiled frames per code object, and where it
+        # compiles the wrappers as frames (the model's own frame skipped, as Dynamo does for a graph
+        # break in its loop over the layers) every module's wrapper was a recompile of one code
+        # object, until Dynamo's recompile limit (8) sent the rest to eager, every pass.
+        forward_and_capture.__code__ = forward_and_capture.__code__.replace()
         return forward_and_capture
 
     def _hooked_wrapper(self, name: str, forward, convert, before, owner=None):
@@ -1379,6 +1461,7 @@ class Dumper:
         dumper = self
         inputs = self.inputs
         original, forward = forward, _following(owner, forward)
+        token = self._graph_token(name)
 
         @_wraps(original)
         def forward_and_capture(*args, **kwargs):
@@ -1386,6 +1469,8 @@ class Dumper:
                 return forward(*args, **kwargs)
             # torch.compile tracing us: the hooks and the staging run eagerly, at graph breaks
             outside = _outside_graph if _is_compiling() else _call
+            if outside is not _call and _no_graph_breaks(token):  # fullgraph=True: served undumped, counted
+                return forward(*args, **kwargs)
             if before is not None or inputs or outside is _call:  # numbered as it starts (see _claim)
                 outside(dumper._enter_call, name, args, kwargs, inputs, before)
                 out = forward(*args, **kwargs)
@@ -1396,7 +1481,32 @@ class Dumper:
                 outside(dumper._capture, name, out, convert)
             return out
 
+        forward_and_capture.__code__ = forward_and_capture.__code__.replace()  # (as _python_capture_wrapper)
         return forward_and_capture
+
+    def _graph_token(self, name: str) -> int:
+        """A number naming (this Dumper, ``name``) for _no_graph_breaks, which Dynamo calls with
+        constants only; forgotten at close."""
+        token = next(_GRAPH_TOKEN_COUNT)
+        _GRAPH_TOKENS[token] = (weakref.ref(self), name)
+        self._tokens.append(token)
+        return token
+
+    def _traced_without_graph_breaks(self, name: str) -> None:
+        """Dynamo traced ``name``'s wrapper into a graph that may not break (``torch.compile(...,
+        fullgraph=True)``, ``torch._dynamo.error_on_graph_break``): staging needs a graph break, so
+        that compiled code runs undumped. The modules so traced are counted (``compiled_not_dumped``,
+        which fails ``fastdump verify``) and logged: before, such a compile raised into the model."""
+        if name in self._strict_graph_names:  # (Dynamo may trace a frame more than once)
+            return
+        self._strict_graph_names.add(name)
+        self._totals["compiled_not_dumped"] = len(self._strict_graph_names)
+        self._use_python_wrappers()  # Dynamo reads the leaves' forward after this: not the C ones
+        if "fullgraph" not in self._said:
+            self._said.add("fullgraph")
+            log.warning("fastdump: %s: %s is compiled without graph breaks (torch.compile fullgraph=True): "
+                        "the modules in that graph are served undumped (stats compiled_not_dumped; verify "
+                        "fails). Compile without fullgraph=True to dump them.", self.dir, name)
 
     def _use_python_wrappers(self) -> None:
         """torch.compile is tracing the model: from now on its modules get the Python wrapper.
@@ -1431,6 +1541,7 @@ class Dumper:
         # The pass's begin and end around it in C too, in the common case (CaptureState.root_pass:
         # ~40-110 us a pass in Python in the micro decode loop, mostly cache misses; RESULTS.md 0l).
         root_pass = self._state.root_pass if native is not None and _native_root_pass else None
+        token = self._graph_token(name if name is not None else self._root_name)
 
         @_wraps(original)
         def forward_in_pass(*args, **kwargs):
@@ -1439,6 +1550,8 @@ class Dumper:
             if _is_exporting():  # torch.export traces a graph from fake tensors: nothing to dump, no pass
                 return forward(*args, **kwargs)
             outside = _outside_graph if _is_compiling() else _call  # once per pass: cheap
+            if outside is not _call and _no_graph_breaks(token):  # fullgraph=True: no pass; counted
+                return forward(*args, **kwargs)
             if outside is _call and _fake_mode_active():  # a shape or memory estimate: no values, no pass
                 return forward(*args, **kwargs)  # (a pass of skips would shift every later pass id)
             if root_pass is not None and outside is _call and not dumper._python_wrappers:
@@ -1649,6 +1762,32 @@ else:  # pragma: no cover - without torch nothing is compiled
     _DYNAMO = None
 
 
+_GRAPH_TOKENS: dict = {}  # Dumper._graph_token: token -> (weakref to the Dumper, name)
+_GRAPH_TOKEN_COUNT = __import__("itertools").count()
+
+
+def _no_graph_breaks(token: int) -> bool:
+    """Called by a wrapper Dynamo is tracing: True when the graph may not break (fullgraph=True),
+    so the wrapper must not stage (each staging call is a graph break). Dynamo runs it once, while
+    tracing, and compiles its answer in as a constant (``_dynamo_marked_constant``, what
+    ``torch._dynamo.assume_constant_result`` sets, without importing torch._dynamo here)."""
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+        tx = InstructionTranslator.current_tx()
+        strict = bool(tx is not None and (tx.one_graph or getattr(tx, "error_on_graph_break", False)))
+    except Exception:  # a torch without these: as before (a fullgraph compile fails at our graph break)
+        return False
+    if strict:
+        dumper, name = _GRAPH_TOKENS.get(token, (lambda: None, None))
+        dumper = dumper()
+        if dumper is not None and not dumper._closed:
+            dumper._traced_without_graph_breaks(name)
+    return strict
+
+
+_no_graph_breaks._dynamo_marked_constant = True
+
+
 def _wraps(forward):
     """functools.wraps without our own markers: it copies ``__dict__``, and a wrapper made over a
     stale fastdump wrapper must not inherit its ``__fastdump_off__`` or ``__fastdump_previous__``."""
@@ -1815,7 +1954,24 @@ def _replicate_undumped(module):
     return replica
 
 
-_COPIERS = {"__deepcopy__": _deepcopy_undumped, "_replicate_for_data_parallel": _replicate_undumped}
+def _getstate_undumped(module):
+    """``__getstate__`` of a module a Dumper wraps (installed on the instance, as ``__deepcopy__`` is):
+    what ``pickle`` and ``torch.save`` store. Our wrappers cannot be pickled (the C one is no Python
+    function, the Python ones are closures), so pickling a wrapped model raised; and a wrapper that
+    could be would call the forward of the module it was made for. The state stored is the module's
+    without our wrappers and copiers, so what is loaded back is a model nothing dumps."""
+    getstate = getattr(type(module), "__getstate__", None)  # nn.Module's (object's from Python 3.11)
+    state = module.__dict__ if getstate is None else getstate(module)
+    if not isinstance(state, dict):
+        raise TypeError(f"fastdump: cannot pickle {type(module).__name__} while a Dumper wraps it "
+                        "(close the Dumper first)")
+    state = dict(state)
+    _undumped_state(state)
+    return state
+
+
+_COPIERS = {"__deepcopy__": _deepcopy_undumped, "_replicate_for_data_parallel": _replicate_undumped,
+            "__getstate__": _getstate_undumped}
 
 
 def _undumped_state(state: dict) -> None:
@@ -1834,12 +1990,15 @@ def _undumped_state(state: dict) -> None:
 
 def _install_copier(module) -> None:
     """Give ``module`` our copiers: _deepcopy_undumped unless it or its class has a ``__deepcopy__``
-    of its own; _replicate_undumped when its class replicates for DataParallel (every nn.Module)."""
+    of its own; _replicate_undumped when its class replicates for DataParallel (every nn.Module);
+    _getstate_undumped (pickle), which wraps the class's ``__getstate__``."""
     cls, own = type(module), module.__dict__
     if "__deepcopy__" not in own and getattr(cls, "__deepcopy__", None) is None:
         own["__deepcopy__"] = types.MethodType(_deepcopy_undumped, module)
     if "_replicate_for_data_parallel" not in own and callable(getattr(cls, "_replicate_for_data_parallel", None)):
         own["_replicate_for_data_parallel"] = types.MethodType(_replicate_undumped, module)
+    if "__getstate__" not in own:
+        own["__getstate__"] = types.MethodType(_getstate_undumped, module)
 
 
 def _remove_copier(module) -> None:

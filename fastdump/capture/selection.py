@@ -107,6 +107,21 @@ def select_modules(model, *, layers=None, include=None, exclude=None, module_typ
             if name and not (name in scripted or _inside(name, scripted)) and kept(name, module)]
 
 
+def select_subtree(module, prefix: str, *, layers=None, include=None, exclude=None, module_types=None,
+                   leaves_only=True) -> list:
+    """select_modules for ``module`` about to be put into a model under the name ``prefix`` (a
+    submodule registered after attach): (full name, module) of it and its submodules, by the same
+    rules on their full names."""
+    scripted = script_modules(module)
+    kept = _selection(layers, include, exclude, module_types, leaves_only)
+    found = []
+    for name, sub in named_modules(module):
+        full = f"{prefix}.{name}" if name else prefix
+        if not (name in scripted or _inside(name, scripted)) and kept(full, sub):
+            found.append((full, sub))
+    return found
+
+
 SHARED_LEFT_OUT_REASON = ("a module held under several names is wrapped once, under its first name, and the "
                           "selection (layers=, include=, exclude=) leaves that name out while it keeps {kept}; "
                           "its calls cannot be told apart by the path they come from, so it is not dumped")

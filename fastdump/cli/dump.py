@@ -535,6 +535,10 @@ def _check_counts(report: _Report, path: str, info: dict, pass_ids: set, tensors
     if graphs:
         report.problem(path, f"{graphs} CUDA graph(s) captured while dumping cannot be dumped: their replays ran "
                              "unseen (see the capture pass's incomplete reason)")
+    compiled = count(stats, "compiled_not_dumped", "stats.")
+    if compiled:
+        report.problem(path, f"{compiled} dumped module(s) were compiled into graphs that may not break "
+                             "(torch.compile fullgraph=True): that compiled code ran undumped")
     config = info.get("config") if isinstance(info.get("config"), dict) else {}
     dropped, dropped_passes = count(info, "dropped"), count(info, "dropped_passes")
     if dropped or dropped_passes:
