@@ -34,7 +34,7 @@ import time
 import warnings
 
 from . import format as fmt
-from .report import _missing_text, _span, _where, layer_of, printable  # noqa: F401 - layer_of is public here too
+from .report import PassRuns, _missing_text, _span, _where, layer_of, printable  # noqa: F401 - layer_of is public here too
 from .report import cosine_text, percent
 from .rowlog import RowLog
 
@@ -171,7 +171,8 @@ class Options:
     """Everything ``diff`` accepts, checked once (ValueError on bad values)."""
 
     def __init__(self, role=None, rank=None, passes=None, name=None, atol=DEFAULT_ATOL, rtol=DEFAULT_RTOL,
-                 tol=None, metric=None, align=None, unshard=None, allow_running=False, progress=False):
+                 tol=None, metric=None, align=None, unshard=None, allow_running=False, progress=False,
+                 strict=False):
         self.roles = list(dict.fromkeys(_as_list(role)))  # a role given twice was compared twice, counted twice
         self.rank = None if rank is None else int(rank)
         self.passes_spec = passes
@@ -195,6 +196,7 @@ class Options:
         self.unshard = [parse_unshard(text) for text in self.unshard_specs]
         self.allow_running = bool(allow_running)
         self.progress = progress
+        self.strict = bool(strict)  # a name or a pass on one side only fails the diff (exit 1)
 
     def tolerance(self, name: str):
         for pattern, atol, rtol in self.tols:  # the first matching rule wins
@@ -211,7 +213,7 @@ class Options:
     def as_dict(self) -> dict:
         return {"role": self.roles or None, "rank": self.rank, "passes": self.passes_spec, "name": self.name_spec,
                 "atol": self.atol, "rtol": self.rtol, "tol": self.tol_specs, "metric": self.metric_specs,
-                "align": self.align_spec, "unshard": self.unshard_specs}
+                "align": self.align_spec, "unshard": self.unshard_specs, "strict": self.strict}
 
 
 # ----------------------------------------------------------------------------------------- ranks
@@ -430,8 +432,11 @@ def _pass_pairs(unit: Unit, options: Options, missing: list) -> list:
         shift = 0 if align is None else align[1]  # baseline pass p pairs with target pass p + shift
         b_set, t_set = set(b_passes), set(t_passes)
         pairs = [(t, t - shift, t) for t in t_passes if t - shift in b_set]
-        extras = (("baseline", [p for p in b_passes if p + shift not in t_set]),
-                  ("target", [t for t in t_passes if t - shift not in b_set]))
+        # A pass outside --passes was not asked about: its absence on one side says nothing (it
+        # was listed missing, and failed a --strict diff). A baseline pass p stands for target p + shift.
+        wanted = options.pass_filter or (lambda pass_id: True)
+        extras = (("baseline", [p for p in b_passes if p + shift not in t_set and wanted(p + shift)]),
+                  ("target", [t for t in t_passes if t - shift not in b_set and wanted(t)]))
         for side, extra in extras:
             if extra:
                 missing.append({"kind": "passes", "only_in": side, "role": unit.role, "rank": unit.label,
@@ -442,10 +447,14 @@ def _pass_pairs(unit: Unit, options: Options, missing: list) -> list:
             b_passes = [p for p in b_passes if _read(b_holders[p], p, b_holders[p].ds.meta, p).get(key) == value]
             t_passes = [p for p in t_passes if _read(t_holders[p], p, t_holders[p].ds.meta, p).get(key) == value]
         n = min(len(b_passes), len(t_passes))
-        for side, passes in (("baseline", b_passes), ("target", t_passes)):
-            if len(passes) > n:
+        extras = {"baseline": b_passes[n:], "target": t_passes[n:]}
+        if options.pass_filter is not None:
+            # --passes selects target pass ids; a baseline pass past the target's last has none.
+            extras = {"baseline": [], "target": [t for t in extras["target"] if options.pass_filter(t)]}
+        for side, passes in extras.items():
+            if passes:
                 missing.append({"kind": "passes", "only_in": side, "role": unit.role, "rank": unit.label,
-                                "passes": passes[n:]})
+                                "passes": passes})
         pairs = [(i, b_passes[i], t_passes[i]) for i in range(n)]
     if options.pass_filter is not None:
         pairs = [pair for pair in pairs if options.pass_filter(pair[2])]
@@ -817,8 +826,9 @@ class DiffResult:
         self.compared, self.failed = rows.compared, rows.failed
         self.first_divergence = rows.first_failure
         # A role, rank or stage on one side only is data missing from the comparison: the dumps
-        # differ (exit 1). (A name on one side only, or a pass, is listed, not failed.)
+        # differ (exit 1). A name on one side only, or a pass, is listed, and fails only a strict diff.
         self.missing_ranks = [item for item in missing if item["kind"] in ("role", "rank", "stage_passes")]
+        self.not_compared = [item for item in missing if item["kind"] in ("name", "passes")]
 
     def __repr__(self) -> str:
         first = self.first_divergence
@@ -843,7 +853,7 @@ class DiffResult:
     def exit_code(self) -> int:
         if self.problems or self._rows.errors:
             return 2
-        return 1 if self.failed or self.missing_ranks else 0
+        return 1 if self.failed or self.missing_ranks or (self.options.strict and self.not_compared) else 0
 
     @property
     def ok(self) -> bool:
@@ -898,8 +908,9 @@ class DiffResult:
             names = len({(m["role"], m["name"]) for m in self.missing if m["kind"] == "name"})
             passes = sum(len(m["passes"]) for m in self.missing if m["kind"] == "passes")
             what = " and ".join(f"{n} {kind}" for n, kind in ((names, "name(s)"), (passes, "pass(es)")) if n)
+            strict = "; --strict: the diff fails" if self.options.strict else ""
             return (f"no divergence in the {self.compared} tensor(s) compared {tolerance}; not compared: {what} "
-                    f"on one side only (listed below)")
+                    f"on one side only (listed below{strict})")
         return f"no divergence: {self.compared} tensor(s) compared, all within tolerance {tolerance}"
 
     def lines(self) -> list:
@@ -967,8 +978,9 @@ def diff(baseline, target, **options) -> DiffResult:
     Options: role, rank, passes ("0-3,7"), name (regex), atol, rtol, tol (["REGEX=ATOL,RTOL"] or
     {regex: (atol, rtol)}), metric (["allclose", "rel_diff=1e-3", "cosine=1e-4"]), align ("id",
     "order", "meta:forward_mode=decode"), unshard (["REGEX=DIM|replicated|sum"] or {regex: rule}),
-    allow_running, progress. Raises ValueError for bad options and DiffError when the dumps cannot
-    be compared at all; per-tensor problems are rows of the result.
+    allow_running, progress, strict (a name or a pass on one side only fails the diff). Raises
+    ValueError for bad options and DiffError when the dumps cannot be compared at all; per-tensor
+    problems are rows of the result.
     """
     opts = Options(**options)
     base_ds, close_base = _open(baseline, "baseline")
@@ -1088,7 +1100,7 @@ def _diff(base_ds, target_ds, options: Options) -> DiffResult:
             for side, names, other in (("target", target_names, base_names), ("baseline", base_names, target_names)):
                 for name in names:
                     if name not in other and (wanted is None or wanted(name)):
-                        missing_names.setdefault((unit.role, unit.label, name, side), []).append(t_pass)
+                        missing_names.setdefault((unit.role, unit.label, name, side), PassRuns()).add(t_pass)
             for order, (name, t_stage) in enumerate(target_names.items()):
                 if name not in base_names or (wanted is not None and not wanted(name)):
                     continue
@@ -1119,7 +1131,7 @@ def _diff(base_ds, target_ds, options: Options) -> DiffResult:
                         "role": role, "rank": label, "pp_rank": pp, "side": side, "passes": passes})
     for (role, label, name, side), passes in missing_names.items():
         missing.append({"kind": "name", "only_in": side, "role": role, "rank": label, "name": name,
-                        "passes": passes})
+                        **passes.as_item()})
     problems.extend(base_ds.problems)
     problems.extend(target_ds.problems)
     result = DiffResult(_roots(base_ds), _roots(target_ds), options, rows, missing, problems, notes)
@@ -1183,6 +1195,9 @@ def add_arguments(subparsers) -> None:
                         "side, e.g. meta:forward_mode=decode)")
     p.add_argument("--unshard", action="append", metavar="REGEX=DIM|replicated|sum",
                    help="how TP shards of matching names combine (default: inferred from shapes)")
+    p.add_argument("--strict", action="store_true",
+                   help="exit 1 when anything was not compared: a tensor name or a pass on one side only "
+                        "(default: listed as missing, exit 0 when every compared tensor passes)")
     p.add_argument("--allow-running", action="store_true",
                    help="compare dumps whose writer is still running (or was killed), as far as written")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
@@ -1242,7 +1257,8 @@ def cmd_diff(args) -> int:
             _check_report_path(args.html)  # before comparing: a diff may take hours
         result = diff(base_roots, target_roots, role=args.role, rank=args.rank, passes=args.passes,
                       name=args.name, atol=args.atol, rtol=args.rtol, tol=args.tol, metric=args.metric,
-                      align=args.align, unshard=args.unshard, allow_running=args.allow_running, progress=True)
+                      align=args.align, unshard=args.unshard, allow_running=args.allow_running, progress=True,
+                      strict=args.strict)
         if args.html:
             result.to_html(args.html)
     except (DiffError, ValueError, OSError) as exc:

@@ -547,8 +547,8 @@ def test_names_on_one_side_are_listed_missing_with_their_passes(tmp_path, capsys
     target = dump_bag(tmp_path / "target", {"x": torch.ones(2), "only_target": torch.ones(1)}, passes=2)
     result = fastdump.diff(base, target)
     assert result.exit_code == 0 and result.compared == 4  # x and Bag, 2 passes
-    assert sorted((m["name"], m["only_in"], m["passes"]) for m in result.missing) == \
-        [("only_base", "baseline", [0, 1]), ("only_target", "target", [0, 1])]
+    assert sorted((m["name"], m["only_in"], m["pass_count"], m["pass_ranges"]) for m in result.missing) == \
+        [("only_base", "baseline", 2, [[0, 1]]), ("only_target", "target", 2, [[0, 1]])]
     code, out, err = run(capsys, base, target)
     assert code == 0
     assert "missing: role target rank 0: 'only_base' only in the baseline (passes 0,1)" in out.splitlines()

@@ -1,0 +1,103 @@
+"""What ``fastdump diff`` did not compare: names and passes on one side only, in bounded memory,
+and ``--strict``, which fails the diff for them (a regression script must not pass a run that
+stopped dumping half its modules)."""
+
+import json
+import os
+
+import pytest
+import torch
+
+import fastdump
+from fastdump import cli
+from fastdump.report import PassRuns, _runs_text
+
+from conftest import write_rank_dir
+
+
+def crafted(root, passes):
+    """A one-rank dump of ``{pass_id: {name: tensor}}``."""
+    write_rank_dir(os.path.join(root, "target", "TP0_PP0_Rank0_pid100"), passes, segment_passes=500)
+    return str(root)
+
+
+def run(capsys, *argv):
+    code = cli.main(["diff", *map(str, argv)])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+@pytest.fixture
+def one_sided(tmp_path):
+    """Baseline passes 0-5 of 'x'; target passes 0-9 of 'x', and 'y' in its odd passes."""
+    base = crafted(tmp_path / "b", {p: {"x": torch.ones(2)} for p in range(6)})
+    target = crafted(tmp_path / "t", {p: {"x": torch.ones(2), **({"y": torch.ones(1)} if p % 2 else {})}
+                                      for p in range(10)})
+    return base, target
+
+
+def test_strict_fails_on_names_and_passes_on_one_side_only(one_sided, capsys):
+    base, target = one_sided
+    code, out, _ = run(capsys, base, target)
+    assert code == 0  # the default: listed, not failed
+    lines = out.splitlines()
+    assert lines[0] == ("no divergence in the 6 tensor(s) compared (atol 1e-05, rtol 1e-05); not compared: "
+                        "1 name(s) and 4 pass(es) on one side only (listed below)")
+    assert "missing: role target rank 0: passes 6-9 (4 passes) only in the target" in lines
+    assert "missing: role target rank 0: 'y' only in the target (passes 1,3,5)" in lines
+    code, out, _ = run(capsys, base, target, "--strict")
+    assert code == 1
+    assert out.splitlines()[0].endswith("on one side only (listed below; --strict: the diff fails)")
+    result = fastdump.diff(base, target, strict=True)
+    assert (result.exit_code, result.ok, result.options.as_dict()["strict"]) == (1, False, True)
+    assert json.loads(result.to_json())["exit_code"] == 1
+    # Everything compared on both sides: --strict passes.
+    code, out, _ = run(capsys, base, target, "--strict", "--passes", "0", "--name", "x")
+    assert code == 0 and out.splitlines()[0].startswith("no divergence: 1 tensor(s) compared")
+
+
+def test_passes_outside_the_passes_option_are_not_missing(one_sided):
+    """--passes 0-3: target passes 6-9 were not asked about; listed missing, they failed --strict."""
+    base, target = one_sided
+    result = fastdump.diff(base, target, passes="0-3", strict=True)
+    assert [m for m in result.missing if m["kind"] == "passes"] == []
+    assert [(m["name"], m["pass_count"], m["pass_ranges"]) for m in result.missing] == [("y", 2, [[1, 1], [3, 3]])]
+    result = fastdump.diff(base, target, passes="0-3", name="x", strict=True)
+    assert result.missing == [] and result.exit_code == 0
+    # offset:1 pairs baseline p with target p+1: baseline pass 5 stands for target 6, outside 0-3.
+    shifted = fastdump.diff(base, target, passes="0-3", align="offset:1", name="x")
+    assert shifted.missing == [{"kind": "passes", "only_in": "target", "role": "target", "rank": 0, "passes": [0]}]
+    # order: the target's passes past the baseline's are still missing where selected.
+    in_order = fastdump.diff(base, target, passes="0-2,8", align="order", name="x")
+    assert in_order.missing == [{"kind": "passes", "only_in": "target", "role": "target", "rank": 0, "passes": [8]}]
+
+
+def test_pass_runs_keep_count_and_ends_in_bounded_memory():
+    runs = PassRuns(range(0, 200000, 2))
+    item = runs.as_item()
+    assert item["pass_count"] == 100000
+    assert item["pass_ranges"] == [[k, k] for k in range(0, 16, 2)] + [[199998, 199998]]
+    assert item["pass_ranges_elided"] == 100000 - 9
+    assert _runs_text(item) == "0,2,4,6,8,10,12,14,… 99991 more ranges …,199998 (100000 passes)"
+    assert _runs_text(PassRuns([0, 1, 2, 5, 6, 9]).as_item()) == "0-2,5,6,9 (6 passes)"
+    assert _runs_text(PassRuns([4]).as_item()) == "4"
+
+
+def test_names_missing_in_many_passes_stay_bounded(tmp_path):
+    """40 names in every other pass of the target only: what the result holds of them does not
+    grow with the passes (it held every pass id: passes x names)."""
+    def missing_json(passes):
+        base = crafted(tmp_path / f"b{passes}", {p: {"x": torch.ones(1)} for p in range(passes)})
+        target = crafted(tmp_path / f"t{passes}", {p: {"x": torch.ones(1), **{f"n{k}": torch.ones(1) for k in range(40)
+                                                                             if p % 2}} for p in range(passes)})
+        result = fastdump.diff(base, target)
+        assert result.exit_code == 0 and result.compared == passes  # x
+        assert len(result.missing) == 40
+        for item in result.missing:
+            assert item["pass_count"] == passes // 2
+            assert item["pass_ranges"] == [[k, k] for k in range(1, 17, 2)] + [[passes - 1, passes - 1]]
+            assert item["pass_ranges_elided"] == passes // 2 - 9
+        return json.dumps(result.missing)
+
+    small, large = missing_json(100), missing_json(1000)
+    assert len(large) - len(small) <= 40 * 8  # a few more digits per item, never the pass ids
