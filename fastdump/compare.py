@@ -424,7 +424,7 @@ def _pass_holders(refs: list) -> dict:
 
 
 def _pass_pairs(unit: Unit, options: Options, missing: list) -> list:
-    """[(sort key, baseline pass, target pass)] for one unit."""
+    """[(sort key, baseline pass, target pass)] for one unit, before --passes selects among them."""
     b_holders, t_holders = (_pass_holders(peers) for peers in unit.peers)
     b_passes, t_passes = list(b_holders), list(t_holders)
     align = options.align
@@ -456,8 +456,6 @@ def _pass_pairs(unit: Unit, options: Options, missing: list) -> list:
                 missing.append({"kind": "passes", "only_in": side, "role": unit.role, "rank": unit.label,
                                 "passes": passes})
         pairs = [(i, b_passes[i], t_passes[i]) for i in range(n)]
-    if options.pass_filter is not None:
-        pairs = [pair for pair in pairs if options.pass_filter(pair[2])]
     return pairs
 
 
@@ -906,7 +904,9 @@ class DiffResult:
         tolerance = f"(atol {self.options.atol:g}, rtol {self.options.rtol:g})"
         if self.missing:  # names or passes on one side only: listed, not failed, but never "all fine"
             names = len({(m["role"], m["name"]) for m in self.missing if m["kind"] == "name"})
-            passes = sum(len(m["passes"]) for m in self.missing if m["kind"] == "passes")
+            # (each TP rank lists the passes it lacks: a pass counts once, not once per rank)
+            passes = len({(m["role"], m["only_in"], p) for m in self.missing if m["kind"] == "passes"
+                          for p in m["passes"]})
             what = " and ".join(f"{n} {kind}" for n, kind in ((names, "name(s)"), (passes, "pass(es)")) if n)
             strict = "; --strict: the diff fails" if self.options.strict else ""
             return (f"no divergence in the {self.compared} tensor(s) compared {tolerance}; not compared: {what} "
@@ -1050,9 +1050,11 @@ def _diff(base_ds, target_ds, options: Options) -> DiffResult:
     role_order = {role: index for index, role in enumerate(roles)}
     # In execution order (the pass, the role, the PP stage; then the units running it at once), so
     # that rows leave the loop in their final order and need not all be held to be sorted.
-    work = sorted(((unit_index, unit, pair) for unit_index, unit in enumerate(units)
-                   for pair in _pass_pairs(unit, options, missing)),
-                  key=lambda item: (item[2][0], role_order[item[1].role], item[1].pp_rank, item[0]))
+    paired = [(unit_index, unit, pair) for unit_index, unit in enumerate(units)
+              for pair in _pass_pairs(unit, options, missing)]
+    selected = paired if options.pass_filter is None else \
+        [item for item in paired if options.pass_filter(item[2][2])]  # --passes: target pass ids
+    work = sorted(selected, key=lambda item: (item[2][0], role_order[item[1].role], item[1].pp_rank, item[0]))
 
     progress = _Progress(options.progress)
     missing_names: dict = {}
@@ -1142,6 +1144,10 @@ def _diff(base_ds, target_ds, options: Options) -> DiffResult:
 
         if not units:
             reason = "no rank in common" + listed("rank")
+        elif not work and paired:  # the dumps have passes in common: --passes selected none of them
+            target_ids = sorted({pair[2] for _, _, pair in paired})
+            reason = (f"--passes {options.passes_spec!r} selects none of the {len(target_ids)} target pass(es) "
+                      f"paired with a baseline pass (target pass ids {_span(target_ids)})")
         elif not work:
             reason = "no passes in common (--align order or meta:KEY=VALUE pairs passes by order)" + listed("passes")
         elif not (base_names_seen or target_names_seen) and problems:

@@ -101,3 +101,33 @@ def test_names_missing_in_many_passes_stay_bounded(tmp_path):
 
     small, large = missing_json(100), missing_json(1000)
     assert len(large) - len(small) <= 40 * 8  # a few more digits per item, never the pass ids
+
+
+def tp2(root, passes):
+    """A TP=2 dump: each rank holds ``{pass_id: {name: tensor}}``."""
+    for tp in range(2):
+        write_rank_dir(os.path.join(root, "target", f"TP{tp}_PP0_Rank{tp}_pid100"), passes,
+                       rank={"tp_rank": tp, "tp_size": 2, "pp_rank": 0, "pp_size": 1, "rank": tp})
+    return str(root)
+
+
+def test_a_pass_on_one_side_counts_once_whatever_the_tp_ranks(tmp_path, capsys):
+    base = tp2(tmp_path / "b", {p: {"x": torch.ones(2)} for p in range(3)})
+    target = tp2(tmp_path / "t", {p: {"x": torch.ones(2)} for p in range(5)})
+    code, out, _ = run(capsys, base, target)
+    lines = out.splitlines()
+    assert code == 0 and lines[0] == ("no divergence in the 6 tensor(s) compared (atol 1e-05, rtol 1e-05); not "
+                                      "compared: 2 pass(es) on one side only (listed below)")  # it said 4
+    assert lines[1:3] == ["missing: role target rank 0: passes 3,4 only in the target",
+                          "missing: role target rank 1: passes 3,4 only in the target"]
+
+
+def test_passes_selecting_nothing_says_so_not_that_the_dumps_share_no_pass(one_sided, capsys):
+    base, target = one_sided
+    code, out, err = run(capsys, base, target, "--passes", "7-9")
+    assert code == 2 and out == ""
+    assert err == ("fastdump diff: --passes '7-9' selects none of the 6 target pass(es) paired with a baseline "
+                   "pass (target pass ids 0-5 (6 passes))\n")
+    # Passes truly not shared still say so.
+    code, out, err = run(capsys, base, target, "--align", "offset:50")
+    assert code == 2 and err.startswith("fastdump diff: no passes in common")
