@@ -1020,6 +1020,27 @@ def _check_side(ds, side: str, roles: list, options: Options, notes: list) -> No
                 # 'incomplete' (the producer died; what it published was written) is still evidence
                 # worth comparing, but never silently.
                 notes.append(f"{side} {ref.path}: status is {ref.status!r}" + (f" ({error})" if error else ""))
+            not_dumped = _not_dumped_text(ds.rank_info(role, name))
+            if not_dumped:
+                # What the capture side did not dump is listed as names or passes on one side only:
+                # without this the listing reads as a model that did not run them.
+                notes.append(f"{side} {ref.path}: the capture side {not_dumped}; names and passes this rank "
+                             f"lacks may be data not dumped, not absent from the model")
+
+
+def _not_dumped_text(info: dict) -> str:
+    """'dropped 3 tensor(s) and 1 whole pass(es) (ring full) and skipped 2 tensor(s) (...)' from
+    rank.json's counts; '' when none (a count that is not an integer >= 0 is verify's to report)."""
+    def count(key):
+        value = info.get(key)
+        return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
+
+    dropped = " and ".join(f"{n} {what}" for n, what in ((count("dropped"), "tensor(s)"),
+                                                         (count("dropped_passes"), "whole pass(es)")) if n)
+    said = ([f"dropped {dropped} (ring full)"] if dropped else []) + \
+        ([f"skipped {count('skipped')} tensor(s) (reasons in each pass's metadata: fastdump show)"]
+         if count("skipped") else [])
+    return " and ".join(said)
 
 
 def _diff(base_ds, target_ds, options: Options) -> DiffResult:

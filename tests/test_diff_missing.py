@@ -131,3 +131,34 @@ def test_passes_selecting_nothing_says_so_not_that_the_dumps_share_no_pass(one_s
     # Passes truly not shared still say so.
     code, out, err = run(capsys, base, target, "--align", "offset:50")
     assert code == 2 and err.startswith("fastdump diff: no passes in common")
+
+
+def test_what_the_capture_side_dropped_is_noted_not_blamed_on_the_model(tmp_path, capsys):
+    """Pass 3 dropped whole and 'y' of pass 1 dropped by the target's ring: diff listed them only in
+    the baseline, as if the target model had not run them, and said nothing of the drops."""
+    from fastdump import dtypes
+    from fastdump.writer.channel_writer import ChannelWriter
+
+    base = crafted(tmp_path / "b", {p: {"x": torch.ones(2), "y": torch.ones(2)} for p in range(4)})
+    rank_path = tmp_path / "t" / "target" / "TP0_PP0_Rank0_pid100"
+    writer = ChannelWriter({"op": "open", "channel": 0, "dir": str(rank_path), "role": "target",
+                            "rank": {"tp_rank": 0, "tp_size": 1, "pp_rank": 0, "pp_size": 1, "rank": 0},
+                            "pid": 100, "host": "h", "device": {}, "config": {}})
+    writer.on_name(0, "x")
+    writer.on_name(1, "y")
+    for pass_id in (0, 1, 2):
+        writer.on_begin(pass_id, {})
+        for index in ((0,) if pass_id == 1 else (0, 1)):
+            writer.on_tensor(index, pass_id, dtypes.code_of(torch.float32), (2,),
+                             torch.ones(2).view(torch.uint8).numpy().copy())
+        writer.on_end(pass_id, {}, 1 if pass_id == 1 else 0, [])
+    writer.close({"dropped": 1, "dropped_passes": 1}, status="closed")
+    code, out, _ = run(capsys, base, tmp_path / "t")
+    lines = out.splitlines()
+    assert code == 0
+    assert lines[1:3] == ["missing: role target rank 0: passes 3 only in the baseline",
+                          "missing: role target rank 0: 'y' only in the baseline (passes 1)"]
+    assert lines[3] == (f"note: target {rank_path}: the capture side dropped 1 tensor(s) and 1 whole pass(es) "
+                        f"(ring full); names and passes this rank lacks may be data not dumped, not absent from "
+                        f"the model")
+    assert run(capsys, base, tmp_path / "t", "--strict")[0] == 1
