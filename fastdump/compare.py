@@ -741,7 +741,11 @@ def _compare_name(unit, pass_pair, name, b_stage, t_stage, options, layouts, cac
     row["status"] = "fail" if failed else "ok"
     if failed:
         row["reason"] = "exceeds " + ", ".join(failed)
-        if result["nonfinite_mismatches"]:  # max_abs, rel_diff, cosine leave them out: they may read 0 and 1
+        if result["nonfinite_mismatches"] and "complex" in row["dtype"] + row["baseline_dtype"]:
+            # (a complex element's finite part still counts in rel_diff and cosine)
+            row["reason"] += (f"; {result['nonfinite_mismatches']} element(s) with a NaN or infinite part, left "
+                              f"out of max_abs and max_rel")
+        elif result["nonfinite_mismatches"]:  # max_abs, rel_diff, cosine leave them out: they may read 0 and 1
             row["reason"] += (f"; {result['nonfinite_mismatches']} element(s) NaN or infinite on one side only "
                               f"(or infinite of opposite signs), left out of max_abs, rel_diff and cosine")
         if used_rule == "replicated" and rule is None:

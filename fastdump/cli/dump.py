@@ -825,6 +825,25 @@ def _number(value) -> str:
     return "-" if value is None else f"{value:.6g}"
 
 
+# A pass up to this size is read with one load (per-tensor lookups would cost more on decode
+# steps); a larger one tensor by tensor, so that show holds one tensor, never a whole prefill pass.
+SHOW_LOAD_BYTES = 64 << 20
+
+
+def _pass_tensors(ds, role, rank, pass_id, select, session, meta):
+    """(name, tensor) of one pass in dump order, one at a time past SHOW_LOAD_BYTES."""
+    if not isinstance(meta.get("bytes"), int) or meta["bytes"] <= SHOW_LOAD_BYTES:
+        yield from ds.load(role, rank, pass_id, select=select, session=session).items()
+        return
+    names = [name for name in ds.pass_names(role, rank, pass_id, session=session) if select is None or select(name)]
+    repeated = {name for name, n in collections.Counter(names).items() if n > 1}
+    for name in dict.fromkeys(names):
+        if name in repeated:  # load names every copy (name, name#dup1, ...): none is lost
+            yield from ds.load(role, rank, pass_id, select=name.__eq__, session=session).items()
+        else:
+            yield name, ds.tensor(role, rank, name, pass_id, session=session)
+
+
 def cmd_show(args) -> int:
     from .. import reader
 
@@ -833,13 +852,23 @@ def cmd_show(args) -> int:
     except re.error as exc:
         print(f"fastdump show: --name {_printable(args.name)!r} is not a regular expression ({exc})", file=sys.stderr)
         return 1
+    rows = []
     try:
         with warnings.catch_warnings(record=True) as caught, reader.open(args.root) as ds:
             warnings.simplefilter("always")
             rank, session = _rank_arg(args.rank), getattr(args, "session", None)
-            tensors = ds.load(args.role, rank, args.pass_id, select=pattern.search if pattern else None,
-                              session=session)
             meta = ds.meta(args.role, rank, args.pass_id, session=session)
+            for name, tensor in _pass_tensors(ds, args.role, rank, args.pass_id, pattern.search if pattern else None,
+                                              session, meta):
+                stats = tensor_stats(tensor) if tensor.numel() else None
+                dtype = dtypes.torch_name(tensor.dtype)
+                shape = "[" + ", ".join(str(d) for d in tensor.shape) + "]"
+                del tensor  # (one tensor held at a time)
+                if stats is None:
+                    rows.append([_printable(name), dtype, shape, "-", "-", "-", "-", "-", "-"])
+                else:
+                    numbers = [_number(stats[key]) for key in ("min", "max", "mean", "std")]
+                    rows.append([_printable(name), dtype, shape, *numbers, stats["nan"], stats["inf"]])
             problems = list(ds.problems)
     except (KeyError, ValueError, OSError) as exc:  # DumpError is a ValueError
         _print_warnings([], caught)
@@ -848,16 +877,6 @@ def cmd_show(args) -> int:
         return 1
     _print_warnings(problems, caught)
     print(f"pass {args.pass_id}: " + json.dumps(meta, default=str))
-    rows = []
-    for name, tensor in tensors.items():
-        stats = tensor_stats(tensor) if tensor.numel() else None
-        dtype = dtypes.torch_name(tensor.dtype)
-        shape = "[" + ", ".join(str(d) for d in tensor.shape) + "]"
-        if stats is None:
-            rows.append([_printable(name), dtype, shape, "-", "-", "-", "-", "-", "-"])
-        else:
-            numbers = [_number(stats[key]) for key in ("min", "max", "mean", "std")]
-            rows.append([_printable(name), dtype, shape, *numbers, stats["nan"], stats["inf"]])
     print(_table(["NAME", "DTYPE", "SHAPE", "MIN", "MAX", "MEAN", "STD", "NAN", "INF"], rows))
     return 0
 
