@@ -10,7 +10,6 @@ import torch
 
 import fastdump
 from fastdump import cli
-from fastdump.report import PassRuns, _runs_text
 
 from conftest import write_rank_dir
 
@@ -73,6 +72,8 @@ def test_passes_outside_the_passes_option_are_not_missing(one_sided):
 
 
 def test_pass_runs_keep_count_and_ends_in_bounded_memory():
+    from fastdump.report import PassRuns, _runs_text
+
     runs = PassRuns(range(0, 200000, 2))
     item = runs.as_item()
     assert item["pass_count"] == 100000
