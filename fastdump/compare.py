@@ -443,9 +443,7 @@ def _pass_pairs(unit: Unit, options: Options, missing: list) -> list:
                                 "passes": extra})
     else:
         if align[0] == "meta":
-            _, key, value = align
-            b_passes = [p for p in b_passes if _read(b_holders[p], p, b_holders[p].ds.meta, p).get(key) == value]
-            t_passes = [p for p in t_passes if _read(t_holders[p], p, t_holders[p].ds.meta, p).get(key) == value]
+            b_passes, t_passes = _meta_passes(b_holders, align), _meta_passes(t_holders, align)
         n = min(len(b_passes), len(t_passes))
         extras = {"baseline": b_passes[n:], "target": t_passes[n:]}
         if options.pass_filter is not None:
@@ -457,6 +455,12 @@ def _pass_pairs(unit: Unit, options: Options, missing: list) -> list:
                                 "passes": passes})
         pairs = [(i, b_passes[i], t_passes[i]) for i in range(n)]
     return pairs
+
+
+def _meta_passes(holders: dict, align) -> list:
+    """The passes (of ``{pass id: rank holding it}``) whose metadata KEY equals VALUE."""
+    _, key, value = align
+    return [p for p, ref in holders.items() if _read(ref, p, ref.ds.meta, p).get(key) == value]
 
 
 # ------------------------------------------------------------------------------------- unsharding
@@ -1173,6 +1177,13 @@ def _diff(base_ds, target_ds, options: Options) -> DiffResult:
             target_ids = sorted({pair[2] for _, _, pair in paired})
             reason = (f"--passes {options.passes_spec!r} selects none of the {len(target_ids)} target pass(es) "
                       f"paired with a baseline pass (target pass ids {_span(target_ids)})")
+        elif not work and options.align is not None and options.align[0] == "meta":
+            # (it said "no passes in common", and suggested the --align given)
+            _, key, value = options.align
+            counts = [f"{side} {len(_meta_passes(holders, options.align))} of {len(holders)} passes"
+                      for side, holders in zip(("baseline", "target"), map(_pass_holders, units[0].peers))]
+            reason = (f"--align {options.align_spec!r}: no pass with metadata {key} == {value!r} on both sides "
+                      f"({', '.join(counts)}; role {units[0].role}, rank {units[0].label})" + listed("passes"))
         elif not work:
             reason = "no passes in common (--align order or meta:KEY=VALUE pairs passes by order)" + listed("passes")
         elif not (base_names_seen or target_names_seen) and problems:

@@ -163,3 +163,19 @@ def test_what_the_capture_side_dropped_is_noted_not_blamed_on_the_model(tmp_path
                         f"(ring full); names and passes this rank lacks may be data not dumped, not absent from "
                         f"the model")
     assert run(capsys, base, tmp_path / "t", "--strict")[0] == 1
+
+
+def test_align_meta_matching_no_pass_says_how_many_passes_had_it(tmp_path, capsys):
+    """It said "no passes in common (--align order or meta:KEY=VALUE pairs passes by order)": the
+    very option given, and nothing about the metadata that matched nothing."""
+    base = crafted(tmp_path / "b", {p: {"x": torch.ones(2)} for p in range(3)})
+    target = str(tmp_path / "t")
+    write_rank_dir(os.path.join(target, "target", "TP0_PP0_Rank0_pid100"), {p: {"x": torch.ones(2)} for p in range(4)},
+                   pass_meta=lambda p: {"forward_mode": "decode" if p else "prefill"})
+    code, out, err = run(capsys, base, target, "--align", "meta:forward_mode=decode")
+    assert code == 2 and err == ("fastdump diff: --align 'meta:forward_mode=decode': no pass with metadata "
+                                 "forward_mode == 'decode' on both sides (baseline 0 of 3 passes, target 3 of 4 "
+                                 "passes; role target, rank 0)\n  role target rank 0: passes 1-3 (3 passes) only in "
+                                 "the target\n")
+    result = fastdump.diff(target, target, align="meta:forward_mode=decode")
+    assert (result.exit_code, result.compared) == (0, 3)
