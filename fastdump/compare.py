@@ -563,10 +563,12 @@ class _PassCache:
     def __init__(self):
         self._passes: dict = {}  # (rank path, pass id) -> {name: tensor} or None (read per tensor)
         self._names: dict = {}  # (rank path, pass id) -> [name, ...]
+        self._name_sets: dict = {}  # (rank path, pass id) -> {name, ...}
 
     def clear(self) -> None:
         self._passes.clear()
         self._names.clear()
+        self._name_sets.clear()
 
     def names(self, ref: RankRef, pass_id: int) -> list:
         """Tensor names of one rank's pass, in dump order (read once per pass pair)."""
@@ -574,6 +576,14 @@ class _PassCache:
         if key not in self._names:
             self._names[key] = _read(ref, pass_id, ref.ds.pass_names, pass_id)
         return self._names[key]
+
+    def holds(self, ref: RankRef, name: str, pass_id: int) -> bool:
+        """Whether one rank's pass holds ``name`` (a set: asked per name, a list made a pass of
+        20k tensors take 20k x 20k string comparisons)."""
+        key = (ref.path, pass_id)
+        if key not in self._name_sets:
+            self._name_sets[key] = set(self.names(ref, pass_id))
+        return name in self._name_sets[key]
 
     def tensor(self, ref: RankRef, name: str, pass_id: int):
         key = (ref.path, pass_id)
@@ -601,7 +611,7 @@ def _read_shards(stage: list, name: str, pass_id: int, cache: _PassCache) -> lis
         # Missing data on one rank of a group fails the row (exit 1), as a differing value would.
         if pass_id not in ref.passes:
             raise _RowError("fail", f"pass {pass_id} missing on {ref.side} rank {ref.rank}", ref.path)
-        if name not in cache.names(ref, pass_id):
+        if not cache.holds(ref, name, pass_id):
             raise _RowError("fail", f"missing on {ref.side} rank {ref.rank} pass {pass_id}", ref.path)
         try:
             shards.append(cache.tensor(ref, name, pass_id))
