@@ -1282,7 +1282,8 @@ def _roots_arg(positional, repeated, side):
     given = ([positional] if positional else []) + list(repeated)
     roots = []
     for item in given:
-        matches = sorted(glob.glob(item)) if glob.has_magic(item) else [item]
+        # A path that exists is taken as it is: 'run[bf16]' is a directory, not a glob matching 'runb'.
+        matches = sorted(glob.glob(item)) if glob.has_magic(item) and not os.path.exists(item) else [item]
         if not matches:
             raise DiffError(f"{side}: {item!r} matches no directory")
         roots.extend(matches)

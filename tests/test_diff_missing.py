@@ -226,3 +226,17 @@ def test_a_wide_pass_looks_names_up_in_a_set(monkeypatch):
     assert time.monotonic() - start < 1.0
     with pytest.raises(compare._RowError, match="missing on target rank 0 pass 0"):
         compare._read_shards([ref], "model.layers.30000.mlp.output", 0, cache)
+
+
+def test_a_root_whose_name_reads_as_a_glob_is_taken_as_it_is(one_sided, tmp_path, capsys):
+    """'run[bf16]' exists: diff globbed it (matching 'runb', 'runf'...) and refused it, exit 2."""
+    import shutil
+
+    base, _ = one_sided
+    literal = tmp_path / "run[bf16]"
+    shutil.copytree(base, literal)
+    code, out, err = run(capsys, literal, base)
+    assert (code, err) == (0, "") and out.splitlines()[-1] == "compared 6, failed 0, missing 0"
+    shutil.copytree(base, tmp_path / "runb")  # a glob that matches is still a glob
+    code, out, err = run(capsys, "--baseline-root", tmp_path / "run[b]", "--target-root", base)
+    assert code == 0 and out.splitlines()[-1] == "compared 6, failed 0, missing 0"
