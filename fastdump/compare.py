@@ -1213,6 +1213,13 @@ def _diff(base_ds, target_ds, options: Options) -> DiffResult:
                       for side, holders in zip(("baseline", "target"), map(_pass_holders, units[0].peers))]
             reason = (f"--align {options.align_spec!r}: no pass with metadata {key} == {value!r} on both sides "
                       f"({', '.join(counts)}; role {units[0].role}, rank {units[0].label})" + listed("passes"))
+        elif not work and any(not _pass_holders(peers) for unit in units for peers in unit.peers):
+            # (it said "no passes in common" and suggested --align: there was nothing to align)
+            empty = [side for k, side in enumerate(("baseline", "target"))
+                     if all(not _pass_holders(unit.peers[k]) for unit in units)]
+            reason = (f"no pass in a segment file on the {' and the '.join(empty) or 'ranks compared'} (a running "
+                      f"rank keeps its ended passes in its open segment until the segment is full or the Dumper "
+                      f"is closed)")
         elif not work:
             reason = "no passes in common (--align order or meta:KEY=VALUE pairs passes by order)" + listed("passes")
         elif not (base_names_seen or target_names_seen) and problems:

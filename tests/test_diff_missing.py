@@ -240,3 +240,14 @@ def test_a_root_whose_name_reads_as_a_glob_is_taken_as_it_is(one_sided, tmp_path
     shutil.copytree(base, tmp_path / "runb")  # a glob that matches is still a glob
     code, out, err = run(capsys, "--baseline-root", tmp_path / "run[b]", "--target-root", base)
     assert code == 0 and out.splitlines()[-1] == "compared 6, failed 0, missing 0"
+
+
+def test_a_side_with_no_pass_in_a_file_yet_is_named(one_sided, tmp_path, capsys):
+    """A running rank whose passes are all in its open segment: --allow-running said 'no passes in
+    common (--align order or meta:KEY=VALUE pairs passes by order)', blaming the pass numbering."""
+    base, _ = one_sided
+    write_rank_dir(tmp_path / "running" / "target" / "TP0_PP0_Rank0_pid100", {}, status="running")
+    code, out, err = run(capsys, tmp_path / "running", base, "--allow-running")
+    assert code == 2 and err == ("fastdump diff: no pass in a segment file on the baseline (a running rank keeps its "
+                                 "ended passes in its open segment until the segment is full or the Dumper is "
+                                 "closed)\n")

@@ -450,3 +450,27 @@ def test_show_reads_a_large_pass_one_tensor_at_a_time(tmp_path, monkeypatch, cap
     # (the copies of a repeated name are printed together)
     assert show(tmp_path / "dup").splitlines()[1:] == [whole[1].splitlines()[k] for k in (1, 2, 4, 3)]
     assert whole[1].splitlines()[4].startswith("a#dup1  float32  [4]    0    3    1.5   1.11803")
+
+
+def test_show_of_a_pass_still_in_the_open_segment_says_so(tmp_path, capsys):
+    """A running rank keeps its ended passes in its open segment: show said only 'no pass 0', as
+    if the model had never run it."""
+    import socket
+
+    rank_dir = tmp_path / "target" / TARGET
+    write_rank_dir(rank_dir, {0: {"x": torch.ones(2)}})
+    info = read_rank_json(rank_dir)
+    info.update(status="running", pending_passes=3, host=socket.gethostname(), pid=os.getpid())
+    write_rank_json(rank_dir, info)
+    args = argparse.Namespace(root=str(tmp_path), role=None, rank=None, session=None, pass_id=1, name=None)
+    assert cli_dump.cmd_show(args) == 1
+    assert capsys.readouterr().err == (
+        "fastdump show: no pass 1 (the rank is still being written: 3 ended pass(es) are in its open segment, not "
+        "yet in a file; they are readable once the segment is full or the Dumper is closed)\n")
+    info.update(pid=2 ** 22 + 12345)  # no such process: those passes are lost
+    write_rank_json(rank_dir, info)
+    assert cli_dump.cmd_show(args) == 1
+    assert capsys.readouterr().err == ("fastdump show: no pass 1 (3 ended pass(es) were in the open segment of a "
+                                       "writer whose process is gone: lost)\n")
+    args.pass_id = 0  # a written pass still shows
+    assert cli_dump.cmd_show(args) == 0 and "x     float32  [2]" in capsys.readouterr().out
