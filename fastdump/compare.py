@@ -1215,11 +1215,12 @@ def _diff(base_ds, target_ds, options: Options) -> DiffResult:
                       f"({', '.join(counts)}; role {units[0].role}, rank {units[0].label})" + listed("passes"))
         elif not work and any(not _pass_holders(peers) for unit in units for peers in unit.peers):
             # (it said "no passes in common" and suggested --align: there was nothing to align)
-            empty = [side for k, side in enumerate(("baseline", "target"))
-                     if all(not _pass_holders(unit.peers[k]) for unit in units)]
-            reason = (f"no pass in a segment file on the {' and the '.join(empty) or 'ranks compared'} (a running "
-                      f"rank keeps its ended passes in its open segment until the segment is full or the Dumper "
-                      f"is closed)")
+            empty = [k for k in (0, 1) if all(not _pass_holders(unit.peers[k]) for unit in units)]
+            running = any(ref.status == "running" for unit in units for k in empty or (0, 1) for ref in unit.peers[k])
+            where = " and the ".join(("baseline", "target")[k] for k in empty) or "ranks compared"
+            reason = (f"no pass in a segment file on the {where}"
+                      + (" (a running rank keeps its ended passes in its open segment until the segment is full or "
+                         "the Dumper is closed)" if running else ": nothing was dumped"))
         elif not work:
             reason = "no passes in common (--align order or meta:KEY=VALUE pairs passes by order)" + listed("passes")
         elif not (base_names_seen or target_names_seen) and problems:
