@@ -459,7 +459,7 @@ def _pass_pairs(unit: Unit, options: Options, missing: list) -> list:
         for side, extra in extras:
             if extra:
                 missing.append({"kind": "passes", "only_in": side, "role": unit.role, "rank": unit.label,
-                                "passes": extra})
+                                **_dp_field(unit), "passes": extra})
     else:
         if align[0] == "meta":
             b_passes, t_passes = _meta_passes(b_holders, align), _meta_passes(t_holders, align)
@@ -471,9 +471,15 @@ def _pass_pairs(unit: Unit, options: Options, missing: list) -> list:
         for side, passes in extras.items():
             if passes:
                 missing.append({"kind": "passes", "only_in": side, "role": unit.role, "rank": unit.label,
-                                "passes": passes})
+                                **_dp_field(unit), "passes": passes})
         pairs = [(i, b_passes[i], t_passes[i]) for i in range(n)]
     return pairs
+
+
+def _dp_field(unit) -> dict:
+    """{"dp_rank": k} where the role has several DP replicas (their rank numbers repeat: two
+    replicas' items read alike, and one name's pass ids were merged into 0,0,1,1,...)."""
+    return {} if unit.dp_rank is None else {"dp_rank": unit.dp_rank}
 
 
 def _meta_passes(holders: dict, align) -> list:
@@ -942,8 +948,8 @@ class DiffResult:
         if self.missing:  # names or passes on one side only: listed, not failed, but never "all fine"
             names = len({(m["role"], m["name"]) for m in self.missing if m["kind"] == "name"})
             # (each TP rank lists the passes it lacks: a pass counts once, not once per rank)
-            passes = len({(m["role"], m["only_in"], p) for m in self.missing if m["kind"] == "passes"
-                          for p in m["passes"]})
+            passes = len({(m["role"], m.get("dp_rank"), m["only_in"], p) for m in self.missing
+                          if m["kind"] == "passes" for p in m["passes"]})
             what = " and ".join(f"{n} {kind}" for n, kind in ((names, "name(s)"), (passes, "pass(es)")) if n)
             strict = "; --strict: the diff fails" if self.options.strict else ""
             return (f"no divergence in the {self.compared} tensor(s) compared {tolerance}; not compared: {what} "
@@ -1160,7 +1166,8 @@ def _diff(base_ds, target_ds, options: Options) -> DiffResult:
             for side, names, other in (("target", target_names, base_names), ("baseline", base_names, target_names)):
                 for name in names:
                     if name not in other and (wanted is None or wanted(name)):
-                        missing_names.setdefault((unit.role, unit.label, name, side), PassRuns()).add(t_pass)
+                        missing_names.setdefault((unit.role, unit.label, unit.dp_rank, name, side),
+                                                 PassRuns()).add(t_pass)
             for order, (name, t_stage) in enumerate(target_names.items()):
                 if name not in base_names or (wanted is not None and not wanted(name)):
                     continue
@@ -1189,9 +1196,9 @@ def _diff(base_ds, target_ds, options: Options) -> DiffResult:
     for (role, label, side, pp), passes in stage_gaps.items():
         missing.append({"kind": "stage_passes", "only_in": "baseline" if side == "target" else "target",
                         "role": role, "rank": label, "pp_rank": pp, "side": side, "passes": passes})
-    for (role, label, name, side), passes in missing_names.items():
-        missing.append({"kind": "name", "only_in": side, "role": role, "rank": label, "name": name,
-                        **passes.as_item()})
+    for (role, label, dp, name, side), passes in missing_names.items():
+        missing.append({"kind": "name", "only_in": side, "role": role, "rank": label,
+                        **({} if dp is None else {"dp_rank": dp}), "name": name, **passes.as_item()})
     problems.extend(base_ds.problems)
     problems.extend(target_ds.problems)
     result = DiffResult(_roots(base_ds), _roots(target_ds), options, rows, missing, problems, notes)

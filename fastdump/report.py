@@ -319,15 +319,16 @@ def _where(row) -> str:
 def _missing_text(item) -> str:
     if item["kind"] == "role":
         return f"role {item['role']!r} only in the {item['only_in']}"
+    dp = f" (dp {item['dp_rank']})" if item.get("dp_rank") is not None else ""  # rank numbers repeat per DP replica
     if item["kind"] == "rank":
-        dp = f" (dp {item['dp_rank']})" if item.get("dp_rank") is not None else ""  # rank numbers repeat per DP replica
         return f"role {item['role']} rank {item['rank']}{dp} only in the {item['only_in']} ({item['path']})"
     if item["kind"] == "stage_passes":  # its names are unknown: what that stage dumps was not compared
         return (f"role {item['role']} rank {item['rank']}: passes {_span(item['passes'])} missing on every rank of "
                 f"the {item['side']}'s pp stage {item['pp_rank']} (the other stages ran them)")
     if item["kind"] == "passes":
-        return f"role {item['role']} rank {item['rank']}: passes {_span(item['passes'])} only in the {item['only_in']}"
-    return f"role {item['role']} rank {item['rank']}: {item['name']!r} only in the {item['only_in']} " \
+        return (f"role {item['role']} rank {item['rank']}{dp}: passes {_span(item['passes'])} only in the "
+                f"{item['only_in']}")
+    return f"role {item['role']} rank {item['rank']}{dp}: {item['name']!r} only in the {item['only_in']} " \
            f"(passes {_runs_text(item)})"
 
 

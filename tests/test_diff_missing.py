@@ -251,3 +251,24 @@ def test_a_side_with_no_pass_in_a_file_yet_is_named(one_sided, tmp_path, capsys)
     assert code == 2 and err == ("fastdump diff: no pass in a segment file on the baseline (a running rank keeps its "
                                  "ended passes in its open segment until the segment is full or the Dumper is "
                                  "closed)\n")
+
+
+def test_dp_replicas_keep_their_missing_names_and_passes_apart(tmp_path, capsys):
+    """Rank numbers repeat per DP replica: a name on one side in both replicas was one item whose
+    passes read 0,0,1,1,2,2, and two replicas' extra passes two items that read alike."""
+    def dump(root, passes, extra):
+        for dp in range(2):
+            write_rank_dir(root / "target" / f"TP0_PP0_Rank{dp}_pid1{dp}",
+                           {p: {"x": torch.ones(2), **({"y": torch.ones(1)} if extra else {})} for p in range(passes)},
+                           rank={"tp_rank": 0, "tp_size": 1, "pp_rank": 0, "pp_size": 1, "dp_rank": dp, "rank": 0})
+        return root
+
+    code, out, _ = run(capsys, dump(tmp_path / "b", 3, False), dump(tmp_path / "t", 4, True))
+    assert code == 0 and out.splitlines() == [
+        "no divergence in the 6 tensor(s) compared (atol 1e-05, rtol 1e-05); not compared: 1 name(s) and 2 pass(es) "
+        "on one side only (listed below)",
+        "missing: role target rank 0 (dp 0): passes 3 only in the target",
+        "missing: role target rank 0 (dp 1): passes 3 only in the target",
+        "missing: role target rank 0 (dp 0): 'y' only in the target (passes 0-2 (3 passes))",
+        "missing: role target rank 0 (dp 1): 'y' only in the target (passes 0-2 (3 passes))",
+        "compared 6, failed 0, missing 4"]
