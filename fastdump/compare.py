@@ -23,6 +23,7 @@ temporary file), so a diff's memory does not grow with the number of tensors com
 
 from __future__ import annotations
 
+import bisect
 import collections
 import itertools
 import json
@@ -34,7 +35,7 @@ import time
 import warnings
 
 from . import format as fmt
-from .report import _missing_text, _span, _where, layer_of, printable  # noqa: F401 - layer_of is public here too
+from .report import PassRuns, _missing_text, _span, _where, layer_of, printable  # noqa: F401 - layer_of is public here too
 from .report import cosine_text, percent
 from .rowlog import RowLog
 
@@ -130,7 +131,25 @@ def parse_passes(spec: str):
         if last is not None and last < first:  # selects nothing: "no passes in common" would blame the dumps
             raise ValueError(f"--passes {spec!r}: {part!r} ends before it starts")
         ranges.append((first, last))
-    return lambda pass_id: any(pass_id >= a and (b is None or pass_id <= b) for a, b in ranges)
+    # A set of the single ids and the ranges merged, sorted: a script that lists 20k pass ids made
+    # each test walk the whole list (quadratic: minutes on a long dump).
+    singles = {a for a, b in ranges if a == b}
+    spans = sorted((a, math.inf if b is None else b) for a, b in ranges if a != b)
+    merged: list = []
+    for a, b in spans:
+        if merged and a <= merged[-1][1] + 1:
+            merged[-1][1] = max(merged[-1][1], b)
+        else:
+            merged.append([a, b])
+    starts = [a for a, _ in merged]
+
+    def wanted(pass_id) -> bool:
+        if pass_id in singles:
+            return True
+        k = bisect.bisect_right(starts, pass_id) - 1
+        return k >= 0 and pass_id <= merged[k][1]
+
+    return wanted
 
 
 def parse_align(text):
@@ -171,7 +190,8 @@ class Options:
     """Everything ``diff`` accepts, checked once (ValueError on bad values)."""
 
     def __init__(self, role=None, rank=None, passes=None, name=None, atol=DEFAULT_ATOL, rtol=DEFAULT_RTOL,
-                 tol=None, metric=None, align=None, unshard=None, allow_running=False, progress=False):
+                 tol=None, metric=None, align=None, unshard=None, allow_running=False, progress=False,
+                 strict=False):
         self.roles = list(dict.fromkeys(_as_list(role)))  # a role given twice was compared twice, counted twice
         self.rank = None if rank is None else int(rank)
         self.passes_spec = passes
@@ -195,6 +215,7 @@ class Options:
         self.unshard = [parse_unshard(text) for text in self.unshard_specs]
         self.allow_running = bool(allow_running)
         self.progress = progress
+        self.strict = bool(strict)  # a name or a pass on one side only fails the diff (exit 1)
 
     def tolerance(self, name: str):
         for pattern, atol, rtol in self.tols:  # the first matching rule wins
@@ -211,7 +232,7 @@ class Options:
     def as_dict(self) -> dict:
         return {"role": self.roles or None, "rank": self.rank, "passes": self.passes_spec, "name": self.name_spec,
                 "atol": self.atol, "rtol": self.rtol, "tol": self.tol_specs, "metric": self.metric_specs,
-                "align": self.align_spec, "unshard": self.unshard_specs}
+                "align": self.align_spec, "unshard": self.unshard_specs, "strict": self.strict}
 
 
 # ----------------------------------------------------------------------------------------- ranks
@@ -422,7 +443,7 @@ def _pass_holders(refs: list) -> dict:
 
 
 def _pass_pairs(unit: Unit, options: Options, missing: list) -> list:
-    """[(sort key, baseline pass, target pass)] for one unit."""
+    """[(sort key, baseline pass, target pass)] for one unit, before --passes selects among them."""
     b_holders, t_holders = (_pass_holders(peers) for peers in unit.peers)
     b_passes, t_passes = list(b_holders), list(t_holders)
     align = options.align
@@ -430,26 +451,41 @@ def _pass_pairs(unit: Unit, options: Options, missing: list) -> list:
         shift = 0 if align is None else align[1]  # baseline pass p pairs with target pass p + shift
         b_set, t_set = set(b_passes), set(t_passes)
         pairs = [(t, t - shift, t) for t in t_passes if t - shift in b_set]
-        extras = (("baseline", [p for p in b_passes if p + shift not in t_set]),
-                  ("target", [t for t in t_passes if t - shift not in b_set]))
+        # A pass outside --passes was not asked about: its absence on one side says nothing (it
+        # was listed missing, and failed a --strict diff). A baseline pass p stands for target p + shift.
+        wanted = options.pass_filter or (lambda pass_id: True)
+        extras = (("baseline", [p for p in b_passes if p + shift not in t_set and wanted(p + shift)]),
+                  ("target", [t for t in t_passes if t - shift not in b_set and wanted(t)]))
         for side, extra in extras:
             if extra:
                 missing.append({"kind": "passes", "only_in": side, "role": unit.role, "rank": unit.label,
-                                "passes": extra})
+                                **_dp_field(unit), "passes": extra})
     else:
         if align[0] == "meta":
-            _, key, value = align
-            b_passes = [p for p in b_passes if _read(b_holders[p], p, b_holders[p].ds.meta, p).get(key) == value]
-            t_passes = [p for p in t_passes if _read(t_holders[p], p, t_holders[p].ds.meta, p).get(key) == value]
+            b_passes, t_passes = _meta_passes(b_holders, align), _meta_passes(t_holders, align)
         n = min(len(b_passes), len(t_passes))
-        for side, passes in (("baseline", b_passes), ("target", t_passes)):
-            if len(passes) > n:
+        extras = {"baseline": b_passes[n:], "target": t_passes[n:]}
+        if options.pass_filter is not None:
+            # --passes selects target pass ids; a baseline pass past the target's last has none.
+            extras = {"baseline": [], "target": [t for t in extras["target"] if options.pass_filter(t)]}
+        for side, passes in extras.items():
+            if passes:
                 missing.append({"kind": "passes", "only_in": side, "role": unit.role, "rank": unit.label,
-                                "passes": passes[n:]})
+                                **_dp_field(unit), "passes": passes})
         pairs = [(i, b_passes[i], t_passes[i]) for i in range(n)]
-    if options.pass_filter is not None:
-        pairs = [pair for pair in pairs if options.pass_filter(pair[2])]
     return pairs
+
+
+def _dp_field(unit) -> dict:
+    """{"dp_rank": k} where the role has several DP replicas (their rank numbers repeat: two
+    replicas' items read alike, and one name's pass ids were merged into 0,0,1,1,...)."""
+    return {} if unit.dp_rank is None else {"dp_rank": unit.dp_rank}
+
+
+def _meta_passes(holders: dict, align) -> list:
+    """The passes (of ``{pass id: rank holding it}``) whose metadata KEY equals VALUE."""
+    _, key, value = align
+    return [p for p, ref in holders.items() if _read(ref, p, ref.ds.meta, p).get(key) == value]
 
 
 # ------------------------------------------------------------------------------------- unsharding
@@ -533,10 +569,12 @@ class _PassCache:
     def __init__(self):
         self._passes: dict = {}  # (rank path, pass id) -> {name: tensor} or None (read per tensor)
         self._names: dict = {}  # (rank path, pass id) -> [name, ...]
+        self._name_sets: dict = {}  # (rank path, pass id) -> {name, ...}
 
     def clear(self) -> None:
         self._passes.clear()
         self._names.clear()
+        self._name_sets.clear()
 
     def names(self, ref: RankRef, pass_id: int) -> list:
         """Tensor names of one rank's pass, in dump order (read once per pass pair)."""
@@ -544,6 +582,14 @@ class _PassCache:
         if key not in self._names:
             self._names[key] = _read(ref, pass_id, ref.ds.pass_names, pass_id)
         return self._names[key]
+
+    def holds(self, ref: RankRef, name: str, pass_id: int) -> bool:
+        """Whether one rank's pass holds ``name`` (a set: asked per name, a list made a pass of
+        20k tensors take 20k x 20k string comparisons)."""
+        key = (ref.path, pass_id)
+        if key not in self._name_sets:
+            self._name_sets[key] = set(self.names(ref, pass_id))
+        return name in self._name_sets[key]
 
     def tensor(self, ref: RankRef, name: str, pass_id: int):
         key = (ref.path, pass_id)
@@ -571,7 +617,7 @@ def _read_shards(stage: list, name: str, pass_id: int, cache: _PassCache) -> lis
         # Missing data on one rank of a group fails the row (exit 1), as a differing value would.
         if pass_id not in ref.passes:
             raise _RowError("fail", f"pass {pass_id} missing on {ref.side} rank {ref.rank}", ref.path)
-        if name not in cache.names(ref, pass_id):
+        if not cache.holds(ref, name, pass_id):
             raise _RowError("fail", f"missing on {ref.side} rank {ref.rank} pass {pass_id}", ref.path)
         try:
             shards.append(cache.tensor(ref, name, pass_id))
@@ -734,7 +780,11 @@ def _compare_name(unit, pass_pair, name, b_stage, t_stage, options, layouts, cac
     row["status"] = "fail" if failed else "ok"
     if failed:
         row["reason"] = "exceeds " + ", ".join(failed)
-        if result["nonfinite_mismatches"]:  # max_abs, rel_diff, cosine leave them out: they may read 0 and 1
+        if result["nonfinite_mismatches"] and "complex" in row["dtype"] + row["baseline_dtype"]:
+            # (a complex element's finite part still counts in rel_diff and cosine)
+            row["reason"] += (f"; {result['nonfinite_mismatches']} element(s) with a NaN or infinite part, left "
+                              f"out of max_abs and max_rel")
+        elif result["nonfinite_mismatches"]:  # max_abs, rel_diff, cosine leave them out: they may read 0 and 1
             row["reason"] += (f"; {result['nonfinite_mismatches']} element(s) NaN or infinite on one side only "
                               f"(or infinite of opposite signs), left out of max_abs, rel_diff and cosine")
         if used_rule == "replicated" and rule is None:
@@ -817,8 +867,9 @@ class DiffResult:
         self.compared, self.failed = rows.compared, rows.failed
         self.first_divergence = rows.first_failure
         # A role, rank or stage on one side only is data missing from the comparison: the dumps
-        # differ (exit 1). (A name on one side only, or a pass, is listed, not failed.)
+        # differ (exit 1). A name on one side only, or a pass, is listed, and fails only a strict diff.
         self.missing_ranks = [item for item in missing if item["kind"] in ("role", "rank", "stage_passes")]
+        self.not_compared = [item for item in missing if item["kind"] in ("name", "passes")]
 
     def __repr__(self) -> str:
         first = self.first_divergence
@@ -843,7 +894,7 @@ class DiffResult:
     def exit_code(self) -> int:
         if self.problems or self._rows.errors:
             return 2
-        return 1 if self.failed or self.missing_ranks else 0
+        return 1 if self.failed or self.missing_ranks or (self.options.strict and self.not_compared) else 0
 
     @property
     def ok(self) -> bool:
@@ -896,10 +947,13 @@ class DiffResult:
         tolerance = f"(atol {self.options.atol:g}, rtol {self.options.rtol:g})"
         if self.missing:  # names or passes on one side only: listed, not failed, but never "all fine"
             names = len({(m["role"], m["name"]) for m in self.missing if m["kind"] == "name"})
-            passes = sum(len(m["passes"]) for m in self.missing if m["kind"] == "passes")
+            # (each TP rank lists the passes it lacks: a pass counts once, not once per rank)
+            passes = len({(m["role"], m.get("dp_rank"), m["only_in"], p) for m in self.missing
+                          if m["kind"] == "passes" for p in m["passes"]})
             what = " and ".join(f"{n} {kind}" for n, kind in ((names, "name(s)"), (passes, "pass(es)")) if n)
+            strict = "; --strict: the diff fails" if self.options.strict else ""
             return (f"no divergence in the {self.compared} tensor(s) compared {tolerance}; not compared: {what} "
-                    f"on one side only (listed below)")
+                    f"on one side only (listed below{strict})")
         return f"no divergence: {self.compared} tensor(s) compared, all within tolerance {tolerance}"
 
     def lines(self) -> list:
@@ -967,8 +1021,9 @@ def diff(baseline, target, **options) -> DiffResult:
     Options: role, rank, passes ("0-3,7"), name (regex), atol, rtol, tol (["REGEX=ATOL,RTOL"] or
     {regex: (atol, rtol)}), metric (["allclose", "rel_diff=1e-3", "cosine=1e-4"]), align ("id",
     "order", "meta:forward_mode=decode"), unshard (["REGEX=DIM|replicated|sum"] or {regex: rule}),
-    allow_running, progress. Raises ValueError for bad options and DiffError when the dumps cannot
-    be compared at all; per-tensor problems are rows of the result.
+    allow_running, progress, strict (a name or a pass on one side only fails the diff). Raises
+    ValueError for bad options and DiffError when the dumps cannot be compared at all; per-tensor
+    problems are rows of the result.
     """
     opts = Options(**options)
     base_ds, close_base = _open(baseline, "baseline")
@@ -1008,6 +1063,27 @@ def _check_side(ds, side: str, roles: list, options: Options, notes: list) -> No
                 # 'incomplete' (the producer died; what it published was written) is still evidence
                 # worth comparing, but never silently.
                 notes.append(f"{side} {ref.path}: status is {ref.status!r}" + (f" ({error})" if error else ""))
+            not_dumped = _not_dumped_text(ds.rank_info(role, name))
+            if not_dumped:
+                # What the capture side did not dump is listed as names or passes on one side only:
+                # without this the listing reads as a model that did not run them.
+                notes.append(f"{side} {ref.path}: the capture side {not_dumped}; names and passes this rank "
+                             f"lacks may be data not dumped, not absent from the model")
+
+
+def _not_dumped_text(info: dict) -> str:
+    """'dropped 3 tensor(s) and 1 whole pass(es) (ring full) and skipped 2 tensor(s) (...)' from
+    rank.json's counts; '' when none (a count that is not an integer >= 0 is verify's to report)."""
+    def count(key):
+        value = info.get(key)
+        return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
+
+    dropped = " and ".join(f"{n} {what}" for n, what in ((count("dropped"), "tensor(s)"),
+                                                         (count("dropped_passes"), "whole pass(es)")) if n)
+    said = ([f"dropped {dropped} (ring full)"] if dropped else []) + \
+        ([f"skipped {count('skipped')} tensor(s) (reasons in each pass's metadata: fastdump show)"]
+         if count("skipped") else [])
+    return " and ".join(said)
 
 
 def _diff(base_ds, target_ds, options: Options) -> DiffResult:
@@ -1038,9 +1114,11 @@ def _diff(base_ds, target_ds, options: Options) -> DiffResult:
     role_order = {role: index for index, role in enumerate(roles)}
     # In execution order (the pass, the role, the PP stage; then the units running it at once), so
     # that rows leave the loop in their final order and need not all be held to be sorted.
-    work = sorted(((unit_index, unit, pair) for unit_index, unit in enumerate(units)
-                   for pair in _pass_pairs(unit, options, missing)),
-                  key=lambda item: (item[2][0], role_order[item[1].role], item[1].pp_rank, item[0]))
+    paired = [(unit_index, unit, pair) for unit_index, unit in enumerate(units)
+              for pair in _pass_pairs(unit, options, missing)]
+    selected = paired if options.pass_filter is None else \
+        [item for item in paired if options.pass_filter(item[2][2])]  # --passes: target pass ids
+    work = sorted(selected, key=lambda item: (item[2][0], role_order[item[1].role], item[1].pp_rank, item[0]))
 
     progress = _Progress(options.progress)
     missing_names: dict = {}
@@ -1088,7 +1166,8 @@ def _diff(base_ds, target_ds, options: Options) -> DiffResult:
             for side, names, other in (("target", target_names, base_names), ("baseline", base_names, target_names)):
                 for name in names:
                     if name not in other and (wanted is None or wanted(name)):
-                        missing_names.setdefault((unit.role, unit.label, name, side), []).append(t_pass)
+                        missing_names.setdefault((unit.role, unit.label, unit.dp_rank, name, side),
+                                                 PassRuns()).add(t_pass)
             for order, (name, t_stage) in enumerate(target_names.items()):
                 if name not in base_names or (wanted is not None and not wanted(name)):
                     continue
@@ -1117,9 +1196,9 @@ def _diff(base_ds, target_ds, options: Options) -> DiffResult:
     for (role, label, side, pp), passes in stage_gaps.items():
         missing.append({"kind": "stage_passes", "only_in": "baseline" if side == "target" else "target",
                         "role": role, "rank": label, "pp_rank": pp, "side": side, "passes": passes})
-    for (role, label, name, side), passes in missing_names.items():
-        missing.append({"kind": "name", "only_in": side, "role": role, "rank": label, "name": name,
-                        "passes": passes})
+    for (role, label, dp, name, side), passes in missing_names.items():
+        missing.append({"kind": "name", "only_in": side, "role": role, "rank": label,
+                        **({} if dp is None else {"dp_rank": dp}), "name": name, **passes.as_item()})
     problems.extend(base_ds.problems)
     problems.extend(target_ds.problems)
     result = DiffResult(_roots(base_ds), _roots(target_ds), options, rows, missing, problems, notes)
@@ -1130,6 +1209,25 @@ def _diff(base_ds, target_ds, options: Options) -> DiffResult:
 
         if not units:
             reason = "no rank in common" + listed("rank")
+        elif not work and paired:  # the dumps have passes in common: --passes selected none of them
+            target_ids = sorted({pair[2] for _, _, pair in paired})
+            reason = (f"--passes {options.passes_spec!r} selects none of the {len(target_ids)} target pass(es) "
+                      f"paired with a baseline pass (target pass ids {_span(target_ids)})")
+        elif not work and options.align is not None and options.align[0] == "meta":
+            # (it said "no passes in common", and suggested the --align given)
+            _, key, value = options.align
+            counts = [f"{side} {len(_meta_passes(holders, options.align))} of {len(holders)} passes"
+                      for side, holders in zip(("baseline", "target"), map(_pass_holders, units[0].peers))]
+            reason = (f"--align {options.align_spec!r}: no pass with metadata {key} == {value!r} on both sides "
+                      f"({', '.join(counts)}; role {units[0].role}, rank {units[0].label})" + listed("passes"))
+        elif not work and any(not _pass_holders(peers) for unit in units for peers in unit.peers):
+            # (it said "no passes in common" and suggested --align: there was nothing to align)
+            empty = [k for k in (0, 1) if all(not _pass_holders(unit.peers[k]) for unit in units)]
+            running = any(ref.status == "running" for unit in units for k in empty or (0, 1) for ref in unit.peers[k])
+            where = " and the ".join(("baseline", "target")[k] for k in empty) or "ranks compared"
+            reason = (f"no pass in a segment file on the {where}"
+                      + (" (a running rank keeps its ended passes in its open segment until the segment is full or "
+                         "the Dumper is closed)" if running else ": nothing was dumped"))
         elif not work:
             reason = "no passes in common (--align order or meta:KEY=VALUE pairs passes by order)" + listed("passes")
         elif not (base_names_seen or target_names_seen) and problems:
@@ -1183,6 +1281,9 @@ def add_arguments(subparsers) -> None:
                         "side, e.g. meta:forward_mode=decode)")
     p.add_argument("--unshard", action="append", metavar="REGEX=DIM|replicated|sum",
                    help="how TP shards of matching names combine (default: inferred from shapes)")
+    p.add_argument("--strict", action="store_true",
+                   help="exit 1 when anything was not compared: a tensor name or a pass on one side only "
+                        "(default: listed as missing, exit 0 when every compared tensor passes)")
     p.add_argument("--allow-running", action="store_true",
                    help="compare dumps whose writer is still running (or was killed), as far as written")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
@@ -1196,7 +1297,8 @@ def _roots_arg(positional, repeated, side):
     given = ([positional] if positional else []) + list(repeated)
     roots = []
     for item in given:
-        matches = sorted(glob.glob(item)) if glob.has_magic(item) else [item]
+        # A path that exists is taken as it is: 'run[bf16]' is a directory, not a glob matching 'runb'.
+        matches = sorted(glob.glob(item)) if glob.has_magic(item) and not os.path.exists(item) else [item]
         if not matches:
             raise DiffError(f"{side}: {item!r} matches no directory")
         roots.extend(matches)
@@ -1242,7 +1344,8 @@ def cmd_diff(args) -> int:
             _check_report_path(args.html)  # before comparing: a diff may take hours
         result = diff(base_roots, target_roots, role=args.role, rank=args.rank, passes=args.passes,
                       name=args.name, atol=args.atol, rtol=args.rtol, tol=args.tol, metric=args.metric,
-                      align=args.align, unshard=args.unshard, allow_running=args.allow_running, progress=True)
+                      align=args.align, unshard=args.unshard, allow_running=args.allow_running, progress=True,
+                      strict=args.strict)
         if args.html:
             result.to_html(args.html)
     except (DiffError, ValueError, OSError) as exc:

@@ -319,22 +319,72 @@ def _where(row) -> str:
 def _missing_text(item) -> str:
     if item["kind"] == "role":
         return f"role {item['role']!r} only in the {item['only_in']}"
+    dp = f" (dp {item['dp_rank']})" if item.get("dp_rank") is not None else ""  # rank numbers repeat per DP replica
     if item["kind"] == "rank":
-        dp = f" (dp {item['dp_rank']})" if item.get("dp_rank") is not None else ""  # rank numbers repeat per DP replica
         return f"role {item['role']} rank {item['rank']}{dp} only in the {item['only_in']} ({item['path']})"
     if item["kind"] == "stage_passes":  # its names are unknown: what that stage dumps was not compared
         return (f"role {item['role']} rank {item['rank']}: passes {_span(item['passes'])} missing on every rank of "
                 f"the {item['side']}'s pp stage {item['pp_rank']} (the other stages ran them)")
     if item["kind"] == "passes":
-        return f"role {item['role']} rank {item['rank']}: passes {_span(item['passes'])} only in the {item['only_in']}"
-    return f"role {item['role']} rank {item['rank']}: {item['name']!r} only in the {item['only_in']} " \
-           f"(passes {_span(item['passes'])})"
+        return (f"role {item['role']} rank {item['rank']}{dp}: passes {_span(item['passes'])} only in the "
+                f"{item['only_in']}")
+    return f"role {item['role']} rank {item['rank']}{dp}: {item['name']!r} only in the {item['only_in']} " \
+           f"(passes {_runs_text(item)})"
+
+
+class PassRuns:
+    """Pass ids, added in increasing order, as runs of consecutive ids in bounded memory: the first
+    ``MAX_RUNS`` runs and the last one, the count of ids and of the runs left out between them.
+    A name on one side only is missing in up to every pass: a list of its pass ids grew with
+    passes x names (40k passes x 1000 names: 40M ints held until the diff ended)."""
+
+    MAX_RUNS = 8
+
+    def __init__(self, ids=()):
+        self.count = 0
+        self.runs: list = []  # [first, last] of the first MAX_RUNS runs
+        self.last = None  # the run being extended
+        self.elided_runs = 0  # runs between self.runs and self.last, not kept
+        for pass_id in ids:
+            self.add(pass_id)
+
+    def add(self, pass_id: int) -> None:
+        self.count += 1
+        if self.last is not None and pass_id == self.last[1] + 1:
+            self.last[1] = pass_id
+            return
+        if self.last is not None:
+            if len(self.runs) < self.MAX_RUNS:
+                self.runs.append(self.last)
+            else:
+                self.elided_runs += 1
+        self.last = [pass_id, pass_id]
+
+    def as_item(self) -> dict:
+        """The JSON fields of a missing item: ``pass_count``, ``pass_ranges`` ([[first, last], ...]),
+        and ``pass_ranges_elided`` (runs not listed, between the last two) when some are not."""
+        item = {"pass_count": self.count, "pass_ranges": self.runs + ([self.last] if self.last else [])}
+        if self.elided_runs:
+            item["pass_ranges_elided"] = self.elided_runs
+        return item
+
+
+def _runs_text(item: dict) -> str:
+    """'0-99,120,121 (102)': runs of pass ids as ranges; the count where it is not plain; a note
+    where runs were left out ('0,2,4, … 5 more ranges …, 30 (17)')."""
+    def run(first, last):
+        return str(first) if first == last else f"{first},{last}" if last == first + 1 else f"{first}-{last}"
+
+    ranges = [run(*r) for r in item["pass_ranges"]]
+    elided = item.get("pass_ranges_elided", 0)
+    if elided:
+        ranges.insert(len(ranges) - 1, f"… {elided} more range{'s' if elided > 1 else ''} …")
+    plain = not elided and all(last - first <= 1 for first, last in item["pass_ranges"])  # every id printed
+    return ",".join(ranges) + ("" if plain else f" ({item['pass_count']} passes)")
 
 
 def _span(ids: list) -> str:
-    if len(ids) > 6:
-        return f"{ids[0]}..{ids[-1]} ({len(ids)})"
-    return ",".join(str(i) for i in ids)
+    return _runs_text(PassRuns(ids).as_item())
 
 
 # ------------------------------------------------------------------------------------------ main

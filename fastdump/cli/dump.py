@@ -845,6 +845,41 @@ def _number(value) -> str:
     return "-" if value is None else f"{value:.6g}"
 
 
+# A pass up to this size is read with one load (per-tensor lookups would cost more on decode
+# steps); a larger one tensor by tensor, so that show holds one tensor, never a whole prefill pass.
+SHOW_LOAD_BYTES = 64 << 20
+
+
+def _pass_tensors(ds, role, rank, pass_id, select, session, meta):
+    """(name, tensor) of one pass in dump order, one at a time past SHOW_LOAD_BYTES."""
+    if not isinstance(meta.get("bytes"), int) or meta["bytes"] <= SHOW_LOAD_BYTES:
+        yield from ds.load(role, rank, pass_id, select=select, session=session).items()
+        return
+    names = [name for name in ds.pass_names(role, rank, pass_id, session=session) if select is None or select(name)]
+    repeated = {name for name, n in collections.Counter(names).items() if n > 1}
+    for name in dict.fromkeys(names):
+        if name in repeated:  # load names every copy (name, name#dup1, ...): none is lost
+            yield from ds.load(role, rank, pass_id, select=name.__eq__, session=session).items()
+        else:
+            yield name, ds.tensor(role, rank, name, pass_id, session=session)
+
+
+def _open_segment_hint(ds, role, rank, session) -> str:
+    """Why a pass may be absent although the model ran it: a running rank keeps its ended passes in
+    its open segment until the segment is full or closed ('no pass 0' alone read as never dumped)."""
+    try:
+        info = ds.rank_info(role, rank, session=session)
+    except (KeyError, ValueError, OSError):  # the rank itself is not there: the error says so
+        return ""
+    pending = _count(info.get("pending_passes", 0))
+    if info.get("status") != "running" or not pending:
+        return ""
+    if _pid_gone(info):
+        return f" ({pending} ended pass(es) were in the open segment of a writer whose process is gone: lost)"
+    return (f" (the rank is still being written: {pending} ended pass(es) are in its open segment, not yet in a "
+            f"file; they are readable once the segment is full or the Dumper is closed)")
+
+
 def cmd_show(args) -> int:
     from .. import reader
 
@@ -853,13 +888,27 @@ def cmd_show(args) -> int:
     except re.error as exc:
         print(f"fastdump show: --name {_printable(args.name)!r} is not a regular expression ({exc})", file=sys.stderr)
         return 1
+    rows = []
     try:
         with warnings.catch_warnings(record=True) as caught, reader.open(args.root) as ds:
             warnings.simplefilter("always")
             rank, session = _rank_arg(args.rank), getattr(args, "session", None)
-            tensors = ds.load(args.role, rank, args.pass_id, select=pattern.search if pattern else None,
-                              session=session)
-            meta = ds.meta(args.role, rank, args.pass_id, session=session)
+            try:
+                meta = ds.meta(args.role, rank, args.pass_id, session=session)
+            except KeyError as exc:
+                raise KeyError(str(exc.args[0] if exc.args else exc) + _open_segment_hint(ds, args.role, rank, session)) \
+                    from None
+            for name, tensor in _pass_tensors(ds, args.role, rank, args.pass_id, pattern.search if pattern else None,
+                                              session, meta):
+                stats = tensor_stats(tensor) if tensor.numel() else None
+                dtype = dtypes.torch_name(tensor.dtype)
+                shape = "[" + ", ".join(str(d) for d in tensor.shape) + "]"
+                del tensor  # (one tensor held at a time)
+                if stats is None:
+                    rows.append([_printable(name), dtype, shape, "-", "-", "-", "-", "-", "-"])
+                else:
+                    numbers = [_number(stats[key]) for key in ("min", "max", "mean", "std")]
+                    rows.append([_printable(name), dtype, shape, *numbers, stats["nan"], stats["inf"]])
             problems = list(ds.problems)
     except (KeyError, ValueError, OSError) as exc:  # DumpError is a ValueError
         _print_warnings([], caught)
@@ -868,16 +917,6 @@ def cmd_show(args) -> int:
         return 1
     _print_warnings(problems, caught)
     print(f"pass {args.pass_id}: " + json.dumps(meta, default=str))
-    rows = []
-    for name, tensor in tensors.items():
-        stats = tensor_stats(tensor) if tensor.numel() else None
-        dtype = dtypes.torch_name(tensor.dtype)
-        shape = "[" + ", ".join(str(d) for d in tensor.shape) + "]"
-        if stats is None:
-            rows.append([_printable(name), dtype, shape, "-", "-", "-", "-", "-", "-"])
-        else:
-            numbers = [_number(stats[key]) for key in ("min", "max", "mean", "std")]
-            rows.append([_printable(name), dtype, shape, *numbers, stats["nan"], stats["inf"]])
     print(_table(["NAME", "DTYPE", "SHAPE", "MIN", "MAX", "MEAN", "STD", "NAN", "INF"], rows))
     return 0
 
