@@ -1,6 +1,7 @@
 """End to end on CPU: what is dumped equals what the model computed when each module returned."""
 
 import gc
+import json
 import os
 import signal
 import time
@@ -866,3 +867,16 @@ def test_a_draft_pass_begun_inside_the_target_forward_and_never_ended_is_closed_
     assert same_bits(dumped["lm_head"], dl) and same_bits(dumped["fc"], dh)
     meta = ds.meta("draft", 0, 0)
     assert not meta["complete"] and "opened inside ended" in meta["incomplete"]
+
+
+def test_the_root_manifest_is_the_first_dumpers_and_is_never_overwritten(tmp_path):
+    """fastdump.json records the run (config, command): a second Dumper on the root (the draft
+    role, another rank) leaves the first's record as it was."""
+    from fastdump.capture.manifest import write_manifest
+
+    write_manifest(tmp_path, {"policy": "block", "segment_passes": 2})
+    first = (tmp_path / "fastdump.json").read_bytes()
+    write_manifest(tmp_path, {"policy": "drop"})
+    assert (tmp_path / "fastdump.json").read_bytes() == first
+    manifest = json.loads(first)
+    assert manifest["format"] == "fastdump" and manifest["config"] == {"policy": "block", "segment_passes": 2}
