@@ -982,3 +982,200 @@ def test_replay_span_is_split_into_its_pass_and_a_bad_one_is_never_written(tmp_p
         assert not meta["complete"] and why in meta["incomplete"] and meta["tensors"] == 0, (i, meta)
         assert ds.load("target", 0, base + i) == {}
     assert ds.rank_info("target", 0)["dropped_passes"] == 4
+
+
+def test_each_segment_is_durable_before_the_list_and_rank_json_name_it(tmp_path, monkeypatch):
+    """The order that makes a crash lose nothing rank.json lists: a segment's temporary file is
+    fsynced, renamed and its directory fsynced; then its segments.jsonl line is made durable; then
+    rank.json (its temporary file fsynced, renamed, the directory fsynced). A file renamed before
+    its data is on disk can come back empty after a power cut while rank.json commits it."""
+    events = []
+
+    def path_of(fd):
+        return os.readlink(f"/proc/self/fd/{fd}")
+
+    real_fsync, real_fdatasync, real_replace = os.fsync, getattr(os, "fdatasync", None), os.replace
+
+    def fsync(fd):
+        events.append(("sync", path_of(fd)))
+        return real_fsync(fd)
+
+    def fdatasync(fd):
+        events.append(("sync", path_of(fd)))
+        return real_fdatasync(fd)
+
+    def replace(src, dst, **kwargs):
+        events.append(("replace", os.fspath(src), os.fspath(dst)))
+        return real_replace(src, dst, **kwargs)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    if real_fdatasync is not None:
+        monkeypatch.setattr(os, "fdatasync", fdatasync)
+    monkeypatch.setattr(os, "replace", replace)
+    w = ChannelWriter(open_msg(tmp_path, segment_passes=1))
+    f = Feeder(w)
+    for p in range(3):
+        f.full_pass(p, {"x": torch.full((2,), float(p))})
+    w.close({})
+    monkeypatch.undo()
+    directory = str(tmp_path / "target" / RANK_DIR)
+    rank_file, listing = os.path.join(directory, fmt.RANK_FILE), os.path.join(directory, fmt.SEGMENT_LIST_FILE)
+
+    def after(start, want):
+        """Position of the first event from ``start`` on for which ``want`` holds."""
+        for k in range(start, len(events)):
+            if want(events[k]):
+                return k
+        raise AssertionError(f"no such event after {start}: {events[start:]}")
+
+    k = 0
+    for number in range(3):
+        final = os.path.join(directory, fmt.segment_name(number))
+        renamed = after(k, lambda e: e[0] == "replace" and e[2] == final)
+        temp = events[renamed][1]
+        assert ("sync", temp) in events[k:renamed], f"segment {number} renamed before its data was fsynced"
+        k = after(renamed, lambda e: e == ("sync", directory))  # the rename itself made durable
+        k = after(k, lambda e: e == ("sync", listing))  # its line in segments.jsonl
+        published = after(k, lambda e: e[0] == "replace" and e[2] == rank_file)
+        assert ("sync", events[published][1]) in events[k:published], "rank.json renamed before its data was fsynced"
+        k = after(published, lambda e: e == ("sync", directory))
+    info = rank_json(tmp_path)
+    assert info["status"] == "closed" and [s["file"] for s in info["segments"]] == [fmt.segment_name(n) for n in range(3)]
+
+
+def test_a_pass_flushed_open_continues_after_other_passes_and_verifies(tmp_path):
+    """Pass 3 begins first and stays open while passes 0..2 end: at 4x the segment limit the
+    writer flushes it unfinished (segment 0: passes 0..3) and its tensor 'b' lands in segment 1.
+    Pass 0 also has a 'b': what pass 3 carried into segment 1 is its own names, not its segment's
+    first pass's, so this whole dump verifies and pass 3 reads back whole."""
+    w = ChannelWriter(open_msg(tmp_path, segment_passes=1))
+    f = Feeder(w)
+    t = {name: torch.full((2,), float(k)) for k, name in enumerate(["3a", "3b", "a", "b"])}
+    w.on_begin(3, {})
+    f.tensor(3, "a", t["3a"])
+    for p in range(3):
+        f.full_pass(p, {"a": t["a"] + p, "b": t["b"] + p})
+    assert [s["file"] for s in rank_json(tmp_path)["segments"]] == ["seg-000000.h5"]  # flushed with 3 open
+    f.tensor(3, "b", t["3b"])
+    w.on_end(3, {})
+    w.close({"passes": 4, "tensors": 8})
+    from fastdump.cli.dump import verify_dump
+
+    report = verify_dump(str(tmp_path))
+    assert report.problems == [] and report.warnings == [], (report.problems, report.warnings)
+    ds = reader.open(tmp_path)
+    got = ds.load("target", 0, 3, check=True)
+    assert list(got) == ["a", "b"] and torch.equal(got["a"], t["3a"]) and torch.equal(got["b"], t["3b"])
+    assert ds.meta("target", 0, 3)["complete"]
+
+
+def test_a_name_stored_twice_in_a_mixed_pass_reads_the_same_through_tensor_and_load(tmp_path):
+    """A pass whose capture side reported mixed forwards holds 'x' twice (two layouts): load keeps
+    both (the second renamed x#dup1), and tensor('x') is load's 'x', the first, never the other."""
+    w = ChannelWriter(open_msg(tmp_path))
+    f = Feeder(w)
+    first, second = torch.arange(4, dtype=torch.float32).reshape(2, 2), torch.full((3, 5), 7.0)
+    w.on_begin(0, {})
+    f.tensor(0, "x", first)
+    f.tensor(0, "x", second)
+    w.on_end(0, {}, incomplete="two forwards at once", mixed=True)
+    w.close({})
+    ds = reader.open(tmp_path)
+    got = ds.load("target", 0, 0, check=True)
+    assert list(got) == ["x", "x#dup1"]
+    assert_same(got["x"], first)
+    assert_same(got["x#dup1"], second)
+    assert_same(ds.tensor("target", 0, "x", 0, check=True), first)
+
+
+def test_a_scalar_blocks_row_spanning_two_rows_is_refused(tmp_path):
+    """0-d tensors are stored one row each; an index row spanning two (the next pass's row made
+    empty to keep the block tiled, tables CRC restamped, as a faulty writer would) is refused by
+    the reader and verify, never read back as pass 0's value."""
+    from conftest import restamp_tables
+    from fastdump.cli.dump import verify_dump
+
+    w = ChannelWriter(open_msg(tmp_path))
+    f = Feeder(w)
+    for p in range(2):
+        f.full_pass(p, {"s": torch.tensor(float(p + 1))})
+    w.close({})
+    path = str(tmp_path / "target" / RANK_DIR / "seg-000000.h5")
+    with h5py.File(path, "r+") as h5:
+        index = h5["index"][()]
+        index["rows"][:] = (2, 0)
+        index["first_row"][:] = (0, 2)
+        h5["index"][...] = index
+    restamp_tables(path)
+    assert f"{path} block 0: scalar block must be 1-D with one row per tensor" in verify_dump(str(tmp_path)).problems
+    ds = reader.open(tmp_path)
+    with pytest.raises(reader.DumpError, match="a scalar block's index rows must span one row each"):
+        ds.load("target", 0, 0)
+
+
+def _verify_problems(root):
+    from fastdump.cli.dump import verify_dump
+
+    return [p.replace(str(root / "target" / RANK_DIR), "RD") for p in verify_dump(str(root)).problems]
+
+
+def test_drops_the_pass_ends_report_are_counted_in_rank_json_without_the_dumpers_stats(tmp_path):
+    """A Dumper that never sent its close stats (killed, say): the drops its pass ends reported
+    are still rank.json's, and fail verify under policy block."""
+    w = ChannelWriter(open_msg(tmp_path))
+    Feeder(w).full_pass(0, {"x": torch.ones(2)}, dropped=3)
+    w.close({})
+    assert rank_json(tmp_path)["dropped"] == 3
+    assert _verify_problems(tmp_path) == [
+        "RD: policy 'block': 3 tensor(s) and 0 whole pass(es) were dropped (counted, not dumped): the writer fell "
+        "behind for longer than block_timeout_s, or CUDA-graph replays outran the drain"]
+
+
+def test_a_tensor_the_writer_could_not_store_is_counted_lost_and_fails_verify(tmp_path):
+    """A skip whose reason records a loss (accepted, then not stored) is rank.json's lost_tensors;
+    other skips (values fastdump cannot store) are not."""
+    w = ChannelWriter(open_msg(tmp_path))
+    Feeder(w).full_pass(0, {"x": torch.ones(2)}, skipped=[
+        {"name": "y", "reason": fmt.WRITER_LOST_REASON + " (MemoryError)"},
+        {"name": "z", "reason": "convert raised: not a tensor"}])
+    w.close({})
+    info = rank_json(tmp_path)
+    assert info["skipped"] == 2 and info["lost_tensors"] == 1
+    assert _verify_problems(tmp_path) == [
+        "RD: 1 staged tensor(s) were lost after they were accepted: torn (part of their copies failed, a CUDA drain "
+        "error) or not stored by the writer (each pass's skipped list says which and why); they are not on disk"]
+
+
+def test_a_continued_pass_whose_listed_second_part_is_gone_is_never_returned_half(tmp_path):
+    """Pass 3 flushed open in segment 0 and ended in segment 1 (as above); segment 1 then deleted.
+    rank.json still lists it: loading pass 3 must fail, not return segment 0's half as the pass."""
+    w = ChannelWriter(open_msg(tmp_path, segment_passes=1))
+    f = Feeder(w)
+    w.on_begin(3, {})
+    f.tensor(3, "a", torch.ones(2))
+    for p in range(3):
+        f.full_pass(p, {"a": torch.zeros(2)})
+    f.tensor(3, "b", torch.ones(3))
+    w.on_end(3, {})
+    w.close({})
+    os.unlink(tmp_path / "target" / RANK_DIR / "seg-000001.h5")
+    ds = reader.open(tmp_path)
+    with pytest.raises(reader.DumpError) as caught:
+        ds.load("target", 0, 3)
+    assert "seg-000001.h5" in str(caught.value), str(caught.value)
+    assert_same(ds.load("target", 0, 1, check=True)["a"], torch.zeros(2))  # whole passes still read
+
+
+def test_an_empty_tensor_before_rows_of_its_layout_reads_back_empty(tmp_path):
+    """'x' has no rows in pass 0 and two in pass 1 (one block, rows 0..2): pass 0's 'x' is read
+    as its zero rows, never as pass 1's first row."""
+    w = ChannelWriter(open_msg(tmp_path))
+    f = Feeder(w)
+    empty, full = torch.zeros(0, 4), torch.arange(8, dtype=torch.float32).reshape(2, 4)
+    f.full_pass(0, {"x": empty})
+    f.full_pass(1, {"x": full})
+    w.close({})
+    ds = reader.open(tmp_path)
+    assert_same(ds.load("target", 0, 0)["x"], empty)
+    assert_same(ds.tensor("target", 0, "x", 0), empty)
+    assert_same(ds.load("target", 0, 1)["x"], full)

@@ -1,6 +1,7 @@
 """End to end on CPU: what is dumped equals what the model computed when each module returned."""
 
 import gc
+import json
 import os
 import signal
 import time
@@ -1201,3 +1202,16 @@ def test_a_draft_pass_begun_after_the_target_pass_ended_inside_the_draft_forward
     assert "nested_in" not in ds.meta("draft", 0, 0)
     assert ds.meta("target", 0, 0)["suspended_for"] == [{"role": "draft", "pass": None}]
     assert sorted(ds.load("target", 0, 0)) == ["embed", "layer"]
+
+
+def test_the_root_manifest_is_the_first_dumpers_and_is_never_overwritten(tmp_path):
+    """fastdump.json records the run (config, command): a second Dumper on the root (the draft
+    role, another rank) leaves the first's record as it was."""
+    from fastdump.capture.manifest import write_manifest
+
+    write_manifest(tmp_path, {"policy": "block", "segment_passes": 2})
+    first = (tmp_path / "fastdump.json").read_bytes()
+    write_manifest(tmp_path, {"policy": "drop"})
+    assert (tmp_path / "fastdump.json").read_bytes() == first
+    manifest = json.loads(first)
+    assert manifest["format"] == "fastdump" and manifest["config"] == {"policy": "block", "segment_passes": 2}

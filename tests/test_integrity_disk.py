@@ -848,7 +848,8 @@ def test_a_line_after_the_committed_ones_is_never_read_as_listed(tmp_path, tail)
     assert any("after the lines rank.json commits" in p for p in verify(root).problems)
 
 
-@pytest.mark.parametrize("damage", ["byte-changed", "truncated", "missing", "count-wrong", "not-a-count"])
+@pytest.mark.parametrize("damage", ["byte-changed", "truncated", "missing", "missing-no-bytes", "count-wrong",
+                                    "not-a-count"])
 def test_a_damaged_committed_list_fails_verify_and_is_reported_by_the_reader(tmp_path, damage):
     root = tmp_path / "dump"
     path = list_dump(root, "closed")
@@ -862,6 +863,12 @@ def test_a_damaged_committed_list_fails_verify_and_is_reported_by_the_reader(tmp
         expected = f"segments.jsonl holds {len(data) - 10} bytes, rank.json commits 3 segment(s) in {len(data)}"
     elif damage == "missing":
         list_file.unlink()
+        expected = "segments.jsonl missing: rank.json commits 3 segment(s) to it"
+    elif damage == "missing-no-bytes":  # an absent list is empty only when rank.json commits no line either
+        list_file.unlink()
+        info = json.loads((path / fmt.RANK_FILE).read_text())
+        info[fmt.LIST_BYTES] = 0
+        (path / fmt.RANK_FILE).write_text(json.dumps(info))
         expected = "segments.jsonl missing: rank.json commits 3 segment(s) to it"
     else:
         info = json.loads((path / fmt.RANK_FILE).read_text())

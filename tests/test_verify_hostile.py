@@ -239,6 +239,96 @@ def test_index_rows_that_do_not_tile_their_block(dump, expected, damage, verify_
     assert all(same(ds.load("target", 0, 2)[n], expected[2][n]) for n in NAMES)  # other segments read
 
 
+def test_block_with_rows_after_its_last_index_row(dump, expected):
+    """Block 0 (name '0', passes 0 and 1: rows 0..3) gets a fifth row no index row accounts for: a
+    gap at the block's end, which the checks of rows between tensors do not see. Its attributes,
+    CRCs and every index row still agree."""
+    with h5py.File(seg(dump, 0), "r+") as f:
+        old = f["blocks"]["0"]
+        data, attrs = old[()], dict(old.attrs)
+        del f["blocks"]["0"]
+        new = f["blocks"].create_dataset("0", data=np.concatenate([data, np.full((1, 3), 7.0, np.float32)]))
+        new.attrs.update(attrs)
+    code, problems, _ = verify(dump, "--data")
+    assert code == 1
+    assert problems == [f"{seg(dump, 0)} block 0: index rows do not tile the block's 5 rows exactly"], problems
+    ds = open_quietly(dump)
+    with pytest.raises(reader.DumpError, match="block 0: 5 rows, but its index rows cover 4"):
+        ds.load("target", 0, 1)
+    assert all(same(ds.load("target", 0, 2)[n], expected[2][n]) for n in NAMES)  # other segments read
+
+
+def test_pass_meta_with_an_entry_missing(dump, expected):
+    """Segment 0 holds passes 0 and 1 but one pass_meta entry (the tables' CRC made to agree, as a
+    faulty writer would): which pass's metadata, skips and incomplete reason it is is unknown."""
+    path = seg(dump, 0)
+    with h5py.File(path, "r+") as f:
+        texts = f[fmt.PASS_META][()]
+        del f[fmt.PASS_META]
+        f.create_dataset(fmt.PASS_META, data=texts[:1], dtype=h5py.string_dtype())
+    restamp_tables(path)
+    code, problems, _ = verify(dump)
+    assert code == 1 and problems == [f"{path}: 1 pass_meta entries for 2 passes"], problems
+    with open_quietly(dump) as ds:
+        with pytest.warns(UserWarning, match="1 pass_meta entries for 2 passes; pass metadata ignored"):
+            got = ds.load("target", 0, 1)
+        assert all(same(got[n], expected[1][n]) for n in NAMES)  # the data itself is whole
+        assert ds.meta("target", 0, 1) == {"complete": True, "dropped": 0, "skipped": [], "tensors": 4, "bytes": 80}
+
+
+def test_a_block_removed_with_its_index_rows(dump, expected):
+    """Block 1 of segment 0 (name '1' of passes 0 and 1) and its index rows removed, the passes
+    table and tables CRC made to agree: the segment is consistent in itself but for the gap in
+    its block numbers, and rank.json's list still counts the lost tensors."""
+    path = seg(dump, 0)
+    with h5py.File(path, "r+") as f:
+        del f["blocks"]["1"]
+    rewrite(path, "index", lambda index: index[index["block"] != 1])
+
+    def fewer(passes):
+        passes["tensors"] -= 1
+        passes["bytes"] -= 24
+        return passes
+
+    rewrite(path, "passes", fewer)
+    code, problems, _ = verify(dump)
+    assert code == 1
+    here = rank_dir(dump)
+    assert problems == [f"{path}: blocks are not numbered 0..n-1",
+                        f"{path}: attribute tensors=8 but the tables say 6",
+                        f"{path}: attribute bytes=160 but the tables say 112",
+                        f"{here}: seg-000000.h5: segments.jsonl says tensors=8, file has 6",
+                        f"{here}: seg-000000.h5: segments.jsonl says bytes=160, file has 112",
+                        f"{here}: the Dumper staged 20 tensors; 18 are on disk (0 recorded as skipped)"], problems
+
+
+def test_an_index_row_of_a_pass_the_passes_table_lacks(dump, expected):
+    """Pass 1's row of '0' relabelled pass 9, the passes table and CRC made to agree with what
+    pass 1 keeps: the row's tensor belongs to no pass this segment has."""
+    path = seg(dump, 0)
+
+    def relabel(index):
+        index["pass"][(index["pass"] == 1) & (index["block"] == 0)] = 9
+        return index
+
+    def fewer(passes):
+        passes["tensors"][1] -= 1
+        passes["bytes"][1] -= 24
+        return passes
+
+    rewrite(path, "index", relabel)
+    rewrite(path, "passes", fewer)
+    code, problems, _ = verify(dump)
+    assert code == 1
+    assert problems == [f"{path}: tensors of passes missing from the passes table: [9]",
+                        f"{path}: attribute bytes=160 but the tables say 136",
+                        f"{rank_dir(dump)}: seg-000000.h5: segments.jsonl says bytes=160, file has 136"], problems
+    ds = open_quietly(dump)
+    with pytest.warns(UserWarning, match="index row 4: pass 9 is not in the passes table"):
+        with pytest.raises(reader.DumpError, match="seg-000000.h5"):
+            ds.load("target", 0, 1)
+
+
 def test_pass_with_zero_tensors_in_the_passes_table_but_rows_in_the_index(dump, expected):
     def change(passes):
         passes["tensors"][0] = 0
@@ -618,6 +708,20 @@ def test_a_continued_pass_with_a_name_in_both_segments(dump, expected):
     assert code == 1 and has(problems, "pass 1", "'0'"), problems
 
 
+def test_a_whole_pass_found_again_in_the_next_segment_is_not_read_as_one(dump, expected):
+    """Seg 1's pass 2 relabelled 1 and rank.json made to agree: pass 1 is whole (complete) in seg 0
+    and again in seg 1. Which copy is the pass is unknown: the reader refuses it rather than
+    merging both into one pass with every name twice; verify fails the overlap."""
+    relabel_passes(seg(dump, 1), {2: 1, 3: 3})
+    edit_rank_json(dump, lambda info: info["segments"][1].update(first_pass=1))
+    ds = open_quietly(dump)
+    with pytest.raises(reader.DumpError, match="pass 1"):
+        ds.load("target", 0, 1)
+    assert all(same(ds.load("target", 0, 3)[n], expected[3][n]) for n in NAMES)
+    code, problems, _ = verify(dump)
+    assert code == 1 and has(problems, "seg-000001.h5 passes 1..3 overlap seg-000000.h5 passes 0..1"), problems
+
+
 def test_a_segment_renamed_leaving_a_gap(dump, expected):
     os.rename(seg(dump, 1), seg(dump, 3))
     code, problems, _ = verify(dump)
@@ -661,6 +765,8 @@ def test_a_segment_from_another_session_copied_in(dump, pristine, tmp_path):
     (lambda i: i.update(tensors=12), "rank.json total tensors=12 but its segments add up to 20"),
     (lambda i: i["stats"].update(passes=7), "the Dumper dumped 7 passes; 5 are on disk"),
     (lambda i: i["stats"].update(tensors=25), "the Dumper staged 25 tensors; 20 are on disk"),
+    (lambda i: i["stats"].update(passes=6), "the Dumper dumped 6 passes; 5 are on disk"),  # one lost is loss too
+    (lambda i: i["stats"].update(tensors=21), "the Dumper staged 21 tensors; 20 are on disk (0 recorded as skipped)"),
     (lambda i: i["segments"][0].update(tensors=10), "seg-000000.h5: segments.jsonl says tensors=10, file has 8"),
     (lambda i: i["segments"][2].update(last_pass=6, passes=3), "seg-000002.h5: segments.jsonl says last_pass=6"),
     (lambda i: i.update(segments=i["segments"][:2], passes=4, tensors=16, bytes=320),
@@ -668,12 +774,44 @@ def test_a_segment_from_another_session_copied_in(dump, pristine, tmp_path):
     (lambda i: i["segments"].append(dict(i["segments"][2], file="seg-000003.h5", first_pass=5, last_pass=5)),
      "seg-000003.h5 is listed in segments.jsonl but missing"),
     (lambda i: i.update(passes="5"), "rank.json total passes=5 but its segments add up to 5"),
-], ids=["passes-more", "tensors-fewer", "stats-passes", "stats-tensors", "segment-tensors", "segment-range",
+], ids=["passes-more", "tensors-fewer", "stats-passes", "stats-tensors", "stats-one-pass", "stats-one-tensor",
+        "segment-tensors", "segment-range",
         "segment-unlisted", "segment-lost", "passes-string"])
 def test_rank_json_claims_that_disagree_with_the_segments(dump, expected, change, text):
     edit_rank_json(dump, change)
     code, problems, _ = verify(dump)
     assert code == 1 and has(problems, text), problems
+    with fastdump.open(dump) as ds:
+        assert same(ds.load("target", 0, 4, check=True)["2"], expected[4]["2"])
+
+
+def _torn_before_lost_tensors(info):
+    """A rank.json from before ``lost_tensors``: the torn tensors only under skipped_reasons."""
+    info.pop("lost_tensors", None)
+    info.update(skipped=2, skipped_reasons={fmt.TORN_TENSOR_REASON: 2})
+
+
+@pytest.mark.parametrize("change, text", [
+    (lambda i: i.update(error="disk on fire"), "status closed, but an error was recorded: disk on fire"),
+    (_torn_before_lost_tensors, "2 staged tensor(s) were lost after they were accepted: torn (part of their copies "
+     "failed, a CUDA drain error) or not stored by the writer (each pass's skipped list says which and why); "
+     "they are not on disk"),
+    (lambda i: i["stats"].update(graphs_not_dumped=1), "1 CUDA graph(s) captured while dumping cannot be dumped: "
+     "their replays ran unseen (see the capture pass's incomplete reason)"),
+    (lambda i: i.update(late_pass_ends_left_out=1), "1 pass end(s) never reached the writer in time (ring full): "
+     "those passes are stored incomplete, without their drop counts, metadata and skips"),
+    (lambda i: (i.update(dropped=3), i["config"].pop("policy")), "policy 'block': 3 tensor(s) and 0 whole pass(es) "
+     "were dropped (counted, not dumped): the writer fell behind for longer than block_timeout_s, or CUDA-graph "
+     "replays outran the drain"),
+    (lambda i: i["stats"].update(lost_at_close=2, tensors=22), "2 staged tensor(s) were lost at close: a CUDA-graph "
+     "capture still running on another stream held their batch"),
+], ids=["error-recorded", "torn-before-lost-tensors", "graphs-not-dumped", "late-ends", "drop-default-policy",
+        "lost-at-close"])
+def test_rank_json_records_of_a_loss_fail_verify_alone(dump, expected, change, text):
+    """Each record of a loss in an otherwise whole dump's rank.json is exactly one problem."""
+    edit_rank_json(dump, change)
+    code, problems, _ = verify(dump)
+    assert code == 1 and problems == [f"{rank_dir(dump)}: {text}"], problems
     with fastdump.open(dump) as ds:
         assert same(ds.load("target", 0, 4, check=True)["2"], expected[4]["2"])
 

@@ -139,3 +139,26 @@ def test_a_failed_channel_takes_nothing_more(tmp_path):
     w.control(protocol.end(0, 1, {}, 0, {}), wait=True)
     assert sink.taken == before
     w.close()
+
+
+def test_a_name_whose_dtype_changes_keeps_each_passs_dtype(tmp_path):
+    """One name, one row shape, the same bytes per row, three dtypes over the passes: each is a
+    layout of its own (a record of one must never land in another's block, where its bytes would
+    read back as the other dtype with every checksum matching)."""
+    w = RingWriter(tmp_path)
+    sent = {}
+    for p in range(6):
+        w.control(protocol.begin(0, p))
+        dtype = (torch.float32, torch.int32, torch.float32, torch.int32, torch.uint8, torch.uint8)[p]
+        t = (torch.arange(8, dtype=torch.int32) * (p + 1) + 1000).to(dtype).reshape(2, 4)
+        if dtype is torch.uint8:
+            t = torch.arange(32, dtype=torch.uint8).reshape(2, 16)  # 16 bytes a row, as the others
+        w.tensor(0, p, "x", t)
+        sent[p] = t
+        w.control(protocol.end(0, p, {}, 0, {}))
+    taken = w.close({"passes": 6, "tensors": 6})
+    ds = reader.open(tmp_path)
+    for p, t in sent.items():
+        got = ds.load("target", 0, p, check=True)["x"]
+        assert got.dtype == t.dtype and got.shape == t.shape and torch.equal(got, t), (p, got, t)
+    assert taken[0] == 3  # each dtype's second pass, in C++
