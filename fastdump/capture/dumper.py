@@ -40,7 +40,7 @@ from ..staging import engine as _engine
 from ..staging import channel as _channel_mod
 from ..staging import graphs as _graphs
 from ..staging.engine import Engine
-from ..fsutil import atomic_write_json as write_json_atomic, load_json as _load_json
+from ..fsutil import DirAnchor, atomic_write_json as write_json_atomic, load_json as _load_json
 from .. import format as _fmt
 from .. import segment_list as _segment_list
 
@@ -150,6 +150,7 @@ class Dumper:
         self.session = _fmt.new_session_id()  # its own directory, even when the pid repeats
         self.dir = self.root / role / _fmt.rank_dir_name(ranks, os.getpid(), self.session)
         self._own_dir = False  # self.dir made by this Dumper (_make_own_dir): only then written to
+        self._anchor = None  # self.dir held open (fsutil.DirAnchor): what this process writes or reads there
         self.policy = o.policy
         self.inputs = bool(o.inputs)
         self.skip_passes, self.every = int(o.skip_passes), int(o.every)
@@ -296,6 +297,7 @@ class Dumper:
                 raise FileExistsError(f"{exc.filename} is {what}") from None
             try:
                 self.dir.mkdir()
+                self._anchor = DirAnchor(str(self.dir))  # the directory made, wherever it is moved
                 self._own_dir = True
                 return
             except FileExistsError:
@@ -449,6 +451,7 @@ class Dumper:
         self._unwrap()
         _open_dumpers.discard(self)
         if self._engine is None or self._pid != os.getpid():
+            self._let_go_of_the_dir()
             return self.stats()  # never started, or a forked child's copy: the parent's engine is not ours
         deadline = time.monotonic() + timeout
 
@@ -501,7 +504,13 @@ class Dumper:
             raise
         self._release_engine(left())
         self._let_go_of_the_ring()
+        self._let_go_of_the_dir()
         return self.stats()
+
+    def _let_go_of_the_dir(self) -> None:
+        """Close the held rank directory: nothing is written there by this process any more."""
+        if self._anchor is not None:
+            self._anchor.close()
 
     def _let_go_of_the_ring(self, fold: bool = True) -> None:
         """Drop this Dumper's references to the ring (its 256 MiB mapping is freed with the last
@@ -527,8 +536,8 @@ class Dumper:
         """Ended passes in the segment files rank.json lists (0 when it cannot be read). A pass a
         segment holds unfinished (``complete`` false: it was split) counts once, with its end."""
         try:
-            info = _load_json(str(self.dir / _fmt.RANK_FILE))
-            segments, problem, _ = _segment_list.read(str(self.dir), info)  # (its own writer's: this format)
+            info = _load_json(self._anchor.join(_fmt.RANK_FILE))
+            segments, problem, _ = _segment_list.read(self._anchor.join(""), info)  # (its own writer's: this format)
             if problem:
                 raise ValueError(problem)
             on_disk, open_pass = 0, None  # the previous segment's unfinished last pass
@@ -1189,10 +1198,12 @@ class Dumper:
             log.error("fastdump: %s is not this Dumper's directory: the error is not recorded there", self.dir)
             return
         try:
-            write_json_atomic(self.dir / _fmt.PRODUCER_ERROR_FILE,
+            # Through the held directory: a path replaced by a link during the run would lead out of the dump
+            write_json_atomic(self._anchor.join(_fmt.PRODUCER_ERROR_FILE),
                               {"status": "error", "error": error, "pid": os.getpid(), "time": time.time()})
         except OSError as exc:
-            log.error("fastdump: cannot record the error in %s/%s: %s", self.dir, _fmt.PRODUCER_ERROR_FILE, exc)
+            log.error("fastdump: cannot record the error in %s/%s: %s", self.dir, _fmt.PRODUCER_ERROR_FILE,
+                      self._anchor.readable(str(exc)) if self._anchor is not None else exc)
 
     def _abandon_attach(self, error: str | None, writer_stuck: bool = False) -> None:
         """Attach failed or was interrupted: record ``error`` (None: the caller raises it, strict=),
@@ -1209,6 +1220,7 @@ class Dumper:
             log.debug("fastdump: %s: closing the channel of a failed attach: %s", self.dir, exc)
         self._release_engine(self.options.block_timeout_s)
         self._let_go_of_the_ring(fold=False)
+        self._let_go_of_the_dir()
 
     def _release_engine(self, timeout: float = 600.0) -> None:
         if self._engine is not None:
