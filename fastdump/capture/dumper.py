@@ -473,11 +473,15 @@ class Dumper:
                 # Records a capture holds are padding now (never written). They were staged, so they
                 # are lost, not dropped by policy: rank.json says so and `fastdump verify` fails.
                 held = self._engine.close_cuda_if_last(left())
+                stuck = self._engine.cuda_close_stuck
                 if held > 0:
                     self._totals["lost_at_close"] += held
-                    log.error("fastdump: %d staged CUDA tensors lost at close: a CUDA-graph capture still "
-                              "running on another stream held their batch", held)
-                stopped = self._engine.cuda_staging_stopped()
+                    log.error("fastdump: %d staged CUDA tensors lost at close: %s", held, stuck or
+                              "a CUDA-graph capture still running on another stream held their batch")
+                if stuck:  # the writer waits for good at the first unfinished record: nothing after it lands
+                    self._disable(f"close timed out after {timeout:g} s: {stuck}; "
+                                  f"{self._unconfirmed_passes()} passes not confirmed on disk", writer_stuck=True)
+                stopped = None if stuck else self._engine.cuda_staging_stopped()
                 if stopped:
                     # The drain failed after this Dumper's last CUDA tensor (a later one would have
                     # seen DISABLED), or in the final flush: what it had not copied became padding.
@@ -489,7 +493,9 @@ class Dumper:
                     self._send_late_ends(deadline)
                 ok = self._channel.control(protocol.close(self._channel.id, self._totals), wait=True,
                                            timeout=left())
-                if ok and self._engine.alive:  # the final segment write itself can fail (disk full)
+                if self.status != "running":
+                    pass  # given up on above (the CUDA stager never finished): said why already
+                elif ok and self._engine.alive:  # the final segment write itself can fail (disk full)
                     self.status = "closed"
                 elif self._engine.alive:
                     self._disable(f"close timed out after {timeout:g} s; {self._unconfirmed_passes()} "
