@@ -134,6 +134,9 @@ class Dumper:
 
     def __init__(self, model, options: Options, *, ranks: dict):
         """``options``: checked already (``Options.__post_init__``); ``ranks``: from resolve_ranks."""
+        from ..config import check_runtime_env
+
+        check_runtime_env()  # FASTDUMP_CUDA_* & co. are read later, by C++ among others: checked here, first
         if model is not None and _is_script_module(_original_module(model)):
             # Refused before anything is created: no directory, no writer. (Its submodules run as
             # TorchScript, so only its output could be dumped; a Python parent gives that.)
