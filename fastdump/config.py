@@ -106,13 +106,7 @@ def parse_env(environ: Mapping[str, str] = os.environ) -> dict[str, Any]:
         if rank in out and size in out and out[rank] >= out[size]:
             r, z = (f"FASTDUMP_{k.upper()}" for k in (rank, size))
             raise ConfigError(f"{r}={environ[r]!r}: must be below {z}={environ[z]!r}")
-    for name, check in _RUNTIME_CHECKS.items():
-        raw = environ.get(name)
-        if raw is not None and raw != "":  # (empty: unset, as each reader takes it)
-            try:
-                check(raw)
-            except ValueError as e:
-                raise ConfigError(f"{name}={raw!r}: {e}") from None
+    check_runtime_env(environ)
     # A misspelt variable would otherwise be ignored silently: the dump then differs from what was asked.
     for key in environ:
         if key.startswith("FASTDUMP_") and key not in _BY_NAME and key not in OTHER_VARS:
@@ -120,6 +114,20 @@ def parse_env(environ: Mapping[str, str] = os.environ) -> dict[str, Any]:
             hint = f" (did you mean {near[0]}?)" if near else ""
             warnings.warn(f"unknown environment variable {key}{hint}; ignored", stacklevel=3)
     return out
+
+
+def check_runtime_env(environ: Mapping[str, str] = os.environ) -> None:
+    """ConfigError naming the first variable read at run time (the writer's, the engine's, the CUDA
+    stager's: _RUNTIME_CHECKS) whose value its reader would misread. Called by parse_env and by
+    every Dumper at attach, before anything is made: a direct ``fastdump.attach()`` took
+    FASTDUMP_CUDA_HOLD_MS=abc, and the C++ stager read it as 0 without a word."""
+    for name, check in _RUNTIME_CHECKS.items():
+        raw = environ.get(name)
+        if raw is not None and raw != "":  # (empty: unset, as each reader takes it)
+            try:
+                check(raw)
+            except ValueError as e:
+                raise ConfigError(f"{name}={raw!r}: {e}") from None
 
 
 def _check_alone(kwarg: str, value) -> None:

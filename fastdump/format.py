@@ -26,6 +26,9 @@ APPENDED_LIST_VERSION = 5  # the first format whose segment list is SEGMENT_LIST
 MANIFEST_VERSION = 1
 
 MANIFEST_FILE = "fastdump.json"
+# The roles fastdump's integrations write (EAGLE's target and draft models). A root entry named so
+# (or named as fastdump.json's role) that is not a directory is a role whose dump is not there.
+STANDARD_ROLES = ("target", "draft")
 RANK_FILE = "rank.json"  # written by the writer process alone
 # Format 5: one JSON line per closed segment, appended (never rewritten) by the writer process; rank.json
 # says how many lines (and bytes, and their CRC32C) are committed. Rewritten whole after every

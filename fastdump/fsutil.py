@@ -72,6 +72,45 @@ def publish(tmp: str, path: str, durable: bool = True) -> None:
         fsync_dir(os.path.dirname(os.path.abspath(path)))
 
 
+class DirAnchor:
+    """A directory held open, and the path that reaches it through that descriptor.
+
+    A writer that names its files by the directory's path writes wherever that path leads NOW: a
+    rank directory renamed and replaced by a symbolic link during a run sent the next segment,
+    rank.json and producer_error.json out of the dump (issue: "writer uses paths, not directory
+    handles"). Held open (``O_DIRECTORY | O_NOFOLLOW``), the directory is the one that was created,
+    wherever it is moved; files are never created in one deleted under it (ENOENT), nor through a
+    link put in its place. ``path`` is ``/proc/self/fd/<fd>``, which the kernel resolves through the
+    descriptor, so HDF5 (which opens by name) and every path-based call here stay inside it; where
+    /proc is missing (not Linux) it is the plain path, as before. ``shown`` is what messages say.
+    """
+
+    _PROC_FD = "/proc/self/fd"
+
+    def __init__(self, directory: str):
+        self.shown = os.path.abspath(os.fspath(directory))
+        flags = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_NOFOLLOW", 0)
+        self.fd = os.open(self.shown, flags)  # raises OSError: missing, not a directory, a link
+        anchored = f"{self._PROC_FD}/{self.fd}"
+        self.path = anchored if os.path.isdir(anchored) else self.shown
+
+    def join(self, name: str) -> str:
+        """The path of ``name`` in the held directory. Raises OSError once closed: a descriptor
+        number may be reused by another open file, whose /proc path must never be written to."""
+        if self.fd is None:
+            raise OSError(f"{self.shown}: closed for writing")
+        return os.path.join(self.path, name)
+
+    def readable(self, text: str) -> str:
+        """``text`` (an error message) with the descriptor's path replaced by the directory's."""
+        return text.replace(self.path, self.shown) if self.path != self.shown else text
+
+    def close(self) -> None:
+        fd, self.fd = self.fd, None
+        if fd is not None:
+            os.close(fd)
+
+
 def remove_quietly(path: str) -> None:
     try:
         os.unlink(path)

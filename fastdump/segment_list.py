@@ -27,8 +27,10 @@ class Appender:
     """Appends entries to a new (emptied) ``segments.jsonl`` in ``directory``; ``committed()`` is
     what rank.json records. Opened per append: a channel holds no descriptor between segments."""
 
-    def __init__(self, directory: str):
-        self.path = os.path.join(directory, fmt.SEGMENT_LIST_FILE)
+    def __init__(self, directory):
+        """``directory``: a path, or a fsutil.DirAnchor (the writer's: the list's path is asked of it
+        at each append, which fails once the anchor is closed)."""
+        self._join = directory.join if hasattr(directory, "join") else lambda name: os.path.join(directory, name)
         self.count = 0
         self.nbytes = 0
         self.crc = 0
@@ -36,6 +38,10 @@ class Appender:
         # commits none of the old lines). Its directory entry is made durable by that rank.json.
         fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0), 0o644)
         os.close(fd)
+
+    @property
+    def path(self) -> str:
+        return self._join(fmt.SEGMENT_LIST_FILE)
 
     def append(self, entry: dict) -> None:
         """Write ``entry`` as the next line at the committed end (over any torn tail) and make it

@@ -109,6 +109,32 @@ def test_a_variable_read_elsewhere_that_its_reader_would_misread_is_refused(var,
             assert settings_from_env({"FASTDUMP_DIR": "/d", var: good}) == {"root": "/d"}
 
 
+@pytest.mark.parametrize("entry", ["attach", "Dumper", "maybe_attach"])
+@pytest.mark.parametrize("var,value", [
+    ("FASTDUMP_CUDA_HOLD_MS", "abc"), ("FASTDUMP_CUDA_EVENTS_EVERY", "1e3"), ("FASTDUMP_CUDA_BATCH", "true"),
+    ("FASTDUMP_CUDA_REGISTER_PIECE_MB", "0x10"), ("FASTDUMP_CUDA_CHECK_EACH_TENSOR", "yes"),
+    ("FASTDUMP_NO_DIRECT_IO", "maybe"),
+])
+def test_every_entry_refuses_a_runtime_variable_its_reader_would_misread(tmp_path, monkeypatch, entry, var, value):
+    """Only maybe_attach and `fastdump info` checked these: a direct fastdump.attach() took
+    FASTDUMP_CUDA_HOLD_MS=abc and the C++ stager read it (atof) as 0, silently."""
+    from fastdump.capture import Dumper, resolve_ranks
+
+    monkeypatch.setenv(var, value)
+    root = tmp_path / "dump"
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(ConfigError) as e:
+        if entry == "attach":
+            fastdump.attach(model, root)
+        elif entry == "Dumper":
+            opts = Options(root=str(root))
+            Dumper(model, opts, ranks=resolve_ranks(**opts.rank_args))
+        else:
+            maybe_attach(model, environ={"FASTDUMP_DIR": str(root), var: value})
+    assert str(e.value).startswith(f"{var}={value!r}: ")
+    assert not root.exists()  # refused before anything was made
+
+
 def test_dump_roots_with_odd_characters_are_taken_as_given():
     for root in ("/tmp/a b/c", "/tmp/caf\u00e9/\u6f22", "/tmp/x~y", "/tmp/price$", "/tmp/a$1"):
         assert settings_from_env({"FASTDUMP_DIR": root}) == {"root": root}

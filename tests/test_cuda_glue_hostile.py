@@ -5,6 +5,7 @@ batches held, Dumpers sharing one stager; contents read back bit for bit and cou
 
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
@@ -305,3 +306,33 @@ def test_target_and_draft_share_the_cuda_stager_through_the_c_wrappers(m, native
     assert _check_passes(tmp_path, want, role="draft") == ds_["tensors"] == 18 + 2 + 6
     st = _stager_stats()
     assert st["published"] == st["lean_tensors"] == 18 + 26 and st["cancelled"] == 0
+
+
+def test_close_returns_within_its_timeout_when_a_stream_never_completes(m, native, tmp_path):
+    """The copies of the last passes wait behind a kernel that never ends (a gate left shut): the
+    stager's close joined its drain, which finishes every copy first, so close(timeout=2) never
+    returned. Now it returns in time, counts the unfinished records as lost, and verify fails."""
+    net = Net(m)
+    d = _attach_model(net, tmp_path, strict=False)
+    for step in range(2):
+        net(step)
+    assert d._engine.flush_cuda(10)
+    gate = m._mock.enqueue_gate(native)  # every later copy on the current stream waits here
+    try:
+        for step in range(2, 4):
+            net(step)
+        t0 = time.monotonic()
+        stats = d.close(timeout=2)
+        elapsed = time.monotonic() - t0
+    finally:
+        m._mock.open_gate(gate)  # (the abandoned close then finishes in its thread)
+    assert elapsed < 4, f"close(timeout=2) took {elapsed:.1f} s"
+    assert stats["status"] == "error" and stats["passes"] == 4
+    assert stats["lost_at_close"] == 2 * 6  # the two gated passes' records, one per tensor
+    assert stats["error"].startswith("close timed out after 2 s: the CUDA stager did not stop by close's "
+                                     "deadline: 12 staged records still copying on a stream that never completed")
+    record = json.loads((d.dir / "producer_error.json").read_text())
+    assert record["error"] == stats["error"]
+    problems = verify_dump(str(tmp_path)).problems
+    assert any("producer_error.json" in p and "never completed" in p for p in problems), problems
+    _check_passes(tmp_path, {p: net.expected[p] for p in range(2)})  # what landed before the gate is whole

@@ -484,3 +484,49 @@ def test_tensors_larger_than_the_ring_a_stalled_writer_cut_off_are_drops_and_fai
     assert torch.equal(ds.load("target", 0, 2)["Sequential"], out)
     problems = verify_dump(str(tmp_path)).problems
     assert any("policy 'block': 3 tensor(s)" in p for p in problems), problems
+
+
+def test_close_timeout_is_kept_with_a_writer_thread_stuck_in_a_segment_write(tmp_path, monkeypatch):
+    """A writer THREAD cannot be stopped like a process: one stuck in a segment write (a hung
+    disk) must not hold close() past its timeout, and what it had not written fails verify, also
+    once the write comes back."""
+    from fastdump.writer import channel_writer
+
+    release = threading.Event()
+    flush = channel_writer.ChannelWriter._flush
+    model = small_model(0)
+    d = fastdump.attach(model, tmp_path, writer="thread", segment_passes=2, segment_idle_seconds=0)
+    with torch.inference_mode():
+        for i in range(2):
+            model(small_input(i))
+    rank_json = d.dir / "rank.json"
+    deadline = time.monotonic() + 30
+    while json.loads(rank_json.read_text())["passes"] < 2 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    monkeypatch.setattr(channel_writer.ChannelWriter, "_flush", lambda self: (release.wait(), flush(self)))
+    try:
+        with torch.inference_mode():
+            for i in range(2, 6):
+                model(small_input(i))
+        t0 = time.monotonic()
+        stats = d.close(timeout=2)
+        elapsed = time.monotonic() - t0
+    finally:
+        release.set()
+    assert elapsed < 5, f"close(timeout=2) took {elapsed:.1f} s"
+    assert stats["status"] == "error" and stats["passes"] == 6
+    assert stats["error"] == "close timed out after 2 s; 4 passes not confirmed on disk"
+    assert json.loads((d.dir / "producer_error.json").read_text())["error"] == stats["error"]
+    problems = verify_dump(str(tmp_path)).problems
+    assert any("producer_error.json" in p and "close timed out" in p for p in problems), problems
+    deadline = time.monotonic() + 10  # the write comes back: the abandoned writer stops, marks the rank failed
+    while json.loads(rank_json.read_text())["status"] != "error" and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert json.loads(rank_json.read_text())["status"] == "error"
+    ds = fastdump.open(tmp_path)
+    on_disk = ds.passes("target", 0)  # the two written before, and the segment the stuck write finished
+    assert on_disk == [0, 1, 2, 3]
+    for p in on_disk:  # whole, bit for bit
+        assert torch.equal(ds.load("target", 0, p)["Sequential"], model(small_input(p)))
+    problems = verify_dump(str(tmp_path)).problems  # passes 4 and 5 never landed: still a failure
+    assert any("writer status error" in p and "stopped waiting" in p for p in problems), problems

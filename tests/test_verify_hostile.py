@@ -898,6 +898,33 @@ def test_a_session_name_that_is_not_a_directory_fails_verify(dump, kind):
     assert verify(dump)[0] == 0
 
 
+@pytest.mark.parametrize("name", ["draft", "manifest-role"])
+@pytest.mark.parametrize("kind", ["fifo", "file"])
+def test_a_role_name_that_is_not_a_directory_fails_verify(dump, kind, name):
+    """A root entry named as a role (target, draft, or fastdump.json's role) that is not a
+    directory: verify skipped it as "no role" and said OK, though that role's dump is not there."""
+    if name == "manifest-role":
+        manifest = json.loads((dump / fmt.MANIFEST_FILE).read_text())
+        manifest["config"]["role"] = name = "verifier"
+        (dump / fmt.MANIFEST_FILE).write_text(json.dumps(manifest))
+    path = dump / name
+    os.mkfifo(path) if kind == "fifo" else path.write_bytes(b"not a directory")
+    code, problems, _ = verify(dump)
+    assert code == 1 and has(problems, str(path), "named as a role but not a directory"), problems
+    assert len(problems) == 1, problems
+    path.unlink()
+    assert verify(dump)[:2] == (0, [])
+
+
+@pytest.mark.parametrize("kind", ["fifo", "file"])
+def test_other_files_in_the_root_are_allowed(dump, kind):
+    """A root may hold other files (notes, a launcher's log): not roles, no problem."""
+    for name in ("notes.txt", "drafts", "Target"):
+        path = dump / name
+        os.mkfifo(path) if kind == "fifo" else path.write_bytes(b"a file")
+    assert verify(dump)[:2] == (0, [])
+
+
 def test_symlinked_rank_json_is_not_followed(dump, tmp_path):
     outside = tmp_path / "outside.json"
     shutil.copy(rank_dir(dump) / "rank.json", outside)

@@ -41,7 +41,7 @@ from ..staging import engine as _engine
 from ..staging import channel as _channel_mod
 from ..staging import graphs as _graphs
 from ..staging.engine import Engine
-from ..fsutil import atomic_write_json as write_json_atomic, load_json as _load_json
+from ..fsutil import DirAnchor, atomic_write_json as write_json_atomic, load_json as _load_json
 from .. import format as _fmt
 from .. import segment_list as _segment_list
 
@@ -136,6 +136,9 @@ class Dumper:
 
     def __init__(self, model, options: Options, *, ranks: dict):
         """``options``: checked already (``Options.__post_init__``); ``ranks``: from resolve_ranks."""
+        from ..config import check_runtime_env
+
+        check_runtime_env()  # FASTDUMP_CUDA_* & co. are read later, by C++ among others: checked here, first
         if model is not None and _is_script_module(_original_module(model)):
             # Refused before anything is created: no directory, no writer. (Its submodules run as
             # TorchScript, so only its output could be dumped; a Python parent gives that.)
@@ -152,6 +155,7 @@ class Dumper:
         self.session = _fmt.new_session_id()  # its own directory, even when the pid repeats
         self.dir = self.root / role / _fmt.rank_dir_name(ranks, os.getpid(), self.session)
         self._own_dir = False  # self.dir made by this Dumper (_make_own_dir): only then written to
+        self._anchor = None  # self.dir held open (fsutil.DirAnchor): what this process writes or reads there
         self.policy = o.policy
         self.inputs = bool(o.inputs)
         self.skip_passes, self.every = int(o.skip_passes), int(o.every)
@@ -309,6 +313,7 @@ class Dumper:
                 raise FileExistsError(f"{exc.filename} is {what}") from None
             try:
                 self.dir.mkdir()
+                self._anchor = DirAnchor(str(self.dir))  # the directory made, wherever it is moved
                 self._own_dir = True
                 return
             except FileExistsError:
@@ -462,6 +467,7 @@ class Dumper:
         self._unwrap()
         _open_dumpers.discard(self)
         if self._engine is None or self._pid != os.getpid():
+            self._let_go_of_the_dir()
             return self.stats()  # never started, or a forked child's copy: the parent's engine is not ours
         deadline = time.monotonic() + timeout
 
@@ -484,11 +490,15 @@ class Dumper:
                 # Records a capture holds are padding now (never written). They were staged, so they
                 # are lost, not dropped by policy: rank.json says so and `fastdump verify` fails.
                 held = self._engine.close_cuda_if_last(left())
+                stuck = self._engine.cuda_close_stuck
                 if held > 0:
                     self._totals["lost_at_close"] += held
-                    log.error("fastdump: %d staged CUDA tensors lost at close: a CUDA-graph capture still "
-                              "running on another stream held their batch", held)
-                stopped = self._engine.cuda_staging_stopped()
+                    log.error("fastdump: %d staged CUDA tensors lost at close: %s", held, stuck or
+                              "a CUDA-graph capture still running on another stream held their batch")
+                if stuck:  # the writer waits for good at the first unfinished record: nothing after it lands
+                    self._disable(f"close timed out after {timeout:g} s: {stuck}; "
+                                  f"{self._unconfirmed_passes()} passes not confirmed on disk", writer_stuck=True)
+                stopped = None if stuck else self._engine.cuda_staging_stopped()
                 if stopped:
                     # The drain failed after this Dumper's last CUDA tensor (a later one would have
                     # seen DISABLED), or in the final flush: what it had not copied became padding.
@@ -500,7 +510,9 @@ class Dumper:
                     self._send_late_ends(deadline)
                 ok = self._channel.control(protocol.close(self._channel.id, self._totals), wait=True,
                                            timeout=left())
-                if ok and self._engine.alive:  # the final segment write itself can fail (disk full)
+                if self.status != "running":
+                    pass  # given up on above (the CUDA stager never finished): said why already
+                elif ok and self._engine.alive:  # the final segment write itself can fail (disk full)
                     self.status = "closed"
                 elif self._engine.alive:
                     self._disable(f"close timed out after {timeout:g} s; {self._unconfirmed_passes()} "
@@ -515,7 +527,13 @@ class Dumper:
             raise
         self._release_engine(left())
         self._let_go_of_the_ring()
+        self._let_go_of_the_dir()
         return self.stats()
+
+    def _let_go_of_the_dir(self) -> None:
+        """Close the held rank directory: nothing is written there by this process any more."""
+        if self._anchor is not None:
+            self._anchor.close()
 
     def _let_go_of_the_ring(self, fold: bool = True) -> None:
         """Drop this Dumper's references to the ring (its 256 MiB mapping is freed with the last
@@ -541,8 +559,8 @@ class Dumper:
         """Ended passes in the segment files the segment list names (0 when it cannot be read). A pass a
         segment holds unfinished (``complete`` false: it was split) counts once, with its end."""
         try:
-            info = _load_json(str(self.dir / _fmt.RANK_FILE))
-            segments, problem, _ = _segment_list.read(str(self.dir), info)  # (its own writer's: this format)
+            info = _load_json(self._anchor.join(_fmt.RANK_FILE))
+            segments, problem, _ = _segment_list.read(self._anchor.join(""), info)  # (its own writer's: this format)
             if problem:
                 raise ValueError(problem)
             on_disk, open_pass = 0, None  # the previous segment's unfinished last pass
@@ -1244,10 +1262,12 @@ class Dumper:
             log.error("fastdump: %s is not this Dumper's directory: the error is not recorded there", self.dir)
             return
         try:
-            write_json_atomic(self.dir / _fmt.PRODUCER_ERROR_FILE,
+            # Through the held directory: a path replaced by a link during the run would lead out of the dump
+            write_json_atomic(self._anchor.join(_fmt.PRODUCER_ERROR_FILE),
                               {"status": "error", "error": error, "pid": os.getpid(), "time": time.time()})
         except OSError as exc:
-            log.error("fastdump: cannot record the error in %s/%s: %s", self.dir, _fmt.PRODUCER_ERROR_FILE, exc)
+            log.error("fastdump: cannot record the error in %s/%s: %s", self.dir, _fmt.PRODUCER_ERROR_FILE,
+                      self._anchor.readable(str(exc)) if self._anchor is not None else exc)
 
     def _abandon_attach(self, error: str | None, writer_stuck: bool = False) -> None:
         """Attach failed or was interrupted: record ``error`` (None: the caller raises it, strict=),
@@ -1264,6 +1284,7 @@ class Dumper:
             log.debug("fastdump: %s: closing the channel of a failed attach: %s", self.dir, exc)
         self._release_engine(self.options.block_timeout_s)
         self._let_go_of_the_ring(fold=False)
+        self._let_go_of_the_dir()
 
     def _release_engine(self, timeout: float = 600.0) -> None:
         if self._engine is not None:

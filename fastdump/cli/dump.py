@@ -742,12 +742,17 @@ def verify_dump(root: str, read_data: bool = False) -> _Report:
             report.problem(path, f"cannot list: {exc.strerror or exc}")
             return None
 
+    roles = _role_names(root)
     for role in listed(root) or ():
         role_path = os.path.join(root, role)
         if os.path.islink(role_path):
             report.problem(role_path, "symbolic link: not followed (it may point out of the dump)")
             continue
         if not os.path.isdir(role_path):
+            # A root may hold other files (notes, a launcher's log), but not one named as a role:
+            # that role's directory was replaced, and whatever it held is not here.
+            if role in roles:
+                report.problem(role_path, "named as a role but not a directory: that role's dump is not here")
             continue
         for rank in listed(role_path) or ():
             rank_path = os.path.join(role_path, rank)
@@ -776,6 +781,14 @@ def verify_dump(root: str, read_data: bool = False) -> _Report:
     _warn_of_absent_ranks(report, root, numbers)
     _check_manifest(report, root)
     return report
+
+
+def _role_names(root: str) -> set:
+    """Names a role directory of this root has: the standard roles and fastdump.json's role."""
+    manifest = fsutil.read_json(os.path.join(root, fmt.MANIFEST_FILE), {})
+    config = manifest.get("config") if isinstance(manifest, dict) else None
+    role = config.get("role") if isinstance(config, dict) else None
+    return set(fmt.STANDARD_ROLES) | ({role} if isinstance(role, str) and role else set())
 
 
 def _check_manifest(report: _Report, root: str) -> None:

@@ -26,6 +26,32 @@ from .channel import Channel
 
 log = logging.getLogger("fastdump")
 
+# close_cuda_if_last waits at least this long for the stager's close: a close() whose timeout the
+# final flush already spent still gets the moment a healthy stager needs to stop its drain.
+CUDA_CLOSE_FLOOR_S = 0.25
+
+
+def _returns_within(call, timeout: float) -> bool:
+    """Run ``call()`` in a daemon thread; True once it returned (its exception re-raised here),
+    False when it is still running after ``timeout`` s (it is left running: a C++ wait that cannot
+    be cut short, which then holds only that thread)."""
+    done, error = threading.Event(), []
+
+    def run():
+        try:
+            call()
+        except BaseException as exc:
+            error.append(exc)
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name="fastdump-cuda-close", daemon=True).start()
+    if not done.wait(timeout):
+        return False
+    if error:
+        raise error[0]
+    return True
+
 SHM_PREFIX = "fastdump-"
 SHM_DIR = Path("/dev/shm")
 _counter = itertools.count()
@@ -124,6 +150,7 @@ class Engine:
         self.mode = writer
         self.refs = 0
         self.closed = False
+        self.cuda_close_stuck = None  # why close_cuda_if_last gave up on the CUDA stager, if it did
         # A blocking wait for ring space timed out (block_timeout_s): Dumpers stage as under `drop`
         # until the writer gives ring space back again (see Channel.begin).
         self.stalled = False
@@ -397,7 +424,17 @@ class Engine:
         if stager is None or self.refs > 1:
             return 0
         before = stager.stats().get("cancelled", 0)
-        stager.close(timeout)
+        # The stager's close joins its drain thread, which finishes every copy in flight first: on
+        # a stream that never completes (a hung kernel ahead of the snapshot) it never returned, and
+        # Dumper.close(timeout=...) with it. Run in a thread and given up on past the timeout.
+        if not _returns_within(lambda: stager.close(timeout), max(timeout, CUDA_CLOSE_FLOOR_S)):
+            st = stager.stats()
+            # Records staged and neither published nor cancelled: in flight on the stuck stream;
+            # the writer waits at the first of them for good, so they and what follows are lost.
+            unfinished = max(0, st.get("records", 0) - st.get("published", 0) - st.get("cancelled", 0))
+            self.cuda_close_stuck = (f"the CUDA stager did not stop by close's deadline: {unfinished} staged "
+                                     "records still copying on a stream that never completed")
+            return st.get("cancelled", 0) - before + unfinished
         return stager.stats().get("cancelled", 0) - before
 
     def shutdown(self, timeout: float = 600.0) -> None:

@@ -189,11 +189,18 @@ class ChannelWriter:
             "started": time.time(),
         }
         os.makedirs(self.dir, exist_ok=True)
-        self._next_segment = self._first_free_segment_number()
-        self._list = segment_list.Appender(self.dir)  # before rank.json, whose write makes it durable
-        self._reserve = os.path.join(self.dir, RESERVE_FILE)
-        self._write_rank_json()
-        _reserve_space(self._reserve, RESERVE_BYTES)
+        # Every file of the channel is made through this open directory, never through self.dir's
+        # path, which a rename, a deletion or a symbolic link put in its place during the run would
+        # lead elsewhere (out of the dump). Closed by close() and fail().
+        self._anchor = fsutil.DirAnchor(self.dir)
+        try:
+            self._next_segment = self._first_free_segment_number()
+            self._list = segment_list.Appender(self._anchor)  # before rank.json, whose write makes it durable
+            self._write_rank_json()
+            _reserve_space(self._in_dir(RESERVE_FILE), RESERVE_BYTES)
+        except BaseException:
+            self._anchor.close()
+            raise
 
     # ----------------------------------------------------------------- events from the loop
 
@@ -392,10 +399,11 @@ class ChannelWriter:
                     self._status = status
                 self._info["closed"] = time.time()
                 self._guarded(self._write_rank_json)
-                fsutil.remove_quietly(self._reserve)  # "closed" is on disk: the reserve's job is done
+                fsutil.remove_quietly(self._in_dir(RESERVE_FILE))  # "closed" is on disk: the reserve's job is done
         finally:
             self._closed = True
             self.sink.accepting = False
+            self._anchor.close()
 
     def _take_counts(self, msg: dict) -> None:
         """The Dumper's own counts (its stats: ``dropped`` tensors, ``dropped_passes``), so that
@@ -408,7 +416,7 @@ class ChannelWriter:
     def fail(self, error: str) -> None:
         """Stop writing for good; record ``error`` in rank.json if the disk allows. Never raises."""
         if self.error is None:
-            self.error = str(error) or "unknown error"
+            self.error = self._anchor.readable(str(error)) or "unknown error"
         self._status = "error"
         self.sink.accepting = False  # every later record goes to Python, which ignores it
         for block in self._pending.blocks:
@@ -421,9 +429,18 @@ class ChannelWriter:
             self._open = None
         try:
             self._write_rank_json()
+            fsutil.remove_quietly(self._in_dir(RESERVE_FILE))  # the channel is done either way
         except Exception:
             pass
-        fsutil.remove_quietly(self._reserve)  # the channel is done either way
+        self._anchor.close()
+
+    def _in_dir(self, name: str) -> str:
+        """``name`` in the channel's directory, reached through its open descriptor (DirAnchor)."""
+        return self._anchor.join(name)
+
+    def readable(self, text: str) -> str:
+        """An error message naming the directory by its path, not its descriptor's."""
+        return self._anchor.readable(text)
 
     # ----------------------------------------------------------------- internals
 
@@ -469,7 +486,7 @@ class ChannelWriter:
         block.rows = shape[0]
         try:
             if self._open is None:
-                self._open = OpenSegment(self.dir, self._next_segment)
+                self._open = OpenSegment(self._anchor.join(""), self._next_segment)
             self._open.write_direct(block, data)
         except Exception as exc:
             self.fail(f"{type(exc).__name__}: {exc}")
@@ -549,7 +566,7 @@ class ChannelWriter:
         }
         number = self._next_segment
         write_segment(
-            self.dir,
+            self._anchor.join(""),
             number,
             names=pending.names,
             blocks=pending.blocks,
@@ -570,7 +587,7 @@ class ChannelWriter:
     def _first_free_segment_number(self) -> int:
         """Never reuse a number already on disk (a restarted writer in an existing directory)."""
         highest = -1
-        for entry in os.listdir(self.dir):
+        for entry in os.listdir(self._anchor.join("")):
             name = entry[1:-len(fsutil.TMP_SUFFIX)] if fsutil.is_temp_name(entry) else entry
             number = fmt.segment_number(name)
             if number is not None:
@@ -604,11 +621,12 @@ class ChannelWriter:
     def _write_rank_json(self) -> None:
         self._published_pending = self.pending_passes()
         self._counts_changed = False
-        path = os.path.join(self.dir, fmt.RANK_FILE)
+        path = self._in_dir(fmt.RANK_FILE)
+        reserve = self._in_dir(RESERVE_FILE)
         try:
             fsutil.atomic_write_json(path, self.rank_json())
         except OSError as exc:
-            if exc.errno not in _DISK_FULL or not os.path.exists(self._reserve):
+            if exc.errno not in _DISK_FULL or not os.path.exists(reserve):
                 raise
             # Disk full: give up the reserved space so that this rank.json (its error) lands
             # (it is a few KiB however many segments there are: they are in segments.jsonl).
@@ -620,7 +638,7 @@ class ChannelWriter:
             if spent_here:
                 self.error = f"disk full: {exc.strerror or exc} writing {fmt.RANK_FILE}"
                 self._status = "error"
-            fsutil.remove_quietly(self._reserve)
+            fsutil.remove_quietly(reserve)
             fsutil.atomic_write_json(path, self.rank_json())
             if spent_here:
                 raise
@@ -632,7 +650,7 @@ class ChannelWriter:
         self._published_pending = self.pending_passes()
         self._counts_changed = False
         try:
-            fsutil.atomic_write_json(os.path.join(self.dir, fmt.RANK_FILE), self.rank_json(), durable=False)
+            fsutil.atomic_write_json(self._in_dir(fmt.RANK_FILE), self.rank_json(), durable=False)
         except OSError:
             pass  # the next segment's rank.json (durable, checked) says what is wrong
 

@@ -230,7 +230,8 @@ class WriterLoop:
             self._fail_writer(writer, exc2)
 
     def _fail_writer(self, writer, exc: Exception) -> None:
-        self._fail(f"{writer_dir(writer)}: {type(exc).__name__}: {exc}")
+        readable = getattr(writer, "readable", str)  # its files' paths go through a descriptor (DirAnchor)
+        self._fail(f"{writer_dir(writer)}: {type(exc).__name__}: {readable(str(exc))}")
 
     def _fail(self, error: str) -> None:
         """Writing failed (disk full, unwritable root): stop dumping everywhere, keep serving."""

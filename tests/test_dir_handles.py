@@ -1,0 +1,144 @@
+"""The rank directory changed under a running writer: renamed, replaced by a symbolic link, deleted,
+made read-only. The writer and the Dumper hold the directory open (fsutil.DirAnchor): nothing is
+ever written out of the dump, every pass is on disk and verify passes, or verify fails."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import fastdump
+from fastdump import fsutil
+from fastdump.cli.dump import verify_dump
+
+from conftest import mount_small_tmpfs
+
+PASSES_BEFORE, PASSES_AFTER = 3, 3
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+
+
+def _inputs(i):
+    return torch.full((2, 8), float(i))
+
+
+def _run(root, change):
+    """Attach, run PASSES_BEFORE passes and wait until their segments are on disk, ``change(rank
+    dir)``, run PASSES_AFTER more, close. Returns (close stats, the model's outputs per pass)."""
+    model = _model()
+    d = fastdump.attach(model, root, role="target", segment_passes=1)
+    outs = []
+    with torch.inference_mode():
+        for i in range(PASSES_BEFORE):
+            outs.append(model(_inputs(i)))
+        deadline = time.monotonic() + 30
+        while (fsutil.read_json(str(d.dir / "rank.json"), {}).get("segments_listed", 0) < PASSES_BEFORE
+               and time.monotonic() < deadline):
+            time.sleep(0.02)
+        change(d.dir)
+        for i in range(PASSES_BEFORE, PASSES_BEFORE + PASSES_AFTER):
+            outs.append(model(_inputs(i)))
+    return d.close(timeout=30), outs
+
+
+def _files_under(path):
+    return sorted(os.path.relpath(os.path.join(where, name), path)
+                  for where, _, names in os.walk(path) for name in names)
+
+
+def _assert_all_passes_bit_exact(root, outs):
+    ds = fastdump.open(root)
+    assert ds.passes("target", 0) == list(range(len(outs)))
+    for p, want in enumerate(outs):
+        assert torch.equal(ds.load("target", 0, p)["Sequential"], want)
+
+
+def test_a_rank_directory_replaced_by_a_link_gets_nothing_and_the_moved_one_everything(tmp_path):
+    root, outside = tmp_path / "dump", tmp_path / "outside"
+    outside.mkdir()
+
+    def swap(rank_dir):
+        os.rename(rank_dir, str(rank_dir) + ".moved")
+        os.symlink(outside, rank_dir)
+
+    stats, outs = _run(root, swap)
+    # Before: the next segment, rank.json and producer_error.json went through the link.
+    assert _files_under(outside) == []
+    assert stats["status"] == "closed" and stats["error"] is None
+    problems = verify_dump(str(root)).problems
+    assert len(problems) == 1 and "symbolic link: not followed" in problems[0], problems
+    link = next(root.glob("target/*[!d]"))  # (the moved one ends in "moved")
+    link.unlink()
+    assert verify_dump(str(root)).problems == []
+    _assert_all_passes_bit_exact(root, outs)
+
+
+def test_a_renamed_rank_directory_is_written_to_the_end(tmp_path):
+    root = tmp_path / "dump"
+    stats, outs = _run(root, lambda rank_dir: os.rename(rank_dir, str(rank_dir) + ".moved"))
+    # Before: the writer failed (ENOENT) and the moved directory said "running": verify failed.
+    assert stats["status"] == "closed" and stats["error"] is None
+    assert json.loads(next(root.glob("target/*.moved/rank.json")).read_text())["status"] == "closed"
+    assert verify_dump(str(root)).problems == []
+    _assert_all_passes_bit_exact(root, outs)
+
+
+def test_a_role_directory_replaced_by_a_link_gets_nothing(tmp_path):
+    root, outside = tmp_path / "dump", tmp_path / "outside"
+    outside.mkdir()
+
+    def swap(rank_dir):
+        role = rank_dir.parent
+        os.rename(role, str(role) + ".moved")
+        (outside / rank_dir.name).mkdir()  # the same path again, out of the dump
+        os.symlink(outside, role)
+
+    stats, outs = _run(root, swap)
+    assert _files_under(outside) == []
+    assert stats["status"] == "closed"
+    (root / "target").unlink()
+    os.rename(root / "target.moved", root / "target")
+    assert verify_dump(str(root)).problems == []
+    _assert_all_passes_bit_exact(root, outs)
+
+
+def test_a_deleted_rank_directory_stops_dumping_and_fails_verify(tmp_path):
+    root = tmp_path / "dump"
+    stats, _ = _run(root, shutil.rmtree)
+    assert stats["status"] == "error" and "No such file or directory" in stats["error"]
+    assert "/proc/self/fd" not in stats["error"]  # messages name the directory, not its descriptor
+    assert _files_under(root) == ["fastdump.json"]  # nothing made again at the old path
+    assert subprocess.run([sys.executable, "-m", "fastdump", "verify", str(root)],
+                          capture_output=True).returncode == 1
+
+
+@pytest.fixture
+def small_fs(tmp_path):
+    yield from mount_small_tmpfs(tmp_path, "4m")
+
+
+def test_a_read_only_file_system_stops_dumping_and_fails_verify(small_fs):
+    root = small_fs / "dump"
+
+    def read_only(rank_dir):
+        subprocess.run(["mount", "-o", "remount,ro", str(small_fs)], check=True)
+
+    try:
+        stats, outs = _run(root, read_only)
+    finally:
+        subprocess.run(["mount", "-o", "remount,rw", str(small_fs)], check=True)
+    assert stats["status"] == "error" and "Read-only file system" in stats["error"]
+    problems = verify_dump(str(root)).problems
+    assert len(problems) == 1 and "status running" in problems[0], problems
+    ds = fastdump.open(root)  # what is on disk is whole
+    assert ds.passes("target", 0) == list(range(PASSES_BEFORE))
+    for p in range(PASSES_BEFORE):
+        assert torch.equal(ds.load("target", 0, p)["Sequential"], outs[p])
