@@ -11,18 +11,14 @@ from __future__ import annotations
 
 import difflib
 import os
-import re
 import warnings
 from typing import Any, Mapping
 
 from .options import DEFAULTS, ENV_VARS, OPTION_NAMES, EnvVar, Options  # noqa: F401 - EnvVar re-exported
-from .options import _bool, _nonnegative_float
+from .options import _bool, _nonnegative_float  # noqa: F401
+from .options import ConfigError, check_runtime_env, _RUNTIME_CHECKS  # noqa: F401 - defined with the options
 
 __all__ = ["ConfigError", "ENV_VARS", "env_table", "parse_env", "settings_from_env", "maybe_attach"]
-
-
-class ConfigError(ValueError):
-    """An invalid ``FASTDUMP_*`` value; the message names the variable and the value."""
 
 
 _BY_NAME = {v.name: v for v in ENV_VARS}
@@ -43,44 +39,6 @@ OTHER_VARS = {
     "FASTDUMP_CUDA_HOLD_MS": "CUDA: ms an open batch waits before the drain seals it (default 2)",
     "FASTDUMP_CUDA_CHECK_EACH_TENSOR": "CUDA: 1 = ask the capture state for every tensor (captures begun mid-pass)",
     "FASTDUMP_CUDA_EVENTS_EVERY": "CUDA: snapshots per completion event (default 64)",
-}
-
-
-def _exactly(*choices: str):
-    def parse(s: str) -> str:
-        if s not in choices:
-            raise ValueError(f"must be exactly {' or '.join(choices)}")
-        return s
-    return parse
-
-
-def _digits(s: str) -> int:
-    """What C's atoll reads whole: '1e3' was read as 1, '0x10' as 0 (then ignored)."""
-    if not (s.isascii() and s.isdigit() and int(s) >= 1):
-        raise ValueError("must be an integer >= 1 (digits only)")
-    return int(s)
-
-
-def _decimal(s: str) -> float:
-    """What C's atof reads whole, > 0: '0x10' and 'inf' are numbers to atof, not to a reader of the docs."""
-    if not re.fullmatch(r"(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?", s) or not 0 < float(s) < float("inf"):
-        raise ValueError("must be a decimal number > 0")
-    return float(s)
-
-
-# Checks of OTHER_VARS read at run time (by the writer, the engine, the C++ CUDA stager). These are
-# read where they are used, without this module; a value they would misread ('true' where the CUDA
-# stager looks for '1', FASTDUMP_NO_DIRECT_IO=0 read as set) is a ConfigError here instead.
-# (Build-time variables are setup.py's.)
-_RUNTIME_CHECKS = {
-    "FASTDUMP_EXIT_TIMEOUT_S": _nonnegative_float,
-    "FASTDUMP_NO_DIRECT_IO": _bool,
-    "FASTDUMP_TORCH_READER": _exactly("0", "1"),
-    "FASTDUMP_CUDA_BATCH": _exactly("0", "1"),
-    "FASTDUMP_CUDA_CHECK_EACH_TENSOR": _exactly("0", "1"),
-    "FASTDUMP_CUDA_REGISTER_PIECE_MB": _digits,
-    "FASTDUMP_CUDA_EVENTS_EVERY": _digits,
-    "FASTDUMP_CUDA_HOLD_MS": _decimal,
 }
 
 
@@ -114,20 +72,6 @@ def parse_env(environ: Mapping[str, str] = os.environ) -> dict[str, Any]:
             hint = f" (did you mean {near[0]}?)" if near else ""
             warnings.warn(f"unknown environment variable {key}{hint}; ignored", stacklevel=3)
     return out
-
-
-def check_runtime_env(environ: Mapping[str, str] = os.environ) -> None:
-    """ConfigError naming the first variable read at run time (the writer's, the engine's, the CUDA
-    stager's: _RUNTIME_CHECKS) whose value its reader would misread. Called by parse_env and by
-    every Dumper at attach, before anything is made: a direct ``fastdump.attach()`` took
-    FASTDUMP_CUDA_HOLD_MS=abc, and the C++ stager read it as 0 without a word."""
-    for name, check in _RUNTIME_CHECKS.items():
-        raw = environ.get(name)
-        if raw is not None and raw != "":  # (empty: unset, as each reader takes it)
-            try:
-                check(raw)
-            except ValueError as e:
-                raise ConfigError(f"{name}={raw!r}: {e}") from None
 
 
 def _check_alone(kwarg: str, value) -> None:

@@ -502,3 +502,61 @@ def _env_vars() -> tuple[EnvVar, ...]:
 ENV_VARS: tuple[EnvVar, ...] = _env_vars()
 OPTION_NAMES = frozenset(f.name for f in dataclasses.fields(Options))
 DEFAULTS = {f.name: f.default for f in dataclasses.fields(Options)}
+
+
+# --- variables read at run time, outside the options (fastdump.config lists them: OTHER_VARS) ---
+
+class ConfigError(ValueError):
+    """An invalid ``FASTDUMP_*`` value; the message names the variable and the value."""
+
+
+def _exactly(*choices: str):
+    def parse(s: str) -> str:
+        if s not in choices:
+            raise ValueError(f"must be exactly {' or '.join(choices)}")
+        return s
+    return parse
+
+
+def _digits(s: str) -> int:
+    """What C's atoll reads whole: '1e3' was read as 1, '0x10' as 0 (then ignored)."""
+    if not (s.isascii() and s.isdigit() and int(s) >= 1):
+        raise ValueError("must be an integer >= 1 (digits only)")
+    return int(s)
+
+
+def _decimal(s: str) -> float:
+    """What C's atof reads whole, > 0: '0x10' and 'inf' are numbers to atof, not to a reader of the docs."""
+    if not re.fullmatch(r"(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?", s) or not 0 < float(s) < float("inf"):
+        raise ValueError("must be a decimal number > 0")
+    return float(s)
+
+
+# Checks of OTHER_VARS read at run time (by the writer, the engine, the C++ CUDA stager). These are
+# read where they are used, without fastdump.config; a value they would misread ('true' where the CUDA
+# stager looks for '1', FASTDUMP_NO_DIRECT_IO=0 read as set) is a ConfigError at attach instead (check_runtime_env).
+# (Build-time variables are setup.py's.)
+_RUNTIME_CHECKS = {
+    "FASTDUMP_EXIT_TIMEOUT_S": _nonnegative_float,
+    "FASTDUMP_NO_DIRECT_IO": _bool,
+    "FASTDUMP_TORCH_READER": _exactly("0", "1"),
+    "FASTDUMP_CUDA_BATCH": _exactly("0", "1"),
+    "FASTDUMP_CUDA_CHECK_EACH_TENSOR": _exactly("0", "1"),
+    "FASTDUMP_CUDA_REGISTER_PIECE_MB": _digits,
+    "FASTDUMP_CUDA_EVENTS_EVERY": _digits,
+    "FASTDUMP_CUDA_HOLD_MS": _decimal,
+}
+
+
+def check_runtime_env(environ: Mapping[str, str] = os.environ) -> None:
+    """ConfigError naming the first variable read at run time (the writer's, the engine's, the CUDA
+    stager's: _RUNTIME_CHECKS) whose value its reader would misread. Called by config.parse_env and by
+    every Dumper at attach, before anything is made: a direct ``fastdump.attach()`` took
+    FASTDUMP_CUDA_HOLD_MS=abc, and the C++ stager read it as 0 without a word."""
+    for name, check in _RUNTIME_CHECKS.items():
+        raw = environ.get(name)
+        if raw is not None and raw != "":  # (empty: unset, as each reader takes it)
+            try:
+                check(raw)
+            except ValueError as e:
+                raise ConfigError(f"{name}={raw!r}: {e}") from None

@@ -188,9 +188,8 @@ def watch_graph_captures() -> bool:
         note()
         _new_generation(self)
         if not _open_captures:  # (the device cannot be synchronized while another capture runs)
-            from .graphs import reclaim_dead_graphs
-
-            reclaim_dead_graphs()  # slots of graphs reset or collected go to this capture
+            for call in before_capture:
+                call()  # graphs.reclaim_dead_graphs: slots of graphs reset or collected go to this capture
         _capturing.graph = _GraphToken(self)
         try:
             result = original(self, *args, **kwargs)
@@ -211,6 +210,11 @@ def watch_graph_captures() -> bool:
 
 
 _capture_hook = None
+
+# Called as a torch capture begins while no other is open. graphs.py puts its reclaim_dead_graphs
+# here when it first uses this module (a list, so that this module imports no module of its layer
+# that imports it).
+before_capture: list = []
 
 # Which torch CUDAGraph each thread is capturing (between its capture_begin and capture_end), so the
 # graph recorder knows which graphs write into its device memory: free_device_memory refuses while

@@ -30,6 +30,8 @@ def _import_cuda():
     global _cuda_module
     from . import cuda
 
+    if reclaim_dead_graphs not in cuda.before_capture:  # (see reclaim_dead_graphs)
+        cuda.before_capture.append(reclaim_dead_graphs)
     _cuda_module = cuda
     return cuda
 
@@ -309,7 +311,7 @@ _recordings: "weakref.WeakSet[GraphRecording]" = weakref.WeakSet()  # the Dumper
 
 
 def reclaim_dead_graphs() -> None:
-    """Called by torch's ``CUDAGraph.capture_begin`` (wrapped in staging/cuda.py) before a capture
+    """Called by torch's ``CUDAGraph.capture_begin`` (wrapped in staging/cuda.py, which _import_cuda gives it) before a capture
     begins, when no other torch capture is open: every Dumper gives back the slots of its graphs
     that can never run again, so the capture about to begin finds them free."""
     for recording in list(_recordings):
