@@ -783,6 +783,78 @@ def test_modules_put_into_the_model_after_attach_are_dumped_under_the_names_they
         assert same_bits(dumped[name], value), name
 
 
+class Chain(nn.Module):
+    def __init__(self, n=3):
+        super().__init__()
+        torch.manual_seed(3)
+        self.layers = nn.ModuleList(nn.Linear(4, 4) for _ in range(n))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+@pytest.mark.parametrize("move", ["del_then_append", "swap_two"])
+def test_a_module_put_in_after_attach_never_shares_a_name_with_another(tmp_path, kind, move):
+    """``del layers[1]`` renumbers the rest unseen (no registration): ``append`` then put a new
+    ``layers.2`` beside the old one, still dumped as ``layers.2``: two modules' outputs read as one
+    module called twice (``layers.2#1``), and verify said OK. Each name holds the module the model
+    has under it when the pass runs."""
+    from fastdump.cli.dump import verify_dump
+
+    model = Chain()
+    d = fastdump.attach(model, tmp_path)
+    if move == "del_then_append":
+        del model.layers[1]
+        model.layers.append(nn.Linear(4, 4))
+    else:  # the module of layers.0 put at layers.1 (and a new one at layers.0)
+        first = model.layers[0]
+        model.layers[0] = nn.Linear(4, 4)
+        model.layers[1] = first
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        out = model(x)
+        want, h = {}, x
+        for i, layer in enumerate(model.layers):
+            h = want[f"layers.{i}"] = layer(h)
+    d.close()
+    dumped = fastdump.open(tmp_path).load("target", 0, 0)
+    assert sorted(dumped) == sorted(list(want) + ["Chain"])
+    for name, value in want.items():
+        assert same_bits(dumped[name], value), name
+    assert same_bits(dumped["Chain"], out)
+    assert verify_dump(str(tmp_path)).problems == []
+
+
+def test_a_dumper_dropped_without_close_is_collected_with_its_model(tmp_path):
+    """The registration hook (_follow_registrations) is global: holding its Dumper strongly, it kept
+    every Dumper dropped without close(), its model and its rank directory's descriptor for the
+    process's life, one more per attach."""
+    hooks = torch.nn.modules.module._global_module_registration_hooks
+    before = len(hooks)
+
+    def attach_and_drop(i):
+        model = Chain()
+        d = fastdump.attach(model, tmp_path / str(i))
+        with torch.no_grad():
+            model(torch.randn(2, 4))
+        return weakref.ref(model), weakref.ref(d)
+
+    refs = [attach_and_drop(i) for i in range(3)]
+    gc.collect()
+    try:
+        assert [(m(), d()) for m, d in refs] == [(None, None)] * 3
+        assert len(hooks) == before
+        held = [n for n in os.listdir("/proc/self/fd")  # (the rank directories' DirAnchor, closed with it)
+                if os.path.realpath(f"/proc/self/fd/{n}").startswith(str(tmp_path))]
+        assert held == []
+    finally:  # (the engine a dropped Dumper leaves, which the conftest check would report)
+        from fastdump.staging.engine import Engine
+        Engine._current.shutdown()
+        Engine._current = None
+
+
 @pytest.mark.parametrize("order", ["compile_then_attach", "attach_then_compile"])
 def test_a_compiled_model_of_many_module_types_stays_compiled_while_dumped(tmp_path, order):
     """A model looping over its layers, compiled with fastdump attached, ran eagerly: compiled

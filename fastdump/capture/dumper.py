@@ -1354,27 +1354,43 @@ class Dumper:
             except TypeError:  # unhashable (__eq__ without __hash__): its registrations go unseen
                 pass
         self._paths = paths
+        # name -> the module its capture wrapper dumps under it (one module per name: _adopt)
+        self._holders = {name: module for name, module in self._wrapped_capture()}
+        # The hook is global (torch's): it holds this Dumper weakly, and goes with it. Held strongly,
+        # a Dumper dropped without close() was never collected, nor its model, its rank directory's
+        # descriptor or its ring: one of each per attach, for the process's life.
+        me = weakref.ref(self, lambda _, hooks=[]: [h.remove() for h in hooks])
 
         def registered(parent, name, module):
+            dumper = me()
             try:  # (a module class with __eq__ and no __hash__ cannot be looked up: not ours)
-                prefix = paths.get(parent) if isinstance(name, str) else None
+                prefix = paths.get(parent) if isinstance(name, str) and dumper is not None else None
             except TypeError:
                 return None
-            if prefix is None or self._closed or module is None:
+            if prefix is None or dumper._closed or module is None:
                 return None
             try:
-                self._adopt(f"{prefix}.{name}" if prefix else name, module, selection)
+                dumper._adopt(f"{prefix}.{name}" if prefix else name, module, selection)
             except Exception as exc:  # never into the model: said, and the module goes undumped
                 log.warning("fastdump: %s: %s, put into the model after attach, is not dumped: %s: %s",
-                            self.dir, name, type(exc).__name__, _short(exc))
+                            dumper.dir, name, type(exc).__name__, _short(exc))
             return None
 
         self._registration_hook = _torch.nn.modules.module.register_module_module_registration_hook(registered)
+        me.__callback__.__defaults__[0].append(self._registration_hook)
+
+    def _wrapped_capture(self):
+        """(name, module) of the modules wrapped by a capture wrapper (not the root's)."""
+        for module, wrapper in self._wrapped:
+            name = getattr(wrapper, "_fastdump_name", None) or getattr(wrapper, "__fastdump_name__", None)
+            if name is not None:
+                yield name, module
 
     def _adopt(self, prefix: str, module, selection: dict) -> None:
         """Wrap what the selection keeps of ``module``, now registered in the model as ``prefix``.
         A module already wrapped keeps its wrapper and the name it had (one moved into a wrapper
-        set in its place: ``model.proj = LoRA(model.proj)``)."""
+        set in its place: ``model.proj = LoRA(model.proj)``), unless a module put in now takes that
+        name (see _free_name)."""
         for name, sub in named_modules(module):
             try:
                 self._paths.setdefault(sub, f"{prefix}.{name}" if name else prefix)
@@ -1384,14 +1400,63 @@ class Dumper:
             self._use_python_wrappers()  # a torch.compile'd module put in: as at attach (_install)
         wrapped = {id(m) for m, _ in self._wrapped}
         fresh = [(name, sub) for name, sub in _select_subtree(module, prefix, **selection) if id(sub) not in wrapped]
+        for name, _ in fresh:
+            self._free_name(name, prefix)
         self._module_names.update(name for name, _ in fresh)
         self._indexed_parents |= {head for head, _, tail in (name.rpartition(".") for name, _ in fresh)
                                   if head and tail.isdigit()}  # (as _install: these take the Python wrapper)
         for name, sub in fresh:
             self._wrap(sub, self._capture_wrapper(name, sub.forward, _owner_of(sub)))
+            self._holders[name] = sub
         if fresh:
             log.info("fastdump: %s: %s put into the model after attach: dumped too", self.dir,
                      ", ".join(name for name, _ in fresh))
+
+    def _free_name(self, name: str, replaced: str) -> None:
+        """A module put in now takes ``name``, which another wrapped module dumps under: two modules
+        under one name read as one module called twice (``del model.layers[1]`` renumbers the rest
+        unseen, and ``append`` then put a new ``layers.2`` beside the old one: ``layers.2#1``, verify
+        OK). The holder is dumped under the name it has in the model now; one only under ``replaced``
+        (the slot being filled: the hook runs before the assignment) or nowhere is leaving the model,
+        and is not dumped any more."""
+        holder = self._holders.pop(name, None)
+        if holder is None:
+            return
+        model = self._model_ref()
+        now = None
+        if model is not None:
+            for path, sub in named_modules(model):
+                if sub is holder and path != replaced and not path.startswith(replaced + "."):
+                    now = path
+                    break
+        if not self._unwrap_one(holder):
+            self._holders[name] = holder  # someone wrapped over ours: it cannot be taken off (kept)
+            return
+        self._module_names.discard(name)
+        if now is not None:
+            self._free_name(now, replaced)  # (its holder left the model: a deleted layer, say)
+        if now is not None and now not in self._holders:
+            self._paths[holder] = now
+            self._module_names.add(now)
+            self._wrap(holder, self._capture_wrapper(now, holder.forward, _owner_of(holder)))
+            self._holders[now] = holder
+
+    def _unwrap_one(self, module) -> bool:
+        """Take this Dumper's capture wrapper off ``module`` (False: another wrapper sits over it)."""
+        for i, (m, wrapper) in enumerate(self._wrapped):
+            if m is module:
+                if module.__dict__.get("forward") is not wrapper:
+                    return False
+                previous = _wrapped_by(wrapper)
+                if previous is _MISSING:
+                    del module.__dict__["forward"]
+                else:
+                    module.__dict__["forward"] = previous
+                if not _is_ours(module.__dict__.get("forward")):
+                    _remove_copier(module)
+                del self._wrapped[i]
+                return True
+        return False
 
     def _wrap(self, module, wrapper) -> None:
         _mark_ours(wrapper, module.__dict__.get("forward", _MISSING))
@@ -1474,6 +1539,7 @@ class Dumper:
         # break in its loop over the layers) every module's wrapper was a recompile of one code
         # object, until Dynamo's recompile limit (8) sent the rest to eager, every pass.
         forward_and_capture.__code__ = forward_and_capture.__code__.replace()
+        forward_and_capture.__fastdump_name__ = name  # (the C wrapper's _fastdump_name)
         return forward_and_capture
 
     def _hooked_wrapper(self, name: str, forward, convert, before, owner=None):
@@ -1816,6 +1882,7 @@ def _wraps(forward):
         functools.wraps(forward)(wrapper)
         wrapper.__dict__.pop("__fastdump_off__", None)
         wrapper.__dict__.pop("__fastdump_previous__", None)
+        wrapper.__dict__.pop("__fastdump_name__", None)
         return wrapper
 
     return decorate
