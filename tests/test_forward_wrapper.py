@@ -784,7 +784,7 @@ def test_modules_put_into_the_model_after_attach_are_dumped_under_the_names_they
 
 
 class Chain(nn.Module):
-    def __init__(self, n=3):
+    def __init__(self, n):
         super().__init__()
         torch.manual_seed(3)
         self.layers = nn.ModuleList(nn.Linear(4, 4) for _ in range(n))
@@ -795,23 +795,41 @@ class Chain(nn.Module):
         return x
 
 
-@pytest.mark.parametrize("move", ["del_then_append", "swap_two"])
-def test_a_module_put_in_after_attach_never_shares_a_name_with_another(tmp_path, kind, move):
-    """``del layers[1]`` renumbers the rest unseen (no registration): ``append`` then put a new
-    ``layers.2`` beside the old one, still dumped as ``layers.2``: two modules' outputs read as one
-    module called twice (``layers.2#1``), and verify said OK. Each name holds the module the model
-    has under it when the pass runs."""
+def _swap_two(layers):
+    first = layers[0]
+    layers[0] = nn.Linear(4, 4)
+    layers[1] = first  # the module of layers.0 at layers.1, a new one at layers.0
+
+
+MOVES = {
+    "del_then_append": lambda layers: (layers.__delitem__(1), layers.append(nn.Linear(4, 4))),
+    "swap_two": _swap_two,
+    "insert_at_0": lambda layers: layers.insert(0, nn.Linear(4, 4)),
+    "insert_in_the_middle": lambda layers: layers.insert(2, nn.Linear(4, 4)),
+    "del": lambda layers: layers.__delitem__(1),
+    "pop_first": lambda layers: layers.pop(0),
+    "del_slice": lambda layers: layers.__delitem__(slice(0, 2)),
+    "insert_del_append": lambda layers: (layers.insert(1, nn.Linear(4, 4)), layers.__delitem__(0),
+                                         layers.append(nn.Linear(4, 4))),
+}
+
+
+@pytest.mark.parametrize("container", [nn.ModuleList, nn.Sequential])
+@pytest.mark.parametrize("move", sorted(MOVES))
+def test_modules_renumbered_after_attach_dump_under_their_numbers_now(tmp_path, kind, move, container):
+    """``insert`` and ``del`` (``pop``) of a ModuleList or Sequential write its ``_modules``
+    directly, which torch's registration hook does not see: an inserted module was never wrapped
+    (its output missing), the modules after it dumped under their old numbers, and ``del`` then
+    ``append`` put a new ``layers.2`` beside the old one (two modules read as one called twice,
+    ``layers.2#1``). verify said OK each time. Each name holds the output of the module the model
+    has under it when the pass runs, bit for bit."""
     from fastdump.cli.dump import verify_dump
 
-    model = Chain()
+    model = Chain(4)
+    model.layers = container(*model.layers) if container is nn.Sequential else model.layers
     d = fastdump.attach(model, tmp_path)
-    if move == "del_then_append":
-        del model.layers[1]
-        model.layers.append(nn.Linear(4, 4))
-    else:  # the module of layers.0 put at layers.1 (and a new one at layers.0)
-        first = model.layers[0]
-        model.layers[0] = nn.Linear(4, 4)
-        model.layers[1] = first
+    torch.manual_seed(4)
+    MOVES[move](model.layers)
     x = torch.randn(2, 4)
     with torch.no_grad():
         out = model(x)
@@ -827,6 +845,38 @@ def test_a_module_put_in_after_attach_never_shares_a_name_with_another(tmp_path,
     assert verify_dump(str(tmp_path)).problems == []
 
 
+def test_a_module_put_in_on_another_thread_while_close_runs_is_left_unwrapped(tmp_path, monkeypatch):
+    """A registration on another thread that had seen the Dumper open wrapped its module after
+    close() had taken the wrappers off: a wrapper and copiers left on the model for good, holding
+    the closed Dumper. close() now waits for that wrapping, then takes it off too."""
+    import threading
+
+    model = Chain(2)
+    d = fastdump.attach(model, tmp_path)
+    selecting, go = threading.Event(), threading.Event()
+    select = dumper_mod._select_subtree
+
+    def slow_select(*args, **kwargs):
+        selecting.set()
+        go.wait(10)
+        return select(*args, **kwargs)
+
+    monkeypatch.setattr(dumper_mod, "_select_subtree", slow_select)
+    fresh = nn.Linear(4, 4)
+    putter = threading.Thread(target=model.layers.append, args=(fresh,))
+    putter.start()
+    assert selecting.wait(10)
+    closer = threading.Thread(target=d.close)
+    closer.start()
+    closer.join(0.5)  # (the old code closed here, while the registration still wrapped)
+    go.set()
+    putter.join(10)
+    closer.join(30)
+    assert not closer.is_alive() and d.status == "closed"
+    for module in model.modules():
+        assert "forward" not in module.__dict__ and "__getstate__" not in module.__dict__, module
+
+
 def test_a_dumper_dropped_without_close_is_collected_with_its_model(tmp_path):
     """The registration hook (_follow_registrations) is global: holding its Dumper strongly, it kept
     every Dumper dropped without close(), its model and its rank directory's descriptor for the
@@ -835,7 +885,7 @@ def test_a_dumper_dropped_without_close_is_collected_with_its_model(tmp_path):
     before = len(hooks)
 
     def attach_and_drop(i):
-        model = Chain()
+        model = Chain(3)
         d = fastdump.attach(model, tmp_path / str(i))
         with torch.no_grad():
             model(torch.randn(2, 4))

@@ -77,6 +77,7 @@ def _forget_parent_dumpers() -> None:
     for dumper in list(_open_dumpers):
         dumper._capturing = False
         dumper._counts_lock = threading.RLock()  # (another thread of the parent may have held it)
+        dumper._lock = threading.Lock()  # (as may a registration: see _follow_registrations)
         dumper._let_go_of_the_ring(fold=False)  # the parent's counts are the parent's
         dumper.status = "not dumping in this process (forked child of the attaching process)"
     _open_dumpers.clear()
@@ -460,7 +461,7 @@ class Dumper:
         Returns within about ``timeout`` seconds whatever the writer does: what was not confirmed
         on disk by then is recorded as an error in the stats and producer_error.json. Ctrl-C interrupts it
         (KeyboardInterrupt, after recording the error)."""
-        with self._lock:
+        with self._lock:  # (held by a registration wrapping a module put in: see _follow_registrations)
             if self._closed:
                 return self.stats()
             self._closed = True
@@ -1367,10 +1368,12 @@ class Dumper:
                 prefix = paths.get(parent) if isinstance(name, str) and dumper is not None else None
             except TypeError:
                 return None
-            if prefix is None or dumper._closed or module is None:
+            if prefix is None or module is None:
                 return None
             try:
-                dumper._adopt(f"{prefix}.{name}" if prefix else name, module, selection)
+                with dumper._lock:  # (close() on another thread: its wrappers come off before or after this)
+                    if not dumper._closed:
+                        dumper._adopt(f"{prefix}.{name}" if prefix else name, module, selection)
             except Exception as exc:  # never into the model: said, and the module goes undumped
                 log.warning("fastdump: %s: %s, put into the model after attach, is not dumped: %s: %s",
                             dumper.dir, name, type(exc).__name__, _short(exc))
@@ -1378,6 +1381,8 @@ class Dumper:
 
         self._registration_hook = _torch.nn.modules.module.register_module_module_registration_hook(registered)
         me.__callback__.__defaults__[0].append(self._registration_hook)
+        self._selection = selection
+        _follow_renumbering(self)
 
     def _wrapped_capture(self):
         """(name, module) of the modules wrapped by a capture wrapper (not the root's)."""
@@ -1412,7 +1417,7 @@ class Dumper:
             log.info("fastdump: %s: %s put into the model after attach: dumped too", self.dir,
                      ", ".join(name for name, _ in fresh))
 
-    def _free_name(self, name: str, replaced: str) -> None:
+    def _free_name(self, name: str, replaced: str | None) -> None:
         """A module put in now takes ``name``, which another wrapped module dumps under: two modules
         under one name read as one module called twice (``del model.layers[1]`` renumbers the rest
         unseen, and ``append`` then put a new ``layers.2`` beside the old one: ``layers.2#1``, verify
@@ -1426,7 +1431,7 @@ class Dumper:
         now = None
         if model is not None:
             for path, sub in named_modules(model):
-                if sub is holder and path != replaced and not path.startswith(replaced + "."):
+                if sub is holder and (replaced is None or (path != replaced and not path.startswith(replaced + "."))):
                     now = path
                     break
         if not self._unwrap_one(holder):
@@ -1457,6 +1462,58 @@ class Dumper:
                 del self._wrapped[i]
                 return True
         return False
+
+    def _renumbered(self, container, before: dict) -> None:
+        """``container`` (a ModuleList or Sequential) renumbered its modules without a registration
+        (``insert``, ``del``, ``pop``: their ``_modules`` writes call no hook): ``before``, its
+        modules then. A module inserted was never wrapped (its outputs missing, verify OK), and the
+        ones after it, or after a deleted one, dumped under the number they had: names that now
+        lead to another module. Each moved module's names follow its new number; an inserted one
+        is wrapped (_adopt)."""
+        try:
+            prefix = self._paths.get(container)
+        except TypeError:
+            return
+        if prefix is None or self._closed:
+            return
+        join = (lambda key: f"{prefix}.{key}") if prefix else (lambda key: key)
+        old_key = {}
+        for key, module in before.items():
+            old_key.setdefault(id(module), key)
+        moves, added = {}, []
+        for key, module in container._modules.items():
+            if module is None:
+                continue
+            was = old_key.get(id(module))
+            if was is None:
+                added.append((join(key), module))
+            elif was != key:  # (one held at several numbers: its first, as at attach)
+                moves.setdefault(join(was), join(key))
+
+        def moved(name):
+            for old, new in moves.items():
+                if name == old or name.startswith(old + "."):
+                    return new + name[len(old):]
+            return None
+
+        for module, name in list(self._paths.items()):  # the names registrations inside them take
+            if moved(name) is not None:
+                self._paths[module] = moved(name)
+        renamed = [(holder, moved(name)) for name, holder in list(self._holders.items()) if moved(name) is not None]
+        for holder, _ in renamed:  # all off first: one's new name may be another's old one
+            name = next(n for n, h in self._holders.items() if h is holder)
+            if self._unwrap_one(holder):
+                del self._holders[name]
+                self._module_names.discard(name)
+        for holder, name in renamed:
+            if any(h is holder for h in self._holders.values()):
+                continue  # (someone wrapped over ours: kept as it was)
+            self._free_name(name, None)  # (a module deleted from that number)
+            self._module_names.add(name)
+            self._wrap(holder, self._capture_wrapper(name, holder.forward, _owner_of(holder)))
+            self._holders[name] = holder
+        for name, module in added:
+            self._adopt(name, module, self._selection)
 
     def _wrap(self, module, wrapper) -> None:
         _mark_ours(wrapper, module.__dict__.get("forward", _MISSING))
@@ -1873,6 +1930,44 @@ def _no_graph_breaks(token: int) -> bool:
 
 
 _no_graph_breaks._dynamo_marked_constant = True
+
+
+_RENUMBERING_FOLLOWERS: "weakref.WeakSet[Dumper]" = weakref.WeakSet()  # Dumpers following registrations
+
+
+def _follow_renumbering(dumper) -> None:
+    """Have ``dumper`` told of the renumberings torch's registration hook does not see: the
+    ``insert`` and ``__delitem__`` (``del``, ``pop``) of ModuleList and Sequential write their
+    ``_modules`` directly. Their class methods are replaced once per process by ones that call
+    the original, then tell each Dumper following (Dumper._renumbered); with none, only the call."""
+    _RENUMBERING_FOLLOWERS.add(dumper)
+    for cls in (_torch.nn.ModuleList, _torch.nn.Sequential):
+        for name in ("insert", "__delitem__"):
+            method = cls.__dict__.get(name)
+            if method is not None and not getattr(method, "__fastdump_renumbering__", False):
+                setattr(cls, name, _telling_followers(method))
+
+
+def _telling_followers(method):
+    @functools.wraps(method)
+    def renumbering(container, *args, **kwargs):
+        followers = [d for d in list(_RENUMBERING_FOLLOWERS) if not d._closed]
+        if not followers:
+            return method(container, *args, **kwargs)
+        before = dict(container._modules)
+        result = method(container, *args, **kwargs)
+        for dumper in followers:
+            try:
+                with dumper._lock:  # (as the registration hook: not while close() takes wrappers off)
+                    if not dumper._closed:
+                        dumper._renumbered(container, before)
+            except Exception as exc:  # never into the model: said
+                log.warning("fastdump: %s: renumbering %s after attach: %s: %s", dumper.dir,
+                            type(container).__name__, type(exc).__name__, _short(exc))
+        return result
+
+    renumbering.__fastdump_renumbering__ = True
+    return renumbering
 
 
 def _wraps(forward):
