@@ -877,6 +877,45 @@ def test_a_module_put_in_on_another_thread_while_close_runs_is_left_unwrapped(tm
         assert "forward" not in module.__dict__ and "__getstate__" not in module.__dict__, module
 
 
+class TwoPaths(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(5)
+        self.keep = nn.Linear(4, 4)
+
+    def forward(self, x):
+        x = self.keep(x)
+        for name in ("a", "b"):
+            if hasattr(self, name):
+                x = getattr(self, name)(x)
+        return x
+
+
+@pytest.mark.parametrize("when", ["at_attach", "after_attach"])
+def test_a_module_held_under_an_excluded_name_and_a_kept_one_is_left_out_alike(tmp_path, kind, when):
+    """One module put in as ``a`` (excluded) and ``b`` (kept) after attach was wrapped as ``b``: its
+    call through ``a`` was dumped as ``b`` and the one through ``b`` as ``b#1``, verify OK. At attach
+    such a module is left out, with the reason (selection.shared_left_out); now after attach too."""
+    from fastdump.capture.selection import SHARED_LEFT_OUT_REASON
+
+    model, shared = TwoPaths(), nn.Linear(4, 4)
+    if when == "at_attach":
+        model.a = model.b = shared
+    d = fastdump.attach(model, tmp_path, exclude="^a$")
+    if when == "after_attach":
+        model.a = shared
+        model.b = shared
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        out = model(x)
+        keep = model.keep(x)
+    d.close()
+    assert d.not_wrapped == {"a": SHARED_LEFT_OUT_REASON.format(kept="b")}
+    dumped = fastdump.open(tmp_path).load("target", 0, 0)
+    assert sorted(dumped) == ["TwoPaths", "keep"]
+    assert same_bits(dumped["keep"], keep) and same_bits(dumped["TwoPaths"], out)
+
+
 def test_a_dumper_dropped_without_close_is_collected_with_its_model(tmp_path):
     """The registration hook (_follow_registrations) is global: holding its Dumper strongly, it kept
     every Dumper dropped without close(), its model and its rank directory's descriptor for the

@@ -33,7 +33,7 @@ from ..options import Options, check_meta_keys as _check_meta_keys
 from .manifest import cuda_index as _cuda_index, device_facts as _device_facts, write_manifest as _write_manifest
 from .ranks import resolve_ranks  # noqa: F401 - part of this module's face
 from .selection import named_modules, original as _original_module, root_selected as _root_selected, select_modules
-from .selection import select_subtree as _select_subtree
+from .selection import select_subtree as _select_subtree, SHARED_LEFT_OUT_REASON as _SHARED_LEFT_OUT
 from .selection import SHADOWED_REASON as _SHADOWED_REASON, forward_shadowed as _forward_shadowed, \
     is_script_module as _is_script_module, shared_left_out as _shared_left_out, \
     unwrappable_modules as _unwrappable_modules
@@ -1396,15 +1396,26 @@ class Dumper:
         A module already wrapped keeps its wrapper and the name it had (one moved into a wrapper
         set in its place: ``model.proj = LoRA(model.proj)``), unless a module put in now takes that
         name (see _free_name)."""
+        earlier = {}  # id -> the name a module of it already has in the model (held twice)
         for name, sub in named_modules(module):
             try:
-                self._paths.setdefault(sub, f"{prefix}.{name}" if name else prefix)
+                first = self._paths.setdefault(sub, f"{prefix}.{name}" if name else prefix)
             except TypeError:  # (unhashable, as above)
-                pass
+                continue
+            if first != (f"{prefix}.{name}" if name else prefix) and self._still_at(first, sub):
+                earlier[id(sub)] = first
         if any(_original_module(m) is not m for m in module.modules()):
             self._use_python_wrappers()  # a torch.compile'd module put in: as at attach (_install)
         wrapped = {id(m) for m, _ in self._wrapped}
         fresh = [(name, sub) for name, sub in _select_subtree(module, prefix, **selection) if id(sub) not in wrapped]
+        for name, sub in [(n, m) for n, m in fresh if id(m) in earlier]:
+            # Also under a name the selection leaves out (else it would be wrapped): as at attach
+            # (selection.shared_left_out), not dumped; wrapped, the calls through the left-out name
+            # read as this name's next calls (``b#1``), and verify said OK.
+            fresh.remove((name, sub))
+            self.not_wrapped[earlier[id(sub)]] = _SHARED_LEFT_OUT.format(kept=name)
+            log.warning("fastdump: %s: not wrapped: %s: %s", self.dir, earlier[id(sub)],
+                        self.not_wrapped[earlier[id(sub)]])
         for name, _ in fresh:
             self._free_name(name, prefix)
         self._module_names.update(name for name, _ in fresh)
@@ -1416,6 +1427,16 @@ class Dumper:
         if fresh:
             log.info("fastdump: %s: %s put into the model after attach: dumped too", self.dir,
                      ", ".join(name for name, _ in fresh))
+
+    def _still_at(self, name: str, module) -> bool:
+        """Whether the model holds ``module`` under ``name`` now."""
+        model = self._model_ref()
+        if model is None:
+            return False
+        for path, sub in named_modules(model, remove_duplicate=False):
+            if path == name:
+                return sub is module
+        return False
 
     def _free_name(self, name: str, replaced: str | None) -> None:
         """A module put in now takes ``name``, which another wrapped module dumps under: two modules
