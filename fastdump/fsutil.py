@@ -15,6 +15,7 @@ import json
 import os
 import stat
 import threading
+import weakref
 
 # Temporary names start with '.' and end with '.tmp': readers skip them, `fastdump verify` reports
 # leftovers. pid + counter + random bits keep concurrent writers of one target (several ranks writing
@@ -91,14 +92,25 @@ class DirAnchor:
         self.shown = os.path.abspath(os.fspath(directory))
         flags = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_NOFOLLOW", 0)
         self.fd = os.open(self.shown, flags)  # raises OSError: missing, not a directory, a link
+        info = os.fstat(self.fd)
+        self._identity = (info.st_dev, info.st_ino)
         anchored = f"{self._PROC_FD}/{self.fd}"
         self.path = anchored if os.path.isdir(anchored) else self.shown
+        # Closed with its owner (a Dumper dropped without close()): one descriptor per attach otherwise.
+        self._finalizer = weakref.finalize(self, _close_if_held, self.fd, self._identity)
 
     def join(self, name: str) -> str:
-        """The path of ``name`` in the held directory. Raises OSError once closed: a descriptor
-        number may be reused by another open file, whose /proc path must never be written to."""
+        """The path of ``name`` in the held directory. Raises OSError once closed, or once the
+        descriptor is no longer the directory's: a program's ``os.closerange`` (daemonizing, or
+        before running a child) closes it under us, and the number may then name another open file
+        or directory, whose /proc path must never be written to."""
         if self.fd is None:
             raise OSError(f"{self.shown}: closed for writing")
+        if self.path != self.shown and not _holds(self.fd, self._identity):
+            self.fd = None
+            self._finalizer.detach()  # (the number is someone else's now: never closed by us)
+            raise OSError(f"{self.shown}: its held descriptor was closed by someone else (os.closerange?); "
+                          "nothing more is written there")
         return os.path.join(self.path, name)
 
     def readable(self, text: str) -> str:
@@ -106,9 +118,23 @@ class DirAnchor:
         return text.replace(self.path, self.shown) if self.path != self.shown else text
 
     def close(self) -> None:
-        fd, self.fd = self.fd, None
-        if fd is not None:
-            os.close(fd)
+        """Close the descriptor, when it is still the directory's (twice: nothing)."""
+        self.fd = None
+        self._finalizer()
+
+
+def _holds(fd: int, identity: tuple) -> bool:
+    """Whether descriptor ``fd`` is still open on the directory of ``identity`` (st_dev, st_ino)."""
+    try:
+        info = os.fstat(fd)
+    except OSError:
+        return False
+    return (info.st_dev, info.st_ino) == identity
+
+
+def _close_if_held(fd: int, identity: tuple) -> None:
+    if _holds(fd, identity):
+        os.close(fd)
 
 
 def remove_quietly(path: str) -> None:
@@ -216,3 +242,11 @@ def unique_keys(pairs: list) -> dict:
         again = next(key for key, _ in pairs if key in seen or seen.add(key))
         raise ValueError(f"key {again!r} appears twice in one object")
     return obj
+
+
+def read_json(path: str, default=None):
+    """Parsed JSON at ``path`` (see ``load_json``); ``default`` when missing, unsafe or unparsable."""
+    try:
+        return load_json(path)
+    except (OSError, ValueError):
+        return default

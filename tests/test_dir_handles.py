@@ -149,3 +149,37 @@ def test_a_read_only_file_system_stops_dumping_and_fails_verify(small_fs):
     assert ds.passes("target", 0) == list(range(PASSES_BEFORE))
     for p in range(PASSES_BEFORE):
         assert torch.equal(ds.load("target", 0, p)["Sequential"], outs[p])
+
+
+def test_a_held_descriptor_closed_and_reused_by_the_program_writes_nothing_elsewhere(tmp_path):
+    """A program's os.closerange closed the descriptors holding the rank directory, and opened
+    another directory, which took their numbers: /proc/self/fd/N then led there, and rank.json and
+    producer_error.json were written into that directory; close() then closed the program's own
+    descriptors. Now nothing is written elsewhere, the program's descriptors stay open, and verify
+    fails."""
+    other = tmp_path / "other"
+    other.mkdir()
+    model = _model()
+    d = fastdump.attach(model, tmp_path / "dump", writer="thread", segment_passes=1)
+    with torch.inference_mode():
+        model(_inputs(0))
+    rank_dir = os.path.realpath(d.dir)
+    held = [int(n) for n in os.listdir("/proc/self/fd") if os.path.realpath(f"/proc/self/fd/{n}") == rank_dir]
+    assert len(held) == 2  # the Dumper's and its writer thread's
+    opened = os.open(other, os.O_RDONLY | os.O_DIRECTORY)
+    for fd in held:  # (dup2: the number closed and taken at once, as the next open would take it)
+        os.dup2(opened, fd)
+    os.close(opened)
+    taken = held
+    try:
+        with torch.inference_mode():
+            for i in range(1, 4):
+                model(_inputs(i))
+        d.close(timeout=30)
+        assert os.listdir(other) == []
+        for fd in taken:  # still the program's
+            assert os.path.realpath(f"/proc/self/fd/{fd}") == str(other)
+    finally:
+        for fd in taken:
+            os.close(fd)
+    assert verify_dump(str(tmp_path / "dump")).problems != []

@@ -33,7 +33,7 @@ from ..options import Options, check_meta_keys as _check_meta_keys, check_runtim
 from .manifest import cuda_index as _cuda_index, device_facts as _device_facts, write_manifest as _write_manifest
 from .ranks import resolve_ranks  # noqa: F401 - part of this module's face
 from .selection import named_modules, original as _original_module, root_selected as _root_selected, select_modules
-from .selection import select_subtree as _select_subtree
+from .selection import select_subtree as _select_subtree, SHARED_LEFT_OUT_REASON as _SHARED_LEFT_OUT
 from .selection import SHADOWED_REASON as _SHADOWED_REASON, forward_shadowed as _forward_shadowed, \
     is_script_module as _is_script_module, shared_left_out as _shared_left_out, \
     unwrappable_modules as _unwrappable_modules
@@ -77,6 +77,7 @@ def _forget_parent_dumpers() -> None:
     for dumper in list(_open_dumpers):
         dumper._capturing = False
         dumper._counts_lock = threading.RLock()  # (another thread of the parent may have held it)
+        dumper._lock = threading.Lock()  # (as may a registration: see _follow_registrations)
         dumper._let_go_of_the_ring(fold=False)  # the parent's counts are the parent's
         dumper.status = "not dumping in this process (forked child of the attaching process)"
     _open_dumpers.clear()
@@ -458,7 +459,7 @@ class Dumper:
         Returns within about ``timeout`` seconds whatever the writer does: what was not confirmed
         on disk by then is recorded as an error in the stats and producer_error.json. Ctrl-C interrupts it
         (KeyboardInterrupt, after recording the error)."""
-        with self._lock:
+        with self._lock:  # (held by a registration wrapping a module put in: see _follow_registrations)
             if self._closed:
                 return self.stats()
             self._closed = True
@@ -1352,44 +1353,186 @@ class Dumper:
             except TypeError:  # unhashable (__eq__ without __hash__): its registrations go unseen
                 pass
         self._paths = paths
+        # name -> the module its capture wrapper dumps under it (one module per name: _adopt)
+        self._holders = {name: module for name, module in self._wrapped_capture()}
+        # The hook is global (torch's): it holds this Dumper weakly, and goes with it. Held strongly,
+        # a Dumper dropped without close() was never collected, nor its model, its rank directory's
+        # descriptor or its ring: one of each per attach, for the process's life.
+        me = weakref.ref(self, lambda _, hooks=[]: [h.remove() for h in hooks])
 
         def registered(parent, name, module):
+            dumper = me()
             try:  # (a module class with __eq__ and no __hash__ cannot be looked up: not ours)
-                prefix = paths.get(parent) if isinstance(name, str) else None
+                prefix = paths.get(parent) if isinstance(name, str) and dumper is not None else None
             except TypeError:
                 return None
-            if prefix is None or self._closed or module is None:
+            if prefix is None or module is None:
                 return None
             try:
-                self._adopt(f"{prefix}.{name}" if prefix else name, module, selection)
+                with dumper._lock:  # (close() on another thread: its wrappers come off before or after this)
+                    if not dumper._closed:
+                        dumper._adopt(f"{prefix}.{name}" if prefix else name, module, selection)
             except Exception as exc:  # never into the model: said, and the module goes undumped
                 log.warning("fastdump: %s: %s, put into the model after attach, is not dumped: %s: %s",
-                            self.dir, name, type(exc).__name__, _short(exc))
+                            dumper.dir, name, type(exc).__name__, _short(exc))
             return None
 
         self._registration_hook = _torch.nn.modules.module.register_module_module_registration_hook(registered)
+        me.__callback__.__defaults__[0].append(self._registration_hook)
+        self._selection = selection
+        _follow_renumbering(self)
+
+    def _wrapped_capture(self):
+        """(name, module) of the modules wrapped by a capture wrapper (not the root's)."""
+        for module, wrapper in self._wrapped:
+            name = getattr(wrapper, "_fastdump_name", None) or getattr(wrapper, "__fastdump_name__", None)
+            if name is not None:
+                yield name, module
 
     def _adopt(self, prefix: str, module, selection: dict) -> None:
         """Wrap what the selection keeps of ``module``, now registered in the model as ``prefix``.
         A module already wrapped keeps its wrapper and the name it had (one moved into a wrapper
-        set in its place: ``model.proj = LoRA(model.proj)``)."""
+        set in its place: ``model.proj = LoRA(model.proj)``), unless a module put in now takes that
+        name (see _free_name)."""
+        earlier = {}  # id -> the name a module of it already has in the model (held twice)
         for name, sub in named_modules(module):
             try:
-                self._paths.setdefault(sub, f"{prefix}.{name}" if name else prefix)
+                first = self._paths.setdefault(sub, f"{prefix}.{name}" if name else prefix)
             except TypeError:  # (unhashable, as above)
-                pass
+                continue
+            if first != (f"{prefix}.{name}" if name else prefix) and self._still_at(first, sub):
+                earlier[id(sub)] = first
         if any(_original_module(m) is not m for m in module.modules()):
             self._use_python_wrappers()  # a torch.compile'd module put in: as at attach (_install)
         wrapped = {id(m) for m, _ in self._wrapped}
         fresh = [(name, sub) for name, sub in _select_subtree(module, prefix, **selection) if id(sub) not in wrapped]
+        for name, sub in [(n, m) for n, m in fresh if id(m) in earlier]:
+            # Also under a name the selection leaves out (else it would be wrapped): as at attach
+            # (selection.shared_left_out), not dumped; wrapped, the calls through the left-out name
+            # read as this name's next calls (``b#1``), and verify said OK.
+            fresh.remove((name, sub))
+            self.not_wrapped[earlier[id(sub)]] = _SHARED_LEFT_OUT.format(kept=name)
+            log.warning("fastdump: %s: not wrapped: %s: %s", self.dir, earlier[id(sub)],
+                        self.not_wrapped[earlier[id(sub)]])
+        for name, _ in fresh:
+            self._free_name(name, prefix)
         self._module_names.update(name for name, _ in fresh)
         self._indexed_parents |= {head for head, _, tail in (name.rpartition(".") for name, _ in fresh)
                                   if head and tail.isdigit()}  # (as _install: these take the Python wrapper)
         for name, sub in fresh:
             self._wrap(sub, self._capture_wrapper(name, sub.forward, _owner_of(sub)))
+            self._holders[name] = sub
         if fresh:
             log.info("fastdump: %s: %s put into the model after attach: dumped too", self.dir,
                      ", ".join(name for name, _ in fresh))
+
+    def _still_at(self, name: str, module) -> bool:
+        """Whether the model holds ``module`` under ``name`` now."""
+        model = self._model_ref()
+        if model is None:
+            return False
+        for path, sub in named_modules(model, remove_duplicate=False):
+            if path == name:
+                return sub is module
+        return False
+
+    def _free_name(self, name: str, replaced: str | None) -> None:
+        """A module put in now takes ``name``, which another wrapped module dumps under: two modules
+        under one name read as one module called twice (``del model.layers[1]`` renumbers the rest
+        unseen, and ``append`` then put a new ``layers.2`` beside the old one: ``layers.2#1``, verify
+        OK). The holder is dumped under the name it has in the model now; one only under ``replaced``
+        (the slot being filled: the hook runs before the assignment) or nowhere is leaving the model,
+        and is not dumped any more."""
+        holder = self._holders.pop(name, None)
+        if holder is None:
+            return
+        model = self._model_ref()
+        now = None
+        if model is not None:
+            for path, sub in named_modules(model):
+                if sub is holder and (replaced is None or (path != replaced and not path.startswith(replaced + "."))):
+                    now = path
+                    break
+        if not self._unwrap_one(holder):
+            self._holders[name] = holder  # someone wrapped over ours: it cannot be taken off (kept)
+            return
+        self._module_names.discard(name)
+        if now is not None:
+            self._free_name(now, replaced)  # (its holder left the model: a deleted layer, say)
+        if now is not None and now not in self._holders:
+            self._paths[holder] = now
+            self._module_names.add(now)
+            self._wrap(holder, self._capture_wrapper(now, holder.forward, _owner_of(holder)))
+            self._holders[now] = holder
+
+    def _unwrap_one(self, module) -> bool:
+        """Take this Dumper's capture wrapper off ``module`` (False: another wrapper sits over it)."""
+        for i, (m, wrapper) in enumerate(self._wrapped):
+            if m is module:
+                if module.__dict__.get("forward") is not wrapper:
+                    return False
+                previous = _wrapped_by(wrapper)
+                if previous is _MISSING:
+                    del module.__dict__["forward"]
+                else:
+                    module.__dict__["forward"] = previous
+                if not _is_ours(module.__dict__.get("forward")):
+                    _remove_copier(module)
+                del self._wrapped[i]
+                return True
+        return False
+
+    def _renumbered(self, container, before: dict) -> None:
+        """``container`` (a ModuleList or Sequential) renumbered its modules without a registration
+        (``insert``, ``del``, ``pop``: their ``_modules`` writes call no hook): ``before``, its
+        modules then. A module inserted was never wrapped (its outputs missing, verify OK), and the
+        ones after it, or after a deleted one, dumped under the number they had: names that now
+        lead to another module. Each moved module's names follow its new number; an inserted one
+        is wrapped (_adopt)."""
+        try:
+            prefix = self._paths.get(container)
+        except TypeError:
+            return
+        if prefix is None or self._closed:
+            return
+        join = (lambda key: f"{prefix}.{key}") if prefix else (lambda key: key)
+        old_key = {}
+        for key, module in before.items():
+            old_key.setdefault(id(module), key)
+        moves, added = {}, []
+        for key, module in container._modules.items():
+            if module is None:
+                continue
+            was = old_key.get(id(module))
+            if was is None:
+                added.append((join(key), module))
+            elif was != key:  # (one held at several numbers: its first, as at attach)
+                moves.setdefault(join(was), join(key))
+
+        def moved(name):
+            for old, new in moves.items():
+                if name == old or name.startswith(old + "."):
+                    return new + name[len(old):]
+            return None
+
+        for module, name in list(self._paths.items()):  # the names registrations inside them take
+            if moved(name) is not None:
+                self._paths[module] = moved(name)
+        renamed = [(holder, moved(name)) for name, holder in list(self._holders.items()) if moved(name) is not None]
+        for holder, _ in renamed:  # all off first: one's new name may be another's old one
+            name = next(n for n, h in self._holders.items() if h is holder)
+            if self._unwrap_one(holder):
+                del self._holders[name]
+                self._module_names.discard(name)
+        for holder, name in renamed:
+            if any(h is holder for h in self._holders.values()):
+                continue  # (someone wrapped over ours: kept as it was)
+            self._free_name(name, None)  # (a module deleted from that number)
+            self._module_names.add(name)
+            self._wrap(holder, self._capture_wrapper(name, holder.forward, _owner_of(holder)))
+            self._holders[name] = holder
+        for name, module in added:
+            self._adopt(name, module, self._selection)
 
     def _wrap(self, module, wrapper) -> None:
         _mark_ours(wrapper, module.__dict__.get("forward", _MISSING))
@@ -1472,6 +1615,7 @@ class Dumper:
         # break in its loop over the layers) every module's wrapper was a recompile of one code
         # object, until Dynamo's recompile limit (8) sent the rest to eager, every pass.
         forward_and_capture.__code__ = forward_and_capture.__code__.replace()
+        forward_and_capture.__fastdump_name__ = name  # (the C wrapper's _fastdump_name)
         return forward_and_capture
 
     def _hooked_wrapper(self, name: str, forward, convert, before, owner=None):
@@ -1807,6 +1951,44 @@ def _no_graph_breaks(token: int) -> bool:
 _no_graph_breaks._dynamo_marked_constant = True
 
 
+_RENUMBERING_FOLLOWERS: "weakref.WeakSet[Dumper]" = weakref.WeakSet()  # Dumpers following registrations
+
+
+def _follow_renumbering(dumper) -> None:
+    """Have ``dumper`` told of the renumberings torch's registration hook does not see: the
+    ``insert`` and ``__delitem__`` (``del``, ``pop``) of ModuleList and Sequential write their
+    ``_modules`` directly. Their class methods are replaced once per process by ones that call
+    the original, then tell each Dumper following (Dumper._renumbered); with none, only the call."""
+    _RENUMBERING_FOLLOWERS.add(dumper)
+    for cls in (_torch.nn.ModuleList, _torch.nn.Sequential):
+        for name in ("insert", "__delitem__"):
+            method = cls.__dict__.get(name)
+            if method is not None and not getattr(method, "__fastdump_renumbering__", False):
+                setattr(cls, name, _telling_followers(method))
+
+
+def _telling_followers(method):
+    @functools.wraps(method)
+    def renumbering(container, *args, **kwargs):
+        followers = [d for d in list(_RENUMBERING_FOLLOWERS) if not d._closed]
+        if not followers:
+            return method(container, *args, **kwargs)
+        before = dict(container._modules)
+        result = method(container, *args, **kwargs)
+        for dumper in followers:
+            try:
+                with dumper._lock:  # (as the registration hook: not while close() takes wrappers off)
+                    if not dumper._closed:
+                        dumper._renumbered(container, before)
+            except Exception as exc:  # never into the model: said
+                log.warning("fastdump: %s: renumbering %s after attach: %s: %s", dumper.dir,
+                            type(container).__name__, type(exc).__name__, _short(exc))
+        return result
+
+    renumbering.__fastdump_renumbering__ = True
+    return renumbering
+
+
 def _wraps(forward):
     """functools.wraps without our own markers: it copies ``__dict__``, and a wrapper made over a
     stale fastdump wrapper must not inherit its ``__fastdump_off__`` or ``__fastdump_previous__``."""
@@ -1814,6 +1996,7 @@ def _wraps(forward):
         functools.wraps(forward)(wrapper)
         wrapper.__dict__.pop("__fastdump_off__", None)
         wrapper.__dict__.pop("__fastdump_previous__", None)
+        wrapper.__dict__.pop("__fastdump_name__", None)
         return wrapper
 
     return decorate
