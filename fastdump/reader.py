@@ -38,7 +38,7 @@ import warnings
 
 import h5py
 import numpy as np
-from h5py import h5d
+from h5py import h5a, h5d, h5i, h5l, h5o, h5s, h5t
 
 from . import _C, dtypes, fsutil, protocol, segment_list
 from . import format as fmt
@@ -78,6 +78,11 @@ _SAFE_LAYOUTS = (h5d.CONTIGUOUS, h5d.COMPACT)
 
 def check_link(group, name: str, where: str) -> None:
     """``group[name]`` must be a hard link (soft and external links can point anywhere)."""
+    try:  # (the low-level call: ~2 us instead of ~30 us, paid once per block of a wide pass)
+        if group.id.links.get_info(name.encode("utf-8")).type == h5l.TYPE_HARD:
+            return
+    except (KeyError, RuntimeError, ValueError):  # missing: said below
+        pass
     link = group.get(name, getlink=True)
     if link is None:
         raise DumpError(f"{where}: missing {name!r}")
@@ -87,8 +92,10 @@ def check_link(group, name: str, where: str) -> None:
 
 def check_dataset(dataset, file_size: int, where: str) -> None:
     """Refuse a dataset the writer could not have written: external or virtual storage, filters,
-    or a size claim larger than the file (a 15 KB file claiming 1 GiB)."""
-    plist = dataset.id.get_create_plist()
+    or a size claim larger than the file (a 15 KB file claiming 1 GiB). ``dataset``: an h5py
+    Dataset or its low-level DatasetID (what ``SegmentIndex`` keeps of a block)."""
+    dataset = dataset.id if isinstance(dataset, h5py.Dataset) else dataset
+    plist = dataset.get_create_plist()
     layout = plist.get_layout()
     if layout not in _SAFE_LAYOUTS:
         kind = {h5d.CHUNKED: "chunked", getattr(h5d, "VIRTUAL", -1): "virtual"}.get(layout, f"layout {layout}")
@@ -101,7 +108,7 @@ def check_dataset(dataset, file_size: int, where: str) -> None:
     if claimed > file_size:
         raise DumpError(f"{where}: claims {claimed} bytes, more than the file's {file_size}")
     if layout == h5d.CONTIGUOUS and claimed:
-        offset = dataset.id.get_offset()
+        offset = dataset.get_offset()
         if offset is None or offset + claimed > file_size:
             raise DumpError(f"{where}: data at offset {offset} + {claimed} bytes lies outside the file "
                             f"({file_size} bytes)")
@@ -109,17 +116,45 @@ def check_dataset(dataset, file_size: int, where: str) -> None:
 
 def read_attrs(obj, file_size: int, where: str) -> dict:
     """The attributes of an HDF5 object, each checked against the file's size before it is read
-    (an attribute, like a dataset, can claim any size)."""
+    (an attribute, like a dataset, can claim any size). ``obj``: an h5py object or its low-level id.
+    Each attribute is opened once, and closed before the next one is opened: HDF5 looks through
+    every open attribute of the file at each open, so held ones would make this quadratic."""
+    oid = obj.id if isinstance(obj, h5py.HLObject) else obj
+    names: list = []
+    h5a.iterate(oid, names.append)
     values = {}
-    for name in obj.attrs:
-        attr = h5py.h5a.open(obj.id, name.encode("utf-8"))
+    for raw_name in names:
+        try:  # (as h5py names them: the bytes when they are not UTF-8)
+            name = raw_name.decode("utf-8")
+        except UnicodeDecodeError:
+            name = raw_name
+        attr = h5a.open(oid, raw_name)
         claimed = math.prod(attr.shape or ()) * attr.dtype.itemsize
         if claimed > file_size:
             raise DumpError(f"{where}: attribute {name!r} claims {claimed} bytes, more than the file's {file_size}")
-        value = obj.attrs[name]
+        value = _attr_value(attr)
         values[name] = _attr_str(value) if isinstance(value, (bytes, str)) else \
             value.item() if getattr(value, "size", 0) == 1 else value
     return values
+
+
+def _attr_value(attr):
+    """An open attribute's value as ``h5py``'s ``obj.attrs[name]`` gives it (same code, on the id
+    already open: ``attrs[name]`` costs a second open and ~60 us of wrapping per attribute)."""
+    shape = attr.shape
+    if shape is None:  # an empty dataspace
+        return h5py.Empty(attr.dtype)
+    dtype = attr.dtype
+    htype = h5t.py_create(dtype)
+    if dtype.subdtype is not None:  # numpy has no top-level array types: read the array's elements
+        dtype, subshape = dtype.subdtype
+        shape = shape + subshape
+    value = np.zeros(shape, dtype=dtype, order="C")
+    attr.read(value, mtype=htype)
+    string_info = h5t.check_string_dtype(dtype)
+    if string_info and string_info.length is None:  # variable-length strings: bytes to str
+        value = np.array([b.decode("utf-8", "surrogateescape") for b in value.flat], dtype=dtype).reshape(value.shape)
+    return value[()] if value.ndim == 0 else value
 
 
 def row_checksum(rows: np.ndarray) -> int:
@@ -288,8 +323,10 @@ class SegmentIndex:
         self.pass_meta: list = self._parse_pass_meta(pass_meta)
         self._slot_of_name = {name: slot for slot, name in enumerate(self.names)}
         self._rows_of_pass = None
+        self._position_of = None  # see position_of
         self._blocks: dict = {}  # block number -> (dataset, torch dtype name, scalar rows?)
-        self._blocks_file = None
+        self._blocks_file = self._blocks_group = None  # the open file the handles came from, its blocks group
+        self._long_rows = None  # see _blocks_with_long_rows
 
     def _check_rows(self) -> dict:
         """Check every index row against the name table, the pass table and its block's other
@@ -374,6 +411,16 @@ class SegmentIndex:
             self._rows_of_pass = {int(p): order[a:b] for p, a, b in zip(pass_ids, starts, stops)}
         return self._rows_of_pass.get(pass_id, np.empty(0, dtype=np.int64))
 
+    def position_of(self, pass_id: int, name: str):
+        """Position in ``index`` of ``name``'s first row in ``pass_id``, or None. A dict built once:
+        scanning the pass per name made reading a wide pass tensor by tensor quadratic."""
+        if self._position_of is None:
+            found: dict = {}
+            for position, key in enumerate(zip(self.index["pass"].tolist(), self.index["name"].tolist())):
+                found.setdefault(key, position)
+            self._position_of = found
+        return self._position_of.get((pass_id, self.slot_of(name)))
+
     def slot_of(self, name: str) -> int:
         """Position of ``name`` in this segment's name table, -1 when absent."""
         return self._slot_of_name.get(name, -1)
@@ -400,7 +447,7 @@ class SegmentIndex:
         """(dataset, torch dtype name, scalar rows?) of ``blocks/<number>``, checked before use."""
         if self._blocks_file is not h5file:  # dataset handles die with the file they came from
             self.forget_blocks()
-            self._blocks_file = h5file
+            self._blocks_file, self._blocks_group = h5file, h5file[fmt.BLOCKS]
         info = self._blocks.get(number)
         if info is None:
             info = self._blocks[number] = self._check_block(h5file, number)
@@ -410,40 +457,50 @@ class SegmentIndex:
         """Drop the block handles (when their file is closed). A dataset handle that has been read
         holds an HDF5 datatype id even after its file is closed, and every file close scans every
         open id: kept for each segment ever read, they made reading N segments cost O(N²)."""
-        self._blocks_file, self._blocks = None, {}
+        self._blocks_file, self._blocks_group, self._blocks = None, None, {}
+
+    def _blocks_with_long_rows(self) -> set:
+        """Blocks having an index row of other than one row (which a scalar block may not have),
+        found in one pass over the index: per block, it made a wide pass of scalars quadratic."""
+        if self._long_rows is None:
+            self._long_rows = set(np.unique(self.index["block"][self.index["rows"] != 1]).tolist())
+        return self._long_rows
 
     def _check_block(self, h5file: h5py.File, number: int):
+        # Low-level calls throughout: a wide pass has a block per name (20k names: 20k blocks), and
+        # h5py's high-level objects cost ~0.5 ms a block in wrapping alone.
         where = f"{self.path} block {number}"
-        group = h5file[fmt.BLOCKS]
+        group = self._blocks_group
         check_link(group, str(number), f"{self.path} {fmt.BLOCKS!r}")
-        dataset = group[str(number)]
-        if not isinstance(dataset, h5py.Dataset):
+        dataset = h5o.open(group.id, str(number).encode())
+        if h5i.get_type(dataset) != h5i.DATASET:
             raise DumpError(f"{where}: not a dataset")
         check_dataset(dataset, self.file_size, where)
         attrs = read_attrs(dataset, self.file_size, where)
+        shape, ndim, storage = dataset.shape, dataset.rank, dataset.dtype
         dtype_name = _attr_str(attrs.get(fmt.ATTR_DTYPE, ""))
         code = dtypes.CODE_BY_NAME.get(dtype_name)
         if code is None:
             raise DumpError(f"{where}: unknown dtype attribute {dtype_name!r}")
-        if dataset.dtype != dtypes.STORAGE[code]:
-            raise DumpError(f"{where}: stored as {dataset.dtype}, expected {dtypes.STORAGE[code]} for {dtype_name}")
+        if storage != dtypes.STORAGE[code]:
+            raise DumpError(f"{where}: stored as {storage}, expected {dtypes.STORAGE[code]} for {dtype_name}")
         scalar = attrs.get(fmt.ATTR_SCALAR, 0)
         if not isinstance(scalar, int):
             raise DumpError(f"{where}: attribute {fmt.ATTR_SCALAR!r} is not an integer")
         scalar = bool(scalar)
-        if dataset.ndim == 0 or (scalar and dataset.ndim != 1):
-            raise DumpError(f"{where}: shape {dataset.shape} does not fit {'scalar ' if scalar else ''}rows")
+        if ndim == 0 or (scalar and ndim != 1):
+            raise DumpError(f"{where}: shape {shape} does not fit {'scalar ' if scalar else ''}rows")
         encoding = _attr_str(attrs.get(fmt.ATTR_ENCODING, ""))
         if self.version >= 4:
-            check_block_crc(attrs, number, dtype_name, encoding, scalar, dataset.shape[1:], where)
+            check_block_crc(attrs, number, dtype_name, encoding, scalar, shape[1:], where)
         if encoding and encoding != dtypes.ENCODING[code]:
             raise DumpError(f"{where}: encoding {encoding!r}, expected {dtypes.ENCODING[code]!r} for {dtype_name}")
         rows = self._block_rows.get(number, 0)
-        if dataset.shape[0] != rows:
-            raise DumpError(f"{where}: {dataset.shape[0]} rows, but its index rows cover {rows}")
-        if scalar and np.any(self.index["rows"][self.index["block"] == number] != 1):
+        if shape[0] != rows:
+            raise DumpError(f"{where}: {shape[0]} rows, but its index rows cover {rows}")
+        if scalar and number in self._blocks_with_long_rows():
             raise DumpError(f"{where}: a scalar block's index rows must span one row each")
-        return dataset, dtype_name, scalar
+        return h5py.Dataset(dataset, readonly=True), dtype_name, scalar  # (read-only: h5py caches its shape)
 
     def check_rows(self, position: int, rows: np.ndarray) -> None:
         """Raise DumpError when ``rows`` (index row ``position``'s data) fail their CRC32C."""
@@ -946,10 +1003,9 @@ class DumpSet:
                session: str = None, check: bool = False):
         """One tensor by name and pass (KeyError when that pass has no such tensor)."""
         for segment in self._segments_of_pass(role, rank, pass_id, session):
-            in_pass = segment.rows_of_pass(pass_id)
-            hits = in_pass[segment.index["name"][in_pass] == segment.slot_of(name)]
-            if len(hits):
-                return self._read_row(segment, self._file(segment.path), int(hits[0]), check)
+            position = segment.position_of(pass_id, name)
+            if position is not None:
+                return self._read_row(segment, self._file(segment.path), position, check)
         raise KeyError(f"no tensor {name!r} in pass {pass_id}")
 
     @_locked
