@@ -1004,8 +1004,12 @@ def test_each_segment_is_durable_before_the_list_and_rank_json_name_it(tmp_path,
         events.append(("sync", path_of(fd)))
         return real_fdatasync(fd)
 
+    def resolved(path):  # the writer names files through its directory's /proc/self/fd/N (DirAnchor)
+        path = os.fspath(path)
+        return os.path.join(os.path.realpath(os.path.dirname(path)), os.path.basename(path))
+
     def replace(src, dst, **kwargs):
-        events.append(("replace", os.fspath(src), os.fspath(dst)))
+        events.append(("replace", resolved(src), resolved(dst)))
         return real_replace(src, dst, **kwargs)
 
     monkeypatch.setattr(os, "fsync", fsync)

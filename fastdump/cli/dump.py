@@ -785,7 +785,10 @@ def verify_dump(root: str, read_data: bool = False) -> _Report:
 
 def _role_names(root: str) -> set:
     """Names a role directory of this root has: the standard roles and fastdump.json's role."""
-    manifest = fsutil.read_json(os.path.join(root, fmt.MANIFEST_FILE), {})
+    try:
+        manifest = fsutil.load_json(os.path.join(root, fmt.MANIFEST_FILE))
+    except (OSError, ValueError):  # absent or damaged: _check_manifest reports it
+        manifest = {}
     config = manifest.get("config") if isinstance(manifest, dict) else None
     role = config.get("role") if isinstance(config, dict) else None
     return set(fmt.STANDARD_ROLES) | ({role} if isinstance(role, str) and role else set())
