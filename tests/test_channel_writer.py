@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -463,6 +464,33 @@ def test_a_pass_found_without_the_full_index_is_whole_even_where_rank_json_lies(
     assert_same(reader.open(tmp_path).load("target", 0, 1)["x"], torch.ones(2))
     with pytest.raises(KeyError):
         reader.open(tmp_path).load("target", 0, 7)
+
+
+@pytest.mark.parametrize("listing", ["unlisted", "listed with another range"])
+def test_a_pass_whose_middle_file_is_gone_is_refused_by_the_lookup_of_one_pass(tmp_path, listing):
+    """Pass 0's parts are in seg-000000 and seg-000002; seg-000001 (its middle part) is gone and
+    rank.json sends the lookup of one pass to files 0 and 2 only (seg 1 unlisted, or listed as
+    holding pass 7). The two visible files are next to each other in the listing but their numbers
+    are not: merged, they would hand back pass 0 without t18..t35, `complete`, and no error."""
+    split_pass_dump(tmp_path)
+    rank = tmp_path / "target" / RANK_DIR
+    info = rank_json(tmp_path)
+    if listing == "unlisted":
+        del info["segments"][1]
+    else:
+        info["segments"][1].update(first_pass=7, last_pass=7)
+    write_rank_json(rank, info)
+    os.remove(rank / "seg-000001.h5")
+    want = "pass 0: part of it may be in seg-000001.h5 (unreadable, missing or renamed): not read"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(reader.DumpError, match=re.escape(want)):
+            reader.open(tmp_path).load("target", 0, 0)
+        with pytest.raises(reader.DumpError, match=re.escape(want)):
+            reader.open(tmp_path).meta("target", 0, 0)
+        with pytest.raises(reader.DumpError, match=re.escape(want)):
+            reader.open(tmp_path).tensor("target", 0, "t0", 0)
+        assert_same(reader.open(tmp_path).load("target", 0, 1)["x"], torch.ones(2))
 
 
 def test_a_late_pass_end_completes_its_pass_only_where_the_segments_stay_in_order(tmp_path):
