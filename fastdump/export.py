@@ -20,8 +20,9 @@ drop-in, which records the model's module names; otherwise they stay fastdump's.
 
 A dump is evidence: SGLang's tools cannot tell a partial pass from a whole one. Export refuses a dump
 with a rank not closed (status running, error, incomplete), a pass marked incomplete or with
-dropped tensors, or a pass one TP rank lacks while others of its group hold it (:class:`PartialDumpError`), unless ``partial=True`` (``--partial``): then each such
-pass is exported as written, with a warning, and ``fastdump_passes.json`` / the ``fastdump_pass`` meta
+dropped tensors, or a pass one TP rank lacks while others of its group hold it
+(:class:`PartialDumpError`), unless ``partial=True`` (``--partial``): then each such pass is
+exported as written, with a warning, and ``fastdump_passes.json`` / the ``fastdump_pass`` meta
 record it. Tensors the capture side recorded as skipped (e.g. quantized dtypes) are left out with a
 warning.
 """
