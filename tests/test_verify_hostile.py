@@ -346,6 +346,26 @@ def test_pass_with_zero_tensors_in_the_passes_table_but_rows_in_the_index(dump, 
     assert same(ds.load("target", 0, 3)["0"], expected[3]["0"])
 
 
+def test_pass_whose_byte_count_in_the_passes_table_disagrees_with_its_rows(dump, expected):
+    """The passes table says pass 0 holds 8 bytes more than its four index rows cover (a faulty
+    writer: the tables checksum agrees). Only the byte count is wrong, so verify must see it."""
+    with h5py.File(seg(dump, 0), "r") as f:
+        stored = int(f["passes"][()]["bytes"][0])
+
+    def change(passes):
+        passes["bytes"][0] += 8
+        return passes
+
+    rewrite(seg(dump, 0), "passes", change)
+    code, problems, _ = verify(dump)
+    with h5py.File(seg(dump, 0), "r") as f:
+        total = int(f.attrs["bytes"])
+    assert code == 1 and problems == [
+        f"{seg(dump, 0)}: pass 0: 4 tensors / {stored} bytes in the index, table says 4 / {stored + 8}",
+        f"{seg(dump, 0)}: attribute bytes={total} but the tables say {total + 8}",
+        f"{rank_dir(dump)}: seg-000000.h5: segments.jsonl says bytes={total}, file has {total + 8}"], problems
+
+
 def test_rows_of_one_pass_relabelled_into_another(dump, expected):
     """Pass 1's four rows say pass 0; the passes table is made to agree (pass 0: 8 rows, pass 1: 0).
     Pass 0 then holds every name twice: mixed data."""
