@@ -871,6 +871,21 @@ def test_deeply_nested_rank_json(dump, entry, capsys):
         assert cli_dump.main(["ls", str(dump)]) == 0
 
 
+def test_a_producer_error_makes_a_closed_ranks_torn_list_tail_what_an_interrupted_writer_leaves(dump):
+    """producer_error.json: the serving process stopped dumping, its writer dead or stuck. Its
+    rank.json may still say closed, but the writer may have been cut off mid-append: a torn tail of
+    segments.jsonl is then a warning, and the failure is the producer error (exactly one problem)."""
+    path = rank_dir(dump)
+    (path / fmt.PRODUCER_ERROR_FILE).write_text(json.dumps({"error": "writer stuck for 60 s"}))
+    with open(path / fmt.SEGMENT_LIST_FILE, "ab") as f:
+        f.write(b'{"file": "seg-000009.h5", "first_')
+    code, problems, warnings = verify(dump)
+    assert code == 1 and problems == [
+        f"{path}: the serving process stopped dumping (producer_error.json): writer stuck for 60 s"], problems
+    assert f"{path}: segments.jsonl holds 33 bytes after the lines rank.json commits (status error: what an " \
+           "interrupted writer leaves; not read)" in warnings, warnings
+
+
 @pytest.mark.parametrize("file", ["producer_error", "manifest"])
 def test_deeply_nested_other_json(dump, file):
     path = rank_dir(dump) / "producer_error.json" if file == "producer_error" else dump / "fastdump.json"
