@@ -17,7 +17,7 @@ from fastdump import _C, dtypes, fsutil, reader
 from fastdump import format as fmt
 from fastdump.writer import segment_file
 from fastdump.writer.channel_writer import ChannelWriter
-from conftest import read_rank_json, require_o_direct, write_rank_json
+from conftest import read_rank_json, require_o_direct, write_rank_dir, write_rank_json
 
 RANK_DIR = "TP0_PP0_Rank0_pid4242"
 
@@ -491,6 +491,48 @@ def test_a_pass_whose_middle_file_is_gone_is_refused_by_the_lookup_of_one_pass(t
         with pytest.raises(reader.DumpError, match=re.escape(want)):
             reader.open(tmp_path).tensor("target", 0, "t0", 0)
         assert_same(reader.open(tmp_path).load("target", 0, 1)["x"], torch.ones(2))
+
+
+def test_a_lost_later_segment_whose_range_spans_an_earlier_replay_does_not_hide_it(tmp_path):
+    """Eager passes and CUDA-graph replays share segments: seg 0 holds 0, 1, B, B+1, seg 1 holds
+    2, 3, B+2, B+3, so seg 1's listed range 2..B+3 spans replay B+1 though it cannot hold it
+    (replays run in file order, and B+1 ended in seg 0). seg 1 lost, B+1 is still whole: it loads,
+    while passes seg 1 held are refused."""
+    from fastdump import protocol
+
+    base = protocol.GRAPH_PASS_BASE
+    order = [0, 1, base, base + 1, 2, 3, base + 2, base + 3]
+    rank = write_rank_dir(tmp_path / "target" / RANK_DIR, {p: {"x": torch.full((2,), float(k))}
+                                                            for k, p in enumerate(order)}, segment_passes=4)
+    assert [(s["first_pass"], s["last_pass"]) for s in rank_json(tmp_path)["segments"]] == [(0, base + 1), (2, base + 3)]
+    os.remove(rank / "seg-000001.h5")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for full_index in (False, True):
+            ds = reader.open(tmp_path)
+            if full_index:
+                assert ds.passes("target", 0) == [0, 1, base, base + 1]
+            for k, p in enumerate(order[:4]):
+                assert_same(ds.load("target", 0, p)["x"], torch.full((2,), float(k)))
+            with pytest.raises(reader.DumpError, match="seg-000001.h5"):
+                ds.load("target", 0, base + 2)
+
+
+def test_a_pass_in_a_listed_segment_that_is_gone_is_lost_not_absent(tmp_path):
+    """seg 1, listed as holding passes 2..3, is gone. The reader said KeyError "no pass 3", listed
+    no problem, and ls/passes showed the rank as if it had only passes 0 and 1."""
+    rank = write_rank_dir(tmp_path / "target" / RANK_DIR, {p: {"x": torch.full((2,), float(p))} for p in range(4)})
+    os.remove(rank / "seg-000001.h5")
+    want = f"{rank / 'seg-000001.h5'}: listed as holding passes 2..3, but missing"
+    with pytest.warns(UserWarning, match=re.escape(want)):
+        ds = reader.open(tmp_path)
+        assert ds.passes("target", 0) == [0, 1]
+    assert ds.problems == [want] and ds.summary("target", 0)["unreadable_segments"] == 1
+    for p in (2, 3):
+        with pytest.raises(reader.DumpError, match=re.escape(f"no pass {p} in the readable segments of {rank}; "
+                                                             f"unreadable: {want}")):
+            ds.load("target", 0, p)
+    assert_same(ds.load("target", 0, 1)["x"], torch.full((2,), 1.0))
 
 
 def test_a_late_pass_end_completes_its_pass_only_where_the_segments_stay_in_order(tmp_path):
