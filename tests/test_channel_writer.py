@@ -752,6 +752,26 @@ def test_segment_numbers_continue_after_existing_files(tmp_path):
     assert seg_files(tmp_path) == ["seg-000000.h5", "seg-000004.h5"]
 
 
+def test_a_writer_reopening_a_directory_starts_its_segment_list_anew(tmp_path):
+    """The second writer's segments.jsonl holds its own line only: the first one's longer list
+    left under it would read as bytes after the committed lines (a torn append: verify fails a
+    closed rank on it)."""
+    from fastdump import segment_list
+
+    w = ChannelWriter(open_msg(tmp_path, segment_passes=1))
+    for p in range(3):
+        Feeder(w).full_pass(p, {"x": torch.ones(1)})
+    w.close({})
+    w = ChannelWriter(open_msg(tmp_path))
+    Feeder(w).full_pass(3, {"x": torch.ones(1)})
+    w.close({})
+    rank = tmp_path / "target" / RANK_DIR
+    entries, problem, tail = segment_list.read(str(rank), json.loads((rank / fmt.RANK_FILE).read_text()))
+    assert problem is None and tail == 0
+    assert [(e["file"], e["first_pass"], e["last_pass"]) for e in entries] == [("seg-000003.h5", 3, 3)]
+    assert (rank / fmt.SEGMENT_LIST_FILE).read_bytes().count(b"\n") == 1
+
+
 # ---------------------------------------------------------------------------------------- atomicity & errors
 
 
