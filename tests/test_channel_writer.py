@@ -535,6 +535,25 @@ def test_a_pass_in_a_listed_segment_that_is_gone_is_lost_not_absent(tmp_path):
     assert_same(ds.load("target", 0, 1)["x"], torch.full((2,), 1.0))
 
 
+def test_only_the_first_pass_after_an_unreadable_unlisted_segment_is_refused(tmp_path):
+    """seg 0 (passes 0, 1) is unlisted and truncated: it may hold the start of seg 1's first pass
+    (2), never a part of pass 3, which began after pass 2 in seg 1. Pass 3 reads, bit-exact."""
+    rank = write_rank_dir(tmp_path / "target" / RANK_DIR, {p: {"x": torch.full((2,), float(p))} for p in range(4)})
+    info = rank_json(tmp_path)
+    info["segments"] = info["segments"][1:]
+    write_rank_json(rank, info)
+    os.truncate(rank / "seg-000000.h5", 5000)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for full_index in (False, True):
+            ds = reader.open(tmp_path)
+            if full_index:
+                assert ds.passes("target", 0) == [2, 3]
+            with pytest.raises(reader.DumpError, match="pass 2: part of it may be in seg-000000.h5 "):
+                ds.load("target", 0, 2)
+            assert_same(ds.load("target", 0, 3)["x"], torch.full((2,), 3.0))
+
+
 def test_a_late_pass_end_completes_its_pass_only_where_the_segments_stay_in_order(tmp_path):
     """A pass end the full ring refused comes again after later records (protocol.end, late=True).
     It completes a pass still buffered, or continues the pass the last segment ended unfinished;
