@@ -1113,12 +1113,12 @@ def test_each_segment_is_durable_before_the_list_and_rank_json_name_it(tmp_path,
         events.append(("sync", path_of(fd)))
         return real_fdatasync(fd)
 
-    def resolved(path):  # the writer names files through its directory's /proc/self/fd/N (DirAnchor)
-        path = os.fspath(path)
-        return os.path.join(os.path.realpath(os.path.dirname(path)), os.path.basename(path))
+    def real_path(path):  # the writer names files through its held directory: /proc/self/fd/N/name
+        head, name = os.path.split(os.fspath(path))
+        return os.path.join(os.readlink(head), name) if head.startswith("/proc/self/fd/") else os.fspath(path)
 
     def replace(src, dst, **kwargs):
-        events.append(("replace", resolved(src), resolved(dst)))
+        events.append(("replace", real_path(src), real_path(dst)))
         return real_replace(src, dst, **kwargs)
 
     monkeypatch.setattr(os, "fsync", fsync)

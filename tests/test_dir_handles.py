@@ -30,6 +30,13 @@ def _inputs(i):
     return torch.full((2, 8), float(i))
 
 
+def _segments_listed(rank_dir) -> int:
+    try:  # (absent until the writer's first segment)
+        return fsutil.load_json(str(rank_dir / "rank.json")).get("segments_listed", 0)
+    except FileNotFoundError:
+        return 0
+
+
 def _run(root, change):
     """Attach, run PASSES_BEFORE passes and wait until their segments are on disk, ``change(rank
     dir)``, run PASSES_AFTER more, close. Returns (close stats, the model's outputs per pass)."""
@@ -40,7 +47,7 @@ def _run(root, change):
         for i in range(PASSES_BEFORE):
             outs.append(model(_inputs(i)))
         deadline = time.monotonic() + 30
-        while (fsutil.read_json(str(d.dir / "rank.json"), {}).get("segments_listed", 0) < PASSES_BEFORE
+        while (_segments_listed(d.dir) < PASSES_BEFORE
                and time.monotonic() < deadline):
             time.sleep(0.02)
         change(d.dir)

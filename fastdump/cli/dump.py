@@ -785,9 +785,9 @@ def verify_dump(root: str, read_data: bool = False) -> _Report:
 
 def _role_names(root: str) -> set:
     """Names a role directory of this root has: the standard roles and fastdump.json's role."""
-    try:
+    try:  # (a damaged one is _check_manifest's problem)
         manifest = fsutil.load_json(os.path.join(root, fmt.MANIFEST_FILE))
-    except (OSError, ValueError):  # absent or damaged: _check_manifest reports it
+    except (OSError, ValueError):
         manifest = {}
     config = manifest.get("config") if isinstance(manifest, dict) else None
     role = config.get("role") if isinstance(config, dict) else None
