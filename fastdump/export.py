@@ -19,9 +19,10 @@ run. Names are SGLang's (see :func:`sglang_names`) when the dump was made throug
 drop-in, which records the model's module names; otherwise they stay fastdump's.
 
 A dump is evidence: SGLang's tools cannot tell a partial pass from a whole one. Export refuses a dump
-with a rank not closed (status running, error, incomplete) or a pass marked incomplete or with
-dropped tensors (:class:`PartialDumpError`), unless ``partial=True`` (``--partial``): then each such
-pass is exported as written, with a warning, and ``fastdump_passes.json`` / the ``fastdump_pass`` meta
+with a rank not closed (status running, error, incomplete), a pass marked incomplete or with
+dropped tensors, or a pass one TP rank lacks while others of its group hold it
+(:class:`PartialDumpError`), unless ``partial=True`` (``--partial``): then each such pass is
+exported as written, with a warning, and ``fastdump_passes.json`` / the ``fastdump_pass`` meta
 record it. Tensors the capture side recorded as skipped (e.g. quantized dtypes) are left out with a
 warning.
 """
@@ -338,6 +339,7 @@ def _survey(ds, roles, partial: bool) -> dict:
             note = _skip_note(list(metas[role, rank].values()))
             if note:
                 notes.append(f"{where}: {note}")
+    problems += _passes_missing_in_tp_groups(ds, roles, metas)
     if problems and not partial:
         raise PartialDumpError(problems)
     for line in problems:
@@ -345,6 +347,36 @@ def _survey(ds, roles, partial: bool) -> dict:
     for line in notes:
         _say(f"warning: {line}")
     return metas
+
+
+def _passes_missing_in_tp_groups(ds, roles, metas) -> list:
+    """One line per rank lacking passes that other ranks of its TP group (one role, DP replica and
+    PP stage) hold. TP ranks run every forward together: a pass one of them lacks was lost (a
+    segment gone before it was listed, say), even where its rank.json records no drop, and SGLang's
+    comparator would read that pass as whole from the ranks that have it. A group in which a TP
+    rank appears twice (several runs or sessions in one dump) is left alone: which ranks ran
+    together cannot be told."""
+    groups: dict = {}  # (role, dp_rank, pp_rank, tp_size) -> {tp_rank: rank directory}
+    for role in roles:
+        for rank in ds.ranks(role):
+            try:
+                numbers = fmt.check_rank_numbers(ds.rank_info(role, rank).get("rank"))
+            except ValueError:
+                continue  # (the dumper layout refuses it, naming the field; the Pass layout does not need it)
+            key = (role, numbers.get("dp_rank", 0), numbers.get("pp_rank", 0), numbers.get("tp_size", 1))
+            groups.setdefault(key, []).append((numbers.get("tp_rank", 0), rank))
+    lines = []
+    for (role, dp_rank, pp_rank, _), members in groups.items():
+        if len(members) < 2 or len({tp for tp, _ in members}) < len(members):
+            continue
+        held = set().union(*(metas[role, rank] for _, rank in members))
+        for _, rank in sorted(members):
+            lacking = sorted(held - set(metas[role, rank]))
+            if lacking:
+                shown = ", ".join(map(str, lacking[:8])) + (f" ... ({len(lacking)} in all)" if len(lacking) > 8 else "")
+                lines.append(f"{role}/{rank}: pass(es) {shown} missing, which other TP ranks of its group "
+                             f"(dp rank {dp_rank}, pp rank {pp_rank}) hold: lost, whatever rank.json says")
+    return lines
 
 
 # ------------------------------------------------------------------------ the two layouts

@@ -704,6 +704,7 @@ class _Rank:
                 for pass_id in segment.passes["pass"].tolist():
                     found.setdefault(pass_id, []).append(segment)
             self._passes = dict(sorted(found.items()))
+            self._find_missing_listed()
             for pass_id, segments in self._passes.items():
                 # A pass continues in a later segment only when the writer flushed it unfinished
                 # (complete = 0 in every part but the last). One whole already is two copies, or
@@ -717,6 +718,16 @@ class _Rank:
                         "not read (copied or mixed segments)")), warn=True)
             self._find_partial_passes()
         return self._passes
+
+    def _find_missing_listed(self) -> None:
+        """Segments the segment list names that are not on disk: their passes are lost. Listed as
+        unreadable (a pass they held was read as "no pass", and ls/passes showed none missing)."""
+        for name, entry in self._indexing_facts()[1].items():
+            path = os.path.join(self.path, name)
+            if fmt.segment_number(name) is not None and path not in self._paths and not os.path.lexists(path):
+                self.unreadable.append(path)
+                self.dumpset._problem(Problem(path, Problem.UNREADABLE_SEGMENT, (
+                    f"listed as holding passes {entry['first_pass']}..{entry['last_pass']}, but missing")), warn=True)
 
     def _find_partial_passes(self) -> None:
         """Passes a part of which may lie in a segment that is not read (one between its parts that

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -16,7 +17,7 @@ from fastdump import _C, dtypes, fsutil, reader
 from fastdump import format as fmt
 from fastdump.writer import segment_file
 from fastdump.writer.channel_writer import ChannelWriter
-from conftest import read_rank_json, require_o_direct, write_rank_json
+from conftest import read_rank_json, require_o_direct, write_rank_dir, write_rank_json
 
 RANK_DIR = "TP0_PP0_Rank0_pid4242"
 
@@ -465,6 +466,94 @@ def test_a_pass_found_without_the_full_index_is_whole_even_where_rank_json_lies(
         reader.open(tmp_path).load("target", 0, 7)
 
 
+@pytest.mark.parametrize("listing", ["unlisted", "listed with another range"])
+def test_a_pass_whose_middle_file_is_gone_is_refused_by_the_lookup_of_one_pass(tmp_path, listing):
+    """Pass 0's parts are in seg-000000 and seg-000002; seg-000001 (its middle part) is gone and
+    rank.json sends the lookup of one pass to files 0 and 2 only (seg 1 unlisted, or listed as
+    holding pass 7). The two visible files are next to each other in the listing but their numbers
+    are not: merged, they would hand back pass 0 without t18..t35, `complete`, and no error."""
+    split_pass_dump(tmp_path)
+    rank = tmp_path / "target" / RANK_DIR
+    info = rank_json(tmp_path)
+    if listing == "unlisted":
+        del info["segments"][1]
+    else:
+        info["segments"][1].update(first_pass=7, last_pass=7)
+    write_rank_json(rank, info)
+    os.remove(rank / "seg-000001.h5")
+    want = "pass 0: part of it may be in seg-000001.h5 (unreadable, missing or renamed): not read"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(reader.DumpError, match=re.escape(want)):
+            reader.open(tmp_path).load("target", 0, 0)
+        with pytest.raises(reader.DumpError, match=re.escape(want)):
+            reader.open(tmp_path).meta("target", 0, 0)
+        with pytest.raises(reader.DumpError, match=re.escape(want)):
+            reader.open(tmp_path).tensor("target", 0, "t0", 0)
+        assert_same(reader.open(tmp_path).load("target", 0, 1)["x"], torch.ones(2))
+
+
+def test_a_lost_later_segment_whose_range_spans_an_earlier_replay_does_not_hide_it(tmp_path):
+    """Eager passes and CUDA-graph replays share segments: seg 0 holds 0, 1, B, B+1, seg 1 holds
+    2, 3, B+2, B+3, so seg 1's listed range 2..B+3 spans replay B+1 though it cannot hold it
+    (replays run in file order, and B+1 ended in seg 0). seg 1 lost, B+1 is still whole: it loads,
+    while passes seg 1 held are refused."""
+    from fastdump import protocol
+
+    base = protocol.GRAPH_PASS_BASE
+    order = [0, 1, base, base + 1, 2, 3, base + 2, base + 3]
+    rank = write_rank_dir(tmp_path / "target" / RANK_DIR, {p: {"x": torch.full((2,), float(k))}
+                                                            for k, p in enumerate(order)}, segment_passes=4)
+    assert [(s["first_pass"], s["last_pass"]) for s in rank_json(tmp_path)["segments"]] == [(0, base + 1), (2, base + 3)]
+    os.remove(rank / "seg-000001.h5")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for full_index in (False, True):
+            ds = reader.open(tmp_path)
+            if full_index:
+                assert ds.passes("target", 0) == [0, 1, base, base + 1]
+            for k, p in enumerate(order[:4]):
+                assert_same(ds.load("target", 0, p)["x"], torch.full((2,), float(k)))
+            with pytest.raises(reader.DumpError, match="seg-000001.h5"):
+                ds.load("target", 0, base + 2)
+
+
+def test_a_pass_in_a_listed_segment_that_is_gone_is_lost_not_absent(tmp_path):
+    """seg 1, listed as holding passes 2..3, is gone. The reader said KeyError "no pass 3", listed
+    no problem, and ls/passes showed the rank as if it had only passes 0 and 1."""
+    rank = write_rank_dir(tmp_path / "target" / RANK_DIR, {p: {"x": torch.full((2,), float(p))} for p in range(4)})
+    os.remove(rank / "seg-000001.h5")
+    want = f"{rank / 'seg-000001.h5'}: listed as holding passes 2..3, but missing"
+    with pytest.warns(UserWarning, match=re.escape(want)):
+        ds = reader.open(tmp_path)
+        assert ds.passes("target", 0) == [0, 1]
+    assert ds.problems == [want] and ds.summary("target", 0)["unreadable_segments"] == 1
+    for p in (2, 3):
+        with pytest.raises(reader.DumpError, match=re.escape(f"no pass {p} in the readable segments of {rank}; "
+                                                             f"unreadable: {want}")):
+            ds.load("target", 0, p)
+    assert_same(ds.load("target", 0, 1)["x"], torch.full((2,), 1.0))
+
+
+def test_only_the_first_pass_after_an_unreadable_unlisted_segment_is_refused(tmp_path):
+    """seg 0 (passes 0, 1) is unlisted and truncated: it may hold the start of seg 1's first pass
+    (2), never a part of pass 3, which began after pass 2 in seg 1. Pass 3 reads, bit-exact."""
+    rank = write_rank_dir(tmp_path / "target" / RANK_DIR, {p: {"x": torch.full((2,), float(p))} for p in range(4)})
+    info = rank_json(tmp_path)
+    info["segments"] = info["segments"][1:]
+    write_rank_json(rank, info)
+    os.truncate(rank / "seg-000000.h5", 5000)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for full_index in (False, True):
+            ds = reader.open(tmp_path)
+            if full_index:
+                assert ds.passes("target", 0) == [2, 3]
+            with pytest.raises(reader.DumpError, match="pass 2: part of it may be in seg-000000.h5 "):
+                ds.load("target", 0, 2)
+            assert_same(ds.load("target", 0, 3)["x"], torch.full((2,), 3.0))
+
+
 def test_a_late_pass_end_completes_its_pass_only_where_the_segments_stay_in_order(tmp_path):
     """A pass end the full ring refused comes again after later records (protocol.end, late=True).
     It completes a pass still buffered, or continues the pass the last segment ended unfinished;
@@ -680,6 +769,26 @@ def test_segment_numbers_continue_after_existing_files(tmp_path):
     Feeder(w).full_pass(1, {"x": torch.ones(1)})
     w.close({})
     assert seg_files(tmp_path) == ["seg-000000.h5", "seg-000004.h5"]
+
+
+def test_a_writer_reopening_a_directory_starts_its_segment_list_anew(tmp_path):
+    """The second writer's segments.jsonl holds its own line only: the first one's longer list
+    left under it would read as bytes after the committed lines (a torn append: verify fails a
+    closed rank on it)."""
+    from fastdump import segment_list
+
+    w = ChannelWriter(open_msg(tmp_path, segment_passes=1))
+    for p in range(3):
+        Feeder(w).full_pass(p, {"x": torch.ones(1)})
+    w.close({})
+    w = ChannelWriter(open_msg(tmp_path))
+    Feeder(w).full_pass(3, {"x": torch.ones(1)})
+    w.close({})
+    rank = tmp_path / "target" / RANK_DIR
+    entries, problem, tail = segment_list.read(str(rank), json.loads((rank / fmt.RANK_FILE).read_text()))
+    assert problem is None and tail == 0
+    assert [(e["file"], e["first_pass"], e["last_pass"]) for e in entries] == [("seg-000003.h5", 3, 3)]
+    assert (rank / fmt.SEGMENT_LIST_FILE).read_bytes().count(b"\n") == 1
 
 
 # ---------------------------------------------------------------------------------------- atomicity & errors

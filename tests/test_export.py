@@ -361,3 +361,50 @@ def test_a_name_the_dumper_layout_cannot_hold_is_refused_before_anything_is_writ
     args = parser.parse_args(["export", "--format", "sglang-dumper", str(tmp_path / "dump"), str(tmp_path / "out")])
     assert args.func(args) == 2
     assert message in capsys.readouterr().err and not (tmp_path / "out").exists()
+
+
+def write_tp_group(root, passes_of_rank):
+    """Ranks of one TP group (tp_size = len(passes_of_rank)), rank k holding the passes
+    ``passes_of_rank[k]``, pass p's "x" = 10 * p + k, each closed with no drop recorded."""
+    from conftest import write_rank_dir
+
+    size = len(passes_of_rank)
+    for k, passes in enumerate(passes_of_rank):
+        numbers = {"tp_rank": k, "tp_size": size, "pp_rank": 0, "pp_size": 1, "rank": k}
+        write_rank_dir(root / "target" / f"TP{k}_PP0_Rank{k}_pid10{k}_20260101T000000.000000Z-0000000{k}",
+                       {p: {"x": torch.full((2,), 10.0 * p + k)} for p in passes}, rank=numbers)
+    return root
+
+
+@pytest.mark.parametrize("fmt", ["sglang", "sglang-dumper"])
+def test_a_pass_one_tp_rank_lacks_is_refused_unless_partial(tmp_path, capsys, fmt):
+    """TP rank 1 lacks pass 1 and its rank.json records no drop. Exported, SGLang's comparator read
+    pass 1 from rank 0 alone as if whole: exit 0 and no word. It is refused like any pass not whole;
+    --partial exports it as written, with a warning naming the rank and the pass."""
+    dump = write_tp_group(tmp_path / "dump", [[0, 1, 2], [0, 2]])
+    rank1 = "TP1_PP0_Rank1_pid101_20260101T000000.000000Z-00000001"
+    assert fastdump.open(dump).rank_info("target", rank1).get("dropped_passes", 0) == 0
+    want = (f"target/{rank1}: pass(es) 1 missing, which other TP ranks of its group (dp rank 0, pp rank 0) hold: "
+            "lost, whatever rank.json says")
+    out = tmp_path / "out"
+    code, _, err = run_cli("--format", fmt, "--names", "fastdump", dump, out, capsys=capsys)
+    assert code == 2 and not out.exists()
+    assert [line for line in err.splitlines() if line.startswith("fastdump export:   ")] == [f"fastdump export:   {want}"]
+    code, _, err = run_cli("--format", fmt, "--names", "fastdump", "--partial", dump, out, capsys=capsys)
+    assert code == 0
+    assert [line for line in err.splitlines() if "warning" in line] == \
+        [f"fastdump export: warning: {want}; exported as written (--partial)"]
+    if fmt == "sglang":
+        dest = out / "TP0_PP0_Rank0_pid100"
+        assert sorted(p.name for p in (out / "TP1_PP0_Rank1_pid101").glob("*.pt")) == ["Pass00000.pt", "Pass00002.pt"]
+        assert torch.equal(torch.load(dest / "Pass00001.pt", weights_only=True)["x"], torch.full((2,), 10.0))
+    else:
+        assert sorted(p.name for p in out.glob("*step=1*")) == ["name=x___step=1___rank=0___dump_index=2.pt"]
+
+
+def test_tp_ranks_holding_the_same_passes_export_without_a_warning(tmp_path, capsys):
+    dump = write_tp_group(tmp_path / "dump", [[0, 1, 2], [0, 1, 2]])
+    code, _, err = run_cli("--format", "sglang-dumper", "--names", "fastdump", dump, tmp_path / "out", capsys=capsys)
+    assert code == 0 and err == ""
+    got = torch.load(tmp_path / "out" / "name=x___step=2___rank=1___dump_index=3.pt", weights_only=False)
+    assert torch.equal(got["value"], torch.full((2,), 21.0))

@@ -975,3 +975,23 @@ def test_two_writers_of_one_pid_never_share_a_temporary_file(tmp_path, monkeypat
     with pytest.raises(FileExistsError):
         fsutil.atomic_write_json(target, {"a": 1})
     assert open(taken, "rb").read() == b"the other writer's" and not os.path.exists(target)
+
+
+def test_an_atomic_write_that_fails_leaves_the_old_file_and_no_temporary_one(tmp_path, monkeypatch):
+    """A rename that fails (EXDEV, EIO) must leave the old content and no .<name>.*.tmp behind: a
+    temporary file left in a rank directory fails verify ("leftover temporary file")."""
+    import errno
+
+    from fastdump import fsutil
+
+    path = tmp_path / "rank.json"
+    path.write_bytes(b"old")
+
+    def failing_replace(src, dst, **kwargs):
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(os, "replace", failing_replace)
+    with pytest.raises(OSError, match="Input/output error"):
+        fsutil.atomic_write_bytes(str(path), b"new")
+    monkeypatch.undo()
+    assert sorted(os.listdir(tmp_path)) == ["rank.json"] and path.read_bytes() == b"old"

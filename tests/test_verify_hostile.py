@@ -346,6 +346,26 @@ def test_pass_with_zero_tensors_in_the_passes_table_but_rows_in_the_index(dump, 
     assert same(ds.load("target", 0, 3)["0"], expected[3]["0"])
 
 
+def test_pass_whose_byte_count_in_the_passes_table_disagrees_with_its_rows(dump, expected):
+    """The passes table says pass 0 holds 8 bytes more than its four index rows cover (a faulty
+    writer: the tables checksum agrees). Only the byte count is wrong, so verify must see it."""
+    with h5py.File(seg(dump, 0), "r") as f:
+        stored = int(f["passes"][()]["bytes"][0])
+
+    def change(passes):
+        passes["bytes"][0] += 8
+        return passes
+
+    rewrite(seg(dump, 0), "passes", change)
+    code, problems, _ = verify(dump)
+    with h5py.File(seg(dump, 0), "r") as f:
+        total = int(f.attrs["bytes"])
+    assert code == 1 and problems == [
+        f"{seg(dump, 0)}: pass 0: 4 tensors / {stored} bytes in the index, table says 4 / {stored + 8}",
+        f"{seg(dump, 0)}: attribute bytes={total} but the tables say {total + 8}",
+        f"{rank_dir(dump)}: seg-000000.h5: segments.jsonl says bytes={total}, file has {total + 8}"], problems
+
+
 def test_rows_of_one_pass_relabelled_into_another(dump, expected):
     """Pass 1's four rows say pass 0; the passes table is made to agree (pass 0: 8 rows, pass 1: 0).
     Pass 0 then holds every name twice: mixed data."""
@@ -849,6 +869,21 @@ def test_deeply_nested_rank_json(dump, entry, capsys):
             assert any("rank.json" in p for p in ds.problems)
     else:
         assert cli_dump.main(["ls", str(dump)]) == 0
+
+
+def test_a_producer_error_makes_a_closed_ranks_torn_list_tail_what_an_interrupted_writer_leaves(dump):
+    """producer_error.json: the serving process stopped dumping, its writer dead or stuck. Its
+    rank.json may still say closed, but the writer may have been cut off mid-append: a torn tail of
+    segments.jsonl is then a warning, and the failure is the producer error (exactly one problem)."""
+    path = rank_dir(dump)
+    (path / fmt.PRODUCER_ERROR_FILE).write_text(json.dumps({"error": "writer stuck for 60 s"}))
+    with open(path / fmt.SEGMENT_LIST_FILE, "ab") as f:
+        f.write(b'{"file": "seg-000009.h5", "first_')
+    code, problems, warnings = verify(dump)
+    assert code == 1 and problems == [
+        f"{path}: the serving process stopped dumping (producer_error.json): writer stuck for 60 s"], problems
+    assert f"{path}: segments.jsonl holds 33 bytes after the lines rank.json commits (status error: what an " \
+           "interrupted writer leaves; not read)" in warnings, warnings
 
 
 @pytest.mark.parametrize("file", ["producer_error", "manifest"])
