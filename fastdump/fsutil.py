@@ -242,11 +242,3 @@ def unique_keys(pairs: list) -> dict:
         again = next(key for key, _ in pairs if key in seen or seen.add(key))
         raise ValueError(f"key {again!r} appears twice in one object")
     return obj
-
-
-def read_json(path: str, default=None):
-    """Parsed JSON at ``path`` (see ``load_json``); ``default`` when missing, unsafe or unparsable."""
-    try:
-        return load_json(path)
-    except (OSError, ValueError):
-        return default
