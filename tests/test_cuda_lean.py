@@ -359,12 +359,22 @@ def test_torch_capture_begin_tells_the_extension_first(monkeypatch):
         def capture_begin(self, pool=None, capture_error_mode="global"):
             calls.append(("torch", pool, capture_error_mode))
 
+        def capture_end(self):
+            calls.append(("torch end",))
+
     monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
     monkeypatch.setattr(cuda, "_capture_hook", None)
+    # (the module's record of open captures: this fake one must not stay open for later tests,
+    # where it kept the slots of reset graphs from being reclaimed)
+    monkeypatch.setattr(cuda, "_open_captures", set())
     monkeypatch.setattr(real, "note_capture_begin", lambda: calls.append(("fastdump",)), raising=False)
     assert cuda.watch_graph_captures() and cuda.watch_graph_captures()  # once
-    FakeGraph().capture_begin(pool=7, capture_error_mode="relaxed")
+    graph = FakeGraph()
+    graph.capture_begin(pool=7, capture_error_mode="relaxed")
     assert calls == [("fastdump",), ("torch", 7, "relaxed")]
+    assert cuda._open_captures == {id(graph)}
+    graph.capture_end()
+    assert calls[-1] == ("torch end",) and not cuda._open_captures and cuda.capturing_graph() is None
     assert FakeGraph.capture_begin.__fastdump_original__.__name__ == "capture_begin"
 
 
