@@ -187,6 +187,22 @@ def test_graph_replays_become_passes_bit_exact(m, glue, tmp_path, monkeypatch, m
     assert r.returncode == 0, r.stdout + r.stderr
 
 
+def _one_tensor_graph(m, rec, side, cpu):
+    """A graph recording one tensor (``cpu``'s values, in mock device memory) through ``rec``,
+    captured on ``side`` -> (graph, its executable)."""
+    from fastdump import dtypes
+
+    src = device_buffer(m, cpu.nbytes)
+    assert m._mock.upload(src, cpu.data_ptr(), cpu.nbytes) == 0
+    assert m._mock.begin_capture(side, GLOBAL) == 0
+    gid = rec.begin_graph(side)
+    assert rec.record(0, dtypes.code_of(cpu.dtype), 4, [cpu.numel()], [1], src, 0, side) == m.STAGED
+    assert rec.end_graph() == gid
+    err, graph = m._mock.end_capture(side)
+    assert err == 0, m._mock.error_name(err)
+    return graph, m._mock.graph_instantiate(graph)
+
+
 def _rank_json(root, role="target"):
     import json
 
@@ -447,23 +463,13 @@ def test_graph_close_honours_its_timeout_with_a_stalled_writer(m):
     import threading
     import time
 
-    from fastdump import dtypes
-
     ring = Ring(m, capacity=1 << 20)  # nobody reads it: the stalled writer
     stager = m.CudaStager(ring.producer, 4 << 20)
     stager.register_host()
     rec = m.GraphRecorder(stager, 0, 0, 1 << 20, 8 << 20, 64)
     side, launch = m._mock.stream_create_flags(0), m._mock.stream_create()
     cpu = torch.arange(32 << 10, dtype=torch.int32)  # 128 KiB a replay: about 7 fit in the host ring
-    src = device_buffer(m, cpu.nbytes)
-    assert m._mock.upload(src, cpu.data_ptr(), cpu.nbytes) == 0
-    assert m._mock.begin_capture(side, GLOBAL) == 0
-    gid = rec.begin_graph(side)
-    assert rec.record(0, dtypes.code_of(cpu.dtype), 4, [cpu.numel()], [1], src, 0, side) == m.STAGED
-    assert rec.end_graph() == gid
-    err, graph = m._mock.end_capture(side)
-    assert err == 0, m._mock.error_name(err)
-    exe = m._mock.graph_instantiate(graph)
+    graph, exe = _one_tensor_graph(m, rec, side, cpu)
     n_replays, timeout = 20, 1.0
     closer = None
     try:
@@ -1634,22 +1640,12 @@ def test_replays_after_close_returned_change_no_count(m):
     """A replay that claims after close() closed the recorder is dropped and counted while close()
     runs (it happened while the Dumper closed); once close() returned the count is final (what
     rank.json says): replays launched before but run after it change nothing."""
-    from fastdump import dtypes
-
     ring = Ring(m, capacity=1 << 20)
     stager = m.CudaStager(ring.producer, 4 << 20)
     rec = m.GraphRecorder(stager, 0, 0, 1 << 20, 1 << 20, 64)
     side, launch = m._mock.stream_create_flags(0), m._mock.stream_create()
     cpu = torch.arange(256, dtype=torch.int32)
-    src = device_buffer(m, cpu.nbytes)
-    assert m._mock.upload(src, cpu.data_ptr(), cpu.nbytes) == 0
-    assert m._mock.begin_capture(side, GLOBAL) == 0
-    gid = rec.begin_graph(side)
-    assert rec.record(0, dtypes.code_of(cpu.dtype), 4, [cpu.numel()], [1], src, 0, side) == m.STAGED
-    assert rec.end_graph() == gid
-    err, graph = m._mock.end_capture(side)
-    assert err == 0, m._mock.error_name(err)
-    exe = m._mock.graph_instantiate(graph)
+    graph, exe = _one_tensor_graph(m, rec, side, cpu)
     try:
         assert m._mock.graph_launch(exe, launch) == 0
         m._mock.sync(launch)
