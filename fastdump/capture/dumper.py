@@ -1358,7 +1358,7 @@ class Dumper:
         # The hook is global (torch's): it holds this Dumper weakly, and goes with it. Held strongly,
         # a Dumper dropped without close() was never collected, nor its model, its rank directory's
         # descriptor or its ring: one of each per attach, for the process's life.
-        me = weakref.ref(self, lambda _, hooks=[]: [h.remove() for h in hooks])
+        me = weakref.ref(self)
 
         def registered(parent, name, module):
             dumper = me()
@@ -1378,7 +1378,7 @@ class Dumper:
             return None
 
         self._registration_hook = _torch.nn.modules.module.register_module_module_registration_hook(registered)
-        me.__callback__.__defaults__[0].append(self._registration_hook)
+        weakref.finalize(self, self._registration_hook.remove)  # (the handle's remove: a second is a no-op)
         self._selection = selection
         _follow_renumbering(self)
 
