@@ -1471,11 +1471,7 @@ class Dumper:
             if m is module:
                 if module.__dict__.get("forward") is not wrapper:
                     return False
-                previous = _wrapped_by(wrapper)
-                if previous is _MISSING:
-                    del module.__dict__["forward"]
-                else:
-                    module.__dict__["forward"] = previous
+                _put_back(module, wrapper)
                 if not _is_ours(module.__dict__.get("forward")):
                     _remove_copier(module)
                 del self._wrapped[i]
@@ -1550,11 +1546,7 @@ class Dumper:
             self._registration_hook = None
         for module, wrapper in reversed(self._wrapped):
             if module.__dict__.get("forward") is wrapper:
-                previous = _skip_stale(_wrapped_by(wrapper))
-                if previous is _MISSING:
-                    del module.__dict__["forward"]
-                else:
-                    module.__dict__["forward"] = previous
+                _put_back(module, wrapper)
             else:
                 # Someone wrapped over us: become a pass-through. A Dumper whose wrapper sits over
                 # ours restores what ours wraps when it closes (_skip_stale).
@@ -2105,6 +2097,17 @@ def _is_ours(forward) -> bool:
 def _wrapped_by(forward):
     """What our wrapper ``forward`` wraps (_MISSING: the class's forward)."""
     return forward.__dict__.get("__fastdump_previous__", _MISSING)
+
+
+def _put_back(module, wrapper) -> None:
+    """Take ``wrapper``, ours and ``module``'s forward now, off: what it wraps goes back (the
+    pass-through wrappers of Dumpers closed earlier skipped, _skip_stale), or nothing where the
+    module had no forward of its own."""
+    previous = _skip_stale(_wrapped_by(wrapper))
+    if previous is _MISSING:
+        del module.__dict__["forward"]
+    else:
+        module.__dict__["forward"] = previous
 
 
 def _skip_stale(forward):
