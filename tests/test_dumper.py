@@ -1,5 +1,6 @@
 """End to end on CPU: what is dumped equals what the model computed when each module returned."""
 
+import asyncio
 import gc
 import json
 import os
@@ -1202,6 +1203,101 @@ def test_a_draft_pass_begun_after_the_target_pass_ended_inside_the_draft_forward
     assert "nested_in" not in ds.meta("draft", 0, 0)
     assert ds.meta("target", 0, 0)["suspended_for"] == [{"role": "draft", "pass": None}]
     assert sorted(ds.load("target", 0, 0)) == ["embed", "layer"]
+
+
+class _LazyDraft(_Eagle3Draft):
+    """A draft whose forward returns its work undone: a generator of two steps, a coroutine, or an
+    async generator of two steps; its modules run when the caller consumes it."""
+
+    kind = "generator"
+
+    def forward(self, ids, aux):
+        def step(s):
+            return self.lm_head(self.fc(torch.cat([self.embed(ids + s), aux], -1)))
+
+        def steps():
+            for s in range(2):
+                yield step(s)
+
+        async def coroutine():
+            await asyncio.sleep(0)
+            return [step(0), step(1)]
+
+        async def async_steps():
+            for s in range(2):
+                await asyncio.sleep(0)
+                yield step(s)
+
+        return {"generator": steps, "coroutine": coroutine, "async generator": async_steps}[self.kind]()
+
+
+def _consume(lazy, kind):
+    if kind == "generator":
+        return list(lazy)
+
+    async def gather():
+        return [x async for x in lazy]
+
+    return asyncio.run(lazy if kind == "coroutine" else gather())
+
+
+@pytest.mark.parametrize("root_passes", [False, True])
+@pytest.mark.parametrize("kind", ["generator", "coroutine", "async generator"])
+def test_a_draft_forward_returning_a_generator_keeps_its_work_out_of_the_target_pass(tmp_path, caplog, kind,
+                                                                                     root_passes):
+    """The draft's forward returns a generator (coroutine, async generator) that the target's forward
+    consumes: its modules ran after the draft's wrapper had resumed the target's pass, so the draft's
+    calls of the shared embedding and LM head went into the target's pass as `embed#1`, `lm_head#1`,
+    complete, verify OK. Every step of the result now runs as the draft's forward does: outside a
+    draft pass it suspends the target's pass; inside one (begin_pass() around its consumption) it is
+    that pass's. With root_passes=True its pass ended before the work ran: said once."""
+    import collections.abc
+    target = _Eagle3Target()
+    draft = _LazyDraft(target)
+    draft.kind = kind
+    dt = fastdump.attach(target, tmp_path, role="target")
+    dd = fastdump.attach(draft, tmp_path, role="draft", root_passes=root_passes, exclude=r"^_LazyDraft$")
+    drafted = []  # (ids, aux, [draft logits per step]) of the draft's manual pass
+
+    def run_draft(ids, hidden):
+        lazy = draft(ids + 1, hidden)
+        assert isinstance(lazy, {"generator": collections.abc.Generator, "coroutine": collections.abc.Coroutine,
+                                 "async generator": collections.abc.AsyncGenerator}[kind])
+        _consume(lazy, kind)  # outside any draft pass
+        lazy = draft(ids + 2, hidden)
+        with dd.manual_pass(step="draft"):
+            drafted.append((ids + 2, hidden, _consume(lazy, kind)))
+
+    target.run_draft = run_draft
+    with torch.inference_mode():
+        logits = target(torch.tensor([[1, 2, 3]]))
+    assert dd.close()["status"] == "closed" and dt.close()["status"] == "closed"
+
+    ds = fastdump.open(tmp_path)
+    with torch.inference_mode():
+        e = target.embed(torch.tensor([[1, 2, 3]]))
+        want = {"embed": e, "layer": target.layer(e), "lm_head": logits, "_Eagle3Target": logits}
+    dumped = ds.load("target", 0, 0)
+    assert sorted(dumped) == sorted(want) and all(same_bits(dumped[n], want[n]) for n in want)
+    assert ds.meta("target", 0, 0)["complete"]
+    manual = [p for p in ds.passes("draft", 0) if ds.meta("draft", 0, p).get("step") == "draft"]
+    assert len(manual) == 1
+    ids, aux, steps = drafted[0]
+    with torch.inference_mode():
+        dumped = ds.load("draft", 0, manual[0])
+        want = {"embed": draft.embed(ids), "embed#1": draft.embed(ids + 1), "lm_head": steps[0],
+                "lm_head#1": steps[1]}
+        want["fc"] = draft.fc(torch.cat([want["embed"], aux], -1))
+        want["fc#1"] = draft.fc(torch.cat([want["embed#1"], aux], -1))
+    assert sorted(dumped) == sorted(want) and all(same_bits(dumped[n], want[n]) for n in want)
+    assert ds.meta("draft", 0, manual[0])["nested_in"] == [{"role": "target", "pass": 0}]
+    lazy_said = [r.getMessage() for r in caplog.records if "the root forward returned a" in r.getMessage()]
+    if root_passes:
+        name = {"async generator": "async_generator"}.get(kind, kind)
+        assert len(lazy_said) == 1 and f"the root forward returned a {name}: its modules run when" in lazy_said[0]
+    else:
+        assert lazy_said == [] and ds.passes("draft", 0) == manual == [0]
+    assert not cli_dump.verify_dump(str(tmp_path)).problems
 
 
 def test_the_root_manifest_is_the_first_dumpers_and_is_never_overwritten(tmp_path):

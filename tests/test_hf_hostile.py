@@ -660,9 +660,9 @@ def test_assistant_held_inside_the_target_stays_in_its_role(tmp_path):
 
 
 def test_target_modules_a_candidate_generator_calls_itself_join_no_pass(tmp_path, monkeypatch):
-    # DFlash (noise embeddings, candidate logits), Gemma 4's assistant (the last token's embedding)
-    # and MTP (its MtpModel shares the target's embedding, rotary and head) call the target's modules
-    # from get_candidates, outside any forward. Those calls belong to no pass: each pass holds its
+    # DFlash (noise embeddings, candidate logits) and Gemma 4's assistant (the last token's embedding)
+    # call the target's modules from get_candidates, outside any forward (MTP's calls are inside its
+    # MtpModel's forward: draft passes, test_mtp_layers_made_inside_generate_are_the_draft_role). Those calls belong to no pass: each pass holds its
     # forward's calls alone (a call before the forward would take the name, the forward's `#1`).
     from transformers.generation import candidate_generator as cg
 
@@ -692,3 +692,55 @@ def test_target_modules_a_candidate_generator_calls_itself_join_no_pass(tmp_path
         assert not [n for n in dumped if "#" in n], (p, list(dumped))
         assert torch.equal(dumped["model.embed_tokens"], target.model.embed_tokens.weight[ids]), p
     assert verify(tmp_path)[0] == 0
+
+
+def test_mtp_layers_made_inside_generate_are_the_draft_role(tmp_path, monkeypatch):
+    """use_mtp=True: generate() makes the multi-token-prediction layers (MtpModel, sharing the target's
+    embedding, rotary embedding and head) after attach. They draft the candidates the target
+    verifies, as an EAGLE draft does: each MtpModel forward is a `draft` pass holding every MTP leaf
+    and its calls of the shared modules, bit for bit; the target's passes hold its own forwards
+    alone. They had no role and were not dumped. A second generate's new MtpModel gets a new draft
+    Dumper and the first one is closed."""
+    from transformers import modeling_layers
+
+    target = tiny_llama(num_mtp_layers=1)
+    made = []  # (MtpModel, its Recorder) per generate
+
+    def from_pretrained(cls, main_model, device_map=None, **kw):  # (no checkpoint: fresh MTP weights)
+        torch.manual_seed(7)
+        mtp = cls(main_model, main_model.config.num_mtp_layers).eval()
+        made.append((mtp, Recorder(mtp)))
+        return mtp
+
+    monkeypatch.setattr(modeling_layers.MtpModel, "from_pretrained", classmethod(from_pretrained))
+    rec = Recorder(target)
+    with dump_generate(target, tmp_path, writer="thread") as dumpers:
+        with torch.no_grad():
+            target.generate(PROMPT[:1], use_mtp=True, max_new_tokens=5, do_sample=False)
+        first = dumpers["draft"]
+        assert first.status == "running" and len(made) == 1
+        made[0][1].remove()
+        first_passes, first_target = made[0][1].passes, list(rec.passes)
+        rec.passes = []
+        with torch.no_grad():
+            target.generate(PROMPT[:1], use_mtp=True, max_new_tokens=2, do_sample=False)
+        assert len(made) == 2 and first.status == "closed" and dumpers["draft"] is not first
+        second = dumpers["draft"]
+    made[1][1].remove()
+    rec.remove()
+    assert second.status == "closed"
+    assert len(first_passes) >= 3 and all("layers.0.eh_proj" in p and "shared_head" in p for p in first_passes)
+    ds = fastdump.open(tmp_path)
+    assert ds.ranks("draft") == [first.dir.name, second.dir.name]
+    for dumper, (_, recorded) in zip((first, second), made):
+        ids = ds.passes("draft", dumper.dir.name)
+        assert len(ids) == len(recorded.passes)
+        for p, ref in zip(ids, recorded.passes):
+            got = ds.load("draft", dumper.dir.name, p, check=True)
+            assert sorted(got) == sorted(ref) and all(torch.equal(got[n], ref[n]) for n in ref), p
+            assert ds.meta("draft", dumper.dir.name, p)["complete"]
+    assert [ds.meta("draft", first.dir.name, p)["forward_mode"] for p in ds.passes("draft", first.dir.name)] == \
+        ["prefill"] + ["decode"] * (len(first_passes) - 1)
+    metas = assert_dump_equals(tmp_path, "target", first_target + rec.passes)
+    assert all(m["complete"] for m in metas)
+    assert verify(tmp_path) == (0, "OK\n")

@@ -30,6 +30,7 @@ from .. import _C
 from .. import dtypes as _dtypes
 from .. import protocol
 from ..options import Options, check_meta_keys as _check_meta_keys, check_runtime_env as _check_runtime_env
+from .lazy import STAND_INS as _LAZY_STAND_INS
 from .manifest import cuda_index as _cuda_index, device_facts as _device_facts, write_manifest as _write_manifest
 from .ranks import resolve_ranks  # noqa: F401 - part of this module's face
 from .selection import named_modules, original as _original_module, root_selected as _root_selected, select_modules
@@ -1710,26 +1711,31 @@ class Dumper:
             if outside is _call and _fake_mode_active():  # a shape or memory estimate: no values, no pass
                 return forward(*args, **kwargs)  # (a pass of skips would shift every later pass id)
             if root_pass is not None and outside is _call and not dumper._python_wrappers:
-                return root_pass(native, args, kwargs)  # this function's pass, as below (C)
+                out = root_pass(native, args, kwargs)  # this function's pass, as below (C)
+                if type(out) in _LAZY_STAND_INS:  # (a generator: its work runs after the pass ended)
+                    return dumper._lazy_result(out, after_pass=True)
+                return out
             if outside is not _call and not dumper._python_wrappers:
                 outside(dumper._use_python_wrappers)  # before Dynamo meets the C++ wrappers
             outside(dumper._root_begin)
             try:
                 if native is not None and outside is _call and not dumper._python_wrappers:
-                    return native(*args, **kwargs)  # inputs and output captured in C++, as for a leaf
-                if name is not None and dumper._capturing and (dumper.inputs or outside is _call):
+                    out = native(*args, **kwargs)  # inputs and output captured in C++, as for a leaf
+                elif name is not None and dumper._capturing and (dumper.inputs or outside is _call):
                     outside(dumper._enter_call, name, args, kwargs, dumper.inputs)  # numbered as it starts
                     out = forward(*args, **kwargs)
                     outside(dumper._exit_call, name, out)
-                    return out
-                out = forward(*args, **kwargs)
-                if name is not None and dumper._capturing:  # compiled, no inputs: numbered as it returns
-                    outside(dumper._capture, name, out)
+                else:
+                    out = forward(*args, **kwargs)
+                    if name is not None and dumper._capturing:  # compiled, no inputs: numbered as it returns
+                        outside(dumper._capture, name, out)
             except BaseException as exc:
                 outside(dumper._forward_raised, exc)
                 raise
             finally:
                 outside(dumper._end)
+            if type(out) in _LAZY_STAND_INS:  # (a generator: its work runs after the pass ended)
+                return dumper._lazy_result(out, after_pass=True)
             return out
 
         return forward_in_pass
@@ -1755,12 +1761,40 @@ class Dumper:
             held = len(dumper._forwards_outside_passes)
             try:  # (Ctrl-C between the suspend and the forward: still resumed)
                 outside(dumper._suspend_for_forward)  # (the common case: no other pass open here, nothing)
-                return inner(*args, **kwargs)
+                out = inner(*args, **kwargs)
             finally:
                 if len(dumper._forwards_outside_passes) > held:
                     outside(dumper._resume_after_forward)
+            if type(out) in _LAZY_STAND_INS:  # (a generator: its work runs when consumed, after this returned)
+                return dumper._lazy_result(out, after_pass=False)
+            return out
 
         return forward_outside_passes
+
+    def _lazy_result(self, out, after_pass: bool):
+        """The root forward returned a generator, coroutine or async generator (fastdump/capture/lazy.py):
+        a stand-in whose every step runs as this model's forward outside its passes. ``after_pass``: a
+        root_passes=True wrapper, whose pass has ended with none of that work in it; said once."""
+        if after_pass:
+            self._say_once("lazy", "fastdump: %s: the root forward returned a %s: its modules run when it is "
+                                   "consumed, after the pass ended, and are not dumped; attach with "
+                                   "root_passes=False and open the passes with begin_pass()/end_pass() around "
+                                   "its consumption", self.dir, type(out).__name__)
+        return _LAZY_STAND_INS[type(out)](out, self)
+
+    def _step_outside_passes(self, step, *args):
+        """One step of a root forward's lazy result (_lazy_result), run as the forward itself runs in
+        _outside_pass_wrapper: inside a pass of this Dumper it is that pass's; outside, the passes of
+        other Dumpers open on this thread are suspended while it runs."""
+        if self._depth > 0 or self._closed:
+            return step(*args)
+        held = len(self._forwards_outside_passes)
+        try:
+            self._suspend_for_forward()
+            return step(*args)
+        finally:
+            if len(self._forwards_outside_passes) > held:
+                self._resume_after_forward()
 
     def _suspend_for_forward(self) -> bool:
         """The root's forward starts outside any pass of this Dumper (_outside_pass_wrapper): suspend

@@ -75,8 +75,9 @@ def forward_meta(args, kwargs, *, verifies: bool = False, candidates: int | None
     tokens on top of a cache verifies)."""
     ids = _new_tokens(args, kwargs)
     batch, new = (ids.shape[0], ids.shape[1]) if ids is not None and ids.dim() >= 2 else (1, 0)
-    # transformers 5 names the cache argument `cache`, 4.x `past_key_values`
-    cached = _cached_tokens(kwargs.get("cache", kwargs.get("past_key_values")))
+    # transformers 5 names the cache argument `cache`, 4.x `past_key_values`; MTP layers' `mtp_cache`
+    cache = kwargs.get("cache", kwargs.get("past_key_values", kwargs.get("mtp_cache")))
+    cached = _cached_tokens(cache)
     if cached == 0:
         mode = "prefill"
     elif new == 1:
@@ -129,7 +130,7 @@ class _Candidates:
 
     def wrap_generator_factory(self, model, made=None):
         """Wrap ``model._get_candidate_generator`` (one instance attribute) so that every candidate
-        generator it makes reports its candidates here, and ``made()`` runs once it is made. False
+        generator it makes reports its candidates here, and ``made(generator)`` runs once it is made. False
         when the model has none to wrap."""
         if not callable(getattr(type(model), "_get_candidate_generator", None)) \
                 or "_get_candidate_generator" in vars(model):
@@ -140,7 +141,7 @@ class _Candidates:
             state.total = state.count = state.caller = None  # a new generate
             generator = type(self)._get_candidate_generator(self, *args, **kwargs)
             if made is not None:
-                made()
+                made(generator)
             get = getattr(generator, "get_candidates", None)
             if callable(get):
                 def get_candidates(input_ids, *a, **k):
@@ -177,6 +178,12 @@ class _Session:
         self.calls = itertools.count()
         self.models = []  # (Dumper, model)
         self.roots = list(roots)  # every role's model: none is another's inner generation model
+        self.on_generator = None  # called with each candidate generator generate() makes (dump_generate)
+
+    def generator_made(self, generator) -> None:
+        self.adopt_new_modules()
+        if self.on_generator is not None:
+            self.on_generator(generator)
 
     def adopt_new_modules(self) -> None:
         """Dump the modules transformers put into a model after attach (universal assisted
@@ -248,7 +255,7 @@ def _generation_meta(model, role, verifies, undo, session):
     ``undo``); else (an old or unknown transformers) every call of a target with an assistant that
     feeds several tokens on a cache is taken to verify."""
     candidates = _Candidates()
-    counted = role == "target" and candidates.wrap_generator_factory(model, session.adopt_new_modules)
+    counted = role == "target" and candidates.wrap_generator_factory(model, session.generator_made)
     if counted:
         undo.append((model, "_get_candidate_generator"))
 
@@ -408,6 +415,8 @@ def dump_generate(model, root, *, assistant_model=None, **attach_kwargs):
         dumpers = {role: dumper for role, dumper, _ in attached}
         if itself:
             dumpers["draft"] = dumpers["target"]
+        elif assistant_model is None:
+            session.on_generator = functools.partial(_attach_mtp, root, attach_kwargs, session, attached, dumpers)
         yield dumpers
     finally:
         # Every role is detached and closed even when closing one is interrupted (Ctrl-C in its
@@ -423,3 +432,31 @@ def dump_generate(model, root, *, assistant_model=None, **attach_kwargs):
                 error = error or exc
         if error is not None:
             raise error
+
+
+def _attach_mtp(root, attach_kwargs, session, attached, dumpers, generator) -> None:
+    """``use_mtp=True``: generate() makes the multi-token-prediction layers (transformers'
+    ``MtpModel``, the candidate generator's ``mtp_model``) after attach, and they draft the tokens
+    the target verifies, as an EAGLE draft does (SGLang runs MTP heads as its EAGLE draft): role
+    ``draft``, each of its forwards a draft pass, with its calls of the embedding and head it
+    shares with the target. Every generate() makes a new one: a new draft Dumper (a session of
+    its own), the previous one closed. Never an error in generate: a failure is said, MTP undumped."""
+    import torch
+
+    mtp = getattr(generator, "mtp_model", None)
+    if not isinstance(mtp, torch.nn.Module):
+        return
+    try:
+        previous = next((i for i, (role, _, _) in enumerate(attached) if role == "draft"), None)
+        if previous is not None:
+            _, dumper, detach = attached.pop(previous)
+            try:
+                detach()
+            finally:
+                dumper.close()
+        session.roots.append(mtp)
+        dumper, detach = _attach(mtp, root, "draft", False, attach_kwargs, session)
+        attached.append(("draft", dumper, detach))
+        dumpers["draft"] = dumper
+    except Exception as exc:
+        log.warning("fastdump: the MTP layers generate() made (%s) are not dumped: %s", type(mtp).__name__, exc)

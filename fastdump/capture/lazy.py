@@ -1,0 +1,92 @@
+"""Root forwards whose work runs later: a forward that returns a generator, a coroutine or an async
+generator runs its modules when the caller consumes that result, after the root wrapper returned.
+
+For an EAGLE draft run inside the target's forward that is after the draft's wrapper resumed the
+target's pass, so the modules both wrap (the shared embedding and LM head) would put the draft's
+calls into the target's pass as ``embed#1``, ``lm_head#1``..., indistinguishable from the target
+calling them twice, and verify said OK. The root wrapper hands back a stand-in instead that runs
+each step of the result as a forward of its model outside its Dumper's passes
+(``Dumper._step_outside_passes``): the other Dumpers' passes open on that thread are suspended
+while it runs, as they are while the forward itself runs.
+
+Only these three built-in kinds are recognised (by exact type, once per root forward): any other
+lazy object (an iterator class of one's own, a closure) is returned as it is; docs/INTEGRATIONS.md
+says so.
+"""
+
+from __future__ import annotations
+
+import collections.abc
+import types
+
+
+class _Lazy:
+    """What the three stand-ins share: each step of ``inner`` runs through ``dumper``."""
+
+    __slots__ = ("_inner", "_dumper")
+
+    def __init__(self, inner, dumper):
+        self._inner = inner
+        self._dumper = dumper
+
+    def send(self, value):
+        return self._dumper._step_outside_passes(self._inner.send, value)
+
+    def throw(self, *exc):
+        return self._dumper._step_outside_passes(self._inner.throw, *exc)
+
+    def close(self):
+        return self._dumper._step_outside_passes(self._inner.close)
+
+    def __getattr__(self, name):  # gi_frame, cr_code, __name__, ...: the real object's
+        return getattr(self._inner, name)
+
+    def __repr__(self):
+        return f"<fastdump stand-in for {self._inner!r}>"
+
+
+class _Generator(_Lazy, collections.abc.Generator):
+    __slots__ = ()
+
+    def __next__(self):
+        return self.send(None)
+
+
+class _Coroutine(_Lazy, collections.abc.Coroutine):
+    """A coroutine, or one step of an async generator (its ``__anext__()``, ``asend()``... awaitable)."""
+
+    __slots__ = ()
+
+    def __await__(self):
+        return _Generator(self._inner.__await__(), self._dumper)
+
+
+class _AsyncGenerator(collections.abc.AsyncGenerator):
+    __slots__ = ("_inner", "_dumper")
+
+    def __init__(self, inner, dumper):
+        self._inner = inner
+        self._dumper = dumper
+
+    def __anext__(self):
+        return _Coroutine(self._inner.__anext__(), self._dumper)
+
+    def asend(self, value):
+        return _Coroutine(self._inner.asend(value), self._dumper)
+
+    def athrow(self, *exc):
+        return _Coroutine(self._inner.athrow(*exc), self._dumper)
+
+    def aclose(self):
+        return _Coroutine(self._inner.aclose(), self._dumper)
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+    def __repr__(self):
+        return f"<fastdump stand-in for {self._inner!r}>"
+
+
+# exact types: a subclass or a look-alike is not recognised (the check runs at every root forward)
+STAND_INS = {types.GeneratorType: _Generator, types.CoroutineType: _Coroutine,
+             types.AsyncGeneratorType: _AsyncGenerator}
