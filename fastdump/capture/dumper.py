@@ -1495,15 +1495,19 @@ class Dumper:
         old_key = {}
         for key, module in before.items():
             old_key.setdefault(id(module), key)
-        moves, added = {}, []
+        # A module held at several numbers is named by its first, as at attach: its first number
+        # before against its first now (not each later number it is also held at).
+        new_key = {}
         for key, module in container._modules.items():
-            if module is None:
-                continue
+            if module is not None:
+                new_key.setdefault(id(module), (key, module))
+        moves, added = {}, []
+        for key, module in new_key.values():
             was = old_key.get(id(module))
             if was is None:
                 added.append((join(key), module))
-            elif was != key:  # (one held at several numbers: its first, as at attach)
-                moves.setdefault(join(was), join(key))
+            elif was != key:
+                moves[join(was)] = join(key)
 
         def moved(name):
             for old, new in moves.items():
