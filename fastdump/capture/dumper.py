@@ -16,6 +16,7 @@ import enum
 import functools
 import inspect
 import logging
+import numbers
 import os
 import signal
 import socket
@@ -459,6 +460,11 @@ class Dumper:
         Returns within about ``timeout`` seconds whatever the writer does: what was not confirmed
         on disk by then is recorded as an error in the stats and producer_error.json. Ctrl-C interrupts it
         (KeyboardInterrupt, after recording the error)."""
+        # Checked before anything is done: a timeout of None or "5" raised TypeError after the
+        # wrappers came off, with the Dumper marked closed and its channel open (a second close()
+        # did nothing, status "running" for good); NaN waited for nothing and lost every buffered pass.
+        if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or timeout != timeout:
+            raise TypeError(f"close: timeout must be a number of seconds, not {timeout!r}")
         with self._lock:  # (held by a registration wrapping a module put in: see _follow_registrations)
             if self._closed:
                 return self.stats()
