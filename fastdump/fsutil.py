@@ -83,7 +83,8 @@ class DirAnchor:
     wherever it is moved; files are never created in one deleted under it (ENOENT), nor through a
     link put in its place. ``path`` is ``/proc/self/fd/<fd>``, which the kernel resolves through the
     descriptor, so HDF5 (which opens by name) and every path-based call here stay inside it; where
-    /proc is missing (not Linux) it is the plain path, as before. ``shown`` is what messages say.
+    /proc is missing (not Linux, a chroot) it is the plain path, whose identity each ``join`` checks
+    (a directory moved or replaced stops the writing there). ``shown`` is what messages say.
     """
 
     _PROC_FD = "/proc/self/fd"
@@ -111,6 +112,13 @@ class DirAnchor:
             self._finalizer.detach()  # (the number is someone else's now: never closed by us)
             raise OSError(f"{self.shown}: its held descriptor was closed by someone else (os.closerange?); "
                           "nothing more is written there")
+        if self.path == self.shown and not _is_at(self.shown, self._identity):
+            # No /proc (a chroot, a container without it): the plain path, which a rename, deletion
+            # or link put in the directory's place leads elsewhere. Checked, so such a change stops
+            # the writing loudly instead of sending the next files out of the dump.
+            raise OSError(f"{self.shown}: no longer the directory created there (renamed, deleted or "
+                          "replaced), and without /proc/self/fd it cannot be reached otherwise; "
+                          "nothing more is written there")
         return os.path.join(self.path, name)
 
     def readable(self, text: str) -> str:
@@ -130,6 +138,15 @@ def _holds(fd: int, identity: tuple) -> bool:
     except OSError:
         return False
     return (info.st_dev, info.st_ino) == identity
+
+
+def _is_at(path: str, identity: tuple) -> bool:
+    """Whether ``path`` itself (not a link's target) is the directory of ``identity``."""
+    try:
+        info = os.lstat(path)
+    except OSError:
+        return False
+    return stat.S_ISDIR(info.st_mode) and (info.st_dev, info.st_ino) == identity
 
 
 def _close_if_held(fd: int, identity: tuple) -> None:

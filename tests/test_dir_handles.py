@@ -37,11 +37,11 @@ def _segments_listed(rank_dir) -> int:
         return 0
 
 
-def _run(root, change):
+def _run(root, change, **options):
     """Attach, run PASSES_BEFORE passes and wait until their segments are on disk, ``change(rank
     dir)``, run PASSES_AFTER more, close. Returns (close stats, the model's outputs per pass)."""
     model = _model()
-    d = fastdump.attach(model, root, role="target", segment_passes=1)
+    d = fastdump.attach(model, root, role="target", segment_passes=1, **options)
     outs = []
     with torch.inference_mode():
         for i in range(PASSES_BEFORE):
@@ -86,6 +86,32 @@ def test_a_rank_directory_replaced_by_a_link_gets_nothing_and_the_moved_one_ever
     link.unlink()
     assert verify_dump(str(root)).problems == []
     _assert_all_passes_bit_exact(root, outs)
+
+
+def test_without_proc_a_rank_directory_replaced_by_a_link_stops_the_writing_and_fails_verify(tmp_path, monkeypatch):
+    """Where /proc/self/fd cannot be used (a chroot, a container without /proc) the anchor falls
+    back to the directory's path, which the link led out of the dump: the next segments, rank.json
+    and the close went there without a word. The path's identity is checked at each use now."""
+    monkeypatch.setattr(fsutil.DirAnchor, "_PROC_FD", str(tmp_path / "no-proc"))
+    root, outside = tmp_path / "dump", tmp_path / "outside"
+    outside.mkdir()
+
+    def swap(rank_dir):
+        os.rename(rank_dir, str(rank_dir) + ".moved")
+        os.symlink(outside, rank_dir)
+
+    stats, outs = _run(root, swap, writer="thread")  # (a thread: the writer shares the patched anchor)
+    assert _files_under(outside) == []
+    assert stats["status"] == "error" and "no longer the directory created there" in stats["error"]
+    problems = verify_dump(str(root)).problems
+    assert any("symbolic link: not followed" in p for p in problems), problems
+    (link,) = [p for p in (root / "target").iterdir() if p.is_symlink()]
+    link.unlink()
+    problems = verify_dump(str(root)).problems  # the moved directory lacks the passes after the swap
+    assert problems and not any("symbolic link" in p for p in problems), problems
+    ds = fastdump.open(root)
+    for p in ds.passes("target", 0):  # what is there is what the model computed
+        assert torch.equal(ds.load("target", 0, p)["Sequential"], outs[p])
 
 
 def test_a_renamed_rank_directory_is_written_to_the_end(tmp_path):

@@ -845,6 +845,51 @@ def test_modules_renumbered_after_attach_dump_under_their_numbers_now(tmp_path, 
     assert verify_dump(str(tmp_path)).problems == []
 
 
+def _shared_at(layers, *positions):
+    """``layers`` with its module at ``positions[0]`` held at each of ``positions`` (grown by appends)."""
+    for position in positions[1:]:
+        while len(layers) < position:
+            layers.append(nn.Linear(4, 4))
+        layers.insert(position, layers[positions[0]])
+
+
+SHARED_MOVES = {  # (what the model holds at attach, what is done after): one module held twice
+    "insert_it_again": (None, lambda layers: layers.insert(1, layers[0])),
+    "insert_before_its_second_place": (lambda layers: _shared_at(layers, 0, 3),
+                                       lambda layers: layers.insert(1, nn.Linear(4, 4))),
+    "del_between_its_places": (lambda layers: _shared_at(layers, 0, 3), lambda layers: layers.__delitem__(1)),
+}
+
+
+@pytest.mark.parametrize("container", [nn.ModuleList, nn.Sequential])
+@pytest.mark.parametrize("move", sorted(SHARED_MOVES))
+def test_a_module_held_at_two_numbers_after_a_renumbering_is_named_as_at_attach(tmp_path, move, container):
+    """A module held at two numbers is dumped under its first (``layers.0``, then ``layers.0#1``).
+    After an ``insert`` or ``del`` that left it at its first number, it was renamed to its second
+    (``layers.3``): a dump of the model changed after attach named its tensors otherwise than one
+    of the same model attached afterwards, and ``layers.3`` held the output of position 0."""
+    before, after = SHARED_MOVES[move]
+    model = Chain(3)
+    if before is not None:
+        before(model.layers)
+    model.layers = container(*model.layers) if container is nn.Sequential else model.layers
+    x = torch.randn(2, 4)
+    dumps = []
+    for root in (tmp_path / "changed_after_attach", tmp_path / "attached_after"):
+        d = fastdump.attach(model, root)
+        if not dumps:
+            after(model.layers)
+        with torch.no_grad():
+            model(x)
+        d.close()
+        dumps.append(fastdump.open(root).load("target", 0, 0))
+    changed, reference = dumps
+    assert sorted(changed) == sorted(reference)
+    assert "layers.0#1" in reference
+    for name, value in reference.items():
+        assert same_bits(changed[name], value), name
+
+
 def test_a_module_put_in_on_another_thread_while_close_runs_is_left_unwrapped(tmp_path, monkeypatch):
     """A registration on another thread that had seen the Dumper open wrapped its module after
     close() had taken the wrappers off: a wrapper and copiers left on the model for good, holding

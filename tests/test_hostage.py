@@ -215,6 +215,29 @@ def small_input(i):
     return torch.full((2, 8), float(i) / 3)
 
 
+@pytest.mark.parametrize("timeout", [None, "5", float("nan"), True])
+def test_a_close_timeout_that_is_no_number_is_refused_before_anything_is_closed(tmp_path, timeout):
+    """close(None) and close("5") raised TypeError after the wrappers came off, with the Dumper
+    marked closed and its channel still open: a second close() did nothing and the status stayed
+    "running" for good. close(nan) waited for nothing: every buffered pass lost. Refused now with
+    the Dumper untouched: it goes on dumping, and a close() with a number closes it whole."""
+    model = small_model(1)
+    d = fastdump.attach(model, tmp_path)
+    with torch.no_grad():
+        model(small_input(0))
+        with pytest.raises(TypeError, match=r"close: timeout must be a number of seconds, not "):
+            d.close(timeout)
+        assert d.status == "running" and "forward" in model[0].__dict__
+        model(small_input(1))
+    stats = d.close(30)
+    assert stats["status"] == "closed" and stats["passes"] == 2
+    ds = fastdump.open(tmp_path)
+    assert ds.summary("target", 0)["passes"] == 2
+    with torch.no_grad():
+        assert torch.equal(ds.load("target", 0, 1)["0"], model[0](small_input(1)))
+    assert verify_dump(str(tmp_path)).problems == []
+
+
 @pytest.mark.parametrize("segment_passes", [8, 256])
 def test_close_timeout_counts_the_passes_missing_on_disk(tmp_path, segment_passes):
     """N in "N passes not confirmed on disk" is what is missing on disk, not the pass ends the

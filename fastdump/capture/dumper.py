@@ -16,6 +16,7 @@ import enum
 import functools
 import inspect
 import logging
+import numbers
 import os
 import signal
 import socket
@@ -460,6 +461,11 @@ class Dumper:
         Returns within about ``timeout`` seconds whatever the writer does: what was not confirmed
         on disk by then is recorded as an error in the stats and producer_error.json. Ctrl-C interrupts it
         (KeyboardInterrupt, after recording the error)."""
+        # Checked before anything is done: a timeout of None or "5" raised TypeError after the
+        # wrappers came off, with the Dumper marked closed and its channel open (a second close()
+        # did nothing, status "running" for good); NaN waited for nothing and lost every buffered pass.
+        if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or timeout != timeout:
+            raise TypeError(f"close: timeout must be a number of seconds, not {timeout!r}")
         with self._lock:  # (held by a registration wrapping a module put in: see _follow_registrations)
             if self._closed:
                 return self.stats()
@@ -1496,15 +1502,19 @@ class Dumper:
         old_key = {}
         for key, module in before.items():
             old_key.setdefault(id(module), key)
-        moves, added = {}, []
+        # A module held at several numbers is named by its first, as at attach: its first number
+        # before against its first now (not each later number it is also held at).
+        new_key = {}
         for key, module in container._modules.items():
-            if module is None:
-                continue
+            if module is not None:
+                new_key.setdefault(id(module), (key, module))
+        moves, added = {}, []
+        for key, module in new_key.values():
             was = old_key.get(id(module))
             if was is None:
                 added.append((join(key), module))
-            elif was != key:  # (one held at several numbers: its first, as at attach)
-                moves.setdefault(join(was), join(key))
+            elif was != key:
+                moves[join(was)] = join(key)
 
         def moved(name):
             for old, new in moves.items():
