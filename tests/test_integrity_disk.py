@@ -3,6 +3,7 @@
 Every crafted or damaged dump here is made by the test (h5py), never committed.
 """
 
+import errno
 import json
 import logging
 import os
@@ -995,3 +996,84 @@ def test_an_atomic_write_that_fails_leaves_the_old_file_and_no_temporary_one(tmp
         fsutil.atomic_write_bytes(str(path), b"new")
     monkeypatch.undo()
     assert sorted(os.listdir(tmp_path)) == ["rank.json"] and path.read_bytes() == b"old"
+
+
+def test_an_atomic_write_has_all_its_bytes_in_the_file_when_it_is_fsynced(tmp_path, monkeypatch):
+    """fsync makes durable what the file holds: bytes still in Python's buffer at that moment
+    (flush dropped) reach the file only at close, after the fsync, and a power cut after the
+    rename leaves rank.json empty or short."""
+    data = b"x" * 1000  # less than Python's buffer: without flush() none of it is in the file
+    sizes = []
+    real_fsync = os.fsync
+
+    def fsync(fd):
+        sizes.append(os.fstat(fd).st_size)
+        return real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    fsutil.atomic_write_bytes(str(tmp_path / "rank.json"), data)
+    monkeypatch.undo()
+    assert sizes[0] == len(data)  # the temporary file, before its rename (then the directory's)
+    assert (tmp_path / "rank.json").read_bytes() == data
+
+
+def test_a_directory_anchor_never_follows_a_link(tmp_path):
+    """A writer holds its rank directory open; a link put in the directory's place before it is
+    opened must not lead the writer out of the dump."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    link = tmp_path / "rank"
+    os.symlink(outside, link)
+    with pytest.raises(OSError) as info:
+        fsutil.DirAnchor(str(link))
+    assert info.value.errno in (errno.ELOOP, errno.ENOTDIR)
+    anchor = fsutil.DirAnchor(str(outside))  # the directory itself: held, and reached through its descriptor
+    try:
+        assert os.path.samefile(anchor.join(""), outside)
+    finally:
+        anchor.close()
+
+
+@pytest.mark.parametrize("when", ["at-open", "at-append"])
+def test_the_segment_list_is_never_written_through_a_link(tmp_path, when):
+    """segments.jsonl replaced by a link (before a writer reopens the directory, or between two
+    segments) must not truncate or append to the file it points at."""
+    from fastdump import segment_list
+
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"someone else's\n")
+    directory = tmp_path / "rank"
+    directory.mkdir()
+    listing = directory / fmt.SEGMENT_LIST_FILE
+    anchor = fsutil.DirAnchor(str(directory))  # as the writer holds it
+    if when == "at-open":
+        os.symlink(victim, listing)
+        with pytest.raises(OSError) as info:
+            segment_list.Appender(anchor)
+    else:
+        appender = segment_list.Appender(anchor)
+        appender.append({"file": fmt.segment_name(0), "first_pass": 0, "last_pass": 0})
+        listing.unlink()
+        os.symlink(victim, listing)
+        with pytest.raises(OSError) as info:
+            appender.append({"file": fmt.segment_name(1), "first_pass": 1, "last_pass": 1})
+        assert appender.count == 1  # nothing committed for the refused line
+    anchor.close()
+    assert info.value.errno == errno.ELOOP
+    assert victim.read_bytes() == b"someone else's\n"
+
+
+def test_a_segment_list_appender_given_a_path_writes_in_that_directory(tmp_path):
+    """Appender takes a path or a DirAnchor. A path is a str, which has a ``join`` method too: taken
+    for an anchor's, it named the list 's<dir>e<dir>g<dir>...' (FileNotFoundError, or a stray file)."""
+    from fastdump import segment_list
+
+    directory = tmp_path / "rank"
+    directory.mkdir()
+    appender = segment_list.Appender(str(directory))
+    entry = {"file": fmt.segment_name(0), "first_pass": 0, "last_pass": 3}
+    appender.append(entry)
+    line = (json.dumps(entry) + "\n").encode()
+    assert os.listdir(directory) == [fmt.SEGMENT_LIST_FILE]
+    assert (directory / fmt.SEGMENT_LIST_FILE).read_bytes() == line
+    assert appender.committed() == {fmt.LIST_COUNT: 1, fmt.LIST_BYTES: len(line), fmt.LIST_CRC: _C.crc32c(line)}
