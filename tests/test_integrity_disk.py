@@ -693,6 +693,28 @@ def test_a_block_relabelled_after_writing_is_refused(tmp_path, kind):
             ds.load("target", 0, 0, check=True)
 
 
+def test_a_0_d_block_of_rows_is_refused_even_with_its_block_crc_restamped(tmp_path):
+    """A block of rows must have a row axis: one rewritten as a 0-d dataset (its block CRC stamped
+    again, so that check passes) is a DumpError naming its shape, not an IndexError from the reader."""
+    root = tmp_path / "dump"
+    write_dir(root / "target" / RANK_DIR, {0: ODD_BLOCKS})
+    with h5py.File(segment(root), "r+") as f:
+        block = block_of(f, "one")
+        name, attrs, number = block.name, dict(block.attrs), int(block.name.rsplit("/", 1)[1])
+        value = block[()].reshape(())
+        del f[name]
+        f[name] = value
+        attrs[fmt.ATTR_BLOCK_CRC] = fmt.block_crc32c(number, attrs[fmt.ATTR_DTYPE], attrs[fmt.ATTR_ENCODING],
+                                                     False, ())
+        f[name].attrs.update(attrs)
+    with fastdump.open(root) as ds:
+        with pytest.raises(reader.DumpError, match=rf"block {number}: shape \(\) does not fit rows"):
+            ds.load("target", 0, 0)
+        got = ds.tensor("target", 0, "bf16", 0)  # the other blocks read
+        assert torch.equal(got.view(torch.int16), ODD_BLOCKS["bf16"].view(torch.int16))
+    assert verify(root).problems
+
+
 def test_blocks_written_whole_read_back_bit_exact(tmp_path):
     """The odd blocks above, untouched: read back exactly, and verify --data passes."""
     root = tmp_path / "dump"
