@@ -1099,3 +1099,33 @@ def test_a_segment_list_appender_given_a_path_writes_in_that_directory(tmp_path)
     assert os.listdir(directory) == [fmt.SEGMENT_LIST_FILE]
     assert (directory / fmt.SEGMENT_LIST_FILE).read_bytes() == line
     assert appender.committed() == {fmt.LIST_COUNT: 1, fmt.LIST_BYTES: len(line), fmt.LIST_CRC: _C.crc32c(line)}
+
+
+def test_a_json_file_of_the_dump_that_is_a_link_is_not_read(tmp_path):
+    """rank.json (or fastdump.json) replaced by a link to a file elsewhere: never read through it,
+    whatever it points at."""
+    outside = tmp_path / "outside.json"
+    outside.write_text('{"status": "closed"}')
+    link = tmp_path / "rank.json"
+    os.symlink(outside, link)
+    with pytest.raises(ValueError, match="symbolic links are not followed"):
+        fsutil.load_json(str(link))
+    assert fsutil.load_json(str(outside)) == {"status": "closed"}
+
+
+def test_a_directory_anchor_closed_under_it_never_closes_the_descriptor_that_took_its_number(tmp_path):
+    """A program closed the anchor's descriptor (os.closerange) and opened a file, which took its
+    number: closing the anchor (or collecting it) must leave that file open."""
+    directory = tmp_path / "rank"
+    directory.mkdir()
+    anchor = fsutil.DirAnchor(str(directory))
+    number = anchor.fd
+    os.close(number)
+    other = os.open(tmp_path / "other", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        assert other == number  # (the lowest free number: the one just closed)
+        anchor.close()
+        os.write(other, b"still open")
+        assert (tmp_path / "other").read_bytes() == b"still open"
+    finally:
+        os.close(other)
