@@ -167,7 +167,8 @@ def set_field(row, field, value):
     (set_field(0, "rows", 0), "leave a gap|index row"),  # empty tensor
     (set_field(1, "name", 99), "name slot 99"),  # no such name
     (set_field(0, "pass", 3), "pass 3 is not in the passes table|index rows"),  # mislabelled
-], ids=["outside", "empty", "name", "pass"])
+    (set_field(0, "rows", -1), "index row 0: negative row range"),  # (else read as a row range ending early)
+], ids=["outside", "empty", "name", "pass", "negative-rows"])
 def test_bad_index_rows_are_an_error_naming_file_and_row(dump, damage, message, capsys):
     path = segment(dump)
     rewrite_index(path, damage)
@@ -729,7 +730,7 @@ def test_blocks_written_whole_read_back_bit_exact(tmp_path):
         assert torch.equal(got[name].reshape(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8)), name
 
 
-@pytest.mark.parametrize("kind", ["index-soft-link", "names-not-a-list", "version-5"])
+@pytest.mark.parametrize("kind", ["index-soft-link", "names-not-a-list", "version-5", "another-format"])
 def test_crafted_tables_are_refused(dump, kind):
     with h5py.File(segment(dump), "r+") as f:
         if kind == "index-soft-link":
@@ -739,12 +740,17 @@ def test_crafted_tables_are_refused(dump, kind):
         elif kind == "names-not-a-list":
             del f["names"]
             f.create_dataset("names", data='{"a": 1}', dtype=h5py.string_dtype())
+        elif kind == "another-format":  # (whole and consistent otherwise: only this attribute says so)
+            f.attrs["format"] = "another-format"
         else:
             f.attrs["format_version"] = 6
     with pytest.warns(UserWarning, match="unreadable segment"):
         ds = fastdump.open(dump)
         with pytest.raises(reader.DumpError, match="seg-000000.h5"):
             ds.load("target", 0, 0)
+    if kind == "another-format":
+        assert any(p.endswith("seg-000000.h5: unreadable segment (not a fastdump segment (format attribute "
+                              "'another-format')); skipped") for p in ds.problems), ds.problems
     assert any("seg-000000.h5" in p for p in verify(dump).problems)
 
 
