@@ -30,7 +30,9 @@ class Appender:
     def __init__(self, directory):
         """``directory``: a path, or a fsutil.DirAnchor (the writer's: the list's path is asked of it
         at each append, which fails once the anchor is closed)."""
-        self._join = directory.join if hasattr(directory, "join") else lambda name: os.path.join(directory, name)
+        # (isinstance, not hasattr(directory, "join"): a str has a join method too)
+        self._join = directory.join if isinstance(directory, fsutil.DirAnchor) \
+            else lambda name: os.path.join(directory, name)
         self.count = 0
         self.nbytes = 0
         self.crc = 0

@@ -852,6 +852,29 @@ def test_write_error_midway_leaves_no_segment_and_records_error(tmp_path, monkey
     assert ds.passes("target", 0) == [0]
 
 
+def test_a_block_write_failing_on_an_io_thread_fails_the_segment(tmp_path, monkeypatch):
+    """Block rows are written by the I/O threads; a write that fails there (EIO, a full disk) must
+    fail the segment as one in the writer's own thread does: published, it would read back the
+    file's zeros under CRCs that only verify --data checks."""
+    import errno
+
+    w = ChannelWriter(open_msg(tmp_path, segment_passes=1))
+    f = Feeder(w)
+    f.full_pass(0, {"a": torch.ones(4)})
+
+    def failing_pwritev_all(fd, buffers, offset):
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(segment_file, "_pwritev_all", failing_pwritev_all)
+    with pytest.raises(OSError, match="Input/output error"):
+        f.full_pass(1, {"a": torch.full((4,), 2.0)})
+    monkeypatch.undo()
+    assert sorted(os.listdir(tmp_path / "target" / RANK_DIR)) == ["rank.json", "seg-000000.h5", "segments.jsonl"]
+    info = rank_json(tmp_path)
+    assert info["status"] == "error" and "Input/output error" in info["error"] and info["segments_listed"] == 1
+    assert reader.open(tmp_path).passes("target", 0) == [0]
+
+
 def test_h5py_open_failure_is_reported(tmp_path, monkeypatch):
     def refuse(*args, **kwargs):
         raise OSError("Unable to create file (disk quota exceeded)")

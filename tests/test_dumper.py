@@ -1311,3 +1311,23 @@ def test_the_root_manifest_is_the_first_dumpers_and_is_never_overwritten(tmp_pat
     assert (tmp_path / "fastdump.json").read_bytes() == first
     manifest = json.loads(first)
     assert manifest["format"] == "fastdump" and manifest["config"] == {"policy": "block", "segment_passes": 2}
+
+
+def test_the_root_manifest_is_durable_before_it_is_visible(tmp_path, monkeypatch):
+    """fastdump.json is written once and never again: its temporary file is fsynced before the
+    rename and the root after it, or a power cut leaves an empty manifest that no later Dumper
+    rewrites (it exists)."""
+    from fastdump.capture.manifest import write_manifest
+
+    events = []
+    real_fsync, real_replace = os.fsync, os.replace
+    monkeypatch.setattr(os, "fsync", lambda fd: (events.append(("sync", os.readlink(f"/proc/self/fd/{fd}"))),
+                                                 real_fsync(fd))[1])
+    monkeypatch.setattr(os, "replace", lambda src, dst: (events.append(("replace", str(src), str(dst))),
+                                                         real_replace(src, dst))[1])
+    write_manifest(tmp_path, {"policy": "block"})
+    monkeypatch.undo()
+    (replaced,) = [k for k, e in enumerate(events) if e[0] == "replace"]
+    temp, target = events[replaced][1:]
+    assert target == str(tmp_path / "fastdump.json")
+    assert events[:replaced] == [("sync", temp)] and events[replaced + 1:] == [("sync", str(tmp_path))]

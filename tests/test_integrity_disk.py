@@ -3,6 +3,7 @@
 Every crafted or damaged dump here is made by the test (h5py), never committed.
 """
 
+import errno
 import json
 import logging
 import os
@@ -166,7 +167,8 @@ def set_field(row, field, value):
     (set_field(0, "rows", 0), "leave a gap|index row"),  # empty tensor
     (set_field(1, "name", 99), "name slot 99"),  # no such name
     (set_field(0, "pass", 3), "pass 3 is not in the passes table|index rows"),  # mislabelled
-], ids=["outside", "empty", "name", "pass"])
+    (set_field(0, "rows", -1), "index row 0: negative row range"),  # (else read as a row range ending early)
+], ids=["outside", "empty", "name", "pass", "negative-rows"])
 def test_bad_index_rows_are_an_error_naming_file_and_row(dump, damage, message, capsys):
     path = segment(dump)
     rewrite_index(path, damage)
@@ -273,7 +275,9 @@ def test_blocks_that_read_outside_the_file_are_refused(dump, tmp_path, kind):
 
     replace_block(segment(dump), make)
     ds = fastdump.open(dump)
-    with pytest.raises(reader.DumpError, match="seg-000000.h5"):
+    why = {"external-storage": "dataset stored in external files", "external-link": "'0' is a ExternalLink",
+           "soft-link": "'0' is a SoftLink", "virtual": "virtual dataset", "chunked": "chunked dataset"}[kind]
+    with pytest.raises(reader.DumpError, match=f"seg-000000.h5.*: {why}"):
         ds.load("target", 0, 0)
     with pytest.raises(reader.DumpError):
         ds.series("target", 0, "a")
@@ -692,6 +696,28 @@ def test_a_block_relabelled_after_writing_is_refused(tmp_path, kind):
             ds.load("target", 0, 0, check=True)
 
 
+def test_a_0_d_block_of_rows_is_refused_even_with_its_block_crc_restamped(tmp_path):
+    """A block of rows must have a row axis: one rewritten as a 0-d dataset (its block CRC stamped
+    again, so that check passes) is a DumpError naming its shape, not an IndexError from the reader."""
+    root = tmp_path / "dump"
+    write_dir(root / "target" / RANK_DIR, {0: ODD_BLOCKS})
+    with h5py.File(segment(root), "r+") as f:
+        block = block_of(f, "one")
+        name, attrs, number = block.name, dict(block.attrs), int(block.name.rsplit("/", 1)[1])
+        value = block[()].reshape(())
+        del f[name]
+        f[name] = value
+        attrs[fmt.ATTR_BLOCK_CRC] = fmt.block_crc32c(number, attrs[fmt.ATTR_DTYPE], attrs[fmt.ATTR_ENCODING],
+                                                     False, ())
+        f[name].attrs.update(attrs)
+    with fastdump.open(root) as ds:
+        with pytest.raises(reader.DumpError, match=rf"block {number}: shape \(\) does not fit rows"):
+            ds.load("target", 0, 0)
+        got = ds.tensor("target", 0, "bf16", 0)  # the other blocks read
+        assert torch.equal(got.view(torch.int16), ODD_BLOCKS["bf16"].view(torch.int16))
+    assert verify(root).problems
+
+
 def test_blocks_written_whole_read_back_bit_exact(tmp_path):
     """The odd blocks above, untouched: read back exactly, and verify --data passes."""
     root = tmp_path / "dump"
@@ -706,7 +732,7 @@ def test_blocks_written_whole_read_back_bit_exact(tmp_path):
         assert torch.equal(got[name].reshape(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8)), name
 
 
-@pytest.mark.parametrize("kind", ["index-soft-link", "names-not-a-list", "version-5"])
+@pytest.mark.parametrize("kind", ["index-soft-link", "names-not-a-list", "version-5", "another-format"])
 def test_crafted_tables_are_refused(dump, kind):
     with h5py.File(segment(dump), "r+") as f:
         if kind == "index-soft-link":
@@ -716,12 +742,17 @@ def test_crafted_tables_are_refused(dump, kind):
         elif kind == "names-not-a-list":
             del f["names"]
             f.create_dataset("names", data='{"a": 1}', dtype=h5py.string_dtype())
+        elif kind == "another-format":  # (whole and consistent otherwise: only this attribute says so)
+            f.attrs["format"] = "another-format"
         else:
             f.attrs["format_version"] = 6
     with pytest.warns(UserWarning, match="unreadable segment"):
         ds = fastdump.open(dump)
         with pytest.raises(reader.DumpError, match="seg-000000.h5"):
             ds.load("target", 0, 0)
+    if kind == "another-format":
+        assert any(p.endswith("seg-000000.h5: unreadable segment (not a fastdump segment (format attribute "
+                              "'another-format')); skipped") for p in ds.problems), ds.problems
     assert any("seg-000000.h5" in p for p in verify(dump).problems)
 
 
@@ -995,3 +1026,115 @@ def test_an_atomic_write_that_fails_leaves_the_old_file_and_no_temporary_one(tmp
         fsutil.atomic_write_bytes(str(path), b"new")
     monkeypatch.undo()
     assert sorted(os.listdir(tmp_path)) == ["rank.json"] and path.read_bytes() == b"old"
+
+
+def test_an_atomic_write_has_all_its_bytes_in_the_file_when_it_is_fsynced(tmp_path, monkeypatch):
+    """fsync makes durable what the file holds: bytes still in Python's buffer at that moment
+    (flush dropped) reach the file only at close, after the fsync, and a power cut after the
+    rename leaves rank.json empty or short."""
+    data = b"x" * 1000  # less than Python's buffer: without flush() none of it is in the file
+    sizes = []
+    real_fsync = os.fsync
+
+    def fsync(fd):
+        sizes.append(os.fstat(fd).st_size)
+        return real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    fsutil.atomic_write_bytes(str(tmp_path / "rank.json"), data)
+    monkeypatch.undo()
+    assert sizes[0] == len(data)  # the temporary file, before its rename (then the directory's)
+    assert (tmp_path / "rank.json").read_bytes() == data
+
+
+def test_a_directory_anchor_never_follows_a_link(tmp_path):
+    """A writer holds its rank directory open; a link put in the directory's place before it is
+    opened must not lead the writer out of the dump."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    link = tmp_path / "rank"
+    os.symlink(outside, link)
+    with pytest.raises(OSError) as info:
+        fsutil.DirAnchor(str(link))
+    assert info.value.errno in (errno.ELOOP, errno.ENOTDIR)
+    anchor = fsutil.DirAnchor(str(outside))  # the directory itself: held, and reached through its descriptor
+    try:
+        assert os.path.samefile(anchor.join(""), outside)
+    finally:
+        anchor.close()
+
+
+@pytest.mark.parametrize("when", ["at-open", "at-append"])
+def test_the_segment_list_is_never_written_through_a_link(tmp_path, when):
+    """segments.jsonl replaced by a link (before a writer reopens the directory, or between two
+    segments) must not truncate or append to the file it points at."""
+    from fastdump import segment_list
+
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"someone else's\n")
+    directory = tmp_path / "rank"
+    directory.mkdir()
+    listing = directory / fmt.SEGMENT_LIST_FILE
+    anchor = fsutil.DirAnchor(str(directory))  # as the writer holds it
+    if when == "at-open":
+        os.symlink(victim, listing)
+        with pytest.raises(OSError) as info:
+            segment_list.Appender(anchor)
+    else:
+        appender = segment_list.Appender(anchor)
+        appender.append({"file": fmt.segment_name(0), "first_pass": 0, "last_pass": 0})
+        listing.unlink()
+        os.symlink(victim, listing)
+        with pytest.raises(OSError) as info:
+            appender.append({"file": fmt.segment_name(1), "first_pass": 1, "last_pass": 1})
+        assert appender.count == 1  # nothing committed for the refused line
+    anchor.close()
+    assert info.value.errno == errno.ELOOP
+    assert victim.read_bytes() == b"someone else's\n"
+
+
+def test_a_segment_list_appender_given_a_path_writes_in_that_directory(tmp_path):
+    """Appender takes a path or a DirAnchor. A path is a str, which has a ``join`` method too: taken
+    for an anchor's, it named the list 's<dir>e<dir>g<dir>...' (FileNotFoundError, or a stray file)."""
+    from fastdump import segment_list
+
+    directory = tmp_path / "rank"
+    directory.mkdir()
+    appender = segment_list.Appender(str(directory))
+    entry = {"file": fmt.segment_name(0), "first_pass": 0, "last_pass": 3}
+    appender.append(entry)
+    line = (json.dumps(entry) + "\n").encode()
+    assert os.listdir(directory) == [fmt.SEGMENT_LIST_FILE]
+    assert (directory / fmt.SEGMENT_LIST_FILE).read_bytes() == line
+    assert appender.committed() == {fmt.LIST_COUNT: 1, fmt.LIST_BYTES: len(line), fmt.LIST_CRC: _C.crc32c(line)}
+
+
+def test_a_json_file_of_the_dump_that_is_a_link_is_not_read(tmp_path):
+    """rank.json (or fastdump.json) replaced by a link to a file elsewhere: never read through it,
+    whatever it points at."""
+    outside = tmp_path / "outside.json"
+    outside.write_text('{"status": "closed"}')
+    link = tmp_path / "rank.json"
+    os.symlink(outside, link)
+    with pytest.raises(ValueError, match="symbolic links are not followed"):
+        fsutil.load_json(str(link))
+    assert fsutil.load_json(str(outside)) == {"status": "closed"}
+
+
+def test_a_directory_anchor_closed_under_it_never_closes_the_descriptor_that_took_its_number(tmp_path):
+    """A program closed the anchor's descriptor (os.closerange) and opened a file, which took its
+    number: closing the anchor (or collecting it) must leave that file open."""
+    directory = tmp_path / "rank"
+    directory.mkdir()
+    anchor = fsutil.DirAnchor(str(directory))
+    number = anchor.fd
+    opened = os.open(tmp_path / "other", os.O_RDWR | os.O_CREAT, 0o644)
+    os.dup2(opened, number)  # (the number closed and taken at once, as the next open would take it)
+    os.close(opened)
+    other = number
+    try:
+        anchor.close()
+        os.write(other, b"still open")
+        assert (tmp_path / "other").read_bytes() == b"still open"
+    finally:
+        os.close(other)

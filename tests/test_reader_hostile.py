@@ -980,6 +980,20 @@ def test_refresh_reads_only_the_segments_written_since(tmp_path, monkeypatch):
     with pytest.warns(UserWarning, match="pass 1 is whole"):
         assert 3 not in ds.passes("target", 0)
     assert len(built) == 26
+    # Rewritten in place (same inode, same size): read again too, or pass 4 would be read from
+    # what is now pass 2's data. (Closed first: the reader's open handle would cache the old file.)
+    ds.close()
+    inode = os.stat(path / "seg-000004.h5").st_ino
+    with open(path / "seg-000004.h5", "r+b") as f:
+        f.write((path / "seg-000002.h5").read_bytes())
+        f.truncate()
+    assert os.stat(path / "seg-000004.h5").st_ino == inode
+    ds.refresh()
+    with pytest.warns(UserWarning, match="pass 2 is whole"):
+        assert 4 not in ds.passes("target", 0)
+    assert len(built) == 27
+    with pytest.raises(reader.DumpError, match="pass 2 is whole"):
+        ds.load("target", 0, 2)
     ds.close()
 
 

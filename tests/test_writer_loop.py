@@ -146,3 +146,48 @@ def test_replay_spans_chunked_and_a_torn_one_is_forgotten(tmp_path):
     assert torch.equal(torch.as_tensor(got["a"]), a * 3)
     meta = ds.meta("target", "TP0_PP0_Rank0_pid1", base + 1)
     assert meta["graph_replay"] == 1 and meta["complete"]
+
+
+def test_a_replay_span_whose_chunks_straddle_an_eager_pass_end_is_put_together(tmp_path):
+    """A GPU's drain sends a replay span in chunks while the model thread ends an eager pass on the
+    same channel: that end tears only its own pass's unfinished tensors. Taking the span's first
+    chunks for torn, it recorded a skip in the eager pass and lost the replay."""
+    from fastdump import protocol
+
+    a = torch.arange(40, dtype=torch.int32)
+    x = torch.full((3,), 7.0)
+    name = protocol.GRAPH_SPAN_NAME_BASE  # GPU 0, graph 0
+    layout = protocol.graph(0, 0, 0, name, 512, [[0, dtypes.code_of(a.dtype), [40], 256, 160]],
+                            {"cuda_graph": 0, "graph_batch": 40}, {})
+    base = protocol.GRAPH_PASS_BASE
+    head = np.array(protocol.ReplayHeader(protocol.REPLAY_MAGIC, base, 0, name, 512), dtype="<u8")
+    span = np.zeros(512, np.uint8)
+    span[:40] = np.frombuffer(head.tobytes(), np.uint8)
+    span[256:416] = np.frombuffer(a.numpy().tobytes(), np.uint8)
+    span = span.tobytes()
+
+    def chunk(offset, size):
+        return (_C.KIND_TENSOR, 0, name, base, protocol.REPLAY_SPAN_DTYPE, (512,), span[offset:offset + size], 0,
+                offset, 512)
+
+    rank = "TP0_PP0_Rank0_pid1"
+    records = [
+        control(1, op="open", channel=0, dir=str(tmp_path / "target" / rank), role="target", rank={}, pid=1,
+                host="h", device={}, config={"segment_passes": 8, "segment_mb": 64, "segment_seconds": 60}),
+        control(2, op="name", channel=0, id=0, name="a"),
+        control(3, op="name", channel=0, id=1, name="x"),
+        control(4, **layout),
+        control(5, op="begin", channel=0, **{"pass": 0, "meta": {}}),
+        tensor(1, 0, x),
+        chunk(0, 300),
+        control(6, op="end", channel=0, **{"pass": 0, "meta": {}, "dropped": 0, "skipped": []}),
+        chunk(300, 212),
+        control(7, op="shutdown"),
+    ]
+    loop = WriterLoop(ScriptedConsumer(records))
+    assert loop.run() == 0 and loop.partial == {}
+    ds = fastdump.open(tmp_path)
+    assert ds.passes("target", rank) == [0, base]
+    assert ds.meta("target", rank, 0)["skipped"] == [] and torch.equal(ds.load("target", rank, 0)["x"], x)
+    assert torch.equal(torch.as_tensor(ds.load("target", rank, base)["a"]), a)
+    assert ds.meta("target", rank, base)["complete"]
