@@ -1119,7 +1119,7 @@ class DumpSet:
             return role, names
         roles = self.roles
         if not roles:
-            raise KeyError(f"no rank directories in {self.root} (expected <root>/<role>/<rank>/rank.json)")
+            raise KeyError(no_rank_dirs_message(self.root))
         if len(roles) != 1:
             raise ValueError(f"role must be given: {self.root} holds roles {roles}")
         return roles[0], self._rank_dirs(roles[0])
@@ -1174,7 +1174,7 @@ class DumpSet:
             if entry.unreadable:  # the pass may be in a segment that could not be read
                 raise DumpError(f"no pass {pass_id} in the readable segments of {entry.path}; unreadable: "
                                 + "; ".join(p for p in self.problems if p.path.startswith(entry.path)))
-            raise KeyError(f"no pass {pass_id}")
+            raise KeyError(f"no pass {pass_id} in {role or entry.role}/{entry.name}: {_pass_ids_text(list(entry.pass_map))}")
         return segments
 
     def _segment_index(self, path: str) -> SegmentIndex:
@@ -1234,6 +1234,83 @@ class DumpSet:
         if check:
             segment.check_rows(position, rows)
         return _to_tensor(rows, dtype_name, scalar)
+
+
+def _pass_ids_text(ids: list) -> str:
+    """What a rank holds, for a 'no pass N' error: "its passes are 0..4", "it holds no pass"."""
+    ids = sorted(ids)
+    if not ids:
+        return "it holds no pass in a segment file"
+    if ids[-1] - ids[0] + 1 == len(ids):
+        return f"its passes are {ids[0]}..{ids[-1]}" if len(ids) > 1 else f"its only pass is {ids[0]}"
+    shown = ", ".join(map(str, ids[:10])) + (", ..." if len(ids) > 10 else "")
+    return f"its {len(ids)} passes are {shown} (last {ids[-1]})"
+
+
+def _is_rank_dir(path: str) -> bool:
+    """A directory holding what a session's writer writes (rank.json, producer_error.json, a segment)."""
+    try:
+        return fsutil.is_real_dir(path) and any(
+            name in (fmt.RANK_FILE, fmt.PRODUCER_ERROR_FILE) or fmt.segment_number(name) is not None
+            for name in os.listdir(path))
+    except OSError:
+        return False
+
+
+def _looks_like_root(path: str) -> bool:
+    """fastdump.json, or a role directory holding a rank directory (format 1 has no fastdump.json)."""
+    if os.path.isfile(os.path.join(path, fmt.MANIFEST_FILE)):
+        return True
+    try:
+        return any(_is_rank_dir(os.path.join(path, role, rank))
+                   for role in sorted(os.listdir(path))[:_HINT_LISTING]
+                   for rank in sorted(os.listdir(os.path.join(path, role)))[:_HINT_LISTING]
+                   if fsutil.is_real_dir(os.path.join(path, role)))
+    except OSError:
+        return False
+
+
+_HINT_LISTING = 64  # entries looked at per directory: a hint must stay instant in a large directory
+
+
+def wrong_root_hint(root) -> str:
+    """Why ``root``, a directory without rank directories, is probably not the dump root meant, and
+    which one is: a role or rank directory names its root, a parent names the roots below it
+    (``fastdump ls dumps`` for ``dumps/demo``). "" when there is nothing to point at."""
+    root = os.path.abspath(os.fspath(root))
+    parent = os.path.dirname(root)
+    if _is_rank_dir(root):
+        return f"{root} is a rank directory; its dump root is {os.path.dirname(parent)}"
+    try:
+        entries = sorted(os.listdir(root))[:_HINT_LISTING]
+    except OSError:
+        return ""
+    if any(fmt.parse_rank_dir(e) and _is_rank_dir(os.path.join(root, e)) for e in entries):
+        return f"{root} is a role directory; its dump root is {parent}"
+    below = []
+    for entry in entries:
+        path = os.path.join(root, entry)
+        if not fsutil.is_real_dir(path):
+            continue
+        if _looks_like_root(path):
+            below.append(path)
+            continue
+        try:
+            below += [os.path.join(path, e) for e in sorted(os.listdir(path))[:_HINT_LISTING]
+                      if fsutil.is_real_dir(os.path.join(path, e)) and _looks_like_root(os.path.join(path, e))]
+        except OSError:
+            pass
+    if below:
+        shown = ", ".join(below[:5]) + (f" and {len(below) - 5} more" if len(below) > 5 else "")
+        return f"dump roots below {root}: {shown}"
+    return ""
+
+
+def no_rank_dirs_message(root) -> str:
+    """The one message for a directory that holds no rank directory, with ``wrong_root_hint``."""
+    hint = wrong_root_hint(root)
+    return (f"no rank directories in {os.path.abspath(os.fspath(root))} (expected <root>/<role>/<rank>/rank.json)"
+            + (f"; {hint}" if hint else ""))
 
 
 def open(root):  # noqa: A001

@@ -474,3 +474,49 @@ def test_show_of_a_pass_still_in_the_open_segment_says_so(tmp_path, capsys):
                                        "writer whose process is gone: lost)\n")
     args.pass_id = 0  # a written pass still shows
     assert cli_dump.cmd_show(args) == 0 and "x     float32  [2]" in capsys.readouterr().out
+
+
+# ------------------------------------------------------------- a new user's likely mistakes
+
+
+def test_a_wrong_root_path_names_the_dump_root_meant(dump, tmp_path, capsys):
+    """`fastdump ls dumps` for `dumps/demo` (or a role or rank directory) said "no rank directories"
+    and exited 0, and fastdump.open's KeyError said no more: each now names the root meant, and ls
+    exits 1 for a directory that is no dump."""
+    rank_dir = dump / "target" / TARGET
+    cases = {
+        tmp_path: f"dump roots below {tmp_path}: {dump}",
+        dump / "target": f"{dump / 'target'} is a role directory; its dump root is {dump}",
+        rank_dir: f"{rank_dir} is a rank directory; its dump root is {dump}",
+    }
+    for path, hint in cases.items():
+        assert run_cli(cli_dump.cmd_ls, "ls", str(path)) == 1
+        assert capsys.readouterr().out == f"{path}\nno rank directories; {hint}\n"
+        code, out = verify(path, capsys)
+        assert code == 1 and f"no rank directories (expected <root>/<role>/<rank>/rank.json); {hint}\n" in out
+        with pytest.raises(KeyError) as info, reader.open(path) as ds:
+            ds.passes()
+        assert info.value.args[0] == (f"no rank directories in {path} (expected <root>/<role>/<rank>/rank.json); "
+                                      f"{hint}")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert run_cli(cli_dump.cmd_ls, "ls", str(empty)) == 1  # no fastdump.json, no rank: no dump
+    assert capsys.readouterr().out == f"{empty}\nno rank directories\n"
+    started = tmp_path / "started"  # attach made fastdump.json; no rank directory yet: a dump, empty
+    started.mkdir()
+    fsutil.atomic_write_json(str(started / "fastdump.json"), {"format_version": 1})
+    assert run_cli(cli_dump.cmd_ls, "ls", str(started)) == 0
+    assert capsys.readouterr().out == f"{started}\nno rank directories\n"
+
+
+def test_a_pass_id_out_of_range_names_the_rank_and_its_passes(dump, capsys):
+    """It said KeyError 'no pass 99' alone: which rank, and which passes are there?"""
+    with reader.open(dump) as ds:
+        with pytest.raises(KeyError) as info:
+            ds.load("target", TARGET, 99)
+        assert info.value.args[0] == f"no pass 99 in target/{TARGET}: its passes are 0..4"
+        with pytest.raises(KeyError) as info:
+            ds.load("draft", DRAFT, 3)
+        assert info.value.args[0] == f"no pass 3 in draft/{DRAFT}: its passes are 0..2"
+    assert run_cli(cli_dump.cmd_show, "show", str(dump), "--role", "draft", "--pass", "7") == 1
+    assert capsys.readouterr().err == f"fastdump show: no pass 7 in draft/{DRAFT}: its passes are 0..2\n"
