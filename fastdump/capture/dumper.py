@@ -29,6 +29,7 @@ from pathlib import Path
 from .. import _C
 from .. import dtypes as _dtypes
 from .. import protocol
+from ..config import warn_unknown_env_once
 from ..options import Options, check_meta_keys as _check_meta_keys, check_runtime_env as _check_runtime_env
 from .manifest import cuda_index as _cuda_index, device_facts as _device_facts, write_manifest as _write_manifest
 from .ranks import resolve_ranks  # noqa: F401 - part of this module's face
@@ -138,6 +139,7 @@ class Dumper:
     def __init__(self, model, options: Options, *, ranks: dict):
         """``options``: checked already (``Options.__post_init__``); ``ranks``: from resolve_ranks."""
         _check_runtime_env()  # FASTDUMP_CUDA_* & co. are read later, by C++ among others: checked here, first
+        warn_unknown_env_once()  # a misspelt FASTDUMP_* name, also when attach() is called directly
         if model is not None and _is_script_module(_original_module(model)):
             # Refused before anything is created: no directory, no writer. (Its submodules run as
             # TorchScript, so only its output could be dumped; a Python parent gives that.)
