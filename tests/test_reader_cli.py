@@ -520,3 +520,17 @@ def test_a_pass_id_out_of_range_names_the_rank_and_its_passes(dump, capsys):
         assert info.value.args[0] == f"no pass 3 in draft/{DRAFT}: its passes are 0..2"
     assert run_cli(cli_dump.cmd_show, "show", str(dump), "--role", "draft", "--pass", "7") == 1
     assert capsys.readouterr().err == f"fastdump show: no pass 7 in draft/{DRAFT}: its passes are 0..2\n"
+
+
+def test_help_texts_say_what_root_is_and_read_as_text():
+    """`fastdump --help` showed the module docstring's RST (``fastdump``), and ls/verify/show
+    listed their ROOT argument with no word of what it is."""
+    from fastdump.cli.main import build_parser
+
+    parser = build_parser()
+    top = parser.format_help()
+    assert "``" not in top and "ROOT is the directory given to attach" in top
+    subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    for name in ("ls", "verify", "show"):
+        text = " ".join(subparsers.choices[name].format_help().split())
+        assert "root dump root: the directory given to fastdump.attach" in text, name

@@ -102,7 +102,10 @@ def build_parser() -> argparse.ArgumentParser:
     from .. import compare, export
     from . import dump as cli_dump
 
-    parser = argparse.ArgumentParser(prog="fastdump", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="fastdump", description="Check, list, show, compare and export activation dumps written by "
+        "fastdump.attach. ROOT is the directory given to attach (it holds fastdump.json and one "
+        "directory per role).", epilog="fastdump COMMAND --help describes each command.")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("info", help="versions, CUDA support, GPUs, settings")
     p.add_argument("--json", action="store_true", help="machine-readable output")
