@@ -465,12 +465,12 @@ def test_show_of_a_pass_still_in_the_open_segment_says_so(tmp_path, capsys):
     args = argparse.Namespace(root=str(tmp_path), role=None, rank=None, session=None, pass_id=1, name=None)
     assert cli_dump.cmd_show(args) == 1
     assert capsys.readouterr().err == (
-        "fastdump show: no pass 1 (the rank is still being written: 3 ended pass(es) are in its open segment, not "
+        f"fastdump show: no pass 1 in target/{TARGET}: its only pass is 0 (the rank is still being written: 3 ended pass(es) are in its open segment, not "
         "yet in a file; they are readable once the segment is full or the Dumper is closed)\n")
     info.update(pid=2 ** 22 + 12345)  # no such process: those passes are lost
     write_rank_json(rank_dir, info)
     assert cli_dump.cmd_show(args) == 1
-    assert capsys.readouterr().err == ("fastdump show: no pass 1 (3 ended pass(es) were in the open segment of a "
+    assert capsys.readouterr().err == (f"fastdump show: no pass 1 in target/{TARGET}: its only pass is 0 (3 ended pass(es) were in the open segment of a "
                                        "writer whose process is gone: lost)\n")
     args.pass_id = 0  # a written pass still shows
     assert cli_dump.cmd_show(args) == 0 and "x     float32  [2]" in capsys.readouterr().out
