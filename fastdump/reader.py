@@ -32,6 +32,7 @@ import json
 import math
 import os
 import re
+import socket
 import stat
 import threading
 import warnings
@@ -1174,7 +1175,8 @@ class DumpSet:
             if entry.unreadable:  # the pass may be in a segment that could not be read
                 raise DumpError(f"no pass {pass_id} in the readable segments of {entry.path}; unreadable: "
                                 + "; ".join(p for p in self.problems if p.path.startswith(entry.path)))
-            raise KeyError(f"no pass {pass_id} in {role or entry.role}/{entry.name}: {_pass_ids_text(list(entry.pass_map))}")
+            raise KeyError(f"no pass {pass_id} in {entry.role}/{entry.name}: {_pass_ids_text(list(entry.pass_map))}"
+                           + open_segment_hint(entry.info))
         return segments
 
     def _segment_index(self, path: str) -> SegmentIndex:
@@ -1234,6 +1236,32 @@ class DumpSet:
         if check:
             segment.check_rows(position, rows)
         return _to_tensor(rows, dtype_name, scalar)
+
+
+def pid_gone(info: dict) -> bool:
+    """True when rank.json names a process on this host that no longer exists."""
+    pid = info.get("pid")
+    if info.get("host") != socket.gethostname() or not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:
+        return False
+    return False
+
+
+def open_segment_hint(info: dict) -> str:
+    """Why a pass may be absent although the model ran it: a running rank keeps its ended passes in
+    its open segment until the segment is full or closed ('no pass 0' alone read as never dumped)."""
+    pending = info.get("pending_passes", 0)
+    if info.get("status") != "running" or not isinstance(pending, int) or isinstance(pending, bool) or pending <= 0:
+        return ""
+    if pid_gone(info):
+        return f" ({pending} ended pass(es) were in the open segment of a writer whose process is gone: lost)"
+    return (f" (the rank is still being written: {pending} ended pass(es) are in its open segment, not yet in a "
+            f"file; they are readable once the segment is full or the Dumper is closed)")
 
 
 def _pass_ids_text(ids: list) -> str:

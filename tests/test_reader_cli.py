@@ -534,3 +534,20 @@ def test_help_texts_say_what_root_is_and_read_as_text():
     for name in ("ls", "verify", "show"):
         text = " ".join(subparsers.choices[name].format_help().split())
         assert "root dump root: the directory given to fastdump.attach" in text, name
+
+
+def test_loading_a_pass_still_in_the_open_segment_says_so_in_python_too(tmp_path):
+    """Only `fastdump show` said that a running rank holds its ended passes in its open segment;
+    fastdump.open(...).load said 'no pass 1', as if the model had never run it."""
+    import socket
+
+    rank_dir = tmp_path / "target" / TARGET
+    write_rank_dir(rank_dir, {0: {"x": torch.ones(2)}})
+    info = read_rank_json(rank_dir)
+    info.update(status="running", pending_passes=3, host=socket.gethostname(), pid=os.getpid())
+    write_rank_json(rank_dir, info)
+    with reader.open(tmp_path) as ds, pytest.raises(KeyError) as caught:
+        ds.load("target", 0, 1)
+    assert caught.value.args[0] == (
+        f"no pass 1 in target/{TARGET}: its only pass is 0 (the rank is still being written: 3 ended pass(es) are "
+        "in its open segment, not yet in a file; they are readable once the segment is full or the Dumper is closed)")

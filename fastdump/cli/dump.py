@@ -13,7 +13,6 @@ import json
 import math
 import os
 import re
-import socket
 import sys
 import warnings
 
@@ -65,16 +64,9 @@ def _count(value) -> int:
 
 def _pid_gone(info: dict) -> bool:
     """True when rank.json names a process on this host that no longer exists."""
-    pid = info.get("pid")
-    if info.get("host") != socket.gethostname() or not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except OSError:
-        return False
-    return False
+    from ..reader import pid_gone
+
+    return pid_gone(info)
 
 
 def _size(nbytes: int) -> str:
@@ -894,22 +886,6 @@ def _pass_tensors(ds, role, rank, pass_id, select, session, meta):
             yield name, ds.tensor(role, rank, name, pass_id, session=session)
 
 
-def _open_segment_hint(ds, role, rank, session) -> str:
-    """Why a pass may be absent although the model ran it: a running rank keeps its ended passes in
-    its open segment until the segment is full or closed ('no pass 0' alone read as never dumped)."""
-    try:
-        info = ds.rank_info(role, rank, session=session)
-    except (KeyError, ValueError, OSError):  # the rank itself is not there: the error says so
-        return ""
-    pending = _count(info.get("pending_passes", 0))
-    if info.get("status") != "running" or not pending:
-        return ""
-    if _pid_gone(info):
-        return f" ({pending} ended pass(es) were in the open segment of a writer whose process is gone: lost)"
-    return (f" (the rank is still being written: {pending} ended pass(es) are in its open segment, not yet in a "
-            f"file; they are readable once the segment is full or the Dumper is closed)")
-
-
 def cmd_show(args) -> int:
     from .. import reader
 
@@ -923,11 +899,7 @@ def cmd_show(args) -> int:
         with warnings.catch_warnings(record=True) as caught, reader.open(args.root) as ds:
             warnings.simplefilter("always")
             rank, session = _rank_arg(args.rank), getattr(args, "session", None)
-            try:
-                meta = ds.meta(args.role, rank, args.pass_id, session=session)
-            except KeyError as exc:
-                raise KeyError(str(exc.args[0] if exc.args else exc) + _open_segment_hint(ds, args.role, rank, session)) \
-                    from None
+            meta = ds.meta(args.role, rank, args.pass_id, session=session)  # (no pass N: the reader says why)
             for name, tensor in _pass_tensors(ds, args.role, rank, args.pass_id, pattern.search if pattern else None,
                                               session, meta):
                 stats = tensor_stats(tensor) if tensor.numel() else None
