@@ -551,3 +551,14 @@ def test_loading_a_pass_still_in_the_open_segment_says_so_in_python_too(tmp_path
     assert caught.value.args[0] == (
         f"no pass 1 in target/{TARGET}: its only pass is 0 (the rank is still being written: 3 ended pass(es) are "
         "in its open segment, not yet in a file; they are readable once the segment is full or the Dumper is closed)")
+
+
+def test_output_piped_into_a_reader_that_stops_ends_quietly(dump):
+    """`fastdump show ... | head` printed a BrokenPipeError traceback once head had its lines."""
+    for argv in (["show", str(dump), "--role", "draft", "--pass", "0"], ["ls", str(dump)]):
+        proc = subprocess.Popen([sys.executable, "-m", "fastdump", *argv], cwd=REPO,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        proc.stdout.close()  # the reader is gone before the first line is written (imports take longer)
+        err = proc.stderr.read()
+        proc.stderr.close()
+        assert proc.wait(timeout=60) == 141 and err == b"", (argv, err)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import sys
 
@@ -121,7 +122,14 @@ def main(argv=None) -> int:
 
     args = build_parser().parse_args(argv)
     try:
-        return args.func(args)
+        code = args.func(args)
+        sys.stdout.flush()  # (a closed pipe shows here, not in a traceback at interpreter exit)
+        return code
+    except BrokenPipeError:
+        # `fastdump show ... | head`: the reader of the output stopped reading. Quiet, as a command a
+        # shell's SIGPIPE ends, and with its status (128 + 13); nothing more goes to the closed pipe.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
     except DumpError as exc:  # a damaged or crafted dump: say which file and why, no traceback
         from ..report import printable
 
