@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import bisect
 import collections
+import difflib
 import functools
 import json
 import math
@@ -1018,7 +1019,10 @@ class DumpSet:
             position = segment.position_of(pass_id, name)
             if position is not None:
                 return self._read_row(segment, self._file(segment.path), position, check)
-        raise KeyError(f"no tensor {name!r} in pass {pass_id}")
+        names = list(dict.fromkeys(self.pass_names(role, rank, pass_id, session=session)))
+        near = difflib.get_close_matches(name, names, n=3) if isinstance(name, str) else []
+        raise KeyError(f"no tensor {name!r} in pass {pass_id}"
+                       + (f" (did you mean {', '.join(map(repr, near))}?)" if near else f" ({len(names)} names)"))
 
     @_locked
     def series(self, role: str = None, rank=None, name: str = None, *, session: str = None,
@@ -1158,6 +1162,8 @@ class DumpSet:
         return self._ranks[key]
 
     def _segments_of_pass(self, role, rank, pass_id, session=None) -> list:
+        if pass_id is None:  # (load("target", 0) said "no pass None: a pass id is an integer")
+            raise KeyError("a pass id must be given: load(role, rank, pass_id); passes(role, rank) lists them")
         if not isinstance(pass_id, (int, np.integer)) or isinstance(pass_id, (bool, np.bool_)):
             # True == 1 and 2.0 == 2 as dict keys: they would read passes 1 and 2
             raise KeyError(f"no pass {pass_id!r}: a pass id is an integer")

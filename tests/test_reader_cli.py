@@ -562,3 +562,18 @@ def test_output_piped_into_a_reader_that_stops_ends_quietly(dump):
         err = proc.stderr.read()
         proc.stderr.close()
         assert proc.wait(timeout=60) == 141 and err == b"", (argv, err)
+
+
+def test_a_missing_pass_id_or_a_misspelt_tensor_name_says_what_to_do(dump):
+    """load("target", 0) said "no pass None: a pass id is an integer"; tensor() of a misspelt name
+    said "no tensor 'model.nrom' in pass 0" without the name meant."""
+    with reader.open(dump) as ds:
+        with pytest.raises(KeyError) as caught:
+            ds.load("draft", DRAFT)
+        assert caught.value.args[0] == "a pass id must be given: load(role, rank, pass_id); passes(role, rank) lists them"
+        with pytest.raises(KeyError) as caught:
+            ds.tensor("target", TARGET, "model.nrom", 0)
+        assert caught.value.args[0] == "no tensor 'model.nrom' in pass 0 (did you mean 'model.norm'?)"
+        with pytest.raises(KeyError) as caught:
+            ds.tensor("target", TARGET, "zzz", 0)
+        assert caught.value.args[0] == "no tensor 'zzz' in pass 0 (5 names)"
