@@ -18,6 +18,7 @@ from typing import Any, Mapping
 from .options import DEFAULTS, ENV_VARS, OPTION_NAMES, EnvVar, Options  # noqa: F401 - EnvVar re-exported
 from .options import _bool, _nonnegative_float  # noqa: F401
 from .options import ConfigError, check_runtime_env, _RUNTIME_CHECKS  # noqa: F401 - defined with the options
+from .options import check_option_names
 
 __all__ = ["ConfigError", "ENV_VARS", "env_table", "parse_env", "settings_from_env", "maybe_attach"]
 
@@ -139,14 +140,13 @@ def maybe_attach(model, role: str | None = None, *, environ: Mapping[str, str] =
 
     ``role`` and ``overrides`` come from code and win over the environment; FASTDUMP_ROLE applies only
     when ``role`` is None. Everything is validated before the model is touched."""
+    if overrides:  # (a misspelt keyword fails with the flag off too, not first in production)
+        check_option_names("maybe_attach", overrides)
     if not environ.get("FASTDUMP_DIR"):
         return None
     settings = parse_env(environ)
     from . import attach
 
-    unknown = set(overrides) - (OPTION_NAMES - {"root"})
-    if unknown:
-        raise TypeError(f"maybe_attach: unknown attach argument(s) {', '.join(sorted(unknown))}")
     settings.update(overrides)
     root = settings.pop("root")
     settings["role"] = role if role is not None else settings.get("role", "target")

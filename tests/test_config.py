@@ -321,3 +321,19 @@ def test_a_selection_that_matches_no_module_is_said(tmp_path, caplog):
         d.close()
     assert "matches no module" not in caplog.text
     assert torch.equal(fastdump.open(tmp_path / "b").load("target", 0, 0)["0"], out)
+
+
+def test_a_misspelt_option_keyword_names_the_option_meant(tmp_path, monkeypatch):
+    """attach(model, root, evry=2) said "Options.__init__() got an unexpected keyword argument
+    'evry'"; maybe_attach(model, evry=2) said nothing until FASTDUMP_DIR was set (in production)."""
+    model = torch.nn.Linear(2, 2)
+    expected = ("unknown option(s) 'evry' (did you mean 'every'?), 'zzz'; the options are listed in README.md "
+                "(Use) and fastdump/options.py")
+    with pytest.raises(TypeError) as caught:
+        fastdump.attach(model, tmp_path, evry=2, zzz=1)
+    assert str(caught.value) == f"attach: {expected}" and not list(tmp_path.iterdir())
+    monkeypatch.delenv("FASTDUMP_DIR", raising=False)
+    with pytest.raises(TypeError) as caught:
+        fastdump.maybe_attach(model, evry=2, zzz=1)
+    assert str(caught.value) == f"maybe_attach: {expected}"
+    assert fastdump.maybe_attach(model, every=2) is None
