@@ -492,6 +492,8 @@ def test_a_wrong_root_path_names_the_dump_root_meant(dump, tmp_path, capsys):
     for path, hint in cases.items():
         assert run_cli(cli_dump.cmd_ls, "ls", str(path)) == 1
         assert capsys.readouterr().out == f"{path}\nno rank directories; {hint}\n"
+        assert run_cli(cli_dump.cmd_ls, "ls", str(path), "--json") == 1
+        assert json.loads(capsys.readouterr().out)["not_a_dump"] == hint
         code, out = verify(path, capsys)
         assert code == 1 and f"no rank directories (expected <root>/<role>/<rank>/rank.json); {hint}\n" in out
         with pytest.raises(KeyError) as info, reader.open(path) as ds:
@@ -507,6 +509,8 @@ def test_a_wrong_root_path_names_the_dump_root_meant(dump, tmp_path, capsys):
     fsutil.atomic_write_json(str(started / "fastdump.json"), {"format_version": 1})
     assert run_cli(cli_dump.cmd_ls, "ls", str(started)) == 0
     assert capsys.readouterr().out == f"{started}\nno rank directories\n"
+    assert run_cli(cli_dump.cmd_ls, "ls", str(started), "--json") == 0
+    assert "not_a_dump" not in json.loads(capsys.readouterr().out)
 
 
 def test_a_pass_id_out_of_range_names_the_rank_and_its_passes(dump, capsys):

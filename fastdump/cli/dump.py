@@ -145,20 +145,24 @@ def cmd_ls(args) -> int:
     except OSError as exc:  # a missing or unlistable root
         print(f"fastdump ls: {_printable(exc)}", file=sys.stderr)
         return 1
+    hint, not_a_dump = "", False
+    if not listing["ranks"]:
+        from ..reader import wrong_root_hint
+
+        hint = wrong_root_hint(listing["root"])
+        # (a root being started has fastdump.json; without it this is no dump: a wrong path)
+        not_a_dump = bool(hint) or not listing["manifest"]
     if args.json:
-        print(json.dumps(listing, indent=2, default=str))
-        return 0
+        print(json.dumps(dict(listing, not_a_dump=hint or not_a_dump) if not_a_dump else listing, indent=2,
+                         default=str))
+        return 1 if not_a_dump else 0
     manifest = listing["manifest"]
     version = manifest.get("fastdump_version") or manifest.get("version")
     print(_printable(listing["root"]) + (f"  (fastdump {_printable(version)})" if version else ""))
     _print_warnings(listing["problems"], caught)
     if not listing["ranks"]:
-        from ..reader import wrong_root_hint
-
-        hint = wrong_root_hint(listing["root"])
         print("no rank directories" + (f"; {_printable(hint)}" if hint else ""))
-        # (a root being started has fastdump.json; without it this is no dump: a wrong path)
-        return 0 if listing["manifest"] and not hint else 1
+        return 1 if not_a_dump else 0
     rows = []
     for r in listing["ranks"]:
         span = "-" if r["first_pass"] is None else f"{r['first_pass']}..{r['last_pass']}"
