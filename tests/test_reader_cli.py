@@ -581,3 +581,18 @@ def test_a_missing_pass_id_or_a_misspelt_tensor_name_says_what_to_do(dump):
         with pytest.raises(KeyError) as caught:
             ds.tensor("target", TARGET, "zzz", 0)
         assert caught.value.args[0] == "no tensor 'zzz' in pass 0 (5 names)"
+
+
+def test_show_of_a_rank_with_two_sessions_says_which_options_choose(tmp_path, capsys):
+    """The reader's advice named Python's `session=` alone; `fastdump show` takes --rank DIR or --session."""
+    first, second = (f"{TARGET}_20260101T00000{i}.000000Z-0000000{i}" for i in (1, 2))
+    for name in (first, second):
+        write_rank_dir(tmp_path / "target" / name, {0: {"x": torch.ones(2)}})
+    assert run_cli(cli_dump.cmd_show, "show", str(tmp_path), "--rank", "0", "--pass", "0") == 1
+    assert capsys.readouterr().err == (
+        f"fastdump show: rank 0 of role 'target' has 2 sessions: {[first, second]}; pass the directory name as "
+        "rank, or session= (fastdump show: --rank DIR or --session S)\n")
+    assert run_cli(cli_dump.cmd_show, "show", str(tmp_path), "--pass", "0") == 1
+    assert capsys.readouterr().err == (
+        f"fastdump show: rank must be given: role 'target' has rank directories {[first, second]}; pass one as "
+        "rank (fastdump show: --rank DIR)\n")
