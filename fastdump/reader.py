@@ -1296,10 +1296,10 @@ def _looks_like_root(path: str) -> bool:
     if os.path.isfile(os.path.join(path, fmt.MANIFEST_FILE)):
         return True
     try:
-        return any(_is_rank_dir(os.path.join(path, role, rank))
-                   for role in sorted(os.listdir(path))[:_HINT_LISTING]
-                   for rank in sorted(os.listdir(os.path.join(path, role)))[:_HINT_LISTING]
-                   if fsutil.is_real_dir(os.path.join(path, role)))
+        roles = [os.path.join(path, role) for role in sorted(os.listdir(path))[:_HINT_LISTING]]
+        return any(_is_rank_dir(os.path.join(role, rank))
+                   for role in roles if fsutil.is_real_dir(role)
+                   for rank in sorted(os.listdir(role))[:_HINT_LISTING])
     except OSError:
         return False
 

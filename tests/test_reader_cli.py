@@ -500,6 +500,10 @@ def test_a_wrong_root_path_names_the_dump_root_meant(dump, tmp_path, capsys):
             ds.passes()
         assert info.value.args[0] == (f"no rank directories in {path} (expected <root>/<role>/<rank>/rank.json); "
                                       f"{hint}")
+    old = tmp_path / "runs" / "old"  # a root without fastdump.json (format 1), a file beside its roles
+    shutil.copytree(dump / "draft", old / "draft")
+    (old / "notes.txt").write_text("")
+    assert reader.wrong_root_hint(tmp_path / "runs") == f"dump roots below {tmp_path / 'runs'}: {old}"
     empty = tmp_path / "empty"
     empty.mkdir()
     assert run_cli(cli_dump.cmd_ls, "ls", str(empty)) == 1  # no fastdump.json, no rank: no dump
