@@ -108,7 +108,8 @@ class MultiDumpSet:
             names = [n for n in names if self._owners[(role, n)]._rank_obj(role, n).session == session]
         if rank is None:
             if len(names) != 1:
-                raise ValueError(f"rank must be given: role {role!r} has ranks {names}; pass one as rank (fastdump show: --rank DIR)")
+                raise ValueError(f"rank must be given: role {role!r} has ranks {names}; "
+                                 "pass one as rank (fastdump show: --rank DIR)")
             name = names[0]
         elif _is_rank_number(rank):
             matches = [n for n in names if self._owners[(role, n)]._rank_obj(role, n).rank_number() == rank]

@@ -1150,7 +1150,8 @@ class DumpSet:
                            f"(rank directories: {names})")
         if len(matches) > 1:
             if rank is None:
-                raise ValueError(f"rank must be given: role {role!r} has rank directories {matches}; pass one as rank (fastdump show: --rank DIR)")
+                raise ValueError(f"rank must be given: role {role!r} has rank directories {matches}; "
+                                 "pass one as rank (fastdump show: --rank DIR)")
             raise ValueError(f"rank {rank} of role {role!r} has {len(matches)} sessions: {matches}; "
                              "pass the directory name as rank, or session= (fastdump show: --rank DIR or --session S)")
         return self._rank_obj(role, matches[0])
