@@ -26,20 +26,23 @@ from ..report import printable as _printable
 _UNFINISHED_STATUSES = ("running", "incomplete")
 
 
+_ROOT_HELP = "dump root: the directory given to fastdump.attach (holds fastdump.json and <role>/ directories)"
+
+
 def add_arguments(subparsers) -> None:
     p = subparsers.add_parser("ls", help="roles, ranks, passes, segments, sizes and status of a dump")
-    p.add_argument("root", help="dump root: the directory given to fastdump.attach (holds fastdump.json and <role>/ directories)")
+    p.add_argument("root", help=_ROOT_HELP)
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_ls)
 
     p = subparsers.add_parser("verify", help="check segments against their index and rank.json (exit 1 on a problem)")
-    p.add_argument("root", help="dump root: the directory given to fastdump.attach (holds fastdump.json and <role>/ directories)")
+    p.add_argument("root", help=_ROOT_HELP)
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--data", action="store_true", help="also read every tensor byte and check every CRC32C (catches I/O errors and flipped bits)")
     p.set_defaults(func=cmd_verify)
 
     p = subparsers.add_parser("show", help="tensors of one pass: dtype, shape, summary statistics")
-    p.add_argument("root", help="dump root: the directory given to fastdump.attach (holds fastdump.json and <role>/ directories)")
+    p.add_argument("root", help=_ROOT_HELP)
     p.add_argument("--role", default=None, help="role directory (optional when there is one)")
     p.add_argument("--rank", default=None, help="rank directory name or global rank number (optional when one)")
     p.add_argument("--session", default=None, help="session id, when several sessions dumped that rank number")
@@ -786,7 +789,8 @@ def verify_dump(root: str, read_data: bool = False) -> _Report:
         from ..reader import wrong_root_hint
 
         hint = wrong_root_hint(root)
-        report.problem(root, "no rank directories (expected <root>/<role>/<rank>/rank.json)" + (f"; {hint}" if hint else ""))
+        report.problem(root, "no rank directories (expected <root>/<role>/<rank>/rank.json)"
+                       + (f"; {hint}" if hint else ""))
     numbers = {rank_path: check_rank_dir(report, rank_path, read_data) for rank_path in rank_dirs}
     _warn_of_absent_ranks(report, root, numbers)
     _check_manifest(report, root)
