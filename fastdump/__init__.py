@@ -22,8 +22,9 @@ def attach(model, root, **options):
     (and README). A bad option raises before the model is touched.
     """
     from .capture import Dumper, resolve_ranks
-    from .options import Options
+    from .options import Options, check_option_names
 
+    check_option_names("attach", options)
     opts = Options(root=root, **options)
     return Dumper(model, opts, ranks=resolve_ranks(**opts.rank_args))
 

@@ -1046,7 +1046,11 @@ def diff(baseline, target, **options) -> DiffResult:
 
 def _check_side(ds, side: str, roles: list, options: Options, notes: list) -> None:
     if not ds.roles:
-        raise DiffError(f"{side} {ds.root}: no rank directories (expected <root>/<role>/<rank>/rank.json)")
+        from .reader import wrong_root_hint
+
+        hint = wrong_root_hint(ds.root) if len(getattr(ds, "roots", [ds.root])) == 1 else ""
+        raise DiffError(f"{side} {ds.root}: no rank directories (expected <root>/<role>/<rank>/rank.json)"
+                        + (f"; {hint}" if hint else ""))
     for role in roles:
         if role not in ds.roles:
             raise DiffError(f"{side} {ds.root}: no role {role!r} (roles: {ds.roles})")

@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import difflib
 import os
+import sys
 import warnings
 from typing import Any, Mapping
 
 from .options import DEFAULTS, ENV_VARS, OPTION_NAMES, EnvVar, Options  # noqa: F401 - EnvVar re-exported
 from .options import _bool, _nonnegative_float  # noqa: F401
 from .options import ConfigError, check_runtime_env, _RUNTIME_CHECKS  # noqa: F401 - defined with the options
+from .options import check_option_names
 
 __all__ = ["ConfigError", "ENV_VARS", "env_table", "parse_env", "settings_from_env", "maybe_attach"]
 
@@ -66,12 +68,45 @@ def parse_env(environ: Mapping[str, str] = os.environ) -> dict[str, Any]:
             raise ConfigError(f"{r}={environ[r]!r}: must be below {z}={environ[z]!r}")
     check_runtime_env(environ)
     # A misspelt variable would otherwise be ignored silently: the dump then differs from what was asked.
+    for key, text in unknown_env(environ).items():
+        _WARNED_UNKNOWN.add(key)
+        warnings.warn(text, stacklevel=_user_stacklevel())
+    return out
+
+
+_WARNED_UNKNOWN: set = set()  # unknown names warned about in this process (warn_unknown_env_once)
+
+
+def unknown_env(environ: Mapping[str, str] = os.environ) -> dict[str, str]:
+    """{name: warning text} for each FASTDUMP_* variable set that nothing reads (a misspelling),
+    with the closest known name."""
+    out = {}
     for key in environ:
         if key.startswith("FASTDUMP_") and key not in _BY_NAME and key not in OTHER_VARS:
-            near = difflib.get_close_matches(key, _BY_NAME, n=1)
+            near = difflib.get_close_matches(key, list(_BY_NAME) + list(OTHER_VARS), n=1)
             hint = f" (did you mean {near[0]}?)" if near else ""
-            warnings.warn(f"unknown environment variable {key}{hint}; ignored", stacklevel=3)
+            out[key] = f"unknown environment variable {key}{hint}; ignored"
     return out
+
+
+def warn_unknown_env_once(environ: Mapping[str, str] = os.environ) -> None:
+    """The misspelling warning at every attach, not only maybe_attach's: a direct ``attach()`` with
+    FASTDUMP_NO_DIRECTIO=1 or FASTDUMP_EXIT_TIMEOUT=5 set ignored it without a word. Once per name
+    and process (maybe_attach's parse_env has already said it)."""
+    for key, text in unknown_env(environ).items():
+        if key not in _WARNED_UNKNOWN:
+            _WARNED_UNKNOWN.add(key)
+            warnings.warn(text, stacklevel=_user_stacklevel())
+
+
+def _user_stacklevel() -> int:
+    """The stacklevel of the first frame outside the fastdump package, so that a warning names the
+    user's line (maybe_attach's named fastdump/__init__.py)."""
+    package = os.path.dirname(os.path.abspath(__file__))
+    frame, level = sys._getframe(1), 1
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package + os.sep):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def _check_alone(kwarg: str, value) -> None:
@@ -105,14 +140,13 @@ def maybe_attach(model, role: str | None = None, *, environ: Mapping[str, str] =
 
     ``role`` and ``overrides`` come from code and win over the environment; FASTDUMP_ROLE applies only
     when ``role`` is None. Everything is validated before the model is touched."""
+    if overrides:  # (a misspelt keyword fails with the flag off too, not first in production)
+        check_option_names("maybe_attach", overrides)
     if not environ.get("FASTDUMP_DIR"):
         return None
     settings = parse_env(environ)
     from . import attach
 
-    unknown = set(overrides) - (OPTION_NAMES - {"root"})
-    if unknown:
-        raise TypeError(f"maybe_attach: unknown attach argument(s) {', '.join(sorted(unknown))}")
     settings.update(overrides)
     root = settings.pop("root")
     settings["role"] = role if role is not None else settings.get("role", "target")

@@ -582,7 +582,7 @@ def add_arguments(subparsers):
                               description=__doc__.split("\n\n")[0],
                               epilog="Exit status: 0 files written; 1 nothing written, or the dump could not be "
                                      "read; 2 refused: a dump not whole (without --partial), a malformed "
-                                     "rank.json, a layout the dump cannot be written in")
+                                     "rank.json, a layout the dump cannot be written in.")
     p.add_argument("--format", choices=["sglang", "sglang-dumper"], default="sglang",
                    help="sglang: Pass*.pt per rank (tensor-dump hook); sglang-dumper: one file per tensor "
                         "(SGLang's dumper, read by its comparator)")

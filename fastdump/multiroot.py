@@ -108,7 +108,8 @@ class MultiDumpSet:
             names = [n for n in names if self._owners[(role, n)]._rank_obj(role, n).session == session]
         if rank is None:
             if len(names) != 1:
-                raise ValueError(f"rank must be given: role {role!r} has ranks {names}")
+                raise ValueError(f"rank must be given: role {role!r} has ranks {names}; "
+                                 "pass one as rank (fastdump show: --rank DIR)")
             name = names[0]
         elif _is_rank_number(rank):
             matches = [n for n in names if self._owners[(role, n)]._rank_obj(role, n).rank_number() == rank]
@@ -116,7 +117,7 @@ class MultiDumpSet:
                 raise KeyError(f"rank {rank} of role {role!r} is missing: {names}")
             if len(matches) > 1:
                 raise ValueError(f"rank {rank} of role {role!r} has {len(matches)} sessions: {matches}; "
-                                 "pass the directory name as rank, or session=")
+                                 "pass the directory name as rank, or session= (fastdump show: --rank DIR or --session S)")
             name = matches[0]
         else:
             name = str(rank)

@@ -466,6 +466,21 @@ class Options:
         return out
 
 
+def check_option_names(caller: str, names) -> None:
+    """TypeError naming each keyword ``caller`` does not take, with the closest option: a misspelt
+    ``attach(model, root, evry=2)`` said "Options.__init__() got an unexpected keyword argument"."""
+    import difflib
+
+    unknown = sorted(set(names) - (OPTION_NAMES - {"root"}))
+    if unknown:
+        hints = []
+        for name in unknown:
+            near = difflib.get_close_matches(name, sorted(OPTION_NAMES - {"root"}), n=1)
+            hints.append(f"{name!r}" + (f" (did you mean {near[0]!r}?)" if near else ""))
+        raise TypeError(f"{caller}: unknown option(s) {', '.join(hints)}; the options are listed in README.md "
+                        "(Use) and fastdump/options.py")
+
+
 # The rank options: rank.json's "rank" object without the world rank, which capture/ranks.py derives.
 RANK_FIELDS = tuple(key for key in _fmt.RANK_KEYS if key != "rank")
 

@@ -27,11 +27,13 @@ from __future__ import annotations
 
 import bisect
 import collections
+import difflib
 import functools
 import json
 import math
 import os
 import re
+import socket
 import stat
 import threading
 import warnings
@@ -1017,7 +1019,10 @@ class DumpSet:
             position = segment.position_of(pass_id, name)
             if position is not None:
                 return self._read_row(segment, self._file(segment.path), position, check)
-        raise KeyError(f"no tensor {name!r} in pass {pass_id}")
+        names = list(dict.fromkeys(self.pass_names(role, rank, pass_id, session=session)))
+        near = difflib.get_close_matches(name, names, n=3) if isinstance(name, str) else []
+        raise KeyError(f"no tensor {name!r} in pass {pass_id}"
+                       + (f" (did you mean {', '.join(map(repr, near))}?)" if near else f" ({len(names)} names)"))
 
     @_locked
     def series(self, role: str = None, rank=None, name: str = None, *, session: str = None,
@@ -1119,7 +1124,7 @@ class DumpSet:
             return role, names
         roles = self.roles
         if not roles:
-            raise KeyError(f"no rank directories in {self.root} (expected <root>/<role>/<rank>/rank.json)")
+            raise KeyError(no_rank_dirs_message(self.root))
         if len(roles) != 1:
             raise ValueError(f"role must be given: {self.root} holds roles {roles}")
         return roles[0], self._rank_dirs(roles[0])
@@ -1145,9 +1150,10 @@ class DumpSet:
                            f"(rank directories: {names})")
         if len(matches) > 1:
             if rank is None:
-                raise ValueError(f"rank must be given: role {role!r} has rank directories {matches}")
+                raise ValueError(f"rank must be given: role {role!r} has rank directories {matches}; "
+                                 "pass one as rank (fastdump show: --rank DIR)")
             raise ValueError(f"rank {rank} of role {role!r} has {len(matches)} sessions: {matches}; "
-                             "pass the directory name as rank, or session=")
+                             "pass the directory name as rank, or session= (fastdump show: --rank DIR or --session S)")
         return self._rank_obj(role, matches[0])
 
     def _rank_obj(self, role: str, name: str) -> _Rank:
@@ -1157,6 +1163,8 @@ class DumpSet:
         return self._ranks[key]
 
     def _segments_of_pass(self, role, rank, pass_id, session=None) -> list:
+        if pass_id is None:  # (load("target", 0) said "no pass None: a pass id is an integer")
+            raise KeyError("a pass id must be given: load(role, rank, pass_id); passes(role, rank) lists them")
         if not isinstance(pass_id, (int, np.integer)) or isinstance(pass_id, (bool, np.bool_)):
             # True == 1 and 2.0 == 2 as dict keys: they would read passes 1 and 2
             raise KeyError(f"no pass {pass_id!r}: a pass id is an integer")
@@ -1174,7 +1182,8 @@ class DumpSet:
             if entry.unreadable:  # the pass may be in a segment that could not be read
                 raise DumpError(f"no pass {pass_id} in the readable segments of {entry.path}; unreadable: "
                                 + "; ".join(p for p in self.problems if p.path.startswith(entry.path)))
-            raise KeyError(f"no pass {pass_id}")
+            raise KeyError(f"no pass {pass_id} in {entry.role}/{entry.name}: {_pass_ids_text(list(entry.pass_map))}"
+                           + open_segment_hint(entry.info))
         return segments
 
     def _segment_index(self, path: str) -> SegmentIndex:
@@ -1234,6 +1243,109 @@ class DumpSet:
         if check:
             segment.check_rows(position, rows)
         return _to_tensor(rows, dtype_name, scalar)
+
+
+def pid_gone(info: dict) -> bool:
+    """True when rank.json names a process on this host that no longer exists."""
+    pid = info.get("pid")
+    if info.get("host") != socket.gethostname() or not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:
+        return False
+    return False
+
+
+def open_segment_hint(info: dict) -> str:
+    """Why a pass may be absent although the model ran it: a running rank keeps its ended passes in
+    its open segment until the segment is full or closed ('no pass 0' alone read as never dumped)."""
+    pending = info.get("pending_passes", 0)
+    if info.get("status") != "running" or not isinstance(pending, int) or isinstance(pending, bool) or pending <= 0:
+        return ""
+    if pid_gone(info):
+        return f" ({pending} ended pass(es) were in the open segment of a writer whose process is gone: lost)"
+    return (f" (the rank is still being written: {pending} ended pass(es) are in its open segment, not yet in a "
+            f"file; they are readable once the segment is full or the Dumper is closed)")
+
+
+def _pass_ids_text(ids: list) -> str:
+    """What a rank holds, for a 'no pass N' error: "its passes are 0..4", "it holds no pass"."""
+    ids = sorted(ids)
+    if not ids:
+        return "it holds no pass in a segment file"
+    if ids[-1] - ids[0] + 1 == len(ids):
+        return f"its passes are {ids[0]}..{ids[-1]}" if len(ids) > 1 else f"its only pass is {ids[0]}"
+    shown = ", ".join(map(str, ids[:10])) + (", ..." if len(ids) > 10 else "")
+    return f"its {len(ids)} passes are {shown} (last {ids[-1]})"
+
+
+def _is_rank_dir(path: str) -> bool:
+    """A directory holding what a session's writer writes (rank.json, producer_error.json, a segment)."""
+    try:
+        return fsutil.is_real_dir(path) and any(
+            name in (fmt.RANK_FILE, fmt.PRODUCER_ERROR_FILE) or fmt.segment_number(name) is not None
+            for name in os.listdir(path))
+    except OSError:
+        return False
+
+
+def _looks_like_root(path: str) -> bool:
+    """fastdump.json, or a role directory holding a rank directory (format 1 has no fastdump.json)."""
+    if os.path.isfile(os.path.join(path, fmt.MANIFEST_FILE)):
+        return True
+    try:
+        roles = [os.path.join(path, role) for role in sorted(os.listdir(path))[:_HINT_LISTING]]
+        return any(_is_rank_dir(os.path.join(role, rank))
+                   for role in roles if fsutil.is_real_dir(role)
+                   for rank in sorted(os.listdir(role))[:_HINT_LISTING])
+    except OSError:
+        return False
+
+
+_HINT_LISTING = 64  # entries looked at per directory: a hint must stay instant in a large directory
+
+
+def wrong_root_hint(root) -> str:
+    """Why ``root``, a directory without rank directories, is probably not the dump root meant, and
+    which one is: a role or rank directory names its root, a parent names the roots below it
+    (``fastdump ls dumps`` for ``dumps/demo``). "" when there is nothing to point at."""
+    root = os.path.abspath(os.fspath(root))
+    parent = os.path.dirname(root)
+    if _is_rank_dir(root):
+        return f"{root} is a rank directory; its dump root is {os.path.dirname(parent)}"
+    try:
+        entries = sorted(os.listdir(root))[:_HINT_LISTING]
+    except OSError:
+        return ""
+    if any(fmt.parse_rank_dir(e) and _is_rank_dir(os.path.join(root, e)) for e in entries):
+        return f"{root} is a role directory; its dump root is {parent}"
+    below = []
+    for entry in entries:
+        path = os.path.join(root, entry)
+        if not fsutil.is_real_dir(path):
+            continue
+        if _looks_like_root(path):
+            below.append(path)
+            continue
+        try:
+            below += [os.path.join(path, e) for e in sorted(os.listdir(path))[:_HINT_LISTING]
+                      if fsutil.is_real_dir(os.path.join(path, e)) and _looks_like_root(os.path.join(path, e))]
+        except OSError:
+            pass
+    if below:
+        shown = ", ".join(below[:5]) + (f" and {len(below) - 5} more" if len(below) > 5 else "")
+        return f"dump roots below {root}: {shown}"
+    return ""
+
+
+def no_rank_dirs_message(root) -> str:
+    """The one message for a directory that holds no rank directory, with ``wrong_root_hint``."""
+    hint = wrong_root_hint(root)
+    return (f"no rank directories in {os.path.abspath(os.fspath(root))} (expected <root>/<role>/<rank>/rank.json)"
+            + (f"; {hint}" if hint else ""))
 
 
 def open(root):  # noqa: A001

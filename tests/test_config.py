@@ -159,6 +159,30 @@ def test_unknown_variable_warns():
         settings_from_env({"FASTDUMP_DIR": "/d", "FASTDUMP_LAYER": "1"})
 
 
+def test_a_misspelt_variable_is_warned_about_by_a_direct_attach_too(tmp_path, monkeypatch, recwarn):
+    """Only maybe_attach warned: `FASTDUMP_NO_DIRECTIO=1` (or `FASTDUMP_EXIT_TIMEOUT=5`) with
+    fastdump.attach() was ignored without a word. Now every attach warns, once per name and
+    process, at the caller's line, naming the variable meant (runtime variables included)."""
+    monkeypatch.setattr(config, "_WARNED_UNKNOWN", set(), raising=False)
+    monkeypatch.setenv("FASTDUMP_NO_DIRECTIO", "1")
+    model = torch.nn.Linear(2, 2)
+    for _ in range(2):
+        fastdump.attach(model, tmp_path / "d", writer="thread").close()
+    warned = [w for w in recwarn if "unknown environment variable" in str(w.message)]
+    assert [str(w.message) for w in warned] == [
+        "unknown environment variable FASTDUMP_NO_DIRECTIO (did you mean FASTDUMP_NO_DIRECT_IO?); ignored"]
+    assert warned[0].filename == __file__
+    recwarn.clear()
+    monkeypatch.delenv("FASTDUMP_NO_DIRECTIO")
+    monkeypatch.setenv("FASTDUMP_DIR", str(tmp_path / "e"))  # maybe_attach warns (its parse_env), attach not again
+    monkeypatch.setenv("FASTDUMP_EVRY", "2")
+    maybe_attach(model).close()
+    warned = [w for w in recwarn if "unknown environment variable" in str(w.message)]
+    assert [str(w.message) for w in warned] == [
+        "unknown environment variable FASTDUMP_EVRY (did you mean FASTDUMP_EVERY?); ignored"]
+    assert warned[0].filename == __file__  # (it named fastdump/__init__.py)
+
+
 def test_variables_read_elsewhere_are_not_reported_as_misspelt(recwarn):
     assert settings_from_env({"FASTDUMP_DIR": "/d", "FASTDUMP_NO_DIRECT_IO": "1", "FASTDUMP_CUDA": "0"}) == {"root": "/d"}
     assert not [w for w in recwarn if "unknown environment variable" in str(w.message)]
@@ -297,3 +321,19 @@ def test_a_selection_that_matches_no_module_is_said(tmp_path, caplog):
         d.close()
     assert "matches no module" not in caplog.text
     assert torch.equal(fastdump.open(tmp_path / "b").load("target", 0, 0)["0"], out)
+
+
+def test_a_misspelt_option_keyword_names_the_option_meant(tmp_path, monkeypatch):
+    """attach(model, root, evry=2) said "Options.__init__() got an unexpected keyword argument
+    'evry'"; maybe_attach(model, evry=2) said nothing until FASTDUMP_DIR was set (in production)."""
+    model = torch.nn.Linear(2, 2)
+    expected = ("unknown option(s) 'evry' (did you mean 'every'?), 'zzz'; the options are listed in README.md "
+                "(Use) and fastdump/options.py")
+    with pytest.raises(TypeError) as caught:
+        fastdump.attach(model, tmp_path, evry=2, zzz=1)
+    assert str(caught.value) == f"attach: {expected}" and not list(tmp_path.iterdir())
+    monkeypatch.delenv("FASTDUMP_DIR", raising=False)
+    with pytest.raises(TypeError) as caught:
+        fastdump.maybe_attach(model, evry=2, zzz=1)
+    assert str(caught.value) == f"maybe_attach: {expected}"
+    assert fastdump.maybe_attach(model, every=2) is None

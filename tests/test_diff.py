@@ -529,3 +529,24 @@ def test_a_pass_incomplete_in_one_tp_shard_only_is_noted_in_text_json_and_html(t
     result.to_html(page)
     html = page.read_text()
     assert "<h2>Notes</h2>" in html and f"marked incomplete in {shard1.name}" in html
+
+
+def test_compare_md_worked_example_runs_as_written_and_prints_what_the_page_shows(tmp_path, monkeypatch, capsys):
+    """docs/COMPARE.md's worked example, run twice as a reader trying it would: the second run
+    added a second session to dumps/old and dumps/new, and the diff then refused both (exit 2).
+    The page's output also printed `cosine 1` where the diff prints `1-4.86e-09`."""
+    from conftest import DOCS, doc_example
+
+    monkeypatch.chdir(tmp_path)
+    for _ in range(2):
+        exec(compile(doc_example("dump-two-runs", "COMPARE.md"), "COMPARE.md:dump-two-runs", "exec"), {})
+    code, out, _ = run(capsys, "dumps/old", "dumps/new", "--html", "report.html")
+    page = (DOCS / "COMPARE.md").read_text()
+    shown = page.split("$ fastdump diff dumps/old dumps/new --html report.html\n", 1)[1].split("$ echo $?")[0]
+    shown_lines = [line for line in shown.splitlines() if line != "..."]
+    assert code == 1 and out.splitlines()[:4] == shown_lines[:4]
+    assert out.splitlines()[-3:] == shown_lines[-3:]
+    assert "$ echo $?\n1\n" in page
+    exec(compile(doc_example("diff-in-python", "COMPARE.md"), "COMPARE.md:diff-in-python", "exec"),
+         {"fastdump": fastdump})
+    assert (tmp_path / "report.html").stat().st_size > 0

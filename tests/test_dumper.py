@@ -1331,3 +1331,29 @@ def test_the_root_manifest_is_durable_before_it_is_visible(tmp_path, monkeypatch
     temp, target = events[replaced][1:]
     assert target == str(tmp_path / "fastdump.json")
     assert events[:replaced] == [("sync", temp)] and events[replaced + 1:] == [("sync", str(tmp_path))]
+
+
+def test_attaching_one_model_twice_says_so_and_what_to_do(tmp_path, caplog):
+    """A second attach of the same model without close() said "another Dumper ... already dumps
+    role 'target' ... (give each model its own role=)": there is one model, and under two roles
+    each Dumper dumps every call of it. Now it names the model's first Dumper and says to close it."""
+    import logging
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    other = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    with caplog.at_level(logging.WARNING, logger="fastdump"):
+        first = fastdump.attach(model, tmp_path, writer="thread")
+        second = fastdump.attach(model, tmp_path, role="again", writer="thread")
+        third = fastdump.attach(other, tmp_path, writer="thread")  # another model, same role: the old advice
+    try:
+        warnings = [r.getMessage() for r in caplog.records if "already" in r.getMessage()]
+        assert warnings == [
+            f"fastdump: this model is already attached (role 'target', {first.dir}); both Dumpers dump every "
+            "call of it. close() that Dumper before attaching again",
+            f"fastdump: another Dumper of this process already dumps role 'target', ranks "
+            f"{os.path.basename(third.dir).rsplit('_', 1)[0]} to {first.dir}; this one writes its own directory "
+            f"{third.dir} (give each model its own role=)",
+        ]
+    finally:
+        for dumper in (first, second, third):
+            dumper.close()

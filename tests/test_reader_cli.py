@@ -465,12 +465,138 @@ def test_show_of_a_pass_still_in_the_open_segment_says_so(tmp_path, capsys):
     args = argparse.Namespace(root=str(tmp_path), role=None, rank=None, session=None, pass_id=1, name=None)
     assert cli_dump.cmd_show(args) == 1
     assert capsys.readouterr().err == (
-        "fastdump show: no pass 1 (the rank is still being written: 3 ended pass(es) are in its open segment, not "
+        f"fastdump show: no pass 1 in target/{TARGET}: its only pass is 0 (the rank is still being written: 3 ended pass(es) are in its open segment, not "
         "yet in a file; they are readable once the segment is full or the Dumper is closed)\n")
     info.update(pid=2 ** 22 + 12345)  # no such process: those passes are lost
     write_rank_json(rank_dir, info)
     assert cli_dump.cmd_show(args) == 1
-    assert capsys.readouterr().err == ("fastdump show: no pass 1 (3 ended pass(es) were in the open segment of a "
+    assert capsys.readouterr().err == (f"fastdump show: no pass 1 in target/{TARGET}: its only pass is 0 (3 ended pass(es) were in the open segment of a "
                                        "writer whose process is gone: lost)\n")
     args.pass_id = 0  # a written pass still shows
     assert cli_dump.cmd_show(args) == 0 and "x     float32  [2]" in capsys.readouterr().out
+
+
+# ------------------------------------------------------------- a new user's likely mistakes
+
+
+def test_a_wrong_root_path_names_the_dump_root_meant(dump, tmp_path, capsys):
+    """`fastdump ls dumps` for `dumps/demo` (or a role or rank directory) said "no rank directories"
+    and exited 0, and fastdump.open's KeyError said no more: each now names the root meant, and ls
+    exits 1 for a directory that is no dump."""
+    rank_dir = dump / "target" / TARGET
+    cases = {
+        tmp_path: f"dump roots below {tmp_path}: {dump}",
+        dump / "target": f"{dump / 'target'} is a role directory; its dump root is {dump}",
+        rank_dir: f"{rank_dir} is a rank directory; its dump root is {dump}",
+    }
+    for path, hint in cases.items():
+        assert run_cli(cli_dump.cmd_ls, "ls", str(path)) == 1
+        assert capsys.readouterr().out == f"{path}\nno rank directories; {hint}\n"
+        assert run_cli(cli_dump.cmd_ls, "ls", str(path), "--json") == 1
+        assert json.loads(capsys.readouterr().out)["not_a_dump"] == hint
+        code, out = verify(path, capsys)
+        assert code == 1 and f"no rank directories (expected <root>/<role>/<rank>/rank.json); {hint}\n" in out
+        with pytest.raises(KeyError) as info, reader.open(path) as ds:
+            ds.passes()
+        assert info.value.args[0] == (f"no rank directories in {path} (expected <root>/<role>/<rank>/rank.json); "
+                                      f"{hint}")
+    old = tmp_path / "runs" / "old"  # a root without fastdump.json (format 1), a file beside its roles
+    shutil.copytree(dump / "draft", old / "draft")
+    (old / "notes.txt").write_text("")
+    assert reader.wrong_root_hint(tmp_path / "runs") == f"dump roots below {tmp_path / 'runs'}: {old}"
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert run_cli(cli_dump.cmd_ls, "ls", str(empty)) == 1  # no fastdump.json, no rank: no dump
+    assert capsys.readouterr().out == f"{empty}\nno rank directories\n"
+    started = tmp_path / "started"  # attach made fastdump.json; no rank directory yet: a dump, empty
+    started.mkdir()
+    fsutil.atomic_write_json(str(started / "fastdump.json"), {"format_version": 1})
+    assert run_cli(cli_dump.cmd_ls, "ls", str(started)) == 0
+    assert capsys.readouterr().out == f"{started}\nno rank directories\n"
+    assert run_cli(cli_dump.cmd_ls, "ls", str(started), "--json") == 0
+    assert "not_a_dump" not in json.loads(capsys.readouterr().out)
+
+
+def test_a_pass_id_out_of_range_names_the_rank_and_its_passes(dump, capsys):
+    """It said KeyError 'no pass 99' alone: which rank, and which passes are there?"""
+    with reader.open(dump) as ds:
+        with pytest.raises(KeyError) as info:
+            ds.load("target", TARGET, 99)
+        assert info.value.args[0] == f"no pass 99 in target/{TARGET}: its passes are 0..4"
+        with pytest.raises(KeyError) as info:
+            ds.load("draft", DRAFT, 3)
+        assert info.value.args[0] == f"no pass 3 in draft/{DRAFT}: its passes are 0..2"
+    assert run_cli(cli_dump.cmd_show, "show", str(dump), "--role", "draft", "--pass", "7") == 1
+    assert capsys.readouterr().err == f"fastdump show: no pass 7 in draft/{DRAFT}: its passes are 0..2\n"
+
+
+def test_help_texts_say_what_root_is_and_read_as_text():
+    """`fastdump --help` showed the module docstring's RST (``fastdump``), and ls/verify/show
+    listed their ROOT argument with no word of what it is."""
+    from fastdump.cli.main import build_parser
+
+    parser = build_parser()
+    top = parser.format_help()
+    assert "``" not in top and "ROOT is the directory given to attach" in top
+    subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    for name in ("ls", "verify", "show"):
+        text = " ".join(subparsers.choices[name].format_help().split())
+        assert "root dump root: the directory given to fastdump.attach" in text, name
+
+
+def test_loading_a_pass_still_in_the_open_segment_says_so_in_python_too(tmp_path):
+    """Only `fastdump show` said that a running rank holds its ended passes in its open segment;
+    fastdump.open(...).load said 'no pass 1', as if the model had never run it."""
+    import socket
+
+    rank_dir = tmp_path / "target" / TARGET
+    write_rank_dir(rank_dir, {0: {"x": torch.ones(2)}})
+    info = read_rank_json(rank_dir)
+    info.update(status="running", pending_passes=3, host=socket.gethostname(), pid=os.getpid())
+    write_rank_json(rank_dir, info)
+    with reader.open(tmp_path) as ds, pytest.raises(KeyError) as caught:
+        ds.load("target", 0, 1)
+    assert caught.value.args[0] == (
+        f"no pass 1 in target/{TARGET}: its only pass is 0 (the rank is still being written: 3 ended pass(es) are "
+        "in its open segment, not yet in a file; they are readable once the segment is full or the Dumper is closed)")
+
+
+def test_output_piped_into_a_reader_that_stops_ends_quietly(dump):
+    """`fastdump show ... | head` printed a BrokenPipeError traceback once head had its lines."""
+    for argv in (["show", str(dump), "--role", "draft", "--pass", "0"], ["ls", str(dump)]):
+        proc = subprocess.Popen([sys.executable, "-m", "fastdump", *argv], cwd=REPO,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        proc.stdout.close()  # the reader is gone before the first line is written (imports take longer)
+        err = proc.stderr.read()
+        proc.stderr.close()
+        assert proc.wait(timeout=60) == 141 and err == b"", (argv, err)
+
+
+def test_a_missing_pass_id_or_a_misspelt_tensor_name_says_what_to_do(dump):
+    """load("target", 0) said "no pass None: a pass id is an integer"; tensor() of a misspelt name
+    said "no tensor 'model.nrom' in pass 0" without the name meant."""
+    with reader.open(dump) as ds:
+        with pytest.raises(KeyError) as caught:
+            ds.load("draft", DRAFT)
+        assert caught.value.args[0] == "a pass id must be given: load(role, rank, pass_id); passes(role, rank) lists them"
+        with pytest.raises(KeyError) as caught:
+            ds.tensor("target", TARGET, "model.nrom", 0)
+        assert caught.value.args[0] == "no tensor 'model.nrom' in pass 0 (did you mean 'model.norm'?)"
+        with pytest.raises(KeyError) as caught:
+            ds.tensor("target", TARGET, "zzz", 0)
+        assert caught.value.args[0] == "no tensor 'zzz' in pass 0 (5 names)"
+
+
+def test_show_of_a_rank_with_two_sessions_says_which_options_choose(tmp_path, capsys):
+    """The reader's advice named Python's `session=` alone; `fastdump show` takes --rank DIR or --session."""
+    first, second = (f"{TARGET}_20260101T00000{i}.000000Z-0000000{i}" for i in (1, 2))
+    for name in (first, second):
+        write_rank_dir(tmp_path / "target" / name, {0: {"x": torch.ones(2)}})
+    assert run_cli(cli_dump.cmd_show, "show", str(tmp_path), "--rank", "0", "--pass", "0") == 1
+    assert capsys.readouterr().err == (
+        f"fastdump show: rank 0 of role 'target' has 2 sessions: {[first, second]}; pass the directory name as "
+        "rank, or session= (fastdump show: --rank DIR or --session S)\n")
+    assert run_cli(cli_dump.cmd_show, "show", str(tmp_path), "--pass", "0") == 1
+    assert capsys.readouterr().err == (
+        f"fastdump show: rank must be given: role 'target' has rank directories {[first, second]}; pass one as "
+        "rank (fastdump show: --rank DIR)\n")

@@ -30,6 +30,7 @@ from pathlib import Path
 from .. import _C
 from .. import dtypes as _dtypes
 from .. import protocol
+from ..config import warn_unknown_env_once
 from ..options import Options, check_meta_keys as _check_meta_keys, check_runtime_env as _check_runtime_env
 from .lazy import STAND_INS as _LAZY_STAND_INS
 from .manifest import cuda_index as _cuda_index, device_facts as _device_facts, write_manifest as _write_manifest
@@ -118,10 +119,17 @@ def _listing(directory: Path) -> list:
         return []  # (missing: made next; unreadable: mkdir says why)
 
 
-def _warn_if_twin(dumper) -> None:
+def _warn_if_twin(dumper, model=None) -> None:
     """Two live Dumpers of one process on the same root, role and ranks (a draft attached without
-    ``role=``, say) write separate session directories; say so, since it is rarely intended."""
+    ``role=``, say) write separate session directories; say so, since it is rarely intended. One
+    model attached twice (a second attach without close()) is named as such: "give each model its
+    own role=" was the wrong advice there, and under two roles each Dumper dumps every call."""
+    original = _original_module(model) if model is not None else None
     for other in list(_open_dumpers):
+        if other is not dumper and not other._closed and original is not None and other._model_ref() is original:
+            log.warning("fastdump: this model is already attached (role %r, %s); both Dumpers dump every call "
+                        "of it. close() that Dumper before attaching again", other.role, other.dir)
+            return
         if other is not dumper and other.root == dumper.root and other.role == dumper.role \
                 and other.ranks == dumper.ranks and not other._closed:
             log.warning("fastdump: another Dumper of this process already dumps role %r, ranks %s to %s; "
@@ -140,6 +148,7 @@ class Dumper:
     def __init__(self, model, options: Options, *, ranks: dict):
         """``options``: checked already (``Options.__post_init__``); ``ranks``: from resolve_ranks."""
         _check_runtime_env()  # FASTDUMP_CUDA_* & co. are read later, by C++ among others: checked here, first
+        warn_unknown_env_once()  # a misspelt FASTDUMP_* name, also when attach() is called directly
         if model is not None and _is_script_module(_original_module(model)):
             # Refused before anything is created: no directory, no writer. (Its submodules run as
             # TorchScript, so only its output could be dumped; a Python parent gives that.)
@@ -285,7 +294,7 @@ class Dumper:
         except BaseException as exc:  # Ctrl-C (KeyboardInterrupt) during attach: recorded, then raised
             self._abandon_attach(f"attach interrupted ({type(exc).__name__})", writer_stuck=True)
             raise
-        _warn_if_twin(self)
+        _warn_if_twin(self, model)
         _open_dumpers.add(self)
         if model is not None:
             self._root_name = self._root_name_of(model)

@@ -13,7 +13,6 @@ import json
 import math
 import os
 import re
-import socket
 import sys
 import warnings
 
@@ -27,20 +26,23 @@ from ..report import printable as _printable
 _UNFINISHED_STATUSES = ("running", "incomplete")
 
 
+_ROOT_HELP = "dump root: the directory given to fastdump.attach (holds fastdump.json and <role>/ directories)"
+
+
 def add_arguments(subparsers) -> None:
     p = subparsers.add_parser("ls", help="roles, ranks, passes, segments, sizes and status of a dump")
-    p.add_argument("root")
+    p.add_argument("root", help=_ROOT_HELP)
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_ls)
 
     p = subparsers.add_parser("verify", help="check segments against their index and rank.json (exit 1 on a problem)")
-    p.add_argument("root")
+    p.add_argument("root", help=_ROOT_HELP)
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--data", action="store_true", help="also read every tensor byte and check every CRC32C (catches I/O errors and flipped bits)")
     p.set_defaults(func=cmd_verify)
 
     p = subparsers.add_parser("show", help="tensors of one pass: dtype, shape, summary statistics")
-    p.add_argument("root")
+    p.add_argument("root", help=_ROOT_HELP)
     p.add_argument("--role", default=None, help="role directory (optional when there is one)")
     p.add_argument("--rank", default=None, help="rank directory name or global rank number (optional when one)")
     p.add_argument("--session", default=None, help="session id, when several sessions dumped that rank number")
@@ -65,16 +67,9 @@ def _count(value) -> int:
 
 def _pid_gone(info: dict) -> bool:
     """True when rank.json names a process on this host that no longer exists."""
-    pid = info.get("pid")
-    if info.get("host") != socket.gethostname() or not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except OSError:
-        return False
-    return False
+    from ..reader import pid_gone
+
+    return pid_gone(info)
 
 
 def _size(nbytes: int) -> str:
@@ -153,16 +148,24 @@ def cmd_ls(args) -> int:
     except OSError as exc:  # a missing or unlistable root
         print(f"fastdump ls: {_printable(exc)}", file=sys.stderr)
         return 1
+    hint, not_a_dump = "", False
+    if not listing["ranks"]:
+        from ..reader import wrong_root_hint
+
+        hint = wrong_root_hint(listing["root"])
+        # (a root being started has fastdump.json; without it this is no dump: a wrong path)
+        not_a_dump = bool(hint) or not listing["manifest"]
     if args.json:
-        print(json.dumps(listing, indent=2, default=str))
-        return 0
+        print(json.dumps(dict(listing, not_a_dump=hint or not_a_dump) if not_a_dump else listing, indent=2,
+                         default=str))
+        return 1 if not_a_dump else 0
     manifest = listing["manifest"]
     version = manifest.get("fastdump_version") or manifest.get("version")
     print(_printable(listing["root"]) + (f"  (fastdump {_printable(version)})" if version else ""))
     _print_warnings(listing["problems"], caught)
     if not listing["ranks"]:
-        print("no rank directories")
-        return 0
+        print("no rank directories" + (f"; {_printable(hint)}" if hint else ""))
+        return 1 if not_a_dump else 0
     rows = []
     for r in listing["ranks"]:
         span = "-" if r["first_pass"] is None else f"{r['first_pass']}..{r['last_pass']}"
@@ -783,7 +786,11 @@ def verify_dump(root: str, read_data: bool = False) -> _Report:
                 report.problem(rank_path, "a session directory with no rank.json, producer_error.json or "
                                           "segment: this session recorded nothing (not even why)")
     if not rank_dirs:
-        report.problem(root, "no rank directories (expected <root>/<role>/<rank>/rank.json)")
+        from ..reader import wrong_root_hint
+
+        hint = wrong_root_hint(root)
+        report.problem(root, "no rank directories (expected <root>/<role>/<rank>/rank.json)"
+                       + (f"; {hint}" if hint else ""))
     numbers = {rank_path: check_rank_dir(report, rank_path, read_data) for rank_path in rank_dirs}
     _warn_of_absent_ranks(report, root, numbers)
     _check_manifest(report, root)
@@ -887,22 +894,6 @@ def _pass_tensors(ds, role, rank, pass_id, select, session, meta):
             yield name, ds.tensor(role, rank, name, pass_id, session=session)
 
 
-def _open_segment_hint(ds, role, rank, session) -> str:
-    """Why a pass may be absent although the model ran it: a running rank keeps its ended passes in
-    its open segment until the segment is full or closed ('no pass 0' alone read as never dumped)."""
-    try:
-        info = ds.rank_info(role, rank, session=session)
-    except (KeyError, ValueError, OSError):  # the rank itself is not there: the error says so
-        return ""
-    pending = _count(info.get("pending_passes", 0))
-    if info.get("status") != "running" or not pending:
-        return ""
-    if _pid_gone(info):
-        return f" ({pending} ended pass(es) were in the open segment of a writer whose process is gone: lost)"
-    return (f" (the rank is still being written: {pending} ended pass(es) are in its open segment, not yet in a "
-            f"file; they are readable once the segment is full or the Dumper is closed)")
-
-
 def cmd_show(args) -> int:
     from .. import reader
 
@@ -916,11 +907,7 @@ def cmd_show(args) -> int:
         with warnings.catch_warnings(record=True) as caught, reader.open(args.root) as ds:
             warnings.simplefilter("always")
             rank, session = _rank_arg(args.rank), getattr(args, "session", None)
-            try:
-                meta = ds.meta(args.role, rank, args.pass_id, session=session)
-            except KeyError as exc:
-                raise KeyError(str(exc.args[0] if exc.args else exc) + _open_segment_hint(ds, args.role, rank, session)) \
-                    from None
+            meta = ds.meta(args.role, rank, args.pass_id, session=session)  # (no pass N: the reader says why)
             for name, tensor in _pass_tensors(ds, args.role, rank, args.pass_id, pattern.search if pattern else None,
                                               session, meta):
                 stats = tensor_stats(tensor) if tensor.numel() else None

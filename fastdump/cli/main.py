@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import sys
 
@@ -102,7 +103,10 @@ def build_parser() -> argparse.ArgumentParser:
     from .. import compare, export
     from . import dump as cli_dump
 
-    parser = argparse.ArgumentParser(prog="fastdump", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="fastdump", description="Check, list, show, compare and export activation dumps written by "
+        "fastdump.attach. ROOT is the directory given to attach (it holds fastdump.json and one "
+        "directory per role).", epilog="fastdump COMMAND --help describes each command.")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("info", help="versions, CUDA support, GPUs, settings")
     p.add_argument("--json", action="store_true", help="machine-readable output")
@@ -118,7 +122,14 @@ def main(argv=None) -> int:
 
     args = build_parser().parse_args(argv)
     try:
-        return args.func(args)
+        code = args.func(args)
+        sys.stdout.flush()  # (a closed pipe shows here, not in a traceback at interpreter exit)
+        return code
+    except BrokenPipeError:
+        # `fastdump show ... | head`: the reader of the output stopped reading. Quiet, as a command a
+        # shell's SIGPIPE ends, and with its status (128 + 13); nothing more goes to the closed pipe.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
     except DumpError as exc:  # a damaged or crafted dump: say which file and why, no traceback
         from ..report import printable
 
