@@ -466,8 +466,12 @@ def _pass_pairs(unit: Unit, options: Options, missing: list) -> list:
         n = min(len(b_passes), len(t_passes))
         extras = {"baseline": b_passes[n:], "target": t_passes[n:]}
         if options.pass_filter is not None:
-            # --passes selects target pass ids; a baseline pass past the target's last has none.
-            extras = {"baseline": [], "target": [t for t in extras["target"] if options.pass_filter(t)]}
+            # --passes selects target pass ids. A baseline pass past the target's last has none: it
+            # stands for the ids the target would give its next passes (last + 1, last + 2, ...), so
+            # an open '--passes 0-' still lists it and '--passes 0-3' does not.
+            after = t_passes[-1] + 1 if t_passes else 0
+            extras = {"baseline": [b for k, b in enumerate(extras["baseline"]) if options.pass_filter(after + k)],
+                      "target": [t for t in extras["target"] if options.pass_filter(t)]}
         for side, passes in extras.items():
             if passes:
                 missing.append({"kind": "passes", "only_in": side, "role": unit.role, "rank": unit.label,
