@@ -474,3 +474,11 @@ def test_show_of_a_pass_still_in_the_open_segment_says_so(tmp_path, capsys):
                                        "writer whose process is gone: lost)\n")
     args.pass_id = 0  # a written pass still shows
     assert cli_dump.cmd_show(args) == 0 and "x     float32  [2]" in capsys.readouterr().out
+    # A pid too large for the kernel (os.kill: OverflowError, not OSError) was a traceback.
+    info.update(pid=10 ** 30)
+    write_rank_json(rank_dir, info)
+    args.pass_id = 1
+    assert cli_dump.cmd_show(args) == 1
+    assert capsys.readouterr().err.endswith("writer whose process is gone: lost)\n")
+    assert cli_dump.main(["verify", str(tmp_path)]) == 1
+    assert "status running (its process is gone)" in capsys.readouterr().out
