@@ -47,17 +47,11 @@ METRICS = ("allclose", "rel_diff", "cosine")
 LAYOUT_META_KEY = "tp_layout"  # pass metadata {name: dim | "replicated" | "sum"}, if the capture side records it
 
 
-# Why a rank status other than "closed" leaves a dump not whole: diff refuses or notes it, export
-# refuses it (in the same words).
-_UNFINISHED_WHY = {
-    "running": "the dump is still being written, or its writer was killed",
-    "incomplete": "the dumping process exited without close(): its last pass may be cut short",
-}
-
-
 def unfinished_why(status: str, error) -> str:
-    """Why a rank with ``status`` (not "closed") and rank.json's ``error`` may lack data."""
-    return f"writing failed: {error}" if status == "error" else _UNFINISHED_WHY.get(status, "not a finished dump")
+    """Why a rank with ``status`` (not "closed") and rank.json's ``error`` may lack data: diff refuses
+    or notes it, export refuses it, verify fails it (``fmt.UNFINISHED_STATUS_WHY``: the same words)."""
+    return f"writing failed: {error}" if status == "error" else \
+        fmt.UNFINISHED_STATUS_WHY.get(status, "not a finished dump")
 
 
 class DiffError(Exception):

@@ -467,15 +467,6 @@ def _read_block(report: _Report, where: str, dataset, index: np.ndarray, positio
         i = j
 
 
-# Why a status other than "closed" means the dump may lack data.
-_STATUS_PROBLEMS = {
-    "running": "the writer never finished (still writing, or it died or the disk filled before it "
-               "could say so): passes may be missing",
-    "incomplete": "the dumping process exited without close(): what it had not yet handed to the "
-                  "writer is missing, and its last pass may be cut short",
-}
-
-
 def _check_status(report: _Report, path: str, info: dict) -> str:
     """Only ``closed`` (written only once everything was on disk) passes. Returns the status."""
     status = info.get("status", "unknown")
@@ -485,9 +476,9 @@ def _check_status(report: _Report, path: str, info: dict) -> str:
     error = info.get("error")
     if status == "error":
         report.problem(path, f"writer status error: {_printable(error)}")
-    elif status in _STATUS_PROBLEMS:
+    elif status in fmt.UNFINISHED_STATUS_WHY:
         gone = " (its process is gone)" if status == "running" and _pid_gone(info) else ""
-        report.problem(path, f"status {status}{gone}: {_STATUS_PROBLEMS[status]}")
+        report.problem(path, f"status {status}{gone}: {fmt.UNFINISHED_STATUS_WHY[status]}")
     elif status != "closed":
         report.problem(path, f"status {_printable(status)!r}: not a finished dump")
     if error and status != "error":
