@@ -35,6 +35,7 @@ import time
 import warnings
 
 from . import format as fmt
+from .options import BadRange, parse_ranges
 from .report import PassRuns, _missing_text, _span, _where, layer_of, printable  # noqa: F401 - layer_of is public here too
 from .report import cosine_text, percent
 from .rowlog import RowLog
@@ -114,17 +115,14 @@ def parse_metric(text: str):
 
 def parse_passes(spec: str):
     """'0-3,7,10-' -> predicate on pass ids."""
-    ranges = []
-    for part in spec.split(","):
-        part = part.strip()
-        match = re.fullmatch(r"(\d+)(?:(-)(\d*))?", part)
-        if not match:
-            raise ValueError(f"--passes {spec!r}: expected comma-separated N, N-M or N-")
-        first = int(match.group(1))
-        last = first if not match.group(2) else (int(match.group(3)) if match.group(3) else None)
-        if last is not None and last < first:  # selects nothing: "no passes in common" would blame the dumps
-            raise ValueError(f"--passes {spec!r}: {part!r} ends before it starts")
-        ranges.append((first, last))
+    try:
+        ranges = parse_ranges(spec, open_end=True)
+    except BadRange as exc:
+        if exc.reversed:  # selects nothing: "no passes in common" would blame the dumps
+            raise ValueError(f"--passes {spec!r}: {exc.part!r} ends before it starts") from None
+        ranges = []
+    if not ranges:
+        raise ValueError(f"--passes {spec!r}: expected comma-separated N, N-M or N-")
     # A set of the single ids and the ranges merged, sorted: a script that lists 20k pass ids made
     # each test walk the whole list (quadratic: minutes on a long dump).
     singles = {a for a, b in ranges if a == b}
