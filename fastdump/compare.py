@@ -36,7 +36,8 @@ import warnings
 
 from . import format as fmt
 from .options import BadRange, parse_ranges
-from .report import PassRuns, _missing_text, _span, _where, layer_of, printable  # noqa: F401 - layer_of is public here too
+from .format import printable
+from .report import PassRuns, _missing_text, _span, _where, layer_of  # noqa: F401 - layer_of is public here too
 from .report import cosine_text, percent
 from .rowlog import RowLog
 

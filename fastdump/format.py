@@ -304,3 +304,11 @@ PASS_DTYPE = np.dtype(
         ("bytes", "<i8"),  # payload bytes of those tensors
     ]
 )
+
+
+def printable(text) -> str:
+    """Text from a dump (a name, a status, an error, a directory name) as a terminal may show it: it
+    can hold any character, so those a terminal would swallow or obey (ANSI escapes in a crafted
+    name) are written as Python escapes. Used by everything that prints such text: ls, show, verify,
+    diff (text and HTML), export."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in str(text))

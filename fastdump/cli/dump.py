@@ -21,7 +21,7 @@ import numpy as np
 
 from .. import dtypes, fsutil, protocol, segment_list
 from .. import format as fmt
-from ..report import printable as _printable
+from ..format import printable as _printable
 
 # rank.json statuses for which a leftover temporary file is what a kill leaves, not damage.
 _UNFINISHED_STATUSES = ("running", "incomplete")

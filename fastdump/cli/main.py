@@ -120,7 +120,7 @@ def main(argv=None) -> int:
     try:
         return args.func(args)
     except DumpError as exc:  # a damaged or crafted dump: say which file and why, no traceback
-        from ..report import printable
+        from ..format import printable
 
         print(f"fastdump {args.command}: {printable(exc)}", file=sys.stderr)
         return 2 if args.command == "diff" else 1  # diff: 1 means "the dumps differ"
