@@ -1043,7 +1043,7 @@ def diff(baseline, target, **options) -> DiffResult:
 
 def _check_side(ds, side: str, roles: list, options: Options, notes: list) -> None:
     if not ds.roles:
-        raise DiffError(f"{side} {ds.root}: no rank directories (expected <root>/<role>/<rank>/rank.json)")
+        raise DiffError(f"{side} {ds.root}: {fmt.no_rank_dirs_text(ds.root)}")
     for role in roles:
         if role not in ds.roles:
             raise DiffError(f"{side} {ds.root}: no role {role!r} (roles: {ds.roles})")

@@ -312,3 +312,17 @@ def printable(text) -> str:
     name) are written as Python escapes. Used by everything that prints such text: ls, show, verify,
     diff (text and HTML), export."""
     return "".join(c if c.isprintable() else repr(c)[1:-1] for c in str(text))
+
+
+def no_rank_dirs_text(root: str) -> str:
+    """What ls, verify, show and diff say of a directory holding no rank directory; given a rank
+    or role directory instead of the dump's root (an easy slip), which root to give."""
+    text = f"no rank directories (expected <root>/<role>/<rank>/{RANK_FILE}"
+    try:
+        if os.path.isfile(os.path.join(root, RANK_FILE)):
+            text += f"; this is a rank directory: its dump root is {os.path.dirname(os.path.dirname(root))}"
+        elif any(os.path.isfile(os.path.join(root, entry, RANK_FILE)) for entry in sorted(os.listdir(root))[:1000]):
+            text += f"; this is a role directory: its dump root is {os.path.dirname(root)}"
+    except OSError:  # unlistable: the plain text
+        pass
+    return text + ")"

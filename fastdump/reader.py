@@ -1119,7 +1119,7 @@ class DumpSet:
             return role, names
         roles = self.roles
         if not roles:
-            raise KeyError(f"no rank directories in {self.root} (expected <root>/<role>/<rank>/rank.json)")
+            raise KeyError(f"{self.root}: {fmt.no_rank_dirs_text(self.root)}")
         if len(roles) != 1:
             raise ValueError(f"role must be given: {self.root} holds roles {roles}")
         return roles[0], self._rank_dirs(roles[0])

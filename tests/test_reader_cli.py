@@ -373,6 +373,24 @@ def test_verify_unlisted_segment(tmp_path, capsys):
     assert code == 1 and "seg-000001.h5 is not listed" in out
 
 
+def test_a_rank_or_role_directory_given_as_the_root_is_named_so_with_its_root(dump, capsys):
+    """ls printed a bare 'no rank directories' (and show, verify, diff the layout alone) when given a
+    rank or role directory for the dump root, an easy slip: each names the root to give instead."""
+    from fastdump import cli
+
+    layout = "no rank directories (expected <root>/<role>/<rank>/rank.json; this is a"
+    for given, kind in ((dump / "target" / TARGET, "rank"), (dump / "target", "role")):
+        said = f"{layout} {kind} directory: its dump root is {dump})"
+        assert run_cli(cli_dump.cmd_ls, "ls", str(given)) == 0
+        assert capsys.readouterr().out == f"{given}\n{said}\n"
+        code, out = verify(given, capsys)
+        assert code == 1 and out.splitlines()[0] == f"PROBLEM: {given}: {said}"
+        assert run_cli(cli_dump.cmd_show, "show", str(given), "--pass", "0") == 1
+        assert capsys.readouterr().err == f"fastdump show: {given}: {said}\n"
+        assert cli.main(["diff", str(dump), str(given)]) == 2
+        assert capsys.readouterr().err == f"fastdump diff: target {given}: {said}\n"
+
+
 def test_verify_empty_directory_fails(tmp_path, capsys):
     code, out = verify(tmp_path, capsys)
     assert code == 1 and "no rank directories" in out

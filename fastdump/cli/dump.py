@@ -155,7 +155,7 @@ def cmd_ls(args) -> int:
     print(_printable(listing["root"]) + (f"  (fastdump {_printable(version)})" if version else ""))
     _print_warnings(listing["problems"], caught)
     if not listing["ranks"]:
-        print("no rank directories")
+        print(_printable(fmt.no_rank_dirs_text(listing["root"])))
         return 0
     rows = []
     for r in listing["ranks"]:
@@ -783,7 +783,7 @@ def verify_dump(root: str, read_data: bool = False) -> _Report:
                 report.problem(rank_path, "a session directory with no rank.json, producer_error.json or "
                                           "segment: this session recorded nothing (not even why)")
     if not rank_dirs:
-        report.problem(root, "no rank directories (expected <root>/<role>/<rank>/rank.json)")
+        report.problem(root, fmt.no_rank_dirs_text(root))
     numbers = {rank_path: check_rank_dir(report, rank_path, read_data) for rank_path in rank_dirs}
     _warn_of_absent_ranks(report, root, numbers)
     _check_manifest(report, root)
