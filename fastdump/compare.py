@@ -86,11 +86,17 @@ def parse_unshard(text: str):
     return _regex(pattern, "--unshard"), _layout_rule(rule, f"--unshard {text!r}")
 
 
+_MAX_DIMS = 64  # torch's limit on a tensor's dimensions
+
+
 def _layout_rule(rule, where: str):
     if isinstance(rule, bool):
         raise ValueError(f"{where}: rule must be a dimension, 'replicated' or 'sum'")
-    if isinstance(rule, int) or (isinstance(rule, str) and re.fullmatch(r"-?\d+", rule)):
-        return int(rule)
+    if isinstance(rule, int) or (isinstance(rule, str) and re.fullmatch(r"-?[0-9]+", rule)):
+        dim = int(rule)
+        if not -_MAX_DIMS <= dim < _MAX_DIMS:  # (torch.cat's own error: "Overflow when unpacking long long")
+            raise ValueError(f"{where}: dimension {dim} is out of range (a tensor has at most {_MAX_DIMS})")
+        return dim
     if rule in ("replicated", "sum"):
         return rule
     raise ValueError(f"{where}: rule must be a dimension, 'replicated' or 'sum', not {rule!r}")
