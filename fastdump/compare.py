@@ -35,7 +35,9 @@ import time
 import warnings
 
 from . import format as fmt
-from .report import PassRuns, _missing_text, _span, _where, layer_of, printable  # noqa: F401 - layer_of is public here too
+from .options import BadRange, parse_ranges
+from .format import printable
+from .report import PassRuns, _missing_text, _span, _where, layer_of  # noqa: F401 - layer_of is public here too
 from .report import cosine_text, percent
 from .rowlog import RowLog
 
@@ -47,17 +49,11 @@ METRICS = ("allclose", "rel_diff", "cosine")
 LAYOUT_META_KEY = "tp_layout"  # pass metadata {name: dim | "replicated" | "sum"}, if the capture side records it
 
 
-# Why a rank status other than "closed" leaves a dump not whole: diff refuses or notes it, export
-# refuses it (in the same words).
-_UNFINISHED_WHY = {
-    "running": "the dump is still being written, or its writer was killed",
-    "incomplete": "the dumping process exited without close(): its last pass may be cut short",
-}
-
-
 def unfinished_why(status: str, error) -> str:
-    """Why a rank with ``status`` (not "closed") and rank.json's ``error`` may lack data."""
-    return f"writing failed: {error}" if status == "error" else _UNFINISHED_WHY.get(status, "not a finished dump")
+    """Why a rank with ``status`` (not "closed") and rank.json's ``error`` may lack data: diff refuses
+    or notes it, export refuses it, verify fails it (``fmt.UNFINISHED_STATUS_WHY``: the same words)."""
+    return f"writing failed: {error}" if status == "error" else \
+        fmt.UNFINISHED_STATUS_WHY.get(status, "not a finished dump")
 
 
 class DiffError(Exception):
@@ -90,11 +86,17 @@ def parse_unshard(text: str):
     return _regex(pattern, "--unshard"), _layout_rule(rule, f"--unshard {text!r}")
 
 
+_MAX_DIMS = 64  # torch's limit on a tensor's dimensions
+
+
 def _layout_rule(rule, where: str):
     if isinstance(rule, bool):
         raise ValueError(f"{where}: rule must be a dimension, 'replicated' or 'sum'")
-    if isinstance(rule, int) or (isinstance(rule, str) and re.fullmatch(r"-?\d+", rule)):
-        return int(rule)
+    if isinstance(rule, int) or (isinstance(rule, str) and re.fullmatch(r"-?[0-9]+", rule)):
+        dim = int(rule)
+        if not -_MAX_DIMS <= dim < _MAX_DIMS:  # (torch.cat's own error: "Overflow when unpacking long long")
+            raise ValueError(f"{where}: dimension {dim} is out of range (a tensor has at most {_MAX_DIMS})")
+        return dim
     if rule in ("replicated", "sum"):
         return rule
     raise ValueError(f"{where}: rule must be a dimension, 'replicated' or 'sum', not {rule!r}")
@@ -120,17 +122,14 @@ def parse_metric(text: str):
 
 def parse_passes(spec: str):
     """'0-3,7,10-' -> predicate on pass ids."""
-    ranges = []
-    for part in spec.split(","):
-        part = part.strip()
-        match = re.fullmatch(r"(\d+)(?:(-)(\d*))?", part)
-        if not match:
-            raise ValueError(f"--passes {spec!r}: expected comma-separated N, N-M or N-")
-        first = int(match.group(1))
-        last = first if not match.group(2) else (int(match.group(3)) if match.group(3) else None)
-        if last is not None and last < first:  # selects nothing: "no passes in common" would blame the dumps
-            raise ValueError(f"--passes {spec!r}: {part!r} ends before it starts")
-        ranges.append((first, last))
+    try:
+        ranges = parse_ranges(spec, open_end=True)
+    except BadRange as exc:
+        if exc.reversed:  # selects nothing: "no passes in common" would blame the dumps
+            raise ValueError(f"--passes {spec!r}: {exc.part!r} ends before it starts") from None
+        ranges = []
+    if not ranges:
+        raise ValueError(f"--passes {spec!r}: expected comma-separated N, N-M or N-")
     # A set of the single ids and the ranges merged, sorted: a script that lists 20k pass ids made
     # each test walk the whole list (quadratic: minutes on a long dump).
     singles = {a for a, b in ranges if a == b}
@@ -466,8 +465,12 @@ def _pass_pairs(unit: Unit, options: Options, missing: list) -> list:
         n = min(len(b_passes), len(t_passes))
         extras = {"baseline": b_passes[n:], "target": t_passes[n:]}
         if options.pass_filter is not None:
-            # --passes selects target pass ids; a baseline pass past the target's last has none.
-            extras = {"baseline": [], "target": [t for t in extras["target"] if options.pass_filter(t)]}
+            # --passes selects target pass ids. A baseline pass past the target's last has none: it
+            # stands for the ids the target would give its next passes (last + 1, last + 2, ...), so
+            # an open '--passes 0-' still lists it and '--passes 0-3' does not.
+            after = t_passes[-1] + 1 if t_passes else 0
+            extras = {"baseline": [b for k, b in enumerate(extras["baseline"]) if options.pass_filter(after + k)],
+                      "target": [t for t in extras["target"] if options.pass_filter(t)]}
         for side, passes in extras.items():
             if passes:
                 missing.append({"kind": "passes", "only_in": side, "role": unit.role, "rank": unit.label,

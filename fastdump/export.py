@@ -40,7 +40,7 @@ from . import format as fmt
 from . import fsutil
 from .compare import unfinished_why
 from .options import RANK_FIELDS
-from .report import printable as _printable
+from .format import printable as _printable
 
 __all__ = ["export_sglang", "export_sglang_dumper", "sglang_names", "PartialDumpError", "add_arguments",
            "cmd_export"]

@@ -40,6 +40,14 @@ LIST_COUNT, LIST_BYTES, LIST_CRC = "segments_listed", "segments_bytes", "segment
 # told (dead, stopped, or already past its close): {"status": "error", "error": ..., "time": ...}.
 # Readers merge it into rank.json's facts; ``verify`` fails while it exists. One file, one writer.
 PRODUCER_ERROR_FILE = "producer_error.json"
+# Why a rank.json status other than "closed" (and other than "error", which carries its own) means
+# the rank may lack data: verify's problem, diff's refusal and export's, in the same words.
+UNFINISHED_STATUS_WHY = {
+    "running": "the writer never finished: the dump is still being written, or its writer died or the disk "
+               "filled before it could say so; passes may be missing",
+    "incomplete": "the dumping process exited without close(): what it had not yet handed to the writer is "
+                  "missing, and its last pass may be cut short",
+}
 NAMES_FILE = "sglang_names.json"  # module names the SGLang drop-in records per rank (read by export)
 # The skip reason the writer gives a chunked tensor whose other chunks never came (a failed CUDA
 # drain turned them into padding after the tensor was staged): rank.json skipped_reasons counts it,
@@ -296,3 +304,11 @@ PASS_DTYPE = np.dtype(
         ("bytes", "<i8"),  # payload bytes of those tensors
     ]
 )
+
+
+def printable(text) -> str:
+    """Text from a dump (a name, a status, an error, a directory name) as a terminal may show it: it
+    can hold any character, so those a terminal would swallow or obey (ANSI escapes in a crafted
+    name) are written as Python escapes. Used by everything that prints such text: ls, show, verify,
+    diff (text and HTML), export."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in str(text))

@@ -6,6 +6,7 @@ POSIX) and fsync the directory so the rename itself survives a crash.
 
 A dump may come from someone else: ``open_regular`` and ``load_json`` open only regular files
 (never following a link, never blocking on a FIFO) and read JSON of bounded size, each key once.
+``pid_alive`` says whether the process that wrote a file or region still exists.
 """
 
 from __future__ import annotations
@@ -259,3 +260,16 @@ def unique_keys(pairs: list) -> dict:
         again = next(key for key, _ in pairs if key in seen or seen.add(key))
         raise ValueError(f"key {again!r} appears twice in one object")
     return obj
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` (> 0) exists on this host: the writer of a rank directory or of a
+    shared-memory region. A process we may not signal exists; a pid too large for the kernel
+    (a crafted name or rank.json) does not, where ``os.kill`` raised OverflowError."""
+    try:
+        os.kill(pid, 0)
+    except (ProcessLookupError, OverflowError):
+        return False
+    except OSError:  # EPERM: someone else's process
+        return True
+    return True

@@ -80,19 +80,45 @@ def _bool(s: str) -> bool:
     raise ValueError("must be one of 0, 1, true, false, yes, no, on, off")
 
 
-def _layers(s: str) -> tuple[int, ...]:
-    """comma list of indices and inclusive ranges, e.g. 0,1,5-7"""
-    out: set[int] = set()
-    for part in s.split(","):
+class BadRange(ValueError):
+    """An item of a ``parse_ranges`` list that is not N, N-M (or N-), or that ends before it starts."""
+
+    def __init__(self, part: str, reversed_: bool):
+        super().__init__(part)
+        self.part, self.reversed = part, reversed_
+
+
+def parse_ranges(text: str, open_end: bool = False) -> list:
+    """'0, 2-3,7-' -> [(0, 0), (2, 3), (7, None)]: comma-separated N and inclusive N-M (and N-, up
+    to no end, where ``open_end``), in the order given, empty items skipped. Raises ``BadRange``;
+    the caller words it (``layers=``, ``fastdump diff --passes``)."""
+    out = []
+    for part in text.split(","):
         part = part.strip()
         if not part:
             continue
-        lo, sep, hi = part.partition("-")
-        if not lo.strip().isdigit() or (sep and not hi.strip().isdigit()):
-            raise ValueError(f"bad item {part!r}: expected N or N-M with N, M >= 0, e.g. 0,1,5-7")
-        a, b = int(lo), int(hi) if sep else int(lo)
-        if b < a:
-            raise ValueError(f"bad range {part!r}: end before start")
+        match = re.fullmatch(r"([0-9]+)\s*(?:(-)\s*([0-9]*))?", part)
+        if not match or (match.group(2) and not match.group(3) and not open_end):
+            raise BadRange(part, False)
+        first = int(match.group(1))
+        last = first if not match.group(2) else int(match.group(3)) if match.group(3) else None
+        if last is not None and last < first:
+            raise BadRange(part, True)
+        out.append((first, last))
+    return out
+
+
+def _layers(s: str) -> tuple[int, ...]:
+    """comma list of indices and inclusive ranges, e.g. 0,1,5-7"""
+    out: set[int] = set()
+    try:
+        ranges = parse_ranges(s)
+    except BadRange as exc:
+        if exc.reversed:
+            raise ValueError(f"bad range {exc.part!r}: end before start") from None
+        raise ValueError(f"bad item {exc.part!r}: expected N or N-M with N, M >= 0, e.g. 0,1,5-7") from None
+    for a, b in ranges:
+        part = f"{a}-{b}" if a != b else str(a)
         if b > MAX_LAYER:  # (a typo's 0-10000000000 would be a set of 10^10 ints: minutes, then out of memory)
             raise ValueError(f"bad item {part!r}: layer indices go up to {MAX_LAYER}")
         out.update(range(a, b + 1))

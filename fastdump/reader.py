@@ -1250,13 +1250,7 @@ def pid_gone(info: dict) -> bool:
     pid = info.get("pid")
     if info.get("host") != socket.gethostname() or not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
         return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except OSError:
-        return False
-    return False
+    return not fsutil.pid_alive(pid)
 
 
 def open_segment_hint(info: dict) -> str:

@@ -13,6 +13,8 @@ import math
 import os
 import re
 
+from .format import printable
+
 _REL_FLOOR = 1e-16  # rel_diff of identical tensors is 0; the log axes start here
 _MAX_HEATMAP_PASSES = 400
 _MAX_HEATMAP_LAYERS = 400
@@ -291,13 +293,6 @@ def write_html(result, path) -> str:
 
 
 # --- how a row, a missing item and a layer are described: shared by the text and HTML renderings
-
-
-def printable(text) -> str:
-    """Text from a dump may hold any character; escape the ones a terminal would swallow or obey
-    (ANSI escapes in a crafted status, error or directory name). Used by every command that prints
-    names from a dump (ls, show, verify, export)."""
-    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in str(text))
 
 
 _LAYER_RE = re.compile(r"(?:^|\.)layers?\.(\d+)(?:\.|$|#)")

@@ -364,6 +364,10 @@ def test_self_comparison_passes_cosine_zero(lm):
     ("--atol", "nan", "atol and rtol must be >= 0"), ("--tol", "x=nan,0", "tolerances must be >= 0"),
     ("--tol", "x=0,-1e-9", "tolerances must be >= 0"), ("--metric", "cosine=abc", "threshold must be a number"),
     ("--metric", "allclose=1", "takes no threshold"), ("--passes", "-1", "N-M"), ("--align", "offset:x", "offset:K"),
+    # torch.cat said "Overflow when unpacking long long" per row, and only where shards were merged
+    ("--unshard", f"x={10 ** 23}", f"--unshard 'x={10 ** 23}': dimension {10 ** 23} is out of range (a tensor has "
+                                   "at most 64)"),
+    ("--unshard", "x=-65", "--unshard 'x=-65': dimension -65 is out of range"),
 ])
 def test_bad_tolerances_and_options_exit_2_with_message(lm, capsys, option, value, message):
     code, out, err = run(capsys, lm, lm, f"{option}={value}")

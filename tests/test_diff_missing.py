@@ -71,6 +71,19 @@ def test_passes_outside_the_passes_option_are_not_missing(one_sided):
     assert in_order.missing == [{"kind": "passes", "only_in": "target", "role": "target", "rank": 0, "passes": [8]}]
 
 
+def test_align_order_lists_baseline_passes_past_the_targets_last_where_passes_selects_them(tmp_path):
+    """--align order with --passes listed no baseline pass past the target's last, even for an open
+    '--passes 0-' that asks about every pass. Such a pass stands for the ids the target would give
+    its next passes (last + 1, ...)."""
+    base = crafted(tmp_path / "b", {p: {"x": torch.ones(2)} for p in range(10)})
+    target = crafted(tmp_path / "t", {p: {"x": torch.ones(2)} for p in range(6)})
+    only_base = {"kind": "passes", "only_in": "baseline", "role": "target", "rank": 0}
+    assert fastdump.diff(base, target, align="order").missing == [{**only_base, "passes": [6, 7, 8, 9]}]
+    assert fastdump.diff(base, target, align="order", passes="0-").missing == [{**only_base, "passes": [6, 7, 8, 9]}]
+    assert fastdump.diff(base, target, align="order", passes="0-2,8").missing == [{**only_base, "passes": [8]}]
+    assert fastdump.diff(base, target, align="order", passes="0-3").missing == []
+
+
 def test_pass_runs_keep_count_and_ends_in_bounded_memory():
     from fastdump.report import PassRuns, _runs_text
 

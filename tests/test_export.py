@@ -186,7 +186,8 @@ NOT_WHOLE = {
     "status error": (dict(info={"status": "error", "error": "No space left on device"}),
                      ["status is 'error' (writing failed: No space left on device)"]),
     "status running": (dict(status="running"),
-                       ["status is 'running' (the dump is still being written, or its writer was killed)"]),
+                       ["status is 'running' (the writer never finished: the dump is still being written, or its writer died "
+                        "or the disk filled before it could say so; passes may be missing)"]),
     "status incomplete": (dict(status="incomplete"), ["status is 'incomplete' (the dumping process exited"]),
     # whole passes dropped leave gaps no pass's metadata shows: they were exported as if whole
     "dropped passes": (dict(info={"dropped_passes": 2}), ["2 whole pass(es) were dropped (gaps in the pass ids)"]),

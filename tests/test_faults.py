@@ -194,6 +194,17 @@ def test_a_young_region_of_a_pid_not_seen_here_is_left_alone():
         young.unlink()
 
 
+def test_a_region_named_for_a_pid_too_large_for_the_kernel_does_not_stop_attach(tmp_path):
+    """``os.kill`` raises OverflowError (not OSError) for such a pid: every attach on the host
+    failed while one stray file of that name lay in /dev/shm. No such process exists: swept when old."""
+    crafted = tmp_path / f"{SHM_PREFIX}{10 ** 30}-0"
+    crafted.write_bytes(b"")
+    assert remove_stale_regions(tmp_path) == [] and crafted.exists()  # young: left alone
+    old = time.time() - STALE_REGION_AGE_S - 1
+    os.utime(crafted, (old, old))
+    assert remove_stale_regions(tmp_path) == [crafted.name] and not crafted.exists()
+
+
 def test_a_leftover_region_of_this_pid_does_not_stop_dumping(tmp_path, monkeypatch):
     """A container restarted as pid 1 on a /dev/shm that outlived it finds its own pid's leftover
     region (never swept: the pid is alive, its own); every attach failed with shm_open EEXIST."""

@@ -373,6 +373,20 @@ def test_verify_unlisted_segment(tmp_path, capsys):
     assert code == 1 and "seg-000001.h5 is not listed" in out
 
 
+def test_show_and_diff_given_a_rank_or_role_directory_name_the_root_to_give(dump, capsys):
+    """show and diff gave the expected layout alone when given a rank or role directory for the
+    dump root, an easy slip: each names the root to give instead (ls and verify: the test above)."""
+    from fastdump import cli
+
+    layout = "no rank directories (expected <root>/<role>/<rank>/rank.json)"
+    for given, kind in ((dump / "target" / TARGET, "rank"), (dump / "target", "role")):
+        hint = f"{given} is a {kind} directory; its dump root is {dump}"
+        assert run_cli(cli_dump.cmd_show, "show", str(given), "--pass", "0") == 1
+        assert capsys.readouterr().err == f"fastdump show: no rank directories in {given} (expected <root>/<role>/<rank>/rank.json); {hint}\n"
+        assert cli.main(["diff", str(dump), str(given)]) == 2
+        assert capsys.readouterr().err == f"fastdump diff: target {given}: {layout}; {hint}\n"
+
+
 def test_verify_empty_directory_fails(tmp_path, capsys):
     code, out = verify(tmp_path, capsys)
     assert code == 1 and "no rank directories" in out
@@ -474,6 +488,14 @@ def test_show_of_a_pass_still_in_the_open_segment_says_so(tmp_path, capsys):
                                        "writer whose process is gone: lost)\n")
     args.pass_id = 0  # a written pass still shows
     assert cli_dump.cmd_show(args) == 0 and "x     float32  [2]" in capsys.readouterr().out
+    # A pid too large for the kernel (os.kill: OverflowError, not OSError) was a traceback.
+    info.update(pid=10 ** 30)
+    write_rank_json(rank_dir, info)
+    args.pass_id = 1
+    assert cli_dump.cmd_show(args) == 1
+    assert capsys.readouterr().err.endswith("writer whose process is gone: lost)\n")
+    assert cli_dump.main(["verify", str(tmp_path)]) == 1
+    assert "status running (its process is gone)" in capsys.readouterr().out
 
 
 # ------------------------------------------------------------- a new user's likely mistakes

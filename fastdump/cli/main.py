@@ -131,7 +131,7 @@ def main(argv=None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141
     except DumpError as exc:  # a damaged or crafted dump: say which file and why, no traceback
-        from ..report import printable
+        from ..format import printable
 
         print(f"fastdump {args.command}: {printable(exc)}", file=sys.stderr)
         return 2 if args.command == "diff" else 1  # diff: 1 means "the dumps differ"

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from .. import _C
-from .. import protocol
+from .. import fsutil, protocol
 from ..options import EngineOptions, _nonnegative_float
 from . import tensor_reader
 from .channel import Channel
@@ -99,7 +99,7 @@ def remove_stale_regions(shm_dir: Path = SHM_DIR) -> list[str]:
             pid = int(path.name[len(SHM_PREFIX):].split("-")[0])
         except ValueError:
             continue
-        if pid == os.getpid() or _pid_alive(pid):
+        if pid <= 0 or pid == os.getpid() or fsutil.pid_alive(pid):  # (0: not a process; kill(0) is our group)
             continue
         try:
             if time.time() - path.stat().st_mtime < STALE_REGION_AGE_S:
@@ -112,16 +112,6 @@ def remove_stale_regions(shm_dir: Path = SHM_DIR) -> list[str]:
         except OSError:
             pass
     return removed
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 
