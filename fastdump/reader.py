@@ -40,7 +40,7 @@ import warnings
 
 import h5py
 import numpy as np
-from h5py import h5a, h5d, h5i, h5l, h5o, h5s, h5t
+from h5py import h5a, h5d, h5i, h5l, h5o, h5t
 
 from . import _C, dtypes, fsutil, protocol, segment_list
 from . import format as fmt
