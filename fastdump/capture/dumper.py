@@ -1529,6 +1529,35 @@ class Dumper:
             self._holders[name] = holder
         for name, module in added:
             self._adopt(name, module, self._selection)
+        kept = {id(m) for m in container._modules.values()}
+        gone = [m for m in before.values() if m is not None and id(m) not in kept]
+        if gone:
+            self._removed(gone)
+
+    def _removed(self, gone: list) -> None:
+        """The modules ``gone`` left their place in the model (``delattr``, a ModuleDict's ``del``,
+        ``pop``, ``clear``, a ModuleList's last one deleted): each wrapped module in them kept its
+        wrapper and its old name, so run from outside the model it was dumped under a name that no
+        longer leads to it, and put back elsewhere it kept that name. Each is dumped under the name
+        the model has for it now, or not at all (_free_name); the names inside them are forgotten,
+        so a module registered in one later is not dumped under its old place's name."""
+        inside = {id(sub) for module in gone for sub in module.modules()}
+        for name, holder in list(self._holders.items()):
+            if id(holder) in inside and self._holders.get(name) is holder:
+                self._free_name(name, None)
+        model = self._model_ref()
+        if model is None:
+            return
+        paths = {}
+        for name, module in named_modules(model):
+            if id(module) not in paths:
+                paths[id(module)] = name
+        for module, name in list(self._paths.items()):
+            if id(module) in inside:
+                if id(module) in paths:
+                    self._paths[module] = paths[id(module)]  # (still held under another name)
+                else:
+                    del self._paths[module]
 
     def _wrap(self, module, wrapper) -> None:
         _mark_ours(wrapper, module.__dict__.get("forward", _MISSING))
@@ -1947,21 +1976,34 @@ _RENUMBERING_FOLLOWERS: "weakref.WeakSet[Dumper]" = weakref.WeakSet()  # Dumpers
 
 
 def _follow_renumbering(dumper) -> None:
-    """Have ``dumper`` told of the renumberings torch's registration hook does not see: the
-    ``insert`` and ``__delitem__`` (``del``, ``pop``) of ModuleList and Sequential write their
-    ``_modules`` directly. Their class methods are replaced once per process by ones that call
-    the original, then tell each Dumper following (Dumper._renumbered); with none, only the call."""
+    """Have ``dumper`` told of the edits torch's registration hook does not see: the ``insert`` and
+    ``__delitem__`` (``del``, ``pop``) of ModuleList and Sequential and the ``__delitem__`` (``del``,
+    ``pop``) and ``clear`` of ModuleDict write their ``_modules`` directly, as ``Module.__delattr__``
+    does. These class methods are replaced once per process by ones that call the original, then
+    tell each Dumper following (Dumper._renumbered); with none, only the call. (A direct write to
+    ``_modules`` cannot be followed: the check at close finds it, _not_followed.)"""
     _RENUMBERING_FOLLOWERS.add(dumper)
-    for cls in (_torch.nn.ModuleList, _torch.nn.Sequential):
-        for name in ("insert", "__delitem__"):
+    for cls, names in ((_torch.nn.ModuleList, ("insert", "__delitem__")), (_torch.nn.Sequential, ("insert", "__delitem__")),
+                       (_torch.nn.ModuleDict, ("__delitem__", "clear"))):
+        for name in names:
             method = cls.__dict__.get(name)
             if method is not None and not getattr(method, "__fastdump_renumbering__", False):
                 setattr(cls, name, _telling_followers(method))
+    delattr_ = _torch.nn.Module.__dict__.get("__delattr__")
+    if delattr_ is not None and not getattr(delattr_, "__fastdump_renumbering__", False):
+        _torch.nn.Module.__delattr__ = _telling_followers(delattr_, only_modules=True)
 
 
-def _telling_followers(method):
+def _telling_followers(method, only_modules: bool = False):
+    """``method`` of a module class, then each following Dumper told what it did to ``_modules``.
+    ``only_modules``: ``__delattr__``, whose deletes of anything but a submodule (every ``del
+    module.attr`` in the process) pass straight through, after one dict lookup."""
     @functools.wraps(method)
     def renumbering(container, *args, **kwargs):
+        if only_modules:
+            modules = container.__dict__.get("_modules")
+            if not args or not isinstance(modules, dict) or args[0] not in modules:
+                return method(container, *args, **kwargs)
         followers = [d for d in list(_RENUMBERING_FOLLOWERS) if not d._closed]
         if not followers:
             return method(container, *args, **kwargs)

@@ -1,0 +1,203 @@
+"""Edits of the model's module tree after attach that torch's registration hook does not see:
+removals (``delattr``, ``ModuleDict`` ``del``/``pop``/``clear``) are followed; direct writes to a
+module's ``_modules`` (``torch.ao.quantization.convert``, ``swap_submodule``) cannot be, and make
+``fastdump verify`` fail naming the module."""
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+import fastdump
+from fastdump.capture import dumper as dumper_mod
+from fastdump.cli.dump import verify_dump
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return a.contiguous().reshape(-1).view(torch.uint8).equal(b.contiguous().reshape(-1).view(torch.uint8))
+
+
+@pytest.fixture(params=["native", "python"])
+def kind(request, monkeypatch):
+    if request.param == "python":
+        monkeypatch.setattr(dumper_mod, "_native_wrappers", False)
+    return request.param
+
+
+class Heads(nn.Module):
+    """Runs its ModuleDict's heads in order, then ``extra`` when it has one, then the modules of
+    ``outside`` (a plain list: not part of the model's tree)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(7)
+        self.heads = nn.ModuleDict({"a": nn.Linear(4, 4), "b": nn.Linear(4, 4)})
+        self.outside = []
+
+    def forward(self, x):
+        for head in self.heads.values():
+            x = head(x)
+        if "extra" in self._modules:
+            x = self.extra(x)
+        for module in self.outside:
+            x = module(x)
+        return x
+
+
+REMOVALS = {
+    "delattr": lambda heads: (heads.a, delattr(heads, "a"))[0],
+    "moduledict_pop": lambda heads: heads.pop("a"),
+    "moduledict_del": lambda heads: (heads["a"], heads.__delitem__("a"))[0],
+    "moduledict_clear": lambda heads: (heads["a"], heads.clear())[0],
+}
+
+
+def _run_and_expect(model, x):
+    """The model's output and what each name in the tree should hold, computed undumped."""
+    want, h = {}, x
+    with torch.no_grad():
+        out = model(x)
+        for key, head in model.heads.items():
+            h = want[f"heads.{key}"] = head(h)
+        if "extra" in model._modules:
+            h = want["extra"] = model.extra(h)
+        for module in model.outside:
+            h = module(h)
+    return out, want
+
+
+@pytest.mark.parametrize("then", ["put_back_as_extra", "run_outside_the_model"])
+@pytest.mark.parametrize("removal", sorted(REMOVALS))
+def test_a_module_removed_from_the_model_after_attach_is_dumped_only_where_the_model_holds_it(
+        tmp_path, kind, removal, then):
+    """A module removed by ``delattr`` or a ModuleDict's ``del``/``pop``/``clear`` (writes to
+    ``_modules`` that torch's registration hook does not see) kept its wrapper and its old name:
+    put back as ``extra`` it dumped as ``heads.a``; run from outside the model it dumped as
+    ``heads.a`` too, a module the model no longer has. verify said OK. Now a removed module is
+    dumped under the name the model gives it, and not at all while the model has none for it."""
+    model = Heads()
+    d = fastdump.attach(model, tmp_path)
+    removed = REMOVALS[removal](model.heads)
+    if then == "put_back_as_extra":
+        model.extra = removed
+    else:
+        model.outside.append(removed)
+    x = torch.randn(2, 4)
+    out, want = _run_and_expect(model, x)
+    d.close()
+    dumped = fastdump.open(tmp_path).load("target", 0, 0)
+    assert sorted(dumped) == sorted(list(want) + ["Heads"])
+    for name, value in want.items():
+        assert same_bits(dumped[name], value), name
+    assert same_bits(dumped["Heads"], out)
+    assert verify_dump(str(tmp_path)).problems == []
+    for module in model.modules():
+        assert "forward" not in module.__dict__, module
+    assert "forward" not in removed.__dict__
+
+
+def test_a_removed_module_leaves_its_name_free_for_the_next_one(tmp_path, kind):
+    """``delattr`` then a new module under the old name, with the removed one still run: the old
+    one's calls no longer read as the new one's (``heads.a#1``)."""
+    model = Heads()
+    d = fastdump.attach(model, tmp_path)
+    removed = model.heads.a
+    del model.heads.a  # Module.__delattr__
+    model.outside.append(removed)
+    torch.manual_seed(8)
+    model.heads["a"] = nn.Linear(4, 4)  # (ModuleDict order: b, then the new a)
+    x = torch.randn(2, 4)
+    out, want = _run_and_expect(model, x)
+    d.close()
+    dumped = fastdump.open(tmp_path).load("target", 0, 0)
+    assert sorted(dumped) == ["Heads", "heads.a", "heads.b"]
+    for name, value in want.items():
+        assert same_bits(dumped[name], value), name
+
+
+class Doubled(nn.Module):
+    """What torch.ao.quantization.convert swaps a Linear for (from_float, as a quantized module)."""
+
+    def __init__(self, linear):
+        super().__init__()
+        self.linear = linear
+
+    def forward(self, x):
+        return self.linear(x) * 2
+
+    @classmethod
+    def from_float(cls, mod):
+        return cls(nn.Linear(mod.in_features, mod.out_features))
+
+
+def _ao_convert(heads):
+    heads.a.qconfig = torch.ao.quantization.default_qconfig  # (swap_module swaps what has a qconfig)
+    torch.ao.quantization.convert(heads, mapping={nn.Linear: Doubled}, inplace=True)
+
+
+def _swap_submodule(heads):
+    from torch.nn.utils._named_member_accessor import swap_submodule
+
+    swap_submodule(heads, "a", nn.Linear(4, 4))
+
+
+UNSEEN = {  # edit -> (what it does, the names verify must name)
+    "modules_setitem_new": (lambda heads: heads._modules.__setitem__("a", nn.Linear(4, 4)), ["heads.a"]),
+    "modules_setitem_added": (lambda heads: heads._modules.__setitem__("c", nn.Linear(4, 4)), ["heads.c"]),
+    "swap_submodule": (_swap_submodule, ["heads.a"]),
+    "ao_quantization_convert": (_ao_convert, ["heads.a.linear", "heads.a"]),
+    "modules_del": (lambda heads: heads._modules.__delitem__("a"), ["heads.a"]),
+    "modules_pop": (lambda heads: heads._modules.pop("a"), ["heads.a"]),
+    "modules_clear": (lambda heads: heads._modules.clear(), ["heads.a", "heads.b"]),
+}
+
+
+@pytest.mark.parametrize("edit", sorted(UNSEEN))
+def test_direct_writes_to_modules_after_attach_make_verify_fail_naming_the_module(tmp_path, kind, edit):
+    """A write to a module's ``_modules`` (torch.ao.quantization's convert, ``swap_submodule``,
+    ``del parent._modules[k]``) calls no hook fastdump can follow: a module put in so was never
+    dumped, one taken out so still dumped under a name that no longer leads to it, and verify said
+    OK. At close the Dumper compares the model's tree with what it wraps: each difference is in
+    rank.json (stats.modules_not_followed) and verify fails, naming the module."""
+    model = Heads()
+    d = fastdump.attach(model, tmp_path)
+    do, names = UNSEEN[edit]
+    do(model.heads)
+    with torch.no_grad():
+        model(torch.randn(2, 4))
+    stats = d.close()
+    listed = stats["modules_not_followed"]
+    assert sorted(entry.split(":")[0] for entry in listed) == sorted(names)
+    info = json.loads((next(tmp_path.rglob("rank.json"))).read_text())
+    assert info["stats"]["modules_not_followed"] == listed
+    problems = verify_dump(str(tmp_path)).problems
+    assert len(problems) == 1
+    for name in names:
+        assert f"{name}: " in problems[0][1], problems
+    assert "could not follow" in problems[0][1]
+
+
+def test_edits_torch_reports_leave_no_trace_in_the_check_at_close(tmp_path, kind):
+    """The followed edits (setattr, ModuleDict assignment, LoRA-style wrapping, a removal) leave
+    the tree and the wrappers in agreement: nothing listed, verify OK."""
+    model = Heads()
+    d = fastdump.attach(model, tmp_path)
+
+    class LoRA(nn.Module):
+        def __init__(self, base):
+            super().__init__()
+            self.base, self.up = base, nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.base(x) + self.up(x)
+
+    model.heads["b"] = LoRA(model.heads["b"])  # the old b keeps its name inside it
+    model.extra = model.heads.pop("a")
+    with torch.no_grad():
+        model(torch.randn(2, 4))
+    stats = d.close()
+    assert stats["modules_not_followed"] == []
+    assert verify_dump(str(tmp_path)).problems == []
