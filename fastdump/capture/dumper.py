@@ -200,7 +200,7 @@ class Dumper:
         self._totals = {"passes": 0, "tensors": 0, "bytes": 0, "dropped": 0, "skipped": 0, "dropped_passes": 0,
                         "lost_pass_ends": 0, "late_pass_ends": 0, "interrupted_pass_ends": 0,
                         "incomplete_passes": 0, "mixed_passes": 0, "lost_at_close": 0, "graphs_not_dumped": 0,
-                        "compiled_not_dumped": 0}
+                        "compiled_not_dumped": 0, "modules_not_followed": []}
         self._wrapped: list = []  # (module, our wrapper), in wrapping order; what each wraps: _wrapped_by
         self._module_names: set = set()  # the names wrapped modules dump under (a container's parts must not take one)
         self._flat_names: set = set()    # names given to containers' parts in pass _flat_pass (see _name_taken)
@@ -463,6 +463,14 @@ class Dumper:
             if self._closed:
                 return self.stats()
             self._closed = True
+            try:
+                self._totals["modules_not_followed"] = self._not_followed()
+            except Exception as exc:  # (a model that cannot be walked now: said, not raised)
+                self._totals["modules_not_followed"] = [f"(the model's modules could not be checked at close: "
+                                                        f"{type(exc).__name__}: {_short(exc)})"]
+            if self._totals["modules_not_followed"]:
+                log.error("fastdump: %s: module edits after attach that fastdump could not follow "
+                          "(`fastdump verify` fails): %s", self.dir, "; ".join(self._totals["modules_not_followed"]))
         self._unwrap()
         _open_dumpers.discard(self)
         if self._engine is None or self._pid != os.getpid():
@@ -1558,6 +1566,36 @@ class Dumper:
                     self._paths[module] = paths[id(module)]  # (still held under another name)
                 else:
                     del self._paths[module]
+
+    def _not_followed(self) -> list:
+        """The model's tree against the wrappers, at close: ``"name: what"`` for each selected module
+        in the model that no capture wrapper of this Dumper dumps, and each wrapped module the model
+        no longer holds. Writes straight to a module's ``_modules`` (``torch.ao.quantization.convert``,
+        ``swap_submodule``, ``del parent._modules[k]``) call no hook: such a module put in was never
+        dumped, one taken out was dumped under a name that no longer leads to it, and verify said OK.
+        One walk of the model, at close only (none per pass)."""
+        model = self._model_ref() if getattr(self, "_holders", None) is not None else None
+        if model is None:
+            return []
+        skipped = [name for name in self.not_wrapped]
+        scripted = {name: why for name, why in self.not_wrapped.items() if why != _SHADOWED_REASON}
+        held = {id(module) for _, module in named_modules(model, remove_duplicate=False)}
+        wrapped = {id(module) for module, wrapper in self._wrapped if getattr(wrapper, "_fastdump_name", None)
+                   or getattr(wrapper, "__fastdump_name__", None)}
+        found = []
+        for name, module in select_modules(model, **self._selection, scripted=scripted):
+            try:  # (one the Dumper saw put in is not an unseen edit: a container emptied since is a leaf now)
+                seen = module in self._paths
+            except TypeError:  # (unhashable: never followed, not judged)
+                continue
+            if not seen and id(module) not in wrapped and not any(name == s or name.startswith(s + ".") for s in skipped):
+                found.append(f"{name}: in the model and selected, not dumped (put in by a write to a "
+                             "module's _modules, which no hook reports)")
+        for name, module in self._holders.items():
+            if id(module) not in held:
+                found.append(f"{name}: dumped under this name after the model no longer held it (taken out "
+                             "by a write to a module's _modules, which no hook reports)")
+        return found
 
     def _wrap(self, module, wrapper) -> None:
         _mark_ours(wrapper, module.__dict__.get("forward", _MISSING))
