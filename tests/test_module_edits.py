@@ -182,3 +182,23 @@ def test_edits_torch_reports_leave_no_trace_in_the_check_at_close(tmp_path, kind
     stats = d.close()
     assert stats["modules_not_followed"] == []
     assert verify_dump(str(tmp_path)).problems == []
+
+
+@pytest.mark.parametrize("damaged", [3, "heads.a", [1], None])
+def test_verify_fails_a_damaged_list_of_edits_not_followed(tmp_path, damaged):
+    """rank.json's stats.modules_not_followed is a list of texts: anything else must not pass for
+    an empty list (a damaged file hiding a module's missing outputs)."""
+    import conftest
+
+    model = Heads()
+    d = fastdump.attach(model, tmp_path)
+    with torch.no_grad():
+        model(torch.randn(2, 4))
+    d.close()
+    assert verify_dump(str(tmp_path)).problems == []
+    rank_dir = next(tmp_path.rglob("rank.json")).parent
+    info = conftest.read_rank_json(rank_dir)
+    info["stats"]["modules_not_followed"] = damaged
+    conftest.write_rank_json(rank_dir, info)
+    problems = verify_dump(str(tmp_path)).problems
+    assert len(problems) == 1 and "stats.modules_not_followed is " in problems[0] and "not a list of texts" in problems[0]
