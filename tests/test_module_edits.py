@@ -177,11 +177,14 @@ def test_edits_torch_reports_leave_no_trace_in_the_check_at_close(tmp_path, kind
 
     model.heads["b"] = LoRA(model.heads["b"])  # the old b keeps its name inside it
     model.extra = model.heads.pop("a")
+    model.heads.update({"c": nn.Linear(4, 4)})  # (ModuleDict.update assigns each: registered)
     with torch.no_grad():
         model(torch.randn(2, 4))
     stats = d.close()
     assert stats["modules_not_followed"] == []
     assert verify_dump(str(tmp_path)).problems == []
+    assert sorted(fastdump.open(tmp_path).load("target", 0, 0)) == [
+        "Heads", "extra", "heads.b", "heads.b.up", "heads.c"]
 
 
 @pytest.mark.parametrize("damaged", [3, "heads.a", [1], None])

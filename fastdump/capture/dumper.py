@@ -1593,8 +1593,8 @@ class Dumper:
                              "module's _modules, which no hook reports)")
         for name, module in self._holders.items():
             if id(module) not in held:
-                found.append(f"{name}: dumped under this name after the model no longer held it (taken out "
-                             "by a write to a module's _modules, which no hook reports)")
+                found.append(f"{name}: wrapped, and the model no longer holds it (taken out by a write to a "
+                             "module's _modules, which no hook reports): its calls since, if any, dumped under this name")
         return found
 
     def _wrap(self, module, wrapper) -> None:
