@@ -205,3 +205,28 @@ def test_verify_fails_a_damaged_list_of_edits_not_followed(tmp_path, damaged):
     conftest.write_rank_json(rank_dir, info)
     problems = verify_dump(str(tmp_path)).problems
     assert len(problems) == 1 and "stats.modules_not_followed is " in problems[0] and "not a list of texts" in problems[0]
+
+
+def test_a_module_replaced_by_one_that_does_not_hold_it_is_no_longer_dumped(tmp_path, kind):
+    """``heads["a"] = Doubled(new Linear)`` (transformers' pruned lm_head does this): the new
+    module is no leaf, so no newcomer took the name ``heads.a`` from the old Linear, which kept its
+    wrapper: run from outside the model it was dumped as ``heads.a``, verify OK. Now it leaves
+    with its place; the new module's Linear is dumped as ``heads.a.linear``."""
+    model = Heads()
+    d = fastdump.attach(model, tmp_path)
+    old = model.heads["a"]
+    torch.manual_seed(9)
+    model.heads["a"] = Doubled(nn.Linear(4, 4))
+    model.outside.append(old)
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        out = model(x)
+        inner = model.heads["a"].linear(x)
+        b = model.heads["b"](inner * 2)
+    stats = d.close()
+    dumped = fastdump.open(tmp_path).load("target", 0, 0)
+    assert sorted(dumped) == ["Heads", "heads.a.linear", "heads.b"]
+    assert same_bits(dumped["heads.a.linear"], inner) and same_bits(dumped["heads.b"], b)
+    assert same_bits(dumped["Heads"], out)
+    assert stats["modules_not_followed"] == [] and verify_dump(str(tmp_path)).problems == []
+    assert "forward" not in old.__dict__

@@ -1379,7 +1379,11 @@ class Dumper:
             try:
                 with dumper._lock:  # (close() on another thread: its wrappers come off before or after this)
                     if not dumper._closed:
-                        dumper._adopt(f"{prefix}.{name}" if prefix else name, module, selection)
+                        full = f"{prefix}.{name}" if prefix else name
+                        old = parent._modules.get(name)  # (the hook runs before the assignment)
+                        if old is not None and old is not module:
+                            dumper._replaced(old, module, full)
+                        dumper._adopt(full, module, selection)
             except Exception as exc:  # never into the model: said, and the module goes undumped
                 log.warning("fastdump: %s: %s, put into the model after attach, is not dumped: %s: %s",
                             dumper.dir, name, type(exc).__name__, _short(exc))
@@ -1541,6 +1545,17 @@ class Dumper:
         gone = [m for m in before.values() if m is not None and id(m) not in kept]
         if gone:
             self._removed(gone)
+
+    def _replaced(self, old, new, name: str) -> None:
+        """``new`` is about to take ``old``'s place ``name``: the wrapped modules of ``old`` that ``new``
+        does not hold (a LoRA holds the module it wraps) leave the model with it, unless it holds them
+        elsewhere (_free_name). They kept their wrappers and names: a pruned ``lm_head`` replaced by a
+        module around a new Linear was still wrapped as ``lm_head``, a module the model no longer had."""
+        staying = {id(sub) for sub in new.modules()}
+        leaving = {id(sub) for sub in old.modules()} - staying
+        for held, holder in list(self._holders.items()):
+            if id(holder) in leaving and self._holders.get(held) is holder:
+                self._free_name(held, name)
 
     def _removed(self, gone: list) -> None:
         """The modules ``gone`` left their place in the model (``delattr``, a ModuleDict's ``del``,
