@@ -211,7 +211,7 @@ class Dumper:
         self._totals = {"passes": 0, "tensors": 0, "bytes": 0, "dropped": 0, "skipped": 0, "dropped_passes": 0,
                         "lost_pass_ends": 0, "late_pass_ends": 0, "interrupted_pass_ends": 0,
                         "incomplete_passes": 0, "mixed_passes": 0, "lost_at_close": 0, "graphs_not_dumped": 0,
-                        "compiled_not_dumped": 0}
+                        "compiled_not_dumped": 0, "modules_not_followed": []}
         self._wrapped: list = []  # (module, our wrapper), in wrapping order; what each wraps: _wrapped_by
         self._module_names: set = set()  # the names wrapped modules dump under (a container's parts must not take one)
         self._flat_names: set = set()    # names given to containers' parts in pass _flat_pass (see _name_taken)
@@ -479,6 +479,14 @@ class Dumper:
             if self._closed:
                 return self.stats()
             self._closed = True
+            try:
+                self._totals["modules_not_followed"] = self._not_followed()
+            except Exception as exc:  # (a model that cannot be walked now: said, not raised)
+                self._totals["modules_not_followed"] = [f"(the model's modules could not be checked at close: "
+                                                        f"{type(exc).__name__}: {_short(exc)})"]
+            if self._totals["modules_not_followed"]:
+                log.error("fastdump: %s: module edits after attach that fastdump could not follow "
+                          "(`fastdump verify` fails): %s", self.dir, "; ".join(self._totals["modules_not_followed"]))
         self._unwrap()
         _open_dumpers.discard(self)
         if self._engine is None or self._pid != os.getpid():
@@ -1387,7 +1395,11 @@ class Dumper:
             try:
                 with dumper._lock:  # (close() on another thread: its wrappers come off before or after this)
                     if not dumper._closed:
-                        dumper._adopt(f"{prefix}.{name}" if prefix else name, module, selection)
+                        full = f"{prefix}.{name}" if prefix else name
+                        old = parent._modules.get(name)  # (the hook runs before the assignment)
+                        if old is not None and old is not module:
+                            dumper._replaced(old, module, full)
+                        dumper._adopt(full, module, selection)
             except Exception as exc:  # never into the model: said, and the module goes undumped
                 log.warning("fastdump: %s: %s, put into the model after attach, is not dumped: %s: %s",
                             dumper.dir, name, type(exc).__name__, _short(exc))
@@ -1549,6 +1561,76 @@ class Dumper:
             self._holders[name] = holder
         for name, module in added:
             self._adopt(name, module, self._selection)
+        kept = {id(m) for m in container._modules.values()}
+        gone = [m for m in before.values() if m is not None and id(m) not in kept]
+        if gone:
+            self._removed(gone)
+
+    def _replaced(self, old, new, name: str) -> None:
+        """``new`` is about to take ``old``'s place ``name``: the wrapped modules of ``old`` that ``new``
+        does not hold (a LoRA holds the module it wraps) leave the model with it, unless it holds them
+        elsewhere (_free_name). They kept their wrappers and names: a pruned ``lm_head`` replaced by a
+        module around a new Linear was still wrapped as ``lm_head``, a module the model no longer had."""
+        staying = {id(sub) for sub in new.modules()}
+        leaving = {id(sub) for sub in old.modules()} - staying
+        for held, holder in list(self._holders.items()):
+            if id(holder) in leaving and self._holders.get(held) is holder:
+                self._free_name(held, name)
+
+    def _removed(self, gone: list) -> None:
+        """The modules ``gone`` left their place in the model (``delattr``, a ModuleDict's ``del``,
+        ``pop``, ``clear``, a ModuleList's last one deleted): each wrapped module in them kept its
+        wrapper and its old name, so run from outside the model it was dumped under a name that no
+        longer leads to it, and put back elsewhere it kept that name. Each is dumped under the name
+        the model has for it now, or not at all (_free_name); the names inside them are forgotten,
+        so a module registered in one later is not dumped under its old place's name."""
+        inside = {id(sub) for module in gone for sub in module.modules()}
+        for name, holder in list(self._holders.items()):
+            if id(holder) in inside and self._holders.get(name) is holder:
+                self._free_name(name, None)
+        model = self._model_ref()
+        if model is None:
+            return
+        paths = {}
+        for name, module in named_modules(model):
+            if id(module) not in paths:
+                paths[id(module)] = name
+        for module, name in list(self._paths.items()):
+            if id(module) in inside:
+                if id(module) in paths:
+                    self._paths[module] = paths[id(module)]  # (still held under another name)
+                else:
+                    del self._paths[module]
+
+    def _not_followed(self) -> list:
+        """The model's tree against the wrappers, at close: ``"name: what"`` for each selected module
+        in the model that no capture wrapper of this Dumper dumps, and each wrapped module the model
+        no longer holds. Writes straight to a module's ``_modules`` (``torch.ao.quantization.convert``,
+        ``swap_submodule``, ``del parent._modules[k]``) call no hook: such a module put in was never
+        dumped, one taken out was dumped under a name that no longer leads to it, and verify said OK.
+        One walk of the model, at close only (none per pass)."""
+        model = self._model_ref() if getattr(self, "_holders", None) is not None else None
+        if model is None:
+            return []
+        skipped = [name for name in self.not_wrapped]
+        scripted = {name: why for name, why in self.not_wrapped.items() if why != _SHADOWED_REASON}
+        held = {id(module) for _, module in named_modules(model, remove_duplicate=False)}
+        wrapped = {id(module) for module, wrapper in self._wrapped if getattr(wrapper, "_fastdump_name", None)
+                   or getattr(wrapper, "__fastdump_name__", None)}
+        found = []
+        for name, module in select_modules(model, **self._selection, scripted=scripted):
+            try:  # (one the Dumper saw put in is not an unseen edit: a container emptied since is a leaf now)
+                seen = module in self._paths
+            except TypeError:  # (unhashable: never followed, not judged)
+                continue
+            if not seen and id(module) not in wrapped and not any(name == s or name.startswith(s + ".") for s in skipped):
+                found.append(f"{name}: in the model and selected, not dumped (put in by a write to a "
+                             "module's _modules, which no hook reports)")
+        for name, module in self._holders.items():
+            if id(module) not in held:
+                found.append(f"{name}: wrapped, and the model no longer holds it (taken out by a write to a "
+                             "module's _modules, which no hook reports): its calls since, if any, dumped under this name")
+        return found
 
     def _wrap(self, module, wrapper) -> None:
         _mark_ours(wrapper, module.__dict__.get("forward", _MISSING))
@@ -2000,21 +2082,34 @@ _RENUMBERING_FOLLOWERS: "weakref.WeakSet[Dumper]" = weakref.WeakSet()  # Dumpers
 
 
 def _follow_renumbering(dumper) -> None:
-    """Have ``dumper`` told of the renumberings torch's registration hook does not see: the
-    ``insert`` and ``__delitem__`` (``del``, ``pop``) of ModuleList and Sequential write their
-    ``_modules`` directly. Their class methods are replaced once per process by ones that call
-    the original, then tell each Dumper following (Dumper._renumbered); with none, only the call."""
+    """Have ``dumper`` told of the edits torch's registration hook does not see: the ``insert`` and
+    ``__delitem__`` (``del``, ``pop``) of ModuleList and Sequential and the ``__delitem__`` (``del``,
+    ``pop``) and ``clear`` of ModuleDict write their ``_modules`` directly, as ``Module.__delattr__``
+    does. These class methods are replaced once per process by ones that call the original, then
+    tell each Dumper following (Dumper._renumbered); with none, only the call. (A direct write to
+    ``_modules`` cannot be followed: the check at close finds it, _not_followed.)"""
     _RENUMBERING_FOLLOWERS.add(dumper)
-    for cls in (_torch.nn.ModuleList, _torch.nn.Sequential):
-        for name in ("insert", "__delitem__"):
+    for cls, names in ((_torch.nn.ModuleList, ("insert", "__delitem__")), (_torch.nn.Sequential, ("insert", "__delitem__")),
+                       (_torch.nn.ModuleDict, ("__delitem__", "clear"))):
+        for name in names:
             method = cls.__dict__.get(name)
             if method is not None and not getattr(method, "__fastdump_renumbering__", False):
                 setattr(cls, name, _telling_followers(method))
+    delattr_ = _torch.nn.Module.__dict__.get("__delattr__")
+    if delattr_ is not None and not getattr(delattr_, "__fastdump_renumbering__", False):
+        _torch.nn.Module.__delattr__ = _telling_followers(delattr_, only_modules=True)
 
 
-def _telling_followers(method):
+def _telling_followers(method, only_modules: bool = False):
+    """``method`` of a module class, then each following Dumper told what it did to ``_modules``.
+    ``only_modules``: ``__delattr__``, whose deletes of anything but a submodule (every ``del
+    module.attr`` in the process) pass straight through, after one dict lookup."""
     @functools.wraps(method)
     def renumbering(container, *args, **kwargs):
+        if only_modules:
+            modules = container.__dict__.get("_modules")
+            if not args or not isinstance(modules, dict) or args[0] not in modules:
+                return method(container, *args, **kwargs)
         followers = [d for d in list(_RENUMBERING_FOLLOWERS) if not d._closed]
         if not followers:
             return method(container, *args, **kwargs)

@@ -555,6 +555,7 @@ def _check_counts(report: _Report, path: str, info: dict, pass_ids: set, tensors
     if compiled:
         report.problem(path, f"{compiled} dumped module(s) were compiled into graphs that may not break "
                              "(torch.compile fullgraph=True): that compiled code ran undumped")
+    _check_not_followed(report, path, stats.get("modules_not_followed", []))
     config = info.get("config") if isinstance(info.get("config"), dict) else {}
     dropped, dropped_passes = count(info, "dropped"), count(info, "dropped_passes")
     if dropped or dropped_passes:
@@ -575,6 +576,19 @@ def _check_counts(report: _Report, path: str, info: dict, pass_ids: set, tensors
             report.warning(path, f"policy 'drop': {text}")
         else:
             report.problem(path, text)
+
+
+def _check_not_followed(report: _Report, path: str, edits) -> None:
+    """Module edits after attach the Dumper could not follow (rank.json ``stats.modules_not_followed``,
+    its check at close: a direct write to a module's ``_modules``): a selected module no wrapper
+    dumped, or one dumped under a name the model no longer had for it."""
+    if not isinstance(edits, list) or not all(isinstance(edit, str) for edit in edits):
+        report.problem(path, f"{fmt.RANK_FILE} stats.modules_not_followed is "
+                             f"{_printable(json.dumps(edits))[:40]}, not a list of texts")
+    elif edits:
+        shown = "; ".join(_printable(edit) for edit in edits[:5]) + (f"; ... and {len(edits) - 5} more" if len(edits) > 5 else "")
+        report.problem(path, f"{len(edits)} module edit(s) after attach fastdump could not follow: their outputs are "
+                             f"missing, or dumped under a name that no longer leads to them: {shown}")
 
 
 def _check_producer_error(report: _Report, path: str, status: str) -> str:

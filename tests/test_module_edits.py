@@ -1,0 +1,232 @@
+"""Edits of the model's module tree after attach that torch's registration hook does not see:
+removals (``delattr``, ``ModuleDict`` ``del``/``pop``/``clear``) are followed; direct writes to a
+module's ``_modules`` (``torch.ao.quantization.convert``, ``swap_submodule``) cannot be, and make
+``fastdump verify`` fail naming the module."""
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+import fastdump
+from fastdump.capture import dumper as dumper_mod
+from fastdump.cli.dump import verify_dump
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return a.contiguous().reshape(-1).view(torch.uint8).equal(b.contiguous().reshape(-1).view(torch.uint8))
+
+
+@pytest.fixture(params=["native", "python"])
+def kind(request, monkeypatch):
+    if request.param == "python":
+        monkeypatch.setattr(dumper_mod, "_native_wrappers", False)
+    return request.param
+
+
+class Heads(nn.Module):
+    """Runs its ModuleDict's heads in order, then ``extra`` when it has one, then the modules of
+    ``outside`` (a plain list: not part of the model's tree)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(7)
+        self.heads = nn.ModuleDict({"a": nn.Linear(4, 4), "b": nn.Linear(4, 4)})
+        self.outside = []
+
+    def forward(self, x):
+        for head in self.heads.values():
+            x = head(x)
+        if "extra" in self._modules:
+            x = self.extra(x)
+        for module in self.outside:
+            x = module(x)
+        return x
+
+
+REMOVALS = {
+    "delattr": lambda heads: (heads.a, delattr(heads, "a"))[0],
+    "moduledict_pop": lambda heads: heads.pop("a"),
+    "moduledict_del": lambda heads: (heads["a"], heads.__delitem__("a"))[0],
+    "moduledict_clear": lambda heads: (heads["a"], heads.clear())[0],
+}
+
+
+def _run_and_expect(model, x):
+    """The model's output and what each name in the tree should hold, computed undumped."""
+    want, h = {}, x
+    with torch.no_grad():
+        out = model(x)
+        for key, head in model.heads.items():
+            h = want[f"heads.{key}"] = head(h)
+        if "extra" in model._modules:
+            h = want["extra"] = model.extra(h)
+        for module in model.outside:
+            h = module(h)
+    return out, want
+
+
+@pytest.mark.parametrize("then", ["put_back_as_extra", "run_outside_the_model"])
+@pytest.mark.parametrize("removal", sorted(REMOVALS))
+def test_a_module_removed_from_the_model_after_attach_is_dumped_only_where_the_model_holds_it(
+        tmp_path, kind, removal, then):
+    """A module removed by ``delattr`` or a ModuleDict's ``del``/``pop``/``clear`` (writes to
+    ``_modules`` that torch's registration hook does not see) kept its wrapper and its old name:
+    put back as ``extra`` it dumped as ``heads.a``; run from outside the model it dumped as
+    ``heads.a`` too, a module the model no longer has. verify said OK. Now a removed module is
+    dumped under the name the model gives it, and not at all while the model has none for it."""
+    model = Heads()
+    d = fastdump.attach(model, tmp_path)
+    removed = REMOVALS[removal](model.heads)
+    if then == "put_back_as_extra":
+        model.extra = removed
+    else:
+        model.outside.append(removed)
+    x = torch.randn(2, 4)
+    out, want = _run_and_expect(model, x)
+    d.close()
+    dumped = fastdump.open(tmp_path).load("target", 0, 0)
+    assert sorted(dumped) == sorted(list(want) + ["Heads"])
+    for name, value in want.items():
+        assert same_bits(dumped[name], value), name
+    assert same_bits(dumped["Heads"], out)
+    assert verify_dump(str(tmp_path)).problems == []
+    for module in model.modules():
+        assert "forward" not in module.__dict__, module
+    assert "forward" not in removed.__dict__
+
+
+class Doubled(nn.Module):
+    """What torch.ao.quantization.convert swaps a Linear for (from_float, as a quantized module)."""
+
+    def __init__(self, linear):
+        super().__init__()
+        self.linear = linear
+
+    def forward(self, x):
+        return self.linear(x) * 2
+
+    @classmethod
+    def from_float(cls, mod):
+        return cls(nn.Linear(mod.in_features, mod.out_features))
+
+
+def _ao_convert(heads):
+    heads.a.qconfig = torch.ao.quantization.default_qconfig  # (swap_module swaps what has a qconfig)
+    torch.ao.quantization.convert(heads, mapping={nn.Linear: Doubled}, inplace=True)
+
+
+def _swap_submodule(heads):
+    from torch.nn.utils._named_member_accessor import swap_submodule
+
+    swap_submodule(heads, "a", nn.Linear(4, 4))
+
+
+UNSEEN = {  # edit -> (what it does, the names verify must name)
+    "modules_setitem_new": (lambda heads: heads._modules.__setitem__("a", nn.Linear(4, 4)), ["heads.a"] * 2),
+    "modules_setitem_added": (lambda heads: heads._modules.__setitem__("c", nn.Linear(4, 4)), ["heads.c"]),
+    "swap_submodule": (_swap_submodule, ["heads.a"] * 2),  # (the new one not dumped, the old one left)
+    "ao_quantization_convert": (_ao_convert, ["heads.a.linear", "heads.a"]),
+    "modules_del": (lambda heads: heads._modules.__delitem__("a"), ["heads.a"]),
+    "modules_pop": (lambda heads: heads._modules.pop("a"), ["heads.a"]),
+    "modules_clear": (lambda heads: heads._modules.clear(), ["heads.a", "heads.b"]),
+}
+
+
+@pytest.mark.parametrize("edit", sorted(UNSEEN))
+def test_direct_writes_to_modules_after_attach_make_verify_fail_naming_the_module(tmp_path, kind, edit):
+    """A write to a module's ``_modules`` (torch.ao.quantization's convert, ``swap_submodule``,
+    ``del parent._modules[k]``) calls no hook fastdump can follow: a module put in so was never
+    dumped, one taken out so still dumped under a name that no longer leads to it, and verify said
+    OK. At close the Dumper compares the model's tree with what it wraps: each difference is in
+    rank.json (stats.modules_not_followed) and verify fails, naming the module."""
+    model = Heads()
+    d = fastdump.attach(model, tmp_path)
+    do, names = UNSEEN[edit]
+    do(model.heads)
+    with torch.no_grad():
+        model(torch.randn(2, 4))
+    stats = d.close()
+    listed = stats["modules_not_followed"]
+    assert sorted(entry.split(":")[0] for entry in listed) == sorted(names)
+    info = json.loads((next(tmp_path.rglob("rank.json"))).read_text())
+    assert info["stats"]["modules_not_followed"] == listed
+    problems = verify_dump(str(tmp_path)).problems
+    assert len(problems) == 1
+    for name in names:
+        assert f"{name}: " in problems[0], problems
+    assert "could not follow" in problems[0]
+
+
+def test_edits_torch_reports_leave_no_trace_in_the_check_at_close(tmp_path, kind):
+    """The followed edits (setattr, ModuleDict assignment, LoRA-style wrapping, a removal) leave
+    the tree and the wrappers in agreement: nothing listed, verify OK."""
+    model = Heads()
+    d = fastdump.attach(model, tmp_path)
+
+    class LoRA(nn.Module):
+        def __init__(self, base):
+            super().__init__()
+            self.base, self.up = base, nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.base(x) + self.up(x)
+
+    model.heads["b"] = LoRA(model.heads["b"])  # the old b keeps its name inside it
+    model.extra = model.heads.pop("a")
+    model.heads.update({"c": nn.Linear(4, 4)})  # (ModuleDict.update assigns each: registered)
+    with torch.no_grad():
+        model(torch.randn(2, 4))
+    stats = d.close()
+    assert stats["modules_not_followed"] == []
+    assert verify_dump(str(tmp_path)).problems == []
+    assert sorted(fastdump.open(tmp_path).load("target", 0, 0)) == [
+        "Heads", "extra", "heads.b", "heads.b.up", "heads.c"]
+
+
+@pytest.mark.parametrize("damaged", [3, "heads.a", [1], None])
+def test_verify_fails_a_damaged_list_of_edits_not_followed(tmp_path, damaged):
+    """rank.json's stats.modules_not_followed is a list of texts: anything else must not pass for
+    an empty list (a damaged file hiding a module's missing outputs)."""
+    import conftest
+
+    model = Heads()
+    d = fastdump.attach(model, tmp_path)
+    with torch.no_grad():
+        model(torch.randn(2, 4))
+    d.close()
+    assert verify_dump(str(tmp_path)).problems == []
+    rank_dir = next(tmp_path.rglob("rank.json")).parent
+    info = conftest.read_rank_json(rank_dir)
+    info["stats"]["modules_not_followed"] = damaged
+    conftest.write_rank_json(rank_dir, info)
+    problems = verify_dump(str(tmp_path)).problems
+    assert len(problems) == 1 and "stats.modules_not_followed is " in problems[0] and "not a list of texts" in problems[0]
+
+
+def test_a_module_replaced_by_one_that_does_not_hold_it_is_no_longer_dumped(tmp_path, kind):
+    """``heads["a"] = Doubled(new Linear)`` (transformers' pruned lm_head does this): the new
+    module is no leaf, so no newcomer took the name ``heads.a`` from the old Linear, which kept its
+    wrapper: run from outside the model it was dumped as ``heads.a``, verify OK. Now it leaves
+    with its place; the new module's Linear is dumped as ``heads.a.linear``."""
+    model = Heads()
+    d = fastdump.attach(model, tmp_path)
+    old = model.heads["a"]
+    torch.manual_seed(9)
+    model.heads["a"] = Doubled(nn.Linear(4, 4))
+    model.outside.append(old)
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        out = model(x)
+        inner = model.heads["a"].linear(x)
+        b = model.heads["b"](inner * 2)
+    stats = d.close()
+    dumped = fastdump.open(tmp_path).load("target", 0, 0)
+    assert sorted(dumped) == ["Heads", "heads.a.linear", "heads.b"]
+    assert same_bits(dumped["heads.a.linear"], inner) and same_bits(dumped["heads.b"], b)
+    assert same_bits(dumped["Heads"], out)
+    assert stats["modules_not_followed"] == [] and verify_dump(str(tmp_path)).problems == []
+    assert "forward" not in old.__dict__
