@@ -13,11 +13,13 @@ new option is one field below.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import numbers
 import os
 import re
 import sys
+import warnings
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -601,3 +603,59 @@ def check_runtime_env(environ: Mapping[str, str] = os.environ) -> None:
                 check(raw)
             except ValueError as e:
                 raise ConfigError(f"{name}={raw!r}: {e}") from None
+
+
+# FASTDUMP_* variables set that nothing reads are warned about at every attach (a misspelling is
+# otherwise ignored without a word). Variables read elsewhere, not attach settings: known, so never reported as misspelt.
+OTHER_VARS = {
+    "FASTDUMP_EXIT_TIMEOUT_S": "interpreter exit: seconds (default 30) to close Dumpers and stop the writer; "
+                               "then the writer is killed",
+    "FASTDUMP_NO_DIRECT_IO": "writer: 1 = write through the page cache, never O_DIRECT",
+    "FASTDUMP_CUDA": "build (setup.py): 1 = CUDA path required, 0 = CPU-only build",
+    "FASTDUMP_CUDA_ARCHS": "build (setup.py): CUDA architectures to compile for",
+    "FASTDUMP_TORCH_READER": "build (setup.py): 1 = fastdump._torch_reader required, 0 = not built; "
+                             "run time: 0 = read tensors through their Python attributes",
+    "FASTDUMP_CUPY": "build (setup.py): the CuPy wheel the cuda extra names (e.g. cupy-cuda12x)",
+    # Read by the CUDA stager (csrc/cuda_staging.cu, docs/CUDA.md) when it starts.
+    "FASTDUMP_CUDA_BATCH": "CUDA: 0 = no cudaMemcpyBatchAsync (one copy per record)",
+    "FASTDUMP_CUDA_REGISTER_PIECE_MB": "CUDA: MiB per cudaHostRegister call pinning the ring (default 256)",
+    "FASTDUMP_CUDA_HOLD_MS": "CUDA: ms an open batch waits before the drain seals it (default 2)",
+    "FASTDUMP_CUDA_CHECK_EACH_TENSOR": "CUDA: 1 = ask the capture state for every tensor (captures begun mid-pass)",
+    "FASTDUMP_CUDA_EVENTS_EVERY": "CUDA: snapshots per completion event (default 64)",
+}
+
+_ENV_BY_NAME = {v.name: v for v in ENV_VARS}
+
+_WARNED_UNKNOWN: set = set()  # unknown names warned about in this process (warn_unknown_env_once)
+
+
+def unknown_env(environ: Mapping[str, str] = os.environ) -> dict[str, str]:
+    """{name: warning text} for each FASTDUMP_* variable set that nothing reads (a misspelling),
+    with the closest known name."""
+    out = {}
+    for key in environ:
+        if key.startswith("FASTDUMP_") and key not in _ENV_BY_NAME and key not in OTHER_VARS:
+            near = difflib.get_close_matches(key, list(_ENV_BY_NAME) + list(OTHER_VARS), n=1)
+            hint = f" (did you mean {near[0]}?)" if near else ""
+            out[key] = f"unknown environment variable {key}{hint}; ignored"
+    return out
+
+
+def warn_unknown_env_once(environ: Mapping[str, str] = os.environ) -> None:
+    """The misspelling warning at every attach, not only maybe_attach's: a direct ``attach()`` with
+    FASTDUMP_NO_DIRECTIO=1 or FASTDUMP_EXIT_TIMEOUT=5 set ignored it without a word. Once per name
+    and process (maybe_attach's parse_env has already said it)."""
+    for key, text in unknown_env(environ).items():
+        if key not in _WARNED_UNKNOWN:
+            _WARNED_UNKNOWN.add(key)
+            warnings.warn(text, stacklevel=_user_stacklevel())
+
+
+def _user_stacklevel() -> int:
+    """The stacklevel of the first frame outside the fastdump package, so that a warning names the
+    user's line (maybe_attach's named fastdump/__init__.py)."""
+    package = os.path.dirname(os.path.abspath(__file__))
+    frame, level = sys._getframe(1), 1
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package + os.sep):
+        frame, level = frame.f_back, level + 1
+    return level

@@ -30,8 +30,8 @@ from pathlib import Path
 from .. import _C
 from .. import dtypes as _dtypes
 from .. import protocol
-from ..config import warn_unknown_env_once
 from ..options import Options, check_meta_keys as _check_meta_keys, check_runtime_env as _check_runtime_env
+from ..options import warn_unknown_env_once
 from .lazy import STAND_INS as _LAZY_STAND_INS
 from .manifest import cuda_index as _cuda_index, device_facts as _device_facts, write_manifest as _write_manifest
 from .ranks import resolve_ranks  # noqa: F401 - part of this module's face
