@@ -27,7 +27,8 @@ void bind_graph_recorder(py::module_& m) {
       py::make_tuple("magic", offsetof(ReplayHeader, magic)), py::make_tuple("pass_id", offsetof(ReplayHeader, pass_id)),
       py::make_tuple("replay", offsetof(ReplayHeader, replay)),
       py::make_tuple("span_name_id", offsetof(ReplayHeader, span_name_id)),
-      py::make_tuple("span_bytes", offsetof(ReplayHeader, span_bytes)));
+      py::make_tuple("span_bytes", offsetof(ReplayHeader, span_bytes)),
+      py::make_tuple("graph", offsetof(ReplayHeader, graph)));
   py::class_<GraphRecorder>(m, "GraphRecorder")
       .def(py::init<CudaStager*, uint32_t, int, uint64_t, uint64_t, uint32_t, const std::string&,
                     const std::string&>(),
@@ -36,7 +37,7 @@ void bind_graph_recorder(py::module_& m) {
            py::keep_alive<1, 2>(),  // the stager outlives the recorder
            "One per Dumper and GPU; allocates its device memory now (call it outside any capture).")
       .def("begin_graph", &GraphRecorder::begin_graph, py::arg("stream"),
-           "A captured pass starts on `stream` (capturing); returns the graph id.")
+           "A captured pass starts on `stream` (capturing); returns the graph id (OverflowError: no id free).")
       .def(
           "record",
           [](GraphRecorder& r, uint32_t name_id, uint16_t dtype, uint64_t elem_size, std::vector<int64_t> shape,
@@ -58,6 +59,7 @@ void bind_graph_recorder(py::module_& m) {
             py::dict d;
             d["span_name_id"] = r.span_name_id(graph);
             d["span_bytes"] = r.span_bytes(graph);
+            d["graph_number"] = r.graph_number(graph);  // never reused (the id is, once reclaimed)
             d["tensors"] = tensors;  // (name_id, dtype, shape, offset, nbytes), offsets from the span's start
             return d;
           },
@@ -92,6 +94,7 @@ void bind_graph_recorder(py::module_& m) {
              GraphRecorderStats s = r.stats();
              py::dict d;
              d["graphs"] = s.graphs;
+             d["live_graphs"] = s.live_graphs;
              d["captured_tensors"] = s.captured_tensors;
              d["replays"] = s.replays;
              d["dropped_replays"] = s.dropped_replays;

@@ -28,6 +28,7 @@
 #include <cstring>
 #include <deque>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <stdexcept>
 #include <string>
@@ -192,7 +193,8 @@ __global__ void __launch_bounds__(kCopyThreads)
 }
 
 __global__ void graph_publish_kernel(const GraphDecision* dec, LogEntry* log, uint64_t log_cap, uint32_t graph,
-                                     uint8_t* ring, uint64_t ring_bytes, uint64_t span_name_id, uint64_t span_bytes) {
+                                     uint8_t* ring, uint64_t ring_bytes, uint64_t span_name_id, uint64_t span_bytes,
+                                     uint64_t number) {
   if (threadIdx.x != 0 || blockIdx.x != 0) return;
   const volatile GraphDecision* d = dec;
   const uint64_t off = d->offset;
@@ -205,6 +207,7 @@ __global__ void graph_publish_kernel(const GraphDecision* dec, LogEntry* log, ui
   h->replay = d->replay;
   h->span_name_id = span_name_id;
   h->span_bytes = span_bytes;
+  h->graph = number;
   volatile LogEntry* e = log + pos % log_cap;
   e->offset = off;
   e->replay = d->replay;
@@ -262,7 +265,8 @@ class OnDevice {
 };
 
 struct GraphInfo {
-  uint32_t id = 0;
+  uint32_t id = 0;           // its decision word and span name; reused once reclaim() freed it
+  uint64_t number = 0;       // committed graphs, numbered from 0 by the recorder: never reused
   uint64_t serial = 0;       // the capture's number (begin_graph): what reclaim() names
   uint64_t span_offset = 0;  // in the slot area
   uint64_t slot_limit = 0;   // end of the free slot extent the span grows in
@@ -303,7 +307,16 @@ struct GraphRecorder::Impl {
   cudaStream_t stream = nullptr;  // the drain's own stream (non-blocking)
 
   mutable std::mutex mu;          // graphs, open capture, slots, counters
-  std::deque<GraphInfo> graphs;   // committed graphs, by id
+  // Committed graphs by id: the last graph of each id (see retired_ids). Shared with the drain,
+  // which holds its own reference while it stages a replay.
+  std::vector<std::shared_ptr<const GraphInfo>> graphs;
+  // Ids reclaim() freed -> the log position the drain must have released (published to the host
+  // ring) before the id names another graph: every replay of the old graph is then ahead of the
+  // new graph's layout in the ring, and no log entry still to be drained names the old one.
+  std::map<uint32_t, uint64_t> retired_ids;
+  std::map<uint64_t, uint32_t> serial_ids;  // capture serial -> id, of committed graphs
+  uint64_t next_number = 0;
+  uint64_t live_graphs = 0;
   std::unique_ptr<GraphInfo> open;
   // The slot area: free extents (offset -> bytes, coalesced) and the spans graphs hold (capture
   // serial -> offset, bytes). A span is held from its capture until reclaim() proves that no
@@ -405,9 +418,12 @@ struct GraphRecorder::Impl {
     std::lock_guard<std::mutex> g(mu);
     if (closed || broken) throw std::runtime_error("graph recorder closed" + (last_error.empty() ? "" : ": " + last_error));
     if (open) throw std::runtime_error("another CUDA graph capture of this Dumper is open (one at a time)");
-    if (graphs.size() >= kMaxGraphs) throw std::runtime_error("too many CUDA graphs recorded by one Dumper");
+    const int64_t id = free_id_locked();
+    if (id < 0)
+      throw std::overflow_error("more than " + std::to_string(kMaxGraphs) + " CUDA graphs of one Dumper exist on GPU " +
+                                std::to_string(device) + " (reset or delete graphs no longer replayed)");
     open.reset(new GraphInfo());
-    open->id = static_cast<uint32_t>(graphs.size());
+    open->id = static_cast<uint32_t>(id);
     open->serial = next_serial++;
     // The graph's span grows in the largest free extent (its size is known only at its end).
     open->span_offset = open->slot_limit = slot_cap;
@@ -420,6 +436,15 @@ struct GraphRecorder::Impl {
     open->stream = cs;
     open->capture_id = capture_id;
     return static_cast<int>(open->id);
+  }
+
+  // The id for the next graph: the lowest freed one the drain is past (see retired_ids), else a
+  // new one; -1 when kMaxGraphs graphs hold one. mu held.
+  int64_t free_id_locked() {
+    const uint64_t released = host ? ld_shared(&host->log_consumed) : 0;
+    for (const auto& r : retired_ids)
+      if (released >= r.second) return r.first;
+    return graphs.size() < kMaxGraphs ? static_cast<int64_t>(graphs.size()) : -1;
   }
 
   // Whether the open graph's capture is over (ended, or another capture on its stream since): its
@@ -484,6 +509,7 @@ struct GraphRecorder::Impl {
 
   int end_graph() {
     std::lock_guard<std::mutex> g(mu);
+    if (open) open->number = next_number;  // (taken below, once committed)
     if (!open) throw std::runtime_error("no CUDA graph capture is open");
     if (capture_ended_locked()) {
       hold_slots_locked(*open);  // (the graph may be replayed)
@@ -495,11 +521,16 @@ struct GraphRecorder::Impl {
     if (gi->tensors.empty()) return -1;
     OnDevice on(device);
     enqueue_commit(*gi);
+    ++next_number;
     hold_slots_locked(*gi);  // the graph's until reclaim()
     captured_tensors += gi->tensors.size();
-    const int id = static_cast<int>(gi->id);
-    graphs.push_back(std::move(*gi));
-    return id;
+    const uint32_t id = gi->id;
+    retired_ids.erase(id);
+    serial_ids[gi->serial] = id;
+    ++live_graphs;
+    if (id == graphs.size()) graphs.emplace_back();
+    graphs[id] = std::shared_ptr<const GraphInfo>(std::move(gi));
+    return static_cast<int>(id);
   }
 
   void enqueue_commit(const GraphInfo& gi) {
@@ -507,7 +538,7 @@ struct GraphRecorder::Impl {
     const uint8_t* span = slots + gi.span_offset;
     const uint64_t need = gi.span_bytes, rb = ring_cap, lc = log_cap;
     const uint32_t id = gi.id;
-    const uint64_t name_id = span_name(gi.id);
+    const uint64_t name_id = span_name(gi.id), number = gi.number;
 #ifdef FASTDUMP_CUDA_MOCK
     GraphCtl* c = ctl;
     HostCtl* h = host_dev;
@@ -529,7 +560,7 @@ struct GraphRecorder::Impl {
       const GraphDecision* ds = fdmock::dev_bytes(d);
       if (ds->offset == kSkip) return;
       const ReplayHeader h{kReplayMagic, static_cast<uint64_t>(kGraphPassBase) + ds->log_pos, ds->replay, name_id,
-                           need};
+                           need, number};
       std::memcpy(fdmock::dev_bytes(r + ds->offset % rb), &h, sizeof h);
       LogEntry* e = lg + ds->log_pos % lc;
       e->offset = ds->offset;
@@ -548,7 +579,7 @@ struct GraphRecorder::Impl {
     graph_copy_kernel<<<static_cast<unsigned>(blocks), kCopyThreads, 0, gi.stream>>>(
         d, reinterpret_cast<const uint4*>(span), ring, rb, units);
     FD_GR_CUDA(cudaGetLastError());
-    graph_publish_kernel<<<1, 1, 0, gi.stream>>>(d, log_dev, lc, id, ring, rb, name_id, need);
+    graph_publish_kernel<<<1, 1, 0, gi.stream>>>(d, log_dev, lc, id, ring, rb, name_id, need, number);
     FD_GR_CUDA(cudaGetLastError());
 #endif
   }
@@ -597,11 +628,41 @@ struct GraphRecorder::Impl {
         return {};
       }
     }
+    // The freed graphs' decision words start over (replay index 0) for the next graph of their id.
+    // Nothing replays them now (synchronized, and they can never run again).
+    std::vector<uint32_t> ids;
+    {
+      std::lock_guard<std::mutex> g(mu);
+      for (uint64_t s : serials) {
+        auto i = serial_ids.find(s);
+        if (i != serial_ids.end()) ids.push_back(i->second);
+      }
+    }
+    if (!ids.empty()) {
+      Relaxed relaxed;
+      OnDevice on(device);
+      static const GraphDecision zero{};
+      cudaError_t e = cudaSuccess;
+      for (uint32_t id : ids)
+        if (e == cudaSuccess) e = cudaMemcpyAsync(dec + id, &zero, sizeof zero, cudaMemcpyHostToDevice, stream);
+      if (e == cudaSuccess) e = cudaStreamSynchronize(stream);
+      if (e != cudaSuccess) {  // the ids stay taken (the slots are given back below all the same)
+        (void)cudaGetLastError();
+        ids.clear();
+      }
+    }
     std::vector<uint64_t> done;
     std::lock_guard<std::mutex> g(mu);
+    // Reusable once the drain released every replay claimed so far (until then graphs[id] still
+    // names the old graph, for the drain).
+    for (uint32_t id : ids) {
+      retired_ids[id] = host ? ld_shared(&host->log_claimed) : 0;
+      --live_graphs;
+    }
     for (uint64_t s : serials) {
       auto h = held_slots.find(s);
       if (h == held_slots.end()) continue;
+      serial_ids.erase(s);
       free_extent_locked(h->second.first, h->second.second);
       slot_used -= h->second.second;
       reclaimed_bytes += h->second.second;
@@ -737,10 +798,10 @@ struct GraphRecorder::Impl {
           busy.store(1, std::memory_order_release);
           const uint64_t offset = e->offset;
           const uint32_t graph = e->graph;
-          const GraphInfo* gi = nullptr;
+          std::shared_ptr<const GraphInfo> gi;
           {
             std::lock_guard<std::mutex> g(mu);
-            if (graph < graphs.size()) gi = &graphs[graph];  // deque: addresses stay valid
+            if (graph < graphs.size()) gi = graphs[graph];
           }
           if (gi == nullptr) {
             fail("replay log names an unknown graph " + std::to_string(graph));
@@ -801,7 +862,8 @@ struct GraphRecorder::Impl {
   GraphRecorderStats stats() {
     GraphRecorderStats s;
     std::lock_guard<std::mutex> g(mu);
-    s.graphs = graphs.size();
+    s.graphs = next_number;
+    s.live_graphs = live_graphs;
     s.captured_tensors = captured_tensors;
     s.replays = replays;
     s.dropped_replays = dropped_now();
@@ -909,13 +971,18 @@ bool GraphRecorder::capturing() const {
   std::lock_guard<std::mutex> g(impl_->mu);
   return impl_->open != nullptr;
 }
-const GraphInfo& committed(const std::deque<GraphInfo>& graphs, int graph) {
-  if (graph < 0 || static_cast<size_t>(graph) >= graphs.size()) throw std::out_of_range("no such CUDA graph");
-  return graphs[static_cast<size_t>(graph)];
+const GraphInfo& committed(const std::vector<std::shared_ptr<const GraphInfo>>& graphs, int graph) {
+  if (graph < 0 || static_cast<size_t>(graph) >= graphs.size() || !graphs[static_cast<size_t>(graph)])
+    throw std::out_of_range("no such CUDA graph");
+  return *graphs[static_cast<size_t>(graph)];
 }
 uint32_t GraphRecorder::span_name_id(int graph) const {
   std::lock_guard<std::mutex> g(impl_->mu);
   return impl_->span_name(committed(impl_->graphs, graph).id);
+}
+uint64_t GraphRecorder::graph_number(int graph) const {
+  std::lock_guard<std::mutex> g(impl_->mu);
+  return committed(impl_->graphs, graph).number;
 }
 uint64_t GraphRecorder::span_bytes(int graph) const {
   std::lock_guard<std::mutex> g(impl_->mu);

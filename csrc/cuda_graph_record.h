@@ -16,7 +16,8 @@ namespace fastdump {
 constexpr int64_t kGraphPassBase = int64_t(1) << 40;
 
 // Each replay reaches the writer as ONE tensor record (chunked when large): the graph's whole span,
-// dtype kReplaySpanDtype, name id kGraphSpanNameBase + device * kMaxGraphsPerRecorder + graph id,
+// dtype kReplaySpanDtype, name id kGraphSpanNameBase + device * kMaxGraphsPerRecorder + graph id
+// (ids of graphs whose slots reclaim() gave back are reused; the header names the graph's number),
 // the replay pass's id. The writer splits it into the pass's tensors with the layout the "graph"
 // control message gave when the graph was captured (fastdump/protocol.py, docs/INTERNALS.md). The
 // span opens with a ReplayHeader written on the device by the replay itself.
@@ -31,8 +32,9 @@ struct ReplayHeader {       // little-endian, at offset 0 of the span record's p
   uint64_t replay;          // the graph's replay index (dropped replays included)
   uint64_t span_name_id;    // equals the record's name id
   uint64_t span_bytes;      // equals the record's payload size
+  uint64_t graph;           // the graph's number: never reused by the recorder (its id, in the name, is)
 };
-static_assert(sizeof(ReplayHeader) == 40 && sizeof(ReplayHeader) <= kReplayHeaderBytes, "replay header layout");
+static_assert(sizeof(ReplayHeader) == 48 && sizeof(ReplayHeader) <= kReplayHeaderBytes, "replay header layout");
 
 struct GraphTensorLayout {  // one recorded tensor inside a graph's span
   uint32_t name_id;
@@ -44,6 +46,7 @@ struct GraphTensorLayout {  // one recorded tensor inside a graph's span
 
 struct GraphRecorderStats {
   uint64_t graphs = 0;             // captures that recorded a commit (graphs whose replays are passes)
+  uint64_t live_graphs = 0;        // ... of which hold a graph id now (at most kMaxGraphsPerRecorder)
   uint64_t captured_tensors = 0;   // tensors recorded into those graphs
   uint64_t replays = 0;            // replays turned into passes (their span record handed to the writer)
   uint64_t dropped_replays = 0;    // replays the device found no room for (counted inside the graph),
@@ -80,8 +83,10 @@ class GraphRecorder {
   GraphRecorder(const GraphRecorder&) = delete;
   GraphRecorder& operator=(const GraphRecorder&) = delete;
 
-  // A captured pass starts on `stream` (which must be capturing). Returns the graph's id. Throws
-  // std::runtime_error when another capture of this recorder is open, or the recorder is closed.
+  // A captured pass starts on `stream` (which must be capturing). Returns the graph's id: a free
+  // one (never used, or given back by reclaim() once the drain wrote every replay of its last
+  // graph). Throws std::runtime_error when another capture of this recorder is open, or the
+  // recorder is closed; std::overflow_error when kMaxGraphsPerRecorder graphs hold an id.
   int begin_graph(uintptr_t stream);
   // Snapshot `src` into a static slot, on the capturing stream (recorded into the graph). Returns
   // kStaged, kTooLarge (more than kMaxDims dimensions) or kNoSpace (the slots or the replay ring
@@ -109,6 +114,7 @@ class GraphRecorder {
   bool capturing() const;
   // A committed graph's span: its record's name id, size and tensors (what the writer needs).
   uint32_t span_name_id(int graph) const;
+  uint64_t graph_number(int graph) const;  // unique per recorder (pass meta `cuda_graph`)
   uint64_t span_bytes(int graph) const;
   std::vector<GraphTensorLayout> layout(int graph) const;
   // Replays dropped so far (device claim and drain), cheap: Channel counts drops through it.

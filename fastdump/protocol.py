@@ -130,9 +130,10 @@ class ReplayHeader(NamedTuple):
     replay: int  # the graph's replay index (dropped replays included: gaps are drops)
     span_name_id: int
     span_bytes: int
+    graph: int  # the graph's number (the ``graph`` message's): ids are reused, numbers never
 
 
-_REPLAY_HEADER = struct.Struct("<5Q")
+_REPLAY_HEADER = struct.Struct("<6Q")
 
 
 def replay_header(payload) -> ReplayHeader:

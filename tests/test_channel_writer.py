@@ -1062,8 +1062,8 @@ def _replay_span(layout: dict, pass_id: int, replay: int, tensors: list, magic=N
 
     span = np.zeros(layout["span_bytes"], dtype=np.uint8)
     header = protocol.ReplayHeader(protocol.REPLAY_MAGIC if magic is None else magic, pass_id, replay,
-                                   layout["span_name_id"], layout["span_bytes"])
-    span[:40] = np.frombuffer(np.array(header, dtype="<u8").tobytes(), np.uint8)
+                                   layout["span_name_id"], layout["span_bytes"], layout["graph"])
+    span[:48] = np.frombuffer(np.array(header, dtype="<u8").tobytes(), np.uint8)
     for (_, _, _, offset, nbytes), t in zip(layout["tensors"], tensors):
         span[offset:offset + nbytes] = bits(t).numpy()
     return span

@@ -899,7 +899,7 @@ def test_graph_replay_is_one_span_record_split_by_the_writer(m, glue, tmp_path, 
         assert r.dtype == protocol.REPLAY_SPAN_DTYPE and r.shape == (g["span_bytes"],)
         assert (r.offset, r.total) == (0, g["span_bytes"]) and len(r.payload) == g["span_bytes"]
         h = protocol.replay_header(r.payload)
-        assert h == (protocol.REPLAY_MAGIC, r.pass_id, h.replay, r.name_id, g["span_bytes"])
+        assert h == (protocol.REPLAY_MAGIC, r.pass_id, h.replay, r.name_id, g["span_bytes"], g["graph"])
         replays_seen[g["graph"]].append(h.replay)
     assert replays_seen[0] == list(range(counts[2]))
     assert replays_seen[1][:counts[6]] == list(range(counts[6]))
@@ -1786,3 +1786,152 @@ def test_a_recaptured_graph_in_the_slots_of_one_reset_between_live_graphs(m, glu
         assert same_bits(torch.as_tensor(got["layers.0"]), h1), key
         assert same_bits(torch.as_tensor(got["layers.1"]), h2), key
     assert verify_dump(str(tmp_path)).problems == []
+
+
+def test_graph_ids_of_graphs_that_no_longer_exist_are_reused(m, glue, tmp_path, monkeypatch):
+    """An engine that recaptures its graphs round after round (config change, LoRA swap, one
+    torch.cuda.graph per batch size): graph ids were never reused, so after 4096 captures every
+    later graph's tensors were skipped and its replays ran unseen, with verify saying OK. The id of
+    a graph reset (its slots reclaimed) now goes to a later graph: 4100 capture/replay/reset rounds
+    in one Dumper, every sampled replay whole and bit-exact, its meta naming the round's graph by a
+    number never reused (cuda_graph == the round)."""
+    from fastdump.cli.dump import verify_dump
+    from fastdump.staging import cuda
+
+    current = Stream(glue)
+    monkeypatch.setattr(cuda, "_current_stream", current)
+    _watch_torch_graphs(monkeypatch)
+    side = m._mock.stream_create_flags(0)
+    model = Model(m, 1, width=4)
+    d = _attach(tmp_path, writer="thread", device="cuda:0", graph_ring_mb=1)
+    sampled, expected = (0, 1, 2047, 4095, 4096, 4097, 4099), []
+    try:
+        for rnd in range(4100):
+            g = _torch_capture(m, model, d, current, side)
+            current.raw = glue
+            if rnd in sampled:
+                expected.append(replay(m, model, g.exe, glue, rand_input(model, rnd)))
+                m._mock.sync(glue)
+            g.reset()
+        rec = d._graphs.recorder(0).stats()
+        stats = d.close()
+    finally:
+        m._mock.sync(glue)
+        m._mock.stream_destroy(side)
+        free_device_memory(d)
+    assert rec["graphs"] == 4100 and rec["live_graphs"] == 1 and rec["reclaimed_graphs"] == 4099, rec
+    assert stats["graph_replays"] == len(sampled) and stats["skipped"] == 0 and stats["graphs_not_dumped"] == 0, stats
+    ds = fastdump.open(tmp_path)
+    passes = graph_passes(ds, "target")
+    assert len(passes) == len(sampled)
+    for p, rnd, (h1, h2) in zip(passes, sampled, expected):
+        got = ds.load("target", 0, p)
+        assert same_bits(torch.as_tensor(got["layers.0"]), h1) and same_bits(torch.as_tensor(got["layers.1"]), h2)
+        meta = ds.meta("target", 0, p)
+        assert (meta["cuda_graph"], meta["graph_replay"], meta["complete"]) == (rnd, 0, True), meta
+    assert verify_dump(str(tmp_path)).problems == []
+
+
+def test_a_graph_id_is_reused_only_after_the_drain_wrote_the_old_graphs_replays(m, glue, tmp_path, monkeypatch):
+    """A replay of a reset graph still waits for the drain (paused) when the next graph is captured:
+    were the old id reused now, the new graph's layout would reach the writer before the old
+    replay's span, which would be split with the new graph's layout (another graph's values under
+    its name) or looked up as the new graph by the drain. The new graph takes another id; the old
+    id goes to the graph after, once the drain wrote the old replay. Each replay's pass holds its
+    own graph's values and names it; replay indices start at 0 for the graph reusing an id."""
+    from fastdump.cli.dump import verify_dump
+    from fastdump.staging import cuda
+
+    current = Stream(glue)
+    monkeypatch.setattr(cuda, "_current_stream", current)
+    _watch_torch_graphs(monkeypatch)
+    side = m._mock.stream_create_flags(0)
+    models = [Model(m, 2, width=16 * (k + 1)) for k in range(3)]  # three layouts (span sizes differ)
+    d = _attach(tmp_path, writer="thread", device="cuda:0", graph_ring_mb=1)
+    rec = d._graphs.recorder(0)
+    expected = []
+    try:
+        g0 = _torch_capture(m, models[0], d, current, side)
+        current.raw = glue
+        rec.set_paused(True)
+        expected.append(replay(m, models[0], g0.exe, glue, rand_input(models[0], 1)))
+        m._mock.sync(glue)
+        g0.reset()
+        g1 = _torch_capture(m, models[1], d, current, side)  # id 0 is freed, its replay not drained yet
+        current.raw = glue
+        ids = [rec.layout(1)["graph_number"]]
+        rec.set_paused(False)
+        assert rec.flush(30)
+        g2 = _torch_capture(m, models[2], d, current, side)  # id 0 again
+        current.raw = glue
+        ids.append(rec.layout(0)["graph_number"])
+        for k in range(2):
+            expected.append(replay(m, models[1], g1.exe, glue, rand_input(models[1], 10 + k)))
+            m._mock.sync(glue)
+            expected.append(replay(m, models[2], g2.exe, glue, rand_input(models[2], 20 + k)))
+            m._mock.sync(glue)
+        assert rec.flush(30)
+        stats = d.close()
+        g1.reset()
+        g2.reset()
+    finally:
+        m._mock.sync(glue)
+        m._mock.stream_destroy(side)
+        free_device_memory(d)
+    assert ids == [1, 2]
+    assert stats["graph_replays"] == 5 and stats["dropped_passes"] == 0 and stats["skipped"] == 0, stats
+    ds = fastdump.open(tmp_path)
+    passes = graph_passes(ds, "target")
+    assert len(passes) == 5
+    names = [(0, 0), (1, 0), (2, 0), (1, 1), (2, 1)]  # (cuda_graph, graph_replay)
+    for p, (number, k), (h1, h2) in zip(passes, names, expected):
+        got = ds.load("target", 0, p)
+        meta = ds.meta("target", 0, p)
+        assert (meta["cuda_graph"], meta["graph_replay"], meta["complete"]) == (number, k, True), meta
+        assert same_bits(torch.as_tensor(got["layers.0"]), h1) and same_bits(torch.as_tensor(got["layers.1"]), h2)
+    assert verify_dump(str(tmp_path)).problems == []
+
+
+def test_more_live_graphs_than_graph_ids_are_counted_and_fail_verify(m, glue, tmp_path, monkeypatch):
+    """4096 graphs that all still exist, then one more: the 4097th graph's tensors were skipped
+    (each with a reason) but its replays ran unseen, nothing counted them and verify said OK. It is
+    now a graph not dumped: counted in rank.json, the capture pass says why, verify fails."""
+    from fastdump.cli.dump import verify_dump
+    from fastdump.staging import cuda
+
+    current = Stream(glue)
+    monkeypatch.setattr(cuda, "_current_stream", current)
+    _watch_torch_graphs(monkeypatch)
+    side = m._mock.stream_create_flags(0)
+    model = Model(m, 1, width=4)
+    d = _attach(tmp_path, writer="thread", device="cuda:0", graph_ring_mb=8)  # slots for 4096 spans of 768 B
+    live = []
+    try:
+        for _ in range(4097):
+            live.append(_torch_capture(m, model, d, current, side))
+        current.raw = glue
+        last = replay(m, model, live[-1].exe, glue, rand_input(model, 1))  # unseen
+        first = replay(m, model, live[0].exe, glue, rand_input(model, 2))
+        m._mock.sync(glue)
+        rec = d._graphs.recorder(0).stats()
+        stats = d.close()
+        for g in live:
+            g.reset()
+    finally:
+        m._mock.sync(glue)
+        m._mock.stream_destroy(side)
+        free_device_memory(d)
+    assert stats["graphs_not_dumped"] == 1 and stats["skipped"] == 2 and stats["graph_replays"] == 1, stats
+    assert last is not None and rec["live_graphs"] == 4096, rec
+    assert _rank_json(tmp_path)["stats"]["graphs_not_dumped"] == 1
+    ds = fastdump.open(tmp_path)
+    meta = ds.meta("target", 0, 4096)  # the last capture's pass
+    why = "more than 4096 CUDA graphs of one Dumper exist on GPU 0 (reset or delete graphs no longer replayed)"
+    assert meta["skipped"] == [{"name": n, "reason": f"CUDA graph capture: not recorded ({why})"}
+                               for n in ("layers.0", "layers.1")], meta
+    assert meta["incomplete"] == f"CUDA graph capture: the graph's replays are not dumped ({why})", meta
+    (p,) = graph_passes(ds, "target")
+    got = ds.load("target", 0, p)
+    assert same_bits(torch.as_tensor(got["layers.0"]), first[0]) and ds.meta("target", 0, p)["cuda_graph"] == 0
+    problems = verify_dump(str(tmp_path)).problems
+    assert any("1 CUDA graph(s) captured while dumping cannot be dumped" in p for p in problems), problems

@@ -112,7 +112,7 @@ def test_replay_pass_is_built_with_the_begin_and_end_constructors():
     the same messages protocol.begin/end build, the meta naming the replay."""
     layout = protocol.graph(2, 0, 1, protocol.GRAPH_SPAN_NAME_BASE + 1, 512, [], {"cuda_graph": 1, "graph_batch": 8},
                             {"x": "why"})
-    header = protocol.ReplayHeader(protocol.REPLAY_MAGIC, protocol.GRAPH_PASS_BASE + 9, 4, layout["span_name_id"], 512)
+    header = protocol.ReplayHeader(protocol.REPLAY_MAGIC, protocol.GRAPH_PASS_BASE + 9, 4, layout["span_name_id"], 512, 1)
     begin, end = protocol.replay_pass(2, layout, header)
     meta = {"cuda_graph": 1, "graph_batch": 8, "graph_replay": 4}
     assert begin == protocol.begin(2, protocol.GRAPH_PASS_BASE + 9, meta)

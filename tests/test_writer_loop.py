@@ -113,9 +113,9 @@ def test_replay_spans_chunked_and_a_torn_one_is_forgotten(tmp_path):
                             {"cuda_graph": 0, "graph_batch": 40}, {})
 
     def span(pass_id, replay, values):
-        head = np.array(protocol.ReplayHeader(protocol.REPLAY_MAGIC, pass_id, replay, name, 512), dtype="<u8")
+        head = np.array(protocol.ReplayHeader(protocol.REPLAY_MAGIC, pass_id, replay, name, 512, 0), dtype="<u8")
         body = np.zeros(512, np.uint8)
-        body[:40] = np.frombuffer(head.tobytes(), np.uint8)
+        body[:48] = np.frombuffer(head.tobytes(), np.uint8)
         body[256:416] = np.frombuffer(values.numpy().tobytes(), np.uint8)
         return body.tobytes()
 

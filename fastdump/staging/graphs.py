@@ -3,7 +3,8 @@
 While a CUDA graph is captured with a Dumper attached, each captured module output's snapshot is
 recorded into the graph itself (``_C.GraphRecorder``, csrc/cuda_graph_record.cu); every replay of the
 graph then becomes one pass holding that replay's values, numbered from ``protocol.GRAPH_PASS_BASE`` in
-replay order, with pass meta naming the graph (``cuda_graph``: its id, ``graph_batch``: its captured
+replay order, with pass meta naming the graph (``cuda_graph``: its number, never reused by the
+Dumper on that GPU, ``graph_batch``: its captured
 batch size where known, ``graph_replay``: the graph's replay index). Python runs only while the
 graph is captured (it sends the graph's layout to the writer then: ``protocol.graph``); a replay
 costs no Python and one C++ staging call on the recorder's drain thread (the whole replay as one
@@ -21,8 +22,6 @@ from .. import protocol
 
 log = logging.getLogger("fastdump")
 
-from ..options import CUDA_GRAPH_MODES as MODES  # noqa: E402 - defined with the option
-
 _cuda_module = None  # fastdump.staging.cuda, imported at the first use (it is never imported eagerly)
 
 
@@ -36,7 +35,6 @@ def _import_cuda():
     return cuda
 
 
-DEFAULT_GRAPH_RING_MB = 256
 LOG_ENTRIES = 1024  # replays that may wait for the drain at once (per Dumper and GPU)
 
 
@@ -47,10 +45,11 @@ def _C():
 class CapturedPass:
     """The pass of one graph capture: its recorder, graph id and the facts its replays carry."""
 
-    __slots__ = ("recorder", "graph", "device", "batch", "recorded", "missing", "owner", "serial")
+    __slots__ = ("recorder", "graph", "device", "batch", "recorded", "missing", "owner", "serial", "refused")
 
-    def __init__(self, recorder, graph: int, device: int, owner=None):
+    def __init__(self, recorder, graph: int, device: int, owner=None, refused: str | None = None):
         self.recorder, self.graph, self.device = recorder, graph, device
+        self.refused = refused  # why the recorder has no graph id for it: its replays cannot be dumped
         self.owner = owner     # the torch CUDAGraph being captured (cuda.capturing_graph), or None
         self.serial = recorder.open_serial  # names the slots it holds (GraphRecorder.reclaim)
         self.batch = None      # leading dimension of the first recorded tensor
@@ -143,8 +142,14 @@ class GraphRecording:
                 return d._skip(name, "CUDA graph capture: no recorder (" + self._failures.get(device, "?") + ")")
             try:
                 cap = self.open = CapturedPass(rec, rec.begin_graph(raw), device, cuda.capturing_graph())
+            except OverflowError as exc:
+                # Every graph id is taken by a graph that may still run: this graph makes replays
+                # nobody dumps. Its pass (end_pass) counts it as a graph not dumped.
+                cap = self.open = CapturedPass(rec, -1, device, refused=str(exc))
             except RuntimeError as exc:
                 return d._skip(name, f"CUDA graph capture: not recorded ({exc})")
+        if cap.refused is not None:
+            return d._skip(name, f"CUDA graph capture: not recorded ({cap.refused})")
         elif device != cap.device:
             cap.missing[name] = "on another GPU than the graph's first tensor"
             return d._skip(name, "CUDA graph capture: tensor on another GPU than the graph's first tensor")
@@ -177,11 +182,13 @@ class GraphRecording:
         carries it, so it exports under the same names as the eager pass."""
         cap, self.open = self.open, None
         d = self._dumper
+        if cap.refused is not None:
+            self._give_up(cap, cap.refused)
+            return
         if cap.recorder.capture_invalidated():  # the capture failed: no graph, no replay to miss
             self._invalidated(cap)
             return
         batch = meta.get("batch_size", meta.get("bs", cap.batch))
-        graph_meta = dict(meta, cuda_graph=cap.graph, graph_batch=batch)
         if cap.recorded:  # its snapshots are in the graph (committed or not): its replays write the slots
             self._hold(cap)
         try:
@@ -196,16 +203,18 @@ class GraphRecording:
             d._mark_incomplete("CUDA graph capture: nothing was recorded into the graph")
             return
         span = cap.recorder.layout(gid)
-        msg = protocol.graph(d._channel.id, cap.device, gid, span["span_name_id"], span["span_bytes"],
+        number = span["graph_number"]  # (gid is reused once the graph is gone; the number never)
+        graph_meta = dict(meta, cuda_graph=number, graph_batch=batch)
+        msg = protocol.graph(d._channel.id, cap.device, number, span["span_name_id"], span["span_bytes"],
                              span["tensors"], graph_meta, cap.missing,
                              None if incomplete is None else f"captured in an incomplete pass: {incomplete}",
                              structure)
         if not d._channel.control(msg, block=True):  # the writer is gone or stuck past block_timeout_s
             log.error("fastdump: %s: the layout of CUDA graph %d did not reach the writer; its replays are "
-                      "written as incomplete passes without tensors", d.dir, gid)
-            d._mark_incomplete(f"CUDA graph capture: the layout of graph {gid} did not reach the writer")
+                      "written as incomplete passes without tensors", d.dir, number)
+            d._mark_incomplete(f"CUDA graph capture: the layout of graph {number} did not reach the writer")
             return
-        d._mark_incomplete(f"CUDA graph capture: values recorded into graph {gid} (batch {batch}); each "
+        d._mark_incomplete(f"CUDA graph capture: values recorded into graph {number} (batch {batch}); each "
                            f"replay is a pass of its own, numbered from {protocol.GRAPH_PASS_BASE}")
 
     def _give_up(self, cap, why: str) -> None:

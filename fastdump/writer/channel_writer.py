@@ -331,7 +331,9 @@ class ChannelWriter:
             why = f"replay span of {len(data)} bytes, the graph's is {layout['span_bytes']}"
         else:
             header = protocol.replay_header(data)
-            if header != (protocol.REPLAY_MAGIC, pass_id, header.replay, span_name_id, len(data)):
+            # (graph: a replay of an earlier graph under the same, since reused, id is never split
+            # with this one's layout)
+            if header != (protocol.REPLAY_MAGIC, pass_id, header.replay, span_name_id, len(data), layout["graph"]):
                 why = f"replay header {tuple(header)} does not match its record (pass {pass_id})"
         if why is not None:
             self.on_begin(pass_id, {})
