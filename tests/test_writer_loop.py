@@ -160,9 +160,9 @@ def test_a_replay_span_whose_chunks_straddle_an_eager_pass_end_is_put_together(t
     layout = protocol.graph(0, 0, 0, name, 512, [[0, dtypes.code_of(a.dtype), [40], 256, 160]],
                             {"cuda_graph": 0, "graph_batch": 40}, {})
     base = protocol.GRAPH_PASS_BASE
-    head = np.array(protocol.ReplayHeader(protocol.REPLAY_MAGIC, base, 0, name, 512), dtype="<u8")
+    head = np.array(protocol.ReplayHeader(protocol.REPLAY_MAGIC, base, 0, name, 512, 0), dtype="<u8")
     span = np.zeros(512, np.uint8)
-    span[:40] = np.frombuffer(head.tobytes(), np.uint8)
+    span[:48] = np.frombuffer(head.tobytes(), np.uint8)
     span[256:416] = np.frombuffer(a.numpy().tobytes(), np.uint8)
     span = span.tobytes()
 
