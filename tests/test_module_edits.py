@@ -230,3 +230,56 @@ def test_a_module_replaced_by_one_that_does_not_hold_it_is_no_longer_dumped(tmp_
     assert same_bits(dumped["Heads"], out)
     assert stats["modules_not_followed"] == [] and verify_dump(str(tmp_path)).problems == []
     assert "forward" not in old.__dict__
+
+
+class Chain(nn.Module):
+    def __init__(self, n):
+        super().__init__()
+        torch.manual_seed(3)
+        self.layers = nn.ModuleList(nn.Linear(4, 4) for _ in range(n))
+
+    def forward(self, x):
+        for layer in self.layers.values() if isinstance(self.layers, nn.ModuleDict) else self.layers:
+            x = layer(x)
+        return x
+
+
+CONTAINER_SWAPS = {
+    "slice": lambda m: setattr(m, "layers", m.layers[2:]),
+    "reversed": lambda m: setattr(m, "layers", nn.ModuleList(list(m.layers)[::-1])),
+    "sequential_slice": lambda m: setattr(m, "layers", nn.Sequential(*m.layers)[1:]),
+    "one_kept_one_new": lambda m: setattr(m, "layers", nn.ModuleList([nn.Linear(4, 4), m.layers[0]])),
+    "dict_rekeyed": lambda m: setattr(m, "layers", nn.ModuleDict({"b": m.layers[1], "a": m.layers[3]})),
+}
+
+
+@pytest.mark.parametrize("swap", sorted(CONTAINER_SWAPS))
+def test_a_container_replaced_by_one_holding_its_modules_elsewhere_renames_them(tmp_path, kind, swap):
+    """``model.layers = model.layers[2:]`` (or a reordered ModuleList): the modules kept were
+    already wrapped and kept their old numbers, so ``layers.2`` held what the model now calls
+    ``layers.0``, and after a reversal ``layers.3`` held the first layer's output; verify said OK.
+    Each module takes the name the new container gives it, as a Dumper attached after the change
+    names it, bit for bit."""
+    model = Chain(4)
+    d = fastdump.attach(model, tmp_path / "during")
+    CONTAINER_SWAPS[swap](model)
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        out = model(x)
+        want, h = {}, x
+        for key, layer in model.layers.named_children():
+            h = want[f"layers.{key}"] = layer(h)
+    assert d.close()["modules_not_followed"] == []
+    dumped = fastdump.open(tmp_path / "during").load("target", 0, 0)
+    assert sorted(dumped) == sorted(list(want) + ["Chain"])
+    for name, value in want.items():
+        assert same_bits(dumped[name], value), name
+    assert same_bits(dumped["Chain"], out)
+    assert verify_dump(str(tmp_path / "during")).problems == []
+    after = fastdump.attach(model, tmp_path / "after")  # the same model attached after the change
+    with torch.no_grad():
+        model(x)
+    after.close()
+    assert sorted(fastdump.open(tmp_path / "after").load("target", 0, 0)) == sorted(dumped)
+    for module in model.modules():
+        assert "forward" not in module.__dict__, module

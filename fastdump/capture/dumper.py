@@ -1537,11 +1537,27 @@ class Dumper:
             elif was != key:
                 moves[join(was)] = join(key)
 
-        def moved(name):
-            for old, new in moves.items():
-                if name == old or name.startswith(old + "."):
-                    return new + name[len(old):]
-            return None
+        self._rename(moves)
+        for name, module in added:
+            self._adopt(name, module, self._selection)
+        kept = {id(m) for m in container._modules.values()}
+        gone = [m for m in before.values() if m is not None and id(m) not in kept]
+        if gone:
+            self._removed(gone)
+
+    def _rename(self, moves: dict) -> None:
+        """Wrapped modules that the model now holds at another place: ``moves`` maps each old name
+        to its new one (the names inside a moved module move with it). Each is dumped under its new
+        name from now on."""
+        if not moves:
+            return
+
+        def moved(name):  # (the most specific: a module's own move before its parent's)
+            best = None
+            for old in moves:
+                if (name == old or name.startswith(old + ".")) and (best is None or len(old) > len(best)):
+                    best = old
+            return None if best is None else moves[best] + name[len(best):]
 
         for module, name in list(self._paths.items()):  # the names registrations inside them take
             if moved(name) is not None:
@@ -1559,12 +1575,6 @@ class Dumper:
             self._module_names.add(name)
             self._wrap(holder, self._capture_wrapper(name, holder.forward, _owner_of(holder)))
             self._holders[name] = holder
-        for name, module in added:
-            self._adopt(name, module, self._selection)
-        kept = {id(m) for m in container._modules.values()}
-        gone = [m for m in before.values() if m is not None and id(m) not in kept]
-        if gone:
-            self._removed(gone)
 
     def _replaced(self, old, new, name: str) -> None:
         """``new`` is about to take ``old``'s place ``name``: the wrapped modules of ``old`` that ``new``
@@ -1576,6 +1586,12 @@ class Dumper:
         for held, holder in list(self._holders.items()):
             if id(holder) in leaving and self._holders.get(held) is holder:
                 self._free_name(held, name)
+        if id(old) not in staying:
+            # Not a wrapper around ``old``: a container replaced by another that holds some of its
+            # modules elsewhere (``model.layers = model.layers[2:]``, a reordered ModuleList). They
+            # kept their old numbers, names that now lead to other modules or to none (layers.3
+            # held the first layer's output, verify OK): each takes the name it has in ``new``.
+            self._rename(_moves_within(old, new, name))
 
     def _removed(self, gone: list) -> None:
         """The modules ``gone`` left their place in the model (``delattr``, a ModuleDict's ``del``,
@@ -2080,6 +2096,20 @@ _no_graph_breaks._dynamo_marked_constant = True
 
 _RENUMBERING_FOLLOWERS: "weakref.WeakSet[Dumper]" = weakref.WeakSet()  # Dumpers following registrations
 
+
+
+def _moves_within(old, new, prefix: str) -> dict:
+    """Old name -> new name of each module under ``old`` that ``new``, taking its place ``prefix``,
+    holds at another path (each module by its first path, as at attach)."""
+    join = (lambda path: f"{prefix}.{path}" if path else prefix) if prefix else (lambda path: path)
+    now = {}
+    for path, sub in named_modules(new):
+        now.setdefault(id(sub), path)
+    moves = {}
+    for path, sub in named_modules(old):
+        if path and now.get(id(sub), path) != path:
+            moves[join(path)] = join(now[id(sub)])
+    return moves
 
 def _follow_renumbering(dumper) -> None:
     """Have ``dumper`` told of the edits torch's registration hook does not see: the ``insert`` and
