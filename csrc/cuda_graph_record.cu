@@ -412,9 +412,11 @@ struct GraphRecorder::Impl {
     cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
     unsigned long long capture_id = 0;
     FD_GR_CUDA(cudaStreamGetCaptureInfo(cs, &st, &capture_id));
+    // No graph comes of these two (ValueError in Python: nothing to dump, the tensor is skipped);
+    // any other refusal below leaves a graph that replays undumped (counted as not dumped).
     if (st == cudaStreamCaptureStatusInvalidated)
-      throw std::runtime_error("the CUDA graph capture was invalidated: it makes no graph");
-    if (st != cudaStreamCaptureStatusActive) throw std::runtime_error("the stream is not capturing a CUDA graph");
+      throw std::invalid_argument("the CUDA graph capture was invalidated: it makes no graph");
+    if (st != cudaStreamCaptureStatusActive) throw std::invalid_argument("the stream is not capturing a CUDA graph");
     std::lock_guard<std::mutex> g(mu);
     if (closed || broken) throw std::runtime_error("graph recorder closed" + (last_error.empty() ? "" : ": " + last_error));
     if (open) throw std::runtime_error("another CUDA graph capture of this Dumper is open (one at a time)");

@@ -430,7 +430,10 @@ def test_graph_option_validation(tmp_path):
 def test_graph_no_recording_memory_skips_with_reason_and_keeps_the_capture(m, glue, tmp_path, monkeypatch):
     """The serving engine took the GPU's memory before attach: no recorder; tensors hooked during
     the capture are skipped with the reason, the capture stays valid, and no CUDA error is left
-    behind for the framework's next call (cudaGetLastError)."""
+    behind for the framework's next call (cudaGetLastError). The graph's replays run undumped:
+    counted as a graph not dumped, and verify fails (it said OK, the skips looked like the whole
+    story while every replay was lost)."""
+    from fastdump.cli.dump import verify_dump
     from fastdump.staging import cuda
 
     current = Stream(glue)
@@ -452,6 +455,12 @@ def test_graph_no_recording_memory_skips_with_reason_and_keeps_the_capture(m, gl
     assert graph_passes(ds, "target") == [] and stats.get("graph_replays", 0) == 0
     reasons = [s["reason"] for s in ds.meta("target", 0, 0)["skipped"]]
     assert len(reasons) == 2 and all("CUDA-graph recording memory" in r for r in reasons), reasons
+    assert stats["graphs_not_dumped"] == 1
+    assert "not dumped (no recorder: cannot allocate the CUDA-graph recording memory" in ds.meta("target", 0, 0)["incomplete"]
+    problems = verify_dump(str(tmp_path)).problems
+    assert len(problems) == 1 and problems[0].endswith(
+        "1 CUDA graph(s) captured while dumping cannot be dumped: their replays ran unseen (see the capture "
+        "pass's incomplete reason)"), problems
 
 
 def test_graph_close_honours_its_timeout_with_a_stalled_writer(m):

@@ -51,7 +51,7 @@ class CapturedPass:
         self.recorder, self.graph, self.device = recorder, graph, device
         self.refused = refused  # why the recorder has no graph id for it: its replays cannot be dumped
         self.owner = owner     # the torch CUDAGraph being captured (cuda.capturing_graph), or None
-        self.serial = recorder.open_serial  # names the slots it holds (GraphRecorder.reclaim)
+        self.serial = recorder.open_serial if recorder is not None else 0  # names its slots (GraphRecorder.reclaim)
         self.batch = None      # leading dimension of the first recorded tensor
         self.recorded = 0
         self.missing: dict = {}  # name -> why the replays lack it
@@ -126,6 +126,8 @@ class GraphRecording:
         device = t.get_device()
         raw, _ = cuda._current_stream(device)
         cap = self.open
+        if cap is not None and cap.recorder is None:  # (no recorder: the graph is given up at its pass's end)
+            return d._skip(name, f"CUDA graph capture: not recorded ({cap.refused})")
         if cap is not None and cap.recorder.capture_invalidated():
             # No graph will come of it (cudaStreamEndCapture fails): nothing to dump, nothing lost.
             self._invalidated(cap)
@@ -137,17 +139,19 @@ class GraphRecording:
             self._give_up(cap, "the capture it was recorded in ended before its pass did")
             cap = None
         if cap is None:
+            # A graph that cannot be recorded still runs at every replay, which nobody dumps: its
+            # pass (end_pass) counts it as a graph not dumped (verify fails). Skipping its tensors
+            # alone recorded the capture and lost every replay while verify said OK.
             rec = self._recorder(device)
-            if rec is None:
-                return d._skip(name, "CUDA graph capture: no recorder (" + self._failures.get(device, "?") + ")")
-            try:
-                cap = self.open = CapturedPass(rec, rec.begin_graph(raw), device, cuda.capturing_graph())
-            except OverflowError as exc:
-                # Every graph id is taken by a graph that may still run: this graph makes replays
-                # nobody dumps. Its pass (end_pass) counts it as a graph not dumped.
-                cap = self.open = CapturedPass(rec, -1, device, refused=str(exc))
-            except RuntimeError as exc:
-                return d._skip(name, f"CUDA graph capture: not recorded ({exc})")
+            if rec is None:  # (no recording memory: the serving engine took the GPU's memory first)
+                cap = self.open = CapturedPass(None, -1, device, refused="no recorder: " + self._failures.get(device, "?"))
+            else:
+                try:
+                    cap = self.open = CapturedPass(rec, rec.begin_graph(raw), device, cuda.capturing_graph())
+                except ValueError as exc:  # no graph comes of this capture (invalidated): nothing lost
+                    return d._skip(name, f"CUDA graph capture: not recorded ({exc})")
+                except (OverflowError, RuntimeError) as exc:  # every graph id taken; a broken recorder
+                    cap = self.open = CapturedPass(rec, -1, device, refused=str(exc))
         if cap.refused is not None:
             return d._skip(name, f"CUDA graph capture: not recorded ({cap.refused})")
         elif device != cap.device:
@@ -221,7 +225,8 @@ class GraphRecording:
         """A captured graph that will not be dumped: its replays run unseen, so the loss is counted
         (``graphs_not_dumped``: verify fails on it) and its capture pass marked incomplete. Its
         slots stay reserved (abort_graph): the graph may still be replayed."""
-        cap.recorder.abort_graph()
+        if cap.recorder is not None:
+            cap.recorder.abort_graph()
         if self.open is cap:
             self.open = None
             if cap.recorded:  # (end_pass noted it already)
@@ -278,7 +283,8 @@ class GraphRecording:
         graphs captured with it may still be replayed (see CUDA.md)."""
         if self.open is not None:
             cap, self.open = self.open, None
-            cap.recorder.abort_graph()
+            if cap.recorder is not None:
+                cap.recorder.abort_graph()
             if cap.recorded:
                 self._hold(cap)
         _recordings.discard(self)
