@@ -1972,3 +1972,26 @@ def test_gpu_status_reports_devices():
     assert dev["name"] == torch.cuda.get_device_name(0)
     assert dev["uuid"].startswith("GPU-") and dev["pci_bus_id"].count(":") == 2
     assert dev["total_memory"] == torch.cuda.get_device_properties(0).total_memory
+
+
+def test_an_engine_shut_down_leaves_its_host_ring_unmapped(m, glue, tmp_path):
+    """Every CUDA stager was kept in a module list for the process's life, and with it its engine's
+    256 MiB host ring (a shared mapping, pinned): each engine started after the last one shut down
+    (attach, close, attach again) left another ring mapped. The test suite ran out of memory on it."""
+    import gc
+
+    def mapped():
+        with open("/proc/self/maps") as f:
+            return {line.split()[-2] if line.rstrip().endswith("(deleted)") else line.split()[-1]
+                    for line in f if "/fastdump-" in line}
+
+    rings = []
+    for k in range(3):
+        d = _attach(tmp_path / str(k), writer="thread", device="cuda:0")
+        d._engine.cuda_stager(d.device_ring_mb)  # (made at attach for a CUDA device: the same one)
+        rings.append(d._engine.producer.name)
+        assert any(path.endswith(rings[-1]) for path in mapped())
+        d.close()
+        del d
+        gc.collect()
+        assert not any(path.endswith(name) for path in mapped() for name in rings), (rings, mapped())

@@ -23,6 +23,7 @@ import ctypes
 import logging
 import sys
 import threading
+import weakref
 
 from .. import _C
 from .. import dtypes as _dtypes
@@ -43,7 +44,11 @@ RING_UNAVAILABLE = _C.RING_UNAVAILABLE  # was 7 here, the value of _C.TORN: a to
 
 _lock = threading.Lock()
 _warned = set()
-_stagers = []  # every stager made in this process (status())
+# The stagers made in this process (status()), held weakly: each holds its engine's host ring (a
+# 256 MiB shared mapping, pinned) and was kept for the process's life, so every engine started
+# after the last one shut down (attach, close, attach again: a benchmark script's loop) left
+# another ring mapped for good.
+_stagers = weakref.WeakSet()
 
 
 def _warn_once(key: str, msg: str, *args) -> None:
@@ -141,7 +146,7 @@ def get_stager(producer, device_ring_mb: float):
         _warn_once("unusable", "fastdump: CUDA staging unavailable (%s); CUDA tensors are copied "
                    "synchronously through .cpu()", reason)
         stager = HostFallbackStager(producer, reason)
-        _stagers.append(stager)
+        _stagers.add(stager)
         return stager
     ring_bytes = int(float(device_ring_mb) * (1 << 20))
     try:
@@ -150,7 +155,7 @@ def get_stager(producer, device_ring_mb: float):
         _warn_once("create", "fastdump: cannot start CUDA staging (%s); CUDA tensors are copied "
                    "synchronously through .cpu()", exc)
         stager = HostFallbackStager(producer, str(exc))
-        _stagers.append(stager)
+        _stagers.add(stager)
         return stager
     try:
         seconds = stager.register_host()
@@ -159,7 +164,7 @@ def get_stager(producer, device_ring_mb: float):
         # Still correct: D2H copies into pageable memory are staged by the driver (slower).
         _warn_once("pin", "fastdump: cudaHostRegister of the host ring failed (%s); device-to-host "
                    "copies will be slower", exc)
-    _stagers.append(stager)
+    _stagers.add(stager)
     watch_graph_captures()
     return stager
 
@@ -227,8 +232,6 @@ _generations = None  # weakref.WeakKeyDictionary: torch CUDAGraph -> generation
 
 def _new_generation(graph) -> None:
     global _generations
-    import weakref
-
     if _generations is None:
         _generations = weakref.WeakKeyDictionary()
     try:
@@ -261,8 +264,6 @@ class _GraphToken:
     __slots__ = ("_ref", "_generation")
 
     def __init__(self, graph):
-        import weakref
-
         try:
             self._ref = weakref.ref(graph)
         except TypeError:
