@@ -382,7 +382,9 @@ def test_dumper_with_host_fallback_skips_tensors_hooked_during_a_capture(monkeyp
                                                                            attribute_reads):
     """Through the Dumper: a tensor hooked while its stream captures is recorded as skipped in the
     pass (as with the C++ stager's CAPTURING; `verify` and stats see it), never copied; the next
-    pass, outside the capture, dumps it through the synchronous copy."""
+    pass, outside the capture, dumps it through the synchronous copy. In record mode the graph that
+    capture makes will replay with nobody to dump it (no CUDA staging, no recorder): a graph not
+    dumped, and verify fails saying so; `skip` asked for exactly this, and verify passes."""
     from fastdump.staging import cuda
 
     monkeypatch.setattr(devices, "_cuda_info", {"compiled": False, "reason": "built without a CUDA toolkit"})
@@ -409,7 +411,13 @@ def test_dumper_with_host_fallback_skips_tensors_hooked_during_a_capture(monkeyp
     assert info["skipped"] == 1 and list(info["skipped_reasons"]) == [skip["reason"]]
     r = subprocess.run([sys.executable, "-m", "fastdump", "verify", "--data", str(tmp_path)], capture_output=True,
                        text=True)
-    assert r.returncode == 0, r.stdout + r.stderr  # the skip accounts for the tensor the pass lacks
+    if cuda_graphs == "skip":
+        assert r.returncode == 0, r.stdout + r.stderr  # the skip accounts for the tensor the pass lacks
+        assert stats["graphs_not_dumped"] == 0
+    else:
+        assert r.returncode == 1 and stats["graphs_not_dumped"] == 1, r.stdout + r.stderr
+        assert ("1 CUDA graph(s) captured while dumping cannot be dumped: their replays ran unseen" in r.stdout
+                and "no recorder: CUDA staging is not available" in r.stdout), r.stdout
 
 
 def test_cuda_info_reports_build_and_reason():

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import itertools
 import ctypes
 import logging
 import sys
@@ -48,7 +49,8 @@ _warned = set()
 # 256 MiB shared mapping, pinned) and was kept for the process's life, so every engine started
 # after the last one shut down (attach, close, attach again: a benchmark script's loop) left
 # another ring mapped for good.
-_stagers = weakref.WeakSet()
+_stagers = weakref.WeakValueDictionary()  # made-order number -> stager (status() lists them in that order)
+_stager_numbers = itertools.count()
 
 
 def _warn_once(key: str, msg: str, *args) -> None:
@@ -86,7 +88,7 @@ def status() -> dict:
         _warn_once("unusable", "fastdump: CUDA staging is compiled in but unusable here (%s); "
                    "CUDA tensors are copied synchronously through .cpu()", unusable_reason())
     stagers = []
-    for s in list(_stagers):
+    for s in list(_stagers.values()):
         try:
             stagers.append(s.stats())
         except Exception as exc:
@@ -146,7 +148,7 @@ def get_stager(producer, device_ring_mb: float):
         _warn_once("unusable", "fastdump: CUDA staging unavailable (%s); CUDA tensors are copied "
                    "synchronously through .cpu()", reason)
         stager = HostFallbackStager(producer, reason)
-        _stagers.add(stager)
+        _stagers[next(_stager_numbers)] = stager
         return stager
     ring_bytes = int(float(device_ring_mb) * (1 << 20))
     try:
@@ -155,7 +157,7 @@ def get_stager(producer, device_ring_mb: float):
         _warn_once("create", "fastdump: cannot start CUDA staging (%s); CUDA tensors are copied "
                    "synchronously through .cpu()", exc)
         stager = HostFallbackStager(producer, str(exc))
-        _stagers.add(stager)
+        _stagers[next(_stager_numbers)] = stager
         return stager
     try:
         seconds = stager.register_host()
@@ -164,7 +166,7 @@ def get_stager(producer, device_ring_mb: float):
         # Still correct: D2H copies into pageable memory are staged by the driver (slower).
         _warn_once("pin", "fastdump: cudaHostRegister of the host ring failed (%s); device-to-host "
                    "copies will be slower", exc)
-    _stagers.add(stager)
+    _stagers[next(_stager_numbers)] = stager
     watch_graph_captures()
     return stager
 
