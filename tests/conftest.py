@@ -201,3 +201,17 @@ def as_format_4(rank_dir) -> None:
         if fmt.segment_number(name) is not None:
             with h5py.File(os.path.join(rank_dir, name), "r+") as f:
                 f.attrs["format_version"] = 4
+
+
+def open_fds_where(test) -> list:
+    """The numbers of this process's open descriptors whose target path passes ``test``. A descriptor
+    another thread closes while we look (a writer thread's segment) is skipped, not an error."""
+    held = []
+    for n in os.listdir("/proc/self/fd"):
+        try:
+            target = os.path.realpath(f"/proc/self/fd/{n}")
+        except OSError:  # (closed meanwhile: /proc/self/fd/N is gone)
+            continue
+        if test(target):
+            held.append(int(n))
+    return held

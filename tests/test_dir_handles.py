@@ -16,7 +16,7 @@ import fastdump
 from fastdump import fsutil
 from fastdump.cli.dump import verify_dump
 
-from conftest import mount_small_tmpfs
+from conftest import mount_small_tmpfs, open_fds_where
 
 PASSES_BEFORE, PASSES_AFTER = 3, 3
 
@@ -190,7 +190,7 @@ def test_a_held_descriptor_closed_and_reused_by_the_program_writes_nothing_elsew
     with torch.inference_mode():
         model(_inputs(0))
     rank_dir = os.path.realpath(d.dir)
-    held = [int(n) for n in os.listdir("/proc/self/fd") if os.path.realpath(f"/proc/self/fd/{n}") == rank_dir]
+    held = open_fds_where(lambda target: target == rank_dir)
     assert len(held) == 2  # the Dumper's and its writer thread's
     opened = os.open(other, os.O_RDONLY | os.O_DIRECTORY)
     for fd in held:  # (dup2: the number closed and taken at once, as the next open would take it)

@@ -17,6 +17,8 @@ import fastdump
 from fastdump import _C
 from fastdump.capture import dumper as dumper_mod
 
+from conftest import open_fds_where
+
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     if a.dtype != b.dtype or a.shape != b.shape:
@@ -980,8 +982,8 @@ def test_a_dumper_dropped_without_close_is_collected_with_its_model(tmp_path):
     try:
         assert [(m(), d()) for m, d in refs] == [(None, None)] * 3
         assert len(hooks) == before
-        held = [n for n in os.listdir("/proc/self/fd")  # (the rank directories' DirAnchor, closed with it)
-                if os.path.realpath(f"/proc/self/fd/{n}").startswith(str(tmp_path))]
+        # (the rank directories' DirAnchor, closed with it)
+        held = open_fds_where(lambda target: target.startswith(str(tmp_path)))
         assert held == []
     finally:  # (the engine a dropped Dumper leaves, which the conftest check would report)
         from fastdump.staging.engine import Engine
