@@ -40,6 +40,15 @@ def _no_leaked_writers():
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 
 
+def same_bits(a, b) -> bool:
+    """Two tensors equal bit for bit: dtype, shape and every byte (NaNs and -0.0 included)."""
+    import torch
+
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return a.contiguous().reshape(-1).view(torch.uint8).equal(b.contiguous().reshape(-1).view(torch.uint8))
+
+
 def doc_example(name, page="INTEGRATIONS.md"):
     """The python block after ``<!-- example: name -->`` in docs/<page>: tests run the docs' code."""
     import re

@@ -17,13 +17,8 @@ import fastdump
 from fastdump import _C
 from fastdump.capture import dumper as dumper_mod
 
-from conftest import open_fds_where
-
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if a.dtype != b.dtype or a.shape != b.shape:
-        return False
-    return a.contiguous().reshape(-1).view(torch.uint8).equal(b.contiguous().reshape(-1).view(torch.uint8))
+from conftest import open_fds_where, same_bits
+from toy_models import Chain
 
 
 @pytest.fixture(params=["native", "python"])
@@ -783,18 +778,6 @@ def test_modules_put_into_the_model_after_attach_are_dumped_under_the_names_they
     assert sorted(dumped) == sorted(want)
     for name, value in want.items():
         assert same_bits(dumped[name], value), name
-
-
-class Chain(nn.Module):
-    def __init__(self, n):
-        super().__init__()
-        torch.manual_seed(3)
-        self.layers = nn.ModuleList(nn.Linear(4, 4) for _ in range(n))
-
-    def forward(self, x):
-        for layer in self.layers:
-            x = layer(x)
-        return x
 
 
 def _swap_two(layers):

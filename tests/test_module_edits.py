@@ -13,11 +13,8 @@ import fastdump
 from fastdump.capture import dumper as dumper_mod
 from fastdump.cli.dump import verify_dump
 
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if a.dtype != b.dtype or a.shape != b.shape:
-        return False
-    return a.contiguous().reshape(-1).view(torch.uint8).equal(b.contiguous().reshape(-1).view(torch.uint8))
+from conftest import same_bits
+from toy_models import Chain
 
 
 @pytest.fixture(params=["native", "python"])
@@ -230,18 +227,6 @@ def test_a_module_replaced_by_one_that_does_not_hold_it_is_no_longer_dumped(tmp_
     assert same_bits(dumped["Heads"], out)
     assert stats["modules_not_followed"] == [] and verify_dump(str(tmp_path)).problems == []
     assert "forward" not in old.__dict__
-
-
-class Chain(nn.Module):
-    def __init__(self, n):
-        super().__init__()
-        torch.manual_seed(3)
-        self.layers = nn.ModuleList(nn.Linear(4, 4) for _ in range(n))
-
-    def forward(self, x):
-        for layer in self.layers.values() if isinstance(self.layers, nn.ModuleDict) else self.layers:
-            x = layer(x)
-        return x
 
 
 CONTAINER_SWAPS = {

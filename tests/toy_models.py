@@ -189,3 +189,18 @@ class LeafReference:
         for mod in self.model.modules():
             if isinstance(mod, FusedAddNorm):
                 mod.trace = None
+
+
+class Chain(nn.Module):
+    """``n`` Linear(4, 4) layers in a container at ``layers``, run in its order (a ModuleList, a
+    Sequential or a ModuleDict put there later: the tests of module edits after attach)."""
+
+    def __init__(self, n):
+        super().__init__()
+        torch.manual_seed(3)
+        self.layers = nn.ModuleList(nn.Linear(4, 4) for _ in range(n))
+
+    def forward(self, x):
+        for layer in self.layers.values() if isinstance(self.layers, nn.ModuleDict) else self.layers:
+            x = layer(x)
+        return x
