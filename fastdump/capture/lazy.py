@@ -20,14 +20,27 @@ import collections.abc
 import types
 
 
-class _Lazy:
-    """What the three stand-ins share: each step of ``inner`` runs through ``dumper``."""
+class _StandIn:
+    """What the three stand-ins share: the real result ``inner``, whose steps run through ``dumper``;
+    any other attribute is the real object's."""
 
     __slots__ = ("_inner", "_dumper")
 
     def __init__(self, inner, dumper):
         self._inner = inner
         self._dumper = dumper
+
+    def __getattr__(self, name):  # gi_frame, cr_code, __name__, ...: the real object's
+        return getattr(self._inner, name)
+
+    def __repr__(self):
+        return f"<fastdump stand-in for {self._inner!r}>"
+
+
+class _Lazy(_StandIn):
+    """A generator or coroutine: each of its steps runs outside other Dumpers' passes."""
+
+    __slots__ = ()
 
     def send(self, value):
         return self._dumper._step_outside_passes(self._inner.send, value)
@@ -37,12 +50,6 @@ class _Lazy:
 
     def close(self):
         return self._dumper._step_outside_passes(self._inner.close)
-
-    def __getattr__(self, name):  # gi_frame, cr_code, __name__, ...: the real object's
-        return getattr(self._inner, name)
-
-    def __repr__(self):
-        return f"<fastdump stand-in for {self._inner!r}>"
 
 
 class _Generator(_Lazy, collections.abc.Generator):
@@ -61,12 +68,8 @@ class _Coroutine(_Lazy, collections.abc.Coroutine):
         return _Generator(self._inner.__await__(), self._dumper)
 
 
-class _AsyncGenerator(collections.abc.AsyncGenerator):
-    __slots__ = ("_inner", "_dumper")
-
-    def __init__(self, inner, dumper):
-        self._inner = inner
-        self._dumper = dumper
+class _AsyncGenerator(_StandIn, collections.abc.AsyncGenerator):
+    __slots__ = ()
 
     def __anext__(self):
         return _Coroutine(self._inner.__anext__(), self._dumper)
@@ -79,12 +82,6 @@ class _AsyncGenerator(collections.abc.AsyncGenerator):
 
     def aclose(self):
         return _Coroutine(self._inner.aclose(), self._dumper)
-
-    def __getattr__(self, name):
-        return getattr(self._inner, name)
-
-    def __repr__(self):
-        return f"<fastdump stand-in for {self._inner!r}>"
 
 
 # exact types: a subclass or a look-alike is not recognised (the check runs at every root forward)
