@@ -16,7 +16,10 @@ tensor, all ranks together,
 Role subdirectories appear when the dump has several roles (an EAGLE run gives ``draft/`` and
 ``target/``, as SGLang writes since PR #21694); a single-role dump is laid out flat like a plain SGLang
 run. Names are SGLang's (see :func:`sglang_names`) when the dump was made through fastdump's SGLang
-drop-in, which records the model's module names; otherwise they stay fastdump's.
+drop-in, which records the model's module names; otherwise they stay fastdump's. The dumper layout
+has a file per call, as SGLang's dumper has one per ``dump()``: a module called several times in a
+pass is several files of one name and step, in call order (:func:`sglang_calls`); the Pass layout
+keeps the last call, as SGLang's hook does.
 
 A dump is evidence: SGLang's tools cannot tell a partial pass from a whole one. Export refuses a dump
 with a rank not closed (status running, error, incomplete), a pass marked incomplete or with
@@ -65,29 +68,37 @@ def sglang_names(tensors: dict, modules, structure: dict | None = None) -> dict:
     (a dump made before it was recorded) names alone decide."""
     if modules is None:
         return dict(tensors)
+    out: dict = {}
+    for (name, _call), value in sglang_calls(tensors, modules, structure):
+        out[name] = value  # a later call overwrites in place: the first call's position, as SGLang's dict
+    return out
+
+
+def sglang_calls(tensors: dict, modules, structure: dict | None = None) -> list:
+    """[((SGLang name, call index), tensor or list)] of one pass, in the order the calls returned:
+    :func:`sglang_names` before a later call of a module overwrites an earlier one (each call of a
+    module is an entry of its own, as each ``dump()`` of SGLang's dumper is a file of its own)."""
+    if modules is None:  # fastdump's names, as stored (``name#1`` included)
+        return [((name, 0), t) for name, t in tensors.items()]
     modules = set(modules)
     structure = structure or {}
-    empty = _empty_outputs(structure, modules, len(tensors))  # [(position, module)] in position order
-    grouped: dict = {}  # (key, call) -> [tensor, ...] of a tuple output, in element order
-    out: dict = {}
+    empty = _empty_outputs(structure, modules, len(tensors))  # [(position, module, call)] in position order
+    out: dict = {}  # (SGLang name, call) -> tensor, or [tensor, ...] of a tuple output in element order
     for position, (name, tensor) in enumerate(tensors.items()):
         while empty and empty[0][0] <= position:
-            out[empty.pop(0)[1]] = []  # (a later call overwrites it in place, as SGLang's dict does)
+            out[empty.pop(0)[1:]] = []
         module, call, rest = _split(name, modules)
         if module is None or (rest and not (_ELEMENTS_RE.fullmatch(rest)
                                             and _in_sequences(structure.get(fmt.call_name(module, call)), rest))):
-            out[_CALL_RE.sub("", name)] = tensor  # not a module output's element: the name, last call wins
+            out[_CALL_RE.sub("", name), call] = tensor  # not a module output's element: the name as is
             continue
         if not rest:
-            out[module] = tensor
+            out[module, call] = tensor
             continue
-        elements = grouped.setdefault((module, call), [])
-        if not elements:
-            out[module] = elements  # keeps the position of its first element; a later call overwrites
-        elements.append(tensor)
-    for _, module in empty:
-        out[module] = []
-    return {key: (value[0] if isinstance(value, list) and len(value) == 1 else value) for key, value in out.items()}
+        out.setdefault((module, call), []).append(tensor)
+    for _, module, call in empty:
+        out[module, call] = []
+    return [(key, value[0] if isinstance(value, list) and len(value) == 1 else value) for key, value in out.items()]
 
 
 def _in_sequences(entry, rest: str) -> bool:
@@ -104,16 +115,16 @@ def _in_sequences(entry, rest: str) -> bool:
 
 
 def _empty_outputs(structure: dict, modules: set, stored: int) -> list:
-    """[(position among the pass's ``stored`` tensors, module)] of the module outputs that were a
+    """[(position among the pass's ``stored`` tensors, module, call)] of the module outputs that were a
     tuple/list holding no tensor (SGLang stores ``[]`` for one), in the order they returned."""
     found = []
     for order, (call_name, entry) in enumerate(structure.items()):
         if call_name == fmt.STRUCTURE_LOST or "after" not in entry:
             continue
-        module, _, rest = _split(call_name, modules)
+        module, call, rest = _split(call_name, modules)
         if module is not None and not rest and entry["kinds"].get("", "").startswith(("tuple:", "list:")):
-            found.append((max(0, stored - entry["after"]), order, module))
-    return [(position, module) for position, _, module in sorted(found)]
+            found.append((max(0, stored - entry["after"]), order, module, call))
+    return [(position, module, call) for position, _, module, call in sorted(found)]
 
 
 def _split(name: str, modules: set):
@@ -203,9 +214,12 @@ def _batch_info_last(tensors: dict, top: str) -> dict:
     return {n: tensors[n] for n in rest[:cut] + batch + rest[cut:]}
 
 
-def _passes(ds, role, rank, pass_ids, modules, names, shift, top, hook_order=False, aliases=None):
+def _passes(ds, role, rank, pass_ids, modules, names, shift, top, hook_order=False, aliases=None,
+            every_call=False):
     """(pass id, {SGLang name: tensor}) of a rank, in pass order; ``hook_order``: each pass's names
-    in the order SGLang's tensor-dump hook writes them (else capture order)."""
+    in the order SGLang's tensor-dump hook writes them (else capture order). ``every_call``: (pass
+    id, [(name, tensor), ...]) instead, each call of a module an entry of its own in capture order
+    (SGLang's dumper: a file per dump() call), a shared leaf's calls under its first kept name."""
     def converted():
         for pass_id in pass_ids:
             # clone: a loaded tensor may view a larger block, and torch.save writes whole storages
@@ -216,9 +230,13 @@ def _passes(ds, role, rank, pass_ids, modules, names, shift, top, hook_order=Fal
                     _say(f"warning: {role}/{rank} pass {pass_id}: its outputs' structure was not recorded "
                          f"({structure[fmt.STRUCTURE_LOST]}): names alone decide (a dict with digit keys reads "
                          "as a list, a tuple of Nones is left out)")
+                if every_call:
+                    yield pass_id, [((aliases or {}).get(name, [name])[0], value)
+                                    for (name, _), value in sglang_calls(tensors, modules, structure)]
+                    continue
                 tensors = _under_aliases(sglang_names(tensors, modules, structure), aliases or {})
                 tensors = _batch_info_last(tensors, top) if hook_order else tensors
-            yield pass_id, tensors
+            yield pass_id, (list(tensors.items()) if every_call else tensors)
 
     return _shift_late(converted(), top) if shift else converted()
 
@@ -511,7 +529,9 @@ def export_sglang_dumper(root, out, *, role_subdirs: bool | None = None, names: 
     world_rank, world_size, sglang_parallel_info) plus ``fastdump_pass`` (the pass metadata).
     ``dump_index`` counts a rank's tensors from 1 in dump order, as SGLang's dumper does. A list output
     (several tensors) becomes ``name.0``, ``name.1`` ... (SGLang's dumper splits tuples the same way).
-    ``partial``: as for :func:`export_sglang`."""
+    Every call of a module is written, in call order (its files share name and step; SGLang's
+    ``read_meta`` numbers them by ``duplicate_index``); a leaf held under several names (a shared
+    ``rotary_emb``) under its first kept name. ``partial``: as for :func:`export_sglang`."""
     import torch
 
     from .multiroot import open as open_dump
@@ -535,9 +555,9 @@ def export_sglang_dumper(root, out, *, role_subdirs: bool | None = None, names: 
             modules, top, aliases = recorded[role, rank]
             dump_index = 0
             pass_metas = metas[role, rank]
-            for pass_id, tensors in _passes(ds, role, rank, list(pass_metas), modules, names, False, top,
-                                            aliases=aliases):
-                for name, value in _one_tensor_each(tensors):
+            for pass_id, calls in _passes(ds, role, rank, list(pass_metas), modules, names, False, top,
+                                          aliases=aliases, every_call=True):
+                for name, value in _one_tensor_each(calls):
                     bad = [c for c in _BAD_IN_FILENAME if c in name]
                     if bad:  # (_check_dumper_names saw every stored name: a mapped one, to be sure)
                         raise ValueError(f"{role}/{rank} pass {pass_id}: tensor name {name!r} contains {bad[0]!r}, "
@@ -552,8 +572,9 @@ def export_sglang_dumper(root, out, *, role_subdirs: bool | None = None, names: 
     return written
 
 
-def _one_tensor_each(tensors: dict):
-    for name, value in tensors.items():
+def _one_tensor_each(calls):
+    """(name, tensor) of each [(name, tensor or list)]: a list's tensors as ``name.0``, ``name.1`` ..."""
+    for name, value in calls:
         if isinstance(value, list):
             for i, t in enumerate(value):
                 yield f"{name}.{i}", t

@@ -334,10 +334,11 @@ def test_a_leaf_shared_by_every_layer_is_under_each_of_its_names(tmp_path, dump_
             assert_same_value(got[file][name], ref_tensors[name], f"{file}:{name}")
         assert (rank_dir / file).read_bytes() == (tmp_path / "sglang" / file).read_bytes(), file
 
+    # the dumper layout: a file per call (SGLang's dumper), the shared leaf's 3 calls under its first kept name
     assert run_cli("--format", "sglang-dumper", tmp_path / "fd", tmp_path / "dumper") == 0
     rows = read_meta(tmp_path / "dumper")
-    assert sorted(r["name"] for r in rows if r["step"] == 0 and ".rotary_emb." in r["name"]) == \
-        sorted(f"model.layers.{i}.rotary_emb.{j}" for i in kept for j in (0, 1))
+    assert [r["name"] for r in rows if r["step"] == 0 and ".rotary_emb." in r["name"]] == \
+        [f"model.layers.{kept[0]}.rotary_emb.{j}" for _ in range(3) for j in (0, 1)]
 
 
 def test_fastdump_names_on_request(sglang_and_fastdump, tmp_path):
@@ -501,7 +502,7 @@ def test_dumper_layout_reads_back(tmp_path):
     ds = fastdump.open(tmp_path / "fd")
     for tp_rank, rank in enumerate(ds.ranks("target")):
         modules = set(name for name, _ in models[tp_rank].named_modules() if name)
-        want[tp_rank] = {p: export.sglang_names(ds.load("target", rank, p), modules) for p in ds.passes("target", rank)}
+        want[tp_rank] = {p: export.sglang_calls(ds.load("target", rank, p), modules) for p in ds.passes("target", rank)}
 
     assert run_cli("--format", "sglang-dumper", tmp_path / "fd", tmp_path / "out") == 0
     rows = read_meta(tmp_path / "out")
@@ -509,7 +510,7 @@ def test_dumper_layout_reads_back(tmp_path):
     for rank in (0, 1):
         mine = [r for r in rows if r["rank"] == rank]
         assert [r["dump_index"] for r in mine] == list(range(1, len(mine) + 1))
-        expected = [(p, name, i, t) for p, tensors in want[rank].items() for name, value in tensors.items()
+        expected = [(p, name, i, t) for p, calls in want[rank].items() for (name, _), value in calls
                     for i, t in (enumerate(value) if isinstance(value, list) else [(None, value)])]
         assert len(mine) == len(expected)
         for row, (p, name, i, t) in zip(mine, expected):
@@ -664,3 +665,59 @@ def test_dumper_layout_refuses_a_malformed_rank_json(tmp_path, capsys, case):
     assert not (tmp_path / "out").exists()  # checked before anything is written
     with pytest.raises(ValueError, match=re.escape(message)):
         export.export_sglang_dumper(tmp_path / "dump", tmp_path / "out")
+
+
+def test_dumper_layout_keeps_every_call_of_a_module(tmp_path):
+    """SGLang's dumper writes one file per dump() call: a name dumped twice in a step is two files
+    (read_meta tells them apart by dump_index, its duplicate_index). The dumper layout used to keep
+    only a module's last call per pass, as the Pass*.pt layout must (a dict entry overwritten), and
+    to copy a shared leaf's last call under each layer's name: earlier calls were dropped without a
+    word. Now every call is a file of its own, in call order, a shared leaf's under its first name
+    (SGLang's dumper hooks named_modules(), which lists a shared module once)."""
+    def model_with_shared_rope(seed):
+        model = ForCausalLM(n_layers=3, seed=seed)
+        for layer in model.model.layers:
+            layer.rotary_emb = model.model.layers[0].rotary_emb
+        return model
+
+    def grouped(value):  # SGLang's grouping of an output, then the dumper's split of a list
+        if isinstance(value, LogitsProcessorOutput):
+            value = value.next_token_logits
+        if isinstance(value, torch.Tensor):
+            return [("", value.clone())]
+        tensors = [v.clone() for v in value if v is not None]
+        return [("", tensors[0])] if len(tensors) == 1 else [(f".{i}", t) for i, t in enumerate(tensors)]
+
+    def record(name):
+        def hook(module, inputs, output):
+            for suffix, t in grouped(output):
+                calls.setdefault((step[0], name + suffix), []).append(t)
+        return hook
+
+    fbs = list(batches())
+    ref, calls, step = model_with_shared_rope(0), {}, [-1]
+    ref.model.register_forward_pre_hook(lambda m, args: step.__setitem__(0, step[0] + 1))
+    for name, module in ref.named_modules():  # each module once, under its first name
+        if name and (name == "model" or name == "logits_processor" or not module._modules):
+            module.register_forward_hook(record(name))
+    for fb in fbs:
+        ref(fb.input_ids, fb.positions, fb)
+    model = model_with_shared_rope(0)
+    d = fsg.register_forward_hook_for_model(model, tmp_path / "fd", writer="thread")
+    for fb in fbs:
+        model(fb.input_ids, fb.positions, fb)
+    d.close()
+
+    assert run_cli("--format", "sglang-dumper", tmp_path / "fd", tmp_path / "out") == 0
+    got = {}
+    for row in read_meta(tmp_path / "out"):  # in dump_index order
+        value = torch.load(tmp_path / "out" / row["filename"], weights_only=False)["value"]
+        got.setdefault((row["step"], row["name"]), []).append(value)
+    batch_info = {key for key in got if ".forward_batch_info." in key[1]}
+    assert set(got) - batch_info == set(calls)
+    assert len(got[0, "model.layers.0.scale"]) == 2 and len(got[0, "model.layers.0.rotary_emb.0"]) == 3
+    assert not any(".layers.1.rotary_emb" in name for _, name in got)
+    for key, want in calls.items():
+        assert len(got[key]) == len(want), key
+        for g, w in zip(got[key], want):
+            assert_same_value(g, w, key)
