@@ -30,6 +30,10 @@ MANIFEST_FILE = "fastdump.json"
 # (or named as fastdump.json's role) that is not a directory is a role whose dump is not there.
 STANDARD_ROLES = ("target", "draft")
 RANK_FILE = "rank.json"  # written by the writer process alone
+# Space the writer holds back in a rank directory for rank.json (deleted so that a full disk can still
+# be recorded, removed at close). No reader reads it, and it is not part of the dump: readers, verify
+# and export pass over it (they read only the names above and segments).
+RESERVE_FILE = ".rank.json.reserve"
 # Format 5: one JSON line per closed segment, appended (never rewritten) by the writer process; rank.json
 # says how many lines (and bytes, and their CRC32C) are committed. Rewritten whole after every
 # segment, rank.json's list cost a long run O(N^2) bytes written (4000 one-pass segments: 20 s).
