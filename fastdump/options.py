@@ -443,6 +443,9 @@ class Options:
             raise ValueError(f"root must be a non-empty directory path, not {root!r}")
         if not isinstance(role, str) or not role or "/" in role or role in (".", "..") or "\0" in role:
             raise ValueError(f"role must be a plain directory name, not {role!r}")
+        if role in _fmt.ROOT_NAMES:  # (fastdump's own names at the root: the role's directory cannot be made there)
+            raise ValueError(f"role {role!r} is a name fastdump uses at the dump root ({', '.join(_fmt.ROOT_NAMES)}): "
+                             "give another role")
         if len(os.fsencode(role)) > 255:  # NAME_MAX: mkdir failed after attach (ENAMETOOLONG), dumping off
             raise ValueError(f"role must be a directory name of at most 255 bytes, not {len(os.fsencode(role))}")
         root_name = self.root_name

@@ -70,6 +70,13 @@ def test_an_empty_pass_range_is_refused_naming_the_fix(tmp_path, kwarg):
         assert ds.passes("target", 0) == [5] and torch.equal(ds.load("target", 0, 5)["Linear"], outs[5])
 
 
+@pytest.mark.parametrize("role", ["fastdump.json", "fastdump.roles"])
+def test_a_role_named_as_fastdumps_own_root_files_is_refused(tmp_path, role):
+    with pytest.raises(ValueError, match="a name fastdump uses at the dump root"):
+        fastdump.attach(None, tmp_path, role=role)
+    assert not list(tmp_path.iterdir())
+
+
 def test_unknown_option_is_a_type_error_before_anything_is_written(tmp_path):
     with pytest.raises(TypeError, match="evry"):
         fastdump.attach(None, tmp_path, evry=2)

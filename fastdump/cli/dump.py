@@ -126,7 +126,8 @@ def list_dump(root: str) -> dict:
                                  nested_passes=0, suspended_passes=0)
                 ranks.append(entry)
         manifest = ds.manifest
-        return {"root": ds.root, "manifest": manifest, "ranks": ranks, "problems": list(ds.problems)}
+        problems = list(ds.problems) + [f"{path}: {text}" for path, text in reader.lost_roles(ds.root)]
+        return {"root": ds.root, "manifest": manifest, "ranks": ranks, "problems": problems}
 
 
 def _print_warnings(problems: list, caught: list) -> None:
@@ -772,11 +773,15 @@ def verify_dump(root: str, read_data: bool = False) -> _Report:
             report.problem(path, f"cannot list: {exc.strerror or exc}")
             return None
 
-    roles = _role_names(root)
+    from ..reader import lost_roles, recorded_roles
+
+    roles = _role_names(root) - set(recorded_roles(root))  # (those recorded: lost_roles below)
     for role in listed(root) or ():
         role_path = os.path.join(root, role)
         if os.path.islink(role_path):
             report.problem(role_path, "symbolic link: not followed (it may point out of the dump)")
+            continue
+        if role == fmt.ROLES_DIR:  # (the record of the roles attached, checked by lost_roles)
             continue
         if not os.path.isdir(role_path):
             # A root may hold other files (notes, a launcher's log), but not one named as a role:
@@ -805,6 +810,8 @@ def verify_dump(root: str, read_data: bool = False) -> _Report:
                 # any file the session recorded nothing at all (a full disk at its start, say).
                 report.problem(rank_path, "a session directory with no rank.json, producer_error.json or "
                                           "segment: this session recorded nothing (not even why)")
+    for path, text in lost_roles(root):  # a role attached here, then replaced, emptied or deleted
+        report.problem(path, text)
     if not rank_dirs:
         from ..reader import wrong_root_hint
 
