@@ -30,7 +30,10 @@ _ROOT_HELP = "dump root: the directory given to fastdump.attach (holds fastdump.
 
 
 def add_arguments(subparsers) -> None:
-    p = subparsers.add_parser("ls", help="roles, ranks, passes, segments, sizes and status of a dump")
+    ls_help = ("roles, ranks, passes, segments, sizes and status of a dump (exit 1 when ROOT is no dump: missing, "
+               "or neither fastdump.json nor a rank directory; a dump with nothing in it yet, or damaged, lists "
+               "with exit 0: whether it is whole is verify's question)")
+    p = subparsers.add_parser("ls", help=ls_help, description=ls_help)
     p.add_argument("root", help=_ROOT_HELP)
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_ls)
@@ -165,8 +168,16 @@ def cmd_ls(args) -> int:
     print(_printable(listing["root"]) + (f"  (fastdump {_printable(version)})" if version else ""))
     _print_warnings(listing["problems"], caught)
     if not listing["ranks"]:
-        print("no rank directories" + (f"; {_printable(hint)}" if hint else ""))
-        return 1 if not_a_dump else 0
+        if not_a_dump:
+            print("no rank directories" + (f"; {_printable(hint)}" if hint else ""))
+            return 1
+        # A dump root (fastdump.json) with nothing listed: a run starting, or one whose rank
+        # directories were removed (then the warnings above name the roles). Exit 0, as for any
+        # dump ls can list: whether it is whole is verify's question.
+        print(f"no rank directories: {fmt.MANIFEST_FILE} says a Dumper attached here, but no session has "
+              f"written its {fmt.RANK_FILE} (a run still starting, or its rank directories were removed: "
+              "fastdump verify fails then)")
+        return 0
     rows = []
     for r in listing["ranks"]:
         span = "-" if r["first_pass"] is None else f"{r['first_pass']}..{r['last_pass']}"
