@@ -29,7 +29,19 @@ MANIFEST_FILE = "fastdump.json"
 # The roles fastdump's integrations write (EAGLE's target and draft models). A root entry named so
 # (or named as fastdump.json's role) that is not a directory is a role whose dump is not there.
 STANDARD_ROLES = ("target", "draft")
+# One marker file per role ever attached on the root: ROLES_DIR/<role>, made (atomically, never
+# rewritten) by the first Dumper of that role once its rank directory exists. A role of another
+# name (attach(role="reward") on a root whose fastdump.json names "target") left no trace: its
+# directory replaced by a file, emptied or deleted, verify said OK. A recorded role whose entry is
+# not a directory holding a rank directory is lost. Roots written before it have none: nothing to check.
+ROLES_DIR = "fastdump.roles"
+# Names fastdump uses at the root itself: no role may be named so (its directory could not be made).
+ROOT_NAMES = (MANIFEST_FILE, ROLES_DIR)
 RANK_FILE = "rank.json"  # written by the writer process alone
+# Space the writer holds back in a rank directory for rank.json (deleted so that a full disk can still
+# be recorded, removed at close). No reader reads it, and it is not part of the dump: readers, verify
+# and export pass over it (they read only the names above and segments).
+RESERVE_FILE = ".rank.json.reserve"
 # Format 5: one JSON line per closed segment, appended (never rewritten) by the writer process; rank.json
 # says how many lines (and bytes, and their CRC32C) are committed. Rewritten whole after every
 # segment, rank.json's list cost a long run O(N^2) bytes written (4000 one-pass segments: 20 s).

@@ -171,8 +171,16 @@ def _pass_range(s: str) -> tuple[int, int]:
         raise ValueError("must be START:STOP with integers, e.g. 10:20 (stop exclusive)")
     a, b = int(lo or 0), int(hi)
     if b <= a:
-        raise ValueError("stop must be greater than start")
+        raise ValueError(_empty_range(a, b, f"{a}:{a + 1}"))
     return a, b
+
+
+def _empty_range(start: int, stop: int, fix: str) -> str:
+    """Why pass range [start, stop) is refused, with the setting meant: stop is exclusive, so 5:5
+    holds no pass and dumped nothing without a word (the user meant pass 5)."""
+    what = "holds no pass" if start == stop else "is backwards"
+    return (f"stop must be greater than start: [{start}, {stop}) {what} (stop is exclusive); "
+            f"for pass {start} alone give {fix}")
 
 
 def _choice(*choices: str) -> Callable[[str], str]:
@@ -435,6 +443,9 @@ class Options:
             raise ValueError(f"root must be a non-empty directory path, not {root!r}")
         if not isinstance(role, str) or not role or "/" in role or role in (".", "..") or "\0" in role:
             raise ValueError(f"role must be a plain directory name, not {role!r}")
+        if role in _fmt.ROOT_NAMES:  # (fastdump's own names at the root: the role's directory cannot be made there)
+            raise ValueError(f"role {role!r} is a name fastdump uses at the dump root ({', '.join(_fmt.ROOT_NAMES)}): "
+                             "give another role")
         if len(os.fsencode(role)) > 255:  # NAME_MAX: mkdir failed after attach (ENAMETOOLONG), dumping off
             raise ValueError(f"role must be a directory name of at most 255 bytes, not {len(os.fsencode(role))}")
         root_name = self.root_name
@@ -452,11 +463,12 @@ class Options:
         pass_range = self.pass_range
         if pass_range is not None:
             if not isinstance(pass_range, (tuple, list)) or len(pass_range) != 2:
-                raise ValueError(f"pass_range must be (start, stop) with start <= stop, not {pass_range!r}")
+                raise ValueError(f"pass_range must be (start, stop) with start < stop, not {pass_range!r}")
             _check_int("pass_range start", pass_range[0], 0)
             _check_int("pass_range stop", pass_range[1], 0)
-            if pass_range[0] > pass_range[1]:
-                raise ValueError(f"pass_range must be (start, stop) with start <= stop, not {pass_range!r}")
+            if pass_range[0] >= pass_range[1]:  # (5, 5) dumped nothing, silently
+                raise ValueError(f"pass_range {tuple(pass_range)!r}: "
+                                 + _empty_range(pass_range[0], pass_range[1], f"({pass_range[0]}, {pass_range[0] + 1})"))
         if self.layers is not None:
             object.__setattr__(self, "layers", _layer_list(self.layers))
         if self.module_types is not None:

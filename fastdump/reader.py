@@ -1342,6 +1342,53 @@ def no_rank_dirs_message(root) -> str:
             + (f"; {hint}" if hint else ""))
 
 
+def recorded_roles(root) -> list:
+    """The roles the root records as attached (``fastdump.roles/<role>``, one marker per role), sorted;
+    [] for a root written before the record existed, or whose record is no directory (``lost_roles``
+    says so). Temporary files (an attach killed mid-write) are not markers."""
+    directory = os.path.join(os.fspath(root), fmt.ROLES_DIR)
+    if not fsutil.is_real_dir(directory):
+        return []
+    try:
+        return sorted(name for name in os.listdir(directory) if not fsutil.is_temp_name(name))
+    except OSError:
+        return []
+
+
+def lost_roles(root) -> list:
+    """(path, what is wrong) for each role the root records as attached whose dump is not there:
+    its entry is gone, is not a directory, or holds no rank directory (no entry named as one, nor a
+    directory holding what a writer writes, as a renamed one: every session removed); and
+    for a record that is there but not a directory. A symbolic link in a role's place is left to the
+    caller (``verify`` reports every link in a root). A root without the record (written before it
+    existed) has nothing to check: []."""
+    root = os.fspath(root)
+    record = os.path.join(root, fmt.ROLES_DIR)
+    if os.path.lexists(record) and not fsutil.is_real_dir(record):
+        return [(record, "not a directory: the root's record of the roles attached is not here")]
+    out = []
+    for role in recorded_roles(root):
+        path = os.path.join(root, role)
+        marker = os.path.join(fmt.ROLES_DIR, role)
+        if not os.path.lexists(path):
+            out.append((path, f"role {role!r} was attached here ({marker}) but its directory is gone: "
+                              "that role's dump is not here"))
+        elif os.path.islink(path):
+            continue
+        elif not os.path.isdir(path):
+            out.append((path, f"role {role!r} was attached here ({marker}) but this is not a directory: "
+                              "that role's dump is not here"))
+        else:
+            try:
+                names = os.listdir(path)
+            except OSError:
+                continue  # (unlistable: the caller says so)
+            if not any(fmt.parse_rank_dir(name) or _is_rank_dir(os.path.join(path, name)) for name in names):
+                out.append((path, f"role {role!r} was attached here ({marker}) but its directory holds no rank "
+                                  "directory: its sessions were removed"))
+    return out
+
+
 def open(root):  # noqa: A001
     """Open one dump directory for reading. ``fastdump.open`` (``multiroot.open``) also takes a list
     of directories; this module sits below ``multiroot`` and never imports it."""

@@ -44,6 +44,7 @@ def test_parses_every_variable():
     ("FASTDUMP_EVERY", "0"), ("FASTDUMP_EVERY", "often"), ("FASTDUMP_SKIP", "-1"), ("FASTDUMP_LAYERS", "3-1"),
     ("FASTDUMP_LAYERS", "a"), ("FASTDUMP_LAYERS", ","), ("FASTDUMP_INCLUDE", "mlp("), ("FASTDUMP_EXCLUDE", "*"),
     ("FASTDUMP_INPUTS", "maybe"), ("FASTDUMP_PASSES", "9:5"), ("FASTDUMP_PASSES", "7"),
+    ("FASTDUMP_PASSES", "5:5"), ("FASTDUMP_ROLE", "fastdump.roles"),
     ("FASTDUMP_MAX_MB", "-1"), ("FASTDUMP_POLICY", "fast"), ("FASTDUMP_WRITER", "fork"),
     ("FASTDUMP_WRITER_PRIORITY", "low"),
     ("FASTDUMP_SEGMENT_SECONDS", "nan"), ("FASTDUMP_RING_MB", "inf"), ("FASTDUMP_ROLE", "../x"),

@@ -21,7 +21,7 @@ import fastdump
 from fastdump import _C, dtypes, fsutil, reader
 from fastdump.cli import dump as cli_dump
 from fastdump import format as fmt
-from fastdump.writer.channel_writer import RESERVE_FILE, ChannelWriter
+from fastdump.writer.channel_writer import ChannelWriter
 
 from conftest import mount_small_tmpfs, read_rank_json, restamp_tables, write_rank_dir
 
@@ -612,7 +612,7 @@ def test_full_disk_is_recorded_even_when_rank_json_cannot_grow(small_disk):
     path = small_disk / "target" / "TP0_PP0_Rank0_pid1_20260101T000000.000000Z-00000002"
     writer = ChannelWriter({"op": "open", "channel": 0, "dir": str(path), "role": "target", "rank": RANKS,
                             "pid": 1, "host": "h", "device": {}, "config": {"segment_passes": 1}})
-    assert (path / RESERVE_FILE).exists()
+    assert (path / fmt.RESERVE_FILE).exists()
     fill(small_disk)
     writer.on_name(0, "x")
     with pytest.raises(OSError):
@@ -622,14 +622,29 @@ def test_full_disk_is_recorded_even_when_rank_json_cannot_grow(small_disk):
             writer.on_end(p, {}, 0, [])
     info = json.loads((path / "rank.json").read_text())
     assert info["status"] == "error" and "No space left" in info["error"]
-    assert not (path / RESERVE_FILE).exists()
+    assert not (path / fmt.RESERVE_FILE).exists()
     done = cli("verify", small_disk)
     assert done.returncode == 1 and "No space left" in done.stdout
     assert "error" in cli("ls", small_disk).stdout
 
 
 def test_closed_dump_leaves_no_reserve(dump):
-    assert not (rank_dir(dump) / RESERVE_FILE).exists()
+    assert not (rank_dir(dump) / fmt.RESERVE_FILE).exists()
+
+
+def test_a_reserve_left_beside_a_closed_rank_json_is_passed_over(dump):
+    """A writer killed after writing "closed" and before removing the reserve leaves it: it is no
+    part of the dump (format.RESERVE_FILE, beside the other on-disk names), and ls, verify and the
+    reader pass over it."""
+    (rank_dir(dump) / fmt.RESERVE_FILE).write_bytes(b"\0" * 4096)
+    report = verify(dump, "--data")
+    assert report.problems == [] and report.warnings == []
+    with fastdump.open(dump) as ds:
+        assert ds.problems == [] and ds.passes("target", 0) == [0, 1, 2, 3]
+        for p in range(4):
+            got = ds.load("target", 0, p)
+            assert sorted(got) == ["a", "b", "big"] and all(torch.equal(got[n], t) for n, t in tensors_of(p).items())
+    assert cli("ls", dump).returncode == 0
 
 
 def test_an_attribute_larger_than_its_file_is_refused_before_reading(dump):
@@ -802,7 +817,7 @@ def test_a_routine_rank_json_write_that_needs_the_reserve_records_the_full_disk_
     assert refused and p == 0  # the first segment's rank.json: nothing more was written
     info = read_rank_json(path)
     assert info["status"] == "error" and "disk full" in info["error"] and "No space left" in info["error"]
-    assert [s["file"] for s in info["segments"]] == ["seg-000000.h5"] and not (path / RESERVE_FILE).exists()
+    assert [s["file"] for s in info["segments"]] == ["seg-000000.h5"] and not (path / fmt.RESERVE_FILE).exists()
     assert verify(tmp_path).problems
 
 
@@ -943,7 +958,7 @@ def test_a_failed_append_records_the_error_and_leaves_the_list_committed(tmp_pat
     monkeypatch.undo()
     info = read_rank_json(path)
     assert info["status"] == "error" and "No space left" in info["error"]
-    assert [s["file"] for s in info["segments"]] == ["seg-000000.h5"] and not (path / RESERVE_FILE).exists()
+    assert [s["file"] for s in info["segments"]] == ["seg-000000.h5"] and not (path / fmt.RESERVE_FILE).exists()
     report = verify(tmp_path)
     assert any("No space left" in p for p in report.problems)
     assert any("after the lines rank.json commits (status error" in w for w in report.warnings), report.warnings

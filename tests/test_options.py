@@ -6,6 +6,7 @@ import json
 import logging
 
 import pytest
+import torch
 
 import fastdump
 from fastdump import config
@@ -41,6 +42,39 @@ def test_bad_values_fail_at_construction_naming_the_option(tmp_path, option, val
     kwargs = {"root": str(tmp_path), option: value}
     with pytest.raises(ValueError, match=option):
         Options(**kwargs)
+
+
+@pytest.mark.parametrize("kwarg", [True, False])
+def test_an_empty_pass_range_is_refused_naming_the_fix(tmp_path, kwarg):
+    """pass_range=(5, 5) (FASTDUMP_PASSES=5:5) was accepted and dumped nothing, without a word:
+    stop is exclusive, and the user meant pass 5. Refused at attach, before anything is written,
+    saying what to give; the variable through config's ConfigError (the refusal every bad
+    FASTDUMP_ value takes, before the model is touched)."""
+    from fastdump.config import ConfigError, maybe_attach
+
+    model = torch.nn.Linear(4, 3)
+    if kwarg:
+        with pytest.raises(ValueError) as info:
+            fastdump.attach(model, tmp_path, pass_range=(5, 5))
+        assert str(info.value) == ("pass_range (5, 5): stop must be greater than start: [5, 5) holds no pass (stop "
+                                   "is exclusive); for pass 5 alone give (5, 6)")
+    else:
+        with pytest.raises(ConfigError) as info:
+            maybe_attach(model, environ={"FASTDUMP_DIR": str(tmp_path), "FASTDUMP_PASSES": "5:5"})
+        assert str(info.value) == ("FASTDUMP_PASSES='5:5': stop must be greater than start: [5, 5) holds no pass "
+                                   "(stop is exclusive); for pass 5 alone give 5:6")
+    assert not list(tmp_path.iterdir()) and type(model.forward).__name__ == "method"  # the model untouched
+    with fastdump.attach(model, tmp_path, pass_range=(5, 6), writer="thread"), torch.inference_mode():
+        outs = [model(torch.full((2, 4), float(p))) for p in range(7)]
+    with fastdump.open(tmp_path) as ds:
+        assert ds.passes("target", 0) == [5] and torch.equal(ds.load("target", 0, 5)["Linear"], outs[5])
+
+
+@pytest.mark.parametrize("role", ["fastdump.json", "fastdump.roles"])
+def test_a_role_named_as_fastdumps_own_root_files_is_refused(tmp_path, role):
+    with pytest.raises(ValueError, match="a name fastdump uses at the dump root"):
+        fastdump.attach(None, tmp_path, role=role)
+    assert not list(tmp_path.iterdir())
 
 
 def test_unknown_option_is_a_type_error_before_anything_is_written(tmp_path):

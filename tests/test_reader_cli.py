@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+import fastdump
 from fastdump import fsutil, reader
 from fastdump.cli import dump as cli_dump
 
@@ -534,9 +535,42 @@ def test_a_wrong_root_path_names_the_dump_root_meant(dump, tmp_path, capsys):
     started.mkdir()
     fsutil.atomic_write_json(str(started / "fastdump.json"), {"format_version": 1})
     assert run_cli(cli_dump.cmd_ls, "ls", str(started)) == 0
-    assert capsys.readouterr().out == f"{started}\nno rank directories\n"
+    assert capsys.readouterr().out == f"{started}\n{STARTED}\n"
     assert run_cli(cli_dump.cmd_ls, "ls", str(started), "--json") == 0
     assert "not_a_dump" not in json.loads(capsys.readouterr().out)
+
+
+STARTED = ("no rank directories: fastdump.json says a Dumper attached here, but no session has written its "
+           "rank.json (a run still starting, or its rank directories were removed: fastdump verify fails then)")
+
+
+def test_ls_of_a_dump_root_whose_rank_directories_were_all_removed(tmp_path, capsys):
+    """ls of a root with fastdump.json and no rank directory said only "no rank directories", exit 0,
+    whether the run was starting or its data had been removed. It now says what fastdump.json
+    means and, where the root records a role attached whose dump is gone, warns naming it. Exit 0
+    still: ROOT is a dump (ls exits 1 for no dump only); verify fails it."""
+    root = tmp_path / "dump"
+    model = torch.nn.Linear(4, 3)
+    with fastdump.attach(model, root, writer="thread"), torch.inference_mode():
+        out = model(torch.ones(2, 4))
+    assert run_cli(cli_dump.cmd_ls, "ls", str(root)) == 0
+    assert "closed" in capsys.readouterr().out
+    with fastdump.open(root) as ds:
+        assert torch.equal(ds.load("target", 0, 0)["Linear"], out)
+    shutil.rmtree(root / "target")
+    lost = f"{root / 'target'}: role 'target' was attached here (fastdump.roles/target) but its directory is gone"
+    assert run_cli(cli_dump.cmd_ls, "ls", str(root)) == 0
+    captured = capsys.readouterr()
+    assert captured.out.splitlines()[1:] == [STARTED]
+    assert captured.err == f"warning: {lost}: that role's dump is not here\n"
+    assert run_cli(cli_dump.cmd_ls, "ls", str(root), "--json") == 0
+    listing = json.loads(capsys.readouterr().out)
+    assert listing["ranks"] == [] and listing["problems"] == [f"{lost}: that role's dump is not here"]
+    code, text = verify(root, capsys)
+    assert code == 1 and f"{lost}: that role's dump is not here" in text
+    (root / "target").mkdir()  # emptied rather than removed: the same loss
+    assert run_cli(cli_dump.cmd_ls, "ls", str(root)) == 0
+    assert "its directory holds no rank directory: its sessions were removed" in capsys.readouterr().err
 
 
 def test_a_pass_id_out_of_range_names_the_rank_and_its_passes(dump, capsys):

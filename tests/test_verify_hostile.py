@@ -951,6 +951,121 @@ def test_a_role_name_that_is_not_a_directory_fails_verify(dump, kind, name):
     assert verify(dump)[:2] == (0, [])
 
 
+def _two_roles(root):
+    """A root written by two Dumpers: role target (fastdump.json's, written first) and role reward,
+    one pass each (other inputs). Returns what each role's pass 0 computed."""
+    model, out = make_model(), {}
+    for role, p in (("target", 0), ("reward", 1)):
+        with fastdump.attach(model, str(root), role=role, writer="thread") as d, torch.inference_mode():
+            model(model_input(p))
+        assert d.stats()["status"] == "closed"
+        with torch.inference_mode():
+            out[role] = expected_pass(model, p)
+    return out
+
+
+@pytest.mark.parametrize("damage", ["file", "fifo", "removed", "emptied"])
+def test_a_lost_role_of_another_name_fails_verify(tmp_path, damage):
+    """A role named neither target, draft nor in fastdump.json (attach(role="reward") on a root whose
+    fastdump.json a target Dumper wrote) left no trace at the root: its directory replaced by a
+    file, deleted, or emptied of its sessions, verify said OK. The root now records each role
+    attached (fastdump.roles/<role>), and verify names the role whose dump is not there."""
+    root = tmp_path / "dump"
+    expected = _two_roles(root)
+    assert sorted(os.listdir(root / fmt.ROLES_DIR)) == ["reward", "target"]
+    assert json.loads((root / fmt.MANIFEST_FILE).read_text())["config"]["role"] == "target"
+    assert verify(root, "--data")[:2] == (0, [])
+    with fastdump.open(root) as ds:
+        assert ds.roles == ["reward", "target"]
+        for role in ("target", "reward"):
+            got = ds.load(role, 0, 0)  # (each session's passes start at 0)
+            assert list(got) == NAMES and all(conftest.same_bits(got[n], expected[role][n]) for n in NAMES)
+    reward = root / "reward"
+    if damage == "emptied":
+        for session in os.listdir(reward):
+            shutil.rmtree(reward / session)
+    else:
+        shutil.rmtree(reward)
+        if damage == "file":
+            reward.write_bytes(b"")
+        elif damage == "fifo":
+            os.mkfifo(reward)
+    code, problems, _ = verify(root)
+    why = {"file": "this is not a directory", "fifo": "this is not a directory", "removed": "its directory is gone",
+           "emptied": "its directory holds no rank directory"}[damage]
+    assert code == 1 and problems == [f"{reward}: role 'reward' was attached here (fastdump.roles/reward) but {why}"
+                                      + (": that role's dump is not here" if damage != "emptied"
+                                         else ": its sessions were removed")], problems
+    with fastdump.open(root) as ds:  # the reader reads what is there
+        assert ds.roles == ["target"]
+        assert all(conftest.same_bits(ds.load("target", 0, 0)[n], expected["target"][n]) for n in NAMES)
+
+
+def test_a_root_written_before_the_role_record_reads_and_verifies(dump, expected):
+    """Dumps written before fastdump.roles existed have none: nothing to check, nothing refused."""
+    shutil.rmtree(dump / fmt.ROLES_DIR)
+    assert verify(dump, "--data")[:2] == (0, [])
+    assert reader.lost_roles(dump) == [] and reader.recorded_roles(dump) == []
+    with fastdump.open(dump) as ds:
+        got = ds.load("target", 0, 4)
+        assert all(conftest.same_bits(got[n], expected[4][n]) for n in NAMES)
+    shutil.rmtree(dump / "target")  # (and without the record, a removed role is not noticed: known)
+    assert verify(dump)[1] == [f"{dump}: no rank directories (expected <root>/<role>/<rank>/rank.json)"]
+
+
+def test_the_role_record_replaced_by_a_file_fails_verify_and_attach_says_why(dump, tmp_path):
+    """fastdump.roles that is not a directory: the record of the roles attached is not there (verify
+    fails); an attach to that root cannot record its role and says so (strict: raises)."""
+    shutil.rmtree(dump / fmt.ROLES_DIR)
+    (dump / fmt.ROLES_DIR).write_bytes(b"")
+    code, problems, _ = verify(dump)
+    assert code == 1 and problems == [f"{dump / fmt.ROLES_DIR}: not a directory: the root's record of the roles "
+                                      "attached is not here"], problems
+    with pytest.raises(FileExistsError, match="fastdump.roles is not a directory"):
+        fastdump.attach(make_model(), str(dump), role="reward", writer="thread", strict=True)
+    d = fastdump.attach(make_model(), str(dump), role="reward", writer="thread")
+    assert d.close()["status"] == "error" and "fastdump.roles is not a directory" in d.stats()["error"]
+
+
+def test_two_attaches_recording_one_role_at_once_leave_one_whole_marker(tmp_path):
+    """Processes attaching to one root at once each write the role's marker through a temporary file
+    and a rename: whoever renames last, the marker is whole, and no temporary file is left."""
+    import threading
+
+    from fastdump.capture.manifest import write_role_marker
+
+    start = threading.Barrier(8)
+
+    def attach_one():
+        start.wait()
+        write_role_marker(tmp_path, "reward")
+
+    threads = [threading.Thread(target=attach_one) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert os.listdir(tmp_path / fmt.ROLES_DIR) == ["reward"]
+    assert json.loads((tmp_path / fmt.ROLES_DIR / "reward").read_text()) == {"role": "reward"}
+
+
+def test_two_processes_attaching_two_roles_to_one_root_both_are_recorded(tmp_path):
+    import subprocess
+    import sys
+
+    code = ("import sys, torch, fastdump\n"
+            "m = torch.nn.Linear(4, 3)\n"
+            "with fastdump.attach(m, sys.argv[1], role=sys.argv[2], writer='thread'), torch.inference_mode():\n"
+            "    m(torch.ones(2, 4))\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path), role], env=env) for role in ("a", "b")]
+    assert [p.wait(timeout=120) for p in procs] == [0, 0]
+    assert sorted(os.listdir(tmp_path / fmt.ROLES_DIR)) == ["a", "b"]
+    assert verify(tmp_path)[:2] == (0, [])
+    shutil.rmtree(tmp_path / "b")
+    assert has(verify(tmp_path)[1], "role 'b'", "its directory is gone")
+
+
 @pytest.mark.parametrize("kind", ["fifo", "file"])
 def test_other_files_in_the_root_are_allowed(dump, kind):
     """A root may hold other files (notes, a launcher's log): not roles, no problem."""

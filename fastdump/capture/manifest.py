@@ -1,5 +1,6 @@
-"""What a dump says about itself at attach: the root's fastdump.json and the device facts sent with
-a channel's open message (the writer puts them in rank.json)."""
+"""What a dump says about itself at attach: the root's fastdump.json, its record of the roles
+attached (fastdump.roles/<role>), and the device facts sent with a channel's open message (the
+writer puts them in rank.json)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import time
 from pathlib import Path
 
 from .. import format as _fmt
-from ..fsutil import atomic_write_json
+from ..fsutil import atomic_write_json, is_real_dir, is_regular_file
 
 
 def cuda_index(hint, facts: dict):
@@ -55,3 +56,22 @@ def write_manifest(root: Path, config: dict) -> None:
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "host": socket.gethostname(),
         "command": sys.argv, "config": config,
     })
+
+
+def write_role_marker(root: Path, role: str) -> None:
+    """``fastdump.roles/<role>`` at the dump root, once this role's rank directory exists: the root's
+    record that the role was attached, so that ``verify`` fails when its directory is later replaced,
+    emptied or deleted (a role named neither target, draft nor in fastdump.json left no trace). Made
+    by the first Dumper of the role and never rewritten; two processes attaching at once each write a
+    temporary file and rename it into place (the same bytes: either rename leaves it whole)."""
+    directory = root / _fmt.ROLES_DIR
+    path = directory / role
+    if is_regular_file(str(path)):
+        return
+    try:
+        directory.mkdir(exist_ok=True)
+    except FileExistsError:  # (a file or a dangling link there: mkdir's "File exists" said no more)
+        pass
+    if not is_real_dir(str(directory)):  # (a link would take the record out of the dump)
+        raise FileExistsError(f"{directory} is not a directory: fastdump records the roles attached there")
+    atomic_write_json(str(path), {"role": role})

@@ -30,7 +30,10 @@ _ROOT_HELP = "dump root: the directory given to fastdump.attach (holds fastdump.
 
 
 def add_arguments(subparsers) -> None:
-    p = subparsers.add_parser("ls", help="roles, ranks, passes, segments, sizes and status of a dump")
+    ls_help = ("roles, ranks, passes, segments, sizes and status of a dump (exit 1 when ROOT is no dump: missing, "
+               "or neither fastdump.json nor a rank directory; a dump with nothing in it yet, or damaged, lists "
+               "with exit 0: whether it is whole is verify's question)")
+    p = subparsers.add_parser("ls", help=ls_help, description=ls_help)
     p.add_argument("root", help=_ROOT_HELP)
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_ls)
@@ -126,7 +129,8 @@ def list_dump(root: str) -> dict:
                                  nested_passes=0, suspended_passes=0)
                 ranks.append(entry)
         manifest = ds.manifest
-        return {"root": ds.root, "manifest": manifest, "ranks": ranks, "problems": list(ds.problems)}
+        problems = list(ds.problems) + [f"{path}: {text}" for path, text in reader.lost_roles(ds.root)]
+        return {"root": ds.root, "manifest": manifest, "ranks": ranks, "problems": problems}
 
 
 def _print_warnings(problems: list, caught: list) -> None:
@@ -164,8 +168,16 @@ def cmd_ls(args) -> int:
     print(_printable(listing["root"]) + (f"  (fastdump {_printable(version)})" if version else ""))
     _print_warnings(listing["problems"], caught)
     if not listing["ranks"]:
-        print("no rank directories" + (f"; {_printable(hint)}" if hint else ""))
-        return 1 if not_a_dump else 0
+        if not_a_dump:
+            print("no rank directories" + (f"; {_printable(hint)}" if hint else ""))
+            return 1
+        # A dump root (fastdump.json) with nothing listed: a run starting, or one whose rank
+        # directories were removed (then the warnings above name the roles). Exit 0, as for any
+        # dump ls can list: whether it is whole is verify's question.
+        print(f"no rank directories: {fmt.MANIFEST_FILE} says a Dumper attached here, but no session has "
+              f"written its {fmt.RANK_FILE} (a run still starting, or its rank directories were removed: "
+              "fastdump verify fails then)")
+        return 0
     rows = []
     for r in listing["ranks"]:
         span = "-" if r["first_pass"] is None else f"{r['first_pass']}..{r['last_pass']}"
@@ -772,11 +784,15 @@ def verify_dump(root: str, read_data: bool = False) -> _Report:
             report.problem(path, f"cannot list: {exc.strerror or exc}")
             return None
 
-    roles = _role_names(root)
+    from ..reader import lost_roles, recorded_roles
+
+    roles = _role_names(root) - set(recorded_roles(root))  # (those recorded: lost_roles below)
     for role in listed(root) or ():
         role_path = os.path.join(root, role)
         if os.path.islink(role_path):
             report.problem(role_path, "symbolic link: not followed (it may point out of the dump)")
+            continue
+        if role == fmt.ROLES_DIR:  # (the record of the roles attached, checked by lost_roles)
             continue
         if not os.path.isdir(role_path):
             # A root may hold other files (notes, a launcher's log), but not one named as a role:
@@ -805,6 +821,8 @@ def verify_dump(root: str, read_data: bool = False) -> _Report:
                 # any file the session recorded nothing at all (a full disk at its start, say).
                 report.problem(rank_path, "a session directory with no rank.json, producer_error.json or "
                                           "segment: this session recorded nothing (not even why)")
+    for path, text in lost_roles(root):  # a role attached here, then replaced, emptied or deleted
+        report.problem(path, text)
     if not rank_dirs:
         from ..reader import wrong_root_hint
 

@@ -50,9 +50,9 @@ DIRECT_BYTES = _C.PAGE_ALIGNED_BYTES
 # incomplete, and its later tensors go to the next segment (the reader merges them).
 _FORCE_FLUSH_FACTOR = 4
 
-# Space held back for rank.json: when the disk fills, this file is deleted so that rank.json can
-# still say "error" (a full disk must never look like a healthy dump). Removed at a normal close.
-RESERVE_FILE = ".rank.json.reserve"
+# Space held back for rank.json (fmt.RESERVE_FILE): when the disk fills, this file is deleted so
+# that rank.json can still say "error" (a full disk must never look like a healthy dump). Removed at
+# a normal close.
 RESERVE_BYTES = 256 << 10  # rank.json no longer grows with the segments (segments.jsonl): a few KiB
 
 # rank.json's skipped_reasons holds this many distinct reasons; later ones are counted under
@@ -197,7 +197,7 @@ class ChannelWriter:
             self._next_segment = self._first_free_segment_number()
             self._list = segment_list.Appender(self._anchor)  # before rank.json, whose write makes it durable
             self._write_rank_json()
-            _reserve_space(self._in_dir(RESERVE_FILE), RESERVE_BYTES)
+            _reserve_space(self._in_dir(fmt.RESERVE_FILE), RESERVE_BYTES)
         except BaseException:
             self._anchor.close()
             raise
@@ -401,7 +401,7 @@ class ChannelWriter:
                     self._status = status
                 self._info["closed"] = time.time()
                 self._guarded(self._write_rank_json)
-                fsutil.remove_quietly(self._in_dir(RESERVE_FILE))  # "closed" is on disk: the reserve's job is done
+                fsutil.remove_quietly(self._in_dir(fmt.RESERVE_FILE))  # "closed" is on disk: the reserve's job is done
         finally:
             self._closed = True
             self.sink.accepting = False
@@ -431,7 +431,7 @@ class ChannelWriter:
             self._open = None
         try:
             self._write_rank_json()
-            fsutil.remove_quietly(self._in_dir(RESERVE_FILE))  # the channel is done either way
+            fsutil.remove_quietly(self._in_dir(fmt.RESERVE_FILE))  # the channel is done either way
         except Exception:
             pass
         self._anchor.close()
@@ -624,7 +624,7 @@ class ChannelWriter:
         self._published_pending = self.pending_passes()
         self._counts_changed = False
         path = self._in_dir(fmt.RANK_FILE)
-        reserve = self._in_dir(RESERVE_FILE)
+        reserve = self._in_dir(fmt.RESERVE_FILE)
         try:
             fsutil.atomic_write_json(path, self.rank_json())
         except OSError as exc:
