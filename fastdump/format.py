@@ -35,8 +35,15 @@ STANDARD_ROLES = ("target", "draft")
 # directory replaced by a file, emptied or deleted, verify said OK. A recorded role whose entry is
 # not a directory holding a rank directory is lost. Roots written before it have none: nothing to check.
 ROLES_DIR = "fastdump.roles"
+# One marker file per session ever attached on the root: SESSIONS_DIR/<role>/<rank directory name>,
+# made atomically by the session's Dumper once its rank directory exists. The role record alone
+# missed one session's directory removed beside another of its role (a server restarted, or a
+# second Dumper of one process): verify said OK with half the run. A recorded session whose rank
+# directory is not in its role's directory, by name or (renamed) by the session its rank.json
+# names, is lost. Roots written before it have none: nothing to check.
+SESSIONS_DIR = "fastdump.sessions"
 # Names fastdump uses at the root itself: no role may be named so (its directory could not be made).
-ROOT_NAMES = (MANIFEST_FILE, ROLES_DIR)
+ROOT_NAMES = (MANIFEST_FILE, ROLES_DIR, SESSIONS_DIR)
 RANK_FILE = "rank.json"  # written by the writer process alone
 # Space the writer holds back in a rank directory for rank.json (deleted so that a full disk can still
 # be recorded, removed at close). No reader reads it, and it is not part of the dump: readers, verify

@@ -1090,6 +1090,8 @@ class DumpSet:
         followed: they may point out of the dump."""
         if not isinstance(role, str) or role in ("", ".", "..") or "/" in role or "\0" in role:
             return []  # a role is one entry of the root: never a path out of it
+        if role in fmt.ROOT_NAMES:
+            return []  # fastdump's own records at the root (their markers are named as rank directories)
         role_path = os.path.join(self.root, role)
         if not fsutil.is_real_dir(role_path):
             return []
@@ -1387,6 +1389,63 @@ def lost_roles(root) -> list:
                 out.append((path, f"role {role!r} was attached here ({marker}) but its directory holds no rank "
                                   "directory: its sessions were removed"))
     return out
+
+
+def lost_sessions(root, roles_lost=()) -> list:
+    """(path, what is wrong) for each session the root records as attached
+    (``fastdump.sessions/<role>/<rank directory>``) whose rank directory is not in its role's
+    directory: neither under its name nor, renamed, as a directory whose rank.json names its
+    session. Roles in ``roles_lost`` (already reported whole by :func:`lost_roles`) are passed
+    over. A root without the record (written before it existed) has nothing to check: []."""
+    root = os.fspath(root)
+    record = os.path.join(root, fmt.SESSIONS_DIR)
+    if not os.path.lexists(record):
+        return []
+    if not fsutil.is_real_dir(record):
+        return [(record, "not a directory: the root's record of the sessions attached is not here")]
+    out = []
+    for role in sorted(os.listdir(record)):
+        role_record = os.path.join(record, role)
+        role_path = os.path.join(root, role)
+        if role in roles_lost or fsutil.is_temp_name(role) or not fsutil.is_real_dir(role_path):
+            continue  # (a role's directory gone or replaced: lost_roles or verify's walk says so)
+        if not fsutil.is_real_dir(role_record):
+            out.append((role_record, "not a directory: the root's record of this role's sessions is not here"))
+            continue
+        try:
+            markers = sorted(n for n in os.listdir(role_record) if not fsutil.is_temp_name(n))
+            entries = os.listdir(role_path)
+        except OSError:
+            continue  # (unlistable: the caller says so)
+        present = None  # sessions of the role's directories, read once, only when a name is missing
+        for name in markers:
+            parsed = fmt.parse_rank_dir(name)
+            if name in entries and fsutil.is_real_dir(os.path.join(role_path, name)):
+                continue
+            if present is None:
+                present = set()
+                for entry in entries:
+                    path = os.path.join(role_path, entry)
+                    if not fsutil.is_real_dir(path):
+                        continue
+                    try:
+                        info = fsutil.load_json(os.path.join(path, fmt.RANK_FILE))
+                    except (OSError, ValueError):
+                        info = None
+                    present.add(fmt.expected_session(entry, info))
+            if parsed and parsed[4] and parsed[4] in present:
+                continue  # renamed during the run (its rank.json names the session): read as it is
+            out.append((os.path.join(role_path, name),
+                        f"session attached here ({os.path.join(fmt.SESSIONS_DIR, role, name)}) but its rank "
+                        "directory is gone: that session's dump is not here"))
+    return out
+
+
+def lost_records(root) -> list:
+    """:func:`lost_roles`, then :func:`lost_sessions` of the roles still there."""
+    roles = lost_roles(root)
+    lost = {os.path.basename(path) for path, _ in roles}
+    return roles + lost_sessions(root, lost)
 
 
 def open(root):  # noqa: A001

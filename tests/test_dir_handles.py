@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import fastdump
+from fastdump import format as fmt
 from fastdump import fsutil
 from fastdump.cli.dump import verify_dump
 
@@ -148,7 +149,9 @@ def test_a_deleted_rank_directory_stops_dumping_and_fails_verify(tmp_path):
     stats, _ = _run(root, shutil.rmtree)
     assert stats["status"] == "error" and "No such file or directory" in stats["error"]
     assert "/proc/self/fd" not in stats["error"]  # messages name the directory, not its descriptor
-    assert _files_under(root) == ["fastdump.json", "fastdump.roles/target"]  # nothing made again at the old path
+    files = _files_under(root)  # nothing made again at the old path: the root's records alone
+    assert files[:2] == ["fastdump.json", "fastdump.roles/target"] and len(files) == 3, files
+    assert files[2].startswith(f"{fmt.SESSIONS_DIR}/target/TP0_PP0_Rank0_pid"), files
     assert subprocess.run([sys.executable, "-m", "fastdump", "verify", str(root)],
                           capture_output=True).returncode == 1
 

@@ -1066,6 +1066,72 @@ def test_two_processes_attaching_two_roles_to_one_root_both_are_recorded(tmp_pat
     assert has(verify(tmp_path)[1], "role 'b'", "its directory is gone")
 
 
+def _two_sessions(root):
+    """Two sessions of role target on one root (a server restarted), one pass each (other inputs).
+    Returns their rank directory names in start order and what each one's pass 0 computed."""
+    model, out = make_model(), []
+    for p in (0, 1):
+        with fastdump.attach(model, str(root), role="target", writer="thread") as d, torch.inference_mode():
+            model(model_input(p))
+        assert d.stats()["status"] == "closed"
+        with torch.inference_mode():
+            out.append((d.dir.name, expected_pass(model, p)))
+    return out
+
+
+@pytest.mark.parametrize("damage", ["removed", "file", "renamed", "renamed-then-removed"])
+def test_a_session_removed_beside_another_of_its_role_fails_verify(tmp_path, damage):
+    """One session's rank directory removed while another session of its role remains: the role
+    record saw a role with a rank directory, and verify said OK with half the run. The root now
+    records each session attached (fastdump.sessions/<role>/<rank directory>); a session renamed
+    during the run (its rank.json names its session) is still there."""
+    root = tmp_path / "dump"
+    sessions = _two_sessions(root)
+    names = [name for name, _ in sessions]
+    assert sorted(os.listdir(root / fmt.SESSIONS_DIR / "target")) == sorted(names)
+    assert verify(root, "--data")[:2] == (0, [])
+    gone, kept = root / "target" / names[0], root / "target" / names[1]
+    if damage == "removed":
+        shutil.rmtree(gone)
+    elif damage == "file":
+        shutil.rmtree(gone)
+        gone.write_bytes(b"")
+    else:
+        renamed = root / "target" / "moved-aside"
+        gone.rename(renamed)
+        if damage == "renamed-then-removed":
+            shutil.rmtree(renamed)
+    code, problems, _ = verify(root)
+    if damage == "renamed":
+        assert (code, problems) == (0, []), problems
+        return
+    marker = os.path.join(fmt.SESSIONS_DIR, "target", names[0])
+    lost = f"{gone}: session attached here ({marker}) but its rank directory is gone: that session's dump is not here"
+    assert code == 1 and lost in problems, problems
+    assert reader.lost_records(root) == [(str(gone), lost.split(": ", 1)[1])]
+    with fastdump.open(root) as ds:  # the reader reads what is there: the other session, exactly
+        assert ds.ranks("target") == [names[1]]
+        got = ds.load("target", names[1], 0)
+        assert list(got) == NAMES and all(conftest.same_bits(got[n], sessions[1][1][n]) for n in NAMES)
+    assert kept.is_dir()
+
+
+def test_the_session_record_is_no_role_and_old_roots_have_none(tmp_path):
+    """fastdump.sessions holds files named as rank directories: it is no role to the reader or to
+    verify's walk, no role may be named so, and a root written before it verifies as before."""
+    root = tmp_path / "dump"
+    _two_sessions(root)
+    with fastdump.open(root) as ds:
+        assert ds.roles == ["target"]
+    with pytest.raises(ValueError, match="fastdump uses at the dump root"):
+        fastdump.attach(torch.nn.Linear(2, 2), str(root), role=fmt.SESSIONS_DIR)
+    shutil.rmtree(root / fmt.SESSIONS_DIR)
+    assert verify(root)[:2] == (0, []) and reader.lost_sessions(root) == []
+    (root / fmt.SESSIONS_DIR).write_bytes(b"")
+    assert verify(root)[1] == [f"{root / fmt.SESSIONS_DIR}: not a directory: the root's record of the sessions "
+                               "attached is not here"]
+
+
 @pytest.mark.parametrize("kind", ["fifo", "file"])
 def test_other_files_in_the_root_are_allowed(dump, kind):
     """A root may hold other files (notes, a launcher's log): not roles, no problem."""

@@ -34,7 +34,7 @@ from ..options import Options, check_meta_keys as _check_meta_keys, check_runtim
 from ..options import warn_unknown_env_once
 from .lazy import STAND_INS as _LAZY_STAND_INS
 from .manifest import cuda_index as _cuda_index, device_facts as _device_facts, write_manifest as _write_manifest
-from .manifest import write_role_marker as _write_role_marker
+from .manifest import write_role_marker as _write_role_marker, write_session_marker as _write_session_marker
 from .ranks import resolve_ranks  # noqa: F401 - part of this module's face
 from .selection import named_modules, original as _original_module, root_selected as _root_selected, select_modules
 from .selection import select_subtree as _select_subtree, SHARED_LEFT_OUT_REASON as _SHARED_LEFT_OUT
@@ -261,6 +261,7 @@ class Dumper:
             _check_not_inside_a_dump(self.root)
             self._make_own_dir()
             _write_role_marker(self.root, role)  # (after the rank directory: a recorded role has one)
+            _write_session_marker(self.root, role, self.dir.name)  # (and a recorded session has its own)
             _write_manifest(self.root, config)
             self._engine = Engine.acquire(o.engine)
             self._producer = self._engine.producer

@@ -1,5 +1,5 @@
-"""What a dump says about itself at attach: the root's fastdump.json, its record of the roles
-attached (fastdump.roles/<role>), and the device facts sent with a channel's open message (the
+"""What a dump says about itself at attach: the root's fastdump.json, its record of the roles and
+sessions attached (fastdump.roles/<role>, fastdump.sessions/<role>/<rank directory>), and the device facts sent with a channel's open message (the
 writer puts them in rank.json)."""
 
 from __future__ import annotations
@@ -75,3 +75,20 @@ def write_role_marker(root: Path, role: str) -> None:
     if not is_real_dir(str(directory)):  # (a link would take the record out of the dump)
         raise FileExistsError(f"{directory} is not a directory: fastdump records the roles attached there")
     atomic_write_json(str(path), {"role": role})
+
+
+def write_session_marker(root: Path, role: str, rank_dir: str) -> None:
+    """``fastdump.sessions/<role>/<rank directory name>`` at the dump root, once the session's rank
+    directory exists: the root's record that this session was attached, so that ``verify`` fails
+    when its rank directory is later removed while other sessions of its role remain (the role
+    record alone cannot tell). The rank directory's name is this session's alone (made with an
+    exclusive mkdir), so no two Dumpers write one marker."""
+    role_dir = root / _fmt.SESSIONS_DIR / role
+    for directory in (role_dir.parent, role_dir):
+        try:
+            directory.mkdir(exist_ok=True)
+        except FileExistsError:  # (a file or a dangling link there)
+            pass
+        if not is_real_dir(str(directory)):  # (a link would take the record out of the dump)
+            raise FileExistsError(f"{directory} is not a directory: fastdump records the sessions attached there")
+    atomic_write_json(str(role_dir / rank_dir), {"role": role, "rank_dir": rank_dir})

@@ -129,7 +129,7 @@ def list_dump(root: str) -> dict:
                                  nested_passes=0, suspended_passes=0)
                 ranks.append(entry)
         manifest = ds.manifest
-        problems = list(ds.problems) + [f"{path}: {text}" for path, text in reader.lost_roles(ds.root)]
+        problems = list(ds.problems) + [f"{path}: {text}" for path, text in reader.lost_records(ds.root)]
         return {"root": ds.root, "manifest": manifest, "ranks": ranks, "problems": problems}
 
 
@@ -784,7 +784,7 @@ def verify_dump(root: str, read_data: bool = False) -> _Report:
             report.problem(path, f"cannot list: {exc.strerror or exc}")
             return None
 
-    from ..reader import lost_roles, recorded_roles
+    from ..reader import lost_records, recorded_roles
 
     roles = _role_names(root) - set(recorded_roles(root))  # (those recorded: lost_roles below)
     for role in listed(root) or ():
@@ -792,7 +792,7 @@ def verify_dump(root: str, read_data: bool = False) -> _Report:
         if os.path.islink(role_path):
             report.problem(role_path, "symbolic link: not followed (it may point out of the dump)")
             continue
-        if role == fmt.ROLES_DIR:  # (the record of the roles attached, checked by lost_roles)
+        if role in fmt.ROOT_NAMES:  # (fastdump.json, the records of the roles and sessions: lost_records)
             continue
         if not os.path.isdir(role_path):
             # A root may hold other files (notes, a launcher's log), but not one named as a role:
@@ -821,7 +821,7 @@ def verify_dump(root: str, read_data: bool = False) -> _Report:
                 # any file the session recorded nothing at all (a full disk at its start, say).
                 report.problem(rank_path, "a session directory with no rank.json, producer_error.json or "
                                           "segment: this session recorded nothing (not even why)")
-    for path, text in lost_roles(root):  # a role attached here, then replaced, emptied or deleted
+    for path, text in lost_records(root):  # a role or session attached here, then replaced, emptied or deleted
         report.problem(path, text)
     if not rank_dirs:
         from ..reader import wrong_root_hint
