@@ -441,6 +441,81 @@ def test_a_compiled_model_serves_unchanged_and_dumps_its_real_values(tmp_path, b
                 assert same_bits(dumped["up"], model.up(x))
 
 
+class _Scaled(nn.Module):
+    """A submodule whose forward torch.compile must not trace (torch.compiler.disable)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = nn.Linear(8, 8)
+
+    @torch.compiler.disable
+    def forward(self, x):
+        return self.inner(x) * 2
+
+
+class _Disabled(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(5)
+        self.up, self.mid, self.norm = nn.Linear(8, 8), _Scaled(), nn.LayerNorm(8)
+
+    def forward(self, x):
+        return self.norm(self.mid(torch.tanh(self.up(x))))
+
+
+def _disabled_leaves(model, x):
+    up = model.up(x)
+    inner = model.mid.inner(torch.tanh(up))
+    out = model.norm(inner * 2)
+    return {"up": up, "mid.inner": inner, "norm": out, "_Disabled": out}  # (leaves and the root)
+
+
+@pytest.mark.parametrize("order", ["compile_then_attach", "attach_then_compile"])
+def test_an_in_place_compiled_model_with_a_disabled_region_dumps_each_attach_and_its_gradients_are_unchanged(
+        tmp_path, order):
+    """nn.Module.compile() (in place: no OptimizedModule, no _orig_mod), aot_eager (functionalized
+    graphs), a torch.compiler.disable'd submodule, grad mode with a backward after each forward, and
+    a second Dumper on the same compiled model after the first closed (compiled code made with the
+    first one's wrappers must not serve the second's attach): every pass bit for bit the eager
+    model's, the gradients too, nothing left on the modules after each close."""
+    torch._dynamo.reset()
+    model, ref = _Disabled(), _Disabled()
+    xs = [torch.randn(3, 8) for _ in range(5)]
+    if order == "compile_then_attach":
+        model.compile(backend="aot_eager")
+        first = fastdump.attach(model, tmp_path / "1")
+    else:
+        first = fastdump.attach(model, tmp_path / "1")
+        model.compile(backend="aot_eager")
+    outs = []
+    for i, x in enumerate(xs):
+        if i == 2:
+            first.close()
+            assert not [n for n, m in model.named_modules() if "forward" in m.__dict__]
+        if i == 3:
+            second = fastdump.attach(model, tmp_path / "2")
+        out = model(x)
+        outs.append(out.detach())
+        out.square().sum().backward()
+        ref(x).square().sum().backward()
+    second.close()
+    assert not [n for n, m in model.named_modules() if "forward" in m.__dict__]
+    torch._dynamo.reset()
+    assert all(same_bits(a.grad, b.grad) for a, b in zip(model.parameters(), ref.parameters()))
+    for where, ids in (("1", (0, 1)), ("2", (3, 4))):
+        ds = fastdump.open(tmp_path / where)
+        assert ds.passes("target", 0) == [0, 1], where
+        for pass_id, i in enumerate(ids):
+            got = ds.load("target", 0, pass_id)
+            with torch.no_grad():
+                want = _disabled_leaves(ref, xs[i])
+            assert sorted(got) == sorted(want), (where, pass_id)
+            assert all(same_bits(got[k], want[k]) for k in want), (where, pass_id)
+            assert same_bits(got["_Disabled"], outs[i]) and not got["_Disabled"].requires_grad
+        assert not verify(tmp_path / where).problems
+    assert same_bits(outs[2], _disabled_leaves(ref, xs[2])["_Disabled"].detach())  # undumped, as computed
+
+
 # -------------------------------------------------------------------------- item 14: odd outputs
 
 

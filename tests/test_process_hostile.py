@@ -728,6 +728,95 @@ def test_multiprocessing_fork_workers_serve_the_attached_model_without_touching_
     assert_verifies(tmp_path)
 
 
+def _attach_serve_and_return(root, writer, n):
+    """A multiprocessing target that attaches a Dumper of its own and returns without close()."""
+    torch.manual_seed(0)
+    model = Net()
+    fastdump.attach(model, root, writer=writer)
+    with torch.no_grad():
+        for i in range(n):
+            model(torch.full((2, 16), float(i)))
+
+
+@pytest.mark.parametrize("writer", ["process", "thread"])
+def test_a_multiprocessing_fork_child_that_returns_without_close_keeps_and_closes_its_dump(tmp_path, writer):
+    """A process multiprocessing starts by fork leaves through os._exit once its target returned:
+    no atexit hook runs, so its Dumper was never closed. With a writer process its passes were there
+    but the dump said incomplete (verify failed); with a writer thread every pass was lost (status
+    running, nothing on disk). Now fastdump closes at multiprocessing's exit, as at the interpreter's."""
+    import multiprocessing
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # see FORK_SERVE: a forked worker would hang in GNU OpenMP's pool
+    try:
+        child = multiprocessing.get_context("fork").Process(target=_attach_serve_and_return,
+                                                            args=(tmp_path, writer, 4))
+        child.start()
+        child.join(120)
+    finally:
+        torch.set_num_threads(threads)
+    assert child.exitcode == 0
+    torch.manual_seed(0)
+    ref = Net()
+    ds = check_passes_against(tmp_path, {i: torch.full((2, 16), float(i)) for i in range(4)}, ref)
+    rank = rank_of(ds)
+    assert ds.passes("target", rank) == [0, 1, 2, 3]
+    assert all(ds.meta("target", rank, p)["complete"] for p in range(4))
+    assert json.loads((tmp_path / "target" / rank / "rank.json").read_text())["status"] == "closed"
+    assert_verifies(tmp_path)
+
+
+FORK_BESIDE_AN_OPEN_PASS = """
+    import logging, os, sys, threading, torch, fastdump
+    from torch import nn
+    root = sys.argv[1]
+    torch.set_num_threads(1)  # (see FORK_SERVE)
+    logging.basicConfig(level=logging.WARNING, stream=sys.stdout, format="LOG %(message)s")
+
+    class Held(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin, self.inside, self.go = nn.Linear(4, 4), threading.Event(), threading.Event()
+
+        def forward(self, x):
+            y = self.lin(x)
+            if threading.current_thread() is not threading.main_thread():
+                self.inside.set()
+                self.go.wait(30)
+            return y
+
+    model = Held()
+    d = fastdump.attach(model, root)
+    t = threading.Thread(target=lambda: model(torch.ones(1, 4)))
+    t.start()
+    model.inside.wait(30)   # the other thread's pass is open
+    pid = os.fork()
+    if pid == 0:   # the child calls the model: the parent's copy stays silent and stages nothing
+        with torch.no_grad():
+            out = [model(torch.full((1, 4), float(i))) for i in range(3)]
+        print("CHILD", all(torch.equal(o, model.lin(torch.full((1, 4), float(i)))) for i, o in enumerate(out)))
+        sys.stdout.flush()
+        os._exit(0)
+    os.waitpid(pid, 0)
+    model.go.set()
+    t.join()
+    st = d.close()
+    print("PARENT", st["passes"], st["mixed_passes"])
+"""
+
+
+def test_a_child_forked_beside_another_threads_open_pass_serves_quietly_and_the_parents_pass_is_whole(tmp_path):
+    """Forked while another thread of the parent had a pass open: that thread is not in the child, so
+    the child's copy of the pass never ends, and each call of the model in the child entered it as a
+    second thread: a "forwards from several threads at once" warning in the child, naming the
+    parent's dump. Now the child's calls join it quietly (the copy stages nothing either way)."""
+    rc, out, err = run_script(tmp_path, FORK_BESIDE_AN_OPEN_PASS, tmp_path / "dump")
+    assert rc == 0, err[-3000:]
+    assert "CHILD True" in out and "PARENT 1 0" in out, out
+    assert "several threads" not in out, out
+    assert_verifies(tmp_path / "dump")
+
+
 # ----------------------------------------------------------------------------------------- threads
 
 

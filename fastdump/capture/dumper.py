@@ -78,8 +78,13 @@ def _forget_parent_dumpers() -> None:
     engines = {id(d._engine): d._engine for d in list(_open_dumpers) if d._engine is not None}
     for engine in engines.values():
         engine.forget_in_forked_child()
+    me = threading.get_ident()
     for dumper in list(_open_dumpers):
         dumper._capturing = False
+        if dumper._depth > 0:  # a pass another thread of the parent had open: that thread is not here,
+            # so the pass never ends; this thread's calls of the model join it, not as a second thread
+            # (which logged "forwards from several threads at once" in the child, naming the parent's dir)
+            dumper._pass_thread = me
         dumper._counts_lock = threading.RLock()  # (another thread of the parent may have held it)
         dumper._lock = threading.Lock()  # (as may a registration: see _follow_registrations)
         dumper._let_go_of_the_ring(fold=False)  # the parent's counts are the parent's

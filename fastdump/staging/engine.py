@@ -476,6 +476,7 @@ class Engine:
                                 "for this attach", eng.error())
                 eng = cls(options)
                 cls._current = eng
+                _shut_down_at_multiprocessing_exit()
             else:
                 differences = eng.options.differences(options)
                 if differences:
@@ -515,6 +516,27 @@ def _shutdown_at_exit() -> None:
 
 
 atexit.register(_shutdown_at_exit)
+_MULTIPROCESSING_EXIT_PID = None  # the process that registered _shutdown_at_exit with multiprocessing
+
+
+def _shut_down_at_multiprocessing_exit() -> None:
+    """In a process multiprocessing started (a ``Process``'s target, a ``Pool`` worker): run
+    _shutdown_at_exit when that process ends. One started by fork (or forkserver) leaves through
+    ``os._exit`` once its target returned: atexit hooks never run there, only multiprocessing's
+    finalizers. Its Dumpers were never closed: a writer process kept what it had, marked incomplete
+    (``verify`` failed), and a writer thread died with every pass it had not yet written."""
+    global _MULTIPROCESSING_EXIT_PID
+    mp = sys.modules.get("multiprocessing")  # (a child multiprocessing started has imported it)
+    if _MULTIPROCESSING_EXIT_PID == os.getpid() or mp is None or mp.parent_process() is None:
+        return
+    from multiprocessing import util
+
+    # Its registry is emptied in each child multiprocessing starts, and it runs a finalizer only in
+    # the process that registered it; priority: before it joins or terminates the child's children.
+    util.Finalize(None, _shutdown_at_exit, exitpriority=100)
+    _MULTIPROCESSING_EXIT_PID = os.getpid()
+
+
 # atexit hooks run newest first. h5py's own hook unregisters its type converters; when it ran
 # before ours, a writer thread's final segment writes at exit failed ("TypeError: Operation not
 # defined for data type class") and every buffered pass was lost. h5py imported before this module
