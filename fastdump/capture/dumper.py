@@ -1424,12 +1424,15 @@ class Dumper:
         name (see _free_name)."""
         earlier = {}  # id -> the name a module of it already has in the model (held twice)
         for name, sub in named_modules(module):
+            path = f"{prefix}.{name}" if name else prefix
             try:
-                first = self._paths.setdefault(sub, f"{prefix}.{name}" if name else prefix)
+                first = self._paths.get(sub)
             except TypeError:  # (unhashable, as above)
                 continue
-            if first != (f"{prefix}.{name}" if name else prefix) and self._still_at(first, sub):
+            if first is not None and first != path and self._still_at(first, sub):
                 earlier[id(sub)] = first
+            else:  # (a name it had before it left the model is stale: registrations inside it take this one)
+                self._paths[sub] = path
         if any(_original_module(m) is not m for m in module.modules()):
             self._use_python_wrappers()  # a torch.compile'd module put in: as at attach (_install)
         wrapped = {id(m) for m, _ in self._wrapped}
@@ -1586,6 +1589,7 @@ class Dumper:
         for held, holder in list(self._holders.items()):
             if id(holder) in leaving and self._holders.get(held) is holder:
                 self._free_name(held, name)
+        self._forget_paths(leaving, replaced=name)
         if id(old) not in staying:
             # Not a wrapper around ``old``: a container replaced by another that holds some of its
             # modules elsewhere (``model.layers = model.layers[2:]``, a reordered ModuleList). They
@@ -1604,13 +1608,23 @@ class Dumper:
         for name, holder in list(self._holders.items()):
             if id(holder) in inside and self._holders.get(name) is holder:
                 self._free_name(name, None)
+        self._forget_paths(inside)
+
+    def _forget_paths(self, inside: set, replaced: str | None = None) -> None:
+        """The modules of ids ``inside`` left their place (``replaced``: the place being filled, which
+        the model still holds, the registration hook running before the assignment): each keeps in
+        ``_paths`` the name the model holds it under elsewhere, or none. A stale name stayed: a
+        module put back elsewhere, or run outside the model, then given a submodule
+        (``old.extra = Linear``) had it dumped under the old place's name (``block.extra`` for
+        ``other.extra``), verify OK."""
         model = self._model_ref()
         if model is None:
             return
         paths = {}
-        for name, module in named_modules(model):
-            if id(module) not in paths:
-                paths[id(module)] = name
+        for name, module in named_modules(model, remove_duplicate=False):
+            if replaced is not None and (name == replaced or name.startswith(replaced + ".")):
+                continue
+            paths.setdefault(id(module), name)
         for module, name in list(self._paths.items()):
             if id(module) in inside:
                 if id(module) in paths:
@@ -1630,7 +1644,9 @@ class Dumper:
             return []
         skipped = [name for name in self.not_wrapped]
         scripted = {name: why for name, why in self.not_wrapped.items() if why != _SHADOWED_REASON}
-        held = {id(module) for _, module in named_modules(model, remove_duplicate=False)}
+        held = collections.defaultdict(set)  # id -> every name the model holds it under
+        for path, module in named_modules(model, remove_duplicate=False):
+            held[id(module)].add(path)
         wrapped = {id(module) for module, wrapper in self._wrapped if getattr(wrapper, "_fastdump_name", None)
                    or getattr(wrapper, "__fastdump_name__", None)}
         found = []
@@ -1646,6 +1662,13 @@ class Dumper:
             if id(module) not in held:
                 found.append(f"{name}: wrapped, and the model no longer holds it (taken out by a write to a "
                              "module's _modules, which no hook reports): its calls since, if any, dumped under this name")
+            elif not any(path == name or path.startswith(name + ".") for path in held[id(module)]):
+                # Moved by a write to _modules (two modules' places swapped): its calls since were dumped
+                # under its old name, which now leads to another module (or to none). (Under its old
+                # place is no move: a LoRA-style wrapper set there holds it, and it keeps its name, _adopt.)
+                found.append(f"{name}: wrapped, and the model holds it as {', '.join(sorted(held[id(module)]))} now "
+                             "(moved by a write to a module's _modules, which no hook reports): its calls since, "
+                             "if any, dumped under this name")
         return found
 
     def _wrap(self, module, wrapper) -> None:
