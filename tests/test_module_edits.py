@@ -363,3 +363,52 @@ def test_a_replaced_module_given_a_submodule_outside_the_model_is_not_dumped_und
     assert sorted(dumped) == ["TwoBlocks", "block.lin"] and same_bits(dumped["block.lin"], want)
     assert "forward" not in old.extra.__dict__
     assert stats["modules_not_followed"] == [] and verify_dump(str(tmp_path)).problems == []
+
+
+RACING_EDITS = {
+    "append": lambda model: model.layers.append(nn.Linear(4, 4)),
+    "replace": lambda model: model.layers.__setitem__(0, nn.Linear(4, 4)),
+    "reordered": lambda model: setattr(model, "layers", nn.ModuleList(list(model.layers)[::-1])),
+}
+
+
+@pytest.mark.parametrize("edit", sorted(RACING_EDITS))
+def test_a_module_registered_on_another_thread_while_attach_walks_the_model_is_dumped(tmp_path, kind, monkeypatch, edit):
+    """Another thread registers a module after attach's selection walk and before its registration
+    hook is in: attach walked the model for its names after wrapping, so the newcomer counted as
+    seen: never wrapped, never dumped, and the check at close (which trusts those names) said
+    nothing: verify OK. The names are walked first now and the newcomers caught up with once the
+    hook is in: dumped under the names they took, bit for bit, each wrapped once."""
+    import threading
+
+    model = Chain(2)
+    real_select = dumper_mod.select_modules
+    raced = []
+
+    def select_then_race(*args, **kwargs):
+        selected = real_select(*args, **kwargs)
+        if not raced:
+            raced.append(True)
+            thread = threading.Thread(target=RACING_EDITS[edit], args=(model,))
+            thread.start()
+            thread.join()
+        return selected
+
+    monkeypatch.setattr(dumper_mod, "select_modules", select_then_race)
+    d = fastdump.attach(model, tmp_path)
+    assert raced
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        out = model(x)
+        want, h = {}, x
+        for key, layer in model.layers.named_children():
+            h = want[f"layers.{key}"] = layer(h)
+    stats = d.close()
+    dumped = fastdump.open(tmp_path).load("target", 0, 0)
+    assert sorted(dumped) == sorted(list(want) + ["Chain"])
+    for name, value in want.items():
+        assert same_bits(dumped[name], value), name
+    assert same_bits(dumped["Chain"], out)
+    assert stats["modules_not_followed"] == [] and verify_dump(str(tmp_path)).problems == []
+    for module in model.modules():
+        assert "forward" not in module.__dict__, module

@@ -1317,6 +1317,11 @@ class Dumper:
     # -- installing wrappers -------------------------------------------------------------------------
     def _install(self, model, root_passes: bool, **selection) -> None:
         self._model_ref = weakref.ref(_original_module(model))
+        # The model's modules and names, walked before the selection: a module another thread puts in
+        # while attach walks and wraps is not in it, and is caught up with once the hook is in
+        # (_follow_registrations). Walked after, it was taken for one seen at attach: never dumped,
+        # and the check at close, which trusts _paths, said nothing (verify OK).
+        paths = _module_paths(model)
         scripted = {name: why for name, why in self.not_wrapped.items()  # (with all inside)
                     if why != _SHADOWED_REASON and name not in self._shared_left_out}
         selected = list(select_modules(model, **selection, scripted=scripted))
@@ -1343,7 +1348,7 @@ class Dumper:
                                  if head and tail.isdigit()}
         for name, module in selected:
             self._wrap(module, self._capture_wrapper(name, module.forward, _owner_of(module)))
-        self._follow_registrations(model, selection)
+        self._follow_registrations(model, selection, paths)
         if _forward_shadowed(model):
             return  # no wrapper of the root would run: recorded in not_wrapped (no root passes)
         if root_passes:
@@ -1361,21 +1366,16 @@ class Dumper:
             inner = self._capture_wrapper(self._root_name, model.forward, owner) if root_selected else None
             self._wrap(model, self._outside_pass_wrapper(inner, model.forward, owner))
 
-    def _follow_registrations(self, model, selection: dict) -> None:
+    def _follow_registrations(self, model, selection: dict, paths) -> None:
         """Wrap the modules put into the model after attach (``model.layers[0] = new``, a LoRA or
         quantization wrapper set in a module's place), selected as at attach under the name they
         take: no wrapper would run for them, and their outputs were missing from every pass without
         a word (verify OK). torch calls a global module registration hook from ``__setattr__``,
         ``add_module`` and ``register_module`` (not on a direct ``_modules[name] = m``): a dict
-        lookup per registration anywhere in the process while a Dumper is attached, none per forward."""
+        lookup per registration anywhere in the process while a Dumper is attached, none per forward.
+        ``paths``: _module_paths(model), walked before the selection."""
         if _torch is None:
             return
-        paths = weakref.WeakKeyDictionary()  # each module of the model -> its (first) name
-        for name, module in named_modules(model):
-            try:
-                paths.setdefault(module, name)
-            except TypeError:  # unhashable (__eq__ without __hash__): its registrations go unseen
-                pass
         self._paths = paths
         # name -> the module its capture wrapper dumps under it (one module per name: _adopt)
         self._holders = {name: module for name, module in self._wrapped_capture()}
@@ -1409,6 +1409,43 @@ class Dumper:
         weakref.finalize(self, self._registration_hook.remove)  # (the handle's remove: a second is a no-op)
         self._selection = selection
         _follow_renumbering(self)
+        with self._lock:
+            self._catch_up(model, selection)
+
+    def _catch_up(self, model, selection: dict) -> None:
+        """Edits another thread made to the model while attach walked and wrapped it, before the
+        registration hook was in (the hook runs before each assignment: one it missed is in the model
+        by now). Each module put in is followed as the hook follows a registration, under the name
+        it took; each wrapped module the model now holds elsewhere (a container replaced by a
+        reordered one) or nowhere is renamed or unwrapped, as the hook's _replaced does. (An
+        assignment whose registration began before the hook was in and lands after this walk stays
+        unseen here: the check at close finds it, as a direct ``_modules`` write.)"""
+        newcomers = []
+        for name, module in named_modules(model):
+            try:
+                if module in self._paths:
+                    continue
+            except TypeError:  # (unhashable: never followed)
+                continue
+            if not any(name == n or name.startswith(n + ".") for n, _ in newcomers):  # (its own _adopt)
+                newcomers.append((name, module))
+        if not newcomers:
+            return  # (the common case: nothing changed while attach ran)
+        for name, module in newcomers:
+            self._adopt(name, module, selection)
+        held = collections.defaultdict(list)  # id -> the names the model holds it under, first first
+        for path, module in named_modules(model, remove_duplicate=False):
+            held[id(module)].append(path)
+        for name, holder in list(self._holders.items()):
+            if self._holders.get(name) is holder and id(holder) not in held:
+                self._free_name(name, None)  # (replaced while attach ran: left the model)
+        self._rename({name: held[id(holder)][0] for name, holder in self._holders.items()
+                      if not any(p == name or p.startswith(name + ".") for p in held[id(holder)])})
+        for module in list(self._paths.keys()):
+            if id(module) not in held:
+                del self._paths[module]
+            elif self._paths[module] not in held[id(module)]:
+                self._paths[module] = held[id(module)][0]
 
     def _wrapped_capture(self):
         """(name, module) of the modules wrapped by a capture wrapper (not the root's)."""
@@ -2118,6 +2155,17 @@ _no_graph_breaks._dynamo_marked_constant = True
 
 
 _RENUMBERING_FOLLOWERS: "weakref.WeakSet[Dumper]" = weakref.WeakSet()  # Dumpers following registrations
+
+
+def _module_paths(model) -> "weakref.WeakKeyDictionary":
+    """Each module of ``model`` -> its (first) name (Dumper._paths)."""
+    paths = weakref.WeakKeyDictionary()
+    for name, module in named_modules(model):
+        try:
+            paths.setdefault(module, name)
+        except TypeError:  # unhashable (__eq__ without __hash__): its registrations go unseen
+            pass
+    return paths
 
 
 
