@@ -1626,7 +1626,18 @@ class Dumper:
         for held, holder in list(self._holders.items()):
             if id(holder) in leaving and self._holders.get(held) is holder:
                 self._free_name(held, name)
-        self._forget_paths(leaving, replaced=name)
+        # Their names leave _paths: a module put back elsewhere, or run outside the model, then given a
+        # submodule had it wrapped under its old place's name (``block.extra`` for ``other.extra``,
+        # verify OK). No walk of the model here (a quantization pass registers every Linear): one also
+        # held elsewhere loses its name too, and what is registered in it later goes unfollowed, which
+        # the check at close reports (verify fails), never dumped under a wrong name.
+        for sub in old.modules():
+            try:
+                path = self._paths.get(sub) if id(sub) in leaving else None
+            except TypeError:  # (unhashable: not in it)
+                continue
+            if path is not None and (path == name or path.startswith(name + ".")):
+                del self._paths[sub]
         if id(old) not in staying:
             # Not a wrapper around ``old``: a container replaced by another that holds some of its
             # modules elsewhere (``model.layers = model.layers[2:]``, a reordered ModuleList). They
@@ -1647,20 +1658,14 @@ class Dumper:
                 self._free_name(name, None)
         self._forget_paths(inside)
 
-    def _forget_paths(self, inside: set, replaced: str | None = None) -> None:
-        """The modules of ids ``inside`` left their place (``replaced``: the place being filled, which
-        the model still holds, the registration hook running before the assignment): each keeps in
-        ``_paths`` the name the model holds it under elsewhere, or none. A stale name stayed: a
-        module put back elsewhere, or run outside the model, then given a submodule
-        (``old.extra = Linear``) had it dumped under the old place's name (``block.extra`` for
-        ``other.extra``), verify OK."""
+    def _forget_paths(self, inside: set) -> None:
+        """The modules of ids ``inside`` left their place: each keeps in ``_paths`` the name the
+        model holds it under elsewhere, or none."""
         model = self._model_ref()
         if model is None:
             return
         paths = {}
-        for name, module in named_modules(model, remove_duplicate=False):
-            if replaced is not None and (name == replaced or name.startswith(replaced + ".")):
-                continue
+        for name, module in named_modules(model):
             paths.setdefault(id(module), name)
         for module, name in list(self._paths.items()):
             if id(module) in inside:

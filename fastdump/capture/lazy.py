@@ -62,8 +62,12 @@ class _Lazy(_StandIn):
 
     def __del__(self):
         # (the real object, finalized unconsumed, would run its finally blocks unsuspended: see above)
-        if _suspended(self._inner):
-            self.close()
+        try:
+            suspended = _suspended(self._inner)
+        except Exception:  # (at interpreter exit, modules torn down: the real object's finalizer closes it)
+            return
+        if suspended:
+            self.close()  # (what its finally blocks raise is reported as the collector reports it)
 
 
 def _suspended(inner) -> bool:
