@@ -336,3 +336,62 @@ def test_close_returns_within_its_timeout_when_a_stream_never_completes(m, nativ
     problems = verify_dump(str(tmp_path)).problems
     assert any("producer_error.json" in p and "never completed" in p for p in problems), problems
     _check_passes(tmp_path, {p: net.expected[p] for p in range(2)})  # what landed before the gate is whole
+
+
+_EXIT_WITH_A_STREAM_THAT_NEVER_COMPLETES = """
+import sys, time
+sys.path[:0] = [{tests!r}, {mock!r}]
+from _pytest.monkeypatch import MonkeyPatch
+import build, test_cuda, test_cuda_glue_hostile as hostile
+m = build.load(build.build())
+for k, v in test_cuda._KNOBS.items():
+    m._mock.set(k, v)
+m._mock.reset()
+m.device_buffers = []
+test_cuda.MOCK_MODULE[0] = m
+patch = MonkeyPatch()
+glue = test_cuda.glue._get_wrapped_function()(m, patch)
+native = hostile.native._get_wrapped_function()(m, next(glue), patch)
+net = hostile.Net(m)
+d = hostile._attach_model(net, {root!r}, strict=False)
+for step in range(2):
+    net(step)
+assert d._engine.flush_cuda(10)
+m._mock.enqueue_gate(native)  # never opened: every later copy on the stream waits for good
+for step in range(2, 4):
+    net(step)
+if {close!r}:
+    print("closed:", d.close(timeout=1)["status"], flush=True)
+print("exiting", flush=True)
+"""
+
+
+@pytest.mark.parametrize("close_first", [True, False])
+def test_the_process_exits_in_time_with_a_stream_that_never_completes(m, tmp_path, close_first):
+    """close(timeout=1) gives up on the stager's close (its drain waits for copies on a stream that
+    never completes) and leaves that close running in a daemon thread; or nothing closes and the
+    exit hook does, within FASTDUMP_EXIT_TIMEOUT_S. Either way the interpreter's exit must neither
+    hang on that thread nor crash (its drain, the pinned ring, the closed channel), and what was
+    lost must fail verify; the passes before the gate are whole."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    here = Path(__file__).parent
+    code = _EXIT_WITH_A_STREAM_THAT_NEVER_COMPLETES.format(tests=str(here), mock=str(here / "cuda_mock"),
+                                                           root=str(tmp_path), close=close_first)
+    env = dict(os.environ, FASTDUMP_EXIT_TIMEOUT_S="2",
+               PYTHONPATH=os.pathsep.join([str(here.parent), os.environ.get("PYTHONPATH", "")]))
+    t0 = time.monotonic()
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    elapsed = time.monotonic() - t0
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "exiting" in run.stdout and ("closed: error" in run.stdout) == close_first, run.stdout
+    assert elapsed < 60, f"{elapsed:.0f} s"  # (the mock build is cached: the import, attach, 2 s of close)
+    problems = verify_dump(str(tmp_path)).problems
+    assert any("producer_error.json" in p and "never completed" in p for p in problems), problems
+    want = Net(m)
+    for step in range(2):
+        want(step)
+    _check_passes(tmp_path, {p: want.expected[p] for p in range(2)})

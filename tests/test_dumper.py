@@ -1300,6 +1300,70 @@ def test_a_draft_forward_returning_a_generator_keeps_its_work_out_of_the_target_
     assert not cli_dump.verify_dump(str(tmp_path)).problems
 
 
+class _CleanupDraft(_Eagle3Draft):
+    """A draft whose forward returns a generator (or coroutine) of steps whose ``finally`` calls
+    the LM head it shares with the target (a cleanup step)."""
+
+    kind = "generator"
+
+    def forward(self, ids, aux):
+        def steps():
+            try:
+                for s in range(3):
+                    yield self.fc(torch.cat([self.embed(ids + s), aux], -1))
+            finally:
+                self.cleanup.append(self.lm_head(aux))
+
+        async def coroutine():
+            try:
+                for s in range(3):
+                    self.fc(torch.cat([self.embed(ids + s), aux], -1))
+                    await asyncio.sleep(0)
+            finally:
+                self.cleanup.append(self.lm_head(aux))
+
+        return {"generator": steps, "coroutine": coroutine}[self.kind]()
+
+
+@pytest.mark.parametrize("kind", ["generator", "coroutine"])
+def test_a_lazy_draft_result_dropped_unconsumed_keeps_its_cleanup_out_of_the_target_pass(tmp_path, kind):
+    """The draft's generator (coroutine) is stepped once, then dropped unconsumed inside the
+    target's next pass: the garbage collector closed the real object, whose ``finally`` called the
+    shared LM head with no suspension, so the target's pass got the draft's call as ``lm_head#1``,
+    complete, verify OK. The stand-in closes it through the suspension: the target's passes hold
+    their own calls, bit for bit, and the suspension is recorded."""
+    target = _Eagle3Target()
+    draft = _CleanupDraft(target)
+    draft.kind, draft.cleanup = kind, []
+    dt = fastdump.attach(target, tmp_path, role="target")
+    dd = fastdump.attach(draft, tmp_path, role="draft", root_passes=False, exclude=r"^_CleanupDraft$")
+    held = []
+
+    def run_draft(ids, hidden):
+        lazy = draft(ids + 1, hidden)
+        lazy.send(None)  # one step, outside any draft pass
+        held.append(lazy)
+
+    ids = [torch.tensor([[1, 2, 3]]), torch.tensor([[4, 5, 6]])]
+    with torch.inference_mode():
+        target.run_draft = run_draft
+        logits = [target(ids[0])]
+        target.run_draft = lambda ids, h: held.clear()  # dropped unconsumed inside the next target pass
+        logits.append(target(ids[1]))
+    assert len(draft.cleanup) == 1  # (it ran, in the target's second pass)
+    assert dd.close()["status"] == "closed" and dt.close()["status"] == "closed"
+    ds = fastdump.open(tmp_path)
+    for p in range(2):
+        with torch.inference_mode():
+            e = target.embed(ids[p])
+            want = {"embed": e, "layer": target.layer(e), "lm_head": logits[p], "_Eagle3Target": logits[p]}
+        dumped = ds.load("target", 0, p)
+        assert sorted(dumped) == sorted(want) and all(same_bits(dumped[n], want[n]) for n in want), p
+    assert ds.meta("target", 0, 1)["suspended_for"] == [{"role": "draft", "pass": None}]
+    assert ds.passes("draft", 0) == []
+    assert not cli_dump.verify_dump(str(tmp_path)).problems
+
+
 def test_the_root_manifest_is_the_first_dumpers_and_is_never_overwritten(tmp_path):
     """fastdump.json records the run (config, command): a second Dumper on the root (the draft
     role, another rank) leaves the first's record as it was."""

@@ -268,3 +268,147 @@ def test_a_container_replaced_by_one_holding_its_modules_elsewhere_renames_them(
     assert sorted(fastdump.open(tmp_path / "after").load("target", 0, 0)) == sorted(dumped)
     for module in model.modules():
         assert "forward" not in module.__dict__, module
+
+
+def test_a_direct_write_swapping_two_modules_places_makes_verify_fail(tmp_path, kind):
+    """``layers._modules["0"], layers._modules["1"] = ...["1"], ...["0"]``: no hook reports it, every
+    module is still in the model and wrapped, so the check at close found nothing; each layer's
+    output was dumped under the other's name and verify said OK. The check at close now compares
+    each wrapped module's name with where the model holds it: both are listed, verify fails."""
+    model = Chain(3)
+    d = fastdump.attach(model, tmp_path)
+    mods = model.layers._modules
+    mods["0"], mods["1"] = mods["1"], mods["0"]
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        model(x)
+        first = model.layers[0](x)
+    stats = d.close()
+    dumped = fastdump.open(tmp_path).load("target", 0, 0)
+    assert not same_bits(dumped["layers.0"], first)  # (what the check is for: the names are crossed)
+    assert sorted(entry.split(":")[0] for entry in stats["modules_not_followed"]) == ["layers.0", "layers.1"]
+    assert "holds it as layers.1 now" in stats["modules_not_followed"][0]
+    problems = verify_dump(str(tmp_path)).problems
+    assert len(problems) == 1 and "could not follow" in problems[0] and "layers.0: " in problems[0]
+
+
+class Block(nn.Module):
+    """A Linear, then ``extra`` when one was put in."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        x = self.lin(x)
+        return self.extra(x) if "extra" in self._modules else x
+
+
+class TwoBlocks(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(5)
+        self.block = Block()
+
+    def forward(self, x):
+        x = self.block(x)
+        return self.other(x) if "other" in self._modules else x
+
+
+def test_a_module_replaced_then_put_back_elsewhere_names_what_is_registered_in_it_by_its_new_place(tmp_path, kind):
+    """``old = model.block; model.block = Block(); model.other = old; old.extra = Linear``: the
+    Dumper's map of module -> name kept ``block`` for the replaced module, so the Linear put into
+    it was dumped as ``block.extra`` (the name of nothing) instead of ``other.extra``, verify OK.
+    A module leaving its place forgets that name; one put back takes its new one."""
+    model = TwoBlocks()
+    d = fastdump.attach(model, tmp_path)
+    old = model.block
+    model.block = Block()
+    model.other = old
+    old.extra = nn.Linear(4, 4)
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        out = model(x)
+        want = {"block.lin": model.block.lin(x)}
+        want["other.lin"] = old.lin(want["block.lin"])
+        want["other.extra"] = old.extra(want["other.lin"])
+    stats = d.close()
+    dumped = fastdump.open(tmp_path).load("target", 0, 0)
+    assert sorted(dumped) == sorted(list(want) + ["TwoBlocks"])
+    for name, value in want.items():
+        assert same_bits(dumped[name], value), name
+    assert same_bits(dumped["TwoBlocks"], out)
+    assert stats["modules_not_followed"] == [] and verify_dump(str(tmp_path)).problems == []
+
+
+def test_a_replaced_module_given_a_submodule_outside_the_model_is_not_dumped_under_its_old_place(tmp_path, kind):
+    """A module replaced and kept outside the model (run by hand) is given a submodule: under the
+    stale name its old place had, the submodule was wrapped as ``block.extra`` and its calls
+    dumped so (inside the model's pass, beside its own). Now the module has no name in the model
+    and nothing registered in it is wrapped."""
+    model = TwoBlocks()
+    d = fastdump.attach(model, tmp_path)
+    old = model.block
+    model.block = Block()
+    old.extra = nn.Linear(4, 4)
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        d.begin_pass()
+        model(x)
+        old(x)  # outside the model, inside its pass: not the model's, not dumped
+        d.end_pass()
+        want = model.block.lin(x)
+    stats = d.close()
+    dumped = fastdump.open(tmp_path).load("target", 0, 0)
+    assert sorted(dumped) == ["TwoBlocks", "block.lin"] and same_bits(dumped["block.lin"], want)
+    assert "forward" not in old.extra.__dict__
+    assert stats["modules_not_followed"] == [] and verify_dump(str(tmp_path)).problems == []
+
+
+RACING_EDITS = {
+    "append": lambda model: model.layers.append(nn.Linear(4, 4)),
+    "replace": lambda model: model.layers.__setitem__(0, nn.Linear(4, 4)),
+    "reordered": lambda model: setattr(model, "layers", nn.ModuleList(list(model.layers)[::-1])),
+}
+
+
+@pytest.mark.parametrize("edit", sorted(RACING_EDITS))
+def test_a_module_registered_on_another_thread_while_attach_walks_the_model_is_dumped(tmp_path, kind, monkeypatch, edit):
+    """Another thread registers a module after attach's selection walk and before its registration
+    hook is in: attach walked the model for its names after wrapping, so the newcomer counted as
+    seen: never wrapped, never dumped, and the check at close (which trusts those names) said
+    nothing: verify OK. The names are walked first now and the newcomers caught up with once the
+    hook is in: dumped under the names they took, bit for bit, each wrapped once."""
+    import threading
+
+    model = Chain(2)
+    real_select = dumper_mod.select_modules
+    raced = []
+
+    def select_then_race(*args, **kwargs):
+        selected = real_select(*args, **kwargs)
+        if not raced:
+            raced.append(True)
+            thread = threading.Thread(target=RACING_EDITS[edit], args=(model,))
+            thread.start()
+            thread.join()
+        return selected
+
+    monkeypatch.setattr(dumper_mod, "select_modules", select_then_race)
+    d = fastdump.attach(model, tmp_path)
+    assert raced
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        out = model(x)
+        want, h = {}, x
+        for key, layer in model.layers.named_children():
+            h = want[f"layers.{key}"] = layer(h)
+    stats = d.close()
+    dumped = fastdump.open(tmp_path).load("target", 0, 0)
+    assert sorted(dumped) == sorted(list(want) + ["Chain"])
+    for name, value in want.items():
+        assert same_bits(dumped[name], value), name
+    assert same_bits(dumped["Chain"], out)
+    assert stats["modules_not_followed"] == [] and verify_dump(str(tmp_path)).problems == []
+    for module in model.modules():
+        assert "forward" not in module.__dict__, module

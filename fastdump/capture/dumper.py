@@ -1325,6 +1325,11 @@ class Dumper:
     # -- installing wrappers -------------------------------------------------------------------------
     def _install(self, model, root_passes: bool, **selection) -> None:
         self._model_ref = weakref.ref(_original_module(model))
+        # The model's modules and names, walked before the selection: a module another thread puts in
+        # while attach walks and wraps is not in it, and is caught up with once the hook is in
+        # (_follow_registrations). Walked after, it was taken for one seen at attach: never dumped,
+        # and the check at close, which trusts _paths, said nothing (verify OK).
+        paths = _module_paths(model)
         scripted = {name: why for name, why in self.not_wrapped.items()  # (with all inside)
                     if why != _SHADOWED_REASON and name not in self._shared_left_out}
         selected = list(select_modules(model, **selection, scripted=scripted))
@@ -1351,7 +1356,7 @@ class Dumper:
                                  if head and tail.isdigit()}
         for name, module in selected:
             self._wrap(module, self._capture_wrapper(name, module.forward, _owner_of(module)))
-        self._follow_registrations(model, selection)
+        self._follow_registrations(model, selection, paths)
         if _forward_shadowed(model):
             return  # no wrapper of the root would run: recorded in not_wrapped (no root passes)
         if root_passes:
@@ -1369,21 +1374,16 @@ class Dumper:
             inner = self._capture_wrapper(self._root_name, model.forward, owner) if root_selected else None
             self._wrap(model, self._outside_pass_wrapper(inner, model.forward, owner))
 
-    def _follow_registrations(self, model, selection: dict) -> None:
+    def _follow_registrations(self, model, selection: dict, paths) -> None:
         """Wrap the modules put into the model after attach (``model.layers[0] = new``, a LoRA or
         quantization wrapper set in a module's place), selected as at attach under the name they
         take: no wrapper would run for them, and their outputs were missing from every pass without
         a word (verify OK). torch calls a global module registration hook from ``__setattr__``,
         ``add_module`` and ``register_module`` (not on a direct ``_modules[name] = m``): a dict
-        lookup per registration anywhere in the process while a Dumper is attached, none per forward."""
+        lookup per registration anywhere in the process while a Dumper is attached, none per forward.
+        ``paths``: _module_paths(model), walked before the selection."""
         if _torch is None:
             return
-        paths = weakref.WeakKeyDictionary()  # each module of the model -> its (first) name
-        for name, module in named_modules(model):
-            try:
-                paths.setdefault(module, name)
-            except TypeError:  # unhashable (__eq__ without __hash__): its registrations go unseen
-                pass
         self._paths = paths
         # name -> the module its capture wrapper dumps under it (one module per name: _adopt)
         self._holders = {name: module for name, module in self._wrapped_capture()}
@@ -1417,6 +1417,43 @@ class Dumper:
         weakref.finalize(self, self._registration_hook.remove)  # (the handle's remove: a second is a no-op)
         self._selection = selection
         _follow_renumbering(self)
+        with self._lock:
+            self._catch_up(model, selection)
+
+    def _catch_up(self, model, selection: dict) -> None:
+        """Edits another thread made to the model while attach walked and wrapped it, before the
+        registration hook was in (the hook runs before each assignment: one it missed is in the model
+        by now). Each module put in is followed as the hook follows a registration, under the name
+        it took; each wrapped module the model now holds elsewhere (a container replaced by a
+        reordered one) or nowhere is renamed or unwrapped, as the hook's _replaced does. (An
+        assignment whose registration began before the hook was in and lands after this walk stays
+        unseen here: the check at close finds it, as a direct ``_modules`` write.)"""
+        newcomers = []
+        for name, module in named_modules(model):
+            try:
+                if module in self._paths:
+                    continue
+            except TypeError:  # (unhashable: never followed)
+                continue
+            if not any(name == n or name.startswith(n + ".") for n, _ in newcomers):  # (its own _adopt)
+                newcomers.append((name, module))
+        if not newcomers:
+            return  # (the common case: nothing changed while attach ran)
+        for name, module in newcomers:
+            self._adopt(name, module, selection)
+        held = collections.defaultdict(list)  # id -> the names the model holds it under, first first
+        for path, module in named_modules(model, remove_duplicate=False):
+            held[id(module)].append(path)
+        for name, holder in list(self._holders.items()):
+            if self._holders.get(name) is holder and id(holder) not in held:
+                self._free_name(name, None)  # (replaced while attach ran: left the model)
+        self._rename({name: held[id(holder)][0] for name, holder in self._holders.items()
+                      if not any(p == name or p.startswith(name + ".") for p in held[id(holder)])})
+        for module in list(self._paths.keys()):
+            if id(module) not in held:
+                del self._paths[module]
+            elif self._paths[module] not in held[id(module)]:
+                self._paths[module] = held[id(module)][0]
 
     def _wrapped_capture(self):
         """(name, module) of the modules wrapped by a capture wrapper (not the root's)."""
@@ -1432,12 +1469,15 @@ class Dumper:
         name (see _free_name)."""
         earlier = {}  # id -> the name a module of it already has in the model (held twice)
         for name, sub in named_modules(module):
+            path = f"{prefix}.{name}" if name else prefix
             try:
-                first = self._paths.setdefault(sub, f"{prefix}.{name}" if name else prefix)
+                first = self._paths.get(sub)
             except TypeError:  # (unhashable, as above)
                 continue
-            if first != (f"{prefix}.{name}" if name else prefix) and self._still_at(first, sub):
+            if first is not None and first != path and self._still_at(first, sub):
                 earlier[id(sub)] = first
+            else:  # (a name it had before it left the model is stale: registrations inside it take this one)
+                self._paths[sub] = path
         if any(_original_module(m) is not m for m in module.modules()):
             self._use_python_wrappers()  # a torch.compile'd module put in: as at attach (_install)
         wrapped = {id(m) for m, _ in self._wrapped}
@@ -1594,6 +1634,18 @@ class Dumper:
         for held, holder in list(self._holders.items()):
             if id(holder) in leaving and self._holders.get(held) is holder:
                 self._free_name(held, name)
+        # Their names leave _paths: a module put back elsewhere, or run outside the model, then given a
+        # submodule had it wrapped under its old place's name (``block.extra`` for ``other.extra``,
+        # verify OK). No walk of the model here (a quantization pass registers every Linear): one also
+        # held elsewhere loses its name too, and what is registered in it later goes unfollowed, which
+        # the check at close reports (verify fails), never dumped under a wrong name.
+        for sub in old.modules():
+            try:
+                path = self._paths.get(sub) if id(sub) in leaving else None
+            except TypeError:  # (unhashable: not in it)
+                continue
+            if path is not None and (path == name or path.startswith(name + ".")):
+                del self._paths[sub]
         if id(old) not in staying:
             # Not a wrapper around ``old``: a container replaced by another that holds some of its
             # modules elsewhere (``model.layers = model.layers[2:]``, a reordered ModuleList). They
@@ -1612,13 +1664,17 @@ class Dumper:
         for name, holder in list(self._holders.items()):
             if id(holder) in inside and self._holders.get(name) is holder:
                 self._free_name(name, None)
+        self._forget_paths(inside)
+
+    def _forget_paths(self, inside: set) -> None:
+        """The modules of ids ``inside`` left their place: each keeps in ``_paths`` the name the
+        model holds it under elsewhere, or none."""
         model = self._model_ref()
         if model is None:
             return
         paths = {}
         for name, module in named_modules(model):
-            if id(module) not in paths:
-                paths[id(module)] = name
+            paths.setdefault(id(module), name)
         for module, name in list(self._paths.items()):
             if id(module) in inside:
                 if id(module) in paths:
@@ -1638,7 +1694,9 @@ class Dumper:
             return []
         skipped = [name for name in self.not_wrapped]
         scripted = {name: why for name, why in self.not_wrapped.items() if why != _SHADOWED_REASON}
-        held = {id(module) for _, module in named_modules(model, remove_duplicate=False)}
+        held = collections.defaultdict(set)  # id -> every name the model holds it under
+        for path, module in named_modules(model, remove_duplicate=False):
+            held[id(module)].add(path)
         wrapped = {id(module) for module, wrapper in self._wrapped if getattr(wrapper, "_fastdump_name", None)
                    or getattr(wrapper, "__fastdump_name__", None)}
         found = []
@@ -1654,6 +1712,13 @@ class Dumper:
             if id(module) not in held:
                 found.append(f"{name}: wrapped, and the model no longer holds it (taken out by a write to a "
                              "module's _modules, which no hook reports): its calls since, if any, dumped under this name")
+            elif not any(path == name or path.startswith(name + ".") for path in held[id(module)]):
+                # Moved by a write to _modules (two modules' places swapped): its calls since were dumped
+                # under its old name, which now leads to another module (or to none). (Under its old
+                # place is no move: a LoRA-style wrapper set there holds it, and it keeps its name, _adopt.)
+                found.append(f"{name}: wrapped, and the model holds it as {', '.join(sorted(held[id(module)]))} now "
+                             "(moved by a write to a module's _modules, which no hook reports): its calls since, "
+                             "if any, dumped under this name")
         return found
 
     def _wrap(self, module, wrapper) -> None:
@@ -2103,6 +2168,17 @@ _no_graph_breaks._dynamo_marked_constant = True
 
 
 _RENUMBERING_FOLLOWERS: "weakref.WeakSet[Dumper]" = weakref.WeakSet()  # Dumpers following registrations
+
+
+def _module_paths(model) -> "weakref.WeakKeyDictionary":
+    """Each module of ``model`` -> its (first) name (Dumper._paths)."""
+    paths = weakref.WeakKeyDictionary()
+    for name, module in named_modules(model):
+        try:
+            paths.setdefault(module, name)
+        except TypeError:  # unhashable (__eq__ without __hash__): its registrations go unseen
+            pass
+    return paths
 
 
 

@@ -9,6 +9,14 @@ each step of the result as a forward of its model outside its Dumper's passes
 (``Dumper._step_outside_passes``): the other Dumpers' passes open on that thread are suspended
 while it runs, as they are while the forward itself runs.
 
+A stand-in dropped with its generator or coroutine suspended (not consumed to the end) closes it
+through the same step: the ``finally`` blocks it runs then would otherwise run as the garbage
+collector found the real object, wherever that was (inside the next pass of another Dumper on that
+thread: a draft's cleanup call of the shared LM head read as the target's ``lm_head#1``, verify OK).
+An async generator cannot be closed there (its ``aclose()`` is awaited, by the event loop's
+finalizer hook): one dropped unconsumed runs its ``finally`` blocks as the loop schedules them,
+outside any suspension (docs/INTERNALS.md, README).
+
 Only these three built-in kinds are recognised (by exact type, once per root forward): any other
 lazy object (an iterator class of one's own, a closure) is returned as it is; docs/INTEGRATIONS.md
 says so.
@@ -17,6 +25,7 @@ says so.
 from __future__ import annotations
 
 import collections.abc
+import inspect
 import types
 
 
@@ -50,6 +59,24 @@ class _Lazy(_StandIn):
 
     def close(self):
         return self._dumper._step_outside_passes(self._inner.close)
+
+    def __del__(self):
+        # (the real object, finalized unconsumed, would run its finally blocks unsuspended: see above)
+        try:
+            suspended = _suspended(self._inner)
+        except Exception:  # (at interpreter exit, modules torn down: the real object's finalizer closes it)
+            return
+        if suspended:
+            self.close()  # (what its finally blocks raise is reported as the collector reports it)
+
+
+def _suspended(inner) -> bool:
+    """A generator or coroutine started and not finished (closing one not started runs nothing)."""
+    if isinstance(inner, types.GeneratorType):
+        return inspect.getgeneratorstate(inner) == inspect.GEN_SUSPENDED
+    if isinstance(inner, types.CoroutineType):
+        return inspect.getcoroutinestate(inner) == inspect.CORO_SUSPENDED
+    return False  # (a coroutine's __await__ wrapper: its coroutine's own stand-in closes it)
 
 
 class _Generator(_Lazy, collections.abc.Generator):
