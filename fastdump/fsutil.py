@@ -15,6 +15,7 @@ import itertools
 import json
 import os
 import stat
+import sys
 import threading
 import weakref
 
@@ -25,6 +26,18 @@ import weakref
 TMP_SUFFIX = ".tmp"
 _counter = itertools.count()
 _counter_lock = threading.Lock()
+
+
+def renew_locks_at_fork(owner, *names: str) -> None:
+    """Give each plain lock ``owner.<name>`` (a module's or a class's) a fresh one in every child
+    that ``os.fork()`` makes. A lock another thread of the parent held at the fork (an attach
+    starting the writer process, a temporary file being named) is held for good in the child, whose
+    first attach then waited forever (a data loader or a worker pool forking beside a serving thread)."""
+    if hasattr(os, "register_at_fork"):
+        os.register_at_fork(after_in_child=lambda: [setattr(owner, name, threading.Lock()) for name in names])
+
+
+renew_locks_at_fork(sys.modules[__name__], "_counter_lock")
 
 
 def temp_path(path: str, unique: bool = True) -> str:

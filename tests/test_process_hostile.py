@@ -26,6 +26,7 @@ from torch import nn
 
 import fastdump
 from fastdump.capture import dumper as dumper_mod
+from fastdump.cli.dump import verify_dump
 from fastdump.staging.engine import SHM_DIR, SHM_PREFIX, Engine
 
 REPO = Path(__file__).resolve().parent.parent
@@ -1259,3 +1260,63 @@ def test_thread_writer_failed_close_returns_at_once_leaves_no_thread_and_exit_is
     with torch.no_grad():
         assert same_bits(ds.load("target", rank, 0, check=True)["0"], lin(torch.full((2, 16), 0.0)))
     assert_verify_fails(tmp_path / "dump", "injected: no space left")
+
+
+FORK_HOLDING_LOCKS = r"""
+import json, os, sys, threading, torch, fastdump
+from fastdump import fsutil
+from fastdump.staging import cuda, engine, tensor_reader
+from fastdump.writer import segment_file
+
+root, writer = sys.argv[1], sys.argv[2]
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
+locks = [engine.Engine._lock, fsutil._counter_lock, tensor_reader._lock, cuda._lock, cuda._held_lock,
+         segment_file._IO_LOCK]
+held, go = threading.Event(), threading.Event()
+
+def hold():  # another thread of the parent in the middle of an attach (starting the writer), say
+    for lock in locks:
+        lock.acquire()
+    held.set()
+    go.wait(60)
+    for lock in locks:
+        lock.release()
+
+t = threading.Thread(target=hold)
+t.start()
+held.wait(60)
+pid = os.fork()
+if pid == 0:  # the child attaches a Dumper of its own: its first attach waited for good
+    with fastdump.attach(model, root + "/child", writer=writer) as d, torch.inference_mode():
+        out = model(torch.ones(2, 4))
+    print(json.dumps({"status": d.stats()["status"], "out": out.tolist()}))
+    sys.stdout.flush()
+    os._exit(0)
+_, status = os.waitpid(pid, 0)
+go.set()
+t.join()
+print("PARENT", status)
+"""
+
+
+@pytest.mark.parametrize("writer", ["process", "thread"])
+def test_a_child_forked_while_another_thread_holds_fastdumps_locks_attaches_and_dumps(tmp_path, writer):
+    """os.fork() copies a lock another thread of the parent holds (an attach starting its writer,
+    a temporary file being named) as held for good: the child's first attach hung. Each of
+    fastdump's process-wide locks is fresh in a forked child."""
+    rc, out, err = run_script(tmp_path, FORK_HOLDING_LOCKS, tmp_path, writer, timeout=60)
+    assert rc == 0, err[-3000:]
+    lines = out.strip().splitlines()
+    assert lines[-1] == "PARENT 0", out
+    child = json.loads(lines[-2])
+    assert child["status"] == "closed"
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
+    with torch.inference_mode():
+        want = model(torch.ones(2, 4))
+    assert same_bits(torch.tensor(child["out"]), want)
+    with fastdump.open(tmp_path / "child") as ds:
+        got = ds.load("target", 0, 0)
+        assert same_bits(got["1"], want)
+    assert verify_dump(str(tmp_path / "child")).problems == []

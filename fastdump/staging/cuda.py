@@ -26,7 +26,7 @@ import sys
 import threading
 import weakref
 
-from .. import _C
+from .. import _C, fsutil
 from .. import dtypes as _dtypes
 from ..devices import cuda_info  # noqa: F401 - part of this module's face (status, usable)
 
@@ -633,6 +633,7 @@ def _stage_or_ring_failure(stager, channel, name_id, pass_id, code, size, shape,
 
 _held = collections.deque()  # (stager, device, ticket, object): sources still read by a snapshot
 _held_lock = threading.Lock()
+fsutil.renew_locks_at_fork(sys.modules[__name__], "_lock", "_held_lock")  # (a forked child never uses the parent's CUDA, but attaches)
 
 
 def hold_until_read(stager, device: int, obj) -> None:

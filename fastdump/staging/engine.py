@@ -495,6 +495,8 @@ class Engine:
             self.shutdown(timeout)
 
 
+fsutil.renew_locks_at_fork(Engine, "_lock")  # (a parent thread starting a writer at the fork held it)
+
 _EXIT_HOOKS: list = []  # called with the deadline before the engine shuts down (capture's close_all)
 
 

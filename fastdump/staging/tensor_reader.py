@@ -20,9 +20,10 @@ import os
 import sys
 import threading
 
-from .. import _C
+from .. import _C, fsutil
 
 _lock = threading.Lock()
+fsutil.renew_locks_at_fork(sys.modules[__name__], "_lock")
 _state: dict | None = None  # install()'s answer, once
 _capsule = None  # the reader's table, once loaded
 

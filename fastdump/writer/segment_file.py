@@ -16,6 +16,7 @@ import errno
 import json
 import math
 import os
+import sys
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -170,6 +171,7 @@ def _io_threads() -> ThreadPoolExecutor:
 
 
 _IO_LOCK = threading.Lock()
+fsutil.renew_locks_at_fork(sys.modules[__name__], "_IO_LOCK")
 _IO_HOLDERS = 0  # writer loops running in this process (loop.run_consumer)
 
 
