@@ -310,6 +310,9 @@ void bind_mock(py::module_& m) {
     --c.in_mock;
   });
   k.def("error_name", [](int e) { return std::string(cudaGetErrorName(static_cast<cudaError_t>(e))); });
+  // The calling thread's last runtime error, cleared (cudaGetLastError): a failed call the staging
+  // code handled must not stay there, where the next launch check on this thread would report it.
+  k.def("last_error", []() { return static_cast<int>(cudaGetLastError()); });
   k.def("contexts", []() {
     py::list l;
     for (int d = 0; d < fdmock::config().device_count.load() && d < fdmock::kMaxDevices; ++d)

@@ -57,7 +57,12 @@ std::string cuda_error_text(cudaError_t e, const char* what) {
   return std::string(what) + ": " + cudaGetErrorName(e) + " (" + cudaGetErrorString(e) + ")";
 }
 
+// A failed call also leaves its error as the calling thread's "last error" (cudaGetLastError):
+// cleared here, or the next launch check on this thread (the gather kernel's, a later tensor's or
+// one of the same stage() call) would take it for its own and fail that tensor, or stop staging
+// when it came mid-tensor. (A sticky error stays: cudaGetLastError cannot clear it.)
 [[noreturn]] void throw_cuda(cudaError_t e, const char* what) {
+  (void)cudaGetLastError();
   throw std::runtime_error("fastdump CUDA: " + cuda_error_text(e, what));
 }
 
