@@ -631,6 +631,72 @@ def test_gpu_graph_record_two_roles_replays_outrun_drain(tmp_path):
         assert same_bits(torch.as_tensor(ds.load("draft", 0, p)["Sequential"]), want_d[replay].cpu())
 
 
+class _GpuView(torch.nn.Module):
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, h):
+        return self.fn(h)
+
+
+class _GpuOddOutputs(torch.nn.Module):
+    """Module outputs a graph records with the gather kernel or an odd-sized copy: a stride-3 view at
+    a 2-byte offset, a transpose, a zero-size slice, an offset block, rows of 99 bf16 (198 bytes)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(256, 99)
+        self.strided = _GpuView(lambda h: h[:, 1::3])
+        self.transposed = _GpuView(lambda h: h.t())
+        self.empty = _GpuView(lambda h: h[:0])
+        self.block = _GpuView(lambda h: h[1:, 3:50])
+        self.last = None
+
+    def forward(self, x):
+        h = self.lin(x)
+        self.last = h  # (the graph's static tensor: what each replay computed)
+        self.strided(h), self.transposed(h), self.empty(h), self.block(h)
+        return h * 2
+
+
+@pytest.mark.cuda
+@needs_cuda_build
+def test_gpu_graph_record_odd_layouts_bit_exact(tmp_path):
+    """Record mode's snapshots inside the graph (snapshot_whole: the gather kernel in 1- to 16-byte
+    units, cudaMemcpyAsync of odd sizes) and the copy kernel's 16-byte units over the 256-byte
+    slots: every replay's views, at odd offsets and strides, and an empty one, bit for bit."""
+    torch.manual_seed(0)
+    model = _GpuOddOutputs().cuda().to(torch.bfloat16)
+    d = fastdump.attach(model, tmp_path, tp_rank=0, tp_size=1, writer="thread", strict=True, device="cuda:0")
+    stream = torch.cuda.Stream()
+    want = []
+    with torch.inference_mode():
+        static_in = torch.randn(7, 256, device="cuda", dtype=torch.bfloat16)
+        g, out = _gpu_capture(model, static_in, stream)
+        h = model.last
+        for _ in range(3):
+            with torch.cuda.stream(stream):
+                static_in.normal_()
+                g.replay()
+                want.append((h.clone(), out.clone()))
+        torch.cuda.synchronize()
+        stats = d.close()
+    assert stats["dropped_passes"] == 0
+    ds = fastdump.open(tmp_path)
+    passes = graph_passes(ds, "target")
+    assert len(passes) == len(want)
+    for p, (hv, o) in zip(passes, want):
+        got = {k: torch.as_tensor(v) for k, v in ds.load("target", 0, p).items()}
+        hv = hv.cpu()
+        assert same_bits(got["lin"], hv), p
+        assert same_bits(got["strided"], hv[:, 1::3].contiguous()), p
+        assert same_bits(got["transposed"], hv.t().contiguous()), p
+        assert tuple(got["empty"].shape) == (0, 99), p
+        assert same_bits(got["block"], hv[1:, 3:50].contiguous()), p
+        assert same_bits(got["_GpuOddOutputs"], o.cpu()), p
+
+
 @pytest.mark.cuda
 @needs_cuda_build
 def test_gpu_capture_in_global_mode_while_the_drain_copies(tmp_path):
