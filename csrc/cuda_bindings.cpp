@@ -287,6 +287,11 @@ void bind_mock(py::module_& m) {
     fdmock::inject(api, count, static_cast<cudaError_t>(error), skip);
   }, py::arg("api"), py::arg("count") = 1, py::arg("error") = static_cast<int>(cudaErrorUnknown),
      py::arg("skip") = 0);
+  // The next `count` calls of `api` wait `seconds` before they take effect (released GIL: the test
+  // acts meanwhile); delayed() counts the waits begun since the last reset.
+  k.def("delay", [](const std::string& api, int count, double seconds) { fdmock::delay(api, count, seconds); },
+        py::arg("api"), py::arg("count") = 1, py::arg("seconds") = 0.1);
+  k.def("delayed", []() { return fdmock::delayed_calls().load(); });
   k.def("reset", []() { fdmock::reset_device_state(); });
   // The calling thread's counts (see the top of this file): {"calls": {api: n}, "allocs", "locks"}.
   k.def("thread_counts", []() {
@@ -310,6 +315,9 @@ void bind_mock(py::module_& m) {
     --c.in_mock;
   });
   k.def("error_name", [](int e) { return std::string(cudaGetErrorName(static_cast<cudaError_t>(e))); });
+  // The calling thread's last runtime error, cleared (cudaGetLastError): a failed call the staging
+  // code handled must not stay there, where the next launch check on this thread would report it.
+  k.def("last_error", []() { return static_cast<int>(cudaGetLastError()); });
   k.def("contexts", []() {
     py::list l;
     for (int d = 0; d < fdmock::config().device_count.load() && d < fdmock::kMaxDevices; ++d)
@@ -527,6 +535,16 @@ void bind_cuda(py::module_& m) {
   m.def("note_capture_begin", &CudaStager::note_capture_begin,
         "a CUDA graph capture is about to begin (torch's CUDAGraph.capture_begin): every lean lane checks its "
         "stream again at its next tensor");
+  m.def(
+      "capture_gate",
+      [](bool enter) {
+        if (!enter) return CudaStager::capture_gate(false);
+        py::gil_scoped_release nogil;  // a seal under way holds it for a moment
+        CudaStager::capture_gate(true);
+      },
+      py::arg("enter"),
+      "held around torch's CUDAGraph.capture_begin (True, then False on the same thread): seals from other "
+      "threads than the lane's never straddle the capture's beginning");
   m.def("cuda_info", &info_dict,
         "CUDA build and run-time facts: compiled, built_with, runtime_version, driver_version, device_count, "
         "devices [{index, name, uuid, pci_bus_id, total_memory, ...}], reason (when no GPU is usable)");

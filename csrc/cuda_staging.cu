@@ -57,7 +57,12 @@ std::string cuda_error_text(cudaError_t e, const char* what) {
   return std::string(what) + ": " + cudaGetErrorName(e) + " (" + cudaGetErrorString(e) + ")";
 }
 
+// A failed call also leaves its error as the calling thread's "last error" (cudaGetLastError):
+// cleared here, or the next launch check on this thread (the gather kernel's, a later tensor's or
+// one of the same stage() call) would take it for its own and fail that tensor, or stop staging
+// when it came mid-tensor. (A sticky error stays: cudaGetLastError cannot clear it.)
 [[noreturn]] void throw_cuda(cudaError_t e, const char* what) {
+  (void)cudaGetLastError();
   throw std::runtime_error("fastdump CUDA: " + cuda_error_text(e, what));
 }
 
@@ -517,6 +522,12 @@ struct DeviceCtx {
 
 // Bumped before every CUDA graph capture torch begins (CudaStager::note_capture_begin).
 std::atomic<uint64_t> g_capture_epoch{0};
+
+// Held around torch's cudaStreamBeginCapture (CudaStager::capture_gate) and by every seal made from
+// another thread than the lane's, across its capture check and its event record (see seal_all,
+// seal_stale). Lock order: gate, lanes_mu, a lane's mu.
+std::mutex g_capture_gate;
+thread_local bool t_holds_capture_gate = false;
 
 // See cuda_staging.h. Guarded by `mu`, which is never held while waiting for ring space.
 class CudaLane {
@@ -1401,6 +1412,13 @@ struct CudaStager::Impl {
   // the drain's hold timer.
   void seal_all(bool wait_for_lock) {
     if (open_batches.load() == 0) return;
+    // Not the lanes' threads: a capture torch begins on a lane's stream meanwhile must not fall
+    // between a seal's capture check and its event record (the gate; busy under `false`: skipped).
+    std::unique_lock<std::mutex> gate(g_capture_gate, std::defer_lock);
+    if (!t_holds_capture_gate) {
+      if (wait_for_lock) gate.lock();
+      else if (!gate.try_lock()) return;
+    }
     std::lock_guard<std::mutex> g(lanes_mu);
     for (auto& lane : lanes) {
       if (!lane->has_batch.load(std::memory_order_relaxed)) continue;
@@ -1434,6 +1452,10 @@ struct CudaStager::Impl {
     if (open_batches.load(std::memory_order_relaxed) == 0) return;
     const double now = now_s();
     if (now - last_stale_check < hold_s / 2) return;
+    // The drain is not the lanes' thread: its capture check and its event record must not straddle
+    // the beginning of a capture torch makes on the lane's stream (a capture being begun: next round).
+    std::unique_lock<std::mutex> gate(g_capture_gate, std::try_to_lock);
+    if (!gate.owns_lock()) return;
     last_stale_check = now;
     std::lock_guard<std::mutex> g(lanes_mu);
     for (auto& lane : lanes) {
@@ -1964,6 +1986,12 @@ int CudaStager::stage_lean(CudaLane* lane, uint32_t channel, uint32_t name_id, i
 }
 void CudaStager::end_pass(CudaLane* lane) { impl_->end_pass(lane); }
 void CudaStager::note_capture_begin() { g_capture_epoch.fetch_add(1, std::memory_order_acq_rel); }
+void CudaStager::capture_gate(bool enter) {
+  if (enter == t_holds_capture_gate) return;
+  if (enter) g_capture_gate.lock();
+  else g_capture_gate.unlock();
+  t_holds_capture_gate = enter;
+}
 CudaLane* CudaStager::open_lane() { return impl_->open_lane(); }
 void CudaStager::set_events_every(uint32_t n) { impl_->events_every.store(std::max<uint32_t>(n, 1)); }
 uint32_t CudaStager::events_every() const { return impl_->events_every.load(); }

@@ -147,6 +147,12 @@ class CudaStager {
   // it from torch's CUDAGraph.capture_begin): every lane checks its stream again at its next tensor,
   // so a capture begun mid-pass on a stream a pass already checked is seen (one load per tensor).
   static void note_capture_begin();
+  // Held (enter = true) by the thread that begins a CUDA graph capture through torch, around
+  // torch's cudaStreamBeginCapture, and released (false) right after. Seals made from another
+  // thread than the lane's (the drain's hold timer, flush, a thread about to wait for space) hold
+  // it across their capture check and their cudaEventRecord: otherwise a capture begun between the
+  // two got our event as a node of the user's graph. Re-entrant per thread (no-op when held).
+  static void capture_gate(bool enter);
   CudaLane* open_lane();
   // Lean snapshots per event (N >= 1; FASTDUMP_CUDA_EVENTS_EVERY sets the default, 64).
   void set_events_every(uint32_t n);

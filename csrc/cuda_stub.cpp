@@ -8,6 +8,7 @@ namespace fastdump {
 void bind_cuda(pybind11::module_& m) {
   m.def("cuda_compiled", []() { return false; });
   m.def("note_capture_begin", []() {});  // no lean CUDA lanes without CUDA
+  m.def("capture_gate", [](bool) {}, pybind11::arg("enter"));
   m.def("cuda_info", []() {
     pybind11::dict d;
     d["compiled"] = false;

@@ -1289,6 +1289,7 @@ def test_double_injected_failure_of_every_staging_api_is_handled(m, api):
     cases = [torch.arange(600, dtype=torch.float32), torch.arange(600, dtype=torch.float32).view(20, 30).t(),
              torch.arange(64 * 300, dtype=torch.int32).view(64, 300)[:, 100:280]]
     ptrs = [to_device(m, t) for t in cases]
+    m._mock.last_error()  # (cleared: an earlier test's mock call may have failed on this thread)
     m._mock.fail(api, 1, ERR["Unknown"])
     statuses = []
     if api == "cudaHostRegister":
@@ -1296,11 +1297,17 @@ def test_double_injected_failure_of_every_staging_api_is_handled(m, api):
             stager.register_host()
     else:
         stager.register_host()
+    # A failure the stager handled (raised, fell back, recorded) is not left as this thread's last
+    # error: on a GPU the next launch check on this thread (cudaGetLastError after the gather
+    # kernel's launch: a later tensor's, or one of the same stage() call) took it for its own, and
+    # failed that tensor, or stopped staging when it came mid-tensor.
+    assert m._mock.last_error() == 0, (api, "register_host")
     for i, (p, t) in enumerate(zip(ptrs, cases)):
         try:
             statuses.append(stage_ptr(stager, p, t, name_id=i))
         except RuntimeError as exc:
             statuses.append(str(exc))
+        assert m._mock.last_error() == 0, (api, i, statuses[-1])
     assert stager.flush(10)
     got, _ = ring.read()
     for i, (st, t) in enumerate(zip(statuses, cases)):
@@ -1312,6 +1319,7 @@ def test_double_injected_failure_of_every_staging_api_is_handled(m, api):
     if m.DISABLED in statuses or stats["broken"]:
         assert stats["broken"] and "cudaErrorUnknown" in stats["last_error"]
     stager.close()
+    assert m._mock.last_error() == 0, (api, "close")
 
 
 # -------------------------------------------------------------------------------------------------

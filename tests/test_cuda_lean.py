@@ -324,6 +324,56 @@ def test_lean_capture_begun_mid_pass_through_torch_is_seen_and_the_batch_before_
         m._mock.stream_destroy(s)
 
 
+def test_lean_drain_timer_seal_never_lands_in_a_capture_begun_meanwhile(m):
+    """The drain's hold timer seals a lane's batch from its own thread: it asks whether the stream
+    captures, then records the batch's event there. A capture torch began on that stream between the
+    two (an engine that begins a graph per piece, mid-pass, on the stream its eager parts ran on
+    opens that window thousands of times at startup) got our event as a node of the user's graph:
+    the side stream's wait on it joined the capture, the batch copy on it was refused (staging
+    stopped for the process), the capture ended unjoined (the engine's capture failed), and every
+    replay would record an event of our pool. CUDAGraph.capture_begin now holds the capture gate around torch's begin, and the
+    drain seals only while it holds the gate: its check and its record land on one side of the
+    capture's beginning. (The mock delays the drain's cudaEventRecord past its check.)"""
+    s = m._mock.stream_create()
+    lane = Lane(m, s, events_every=100)
+    capturing = False
+    try:
+        ts, cpu = fakes(m, 4, seed=13)
+        lane.lane.begin(0, True, -1.0)
+        assert lane.lane.stage_tensor(0, ts[0]) == m.STAGED
+        assert lane.lane.stage_tensor(1, ts[1]) == m.STAGED
+        m._mock.delay("cudaEventRecord", 1, 0.3)  # the next record: the drain's timer seal
+        deadline = time.monotonic() + 10
+        while m._mock.delayed() == 0:  # the drain checked (not capturing) and is recording now
+            assert time.monotonic() < deadline, "the drain's timer never sealed the batch"
+            time.sleep(0.001)
+        # What the hook on torch.cuda.CUDAGraph.capture_begin does around torch's begin.
+        m.note_capture_begin()
+        m.capture_gate(True)
+        try:
+            assert m._mock.begin_capture(s, GLOBAL) == 0
+            capturing = True
+        finally:
+            m.capture_gate(False)
+        assert lane.lane.stage_tensor(2, ts[2]) == NOT_FAST  # CAPTURING: the general path records it
+        time.sleep(0.05)  # the drain issues the sealed batch's copies meanwhile
+        err, graph = m._mock.end_capture(s)
+        capturing = False
+        assert err == 0, m._mock.error_name(err)
+        assert lane.lane.stage_tensor(3, ts[3]) == m.STAGED
+        lane.lane.take_counts()
+        assert lane.stager.flush(10)
+        st = lane.stager.stats()
+        assert not st["broken"] and st["last_error"] == "" and st["cancelled"] == 0, st
+        check_ring(lane.ring, {(0, 0): cpu[0], (1, 0): cpu[1], (3, 0): cpu[3]})
+        m._mock.graph_destroy(graph)
+    finally:
+        if capturing:  # (a failed check above: the device's memory can be freed only without it)
+            m._mock.end_capture(s)
+        lane.close()
+        m._mock.stream_destroy(s)
+
+
 def test_torch_capture_begin_tells_the_extension_first(monkeypatch):
     """watch_graph_captures wraps torch.cuda.CUDAGraph.capture_begin: the extension hears of the
     capture before torch begins it, and the original runs with the caller's arguments."""
@@ -345,10 +395,12 @@ def test_torch_capture_begin_tells_the_extension_first(monkeypatch):
     # where it kept the slots of reset graphs from being reclaimed)
     monkeypatch.setattr(cuda, "_open_captures", set())
     monkeypatch.setattr(real, "note_capture_begin", lambda: calls.append(("fastdump",)), raising=False)
+    monkeypatch.setattr(real, "capture_gate", lambda enter: calls.append(("gate", enter)), raising=False)
     assert cuda.watch_graph_captures() and cuda.watch_graph_captures()  # once
     graph = FakeGraph()
     graph.capture_begin(pool=7, capture_error_mode="relaxed")
-    assert calls == [("fastdump",), ("torch", 7, "relaxed")]
+    # the capture gate is held around torch's begin only (see test_lean_drain_timer_seal_never_lands_...)
+    assert calls == [("fastdump",), ("gate", True), ("torch", 7, "relaxed"), ("gate", False)]
     assert cuda._open_captures == {id(graph)}
     graph.capture_end()
     assert calls[-1] == ("torch end",) and not cuda._open_captures and cuda.capturing_graph() is None

@@ -631,6 +631,131 @@ def test_gpu_graph_record_two_roles_replays_outrun_drain(tmp_path):
         assert same_bits(torch.as_tensor(ds.load("draft", 0, p)["Sequential"]), want_d[replay].cpu())
 
 
+class _GpuView(torch.nn.Module):
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, h):
+        return self.fn(h)
+
+
+class _GpuOddOutputs(torch.nn.Module):
+    """Module outputs a graph records with the gather kernel or an odd-sized copy: a stride-3 view at
+    a 2-byte offset, a transpose, a zero-size slice, an offset block, rows of 99 bf16 (198 bytes)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(256, 99)
+        self.strided = _GpuView(lambda h: h[:, 1::3])
+        self.transposed = _GpuView(lambda h: h.t())
+        self.empty = _GpuView(lambda h: h[:0])
+        self.block = _GpuView(lambda h: h[1:, 3:50])
+        self.last = None
+
+    def forward(self, x):
+        h = self.lin(x)
+        self.last = h  # (the graph's static tensor: what each replay computed)
+        self.strided(h), self.transposed(h), self.empty(h), self.block(h)
+        return h * 2
+
+
+@pytest.mark.cuda
+@needs_cuda_build
+def test_gpu_graph_record_odd_layouts_bit_exact(tmp_path):
+    """Record mode's snapshots inside the graph (snapshot_whole: the gather kernel in 1- to 16-byte
+    units, cudaMemcpyAsync of odd sizes) and the copy kernel's 16-byte units over the 256-byte
+    slots: every replay's views, at odd offsets and strides, and an empty one, bit for bit."""
+    torch.manual_seed(0)
+    model = _GpuOddOutputs().cuda().to(torch.bfloat16)
+    d = fastdump.attach(model, tmp_path, tp_rank=0, tp_size=1, writer="thread", strict=True, device="cuda:0")
+    stream = torch.cuda.Stream()
+    want = []
+    with torch.inference_mode():
+        static_in = torch.randn(7, 256, device="cuda", dtype=torch.bfloat16)
+        g, out = _gpu_capture(model, static_in, stream)
+        h = model.last
+        for _ in range(3):
+            with torch.cuda.stream(stream):
+                static_in.normal_()
+                g.replay()
+                want.append((h.clone(), out.clone()))
+        torch.cuda.synchronize()
+        stats = d.close()
+    assert stats["dropped_passes"] == 0
+    ds = fastdump.open(tmp_path)
+    passes = graph_passes(ds, "target")
+    assert len(passes) == len(want)
+    for p, (hv, o) in zip(passes, want):
+        got = {k: torch.as_tensor(v) for k, v in ds.load("target", 0, p).items()}
+        hv = hv.cpu()
+        assert same_bits(got["lin"], hv), p
+        assert same_bits(got["strided"], hv[:, 1::3].contiguous()), p
+        assert same_bits(got["transposed"], hv.t().contiguous()), p
+        assert tuple(got["empty"].shape) == (0, 99), p
+        assert same_bits(got["block"], hv[1:, 3:50].contiguous()), p
+        assert same_bits(got["_GpuOddOutputs"], o.cpu()), p
+
+
+@pytest.mark.cuda
+@needs_cuda_build
+def test_gpu_capture_in_global_mode_while_the_drain_copies(tmp_path):
+    """A graph captured in global mode (torch's default) while the stager's drain still has an
+    eager pass's copies to issue and poll (cudaStreamWaitEvent, cudaMemcpyBatchAsync, cudaEventQuery
+    on another thread): the drain's relaxed capture mode must keep those calls legal and the
+    capture valid. The mock models the rules; only the runtime can say they are these. Both the
+    eager pass and the replays are dumped bit for bit, and staging is not broken."""
+    model = _gpu_model()
+    dt = fastdump.attach(model, tmp_path, role="target", tp_rank=0, tp_size=1, writer="thread", strict=True,
+                         device="cuda:0")
+    de = fastdump.attach(None, tmp_path, role="draft", tp_rank=0, tp_size=1, writer="thread", strict=True,
+                         device="cuda:0")
+    stager = dt._engine.cuda_stager(dt.device_ring_mb)
+    stream = torch.cuda.Stream()
+    with torch.inference_mode():
+        static_in = torch.randn(8, 256, device="cuda", dtype=torch.bfloat16)
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # warm-up on the capture stream
+                model(static_in)
+        torch.cuda.synchronize()
+        eager = [torch.randn(1 << 16, device="cuda") * (i + 1) for i in range(40)]
+        torch.cuda.synchronize()
+        # The default stream spins ~0.25 s: the eager snapshots, and so the drain's copies and its
+        # event polls, wait behind it while the capture below runs (no synchronize before it:
+        # CUDAGraph.capture_begin, not torch.cuda.graph, which synchronizes first).
+        torch.cuda._sleep(int(5e8))
+        de.begin_pass()
+        for i, t in enumerate(eager):
+            de.dump(f"e{i}", t)
+        de.end_pass()  # the batch is sealed: the drain waits on it and issues its copies now
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.stream(stream):
+            g.capture_begin(capture_error_mode="global")
+            out = model(static_in)
+            g.capture_end()
+        overlapped = stager.completed(0) < stager.submitted(0)  # the copies were still in flight
+        want = []
+        for _ in range(3):
+            with torch.cuda.stream(stream):
+                static_in.normal_()
+                g.replay()
+                want.append(out.clone())
+        torch.cuda.synchronize()
+        st = stager.stats()
+        sd, se = dt.close(), de.close()
+    assert overlapped, "the capture did not overlap the drain's work: the check is void"
+    assert not st["broken"] and st["last_error"] == "", st
+    assert sd["dropped_passes"] == 0 and se["dropped_passes"] == 0
+    ds = fastdump.open(tmp_path)
+    got = ds.load("draft", 0, ds.passes("draft", 0)[0])
+    for i, t in enumerate(eager):
+        assert same_bits(torch.as_tensor(got[f"e{i}"]), t.cpu()), i
+    tp = graph_passes(ds, "target")
+    assert len(tp) == len(want)
+    for p, w in zip(tp, want):
+        assert same_bits(torch.as_tensor(ds.load("target", 0, p)["Sequential"]), w.cpu()), p
+
+
 def test_graph_recording_memory_is_freed_when_no_graph_can_use_it(m, glue, tmp_path, monkeypatch):
     """Without a committed graph the recorder's device memory goes at close; with one, it stays
     (replays write into it) until free_device_memory() after the graph is destroyed."""

@@ -189,6 +189,7 @@ def watch_graph_captures() -> bool:
         return False
     original = graph_cls.__dict__.get("capture_begin") or getattr(graph_cls, "capture_begin")
     note = _C.note_capture_begin
+    gate = getattr(_C, "capture_gate", lambda enter: None)
 
     @functools.wraps(original)
     def capture_begin(self, *args, **kwargs):
@@ -198,11 +199,16 @@ def watch_graph_captures() -> bool:
             for call in before_capture:
                 call()  # graphs.reclaim_dead_graphs: slots of graphs reset or collected go to this capture
         _capturing.graph = _GraphToken(self)
+        # Held around torch's cudaStreamBeginCapture: a lean batch sealed by another thread (the
+        # drain's hold timer) checks the capture state and records its event on one side of it.
+        gate(True)
         try:
             result = original(self, *args, **kwargs)
         except BaseException:
             _capturing.graph = None
             raise
+        finally:
+            gate(False)
         _open_captures.add(id(self))
         return result
 

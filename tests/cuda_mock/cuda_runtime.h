@@ -224,6 +224,39 @@ inline void inject(const std::string& api, int count, cudaError_t e, int skip = 
   else injected()[api] = Injected{skip, count, e};
 }
 
+// Calls of an API made to wait before they take effect (what they read of the device's state,
+// a stream's capture included, is read after the wait): a caller that checked something and then
+// acts on it, with another thread acting meanwhile. `delayed_calls` counts the waits begun.
+struct Delayed {
+  int count = 0;
+  double seconds = 0;
+};
+inline std::map<std::string, Delayed>& delays() {
+  static std::map<std::string, Delayed> m;
+  return m;
+}
+inline std::atomic<int>& delayed_calls() {
+  static std::atomic<int> n{0};
+  return n;
+}
+inline void delay(const std::string& api, int count, double seconds) {
+  std::lock_guard<std::mutex> g(big_lock());
+  if (count <= 0) delays().erase(api);
+  else delays()[api] = Delayed{count, seconds};
+}
+inline void maybe_delay(const char* api) {
+  double seconds = 0;
+  {
+    std::lock_guard<std::mutex> g(big_lock());
+    auto it = delays().find(api);
+    if (it == delays().end()) return;
+    seconds = it->second.seconds;
+    if (--it->second.count <= 0) delays().erase(it);
+  }
+  delayed_calls()++;
+  std::this_thread::sleep_for(std::chrono::duration<double>(seconds));
+}
+
 inline cudaError_t ret(cudaError_t e) {
   if (e != cudaSuccess) last_error() = e;
   return e;
@@ -238,6 +271,7 @@ inline void ensure_context(int dev) {
 // Entry of every API call that works on a device: a sticky error of that device wins, then a
 // failure injected for `api`; `ctx` says whether the call creates the primary context.
 inline cudaError_t enter(const char* api, int dev, bool ctx = true) {
+  maybe_delay(api);
   if (ctx) ensure_context(dev);
   std::lock_guard<std::mutex> g(big_lock());
   if (dev >= 0 && dev < kMaxDevices && sticky()[dev] != cudaSuccess) return sticky()[dev];
@@ -701,6 +735,8 @@ inline void reset_device_state() {  // tests: forget sticky errors and injected 
   std::lock_guard<std::mutex> g(big_lock());
   for (int d = 0; d < kMaxDevices; ++d) sticky()[d] = cudaSuccess;
   injected().clear();
+  delays().clear();
+  delayed_calls() = 0;
 }
 
 // cuDevicePrimaryCtxGetState, as cudaGetDriverEntryPointByVersion hands it out.
