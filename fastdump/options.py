@@ -451,12 +451,15 @@ class Options:
             _check_int("max_bytes", self.max_bytes, 0)
         pass_range = self.pass_range
         if pass_range is not None:
+            # (start, start) selects no pass: the run dumped nothing without a word, where
+            # FASTDUMP_PASSES=3:3 is refused ("stop must be greater than start").
             if not isinstance(pass_range, (tuple, list)) or len(pass_range) != 2:
-                raise ValueError(f"pass_range must be (start, stop) with start <= stop, not {pass_range!r}")
+                raise ValueError(f"pass_range must be (start, stop) with start < stop, not {pass_range!r}")
             _check_int("pass_range start", pass_range[0], 0)
             _check_int("pass_range stop", pass_range[1], 0)
-            if pass_range[0] > pass_range[1]:
-                raise ValueError(f"pass_range must be (start, stop) with start <= stop, not {pass_range!r}")
+            if pass_range[0] >= pass_range[1]:
+                raise ValueError(f"pass_range must be (start, stop) with start < stop (stop exclusive: "
+                                 f"({pass_range[0]}, {pass_range[0]}) selects no pass), not {pass_range!r}")
         if self.layers is not None:
             object.__setattr__(self, "layers", _layer_list(self.layers))
         if self.module_types is not None:

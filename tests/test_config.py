@@ -59,6 +59,9 @@ def test_parses_every_variable():
     # attach took these; the dump then failed with pybind11's "incompatible constructor arguments"
     ("FASTDUMP_RING_MB", "1e26"), ("FASTDUMP_DEVICE_RING_MB", "1e26"), ("FASTDUMP_GRAPH_RING_MB", "1e26"),
     ("FASTDUMP_ROLE", "r" * 256),  # longer than a directory name may be: mkdir failed after attach
+    # A zero that would parse to something else: MAX_MB=0 as a 1-byte budget (max(1, 0 MiB)), a
+    # 3:3 pass range as one that dumps no pass at all.
+    ("FASTDUMP_MAX_MB", "0"), ("FASTDUMP_BLOCK_TIMEOUT_S", "0"), ("FASTDUMP_PASSES", "3:3"),
 ])
 def test_one_clear_error(var, value):
     with pytest.raises(ConfigError) as e:
