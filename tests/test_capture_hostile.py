@@ -981,6 +981,38 @@ def test_a_scripted_or_traced_submodule_is_recorded_as_not_wrapped_and_the_rest_
     assert not verify(tmp_path).problems
 
 
+class BesideScripted(nn.Module):
+    """A scripted ``enc`` beside Python modules whose names start with ``enc`` but are not inside it."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.enc = torch.jit.script(nn.Sequential(nn.Linear(4, 4), nn.ReLU()))
+        self.encoder = nn.Linear(4, 4)
+        self.enc_head = nn.Sequential(nn.Linear(4, 2))
+
+    def forward(self, x):
+        return self.enc_head(self.encoder(self.enc(x)))
+
+
+def test_a_module_whose_name_only_starts_with_a_scripted_ones_is_dumped(tmp_path):
+    """Only what is inside a ScriptModule (``enc.*``) is left out with it: ``encoder`` and
+    ``enc_head.0`` are Python modules beside it, dumped as usual (a prefix test without the dot
+    would leave them silently missing)."""
+    model = BesideScripted()
+    x = torch.randn(3, 4)
+    want = leaf_outputs(model, x)
+    with fastdump.attach(model, tmp_path, root_name="root") as d:
+        with torch.no_grad():
+            model(x)
+    assert list(d.not_wrapped) == ["enc"]
+    dumped = fastdump.open(tmp_path).load("target", 0, 0, check=True)
+    assert list(dumped) == ["encoder", "enc_head.0", "root"]
+    assert same_bits(dumped["encoder"], want["encoder"]) and same_bits(dumped["enc_head.0"], want["enc_head.0"])
+    assert same_bits(dumped["root"], want["__out__"])
+    assert not verify(tmp_path).problems
+
+
 @pytest.mark.parametrize("kind", ["script", "trace"])
 def test_a_scripted_root_is_refused_before_any_directory_or_writer_exists(tmp_path, kind):
     """attach used to raise AttributeError after it had made the rank directory and opened a writer
