@@ -1318,9 +1318,24 @@ def test_a_shared_leaf_whose_first_name_the_selection_leaves_out_is_recorded_not
         assert same_bits(t, want["__out__" if name == "root" else name]), name
 
 
-def test_a_shared_leaf_the_selection_keeps_under_its_first_name_is_not_recorded(tmp_path):
+@pytest.mark.parametrize("selection", [dict(layers=[0]), dict()])
+def test_a_shared_leaf_the_selection_keeps_under_its_first_name_is_not_recorded(tmp_path, selection):
+    """Kept under its first name (layers.0.rotary), the shared leaf is wrapped there and each of
+    its calls dumped as that name's (#1, #2 ...): nothing to record, with or without its other
+    names kept too (no selection)."""
+    torch.manual_seed(0)
     model = SharedRotary()
-    with fastdump.attach(model, tmp_path, layers=[0], root_name="root") as d:
+    x = torch.randn(2, 4)
+    want = leaf_outputs(model, x)
+    with fastdump.attach(model, tmp_path, root_name="root", **selection) as d:
         with torch.no_grad():
-            model(torch.randn(2, 4))
+            out = model(x)
     assert d.not_wrapped == {}
+    dumped = fastdump.open(tmp_path).load("target", 0, 0, check=True)
+    kept = range(1) if selection else range(3)  # the fc layers kept; the rotary is called by every layer
+    names = [n for i in range(3) for n in ((f"layers.{i}.fc",) if i in kept else ()) +
+             ("layers.0.rotary" + (f"#{i}" if i else ""),)]
+    assert list(dumped) == names + ["root"]
+    assert same_bits(dumped["layers.0.rotary"], want["layers.0.rotary"]) and same_bits(dumped["root"], out)
+    for i in kept:
+        assert same_bits(dumped[f"layers.{i}.fc"], want[f"layers.{i}.fc"])
