@@ -1251,6 +1251,64 @@ def test_layers_keeps_the_chosen_layers_at_layers_N_and_model_layers_N_and_no_ot
         assert same_bits(t, want["__out__" if name == "root" else name]), name
 
 
+class ScaledBlock(nn.Module):
+    """A module with a weight of its own and a child: parametrized, it has two children
+    (``parametrizations`` and ``act``) and is still no leaf."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(4))
+        self.act = nn.ReLU()
+
+    def forward(self, x):
+        return self.act(x * self.weight)
+
+
+class Doubled(nn.Module):
+    def forward(self, w):
+        return w * 2
+
+
+class LinearOfMine(nn.Linear):
+    """A subclass of a kept type (as MultiheadAttention's NonDynamicallyQuantizableLinear is)."""
+
+
+class ParametrizedAndSubclassed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.block = ScaledBlock()
+        nn.utils.parametrize.register_parametrization(self.block, "weight", Doubled())
+        self.proj = LinearOfMine(4, 4)
+        self._orig_mod = nn.Linear(4, 2)  # a child named so by its author: not torch.compile's level
+
+    def forward(self, x):
+        return self._orig_mod(self.proj(self.block(x)))
+
+
+def test_a_parametrized_module_with_children_is_no_leaf_and_a_kept_types_subclass_is_kept(tmp_path):
+    """Only a module whose one child is its ``parametrizations`` is a leaf (a parametrized Linear):
+    ``block`` has ``act`` too, whose output is dumped, not block's. module_types=[nn.Linear] keeps
+    a subclass of Linear. A child that its author named ``_orig_mod`` keeps that name (only a
+    compiled wrapper's level is left out of names)."""
+    model = ParametrizedAndSubclassed()
+    x = torch.randn(2, 4)
+    want = leaf_outputs(model, x)
+    with fastdump.attach(model, tmp_path / "all", root_name="root"):
+        with torch.no_grad():
+            model(x)
+    dumped = fastdump.open(tmp_path / "all").load("target", 0, 0, check=True)
+    assert list(dumped) == ["block.parametrizations.weight.0", "block.act", "proj", "_orig_mod", "root"]
+    for name in ("block.act", "proj", "_orig_mod"):
+        assert same_bits(dumped[name], want[name]), name
+    with fastdump.attach(model, tmp_path / "linear", root_name="root", module_types=[nn.Linear]):
+        with torch.no_grad():
+            model(x)
+    dumped = fastdump.open(tmp_path / "linear").load("target", 0, 0, check=True)
+    assert list(dumped) == ["proj", "_orig_mod"]
+    assert same_bits(dumped["proj"], want["proj"]) and same_bits(dumped["_orig_mod"], want["_orig_mod"])
+
+
 @pytest.mark.parametrize("kept", [nn.Linear, "Linear"])
 def test_module_types_keeps_the_root_when_it_is_of_a_kept_type(tmp_path, kept):
     """module_types= never kept the root: attach(nn.Linear(..), module_types=[nn.Linear]) dumped
