@@ -409,3 +409,20 @@ def test_tp_ranks_holding_the_same_passes_export_without_a_warning(tmp_path, cap
     assert code == 0 and err == ""
     got = torch.load(tmp_path / "out" / "name=x___step=2___rank=1___dump_index=3.pt", weights_only=False)
     assert torch.equal(got["value"], torch.full((2,), 21.0))
+
+
+def test_a_tp_group_with_a_rank_twice_is_not_checked_for_missing_passes(tmp_path, capsys):
+    """Two sessions of TP rank 0 in one dump (attach/close twice): which ranks ran together cannot be
+    told, so a pass one session lacks is no loss the export can name; each session is exported as
+    written, under its whole name, no pass refused."""
+    from conftest import write_rank_dir
+
+    dump = write_tp_group(tmp_path / "dump", [[0, 1, 2], [0, 1, 2]])
+    again = "TP0_PP0_Rank0_pid100_20260101T000001.000000Z-00000002"
+    write_rank_dir(dump / "target" / again, {0: {"x": torch.full((2,), 7.0)}},
+                   rank={"tp_rank": 0, "tp_size": 2, "pp_rank": 0, "pp_size": 1, "rank": 0})
+    code, _, err = run_cli("--format", "sglang", "--names", "fastdump", dump, tmp_path / "out", capsys=capsys)
+    assert code == 0, err
+    assert "missing" not in err and "has 2 sessions" in err
+    assert sorted(p.name for p in (tmp_path / "out" / again).glob("*.pt")) == ["Pass00000.pt"]
+    assert torch.equal(torch.load(tmp_path / "out" / again / "Pass00000.pt", weights_only=True)["x"], torch.full((2,), 7.0))
