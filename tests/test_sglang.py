@@ -393,6 +393,10 @@ def test_role_for():
     assert fsg.role_for(False, None) is None
     assert fsg.role_for(False, "NGRAM") is None
     assert fsg.role_for(False, "EAGLE") == "target"
+    # every algorithm of SGLang's is_eagle() family, as a name (any case) or an enum member's name
+    for name in ("EAGLE3", "NEXTN", "FROZEN_KV_MTP", "nextn"):
+        assert fsg.role_for(False, name) == "target", name
+    assert fsg.role_for(False, enum.Enum("SpeculativeAlgorithm", ["FROZEN_KV_MTP"]).FROZEN_KV_MTP) == "target"
     assert fsg.role_for(True, "EAGLE3") == "draft"
     assert fsg.role_for(True, None) == "draft"  # any draft worker must not share the target's directory
 
