@@ -14,13 +14,7 @@ import fastdump
 from fastdump import dtypes
 from fastdump.cli import dump as cli_dump
 from toy_models import LeafReference, TinyDraft, TinyLM
-from conftest import read_rank_json, require_o_direct
-
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if a.dtype != b.dtype or a.shape != b.shape:
-        return False
-    return a.contiguous().reshape(-1).view(torch.uint8).equal(b.contiguous().reshape(-1).view(torch.uint8))
+from conftest import read_rank_json, require_o_direct, same_bits
 
 
 def assert_pass_equal(dumped: dict, reference: list, extra=()):
