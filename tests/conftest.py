@@ -41,12 +41,26 @@ DOCS = Path(__file__).resolve().parents[1] / "docs"
 
 
 def same_bits(a, b) -> bool:
-    """Two tensors equal bit for bit: dtype, shape and every byte (NaNs and -0.0 included)."""
+    """Two tensors equal bit for bit: dtype, shape and every byte (NaNs and -0.0 included). A
+    tensor's lazy conj/neg bit is not applied (tests that need it have their own: test_capture_hostile's
+    raw, test_root_wrapper_hostile's plain)."""
     import torch
 
+    a, b = a.detach(), b.detach()
     if a.dtype != b.dtype or a.shape != b.shape:
         return False
     return a.contiguous().reshape(-1).view(torch.uint8).equal(b.contiguous().reshape(-1).view(torch.uint8))
+
+
+@pytest.fixture(params=["native", "python"])
+def kind(request, monkeypatch):
+    """The Dumper's wrappers in C++ (native, the default) or all in Python (``_native_wrappers``
+    False: torch.compile's path). A test module with other kinds defines its own."""
+    if request.param == "python":
+        from fastdump.capture import dumper as dumper_mod
+
+        monkeypatch.setattr(dumper_mod, "_native_wrappers", False)
+    return request.param
 
 
 def doc_example(name, page="INTEGRATIONS.md"):

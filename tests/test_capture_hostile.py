@@ -981,6 +981,38 @@ def test_a_scripted_or_traced_submodule_is_recorded_as_not_wrapped_and_the_rest_
     assert not verify(tmp_path).problems
 
 
+class BesideScripted(nn.Module):
+    """A scripted ``enc`` beside Python modules whose names start with ``enc`` but are not inside it."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.enc = torch.jit.script(nn.Sequential(nn.Linear(4, 4), nn.ReLU()))
+        self.encoder = nn.Linear(4, 4)
+        self.enc_head = nn.Sequential(nn.Linear(4, 2))
+
+    def forward(self, x):
+        return self.enc_head(self.encoder(self.enc(x)))
+
+
+def test_a_module_whose_name_only_starts_with_a_scripted_ones_is_dumped(tmp_path):
+    """Only what is inside a ScriptModule (``enc.*``) is left out with it: ``encoder`` and
+    ``enc_head.0`` are Python modules beside it, dumped as usual (a prefix test without the dot
+    would leave them silently missing)."""
+    model = BesideScripted()
+    x = torch.randn(3, 4)
+    want = leaf_outputs(model, x)
+    with fastdump.attach(model, tmp_path, root_name="root") as d:
+        with torch.no_grad():
+            model(x)
+    assert list(d.not_wrapped) == ["enc"]
+    dumped = fastdump.open(tmp_path).load("target", 0, 0, check=True)
+    assert list(dumped) == ["encoder", "enc_head.0", "root"]
+    assert same_bits(dumped["encoder"], want["encoder"]) and same_bits(dumped["enc_head.0"], want["enc_head.0"])
+    assert same_bits(dumped["root"], want["__out__"])
+    assert not verify(tmp_path).problems
+
+
 @pytest.mark.parametrize("kind", ["script", "trace"])
 def test_a_scripted_root_is_refused_before_any_directory_or_writer_exists(tmp_path, kind):
     """attach used to raise AttributeError after it had made the rank directory and opened a writer
@@ -1219,6 +1251,64 @@ def test_layers_keeps_the_chosen_layers_at_layers_N_and_model_layers_N_and_no_ot
         assert same_bits(t, want["__out__" if name == "root" else name]), name
 
 
+class ScaledBlock(nn.Module):
+    """A module with a weight of its own and a child: parametrized, it has two children
+    (``parametrizations`` and ``act``) and is still no leaf."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(4))
+        self.act = nn.ReLU()
+
+    def forward(self, x):
+        return self.act(x * self.weight)
+
+
+class Doubled(nn.Module):
+    def forward(self, w):
+        return w * 2
+
+
+class LinearOfMine(nn.Linear):
+    """A subclass of a kept type (as MultiheadAttention's NonDynamicallyQuantizableLinear is)."""
+
+
+class ParametrizedAndSubclassed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.block = ScaledBlock()
+        nn.utils.parametrize.register_parametrization(self.block, "weight", Doubled())
+        self.proj = LinearOfMine(4, 4)
+        self._orig_mod = nn.Linear(4, 2)  # a child named so by its author: not torch.compile's level
+
+    def forward(self, x):
+        return self._orig_mod(self.proj(self.block(x)))
+
+
+def test_a_parametrized_module_with_children_is_no_leaf_and_a_kept_types_subclass_is_kept(tmp_path):
+    """Only a module whose one child is its ``parametrizations`` is a leaf (a parametrized Linear):
+    ``block`` has ``act`` too, whose output is dumped, not block's. module_types=[nn.Linear] keeps
+    a subclass of Linear. A child that its author named ``_orig_mod`` keeps that name (only a
+    compiled wrapper's level is left out of names)."""
+    model = ParametrizedAndSubclassed()
+    x = torch.randn(2, 4)
+    want = leaf_outputs(model, x)
+    with fastdump.attach(model, tmp_path / "all", root_name="root"):
+        with torch.no_grad():
+            model(x)
+    dumped = fastdump.open(tmp_path / "all").load("target", 0, 0, check=True)
+    assert list(dumped) == ["block.parametrizations.weight.0", "block.act", "proj", "_orig_mod", "root"]
+    for name in ("block.act", "proj", "_orig_mod"):
+        assert same_bits(dumped[name], want[name]), name
+    with fastdump.attach(model, tmp_path / "linear", root_name="root", module_types=[nn.Linear]):
+        with torch.no_grad():
+            model(x)
+    dumped = fastdump.open(tmp_path / "linear").load("target", 0, 0, check=True)
+    assert list(dumped) == ["proj", "_orig_mod"]
+    assert same_bits(dumped["proj"], want["proj"]) and same_bits(dumped["_orig_mod"], want["_orig_mod"])
+
+
 @pytest.mark.parametrize("kept", [nn.Linear, "Linear"])
 def test_module_types_keeps_the_root_when_it_is_of_a_kept_type(tmp_path, kept):
     """module_types= never kept the root: attach(nn.Linear(..), module_types=[nn.Linear]) dumped
@@ -1286,9 +1376,24 @@ def test_a_shared_leaf_whose_first_name_the_selection_leaves_out_is_recorded_not
         assert same_bits(t, want["__out__" if name == "root" else name]), name
 
 
-def test_a_shared_leaf_the_selection_keeps_under_its_first_name_is_not_recorded(tmp_path):
+@pytest.mark.parametrize("selection", [dict(layers=[0]), dict()])
+def test_a_shared_leaf_the_selection_keeps_under_its_first_name_is_not_recorded(tmp_path, selection):
+    """Kept under its first name (layers.0.rotary), the shared leaf is wrapped there and each of
+    its calls dumped as that name's (#1, #2 ...): nothing to record, with or without its other
+    names kept too (no selection)."""
+    torch.manual_seed(0)
     model = SharedRotary()
-    with fastdump.attach(model, tmp_path, layers=[0], root_name="root") as d:
+    x = torch.randn(2, 4)
+    want = leaf_outputs(model, x)
+    with fastdump.attach(model, tmp_path, root_name="root", **selection) as d:
         with torch.no_grad():
-            model(torch.randn(2, 4))
+            out = model(x)
     assert d.not_wrapped == {}
+    dumped = fastdump.open(tmp_path).load("target", 0, 0, check=True)
+    kept = range(1) if selection else range(3)  # the fc layers kept; the rotary is called by every layer
+    names = [n for i in range(3) for n in ((f"layers.{i}.fc",) if i in kept else ()) +
+             ("layers.0.rotary" + (f"#{i}" if i else ""),)]
+    assert list(dumped) == names + ["root"]
+    assert same_bits(dumped["layers.0.rotary"], want["layers.0.rotary"]) and same_bits(dumped["root"], out)
+    for i in kept:
+        assert same_bits(dumped[f"layers.{i}.fc"], want[f"layers.{i}.fc"])

@@ -60,6 +60,9 @@ def test_parses_every_variable():
     # attach took these; the dump then failed with pybind11's "incompatible constructor arguments"
     ("FASTDUMP_RING_MB", "1e26"), ("FASTDUMP_DEVICE_RING_MB", "1e26"), ("FASTDUMP_GRAPH_RING_MB", "1e26"),
     ("FASTDUMP_ROLE", "r" * 256),  # longer than a directory name may be: mkdir failed after attach
+    # A zero that would parse to something else: MAX_MB=0 as a 1-byte budget (max(1, 0 MiB)), a
+    # 3:3 pass range as one that dumps no pass at all.
+    ("FASTDUMP_MAX_MB", "0"), ("FASTDUMP_BLOCK_TIMEOUT_S", "0"), ("FASTDUMP_PASSES", "3:3"),
 ])
 def test_one_clear_error(var, value):
     with pytest.raises(ConfigError) as e:
@@ -98,6 +101,7 @@ def test_maybe_attach_names_the_variable_attach_would_refuse(tmp_path):
     ("FASTDUMP_NO_DIRECT_IO", "maybe"), ("FASTDUMP_CUDA_CHECK_EACH_TENSOR", "true"), ("FASTDUMP_CUDA_BATCH", "no"),
     ("FASTDUMP_CUDA_EVENTS_EVERY", "1e3"), ("FASTDUMP_CUDA_REGISTER_PIECE_MB", "0x10"), ("FASTDUMP_CUDA_HOLD_MS", "0"),
     ("FASTDUMP_CUDA_HOLD_MS", "inf"), ("FASTDUMP_TORCH_READER", "false"), ("FASTDUMP_EXIT_TIMEOUT_S", "-1"),
+    ("FASTDUMP_CUDA_EVENTS_EVERY", "0"), ("FASTDUMP_CUDA_REGISTER_PIECE_MB", "0"),  # (counts: at least 1)
 ])
 def test_a_variable_read_elsewhere_that_its_reader_would_misread_is_refused(var, value):
     """The CUDA stager reads its flags by their first character and its numbers with atoll/atof:
@@ -108,6 +112,7 @@ def test_a_variable_read_elsewhere_that_its_reader_would_misread_is_refused(var,
     for good in ("1", "0") if var != "FASTDUMP_CUDA_HOLD_MS" else ("0.5", "2"):
         if not (good == "0" and var in ("FASTDUMP_CUDA_EVENTS_EVERY", "FASTDUMP_CUDA_REGISTER_PIECE_MB")):
             assert settings_from_env({"FASTDUMP_DIR": "/d", var: good}) == {"root": "/d"}
+    assert settings_from_env({"FASTDUMP_DIR": "/d", var: ""}) == {"root": "/d"}  # empty: unset, as its reader takes it
 
 
 @pytest.mark.parametrize("entry", ["attach", "Dumper", "maybe_attach"])

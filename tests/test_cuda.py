@@ -31,17 +31,11 @@ import torch
 import fastdump
 from fastdump import _C, devices, dtypes
 
+from conftest import same_bits
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE / "cuda_mock"))
-
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if a.dtype != b.dtype or tuple(a.shape) != tuple(b.shape):
-        return False
-    if a.numel() == 0:
-        return True
-    return a.contiguous().reshape(-1).view(torch.uint8).equal(b.contiguous().reshape(-1).view(torch.uint8))
 
 
 def torch_dtypes():

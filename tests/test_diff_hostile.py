@@ -1510,3 +1510,19 @@ def test_html_report_lists_and_plot_are_bounded_and_keep_the_first_divergence(tm
     circles = [c.find(f"{svg}title").text for c in tree.iter(f"{svg}circle")]
     assert [c.partition(":")[0] for c in circles] == ["0", "4", "5", "8"]
     assert "(every 4th of 10 tensors)" in page
+
+
+def test_a_merged_row_names_the_shard_that_differs_by_its_own_slice(tmp_path):
+    """TP1 against TP2 column shards, merged along dim 1: each shard is checked against its own
+    slice of the other side (columns 0-3, then 4-7). Shard 0 differs; shard 1 equals its slice
+    (and differs from columns 0-3, which a check against the first slice would blame)."""
+    torch.manual_seed(0)
+    whole = torch.randn(3, 8)
+    base, target = tmp_path / "base", tmp_path / "target"
+    manual_rank(base, [{"layers.0": whole}])
+    for r in range(2):
+        manual_rank(target, [{"layers.0": whole[:, 4 * r:4 * r + 4] + (1.0 if r == 0 else 0.0)}], tp_rank=r, tp_size=2)
+    result = fastdump.diff(base, target, unshard={"layers": 1})
+    (row,) = result.failures
+    assert row["unshard"] == 1 and row["mismatch"] == 0.5
+    assert row["failing_tp_ranks"] == {"target": [0]} and row["reason"].endswith("(in the shard of target tp rank 0)")

@@ -84,6 +84,17 @@ def test_align_order_lists_baseline_passes_past_the_targets_last_where_passes_se
     assert fastdump.diff(base, target, align="order", passes="0-3").missing == []
 
 
+def test_align_offset_selects_a_baseline_only_pass_by_the_target_id_it_stands_for(tmp_path):
+    """--align offset:1 pairs baseline p with target p + 1: baseline passes 5-9 have no target
+    pass and stand for target ids 6-10, so '--passes 0-6' (target ids) asks about 5 only."""
+    base = crafted(tmp_path / "b", {p: {"x": torch.ones(2)} for p in range(10)})
+    target = crafted(tmp_path / "t", {p: {"x": torch.ones(2)} for p in range(6)})
+    where = {"kind": "passes", "role": "target", "rank": 0}
+    result = fastdump.diff(base, target, align="offset:1", passes="0-6")
+    assert result.missing == [{**where, "only_in": "baseline", "passes": [5]}, {**where, "only_in": "target", "passes": [0]}]
+    assert result.compared == 5 and result.failed == 0
+
+
 def test_pass_runs_keep_count_and_ends_in_bounded_memory():
     from fastdump.report import PassRuns, _runs_text
 

@@ -68,3 +68,16 @@ def test_odd_tensors_compare_with_exact_numbers(tmp_path):
         assert math.isclose(row["rel_diff"], (err ** 2).sum().item() / energy, rel_tol=1e-12), name
     assert rows["u64"]["max_abs"] == 1.0 and rows["i64"]["max_abs"] == 1.0
     assert rows["f8"]["max_abs"] == 32.0 and rows["bool"]["max_rel"] == INF
+
+
+def test_an_undefined_distance_fails_its_metric_never_passes_it():
+    """stats.compare gives no NaN distance today; should one come (a metric added, a change in
+    its sums), rel_diff and cosine must fail it: 'nan > threshold' is False, which passed the row."""
+    from fastdump import compare
+
+    options = compare.Options(metric=["rel_diff=0.1", "cosine=0.1"])
+    result = {"bitwise": False, "mismatches": 1, "nonfinite_mismatches": 0,
+              "rel_diff": math.nan, "cosine_distance": math.nan}
+    assert compare._verdict(result, options) == ["rel_diff>0.1", "cosine>0.1"]
+    result.update(rel_diff=0.1, cosine_distance=0.0)  # (at the threshold: passes)
+    assert compare._verdict(result, options) == []

@@ -14,13 +14,7 @@ import fastdump
 from fastdump import dtypes
 from fastdump.cli import dump as cli_dump
 from toy_models import LeafReference, TinyDraft, TinyLM
-from conftest import read_rank_json, require_o_direct
-
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if a.dtype != b.dtype or a.shape != b.shape:
-        return False
-    return a.contiguous().reshape(-1).view(torch.uint8).equal(b.contiguous().reshape(-1).view(torch.uint8))
+from conftest import read_rank_json, require_o_direct, same_bits
 
 
 def assert_pass_equal(dumped: dict, reference: list, extra=()):
@@ -422,7 +416,7 @@ def test_unwritable_root_keeps_the_model_serving(tmp_path, caplog):
 def test_bad_options_fail_before_the_model_runs(tmp_path):
     lin = torch.nn.Linear(2, 2)
     for bad in (dict(policy="sometimes"), dict(writer="fork"), dict(every=0), dict(role="a/b"),
-                dict(pass_range=(5, 1))):
+                dict(pass_range=(5, 1)), dict(pass_range=(3, 3))):  # (3, 3): no pass, as FASTDUMP_PASSES=3:3
         with pytest.raises(ValueError):
             fastdump.attach(lin, tmp_path, **bad)
     assert "forward" not in lin.__dict__  # nothing was installed

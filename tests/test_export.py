@@ -409,3 +409,42 @@ def test_tp_ranks_holding_the_same_passes_export_without_a_warning(tmp_path, cap
     assert code == 0 and err == ""
     got = torch.load(tmp_path / "out" / "name=x___step=2___rank=1___dump_index=3.pt", weights_only=False)
     assert torch.equal(got["value"], torch.full((2,), 21.0))
+
+
+def test_a_tp_group_with_a_rank_twice_is_not_checked_for_missing_passes(tmp_path, capsys):
+    """Two sessions of TP rank 0 in one dump (attach/close twice): which ranks ran together cannot be
+    told, so a pass one session lacks is no loss the export can name; each session is exported as
+    written, under its whole name, no pass refused."""
+    from conftest import write_rank_dir
+
+    dump = write_tp_group(tmp_path / "dump", [[0, 1, 2], [0, 1, 2]])
+    again = "TP0_PP0_Rank0_pid100_20260101T000001.000000Z-00000002"
+    write_rank_dir(dump / "target" / again, {0: {"x": torch.full((2,), 7.0)}},
+                   rank={"tp_rank": 0, "tp_size": 2, "pp_rank": 0, "pp_size": 1, "rank": 0})
+    code, _, err = run_cli("--format", "sglang", "--names", "fastdump", dump, tmp_path / "out", capsys=capsys)
+    assert code == 0, err
+    assert "missing" not in err and "has 2 sessions" in err
+    assert sorted(p.name for p in (tmp_path / "out" / again).glob("*.pt")) == ["Pass00000.pt"]
+    assert torch.equal(torch.load(tmp_path / "out" / again / "Pass00000.pt", weights_only=True)["x"], torch.full((2,), 7.0))
+
+
+def test_the_dumper_layout_records_the_world_of_tp_and_pp_and_saves_each_tensor_alone(tmp_path, capsys):
+    """TP1 x PP2: world_size is tp_size * pp_size (2), each stage's world rank its own. Each file
+    holds its tensor's bytes only: a loaded tensor may view a larger block, and torch.save writes
+    a view's whole storage (every other tensor of the pass, in every file)."""
+    from conftest import write_rank_dir
+
+    dump = tmp_path / "dump"
+    big = {f"t{i}": torch.full((64,), float(i)) for i in range(8)}
+    for pp in range(2):
+        numbers = {"tp_rank": 0, "tp_size": 1, "pp_rank": pp, "pp_size": 2, "rank": pp}
+        write_rank_dir(dump / "target" / f"TP0_PP{pp}_Rank{pp}_pid10{pp}_20260101T000000.000000Z-0000000{pp}",
+                       {p: big for p in range(3)}, rank=numbers)
+    code, _, err = run_cli("--format", "sglang-dumper", "--names", "fastdump", dump, tmp_path / "out", capsys=capsys)
+    assert code == 0, err
+    for pp in range(2):
+        got = torch.load(tmp_path / "out" / f"name=t3___step=0___rank={pp}___dump_index=4.pt", weights_only=False)
+        assert got["meta"]["world_size"] == 2 and got["meta"]["world_rank"] == pp
+        assert got["meta"]["sglang_parallel_info"] == {"tp_rank": 0, "tp_size": 1, "pp_rank": pp, "pp_size": 2}
+        value = got["value"]
+        assert torch.equal(value, big["t3"]) and value.untyped_storage().nbytes() == 64 * 4

@@ -558,6 +558,17 @@ def test_pass_shift_moves_pipeline_proxy_outputs_too():
     assert got[1]["model.pp_proxy_tensors.hidden_states"] is t[2] and got[1]["model.embed_tokens"] is t[4]
 
 
+def test_pass_shift_carries_a_late_part_into_the_next_pass_only():
+    """Passes 0, 1 and 3 (2 not in the dump: every=, a lost pass): pass 1's late part (``model``'s
+    output) belongs to pass 2's file, which is not written; it must not land in pass 3's."""
+    passes = [(p, {"model.embed_tokens": torch.full((1,), float(p)), "model": torch.full((1,), -float(p))})
+              for p in (0, 1, 3)]
+    got = dict(export._shift_late(iter(passes), "model"))
+    assert list(got) == [0, 1, 3]
+    assert list(got[1]) == ["model", "model.embed_tokens"] and got[1]["model"] is passes[0][1]["model"]
+    assert list(got[3]) == ["model.embed_tokens"] and got[3]["model.embed_tokens"] is passes[2][1]["model.embed_tokens"]
+
+
 # --- sglang_names.json: each rank's own, read as safely as every file of a dump --------------------------
 
 MLP = {p: {"model.layers.0.mlp.0": torch.full((2,), float(p)), "model.layers.0.mlp.1": torch.full((2,), -float(p)),

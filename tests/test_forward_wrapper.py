@@ -21,13 +21,6 @@ from conftest import open_fds_where, same_bits
 from toy_models import Chain
 
 
-@pytest.fixture(params=["native", "python"])
-def kind(request, monkeypatch):
-    if request.param == "python":
-        monkeypatch.setattr(dumper_mod, "_native_wrappers", False)
-    return request.param
-
-
 def wrapper_type(kind):
     return _C.ForwardWrapper if kind == "native" else type(lambda: None)
 

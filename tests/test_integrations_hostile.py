@@ -26,18 +26,12 @@ from fastdump.integrations import sglang as fsg  # noqa: E402
 
 transformers = pytest.importorskip("transformers", reason="transformers not installed (pip install fastdump[hf])")
 from fastdump.integrations.hf import dump_generate  # noqa: E402
-from conftest import flatten_output  # noqa: E402
+from conftest import flatten_output, same_bits  # noqa: E402
 
 V = 96
 
 
 # ------------------------------------------------------------------------------------------ helpers
-
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    a, b = a.detach(), b.detach()
-    return a.dtype == b.dtype and a.shape == b.shape and \
-        torch.equal(a.reshape(-1).contiguous().view(torch.uint8), b.reshape(-1).contiguous().view(torch.uint8))
 
 
 def assert_same_pass(got: dict, want: dict, what=""):

@@ -19,15 +19,10 @@ import fastdump
 from fastdump import _C
 from fastdump.cli import dump as cli_dump
 from fastdump.writer.loop import WriterLoop
+from conftest import same_bits
 from test_writer_loop import ScriptedConsumer, control, tensor
 
 REPO = Path(__file__).resolve().parent.parent
-
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if a.dtype != b.dtype or a.shape != b.shape:
-        return False
-    return a.contiguous().reshape(-1).view(torch.uint8).equal(b.contiguous().reshape(-1).view(torch.uint8))
 
 
 def verify(root):

@@ -10,18 +10,10 @@ import torch
 from torch import nn
 
 import fastdump
-from fastdump.capture import dumper as dumper_mod
 from fastdump.cli.dump import verify_dump
 
 from conftest import same_bits
 from toy_models import Chain
-
-
-@pytest.fixture(params=["native", "python"])
-def kind(request, monkeypatch):
-    if request.param == "python":
-        monkeypatch.setattr(dumper_mod, "_native_wrappers", False)
-    return request.param
 
 
 class Heads(nn.Module):

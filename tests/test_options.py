@@ -259,3 +259,23 @@ def test_good_values_of_the_other_options_are_kept(tmp_path):
     assert (o.inputs, o.strict, o.root_passes, o.pass_meta) == (True, True, False, {"step": 1})
     for device in (None, 0, 3, "cuda", "cpu", torch.device("cuda", 2), torch.device("cpu")):
         assert Options(root="/d", device=device).device is device
+
+
+def test_a_role_of_255_bytes_is_a_directory_name_and_is_dumped_under_it(tmp_path):
+    """NAME_MAX is 255 bytes: a role of 255 bytes (UTF-8) is a directory name like any other and is
+    dumped; 256 bytes are refused at attach (mkdir would fail after it, dumping off)."""
+    import torch
+
+    from conftest import same_bits
+
+    role = "é" * 127 + "r"  # 255 bytes, 128 characters
+    lin = torch.nn.Linear(2, 2)
+    x = torch.randn(1, 2)
+    with fastdump.attach(lin, tmp_path, role=role, writer="thread") as d:
+        assert d.status == "running", d.error
+        with torch.no_grad():
+            want = lin(x)
+    dumped = fastdump.open(tmp_path).load(role, 0, 0)
+    assert list(dumped) == ["Linear"] and same_bits(dumped["Linear"], want)
+    with pytest.raises(ValueError, match="at most 255 bytes, not 256"):
+        Options(root=str(tmp_path), role="é" * 128)

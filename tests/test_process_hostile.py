@@ -29,6 +29,8 @@ from fastdump.capture import dumper as dumper_mod
 from fastdump.cli.dump import verify_dump
 from fastdump.staging.engine import SHM_DIR, SHM_PREFIX, Engine
 
+from conftest import same_bits
+
 REPO = Path(__file__).resolve().parent.parent
 ENV = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
 
@@ -60,12 +62,6 @@ def expected(ref: Net, x: torch.Tensor, root="Net") -> dict:
         act = ref.act(up)
         down = ref.down(act)
     return {"up": up, "act": act, "down": down, root: down}
-
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if a.dtype != b.dtype or a.shape != b.shape:
-        return False
-    return a.contiguous().reshape(-1).view(torch.uint8).equal(b.contiguous().reshape(-1).view(torch.uint8))
 
 
 def verify_cli(root) -> subprocess.CompletedProcess:

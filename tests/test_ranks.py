@@ -17,15 +17,11 @@ import fastdump
 from fastdump.capture import resolve_ranks
 from fastdump.cli import dump as cli_dump
 
+from conftest import same_bits
+
 pytest.importorskip("torch.distributed")
 if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
     pytest.skip("this torch has no gloo backend", allow_module_level=True)
-
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if a.dtype != b.dtype or a.shape != b.shape:
-        return False
-    return a.contiguous().reshape(-1).view(torch.uint8).equal(b.contiguous().reshape(-1).view(torch.uint8))
 
 
 # One process of a run: {"root", "refs", "world", "rank", "port", "attach": [kwargs per rank],

@@ -393,6 +393,10 @@ def test_role_for():
     assert fsg.role_for(False, None) is None
     assert fsg.role_for(False, "NGRAM") is None
     assert fsg.role_for(False, "EAGLE") == "target"
+    # every algorithm of SGLang's is_eagle() family, as a name (any case) or an enum member's name
+    for name in ("EAGLE3", "NEXTN", "FROZEN_KV_MTP", "nextn"):
+        assert fsg.role_for(False, name) == "target", name
+    assert fsg.role_for(False, enum.Enum("SpeculativeAlgorithm", ["FROZEN_KV_MTP"]).FROZEN_KV_MTP) == "target"
     assert fsg.role_for(True, "EAGLE3") == "draft"
     assert fsg.role_for(True, None) == "draft"  # any draft worker must not share the target's directory
 
@@ -843,3 +847,45 @@ def test_dump_current_tensors_inside_the_forward_returns_and_leaves_its_pass_who
     assert ds.passes("target", rank) == [0]
     assert ds.meta("target", rank, 0)["complete"]
     assert torch.equal(ds.load("target", rank, 0)["logits_processor"], reference.next_token_logits)
+
+
+def test_the_pass_meta_of_a_forward_batch_without_batch_size_counts_its_sequences():
+    """A ForwardBatch without batch_size (a duck-typed one, an older SGLang): the pass's batch_size
+    is the number of its seq_lens, num_tokens that of its input_ids."""
+    class Recorder:
+        def set_pass_meta(self, **meta):
+            self.meta = meta
+
+    class Mode(enum.Enum):
+        EXTEND = 1
+
+    class Batch:
+        forward_mode = Mode.EXTEND
+        input_ids = torch.arange(7)
+        seq_lens = torch.tensor([3, 4])
+        positions = torch.arange(7)
+
+    dumper = Recorder()
+    got = fsg._batch_info(dumper)((), {"forward_batch": Batch()})
+    assert dumper.meta == {"forward_mode": "EXTEND", "batch_size": 2, "num_tokens": 7}
+    assert list(got["forward_batch_info"]) == ["input_ids", "seq_lens", "positions"]
+
+
+def test_a_logits_processor_inside_another_is_not_watched_on_its_own():
+    """The outermost logits processor is watched (its output stored as SGLang's hook stores it); one
+    inside it is part of its computation, not a second output."""
+    class LogitsProcessor(nn.Module):
+        def __init__(self, inner=False):
+            super().__init__()
+            self.proj = nn.Linear(2, 2)
+            if inner:
+                self.logits_processor = LogitsProcessor()
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.model = nn.Linear(2, 2)
+            self.head = LogitsProcessor(inner=True)
+
+    model = Model()
+    assert fsg._logits_processors(model) == {"head": model.head}
