@@ -40,16 +40,23 @@ def renew_locks_at_fork(owner, *names: str) -> None:
 renew_locks_at_fork(sys.modules[__name__], "_counter_lock")
 
 
+_NAME_MAX = 255  # bytes of one file name (Linux file systems)
+
+
 def temp_path(path: str, unique: bool = True) -> str:
-    """Temporary sibling of ``path``: ``.<name>.<pid>-<n>.tmp`` (or ``.<name>.tmp`` if not unique)."""
+    """Temporary sibling of ``path``: ``.<name>.<pid>-<n>.tmp`` (or ``.<name>.tmp`` if not unique).
+    A long ``name`` is cut (on a character boundary) so that the whole fits in a file name: a role
+    of 255 bytes is allowed, and its marker's temporary name failed with ENAMETOOLONG at attach."""
     directory, name = os.path.split(os.fspath(path))
     if unique:
         with _counter_lock:
             n = next(_counter)
-        name = f".{name}.{os.getpid()}-{n}-{os.urandom(4).hex()}{TMP_SUFFIX}"
+        tail = f".{os.getpid()}-{n}-{os.urandom(4).hex()}{TMP_SUFFIX}"
     else:
-        name = f".{name}{TMP_SUFFIX}"
-    return os.path.join(directory, name)
+        tail = TMP_SUFFIX
+    room = _NAME_MAX - 1 - len(tail.encode())
+    name = os.fsencode(name)[:room].decode("utf-8", "ignore") if len(os.fsencode(name)) > room else name
+    return os.path.join(directory, f".{name}{tail}")
 
 
 def is_temp_name(name: str) -> bool:
