@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 import fastdump
+from fastdump.capture import dumper as dumper_mod
 from fastdump.cli.dump import verify_dump
 
 from conftest import same_bits
