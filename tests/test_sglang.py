@@ -889,3 +889,62 @@ def test_a_logits_processor_inside_another_is_not_watched_on_its_own():
 
     model = Model()
     assert fsg._logits_processors(model) == {"head": model.head}
+
+
+# --- the installed entry's settings, and a top module that is the logits processor ------------------
+
+
+def test_installed_entry_keeps_fastdump_layers_unless_sglang_names_layers(tmp_path, monkeypatch):
+    """FASTDUMP_LAYERS applies when SGLang passes no dump_layers; SGLang's dump_layers wins over it."""
+    monkeypatch.setenv("FASTDUMP_LAYERS", "1")
+    model, fb = LlamaForCausalLM(n_layers=3), next(batches())
+    for sub, dump_layers, kept in (("env", None, [1]), ("sglang", [2], [2])):
+        want, _ = reference_pass(model, fb, dump_layers=kept)
+        d = fsg._sglang_entry(model, str(tmp_path / sub), dump_layers, 1, 0, 0)
+        run(model, fb)
+        d.close()
+        ds = fastdump.open(tmp_path / sub)
+        got = ds.load("target", only_rank(ds, "target"), 0)
+        assert_equal_bitwise(got, want)
+        assert {k.split(".")[2] for k in got if k.startswith("model.layers.")} == {str(i) for i in kept}
+
+
+def test_installed_entry_eagle_folder_wins_over_fastdump_role(tmp_path, monkeypatch):
+    """FASTDUMP_ROLE names the role of a single-role run only: under SGLang's EAGLE split the
+    folder's last component (draft/target) is the role, and the files land where SGLang puts them."""
+    monkeypatch.setenv("FASTDUMP_ROLE", "mine")
+    model, fb = LlamaForCausalLM(n_layers=1), next(batches())
+    want, _ = reference_pass(model, fb)
+    d = fsg._sglang_entry(model, str(tmp_path / "draft"), None, 1, 0, 0)
+    run(model, fb)
+    d.close()
+    assert Path(d.get_dump_dir()).parent == tmp_path / "draft"
+    ds = fastdump.open(tmp_path)
+    assert list(ds.roles) == ["draft"]
+    assert_equal_bitwise(ds.load("draft", only_rank(ds, "draft"), 0), want)
+    # a single-role run's folder: FASTDUMP_ROLE is the role
+    d = fsg._sglang_entry(model, str(tmp_path / "single"), None, 1, 0, 0)
+    run(model, fb)
+    d.close()
+    ds = fastdump.open(tmp_path / "single")
+    assert list(ds.roles) == ["mine"]
+    assert_equal_bitwise(ds.load("mine", only_rank(ds, "mine"), 0), want)
+
+
+def test_top_module_that_is_the_logits_processor_is_watched_once(tmp_path, monkeypatch):
+    """TENSOR_DUMP_TOP_LEVEL_MODULE_NAME=logits_processor: the top module is also the logits
+    processor; it is watched once (as the top: its ForwardBatch and its logits), not twice."""
+    monkeypatch.setenv("TENSOR_DUMP_TOP_LEVEL_MODULE_NAME", "logits_processor")
+    model, fb = LlamaForCausalLM(n_layers=1), next(batches())
+    want, _ = reference_pass(model, fb)
+    d = fsg.register_forward_hook_for_model(model, tmp_path, None, 1, 0, 0)
+    out = run(model, fb)
+    d.close()
+    ds = fastdump.open(tmp_path)
+    got = ds.load("target", only_rank(ds, "target"), 0)
+    assert torch.equal(got["logits_processor"], out.next_token_logits)
+    assert "logits_processor#1" not in got
+    for f in ("input_ids", "seq_lens", "positions"):
+        assert torch.equal(got[f"logits_processor.forward_batch_info.{f}"], getattr(fb, f))
+    leaves = {k: v for k, v in want.items() if k != "model" and not k.startswith(("model.forward_batch_info", "logits_processor"))}
+    assert_equal_bitwise({k: got[k] for k in leaves}, leaves)
