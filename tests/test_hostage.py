@@ -553,3 +553,57 @@ def test_close_timeout_is_kept_with_a_writer_thread_stuck_in_a_segment_write(tmp
         assert torch.equal(ds.load("target", 0, p)["Sequential"], model(small_input(p)))
     problems = verify_dump(str(tmp_path)).problems  # passes 4 and 5 never landed: still a failure
     assert any("writer status error" in p and "stopped waiting" in p for p in problems), problems
+
+
+def test_one_stall_shared_by_two_dumpers_is_logged_once_and_its_end_once(tmp_path, caplog):
+    """`block`, two Dumpers (target, draft) on one writer, the writer stopped: the first blocking
+    wait that times out marks the writer stalled and logs it; the other Dumper's wait in a pass it
+    began before the stall times out too, but it is the same stall (not logged again). Once the
+    writer gives space back, the next pass logs the recovery once and blocks again: whole passes."""
+    caplog.set_level("WARNING", logger="fastdump")
+    d = fastdump.attach(None, tmp_path, policy="block", block_timeout_s=0.3, ring_mb=1)
+    d2 = fastdump.attach(None, tmp_path, role="draft", policy="block", block_timeout_s=0.3, ring_mb=1)
+    assert d2._engine is d._engine
+    pid = writer_pid()
+    sent = {"target": [], "draft": []}
+    try:
+        drained()
+        waited = Engine._current.producer.stats()["block_seconds"]
+        os.kill(pid, signal.SIGSTOP)
+        d.begin_pass()
+        d2.begin_pass()  # began before the stall: still blocking
+        for i in range(20):  # 64 KiB each, 1.25 MiB > the ring: the wait times out, the rest dropped
+            d.dump(f"t{i}", torch.full((16384,), float(i)))
+        d2.dump("x", torch.full((16384,), -1.0))  # waits block_timeout_s once more, then dropped
+        d.end_pass()
+        d2.end_pass()
+        for i in range(5):  # stalled: staged as under `drop`, no more waiting (dropped, counted)
+            d.begin_pass()
+            d.dump("z", torch.full((16384,), float(i)))
+            d.end_pass()
+        waited = Engine._current.producer.stats()["block_seconds"] - waited
+        assert 0.5 < waited < 1.2, f"waited {waited:.2f} s: two timeouts (one per Dumper), then none"
+        cont(pid)
+        drained()
+        for dumper, role in ((d, "target"), (d2, "draft")):
+            for p in range(2):
+                t = torch.arange(1000, dtype=torch.float64) + 10 * p
+                dumper.begin_pass()
+                dumper.dump("y", t)
+                dumper.end_pass()
+                sent[role].append((dumper.pass_id, t))
+    finally:
+        cont(pid)
+        s2 = d2.close()
+        s1 = d.close()
+    stalls = [r for r in caplog.records if "freed no ring space" in r.getMessage()]
+    recoveries = [r for r in caplog.records if "caught up" in r.getMessage()]
+    assert len(stalls) == 1, [r.getMessage() for r in stalls]
+    assert len(recoveries) == 1, [r.getMessage() for r in recoveries]
+    assert s1["dropped"] >= 1 and s2["dropped"] == 1
+    assert s1["tensors"] + s1["dropped"] + s1["dropped_passes"] == 20 + 5 + 2
+    ds = fastdump.open(tmp_path)
+    for role, want in sent.items():
+        for pass_id, t in want:
+            assert torch.equal(ds.load(role, 0, pass_id)["y"], t)
+    assert verify_dump(str(tmp_path)).problems  # drops under `block`: verify fails
