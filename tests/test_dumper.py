@@ -347,6 +347,38 @@ def test_drop_policy_counts_every_dropped_tensor(tmp_path):
     assert ds.rank_info("target", 0)["dropped"] == stats["dropped"]
 
 
+
+def test_drop_policy_counts_every_pass_dropped_at_its_start(tmp_path):
+    """Under `drop`, a pass whose begin finds the ring full is dropped whole: each one is counted
+    (stats, rank.json, verify's warning), so the passes on disk plus the dropped ones are all passes."""
+    n = 400  # 64 KiB each, 25 MiB in all: the 1 MiB ring fills, then even pass starts find no room
+    with fastdump.attach(None, tmp_path, ring_mb=1, policy="drop") as d:
+        writer = d._engine._proc
+        os.kill(writer.pid, signal.SIGSTOP)  # a stalled writer: the ring fills
+        try:
+            for i in range(n):
+                d.begin_pass()
+                d.dump("t", torch.full((16384,), float(i)))
+                d.end_pass()
+        finally:
+            os.kill(writer.pid, signal.SIGCONT)
+        last = d.pass_id
+    stats = d.stats()
+    assert last == n - 1
+    ds = fastdump.open(tmp_path)
+    stored = ds.passes("target", 0)
+    assert 0 < stats["dropped_passes"] < n
+    assert len(stored) + stats["dropped_passes"] == n
+    assert ds.rank_info("target", 0)["dropped_passes"] == stats["dropped_passes"]
+    assert sum(1 for p in stored if "t" in ds.load("target", 0, p)) + stats["dropped"] == len(stored)
+    for p in stored:
+        got = ds.load("target", 0, p)
+        assert "t" not in got or same_bits(got["t"], torch.full((16384,), float(p)))
+    report = cli_dump.verify_dump(str(tmp_path))
+    assert not report.problems
+    assert any(f"{stats['dropped_passes']} whole pass(es) were dropped" in w for w in report.warnings), report.warnings
+
+
 def test_manual_passes_and_metadata(tmp_path):
     lin = torch.nn.Linear(2, 2)
     with fastdump.attach(lin, tmp_path) as d, torch.inference_mode():
