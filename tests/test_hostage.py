@@ -582,7 +582,7 @@ def test_one_stall_shared_by_two_dumpers_is_logged_once_and_its_end_once(tmp_pat
             d.dump("z", torch.full((16384,), float(i)))
             d.end_pass()
         waited = Engine._current.producer.stats()["block_seconds"] - waited
-        assert 0.5 < waited < 1.2, f"waited {waited:.2f} s: two timeouts (one per Dumper), then none"
+        assert 0.5 < waited < 1.6, f"waited {waited:.2f} s: two timeouts (one per Dumper), then none (a third: 2.1 s)"
         cont(pid)
         drained()
         for dumper, role in ((d, "target"), (d2, "draft")):
