@@ -1435,20 +1435,18 @@ class Dumper:
                     continue
             except TypeError:  # (unhashable: never followed)
                 continue
-            if not any(name == n or name.startswith(n + ".") for n, _ in newcomers):  # (its own _adopt)
+            if not any(_at_or_under(name, n) for n, _ in newcomers):  # (its own _adopt)
                 newcomers.append((name, module))
         if not newcomers:
             return  # (the common case: nothing changed while attach ran)
         for name, module in newcomers:
             self._adopt(name, module, selection)
-        held = collections.defaultdict(list)  # id -> the names the model holds it under, first first
-        for path, module in named_modules(model, remove_duplicate=False):
-            held[id(module)].append(path)
+        held = _places(model)
         for name, holder in list(self._holders.items()):
             if self._holders.get(name) is holder and id(holder) not in held:
                 self._free_name(name, None)  # (replaced while attach ran: left the model)
         self._rename({name: held[id(holder)][0] for name, holder in self._holders.items()
-                      if not any(p == name or p.startswith(name + ".") for p in held[id(holder)])})
+                      if not any(_at_or_under(p, name) for p in held[id(holder)])})
         for module in list(self._paths.keys()):
             if id(module) not in held:
                 del self._paths[module]
@@ -1526,7 +1524,7 @@ class Dumper:
         now = None
         if model is not None:
             for path, sub in named_modules(model):
-                if sub is holder and (replaced is None or (path != replaced and not path.startswith(replaced + "."))):
+                if sub is holder and (replaced is None or not _at_or_under(path, replaced)):
                     now = path
                     break
         if not self._unwrap_one(holder):
@@ -1603,7 +1601,7 @@ class Dumper:
         def moved(name):  # (the most specific: a module's own move before its parent's)
             best = None
             for old in moves:
-                if (name == old or name.startswith(old + ".")) and (best is None or len(old) > len(best)):
+                if _at_or_under(name, old) and (best is None or len(old) > len(best)):
                     best = old
             return None if best is None else moves[best] + name[len(best):]
 
@@ -1644,7 +1642,7 @@ class Dumper:
                 path = self._paths.get(sub) if id(sub) in leaving else None
             except TypeError:  # (unhashable: not in it)
                 continue
-            if path is not None and (path == name or path.startswith(name + ".")):
+            if path is not None and _at_or_under(path, name):
                 del self._paths[sub]
         if id(old) not in staying:
             # Not a wrapper around ``old``: a container replaced by another that holds some of its
@@ -1672,13 +1670,11 @@ class Dumper:
         model = self._model_ref()
         if model is None:
             return
-        paths = {}
-        for name, module in named_modules(model):
-            paths.setdefault(id(module), name)
+        held = _places(model)
         for module, name in list(self._paths.items()):
             if id(module) in inside:
-                if id(module) in paths:
-                    self._paths[module] = paths[id(module)]  # (still held under another name)
+                if id(module) in held:
+                    self._paths[module] = held[id(module)][0]  # (still held under another name)
                 else:
                     del self._paths[module]
 
@@ -1694,9 +1690,7 @@ class Dumper:
             return []
         skipped = [name for name in self.not_wrapped]
         scripted = {name: why for name, why in self.not_wrapped.items() if why != _SHADOWED_REASON}
-        held = collections.defaultdict(set)  # id -> every name the model holds it under
-        for path, module in named_modules(model, remove_duplicate=False):
-            held[id(module)].add(path)
+        held = _places(model)
         wrapped = {id(module) for module, wrapper in self._wrapped if getattr(wrapper, "_fastdump_name", None)
                    or getattr(wrapper, "__fastdump_name__", None)}
         found = []
@@ -1705,14 +1699,14 @@ class Dumper:
                 seen = module in self._paths
             except TypeError:  # (unhashable: never followed, not judged)
                 continue
-            if not seen and id(module) not in wrapped and not any(name == s or name.startswith(s + ".") for s in skipped):
+            if not seen and id(module) not in wrapped and not any(_at_or_under(name, s) for s in skipped):
                 found.append(f"{name}: in the model and selected, not dumped (put in by a write to a "
                              "module's _modules, which no hook reports)")
         for name, module in self._holders.items():
             if id(module) not in held:
                 found.append(f"{name}: wrapped, and the model no longer holds it (taken out by a write to a "
                              "module's _modules, which no hook reports): its calls since, if any, dumped under this name")
-            elif not any(path == name or path.startswith(name + ".") for path in held[id(module)]):
+            elif not any(_at_or_under(path, name) for path in held[id(module)]):
                 # Moved by a write to _modules (two modules' places swapped): its calls since were dumped
                 # under its old name, which now leads to another module (or to none). (Under its old
                 # place is no move: a LoRA-style wrapper set there holds it, and it keeps its name, _adopt.)
@@ -2181,19 +2175,32 @@ def _module_paths(model) -> "weakref.WeakKeyDictionary":
     return paths
 
 
+def _places(model) -> "collections.defaultdict":
+    """id of each module of ``model`` -> every name the model holds it under, in walk order (the
+    first is the name ``named_modules`` gives it, as at attach)."""
+    places = collections.defaultdict(list)
+    for path, module in named_modules(model, remove_duplicate=False):
+        places[id(module)].append(path)
+    return places
+
+
+def _at_or_under(path: str, name: str) -> bool:
+    """``path`` is the module name ``name`` or a name inside it (``layers.1.mlp`` in ``layers.1``,
+    never in ``layers.10``)."""
+    return path == name or path.startswith(name + ".")
+
 
 def _moves_within(old, new, prefix: str) -> dict:
     """Old name -> new name of each module under ``old`` that ``new``, taking its place ``prefix``,
     holds at another path (each module by its first path, as at attach)."""
     join = (lambda path: f"{prefix}.{path}" if path else prefix) if prefix else (lambda path: path)
-    now = {}
-    for path, sub in named_modules(new):
-        now.setdefault(id(sub), path)
+    now = _places(new)
     moves = {}
     for path, sub in named_modules(old):
-        if path and now.get(id(sub), path) != path:
-            moves[join(path)] = join(now[id(sub)])
+        if path and id(sub) in now and now[id(sub)][0] != path:
+            moves[join(path)] = join(now[id(sub)][0])
     return moves
+
 
 def _follow_renumbering(dumper) -> None:
     """Have ``dumper`` told of the edits torch's registration hook does not see: the ``insert`` and
@@ -2305,7 +2312,7 @@ def _check_root_name(model, root_name: str) -> None:
     """root_name= must not be, or lie under, a module's qualified name: the root's output and that
     module's share the name (root_name="lm_head" dumped the root as ``lm_head`` and the LM head as
     ``lm_head#1``, as if called twice), or one's parts skip the other's (``model.final.0``)."""
-    clash = [name for name, _ in named_modules(model) if name and (root_name == name or root_name.startswith(name + "."))]
+    clash = [name for name, _ in named_modules(model) if name and _at_or_under(root_name, name)]
     if clash:  # (the deepest one named: parents come first)
         raise ValueError(f"fastdump.attach: root_name={root_name!r} reads as the model's module {clash[-1]!r}: "
                          "its output and that module's would share names; choose another root_name")
