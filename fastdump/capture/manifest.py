@@ -64,16 +64,10 @@ def write_role_marker(root: Path, role: str) -> None:
     emptied or deleted (a role named neither target, draft nor in fastdump.json left no trace). Made
     by the first Dumper of the role and never rewritten; two processes attaching at once each write a
     temporary file and rename it into place (the same bytes: either rename leaves it whole)."""
-    directory = root / _fmt.ROLES_DIR
-    path = directory / role
+    path = root / _fmt.ROLES_DIR / role
     if is_regular_file(str(path)):
         return
-    try:
-        directory.mkdir(exist_ok=True)
-    except FileExistsError:  # (a file or a dangling link there: mkdir's "File exists" said no more)
-        pass
-    if not is_real_dir(str(directory)):  # (a link would take the record out of the dump)
-        raise FileExistsError(f"{directory} is not a directory: fastdump records the roles attached there")
+    _record_directory(path.parent, "the roles attached")
     atomic_write_json(str(path), {"role": role})
 
 
@@ -85,10 +79,16 @@ def write_session_marker(root: Path, role: str, rank_dir: str) -> None:
     exclusive mkdir), so no two Dumpers write one marker."""
     role_dir = root / _fmt.SESSIONS_DIR / role
     for directory in (role_dir.parent, role_dir):
-        try:
-            directory.mkdir(exist_ok=True)
-        except FileExistsError:  # (a file or a dangling link there)
-            pass
-        if not is_real_dir(str(directory)):  # (a link would take the record out of the dump)
-            raise FileExistsError(f"{directory} is not a directory: fastdump records the sessions attached there")
+        _record_directory(directory, "the sessions attached")
     atomic_write_json(str(role_dir / rank_dir), {"role": role, "rank_dir": rank_dir})
+
+
+def _record_directory(directory: Path, what: str) -> None:
+    """Make ``directory`` (one of the root's records) if it is not there; refuse one that is no
+    real directory: a link would take the record out of the dump."""
+    try:
+        directory.mkdir(exist_ok=True)
+    except FileExistsError:  # (a file or a dangling link there: mkdir's "File exists" said no more)
+        pass
+    if not is_real_dir(str(directory)):
+        raise FileExistsError(f"{directory} is not a directory: fastdump records {what} there")
