@@ -147,18 +147,14 @@ def get_stager(producer, device_ring_mb: float):
         reason = unusable_reason()
         _warn_once("unusable", "fastdump: CUDA staging unavailable (%s); CUDA tensors are copied "
                    "synchronously through .cpu()", reason)
-        stager = HostFallbackStager(producer, reason)
-        _stagers[next(_stager_numbers)] = stager
-        return stager
+        return _kept(HostFallbackStager(producer, reason))
     ring_bytes = int(float(device_ring_mb) * (1 << 20))
     try:
         stager = _C.CudaStager(producer, ring_bytes)
     except Exception as exc:
         _warn_once("create", "fastdump: cannot start CUDA staging (%s); CUDA tensors are copied "
                    "synchronously through .cpu()", exc)
-        stager = HostFallbackStager(producer, str(exc))
-        _stagers[next(_stager_numbers)] = stager
-        return stager
+        return _kept(HostFallbackStager(producer, str(exc)))
     try:
         seconds = stager.register_host()
         log.info("fastdump: pinned the %.0f MiB host ring in %.3f s", producer.capacity / (1 << 20), seconds)
@@ -166,8 +162,14 @@ def get_stager(producer, device_ring_mb: float):
         # Still correct: D2H copies into pageable memory are staged by the driver (slower).
         _warn_once("pin", "fastdump: cudaHostRegister of the host ring failed (%s); device-to-host "
                    "copies will be slower", exc)
-    _stagers[next(_stager_numbers)] = stager
+    _kept(stager)
     watch_graph_captures()
+    return stager
+
+
+def _kept(stager):
+    """``stager``, listed (weakly, in made order) for status()."""
+    _stagers[next(_stager_numbers)] = stager
     return stager
 
 
@@ -189,7 +191,7 @@ def watch_graph_captures() -> bool:
         return False
     original = graph_cls.__dict__.get("capture_begin") or getattr(graph_cls, "capture_begin")
     note = _C.note_capture_begin
-    gate = getattr(_C, "capture_gate", lambda enter: None)
+    gate = _C.capture_gate
 
     @functools.wraps(original)
     def capture_begin(self, *args, **kwargs):
