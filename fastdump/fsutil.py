@@ -55,7 +55,9 @@ def temp_path(path: str, unique: bool = True) -> str:
     else:
         tail = TMP_SUFFIX
     room = _NAME_MAX - 1 - len(tail.encode())
-    name = os.fsencode(name)[:room].decode("utf-8", "ignore") if len(os.fsencode(name)) > room else name
+    encoded = os.fsencode(name)
+    if len(encoded) > room:
+        name = encoded[:room].decode("utf-8", "ignore")
     return os.path.join(directory, f".{name}{tail}")
 
 

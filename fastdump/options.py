@@ -462,7 +462,6 @@ class Options:
             _check_int("max_bytes", self.max_bytes, 0)
         pass_range = self.pass_range
         if pass_range is not None:
-            # (start, start) selects no pass: the run dumped nothing without a word.
             if not isinstance(pass_range, (tuple, list)) or len(pass_range) != 2:
                 raise ValueError(f"pass_range must be (start, stop) with start < stop, not {pass_range!r}")
             _check_int("pass_range start", pass_range[0], 0)

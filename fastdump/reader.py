@@ -1419,7 +1419,6 @@ def lost_sessions(root, roles_lost=()) -> list:
             continue  # (unlistable: the caller says so)
         present = None  # sessions of the role's directories, read once, only when a name is missing
         for name in markers:
-            parsed = fmt.parse_rank_dir(name)
             if name in entries and fsutil.is_real_dir(os.path.join(role_path, name)):
                 continue
             if present is None:
@@ -1433,6 +1432,7 @@ def lost_sessions(root, roles_lost=()) -> list:
                     except (OSError, ValueError):
                         info = None
                     present.add(fmt.expected_session(entry, info))
+            parsed = fmt.parse_rank_dir(name)
             if parsed and parsed[4] and parsed[4] in present:
                 continue  # renamed during the run (its rank.json names the session): read as it is
             out.append((os.path.join(role_path, name),

@@ -786,7 +786,7 @@ def verify_dump(root: str, read_data: bool = False) -> _Report:
 
     from ..reader import lost_records, recorded_roles
 
-    roles = _role_names(root) - set(recorded_roles(root))  # (those recorded: lost_roles below)
+    roles = _role_names(root) - set(recorded_roles(root))  # (those recorded: lost_records below)
     for role in listed(root) or ():
         role_path = os.path.join(root, role)
         if os.path.islink(role_path):
