@@ -59,6 +59,29 @@ def _run_and_expect(model, x):
     return out, want
 
 
+def _chain_outputs(model, x):
+    """A Chain's output and what each of its layers returns, computed undumped."""
+    want, h = {}, x
+    with torch.no_grad():
+        out = model(x)
+        for key, layer in model.layers.named_children():
+            h = want[f"layers.{key}"] = layer(h)
+    return out, want
+
+
+def _closed_with_exactly(d, root, want: dict, top: str, out) -> dict:
+    """Close ``d``: its pass 0 holds ``want`` (name -> tensor) and the root module ``top``'s ``out``,
+    nothing else, bit for bit; no edit went unfollowed and verify is clean. What was dumped."""
+    stats = d.close()
+    dumped = fastdump.open(root).load("target", 0, 0)
+    assert sorted(dumped) == sorted([*want, top])
+    for name, value in want.items():
+        assert same_bits(dumped[name], value), name
+    assert same_bits(dumped[top], out)
+    assert stats["modules_not_followed"] == [] and verify_dump(str(root)).problems == []
+    return dumped
+
+
 @pytest.mark.parametrize("then", ["put_back_as_extra", "run_outside_the_model"])
 @pytest.mark.parametrize("removal", sorted(REMOVALS))
 def test_a_module_removed_from_the_model_after_attach_is_dumped_only_where_the_model_holds_it(
@@ -213,12 +236,7 @@ def test_a_module_replaced_by_one_that_does_not_hold_it_is_no_longer_dumped(tmp_
         out = model(x)
         inner = model.heads["a"].linear(x)
         b = model.heads["b"](inner * 2)
-    stats = d.close()
-    dumped = fastdump.open(tmp_path).load("target", 0, 0)
-    assert sorted(dumped) == ["Heads", "heads.a.linear", "heads.b"]
-    assert same_bits(dumped["heads.a.linear"], inner) and same_bits(dumped["heads.b"], b)
-    assert same_bits(dumped["Heads"], out)
-    assert stats["modules_not_followed"] == [] and verify_dump(str(tmp_path)).problems == []
+    _closed_with_exactly(d, tmp_path, {"heads.a.linear": inner, "heads.b": b}, "Heads", out)
     assert "forward" not in old.__dict__
 
 
@@ -242,18 +260,8 @@ def test_a_container_replaced_by_one_holding_its_modules_elsewhere_renames_them(
     d = fastdump.attach(model, tmp_path / "during")
     CONTAINER_SWAPS[swap](model)
     x = torch.randn(2, 4)
-    with torch.no_grad():
-        out = model(x)
-        want, h = {}, x
-        for key, layer in model.layers.named_children():
-            h = want[f"layers.{key}"] = layer(h)
-    assert d.close()["modules_not_followed"] == []
-    dumped = fastdump.open(tmp_path / "during").load("target", 0, 0)
-    assert sorted(dumped) == sorted(list(want) + ["Chain"])
-    for name, value in want.items():
-        assert same_bits(dumped[name], value), name
-    assert same_bits(dumped["Chain"], out)
-    assert verify_dump(str(tmp_path / "during")).problems == []
+    out, want = _chain_outputs(model, x)
+    dumped = _closed_with_exactly(d, tmp_path / "during", want, "Chain", out)
     after = fastdump.attach(model, tmp_path / "after")  # the same model attached after the change
     with torch.no_grad():
         model(x)
@@ -325,13 +333,7 @@ def test_a_module_replaced_then_put_back_elsewhere_names_what_is_registered_in_i
         want = {"block.lin": model.block.lin(x)}
         want["other.lin"] = old.lin(want["block.lin"])
         want["other.extra"] = old.extra(want["other.lin"])
-    stats = d.close()
-    dumped = fastdump.open(tmp_path).load("target", 0, 0)
-    assert sorted(dumped) == sorted(list(want) + ["TwoBlocks"])
-    for name, value in want.items():
-        assert same_bits(dumped[name], value), name
-    assert same_bits(dumped["TwoBlocks"], out)
-    assert stats["modules_not_followed"] == [] and verify_dump(str(tmp_path)).problems == []
+    _closed_with_exactly(d, tmp_path, want, "TwoBlocks", out)
 
 
 def test_a_replaced_module_given_a_submodule_outside_the_model_is_not_dumped_under_its_old_place(tmp_path, kind):
@@ -390,18 +392,7 @@ def test_a_module_registered_on_another_thread_while_attach_walks_the_model_is_d
     monkeypatch.setattr(dumper_mod, "select_modules", select_then_race)
     d = fastdump.attach(model, tmp_path)
     assert raced
-    x = torch.randn(2, 4)
-    with torch.no_grad():
-        out = model(x)
-        want, h = {}, x
-        for key, layer in model.layers.named_children():
-            h = want[f"layers.{key}"] = layer(h)
-    stats = d.close()
-    dumped = fastdump.open(tmp_path).load("target", 0, 0)
-    assert sorted(dumped) == sorted(list(want) + ["Chain"])
-    for name, value in want.items():
-        assert same_bits(dumped[name], value), name
-    assert same_bits(dumped["Chain"], out)
-    assert stats["modules_not_followed"] == [] and verify_dump(str(tmp_path)).problems == []
+    out, want = _chain_outputs(model, torch.randn(2, 4))
+    _closed_with_exactly(d, tmp_path, want, "Chain", out)
     for module in model.modules():
         assert "forward" not in module.__dict__, module
