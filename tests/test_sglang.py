@@ -240,6 +240,18 @@ def only_rank(ds, role):
     return rank
 
 
+def dumped_pass(model, fb, root, *args, register=fsg.register_forward_hook_for_model, forward=None,
+                role="target", open_at=None, **kwargs):
+    """``register(model, root, *args, **kwargs)`` (the drop-in as a test calls it), one forward (``fb``
+    through ``run``, or ``forward()``), close; returns (pass 0 of ``role``'s only rank in the dump at
+    ``open_at`` or ``root``, as loaded; the forward's output; the returned SGLangDumper)."""
+    d = register(model, root, *args, **kwargs)
+    out = forward() if forward is not None else run(model, fb)
+    d.close()
+    ds = fastdump.open(root if open_at is None else open_at)
+    return ds.load(role, only_rank(ds, role), 0), out, d
+
+
 @pytest.mark.parametrize("direct", [False, True], ids=["call", "dot-forward"])
 def test_dump_equals_reference(tmp_path, direct):
     model = LlamaForCausalLM(direct=direct)
@@ -273,11 +285,7 @@ def test_dump_layers_filters_only_decoder_layers(tmp_path):
     model = LlamaForCausalLM(n_layers=3)
     fb = next(batches())
     want, _ = reference_pass(model, fb, dump_layers=[1])
-    d = fsg.register_forward_hook_for_model(model, str(tmp_path), dump_layers=[1])
-    run(model, fb)
-    d.close()
-    ds = fastdump.open(tmp_path)
-    got = ds.load("target", only_rank(ds, "target"), 0)
+    got, _, _ = dumped_pass(model, fb, str(tmp_path), dump_layers=[1])
     assert_equal_bitwise(got, want)
     assert any(k.startswith("model.layers.1.") for k in got)
     assert not any(k.startswith(("model.layers.0.", "model.layers.2.")) for k in got)
@@ -292,11 +300,7 @@ def test_exclude_given_in_any_form_leaves_out_what_it_names(tmp_path, exclude):
     model = LlamaForCausalLM(n_layers=2)
     fb = next(batches())
     want, _ = reference_pass(model, fb)
-    d = fsg.register_forward_hook_for_model(model, str(tmp_path), exclude=exclude)
-    run(model, fb)
-    d.close()
-    ds = fastdump.open(tmp_path)
-    got = ds.load("target", only_rank(ds, "target"), 0)
+    got, _, _ = dumped_pass(model, fb, str(tmp_path), exclude=exclude)
     assert set(got) == {k for k in want if "mlp" not in k}
     assert any("mlp" in k for k in want) and "logits_processor" in got
     assert_equal_bitwise(got, {k: v for k, v in want.items() if k in got})
@@ -318,12 +322,9 @@ def test_dump_layers_with_other_layout(tmp_path, monkeypatch):
     model = nn.Module()
     model.model = Inner()
     model.forward = lambda x: model.model(x)  # an instance forward, as engines sometimes have
-    d = fsg.register_forward_hook_for_model(model, tmp_path, dump_layers=[1, 10])
     with torch.no_grad():
-        model(torch.ones(1, 4))
-    d.close()
-    ds = fastdump.open(tmp_path)
-    assert set(ds.load("target", only_rank(ds, "target"), 0)) == {"model", "model.blocks.1", "model.blocks.10"}
+        got, _, _ = dumped_pass(model, None, tmp_path, dump_layers=[1, 10], forward=lambda: model(torch.ones(1, 4)))
+    assert set(got) == {"model", "model.blocks.1", "model.blocks.10"}
 
 
 def test_dump_current_tensors_ends_an_open_pass(tmp_path):
@@ -381,9 +382,8 @@ def test_pipeline_stage_output_and_unreadable_outputs(tmp_path):
 
 def test_rank_directory_naming(tmp_path):
     model = LlamaForCausalLM()
-    d = fsg.register_forward_hook_for_model(model, tmp_path, None, tp_size=4, tp_rank=3, pp_rank=1)
-    run(model, next(batches()))
-    d.close()
+    got, out, d = dumped_pass(model, next(batches()), tmp_path, None, tp_size=4, tp_rank=3, pp_rank=1)
+    assert torch.equal(got["logits_processor"], out.next_token_logits)
     name = Path(d.get_dump_dir()).name
     assert name.startswith(f"TP3_PP1_Rank7_pid{os.getpid()}_")  # rank = tp_size*pp_rank+tp_rank
     assert fmt.parse_rank_dir(name)[:4] == (3, 1, 7, os.getpid())
@@ -604,9 +604,8 @@ def test_public_function_called_like_sglang_eagle(tmp_path, monkeypatch):
 def test_single_role_run_keeps_target_dir_and_reports_it(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     model = LlamaForCausalLM()
-    d = fsg.register_forward_hook_for_model(model, "plain", None, 1, 0, 0)
-    run(model, next(batches()))
-    d.close()
+    got, out, d = dumped_pass(model, next(batches()), "plain", None, 1, 0, 0)
+    assert torch.equal(got["logits_processor"], out.next_token_logits)
     where = d.get_dump_dir()
     assert where == os.path.join("plain", "target", d.dumper.dir.name)
     assert (tmp_path / where / fsg.NAMES_FILE).is_file() and list(fastdump.open("plain").roles) == ["target"]
@@ -821,12 +820,7 @@ def test_a_logits_processor_below_the_top_module_holds_the_logits(tmp_path, monk
             return self.language_model(input_ids, positions, forward_batch)
 
     model = VisionLanguage()
-    fb = next(batches())
-    d = fsg.register_forward_hook_for_model(model, tmp_path, None, 1, 0, 0)
-    out = run(model, fb)
-    d.close()
-    ds = fastdump.open(tmp_path)
-    got = ds.load("target", only_rank(ds, "target"), 0)
+    got, out, _ = dumped_pass(model, next(batches()), tmp_path, None, 1, 0, 0)
     assert torch.equal(got["language_model.logits_processor"], out.next_token_logits)
     assert not [name for name in got if "next_token_logits" in name]
 
@@ -900,11 +894,7 @@ def test_installed_entry_keeps_fastdump_layers_unless_sglang_names_layers(tmp_pa
     model, fb = LlamaForCausalLM(n_layers=3), next(batches())
     for sub, dump_layers, kept in (("env", None, [1]), ("sglang", [2], [2])):
         want, _ = reference_pass(model, fb, dump_layers=kept)
-        d = fsg._sglang_entry(model, str(tmp_path / sub), dump_layers, 1, 0, 0)
-        run(model, fb)
-        d.close()
-        ds = fastdump.open(tmp_path / sub)
-        got = ds.load("target", only_rank(ds, "target"), 0)
+        got, _, _ = dumped_pass(model, fb, str(tmp_path / sub), dump_layers, 1, 0, 0, register=fsg._sglang_entry)
         assert_equal_bitwise(got, want)
         assert {k.split(".")[2] for k in got if k.startswith("model.layers.")} == {str(i) for i in kept}
 
@@ -915,20 +905,16 @@ def test_installed_entry_eagle_folder_wins_over_fastdump_role(tmp_path, monkeypa
     monkeypatch.setenv("FASTDUMP_ROLE", "mine")
     model, fb = LlamaForCausalLM(n_layers=1), next(batches())
     want, _ = reference_pass(model, fb)
-    d = fsg._sglang_entry(model, str(tmp_path / "draft"), None, 1, 0, 0)
-    run(model, fb)
-    d.close()
+    got, _, d = dumped_pass(model, fb, str(tmp_path / "draft"), None, 1, 0, 0, register=fsg._sglang_entry,
+                            role="draft", open_at=tmp_path)
     assert Path(d.get_dump_dir()).parent == tmp_path / "draft"
-    ds = fastdump.open(tmp_path)
-    assert list(ds.roles) == ["draft"]
-    assert_equal_bitwise(ds.load("draft", only_rank(ds, "draft"), 0), want)
+    assert list(fastdump.open(tmp_path).roles) == ["draft"]
+    assert_equal_bitwise(got, want)
     # a single-role run's folder: FASTDUMP_ROLE is the role
-    d = fsg._sglang_entry(model, str(tmp_path / "single"), None, 1, 0, 0)
-    run(model, fb)
-    d.close()
-    ds = fastdump.open(tmp_path / "single")
-    assert list(ds.roles) == ["mine"]
-    assert_equal_bitwise(ds.load("mine", only_rank(ds, "mine"), 0), want)
+    got, _, _ = dumped_pass(model, fb, str(tmp_path / "single"), None, 1, 0, 0, register=fsg._sglang_entry,
+                            role="mine")
+    assert list(fastdump.open(tmp_path / "single").roles) == ["mine"]
+    assert_equal_bitwise(got, want)
 
 
 def test_top_module_that_is_the_logits_processor_is_watched_once(tmp_path, monkeypatch):
@@ -937,14 +923,61 @@ def test_top_module_that_is_the_logits_processor_is_watched_once(tmp_path, monke
     monkeypatch.setenv("TENSOR_DUMP_TOP_LEVEL_MODULE_NAME", "logits_processor")
     model, fb = LlamaForCausalLM(n_layers=1), next(batches())
     want, _ = reference_pass(model, fb)
-    d = fsg.register_forward_hook_for_model(model, tmp_path, None, 1, 0, 0)
-    out = run(model, fb)
-    d.close()
-    ds = fastdump.open(tmp_path)
-    got = ds.load("target", only_rank(ds, "target"), 0)
+    got, out, _ = dumped_pass(model, fb, tmp_path, None, 1, 0, 0)
     assert torch.equal(got["logits_processor"], out.next_token_logits)
     assert "logits_processor#1" not in got
     for f in ("input_ids", "seq_lens", "positions"):
         assert torch.equal(got[f"logits_processor.forward_batch_info.{f}"], getattr(fb, f))
     leaves = {k: v for k, v in want.items() if k != "model" and not k.startswith(("model.forward_batch_info", "logits_processor"))}
     assert_equal_bitwise({k: got[k] for k in leaves}, leaves)
+
+
+# --- TENSOR_DUMP_MODE (a variant of SGLang's hook): what the drop-in dumps or refuses -----------------
+
+
+def test_leaf_outputs_mode_dumps_what_sglangs_hook_dumps(tmp_path, monkeypatch):
+    """TENSOR_DUMP_MODE=leaf_outputs (the variant's default, SGLang's hook) and mode="leaf_outputs"
+    (the variant's keyword, or its seventh argument through the installed entry) dump as without it."""
+    monkeypatch.setenv("TENSOR_DUMP_MODE", "leaf_outputs")
+    model, fb = LlamaForCausalLM(n_layers=1), next(batches())
+    want, _ = reference_pass(model, fb)
+    got, _, _ = dumped_pass(model, fb, tmp_path / "env")
+    assert_equal_bitwise(got, want)
+    got, _, _ = dumped_pass(model, fb, tmp_path / "keyword", mode="leaf_outputs")
+    assert_equal_bitwise(got, want)
+    got, _, _ = dumped_pass(model, fb, str(tmp_path / "entry"), None, 1, 0, 0, "leaf_outputs",
+                            register=fsg._sglang_entry)
+    assert_equal_bitwise(got, want)
+
+
+@pytest.mark.parametrize("how", ["env", "keyword", "entry-positional", "entry-keyword"])
+@pytest.mark.parametrize("mode", ["all_io", "bogus", ""])
+def test_a_dump_mode_the_drop_in_does_not_dump_is_refused_before_the_model_is_touched(tmp_path, monkeypatch,
+                                                                                       mode, how):
+    """all_io (every module's inputs and outputs, parents included) is not what fastdump wraps, and
+    another value is no mode: a ValueError naming it, nothing wrapped, nothing written; never a
+    smaller dump than the one asked for."""
+    model = LlamaForCausalLM(n_layers=1)
+    calls = {"env": lambda: fsg.register_forward_hook_for_model(model, tmp_path),
+             "keyword": lambda: fsg.register_forward_hook_for_model(model, tmp_path, mode=mode),
+             "entry-positional": lambda: fsg._sglang_entry(model, str(tmp_path), None, 1, 0, 0, mode),
+             "entry-keyword": lambda: fsg._sglang_entry(model, str(tmp_path), None, 1, 0, 0, mode=mode)}
+    if how == "env":
+        monkeypatch.setenv("TENSOR_DUMP_MODE", mode)
+    with pytest.raises(ValueError, match="all_io" if mode == "all_io" else "invalid tensor dump mode"):
+        calls[how]()
+    assert not any("forward" in m.__dict__ for m in model.modules())
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_last_token_only_is_said_and_whole_tensors_are_dumped(tmp_path, monkeypatch, caplog):
+    import logging
+
+    monkeypatch.setenv("TENSOR_DUMP_LAST_TOKEN_ONLY", "1")
+    model, fb = LlamaForCausalLM(n_layers=1), next(batches())
+    want, _ = reference_pass(model, fb)
+    with caplog.at_level(logging.WARNING, logger="fastdump.integrations.sglang"):
+        got, _, _ = dumped_pass(model, fb, tmp_path)
+    assert "TENSOR_DUMP_LAST_TOKEN_ONLY=1 is not applied" in caplog.text
+    assert_equal_bitwise(got, want)  # whole tensors: 5 rows of the extend batch, not the last one
+    assert got["model.embed_tokens"].shape[0] == 5

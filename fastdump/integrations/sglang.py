@@ -144,8 +144,36 @@ class SGLangDumper:
         return self.dumper.close()
 
 
+# TENSOR_DUMP_MODE / mode=: a variant of SGLang's hook (a fork's tensor_dump_forward_hook.py, not
+# sgl-project/sglang's, which has no mode) chooses ``leaf_outputs`` (what SGLang's hook dumps, and
+# this drop-in) or ``all_io`` (every module's inputs and outputs, parents included). fastdump wraps
+# leaf modules only, so ``all_io`` is refused rather than answered with a smaller dump.
+_DUMP_MODES = ("leaf_outputs", "all_io")
+
+
+def _check_dump_mode(mode) -> None:
+    """Refuse a dump mode the drop-in does not dump: ``mode`` as passed, else TENSOR_DUMP_MODE."""
+    if mode is None:
+        mode = os.getenv("TENSOR_DUMP_MODE", "leaf_outputs")
+    if mode == "leaf_outputs":
+        return
+    if mode == "all_io":
+        raise ValueError("fastdump's SGLang drop-in dumps leaf module outputs only (TENSOR_DUMP_MODE=leaf_outputs): "
+                         "all_io (every module's inputs and outputs) is not supported; unset TENSOR_DUMP_MODE "
+                         "(FASTDUMP_INPUTS=1 adds the leaves' inputs)")
+    raise ValueError(f"invalid tensor dump mode {mode!r} (TENSOR_DUMP_MODE); expected one of {list(_DUMP_MODES)}")
+
+
+def _warn_last_token_only() -> None:
+    """TENSOR_DUMP_LAST_TOKEN_ONLY=1 (the same variant) keeps each tensor's last row; fastdump keeps
+    them whole, a superset: said once at registration, nothing is lost."""
+    if os.getenv("TENSOR_DUMP_LAST_TOKEN_ONLY") == "1":
+        logger.warning("fastdump: TENSOR_DUMP_LAST_TOKEN_ONLY=1 is not applied: whole tensors are dumped "
+                       "(the variant's value is tensor[-1:] of a tensor of 2+ dims and 2+ rows)")
+
+
 def register_forward_hook_for_model(model, dump_dir, dump_layers=None, tp_size=1, tp_rank=0, pp_rank=0,
-                                    skip_passes=0, role=None, **fastdump_kwargs) -> SGLangDumper:
+                                    skip_passes=0, role=None, *, mode=None, **fastdump_kwargs) -> SGLangDumper:
     """Dump ``model`` (an SGLang ``XxxForCausalLM``) like SGLang's tensor-dump hook, via fastdump.
 
     ``dump_dir`` as SGLang's model runner passes it: ``<folder>/draft`` or ``<folder>/target`` under
@@ -157,7 +185,11 @@ def register_forward_hook_for_model(model, dump_dir, dump_layers=None, tp_size=1
     (``model.forward_batch_info.{input_ids,seq_lens,positions}``); ``dump_layers`` keeps only those
     children of ``model.layers``. Pass metadata: forward_mode (ForwardMode name), batch_size,
     num_tokens. ``fastdump_kwargs`` go to ``fastdump.attach``. The top-level module name can be
-    changed with SGLang's TENSOR_DUMP_TOP_LEVEL_MODULE_NAME / TENSOR_DUMP_LAYERS_MODULE_NAME variables."""
+    changed with SGLang's TENSOR_DUMP_TOP_LEVEL_MODULE_NAME / TENSOR_DUMP_LAYERS_MODULE_NAME variables.
+    ``mode`` (else TENSOR_DUMP_MODE): ``leaf_outputs`` or unset; ``all_io`` or any other value is a
+    ValueError, before the model is touched."""
+    _check_dump_mode(mode)
+    _warn_last_token_only()
     given = os.fspath(dump_dir)
     root, role_from_path = given, role is None and _split_role(given) is not None
     if role_from_path:
@@ -287,7 +319,11 @@ _HOOK_NAME = "register_forward_hook_for_model"
 
 def _sglang_entry(model, dump_dir, dump_layers=None, tp_size=1, tp_rank=0, pp_rank=0, *args, **kwargs):
     """Replacement installed into SGLang: its call, with FASTDUMP_* settings where SGLang's flags are
-    silent. The role comes from ``dump_dir`` exactly as in the public function (one code path)."""
+    silent. The role comes from ``dump_dir`` exactly as in the public function (one code path). A
+    seventh argument or ``mode=`` is the dump mode of the TENSOR_DUMP_MODE variant (checked there)."""
+    mode = kwargs.pop("mode", None)
+    if args and (args[0] is None or isinstance(args[0], str)):
+        mode, args = args[0], args[1:]
     if args or kwargs:
         logger.warning("fastdump: ignoring SGLang tensor-dump options it does not implement: %s %s", args, kwargs)
     from fastdump import config
@@ -300,7 +336,7 @@ def _sglang_entry(model, dump_dir, dump_layers=None, tp_size=1, tp_rank=0, pp_ra
         role = None  # SGLang's EAGLE split decides; FASTDUMP_ROLE applies to a single-role run only
     layers = settings.pop("layers", None)
     return register_forward_hook_for_model(model, dump_dir, layers if dump_layers is None else dump_layers,
-                                           tp_size, tp_rank, pp_rank, role=role, **settings)
+                                           tp_size, tp_rank, pp_rank, role=role, mode=mode, **settings)
 
 
 def install() -> bool:
