@@ -691,26 +691,9 @@ def test_dumper_layout_keeps_every_call_of_a_module(tmp_path):
             layer.rotary_emb = model.model.layers[0].rotary_emb
         return model
 
-    def grouped(value):  # SGLang's grouping of an output, then the dumper's split of a list
-        if isinstance(value, LogitsProcessorOutput):
-            value = value.next_token_logits
-        if isinstance(value, torch.Tensor):
-            return [("", value.clone())]
-        tensors = [v.clone() for v in value if v is not None]
-        return [("", tensors[0])] if len(tensors) == 1 else [(f".{i}", t) for i, t in enumerate(tensors)]
-
-    def record(name):
-        def hook(module, inputs, output):
-            for suffix, t in grouped(output):
-                calls.setdefault((step[0], name + suffix), []).append(t)
-        return hook
-
     fbs = list(batches())
-    ref, calls, step = model_with_shared_rope(0), {}, [-1]
-    ref.model.register_forward_pre_hook(lambda m, args: step.__setitem__(0, step[0] + 1))
-    for name, module in ref.named_modules():  # each module once, under its first name
-        if name and (name == "model" or name == "logits_processor" or not module._modules):
-            module.register_forward_hook(record(name))
+    ref = model_with_shared_rope(0)
+    calls = every_call(ref)  # a shared module once, under its first name
     for fb in fbs:
         ref(fb.input_ids, fb.positions, fb)
     model = model_with_shared_rope(0)
@@ -732,3 +715,130 @@ def test_dumper_layout_keeps_every_call_of_a_module(tmp_path):
         assert len(got[key]) == len(want), key
         for g, w in zip(got[key], want):
             assert_same_value(g, w, key)
+
+
+# --- both layouts read as SGLang's own tools read them, against the models' values --------------------
+
+# The rank directory SGLang's hook makes (TensorDumper: TP{tp_rank}_PP{pp_rank}_Rank{rank}_pid{pid},
+# rank = tp_size * pp_rank + tp_rank); its readers glob PassNNNNN.pt in it and torch.load each file.
+_SGLANG_RANK_DIR = re.compile(r"^TP(\d+)_PP(\d+)_Rank(\d+)_pid(\d+)$")
+
+
+def every_call(model):
+    """{(step, name): [value of each call, in call order]} of ``model``'s leaves, ``model`` and
+    ``logits_processor``, grouped as SGLang's hook groups an output (a LogitsProcessorOutput is its
+    logits, a tuple its non-None tensors: one under the name, several as a list) and then split as
+    SGLang's dumper splits a list (``name.0``, ``name.1``); recorded by plain hooks from now on."""
+    calls, step = {}, [-1]
+
+    def grouped(value):
+        if isinstance(value, LogitsProcessorOutput):
+            value = value.next_token_logits
+        if isinstance(value, torch.Tensor):
+            return [("", value.clone())]
+        tensors = [v.clone() for v in value if v is not None]
+        return [("", tensors[0])] if len(tensors) == 1 else [(f".{i}", t) for i, t in enumerate(tensors)]
+
+    def record(name):
+        def hook(module, inputs, output):
+            for suffix, t in grouped(output):
+                calls.setdefault((step[0], name + suffix), []).append(t)
+        return hook
+
+    model.model.register_forward_pre_hook(lambda m, args: step.__setitem__(0, step[0] + 1))
+    for name, module in model.named_modules():  # each module once, under its first name
+        if name and (name == "model" or name == "logits_processor" or not module._modules):
+            module.register_forward_hook(record(name))
+    return calls
+
+
+def test_both_layouts_read_back_with_sglangs_reading_idiom(tmp_path):
+    """An EAGLE pair as SGLang's model runner registers it (``<folder>/target`` at TP 2, ``<folder>/draft``
+    at TP 1), exported in both layouts and read back only as SGLang's tools read them:
+
+    - Pass layout: ``<out>/<role>/TP{tp}_PP{pp}_Rank{rank}_pid{pid}/PassNNNNN.pt``, each
+      ``torch.load``-ed into {name: tensor or list of tensors}; it equals, file for file and bit for
+      bit, what SGLang's hook (SGLangHookReference) writes for the same model on that rank
+      (``--sglang-pass-shift``: SGLang's late model/logits_processor outputs);
+    - dumper layout: every ``*.pt`` of ``<out>/<role>/`` (all ranks in one directory), its stem split on
+      ``___`` into ``key=value`` (the value split off at the first ``=``), step/rank/dump_index read as
+      integers; rows of one (rank, step, name) in dump_index order are that name's calls in call
+      order (the comparator's duplicate_index); each file a dict ``{"value": tensor, "meta": dict}``
+      whose meta repeats the file name's fields and gives world_rank, world_size and
+      sglang_parallel_info (tp_rank, tp_size). Each value equals the model's output for that call."""
+    fbs = list(batches())
+    plan = {("target", 0): (2, 0), ("target", 1): (2, 1), ("draft", 0): (1, 0)}  # (tp_size, seed)
+    seeds = {("target", 0): 0, ("target", 1): 1, ("draft", 0): 2}
+    refs, calls = {}, {}
+    for (role, tp_rank), (tp_size, _) in plan.items():
+        ref_model = ForCausalLM(n_layers=1 if role == "draft" else 2, seed=seeds[role, tp_rank])
+        SGLangHookReference(ref_model, tmp_path / "sglang" / role / f"rank{tp_rank}")
+        for fb in fbs:
+            ref_model(fb.input_ids, fb.positions, fb)
+        refs[role, tp_rank] = tmp_path / "sglang" / role / f"rank{tp_rank}"
+        model = ForCausalLM(n_layers=1 if role == "draft" else 2, seed=seeds[role, tp_rank])
+        calls[role, tp_rank] = every_call(model)
+        d = fsg.register_forward_hook_for_model(model, str(tmp_path / "fd" / role), None, tp_size, tp_rank, 0,
+                                                writer="thread")
+        for fb in fbs:
+            model(fb.input_ids, fb.positions, fb)
+        d.close()
+
+    assert run_cli("--format", "sglang", "--sglang-pass-shift", tmp_path / "fd", tmp_path / "pass") == 0
+    assert run_cli("--format", "sglang-dumper", tmp_path / "fd", tmp_path / "dumper") == 0
+    assert sorted(os.listdir(tmp_path / "pass")) == sorted(os.listdir(tmp_path / "dumper")) == ["draft", "target"]
+
+    # Pass layout: one SGLang rank directory per (role, TP rank), named as SGLang names it
+    for role in ("target", "draft"):
+        rank_dirs = sorted(os.listdir(tmp_path / "pass" / role))
+        found = {}
+        for name in rank_dirs:
+            m = _SGLANG_RANK_DIR.match(name)
+            assert m, name
+            tp, pp, rank, pid = map(int, m.groups())
+            assert pp == 0 and rank == plan[role, tp][0] * pp + tp and pid == os.getpid()
+            found[tp] = tmp_path / "pass" / role / name
+        assert sorted(found) == sorted(tp for r, tp in plan if r == role)
+        for tp, rank_dir in found.items():
+            got, want = load_passes(rank_dir), load_passes(refs[role, tp])
+            assert list(got) == list(want) == ["Pass00000.pt", "Pass00001.pt", "Pass00002.pt"]
+            for file, ref in want.items():
+                assert list(got[file]) == list(ref), (role, tp, file)
+                for name in ref:
+                    assert_same_value(got[file][name], ref[name], f"{role}/TP{tp}/{file}:{name}")
+                assert torch.load(rank_dir / file, weights_only=True).keys() == ref.keys()
+
+    # dumper layout: one directory per role, every rank's files in it
+    for role in ("target", "draft"):
+        rows = []
+        for path in (tmp_path / "dumper" / role).glob("*.pt"):
+            row = dict(kv.split("=", 1) for kv in path.stem.split("___"))
+            rows.append({"filename": path.name, **row, **{k: int(row[k]) for k in ("step", "rank", "dump_index")}})
+        rows.sort(key=lambda r: (r["rank"], r["dump_index"]))
+        assert {r["rank"] for r in rows} == {tp for r, tp in plan if r == role}
+        got = {}
+        for row in rows:
+            saved = torch.load(tmp_path / "dumper" / role / row["filename"], weights_only=True)
+            assert set(saved) == {"value", "meta"}
+            meta = saved["meta"]
+            assert {k: meta[k] for k in ("name", "step", "rank", "dump_index")} == \
+                {k: row[k] for k in ("name", "step", "rank", "dump_index")}
+            tp_size = plan[role, row["rank"]][0]
+            assert meta["world_rank"] == row["rank"] and meta["world_size"] == tp_size
+            assert meta["sglang_parallel_info"]["tp_rank"] == row["rank"]
+            assert meta["sglang_parallel_info"]["tp_size"] == tp_size
+            got.setdefault((row["rank"], row["step"], row["name"]), []).append(saved["value"])
+        for tp in (tp for r, tp in plan if r == role):
+            assert [r["dump_index"] for r in rows if r["rank"] == tp] == \
+                list(range(1, sum(r["rank"] == tp for r in rows) + 1))
+            mine = {key[1:]: values for key, values in got.items() if key[0] == tp}
+            batch = {key for key in mine if ".forward_batch_info." in key[1]}
+            assert set(mine) - batch == set(calls[role, tp])
+            for (step, name), want in calls[role, tp].items():
+                assert len(mine[step, name]) == len(want), (role, tp, step, name)
+                for g, w in zip(mine[step, name], want):
+                    assert_same_value(g, w, f"{role}/rank{tp}/step{step}/{name}")
+            for step, fb in enumerate(fbs):
+                for field in ("input_ids", "seq_lens", "positions"):
+                    (value,) = mine[step, f"model.forward_batch_info.{field}"]
+                    assert_same_value(value, getattr(fb, field), f"{role}/rank{tp}/step{step}/{field}")
