@@ -15,6 +15,10 @@ Differences from SGLang's own dumper are listed in docs/INTEGRATIONS.md; the mai
   (``sglang_names.json`` in each rank directory lists the model's module names so the export can
   tell the two apart).
 
+SGLang's ``TENSOR_DUMP_TOP_LEVEL_MODULE_NAME`` / ``TENSOR_DUMP_LAYERS_MODULE_NAME`` are honoured; a
+hook variant's ``TENSOR_DUMP_MODE=all_io`` is refused (leaf modules only), its
+``TENSOR_DUMP_LAST_TOKEN_ONLY`` said and not applied (docs/INTEGRATIONS.md, SGLang's variables).
+
 ``install()`` routes SGLang's ``--debug-tensor-dump-output-folder`` to this module; ``python -m
 fastdump.integrations.sglang <launch_server args>`` does that in every SGLang process.
 """
