@@ -1316,3 +1316,46 @@ def test_a_child_forked_while_another_thread_holds_fastdumps_locks_attaches_and_
         got = ds.load("target", 0, 0)
         assert same_bits(got["1"], want)
     assert verify_dump(str(tmp_path / "child")).problems == []
+
+
+FORK_AFTER_SEGMENTS = r"""
+import json, os, sys, time, torch, fastdump
+
+root = sys.argv[1]
+torch.manual_seed(0)
+parent_model, child_model = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+d = fastdump.attach(parent_model, root + "/parent", writer="thread", segment_passes=1)
+with torch.inference_mode():
+    parent_model(torch.ones(2, 4))
+deadline = time.monotonic() + 30
+while not list(d.dir.glob("seg-*.h5")) and time.monotonic() < deadline:  # the I/O threads have run
+    time.sleep(0.01)
+pid = os.fork()
+if pid == 0:
+    c = fastdump.attach(child_model, root + "/child", writer="thread", segment_passes=1)
+    with torch.inference_mode():
+        outs = [child_model(torch.full((2, 4), float(p))) for p in range(3)]
+    stats = c.close(timeout=8)
+    print(json.dumps({"status": stats["status"], "error": stats.get("error"), "outs": [o.tolist() for o in outs]}))
+    sys.stdout.flush()
+    os._exit(0)
+_, status = os.waitpid(pid, 0)
+print("PARENT", status, d.close()["status"])
+"""
+
+
+def test_a_child_forked_after_the_parents_writer_thread_wrote_segments_writes_its_own(tmp_path):
+    """The parent's segment writes made its pool of I/O threads; os.fork() copied the pool, not its
+    threads. A writer thread in the child handed its first segment's block writes to that pool and
+    waited for good: the child's close timed out and every one of its passes was lost."""
+    rc, out, err = run_script(tmp_path, FORK_AFTER_SEGMENTS, tmp_path, timeout=60)
+    assert rc == 0, err[-3000:]
+    lines = out.strip().splitlines()
+    assert lines[-1] == "PARENT 0 closed", out
+    child = json.loads(lines[-2])
+    assert child["status"] == "closed", child["error"]
+    with fastdump.open(tmp_path / "child") as ds:
+        assert ds.passes("target", 0) == [0, 1, 2]
+        for p, want in enumerate(child["outs"]):
+            assert same_bits(ds.load("target", 0, p)["Linear"], torch.tensor(want))
+    assert verify_dump(str(tmp_path / "child")).problems == []
