@@ -1359,3 +1359,41 @@ def test_a_child_forked_after_the_parents_writer_thread_wrote_segments_writes_it
         for p, want in enumerate(child["outs"]):
             assert same_bits(ds.load("target", 0, p)["Linear"], torch.tensor(want))
     assert verify_dump(str(tmp_path / "child")).problems == []
+
+
+SERVICE_STOPPED = r"""
+import json, os, signal, sys, time, torch, fastdump
+
+root = sys.argv[1]
+torch.manual_seed(0)
+model = torch.nn.Linear(16, 16)
+d = fastdump.attach(model, root, segment_passes=100)  # every pass still buffered in the writer
+
+def stop(signum, frame):  # the service's graceful shutdown
+    stats = d.close(timeout=20)
+    print(json.dumps({"status": stats["status"], "error": stats["error"], "outs": outs}), flush=True)
+    sys.exit(0)
+
+signal.signal(signal.SIGTERM, stop)
+with torch.inference_mode():
+    outs = [model(torch.full((2, 16), float(p))).tolist() for p in range(10)]
+# systemd stopping the service (KillMode=control-group): SIGTERM to each of its processes at once
+os.kill(d._engine._proc.pid, signal.SIGTERM)
+os.kill(os.getpid(), signal.SIGTERM)
+time.sleep(30)
+"""
+
+
+def test_a_service_stop_that_sigterms_the_writer_too_loses_nothing_the_serving_process_closes(tmp_path):
+    """A service manager sends SIGTERM to every process of the service: it killed the writer with
+    the open segment's passes in memory while the serving process's handler was closing its Dumper;
+    all of them were lost. The writer ignores SIGTERM: its producer's close (or death) ends it."""
+    rc, out, err = run_script(tmp_path, SERVICE_STOPPED, tmp_path / "dump", timeout=60)
+    assert rc == 0, err[-3000:]
+    result = json.loads(out.strip().splitlines()[-1])
+    assert result["status"] == "closed", result["error"]
+    with fastdump.open(tmp_path / "dump") as ds:
+        assert ds.passes("target", 0) == list(range(10))
+        for p, want in enumerate(result["outs"]):
+            assert same_bits(ds.load("target", 0, p)["Linear"], torch.tensor(want))
+    assert verify_dump(str(tmp_path / "dump")).problems == []
