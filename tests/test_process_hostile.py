@@ -289,7 +289,9 @@ def test_a_pass_end_the_full_ring_refused_reaches_the_writer_late_with_its_drops
         signal_quietly(pid, signal.SIGCONT)
         d.close(timeout=10)  # (a failed assertion above: no engine left running)
     assert stats["status"] == "closed" and stats["dropped"] > 0, stats
-    assert stats["late_pass_ends"] == 1 and stats["lost_pass_ends"] == 0, stats
+    # (more than one end may come late: a writer under SCHED_IDLE on a busy machine may not run
+    # for a while after its SIGCONT, and the next pass's end finds the ring still full)
+    assert stats["late_pass_ends"] >= 1 and stats["lost_pass_ends"] == 0, stats
     ds = check_passes_against(tmp_path, inputs, ref, allow_drops=True)
     rank = rank_of(ds)
     passes = ds.passes("target", rank)
