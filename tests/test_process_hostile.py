@@ -289,7 +289,9 @@ def test_a_pass_end_the_full_ring_refused_reaches_the_writer_late_with_its_drops
         signal_quietly(pid, signal.SIGCONT)
         d.close(timeout=10)  # (a failed assertion above: no engine left running)
     assert stats["status"] == "closed" and stats["dropped"] > 0, stats
-    assert stats["late_pass_ends"] == 1 and stats["lost_pass_ends"] == 0, stats
+    # (more than one end may come late: a writer under SCHED_IDLE on a busy machine may not run
+    # for a while after its SIGCONT, and the next pass's end finds the ring still full)
+    assert stats["late_pass_ends"] >= 1 and stats["lost_pass_ends"] == 0, stats
     ds = check_passes_against(tmp_path, inputs, ref, allow_drops=True)
     rank = rank_of(ds)
     passes = ds.passes("target", rank)
@@ -1316,3 +1318,84 @@ def test_a_child_forked_while_another_thread_holds_fastdumps_locks_attaches_and_
         got = ds.load("target", 0, 0)
         assert same_bits(got["1"], want)
     assert verify_dump(str(tmp_path / "child")).problems == []
+
+
+FORK_AFTER_SEGMENTS = r"""
+import json, os, sys, time, torch, fastdump
+
+root = sys.argv[1]
+torch.manual_seed(0)
+parent_model, child_model = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+d = fastdump.attach(parent_model, root + "/parent", writer="thread", segment_passes=1)
+with torch.inference_mode():
+    parent_model(torch.ones(2, 4))
+deadline = time.monotonic() + 30
+while not list(d.dir.glob("seg-*.h5")) and time.monotonic() < deadline:  # the I/O threads have run
+    time.sleep(0.01)
+pid = os.fork()
+if pid == 0:
+    c = fastdump.attach(child_model, root + "/child", writer="thread", segment_passes=1)
+    with torch.inference_mode():
+        outs = [child_model(torch.full((2, 4), float(p))) for p in range(3)]
+    stats = c.close(timeout=8)
+    print(json.dumps({"status": stats["status"], "error": stats.get("error"), "outs": [o.tolist() for o in outs]}))
+    sys.stdout.flush()
+    os._exit(0)
+_, status = os.waitpid(pid, 0)
+print("PARENT", status, d.close()["status"])
+"""
+
+
+def test_a_child_forked_after_the_parents_writer_thread_wrote_segments_writes_its_own(tmp_path):
+    """The parent's segment writes made its pool of I/O threads; os.fork() copied the pool, not its
+    threads. A writer thread in the child handed its first segment's block writes to that pool and
+    waited for good: the child's close timed out and every one of its passes was lost."""
+    rc, out, err = run_script(tmp_path, FORK_AFTER_SEGMENTS, tmp_path, timeout=60)
+    assert rc == 0, err[-3000:]
+    lines = out.strip().splitlines()
+    assert lines[-1] == "PARENT 0 closed", out
+    child = json.loads(lines[-2])
+    assert child["status"] == "closed", child["error"]
+    with fastdump.open(tmp_path / "child") as ds:
+        assert ds.passes("target", 0) == [0, 1, 2]
+        for p, want in enumerate(child["outs"]):
+            assert same_bits(ds.load("target", 0, p)["Linear"], torch.tensor(want))
+    assert verify_dump(str(tmp_path / "child")).problems == []
+
+
+SERVICE_STOPPED = r"""
+import json, os, signal, sys, time, torch, fastdump
+
+root = sys.argv[1]
+torch.manual_seed(0)
+model = torch.nn.Linear(16, 16)
+d = fastdump.attach(model, root, segment_passes=100)  # every pass still buffered in the writer
+
+def stop(signum, frame):  # the service's graceful shutdown
+    stats = d.close(timeout=20)
+    print(json.dumps({"status": stats["status"], "error": stats["error"], "outs": outs}), flush=True)
+    sys.exit(0)
+
+signal.signal(signal.SIGTERM, stop)
+with torch.inference_mode():
+    outs = [model(torch.full((2, 16), float(p))).tolist() for p in range(10)]
+# systemd stopping the service (KillMode=control-group): SIGTERM to each of its processes at once
+os.kill(d._engine._proc.pid, signal.SIGTERM)
+os.kill(os.getpid(), signal.SIGTERM)
+time.sleep(30)
+"""
+
+
+def test_a_service_stop_that_sigterms_the_writer_too_loses_nothing_the_serving_process_closes(tmp_path):
+    """A service manager sends SIGTERM to every process of the service: it killed the writer with
+    the open segment's passes in memory while the serving process's handler was closing its Dumper;
+    all of them were lost. The writer ignores SIGTERM: its producer's close (or death) ends it."""
+    rc, out, err = run_script(tmp_path, SERVICE_STOPPED, tmp_path / "dump", timeout=60)
+    assert rc == 0, err[-3000:]
+    result = json.loads(out.strip().splitlines()[-1])
+    assert result["status"] == "closed", result["error"]
+    with fastdump.open(tmp_path / "dump") as ds:
+        assert ds.passes("target", 0) == list(range(10))
+        for p, want in enumerate(result["outs"]):
+            assert same_bits(ds.load("target", 0, p)["Linear"], torch.tensor(want))
+    assert verify_dump(str(tmp_path / "dump")).problems == []

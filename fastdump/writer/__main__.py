@@ -53,8 +53,13 @@ def main() -> int:
     # pass still in the open segment. A hangup of the terminal reaches the serving process instead.
     # And our own process group is a background one of the serving terminal: under `stty tostop`
     # our first log line there would stop us (SIGTTOU) for good. Ignored, the write goes through.
+    # Nor a SIGTERM: a service manager stopping the service (systemd's default KillMode) sends it
+    # to every process of the service at once; it killed us with the passes buffered for the open
+    # segment while the serving process's own SIGTERM handler was still closing its Dumpers, and
+    # every one of them was lost. The serving process's close (or death) still ends us.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGTTOU, signal.SIG_IGN)
     producer_pipe = os.dup(sys.stdin.fileno())
     sys.stdout = sys.stderr  # keep stray prints off the liveness pipe

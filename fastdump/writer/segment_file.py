@@ -175,6 +175,19 @@ fsutil.renew_locks_at_fork(sys.modules[__name__], "_IO_LOCK")
 _IO_HOLDERS = 0  # writer loops running in this process (loop.run_consumer)
 
 
+def _forget_the_parents_io_threads() -> None:
+    """In a child made by os.fork(): the parent's pool came along, its threads did not (only the
+    forking thread is copied), nor do the parent's writer loops run here. A block write handed to
+    that pool waited for good: a writer thread the child started never wrote a segment, its close
+    timed out and every pass was lost."""
+    global _IO_POOL, _IO_HOLDERS
+    _IO_POOL, _IO_HOLDERS = None, 0
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_the_parents_io_threads)
+
+
 def hold_io_threads() -> None:
     """A writer loop starts: the I/O threads (made at its first segment) stay until it ends."""
     global _IO_HOLDERS
