@@ -368,6 +368,80 @@ def test_dict_keys_that_print_alike_keep_the_first_and_skip_the_other_with_the_r
     assert not verify(tmp_path, data=False).problems
 
 
+
+class KwargsLeaf(nn.Module):
+    """A leaf taking any keyword (**kwargs) and returning a dict whose keys a hostile model chose."""
+
+    def __init__(self, keys):
+        super().__init__()
+        self.keys = keys
+
+    def forward(self, x, **kwargs):
+        return {key: x + i for i, key in enumerate(self.keys)}
+
+
+class CallsKwargsLeaf(nn.Module):
+    def __init__(self, keys, kwargs):
+        super().__init__()
+        self.leaf, self.kwargs = KwargsLeaf(keys), kwargs
+
+    def forward(self, x):
+        return self.leaf(x, **{key: x * (i + 10) for i, key in enumerate(self.kwargs)})["keep"]
+
+
+def test_an_output_key_or_keyword_that_reads_as_an_input_name_keeps_the_first_and_skips_the_other(tmp_path):
+    """With inputs=True a module's inputs are ``name.input.0`` ...; an output dict's key "input.0",
+    or a keyword argument "0" (a forward taking **kwargs), gave a second tensor that name: both
+    were stored (``name.input.0#dup1``) and verify failed the pass as mixed, which was which lost.
+    Now the first value under a name keeps it (the positional input) and the others are recorded
+    skips."""
+    model = CallsKwargsLeaf(["input.0", "keep", "input.1"], ["0", "1", "ok"])
+    x = torch.arange(3.0)
+    with fastdump.attach(model, tmp_path, inputs=True, root_name="root"):
+        for _ in range(2):  # the second: the names are known
+            model(x)
+    ds = fastdump.open(tmp_path)
+    for p in range(2):
+        dumped = ds.load("target", 0, p, check=True)
+        assert not [name for name in dumped if "#dup" in name], p
+        assert same_bits(dumped["leaf.input.0"], x)  # the positional input, not the output's "input.0"
+        assert same_bits(dumped["leaf.input.1"], x * 11)  # the keyword "1" (no positional 1), not the output's
+        assert same_bits(dumped["leaf.input.ok"], x * 12) and same_bits(dumped["leaf.keep"], x + 1)
+        skipped = skipped_of(ds, p)
+        assert set(skipped) == {"leaf.input.0", "leaf.input.1"}, skipped  # keyword "0", then the output's
+        assert all("same name" in reason for reason in skipped.values())
+    assert not verify(tmp_path).problems
+
+
+def test_a_key_that_reads_as_a_call_number_is_a_recorded_skip(tmp_path):
+    """Call numbering alone adds ``#k`` parts to names (``a#1``: a's second call in the pass). An
+    output dict's key "b#1", a keyword argument "c#2" (inputs=True) or a watch() before-hook's key
+    "d#3" made a name that reads as the call of a module that was never called (``leaf.b#1``:
+    module ``leaf.b``, call 1, for the SGLang export). Now each is a recorded skip; keys that only
+    hold a '#' ("#", "e#f", "g#1h") are names as any other."""
+    model = CallsKwargsLeaf(["keep", "b#1", "#", "e#f", "g#1h", "x.#2.y"], ["c#2", "ok"])
+    x = torch.arange(3.0)
+    with fastdump.attach(model, tmp_path, inputs=True, root_name="root", exclude="leaf") as d:
+        d.watch(model.leaf, "leaf", before=lambda args, kwargs: {"d#3": args[0] * 5, "d": args[0] * 6})
+        model(x)
+    ds = fastdump.open(tmp_path)
+    dumped = ds.load("target", 0, 0, check=True)
+    for key, i in (("keep", 0), ("#", 2), ("e#f", 3), ("g#1h", 4)):
+        assert same_bits(dumped[f"leaf.{key}"], x + i), key
+    assert same_bits(dumped["leaf.input.ok"], x * 11) and same_bits(dumped["leaf.d"], x * 6)
+    skipped = skipped_of(ds, 0)
+    assert set(skipped) == {"leaf.b#1", "leaf.x.#2.y", "leaf.input.c#2", "leaf.d#3"}, skipped
+    assert all("repeated call" in reason for reason in skipped.values())
+    assert not [name for name in dumped if _reads_as_call(name)]
+    assert not verify(tmp_path).problems
+
+
+def _reads_as_call(name: str) -> bool:
+    from fastdump import format as fmt
+
+    return fmt.reads_as_call(name)
+
+
 class BadKey:
     def __format__(self, spec):
         raise RuntimeError("no text for this key")

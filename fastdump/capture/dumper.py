@@ -1004,7 +1004,7 @@ class Dumper:
             return self._hook_failed(call_name, reason, None)
         for key, value in values.items():
             item_name = f"{call_name}.{key}"
-            taken = self._name_taken(item_name)  # its output's parts and its children's names
+            taken = self._name_taken(item_name, key)  # its output's parts and its children's names
             if taken:
                 self._skip(item_name, taken)
                 continue
@@ -1079,7 +1079,7 @@ class Dumper:
                 item_name = f"{name}.<{type(key).__name__} key>"  # until the key's own text is had
                 try:  # one element that cannot be read (or named) is skipped alone, not with its siblings
                     item_name = f"{name}.{key}"
-                    taken = self._name_taken(item_name)
+                    taken = self._name_taken(item_name, key)
                     if taken:
                         self._skip(item_name, taken)
                         continue
@@ -1091,18 +1091,23 @@ class Dumper:
             return
         self._skip(name, f"{type(value).__module__}.{type(value).__qualname__} holds no tensor fastdump can read")
 
-    def _name_taken(self, name: str) -> str | None:
+    def _name_taken(self, name: str, key=None) -> str | None:
         """Why a container's part cannot be dumped as ``name``, or None (the name is its own now).
         Parts are named by their keys' text, and two keys can read alike (1 and "1"; a key holding
         a dot, "a.b", and "a" holding "b"), or a part like a module ("layers.0" returning a tuple
         whose first part reads "layers.0.0", the name of its child): a second tensor under one
-        name would look mixed (verify fails) and neither could be told apart. The first keeps it."""
+        name would look mixed (verify fails) and neither could be told apart. The first keeps it.
+        ``key``: the part's own key, whose text must not hold a ``#k`` part (``{"b#1": t}`` of
+        module ``a`` would read as the second call of a module ``a.b``)."""
+        if key is not None and _fmt.reads_as_call(str(key)):
+            return "its key holds '#<digits>', which reads as a repeated call's (name#k)"
         if name in self._module_names:
             return "a part of this output reads as a module's name (its key holds a dot, or it is a module's child)"
         if self._flat_pass != self.pass_id:
             self._flat_pass, self._flat_names = self.pass_id, set()
         if name in self._flat_names:
-            return "another value of this pass has the same name (keys that read alike: 1 and '1', or a dotted key)"
+            return ("another value of this pass has the same name (keys that read alike: 1 and '1', a dotted key, "
+                    "or a key that reads as an input's name: 'input.0')")
         self._flat_names.add(name)
         return None
 
@@ -2030,10 +2035,16 @@ class Dumper:
         base = _call_name(name, self._calls.get(name, 0) if k is None else k)
         if not self._capturing:
             return
-        for i, arg in enumerate(args):
-            self._emit_safely(f"{base}.input.{i}", arg)
-        for key, arg in kwargs.items():
-            self._emit_safely(f"{base}.input.{key}", arg)
+        # Each input's name is claimed like a container part's: an output dict's key "input.0", or a
+        # keyword argument named "0" (a forward taking **kwargs), reads as the same name.
+        named = [(i, arg) for i, arg in enumerate(args)] + list(kwargs.items())
+        for key, arg in named:
+            item_name = f"{base}.input.{key}"
+            taken = self._name_taken(item_name, key)
+            if taken:
+                self._skip(item_name, taken)
+                continue
+            self._emit_safely(item_name, arg)
 
 
 class _ManualPass:
