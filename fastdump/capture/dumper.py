@@ -1216,7 +1216,7 @@ class Dumper:
             # that changes results) and a subclass's overrides left out: they must neither see
             # fastdump's copy nor change what it holds.
             with _torch._C.DisableTorchFunction(), _torch._C._DisableTorchDispatch():
-                t = _TensorType.resolve_neg(_TensorType.resolve_conj(t))
+                t = _resolve_lazy_bits(t)
         self._stage(name, t, code)
 
     def _drop_unnamed(self, name: str) -> None:
@@ -2108,6 +2108,22 @@ def _fast_codes() -> dict:
 _ROOT_CODE = next(c for c in Dumper._root_wrapper.__code__.co_consts
                   if isinstance(c, types.CodeType) and c.co_name == "forward_in_pass")
 _FAST_CODES = _fast_codes()
+
+
+def _resolve_lazy_bits(t):
+    """``t`` with its conj/neg bits applied to a copy of its bytes, at the cost of the storage range
+    it addresses when that is smaller than its shape: a broadcast view (``expand``) of one complex
+    element resolves one element, not every element of the shape (a 1 GiB copy on the model's
+    thread, for a tensor the ring might not even take). Called with torch function and dispatch
+    modes off (see _stage_checked)."""
+    T = _TensorType
+    sizes, strides = T.size(t), T.stride(t)
+    numel = T.numel(t)
+    extent = 1 + sum((n - 1) * s for n, s in zip(sizes, strides))  # elements from the first to the last
+    if numel == 0 or extent >= numel:  # (a dense or sparse-strided tensor: resolving it whole costs least)
+        return T.resolve_neg(T.resolve_conj(t))
+    span = T.resolve_neg(T.resolve_conj(T.as_strided(t, (extent,), (1,))))  # t's range of its storage
+    return T.as_strided(span, sizes, strides, 0)
 
 
 def _call(fn, *args):
