@@ -1171,13 +1171,14 @@ class Dumper:
                 if status != _NOT_FAST:
                     return self._account(name, status, t.nbytes, t)
             # The general path: a new name, CUDA, unusual dtypes, layouts or lazy bits.
-            fast = _FAST_CODES.get(t.dtype)
-            if fast is None or t.layout is not _strided or t.is_neg():
+            dtype, layout, _, neg = _true_facts(t)
+            fast = _FAST_CODES.get(dtype)
+            if fast is None or layout is not _strided or neg:
                 return self._stage_checked(name, t)
             code, itemsize = fast
             new_plain = name_id is None
         else:
-            itemsize = t.element_size()
+            itemsize = _true_facts(t)[0].itemsize
         name_id = self._name_ids.get(name)
         if name_id is None:
             name_id = self._name_id(name)
@@ -1206,12 +1207,13 @@ class Dumper:
     def _stage_checked(self, name: str, t) -> None:
         """The rare cases: unsupported dtypes and layouts, lazy conj/neg bits (complex tensors, and
         real views such as ``z.conj().imag`` that carry torch's negation bit)."""
-        code = _dtypes.code_of(t.dtype)
+        dtype, layout, conj, neg = _true_facts(t)
+        code = _dtypes.code_of(dtype)
         if code < 0:
-            return self._skip(name, _dtypes.UNSUPPORTED_REASON.get(_dtypes.torch_name(t.dtype), f"dtype {t.dtype}"))
-        if t.layout is not _strided:
-            return self._skip(name, f"layout {t.layout} is not strided")
-        if t.is_conj() or t.is_neg():  # the lazy bits are not in the bytes: resolved into a copy
+            return self._skip(name, _dtypes.UNSUPPORTED_REASON.get(_dtypes.torch_name(dtype), f"dtype {dtype}"))
+        if layout is not _strided:
+            return self._skip(name, f"layout {layout} is not strided")
+        if conj or neg:  # the lazy bits are not in the bytes: resolved into a copy
             # with the caller's torch function and dispatch modes (a logging or counting mode, one
             # that changes results) and a subclass's overrides left out: they must neither see
             # fastdump's copy nor change what it holds.
@@ -2108,6 +2110,19 @@ def _fast_codes() -> dict:
 _ROOT_CODE = next(c for c in Dumper._root_wrapper.__code__.co_consts
                   if isinstance(c, types.CodeType) and c.co_name == "forward_in_pass")
 _FAST_CODES = _fast_codes()
+
+
+def _true_facts(t) -> tuple:
+    """(dtype, layout, is_conj, is_neg) of ``t`` as its TensorImpl holds them. A subclass's Python
+    overrides and torch function modes are not asked (as channel.host_layout does for the shape and
+    address): a ``dtype`` claimed wider than the elements had the copy read the storage's next
+    bytes as that type, dumped as such (the attribute path, without the tensor reader). An exact
+    torch.Tensor has no overrides: its attributes are read directly (a third of the cost)."""
+    if type(t) is _TensorType:
+        return t.dtype, t.layout, t.is_conj(), t.is_neg()
+    with _torch._C.DisableTorchFunction():
+        return _TensorType.dtype.__get__(t), _TensorType.layout.__get__(t), _TensorType.is_conj(t), \
+            _TensorType.is_neg(t)
 
 
 def _resolve_lazy_bits(t):
