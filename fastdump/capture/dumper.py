@@ -1218,6 +1218,7 @@ class Dumper:
             # that changes results) and a subclass's overrides left out: they must neither see
             # fastdump's copy nor change what it holds.
             with _torch._C.DisableTorchFunction(), _torch._C._DisableTorchDispatch():
+                _check_storage(t)  # torch's copy would read outside it (the model's crash)
                 t = _resolve_lazy_bits(t)
         self._stage(name, t, code)
 
@@ -2123,6 +2124,26 @@ def _true_facts(t) -> tuple:
     with _torch._C.DisableTorchFunction():
         return _TensorType.dtype.__get__(t), _TensorType.layout.__get__(t), _TensorType.is_conj(t), \
             _TensorType.is_neg(t)
+
+
+def _check_storage(t) -> None:
+    """ValueError (the tensor's recorded skip) unless ``t``'s storage holds every element ``t``
+    addresses. torch lets a storage be freed or shrunk under its tensors (``untyped_storage().
+    resize_(0)``, as FSDP does), and its own copies do not check: resolving a lazy conj/neg view of
+    such a storage crashed the served process (SIGSEGV) or read another allocation. The check the
+    tensor reader and ChannelStager make before their copies, for the copy made before them.
+    Called with torch function modes off."""
+    T = _TensorType
+    sizes, strides = T.size(t), T.stride(t)
+    if 0 in sizes:
+        return
+    try:
+        storage = T.untyped_storage(t)
+    except RuntimeError:  # a wrapper subclass: no storage of its own
+        raise ValueError(_C.NO_DATA) from None
+    last = sum((n - 1) * s for n, s in zip(sizes, strides))
+    if storage.data_ptr() == 0 or (T.storage_offset(t) + last + 1) * T.element_size(t) > storage.nbytes():
+        raise ValueError(_C.STORAGE_SHORT)
 
 
 def _resolve_lazy_bits(t):
