@@ -329,6 +329,39 @@ def test_host_fallback_never_copies_while_the_stream_captures(monkeypatch, devic
     assert set(got) == {(0, 1, 1)} and got[(0, 1, 1)][2] == cpu.numpy().tobytes()
 
 
+
+@pytest.mark.parametrize("how", ["freed", "shrunk"])
+def test_a_cuda_tensor_whose_storage_was_freed_or_shrunk_is_refused_by_both_python_paths(monkeypatch, how):
+    """torch lets a storage be freed or shrunk under its tensors (``resize_(0)``, as FSDP does). The
+    host fallback's .cpu() copied such a CUDA tensor unchecked (a null pointer faults; a shrunk
+    storage has the copy read the memory after it, another tensor's, dumped as this one's), and the
+    device path checked the null pointer only. Both refuse it now with the reason (the Dumper records
+    the skip), nothing copied; a view inside its storage is still staged."""
+    from fastdump.staging import cuda
+
+    _Capture(monkeypatch, capturing=False)
+    copies = _count_host_copies(monkeypatch)
+    ring = Ring(_C)
+    stager = cuda.HostFallbackStager(ring.producer, "test")
+    cpu = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    t, code = _stand_in_cuda(cpu), dtypes.code_of(cpu.dtype)
+    if how == "freed":
+        t._ptr, reason = 0, _C.NO_DATA
+    else:
+        t._storage, reason = FakeStorage(cpu.data_ptr(), 8 * 4), _C.STORAGE_SHORT  # 8 of its 12 floats
+    with pytest.raises(ValueError) as refused:
+        cuda.stage_tensor(stager, 0, 1, 0, code, t, True)
+    assert str(refused.value) == reason
+    with pytest.raises(ValueError) as refused:
+        cuda.stage_on_device(None, 0, 0, 0, code, t, True)
+    assert str(refused.value) == reason
+    assert copies == [] and ring.producer.used_bytes() == 0
+    view = cpu[1:, ::2]
+    assert cuda.stage_tensor(stager, 0, 1, 1, code, _stand_in_cuda(view), True) == _C.STAGED
+    got, _ = ring.read()
+    assert got[(0, 1, 1)][2] == view.contiguous().numpy().tobytes()
+
+
 def test_stage_error_fallback_never_copies_while_the_stream_captures(monkeypatch):
     """Review finding 4, the other fallback: stage() raising before it staged anything (a CUDA error)
     falls back to a synchronous copy, but not on a capturing stream."""

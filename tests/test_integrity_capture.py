@@ -702,6 +702,58 @@ def test_a_tensor_whose_storage_was_freed_is_skipped_not_read(tmp_path, reader):
     assert not verify(tmp_path).problems
 
 
+
+FREED_LAZY_VIEW_SCRIPT = textwrap.dedent("""
+    import json, sys, torch
+    import fastdump
+
+    class FreedView(torch.nn.Module):  # a lazy conj/neg view of a storage it then frees or shrinks
+        def __init__(self, view, nbytes):
+            super().__init__()
+            self.view, self.nbytes = view, nbytes
+        def forward(self, x):
+            z = torch.complex(x * 0 + torch.arange(2e5), x * 0 + 1.0)
+            out = self.view(z)
+            z.untyped_storage().resize_(self.nbytes)
+            return out
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            conj, neg = (lambda z: z.conj()), (lambda z: z.conj().imag)
+            self.conj_freed, self.neg_freed = FreedView(conj, 0), FreedView(neg, 0)
+            self.conj_shrunk, self.neg_shrunk = FreedView(conj, 16), FreedView(neg, 16)
+            self.after = torch.nn.Identity()
+        def forward(self, x):
+            outs = [m(x) for m in (self.conj_freed, self.neg_freed, self.conj_shrunk, self.neg_shrunk)]
+            return self.after(x - 1)
+
+    model, x = Model(), torch.zeros(1)
+    with fastdump.attach(model, sys.argv[1], root_name="m") as d:
+        served = [model(x).tolist() for _ in range(2)]
+    print(json.dumps({"served": served}))
+""")
+
+
+def test_a_lazy_conj_or_neg_view_of_a_freed_storage_is_skipped_not_resolved(tmp_path):
+    """A conj or neg view is resolved into a copy before the staging path's storage check, by
+    torch's own copy, which reads whatever the view addresses: of a storage freed under it
+    (``resize_(0)``, as FSDP does) the served process died with SIGSEGV; of one shrunk under it
+    the copy read past the allocation and was dumped. Now the storage is checked first: a
+    recorded skip, the model served, the rest dumped."""
+    info = run_with_reader(FREED_LAZY_VIEW_SCRIPT, tmp_path, "attributes")
+    assert info["served"] == [[-1.0], [-1.0]]
+    ds = fastdump.open(tmp_path)
+    for p in (0, 1):
+        dumped = ds.load("target", 0, p)
+        skipped = {s["name"]: s["reason"] for s in ds.meta("target", 0, p)["skipped"]}
+        assert sorted(dumped) == ["after", "m"], (p, skipped)
+        assert same_bits(dumped["after"], torch.tensor([-1.0])), p
+        assert set(skipped) == {"conj_freed", "neg_freed", "conj_shrunk", "neg_shrunk"}, p
+        assert all("ends before its last element" in reason for reason in skipped.values()), skipped
+    assert not verify(tmp_path).problems
+
+
 DTENSOR_SCRIPT = textwrap.dedent("""
     import json, sys, torch, torch.distributed as dist, fastdump
     from torch.distributed.device_mesh import init_device_mesh

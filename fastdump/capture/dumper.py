@@ -1004,7 +1004,7 @@ class Dumper:
             return self._hook_failed(call_name, reason, None)
         for key, value in values.items():
             item_name = f"{call_name}.{key}"
-            taken = self._name_taken(item_name)  # its output's parts and its children's names
+            taken = self._name_taken(item_name, key)  # its output's parts and its children's names
             if taken:
                 self._skip(item_name, taken)
                 continue
@@ -1079,7 +1079,7 @@ class Dumper:
                 item_name = f"{name}.<{type(key).__name__} key>"  # until the key's own text is had
                 try:  # one element that cannot be read (or named) is skipped alone, not with its siblings
                     item_name = f"{name}.{key}"
-                    taken = self._name_taken(item_name)
+                    taken = self._name_taken(item_name, key)
                     if taken:
                         self._skip(item_name, taken)
                         continue
@@ -1091,18 +1091,23 @@ class Dumper:
             return
         self._skip(name, f"{type(value).__module__}.{type(value).__qualname__} holds no tensor fastdump can read")
 
-    def _name_taken(self, name: str) -> str | None:
+    def _name_taken(self, name: str, key=None) -> str | None:
         """Why a container's part cannot be dumped as ``name``, or None (the name is its own now).
         Parts are named by their keys' text, and two keys can read alike (1 and "1"; a key holding
         a dot, "a.b", and "a" holding "b"), or a part like a module ("layers.0" returning a tuple
         whose first part reads "layers.0.0", the name of its child): a second tensor under one
-        name would look mixed (verify fails) and neither could be told apart. The first keeps it."""
+        name would look mixed (verify fails) and neither could be told apart. The first keeps it.
+        ``key``: the part's own key, whose text must not hold a ``#k`` part (``{"b#1": t}`` of
+        module ``a`` would read as the second call of a module ``a.b``)."""
+        if key is not None and _fmt.reads_as_call(str(key)):
+            return "its key holds '#<digits>', which reads as a repeated call's (name#k)"
         if name in self._module_names:
             return "a part of this output reads as a module's name (its key holds a dot, or it is a module's child)"
         if self._flat_pass != self.pass_id:
             self._flat_pass, self._flat_names = self.pass_id, set()
         if name in self._flat_names:
-            return "another value of this pass has the same name (keys that read alike: 1 and '1', or a dotted key)"
+            return ("another value of this pass has the same name (keys that read alike: 1 and '1', a dotted key, "
+                    "or a key that reads as an input's name: 'input.0')")
         self._flat_names.add(name)
         return None
 
@@ -1166,13 +1171,14 @@ class Dumper:
                 if status != _NOT_FAST:
                     return self._account(name, status, t.nbytes, t)
             # The general path: a new name, CUDA, unusual dtypes, layouts or lazy bits.
-            fast = _FAST_CODES.get(t.dtype)
-            if fast is None or t.layout is not _strided or t.is_neg():
+            dtype, layout, _, neg = _true_facts(t)
+            fast = _FAST_CODES.get(dtype)
+            if fast is None or layout is not _strided or neg:
                 return self._stage_checked(name, t)
             code, itemsize = fast
             new_plain = name_id is None
         else:
-            itemsize = t.element_size()
+            itemsize = _true_facts(t)[0].itemsize
         name_id = self._name_ids.get(name)
         if name_id is None:
             name_id = self._name_id(name)
@@ -1201,17 +1207,19 @@ class Dumper:
     def _stage_checked(self, name: str, t) -> None:
         """The rare cases: unsupported dtypes and layouts, lazy conj/neg bits (complex tensors, and
         real views such as ``z.conj().imag`` that carry torch's negation bit)."""
-        code = _dtypes.code_of(t.dtype)
+        dtype, layout, conj, neg = _true_facts(t)
+        code = _dtypes.code_of(dtype)
         if code < 0:
-            return self._skip(name, _dtypes.UNSUPPORTED_REASON.get(_dtypes.torch_name(t.dtype), f"dtype {t.dtype}"))
-        if t.layout is not _strided:
-            return self._skip(name, f"layout {t.layout} is not strided")
-        if t.is_conj() or t.is_neg():  # the lazy bits are not in the bytes: resolved into a copy
+            return self._skip(name, _dtypes.UNSUPPORTED_REASON.get(_dtypes.torch_name(dtype), f"dtype {dtype}"))
+        if layout is not _strided:
+            return self._skip(name, f"layout {layout} is not strided")
+        if conj or neg:  # the lazy bits are not in the bytes: resolved into a copy
             # with the caller's torch function and dispatch modes (a logging or counting mode, one
             # that changes results) and a subclass's overrides left out: they must neither see
             # fastdump's copy nor change what it holds.
             with _torch._C.DisableTorchFunction(), _torch._C._DisableTorchDispatch():
-                t = _TensorType.resolve_neg(_TensorType.resolve_conj(t))
+                _check_storage(t)  # torch's copy would read outside it (the model's crash)
+                t = _resolve_lazy_bits(t)
         self._stage(name, t, code)
 
     def _drop_unnamed(self, name: str) -> None:
@@ -2030,10 +2038,16 @@ class Dumper:
         base = _call_name(name, self._calls.get(name, 0) if k is None else k)
         if not self._capturing:
             return
-        for i, arg in enumerate(args):
-            self._emit_safely(f"{base}.input.{i}", arg)
-        for key, arg in kwargs.items():
-            self._emit_safely(f"{base}.input.{key}", arg)
+        # Each input's name is claimed like a container part's: an output dict's key "input.0", or a
+        # keyword argument named "0" (a forward taking **kwargs), reads as the same name.
+        named = [(i, arg) for i, arg in enumerate(args)] + list(kwargs.items())
+        for key, arg in named:
+            item_name = f"{base}.input.{key}"
+            taken = self._name_taken(item_name, key)
+            if taken:
+                self._skip(item_name, taken)
+                continue
+            self._emit_safely(item_name, arg)
 
 
 class _ManualPass:
@@ -2097,6 +2111,55 @@ def _fast_codes() -> dict:
 _ROOT_CODE = next(c for c in Dumper._root_wrapper.__code__.co_consts
                   if isinstance(c, types.CodeType) and c.co_name == "forward_in_pass")
 _FAST_CODES = _fast_codes()
+
+
+def _true_facts(t) -> tuple:
+    """(dtype, layout, is_conj, is_neg) of ``t`` as its TensorImpl holds them. A subclass's Python
+    overrides and torch function modes are not asked (as channel.host_layout does for the shape and
+    address): a ``dtype`` claimed wider than the elements had the copy read the storage's next
+    bytes as that type, dumped as such (the attribute path, without the tensor reader). An exact
+    torch.Tensor has no overrides: its attributes are read directly (a third of the cost)."""
+    if type(t) is _TensorType:
+        return t.dtype, t.layout, t.is_conj(), t.is_neg()
+    with _torch._C.DisableTorchFunction():
+        return _TensorType.dtype.__get__(t), _TensorType.layout.__get__(t), _TensorType.is_conj(t), \
+            _TensorType.is_neg(t)
+
+
+def _check_storage(t) -> None:
+    """ValueError (the tensor's recorded skip) unless ``t``'s storage holds every element ``t``
+    addresses. torch lets a storage be freed or shrunk under its tensors (``untyped_storage().
+    resize_(0)``, as FSDP does), and its own copies do not check: resolving a lazy conj/neg view of
+    such a storage crashed the served process (SIGSEGV) or read another allocation. The check the
+    tensor reader and ChannelStager make before their copies, for the copy made before them.
+    Called with torch function modes off."""
+    T = _TensorType
+    sizes, strides = T.size(t), T.stride(t)
+    if 0 in sizes:
+        return
+    try:
+        storage = T.untyped_storage(t)
+    except RuntimeError:  # a wrapper subclass: no storage of its own
+        raise ValueError(_C.NO_DATA) from None
+    last = sum((n - 1) * s for n, s in zip(sizes, strides))
+    if storage.data_ptr() == 0 or (T.storage_offset(t) + last + 1) * T.element_size(t) > storage.nbytes():
+        raise ValueError(_C.STORAGE_SHORT)
+
+
+def _resolve_lazy_bits(t):
+    """``t`` with its conj/neg bits applied to a copy of its bytes, at the cost of the storage range
+    it addresses when that is smaller than its shape: a broadcast view (``expand``) of one complex
+    element resolves one element, not every element of the shape (a 1 GiB copy on the model's
+    thread, for a tensor the ring might not even take). Called with torch function and dispatch
+    modes off (see _stage_checked)."""
+    T = _TensorType
+    sizes, strides = T.size(t), T.stride(t)
+    numel = T.numel(t)
+    extent = 1 + sum((n - 1) * s for n, s in zip(sizes, strides))  # elements from the first to the last
+    if numel == 0 or extent >= numel:  # (a dense or sparse-strided tensor: resolving it whole costs least)
+        return T.resolve_neg(T.resolve_conj(t))
+    span = T.resolve_neg(T.resolve_conj(T.as_strided(t, (extent,), (1,))))  # t's range of its storage
+    return T.as_strided(span, sizes, strides, 0)
 
 
 def _call(fn, *args):

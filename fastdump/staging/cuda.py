@@ -110,6 +110,7 @@ class HostFallbackStager:
         self._stats = {"fallback": True, "reason": reason, "tensors": 0, "bytes": 0, "capturing_skipped": 0}
 
     def stage_tensor(self, channel, name_id, pass_id, dtype_code, tensor, block, timeout_s=-1.0) -> int:
+        _check_storage(tensor, tensor.data_ptr())  # .cpu() reads what the tensor addresses, unchecked
         if _stream_capturing(tensor):
             # A synchronous copy on a capturing stream is illegal and invalidates the user's graph:
             # refused like the C++ stager refuses it (the caller counts CAPTURING as a skip).
@@ -378,8 +379,7 @@ def stage_on_device(stager, channel: int, name_id: int, pass_id: int, dtype_code
                     timeout_s: float = -1.0) -> int:
     """``stage_tensor`` for a stager known to be a ``_C.CudaStager`` (a Channel decides that once)."""
     ptr = tensor.data_ptr()
-    if not ptr and tensor.numel():  # storage freed under it: even the synchronous fallback would fault
-        raise ValueError(_C.NO_DATA)
+    _check_storage(tensor, ptr)  # (the stager copies the range shape and strides give, unchecked)
     device = tensor.get_device()
     raw, stream = _current_stream(device)
     try:
@@ -404,6 +404,24 @@ def stage_on_device(stager, channel: int, name_id: int, pass_id: int, dtype_code
             _warn_once(f"record_stream:{exc}", "fastdump: record_stream failed (%s); the snapshot relies on "
                        "the tensor staying allocated until the current stream reached it", exc)
     return status
+
+
+def _check_storage(tensor, ptr: int) -> None:
+    """ValueError (the tensor's recorded skip) unless ``tensor``'s storage holds every element it
+    addresses from ``ptr``. torch lets a storage be freed or shrunk under its tensors
+    (``untyped_storage().resize_(0)``, as FSDP does): a null pointer faults the copy (on the device,
+    or through the synchronous fallback on the host), a shrunk storage has it read the memory after
+    it (another tensor's: dumped as this one's). The check the tensor reader and the host path make."""
+    shape, strides = tuple(tensor.shape), tuple(tensor.stride())
+    if 0 in shape:
+        return
+    if not ptr:
+        raise ValueError(_C.NO_DATA)
+    storage = tensor.untyped_storage()
+    base, nbytes, itemsize = storage.data_ptr(), storage.nbytes(), tensor.element_size()
+    last = sum((n - 1) * st for n, st in zip(shape, strides))  # (torch's strides are not negative)
+    if not base or ptr < base or ptr - base + (last + 1) * itemsize > nbytes:
+        raise ValueError(_C.STORAGE_SHORT)
 
 
 def _stream_capturing(tensor) -> bool:
