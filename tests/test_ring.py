@@ -1,6 +1,8 @@
 """The C++ ring on its own: what goes in comes out, byte for byte, in order."""
 
+import ctypes
 import itertools
+import mmap
 import time
 import os
 import threading
@@ -177,6 +179,37 @@ def test_dead_producer_published_records_are_drained_then_reported():
     os.close(w)
     assert take(consumer)[1] == torch.ones(4).numpy().tobytes()
     assert consumer.next(0.5) is None and consumer.drained
+
+
+def test_a_producer_dying_mid_copy_leaves_one_abandoned_record_after_what_it_published():
+    """A real death inside a tensor's copy: the source's second page is unreadable, so the serving
+    process faults (SIGSEGV) after the record was reserved. The writer drains every tensor
+    published before it, then steps over the reserved record, counting it abandoned."""
+    producer, consumer = ring()
+    r, w = os.pipe()
+    consumer.set_producer_fd(r)
+    page = mmap.PAGESIZE
+    buf = mmap.mmap(-1, 2 * page)
+    addr = ctypes.addressof(ctypes.c_char.from_buffer(buf))
+    first = torch.arange(100, dtype=torch.float32)
+    pid = os.fork()
+    if pid == 0:  # the serving process
+        try:
+            os.close(r)
+            stage(producer, first, name_id=1)
+            libc = ctypes.CDLL(None)
+            libc.mprotect.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+            libc.mprotect(addr + page, page, 0)  # PROT_NONE
+            n = 2 * page // 4
+            producer.stage_host(0, 2, 0, 0, 4, (n,), (1,), addr, True)  # faults mid-copy
+        finally:
+            os._exit(3)  # (not reached when the copy faults)
+    os.close(w)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == 11, status
+    assert take(consumer)[1:] == (first.numpy().tobytes(), (1, 0))
+    assert consumer.next(1.0) is None and consumer.drained
+    assert consumer.abandoned == 1
 
 
 def test_dead_writer_disables_a_blocked_producer():
