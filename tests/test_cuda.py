@@ -329,6 +329,62 @@ def test_host_fallback_never_copies_while_the_stream_captures(monkeypatch, devic
     assert set(got) == {(0, 1, 1)} and got[(0, 1, 1)][2] == cpu.numpy().tobytes()
 
 
+@pytest.mark.parametrize("mode,where,refused", [
+    ("global", "other", True),          # another thread's global capture forbids our unsafe calls
+    ("thread_local", "other", False),   # ... a thread-local or relaxed one does not
+    ("relaxed", "other", False),
+    ("global", "mine", True),           # this thread's own non-relaxed capture (on another stream)
+    ("thread_local", "mine", True),
+    ("relaxed", "mine", False),
+])
+def test_host_fallback_never_copies_during_a_capture_that_forbids_it(monkeypatch, mode, where, refused):
+    """The fallback's .cpu() copy (cudaMemcpyAsync + cudaStreamSynchronize, "potentially unsafe")
+    while a torch capture is open in global mode on another thread, or in a non-relaxed mode on
+    this thread but another stream: the current stream is not capturing, so the copy ran, failed
+    with cudaErrorStreamCaptureUnsupported and invalidated the user's capture. It is refused as
+    CAPTURING now (counted, nothing copied), as CUDA's capture-mode rules say, and copied once the
+    capture has ended."""
+    import threading
+
+    from fastdump.staging import cuda
+
+    class FakeGraph:
+        def capture_begin(self, pool=None, capture_error_mode="global"):
+            pass
+
+        def capture_end(self):
+            pass
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
+    monkeypatch.setattr(cuda, "_capture_hook", None)
+    monkeypatch.setattr(cuda, "_open_captures", {})
+    monkeypatch.setattr(cuda, "before_capture", [])
+    monkeypatch.setattr(_C, "note_capture_begin", lambda: None, raising=False)
+    monkeypatch.setattr(_C, "capture_gate", lambda enter: None, raising=False)
+    assert cuda.watch_graph_captures()
+    _Capture(monkeypatch, capturing=False)  # the tensor's current stream itself does not capture
+    copies = _count_host_copies(monkeypatch)
+    ring = Ring(_C)
+    stager = cuda.HostFallbackStager(ring.producer, "test")
+    cpu = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    t, code = _stand_in_cuda(cpu), dtypes.code_of(cpu.dtype)
+    graph = FakeGraph()
+    if where == "mine":
+        graph.capture_begin(capture_error_mode=mode)
+    else:
+        th = threading.Thread(target=lambda: graph.capture_begin(None, mode))
+        th.start()
+        th.join()
+    status = cuda.stage_tensor(stager, 0, 1, 0, code, t, True)
+    assert status == (cuda.CAPTURING if refused else _C.STAGED)
+    assert len(copies) == (0 if refused else 1)
+    assert stager.stats()["capturing_skipped"] == int(refused)
+    graph.capture_end()
+    assert cuda.stage_tensor(stager, 0, 1, 1, code, t, True) == _C.STAGED
+    got, _ = ring.read()
+    assert got[(0, 1, 1)][2] == cpu.numpy().tobytes()
+
+
 def test_stage_error_fallback_never_copies_while_the_stream_captures(monkeypatch):
     """Review finding 4, the other fallback: stage() raising before it staged anything (a CUDA error)
     falls back to a synchronous copy, but not on a capturing stream."""

@@ -393,7 +393,7 @@ def test_torch_capture_begin_tells_the_extension_first(monkeypatch):
     monkeypatch.setattr(cuda, "_capture_hook", None)
     # (the module's record of open captures: this fake one must not stay open for later tests,
     # where it kept the slots of reset graphs from being reclaimed)
-    monkeypatch.setattr(cuda, "_open_captures", set())
+    monkeypatch.setattr(cuda, "_open_captures", {})
     monkeypatch.setattr(real, "note_capture_begin", lambda: calls.append(("fastdump",)), raising=False)
     monkeypatch.setattr(real, "capture_gate", lambda enter: calls.append(("gate", enter)), raising=False)
     assert cuda.watch_graph_captures() and cuda.watch_graph_captures()  # once
@@ -401,7 +401,7 @@ def test_torch_capture_begin_tells_the_extension_first(monkeypatch):
     graph.capture_begin(pool=7, capture_error_mode="relaxed")
     # the capture gate is held around torch's begin only (see test_lean_drain_timer_seal_never_lands_...)
     assert calls == [("fastdump",), ("gate", True), ("torch", 7, "relaxed"), ("gate", False)]
-    assert cuda._open_captures == {id(graph)}
+    assert cuda._open_captures == {id(graph): ("relaxed", threading.get_ident())}
     graph.capture_end()
     assert calls[-1] == ("torch end",) and not cuda._open_captures and cuda.capturing_graph() is None
     assert FakeGraph.capture_begin.__fastdump_original__.__name__ == "capture_begin"
