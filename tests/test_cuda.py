@@ -2061,3 +2061,25 @@ def test_an_engine_shut_down_leaves_its_host_ring_unmapped(m, glue, tmp_path):
         del d
         gc.collect()
         assert not any(path.endswith(name) for path in mapped() for name in rings), (rings, mapped())
+
+
+def test_pointer_device_on_a_fresh_thread_makes_no_context_on_gpu0(m):
+    """A process that uses GPU 1 only asks, from a thread that never chose a device (a
+    ``__cuda_array_interface__`` array without a device attribute, dumped from a worker thread),
+    which GPU a pointer is on: cudaPointerGetAttributes ran with device 0 current and the runtime
+    made GPU 0's primary context (~500 MiB on a GPU the process never used). The call runs on a
+    GPU already in use now, and the answer is the same."""
+    import threading
+
+    buf = device_buffer(m, 256, device=1)
+    m._mock.reset_contexts()
+    out = {}
+    t = threading.Thread(target=lambda: out.setdefault("set", m._mock.set_device(1)))  # the process's GPU
+    t.start()
+    t.join()
+    assert out["set"] == 0 and m._mock.contexts() == [0, 1]
+    t = threading.Thread(target=lambda: out.setdefault("device", m.cuda_pointer_device(buf)))  # a fresh thread
+    t.start()
+    t.join()
+    assert out["device"] == 1
+    assert m._mock.contexts() == [0, 1], "a primary context was created on GPU 0"
