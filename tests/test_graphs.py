@@ -756,6 +756,71 @@ def test_gpu_capture_in_global_mode_while_the_drain_copies(tmp_path):
         assert same_bits(torch.as_tensor(ds.load("target", 0, p)["Sequential"]), w.cpu()), p
 
 
+@pytest.mark.cuda
+@needs_cuda_build
+def test_gpu_recapture_never_breaks_another_threads_raw_capture(tmp_path):
+    """On a GPU (the mock models it: test_reclaiming_slots_never_breaks_another_threads_raw_capture):
+    a torch graph reset and captured again (its slots reclaimed as the capture begins) while another
+    thread holds a raw CuPy capture in thread-local mode: the slots come back through the graph's
+    done event (an event record node), never a cudaDeviceSynchronize, which would invalidate the
+    CuPy capture; the recaptured graph's replay is dumped bit-exact. Also checks that
+    cudaEventSynchronize works on an event recorded by a graph's event record node."""
+    import threading
+
+    cupy = pytest.importorskip("cupy")
+    model = _gpu_model()
+    d = fastdump.attach(model, tmp_path, tp_rank=0, tp_size=1, writer="thread", strict=True, device="cuda:0")
+    stream = torch.cuda.Stream()
+    began, done, result = threading.Event(), threading.Event(), {}
+
+    def other_thread():
+        try:
+            cupy.cuda.Device(0).use()
+            s = cupy.cuda.Stream(non_blocking=True)
+            x = cupy.ones(1024, dtype=cupy.float32)
+            s.synchronize()
+            s.begin_capture(mode=cupy.cuda.runtime.streamCaptureModeThreadLocal)
+            with s:
+                x *= 2
+            began.set()
+            done.wait(60)
+            result["graph"] = s.end_capture()
+        except Exception as exc:  # (reported below)
+            result["error"] = repr(exc)
+        finally:
+            began.set()
+
+    with torch.inference_mode():
+        static_in = torch.randn(4, 256, device="cuda", dtype=torch.bfloat16)
+        g, out = _gpu_capture(model, static_in, stream)
+        with torch.cuda.stream(stream):
+            g.replay()  # still running, maybe, when the graph is reset
+        g.reset()
+        t = threading.Thread(target=other_thread)
+        t.start()
+        assert began.wait(60) and "error" not in result, result
+        g2 = torch.cuda.CUDAGraph()  # (not torch.cuda.graph: its __enter__ synchronizes the device itself)
+        with torch.cuda.stream(stream):
+            g2.capture_begin(capture_error_mode="thread_local")
+            out2 = model(static_in)
+            g2.capture_end()
+        done.set()
+        t.join(60)
+        rec = d._graphs.recorder(0).stats()
+        with torch.cuda.stream(stream):
+            static_in.copy_(torch.randn(4, 256, device="cuda", dtype=torch.bfloat16))
+            g2.replay()
+            want = out2.clone()
+        stream.synchronize()
+        stats = d.close()
+    assert "error" not in result and result.get("graph") is not None, result
+    assert rec["reclaimed_graphs"] == 1, rec
+    passes = graph_passes(fastdump.open(tmp_path), "target")
+    assert stats["dropped_passes"] == 0 and len(passes) == 2
+    got = fastdump.open(tmp_path).load("target", 0, passes[-1])
+    assert same_bits(torch.as_tensor(got["Sequential"]), want.cpu())
+
+
 def test_graph_recording_memory_is_freed_when_no_graph_can_use_it(m, glue, tmp_path, monkeypatch):
     """Without a committed graph the recorder's device memory goes at close; with one, it stays
     (replays write into it) until free_device_memory() after the graph is destroyed."""
