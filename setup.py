@@ -29,6 +29,19 @@ CSRC = "csrc"
 CUDA_ARCHS = os.environ.get("FASTDUMP_CUDA_ARCHS", "80;90")
 
 
+# Where toolkits keep libcudart_static.a: lib64 (the runfile's symlink), lib, or only the target
+# directory (some distribution packages and container images of CUDA 12/13).
+CUDART_SUBDIRS = ("lib64", "lib", "targets/x86_64-linux/lib", "targets/sbsa-linux/lib", "targets/aarch64-linux/lib")
+
+
+def cudart_static_dir(home):
+    """The directory of ``home`` holding the static CUDA runtime, or None."""
+    for sub in CUDART_SUBDIRS:
+        if (Path(home) / sub / "libcudart_static.a").is_file():
+            return str(Path(home) / sub)
+    return None
+
+
 def find_cuda_home():
     if os.environ.get("FASTDUMP_CUDA", "") == "0":
         return None
@@ -38,22 +51,29 @@ def find_cuda_home():
         candidates.append(str(Path(nvcc).resolve().parent.parent))
     for home in filter(None, candidates):
         # A toolkit has both the compiler and the static runtime we link.
-        if (Path(home) / "bin" / "nvcc").exists() and list(Path(home).glob("lib*/libcudart_static.a")):
+        if (Path(home) / "bin" / "nvcc").exists() and cudart_static_dir(home):
             return home
     if os.environ.get("FASTDUMP_CUDA", "") == "1":
-        sys.exit("FASTDUMP_CUDA=1 but no CUDA toolkit was found (set CUDA_HOME)")
+        sys.exit("FASTDUMP_CUDA=1 but no CUDA toolkit was found (nvcc and libcudart_static.a under one of "
+                 f"{', '.join(CUDART_SUBDIRS)}; set CUDA_HOME)")
     return None
 
 
 CUDA_HOME = find_cuda_home()
+CUDART_DIR = cudart_static_dir(CUDA_HOME) if CUDA_HOME else None
+# The headers next to that library (targets/<arch>/include when only that directory has it).
+CUDA_INCLUDE = None
+if CUDA_HOME:
+    beside = Path(CUDART_DIR).parent / "include"
+    CUDA_INCLUDE = str(beside) if (beside / "cuda_runtime_api.h").is_file() else f"{CUDA_HOME}/include"
 CUDA_SOURCES = sorted(str(p.relative_to(HERE)) for p in (HERE / CSRC).glob("*.cu"))
 WITH_CUDA = CUDA_HOME is not None and bool(CUDA_SOURCES)
 
 
-def cuda_major(home):
-    """The toolkit's major version (CUDART_VERSION in cuda_runtime_api.h: 13000 -> 13), or None."""
+def cuda_major(include):
+    """The toolkit's major version (CUDART_VERSION in ``include``/cuda_runtime_api.h: 13000 -> 13), or None."""
     try:
-        for line in (Path(home) / "include" / "cuda_runtime_api.h").read_text(errors="replace").splitlines():
+        for line in (Path(include) / "cuda_runtime_api.h").read_text(errors="replace").splitlines():
             if line.startswith("#define CUDART_VERSION"):
                 return int(line.split()[2]) // 1000
     except (OSError, ValueError, IndexError, TypeError):
@@ -66,7 +86,7 @@ def cupy_requirement():
     build found; FASTDUMP_CUPY overrides; without a toolkit, the newest (CUDA 13)."""
     if os.environ.get("FASTDUMP_CUPY"):
         return os.environ["FASTDUMP_CUPY"]
-    major = cuda_major(CUDA_HOME) if CUDA_HOME else None
+    major = cuda_major(CUDA_INCLUDE) if CUDA_HOME else None
     return f"cupy-cuda{major if major and major >= 11 else 13}x"
 
 
@@ -136,9 +156,9 @@ ext_kwargs = dict(include_dirs=[CSRC], extra_compile_args=["-O3"], libraries=["r
 if WITH_CUDA:
     sources += [f"{CSRC}/cuda_bindings.cpp", f"{CSRC}/cuda_graph_bindings.cpp"]
     ext_kwargs.update(
-        include_dirs=[CSRC, f"{CUDA_HOME}/include"],
+        include_dirs=[CSRC, CUDA_INCLUDE],
         define_macros=[("FASTDUMP_WITH_CUDA", "1")],
-        library_dirs=[f"{CUDA_HOME}/lib64"],
+        library_dirs=[CUDART_DIR],
         # Static runtime: no libcudart.so needed at import time; the driver is found at run time.
         libraries=["cudart_static", "dl", "rt", "pthread"],
     )

@@ -71,11 +71,13 @@ void bind_graph_recorder(py::module_& m) {
       .def(
           "reclaim",
           [](GraphRecorder& r, std::vector<uint64_t> serials) {
-            py::gil_scoped_release nogil;  // (it synchronizes the device)
+            py::gil_scoped_release nogil;  // (it waits for the graphs' last launches)
             return r.reclaim(serials);
           },
           py::arg("serials"),
           "Give back the slots of captures whose graphs can never run again; returns the serials given back.")
+      .def("wait_launched", &GraphRecorder::wait_launched, py::call_guard<py::gil_scoped_release>(),
+           "Wait until the latest launch of every committed graph ran its commit kernels; False on an error.")
       .def("capture_ended", &GraphRecorder::capture_ended,
            "The open graph's capture is over (ended, or another since on its stream): not committable.")
       .def("capture_invalidated", &GraphRecorder::capture_invalidated,

@@ -315,6 +315,11 @@ struct GraphRecorder::Impl {
   // new graph's layout in the ring, and no log entry still to be drained names the old one.
   std::map<uint32_t, uint64_t> retired_ids;
   std::map<uint64_t, uint32_t> serial_ids;  // capture serial -> id, of committed graphs
+  // Per graph id, the event every launch of its graph records after the commit kernels (an event
+  // record node); made once per id, kept while the device memory is. Capture serial -> that event,
+  // for the committed graphs whose capture recorded it: what reclaim() waits on.
+  std::vector<cudaEvent_t> done_events;
+  std::map<uint64_t, cudaEvent_t> serial_done;
   uint64_t next_number = 0;
   uint64_t live_graphs = 0;
   std::unique_ptr<GraphInfo> open;
@@ -411,9 +416,22 @@ struct GraphRecorder::Impl {
     cudaStream_t cs = reinterpret_cast<cudaStream_t>(s);
     cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
     unsigned long long capture_id = 0;
-    FD_GR_CUDA(cudaStreamGetCaptureInfo(cs, &st, &capture_id));
-    // No graph comes of these two (ValueError in Python: nothing to dump, the tensor is skipped);
+    const cudaError_t ge = cudaStreamGetCaptureInfo(cs, &st, &capture_id);
+    // No graph comes of these three (ValueError in Python: nothing to dump, the tensor is skipped);
     // any other refusal below leaves a graph that replays undumped (counted as not dumped).
+    if (ge == cudaErrorStreamCaptureImplicit) {
+      // The legacy default stream while a blocking stream of its device captures (another thread's
+      // raw capture, CuPy's): the legacy stream itself never captures, so no graph of ours exists,
+      // and any work on it now would invalidate that capture. The tensor is skipped, not a graph lost.
+      (void)cudaGetLastError();
+      throw std::invalid_argument(
+          "the legacy default stream cannot be used while a blocking stream of GPU " + std::to_string(device) +
+          " is being captured (by other code): nothing is copied until that capture ends");
+    }
+    if (ge != cudaSuccess) {
+      (void)cudaGetLastError();
+      throw std::runtime_error(cuda_text(ge, "cudaStreamGetCaptureInfo"));
+    }
     if (st == cudaStreamCaptureStatusInvalidated)
       throw std::invalid_argument("the CUDA graph capture was invalidated: it makes no graph");
     if (st != cudaStreamCaptureStatusActive) throw std::invalid_argument("the stream is not capturing a CUDA graph");
@@ -523,6 +541,7 @@ struct GraphRecorder::Impl {
     if (gi->tensors.empty()) return -1;
     OnDevice on(device);
     enqueue_commit(*gi);
+    if (cudaEvent_t ev = record_done_event_locked(gi->id, gi->stream)) serial_done[gi->serial] = ev;
     ++next_number;
     hold_slots_locked(*gi);  // the graph's until reclaim()
     captured_tensors += gi->tensors.size();
@@ -586,6 +605,29 @@ struct GraphRecorder::Impl {
 #endif
   }
 
+  // Records graph `id`'s done event on its capturing stream as an event record node
+  // (cudaEventRecordExternal), after the commit kernels and so after every snapshot into its slots:
+  // each launch records it, and cudaEventSynchronize on it waits for the latest launch, on
+  // whatever stream. nullptr when it cannot be had (that graph's slots are then never given back).
+  // mu held; on the graph's device, inside its capture.
+  cudaEvent_t record_done_event_locked(uint32_t id, cudaStream_t cs) {
+    if (done_events.size() <= id) done_events.resize(id + 1, nullptr);
+    cudaEvent_t& ev = done_events[id];
+    if (!ev) {
+      Relaxed relaxed;  // (this thread captures; an event is no allocation a graph could miss)
+      if (cudaEventCreateWithFlags(&ev, cudaEventDisableTiming) != cudaSuccess) {
+        (void)cudaGetLastError();
+        ev = nullptr;
+        return nullptr;
+      }
+    }
+    if (cudaEventRecordWithFlags(ev, cs, cudaEventRecordExternal) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return nullptr;
+    }
+    return ev;
+  }
+
   void abort_graph() {
     std::lock_guard<std::mutex> g(mu);
     // The copies may be in a graph, whose replays write the slots: kept, unless its capture was
@@ -609,25 +651,37 @@ struct GraphRecorder::Impl {
 
   // Give back the slots of the captures `serials`, whose graphs the caller knows can never be
   // launched again (torch reset() or collected them). A replay launched before may still be in
-  // flight, writing those slots (its snapshots) and reading them (its copy kernel): the device is
-  // synchronized first, and nothing is given back when it cannot be (a capture running on the
-  // device; an error). A replay's pass needs only its ring entry, never the slots, so one still
-  // waiting for the drain is unaffected. Returns the serials given back.
-  std::vector<uint64_t> reclaim(const std::vector<uint64_t>& serials) {
+  // flight, writing those slots (its snapshots) and reading them (its copy kernel): each graph's
+  // done event is waited for first (its latest launch has run past every node that touches the
+  // slots), and nothing is given back when it cannot be (an error). Never cudaDeviceSynchronize:
+  // while any stream of the device captures (another thread's raw cudaStreamBeginCapture, in any
+  // mode) a device-wide synchronization is illegal and invalidates that capture. A graph without a
+  // done event (given up before its commit; the record failed) keeps its slots. A replay's pass
+  // needs only its ring entry, never the slots, so one still waiting for the drain is unaffected.
+  // Returns the serials given back.
+  std::vector<uint64_t> reclaim(const std::vector<uint64_t>& wanted) {
+    std::vector<uint64_t> serials;
+    std::vector<cudaEvent_t> events;
     {
       std::lock_guard<std::mutex> g(mu);
       if (dmem == nullptr) return {};
-      bool any = false;
-      for (uint64_t s : serials) any = any || held_slots.count(s);
-      if (!any) return {};
+      for (uint64_t s : wanted) {
+        auto d = serial_done.find(s);
+        if (!held_slots.count(s) || d == serial_done.end()) continue;
+        serials.push_back(s);
+        events.push_back(d->second);
+      }
+      if (serials.empty()) return {};
     }
     {
       Relaxed relaxed;  // (never invalidates another thread's capture)
       OnDevice on(device);
-      const cudaError_t e = cudaDeviceSynchronize();
-      if (e != cudaSuccess) {
-        (void)cudaGetLastError();
-        return {};
+      for (cudaEvent_t ev : events) {
+        const cudaError_t e = cudaEventSynchronize(ev);
+        if (e != cudaSuccess) {
+          (void)cudaGetLastError();
+          return {};
+        }
       }
     }
     // The freed graphs' decision words start over (replay index 0) for the next graph of their id.
@@ -665,6 +719,7 @@ struct GraphRecorder::Impl {
       auto h = held_slots.find(s);
       if (h == held_slots.end()) continue;
       serial_ids.erase(s);
+      serial_done.erase(s);
       free_extent_locked(h->second.first, h->second.second);
       slot_used -= h->second.second;
       reclaimed_bytes += h->second.second;
@@ -673,6 +728,28 @@ struct GraphRecorder::Impl {
       done.push_back(s);
     }
     return done;
+  }
+
+  // Waits until the latest launch of every committed graph has run past its commit kernels (its
+  // done event): close() then finds every replay launched before it. Events, never the device
+  // (see reclaim). False when one could not be waited for.
+  bool wait_launched() {
+    std::vector<cudaEvent_t> events;
+    {
+      std::lock_guard<std::mutex> g(mu);
+      if (dmem == nullptr) return true;
+      for (const auto& d : serial_done) events.push_back(d.second);
+    }
+    if (events.empty()) return true;
+    Relaxed relaxed;
+    OnDevice on(device);
+    bool ok = true;
+    for (cudaEvent_t ev : events)
+      if (cudaEventSynchronize(ev) != cudaSuccess) {
+        (void)cudaGetLastError();
+        ok = false;
+      }
+    return ok;
   }
 
   void free_extent_locked(uint64_t off, uint64_t bytes) {
@@ -930,6 +1007,11 @@ struct GraphRecorder::Impl {
       (void)cudaStreamSynchronize(stream);
       (void)cudaStreamDestroy(stream);
       std::lock_guard<std::mutex> g(mu);  // stats() reads `host`
+      // (no graph can launch any more: the memory is freed only then, see close's callers)
+      for (cudaEvent_t& ev : done_events)
+        if (ev) (void)cudaEventDestroy(ev);
+      done_events.clear();
+      serial_done.clear();
       dropped_at_free = ld_shared(&host->dropped);
       (void)cudaFreeHost(host);
       (void)cudaFree(dmem);
@@ -964,6 +1046,7 @@ uint64_t GraphRecorder::open_serial() const {
   std::lock_guard<std::mutex> g(impl_->mu);
   return impl_->open ? impl_->open->serial : 0;
 }
+bool GraphRecorder::wait_launched() { return impl_->wait_launched(); }
 std::vector<uint64_t> GraphRecorder::reclaim(const std::vector<uint64_t>& serials) {
   return impl_->reclaim(serials);
 }

@@ -102,9 +102,14 @@ class GraphRecorder {
   // The open capture's serial (0: none): the name reclaim() takes for the slots it holds.
   uint64_t open_serial() const;
   // Give back the slots of captures whose graphs can never be launched again (the caller knows:
-  // torch reset or collected them). Synchronizes the device first (a replay launched before may be
-  // in flight); gives back nothing when it cannot. Returns the serials given back.
+  // torch reset or collected them). Waits for each graph's latest launch first (its done event: a
+  // replay launched before may be in flight; never a device-wide synchronization, which would
+  // invalidate another thread's capture); gives back nothing when it cannot. Returns the serials
+  // given back.
   std::vector<uint64_t> reclaim(const std::vector<uint64_t>& serials);
+  // Waits until the latest launch of every committed graph has run its commit kernels (their done
+  // events); close() calls it so replays launched before are dumped. False on an error.
+  bool wait_launched();
   // The open graph's capture is over (ended, or its stream captures another since): it can no
   // longer be committed, and tensors must not be recorded into it.
   bool capture_ended();

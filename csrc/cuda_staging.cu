@@ -422,10 +422,28 @@ CudaInfo cuda_query_info() {
   return info;
 }
 
+// Makes a device whose primary context exists current for a host-side call that needs one, when
+// the calling thread's device has none (a thread that never chose a device is on 0): the runtime
+// would create that device's context (~500 MiB) on a GPU the process may never use. Returns the
+// device to give to restore_device() afterwards, or -1 when nothing was switched.
+int switch_to_a_used_device() {
+  int cur = -1, n = 0;
+  if (cudaGetDevice(&cur) != cudaSuccess || cudaGetDeviceCount(&n) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return -1;
+  }
+  if (primary_context_active(cur)) return -1;
+  for (int i = 0; i < n; ++i)
+    if (i != cur && primary_context_active(i)) return cudaSetDevice(i) == cudaSuccess ? cur : -1;
+  return -1;  // no GPU in use yet: the call may create the current device's context, as before
+}
+
 int cuda_pointer_device(uintptr_t ptr) {
   cudaPointerAttributes a;
   std::memset(&a, 0, sizeof(a));
+  const int switched_from = switch_to_a_used_device();
   cudaError_t e = cudaPointerGetAttributes(&a, reinterpret_cast<const void*>(ptr));
+  if (switched_from >= 0) restore_device(switched_from);
   if (e != cudaSuccess) {
     (void)cudaGetLastError();
     if (e == cudaErrorInvalidValue) return -1;
@@ -1910,7 +1928,11 @@ struct CudaStager::Impl {
     restore_device(prev_device);  // the caller's current device (unless it has no context)
     (void)cudaGetLastError();
     std::lock_guard<std::mutex> g(reg_mu);
-    for (auto& p : registered) (void)cudaHostUnregister(p.first);
+    if (!registered.empty()) {  // (close() may run on a fresh thread, on device 0 without a context)
+      const int switched_from = switch_to_a_used_device();
+      for (auto& p : registered) (void)cudaHostUnregister(p.first);
+      if (switched_from >= 0) restore_device(switched_from);
+    }
     (void)cudaGetLastError();
     registered.clear();
     host_pinned.store(false);

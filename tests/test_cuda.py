@@ -329,7 +329,6 @@ def test_host_fallback_never_copies_while_the_stream_captures(monkeypatch, devic
     assert set(got) == {(0, 1, 1)} and got[(0, 1, 1)][2] == cpu.numpy().tobytes()
 
 
-
 @pytest.mark.parametrize("how", ["freed", "shrunk"])
 def test_a_cuda_tensor_whose_storage_was_freed_or_shrunk_is_refused_by_both_python_paths(monkeypatch, how):
     """torch lets a storage be freed or shrunk under its tensors (``resize_(0)``, as FSDP does). The
@@ -360,6 +359,62 @@ def test_a_cuda_tensor_whose_storage_was_freed_or_shrunk_is_refused_by_both_pyth
     assert cuda.stage_tensor(stager, 0, 1, 1, code, _stand_in_cuda(view), True) == _C.STAGED
     got, _ = ring.read()
     assert got[(0, 1, 1)][2] == view.contiguous().numpy().tobytes()
+
+
+@pytest.mark.parametrize("mode,where,refused", [
+    ("global", "other", True),          # another thread's global capture forbids our unsafe calls
+    ("thread_local", "other", False),   # ... a thread-local or relaxed one does not
+    ("relaxed", "other", False),
+    ("global", "mine", True),           # this thread's own non-relaxed capture (on another stream)
+    ("thread_local", "mine", True),
+    ("relaxed", "mine", False),
+])
+def test_host_fallback_never_copies_during_a_capture_that_forbids_it(monkeypatch, mode, where, refused):
+    """The fallback's .cpu() copy (cudaMemcpyAsync + cudaStreamSynchronize, "potentially unsafe")
+    while a torch capture is open in global mode on another thread, or in a non-relaxed mode on
+    this thread but another stream: the current stream is not capturing, so the copy ran, failed
+    with cudaErrorStreamCaptureUnsupported and invalidated the user's capture. It is refused as
+    CAPTURING now (counted, nothing copied), as CUDA's capture-mode rules say, and copied once the
+    capture has ended."""
+    import threading
+
+    from fastdump.staging import cuda
+
+    class FakeGraph:
+        def capture_begin(self, pool=None, capture_error_mode="global"):
+            pass
+
+        def capture_end(self):
+            pass
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
+    monkeypatch.setattr(cuda, "_capture_hook", None)
+    monkeypatch.setattr(cuda, "_open_captures", {})
+    monkeypatch.setattr(cuda, "before_capture", [])
+    monkeypatch.setattr(_C, "note_capture_begin", lambda: None, raising=False)
+    monkeypatch.setattr(_C, "capture_gate", lambda enter: None, raising=False)
+    assert cuda.watch_graph_captures()
+    _Capture(monkeypatch, capturing=False)  # the tensor's current stream itself does not capture
+    copies = _count_host_copies(monkeypatch)
+    ring = Ring(_C)
+    stager = cuda.HostFallbackStager(ring.producer, "test")
+    cpu = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    t, code = _stand_in_cuda(cpu), dtypes.code_of(cpu.dtype)
+    graph = FakeGraph()
+    if where == "mine":
+        graph.capture_begin(capture_error_mode=mode)
+    else:
+        th = threading.Thread(target=lambda: graph.capture_begin(None, mode))
+        th.start()
+        th.join()
+    status = cuda.stage_tensor(stager, 0, 1, 0, code, t, True)
+    assert status == (cuda.CAPTURING if refused else _C.STAGED)
+    assert len(copies) == (0 if refused else 1)
+    assert stager.stats()["capturing_skipped"] == int(refused)
+    graph.capture_end()
+    assert cuda.stage_tensor(stager, 0, 1, 1, code, t, True) == _C.STAGED
+    got, _ = ring.read()
+    assert got[(0, 1, 1)][2] == cpu.numpy().tobytes()
 
 
 def test_stage_error_fallback_never_copies_while_the_stream_captures(monkeypatch):
@@ -2038,3 +2093,25 @@ def test_an_engine_shut_down_leaves_its_host_ring_unmapped(m, glue, tmp_path):
         del d
         gc.collect()
         assert not any(path.endswith(name) for path in mapped() for name in rings), (rings, mapped())
+
+
+def test_pointer_device_on_a_fresh_thread_makes_no_context_on_gpu0(m):
+    """A process that uses GPU 1 only asks, from a thread that never chose a device (a
+    ``__cuda_array_interface__`` array without a device attribute, dumped from a worker thread),
+    which GPU a pointer is on: cudaPointerGetAttributes ran with device 0 current and the runtime
+    made GPU 0's primary context (~500 MiB on a GPU the process never used). The call runs on a
+    GPU already in use now, and the answer is the same."""
+    import threading
+
+    buf = device_buffer(m, 256, device=1)
+    m._mock.reset_contexts()
+    out = {}
+    t = threading.Thread(target=lambda: out.setdefault("set", m._mock.set_device(1)))  # the process's GPU
+    t.start()
+    t.join()
+    assert out["set"] == 0 and m._mock.contexts() == [0, 1]
+    t = threading.Thread(target=lambda: out.setdefault("device", m.cuda_pointer_device(buf)))  # a fresh thread
+    t.start()
+    t.join()
+    assert out["device"] == 1
+    assert m._mock.contexts() == [0, 1], "a primary context was created on GPU 0"

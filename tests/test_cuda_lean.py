@@ -393,7 +393,7 @@ def test_torch_capture_begin_tells_the_extension_first(monkeypatch):
     monkeypatch.setattr(cuda, "_capture_hook", None)
     # (the module's record of open captures: this fake one must not stay open for later tests,
     # where it kept the slots of reset graphs from being reclaimed)
-    monkeypatch.setattr(cuda, "_open_captures", set())
+    monkeypatch.setattr(cuda, "_open_captures", {})
     monkeypatch.setattr(real, "note_capture_begin", lambda: calls.append(("fastdump",)), raising=False)
     monkeypatch.setattr(real, "capture_gate", lambda enter: calls.append(("gate", enter)), raising=False)
     assert cuda.watch_graph_captures() and cuda.watch_graph_captures()  # once
@@ -401,7 +401,7 @@ def test_torch_capture_begin_tells_the_extension_first(monkeypatch):
     graph.capture_begin(pool=7, capture_error_mode="relaxed")
     # the capture gate is held around torch's begin only (see test_lean_drain_timer_seal_never_lands_...)
     assert calls == [("fastdump",), ("gate", True), ("torch", 7, "relaxed"), ("gate", False)]
-    assert cuda._open_captures == {id(graph)}
+    assert cuda._open_captures == {id(graph): ("relaxed", threading.get_ident())}
     graph.capture_end()
     assert calls[-1] == ("torch end",) and not cuda._open_captures and cuda.capturing_graph() is None
     assert FakeGraph.capture_begin.__fastdump_original__.__name__ == "capture_begin"
@@ -849,3 +849,36 @@ def test_lean_never_waits_for_the_ring_lock_with_an_open_batch(mock):
     except subprocess.TimeoutExpired:
         pytest.fail("deadlock: the lean path waited for the ring lock holding its lane or the GIL")
     assert r.returncode == 0 and "SCENARIO OK" in r.stdout, r.stdout + r.stderr
+
+
+def test_two_threads_staging_through_one_lane_onto_one_stream(m):
+    """Two user threads dump into the same channel (one lane) on the same stream at once, with a
+    small N and the drain's hold timer sealing batches too: the lane's per-pass check, open batch
+    and event-per-N count are one state under the lane's lock, every event is recorded after the
+    batch's last snapshot on that stream, so every tensor arrives bit for bit, each once."""
+    stream = m._mock.stream_create()
+    m._mock.set("max_delay_us", 50)
+    lane = Lane(m, stream, events_every=3)
+    T = 60
+    try:
+        ts, cpu = fakes(m, 2 * T, seed=5)
+        lane.lane.begin(0, True, -1.0)
+        statuses = {}
+
+        def stage(first):
+            statuses[first] = [lane.lane.stage_tensor(i, ts[i]) for i in range(first, first + T)]
+
+        threads = [threading.Thread(target=stage, args=(k * T,)) for k in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        lane.lane.take_counts()
+        assert statuses[0] == [m.STAGED] * T and statuses[T] == [m.STAGED] * T
+        assert lane.stager.flush(30)
+        st = lane.stager.stats()
+        assert st["published"] == 2 * T and st["lean_tensors"] == 2 * T, st
+        check_ring(lane.ring, {(i, 0): c for i, c in enumerate(cpu)})
+    finally:
+        lane.close()
+        m._mock.stream_destroy(stream)

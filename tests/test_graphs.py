@@ -756,6 +756,71 @@ def test_gpu_capture_in_global_mode_while_the_drain_copies(tmp_path):
         assert same_bits(torch.as_tensor(ds.load("target", 0, p)["Sequential"]), w.cpu()), p
 
 
+@pytest.mark.cuda
+@needs_cuda_build
+def test_gpu_recapture_never_breaks_another_threads_raw_capture(tmp_path):
+    """On a GPU (the mock models it: test_reclaiming_slots_never_breaks_another_threads_raw_capture):
+    a torch graph reset and captured again (its slots reclaimed as the capture begins) while another
+    thread holds a raw CuPy capture in thread-local mode: the slots come back through the graph's
+    done event (an event record node), never a cudaDeviceSynchronize, which would invalidate the
+    CuPy capture; the recaptured graph's replay is dumped bit-exact. Also checks that
+    cudaEventSynchronize works on an event recorded by a graph's event record node."""
+    import threading
+
+    cupy = pytest.importorskip("cupy")
+    model = _gpu_model()
+    d = fastdump.attach(model, tmp_path, tp_rank=0, tp_size=1, writer="thread", strict=True, device="cuda:0")
+    stream = torch.cuda.Stream()
+    began, done, result = threading.Event(), threading.Event(), {}
+
+    def other_thread():
+        try:
+            cupy.cuda.Device(0).use()
+            s = cupy.cuda.Stream(non_blocking=True)
+            x = cupy.ones(1024, dtype=cupy.float32)
+            s.synchronize()
+            s.begin_capture(mode=cupy.cuda.runtime.streamCaptureModeThreadLocal)
+            with s:
+                x *= 2
+            began.set()
+            done.wait(60)
+            result["graph"] = s.end_capture()
+        except Exception as exc:  # (reported below)
+            result["error"] = repr(exc)
+        finally:
+            began.set()
+
+    with torch.inference_mode():
+        static_in = torch.randn(4, 256, device="cuda", dtype=torch.bfloat16)
+        g, out = _gpu_capture(model, static_in, stream)
+        with torch.cuda.stream(stream):
+            g.replay()  # still running, maybe, when the graph is reset
+        g.reset()
+        t = threading.Thread(target=other_thread)
+        t.start()
+        assert began.wait(60) and "error" not in result, result
+        g2 = torch.cuda.CUDAGraph()  # (not torch.cuda.graph: its __enter__ synchronizes the device itself)
+        with torch.cuda.stream(stream):
+            g2.capture_begin(capture_error_mode="thread_local")
+            out2 = model(static_in)
+            g2.capture_end()
+        done.set()
+        t.join(60)
+        rec = d._graphs.recorder(0).stats()
+        with torch.cuda.stream(stream):
+            static_in.copy_(torch.randn(4, 256, device="cuda", dtype=torch.bfloat16))
+            g2.replay()
+            want = out2.clone()
+        stream.synchronize()
+        stats = d.close()
+    assert "error" not in result and result.get("graph") is not None, result
+    assert rec["reclaimed_graphs"] == 1, rec
+    passes = graph_passes(fastdump.open(tmp_path), "target")
+    assert stats["dropped_passes"] == 0 and len(passes) == 2
+    got = fastdump.open(tmp_path).load("target", 0, passes[-1])
+    assert same_bits(torch.as_tensor(got["Sequential"]), want.cpu())
+
+
 def test_graph_recording_memory_is_freed_when_no_graph_can_use_it(m, glue, tmp_path, monkeypatch):
     """Without a committed graph the recorder's device memory goes at close; with one, it stays
     (replays write into it) until free_device_memory() after the graph is destroyed."""
@@ -1732,6 +1797,141 @@ def test_slots_of_a_reset_graph_wait_for_its_replay_still_queued(m, glue, tmp_pa
     for p, (h1, h2) in zip(passes, [old] + new):
         got = ds.load("target", 0, p)
         assert same_bits(torch.as_tensor(got["layers.0"]), h1) and same_bits(torch.as_tensor(got["layers.1"]), h2)
+
+
+def test_a_legacy_stream_tensor_during_another_threads_capture_is_a_skip_not_a_lost_graph(m, glue, tmp_path,
+                                                                                           monkeypatch):
+    """A model on torch's default (legacy) stream while another thread captures on a blocking
+    stream with a raw cudaStreamBeginCapture: cudaStreamIsCapturing(legacy) answers
+    cudaErrorStreamCaptureImplicit, so the tensor went to the graph recorder, whose begin_graph
+    raised on the same error; the pass then gave up a "graph" that does not exist and counted it in
+    graphs_not_dumped (verify failed, falsely). The legacy stream never captures: the tensor is
+    skipped with the reason, nothing is enqueued on it (the other capture stays valid), no graph is
+    counted lost, and the next pass, after that capture ended, is dumped bit-exact."""
+    import threading
+
+    from fastdump.cli.dump import verify_dump
+    from fastdump.staging import cuda
+
+    current = Stream(0)  # torch's default stream
+    monkeypatch.setattr(cuda, "_current_stream", current)
+    blocking = m._mock.stream_create_flags(0)
+    model = Model(m, 4)
+    d = _attach(tmp_path, writer="thread", device="cuda:0")
+    began, done, result = threading.Event(), threading.Event(), {}
+
+    def other_thread():
+        try:
+            result["begin"] = m._mock.begin_capture(blocking, GLOBAL)
+        finally:
+            began.set()
+        done.wait(60)
+        result["err"], result["graph"] = m._mock.end_capture(blocking)
+
+    t = threading.Thread(target=other_thread)
+    t.start()
+    try:
+        assert began.wait(60) and result["begin"] == 0
+        d.begin_pass()
+        d.dump("layers.0", FakeCudaTensor(model.cpu, model.h1))
+        d.end_pass()
+        done.set()
+        t.join(60)
+        assert result["err"] == 0, m._mock.error_name(result["err"])  # the other capture made its graph
+        x = rand_input(model, 5)
+        model.set_input(0, x)
+        model.forward(d, 0)
+        stats = d.close()
+    finally:
+        done.set()
+        t.join(60)
+        if result.get("graph"):
+            m._mock.graph_destroy(result["graph"])
+        m._mock.sync(0)
+        m._mock.stream_destroy(blocking)
+        free_device_memory(d)
+    assert stats["graphs_not_dumped"] == 0 and stats["skipped"] == 1, stats
+    ds = fastdump.open(tmp_path)
+    first, second = ds.passes("target", 0)
+    meta = ds.meta("target", 0, first)
+    assert meta["tensors"] == 0 and "legacy default stream" in str(meta.get("skipped")), meta
+    h1, h2 = model.expected(x)
+    got = ds.load("target", 0, second)
+    assert same_bits(torch.as_tensor(got["layers.0"]), h1) and same_bits(torch.as_tensor(got["layers.1"]), h2)
+    assert verify_dump(str(tmp_path)).problems == []
+
+
+@pytest.mark.parametrize("mode", [GLOBAL, THREAD_LOCAL, RELAXED])
+def test_reclaiming_slots_never_breaks_another_threads_raw_capture(m, glue, tmp_path, monkeypatch, mode):
+    """Another thread captures a graph of its own with a raw cudaStreamBeginCapture (CuPy, a
+    library) while the serving thread resets a graph and captures the next: the slots were given
+    back after a cudaDeviceSynchronize, which is illegal while any stream of the device captures, in
+    any mode, and invalidated the other thread's capture (its cudaStreamEndCapture failed, the
+    slots stayed taken). Each graph's last launch is waited for through its done event now: the
+    other capture yields its graph, the slots go to the new graph, its replays are bit-exact."""
+    import threading
+
+    from fastdump.cli.dump import verify_dump
+    from fastdump.staging import cuda
+
+    current = Stream(glue)
+    monkeypatch.setattr(cuda, "_current_stream", current)
+    _watch_torch_graphs(monkeypatch)
+    side, late, other = m._mock.stream_create_flags(0), m._mock.stream_create(), m._mock.stream_create()
+    model = Model(m, 4, width=8192)  # the slots hold barely two spans: the recapture needs the old one's
+    d = _attach(tmp_path, writer="thread", device="cuda:0", graph_ring_mb=1)
+    began, done, result = threading.Event(), threading.Event(), {}
+
+    buf = device_buffer(m, 256)
+
+    def other_thread():
+        try:
+            result["begin"] = m._mock.begin_capture(other, mode)
+            result["fill"] = m._mock.enqueue_fill(other, buf, 256, 7)
+        finally:
+            began.set()
+        done.wait(60)
+        result["err"], result["graph"] = m._mock.end_capture(other)
+
+    t = threading.Thread(target=other_thread)
+    g2 = None
+    try:
+        g = _torch_capture(m, model, d, current, side)
+        current.raw = glue
+        gate = m._mock.enqueue_gate(late)
+        old = replay(m, model, g.exe, late, rand_input(model, 1))  # still queued when the graph goes
+        g.reset()
+        t.start()
+        assert began.wait(60) and result == {"begin": 0, "fill": 0}, result
+        threading.Timer(0.2, lambda: m._mock.open_gate(gate)).start()
+        g2 = _torch_capture(m, model, d, current, side)  # (reclaims g's slots as it begins)
+        done.set()
+        t.join(60)
+        current.raw = glue
+        new = [replay(m, model, g2.exe, glue, rand_input(model, 2))]
+        m._mock.sync(glue)
+        rec = d._graphs.recorder(0).stats()
+        stats = d.close()
+        g2.reset()
+    finally:
+        done.set()
+        if t.is_alive():
+            t.join(60)
+        if result.get("graph"):
+            m._mock.graph_destroy(result["graph"])
+        m._mock.sync(late)
+        for s in (side, late, other):
+            m._mock.stream_destroy(s)
+        free_device_memory(d)
+    assert result["err"] == 0, m._mock.error_name(result["err"])
+    assert rec["reclaimed_graphs"] == 1 and stats["skipped"] == 0, (rec, stats)
+    ds = fastdump.open(tmp_path)
+    passes = graph_passes(ds, "target")
+    assert len(passes) == 2
+    for p, (h1, h2) in zip(passes, [old] + new):
+        got = ds.load("target", 0, p)
+        assert same_bits(torch.as_tensor(got["layers.0"]), h1) and same_bits(torch.as_tensor(got["layers.1"]), h2)
+    assert verify_dump(str(tmp_path)).problems == []
 
 
 def test_a_replay_claimed_while_close_runs_is_written(m, glue, tmp_path, monkeypatch):

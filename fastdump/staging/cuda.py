@@ -111,9 +111,11 @@ class HostFallbackStager:
 
     def stage_tensor(self, channel, name_id, pass_id, dtype_code, tensor, block, timeout_s=-1.0) -> int:
         _check_storage(tensor, tensor.data_ptr())  # .cpu() reads what the tensor addresses, unchecked
-        if _stream_capturing(tensor):
-            # A synchronous copy on a capturing stream is illegal and invalidates the user's graph:
-            # refused like the C++ stager refuses it (the caller counts CAPTURING as a skip).
+        if _stream_capturing(tensor) or _capture_forbids_sync_copies():
+            # A synchronous copy on a capturing stream is illegal and invalidates the user's graph,
+            # and so is one on any stream while a global-mode capture runs on another thread (the
+            # copy's cudaStreamSynchronize is a "potentially unsafe" call): refused like the C++
+            # stager refuses a capturing stream (the caller counts CAPTURING as a skip).
             self._stats["capturing_skipped"] += 1
             return CAPTURING
         host = _to_host(tensor)
@@ -148,6 +150,7 @@ def get_stager(producer, device_ring_mb: float):
         reason = unusable_reason()
         _warn_once("unusable", "fastdump: CUDA staging unavailable (%s); CUDA tensors are copied "
                    "synchronously through .cpu()", reason)
+        watch_graph_captures()  # (the fallback's copies must know of torch's captures)
         return _kept(HostFallbackStager(producer, reason))
     ring_bytes = int(float(device_ring_mb) * (1 << 20))
     try:
@@ -155,6 +158,7 @@ def get_stager(producer, device_ring_mb: float):
     except Exception as exc:
         _warn_once("create", "fastdump: cannot start CUDA staging (%s); CUDA tensors are copied "
                    "synchronously through .cpu()", exc)
+        watch_graph_captures()
         return _kept(HostFallbackStager(producer, str(exc)))
     try:
         seconds = stager.register_host()
@@ -198,7 +202,7 @@ def watch_graph_captures() -> bool:
     def capture_begin(self, *args, **kwargs):
         note()
         _new_generation(self)
-        if not _open_captures:  # (the device cannot be synchronized while another capture runs)
+        if not _open_captures:  # (slots are not given back under another capture of a recorder)
             for call in before_capture:
                 call()  # graphs.reclaim_dead_graphs: slots of graphs reset or collected go to this capture
         _capturing.graph = _GraphToken(self)
@@ -212,7 +216,8 @@ def watch_graph_captures() -> bool:
             raise
         finally:
             gate(False)
-        _open_captures.add(id(self))
+        mode = kwargs.get("capture_error_mode", args[1] if len(args) > 1 else "global")
+        _open_captures[id(self)] = (str(mode), threading.get_ident())
         return result
 
     capture_begin.__fastdump_original__ = original
@@ -237,7 +242,23 @@ before_capture: list = []
 # one of them still exists (staging/graphs.py). A graph's generation grows at each capture_begin
 # and reset(): a token of an older generation is a graph that no longer exists.
 _capturing = threading.local()
-_open_captures: set = set()  # id() of the torch CUDAGraphs between capture_begin and capture_end
+# The torch CUDAGraphs between capture_begin and capture_end: id() -> (capture_error_mode, thread).
+_open_captures: dict = {}
+
+
+def _capture_forbids_sync_copies() -> bool:
+    """Whether a torch capture now open forbids this thread (in the default, global capture mode)
+    the "potentially unsafe" calls of a synchronous ``.cpu()`` copy (cudaStreamSynchronize, an
+    allocation): another thread's global-mode capture, or a non-relaxed capture of this thread's
+    own (CUDA: cudaThreadExchangeStreamCaptureMode). Such a call would fail and invalidate that
+    capture. Captures begun outside torch (raw cudaStreamBeginCapture, CuPy) are not known here."""
+    if not _open_captures:
+        return False
+    me = threading.get_ident()
+    for mode, thread in list(_open_captures.values()):
+        if (thread == me and mode != "relaxed") or (thread != me and mode == "global"):
+            return True
+    return False
 _generations = None  # weakref.WeakKeyDictionary: torch CUDAGraph -> generation
 
 
@@ -256,13 +277,13 @@ def _wrap_graph_method(method, name):
     def wrapper(self, *args, **kwargs):
         if name == "reset":  # the graph is destroyed: its tokens are dead
             _new_generation(self)
-            _open_captures.discard(id(self))  # (a capture that never ended)
+            _open_captures.pop(id(self), None)  # (a capture that never ended)
             return method(self, *args, **kwargs)
         try:
             return method(self, *args, **kwargs)
         finally:
             _capturing.graph = None  # the capture ended (or failed to)
-            _open_captures.discard(id(self))
+            _open_captures.pop(id(self), None)
 
     wrapper.__fastdump_original__ = method
     return wrapper
@@ -316,7 +337,10 @@ def _capture_running() -> bool:
     torch_cuda = sys.modules.get("torch.cuda")
     if not getattr(torch_cuda, "_initialized", False):  # (no call: asked at every pass left out)
         return False
-    return torch_cuda.is_initialized() and torch_cuda.is_current_stream_capturing()
+    try:
+        return torch_cuda.is_initialized() and torch_cuda.is_current_stream_capturing()
+    except RuntimeError:  # the legacy stream while a blocking stream captures: it never captures itself
+        return False
 
 
 def lane_stream_functions():
@@ -432,10 +456,15 @@ def _stream_capturing(tensor) -> bool:
         return False  # a host tensor: its copy is no CUDA work
     import torch
 
-    if device == torch.cuda.current_device():
-        return torch.cuda.is_current_stream_capturing()
-    with torch.cuda.device(device):
-        return torch.cuda.is_current_stream_capturing()
+    try:
+        if device == torch.cuda.current_device():
+            return torch.cuda.is_current_stream_capturing()
+        with torch.cuda.device(device):
+            return torch.cuda.is_current_stream_capturing()
+    except RuntimeError:
+        # cudaErrorStreamCaptureImplicit: the current stream is the legacy one and a blocking stream
+        # of the GPU captures (other code's). A copy on the legacy stream would invalidate that capture.
+        return True
 
 
 _INT_BY_SIZE = None

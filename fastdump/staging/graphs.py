@@ -258,8 +258,9 @@ class GraphRecording:
         """Give back the slots of the torch CUDAGraphs captured with this Dumper that can never be
         replayed again (reset, captured again, or collected: an engine that recaptures its graphs).
         Without it every recapture takes new slots until graph_ring_mb/2 is full and the next
-        graphs' tensors are skipped. The recorder synchronizes the device first (a replay launched
-        before the reset may still be writing them). Graphs captured outside torch are never
+        graphs' tensors are skipped. The recorder first waits for each such graph's last launch (a
+        replay launched before the reset may still be writing them; an event per graph, never the
+        device, which would break another thread's capture). Graphs captured outside torch are never
         known dead: their slots stay. Returns the captures whose slots were given back."""
         given = 0
         with self._writers_lock:
@@ -269,7 +270,7 @@ class GraphRecording:
             rec = self._recorders.get(dev)
             if rec is None or not serials:
                 continue
-            done = set(rec.reclaim(serials))  # (synchronizes the device, without the GIL)
+            done = set(rec.reclaim(serials))  # (waits for their last launches, without the GIL)
             if done:
                 with self._writers_lock:
                     self._writers[dev] = [(o, s) for o, s in self._writers[dev] if s not in done]
@@ -288,8 +289,12 @@ class GraphRecording:
             if cap.recorded:
                 self._hold(cap)
         _recordings.discard(self)
-        _synchronize(list(self._recorders))
         for rec in self._recorders.values():
+            # Replays already launched are dumped: each graph's last launch is waited for (its done
+            # event; a device-wide torch.cuda.synchronize would break another thread's capture).
+            if not rec.wait_launched():
+                log.warning("fastdump: %s: cannot wait for the CUDA graphs' last replays at close",
+                            self._dumper.dir)
             rec.close(timeout)
             s = rec.stats()
             totals["passes"] += s["replays"]
@@ -355,18 +360,3 @@ def free_device_memory(dumper) -> bool:
                   "(close the Dumper first)", dumper.dir)
         return False
     return recording.free_device_memory()
-
-
-def _synchronize(devices) -> None:
-    """Let replays already launched finish, so that close() dumps them (real torch only)."""
-    import sys
-
-    torch = sys.modules.get("torch")
-    if torch is None or not devices:
-        return
-    try:
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            for dev in devices:
-                torch.cuda.synchronize(dev)
-    except Exception as exc:  # never fail close() over it
-        log.warning("fastdump: torch.cuda.synchronize failed at close (%s)", exc)

@@ -98,6 +98,8 @@ enum cudaDriverEntryPointQueryResult { cudaDriverEntryPointSuccess = 0, cudaDriv
                                        cudaDriverEntryPointVersionNotSufficent = 2 };
 
 #define cudaEventDisableTiming 0x02
+#define cudaEventRecordDefault 0x00
+#define cudaEventRecordExternal 0x01
 #define cudaStreamDefault 0x00
 #define cudaStreamNonBlocking 0x01
 #define cudaHostRegisterPortable 0x01
@@ -488,9 +490,14 @@ struct LaunchOrder {
   }
 };
 
+struct Event;
 struct Graph {
   std::vector<std::function<void()>> ops;  // in issue order: a valid topological order
   std::shared_ptr<LaunchOrder> order;      // executable graphs only
+  // Event record nodes (cudaEventRecordWithFlags(..., cudaEventRecordExternal) during capture):
+  // each launch records them, as of the launch's end (after every node: a later mark than the
+  // node's own, never an earlier one).
+  std::vector<Event*> external_events;
 };
 
 struct Capture {
@@ -1002,17 +1009,23 @@ inline cudaError_t cudaStreamSynchronize(cudaStream_t s) {
   FDMOCK_ENTER("", st->device());  // a fault while we waited is reported here
   return cudaSuccess;
 }
-// Waits for the work of every stream of the current device enqueued before the call. Refused
-// (cudaErrorStreamCaptureUnsupported, nothing invalidated) while a stream of the device captures:
-// the graph recorder never synchronizes then.
+// Waits for the work of every stream of the current device enqueued before the call. While a
+// stream of the device captures, in any capture mode and from any thread, it is illegal
+// (Programming Guide, stream capture: synchronizing "a broader handle which encompasses an active
+// stream capture, such as a device or context handle") and invalidates those captures.
 inline cudaError_t cudaDeviceSynchronize() {
   FDMOCK_CALL();
   const int dev = fdmock::current_device();
   FDMOCK_ENTER("cudaDeviceSynchronize", dev);
   {
     std::lock_guard<std::mutex> g(fdmock::big_lock());
+    bool refused = false;
     for (auto& c : fdmock::captures())
-      if (c->device == dev) return fdmock::ret(cudaErrorStreamCaptureUnsupported);
+      if (c->device == dev) {
+        fdmock::invalidate_locked(*c, cudaErrorStreamCaptureUnsupported);
+        refused = true;
+      }
+    if (refused) return fdmock::ret(cudaErrorStreamCaptureUnsupported);
     if (cudaError_t e = fdmock::unsafe_call_locked()) return fdmock::ret(e);
   }
   std::vector<std::pair<std::shared_ptr<fdmock::Progress>, uint64_t>> waits;
@@ -1149,6 +1162,7 @@ inline cudaError_t cudaGraphLaunch(cudaGraphExec_t exec, cudaStream_t s) {
   // The launch keeps its own copy of the nodes: an executable graph destroyed while a launch of
   // it is in flight is freed on completion (cudaGraphExecDestroy), never under the running launch.
   auto ops = std::make_shared<std::vector<std::function<void()>>>(g->ops);
+  uint64_t done_ticket = 0;
   const cudaError_t e = fdmock::submit(s, [ops, order, ticket] {
     {
       std::unique_lock<std::mutex> l(order->mu);
@@ -1161,7 +1175,17 @@ inline cudaError_t cudaGraphLaunch(cudaGraphExec_t exec, cudaStream_t s) {
     }
     std::lock_guard<std::mutex> l(order->mu);
     order->finish_locked();
-  });
+  }, &done_ticket);
+  if (e == cudaSuccess) {
+    fdmock::Stream* st = fdmock::stream_of(s);
+    for (fdmock::Event* ev : g->external_events) {  // recorded at this launch
+      std::lock_guard<std::mutex> l(ev->mu);
+      ev->captured.reset();
+      ev->stream = st;
+      ev->progress = st->progress();
+      ev->ticket = done_ticket;
+    }
+  }
   if (e != cudaSuccess) {
     std::lock_guard<std::mutex> l(order->mu);
     if (order->done == ticket)
@@ -1224,6 +1248,43 @@ inline cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s) {
   ev->captured.reset();
   ev->progress = st->progress();
   ev->ticket = t;
+  return cudaSuccess;
+}
+// cudaEventRecordExternal during a capture: an event record node of the graph (each launch records
+// the event); otherwise an ordinary record.
+inline cudaError_t cudaEventRecordWithFlags(cudaEvent_t e, cudaStream_t s, unsigned int flags = 0) {
+  FDMOCK_CALL();
+  auto* ev = reinterpret_cast<fdmock::Event*>(e);
+  fdmock::Stream* st = fdmock::stream_of(s);
+  if (flags & cudaEventRecordExternal) {
+    FDMOCK_ENTER("cudaEventRecordWithFlags", st->device());
+    if (ev->device != st->device()) return fdmock::ret(cudaErrorInvalidResourceHandle);
+    std::lock_guard<std::mutex> g(fdmock::big_lock());
+    if (st->capture) {
+      if (st->capture->invalid != cudaSuccess) return fdmock::ret(cudaErrorStreamCaptureInvalidated);
+      st->capture->graph->external_events.push_back(ev);
+      return cudaSuccess;
+    }
+  }
+  return cudaEventRecord(e, s);
+}
+// Waits for the event's last record; potentially unsafe as cudaEventQuery is.
+inline cudaError_t cudaEventSynchronize(cudaEvent_t e) {
+  FDMOCK_CALL();
+  auto* ev = reinterpret_cast<fdmock::Event*>(e);
+  FDMOCK_ENTER("cudaEventSynchronize", fdmock::current_device());
+  std::shared_ptr<fdmock::Progress> pr;
+  uint64_t t;
+  {
+    std::lock_guard<std::mutex> g(ev->mu);
+    if (ev->captured) return fdmock::ret(cudaErrorCapturedEvent);
+    pr = ev->progress;
+    t = ev->ticket;
+  }
+  if (cudaError_t u = fdmock::unsafe_call()) return fdmock::ret(u);
+  fdmock::config().syncs++;
+  if (pr) pr->wait_for(t);
+  FDMOCK_ENTER("", fdmock::current_device());  // a fault while we waited is reported here
   return cudaSuccess;
 }
 inline cudaError_t cudaEventQuery(cudaEvent_t e) {
