@@ -1447,3 +1447,87 @@ def test_attaching_one_model_twice_says_so_and_what_to_do(tmp_path, caplog):
     finally:
         for dumper in (first, second, third):
             dumper.close()
+
+
+@pytest.mark.parametrize("kind", ["generator", "coroutine"])
+def test_a_lazy_result_dropped_unconsumed_inside_its_own_dumpers_pass_is_closed_after_that_pass(tmp_path, kind):
+    """The draft (manual passes) steps its generator (coroutine) in pass 0 and drops it unconsumed in
+    pass 1: its ``finally`` called the shared LM head right there, inside pass 1, which then held an
+    ``lm_head`` the pass never called, complete, verify OK (the forward called inside a pass returned
+    the real object, which the collector closed where it was). Now it is closed once pass 1 has
+    ended, outside any pass: pass 1 holds its own call alone, the cleanup still runs."""
+    target = _Eagle3Target()
+    draft = _CleanupDraft(target)
+    draft.kind, draft.cleanup = kind, []
+    dd = fastdump.attach(draft, tmp_path, role="draft", root_passes=False, exclude=r"^_CleanupDraft$")
+    ids, aux = torch.tensor([[1, 2, 3]]), torch.zeros(1, 3, 8)
+    with torch.inference_mode():
+        with dd.manual_pass():
+            lazy = draft(ids, aux)
+            lazy.send(None)  # one step, in pass 0: its calls are pass 0's
+        with dd.manual_pass():
+            e = target.embed(ids + 7)
+            lazy = None  # dropped unconsumed inside pass 1
+            ran_in_pass = len(draft.cleanup)
+        first = draft.fc(torch.cat([target.embed(ids), aux], -1))
+    assert ran_in_pass == 0 and len(draft.cleanup) == 1  # closed after the pass, not lost
+    assert dd.close()["status"] == "closed"
+    ds = fastdump.open(tmp_path)
+    assert sorted(ds.load("draft", 0, 0)) == ["embed", "fc"] and same_bits(ds.load("draft", 0, 0)["fc"], first)
+    dumped = ds.load("draft", 0, 1)
+    assert list(dumped) == ["embed"] and same_bits(dumped["embed"], e)
+    assert not cli_dump.verify_dump(str(tmp_path)).problems
+
+
+class _LazyLM(torch.nn.Module):
+    """A root whose forward returns a generator of LM-head steps, whose ``finally`` calls the LM head
+    again (a cleanup step); ``on_forward`` runs first in each forward."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(7)
+        self.embed = torch.nn.Embedding(50, 8)
+        self.lm_head = torch.nn.Linear(8, 50, bias=False)
+        self.on_forward = lambda: None
+        self.cleanup = []
+
+    def forward(self, ids):
+        self.on_forward()
+        h = self.embed(ids)
+
+        def steps():
+            try:
+                for s in range(3):
+                    yield self.lm_head(h + s)
+            finally:
+                self.cleanup.append(self.lm_head(h * 2))
+
+        return steps()
+
+
+@pytest.mark.parametrize("native_pass", [True, False])
+def test_a_lazy_result_dropped_inside_its_own_root_pass_keeps_its_cleanup_out_of_it(tmp_path, monkeypatch,
+                                                                                     native_pass):
+    """A root_passes=True model whose forward returns a generator: the first, left suspended, is
+    dropped inside the model's next forward (its pass): its ``finally`` called the LM head inside
+    that pass, read as the forward's own ``lm_head``, verify OK. Now it runs once the pass ended."""
+    from fastdump.capture import dumper as dumper_mod
+    monkeypatch.setattr(dumper_mod, "_native_root_pass", native_pass)
+    model = _LazyLM()
+    d = fastdump.attach(model, tmp_path)
+    ids = [torch.tensor([[1, 2, 3]]), torch.tensor([[4, 5, 6]])]
+    held, ran_in_pass = [], []
+    with torch.inference_mode():
+        held.append(model(ids[0]))
+        next(held[0])
+        model.on_forward = lambda: (held.clear(), ran_in_pass.append(len(model.cleanup)))
+        second = model(ids[1])
+        embeds = [model.embed(i) for i in ids]
+    assert ran_in_pass == [0] and len(model.cleanup) == 1
+    assert d.close()["status"] == "closed"
+    ds = fastdump.open(tmp_path)
+    for p in range(2):
+        dumped = ds.load(None, 0, p)
+        assert "lm_head" not in dumped and same_bits(dumped["embed"], embeds[p]), (p, sorted(dumped))
+    assert not cli_dump.verify_dump(str(tmp_path)).problems
+    del second

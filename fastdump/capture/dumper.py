@@ -227,6 +227,9 @@ class Dumper:
         # Per root forward running outside any pass of this Dumper that suspended other Dumpers'
         # passes (root_passes=False, _outside_pass_wrapper): those Dumpers.
         self._forwards_outside_passes: list = []
+        # Lazy results (capture/lazy.py) dropped unconsumed while a pass of this Dumper was open:
+        # closed once it has ended (_close_dropped_lazy), so their cleanup is not taken for its calls.
+        self._dropped_lazy: list = []
         # close() ended a pass its root forward opened, still running, that suspended other Dumpers'
         # passes: they capture again when that forward returns (_cut_outer_passes).
         self._resume_at_root_return = False
@@ -398,6 +401,8 @@ class Dumper:
             self._mark_incomplete(str(incomplete)[:200])
         self._manual_depth -= 1
         self._end()
+        if self._dropped_lazy:
+            self._close_dropped_lazy()
         return True
 
     def manual_pass(self, **meta) -> "_ManualPass":
@@ -497,6 +502,8 @@ class Dumper:
                           "(`fastdump verify` fails): %s", self.dir, "; ".join(self._totals["modules_not_followed"]))
         self._unwrap()
         _open_dumpers.discard(self)
+        if self._dropped_lazy:  # (dropped in a pass close() cuts short: unwrapped now, nothing captured)
+            self._close_dropped_lazy()
         if self._engine is None or self._pid != os.getpid():
             self._let_go_of_the_dir()
             return self.stats()  # never started, or a forked child's copy: the parent's engine is not ours
@@ -1896,6 +1903,8 @@ class Dumper:
                 return forward(*args, **kwargs)  # (a pass of skips would shift every later pass id)
             if root_pass is not None and outside is _call and not dumper._python_wrappers:
                 out = root_pass(native, args, kwargs)  # this function's pass, as below (C)
+                if dumper._dropped_lazy:
+                    dumper._close_dropped_lazy()
                 if type(out) in _LAZY_STAND_INS:  # (a generator: its work runs after the pass ended)
                     return dumper._lazy_result(out, after_pass=True)
                 return out
@@ -1918,6 +1927,8 @@ class Dumper:
                 raise
             finally:
                 outside(dumper._end)
+                if dumper._dropped_lazy:
+                    outside(dumper._close_dropped_lazy)
             if type(out) in _LAZY_STAND_INS:  # (a generator: its work runs after the pass ended)
                 return dumper._lazy_result(out, after_pass=True)
             return out
@@ -1939,8 +1950,13 @@ class Dumper:
 
         @_wraps(original)
         def forward_outside_passes(*args, **kwargs):
-            if dumper._depth > 0 or getattr(forward_outside_passes, "__fastdump_off__", False):
-                return inner(*args, **kwargs)  # in a pass of its own (which suspended the others), or closed
+            if getattr(forward_outside_passes, "__fastdump_off__", False):
+                return inner(*args, **kwargs)  # closed
+            if dumper._depth > 0:  # in a pass of its own (which suspended the others)
+                out = inner(*args, **kwargs)
+                # (its steps are that pass's; dropped unconsumed in a later pass, its stand-in keeps
+                # the cleanup out of that one: _close_dropped)
+                return dumper._lazy_result(out, after_pass=False) if type(out) in _LAZY_STAND_INS else out
             outside = _outside_graph if _is_compiling() else _call
             held = len(dumper._forwards_outside_passes)
             try:  # (Ctrl-C between the suspend and the forward: still resumed)
@@ -1979,6 +1995,31 @@ class Dumper:
         finally:
             if len(self._forwards_outside_passes) > held:
                 self._resume_after_forward()
+
+    def _close_dropped(self, inner) -> None:
+        """A lazy result dropped unconsumed (lazy._Lazy.__del__): close it now, outside passes as its
+        steps ran. While a pass of this Dumper is open (the stand-in was freed inside it, on any
+        thread), the ``finally`` blocks it runs then would put their module calls into that pass, as
+        if its forward had made them (``lm_head`` of a cleanup step, verify OK): it is closed once
+        that pass has ended instead, outside it (_close_dropped_lazy)."""
+        state = self._state
+        if not self._closed and (self._depth > 0 or state.capturing or state.suspended):
+            self._dropped_lazy.append(inner)
+            return
+        self._step_outside_passes(inner.close)
+
+    def _close_dropped_lazy(self) -> None:
+        """Close the lazy results dropped during the pass that just ended (_close_dropped), unless a
+        pass is open again (nested, another thread's): then at its end. What their ``finally``
+        blocks raise is logged, as the garbage collector would have reported it."""
+        state = self._state
+        while self._dropped_lazy and (self._closed or not (self._depth > 0 or state.capturing or state.suspended)):
+            inner = self._dropped_lazy.pop(0)
+            try:
+                self._step_outside_passes(inner.close)
+            except Exception as exc:
+                log.error("fastdump: %s: closing a dropped %s raised %s: %s", self.dir, type(inner).__name__,
+                          type(exc).__name__, _short(exc))
 
     def _suspend_for_forward(self) -> bool:
         """The root's forward starts outside any pass of this Dumper (_outside_pass_wrapper): suspend

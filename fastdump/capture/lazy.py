@@ -66,8 +66,8 @@ class _Lazy(_StandIn):
             suspended = _suspended(self._inner)
         except Exception:  # (at interpreter exit, modules torn down: the real object's finalizer closes it)
             return
-        if suspended:
-            self.close()  # (what its finally blocks raise is reported as the collector reports it)
+        if suspended:  # (what its finally blocks raise is reported as the collector reports it)
+            self._dumper._close_dropped(self._inner)  # (after the pass, when one of its Dumper is open)
 
 
 def _suspended(inner) -> bool:
