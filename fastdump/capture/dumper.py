@@ -52,6 +52,8 @@ from .. import segment_list as _segment_list
 log = logging.getLogger("fastdump")
 
 _open_dumpers: "weakref.WeakSet[Dumper]" = weakref.WeakSet()
+# Dumpers whose close() is running (held: a thread still uses each); the exit hook waits for them
+_closing_dumpers: "set[Dumper]" = set()
 _MIXED_REASON = "forwards of several threads ran at once in this pass (mixed tensors)"
 _MAX_LATE_ENDS = 4096  # refused pass ends kept to send again (each a small dict)
 _MAX_SUSPENDED_FOR = 256  # entries of a pass's suspended_for kept (the rest counted)
@@ -67,6 +69,12 @@ def close_all(deadline: float | None = None) -> None:
             dumper.close() if deadline is None else dumper.close(max(0.0, deadline - time.monotonic()))
         except Exception as exc:
             log.error("fastdump: closing %s at exit failed: %s", dumper.dir, exc)
+    # A close() running on another thread (a daemon thread; the exit hook runs as those still run)
+    # was no open Dumper here: the engine shut down under it before its close message was in the
+    # ring, and its dump, whole, failed verify ("writer process exited"). Its end is waited for.
+    for dumper in list(_closing_dumpers):
+        if dumper._pid == os.getpid():
+            dumper._close_done.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
 
 
 def _forget_parent_dumpers() -> None:
@@ -90,6 +98,7 @@ def _forget_parent_dumpers() -> None:
         dumper._let_go_of_the_ring(fold=False)  # the parent's counts are the parent's
         dumper.status = "not dumping in this process (forked child of the attaching process)"
     _open_dumpers.clear()
+    _closing_dumpers.clear()  # (a parent thread's close: not in this process, never waited for here)
 
 
 if hasattr(os, "register_at_fork"):
@@ -230,6 +239,7 @@ class Dumper:
         # Lazy results (capture/lazy.py) dropped unconsumed while a pass of this Dumper was open:
         # closed once it has ended (_close_dropped_lazy), so their cleanup is not taken for its calls.
         self._dropped_lazy: list = []
+        self._close_done = threading.Event()  # set when a close() has finished (close_all waits for it)
         # close() ended a pass its root forward opened, still running, that suspended other Dumpers'
         # passes: they capture again when that forward returns (_cut_outer_passes).
         self._resume_at_root_return = False
@@ -501,7 +511,16 @@ class Dumper:
                 log.error("fastdump: %s: module edits after attach that fastdump could not follow "
                           "(`fastdump verify` fails): %s", self.dir, "; ".join(self._totals["modules_not_followed"]))
         self._unwrap()
+        _closing_dumpers.add(self)  # (the exit hook waits for it: see close_all)
         _open_dumpers.discard(self)
+        try:
+            return self._close_channel(timeout)
+        finally:
+            _closing_dumpers.discard(self)
+            self._close_done.set()
+
+    def _close_channel(self, timeout: float) -> dict:
+        """close() once the wrappers are off: end what is open, flush, close the channel, let go."""
         if self._dropped_lazy:  # (dropped in a pass close() cuts short: unwrapped now, nothing captured)
             self._close_dropped_lazy()
         if self._engine is None or self._pid != os.getpid():
@@ -552,11 +571,15 @@ class Dumper:
                     pass  # given up on above (the CUDA stager never finished): said why already
                 elif ok and self._engine.alive:  # the final segment write itself can fail (disk full)
                     self.status = "closed"
+                elif self._engine.closed:
+                    self._closed_under_us()
                 elif self._engine.alive:
                     self._disable(f"close timed out after {timeout:g} s; {self._unconfirmed_passes()} "
                                   "passes not confirmed on disk", writer_stuck=True)
                 else:
                     self._disable(self._engine.error())
+            elif self.status == "running" and self._engine.closed:
+                self._closed_under_us()
             elif self.status == "running":
                 self._disable(self._engine.error())
         except KeyboardInterrupt:
@@ -567,6 +590,22 @@ class Dumper:
         self._let_go_of_the_ring()
         self._let_go_of_the_dir()
         return self.stats()
+
+    def _closed_under_us(self) -> None:
+        """The engine was shut down while this close() ran (the exit hook, past its deadline for
+        this close on another thread): the writer closed this channel itself with what it had
+        (rank.json "closed", an unfinished pass incomplete), without this close's message. Whole
+        when every pass this Dumper ended is in the segment files; else those passes are lost and
+        the error says why (not "writer process exited with code 0", which read as a crash)."""
+        missing = self._totals["passes"] - self._passes_on_disk()
+        if missing <= 0 and not self._late_ends:
+            self.status = "closed"
+            log.warning("fastdump: %s: the staging engine shut down (interpreter exit) while close() ran on "
+                        "another thread; every pass is on disk, this close's counts are not in rank.json",
+                        self.dir)
+            return
+        self._disable(f"the staging engine shut down (interpreter exit) while close() ran on another thread: "
+                      f"{max(missing, len(self._late_ends))} passes not confirmed on disk", writer_stuck=True)
 
     def _let_go_of_the_dir(self) -> None:
         """Close the held rank directory: nothing is written there by this process any more."""
