@@ -5,6 +5,7 @@ import gc
 import json
 import os
 import signal
+import sys
 import time
 
 import pytest
@@ -1531,3 +1532,92 @@ def test_a_lazy_result_dropped_inside_its_own_root_pass_keeps_its_cleanup_out_of
         assert "lm_head" not in dumped and same_bits(dumped["embed"], embeds[p]), (p, sorted(dumped))
     assert not cli_dump.verify_dump(str(tmp_path)).problems
     del second
+
+
+class _AsyncCleanupDraft(_Eagle3Draft):
+    """A draft whose forward returns an async generator whose ``finally`` calls the shared LM head."""
+
+    def forward(self, ids, aux):
+        async def steps():
+            try:
+                for s in range(3):
+                    await asyncio.sleep(0)
+                    yield self.fc(torch.cat([self.embed(ids + s), aux], -1))
+            finally:
+                self.cleanup.append(self.lm_head(aux))
+
+        return steps()
+
+
+def test_an_async_generator_dropped_unconsumed_keeps_its_cleanup_out_of_a_pass_open_across_an_await(tmp_path):
+    """The draft's async generator, stepped once, is dropped inside a target pass that stays open
+    across ``await``s: the event loop's finalizer hook scheduled the real object's ``aclose()``,
+    which ran while the loop went on inside that pass, unsuspended: the draft's cleanup call of the
+    shared LM head was the target's ``lm_head#1``, complete, verify OK. The loop's hook now gets the
+    stand-in, whose ``aclose()`` steps suspend the target's pass as every other draft step does."""
+    target = _Eagle3Target()
+    draft = _AsyncCleanupDraft(target)
+    draft.cleanup = []
+    dt = fastdump.attach(target, tmp_path, role="target")
+    dd = fastdump.attach(draft, tmp_path, role="draft", root_passes=False, exclude=r"^_AsyncCleanupDraft$")
+    ids, aux, got = torch.tensor([[1, 2, 3]]), torch.zeros(1, 3, 8), {}
+    hooks = sys.get_asyncgen_hooks()
+
+    async def serve():
+        lazy = draft(ids, aux)
+        await lazy.__anext__()  # one step, outside any pass
+        loop_hooks = sys.get_asyncgen_hooks()
+        with dt.manual_pass():
+            got["logits"] = target(ids)
+            lazy = None  # dropped unconsumed: the loop closes it at its next turns, inside this pass
+            for _ in range(5):
+                await asyncio.sleep(0)
+            got["cleanups in the pass"] = len(draft.cleanup)
+        got["hooks kept"] = sys.get_asyncgen_hooks() == loop_hooks
+
+    with torch.inference_mode():
+        asyncio.run(serve())
+        e = target.embed(ids)
+        h = target.layer(e)
+    assert got["cleanups in the pass"] == 1 and got["hooks kept"] and sys.get_asyncgen_hooks() == hooks
+    assert same_bits(draft.cleanup[0], target.lm_head(aux).detach())
+    assert dd.close()["status"] == "closed" and dt.close()["status"] == "closed"
+    ds = fastdump.open(tmp_path)
+    dumped = ds.load("target", 0, 0)
+    want = {"embed": e, "layer": h, "lm_head": got["logits"], "_Eagle3Target": got["logits"]}
+    assert sorted(dumped) == sorted(want) and all(same_bits(dumped[n], want[n]) for n in want)
+    assert ds.meta("target", 0, 0)["suspended_for"] == [{"role": "draft", "pass": None}]
+    assert not cli_dump.verify_dump(str(tmp_path)).problems
+
+
+def test_an_async_generators_cleanup_run_inside_its_own_dumpers_pass_marks_that_pass_incomplete(tmp_path):
+    """Dropped unconsumed while a pass of its own Dumper is open across ``await``s, the async
+    generator's ``aclose()`` runs when the loop gets to it, inside that pass (it cannot be put off as a
+    generator's close is): its cleanup call of the LM head was read as the pass's own ``lm_head``,
+    verify OK. The pass is now marked mixed saying so, and verify fails naming it."""
+    target = _Eagle3Target()
+    draft = _AsyncCleanupDraft(target)
+    draft.cleanup = []
+    dd = fastdump.attach(draft, tmp_path, role="draft", root_passes=False, exclude=r"^_AsyncCleanupDraft$")
+    ids, aux = torch.tensor([[1, 2, 3]]), torch.zeros(1, 3, 8)
+
+    async def serve():
+        lazy = draft(ids, aux)
+        with dd.manual_pass():
+            await lazy.__anext__()  # pass 0: its own step
+        with dd.manual_pass():
+            lazy = None
+            for _ in range(5):
+                await asyncio.sleep(0)
+        with dd.manual_pass():
+            target.embed(ids)  # pass 2: whole
+
+    with torch.inference_mode():
+        asyncio.run(serve())
+    assert len(draft.cleanup) == 1
+    assert dd.close()["status"] == "closed"
+    ds = fastdump.open(tmp_path)
+    assert [ds.meta("draft", 0, p)["complete"] for p in range(3)] == [True, False, True]
+    assert "async generator dropped unconsumed" in ds.meta("draft", 0, 1)["incomplete"]
+    problems = cli_dump.verify_dump(str(tmp_path)).problems
+    assert len(problems) == 1 and "pass 1 mixes" in problems[0] and "async generator" in problems[0], problems

@@ -2060,6 +2060,18 @@ class Dumper:
                 log.error("fastdump: %s: closing a dropped %s raised %s: %s", self.dir, type(inner).__name__,
                           type(exc).__name__, _short(exc))
 
+    def _step_dropped_cleanup(self, step, *args):
+        """One step of the ``aclose()`` an event loop runs for an async generator of this Dumper's
+        dropped unconsumed (lazy._Cleanup): as any step, unless a pass of this Dumper is open (across
+        an ``await``): it cannot be put off as a generator's close is (_close_dropped), the loop runs
+        it now; the pass is marked mixed, naming why (verify fails), as its calls read as its forward's."""
+        state = self._state
+        if not self._closed and (self._depth > 0 or state.capturing or state.suspended):
+            self._mixed = True  # (verify fails on it: calls that are not this pass's forward, told apart by none)
+            self._mark_incomplete("the cleanup of an async generator dropped unconsumed ran inside this pass "
+                                  "(its event loop closed it here): its module calls are in it")
+        return self._step_outside_passes(step, *args)
+
     def _suspend_for_forward(self) -> bool:
         """The root's forward starts outside any pass of this Dumper (_outside_pass_wrapper): suspend
         the passes of other Dumpers open on this thread. Whether it suspended any."""
