@@ -1621,3 +1621,32 @@ def test_an_async_generators_cleanup_run_inside_its_own_dumpers_pass_marks_that_
     assert "async generator dropped unconsumed" in ds.meta("draft", 0, 1)["incomplete"]
     problems = cli_dump.verify_dump(str(tmp_path)).problems
     assert len(problems) == 1 and "pass 1 mixes" in problems[0] and "async generator" in problems[0], problems
+
+
+def test_a_lazy_result_of_a_closed_dumper_dropped_in_a_pass_of_its_models_next_dumper_stays_out_of_it(tmp_path):
+    """Attach, step a draft generator, close, attach the draft again: the first session's generator,
+    dropped unconsumed inside a pass of the second Dumper, ran its cleanup (the LM head) there, read as
+    that pass's own ``lm_head``, verify OK. It is now closed as the second Dumper's own dropped
+    result: after that pass, outside it."""
+    target = _Eagle3Target()
+    draft = _CleanupDraft(target)
+    draft.cleanup = []
+    ids, aux = torch.tensor([[1, 2, 3]]), torch.zeros(1, 3, 8)
+    first = fastdump.attach(draft, tmp_path, role="draft", root_passes=False, exclude=r"^_CleanupDraft$")
+    with torch.inference_mode():
+        lazy = draft(ids, aux)
+        lazy.send(None)
+        assert first.close()["status"] == "closed"
+        second = fastdump.attach(draft, tmp_path, role="draft", root_passes=False, exclude=r"^_CleanupDraft$")
+        with second.manual_pass():
+            e = target.embed(ids)
+            lazy = None
+            ran_in_pass = len(draft.cleanup)
+    assert ran_in_pass == 0 and len(draft.cleanup) == 1
+    assert second.close()["status"] == "closed"
+    ds = fastdump.open(tmp_path)
+    sessions = ds.sessions("draft")
+    assert len(sessions) == 2 and ds.passes("draft", sessions[0]) == []
+    dumped = ds.load("draft", sessions[1], 0)
+    assert list(dumped) == ["embed"] and same_bits(dumped["embed"], e)
+    assert not cli_dump.verify_dump(str(tmp_path)).problems

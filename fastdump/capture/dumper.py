@@ -2042,7 +2042,14 @@ class Dumper:
         if its forward had made them (``lm_head`` of a cleanup step, verify OK): it is closed once
         that pass has ended instead, outside it (_close_dropped_lazy)."""
         state = self._state
-        if not self._closed and (self._depth > 0 or state.capturing or state.suspended):
+        if self._closed:
+            # This Dumper is gone, but its model may be attached again: a pass of that Dumper got the
+            # cleanup's calls as its own (verify OK). Closed as that Dumper's own dropped result.
+            heir = next((d for d in list(_open_dumpers) if d is not self and not d._closed
+                         and d._pid == os.getpid() and d._model_holds(self._model_ref)), None)
+            if heir is not None:
+                return heir._close_dropped(inner)
+        elif self._depth > 0 or state.capturing or state.suspended:
             self._dropped_lazy.append(inner)
             return
         self._step_outside_passes(inner.close)
