@@ -1390,3 +1390,34 @@ def test_an_engine_shut_down_under_a_close_on_another_thread_leaves_a_whole_dump
     assert result and result[0]["status"] == "closed", result
     assert_verifies(tmp_path)
     assert check_passes_against(tmp_path, inputs, ref).passes("target", 0) == list(range(5))
+
+
+def test_a_second_close_on_another_thread_returns_once_the_dump_is_closed(tmp_path, monkeypatch):
+    """close() on two threads: the second returned at once (the Dumper was marked closed) with status
+    "running" and rank.json not final, so a caller verifying next found the dump unfinished. It now
+    waits for the first close and returns its outcome."""
+    from fastdump import protocol
+
+    model, ref = Net(), Net()
+    d = fastdump.attach(model, tmp_path)
+    inputs = {p: torch.full((1, 16), float(p)) for p in range(3)}
+    with torch.inference_mode():
+        for p in range(3):
+            model(inputs[p])
+    inside, go_on = threading.Event(), threading.Event()
+    real = protocol.close
+
+    def paused_close(*args, **kwargs):
+        inside.set()
+        go_on.wait(30)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(protocol, "close", paused_close)
+    first = threading.Thread(target=d.close)
+    first.start()
+    assert inside.wait(30)
+    threading.Timer(0.3, go_on.set).start()
+    assert d.close()["status"] == "closed"
+    assert_verifies(tmp_path)  # (at once: the first close has finished)
+    first.join(60)
+    assert check_passes_against(tmp_path, inputs, ref).passes("target", 0) == list(range(3))

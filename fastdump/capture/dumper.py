@@ -240,6 +240,7 @@ class Dumper:
         # closed once it has ended (_close_dropped_lazy), so their cleanup is not taken for its calls.
         self._dropped_lazy: list = []
         self._close_done = threading.Event()  # set when a close() has finished (close_all waits for it)
+        self._closing_thread = None  # the thread whose close() runs (or ran)
         # close() ended a pass its root forward opened, still running, that suspended other Dumpers'
         # passes: they capture again when that forward returns (_cut_outer_passes).
         self._resume_at_root_return = False
@@ -499,21 +500,33 @@ class Dumper:
         if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or timeout != timeout:
             raise TypeError(f"close: timeout must be a number of seconds, not {timeout!r}")
         with self._lock:  # (held by a registration wrapping a module put in: see _follow_registrations)
-            if self._closed:
+            closing = self._closing_thread
+            if self._closed and closing not in (None, threading.get_ident()) and self._pid == os.getpid():
+                pass  # another thread's close() is running: waited for below
+            elif self._closed:
                 return self.stats()
-            self._closed = True
-            try:
-                self._totals["modules_not_followed"] = self._not_followed()
-            except Exception as exc:  # (a model that cannot be walked now: said, not raised)
-                self._totals["modules_not_followed"] = [f"(the model's modules could not be checked at close: "
-                                                        f"{type(exc).__name__}: {_short(exc)})"]
-            if self._totals["modules_not_followed"]:
-                log.error("fastdump: %s: module edits after attach that fastdump could not follow "
-                          "(`fastdump verify` fails): %s", self.dir, "; ".join(self._totals["modules_not_followed"]))
-        self._unwrap()
-        _closing_dumpers.add(self)  # (the exit hook waits for it: see close_all)
-        _open_dumpers.discard(self)
+            else:
+                closing = None
+                self._closed, self._closing_thread = True, threading.get_ident()
+        if closing is not None:
+            # It returned at once, status "running", rank.json not final: a caller reading or
+            # verifying the dump next found it unfinished. Now it returns once that close has.
+            self._close_done.wait(timeout)
+            return self.stats()
         try:
+            with self._lock:
+                try:
+                    self._totals["modules_not_followed"] = self._not_followed()
+                except Exception as exc:  # (a model that cannot be walked now: said, not raised)
+                    self._totals["modules_not_followed"] = [f"(the model's modules could not be checked at close: "
+                                                            f"{type(exc).__name__}: {_short(exc)})"]
+                if self._totals["modules_not_followed"]:
+                    log.error("fastdump: %s: module edits after attach that fastdump could not follow "
+                              "(`fastdump verify` fails): %s", self.dir,
+                              "; ".join(self._totals["modules_not_followed"]))
+            self._unwrap()
+            _closing_dumpers.add(self)  # (the exit hook waits for it: see close_all)
+            _open_dumpers.discard(self)
             return self._close_channel(timeout)
         finally:
             _closing_dumpers.discard(self)
