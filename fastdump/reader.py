@@ -58,11 +58,16 @@ class Problem(str):
     about and its ``kind``, so that a tool can act on a kind without matching the text:
     ``UNLISTABLE`` (a directory that cannot be listed: what it holds is missing),
     ``UNREADABLE_SEGMENT`` (a segment skipped whole), ``BAD_FILE`` (a JSON file of the dump),
-    ``BAD_PASS_META`` (a segment's pass metadata, ignored: its tensors read)."""
+    ``BAD_PASS_META`` (a segment's pass metadata, ignored: its tensors read), ``REPEATED_PASS``,
+    ``LOST_ROLE`` and ``LOST_SESSION`` (a role or session the root records as attached whose
+    directory is gone, replaced or emptied: :func:`lost_roles`, :func:`lost_sessions`)."""
 
     UNLISTABLE, UNREADABLE_SEGMENT, BAD_FILE, BAD_PASS_META = ("unlistable", "unreadable segment", "bad file",
                                                                "bad pass meta")
     REPEATED_PASS = "repeated pass"  # a pass found whole in one segment and again in another: not read
+    # the root records a role (session) as attached whose dump is not there (lost_roles, lost_sessions):
+    # what `fastdump verify` fails on, found at open() and refresh()
+    LOST_ROLE, LOST_SESSION = "lost role", "lost session"
     path: str
     kind: str
 
@@ -831,6 +836,21 @@ class DumpSet:
         # path -> (file identity, SegmentIndex): kept across refresh() (see _segment_index)
         self._segment_indexes: dict = {}
         self._lock_pid, self._lock_obj = os.getpid(), threading.RLock()
+        self._note_lost_records()
+
+    def _note_lost_records(self) -> None:
+        """The roles and sessions the root records as attached that are not here, as problems:
+        what ``fastdump verify`` fails on is in ``problems`` too (it listed only what a read met)."""
+        try:
+            roles = lost_roles(self.root)
+            sessions = lost_sessions(self.root, {os.path.basename(path) for path, _ in roles})
+        except OSError as exc:  # (a record that cannot be listed: what it records cannot be checked)
+            self._problem(Problem(os.path.join(self.root, fmt.SESSIONS_DIR), Problem.UNLISTABLE,
+                                  f"cannot check the records of the roles and sessions attached ({exc})"))
+            return
+        for kind, found in ((Problem.LOST_ROLE, roles), (Problem.LOST_SESSION, sessions)):
+            for path, text in found:
+                self._problem(Problem(path, kind, text))
 
     # ---------------------------------------------------------------- directory level
 
@@ -1062,6 +1082,7 @@ class DumpSet:
         written). A segment file whose identity is unchanged keeps its index: only new files are read."""
         self._ranks.clear()
         self._rank_dir_names.clear()
+        self._note_lost_records()
 
     @_locked
     def close(self) -> None:

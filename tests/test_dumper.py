@@ -5,6 +5,7 @@ import gc
 import json
 import os
 import signal
+import sys
 import time
 
 import pytest
@@ -1447,3 +1448,205 @@ def test_attaching_one_model_twice_says_so_and_what_to_do(tmp_path, caplog):
     finally:
         for dumper in (first, second, third):
             dumper.close()
+
+
+@pytest.mark.parametrize("kind", ["generator", "coroutine"])
+def test_a_lazy_result_dropped_unconsumed_inside_its_own_dumpers_pass_is_closed_after_that_pass(tmp_path, kind):
+    """The draft (manual passes) steps its generator (coroutine) in pass 0 and drops it unconsumed in
+    pass 1: its ``finally`` called the shared LM head right there, inside pass 1, which then held an
+    ``lm_head`` the pass never called, complete, verify OK (the forward called inside a pass returned
+    the real object, which the collector closed where it was). Now it is closed once pass 1 has
+    ended, outside any pass: pass 1 holds its own call alone, the cleanup still runs."""
+    target = _Eagle3Target()
+    draft = _CleanupDraft(target)
+    draft.kind, draft.cleanup = kind, []
+    dd = fastdump.attach(draft, tmp_path, role="draft", root_passes=False, exclude=r"^_CleanupDraft$")
+    ids, aux = torch.tensor([[1, 2, 3]]), torch.zeros(1, 3, 8)
+    with torch.inference_mode():
+        with dd.manual_pass():
+            lazy = draft(ids, aux)
+            lazy.send(None)  # one step, in pass 0: its calls are pass 0's
+        with dd.manual_pass():
+            e = target.embed(ids + 7)
+            lazy = None  # dropped unconsumed inside pass 1
+            ran_in_pass = len(draft.cleanup)
+        first = draft.fc(torch.cat([target.embed(ids), aux], -1))
+    assert ran_in_pass == 0 and len(draft.cleanup) == 1  # closed after the pass, not lost
+    assert dd.close()["status"] == "closed"
+    ds = fastdump.open(tmp_path)
+    assert sorted(ds.load("draft", 0, 0)) == ["embed", "fc"] and same_bits(ds.load("draft", 0, 0)["fc"], first)
+    dumped = ds.load("draft", 0, 1)
+    assert list(dumped) == ["embed"] and same_bits(dumped["embed"], e)
+    assert not cli_dump.verify_dump(str(tmp_path)).problems
+
+
+class _LazyLM(torch.nn.Module):
+    """A root whose forward returns a generator of LM-head steps, whose ``finally`` calls the LM head
+    again (a cleanup step); ``on_forward`` runs first in each forward."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(7)
+        self.embed = torch.nn.Embedding(50, 8)
+        self.lm_head = torch.nn.Linear(8, 50, bias=False)
+        self.on_forward = lambda: None
+        self.cleanup = []
+
+    def forward(self, ids):
+        self.on_forward()
+        h = self.embed(ids)
+
+        def steps():
+            try:
+                for s in range(3):
+                    yield self.lm_head(h + s)
+            finally:
+                self.cleanup.append(self.lm_head(h * 2))
+
+        return steps()
+
+
+@pytest.mark.parametrize("native_pass", [True, False])
+def test_a_lazy_result_dropped_inside_its_own_root_pass_keeps_its_cleanup_out_of_it(tmp_path, monkeypatch,
+                                                                                     native_pass):
+    """A root_passes=True model whose forward returns a generator: the first, left suspended, is
+    dropped inside the model's next forward (its pass): its ``finally`` called the LM head inside
+    that pass, read as the forward's own ``lm_head``, verify OK. Now it runs once the pass ended."""
+    from fastdump.capture import dumper as dumper_mod
+    monkeypatch.setattr(dumper_mod, "_native_root_pass", native_pass)
+    model = _LazyLM()
+    d = fastdump.attach(model, tmp_path)
+    ids = [torch.tensor([[1, 2, 3]]), torch.tensor([[4, 5, 6]])]
+    held, ran_in_pass = [], []
+    with torch.inference_mode():
+        held.append(model(ids[0]))
+        next(held[0])
+        model.on_forward = lambda: (held.clear(), ran_in_pass.append(len(model.cleanup)))
+        second = model(ids[1])
+        embeds = [model.embed(i) for i in ids]
+    assert ran_in_pass == [0] and len(model.cleanup) == 1
+    assert d.close()["status"] == "closed"
+    ds = fastdump.open(tmp_path)
+    for p in range(2):
+        dumped = ds.load(None, 0, p)
+        assert "lm_head" not in dumped and same_bits(dumped["embed"], embeds[p]), (p, sorted(dumped))
+    assert not cli_dump.verify_dump(str(tmp_path)).problems
+    del second
+
+
+class _AsyncCleanupDraft(_Eagle3Draft):
+    """A draft whose forward returns an async generator whose ``finally`` calls the shared LM head."""
+
+    def forward(self, ids, aux):
+        async def steps():
+            try:
+                for s in range(3):
+                    await asyncio.sleep(0)
+                    yield self.fc(torch.cat([self.embed(ids + s), aux], -1))
+            finally:
+                self.cleanup.append(self.lm_head(aux))
+
+        return steps()
+
+
+def test_an_async_generator_dropped_unconsumed_keeps_its_cleanup_out_of_a_pass_open_across_an_await(tmp_path):
+    """The draft's async generator, stepped once, is dropped inside a target pass that stays open
+    across ``await``s: the event loop's finalizer hook scheduled the real object's ``aclose()``,
+    which ran while the loop went on inside that pass, unsuspended: the draft's cleanup call of the
+    shared LM head was the target's ``lm_head#1``, complete, verify OK. The loop's hook now gets the
+    stand-in, whose ``aclose()`` steps suspend the target's pass as every other draft step does."""
+    target = _Eagle3Target()
+    draft = _AsyncCleanupDraft(target)
+    draft.cleanup = []
+    dt = fastdump.attach(target, tmp_path, role="target")
+    dd = fastdump.attach(draft, tmp_path, role="draft", root_passes=False, exclude=r"^_AsyncCleanupDraft$")
+    ids, aux, got = torch.tensor([[1, 2, 3]]), torch.zeros(1, 3, 8), {}
+    hooks = sys.get_asyncgen_hooks()
+
+    async def serve():
+        lazy = draft(ids, aux)
+        await lazy.__anext__()  # one step, outside any pass
+        loop_hooks = sys.get_asyncgen_hooks()
+        with dt.manual_pass():
+            got["logits"] = target(ids)
+            lazy = None  # dropped unconsumed: the loop closes it at its next turns, inside this pass
+            for _ in range(5):
+                await asyncio.sleep(0)
+            got["cleanups in the pass"] = len(draft.cleanup)
+        got["hooks kept"] = sys.get_asyncgen_hooks() == loop_hooks
+
+    with torch.inference_mode():
+        asyncio.run(serve())
+        e = target.embed(ids)
+        h = target.layer(e)
+    assert got["cleanups in the pass"] == 1 and got["hooks kept"] and sys.get_asyncgen_hooks() == hooks
+    assert same_bits(draft.cleanup[0], target.lm_head(aux).detach())
+    assert dd.close()["status"] == "closed" and dt.close()["status"] == "closed"
+    ds = fastdump.open(tmp_path)
+    dumped = ds.load("target", 0, 0)
+    want = {"embed": e, "layer": h, "lm_head": got["logits"], "_Eagle3Target": got["logits"]}
+    assert sorted(dumped) == sorted(want) and all(same_bits(dumped[n], want[n]) for n in want)
+    assert ds.meta("target", 0, 0)["suspended_for"] == [{"role": "draft", "pass": None}]
+    assert not cli_dump.verify_dump(str(tmp_path)).problems
+
+
+def test_an_async_generators_cleanup_run_inside_its_own_dumpers_pass_marks_that_pass_incomplete(tmp_path):
+    """Dropped unconsumed while a pass of its own Dumper is open across ``await``s, the async
+    generator's ``aclose()`` runs when the loop gets to it, inside that pass (it cannot be put off as a
+    generator's close is): its cleanup call of the LM head was read as the pass's own ``lm_head``,
+    verify OK. The pass is now marked mixed saying so, and verify fails naming it."""
+    target = _Eagle3Target()
+    draft = _AsyncCleanupDraft(target)
+    draft.cleanup = []
+    dd = fastdump.attach(draft, tmp_path, role="draft", root_passes=False, exclude=r"^_AsyncCleanupDraft$")
+    ids, aux = torch.tensor([[1, 2, 3]]), torch.zeros(1, 3, 8)
+
+    async def serve():
+        lazy = draft(ids, aux)
+        with dd.manual_pass():
+            await lazy.__anext__()  # pass 0: its own step
+        with dd.manual_pass():
+            lazy = None
+            for _ in range(5):
+                await asyncio.sleep(0)
+        with dd.manual_pass():
+            target.embed(ids)  # pass 2: whole
+
+    with torch.inference_mode():
+        asyncio.run(serve())
+    assert len(draft.cleanup) == 1
+    assert dd.close()["status"] == "closed"
+    ds = fastdump.open(tmp_path)
+    assert [ds.meta("draft", 0, p)["complete"] for p in range(3)] == [True, False, True]
+    assert "async generator dropped unconsumed" in ds.meta("draft", 0, 1)["incomplete"]
+    problems = cli_dump.verify_dump(str(tmp_path)).problems
+    assert len(problems) == 1 and "pass 1 mixes" in problems[0] and "async generator" in problems[0], problems
+
+
+def test_a_lazy_result_of_a_closed_dumper_dropped_in_a_pass_of_its_models_next_dumper_stays_out_of_it(tmp_path):
+    """Attach, step a draft generator, close, attach the draft again: the first session's generator,
+    dropped unconsumed inside a pass of the second Dumper, ran its cleanup (the LM head) there, read as
+    that pass's own ``lm_head``, verify OK. It is now closed as the second Dumper's own dropped
+    result: after that pass, outside it."""
+    target = _Eagle3Target()
+    draft = _CleanupDraft(target)
+    draft.cleanup = []
+    ids, aux = torch.tensor([[1, 2, 3]]), torch.zeros(1, 3, 8)
+    first = fastdump.attach(draft, tmp_path, role="draft", root_passes=False, exclude=r"^_CleanupDraft$")
+    with torch.inference_mode():
+        lazy = draft(ids, aux)
+        lazy.send(None)
+        assert first.close()["status"] == "closed"
+        second = fastdump.attach(draft, tmp_path, role="draft", root_passes=False, exclude=r"^_CleanupDraft$")
+        with second.manual_pass():
+            e = target.embed(ids)
+            lazy = None
+            ran_in_pass = len(draft.cleanup)
+    assert ran_in_pass == 0 and len(draft.cleanup) == 1
+    assert second.close()["status"] == "closed"
+    ds = fastdump.open(tmp_path)
+    sessions = ds.sessions("draft")
+    assert len(sessions) == 2 and ds.passes("draft", sessions[0]) == []
+    dumped = ds.load("draft", sessions[1], 0)
+    assert list(dumped) == ["embed"] and same_bits(dumped["embed"], e)
+    assert not cli_dump.verify_dump(str(tmp_path)).problems

@@ -1399,3 +1399,117 @@ def test_a_service_stop_that_sigterms_the_writer_too_loses_nothing_the_serving_p
         for p, want in enumerate(result["outs"]):
             assert same_bits(ds.load("target", 0, p)["Linear"], torch.tensor(want))
     assert verify_dump(str(tmp_path / "dump")).problems == []
+
+
+# ------------------------------------------------------------ the engine's shutdown and a close() racing
+
+
+def test_a_daemon_threads_close_running_at_exit_finishes_before_the_engine_stops(tmp_path):
+    """A daemon thread is inside close() (before its close message is in the ring) as the main thread
+    returns: the exit hook saw no open Dumper (close() had taken it off the list) and shut the engine
+    down at once; the thread's close then found the writer gone, recorded "writer process exited with
+    code 0" in producer_error.json and verify failed a dump that was whole (or the thread was killed
+    with its close unsaid). The exit hook now waits for that close, within FASTDUMP_EXIT_TIMEOUT_S."""
+    code, out, err = run_script(tmp_path, """
+        import sys, threading, time, torch, fastdump
+        from fastdump import protocol
+        sys.path.insert(0, sys.argv[2])
+        from test_process_hostile import Net
+        model = Net()
+        d = fastdump.attach(model, sys.argv[1])
+        with torch.inference_mode():
+            for i in range(5):
+                model(torch.full((1, 16), float(i)))
+        real = protocol.close
+
+        def close_once_main_has_returned(*args, **kwargs):
+            while threading.main_thread().is_alive():  # (the exit hook runs once it has returned)
+                time.sleep(0.01)
+            time.sleep(0.3)  # (inside the exit hook by now)
+            return real(*args, **kwargs)
+
+        protocol.close = close_once_main_has_returned
+        threading.Thread(target=lambda: print("thread close:", d.close()["status"], flush=True),
+                         daemon=True).start()
+        time.sleep(0.1)
+    """, tmp_path / "dump", Path(__file__).parent)
+    assert code == 0, err
+    assert "thread close: closed" in out, out + err
+    assert_verifies(tmp_path / "dump")
+    ref = Net()
+    check_passes_against(tmp_path / "dump", {p: torch.full((1, 16), float(p)) for p in range(5)}, ref)
+    assert fastdump.open(tmp_path / "dump").passes("target", 0) == list(range(5))
+
+
+@pytest.mark.parametrize("shutdown_s", [30, 0])
+def test_an_engine_shut_down_under_a_close_on_another_thread_leaves_a_whole_dump_verifying(tmp_path, monkeypatch,
+                                                                                         shutdown_s):
+    """The engine shut down (the exit hook past its deadline) while close() ran on another thread,
+    before its close message: the writer closed the channel itself with every pass on disk, and the
+    close, finding the writer gone, recorded "writer process exited with code 0": verify failed a
+    whole dump. It now checks the segment files: whole, it is closed (the passes are all there).
+    With no time left for the shutdown (the writer killed at once), passes may really be lost: then
+    verify fails saying why."""
+    from fastdump import protocol
+
+    model, ref = Net(), Net()
+    d = fastdump.attach(model, tmp_path)
+    inputs = {p: torch.full((1, 16), float(p)) for p in range(5)}
+    with torch.inference_mode():
+        for p in range(5):
+            model(inputs[p])
+    inside, go_on = threading.Event(), threading.Event()
+    real = protocol.close
+
+    def paused_close(*args, **kwargs):
+        inside.set()
+        go_on.wait(30)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(protocol, "close", paused_close)
+    engine, result = d._engine, []
+    closing = threading.Thread(target=lambda: result.append(d.close()))
+    closing.start()
+    assert inside.wait(30)
+    engine.shutdown(shutdown_s)  # (what _shutdown_at_exit does once its deadline is spent)
+    go_on.set()
+    closing.join(60)
+    assert result, "close() did not return"
+    if shutdown_s == 0 and result[0]["status"] != "closed":  # (the kill came before the writer wrote them)
+        assert "while close() ran on another thread" in result[0]["error"]
+        assert_verify_fails(tmp_path, "while close() ran on another thread", "not confirmed on disk")
+        return
+    assert result[0]["status"] == "closed", result
+    assert_verifies(tmp_path)
+    assert check_passes_against(tmp_path, inputs, ref).passes("target", 0) == list(range(5))
+
+
+def test_a_second_close_on_another_thread_returns_once_the_dump_is_closed(tmp_path, monkeypatch):
+    """close() on two threads: the second returned at once (the Dumper was marked closed) with status
+    "running" and rank.json not final, so a caller verifying next found the dump unfinished. It now
+    waits for the first close and returns its outcome."""
+    from fastdump import protocol
+
+    model, ref = Net(), Net()
+    d = fastdump.attach(model, tmp_path)
+    inputs = {p: torch.full((1, 16), float(p)) for p in range(3)}
+    with torch.inference_mode():
+        for p in range(3):
+            model(inputs[p])
+    inside, go_on = threading.Event(), threading.Event()
+    real = protocol.close
+
+    def paused_close(*args, **kwargs):
+        inside.set()
+        go_on.wait(30)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(protocol, "close", paused_close)
+    first = threading.Thread(target=d.close)
+    first.start()
+    assert inside.wait(30)
+    threading.Timer(0.3, go_on.set).start()
+    assert d.close()["status"] == "closed"
+    assert_verifies(tmp_path)  # (at once: the first close has finished)
+    first.join(60)
+    assert check_passes_against(tmp_path, inputs, ref).passes("target", 0) == list(range(3))

@@ -996,8 +996,13 @@ def test_a_lost_role_of_another_name_fails_verify(tmp_path, damage):
     assert code == 1 and problems == [f"{reward}: role 'reward' was attached here (fastdump.roles/reward) but {why}"
                                       + (": that role's dump is not here" if damage != "emptied"
                                          else ": its sessions were removed")], problems
-    with fastdump.open(root) as ds:  # the reader reads what is there
+    with fastdump.open(root) as ds:  # the reader reads what is there, and says what verify says is lost
         assert ds.roles == ["target"]
+        assert ds.problems == problems and [p.kind for p in ds.problems] == [reader.Problem.LOST_ROLE]
+    other = tmp_path / "other"
+    _two_roles(other)
+    with fastdump.open([other, root]) as multi:  # (several roots: each root's losses)
+        assert multi.problems == problems
         assert all(conftest.same_bits(ds.load("target", 0, 0)[n], expected["target"][n]) for n in NAMES)
 
 
@@ -1110,6 +1115,9 @@ def test_a_session_removed_beside_another_of_its_role_fails_verify(tmp_path, dam
     assert code == 1 and lost in problems, problems
     assert reader.lost_records(root) == [(str(gone), lost.split(": ", 1)[1])]
     with fastdump.open(root) as ds:  # the reader reads what is there: the other session, exactly
+        assert ds.problems == [lost] and ds.problems[0].kind == reader.Problem.LOST_SESSION
+        ds.refresh()
+        assert ds.problems == [lost]  # (said once)
         assert ds.ranks("target") == [names[1]]
         got = ds.load("target", names[1], 0)
         assert list(got) == NAMES and all(conftest.same_bits(got[n], sessions[1][1][n]) for n in NAMES)

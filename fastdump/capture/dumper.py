@@ -52,6 +52,8 @@ from .. import segment_list as _segment_list
 log = logging.getLogger("fastdump")
 
 _open_dumpers: "weakref.WeakSet[Dumper]" = weakref.WeakSet()
+# Dumpers whose close() is running (held: a thread still uses each); the exit hook waits for them
+_closing_dumpers: "set[Dumper]" = set()
 _MIXED_REASON = "forwards of several threads ran at once in this pass (mixed tensors)"
 _MAX_LATE_ENDS = 4096  # refused pass ends kept to send again (each a small dict)
 _MAX_SUSPENDED_FOR = 256  # entries of a pass's suspended_for kept (the rest counted)
@@ -67,6 +69,12 @@ def close_all(deadline: float | None = None) -> None:
             dumper.close() if deadline is None else dumper.close(max(0.0, deadline - time.monotonic()))
         except Exception as exc:
             log.error("fastdump: closing %s at exit failed: %s", dumper.dir, exc)
+    # A close() running on another thread (a daemon thread; the exit hook runs as those still run)
+    # was no open Dumper here: the engine shut down under it before its close message was in the
+    # ring, and its dump, whole, failed verify ("writer process exited"). Its end is waited for.
+    for dumper in list(_closing_dumpers):
+        if dumper._pid == os.getpid():
+            dumper._close_done.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
 
 
 def _forget_parent_dumpers() -> None:
@@ -90,6 +98,7 @@ def _forget_parent_dumpers() -> None:
         dumper._let_go_of_the_ring(fold=False)  # the parent's counts are the parent's
         dumper.status = "not dumping in this process (forked child of the attaching process)"
     _open_dumpers.clear()
+    _closing_dumpers.clear()  # (a parent thread's close: not in this process, never waited for here)
 
 
 if hasattr(os, "register_at_fork"):
@@ -227,6 +236,11 @@ class Dumper:
         # Per root forward running outside any pass of this Dumper that suspended other Dumpers'
         # passes (root_passes=False, _outside_pass_wrapper): those Dumpers.
         self._forwards_outside_passes: list = []
+        # Lazy results (capture/lazy.py) dropped unconsumed while a pass of this Dumper was open:
+        # closed once it has ended (_close_dropped_lazy), so their cleanup is not taken for its calls.
+        self._dropped_lazy: list = []
+        self._close_done = threading.Event()  # set when a close() has finished (close_all waits for it)
+        self._closing_thread = None  # the thread whose close() runs (or ran)
         # close() ended a pass its root forward opened, still running, that suspended other Dumpers'
         # passes: they capture again when that forward returns (_cut_outer_passes).
         self._resume_at_root_return = False
@@ -398,6 +412,8 @@ class Dumper:
             self._mark_incomplete(str(incomplete)[:200])
         self._manual_depth -= 1
         self._end()
+        if self._dropped_lazy:
+            self._close_dropped_lazy()
         return True
 
     def manual_pass(self, **meta) -> "_ManualPass":
@@ -484,19 +500,42 @@ class Dumper:
         if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or timeout != timeout:
             raise TypeError(f"close: timeout must be a number of seconds, not {timeout!r}")
         with self._lock:  # (held by a registration wrapping a module put in: see _follow_registrations)
-            if self._closed:
+            closing = self._closing_thread
+            if self._closed and closing not in (None, threading.get_ident()) and self._pid == os.getpid():
+                pass  # another thread's close() is running: waited for below
+            elif self._closed:
                 return self.stats()
-            self._closed = True
-            try:
-                self._totals["modules_not_followed"] = self._not_followed()
-            except Exception as exc:  # (a model that cannot be walked now: said, not raised)
-                self._totals["modules_not_followed"] = [f"(the model's modules could not be checked at close: "
-                                                        f"{type(exc).__name__}: {_short(exc)})"]
-            if self._totals["modules_not_followed"]:
-                log.error("fastdump: %s: module edits after attach that fastdump could not follow "
-                          "(`fastdump verify` fails): %s", self.dir, "; ".join(self._totals["modules_not_followed"]))
-        self._unwrap()
-        _open_dumpers.discard(self)
+            else:
+                closing = None
+                self._closed, self._closing_thread = True, threading.get_ident()
+        if closing is not None:
+            # It returned at once, status "running", rank.json not final: a caller reading or
+            # verifying the dump next found it unfinished. Now it returns once that close has.
+            self._close_done.wait(timeout)
+            return self.stats()
+        try:
+            with self._lock:
+                try:
+                    self._totals["modules_not_followed"] = self._not_followed()
+                except Exception as exc:  # (a model that cannot be walked now: said, not raised)
+                    self._totals["modules_not_followed"] = [f"(the model's modules could not be checked at close: "
+                                                            f"{type(exc).__name__}: {_short(exc)})"]
+                if self._totals["modules_not_followed"]:
+                    log.error("fastdump: %s: module edits after attach that fastdump could not follow "
+                              "(`fastdump verify` fails): %s", self.dir,
+                              "; ".join(self._totals["modules_not_followed"]))
+            self._unwrap()
+            _closing_dumpers.add(self)  # (the exit hook waits for it: see close_all)
+            _open_dumpers.discard(self)
+            return self._close_channel(timeout)
+        finally:
+            _closing_dumpers.discard(self)
+            self._close_done.set()
+
+    def _close_channel(self, timeout: float) -> dict:
+        """close() once the wrappers are off: end what is open, flush, close the channel, let go."""
+        if self._dropped_lazy:  # (dropped in a pass close() cuts short: unwrapped now, nothing captured)
+            self._close_dropped_lazy()
         if self._engine is None or self._pid != os.getpid():
             self._let_go_of_the_dir()
             return self.stats()  # never started, or a forked child's copy: the parent's engine is not ours
@@ -545,11 +584,15 @@ class Dumper:
                     pass  # given up on above (the CUDA stager never finished): said why already
                 elif ok and self._engine.alive:  # the final segment write itself can fail (disk full)
                     self.status = "closed"
+                elif self._engine.closed:
+                    self._closed_under_us()
                 elif self._engine.alive:
                     self._disable(f"close timed out after {timeout:g} s; {self._unconfirmed_passes()} "
                                   "passes not confirmed on disk", writer_stuck=True)
                 else:
                     self._disable(self._engine.error())
+            elif self.status == "running" and self._engine.closed:
+                self._closed_under_us()
             elif self.status == "running":
                 self._disable(self._engine.error())
         except KeyboardInterrupt:
@@ -560,6 +603,22 @@ class Dumper:
         self._let_go_of_the_ring()
         self._let_go_of_the_dir()
         return self.stats()
+
+    def _closed_under_us(self) -> None:
+        """The engine was shut down while this close() ran (the exit hook, past its deadline for
+        this close on another thread): the writer closed this channel itself with what it had
+        (rank.json "closed", an unfinished pass incomplete), without this close's message. Whole
+        when every pass this Dumper ended is in the segment files; else those passes are lost and
+        the error says why (not "writer process exited with code 0", which read as a crash)."""
+        missing = self._totals["passes"] - self._passes_on_disk()
+        if missing <= 0 and not self._late_ends:
+            self.status = "closed"
+            log.warning("fastdump: %s: the staging engine shut down (interpreter exit) while close() ran on "
+                        "another thread; every pass is on disk, this close's counts are not in rank.json",
+                        self.dir)
+            return
+        self._disable(f"the staging engine shut down (interpreter exit) while close() ran on another thread: "
+                      f"{max(missing, len(self._late_ends))} passes not confirmed on disk", writer_stuck=True)
 
     def _let_go_of_the_dir(self) -> None:
         """Close the held rank directory: nothing is written there by this process any more."""
@@ -1904,6 +1963,8 @@ class Dumper:
                 return forward(*args, **kwargs)  # (a pass of skips would shift every later pass id)
             if root_pass is not None and outside is _call and not dumper._python_wrappers:
                 out = root_pass(native, args, kwargs)  # this function's pass, as below (C)
+                if dumper._dropped_lazy:
+                    dumper._close_dropped_lazy()
                 if type(out) in _LAZY_STAND_INS:  # (a generator: its work runs after the pass ended)
                     return dumper._lazy_result(out, after_pass=True)
                 return out
@@ -1926,6 +1987,8 @@ class Dumper:
                 raise
             finally:
                 outside(dumper._end)
+                if dumper._dropped_lazy:
+                    outside(dumper._close_dropped_lazy)
             if type(out) in _LAZY_STAND_INS:  # (a generator: its work runs after the pass ended)
                 return dumper._lazy_result(out, after_pass=True)
             return out
@@ -1947,8 +2010,13 @@ class Dumper:
 
         @_wraps(original)
         def forward_outside_passes(*args, **kwargs):
-            if dumper._depth > 0 or getattr(forward_outside_passes, "__fastdump_off__", False):
-                return inner(*args, **kwargs)  # in a pass of its own (which suspended the others), or closed
+            if getattr(forward_outside_passes, "__fastdump_off__", False):
+                return inner(*args, **kwargs)  # closed
+            if dumper._depth > 0:  # in a pass of its own (which suspended the others)
+                out = inner(*args, **kwargs)
+                # (its steps are that pass's; dropped unconsumed in a later pass, its stand-in keeps
+                # the cleanup out of that one: _close_dropped)
+                return dumper._lazy_result(out, after_pass=False) if type(out) in _LAZY_STAND_INS else out
             outside = _outside_graph if _is_compiling() else _call
             held = len(dumper._forwards_outside_passes)
             try:  # (Ctrl-C between the suspend and the forward: still resumed)
@@ -1987,6 +2055,50 @@ class Dumper:
         finally:
             if len(self._forwards_outside_passes) > held:
                 self._resume_after_forward()
+
+    def _close_dropped(self, inner) -> None:
+        """A lazy result dropped unconsumed (lazy._Lazy.__del__): close it now, outside passes as its
+        steps ran. While a pass of this Dumper is open (the stand-in was freed inside it, on any
+        thread), the ``finally`` blocks it runs then would put their module calls into that pass, as
+        if its forward had made them (``lm_head`` of a cleanup step, verify OK): it is closed once
+        that pass has ended instead, outside it (_close_dropped_lazy)."""
+        state = self._state
+        if self._closed:
+            # This Dumper is gone, but its model may be attached again: a pass of that Dumper got the
+            # cleanup's calls as its own (verify OK). Closed as that Dumper's own dropped result.
+            heir = next((d for d in list(_open_dumpers) if d is not self and not d._closed
+                         and d._pid == os.getpid() and d._model_holds(self._model_ref)), None)
+            if heir is not None:
+                return heir._close_dropped(inner)
+        elif self._depth > 0 or state.capturing or state.suspended:
+            self._dropped_lazy.append(inner)
+            return
+        self._step_outside_passes(inner.close)
+
+    def _close_dropped_lazy(self) -> None:
+        """Close the lazy results dropped during the pass that just ended (_close_dropped), unless a
+        pass is open again (nested, another thread's): then at its end. What their ``finally``
+        blocks raise is logged, as the garbage collector would have reported it."""
+        state = self._state
+        while self._dropped_lazy and (self._closed or not (self._depth > 0 or state.capturing or state.suspended)):
+            inner = self._dropped_lazy.pop(0)
+            try:
+                self._step_outside_passes(inner.close)
+            except Exception as exc:
+                log.error("fastdump: %s: closing a dropped %s raised %s: %s", self.dir, type(inner).__name__,
+                          type(exc).__name__, _short(exc))
+
+    def _step_dropped_cleanup(self, step, *args):
+        """One step of the ``aclose()`` an event loop runs for an async generator of this Dumper's
+        dropped unconsumed (lazy._Cleanup): as any step, unless a pass of this Dumper is open (across
+        an ``await``): it cannot be put off as a generator's close is (_close_dropped), the loop runs
+        it now; the pass is marked mixed, naming why (verify fails), as its calls read as its forward's."""
+        state = self._state
+        if not self._closed and (self._depth > 0 or state.capturing or state.suspended):
+            self._mixed = True  # (verify fails on it: calls that are not this pass's forward, told apart by none)
+            self._mark_incomplete("the cleanup of an async generator dropped unconsumed ran inside this pass "
+                                  "(its event loop closed it here): its module calls are in it")
+        return self._step_outside_passes(step, *args)
 
     def _suspend_for_forward(self) -> bool:
         """The root's forward starts outside any pass of this Dumper (_outside_pass_wrapper): suspend

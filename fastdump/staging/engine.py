@@ -355,7 +355,11 @@ class Engine:
         text = self.producer.writer_error()
         if text:
             return text
-        if self._proc is not None and self._proc.poll() is not None:
+        exited = self._proc is not None and self._proc.poll() is not None
+        if self.closed and self.pid == os.getpid() and (self._proc is None or (exited and self._proc.returncode == 0)):
+            # (shutdown() stopped it: a Dumper still using the engine was closing on another thread at exit)
+            return "the staging engine was shut down (interpreter exit, or its last Dumper closed): its writer has stopped"
+        if exited:
             return f"writer process exited with code {self._proc.returncode}"
         stager_error = self._cuda_stager_error()
         if stager_error:
