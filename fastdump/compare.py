@@ -262,6 +262,9 @@ class RankRef:
         if not isinstance(self.status, str):
             raise DiffError(f"{side} {rank_file}: status is {self.status!r:.80}, not a string")
         numbers = _rank_numbers(info, f"{side} {rank_file}")
+        mislabelled = fmt.rank_dir_mismatch(name, numbers)
+        if mislabelled:  # which of the two is the rank cannot be told: paired by either, it could be the wrong one
+            raise DiffError(f"{side} {self.path}: {mislabelled}")
         match = fmt.RANK_DIR_RE.match(name)
         from_dir = [int(g) for g in match.groups()[:3]] if match else [None, None, None]
 

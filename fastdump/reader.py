@@ -1143,6 +1143,8 @@ class DumpSet:
             if session is not None and self._rank_obj(role, name).session != session:
                 raise KeyError(f"rank directory {name!r} is not session {session!r}")
             return self._rank_obj(role, name)
+        if rank is not None:
+            self._refuse_mislabelled(role, names, int(rank))
         matches = names if rank is None else [n for n in names if self._rank_obj(role, n).rank_number() == int(rank)]
         if session is not None:
             matches = [n for n in matches if self._rank_obj(role, n).session == session]
@@ -1157,6 +1159,18 @@ class DumpSet:
             raise ValueError(f"rank {rank} of role {role!r} has {len(matches)} sessions: {matches}; "
                              "pass the directory name as rank, or session= (fastdump show: --rank DIR or --session S)")
         return self._rank_obj(role, matches[0])
+
+    def _refuse_mislabelled(self, role: str, names: list, number: int) -> None:
+        """DumpError when a directory named as rank ``number`` is another rank by its rank.json:
+        asked for rank 0, a reader handed back rank 1's tensors, its directory renamed to rank 0's
+        (``format.rank_dir_mismatch``). rank.json as read for indexing (once per directory)."""
+        for name in names:
+            if (fmt.parse_rank_dir(name) or (None, None, None))[2] != number:
+                continue
+            mismatch = fmt.rank_dir_mismatch(name, self._rank_obj(role, name)._indexing_facts()[0].get("rank"))
+            if mismatch:
+                raise DumpError(f"{os.path.join(self.root, role, name)}: {mismatch}; not read as rank {number} "
+                                "(give the directory name to read it as it is)")
 
     def _rank_obj(self, role: str, name: str) -> _Rank:
         key = (role, name)

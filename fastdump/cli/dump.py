@@ -643,6 +643,10 @@ def check_rank_dir(report: _Report, path: str, read_data: bool = False) -> dict 
             numbers = fmt.check_rank_numbers(info["rank"])
         except ValueError as exc:
             report.problem(rank_file, str(exc))
+        else:
+            mismatch = fmt.rank_dir_mismatch(os.path.basename(path), numbers)
+            if mismatch:  # mixed: read by number, diffed or exported, it is the wrong rank
+                report.problem(path, mismatch)
 
     entries = os.listdir(path)
     for entry in sorted(entries):
