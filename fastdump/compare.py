@@ -38,7 +38,7 @@ from . import format as fmt
 from .options import BadRange, parse_ranges
 from .format import printable
 from .report import PassRuns, _missing_text, _span, _where, layer_of  # noqa: F401 - layer_of is public here too
-from .report import cosine_text, percent
+from .report import cosine_text, not_a_report_file, percent
 from .rowlog import RowLog
 
 DEFAULT_ATOL = 1e-5
@@ -262,6 +262,9 @@ class RankRef:
         if not isinstance(self.status, str):
             raise DiffError(f"{side} {rank_file}: status is {self.status!r:.80}, not a string")
         numbers = _rank_numbers(info, f"{side} {rank_file}")
+        mislabelled = fmt.rank_dir_mismatch(name, numbers)
+        if mislabelled:  # which of the two is the rank cannot be told: paired by either, it could be the wrong one
+            raise DiffError(f"{side} {self.path}: {mislabelled}")
         match = fmt.RANK_DIR_RE.match(name)
         from_dir = [int(g) for g in match.groups()[:3]] if match else [None, None, None]
 
@@ -1322,6 +1325,9 @@ def _check_report_path(path: str) -> None:
     folder = os.path.dirname(os.path.abspath(path))
     if os.path.isdir(path):
         raise DiffError(f"--html {path!r}: is a directory")
+    why = not_a_report_file(path)
+    if why:
+        raise DiffError(f"--html {path!r}: {why}")
     if not os.path.isdir(folder):
         raise DiffError(f"--html {path!r}: no directory {folder!r}")
     if not os.access(folder, os.W_OK):

@@ -343,6 +343,13 @@ def _survey(ds, roles, partial: bool) -> dict:
         for rank in ds.ranks(role):
             where = f"{role}/{rank}"
             info = ds.rank_info(role, rank)
+            try:  # (numbers that are no rank numbers: refused as such below, by _parallel_info)
+                mislabelled = fmt.rank_dir_mismatch(rank, fmt.check_rank_numbers(info.get("rank", {})))
+            except ValueError:
+                mislabelled = None
+            if mislabelled:  # exported under its name, it would be another rank's files: no --partial for it
+                from .reader import DumpError
+                raise DumpError(f"{where}: {mislabelled}")
             status = _status_problem(info)
             if status:
                 problems.append(f"{where}: {status}")

@@ -164,6 +164,23 @@ def parse_rank_dir(name: str):
     return int(tp), int(pp), int(rank), int(pid), session
 
 
+def rank_dir_mismatch(name: str, numbers) -> str | None:
+    """Why rank directory ``name`` is not the rank its rank.json's "rank" object (``numbers``) says,
+    or None (a name without rank numbers, or numbers that agree). The writer names its directory
+    from those very numbers: a directory renamed to another rank (two ranks' names swapped), or a
+    rank.json copied or edited, would read by number, diff and export as the wrong rank."""
+    parsed = parse_rank_dir(name)
+    if parsed is None or not isinstance(numbers, dict):
+        return None
+    said = [(key, value, numbers.get(key)) for key, value in zip(("tp_rank", "pp_rank", "rank"), parsed[:3])]
+    wrong = [f"{key} {value}" for key, value, stored in said if isinstance(stored, int) and stored != value]
+    if not wrong:
+        return None
+    return (f"the directory's name says {', '.join(wrong)} but its {RANK_FILE} says "
+            + ", ".join(f"{key} {stored}" for key, value, stored in said if isinstance(stored, int) and stored != value)
+            + ": renamed to another rank, or its rank.json is another rank's")
+
+
 def segment_name(number: int) -> str:
     return f"seg-{number:06d}.h5"
 

@@ -113,6 +113,8 @@ class MultiDumpSet:
             name = names[0]
         elif _is_rank_number(rank):
             matches = [n for n in names if self._owners[(role, n)]._rank_obj(role, n).rank_number() == rank]
+            for match in matches:  # (a directory renamed to another rank: DumpError, as in DumpSet)
+                self._owners[(role, match)]._refuse_mislabelled(role, [match], int(rank))
             if not matches:
                 raise KeyError(f"rank {rank} of role {role!r} is missing: {names}")
             if len(matches) > 1:

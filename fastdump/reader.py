@@ -46,6 +46,11 @@ from . import _C, dtypes, fsutil, protocol, segment_list
 from . import format as fmt
 
 _MAX_OPEN_FILES = 16
+# Block datasets held open per segment (the least recently read closed first, its checks kept): HDF5
+# holds ~14 KB for each open dataset, and a pass of 100k names (a block each) held 1.4 GB by handles
+# kept for all (a diff of two such dumps: 8.8 GB). Passes of up to this many names are read again
+# without opening anything (a block is one name's rows in all the segment's passes).
+_OPEN_BLOCKS = 8192
 _INT64 = np.iinfo(np.int64)
 
 
@@ -331,7 +336,8 @@ class SegmentIndex:
         self._slot_of_name = {name: slot for slot, name in enumerate(self.names)}
         self._rows_of_pass = None
         self._position_of = None  # see position_of
-        self._blocks: dict = {}  # block number -> (dataset, torch dtype name, scalar rows?)
+        self._blocks = collections.OrderedDict()  # block number -> (dataset, dtype name, scalar?): the open ones
+        self._checked: dict = {}  # block number -> (torch dtype name, scalar rows?) of every block checked
         self._blocks_file = self._blocks_group = None  # the open file the handles came from, its blocks group
         self._long_rows = None  # see _blocks_with_long_rows
 
@@ -456,15 +462,25 @@ class SegmentIndex:
             self.forget_blocks()
             self._blocks_file, self._blocks_group = h5file, h5file[fmt.BLOCKS]
         info = self._blocks.get(number)
-        if info is None:
-            info = self._blocks[number] = self._check_block(h5file, number)
+        if info is not None:
+            self._blocks.move_to_end(number)
+            return info
+        checked = self._checked.get(number)
+        if checked is None:
+            info = self._check_block(h5file, number)
+            self._checked[number] = info[1:]
+        else:  # checked before, its handle since closed: the file is the same, open it again
+            info = (h5py.Dataset(h5o.open(self._blocks_group.id, str(number).encode()), readonly=True), *checked)
+        self._blocks[number] = info
+        if len(self._blocks) > _OPEN_BLOCKS:
+            self._blocks.popitem(last=False)  # (its handle closes as it goes)
         return info
 
     def forget_blocks(self) -> None:
         """Drop the block handles (when their file is closed). A dataset handle that has been read
         holds an HDF5 datatype id even after its file is closed, and every file close scans every
         open id: kept for each segment ever read, they made reading N segments cost O(N²)."""
-        self._blocks_file, self._blocks_group, self._blocks = None, None, {}
+        self._blocks_file, self._blocks_group, self._blocks = None, None, collections.OrderedDict()
 
     def _blocks_with_long_rows(self) -> set:
         """Blocks having an index row of other than one row (which a scalar block may not have),
@@ -1164,6 +1180,8 @@ class DumpSet:
             if session is not None and self._rank_obj(role, name).session != session:
                 raise KeyError(f"rank directory {name!r} is not session {session!r}")
             return self._rank_obj(role, name)
+        if rank is not None:
+            self._refuse_mislabelled(role, names, int(rank))
         matches = names if rank is None else [n for n in names if self._rank_obj(role, n).rank_number() == int(rank)]
         if session is not None:
             matches = [n for n in matches if self._rank_obj(role, n).session == session]
@@ -1178,6 +1196,18 @@ class DumpSet:
             raise ValueError(f"rank {rank} of role {role!r} has {len(matches)} sessions: {matches}; "
                              "pass the directory name as rank, or session= (fastdump show: --rank DIR or --session S)")
         return self._rank_obj(role, matches[0])
+
+    def _refuse_mislabelled(self, role: str, names: list, number: int) -> None:
+        """DumpError when a directory named as rank ``number`` is another rank by its rank.json:
+        asked for rank 0, a reader handed back rank 1's tensors, its directory renamed to rank 0's
+        (``format.rank_dir_mismatch``). rank.json as read for indexing (once per directory)."""
+        for name in names:
+            if (fmt.parse_rank_dir(name) or (None, None, None))[2] != number:
+                continue
+            mismatch = fmt.rank_dir_mismatch(name, self._rank_obj(role, name)._indexing_facts()[0].get("rank"))
+            if mismatch:
+                raise DumpError(f"{os.path.join(self.root, role, name)}: {mismatch}; not read as rank {number} "
+                                "(give the directory name to read it as it is)")
 
     def _rank_obj(self, role: str, name: str) -> _Rank:
         key = (role, name)

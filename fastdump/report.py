@@ -12,6 +12,7 @@ import itertools
 import math
 import os
 import re
+import stat
 
 from .format import printable
 
@@ -281,11 +282,31 @@ def render(result) -> str:
             f"<style>{style}</style></head><body>\n" + "\n".join(body) + "\n</body></html>\n")
 
 
+def not_a_report_file(path: str):
+    """Why the report cannot be written at ``path`` (which exists and is no regular file), or None.
+    It is renamed into place, which replaces whatever is there: `--html /dev/null` run as root
+    replaced the device node with the report; a FIFO or a link was replaced the same way."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        return f"cannot be written ({exc.strerror or exc})"
+    if stat.S_ISREG(mode):
+        return None
+    kind = "a directory" if stat.S_ISDIR(mode) else "a symbolic link" if stat.S_ISLNK(mode) else \
+        "a device, FIFO or socket"
+    return f"is {kind}, not a regular file: writing the report would replace it"
+
+
 def write_html(result, path) -> str:
     """Write the report atomically (a half-written report is never left under its name)."""
     from . import fsutil
 
     path = os.fspath(path)
+    why = not_a_report_file(path)
+    if why:
+        raise ValueError(f"{path}: {why}")
     # A dump name may hold a lone surrogate (any Python str is a name): written as \udXXX, never
     # an encoding error that leaves no report.
     fsutil.atomic_write_bytes(path, render(result).encode("utf-8", "backslashreplace"), durable=False)

@@ -942,7 +942,10 @@ def test_loading_a_pass_reads_only_its_rows(tmp_path, monkeypatch):
 
 def test_reader_ignores_temp_files_and_tolerates_rank_selection(tmp_path):
     for rank_dir in ("TP0_PP0_Rank0_pid1", "TP1_PP0_Rank1_pid2", "TP0_PP0_Rank10_pid3"):
-        w = ChannelWriter(open_msg(tmp_path, rank_dir=rank_dir))
+        msg = open_msg(tmp_path, rank_dir=rank_dir)
+        tp, pp, rank = fmt.parse_rank_dir(rank_dir)[:3]  # (rank.json says what the name says, as a run's does)
+        msg["rank"].update(tp_rank=tp, pp_rank=pp, rank=rank, tp_size=11)
+        w = ChannelWriter(msg)
         Feeder(w).full_pass(0, {"x": torch.ones(1)})
         w.close({})
     (tmp_path / "target" / "TP0_PP0_Rank0_pid1" / ".seg-000001.h5.tmp").write_bytes(b"partial")

@@ -15,6 +15,7 @@ import math
 import os
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -387,6 +388,26 @@ def test_a_report_that_cannot_be_written_is_refused_before_comparing(lm, tmp_pat
     monkeypatch.setattr(compare, "diff", lambda *a, **k: pytest.fail("compared before checking --html"))
     code, out, err = run(capsys, lm, lm, f"--html={value.format(tmp=tmp_path)}")
     assert (code, out, err) == (2, "", f"fastdump diff: {message.format(tmp=tmp_path)}\n")
+
+
+@pytest.mark.parametrize("kind", ["fifo", "link"])
+def test_a_report_path_that_is_no_regular_file_is_refused_and_left_as_it_is(lm, tmp_path, capsys, kind):
+    """The report is renamed into place, which replaced whatever was at the path: `--html /dev/null`
+    run as root (a container) replaced the device node with the report, and a FIFO or a symbolic
+    link was replaced alike. Refused, before comparing and by ``DiffResult.to_html``; the entry is
+    left as it was."""
+    path = tmp_path / "report.html"
+    if kind == "fifo":
+        os.mkfifo(path)
+    else:
+        os.symlink(tmp_path / "elsewhere.html", path)
+    code, out, err = run(capsys, lm, lm, f"--html={path}")
+    what = "a device, FIFO or socket" if kind == "fifo" else "a symbolic link"
+    assert (code, out) == (2, "") and f"--html '{path}': is {what}, not a regular file" in err
+    with pytest.raises(ValueError, match=f"is {what}, not a regular file"):
+        fastdump.diff(lm, lm).to_html(path)
+    assert (os.path.islink(path) if kind == "link" else stat.S_ISFIFO(os.lstat(path).st_mode))
+    assert sorted(os.listdir(tmp_path)) == ["report.html"]  # (no report, no temporary file left)
 
 
 def test_a_pass_range_that_ends_before_it_starts_is_a_usage_error(lm, capsys):

@@ -281,8 +281,8 @@ def test_dp_replicas_keep_their_missing_names_and_passes_apart(tmp_path, capsys)
     """Rank numbers repeat per DP replica: a name on one side in both replicas was one item whose
     passes read 0,0,1,1,2,2, and two replicas' extra passes two items that read alike."""
     def dump(root, passes, extra):
-        for dp in range(2):
-            write_rank_dir(root / "target" / f"TP0_PP0_Rank{dp}_pid1{dp}",
+        for dp in range(2):  # (DP replicas share rank numbers, so their directory names: pids tell them apart)
+            write_rank_dir(root / "target" / f"TP0_PP0_Rank0_pid1{dp}",
                            {p: {"x": torch.ones(2), **({"y": torch.ones(1)} if extra else {})} for p in range(passes)},
                            rank={"tp_rank": 0, "tp_size": 1, "pp_rank": 0, "pp_size": 1, "dp_rank": dp, "rank": 0})
         return root

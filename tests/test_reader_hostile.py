@@ -1018,3 +1018,54 @@ def test_a_segment_that_cannot_be_looked_at_is_not_called_a_fifo(tmp_path, monke
     os.mkfifo(seg)
     with pytest.raises(reader.DumpError, match="not a regular file"):
         reader.open_segment(str(seg))
+
+
+def _tp2_dump(root):
+    """A real TP=2 run: two Dumpers of one column-parallel Linear, each rank's shard its own rows."""
+    torch.manual_seed(0)
+    weight, x = torch.randn(8, 4), torch.randn(3, 4)
+    models = [torch.nn.Linear(4, 4, bias=False) for _ in range(2)]
+    with torch.no_grad():
+        for k, model in enumerate(models):
+            model.weight.copy_(weight[4 * k:4 * k + 4])
+    dumpers = [fastdump.attach(m, root, tp_rank=k, tp_size=2, writer="thread") for k, m in enumerate(models)]
+    with torch.inference_mode():
+        for step in range(2):
+            for model in models:
+                model(x + step)
+    for dumper in dumpers:
+        dumper.close()
+    return [x @ weight[4 * k:4 * k + 4].T for k in range(2)]
+
+
+def test_rank_directories_renamed_to_each_others_rank_are_refused(tmp_path, capsys):
+    """Two TP ranks' directories renamed to each other's rank numbers (sessions kept, so the session
+    checks pass): load(role, 0, ...) read rank 1's tensors and verify said OK. Now verify fails
+    naming both, reading by number, diff and export refuse, and the name still reads as it is."""
+    root = tmp_path / "tp2"
+    expected = _tp2_dump(root)
+    role_dir = root / "target"
+    (r0,), (r1,) = [[n for n in os.listdir(role_dir) if n.startswith(p)] for p in ("TP0_", "TP1_")]
+    session0, session1 = r0[len("TP0_PP0_Rank0_"):], r1[len("TP1_PP0_Rank1_"):]
+    os.rename(role_dir / r0, role_dir / ("TP1_PP0_Rank1_" + session0))
+    os.rename(role_dir / r1, role_dir / ("TP0_PP0_Rank0_" + session1))
+
+    assert cli_main_entry(["verify", str(root)]) == 1
+    out = capsys.readouterr().out
+    assert out.count("the directory's name says tp_rank 0, rank 0 but its rank.json says tp_rank 1, rank 1") == 1
+    assert out.count("the directory's name says tp_rank 1, rank 1 but its rank.json says tp_rank 0, rank 0") == 1
+    with fastdump.open(root) as ds:
+        for number in (0, 1):
+            with pytest.raises(reader.DumpError, match="renamed to another rank"):
+                ds.load("target", number, 0)
+        # by directory name: what that directory holds (rank 1's tensors, under rank 0's name)
+        got = ds.load("target", "TP0_PP0_Rank0_" + session1, 0)
+        assert torch.equal(next(iter(got.values())), expected[1])
+    with fastdump.open([root]) as ds:  # a list of roots (MultiDumpSet) alike
+        with pytest.raises(reader.DumpError, match="renamed to another rank"):
+            ds.load("target", 0, 0)
+    with pytest.raises(fastdump.compare.DiffError, match="renamed to another rank"):
+        fastdump.diff(root, root)
+    assert cli_main_entry(["export", str(root), str(tmp_path / "out")]) == 1
+    assert "renamed to another rank" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()

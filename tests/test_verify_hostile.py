@@ -794,9 +794,13 @@ def test_a_segment_from_another_session_copied_in(dump, pristine, tmp_path):
     (lambda i: i["segments"].append(dict(i["segments"][2], file="seg-000003.h5", first_pass=5, last_pass=5)),
      "seg-000003.h5 is listed in segments.jsonl but missing"),
     (lambda i: i.update(passes="5"), "rank.json total passes=5 but its segments add up to 5"),
+    # a list the writer got wrong, its checksum right: verify said OK
+    (lambda i: i["segments"].append(i["segments"][1]), "seg-000001.h5 is listed twice in segments.jsonl"),
+    (lambda i: i["segments"].insert(0, i["segments"].pop(1)),
+     "segments.jsonl lists seg-000000.h5 after a later segment (it lists them in write order)"),
 ], ids=["passes-more", "tensors-fewer", "stats-passes", "stats-tensors", "stats-one-pass", "stats-one-tensor",
         "segment-tensors", "segment-range",
-        "segment-unlisted", "segment-lost", "passes-string"])
+        "segment-unlisted", "segment-lost", "passes-string", "segment-twice", "segments-out-of-order"])
 def test_rank_json_claims_that_disagree_with_the_segments(dump, expected, change, text):
     edit_rank_json(dump, change)
     code, problems, _ = verify(dump)

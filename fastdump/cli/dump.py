@@ -643,6 +643,10 @@ def check_rank_dir(report: _Report, path: str, read_data: bool = False) -> dict 
             numbers = fmt.check_rank_numbers(info["rank"])
         except ValueError as exc:
             report.problem(rank_file, str(exc))
+        else:
+            mismatch = fmt.rank_dir_mismatch(os.path.basename(path), numbers)
+            if mismatch:  # mixed: read by number, diffed or exported, it is the wrong rank
+                report.problem(path, mismatch)
 
     entries = os.listdir(path)
     for entry in sorted(entries):
@@ -701,6 +705,7 @@ def _check_segment_list(report: _Report, path: str, info: dict, status: str, on_
             report.warning(path, text + f" (status {status}: what an interrupted writer leaves; not read)")
         else:
             report.problem(path, text)
+    highest = -1  # the highest segment number listed so far
     for item in segments:
         if not isinstance(item, dict):
             report.problem(path, f"{listing} segments entry is not an object: {item!r:.80}")
@@ -708,6 +713,14 @@ def _check_segment_list(report: _Report, path: str, info: dict, status: str, on_
         if not isinstance(item.get("file"), str):
             report.problem(path, f"{listing} segments entry without a file name: {item!r:.80}")
             continue
+        if item["file"] in listed:  # (a list the writer got wrong: its totals would count the file twice)
+            report.problem(path, f"{item['file']} is listed twice in {listing}")
+            continue
+        number = fmt.segment_number(item["file"])
+        if number is not None and number < highest:
+            report.problem(path, f"{listing} lists {item['file']} after a later segment (it lists them in "
+                                 "write order)")
+        highest = max(highest, -1 if number is None else number)
         listed[item["file"]] = item
         if item["file"] not in on_disk_names:
             report.problem(path, f"{item['file']} is listed in {listing} but missing")
