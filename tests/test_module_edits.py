@@ -396,3 +396,40 @@ def test_a_module_registered_on_another_thread_while_attach_walks_the_model_is_d
     _closed_with_exactly(d, tmp_path, want, "Chain", out)
     for module in model.modules():
         assert "forward" not in module.__dict__, module
+
+
+class Relus(nn.Module):
+    """A ReLU, then ``extra`` when one was put in: nothing in it is a Linear."""
+
+    def __init__(self):
+        super().__init__()
+        self.act = nn.ReLU()
+
+    def forward(self, x):
+        x = self.act(x)
+        return self.extra(x) if "extra" in self._modules else x
+
+
+def test_a_module_taken_out_unseen_then_put_back_elsewhere_names_what_is_registered_in_it_by_its_new_place(
+        tmp_path):
+    """``del model._modules["block"]`` (no hook sees it) leaves the Dumper's name ``block`` for that
+    module; put back as ``model.other`` it is no longer at ``block``, so that name is stale and the
+    Linear registered in it afterwards is ``other.extra``. (A mutant reading every earlier name as
+    still held kept ``block`` and dumped ``block.extra``, the name of nothing.)"""
+    model = TwoBlocks()
+    model.block = Relus()
+    d = fastdump.attach(model, tmp_path, module_types=[nn.Linear])
+    old = model.block
+    del model._modules["block"]
+    model.block = Relus()
+    model.other = old
+    old.extra = nn.Linear(4, 4)
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        out = model(x)
+        want = {"other.extra": old.extra(model.other.act(model.block(x)))}
+    stats = d.close()
+    dumped = fastdump.open(tmp_path).load("target", 0, 0)
+    assert sorted(dumped) == sorted(want)
+    assert same_bits(dumped["other.extra"], want["other.extra"]) and same_bits(out, want["other.extra"])
+    assert stats["modules_not_followed"] == [] and verify_dump(str(tmp_path)).problems == []
