@@ -433,3 +433,38 @@ def test_a_module_taken_out_unseen_then_put_back_elsewhere_names_what_is_registe
     assert sorted(dumped) == sorted(want)
     assert same_bits(dumped["other.extra"], want["other.extra"]) and same_bits(out, want["other.extra"])
     assert stats["modules_not_followed"] == [] and verify_dump(str(tmp_path)).problems == []
+
+
+class Pair(nn.Module):
+    """A Linear registered as ``0`` (run when still there); returns a tuple, whose first part is
+    named ``<name>.0``: the Linear's name while it is in."""
+
+    def __init__(self):
+        super().__init__()
+        self.add_module("0", nn.Linear(4, 4))
+
+    def forward(self, x):
+        h = self._modules["0"](x) if "0" in self._modules else x
+        return h, x * 2
+
+
+def test_a_removed_module_s_name_is_free_for_an_output_part_that_reads_as_it(tmp_path):
+    """``delattr(pair, "0")`` frees the name ``m.0``: the first part of the watched ``m``'s tuple
+    output is dumped under it. (A mutant that kept the removed module's name among the module
+    names skipped that part as "reads as a module's name".)"""
+    model = nn.Module()
+    model.m = Pair()
+    model.forward = lambda x: model.m(x)
+    d = fastdump.attach(model, tmp_path)
+    d.watch(model.m, "m")
+    delattr(model.m, "0")
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        d.begin_pass()
+        out = model.m(x)
+        d.end_pass()
+    stats = d.close()
+    dumped = fastdump.open(tmp_path).load("target", 0, 0)
+    assert sorted(dumped) == ["m.0", "m.1"]
+    assert same_bits(dumped["m.0"], out[0]) and same_bits(dumped["m.1"], out[1])
+    assert stats["skipped"] == 0 and verify_dump(str(tmp_path)).problems == []
