@@ -468,3 +468,43 @@ def test_a_removed_module_s_name_is_free_for_an_output_part_that_reads_as_it(tmp
     assert sorted(dumped) == ["m.0", "m.1"]
     assert same_bits(dumped["m.0"], out[0]) and same_bits(dumped["m.1"], out[1])
     assert stats["skipped"] == 0 and verify_dump(str(tmp_path)).problems == []
+
+
+class Stack(nn.Module):
+    """Its ``layers`` in order (Blocks, or whatever replaced them)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(11)
+        self.layers = nn.ModuleList([Block(), Block()])
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def test_a_module_moved_out_of_its_moved_parent_takes_its_own_new_name(tmp_path):
+    """``model.layers = ModuleList([first.lin, second, first])``: ``first`` moves to ``layers.2``
+    and its ``lin``, held now at ``layers.0`` before it, takes that first name (as at attach), not
+    ``layers.2.lin`` that its parent's move alone would give it. Named as a Dumper attached after
+    the change names them, bit for bit. (A mutant picking the least specific move survived.)"""
+    model = Stack()
+    d = fastdump.attach(model, tmp_path / "during")
+    first, second = model.layers
+    model.layers = nn.ModuleList([first.lin, second, first])
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        out = model(x)
+    d.close()
+    after = fastdump.attach(model, tmp_path / "after")
+    with torch.no_grad():
+        model(x)
+    after.close()
+    during = fastdump.open(tmp_path / "during").load("target", 0, 0)
+    reference = fastdump.open(tmp_path / "after").load("target", 0, 0)
+    assert sorted(during) == sorted(reference) == ["Stack", "layers.0", "layers.0#1", "layers.1.lin"]
+    for name, value in reference.items():
+        assert same_bits(during[name], value), name
+    assert same_bits(during["Stack"], out)
+    assert verify_dump(str(tmp_path / "during")).problems == []
