@@ -508,3 +508,89 @@ def test_a_module_moved_out_of_its_moved_parent_takes_its_own_new_name(tmp_path)
         assert same_bits(during[name], value), name
     assert same_bits(during["Stack"], out)
     assert verify_dump(str(tmp_path / "during")).problems == []
+
+
+class Places(nn.Module):
+    """Runs what it holds at ``block``, then at ``other`` (either may be missing, or one module)."""
+
+    def forward(self, x):
+        for place in ("block", "other"):
+            if place in self._modules:
+                x = self._modules[place](x)
+        return x
+
+
+def _places_outputs(model, x) -> tuple:
+    """Places' output and, computed undumped, what each leaf name should hold (a module held twice
+    is named by its first place, its second call ``#1``)."""
+    want, seen = {}, {}
+    with torch.no_grad():
+        out = model(x)
+        h = x
+        for place in ("block", "other"):
+            block = model._modules.get(place)
+            if block is None:
+                continue
+            first = seen.setdefault(id(block), place)
+            suffix = "" if first == place else "#1"
+            h = want[f"{first}.lin{suffix}"] = block.lin(h)
+            if "extra" in block._modules:
+                h = want[f"{first}.extra{suffix}"] = block.extra(h)
+    return out, want
+
+
+def test_a_removed_module_still_held_elsewhere_names_what_is_registered_in_it_by_that_place(tmp_path):
+    """``model.other.block = model.block; del model.block; model.other.block.extra = Linear``: the
+    module left one place but another container holds it, which names it now: ``other.block.extra``
+    is dumped. (A mutant that forgot every name of a removed module left the Linear unwrapped,
+    missing from the dump.)"""
+    model = Places()
+    model.block = Block()
+    model.other = Places()
+    model.other.block = model.block
+    d = fastdump.attach(model, tmp_path)
+    delattr(model, "block")
+    kept = model.other.block
+    kept.extra = nn.Linear(4, 4)
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        out = model(x)
+        want = {"other.block.lin": kept.lin(x)}
+        want["other.block.extra"] = kept.extra(want["other.block.lin"])
+    _closed_with_exactly(d, tmp_path, want, "Places", out)
+
+
+def test_a_removed_module_given_a_submodule_outside_the_model_is_not_dumped_under_its_old_place(tmp_path):
+    """``old = model.block; del model.block; old.extra = Linear``, ``old`` run by hand inside a pass:
+    it has no name in the model, so nothing registered in it is wrapped. (A mutant that kept the
+    removed module's names wrapped the Linear as ``block.extra`` and dumped it.)"""
+    model = Places()
+    model.block = Block()
+    d = fastdump.attach(model, tmp_path)
+    old = model.block
+    delattr(model, "block")
+    old.extra = nn.Linear(4, 4)
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        d.begin_pass()
+        out = model(x)
+        old(x)  # outside the model, inside its pass: not the model's, not dumped
+        d.end_pass()
+    _closed_with_exactly(d, tmp_path, {}, "Places", out)
+    assert "forward" not in old.extra.__dict__
+
+
+def test_a_module_held_twice_replaced_at_its_second_place_keeps_its_first_name(tmp_path):
+    """``model.other = model.block; model.other = Block()``: the module left ``other`` but is still
+    ``block``, the name it had; a Linear registered in it later is ``block.extra``. (A mutant that
+    forgot every name of a replaced module, not only those under the replaced place, left the Linear
+    unwrapped, missing from the dump.)"""
+    model = Places()
+    model.block = Block()
+    model.other = model.block
+    d = fastdump.attach(model, tmp_path)
+    model.other = Block()
+    model.block.extra = nn.Linear(4, 4)
+    out, want = _places_outputs(model, torch.randn(2, 4))
+    assert sorted(want) == ["block.extra", "block.lin", "other.lin"]
+    _closed_with_exactly(d, tmp_path, want, "Places", out)
