@@ -594,3 +594,41 @@ def test_a_module_held_twice_replaced_at_its_second_place_keeps_its_first_name(t
     out, want = _places_outputs(model, torch.randn(2, 4))
     assert sorted(want) == ["block.extra", "block.lin", "other.lin"]
     _closed_with_exactly(d, tmp_path, want, "Places", out)
+
+
+class ShadowedForward(nn.Module):
+    """Its class's forward is a property: fastdump cannot wrap it, but dumps its submodules. Runs
+    ``lin``, then ``inner`` when one was put in."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    @property
+    def forward(self):
+        def run(x):
+            x = self.lin(x)
+            return self._modules["inner"](x) if "inner" in self._modules else x
+        return run
+
+
+def test_a_direct_write_into_a_module_with_a_shadowed_forward_makes_verify_fail(tmp_path):
+    """A module whose forward is a property is left unwrapped, its submodules are dumped; a Linear
+    written into its ``_modules`` after attach (no hook sees it) was not dumped, and the check at
+    close skipped everything under the unwrapped module's name: the output silently missing,
+    verify OK. It is reported now and verify fails naming it."""
+    model = nn.Sequential()
+    model.add_module("s", ShadowedForward())
+    d = fastdump.attach(model, tmp_path)
+    model.s._modules["inner"] = nn.Linear(4, 4)
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        out = model(x)
+        lin = model.s.lin(x)
+    stats = d.close()
+    dumped = fastdump.open(tmp_path).load("target", 0, 0)
+    assert sorted(dumped) == ["Sequential", "s.lin"]
+    assert same_bits(dumped["s.lin"], lin) and same_bits(dumped["Sequential"], out)
+    assert [entry.split(":")[0] for entry in stats["modules_not_followed"]] == ["s.inner"]
+    problems = verify_dump(str(tmp_path)).problems
+    assert len(problems) == 1 and "could not follow" in problems[0] and "s.inner: " in problems[0]
