@@ -191,3 +191,30 @@ def test_a_replay_span_whose_chunks_straddle_an_eager_pass_end_is_put_together(t
     assert ds.meta("target", rank, 0)["skipped"] == [] and torch.equal(ds.load("target", rank, 0)["x"], x)
     assert torch.equal(torch.as_tensor(ds.load("target", rank, base)["a"]), a)
     assert ds.meta("target", rank, base)["complete"]
+
+
+def test_a_one_byte_last_chunk_completes_its_tensor_and_a_torn_one_keeps_the_producers_reason(tmp_path):
+    """A 9-byte tensor in chunks of 8 and 1 is whole only with its last byte (a mutant reading it
+    whole one byte early stored a zero there and tore the last chunk); a torn tensor the producer
+    already recorded as skipped keeps that one entry, with its reason."""
+    odd = torch.arange(1, 10, dtype=torch.uint8)
+    torn = torch.ones(8)
+    rank = "TP0_PP0_Rank0_pid1"
+    records = [
+        control(1, op="open", channel=0, dir=str(tmp_path / "target" / rank), role="target", rank={}, pid=1, host="h",
+                device={}, config={"segment_passes": 8, "segment_mb": 64, "segment_seconds": 60}),
+        control(2, op="name", channel=0, id=0, name="odd"),
+        control(3, op="name", channel=0, id=1, name="torn"),
+        control(4, op="begin", channel=0, **{"pass": 0, "meta": {}}),
+        tensor(0, 0, odd, offset=0, part=8),
+        tensor(1, 0, torn, offset=0, part=8),  # its second half never arrives
+        tensor(0, 0, odd, offset=8, part=1),
+        control(5, op="end", channel=0, **{"pass": 0, "meta": {}, "dropped": 0,
+                                           "skipped": [{"name": "torn", "reason": "the producer's reason"}]}),
+        control(6, op="shutdown"),
+    ]
+    assert WriterLoop(ScriptedConsumer(records)).run() == 0
+    ds = fastdump.open(tmp_path)
+    dumped = ds.load("target", rank, 0)
+    assert list(dumped) == ["odd"] and torch.equal(dumped["odd"], odd)
+    assert ds.meta("target", rank, 0)["skipped"] == [{"name": "torn", "reason": "the producer's reason"}]
