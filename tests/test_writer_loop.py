@@ -218,3 +218,41 @@ def test_a_one_byte_last_chunk_completes_its_tensor_and_a_torn_one_keeps_the_pro
     dumped = ds.load("target", rank, 0)
     assert list(dumped) == ["odd"] and torch.equal(dumped["odd"], odd)
     assert ds.meta("target", rank, 0)["skipped"] == [{"name": "torn", "reason": "the producer's reason"}]
+
+
+def test_a_pass_end_tears_only_its_own_channels_unfinished_tensors(tmp_path):
+    """Two channels at the same pass id: channel 0's pass end comes while channel 1's tensor is half
+    in. That tensor is channel 1's, completed by its next chunk; channel 0's pass records no skip.
+    (A mutant that tore every channel's unfinished tensors of that pass id lost it and recorded
+    a skip in channel 0's pass.)"""
+    whole = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    mine = torch.ones(4)
+
+    def opened(seq, channel, rank):
+        return control(seq, op="open", channel=channel, dir=str(tmp_path / "target" / rank), role="target",
+                       rank={}, pid=1, host="h", device={},
+                       config={"segment_passes": 8, "segment_mb": 64, "segment_seconds": 60})
+
+    def on(channel, record):
+        return (record[0], channel, *record[2:])
+
+    end = {"pass": 0, "meta": {}, "dropped": 0, "skipped": []}
+    records = [
+        opened(1, 0, "TP0_PP0_Rank0_pid1"), opened(2, 1, "TP0_PP0_Rank1_pid1"),
+        control(3, op="name", channel=0, id=0, name="mine"),
+        control(4, op="name", channel=1, id=0, name="whole"),
+        control(5, op="begin", channel=0, **{"pass": 0, "meta": {}}),
+        control(6, op="begin", channel=1, **{"pass": 0, "meta": {}}),
+        tensor(0, 0, mine),
+        on(1, tensor(0, 0, whole, offset=0, part=16)),
+        control(7, op="end", channel=0, **end),
+        on(1, tensor(0, 0, whole, offset=16, part=32)),
+        control(8, op="end", channel=1, **end),
+        control(9, op="shutdown"),
+    ]
+    assert WriterLoop(ScriptedConsumer(records)).run() == 0
+    ds = fastdump.open(tmp_path)
+    assert torch.equal(ds.load("target", "TP0_PP0_Rank0_pid1", 0)["mine"], mine)
+    assert torch.equal(ds.load("target", "TP0_PP0_Rank1_pid1", 0)["whole"], whole)
+    assert ds.meta("target", "TP0_PP0_Rank0_pid1", 0)["skipped"] == []
+    assert ds.meta("target", "TP0_PP0_Rank1_pid1", 0)["skipped"] == []
