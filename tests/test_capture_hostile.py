@@ -1552,3 +1552,35 @@ def test_a_shared_leaf_the_selection_keeps_under_its_first_name_is_not_recorded(
     assert same_bits(dumped["layers.0.rotary"], want["layers.0.rotary"]) and same_bits(dumped["root"], out)
     for i in kept:
         assert same_bits(dumped[f"layers.{i}.fc"], want[f"layers.{i}.fc"])
+
+
+class _NonesOut(nn.Module):
+    def forward(self, x):
+        return (None, None)
+
+
+class _DigitKeysOut(nn.Module):
+    def forward(self, x):
+        return {"0": x * 2, "1": x + 1}
+
+
+def test_a_plain_pass_records_the_structure_of_outputs_whose_names_do_not_tell_it(tmp_path):
+    """A pass with no metadata, no skip and no mixing still sends its structure record: a tuple of
+    Nones stores nothing and a dict with digit keys reads as a tuple. (A mutant that took the one-call
+    plain end whenever there was no meta, structure aside, lost the record; only passes with
+    metadata were tested.)"""
+    model = nn.Sequential(_NonesOut(), _DigitKeysOut())
+    x = torch.randn(2, 3)
+    d = fastdump.attach(model, tmp_path)
+    d.begin_pass()  # (each child called on x: a pass without metadata)
+    with torch.no_grad():
+        model[0](x)
+        out = model[1](x)
+    d.end_pass()
+    d.close()
+    ds = fastdump.open(tmp_path)
+    structure = ds.structure("target", None, 0)
+    assert structure["0"]["kinds"] == {"": "tuple:empty"}, structure
+    assert structure["1"]["kinds"] == {"": "dict"}, structure
+    got = ds.load("target", None, 0)
+    assert torch.equal(got["1.0"], out["0"]) and torch.equal(got["1.1"], out["1"])

@@ -179,3 +179,26 @@ def test_segment_idle_seconds_is_validated(tmp_path):
         settings_from_env({"FASTDUMP_DIR": str(tmp_path), "FASTDUMP_SEGMENT_IDLE_SECONDS": "-1"})
     assert settings_from_env({"FASTDUMP_DIR": str(tmp_path),
                               "FASTDUMP_SEGMENT_IDLE_SECONDS": "0"})["segment_idle_seconds"] == 0
+
+
+def test_a_pass_end_received_twice_does_not_let_idle_split_the_next_open_pass(tmp_path):
+    """A pass's end handled twice counts it ended once: with pass 1 open, idle writes nothing (it
+    would split pass 1 across segments); once pass 1 ends, both passes land whole. (A mutant that
+    counted every end as closing an open pass wrote the open pass 1 unfinished.)"""
+    writer = make_writer(tmp_path, segment_idle_seconds=0.2)
+    feed = Feeder(writer)
+    feed.full_pass(0, {"x": torch.arange(4.0)})
+    writer.on_end(0, {}, 0, [])  # the same end again
+    writer.on_begin(1, {})
+    feed.tensor(1, "x", torch.arange(4.0) + 1)
+    writer.idle(writer._pending.last_end + 10.0)
+    assert segments(writer) == []  # pass 1 is open
+    writer.on_end(1, {}, 0, [])
+    writer.idle(writer._pending.last_end + 10.0)
+    assert len(segments(writer)) == 1
+    ds = fastdump.open(tmp_path)
+    rank = "TP0_PP0_Rank0_pid4242"
+    assert ds.passes("target", rank) == [0, 1]
+    assert torch.equal(ds.load("target", rank, 1)["x"], torch.arange(4.0) + 1)
+    assert all(ds.meta("target", rank, p)["complete"] for p in (0, 1))
+    writer.close()

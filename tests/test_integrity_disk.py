@@ -166,9 +166,10 @@ def set_field(row, field, value):
     (set_field(0, "first_row", 10_000), "index row"),  # past its block
     (set_field(0, "rows", 0), "leave a gap|index row"),  # empty tensor
     (set_field(1, "name", 99), "name slot 99"),  # no such name
+    (set_field(1, "name", 3), "name slot 3 outside the name table \\(3 names\\)"),  # one past the last (a, b, big)
     (set_field(0, "pass", 3), "pass 3 is not in the passes table|index rows"),  # mislabelled
     (set_field(0, "rows", -1), "index row 0: negative row range"),  # (else read as a row range ending early)
-], ids=["outside", "empty", "name", "pass", "negative-rows"])
+], ids=["outside", "empty", "name", "name-one-past", "pass", "negative-rows"])
 def test_bad_index_rows_are_an_error_naming_file_and_row(dump, damage, message, capsys):
     path = segment(dump)
     rewrite_index(path, damage)

@@ -396,3 +396,239 @@ def test_a_module_registered_on_another_thread_while_attach_walks_the_model_is_d
     _closed_with_exactly(d, tmp_path, want, "Chain", out)
     for module in model.modules():
         assert "forward" not in module.__dict__, module
+
+
+class Relus(nn.Module):
+    """A ReLU, then ``extra`` when one was put in: nothing in it is a Linear."""
+
+    def __init__(self):
+        super().__init__()
+        self.act = nn.ReLU()
+
+    def forward(self, x):
+        x = self.act(x)
+        return self.extra(x) if "extra" in self._modules else x
+
+
+def test_a_module_taken_out_unseen_then_put_back_elsewhere_names_what_is_registered_in_it_by_its_new_place(
+        tmp_path):
+    """``del model._modules["block"]`` (no hook sees it) leaves the Dumper's name ``block`` for that
+    module; put back as ``model.other`` it is no longer at ``block``, so that name is stale and the
+    Linear registered in it afterwards is ``other.extra``. (A mutant reading every earlier name as
+    still held kept ``block`` and dumped ``block.extra``, the name of nothing.)"""
+    model = TwoBlocks()
+    model.block = Relus()
+    d = fastdump.attach(model, tmp_path, module_types=[nn.Linear])
+    old = model.block
+    del model._modules["block"]
+    model.block = Relus()
+    model.other = old
+    old.extra = nn.Linear(4, 4)
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        out = model(x)
+        want = {"other.extra": old.extra(model.other.act(model.block(x)))}
+    stats = d.close()
+    dumped = fastdump.open(tmp_path).load("target", 0, 0)
+    assert sorted(dumped) == sorted(want)
+    assert same_bits(dumped["other.extra"], want["other.extra"]) and same_bits(out, want["other.extra"])
+    assert stats["modules_not_followed"] == [] and verify_dump(str(tmp_path)).problems == []
+
+
+class Pair(nn.Module):
+    """A Linear registered as ``0`` (run when still there); returns a tuple, whose first part is
+    named ``<name>.0``: the Linear's name while it is in."""
+
+    def __init__(self):
+        super().__init__()
+        self.add_module("0", nn.Linear(4, 4))
+
+    def forward(self, x):
+        h = self._modules["0"](x) if "0" in self._modules else x
+        return h, x * 2
+
+
+def test_a_removed_module_s_name_is_free_for_an_output_part_that_reads_as_it(tmp_path):
+    """``delattr(pair, "0")`` frees the name ``m.0``: the first part of the watched ``m``'s tuple
+    output is dumped under it. (A mutant that kept the removed module's name among the module
+    names skipped that part as "reads as a module's name".)"""
+    model = nn.Module()
+    model.m = Pair()
+    model.forward = lambda x: model.m(x)
+    d = fastdump.attach(model, tmp_path)
+    d.watch(model.m, "m")
+    delattr(model.m, "0")
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        d.begin_pass()
+        out = model.m(x)
+        d.end_pass()
+    stats = d.close()
+    dumped = fastdump.open(tmp_path).load("target", 0, 0)
+    assert sorted(dumped) == ["m.0", "m.1"]
+    assert same_bits(dumped["m.0"], out[0]) and same_bits(dumped["m.1"], out[1])
+    assert stats["skipped"] == 0 and verify_dump(str(tmp_path)).problems == []
+
+
+class Stack(nn.Module):
+    """Its ``layers`` in order (Blocks, or whatever replaced them)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(11)
+        self.layers = nn.ModuleList([Block(), Block()])
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def test_a_module_moved_out_of_its_moved_parent_takes_its_own_new_name(tmp_path):
+    """``model.layers = ModuleList([first.lin, second, first])``: ``first`` moves to ``layers.2``
+    and its ``lin``, held now at ``layers.0`` before it, takes that first name (as at attach), not
+    ``layers.2.lin`` that its parent's move alone would give it. Named as a Dumper attached after
+    the change names them, bit for bit. (A mutant picking the least specific move survived.)"""
+    model = Stack()
+    d = fastdump.attach(model, tmp_path / "during")
+    first, second = model.layers
+    model.layers = nn.ModuleList([first.lin, second, first])
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        out = model(x)
+    d.close()
+    after = fastdump.attach(model, tmp_path / "after")
+    with torch.no_grad():
+        model(x)
+    after.close()
+    during = fastdump.open(tmp_path / "during").load("target", 0, 0)
+    reference = fastdump.open(tmp_path / "after").load("target", 0, 0)
+    assert sorted(during) == sorted(reference) == ["Stack", "layers.0", "layers.0#1", "layers.1.lin"]
+    for name, value in reference.items():
+        assert same_bits(during[name], value), name
+    assert same_bits(during["Stack"], out)
+    assert verify_dump(str(tmp_path / "during")).problems == []
+
+
+class Places(nn.Module):
+    """Runs what it holds at ``block``, then at ``other`` (either may be missing, or one module)."""
+
+    def forward(self, x):
+        for place in ("block", "other"):
+            if place in self._modules:
+                x = self._modules[place](x)
+        return x
+
+
+def _places_outputs(model, x) -> tuple:
+    """Places' output and, computed undumped, what each leaf name should hold (a module held twice
+    is named by its first place, its second call ``#1``)."""
+    want, seen = {}, {}
+    with torch.no_grad():
+        out = model(x)
+        h = x
+        for place in ("block", "other"):
+            block = model._modules.get(place)
+            if block is None:
+                continue
+            first = seen.setdefault(id(block), place)
+            suffix = "" if first == place else "#1"
+            h = want[f"{first}.lin{suffix}"] = block.lin(h)
+            if "extra" in block._modules:
+                h = want[f"{first}.extra{suffix}"] = block.extra(h)
+    return out, want
+
+
+def test_a_removed_module_still_held_elsewhere_names_what_is_registered_in_it_by_that_place(tmp_path):
+    """``model.other.block = model.block; del model.block; model.other.block.extra = Linear``: the
+    module left one place but another container holds it, which names it now: ``other.block.extra``
+    is dumped. (A mutant that forgot every name of a removed module left the Linear unwrapped,
+    missing from the dump.)"""
+    model = Places()
+    model.block = Block()
+    model.other = Places()
+    model.other.block = model.block
+    d = fastdump.attach(model, tmp_path)
+    delattr(model, "block")
+    kept = model.other.block
+    kept.extra = nn.Linear(4, 4)
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        out = model(x)
+        want = {"other.block.lin": kept.lin(x)}
+        want["other.block.extra"] = kept.extra(want["other.block.lin"])
+    _closed_with_exactly(d, tmp_path, want, "Places", out)
+
+
+def test_a_removed_module_given_a_submodule_outside_the_model_is_not_dumped_under_its_old_place(tmp_path):
+    """``old = model.block; del model.block; old.extra = Linear``, ``old`` run by hand inside a pass:
+    it has no name in the model, so nothing registered in it is wrapped. (A mutant that kept the
+    removed module's names wrapped the Linear as ``block.extra`` and dumped it.)"""
+    model = Places()
+    model.block = Block()
+    d = fastdump.attach(model, tmp_path)
+    old = model.block
+    delattr(model, "block")
+    old.extra = nn.Linear(4, 4)
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        d.begin_pass()
+        out = model(x)
+        old(x)  # outside the model, inside its pass: not the model's, not dumped
+        d.end_pass()
+    _closed_with_exactly(d, tmp_path, {}, "Places", out)
+    assert "forward" not in old.extra.__dict__
+
+
+def test_a_module_held_twice_replaced_at_its_second_place_keeps_its_first_name(tmp_path):
+    """``model.other = model.block; model.other = Block()``: the module left ``other`` but is still
+    ``block``, the name it had; a Linear registered in it later is ``block.extra``. (A mutant that
+    forgot every name of a replaced module, not only those under the replaced place, left the Linear
+    unwrapped, missing from the dump.)"""
+    model = Places()
+    model.block = Block()
+    model.other = model.block
+    d = fastdump.attach(model, tmp_path)
+    model.other = Block()
+    model.block.extra = nn.Linear(4, 4)
+    out, want = _places_outputs(model, torch.randn(2, 4))
+    assert sorted(want) == ["block.extra", "block.lin", "other.lin"]
+    _closed_with_exactly(d, tmp_path, want, "Places", out)
+
+
+class ShadowedForward(nn.Module):
+    """Its class's forward is a property: fastdump cannot wrap it, but dumps its submodules. Runs
+    ``lin``, then ``inner`` when one was put in."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    @property
+    def forward(self):
+        def run(x):
+            x = self.lin(x)
+            return self._modules["inner"](x) if "inner" in self._modules else x
+        return run
+
+
+def test_a_direct_write_into_a_module_with_a_shadowed_forward_makes_verify_fail(tmp_path):
+    """A module whose forward is a property is left unwrapped, its submodules are dumped; a Linear
+    written into its ``_modules`` after attach (no hook sees it) was not dumped, and the check at
+    close skipped everything under the unwrapped module's name: the output silently missing,
+    verify OK. It is reported now and verify fails naming it."""
+    model = nn.Sequential()
+    model.add_module("s", ShadowedForward())
+    d = fastdump.attach(model, tmp_path)
+    model.s._modules["inner"] = nn.Linear(4, 4)
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        out = model(x)
+        lin = model.s.lin(x)
+    stats = d.close()
+    dumped = fastdump.open(tmp_path).load("target", 0, 0)
+    assert sorted(dumped) == ["Sequential", "s.lin"]
+    assert same_bits(dumped["s.lin"], lin) and same_bits(dumped["Sequential"], out)
+    assert [entry.split(":")[0] for entry in stats["modules_not_followed"]] == ["s.inner"]
+    problems = verify_dump(str(tmp_path)).problems
+    assert len(problems) == 1 and "could not follow" in problems[0] and "s.inner: " in problems[0]

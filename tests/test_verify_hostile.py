@@ -829,8 +829,11 @@ def _torn_before_lost_tensors(info):
      "replays outran the drain"),
     (lambda i: i["stats"].update(lost_at_close=2, tensors=22), "2 staged tensor(s) were lost at close: a CUDA-graph "
      "capture still running on another stream held their batch"),
+    (lambda i: (i.update(late_pass_ends_left_out=1), i["config"].pop("policy")),  # (block, the default)
+     "1 pass end(s) never reached the writer in time (ring full): those passes are stored incomplete, without "
+     "their drop counts, metadata and skips"),
 ], ids=["error-recorded", "torn-before-lost-tensors", "graphs-not-dumped", "late-ends", "drop-default-policy",
-        "lost-at-close"])
+        "lost-at-close", "late-ends-default-policy"])
 def test_rank_json_records_of_a_loss_fail_verify_alone(dump, expected, change, text):
     """Each record of a loss in an otherwise whole dump's rank.json is exactly one problem."""
     edit_rank_json(dump, change)

@@ -191,3 +191,68 @@ def test_a_replay_span_whose_chunks_straddle_an_eager_pass_end_is_put_together(t
     assert ds.meta("target", rank, 0)["skipped"] == [] and torch.equal(ds.load("target", rank, 0)["x"], x)
     assert torch.equal(torch.as_tensor(ds.load("target", rank, base)["a"]), a)
     assert ds.meta("target", rank, base)["complete"]
+
+
+def test_a_one_byte_last_chunk_completes_its_tensor_and_a_torn_one_keeps_the_producers_reason(tmp_path):
+    """A 9-byte tensor in chunks of 8 and 1 is whole only with its last byte (a mutant reading it
+    whole one byte early stored a zero there and tore the last chunk); a torn tensor the producer
+    already recorded as skipped keeps that one entry, with its reason."""
+    odd = torch.arange(1, 10, dtype=torch.uint8)
+    torn = torch.ones(8)
+    rank = "TP0_PP0_Rank0_pid1"
+    records = [
+        control(1, op="open", channel=0, dir=str(tmp_path / "target" / rank), role="target", rank={}, pid=1, host="h",
+                device={}, config={"segment_passes": 8, "segment_mb": 64, "segment_seconds": 60}),
+        control(2, op="name", channel=0, id=0, name="odd"),
+        control(3, op="name", channel=0, id=1, name="torn"),
+        control(4, op="begin", channel=0, **{"pass": 0, "meta": {}}),
+        tensor(0, 0, odd, offset=0, part=8),
+        tensor(1, 0, torn, offset=0, part=8),  # its second half never arrives
+        tensor(0, 0, odd, offset=8, part=1),
+        control(5, op="end", channel=0, **{"pass": 0, "meta": {}, "dropped": 0,
+                                           "skipped": [{"name": "torn", "reason": "the producer's reason"}]}),
+        control(6, op="shutdown"),
+    ]
+    assert WriterLoop(ScriptedConsumer(records)).run() == 0
+    ds = fastdump.open(tmp_path)
+    dumped = ds.load("target", rank, 0)
+    assert list(dumped) == ["odd"] and torch.equal(dumped["odd"], odd)
+    assert ds.meta("target", rank, 0)["skipped"] == [{"name": "torn", "reason": "the producer's reason"}]
+
+
+def test_a_pass_end_tears_only_its_own_channels_unfinished_tensors(tmp_path):
+    """Two channels at the same pass id: channel 0's pass end comes while channel 1's tensor is half
+    in. That tensor is channel 1's, completed by its next chunk; channel 0's pass records no skip.
+    (A mutant that tore every channel's unfinished tensors of that pass id lost it and recorded
+    a skip in channel 0's pass.)"""
+    whole = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    mine = torch.ones(4)
+
+    def opened(seq, channel, rank):
+        return control(seq, op="open", channel=channel, dir=str(tmp_path / "target" / rank), role="target",
+                       rank={}, pid=1, host="h", device={},
+                       config={"segment_passes": 8, "segment_mb": 64, "segment_seconds": 60})
+
+    def on(channel, record):
+        return (record[0], channel, *record[2:])
+
+    end = {"pass": 0, "meta": {}, "dropped": 0, "skipped": []}
+    records = [
+        opened(1, 0, "TP0_PP0_Rank0_pid1"), opened(2, 1, "TP0_PP0_Rank1_pid1"),
+        control(3, op="name", channel=0, id=0, name="mine"),
+        control(4, op="name", channel=1, id=0, name="whole"),
+        control(5, op="begin", channel=0, **{"pass": 0, "meta": {}}),
+        control(6, op="begin", channel=1, **{"pass": 0, "meta": {}}),
+        tensor(0, 0, mine),
+        on(1, tensor(0, 0, whole, offset=0, part=16)),
+        control(7, op="end", channel=0, **end),
+        on(1, tensor(0, 0, whole, offset=16, part=32)),
+        control(8, op="end", channel=1, **end),
+        control(9, op="shutdown"),
+    ]
+    assert WriterLoop(ScriptedConsumer(records)).run() == 0
+    ds = fastdump.open(tmp_path)
+    assert torch.equal(ds.load("target", "TP0_PP0_Rank0_pid1", 0)["mine"], mine)
+    assert torch.equal(ds.load("target", "TP0_PP0_Rank1_pid1", 0)["whole"], whole)
+    assert ds.meta("target", "TP0_PP0_Rank0_pid1", 0)["skipped"] == []
+    assert ds.meta("target", "TP0_PP0_Rank1_pid1", 0)["skipped"] == []

@@ -1755,7 +1755,10 @@ class Dumper:
         model = self._model_ref() if getattr(self, "_holders", None) is not None else None
         if model is None:
             return []
-        skipped = [name for name in self.not_wrapped]
+        # Left out of the selection with what is in them: what attach left unwrapped with its subtree
+        # (TorchScript, a name like a repeated call's, a shared module's left-out name). A module
+        # whose forward is shadowed is not selected itself, but its submodules are dumped: one put in
+        # there unseen is an unfollowed edit like any other.
         scripted = {name: why for name, why in self.not_wrapped.items() if why != _SHADOWED_REASON}
         held = _places(model)
         wrapped = {id(module) for module, wrapper in self._wrapped if getattr(wrapper, "_fastdump_name", None)
@@ -1766,7 +1769,7 @@ class Dumper:
                 seen = module in self._paths
             except TypeError:  # (unhashable: never followed, not judged)
                 continue
-            if not seen and id(module) not in wrapped and not any(_at_or_under(name, s) for s in skipped):
+            if not seen and id(module) not in wrapped:
                 found.append(f"{name}: in the model and selected, not dumped (put in by a write to a "
                              "module's _modules, which no hook reports)")
         for name, module in self._holders.items():
