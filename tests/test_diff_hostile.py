@@ -725,13 +725,28 @@ def test_eagle_draft_role_missing_in_one_run(eagle, tmp_path, capsys):
     a, _, _ = eagle
     target_only = tmp_path / "target_only"
     shutil.copytree(a, target_only)
+    # A run that dumped the target alone: no draft directory, and no record of a draft attached.
     shutil.rmtree(target_only / "draft")
+    shutil.rmtree(target_only / "fastdump.sessions" / "draft")
+    (target_only / "fastdump.roles" / "draft").unlink()
     result = fastdump.diff(a, target_only)  # the draft's data is missing: exit 1 (it was 0)
     assert result.exit_code == 1 and result.missing == [{"kind": "role", "only_in": "baseline", "role": "draft"}]
     assert {row["role"] for row in result.rows} == {"target"} and result.failed == 0
     assert fastdump.diff(a, target_only, role="target").ok
     code, out, err = run(capsys, a, target_only, "--role", "draft")
     assert code == 2 and "target" in err and "no role 'draft'" in err
+
+
+def test_eagle_draft_role_removed_after_the_run_is_a_damaged_dump(eagle, tmp_path):
+    """The draft's directory removed from a root that records a draft attached: not a run without a
+    draft but a dump that lost one, so diff refuses it as damaged (exit 2) and names the lost role."""
+    a, _, _ = eagle
+    damaged = tmp_path / "damaged"
+    shutil.copytree(a, damaged)
+    shutil.rmtree(damaged / "draft")
+    result = fastdump.diff(a, damaged)
+    assert result.exit_code == 2
+    assert len(result.problems) == 1 and "role 'draft' was attached here" in result.problems[0]
 
 
 # ----------------------------------------------------------------------- incomplete and corrupt
