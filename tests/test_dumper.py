@@ -1590,7 +1590,7 @@ def test_an_async_generator_dropped_unconsumed_keeps_its_cleanup_out_of_a_pass_o
     assert not cli_dump.verify_dump(str(tmp_path)).problems
 
 
-def test_an_async_generators_cleanup_run_inside_its_own_dumpers_pass_marks_that_pass_incomplete(tmp_path):
+def test_an_async_generators_cleanup_run_inside_its_own_dumpers_pass_marks_that_pass_mixed(tmp_path):
     """Dropped unconsumed while a pass of its own Dumper is open across ``await``s, the async
     generator's ``aclose()`` runs when the loop gets to it, inside that pass (it cannot be put off as a
     generator's close is): its cleanup call of the LM head was read as the pass's own ``lm_head``,
