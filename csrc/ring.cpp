@@ -3,6 +3,7 @@
 #include <fcntl.h>
 #include <poll.h>
 #include <sys/mman.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
@@ -99,15 +100,25 @@ void ShmRegion::create(const std::string& name, uint64_t capacity) {
   int fd = ::shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
   if (fd < 0) throw sys_error("shm_open(" + name + ")");
   owner_ = true;
+  // A file size limit (ulimit -f) below the region refuses the reservation, and the kernel then
+  // sends SIGXFSZ (Linux: shmem_fallocate through inode_newsize_ok), whose default action kills the
+  // serving process: refused here first, as EFBIG.
+  struct rlimit fsize {};
+  const bool over_limit = ::getrlimit(RLIMIT_FSIZE, &fsize) == 0 && fsize.rlim_cur != RLIM_INFINITY &&
+                          static_cast<uint64_t>(fsize.rlim_cur) < size_;
   // posix_fallocate makes a too-small /dev/shm fail here, with ENOSPC, instead of SIGBUS later.
-  int rc = ::posix_fallocate(fd, 0, static_cast<off_t>(size_));
+  int rc = over_limit ? EFBIG : ::posix_fallocate(fd, 0, static_cast<off_t>(size_));
   if (rc != 0) {
     ::close(fd);
     ::shm_unlink(name.c_str());
     unlinked_ = true;
     errno = rc;
-    throw sys_error("cannot reserve " + std::to_string(size_ >> 20) + " MiB of shared memory in /dev/shm "
-                    "(docker's default is 64 MiB: raise --shm-size or lower ring_mb)");
+    // The advice follows the cause: a full /dev/shm is the common one, but a file size limit on the
+    // process (ulimit -f) refuses the reservation too, and /dev/shm's size is then not the fix.
+    const char* fix = rc == EFBIG   ? "(over this process's file size limit, ulimit -f: raise it or lower ring_mb)"
+                      : rc == ENOSPC ? "(docker's default is 64 MiB: raise --shm-size or lower ring_mb)"
+                                     : "(lower ring_mb)";
+    throw sys_error("cannot reserve " + std::to_string(size_ >> 20) + " MiB of shared memory in /dev/shm " + fix);
   }
   void* p = ::mmap(nullptr, size_, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
   ::close(fd);

@@ -165,6 +165,27 @@ def test_full_disk_stops_dumping_not_serving(small_disk, caplog, rows):
     assert subprocess.run([sys.executable, "-m", "fastdump", "verify", str(small_disk)]).returncode == 1
 
 
+def test_a_file_size_limit_below_the_ring_is_named_and_serving_goes_on(tmp_path):
+    """Under ``ulimit -f`` below the ring's size, attach blamed /dev/shm's size ("docker's default is
+    64 MiB") for "File too large", and the reservation that hits the limit is one Linux answers
+    with SIGXFSZ, whose default action kills the serving process. The limit is checked first now: the
+    attach records an error naming it, nothing is signalled, and the model serves undumped."""
+    script = textwrap.dedent("""
+        import resource, sys, torch, fastdump
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, resource.RLIM_INFINITY))  # SIGXFSZ left default
+        model = torch.nn.Linear(4, 4)
+        dumper = fastdump.attach(model, sys.argv[1])
+        out = model(torch.ones(2, 4))
+        print(dumper.status, "|", dumper.error, "|", out.shape[0])
+    """)
+    run = subprocess.run([sys.executable, "-c", script, str(tmp_path / "dump")], capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 0, run.stderr
+    status, error, rows = run.stdout.strip().splitlines()[-1].split(" | ")
+    assert status == "error" and rows == "2"
+    assert "file size limit, ulimit -f" in error and "docker" not in error
+
+
 def test_leftover_shared_memory_of_a_dead_process_is_removed_at_start(tmp_path):
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     leftover = SHM_DIR / f"{SHM_PREFIX}{int(dead.stdout)}-0"
