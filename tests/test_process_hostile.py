@@ -1441,22 +1441,17 @@ def test_a_daemon_threads_close_running_at_exit_finishes_before_the_engine_stops
     assert fastdump.open(tmp_path / "dump").passes("target", 0) == list(range(5))
 
 
-@pytest.mark.parametrize("shutdown_s", [30, 0])
-def test_an_engine_shut_down_under_a_close_on_another_thread_leaves_a_whole_dump_verifying(tmp_path, monkeypatch,
-                                                                                         shutdown_s):
-    """The engine shut down (the exit hook past its deadline) while close() ran on another thread,
-    before its close message: the writer closed the channel itself with every pass on disk, and the
-    close, finding the writer gone, recorded "writer process exited with code 0": verify failed a
-    whole dump. It now checks the segment files: whole, it is closed (the passes are all there).
-    With no time left for the shutdown (the writer killed at once), passes may really be lost: then
-    verify fails saying why."""
+def _passes_then_close_paused(tmp_path, monkeypatch, passes):
+    """A Dumper on ``Net`` that ran ``passes`` passes, with its close() made to stop before its close
+    message until ``go_on`` is set (``inside`` is set once it waits there).
+    Returns (dumper, reference model, inputs by pass, inside, go_on)."""
     from fastdump import protocol
 
     model, ref = Net(), Net()
     d = fastdump.attach(model, tmp_path)
-    inputs = {p: torch.full((1, 16), float(p)) for p in range(5)}
+    inputs = {p: torch.full((1, 16), float(p)) for p in range(passes)}
     with torch.inference_mode():
-        for p in range(5):
+        for p in range(passes):
             model(inputs[p])
     inside, go_on = threading.Event(), threading.Event()
     real = protocol.close
@@ -1467,6 +1462,19 @@ def test_an_engine_shut_down_under_a_close_on_another_thread_leaves_a_whole_dump
         return real(*args, **kwargs)
 
     monkeypatch.setattr(protocol, "close", paused_close)
+    return d, ref, inputs, inside, go_on
+
+
+@pytest.mark.parametrize("shutdown_s", [30, 0])
+def test_an_engine_shut_down_under_a_close_on_another_thread_leaves_a_whole_dump_verifying(tmp_path, monkeypatch,
+                                                                                         shutdown_s):
+    """The engine shut down (the exit hook past its deadline) while close() ran on another thread,
+    before its close message: the writer closed the channel itself with every pass on disk, and the
+    close, finding the writer gone, recorded "writer process exited with code 0": verify failed a
+    whole dump. It now checks the segment files: whole, it is closed (the passes are all there).
+    With no time left for the shutdown (the writer killed at once), passes may really be lost: then
+    verify fails saying why."""
+    d, ref, inputs, inside, go_on = _passes_then_close_paused(tmp_path, monkeypatch, 5)
     engine, result = d._engine, []
     closing = threading.Thread(target=lambda: result.append(d.close()))
     closing.start()
@@ -1488,23 +1496,7 @@ def test_a_second_close_on_another_thread_returns_once_the_dump_is_closed(tmp_pa
     """close() on two threads: the second returned at once (the Dumper was marked closed) with status
     "running" and rank.json not final, so a caller verifying next found the dump unfinished. It now
     waits for the first close and returns its outcome."""
-    from fastdump import protocol
-
-    model, ref = Net(), Net()
-    d = fastdump.attach(model, tmp_path)
-    inputs = {p: torch.full((1, 16), float(p)) for p in range(3)}
-    with torch.inference_mode():
-        for p in range(3):
-            model(inputs[p])
-    inside, go_on = threading.Event(), threading.Event()
-    real = protocol.close
-
-    def paused_close(*args, **kwargs):
-        inside.set()
-        go_on.wait(30)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(protocol, "close", paused_close)
+    d, ref, inputs, inside, go_on = _passes_then_close_paused(tmp_path, monkeypatch, 3)
     first = threading.Thread(target=d.close)
     first.start()
     assert inside.wait(30)
