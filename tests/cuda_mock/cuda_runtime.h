@@ -1268,6 +1268,17 @@ inline cudaError_t cudaEventRecordWithFlags(cudaEvent_t e, cudaStream_t s, unsig
   }
   return cudaEventRecord(e, s);
 }
+namespace fdmock {
+// The progress and ticket of an event's last record, read under its lock; an event recorded in a
+// capture has none (cudaErrorCapturedEvent), as CUDA answers for one.
+inline cudaError_t last_record(Event* ev, std::shared_ptr<Progress>& pr, uint64_t& t) {
+  std::lock_guard<std::mutex> g(ev->mu);
+  if (ev->captured) return cudaErrorCapturedEvent;
+  pr = ev->progress;
+  t = ev->ticket;
+  return cudaSuccess;
+}
+}  // namespace fdmock
 // Waits for the event's last record; potentially unsafe as cudaEventQuery is.
 inline cudaError_t cudaEventSynchronize(cudaEvent_t e) {
   FDMOCK_CALL();
@@ -1275,12 +1286,7 @@ inline cudaError_t cudaEventSynchronize(cudaEvent_t e) {
   FDMOCK_ENTER("cudaEventSynchronize", fdmock::current_device());
   std::shared_ptr<fdmock::Progress> pr;
   uint64_t t;
-  {
-    std::lock_guard<std::mutex> g(ev->mu);
-    if (ev->captured) return fdmock::ret(cudaErrorCapturedEvent);
-    pr = ev->progress;
-    t = ev->ticket;
-  }
+  if (cudaError_t c = fdmock::last_record(ev, pr, t)) return fdmock::ret(c);
   if (cudaError_t u = fdmock::unsafe_call()) return fdmock::ret(u);
   fdmock::config().syncs++;
   if (pr) pr->wait_for(t);
@@ -1293,12 +1299,7 @@ inline cudaError_t cudaEventQuery(cudaEvent_t e) {
   FDMOCK_ENTER("cudaEventQuery", fdmock::current_device());
   std::shared_ptr<fdmock::Progress> pr;
   uint64_t t;
-  {
-    std::lock_guard<std::mutex> g(ev->mu);
-    if (ev->captured) return fdmock::ret(cudaErrorCapturedEvent);
-    pr = ev->progress;
-    t = ev->ticket;
-  }
+  if (cudaError_t c = fdmock::last_record(ev, pr, t)) return fdmock::ret(c);
   if (cudaError_t u = fdmock::unsafe_call()) return fdmock::ret(u);
   if (!pr) return cudaSuccess;
   return pr->get() >= t ? cudaSuccess : cudaErrorNotReady;
