@@ -1739,6 +1739,17 @@ def test_recaptured_graphs_reuse_the_slots_of_graphs_that_no_longer_exist(m, glu
     assert verify_dump(str(tmp_path)).problems == []
 
 
+def _replays_dumped_as(root, want):
+    """The target's graph passes at ``root`` are one per replay in ``want``, in order, each holding
+    that replay's (layers.0, layers.1) bit for bit."""
+    ds = fastdump.open(root)
+    passes = graph_passes(ds, "target")
+    assert len(passes) == len(want)
+    for p, (h1, h2) in zip(passes, want):
+        got = ds.load("target", 0, p)
+        assert same_bits(torch.as_tensor(got["layers.0"]), h1) and same_bits(torch.as_tensor(got["layers.1"]), h2)
+
+
 def test_slots_of_a_reset_graph_wait_for_its_replay_still_queued(m, glue, tmp_path, monkeypatch):
     """The old graph's replay is still queued (behind other work) when the graph is reset and the
     next one captured: given back at once, its slots would be the new graph's while that replay
@@ -1791,12 +1802,7 @@ def test_slots_of_a_reset_graph_wait_for_its_replay_still_queued(m, glue, tmp_pa
             m._mock.stream_destroy(s)
         free_device_memory(d)
     assert rec["reclaimed_graphs"] == 1 and stats["graph_replays"] == 3 and stats["skipped"] == 0, (rec, stats)
-    ds = fastdump.open(tmp_path)
-    passes = graph_passes(ds, "target")
-    assert len(passes) == 3
-    for p, (h1, h2) in zip(passes, [old] + new):
-        got = ds.load("target", 0, p)
-        assert same_bits(torch.as_tensor(got["layers.0"]), h1) and same_bits(torch.as_tensor(got["layers.1"]), h2)
+    _replays_dumped_as(tmp_path, [old] + new)
 
 
 def test_a_legacy_stream_tensor_during_another_threads_capture_is_a_skip_not_a_lost_graph(m, glue, tmp_path,
@@ -1925,12 +1931,7 @@ def test_reclaiming_slots_never_breaks_another_threads_raw_capture(m, glue, tmp_
         free_device_memory(d)
     assert result["err"] == 0, m._mock.error_name(result["err"])
     assert rec["reclaimed_graphs"] == 1 and stats["skipped"] == 0, (rec, stats)
-    ds = fastdump.open(tmp_path)
-    passes = graph_passes(ds, "target")
-    assert len(passes) == 2
-    for p, (h1, h2) in zip(passes, [old] + new):
-        got = ds.load("target", 0, p)
-        assert same_bits(torch.as_tensor(got["layers.0"]), h1) and same_bits(torch.as_tensor(got["layers.1"]), h2)
+    _replays_dumped_as(tmp_path, [old] + new)
     assert verify_dump(str(tmp_path)).problems == []
 
 
