@@ -54,14 +54,17 @@ class _Lazy(_StandIn):
 
     __slots__ = ()
 
+    def _step(self, step, *args):
+        return self._dumper._step_outside_passes(step, *args)
+
     def send(self, value):
-        return self._dumper._step_outside_passes(self._inner.send, value)
+        return self._step(self._inner.send, value)
 
     def throw(self, *exc):
-        return self._dumper._step_outside_passes(self._inner.throw, *exc)
+        return self._step(self._inner.throw, *exc)
 
     def close(self):
-        return self._dumper._step_outside_passes(self._inner.close)
+        return self._step(self._inner.close)
 
     def __del__(self):
         # (the real object, finalized unconsumed, would run its finally blocks unsuspended: see above)
@@ -171,14 +174,8 @@ class _Cleanup(_Coroutine):
 
     __slots__ = ()
 
-    def send(self, value):
-        return self._dumper._step_dropped_cleanup(self._inner.send, value)
-
-    def throw(self, *exc):
-        return self._dumper._step_dropped_cleanup(self._inner.throw, *exc)
-
-    def close(self):
-        return self._dumper._step_dropped_cleanup(self._inner.close)
+    def _step(self, step, *args):
+        return self._dumper._step_dropped_cleanup(step, *args)
 
 
 # exact types: a subclass or a look-alike is not recognised (the check runs at every root forward)
