@@ -1159,7 +1159,10 @@ class DumpSet:
         if role is not None:
             names = self._rank_dirs(role)
             if not names:
-                raise KeyError(f"no role {role!r} in {self.root} (roles: {self.roles})")
+                roles = self.roles
+                if not roles:  # (a role or rank directory given as the root: the message names the root)
+                    raise KeyError(f"no role {role!r}: {no_rank_dirs_message(self.root)}")
+                raise KeyError(f"no role {role!r} in {self.root} (roles: {roles})")
             return role, names
         roles = self.roles
         if not roles:

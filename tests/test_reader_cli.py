@@ -544,6 +544,21 @@ STARTED = ("no rank directories: fastdump.json says a Dumper attached here, but 
            "rank.json (a run still starting, or its rank directories were removed: fastdump verify fails then)")
 
 
+def test_a_role_asked_of_a_role_or_rank_directory_names_the_dump_root_meant(dump):
+    """fastdump.open(role or rank directory).load("target", 0, 0), README's first read, said only
+    "no role 'target' in ... (roles: [])": it names the root meant, as ls and a role-less read do."""
+    for path, kind in ((dump / "target", "role"), (dump / "target" / TARGET, "rank")):
+        for read in (lambda ds: ds.load("target", 0, 0), lambda ds: ds.passes("target", 0)):
+            with pytest.raises(KeyError) as info, reader.open(path) as ds:
+                read(ds)
+            assert info.value.args[0] == (f"no role 'target': no rank directories in {path} (expected "
+                                          f"<root>/<role>/<rank>/rank.json); {path} is a {kind} directory; "
+                                          f"its dump root is {dump}")
+    with pytest.raises(KeyError) as info, reader.open(dump) as ds:  # a dump without that role: its roles
+        ds.load("reward", 0, 0)
+    assert info.value.args[0] == f"no role 'reward' in {dump} (roles: ['draft', 'target'])"
+
+
 def test_ls_of_a_dump_root_whose_rank_directories_were_all_removed(tmp_path, capsys):
     """ls of a root with fastdump.json and no rank directory said only "no rank directories", exit 0,
     whether the run was starting or its data had been removed. It now says what fastdump.json
