@@ -1031,6 +1031,7 @@ def diff(baseline, target, **options) -> DiffResult:
     ValueError for bad options and DiffError when the dumps cannot be compared at all; per-tensor
     problems are rows of the result.
     """
+    _check_option_names(options)
     opts = Options(**options)
     base_ds, close_base = _open(baseline, "baseline")
     try:
@@ -1048,6 +1049,22 @@ def diff(baseline, target, **options) -> DiffResult:
             base_ds.close()
         if close_target:
             target_ds.close()
+
+
+def _check_option_names(options) -> None:
+    """TypeError naming each keyword ``diff`` does not take, with the closest one: a misspelt
+    ``diff(a, b, atl=1e-3)`` said "Options.__init__() got an unexpected keyword argument"."""
+    import difflib
+    import inspect
+
+    known = sorted(inspect.signature(Options).parameters)
+    unknown = sorted(set(options) - set(known))
+    if unknown:
+        hints = []
+        for name in unknown:
+            near = difflib.get_close_matches(name, known, n=1)
+            hints.append(f"{name!r}" + (f" (did you mean {near[0]!r}?)" if near else ""))
+        raise TypeError(f"diff: unknown option(s) {', '.join(hints)}; the options are {', '.join(known)}")
 
 
 def _check_side(ds, side: str, roles: list, options: Options, notes: list) -> None:

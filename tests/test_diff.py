@@ -390,6 +390,17 @@ def _rank_dir(root):
     return root / "target" / entry
 
 
+def test_a_misspelt_option_of_fastdump_diff_names_the_closest(twins):
+    """fastdump.diff(a, b, atl=1e-3) said "Options.__init__() got an unexpected keyword argument
+    'atl'": the TypeError names diff and the option meant, as attach's does."""
+    with pytest.raises(TypeError) as info:
+        fastdump.diff(twins[0], twins[1], atl=1e-3, progres=True)
+    message = str(info.value)
+    assert message.startswith("diff: unknown option(s) 'atl' (did you mean 'atol'?), 'progres' (did you mean "
+                              "'progress'?); the options are align, allow_running, atol,")
+    assert fastdump.diff(twins[0], twins[1], atol=1e-3).ok  # the options spelt right still work
+
+
 def test_dump_being_written_is_refused(tmp_path, twins):
     root = tmp_path / "live"
     shutil.copytree(twins[1], root)
