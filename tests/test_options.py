@@ -279,3 +279,18 @@ def test_a_role_of_255_bytes_is_a_directory_name_and_is_dumped_under_it(tmp_path
     assert list(dumped) == ["Linear"] and same_bits(dumped["Linear"], want)
     with pytest.raises(ValueError, match="at most 255 bytes, not 256"):
         Options(root=str(tmp_path), role="é" * 128)
+
+
+def test_attach_docstring_and_readme_name_every_option():
+    """help(fastdump.attach) said only "see fastdump.options.Options": its docstring and README's
+    "Use" now name the options; an option added to Options without them fails here."""
+    from pathlib import Path
+
+    doc = fastdump.attach.__doc__
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    for f in dataclasses.fields(Options):
+        if f.name == "root":
+            continue
+        group = f.name[:3] + "*" if f.name[:3] in ("dp_", "ep_") else f.name
+        assert f"``{group}``" in doc, f.name
+        assert f"`{f.name}" in readme or f"{f.name}=" in readme, f.name

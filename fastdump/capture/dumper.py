@@ -158,7 +158,17 @@ def _warn_if_twin(dumper, model=None) -> None:
 
 
 class Dumper:
-    """Dumps one role/rank of one model. Made by :func:`fastdump.attach`."""
+    """Dumps one role/rank of one model: one session, one rank directory. Made by
+    :func:`fastdump.attach`; a context manager whose exit is ``close()``.
+
+    Passes: each root forward is one (``root_passes=True``), or ``begin_pass()``/``end_pass()``
+    and ``with manual_pass(**meta)``; ``set_pass_meta(**meta)`` adds facts to the current pass.
+    ``dump(name, value)`` stores a value no module returns, ``watch(module, name)`` captures one
+    more module. ``stats()`` counts what was dumped, dropped and skipped; ``not_wrapped`` names the
+    modules fastdump could not wrap, with the reason. Nothing here raises into the model's forward:
+    what cannot be stored is a recorded skip, a failure of dumping is logged and recorded and the
+    model serves on.
+    """
 
     def __init__(self, model, options: Options, *, ranks: dict):
         """``options``: checked already (``Options.__post_init__``); ``ranks``: from resolve_ranks."""
@@ -432,7 +442,10 @@ class Dumper:
 
     def dump(self, name: str, value) -> None:
         """Dump a value no module returns (tensors, CuPy/DLPack arrays, tuples/lists/dicts/dataclasses
-        of them)."""
+        of them) under ``name`` into the current pass; outside any pass, into a pass of its own
+        (always dumped, not counted by ``every``/``skip_passes``/``pass_range``). A name given
+        again in one pass is numbered as a repeated call (``name#1``). Never raises: a name that
+        is no string or holds ``#<digits>``, and what cannot be stored, are recorded skips."""
         if self._in_selected_pass:
             self._check_thread()  # another thread's pass is open: this value would join it
             self._capture(name, value, given=True)
@@ -459,7 +472,9 @@ class Dumper:
         unusable is recorded as a skip of that call, never raised into the model. ``inputs=True``
         applies as to every wrapped module. ``close()`` unwraps it. Call it before serving, once
         per module, for a module this Dumper does not wrap already (leave it out of the selection
-        with ``exclude=``)."""
+        with ``exclude=``). Raises ValueError for a name that is empty or holds ``#<digits>`` and
+        for a module this Dumper wraps already, TypeError for a module without a forward to wrap
+        or a hook that is not callable, RuntimeError once the Dumper is closed."""
         if not isinstance(name, str) or not name:
             raise ValueError(f"watch: name must be a non-empty string, not {name!r}")
         if _fmt.reads_as_call(name):
@@ -485,6 +500,9 @@ class Dumper:
         return self._depth > 0
 
     def stats(self) -> dict:
+        """Counts so far (``passes``, ``tensors``, ``bytes``, ``dropped``, ``skipped``,
+        ``mixed_passes``, ...), ``status`` ("running", "closed", "error", ...), ``error`` (why
+        dumping stopped, or None) and ``dir``, the rank directory."""
         self._fold_lane_counts()
         return dict(self._totals, status=self.status, error=self.error, dir=str(self.dir))
 
@@ -493,7 +511,8 @@ class Dumper:
 
         Returns within about ``timeout`` seconds whatever the writer does: what was not confirmed
         on disk by then is recorded as an error in the stats and producer_error.json. Ctrl-C interrupts it
-        (KeyboardInterrupt, after recording the error)."""
+        (KeyboardInterrupt, after recording the error). Returns ``stats()``; a second call does
+        nothing more. TypeError for a ``timeout`` that is no number (None, NaN), before anything."""
         # Checked before anything is done: a timeout of None or "5" raised TypeError after the
         # wrappers came off, with the Dumper marked closed and its channel open (a second close()
         # did nothing, status "running" for good); NaN waited for nothing and lost every buffered pass.
