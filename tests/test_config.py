@@ -308,6 +308,22 @@ def test_fastdump_info_checks_the_variables_set(monkeypatch, capsys):
     assert "ERROR" not in out
 
 
+def test_fastdump_info_lists_every_variable_in_one_column(capsys):
+    """Names longer than the 26 columns reserved (FASTDUMP_SEGMENT_IDLE_SECONDS) ran into their
+    description; every description now starts in one column, one space after the longest name."""
+    from fastdump.cli.main import main as cli_main
+
+    cli_main(["info"])
+    out = capsys.readouterr().out
+    rows = [line for line in out.split("set in this environment")[0].splitlines() if line.startswith("  FASTDUMP_")]
+    assert len(rows) > 30 and any("FASTDUMP_SEGMENT_IDLE_SECONDS" in row for row in rows)
+    width = max(len(row.split()[0]) for row in rows)
+    for row in rows:
+        name = row.split()[0]
+        assert row[2 + width] == " " and row[3 + width] != " ", row
+        assert row[2:2 + width].rstrip() == name, row
+
+
 def test_a_selection_that_matches_no_module_is_said(tmp_path, caplog):
     """FASTDUMP_MODULE_TYPES=Linaer (or an INCLUDE no name matches): every pass was recorded with no
     tensor, and nothing said why."""

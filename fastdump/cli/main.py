@@ -81,12 +81,14 @@ def cmd_info(args) -> int:
             print(f"  no usable GPU: {cuda.get('reason', 'none found')} (CPU path only)")
     else:
         print(f"CUDA not compiled in: {cuda.get('reason', '')} (CPU path only)")
+    # One column for both lists, as wide as the longest name (FASTDUMP_CUDA_CHECK_EACH_TENSOR).
+    width = max(len(name) for name in [row["name"] for row in facts["environment"]] + list(facts["other_environment"]))
     print("settings (environment):")
     for row in facts["environment"]:
-        print(f"  {row['name']:<26} {row['doc']}")
+        print(f"  {row['name']:<{width}} {row['doc']}")
     print("other variables:")
     for name, doc in facts["other_environment"].items():
-        print(f"  {name:<26} {doc}")
+        print(f"  {name:<{width}} {doc}")
     now = facts["environment_now"]
     print("set in this environment:" if now["set"] else "set in this environment: none")
     for name, value in now["set"].items():
