@@ -436,7 +436,8 @@ class Dumper:
     def set_pass_meta(self, **meta) -> None:
         """Small JSON-able facts about the current pass (or the next one, outside a pass). The keys
         ``DumpSet.meta`` adds of its own (complete, dropped, skipped, tensors, bytes, incomplete,
-        mixed) are refused (ValueError): a reader could not tell the two apart."""
+        mixed, and nested passes' nested_in, suspended_for, suspended_for_left_out) are refused
+        (ValueError): a reader could not tell the two apart."""
         _check_meta_keys("set_pass_meta", meta)
         (self._meta if self._depth > 0 else self._next_meta).update(meta)
 
