@@ -544,6 +544,19 @@ STARTED = ("no rank directories: fastdump.json says a Dumper attached here, but 
            "rank.json (a run still starting, or its rank directories were removed: fastdump verify fails then)")
 
 
+def test_ls_json_of_a_missing_root_prints_the_object_of_a_path_that_is_no_dump(tmp_path, capsys):
+    """`fastdump ls --json` of a missing root printed nothing on stdout (a script's JSON parser failed
+    on ""), where a role directory or an empty one gets an object with `not_a_dump`: so does it."""
+    missing = tmp_path / "nope"
+    assert run_cli(cli_dump.cmd_ls, "ls", str(missing), "--json") == 1
+    out, err = capsys.readouterr()
+    assert json.loads(out) == {"root": str(missing), "manifest": {}, "ranks": [], "problems": [],
+                               "not_a_dump": f"no dump directory at {missing}"}
+    assert err == f"fastdump ls: no dump directory at {missing}\n"
+    assert run_cli(cli_dump.cmd_ls, "ls", str(missing)) == 1  # without --json: the message alone
+    assert capsys.readouterr() == ("", f"fastdump ls: no dump directory at {missing}\n")
+
+
 def test_a_role_asked_of_a_role_or_rank_directory_names_the_dump_root_meant(dump):
     """fastdump.open(role or rank directory).load("target", 0, 0), README's first read, said only
     "no role 'target' in ... (roles: [])": it names the root meant, as ls and a role-less read do."""

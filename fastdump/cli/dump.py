@@ -151,6 +151,9 @@ def cmd_ls(args) -> int:
             listing = list_dump(args.root)
     except OSError as exc:  # a missing or unlistable root
         print(f"fastdump ls: {_printable(exc)}", file=sys.stderr)
+        if args.json:  # (a script reading stdout got nothing to parse: the same object as for no dump)
+            print(json.dumps({"root": os.path.abspath(args.root), "manifest": {}, "ranks": [], "problems": [],
+                              "not_a_dump": str(exc)}, indent=2, default=str))
         return 1
     hint, not_a_dump = "", False
     if not listing["ranks"]:
