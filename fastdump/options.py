@@ -634,6 +634,8 @@ OTHER_VARS = {
     "FASTDUMP_CUDA_HOLD_MS": "CUDA: ms an open batch waits before the drain seals it (default 2)",
     "FASTDUMP_CUDA_CHECK_EACH_TENSOR": "CUDA: 1 = ask the capture state for every tensor (captures begun mid-pass)",
     "FASTDUMP_CUDA_EVENTS_EVERY": "CUDA: snapshots per completion event (default 64)",
+    # Read by the test double of the CUDA runtime (tests/cuda_mock/cuda_runtime.h, docs/CUDA.md).
+    "FASTDUMP_MOCK_SEED": "tests: seed of the CUDA mock runtime's random stream delays (0 = random)",
 }
 
 _ENV_BY_NAME = {v.name: v for v in ENV_VARS}
