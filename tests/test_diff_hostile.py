@@ -1562,3 +1562,39 @@ def test_a_merged_row_names_the_shard_that_differs_by_its_own_slice(tmp_path):
     (row,) = result.failures
     assert row["unshard"] == 1 and row["mismatch"] == 0.5
     assert row["failing_tp_ranks"] == {"target": [0]} and row["reason"].endswith("(in the shard of target tp rank 0)")
+
+
+# ------------------------------------------------------------- comparison rules pinned by mutants
+
+
+def test_rtol_scales_with_the_baseline_not_the_target():
+    """|a - b| <= atol + rtol*|b|, b the baseline (the CLI's help says so): 1.105 against a baseline
+    1.0 is 0.105 off, over 0.1*1.0; the other way round it is within 0.1*1.105. (A mutant scaling
+    rtol by the target passed both.)"""
+    one, more = torch.tensor([1.0], dtype=torch.float64), torch.tensor([1.105], dtype=torch.float64)
+    assert stats.compare(one, more, 0, 0.1)["mismatches"] == 1
+    assert stats.compare(more, one, 0, 0.1)["mismatches"] == 0
+
+
+def test_a_difference_in_an_early_chunk_is_not_forgotten_by_an_equal_last_chunk(monkeypatch):
+    """Distances over several chunks: the first chunk differs, the last ones are equal. Equality
+    must hold over every chunk to give exact 0 distance (a mutant keeping only the last chunk's
+    read rel_diff 0 and cosine 1, and `--metric rel_diff=0` passed the tensor)."""
+    monkeypatch.setattr(stats, "CHUNK_ELEMENTS", 4)
+    base = torch.arange(1.0, 13.0, dtype=torch.float64)
+    target = base.clone()
+    target[1] += 0.5
+    r = stats.compare(base, target, 0, 0)
+    d = target - base
+    assert r["rel_diff"] == pytest.approx(float((d * d).sum() / (base * base + target * target).sum()), rel=1e-12)
+    assert r["cosine_distance"] > 0 and r["mismatches"] == 1 and r["max_abs"] == 0.5
+
+
+def test_a_type_with_no_arithmetic_against_one_with_it_is_compared_bit_for_bit():
+    """float4 (no arithmetic) against uint8 holding the same bytes: bit for bit, and different
+    dtypes never equal. Compared as numbers (a mutant needing only one side with arithmetic), the
+    float4 side raised TypeError out of the diff."""
+    raw = torch.tensor([0, 1, 2], dtype=torch.uint8)
+    for base, target in ((raw, raw.view(torch.float4_e2m1fn_x2)), (raw.view(torch.float4_e2m1fn_x2), raw)):
+        r = stats.compare(base, target, 0, 0)
+        assert r["bitwise"] and r["mismatches"] == 3 and r["max_abs"] is None
