@@ -1598,3 +1598,47 @@ def test_a_type_with_no_arithmetic_against_one_with_it_is_compared_bit_for_bit()
     for base, target in ((raw, raw.view(torch.float4_e2m1fn_x2)), (raw.view(torch.float4_e2m1fn_x2), raw)):
         r = stats.compare(base, target, 0, 0)
         assert r["bitwise"] and r["mismatches"] == 3 and r["max_abs"] is None
+    # Two types with no arithmetic, the same bytes: still two dtypes, never "same".
+    assert stats.compare(raw.view(torch.bits8), raw.view(torch.float4_e2m1fn_x2), 0, 0)["mismatches"] == 3
+    assert stats.compare(raw.view(torch.bits8), raw.clone().view(torch.bits8), 0, 0)["mismatches"] == 0
+
+
+def test_integers_against_floats_keep_the_fractions():
+    """Exact integer differences only when both sides are integers: int64 against float32 is
+    compared in float64 (a mutant taking either side's integer type cast 1.5 to 1: equal)."""
+    ints, floats = torch.tensor([1, 2, 3]), torch.tensor([1.5, 2.0, 3.0])
+    for base, target in ((ints, floats), (floats, ints)):
+        r = stats.compare(base, target, 0, 0)
+        assert r["mismatches"] == 1 and r["max_abs"] == 0.5
+
+
+def test_statistics_of_huge_negative_values_do_not_overflow():
+    """The scale of a chunk is its largest magnitude, a negative one too: values near -1e300
+    squared past float64 (std inf) under a mutant scaling by the largest value only."""
+    s = stats.tensor_stats(torch.tensor([-1e300, -3e300], dtype=torch.float64))
+    assert s["mean"] == pytest.approx(-2e300, rel=1e-12) and s["std"] == pytest.approx(1e300, rel=1e-12)
+
+
+def test_distance_metrics_on_a_type_with_no_arithmetic_compare_its_bits(tmp_path):
+    """--metric rel_diff or cosine on float4 tensors (no values: bit for bit, distance None) is
+    the bitwise verdict: equal bits pass, other bits fail (a mutant reading the distance raised
+    TypeError out of the diff)."""
+    def f4(*values):
+        return torch.tensor(values, dtype=torch.uint8).view(torch.float4_e2m1fn_x2)
+
+    base, target = pair(tmp_path, {"same": f4(1, 2), "other": f4(1, 2)}, {"same": f4(1, 2), "other": f4(1, 3)})
+    result = fastdump.diff(base, target, metric=["rel_diff", "cosine"])
+    assert row_of(result, "same")["status"] == "ok" and row_of(result, "same")["bitwise"]
+    other = row_of(result, "other")
+    assert other["status"] == "fail" and other["reason"] == "exceeds rel_diff>0.001, cosine>0.001"
+    assert result.exit_code == 1
+
+
+def test_the_same_values_in_another_shape_fail(tmp_path):
+    """[2, 3] against [3, 2] holding the same six values in the same order: the shapes differ, the
+    row fails naming both (a mutant without the shape check compared the elements: ok)."""
+    six = torch.arange(6.0)
+    base, target = pair(tmp_path, {"x": six.reshape(2, 3)}, {"x": six.reshape(3, 2)})
+    result = fastdump.diff(base, target)
+    row = row_of(result, "x")
+    assert row["status"] == "fail" and row["reason"] == "shape [3, 2] vs baseline [2, 3]" and result.exit_code == 1
