@@ -429,6 +429,27 @@ def test_multi_root_refuses_one_root_twice_and_the_same_rank_twice(tmp_path):
         fastdump.open([a, tmp_path / "missing"])
 
 
+
+def test_multi_root_refuses_one_rank_under_two_directory_names(tmp_path):
+    """Rank 0 in two roots under names that differ only in the pid (format 1: no session) is one
+    rank twice: refused at open, as the same directory name is (a mutant without the rank-number
+    check opened both). Another DP replica's rank 0, or another session of rank 0, is another rank."""
+    a, b = tmp_path / "host0", tmp_path / "host1"
+    write(a, "TP0_PP0_Rank0_pid100")
+    write(b, "TP0_PP0_Rank0_pid200", tag=100.0)
+    with pytest.raises(ValueError, match="duplicate rank: role 'target' rank 0 [(]dp 0[)]"):
+        fastdump.open([a, b])
+    replica = tmp_path / "replica1"
+    write(replica, "TP0_PP0_Rank0_pid200", tag=100.0, rank=dict(RANK0, dp_rank=1, dp_size=2))
+    with fastdump.open([a, replica]) as ds:
+        assert len(ds.ranks("target")) == 2
+    first, second = tmp_path / "session1", tmp_path / "session2"
+    write(first, R0)
+    write(second, R0B.replace("pid100", "pid200"), tag=50.0)
+    with fastdump.open([first, second]) as ds:
+        assert len(ds.sessions("target", 0)) == 2
+
+
 def test_a_role_name_never_leads_out_of_the_root(dump, tmp_path):
     other = tmp_path / "other"
     write(other, R0, tag=666.0)
