@@ -1642,3 +1642,18 @@ def test_the_same_values_in_another_shape_fail(tmp_path):
     result = fastdump.diff(base, target)
     row = row_of(result, "x")
     assert row["status"] == "fail" and row["reason"] == "shape [3, 2] vs baseline [2, 3]" and result.exit_code == 1
+
+
+def test_replicated_shards_of_other_shapes_fail_even_with_the_same_values(tmp_path):
+    """--unshard x=replicated with TP shards [2, 3] and [3, 2] holding the same six values: not one
+    tensor replicated, the row fails naming both shapes (a mutant without the shape check compared
+    the elements and passed the row)."""
+    six, y = torch.arange(6.0), torch.ones(2)  # (y: a diff that compares nothing exits 2)
+    base = manual_rank(tmp_path / "base", [{"x": six.reshape(2, 3), "y": y}])
+    target = tmp_path / "target"
+    for r, shape in enumerate(((2, 3), (3, 2))):
+        manual_rank(target, [{"x": six.reshape(shape), "y": y}], tp_rank=r, tp_size=2)
+    result = fastdump.diff(base, target, unshard={"x": "replicated"})
+    row = row_of(result, "x")
+    assert row["status"] == "fail" and result.exit_code == 1
+    assert row["reason"] == "target: replicated tensor has shape [3, 2] on tp rank 1, [2, 3] on tp rank 0"
