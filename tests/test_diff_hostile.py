@@ -1657,3 +1657,19 @@ def test_replicated_shards_of_other_shapes_fail_even_with_the_same_values(tmp_pa
     row = row_of(result, "x")
     assert row["status"] == "fail" and result.exit_code == 1
     assert row["reason"] == "target: replicated tensor has shape [3, 2] on tp rank 1, [2, 3] on tp rank 0"
+
+
+def test_rows_of_two_roles_go_pass_by_pass(tmp_path):
+    """Execution order across roles: pass 0 of every role, then pass 1 (an EAGLE step runs the
+    draft and the target in turn). The target's pass 0 diverges before the draft's pass 1 (a
+    mutant ordering role by role named the draft's pass 1 first)."""
+    x = torch.ones(2)
+    base, target = tmp_path / "base", tmp_path / "target"
+    for role in ("draft", "target"):
+        manual_rank(base, [{"x": x}, {"x": x}], role=role)
+    manual_rank(target, [{"x": x}, {"x": x + 1}], role="draft")
+    manual_rank(target, [{"x": x + 1}, {"x": x}], role="target")
+    result = fastdump.diff(base, target)
+    assert [(r["pass"], r["role"]) for r in result.rows] == [(0, "draft"), (0, "target"), (1, "draft"), (1, "target")]
+    first = result.first_divergence
+    assert (first["role"], first["pass"], first["name"]) == ("target", 0, "x") and result.failed == 2
