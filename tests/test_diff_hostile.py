@@ -1673,3 +1673,18 @@ def test_rows_of_two_roles_go_pass_by_pass(tmp_path):
     assert [(r["pass"], r["role"]) for r in result.rows] == [(0, "draft"), (0, "target"), (1, "draft"), (1, "target")]
     first = result.first_divergence
     assert (first["role"], first["pass"], first["name"]) == ("target", 0, "x") and result.failed == 2
+
+
+def test_rows_name_the_dp_replica_when_only_the_target_has_several(tmp_path, capsys):
+    """The baseline holds DP replica 0 alone, the target replicas 0 and 1: the compared rows are
+    replica 0's and say so, as the missing replica 1 is named (a mutant counting the baseline's
+    replicas only left the rows without dp_rank, reading as the role's only replica)."""
+    x = torch.ones(2)
+    base, target = tmp_path / "base", tmp_path / "target"
+    manual_rank(base, [{"x": x}], dp_rank=0, dp_size=2)
+    for dp in range(2):
+        manual_rank(target, [{"x": x + 1}], dp_rank=dp, dp_size=2)
+    result = fastdump.diff(base, target)
+    assert [(r["dp_rank"], r["name"], r["status"]) for r in result.rows] == [(0, "x", "fail")]
+    assert result.lines()[0].startswith("first divergence: target rank 0 (dp 0) pass 0 x")
+    assert [(m["kind"], m["only_in"], m["dp_rank"]) for m in result.missing] == [("rank", "target", 1)]
