@@ -1090,3 +1090,15 @@ def test_rank_directories_renamed_to_each_others_rank_are_refused(tmp_path, caps
     assert cli_main_entry(["export", str(root), str(tmp_path / "out")]) == 1
     assert "renamed to another rank" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def test_the_producers_error_fills_an_error_status_that_names_none():
+    """rank.json status "error" without its error (a hand-edited or older file) takes the serving
+    process's recorded error, so the reason is never blank; a writer's own error is kept (the
+    earlier cause). A mutant keeping the blank survived."""
+    record = {"error": "close timed out"}
+    assert fmt.merge_producer_error({"status": "error"}, record)["error"] == "close timed out"
+    assert fmt.merge_producer_error({"status": "error", "error": ""}, record)["error"] == "close timed out"
+    kept = fmt.merge_producer_error({"status": "error", "error": "disk full"}, record)
+    assert kept["error"] == "disk full" and kept["producer_error"] == record
+    assert fmt.merge_producer_error({"status": "closed"}, record)["status"] == "error"
