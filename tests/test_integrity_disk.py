@@ -896,7 +896,7 @@ def test_a_line_after_the_committed_ones_is_never_read_as_listed(tmp_path, tail)
 
 
 @pytest.mark.parametrize("damage", ["byte-changed", "truncated", "truncated-one-byte", "missing", "missing-no-bytes",
-                                    "missing-no-lines", "count-wrong", "not-a-count"])
+                                    "missing-no-lines", "count-wrong", "not-a-count", "a-true-count"])
 def test_a_damaged_committed_list_fails_verify_and_is_reported_by_the_reader(tmp_path, damage):
     root = tmp_path / "dump"
     path = list_dump(root, "closed")
@@ -926,9 +926,10 @@ def test_a_damaged_committed_list_fails_verify_and_is_reported_by_the_reader(tmp
         expected = "segments.jsonl missing: rank.json commits 0 segment(s) to it"
     else:
         info = json.loads((path / fmt.RANK_FILE).read_text())
-        info[fmt.LIST_COUNT] = 2 if damage == "count-wrong" else "3"
+        info[fmt.LIST_COUNT] = {"count-wrong": 2, "not-a-count": "3", "a-true-count": True}[damage]
         (path / fmt.RANK_FILE).write_text(json.dumps(info))
-        expected = "commits 2 line(s)" if damage == "count-wrong" else "segments_listed is '3', not an integer"
+        expected = {"count-wrong": "commits 2 line(s)", "not-a-count": "segments_listed is '3', not an integer",
+                    "a-true-count": "segments_listed is 'True', not an integer"}[damage]  # (True is no 1)
     report = verify(root)
     assert any(expected in p for p in report.problems), report.problems
     loaded, problems = read_all(root)  # the segments themselves still read
