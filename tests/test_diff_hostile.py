@@ -1688,3 +1688,24 @@ def test_rows_name_the_dp_replica_when_only_the_target_has_several(tmp_path, cap
     assert [(r["dp_rank"], r["name"], r["status"]) for r in result.rows] == [(0, "x", "fail")]
     assert result.lines()[0].startswith("first divergence: target rank 0 (dp 0) pass 0 x")
     assert [(m["kind"], m["only_in"], m["dp_rank"]) for m in result.missing] == [("rank", "target", 1)]
+
+
+def test_sizes_missing_from_rank_json_are_counted_per_stage(tmp_path):
+    """A rank.json with tp_rank and pp_rank but no sizes (an older or hand-made dump): tp_size is
+    the number of ranks of its own stage, pp_size the number of stages. Two PP stages of one TP rank
+    each are TP 1, PP 2, as the other side records, and pair rank by rank (a mutant counting every
+    rank of the role made them TP 2 with a TP rank missing: exit 1 for identical dumps)."""
+    x = torch.ones(2)
+    base, target = tmp_path / "base", tmp_path / "target"
+    for root in (base, target):
+        for pp in range(2):
+            manual_rank(root, [{f"layers.{pp}": x + pp}], tp_rank=0, tp_size=1, pp_rank=pp, pp_size=2)
+    for directory in glob.glob(str(base / "target" / "*")):
+        path = os.path.join(directory, "rank.json")
+        info = json.loads(open(path).read())
+        info["rank"] = {"tp_rank": info["rank"]["tp_rank"], "pp_rank": info["rank"]["pp_rank"]}
+        with open(path, "w") as f:
+            json.dump(info, f)
+    result = fastdump.diff(base, target)
+    assert result.exit_code == 0 and result.missing == [], result.lines()
+    assert sorted((r["rank"], r["name"]) for r in result.rows) == [(0, "layers.0"), (1, "layers.1")]
