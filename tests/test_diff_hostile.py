@@ -1562,3 +1562,150 @@ def test_a_merged_row_names_the_shard_that_differs_by_its_own_slice(tmp_path):
     (row,) = result.failures
     assert row["unshard"] == 1 and row["mismatch"] == 0.5
     assert row["failing_tp_ranks"] == {"target": [0]} and row["reason"].endswith("(in the shard of target tp rank 0)")
+
+
+# ------------------------------------------------------------- comparison rules pinned by mutants
+
+
+def test_rtol_scales_with_the_baseline_not_the_target():
+    """|a - b| <= atol + rtol*|b|, b the baseline (the CLI's help says so): 1.105 against a baseline
+    1.0 is 0.105 off, over 0.1*1.0; the other way round it is within 0.1*1.105. (A mutant scaling
+    rtol by the target passed both.)"""
+    one, more = torch.tensor([1.0], dtype=torch.float64), torch.tensor([1.105], dtype=torch.float64)
+    assert stats.compare(one, more, 0, 0.1)["mismatches"] == 1
+    assert stats.compare(more, one, 0, 0.1)["mismatches"] == 0
+
+
+def test_a_difference_in_an_early_chunk_is_not_forgotten_by_an_equal_last_chunk(monkeypatch):
+    """Distances over several chunks: the first chunk differs, the last ones are equal. Equality
+    must hold over every chunk to give exact 0 distance (a mutant keeping only the last chunk's
+    read rel_diff 0 and cosine 1, and `--metric rel_diff=0` passed the tensor)."""
+    monkeypatch.setattr(stats, "CHUNK_ELEMENTS", 4)
+    base = torch.arange(1.0, 13.0, dtype=torch.float64)
+    target = base.clone()
+    target[1] += 0.5
+    r = stats.compare(base, target, 0, 0)
+    d = target - base
+    assert r["rel_diff"] == pytest.approx(float((d * d).sum() / (base * base + target * target).sum()), rel=1e-12)
+    assert r["cosine_distance"] > 0 and r["mismatches"] == 1 and r["max_abs"] == 0.5
+
+
+def test_a_type_with_no_arithmetic_against_one_with_it_is_compared_bit_for_bit():
+    """float4 (no arithmetic) against uint8 holding the same bytes: bit for bit, and different
+    dtypes never equal. Compared as numbers (a mutant needing only one side with arithmetic), the
+    float4 side raised TypeError out of the diff."""
+    raw = torch.tensor([0, 1, 2], dtype=torch.uint8)
+    for base, target in ((raw, raw.view(torch.float4_e2m1fn_x2)), (raw.view(torch.float4_e2m1fn_x2), raw)):
+        r = stats.compare(base, target, 0, 0)
+        assert r["bitwise"] and r["mismatches"] == 3 and r["max_abs"] is None
+    # Two types with no arithmetic, the same bytes: still two dtypes, never "same".
+    assert stats.compare(raw.view(torch.bits8), raw.view(torch.float4_e2m1fn_x2), 0, 0)["mismatches"] == 3
+    assert stats.compare(raw.view(torch.bits8), raw.clone().view(torch.bits8), 0, 0)["mismatches"] == 0
+
+
+def test_integers_against_floats_keep_the_fractions():
+    """Exact integer differences only when both sides are integers: int64 against float32 is
+    compared in float64 (a mutant taking either side's integer type cast 1.5 to 1: equal)."""
+    ints, floats = torch.tensor([1, 2, 3]), torch.tensor([1.5, 2.0, 3.0])
+    for base, target in ((ints, floats), (floats, ints)):
+        r = stats.compare(base, target, 0, 0)
+        assert r["mismatches"] == 1 and r["max_abs"] == 0.5
+
+
+def test_statistics_of_huge_negative_values_do_not_overflow():
+    """The scale of a chunk is its largest magnitude, a negative one too: values near -1e300
+    squared past float64 (std inf) under a mutant scaling by the largest value only."""
+    s = stats.tensor_stats(torch.tensor([-1e300, -3e300], dtype=torch.float64))
+    assert s["mean"] == pytest.approx(-2e300, rel=1e-12) and s["std"] == pytest.approx(1e300, rel=1e-12)
+
+
+def test_distance_metrics_on_a_type_with_no_arithmetic_compare_its_bits(tmp_path):
+    """--metric rel_diff or cosine on float4 tensors (no values: bit for bit, distance None) is
+    the bitwise verdict: equal bits pass, other bits fail (a mutant reading the distance raised
+    TypeError out of the diff)."""
+    def f4(*values):
+        return torch.tensor(values, dtype=torch.uint8).view(torch.float4_e2m1fn_x2)
+
+    base, target = pair(tmp_path, {"same": f4(1, 2), "other": f4(1, 2)}, {"same": f4(1, 2), "other": f4(1, 3)})
+    result = fastdump.diff(base, target, metric=["rel_diff", "cosine"])
+    assert row_of(result, "same")["status"] == "ok" and row_of(result, "same")["bitwise"]
+    other = row_of(result, "other")
+    assert other["status"] == "fail" and other["reason"] == "exceeds rel_diff>0.001, cosine>0.001"
+    assert result.exit_code == 1 and result.compared == 3  # bitwise rows are compared rows (and Bag's)
+
+
+def test_the_same_values_in_another_shape_fail(tmp_path):
+    """[2, 3] against [3, 2] holding the same six values in the same order: the shapes differ, the
+    row fails naming both (a mutant without the shape check compared the elements: ok)."""
+    six = torch.arange(6.0)
+    base, target = pair(tmp_path, {"x": six.reshape(2, 3)}, {"x": six.reshape(3, 2)})
+    result = fastdump.diff(base, target)
+    row = row_of(result, "x")
+    assert row["status"] == "fail" and row["reason"] == "shape [3, 2] vs baseline [2, 3]" and result.exit_code == 1
+
+
+def test_replicated_shards_of_other_shapes_fail_even_with_the_same_values(tmp_path):
+    """--unshard x=replicated with TP shards [2, 3] and [3, 2] holding the same six values: not one
+    tensor replicated, the row fails naming both shapes (a mutant without the shape check compared
+    the elements and passed the row)."""
+    six, y = torch.arange(6.0), torch.ones(2)  # (y: a diff that compares nothing exits 2)
+    base = manual_rank(tmp_path / "base", [{"x": six.reshape(2, 3), "y": y}])
+    target = tmp_path / "target"
+    for r, shape in enumerate(((2, 3), (3, 2))):
+        manual_rank(target, [{"x": six.reshape(shape), "y": y}], tp_rank=r, tp_size=2)
+    result = fastdump.diff(base, target, unshard={"x": "replicated"})
+    row = row_of(result, "x")
+    assert row["status"] == "fail" and result.exit_code == 1
+    assert row["reason"] == "target: replicated tensor has shape [3, 2] on tp rank 1, [2, 3] on tp rank 0"
+
+
+def test_rows_of_two_roles_go_pass_by_pass(tmp_path):
+    """Execution order across roles: pass 0 of every role, then pass 1 (an EAGLE step runs the
+    draft and the target in turn). The target's pass 0 diverges before the draft's pass 1 (a
+    mutant ordering role by role named the draft's pass 1 first)."""
+    x = torch.ones(2)
+    base, target = tmp_path / "base", tmp_path / "target"
+    for role in ("draft", "target"):
+        manual_rank(base, [{"x": x}, {"x": x}], role=role)
+    manual_rank(target, [{"x": x}, {"x": x + 1}], role="draft")
+    manual_rank(target, [{"x": x + 1}, {"x": x}], role="target")
+    result = fastdump.diff(base, target)
+    assert [(r["pass"], r["role"]) for r in result.rows] == [(0, "draft"), (0, "target"), (1, "draft"), (1, "target")]
+    first = result.first_divergence
+    assert (first["role"], first["pass"], first["name"]) == ("target", 0, "x") and result.failed == 2
+
+
+def test_rows_name_the_dp_replica_when_only_the_target_has_several(tmp_path, capsys):
+    """The baseline holds DP replica 0 alone, the target replicas 0 and 1: the compared rows are
+    replica 0's and say so, as the missing replica 1 is named (a mutant counting the baseline's
+    replicas only left the rows without dp_rank, reading as the role's only replica)."""
+    x = torch.ones(2)
+    base, target = tmp_path / "base", tmp_path / "target"
+    manual_rank(base, [{"x": x}], dp_rank=0, dp_size=2)
+    for dp in range(2):
+        manual_rank(target, [{"x": x + 1}], dp_rank=dp, dp_size=2)
+    result = fastdump.diff(base, target)
+    assert [(r["dp_rank"], r["name"], r["status"]) for r in result.rows] == [(0, "x", "fail")]
+    assert result.lines()[0].startswith("first divergence: target rank 0 (dp 0) pass 0 x")
+    assert [(m["kind"], m["only_in"], m["dp_rank"]) for m in result.missing] == [("rank", "target", 1)]
+
+
+def test_sizes_missing_from_rank_json_are_counted_per_stage(tmp_path):
+    """A rank.json with tp_rank and pp_rank but no sizes (an older or hand-made dump): tp_size is
+    the number of ranks of its own stage, pp_size the number of stages. Two PP stages of one TP rank
+    each are TP 1, PP 2, as the other side records, and pair rank by rank (a mutant counting every
+    rank of the role made them TP 2 with a TP rank missing: exit 1 for identical dumps)."""
+    x = torch.ones(2)
+    base, target = tmp_path / "base", tmp_path / "target"
+    for root in (base, target):
+        for pp in range(2):
+            manual_rank(root, [{f"layers.{pp}": x + pp}], tp_rank=0, tp_size=1, pp_rank=pp, pp_size=2)
+    for directory in glob.glob(str(base / "target" / "*")):
+        path = os.path.join(directory, "rank.json")
+        info = json.loads(open(path).read())
+        info["rank"] = {"tp_rank": info["rank"]["tp_rank"], "pp_rank": info["rank"]["pp_rank"]}
+        with open(path, "w") as f:
+            json.dump(info, f)
+    result = fastdump.diff(base, target)
+    assert result.exit_code == 0 and result.missing == [], result.lines()
+    assert sorted((r["rank"], r["name"]) for r in result.rows) == [(0, "layers.0"), (1, "layers.1")]

@@ -190,7 +190,8 @@ NOT_WHOLE = {
                         "or the disk filled before it could say so; passes may be missing)"]),
     "status incomplete": (dict(status="incomplete"), ["status is 'incomplete' (the dumping process exited"]),
     # whole passes dropped leave gaps no pass's metadata shows: they were exported as if whole
-    "dropped passes": (dict(info={"dropped_passes": 2}), ["2 whole pass(es) were dropped (gaps in the pass ids)"]),
+    # (one is enough: a mutant refusing from two on survived)
+    "dropped passes": (dict(info={"dropped_passes": 1}), ["1 whole pass(es) were dropped (gaps in the pass ids)"]),
 }
 
 
@@ -448,3 +449,30 @@ def test_the_dumper_layout_records_the_world_of_tp_and_pp_and_saves_each_tensor_
         assert got["meta"]["sglang_parallel_info"] == {"tp_rank": 0, "tp_size": 1, "pp_rank": pp, "pp_size": 2}
         value = got["value"]
         assert torch.equal(value, big["t3"]) and value.untyped_storage().nbytes() == 64 * 4
+
+
+def test_a_pass_without_tensors_writes_no_pass_file(tmp_path, capsys):
+    """A pass that dumped nothing has nothing for SGLang's tools: no Pass file (an empty dict read
+    as a pass of the model), and it is not counted as written; its metadata is still recorded (a
+    mutant writing every pass survived). A dump of such passes only writes nothing: exit 1 (a
+    mutant exiting 0 survived)."""
+    root = tmp_path / "dump"
+    with fastdump.attach(None, root, writer="thread") as d:
+        for p in range(3):
+            d.begin_pass()
+            if p != 1:
+                d.dump("a", torch.full((2,), float(p)))
+            d.end_pass()
+    out = tmp_path / "out"
+    assert export.export_sglang(root, out, names="fastdump") == 2
+    (dest,) = out.iterdir()
+    assert sorted(p.name for p in dest.glob("Pass*.pt")) == ["Pass00000.pt", "Pass00002.pt"]
+    assert torch.equal(torch.load(dest / "Pass00002.pt", weights_only=True)["a"], torch.full((2,), 2.0))
+    assert sorted(json.loads((dest / "fastdump_passes.json").read_text())) == ["0", "1", "2"]
+    empty = tmp_path / "empty"
+    with fastdump.attach(None, empty, writer="thread") as d:
+        d.begin_pass()
+        d.end_pass()
+    for fmt in ("sglang", "sglang-dumper"):
+        code, out, _ = run_cli("--format", fmt, "--names", "fastdump", empty, tmp_path / f"out-{fmt}", capsys=capsys)
+        assert code == 1 and out.startswith("wrote 0 "), (fmt, out)

@@ -895,8 +895,8 @@ def test_a_line_after_the_committed_ones_is_never_read_as_listed(tmp_path, tail)
     assert any("after the lines rank.json commits" in p for p in verify(root).problems)
 
 
-@pytest.mark.parametrize("damage", ["byte-changed", "truncated", "missing", "missing-no-bytes", "count-wrong",
-                                    "not-a-count"])
+@pytest.mark.parametrize("damage", ["byte-changed", "truncated", "truncated-one-byte", "missing", "missing-no-bytes",
+                                    "missing-no-lines", "count-wrong", "not-a-count", "a-true-count"])
 def test_a_damaged_committed_list_fails_verify_and_is_reported_by_the_reader(tmp_path, damage):
     root = tmp_path / "dump"
     path = list_dump(root, "closed")
@@ -905,9 +905,10 @@ def test_a_damaged_committed_list_fails_verify_and_is_reported_by_the_reader(tmp
     if damage == "byte-changed":  # what rank.json commits is checked, not only parsed
         list_file.write_bytes(data.replace(b'"last_pass": 1', b'"last_pass": 2'))
         expected = "the list changed after it was written"
-    elif damage == "truncated":
-        list_file.write_bytes(data[:-10])
-        expected = f"segments.jsonl holds {len(data) - 10} bytes, rank.json commits 3 segment(s) in {len(data)}"
+    elif damage.startswith("truncated"):  # (one byte short: said so, not read as a changed list)
+        cut = 1 if damage == "truncated-one-byte" else 10
+        list_file.write_bytes(data[:-cut])
+        expected = f"segments.jsonl holds {len(data) - cut} bytes, rank.json commits 3 segment(s) in {len(data)}: truncated"
     elif damage == "missing":
         list_file.unlink()
         expected = "segments.jsonl missing: rank.json commits 3 segment(s) to it"
@@ -917,11 +918,18 @@ def test_a_damaged_committed_list_fails_verify_and_is_reported_by_the_reader(tmp
         info[fmt.LIST_BYTES] = 0
         (path / fmt.RANK_FILE).write_text(json.dumps(info))
         expected = "segments.jsonl missing: rank.json commits 3 segment(s) to it"
+    elif damage == "missing-no-lines":  # nor when it commits bytes but no line
+        list_file.unlink()
+        info = json.loads((path / fmt.RANK_FILE).read_text())
+        info[fmt.LIST_COUNT] = 0
+        (path / fmt.RANK_FILE).write_text(json.dumps(info))
+        expected = "segments.jsonl missing: rank.json commits 0 segment(s) to it"
     else:
         info = json.loads((path / fmt.RANK_FILE).read_text())
-        info[fmt.LIST_COUNT] = 2 if damage == "count-wrong" else "3"
+        info[fmt.LIST_COUNT] = {"count-wrong": 2, "not-a-count": "3", "a-true-count": True}[damage]
         (path / fmt.RANK_FILE).write_text(json.dumps(info))
-        expected = "commits 2 line(s)" if damage == "count-wrong" else "segments_listed is '3', not an integer"
+        expected = {"count-wrong": "commits 2 line(s)", "not-a-count": "segments_listed is '3', not an integer",
+                    "a-true-count": "segments_listed is 'True', not an integer"}[damage]  # (True is no 1)
     report = verify(root)
     assert any(expected in p for p in report.problems), report.problems
     loaded, problems = read_all(root)  # the segments themselves still read

@@ -429,6 +429,27 @@ def test_multi_root_refuses_one_root_twice_and_the_same_rank_twice(tmp_path):
         fastdump.open([a, tmp_path / "missing"])
 
 
+
+def test_multi_root_refuses_one_rank_under_two_directory_names(tmp_path):
+    """Rank 0 in two roots under names that differ only in the pid (format 1: no session) is one
+    rank twice: refused at open, as the same directory name is (a mutant without the rank-number
+    check opened both). Another DP replica's rank 0, or another session of rank 0, is another rank."""
+    a, b = tmp_path / "host0", tmp_path / "host1"
+    write(a, "TP0_PP0_Rank0_pid100")
+    write(b, "TP0_PP0_Rank0_pid200", tag=100.0)
+    with pytest.raises(ValueError, match="duplicate rank: role 'target' rank 0 [(]dp 0[)]"):
+        fastdump.open([a, b])
+    replica = tmp_path / "replica1"
+    write(replica, "TP0_PP0_Rank0_pid200", tag=100.0, rank=dict(RANK0, dp_rank=1, dp_size=2))
+    with fastdump.open([a, replica]) as ds:
+        assert len(ds.ranks("target")) == 2
+    first, second = tmp_path / "session1", tmp_path / "session2"
+    write(first, R0)
+    write(second, R0B.replace("pid100", "pid200"), tag=50.0)
+    with fastdump.open([first, second]) as ds:
+        assert len(ds.sessions("target", 0)) == 2
+
+
 def test_a_role_name_never_leads_out_of_the_root(dump, tmp_path):
     other = tmp_path / "other"
     write(other, R0, tag=666.0)
@@ -1069,3 +1090,15 @@ def test_rank_directories_renamed_to_each_others_rank_are_refused(tmp_path, caps
     assert cli_main_entry(["export", str(root), str(tmp_path / "out")]) == 1
     assert "renamed to another rank" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def test_the_producers_error_fills_an_error_status_that_names_none():
+    """rank.json status "error" without its error (a hand-edited or older file) takes the serving
+    process's recorded error, so the reason is never blank; a writer's own error is kept (the
+    earlier cause). A mutant keeping the blank survived."""
+    record = {"error": "close timed out"}
+    assert fmt.merge_producer_error({"status": "error"}, record)["error"] == "close timed out"
+    assert fmt.merge_producer_error({"status": "error", "error": ""}, record)["error"] == "close timed out"
+    kept = fmt.merge_producer_error({"status": "error", "error": "disk full"}, record)
+    assert kept["error"] == "disk full" and kept["producer_error"] == record
+    assert fmt.merge_producer_error({"status": "closed"}, record)["status"] == "error"
