@@ -102,10 +102,12 @@ def check_link(group, name: str, where: str) -> None:
         raise DumpError(f"{where}: {name!r} is a {type(link).__name__}, not an object stored in this file")
 
 
-def check_dataset(dataset, file_size: int, where: str) -> None:
+def check_dataset(dataset, file_size: int, where: str) -> tuple:
     """Refuse a dataset the writer could not have written: external or virtual storage, filters,
     or a size claim larger than the file (a 15 KB file claiming 1 GiB). ``dataset``: an h5py
-    Dataset or its low-level DatasetID (what ``SegmentIndex`` keeps of a block)."""
+    Dataset or its low-level DatasetID (what ``SegmentIndex`` keeps of a block). Returns its
+    ``(shape, dtype)`` as checked (each asked of HDF5 makes a new id: callers reuse these; a null
+    dataspace's shape is ``()``)."""
     dataset = dataset.id if isinstance(dataset, h5py.Dataset) else dataset
     plist = dataset.get_create_plist()
     layout = plist.get_layout()
@@ -116,7 +118,8 @@ def check_dataset(dataset, file_size: int, where: str) -> None:
         raise DumpError(f"{where}: dataset stored in external files")
     if plist.get_nfilters():
         raise DumpError(f"{where}: dataset has filters")
-    claimed = math.prod(dataset.shape or ()) * dataset.dtype.itemsize
+    shape, dtype = dataset.shape or (), dataset.dtype
+    claimed = math.prod(shape) * dtype.itemsize
     if claimed > file_size:
         raise DumpError(f"{where}: claims {claimed} bytes, more than the file's {file_size}")
     if layout == h5d.CONTIGUOUS and claimed:
@@ -124,6 +127,7 @@ def check_dataset(dataset, file_size: int, where: str) -> None:
         if offset is None or offset + claimed > file_size:
             raise DumpError(f"{where}: data at offset {offset} + {claimed} bytes lies outside the file "
                             f"({file_size} bytes)")
+    return shape, dtype
 
 
 def read_attrs(obj, file_size: int, where: str) -> dict:
@@ -141,23 +145,39 @@ def read_attrs(obj, file_size: int, where: str) -> dict:
         except UnicodeDecodeError:
             name = raw_name
         attr = h5a.open(oid, raw_name)
-        claimed = math.prod(attr.shape or ()) * attr.dtype.itemsize
+        shape, dtype = attr.shape, attr.dtype  # (each a new HDF5 id: asked once)
+        claimed = math.prod(shape or ()) * dtype.itemsize
         if claimed > file_size:
             raise DumpError(f"{where}: attribute {name!r} claims {claimed} bytes, more than the file's {file_size}")
-        value = _attr_value(attr)
+        value = _attr_value(attr, shape, dtype)
         values[name] = _attr_str(value) if isinstance(value, (bytes, str)) else \
             value.item() if getattr(value, "size", 0) == 1 else value
     return values
 
 
-def _attr_value(attr):
+_MEMORY_TYPES: dict = {}  # plain numpy dtype -> its HDF5 memory type, made once (a block has 3-4 attributes)
+
+
+def _memory_type(dtype):
+    """``h5t.py_create(dtype)``, kept for plain dtypes (no fields, no subarray): the same few types
+    are read from every block of a wide pass. The key holds the metadata, which tells h5py's
+    variable-length str from bytes."""
+    if dtype.fields is not None or dtype.subdtype is not None:
+        return h5t.py_create(dtype)
+    key = (dtype.str, repr(dtype.metadata))
+    htype = _MEMORY_TYPES.get(key)
+    if htype is None:
+        htype = _MEMORY_TYPES[key] = h5t.py_create(dtype)
+    return htype
+
+
+def _attr_value(attr, shape, dtype):
     """An open attribute's value as ``h5py``'s ``obj.attrs[name]`` gives it (same code, on the id
-    already open: ``attrs[name]`` costs a second open and ~60 us of wrapping per attribute)."""
-    shape = attr.shape
+    already open: ``attrs[name]`` costs a second open and ~60 us of wrapping per attribute).
+    ``shape`` and ``dtype``: the attribute's, as read_attrs asked them."""
     if shape is None:  # an empty dataspace
-        return h5py.Empty(attr.dtype)
-    dtype = attr.dtype
-    htype = h5t.py_create(dtype)
+        return h5py.Empty(dtype)
+    htype = _memory_type(dtype)
     if dtype.subdtype is not None:  # numpy has no top-level array types: read the array's elements
         dtype, subshape = dtype.subdtype
         shape = shape + subshape
@@ -498,9 +518,9 @@ class SegmentIndex:
         dataset = h5o.open(group.id, str(number).encode())
         if h5i.get_type(dataset) != h5i.DATASET:
             raise DumpError(f"{where}: not a dataset")
-        check_dataset(dataset, self.file_size, where)
+        shape, storage = check_dataset(dataset, self.file_size, where)
         attrs = read_attrs(dataset, self.file_size, where)
-        shape, ndim, storage = dataset.shape, dataset.rank, dataset.dtype
+        ndim = len(shape)
         dtype_name = _attr_str(attrs.get(fmt.ATTR_DTYPE, ""))
         code = dtypes.CODE_BY_NAME.get(dtype_name)
         if code is None:
