@@ -65,7 +65,10 @@ class Problem(str):
     ``UNREADABLE_SEGMENT`` (a segment skipped whole), ``BAD_FILE`` (a JSON file of the dump),
     ``BAD_PASS_META`` (a segment's pass metadata, ignored: its tensors read), ``REPEATED_PASS``,
     ``LOST_ROLE`` and ``LOST_SESSION`` (a role or session the root records as attached whose
-    directory is gone, replaced or emptied: :func:`lost_roles`, :func:`lost_sessions`)."""
+    directory is gone, replaced or emptied: :func:`lost_roles`, :func:`lost_sessions`),
+    ``WRONG_RANK`` (a rank directory whose name's TP/PP/rank numbers are not its rank.json's:
+    renamed, or another rank's rank.json; read by number it is refused, as in ``_refuse_mislabelled``).
+    rank.json's rank numbers of the wrong type or range are a ``BAD_FILE``."""
 
     UNLISTABLE, UNREADABLE_SEGMENT, BAD_FILE, BAD_PASS_META = ("unlistable", "unreadable segment", "bad file",
                                                                "bad pass meta")
@@ -73,6 +76,7 @@ class Problem(str):
     # the root records a role (session) as attached whose dump is not there (lost_roles, lost_sessions):
     # what `fastdump verify` fails on, found at open() and refresh()
     LOST_ROLE, LOST_SESSION = "lost role", "lost session"
+    WRONG_RANK = "wrong rank"  # what `fastdump verify` fails on as mixed (rank_dir_mismatch)
     path: str
     kind: str
 
@@ -595,8 +599,18 @@ class _Rank:
 
     @property
     def info(self) -> dict:
-        """rank.json ({} when missing; {} and a problem when it is not a JSON object)."""
+        """rank.json ({} when missing; {} and a problem when it is not a JSON object; a
+        ``WRONG_RANK`` problem when its rank numbers are damaged or not the directory name's)."""
         info = self.dumpset._json_object(os.path.join(self.path, fmt.RANK_FILE))
+        if "rank" in info:  # (what verify fails on; ls, show and diff say it as a warning)
+            rank_file = os.path.join(self.path, fmt.RANK_FILE)
+            try:
+                mismatch = fmt.rank_dir_mismatch(self.name, fmt.check_rank_numbers(info["rank"]))
+            except ValueError as exc:
+                self.dumpset._problem(Problem(rank_file, Problem.BAD_FILE, str(exc)))
+            else:
+                if mismatch:
+                    self.dumpset._problem(Problem(self.path, Problem.WRONG_RANK, mismatch))
         return fmt.merge_producer_error(info, self.producer_error)
 
     @property

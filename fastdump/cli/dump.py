@@ -103,6 +103,7 @@ def list_dump(root: str) -> dict:
         for role in ds.roles:
             for rank in ds.ranks(role):
                 info = ds.rank_info(role, rank)
+                _damaged_counts(ds, os.path.join(ds.root, role, rank), info)
                 status = info.get("status", "unknown")
                 error = info.get("error")
                 gone = _pid_gone(info)
@@ -128,9 +129,26 @@ def list_dump(root: str) -> dict:
                                  unreadable_segments=0, repeated_passes=[], tensors=0, bytes=0,
                                  nested_passes=0, suspended_passes=0)
                 ranks.append(entry)
+        wrong = {p.path for p in ds.problems if getattr(p, "kind", None) == reader.Problem.WRONG_RANK}
+        for entry in ranks:  # (rank_info read each rank.json above: its problems are known now)
+            entry["wrong_rank"] = os.path.join(ds.root, entry["role"], entry["rank"]) in wrong
         manifest = ds.manifest
         problems = list(ds.problems)  # (with the roles and sessions lost: DumpSet finds them at open)
         return {"root": ds.root, "manifest": manifest, "ranks": ranks, "problems": problems}
+
+
+_LISTED_COUNTS = ("dropped", "dropped_passes", "skipped", "pending_passes")
+
+
+def _damaged_counts(ds, path: str, info: dict) -> None:
+    """A count ls shows that rank.json holds as no count (NaN, -5, 2.0, "3") is listed as 0: a
+    problem says so, with verify's words, rather than a clean-looking 0 (verify fails on it)."""
+    from ..reader import Problem
+
+    for key in _LISTED_COUNTS:
+        if key in info and not _is_count(info[key]):
+            ds.problems.append(Problem(path, Problem.BAD_FILE, f"{fmt.RANK_FILE} {key} is "
+                                       f"{_printable(json.dumps(info[key]))[:40]}, not a count (an integer >= 0)"))
 
 
 def _print_warnings(problems: list, caught: list) -> None:
@@ -184,6 +202,8 @@ def cmd_ls(args) -> int:
         status = r["status"] + (f" ({r['error']})" if r["error"] else "")
         if r["status"] == "running" and r["producer_gone"]:
             status += " [its process is gone: unfinished]"
+        if r.get("wrong_rank"):
+            status += " [its rank.json is another rank's: see the warning]"
         if r["unreadable_segments"]:
             status += f" [{r['unreadable_segments']} unreadable segment(s)]"
         if r["incomplete_passes"]:
