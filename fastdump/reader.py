@@ -901,6 +901,12 @@ class DumpSet:
         for kind, found in ((Problem.LOST_ROLE, roles), (Problem.LOST_SESSION, sessions)):
             for path, text in found:
                 self._problem(Problem(path, kind, text))
+        for role in recorded_roles(self.root):  # (lost_roles leaves a link to verify, which fails every link)
+            path = os.path.join(self.root, role)
+            if os.path.islink(path):
+                self._problem(Problem(path, Problem.LOST_ROLE, f"role {role!r} was attached here "
+                                      f"({os.path.join(fmt.ROLES_DIR, role)}) but this is a symbolic link, "
+                                      "not followed (it may point out of the dump): that role's dump is not read"))
 
     # ---------------------------------------------------------------- directory level
 

@@ -1125,3 +1125,25 @@ def test_ls_warns_of_a_count_it_cannot_show_instead_of_showing_0(tmp_path, capsy
     problems = list_dump(str(root))["problems"]
     assert [p.kind for p in problems] == [Problem.BAD_FILE], problems
     assert cli_main_entry(["verify", str(root)]) == 1
+
+
+@pytest.mark.parametrize("link_to", ["itself", "the role moved away"])
+def test_ls_warns_of_an_attached_role_replaced_by_a_symbolic_link(tmp_path, capsys, link_to):
+    """The root records role "target"; its directory moved to t2 and "target" made a symbolic link
+    (to itself: a loop, or to t2). ls listed t2 and said nothing of "target" (verify fails the
+    link). The reader never follows it, and now lists it as a LOST_ROLE problem."""
+    root = tmp_path / "d"
+    with fastdump.attach(None, root, writer="thread") as dumper:
+        dumper.begin_pass(), dumper.dump("x", torch.ones(2)), dumper.end_pass()
+    os.rename(root / "target", root / "t2")
+    os.symlink(root / ("target" if link_to == "itself" else "t2"), root / "target")
+    assert cli_main_entry(["ls", str(root)]) == 0
+    out, err = capsys.readouterr()
+    assert f"{root / 'target'}: role 'target' was attached here (fastdump.roles/target) but this is a symbolic " \
+           "link, not followed" in err, err
+    assert "t2 " in out
+    with fastdump.open(root) as ds:
+        assert ds.roles == ["t2"]
+        assert [(p.kind, p.path) for p in ds.problems] == [(Problem.LOST_ROLE, str(root / "target"))]
+    assert cli_main_entry(["verify", str(root)]) == 1
+    assert capsys.readouterr().out.count("symbolic link") == 1  # (verify's own check, said once)
