@@ -347,4 +347,7 @@ def printable(text) -> str:
     can hold any character, so those a terminal would swallow or obey (ANSI escapes in a crafted
     name) are written as Python escapes. Used by everything that prints such text: ls, show, verify,
     diff (text and HTML), export."""
-    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in str(text))
+    text = str(text)
+    if text.isprintable():  # (the common case, checked in C: a wide pass prints 100k names)
+        return text
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)

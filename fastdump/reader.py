@@ -65,7 +65,10 @@ class Problem(str):
     ``UNREADABLE_SEGMENT`` (a segment skipped whole), ``BAD_FILE`` (a JSON file of the dump),
     ``BAD_PASS_META`` (a segment's pass metadata, ignored: its tensors read), ``REPEATED_PASS``,
     ``LOST_ROLE`` and ``LOST_SESSION`` (a role or session the root records as attached whose
-    directory is gone, replaced or emptied: :func:`lost_roles`, :func:`lost_sessions`)."""
+    directory is gone, replaced or emptied: :func:`lost_roles`, :func:`lost_sessions`),
+    ``WRONG_RANK`` (a rank directory whose name's TP/PP/rank numbers are not its rank.json's:
+    renamed, or another rank's rank.json; read by number it is refused, as in ``_refuse_mislabelled``).
+    rank.json's rank numbers of the wrong type or range are a ``BAD_FILE``."""
 
     UNLISTABLE, UNREADABLE_SEGMENT, BAD_FILE, BAD_PASS_META = ("unlistable", "unreadable segment", "bad file",
                                                                "bad pass meta")
@@ -73,6 +76,7 @@ class Problem(str):
     # the root records a role (session) as attached whose dump is not there (lost_roles, lost_sessions):
     # what `fastdump verify` fails on, found at open() and refresh()
     LOST_ROLE, LOST_SESSION = "lost role", "lost session"
+    WRONG_RANK = "wrong rank"  # what `fastdump verify` fails on as mixed (rank_dir_mismatch)
     path: str
     kind: str
 
@@ -102,10 +106,12 @@ def check_link(group, name: str, where: str) -> None:
         raise DumpError(f"{where}: {name!r} is a {type(link).__name__}, not an object stored in this file")
 
 
-def check_dataset(dataset, file_size: int, where: str) -> None:
+def check_dataset(dataset, file_size: int, where: str) -> tuple:
     """Refuse a dataset the writer could not have written: external or virtual storage, filters,
     or a size claim larger than the file (a 15 KB file claiming 1 GiB). ``dataset``: an h5py
-    Dataset or its low-level DatasetID (what ``SegmentIndex`` keeps of a block)."""
+    Dataset or its low-level DatasetID (what ``SegmentIndex`` keeps of a block). Returns its
+    ``(shape, dtype)`` as checked (each asked of HDF5 makes a new id: callers reuse these; a null
+    dataspace's shape is ``()``)."""
     dataset = dataset.id if isinstance(dataset, h5py.Dataset) else dataset
     plist = dataset.get_create_plist()
     layout = plist.get_layout()
@@ -116,7 +122,8 @@ def check_dataset(dataset, file_size: int, where: str) -> None:
         raise DumpError(f"{where}: dataset stored in external files")
     if plist.get_nfilters():
         raise DumpError(f"{where}: dataset has filters")
-    claimed = math.prod(dataset.shape or ()) * dataset.dtype.itemsize
+    shape, dtype = dataset.shape or (), dataset.dtype
+    claimed = math.prod(shape) * dtype.itemsize
     if claimed > file_size:
         raise DumpError(f"{where}: claims {claimed} bytes, more than the file's {file_size}")
     if layout == h5d.CONTIGUOUS and claimed:
@@ -124,6 +131,7 @@ def check_dataset(dataset, file_size: int, where: str) -> None:
         if offset is None or offset + claimed > file_size:
             raise DumpError(f"{where}: data at offset {offset} + {claimed} bytes lies outside the file "
                             f"({file_size} bytes)")
+    return shape, dtype
 
 
 def read_attrs(obj, file_size: int, where: str) -> dict:
@@ -141,23 +149,39 @@ def read_attrs(obj, file_size: int, where: str) -> dict:
         except UnicodeDecodeError:
             name = raw_name
         attr = h5a.open(oid, raw_name)
-        claimed = math.prod(attr.shape or ()) * attr.dtype.itemsize
+        shape, dtype = attr.shape, attr.dtype  # (each a new HDF5 id: asked once)
+        claimed = math.prod(shape or ()) * dtype.itemsize
         if claimed > file_size:
             raise DumpError(f"{where}: attribute {name!r} claims {claimed} bytes, more than the file's {file_size}")
-        value = _attr_value(attr)
+        value = _attr_value(attr, shape, dtype)
         values[name] = _attr_str(value) if isinstance(value, (bytes, str)) else \
             value.item() if getattr(value, "size", 0) == 1 else value
     return values
 
 
-def _attr_value(attr):
+_MEMORY_TYPES: dict = {}  # plain numpy dtype -> its HDF5 memory type, made once (a block has 3-4 attributes)
+
+
+def _memory_type(dtype):
+    """``h5t.py_create(dtype)``, kept for plain dtypes (no fields, no subarray): the same few types
+    are read from every block of a wide pass. The key holds the metadata, which tells h5py's
+    variable-length str from bytes."""
+    if dtype.fields is not None or dtype.subdtype is not None:
+        return h5t.py_create(dtype)
+    key = (dtype.str, repr(dtype.metadata))
+    htype = _MEMORY_TYPES.get(key)
+    if htype is None:
+        htype = _MEMORY_TYPES[key] = h5t.py_create(dtype)
+    return htype
+
+
+def _attr_value(attr, shape, dtype):
     """An open attribute's value as ``h5py``'s ``obj.attrs[name]`` gives it (same code, on the id
-    already open: ``attrs[name]`` costs a second open and ~60 us of wrapping per attribute)."""
-    shape = attr.shape
+    already open: ``attrs[name]`` costs a second open and ~60 us of wrapping per attribute).
+    ``shape`` and ``dtype``: the attribute's, as read_attrs asked them."""
     if shape is None:  # an empty dataspace
-        return h5py.Empty(attr.dtype)
-    dtype = attr.dtype
-    htype = h5t.py_create(dtype)
+        return h5py.Empty(dtype)
+    htype = _memory_type(dtype)
     if dtype.subdtype is not None:  # numpy has no top-level array types: read the array's elements
         dtype, subshape = dtype.subdtype
         shape = shape + subshape
@@ -498,9 +522,9 @@ class SegmentIndex:
         dataset = h5o.open(group.id, str(number).encode())
         if h5i.get_type(dataset) != h5i.DATASET:
             raise DumpError(f"{where}: not a dataset")
-        check_dataset(dataset, self.file_size, where)
+        shape, storage = check_dataset(dataset, self.file_size, where)
         attrs = read_attrs(dataset, self.file_size, where)
-        shape, ndim, storage = dataset.shape, dataset.rank, dataset.dtype
+        ndim = len(shape)
         dtype_name = _attr_str(attrs.get(fmt.ATTR_DTYPE, ""))
         code = dtypes.CODE_BY_NAME.get(dtype_name)
         if code is None:
@@ -575,8 +599,18 @@ class _Rank:
 
     @property
     def info(self) -> dict:
-        """rank.json ({} when missing; {} and a problem when it is not a JSON object)."""
+        """rank.json ({} when missing; {} and a problem when it is not a JSON object; a
+        ``WRONG_RANK`` problem when its rank numbers are damaged or not the directory name's)."""
         info = self.dumpset._json_object(os.path.join(self.path, fmt.RANK_FILE))
+        if "rank" in info:  # (what verify fails on; ls, show and diff say it as a warning)
+            rank_file = os.path.join(self.path, fmt.RANK_FILE)
+            try:
+                mismatch = fmt.rank_dir_mismatch(self.name, fmt.check_rank_numbers(info["rank"]))
+            except ValueError as exc:
+                self.dumpset._problem(Problem(rank_file, Problem.BAD_FILE, str(exc)))
+            else:
+                if mismatch:
+                    self.dumpset._problem(Problem(self.path, Problem.WRONG_RANK, mismatch))
         return fmt.merge_producer_error(info, self.producer_error)
 
     @property
@@ -867,6 +901,12 @@ class DumpSet:
         for kind, found in ((Problem.LOST_ROLE, roles), (Problem.LOST_SESSION, sessions)):
             for path, text in found:
                 self._problem(Problem(path, kind, text))
+        for role in recorded_roles(self.root):  # (lost_roles leaves a link to verify, which fails every link)
+            path = os.path.join(self.root, role)
+            if os.path.islink(path):
+                self._problem(Problem(path, Problem.LOST_ROLE, f"role {role!r} was attached here "
+                                      f"({os.path.join(fmt.ROLES_DIR, role)}) but this is a symbolic link, "
+                                      "not followed (it may point out of the dump): that role's dump is not read"))
 
     # ---------------------------------------------------------------- directory level
 

@@ -1102,3 +1102,81 @@ def test_the_producers_error_fills_an_error_status_that_names_none():
     kept = fmt.merge_producer_error({"status": "error", "error": "disk full"}, record)
     assert kept["error"] == "disk full" and kept["producer_error"] == record
     assert fmt.merge_producer_error({"status": "closed"}, record)["status"] == "error"
+
+
+def test_ls_says_which_rank_directories_are_another_ranks_and_which_rank_numbers_are_damaged(tmp_path, capsys):
+    """ls listed two TP ranks' directories renamed to each other's numbers without a word (verify
+    fails them as mixed). Now each is a WRONG_RANK problem, a warning and a mark in its STATUS, as
+    an unreadable segment is; rank numbers of the wrong type are a BAD_FILE of that rank.json."""
+    root = tmp_path / "tp2"
+    _tp2_dump(root)
+    role_dir = root / "target"
+    (r0,), (r1,) = [[n for n in os.listdir(role_dir) if n.startswith(p)] for p in ("TP0_", "TP1_")]
+    renamed = "TP1_PP0_Rank1_" + r0[len("TP0_PP0_Rank0_"):]
+    os.rename(role_dir / r0, role_dir / renamed)
+    os.rename(role_dir / r1, role_dir / ("TP0_PP0_Rank0_" + r1[len("TP1_PP0_Rank1_"):]))
+    assert cli_main_entry(["ls", str(root)]) == 0  # (ls lists a damaged dump: verify judges it)
+    out, err = capsys.readouterr()
+    assert err.count("but its rank.json says tp_rank 1, rank 1: renamed to another rank") == 1, err
+    assert err.count("but its rank.json says tp_rank 0, rank 0: renamed to another rank") == 1, err
+    assert out.count("[its rank.json is another rank's: see the warning]") == 2, out
+    listing = list_dump(str(root))
+    assert sorted(r["wrong_rank"] for r in listing["ranks"]) == [True, True]
+    with fastdump.open(root) as ds:
+        ds.rank_info("target", renamed)
+        assert [(p.kind, os.path.basename(p.path)) for p in ds.problems] == [(Problem.WRONG_RANK, renamed)]
+
+    info_path = role_dir / renamed / "rank.json"
+    info = json.loads(info_path.read_text())
+    info["rank"] = dict(info["rank"], tp_rank="1")  # a number of the wrong type: nothing to compare
+    info_path.write_text(json.dumps(info))
+    assert cli_main_entry(["ls", str(root)]) == 0
+    out, err = capsys.readouterr()
+    assert f"{info_path}: rank.tp_rank is \"1\", expected an integer >= 0" in err, err
+    with fastdump.open(root) as ds:
+        ds.rank_info("target", renamed)
+        assert [(p.kind, p.path) for p in ds.problems] == [(Problem.BAD_FILE, str(info_path))]
+
+
+@pytest.mark.parametrize("key, value, shown", [("dropped", float("nan"), "NaN"), ("skipped", -5, "-5"),
+                                               ("dropped_passes", 2.0, "2.0"), ("dropped", "3", '"3"')])
+def test_ls_warns_of_a_count_it_cannot_show_instead_of_showing_0(tmp_path, capsys, key, value, shown):
+    """rank.json "dropped": NaN was listed by ls as DROPPED 0 without a word (verify fails it: a
+    damaged count must not pass for none). ls now warns with verify's words and exits 0."""
+    root = tmp_path / "d"
+    with fastdump.attach(None, root, writer="thread") as dumper:
+        dumper.begin_pass(), dumper.dump("x", torch.ones(2)), dumper.end_pass()
+    (rank,) = os.listdir(root / "target")
+    info_path = root / "target" / rank / "rank.json"
+    info = json.loads(info_path.read_text())
+    info[key] = value
+    info_path.write_text(json.dumps(info))
+    assert cli_main_entry(["ls", str(root)]) == 0
+    err = capsys.readouterr().err
+    assert f"{root / 'target' / rank}: rank.json {key} is {shown}, not a count (an integer >= 0)" in err, err
+    assert no_escapes(err)
+    problems = list_dump(str(root))["problems"]
+    assert [p.kind for p in problems] == [Problem.BAD_FILE], problems
+    assert cli_main_entry(["verify", str(root)]) == 1
+
+
+@pytest.mark.parametrize("link_to", ["itself", "the role moved away"])
+def test_ls_warns_of_an_attached_role_replaced_by_a_symbolic_link(tmp_path, capsys, link_to):
+    """The root records role "target"; its directory moved to t2 and "target" made a symbolic link
+    (to itself: a loop, or to t2). ls listed t2 and said nothing of "target" (verify fails the
+    link). The reader never follows it, and now lists it as a LOST_ROLE problem."""
+    root = tmp_path / "d"
+    with fastdump.attach(None, root, writer="thread") as dumper:
+        dumper.begin_pass(), dumper.dump("x", torch.ones(2)), dumper.end_pass()
+    os.rename(root / "target", root / "t2")
+    os.symlink(root / ("target" if link_to == "itself" else "t2"), root / "target")
+    assert cli_main_entry(["ls", str(root)]) == 0
+    out, err = capsys.readouterr()
+    assert f"{root / 'target'}: role 'target' was attached here (fastdump.roles/target) but this is a symbolic " \
+           "link, not followed" in err, err
+    assert "t2 " in out
+    with fastdump.open(root) as ds:
+        assert ds.roles == ["t2"]
+        assert [(p.kind, p.path) for p in ds.problems] == [(Problem.LOST_ROLE, str(root / "target"))]
+    assert cli_main_entry(["verify", str(root)]) == 1
+    assert capsys.readouterr().out.count("symbolic link") == 1  # (verify's own check, said once)

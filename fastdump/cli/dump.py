@@ -103,6 +103,7 @@ def list_dump(root: str) -> dict:
         for role in ds.roles:
             for rank in ds.ranks(role):
                 info = ds.rank_info(role, rank)
+                _damaged_counts(ds, os.path.join(ds.root, role, rank), info)
                 status = info.get("status", "unknown")
                 error = info.get("error")
                 gone = _pid_gone(info)
@@ -128,9 +129,26 @@ def list_dump(root: str) -> dict:
                                  unreadable_segments=0, repeated_passes=[], tensors=0, bytes=0,
                                  nested_passes=0, suspended_passes=0)
                 ranks.append(entry)
+        wrong = {p.path for p in ds.problems if getattr(p, "kind", None) == reader.Problem.WRONG_RANK}
+        for entry in ranks:  # (rank_info read each rank.json above: its problems are known now)
+            entry["wrong_rank"] = os.path.join(ds.root, entry["role"], entry["rank"]) in wrong
         manifest = ds.manifest
         problems = list(ds.problems)  # (with the roles and sessions lost: DumpSet finds them at open)
         return {"root": ds.root, "manifest": manifest, "ranks": ranks, "problems": problems}
+
+
+_LISTED_COUNTS = ("dropped", "dropped_passes", "skipped", "pending_passes")
+
+
+def _damaged_counts(ds, path: str, info: dict) -> None:
+    """A count ls shows that rank.json holds as no count (NaN, -5, 2.0, "3") is listed as 0: a
+    problem says so, with verify's words, rather than a clean-looking 0 (verify fails on it)."""
+    from ..reader import Problem
+
+    for key in _LISTED_COUNTS:
+        if key in info and not _is_count(info[key]):
+            ds.problems.append(Problem(path, Problem.BAD_FILE, f"{fmt.RANK_FILE} {key} is "
+                                       f"{_printable(json.dumps(info[key]))[:40]}, not a count (an integer >= 0)"))
 
 
 def _print_warnings(problems: list, caught: list) -> None:
@@ -187,6 +205,8 @@ def cmd_ls(args) -> int:
         status = r["status"] + (f" ({r['error']})" if r["error"] else "")
         if r["status"] == "running" and r["producer_gone"]:
             status += " [its process is gone: unfinished]"
+        if r.get("wrong_rank"):
+            status += " [its rank.json is another rank's: see the warning]"
         if r["unreadable_segments"]:
             status += f" [{r['unreadable_segments']} unreadable segment(s)]"
         if r["incomplete_passes"]:
@@ -224,12 +244,12 @@ class _Report:
         self.warnings.append(f"{where}: {text}")
 
 
-def _check_block(report: _Report, where: str, dataset, attrs: dict, entries: np.ndarray, number: int,
-                 version: int) -> int:
-    """Check one block dataset (its low-level id) and its attributes (as ``reader.read_attrs`` read
-    them) against the index rows pointing at it; return its row byte size."""
+def _check_block(report: _Report, where: str, block: tuple, entries: np.ndarray, number: int, version: int) -> int:
+    """Check one block against the index rows pointing at it; return its row byte size. ``block``:
+    its ``(attributes, shape, storage dtype)`` as ``_check_objects`` read them."""
     from ..reader import DumpError, check_block_crc
 
+    attrs, shape, storage = block
     dtype_name = attrs.get(fmt.ATTR_DTYPE)
     code = dtypes.CODE_BY_NAME.get(dtype_name) if isinstance(dtype_name, str) else None
     if code is None:
@@ -238,18 +258,18 @@ def _check_block(report: _Report, where: str, dataset, attrs: dict, entries: np.
     encoding = attrs.get(fmt.ATTR_ENCODING)
     if encoding != dtypes.ENCODING[code]:
         report.problem(where, f"encoding {encoding!r}, expected {dtypes.ENCODING[code]!r} for {dtype_name}")
-    if dataset.dtype != dtypes.STORAGE[code]:
-        report.problem(where, f"stored as {dataset.dtype}, expected {dtypes.STORAGE[code]} for {dtype_name}")
-    if dataset.rank == 0:
+    if storage != dtypes.STORAGE[code]:
+        report.problem(where, f"stored as {storage}, expected {dtypes.STORAGE[code]} for {dtype_name}")
+    if len(shape) == 0:
         report.problem(where, "block has no row axis")
         return 0
     scalar = bool(attrs.get(fmt.ATTR_SCALAR, 0))
     if version >= 4:  # how the bytes read back: the rows' CRC covers only the bytes
         try:
-            check_block_crc(attrs, number, dtype_name, encoding or "", scalar, dataset.shape[1:], where)
+            check_block_crc(attrs, number, dtype_name, encoding or "", scalar, shape[1:], where)
         except DumpError as exc:
             report.problem(where, str(exc).removeprefix(where + ": "))
-    if scalar and (dataset.rank != 1 or np.any(entries["rows"] != 1)):
+    if scalar and (len(shape) != 1 or np.any(entries["rows"] != 1)):
         report.problem(where, "scalar block must be 1-D with one row per tensor")
     if len(entries) == 0:
         report.problem(where, "block not referenced by the index")
@@ -260,10 +280,10 @@ def _check_block(report: _Report, where: str, dataset, attrs: dict, entries: np.
     stops = starts + entries["rows"][order]
     expected_starts = np.concatenate([[0], stops[:-1]]) if len(stops) else stops
     if np.any(entries["rows"] < 0) or not np.array_equal(starts, expected_starts) or (
-        len(stops) and stops[-1] != dataset.shape[0]
+        len(stops) and stops[-1] != shape[0]
     ):
-        report.problem(where, f"index rows do not tile the block's {dataset.shape[0]} rows exactly")
-    return math.prod(dataset.shape[1:]) * dtypes.ITEMSIZE[code]
+        report.problem(where, f"index rows do not tile the block's {shape[0]} rows exactly")
+    return math.prod(shape[1:]) * dtypes.ITEMSIZE[code]
 
 
 def check_segment(report: _Report, path: str, read_data: bool = False):
@@ -294,10 +314,11 @@ def _check_objects(h5file, where: str) -> dict:
     """Raise DumpError for anything that would make reading touch data outside this file or
     allocate more than it holds: links other than hard links, external or virtual storage,
     filters, size claims beyond the file (checked before any table or block is read). Return
-    ``{block key: attributes}``, each attribute read once, with h5py's low-level calls as the reader
-    does (a wide pass has a block per name, and h5py's ``blocks[key]`` and ``attrs[name]`` cost
-    ~0.4 ms a block in wrapping and second opens). The blocks are not kept open: 20k open datasets
-    held ~280 MB of HDF5 memory."""
+    ``{block key: (attributes, shape, storage dtype)}``, each asked of HDF5 once, with h5py's
+    low-level calls as the reader does (a wide pass has a block per name, and h5py's ``blocks[key]``
+    and ``attrs[name]`` cost ~0.4 ms a block in wrapping and second opens; each shape or dtype asked
+    makes a new HDF5 id). The blocks are not kept open: 20k open datasets held ~280 MB of HDF5
+    memory."""
     from h5py import h5i, h5o
 
     from ..reader import DumpError, check_dataset, check_link, read_attrs
@@ -315,8 +336,8 @@ def _check_objects(h5file, where: str) -> dict:
         block = h5o.open(blocks.id, key.encode("utf-8"))
         if h5i.get_type(block) != h5i.DATASET:
             raise DumpError(f"{block_where}: not a dataset")
-        check_dataset(block, file_size, block_where)
-        attributes[key] = read_attrs(block, file_size, block_where)
+        shape, storage = check_dataset(block, file_size, block_where)
+        attributes[key] = (read_attrs(block, file_size, block_where), shape, storage)
     return attributes
 
 
@@ -339,7 +360,7 @@ def _check_open_segment(report: _Report, where: str, h5file, read_data: bool):
         if needed not in h5file:
             report.problem(where, f"missing {needed!r}")
             return None
-    block_attrs = _check_objects(h5file, where)
+    block_facts = _check_objects(h5file, where)
     if read_data and version < 2:
         report.warning(where, f"format {version}: no checksums, data read but not checked")
     names_text = h5file[fmt.NAMES][()]
@@ -380,9 +401,9 @@ def _check_open_segment(report: _Report, where: str, h5file, read_data: bool):
         report.problem(where, "index refers to a name outside the name table")
 
     # (only keys as the writer spells numbers: '01' or '²' would not name block 1 or 2)
-    block_numbers = sorted(int(key) for key in block_attrs if key.isascii() and key.isdigit() and str(int(key)) == key)
+    block_numbers = sorted(int(key) for key in block_facts if key.isascii() and key.isdigit() and str(int(key)) == key)
     blocks_id = h5file[fmt.BLOCKS].id
-    if len(block_numbers) != len(block_attrs) or block_numbers != list(range(len(block_numbers))):
+    if len(block_numbers) != len(block_facts) or block_numbers != list(range(len(block_numbers))):
         report.problem(where, "blocks are not numbered 0..n-1")
     unknown = set(np.unique(index["block"]).tolist()) - set(block_numbers)
     if unknown:
@@ -395,13 +416,13 @@ def _check_open_segment(report: _Report, where: str, h5file, read_data: bool):
     positions_of = dict(zip(numbers.tolist(), np.split(by_block, starts[1:])))
     no_positions = np.empty(0, dtype=np.int64)
     for number in block_numbers:
-        dataset = h5o.open(blocks_id, str(number).encode())  # (a dataset: _check_objects said so)
         mine = positions_of.get(number, no_positions)
         before = len(report.problems)
-        row_bytes = _check_block(report, f"{where} block {number}", dataset, block_attrs[str(number)], index[mine],
+        row_bytes = _check_block(report, f"{where} block {number}", block_facts[str(number)], index[mine],
                                  number, version)
         entry_bytes[mine] = index["rows"][mine] * row_bytes
         if read_data and len(report.problems) == before:  # rows known to lie inside the block
+            dataset = h5o.open(blocks_id, str(number).encode())  # (a dataset: _check_objects said so)
             _read_block(report, f"{where} block {number}", h5py.Dataset(dataset, readonly=True), index, mine)
 
     pass_ids = passes["pass"].tolist()
