@@ -1635,6 +1635,58 @@ def test_gpu_free_device_memory_waits_for_the_torch_graphs(tmp_path):
             assert free_device_memory(d) is True
 
 
+@pytest.mark.cuda
+@needs_cuda_build
+def test_gpu_slots_of_given_up_and_never_launched_graphs_come_back(tmp_path):
+    """On a GPU (the mock: test_failed_captures_give_their_slots_back and
+    test_slots_of_graphs_never_launched_come_back): a graph whose pass ends after the
+    `torch.cuda.graph` block (given up; its done event recorded at capture_end), launched once and
+    reset, then a committed graph never launched, reset: the slots of both come back at the next
+    capture (cudaEventSynchronize on an event recorded by an event record node, before and after a
+    launch), and the last graph's replay is dumped bit-exact."""
+    stream = torch.cuda.Stream()
+    d = _attach(tmp_path, writer="thread", device="cuda:0")
+    with torch.inference_mode():
+        x = torch.randn(4, 256, device="cuda", dtype=torch.bfloat16)
+        with torch.cuda.stream(stream):  # warm-up, in an eager pass
+            d.begin_pass()
+            d.dump("y", x * 2)
+            d.end_pass()
+        stream.synchronize()
+        g1 = torch.cuda.CUDAGraph()
+        d.begin_pass()
+        with torch.cuda.graph(g1, stream=stream):
+            d.dump("y", x * 2)
+        d.end_pass()  # after its capture: given up
+        g1.replay()
+        g1.reset()
+        g2 = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g2, stream=stream):
+            d.begin_pass()
+            d.dump("y", x * 3)
+            d.end_pass()
+        g2.reset()  # never launched
+        g3 = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g3, stream=stream):
+            d.begin_pass()
+            y3 = x * 4
+            d.dump("y", y3)
+            d.end_pass()
+        rec = d._graphs.recorder(0).stats()
+        x.copy_(torch.randn(4, 256, device="cuda", dtype=torch.bfloat16))
+        g3.replay()
+        want = (x * 4).cpu()
+        torch.cuda.synchronize()
+        stats = d.close()
+    g3.reset()
+    assert free_device_memory(d) is True
+    assert rec["reclaimed_graphs"] == 2, rec
+    assert stats["graphs_not_dumped"] == 1 and stats["graph_replays"] == 1, stats
+    passes = graph_passes(fastdump.open(tmp_path), "target")
+    assert len(passes) == 1
+    assert same_bits(torch.as_tensor(fastdump.open(tmp_path).load("target", 0, passes[0])["y"]), want)
+
+
 def test_free_device_memory_before_close_keeps_the_recorder(m, glue, tmp_path, monkeypatch):
     """free_device_memory() on a Dumper still open (its graph already destroyed) stopped and freed
     the recorder, so close() no longer counted its replays: stats() said 1 pass and 0 tensors
