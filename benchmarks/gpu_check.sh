@@ -25,11 +25,10 @@
 # characters in all) and the summary table last: under 10,000 characters, within the 12,000 kept.
 # --dry-run: no GPU needed: checks deps, skips the CUDA build, runs the cuda tests (they skip), and
 # runs the benchmarks in their CPU or mock forms, to check this script's plumbing.
-# Without --dry-run (and with a stage but deps wanted) the script first asks torch for a GPU (60 s at
-# most: a hung driver must not hang
-# the run). Without one it says why on stdout, marks every stage but deps "skipped (no GPU)" (their
-# CPU fallbacks would read as measurements), prints the table and exits 3. pytest-cuda fails when
-# every cuda test skipped (a GPU run that tested nothing).
+# Without --dry-run (and with a stage but deps wanted) the script first asks torch for a GPU (60 s
+# at most: a hung driver must not hang the run). Without one it says why on stdout, marks every
+# stage but deps "skipped (no GPU)" (their CPU fallbacks would read as measurements), prints the
+# table and exits 3. pytest-cuda fails when every cuda test skipped (a GPU run that tested nothing).
 # Environment: PYTHON (default python3), CUDA_HOME (default: /usr/local/cuda or nvcc's), FASTDUMP_CUDA_ARCHS
 # (default 90 here: one arch builds faster), GPU_CHECK_BUDGET_S (default 470: total wall-clock budget),
 # STAGES (comma-separated stage names, default all, e.g. STAGES=decode-bench,pytest-cuda to rerun what
