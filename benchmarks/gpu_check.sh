@@ -25,6 +25,10 @@
 # characters in all) and the summary table last: under 10,000 characters, within the 12,000 kept.
 # --dry-run: no GPU needed: checks deps, skips the CUDA build, runs the cuda tests (they skip), and
 # runs the benchmarks in their CPU or mock forms, to check this script's plumbing.
+# Without --dry-run (and with a stage but deps wanted) the script first asks torch for a GPU (60 s
+# at most: a hung driver must not hang the run). Without one it says why on stdout, marks every
+# stage but deps "skipped (no GPU)" (their CPU fallbacks would read as measurements), prints the
+# table and exits 3. pytest-cuda fails when every cuda test skipped (a GPU run that tested nothing).
 # Environment: PYTHON (default python3), CUDA_HOME (default: /usr/local/cuda or nvcc's), FASTDUMP_CUDA_ARCHS
 # (default 90 here: one arch builds faster), GPU_CHECK_BUDGET_S (default 470: total wall-clock budget),
 # STAGES (comma-separated stage names, default all, e.g. STAGES=decode-bench,pytest-cuda to rerun what
@@ -165,6 +169,27 @@ check_import() {
   "$PY" -c "import fastdump._C as c, json; print('cuda_compiled', c.cuda_compiled()); print(json.dumps(c.cuda_info()))"
 }
 
+# The cuda tests, then (on a GPU) a failure when none of them ran: every one skipped means no GPU
+# or a fastdump._C without CUDA, which must not read as "ok".
+pytest_cuda() {
+  "$@"
+  local rc=$?
+  ((rc == 0 && !DRY)) || return $rc
+  "$PY" - "$WORK/pytest-cuda.xml" <<'EOF'
+import sys
+import xml.etree.ElementTree as ET
+
+root = ET.parse(sys.argv[1]).getroot()
+suites = [root] if root.tag == "testsuite" else list(root)
+tests = sum(int(s.get("tests", 0)) for s in suites)
+skipped = sum(int(s.get("skipped", 0)) for s in suites)
+if tests == skipped:
+    print(f"pytest-cuda: every one of the {tests} cuda tests skipped (no GPU, or fastdump._C without CUDA: "
+          "see the skip reasons above)")
+    sys.exit(1)
+EOF
+}
+
 # ---- stage commands -----------------------------------------------------------------------------
 stage_command() {  # NAME: sets CMD
   local name=$1
@@ -172,7 +197,7 @@ stage_command() {  # NAME: sets CMD
     deps) CMD=(deps) ;;
     build) if ((DRY)); then CMD=(check_import); else CMD=(build); fi ;;
     pytest-cuda)
-      CMD=("$PY" -m pytest -m cuda -v -rfEs --tb=short -p no:cacheprovider --junitxml="$WORK/pytest-cuda.xml")
+      CMD=(pytest_cuda "$PY" -m pytest -m cuda -v -rfEs --tb=short -p no:cacheprovider --junitxml="$WORK/pytest-cuda.xml")
       if "$PY" -c "import pytest_timeout" 2>/dev/null; then
         CMD+=(--timeout "$TEST_TIMEOUT")  # fails the hung test and goes on
       else
@@ -324,8 +349,8 @@ trap finish EXIT
 trap 'exit 143' TERM INT HUP
 
 # ---- stages ------------------------------------------------------------------------------------
-export PY DRY
-export -f deps find_cuda_home build check_import
+export PY DRY WORK
+export -f deps find_cuda_home build check_import pytest_cuda
 say "gpu_check: $(date -u +%FT%TZ) repo=$REPO out=$OUT dry_run=$DRY budget=${BUDGET}s python=$("$PY" --version 2>&1)"
 if command -v nvidia-smi >/dev/null 2>&1; then
   say "$(nvidia-smi --query-gpu=name,driver_version,memory.total,pcie.link.gen.current,pcie.link.width.current \
@@ -337,8 +362,27 @@ say "$(df -h /dev/shm 2>&1 | tail -1); $(free -g 2>/dev/null | awk '/Mem:/ {prin
 others=$(find "$OUT" -mindepth 1 -maxdepth 1 ! -name gpu_check.log ! -name summary.json ! -name results.tar.gz | wc -l)
 ((others)) && say "note: OUTDIR already holds $others other entries (the device tool returns at most 8 files)"
 
+# Is there a GPU at all? Asked once, with a timeout, when a stage but deps is wanted; without one
+# the GPU stages do not run.
+NO_GPU=""
+if ((!DRY && ${#WANT[@]} > ${WANT[deps]:-0})); then
+  NO_GPU=$(timeout --kill-after=5 60 "$PY" -c '
+import torch
+if not torch.cuda.is_available() or torch.cuda.device_count() < 1:
+    print(f"torch {torch.__version__} (CUDA {torch.version.cuda}) sees no usable CUDA device")
+' 2>"$WORK/gpu_probe.err")
+  rc=$?
+  cat "$WORK/gpu_probe.err" >>"$LOG"  # (torch's warnings: the log, never the verdict)
+  if ((rc == 124 || rc == 137)); then
+    NO_GPU="torch.cuda.is_available() did not answer within 60 s (a hung driver?)"
+  elif ((rc != 0)); then
+    NO_GPU="cannot ask torch for a GPU (rc $rc): $(tail -1 "$WORK/gpu_probe.err" | cut -c1-300)"
+  fi
+  [[ -n "$NO_GPU" ]] && say "no usable GPU: $NO_GPU; every stage but deps is skipped (--dry-run checks the plumbing on a CPU machine)"
+fi
+
 # A rerun of some stages on a fresh machine needs the build first.
-if ((!DRY)) && [[ -z "${WANT[build]+x}" ]] && ((${#WANT[@]} > ${WANT[deps]:-0})) &&
+if ((!DRY)) && [[ -z "$NO_GPU" ]] && [[ -z "${WANT[build]+x}" ]] && ((${#WANT[@]} > ${WANT[deps]:-0})) &&
   ! "$PY" -c 'import sys, fastdump._C as c; sys.exit(not c.cuda_compiled())' >/dev/null 2>&1; then
   say "note: fastdump._C is missing or built without CUDA: stage build added"
   WANT[build]=1
@@ -363,8 +407,14 @@ if ((floor_sum > room)); then
 fi
 
 for name in "${SELECTED[@]}"; do
+  if [[ -n "$NO_GPU" && $name != deps ]]; then
+    say "=== $name: skipped (no GPU)"
+    printf '%s\tskipped (no GPU)\t0\t-\t0\t0\t0\n' "$name" >>"$STATUS"
+    continue
+  fi
   stage_command "$name"
   run_stage "$name" "${CMD[@]}"
 done
 finish
+[[ -n "$NO_GPU" ]] && exit 3
 exit 0

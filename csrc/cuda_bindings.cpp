@@ -273,6 +273,7 @@ void bind_mock(py::module_& m) {
     if (name == "device_count") c.device_count = static_cast<int>(v);
     else if (name == "max_delay_us") c.max_delay_us = static_cast<int>(v);
     else if (name == "graph_node_us") c.graph_node_us = static_cast<int>(v);
+    else if (name == "external_record_captures") c.external_record_captures = static_cast<int>(v);
     else if (name == "seed") c.seed = static_cast<uint64_t>(v);
     else if (name == "device_free") c.device_free = static_cast<uint64_t>(v);
     else if (name == "fail_batch") fdmock::inject("cudaMemcpyBatchAsync", v ? 1 << 30 : 0, cudaErrorNotSupported);

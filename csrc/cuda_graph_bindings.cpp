@@ -66,6 +66,8 @@ void bind_graph_recorder(py::module_& m) {
           py::arg("graph"), "A committed graph's span record: its name id, size and tensor layout.")
       .def_property_readonly("dropped_replays", &GraphRecorder::dropped_replays)
       .def("abort_graph", &GraphRecorder::abort_graph)
+      .def("capture_ending", &GraphRecorder::capture_ending,
+           "The open graph's capture ends before its pass: record its done event now (see reclaim).")
       .def_property_readonly("open_serial", &GraphRecorder::open_serial,
                              "The open capture's serial (0: none), which reclaim() takes.")
       .def(

@@ -275,6 +275,9 @@ struct GraphInfo {
   uint64_t tensor_bytes = 0;  // sum of the tensors' nbytes
   cudaStream_t stream = nullptr;
   unsigned long long capture_id = 0;  // the capture it was begun in (cudaStreamGetCaptureInfo)
+  // Its own done event, recorded by capture_ending() when the capture ends before the pass does
+  // (the graph is then given up): what reclaim() waits on before its slots go to another graph.
+  cudaEvent_t own_done = nullptr;
   bool overflow = false;
 };
 
@@ -320,6 +323,9 @@ struct GraphRecorder::Impl {
   // for the committed graphs whose capture recorded it: what reclaim() waits on.
   std::vector<cudaEvent_t> done_events;
   std::map<uint64_t, cudaEvent_t> serial_done;
+  // Capture serial -> the event capture_ending() made for that graph (GraphInfo::own_done), owned
+  // here: destroyed when its slots are given back (the graph no longer exists) or the memory freed.
+  std::map<uint64_t, cudaEvent_t> own_done;
   uint64_t next_number = 0;
   uint64_t live_graphs = 0;
   std::unique_ptr<GraphInfo> open;
@@ -532,12 +538,13 @@ struct GraphRecorder::Impl {
     if (open) open->number = next_number;  // (taken below, once committed)
     if (!open) throw std::runtime_error("no CUDA graph capture is open");
     if (capture_ended_locked()) {
-      hold_slots_locked(*open);  // (the graph may be replayed)
+      hold_given_up_locked();  // (the graph may be replayed)
       open.reset();
       throw std::runtime_error("the capture ended before the pass did: the graph holds no commit, its replays "
                                "cannot be dumped (end the pass inside the capture)");
     }
     std::unique_ptr<GraphInfo> gi(std::move(open));
+    if (gi->own_done) own_done[gi->serial] = gi->own_done;  // (in its graph: kept while the graph may be)
     if (gi->tensors.empty()) return -1;
     OnDevice on(device);
     enqueue_commit(*gi);
@@ -632,8 +639,48 @@ struct GraphRecorder::Impl {
     std::lock_guard<std::mutex> g(mu);
     // The copies may be in a graph, whose replays write the slots: kept, unless its capture was
     // invalidated (no graph comes of it: the next graph may have them).
-    if (open && !capture_invalidated_locked()) hold_slots_locked(*open);
+    if (open && !capture_invalidated_locked()) {
+      hold_given_up_locked();
+    } else if (open && open->own_done) {
+      (void)cudaEventDestroy(open->own_done);
+    }
     open.reset();
+  }
+
+  // The open graph's capture is about to end while its pass is still open (torch's capture_end,
+  // staging/graphs.py): its commit can no longer be recorded, so the graph will be given up, but a
+  // done event still can be. Recorded now, as an event record node after every snapshot into its
+  // slots (an event of its own: its id goes to the next graph, whose commit records done_events[id]),
+  // so that reclaim() can give the slots back once the graph can never run again. Without it a
+  // given-up graph kept its slots for good, and repeated failing captures used them all up.
+  void capture_ending() {
+    std::lock_guard<std::mutex> g(mu);
+    if (!open || open->tensors.empty() || open->own_done || capture_ended_locked()) return;
+    OnDevice on(device);
+    cudaEvent_t ev = nullptr;
+    {
+      Relaxed relaxed;  // (this thread captures; an event is no allocation a graph could miss)
+      if (cudaEventCreateWithFlags(&ev, cudaEventDisableTiming) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return;
+      }
+    }
+    if (cudaEventRecordWithFlags(ev, open->stream, cudaEventRecordExternal) != cudaSuccess) {
+      (void)cudaGetLastError();
+      (void)cudaEventDestroy(ev);
+      return;
+    }
+    open->own_done = ev;
+  }
+
+  // The open graph is given up without a commit: its slots stay held (it may be replayed), and
+  // can be reclaimed when capture_ending() gave it a done event. mu held.
+  void hold_given_up_locked() {
+    hold_slots_locked(*open);
+    if (!open->own_done) return;
+    own_done[open->serial] = open->own_done;
+    if (held_slots.count(open->serial)) serial_done[open->serial] = open->own_done;
+    open->own_done = nullptr;
   }
 
   // The span of `gi` (opened at the start of a free extent) is taken out of the free slots, held
@@ -656,11 +703,12 @@ struct GraphRecorder::Impl {
   // slots), and nothing is given back when it cannot be (an error). Never cudaDeviceSynchronize:
   // while any stream of the device captures (another thread's raw cudaStreamBeginCapture, in any
   // mode) a device-wide synchronization is illegal and invalidates that capture. A graph without a
-  // done event (given up before its commit; the record failed) keeps its slots. A replay's pass
-  // needs only its ring entry, never the slots, so one still waiting for the drain is unaffected.
-  // Returns the serials given back.
+  // done event (given up before its capture ended, outside torch; the record failed) keeps its
+  // slots, and so does one whose event cannot be waited for (the others are given back all the
+  // same). A replay's pass needs only its ring entry, never the slots, so one still waiting for the
+  // drain is unaffected. Returns the serials given back.
   std::vector<uint64_t> reclaim(const std::vector<uint64_t>& wanted) {
-    std::vector<uint64_t> serials;
+    std::vector<uint64_t> asked;
     std::vector<cudaEvent_t> events;
     {
       std::lock_guard<std::mutex> g(mu);
@@ -668,21 +716,18 @@ struct GraphRecorder::Impl {
       for (uint64_t s : wanted) {
         auto d = serial_done.find(s);
         if (!held_slots.count(s) || d == serial_done.end()) continue;
-        serials.push_back(s);
+        asked.push_back(s);
         events.push_back(d->second);
       }
-      if (serials.empty()) return {};
+      if (asked.empty()) return {};
     }
+    std::vector<uint64_t> serials;  // those whose latest launch is over
     {
       Relaxed relaxed;  // (never invalidates another thread's capture)
       OnDevice on(device);
-      for (cudaEvent_t ev : events) {
-        const cudaError_t e = cudaEventSynchronize(ev);
-        if (e != cudaSuccess) {
-          (void)cudaGetLastError();
-          return {};
-        }
-      }
+      for (size_t i = 0; i < asked.size(); ++i)
+        if (launches_over(events[i])) serials.push_back(asked[i]);
+      if (serials.empty()) return {};
     }
     // The freed graphs' decision words start over (replay index 0) for the next graph of their id.
     // Nothing replays them now (synchronized, and they can never run again).
@@ -720,6 +765,11 @@ struct GraphRecorder::Impl {
       if (h == held_slots.end()) continue;
       serial_ids.erase(s);
       serial_done.erase(s);
+      auto own = own_done.find(s);
+      if (own != own_done.end()) {  // (its graph no longer exists: no node records it any more)
+        (void)cudaEventDestroy(own->second);
+        own_done.erase(own);
+      }
       free_extent_locked(h->second.first, h->second.second);
       slot_used -= h->second.second;
       reclaimed_bytes += h->second.second;
@@ -744,12 +794,21 @@ struct GraphRecorder::Impl {
     Relaxed relaxed;
     OnDevice on(device);
     bool ok = true;
-    for (cudaEvent_t ev : events)
-      if (cudaEventSynchronize(ev) != cudaSuccess) {
-        (void)cudaGetLastError();
-        ok = false;
-      }
+    for (cudaEvent_t ev : events) ok = launches_over(ev) && ok;
     return ok;
+  }
+
+  // Waits for the latest launch of the graph whose done event is `ev` (relaxed mode, on the
+  // device). True once it is over. cudaErrorCapturedEvent ("last recorded in a capturing stream")
+  // means no launch recorded it since the capture did, so no launch is in flight: over too. The CUDA
+  // docs do not say whether an event record node made with cudaEventRecordExternal leaves the event
+  // "captured" (the mock says no: such a record changes nothing until a launch); either answer
+  // works here.
+  static bool launches_over(cudaEvent_t ev) {
+    const cudaError_t e = cudaEventSynchronize(ev);
+    if (e == cudaSuccess) return true;
+    (void)cudaGetLastError();
+    return e == cudaErrorCapturedEvent;
   }
 
   void free_extent_locked(uint64_t off, uint64_t bytes) {
@@ -1010,8 +1069,10 @@ struct GraphRecorder::Impl {
       // (no graph can launch any more: the memory is freed only then, see close's callers)
       for (cudaEvent_t& ev : done_events)
         if (ev) (void)cudaEventDestroy(ev);
+      for (const auto& own : own_done) (void)cudaEventDestroy(own.second);
       done_events.clear();
       serial_done.clear();
+      own_done.clear();
       dropped_at_free = ld_shared(&host->dropped);
       (void)cudaFreeHost(host);
       (void)cudaFree(dmem);
@@ -1042,6 +1103,7 @@ int GraphRecorder::end_graph() {
   return impl_->end_graph();
 }
 void GraphRecorder::abort_graph() { impl_->abort_graph(); }
+void GraphRecorder::capture_ending() { impl_->capture_ending(); }
 uint64_t GraphRecorder::open_serial() const {
   std::lock_guard<std::mutex> g(impl_->mu);
   return impl_->open ? impl_->open->serial : 0;

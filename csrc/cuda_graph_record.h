@@ -99,13 +99,16 @@ class GraphRecorder {
   // Forget the open capture without a commit (its slots stay reserved: the graph may still exist;
   // not when its capture was invalidated, which makes no graph).
   void abort_graph();
+  // The open graph's capture is about to end before its pass did (so it will be given up): record a
+  // done event into it now, so that reclaim() can give its slots back once it can never run again.
+  void capture_ending();
   // The open capture's serial (0: none): the name reclaim() takes for the slots it holds.
   uint64_t open_serial() const;
   // Give back the slots of captures whose graphs can never be launched again (the caller knows:
   // torch reset or collected them). Waits for each graph's latest launch first (its done event: a
   // replay launched before may be in flight; never a device-wide synchronization, which would
-  // invalidate another thread's capture); gives back nothing when it cannot. Returns the serials
-  // given back.
+  // invalidate another thread's capture); a graph whose event cannot be waited for (or that has
+  // none) keeps its slots. Returns the serials given back.
   std::vector<uint64_t> reclaim(const std::vector<uint64_t>& serials);
   // Waits until the latest launch of every committed graph has run its commit kernels (their done
   // events); close() calls it so replays launched before are dumped. False on an error.

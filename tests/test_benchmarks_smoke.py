@@ -441,6 +441,56 @@ def test_gpu_check_timed_out_stage_prints_its_tail(tmp_path):
     assert sorted(p.name for p in out.iterdir()) == ["gpu_check.log", "results.tar.gz", "summary.json"]
 
 
+def _gpu_check_here(out: Path, env_extra: dict, timeout: float = 300) -> subprocess.CompletedProcess:
+    """gpu_check.sh OUTDIR without --dry-run, on this machine."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("FASTDUMP_", "GPU_CHECK_", "STAGES"))}
+    env.update(PYTHONPATH=str(REPO), **env_extra)
+    return subprocess.run(["bash", str(REPO / "benchmarks" / "gpu_check.sh"), str(out)], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
+def test_gpu_check_without_a_gpu_says_so_and_skips_the_gpu_stages(tmp_path):
+    """Run without --dry-run where there is no GPU: the benchmarks fell back to their CPU or dry-run
+    forms and every cuda test skipped, and the table said "ok" for them (6 of 7 stages ok, no GPU
+    anywhere). Now the script asks torch first, says why on stdout, marks every stage but deps
+    skipped, still leaves its table and files, and exits 3."""
+    out = tmp_path / "out"
+    proc = _gpu_check_here(out, {"STAGES": "deps,decode-graphs,lane-bench"}, timeout=120)
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    assert "no usable GPU: torch " in proc.stdout and "sees no usable CUDA device" in proc.stdout
+    stages = json.loads((out / "summary.json").read_text())["stages"]
+    assert {k: v["status"] for k, v in stages.items()} == {
+        "deps": "ok", "decode-graphs": "skipped (no GPU)", "lane-bench": "skipped (no GPU)"}
+    assert "| decode-graphs | skipped (no GPU) |" in proc.stdout
+    assert sorted(p.name for p in out.iterdir()) == ["gpu_check.log", "results.tar.gz", "summary.json"]
+
+
+_GPU_PYTHON = r"""#!/usr/bin/env bash
+# Python on a machine that says it has a GPU (the probe) and a fastdump._C with CUDA (no build stage).
+if [[ "$1" == -c && ( "$2" == *torch.cuda.is_available* || "$2" == *cuda_compiled* ) ]]; then
+  exit 0
+fi
+exec "$REAL_PYTHON" "$@"
+"""
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU: its cuda tests run")
+def test_gpu_check_pytest_cuda_fails_when_every_cuda_test_skipped(tmp_path):
+    """On a GPU machine whose cuda tests all skip (fastdump._C without CUDA, a GPU torch cannot
+    use), pytest-cuda said "ok" with every test skipped: a GPU run that tested nothing read as
+    passed. Now the stage fails and says why."""
+    fake = tmp_path / "python"
+    fake.write_text(_GPU_PYTHON)
+    fake.chmod(0o755)
+    out = tmp_path / "out"
+    proc = _gpu_check_here(out, {"STAGES": "pytest-cuda", "PYTHON": str(fake), "REAL_PYTHON": sys.executable})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    stage = json.loads((out / "summary.json").read_text())["stages"]["pytest-cuda"]
+    assert stage["status"] == "FAILED (rc 1)", stage
+    assert "pytest-cuda: every one of the" in proc.stdout and "cuda tests skipped" in proc.stdout
+
+
 _FAKE_PYTHON = r"""#!/usr/bin/env bash
 # A Python without pytest: `import pytest` works once pip installed pytest AND its dependency pluggy;
 # `-m pip install` installs what it names, and pluggy with pytest unless --no-deps (as pip does).

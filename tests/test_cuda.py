@@ -531,7 +531,7 @@ def mock():
 
 
 _KNOBS = dict(device_count=2, max_delay_us=0, seed=0, device_free=1 << 34, fail_batch=0, fail_event_query=0,
-              fail_malloc=0, capturing=0, graph_node_us=0)
+              fail_malloc=0, capturing=0, graph_node_us=0, external_record_captures=0)
 
 
 @pytest.fixture

@@ -236,6 +236,9 @@ _capture_hook = None
 # here when it first uses this module (a list, so that this module imports no module of its layer
 # that imports it).
 before_capture: list = []
+# Called with the torch CUDAGraph whose capture is about to end (its capture_end, before torch's):
+# graphs.py puts its capture_ending here, for a graph whose pass has not ended inside the capture.
+before_capture_end: list = []
 
 # Which torch CUDAGraph each thread is capturing (between its capture_begin and capture_end), so the
 # graph recorder knows which graphs write into its device memory: free_device_memory refuses while
@@ -279,6 +282,9 @@ def _wrap_graph_method(method, name):
             _new_generation(self)
             _open_captures.pop(id(self), None)  # (a capture that never ended)
             return method(self, *args, **kwargs)
+        if id(self) in _open_captures:  # (capture_end of a capture fastdump saw begin)
+            for call in before_capture_end:
+                call(self)  # graphs.capture_ending: a graph whose pass is still open gets a done event
         try:
             return method(self, *args, **kwargs)
         finally:
@@ -301,6 +307,10 @@ class _GraphToken:
         except TypeError:
             self._ref = None
         self._generation = _generations.get(graph) if (_generations is not None and self._ref) else None
+
+    def is_capture_of(self, graph) -> bool:
+        """Whether this token names ``graph``'s current capture."""
+        return self._ref is not None and self._ref() is graph and self.alive()
 
     def alive(self) -> bool:
         if self._ref is None:

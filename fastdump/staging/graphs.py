@@ -31,6 +31,8 @@ def _import_cuda():
 
     if reclaim_dead_graphs not in cuda.before_capture:  # (see reclaim_dead_graphs)
         cuda.before_capture.append(reclaim_dead_graphs)
+    if capture_ending not in cuda.before_capture_end:  # (see capture_ending)
+        cuda.before_capture_end.append(capture_ending)
     _cuda_module = cuda
     return cuda
 
@@ -249,6 +251,20 @@ class GraphRecording:
         self._dumper._mark_incomplete("CUDA graph capture: the capture was invalidated; it makes no graph, "
                                       "nothing was recorded")
 
+    def capture_ending(self, cap) -> None:
+        """The torch capture of ``cap`` is about to end (its ``capture_end``) while its pass is still
+        open: the pass cannot commit the graph any more (it ends after the capture, and is given up
+        then). An invalidated capture makes no graph: given back now, not counted as a graph not
+        dumped. Otherwise the recorder records a done event into the graph now, while it still
+        can, so that the graph's slots come back once the graph is reset or collected (without
+        one they stayed taken for good, and each such capture took more of them)."""
+        if cap.recorder is None or cap.refused is not None:
+            return
+        if cap.recorder.capture_invalidated():
+            self._invalidated(cap)
+        else:
+            cap.recorder.capture_ending()
+
     # -- slots of graphs that can never run again -------------------------------------------------
     def _hold(self, cap) -> None:
         with self._writers_lock:
@@ -340,6 +356,19 @@ def reclaim_dead_graphs() -> None:
                 recording.reclaim_dead()
             except Exception as exc:  # never fail the user's capture over it
                 log.warning("fastdump: reclaiming the slots of CUDA graphs that no longer exist failed: %s", exc)
+
+
+def capture_ending(graph) -> None:
+    """Called by torch's ``CUDAGraph.capture_end`` (wrapped in staging/cuda.py) before the capture
+    of ``graph`` ends: a Dumper whose pass in that capture is still open prepares its graph for
+    being given up (GraphRecording.capture_ending)."""
+    for recording in list(_recordings):
+        cap = recording.open
+        if cap is not None and cap.owner is not None and cap.owner.is_capture_of(graph):
+            try:
+                recording.capture_ending(cap)
+            except Exception as exc:  # never fail the user's capture over it
+                log.warning("fastdump: preparing a CUDA graph whose pass outlives its capture failed: %s", exc)
 
 
 def free_device_memory(dumper) -> bool:

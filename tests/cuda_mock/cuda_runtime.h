@@ -157,6 +157,10 @@ struct Config {
   std::atomic<int> device_count{2};
   std::atomic<int> max_delay_us{0};           // each stream op sleeps a random 0..max first
   std::atomic<int> graph_node_us{0};          // each node of a launched graph runs this long (a kernel's time)
+  // 1: an event record node made in a capture (cudaEventRecordExternal) leaves the event "last
+  // recorded in a capturing stream" until a launch records it (cudaErrorCapturedEvent to a query),
+  // an answer CUDA's docs leave open; 0: such a record changes nothing until a launch.
+  std::atomic<int> external_record_captures{0};
   std::atomic<uint64_t> seed{env_seed()};     // of those delays (FASTDUMP_MOCK_SEED; 0: random)
   std::atomic<int> capturing{0};              // legacy knob: every stream reports an active capture
   std::atomic<uint64_t> device_free{1ull << 34};  // bytes cudaMalloc can still hand out per device
@@ -1259,10 +1263,21 @@ inline cudaError_t cudaEventRecordWithFlags(cudaEvent_t e, cudaStream_t s, unsig
   if (flags & cudaEventRecordExternal) {
     FDMOCK_ENTER("cudaEventRecordWithFlags", st->device());
     if (ev->device != st->device()) return fdmock::ret(cudaErrorInvalidResourceHandle);
-    std::lock_guard<std::mutex> g(fdmock::big_lock());
-    if (st->capture) {
-      if (st->capture->invalid != cudaSuccess) return fdmock::ret(cudaErrorStreamCaptureInvalidated);
-      st->capture->graph->external_events.push_back(ev);
+    std::shared_ptr<fdmock::Capture> cap;
+    {
+      std::lock_guard<std::mutex> g(fdmock::big_lock());
+      if (st->capture) {
+        if (st->capture->invalid != cudaSuccess) return fdmock::ret(cudaErrorStreamCaptureInvalidated);
+        st->capture->graph->external_events.push_back(ev);
+        cap = st->capture;
+      }
+    }
+    if (cap) {
+      if (fdmock::config().external_record_captures) {  // (ev->mu is never taken under big_lock)
+        std::lock_guard<std::mutex> l(ev->mu);
+        ev->captured = cap;
+        ev->progress.reset();
+      }
       return cudaSuccess;
     }
   }
