@@ -362,7 +362,12 @@ def start_engine(root, out, cfg=None):
 
 
 def finish(proc):
-    out, err = proc.communicate(timeout=300)
+    try:
+        out, err = proc.communicate(timeout=300)
+    except subprocess.TimeoutExpired:  # (a rank hung in a collective): never leave it running
+        proc.kill()
+        out, err = proc.communicate()
+        pytest.fail(f"engine process hung: {err[-3000:]}")
     return proc.returncode, (json.loads(out.splitlines()[-1]) if proc.returncode == 0 else None), err
 
 
