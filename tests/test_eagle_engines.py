@@ -222,6 +222,43 @@ def test_compiled_target_beside_an_eager_draft_sharing_its_modules(tmp_path, bac
     assert verify_ok(tmp_path)
 
 
+def test_pass_meta_set_by_the_scheduler_thread_while_the_forward_thread_runs_a_pass_fails_verify(tmp_path):
+    """SGLang's overlap scheduler prepares batch B on its thread while the forward thread runs batch
+    A. Its ``set_pass_meta(forward_mode=...)`` for B, given while A's pass is open, went into A's
+    pass silently (A read as B, verify OK). Now, as ``dump()`` from another thread, it marks the
+    open pass mixed: verify fails; the forward thread's own meta (a pre-hook) is kept as ever."""
+    target = Target()
+    entered, release = threading.Event(), threading.Event()
+
+    def hold(module, args):
+        entered.set()
+        assert release.wait(30)
+
+    target.model.layers[0].register_forward_pre_hook(hold)
+    target.register_forward_pre_hook(lambda m, a: dumper.set_pass_meta(batch="A"))  # the forward's thread
+    ids, mask = torch.arange(4), None
+    dumper = fastdump.attach(target, tmp_path, role="target")
+    try:
+        thread = threading.Thread(target=lambda: target(ids, mask))
+        thread.start()
+        assert entered.wait(30)  # A's pass is open on the forward thread
+        dumper.set_pass_meta(forward_mode="DECODE", batch="B")  # the scheduler thread, for B
+        release.set()
+        thread.join(30)
+        dumper.set_pass_meta(batch="C")  # between passes: the next pass's, from any thread
+        release.set()
+        target(ids, mask)
+    finally:
+        release.set()
+        dumper.close()
+    ds = fastdump.open(tmp_path)
+    rank = only(ds.ranks("target"))
+    first, second = ds.meta("target", rank, 0), ds.meta("target", rank, 1)
+    assert first.get("mixed") is True and first["complete"] is False, first
+    assert second["batch"] == "A" and not second.get("mixed"), second  # the pre-hook's, set after C
+    assert not verify_ok(tmp_path)
+
+
 # ------------------------------------------------------------------------------------ vLLM's shape
 
 

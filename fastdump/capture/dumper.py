@@ -426,8 +426,12 @@ class Dumper:
     def set_pass_meta(self, **meta) -> None:
         """Small JSON-able facts about the current pass (or the next one, outside a pass). The keys
         ``DumpSet.meta`` adds of its own (complete, dropped, skipped, tensors, bytes, incomplete,
-        mixed) are refused (ValueError): a reader could not tell the two apart."""
+        mixed) are refused (ValueError): a reader could not tell the two apart. Called from another
+        thread than the open pass's (an overlap scheduler's, for its next batch), it marks that
+        pass mixed, as ``dump()`` does: which pass the facts describe cannot be told."""
         _check_meta_keys("set_pass_meta", meta)
+        if self._in_selected_pass:
+            self._check_thread()  # another thread's pass is open: these facts would be that pass's
         (self._meta if self._depth > 0 else self._next_meta).update(meta)
 
     def dump(self, name: str, value) -> None:
