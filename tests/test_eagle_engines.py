@@ -259,6 +259,45 @@ def test_pass_meta_set_by_the_scheduler_thread_while_the_forward_thread_runs_a_p
     assert not verify_ok(tmp_path)
 
 
+def test_a_manual_pass_ended_by_another_thread_mid_forward_fails_verify(tmp_path):
+    """The forward thread begins a pass and runs the model; the scheduler thread calls end_pass()
+    while that forward is still inside it. The forward's later modules went to no pass while the
+    pass read as whole (verify OK). Now that pass is marked mixed and verify fails."""
+    target = Target()
+    entered, release = threading.Event(), threading.Event()
+
+    def hold(module, args):
+        entered.set()
+        assert release.wait(30)
+
+    target.model.layers[1].register_forward_pre_hook(hold)
+    dumper = fastdump.attach(target, tmp_path, role="target", root_passes=False)
+    ended = []
+
+    def forward_thread():
+        dumper.begin_pass()
+        target(torch.arange(4))
+        ended.append(dumper.end_pass())
+
+    try:
+        thread = threading.Thread(target=forward_thread)
+        thread.start()
+        assert entered.wait(30)  # inside the forward, layer 0 done
+        assert dumper.end_pass()  # the scheduler thread ends it
+        release.set()
+        thread.join(30)
+    finally:
+        release.set()
+        dumper.close()
+    assert ended == [False]  # (its own end found none open)
+    ds = fastdump.open(tmp_path)
+    rank = only(ds.ranks("target"))
+    meta = ds.meta("target", rank, 0)
+    assert "model.layers.1.up_proj" not in ds.load("target", rank, 0)
+    assert meta.get("mixed") is True and meta["complete"] is False, meta
+    assert not verify_ok(tmp_path)
+
+
 # ------------------------------------------------------------------------------------ vLLM's shape
 
 

@@ -403,13 +403,17 @@ class Dumper:
         (logged once): it must not end a pass a root forward opened, whose later tensors would be
         lost while the pass read as whole. ``incomplete``: why the pass is not a whole forward (a
         call in it raised): it is stored ``complete = False`` with that reason (the first reason
-        given for a pass is the one kept), as a root forward that raised. Returns whether it ended
-        a ``begin_pass()`` (False: none was open)."""
+        given for a pass is the one kept), as a root forward that raised. Called from another
+        thread than the one that began the pass, it ends it marked mixed (that thread's later calls
+        would be in no pass while the pass read as whole). Returns whether it ended a
+        ``begin_pass()`` (False: none was open)."""
         if self._manual_depth == 0:
             self._say_once("end_pass", "fastdump: %s: end_pass() without an open begin_pass(): ignored", self.dir)
             return False
         if incomplete is not None and self._depth > 0:
             self._mark_incomplete(str(incomplete)[:200])
+        if self._in_selected_pass:
+            self._check_thread()  # the opening thread may be inside the pass still: its later calls go to none
         self._manual_depth -= 1
         self._end()
         if self._dropped_lazy:
