@@ -413,13 +413,17 @@ class Dumper:
         (logged once): it must not end a pass a root forward opened, whose later tensors would be
         lost while the pass read as whole. ``incomplete``: why the pass is not a whole forward (a
         call in it raised): it is stored ``complete = False`` with that reason (the first reason
-        given for a pass is the one kept), as a root forward that raised. Returns whether it ended
-        a ``begin_pass()`` (False: none was open)."""
+        given for a pass is the one kept), as a root forward that raised. Called from another
+        thread than the one that began the pass, it ends it marked mixed (that thread's later calls
+        would be in no pass while the pass read as whole). Returns whether it ended a
+        ``begin_pass()`` (False: none was open)."""
         if self._manual_depth == 0:
             self._say_once("end_pass", "fastdump: %s: end_pass() without an open begin_pass(): ignored", self.dir)
             return False
         if incomplete is not None and self._depth > 0:
             self._mark_incomplete(str(incomplete)[:200])
+        if self._in_selected_pass:
+            self._check_thread()  # the opening thread may be inside the pass still: its later calls go to none
         self._manual_depth -= 1
         self._end()
         if self._dropped_lazy:
@@ -437,8 +441,12 @@ class Dumper:
         """Small JSON-able facts about the current pass (or the next one, outside a pass). The keys
         ``DumpSet.meta`` adds of its own (complete, dropped, skipped, tensors, bytes, incomplete,
         mixed, and nested passes' nested_in, suspended_for, suspended_for_left_out) are refused
-        (ValueError): a reader could not tell the two apart."""
+        (ValueError): a reader could not tell the two apart. Called from another thread than the
+        open pass's (an overlap scheduler's, for its next batch), it marks that pass mixed, as
+        ``dump()`` does: which pass the facts describe cannot be told."""
         _check_meta_keys("set_pass_meta", meta)
+        if self._in_selected_pass:
+            self._check_thread()  # another thread's pass is open: these facts would be that pass's
         (self._meta if self._depth > 0 else self._next_meta).update(meta)
 
     def dump(self, name: str, value) -> None:
