@@ -603,6 +603,17 @@ def test_odd_dtypes_read_back_bit_exact(odd_dump):
         assert list(series) == [0, 1] and all(same(t, ODD["scalar_bf16"]) for t in series.values())
 
 
+def test_show_of_odd_dtypes_counts_a_signaling_nan_without_a_warning(odd_dump, capsys):
+    """f16_subnormal and bf16_nan_payloads hold signaling NaNs (0x7C01, 0x7F81): widening them to
+    float64 made numpy warn "invalid value encountered in cast", which show printed as a "warning:"
+    line, as if the dump had a problem. They are NaNs, counted as such."""
+    code, out, err = cli("show", odd_dump, "--pass", "0", capsys=capsys)
+    assert code == 0 and err == "", err
+    rows = {line.split()[0]: line.split() for line in out.splitlines()[2:]}
+    assert rows["f16_subnormal"][-2:] == ["1", "0"]  # NAN, INF
+    assert rows["bf16_nan_payloads"][-6:] == ["-"] * 4 + ["3", "0"]  # no finite value; 3 NaNs
+
+
 def test_export_sglang_odd_dtypes_round_trip_bit_exact(odd_dump, tmp_path, capsys):
     out = tmp_path / "out"
     code, _, err = cli("export", "--names", "fastdump", odd_dump, out, capsys=capsys)
