@@ -564,6 +564,37 @@ def test_a_subclass_that_refuses_to_be_read_is_a_recorded_skip(tmp_path, which):
     assert ds.rank_info("target", 0)["skipped"] == (0 if which == "torch" else 2)
 
 
+class Babbling(torch.Tensor):
+    """A subclass whose __torch_function__ answers a string for everything asked of it (nbytes,
+    is_nested, shape, ...), as a wrapper library's catch-all may: its TensorImpl is a plain tensor's."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        return "babble"
+
+
+@pytest.mark.parametrize("which", READERS)
+def test_a_subclass_answering_strings_is_dumped_once_and_not_also_recorded_as_a_nested_skip(tmp_path, which):
+    """Once staged, the tensor's nbytes was read from the subclass: the string raised, so a tensor
+    in the dump was also a recorded skip, for a reason read from the subclass too ("nested tensor
+    (layout babble)": its is_nested answered a truthy string), and its bytes missed the totals."""
+    model = Each(lambda x: x + 1, lambda x: (x * 3).as_subclass(Babbling), lambda x: x - 1)
+    x = torch.arange(3.0)
+    with tensor_reader(which), fastdump.attach(model, tmp_path) as d:
+        for _ in range(2):
+            model(x)
+        totals = d.stats()
+    assert all(type(o[1]) is Babbling for o in model.outs)
+    ds = fastdump.open(tmp_path)
+    for p in range(2):
+        dumped = ds.load("target", 0, p)
+        assert skipped_of(ds, p) == {}, p
+        assert same_bits(dumped["kids.0"], x + 1) and same_bits(dumped["kids.2"], x - 1)
+        assert same_bits(dumped["kids.1"], x * 3), p
+    assert (totals["skipped"], totals["tensors"], totals["bytes"]) == (0, 6, 6 * 12)
+    assert not verify(tmp_path).problems
+
+
 class Liar(torch.Tensor):
     """A subclass whose .shape and .stride() claim more than its TensorImpl holds."""
 
