@@ -149,6 +149,8 @@ def _odd_layouts() -> dict:
         "empty_0x5": lambda x: fresh(x, 0).reshape(0, 5),
         "empty_5x0": lambda x: fresh(x, 0).reshape(5, 0),
         "empty_strided": lambda x: torch.empty_strided((3, 0, 2), (0, 7, 1000)),
+        # (5-1) * 2^62 overflows 64 bits: the tensor reader refused it as reaching past its storage
+        "empty_behind_huge_strides": lambda x: torch.empty_strided((5, 0, 3), (1 << 62, 1, 1), dtype=torch.uint8),
         "dims_32": lambda x: fresh(x, 2).reshape([1] * 31 + [2]),
         "dims_32_strided": lambda x: fresh(x, 8).reshape([2] + [1] * 30 + [4])[:, ..., ::2],
         "unit_dims_odd_strides": lambda x: fresh(x, 6).as_strided((1, 6, 1), (99, 1, 1000)),
