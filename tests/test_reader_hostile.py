@@ -639,6 +639,36 @@ def test_export_sglang_dumper_odd_dtypes_round_trip_bit_exact(odd_dump, tmp_path
         assert same(record["value"], ODD[meta["name"]]), meta["name"]
 
 
+SUB_BYTE = {f"{kind}{bits}": torch.tensor([0, 1, (1 << bits) - 1, 5 % (1 << bits)], dtype=torch.uint8)
+            for kind in ("uint", "int") for bits in range(1, 8)}
+
+
+@pytest.mark.parametrize("layout", ["sglang", "sglang-dumper"])
+def test_export_writes_sub_byte_integer_types_as_their_byte_with_one_warning_each(tmp_path, capsys, layout):
+    """torch.save (and clone) refuse uint1..uint7 and int1..int7: export stopped with a traceback at
+    the first such tensor. Stored one element a byte, each is exported as uint8 or int8, bit for bit,
+    with one warning per rank and type."""
+    root = tmp_path / "subbyte"
+    tensors = {name: bits.view(getattr(torch, name)) for name, bits in SUB_BYTE.items()}
+    write_rank_dir(root / "target" / R0, {p: tensors for p in range(2)}, rank=RANK0, segment_passes=1)
+    out = tmp_path / "out"
+    code, _, err = cli("export", "--format", layout, "--names", "fastdump", root, out, capsys=capsys)
+    assert code == 0 and "Traceback" not in err, err
+    for name in SUB_BYTE:
+        said = [line for line in err.splitlines() if f"cannot write {name}:" in line]
+        assert len(said) == 1 and said[0].startswith("fastdump export: warning: target/"), (name, err)
+    if layout == "sglang":
+        files = [torch.load(out / "TP0_PP0_Rank0_pid100" / f"Pass{p:05d}.pt", weights_only=True) for p in range(2)]
+    else:
+        files = [{r["meta"]["name"]: r["value"] for r in map(lambda f: torch.load(f, weights_only=True),
+                                                            out.glob(f"*step={p}___*.pt"))} for p in range(2)]
+    for got in files:
+        assert sorted(got) == sorted(SUB_BYTE)
+        for name, bits in SUB_BYTE.items():
+            want = bits.view(torch.int8) if name.startswith("int") else bits
+            assert got[name].dtype == want.dtype and torch.equal(got[name], want), name
+
+
 @pytest.mark.parametrize("argv", [
     ["export", "{missing}", "{out}"],
     ["export", "--format", "sglang", "--role-subdirs", "never", "{two_roles}", "{out}"],
