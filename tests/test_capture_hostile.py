@@ -183,6 +183,30 @@ def test_odd_layouts_are_dumped_as_returned_not_as_overwritten_later(tmp_path, w
     assert not verify(tmp_path).problems
 
 
+@pytest.mark.parametrize("which", READERS)
+def test_views_at_storage_offsets_past_2_pow_31_elements_are_dumped_bit_exact(tmp_path, which):
+    """Offsets past 2^31 elements (past 2^32 bytes in float16) in 32-bit arithmetic would read
+    another part of the storage. The storages are allocated, not touched: only the viewed pages
+    are ever written or read, so the test costs kilobytes of memory."""
+    far = 1 << 31
+    u8 = torch.empty(far + 64, dtype=torch.uint8)
+    f16 = torch.empty(far + 64, dtype=torch.float16)
+    u8[far:] = torch.arange(64, dtype=torch.uint8)
+    f16[far:] = torch.arange(64, dtype=torch.float16) - 31.5
+    model = Each(lambda x: u8[far + 3:far + 13], lambda x: f16[far + 3:far + 63:7],
+                 lambda x: f16.as_strided((3, 4), (1, 5), far + 1), lambda x: f16[far + 60:].view(torch.int32))
+    with tensor_reader(which), fastdump.attach(model, tmp_path):
+        for _ in range(2):
+            model(torch.zeros(1))
+    ds = fastdump.open(tmp_path)
+    for p in range(2):
+        dumped = ds.load("target", 0, p, check=True)
+        assert skipped_of(ds, p) == {} and len(dumped) == 4
+        for i, want in enumerate(model.outs[p]):
+            assert same_bits(dumped[f"kids.{i}"], want), (p, i)
+    assert not verify(tmp_path).problems
+
+
 # ------------------------------------------------------------------------- every dtype, overwritten
 
 
