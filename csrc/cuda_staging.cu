@@ -1012,8 +1012,8 @@ struct CudaStager::Impl {
     auto cancel_rest = [&] {
       for (; next_pre < pre.size(); ++next_pre) cancel(pre[next_pre]);
     };
-    const double deadline = timeout_s < 0 ? -1 : now_s() + timeout_s;
-    auto wait_left = [&] { return deadline < 0 ? kWaitForever : std::max(deadline - now_s(), 1e-6); };
+    // Each host-ring wait is bounded on its own (as Producer::stage_host's): block_timeout_s is how
+    // long the writer may free no space, not how long a tensor larger than the ring may take.
     if (numel > rec_elems) {
       // Larger than the whole host ring: it cannot be reserved at once, and its plan (one entry per
       // record) could be too large to build (a broadcast view of 2^60 elements).
@@ -1099,7 +1099,7 @@ struct CudaStager::Impl {
             host_waits.fetch_add(1, std::memory_order_relaxed);
           }
           if (!prod->reserve(kTensor, channel, name_id, pass_id, dtype, src.shape, len, chunk, may_wait, &res,
-                             may_wait ? wait_left() : 0.0)) {
+                             may_wait ? timeout_s : 0.0)) {
             if (!fresh) close_region(dev, reg);
             if (prod->disabled() || !prod->writer_alive()) return kDisabled;
             if (!may_wait) return drop();

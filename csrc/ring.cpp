@@ -459,14 +459,15 @@ StageStatus Producer::stage_host(uint32_t channel, uint32_t name_id, int64_t pas
   // Larger than the ring can hold at once: it can only go in as the writer frees space, chunk by
   // chunk. `drop` never waits for the writer, so it never stages such a tensor.
   if (!block) return !over_ring && fits_whole(src.shape.size(), plan) ? kNoSpace : kRingTooSmall;  // kNoSpace: the wrap was in the way
-  const double deadline = timeout_s < 0 ? -1 : now_s() + timeout_s;
+  // Each chunk's wait is bounded on its own: block_timeout_s is how long the writer may free no
+  // space, not how long a tensor may take (a 2 GiB tensor through a 256 MiB ring took longer than
+  // 5 s on a busy machine with the writer consuming all along, and was torn).
   uint64_t first = 0;
   while (first < numel) {
     const uint64_t count = chunk_elems(first);
-    double left = deadline < 0 ? kWaitForever : std::max(deadline - now_s(), 1e-6);
     Reservation r;
     if (!reserve(kTensor, channel, name_id, pass_id, dtype, src.shape, count * src.elem_size,
-                 ChunkInfo{first * src.elem_size, total}, true, &r, left)) {
+                 ChunkInfo{first * src.elem_size, total}, true, &r, timeout_s)) {
       StageStatus st = no_space();
       // Chunks already published can never be completed: the writer records the tensor as
       // incomplete when its pass ends.

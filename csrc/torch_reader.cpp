@@ -24,9 +24,12 @@ using fastdump::TensorFacts;
 // shrunk under its tensors (untyped_storage().resize_(0), as FSDP does): their data pointer is then
 // null or points at a smaller allocation, and a copy would fault or read someone else's memory.
 bool storage_holds(const c10::TensorImpl& impl, c10::IntArrayRef sizes, c10::IntArrayRef strides) {
+  // No elements: nothing is read. Looked for first: the reach of a dimension before the empty one
+  // may overflow (empty_strided((5, 0), (2**62, 1))), which is no reason to refuse an empty tensor.
+  for (const int64_t size : sizes)
+    if (size == 0) return true;
   uint64_t last = 0;  // the last element's index from the first, in elements
   for (size_t d = 0; d < sizes.size(); ++d) {
-    if (sizes[d] == 0) return true;  // no elements: nothing is read
     if (strides[d] < 0) return false;
     uint64_t reach;
     if (__builtin_mul_overflow(static_cast<uint64_t>(sizes[d] - 1), static_cast<uint64_t>(strides[d]), &reach) ||

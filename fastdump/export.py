@@ -214,16 +214,42 @@ def _batch_info_last(tensors: dict, top: str) -> dict:
     return {n: tensors[n] for n in rest[:cut] + batch + rest[cut:]}
 
 
+# torch.save cannot write the sub-byte integer types ("dtype torch.uint1 is not recognized"), nor
+# clone them: their elements are stored one a byte, so the 8-bit integer of the same signedness
+# holds each one's bits unchanged.
+_SAVED_AS = {f"{kind}{bits}": ("uint8" if kind == "uint" else "int8") for kind in ("uint", "int") for bits in range(1, 8)}
+
+
+def _savable(t, role, rank, said: set):
+    """``t`` as torch.save writes it: a copy of its own (a loaded tensor may view a larger block,
+    and torch.save writes whole storages), a sub-byte integer type as its 8-bit one (said once per
+    rank and type on stderr)."""
+    import torch
+
+    from .dtypes import torch_name
+
+    dtype = torch_name(t.dtype)
+    stored = _SAVED_AS.get(dtype)
+    if stored is None:
+        return t.clone()
+    if (role, rank, dtype) not in said:
+        said.add((role, rank, dtype))
+        _say(f"warning: {role}/{rank}: torch.save cannot write {dtype}: its tensors are exported as {stored}, "
+             "one element a byte, bit for bit")
+    return t.view(getattr(torch, stored)).clone()
+
+
 def _passes(ds, role, rank, pass_ids, modules, names, shift, top, hook_order=False, aliases=None,
             every_call=False):
     """(pass id, {SGLang name: tensor}) of a rank, in pass order; ``hook_order``: each pass's names
     in the order SGLang's tensor-dump hook writes them (else capture order). ``every_call``: (pass
     id, [(name, tensor), ...]) instead, each call of a module an entry of its own in capture order
     (SGLang's dumper: a file per dump() call), a shared leaf's calls under its first kept name."""
+    said = set()
+
     def converted():
         for pass_id in pass_ids:
-            # clone: a loaded tensor may view a larger block, and torch.save writes whole storages
-            tensors = {name: t.clone() for name, t in ds.load(role, rank, pass_id).items()}
+            tensors = {name: _savable(t, role, rank, said) for name, t in ds.load(role, rank, pass_id).items()}
             if names == "sglang" and modules is not None:
                 structure = ds.structure(role, rank, pass_id)
                 if fmt.STRUCTURE_LOST in structure:

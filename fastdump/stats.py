@@ -23,11 +23,14 @@ _NUMPY_NATIVE = {torch.float64, torch.float32, torch.float16, torch.int8, torch.
 
 
 def _chunk_to_float64(part) -> np.ndarray:
-    if part.dtype in _NUMPY_NATIVE:
-        return part.numpy().astype(np.float64)
-    if part.dtype == torch.bfloat16:  # bfloat16 is the top half of a float32: widen the bits exactly
-        bits = part.view(torch.int16).numpy().view(np.uint16).astype(np.uint32) << 16
-        return bits.view(np.float32).astype(np.float64)
+    # A signaling NaN (float32 0x7f800001, float16 0x7c01, bfloat16 0x7f81) widens to a quiet one, as
+    # it should; numpy warns "invalid value encountered in cast" for it, which show and diff printed.
+    with np.errstate(invalid="ignore"):
+        if part.dtype in _NUMPY_NATIVE:
+            return part.numpy().astype(np.float64)
+        if part.dtype == torch.bfloat16:  # bfloat16 is the top half of a float32: widen the bits exactly
+            bits = part.view(torch.int16).numpy().view(np.uint16).astype(np.uint32) << 16
+            return bits.view(np.float32).astype(np.float64)
     return part.to(torch.float64).numpy()
 
 

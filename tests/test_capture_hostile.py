@@ -149,6 +149,8 @@ def _odd_layouts() -> dict:
         "empty_0x5": lambda x: fresh(x, 0).reshape(0, 5),
         "empty_5x0": lambda x: fresh(x, 0).reshape(5, 0),
         "empty_strided": lambda x: torch.empty_strided((3, 0, 2), (0, 7, 1000)),
+        # (5-1) * 2^62 overflows 64 bits: the tensor reader refused it as reaching past its storage
+        "empty_behind_huge_strides": lambda x: torch.empty_strided((5, 0, 3), (1 << 62, 1, 1), dtype=torch.uint8),
         "dims_32": lambda x: fresh(x, 2).reshape([1] * 31 + [2]),
         "dims_32_strided": lambda x: fresh(x, 8).reshape([2] + [1] * 30 + [4])[:, ..., ::2],
         "unit_dims_odd_strides": lambda x: fresh(x, 6).as_strided((1, 6, 1), (99, 1, 1000)),
@@ -178,6 +180,30 @@ def test_odd_layouts_are_dumped_as_returned_not_as_overwritten_later(tmp_path, w
             assert same_bits(got, want), (p, key, got, want)
         assert same_bits(dumped["root"], served[p])
     assert ds.rank_info("target", 0)["bytes"] < 3 * 4096  # the narrow slice, not its 16 MB storage
+    assert not verify(tmp_path).problems
+
+
+@pytest.mark.parametrize("which", READERS)
+def test_views_at_storage_offsets_past_2_pow_31_elements_are_dumped_bit_exact(tmp_path, which):
+    """Offsets past 2^31 elements (past 2^32 bytes in float16) in 32-bit arithmetic would read
+    another part of the storage. The storages are allocated, not touched: only the viewed pages
+    are ever written or read, so the test costs kilobytes of memory."""
+    far = 1 << 31
+    u8 = torch.empty(far + 64, dtype=torch.uint8)
+    f16 = torch.empty(far + 64, dtype=torch.float16)
+    u8[far:] = torch.arange(64, dtype=torch.uint8)
+    f16[far:] = torch.arange(64, dtype=torch.float16) - 31.5
+    model = Each(lambda x: u8[far + 3:far + 13], lambda x: f16[far + 3:far + 63:7],
+                 lambda x: f16.as_strided((3, 4), (1, 5), far + 1), lambda x: f16[far + 60:].view(torch.int32))
+    with tensor_reader(which), fastdump.attach(model, tmp_path):
+        for _ in range(2):
+            model(torch.zeros(1))
+    ds = fastdump.open(tmp_path)
+    for p in range(2):
+        dumped = ds.load("target", 0, p, check=True)
+        assert skipped_of(ds, p) == {} and len(dumped) == 4
+        for i, want in enumerate(model.outs[p]):
+            assert same_bits(dumped[f"kids.{i}"], want), (p, i)
     assert not verify(tmp_path).problems
 
 
@@ -562,6 +588,37 @@ def test_a_subclass_that_refuses_to_be_read_is_a_recorded_skip(tmp_path, which):
             assert "kids.1" not in dumped
             assert "refused by the subclass" in skipped_of(ds, p).get("kids.1", ""), p  # not lost silently
     assert ds.rank_info("target", 0)["skipped"] == (0 if which == "torch" else 2)
+
+
+class Babbling(torch.Tensor):
+    """A subclass whose __torch_function__ answers a string for everything asked of it (nbytes,
+    is_nested, shape, ...), as a wrapper library's catch-all may: its TensorImpl is a plain tensor's."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        return "babble"
+
+
+@pytest.mark.parametrize("which", READERS)
+def test_a_subclass_answering_strings_is_dumped_once_and_not_also_recorded_as_a_nested_skip(tmp_path, which):
+    """Once staged, the tensor's nbytes was read from the subclass: the string raised, so a tensor
+    in the dump was also a recorded skip, for a reason read from the subclass too ("nested tensor
+    (layout babble)": its is_nested answered a truthy string), and its bytes missed the totals."""
+    model = Each(lambda x: x + 1, lambda x: (x * 3).as_subclass(Babbling), lambda x: x - 1)
+    x = torch.arange(3.0)
+    with tensor_reader(which), fastdump.attach(model, tmp_path) as d:
+        for _ in range(2):
+            model(x)
+        totals = d.stats()
+    assert all(type(o[1]) is Babbling for o in model.outs)
+    ds = fastdump.open(tmp_path)
+    for p in range(2):
+        dumped = ds.load("target", 0, p)
+        assert skipped_of(ds, p) == {}, p
+        assert same_bits(dumped["kids.0"], x + 1) and same_bits(dumped["kids.2"], x - 1)
+        assert same_bits(dumped["kids.1"], x * 3), p
+    assert (totals["skipped"], totals["tensors"], totals["bytes"]) == (0, 6, 6 * 12)
+    assert not verify(tmp_path).problems
 
 
 class Liar(torch.Tensor):

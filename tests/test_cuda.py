@@ -778,6 +778,44 @@ def test_mock_stopped_writer_never_stalls_drop_or_bounded_block(m):
         stager.close()
 
 
+def test_mock_block_timeout_bounds_each_host_ring_wait_not_a_tensor_larger_than_the_ring(m):
+    """A tensor 4 times the host ring, a writer that takes a record every 20 ms: each wait for host
+    space is short, the whole tensor takes longer than timeout_s. It was TORN at timeout_s after its
+    first record (one deadline for the whole tensor); it is STAGED whole."""
+    ring = Ring(m, capacity=1 << 20, chunk=64 << 10)
+    stager = m.CudaStager(ring.producer, 1 << 20)
+    stager.register_host()
+    t = torch.randint(-2 ** 31, 2 ** 31 - 1, (1 << 20,), dtype=torch.int32)  # 4 MiB: 64 records
+    parts = bytearray(t.numel() * 4)
+    done = threading.Event()
+
+    def slow_writer():
+        while not done.is_set():
+            r = ring.consumer.next(0.05)
+            if r is None:
+                continue
+            payload, off = r[6], r[8]
+            parts[off:off + len(payload)] = bytes(payload)
+            ring.consumer.release()
+            time.sleep(0.02)
+
+    reader = threading.Thread(target=slow_writer)
+    reader.start()
+    try:
+        t0 = time.monotonic()
+        assert stage(stager, t, timeout_s=0.5) == m.STAGED
+        assert time.monotonic() - t0 > 0.5  # (it did take longer than the timeout)
+        assert stager.flush(30)
+        deadline = time.monotonic() + 30
+        while ring.producer.used_bytes() and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        done.set()
+        reader.join()
+        stager.close()
+    assert bytes(parts) == t.numpy().tobytes()
+
+
 def test_mock_blocking_waits_release_the_gil(m):
     ring = Ring(m, capacity=8 << 20)
     stager = m.CudaStager(ring.producer, 1 << 20)

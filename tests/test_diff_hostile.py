@@ -189,6 +189,37 @@ def test_negative_zero_equals_zero_at_zero_tolerance(tmp_path):
     assert (row["status"], row["max_abs"], row["max_rel"], row["mismatches"]) == ("ok", 0.0, 0.0, 0)
 
 
+def _bits(values, int_dtype, dtype):
+    return torch.tensor(values, dtype=int_dtype).view(dtype)
+
+
+def test_nans_equal_whatever_their_sign_and_payload_even_signaling_at_zero_tolerance(tmp_path, capsys):
+    """diff compares values, not bits (docs/COMPARE.md): quiet, signaling and negative NaNs are one
+    NaN, in every type with arithmetic, and -0.0 is 0.0; a signaling NaN is no reason to warn."""
+    i16, u8 = torch.int16, torch.uint8
+    base = {"f32": _bits([0x7FC00000, 0, 5], torch.int32, torch.float32),
+            "f16": _bits([0x7E00, 0x7E00, 0], i16, torch.float16),
+            "bf16": _bits([0x7FC0, 0x7FC0, 0], i16, torch.bfloat16),
+            "e4m3fn": _bits([0x7F, 0x00], u8, torch.float8_e4m3fn),
+            "e5m2": _bits([0x7E, 0x7F, 0x00], u8, torch.float8_e5m2),
+            "c64": torch.complex(_bits([0x7FC00000, 0], torch.int32, torch.float32), torch.zeros(2))}
+    target = {"f32": _bits([0x7F800001, -(1 << 31), 5], torch.int32, torch.float32),  # signaling; -0.0
+              "f16": _bits([0x7C01, -0x0200, -(1 << 15)], i16, torch.float16),  # signaling; -NaN (0xFE00); -0.0
+              "bf16": _bits([0x7F81, -0x0001, -(1 << 15)], i16, torch.bfloat16),  # signaling; -NaN 0xFFFF
+              "e4m3fn": _bits([0xFF, 0x80], u8, torch.float8_e4m3fn),  # -NaN; -0.0
+              "e5m2": _bits([0xFD, 0x7D, 0x80], u8, torch.float8_e5m2),  # NaNs of other payloads; -0.0
+              "c64": torch.complex(_bits([0x7F800001, -(1 << 31)], torch.int32, torch.float32), torch.zeros(2))}
+    assert all(not torch.equal(base[k].view(u8), target[k].view(u8)) for k in base)  # (they differ in bits)
+    code, out, err = run(capsys, "--atol", "0", "--rtol", "0", *pair(tmp_path, base, target))
+    assert code == 0 and err == "", err
+    assert out.splitlines()[0].startswith("no divergence: 7 tensor(s) compared"), out
+    result = fastdump.diff(tmp_path / "base", tmp_path / "target", atol=0, rtol=0)
+    for name in base:
+        row = row_of(result, name)
+        assert (row["status"], row["mismatches"], row["max_abs"]) == ("ok", 0, 0.0), name
+        assert row["baseline_stats"]["nan"] == row["target_stats"]["nan"] >= 1, name
+
+
 def test_integer_and_bool_tensors_report_exact_numbers(tmp_path):
     base, target = pair(tmp_path, {"i": torch.tensor([1, 2, 3], dtype=torch.int32),
                                    "flag": torch.tensor([True, False, True, False])},

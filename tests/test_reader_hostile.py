@@ -624,6 +624,17 @@ def test_odd_dtypes_read_back_bit_exact(odd_dump):
         assert list(series) == [0, 1] and all(same(t, ODD["scalar_bf16"]) for t in series.values())
 
 
+def test_show_of_odd_dtypes_counts_a_signaling_nan_without_a_warning(odd_dump, capsys):
+    """f16_subnormal and bf16_nan_payloads hold signaling NaNs (0x7C01, 0x7F81): widening them to
+    float64 made numpy warn "invalid value encountered in cast", which show printed as a "warning:"
+    line, as if the dump had a problem. They are NaNs, counted as such."""
+    code, out, err = cli("show", odd_dump, "--pass", "0", capsys=capsys)
+    assert code == 0 and err == "", err
+    rows = {line.split()[0]: line.split() for line in out.splitlines()[2:]}
+    assert rows["f16_subnormal"][-2:] == ["1", "0"]  # NAN, INF
+    assert rows["bf16_nan_payloads"][-6:] == ["-"] * 4 + ["3", "0"]  # no finite value; 3 NaNs
+
+
 def test_export_sglang_odd_dtypes_round_trip_bit_exact(odd_dump, tmp_path, capsys):
     out = tmp_path / "out"
     code, _, err = cli("export", "--names", "fastdump", odd_dump, out, capsys=capsys)
@@ -647,6 +658,36 @@ def test_export_sglang_dumper_odd_dtypes_round_trip_bit_exact(odd_dump, tmp_path
         meta = record["meta"]
         assert path.name == f"name={meta['name']}___step={meta['step']}___rank=0___dump_index={meta['dump_index']}.pt"
         assert same(record["value"], ODD[meta["name"]]), meta["name"]
+
+
+SUB_BYTE = {f"{kind}{bits}": torch.tensor([0, 1, (1 << bits) - 1, 5 % (1 << bits)], dtype=torch.uint8)
+            for kind in ("uint", "int") for bits in range(1, 8)}
+
+
+@pytest.mark.parametrize("layout", ["sglang", "sglang-dumper"])
+def test_export_writes_sub_byte_integer_types_as_their_byte_with_one_warning_each(tmp_path, capsys, layout):
+    """torch.save (and clone) refuse uint1..uint7 and int1..int7: export stopped with a traceback at
+    the first such tensor. Stored one element a byte, each is exported as uint8 or int8, bit for bit,
+    with one warning per rank and type."""
+    root = tmp_path / "subbyte"
+    tensors = {name: bits.view(getattr(torch, name)) for name, bits in SUB_BYTE.items()}
+    write_rank_dir(root / "target" / R0, {p: tensors for p in range(2)}, rank=RANK0, segment_passes=1)
+    out = tmp_path / "out"
+    code, _, err = cli("export", "--format", layout, "--names", "fastdump", root, out, capsys=capsys)
+    assert code == 0 and "Traceback" not in err, err
+    for name in SUB_BYTE:
+        said = [line for line in err.splitlines() if f"cannot write {name}:" in line]
+        assert len(said) == 1 and said[0].startswith("fastdump export: warning: target/"), (name, err)
+    if layout == "sglang":
+        files = [torch.load(out / "TP0_PP0_Rank0_pid100" / f"Pass{p:05d}.pt", weights_only=True) for p in range(2)]
+    else:
+        files = [{r["meta"]["name"]: r["value"] for r in map(lambda f: torch.load(f, weights_only=True),
+                                                            out.glob(f"*step={p}___*.pt"))} for p in range(2)]
+    for got in files:
+        assert sorted(got) == sorted(SUB_BYTE)
+        for name, bits in SUB_BYTE.items():
+            want = bits.view(torch.int8) if name.startswith("int") else bits
+            assert got[name].dtype == want.dtype and torch.equal(got[name], want), name
 
 
 @pytest.mark.parametrize("argv", [

@@ -1216,7 +1216,7 @@ class Dumper:
 
     def _capture_failed(self, name: str, value, exc: Exception) -> None:
         try:  # a subclass may refuse this read too: the skip must still be recorded
-            nested = isinstance(value, _Tensor) and value.is_nested
+            nested = isinstance(value, _Tensor) and _true_is_nested(value)
         except Exception:
             nested = False
         if nested:
@@ -1256,7 +1256,7 @@ class Dumper:
                 if status == _STAGED:
                     return
                 if status != _NOT_FAST:
-                    return self._account(name, status, t.nbytes, t)
+                    return self._account(name, status, _true_nbytes(t), t)
             # The general path: a new name, CUDA, unusual dtypes, layouts or lazy bits.
             dtype, layout, _, neg = _true_facts(t)
             fast = _FAST_CODES.get(dtype)
@@ -1282,14 +1282,14 @@ class Dumper:
             return self._graphs.record(name, name_id, code, t)
         if status == _UNSUPPORTED_DEVICE:
             return self._skip(name, f"tensors on {t.device.type} are not supported")
-        self._account(name, status, t.nbytes, t)
+        self._account(name, status, _true_nbytes(t), t)
 
     def _fast_status(self, name: str, t, status: int) -> None:
         """The C++ forward wrapper's stage_tensor call returned ``status``, not STAGED: what
         _stage does with it (NOT_FAST: the general path, which tries stage_tensor once more)."""
         if status == _NOT_FAST:
             return self._stage(name, t)
-        self._account(name, status, t.nbytes, t)
+        self._account(name, status, _true_nbytes(t), t)
 
     def _stage_checked(self, name: str, t) -> None:
         """The rare cases: unsupported dtypes and layouts, lazy conj/neg bits (complex tensors, and
@@ -2267,6 +2267,23 @@ def _true_facts(t) -> tuple:
     with _torch._C.DisableTorchFunction():
         return _TensorType.dtype.__get__(t), _TensorType.layout.__get__(t), _TensorType.is_conj(t), \
             _TensorType.is_neg(t)
+
+
+def _true_nbytes(t) -> int:
+    """``t``'s size in bytes as its TensorImpl holds it. Read after ``t`` was staged: a subclass's
+    ``nbytes`` (its __torch_function__ may answer a string, or raise) made a staged tensor a
+    recorded skip too, under a wrong reason, and left its bytes out of the totals."""
+    if type(t) is _TensorType:
+        return t.nbytes
+    with _torch._C.DisableTorchFunction():
+        return _TensorType.nbytes.__get__(t)
+
+
+def _true_is_nested(t) -> bool:
+    """Whether ``t`` is a nested tensor, as its TensorImpl says (a subclass's answer may be any
+    truthy object: "layout junk" was reported as a nested tensor)."""
+    with _torch._C.DisableTorchFunction():
+        return bool(_TensorType.is_nested.__get__(t))
 
 
 def _check_storage(t) -> None:
