@@ -186,6 +186,65 @@ def test_a_file_size_limit_below_the_ring_is_named_and_serving_goes_on(tmp_path)
     assert "file size limit, ulimit -f" in error and "docker" not in error
 
 
+FILE_SIZE_LIMIT_SERVE = textwrap.dedent("""
+    import resource, signal, sys, torch, fastdump
+    root, writer, rows = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    signal.signal(signal.SIGXFSZ, signal.SIG_DFL)  # as a host that restores default dispositions runs
+    resource.setrlimit(resource.RLIMIT_FSIZE, (4 << 20, resource.RLIM_INFINITY))  # above the 2 MiB ring
+    model = torch.nn.Linear(256, 256)
+    dumper = fastdump.attach(model, root, writer=writer, ring_mb=2, segment_passes=10)
+    with torch.inference_mode():
+        outs = [model(torch.randn(rows, 256)) for _ in range(30)]  # a segment of 10 passes is over 4 MiB
+    stats = dumper.close()
+    print(stats["status"], "|", stats["error"], "|", len(outs))
+""")
+
+
+@pytest.mark.parametrize("writer", ["thread", "process"])
+@pytest.mark.parametrize("rows", [512, 1024])  # 512 KiB tensors are buffered, 1 MiB ones written directly
+def test_a_segment_over_the_file_size_limit_fails_the_dump_not_the_serving_process(tmp_path, writer, rows):
+    """Under ``ulimit -f`` above the ring but below a segment, the segment write past the limit
+    made the kernel send SIGXFSZ; with a writer THREAD that went to the serving process, whose
+    default action killed it (exit 153). The writer's threads block it now (EFBIG instead): the
+    model serves on, the dump fails loudly and its error names the limit."""
+    root = tmp_path / "dump"
+    run = subprocess.run([sys.executable, "-c", FILE_SIZE_LIMIT_SERVE, str(root), writer, str(rows)],
+                         capture_output=True, text=True, timeout=180)
+    assert run.returncode == 0, run.stderr[-2000:]
+    status, error, passes = run.stdout.strip().splitlines()[-1].split(" | ")
+    assert passes == "30" and status == "error"
+    assert "File too large" in error and "file size limit, ulimit -f, of 4194304 bytes" in error
+    verify = subprocess.run([sys.executable, "-m", "fastdump", "verify", str(root)], capture_output=True, text=True)
+    assert verify.returncode == 1 and "ulimit -f" in verify.stdout
+
+
+def test_an_hdf5_write_over_the_file_size_limit_in_a_writer_thread_is_an_error_naming_it(tmp_path):
+    """HDF5's own writes (metadata, its file extension at close) cross the limit too: in a thread
+    that refused SIGXFSZ they raise, the process lives, and the error names the limit."""
+    script = textwrap.dedent("""
+        import resource, signal, sys, threading, h5py, numpy as np
+        from fastdump.writer.segment_file import error_text, refuse_file_size_signal
+        signal.signal(signal.SIGXFSZ, signal.SIG_DFL)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, resource.RLIM_INFINITY))
+        errors = []
+        def write():
+            refuse_file_size_signal()
+            try:
+                with h5py.File(sys.argv[1], "w") as f:
+                    f.create_dataset("x", data=np.ones(4 << 20, np.uint8))
+            except Exception as exc:
+                errors.append(error_text(exc))
+        thread = threading.Thread(target=write)
+        thread.start()
+        thread.join()
+        print(errors)
+    """)
+    run = subprocess.run([sys.executable, "-c", script, str(tmp_path / "x.h5")], capture_output=True, text=True,
+                         timeout=60)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "ulimit -f, of 1048576 bytes" in run.stdout
+
+
 def test_leftover_shared_memory_of_a_dead_process_is_removed_at_start(tmp_path):
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     leftover = SHM_DIR / f"{SHM_PREFIX}{int(dead.stdout)}-0"

@@ -28,7 +28,7 @@ import numpy as np
 
 from .. import _C, dtypes, fsutil, protocol, segment_list
 from .. import format as fmt
-from .segment_file import Block, OpenSegment, write_segment
+from .segment_file import Block, OpenSegment, error_text, write_segment
 
 log = logging.getLogger("fastdump.writer")
 
@@ -491,7 +491,7 @@ class ChannelWriter:
                 self._open = OpenSegment(self._anchor.join(""), self._next_segment)
             self._open.write_direct(block, data)
         except Exception as exc:
-            self.fail(f"{type(exc).__name__}: {exc}")
+            self.fail(error_text(exc))
             raise
         pending.blocks.append(block)  # not in block_by_layout: later rows of the name go elsewhere
         self.sink.add_index(pass_id, block.name_slot, block.number, 0, block.rows, _crc32c(data), len(data))
@@ -534,7 +534,7 @@ class ChannelWriter:
         try:
             action()
         except Exception as exc:
-            self.fail(f"{type(exc).__name__}: {exc}")
+            self.fail(error_text(exc))
             raise
 
     def _flush(self) -> None:

@@ -231,7 +231,7 @@ class WriterLoop:
 
     def _fail_writer(self, writer, exc: Exception) -> None:
         readable = getattr(writer, "readable", str)  # its files' paths go through a descriptor (DirAnchor)
-        self._fail(f"{writer_dir(writer)}: {type(exc).__name__}: {readable(str(exc))}")
+        self._fail(f"{writer_dir(writer)}: {readable(segment_file.error_text(exc))}")
 
     def _fail(self, error: str) -> None:
         """Writing failed (disk full, unwritable root): stop dumping everywhere, keep serving."""
@@ -284,6 +284,7 @@ def run_consumer(consumer, pin_near_device: bool = False, stop: StopSignal | Non
     """The writer's loop until it ends; ``stop``: a writer thread's StopSignal (None in a process).
     The I/O threads of segment writes end with the last loop of the process: a closed writer
     thread leaves no thread behind in the serving process."""
+    segment_file.refuse_file_size_signal()  # a writer thread shares the serving process's dispositions
     segment_file.hold_io_threads()
     try:
         return WriterLoop(consumer, pin_near_device, stop).run()

@@ -16,6 +16,8 @@ import errno
 import json
 import math
 import os
+import resource
+import signal
 import sys
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -146,8 +148,39 @@ def _open_direct(path: str):
         return None
 
 
+def refuse_file_size_signal() -> None:
+    """Block SIGXFSZ in the calling thread (a writer loop's, an I/O thread's): a write past the file
+    size limit (``ulimit -f``) then fails with EFBIG in that thread, and the channel fails loudly.
+    Unblocked, the kernel sends SIGXFSZ, whose default action killed a serving process whose writer
+    was a thread (a process that set SIG_DFL for it; the Python interpreter starts with it ignored).
+    The signal is sent to the writing thread alone, so blocking it there is enough; it stays
+    pending on that thread, never delivered."""
+    if hasattr(signal, "pthread_sigmask") and hasattr(signal, "SIGXFSZ"):
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGXFSZ})
+
+
+def error_text(exc: BaseException) -> str:
+    """``exc`` as a channel's error; a write over the file size limit names the limit (h5py
+    reports it as a RuntimeError whose text carries HDF5's ``errno = 27``)."""
+    text = f"{type(exc).__name__}: {exc}"
+    over_limit = getattr(exc, "errno", None) == errno.EFBIG or f"errno = {errno.EFBIG}," in str(exc)
+    if over_limit:
+        limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+        if limit != resource.RLIM_INFINITY:
+            text += (f" (a segment file reached this process's file size limit, ulimit -f, of {limit} bytes: "
+                     "raise it or lower segment_mb / segment_passes)")
+    return text
+
+
 IO_THREADS = 4
 _IO_POOL = None
+
+
+def _io_thread_start() -> None:
+    """An I/O thread's start: it writes block data, so it refuses SIGXFSZ as its writer loop does
+    (threads inherit their creator's mask; this does not depend on who created the pool)."""
+    refuse_file_size_signal()
+    _normal_priority()
 
 
 def _normal_priority() -> None:
@@ -166,7 +199,7 @@ def _io_threads() -> ThreadPoolExecutor:
     with _IO_LOCK:
         if _IO_POOL is None:
             _IO_POOL = ThreadPoolExecutor(max_workers=IO_THREADS, thread_name_prefix="fastdump-io",
-                                          initializer=_normal_priority)
+                                          initializer=_io_thread_start)
         return _IO_POOL
 
 
