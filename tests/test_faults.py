@@ -186,6 +186,38 @@ def test_a_file_size_limit_below_the_ring_is_named_and_serving_goes_on(tmp_path)
     assert "file size limit, ulimit -f" in error and "docker" not in error
 
 
+@pytest.mark.parametrize("writer", ["process", "thread"])
+def test_a_full_disk_under_one_root_stops_only_the_dumper_writing_there(small_disk, tmp_path, writer):
+    """Two Dumpers of one process (EAGLE's draft and target) on two roots, on two file systems: the
+    draft's disk fills. Every channel of the writer was failed then, and the target's healthy root
+    stopped after 2 of 20 passes with the draft's "No space left" error. The failure is the
+    draft's channel's alone now: the target's dump is whole and passes verify."""
+    healthy = tmp_path / "healthy"
+    torch.manual_seed(0)
+    draft, target = torch.nn.Linear(256, 256), torch.nn.Linear(256, 256)
+    dd = fastdump.attach(draft, small_disk, role="draft", segment_passes=2, writer=writer)
+    dt = fastdump.attach(target, healthy, role="target", segment_passes=2, writer=writer)
+    with torch.inference_mode():
+        outs = []
+        for i in range(20):
+            draft(torch.randn(256, 256))  # 256 KiB a pass: the 512 KiB disk is full within a few
+            outs.append(target(torch.full((4, 256), float(i))))
+        deadline = time.monotonic() + 30
+        while dd.status == "running" and time.monotonic() < deadline:  # the writer fails it when it gets there
+            draft(torch.randn(256, 256))
+            time.sleep(0.05)
+    assert dd.status == "error" and "No space left" in dd.error  # noticed at a pass start, not only at close
+    draft_stats, target_stats = dd.close(), dt.close()
+    assert draft_stats["status"] == "error" and "No space left" in draft_stats["error"]
+    assert target_stats["status"] == "closed", target_stats["error"]
+    with fastdump.open(healthy) as ds:
+        assert ds.passes("target", 0) == list(range(20))
+        for p, want in enumerate(outs):
+            assert torch.equal(torch.as_tensor(ds.load("target", 0, p)["Linear"]), want)
+    assert verify_dump(str(healthy)).problems == []
+    assert subprocess.run([sys.executable, "-m", "fastdump", "verify", str(small_disk)]).returncode == 1
+
+
 FILE_SIZE_LIMIT_SERVE = textwrap.dedent("""
     import resource, signal, sys, torch, fastdump
     root, writer, rows = sys.argv[1], sys.argv[2], int(sys.argv[3])

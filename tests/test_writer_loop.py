@@ -19,6 +19,7 @@ class ScriptedConsumer:
     def __init__(self, records):
         self.records = list(records)
         self.acked, self.state, self.drained = [], None, False
+        self.failed_channels = []
 
     def next_batch(self, timeout_s, max_bytes=0, view_bytes=0, sinks=None):
         if not self.records:
@@ -39,6 +40,12 @@ class ScriptedConsumer:
 
     def set_state(self, state, error):
         self.state = (state, error)
+
+    def fail_channel(self, channel):
+        if channel >= _C.FAILED_CHANNEL_IDS:
+            return False
+        self.failed_channels.append(channel)
+        return True
 
 
 def control(seq, **msg):
@@ -79,7 +86,7 @@ def test_chunks_are_reassembled_and_a_torn_tensor_is_recorded_as_skipped(tmp_pat
         {"name": "torn", "reason": "incomplete tensor (staging failed mid-copy)"}]
 
 
-def test_a_failing_channel_stops_dumping_and_tells_the_producer(tmp_path, monkeypatch):
+def _one_tensor_on_a_full_disk(tmp_path, monkeypatch, channel):
     from fastdump.writer import channel_writer
 
     def broken(self, *args):
@@ -87,15 +94,32 @@ def test_a_failing_channel_stops_dumping_and_tells_the_producer(tmp_path, monkey
 
     monkeypatch.setattr(channel_writer.ChannelWriter, "on_tensor", broken)
     records = [
-        control(1, op="open", channel=0, dir=str(tmp_path / "target" / "TP0_PP0_Rank0_pid1"), role="target", rank={}, pid=1, host="h",
-                device={}, config={"segment_passes": 8, "segment_mb": 64, "segment_seconds": 60}),
-        control(2, op="name", channel=0, id=0, name="x"),
-        tensor(0, 0, torch.ones(2)),
+        control(1, op="open", channel=channel, dir=str(tmp_path / "target" / "TP0_PP0_Rank0_pid1"), role="target",
+                rank={}, pid=1, host="h", device={},
+                config={"segment_passes": 8, "segment_mb": 64, "segment_seconds": 60}),
+        control(2, op="name", channel=channel, id=0, name="x"),
+        (_C.KIND_TENSOR, channel, *tensor(0, 0, torch.ones(2))[2:]),
         control(3, op="shutdown"),
     ]
     consumer = ScriptedConsumer(records)
     loop = WriterLoop(consumer)
     assert loop.run() == 0
+    rank = json.loads((tmp_path / "target" / "TP0_PP0_Rank0_pid1" / "rank.json").read_text())
+    assert rank["status"] == "error" and "No space left" in rank["error"]
+    return consumer, loop
+
+
+def test_a_failing_channel_stops_dumping_there_and_tells_the_producer_which(tmp_path, monkeypatch):
+    """One root's full disk fails its channel alone (the producer reads the channel's bit: its
+    Dumper stops), not the writer: the other channels' Dumpers, on other roots, go on."""
+    consumer, loop = _one_tensor_on_a_full_disk(tmp_path, monkeypatch, channel=3)
+    assert consumer.failed_channels == [3]
+    assert consumer.state == (_C.WRITER_EXITED, "") and loop.failed is None
+
+
+def test_a_failing_channel_too_high_to_report_alone_stops_the_writer(tmp_path, monkeypatch):
+    consumer, loop = _one_tensor_on_a_full_disk(tmp_path, monkeypatch, channel=_C.FAILED_CHANNEL_IDS)
+    assert consumer.failed_channels == []
     assert consumer.state[0] == _C.WRITER_FAILED and "No space left" in consumer.state[1]
     assert "No space left" in loop.failed
 
@@ -256,3 +280,4 @@ def test_a_pass_end_tears_only_its_own_channels_unfinished_tensors(tmp_path):
     assert torch.equal(ds.load("target", "TP0_PP0_Rank1_pid1", 0)["whole"], whole)
     assert ds.meta("target", "TP0_PP0_Rank0_pid1", 0)["skipped"] == []
     assert ds.meta("target", "TP0_PP0_Rank1_pid1", 0)["skipped"] == []
+

@@ -169,7 +169,8 @@ class WriterLoop:
                 writer = self.channels[channel] = ChannelWriter(msg)
                 self.sinks[channel] = writer.sink
             except Exception as exc:
-                self._fail(f"cannot open {msg.get('dir')}: {exc}")
+                self.channels.pop(channel, None)
+                self._fail_channel(channel, f"cannot open {msg.get('dir')}: {exc}")
             return
         if op == "end":
             self._drop_torn(channel, msg)
@@ -231,10 +232,28 @@ class WriterLoop:
 
     def _fail_writer(self, writer, exc: Exception) -> None:
         readable = getattr(writer, "readable", str)  # its files' paths go through a descriptor (DirAnchor)
-        self._fail(f"{writer_dir(writer)}: {readable(segment_file.error_text(exc))}")
+        error = f"{writer_dir(writer)}: {readable(segment_file.error_text(exc))}"
+        try:
+            writer.fail(error)  # rank.json says why (if its disk allows)
+        except Exception:
+            pass
+        self._fail_channel(getattr(writer, "channel", None), error)
+
+    def _fail_channel(self, channel, error: str) -> None:
+        """Writing one channel failed (its root's disk full or unwritable): that channel stops, its
+        Dumper learns it from the ring header (Producer.channel_failed) and stops, and the other
+        channels, on other roots, go on. Their records are consumed and ignored from now on. A
+        channel whose id is too high for the header's bits stops every channel, as before."""
+        writer = self.channels.pop(channel, None)
+        self.sinks.pop(channel, None)
+        if not isinstance(channel, int) or not self.consumer.fail_channel(channel):
+            if writer is not None:
+                self.channels[channel] = writer  # (failed already; _fail fails every channel)
+            return self._fail(error)
+        log.error("fastdump writer: %s; dumping to that directory stops", error)
 
     def _fail(self, error: str) -> None:
-        """Writing failed (disk full, unwritable root): stop dumping everywhere, keep serving."""
+        """The writer itself cannot go on: stop dumping everywhere, keep serving."""
         log.error("fastdump writer: %s; dumping stops", error)
         if self.failed is None:
             self.failed = error
@@ -269,7 +288,7 @@ class WriterLoop:
             try:
                 writer.close({}, status=status)
             except Exception as exc:
-                self._fail(f"{writer_dir(writer)}: {exc}")
+                self._fail_writer(writer, exc)
         self.channels.clear()
         self.sinks.clear()
         if self.failed is None:
