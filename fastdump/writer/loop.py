@@ -33,9 +33,23 @@ class _Assembly:
     """A tensor split over several ring records, filled in as its chunks arrive."""
 
     __slots__ = ("data", "filled")
+    streamed = False
 
     def __init__(self, total: int):
         self.data = np.empty(total, dtype=np.uint8)
+        self.filled = 0
+
+
+class _Streamed:
+    """A tensor split over several ring records whose chunks its channel writer writes into the
+    segment as they come (ChannelWriter.on_chunk): a 4 GiB activation no longer takes 4 GiB of the
+    writer's memory. ``data`` is None once it was dropped and its loss recorded."""
+
+    __slots__ = ("data", "filled")
+    streamed = True
+
+    def __init__(self):
+        self.data = True
         self.filled = 0
 
 
@@ -106,7 +120,7 @@ class WriterLoop:
                     if offset == 0 and len(payload) == total:
                         data = payload
                     else:
-                        data = self._assemble(channel, name_id, pass_id, payload, offset, total)
+                        data = self._assemble(channel, name_id, pass_id, dtype, shape, payload, offset, total)
                     writer = channels.get(channel)
                     if writer is not None and data is not None:
                         try:
@@ -124,13 +138,20 @@ class WriterLoop:
                 consumer.ack(seq)
             consumer.release()
 
-    def _assemble(self, channel, name_id, pass_id, payload, offset, total):  # copies: payload may be a view
-        """One chunk of a split tensor; the whole tensor once its last chunk is in, else None."""
+    def _assemble(self, channel, name_id, pass_id, dtype, shape, payload, offset, total):  # copies: payload may be a view
+        """One chunk of a split tensor; the whole tensor once its last chunk is in, else None.
+        A large one its channel writer streams is written chunk by chunk instead (None always)."""
         key = (channel, name_id, pass_id)
         part = self.partial.get(key)
         if part is None:
             if name_id >= protocol.GRAPH_SPAN_NAME_BASE:
                 self._drop_torn_spans(channel, name_id)
+            writer = self.channels.get(channel)
+            if offset == 0 and writer is not None and writer.streams(dtype, shape, total):
+                part = self.partial[key] = _Streamed()
+        if part is not None and part.streamed:
+            return self._stream(key, part, dtype, shape, payload, offset, total)
+        if part is None:
             try:
                 part = _Assembly(total)
             except MemoryError as exc:  # (a broadcast view of terabytes): lost, said once, the writer goes on
@@ -147,6 +168,23 @@ class WriterLoop:
             return None
         del self.partial[key]
         return part.data
+
+    def _stream(self, key, part, dtype, shape, payload, offset, total) -> None:
+        """A chunk of a streamed tensor to its channel writer; a chunk out of place tears it."""
+        channel, name_id, pass_id = key
+        writer = self.channels.get(channel)
+        if part.data is not None and writer is not None:
+            try:
+                if not writer.on_chunk(name_id, pass_id, dtype, shape, payload, offset, total):
+                    part.data = None  # dropped; recorded here, not again at its pass's end
+                    writer.skip_tensor(name_id, pass_id, fmt.TORN_TENSOR_REASON)
+            except Exception as exc:
+                part.data = None
+                self._tensor_failed(writer, name_id, pass_id, exc)
+        part.filled += len(payload)
+        if part.filled >= total:
+            del self.partial[key]
+        return None
 
     def _drop_torn_spans(self, channel: int, name_id: int) -> None:
         """A CUDA-graph replay span begins: an unfinished span from the same GPU's drain can never
@@ -201,9 +239,13 @@ class WriterLoop:
         torn = [key for key in self.partial if key[0] == channel and key[2] == end_msg["pass"]]
         names = getattr(self.channels.get(channel), "names", {})
         skipped = end_msg.setdefault("skipped", [])
+        writer = self.channels.get(channel)
         for key in torn:
-            if self.partial.pop(key).data is None:
-                continue  # its loss is recorded already (_assemble)
+            part = self.partial.pop(key)
+            if part.data is None:
+                continue  # its loss is recorded already (_assemble, _stream)
+            if part.streamed and writer is not None:
+                self._call(channel, "drop_stream", key[1], key[2])  # its dataset leaves the segment
             name = names.get(key[1], f"name #{key[1]}")
             if not any(entry.get("name") == name for entry in skipped):  # the producer may have said why
                 skipped.append({"name": name, "reason": fmt.TORN_TENSOR_REASON})
