@@ -469,7 +469,9 @@ int fastdump::stage_tensor_on(void* lane, uint32_t name_id, py::handle tensor) {
 }
 
 bool fastdump::lane_writer_seen_alive(void* lane, double max_age_s) {
-  return static_cast<ChannelStager*>(lane)->producer->writer_seen_alive(max_age_s);
+  // (and still writing this lane's channel: one whose root failed stops its Dumper, not the others)
+  auto* s = static_cast<ChannelStager*>(lane);
+  return s->producer->writer_seen_alive(max_age_s) && !s->producer->channel_failed(s->channel);
 }
 
 uint64_t fastdump::lane_open_pass(void* lane, int64_t pass_id, bool block, double timeout_s) {
@@ -526,6 +528,8 @@ PYBIND11_MODULE(_C, m) {
       .def("writer_attached",
            [](Producer& p) { return p.region().header()->writer_attached.load() != 0; })
       .def("writer_error", [](Producer& p) { return std::string(p.region().header()->error); })
+      .def("channel_failed", &Producer::channel_failed, py::arg("channel"),
+           "whether the writer stopped writing this channel alone (Consumer.fail_channel)")
       .def("set_writer_fd", &Producer::set_writer_fd)
       .def("writer_alive", &Producer::writer_alive)
       .def("writer_seen_alive", &Producer::writer_seen_alive, py::arg("max_age_s"),
@@ -700,7 +704,18 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("producer_pid",
                              [](Consumer& c) { return c.region().header()->producer_pid; })
       .def("ack", &Consumer::ack)
-      .def("set_state", &Consumer::set_state, py::arg("state"), py::arg("error") = "");
+      .def("set_state", &Consumer::set_state, py::arg("state"), py::arg("error") = "")
+      .def(
+          "fail_channel",
+          [](Consumer& c, uint32_t channel) {
+            if (channel >= kFailedChannelBits) return false;
+            c.region().header()->failed_channels[channel / 64].fetch_or(1ull << (channel % 64),
+                                                                        std::memory_order_release);
+            return true;
+          },
+          py::arg("channel"),
+          "tell the producer this channel's writing stopped (False: its id is too high to say so)");
+  m.attr("FAILED_CHANNEL_IDS") = kFailedChannelBits;  // channel ids fail_channel can report
 
   bind_cuda(m);
   bind_forward_wrapper(m);

@@ -13,10 +13,13 @@
 namespace fastdump {
 
 constexpr uint64_t kMagic = 0x31474e4952504446ull;  // "FDPRING1"
-constexpr uint64_t kVersion = 2;  // 2: no `published` counter
+constexpr uint64_t kVersion = 3;  // 2: no `published` counter; 3: failed_channels
 constexpr uint64_t kAlign = 64;
 constexpr uint64_t kHeaderBytes = 4096;
 constexpr uint32_t kMaxDims = 32;  // HDF5 datasets hold at most 32 dimensions (H5S_MAX_RANK)
+// Channels whose failure the writer can report one by one (RingHeader::failed_channels); a channel
+// of a higher id that fails stops the whole writer, as every failure once did.
+constexpr uint32_t kFailedChannelBits = 4096;
 
 enum RecordState : uint32_t { kAllocated = 0, kReady = 1, kAbandoned = 2 };
 enum RecordKind : uint32_t { kTensor = 1, kControl = 2, kPad = 3 };
@@ -63,6 +66,9 @@ struct alignas(64) RingHeader {
   std::atomic<uint64_t> writer_state;
   std::atomic<uint64_t> writer_attached;         // writer has mapped the region (producer may unlink)
   char error[1024];                              // writer failure text
+  // One bit per channel id the writer stopped writing (its root's disk full or unwritable): that
+  // Dumper stops, the others go on. The channel's own error is in its rank.json.
+  alignas(64) std::atomic<uint64_t> failed_channels[kFailedChannelBits / 64];
 };
 static_assert(sizeof(RingHeader) <= kHeaderBytes, "ring header too large");
 
@@ -149,6 +155,12 @@ class Producer {
   ~Producer();
 
   ShmRegion& region() { return seg_; }
+
+  // Whether the writer stopped writing `channel` alone (RingHeader::failed_channels).
+  bool channel_failed(uint32_t channel) {
+    return channel < kFailedChannelBits &&
+           ((seg_.header()->failed_channels[channel / 64].load(std::memory_order_acquire) >> (channel % 64)) & 1);
+  }
 
   // Writer liveness: fd whose EOF/HUP means the writer is gone (-1: in-process thread writer).
   void set_writer_fd(int fd) { writer_fd_ = fd; }

@@ -1,6 +1,7 @@
 // Rows buffered for a segment, and the writer's fast path (see writer_rows.h).
 #include "writer_rows.h"
 
+#include <pthread.h>
 #include <sys/mman.h>
 
 #include <cstring>
@@ -56,8 +57,19 @@ void PagePool::give_back(uint8_t* page, size_t size) {
   free_[size_class(size)].push_back(page);
 }
 
+static PagePool* g_default_pool = nullptr;  // set once, before any fork handler can run
+
 PagePool& default_page_pool() {
-  static PagePool* pool = new PagePool();  // never destroyed: buffers may outlive static teardown
+  static PagePool* pool = [] {
+    g_default_pool = new PagePool();  // never destroyed: buffers may outlive static teardown
+    // A thread writer's loop takes pages with the GIL released, and maps new slabs (MAP_POPULATE,
+    // milliseconds) under the pool's lock: an os.fork() on another thread then gave a child that
+    // lock held for good, and the child's first row buffer (its own thread writer) hung for ever.
+    // The forking thread holds it across fork() instead, so both sides start with it free.
+    ::pthread_atfork([] { g_default_pool->lock_for_fork(); }, [] { g_default_pool->unlock_after_fork(); },
+                     [] { g_default_pool->unlock_after_fork(); });
+    return g_default_pool;
+  }();
   return *pool;
 }
 

@@ -39,6 +39,10 @@ class PagePool {
   uint8_t* take(size_t size);
   void give_back(uint8_t* page, size_t size);
   uint64_t allocated() const { return allocated_; }
+  // fork(): held across it by the forking thread (see default_page_pool), so a child never starts
+  // with the lock taken by a parent thread that does not exist there.
+  void lock_for_fork() { mu_.lock(); }
+  void unlock_after_fork() { mu_.unlock(); }
 
  private:
   std::mutex mu_;  // one writer loop takes pages; tests run several

@@ -186,6 +186,97 @@ def test_a_file_size_limit_below_the_ring_is_named_and_serving_goes_on(tmp_path)
     assert "file size limit, ulimit -f" in error and "docker" not in error
 
 
+@pytest.mark.parametrize("writer", ["process", "thread"])
+def test_a_full_disk_under_one_root_stops_only_the_dumper_writing_there(small_disk, tmp_path, writer):
+    """Two Dumpers of one process (EAGLE's draft and target) on two roots, on two file systems: the
+    draft's disk fills. Every channel of the writer was failed then, and the target's healthy root
+    stopped after 2 of 20 passes with the draft's "No space left" error. The failure is the
+    draft's channel's alone now: the target's dump is whole and passes verify."""
+    healthy = tmp_path / "healthy"
+    torch.manual_seed(0)
+    draft, target = torch.nn.Linear(256, 256), torch.nn.Linear(256, 256)
+    dd = fastdump.attach(draft, small_disk, role="draft", segment_passes=2, writer=writer)
+    dt = fastdump.attach(target, healthy, role="target", segment_passes=2, writer=writer)
+    with torch.inference_mode():
+        outs = []
+        for i in range(20):
+            draft(torch.randn(256, 256))  # 256 KiB a pass: the 512 KiB disk is full within a few
+            outs.append(target(torch.full((4, 256), float(i))))
+        deadline = time.monotonic() + 30
+        while dd.status == "running" and time.monotonic() < deadline:  # the writer fails it when it gets there
+            draft(torch.randn(256, 256))
+            time.sleep(0.05)
+    assert dd.status == "error" and "No space left" in dd.error  # noticed at a pass start, not only at close
+    draft_stats, target_stats = dd.close(), dt.close()
+    assert draft_stats["status"] == "error" and "No space left" in draft_stats["error"]
+    assert target_stats["status"] == "closed", target_stats["error"]
+    with fastdump.open(healthy) as ds:
+        assert ds.passes("target", 0) == list(range(20))
+        for p, want in enumerate(outs):
+            assert torch.equal(torch.as_tensor(ds.load("target", 0, p)["Linear"]), want)
+    assert verify_dump(str(healthy)).problems == []
+    assert subprocess.run([sys.executable, "-m", "fastdump", "verify", str(small_disk)]).returncode == 1
+
+
+FILE_SIZE_LIMIT_SERVE = textwrap.dedent("""
+    import resource, signal, sys, torch, fastdump
+    root, writer, rows = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    signal.signal(signal.SIGXFSZ, signal.SIG_DFL)  # as a host that restores default dispositions runs
+    resource.setrlimit(resource.RLIMIT_FSIZE, (4 << 20, resource.RLIM_INFINITY))  # above the 2 MiB ring
+    model = torch.nn.Linear(256, 256)
+    dumper = fastdump.attach(model, root, writer=writer, ring_mb=2, segment_passes=10)
+    with torch.inference_mode():
+        outs = [model(torch.randn(rows, 256)) for _ in range(30)]  # a segment of 10 passes is over 4 MiB
+    stats = dumper.close()
+    print(stats["status"], "|", stats["error"], "|", len(outs))
+""")
+
+
+@pytest.mark.parametrize("writer", ["thread", "process"])
+@pytest.mark.parametrize("rows", [512, 1024])  # 512 KiB tensors are buffered, 1 MiB ones written directly
+def test_a_segment_over_the_file_size_limit_fails_the_dump_not_the_serving_process(tmp_path, writer, rows):
+    """Under ``ulimit -f`` above the ring but below a segment, the segment write past the limit
+    made the kernel send SIGXFSZ; with a writer THREAD that went to the serving process, whose
+    default action killed it (exit 153). The writer's threads block it now (EFBIG instead): the
+    model serves on, the dump fails loudly and its error names the limit."""
+    root = tmp_path / "dump"
+    run = subprocess.run([sys.executable, "-c", FILE_SIZE_LIMIT_SERVE, str(root), writer, str(rows)],
+                         capture_output=True, text=True, timeout=180)
+    assert run.returncode == 0, run.stderr[-2000:]
+    status, error, passes = run.stdout.strip().splitlines()[-1].split(" | ")
+    assert passes == "30" and status == "error"
+    assert "File too large" in error and "file size limit, ulimit -f, of 4194304 bytes" in error
+    verify = subprocess.run([sys.executable, "-m", "fastdump", "verify", str(root)], capture_output=True, text=True)
+    assert verify.returncode == 1 and "ulimit -f" in verify.stdout
+
+
+def test_an_hdf5_write_over_the_file_size_limit_in_a_writer_thread_is_an_error_naming_it(tmp_path):
+    """HDF5's own writes (metadata, its file extension at close) cross the limit too: in a thread
+    that refused SIGXFSZ they raise, the process lives, and the error names the limit."""
+    script = textwrap.dedent("""
+        import resource, signal, sys, threading, h5py, numpy as np
+        from fastdump.writer.segment_file import error_text, refuse_file_size_signal
+        signal.signal(signal.SIGXFSZ, signal.SIG_DFL)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, resource.RLIM_INFINITY))
+        errors = []
+        def write():
+            refuse_file_size_signal()
+            try:
+                with h5py.File(sys.argv[1], "w") as f:
+                    f.create_dataset("x", data=np.ones(4 << 20, np.uint8))
+            except Exception as exc:
+                errors.append(error_text(exc))
+        thread = threading.Thread(target=write)
+        thread.start()
+        thread.join()
+        print(errors)
+    """)
+    run = subprocess.run([sys.executable, "-c", script, str(tmp_path / "x.h5")], capture_output=True, text=True,
+                         timeout=60)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "ulimit -f, of 1048576 bytes" in run.stdout
+
+
 def test_leftover_shared_memory_of_a_dead_process_is_removed_at_start(tmp_path):
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     leftover = SHM_DIR / f"{SHM_PREFIX}{int(dead.stdout)}-0"

@@ -1516,6 +1516,7 @@ def test_a_chunked_tensor_the_writer_cannot_put_together_is_lost_and_fails_verif
     died ("writer crashed: MemoryError") and dumping stopped everywhere. Now that tensor alone is
     lost, recorded (rank.json lost_tensors, the pass's skipped list), and verify fails on it."""
     from fastdump.writer import loop
+    from fastdump.writer.channel_writer import ChannelWriter
 
     real = loop._Assembly.__init__
 
@@ -1525,6 +1526,8 @@ def test_a_chunked_tensor_the_writer_cannot_put_together_is_lost_and_fails_verif
         real(self, total)
 
     monkeypatch.setattr(loop._Assembly, "__init__", no_memory_for_big)
+    # (a valid tensor of 1 MiB or more is written chunk by chunk, never put together: this one is)
+    monkeypatch.setattr(ChannelWriter, "streams", lambda self, *args: False)
     big, small = torch.arange(3 << 18, dtype=torch.float32), torch.arange(5.0)  # 3 MiB: 3 records of 1 MiB
     with fastdump.attach(None, tmp_path, writer="thread", ring_mb=4) as d:
         d.begin_pass()

@@ -1162,3 +1162,34 @@ def test_a_directory_anchor_closed_under_it_never_closes_the_descriptor_that_too
         assert (tmp_path / "other").read_bytes() == b"still open"
     finally:
         os.close(other)
+
+
+def _peak_rss_mib(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM")) >> 10
+
+
+def test_a_tensor_far_larger_than_the_ring_never_takes_its_size_in_the_writers_memory(tmp_path):
+    """A tensor staged in several ring records was put together whole in the writer's memory
+    before its segment write: a 4 GiB activation took 4 GiB of the writer (here a 192 MiB one took
+    the writer from ~80 to ~280 MiB, and the writer, slowed by the copy, timed out the next pass's
+    tensor). Its chunks go into the segment's file as they come now: stored bit for bit, the
+    writer's peak stays near its base."""
+    model = torch.nn.Identity()
+    d = fastdump.attach(model, tmp_path, ring_mb=16, segment_passes=1)  # chunks of 4 MiB
+    writer_pid = d._engine._proc.pid
+    x = torch.randn(48 << 20)  # 192 MiB
+    with torch.inference_mode():
+        model(x)
+        model(-x)
+    deadline = time.monotonic() + 120
+    while len(list(d.dir.glob("seg-*.h5"))) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    peak = _peak_rss_mib(writer_pid)
+    assert d.close()["status"] == "closed"
+    with fastdump.open(tmp_path) as ds:
+        assert ds.passes("target", 0) == [0, 1]
+        assert torch.equal(torch.as_tensor(ds.load("target", 0, 0)["Identity"]), x)
+        assert torch.equal(torch.as_tensor(ds.load("target", 0, 1)["Identity"]), -x)
+    assert verify(tmp_path).problems == []
+    assert peak < 100 + 192 // 2, f"writer peak RSS {peak} MiB for a 192 MiB tensor"

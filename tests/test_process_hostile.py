@@ -1226,9 +1226,10 @@ WRITER_THREAD_FAILS = """
         for i in range(6):
             model(torch.full((2, 16), float(i)))
     deadline = time.monotonic() + 30
-    while d._engine.alive and time.monotonic() < deadline:  # the writer thread has failed
+    # the writer thread has failed the channel (its root's disk; the writer itself goes on)
+    while d._engine.alive and not d._channel.failed and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert not d._engine.alive
+    assert d._channel.failed
     t0 = time.monotonic()
     stats = d.close(timeout=20)
     print("close took", time.monotonic() - t0, flush=True)
@@ -1361,6 +1362,51 @@ def test_a_child_forked_after_the_parents_writer_thread_wrote_segments_writes_it
         for p, want in enumerate(child["outs"]):
             assert same_bits(ds.load("target", 0, p)["Linear"], torch.tensor(want))
     assert verify_dump(str(tmp_path / "child")).problems == []
+
+
+FORK_WHILE_THE_PAGE_POOL_GROWS = r"""
+import os, signal, sys, threading, time
+from fastdump.writer.pages import PageBuffer
+
+def grow():  # a thread writer's rows: 1 MiB pages, a new pre-faulted 8 MiB slab under the pool's lock every 8
+    held = []
+    for _ in range(768):
+        buffer = PageBuffer()
+        buffer.append(bytes(1 << 20))
+        held.append(buffer)
+    for buffer in held:
+        buffer.free()
+
+thread = threading.Thread(target=grow)
+thread.start()
+children = []
+while thread.is_alive() and len(children) < 40:
+    pid = os.fork()
+    if pid == 0:
+        signal.alarm(10)  # a child that hangs on the pool's lock is killed, not waited for by the test
+        buffer = PageBuffer()  # the child's first row buffer, as its own thread writer takes it
+        buffer.append(bytes(1 << 20))
+        buffer.free()
+        os._exit(0)
+    children.append(pid)
+    time.sleep(0.002)
+thread.join()
+statuses = [os.waitpid(pid, 0)[1] for pid in children]
+print("CHILDREN", len(children), "HUNG", sum(os.WIFSIGNALED(status) for status in statuses))
+"""
+
+
+def test_a_child_forked_while_another_thread_takes_row_pages_gets_them_too(tmp_path):
+    """A writer thread takes its row pages from the process's page pool with the GIL released, and
+    maps new slabs (pre-faulted, milliseconds) under the pool's lock: an os.fork() on another thread
+    then gave the child that lock held for good, and the child's first row buffer (its own writer
+    thread's first tensor) hung for ever (4 of 40 children here). The forking thread holds the lock
+    across fork() now."""
+    rc, out, err = run_script(tmp_path, FORK_WHILE_THE_PAGE_POOL_GROWS, timeout=120)
+    assert rc == 0, err[-3000:]
+    words = out.strip().splitlines()[-1].split()
+    assert words[0] == "CHILDREN" and int(words[1]) >= 5, out
+    assert words[2:] == ["HUNG", "0"], out
 
 
 SERVICE_STOPPED = r"""

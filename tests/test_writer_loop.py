@@ -19,6 +19,7 @@ class ScriptedConsumer:
     def __init__(self, records):
         self.records = list(records)
         self.acked, self.state, self.drained = [], None, False
+        self.failed_channels = []
 
     def next_batch(self, timeout_s, max_bytes=0, view_bytes=0, sinks=None):
         if not self.records:
@@ -39,6 +40,12 @@ class ScriptedConsumer:
 
     def set_state(self, state, error):
         self.state = (state, error)
+
+    def fail_channel(self, channel):
+        if channel >= _C.FAILED_CHANNEL_IDS:
+            return False
+        self.failed_channels.append(channel)
+        return True
 
 
 def control(seq, **msg):
@@ -79,7 +86,7 @@ def test_chunks_are_reassembled_and_a_torn_tensor_is_recorded_as_skipped(tmp_pat
         {"name": "torn", "reason": "incomplete tensor (staging failed mid-copy)"}]
 
 
-def test_a_failing_channel_stops_dumping_and_tells_the_producer(tmp_path, monkeypatch):
+def _one_tensor_on_a_full_disk(tmp_path, monkeypatch, channel):
     from fastdump.writer import channel_writer
 
     def broken(self, *args):
@@ -87,15 +94,32 @@ def test_a_failing_channel_stops_dumping_and_tells_the_producer(tmp_path, monkey
 
     monkeypatch.setattr(channel_writer.ChannelWriter, "on_tensor", broken)
     records = [
-        control(1, op="open", channel=0, dir=str(tmp_path / "target" / "TP0_PP0_Rank0_pid1"), role="target", rank={}, pid=1, host="h",
-                device={}, config={"segment_passes": 8, "segment_mb": 64, "segment_seconds": 60}),
-        control(2, op="name", channel=0, id=0, name="x"),
-        tensor(0, 0, torch.ones(2)),
+        control(1, op="open", channel=channel, dir=str(tmp_path / "target" / "TP0_PP0_Rank0_pid1"), role="target",
+                rank={}, pid=1, host="h", device={},
+                config={"segment_passes": 8, "segment_mb": 64, "segment_seconds": 60}),
+        control(2, op="name", channel=channel, id=0, name="x"),
+        (_C.KIND_TENSOR, channel, *tensor(0, 0, torch.ones(2))[2:]),
         control(3, op="shutdown"),
     ]
     consumer = ScriptedConsumer(records)
     loop = WriterLoop(consumer)
     assert loop.run() == 0
+    rank = json.loads((tmp_path / "target" / "TP0_PP0_Rank0_pid1" / "rank.json").read_text())
+    assert rank["status"] == "error" and "No space left" in rank["error"]
+    return consumer, loop
+
+
+def test_a_failing_channel_stops_dumping_there_and_tells_the_producer_which(tmp_path, monkeypatch):
+    """One root's full disk fails its channel alone (the producer reads the channel's bit: its
+    Dumper stops), not the writer: the other channels' Dumpers, on other roots, go on."""
+    consumer, loop = _one_tensor_on_a_full_disk(tmp_path, monkeypatch, channel=3)
+    assert consumer.failed_channels == [3]
+    assert consumer.state == (_C.WRITER_EXITED, "") and loop.failed is None
+
+
+def test_a_failing_channel_too_high_to_report_alone_stops_the_writer(tmp_path, monkeypatch):
+    consumer, loop = _one_tensor_on_a_full_disk(tmp_path, monkeypatch, channel=_C.FAILED_CHANNEL_IDS)
+    assert consumer.failed_channels == []
     assert consumer.state[0] == _C.WRITER_FAILED and "No space left" in consumer.state[1]
     assert "No space left" in loop.failed
 
@@ -256,3 +280,68 @@ def test_a_pass_end_tears_only_its_own_channels_unfinished_tensors(tmp_path):
     assert torch.equal(ds.load("target", "TP0_PP0_Rank1_pid1", 0)["whole"], whole)
     assert ds.meta("target", "TP0_PP0_Rank0_pid1", 0)["skipped"] == []
     assert ds.meta("target", "TP0_PP0_Rank1_pid1", 0)["skipped"] == []
+
+
+def _open_and_name(tmp_path, *names):
+    return [control(1, op="open", channel=0, dir=str(tmp_path / "target" / "TP0_PP0_Rank0_pid1"), role="target",
+                    rank={}, pid=1, host="h", device={},
+                    config={"segment_passes": 8, "segment_mb": 64, "segment_seconds": 60}),
+            *[control(2 + i, op="name", channel=0, id=i, name=name) for i, name in enumerate(names)],
+            control(9, op="begin", channel=0, **{"pass": 0, "meta": {}})]
+
+
+def test_a_large_chunked_tensor_is_written_as_its_chunks_come_and_a_torn_one_leaves_no_block(tmp_path, monkeypatch):
+    """A tensor staged in several records was put together whole in the writer's memory before
+    its segment write (a 4 GiB activation: 4 GiB in the writer). Its chunks go into its dataset
+    as they come now, never assembled: the tensor is stored bit for bit, with its CRC32C; a torn
+    one (its last chunk never comes) is dropped, its dataset taken out of the segment (no block
+    without index rows: verify passes), and recorded as skipped."""
+    from fastdump.cli.dump import verify_dump
+    from fastdump.writer import loop as loop_mod
+
+    def no_assembly(total):
+        raise AssertionError("a large tensor was put together in memory")
+
+    monkeypatch.setattr(loop_mod, "_Assembly", no_assembly)
+    big = torch.randn(1024, 512)  # 2 MiB, in 4 chunks
+    torn = torch.randn(512, 512)  # 1 MiB, its last chunk never comes
+    step = 512 << 10
+    records = [*_open_and_name(tmp_path, "big", "torn"),
+               *[tensor(0, 0, big, offset=k, part=step) for k in range(0, 2 * step, step)],
+               tensor(1, 0, torn, offset=0, part=step),
+               *[tensor(0, 0, big, offset=k, part=step) for k in range(2 * step, 4 * step, step)],
+               control(10, op="end", channel=0, **{"pass": 0, "meta": {}, "dropped": 0, "skipped": []}),
+               control(11, op="shutdown")]
+    assert WriterLoop(ScriptedConsumer(records)).run() == 0
+    with fastdump.open(tmp_path) as ds:
+        dumped = ds.load("target", "TP0_PP0_Rank0_pid1", 0)
+        assert list(dumped) == ["big"] and torch.equal(dumped["big"], big)
+        assert ds.meta("target", "TP0_PP0_Rank0_pid1", 0)["skipped"] == [
+            {"name": "torn", "reason": "incomplete tensor (staging failed mid-copy)"}]
+    problems = verify_dump(str(tmp_path)).problems
+    assert not [p for p in problems if "block" in str(p)], problems
+
+
+def test_a_chunk_out_of_place_tears_its_streamed_tensor_and_close_tears_an_unfinished_one(tmp_path):
+    """A chunk that does not continue its tensor (one lost before it) must never leave a tensor
+    with a hole called whole; nor may close() write the part of one whose last chunk never came."""
+    from fastdump.cli.dump import verify_dump
+
+    gap, unfinished, kept = torch.randn(512, 512), torch.randn(512, 512), torch.randn(512, 512)
+    step = 256 << 10
+    records = [*_open_and_name(tmp_path, "gap", "unfinished", "kept"),
+               tensor(0, 0, gap, offset=0, part=step),
+               tensor(0, 0, gap, offset=2 * step, part=step),  # the second chunk never came
+               tensor(0, 0, gap, offset=3 * step, part=step),
+               tensor(2, 0, kept),
+               tensor(1, 0, unfinished, offset=0, part=step),
+               control(10, op="close", channel=0, stats={})]
+    assert WriterLoop(ScriptedConsumer(records)).run() == 0
+    with fastdump.open(tmp_path) as ds:
+        dumped = ds.load("target", "TP0_PP0_Rank0_pid1", 0)
+        assert list(dumped) == ["kept"] and torch.equal(dumped["kept"], kept)
+        skipped = ds.meta("target", "TP0_PP0_Rank0_pid1", 0)["skipped"]
+        assert sorted(entry["name"] for entry in skipped) == ["gap", "unfinished"]
+        assert all(entry["reason"] == "incomplete tensor (staging failed mid-copy)" for entry in skipped)
+    problems = verify_dump(str(tmp_path)).problems
+    assert not [p for p in problems if "block" in str(p)], problems

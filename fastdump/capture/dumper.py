@@ -305,6 +305,8 @@ class Dumper:
                 block_timeout_s=o.block_timeout_s, device_ring_mb=o.device_ring_mb)
             if not self._engine.alive:
                 raise RuntimeError(self._engine.error())
+            if self._channel.failed:  # (its directory could not be opened: the writer's log says why)
+                raise RuntimeError(self._channel_failure())
             # The CPU hot path: channel, pass id and wait settings live in C++, set once per pass.
             self._stage_fast = self._channel.stage_fast
             if type(self._channel.lane) is _C.ChannelStager:  # (tests' CUDA-mock engines bring their own)
@@ -610,6 +612,8 @@ class Dumper:
                                            timeout=left())
                 if self.status != "running":
                     pass  # given up on above (the CUDA stager never finished): said why already
+                elif ok and self._channel.failed:  # this root's final segment write failed (disk full)
+                    self._disable(self._channel_failure())
                 elif ok and self._engine.alive:  # the final segment write itself can fail (disk full)
                     self.status = "closed"
                 elif self._engine.closed:
@@ -750,6 +754,8 @@ class Dumper:
                 return
             if not self._engine.alive_lately:  # a dead writer stops dumping, not serving
                 return self._disable(self._engine.error())
+            if self._channel.failed:  # this root's disk failed: this Dumper stops, not the others
+                return self._disable(self._channel_failure())
             opening = True
             if not self._channel.begin(self.pass_id):
                 return  # `drop` with a full ring: the whole pass is dropped (the channel counts it)
@@ -1381,7 +1387,8 @@ class Dumper:
         self.status, self.error = "error", error
         self._capturing = False
         log.error("fastdump: dumping to %s stopped: %s", self.dir, error)
-        if not writer_stuck and self._engine is not None and self._channel is not None and self._engine.alive:
+        if not writer_stuck and self._engine is not None and self._channel is not None and self._engine.alive \
+                and not self._channel.failed:  # (a channel the writer stopped takes no note)
             if self._channel.control(protocol.note(self._channel.id, "error", error=error), block=False):
                 return  # in the ring: the writer merges it into rank.json
         if not self._own_dir:  # (not made, or another Dumper's: its dump is not this one's to mark)
@@ -1394,6 +1401,15 @@ class Dumper:
         except OSError as exc:
             log.error("fastdump: cannot record the error in %s/%s: %s", self.dir, _fmt.PRODUCER_ERROR_FILE,
                       self._anchor.readable(str(exc)) if self._anchor is not None else exc)
+
+    def _channel_failure(self) -> str:
+        """Why the writer stopped writing this Dumper's directory alone: its rank.json's error."""
+        error = None
+        try:
+            error = _load_json(self._anchor.join(_fmt.RANK_FILE)).get("error")
+        except (OSError, ValueError, AttributeError):
+            pass  # (never opened, unreadable: the writer's log says why)
+        return str(error) if error else f"the writer stopped writing {self.dir} (its log says why)"
 
     def _abandon_attach(self, error: str | None, writer_stuck: bool = False) -> None:
         """Attach failed or was interrupted: record ``error`` (None: the caller raises it, strict=),

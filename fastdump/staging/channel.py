@@ -74,6 +74,12 @@ class Channel:
         self._graph_recorders: list = []  # CUDA-graph recorders: their dropped replays are passes too
         self.pass_dropped = 0
 
+    @property
+    def failed(self) -> bool:
+        """The writer stopped writing this channel alone (its root's disk full or unwritable; the
+        reason is in its rank.json): this Dumper stops, the engine's other channels go on."""
+        return self.engine.producer.channel_failed(self.id)
+
     # -- control messages ---------------------------------------------------------------------------
     def control(self, msg: dict, *, block: bool | None = None, wait: bool = False, timeout: float = 600.0):
         """Send ``msg`` in ring order under this channel's block policy (``block`` overrides it);

@@ -28,7 +28,7 @@ import numpy as np
 
 from .. import _C, dtypes, fsutil, protocol, segment_list
 from .. import format as fmt
-from .segment_file import Block, OpenSegment, write_segment
+from .segment_file import Block, OpenSegment, error_text, write_segment
 
 log = logging.getLogger("fastdump.writer")
 
@@ -79,6 +79,21 @@ class _PassState:
         self.incomplete = None  # why the capture side says the pass is not whole (it ended all the same)
         self.mixed = False  # forwards of several threads merged into it
         self.structure = None  # output structures the names do not tell (format.PASS_STRUCTURE)
+
+
+class _Stream:
+    """A large tensor split over several ring records, written into the open segment's file as its
+    chunks arrive (ChannelWriter.on_chunk): its bytes are never whole in the writer's memory. It
+    becomes a numbered block, indexed, only once every chunk is in, in order."""
+
+    __slots__ = ("block", "temp_name", "file_offset", "filled", "crc")
+
+    def __init__(self, block, temp_name, file_offset):
+        self.block = block  # its number given at completion
+        self.temp_name = temp_name  # of its dataset until then
+        self.file_offset = file_offset  # of its dataset (None: it holds no bytes)
+        self.filled = 0  # bytes written so far, from the start
+        self.crc = 0  # CRC32C of those bytes
 
 
 class _PendingSegment:
@@ -153,6 +168,8 @@ class ChannelWriter:
         self._pending = _PendingSegment()
         self._open = None  # OpenSegment holding this segment's large tensors, if any yet
         self._current = None  # the _PassState that received the last tensor (fast path)
+        self._streams: dict = {}  # (name id, pass id) -> _Stream: large tensors whose chunks are coming
+        self._stream_count = 0  # streams begun: their datasets' temporary names
         # The open segment's index rows and bytes; the loop's fast path takes a record into it when
         # its pass (set_pass) and layout (add_layout) are known here (csrc/writer_rows.h).
         self.sink = _C.RowSink()
@@ -264,6 +281,87 @@ class ChannelWriter:
             block = self._new_block(layout, shape)
         # Our copy (``data`` may be a view into the ring), its CRC32C and index row, as the fast path does.
         self.sink.append(block.number, pass_id, data, rows)
+
+    def streams(self, dtype_code: int, shape: tuple, total: int) -> bool:
+        """Whether a tensor split over several records is written chunk by chunk as they arrive
+        (``on_chunk``) rather than put together in memory first: a valid tensor of DIRECT_BYTES
+        or more (a CUDA-graph span or a bad record is put together, and judged, whole)."""
+        return (self.error is None and not self._closed and 0 <= dtype_code < len(dtypes.ITEMSIZE)
+                and 0 < len(shape) <= MAX_DIMS and total >= DIRECT_BYTES
+                and total == math.prod(shape) * dtypes.ITEMSIZE[dtype_code])
+
+    def on_chunk(self, name_id: int, pass_id: int, dtype_code: int, shape: tuple, data, offset: int,
+                 total: int) -> bool:
+        """One chunk of a tensor ``streams`` took, written at its place in its dataset (created with
+        the first chunk). The tensor is indexed, with the CRC32C of all its bytes, with its last
+        chunk. False: the chunk does not continue the tensor where it stands (a chunk lost before
+        it): the tensor is dropped (``drop_stream``) and the caller records it as torn."""
+        if self.error is not None or self._closed:
+            return True
+        key = (name_id, pass_id)
+        stream = self._streams.get(key)
+        if stream is None and offset == 0:
+            stream = self._start_stream(name_id, pass_id, dtype_code, tuple(shape))
+        if stream is None or offset != stream.filled:
+            self.drop_stream(name_id, pass_id)
+            return False
+        try:
+            if stream.file_offset is not None:
+                self._open.write_at(stream.file_offset + offset, data)
+        except Exception as exc:
+            self.fail(error_text(exc))
+            raise
+        stream.crc = _crc32c(data, stream.crc)
+        stream.filled += len(data)
+        if stream.filled >= total:
+            del self._streams[key]
+            pending, block = self._pending, stream.block
+            block.number, block.name_slot = len(pending.blocks), self._name_slot(name_id)
+            try:
+                self._open.number_block(block, stream.temp_name)
+            except Exception as exc:
+                self.fail(error_text(exc))
+                raise
+            pending.blocks.append(block)
+            self.sink.add_index(pass_id, block.name_slot, block.number, 0, block.rows, stream.crc, total)
+        return True
+
+    def _start_stream(self, name_id: int, pass_id: int, code: int, shape: tuple) -> _Stream:
+        pass_state = self._current
+        if pass_state is None or pass_state.pass_id != pass_id:
+            self._set_current(self._pass(pass_id))
+        block = Block(-1, -1, code, shape[1:], scalar=False)  # numbered when whole (other blocks come meanwhile)
+        block.rows = shape[0]
+        self._stream_count += 1
+        temp_name = f"streaming-{self._stream_count}"
+        try:
+            if self._open is None:
+                self._open = OpenSegment(self._anchor.join(""), self._next_segment)
+            file_offset = self._open.create_unnumbered(block, temp_name)
+        except Exception as exc:
+            self.fail(error_text(exc))
+            raise
+        stream = self._streams[(name_id, pass_id)] = _Stream(block, temp_name, file_offset)
+        return stream
+
+    def drop_stream(self, name_id: int, pass_id: int) -> None:
+        """A streamed tensor that will not complete (torn): its dataset leaves the segment, and no
+        index row ever names it. The caller records why."""
+        stream = self._streams.pop((name_id, pass_id), None)
+        if stream is None or self.error is not None or self._closed:
+            return
+        try:
+            self._open.drop_unnumbered(stream.temp_name)
+        except Exception as exc:
+            self.fail(error_text(exc))
+            raise
+
+    def _tear_streams(self) -> None:
+        """The segment is written while tensors are still coming (close, a producer gone): each is
+        dropped and recorded as skipped, never written in part."""
+        for (name_id, pass_id) in list(self._streams):
+            self.drop_stream(name_id, pass_id)
+            self._skip(self._pass(pass_id), name_id, fmt.TORN_TENSOR_REASON)
 
     def on_end(self, pass_id: int, meta: dict, dropped: int = 0, skipped: list = (), incomplete: str = None,
                mixed: bool = False, late: bool = False, structure: dict | None = None) -> None:
@@ -377,7 +475,7 @@ class ChannelWriter:
         soon after the model stops; never while a pass is open (it would be split)."""
         pending = self._pending
         if self.idle_seconds is None or self.error is not None or self._closed or not pending.passes \
-                or pending.open_passes or pending.last_end is None:
+                or pending.open_passes or pending.last_end is None or self._streams:
             return
         if (time.monotonic() if now is None else now) - pending.last_end >= self.idle_seconds:
             self._guarded(self._flush)
@@ -424,6 +522,7 @@ class ChannelWriter:
         for block in self._pending.blocks:
             block.data.free()  # the buffered rows' pages go back to the pool
         self._pending = _PendingSegment()
+        self._streams.clear()
         self._set_current(None)
         self.sink.reset()
         if self._open is not None:
@@ -491,7 +590,7 @@ class ChannelWriter:
                 self._open = OpenSegment(self._anchor.join(""), self._next_segment)
             self._open.write_direct(block, data)
         except Exception as exc:
-            self.fail(f"{type(exc).__name__}: {exc}")
+            self.fail(error_text(exc))
             raise
         pending.blocks.append(block)  # not in block_by_layout: later rows of the name go elsewhere
         self.sink.add_index(pass_id, block.name_slot, block.number, 0, block.rows, _crc32c(data), len(data))
@@ -518,7 +617,7 @@ class ChannelWriter:
 
     def _rotate_if_due(self, now: float) -> None:
         pending = self._pending
-        if not pending.passes:
+        if not pending.passes or self._streams:  # (a tensor's chunks are coming into this segment's file)
             return
         factor = 1 if pending.open_passes == 0 else _FORCE_FLUSH_FACTOR
         due = (
@@ -534,11 +633,12 @@ class ChannelWriter:
         try:
             action()
         except Exception as exc:
-            self.fail(f"{type(exc).__name__}: {exc}")
+            self.fail(error_text(exc))
             raise
 
     def _flush(self) -> None:
         """Write the pending passes as the next segment (unfinished passes marked incomplete)."""
+        self._tear_streams()
         pending = self._pending
         if not pending.passes:
             return

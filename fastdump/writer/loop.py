@@ -33,9 +33,23 @@ class _Assembly:
     """A tensor split over several ring records, filled in as its chunks arrive."""
 
     __slots__ = ("data", "filled")
+    streamed = False
 
     def __init__(self, total: int):
         self.data = np.empty(total, dtype=np.uint8)
+        self.filled = 0
+
+
+class _Streamed:
+    """A tensor split over several ring records whose chunks its channel writer writes into the
+    segment as they come (ChannelWriter.on_chunk): a 4 GiB activation no longer takes 4 GiB of the
+    writer's memory. ``data`` is None once it was dropped and its loss recorded."""
+
+    __slots__ = ("data", "filled")
+    streamed = True
+
+    def __init__(self):
+        self.data = True
         self.filled = 0
 
 
@@ -106,7 +120,7 @@ class WriterLoop:
                     if offset == 0 and len(payload) == total:
                         data = payload
                     else:
-                        data = self._assemble(channel, name_id, pass_id, payload, offset, total)
+                        data = self._assemble(channel, name_id, pass_id, dtype, shape, payload, offset, total)
                     writer = channels.get(channel)
                     if writer is not None and data is not None:
                         try:
@@ -124,13 +138,20 @@ class WriterLoop:
                 consumer.ack(seq)
             consumer.release()
 
-    def _assemble(self, channel, name_id, pass_id, payload, offset, total):  # copies: payload may be a view
-        """One chunk of a split tensor; the whole tensor once its last chunk is in, else None."""
+    def _assemble(self, channel, name_id, pass_id, dtype, shape, payload, offset, total):  # copies: payload may be a view
+        """One chunk of a split tensor; the whole tensor once its last chunk is in, else None.
+        A large one its channel writer streams is written chunk by chunk instead (None always)."""
         key = (channel, name_id, pass_id)
         part = self.partial.get(key)
         if part is None:
             if name_id >= protocol.GRAPH_SPAN_NAME_BASE:
                 self._drop_torn_spans(channel, name_id)
+            writer = self.channels.get(channel)
+            if offset == 0 and writer is not None and writer.streams(dtype, shape, total):
+                part = self.partial[key] = _Streamed()
+        if part is not None and part.streamed:
+            return self._stream(key, part, dtype, shape, payload, offset, total)
+        if part is None:
             try:
                 part = _Assembly(total)
             except MemoryError as exc:  # (a broadcast view of terabytes): lost, said once, the writer goes on
@@ -147,6 +168,23 @@ class WriterLoop:
             return None
         del self.partial[key]
         return part.data
+
+    def _stream(self, key, part, dtype, shape, payload, offset, total) -> None:
+        """A chunk of a streamed tensor to its channel writer; a chunk out of place tears it."""
+        channel, name_id, pass_id = key
+        writer = self.channels.get(channel)
+        if part.data is not None and writer is not None:
+            try:
+                if not writer.on_chunk(name_id, pass_id, dtype, shape, payload, offset, total):
+                    part.data = None  # dropped; recorded here, not again at its pass's end
+                    writer.skip_tensor(name_id, pass_id, fmt.TORN_TENSOR_REASON)
+            except Exception as exc:
+                part.data = None
+                self._tensor_failed(writer, name_id, pass_id, exc)
+        part.filled += len(payload)
+        if part.filled >= total:
+            del self.partial[key]
+        return None
 
     def _drop_torn_spans(self, channel: int, name_id: int) -> None:
         """A CUDA-graph replay span begins: an unfinished span from the same GPU's drain can never
@@ -169,7 +207,8 @@ class WriterLoop:
                 writer = self.channels[channel] = ChannelWriter(msg)
                 self.sinks[channel] = writer.sink
             except Exception as exc:
-                self._fail(f"cannot open {msg.get('dir')}: {exc}")
+                self.channels.pop(channel, None)
+                self._fail_channel(channel, f"cannot open {msg.get('dir')}: {exc}")
             return
         if op == "end":
             self._drop_torn(channel, msg)
@@ -200,9 +239,13 @@ class WriterLoop:
         torn = [key for key in self.partial if key[0] == channel and key[2] == end_msg["pass"]]
         names = getattr(self.channels.get(channel), "names", {})
         skipped = end_msg.setdefault("skipped", [])
+        writer = self.channels.get(channel)
         for key in torn:
-            if self.partial.pop(key).data is None:
-                continue  # its loss is recorded already (_assemble)
+            part = self.partial.pop(key)
+            if part.data is None:
+                continue  # its loss is recorded already (_assemble, _stream)
+            if part.streamed and writer is not None:
+                self._call(channel, "drop_stream", key[1], key[2])  # its dataset leaves the segment
             name = names.get(key[1], f"name #{key[1]}")
             if not any(entry.get("name") == name for entry in skipped):  # the producer may have said why
                 skipped.append({"name": name, "reason": fmt.TORN_TENSOR_REASON})
@@ -231,10 +274,28 @@ class WriterLoop:
 
     def _fail_writer(self, writer, exc: Exception) -> None:
         readable = getattr(writer, "readable", str)  # its files' paths go through a descriptor (DirAnchor)
-        self._fail(f"{writer_dir(writer)}: {type(exc).__name__}: {readable(str(exc))}")
+        error = f"{writer_dir(writer)}: {readable(segment_file.error_text(exc))}"
+        try:
+            writer.fail(error)  # rank.json says why (if its disk allows)
+        except Exception:
+            pass
+        self._fail_channel(getattr(writer, "channel", None), error)
+
+    def _fail_channel(self, channel, error: str) -> None:
+        """Writing one channel failed (its root's disk full or unwritable): that channel stops, its
+        Dumper learns it from the ring header (Producer.channel_failed) and stops, and the other
+        channels, on other roots, go on. Their records are consumed and ignored from now on. A
+        channel whose id is too high for the header's bits stops every channel, as before."""
+        writer = self.channels.pop(channel, None)
+        self.sinks.pop(channel, None)
+        if not isinstance(channel, int) or not self.consumer.fail_channel(channel):
+            if writer is not None:
+                self.channels[channel] = writer  # (failed already; _fail fails every channel)
+            return self._fail(error)
+        log.error("fastdump writer: %s; dumping to that directory stops", error)
 
     def _fail(self, error: str) -> None:
-        """Writing failed (disk full, unwritable root): stop dumping everywhere, keep serving."""
+        """The writer itself cannot go on: stop dumping everywhere, keep serving."""
         log.error("fastdump writer: %s; dumping stops", error)
         if self.failed is None:
             self.failed = error
@@ -269,7 +330,7 @@ class WriterLoop:
             try:
                 writer.close({}, status=status)
             except Exception as exc:
-                self._fail(f"{writer_dir(writer)}: {exc}")
+                self._fail_writer(writer, exc)
         self.channels.clear()
         self.sinks.clear()
         if self.failed is None:
@@ -284,6 +345,7 @@ def run_consumer(consumer, pin_near_device: bool = False, stop: StopSignal | Non
     """The writer's loop until it ends; ``stop``: a writer thread's StopSignal (None in a process).
     The I/O threads of segment writes end with the last loop of the process: a closed writer
     thread leaves no thread behind in the serving process."""
+    segment_file.refuse_file_size_signal()  # a writer thread shares the serving process's dispositions
     segment_file.hold_io_threads()
     try:
         return WriterLoop(consumer, pin_near_device, stop).run()

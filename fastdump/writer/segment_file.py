@@ -16,6 +16,8 @@ import errno
 import json
 import math
 import os
+import resource
+import signal
 import sys
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -114,19 +116,25 @@ def _pwritev_all(fd: int, buffers: list, offset: int) -> None:
             views[0] = views[0][written:]
 
 
-def _create_dataset(group_id, block: Block, dcpl=None):
+def _create_dataset(group_id, block: Block, dcpl=None, name: bytes = None):
+    """``block``'s dataset, named by its number (or ``name`` until it has one: OpenSegment.number_block)."""
     storage = dtypes.STORAGE[block.code]
     shape = (block.rows,) + block.row_shape
-    dset = h5d.create(group_id, str(block.number).encode(), _file_type(storage), h5s.create_simple(shape),
+    dset = h5d.create(group_id, name or str(block.number).encode(), _file_type(storage), h5s.create_simple(shape),
                       dcpl=dcpl)
     _str_attr(dset, fmt.ATTR_DTYPE.encode(), dtypes.NAMES[block.code])
     _str_attr(dset, fmt.ATTR_ENCODING.encode(), dtypes.ENCODING[block.code])
     if block.scalar:
         _int_attr(dset, fmt.ATTR_SCALAR.encode(), 1)
+    if name is None:
+        _block_crc_attr(dset, block)
+    return dset
+
+
+def _block_crc_attr(dset, block: Block) -> None:
     _int_attr(dset, fmt.ATTR_BLOCK_CRC.encode(), fmt.block_crc32c(block.number, dtypes.NAMES[block.code],
                                                                   dtypes.ENCODING[block.code], block.scalar,
                                                                   block.row_shape))
-    return dset
 
 
 def no_direct_io() -> bool:
@@ -146,8 +154,39 @@ def _open_direct(path: str):
         return None
 
 
+def refuse_file_size_signal() -> None:
+    """Block SIGXFSZ in the calling thread (a writer loop's, an I/O thread's): a write past the file
+    size limit (``ulimit -f``) then fails with EFBIG in that thread, and the channel fails loudly.
+    Unblocked, the kernel sends SIGXFSZ, whose default action killed a serving process whose writer
+    was a thread (a process that set SIG_DFL for it; the Python interpreter starts with it ignored).
+    The signal is sent to the writing thread alone, so blocking it there is enough; it stays
+    pending on that thread, never delivered."""
+    if hasattr(signal, "pthread_sigmask") and hasattr(signal, "SIGXFSZ"):
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGXFSZ})
+
+
+def error_text(exc: BaseException) -> str:
+    """``exc`` as a channel's error; a write over the file size limit names the limit (h5py
+    reports it as a RuntimeError whose text carries HDF5's ``errno = 27``)."""
+    text = f"{type(exc).__name__}: {exc}"
+    over_limit = getattr(exc, "errno", None) == errno.EFBIG or f"errno = {errno.EFBIG}," in str(exc)
+    if over_limit:
+        limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+        if limit != resource.RLIM_INFINITY:
+            text += (f" (a segment file reached this process's file size limit, ulimit -f, of {limit} bytes: "
+                     "raise it or lower segment_mb / segment_passes)")
+    return text
+
+
 IO_THREADS = 4
 _IO_POOL = None
+
+
+def _io_thread_start() -> None:
+    """An I/O thread's start: it writes block data, so it refuses SIGXFSZ as its writer loop does
+    (threads inherit their creator's mask; this does not depend on who created the pool)."""
+    refuse_file_size_signal()
+    _normal_priority()
 
 
 def _normal_priority() -> None:
@@ -166,7 +205,7 @@ def _io_threads() -> ThreadPoolExecutor:
     with _IO_LOCK:
         if _IO_POOL is None:
             _IO_POOL = ThreadPoolExecutor(max_workers=IO_THREADS, thread_name_prefix="fastdump-io",
-                                          initializer=_normal_priority)
+                                          initializer=_io_thread_start)
         return _IO_POOL
 
 
@@ -266,8 +305,36 @@ class OpenSegment:
     def write_direct(self, block: Block, data) -> None:
         """Create ``block``'s dataset and write ``data`` (all its rows, C order) into it."""
         offset = self._create(block)
+        if offset is not None:
+            self.write_at(offset, data)
+
+    def create_unnumbered(self, block: Block, name: str):
+        """Create the dataset of ``block`` (its rows set, its number not yet) under the temporary
+        ``name``, for writes that come later (``write_at``): its file offset, or None when it holds
+        no bytes. ``number_block`` gives it its number once all its bytes are in; ``drop_unnumbered``
+        takes it out if they never come. Numbers are given only to whole blocks, so a segment's
+        blocks stay numbered 0..n-1 whatever is dropped."""
+        dset = _create_dataset(self.blocks_group, block, self._dcpl, name=name.encode())
+        if block.rows * math.prod(block.row_shape) == 0:
+            return None
+        offset = dset.get_offset()
         if offset is None:
-            return
+            raise OSError(f"HDF5 allocated no contiguous storage for {name}")
+        return offset
+
+    def number_block(self, block: Block, name: str) -> None:
+        """The dataset made as ``name`` becomes ``blocks/<block.number>``, with its block CRC."""
+        self.blocks_group.move(name.encode(), str(block.number).encode())
+        _block_crc_attr(h5d.open(self.blocks_group, str(block.number).encode()), block)
+        block.written = True
+
+    def drop_unnumbered(self, name: str) -> None:
+        """Take out a dataset whose bytes will never all come (a torn tensor): unlinked, it is no
+        block of the segment (its bytes stay unused in the file)."""
+        self.blocks_group.unlink(name.encode())
+
+    def write_at(self, offset: int, data) -> None:
+        """Write ``data`` at ``offset`` in the file: with O_DIRECT where both are page-aligned."""
         view = byte_view(data)
         cut = view.nbytes - view.nbytes % ALIGN
         # The ring starts large payloads on a page (csrc/ring.cpp, kPageAlignedBytes).
