@@ -32,13 +32,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import fastdump  # noqa: E402
-from fastdump.capture import dumper as dumper_mod  # noqa: E402
+from fastdump.capture import wrappers as wrappers_mod  # noqa: E402
 from benchmarks.paired_step_bench import micro_loop  # noqa: E402
 
 
 def measure(steps: int, batch: int = 4, native_pass: bool = True) -> dict:
     torch.set_num_threads(1)
-    dumper_mod._native_root_pass = native_pass  # read when attach wraps the root
+    wrappers_mod._native_root_pass = native_pass  # read when attach wraps the root
     model, start = micro_loop(batch)
     clock = time.thread_time
     inside = [0.0]

@@ -57,9 +57,7 @@ def kind(request, monkeypatch):
     """The Dumper's wrappers in C++ (native, the default) or all in Python (``_native_wrappers``
     False: torch.compile's path). A test module with other kinds defines its own."""
     if request.param == "python":
-        from fastdump.capture import dumper as dumper_mod
-
-        monkeypatch.setattr(dumper_mod, "_native_wrappers", False)
+        monkeypatch.setattr("fastdump.capture.wrappers._native_wrappers", False)
     return request.param
 
 

@@ -935,9 +935,7 @@ def test_hooks_of_other_libraries_change_what_the_next_module_receives_not_the_d
     (inputs=True) are what its forward received, after its pre-hooks (with_kwargs too); hooks
     registered before or after attach, or removed between passes, alike. The root's own hooks run
     outside its pass: modules they call are not dumped."""
-    from fastdump.capture import dumper as dumper_mod
-
-    monkeypatch.setattr(dumper_mod, "_native_wrappers", native)
+    monkeypatch.setattr("fastdump.capture.wrappers._native_wrappers", native)
     model, x = Chain(), torch.randn(2, 3)
     model.b.register_forward_pre_hook(lambda m, args: (args[0] * 2,))
     model.a.register_forward_hook(lambda m, args, out: out + 100)
@@ -1276,9 +1274,7 @@ def test_a_module_whose_forward_is_a_property_is_recorded_as_not_wrapped(tmp_pat
     the module (a leaf: act) was silently missing from every pass, recorded nowhere. It is listed
     in not_wrapped with the reason; its submodules are dumped; watch() refuses it; close() leaves
     nothing behind."""
-    from fastdump.capture import dumper as dumper_mod
-
-    monkeypatch.setattr(dumper_mod, "_native_wrappers", native)
+    monkeypatch.setattr("fastdump.capture.wrappers._native_wrappers", native)
     model = WithPropertyForward()
     x = torch.randn(3, 4)
     with torch.no_grad():
@@ -1334,9 +1330,7 @@ class WithParametrized(nn.Module):
 def test_a_parametrized_module_is_dumped_as_the_leaf_it_is(tmp_path, monkeypatch, native):
     """A parametrized Linear has a child (its ParametrizationList), so it was no leaf: its output was
     missing from every pass, and only the weight its parametrization computed was dumped."""
-    from fastdump.capture import dumper as dumper_mod
-
-    monkeypatch.setattr(dumper_mod, "_native_wrappers", native)
+    monkeypatch.setattr("fastdump.capture.wrappers._native_wrappers", native)
     model = WithParametrized()
     x = torch.randn(3, 4)
     with torch.no_grad():
@@ -1375,9 +1369,7 @@ def test_dataparallel_replicas_compute_with_their_own_weights_and_are_not_dumped
     original module: every replica computed with the original's weights (attach changed DataParallel's
     results). Replicas get the class's forward, as without fastdump; two of them run at once in two
     threads, as DataParallel runs them, without opening a pass; the original stays dumped."""
-    from fastdump.capture import dumper as dumper_mod
-
-    monkeypatch.setattr(dumper_mod, "_native_wrappers", native)
+    monkeypatch.setattr("fastdump.capture.wrappers._native_wrappers", native)
     replicate = _fake_replicate(monkeypatch)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))

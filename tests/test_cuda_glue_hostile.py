@@ -25,11 +25,13 @@ def native(m, glue, monkeypatch):
     """The Dumper's C++ forward wrappers and capture state from the mock build, so that its
     CaptureState holds the channel's (mock) ChannelStager and the wrappers call stage_tensor in C,
     as on a GPU; FakeCudaTensor is the 'exact tensor' type they stage in C (torch.Tensor is on a GPU)."""
-    from fastdump.capture import dumper as dm
+    from fastdump.capture import dumper, emit, tensors, wrappers
 
-    monkeypatch.setattr(dm, "_C", m)
-    monkeypatch.setattr(dm, "_NativeWrapper", m.ForwardWrapper)
-    monkeypatch.setattr(dm, "_TensorType", FakeCudaTensor)
+    for module in (dumper, emit, wrappers, tensors):  # (each capture module that reads _C)
+        monkeypatch.setattr(module, "_C", m)
+    monkeypatch.setattr(wrappers, "_NativeWrapper", m.ForwardWrapper)
+    for module in (dumper, wrappers, tensors):  # (each capture module that reads _TensorType)
+        monkeypatch.setattr(module, "_TensorType", FakeCudaTensor)
     return glue
 
 

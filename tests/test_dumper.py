@@ -770,8 +770,7 @@ def test_a_draft_run_inside_the_target_forward_is_its_own_pass_alone(tmp_path, m
     holds what its own forward computed, nothing of the other's (the target's pass used to get the
     draft's embedding and LM head calls as `embed#1`, `lm_head#1`..., and verify said OK); so also
     when the draft's passes are left out by its selection."""
-    from fastdump.capture import dumper as dumper_mod
-    monkeypatch.setattr(dumper_mod, "_native_root_pass", native_pass)
+    monkeypatch.setattr("fastdump.capture.wrappers._native_root_pass", native_pass)
     target = _Eagle3Target()
     draft = _Eagle3Draft(target)
     drafted = []  # (ids, aux, draft logits, draft hidden, the target's pass) per draft step
@@ -833,8 +832,7 @@ def test_two_dumpers_on_one_model_with_different_selections_both_dump_every_forw
                                                                                       native_pass):
     """Their root wrappers nest at every forward (the later one's around the earlier's): neither pass
     is suspended for the other's, as a draft's pass nested in the target's forward suspends that."""
-    from fastdump.capture import dumper as dumper_mod
-    monkeypatch.setattr(dumper_mod, "_native_root_pass", native_pass)
+    monkeypatch.setattr("fastdump.capture.wrappers._native_root_pass", native_pass)
     target = _Eagle3Target()
     wide = fastdump.attach(target, tmp_path, role="wide")
     narrow = fastdump.attach(target, tmp_path, role="narrow", include=r"^embed$", inputs=True)
@@ -910,8 +908,7 @@ def test_a_draft_forward_outside_any_pass_of_its_own_stays_out_of_the_target_pas
     said OK. The target's pass is suspended while the draft's forward runs, and says so
     (suspended_for, pass None: the draft's calls went to no pass); the target's own repeated calls,
     before and after the draft's, are still `name#k`."""
-    from fastdump.capture import dumper as dumper_mod
-    monkeypatch.setattr(dumper_mod, "_native_root_pass", native_pass)
+    monkeypatch.setattr("fastdump.capture.wrappers._native_root_pass", native_pass)
     target = _Eagle3Target()
     draft = _Eagle3Draft(target)
     dt = fastdump.attach(target, tmp_path, role="target")
@@ -1512,8 +1509,7 @@ def test_a_lazy_result_dropped_inside_its_own_root_pass_keeps_its_cleanup_out_of
     """A root_passes=True model whose forward returns a generator: the first, left suspended, is
     dropped inside the model's next forward (its pass): its ``finally`` called the LM head inside
     that pass, read as the forward's own ``lm_head``, verify OK. Now it runs once the pass ended."""
-    from fastdump.capture import dumper as dumper_mod
-    monkeypatch.setattr(dumper_mod, "_native_root_pass", native_pass)
+    monkeypatch.setattr("fastdump.capture.wrappers._native_root_pass", native_pass)
     model = _LazyLM()
     d = fastdump.attach(model, tmp_path)
     ids = [torch.tensor([[1, 2, 3]]), torch.tensor([[4, 5, 6]])]

@@ -15,7 +15,7 @@ from torch import nn
 
 import fastdump
 from fastdump import _C
-from fastdump.capture import dumper as dumper_mod
+from fastdump.capture import following as following_mod
 
 from conftest import open_fds_where, same_bits
 from toy_models import Chain
@@ -877,14 +877,14 @@ def test_a_module_put_in_on_another_thread_while_close_runs_is_left_unwrapped(tm
     model = Chain(2)
     d = fastdump.attach(model, tmp_path)
     selecting, go = threading.Event(), threading.Event()
-    select = dumper_mod._select_subtree
+    select = following_mod._select_subtree
 
     def slow_select(*args, **kwargs):
         selecting.set()
         go.wait(10)
         return select(*args, **kwargs)
 
-    monkeypatch.setattr(dumper_mod, "_select_subtree", slow_select)
+    monkeypatch.setattr("fastdump.capture.following._select_subtree", slow_select)
     fresh = nn.Linear(4, 4)
     putter = threading.Thread(target=model.layers.append, args=(fresh,))
     putter.start()

@@ -1124,9 +1124,7 @@ def test_a_module_that_calls_itself_numbers_its_calls_as_they_start(tmp_path, mo
     """Inputs, hooks' values and output of one call share its #k even when the calls nest: the outer
     call starts first (#0) and returns last. Numbered as they returned, the inner and the outer call
     both dumped `Nest.input.0` (two tensors under one name, which the reader then renamed)."""
-    from fastdump.capture import dumper as dumper_mod
-
-    monkeypatch.setattr(dumper_mod, "_native_wrappers", native)
+    monkeypatch.setattr("fastdump.capture.wrappers._native_wrappers", native)
 
     class Nest(nn.Module):
         def __init__(self):
@@ -1258,9 +1256,7 @@ def test_parts_of_an_output_named_alike_are_dumped_once_and_the_other_skipped(tm
     """Parts are named after their keys' text: 1 and "1", "a.b" and "a" holding "b", or a tuple part
     of a watched module and its child (`block.0`). Before, both went under one name and verify failed
     the pass as mixed; now the first keeps the name, each later one is a recorded skip."""
-    from fastdump.capture import dumper as dumper_mod
-
-    monkeypatch.setattr(dumper_mod, "_native_wrappers", native)
+    monkeypatch.setattr("fastdump.capture.wrappers._native_wrappers", native)
     model = nn.Sequential(ReturnsLookalikes())  # the root returns the same dict: its parts too
     x = torch.randn(2, 4)
     with fastdump.attach(model, tmp_path):
@@ -1355,10 +1351,8 @@ def test_pass_metadata_keys_the_reader_adds_itself_are_refused(tmp_path):
 def test_verify_warns_of_a_pass_stored_incomplete_without_a_reason(tmp_path, monkeypatch):
     """A pass whose end never reached the writer (a full ring refused it and it was not sent later,
     or Ctrl-C cut it off) is stored not complete, with no reason: verify says so."""
-    from fastdump.capture import dumper as dumper_mod
-
-    monkeypatch.setattr(dumper_mod, "_MAX_LATE_ENDS", 0)  # a refused end is lost, not sent later
-    monkeypatch.setattr(dumper_mod, "_native_root_pass", False)  # every end through Channel.end
+    monkeypatch.setattr("fastdump.capture.passes._MAX_LATE_ENDS", 0)  # a refused end is lost, not sent later
+    monkeypatch.setattr("fastdump.capture.wrappers._native_root_pass", False)  # every end through Channel.end
     model = Mlp()
     d = fastdump.attach(model, tmp_path, policy="drop")
     model(torch.randn(2, 8))

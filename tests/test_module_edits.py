@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import fastdump
-from fastdump.capture import dumper as dumper_mod
+from fastdump.capture import following as following_mod
 from fastdump.cli.dump import verify_dump
 
 from conftest import same_bits
@@ -377,7 +377,7 @@ def test_a_module_registered_on_another_thread_while_attach_walks_the_model_is_d
     import threading
 
     model = Chain(2)
-    real_select = dumper_mod.select_modules
+    real_select = following_mod.select_modules
     raced = []
 
     def select_then_race(*args, **kwargs):
@@ -389,7 +389,7 @@ def test_a_module_registered_on_another_thread_while_attach_walks_the_model_is_d
             thread.join()
         return selected
 
-    monkeypatch.setattr(dumper_mod, "select_modules", select_then_race)
+    monkeypatch.setattr("fastdump.capture.following.select_modules", select_then_race)
     d = fastdump.attach(model, tmp_path)
     assert raced
     out, want = _chain_outputs(model, torch.randn(2, 4))

@@ -25,7 +25,6 @@ import torch
 from torch import nn
 
 import fastdump
-from fastdump.capture import dumper as dumper_mod
 from fastdump.cli.dump import verify_dump
 from fastdump.staging.engine import SHM_DIR, SHM_PREFIX, Engine
 
@@ -379,7 +378,7 @@ def test_ctrl_c_at_every_point_of_the_dumpers_code_leaves_later_passes_whole_and
     """A notebook user's Ctrl-C lands in fastdump's bookkeeping (a pass's begin waits for ring space
     in Python slices precisely so that Ctrl-C gets through). Whatever point it hits, the next pass
     must be dumped whole under the right names, and nothing on disk may be wrong."""
-    monkeypatch.setattr(dumper_mod, "_native_root_pass", way == "c-pass")
+    monkeypatch.setattr("fastdump.capture.wrappers._native_root_pass", way == "c-pass")
     inputs = way == "inputs"
     model = Net()
     ref = copy.deepcopy(model)
@@ -970,7 +969,7 @@ class OtherThreadAt:
 
 @pytest.mark.parametrize("way,fewest", [("c-pass", 3), ("python-pass", 6)])
 def test_another_threads_forward_at_every_switch_point_is_flagged_or_kept_apart(tmp_path, monkeypatch, way, fewest):
-    monkeypatch.setattr(dumper_mod, "_native_root_pass", way == "c-pass")
+    monkeypatch.setattr("fastdump.capture.wrappers._native_root_pass", way == "c-pass")
     model = Net()
     ref = copy.deepcopy(model)
     values, errors = {}, []

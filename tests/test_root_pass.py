@@ -75,7 +75,7 @@ def run(tmp_path, passes=5, **options):
 
 @pytest.mark.parametrize("native_pass", [True, False])
 def test_plain_passes_are_the_same_on_disk_whichever_path_took_them(tmp_path, monkeypatch, counted, native_pass):
-    monkeypatch.setattr(dumper_mod, "_native_root_pass", native_pass)
+    monkeypatch.setattr("fastdump.capture.wrappers._native_root_pass", native_pass)
     model, xs, outs, stats = run(tmp_path, passes=6)
     # The C path ran every pass without a Python pass method; the Python path, each once a pass.
     assert dict(counted) == ({} if native_pass else {"_root_begin": 6, "_begin": 6, "_end": 6})
@@ -164,7 +164,7 @@ def test_the_selection_is_made_in_c_as_python_makes_it(tmp_path, monkeypatch, co
     xs = [torch.full((2, 8), float(i)) - 3.5 for i in range(8)]
     found = {}
     for native in (True, False):
-        monkeypatch.setattr(dumper_mod, "_native_root_pass", native)
+        monkeypatch.setattr("fastdump.capture.wrappers._native_root_pass", native)
         counted.clear()
         model = Net()
         d = fastdump.attach(model, tmp_path / str(native), **options)
@@ -287,7 +287,7 @@ def test_a_leaf_called_from_another_thread_during_a_c_pass_marks_it_mixed(tmp_pa
 def test_pass_ends_the_writer_handled_are_forgotten(tmp_path, monkeypatch, native_pass):
     import time
 
-    monkeypatch.setattr(dumper_mod, "_native_root_pass", native_pass)
+    monkeypatch.setattr("fastdump.capture.wrappers._native_root_pass", native_pass)
     model = Net()
     d = fastdump.attach(model, tmp_path)
     def all_acked():

@@ -14,7 +14,6 @@ from torch import nn
 
 import fastdump
 from fastdump import _C, cli
-from fastdump.capture import dumper as dumper_mod
 from fastdump.cli.dump import verify_dump
 
 
@@ -51,9 +50,9 @@ def kind(request, monkeypatch):
     CaptureState.root_pass), the same with the pass begun and ended in Python (Dumper._root_begin,
     _end: every pass that is not plain), or all in Python (torch.compile's path)."""
     if request.param == "python":
-        monkeypatch.setattr(dumper_mod, "_native_wrappers", False)
+        monkeypatch.setattr("fastdump.capture.wrappers._native_wrappers", False)
     if request.param == "native-python-pass":
-        monkeypatch.setattr(dumper_mod, "_native_root_pass", False)
+        monkeypatch.setattr("fastdump.capture.wrappers._native_root_pass", False)
     return request.param.split("-")[0]
 
 
