@@ -2103,6 +2103,9 @@ def test_reclaiming_slots_never_breaks_another_threads_raw_capture(m, glue, tmp_
         done.set()
         t.join(60)
         current.raw = glue
+        # The graph ring holds one replay of this width: the new replay waits for the old one to
+        # be drained and its ring space given back, or it is (rightly) a dropped replay on a loaded machine.
+        assert d._graphs.recorder(0).flush(30)
         new = [replay(m, model, g2.exe, glue, rand_input(model, 2))]
         m._mock.sync(glue)
         rec = d._graphs.recorder(0).stats()
