@@ -485,14 +485,15 @@ def test_tensors_larger_than_the_ring_a_stalled_writer_cut_off_are_drops_and_fai
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 1152), torch.nn.ReLU())
     x = torch.randn(512, 64)  # outputs of 512 x 1152 fp32: 2.25 MiB each, the ring 1 MiB
-    d = fastdump.attach(model, tmp_path, policy="block", block_timeout_s=0.3, ring_mb=1)
+    # (2 s: a loaded machine's writer, warming up, took over 0.3 s for one chunk of pass 0)
+    d = fastdump.attach(model, tmp_path, policy="block", block_timeout_s=2.0, ring_mb=1)
     pid = writer_pid()
     try:
         with torch.inference_mode():
             model(x)  # pass 0: the writer frees space as the chunks go in
             drained()
             os.kill(pid, signal.SIGSTOP)  # the ring is empty: the first chunk fits, the second waits
-            model(x)  # pass 1: "0" torn after 0.3 s; "1" and "Sequential" cannot go in at once
+            model(x)  # pass 1: "0" torn after 2 s; "1" and "Sequential" cannot go in at once
             stats = d.stats()
             assert stats["dropped"] == 3 and stats["skipped"] == 0, stats
             cont(pid)
