@@ -3,6 +3,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
 #include <cstring>
 #if defined(__SSE2__)
 #include <emmintrin.h>
@@ -528,6 +529,8 @@ PYBIND11_MODULE(_C, m) {
       .def("writer_attached",
            [](Producer& p) { return p.region().header()->writer_attached.load() != 0; })
       .def("writer_error", [](Producer& p) { return std::string(p.region().header()->error); })
+      .def("channel_error", &Producer::channel_error, py::arg("channel"),
+           "the writer's error for a failed channel ('' when it had no room to say it)")
       .def("channel_failed", &Producer::channel_failed, py::arg("channel"),
            "whether the writer stopped writing this channel alone (Consumer.fail_channel)")
       .def("set_writer_fd", &Producer::set_writer_fd)
@@ -707,14 +710,22 @@ PYBIND11_MODULE(_C, m) {
       .def("set_state", &Consumer::set_state, py::arg("state"), py::arg("error") = "")
       .def(
           "fail_channel",
-          [](Consumer& c, uint32_t channel) {
+          [](Consumer& c, uint32_t channel, const std::string& error) {
             if (channel >= kFailedChannelBits) return false;
-            c.region().header()->failed_channels[channel / 64].fetch_or(1ull << (channel % 64),
-                                                                        std::memory_order_release);
+            RingHeader* h = c.region().header();
+            const uint32_t slot = h->channel_errors_claimed.fetch_add(1, std::memory_order_relaxed);
+            if (slot < kChannelErrorSlots) {  // (text first, then the id that makes it readable)
+              ChannelError& e = h->channel_errors[slot];
+              const size_t n = std::min(error.size(), sizeof(e.text) - 1);
+              std::memcpy(e.text, error.data(), n);
+              e.text[n] = '\0';
+              e.channel.store(channel + 1, std::memory_order_release);
+            }
+            h->failed_channels[channel / 64].fetch_or(1ull << (channel % 64), std::memory_order_release);
             return true;
           },
-          py::arg("channel"),
-          "tell the producer this channel's writing stopped (False: its id is too high to say so)");
+          py::arg("channel"), py::arg("error") = "",
+          "tell the producer this channel's writing stopped, and why (False: its id is too high to say so)");
   m.attr("FAILED_CHANNEL_IDS") = kFailedChannelBits;  // channel ids fail_channel can report
 
   bind_cuda(m);

@@ -6,6 +6,7 @@
 #include <condition_variable>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -13,7 +14,7 @@
 namespace fastdump {
 
 constexpr uint64_t kMagic = 0x31474e4952504446ull;  // "FDPRING1"
-constexpr uint64_t kVersion = 3;  // 2: no `published` counter; 3: failed_channels
+constexpr uint64_t kVersion = 3;  // 2: no `published` counter; 3: failed_channels, channel_errors
 constexpr uint64_t kAlign = 64;
 constexpr uint64_t kHeaderBytes = 4096;
 constexpr uint32_t kMaxDims = 32;  // HDF5 datasets hold at most 32 dimensions (H5S_MAX_RANK)
@@ -54,6 +55,14 @@ inline uint64_t align_up(uint64_t n) { return (n + kAlign - 1) & ~(kAlign - 1); 
 constexpr uint64_t kPageBytes = 4096;
 constexpr uint64_t kPageAlignedBytes = 1ull << 20;
 
+// A failed channel's error text (RingHeader::channel_errors): written once by the writer, `channel`
+// (id + 1) stored last with release, so a producer that sees its id reads a whole text.
+constexpr uint32_t kChannelErrorSlots = 4;
+struct ChannelError {
+  std::atomic<uint32_t> channel;  // id + 1; 0 while the slot is free or being written
+  char text[444];
+};
+
 struct alignas(64) RingHeader {
   uint64_t magic;
   uint64_t version;
@@ -67,8 +76,12 @@ struct alignas(64) RingHeader {
   std::atomic<uint64_t> writer_attached;         // writer has mapped the region (producer may unlink)
   char error[1024];                              // writer failure text
   // One bit per channel id the writer stopped writing (its root's disk full or unwritable): that
-  // Dumper stops, the others go on. The channel's own error is in its rank.json.
+  // Dumper stops, the others go on. The channel's own error is in its rank.json when that can be
+  // written, and for the first few failed channels also here (a deleted rank directory or a
+  // read-only file system leaves no rank.json to read it from).
   alignas(64) std::atomic<uint64_t> failed_channels[kFailedChannelBits / 64];
+  std::atomic<uint32_t> channel_errors_claimed;  // slots of channel_errors taken (may pass the count)
+  ChannelError channel_errors[kChannelErrorSlots];
 };
 static_assert(sizeof(RingHeader) <= kHeaderBytes, "ring header too large");
 
@@ -160,6 +173,14 @@ class Producer {
   bool channel_failed(uint32_t channel) {
     return channel < kFailedChannelBits &&
            ((seg_.header()->failed_channels[channel / 64].load(std::memory_order_acquire) >> (channel % 64)) & 1);
+  }
+  // The writer's error for a failed `channel` ("" when it had no slot left to say it in).
+  std::string channel_error(uint32_t channel) {
+    for (const ChannelError& e : seg_.header()->channel_errors) {
+      if (e.channel.load(std::memory_order_acquire) == channel + 1)
+        return std::string(e.text, strnlen(e.text, sizeof(e.text)));
+    }
+    return "";
   }
 
   // Writer liveness: fd whose EOF/HUP means the writer is gone (-1: in-process thread writer).

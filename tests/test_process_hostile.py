@@ -12,6 +12,7 @@ import copy
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -1479,7 +1480,11 @@ def test_a_daemon_threads_close_running_at_exit_finishes_before_the_engine_stops
         time.sleep(0.1)
     """, tmp_path / "dump", Path(__file__).parent)
     assert code == 0, err
-    assert "thread close: closed" in out, out + err
+    # (the print after close() returned races the interpreter's end, which stops daemon threads:
+    # "thread close:" came out alone 1 run in ~10; what close() left on disk is the evidence)
+    assert re.findall(r"thread close: (\w+)", out) in ([], ["closed"]), out + err
+    rank_json = next((tmp_path / "dump" / "target").glob("*/rank.json"))
+    assert json.loads(rank_json.read_text())["status"] == "closed"
     assert_verifies(tmp_path / "dump")
     ref = Net()
     check_passes_against(tmp_path / "dump", {p: torch.full((1, 16), float(p)) for p in range(5)}, ref)

@@ -20,6 +20,7 @@ class ScriptedConsumer:
         self.records = list(records)
         self.acked, self.state, self.drained = [], None, False
         self.failed_channels = []
+        self.channel_errors = {}
 
     def next_batch(self, timeout_s, max_bytes=0, view_bytes=0, sinks=None):
         if not self.records:
@@ -41,10 +42,11 @@ class ScriptedConsumer:
     def set_state(self, state, error):
         self.state = (state, error)
 
-    def fail_channel(self, channel):
+    def fail_channel(self, channel, error=""):
         if channel >= _C.FAILED_CHANNEL_IDS:
             return False
         self.failed_channels.append(channel)
+        self.channel_errors[channel] = error
         return True
 
 

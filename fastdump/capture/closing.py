@@ -231,12 +231,19 @@ class ClosingMixin:
                       self._anchor.readable(str(exc)) if self._anchor is not None else exc)
 
     def _channel_failure(self) -> str:
-        """Why the writer stopped writing this Dumper's directory alone: its rank.json's error."""
+        """Why the writer stopped writing this Dumper's directory alone: its error as the writer
+        left it in the ring header, else its rank.json's (a deleted directory or a read-only file
+        system leaves no rank.json to read it from)."""
         error = None
         try:
-            error = _load_json(self._anchor.join(_fmt.RANK_FILE)).get("error")
-        except (OSError, ValueError, AttributeError):
-            pass  # (never opened, unreadable: the writer's log says why)
+            error = self._engine.producer.channel_error(self._channel.id)
+        except Exception:
+            pass
+        if not error:
+            try:
+                error = _load_json(self._anchor.join(_fmt.RANK_FILE)).get("error")
+            except (OSError, ValueError, AttributeError):
+                pass  # (never opened, unreadable: the writer's log says why)
         return str(error) if error else f"the writer stopped writing {self.dir} (its log says why)"
 
     def _abandon_attach(self, error: str | None, writer_stuck: bool = False) -> None:

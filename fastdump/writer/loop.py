@@ -288,7 +288,7 @@ class WriterLoop:
         channel whose id is too high for the header's bits stops every channel, as before."""
         writer = self.channels.pop(channel, None)
         self.sinks.pop(channel, None)
-        if not isinstance(channel, int) or not self.consumer.fail_channel(channel):
+        if not isinstance(channel, int) or not self.consumer.fail_channel(channel, error):
             if writer is not None:
                 self.channels[channel] = writer  # (failed already; _fail fails every channel)
             return self._fail(error)
