@@ -981,3 +981,75 @@ def test_last_token_only_is_said_and_whole_tensors_are_dumped(tmp_path, monkeypa
     assert "TENSOR_DUMP_LAST_TOKEN_ONLY=1 is not applied" in caplog.text
     assert_equal_bitwise(got, want)  # whole tensors: 5 rows of the extend batch, not the last one
     assert got["model.embed_tokens"].shape[0] == 5
+
+
+# --- SGLang's signature as each version has it (the call site passes it by position) ------------------
+
+# SGLang before --debug-tensor-dump-layers (sgl-project/sglang tensor_dump_forward_hook.py at 19fed5ff):
+# no dump_layers; ModelRunner.load_model calls (model, folder, tp_size, tp_rank, pp_rank).
+SGLANG_WITHOUT_DUMP_LAYERS = {
+    **SGLANG_0_5_15,
+    "sglang/srt/debug_utils/tensor_dump_forward_hook.py": """
+        def register_forward_hook_for_model(model, dump_dir, tp_size, tp_rank, pp_rank):
+            raise AssertionError("SGLang's own dumper was used")
+    """,
+    "sglang/srt/model_executor/model_runner.py": """
+        import torch
+        from sglang.srt.debug_utils.tensor_dump_forward_hook import register_forward_hook_for_model
+        from sglang.srt.model_executor.tiny import TinyLM
+
+        def load_and_run(folder, tp_size, tp_rank, pp_rank):
+            model = TinyLM()
+            register_forward_hook_for_model(model, folder, tp_size, tp_rank, pp_rank)
+            with torch.no_grad():
+                return model(torch.ones(2, 4))
+    """,
+}
+
+
+def test_installed_entry_reads_its_arguments_by_the_replaced_functions_signature(tmp_path, monkeypatch):
+    """SGLang's call site passes its arguments by position, in the order of the function it imported:
+    before dump_layers existed that was (model, folder, tp_size, tp_rank, pp_rank), which the entry
+    read as dump_layers=tp_size ... and failed the model's load with "'int' object is not iterable"."""
+    import importlib
+
+    pkg = tmp_path / "sglang-old"
+    _write_package(pkg, SGLANG_WITHOUT_DUMP_LAYERS)
+    monkeypatch.syspath_prepend(str(pkg))
+    monkeypatch.setenv("FASTDUMP_WRITER", "thread")
+    monkeypatch.setattr(fsg, "_sglang_params", fsg._sglang_params)  # (install() sets it: put back after)
+    try:
+        assert fsg.install() is True
+        model_runner = importlib.import_module("sglang.srt.model_executor.model_runner")
+        root = tmp_path / "dump"
+        out = model_runner.load_and_run(str(root), 2, 1, 0)  # TP rank 1 of 2
+        close_all()
+        ds = fastdump.open(root)
+        rank = only_rank(ds, "target")
+        assert fmt.parse_rank_dir(rank)[:3] == (1, 0, 1)  # TP1_PP0_Rank1, as SGLang names it
+        numbers = ds.rank_info("target", rank)["rank"]
+        assert (numbers["tp_rank"], numbers["tp_size"], numbers["pp_rank"]) == (1, 2, 0)
+        got = ds.load("target", rank, 0)
+        assert torch.equal(got["lm_head"], out) and {"model", "model.0", "model.1"} <= set(got)
+    finally:
+        close_all()
+        for name in [n for n in sys.modules if n == "sglang" or n.startswith("sglang.")]:
+            del sys.modules[name]
+
+
+def test_installed_entry_takes_a_hook_variants_skip_passes(tmp_path, monkeypatch):
+    """A hook variant with a ``skip_passes`` parameter (warm-up passes left out): the entry reads it
+    by that name and fastdump skips as many passes; its default 0 leaves FASTDUMP_SKIP in force."""
+    monkeypatch.setattr(fsg, "_sglang_params", fsg._replaced_params(
+        lambda model, dump_dir, dump_layers=None, tp_size=1, tp_rank=0, pp_rank=0, skip_passes=0: None))
+    model, batch = LlamaForCausalLM(n_layers=1), list(batches())[:3]
+    for sub, args, env, kept in (("given", (None, 1, 0, 0, 2), None, [2]), ("env", (None, 1, 0, 0, 0), "1", [1, 2])):
+        if env is not None:
+            monkeypatch.setenv("FASTDUMP_SKIP", env)
+        d = fsg._sglang_entry(model, str(tmp_path / sub), *args)
+        with torch.no_grad():
+            for fb in batch:
+                run(model, fb)
+        d.close()
+        ds = fastdump.open(tmp_path / sub)
+        assert ds.passes("target", only_rank(ds, "target")) == kept

@@ -321,15 +321,48 @@ _SGLANG_CALL_SITES = (
 _HOOK_NAME = "register_forward_hook_for_model"
 
 
-def _sglang_entry(model, dump_dir, dump_layers=None, tp_size=1, tp_rank=0, pp_rank=0, *args, **kwargs):
+# The parameters (after ``model``) of the SGLang function install() replaced, in its order: its call
+# sites pass them by position, and the order changed between SGLang versions (before
+# --debug-tensor-dump-layers: ``(model, dump_dir, tp_size, tp_rank, pp_rank)``, which read by today's
+# order made tp_size the dump_layers and failed the model's load). install() reads them from the
+# function it replaces; today's order when it could not.
+_HOOK_PARAMS = ("dump_dir", "dump_layers", "tp_size", "tp_rank", "pp_rank")
+_sglang_params = _HOOK_PARAMS
+
+
+def _replaced_params(original) -> tuple:
+    """The positional parameter names after ``model`` of SGLang's function, or today's order."""
+    import inspect
+
+    try:
+        params = list(inspect.signature(original).parameters.values())
+    except (TypeError, ValueError):
+        return _HOOK_PARAMS
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    names = tuple(p.name for p in params[1:] if p.kind in kinds)
+    return names if names[:1] == ("dump_dir",) else _HOOK_PARAMS
+
+
+def _sglang_entry(model, *args, **kwargs):
     """Replacement installed into SGLang: its call, with FASTDUMP_* settings where SGLang's flags are
-    silent. The role comes from ``dump_dir`` exactly as in the public function (one code path). A
-    seventh argument or ``mode=`` is the dump mode of the TENSOR_DUMP_MODE variant (checked there)."""
-    mode = kwargs.pop("mode", None)
+    silent. The arguments are read by the replaced function's parameter names (``_sglang_params``).
+    The role comes from ``dump_dir`` exactly as in the public function (one code path). A parameter
+    ``mode`` (or a seventh argument) is the dump mode of the TENSOR_DUMP_MODE variant (checked there)."""
+    given = dict(zip(_sglang_params, args))
+    args = args[len(_sglang_params):]
+    twice = sorted(set(given) & set(kwargs))
+    if twice:
+        raise TypeError(f"register_forward_hook_for_model() got multiple values for {twice}")
+    given.update(kwargs)
+    dump_dir = given.pop("dump_dir")
+    dump_layers = given.pop("dump_layers", None)
+    tp_size, tp_rank, pp_rank = given.pop("tp_size", 1), given.pop("tp_rank", 0), given.pop("pp_rank", 0)
+    mode = given.pop("mode", None)
+    skip_passes = given.pop("skip_passes", None)  # (a hook variant's: the warm-up passes it leaves out)
     if args and (args[0] is None or isinstance(args[0], str)):
         mode, args = args[0], args[1:]
-    if args or kwargs:
-        logger.warning("fastdump: ignoring SGLang tensor-dump options it does not implement: %s %s", args, kwargs)
+    if args or given:
+        logger.warning("fastdump: ignoring SGLang tensor-dump options it does not implement: %s %s", args, given)
     from fastdump import config
 
     settings = config.parse_env(os.environ)
@@ -339,6 +372,8 @@ def _sglang_entry(model, dump_dir, dump_layers=None, tp_size=1, tp_rank=0, pp_ra
     if _split_role(os.fspath(dump_dir)) is not None:
         role = None  # SGLang's EAGLE split decides; FASTDUMP_ROLE applies to a single-role run only
     layers = settings.pop("layers", None)
+    if skip_passes:  # (0, its default, leaves FASTDUMP_SKIP in force)
+        settings["skip_passes"] = skip_passes
     return register_forward_hook_for_model(model, dump_dir, layers if dump_layers is None else dump_layers,
                                            tp_size, tp_rank, pp_rank, role=role, mode=mode, **settings)
 
@@ -361,6 +396,8 @@ def install() -> bool:
         return False
     patched = []
     if original is not _sglang_entry:
+        global _sglang_params
+        _sglang_params = _replaced_params(original)
         setattr(source, _HOOK_NAME, _sglang_entry)
         patched.append(_SGLANG_SOURCE)
     for name in _SGLANG_CALL_SITES:  # imported now, they bind fastdump's; imported earlier, patched below
