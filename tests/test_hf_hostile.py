@@ -124,6 +124,33 @@ def test_generate_modes_dump_what_ran(tmp_path, kw, batch):
     assert verify(tmp_path) == (0, "OK\n")
 
 
+def test_static_cache_auto_compiled_decode_steps_are_one_pass_each(tmp_path):
+    """generate() with a static cache compiles the model's __call__ for its decode steps on a GPU
+    (``_valid_auto_compile_criteria``; ``_compile_all_devices`` asks for it on CPU here, backend
+    eager): each compiled step is still one whole pass of the target, with the names and, to the
+    rounding of the compiled attention, the values of the same generate run eagerly."""
+    compile_config = transformers.CompileConfig(backend="eager")
+    compile_config._compile_all_devices = True
+    metas = {}
+    for run, extra in (("eager", {}), ("compiled", {"compile_config": compile_config})):
+        model = tiny_llama()
+        with dump_generate(model, tmp_path / run, writer="thread"):
+            model.generate(PROMPT, attention_mask=MASK, max_new_tokens=4, pad_token_id=0, do_sample=False,
+                           cache_implementation="static", **extra)
+        assert hasattr(model, "_compiled_call") == (run == "compiled")  # (the decode steps did run compiled)
+        ds = fastdump.open(tmp_path / run)
+        rank = ds.ranks("target")[0]
+        metas[run] = [ds.meta("target", rank, p) for p in ds.passes("target", rank)]
+        metas[run + "-tensors"] = [ds.load("target", rank, p) for p in ds.passes("target", rank)]
+        assert verify(tmp_path / run) == (0, "OK\n")
+    assert [(m["forward_mode"], m["cached_tokens"], m["complete"]) for m in metas["compiled"]] == \
+        [("prefill", 0, True), ("decode", 6, True), ("decode", 7, True), ("decode", 8, True)]
+    for eager, compiled in zip(metas["eager-tensors"], metas["compiled-tensors"], strict=True):
+        assert sorted(eager) == sorted(compiled)
+        for name in eager:
+            torch.testing.assert_close(compiled[name], eager[name], rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("sample", [False, True], ids=["greedy", "speculative-sampling"])
 def test_assisted_candidates_are_what_the_target_scored(tmp_path, sample):
     """Each target pass of assisted generation says how many candidates it scored: its lm_head has
