@@ -476,3 +476,22 @@ def test_a_pass_without_tensors_writes_no_pass_file(tmp_path, capsys):
     for fmt in ("sglang", "sglang-dumper"):
         code, out, _ = run_cli("--format", fmt, "--names", "fastdump", empty, tmp_path / f"out-{fmt}", capsys=capsys)
         assert code == 1 and out.startswith("wrote 0 "), (fmt, out)
+
+
+def test_file_numbers_and_steps_are_pass_ids_counting_the_forwards_left_out(tmp_path):
+    """FASTDUMP_SKIP / every: the exported Pass file number (and the dumper layout's step) is the pass
+    id, which counts every forward of the role (docs/INTEGRATIONS.md, Export): skip 2 of 4 forwards
+    gives Pass00002 and Pass00003, not SGLang's gapless Pass00000 and Pass00001."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 3), nn.ReLU())
+    outs = []
+    with fastdump.attach(model, tmp_path / "dump", skip_passes=2, writer="thread"), torch.no_grad():
+        for i in range(4):
+            outs.append(model(torch.full((1, 3), float(i))))
+    assert export.export_sglang(tmp_path / "dump", tmp_path / "pass") == 2
+    (rank_dir,) = (tmp_path / "pass").iterdir()
+    assert sorted(p.name for p in rank_dir.glob("Pass*.pt")) == ["Pass00002.pt", "Pass00003.pt"]
+    assert torch.equal(torch.load(rank_dir / "Pass00003.pt", weights_only=True)["1"], outs[3])
+    export.export_sglang_dumper(tmp_path / "dump", tmp_path / "dumper")
+    steps = {int(re.search(r"___step=(\d+)", p.name).group(1)) for p in (tmp_path / "dumper").glob("*.pt")}
+    assert steps == {2, 3}
