@@ -170,3 +170,33 @@ def test_docs_example(tmp_path, monkeypatch):
             assert same_bits(got["logits_processor"], ref_logits[role][p])
             assert all(same_bits(got[n], t) for n, t in rec.items())
     assert verify_ok(tmp_path / "dump")
+
+
+def test_forwards_of_one_model_on_two_threads_at_once_fail_verify(tmp_path):
+    """Two threads in the model at once (micro-batches overlapped on threads): the second forward's
+    pre-hook ends the first one's pass from another thread and the first thread's later calls run in
+    the second's pass; both are marked mixed and verify fails, never a pass that reads as whole."""
+    import threading
+
+    target = VllmTarget()
+    inside, release = threading.Event(), threading.Event()
+    first = []
+
+    def hold_first(module, args):
+        if threading.current_thread() is first[0]:
+            inside.set()
+            assert release.wait(30)
+
+    target.model.layers[0].register_forward_pre_hook(hold_first)
+    with fvllm.attach(target, tmp_path, role="target"), torch.no_grad():
+        first.append(threading.Thread(target=lambda: target.compute_logits(target(torch.arange(3))[-1:])))
+        first[0].start()
+        assert inside.wait(30)
+        target.compute_logits(target(torch.arange(2))[-1:])  # the other thread's whole step meanwhile
+        release.set()
+        first[0].join(30)
+    ds = fastdump.open(tmp_path)
+    rank = only(ds.ranks("target"))
+    metas = [ds.meta("target", rank, p) for p in ds.passes("target", rank)]
+    assert any(m.get("mixed") for m in metas), metas
+    assert not verify_ok(tmp_path)
