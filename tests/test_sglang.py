@@ -1053,3 +1053,13 @@ def test_installed_entry_takes_a_hook_variants_skip_passes(tmp_path, monkeypatch
         d.close()
         ds = fastdump.open(tmp_path / sub)
         assert ds.passes("target", only_rank(ds, "target")) == kept
+
+
+@pytest.mark.parametrize("dump_layers", [3, "0 1", [0, "x"]])
+def test_dump_layers_that_is_no_list_of_indices_is_refused_naming_it(tmp_path, dump_layers):
+    """An SGLang between its first --debug-tensor-dump-layers and the list form (PR #12691) passed one
+    int: refused with a ValueError naming dump_layers before anything is made (it was a TypeError
+    "'int' object is not iterable" that named nothing)."""
+    with pytest.raises(ValueError, match="dump_layers must be a list of layer indices"):
+        fsg.register_forward_hook_for_model(LlamaForCausalLM(n_layers=2), str(tmp_path / "d"), dump_layers)
+    assert not (tmp_path / "d").exists()

@@ -207,7 +207,11 @@ def register_forward_hook_for_model(model, dump_dir, dump_layers=None, tp_size=1
     if dump_layers is not None:
         # SGLang filters <top>.<layers>.N only (fastdump's layers= also takes a top-level layers.N):
         # a regex on exactly that layout.
-        keep = "|".join(str(int(i)) for i in dump_layers)
+        try:  # (an SGLang from before its layer list, PR #12691, passed one int: not a list to read)
+            keep = "|".join(str(int(i)) for i in dump_layers)
+        except (TypeError, ValueError):
+            raise ValueError(f"dump_layers must be a list of layer indices (--debug-tensor-dump-layers 0 1 ...), "
+                             f"not {dump_layers!r}") from None
         skipped_layer = rf"{re.escape(top_name)}\.{re.escape(layers_name)}\.(?!(?:{keep})(?:\.|$))\d+(\.|$)"
         dump_layers = None
     aliases, rescued = _shared_leaves(model, skipped_layer and re.compile(skipped_layer))
