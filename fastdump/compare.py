@@ -1377,9 +1377,12 @@ def cmd_diff(args) -> int:
                       align=args.align, unshard=args.unshard, allow_running=args.allow_running, progress=True,
                       strict=args.strict)
         if args.html:
-            result.to_html(args.html)
+            try:
+                result.to_html(args.html)
+            except OSError as exc:  # (past _check_report_path: /proc/x, a full disk)
+                raise DiffError(f"--html {args.html!r}: cannot be written ({exc.strerror or exc})") from None
     except (DiffError, ValueError, OSError) as exc:
-        print(f"fastdump diff: {exc}", file=sys.stderr)
+        print(printable(f"fastdump diff: {exc}"), file=sys.stderr)  # (a path given may hold escape sequences)
         return 2
     try:
         if args.json:
