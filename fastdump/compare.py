@@ -1391,7 +1391,7 @@ def cmd_diff(args) -> int:
             for line in result.iter_lines():
                 print(line)
             if args.html:
-                print(f"report: {args.html}")
+                print(printable(f"report: {args.html}"))  # (a name's escape sequences: not obeyed)
             sys.stdout.flush()
     except BrokenPipeError:  # `fastdump diff A B | head`: the verdict is the exit status
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

@@ -510,7 +510,10 @@ def _fresh_out(out) -> None:
         if any(path.iterdir()):
             raise ValueError(f"{out}: not empty; export into a new or empty directory (files of another export "
                              "there would be read as this one's)")
-    path.mkdir(parents=True, exist_ok=True)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:  # ("[Errno 2] No such file or directory: '/proc/x'" before: say it is OUT)
+        raise OSError(f"OUT {out}: cannot be made ({exc.strerror or exc})") from None
 
 
 def _check_dumper_names(ds, role, rank, world_rank: int, passes, aliases=()) -> None:
@@ -688,9 +691,9 @@ def _cmd_export(args) -> int:
             _say("--sglang-pass-shift applies to --format sglang only")
             return 2
         n = export_sglang_dumper(args.root, args.out, role_subdirs=split, names=args.names, partial=args.partial)
-        print(f"wrote {n} tensor file(s) under {args.out}")
+        print(f"wrote {n} tensor file(s) under {_printable(args.out)}")  # (OUT's escape sequences: not obeyed)
     else:
         n = export_sglang(args.root, args.out, role_subdirs=split, names=args.names,
                           pass_shift=args.sglang_pass_shift, partial=args.partial)
-        print(f"wrote {n} pass file(s) under {args.out}")
+        print(f"wrote {n} pass file(s) under {_printable(args.out)}")
     return 0 if n else 1

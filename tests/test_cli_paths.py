@@ -135,3 +135,18 @@ def test_export_exit_status_is_2_for_every_dump_it_cannot_read(dump, tmp_path, c
     code, text = run(capsys, "export", damaged, tmp_path / "out")
     assert code == 2, text
     assert "seg-" in text and not (tmp_path / "out").exists()
+
+
+def test_out_paths_are_named_and_shown_escaped(dump, tmp_path, capsys):
+    """export's "wrote N pass file(s) under OUT" and diff's "report: REPORT" printed the names as
+    given: a newline and an escape sequence (a terminal's title set) reached the terminal raw. An
+    OUT that cannot be made said "[Errno 2] No such file or directory: '/proc/x'", not that it is
+    OUT."""
+    odd = "out\n\x1b]2;title\x07"
+    code, text = run(capsys, "export", dump, tmp_path / odd)
+    assert code == 0 and "\x1b" not in text and "\x07" not in text and "out\\n\\x1b]2;title\\x07" in text, text
+    report = tmp_path / ("report\x1b]2;t\x07.html")
+    code, text = run(capsys, "diff", dump, dump, "--html", report)
+    assert code == 0 and report.exists() and "\x1b" not in text and "report: " in text, text
+    code, text = run(capsys, "export", dump, "/proc/fastdump-out")
+    assert code == 2 and "OUT /proc/fastdump-out: cannot be made (No such file or directory)" in text, text
