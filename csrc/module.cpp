@@ -140,6 +140,12 @@ struct ChannelStager {
   py::object strided;   // torch.strided
   py::object tensor_type;  // torch.Tensor: its subclasses' Python attributes are not believed here
   uint64_t staged_tensors = 0, staged_bytes = 0;  // by stage_tensor, until take_counts()
+  // This channel's word of the ring header's failed_channels and its bit (set at construction).
+  const std::atomic<uint64_t>* failed_word = nullptr;
+  uint64_t failed_bit = 0;
+  bool channel_failed() const {
+    return failed_word != nullptr && (failed_word->load(std::memory_order_acquire) & failed_bit);
+  }
   // CUDA tensors' lane into the channel's CUDA stager (set_cuda, once; CUDA builds only). None:
   // stage_tensor leaves CUDA tensors to the caller's general path.
   std::shared_ptr<CudaTensorLane> cuda;
@@ -199,6 +205,7 @@ struct ChannelStager {
   // the fast paths check theirs: the copy reads exactly that range.
   int stage(uint32_t name_id, uint16_t dtype, uint64_t elem_size, py::handle shape_seq,
             py::handle strides_seq, uintptr_t ptr, uintptr_t storage_base, uint64_t storage_nbytes) {
+    if (channel_failed()) return kDisabled;  // (as in stage_tensor)
     read_dims(shape_seq, &src.shape);
     read_dims(strides_seq, &src.strides);
     // (stage_source raises for mismatched lengths and a null pointer)
@@ -220,6 +227,11 @@ struct ChannelStager {
   // The one entry every per-tensor caller uses (the Dumper, forward wrappers): keep its signature.
   static constexpr int kNotFast = CudaTensorLane::kNotFast;
   int stage_tensor(uint32_t name_id, py::handle tensor) {
+    // The writer stopped writing this channel (its root's disk full): nothing more of it goes into
+    // the ring, which the writer would throw away; the caller stops its Dumper at once (it learnt
+    // of the failure only at the next pass start, after copying every tensor of this one). One
+    // load of a header word no one writes but a failing writer: a line every core keeps shared.
+    if (channel_failed()) return kDisabled;
     if (g_reader != nullptr) {
       const int read = g_reader->read(tensor.ptr(), &facts);
       if (read == 1) return stage_facts(name_id, tensor.ptr());
@@ -529,8 +541,9 @@ PYBIND11_MODULE(_C, m) {
       .def("writer_attached",
            [](Producer& p) { return p.region().header()->writer_attached.load() != 0; })
       .def("writer_error", [](Producer& p) { return std::string(p.region().header()->error); })
-      .def("channel_error", &Producer::channel_error, py::arg("channel"),
-           "the writer's error for a failed channel ('' when it had no room to say it)")
+      .def("take_channel_error", &Producer::take_channel_error, py::arg("channel"),
+           "the writer's error for a failed channel, taken out of the ring header (its place goes to the "
+           "next channel that fails): '' when it had no free place to say it in, or was taken already")
       .def("channel_failed", &Producer::channel_failed, py::arg("channel"),
            "whether the writer stopped writing this channel alone (Consumer.fail_channel)")
       .def("set_writer_fd", &Producer::set_writer_fd)
@@ -625,6 +638,8 @@ PYBIND11_MODULE(_C, m) {
   py::class_<ChannelStager>(m, "ChannelStager")
       .def(py::init([](Producer& p, uint32_t channel, py::dict fast_codes, py::object strided, py::object tensor_type) {
              ChannelStager s{&p, channel};
+             s.failed_word = p.failed_word(channel);
+             s.failed_bit = 1ull << (channel % 64);
              s.fast_codes = std::move(fast_codes);
              s.strided = std::move(strided);
              if (!tensor_type.is_none()) s.tensor_type = std::move(tensor_type);
@@ -713,13 +728,15 @@ PYBIND11_MODULE(_C, m) {
           [](Consumer& c, uint32_t channel, const std::string& error) {
             if (channel >= kFailedChannelBits) return false;
             RingHeader* h = c.region().header();
-            const uint32_t slot = h->channel_errors_claimed.fetch_add(1, std::memory_order_relaxed);
-            if (slot < kChannelErrorSlots) {  // (text first, then the id that makes it readable)
-              ChannelError& e = h->channel_errors[slot];
-              const size_t n = std::min(error.size(), sizeof(e.text) - 1);
-              std::memcpy(e.text, error.data(), n);
+            for (ChannelError& e : h->channel_errors) {  // a free place (its Dumper took the last text there)
+              uint32_t free_place = 0;
+              if (!e.channel.compare_exchange_strong(free_place, kChannelErrorBusy, std::memory_order_acquire))
+                continue;
+              const size_t n = std::min(error.size(), sizeof(e.text) - 1);  // (text first, then the id
+              std::memcpy(e.text, error.data(), n);                          // that makes it readable)
               e.text[n] = '\0';
               e.channel.store(channel + 1, std::memory_order_release);
+              break;
             }
             h->failed_channels[channel / 64].fetch_or(1ull << (channel % 64), std::memory_order_release);
             return true;

@@ -14,9 +14,11 @@
 namespace fastdump {
 
 constexpr uint64_t kMagic = 0x31474e4952504446ull;  // "FDPRING1"
-constexpr uint64_t kVersion = 3;  // 2: no `published` counter; 3: failed_channels, channel_errors
+// 2: no `published` counter; 3: failed_channels, channel_errors; 4: 64 channel_errors, each taken
+// by its Dumper as it reads it (the place goes to the next channel that fails)
+constexpr uint64_t kVersion = 4;
 constexpr uint64_t kAlign = 64;
-constexpr uint64_t kHeaderBytes = 4096;
+constexpr uint64_t kHeaderBytes = 32768;  // RingHeader, mostly channel_errors (a multiple of the page size)
 constexpr uint32_t kMaxDims = 32;  // HDF5 datasets hold at most 32 dimensions (H5S_MAX_RANK)
 // Channels whose failure the writer can report one by one (RingHeader::failed_channels); a channel
 // of a higher id that fails stops the whole writer, as every failure once did.
@@ -55,11 +57,15 @@ inline uint64_t align_up(uint64_t n) { return (n + kAlign - 1) & ~(kAlign - 1); 
 constexpr uint64_t kPageBytes = 4096;
 constexpr uint64_t kPageAlignedBytes = 1ull << 20;
 
-// A failed channel's error text (RingHeader::channel_errors): written once by the writer, `channel`
-// (id + 1) stored last with release, so a producer that sees its id reads a whole text.
-constexpr uint32_t kChannelErrorSlots = 4;
+// A failed channel's error text (RingHeader::channel_errors). The writer claims a free place (0 ->
+// kChannelErrorBusy), writes the text and stores `channel` (id + 1) last with release, so a producer
+// that sees its id reads a whole text; the producer takes it (id + 1 -> kChannelErrorBusy), copies
+// it and frees the place (0) for the next channel that fails. With 4 places kept for good, the
+// fifth of five Dumpers on five full disks got no error but "its log says why".
+constexpr uint32_t kChannelErrorSlots = 64;
+constexpr uint32_t kChannelErrorBusy = 0xFFFFFFFFu;  // being written or being taken
 struct ChannelError {
-  std::atomic<uint32_t> channel;  // id + 1; 0 while the slot is free or being written
+  std::atomic<uint32_t> channel;  // id + 1 while it holds a text; 0 while free; kChannelErrorBusy
   char text[444];
 };
 
@@ -77,10 +83,9 @@ struct alignas(64) RingHeader {
   char error[1024];                              // writer failure text
   // One bit per channel id the writer stopped writing (its root's disk full or unwritable): that
   // Dumper stops, the others go on. The channel's own error is in its rank.json when that can be
-  // written, and for the first few failed channels also here (a deleted rank directory or a
-  // read-only file system leaves no rank.json to read it from).
+  // written, and also here until its Dumper takes it (a deleted rank directory or a read-only file
+  // system leaves no rank.json to read it from).
   alignas(64) std::atomic<uint64_t> failed_channels[kFailedChannelBits / 64];
-  std::atomic<uint32_t> channel_errors_claimed;  // slots of channel_errors taken (may pass the count)
   ChannelError channel_errors[kChannelErrorSlots];
 };
 static_assert(sizeof(RingHeader) <= kHeaderBytes, "ring header too large");
@@ -174,13 +179,23 @@ class Producer {
     return channel < kFailedChannelBits &&
            ((seg_.header()->failed_channels[channel / 64].load(std::memory_order_acquire) >> (channel % 64)) & 1);
   }
-  // The writer's error for a failed `channel` ("" when it had no slot left to say it in).
-  std::string channel_error(uint32_t channel) {
-    for (const ChannelError& e : seg_.header()->channel_errors) {
-      if (e.channel.load(std::memory_order_acquire) == channel + 1)
-        return std::string(e.text, strnlen(e.text, sizeof(e.text)));
+  // The writer's error for a failed `channel`, taken out of the header: its place is free for the
+  // next failed channel's (the caller keeps it). "" when the writer had no free place to say it
+  // in, or it was taken already.
+  std::string take_channel_error(uint32_t channel) {
+    for (ChannelError& e : seg_.header()->channel_errors) {
+      uint32_t mine = channel + 1;
+      if (!e.channel.compare_exchange_strong(mine, kChannelErrorBusy, std::memory_order_acquire)) continue;
+      std::string text(e.text, strnlen(e.text, sizeof(e.text)));
+      e.channel.store(0, std::memory_order_release);
+      return text;
     }
     return "";
+  }
+  // Where stage_tensor reads whether `channel` failed: its word of failed_channels (nullptr for an id
+  // above them, whose failure stops the whole writer).
+  const std::atomic<uint64_t>* failed_word(uint32_t channel) {
+    return channel < kFailedChannelBits ? &seg_.header()->failed_channels[channel / 64] : nullptr;
   }
 
   // Writer liveness: fd whose EOF/HUP means the writer is gone (-1: in-process thread writer).

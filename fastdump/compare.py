@@ -1377,9 +1377,12 @@ def cmd_diff(args) -> int:
                       align=args.align, unshard=args.unshard, allow_running=args.allow_running, progress=True,
                       strict=args.strict)
         if args.html:
-            result.to_html(args.html)
+            try:
+                result.to_html(args.html)
+            except OSError as exc:  # (past _check_report_path: /proc/x, a full disk)
+                raise DiffError(f"--html {args.html!r}: cannot be written ({exc.strerror or exc})") from None
     except (DiffError, ValueError, OSError) as exc:
-        print(f"fastdump diff: {exc}", file=sys.stderr)
+        print(printable(f"fastdump diff: {exc}"), file=sys.stderr)  # (a path given may hold escape sequences)
         return 2
     try:
         if args.json:
@@ -1388,7 +1391,7 @@ def cmd_diff(args) -> int:
             for line in result.iter_lines():
                 print(line)
             if args.html:
-                print(f"report: {args.html}")
+                print(printable(f"report: {args.html}"))  # (a name's escape sequences: not obeyed)
             sys.stdout.flush()
     except BrokenPipeError:  # `fastdump diff A B | head`: the verdict is the exit status
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

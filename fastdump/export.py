@@ -269,8 +269,12 @@ def _passes(ds, role, rank, pass_ids, modules, names, shift, top, hook_order=Fal
 
 def _layout(ds, role_subdirs):
     roles = list(ds.roles)
-    from .reader import DumpError, Problem
+    from .reader import DumpError, Problem, no_rank_dirs_message, wrong_root_hint
 
+    if not roles and not getattr(ds, "roots", None) and wrong_root_hint(ds.root):
+        # A role or rank directory, or a parent of dump roots: "wrote 0 pass file(s)" said nothing of
+        # why, where ls, show, verify and diff name the dump root meant.
+        raise DumpError(no_rank_dirs_message(ds.root))
     unlisted = [p for p in ds.problems if p.kind == Problem.UNLISTABLE]
     if unlisted:  # its ranks would be missing from the export without a word
         raise DumpError("not exported: " + "; ".join(unlisted))
@@ -506,7 +510,10 @@ def _fresh_out(out) -> None:
         if any(path.iterdir()):
             raise ValueError(f"{out}: not empty; export into a new or empty directory (files of another export "
                              "there would be read as this one's)")
-    path.mkdir(parents=True, exist_ok=True)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:  # ("[Errno 2] No such file or directory: '/proc/x'" before: say it is OUT)
+        raise OSError(f"OUT {out}: cannot be made ({exc.strerror or exc})") from None
 
 
 def _check_dumper_names(ds, role, rank, world_rank: int, passes, aliases=()) -> None:
@@ -634,9 +641,10 @@ def _passes_of(ds, role, rank) -> list:
 def add_arguments(subparsers):
     p = subparsers.add_parser("export", help="convert a dump for SGLang's tools (Pass*.pt or dumper layout)",
                               description=__doc__.split("\n\n")[0],
-                              epilog="Exit status: 0 files written; 1 nothing written, or the dump could not be "
-                                     "read; 2 refused: a dump not whole (without --partial), a malformed "
-                                     "rank.json, a layout the dump cannot be written in.")
+                              epilog="Exit status: 0 files written; 1 nothing written (a dump with no passes); "
+                                     "2 error: ROOT could not be read (no dump there, an unreadable segment or "
+                                     "directory, a malformed rank.json), OUT could not be written, a dump not "
+                                     "whole refused (without --partial), a layout the dump cannot be written in.")
     p.add_argument("--format", choices=["sglang", "sglang-dumper"], default="sglang",
                    help="sglang: Pass*.pt per rank (tensor-dump hook); sglang-dumper: one file per tensor "
                         "(SGLang's dumper, read by its comparator)")
@@ -667,8 +675,10 @@ def cmd_export(args) -> int:
             _say(line)
         return 2
     except (DumpError, KeyError, OSError) as exc:  # the dump could not be read (or OUT written): say why
+        # 2, as diff's read errors and every other refusal here: an unreadable segment exited 1,
+        # as "nothing written" does, and a malformed rank.json 2
         _say(exc.args[0] if isinstance(exc, KeyError) and exc.args else exc)
-        return 1
+        return 2
     except ValueError as exc:  # refused: a malformed rank.json, a layout the dump cannot be written in
         _say(exc)
         return 2
@@ -681,9 +691,9 @@ def _cmd_export(args) -> int:
             _say("--sglang-pass-shift applies to --format sglang only")
             return 2
         n = export_sglang_dumper(args.root, args.out, role_subdirs=split, names=args.names, partial=args.partial)
-        print(f"wrote {n} tensor file(s) under {args.out}")
+        print(f"wrote {n} tensor file(s) under {_printable(args.out)}")  # (OUT's escape sequences: not obeyed)
     else:
         n = export_sglang(args.root, args.out, role_subdirs=split, names=args.names,
                           pass_shift=args.sglang_pass_shift, partial=args.partial)
-        print(f"wrote {n} pass file(s) under {args.out}")
+        print(f"wrote {n} pass file(s) under {_printable(args.out)}")
     return 0 if n else 1

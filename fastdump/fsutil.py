@@ -11,6 +11,7 @@ A dump may come from someone else: ``open_regular`` and ``load_json`` open only 
 
 from __future__ import annotations
 
+import errno
 import itertools
 import json
 import os
@@ -185,9 +186,14 @@ def remove_quietly(path: str) -> None:
 
 
 def atomic_write_bytes(path: str, data: bytes, durable: bool = True) -> None:
-    """Replace ``path`` with ``data`` so that readers see the old or the new content, never a mix."""
+    """Replace ``path`` with ``data`` so that readers see the old or the new content, never a mix.
+    An OSError names ``path``, never the temporary file the caller did not ask for (`fastdump diff
+    --html /proc/x` said "No such file or directory: '/proc/.x.123-0-....tmp'")."""
     tmp = temp_path(path)
-    f = open(tmp, "xb")  # exclusive: never another writer's file (nor removed below), whatever the name
+    try:
+        f = open(tmp, "xb")  # exclusive: never another writer's file (nor removed below), whatever the name
+    except OSError as exc:
+        raise OSError(exc.errno, exc.strerror, path) from None
     try:
         with f:
             f.write(data)
@@ -195,6 +201,9 @@ def atomic_write_bytes(path: str, data: bytes, durable: bool = True) -> None:
                 f.flush()
                 os.fsync(f.fileno())
         os.replace(tmp, path)
+    except OSError as exc:
+        remove_quietly(tmp)
+        raise OSError(exc.errno, exc.strerror, path) from None
     except BaseException:
         remove_quietly(tmp)
         raise
@@ -210,6 +219,41 @@ def atomic_write_json(path: str, obj, durable: bool = True) -> None:
 
 # rank.json and fastdump.json are small; a larger file is damage (or /dev/zero behind a link).
 MAX_JSON_BYTES = 64 << 20
+
+
+_FILE_KINDS = ((stat.S_ISREG, "a regular file"), (stat.S_ISCHR, "a character device"),
+               (stat.S_ISBLK, "a block device"), (stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISSOCK, "a socket"))
+
+
+def why_not_a_directory(path) -> str:
+    """Why ``path`` is no directory that can be listed, in plain words; "" when it is one. Readers
+    said "no such directory" for /dev/null, a regular file, a FIFO, a symbolic link loop and a
+    directory under one they may not search alike, and a raw "[Errno 13] ..." for one they may
+    not list. (Opening the directory is the test: nothing in it is read.)"""
+    path = os.fspath(path)
+    try:
+        mode = os.stat(path).st_mode
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            return "a symbolic link loop (too many levels of symbolic links)"
+        if exc.errno == errno.ENOENT and os.path.islink(path):
+            return "a symbolic link to nothing"
+        if exc.errno == errno.ENOENT:
+            return "no such file or directory"
+        if exc.errno == errno.ENOTDIR:
+            return "cannot be reached: a part of its path is not a directory"
+        if exc.errno == errno.EACCES:
+            return "cannot be reached: permission denied on a directory above it"
+        return f"cannot be reached: {exc.strerror or exc}"
+    if not stat.S_ISDIR(mode):
+        kind = next((name for test, name in _FILE_KINDS if test(mode)), "not a directory")
+        return f"not a directory: {kind}" if kind != "not a directory" else kind
+    try:
+        with os.scandir(path):
+            pass
+    except OSError as exc:
+        return f"cannot be listed: {exc.strerror or exc}"
+    return ""
 
 
 def is_regular_file(path: str) -> bool:

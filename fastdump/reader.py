@@ -875,8 +875,9 @@ class DumpSet:
 
     def __init__(self, root):
         self.root = os.path.abspath(os.fspath(root))
-        if not os.path.isdir(self.root):
-            raise FileNotFoundError(f"no dump directory at {self.root}")
+        why = fsutil.why_not_a_directory(self.root)  # (what is there instead, or why it cannot be read)
+        if why:
+            raise FileNotFoundError(f"no dump directory at {self.root}: {why}")
         self.problems: list = []  # Problems met so far: unreadable files and directories
         self._files: collections.OrderedDict = collections.OrderedDict()  # path -> open h5py.File (LRU)
         self._ranks: dict = {}  # (role, rank dir) -> _Rank

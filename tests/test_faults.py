@@ -218,6 +218,82 @@ def test_a_full_disk_under_one_root_stops_only_the_dumper_writing_there(small_di
     assert subprocess.run([sys.executable, "-m", "fastdump", "verify", str(small_disk)]).returncode == 1
 
 
+def _recording_consumers(monkeypatch) -> list:
+    """The writer threads' ring consumers, as engines start them (to fail a channel as the writer does)."""
+    made, real = [], fastdump._C.Consumer
+
+    def recording(name):
+        made.append(real(name))
+        return made[-1]
+
+    monkeypatch.setattr(fastdump._C, "Consumer", recording)
+    return made
+
+
+class _FailsItsChannel(torch.nn.Module):
+    """A layer that, in the pass whose input is 1, has the writer fail its Dumper's channel (its
+    root's disk full) while it runs: the rest of the pass comes after the failure."""
+
+    def __init__(self, consumers):
+        super().__init__()
+        self.consumers, self.dumper = consumers, None
+
+    def forward(self, x):
+        if float(x.flatten()[0]) == 1.0:
+            self.consumers[-1].fail_channel(self.dumper._channel.id, "disk gone under this root (test)")
+        return x + 1
+
+
+def test_a_failed_channel_stops_its_dumper_at_once_not_at_the_next_pass(tmp_path, monkeypatch):
+    """The writer failed a channel (its root's disk full) in the middle of a pass: its Dumper went on
+    copying every tensor of that pass into the ring, which the writer then threw away, and learnt
+    of the failure only as the next pass began. Staging refuses a failed channel's tensors now: the
+    first tensor after the failure stops the Dumper, with the writer's error."""
+    consumers = _recording_consumers(monkeypatch)
+    first = _FailsItsChannel(consumers)
+    model = torch.nn.Sequential(first, torch.nn.Linear(8, 8), torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+    dumper = fastdump.attach(model, tmp_path / "dump", writer="thread")
+    first.dumper = dumper
+    try:
+        with torch.inference_mode():
+            model(torch.zeros(2, 8))  # pass 0: whole (5 tensors)
+            staged = dumper.stats()["tensors"]
+            model(torch.ones(2, 8))  # pass 1: the channel fails as its first layer runs
+            assert dumper.stats()["tensors"] == staged  # nothing of pass 1 after the failure (it was 5)
+            assert dumper.status == "error" and "disk gone under this root (test)" in dumper.error
+            model(torch.zeros(2, 8))  # serving goes on
+    finally:
+        stats = dumper.close()
+    assert stats["status"] == "error" and stats["tensors"] == staged
+
+
+def test_each_of_five_failed_channels_gets_the_writers_error(tmp_path, monkeypatch):
+    """Five Dumpers of one process on five roots whose disks fail: the ring header kept the text
+    of the first four failed channels only, and the fifth Dumper (with no rank.json the writer
+    could write) said "the writer stopped writing ... (its log says why)". The header holds 64
+    texts at a time now, each taken out by its Dumper as it reads it (the place freed for the
+    next one, tests/test_ring.py): each Dumper gets its own error."""
+    consumers = _recording_consumers(monkeypatch)
+    dumpers, models = [], []
+    for i in range(5):
+        model = torch.nn.Linear(8, 8)
+        dumpers.append(fastdump.attach(model, tmp_path / f"root{i}", role=f"role{i}", writer="thread"))
+        models.append(model)
+    with torch.inference_mode():
+        for m in models:
+            m(torch.ones(2, 8))
+        for i, d in enumerate(dumpers):  # as the writer fails them, one after another
+            consumers[-1].fail_channel(d._channel.id, f"root{i}: No space left on device (test)")
+        deadline = time.monotonic() + 30
+        while any(d.status == "running" for d in dumpers) and time.monotonic() < deadline:
+            for m in models:
+                m(torch.ones(2, 8))
+            time.sleep(0.01)
+    closed = [d.close() for d in dumpers]
+    for i, stats in enumerate(closed):
+        assert stats["status"] == "error" and f"root{i}: No space left on device (test)" in stats["error"], stats
+
+
 FILE_SIZE_LIMIT_SERVE = textwrap.dedent("""
     import resource, signal, sys, torch, fastdump
     root, writer, rows = sys.argv[1], sys.argv[2], int(sys.argv[3])

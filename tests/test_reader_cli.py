@@ -551,10 +551,10 @@ def test_ls_json_of_a_missing_root_prints_the_object_of_a_path_that_is_no_dump(t
     assert run_cli(cli_dump.cmd_ls, "ls", str(missing), "--json") == 1
     out, err = capsys.readouterr()
     assert json.loads(out) == {"root": str(missing), "manifest": {}, "ranks": [], "problems": [],
-                               "not_a_dump": f"no dump directory at {missing}"}
-    assert err == f"fastdump ls: no dump directory at {missing}\n"
+                               "not_a_dump": f"no dump directory at {missing}: no such file or directory"}
+    assert err == f"fastdump ls: no dump directory at {missing}: no such file or directory\n"
     assert run_cli(cli_dump.cmd_ls, "ls", str(missing)) == 1  # without --json: the message alone
-    assert capsys.readouterr() == ("", f"fastdump ls: no dump directory at {missing}\n")
+    assert capsys.readouterr() == ("", f"fastdump ls: no dump directory at {missing}: no such file or directory\n")
 
 
 def test_a_role_asked_of_a_role_or_rank_directory_names_the_dump_root_meant(dump):

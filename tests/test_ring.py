@@ -357,3 +357,45 @@ def test_every_staging_status_has_one_value_defined_in_the_extension():
     assert len(set(values.values())) == len(names), values
     assert cuda.CAPTURING == _C.CAPTURING and cuda.RING_UNAVAILABLE == _C.RING_UNAVAILABLE
     assert cuda.RING_UNAVAILABLE != _C.TORN
+
+
+def test_failed_channels_errors_are_taken_out_and_their_places_reused():
+    """The ring header kept the error text of the first four failed channels for good: a fifth
+    got none. It holds 64 at a time now, and each is taken out by its Dumper (once), its place
+    then free for the next failed channel's text."""
+    producer, consumer = ring()
+    for channel in range(70):
+        assert consumer.fail_channel(channel, f"disk {channel} full")
+    texts = [producer.take_channel_error(channel) for channel in range(70)]
+    assert texts == [f"disk {c} full" for c in range(64)] + [""] * 6  # no place left for the last six
+    assert producer.take_channel_error(0) == ""  # taken once
+    for channel in range(100, 300):  # each taken before the next fails: never out of places
+        assert consumer.fail_channel(channel, f"disk {channel} full")
+        assert producer.channel_failed(channel)
+        assert producer.take_channel_error(channel) == f"disk {channel} full"
+    long = "x" * 1000
+    consumer.fail_channel(400, long)
+    assert producer.take_channel_error(400) == long[:443]  # cut to its place, never past it
+
+
+def test_a_failed_channels_tensors_are_refused_before_any_copy():
+    """A channel the writer failed (its root's disk full) had every tensor copied into the ring
+    until its Dumper's next pass start, and the writer threw them away: both staging entries of
+    its lane refuse them now (DISABLED), and another channel's lane stages on."""
+    from fastdump.capture.tensors import _FAST_CODES
+
+    producer, consumer = ring()
+    lanes = {channel: _C.ChannelStager(producer, channel, _FAST_CODES, torch.strided) for channel in (3, 4)}
+    for lane in lanes.values():
+        lane.begin(0, False, 0.0)
+    t = torch.ones(4)
+    code, itemsize = _FAST_CODES[torch.float32]
+    storage = t.untyped_storage()
+    assert lanes[3].stage_tensor(0, t) == _C.STAGED
+    consumer.fail_channel(3, "disk gone (test)")
+    used = producer.used_bytes()
+    assert lanes[3].stage_tensor(0, t) == _C.DISABLED
+    assert lanes[3].stage(0, code, itemsize, t.shape, t.stride(), t.data_ptr(), storage.data_ptr(),
+                          storage.nbytes()) == _C.DISABLED
+    assert producer.used_bytes() == used
+    assert lanes[4].stage_tensor(0, t) == _C.STAGED and producer.used_bytes() > used

@@ -236,7 +236,7 @@ class ClosingMixin:
         system leaves no rank.json to read it from)."""
         error = None
         try:
-            error = self._engine.producer.channel_error(self._channel.id)
+            error = self._channel.failure()
         except Exception:
             pass
         if not error:

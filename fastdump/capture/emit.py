@@ -379,6 +379,8 @@ class EmitMixin:
             # Python wrappers run only while a graph is captured, never on replay: copying then
             # would dump a capture-time value under every replay. Recorded, not staged.
             self._skip(name, "CUDA graph capture in progress (replays are not dumped)")
+        elif self._channel is not None and self._channel.failed:  # DISABLED: the writer stopped writing this root
+            self._disable(self._channel_failure())
         else:
             self._disable(self._engine.error())
 

@@ -808,8 +808,9 @@ def _check_pass_order(report: _Report, path: str, on_disk: list, summaries: dict
 def verify_dump(root: str, read_data: bool = False) -> _Report:
     report = _Report()
     root = os.path.abspath(root)
-    if not os.path.isdir(root):
-        report.problem(root, "no such directory")
+    why = fsutil.why_not_a_directory(root)  # ("no such directory" was said of /dev/null and a FIFO too)
+    if why:
+        report.problem(root, why)
         return report
     rank_dirs = []
 

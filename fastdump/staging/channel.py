@@ -73,12 +73,21 @@ class Channel:
         self._dropped_pass_starts = 0  # eager passes whose begin found the ring full (`drop`)
         self._graph_recorders: list = []  # CUDA-graph recorders: their dropped replays are passes too
         self.pass_dropped = 0
+        self._failure = None  # the writer's error for this channel, once taken out of the ring header
 
     @property
     def failed(self) -> bool:
         """The writer stopped writing this channel alone (its root's disk full or unwritable; the
         reason is in its rank.json): this Dumper stops, the engine's other channels go on."""
         return self.engine.producer.channel_failed(self.id)
+
+    def failure(self) -> str:
+        """The writer's error for this failed channel ('' when it had no place in the ring header
+        to say it): taken out of the header once, its place freed for the next channel that fails
+        (a fifth failed channel got none while four places were kept for good), and kept here."""
+        if self._failure is None:
+            self._failure = self.engine.producer.take_channel_error(self.id)
+        return self._failure
 
     # -- control messages ---------------------------------------------------------------------------
     def control(self, msg: dict, *, block: bool | None = None, wait: bool = False, timeout: float = 600.0):
@@ -143,6 +152,8 @@ class Channel:
             return self.lane.stage(name_id, code, itemsize, *host_layout(t))
         if not t.is_cuda:
             return UNSUPPORTED_DEVICE
+        if self.failed:  # (as the C++ lane does for the CPU: nothing more for the writer to throw away)
+            return _C.DISABLED
         stage_cuda = self._stage_cuda or self._cuda_stage_function()
         status = stage_cuda(self.id, name_id, pass_id, code, t, self.block, self.block_timeout_s)
         if status == self._cuda.RING_UNAVAILABLE:  # that GPU's device ring could not be had
@@ -154,6 +165,8 @@ class Channel:
     def stage_array(self, name_id: int, pass_id: int, array):
         """A CuPy/Numba/DLPack array: (status, nbytes). Raises for an array it cannot read."""
         cuda = self._cuda_module()
+        if self.failed:  # (as in stage)
+            return _C.DISABLED, 0
         status, nbytes = cuda.stage_array(self.engine, self.device_ring_mb, self.id, name_id, pass_id, array,
                                           self.block, timeout_s=self.block_timeout_s)
         if status == cuda.RING_UNAVAILABLE:  # that GPU's device ring could not be had: as for a torch tensor
