@@ -1080,7 +1080,18 @@ def _check_side(ds, side: str, roles: list, options: Options, notes: list) -> No
     for role in roles:
         for name in ds.ranks(role):
             ref = RankRef(ds, role, name, side)
-            error = ds.rank_info(role, name).get("error")
+            info = ds.rank_info(role, name)
+            error = info.get("error")
+            rank_file = os.path.join(ref.path, fmt.RANK_FILE)
+            if "status" not in info and not any(getattr(p, "path", None) == rank_file for p in ds.problems):
+                # rank.json gone or without its status (verify fails it): its segments were
+                # compared as a closed dump's, "no divergence", whatever they lack. (One the
+                # reader cannot read is its problem: exit 2, named.)
+                said = (f"{fmt.RANK_FILE} is missing" if not os.path.lexists(rank_file)
+                        else f"{fmt.RANK_FILE} holds no status") + ": not known to be a finished dump"
+                if not options.allow_running:
+                    raise DiffError(f"{side} {ref.path}: {said}; pass --allow-running to compare what is there")
+                notes.append(f"{side} {ref.path}: {said}")
             if ref.status in ("running", "error") and not options.allow_running:
                 temp = [e for e in os.listdir(ref.path) if e.endswith(".tmp")]
                 raise DiffError(f"{side} {ref.path}: status is {ref.status!r} ({unfinished_why(ref.status, error)}"
@@ -1312,7 +1323,8 @@ def add_arguments(subparsers) -> None:
                    help="exit 1 when anything was not compared: a tensor name or a pass on one side only "
                         "(default: listed as missing, exit 0 when every compared tensor passes)")
     p.add_argument("--allow-running", action="store_true",
-                   help="compare dumps whose writer is still running (or was killed), as far as written")
+                   help="compare dumps whose writer is still running (or was killed), or whose rank.json has "
+                        "no status, as far as written")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     p.add_argument("--html", metavar="REPORT", help="also write a self-contained HTML report with plots")
     p.set_defaults(func=cmd_diff)

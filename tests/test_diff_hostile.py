@@ -913,6 +913,32 @@ def test_garbage_rank_json_is_a_problem_exit_2(tmp_path, lm, capsys):
     assert out.splitlines()[-1].endswith(", problems 1")
 
 
+@pytest.mark.parametrize("damage", ["deleted", "no status"])
+def test_a_rank_without_rank_json_or_its_status_is_not_compared_as_finished(tmp_path, lm, capsys, damage):
+    """A rank directory whose rank.json is gone (or holds no status) fails verify ("not a finished
+    dump"); diff compared its segments as a closed dump's and printed "no divergence", exit 0."""
+    root = tmp_path / "damaged"
+    shutil.copytree(lm, root)
+    path = os.path.join(rank_dir(root), "rank.json")
+    if damage == "deleted":
+        os.remove(path)
+    else:
+        with open(path) as f:
+            info = json.load(f)
+        del info["status"]
+        with open(path, "w") as f:
+            json.dump(info, f)
+    code, out, err = run(capsys, lm, root)
+    assert (code, out) == (2, "")
+    said = "rank.json is missing" if damage == "deleted" else "rank.json holds no status"
+    assert err.startswith(f"fastdump diff: target {rank_dir(root)}: {said}: not known to be a finished dump")
+    assert err.rstrip().endswith("pass --allow-running to compare what is there") and "Traceback" not in err
+    # --allow-running compares what is there, saying so.
+    code, out, _ = run(capsys, lm, root, "--allow-running")
+    assert code == 0
+    assert f"note: target {rank_dir(root)}: {said}: not known to be a finished dump" in out.splitlines()
+
+
 # -------------------------------------------------------------------------------- JSON vs text
 
 
