@@ -192,6 +192,12 @@ NOT_WHOLE = {
     # whole passes dropped leave gaps no pass's metadata shows: they were exported as if whole
     # (one is enough: a mutant refusing from two on survived)
     "dropped passes": (dict(info={"dropped_passes": 1}), ["1 whole pass(es) were dropped (gaps in the pass ids)"]),
+    # a tensor accepted and then lost (torn by a failed CUDA drain; one the writer could not store) is
+    # a skip in its pass's list: it was exported with a warning, as if the capture side had left it out
+    "torn tensor": (dict(ends={1: {"skipped": [{"name": "c", "reason": "incomplete tensor (staging failed mid-copy)"}]}}),
+                    ["pass 1 lost 1 tensor(s) after they were accepted (incomplete tensor (staging failed mid-copy)): c"]),
+    "tensor the writer lost": (dict(ends={2: {"skipped": [{"name": "c", "reason": "writer could not store it (boom)"}]}}),
+                               ["pass 2 lost 1 tensor(s) after they were accepted (writer could not store it (boom)): c"]),
 }
 
 
