@@ -1118,9 +1118,14 @@ def _not_dumped_text(info: dict) -> str:
 
     dropped = " and ".join(f"{n} {what}" for n, what in ((count("dropped"), "tensor(s)"),
                                                          (count("dropped_passes"), "whole pass(es)")) if n)
+    # rank.json's skipped counts the losses too (a torn tensor is recorded as its pass's skip): said
+    # as skipped, a tensor the dump lost read as one the capture side left out by design.
+    lost = min(count("lost_tensors"), count("skipped"))
     said = ([f"dropped {dropped} (ring full)"] if dropped else []) + \
-        ([f"skipped {count('skipped')} tensor(s) (reasons in each pass's metadata: fastdump show)"]
-         if count("skipped") else [])
+        ([f"skipped {count('skipped') - lost} tensor(s) (reasons in each pass's metadata: fastdump show)"]
+         if count("skipped") > lost else []) + \
+        ([f"lost {lost} tensor(s) after they were accepted (torn, or not stored by the writer: fastdump verify "
+          f"fails the dump)"] if lost else [])
     return " and ".join(said)
 
 
