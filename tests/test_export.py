@@ -196,6 +196,15 @@ NOT_WHOLE = {
     # a skip in its pass's list: it was exported with a warning, as if the capture side had left it out
     "torn tensor": (dict(ends={1: {"skipped": [{"name": "c", "reason": "incomplete tensor (staging failed mid-copy)"}]}}),
                     ["pass 1 lost 1 tensor(s) after they were accepted (incomplete tensor (staging failed mid-copy)): c"]),
+    # what the Dumper counted at close as never dumped (verify fails each): files that looked whole
+    "lost at close": (dict(info={"stats": {"lost_at_close": 2}}),
+                      ["2 staged tensor(s) were lost at close (a CUDA-graph capture still running held their batch)"]),
+    "compiled undumped": (dict(info={"stats": {"compiled_not_dumped": 1}}),
+                          ["1 dumped module(s) were compiled into graphs that may not break (torch.compile "
+                           "fullgraph=True): their outputs are in no pass"]),
+    "edits not followed": (dict(info={"stats": {"modules_not_followed": ["layers.1 replaced"]}}),
+                           ["1 module edit(s) after attach could not be followed (their outputs are missing, or "
+                            "under a name that no longer leads to them): layers.1 replaced"]),
     "tensor the writer lost": (dict(ends={2: {"skipped": [{"name": "c", "reason": "writer could not store it (boom)"}]}}),
                                ["pass 2 lost 1 tensor(s) after they were accepted (writer could not store it (boom)): c"]),
 }
