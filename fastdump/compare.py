@@ -1171,7 +1171,8 @@ def _diff(base_ds, target_ds, options: Options) -> DiffResult:
     group, group_key = [], None  # rows of one pass of one PP stage (all its TP/DP units), to be ordered
 
     def flush():
-        group.sort(key=lambda row: row.pop("_key"))
+        keys = _merged_positions(group)
+        group.sort(key=lambda row: (keys[row["name"]], row.pop("_key")[1]))
         for row in group:
             rows.append(row)
         group.clear()
@@ -1285,6 +1286,32 @@ def _diff(base_ds, target_ds, options: Options) -> DiffResult:
                 f"{row['name']}: {row.get('reason')}" for row in itertools.islice(rows, 3))
         raise DiffError(reason + "".join(f"\n  {problem}" for problem in problems))
     return result
+
+
+def _merged_positions(group: list) -> dict:
+    """{name: sort key} of the rows of one pass of one PP stage (all its TP and DP units): the units'
+    own orders merged into one, the first unit's as it is, a name only a later unit holds placed
+    right after the name that unit ran before it. Each row's ``order`` is its position in its own
+    rank's pass: a rank lacking a tensor (dropped) put its later layers one place early, level with
+    another rank's earlier layer, and the lower rank won the tie: layer 5 was named the first
+    divergence where layer 4 of another TP rank diverged."""
+    by_unit: dict = {}
+    for row in group:
+        by_unit.setdefault(row["_key"][1], []).append(row)
+    keys: dict = {}
+    inserted: dict = {}  # key -> names placed right after it so far
+    first, *later = sorted(by_unit) or [None]
+    for row in by_unit.get(first, []):
+        keys[row["name"]] = (row["order"],)
+    for unit_index in later:
+        previous = (-1,)  # (before every name the earlier units hold)
+        for row in sorted(by_unit[unit_index], key=lambda r: r["order"]):
+            name = row["name"]
+            if name not in keys:
+                inserted[previous] = inserted.get(previous, 0) + 1
+                keys[name] = previous + (inserted[previous],)
+            previous = keys[name]
+    return keys
 
 
 def _roots(ds) -> list:

@@ -1139,6 +1139,27 @@ def test_first_divergence_across_ranks_follows_execution_order(tmp_path, capsys)
         (rank, 1, names[layer]) for rank, layer in ((1, 1), (0, 3), (2, 0))]
 
 
+def test_first_divergence_across_tp_ranks_is_by_layer_when_one_rank_lacks_a_tensor(tmp_path):
+    """Target TP rank 0 lacks layer 1's tensor (dropped; listed missing) and diverges at layer 5;
+    TP rank 1 diverges at layer 4, which ran before layer 5. Rows were ordered by each rank's own
+    position in its pass: rank 0's layer 5 stood at position 4, as rank 1's layer 4, and the lower
+    rank won the tie, so layer 5 was named the first divergence."""
+    names = [f"model.layers.{i}.mlp" for i in range(7)]
+    tensors = {name: torch.arange(4, dtype=torch.float32) + i for i, name in enumerate(names)}
+    for tp in (0, 1):
+        crafted_rank(tmp_path / "base", {0: tensors}, tp=tp, tp_size=2)
+    lacking = {name: t + (name == names[5]) for name, t in tensors.items() if name != names[1]}
+    crafted_rank(tmp_path / "target", {0: lacking}, tp=0, tp_size=2)
+    crafted_rank(tmp_path / "target", {0: {name: t + (name == names[4]) for name, t in tensors.items()}},
+                 tp=1, tp_size=2)
+    result = fastdump.diff(tmp_path / "base", tmp_path / "target")
+    assert [(row["rank"], row["name"]) for row in result.failures] == [(1, names[4]), (0, names[5])]
+    assert (result.first_divergence["rank"], result.first_divergence["name"]) == (1, names[4])
+    # every row in layer order, the lower rank first within a layer
+    assert [(row["name"], row["rank"]) for row in result.rows] == sorted(
+        (name, tp) for name in names for tp in (0, 1) if (name, tp) != (names[1], 0))
+
+
 def test_a_rank_missing_on_one_side_is_a_difference(tmp_path, capsys):
     passes = {p: {"a": torch.ones(4) * p} for p in range(2)}
     crafted_rank(tmp_path / "base", passes, tp=0, tp_size=2)
