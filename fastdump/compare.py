@@ -56,6 +56,30 @@ def unfinished_why(status: str, error) -> str:
         fmt.UNFINISHED_STATUS_WHY.get(status, "not a finished dump")
 
 
+def _is_positive(count) -> bool:
+    return isinstance(count, int) and not isinstance(count, bool) and count > 0
+
+
+def not_dumped_at_close(stats) -> str | None:
+    """What the Dumper counted at close as never dumped (rank.json ``stats``; verify fails each), which
+    no pass's metadata shows, or None: export refuses the rank, diff notes it (``_not_dumped_text``)."""
+    stats = stats if isinstance(stats, dict) else {}
+    lost, compiled = stats.get("lost_at_close"), stats.get("compiled_not_dumped")
+    edits = stats.get("modules_not_followed")
+    parts = []
+    if _is_positive(lost):
+        parts.append(f"{lost} staged tensor(s) were lost at close (a CUDA-graph capture still running held "
+                     f"their batch)")
+    if _is_positive(compiled):
+        parts.append(f"{compiled} dumped module(s) were compiled into graphs that may not break (torch.compile "
+                     f"fullgraph=True): their outputs are in no pass")
+    if isinstance(edits, list) and edits:
+        shown = "; ".join(map(str, edits[:3])) + ("; ..." if len(edits) > 3 else "")
+        parts.append(f"{len(edits)} module edit(s) after attach could not be followed (their outputs are "
+                     f"missing, or under a name that no longer leads to them): {shown}")
+    return " and ".join(parts) or None
+
+
 class DiffError(Exception):
     """The dumps cannot be compared at all (usage or read error): ``fastdump diff`` exits 2."""
 
@@ -1126,7 +1150,8 @@ def _not_dumped_text(info: dict) -> str:
          if count("skipped") > lost else []) + \
         ([f"lost {lost} tensor(s) after they were accepted (torn, or not stored by the writer: fastdump verify "
           f"fails the dump)"] if lost else [])
-    return " and ".join(said)
+    at_close = not_dumped_at_close(info.get("stats"))  # (names absent from every pass: read as not run)
+    return " and ".join(said + ([f"counted at close: {at_close}"] if at_close else []))
 
 
 def _diff(base_ds, target_ds, options: Options) -> DiffResult:

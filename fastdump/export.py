@@ -41,7 +41,7 @@ from pathlib import Path
 
 from . import format as fmt
 from . import fsutil
-from .compare import unfinished_why
+from .compare import not_dumped_at_close, unfinished_why
 from .options import RANK_FIELDS
 from .format import printable as _printable
 
@@ -316,34 +316,10 @@ def _status_problem(info: dict):
         # Whole passes dropped (policy drop, the ring full as they began; CUDA-graph replays that
         # outran the drain) are gaps in the pass ids: no pass's metadata says so.
         dropped = info.get("dropped_passes")
-        if _is_positive(dropped):
+        if isinstance(dropped, int) and not isinstance(dropped, bool) and dropped > 0:
             return f"{dropped} whole pass(es) were dropped (gaps in the pass ids)"
-        return _not_dumped_at_close(info.get("stats"))
+        return not_dumped_at_close(info.get("stats"))
     return f"status is {status!r} ({unfinished_why(status, error)})"  # in diff's words
-
-
-def _is_positive(count) -> bool:
-    return isinstance(count, int) and not isinstance(count, bool) and count > 0
-
-
-def _not_dumped_at_close(stats) -> str | None:
-    """What the Dumper counted at close as never dumped (rank.json ``stats``; verify fails each),
-    which no pass's metadata shows: the passes looked whole, and were exported as such."""
-    stats = stats if isinstance(stats, dict) else {}
-    lost, compiled = stats.get("lost_at_close"), stats.get("compiled_not_dumped")
-    edits = stats.get("modules_not_followed")
-    parts = []
-    if _is_positive(lost):
-        parts.append(f"{lost} staged tensor(s) were lost at close (a CUDA-graph capture still running held "
-                     f"their batch)")
-    if _is_positive(compiled):
-        parts.append(f"{compiled} dumped module(s) were compiled into graphs that may not break (torch.compile "
-                     f"fullgraph=True): their outputs are in no pass")
-    if isinstance(edits, list) and edits:
-        shown = "; ".join(map(str, edits[:3])) + ("; ..." if len(edits) > 3 else "")
-        parts.append(f"{len(edits)} module edit(s) after attach could not be followed (their outputs are "
-                     f"missing, or under a name that no longer leads to them): {shown}")
-    return " and ".join(parts) or None
 
 
 def _pass_problem(meta: dict) -> str:

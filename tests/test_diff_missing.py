@@ -189,6 +189,22 @@ def test_what_the_capture_side_dropped_is_noted_not_blamed_on_the_model(tmp_path
     assert run(capsys, base, tmp_path / "t", "--strict")[0] == 1
 
 
+def test_what_the_dumper_counted_at_close_as_not_dumped_is_noted(tmp_path, capsys):
+    """A module compiled with fullgraph=True ran undumped (rank.json stats.compiled_not_dumped, which
+    verify fails): its name, absent from every target pass, was listed as a name the target model
+    did not run, without a note."""
+    base = crafted(tmp_path / "b", {p: {"x": torch.ones(2), "y": torch.ones(2)} for p in range(2)})
+    rank_path = tmp_path / "t" / "target" / "TP0_PP0_Rank0_pid100"
+    write_rank_dir(rank_path, {p: {"x": torch.ones(2)} for p in range(2)}, stats={"compiled_not_dumped": 1})
+    code, out, _ = run(capsys, base, tmp_path / "t")
+    lines = out.splitlines()
+    assert code == 0 and lines[1] == "missing: role target rank 0: 'y' only in the baseline (passes 0,1)"
+    assert lines[2] == (f"note: target {rank_path}: the capture side counted at close: 1 dumped module(s) were "
+                        f"compiled into graphs that may not break (torch.compile fullgraph=True): their outputs "
+                        f"are in no pass; names and passes this rank lacks may be data not dumped, not absent "
+                        f"from the model")
+
+
 def test_a_tensor_lost_after_it_was_accepted_is_noted_as_lost_not_as_skipped(tmp_path, capsys):
     """'y' of pass 1 torn (a failed CUDA drain: accepted, then lost; verify fails the dump) and 'y'
     of pass 2 a real skip: the note said "skipped 2 tensor(s)", as if the capture side had left both
