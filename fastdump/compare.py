@@ -895,7 +895,7 @@ class DiffResult:
         self.missing = missing
         self.problems = problems
         self.compared, self.failed = rows.compared, rows.failed
-        self.first_divergence = rows.first_failure
+        self.first_divergence = rows.first_divergence
         # A role, rank or stage on one side only is data missing from the comparison: the dumps
         # differ (exit 1). A name on one side only, or a pass, is listed, and fails only a strict diff.
         self.missing_ranks = [item for item in missing if item["kind"] in ("role", "rank", "stage_passes")]
@@ -964,11 +964,16 @@ class DiffResult:
     def headline(self) -> str:
         """The verdict in one line (the text report's first, the HTML report's summary)."""
         first = self.first_divergence
+        unread = self._rows.errors  # rows whose tensor could not be read (ERROR lines): damage, not divergence
         if first is not None:
-            return f"first divergence: {_where(first)} {first['name']}  {_row_numbers(first)}"
+            return (f"first divergence: {_where(first)} {first['name']}  {_row_numbers(first)}"
+                    + (f"; {unread} tensor(s) could not be read (ERROR lines below)" if unread else ""))
         if self.problems:
             return (f"no divergence in the {self.compared} tensor(s) compared, but {len(self.problems)} read "
                     f"problem(s) (ERROR lines below) leave the comparison incomplete")
+        if unread:
+            return (f"no divergence in the {self.compared} tensor(s) compared, but {unread} tensor(s) could not be "
+                    f"read (ERROR lines below): the comparison is incomplete")
         if self.missing_ranks:
             kinds = collections.Counter(item["kind"] for item in self.missing_ranks)
             what = ", ".join(f"{n} {_MISSING_KIND[kind]}" for kind, n in sorted(kinds.items(), key=lambda kv: kv[0]))

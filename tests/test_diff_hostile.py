@@ -871,6 +871,41 @@ def test_flipped_data_bit_is_a_corruption_not_a_divergence(tmp_path, capsys):
     assert code == 2 and "checksum" in out + err and segment in out + err
 
 
+def test_a_tensor_that_cannot_be_read_is_never_named_the_first_divergence(tmp_path, capsys):
+    """A flipped bit in pass 1's 'x' (damage, exit 2) was the headline's "first divergence" and
+    ``first_divergence`` of the JSON and the API: the damage blamed on the model, ahead of the
+    model's real divergence ('y' of pass 2); with no real one, the headline named it too."""
+    tensors = {"x": torch.arange(8, dtype=torch.float32), "y": torch.ones(3)}
+    base = dump_bag(tmp_path / "base", tensors, passes=3)
+    damaged = tmp_path / "damaged"
+    shutil.copytree(base, damaged)
+    _flip_one_data_bit(damaged, "x", 1)
+    code, out, _ = run(capsys, base, damaged)
+    lines = out.splitlines()
+    assert code == 2
+    assert lines[0] == ("no divergence in the 8 tensor(s) compared, but 1 tensor(s) could not be read (ERROR "
+                        "lines below): the comparison is incomplete")
+    assert lines[1].startswith("ERROR target rank 0 pass 1 x  [cannot read pass 1 (DumpError: ")
+    result = fastdump.diff(base, damaged)
+    assert result.first_divergence is None and json.loads(result.to_json())["first_divergence"] is None
+    assert result.exit_code == 2 and [row["status"] for row in result.failures] == ["error"]
+
+    # The model diverges in pass 2 ('y'): that is the first divergence, the damage before it said.
+    diverged = tmp_path / "diverged"
+    write_rank_dir(os.path.join(diverged, "target", "TP0_PP0_Rank0_pid100"),
+                   {0: tensors, 1: tensors, 2: dict(tensors, y=torch.full((3,), 2.0))}, segment_passes=500)
+    _flip_one_data_bit(diverged, "x", 1)
+    code, out, _ = run(capsys, base, diverged)
+    lines = out.splitlines()
+    assert code == 2
+    assert lines[0].startswith("first divergence: target rank 0 pass 2 y  max_abs 1  ")
+    assert lines[0].endswith("[exceeds allclose]; 1 tensor(s) could not be read (ERROR lines below)")
+    assert lines[1].startswith("ERROR target rank 0 pass 1 x  [cannot read pass 1 (DumpError: ")
+    assert lines[2].startswith("FAIL target rank 0 pass 2 y  max_abs 1  ")
+    result = fastdump.diff(base, diverged)
+    assert (result.first_divergence["pass"], result.first_divergence["name"]) == (2, "y")
+
+
 def test_flipped_data_bit_is_never_silently_equal(tmp_path, capsys):
     """What diff does today with a flipped bit: at least not 'equal' (the bit is in the mantissa)."""
     base = dump_bag(tmp_path / "base", {"x": torch.arange(8, dtype=torch.float32)}, passes=3)
@@ -1571,7 +1606,7 @@ def test_spilled_rows_leave_no_file_behind_and_read_back_as_written(tmp_path, mo
     assert [r["pass"] for r in log] == list(range(2000)) and log[1999]["name"] == rows[1999]["name"]
     outer = iter(log)
     assert next(outer)["pass"] == 0 and [r["pass"] for r in log][:2] == [0, 1] and next(outer)["pass"] == 1
-    assert log.failed == 1000 and log.first_failure["pass"] == 1
+    assert log.failed == 1000 and log.first_divergence["pass"] == 1
     log.close()
     assert os.listdir(tmp_path) == []
 
