@@ -966,8 +966,10 @@ class DiffResult:
         first = self.first_divergence
         unread = self._rows.errors  # rows whose tensor could not be read (ERROR lines): damage, not divergence
         if first is not None:
+            incomplete = " and ".join(([f"{unread} tensor(s) could not be read"] if unread else [])
+                                      + ([f"{len(self.problems)} read problem(s)"] if self.problems else []))
             return (f"first divergence: {_where(first)} {first['name']}  {_row_numbers(first)}"
-                    + (f"; {unread} tensor(s) could not be read (ERROR lines below)" if unread else ""))
+                    + (f"; {incomplete} (ERROR lines below)" if incomplete else ""))
         if self.problems:
             return (f"no divergence in the {self.compared} tensor(s) compared, but {len(self.problems)} read "
                     f"problem(s) (ERROR lines below) leave the comparison incomplete")

@@ -904,6 +904,12 @@ def test_a_tensor_that_cannot_be_read_is_never_named_the_first_divergence(tmp_pa
     assert lines[2].startswith("FAIL target rank 0 pass 2 y  max_abs 1  ")
     result = fastdump.diff(base, diverged)
     assert (result.first_divergence["pass"], result.first_divergence["name"]) == (2, "y")
+    # A read problem of the dump (its rank.json damaged) is said the same way after the divergence.
+    with open(os.path.join(rank_dir(diverged), "rank.json"), "w") as f:
+        f.write("{not json")
+    code, out, _ = run(capsys, base, diverged)
+    assert code == 2 and out.splitlines()[0].endswith(
+        "[exceeds allclose]; 1 tensor(s) could not be read and 1 read problem(s) (ERROR lines below)")
 
 
 def test_flipped_data_bit_is_never_silently_equal(tmp_path, capsys):
