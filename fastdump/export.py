@@ -380,7 +380,12 @@ def _survey(ds, roles, partial: bool) -> dict:
     """{(role, rank): {pass id: metadata}} of every rank, once the dump is known to be whole: a
     PartialDumpError otherwise, unless ``partial`` (then a warning per rank and pass not whole).
     Recorded skips are a warning either way."""
-    metas, problems, notes = {}, [], []
+    from .reader import Problem
+
+    # A role or session the root records as attached whose directory is gone (verify fails it): the
+    # rest was exported without a word, an EAGLE dump without its draft laid out as a plain run.
+    metas, notes = {}, []
+    problems = [str(p) for p in ds.problems if p.kind in (Problem.LOST_ROLE, Problem.LOST_SESSION)]
     for role in roles:
         for rank in ds.ranks(role):
             where = f"{role}/{rank}"

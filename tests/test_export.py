@@ -100,6 +100,23 @@ def test_eagle_roles_get_subdirs_via_cli(tmp_path):
     assert got["layers.0.proj"].dtype == torch.bfloat16 and got["extra.fp8"].dtype == torch.float8_e4m3fn
 
 
+@pytest.mark.parametrize("fmt", ["sglang", "sglang-dumper"])
+def test_a_role_the_dump_lost_is_refused_unless_partial(tmp_path, capsys, fmt):
+    """An EAGLE dump whose draft directory is gone (the root records it as attached; verify fails
+    it): export wrote the target alone, laid out flat as a plain run's, exit 0, without a word."""
+    import shutil
+
+    make_dump(tmp_path / "dump", roles=("target", "draft"))
+    shutil.rmtree(tmp_path / "dump" / "draft")
+    out = tmp_path / "out"
+    code, _, err = run_cli("--format", fmt, tmp_path / "dump", out, capsys=capsys)
+    assert code == 2 and not out.exists()
+    assert (f"fastdump export:   {tmp_path / 'dump' / 'draft'}: role 'draft' was attached here (fastdump.roles/draft) "
+            "but its directory is gone: that role's dump is not here") in err.splitlines()
+    code, _, err = run_cli("--format", fmt, "--partial", tmp_path / "dump", out, capsys=capsys)
+    assert code == 0 and "role 'draft' was attached here" in err and "exported as written (--partial)" in err
+
+
 def test_several_roles_cannot_be_flattened(tmp_path):
     make_dump(tmp_path / "dump", roles=("target", "draft"))
     with pytest.raises(ValueError, match="role subdirectories"):
