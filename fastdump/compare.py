@@ -1186,7 +1186,10 @@ def _diff(base_ds, target_ds, options: Options) -> DiffResult:
             raise DiffError(f"no rank {options.rank} present on both sides")
         # Other ranks were not asked about: their absence on one side says nothing here.
         missing = [item for item in missing if item["kind"] != "rank" or item["rank"] == options.rank]
-    role_order = {role: index for index, role in enumerate(roles)}
+    # At one pass id, the target role first: its forward feeds the others (an EAGLE draft runs on the
+    # target's hidden states; the target's prefill runs before any draft pass). By name, 'draft' came
+    # first, and a change moving both roles' pass 0 was named the draft's divergence.
+    role_order = {role: index for index, role in enumerate(sorted(roles, key=lambda r: (r != "target", r)))}
     # In execution order (the pass, the role, the PP stage; then the units running it at once), so
     # that rows leave the loop in their final order and need not all be held to be sorted.
     paired = [(unit_index, unit, pair) for unit_index, unit in enumerate(units)

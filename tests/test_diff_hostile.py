@@ -1779,8 +1779,8 @@ def test_replicated_shards_of_other_shapes_fail_even_with_the_same_values(tmp_pa
 
 
 def test_rows_of_two_roles_go_pass_by_pass(tmp_path):
-    """Execution order across roles: pass 0 of every role, then pass 1 (an EAGLE step runs the
-    draft and the target in turn). The target's pass 0 diverges before the draft's pass 1 (a
+    """Execution order across roles: pass 0 of every role (the target first), then pass 1 (an
+    EAGLE step runs the draft and the target in turn). The target's pass 0 diverges before the draft's pass 1 (a
     mutant ordering role by role named the draft's pass 1 first)."""
     x = torch.ones(2)
     base, target = tmp_path / "base", tmp_path / "target"
@@ -1789,9 +1789,26 @@ def test_rows_of_two_roles_go_pass_by_pass(tmp_path):
     manual_rank(target, [{"x": x}, {"x": x + 1}], role="draft")
     manual_rank(target, [{"x": x + 1}, {"x": x}], role="target")
     result = fastdump.diff(base, target)
-    assert [(r["pass"], r["role"]) for r in result.rows] == [(0, "draft"), (0, "target"), (1, "draft"), (1, "target")]
+    assert [(r["pass"], r["role"]) for r in result.rows] == [(0, "target"), (0, "draft"), (1, "target"), (1, "draft")]
     first = result.first_divergence
     assert (first["role"], first["pass"], first["name"]) == ("target", 0, "x") and result.failed == 2
+
+
+def test_at_one_pass_id_the_target_role_comes_before_the_draft(tmp_path):
+    """A change that moves both roles' pass 0 (a kernel the target's prefill and the draft's first
+    pass share): the draft was named the first divergence ('draft' sorts before 'target'), though
+    the target's prefill runs first and feeds the draft its hidden states. Whatever order --role
+    gives the roles in."""
+    x = torch.ones(2)
+    base, target = tmp_path / "base", tmp_path / "target"
+    for role in ("draft", "target"):
+        manual_rank(base, [{"x": x}], role=role)
+        manual_rank(target, [{"x": x + 1}], role=role)
+    for roles in (None, ["draft", "target"]):
+        result = fastdump.diff(base, target, role=roles)
+        assert [(r["role"], r["status"]) for r in result.rows] == [("target", "fail"), ("draft", "fail")]
+        assert result.first_divergence["role"] == "target"
+        assert result.lines()[0].startswith("first divergence: target rank 0 pass 0 x  ")
 
 
 def test_rows_name_the_dp_replica_when_only_the_target_has_several(tmp_path, capsys):
