@@ -252,6 +252,19 @@ class Options:
                 return rule
         return None
 
+    def criteria(self) -> str:
+        """What a tensor must satisfy to pass, in words ('atol 1e-05, rtol 1e-05'; 'rel_diff <= 0.001'):
+        the metrics given, not the tolerances alone. With --metric rel_diff only, a bf16 run against
+        an fp32 one read "all within tolerance (atol 1e-05, rtol 1e-05)", which its tensors are not."""
+        said = []
+        for metric, threshold in self.metrics:
+            if metric == "allclose":
+                rules = f" and {len(self.tols)} --tol rule(s)" if self.tols else ""
+                said.append(f"atol {self.atol:g}, rtol {self.rtol:g}{rules}")
+            else:
+                said.append(f"{'rel_diff' if metric == 'rel_diff' else 'cosine distance'} <= {threshold:g}")
+        return "; ".join(dict.fromkeys(said))  # (a metric given twice is said once)
+
     def as_dict(self) -> dict:
         return {"role": self.roles or None, "rank": self.rank, "passes": self.passes_spec, "name": self.name_spec,
                 "atol": self.atol, "rtol": self.rtol, "tol": self.tol_specs, "metric": self.metric_specs,
@@ -981,7 +994,7 @@ class DiffResult:
             what = ", ".join(f"{n} {_MISSING_KIND[kind]}" for kind, n in sorted(kinds.items(), key=lambda kv: kv[0]))
             return (f"{'ranks' if set(kinds) == {'rank'} else 'data'} missing: {what} on one side only (listed "
                     f"below); the {self.compared} tensor(s) compared are within tolerance")
-        tolerance = f"(atol {self.options.atol:g}, rtol {self.options.rtol:g})"
+        tolerance = f"({self.options.criteria()})"
         if self.missing:  # names or passes on one side only: listed, not failed, but never "all fine"
             names = len({(m["role"], m["name"]) for m in self.missing if m["kind"] == "name"})
             # (each TP rank lists the passes it lacks: a pass counts once, not once per rank)
