@@ -23,11 +23,11 @@ keeps the last call, as SGLang's hook does.
 
 A dump is evidence: SGLang's tools cannot tell a partial pass from a whole one. Export refuses a dump
 with a rank not closed (status running, error, incomplete), a pass marked incomplete or with
-dropped tensors (or tensors accepted and then lost, in its skipped list), or a pass one TP rank lacks while others of its group hold it
-(:class:`PartialDumpError`), unless ``partial=True`` (``--partial``): then each such pass is
-exported as written, with a warning, and ``fastdump_passes.json`` / the ``fastdump_pass`` meta
-record it. Tensors the capture side recorded as skipped (e.g. quantized dtypes) are left out with a
-warning.
+dropped tensors (or tensors accepted and then lost, in its skipped list), or a pass one TP rank
+lacks while others of its group hold it (:class:`PartialDumpError`), unless ``partial=True``
+(``--partial``): then each such pass is exported as written, with a warning, and
+``fastdump_passes.json`` / the ``fastdump_pass`` meta record it. Tensors the capture side recorded
+as skipped (e.g. quantized dtypes) are left out with a warning.
 """
 
 from __future__ import annotations
@@ -337,7 +337,8 @@ def _pass_problem(meta: dict) -> str:
         reasons = list(dict.fromkeys(str(entry.get("reason")) for entry in lost))
         names = list(dict.fromkeys(str(entry.get("name", "?")) for entry in lost))
         parts.append(f"lost {len(lost)} tensor(s) after they were accepted ({'; '.join(reasons[:3])}"
-                     f"{'; ...' if len(reasons) > 3 else ''}): {', '.join(names[:3])}{', ...' if len(names) > 3 else ''}")
+                     f"{'; ...' if len(reasons) > 3 else ''}): {', '.join(names[:3])}"
+                     + (", ..." if len(names) > 3 else ""))
     return " and ".join(parts)
 
 
