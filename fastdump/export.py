@@ -670,8 +670,9 @@ def add_arguments(subparsers):
                    help="--format sglang: put model/logits_processor outputs in the next pass file, as "
                         "SGLang's hook does (byte-level comparison with SGLang's own dumps)")
     p.add_argument("--partial", action="store_true",
-                   help="export a dump that is not whole (a rank not closed: running, error, incomplete; a "
-                        "pass marked incomplete or with dropped tensors) as written, one warning per such "
+                   help="export a dump that is not whole (a rank not closed: running, error, incomplete; "
+                        "data lost: a role or session gone, tensors lost at close or after they were accepted; "
+                        "a pass marked incomplete or with dropped tensors) as written, one warning per such "
                         "rank and pass; refused otherwise (exit 2)")
     p.add_argument("root", metavar="ROOT", help="fastdump dump root")
     p.add_argument("out", metavar="OUT", help="output directory")
