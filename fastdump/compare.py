@@ -56,6 +56,30 @@ def unfinished_why(status: str, error) -> str:
         fmt.UNFINISHED_STATUS_WHY.get(status, "not a finished dump")
 
 
+def _is_positive(count) -> bool:
+    return isinstance(count, int) and not isinstance(count, bool) and count > 0
+
+
+def not_dumped_at_close(stats) -> str | None:
+    """What the Dumper counted at close as never dumped (rank.json ``stats``; verify fails each), which
+    no pass's metadata shows, or None: export refuses the rank, diff notes it (``_not_dumped_text``)."""
+    stats = stats if isinstance(stats, dict) else {}
+    lost, compiled = stats.get("lost_at_close"), stats.get("compiled_not_dumped")
+    edits = stats.get("modules_not_followed")
+    parts = []
+    if _is_positive(lost):
+        parts.append(f"{lost} staged tensor(s) were lost at close (a CUDA-graph capture still running held "
+                     f"their batch)")
+    if _is_positive(compiled):
+        parts.append(f"{compiled} dumped module(s) were compiled into graphs that may not break (torch.compile "
+                     f"fullgraph=True): their outputs are in no pass")
+    if isinstance(edits, list) and edits:
+        shown = "; ".join(map(str, edits[:3])) + ("; ..." if len(edits) > 3 else "")
+        parts.append(f"{len(edits)} module edit(s) after attach could not be followed (their outputs are "
+                     f"missing, or under a name that no longer leads to them): {shown}")
+    return " and ".join(parts) or None
+
+
 class DiffError(Exception):
     """The dumps cannot be compared at all (usage or read error): ``fastdump diff`` exits 2."""
 
@@ -227,6 +251,19 @@ class Options:
             if pattern.search(name):
                 return rule
         return None
+
+    def criteria(self) -> str:
+        """What a tensor must satisfy to pass, in words ('atol 1e-05, rtol 1e-05'; 'rel_diff <= 0.001'):
+        the metrics given, not the tolerances alone. With --metric rel_diff only, a bf16 run against
+        an fp32 one read "all within tolerance (atol 1e-05, rtol 1e-05)", which its tensors are not."""
+        said = []
+        for metric, threshold in self.metrics:
+            if metric == "allclose":
+                rules = f" and {len(self.tols)} --tol rule(s)" if self.tols else ""
+                said.append(f"atol {self.atol:g}, rtol {self.rtol:g}{rules}")
+            else:
+                said.append(f"{'rel_diff' if metric == 'rel_diff' else 'cosine distance'} <= {threshold:g}")
+        return "; ".join(dict.fromkeys(said))  # (a metric given twice is said once)
 
     def as_dict(self) -> dict:
         return {"role": self.roles or None, "rank": self.rank, "passes": self.passes_spec, "name": self.name_spec,
@@ -871,7 +908,7 @@ class DiffResult:
         self.missing = missing
         self.problems = problems
         self.compared, self.failed = rows.compared, rows.failed
-        self.first_divergence = rows.first_failure
+        self.first_divergence = rows.first_divergence
         # A role, rank or stage on one side only is data missing from the comparison: the dumps
         # differ (exit 1). A name on one side only, or a pass, is listed, and fails only a strict diff.
         self.missing_ranks = [item for item in missing if item["kind"] in ("role", "rank", "stage_passes")]
@@ -940,17 +977,24 @@ class DiffResult:
     def headline(self) -> str:
         """The verdict in one line (the text report's first, the HTML report's summary)."""
         first = self.first_divergence
+        unread = self._rows.errors  # rows whose tensor could not be read (ERROR lines): damage, not divergence
         if first is not None:
-            return f"first divergence: {_where(first)} {first['name']}  {_row_numbers(first)}"
+            incomplete = " and ".join(([f"{unread} tensor(s) could not be read"] if unread else [])
+                                      + ([f"{len(self.problems)} read problem(s)"] if self.problems else []))
+            return (f"first divergence: {_where(first)} {first['name']}  {_row_numbers(first)}"
+                    + (f"; {incomplete} (ERROR lines below)" if incomplete else ""))
         if self.problems:
             return (f"no divergence in the {self.compared} tensor(s) compared, but {len(self.problems)} read "
                     f"problem(s) (ERROR lines below) leave the comparison incomplete")
+        if unread:
+            return (f"no divergence in the {self.compared} tensor(s) compared, but {unread} tensor(s) could not be "
+                    f"read (ERROR lines below): the comparison is incomplete")
         if self.missing_ranks:
             kinds = collections.Counter(item["kind"] for item in self.missing_ranks)
             what = ", ".join(f"{n} {_MISSING_KIND[kind]}" for kind, n in sorted(kinds.items(), key=lambda kv: kv[0]))
             return (f"{'ranks' if set(kinds) == {'rank'} else 'data'} missing: {what} on one side only (listed "
                     f"below); the {self.compared} tensor(s) compared are within tolerance")
-        tolerance = f"(atol {self.options.atol:g}, rtol {self.options.rtol:g})"
+        tolerance = f"({self.options.criteria()})"
         if self.missing:  # names or passes on one side only: listed, not failed, but never "all fine"
             names = len({(m["role"], m["name"]) for m in self.missing if m["kind"] == "name"})
             # (each TP rank lists the passes it lacks: a pass counts once, not once per rank)
@@ -1080,7 +1124,18 @@ def _check_side(ds, side: str, roles: list, options: Options, notes: list) -> No
     for role in roles:
         for name in ds.ranks(role):
             ref = RankRef(ds, role, name, side)
-            error = ds.rank_info(role, name).get("error")
+            info = ds.rank_info(role, name)
+            error = info.get("error")
+            rank_file = os.path.join(ref.path, fmt.RANK_FILE)
+            if "status" not in info and not any(getattr(p, "path", None) == rank_file for p in ds.problems):
+                # rank.json gone or without its status (verify fails it): its segments were
+                # compared as a closed dump's, "no divergence", whatever they lack. (One the
+                # reader cannot read is its problem: exit 2, named.)
+                said = (f"{fmt.RANK_FILE} is missing" if not os.path.lexists(rank_file)
+                        else f"{fmt.RANK_FILE} holds no status") + ": not known to be a finished dump"
+                if not options.allow_running:
+                    raise DiffError(f"{side} {ref.path}: {said}; pass --allow-running to compare what is there")
+                notes.append(f"{side} {ref.path}: {said}")
             if ref.status in ("running", "error") and not options.allow_running:
                 temp = [e for e in os.listdir(ref.path) if e.endswith(".tmp")]
                 raise DiffError(f"{side} {ref.path}: status is {ref.status!r} ({unfinished_why(ref.status, error)}"
@@ -1107,10 +1162,16 @@ def _not_dumped_text(info: dict) -> str:
 
     dropped = " and ".join(f"{n} {what}" for n, what in ((count("dropped"), "tensor(s)"),
                                                          (count("dropped_passes"), "whole pass(es)")) if n)
+    # rank.json's skipped counts the losses too (a torn tensor is recorded as its pass's skip): said
+    # as skipped, a tensor the dump lost read as one the capture side left out by design.
+    lost = min(count("lost_tensors"), count("skipped"))
     said = ([f"dropped {dropped} (ring full)"] if dropped else []) + \
-        ([f"skipped {count('skipped')} tensor(s) (reasons in each pass's metadata: fastdump show)"]
-         if count("skipped") else [])
-    return " and ".join(said)
+        ([f"skipped {count('skipped') - lost} tensor(s) (reasons in each pass's metadata: fastdump show)"]
+         if count("skipped") > lost else []) + \
+        ([f"lost {lost} tensor(s) after they were accepted (torn, or not stored by the writer: fastdump verify "
+          f"fails the dump)"] if lost else [])
+    at_close = not_dumped_at_close(info.get("stats"))  # (names absent from every pass: read as not run)
+    return " and ".join(said + ([f"counted at close: {at_close}"] if at_close else []))
 
 
 def _diff(base_ds, target_ds, options: Options) -> DiffResult:
@@ -1138,7 +1199,10 @@ def _diff(base_ds, target_ds, options: Options) -> DiffResult:
             raise DiffError(f"no rank {options.rank} present on both sides")
         # Other ranks were not asked about: their absence on one side says nothing here.
         missing = [item for item in missing if item["kind"] != "rank" or item["rank"] == options.rank]
-    role_order = {role: index for index, role in enumerate(roles)}
+    # At one pass id, the target role first: its forward feeds the others (an EAGLE draft runs on the
+    # target's hidden states; the target's prefill runs before any draft pass). By name, 'draft' came
+    # first, and a change moving both roles' pass 0 was named the draft's divergence.
+    role_order = {role: index for index, role in enumerate(sorted(roles, key=lambda r: (r != "target", r)))}
     # In execution order (the pass, the role, the PP stage; then the units running it at once), so
     # that rows leave the loop in their final order and need not all be held to be sorted.
     paired = [(unit_index, unit, pair) for unit_index, unit in enumerate(units)
@@ -1155,7 +1219,8 @@ def _diff(base_ds, target_ds, options: Options) -> DiffResult:
     group, group_key = [], None  # rows of one pass of one PP stage (all its TP/DP units), to be ordered
 
     def flush():
-        group.sort(key=lambda row: row.pop("_key"))
+        keys = _merged_positions(group)
+        group.sort(key=lambda row: (keys[row["name"]], row.pop("_key")[1]))
         for row in group:
             rows.append(row)
         group.clear()
@@ -1271,6 +1336,32 @@ def _diff(base_ds, target_ds, options: Options) -> DiffResult:
     return result
 
 
+def _merged_positions(group: list) -> dict:
+    """{name: sort key} of the rows of one pass of one PP stage (all its TP and DP units): the units'
+    own orders merged into one, the first unit's as it is, a name only a later unit holds placed
+    right after the name that unit ran before it. Each row's ``order`` is its position in its own
+    rank's pass: a rank lacking a tensor (dropped) put its later layers one place early, level with
+    another rank's earlier layer, and the lower rank won the tie: layer 5 was named the first
+    divergence where layer 4 of another TP rank diverged."""
+    by_unit: dict = {}
+    for row in group:
+        by_unit.setdefault(row["_key"][1], []).append(row)
+    keys: dict = {}
+    inserted: dict = {}  # key -> names placed right after it so far
+    first, *later = sorted(by_unit) or [None]
+    for row in by_unit.get(first, []):
+        keys[row["name"]] = (row["order"],)
+    for unit_index in later:
+        previous = (-1,)  # (before every name the earlier units hold)
+        for row in sorted(by_unit[unit_index], key=lambda r: r["order"]):
+            name = row["name"]
+            if name not in keys:
+                inserted[previous] = inserted.get(previous, 0) + 1
+                keys[name] = previous + (inserted[previous],)
+            previous = keys[name]
+    return keys
+
+
 def _roots(ds) -> list:
     return list(getattr(ds, "roots", [ds.root]))
 
@@ -1312,7 +1403,8 @@ def add_arguments(subparsers) -> None:
                    help="exit 1 when anything was not compared: a tensor name or a pass on one side only "
                         "(default: listed as missing, exit 0 when every compared tensor passes)")
     p.add_argument("--allow-running", action="store_true",
-                   help="compare dumps whose writer is still running (or was killed), as far as written")
+                   help="compare dumps whose writer is still running (or was killed), or whose rank.json has "
+                        "no status, as far as written")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     p.add_argument("--html", metavar="REPORT", help="also write a self-contained HTML report with plots")
     p.set_defaults(func=cmd_diff)

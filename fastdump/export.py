@@ -23,11 +23,11 @@ keeps the last call, as SGLang's hook does.
 
 A dump is evidence: SGLang's tools cannot tell a partial pass from a whole one. Export refuses a dump
 with a rank not closed (status running, error, incomplete), a pass marked incomplete or with
-dropped tensors, or a pass one TP rank lacks while others of its group hold it
-(:class:`PartialDumpError`), unless ``partial=True`` (``--partial``): then each such pass is
-exported as written, with a warning, and ``fastdump_passes.json`` / the ``fastdump_pass`` meta
-record it. Tensors the capture side recorded as skipped (e.g. quantized dtypes) are left out with a
-warning.
+dropped tensors (or tensors accepted and then lost, in its skipped list), or a pass one TP rank
+lacks while others of its group hold it (:class:`PartialDumpError`), unless ``partial=True``
+(``--partial``): then each such pass is exported as written, with a warning, and
+``fastdump_passes.json`` / the ``fastdump_pass`` meta record it. Tensors the capture side recorded
+as skipped (e.g. quantized dtypes) are left out with a warning.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from pathlib import Path
 
 from . import format as fmt
 from . import fsutil
-from .compare import unfinished_why
+from .compare import not_dumped_at_close, unfinished_why
 from .options import RANK_FIELDS
 from .format import printable as _printable
 
@@ -322,7 +322,7 @@ def _status_problem(info: dict):
         dropped = info.get("dropped_passes")
         if isinstance(dropped, int) and not isinstance(dropped, bool) and dropped > 0:
             return f"{dropped} whole pass(es) were dropped (gaps in the pass ids)"
-        return None
+        return not_dumped_at_close(info.get("stats"))
     return f"status is {status!r} ({unfinished_why(status, error)})"  # in diff's words
 
 
@@ -333,16 +333,33 @@ def _pass_problem(meta: dict) -> str:
         parts.append("is marked incomplete" + (f" ({meta['incomplete']})" if meta.get("incomplete") else ""))
     if meta.get("dropped"):
         parts.append(f"lost {meta['dropped']} tensor(s) (dropped under policy drop)")
+    # A tensor accepted and then lost (torn by a failed CUDA drain, or the writer could not store it)
+    # is in the pass's skipped list, but it is a loss (verify fails it), not a value fastdump cannot
+    # store: exported with a skip's warning, the pass looked whole to SGLang's tools.
+    lost = _lost_entries(meta)
+    if lost:
+        reasons = list(dict.fromkeys(str(entry.get("reason")) for entry in lost))
+        names = list(dict.fromkeys(str(entry.get("name", "?")) for entry in lost))
+        parts.append(f"lost {len(lost)} tensor(s) after they were accepted ({'; '.join(reasons[:3])}"
+                     f"{'; ...' if len(reasons) > 3 else ''}): {', '.join(names[:3])}"
+                     + (", ..." if len(names) > 3 else ""))
     return " and ".join(parts)
+
+
+def _lost_entries(meta: dict) -> list:
+    """The entries of a pass's skipped list that record a loss (``format.is_loss``)."""
+    return [entry for entry in meta.get("skipped") or []
+            if isinstance(entry, dict) and fmt.is_loss(str(entry.get("reason", "")))]
 
 
 def _skip_note(metas: list):
     """What the capture side recorded as not dumped in a rank's passes (quantized dtypes, objects it
     cannot read), or None. Known and named, so exported (with this note), not refused."""
-    skipped = [entry for meta in metas for entry in meta.get("skipped") or []]
+    lost = [_lost_entries(meta) for meta in metas]  # (a pass problem: _pass_problem)
+    skipped = [entry for meta, gone in zip(metas, lost) for entry in meta.get("skipped") or [] if entry not in gone]
     if not skipped:
         return None
-    passes = sum(1 for meta in metas if meta.get("skipped"))
+    passes = sum(1 for meta, gone in zip(metas, lost) if len(meta.get("skipped") or []) > len(gone))
     reasons = list(dict.fromkeys(str(entry.get("reason", "no reason given")) for entry in skipped))
     names = list(dict.fromkeys(str(entry.get("name", "?")) for entry in skipped))
     return (f"{len(skipped)} tensor(s) in {passes} pass(es) were not dumped ({'; '.join(reasons[:3])}"
@@ -368,7 +385,12 @@ def _survey(ds, roles, partial: bool) -> dict:
     """{(role, rank): {pass id: metadata}} of every rank, once the dump is known to be whole: a
     PartialDumpError otherwise, unless ``partial`` (then a warning per rank and pass not whole).
     Recorded skips are a warning either way."""
-    metas, problems, notes = {}, [], []
+    from .reader import Problem
+
+    # A role or session the root records as attached whose directory is gone (verify fails it): the
+    # rest was exported without a word, an EAGLE dump without its draft laid out as a plain run.
+    metas, notes = {}, []
+    problems = [str(p) for p in ds.problems if p.kind in (Problem.LOST_ROLE, Problem.LOST_SESSION)]
     for role in roles:
         for rank in ds.ranks(role):
             where = f"{role}/{rank}"
@@ -656,8 +678,9 @@ def add_arguments(subparsers):
                    help="--format sglang: put model/logits_processor outputs in the next pass file, as "
                         "SGLang's hook does (byte-level comparison with SGLang's own dumps)")
     p.add_argument("--partial", action="store_true",
-                   help="export a dump that is not whole (a rank not closed: running, error, incomplete; a "
-                        "pass marked incomplete or with dropped tensors) as written, one warning per such "
+                   help="export a dump that is not whole (a rank not closed: running, error, incomplete; "
+                        "data lost: a role or session gone, tensors lost at close or after they were accepted; "
+                        "a pass marked incomplete or with dropped tensors) as written, one warning per such "
                         "rank and pass; refused otherwise (exit 2)")
     p.add_argument("root", metavar="ROOT", help="fastdump dump root")
     p.add_argument("out", metavar="OUT", help="output directory")

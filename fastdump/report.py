@@ -235,8 +235,8 @@ def render(result) -> str:
                               ["compared", result.compared], ["failed", result.failed],
                               ["missing", len(result.missing)], ["problems", len(result.problems)],
                               ["notes", len(result.notes)],
-                              ["tolerance", f"|a-b| <= atol + rtol*|b|, atol {result.options.atol:g}, "
-                                            f"rtol {result.options.rtol:g}"],
+                              ["tolerance", ("|a-b| <= atol + rtol*|b|, " if "allclose" in dict(result.options.metrics)
+                                             else "") + result.options.criteria()],
                               ["options", result.options.as_dict()]])]
     if result.notes:  # they qualify the verdict (an incomplete dump or pass), so they come before it is explained
         body.append("<h2>Notes</h2>" + _items(result.notes, str))

@@ -27,7 +27,7 @@ class RowLog:
         self.compared = 0  # rows with numbers (not a shape or read error)
         self.failed = 0  # status fail or error
         self.errors = 0  # status error (unreadable data)
-        self.first_failure = None
+        self.first_divergence = None  # the first row with status fail (an error row is damage, not the model's)
 
     def append(self, row: dict) -> None:
         self._count += 1
@@ -35,8 +35,10 @@ class RowLog:
         if row["status"] != "ok":
             self.failed += 1
             self.errors += row["status"] == "error"
-            if self.first_failure is None:
-                self.first_failure = row
+            # A tensor that could not be read is no divergence of the model: named as the first, it
+            # put a damaged block ahead of the model's real divergence.
+            if self.first_divergence is None and row["status"] == "fail":
+                self.first_divergence = row
         if self._file is None and len(self._rows) < self.memory_rows:
             self._rows.append(row)
             return

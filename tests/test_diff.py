@@ -504,6 +504,17 @@ def test_bfloat16_against_float32_with_metrics(twins, tmp_path, capsys):
     assert 0 < max(row["rel_diff"] for row in strict.rows) < 1e-3
     code, out, err = run(capsys, twins[0], low, "--metric", "rel_diff=1e-3", "--metric", "cosine=1e-3")
     assert code == 0, out + err
+    # The verdict is the metrics': the first line said "all within tolerance (atol 1e-05, rtol 1e-05)",
+    # which these bf16 tensors are not (the strict diff above fails them).
+    assert out.splitlines()[0] == (f"no divergence: {strict.compared} tensor(s) compared, all within tolerance "
+                                   f"(rel_diff <= 0.001; cosine distance <= 0.001)")
+    report = tmp_path / "report.html"
+    run(capsys, twins[0], low, "--metric", "rel_diff=1e-3", "--html", report)
+    assert "<td>rel_diff &lt;= 0.001</td>" in report.read_text() and "rtol*|b|" not in report.read_text()
+    code, out, _ = run(capsys, twins[0], twins[0], "--metric", "allclose", "--metric", "rel_diff=1e-3",
+                       "--tol", "lm_head=1e-2,0")
+    assert out.splitlines()[0].endswith("all within tolerance (atol 1e-05, rtol 1e-05 and 1 --tol rule(s); "
+                                        "rel_diff <= 0.001)")
     code, out, err = run(capsys, twins[0], low, "--metric", "rel_diff=1e-9")
     assert code == 1 and "exceeds rel_diff>1e-09" in out
 

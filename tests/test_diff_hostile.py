@@ -871,6 +871,47 @@ def test_flipped_data_bit_is_a_corruption_not_a_divergence(tmp_path, capsys):
     assert code == 2 and "checksum" in out + err and segment in out + err
 
 
+def test_a_tensor_that_cannot_be_read_is_never_named_the_first_divergence(tmp_path, capsys):
+    """A flipped bit in pass 1's 'x' (damage, exit 2) was the headline's "first divergence" and
+    ``first_divergence`` of the JSON and the API: the damage blamed on the model, ahead of the
+    model's real divergence ('y' of pass 2); with no real one, the headline named it too."""
+    tensors = {"x": torch.arange(8, dtype=torch.float32), "y": torch.ones(3)}
+    base = dump_bag(tmp_path / "base", tensors, passes=3)
+    damaged = tmp_path / "damaged"
+    shutil.copytree(base, damaged)
+    _flip_one_data_bit(damaged, "x", 1)
+    code, out, _ = run(capsys, base, damaged)
+    lines = out.splitlines()
+    assert code == 2
+    assert lines[0] == ("no divergence in the 8 tensor(s) compared, but 1 tensor(s) could not be read (ERROR "
+                        "lines below): the comparison is incomplete")
+    assert lines[1].startswith("ERROR target rank 0 pass 1 x  [cannot read pass 1 (DumpError: ")
+    result = fastdump.diff(base, damaged)
+    assert result.first_divergence is None and json.loads(result.to_json())["first_divergence"] is None
+    assert result.exit_code == 2 and [row["status"] for row in result.failures] == ["error"]
+
+    # The model diverges in pass 2 ('y'): that is the first divergence, the damage before it said.
+    diverged = tmp_path / "diverged"
+    write_rank_dir(os.path.join(diverged, "target", "TP0_PP0_Rank0_pid100"),
+                   {0: tensors, 1: tensors, 2: dict(tensors, y=torch.full((3,), 2.0))}, segment_passes=500)
+    _flip_one_data_bit(diverged, "x", 1)
+    code, out, _ = run(capsys, base, diverged)
+    lines = out.splitlines()
+    assert code == 2
+    assert lines[0].startswith("first divergence: target rank 0 pass 2 y  max_abs 1  ")
+    assert lines[0].endswith("[exceeds allclose]; 1 tensor(s) could not be read (ERROR lines below)")
+    assert lines[1].startswith("ERROR target rank 0 pass 1 x  [cannot read pass 1 (DumpError: ")
+    assert lines[2].startswith("FAIL target rank 0 pass 2 y  max_abs 1  ")
+    result = fastdump.diff(base, diverged)
+    assert (result.first_divergence["pass"], result.first_divergence["name"]) == (2, "y")
+    # A read problem of the dump (its rank.json damaged) is said the same way after the divergence.
+    with open(os.path.join(rank_dir(diverged), "rank.json"), "w") as f:
+        f.write("{not json")
+    code, out, _ = run(capsys, base, diverged)
+    assert code == 2 and out.splitlines()[0].endswith(
+        "[exceeds allclose]; 1 tensor(s) could not be read and 1 read problem(s) (ERROR lines below)")
+
+
 def test_flipped_data_bit_is_never_silently_equal(tmp_path, capsys):
     """What diff does today with a flipped bit: at least not 'equal' (the bit is in the mantissa)."""
     base = dump_bag(tmp_path / "base", {"x": torch.arange(8, dtype=torch.float32)}, passes=3)
@@ -911,6 +952,32 @@ def test_garbage_rank_json_is_a_problem_exit_2(tmp_path, lm, capsys):
     assert code == 2 and "Traceback" not in err
     assert any(line.startswith("ERROR: ") and path in line and "not valid JSON" in line for line in out.splitlines())
     assert out.splitlines()[-1].endswith(", problems 1")
+
+
+@pytest.mark.parametrize("damage", ["deleted", "no status"])
+def test_a_rank_without_rank_json_or_its_status_is_not_compared_as_finished(tmp_path, lm, capsys, damage):
+    """A rank directory whose rank.json is gone (or holds no status) fails verify ("not a finished
+    dump"); diff compared its segments as a closed dump's and printed "no divergence", exit 0."""
+    root = tmp_path / "damaged"
+    shutil.copytree(lm, root)
+    path = os.path.join(rank_dir(root), "rank.json")
+    if damage == "deleted":
+        os.remove(path)
+    else:
+        with open(path) as f:
+            info = json.load(f)
+        del info["status"]
+        with open(path, "w") as f:
+            json.dump(info, f)
+    code, out, err = run(capsys, lm, root)
+    assert (code, out) == (2, "")
+    said = "rank.json is missing" if damage == "deleted" else "rank.json holds no status"
+    assert err.startswith(f"fastdump diff: target {rank_dir(root)}: {said}: not known to be a finished dump")
+    assert err.rstrip().endswith("pass --allow-running to compare what is there") and "Traceback" not in err
+    # --allow-running compares what is there, saying so.
+    code, out, _ = run(capsys, lm, root, "--allow-running")
+    assert code == 0
+    assert f"note: target {rank_dir(root)}: {said}: not known to be a finished dump" in out.splitlines()
 
 
 # -------------------------------------------------------------------------------- JSON vs text
@@ -1111,6 +1178,27 @@ def test_first_divergence_across_ranks_follows_execution_order(tmp_path, capsys)
     assert [(row["rank"], row["pass"], row["name"]) for row in result.failures] == [
         (1, 0, names[1]), (0, 0, names[3]), (2, 0, names[0])] + [
         (rank, 1, names[layer]) for rank, layer in ((1, 1), (0, 3), (2, 0))]
+
+
+def test_first_divergence_across_tp_ranks_is_by_layer_when_one_rank_lacks_a_tensor(tmp_path):
+    """Target TP rank 0 lacks layer 1's tensor (dropped; listed missing) and diverges at layer 5;
+    TP rank 1 diverges at layer 4, which ran before layer 5. Rows were ordered by each rank's own
+    position in its pass: rank 0's layer 5 stood at position 4, as rank 1's layer 4, and the lower
+    rank won the tie, so layer 5 was named the first divergence."""
+    names = [f"model.layers.{i}.mlp" for i in range(7)]
+    tensors = {name: torch.arange(4, dtype=torch.float32) + i for i, name in enumerate(names)}
+    for tp in (0, 1):
+        crafted_rank(tmp_path / "base", {0: tensors}, tp=tp, tp_size=2)
+    lacking = {name: t + (name == names[5]) for name, t in tensors.items() if name != names[1]}
+    crafted_rank(tmp_path / "target", {0: lacking}, tp=0, tp_size=2)
+    crafted_rank(tmp_path / "target", {0: {name: t + (name == names[4]) for name, t in tensors.items()}},
+                 tp=1, tp_size=2)
+    result = fastdump.diff(tmp_path / "base", tmp_path / "target")
+    assert [(row["rank"], row["name"]) for row in result.failures] == [(1, names[4]), (0, names[5])]
+    assert (result.first_divergence["rank"], result.first_divergence["name"]) == (1, names[4])
+    # every row in layer order, the lower rank first within a layer
+    assert [(row["name"], row["rank"]) for row in result.rows] == sorted(
+        (name, tp) for name in names for tp in (0, 1) if (name, tp) != (names[1], 0))
 
 
 def test_a_rank_missing_on_one_side_is_a_difference(tmp_path, capsys):
@@ -1524,7 +1612,7 @@ def test_spilled_rows_leave_no_file_behind_and_read_back_as_written(tmp_path, mo
     assert [r["pass"] for r in log] == list(range(2000)) and log[1999]["name"] == rows[1999]["name"]
     outer = iter(log)
     assert next(outer)["pass"] == 0 and [r["pass"] for r in log][:2] == [0, 1] and next(outer)["pass"] == 1
-    assert log.failed == 1000 and log.first_failure["pass"] == 1
+    assert log.failed == 1000 and log.first_divergence["pass"] == 1
     log.close()
     assert os.listdir(tmp_path) == []
 
@@ -1691,8 +1779,8 @@ def test_replicated_shards_of_other_shapes_fail_even_with_the_same_values(tmp_pa
 
 
 def test_rows_of_two_roles_go_pass_by_pass(tmp_path):
-    """Execution order across roles: pass 0 of every role, then pass 1 (an EAGLE step runs the
-    draft and the target in turn). The target's pass 0 diverges before the draft's pass 1 (a
+    """Execution order across roles: pass 0 of every role (the target first), then pass 1 (an
+    EAGLE step runs the draft and the target in turn). The target's pass 0 diverges before the draft's pass 1 (a
     mutant ordering role by role named the draft's pass 1 first)."""
     x = torch.ones(2)
     base, target = tmp_path / "base", tmp_path / "target"
@@ -1701,9 +1789,26 @@ def test_rows_of_two_roles_go_pass_by_pass(tmp_path):
     manual_rank(target, [{"x": x}, {"x": x + 1}], role="draft")
     manual_rank(target, [{"x": x + 1}, {"x": x}], role="target")
     result = fastdump.diff(base, target)
-    assert [(r["pass"], r["role"]) for r in result.rows] == [(0, "draft"), (0, "target"), (1, "draft"), (1, "target")]
+    assert [(r["pass"], r["role"]) for r in result.rows] == [(0, "target"), (0, "draft"), (1, "target"), (1, "draft")]
     first = result.first_divergence
     assert (first["role"], first["pass"], first["name"]) == ("target", 0, "x") and result.failed == 2
+
+
+def test_at_one_pass_id_the_target_role_comes_before_the_draft(tmp_path):
+    """A change that moves both roles' pass 0 (a kernel the target's prefill and the draft's first
+    pass share): the draft was named the first divergence ('draft' sorts before 'target'), though
+    the target's prefill runs first and feeds the draft its hidden states. Whatever order --role
+    gives the roles in."""
+    x = torch.ones(2)
+    base, target = tmp_path / "base", tmp_path / "target"
+    for role in ("draft", "target"):
+        manual_rank(base, [{"x": x}], role=role)
+        manual_rank(target, [{"x": x + 1}], role=role)
+    for roles in (None, ["draft", "target"]):
+        result = fastdump.diff(base, target, role=roles)
+        assert [(r["role"], r["status"]) for r in result.rows] == [("target", "fail"), ("draft", "fail")]
+        assert result.first_divergence["role"] == "target"
+        assert result.lines()[0].startswith("first divergence: target rank 0 pass 0 x  ")
 
 
 def test_rows_name_the_dp_replica_when_only_the_target_has_several(tmp_path, capsys):

@@ -189,6 +189,55 @@ def test_what_the_capture_side_dropped_is_noted_not_blamed_on_the_model(tmp_path
     assert run(capsys, base, tmp_path / "t", "--strict")[0] == 1
 
 
+def test_what_the_dumper_counted_at_close_as_not_dumped_is_noted(tmp_path, capsys):
+    """A module compiled with fullgraph=True ran undumped (rank.json stats.compiled_not_dumped, which
+    verify fails): its name, absent from every target pass, was listed as a name the target model
+    did not run, without a note."""
+    base = crafted(tmp_path / "b", {p: {"x": torch.ones(2), "y": torch.ones(2)} for p in range(2)})
+    rank_path = tmp_path / "t" / "target" / "TP0_PP0_Rank0_pid100"
+    write_rank_dir(rank_path, {p: {"x": torch.ones(2)} for p in range(2)}, stats={"compiled_not_dumped": 1})
+    code, out, _ = run(capsys, base, tmp_path / "t")
+    lines = out.splitlines()
+    assert code == 0 and lines[1] == "missing: role target rank 0: 'y' only in the baseline (passes 0,1)"
+    assert lines[2] == (f"note: target {rank_path}: the capture side counted at close: 1 dumped module(s) were "
+                        f"compiled into graphs that may not break (torch.compile fullgraph=True): their outputs "
+                        f"are in no pass; names and passes this rank lacks may be data not dumped, not absent "
+                        f"from the model")
+
+
+def test_a_tensor_lost_after_it_was_accepted_is_noted_as_lost_not_as_skipped(tmp_path, capsys):
+    """'y' of pass 1 torn (a failed CUDA drain: accepted, then lost; verify fails the dump) and 'y'
+    of pass 2 a real skip: the note said "skipped 2 tensor(s)", as if the capture side had left both
+    out by design."""
+    from fastdump import dtypes
+    from fastdump import format as fmt
+    from fastdump.writer.channel_writer import ChannelWriter
+
+    base = crafted(tmp_path / "b", {p: {"x": torch.ones(2), "y": torch.ones(2)} for p in range(3)})
+    rank_path = tmp_path / "t" / "target" / "TP0_PP0_Rank0_pid100"
+    writer = ChannelWriter({"op": "open", "channel": 0, "dir": str(rank_path), "role": "target",
+                            "rank": {"tp_rank": 0, "tp_size": 1, "pp_rank": 0, "pp_size": 1, "rank": 0},
+                            "pid": 100, "host": "h", "device": {}, "config": {}})
+    writer.on_name(0, "x")
+    writer.on_name(1, "y")
+    for pass_id in (0, 1, 2):
+        writer.on_begin(pass_id, {})
+        for index in ((0, 1) if pass_id == 0 else (0,)):
+            writer.on_tensor(index, pass_id, dtypes.code_of(torch.float32), (2,),
+                             torch.ones(2).view(torch.uint8).numpy().copy())
+        if pass_id == 1:
+            writer.skip_tensor(1, pass_id, fmt.TORN_TENSOR_REASON)
+        writer.on_end(pass_id, {}, 0, [{"name": "y", "reason": "quantized tensor"}] if pass_id == 2 else [])
+    writer.close({}, status="closed")
+    code, out, _ = run(capsys, base, tmp_path / "t")
+    lines = out.splitlines()
+    assert code == 0 and lines[1] == "missing: role target rank 0: 'y' only in the baseline (passes 1,2)"
+    assert lines[2] == (f"note: target {rank_path}: the capture side skipped 1 tensor(s) (reasons in each pass's "
+                        f"metadata: fastdump show) and lost 1 tensor(s) after they were accepted (torn, or not "
+                        f"stored by the writer: fastdump verify fails the dump); names and passes this rank lacks "
+                        f"may be data not dumped, not absent from the model")
+
+
 def test_align_meta_matching_no_pass_says_how_many_passes_had_it(tmp_path, capsys):
     """It said "no passes in common (--align order or meta:KEY=VALUE pairs passes by order)": the
     very option given, and nothing about the metadata that matched nothing."""

@@ -100,6 +100,23 @@ def test_eagle_roles_get_subdirs_via_cli(tmp_path):
     assert got["layers.0.proj"].dtype == torch.bfloat16 and got["extra.fp8"].dtype == torch.float8_e4m3fn
 
 
+@pytest.mark.parametrize("fmt", ["sglang", "sglang-dumper"])
+def test_a_role_the_dump_lost_is_refused_unless_partial(tmp_path, capsys, fmt):
+    """An EAGLE dump whose draft directory is gone (the root records it as attached; verify fails
+    it): export wrote the target alone, laid out flat as a plain run's, exit 0, without a word."""
+    import shutil
+
+    make_dump(tmp_path / "dump", roles=("target", "draft"))
+    shutil.rmtree(tmp_path / "dump" / "draft")
+    out = tmp_path / "out"
+    code, _, err = run_cli("--format", fmt, tmp_path / "dump", out, capsys=capsys)
+    assert code == 2 and not out.exists()
+    assert (f"fastdump export:   {tmp_path / 'dump' / 'draft'}: role 'draft' was attached here (fastdump.roles/draft) "
+            "but its directory is gone: that role's dump is not here") in err.splitlines()
+    code, _, err = run_cli("--format", fmt, "--partial", tmp_path / "dump", out, capsys=capsys)
+    assert code == 0 and "role 'draft' was attached here" in err and "exported as written (--partial)" in err
+
+
 def test_several_roles_cannot_be_flattened(tmp_path):
     make_dump(tmp_path / "dump", roles=("target", "draft"))
     with pytest.raises(ValueError, match="role subdirectories"):
@@ -192,6 +209,21 @@ NOT_WHOLE = {
     # whole passes dropped leave gaps no pass's metadata shows: they were exported as if whole
     # (one is enough: a mutant refusing from two on survived)
     "dropped passes": (dict(info={"dropped_passes": 1}), ["1 whole pass(es) were dropped (gaps in the pass ids)"]),
+    # a tensor accepted and then lost (torn by a failed CUDA drain; one the writer could not store) is
+    # a skip in its pass's list: it was exported with a warning, as if the capture side had left it out
+    "torn tensor": (dict(ends={1: {"skipped": [{"name": "c", "reason": "incomplete tensor (staging failed mid-copy)"}]}}),
+                    ["pass 1 lost 1 tensor(s) after they were accepted (incomplete tensor (staging failed mid-copy)): c"]),
+    # what the Dumper counted at close as never dumped (verify fails each): files that looked whole
+    "lost at close": (dict(info={"stats": {"lost_at_close": 2}}),
+                      ["2 staged tensor(s) were lost at close (a CUDA-graph capture still running held their batch)"]),
+    "compiled undumped": (dict(info={"stats": {"compiled_not_dumped": 1}}),
+                          ["1 dumped module(s) were compiled into graphs that may not break (torch.compile "
+                           "fullgraph=True): their outputs are in no pass"]),
+    "edits not followed": (dict(info={"stats": {"modules_not_followed": ["layers.1 replaced"]}}),
+                           ["1 module edit(s) after attach could not be followed (their outputs are missing, or "
+                            "under a name that no longer leads to them): layers.1 replaced"]),
+    "tensor the writer lost": (dict(ends={2: {"skipped": [{"name": "c", "reason": "writer could not store it (boom)"}]}}),
+                               ["pass 2 lost 1 tensor(s) after they were accepted (writer could not store it (boom)): c"]),
 }
 
 
