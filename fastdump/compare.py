@@ -1474,7 +1474,8 @@ def cmd_diff(args) -> int:
             except OSError as exc:  # (past _check_report_path: /proc/x, a full disk)
                 raise DiffError(f"--html {args.html!r}: cannot be written ({exc.strerror or exc})") from None
     except (DiffError, ValueError, OSError) as exc:
-        print(printable(f"fastdump diff: {exc}"), file=sys.stderr)  # (a path given may hold escape sequences)
+        # Line by line: a path given may hold escape sequences, but the message's own lines stay lines.
+        print("\n".join(printable(line) for line in f"fastdump diff: {exc}".split("\n")), file=sys.stderr)
         return 2
     try:
         if args.json:
