@@ -1121,6 +1121,69 @@ def test_close_twice_from_a_signal_handler_mid_pass_and_from_another_thread(tmp_
     assert verify_cli(tmp_path).returncode == 0
 
 
+
+def _close_points(tmp_path) -> list:
+    """The functions of fastdump's code, in order, at each point where close() of a Dumper that ran
+    three passes can take a Ctrl-C (CtrlCAt's points)."""
+    model = Net()
+    d = fastdump.attach(model, tmp_path / "probe")
+    with torch.no_grad():
+        for _ in range(3):
+            model(torch.randn(2, 16))
+    where = []
+
+    def note(frame, event, arg):
+        if event in ("call", "c_return") and frame.f_code.co_filename.startswith(PKG):
+            where.append(frame.f_code.co_name)
+
+    sys.setprofile(note)
+    try:
+        d.close()
+    finally:
+        sys.setprofile(None)
+    return where
+
+
+@pytest.mark.parametrize("at", ["_not_followed", "_unwrap", "_close_channel"])
+@pytest.mark.parametrize("then", ["close again", "exit hook"])
+def test_ctrl_c_inside_close_before_it_closed_anything_leaves_the_close_to_the_next_one(tmp_path, at, then):
+    """A Ctrl-C landing in close() before the channel's close began (the walk of the model for edits,
+    the unwrapping, the step into the channel's close) left a Dumper marked closed that nothing
+    would close: the retried close() returned at once, status "running", the model stayed wrapped,
+    the exit hook skipped it and verify failed a whole dump. Now the next close() does it all."""
+    points = _close_points(tmp_path)
+    n = points.index(at) + 1  # (the first point of that function; the last before the channel's close)
+    model = Net()
+    ref = copy.deepcopy(model)
+    d = fastdump.attach(model, tmp_path / "dump")
+    xs = {}
+    with torch.no_grad():
+        for _ in range(3):
+            x = torch.randn(2, 16)
+            model(x)
+            xs[d.pass_id] = x
+    sys.setprofile(CtrlCAt(n))
+    try:
+        with pytest.raises(KeyboardInterrupt, match=at):
+            d.close()
+    finally:
+        sys.setprofile(None)
+    y = torch.randn(2, 16)  # served meanwhile: right, and no pass of a closing Dumper
+    with torch.no_grad():
+        assert same_bits(model(y), expected(ref, y)["Net"])
+    if then == "close again":
+        assert d.close()["status"] == "closed"
+    else:
+        from fastdump.capture.process import close_all
+
+        close_all()  # what the interpreter's exit runs
+        assert d.stats()["status"] == "closed"
+    assert "forward" not in model.__dict__ and "forward" not in model.up.__dict__
+    ds = check_passes_against(tmp_path / "dump", xs, ref)
+    assert ds.passes("target", rank_of(ds)) == sorted(xs)
+    assert_verifies(tmp_path / "dump")
+
+
 CLOSE_FROM_THREAD = """
     import random, sys, threading, time, torch, fastdump
     root, seed = sys.argv[1], int(sys.argv[2])
