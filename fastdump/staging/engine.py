@@ -512,13 +512,32 @@ def on_exit(hook) -> None:
 
 
 def _shutdown_at_exit() -> None:
-    """Bounded by FASTDUMP_EXIT_TIMEOUT_S in all: a stuck writer is killed, never waited for."""
-    deadline = time.monotonic() + exit_timeout()
+    """Bounded by FASTDUMP_EXIT_TIMEOUT_S in all: a stuck writer is killed, never waited for.
+
+    A Ctrl-C landing here interrupts the step it lands in (a Dumper's close records it), not the
+    rest, and is raised once the engine is down: it ended the hook, so the other Dumpers were never
+    closed (verify failed their whole dumps) and the engine never stopped; a writer thread then died
+    with every pass it had not written, aborting the interpreter ("terminate called without an
+    active exception")."""
+    interrupted = None
+    try:
+        deadline = time.monotonic() + exit_timeout()
+    except KeyboardInterrupt as exc:
+        interrupted, deadline = exc, time.monotonic() + DEFAULT_EXIT_TIMEOUT_S
     for hook in list(_EXIT_HOOKS):
-        hook(deadline)
+        try:
+            hook(deadline)
+        except KeyboardInterrupt as exc:
+            interrupted = interrupted or exc
     eng = Engine._current
-    if eng is not None and eng.pid == os.getpid():
-        eng.shutdown(max(0.0, deadline - time.monotonic()))
+    try:
+        if eng is not None and eng.pid == os.getpid():
+            eng.shutdown(max(0.0, deadline - time.monotonic()))
+    except KeyboardInterrupt as exc:  # (in its wait for the writer: stopped now, never left running)
+        interrupted = interrupted or exc
+        eng._stop_writer(0.0)
+    if interrupted is not None:
+        raise interrupted
 
 
 atexit.register(_shutdown_at_exit)
