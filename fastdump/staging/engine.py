@@ -533,9 +533,10 @@ def _shutdown_at_exit() -> None:
     try:
         if eng is not None and eng.pid == os.getpid():
             eng.shutdown(max(0.0, deadline - time.monotonic()))
-    except KeyboardInterrupt as exc:  # (in its wait for the writer: stopped now, never left running)
+    except KeyboardInterrupt as exc:  # (in its wait for the writer)
         interrupted = interrupted or exc
-        eng._stop_writer(0.0)
+        if eng._thread is not None:  # left running, it aborts the interpreter; a writer process ends
+            eng._stop_thread(max(0.0, deadline - time.monotonic()))  # on its stdin's EOF, after what it has
     if interrupted is not None:
         raise interrupted
 
