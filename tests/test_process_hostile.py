@@ -1321,6 +1321,51 @@ def test_a_ctrl_c_in_the_exit_hook_ends_one_close_not_the_others_nor_the_engines
         assert sorted(statuses.values()) == ["closed", "error"], statuses
         assert "close interrupted" in assert_verify_fails(tmp_path / "dump")
 
+
+CTRL_C_IN_THE_ENGINES_STOP = """
+    import sys, torch, fastdump
+    root, writer = sys.argv[1], sys.argv[2]
+    pkg = fastdump.__path__[0]
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU())
+    d = fastdump.attach(model, root, writer=writer)
+    with torch.no_grad():
+        for i in range(3):
+            model(torch.full((2, 16), float(i)))
+
+    def ctrl_c_once(frame, event, arg):  # the user's Ctrl-C, as close() calls the engine's shutdown()
+        if event == "call" and frame.f_code.co_name == "shutdown" and frame.f_code.co_filename.startswith(pkg):
+            sys.setprofile(None)
+            raise KeyboardInterrupt("shutdown")
+
+    sys.setprofile(ctrl_c_once)
+    try:
+        d.close()
+    except KeyboardInterrupt:
+        print("interrupted", d.stats()["status"], flush=True)
+    sys.setprofile(None)
+    print("again", d.close()["status"], flush=True)
+"""
+
+
+# The last close's engine stop cut short by a Ctrl-C: nothing stopped the writer any more; a writer
+# thread ran into the interpreter's exit and aborted it (SIGABRT, 134) after a close that said "closed".
+@pytest.mark.parametrize("writer", ["process", "thread"])
+def test_a_ctrl_c_in_the_engines_stop_at_close_leaves_its_writer_to_the_exit_hook(tmp_path, writer):
+    rc, out, err = run_script(tmp_path, CTRL_C_IN_THE_ENGINES_STOP, tmp_path / "dump", writer)
+    assert rc == 0, err[-3000:]
+    assert "terminate called" not in err and "Fatal Python error" not in err, err[-3000:]
+    assert "interrupted closed" in out and "again closed" in out, out  # (the channel's close was done)
+    ds = fastdump.open(tmp_path / "dump")
+    rank = rank_of(ds)
+    assert ds.passes("target", rank) == [0, 1, 2]
+    torch.manual_seed(0)
+    lin = nn.Linear(16, 16)
+    for p in range(3):
+        with torch.no_grad():
+            assert same_bits(ds.load("target", rank, p, check=True)["0"], lin(torch.full((2, 16), float(p))))
+    assert_verifies(tmp_path / "dump")
+
 WRITER_THREAD_FAILS = """
     import errno, sys, threading, time, torch, fastdump
     from fastdump.writer import channel_writer

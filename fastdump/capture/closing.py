@@ -159,9 +159,11 @@ class ClosingMixin:
             self._disable(f"close interrupted (KeyboardInterrupt); {self._unconfirmed_passes()} passes "
                           "not confirmed on disk", writer_stuck=True)
             raise
-        self._release_engine(left())
-        self._let_go_of_the_ring()
-        self._let_go_of_the_dir()
+        try:
+            self._release_engine(left())
+        finally:  # (a Ctrl-C in the engine's stop: the exit hook stops its writer; the ring and dir go now)
+            self._let_go_of_the_ring()
+            self._let_go_of_the_dir()
         return self.stats()
 
     def _closed_under_us(self) -> None:

@@ -435,21 +435,25 @@ class Engine:
         """Drain and stop the writer within ``timeout`` seconds in all, then kill it."""
         if self.closed:
             return
-        self.closed = True
-        deadline = time.monotonic() + timeout
+        try:
+            self.closed = True
+            deadline = time.monotonic() + timeout
 
-        def left() -> float:
-            return max(0.0, deadline - time.monotonic())
+            def left() -> float:
+                return max(0.0, deadline - time.monotonic())
 
-        if self._cuda_stager is not None:
-            try:
-                self._cuda_stager.flush(left())
-                self._cuda_stager.close()
-            except Exception as exc:  # never let teardown crash the host program
-                log.error("fastdump: CUDA stager shutdown failed: %s", exc)
-        if self.producer.writer_alive():
-            self.control(protocol.shutdown(), wait=True, timeout=left())
-        self._stop_writer(timeout=left())
+            if self._cuda_stager is not None:
+                try:
+                    self._cuda_stager.flush(left())
+                    self._cuda_stager.close()
+                except Exception as exc:  # never let teardown crash the host program
+                    log.error("fastdump: CUDA stager shutdown failed: %s", exc)
+            if self.producer.writer_alive():
+                self.control(protocol.shutdown(), wait=True, timeout=left())
+            self._stop_writer(timeout=left())
+        except BaseException:  # cut short (Ctrl-C): its writer is stopped at exit
+            self._stop_at_exit()
+            raise
 
     def forget_in_forked_child(self) -> None:
         """In a child made by os.fork(): never touch the parent's writer, and let go of its pipes,
@@ -490,18 +494,32 @@ class Engine:
             return eng
 
     def release(self, timeout: float = 600.0) -> None:
-        with Engine._lock:
-            self.refs -= 1
-            last = self.refs <= 0
-            if last and Engine._current is self:
-                Engine._current = None
-        if last:
-            self.shutdown(timeout)
+        last = False
+        try:
+            with Engine._lock:
+                self.refs -= 1
+                last = self.refs <= 0
+                if last and Engine._current is self:
+                    Engine._current = None
+            if last:
+                self.shutdown(timeout)
+        except BaseException:
+            if last:  # (a Ctrl-C as shutdown() was called, before its own guard)
+                self._stop_at_exit()
+            raise
+
+    def _stop_at_exit(self) -> None:
+        """This engine's shutdown was cut short (Ctrl-C in the last Dumper's close): the exit hook
+        stops its writer. Nothing else would: a writer thread ran on into the interpreter's exit and
+        aborted it ("terminate called without an active exception"); a writer process outlived its use."""
+        if self.pid == os.getpid() and self not in _UNFINISHED_STOPS:
+            _UNFINISHED_STOPS.append(self)
 
 
 fsutil.renew_locks_at_fork(Engine, "_lock")  # (a parent thread starting a writer at the fork held it)
 
 _EXIT_HOOKS: list = []  # called with the deadline before the engine shuts down (capture's close_all)
+_UNFINISHED_STOPS: list = []  # engines whose shutdown was interrupted: their writers are stopped at exit
 
 
 def on_exit(hook) -> None:
@@ -537,6 +555,11 @@ def _shutdown_at_exit() -> None:
         interrupted = interrupted or exc
         if eng._thread is not None:  # left running, it aborts the interpreter; a writer process ends
             eng._stop_thread(max(0.0, deadline - time.monotonic()))  # on its stdin's EOF, after what it has
+    for eng in [e for e in _UNFINISHED_STOPS if e.pid == os.getpid()]:
+        try:
+            eng._stop_writer(max(0.0, deadline - time.monotonic()))  # (its channels were closed: it ends)
+        except KeyboardInterrupt as exc:
+            interrupted = interrupted or exc
     if interrupted is not None:
         raise interrupted
 
