@@ -1121,6 +1121,69 @@ def test_close_twice_from_a_signal_handler_mid_pass_and_from_another_thread(tmp_
     assert verify_cli(tmp_path).returncode == 0
 
 
+
+def _close_points(tmp_path) -> list:
+    """The functions of fastdump's code, in order, at each point where close() of a Dumper that ran
+    three passes can take a Ctrl-C (CtrlCAt's points)."""
+    model = Net()
+    d = fastdump.attach(model, tmp_path / "probe")
+    with torch.no_grad():
+        for _ in range(3):
+            model(torch.randn(2, 16))
+    where = []
+
+    def note(frame, event, arg):
+        if event in ("call", "c_return") and frame.f_code.co_filename.startswith(PKG):
+            where.append(frame.f_code.co_name)
+
+    sys.setprofile(note)
+    try:
+        d.close()
+    finally:
+        sys.setprofile(None)
+    return where
+
+
+@pytest.mark.parametrize("at", ["_not_followed", "_unwrap", "_close_channel"])
+@pytest.mark.parametrize("then", ["close again", "exit hook"])
+def test_ctrl_c_inside_close_before_it_closed_anything_leaves_the_close_to_the_next_one(tmp_path, at, then):
+    """A Ctrl-C landing in close() before the channel's close began (the walk of the model for edits,
+    the unwrapping, the step into the channel's close) left a Dumper marked closed that nothing
+    would close: the retried close() returned at once, status "running", the model stayed wrapped,
+    the exit hook skipped it and verify failed a whole dump. Now the next close() does it all."""
+    points = _close_points(tmp_path)
+    n = points.index(at) + 1  # (the first point of that function; the last before the channel's close)
+    model = Net()
+    ref = copy.deepcopy(model)
+    d = fastdump.attach(model, tmp_path / "dump")
+    xs = {}
+    with torch.no_grad():
+        for _ in range(3):
+            x = torch.randn(2, 16)
+            model(x)
+            xs[d.pass_id] = x
+    sys.setprofile(CtrlCAt(n))
+    try:
+        with pytest.raises(KeyboardInterrupt, match=at):
+            d.close()
+    finally:
+        sys.setprofile(None)
+    y = torch.randn(2, 16)  # served meanwhile: right, and no pass of a closing Dumper
+    with torch.no_grad():
+        assert same_bits(model(y), expected(ref, y)["Net"])
+    if then == "close again":
+        assert d.close()["status"] == "closed"
+    else:
+        from fastdump.capture.process import close_all
+
+        close_all()  # what the interpreter's exit runs
+        assert d.stats()["status"] == "closed"
+    assert "forward" not in model.__dict__ and "forward" not in model.up.__dict__
+    ds = check_passes_against(tmp_path / "dump", xs, ref)
+    assert ds.passes("target", rank_of(ds)) == sorted(xs)
+    assert_verifies(tmp_path / "dump")
+
+
 CLOSE_FROM_THREAD = """
     import random, sys, threading, time, torch, fastdump
     root, seed = sys.argv[1], int(sys.argv[2])
@@ -1205,6 +1268,103 @@ def test_interpreter_exit_without_close_keeps_every_pass(tmp_path, mode, writer)
     done = verify_cli(tmp_path / "dump")
     assert done.returncode == 0, done.stdout
 
+
+
+CTRL_C_AT_EXIT = """
+    import atexit, sys, torch, fastdump
+    root, writer, at = sys.argv[1], sys.argv[2], sys.argv[3]
+    pkg = fastdump.__path__[0]
+    models = {}
+    for role, seed in (("a", 0), ("b", 1)):
+        torch.manual_seed(seed)
+        models[role] = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU())
+        fastdump.attach(models[role], root, role=role, writer=writer)
+    with torch.no_grad():
+        for i in range(3):
+            for model in models.values():
+                model(torch.full((2, 16), float(i)))
+
+    def ctrl_c_once(frame, event, arg):  # the user's Ctrl-C, at the first call of `at` in the exit hook
+        if event == "call" and frame.f_code.co_name == at and frame.f_code.co_filename.startswith(pkg):
+            sys.setprofile(None)
+            raise KeyboardInterrupt(at)
+
+    atexit.register(sys.setprofile, ctrl_c_once)  # (registered last: runs before fastdump's hook)
+    print("exiting", flush=True)
+"""
+
+
+# A Ctrl-C in the exit hook ended it: the other Dumpers were never closed (verify failed whole dumps)
+# and the engine never stopped; a writer thread died with every pass unwritten, aborting (134).
+@pytest.mark.parametrize("writer", ["process", "thread"])
+@pytest.mark.parametrize("at", ["exit_timeout", "wait_acked", "_stop_writer"])  # before the closes, in one, after
+def test_a_ctrl_c_in_the_exit_hook_ends_one_close_not_the_others_nor_the_engines_stop(tmp_path, writer, at):
+    rc, out, err = run_script(tmp_path, CTRL_C_AT_EXIT, tmp_path / "dump", writer, at)
+    assert rc == 0 and "exiting" in out, err[-3000:]
+    assert "terminate called" not in err and "Fatal Python error" not in err, err[-3000:]
+    assert f"KeyboardInterrupt: {at}" in err, err[-3000:]  # (raised once all was done: atexit prints it)
+    ds = fastdump.open(tmp_path / "dump")
+    statuses = {}
+    for role, seed in (("a", 0), ("b", 1)):
+        rank = rank_of(ds, role)
+        statuses[role] = ds.rank_info(role, rank)["status"]
+        assert ds.passes(role, rank) == [0, 1, 2], role
+        torch.manual_seed(seed)
+        lin = nn.Linear(16, 16)
+        for p in range(3):
+            with torch.no_grad():
+                assert same_bits(ds.load(role, rank, p, check=True)["0"], lin(torch.full((2, 16), float(p))))
+    if at != "wait_acked":  # no close was running: both close whole
+        assert statuses == {"a": "closed", "b": "closed"}, statuses
+        assert_verifies(tmp_path / "dump")
+    else:  # the close it landed in is recorded as interrupted (verify fails on it alone); the other closes
+        assert sorted(statuses.values()) == ["closed", "error"], statuses
+        assert "close interrupted" in assert_verify_fails(tmp_path / "dump")
+
+
+CTRL_C_IN_THE_ENGINES_STOP = """
+    import sys, torch, fastdump
+    root, writer = sys.argv[1], sys.argv[2]
+    pkg = fastdump.__path__[0]
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU())
+    d = fastdump.attach(model, root, writer=writer)
+    with torch.no_grad():
+        for i in range(3):
+            model(torch.full((2, 16), float(i)))
+
+    def ctrl_c_once(frame, event, arg):  # the user's Ctrl-C, as close() calls the engine's shutdown()
+        if event == "call" and frame.f_code.co_name == "shutdown" and frame.f_code.co_filename.startswith(pkg):
+            sys.setprofile(None)
+            raise KeyboardInterrupt("shutdown")
+
+    sys.setprofile(ctrl_c_once)
+    try:
+        d.close()
+    except KeyboardInterrupt:
+        print("interrupted", d.stats()["status"], flush=True)
+    sys.setprofile(None)
+    print("again", d.close()["status"], flush=True)
+"""
+
+
+# The last close's engine stop cut short by a Ctrl-C: nothing stopped the writer any more; a writer
+# thread ran into the interpreter's exit and aborted it (SIGABRT, 134) after a close that said "closed".
+@pytest.mark.parametrize("writer", ["process", "thread"])
+def test_a_ctrl_c_in_the_engines_stop_at_close_leaves_its_writer_to_the_exit_hook(tmp_path, writer):
+    rc, out, err = run_script(tmp_path, CTRL_C_IN_THE_ENGINES_STOP, tmp_path / "dump", writer)
+    assert rc == 0, err[-3000:]
+    assert "terminate called" not in err and "Fatal Python error" not in err, err[-3000:]
+    assert "interrupted closed" in out and "again closed" in out, out  # (the channel's close was done)
+    ds = fastdump.open(tmp_path / "dump")
+    rank = rank_of(ds)
+    assert ds.passes("target", rank) == [0, 1, 2]
+    torch.manual_seed(0)
+    lin = nn.Linear(16, 16)
+    for p in range(3):
+        with torch.no_grad():
+            assert same_bits(ds.load("target", rank, p, check=True)["0"], lin(torch.full((2, 16), float(p))))
+    assert_verifies(tmp_path / "dump")
 
 WRITER_THREAD_FAILS = """
     import errno, sys, threading, time, torch, fastdump

@@ -31,28 +31,40 @@ class ClosingMixin:
 
         Returns within about ``timeout`` seconds whatever the writer does: what was not confirmed
         on disk by then is recorded as an error in the stats and producer_error.json. Ctrl-C interrupts it
-        (KeyboardInterrupt, after recording the error). Returns ``stats()``; a second call does
-        nothing more. TypeError for a ``timeout`` that is no number (None, NaN), before anything."""
+        (KeyboardInterrupt, after recording the error); one that lands before the channel's close began
+        (the model's walk, the unwrapping) leaves the whole close to the next call (a retry, or the exit
+        hook's). Returns ``stats()``; a second call does nothing more. TypeError for a ``timeout`` that
+        is no number (None, NaN), before anything."""
         # Checked before anything is done: a timeout of None or "5" raised TypeError after the
         # wrappers came off, with the Dumper marked closed and its channel open (a second close()
         # did nothing, status "running" for good); NaN waited for nothing and lost every buffered pass.
         if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or timeout != timeout:
             raise TypeError(f"close: timeout must be a number of seconds, not {timeout!r}")
-        with self._lock:  # (held by a registration wrapping a module put in: see _follow_registrations)
-            closing = self._closing_thread
-            if self._closed and closing not in (None, threading.get_ident()) and self._pid == os.getpid():
-                pass  # another thread's close() is running: waited for below
-            elif self._closed:
-                return self.stats()
-            else:
-                closing = None
-                self._closed, self._closing_thread = True, threading.get_ident()
-        if closing is not None:
-            # It returned at once, status "running", rank.json not final: a caller reading or
-            # verifying the dump next found it unfinished. Now it returns once that close has.
-            self._close_done.wait(timeout)
-            return self.stats()
+        me, mine = threading.get_ident(), False  # mine: this call closes (set with _closed, no signal between)
         try:
+            with self._lock:  # (held by a registration wrapping a module put in: see _follow_registrations)
+                closing = self._closing_thread
+                if self._closed and self._close_resumes:
+                    # An earlier close() was interrupted (Ctrl-C) before it closed anything: this one
+                    # does it all. (It returned at once, status "running", the channel never closed,
+                    # the model half unwrapped, and the exit hook skipped it too: verify failed.)
+                    closing, self._close_resumes, self._closing_thread, mine = None, False, me, True
+                    self._close_done.clear()
+                elif self._closed and closing not in (None, me) and self._pid == os.getpid():
+                    pass  # another thread's close() is running: waited for below
+                elif self._closed:
+                    return self.stats()
+                else:
+                    closing = None
+                    self._closed, self._closing_thread, mine = True, me, True
+            if closing is not None:
+                # It returned at once, status "running", rank.json not final: a caller reading or
+                # verifying the dump next found it unfinished. Now it returns once that close has.
+                deadline = time.monotonic() + timeout
+                self._close_done.wait(timeout)
+                if self._close_resumes:  # interrupted before it closed anything: this call does it
+                    return self.close(max(0.0, deadline - time.monotonic()))
+                return self.stats()
             with self._lock:
                 try:
                     self._totals["modules_not_followed"] = self._not_followed()
@@ -67,9 +79,15 @@ class ClosingMixin:
             _closing_dumpers.add(self)  # (the exit hook waits for it: see close_all)
             _open_dumpers.discard(self)
             return self._close_channel(timeout)
+        except BaseException:
+            if mine and not self._close_began:  # nothing closed yet; no pass begins meanwhile (closed)
+                self._close_resumes = True  # the next close() (a retry, the exit hook's) does it all
+                _open_dumpers.add(self)
+            raise
         finally:
-            _closing_dumpers.discard(self)
-            self._close_done.set()
+            if mine:
+                _closing_dumpers.discard(self)
+                self._close_done.set()
 
     def _close_channel(self, timeout: float) -> dict:
         """close() once the wrappers are off: end what is open, flush, close the channel, let go."""
@@ -84,6 +102,7 @@ class ClosingMixin:
             return max(0.0, deadline - time.monotonic())
 
         try:
+            self._close_began = True  # from here an interrupted close is recorded (below), not done again
             if self._depth > 0:
                 self._mark_incomplete("still open at close(): closed inside the model's forward"
                                       if self._root_opener is not None else
@@ -140,9 +159,11 @@ class ClosingMixin:
             self._disable(f"close interrupted (KeyboardInterrupt); {self._unconfirmed_passes()} passes "
                           "not confirmed on disk", writer_stuck=True)
             raise
-        self._release_engine(left())
-        self._let_go_of_the_ring()
-        self._let_go_of_the_dir()
+        try:
+            self._release_engine(left())
+        finally:  # (a Ctrl-C in the engine's stop: the exit hook stops its writer; the ring and dir go now)
+            self._let_go_of_the_ring()
+            self._let_go_of_the_dir()
         return self.stats()
 
     def _closed_under_us(self) -> None:

@@ -191,6 +191,8 @@ class Dumper(PassesMixin, EmitMixin, WrappersMixin, FollowingMixin, OutsidePasse
         self._dropped_lazy: list = []
         self._close_done = threading.Event()  # set when a close() has finished (close_all waits for it)
         self._closing_thread = None  # the thread whose close() runs (or ran)
+        self._close_began = False  # close() got to its channel's close: an interruption from then on is recorded
+        self._close_resumes = False  # close() was interrupted before that: the next close() does it all
         # close() ended a pass its root forward opened, still running, that suspended other Dumpers'
         # passes: they capture again when that forward returns (_cut_outer_passes).
         self._resume_at_root_return = False

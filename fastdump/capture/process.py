@@ -26,11 +26,14 @@ _closing_dumpers: "set[Dumper]" = set()
 def close_all(deadline: float | None = None) -> None:
     """Close every open Dumper of this process (interpreter exit), all by ``deadline``
     (time.monotonic()) if given."""
+    interrupted = None  # a Ctrl-C ends the close it lands in (recorded there), not the others': raised after
     for dumper in list(_open_dumpers):
         if dumper._pid != os.getpid():
             continue  # a forked child never touches its parent's dumpers (see _forget_parent_dumpers)
         try:
             dumper.close() if deadline is None else dumper.close(max(0.0, deadline - time.monotonic()))
+        except KeyboardInterrupt as exc:
+            interrupted = interrupted or exc
         except Exception as exc:
             log.error("fastdump: closing %s at exit failed: %s", dumper.dir, exc)
     # A close() running on another thread (a daemon thread; the exit hook runs as those still run)
@@ -38,7 +41,12 @@ def close_all(deadline: float | None = None) -> None:
     # ring, and its dump, whole, failed verify ("writer process exited"). Its end is waited for.
     for dumper in list(_closing_dumpers):
         if dumper._pid == os.getpid():
-            dumper._close_done.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+            try:
+                dumper._close_done.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+            except KeyboardInterrupt as exc:
+                interrupted = interrupted or exc
+    if interrupted is not None:
+        raise interrupted
 
 
 def _forget_parent_dumpers() -> None:

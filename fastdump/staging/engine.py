@@ -435,21 +435,25 @@ class Engine:
         """Drain and stop the writer within ``timeout`` seconds in all, then kill it."""
         if self.closed:
             return
-        self.closed = True
-        deadline = time.monotonic() + timeout
+        try:
+            self.closed = True
+            deadline = time.monotonic() + timeout
 
-        def left() -> float:
-            return max(0.0, deadline - time.monotonic())
+            def left() -> float:
+                return max(0.0, deadline - time.monotonic())
 
-        if self._cuda_stager is not None:
-            try:
-                self._cuda_stager.flush(left())
-                self._cuda_stager.close()
-            except Exception as exc:  # never let teardown crash the host program
-                log.error("fastdump: CUDA stager shutdown failed: %s", exc)
-        if self.producer.writer_alive():
-            self.control(protocol.shutdown(), wait=True, timeout=left())
-        self._stop_writer(timeout=left())
+            if self._cuda_stager is not None:
+                try:
+                    self._cuda_stager.flush(left())
+                    self._cuda_stager.close()
+                except Exception as exc:  # never let teardown crash the host program
+                    log.error("fastdump: CUDA stager shutdown failed: %s", exc)
+            if self.producer.writer_alive():
+                self.control(protocol.shutdown(), wait=True, timeout=left())
+            self._stop_writer(timeout=left())
+        except BaseException:  # cut short (Ctrl-C): its writer is stopped at exit
+            self._stop_at_exit()
+            raise
 
     def forget_in_forked_child(self) -> None:
         """In a child made by os.fork(): never touch the parent's writer, and let go of its pipes,
@@ -490,18 +494,32 @@ class Engine:
             return eng
 
     def release(self, timeout: float = 600.0) -> None:
-        with Engine._lock:
-            self.refs -= 1
-            last = self.refs <= 0
-            if last and Engine._current is self:
-                Engine._current = None
-        if last:
-            self.shutdown(timeout)
+        last = False
+        try:
+            with Engine._lock:
+                self.refs -= 1
+                last = self.refs <= 0
+                if last and Engine._current is self:
+                    Engine._current = None
+            if last:
+                self.shutdown(timeout)
+        except BaseException:
+            if last:  # (a Ctrl-C as shutdown() was called, before its own guard)
+                self._stop_at_exit()
+            raise
+
+    def _stop_at_exit(self) -> None:
+        """This engine's shutdown was cut short (Ctrl-C in the last Dumper's close): the exit hook
+        stops its writer. Nothing else would: a writer thread ran on into the interpreter's exit and
+        aborted it ("terminate called without an active exception"); a writer process outlived its use."""
+        if self.pid == os.getpid() and self not in _UNFINISHED_STOPS:
+            _UNFINISHED_STOPS.append(self)
 
 
 fsutil.renew_locks_at_fork(Engine, "_lock")  # (a parent thread starting a writer at the fork held it)
 
 _EXIT_HOOKS: list = []  # called with the deadline before the engine shuts down (capture's close_all)
+_UNFINISHED_STOPS: list = []  # engines whose shutdown was interrupted: their writers are stopped at exit
 
 
 def on_exit(hook) -> None:
@@ -512,13 +530,38 @@ def on_exit(hook) -> None:
 
 
 def _shutdown_at_exit() -> None:
-    """Bounded by FASTDUMP_EXIT_TIMEOUT_S in all: a stuck writer is killed, never waited for."""
-    deadline = time.monotonic() + exit_timeout()
+    """Bounded by FASTDUMP_EXIT_TIMEOUT_S in all: a stuck writer is killed, never waited for.
+
+    A Ctrl-C landing here interrupts the step it lands in (a Dumper's close records it), not the
+    rest, and is raised once the engine is down: it ended the hook, so the other Dumpers were never
+    closed (verify failed their whole dumps) and the engine never stopped; a writer thread then died
+    with every pass it had not written, aborting the interpreter ("terminate called without an
+    active exception")."""
+    interrupted = None
+    try:
+        deadline = time.monotonic() + exit_timeout()
+    except KeyboardInterrupt as exc:
+        interrupted, deadline = exc, time.monotonic() + DEFAULT_EXIT_TIMEOUT_S
     for hook in list(_EXIT_HOOKS):
-        hook(deadline)
+        try:
+            hook(deadline)
+        except KeyboardInterrupt as exc:
+            interrupted = interrupted or exc
     eng = Engine._current
-    if eng is not None and eng.pid == os.getpid():
-        eng.shutdown(max(0.0, deadline - time.monotonic()))
+    try:
+        if eng is not None and eng.pid == os.getpid():
+            eng.shutdown(max(0.0, deadline - time.monotonic()))
+    except KeyboardInterrupt as exc:  # (in its wait for the writer)
+        interrupted = interrupted or exc
+        if eng._thread is not None:  # left running, it aborts the interpreter; a writer process ends
+            eng._stop_thread(max(0.0, deadline - time.monotonic()))  # on its stdin's EOF, after what it has
+    for eng in [e for e in _UNFINISHED_STOPS if e.pid == os.getpid()]:
+        try:
+            eng._stop_writer(max(0.0, deadline - time.monotonic()))  # (its channels were closed: it ends)
+        except KeyboardInterrupt as exc:
+            interrupted = interrupted or exc
+    if interrupted is not None:
+        raise interrupted
 
 
 atexit.register(_shutdown_at_exit)
