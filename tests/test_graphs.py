@@ -2462,3 +2462,72 @@ def test_more_live_graphs_than_graph_ids_are_counted_and_fail_verify(m, glue, tm
     assert same_bits(torch.as_tensor(got["layers.0"]), first[0]) and ds.meta("target", 0, p)["cuda_graph"] == 0
     problems = verify_dump(str(tmp_path)).problems
     assert any("1 CUDA graph(s) captured while dumping cannot be dumped" in p for p in problems), problems
+
+
+def test_tensors_hooked_off_the_capturing_stream_or_gpu_are_skipped_in_every_replay(m, glue, tmp_path,
+                                                                                    monkeypatch):
+    """During a capture, a tensor hooked while another stream is current (an alternate stream forked
+    into the capture) and a tensor on another GPU are not recorded: the commit kernels on the
+    capturing stream would not be ordered after their snapshots (a copy on a stream that is not
+    capturing runs once, at capture time, and every replay would publish that stale copy as its
+    value). Both are skipped, with the reason, in the capture pass and in every replay pass; the
+    tensor on the capturing stream is dumped bit-exact."""
+    from fastdump.staging import cuda
+
+    current = Stream(glue)
+    monkeypatch.setattr(cuda, "_current_stream", current)
+    d = _attach(tmp_path, writer="thread", device="cuda:0")
+    side = m._mock.stream_create_flags(0)
+    other = m._mock.stream_create()  # not capturing
+    model = Model(m, 4)
+    cpu = torch.zeros(model.shape, dtype=torch.int32)
+    stale = device_buffer(m, model.nbytes)
+    on_gpu1 = device_buffer(m, model.nbytes, device=1)
+    assert m._mock.upload(stale, torch.full(model.shape, 7, dtype=torch.int32).data_ptr(), model.nbytes) == 0
+
+    fork, join = m._mock.event_create(), m._mock.event_create()
+
+    def forward(dumper, stream, tag="layers"):
+        dumper.begin_pass()
+        assert m._mock.enqueue_copy(stream, model.h1, model.x, model.nbytes) == 0
+        assert m._mock.enqueue_increment(stream, model.h1, model.nbytes) == 0
+        dumper.dump("on_capture", FakeCudaTensor(cpu, model.h1))
+        # `other` joins the capture (torch: with torch.cuda.stream(s): s.wait_stream(capture stream))
+        assert m._mock.event_record(fork, stream) == 0 and m._mock.stream_wait_event(other, fork) == 0
+        current.raw = other
+        dumper.dump("on_other_stream", FakeCudaTensor(cpu, stale))
+        assert m._mock.event_record(join, other) == 0 and m._mock.stream_wait_event(stream, join) == 0
+        current.raw = stream
+        dumper.dump("on_gpu1", FakeCudaTensor(cpu, on_gpu1, device=1))
+        dumper.end_pass()
+
+    model.forward = forward
+    xs = [rand_input(model, 300 + k) for k in range(3)]
+    try:
+        graph, exe = capture(m, model, d, current, side)
+        current.raw = glue
+        for x in xs:
+            model.set_input(glue, x)
+            assert m._mock.graph_launch(exe, glue) == 0
+            m._mock.sync(glue)
+        assert d._graphs.recorder(0).flush(30)
+        stats = d.close()
+    finally:
+        m._mock.sync(side)
+        release(m, [(graph, exe)], [side, other], [d])
+        m._mock.event_destroy(fork)
+        m._mock.event_destroy(join)
+    assert stats["graph_replays"] == 3 and stats["graphs_not_dumped"] == 0
+    ds = fastdump.open(tmp_path)
+    capture_pass = [p for p in ds.passes("target", 0) if p < GRAPH_BASE][-1]
+    assert sorted(s["name"] for s in ds.meta("target", 0, capture_pass)["skipped"]) == ["on_gpu1", "on_other_stream"]
+    passes = graph_passes(ds, "target")
+    assert len(passes) == 3
+    for p, x in zip(passes, xs):
+        got = ds.load("target", 0, p)
+        assert set(got) == {"on_capture"}
+        assert same_bits(torch.as_tensor(got["on_capture"]), model.expected(x)[0])
+        reasons = {s["name"]: s["reason"] for s in ds.meta("target", 0, p)["skipped"]}
+        assert set(reasons) == {"on_other_stream", "on_gpu1"}
+        assert "not the stream being captured" in reasons["on_other_stream"]
+        assert "another GPU" in reasons["on_gpu1"]
