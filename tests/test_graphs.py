@@ -276,6 +276,46 @@ def test_graph_replays_outrunning_the_drain_are_dropped_and_counted(m, glue, tmp
         r.stdout + r.stderr
 
 
+def test_graph_replays_beyond_the_replay_log_are_dropped_and_counted(m, glue, tmp_path, monkeypatch):
+    """The replay log bounds the replays waiting for the drain as the ring does: with the drain
+    stopped and room in the ring, a replay that would take a log position the drain has not given
+    back yet is dropped and counted. Taking it reused the oldest waiting entry's log slot: that
+    replay was never written and the drain waited for its stamp for good."""
+    from fastdump.staging import cuda, graphs
+
+    current = Stream(glue)
+    monkeypatch.setattr(cuda, "_current_stream", current)
+    monkeypatch.setattr(graphs, "LOG_ENTRIES", 4)
+    d = _attach(tmp_path, writer="thread", device="cuda:0", graph_ring_mb=0.125)  # ring: 28 entries
+    side = m._mock.stream_create_flags(0)
+    model = Model(m, 4)
+    graph, exe = capture(m, model, d, current, side)
+    current.raw = glue
+    rec = d._graphs.recorder(0)
+    rec.set_paused(True)
+    inputs = [rand_input(model, 500 + k) for k in range(6)]
+    try:
+        for x in inputs:
+            model.set_input(glue, x)
+            assert m._mock.graph_launch(exe, glue) == 0
+        m._mock.sync(glue)
+        assert rec.stats()["dropped_replays"] == 2
+        rec.set_paused(False)
+        assert rec.flush(30)
+        stats = d.close()
+    finally:
+        release(m, [(graph, exe)], [side], [d])
+    assert stats["dropped_passes"] == 2 and stats["graph_replays"] == 4
+    ds = fastdump.open(tmp_path)
+    passes = graph_passes(ds, "target")
+    assert len(passes) == 4
+    for i, p in enumerate(passes):
+        h1, h2 = model.expected(inputs[i])
+        got = ds.load("target", 0, p)
+        assert same_bits(torch.as_tensor(got["layers.0"]), h1) and same_bits(torch.as_tensor(got["layers.1"]), h2)
+        assert ds.meta("target", 0, p)["graph_replay"] == i  # 4 and 5 dropped
+
+
 def test_graph_two_roles_target_and_draft(m, glue, tmp_path, monkeypatch):
     """EAGLE: a target and a draft Dumper, each with its own graph, replayed alternately on one
     stream; each role's passes hold its own replays."""
@@ -2531,3 +2571,43 @@ def test_tensors_hooked_off_the_capturing_stream_or_gpu_are_skipped_in_every_rep
         assert set(reasons) == {"on_other_stream", "on_gpu1"}
         assert "not the stream being captured" in reasons["on_other_stream"]
         assert "another GPU" in reasons["on_gpu1"]
+
+
+def test_a_raw_capture_after_a_torch_capture_is_not_taken_for_that_torch_graph(m, glue, tmp_path, monkeypatch):
+    """A graph captured outside torch (raw cudaStreamBeginCapture) on a thread whose torch capture
+    has ended must not be taken for that torch graph: when the torch graph is reset, only its own
+    slots come back; the raw graph, which fastdump cannot see destroyed, keeps its slots (its
+    replays write them) and is still dumped whole."""
+    from fastdump.staging import cuda
+
+    current = Stream(glue)
+    monkeypatch.setattr(cuda, "_current_stream", current)
+    _watch_torch_graphs(monkeypatch)
+    side = m._mock.stream_create_flags(0)
+    model, raw_model = Model(m, 4), Model(m, 4)
+    d = _attach(tmp_path, writer="thread", device="cuda:0", graph_ring_mb=1)
+    raw = g2 = None
+    try:
+        g = _torch_capture(m, model, d, current, side)
+        raw = capture(m, raw_model, d, current, side)  # this thread, after the torch capture ended
+        current.raw = glue
+        g.reset()
+        g2 = _torch_capture(m, model, d, current, side)  # its capture_begin gives dead graphs' slots back
+        current.raw = glue
+        rec = d._graphs.recorder(0).stats()
+        assert rec["reclaimed_graphs"] == 1, rec
+        expected = [replay(m, raw_model, raw[1], glue, rand_input(raw_model, 90 + k)) for k in range(2)]
+        m._mock.sync(glue)
+        stats = d.close()
+    finally:
+        release(m, [p for p in [raw] if p], [side], [])
+        if g2 is not None:
+            g2.reset()
+        free_device_memory(d)
+    assert stats["graph_replays"] == 2 and stats["dropped_passes"] == 0
+    ds = fastdump.open(tmp_path)
+    passes = graph_passes(ds, "target")
+    assert len(passes) == 2
+    for p, (h1, h2) in zip(passes, expected):
+        got = ds.load("target", 0, p)
+        assert same_bits(torch.as_tensor(got["layers.0"]), h1) and same_bits(torch.as_tensor(got["layers.1"]), h2)
