@@ -186,9 +186,11 @@ def test_lean_pass_end_hands_the_batch_to_the_drain(m, n_every):
         m._mock.stream_destroy(stream)
 
 
-def test_lean_open_batch_is_sealed_by_the_drain_timer(m):
+def test_lean_open_batch_is_sealed_by_the_drain_timer(m, monkeypatch):
     """A pass that stays open (no pass end, fewer than N tensors): the drain seals the batch after
-    the hold time, so its records are published without any further call on the forward thread."""
+    the hold time (FASTDUMP_CUDA_HOLD_MS), so its records are published without any further call on
+    the forward thread, within a bounded time (50 ms here; the wait below allows 200 times that)."""
+    monkeypatch.setenv("FASTDUMP_CUDA_HOLD_MS", "50")
     stream = m._mock.stream_create()
     lane = Lane(m, stream, events_every=1000)
     try:
@@ -382,6 +384,51 @@ def test_lean_batch_sealed_by_another_thread_after_a_torch_capture_began_is_held
         assert lane.lane.stage_tensor(2, ts[2]) == m.STAGED
         lane.lane.take_counts()
         assert lane.stager.flush(10)
+        check_ring(lane.ring, {(0, 0): cpu[0], (1, 0): cpu[1], (2, 1): cpu[2]})
+    finally:
+        if capturing:
+            m._mock.end_capture(s)
+        if graph:
+            m._mock.graph_destroy(graph)
+        lane.close()
+        m._mock.stream_destroy(s)
+
+
+def test_lean_drain_timer_never_seals_while_torch_is_beginning_a_capture(m):
+    """While the capture gate is held (torch's cudaStreamBeginCapture under way in the
+    capture_begin hook), the drain's hold timer leaves the lane's batch alone: had it sealed then,
+    its capture check could come before torch's begin and its event record after it, a node of the
+    user's graph. The batch is sealed once the capture ended; nothing is lost, staging goes on."""
+    s = m._mock.stream_create()
+    lane = Lane(m, s, events_every=100)
+    capturing, graph = False, None
+    try:
+        ts, cpu = fakes(m, 3, seed=19)
+        lane.lane.begin(0, True, -1.0)
+        assert lane.lane.stage_tensor(0, ts[0]) == m.STAGED
+        assert lane.lane.stage_tensor(1, ts[1]) == m.STAGED
+        m.note_capture_begin()
+        m.capture_gate(True)  # the hook holds it around torch's begin
+        try:
+            m._mock.delay("cudaEventRecord", 1, 0.3)  # a seal's record, were one made now
+            deadline = time.monotonic() + 0.5  # (the timer fires every 1 ms once the batch is 2 ms old)
+            while m._mock.delayed() == 0 and time.monotonic() < deadline:
+                time.sleep(0.001)
+            assert m._mock.begin_capture(s, GLOBAL) == 0
+            capturing = True
+        finally:
+            m.capture_gate(False)
+            m._mock.delay("cudaEventRecord", 0, 0)
+        time.sleep(0.35)  # a record delayed above would land in the capture now
+        err, graph = m._mock.end_capture(s)
+        capturing = False
+        assert err == 0, m._mock.error_name(err)
+        lane.lane.begin(1, True, -1.0)
+        assert lane.lane.stage_tensor(2, ts[2]) == m.STAGED
+        lane.lane.take_counts()
+        assert lane.stager.flush(10)
+        st = lane.stager.stats()
+        assert not st["broken"] and st["last_error"] == "" and st["cancelled"] == 0, st
         check_ring(lane.ring, {(0, 0): cpu[0], (1, 0): cpu[1], (2, 1): cpu[2]})
     finally:
         if capturing:
