@@ -289,7 +289,7 @@ def test_graph_replays_beyond_the_replay_log_are_dropped_and_counted(m, glue, tm
     d = _attach(tmp_path, writer="thread", device="cuda:0", graph_ring_mb=0.125)  # ring: 28 entries
     side = m._mock.stream_create_flags(0)
     model = Model(m, 4)
-    graph, exe = capture(m, model, d, current, side)
+    graph, exe = capture(m, model, d, current, side, batch_size=3)  # (the meta's batch, not the leading dim)
     current.raw = glue
     rec = d._graphs.recorder(0)
     rec.set_paused(True)
@@ -314,6 +314,7 @@ def test_graph_replays_beyond_the_replay_log_are_dropped_and_counted(m, glue, tm
         got = ds.load("target", 0, p)
         assert same_bits(torch.as_tensor(got["layers.0"]), h1) and same_bits(torch.as_tensor(got["layers.1"]), h2)
         assert ds.meta("target", 0, p)["graph_replay"] == i  # 4 and 5 dropped
+        assert ds.meta("target", 0, p)["graph_batch"] == 3
 
 
 def test_graph_two_roles_target_and_draft(m, glue, tmp_path, monkeypatch):
@@ -2611,3 +2612,73 @@ def test_a_raw_capture_after_a_torch_capture_is_not_taken_for_that_torch_graph(m
     for p, (h1, h2) in zip(passes, expected):
         got = ds.load("target", 0, p)
         assert same_bits(torch.as_tensor(got["layers.0"]), h1) and same_bits(torch.as_tensor(got["layers.1"]), h2)
+
+
+def test_a_torch_graph_with_one_recorded_tensor_keeps_the_recording_memory(m, glue, tmp_path, monkeypatch):
+    """A graph that recorded a single tensor writes its slot at every replay like any other: while
+    the torch graph exists, free_device_memory() keeps the memory (False); once it is reset, the
+    memory is freed (True)."""
+    from fastdump.staging import cuda
+
+    current = Stream(glue)
+    monkeypatch.setattr(cuda, "_current_stream", current)
+    _watch_torch_graphs(monkeypatch)
+    side = m._mock.stream_create_flags(0)
+    model = Model(m, 4)
+    cpu = torch.zeros(model.shape, dtype=torch.int32)
+    d = _attach(tmp_path, writer="thread", device="cuda:0", graph_ring_mb=1)
+    g = torch.cuda.CUDAGraph(m, side)
+    try:
+        current.raw = side
+        g.capture_begin()
+        d.begin_pass()
+        assert m._mock.enqueue_copy(side, model.h1, model.x, model.nbytes) == 0
+        d.dump("only", FakeCudaTensor(cpu, model.h1))
+        d.end_pass()
+        g.capture_end()
+        current.raw = glue
+        assert d._graphs.recorder(0).stats()["captured_tensors"] == 1
+        d.close()
+        assert free_device_memory(d) is False  # g still writes into it
+        g.reset()
+        assert free_device_memory(d) is True
+    finally:
+        if g.graph is not None:
+            g.reset()
+        m._mock.stream_destroy(side)
+        free_device_memory(d)
+
+
+def test_a_stale_graph_is_counted_when_the_next_capture_on_its_stream_is_invalidated(m, glue, tmp_path, monkeypatch):
+    """A pass's capture ended (the graph exists and may be replayed: it was instantiated) without the
+    pass ending, and the next capture on that stream was invalidated. The stale graph is still a
+    graph whose replays run unseen: given up and counted (graphs_not_dumped), not taken for the
+    invalidated capture (which makes no graph and is no loss)."""
+    from fastdump.staging import cuda
+
+    current = Stream(glue)
+    monkeypatch.setattr(cuda, "_current_stream", current)
+    d = _attach(tmp_path, writer="thread", device="cuda:0")
+    side = m._mock.stream_create_flags(0)
+    model = Model(m, 4)
+    d.begin_pass()
+    current.raw = side
+    assert m._mock.begin_capture(side, GLOBAL) == 0
+    assert m._mock.enqueue_copy(side, model.h1, model.x, model.nbytes) == 0
+    d.dump("layers.0", FakeCudaTensor(model.cpu, model.h1))
+    err, stale = m._mock.end_capture(side)  # the pass goes on after its capture
+    assert err == 0, m._mock.error_name(err)
+    exe = m._mock.graph_instantiate(stale)
+    assert m._mock.begin_capture(side, GLOBAL) == 0  # the next capture on that stream ...
+    with pytest.raises(RuntimeError, match="cudaErrorStreamCaptureUnsupported"):
+        m._mock.malloc(16)  # ... is invalidated
+    try:
+        d.dump("layers.1", FakeCudaTensor(model.cpu, model.h2))
+        d.end_pass()
+        err, failed = m._mock.end_capture(side)
+        assert m._mock.error_name(err) == "cudaErrorStreamCaptureInvalidated" and failed == 0
+        current.raw = glue
+        stats = d.close()
+    finally:
+        release(m, [(stale, exe)], [side], [d])
+    assert stats["graphs_not_dumped"] == 1
