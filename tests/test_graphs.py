@@ -2682,3 +2682,44 @@ def test_a_stale_graph_is_counted_when_the_next_capture_on_its_stream_is_invalid
     finally:
         release(m, [(stale, exe)], [side], [d])
     assert stats["graphs_not_dumped"] == 1
+
+
+def test_no_slots_are_given_back_while_a_recorder_has_a_capture_open(m, glue, tmp_path, monkeypatch):
+    """reclaim_dead_graphs (run as any torch capture begins) leaves a Dumper whose own capture is
+    open alone: the open graph's span is still a free extent, and a dead graph's extent given back
+    just before it merged with it, so the open graph's commit found no extent at its offset and its
+    slots were never held: the next graph would take them while the first still replays."""
+    from fastdump.staging import cuda, graphs
+
+    current = Stream(glue)
+    monkeypatch.setattr(cuda, "_current_stream", current)
+    _watch_torch_graphs(monkeypatch)
+    side, raw_side = m._mock.stream_create_flags(0), m._mock.stream_create_flags(0)
+    model, raw_model = Model(m, 4), Model(m, 4)
+    d = _attach(tmp_path, writer="thread", device="cuda:0", graph_ring_mb=1)
+    raw = None
+    try:
+        g = _torch_capture(m, model, d, current, side)  # slots [0, span)
+        current.raw = glue
+        g.reset()  # dead: its slots may come back at the next capture's begin
+        rec = d._graphs.recorder(0)
+        span = rec.stats()["slot_used"]
+        assert span > 0
+        current.raw = raw_side
+        assert m._mock.begin_capture(raw_side, GLOBAL) == 0  # a raw capture: its graph grows from `span`
+        d.begin_pass()
+        assert m._mock.enqueue_copy(raw_side, raw_model.h1, raw_model.x, raw_model.nbytes) == 0
+        d.dump("layers.0", FakeCudaTensor(raw_model.cpu, raw_model.h1))
+        graphs.reclaim_dead_graphs()  # what a torch capture begun meanwhile (another stream) runs first
+        d.end_pass()
+        err, raw_graph = m._mock.end_capture(raw_side)
+        assert err == 0, m._mock.error_name(err)
+        raw = (raw_graph, m._mock.graph_instantiate(raw_graph))
+        current.raw = glue
+        st = rec.stats()
+        # its own span (header room + the tensor) held; g's slots come back at a later begin
+        assert st["slot_used"] == span + 256 + raw_model.nbytes and st["reclaimed_graphs"] == 0, st
+        d.close()
+    finally:
+        release(m, [p for p in [raw] if p], [side, raw_side], [])
+        free_device_memory(d)
