@@ -329,7 +329,38 @@ def test_host_fallback_never_copies_while_the_stream_captures(monkeypatch, devic
     assert set(got) == {(0, 1, 1)} and got[(0, 1, 1)][2] == cpu.numpy().tobytes()
 
 
-@pytest.mark.parametrize("how", ["freed", "shrunk"])
+def test_host_fallback_never_copies_on_the_legacy_stream_while_a_blocking_stream_captures(monkeypatch):
+    """torch's capture query on the legacy default stream raises (cudaErrorStreamCaptureImplicit)
+    while another thread's blocking stream captures: a .cpu() copy on the legacy stream then would
+    invalidate that capture. The fallback takes the error for capturing: CAPTURING, nothing copied.
+    A pass the Dumper's selection leaves out asks the same question (``_capture_running``): there the
+    legacy stream itself captures nothing, so the pass stays left out."""
+    from fastdump.staging import cuda
+
+    capture = _Capture(monkeypatch)
+
+    def implicit():
+        if capture.capturing:
+            raise RuntimeError("CUDA error: operation would make the legacy stream depend on a capturing "
+                               "blocking stream")
+        return False
+
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", implicit)
+    copies = _count_host_copies(monkeypatch)
+    ring = Ring(_C)
+    stager = cuda.HostFallbackStager(ring.producer, "test")
+    cpu = torch.arange(6, dtype=torch.int32)
+    t, code = _stand_in_cuda(cpu), dtypes.code_of(cpu.dtype)
+    assert cuda.stage_tensor(stager, 0, 1, 0, code, t, True) == cuda.CAPTURING
+    assert copies == [] and ring.producer.used_bytes() == 0
+    monkeypatch.setattr(torch.cuda, "_initialized", True, raising=False)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    assert cuda._capture_running() is False
+    capture.capturing = False
+    assert cuda.stage_tensor(stager, 0, 1, 1, code, t, True) == _C.STAGED and len(copies) == 1
+
+
+@pytest.mark.parametrize("how", ["freed", "shrunk", "one_element_short"])
 def test_a_cuda_tensor_whose_storage_was_freed_or_shrunk_is_refused_by_both_python_paths(monkeypatch, how):
     """torch lets a storage be freed or shrunk under its tensors (``resize_(0)``, as FSDP does). The
     host fallback's .cpu() copied such a CUDA tensor unchecked (a null pointer faults; a shrunk
@@ -346,8 +377,10 @@ def test_a_cuda_tensor_whose_storage_was_freed_or_shrunk_is_refused_by_both_pyth
     t, code = _stand_in_cuda(cpu), dtypes.code_of(cpu.dtype)
     if how == "freed":
         t._ptr, reason = 0, _C.NO_DATA
-    else:
+    elif how == "shrunk":
         t._storage, reason = FakeStorage(cpu.data_ptr(), 8 * 4), _C.STORAGE_SHORT  # 8 of its 12 floats
+    else:  # the last element lies past the storage's end: still refused (the bound is exact)
+        t._storage, reason = FakeStorage(cpu.data_ptr(), 11 * 4), _C.STORAGE_SHORT
     with pytest.raises(ValueError) as refused:
         cuda.stage_tensor(stager, 0, 1, 0, code, t, True)
     assert str(refused.value) == reason

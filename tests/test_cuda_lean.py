@@ -186,9 +186,11 @@ def test_lean_pass_end_hands_the_batch_to_the_drain(m, n_every):
         m._mock.stream_destroy(stream)
 
 
-def test_lean_open_batch_is_sealed_by_the_drain_timer(m):
+def test_lean_open_batch_is_sealed_by_the_drain_timer(m, monkeypatch):
     """A pass that stays open (no pass end, fewer than N tensors): the drain seals the batch after
-    the hold time, so its records are published without any further call on the forward thread."""
+    the hold time (FASTDUMP_CUDA_HOLD_MS), so its records are published without any further call on
+    the forward thread, within a bounded time (50 ms here; the wait below allows 200 times that)."""
+    monkeypatch.setenv("FASTDUMP_CUDA_HOLD_MS", "50")
     stream = m._mock.stream_create()
     lane = Lane(m, stream, events_every=1000)
     try:
@@ -260,6 +262,35 @@ def test_lean_capture_begun_between_passes_on_the_same_stream_is_seen(m):
         m._mock.stream_destroy(s)
 
 
+def test_lean_new_pass_id_checks_again_even_without_a_pass_end(m):
+    """The lane's capture check is per pass: a new pass id makes it check again even when the
+    previous pass never reached the lane's pass end (take_counts / put_plain_end / end_pass: its batch
+    sealed by the drain's hold timer or a flush, which leave the check in place), so a
+    capture begun outside torch between the two passes (no capture epoch) is seen, and no snapshot
+    is enqueued into the user's graph."""
+    s = m._mock.stream_create()
+    lane = Lane(m, s, events_every=100)
+    graph = None
+    try:
+        ts, cpu = fakes(m, 2, seed=11)
+        lane.lane.begin(0, True, -1.0)
+        assert lane.lane.stage_tensor(0, ts[0]) == m.STAGED
+        assert lane.stager.flush(10)  # sealed as the drain's hold timer would: the lane's check stays
+        lane.lane.begin(1, True, -1.0)  # (no pass end on the lane in between)
+        assert m._mock.begin_capture(s, GLOBAL) == 0
+        assert lane.lane.stage_tensor(1, ts[1]) == NOT_FAST
+        err, graph = m._mock.end_capture(s)
+        assert err == 0, m._mock.error_name(err)
+        lane.lane.take_counts()
+        assert lane.stager.flush(10)
+        check_ring(lane.ring, {(0, 0): cpu[0]})
+    finally:
+        if graph:
+            m._mock.graph_destroy(graph)
+        lane.close()
+        m._mock.stream_destroy(s)
+
+
 def test_lean_check_each_tensor_sees_a_capture_begun_mid_pass_on_the_same_stream(m, monkeypatch):
     """FASTDUMP_CUDA_CHECK_EACH_TENSOR=1: for code that begins a capture mid-pass on the stream it was
     already running on (the one case the per-pass rule misses), every tensor asks."""
@@ -320,6 +351,90 @@ def test_lean_capture_begun_mid_pass_through_torch_is_seen_and_the_batch_before_
         assert not st["broken"] and st["cancelled"] == 0 and "mid-pass" not in (st.get("error") or ""), st
         m._mock.graph_destroy(graph)
     finally:
+        lane.close()
+        m._mock.stream_destroy(s)
+
+
+def test_lean_batch_sealed_by_another_thread_after_a_torch_capture_began_is_held_not_given_up(m):
+    """The timer-seal race: torch began a capture on the lane's stream (the capture epoch moved)
+    after the batch's snapshots were enqueued, and a seal from another thread (the drain's hold
+    timer, a flush) finds the stream capturing before the lane's next tensor saw the epoch move.
+    Every snapshot of the batch preceded the capture: the batch is held until the capture ended,
+    then sealed and written; staging goes on. (Given up, it stopped CUDA staging for the process.)"""
+    s = m._mock.stream_create()
+    lane = Lane(m, s, events_every=100)
+    capturing, graph = False, None
+    try:
+        ts, cpu = fakes(m, 3, seed=17)
+        lane.lane.begin(0, True, -1.0)
+        assert lane.lane.stage_tensor(0, ts[0]) == m.STAGED
+        assert lane.lane.stage_tensor(1, ts[1]) == m.STAGED
+        m.note_capture_begin()  # what the hook on torch.cuda.CUDAGraph.capture_begin does first
+        assert m._mock.begin_capture(s, GLOBAL) == 0
+        capturing = True
+        th = threading.Thread(target=lambda: lane.stager.flush(0.2))  # seals every lane: this one is held
+        th.start()
+        th.join()
+        st = lane.stager.stats()
+        assert not st["broken"] and st["last_error"] == "" and st["cancelled"] == 0, st
+        err, graph = m._mock.end_capture(s)
+        capturing = False
+        assert err == 0, m._mock.error_name(err)
+        lane.lane.begin(1, True, -1.0)
+        assert lane.lane.stage_tensor(2, ts[2]) == m.STAGED
+        lane.lane.take_counts()
+        assert lane.stager.flush(10)
+        check_ring(lane.ring, {(0, 0): cpu[0], (1, 0): cpu[1], (2, 1): cpu[2]})
+    finally:
+        if capturing:
+            m._mock.end_capture(s)
+        if graph:
+            m._mock.graph_destroy(graph)
+        lane.close()
+        m._mock.stream_destroy(s)
+
+
+def test_lean_drain_timer_never_seals_while_torch_is_beginning_a_capture(m):
+    """While the capture gate is held (torch's cudaStreamBeginCapture under way in the
+    capture_begin hook), the drain's hold timer leaves the lane's batch alone: had it sealed then,
+    its capture check could come before torch's begin and its event record after it, a node of the
+    user's graph. The batch is sealed once the capture ended; nothing is lost, staging goes on."""
+    s = m._mock.stream_create()
+    lane = Lane(m, s, events_every=100)
+    capturing, graph = False, None
+    try:
+        ts, cpu = fakes(m, 3, seed=19)
+        lane.lane.begin(0, True, -1.0)
+        assert lane.lane.stage_tensor(0, ts[0]) == m.STAGED
+        assert lane.lane.stage_tensor(1, ts[1]) == m.STAGED
+        m.note_capture_begin()
+        m.capture_gate(True)  # the hook holds it around torch's begin
+        try:
+            m._mock.delay("cudaEventRecord", 1, 0.3)  # a seal's record, were one made now
+            deadline = time.monotonic() + 0.5  # (the timer fires every 1 ms once the batch is 2 ms old)
+            while m._mock.delayed() == 0 and time.monotonic() < deadline:
+                time.sleep(0.001)
+            assert m._mock.begin_capture(s, GLOBAL) == 0
+            capturing = True
+        finally:
+            m.capture_gate(False)
+            m._mock.delay("cudaEventRecord", 0, 0)
+        time.sleep(0.35)  # a record delayed above would land in the capture now
+        err, graph = m._mock.end_capture(s)
+        capturing = False
+        assert err == 0, m._mock.error_name(err)
+        lane.lane.begin(1, True, -1.0)
+        assert lane.lane.stage_tensor(2, ts[2]) == m.STAGED
+        lane.lane.take_counts()
+        assert lane.stager.flush(10)
+        st = lane.stager.stats()
+        assert not st["broken"] and st["last_error"] == "" and st["cancelled"] == 0, st
+        check_ring(lane.ring, {(0, 0): cpu[0], (1, 0): cpu[1], (2, 1): cpu[2]})
+    finally:
+        if capturing:
+            m._mock.end_capture(s)
+        if graph:
+            m._mock.graph_destroy(graph)
         lane.close()
         m._mock.stream_destroy(s)
 

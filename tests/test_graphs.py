@@ -276,6 +276,47 @@ def test_graph_replays_outrunning_the_drain_are_dropped_and_counted(m, glue, tmp
         r.stdout + r.stderr
 
 
+def test_graph_replays_beyond_the_replay_log_are_dropped_and_counted(m, glue, tmp_path, monkeypatch):
+    """The replay log bounds the replays waiting for the drain as the ring does: with the drain
+    stopped and room in the ring, a replay that would take a log position the drain has not given
+    back yet is dropped and counted. Taking it reused the oldest waiting entry's log slot: that
+    replay was never written and the drain waited for its stamp for good."""
+    from fastdump.staging import cuda, graphs
+
+    current = Stream(glue)
+    monkeypatch.setattr(cuda, "_current_stream", current)
+    monkeypatch.setattr(graphs, "LOG_ENTRIES", 4)
+    d = _attach(tmp_path, writer="thread", device="cuda:0", graph_ring_mb=0.125)  # ring: 28 entries
+    side = m._mock.stream_create_flags(0)
+    model = Model(m, 4)
+    graph, exe = capture(m, model, d, current, side, batch_size=3)  # (the meta's batch, not the leading dim)
+    current.raw = glue
+    rec = d._graphs.recorder(0)
+    rec.set_paused(True)
+    inputs = [rand_input(model, 500 + k) for k in range(6)]
+    try:
+        for x in inputs:
+            model.set_input(glue, x)
+            assert m._mock.graph_launch(exe, glue) == 0
+        m._mock.sync(glue)
+        assert rec.stats()["dropped_replays"] == 2
+        rec.set_paused(False)
+        assert rec.flush(30)
+        stats = d.close()
+    finally:
+        release(m, [(graph, exe)], [side], [d])
+    assert stats["dropped_passes"] == 2 and stats["graph_replays"] == 4
+    ds = fastdump.open(tmp_path)
+    passes = graph_passes(ds, "target")
+    assert len(passes) == 4
+    for i, p in enumerate(passes):
+        h1, h2 = model.expected(inputs[i])
+        got = ds.load("target", 0, p)
+        assert same_bits(torch.as_tensor(got["layers.0"]), h1) and same_bits(torch.as_tensor(got["layers.1"]), h2)
+        assert ds.meta("target", 0, p)["graph_replay"] == i  # 4 and 5 dropped
+        assert ds.meta("target", 0, p)["graph_batch"] == 3
+
+
 def test_graph_two_roles_target_and_draft(m, glue, tmp_path, monkeypatch):
     """EAGLE: a target and a draft Dumper, each with its own graph, replayed alternately on one
     stream; each role's passes hold its own replays."""
@@ -2462,3 +2503,223 @@ def test_more_live_graphs_than_graph_ids_are_counted_and_fail_verify(m, glue, tm
     assert same_bits(torch.as_tensor(got["layers.0"]), first[0]) and ds.meta("target", 0, p)["cuda_graph"] == 0
     problems = verify_dump(str(tmp_path)).problems
     assert any("1 CUDA graph(s) captured while dumping cannot be dumped" in p for p in problems), problems
+
+
+def test_tensors_hooked_off_the_capturing_stream_or_gpu_are_skipped_in_every_replay(m, glue, tmp_path,
+                                                                                    monkeypatch):
+    """During a capture, a tensor hooked while another stream is current (an alternate stream forked
+    into the capture) and a tensor on another GPU are not recorded: the commit kernels on the
+    capturing stream would not be ordered after their snapshots (a copy on a stream that is not
+    capturing runs once, at capture time, and every replay would publish that stale copy as its
+    value). Both are skipped, with the reason, in the capture pass and in every replay pass; the
+    tensor on the capturing stream is dumped bit-exact."""
+    from fastdump.staging import cuda
+
+    current = Stream(glue)
+    monkeypatch.setattr(cuda, "_current_stream", current)
+    d = _attach(tmp_path, writer="thread", device="cuda:0")
+    side = m._mock.stream_create_flags(0)
+    other = m._mock.stream_create()  # not capturing
+    model = Model(m, 4)
+    cpu = torch.zeros(model.shape, dtype=torch.int32)
+    stale = device_buffer(m, model.nbytes)
+    on_gpu1 = device_buffer(m, model.nbytes, device=1)
+    assert m._mock.upload(stale, torch.full(model.shape, 7, dtype=torch.int32).data_ptr(), model.nbytes) == 0
+
+    fork, join = m._mock.event_create(), m._mock.event_create()
+
+    def forward(dumper, stream, tag="layers"):
+        dumper.begin_pass()
+        assert m._mock.enqueue_copy(stream, model.h1, model.x, model.nbytes) == 0
+        assert m._mock.enqueue_increment(stream, model.h1, model.nbytes) == 0
+        dumper.dump("on_capture", FakeCudaTensor(cpu, model.h1))
+        # `other` joins the capture (torch: with torch.cuda.stream(s): s.wait_stream(capture stream))
+        assert m._mock.event_record(fork, stream) == 0 and m._mock.stream_wait_event(other, fork) == 0
+        current.raw = other
+        dumper.dump("on_other_stream", FakeCudaTensor(cpu, stale))
+        assert m._mock.event_record(join, other) == 0 and m._mock.stream_wait_event(stream, join) == 0
+        current.raw = stream
+        dumper.dump("on_gpu1", FakeCudaTensor(cpu, on_gpu1, device=1))
+        dumper.end_pass()
+
+    model.forward = forward
+    xs = [rand_input(model, 300 + k) for k in range(3)]
+    try:
+        graph, exe = capture(m, model, d, current, side)
+        current.raw = glue
+        for x in xs:
+            model.set_input(glue, x)
+            assert m._mock.graph_launch(exe, glue) == 0
+            m._mock.sync(glue)
+        assert d._graphs.recorder(0).flush(30)
+        stats = d.close()
+    finally:
+        m._mock.sync(side)
+        release(m, [(graph, exe)], [side, other], [d])
+        m._mock.event_destroy(fork)
+        m._mock.event_destroy(join)
+    assert stats["graph_replays"] == 3 and stats["graphs_not_dumped"] == 0
+    ds = fastdump.open(tmp_path)
+    capture_pass = [p for p in ds.passes("target", 0) if p < GRAPH_BASE][-1]
+    assert sorted(s["name"] for s in ds.meta("target", 0, capture_pass)["skipped"]) == ["on_gpu1", "on_other_stream"]
+    passes = graph_passes(ds, "target")
+    assert len(passes) == 3
+    for p, x in zip(passes, xs):
+        got = ds.load("target", 0, p)
+        assert set(got) == {"on_capture"}
+        assert same_bits(torch.as_tensor(got["on_capture"]), model.expected(x)[0])
+        reasons = {s["name"]: s["reason"] for s in ds.meta("target", 0, p)["skipped"]}
+        assert set(reasons) == {"on_other_stream", "on_gpu1"}
+        assert "not the stream being captured" in reasons["on_other_stream"]
+        assert "another GPU" in reasons["on_gpu1"]
+
+
+def test_a_raw_capture_after_a_torch_capture_is_not_taken_for_that_torch_graph(m, glue, tmp_path, monkeypatch):
+    """A graph captured outside torch (raw cudaStreamBeginCapture) on a thread whose torch capture
+    has ended must not be taken for that torch graph: when the torch graph is reset, only its own
+    slots come back; the raw graph, which fastdump cannot see destroyed, keeps its slots (its
+    replays write them) and is still dumped whole."""
+    from fastdump.staging import cuda
+
+    current = Stream(glue)
+    monkeypatch.setattr(cuda, "_current_stream", current)
+    _watch_torch_graphs(monkeypatch)
+    side = m._mock.stream_create_flags(0)
+    model, raw_model = Model(m, 4), Model(m, 4)
+    d = _attach(tmp_path, writer="thread", device="cuda:0", graph_ring_mb=1)
+    raw = g2 = None
+    try:
+        g = _torch_capture(m, model, d, current, side)
+        raw = capture(m, raw_model, d, current, side)  # this thread, after the torch capture ended
+        current.raw = glue
+        g.reset()
+        g2 = _torch_capture(m, model, d, current, side)  # its capture_begin gives dead graphs' slots back
+        current.raw = glue
+        rec = d._graphs.recorder(0).stats()
+        assert rec["reclaimed_graphs"] == 1, rec
+        expected = [replay(m, raw_model, raw[1], glue, rand_input(raw_model, 90 + k)) for k in range(2)]
+        m._mock.sync(glue)
+        stats = d.close()
+    finally:
+        release(m, [p for p in [raw] if p], [side], [])
+        if g2 is not None:
+            g2.reset()
+        free_device_memory(d)
+    assert stats["graph_replays"] == 2 and stats["dropped_passes"] == 0
+    ds = fastdump.open(tmp_path)
+    passes = graph_passes(ds, "target")
+    assert len(passes) == 2
+    for p, (h1, h2) in zip(passes, expected):
+        got = ds.load("target", 0, p)
+        assert same_bits(torch.as_tensor(got["layers.0"]), h1) and same_bits(torch.as_tensor(got["layers.1"]), h2)
+
+
+def test_a_torch_graph_with_one_recorded_tensor_keeps_the_recording_memory(m, glue, tmp_path, monkeypatch):
+    """A graph that recorded a single tensor writes its slot at every replay like any other: while
+    the torch graph exists, free_device_memory() keeps the memory (False); once it is reset, the
+    memory is freed (True)."""
+    from fastdump.staging import cuda
+
+    current = Stream(glue)
+    monkeypatch.setattr(cuda, "_current_stream", current)
+    _watch_torch_graphs(monkeypatch)
+    side = m._mock.stream_create_flags(0)
+    model = Model(m, 4)
+    cpu = torch.zeros(model.shape, dtype=torch.int32)
+    d = _attach(tmp_path, writer="thread", device="cuda:0", graph_ring_mb=1)
+    g = torch.cuda.CUDAGraph(m, side)
+    try:
+        current.raw = side
+        g.capture_begin()
+        d.begin_pass()
+        assert m._mock.enqueue_copy(side, model.h1, model.x, model.nbytes) == 0
+        d.dump("only", FakeCudaTensor(cpu, model.h1))
+        d.end_pass()
+        g.capture_end()
+        current.raw = glue
+        assert d._graphs.recorder(0).stats()["captured_tensors"] == 1
+        d.close()
+        assert free_device_memory(d) is False  # g still writes into it
+        g.reset()
+        assert free_device_memory(d) is True
+    finally:
+        if g.graph is not None:
+            g.reset()
+        m._mock.stream_destroy(side)
+        free_device_memory(d)
+
+
+def test_a_stale_graph_is_counted_when_the_next_capture_on_its_stream_is_invalidated(m, glue, tmp_path, monkeypatch):
+    """A pass's capture ended (the graph exists and may be replayed: it was instantiated) without the
+    pass ending, and the next capture on that stream was invalidated. The stale graph is still a
+    graph whose replays run unseen: given up and counted (graphs_not_dumped), not taken for the
+    invalidated capture (which makes no graph and is no loss)."""
+    from fastdump.staging import cuda
+
+    current = Stream(glue)
+    monkeypatch.setattr(cuda, "_current_stream", current)
+    d = _attach(tmp_path, writer="thread", device="cuda:0")
+    side = m._mock.stream_create_flags(0)
+    model = Model(m, 4)
+    d.begin_pass()
+    current.raw = side
+    assert m._mock.begin_capture(side, GLOBAL) == 0
+    assert m._mock.enqueue_copy(side, model.h1, model.x, model.nbytes) == 0
+    d.dump("layers.0", FakeCudaTensor(model.cpu, model.h1))
+    err, stale = m._mock.end_capture(side)  # the pass goes on after its capture
+    assert err == 0, m._mock.error_name(err)
+    exe = m._mock.graph_instantiate(stale)
+    assert m._mock.begin_capture(side, GLOBAL) == 0  # the next capture on that stream ...
+    with pytest.raises(RuntimeError, match="cudaErrorStreamCaptureUnsupported"):
+        m._mock.malloc(16)  # ... is invalidated
+    try:
+        d.dump("layers.1", FakeCudaTensor(model.cpu, model.h2))
+        d.end_pass()
+        err, failed = m._mock.end_capture(side)
+        assert m._mock.error_name(err) == "cudaErrorStreamCaptureInvalidated" and failed == 0
+        current.raw = glue
+        stats = d.close()
+    finally:
+        release(m, [(stale, exe)], [side], [d])
+    assert stats["graphs_not_dumped"] == 1
+
+
+def test_no_slots_are_given_back_while_a_recorder_has_a_capture_open(m, glue, tmp_path, monkeypatch):
+    """reclaim_dead_graphs (run as any torch capture begins) leaves a Dumper whose own capture is
+    open alone: the open graph's span is still a free extent, and a dead graph's extent given back
+    just before it merged with it, so the open graph's commit found no extent at its offset and its
+    slots were never held: the next graph would take them while the first still replays."""
+    from fastdump.staging import cuda, graphs
+
+    current = Stream(glue)
+    monkeypatch.setattr(cuda, "_current_stream", current)
+    _watch_torch_graphs(monkeypatch)
+    side, raw_side = m._mock.stream_create_flags(0), m._mock.stream_create_flags(0)
+    model, raw_model = Model(m, 4), Model(m, 4)
+    d = _attach(tmp_path, writer="thread", device="cuda:0", graph_ring_mb=1)
+    raw = None
+    try:
+        g = _torch_capture(m, model, d, current, side)  # slots [0, span)
+        current.raw = glue
+        g.reset()  # dead: its slots may come back at the next capture's begin
+        rec = d._graphs.recorder(0)
+        span = rec.stats()["slot_used"]
+        assert span > 0
+        current.raw = raw_side
+        assert m._mock.begin_capture(raw_side, GLOBAL) == 0  # a raw capture: its graph grows from `span`
+        d.begin_pass()
+        assert m._mock.enqueue_copy(raw_side, raw_model.h1, raw_model.x, raw_model.nbytes) == 0
+        d.dump("layers.0", FakeCudaTensor(raw_model.cpu, raw_model.h1))
+        graphs.reclaim_dead_graphs()  # what a torch capture begun meanwhile (another stream) runs first
+        d.end_pass()
+        err, raw_graph = m._mock.end_capture(raw_side)
+        assert err == 0, m._mock.error_name(err)
+        raw = (raw_graph, m._mock.graph_instantiate(raw_graph))
+        current.raw = glue
+        st = rec.stats()
+        # its own span (header room + the tensor) held; g's slots come back at a later begin
+        assert st["slot_used"] == span + 256 + raw_model.nbytes and st["reclaimed_graphs"] == 0, st
+        d.close()
+    finally:
+        release(m, [p for p in [raw] if p], [side, raw_side], [])
+        free_device_memory(d)
