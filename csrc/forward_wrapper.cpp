@@ -509,15 +509,17 @@ Py_ssize_t claim_call(CaptureState* st, PyObject* name) {
     if (r == nullptr && absorb_error(st, name, Py_None) < 0) return -2;
     Py_XDECREF(r);
   }
-  Py_ssize_t k = 0;
-  PyObject* started = PyDict_GetItemWithError(st->calls, name);  // borrowed
-  if (started != nullptr) {
-    k = PyLong_Check(started) ? PyLong_AsSsize_t(started) : -1;
-    if (k < 0) {
-      if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "fastdump: a call count is not a count");
-      return absorb_error(st, name, Py_None) < 0 ? -2 : -1;
-    }
-  } else if (PyErr_Occurred()) {
+  // A module's first call of the pass (nearly every call: calls is cleared per pass) costs one dict
+  // operation: setdefault(name, 1) inserts the count and leaves the dict one larger. Only a name
+  // already there (a later call) is read and set again. (A look-up then an insert cost ~120 more
+  // instructions per dumped tensor: benchmarks/RESULTS.md 0w.)
+  const Py_ssize_t before = PyDict_GET_SIZE(st->calls);
+  PyObject* started = PyDict_SetDefault(st->calls, name, s_one);  // borrowed
+  if (started == nullptr) return absorb_error(st, name, Py_None) < 0 ? -2 : -1;
+  if (PyDict_GET_SIZE(st->calls) != before) return 0;  // inserted: the first call, now counted
+  const Py_ssize_t k = PyLong_Check(started) ? PyLong_AsSsize_t(started) : -1;
+  if (k < 0) {
+    if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "fastdump: a call count is not a count");
     return absorb_error(st, name, Py_None) < 0 ? -2 : -1;
   }
   PyObject* next = k == 0 ? Py_NewRef(s_one) : PyLong_FromSsize_t(k + 1);

@@ -248,8 +248,8 @@ struct ChannelStager {
     const auto code = static_cast<uint16_t>(scalar_codes[st].first);
     const uint64_t itemsize = scalar_codes[st].second;
     const auto n = static_cast<size_t>(facts.ndim);
-    src.shape.assign(facts.sizes, facts.sizes + n);  // src's vectors: no allocation once warm
-    src.strides.assign(facts.strides, facts.strides + n);
+    copy_dims(facts.sizes, n, &src.shape);  // src's vectors: no allocation once warm
+    copy_dims(facts.strides, n, &src.strides);
     const auto ptr = reinterpret_cast<uintptr_t>(facts.data);
     const uint64_t nbytes = bytes_of(src.shape, itemsize);  // (src is refilled if another thread stages meanwhile)
     int status;
@@ -263,6 +263,14 @@ struct ChannelStager {
     }
     count_staged(status, nbytes);
     return status;
+  }
+
+  // `n` dims into `out`, in place: vector::assign's out-of-line call cost ~48 instructions per
+  // vector, twice per dumped tensor, for the one to four dims a tensor has (RESULTS.md 0w).
+  static void copy_dims(const int64_t* dims, size_t n, std::vector<int64_t>* out) {
+    if (out->size() != n) out->resize(n);
+    int64_t* to = out->data();
+    for (size_t i = 0; i < n; ++i) to[i] = dims[i];
   }
 
   void build_scalar_codes() {

@@ -406,6 +406,49 @@ def test_plain_outputs_are_staged_without_a_python_call(tmp_path):
         assert same_bits(dumped[name], value), name
 
 
+class Planting(nn.Module):
+    """Plants ``bogus`` as lin's call count of the open pass before calling it (and calls it twice)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(6, 6)
+        self.after = nn.Linear(6, 6)
+        self.dumper = None
+        self.bogus = None
+
+    def forward(self, x):
+        if self.bogus is not None:
+            self.dumper._calls["lin"] = self.bogus
+        h = self.lin(x)
+        return self.after(h), self.lin(h)
+
+
+def test_a_call_count_that_is_not_a_count_is_a_recorded_skip_never_raised(tmp_path):
+    """The C wrapper numbers a call from the Dumper's _calls (claim_call): a first call inserts its
+    count, a later one reads it; what it reads there that is no count is recorded against the name,
+    never raised into the model, and the pass's other tensors are dumped bit-exact."""
+    model = Planting()
+    d = fastdump.attach(model, tmp_path)
+    model.dumper = d
+    with torch.inference_mode():
+        first = model(torch.randn(4, 6))  # pass 0: lin and lin#1, numbered in C
+        model.bogus = "three"
+        x = torch.randn(4, 6)
+        out = model(x)  # pass 1: lin's count is not a count
+    with torch.inference_mode():
+        want = model.after(model.lin(x))
+    assert same_bits(out[0], want)
+    d.close()
+    ds = fastdump.open(tmp_path)
+    assert sorted(ds.load("target", 0, 0)) == ["Planting.0", "Planting.1", "after", "lin", "lin#1"]
+    assert same_bits(ds.load("target", 0, 0)["lin#1"], first[1])
+    skipped = {s["name"]: s["reason"] for s in ds.meta("target", 0, 1)["skipped"]}
+    assert "a call count is not a count" in skipped["lin"], skipped
+    dumped = ds.load("target", 0, 1)
+    assert "lin" not in dumped and same_bits(dumped["after"], want)
+
+
 class TupleRoot(nn.Module):
     """A root returning what a causal LM's forward returns: logits and hidden states (and a None)."""
 
