@@ -848,6 +848,16 @@ struct GraphRecorder::Impl {
                    {1}, device, reinterpret_cast<uintptr_t>(stream), 0};
     int st;
     std::string error;
+    // The writer stopped writing this channel (its root's disk full): the replay goes no further
+    // (the writer would throw it away), counted as unwritten; the Dumper reads the writer's error.
+    if (producer->channel_failed(channel)) {
+      {
+        std::lock_guard<std::mutex> g(mu);
+        ++unwritten_replays;
+      }
+      fail("the writer stopped writing this Dumper's channel");
+      return;
+    }
     try {
       st = stager->stage(channel, span_name(gi.id), pass_id, kReplaySpanDtype, src, true, nullptr, wait_s);
     } catch (const std::exception& e) {

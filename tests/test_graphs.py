@@ -276,6 +276,66 @@ def test_graph_replays_outrunning_the_drain_are_dropped_and_counted(m, glue, tmp
         r.stdout + r.stderr
 
 
+def test_replays_of_a_failed_channel_are_not_staged_and_are_counted(m, glue, tmp_path, monkeypatch):
+    """The writer stopped writing a Dumper's channel (its root's disk full): the graph drain went on
+    staging every replay into the host ring, which the writer threw away, and then broke with
+    "CUDA staging stopped", naming nothing. A failed channel's replays go no further now: counted
+    as dropped, the recorder broken with the reason, the Dumper stopped with the writer's error,
+    and verify fails; the replays before the failure are written whole."""
+    from fastdump.staging import cuda
+
+    consumers, real = [], m.Consumer
+
+    def recording(name):
+        consumers.append(real(name))
+        return consumers[-1]
+
+    monkeypatch.setattr(m, "Consumer", recording)
+    current = Stream(glue)
+    monkeypatch.setattr(cuda, "_current_stream", current)
+    d = _attach(tmp_path, writer="thread", device="cuda:0")
+    side = m._mock.stream_create_flags(0)
+    model = Model(m, 4)
+    graph, exe = capture(m, model, d, current, side)
+    current.raw = glue
+    rec = d._graphs.recorder(0)
+    inputs = [rand_input(model, 50 + k) for k in range(6)]
+    try:
+        for x in inputs[:2]:
+            model.set_input(glue, x)
+            assert m._mock.graph_launch(exe, glue) == 0
+        m._mock.sync(glue)
+        assert rec.flush(30)
+        staged = rec.stats()["span_records"]
+        assert staged == 2
+        consumers[-1].fail_channel(d._channel.id, "root: No space left on device (test)")
+        for x in inputs[2:]:
+            model.set_input(glue, x)
+            assert m._mock.graph_launch(exe, glue) == 0
+        m._mock.sync(glue)
+        _wait_for(lambda: rec.stats()["broken"])
+        after = rec.stats()
+        assert after["span_records"] == staged  # nothing of a failed channel was staged
+        assert "the writer stopped writing this Dumper's channel" in after["last_error"]
+        d.begin_pass()  # the Dumper learns of it (and says the writer's error) at the latest here
+        d.end_pass()
+        stats = d.close()
+    finally:
+        release(m, [(graph, exe)], [side], [d])
+    assert stats["status"] == "error" and "No space left on device (test)" in stats["error"], stats
+    assert stats["graph_replays"] == 2 and stats["dropped_passes"] >= 4, stats
+    ds = fastdump.open(tmp_path)
+    passes = graph_passes(ds, "target")
+    assert len(passes) == 2
+    for x, p in zip(inputs, passes):
+        h1, h2 = model.expected(x)
+        got = ds.load("target", 0, p)
+        assert same_bits(torch.as_tensor(got["layers.0"]), h1) and same_bits(torch.as_tensor(got["layers.1"]), h2)
+    r = subprocess.run([sys.executable, "-m", "fastdump", "verify", "--data", str(tmp_path)], capture_output=True,
+                       text=True)
+    assert r.returncode == 1, r.stdout + r.stderr
+
+
 def test_graph_replays_beyond_the_replay_log_are_dropped_and_counted(m, glue, tmp_path, monkeypatch):
     """The replay log bounds the replays waiting for the drain as the ring does: with the drain
     stopped and room in the ring, a replay that would take a log position the drain has not given
