@@ -1342,11 +1342,13 @@ class DumpSet:
 
 
 def pid_gone(info: dict) -> bool:
-    """True when rank.json names a process on this host that no longer exists."""
+    """True when rank.json names a process on this host that no longer exists: no process has its
+    pid, or (``pid_identity``) the one that has it now is another (the pid reused: a running rank
+    read as still being written, its lost open segment as pending)."""
     pid = info.get("pid")
     if info.get("host") != socket.gethostname() or not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
         return False
-    return not fsutil.pid_alive(pid)
+    return not fsutil.pid_alive(pid, info.get("pid_identity"))
 
 
 def open_segment_hint(info: dict) -> str:
