@@ -1327,3 +1327,37 @@ def test_a_tp_rank_with_no_directory_is_a_warning_naming_it(tmp_path):
         d.dump("x", torch.arange(3.0))
     report = cli_dump.verify_dump(str(tmp_path))
     assert not report.problems and not [w for w in report.warnings if "no directory here" in w], report.warnings
+
+
+# ------------------------------------------------------------- sessions copied in or twice
+
+
+def test_a_rank_directory_copied_in_from_another_dump_fails_verify(dump, tmp_path):
+    """Another run's whole rank directory put beside this one's: its segments carry its own session,
+    rank.json and list agree, every check passed and verify said OK, though that session never
+    attached to this root (fastdump.sessions records every one that did)."""
+    other = tmp_path / "other"
+    model = make_model()
+    d = fastdump.attach(model, str(other), segment_passes=10)
+    with torch.inference_mode():
+        model(model_input(100))
+    d.close()
+    assert verify(other)[0] == 0
+    (copied,) = os.listdir(other / "target")
+    shutil.copytree(other / "target" / copied, dump / "target" / copied)
+    code, problems, _ = verify(dump)
+    assert code == 1 and problems == [
+        f"{dump / 'target' / copied}: a session fastdump.sessions/target does not record as attached to this root "
+        "(every Dumper records its session before writing): copied in from another dump"]
+
+
+def test_one_session_copied_under_another_directory_name_fails_verify(dump):
+    """A rank directory copied whole under a name without a session (format 1's, which the reader
+    takes with rank.json's session): its segments are its session's, so nothing else failed, and
+    every pass of it would be read twice (export wrote both copies)."""
+    original = rank_dir(dump)
+    copy = dump / "target" / "TP0_PP0_Rank0_pid1"
+    shutil.copytree(original, copy)
+    code, problems, _ = verify(dump)
+    session = fmt.parse_rank_dir(original.name)[4]
+    assert code == 1 and len(problems) == 1 and has(problems, str(copy), f"session {session} again", str(original))

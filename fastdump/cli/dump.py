@@ -908,9 +908,50 @@ def verify_dump(root: str, read_data: bool = False) -> _Report:
         report.problem(root, "no rank directories (expected <root>/<role>/<rank>/rank.json)"
                        + (f"; {hint}" if hint else ""))
     numbers = {rank_path: check_rank_dir(report, rank_path, read_data) for rank_path in rank_dirs}
+    _check_sessions_attached_here(report, root, rank_dirs)
     _warn_of_absent_ranks(report, root, numbers)
     _check_manifest(report, root)
     return report
+
+
+def _check_sessions_attached_here(report: _Report, root: str, rank_dirs: list) -> None:
+    """Each rank directory is a session attached to this root, once. Every session's Dumper records
+    itself (``fastdump.sessions/<role>/<rank directory>``) before its writer starts, so in a role
+    whose sessions are recorded, a directory of a session not recorded was copied in from another
+    dump (its segments carry its own session, so every other check passed); and two directories of
+    one session (by name, else by rank.json, as segments are matched) are one session copied under
+    another name: its passes would be read, diffed and exported twice."""
+    seen: dict = {}  # (role, session) -> the first rank directory holding it
+    records: dict = {}  # role -> (recorded rank directory names, their sessions), or None: no record
+    for rank_path in rank_dirs:
+        role_path, name = os.path.split(rank_path)
+        role = os.path.basename(role_path)
+        try:
+            info = fsutil.load_json(os.path.join(rank_path, fmt.RANK_FILE))
+        except (OSError, ValueError):
+            info = None  # (check_rank_dir said why)
+        session = fmt.expected_session(name, info if isinstance(info, dict) else {})
+        if session is not None:
+            if (role, session) in seen:
+                report.problem(rank_path, f"session {_printable(session)} again: {seen[role, session]} holds it "
+                                          "too (one session's directory copied under another name: its passes "
+                                          "would be read twice)")
+            seen.setdefault((role, session), rank_path)
+        if role not in records:
+            record = os.path.join(root, fmt.SESSIONS_DIR, role)
+            try:  # (a root, or a role, from before the record: nothing to check against)
+                recorded = {entry for entry in os.listdir(record) if not fsutil.is_temp_name(entry)} \
+                    if fsutil.is_real_dir(record) else None
+            except OSError:
+                recorded = None  # (lost_sessions says what cannot be listed)
+            records[role] = recorded and (recorded, {(fmt.parse_rank_dir(e) or (None,) * 5)[4] for e in recorded})
+        if not records[role]:
+            continue
+        recorded, recorded_sessions = records[role]
+        if name not in recorded and (session is None or session not in recorded_sessions):
+            report.problem(rank_path, f"a session {os.path.join(fmt.SESSIONS_DIR, role)} does not record as "
+                                      "attached to this root (every Dumper records its session before writing): "
+                                      "copied in from another dump")
 
 
 def _role_names(root: str) -> set:
