@@ -6,7 +6,8 @@ POSIX) and fsync the directory so the rename itself survives a crash.
 
 A dump may come from someone else: ``open_regular`` and ``load_json`` open only regular files
 (never following a link, never blocking on a FIFO) and read JSON of bounded size, each key once.
-``pid_alive`` says whether the process that wrote a file or region still exists.
+``pid_alive`` says whether the process that wrote a file or region still exists (``process_identity``
+tells it from a later process given the same pid).
 """
 
 from __future__ import annotations
@@ -328,14 +329,37 @@ def unique_keys(pairs: list) -> dict:
     return obj
 
 
-def pid_alive(pid: int) -> bool:
+def pid_alive(pid: int, identity=None) -> bool:
     """Whether process ``pid`` (> 0) exists on this host: the writer of a rank directory or of a
     shared-memory region. A process we may not signal exists; a pid too large for the kernel
-    (a crafted name or rank.json) does not, where ``os.kill`` raised OverflowError."""
+    (a crafted name or rank.json) does not, where ``os.kill`` raised OverflowError. ``identity``:
+    what ``process_identity`` said of that process then (rank.json's ``pid_identity``); a process
+    of that pid with another identity is another process (the pid reused after the writer's died,
+    or after a reboot), and the one meant is gone. Unknown (no /proc): the pid alone decides."""
     try:
         os.kill(pid, 0)
     except (ProcessLookupError, OverflowError):
         return False
     except OSError:  # EPERM: someone else's process
-        return True
+        pass
+    if isinstance(identity, str) and identity:
+        now = process_identity(pid)
+        return now is None or now == identity
     return True
+
+
+def process_identity(pid: int):
+    """``"<boot id>/<start time in clock ticks since boot>"`` of process ``pid`` (Linux /proc), or
+    None where it cannot be read. A pid is reused; this pair is not: the start time is counted
+    from boot, so neither a wall-clock step nor a pid reused after a reboot (a restarted
+    container's pid 1) makes another process look like the one that wrote a directory."""
+    try:
+        with open(f"/proc/{int(pid)}/stat", "rb") as f:
+            stat_line = f.read()
+        with open("/proc/sys/kernel/random/boot_id", "rb") as f:
+            boot = f.read().strip().decode("ascii")
+        # the command name (field 2) is in parentheses and may hold spaces and ')': split after the last
+        fields = stat_line[stat_line.rindex(b")") + 2:].split()
+        return f"{boot}/{int(fields[19])}"  # field 22 of proc(5): starttime
+    except (OSError, ValueError, IndexError, UnicodeDecodeError, OverflowError):
+        return None

@@ -122,7 +122,7 @@ def check_dataset(dataset, file_size: int, where: str) -> tuple:
         raise DumpError(f"{where}: dataset stored in external files")
     if plist.get_nfilters():
         raise DumpError(f"{where}: dataset has filters")
-    shape, dtype = dataset.shape or (), dataset.dtype
+    shape, dtype = dataset.shape or (), _file_type(dataset)[0]
     claimed = math.prod(shape) * dtype.itemsize
     if claimed > file_size:
         raise DumpError(f"{where}: claims {claimed} bytes, more than the file's {file_size}")
@@ -149,14 +149,40 @@ def read_attrs(obj, file_size: int, where: str) -> dict:
         except UnicodeDecodeError:
             name = raw_name
         attr = h5a.open(oid, raw_name)
-        shape, dtype = attr.shape, attr.dtype  # (each a new HDF5 id: asked once)
+        shape = attr.shape  # (a new HDF5 id: asked once)
+        dtype, vlen_str = _file_type(attr)
         claimed = math.prod(shape or ()) * dtype.itemsize
         if claimed > file_size:
             raise DumpError(f"{where}: attribute {name!r} claims {claimed} bytes, more than the file's {file_size}")
-        value = _attr_value(attr, shape, dtype)
+        value = _attr_value(attr, shape, dtype, vlen_str)
         values[name] = _attr_str(value) if isinstance(value, (bytes, str)) else \
             value.item() if getattr(value, "size", 0) == 1 else value
     return values
+
+
+# File types of attributes and blocks already met, as (type, numpy dtype, variable-length str?): a
+# wide pass's blocks carry the same three or four attribute types and a few dtypes, and converting
+# each one to numpy (h5py's ``attr.dtype``, ``dataset.dtype``) cost about as much as reading an
+# attribute's value. A type is found here by HDF5's own comparison (H5Tequal: class, size, order,
+# sign, character set, padding, tag), so only an identical type takes a cached conversion. Plain
+# types only, a bounded number, and copies (a committed type would hold its file open).
+_ATTR_TYPES: list = []
+_MAX_ATTR_TYPES = 32
+
+
+def _file_type(oid) -> tuple:
+    """(numpy dtype, variable-length string?) of an open attribute's or dataset's values."""
+    file_type = oid.get_type()
+    for known, dtype, vlen_str in _ATTR_TYPES:
+        if file_type.equal(known):
+            return dtype, vlen_str
+    dtype = file_type.dtype
+    string_info = h5t.check_string_dtype(dtype.subdtype[0] if dtype.subdtype is not None else dtype)
+    found = (dtype, bool(string_info) and string_info.length is None)
+    if (len(_ATTR_TYPES) < _MAX_ATTR_TYPES and dtype.fields is None and dtype.subdtype is None
+            and not file_type.committed()):
+        _ATTR_TYPES.append((file_type.copy(), *found))
+    return found
 
 
 _MEMORY_TYPES: dict = {}  # plain numpy dtype -> its HDF5 memory type, made once (a block has 3-4 attributes)
@@ -168,17 +194,17 @@ def _memory_type(dtype):
     variable-length str from bytes."""
     if dtype.fields is not None or dtype.subdtype is not None:
         return h5t.py_create(dtype)
-    key = (dtype.str, repr(dtype.metadata))
+    key = dtype if dtype.metadata is None else (dtype.str, repr(dtype.metadata))
     htype = _MEMORY_TYPES.get(key)
     if htype is None:
         htype = _MEMORY_TYPES[key] = h5t.py_create(dtype)
     return htype
 
 
-def _attr_value(attr, shape, dtype):
+def _attr_value(attr, shape, dtype, vlen_str: bool):
     """An open attribute's value as ``h5py``'s ``obj.attrs[name]`` gives it (same code, on the id
     already open: ``attrs[name]`` costs a second open and ~60 us of wrapping per attribute).
-    ``shape`` and ``dtype``: the attribute's, as read_attrs asked them."""
+    ``shape``, ``dtype``, ``vlen_str``: the attribute's, as read_attrs asked them."""
     if shape is None:  # an empty dataspace
         return h5py.Empty(dtype)
     htype = _memory_type(dtype)
@@ -187,8 +213,9 @@ def _attr_value(attr, shape, dtype):
         shape = shape + subshape
     value = np.zeros(shape, dtype=dtype, order="C")
     attr.read(value, mtype=htype)
-    string_info = h5t.check_string_dtype(dtype)
-    if string_info and string_info.length is None:  # variable-length strings: bytes to str
+    if vlen_str:  # variable-length strings: bytes to str
+        if value.ndim == 0:  # (the common case: a block's dtype and encoding)
+            return value[()].decode("utf-8", "surrogateescape")
         value = np.array([b.decode("utf-8", "surrogateescape") for b in value.flat], dtype=dtype).reshape(value.shape)
     return value[()] if value.ndim == 0 else value
 
@@ -1343,11 +1370,13 @@ class DumpSet:
 
 
 def pid_gone(info: dict) -> bool:
-    """True when rank.json names a process on this host that no longer exists."""
+    """True when rank.json names a process on this host that no longer exists: no process has its
+    pid, or (``pid_identity``) the one that has it now is another (the pid reused: a running rank
+    read as still being written, its lost open segment as pending)."""
     pid = info.get("pid")
     if info.get("host") != socket.gethostname() or not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
         return False
-    return not fsutil.pid_alive(pid)
+    return not fsutil.pid_alive(pid, info.get("pid_identity"))
 
 
 def open_segment_hint(info: dict) -> str:

@@ -205,6 +205,54 @@ def test_a_dump_left_running_by_a_dead_process_reads_and_ls_says_so(tmp_path, ca
     assert code == 0 and "its process is gone" in out
 
 
+def test_a_running_rank_whose_pid_another_process_holds_now_reads_as_gone(tmp_path, capsys):
+    """A writer killed with its serving process left status "running"; its pid was later given to
+    another process (pids wrap; a restarted container's pid 1). ls said the rank was still being
+    written and its open segment's passes pending (readable later), verify named no lost process:
+    the pid alone was asked. rank.json's pid_identity (boot id + start time) tells the two apart."""
+    from fastdump import fsutil
+    from fastdump.cli import dump as cli_dump
+
+    earlier = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        assert wait_for(lambda: fsutil.process_identity(earlier.pid) is not None)
+        identity = fsutil.process_identity(earlier.pid)
+    finally:
+        earlier.kill()
+        earlier.wait()
+    mine = fsutil.process_identity(os.getpid())
+    assert identity and mine and identity != mine
+    root = tmp_path / "dump"
+    write(root, R0, status="running")
+    info_path = root / "target" / R0 / "rank.json"
+    info = json.loads(info_path.read_text())
+    info.update(pid=os.getpid(), host=__import__("socket").gethostname(), pid_identity=identity, pending_passes=3)
+    info_path.write_text(json.dumps(info))  # (this live pid, another process's identity: the pid reused)
+    assert reader.pid_gone(info)
+    code, out, _ = cli("ls", root, capsys=capsys)
+    assert code == 0 and "its process is gone" in out and "3 pass(es) of the open segment lost with its process" in out
+    assert "in the open segment]" not in out
+    report = cli_dump.verify_dump(str(root))
+    assert any("status running (its process is gone)" in p for p in report.problems), report.problems
+    info["pid_identity"] = mine  # the process that wrote it, still alive: not gone
+    info_path.write_text(json.dumps(info))
+    assert not reader.pid_gone(info)
+    code, out, _ = cli("ls", root, capsys=capsys)
+    assert "its process is gone" not in out and "+3 pass(es) in the open segment" in out
+
+
+def test_the_writer_records_which_process_its_pid_is(tmp_path):
+    """rank.json's pid_identity is the serving process's, as fsutil reads it, for both writers."""
+    from fastdump import fsutil
+
+    for writer in ("thread", "process"):
+        d = fastdump.attach(torch.nn.Linear(2, 2), tmp_path / writer, writer=writer)
+        info = json.loads((d.dir / "rank.json").read_text())
+        assert d.close()["status"] == "closed"
+        assert info["pid"] == os.getpid() and info["pid_identity"] == fsutil.process_identity(os.getpid())
+        assert not reader.pid_gone(info)
+
+
 # ------------------------------------------------------------------- odd directory contents
 
 

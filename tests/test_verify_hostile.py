@@ -1327,3 +1327,107 @@ def test_a_tp_rank_with_no_directory_is_a_warning_naming_it(tmp_path):
         d.dump("x", torch.arange(3.0))
     report = cli_dump.verify_dump(str(tmp_path))
     assert not report.problems and not [w for w in report.warnings if "no directory here" in w], report.warnings
+
+
+# ------------------------------------------------------------------- truncation and bit flips
+
+
+def _reads_exact_or_refuses(root, expected) -> list:
+    """The passes whose load(check=True) returned anything but the dumped tensors, bit for bit: a
+    read may refuse (DumpError, KeyError), never hand back other bits."""
+    wrong = []
+    with fastdump.open(root) as ds:
+        for p, tensors in expected.items():
+            try:
+                got = ds.load("target", 0, p, check=True)
+            except (reader.DumpError, KeyError):
+                continue
+            if list(got) != list(tensors) or not all(same(got[name], tensors[name]) for name in tensors):
+                wrong.append(p)
+    return wrong
+
+
+def test_a_segment_cut_at_any_length_fails_verify_and_never_reads_back_other_bits(dump, expected):
+    """A copy or a disk that stopped short: every length from the HDF5 signature to the last byte
+    (a stride through the file, and each end of it) fails verify naming the file, and no read
+    returns other bits. (One cut, at half, was tested; a cut inside the last data page or after the
+    tables read differently.)"""
+    path = seg(dump, 1)
+    whole = path.read_bytes()
+    cuts = sorted({0, 1, 7, 8, 48, 96, 512, len(whole) - 4096, len(whole) - 64, len(whole) - 8, len(whole) - 1}
+                  | set(range(0, len(whole), 1499)))
+    for cut in cuts:
+        path.write_bytes(whole[:cut])
+        report = cli_dump.verify_dump(str(dump), read_data=True)
+        assert any(p.startswith(str(path)) for p in report.problems), (cut, report.problems)
+        with pytest.warns(UserWarning):  # (the reader says which segment it could not read)
+            assert _reads_exact_or_refuses(dump, expected) == [], cut
+    path.write_bytes(whole)
+    assert verify(dump, "--data")[0] == 0
+
+
+def test_a_bit_flipped_anywhere_in_a_segments_structure_fails_verify_or_changes_nothing_read(dump, expected):
+    """One bit flipped in a segment's HDF5 metadata, tables or attributes (every 20th byte that is
+    not zero padding, both ends of a byte): verify --data fails naming the file, or the flip
+    changed nothing that reads back (a reserved or unused byte); never a read of other bits, never
+    an exception out of verify."""
+    path = seg(dump, 1)
+    whole = path.read_bytes()
+    offsets = [i for i in range(len(whole)) if whole[i]][::20]
+    passed = 0
+    for k, offset in enumerate(offsets):
+        damaged = bytearray(whole)
+        damaged[offset] ^= 0x01 if k % 2 else 0x80
+        path.write_bytes(bytes(damaged))
+        report = cli_dump.verify_dump(str(dump), read_data=True)
+        if report.problems:
+            assert all(p.startswith(str(path)) or str(rank_dir(dump)) in p for p in report.problems), report.problems
+        else:
+            passed += 1
+        with warnings_ignored():
+            assert _reads_exact_or_refuses(dump, expected) == [], (offset, report.problems)
+    assert passed < len(offsets) // 4, f"{passed} of {len(offsets)} flips passed verify"
+    path.write_bytes(whole)
+
+
+@contextlib.contextmanager
+def warnings_ignored():
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
+
+
+# ------------------------------------------------------------- sessions copied in or twice
+
+
+def test_a_rank_directory_copied_in_from_another_dump_fails_verify(dump, tmp_path):
+    """Another run's whole rank directory put beside this one's: its segments carry its own session,
+    rank.json and list agree, every check passed and verify said OK, though that session never
+    attached to this root (fastdump.sessions records every one that did)."""
+    other = tmp_path / "other"
+    model = make_model()
+    d = fastdump.attach(model, str(other), segment_passes=10)
+    with torch.inference_mode():
+        model(model_input(100))
+    d.close()
+    assert verify(other)[0] == 0
+    (copied,) = os.listdir(other / "target")
+    shutil.copytree(other / "target" / copied, dump / "target" / copied)
+    code, problems, _ = verify(dump)
+    assert code == 1 and problems == [
+        f"{dump / 'target' / copied}: a session fastdump.sessions/target does not record as attached to this root "
+        "(every Dumper records its session before writing): copied in from another dump"]
+
+
+def test_one_session_copied_under_another_directory_name_fails_verify(dump):
+    """A rank directory copied whole under a name without a session (format 1's, which the reader
+    takes with rank.json's session): its segments are its session's, so nothing else failed, and
+    every pass of it would be read twice (export wrote both copies)."""
+    original = rank_dir(dump)
+    copy = dump / "target" / "TP0_PP0_Rank0_pid1"
+    shutil.copytree(original, copy)
+    code, problems, _ = verify(dump)
+    session = fmt.parse_rank_dir(original.name)[4]
+    assert code == 1 and len(problems) == 1 and has(problems, str(copy), f"session {session} again", str(original))

@@ -244,9 +244,10 @@ class _Report:
         self.warnings.append(f"{where}: {text}")
 
 
-def _check_block(report: _Report, where: str, block: tuple, entries: np.ndarray, number: int, version: int) -> int:
+def _check_block(report: _Report, where: str, block: tuple, rows: tuple, number: int, version: int) -> int:
     """Check one block against the index rows pointing at it; return its row byte size. ``block``:
-    its ``(attributes, shape, storage dtype)`` as ``_check_objects`` read them."""
+    its ``(attributes, shape, storage dtype)`` as ``_check_objects`` read them; ``rows``: what
+    ``_index_rows_by_block`` found of its index rows."""
     from ..reader import DumpError, check_block_crc
 
     attrs, shape, storage = block
@@ -269,21 +270,50 @@ def _check_block(report: _Report, where: str, block: tuple, entries: np.ndarray,
             check_block_crc(attrs, number, dtype_name, encoding or "", scalar, shape[1:], where)
         except DumpError as exc:
             report.problem(where, str(exc).removeprefix(where + ": "))
-    if scalar and (len(shape) != 1 or np.any(entries["rows"] != 1)):
+    count, one_name, tiled, stop, long_rows = rows
+    if scalar and (len(shape) != 1 or long_rows):
         report.problem(where, "scalar block must be 1-D with one row per tensor")
-    if len(entries) == 0:
+    if count == 0:
         report.problem(where, "block not referenced by the index")
-    elif len(np.unique(entries["name"])) != 1:
+    elif not one_name:
         report.problem(where, "index rows of one block name different tensors")
-    order = np.argsort(entries["first_row"], kind="stable")
-    starts = entries["first_row"][order]
-    stops = starts + entries["rows"][order]
-    expected_starts = np.concatenate([[0], stops[:-1]]) if len(stops) else stops
-    if np.any(entries["rows"] < 0) or not np.array_equal(starts, expected_starts) or (
-        len(stops) and stops[-1] != shape[0]
-    ):
+    if not tiled or (count and stop != shape[0]):
         report.problem(where, f"index rows do not tile the block's {shape[0]} rows exactly")
     return math.prod(shape[1:]) * dtypes.ITEMSIZE[code]
+
+
+_NO_ROWS = (0, True, True, 0, False)  # _index_rows_by_block's facts of a block no index row names
+
+
+def _index_rows_by_block(index: np.ndarray) -> dict:
+    """{block number: (index rows naming it, all of one name?, do they tile rows 0..stop with no
+    negative count?, stop, any of other than one row?)}, for every block the index names, in one
+    pass over the index: per block, masks and sorts of its rows cost ~25 us each, most of verify's
+    own time on a wide pass (100k blocks). Rows are taken by first row within a block, ties in
+    index order, as the reader tiles them."""
+    if not len(index):
+        return {}
+    order = np.lexsort((index["first_row"], index["block"]))  # (stable: ties keep index order)
+    blocks, firsts, rows = index["block"][order], index["first_row"][order], index["rows"][order]
+    names = index["name"][order]
+    stops = firsts + rows
+    starts_block = np.ones(len(order), dtype=bool)
+    starts_block[1:] = blocks[1:] != blocks[:-1]
+    first_of, group = np.flatnonzero(starts_block), np.cumsum(starts_block) - 1
+    expected = np.where(starts_block, 0, np.concatenate([[0], stops[:-1]]))
+
+    def any_of_block(mask, groups=group):  # per block: whether any of its rows has mask set
+        return np.bincount(groups[mask], minlength=len(first_of)) > 0
+
+    wrong = any_of_block((firsts != expected) | (rows < 0))
+    other_name = any_of_block(~starts_block[1:] & (names[1:] != names[:-1]), group[1:])
+    long_rows = any_of_block(rows != 1)
+    last_of = np.append(first_of[1:], len(order)) - 1
+    counts = np.diff(np.append(first_of, len(order)))
+    return {number: (count, not other, not bad, stop, long)
+            for number, count, other, bad, stop, long in zip(
+                blocks[first_of].tolist(), counts.tolist(), other_name.tolist(), wrong.tolist(),
+                stops[last_of].tolist(), long_rows.tolist())}
 
 
 def check_segment(report: _Report, path: str, read_data: bool = False):
@@ -408,22 +438,26 @@ def _check_open_segment(report: _Report, where: str, h5file, read_data: bool):
     unknown = set(np.unique(index["block"]).tolist()) - set(block_numbers)
     if unknown:
         report.problem(where, f"index refers to missing block(s) {sorted(unknown)[:5]}")
-    entry_bytes = np.zeros(len(index), dtype=np.int64)
-    # Each block's index positions (ascending), grouped once: a mask per block compared the whole
-    # index per block, quadratic in a wide pass (a block per name).
-    by_block = np.argsort(index["block"], kind="stable")
-    numbers, starts = np.unique(index["block"][by_block], return_index=True)
-    positions_of = dict(zip(numbers.tolist(), np.split(by_block, starts[1:])))
-    no_positions = np.empty(0, dtype=np.int64)
-    for number in block_numbers:
-        mine = positions_of.get(number, no_positions)
+    rows_by_block = _index_rows_by_block(index)
+    positions_of = None  # each block's index positions, ascending: grouped once, for --data only
+    if read_data:
+        by_block = np.argsort(index["block"], kind="stable")
+        numbers, starts = np.unique(index["block"][by_block], return_index=True)
+        positions_of = dict(zip(numbers.tolist(), np.split(by_block, starts[1:])))
+    row_bytes_of = np.zeros(len(block_numbers), dtype=np.int64)
+    for k, number in enumerate(block_numbers):
         before = len(report.problems)
-        row_bytes = _check_block(report, f"{where} block {number}", block_facts[str(number)], index[mine],
-                                 number, version)
-        entry_bytes[mine] = index["rows"][mine] * row_bytes
+        row_bytes_of[k] = _check_block(report, f"{where} block {number}", block_facts[str(number)],
+                                       rows_by_block.get(number, _NO_ROWS), number, version)
         if read_data and len(report.problems) == before:  # rows known to lie inside the block
             dataset = h5o.open(blocks_id, str(number).encode())  # (a dataset: _check_objects said so)
-            _read_block(report, f"{where} block {number}", h5py.Dataset(dataset, readonly=True), index, mine)
+            _read_block(report, f"{where} block {number}", h5py.Dataset(dataset, readonly=True), index,
+                        positions_of.get(number, np.empty(0, dtype=np.int64)))
+    # each index row's bytes: its rows times its block's row size (0 for a block not there)
+    numbers = np.array(block_numbers, dtype=np.int64)
+    at = np.minimum(np.searchsorted(numbers, index["block"]), max(len(numbers) - 1, 0))
+    known = (numbers[at] == index["block"]) if len(numbers) else np.zeros(len(index), dtype=bool)
+    entry_bytes = np.where(known, index["rows"] * (row_bytes_of[at] if len(numbers) else 0), 0).astype(np.int64)
 
     pass_ids = passes["pass"].tolist()
     if len(set(pass_ids)) != len(pass_ids):
@@ -432,11 +466,18 @@ def _check_open_segment(report: _Report, where: str, h5file, read_data: bool):
     stray = set(np.unique(index["pass"]).tolist()) - set(pass_ids)
     if stray:
         report.problem(where, f"tensors of passes missing from the passes table: {sorted(stray)[:5]}")
+    # each pass's index rows and bytes, in one pass over the index (a mask per pass was O(passes x rows))
+    index_passes, inverse = np.unique(index["pass"], return_inverse=True)
+    pass_bytes = np.zeros(len(index_passes), dtype=np.int64)
+    np.add.at(pass_bytes, inverse.reshape(-1), entry_bytes)  # (integers: a float sum would round)
+    tensors_of = dict(zip(index_passes.tolist(),
+                          np.bincount(inverse.reshape(-1), minlength=len(index_passes)).tolist()))
+    bytes_of = dict(zip(index_passes.tolist(), pass_bytes.tolist()))
     for row in passes:
-        mine = index["pass"] == row["pass"]
-        if int(mine.sum()) != int(row["tensors"]) or int(entry_bytes[mine].sum()) != int(row["bytes"]):
-            report.problem(where, f"pass {int(row['pass'])}: {int(mine.sum())} tensors / "
-                                  f"{int(entry_bytes[mine].sum())} bytes in the index, table says "
+        pass_id = int(row["pass"])
+        tensors, nbytes = tensors_of.get(pass_id, 0), bytes_of.get(pass_id, 0)
+        if tensors != int(row["tensors"]) or nbytes != int(row["bytes"]):
+            report.problem(where, f"pass {pass_id}: {tensors} tensors / {nbytes} bytes in the index, table says "
                                   f"{int(row['tensors'])} / {int(row['bytes'])}")
     summary = {
         "first_pass": min(pass_ids) if pass_ids else None,
@@ -868,9 +909,50 @@ def verify_dump(root: str, read_data: bool = False) -> _Report:
         report.problem(root, "no rank directories (expected <root>/<role>/<rank>/rank.json)"
                        + (f"; {hint}" if hint else ""))
     numbers = {rank_path: check_rank_dir(report, rank_path, read_data) for rank_path in rank_dirs}
+    _check_sessions_attached_here(report, root, rank_dirs)
     _warn_of_absent_ranks(report, root, numbers)
     _check_manifest(report, root)
     return report
+
+
+def _check_sessions_attached_here(report: _Report, root: str, rank_dirs: list) -> None:
+    """Each rank directory is a session attached to this root, once. Every session's Dumper records
+    itself (``fastdump.sessions/<role>/<rank directory>``) before its writer starts, so in a role
+    whose sessions are recorded, a directory of a session not recorded was copied in from another
+    dump (its segments carry its own session, so every other check passed); and two directories of
+    one session (by name, else by rank.json, as segments are matched) are one session copied under
+    another name: its passes would be read, diffed and exported twice."""
+    seen: dict = {}  # (role, session) -> the first rank directory holding it
+    records: dict = {}  # role -> (recorded rank directory names, their sessions), or None: no record
+    for rank_path in rank_dirs:
+        role_path, name = os.path.split(rank_path)
+        role = os.path.basename(role_path)
+        try:
+            info = fsutil.load_json(os.path.join(rank_path, fmt.RANK_FILE))
+        except (OSError, ValueError):
+            info = None  # (check_rank_dir said why)
+        session = fmt.expected_session(name, info if isinstance(info, dict) else {})
+        if session is not None:
+            if (role, session) in seen:
+                report.problem(rank_path, f"session {_printable(session)} again: {seen[role, session]} holds it "
+                                          "too (one session's directory copied under another name: its passes "
+                                          "would be read twice)")
+            seen.setdefault((role, session), rank_path)
+        if role not in records:
+            record = os.path.join(root, fmt.SESSIONS_DIR, role)
+            try:  # (a root, or a role, from before the record: nothing to check against)
+                recorded = {entry for entry in os.listdir(record) if not fsutil.is_temp_name(entry)} \
+                    if fsutil.is_real_dir(record) else None
+            except OSError:
+                recorded = None  # (lost_sessions says what cannot be listed)
+            records[role] = recorded and (recorded, {(fmt.parse_rank_dir(e) or (None,) * 5)[4] for e in recorded})
+        if not records[role]:
+            continue
+        recorded, recorded_sessions = records[role]
+        if name not in recorded and (session is None or session not in recorded_sessions):
+            report.problem(rank_path, f"a session {os.path.join(fmt.SESSIONS_DIR, role)} does not record as "
+                                      "attached to this root (every Dumper records its session before writing): "
+                                      "copied in from another dump")
 
 
 def _role_names(root: str) -> set:

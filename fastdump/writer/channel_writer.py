@@ -125,6 +125,13 @@ def _pass_meta(pass_state: _PassState) -> dict:
     return entry
 
 
+def _identity_of(pid):
+    """fsutil.process_identity of the serving process ``pid`` (as the open message gives it), or None."""
+    if isinstance(pid, int) and not isinstance(pid, bool) and pid > 0:
+        return fsutil.process_identity(pid)
+    return None
+
+
 def _limit(config: dict, key: str, scale: float = 1.0):
     """A positive rotation limit from the config, or None (no limit) when unset/zero/invalid."""
     try:
@@ -199,6 +206,9 @@ class ChannelWriter:
             "role": open_msg.get("role"),
             "rank": dict(open_msg.get("rank") or {}),
             "pid": open_msg.get("pid"),
+            # (the writer runs beside the serving process, on its host: which process that pid is,
+            # so a reader can tell it from a later one given the same pid: fsutil.pid_alive)
+            "pid_identity": _identity_of(open_msg.get("pid")),
             "session": open_msg.get("session"),
             "host": open_msg.get("host") or socket.gethostname(),
             "device": dict(open_msg.get("device") or {}),
