@@ -1633,3 +1633,39 @@ def test_a_plain_pass_records_the_structure_of_outputs_whose_names_do_not_tell_i
     assert structure["1"]["kinds"] == {"": "dict"}, structure
     got = ds.load("target", None, 0)
     assert torch.equal(got["1.0"], out["0"]) and torch.equal(got["1.1"], out["1"])
+
+
+
+class _EmptyOutputInOnePass(nn.Module):
+    """first(x), then mid(x), which returns (None, None) in pass ``empty_in`` and a tensor in the
+    others, then last(first's output)."""
+
+    def __init__(self, empty_in: int):
+        super().__init__()
+        self.first, self.mid, self.last = nn.Linear(3, 3), _NonesOut(), nn.Linear(3, 2)
+        self.plain_mid, self.empty_in, self.calls = nn.Identity(), empty_in, 0
+
+    def forward(self, x):
+        self.calls += 1
+        h = self.first(x)
+        (self.mid if self.calls - 1 == self.empty_in else self.plain_mid)(x)
+        return self.last(h)
+
+
+def test_a_structure_record_is_its_own_pass_s_and_places_an_empty_output_among_that_pass_s_tensors(tmp_path, kind):
+    """Pass 1 of three holds an output that stores nothing, between the first leaf's tensor and the
+    last one's: its record places it with ``after`` = 2 (tensors that pass stored after it returned:
+    ``last`` and the root's output, whatever earlier passes stored), and the passes before and after it record no structure. (Mutants
+    that kept the record into the next pass, counted ``after`` from the dump's start, or counted
+    without the tensors the C++ lane had staged and not yet folded, survived the one-pass test.)"""
+    model = _EmptyOutputInOnePass(empty_in=1)
+    x = torch.randn(2, 3)
+    with fastdump.attach(model, tmp_path, root_name="m"):
+        with torch.no_grad():
+            for _ in range(3):
+                model(x)
+    ds = fastdump.open(tmp_path)
+    assert [ds.structure("target", None, p) for p in (0, 2)] == [{}, {}]
+    assert ds.structure("target", None, 1) == {"mid": {"kinds": {"": "tuple:empty"}, "after": 2}}
+    assert list(ds.load("target", None, 1)) == ["first", "last", "m"]
+    assert list(ds.load("target", None, 2)) == ["first", "plain_mid", "last", "m"]

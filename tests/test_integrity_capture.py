@@ -754,6 +754,60 @@ def test_a_lazy_conj_or_neg_view_of_a_freed_storage_is_skipped_not_resolved(tmp_
     assert not verify(tmp_path).problems
 
 
+ONE_ELEMENT_SHORT_SCRIPT = textwrap.dedent("""
+    import json, sys, torch
+    import fastdump
+
+    class Cut(torch.nn.Module):  # a view whose storage is then cut to ``keep`` bytes
+        def __init__(self, view, keep):
+            super().__init__()
+            self.view, self.keep = view, keep
+        def forward(self, x):
+            z = torch.complex(x * 0 + torch.arange(1000.0), x * 0 - torch.arange(1000.0))
+            out = self.view(z)
+            z.untyped_storage().resize_(self.keep)
+            return out
+
+    plain, conj, neg = (lambda z: torch.view_as_real(z)[:, 0]), (lambda z: z.conj()), (lambda z: z.conj().imag)
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            # plain: float32 elements 0, 2, ..., 1998 of the storage's floats; conj: 1000 complex64;
+            # neg: float32 elements 1, 3, ..., 1999. "_short": one element's bytes less than the
+            # last element needs; "_whole": exactly what it needs.
+            self.plain_short, self.plain_whole = Cut(plain, 1998 * 4), Cut(plain, 1999 * 4)
+            self.conj_short, self.conj_whole = Cut(conj, 999 * 8), Cut(conj, 1000 * 8)
+            self.neg_short, self.neg_whole = Cut(neg, 1999 * 4), Cut(neg, 2000 * 4)
+        def forward(self, x):
+            return [m(x) for m in (self.plain_short, self.plain_whole, self.conj_short, self.conj_whole,
+                                   self.neg_short, self.neg_whole)]
+
+    model, x = Model(), torch.zeros(1)
+    with fastdump.attach(model, sys.argv[1], root_name="m", include="_short|_whole") as d:
+        model(x)
+    print(json.dumps({"ok": True}))
+""")
+
+
+@pytest.mark.parametrize("reader", ["torch", "attributes"])
+def test_a_view_whose_storage_is_one_element_short_is_skipped_and_one_that_fits_is_dumped(tmp_path, reader):
+    """The storage checks (the tensor reader's, C++ within_storage, and _check_storage before a lazy
+    conj/neg view is resolved) are exact to the element: a storage one element shorter than the
+    view's last element is a recorded skip, never a copy read past its end and dumped; one that
+    holds the last element exactly is dumped bit-exact (with the conj/neg bits applied)."""
+    run_with_reader(ONE_ELEMENT_SHORT_SCRIPT, tmp_path, reader)
+    ds = fastdump.open(tmp_path)
+    dumped = ds.load("target", 0, 0)
+    skipped = {s["name"]: s["reason"] for s in ds.meta("target", 0, 0)["skipped"]}
+    assert set(skipped) == {"plain_short", "conj_short", "neg_short"}, skipped
+    assert all("ends before its last element" in reason for reason in skipped.values()), skipped
+    assert sorted(dumped) == ["conj_whole", "neg_whole", "plain_whole"], sorted(dumped)
+    re, im = torch.arange(1000.0), 0.0 - torch.arange(1000.0)  # (as the script makes them: +0.0 first)
+    assert same_bits(dumped["plain_whole"], re)
+    assert same_bits(dumped["conj_whole"], torch.complex(re, -im))
+    assert same_bits(dumped["neg_whole"], -im)
+
+
 DTENSOR_SCRIPT = textwrap.dedent("""
     import json, sys, torch, torch.distributed as dist, fastdump
     from torch.distributed.device_mesh import init_device_mesh
