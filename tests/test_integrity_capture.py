@@ -313,6 +313,46 @@ def test_a_leaf_called_from_another_thread_during_the_pass_marks_it_mixed(tmp_pa
     assert any("mixes tensors" in p for p in verify(tmp_path).problems)
 
 
+def test_a_pass_ended_between_another_threads_mixed_mark_and_its_reason_is_stored_mixed(tmp_path, monkeypatch):
+    """A second thread marks the open pass mixed (``_mixed``) before it calls _mark_mixed, which sets
+    the reason: a thread switch there (any call is a point where another thread may run) lets the
+    opener end the pass with ``_mixed`` set and no reason yet. _end gives it the mixed reason: the
+    writer stores a pass as mixed only with a reason, so without it the pass read as whole (a mutant
+    that dropped that line survived every test)."""
+    from fastdump.capture import passes as passes_mod
+
+    entered, ended = threading.Event(), threading.Event()
+    real_mark_mixed = passes_mod.PassesMixin._mark_mixed
+
+    def mark_mixed_after_a_switch(self):
+        entered.set()
+        ended.wait(30)  # the opener's end_pass() runs here
+        real_mark_mixed(self)
+
+    monkeypatch.setattr(passes_mod.PassesMixin, "_mark_mixed", mark_mixed_after_a_switch)
+    model = nn.Linear(4, 4)
+    x = torch.randn(1, 4)
+    d = fastdump.attach(model, tmp_path, root_passes=False)
+    try:
+        with torch.no_grad():
+            d.begin_pass()
+            model(x)
+            worker = threading.Thread(target=lambda: model(x))
+            worker.start()
+            assert entered.wait(30)
+            d.end_pass()
+            ended.set()
+            worker.join(30)
+    finally:
+        ended.set()
+        stats = d.close()
+    assert stats["mixed_passes"] == 1 and stats["incomplete_passes"] == 1, stats
+    ds = fastdump.open(tmp_path)
+    meta = ds.meta("target", 0, 0)
+    assert meta["complete"] is False and meta["mixed"] is True and "several threads" in meta["incomplete"], meta
+    assert any("mixes tensors" in p for p in verify(tmp_path).problems)
+
+
 # ------------------------------------------------------------- item 9: failed and dangling passes
 
 
