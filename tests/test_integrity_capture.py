@@ -1251,6 +1251,49 @@ def test_a_module_that_calls_itself_numbers_its_calls_as_they_start(tmp_path, mo
     assert verify(tmp_path).problems == []
 
 
+@pytest.mark.parametrize("wrapper", ["native", "python", "watched"])
+def test_a_call_during_which_its_pass_ended_is_numbered_in_the_pass_it_returns_in(tmp_path, monkeypatch, wrapper):
+    """A module whose forward ends the open pass and begins the next (a step boundary inside a
+    call): its output goes to the new pass, numbered there as a call that starts now, not with the
+    number it had in the old pass (``Step#1`` in a pass with no ``Step``). The C wrapper (serial),
+    the Python wrapper (pass id) and watch()'s hooked wrapper (_exit_call) each check it; mutants
+    that kept the old number survived every test."""
+    monkeypatch.setattr("fastdump.capture.wrappers._native_wrappers", wrapper == "native")
+    holder = {}
+
+    class Step(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.boundary = False
+
+        def forward(self, x):
+            if self.boundary:
+                holder["d"].end_pass()
+                holder["d"].begin_pass()
+            return x * 2
+
+    step = Step()
+    model = nn.Sequential(step) if wrapper == "watched" else step
+    d = holder["d"] = fastdump.attach(model, tmp_path, root_passes=False, include="^$" if wrapper == "watched" else None)
+    if wrapper == "watched":
+        d.watch(step, "Step")
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        d.begin_pass()
+        step(x)  # Step in pass 0
+        step.boundary = True
+        out = step(x + 1)  # Step#1 as it starts in pass 0; returns in pass 1
+        step.boundary = False
+        d.end_pass()
+    d.close()
+    ds = fastdump.open(tmp_path)
+    assert ds.passes("target", 0) == [0, 1]
+    assert list(ds.load("target", 0, 0)) == ["Step"]
+    dumped = ds.load("target", 0, 1)
+    assert list(dumped) == ["Step"] and same_bits(dumped["Step"], out)
+    assert verify(tmp_path).problems == []
+
+
 def test_verify_fails_a_pass_holding_two_tensors_under_one_name(tmp_path, monkeypatch):
     """A dump() named like a numbered call (`lin#1`) collided with it: the pass held two tensors
     under one name, which is mixed data. dump() now refuses such a name (a recorded skip); with that
