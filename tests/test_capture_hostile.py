@@ -379,6 +379,36 @@ def test_containers_are_flattened_bit_exact_in_order_and_nothing_else_is_recorde
     assert not verify(tmp_path).problems
 
 
+
+class _Nested(nn.Module):
+    """Returns ``x`` inside ``depth`` one-element lists."""
+
+    def __init__(self, depth: int):
+        super().__init__()
+        self.depth = depth
+
+    def forward(self, x):
+        out = x * 2
+        for _ in range(self.depth):
+            out = [out]
+        return out
+
+
+def test_an_output_nested_32_containers_deep_is_dumped_and_33_is_a_recorded_skip(tmp_path, kind):
+    """The nesting limit is exact: a tensor inside 32 containers is dumped under its 32 parts, one
+    inside 33 is skipped with the reason at the 33rd container (never a RecursionError into the
+    model). A mutant that let a 33rd level through survived every test."""
+    model = nn.Sequential(_Nested(32), _Nested(33))
+    x = torch.arange(3.0)
+    with fastdump.attach(model, tmp_path, root_passes=False) as d, torch.no_grad():
+        with d.manual_pass():
+            model[0](x), model[1](x)  # (each child on x)
+    ds = fastdump.open(tmp_path)
+    dumped = ds.load("target", 0, 0)
+    assert list(dumped) == ["0" + ".0" * 32] and same_bits(dumped["0" + ".0" * 32], x * 2)
+    assert skipped_of(ds, 0) == {"1" + ".0" * 32: "nested more than 32 containers deep"}
+
+
 def test_dict_keys_that_print_alike_keep_the_first_and_skip_the_other_with_the_reason(tmp_path):
     """{0: a, "0": b} flattens to two parts named ``name.0``. Both were kept (``name.0``,
     ``name.0#dup1``) and verify failed the pass as mixed, though nothing was mixed; which was which
