@@ -380,6 +380,52 @@ def test_drop_policy_counts_every_pass_dropped_at_its_start(tmp_path):
     assert any(f"{stats['dropped_passes']} whole pass(es) were dropped" in w for w in report.warnings), report.warnings
 
 
+
+class _ManyOutputs(torch.nn.Module):
+    """A leaf returning ``n`` tensors like ``x``; its root returns a one-element slice of ``x``."""
+
+    def forward(self, x, n):
+        return tuple(x + i for i in range(n))
+
+
+class _RootOfMany(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.many = _ManyOutputs()
+
+    def forward(self, x, n):
+        self.many(x, n)
+        return x[:1]
+
+
+@pytest.mark.parametrize("native_pass", [True, False])
+def test_a_pass_after_one_with_drops_counts_only_its_own(tmp_path, monkeypatch, native_pass):
+    """Under `drop`, pass 0 (64 tensors of 16 KiB: more than the 1 MiB ring) drops tensors while the
+    writer is stopped; once the writer has caught up, pass 1 (4 tensors) drops none and its end says
+    0: each pass's begin resets the channel's per-pass drop count, the C root pass's too (a mutant
+    whose C begin left it carried pass 0's drops into pass 1, which then read as missing tensors)."""
+    monkeypatch.setattr("fastdump.capture.wrappers._native_root_pass", native_pass)
+    model = _RootOfMany()
+    x = torch.zeros(4096)
+    with fastdump.attach(model, tmp_path, ring_mb=1, policy="drop", root_name="root") as d, torch.no_grad():
+        writer = d._engine._proc
+        os.kill(writer.pid, signal.SIGSTOP)
+        try:
+            model(x, 64)
+        finally:
+            os.kill(writer.pid, signal.SIGCONT)
+        stats = d.stats()
+        assert stats["dropped"] > 0 and stats["lost_pass_ends"] == 0, stats
+        assert d._engine.wait_acked(d._unconfirmed[-1], 30)  # pass 0's end handled: the ring is free
+        model(x + 1, 4)
+    stats = d.stats()
+    ds = fastdump.open(tmp_path)
+    assert ds.passes("target", 0) == [0, 1]
+    assert ds.meta("target", 0, 0)["dropped"] == stats["dropped"]
+    assert ds.meta("target", 0, 1)["dropped"] == 0
+    assert list(ds.load("target", 0, 1)) == ["many.0", "many.1", "many.2", "many.3", "root"]
+    assert not cli_dump.verify_dump(str(tmp_path)).problems
+
 def test_manual_passes_and_metadata(tmp_path):
     lin = torch.nn.Linear(2, 2)
     with fastdump.attach(lin, tmp_path) as d, torch.inference_mode():
