@@ -313,12 +313,14 @@ def test_a_leaf_called_from_another_thread_during_the_pass_marks_it_mixed(tmp_pa
     assert any("mixes tensors" in p for p in verify(tmp_path).problems)
 
 
-def test_a_pass_ended_between_another_threads_mixed_mark_and_its_reason_is_stored_mixed(tmp_path, monkeypatch):
+@pytest.mark.parametrize("opened_by", ["begin_pass", "root forward"])
+def test_a_pass_ended_between_another_threads_mixed_mark_and_its_reason_is_stored_mixed(tmp_path, monkeypatch,
+                                                                                        opened_by):
     """A second thread marks the open pass mixed (``_mixed``) before it calls _mark_mixed, which sets
     the reason: a thread switch there (any call is a point where another thread may run) lets the
-    opener end the pass with ``_mixed`` set and no reason yet. _end gives it the mixed reason: the
-    writer stores a pass as mixed only with a reason, so without it the pass read as whole (a mutant
-    that dropped that line survived every test)."""
+    opener end the pass with ``_mixed`` set and no reason yet. _end gives it the mixed reason, and
+    the C root pass's end leaves such a pass to it: the writer stores a pass as mixed only with a
+    reason, so without them the pass read as whole (mutants that dropped either survived)."""
     from fastdump.capture import passes as passes_mod
 
     entered, ended = threading.Event(), threading.Event()
@@ -326,23 +328,36 @@ def test_a_pass_ended_between_another_threads_mixed_mark_and_its_reason_is_store
 
     def mark_mixed_after_a_switch(self):
         entered.set()
-        ended.wait(30)  # the opener's end_pass() runs here
+        ended.wait(30)  # the opener ends the pass here
         real_mark_mixed(self)
 
     monkeypatch.setattr(passes_mod.PassesMixin, "_mark_mixed", mark_mixed_after_a_switch)
-    model = nn.Linear(4, 4)
+
+    class Root(nn.Module):  # its forward returns once a worker's call of its leaf is held there
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x):
+            self.lin(x)
+            self.worker = threading.Thread(target=lambda: self.lin(x))
+            self.worker.start()
+            assert entered.wait(30)
+            return x * 2
+
+    model = Root()
     x = torch.randn(1, 4)
-    d = fastdump.attach(model, tmp_path, root_passes=False)
+    d = fastdump.attach(model, tmp_path, root_passes=opened_by == "root forward")
     try:
         with torch.no_grad():
-            d.begin_pass()
-            model(x)
-            worker = threading.Thread(target=lambda: model(x))
-            worker.start()
-            assert entered.wait(30)
-            d.end_pass()
+            if opened_by == "begin_pass":
+                d.begin_pass()
+                model(x)
+                d.end_pass()
+            else:
+                model(x)  # (a plain pass: the C root pass's, begin and end)
             ended.set()
-            worker.join(30)
+            model.worker.join(30)
     finally:
         ended.set()
         stats = d.close()
