@@ -107,6 +107,7 @@ def test_inputs_are_captured_before_forward_mutates_them(tmp_path):
     (dict(layers=[1]), ["model.layers.1.mlp.up", "model.embed", "lm_head"], ["model.layers.0.mlp.up", "model.layers.2.attn.o"]),
     (dict(include=r"\.mlp\."), ["model.layers.0.mlp.down"], ["model.embed", "lm_head", "TinyLM"]),
     (dict(exclude=r"attn|stats"), ["model.layers.2.mlp.act"], ["model.layers.0.attn.qkv", "model.stats.mean"]),
+    (dict(exclude=r"^TinyLM$"), ["lm_head", "model.embed"], ["TinyLM"]),  # the root too (selection.root_selected)
     (dict(module_types=[torch.nn.SiLU]), ["model.layers.0.mlp.act"], ["lm_head", "TinyLM"]),
     (dict(module_types=["Embedding"]), ["model.embed"], ["lm_head"]),
 ])
