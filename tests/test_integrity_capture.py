@@ -1739,3 +1739,32 @@ def test_an_eagle_draft_run_on_another_thread_inside_the_target_forward_fails_ve
         assert ds.meta("draft", 0, 0)["complete"] and "nested_in" not in ds.meta("draft", 0, 0)
     else:
         assert ds.passes("draft", 0) == []
+
+
+class _BlockOfOne(nn.Module):
+    """A non-leaf whose output dict's key is its child's name: watched as "0", its part reads "0.lin"."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(2, 2)
+
+    def forward(self, x):
+        return {"lin": self.lin(x) * 2}
+
+
+def test_a_watched_modules_output_part_named_as_its_child_is_a_recorded_skip(tmp_path, kind):
+    """A watched module's output part whose name is a wrapped module's (its child ``0.lin``) would put
+    two tensors under one name: the part is skipped with the reason, the child's output is kept.
+    (The C wrapper stages the child without _name_taken, so only the module-name check catches it:
+    a mutant without it survived every test.)"""
+    model = nn.Sequential(_BlockOfOne())
+    x = torch.randn(1, 2)
+    with fastdump.attach(model, tmp_path, root_name="root") as d, torch.no_grad():
+        d.watch(model[0], "0")
+        model(x)
+    ds = fastdump.open(tmp_path)
+    dumped = ds.load("target", 0, 0)
+    skipped = {s["name"]: s["reason"] for s in ds.meta("target", 0, 0)["skipped"]}
+    assert list(dumped).count("0.lin") == 1 and same_bits(dumped["0.lin"], model[0].lin(x).detach())
+    assert "reads as a module's name" in skipped.get("0.lin", ""), skipped
+    assert verify(tmp_path).problems == []
