@@ -379,6 +379,36 @@ def test_containers_are_flattened_bit_exact_in_order_and_nothing_else_is_recorde
     assert not verify(tmp_path).problems
 
 
+
+class _Nested(nn.Module):
+    """Returns ``x`` inside ``depth`` one-element lists."""
+
+    def __init__(self, depth: int):
+        super().__init__()
+        self.depth = depth
+
+    def forward(self, x):
+        out = x * 2
+        for _ in range(self.depth):
+            out = [out]
+        return out
+
+
+def test_an_output_nested_32_containers_deep_is_dumped_and_33_is_a_recorded_skip(tmp_path, kind):
+    """The nesting limit is exact: a tensor inside 32 containers is dumped under its 32 parts, one
+    inside 33 is skipped with the reason at the 33rd container (never a RecursionError into the
+    model). A mutant that let a 33rd level through survived every test."""
+    model = nn.Sequential(_Nested(32), _Nested(33))
+    x = torch.arange(3.0)
+    with fastdump.attach(model, tmp_path, root_passes=False) as d, torch.no_grad():
+        with d.manual_pass():
+            model[0](x), model[1](x)  # (each child on x)
+    ds = fastdump.open(tmp_path)
+    dumped = ds.load("target", 0, 0)
+    assert list(dumped) == ["0" + ".0" * 32] and same_bits(dumped["0" + ".0" * 32], x * 2)
+    assert skipped_of(ds, 0) == {"1" + ".0" * 32: "nested more than 32 containers deep"}
+
+
 def test_dict_keys_that_print_alike_keep_the_first_and_skip_the_other_with_the_reason(tmp_path):
     """{0: a, "0": b} flattens to two parts named ``name.0``. Both were kept (``name.0``,
     ``name.0#dup1``) and verify failed the pass as mixed, though nothing was mixed; which was which
@@ -1633,3 +1663,39 @@ def test_a_plain_pass_records_the_structure_of_outputs_whose_names_do_not_tell_i
     assert structure["1"]["kinds"] == {"": "dict"}, structure
     got = ds.load("target", None, 0)
     assert torch.equal(got["1.0"], out["0"]) and torch.equal(got["1.1"], out["1"])
+
+
+
+class _EmptyOutputInOnePass(nn.Module):
+    """first(x), then mid(x), which returns (None, None) in pass ``empty_in`` and a tensor in the
+    others, then last(first's output)."""
+
+    def __init__(self, empty_in: int):
+        super().__init__()
+        self.first, self.mid, self.last = nn.Linear(3, 3), _NonesOut(), nn.Linear(3, 2)
+        self.plain_mid, self.empty_in, self.calls = nn.Identity(), empty_in, 0
+
+    def forward(self, x):
+        self.calls += 1
+        h = self.first(x)
+        (self.mid if self.calls - 1 == self.empty_in else self.plain_mid)(x)
+        return self.last(h)
+
+
+def test_a_structure_record_is_its_own_pass_s_and_places_an_empty_output_among_that_pass_s_tensors(tmp_path, kind):
+    """Pass 1 of three holds an output that stores nothing, between the first leaf's tensor and the
+    last one's: its record places it with ``after`` = 2 (tensors that pass stored after it returned:
+    ``last`` and the root's output, whatever earlier passes stored), and the passes before and after it record no structure. (Mutants
+    that kept the record into the next pass, counted ``after`` from the dump's start, or counted
+    without the tensors the C++ lane had staged and not yet folded, survived the one-pass test.)"""
+    model = _EmptyOutputInOnePass(empty_in=1)
+    x = torch.randn(2, 3)
+    with fastdump.attach(model, tmp_path, root_name="m"):
+        with torch.no_grad():
+            for _ in range(3):
+                model(x)
+    ds = fastdump.open(tmp_path)
+    assert [ds.structure("target", None, p) for p in (0, 2)] == [{}, {}]
+    assert ds.structure("target", None, 1) == {"mid": {"kinds": {"": "tuple:empty"}, "after": 2}}
+    assert list(ds.load("target", None, 1)) == ["first", "last", "m"]
+    assert list(ds.load("target", None, 2)) == ["first", "plain_mid", "last", "m"]

@@ -156,6 +156,37 @@ def test_a_deleted_rank_directory_stops_dumping_and_fails_verify(tmp_path):
                           capture_output=True).returncode == 1
 
 
+
+def test_a_deleted_rank_directory_stops_dumping_at_a_pass_begin_not_only_at_close(tmp_path):
+    """Once the writer has failed the channel (its directory gone), the Dumper stops at the next
+    pass that begins (_begin reads Channel.failed), on both the C and the Python root pass: it does
+    not stage pass after pass into a channel whose records the writer ignores, with stats() saying
+    "running", until close(). (A mutant without that check ran 39 more passes as "running".)"""
+    root = tmp_path / "dump"
+    model = _model()
+    d = fastdump.attach(model, root, role="target", segment_passes=1)
+    try:
+        with torch.inference_mode():
+            for i in range(PASSES_BEFORE):
+                model(_inputs(i))
+            deadline = time.monotonic() + 30
+            while _segments_listed(d.dir) < PASSES_BEFORE and time.monotonic() < deadline:
+                time.sleep(0.02)
+            shutil.rmtree(d.dir)
+            deadline = time.monotonic() + 30  # (the writer fails the channel at its next segment)
+            while d.status == "running" and time.monotonic() < deadline:
+                model(_inputs(0))
+                time.sleep(0.02)
+        assert d.status == "error" and "No such file or directory" in d.error, (d.status, d.error)
+        passes = d.stats()["passes"]
+        with torch.inference_mode():
+            model(_inputs(1))
+        assert d.stats()["passes"] == passes  # (stopped: no pass staged since)
+    finally:
+        stats = d.close(timeout=30)
+    assert stats["status"] == "error"
+
+
 @pytest.fixture
 def small_fs(tmp_path):
     yield from mount_small_tmpfs(tmp_path, "4m")

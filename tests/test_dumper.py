@@ -107,6 +107,7 @@ def test_inputs_are_captured_before_forward_mutates_them(tmp_path):
     (dict(layers=[1]), ["model.layers.1.mlp.up", "model.embed", "lm_head"], ["model.layers.0.mlp.up", "model.layers.2.attn.o"]),
     (dict(include=r"\.mlp\."), ["model.layers.0.mlp.down"], ["model.embed", "lm_head", "TinyLM"]),
     (dict(exclude=r"attn|stats"), ["model.layers.2.mlp.act"], ["model.layers.0.attn.qkv", "model.stats.mean"]),
+    (dict(exclude=r"^TinyLM$"), ["lm_head", "model.embed"], ["TinyLM"]),  # the root too (selection.root_selected)
     (dict(module_types=[torch.nn.SiLU]), ["model.layers.0.mlp.act"], ["lm_head", "TinyLM"]),
     (dict(module_types=["Embedding"]), ["model.embed"], ["lm_head"]),
 ])
@@ -170,6 +171,24 @@ def test_stats_count_what_the_cpp_hot_path_staged(tmp_path):
     assert ds.passes("target", 0) == [0, 1, 2, 3]
     assert same_bits(ds.load("target", 0, 3)["c"], a.t().contiguous())
     assert ds.rank_info("target", 0)["tensors"] == 11
+
+
+def test_stats_count_the_tensors_of_the_general_path_too(tmp_path):
+    """Lazy conj/neg views are resolved into a copy and staged through the general path
+    (Channel.stage), whose STAGED status the Dumper counts itself (_account): stats() counts them
+    as the writer stores them (a mutant that left that count out said 0 tensors for 6 stored)."""
+    z = torch.complex(torch.randn(3), torch.randn(3))
+    with fastdump.attach(None, tmp_path) as d:
+        for _ in range(2):
+            with d.manual_pass():
+                d.dump("conj", z.conj())
+                d.dump("neg", z.conj().imag)
+                d.dump("zeros", torch.zeros(2, dtype=torch.complex64))
+    stats = d.stats()
+    assert (stats["tensors"], stats["bytes"]) == (6, 2 * (z.nbytes + z.imag.nbytes + 16)), stats
+    ds = fastdump.open(tmp_path)
+    assert sum(len(ds.load("target", 0, p)) for p in ds.passes("target", 0)) == 6
+    assert same_bits(ds.load("target", 0, 1)["conj"], z.conj().resolve_conj())
 
 
 def test_every_dtype_round_trips_bit_exact(tmp_path):
@@ -379,6 +398,52 @@ def test_drop_policy_counts_every_pass_dropped_at_its_start(tmp_path):
     assert not report.problems
     assert any(f"{stats['dropped_passes']} whole pass(es) were dropped" in w for w in report.warnings), report.warnings
 
+
+
+class _ManyOutputs(torch.nn.Module):
+    """A leaf returning ``n`` tensors like ``x``; its root returns a one-element slice of ``x``."""
+
+    def forward(self, x, n):
+        return tuple(x + i for i in range(n))
+
+
+class _RootOfMany(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.many = _ManyOutputs()
+
+    def forward(self, x, n):
+        self.many(x, n)
+        return x[:1]
+
+
+@pytest.mark.parametrize("native_pass", [True, False])
+def test_a_pass_after_one_with_drops_counts_only_its_own(tmp_path, monkeypatch, native_pass):
+    """Under `drop`, pass 0 (64 tensors of 16 KiB: more than the 1 MiB ring) drops tensors while the
+    writer is stopped; once the writer has caught up, pass 1 (4 tensors) drops none and its end says
+    0: each pass's begin resets the channel's per-pass drop count, the C root pass's too (a mutant
+    whose C begin left it carried pass 0's drops into pass 1, which then read as missing tensors)."""
+    monkeypatch.setattr("fastdump.capture.wrappers._native_root_pass", native_pass)
+    model = _RootOfMany()
+    x = torch.zeros(4096)
+    with fastdump.attach(model, tmp_path, ring_mb=1, policy="drop", root_name="root") as d, torch.no_grad():
+        writer = d._engine._proc
+        os.kill(writer.pid, signal.SIGSTOP)
+        try:
+            model(x, 64)
+        finally:
+            os.kill(writer.pid, signal.SIGCONT)
+        stats = d.stats()
+        assert stats["dropped"] > 0 and stats["lost_pass_ends"] == 0, stats
+        assert d._engine.wait_acked(d._unconfirmed[-1], 30)  # pass 0's end handled: the ring is free
+        model(x + 1, 4)
+    stats = d.stats()
+    ds = fastdump.open(tmp_path)
+    assert ds.passes("target", 0) == [0, 1]
+    assert ds.meta("target", 0, 0)["dropped"] == stats["dropped"]
+    assert ds.meta("target", 0, 1)["dropped"] == 0
+    assert list(ds.load("target", 0, 1)) == ["many.0", "many.1", "many.2", "many.3", "root"]
+    assert not cli_dump.verify_dump(str(tmp_path)).problems
 
 def test_manual_passes_and_metadata(tmp_path):
     lin = torch.nn.Linear(2, 2)

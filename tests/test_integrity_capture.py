@@ -313,6 +313,61 @@ def test_a_leaf_called_from_another_thread_during_the_pass_marks_it_mixed(tmp_pa
     assert any("mixes tensors" in p for p in verify(tmp_path).problems)
 
 
+@pytest.mark.parametrize("opened_by", ["begin_pass", "root forward"])
+def test_a_pass_ended_between_another_threads_mixed_mark_and_its_reason_is_stored_mixed(tmp_path, monkeypatch,
+                                                                                        opened_by):
+    """A second thread marks the open pass mixed (``_mixed``) before it calls _mark_mixed, which sets
+    the reason: a thread switch there (any call is a point where another thread may run) lets the
+    opener end the pass with ``_mixed`` set and no reason yet. _end gives it the mixed reason, and
+    the C root pass's end leaves such a pass to it: the writer stores a pass as mixed only with a
+    reason, so without them the pass read as whole (mutants that dropped either survived)."""
+    from fastdump.capture import passes as passes_mod
+
+    entered, ended = threading.Event(), threading.Event()
+    real_mark_mixed = passes_mod.PassesMixin._mark_mixed
+
+    def mark_mixed_after_a_switch(self):
+        entered.set()
+        ended.wait(30)  # the opener ends the pass here
+        real_mark_mixed(self)
+
+    monkeypatch.setattr(passes_mod.PassesMixin, "_mark_mixed", mark_mixed_after_a_switch)
+
+    class Root(nn.Module):  # its forward returns once a worker's call of its leaf is held there
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x):
+            self.lin(x)
+            self.worker = threading.Thread(target=lambda: self.lin(x))
+            self.worker.start()
+            assert entered.wait(30)
+            return x * 2
+
+    model = Root()
+    x = torch.randn(1, 4)
+    d = fastdump.attach(model, tmp_path, root_passes=opened_by == "root forward")
+    try:
+        with torch.no_grad():
+            if opened_by == "begin_pass":
+                d.begin_pass()
+                model(x)
+                d.end_pass()
+            else:
+                model(x)  # (a plain pass: the C root pass's, begin and end)
+            ended.set()
+            model.worker.join(30)
+    finally:
+        ended.set()
+        stats = d.close()
+    assert stats["mixed_passes"] == 1 and stats["incomplete_passes"] == 1, stats
+    ds = fastdump.open(tmp_path)
+    meta = ds.meta("target", 0, 0)
+    assert meta["complete"] is False and meta["mixed"] is True and "several threads" in meta["incomplete"], meta
+    assert any("mixes tensors" in p for p in verify(tmp_path).problems)
+
+
 # ------------------------------------------------------------- item 9: failed and dangling passes
 
 
@@ -754,6 +809,60 @@ def test_a_lazy_conj_or_neg_view_of_a_freed_storage_is_skipped_not_resolved(tmp_
     assert not verify(tmp_path).problems
 
 
+ONE_ELEMENT_SHORT_SCRIPT = textwrap.dedent("""
+    import json, sys, torch
+    import fastdump
+
+    class Cut(torch.nn.Module):  # a view whose storage is then cut to ``keep`` bytes
+        def __init__(self, view, keep):
+            super().__init__()
+            self.view, self.keep = view, keep
+        def forward(self, x):
+            z = torch.complex(x * 0 + torch.arange(1000.0), x * 0 - torch.arange(1000.0))
+            out = self.view(z)
+            z.untyped_storage().resize_(self.keep)
+            return out
+
+    plain, conj, neg = (lambda z: torch.view_as_real(z)[:, 0]), (lambda z: z.conj()), (lambda z: z.conj().imag)
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            # plain: float32 elements 0, 2, ..., 1998 of the storage's floats; conj: 1000 complex64;
+            # neg: float32 elements 1, 3, ..., 1999. "_short": one element's bytes less than the
+            # last element needs; "_whole": exactly what it needs.
+            self.plain_short, self.plain_whole = Cut(plain, 1998 * 4), Cut(plain, 1999 * 4)
+            self.conj_short, self.conj_whole = Cut(conj, 999 * 8), Cut(conj, 1000 * 8)
+            self.neg_short, self.neg_whole = Cut(neg, 1999 * 4), Cut(neg, 2000 * 4)
+        def forward(self, x):
+            return [m(x) for m in (self.plain_short, self.plain_whole, self.conj_short, self.conj_whole,
+                                   self.neg_short, self.neg_whole)]
+
+    model, x = Model(), torch.zeros(1)
+    with fastdump.attach(model, sys.argv[1], root_name="m", include="_short|_whole") as d:
+        model(x)
+    print(json.dumps({"ok": True}))
+""")
+
+
+@pytest.mark.parametrize("reader", ["torch", "attributes"])
+def test_a_view_whose_storage_is_one_element_short_is_skipped_and_one_that_fits_is_dumped(tmp_path, reader):
+    """The storage checks (the tensor reader's, C++ within_storage, and _check_storage before a lazy
+    conj/neg view is resolved) are exact to the element: a storage one element shorter than the
+    view's last element is a recorded skip, never a copy read past its end and dumped; one that
+    holds the last element exactly is dumped bit-exact (with the conj/neg bits applied)."""
+    run_with_reader(ONE_ELEMENT_SHORT_SCRIPT, tmp_path, reader)
+    ds = fastdump.open(tmp_path)
+    dumped = ds.load("target", 0, 0)
+    skipped = {s["name"]: s["reason"] for s in ds.meta("target", 0, 0)["skipped"]}
+    assert set(skipped) == {"plain_short", "conj_short", "neg_short"}, skipped
+    assert all("ends before its last element" in reason for reason in skipped.values()), skipped
+    assert sorted(dumped) == ["conj_whole", "neg_whole", "plain_whole"], sorted(dumped)
+    re, im = torch.arange(1000.0), 0.0 - torch.arange(1000.0)  # (as the script makes them: +0.0 first)
+    assert same_bits(dumped["plain_whole"], re)
+    assert same_bits(dumped["conj_whole"], torch.complex(re, -im))
+    assert same_bits(dumped["neg_whole"], -im)
+
+
 DTENSOR_SCRIPT = textwrap.dedent("""
     import json, sys, torch, torch.distributed as dist, fastdump
     from torch.distributed.device_mesh import init_device_mesh
@@ -1154,6 +1263,49 @@ def test_a_module_that_calls_itself_numbers_its_calls_as_they_start(tmp_path, mo
     assert sorted(dumped) == sorted(want)
     for name, value in want.items():
         assert same_bits(dumped[name], value), name
+    assert verify(tmp_path).problems == []
+
+
+@pytest.mark.parametrize("wrapper", ["native", "python", "watched"])
+def test_a_call_during_which_its_pass_ended_is_numbered_in_the_pass_it_returns_in(tmp_path, monkeypatch, wrapper):
+    """A module whose forward ends the open pass and begins the next (a step boundary inside a
+    call): its output goes to the new pass, numbered there as a call that starts now, not with the
+    number it had in the old pass (``Step#1`` in a pass with no ``Step``). The C wrapper (serial),
+    the Python wrapper (pass id) and watch()'s hooked wrapper (_exit_call) each check it; mutants
+    that kept the old number survived every test."""
+    monkeypatch.setattr("fastdump.capture.wrappers._native_wrappers", wrapper == "native")
+    holder = {}
+
+    class Step(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.boundary = False
+
+        def forward(self, x):
+            if self.boundary:
+                holder["d"].end_pass()
+                holder["d"].begin_pass()
+            return x * 2
+
+    step = Step()
+    model = nn.Sequential(step) if wrapper == "watched" else step
+    d = holder["d"] = fastdump.attach(model, tmp_path, root_passes=False, include="^$" if wrapper == "watched" else None)
+    if wrapper == "watched":
+        d.watch(step, "Step")
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        d.begin_pass()
+        step(x)  # Step in pass 0
+        step.boundary = True
+        out = step(x + 1)  # Step#1 as it starts in pass 0; returns in pass 1
+        step.boundary = False
+        d.end_pass()
+    d.close()
+    ds = fastdump.open(tmp_path)
+    assert ds.passes("target", 0) == [0, 1]
+    assert list(ds.load("target", 0, 0)) == ["Step"]
+    dumped = ds.load("target", 0, 1)
+    assert list(dumped) == ["Step"] and same_bits(dumped["Step"], out)
     assert verify(tmp_path).problems == []
 
 
@@ -1587,3 +1739,32 @@ def test_an_eagle_draft_run_on_another_thread_inside_the_target_forward_fails_ve
         assert ds.meta("draft", 0, 0)["complete"] and "nested_in" not in ds.meta("draft", 0, 0)
     else:
         assert ds.passes("draft", 0) == []
+
+
+class _BlockOfOne(nn.Module):
+    """A non-leaf whose output dict's key is its child's name: watched as "0", its part reads "0.lin"."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(2, 2)
+
+    def forward(self, x):
+        return {"lin": self.lin(x) * 2}
+
+
+def test_a_watched_modules_output_part_named_as_its_child_is_a_recorded_skip(tmp_path, kind):
+    """A watched module's output part whose name is a wrapped module's (its child ``0.lin``) would put
+    two tensors under one name: the part is skipped with the reason, the child's output is kept.
+    (The C wrapper stages the child without _name_taken, so only the module-name check catches it:
+    a mutant without it survived every test.)"""
+    model = nn.Sequential(_BlockOfOne())
+    x = torch.randn(1, 2)
+    with fastdump.attach(model, tmp_path, root_name="root") as d, torch.no_grad():
+        d.watch(model[0], "0")
+        model(x)
+    ds = fastdump.open(tmp_path)
+    dumped = ds.load("target", 0, 0)
+    skipped = {s["name"]: s["reason"] for s in ds.meta("target", 0, 0)["skipped"]}
+    assert list(dumped).count("0.lin") == 1 and same_bits(dumped["0.lin"], model[0].lin(x).detach())
+    assert "reads as a module's name" in skipped.get("0.lin", ""), skipped
+    assert verify(tmp_path).problems == []

@@ -328,3 +328,32 @@ def test_a_dead_writer_is_noticed_by_the_c_path_and_serving_goes_on(tmp_path, ca
     assert bits(out).equal(bits(expected(model, x)["Net"]))
     assert d.status == "error" and not d.in_pass
     assert d.close()["status"] == "error"
+
+
+class _OddInPassOne(nn.Module):
+    """Returns ``x * 2``, or in its second call an object that holds no tensor (a recorded skip)."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        return object() if self.calls == 2 else x * 2
+
+
+@pytest.mark.parametrize("native_pass", [True, False])
+def test_a_skip_in_a_pass_the_c_path_opened_reaches_the_disk(tmp_path, monkeypatch, native_pass):
+    """A pass begun in C whose forward records a skip is not plain at its end: its skipped list must
+    go with the end (Python's), on disk in that pass's meta. (A mutant whose C end ignored skips
+    sent a plain end: the skip was lost and the pass read as whole.)"""
+    monkeypatch.setattr("fastdump.capture.wrappers._native_root_pass", native_pass)
+    model = nn.Sequential(_OddInPassOne())
+    with fastdump.attach(model, tmp_path) as d, torch.no_grad():
+        for i in range(3):
+            model(torch.full((2,), float(i)))
+    assert d.stats()["skipped"] == 2  # the leaf's output and the root's (the same object)
+    ds = fastdump.open(tmp_path)
+    skipped = [sorted(s["name"] for s in ds.meta("target", 0, p)["skipped"]) for p in (0, 1, 2)]
+    assert skipped == [[], ["0", "Sequential"], []], skipped
+    assert ds.rank_info("target", 0)["skipped"] == 2

@@ -3,6 +3,7 @@
 import json
 
 import numpy as np
+import pytest
 import torch
 
 import fastdump
@@ -324,9 +325,12 @@ def test_a_large_chunked_tensor_is_written_as_its_chunks_come_and_a_torn_one_lea
     assert not [p for p in problems if "block" in str(p)], problems
 
 
-def test_a_chunk_out_of_place_tears_its_streamed_tensor_and_close_tears_an_unfinished_one(tmp_path):
+@pytest.mark.parametrize("ended", [False, True])
+def test_a_chunk_out_of_place_tears_its_streamed_tensor_and_close_tears_an_unfinished_one(tmp_path, ended):
     """A chunk that does not continue its tensor (one lost before it) must never leave a tensor
-    with a hole called whole; nor may close() write the part of one whose last chunk never came."""
+    with a hole called whole; nor may close() write the part of one whose last chunk never came.
+    ``ended``: the pass's end comes first and tears what is unfinished; the tensor torn already is
+    recorded once, not again at that end (a mutant that recorded it again survived)."""
     from fastdump.cli.dump import verify_dump
 
     gap, unfinished, kept = torch.randn(512, 512), torch.randn(512, 512), torch.randn(512, 512)
@@ -337,6 +341,8 @@ def test_a_chunk_out_of_place_tears_its_streamed_tensor_and_close_tears_an_unfin
                tensor(0, 0, gap, offset=3 * step, part=step),
                tensor(2, 0, kept),
                tensor(1, 0, unfinished, offset=0, part=step),
+               *([control(9, op="end", channel=0, **{"pass": 0, "meta": {}, "dropped": 0, "skipped": []})]
+                 if ended else []),
                control(10, op="close", channel=0, stats={})]
     assert WriterLoop(ScriptedConsumer(records)).run() == 0
     with fastdump.open(tmp_path) as ds:
