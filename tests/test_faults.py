@@ -218,15 +218,17 @@ def test_a_full_disk_under_one_root_stops_only_the_dumper_writing_there(small_di
     assert subprocess.run([sys.executable, "-m", "fastdump", "verify", str(small_disk)]).returncode == 1
 
 
-def _recording_consumers(monkeypatch) -> list:
-    """The writer threads' ring consumers, as engines start them (to fail a channel as the writer does)."""
-    made, real = [], fastdump._C.Consumer
+def _recording_consumers(monkeypatch, extension=None) -> list:
+    """The writer threads' ring consumers, as engines start them (to fail a channel as the writer
+    does); `extension` is the `_C` the engine uses (the mock CUDA build in tests/test_graphs.py)."""
+    extension = fastdump._C if extension is None else extension
+    made, real = [], extension.Consumer
 
     def recording(name):
         made.append(real(name))
         return made[-1]
 
-    monkeypatch.setattr(fastdump._C, "Consumer", recording)
+    monkeypatch.setattr(extension, "Consumer", recording)
     return made
 
 

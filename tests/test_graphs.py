@@ -283,14 +283,9 @@ def test_replays_of_a_failed_channel_are_not_staged_and_are_counted(m, glue, tmp
     as dropped, the recorder broken with the reason, the Dumper stopped with the writer's error,
     and verify fails; the replays before the failure are written whole."""
     from fastdump.staging import cuda
+    from test_faults import _recording_consumers
 
-    consumers, real = [], m.Consumer
-
-    def recording(name):
-        consumers.append(real(name))
-        return consumers[-1]
-
-    monkeypatch.setattr(m, "Consumer", recording)
+    consumers = _recording_consumers(monkeypatch, m)  # the engine's _C is the mock build here
     current = Stream(glue)
     monkeypatch.setattr(cuda, "_current_stream", current)
     d = _attach(tmp_path, writer="thread", device="cuda:0")
