@@ -846,27 +846,24 @@ struct GraphRecorder::Impl {
     const int64_t pass_id = kGraphPassBase + static_cast<int64_t>(pos);
     CudaSource src{reinterpret_cast<uintptr_t>(ring + offset % ring_cap), 1, {static_cast<int64_t>(gi.span_bytes)},
                    {1}, device, reinterpret_cast<uintptr_t>(stream), 0};
-    int st;
+    int st = kDisabled;
     std::string error;
     // The writer stopped writing this channel (its root's disk full): the replay goes no further
-    // (the writer would throw it away), counted as unwritten; the Dumper reads the writer's error.
-    if (producer->channel_failed(channel)) {
-      {
-        std::lock_guard<std::mutex> g(mu);
-        ++unwritten_replays;
+    // (the writer would throw it away) and takes the kDisabled path below, as one the stager
+    // refused: counted as unwritten, the recorder broken with the reason (the Dumper reads the
+    // writer's error). No record was tried, so span_records stays.
+    const bool channel_failed = producer->channel_failed(channel);
+    if (!channel_failed) {
+      try {
+        st = stager->stage(channel, span_name(gi.id), pass_id, kReplaySpanDtype, src, true, nullptr, wait_s);
+      } catch (const std::exception& e) {
+        st = -1;
+        error = e.what();
       }
-      fail("the writer stopped writing this Dumper's channel");
-      return;
-    }
-    try {
-      st = stager->stage(channel, span_name(gi.id), pass_id, kReplaySpanDtype, src, true, nullptr, wait_s);
-    } catch (const std::exception& e) {
-      st = -1;
-      error = e.what();
     }
     {
       std::lock_guard<std::mutex> g(mu);
-      ++span_records;
+      if (!channel_failed) ++span_records;
       if (st == kStaged) {
         ++replays;
         tensors += gi.tensors.size();
@@ -876,7 +873,10 @@ struct GraphRecorder::Impl {
         if (!error.empty() && last_error.empty()) last_error = error;
       }
     }
-    if (st == kDisabled) fail(producer->writer_alive() ? "CUDA staging stopped" : "the writer stopped");
+    if (st == kDisabled)
+      fail(channel_failed               ? "the writer stopped writing this Dumper's channel"
+           : producer->writer_alive() ? "CUDA staging stopped"
+                                      : "the writer stopped");
   }
 
   uint64_t dropped_now() {  // with mu held
