@@ -140,12 +140,10 @@ struct ChannelStager {
   py::object strided;   // torch.strided
   py::object tensor_type;  // torch.Tensor: its subclasses' Python attributes are not believed here
   uint64_t staged_tensors = 0, staged_bytes = 0;  // by stage_tensor, until take_counts()
-  // This channel's word of the ring header's failed_channels and its bit (set at construction).
+  // This channel's word of the ring header's failed_channels (set at construction: the hot path
+  // loads it directly, not through the producer's mapping).
   const std::atomic<uint64_t>* failed_word = nullptr;
-  uint64_t failed_bit = 0;
-  bool channel_failed() const {
-    return failed_word != nullptr && (failed_word->load(std::memory_order_acquire) & failed_bit);
-  }
+  bool channel_failed() const { return Producer::failed_bit_set(failed_word, channel); }
   // CUDA tensors' lane into the channel's CUDA stager (set_cuda, once; CUDA builds only). None:
   // stage_tensor leaves CUDA tensors to the caller's general path.
   std::shared_ptr<CudaTensorLane> cuda;
@@ -647,7 +645,6 @@ PYBIND11_MODULE(_C, m) {
       .def(py::init([](Producer& p, uint32_t channel, py::dict fast_codes, py::object strided, py::object tensor_type) {
              ChannelStager s{&p, channel};
              s.failed_word = p.failed_word(channel);
-             s.failed_bit = 1ull << (channel % 64);
              s.fast_codes = std::move(fast_codes);
              s.strided = std::move(strided);
              if (!tensor_type.is_none()) s.tensor_type = std::move(tensor_type);

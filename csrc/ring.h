@@ -175,9 +175,11 @@ class Producer {
   ShmRegion& region() { return seg_; }
 
   // Whether the writer stopped writing `channel` alone (RingHeader::failed_channels).
-  bool channel_failed(uint32_t channel) {
-    return channel < kFailedChannelBits &&
-           ((seg_.header()->failed_channels[channel / 64].load(std::memory_order_acquire) >> (channel % 64)) & 1);
+  bool channel_failed(uint32_t channel) { return failed_bit_set(failed_word(channel), channel); }
+  // `channel`'s bit in its word of failed_channels (failed_word; nullptr: never set). The one
+  // place of this bit math: ChannelStager keeps its channel's word and asks here.
+  static bool failed_bit_set(const std::atomic<uint64_t>* word, uint32_t channel) {
+    return word != nullptr && ((word->load(std::memory_order_acquire) >> (channel % 64)) & 1);
   }
   // The writer's error for a failed `channel`, taken out of the header: its place is free for the
   // next failed channel's (the caller keeps it). "" when the writer had no free place to say it
