@@ -203,6 +203,30 @@ def _one_tensor_graph(m, rec, side, cpu):
     return graph, m._mock.graph_instantiate(graph)
 
 
+def _graph_of_one_model(m, glue, tmp_path, monkeypatch, capture_meta=None, **attach):
+    """The set-up of the replay drop and failed-channel tests below: the current stream a seam the
+    test switches, a thread-writer Dumper on cuda:0 (with ``attach``'s options), Model(m, 4)
+    captured on a blocking side stream (``capture_meta``: the capture pass's meta), and ``glue`` the
+    current stream again for the replays -> (dumper, model, (graph, exe), side stream, recorder)."""
+    from fastdump.staging import cuda
+
+    current = Stream(glue)
+    monkeypatch.setattr(cuda, "_current_stream", current)
+    d = _attach(tmp_path, writer="thread", device="cuda:0", **attach)
+    side = m._mock.stream_create_flags(0)
+    model = Model(m, 4)
+    graph, exe = capture(m, model, d, current, side, **(capture_meta or {}))
+    current.raw = glue
+    return d, model, (graph, exe), side, d._graphs.recorder(0)
+
+
+def _assert_pass_holds(ds, p, model, x):
+    """Pass ``p`` of the target holds what ``model`` computes from ``x``, bit for bit."""
+    h1, h2 = model.expected(x)
+    got = ds.load("target", 0, p)
+    assert same_bits(torch.as_tensor(got["layers.0"]), h1) and same_bits(torch.as_tensor(got["layers.1"]), h2)
+
+
 def _rank_json(root, role="target"):
     import json
 
@@ -225,24 +249,14 @@ def test_graph_replays_outrunning_the_drain_are_dropped_and_counted(m, glue, tmp
     are counted through the Channel as they happen: Dumper.stats() and rank.json say so while the
     Dumper runs (the drain's graph_drops note), and agree after close; under policy `block` (the
     default) `verify` fails on them: the dump is not whole (under `drop` it would warn)."""
-    from fastdump.staging import cuda
-
-    current = Stream(glue)
-    monkeypatch.setattr(cuda, "_current_stream", current)
     # 128 KiB: 64 KiB of slots, a 64 KiB replay ring = 28 entries of 2.25 KiB (a 256-byte replay
     # header and two 1 KiB tensors).
-    d = _attach(tmp_path, writer="thread", device="cuda:0", graph_ring_mb=0.125)
-    side = m._mock.stream_create_flags(0)
-    model = Model(m, 4)
-    graph, exe = capture(m, model, d, current, side)
-    current.raw = glue
-    rec = d._graphs.recorder(0)
+    d, model, (graph, exe), side, rec = _graph_of_one_model(m, glue, tmp_path, monkeypatch, graph_ring_mb=0.125)
     rec.set_paused(True)
     inputs = [rand_input(model, 7 + k) for k in range(40)]
     try:
         for x in inputs:
-            model.set_input(glue, x)
-            assert m._mock.graph_launch(exe, glue) == 0
+            replay(m, model, exe, glue, x)
         m._mock.sync(glue)
         assert rec.stats()["dropped_replays"] == 12
         # Counted while running, before any eager pass or close: the Channel reads the recorder.
@@ -252,8 +266,7 @@ def test_graph_replays_outrunning_the_drain_are_dropped_and_counted(m, glue, tmp
         rec.set_paused(False)
         # A replay after the drain caught up fits again.
         assert rec.flush(30)
-        model.set_input(glue, inputs[0])
-        assert m._mock.graph_launch(exe, glue) == 0
+        replay(m, model, exe, glue, inputs[0])
         m._mock.sync(glue)
         stats = d.close()
     finally:
@@ -265,10 +278,7 @@ def test_graph_replays_outrunning_the_drain_are_dropped_and_counted(m, glue, tmp
     passes = graph_passes(ds, "target")
     assert len(passes) == 29
     for i, p in enumerate(passes):
-        x = inputs[i] if i < 28 else inputs[0]
-        h1, h2 = model.expected(x)
-        got = ds.load("target", 0, p)
-        assert same_bits(torch.as_tensor(got["layers.0"]), h1) and same_bits(torch.as_tensor(got["layers.1"]), h2)
+        _assert_pass_holds(ds, p, model, inputs[i] if i < 28 else inputs[0])
         assert ds.meta("target", 0, p)["graph_replay"] == (i if i < 28 else 40)  # 28..39 dropped
     r = subprocess.run([sys.executable, "-m", "fastdump", "verify", "--data", str(tmp_path)], capture_output=True,
                        text=True)
@@ -282,31 +292,21 @@ def test_replays_of_a_failed_channel_are_not_staged_and_are_counted(m, glue, tmp
     "CUDA staging stopped", naming nothing. A failed channel's replays go no further now: counted
     as dropped, the recorder broken with the reason, the Dumper stopped with the writer's error,
     and verify fails; the replays before the failure are written whole."""
-    from fastdump.staging import cuda
     from test_faults import _recording_consumers
 
     consumers = _recording_consumers(monkeypatch, m)  # the engine's _C is the mock build here
-    current = Stream(glue)
-    monkeypatch.setattr(cuda, "_current_stream", current)
-    d = _attach(tmp_path, writer="thread", device="cuda:0")
-    side = m._mock.stream_create_flags(0)
-    model = Model(m, 4)
-    graph, exe = capture(m, model, d, current, side)
-    current.raw = glue
-    rec = d._graphs.recorder(0)
+    d, model, (graph, exe), side, rec = _graph_of_one_model(m, glue, tmp_path, monkeypatch)
     inputs = [rand_input(model, 50 + k) for k in range(6)]
     try:
         for x in inputs[:2]:
-            model.set_input(glue, x)
-            assert m._mock.graph_launch(exe, glue) == 0
+            replay(m, model, exe, glue, x)
         m._mock.sync(glue)
         assert rec.flush(30)
         staged = rec.stats()["span_records"]
         assert staged == 2
         consumers[-1].fail_channel(d._channel.id, "root: No space left on device (test)")
         for x in inputs[2:]:
-            model.set_input(glue, x)
-            assert m._mock.graph_launch(exe, glue) == 0
+            replay(m, model, exe, glue, x)
         m._mock.sync(glue)
         _wait_for(lambda: rec.stats()["broken"])
         after = rec.stats()
@@ -323,9 +323,7 @@ def test_replays_of_a_failed_channel_are_not_staged_and_are_counted(m, glue, tmp
     passes = graph_passes(ds, "target")
     assert len(passes) == 2
     for x, p in zip(inputs, passes):
-        h1, h2 = model.expected(x)
-        got = ds.load("target", 0, p)
-        assert same_bits(torch.as_tensor(got["layers.0"]), h1) and same_bits(torch.as_tensor(got["layers.1"]), h2)
+        _assert_pass_holds(ds, p, model, x)
     r = subprocess.run([sys.executable, "-m", "fastdump", "verify", "--data", str(tmp_path)], capture_output=True,
                        text=True)
     assert r.returncode == 1, r.stdout + r.stderr
@@ -336,23 +334,16 @@ def test_graph_replays_beyond_the_replay_log_are_dropped_and_counted(m, glue, tm
     stopped and room in the ring, a replay that would take a log position the drain has not given
     back yet is dropped and counted. Taking it reused the oldest waiting entry's log slot: that
     replay was never written and the drain waited for its stamp for good."""
-    from fastdump.staging import cuda, graphs
+    from fastdump.staging import graphs
 
-    current = Stream(glue)
-    monkeypatch.setattr(cuda, "_current_stream", current)
     monkeypatch.setattr(graphs, "LOG_ENTRIES", 4)
-    d = _attach(tmp_path, writer="thread", device="cuda:0", graph_ring_mb=0.125)  # ring: 28 entries
-    side = m._mock.stream_create_flags(0)
-    model = Model(m, 4)
-    graph, exe = capture(m, model, d, current, side, batch_size=3)  # (the meta's batch, not the leading dim)
-    current.raw = glue
-    rec = d._graphs.recorder(0)
+    d, model, (graph, exe), side, rec = _graph_of_one_model(  # ring: 28 entries; the meta's batch, not the leading dim
+        m, glue, tmp_path, monkeypatch, capture_meta={"batch_size": 3}, graph_ring_mb=0.125)
     rec.set_paused(True)
     inputs = [rand_input(model, 500 + k) for k in range(6)]
     try:
         for x in inputs:
-            model.set_input(glue, x)
-            assert m._mock.graph_launch(exe, glue) == 0
+            replay(m, model, exe, glue, x)
         m._mock.sync(glue)
         assert rec.stats()["dropped_replays"] == 2
         rec.set_paused(False)
@@ -365,9 +356,7 @@ def test_graph_replays_beyond_the_replay_log_are_dropped_and_counted(m, glue, tm
     passes = graph_passes(ds, "target")
     assert len(passes) == 4
     for i, p in enumerate(passes):
-        h1, h2 = model.expected(inputs[i])
-        got = ds.load("target", 0, p)
-        assert same_bits(torch.as_tensor(got["layers.0"]), h1) and same_bits(torch.as_tensor(got["layers.1"]), h2)
+        _assert_pass_holds(ds, p, model, inputs[i])
         assert ds.meta("target", 0, p)["graph_replay"] == i  # 4 and 5 dropped
         assert ds.meta("target", 0, p)["graph_batch"] == 3
 
