@@ -355,43 +355,73 @@ def test_lean_capture_begun_mid_pass_through_torch_is_seen_and_the_batch_before_
         m._mock.stream_destroy(s)
 
 
+class CaptureRace:
+    """The set-up of the capture-race tests below: a lane on a stream of its own with one event per
+    100 snapshots (so only a seal from outside the lane ends its batch), ``n`` fake tensors, tensors
+    0 and 1 staged in pass 0. As a context manager it ends a capture the test left open (a failed
+    check: the device's memory can be freed only without one), destroys the graph the capture made,
+    and closes the lane and the stream."""
+
+    def __init__(self, m, n, seed):
+        self.m = m
+        self.ts, self.cpu = fakes(m, n, seed=seed)
+        self.s = m._mock.stream_create()
+        self.lane = Lane(m, self.s, events_every=100)
+        self.capturing, self.graph = False, None
+
+    def __enter__(self):
+        try:
+            self.lane.lane.begin(0, True, -1.0)
+            assert self.lane.lane.stage_tensor(0, self.ts[0]) == self.m.STAGED
+            assert self.lane.lane.stage_tensor(1, self.ts[1]) == self.m.STAGED
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    def end_capture(self):
+        err, self.graph = self.m._mock.end_capture(self.s)
+        self.capturing = False
+        assert err == 0, self.m._mock.error_name(err)
+
+    def flush_and_check(self, expected):
+        """The lane's last batch handed over and flushed: staging never broke nor gave a batch up,
+        and the ring holds ``expected`` ({(name_id, pass_id): cpu tensor}) and nothing else."""
+        self.lane.lane.take_counts()
+        assert self.lane.stager.flush(10)
+        st = self.lane.stager.stats()
+        assert not st["broken"] and st["last_error"] == "" and st["cancelled"] == 0, st
+        check_ring(self.lane.ring, expected)
+
+    def __exit__(self, *exc):
+        if self.capturing:
+            self.m._mock.end_capture(self.s)
+        if self.graph:
+            self.m._mock.graph_destroy(self.graph)
+        self.lane.close()
+        self.m._mock.stream_destroy(self.s)
+
+
 def test_lean_batch_sealed_by_another_thread_after_a_torch_capture_began_is_held_not_given_up(m):
     """The timer-seal race: torch began a capture on the lane's stream (the capture epoch moved)
     after the batch's snapshots were enqueued, and a seal from another thread (the drain's hold
     timer, a flush) finds the stream capturing before the lane's next tensor saw the epoch move.
     Every snapshot of the batch preceded the capture: the batch is held until the capture ended,
     then sealed and written; staging goes on. (Given up, it stopped CUDA staging for the process.)"""
-    s = m._mock.stream_create()
-    lane = Lane(m, s, events_every=100)
-    capturing, graph = False, None
-    try:
-        ts, cpu = fakes(m, 3, seed=17)
-        lane.lane.begin(0, True, -1.0)
-        assert lane.lane.stage_tensor(0, ts[0]) == m.STAGED
-        assert lane.lane.stage_tensor(1, ts[1]) == m.STAGED
+    with CaptureRace(m, 3, seed=17) as race:
+        lane = race.lane
         m.note_capture_begin()  # what the hook on torch.cuda.CUDAGraph.capture_begin does first
-        assert m._mock.begin_capture(s, GLOBAL) == 0
-        capturing = True
+        assert m._mock.begin_capture(race.s, GLOBAL) == 0
+        race.capturing = True
         th = threading.Thread(target=lambda: lane.stager.flush(0.2))  # seals every lane: this one is held
         th.start()
         th.join()
         st = lane.stager.stats()
         assert not st["broken"] and st["last_error"] == "" and st["cancelled"] == 0, st
-        err, graph = m._mock.end_capture(s)
-        capturing = False
-        assert err == 0, m._mock.error_name(err)
+        race.end_capture()
         lane.lane.begin(1, True, -1.0)
-        assert lane.lane.stage_tensor(2, ts[2]) == m.STAGED
-        lane.lane.take_counts()
-        assert lane.stager.flush(10)
-        check_ring(lane.ring, {(0, 0): cpu[0], (1, 0): cpu[1], (2, 1): cpu[2]})
-    finally:
-        if capturing:
-            m._mock.end_capture(s)
-        if graph:
-            m._mock.graph_destroy(graph)
-        lane.close()
-        m._mock.stream_destroy(s)
+        assert lane.lane.stage_tensor(2, race.ts[2]) == m.STAGED
+        race.flush_and_check({(0, 0): race.cpu[0], (1, 0): race.cpu[1], (2, 1): race.cpu[2]})
 
 
 def test_lean_drain_timer_never_seals_while_torch_is_beginning_a_capture(m):
@@ -399,14 +429,7 @@ def test_lean_drain_timer_never_seals_while_torch_is_beginning_a_capture(m):
     capture_begin hook), the drain's hold timer leaves the lane's batch alone: had it sealed then,
     its capture check could come before torch's begin and its event record after it, a node of the
     user's graph. The batch is sealed once the capture ended; nothing is lost, staging goes on."""
-    s = m._mock.stream_create()
-    lane = Lane(m, s, events_every=100)
-    capturing, graph = False, None
-    try:
-        ts, cpu = fakes(m, 3, seed=19)
-        lane.lane.begin(0, True, -1.0)
-        assert lane.lane.stage_tensor(0, ts[0]) == m.STAGED
-        assert lane.lane.stage_tensor(1, ts[1]) == m.STAGED
+    with CaptureRace(m, 3, seed=19) as race:
         m.note_capture_begin()
         m.capture_gate(True)  # the hook holds it around torch's begin
         try:
@@ -414,29 +437,16 @@ def test_lean_drain_timer_never_seals_while_torch_is_beginning_a_capture(m):
             deadline = time.monotonic() + 0.5  # (the timer fires every 1 ms once the batch is 2 ms old)
             while m._mock.delayed() == 0 and time.monotonic() < deadline:
                 time.sleep(0.001)
-            assert m._mock.begin_capture(s, GLOBAL) == 0
-            capturing = True
+            assert m._mock.begin_capture(race.s, GLOBAL) == 0
+            race.capturing = True
         finally:
             m.capture_gate(False)
             m._mock.delay("cudaEventRecord", 0, 0)
         time.sleep(0.35)  # a record delayed above would land in the capture now
-        err, graph = m._mock.end_capture(s)
-        capturing = False
-        assert err == 0, m._mock.error_name(err)
-        lane.lane.begin(1, True, -1.0)
-        assert lane.lane.stage_tensor(2, ts[2]) == m.STAGED
-        lane.lane.take_counts()
-        assert lane.stager.flush(10)
-        st = lane.stager.stats()
-        assert not st["broken"] and st["last_error"] == "" and st["cancelled"] == 0, st
-        check_ring(lane.ring, {(0, 0): cpu[0], (1, 0): cpu[1], (2, 1): cpu[2]})
-    finally:
-        if capturing:
-            m._mock.end_capture(s)
-        if graph:
-            m._mock.graph_destroy(graph)
-        lane.close()
-        m._mock.stream_destroy(s)
+        race.end_capture()
+        race.lane.lane.begin(1, True, -1.0)
+        assert race.lane.lane.stage_tensor(2, race.ts[2]) == m.STAGED
+        race.flush_and_check({(0, 0): race.cpu[0], (1, 0): race.cpu[1], (2, 1): race.cpu[2]})
 
 
 def test_lean_drain_timer_seal_never_lands_in_a_capture_begun_meanwhile(m):
@@ -449,14 +459,7 @@ def test_lean_drain_timer_seal_never_lands_in_a_capture_begun_meanwhile(m):
     replay would record an event of our pool. CUDAGraph.capture_begin now holds the capture gate around torch's begin, and the
     drain seals only while it holds the gate: its check and its record land on one side of the
     capture's beginning. (The mock delays the drain's cudaEventRecord past its check.)"""
-    s = m._mock.stream_create()
-    lane = Lane(m, s, events_every=100)
-    capturing = False
-    try:
-        ts, cpu = fakes(m, 4, seed=13)
-        lane.lane.begin(0, True, -1.0)
-        assert lane.lane.stage_tensor(0, ts[0]) == m.STAGED
-        assert lane.lane.stage_tensor(1, ts[1]) == m.STAGED
+    with CaptureRace(m, 4, seed=13) as race:
         m._mock.delay("cudaEventRecord", 1, 0.3)  # the next record: the drain's timer seal
         deadline = time.monotonic() + 10
         while m._mock.delayed() == 0:  # the drain checked (not capturing) and is recording now
@@ -466,27 +469,15 @@ def test_lean_drain_timer_seal_never_lands_in_a_capture_begun_meanwhile(m):
         m.note_capture_begin()
         m.capture_gate(True)
         try:
-            assert m._mock.begin_capture(s, GLOBAL) == 0
-            capturing = True
+            assert m._mock.begin_capture(race.s, GLOBAL) == 0
+            race.capturing = True
         finally:
             m.capture_gate(False)
-        assert lane.lane.stage_tensor(2, ts[2]) == NOT_FAST  # CAPTURING: the general path records it
+        assert race.lane.lane.stage_tensor(2, race.ts[2]) == NOT_FAST  # CAPTURING: the general path records it
         time.sleep(0.05)  # the drain issues the sealed batch's copies meanwhile
-        err, graph = m._mock.end_capture(s)
-        capturing = False
-        assert err == 0, m._mock.error_name(err)
-        assert lane.lane.stage_tensor(3, ts[3]) == m.STAGED
-        lane.lane.take_counts()
-        assert lane.stager.flush(10)
-        st = lane.stager.stats()
-        assert not st["broken"] and st["last_error"] == "" and st["cancelled"] == 0, st
-        check_ring(lane.ring, {(0, 0): cpu[0], (1, 0): cpu[1], (3, 0): cpu[3]})
-        m._mock.graph_destroy(graph)
-    finally:
-        if capturing:  # (a failed check above: the device's memory can be freed only without it)
-            m._mock.end_capture(s)
-        lane.close()
-        m._mock.stream_destroy(s)
+        race.end_capture()
+        assert race.lane.lane.stage_tensor(3, race.ts[3]) == m.STAGED
+        race.flush_and_check({(0, 0): race.cpu[0], (1, 0): race.cpu[1], (3, 0): race.cpu[3]})
 
 
 def test_torch_capture_begin_tells_the_extension_first(monkeypatch):
