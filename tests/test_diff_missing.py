@@ -26,6 +26,28 @@ def run(capsys, *argv):
     return code, out.out, out.err
 
 
+def target_writer_of_x_and_y(rank_path):
+    """A ChannelWriter for a target rank directory (pid 100, one rank) that knows the names 'x'
+    (id 0) and 'y' (id 1): the tests below write passes with drops and skips through it."""
+    from fastdump.writer.channel_writer import ChannelWriter
+
+    writer = ChannelWriter({"op": "open", "channel": 0, "dir": str(rank_path), "role": "target",
+                            "rank": {"tp_rank": 0, "tp_size": 1, "pp_rank": 0, "pp_size": 1, "rank": 0},
+                            "pid": 100, "host": "h", "device": {}, "config": {}})
+    writer.on_name(0, "x")
+    writer.on_name(1, "y")
+    return writer
+
+
+def write_ones(writer, pass_id, name_ids):
+    """Stores torch.ones(2) (float32) under each of ``name_ids`` in ``pass_id``."""
+    from fastdump import dtypes
+
+    for index in name_ids:
+        writer.on_tensor(index, pass_id, dtypes.code_of(torch.float32), (2,),
+                         torch.ones(2).view(torch.uint8).numpy().copy())
+
+
 @pytest.fixture
 def one_sided(tmp_path):
     """Baseline passes 0-5 of 'x'; target passes 0-9 of 'x', and 'y' in its odd passes."""
@@ -161,21 +183,12 @@ def test_passes_selecting_nothing_says_so_not_that_the_dumps_share_no_pass(one_s
 def test_what_the_capture_side_dropped_is_noted_not_blamed_on_the_model(tmp_path, capsys):
     """Pass 3 dropped whole and 'y' of pass 1 dropped by the target's ring: diff listed them only in
     the baseline, as if the target model had not run them, and said nothing of the drops."""
-    from fastdump import dtypes
-    from fastdump.writer.channel_writer import ChannelWriter
-
     base = crafted(tmp_path / "b", {p: {"x": torch.ones(2), "y": torch.ones(2)} for p in range(4)})
     rank_path = tmp_path / "t" / "target" / "TP0_PP0_Rank0_pid100"
-    writer = ChannelWriter({"op": "open", "channel": 0, "dir": str(rank_path), "role": "target",
-                            "rank": {"tp_rank": 0, "tp_size": 1, "pp_rank": 0, "pp_size": 1, "rank": 0},
-                            "pid": 100, "host": "h", "device": {}, "config": {}})
-    writer.on_name(0, "x")
-    writer.on_name(1, "y")
+    writer = target_writer_of_x_and_y(rank_path)
     for pass_id in (0, 1, 2):
         writer.on_begin(pass_id, {})
-        for index in ((0,) if pass_id == 1 else (0, 1)):
-            writer.on_tensor(index, pass_id, dtypes.code_of(torch.float32), (2,),
-                             torch.ones(2).view(torch.uint8).numpy().copy())
+        write_ones(writer, pass_id, (0,) if pass_id == 1 else (0, 1))
         writer.on_end(pass_id, {}, 1 if pass_id == 1 else 0, [])
     writer.close({"dropped": 1, "dropped_passes": 1}, status="closed")
     code, out, _ = run(capsys, base, tmp_path / "t")
@@ -209,22 +222,14 @@ def test_a_tensor_lost_after_it_was_accepted_is_noted_as_lost_not_as_skipped(tmp
     """'y' of pass 1 torn (a failed CUDA drain: accepted, then lost; verify fails the dump) and 'y'
     of pass 2 a real skip: the note said "skipped 2 tensor(s)", as if the capture side had left both
     out by design."""
-    from fastdump import dtypes
     from fastdump import format as fmt
-    from fastdump.writer.channel_writer import ChannelWriter
 
     base = crafted(tmp_path / "b", {p: {"x": torch.ones(2), "y": torch.ones(2)} for p in range(3)})
     rank_path = tmp_path / "t" / "target" / "TP0_PP0_Rank0_pid100"
-    writer = ChannelWriter({"op": "open", "channel": 0, "dir": str(rank_path), "role": "target",
-                            "rank": {"tp_rank": 0, "tp_size": 1, "pp_rank": 0, "pp_size": 1, "rank": 0},
-                            "pid": 100, "host": "h", "device": {}, "config": {}})
-    writer.on_name(0, "x")
-    writer.on_name(1, "y")
+    writer = target_writer_of_x_and_y(rank_path)
     for pass_id in (0, 1, 2):
         writer.on_begin(pass_id, {})
-        for index in ((0, 1) if pass_id == 0 else (0,)):
-            writer.on_tensor(index, pass_id, dtypes.code_of(torch.float32), (2,),
-                             torch.ones(2).view(torch.uint8).numpy().copy())
+        write_ones(writer, pass_id, (0, 1) if pass_id == 0 else (0,))
         if pass_id == 1:
             writer.skip_tensor(1, pass_id, fmt.TORN_TENSOR_REASON)
         writer.on_end(pass_id, {}, 0, [{"name": "y", "reason": "quantized tensor"}] if pass_id == 2 else [])
