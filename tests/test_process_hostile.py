@@ -1223,6 +1223,28 @@ def test_close_from_another_thread_while_forwards_run_never_crashes_or_changes_t
     assert done.returncode == 0, done.stdout  # a pass cut by the close is flagged (a warning), never wrong
 
 
+# The small model of the exit and Ctrl-C scripts below, attached as `d` (to the script's `root`,
+# with its `writer`) and run for {passes} passes, pass i on torch.full((2, 16), i); read back by
+# assert_small_model_passes.
+SMALL_MODEL_PASSES = """\
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU())
+    d = fastdump.attach(model, root, writer=writer)
+    with torch.no_grad():
+        for i in range({passes}):
+            model(torch.full((2, 16), float(i)))"""
+
+
+def assert_small_model_passes(ds, role, rank, passes, seed=0):
+    """Each of ``passes`` holds, bit for bit and checksums checked, the first Linear(16, 16)'s
+    output (made after manual_seed(seed), as the scripts' models are) for torch.full((2, 16), pass)."""
+    torch.manual_seed(seed)
+    lin = nn.Linear(16, 16)
+    for p in passes:
+        with torch.no_grad():
+            assert same_bits(ds.load(role, rank, p, check=True)["0"], lin(torch.full((2, 16), float(p))))
+
+
 AT_EXIT = """
     import sys
     root, mode, writer = sys.argv[1], sys.argv[2], sys.argv[3]
@@ -1230,12 +1252,7 @@ AT_EXIT = """
         import h5py  # its atexit hook registered before fastdump's
         writer = "thread"
     import threading, torch, fastdump
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU())
-    d = fastdump.attach(model, root, writer=writer)
-    with torch.no_grad():
-        for i in range(5):
-            model(torch.full((2, 16), float(i)))
+""" + SMALL_MODEL_PASSES.format(passes=5) + """
     if mode == "thread":  # a daemon thread mid-pass while the interpreter exits
         stuck, never = threading.Event(), threading.Event()
 
@@ -1266,11 +1283,7 @@ def test_interpreter_exit_without_close_keeps_every_pass(tmp_path, mode, writer)
     rank = rank_of(ds)
     assert ds.rank_info("target", rank)["status"] == "closed"
     assert ds.passes("target", rank)[:5] == [0, 1, 2, 3, 4]
-    torch.manual_seed(0)
-    lin = nn.Linear(16, 16)
-    for p in range(5):
-        with torch.no_grad():
-            assert same_bits(ds.load("target", rank, p)["0"], lin(torch.full((2, 16), float(p))))
+    assert_small_model_passes(ds, "target", rank, range(5))
     if mode == "thread":  # the pass cut by the exit: kept as far as it went, flagged
         assert ds.passes("target", rank) == [0, 1, 2, 3, 4, 5]
         assert ds.meta("target", rank, 5)["complete"] is False and sorted(ds.load("target", rank, 5)) == ["0", "1"]
@@ -1318,11 +1331,7 @@ def test_a_ctrl_c_in_the_exit_hook_ends_one_close_not_the_others_nor_the_engines
         rank = rank_of(ds, role)
         statuses[role] = ds.rank_info(role, rank)["status"]
         assert ds.passes(role, rank) == [0, 1, 2], role
-        torch.manual_seed(seed)
-        lin = nn.Linear(16, 16)
-        for p in range(3):
-            with torch.no_grad():
-                assert same_bits(ds.load(role, rank, p, check=True)["0"], lin(torch.full((2, 16), float(p))))
+        assert_small_model_passes(ds, role, rank, range(3), seed=seed)
     if at != "wait_acked":  # no close was running: both close whole
         assert statuses == {"a": "closed", "b": "closed"}, statuses
         assert_verifies(tmp_path / "dump")
@@ -1335,12 +1344,7 @@ CTRL_C_IN_THE_ENGINES_STOP = """
     import sys, torch, fastdump
     root, writer = sys.argv[1], sys.argv[2]
     pkg = fastdump.__path__[0]
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU())
-    d = fastdump.attach(model, root, writer=writer)
-    with torch.no_grad():
-        for i in range(3):
-            model(torch.full((2, 16), float(i)))
+""" + SMALL_MODEL_PASSES.format(passes=3) + """
 
     def ctrl_c_once(frame, event, arg):  # the user's Ctrl-C, as close() calls the engine's shutdown()
         if event == "call" and frame.f_code.co_name == "shutdown" and frame.f_code.co_filename.startswith(pkg):
@@ -1368,11 +1372,7 @@ def test_a_ctrl_c_in_the_engines_stop_at_close_leaves_its_writer_to_the_exit_hoo
     ds = fastdump.open(tmp_path / "dump")
     rank = rank_of(ds)
     assert ds.passes("target", rank) == [0, 1, 2]
-    torch.manual_seed(0)
-    lin = nn.Linear(16, 16)
-    for p in range(3):
-        with torch.no_grad():
-            assert same_bits(ds.load("target", rank, p, check=True)["0"], lin(torch.full((2, 16), float(p))))
+    assert_small_model_passes(ds, "target", rank, range(3))
     assert_verifies(tmp_path / "dump")
 
 WRITER_THREAD_FAILS = """
@@ -1423,10 +1423,7 @@ def test_thread_writer_failed_close_returns_at_once_leaves_no_thread_and_exit_is
     ds = fastdump.open(tmp_path / "dump")
     rank = rank_of(ds)
     assert ds.rank_info("target", rank)["status"] == "error"
-    torch.manual_seed(0)
-    lin = nn.Linear(16, 16)
-    with torch.no_grad():
-        assert same_bits(ds.load("target", rank, 0, check=True)["0"], lin(torch.full((2, 16), 0.0)))
+    assert_small_model_passes(ds, "target", rank, [0])
     assert_verify_fails(tmp_path / "dump", "injected: no space left")
 
 
