@@ -679,7 +679,7 @@ def _shape(tensor) -> list:
     return list(tensor.shape)
 
 
-def _combine(shards: list, rule, atol: float, rtol: float, side: str):
+def _combine(shards: list, rule, atol: float, rtol: float, side: str, options: Options):
     """One tensor from the shards of one side under ``rule`` (dim, 'replicated' or 'sum')."""
     import torch
 
@@ -694,10 +694,14 @@ def _combine(shards: list, rule, atol: float, rtol: float, side: str):
             if shard.shape != shards[0].shape:
                 raise _RowError("fail", f"{side}: replicated tensor has shape {_shape(shard)} on tp rank {k}, "
                                         f"{_shape(shards[0])} on tp rank 0")
+            # The copies are held to the criterion the user chose (--metric), not allclose alone: under
+            # rel_diff, all-reduce noise between TP ranks failed the diff, and under rel_diff with a
+            # loose atol a copy far off passed it.
             check = stats.compare(shards[0], shard, atol, rtol)
-            if check["mismatches"]:
-                # (types with no arithmetic are compared bit for bit: no max abs to give)
-                how = "their bits differ" if check["bitwise"] else f"max abs {check['max_abs']:.3g}"
+            failed = _verdict(check, options)
+            if failed:
+                # (types with no arithmetic are compared bit for bit, whatever the metric)
+                how = "their bits differ" if check["bitwise"] else f"exceeds {', '.join(failed)}; {_measured(check, failed)}"
                 raise _RowError("fail", f"{side}: tp ranks 0 and {k} disagree on a tensor treated as replicated "
                                         f"({how}); partial sums? give --unshard 'NAME=sum'")
         return shards[0]
@@ -718,6 +722,13 @@ def _combine(shards: list, rule, atol: float, rtol: float, side: str):
     except (RuntimeError, IndexError) as exc:
         raise _RowError("fail", f"{side}: cannot concatenate shards {[_shape(s) for s in shards]} along dim "
                                 f"{rule}: {exc}") from None
+
+
+def _measured(check: dict, failed: list) -> str:
+    """The numbers behind the failed metrics of ``check`` ('max abs 0.5', 'rel_diff 0.02')."""
+    said = {"allclose": f"max abs {check['max_abs']:.3g}", "rel_diff": f"rel_diff {check['rel_diff']:.3g}",
+            "cosine": f"cosine distance {check['cosine_distance']:.3g}"}
+    return ", ".join(said[metric.partition(">")[0]] for metric in failed)
 
 
 def _infer_rule(base_shards: list, target_shards: list):
@@ -745,7 +756,7 @@ def _infer_rule(base_shards: list, target_shards: list):
     return candidates[0] if len(candidates) == 1 else None
 
 
-def _assemble(base_shards: list, target_shards: list, rule, atol: float, rtol: float):
+def _assemble(base_shards: list, target_shards: list, rule, atol: float, rtol: float, options: Options):
     """(baseline tensor, target tensor, rule used) from each side's TP shards."""
     if len(base_shards) == 1 and len(target_shards) == 1:
         return base_shards[0], target_shards[0], None
@@ -761,8 +772,8 @@ def _assemble(base_shards: list, target_shards: list, rule, atol: float, rtol: f
             raise _RowError("fail", f"shapes differ and no unshard explains them: baseline shards "
                                     f"{[_shape(s) for s in base_shards]}, target shards "
                                     f"{[_shape(s) for s in target_shards]} (give --unshard 'REGEX=DIM|replicated|sum')")
-    return (_combine(base_shards, rule, atol, rtol, "baseline"), _combine(target_shards, rule, atol, rtol, "target"),
-            rule)
+    return (_combine(base_shards, rule, atol, rtol, "baseline", options),
+            _combine(target_shards, rule, atol, rtol, "target", options), rule)
 
 
 def _holds(stages: list, pass_id: int) -> bool:
@@ -809,7 +820,7 @@ def _compare_name(unit, pass_pair, name, b_stage, t_stage, options, layouts, cac
             if name in layout:
                 rule = _layout_rule(layout[name], f"recorded {LAYOUT_META_KEY} of {name!r}")
                 break
-    base, target, used_rule = _assemble(base_shards, target_shards, rule, atol, rtol)
+    base, target, used_rule = _assemble(base_shards, target_shards, rule, atol, rtol, options)
     row = {"shape": _shape(target), "baseline_dtype": str(base_shards[0].dtype).rpartition(".")[2],
            "dtype": str(target_shards[0].dtype).rpartition(".")[2], "atol": atol, "rtol": rtol,
            "unshard": used_rule}

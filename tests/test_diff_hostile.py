@@ -1778,6 +1778,39 @@ def test_replicated_shards_of_other_shapes_fail_even_with_the_same_values(tmp_pa
     assert row["reason"] == "target: replicated tensor has shape [3, 2] on tp rank 1, [2, 3] on tp rank 0"
 
 
+def _replicated_tp2(root, rank1_value, y):
+    """A TP2 dump whose tensor 'norm' is replicated, rank 1's copy ``rank1_value``."""
+    x = torch.linspace(1, 2, 64)
+    for r, value in enumerate((x, rank1_value)):
+        manual_rank(root, [{"norm": value, "y": y}], tp_rank=r, tp_size=2)
+    return root
+
+
+def test_the_replicated_shard_check_uses_the_metric_the_user_chose_and_says_which_failed(tmp_path):
+    """TP1 against TP2 with 'norm' replicated: TP rank 1's copy was checked against rank 0's with
+    allclose whatever --metric said. Under --metric rel_diff=1e-3, all-reduce noise of 1e-4
+    between the ranks failed the diff (allclose); under --metric rel_diff=1e-9 --atol 1, a rank 1
+    off by 0.5 (rel_diff 0.05) passed it (exit 0: allclose with atol 1). The check is the user's
+    criterion now, and the reason names the criterion that failed."""
+    x, y = torch.linspace(1, 2, 64), torch.ones(2)  # (y: a diff whose one row fails this way exits 2)
+    base = manual_rank(tmp_path / "base", [{"norm": x, "y": y}])
+    noisy = _replicated_tp2(tmp_path / "noisy", x * (1 + 1e-4), y)
+    off = _replicated_tp2(tmp_path / "off", x + 0.5, y)
+    assert fastdump.diff(base, noisy, metric=["rel_diff=1e-3"]).exit_code == 0
+    allclose = row_of(fastdump.diff(base, noisy), "norm")  # (the default criterion still sees the noise)
+    assert allclose["status"] == "fail" and "(exceeds allclose; max abs 0.0002)" in allclose["reason"]
+    result = fastdump.diff(base, off, metric=["rel_diff=1e-9"], atol=1)
+    row = row_of(result, "norm")
+    assert result.exit_code == 1 and row["status"] == "fail"
+    assert row["reason"].startswith("target: tp ranks 0 and 1 disagree on a tensor treated as replicated "
+                                    "(exceeds rel_diff>1e-09; rel_diff ")
+    # Every metric given must hold for the copies too: cosine passes (x + 0.5 points nearly the same
+    # way) only at a loose threshold, rel_diff=1 always; cosine=1e-12 fails and is named alone.
+    both = row_of(fastdump.diff(base, off, metric=["cosine=1e-12", "rel_diff=1"]), "norm")
+    assert "(exceeds cosine>1e-12; cosine distance " in both["reason"] and "rel_diff>" not in both["reason"]
+    assert fastdump.diff(base, off, metric=["cosine=1", "rel_diff=1"]).exit_code == 0
+
+
 def test_rows_of_two_roles_go_pass_by_pass(tmp_path):
     """Execution order across roles: pass 0 of every role (the target first), then pass 1 (an
     EAGLE step runs the draft and the target in turn). The target's pass 0 diverges before the draft's pass 1 (a
