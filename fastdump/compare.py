@@ -412,8 +412,12 @@ def _stages(refs: list, only_in: str, missing: list) -> list:
 class Unit:
     """What is compared as one: a baseline rank group against a target rank group."""
 
-    def __init__(self, role, label, baseline_stages, target_stages, pp_rank=0, peers=None, dp_rank=None):
+    def __init__(self, role, label, baseline_stages, target_stages, pp_rank=0, peers=None, dp_rank=None,
+                 target_replica=None):
         self.role, self.label = role, label
+        # A merged unit stands for every target rank of its DP replica, a stage left out (absent
+        # ranks) included: --rank K of any of them selects it, and keeps the replica's absent ranks.
+        self.target_replica = target_replica
         self.dp_rank = dp_rank  # its DP replica, where the role has several (rank numbers repeat per replica)
         self.baseline, self.target = baseline_stages, target_stages
         self.pp_rank = pp_rank  # the PP stage a one-rank unit runs; a merged unit holds every stage
@@ -424,7 +428,7 @@ class Unit:
 
     @property
     def target_ranks(self):
-        return [ref.rank for ref in _ranks_of(self.target)]
+        return [ref.rank for ref in self.target_replica or _ranks_of(self.target)]
 
 
 def _ranks_of(stages: list) -> list:
@@ -464,8 +468,17 @@ def _pair_units(role: str, base_refs: list, target_refs: list, missing: list) ->
         label = f"dp{dp}:merged"
         b_stages, t_stages = _stages(b, "target", missing), _stages(t, "baseline", missing)
         if b_stages and t_stages:
-            units.append(Unit(role, label, b_stages, t_stages))
+            units.append(Unit(role, label, b_stages, t_stages, target_replica=t))
     return units
+
+
+def _replica_ranks(role: str, target_refs: list) -> dict:
+    """{(role, dp rank): the target's rank numbers in that DP replica}: which ranks --rank K asks
+    about when a replica is merged (its absent ranks are labelled 'pp1 tp1', never K)."""
+    found: dict = {}
+    for ref in target_refs:
+        found.setdefault((role, ref.dp_rank), set()).add(ref.rank)
+    return found
 
 
 # ---------------------------------------------------------------------------------------- passes
@@ -1200,16 +1213,25 @@ def _diff(base_ds, target_ds, options: Options) -> DiffResult:
     if not roles:
         raise DiffError(f"no role in common: baseline has {base_ds.roles}, target has {target_ds.roles}")
 
-    units = []
+    units, replicas = [], {}
     for role in roles:
-        units.extend(_pair_units(role, _side_ranks(base_ds, role, "baseline"), _side_ranks(target_ds, role, "target"),
-                                 missing))
+        target_refs = _side_ranks(target_ds, role, "target")
+        units.extend(_pair_units(role, _side_ranks(base_ds, role, "baseline"), target_refs, missing))
+        replicas.update(_replica_ranks(role, target_refs))
     if options.rank is not None:
+        def asked(item) -> bool:
+            # Other ranks were not asked about: their absence on one side says nothing here. A
+            # merged replica's absent rank ('pp1 tp1') is asked about with any rank of the replica:
+            # dropped, a lost TP rank read "no divergence" under --rank 0.
+            if item["kind"] != "rank" or item["rank"] == options.rank:
+                return True
+            return isinstance(item["rank"], str) and options.rank in replicas.get((item["role"], item["dp_rank"]), ())
+
+        missing = [item for item in missing if asked(item)]
         units = [unit for unit in units if options.rank in unit.target_ranks]
         if not units:
-            raise DiffError(f"no rank {options.rank} present on both sides")
-        # Other ranks were not asked about: their absence on one side says nothing here.
-        missing = [item for item in missing if item["kind"] != "rank" or item["rank"] == options.rank]
+            raise DiffError(f"no rank {options.rank} present on both sides" + "".join(
+                f"\n  {_missing_text(item)}" for item in missing if item["kind"] == "rank"))
     # At one pass id, the target role first: its forward feeds the others (an EAGLE draft runs on the
     # target's hidden states; the target's prefill runs before any draft pass). By name, 'draft' came
     # first, and a change moving both roles' pass 0 was named the draft's divergence.

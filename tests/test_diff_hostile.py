@@ -1414,6 +1414,34 @@ def test_a_pp_stage_or_tp_rank_absent_on_one_side_of_merged_layouts_fails(tmp_pa
     assert any(item["kind"] == "rank" and item["rank"] == "pp1 tp1" for item in result.missing), result.missing
 
 
+def test_rank_filter_keeps_the_absent_ranks_of_a_merged_layout(tmp_path, capsys):
+    """--rank K with merged layouts (TP1/PP1 against a PP2 run whose stage 1 lost TP rank 1): the
+    absent rank is labelled 'pp1 tp1', never equal to K, so the filter dropped it and --rank 0 read
+    "no divergence" (exit 0) where the plain diff fails (exit 1). A merged unit holds every rank of
+    its DP replica: --rank K of that replica keeps the replica's absent ranks, also where no stage
+    of the role could be reassembled (the draft role compared alone, exit 0 before)."""
+    torch.manual_seed(0)
+    l = [torch.randn(2, 4) for _ in range(4)]
+    base = manual_rank(tmp_path / "base", [{f"layers.{i}": l[i] for i in range(4)}])
+    manual_rank(base, [{"other": l[0]}], role="draft")
+    torn = tmp_path / "torn"  # target ranks 0 (pp0) and 2 (pp1 tp0); pp1 tp1 (rank 3) absent
+    manual_rank(torn, [{"layers.0": l[0], "layers.1": l[1]}], pp_rank=0, pp_size=2)
+    manual_rank(torn, [{"layers.2": l[2][:, :2], "layers.3": l[3][:, :2]}], tp_rank=0, tp_size=2, pp_rank=1,
+                pp_size=2)
+    manual_rank(torn, [{"other": l[0]}], role="draft")
+    assert fastdump.diff(base, torn).exit_code == 1
+    for rank in (0, 2):  # (rank 2's own stage cannot be reassembled: it said "no rank 2 present", exit 2)
+        code, out, _ = run(capsys, base, torn, "--rank", rank)
+        assert code == 1 and out.startswith("ranks missing: 1 rank(s) on one side only"), out
+        assert "missing: role target rank pp1 tp1 (dp 0) only in the baseline" in out
+    half = tmp_path / "half"  # TP2 with TP rank 1 absent: the target role has no stage to compare
+    manual_rank(half, [{f"layers.{i}": l[i][:, :2] for i in range(4)}], tp_rank=0, tp_size=2)
+    manual_rank(half, [{"other": l[0]}], role="draft")
+    result = fastdump.diff(base, half, rank=0)
+    assert result.exit_code == 1 and {row["role"] for row in result.rows} == {"draft"}
+    assert [(m["kind"], m["role"], m["rank"]) for m in result.missing] == [("rank", "target", "pp0 tp1")]
+
+
 def test_a_pass_a_whole_pp_stage_lacks_in_merged_layouts_fails(tmp_path, capsys):
     """Merged layouts (TP1/PP2 against TP2/PP2): a pass that every rank of a stage lacks, while the
     other stage ran it, dropped that stage's names, listed as names on one side: exit 0."""
