@@ -506,12 +506,8 @@ def _pass_pairs(unit: Unit, options: Options, missing: list) -> list:
         # A pass outside --passes was not asked about: its absence on one side says nothing (it
         # was listed missing, and failed a --strict diff). A baseline pass p stands for target p + shift.
         wanted = options.pass_filter or (lambda pass_id: True)
-        extras = (("baseline", [p for p in b_passes if p + shift not in t_set and wanted(p + shift)]),
-                  ("target", [t for t in t_passes if t - shift not in b_set and wanted(t)]))
-        for side, extra in extras:
-            if extra:
-                missing.append({"kind": "passes", "only_in": side, "role": unit.role, "rank": unit.label,
-                                **_dp_field(unit), "passes": extra})
+        extras = {"baseline": [p for p in b_passes if p + shift not in t_set and wanted(p + shift)],
+                  "target": [t for t in t_passes if t - shift not in b_set and wanted(t)]}
     else:
         if align[0] == "meta":
             b_passes, t_passes = _meta_passes(b_holders, align), _meta_passes(t_holders, align)
@@ -524,11 +520,21 @@ def _pass_pairs(unit: Unit, options: Options, missing: list) -> list:
             after = t_passes[-1] + 1 if t_passes else 0
             extras = {"baseline": [b for k, b in enumerate(extras["baseline"]) if options.pass_filter(after + k)],
                       "target": [t for t in extras["target"] if options.pass_filter(t)]}
-        for side, passes in extras.items():
-            if passes:
-                missing.append({"kind": "passes", "only_in": side, "role": unit.role, "rank": unit.label,
-                                **_dp_field(unit), "passes": passes})
         pairs = [(i, b_passes[i], t_passes[i]) for i in range(n)]
+    for side, passes in extras.items():
+        if not passes:
+            continue
+        other, other_holders = ("target", t_holders) if side == "baseline" else ("baseline", b_holders)
+        if not other_holders:
+            # The other side's rank (its whole DP replica) holds no pass at all: none of its data is
+            # there to compare, as with a rank on one side only (exit 1). Listed as passes on one
+            # side only, an EAGLE draft that never dumped a pass read "no divergence".
+            missing.append({"kind": "rank_without_passes", "only_in": side, "side": other, "role": unit.role,
+                            "rank": unit.label, **_dp_field(unit), "passes": passes,
+                            "path": ", ".join(ref.path for ref in unit.peers[side == "baseline"])})
+            continue
+        missing.append({"kind": "passes", "only_in": side, "role": unit.role, "rank": unit.label,
+                        **_dp_field(unit), "passes": passes})
     return pairs
 
 
@@ -935,7 +941,7 @@ class DiffResult:
         self.first_divergence = rows.first_divergence
         # A role, rank or stage on one side only is data missing from the comparison: the dumps
         # differ (exit 1). A name on one side only, or a pass, is listed, and fails only a strict diff.
-        self.missing_ranks = [item for item in missing if item["kind"] in ("role", "rank", "stage_passes")]
+        self.missing_ranks = [item for item in missing if item["kind"] in _MISSING_KIND]
         self.not_compared = [item for item in missing if item["kind"] in ("name", "passes")]
 
     def __repr__(self) -> str:
@@ -1050,7 +1056,9 @@ class DiffResult:
                + (f", problems {len(self.problems) + self._rows.errors}" if self.exit_code == 2 else ""))
 
 
-_MISSING_KIND = {"role": "role(s)", "rank": "rank(s)", "stage_passes": "stage(s) without a pass"}
+# The missing items that fail the diff (exit 1): data of a role, rank or stage absent on one side.
+_MISSING_KIND = {"role": "role(s)", "rank": "rank(s)", "stage_passes": "stage(s) without a pass",
+                 "rank_without_passes": "rank(s) holding no pass"}
 
 
 def _json_safe(value):
