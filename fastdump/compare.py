@@ -1021,8 +1021,11 @@ class DiffResult:
                     f"read (ERROR lines below): the comparison is incomplete")
         if self.missing_ranks:
             kinds = collections.Counter(item["kind"] for item in self.missing_ranks)
-            what = ", ".join(f"{n} {_MISSING_KIND[kind]}" for kind, n in sorted(kinds.items(), key=lambda kv: kv[0]))
-            return (f"{'ranks' if set(kinds) == {'rank'} else 'data'} missing: {what} on one side only (listed "
+            both = kinds.pop("rank_passes", 0)  # (lost on both sides: not "on one side only")
+            what = "; ".join(([", ".join(f"{n} {_MISSING_KIND[kind]}" for kind, n in sorted(kinds.items()))
+                               + " on one side only"] if kinds else [])
+                             + ([f"{both} {_MISSING_KIND['rank_passes']}, on both sides"] if both else []))
+            return (f"{'ranks' if set(kinds) == {'rank'} and not both else 'data'} missing: {what} (listed "
                     f"below); the {self.compared} tensor(s) compared are within tolerance")
         tolerance = f"({self.options.criteria()})"
         if self.missing:  # names or passes on one side only: listed, not failed, but never "all fine"
@@ -1058,7 +1061,7 @@ class DiffResult:
 
 # The missing items that fail the diff (exit 1): data of a role, rank or stage absent on one side.
 _MISSING_KIND = {"role": "role(s)", "rank": "rank(s)", "stage_passes": "stage(s) without a pass",
-                 "rank_without_passes": "rank(s) holding no pass"}
+                 "rank_without_passes": "rank(s) holding no pass", "rank_passes": "rank(s) without passes their DP replica ran"}
 
 
 def _json_safe(value):
@@ -1255,6 +1258,7 @@ def _diff(base_ds, target_ds, options: Options) -> DiffResult:
     progress = _Progress(options.progress)
     missing_names: dict = {}
     stage_gaps: dict = {}  # (role, unit label, side, pp stage) -> passes no rank of that stage holds
+    lost_on_both: dict = {}  # (role, unit label, dp) -> passes both sides' rank lacks, which their replicas ran
     base_names_seen, target_names_seen = set(), set()
     rows = RowLog()
     group, group_key = [], None  # rows of one pass of one PP stage (all its TP/DP units), to be ordered
@@ -1289,6 +1293,11 @@ def _diff(base_ds, target_ds, options: Options) -> DiffResult:
                 continue
             # A rank without a pass its TP group ran (paired ranks; a merged unit reads every rank):
             # the other side's names are compared, and each row fails naming that rank.
+            if not _holds(unit.target, t_pass) and not _holds(unit.baseline, b_pass):
+                # Both sides' rank lacks it (their replicas ran it): no name to make a row of. Left
+                # out, its data lost on both sides read "no divergence".
+                lost_on_both.setdefault((unit.role, unit.label, unit.dp_rank), []).append(t_pass)
+                continue
             if not _holds(unit.target, t_pass):
                 target_names = dict(base_names)
             elif not _holds(unit.baseline, b_pass):
@@ -1329,6 +1338,9 @@ def _diff(base_ds, target_ds, options: Options) -> DiffResult:
     for (role, label, side, pp), passes in stage_gaps.items():
         missing.append({"kind": "stage_passes", "only_in": "baseline" if side == "target" else "target",
                         "role": role, "rank": label, "pp_rank": pp, "side": side, "passes": passes})
+    for (role, label, dp), passes in lost_on_both.items():
+        missing.append({"kind": "rank_passes", "role": role, "rank": label, **({} if dp is None else {"dp_rank": dp}),
+                        "passes": passes})
     for (role, label, dp, name, side), passes in missing_names.items():
         missing.append({"kind": "name", "only_in": side, "role": role, "rank": label,
                         **({} if dp is None else {"dp_rank": dp}), "name": name, **passes.as_item()})

@@ -375,3 +375,30 @@ def test_a_rank_holding_no_pass_on_one_side_is_data_missing_not_passes_on_one_si
     # Only the passes --passes asks about are listed; the target role alone compares as before.
     assert [m["passes"] for m in fastdump.diff(ran, idle, passes="1").missing] == [[1]]
     assert fastdump.diff(ran, idle, role="target").exit_code == 0
+
+
+def test_a_pass_the_same_tp_rank_lacks_on_both_sides_is_data_missing(tmp_path, capsys):
+    """TP2 against TP2, TP rank 1 without pass 1 on both sides while TP rank 0 ran it: neither side
+    had a name for rank 1's pass 1, so nothing was compared nor listed: "no divergence: 5
+    tensor(s) compared" (exit 0), where the same loss on the target alone fails the diff."""
+    x = {"a": torch.ones(3)}
+
+    def tp2(root, lost):
+        for tp in range(2):
+            write_rank_dir(root / "target" / f"TP{tp}_PP0_Rank{tp}_pid100",
+                           {p: x for p in range(3) if (tp, p) not in lost},
+                           rank={"tp_rank": tp, "tp_size": 2, "pp_rank": 0, "pp_size": 1, "rank": tp})
+        return root
+
+    base, target = tp2(tmp_path / "b", {(1, 1)}), tp2(tmp_path / "t", {(1, 1)})
+    code, out, _ = run(capsys, base, target)
+    lines = out.splitlines()
+    assert code == 1, out
+    assert lines[0] == ("data missing: 1 rank(s) without passes their DP replica ran, on both sides (listed "
+                        "below); the 5 tensor(s) compared are within tolerance")
+    assert lines[1] == ("missing: role target rank 1: passes 1 missing on both sides' rank (other ranks of its DP "
+                        "replica ran them): not compared")
+    result = fastdump.diff(base, target)
+    assert [(m["kind"], m["rank"], m["passes"]) for m in result.missing] == [("rank_passes", 1, [1])]
+    assert fastdump.diff(base, target, passes="0,2").exit_code == 0  # (a pass not asked about)
+    assert fastdump.diff(base, target, rank=0).exit_code == 0  # (rank 0 holds every pass)
