@@ -720,7 +720,8 @@ def _combine(shards: list, rule, atol: float, rtol: float, side: str, options: O
             failed = _verdict(check, options)
             if failed:
                 # (types with no arithmetic are compared bit for bit, whatever the metric)
-                how = "their bits differ" if check["bitwise"] else f"exceeds {', '.join(failed)}; {_measured(check, failed)}"
+                how = "their bits differ" if check["bitwise"] else \
+                    f"exceeds {', '.join(failed)}; {_measured(check, failed)}"
                 raise _RowError("fail", f"{side}: tp ranks 0 and {k} disagree on a tensor treated as replicated "
                                         f"({how}); partial sums? give --unshard 'NAME=sum'")
         return shards[0]
@@ -1061,7 +1062,8 @@ class DiffResult:
 
 # The missing items that fail the diff (exit 1): data of a role, rank or stage absent on one side.
 _MISSING_KIND = {"role": "role(s)", "rank": "rank(s)", "stage_passes": "stage(s) without a pass",
-                 "rank_without_passes": "rank(s) holding no pass", "rank_passes": "rank(s) without passes their DP replica ran"}
+                 "rank_without_passes": "rank(s) holding no pass",
+                 "rank_passes": "rank(s) without passes their DP replica ran"}
 
 
 def _json_safe(value):
