@@ -412,8 +412,12 @@ def _stages(refs: list, only_in: str, missing: list) -> list:
 class Unit:
     """What is compared as one: a baseline rank group against a target rank group."""
 
-    def __init__(self, role, label, baseline_stages, target_stages, pp_rank=0, peers=None, dp_rank=None):
+    def __init__(self, role, label, baseline_stages, target_stages, pp_rank=0, peers=None, dp_rank=None,
+                 target_replica=None):
         self.role, self.label = role, label
+        # A merged unit stands for every target rank of its DP replica, a stage left out (absent
+        # ranks) included: --rank K of any of them selects it, and keeps the replica's absent ranks.
+        self.target_replica = target_replica
         self.dp_rank = dp_rank  # its DP replica, where the role has several (rank numbers repeat per replica)
         self.baseline, self.target = baseline_stages, target_stages
         self.pp_rank = pp_rank  # the PP stage a one-rank unit runs; a merged unit holds every stage
@@ -424,7 +428,7 @@ class Unit:
 
     @property
     def target_ranks(self):
-        return [ref.rank for ref in _ranks_of(self.target)]
+        return [ref.rank for ref in self.target_replica or _ranks_of(self.target)]
 
 
 def _ranks_of(stages: list) -> list:
@@ -464,8 +468,17 @@ def _pair_units(role: str, base_refs: list, target_refs: list, missing: list) ->
         label = f"dp{dp}:merged"
         b_stages, t_stages = _stages(b, "target", missing), _stages(t, "baseline", missing)
         if b_stages and t_stages:
-            units.append(Unit(role, label, b_stages, t_stages))
+            units.append(Unit(role, label, b_stages, t_stages, target_replica=t))
     return units
+
+
+def _replica_ranks(role: str, target_refs: list) -> dict:
+    """{(role, dp rank): the target's rank numbers in that DP replica}: which ranks --rank K asks
+    about when a replica is merged (its absent ranks are labelled 'pp1 tp1', never K)."""
+    found: dict = {}
+    for ref in target_refs:
+        found.setdefault((role, ref.dp_rank), set()).add(ref.rank)
+    return found
 
 
 # ---------------------------------------------------------------------------------------- passes
@@ -493,12 +506,8 @@ def _pass_pairs(unit: Unit, options: Options, missing: list) -> list:
         # A pass outside --passes was not asked about: its absence on one side says nothing (it
         # was listed missing, and failed a --strict diff). A baseline pass p stands for target p + shift.
         wanted = options.pass_filter or (lambda pass_id: True)
-        extras = (("baseline", [p for p in b_passes if p + shift not in t_set and wanted(p + shift)]),
-                  ("target", [t for t in t_passes if t - shift not in b_set and wanted(t)]))
-        for side, extra in extras:
-            if extra:
-                missing.append({"kind": "passes", "only_in": side, "role": unit.role, "rank": unit.label,
-                                **_dp_field(unit), "passes": extra})
+        extras = {"baseline": [p for p in b_passes if p + shift not in t_set and wanted(p + shift)],
+                  "target": [t for t in t_passes if t - shift not in b_set and wanted(t)]}
     else:
         if align[0] == "meta":
             b_passes, t_passes = _meta_passes(b_holders, align), _meta_passes(t_holders, align)
@@ -511,11 +520,21 @@ def _pass_pairs(unit: Unit, options: Options, missing: list) -> list:
             after = t_passes[-1] + 1 if t_passes else 0
             extras = {"baseline": [b for k, b in enumerate(extras["baseline"]) if options.pass_filter(after + k)],
                       "target": [t for t in extras["target"] if options.pass_filter(t)]}
-        for side, passes in extras.items():
-            if passes:
-                missing.append({"kind": "passes", "only_in": side, "role": unit.role, "rank": unit.label,
-                                **_dp_field(unit), "passes": passes})
         pairs = [(i, b_passes[i], t_passes[i]) for i in range(n)]
+    for side, passes in extras.items():
+        if not passes:
+            continue
+        other, other_holders = ("target", t_holders) if side == "baseline" else ("baseline", b_holders)
+        if not other_holders:
+            # The other side's rank (its whole DP replica) holds no pass at all: none of its data is
+            # there to compare, as with a rank on one side only (exit 1). Listed as passes on one
+            # side only, an EAGLE draft that never dumped a pass read "no divergence".
+            missing.append({"kind": "rank_without_passes", "only_in": side, "side": other, "role": unit.role,
+                            "rank": unit.label, **_dp_field(unit), "passes": passes,
+                            "path": ", ".join(ref.path for ref in unit.peers[side == "baseline"])})
+            continue
+        missing.append({"kind": "passes", "only_in": side, "role": unit.role, "rank": unit.label,
+                        **_dp_field(unit), "passes": passes})
     return pairs
 
 
@@ -679,7 +698,7 @@ def _shape(tensor) -> list:
     return list(tensor.shape)
 
 
-def _combine(shards: list, rule, atol: float, rtol: float, side: str):
+def _combine(shards: list, rule, atol: float, rtol: float, side: str, options: Options):
     """One tensor from the shards of one side under ``rule`` (dim, 'replicated' or 'sum')."""
     import torch
 
@@ -694,10 +713,15 @@ def _combine(shards: list, rule, atol: float, rtol: float, side: str):
             if shard.shape != shards[0].shape:
                 raise _RowError("fail", f"{side}: replicated tensor has shape {_shape(shard)} on tp rank {k}, "
                                         f"{_shape(shards[0])} on tp rank 0")
+            # The copies are held to the criterion the user chose (--metric), not allclose alone: under
+            # rel_diff, all-reduce noise between TP ranks failed the diff, and under rel_diff with a
+            # loose atol a copy far off passed it.
             check = stats.compare(shards[0], shard, atol, rtol)
-            if check["mismatches"]:
-                # (types with no arithmetic are compared bit for bit: no max abs to give)
-                how = "their bits differ" if check["bitwise"] else f"max abs {check['max_abs']:.3g}"
+            failed = _verdict(check, options)
+            if failed:
+                # (types with no arithmetic are compared bit for bit, whatever the metric)
+                how = "their bits differ" if check["bitwise"] else \
+                    f"exceeds {', '.join(failed)}; {_measured(check, failed)}"
                 raise _RowError("fail", f"{side}: tp ranks 0 and {k} disagree on a tensor treated as replicated "
                                         f"({how}); partial sums? give --unshard 'NAME=sum'")
         return shards[0]
@@ -718,6 +742,13 @@ def _combine(shards: list, rule, atol: float, rtol: float, side: str):
     except (RuntimeError, IndexError) as exc:
         raise _RowError("fail", f"{side}: cannot concatenate shards {[_shape(s) for s in shards]} along dim "
                                 f"{rule}: {exc}") from None
+
+
+def _measured(check: dict, failed: list) -> str:
+    """The numbers behind the failed metrics of ``check`` ('max abs 0.5', 'rel_diff 0.02')."""
+    said = {"allclose": f"max abs {check['max_abs']:.3g}", "rel_diff": f"rel_diff {check['rel_diff']:.3g}",
+            "cosine": f"cosine distance {check['cosine_distance']:.3g}"}
+    return ", ".join(said[metric.partition(">")[0]] for metric in failed)
 
 
 def _infer_rule(base_shards: list, target_shards: list):
@@ -745,7 +776,7 @@ def _infer_rule(base_shards: list, target_shards: list):
     return candidates[0] if len(candidates) == 1 else None
 
 
-def _assemble(base_shards: list, target_shards: list, rule, atol: float, rtol: float):
+def _assemble(base_shards: list, target_shards: list, rule, atol: float, rtol: float, options: Options):
     """(baseline tensor, target tensor, rule used) from each side's TP shards."""
     if len(base_shards) == 1 and len(target_shards) == 1:
         return base_shards[0], target_shards[0], None
@@ -761,8 +792,8 @@ def _assemble(base_shards: list, target_shards: list, rule, atol: float, rtol: f
             raise _RowError("fail", f"shapes differ and no unshard explains them: baseline shards "
                                     f"{[_shape(s) for s in base_shards]}, target shards "
                                     f"{[_shape(s) for s in target_shards]} (give --unshard 'REGEX=DIM|replicated|sum')")
-    return (_combine(base_shards, rule, atol, rtol, "baseline"), _combine(target_shards, rule, atol, rtol, "target"),
-            rule)
+    return (_combine(base_shards, rule, atol, rtol, "baseline", options),
+            _combine(target_shards, rule, atol, rtol, "target", options), rule)
 
 
 def _holds(stages: list, pass_id: int) -> bool:
@@ -809,7 +840,7 @@ def _compare_name(unit, pass_pair, name, b_stage, t_stage, options, layouts, cac
             if name in layout:
                 rule = _layout_rule(layout[name], f"recorded {LAYOUT_META_KEY} of {name!r}")
                 break
-    base, target, used_rule = _assemble(base_shards, target_shards, rule, atol, rtol)
+    base, target, used_rule = _assemble(base_shards, target_shards, rule, atol, rtol, options)
     row = {"shape": _shape(target), "baseline_dtype": str(base_shards[0].dtype).rpartition(".")[2],
            "dtype": str(target_shards[0].dtype).rpartition(".")[2], "atol": atol, "rtol": rtol,
            "unshard": used_rule}
@@ -911,7 +942,7 @@ class DiffResult:
         self.first_divergence = rows.first_divergence
         # A role, rank or stage on one side only is data missing from the comparison: the dumps
         # differ (exit 1). A name on one side only, or a pass, is listed, and fails only a strict diff.
-        self.missing_ranks = [item for item in missing if item["kind"] in ("role", "rank", "stage_passes")]
+        self.missing_ranks = [item for item in missing if item["kind"] in _MISSING_KIND]
         self.not_compared = [item for item in missing if item["kind"] in ("name", "passes")]
 
     def __repr__(self) -> str:
@@ -991,8 +1022,11 @@ class DiffResult:
                     f"read (ERROR lines below): the comparison is incomplete")
         if self.missing_ranks:
             kinds = collections.Counter(item["kind"] for item in self.missing_ranks)
-            what = ", ".join(f"{n} {_MISSING_KIND[kind]}" for kind, n in sorted(kinds.items(), key=lambda kv: kv[0]))
-            return (f"{'ranks' if set(kinds) == {'rank'} else 'data'} missing: {what} on one side only (listed "
+            both = kinds.pop("rank_passes", 0)  # (lost on both sides: not "on one side only")
+            what = "; ".join(([", ".join(f"{n} {_MISSING_KIND[kind]}" for kind, n in sorted(kinds.items()))
+                               + " on one side only"] if kinds else [])
+                             + ([f"{both} {_MISSING_KIND['rank_passes']}, on both sides"] if both else []))
+            return (f"{'ranks' if set(kinds) == {'rank'} and not both else 'data'} missing: {what} (listed "
                     f"below); the {self.compared} tensor(s) compared are within tolerance")
         tolerance = f"({self.options.criteria()})"
         if self.missing:  # names or passes on one side only: listed, not failed, but never "all fine"
@@ -1026,7 +1060,10 @@ class DiffResult:
                + (f", problems {len(self.problems) + self._rows.errors}" if self.exit_code == 2 else ""))
 
 
-_MISSING_KIND = {"role": "role(s)", "rank": "rank(s)", "stage_passes": "stage(s) without a pass"}
+# The missing items that fail the diff (exit 1): data of a role, rank or stage absent on one side.
+_MISSING_KIND = {"role": "role(s)", "rank": "rank(s)", "stage_passes": "stage(s) without a pass",
+                 "rank_without_passes": "rank(s) holding no pass",
+                 "rank_passes": "rank(s) without passes their DP replica ran"}
 
 
 def _json_safe(value):
@@ -1189,16 +1226,25 @@ def _diff(base_ds, target_ds, options: Options) -> DiffResult:
     if not roles:
         raise DiffError(f"no role in common: baseline has {base_ds.roles}, target has {target_ds.roles}")
 
-    units = []
+    units, replicas = [], {}
     for role in roles:
-        units.extend(_pair_units(role, _side_ranks(base_ds, role, "baseline"), _side_ranks(target_ds, role, "target"),
-                                 missing))
+        target_refs = _side_ranks(target_ds, role, "target")
+        units.extend(_pair_units(role, _side_ranks(base_ds, role, "baseline"), target_refs, missing))
+        replicas.update(_replica_ranks(role, target_refs))
     if options.rank is not None:
+        def asked(item) -> bool:
+            # Other ranks were not asked about: their absence on one side says nothing here. A
+            # merged replica's absent rank ('pp1 tp1') is asked about with any rank of the replica:
+            # dropped, a lost TP rank read "no divergence" under --rank 0.
+            if item["kind"] != "rank" or item["rank"] == options.rank:
+                return True
+            return isinstance(item["rank"], str) and options.rank in replicas.get((item["role"], item["dp_rank"]), ())
+
+        missing = [item for item in missing if asked(item)]
         units = [unit for unit in units if options.rank in unit.target_ranks]
         if not units:
-            raise DiffError(f"no rank {options.rank} present on both sides")
-        # Other ranks were not asked about: their absence on one side says nothing here.
-        missing = [item for item in missing if item["kind"] != "rank" or item["rank"] == options.rank]
+            raise DiffError(f"no rank {options.rank} present on both sides" + "".join(
+                f"\n  {_missing_text(item)}" for item in missing if item["kind"] == "rank"))
     # At one pass id, the target role first: its forward feeds the others (an EAGLE draft runs on the
     # target's hidden states; the target's prefill runs before any draft pass). By name, 'draft' came
     # first, and a change moving both roles' pass 0 was named the draft's divergence.
@@ -1214,6 +1260,7 @@ def _diff(base_ds, target_ds, options: Options) -> DiffResult:
     progress = _Progress(options.progress)
     missing_names: dict = {}
     stage_gaps: dict = {}  # (role, unit label, side, pp stage) -> passes no rank of that stage holds
+    lost_on_both: dict = {}  # (role, unit label, dp) -> passes both sides' rank lacks, which their replicas ran
     base_names_seen, target_names_seen = set(), set()
     rows = RowLog()
     group, group_key = [], None  # rows of one pass of one PP stage (all its TP/DP units), to be ordered
@@ -1248,6 +1295,11 @@ def _diff(base_ds, target_ds, options: Options) -> DiffResult:
                 continue
             # A rank without a pass its TP group ran (paired ranks; a merged unit reads every rank):
             # the other side's names are compared, and each row fails naming that rank.
+            if not _holds(unit.target, t_pass) and not _holds(unit.baseline, b_pass):
+                # Both sides' rank lacks it (their replicas ran it): no name to make a row of. Left
+                # out, its data lost on both sides read "no divergence".
+                lost_on_both.setdefault((unit.role, unit.label, unit.dp_rank), []).append(t_pass)
+                continue
             if not _holds(unit.target, t_pass):
                 target_names = dict(base_names)
             elif not _holds(unit.baseline, b_pass):
@@ -1288,6 +1340,9 @@ def _diff(base_ds, target_ds, options: Options) -> DiffResult:
     for (role, label, side, pp), passes in stage_gaps.items():
         missing.append({"kind": "stage_passes", "only_in": "baseline" if side == "target" else "target",
                         "role": role, "rank": label, "pp_rank": pp, "side": side, "passes": passes})
+    for (role, label, dp), passes in lost_on_both.items():
+        missing.append({"kind": "rank_passes", "role": role, "rank": label, **({} if dp is None else {"dp_rank": dp}),
+                        "passes": passes})
     for (role, label, dp, name, side), passes in missing_names.items():
         missing.append({"kind": "name", "only_in": side, "role": role, "rank": label,
                         **({} if dp is None else {"dp_rank": dp}), "name": name, **passes.as_item()})

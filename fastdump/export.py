@@ -494,6 +494,7 @@ def export_sglang(root, out, *, role_subdirs: bool | None = None, names: str = "
     ds = open_dump(root)
     roles, split = _layout(ds, role_subdirs)
     metas = _survey(ds, roles, partial)
+    _outside_the_dump(ds, out)
     _fresh_out(out)
     written = 0
     for role in roles:
@@ -536,6 +537,18 @@ def _fresh_out(out) -> None:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as exc:  # ("[Errno 2] No such file or directory: '/proc/x'" before: say it is OUT)
         raise OSError(f"OUT {out}: cannot be made ({exc.strerror or exc})") from None
+
+
+def _outside_the_dump(ds, out) -> None:
+    """OUT must not lie inside a root of the dump it is exported from: the Pass layout's rank
+    directories under ROOT/OUT read as a role whose sessions recorded nothing, and `fastdump verify`
+    failed the dump (evidence) the export was made from. Checked before anything is written."""
+    real_out = os.path.realpath(out)  # (links resolved: a link into the root is inside it)
+    for root in getattr(ds, "roots", [ds.root]):
+        real_root = os.path.realpath(root)
+        if os.path.commonpath([real_out, real_root]) == real_root:
+            raise ValueError(f"OUT {out}: inside the dump root {root}; export outside it (files written there "
+                             "would be read as part of the dump)")
 
 
 def _check_dumper_names(ds, role, rank, world_rank: int, passes, aliases=()) -> None:
@@ -608,6 +621,7 @@ def export_sglang_dumper(root, out, *, role_subdirs: bool | None = None, names: 
             aliases = recorded[role, rank][2] if names == "sglang" else {}
             _check_dumper_names(ds, role, rank, world_rank, list(metas[role, rank]),
                                 [alias for listed in aliases.values() for alias in listed])
+    _outside_the_dump(ds, out)
     _fresh_out(out)
     written = 0
     for role in roles:

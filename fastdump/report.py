@@ -341,6 +341,12 @@ def _missing_text(item) -> str:
     if item["kind"] == "stage_passes":  # its names are unknown: what that stage dumps was not compared
         return (f"role {item['role']} rank {item['rank']}: passes {_span(item['passes'])} missing on every rank of "
                 f"the {item['side']}'s pp stage {item['pp_rank']} (the other stages ran them)")
+    if item["kind"] == "rank_without_passes":  # a rank whose data is absent: the diff fails
+        return (f"role {item['role']} rank {item['rank']}{dp}: no pass on the {item['side']} ({item['path']}), passes "
+                f"{_span(item['passes'])} only in the {item['only_in']}: not compared")
+    if item["kind"] == "rank_passes":  # lost on both sides: no name to compare, the diff fails
+        return (f"role {item['role']} rank {item['rank']}{dp}: passes {_span(item['passes'])} missing on both sides' "
+                f"rank (other ranks of its DP replica ran them): not compared")
     if item["kind"] == "passes":
         return (f"role {item['role']} rank {item['rank']}{dp}: passes {_span(item['passes'])} only in the "
                 f"{item['only_in']}")

@@ -1414,6 +1414,34 @@ def test_a_pp_stage_or_tp_rank_absent_on_one_side_of_merged_layouts_fails(tmp_pa
     assert any(item["kind"] == "rank" and item["rank"] == "pp1 tp1" for item in result.missing), result.missing
 
 
+def test_rank_filter_keeps_the_absent_ranks_of_a_merged_layout(tmp_path, capsys):
+    """--rank K with merged layouts (TP1/PP1 against a PP2 run whose stage 1 lost TP rank 1): the
+    absent rank is labelled 'pp1 tp1', never equal to K, so the filter dropped it and --rank 0 read
+    "no divergence" (exit 0) where the plain diff fails (exit 1). A merged unit holds every rank of
+    its DP replica: --rank K of that replica keeps the replica's absent ranks, also where no stage
+    of the role could be reassembled (the draft role compared alone, exit 0 before)."""
+    torch.manual_seed(0)
+    l = [torch.randn(2, 4) for _ in range(4)]
+    base = manual_rank(tmp_path / "base", [{f"layers.{i}": l[i] for i in range(4)}])
+    manual_rank(base, [{"other": l[0]}], role="draft")
+    torn = tmp_path / "torn"  # target ranks 0 (pp0) and 2 (pp1 tp0); pp1 tp1 (rank 3) absent
+    manual_rank(torn, [{"layers.0": l[0], "layers.1": l[1]}], pp_rank=0, pp_size=2)
+    manual_rank(torn, [{"layers.2": l[2][:, :2], "layers.3": l[3][:, :2]}], tp_rank=0, tp_size=2, pp_rank=1,
+                pp_size=2)
+    manual_rank(torn, [{"other": l[0]}], role="draft")
+    assert fastdump.diff(base, torn).exit_code == 1
+    for rank in (0, 2):  # (rank 2's own stage cannot be reassembled: it said "no rank 2 present", exit 2)
+        code, out, _ = run(capsys, base, torn, "--rank", rank)
+        assert code == 1 and out.startswith("ranks missing: 1 rank(s) on one side only"), out
+        assert "missing: role target rank pp1 tp1 (dp 0) only in the baseline" in out
+    half = tmp_path / "half"  # TP2 with TP rank 1 absent: the target role has no stage to compare
+    manual_rank(half, [{f"layers.{i}": l[i][:, :2] for i in range(4)}], tp_rank=0, tp_size=2)
+    manual_rank(half, [{"other": l[0]}], role="draft")
+    result = fastdump.diff(base, half, rank=0)
+    assert result.exit_code == 1 and {row["role"] for row in result.rows} == {"draft"}
+    assert [(m["kind"], m["role"], m["rank"]) for m in result.missing] == [("rank", "target", "pp0 tp1")]
+
+
 def test_a_pass_a_whole_pp_stage_lacks_in_merged_layouts_fails(tmp_path, capsys):
     """Merged layouts (TP1/PP2 against TP2/PP2): a pass that every rank of a stage lacks, while the
     other stage ran it, dropped that stage's names, listed as names on one side: exit 0."""
@@ -1776,6 +1804,39 @@ def test_replicated_shards_of_other_shapes_fail_even_with_the_same_values(tmp_pa
     row = row_of(result, "x")
     assert row["status"] == "fail" and result.exit_code == 1
     assert row["reason"] == "target: replicated tensor has shape [3, 2] on tp rank 1, [2, 3] on tp rank 0"
+
+
+def _replicated_tp2(root, rank1_value, y):
+    """A TP2 dump whose tensor 'norm' is replicated, rank 1's copy ``rank1_value``."""
+    x = torch.linspace(1, 2, 64)
+    for r, value in enumerate((x, rank1_value)):
+        manual_rank(root, [{"norm": value, "y": y}], tp_rank=r, tp_size=2)
+    return root
+
+
+def test_the_replicated_shard_check_uses_the_metric_the_user_chose_and_says_which_failed(tmp_path):
+    """TP1 against TP2 with 'norm' replicated: TP rank 1's copy was checked against rank 0's with
+    allclose whatever --metric said. Under --metric rel_diff=1e-3, all-reduce noise of 1e-4
+    between the ranks failed the diff (allclose); under --metric rel_diff=1e-9 --atol 1, a rank 1
+    off by 0.5 (rel_diff 0.05) passed it (exit 0: allclose with atol 1). The check is the user's
+    criterion now, and the reason names the criterion that failed."""
+    x, y = torch.linspace(1, 2, 64), torch.ones(2)  # (y: a diff whose one row fails this way exits 2)
+    base = manual_rank(tmp_path / "base", [{"norm": x, "y": y}])
+    noisy = _replicated_tp2(tmp_path / "noisy", x * (1 + 1e-4), y)
+    off = _replicated_tp2(tmp_path / "off", x + 0.5, y)
+    assert fastdump.diff(base, noisy, metric=["rel_diff=1e-3"]).exit_code == 0
+    allclose = row_of(fastdump.diff(base, noisy), "norm")  # (the default criterion still sees the noise)
+    assert allclose["status"] == "fail" and "(exceeds allclose; max abs 0.0002)" in allclose["reason"]
+    result = fastdump.diff(base, off, metric=["rel_diff=1e-9"], atol=1)
+    row = row_of(result, "norm")
+    assert result.exit_code == 1 and row["status"] == "fail"
+    assert row["reason"].startswith("target: tp ranks 0 and 1 disagree on a tensor treated as replicated "
+                                    "(exceeds rel_diff>1e-09; rel_diff ")
+    # Every metric given must hold for the copies too: cosine passes (x + 0.5 points nearly the same
+    # way) only at a loose threshold, rel_diff=1 always; cosine=1e-12 fails and is named alone.
+    both = row_of(fastdump.diff(base, off, metric=["cosine=1e-12", "rel_diff=1"]), "norm")
+    assert "(exceeds cosine>1e-12; cosine distance " in both["reason"] and "rel_diff>" not in both["reason"]
+    assert fastdump.diff(base, off, metric=["cosine=1", "rel_diff=1"]).exit_code == 0
 
 
 def test_rows_of_two_roles_go_pass_by_pass(tmp_path):

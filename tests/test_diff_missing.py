@@ -350,3 +350,60 @@ def test_dp_replicas_keep_their_missing_names_and_passes_apart(tmp_path, capsys)
         "missing: role target rank 0 (dp 0): 'y' only in the target (passes 0-2 (3 passes))",
         "missing: role target rank 0 (dp 1): 'y' only in the target (passes 0-2 (3 passes))",
         "compared 6, failed 0, missing 4"]
+
+
+def test_a_rank_holding_no_pass_on_one_side_is_data_missing_not_passes_on_one_side(tmp_path, capsys):
+    """An EAGLE run whose draft attached but never dumped a pass (speculative decoding off) against
+    one whose draft ran: the draft's passes were listed as passes on one side only, "no divergence"
+    (exit 0), where a run without the draft role at all exits 1. A rank (its whole DP replica)
+    holding no pass while the other side's holds passes the diff asks about is data missing now."""
+    x = {"layer": torch.ones(3)}
+
+    def dump(root, draft_passes):
+        write_rank_dir(root / "target" / "TP0_PP0_Rank0_pid100", {0: x, 1: x})
+        write_rank_dir(root / "draft" / "TP0_PP0_Rank0_pid100", draft_passes, role="draft")
+        return root
+
+    ran, idle = dump(tmp_path / "ran", {0: x, 1: x}), dump(tmp_path / "idle", {})
+    for base, target, only_in, empty in ((ran, idle, "baseline", "target"), (idle, ran, "target", "baseline")):
+        code, out, _ = run(capsys, base, target)
+        lines = out.splitlines()
+        assert code == 1, out
+        assert lines[0] == ("data missing: 1 rank(s) holding no pass on one side only (listed below); the 2 "
+                            "tensor(s) compared are within tolerance")
+        assert lines[1] == (f"missing: role draft rank 0: no pass on the {empty} "
+                            f"({os.path.join(str(tmp_path), 'idle', 'draft', 'TP0_PP0_Rank0_pid100')}), passes 0,1 "
+                            f"only in the {only_in}: not compared")
+        result = fastdump.diff(base, target)
+        assert [(m["kind"], m["role"], m["only_in"], m["passes"]) for m in result.missing] == [
+            ("rank_without_passes", "draft", only_in, [0, 1])]
+    # Only the passes --passes asks about are listed; the target role alone compares as before.
+    assert [m["passes"] for m in fastdump.diff(ran, idle, passes="1").missing] == [[1]]
+    assert fastdump.diff(ran, idle, role="target").exit_code == 0
+
+
+def test_a_pass_the_same_tp_rank_lacks_on_both_sides_is_data_missing(tmp_path, capsys):
+    """TP2 against TP2, TP rank 1 without pass 1 on both sides while TP rank 0 ran it: neither side
+    had a name for rank 1's pass 1, so nothing was compared nor listed: "no divergence: 5
+    tensor(s) compared" (exit 0), where the same loss on the target alone fails the diff."""
+    x = {"a": torch.ones(3)}
+
+    def tp2(root, lost):
+        for tp in range(2):
+            write_rank_dir(root / "target" / f"TP{tp}_PP0_Rank{tp}_pid100",
+                           {p: x for p in range(3) if (tp, p) not in lost},
+                           rank={"tp_rank": tp, "tp_size": 2, "pp_rank": 0, "pp_size": 1, "rank": tp})
+        return root
+
+    base, target = tp2(tmp_path / "b", {(1, 1)}), tp2(tmp_path / "t", {(1, 1)})
+    code, out, _ = run(capsys, base, target)
+    lines = out.splitlines()
+    assert code == 1, out
+    assert lines[0] == ("data missing: 1 rank(s) without passes their DP replica ran, on both sides (listed "
+                        "below); the 5 tensor(s) compared are within tolerance")
+    assert lines[1] == ("missing: role target rank 1: passes 1 missing on both sides' rank (other ranks of its DP "
+                        "replica ran them): not compared")
+    result = fastdump.diff(base, target)
+    assert [(m["kind"], m["rank"], m["passes"]) for m in result.missing] == [("rank_passes", 1, [1])]
+    assert fastdump.diff(base, target, passes="0,2").exit_code == 0  # (a pass not asked about)
+    assert fastdump.diff(base, target, rank=0).exit_code == 0  # (rank 0 holds every pass)

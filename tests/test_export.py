@@ -379,6 +379,24 @@ def test_out_must_be_new_or_empty_and_never_the_current_directory(tmp_path, monk
         write(tmp_path / "dump", tmp_path / "file")
 
 
+@pytest.mark.parametrize("fmt", ["sglang", "sglang-dumper"])
+def test_out_inside_the_dump_is_refused_and_the_dump_stays_whole(tmp_path, capsys, fmt):
+    """`fastdump export ROOT ROOT/sglang`: the Pass layout's rank directories (TP0_PP0_Rank0_pid...)
+    under ROOT/sglang read as a role 'sglang' whose sessions recorded nothing, and `fastdump verify
+    ROOT` failed the dump it was exported from (exit 1); the dumper layout's files were left in the
+    evidence. OUT inside a dump root is refused before anything is written."""
+    from fastdump import cli
+
+    make_dump(tmp_path / "dump")
+    for out in (tmp_path / "dump" / "sglang", tmp_path / "dump" / "target" / "x"):
+        code, _, err = run_cli("--format", fmt, tmp_path / "dump", out, capsys=capsys)
+        assert code == 2 and not out.exists(), err
+        assert err.splitlines()[-1] == (f"fastdump export: OUT {out}: inside the dump root {tmp_path / 'dump'}; "
+                                        "export outside it (files written there would be read as part of the dump)")
+    assert cli.main(["verify", str(tmp_path / "dump")]) == 0
+    assert run_cli("--format", fmt, tmp_path / "dump", tmp_path / "dumpling", capsys=capsys)[0] == 0  # (a prefix)
+
+
 @pytest.mark.parametrize("name, message", [("a/b", "contains '/'"), ("é" * 120, "too long for a file name")])
 def test_a_name_the_dumper_layout_cannot_hold_is_refused_before_anything_is_written(tmp_path, capsys, name, message):
     """Checked as each file was written, a bad name in pass 1 left pass 0's files behind (exit 2,
