@@ -1431,3 +1431,119 @@ def test_one_session_copied_under_another_directory_name_fails_verify(dump):
     code, problems, _ = verify(dump)
     session = fmt.parse_rank_dir(original.name)[4]
     assert code == 1 and len(problems) == 1 and has(problems, str(copy), f"session {session} again", str(original))
+
+
+# --------------------------------------------------------- more on disk than the Dumper handed over
+
+
+def list_segments_as_on_disk(root):
+    """segments.jsonl (committed in rank.json) and rank.json's totals rewritten from the segment files
+    themselves: a forger, or another writer, that keeps every file of the rank consistent."""
+    info = rank_json(root)
+    info["segments"] = []
+    for path in sorted(rank_dir(root).glob("seg-*.h5"), key=lambda p: fmt.segment_number(p.name)):
+        with h5py.File(path, "r") as f:
+            info["segments"].append({"file": path.name, **{key: int(f.attrs[key]) for key in (
+                "first_pass", "last_pass", "passes", "tensors", "bytes", "complete")}})
+    for key in ("passes", "tensors", "bytes"):
+        info[key] = sum(entry[key] for entry in info["segments"])
+    write_rank_json(root, info)
+
+
+def add_a_tensor(path, pass_id, name):
+    """A tensor under a new ``name`` added to pass ``pass_id`` of the segment at ``path``: a copy of
+    block 0's rows in a block of its own, its index row, the pass's counts in the passes table, the
+    file's attributes, its tables' and block's checksums. Every table of the file agrees."""
+    with h5py.File(path, "r+") as f:
+        names, index, passes = json.loads(f["names"][()]), f["index"][()], f["passes"][()]
+        source, number = f["blocks"]["0"], len(f["blocks"])
+        rows = source[()]
+        block = f["blocks"].create_dataset(str(number), data=rows)
+        for key, value in source.attrs.items():
+            block.attrs[key] = value
+        block.attrs[fmt.ATTR_BLOCK_CRC] = np.int64(fmt.block_crc32c(
+            number, source.attrs["dtype"], source.attrs["encoding"], bool(source.attrs.get("scalar", 0)), rows.shape[1:]))
+        row = index[index["block"] == 0][:1].copy()
+        row["pass"], row["name"], row["block"], row["first_row"], row["rows"] = pass_id, len(names), number, 0, len(rows)
+        names.append(name)
+        index = np.concatenate([index, row])
+        passes["tensors"][passes["pass"] == pass_id] += 1
+        passes["bytes"][passes["pass"] == pass_id] += rows.nbytes
+        for table in ("names", "index", "passes"):
+            del f[table]
+        f.create_dataset("names", data=json.dumps(names), dtype=h5py.string_dtype())
+        f.create_dataset("index", data=index)
+        f.create_dataset("passes", data=passes)
+        f.attrs["tensors"], f.attrs["bytes"] = len(index), int(passes["bytes"].sum())
+    restamp_tables(path)
+
+
+def more_than_dumped(root, *counts):
+    return (f"{rank_dir(root)}: " + "; ".join(counts) + ": data this session's Dumper never handed over (another "
+            "writer's or session's, a copied or forged segment) is mixed in, and which is whose cannot be told")
+
+
+def test_a_tensor_the_dumper_never_staged_fails_verify_and_no_reader_passes_it_on(dump, pristine, tmp_path, capsys):
+    """A tensor added to a pass, every table, checksum, the segment list and rank.json's totals
+    agreeing (a forger, or a second writer, that keeps the files consistent): verify compared only
+    that no fewer tensors than the Dumper staged were on disk, and said OK; ls listed 21 tensors of a
+    closed rank without a word, show printed the extra tensor as pass 4's, export wrote it."""
+    add_a_tensor(seg(dump, 2), 4, "extra")
+    list_segments_as_on_disk(dump)
+    text = more_than_dumped(dump, "21 tensors on disk, but its Dumper staged 20 (1 more)")
+    code, problems, _ = verify(dump)
+    assert code == 1 and problems == [text], problems
+    capsys.readouterr()
+
+    assert cli_dump.main(["ls", str(dump)]) == 0  # (ls lists; verify judges)
+    out, err = capsys.readouterr()
+    assert f"warning: {text}" in err.splitlines()
+    assert "closed [more on disk than its Dumper dumped: mixed, see the warning]" in out
+    assert cli_dump.main(["show", str(dump), "--pass", "4"]) == 0
+    out, err = capsys.readouterr()
+    assert f"warning: {text}" in err.splitlines() and "extra" in out
+    with open_quietly(dump) as ds:
+        assert ds.summary("target", 0)["tensors"] == 21
+        assert [(p.kind, p.path) for p in ds.problems] == [(reader.Problem.MORE_THAN_DUMPED, str(rank_dir(dump)))]
+
+    from fastdump import cli, export
+
+    assert cli.main(["export", "--names", "fastdump", str(dump), str(tmp_path / "out")]) == 2
+    assert f"fastdump export:   {text}" in capsys.readouterr().err.splitlines()
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(export.PartialDumpError):
+        export.export_sglang(dump, tmp_path / "out", names="fastdump")
+    result = fastdump.diff(pristine[0], dump)
+    assert result.exit_code == 2 and text in result.problems
+
+
+def test_passes_of_another_session_grafted_in_fail_verify_by_count(dump, tmp_path):
+    """Another run's segment relabelled as passes 5..11 of this session (pass ids, number and
+    session attributes rewritten, the tables restamped) and listed with consistent totals: nothing
+    overlapped, every checksum held, and verify said OK with 7 passes this Dumper never ran."""
+    other = tmp_path / "other"
+    model = make_model()
+    with fastdump.attach(model, str(other), segment_passes=10, writer="thread"), torch.inference_mode():
+        for p in range(7):
+            model(model_input(100 + p))
+    grafted = seg(dump, 3)
+    shutil.copy(rank_dir(other) / "seg-000000.h5", grafted)
+    relabel_passes(grafted, {p: p + PASSES for p in range(7)})
+    with h5py.File(seg(dump, 0), "r") as f:
+        set_attrs(grafted, segment=3, session=f.attrs["session"])
+    list_segments_as_on_disk(dump)
+    code, problems, _ = verify(dump)
+    assert code == 1 and problems == [more_than_dumped(
+        dump, "12 passes on disk, but its Dumper dumped 5 (7 more)", "48 tensors on disk, but its Dumper staged 20 (28 more)")]
+
+
+@pytest.mark.parametrize("change, counts", [
+    (lambda i: i["stats"].update(passes=4), ["5 passes on disk, but its Dumper dumped 4 (1 more)"]),
+    (lambda i: i["stats"].update(tensors=19), ["20 tensors on disk, but its Dumper staged 19 (1 more)"]),
+], ids=["passes", "tensors"])
+def test_rank_json_stats_counting_fewer_than_the_disk_holds_fail_verify(dump, change, counts):
+    """The same mismatch seen from rank.json: the Dumper's counts lower than the segments' (only
+    higher failed)."""
+    edit_rank_json(dump, change)
+    code, problems, _ = verify(dump)
+    assert code == 1 and problems == [more_than_dumped(dump, *counts)], problems
