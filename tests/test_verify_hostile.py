@@ -32,6 +32,9 @@ from conftest import restamp_tables
 
 NAMES = ["0", "1", "2", "Sequential"]  # what the model below dumps per pass, in dump order
 PASSES = 5
+# The dumps below are laid out by segment_passes alone: the writer's idle rotation (a second with no
+# record, the default) cut a segment short whenever a loaded machine paused the model that long (the
+# copied segment held passes 0..2, not 0..6).
 
 
 def make_model():
@@ -55,7 +58,7 @@ def expected_pass(model, p):
 def pristine(tmp_path_factory):
     root = tmp_path_factory.mktemp("pristine") / "dump"
     model = make_model()
-    d = fastdump.attach(model, str(root), segment_passes=2)
+    d = fastdump.attach(model, str(root), segment_passes=2, segment_idle_seconds=0)
     try:
         with torch.inference_mode():
             for p in range(PASSES):
@@ -766,7 +769,7 @@ def test_a_segment_from_another_session_copied_in(dump, pristine, tmp_path):
     """A second real dump's segment dropped into this rank directory, renumbered past the end."""
     other = tmp_path / "other"
     model = make_model()
-    d = fastdump.attach(model, str(other), segment_passes=10)
+    d = fastdump.attach(model, str(other), segment_passes=10, segment_idle_seconds=0)
     with torch.inference_mode():
         for p in range(7):
             model(model_input(100 + p))
@@ -1422,7 +1425,7 @@ def test_a_segment_copied_in_from_another_sessions_directory_fails_verify_and_is
     model = make_model()
     with torch.no_grad():
         model[0].weight.add_(1.0)
-    d = fastdump.attach(model, str(other), segment_passes=2)
+    d = fastdump.attach(model, str(other), segment_passes=2, segment_idle_seconds=0)
     with torch.inference_mode():
         for p in range(PASSES):
             model(model_input(p))
@@ -1534,7 +1537,7 @@ def test_a_rank_directory_copied_in_from_another_dump_fails_verify(dump, tmp_pat
     attached to this root (fastdump.sessions records every one that did)."""
     other = tmp_path / "other"
     model = make_model()
-    d = fastdump.attach(model, str(other), segment_passes=10)
+    d = fastdump.attach(model, str(other), segment_passes=10, segment_idle_seconds=0)
     with torch.inference_mode():
         model(model_input(100))
     d.close()
@@ -1649,7 +1652,7 @@ def test_passes_of_another_session_grafted_in_fail_verify_by_count(dump, tmp_pat
     overlapped, every checksum held, and verify said OK with 7 passes this Dumper never ran."""
     other = tmp_path / "other"
     model = make_model()
-    with fastdump.attach(model, str(other), segment_passes=10, writer="thread"), torch.inference_mode():
+    with fastdump.attach(model, str(other), segment_passes=10, writer="thread", segment_idle_seconds=0), torch.inference_mode():
         for p in range(7):
             model(model_input(100 + p))
     grafted = seg(dump, 3)
