@@ -840,6 +840,8 @@ def _torn_before_lost_tensors(info):
 def test_rank_json_records_of_a_loss_fail_verify_alone(dump, expected, change, text):
     """Each record of a loss in an otherwise whole dump's rank.json is exactly one problem."""
     edit_rank_json(dump, change)
+    # (a config edited in rank.json, policy left to its default, is the session's: so is the root's record of it)
+    _edit_manifest(dump, lambda manifest: manifest.update(config=rank_json(dump)["config"]))
     code, problems, _ = verify(dump)
     assert code == 1 and problems == [f"{rank_dir(dump)}: {text}"], problems
     with fastdump.open(dump) as ds:
