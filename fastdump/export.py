@@ -417,9 +417,6 @@ def _survey(ds, roles, partial: bool) -> dict:
             if note:
                 notes.append(f"{where}: {note}")
     problems += _passes_missing_in_tp_groups(ds, roles, metas)
-    # A rank holding more than its Dumper handed over (found while its passes were indexed above):
-    # what is extra cannot be told from what is its own, so the export would pass it on as the run's.
-    problems += [str(p) for p in ds.problems if p.kind == Problem.MORE_THAN_DUMPED]
     if problems and not partial:
         raise PartialDumpError(problems)
     for line in problems:

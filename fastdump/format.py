@@ -184,30 +184,6 @@ def rank_dir_mismatch(name: str, numbers) -> str | None:
             + ": renamed to another rank, or its rank.json is another rank's")
 
 
-def more_than_dumped(info: dict, passes: int = None, tensors: int = None) -> str | None:
-    """Why a rank directory holding ``passes`` passes and ``tensors`` tensors holds more than its
-    Dumper handed over, or None. rank.json's ``stats`` are the Dumper's own counts, sent at close:
-    every pass it ended and every tensor it staged (CUDA-graph replays included); the writer stores
-    no pass or tensor it was not handed, so the disk never holds more. More is data no Dumper of
-    this session staged (another writer's, another session's, a copied or forged segment),
-    mixed in where nobody can tell which rows are whose: the segment list, the tables and their
-    checksums all agree with a consistent forger. Without those counts (no close reached the
-    writer) nothing is known, and the unfinished status says so."""
-    stats = info.get("stats") if isinstance(info, dict) else None
-    if not isinstance(stats, dict):
-        return None
-    extra = []
-    for key, found, verb in (("passes", passes, "dumped"), ("tensors", tensors, "staged")):
-        sent = stats.get(key)
-        if found is None or isinstance(sent, bool) or not isinstance(sent, int) or sent < 0 or found <= sent:
-            continue  # (a count that is no count is verify's problem of its own)
-        extra.append(f"{found} {key} on disk, but its Dumper {verb} {sent} ({found - sent} more)")
-    if not extra:
-        return None
-    return ("; ".join(extra) + ": data this session's Dumper never handed over (another writer's or "
-            "session's, a copied or forged segment) is mixed in, and which is whose cannot be told")
-
-
 def segment_name(number: int) -> str:
     return f"seg-{number:06d}.h5"
 

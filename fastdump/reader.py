@@ -67,8 +67,7 @@ class Problem(str):
     ``LOST_ROLE`` and ``LOST_SESSION`` (a role or session the root records as attached whose
     directory is gone, replaced or emptied: :func:`lost_roles`, :func:`lost_sessions`),
     ``WRONG_RANK`` (a rank directory whose name's TP/PP/rank numbers are not its rank.json's:
-    renamed, or another rank's rank.json; read by number it is refused, as in ``_refuse_mislabelled``),
-    ``MORE_THAN_DUMPED`` (a rank whose segments hold more passes or tensors than its Dumper handed over).
+    renamed, or another rank's rank.json; read by number it is refused, as in ``_refuse_mislabelled``).
     rank.json's rank numbers of the wrong type or range are a ``BAD_FILE``."""
 
     UNLISTABLE, UNREADABLE_SEGMENT, BAD_FILE, BAD_PASS_META = ("unlistable", "unreadable segment", "bad file",
@@ -78,9 +77,6 @@ class Problem(str):
     # what `fastdump verify` fails on, found at open() and refresh()
     LOST_ROLE, LOST_SESSION = "lost role", "lost session"
     WRONG_RANK = "wrong rank"  # what `fastdump verify` fails on as mixed (rank_dir_mismatch)
-    # more passes or tensors on disk than rank.json's stats say its Dumper handed over (format.more_than_dumped):
-    # mixed in from elsewhere, what `fastdump verify` fails on; which rows are the extra ones cannot be told
-    MORE_THAN_DUMPED = "more than dumped"
     path: str
     kind: str
 
@@ -678,18 +674,7 @@ class _Rank:
         indexing: a long run lists thousands of segments."""
         if self._facts is None:
             self._facts = (self.info, _listed_segments(self.listed_segments()))
-            # The writer's own total, before any segment is read (a single pass's read opens only
-            # its segments): more tensors than the Dumper staged were mixed in. (Its passes total
-            # counts a pass split across two segments twice: the full index below counts passes.)
-            tensors = self._facts[0].get("tensors")
-            if isinstance(tensors, int) and not isinstance(tensors, bool):
-                self._more_than_dumped(None, tensors)
         return self._facts
-
-    def _more_than_dumped(self, passes, tensors) -> None:
-        extra = fmt.more_than_dumped(self._indexing_facts()[0], passes, tensors)
-        if extra:
-            self.dumpset._problem(Problem(self.path, Problem.MORE_THAN_DUMPED, extra), warn=True)
 
     def _read_segment(self, path: str):
         """The checked index of one segment file, or None when it cannot be read or is another
@@ -816,8 +801,6 @@ class _Rank:
                         f"pass {pass_id} is whole in {first.file_name} and appears again in {again.file_name}: "
                         "not read (copied or mixed segments)")), warn=True)
             self._find_partial_passes()
-            # what the segments hold against what the Dumper handed over (rank.json's stats)
-            self._more_than_dumped(len(self._passes), sum(len(segment.index) for segment in self.segments))
         return self._passes
 
     def _find_missing_listed(self) -> None:

@@ -130,11 +130,8 @@ def list_dump(root: str) -> dict:
                                  nested_passes=0, suspended_passes=0)
                 ranks.append(entry)
         wrong = {p.path for p in ds.problems if getattr(p, "kind", None) == reader.Problem.WRONG_RANK}
-        extra = {p.path for p in ds.problems if getattr(p, "kind", None) == reader.Problem.MORE_THAN_DUMPED}
         for entry in ranks:  # (rank_info read each rank.json above: its problems are known now)
             entry["wrong_rank"] = os.path.join(ds.root, entry["role"], entry["rank"]) in wrong
-            # (summary indexed its segments: more than its Dumper handed over is mixed data)
-            entry["more_than_dumped"] = os.path.join(ds.root, entry["role"], entry["rank"]) in extra
         manifest = ds.manifest
         problems = list(ds.problems)  # (with the roles and sessions lost: DumpSet finds them at open)
         return {"root": ds.root, "manifest": manifest, "ranks": ranks, "problems": problems}
@@ -210,8 +207,6 @@ def cmd_ls(args) -> int:
             status += " [its process is gone: unfinished]"
         if r.get("wrong_rank"):
             status += " [its rank.json is another rank's: see the warning]"
-        if r.get("more_than_dumped"):
-            status += " [more on disk than its Dumper dumped: mixed, see the warning]"
         if r["unreadable_segments"]:
             status += f" [{r['unreadable_segments']} unreadable segment(s)]"
         if r["incomplete_passes"]:
@@ -611,9 +606,6 @@ def _check_counts(report: _Report, path: str, info: dict, pass_ids: set, tensors
         return value
 
     passes_sent, tensors_sent = count(stats, "passes", "stats."), count(stats, "tensors", "stats.")
-    extra = fmt.more_than_dumped(info, len(pass_ids), tensors)  # (only fewer was checked: more passed as OK)
-    if extra:
-        report.problem(path, extra)
     if len(pass_ids) < passes_sent:
         report.problem(path, f"the Dumper dumped {passes_sent} passes; {len(pass_ids)} are on disk")
     skipped = count(info, "skipped")
