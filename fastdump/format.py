@@ -26,6 +26,9 @@ APPENDED_LIST_VERSION = 5  # the first format whose segment list is SEGMENT_LIST
 MANIFEST_VERSION = 1
 
 MANIFEST_FILE = "fastdump.json"
+# fastdump.json's record of the session that made it: {"role", "rank_dir"}. Its "config" is that
+# session's, which its rank.json holds too (verify compares them). Roots made before it have none.
+MANIFEST_SESSION = "session"
 # The roles fastdump's integrations write (EAGLE's target and draft models). A root entry named so
 # (or named as fastdump.json's role) that is not a directory is a role whose dump is not there.
 STANDARD_ROLES = ("target", "draft")

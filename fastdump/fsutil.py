@@ -218,6 +218,45 @@ def atomic_write_json(path: str, obj, durable: bool = True) -> None:
     atomic_write_bytes(path, (text + "\n").encode("utf-8"), durable=durable)
 
 
+def create_json_once(path: str, obj) -> bool:
+    """Create ``path`` holding ``obj`` as pretty JSON, whole, unless something is there already:
+    True when this call made it, False when it was there (then nothing is changed). The text goes to
+    a temporary file first, which is then hard-linked to ``path`` (``link`` fails where ``path``
+    exists, atomically, where a rename replaces): "if absent, write" as a check then a rename let two
+    processes attaching to one root at once both find fastdump.json absent, and the later rename
+    replaced the record the first had written and read back. On a file system without hard links the
+    file is created with O_EXCL and written in place (a reader may then see it half written)."""
+    text = json.dumps(obj, indent=2, sort_keys=False, default=str, ensure_ascii=False)
+    data = (text + "\n").encode("utf-8")
+    tmp = temp_path(path)
+    try:
+        with open(tmp, "xb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            return False
+        except OSError as exc:
+            if exc.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK, errno.ENOSYS):
+                raise
+            try:  # (no hard links here: exclusive creation still makes one record, never a second)
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644)
+            except FileExistsError:
+                return False
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+    except OSError as exc:
+        raise OSError(exc.errno, exc.strerror, path) from None
+    finally:
+        remove_quietly(tmp)
+    fsync_dir(os.path.dirname(os.path.abspath(path)))
+    return True
+
+
 # rank.json and fastdump.json are small; a larger file is damage (or /dev/zero behind a link).
 MAX_JSON_BYTES = 64 << 20
 

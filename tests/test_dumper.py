@@ -1458,32 +1458,34 @@ def test_the_root_manifest_is_the_first_dumpers_and_is_never_overwritten(tmp_pat
     role, another rank) leaves the first's record as it was."""
     from fastdump.capture.manifest import write_manifest
 
-    write_manifest(tmp_path, {"policy": "block", "segment_passes": 2})
+    assert write_manifest(tmp_path, {"policy": "block", "segment_passes": 2}, "target", "TP0_PP0_Rank0_pid1") is True
     first = (tmp_path / "fastdump.json").read_bytes()
-    write_manifest(tmp_path, {"policy": "drop"})
+    assert write_manifest(tmp_path, {"policy": "drop"}, "draft", "TP0_PP0_Rank0_pid2") is False
     assert (tmp_path / "fastdump.json").read_bytes() == first
     manifest = json.loads(first)
     assert manifest["format"] == "fastdump" and manifest["config"] == {"policy": "block", "segment_passes": 2}
+    assert manifest["session"] == {"role": "target", "rank_dir": "TP0_PP0_Rank0_pid1"}  # (whose config it is)
 
 
 def test_the_root_manifest_is_durable_before_it_is_visible(tmp_path, monkeypatch):
-    """fastdump.json is written once and never again: its temporary file is fsynced before the
-    rename and the root after it, or a power cut leaves an empty manifest that no later Dumper
-    rewrites (it exists)."""
+    """fastdump.json is written once and never again: its temporary file is fsynced before it is
+    linked into place and the root after it, or a power cut leaves an empty manifest that no later
+    Dumper rewrites (it exists)."""
     from fastdump.capture.manifest import write_manifest
 
     events = []
-    real_fsync, real_replace = os.fsync, os.replace
+    real_fsync, real_link = os.fsync, os.link
     monkeypatch.setattr(os, "fsync", lambda fd: (events.append(("sync", os.readlink(f"/proc/self/fd/{fd}"))),
                                                  real_fsync(fd))[1])
-    monkeypatch.setattr(os, "replace", lambda src, dst: (events.append(("replace", str(src), str(dst))),
-                                                         real_replace(src, dst))[1])
-    write_manifest(tmp_path, {"policy": "block"})
+    monkeypatch.setattr(os, "link", lambda src, dst: (events.append(("link", str(src), str(dst))),
+                                                      real_link(src, dst))[1])
+    write_manifest(tmp_path, {"policy": "block"}, "target", "TP0_PP0_Rank0_pid1")
     monkeypatch.undo()
-    (replaced,) = [k for k, e in enumerate(events) if e[0] == "replace"]
-    temp, target = events[replaced][1:]
+    (linked,) = [k for k, e in enumerate(events) if e[0] == "link"]
+    temp, target = events[linked][1:]
     assert target == str(tmp_path / "fastdump.json")
-    assert events[:replaced] == [("sync", temp)] and events[replaced + 1:] == [("sync", str(tmp_path))]
+    assert events[:linked] == [("sync", temp)] and events[linked + 1:] == [("sync", str(tmp_path))]
+    assert not os.path.exists(temp) and os.listdir(tmp_path) == ["fastdump.json"]
 
 
 def test_attaching_one_model_twice_says_so_and_what_to_do(tmp_path, caplog):

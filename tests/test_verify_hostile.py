@@ -32,6 +32,9 @@ from conftest import restamp_tables
 
 NAMES = ["0", "1", "2", "Sequential"]  # what the model below dumps per pass, in dump order
 PASSES = 5
+# The dumps below are laid out by segment_passes alone: the writer's idle rotation (a second with no
+# record, the default) cut a segment short whenever a loaded machine paused the model that long (the
+# copied segment held passes 0..2, not 0..6).
 
 
 def make_model():
@@ -55,7 +58,7 @@ def expected_pass(model, p):
 def pristine(tmp_path_factory):
     root = tmp_path_factory.mktemp("pristine") / "dump"
     model = make_model()
-    d = fastdump.attach(model, str(root), segment_passes=2)
+    d = fastdump.attach(model, str(root), segment_passes=2, segment_idle_seconds=0)
     try:
         with torch.inference_mode():
             for p in range(PASSES):
@@ -766,7 +769,7 @@ def test_a_segment_from_another_session_copied_in(dump, pristine, tmp_path):
     """A second real dump's segment dropped into this rank directory, renumbered past the end."""
     other = tmp_path / "other"
     model = make_model()
-    d = fastdump.attach(model, str(other), segment_passes=10)
+    d = fastdump.attach(model, str(other), segment_passes=10, segment_idle_seconds=0)
     with torch.inference_mode():
         for p in range(7):
             model(model_input(100 + p))
@@ -837,6 +840,8 @@ def _torn_before_lost_tensors(info):
 def test_rank_json_records_of_a_loss_fail_verify_alone(dump, expected, change, text):
     """Each record of a loss in an otherwise whole dump's rank.json is exactly one problem."""
     edit_rank_json(dump, change)
+    # (a config edited in rank.json, policy left to its default, is the session's: so is the root's record of it)
+    _edit_manifest(dump, lambda manifest: manifest.update(config=rank_json(dump)["config"]))
     code, problems, _ = verify(dump)
     assert code == 1 and problems == [f"{rank_dir(dump)}: {text}"], problems
     with fastdump.open(dump) as ds:
@@ -948,6 +953,7 @@ def test_a_role_name_that_is_not_a_directory_fails_verify(dump, kind, name):
     if name == "manifest-role":
         manifest = json.loads((dump / fmt.MANIFEST_FILE).read_text())
         manifest["config"]["role"] = name = "verifier"
+        del manifest["session"]  # (a record from before it named its session: its config is held against none)
         (dump / fmt.MANIFEST_FILE).write_text(json.dumps(manifest))
     path = dump / name
     os.mkfifo(path) if kind == "fifo" else path.write_bytes(b"not a directory")
@@ -1076,6 +1082,131 @@ def test_two_processes_attaching_two_roles_to_one_root_both_are_recorded(tmp_pat
     assert verify(tmp_path)[:2] == (0, [])
     shutil.rmtree(tmp_path / "b")
     assert has(verify(tmp_path)[1], "role 'b'", "its directory is gone")
+
+
+# Two processes attaching to one root at once, each with its role and config (argv: root, role, a
+# directory to meet in). Each stops where it is about to write fastdump.json (fsutil.temp_path of that
+# name), so that both have decided to write it before either has; "b" then waits until "a" has
+# attached and read the record back. Prints the record as "a" read it.
+_ATTACH_AT_ONCE = """
+import os, sys, time, torch, fastdump
+from fastdump import format as fmt, fsutil
+root, role, meeting = sys.argv[1:4]
+real_temp_path = fsutil.temp_path
+
+def wait_for(*names):
+    deadline = time.monotonic() + 60
+    while not all(os.path.exists(os.path.join(meeting, name)) for name in names):
+        assert time.monotonic() < deadline, names
+        time.sleep(0.001)
+
+def meet(point):
+    open(os.path.join(meeting, point + "." + role), "w").close()
+    wait_for(point + ".a", point + ".b")
+
+def temp_path(path, *args, **kwargs):
+    if os.path.basename(path) == fmt.MANIFEST_FILE:
+        meet("writing")
+        if role == "b":
+            wait_for("read.a")
+    return real_temp_path(path, *args, **kwargs)
+
+fsutil.temp_path = temp_path
+model = torch.nn.Linear(4, 3)
+meet("start")
+with fastdump.attach(model, root, role=role, writer="thread", segment_passes=1 if role == "a" else 7), \
+        torch.inference_mode():
+    seen = open(os.path.join(root, fmt.MANIFEST_FILE)).read()
+    open(os.path.join(meeting, "read." + role), "w").close()
+    model(torch.ones(2, 4))
+print(seen, end="")
+"""
+
+
+def test_two_processes_attaching_at_once_never_replace_the_roots_record(tmp_path):
+    """fastdump.json was written "if absent": a check, then a temporary file renamed into place. Two
+    processes attaching at once both found it absent; the later rename replaced the record the first
+    had written and read back, so the root's record of its config changed under a reader. Now it is
+    made once (hard link of the temporary file: fails where one exists), and names the session whose
+    config it holds, which verify holds against that session's rank.json."""
+    import subprocess
+    import sys
+
+    root, meeting = tmp_path / "dump", tmp_path / "meeting"
+    meeting.mkdir()
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    procs = [subprocess.Popen([sys.executable, "-c", _ATTACH_AT_ONCE, str(root), role, str(meeting)], env=env,
+                              stdout=subprocess.PIPE, text=True) for role in ("a", "b")]
+    seen = [p.communicate(timeout=180)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0]
+    record = (root / fmt.MANIFEST_FILE).read_text()
+    assert record == seen[0]  # what "a" read back right after its attach is the record still
+    manifest = json.loads(record)
+    (a_dir,) = os.listdir(root / "a")
+    assert manifest["session"] == {"role": "a", "rank_dir": a_dir}
+    assert manifest["config"] == json.loads((root / "a" / a_dir / "rank.json").read_text())["config"]
+    assert manifest["config"]["segment_passes"] == 1
+    assert [e for e in os.listdir(root) if fsutil.is_temp_name(e)] == []
+    assert verify(root)[:2] == (0, [])
+
+
+def test_create_json_once_leaves_what_is_there(tmp_path):
+    path = str(tmp_path / "record.json")
+    assert fsutil.create_json_once(path, {"first": 1}) is True
+    assert fsutil.create_json_once(path, {"second": 2}) is False
+    assert json.loads(open(path).read()) == {"first": 1}
+    os.symlink(tmp_path / "nowhere", tmp_path / "link.json")  # (a dangling link is something: never followed)
+    assert fsutil.create_json_once(str(tmp_path / "link.json"), {"x": 1}) is False
+    assert not (tmp_path / "nowhere").exists()
+    assert sorted(os.listdir(tmp_path)) == ["link.json", "record.json"]
+
+
+def test_create_json_once_without_hard_links_creates_exclusively(tmp_path, monkeypatch):
+    """A file system without hard links (EPERM): the file is created with O_EXCL, once."""
+    import errno
+
+    def no_links(src, dst):
+        raise OSError(errno.EPERM, "Operation not permitted")
+
+    monkeypatch.setattr(os, "link", no_links)
+    path = str(tmp_path / "record.json")
+    assert fsutil.create_json_once(path, {"first": 1}) is True
+    assert fsutil.create_json_once(path, {"second": 2}) is False
+    assert json.loads(open(path).read()) == {"first": 1} and os.listdir(tmp_path) == ["record.json"]
+
+
+def _edit_manifest(root, change):
+    path = root / fmt.MANIFEST_FILE
+    manifest = json.loads(path.read_text())
+    change(manifest)
+    path.write_text(json.dumps(manifest))
+
+
+@pytest.mark.parametrize("change, text", [
+    (lambda m: m["config"].update(segment_passes=7),
+     "its config is not the config its session target/{rank_dir} ran with (rank.json): segment_passes: 7 here, 2 there"),
+    (lambda m: m["config"].update(role="draft", policy="drop"),
+     "its config is not the config its session target/{rank_dir} ran with (rank.json): policy: \"drop\" here, "
+     "\"block\" there; role: \"draft\" here, \"target\" there"),
+    (lambda m: m.update(session={"role": "target"}), 'its session is {"role": "target"}, not a role and rank directory name'),
+    (lambda m: m.update(session={"role": "../x", "rank_dir": "TP0_PP0_Rank0_pid1"}),
+     'its session is {"role": "../x", "rank_dir": "TP0_PP0_Rank0_pid1"}, not a role and rank directory name'),
+], ids=["one-key", "two-keys", "no-rank-dir", "a-path"])
+def test_a_root_record_whose_config_is_not_its_sessions_fails_verify(dump, change, text):
+    """fastdump.json names the session whose config it holds: another config there (the record
+    replaced by another process's, copied from another root, edited) is not what that session ran."""
+    assert verify(dump)[:2] == (0, [])
+    _edit_manifest(dump, change)
+    code, problems, _ = verify(dump)
+    assert code == 1 and problems == [f"{dump / fmt.MANIFEST_FILE}: " + text.replace("{rank_dir}", rank_dir(dump).name)]
+
+
+def test_a_root_record_naming_a_session_not_here_is_a_warning_and_old_records_pass(dump):
+    _edit_manifest(dump, lambda m: m["session"].update(rank_dir="TP0_PP0_Rank0_pid1"))
+    code, problems, warnings = verify(dump)
+    assert code == 0 and has(warnings, "its session target/TP0_PP0_Rank0_pid1 is not here")
+    _edit_manifest(dump, lambda m: (m.pop("session"), m["config"].update(segment_passes=7)))
+    assert verify(dump)[:2] == (0, [])  # (a root from before the record: nothing to hold it against)
 
 
 def _two_sessions(root):
@@ -1296,7 +1427,7 @@ def test_a_segment_copied_in_from_another_sessions_directory_fails_verify_and_is
     model = make_model()
     with torch.no_grad():
         model[0].weight.add_(1.0)
-    d = fastdump.attach(model, str(other), segment_passes=2)
+    d = fastdump.attach(model, str(other), segment_passes=2, segment_idle_seconds=0)
     with torch.inference_mode():
         for p in range(PASSES):
             model(model_input(p))
@@ -1408,7 +1539,7 @@ def test_a_rank_directory_copied_in_from_another_dump_fails_verify(dump, tmp_pat
     attached to this root (fastdump.sessions records every one that did)."""
     other = tmp_path / "other"
     model = make_model()
-    d = fastdump.attach(model, str(other), segment_passes=10)
+    d = fastdump.attach(model, str(other), segment_passes=10, segment_idle_seconds=0)
     with torch.inference_mode():
         model(model_input(100))
     d.close()

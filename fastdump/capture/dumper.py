@@ -233,7 +233,7 @@ class Dumper(PassesMixin, EmitMixin, WrappersMixin, FollowingMixin, OutsidePasse
             self._make_own_dir()
             _write_role_marker(self.root, role)  # (after the rank directory: a recorded role has one)
             _write_session_marker(self.root, role, self.dir.name)  # (and a recorded session has its own)
-            _write_manifest(self.root, config)
+            _write_manifest(self.root, config, role, self.dir.name)  # (the config sent with its channel's open)
             self._engine = Engine.acquire(o.engine)
             self._producer = self._engine.producer
             facts = _device_facts(model)

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 from .. import format as _fmt
-from ..fsutil import atomic_write_json, is_real_dir, is_regular_file
+from ..fsutil import atomic_write_json, create_json_once, is_real_dir, is_regular_file
 
 
 def cuda_index(hint, facts: dict):
@@ -44,17 +44,18 @@ def device_facts(model) -> dict:
         return {"type": "cuda", "index": param.device.index or 0, "error": str(exc)}
 
 
-def write_manifest(root: Path, config: dict) -> None:
-    """fastdump.json at the dump root, written once by the first Dumper on that root."""
-    path = root / _fmt.MANIFEST_FILE
-    if path.exists():
-        return
+def write_manifest(root: Path, config: dict, role: str, rank_dir: str) -> bool:
+    """fastdump.json at the dump root, made once by the first Dumper on that root and never
+    replaced: True when this Dumper made it. ``session`` names the Dumper whose ``config`` it holds
+    (its role and rank directory), so that ``verify`` can hold the record against that session's
+    rank.json. Made with ``create_json_once``: a check for the file then a rename let two processes
+    attaching at once both write it, the later replacing the record the first had read back."""
     from .._version import __version__
 
-    atomic_write_json(path, {
+    return create_json_once(str(root / _fmt.MANIFEST_FILE), {
         "format": "fastdump", "format_version": _fmt.MANIFEST_VERSION, "fastdump_version": __version__,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "host": socket.gethostname(),
-        "command": sys.argv, "config": config,
+        "command": sys.argv, "config": config, _fmt.MANIFEST_SESSION: {"role": role, "rank_dir": rank_dir},
     })
 
 

@@ -980,6 +980,55 @@ def _check_manifest(report: _Report, root: str) -> None:
         return
     if not isinstance(manifest, dict):
         report.problem(path, f"not a JSON object ({type(manifest).__name__})")
+        return
+    _check_manifest_session(report, root, path, manifest)
+
+
+def _check_manifest_session(report: _Report, root: str, path: str, manifest: dict) -> None:
+    """fastdump.json's ``config`` is the config of the session it names (``session``: the Dumper
+    that made it), which that session's rank.json holds too: a record replaced by another process's
+    (two attaching at once rewrote it), copied from another root or edited names one config while
+    its session ran with another. A root from before the record names no session: nothing to check."""
+    if fmt.MANIFEST_SESSION not in manifest:
+        return
+    session = manifest[fmt.MANIFEST_SESSION]
+    role = session.get("role") if isinstance(session, dict) else None
+    name = session.get("rank_dir") if isinstance(session, dict) else None
+    if not (isinstance(role, str) and isinstance(name, str) and fmt.parse_rank_dir(name)
+            and role not in fmt.ROOT_NAMES and "/" not in role and role not in ("", ".", "..")):
+        report.problem(path, f"its session is {_printable(json.dumps(session))[:120]}, not a role and rank "
+                             "directory name")
+        return
+    rank_path = os.path.join(root, role, name)
+    if not fsutil.is_real_dir(rank_path):  # (renamed during its run: found by its session, as lost_sessions does)
+        session_id = fmt.parse_rank_dir(name)[4]
+        try:
+            renamed = [entry for entry in sorted(os.listdir(os.path.join(root, role))) if session_id
+                       and (fmt.parse_rank_dir(entry) or (None,) * 5)[4] == session_id]
+        except OSError:
+            renamed = []
+        rank_path = os.path.join(root, role, renamed[0]) if renamed else rank_path
+    if not fsutil.is_real_dir(rank_path):
+        # (removed, or moved during its run: the lost-session record says which, where it is kept)
+        report.warning(path, f"its session {_printable(role)}/{_printable(name)} is not here: its config cannot be "
+                             f"held against that session's {fmt.RANK_FILE}")
+        return
+    try:
+        info = fsutil.load_json(os.path.join(rank_path, fmt.RANK_FILE))
+    except (OSError, ValueError):
+        return  # (check_rank_dir said what is wrong with it)
+    ran = info.get("config") if isinstance(info, dict) else None
+    if not isinstance(ran, dict):
+        return
+    ran = {key: value for key, value in ran.items() if key != "not_wrapped"}  # (added to the channel's copy)
+    said = manifest.get("config")
+    if said != ran:
+        keys = sorted(set(ran) | set(said), key=str) if isinstance(said, dict) else []
+        differ = [key for key in keys if said.get(key, "(none)") != ran.get(key, "(none)")]
+        shown = "; ".join(f"{key}: {json.dumps(said.get(key))} here, {json.dumps(ran.get(key))} there"
+                          for key in differ[:4]) if differ else f"{json.dumps(said)[:80]} here"
+        report.problem(path, f"its config is not the config its session {role}/{name} ran with ({fmt.RANK_FILE}): "
+                             f"{_printable(shown)}" + (f"; ... and {len(differ) - 4} more" if len(differ) > 4 else ""))
 
 
 def _warn_of_absent_ranks(report: _Report, root: str, rank_numbers: dict) -> None:
