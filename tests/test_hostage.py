@@ -314,7 +314,7 @@ def test_attach_with_a_stopped_writer_gives_up_within_block_timeout(tmp_path):
         stats = dd.stats()
         assert stats["status"] == "error"
         assert f"writer process {pid} did not answer within 1 s (block_timeout_s" in stats["error"]
-        assert "stopped or stuck" in stats["error"] and str(dd.dir) in stats["error"]
+        assert "stopped or stuck: stopped (SIGSTOP" in stats["error"] and str(dd.dir) in stats["error"]
         with torch.inference_mode():  # the draft serves, unwrapped, computing as without fastdump
             assert all(torch.equal(draft(small_input(i)), draft_reference[i]) for i in range(3))
         assert "forward" not in draft[0].__dict__ and "forward" not in draft.__dict__
@@ -636,3 +636,29 @@ def test_block_timeout_bounds_a_stall_not_the_streaming_of_a_tensor_larger_than_
     assert stats["dropped"] == 0 and stats["tensors"] == 1, stats
     assert torch.equal(fastdump.open(tmp_path).load("target", 0, 0)["0"], big)
     assert not verify_dump(str(tmp_path)).problems
+
+
+def test_a_silent_writer_is_told_apart_stopped_busy_or_starved(monkeypatch):
+    """attach's error says what the writer that did not answer is doing: stopped, busy, or runnable
+    and starved of CPU (an idle-priority writer on a machine kept busy: the setting to change)."""
+    from fastdump.staging import engine
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        deadline = time.monotonic() + 10
+        while engine._process_state(spinner.pid)[1] == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)  # until it has used a tick of CPU
+        assert engine._why_silent(spinner.pid) == "it is running but busy (a backlog to write, or a slow disk)"
+        os.kill(spinner.pid, signal.SIGSTOP)
+        deadline = time.monotonic() + 10
+        while engine._process_state(spinner.pid)[0] != "T" and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert engine._why_silent(spinner.pid) == "it is stopped or stuck: stopped (SIGSTOP or a debugger)"
+    finally:
+        spinner.kill()
+        spinner.wait()
+    assert engine._why_silent(spinner.pid) is None  # gone: nothing to tell
+    # Runnable and no CPU used in between: what the kernel shows of a starved SCHED_IDLE process.
+    monkeypatch.setattr(engine, "_process_state", lambda pid: ("R", 7))
+    assert "runnable but got no CPU" in engine._why_silent(1) and "writer_priority='normal'" in engine._why_silent(1)
+    monkeypatch.setattr(engine, "_process_state", lambda pid: ("S", 7))
+    assert engine._why_silent(1) is None  # asleep: the generic words stand

@@ -121,6 +121,41 @@ def _exact_tensor_type():
     stage their fake CUDA tensor type in C as a GPU's torch.Tensor."""
     return sys.modules["torch"].Tensor  # (strided given: torch is imported)
 
+
+def _process_state(pid: int):
+    """(state letter, CPU ticks used) of a process, from Linux ``/proc/PID/stat``; None if unreadable."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()  # after the command name, which may hold anything
+        return fields[0].decode(), int(fields[11]) + int(fields[12])  # state, utime + stime
+    except (OSError, IndexError, ValueError, UnicodeDecodeError):
+        return None
+
+
+def _why_silent(pid: int) -> str | None:
+    """What a writer process that did not answer is doing, from the kernel's view of it, or None
+    where that cannot be told. A writer at ``writer_priority="idle"`` (SCHED_IDLE) on a machine whose
+    every CPU other processes keep busy is runnable and never runs: telling that apart from a stopped
+    one says which setting to change. Costs 0.1 s, only on the way to an error."""
+    first = _process_state(pid)
+    if first is None:
+        return None
+    if first[0] in ("T", "t"):
+        return "it is stopped or stuck: stopped (SIGSTOP or a debugger)"
+    if first[0] == "D":
+        return "it is stopped or stuck: waiting on its disk (a frozen or very slow disk?)"
+    if first[0] != "R":
+        return None
+    time.sleep(0.1)
+    second = _process_state(pid)
+    if second is None or second[0] != "R":
+        return None
+    if second[1] > first[1]:
+        return "it is running but busy (a backlog to write, or a slow disk)"
+    return ("it is runnable but got no CPU: other work keeps every CPU busy, and a writer at "
+            "writer_priority='idle' runs only on idle CPU (writer_priority='normal' gives it its share)")
+
+
 class Engine:
     """The ring plus its writer (a child process by default, or a thread)."""
 
@@ -271,9 +306,10 @@ class Engine:
                 if not self.alive:
                     raise RuntimeError(self.error())
                 who = f"writer process {self._proc.pid}" if self._proc is not None else "writer thread"
+                why = _why_silent(self._proc.pid) if self._proc is not None else None
                 raise RuntimeError(f"the {who} did not answer within {wait_s:g} s (block_timeout_s, "
                                    f"at least {min_wait_s:g} s): "
-                                   "it is stopped or stuck (SIGSTOP, a debugger, a frozen disk?)")
+                                   + (why or "it is stopped or stuck (SIGSTOP, a debugger, a frozen disk?)"))
         except BaseException as exc:
             try:  # withdraw the open; a writer that never got it ignores both
                 if self.control(protocol.note(channel, "error", error=f"attach gave up: {type(exc).__name__}: "
