@@ -896,7 +896,8 @@ def test_a_line_after_the_committed_ones_is_never_read_as_listed(tmp_path, tail)
 
 
 @pytest.mark.parametrize("damage", ["byte-changed", "truncated", "truncated-one-byte", "missing", "missing-no-bytes",
-                                    "missing-no-lines", "count-wrong", "not-a-count", "a-true-count"])
+                                    "missing-no-lines", "count-wrong", "not-a-count", "a-true-count",
+                                    "a-negative-count", "a-key-twice"])
 def test_a_damaged_committed_list_fails_verify_and_is_reported_by_the_reader(tmp_path, damage):
     root = tmp_path / "dump"
     path = list_dump(root, "closed")
@@ -924,12 +925,18 @@ def test_a_damaged_committed_list_fails_verify_and_is_reported_by_the_reader(tmp
         info[fmt.LIST_COUNT] = 0
         (path / fmt.RANK_FILE).write_text(json.dumps(info))
         expected = "segments.jsonl missing: rank.json commits 0 segment(s) to it"
+    elif damage == "a-key-twice":  # committed as written: json would keep the last of the two values
+        list_file.write_bytes(data.replace(b'"passes": 1,', b'"passes": 1, "passes": 1,', 1))
+        commit_lines(path, 3)
+        expected = "segments.jsonl line 1: not valid JSON (key 'passes' appears twice in one object)"
     else:
         info = json.loads((path / fmt.RANK_FILE).read_text())
-        info[fmt.LIST_COUNT] = {"count-wrong": 2, "not-a-count": "3", "a-true-count": True}[damage]
+        info[fmt.LIST_COUNT] = {"count-wrong": 2, "not-a-count": "3", "a-true-count": True,
+                                "a-negative-count": -1}[damage]
         (path / fmt.RANK_FILE).write_text(json.dumps(info))
         expected = {"count-wrong": "commits 2 line(s)", "not-a-count": "segments_listed is '3', not an integer",
-                    "a-true-count": "segments_listed is 'True', not an integer"}[damage]  # (True is no 1)
+                    "a-true-count": "segments_listed is 'True', not an integer",  # (True is no 1)
+                    "a-negative-count": "segments_listed is '-1', not an integer >= 0"}[damage]
     report = verify(root)
     assert any(expected in p for p in report.problems), report.problems
     loaded, problems = read_all(root)  # the segments themselves still read
