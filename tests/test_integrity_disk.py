@@ -550,6 +550,40 @@ def test_verify_fails_unless_closed(dump):
     assert any("an error was recorded" in p for p in verify(dump).problems)
 
 
+def test_verify_fails_when_one_pass_the_dumper_sent_is_missing(tmp_path):
+    """One pass and one tensor short are a loss as much as two (the counts are compared exactly)."""
+    root = tmp_path / "dump"
+    write_dir(root / "target" / "TP0_PP0_Rank0_pid1", {p: tensors_of(p) for p in range(3)},
+              stats={"passes": 4, "tensors": 10})
+    problems = verify(root).problems
+    assert problems == [f"{root / 'target' / 'TP0_PP0_Rank0_pid1'}: the Dumper dumped 4 passes; 3 are on disk",
+                        f"{root / 'target' / 'TP0_PP0_Rank0_pid1'}: the Dumper staged 10 tensors; 9 are on disk "
+                        "(0 recorded as skipped)"], problems
+    write_dir(tmp_path / "whole" / "target" / "TP0_PP0_Rank0_pid1", {p: tensors_of(p) for p in range(3)},
+              stats={"passes": 3, "tensors": 9})
+    assert verify(tmp_path / "whole").problems == []
+
+
+def test_block_attributes_swapped_between_two_blocks_of_one_storage_fail_verify_and_the_reader(tmp_path):
+    """float8_e4m3fn and float8_e5m2 blocks are both stored as raw uint8 bytes: with their dtype and
+    block_crc32c attributes swapped, every check but the block's number in its CRC passes, and each
+    tensor would read back as the other float8 type (other values, same bytes)."""
+    root = tmp_path / "dump"
+    passes = {0: {"e4": torch.linspace(-2, 2, 12).reshape(4, 3).to(torch.float8_e4m3fn),
+                  "e5": torch.linspace(-3, 3, 12).reshape(4, 3).to(torch.float8_e5m2)}}
+    write_dir(root / "target" / RANK_DIR, passes)
+    with h5py.File(segment(root), "r+") as f:
+        a, b = f[fmt.BLOCKS]["0"].attrs, f[fmt.BLOCKS]["1"].attrs
+        assert (a[fmt.ATTR_DTYPE], b[fmt.ATTR_DTYPE]) == ("float8_e4m3fn", "float8_e5m2")
+        for key in (fmt.ATTR_DTYPE, fmt.ATTR_BLOCK_CRC):
+            a[key], b[key] = b[key], a[key]
+    problems = verify(root, "--data").problems
+    assert len(problems) == 2 and all("the block's attributes or shape changed after it was written" in p
+                                      for p in problems), problems
+    with fastdump.open(root) as ds, pytest.raises(reader.DumpError, match="block 0: dtype 'float8_e5m2'"):
+        ds.load("target", 0, 0)
+
+
 def test_verify_fails_when_passes_the_dumper_sent_are_missing(tmp_path):
     root = tmp_path / "dump"
     write_dir(root / "target" / "TP0_PP0_Rank0_pid1", {p: tensors_of(p) for p in range(3)},

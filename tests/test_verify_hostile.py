@@ -1187,7 +1187,7 @@ def test_a_segment_replaced_by_a_symlink_to_a_copy(dump, expected, tmp_path):
 
 
 @pytest.mark.parametrize("kind", ["zero-bytes", "directory", "plain-hdf5", "no-version", "no-tables",
-                                  "format-array", "hdf5-garbage-tail"])
+                                  "format-array", "hdf5-garbage-tail", "future-version"])
 def test_a_segment_that_is_not_a_fastdump_segment(dump, expected, kind):
     path = seg(dump, 1)
     path.unlink()
@@ -1213,9 +1213,14 @@ def test_a_segment_that_is_not_a_fastdump_segment(dump, expected, kind):
                 f.attrs["format_version"] = 2
             elif kind == "format-array":
                 f.attrs["format"] = np.array([b"fastdump-segment", b"x"])
+            elif kind == "future-version":  # (a later format's tables may mean other things)
+                f.attrs["format"] = fmt.FORMAT_NAME
+                f.attrs["format_version"] = max(fmt.READABLE_VERSIONS) + 1
         text = {"plain-hdf5": "not a fastdump segment (format attribute None)",
                 "no-version": "format version None", "no-tables": "missing 'names'",
-                "format-array": "seg-000001.h5"}[kind]
+                "format-array": "seg-000001.h5",
+                "future-version": f"format version {max(fmt.READABLE_VERSIONS) + 1} is not one of "
+                                  f"{list(fmt.READABLE_VERSIONS)}"}[kind]
     code, problems, _ = verify(dump, "--data")
     assert code == 1 and has(problems, "seg-000001.h5", text), problems
     ds = open_quietly(dump)
@@ -1431,3 +1436,24 @@ def test_one_session_copied_under_another_directory_name_fails_verify(dump):
     code, problems, _ = verify(dump)
     session = fmt.parse_rank_dir(original.name)[4]
     assert code == 1 and len(problems) == 1 and has(problems, str(copy), f"session {session} again", str(original))
+
+
+def test_a_session_directory_renamed_to_another_sessions_name_fails_verify_and_is_not_read(dump):
+    """A rank directory renamed to the name of another session (another session id, rank.json kept):
+    its segments are the old session's, and read under the new name they would pass for that other
+    session's passes. The name's session is the one its segments must carry (rank.json's is only
+    for names without one), so every segment is foreign here, and the recorded session is lost."""
+    original = rank_dir(dump)
+    session = fmt.parse_rank_dir(original.name)[4]
+    other_session = "20200101T000000.000000Z-00000000"
+    renamed = dump / "target" / original.name.replace(session, other_session)
+    os.rename(original, renamed)
+    code, problems, _ = verify(dump)
+    assert code == 1, problems
+    assert has(problems, f"{renamed / 'seg-000000.h5'}: written by session '{session}', "
+                         f"not this directory's '{other_session}': copied in from another run"), problems
+    assert has(problems, str(original), "its rank directory is gone"), problems
+    with warnings_ignored(), fastdump.open(dump) as ds:
+        assert ds.passes("target", 0) == []
+        assert all(p.kind == reader.Problem.UNREADABLE_SEGMENT for p in ds.problems
+                   if p.path.startswith(str(renamed))), ds.problems
