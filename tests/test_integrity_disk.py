@@ -584,6 +584,35 @@ def test_block_attributes_swapped_between_two_blocks_of_one_storage_fail_verify_
         ds.load("target", 0, 0)
 
 
+def test_a_block_of_0_d_rows_relabelled_as_1_d_rows_fails_verify_and_the_reader(tmp_path):
+    """A block of 0-d tensors (scalar = 1) holds one row per tensor, as a block of 1-element 1-d
+    tensors does: with its scalar attribute set to 0, only the block's CRC tells them apart, and
+    each 0-d tensor would read back with shape (1,)."""
+    root = tmp_path / "dump"
+    write_dir(root / "target" / RANK_DIR, {p: {"s": torch.tensor(float(p) + 0.5)} for p in range(2)})
+    with h5py.File(segment(root), "r+") as f:
+        block = f[fmt.BLOCKS]["0"]
+        assert block.shape == (2,) and block.attrs[fmt.ATTR_SCALAR] == 1
+        block.attrs[fmt.ATTR_SCALAR] = 0
+    problems = verify(root).problems
+    assert len(problems) == 1 and "scalar 0, rows of () have CRC32C" in problems[0], problems
+    with fastdump.open(root) as ds, pytest.raises(reader.DumpError, match="the block's attributes or shape changed"):
+        ds.load("target", 0, 1)
+
+
+def test_a_block_without_its_crc_attribute_fails_verify_and_the_reader(tmp_path):
+    """Format 4 on, every block carries block_crc32c: one without it is not taken as unchecked."""
+    root = tmp_path / "dump"
+    write_dir(root / "target" / RANK_DIR, {0: {"x": torch.arange(4, dtype=torch.bfloat16)}})
+    with h5py.File(segment(root), "r+") as f:
+        del f[fmt.BLOCKS]["0"].attrs[fmt.ATTR_BLOCK_CRC]
+    problems = verify(root).problems
+    assert len(problems) == 1 and problems[0].endswith("block 0: no 'block_crc32c' attribute (format 4 requires one)"), \
+        problems
+    with fastdump.open(root) as ds, pytest.raises(reader.DumpError, match="no 'block_crc32c' attribute"):
+        ds.load("target", 0, 0)
+
+
 def test_verify_fails_when_passes_the_dumper_sent_are_missing(tmp_path):
     root = tmp_path / "dump"
     write_dir(root / "target" / "TP0_PP0_Rank0_pid1", {p: tensors_of(p) for p in range(3)},

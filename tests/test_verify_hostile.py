@@ -728,6 +728,30 @@ def test_a_continued_pass_with_a_name_in_both_segments(dump, expected):
     assert code == 1 and has(problems, "pass 1", "'0'"), problems
 
 
+def test_a_pass_continued_and_ended_in_the_next_segment_verifies_without_a_warning(dump, expected):
+    """A pass the writer flushed unfinished (complete = 0, no reason: it had not ended yet) and ended
+    in the next segment is whole: verify neither fails nor warns of it as a pass whose end never
+    came (only a pass whose last part on disk is not complete is one)."""
+    def incomplete(passes):
+        passes["complete"][1] = 0
+        return passes
+
+    rewrite(seg(dump, 0), "passes", incomplete)
+    relabel_passes(seg(dump, 1), {2: 1, 3: 3})
+    set_names(seg(dump, 1), [f"rest.{name}" for name in NAMES])  # its second part: other names
+
+    def change(info):
+        info["segments"][0]["complete"] = False
+        info["segments"][1].update(first_pass=1)
+        info["stats"]["passes"] = 4  # the Dumper's own count of this crafted history
+
+    edit_rank_json(dump, change)
+    code, problems, warnings = verify(dump)
+    assert (code, problems, warnings) == (0, [], []), (problems, warnings)
+    with fastdump.open(dump) as ds:
+        assert list(ds.load("target", 0, 1, check=True)) == NAMES + [f"rest.{name}" for name in NAMES]
+
+
 def test_a_whole_pass_found_again_in_the_next_segment_is_not_read_as_one(dump, expected):
     """Seg 1's pass 2 relabelled 1 and rank.json made to agree: pass 1 is whole (complete) in seg 0
     and again in seg 1. Which copy is the pass is unknown: the reader refuses it rather than
@@ -1215,11 +1239,11 @@ def test_a_segment_that_is_not_a_fastdump_segment(dump, expected, kind):
                 f.attrs["format"] = np.array([b"fastdump-segment", b"x"])
             elif kind == "future-version":  # (a later format's tables may mean other things)
                 f.attrs["format"] = fmt.FORMAT_NAME
-                f.attrs["format_version"] = max(fmt.READABLE_VERSIONS) + 1
+                f.attrs["format_version"] = fmt.FORMAT_VERSION + 1
         text = {"plain-hdf5": "not a fastdump segment (format attribute None)",
                 "no-version": "format version None", "no-tables": "missing 'names'",
                 "format-array": "seg-000001.h5",
-                "future-version": f"format version {max(fmt.READABLE_VERSIONS) + 1} is not one of "
+                "future-version": f"format version {fmt.FORMAT_VERSION + 1} is not one of "
                                   f"{list(fmt.READABLE_VERSIONS)}"}[kind]
     code, problems, _ = verify(dump, "--data")
     assert code == 1 and has(problems, "seg-000001.h5", text), problems
