@@ -734,10 +734,16 @@ def test_a_pass_continued_and_ended_in_the_next_segment_verifies_without_a_warni
     came (only a pass whose last part on disk is not complete is one)."""
     def incomplete(passes):
         passes["complete"][1] = 0
+        passes["dropped"][1] = 2  # (each part counts the drops of its own tensors)
+        return passes
+
+    def dropped(passes):
+        passes["dropped"][0] = 3
         return passes
 
     rewrite(seg(dump, 0), "passes", incomplete)
     relabel_passes(seg(dump, 1), {2: 1, 3: 3})
+    rewrite(seg(dump, 1), "passes", dropped)
     set_names(seg(dump, 1), [f"rest.{name}" for name in NAMES])  # its second part: other names
 
     def change(info):
@@ -750,6 +756,8 @@ def test_a_pass_continued_and_ended_in_the_next_segment_verifies_without_a_warni
     assert (code, problems, warnings) == (0, [], []), (problems, warnings)
     with fastdump.open(dump) as ds:
         assert list(ds.load("target", 0, 1, check=True)) == NAMES + [f"rest.{name}" for name in NAMES]
+        meta = ds.meta("target", 0, 1)
+        assert (meta["complete"], meta["dropped"], meta["tensors"]) == (True, 5, 2 * len(NAMES)), meta
 
 
 def test_a_whole_pass_found_again_in_the_next_segment_is_not_read_as_one(dump, expected):
@@ -775,6 +783,23 @@ def test_a_segment_renamed_leaving_a_gap(dump, expected):
     with fastdump.open(dump) as ds:  # the data itself is all there
         assert ds.passes("target", 0) == list(range(PASSES))
         assert same(ds.load("target", 0, 3, check=True)["1"], expected[3]["1"])
+
+
+def test_a_listed_segment_deleted_makes_its_passes_an_error_not_absent(dump, expected):
+    """seg-000001.h5 (passes 2 and 3) deleted: the list still names it, so its passes are lost, not
+    passes that never were: the reader lists it as unreadable and refuses pass 2 saying so (a
+    KeyError "no pass 2" reads as a pass the model never ran)."""
+    seg(dump, 1).unlink()
+    code, problems, _ = verify(dump)
+    assert code == 1 and has(problems, "seg-000001.h5 is listed in segments.jsonl but missing"), problems
+    with warnings_ignored(), fastdump.open(dump) as ds:
+        assert ds.passes("target", 0) == [0, 1, 4]
+        assert [(p.kind, os.path.basename(p.path)) for p in ds.problems] == [
+            (reader.Problem.UNREADABLE_SEGMENT, "seg-000001.h5")]
+        assert ds.problems[0].endswith("listed as holding passes 2..3, but missing")
+        with pytest.raises(reader.DumpError, match="no pass 2 in the readable segments"):
+            ds.load("target", 0, 2)
+        assert same(ds.load("target", 0, 4, check=True)["1"], expected[4]["1"])
 
 
 def test_a_renamed_segment_whose_number_attribute_disagrees(dump):
@@ -1317,10 +1342,14 @@ def test_rank_json_with_a_key_twice_is_refused(dump):
         fsutil.load_json(str(rank_dir(dump) / "rank.json"))
 
 
-def test_a_segment_copied_in_from_another_sessions_directory_fails_verify_and_is_not_read(dump, expected, tmp_path):
+@pytest.mark.parametrize("attribute", ["kept", "removed"])
+def test_a_segment_copied_in_from_another_sessions_directory_fails_verify_and_is_not_read(dump, expected, tmp_path,
+                                                                                         attribute):
     """Another run's seg-000001.h5 over this one's: rank.json's entry, the tables and every CRC
     still matched, so verify said OK and the reader returned the other run's passes 2 and 3 as
-    this session's. Each segment now carries its session id."""
+    this session's. Each segment now carries its session id; one whose attribute was removed (no
+    CRC covers it: verify said OK again) is refused too, since every format-5 segment of a session
+    carries it."""
     other = tmp_path / "other"
     model = make_model()
     with torch.no_grad():
@@ -1333,8 +1362,12 @@ def test_a_segment_copied_in_from_another_sessions_directory_fails_verify_and_is
     with h5py.File(seg(dump, 1), "r") as f:
         assert f.attrs[fmt.ATTR_SESSION] == fmt.parse_rank_dir(rank_dir(dump).name)[4]
     shutil.copy(seg(other, 1), seg(dump, 1))
+    if attribute == "removed":
+        with h5py.File(seg(dump, 1), "r+") as f:
+            del f.attrs[fmt.ATTR_SESSION]
     code, problems, _ = verify(dump, "--data")
-    assert code == 1 and has(problems, "seg-000001.h5: written by session"), problems
+    text = "seg-000001.h5: written by session" if attribute == "kept" else "seg-000001.h5: carries no session attribute"
+    assert code == 1 and has(problems, text), problems
     assert has(problems, "copied in from another run")
     with pytest.warns(UserWarning, match="copied in from another run"), fastdump.open(dump) as ds:
         assert ds.passes("target", 0) == [0, 1, 4]
