@@ -785,23 +785,6 @@ def test_a_segment_renamed_leaving_a_gap(dump, expected):
         assert same(ds.load("target", 0, 3, check=True)["1"], expected[3]["1"])
 
 
-def test_a_listed_segment_deleted_makes_its_passes_an_error_not_absent(dump, expected):
-    """seg-000001.h5 (passes 2 and 3) deleted: the list still names it, so its passes are lost, not
-    passes that never were: the reader lists it as unreadable and refuses pass 2 saying so (a
-    KeyError "no pass 2" reads as a pass the model never ran)."""
-    seg(dump, 1).unlink()
-    code, problems, _ = verify(dump)
-    assert code == 1 and has(problems, "seg-000001.h5 is listed in segments.jsonl but missing"), problems
-    with warnings_ignored(), fastdump.open(dump) as ds:
-        assert ds.passes("target", 0) == [0, 1, 4]
-        assert [(p.kind, os.path.basename(p.path)) for p in ds.problems] == [
-            (reader.Problem.UNREADABLE_SEGMENT, "seg-000001.h5")]
-        assert ds.problems[0].endswith("listed as holding passes 2..3, but missing")
-        with pytest.raises(reader.DumpError, match="no pass 2 in the readable segments"):
-            ds.load("target", 0, 2)
-        assert same(ds.load("target", 0, 4, check=True)["1"], expected[4]["1"])
-
-
 def test_a_renamed_segment_whose_number_attribute_disagrees(dump):
     """The last segment renamed seg-000004.h5 (a gap: 2 and 3 missing) and rank.json made to agree:
     only the file's own ``segment`` attribute (2) tells."""
