@@ -162,15 +162,16 @@ def set_field(row, field, value):
     return change
 
 
-@pytest.mark.parametrize("damage, message", [
-    (set_field(0, "first_row", 10_000), "index row"),  # past its block
-    (set_field(0, "rows", 0), "leave a gap|index row"),  # empty tensor
-    (set_field(1, "name", 99), "name slot 99"),  # no such name
-    (set_field(1, "name", 3), "name slot 3 outside the name table \\(3 names\\)"),  # one past the last (a, b, big)
-    (set_field(0, "pass", 3), "pass 3 is not in the passes table|index rows"),  # mislabelled
-    (set_field(0, "rows", -1), "index row 0: negative row range"),  # (else read as a row range ending early)
+@pytest.mark.parametrize("damage, message, verify_text", [
+    (set_field(0, "first_row", 10_000), "index row", ""),  # past its block
+    (set_field(0, "rows", 0), "leave a gap|index row", ""),  # empty tensor
+    (set_field(1, "name", 99), "name slot 99", "index refers to a name outside the name table"),  # no such name
+    (set_field(1, "name", 3), "name slot 3 outside the name table \\(3 names\\)",  # one past the last (a, b, big)
+     "index refers to a name outside the name table"),
+    (set_field(0, "pass", 3), "pass 3 is not in the passes table|index rows", ""),  # mislabelled
+    (set_field(0, "rows", -1), "index row 0: negative row range", ""),  # (else read as a row range ending early)
 ], ids=["outside", "empty", "name", "name-one-past", "pass", "negative-rows"])
-def test_bad_index_rows_are_an_error_naming_file_and_row(dump, damage, message, capsys):
+def test_bad_index_rows_are_an_error_naming_file_and_row(dump, damage, message, verify_text, capsys):
     path = segment(dump)
     rewrite_index(path, damage)
     with pytest.warns(UserWarning, match="unreadable segment"):
@@ -179,7 +180,8 @@ def test_bad_index_rows_are_an_error_naming_file_and_row(dump, damage, message, 
             ds.load("target", 0, 0)
     assert any("seg-000000.h5" in p and __import__("re").search(message, p) for p in ds.problems), ds.problems
     assert ds.load("target", 0, 2)  # other segments still read
-    assert verify(dump).problems
+    problems = verify(dump).problems  # (other checks fail on a bad name slot too: verify names its own cause)
+    assert problems and any(verify_text in p for p in problems), problems
     code = cli_dump.main(["show", str(dump), "--pass", "0"])
     assert code == 1 and "seg-000000.h5" in capsys.readouterr().err
 
@@ -548,42 +550,6 @@ def test_verify_fails_unless_closed(dump):
     assert "process is gone" in cli("ls", dump).stdout
     path.write_text(json.dumps({**info, "error": "the Dumper failed"}))
     assert any("an error was recorded" in p for p in verify(dump).problems)
-
-
-def test_block_attributes_swapped_between_two_blocks_of_one_storage_fail_verify_and_the_reader(tmp_path):
-    """float8_e4m3fn and float8_e5m2 blocks are both stored as raw uint8 bytes: with their dtype and
-    block_crc32c attributes swapped, every check but the block's number in its CRC passes, and each
-    tensor would read back as the other float8 type (other values, same bytes)."""
-    root = tmp_path / "dump"
-    passes = {0: {"e4": torch.linspace(-2, 2, 12).reshape(4, 3).to(torch.float8_e4m3fn),
-                  "e5": torch.linspace(-3, 3, 12).reshape(4, 3).to(torch.float8_e5m2)}}
-    write_dir(root / "target" / RANK_DIR, passes)
-    with h5py.File(segment(root), "r+") as f:
-        a, b = f[fmt.BLOCKS]["0"].attrs, f[fmt.BLOCKS]["1"].attrs
-        assert (a[fmt.ATTR_DTYPE], b[fmt.ATTR_DTYPE]) == ("float8_e4m3fn", "float8_e5m2")
-        for key in (fmt.ATTR_DTYPE, fmt.ATTR_BLOCK_CRC):
-            a[key], b[key] = b[key], a[key]
-    problems = verify(root, "--data").problems
-    assert len(problems) == 2 and all("the block's attributes or shape changed after it was written" in p
-                                      for p in problems), problems
-    with fastdump.open(root) as ds, pytest.raises(reader.DumpError, match="block 0: dtype 'float8_e5m2'"):
-        ds.load("target", 0, 0)
-
-
-def test_a_block_of_0_d_rows_relabelled_as_1_d_rows_fails_verify_and_the_reader(tmp_path):
-    """A block of 0-d tensors (scalar = 1) holds one row per tensor, as a block of 1-element 1-d
-    tensors does: with its scalar attribute set to 0, only the block's CRC tells them apart, and
-    each 0-d tensor would read back with shape (1,)."""
-    root = tmp_path / "dump"
-    write_dir(root / "target" / RANK_DIR, {p: {"s": torch.tensor(float(p) + 0.5)} for p in range(2)})
-    with h5py.File(segment(root), "r+") as f:
-        block = f[fmt.BLOCKS]["0"]
-        assert block.shape == (2,) and block.attrs[fmt.ATTR_SCALAR] == 1
-        block.attrs[fmt.ATTR_SCALAR] = 0
-    problems = verify(root).problems
-    assert len(problems) == 1 and "scalar 0, rows of () have CRC32C" in problems[0], problems
-    with fastdump.open(root) as ds, pytest.raises(reader.DumpError, match="the block's attributes or shape changed"):
-        ds.load("target", 0, 1)
 
 
 def test_a_block_without_its_crc_attribute_fails_verify_and_the_reader(tmp_path):
