@@ -304,11 +304,30 @@ def expected_session(rank_dir_name: str, info: dict) -> str | None:
     return session if isinstance(session, str) else None
 
 
-def foreign_session(session, expected) -> str | None:
+# The first format whose segments all carry ATTR_SESSION when their writer had a session (rank.json's
+# "session"): the attribute came a few hours before format 5. No CRC covers a root attribute, so a
+# segment copied in from another run with the attribute deleted read back as this session's passes.
+SESSION_ATTR_VERSION = 5
+
+
+def session_required(info: dict, segment_version) -> bool:
+    """Whether a segment of format ``segment_version`` in the rank directory whose rank.json is
+    ``info`` must carry ATTR_SESSION: its writer wrote one into every segment of a session it knew."""
+    version = info.get("format_version") if isinstance(info, dict) else None
+    return (isinstance(info, dict) and isinstance(info.get("session"), str)
+            and isinstance(version, int) and not isinstance(version, bool) and version >= SESSION_ATTR_VERSION
+            and isinstance(segment_version, int) and segment_version >= SESSION_ATTR_VERSION)
+
+
+def foreign_session(session, expected, required: bool = False) -> str | None:
     """Why a segment whose ATTR_SESSION is ``session`` is not its directory's, or None. A segment
-    written before the attribute existed carries none and is taken as its directory's."""
+    written before the attribute existed carries none and is taken as its directory's, unless
+    ``required`` (``session_required``: its writer would have written one)."""
     if isinstance(session, bytes):
         session = session.decode("utf-8", "replace")
+    if session is None and required and expected is not None:
+        return (f"carries no session attribute, though a format-{SESSION_ATTR_VERSION} writer puts its session "
+                f"{expected!r} in every segment: copied in from another run, its attribute removed")
     if session is None or expected is None or session == expected:
         return None
     return (f"written by session {str(session)[:80]!r}, not this directory's {expected!r}: copied in from "

@@ -693,8 +693,10 @@ class _Rank:
         else:
             for text in segment.problems:
                 self.dumpset._problem(text, warn=True)
-            expected = fmt.expected_session(self.name, self._indexing_facts()[0])
-            foreign = fmt.foreign_session(segment.attrs.get(fmt.ATTR_SESSION), expected)
+            info = self._indexing_facts()[0]
+            expected = fmt.expected_session(self.name, info)
+            foreign = fmt.foreign_session(segment.attrs.get(fmt.ATTR_SESSION), expected,
+                                          fmt.session_required(info, segment.version))
             if foreign:
                 self.unreadable.append(path)
                 self.dumpset._problem(Problem(path, Problem.UNREADABLE_SEGMENT, f"{foreign}; skipped"), warn=True)

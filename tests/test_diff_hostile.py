@@ -1634,8 +1634,9 @@ def test_spilled_rows_leave_no_file_behind_and_read_back_as_written(tmp_path, mo
     log = rowlog.RowLog(memory_rows=3)
     rows = [{"pass": p, "name": f"m{p}\u00e9\ud800", "status": "fail" if p % 2 else "ok", "max_abs": float("inf")}
             for p in range(2000)]  # (about 150 KB: more than one read of the file)
-    for row in rows:
+    for k, row in enumerate(rows):
         log.append(row)
+        assert log.spilled == (k >= 3), k  # memory_rows rows are held in memory, the next one spills
     assert log.spilled and os.listdir(tmp_path) == []
     assert [r["pass"] for r in log] == list(range(2000)) and log[1999]["name"] == rows[1999]["name"]
     outer = iter(log)

@@ -162,15 +162,16 @@ def set_field(row, field, value):
     return change
 
 
-@pytest.mark.parametrize("damage, message", [
-    (set_field(0, "first_row", 10_000), "index row"),  # past its block
-    (set_field(0, "rows", 0), "leave a gap|index row"),  # empty tensor
-    (set_field(1, "name", 99), "name slot 99"),  # no such name
-    (set_field(1, "name", 3), "name slot 3 outside the name table \\(3 names\\)"),  # one past the last (a, b, big)
-    (set_field(0, "pass", 3), "pass 3 is not in the passes table|index rows"),  # mislabelled
-    (set_field(0, "rows", -1), "index row 0: negative row range"),  # (else read as a row range ending early)
+@pytest.mark.parametrize("damage, message, verify_text", [
+    (set_field(0, "first_row", 10_000), "index row", ""),  # past its block
+    (set_field(0, "rows", 0), "leave a gap|index row", ""),  # empty tensor
+    (set_field(1, "name", 99), "name slot 99", "index refers to a name outside the name table"),  # no such name
+    (set_field(1, "name", 3), "name slot 3 outside the name table \\(3 names\\)",  # one past the last (a, b, big)
+     "index refers to a name outside the name table"),
+    (set_field(0, "pass", 3), "pass 3 is not in the passes table|index rows", ""),  # mislabelled
+    (set_field(0, "rows", -1), "index row 0: negative row range", ""),  # (else read as a row range ending early)
 ], ids=["outside", "empty", "name", "name-one-past", "pass", "negative-rows"])
-def test_bad_index_rows_are_an_error_naming_file_and_row(dump, damage, message, capsys):
+def test_bad_index_rows_are_an_error_naming_file_and_row(dump, damage, message, verify_text, capsys):
     path = segment(dump)
     rewrite_index(path, damage)
     with pytest.warns(UserWarning, match="unreadable segment"):
@@ -179,7 +180,8 @@ def test_bad_index_rows_are_an_error_naming_file_and_row(dump, damage, message, 
             ds.load("target", 0, 0)
     assert any("seg-000000.h5" in p and __import__("re").search(message, p) for p in ds.problems), ds.problems
     assert ds.load("target", 0, 2)  # other segments still read
-    assert verify(dump).problems
+    problems = verify(dump).problems  # (other checks fail on a bad name slot too: verify names its own cause)
+    assert problems and any(verify_text in p for p in problems), problems
     code = cli_dump.main(["show", str(dump), "--pass", "0"])
     assert code == 1 and "seg-000000.h5" in capsys.readouterr().err
 
@@ -550,6 +552,19 @@ def test_verify_fails_unless_closed(dump):
     assert any("an error was recorded" in p for p in verify(dump).problems)
 
 
+def test_a_block_without_its_crc_attribute_fails_verify_and_the_reader(tmp_path):
+    """Format 4 on, every block carries block_crc32c: one without it is not taken as unchecked."""
+    root = tmp_path / "dump"
+    write_dir(root / "target" / RANK_DIR, {0: {"x": torch.arange(4, dtype=torch.bfloat16)}})
+    with h5py.File(segment(root), "r+") as f:
+        del f[fmt.BLOCKS]["0"].attrs[fmt.ATTR_BLOCK_CRC]
+    problems = verify(root).problems
+    assert len(problems) == 1 and problems[0].endswith("block 0: no 'block_crc32c' attribute (format 4 requires one)"), \
+        problems
+    with fastdump.open(root) as ds, pytest.raises(reader.DumpError, match="no 'block_crc32c' attribute"):
+        ds.load("target", 0, 0)
+
+
 def test_verify_fails_when_passes_the_dumper_sent_are_missing(tmp_path):
     root = tmp_path / "dump"
     write_dir(root / "target" / "TP0_PP0_Rank0_pid1", {p: tensors_of(p) for p in range(3)},
@@ -898,7 +913,8 @@ def test_a_line_after_the_committed_ones_is_never_read_as_listed(tmp_path, tail)
 
 
 @pytest.mark.parametrize("damage", ["byte-changed", "truncated", "truncated-one-byte", "missing", "missing-no-bytes",
-                                    "missing-no-lines", "count-wrong", "not-a-count", "a-true-count"])
+                                    "missing-no-lines", "count-wrong", "not-a-count", "a-true-count",
+                                    "a-negative-count", "a-key-twice"])
 def test_a_damaged_committed_list_fails_verify_and_is_reported_by_the_reader(tmp_path, damage):
     root = tmp_path / "dump"
     path = list_dump(root, "closed")
@@ -926,12 +942,18 @@ def test_a_damaged_committed_list_fails_verify_and_is_reported_by_the_reader(tmp
         info[fmt.LIST_COUNT] = 0
         (path / fmt.RANK_FILE).write_text(json.dumps(info))
         expected = "segments.jsonl missing: rank.json commits 0 segment(s) to it"
+    elif damage == "a-key-twice":  # committed as written: json would keep the last of the two values
+        list_file.write_bytes(data.replace(b'"passes": 1,', b'"passes": 1, "passes": 1,', 1))
+        commit_lines(path, 3)
+        expected = "segments.jsonl line 1: not valid JSON (key 'passes' appears twice in one object)"
     else:
         info = json.loads((path / fmt.RANK_FILE).read_text())
-        info[fmt.LIST_COUNT] = {"count-wrong": 2, "not-a-count": "3", "a-true-count": True}[damage]
+        info[fmt.LIST_COUNT] = {"count-wrong": 2, "not-a-count": "3", "a-true-count": True,
+                                "a-negative-count": -1}[damage]
         (path / fmt.RANK_FILE).write_text(json.dumps(info))
         expected = {"count-wrong": "commits 2 line(s)", "not-a-count": "segments_listed is '3', not an integer",
-                    "a-true-count": "segments_listed is 'True', not an integer"}[damage]  # (True is no 1)
+                    "a-true-count": "segments_listed is 'True', not an integer",  # (True is no 1)
+                    "a-negative-count": "segments_listed is '-1', not an integer >= 0"}[damage]
     report = verify(root)
     assert any(expected in p for p in report.problems), report.problems
     loaded, problems = read_all(root)  # the segments themselves still read

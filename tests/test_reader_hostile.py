@@ -28,7 +28,7 @@ from fastdump.reader import Problem
 from fastdump.cli.dump import list_dump
 from fastdump.cli.main import main as cli_main_entry
 
-from conftest import write_rank_dir
+from conftest import read_rank_json, write_rank_dir, write_rank_json
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 R0 = "TP0_PP0_Rank0_pid100_20260101T000000.000000Z-00000001"
@@ -476,6 +476,20 @@ def test_multi_root_refuses_one_root_twice_and_the_same_rank_twice(tmp_path):
     with pytest.raises(FileNotFoundError):
         fastdump.open([a, tmp_path / "missing"])
 
+
+
+def test_multi_root_refuses_one_directory_name_in_two_roots_even_without_a_rank_number(tmp_path):
+    """A rank directory whose name and rank.json give no rank number (a hand-named directory, a
+    rank.json without "rank") in two roots: the number check cannot see it, and the second root's
+    directory hid the first one's (mutant M01: only the name check refuses it)."""
+    roots = [tmp_path / "host0", tmp_path / "host1"]
+    for k, root in enumerate(roots):
+        path = write(root, "rank-a", tag=100.0 * k)
+        info = read_rank_json(path)
+        del info["rank"]
+        write_rank_json(path, info)
+    with pytest.raises(ValueError, match="duplicate rank directory target/rank-a in .*host0 and .*host1"):
+        fastdump.open(roots)
 
 
 def test_multi_root_refuses_one_rank_under_two_directory_names(tmp_path):

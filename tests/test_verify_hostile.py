@@ -731,6 +731,38 @@ def test_a_continued_pass_with_a_name_in_both_segments(dump, expected):
     assert code == 1 and has(problems, "pass 1", "'0'"), problems
 
 
+def test_a_pass_continued_and_ended_in_the_next_segment_verifies_without_a_warning(dump, expected):
+    """A pass the writer flushed unfinished (complete = 0, no reason: it had not ended yet) and ended
+    in the next segment is whole: verify neither fails nor warns of it as a pass whose end never
+    came (only a pass whose last part on disk is not complete is one)."""
+    def incomplete(passes):
+        passes["complete"][1] = 0
+        passes["dropped"][1] = 2  # (each part counts the drops of its own tensors)
+        return passes
+
+    def dropped(passes):
+        passes["dropped"][0] = 3
+        return passes
+
+    rewrite(seg(dump, 0), "passes", incomplete)
+    relabel_passes(seg(dump, 1), {2: 1, 3: 3})
+    rewrite(seg(dump, 1), "passes", dropped)
+    set_names(seg(dump, 1), [f"rest.{name}" for name in NAMES])  # its second part: other names
+
+    def change(info):
+        info["segments"][0]["complete"] = False
+        info["segments"][1].update(first_pass=1)
+        info["stats"]["passes"] = 4  # the Dumper's own count of this crafted history
+
+    edit_rank_json(dump, change)
+    code, problems, warnings = verify(dump)
+    assert (code, problems, warnings) == (0, [], []), (problems, warnings)
+    with fastdump.open(dump) as ds:
+        assert list(ds.load("target", 0, 1, check=True)) == NAMES + [f"rest.{name}" for name in NAMES]
+        meta = ds.meta("target", 0, 1)
+        assert (meta["complete"], meta["dropped"], meta["tensors"]) == (True, 5, 2 * len(NAMES)), meta
+
+
 def test_a_whole_pass_found_again_in_the_next_segment_is_not_read_as_one(dump, expected):
     """Seg 1's pass 2 relabelled 1 and rank.json made to agree: pass 1 is whole (complete) in seg 0
     and again in seg 1. Which copy is the pass is unknown: the reader refuses it rather than
@@ -1318,7 +1350,7 @@ def test_a_segment_replaced_by_a_symlink_to_a_copy(dump, expected, tmp_path):
 
 
 @pytest.mark.parametrize("kind", ["zero-bytes", "directory", "plain-hdf5", "no-version", "no-tables",
-                                  "format-array", "hdf5-garbage-tail"])
+                                  "format-array", "hdf5-garbage-tail", "future-version"])
 def test_a_segment_that_is_not_a_fastdump_segment(dump, expected, kind):
     path = seg(dump, 1)
     path.unlink()
@@ -1344,9 +1376,14 @@ def test_a_segment_that_is_not_a_fastdump_segment(dump, expected, kind):
                 f.attrs["format_version"] = 2
             elif kind == "format-array":
                 f.attrs["format"] = np.array([b"fastdump-segment", b"x"])
+            elif kind == "future-version":  # (a later format's tables may mean other things)
+                f.attrs["format"] = fmt.FORMAT_NAME
+                f.attrs["format_version"] = fmt.FORMAT_VERSION + 1
         text = {"plain-hdf5": "not a fastdump segment (format attribute None)",
                 "no-version": "format version None", "no-tables": "missing 'names'",
-                "format-array": "seg-000001.h5"}[kind]
+                "format-array": "seg-000001.h5",
+                "future-version": f"format version {fmt.FORMAT_VERSION + 1} is not one of "
+                                  f"{list(fmt.READABLE_VERSIONS)}"}[kind]
     code, problems, _ = verify(dump, "--data")
     assert code == 1 and has(problems, "seg-000001.h5", text), problems
     ds = open_quietly(dump)
@@ -1419,10 +1456,14 @@ def test_rank_json_with_a_key_twice_is_refused(dump):
         fsutil.load_json(str(rank_dir(dump) / "rank.json"))
 
 
-def test_a_segment_copied_in_from_another_sessions_directory_fails_verify_and_is_not_read(dump, expected, tmp_path):
+@pytest.mark.parametrize("attribute", ["kept", "removed"])
+def test_a_segment_copied_in_from_another_sessions_directory_fails_verify_and_is_not_read(dump, expected, tmp_path,
+                                                                                         attribute):
     """Another run's seg-000001.h5 over this one's: rank.json's entry, the tables and every CRC
     still matched, so verify said OK and the reader returned the other run's passes 2 and 3 as
-    this session's. Each segment now carries its session id."""
+    this session's. Each segment now carries its session id; one whose attribute was removed (no
+    CRC covers it: verify said OK again) is refused too, since every format-5 segment of a session
+    carries it."""
     other = tmp_path / "other"
     model = make_model()
     with torch.no_grad():
@@ -1435,8 +1476,12 @@ def test_a_segment_copied_in_from_another_sessions_directory_fails_verify_and_is
     with h5py.File(seg(dump, 1), "r") as f:
         assert f.attrs[fmt.ATTR_SESSION] == fmt.parse_rank_dir(rank_dir(dump).name)[4]
     shutil.copy(seg(other, 1), seg(dump, 1))
+    if attribute == "removed":
+        with h5py.File(seg(dump, 1), "r+") as f:
+            del f.attrs[fmt.ATTR_SESSION]
     code, problems, _ = verify(dump, "--data")
-    assert code == 1 and has(problems, "seg-000001.h5: written by session"), problems
+    text = "seg-000001.h5: written by session" if attribute == "kept" else "seg-000001.h5: carries no session attribute"
+    assert code == 1 and has(problems, text), problems
     assert has(problems, "copied in from another run")
     with pytest.warns(UserWarning, match="copied in from another run"), fastdump.open(dump) as ds:
         assert ds.passes("target", 0) == [0, 1, 4]
@@ -1562,3 +1607,24 @@ def test_one_session_copied_under_another_directory_name_fails_verify(dump):
     code, problems, _ = verify(dump)
     session = fmt.parse_rank_dir(original.name)[4]
     assert code == 1 and len(problems) == 1 and has(problems, str(copy), f"session {session} again", str(original))
+
+
+def test_a_session_directory_renamed_to_another_sessions_name_fails_verify_and_is_not_read(dump):
+    """A rank directory renamed to the name of another session (another session id, rank.json kept):
+    its segments are the old session's, and read under the new name they would pass for that other
+    session's passes. The name's session is the one its segments must carry (rank.json's is only
+    for names without one), so every segment is foreign here, and the recorded session is lost."""
+    original = rank_dir(dump)
+    session = fmt.parse_rank_dir(original.name)[4]
+    other_session = "20200101T000000.000000Z-00000000"
+    renamed = dump / "target" / original.name.replace(session, other_session)
+    os.rename(original, renamed)
+    code, problems, _ = verify(dump)
+    assert code == 1, problems
+    assert has(problems, f"{renamed / 'seg-000000.h5'}: written by session '{session}', "
+                         f"not this directory's '{other_session}': copied in from another run"), problems
+    assert has(problems, str(original), "its rank directory is gone"), problems
+    with warnings_ignored(), fastdump.open(dump) as ds:
+        assert ds.passes("target", 0) == []
+        assert all(p.kind == reader.Problem.UNREADABLE_SEGMENT for p in ds.problems
+                   if p.path.startswith(str(renamed))), ds.problems

@@ -491,6 +491,7 @@ def _check_open_segment(report: _Report, where: str, h5file, read_data: bool):
     summary["pass_ids"] = pass_ids
     summary["unexplained"] = set(summary["incomplete"]) - explained
     summary["session"] = attrs.get(fmt.ATTR_SESSION)
+    summary["version"] = version  # (whether that attribute must be there: format.session_required)
 
     def names_of(pass_id):  # a pass the writer flushed unfinished continues in the next segment
         slots = index["name"][index["pass"] == pass_id].tolist()
@@ -731,7 +732,7 @@ def check_rank_dir(report: _Report, path: str, read_data: bool = False) -> dict 
 
     expected = fmt.expected_session(os.path.basename(path), info)
     for name, summary in summaries.items():
-        foreign = fmt.foreign_session(summary["session"], expected)
+        foreign = fmt.foreign_session(summary["session"], expected, fmt.session_required(info, summary["version"]))
         if foreign:  # mixed: its passes would read as this session's
             report.problem(os.path.join(path, name), foreign)
 
