@@ -565,6 +565,13 @@ def on_exit(hook) -> None:
         _EXIT_HOOKS.append(hook)
 
 
+# What a user or a signal handler raises to end the program (Ctrl-C; a SIGTERM handler's
+# sys.exit): the exit hook holds one back until the rest is done. (A SystemExit there ended the
+# hook as a Ctrl-C once did: the other Dumpers' dumps were left incomplete, and a writer thread
+# died unwritten, aborting the interpreter.)
+EXIT_INTERRUPTS = (KeyboardInterrupt, SystemExit)
+
+
 def _shutdown_at_exit() -> None:
     """Bounded by FASTDUMP_EXIT_TIMEOUT_S in all: a stuck writer is killed, never waited for.
 
@@ -576,25 +583,25 @@ def _shutdown_at_exit() -> None:
     interrupted = None
     try:
         deadline = time.monotonic() + exit_timeout()
-    except KeyboardInterrupt as exc:
+    except EXIT_INTERRUPTS as exc:
         interrupted, deadline = exc, time.monotonic() + DEFAULT_EXIT_TIMEOUT_S
     for hook in list(_EXIT_HOOKS):
         try:
             hook(deadline)
-        except KeyboardInterrupt as exc:
+        except EXIT_INTERRUPTS as exc:
             interrupted = interrupted or exc
     eng = Engine._current
     try:
         if eng is not None and eng.pid == os.getpid():
             eng.shutdown(max(0.0, deadline - time.monotonic()))
-    except KeyboardInterrupt as exc:  # (in its wait for the writer)
+    except EXIT_INTERRUPTS as exc:  # (in its wait for the writer)
         interrupted = interrupted or exc
         if eng._thread is not None:  # left running, it aborts the interpreter; a writer process ends
             eng._stop_thread(max(0.0, deadline - time.monotonic()))  # on its stdin's EOF, after what it has
     for eng in [e for e in _UNFINISHED_STOPS if e.pid == os.getpid()]:
         try:
             eng.shutdown(max(0.0, deadline - time.monotonic()))  # (finished where it was cut)
-        except KeyboardInterrupt as exc:
+        except EXIT_INTERRUPTS as exc:
             interrupted = interrupted or exc
     if interrupted is not None:
         raise interrupted
