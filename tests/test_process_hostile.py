@@ -1400,6 +1400,84 @@ def test_interpreter_exit_without_close_keeps_every_pass(tmp_path, mode, writer)
 
 
 
+SIGTERMED = """
+    import os, signal, sys, time, torch, fastdump
+    root, writer, mode = sys.argv[1], sys.argv[2], sys.argv[3]
+    pkg = fastdump.__path__[0]
+    if mode != "default":  # a server's handler (uvicorn, SGLang, vLLM): leave through SystemExit
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU())
+
+    calls = []
+
+    class TermAt(torch.nn.Module):  # the service stopped while the 6th pass runs
+        def forward(self, x):
+            calls.append(1)
+            if len(calls) == 6 and mode in ("default", "handler"):
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(5)  # (the default action kills the process here; a handler raises)
+            return x
+
+    model.append(TermAt())
+    d = fastdump.attach(model, root, writer=writer)
+    with torch.no_grad():
+        for i in range(5):
+            model(torch.full((2, 16), float(i)))
+        time.sleep(0.6)  # (a writer publishes its open segment's pass count in rank.json each 0.25 s)
+        if mode == "handler in close":  # SIGTERM as close() waits for the writer's ack
+            def term_once(frame, event, arg):
+                if event == "call" and frame.f_code.co_name == "wait_acked" and frame.f_code.co_filename.startswith(pkg):
+                    sys.setprofile(None)
+                    os.kill(os.getpid(), signal.SIGTERM)
+            sys.setprofile(term_once)
+            d.close()
+        model(torch.full((2, 16), 5.0))
+    print("not reached", flush=True)
+"""
+
+
+@pytest.mark.parametrize("writer", ["process", "thread"])
+@pytest.mark.parametrize("mode", ["default", "handler", "handler in close"])
+def test_a_sigtermed_serving_process_keeps_what_its_writer_had_and_says_how_it_ended(tmp_path, writer, mode):
+    """Inference servers are stopped with SIGTERM. Default action (no atexit): a writer process keeps
+    every pass it got, readable, the rank marked incomplete (verify and ls say it ended without
+    close); a writer thread dies with the passes of its open segment, which ls counts as lost and
+    verify fails on. A handler calling sys.exit: the exit hook closes the dump whole, also when the
+    SystemExit lands in close() itself (the next close, the exit hook's, finishes it)."""
+    rc, out, err = run_script(tmp_path, SIGTERMED, tmp_path / "dump", writer, mode)
+    assert "not reached" not in out
+    assert "Fatal Python error" not in err and "terminate called" not in err, err[-3000:]
+    assert rc == (-signal.SIGTERM if mode == "default" else 0), (rc, err[-3000:])
+    ds = fastdump.open(tmp_path / "dump")
+    rank = rank_of(ds)
+    info = ds.rank_info("target", rank)
+    listing = subprocess.run([sys.executable, "-m", "fastdump", "ls", str(tmp_path / "dump")],
+                             capture_output=True, text=True, timeout=120, env=ENV).stdout
+    if mode == "default" and writer == "thread":
+        assert info["status"] == "running" and ds.passes("target", rank) == [], info
+        assert "[5 pass(es) of the open segment lost with its process]" in listing, listing
+        assert_verify_fails(tmp_path / "dump", "status running (its process is gone)")
+        return
+    torch.manual_seed(0)
+    lin = nn.Linear(16, 16)
+    want = [0, 1, 2, 3, 4] + ([5] if mode != "handler in close" else [])
+    assert ds.passes("target", rank) == want
+    for p in range(5):
+        with torch.no_grad():
+            assert same_bits(ds.load("target", rank, p, check=True)["0"], lin(torch.full((2, 16), float(p))))
+    if mode == "default":
+        assert info["status"] == "incomplete", info
+        assert " incomplete" in listing, listing
+        assert_verify_fails(tmp_path / "dump", "the dumping process exited without close()")
+    else:
+        assert info["status"] == "closed" and info["passes"] == len(want), info
+        if mode == "handler":
+            assert ds.meta("target", rank, 5)["complete"] is False  # cut by the SystemExit: flagged
+        assert not list((tmp_path / "dump").glob("*/*/producer_error.json"))
+        assert_verifies(tmp_path / "dump")
+
+
 CTRL_C_AT_EXIT = """
     import atexit, sys, torch, fastdump
     root, writer, at = sys.argv[1], sys.argv[2], sys.argv[3]
