@@ -1212,15 +1212,20 @@ def test_double_streams_run_apart_unless_an_event_orders_them(m, seed):
     n = 1 << 12
     buf, copy = device_buffer(m, n), device_buffer(m, n)
     try:
-        # Without a wait, b's copy may run before a's fill (a's first op sleeps).
+        # Without a wait, b's copy runs before a's fill: a is held at a gate (a sleep there let a
+        # loaded machine run a's fill first, and the test failed once under load).
         m._mock.enqueue_fill(a, buf, n, 0)
         m._mock.sync(a)
-        m._mock.enqueue_sleep(a, 0.05)
-        m._mock.enqueue_fill(a, buf, n, 7)
-        m._mock.enqueue_copy(b, copy, buf, n)
-        m._mock.sync(b)
-        assert download(m, copy, n)[0] == 0  # b did not wait for a
+        gate = m._mock.enqueue_gate(a)
+        try:
+            m._mock.enqueue_fill(a, buf, n, 7)
+            m._mock.enqueue_copy(b, copy, buf, n)
+            m._mock.sync(b)
+            assert download(m, copy, n)[0] == 0  # b did not wait for a
+        finally:
+            m._mock.open_gate(gate)
         m._mock.sync(a)
+        assert download(m, buf, n)[0] == 7  # a ran its fill once let through
         # With an event, b runs after a's work, whatever the delays.
         ev = m._mock.event_create()
         m._mock.enqueue_sleep(a, 0.02)
