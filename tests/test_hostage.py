@@ -399,7 +399,9 @@ STUCK = textwrap.dedent("""
     from fastdump.staging.engine import Engine
     mode = sys.argv[2]
     model = torch.nn.Sequential(torch.nn.Linear(8, 8))
-    d = fastdump.attach(model, sys.argv[1])
+    # (A normal-priority writer: an idle one, starved by a busy machine, kept this script in attach
+    # past the test's 60 s; the test is about a stopped writer, not a starved one.)
+    d = fastdump.attach(model, sys.argv[1], writer_priority="normal")
     model(torch.ones(2, 8))
     os.kill(Engine._current._proc.pid, signal.SIGSTOP)
     model(torch.ones(2, 8))
