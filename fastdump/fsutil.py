@@ -387,18 +387,29 @@ def pid_alive(pid: int, identity=None) -> bool:
     return True
 
 
+def proc_stat_fields(pid: int):
+    """The fields of Linux ``/proc/PID/stat`` after the command name (``fields[0]`` is field 3 of
+    proc(5), the state), or None where it cannot be read. The command name (field 2) is in
+    parentheses and may hold spaces and ')': split after the last one."""
+    try:
+        with open(f"/proc/{int(pid)}/stat", "rb") as f:
+            stat_line = f.read()
+        return stat_line[stat_line.rindex(b")") + 2:].split()
+    except (OSError, ValueError, OverflowError):
+        return None
+
+
 def process_identity(pid: int):
     """``"<boot id>/<start time in clock ticks since boot>"`` of process ``pid`` (Linux /proc), or
     None where it cannot be read. A pid is reused; this pair is not: the start time is counted
     from boot, so neither a wall-clock step nor a pid reused after a reboot (a restarted
     container's pid 1) makes another process look like the one that wrote a directory."""
+    fields = proc_stat_fields(pid)
+    if fields is None:
+        return None
     try:
-        with open(f"/proc/{int(pid)}/stat", "rb") as f:
-            stat_line = f.read()
         with open("/proc/sys/kernel/random/boot_id", "rb") as f:
             boot = f.read().strip().decode("ascii")
-        # the command name (field 2) is in parentheses and may hold spaces and ')': split after the last
-        fields = stat_line[stat_line.rindex(b")") + 2:].split()
         return f"{boot}/{int(fields[19])}"  # field 22 of proc(5): starttime
-    except (OSError, ValueError, IndexError, UnicodeDecodeError, OverflowError):
+    except (OSError, ValueError, IndexError, UnicodeDecodeError):
         return None

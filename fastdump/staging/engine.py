@@ -124,11 +124,10 @@ def _exact_tensor_type():
 
 def _process_state(pid: int):
     """(state letter, CPU ticks used) of a process, from Linux ``/proc/PID/stat``; None if unreadable."""
+    fields = fsutil.proc_stat_fields(pid)
     try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            fields = f.read().rsplit(b")", 1)[1].split()  # after the command name, which may hold anything
         return fields[0].decode(), int(fields[11]) + int(fields[12])  # state, utime + stime
-    except (OSError, IndexError, ValueError, UnicodeDecodeError):
+    except (TypeError, IndexError, ValueError, UnicodeDecodeError):
         return None
 
 
