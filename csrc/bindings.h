@@ -46,7 +46,8 @@ int stage_tensor_on(void* lane, uint32_t name_id, pybind11::handle tensor);
 // The same lane's pass records, for the C root wrapper's pass (CaptureState.root_pass): whether
 // its producer saw the writer alive within max_age_s and the writer still writes its channel;
 // open_pass (the plain begin record without waiting, then the pass's settings: its seq, or 0 when
-// nothing was done); put_plain_end (its seq, or 0). None of them waits or raises a Python exception.
+// nothing was done); put_plain_end (its seq, or 0; the record carries the lane's own count of the
+// pass's tensors, ChannelStager::sent_in). None of them waits or raises a Python exception.
 bool lane_writer_seen_alive(void* lane, double max_age_s);
 uint64_t lane_open_pass(void* lane, int64_t pass_id, bool block, double timeout_s);
 uint64_t lane_put_plain_end(void* lane, int64_t pass_id, uint64_t dropped);

@@ -140,6 +140,22 @@ struct ChannelStager {
   py::object strided;   // torch.strided
   py::object tensor_type;  // torch.Tensor: its subclasses' Python attributes are not believed here
   uint64_t staged_tensors = 0, staged_bytes = 0;  // by stage_tensor, until take_counts()
+  // The tensors of pass `sent_pass` put into the ring whole (STAGED), by stage_tensor and, through
+  // add_sent, the Dumper's general paths: its end record carries the count, the writer stores it
+  // with the pass, and `fastdump verify` fails a pass holding other than that many (tensors written
+  // into it afterwards; whole-rank totals could not tell). Tagged with its pass, not reset at a
+  // begin: a pass whose begin never reached this lane (Ctrl-C, a full ring) reads 0, not the last
+  // pass's count. One compare and add per tensor.
+  int64_t sent_pass = -1;
+  uint64_t sent_count = 0;
+  void add_sent(int64_t pass, uint64_t n) {
+    if (sent_pass != pass) {
+      sent_pass = pass;
+      sent_count = 0;
+    }
+    sent_count += n;
+  }
+  uint64_t sent_in(int64_t pass) const { return sent_pass == pass ? sent_count : 0; }
   // This channel's word of the ring header's failed_channels (set at construction: the hot path
   // loads it directly, not through the producer's mapping).
   const std::atomic<uint64_t>* failed_word = nullptr;
@@ -160,16 +176,17 @@ struct ChannelStager {
   // put in). 0: no templates, no room now, or the producer is disabled; the caller takes its
   // general path, which may wait.
   std::string begin_text[2];  // begin_text[0] + pass + begin_text[1]
-  std::string end_text[3];    // end_text[0] + pass + end_text[1] + dropped + end_text[2]
+  std::string end_text[4];    // end_text[0] + pass + end_text[1] + dropped + end_text[2] + sent + end_text[3]
   bool has_templates = false;
   std::string message;  // reused: no allocation per pass once warm
 
   void set_pass_templates(const std::string& begin, const std::string& end, const std::string& pass_mark,
-                          const std::string& dropped_mark) {
-    std::string rest;
+                          const std::string& dropped_mark, const std::string& sent_mark) {
+    std::string rest, last;
     split_once(begin, pass_mark, &begin_text[0], &begin_text[1]);
     split_once(end, pass_mark, &end_text[0], &rest);
-    split_once(rest, dropped_mark, &end_text[1], &end_text[2]);
+    split_once(rest, dropped_mark, &end_text[1], &last);
+    split_once(last, sent_mark, &end_text[2], &end_text[3]);
     has_templates = true;
   }
 
@@ -181,11 +198,13 @@ struct ChannelStager {
 
   // Also ends the CUDA lane's pass first: its last snapshots get their event and go to the drain now,
   // not when the drain's hold timer finds the batch.
-  uint64_t put_plain_end(int64_t pass, uint64_t dropped) {
+  // `sent`: the pass's tensors put into the ring (sent_in, read by the caller when the pass ended).
+  uint64_t put_plain_end(int64_t pass, uint64_t dropped, uint64_t sent) {
     if (cuda) cuda->end_pass();
     if (!has_templates) return 0;
     message.assign(end_text[0]).append(std::to_string(pass)).append(end_text[1]);
     message.append(std::to_string(dropped)).append(end_text[2]);
+    message.append(std::to_string(sent)).append(end_text[3]);
     return producer->put_control(channel, message.data(), message.size(), /*block=*/false, 0);
   }
 
@@ -293,6 +312,7 @@ struct ChannelStager {
     if (status != kStaged) return;
     staged_tensors++;
     staged_bytes += nbytes;
+    add_sent(pass_id, 1);
   }
 
   // Without a reader, or for what it declines: the facts through the tensor's Python attributes.
@@ -505,7 +525,8 @@ uint64_t fastdump::lane_open_pass(void* lane, int64_t pass_id, bool block, doubl
 }
 
 uint64_t fastdump::lane_put_plain_end(void* lane, int64_t pass_id, uint64_t dropped) {
-  return static_cast<ChannelStager*>(lane)->put_plain_end(pass_id, dropped);
+  auto* s = static_cast<ChannelStager*>(lane);
+  return s->put_plain_end(pass_id, dropped, s->sent_in(pass_id));
 }
 
 PYBIND11_MODULE(_C, m) {
@@ -698,11 +719,16 @@ PYBIND11_MODULE(_C, m) {
           py::arg("pass_id"), py::arg("block"), py::arg("timeout_s"),
           "put pass_id's plain begin record without waiting and, once it is in, take the pass's settings "
           "(begin): its seq, or 0 (nothing done: no templates, no room now, or disabled)")
-      .def("put_plain_end", &ChannelStager::put_plain_end, py::arg("pass_id"), py::arg("dropped"),
+      .def("put_plain_end", &ChannelStager::put_plain_end, py::arg("pass_id"), py::arg("dropped"), py::arg("sent"),
            "end the CUDA lane's pass (end_pass) and put pass_id's plain end record (no meta, nothing "
-           "skipped) without waiting: its seq, or 0")
+           "skipped; `sent` tensors) without waiting: its seq, or 0")
+      .def("add_sent", &ChannelStager::add_sent, py::arg("pass_id"), py::arg("n") = 1,
+           "count `n` tensors the general path staged (STAGED) into pass pass_id: its end record's count")
+      .def("sent_in", &ChannelStager::sent_in, py::arg("pass_id"),
+           "the tensors put into the ring for pass pass_id (stage_tensor's and add_sent's; 0 for a pass "
+           "this lane counted nothing of, or once a later pass counted)")
       .def("set_pass_templates", &ChannelStager::set_pass_templates, py::arg("begin"), py::arg("end"),
-           py::arg("pass_mark"), py::arg("dropped_mark"),
+           py::arg("pass_mark"), py::arg("dropped_mark"), py::arg("sent_mark"),
            "the plain begin/end messages open_pass and put_plain_end put (protocol.plain_pass_templates)")
       .def("stage", &ChannelStager::stage, py::arg("name_id"), py::arg("dtype"), py::arg("elem_size"),
            py::arg("shape"), py::arg("strides"), py::arg("ptr"), py::arg("storage_base"), py::arg("storage_nbytes"),

@@ -18,9 +18,10 @@ FORMAT_NAME = "fastdump-segment"
 # session id. 3: a segment's tables carry a CRC32C too (ATTR_TABLES_CRC). 4: each block carries a
 # CRC32C of what its attributes and row shape say (ATTR_BLOCK_CRC). 5: rank.json no longer lists
 # the segments; each closed segment's entry is appended to SEGMENT_LIST_FILE, and rank.json says how
-# much of that file is committed (segment files are as in 4). Readers read 1 to 5.
-FORMAT_VERSION = 5
-READABLE_VERSIONS = (1, 2, 3, 4, 5)
+# much of that file is committed (segment files are as in 4). 6: each pass that ended carries its
+# producer's count of the tensors it sent (PASS_SENT), which verify holds its rows to. Readers read 1 to 6.
+FORMAT_VERSION = 6
+READABLE_VERSIONS = (1, 2, 3, 4, 5, 6)
 APPENDED_LIST_VERSION = 5  # the first format whose segment list is SEGMENT_LIST_FILE, not rank.json's
 # Version of the run manifest (fastdump.json), independent of the segment format.
 MANIFEST_VERSION = 1
@@ -78,6 +79,19 @@ TORN_TENSOR_REASON = "incomplete tensor (staging failed mid-copy)"
 # The start of the skip reason of a tensor the writer received and could not store (an exception
 # of its own, e.g. no memory to put a chunked tensor together). Accepted and then lost, too.
 WRITER_LOST_REASON = "writer could not store it"
+
+
+# The starts of the other skip reasons the writer gives a tensor it received and did not store (not
+# a loss: a record that describes no tensor, or one numpy cannot represent).
+BAD_RECORD_REASON = "bad record"
+TOO_WIDE_REASON = "empty tensor of shape"
+
+
+def not_stored_by_writer(reason: str) -> bool:
+    """A skip the writer recorded for a tensor that reached it (whole or in part) and that it did
+    not store: one a pass's PASS_SENT count may hold beyond its stored rows. The producer's own
+    skips (dtypes, layouts, names) were never sent and are not in that count."""
+    return is_loss(reason) or reason.startswith((BAD_RECORD_REASON, TOO_WIDE_REASON))
 
 
 def is_loss(reason: str) -> bool:
@@ -224,6 +238,14 @@ PASS_META = "pass_meta"  # per pass (same order as PASSES): JSON {"meta": {...},
 # {part path: kind}, "after": n}} for outputs whose stored names do not tell their container
 # structure (docs/FORMAT.md, "Output structure").
 PASS_STRUCTURE = "structure"
+# A pass_meta entry's key (format 6), on every pass whose end reached the writer: the tensors its
+# producer put into the ring for it whole (staged; not its drops nor its skips), as its end record
+# counts them (a CUDA-graph replay's: the graph's tensors). `verify` fails a pass whose rows are
+# more, or fewer than that less the tensors the writer recorded as not stored
+# (not_stored_by_writer): crafted or leaked tensors written in afterwards with valid rows and CRCs
+# passed every other check, rank.json's counts being whole-rank totals.
+PASS_SENT = "sent"
+PASS_SENT_VERSION = 6  # the first format that stores it (older segments are checked as before)
 STRUCTURE_LOST = "(fastdump)"  # its only key when the record was cut (the pass end exceeded the ring's limit)
 BLOCKS = "blocks"  # group of datasets "0", "1", ...: rows of one name with one dtype and row shape
 
@@ -242,7 +264,7 @@ _INDEX_FIELDS_V1 = [
 INDEX_DTYPE_V1 = np.dtype(_INDEX_FIELDS_V1)
 # Format 2: CRC32C (Castagnoli) of the tensor's bytes as stored (its rows, C order, little-endian).
 INDEX_DTYPE = np.dtype(_INDEX_FIELDS_V1 + [("crc32c", "<u4")])
-INDEX_DTYPES = {1: INDEX_DTYPE_V1, 2: INDEX_DTYPE, 3: INDEX_DTYPE, 4: INDEX_DTYPE, 5: INDEX_DTYPE}
+INDEX_DTYPES = {1: INDEX_DTYPE_V1, 2: INDEX_DTYPE, 3: INDEX_DTYPE, 4: INDEX_DTYPE, 5: INDEX_DTYPE, 6: INDEX_DTYPE}
 
 # Format 3: root attribute, CRC32C of the segment's tables as stored. A row's own crc32c covers its
 # data only, so an index row whose pass, name or block changed (or two rows that traded pass ids)

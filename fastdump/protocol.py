@@ -46,7 +46,7 @@ MESSAGES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "open": (("dir", "role", "rank", "pid", "session", "host", "device", "config"), ()),
     "name": (("id", "name"), ()),
     "begin": (("pass", "meta"), ()),
-    "end": (("pass", "meta", "dropped", "skipped"), ("incomplete", "mixed", "late", "structure")),
+    "end": (("pass", "meta", "dropped", "skipped"), ("sent", "incomplete", "mixed", "late", "structure")),
     "note": (("status",), ("error", "budget_reached", "cuda_staging", "dropped", "dropped_passes")),
     "close": (("stats",), ()),
     "graph": (("device", "graph", "span_name_id", "span_bytes", "tensors", "meta", "skipped"),
@@ -72,9 +72,11 @@ def begin(channel: int, pass_id: int, meta: dict | None = None) -> dict:
     return {"op": "begin", "channel": channel, "pass": pass_id, "meta": meta or {}}
 
 
-def end(channel: int, pass_id: int, meta: dict, dropped: int, skipped: dict,
+def end(channel: int, pass_id: int, meta: dict, dropped: int, skipped: dict, sent: int | None = None,
         incomplete: str | None = None, mixed: bool = False, late: bool = False, structure: dict | None = None) -> dict:
-    """A pass ends. ``skipped``: name -> reason. ``incomplete``: why the pass is not whole (stored
+    """A pass ends. ``skipped``: name -> reason. ``sent``: the tensors the producer put into the ring
+    for this pass, whole (staged; not its drops nor skips): the writer stores it with the pass and
+    ``verify`` fails a pass that holds other than that many. ``incomplete``: why the pass is not whole (stored
     complete = 0); ``mixed``: forwards of several threads ran in it (``verify`` fails on it).
     ``late``: sent again after a full ring refused it (later passes' records came first); the
     writer takes it only for a pass it can still complete without reordering its segments.
@@ -82,6 +84,8 @@ def end(channel: int, pass_id: int, meta: dict, dropped: int, skipped: dict,
     names do not tell it (docs/FORMAT.md, pass_meta)."""
     msg = {"op": "end", "channel": channel, "pass": pass_id, "meta": meta, "dropped": dropped,
            "skipped": [{"name": n, "reason": r} for n, r in skipped.items()]}
+    if sent is not None:
+        msg["sent"] = sent
     if incomplete is not None:
         msg["incomplete"] = incomplete
         if mixed:
@@ -176,22 +180,28 @@ def drop_note_template(channel: int, device: int) -> tuple[str, str]:
 
 
 _PASS_MARK = 876543210876543210  # stands for the pass id in plain_pass_templates (found exactly once)
+_SENT_MARK = 765432109876543210  # stands for the sent count in plain_pass_templates (found exactly once)
 
 
-def plain_pass_templates(channel: int) -> tuple[str, str, str, str]:
-    """(begin, end, pass mark, dropped mark): a pass's plain begin and end (no meta, nothing
-    skipped) as encode() gives them, with marks where the channel's C++ lane puts the pass id and
-    the dropped count (ChannelStager.set_pass_templates; open_pass and put_plain_end send them)."""
-    return (encode(begin(channel, _PASS_MARK)).decode(), encode(end(channel, _PASS_MARK, {}, _DROP_MARK, {})).decode(),
-            str(_PASS_MARK), str(_DROP_MARK))
+def plain_pass_templates(channel: int) -> tuple[str, str, str, str, str]:
+    """(begin, end, pass mark, dropped mark, sent mark): a pass's plain begin and end (no meta,
+    nothing skipped) as encode() gives them, with marks where the channel's C++ lane puts the pass
+    id, the dropped count and the sent count (ChannelStager.set_pass_templates; open_pass and
+    put_plain_end send them)."""
+    return (encode(begin(channel, _PASS_MARK)).decode(),
+            encode(end(channel, _PASS_MARK, {}, _DROP_MARK, {}, sent=_SENT_MARK)).decode(),
+            str(_PASS_MARK), str(_DROP_MARK), str(_SENT_MARK))
 
 
 def replay_pass(channel: int, layout: dict, header: ReplayHeader) -> tuple[dict, dict]:
     """The ``begin`` and ``end`` of the pass a replay span makes (``layout``: its ``graph`` message).
-    The meta says which replay of which graph: ``graph_replay`` is the header's replay index."""
+    The meta says which replay of which graph: ``graph_replay`` is the header's replay index. Its
+    ``sent``: the graph's tensors, every one of them in each replay's span (the graph's slots are
+    fixed when it is captured)."""
     meta = dict(layout["meta"], graph_replay=header.replay)
     skipped = {e["name"]: e["reason"] for e in layout["skipped"]}
     return begin(channel, header.pass_id, meta), end(channel, header.pass_id, meta, 0, skipped,
+                                                     sent=len(layout["tensors"]),
                                                      incomplete=layout.get("incomplete"),
                                                      structure=layout.get(fmt.PASS_STRUCTURE))
 
@@ -200,7 +210,7 @@ def replay_pass(channel: int, layout: dict, header: ReplayHeader) -> tuple[dict,
 # formatted directly (a fifteenth of json.dumps' time, ~9 us of a pass's ~32 us on a slow CPU), the
 # same bytes json.dumps gives them (tests/test_protocol.py); anything else goes through json.
 _PLAIN_BEGIN = b'{"op": "begin", "channel": %d, "pass": %d, "meta": {}}'
-_PLAIN_END = b'{"op": "end", "channel": %d, "pass": %d, "meta": {}, "dropped": %d, "skipped": []}'
+_PLAIN_END = b'{"op": "end", "channel": %d, "pass": %d, "meta": {}, "dropped": %d, "skipped": [], "sent": %d}'
 
 
 def fit(msg: dict, payload: bytes, max_bytes: int) -> bytes | None:
@@ -231,10 +241,10 @@ def encode(msg: dict) -> bytes:
         channel, pass_id = msg["channel"], msg["pass"]
         if type(channel) is int and type(pass_id) is int:  # (not bool, not a float: %d would hide it)
             return _PLAIN_BEGIN % (channel, pass_id)
-    elif op == "end" and len(msg) == 6 and msg["meta"] == {} and msg["skipped"] == []:
-        channel, pass_id, dropped = msg["channel"], msg["pass"], msg["dropped"]
-        if type(channel) is int and type(pass_id) is int and type(dropped) is int:
-            return _PLAIN_END % (channel, pass_id, dropped)
+    elif op == "end" and len(msg) == 7 and msg["meta"] == {} and msg["skipped"] == [] and "sent" in msg:
+        channel, pass_id, dropped, sent = msg["channel"], msg["pass"], msg["dropped"], msg["sent"]
+        if type(channel) is int and type(pass_id) is int and type(dropped) is int and type(sent) is int:
+            return _PLAIN_END % (channel, pass_id, dropped, sent)
     return json.dumps(msg).encode()
 
 

@@ -118,7 +118,7 @@ def write_rank_dir(path, passes, *, role="target", rank=None, status="closed", s
                 writer.on_name(names[name], name)
             data = t.contiguous().reshape(-1).view(torch.uint8).numpy().copy()
             writer.on_tensor(names[name], pass_id, dtypes.code_of(t.dtype), tuple(t.shape), data)
-        writer.on_end(pass_id, {}, 0, [])
+        writer.on_end(pass_id, {}, 0, [], sent=len(tensors))  # (the count a producer's end record carries)
     writer.close(stats or {}, status=status)
     return path
 

@@ -51,7 +51,7 @@ class Feeder:
         self.writer.on_begin(pass_id, meta or {})
         for name, t in tensors.items():
             self.tensor(pass_id, name, t)
-        self.writer.on_end(pass_id, end_meta or {}, dropped, list(skipped))
+        self.writer.on_end(pass_id, end_meta or {}, dropped, list(skipped), sent=len(tensors))
 
 
 def bits(t):
@@ -335,7 +335,7 @@ def test_pass_that_never_ends_is_flushed_when_far_over_the_limits(tmp_path):
     assert seg_files(tmp_path) == ["seg-000000.h5"]  # 4.5 MiB > 4x the limit: memory is bounded
     for i, t in enumerate(chunks[18:], start=18):
         f.tensor(0, f"t{i}", t)
-    w.on_end(0, {"tokens": 7}, 0, [])
+    w.on_end(0, {"tokens": 7}, 0, [], sent=24)  # (its count on the last part: verify adds up both)
     w.close({})
     segments = rank_json(tmp_path)["segments"]
     assert [(s["first_pass"], s["last_pass"], s["complete"]) for s in segments] == [(0, 0, False), (0, 0, True)]
@@ -565,7 +565,7 @@ def test_a_late_pass_end_completes_its_pass_only_where_the_segments_stay_in_orde
     w.on_begin(0, {})
     f.tensor(0, "x", torch.full((2,), 0.0))
     f.full_pass(1, {"x": torch.full((2,), 1.0)})
-    w.on_end(0, {"step": 0}, 3, [{"name": "q", "reason": "quantized tensor"}], late=True)
+    w.on_end(0, {"step": 0}, 3, [{"name": "q", "reason": "quantized tensor"}], late=True, sent=1)
     # Pass 2 is flushed unfinished, as the last pass of its segment (4.5 MiB > 4x segment_mb).
     w.on_begin(2, {})
     big = [torch.full((256, 256), float(i)) for i in range(18)]
@@ -575,15 +575,15 @@ def test_a_late_pass_end_completes_its_pass_only_where_the_segments_stay_in_orde
     assert [s["last_pass"] for s in rank_json(tmp_path)["segments"]] == [1, 2]
     w.on_begin(3, {})
     f.tensor(3, "x", torch.full((2,), 3.0))
-    w.on_end(2, {"step": 2}, 4, [], late=True)  # continues pass 2 in the next segment
-    w.on_end(3, {}, 0, [])
+    w.on_end(2, {"step": 2}, 4, [], late=True, sent=18)  # continues pass 2 in the next segment
+    w.on_end(3, {}, 0, [], sent=1)
     # Pass 4 is flushed unfinished with later passes behind it (8 passes, 4x segment_passes).
     w.on_begin(4, {})
     f.tensor(4, "x", torch.full((2,), 4.0))
     for p in range(5, 12):
         f.full_pass(p, {"x": torch.full((2,), float(p))})
     assert rank_json(tmp_path)["segments"][-1]["last_pass"] == 11
-    w.on_end(4, {"step": 4}, 5, [], late=True)  # would overlap the segment with passes 5..11
+    w.on_end(4, {"step": 4}, 5, [], late=True, sent=1)  # would overlap the segment with passes 5..11
     f.full_pass(12, {"x": torch.full((2,), 12.0)})
     w.close({"dropped": 12})
     ds = reader.open(tmp_path)
@@ -692,7 +692,7 @@ def test_rank_json_costs_no_more_to_write_as_segments_accumulate(tmp_path, monke
     text = (directory / "rank.json").read_text()
     info = json.loads(text)
     assert text == json.dumps(info, indent=2, ensure_ascii=False) + "\n"  # the layout it always had
-    assert "segments" not in info and info["format_version"] == 5
+    assert "segments" not in info and info["format_version"] == 6
     lines = (directory / fmt.SEGMENT_LIST_FILE).read_bytes()
     assert info[fmt.LIST_COUNT] == 80 and info[fmt.LIST_BYTES] == len(lines) and info[fmt.LIST_CRC] == _C.crc32c(lines)
     listed = rank_json(tmp_path)["segments"]
@@ -1196,7 +1196,7 @@ def test_a_pass_flushed_open_continues_after_other_passes_and_verifies(tmp_path)
         f.full_pass(p, {"a": t["a"] + p, "b": t["b"] + p})
     assert [s["file"] for s in rank_json(tmp_path)["segments"]] == ["seg-000000.h5"]  # flushed with 3 open
     f.tensor(3, "b", t["3b"])
-    w.on_end(3, {})
+    w.on_end(3, {}, sent=2)  # (its two parts, one in each segment, add up to its count)
     w.close({"passes": 4, "tensors": 8})
     from fastdump.cli.dump import verify_dump
 

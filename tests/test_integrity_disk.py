@@ -23,7 +23,7 @@ from fastdump.cli import dump as cli_dump
 from fastdump import format as fmt
 from fastdump.writer.channel_writer import ChannelWriter
 
-from conftest import mount_small_tmpfs, read_rank_json, restamp_tables, write_rank_dir
+from conftest import as_format_4, mount_small_tmpfs, read_rank_json, restamp_tables, write_rank_dir
 
 RANKS = {"tp_rank": 0, "tp_size": 1, "pp_rank": 0, "pp_size": 1, "rank": 0}
 
@@ -83,7 +83,7 @@ def test_crc32c_known_values_and_both_implementations_agree():
 
 def test_every_index_row_carries_the_crc_of_its_tensor(dump):
     with h5py.File(segment(dump), "r") as f:
-        assert f.attrs["format_version"] == fmt.FORMAT_VERSION == 5
+        assert f.attrs["format_version"] == fmt.FORMAT_VERSION == 6
         index = f["index"][()]
         assert f.attrs[fmt.ATTR_TABLES_CRC] == fmt.tables_crc32c(
             f["names"][()], index, f["passes"][()], f["pass_meta"][()])
@@ -126,6 +126,7 @@ def test_format_1_dumps_still_read(dump):
     """A format-1 segment (no crc32c column, rank directory without a session) reads as before."""
     old = dump / "target" / "TP0_PP0_Rank0_pid7"
     rank_dir(dump).rename(old)
+    as_format_4(old)  # (its rank.json an old one too: a format-6 one says its writer wrote format 6 only)
     path = old / fmt.segment_name(0)
     with h5py.File(path, "r+") as f:
         index = f["index"][()]
@@ -765,7 +766,7 @@ def test_blocks_written_whole_read_back_bit_exact(tmp_path):
         assert torch.equal(got[name].reshape(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8)), name
 
 
-@pytest.mark.parametrize("kind", ["index-soft-link", "names-not-a-list", "version-5", "another-format"])
+@pytest.mark.parametrize("kind", ["index-soft-link", "names-not-a-list", "future-version", "another-format"])
 def test_crafted_tables_are_refused(dump, kind):
     with h5py.File(segment(dump), "r+") as f:
         if kind == "index-soft-link":
@@ -778,7 +779,7 @@ def test_crafted_tables_are_refused(dump, kind):
         elif kind == "another-format":  # (whole and consistent otherwise: only this attribute says so)
             f.attrs["format"] = "another-format"
         else:
-            f.attrs["format_version"] = 6
+            f.attrs["format_version"] = fmt.FORMAT_VERSION + 1
     with pytest.warns(UserWarning, match="unreadable segment"):
         ds = fastdump.open(dump)
         with pytest.raises(reader.DumpError, match="seg-000000.h5"):
@@ -872,7 +873,7 @@ def test_the_segment_list_is_appended_and_rank_json_commits_it(tmp_path):
     path = list_dump(tmp_path / "dump", "closed")
     info = json.loads((path / fmt.RANK_FILE).read_text())
     data = (path / fmt.SEGMENT_LIST_FILE).read_bytes()
-    assert info["format_version"] == 5 and "segments" not in info
+    assert info["format_version"] == 6 and "segments" not in info
     assert (info[fmt.LIST_COUNT], info[fmt.LIST_BYTES], info[fmt.LIST_CRC]) == (3, len(data), _C.crc32c(data))
     assert [json.loads(line) for line in data.splitlines()] == [
         {"file": fmt.segment_name(p), "first_pass": p, "last_pass": p, "passes": 1, "tensors": 2, "bytes": 56,
@@ -1003,8 +1004,6 @@ def test_format_4_dumps_read_verify_and_diff_as_before(tmp_path):
     """Format 4 kept the list in rank.json: such dumps read, verify and diff exactly as the same
     data written as format 5, and verify still checks their list."""
     from fastdump import compare
-
-    from conftest import as_format_4
 
     roots = {}
     for version in (4, 5):

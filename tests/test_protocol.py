@@ -76,12 +76,14 @@ def test_constructors_build_exactly_the_declared_fields():
 def test_plain_begin_and_end_encode_to_the_bytes_json_gives():
     """encode() formats a pass's plain begin/end itself: the same bytes as json.dumps, and
     everything else (meta, skips, odd numbers) still through json."""
-    plain = [protocol.begin(0, 1), protocol.begin(7, 2**40 + 3), protocol.end(3, 5, {}, 0, {}),
-             protocol.end(65535, 2**63 - 1, {}, 12, {}), protocol.end(1, -1, {}, 0, {})]
-    other = [protocol.begin(3, 5, {"step": 1}), protocol.end(3, 5, {}, 0, {"x": "why"}),
-             protocol.end(3, 5, {}, 0, {}, incomplete="raised"), protocol.begin(True, 5),
-             protocol.begin(3, 5.0), protocol.end(3, 5, {}, False, {}), {"op": "begin", "channel": 1, "pass": 2,
-                                                                       "meta": {}, "extra": 1}]
+    plain = [protocol.begin(0, 1), protocol.begin(7, 2**40 + 3), protocol.end(3, 5, {}, 0, {}, sent=0),
+             protocol.end(65535, 2**63 - 1, {}, 12, {}, sent=2**64 - 1), protocol.end(1, -1, {}, 0, {}, sent=7)]
+    other = [protocol.begin(3, 5, {"step": 1}), protocol.end(3, 5, {}, 0, {"x": "why"}, sent=1),
+             protocol.end(3, 5, {}, 0, {}, sent=1, incomplete="raised"), protocol.begin(True, 5),
+             protocol.begin(3, 5.0), protocol.end(3, 5, {}, False, {}, sent=1), protocol.end(3, 5, {}, 0, {}),
+             protocol.end(3, 5, {}, 0, {}, sent=True), protocol.end(3, 5, {}, 0, {}, sent=1.0),
+             {"op": "begin", "channel": 1, "pass": 2, "meta": {}, "extra": 1},
+             {"op": "end", "channel": 1, "pass": 2, "meta": {}, "dropped": 0, "skipped": [], "extra": 1}]
     for msg in plain + other:
         assert protocol.encode(msg) == json.dumps(msg).encode(), msg
         assert protocol.decode(protocol.encode(msg)) == msg
@@ -116,7 +118,10 @@ def test_replay_pass_is_built_with_the_begin_and_end_constructors():
     begin, end = protocol.replay_pass(2, layout, header)
     meta = {"cuda_graph": 1, "graph_batch": 8, "graph_replay": 4}
     assert begin == protocol.begin(2, protocol.GRAPH_PASS_BASE + 9, meta)
-    assert end == protocol.end(2, protocol.GRAPH_PASS_BASE + 9, meta, 0, {"x": "why"})
+    assert end == protocol.end(2, protocol.GRAPH_PASS_BASE + 9, meta, 0, {"x": "why"}, sent=0)
+    # its count: every tensor of the graph (its slots are fixed at capture), whatever the replay
+    two = dict(layout, tensors=[[5, 7, [2], 256, 8], [6, 7, [2, 2], 264, 16]])
+    assert protocol.replay_pass(2, two, header)[1]["sent"] == 2
     assert layout["meta"] == {"cuda_graph": 1, "graph_batch": 8}  # the layout is not changed
 
 
@@ -130,17 +135,18 @@ def test_the_lanes_plain_begin_and_end_records_are_the_bytes_encode_gives():
     producer = _C.Producer(name, 1 << 20, 0)
     try:
         consumer = _C.Consumer(name)
-        cases = [(0, 1, 0), (65535, 2**63 - 1, 12), (7, 2**40 + 3, 2**64 - 1), (3, -1, 0)]
+        cases = [(0, 1, 0, 3), (65535, 2**63 - 1, 12, 0), (7, 2**40 + 3, 2**64 - 1, 2**64 - 1), (3, -1, 0, 1)]
         expected = []
-        for channel, pass_id, dropped in cases:
+        for channel, pass_id, dropped, sent in cases:
             lane = _C.ChannelStager(producer, channel)
             assert lane.open_pass(pass_id, True, 1.0) == 0  # no templates yet: the Python path sends it
             lane.set_pass_templates(*protocol.plain_pass_templates(channel))
             begin_seq = lane.open_pass(pass_id, True, 1.0)
-            end_seq = lane.put_plain_end(pass_id, dropped)
+            end_seq = lane.put_plain_end(pass_id, dropped, sent)
             assert 0 < begin_seq < end_seq
             expected += [(begin_seq, channel, protocol.encode(protocol.begin(channel, pass_id))),
-                         (end_seq, channel, protocol.encode(protocol.end(channel, pass_id, {}, dropped, {})))]
+                         (end_seq, channel,
+                          protocol.encode(protocol.end(channel, pass_id, {}, dropped, {}, sent=sent)))]
         got = [protocol.Record._make(item) for item in consumer.next_batch(1.0)]
         assert [(r.seq, r.channel, bytes(r.payload)) for r in got] == expected
         assert all(r.kind == _C.KIND_CONTROL for r in got)
@@ -148,9 +154,11 @@ def test_the_lanes_plain_begin_and_end_records_are_the_bytes_encode_gives():
     finally:
         producer.unlink()
     with pytest.raises(ValueError, match="exactly once"):
-        lane.set_pass_templates('{"pass": 1, "again": 1}', '{"pass": 1, "dropped": 2}', "1", "2")
+        lane.set_pass_templates('{"pass": 1, "again": 1}', '{"pass": 1, "dropped": 2, "sent": 3}', "1", "2", "3")
     with pytest.raises(ValueError, match="exactly once"):
-        lane.set_pass_templates('{"pass": 1}', '{"dropped": 2, "pass": 1}', "1", "2")  # the count first
+        lane.set_pass_templates('{"pass": 1}', '{"dropped": 2, "pass": 1, "sent": 3}', "1", "2", "3")  # the count first
+    with pytest.raises(ValueError, match="exactly once"):
+        lane.set_pass_templates('{"pass": 1}', '{"pass": 1, "sent": 3, "dropped": 2}', "1", "2", "3")  # sent first
     # A ring with no room: nothing is put, and the pass settings stay as they were.
     name = f"/fastdump-test-protocol-{np.random.randint(1 << 30)}"
     producer = _C.Producer(name, 64 * 1024, 0)
@@ -161,7 +169,7 @@ def test_the_lanes_plain_begin_and_end_records_are_the_bytes_encode_gives():
         for size in (1000, 1):  # full to the last record's worth
             while producer.put_control(1, b"x" * size, False):
                 pass
-        assert lane.open_pass(6, True, 1.0) == 0 and lane.put_plain_end(6, 0) == 0
+        assert lane.open_pass(6, True, 1.0) == 0 and lane.put_plain_end(6, 0, 0) == 0
         # still pass 5 under `drop`: a tensor that does not fit is dropped, not waited for
         assert lane.stage_tensor(1, torch.ones(4096)) == _C.DROPPED
     finally:

@@ -148,6 +148,18 @@ def set_attrs(path, **attrs):
             f.attrs[key] = value
 
 
+def set_pass_meta(path, pass_id, change):
+    """Change pass ``pass_id``'s pass_meta entry through ``change(entry)``, its tables CRC restamped."""
+    with h5py.File(path, "r+") as f:
+        entries = [json.loads(text) for text in f[fmt.PASS_META][()]]
+        for row, entry in zip(f[fmt.PASSES][()], entries):
+            if int(row["pass"]) == pass_id:
+                change(entry)
+        del f[fmt.PASS_META]
+        f.create_dataset(fmt.PASS_META, data=[json.dumps(entry) for entry in entries], dtype=h5py.string_dtype())
+    restamp_tables(path)
+
+
 def relabel_passes(path, mapping):
     """Give a segment's passes new ids everywhere inside the file (index, passes, root attrs)."""
     with h5py.File(path, "r+") as f:
@@ -302,7 +314,9 @@ def test_a_block_removed_with_its_index_rows(dump, expected):
                         f"{path}: attribute bytes=160 but the tables say 112",
                         f"{here}: seg-000000.h5: segments.jsonl says tensors=8, file has 6",
                         f"{here}: seg-000000.h5: segments.jsonl says bytes=160, file has 112",
-                        f"{here}: the Dumper staged 20 tensors; 18 are on disk (0 recorded as skipped)"], problems
+                        f"{here}: the Dumper staged 20 tensors; 18 are on disk (0 recorded as skipped)",
+                        *(f"{here}: pass {p}: 3 tensors on disk, but its producer sent 4 (its end record's count): "
+                          "tensors were lost" for p in (0, 1))], problems
 
 
 def test_an_index_row_of_a_pass_the_passes_table_lacks(dump, expected):
@@ -325,7 +339,9 @@ def test_an_index_row_of_a_pass_the_passes_table_lacks(dump, expected):
     assert code == 1
     assert problems == [f"{path}: tensors of passes missing from the passes table: [9]",
                         f"{path}: attribute bytes=160 but the tables say 136",
-                        f"{rank_dir(dump)}: seg-000000.h5: segments.jsonl says bytes=160, file has 136"], problems
+                        f"{rank_dir(dump)}: seg-000000.h5: segments.jsonl says bytes=160, file has 136",
+                        f"{rank_dir(dump)}: pass 1: 3 tensors on disk, but its producer sent 4 (its end record's "
+                        "count): tensors were lost"], problems
     ds = open_quietly(dump)
     with pytest.warns(UserWarning, match="index row 4: pass 9 is not in the passes table"):
         with pytest.raises(reader.DumpError, match="seg-000000.h5"):
@@ -748,6 +764,9 @@ def test_a_pass_continued_and_ended_in_the_next_segment_verifies_without_a_warni
     relabel_passes(seg(dump, 1), {2: 1, 3: 3})
     rewrite(seg(dump, 1), "passes", dropped)
     set_names(seg(dump, 1), [f"rest.{name}" for name in NAMES])  # its second part: other names
+    # (format 6: the count of the tensors sent is on the part the pass's end reached, for both parts)
+    set_pass_meta(seg(dump, 0), 1, lambda entry: entry.pop(fmt.PASS_SENT))
+    set_pass_meta(seg(dump, 1), 1, lambda entry: entry.update({fmt.PASS_SENT: 2 * len(NAMES)}))
 
     def change(info):
         info["segments"][0]["complete"] = False

@@ -149,6 +149,7 @@ class PassesMixin:
             incomplete = _MIXED_REASON  # (marked mixed, the reason not set yet: a thread switch between)
         channel = self._channel
         dropped = channel.pass_dropped
+        tensors_sent = channel.sent_in(pass_id)  # (put into the ring: the end record's count, verify's check)
         self._totals["passes"] += 1
         sent = False  # the pass's end is in the ring (or known lost)
         try:
@@ -169,7 +170,7 @@ class PassesMixin:
                 self._totals["incomplete_passes"] += 1  # the writer records the pass as not complete
                 if mixed:
                     self._totals["mixed_passes"] += 1  # `fastdump verify` fails on it
-            seq = channel.end(pass_id, meta, skipped, incomplete, mixed, dropped, structure)
+            seq = channel.end(pass_id, meta, skipped, incomplete, mixed, dropped, tensors_sent, structure)
             sent = True
             if seq:
                 self._unconfirmed.append(seq)
@@ -181,7 +182,7 @@ class PassesMixin:
             else:  # the ring is full (`drop`, or `block` past block_timeout_s): the end goes later
                 self._totals["lost_pass_ends"] += 1
                 if len(self._late_ends) < _MAX_LATE_ENDS:  # (beyond: lost; the writer marks the pass incomplete)
-                    self._late_ends.append(protocol.end(channel.id, pass_id, meta, dropped, skipped,
+                    self._late_ends.append(protocol.end(channel.id, pass_id, meta, dropped, skipped, sent=tensors_sent,
                                                         incomplete=incomplete, mixed=mixed, late=True,
                                                         structure=structure))
                 channel.note_stall("a pass end", pass_id)

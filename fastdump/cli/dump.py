@@ -418,6 +418,7 @@ def _check_open_segment(report: _Report, where: str, h5file, read_data: bool):
     if len(pass_meta) != len(passes):
         report.problem(where, f"{len(pass_meta)} pass_meta entries for {len(passes)} passes")
     explained = set()  # passes stored not complete whose capture side said why
+    sent = {}  # pass id -> (its end record's count of the tensors sent, those the writer did not store)
     for row, text in zip(passes, pass_meta):
         try:
             entry = json.loads(text)
@@ -427,6 +428,9 @@ def _check_open_segment(report: _Report, where: str, h5file, read_data: bool):
         _check_pass_reports(report, where, int(row["pass"]), entry)
         if isinstance(entry, dict) and entry.get("incomplete"):
             explained.add(int(row["pass"]))
+        counted = _sent_count(report, where, int(row["pass"]), entry, bool(row["complete"]), version)
+        if counted is not None:
+            sent[int(row["pass"])] = counted
     if len(index) and (index["name"].min() < 0 or index["name"].max() >= len(names)):
         report.problem(where, "index refers to a name outside the name table")
 
@@ -490,6 +494,8 @@ def _check_open_segment(report: _Report, where: str, h5file, read_data: bool):
     stored_summary = dict(summary)
     summary["pass_ids"] = pass_ids
     summary["unexplained"] = set(summary["incomplete"]) - explained
+    summary["pass_tensors"] = {pass_id: tensors_of.get(pass_id, 0) for pass_id in pass_ids}
+    summary["sent"] = sent
     summary["session"] = attrs.get(fmt.ATTR_SESSION)
     summary["version"] = version  # (whether that attribute must be there: format.session_required)
 
@@ -525,6 +531,51 @@ def _check_pass_reports(report: _Report, where: str, pass_id: int, entry) -> Non
         report.problem(where, f"pass {pass_id} mixes tensors of several forwards: {reason}")
     else:
         report.warning(where, f"pass {pass_id} is incomplete: {reason}")
+
+
+def _sent_count(report: _Report, where: str, pass_id: int, entry, complete: bool, version: int):
+    """(the count of tensors its producer sent that a pass's end record gave, fmt.PASS_SENT; the
+    tensors the writer recorded as not stored, fmt.not_stored_by_writer), or None where the pass
+    has none to be held to: a segment before format 6 (checked as before), a pass whose end never
+    reached the writer (stored complete = 0 without a reason: a part flushed unfinished, a lost or
+    interrupted end). In a format-6 segment a pass that ended without one is a problem: the count
+    was taken out (with tensors added or removed, it would leave nothing to hold them to)."""
+    if not isinstance(entry, dict):
+        return None
+    count = entry.get(fmt.PASS_SENT)
+    if count is None:
+        if version >= fmt.PASS_SENT_VERSION and (complete or entry.get("incomplete")):
+            report.problem(where, f"pass {pass_id} ended without a count of the tensors its producer sent: a "
+                                  f"format-{version} writer stores one with every pass that ended; taken out")
+        return None
+    if not _is_count(count):
+        report.problem(where, f"pass {pass_id}: its count of the tensors sent is "
+                              f"{_printable(json.dumps(count))[:40]}, not a count (an integer >= 0)")
+        return None
+    skipped = entry.get("skipped") if isinstance(entry.get("skipped"), list) else []
+    not_stored = sum(1 for e in skipped if isinstance(e, dict) and fmt.not_stored_by_writer(str(e.get("reason", ""))))
+    return count, not_stored
+
+
+def _check_sent_counts(report: _Report, path: str, on_disk: list, summaries: dict) -> None:
+    """Each pass's rows on disk (its parts' in every segment: a pass flushed unfinished continues in
+    the next) against its end record's count of the tensors its producer sent. More: tensors it
+    never sent were written into it (crafted, or leaked from elsewhere), with rows and CRCs that pass
+    every other check. Fewer, beyond those the writer recorded as not stored: tensors were lost."""
+    stored, counts = collections.Counter(), {}
+    for _, name in on_disk:
+        summary = summaries.get(name)
+        if summary is not None:
+            stored.update(summary["pass_tensors"])
+            counts.update(summary["sent"])  # (the part its end reached: the last)
+    for pass_id, (sent, not_stored) in sorted(counts.items()):
+        have = stored[pass_id]
+        said = f"pass {pass_id}: {have} tensors on disk, but its producer sent {sent} (its end record's count)"
+        if have > sent:
+            report.problem(path, f"{said}: tensors it never sent were written into it")
+        elif have + not_stored < sent:
+            kept_out = f", {not_stored} of them not stored by the writer (its skipped list says why)"
+            report.problem(path, f"{said}{kept_out if not_stored else ''}: tensors were lost")
 
 
 def _read_block(report: _Report, where: str, dataset, index: np.ndarray, positions: np.ndarray,
@@ -737,6 +788,14 @@ def check_rank_dir(report: _Report, path: str, read_data: bool = False) -> dict 
             report.problem(os.path.join(path, name), foreign)
 
     _check_segment_list(report, path, info, status, on_disk, summaries)
+    version = info.get("format_version")
+    if _is_count(version) and version >= fmt.PASS_SENT_VERSION:
+        for name, summary in summaries.items():
+            if summary["version"] < fmt.PASS_SENT_VERSION:  # (no CRC covers the version attribute)
+                report.problem(os.path.join(path, name), f"a format-{summary['version']} segment in a rank directory "
+                                                         f"whose {fmt.RANK_FILE} says format {version}, whose writer "
+                                                         "writes no other: its passes' counts of the tensors sent "
+                                                         "taken out, the version set back")
 
     pass_ids = set()
     unexplained = set()  # passes whose last part on disk is not complete, with no reason given
@@ -746,6 +805,7 @@ def check_rank_dir(report: _Report, path: str, read_data: bool = False) -> dict 
             unexplained = (unexplained - set(summary["pass_ids"])) | summary["unexplained"]
             pass_ids.update(summary["pass_ids"])
     _check_counts(report, path, info, pass_ids, sum(summary["tensors"] for summary in summaries.values()))
+    _check_sent_counts(report, path, on_disk, summaries)
     if unexplained and status not in _UNFINISHED_STATUSES:
         first = sorted(unexplained)
         report.warning(path, f"{len(first)} pass(es) stored incomplete without a reason (their end never reached "

@@ -68,7 +68,7 @@ class _PassState:
     """A pass of the open segment. Its tensors and bytes are counted from the index when the
     segment is written (most of its rows never pass through Python: RowSink)."""
 
-    __slots__ = ("pass_id", "meta", "ended", "dropped", "skipped", "incomplete", "mixed", "structure")
+    __slots__ = ("pass_id", "meta", "ended", "dropped", "skipped", "incomplete", "mixed", "structure", "sent")
 
     def __init__(self, pass_id: int):
         self.pass_id = pass_id
@@ -79,6 +79,7 @@ class _PassState:
         self.incomplete = None  # why the capture side says the pass is not whole (it ended all the same)
         self.mixed = False  # forwards of several threads merged into it
         self.structure = None  # output structures the names do not tell (format.PASS_STRUCTURE)
+        self.sent = None  # the tensors its producer sent, as its end record counts them (format.PASS_SENT)
 
 
 class _Stream:
@@ -116,6 +117,8 @@ class _PendingSegment:
 def _pass_meta(pass_state: _PassState) -> dict:
     """A pass's PASS_META entry; ``incomplete``/``mixed`` only when the capture side reported them."""
     entry = {"meta": pass_state.meta, "skipped": pass_state.skipped}
+    if pass_state.sent is not None:
+        entry[fmt.PASS_SENT] = pass_state.sent
     if pass_state.structure:
         entry[fmt.PASS_STRUCTURE] = pass_state.structure
     if pass_state.incomplete is not None:
@@ -269,12 +272,13 @@ class ChannelWriter:
             if dtype_code == protocol.REPLAY_SPAN_DTYPE:  # off the hot path: a CUDA-graph replay
                 self.on_replay(name_id, pass_id, data)
                 return
-            self._skip(pass_state, name_id, f"bad record: dtype code {dtype_code}, shape {list(shape)}, {nbytes} bytes")
+            self._skip(pass_state, name_id, f"{fmt.BAD_RECORD_REASON}: dtype code {dtype_code}, shape {list(shape)}, "
+                                            f"{nbytes} bytes")
             return
         if not nbytes and _too_wide(shape, dtypes.ITEMSIZE[dtype_code]):
             # torch makes an empty (2^40, 0, 2^40) tensor; numpy cannot: stored, its block made the
             # whole segment unreadable (every pass in it).
-            self._skip(pass_state, name_id, f"empty tensor of shape {list(shape)}: its other dimensions span more "
+            self._skip(pass_state, name_id, f"{fmt.TOO_WIDE_REASON} {list(shape)}: its other dimensions span more "
                                             "than 2^63 bytes, which numpy (and so the reader) cannot represent")
             return
         if shape and nbytes >= DIRECT_BYTES:
@@ -374,12 +378,14 @@ class ChannelWriter:
             self._skip(self._pass(pass_id), name_id, fmt.TORN_TENSOR_REASON)
 
     def on_end(self, pass_id: int, meta: dict, dropped: int = 0, skipped: list = (), incomplete: str = None,
-               mixed: bool = False, late: bool = False, structure: dict | None = None) -> None:
+               mixed: bool = False, late: bool = False, structure: dict | None = None, sent: int | None = None) -> None:
         if self.error is not None or self._closed:
             return
         if late and not self._takes_late_end(pass_id):
             return
         pass_state = self._pass(pass_id)
+        if isinstance(sent, int) and not isinstance(sent, bool) and sent >= 0:
+            pass_state.sent = sent  # (stored with the pass: verify holds its rows to it)
         if incomplete:
             pass_state.incomplete = str(incomplete)
             pass_state.mixed = bool(mixed)
@@ -443,9 +449,10 @@ class ChannelWriter:
             # with this one's layout)
             if header != (protocol.REPLAY_MAGIC, pass_id, header.replay, span_name_id, len(data), layout["graph"]):
                 why = f"replay header {tuple(header)} does not match its record (pass {pass_id})"
-        if why is not None:
+        if why is not None:  # (its tensors were sent, in the span: `verify` fails the pass on its count)
             self.on_begin(pass_id, {})
-            self.on_end(pass_id, {}, incomplete="CUDA-graph replay not written: " + why)
+            self.on_end(pass_id, {}, incomplete="CUDA-graph replay not written: " + why,
+                        sent=len(layout["tensors"]) if layout is not None else None)
             return
         begin, end = protocol.replay_pass(self.channel, layout, header)
         self.on_begin(begin["pass"], begin["meta"])
@@ -453,7 +460,7 @@ class ChannelWriter:
         for name_id, dtype_code, shape, offset, nbytes in layout["tensors"]:
             self.on_tensor(name_id, pass_id, dtype_code, tuple(shape), view[offset:offset + nbytes])
         self.on_end(end["pass"], end["meta"], end["dropped"], end["skipped"], incomplete=end.get("incomplete"),
-                    structure=end.get(fmt.PASS_STRUCTURE))
+                    structure=end.get(fmt.PASS_STRUCTURE), sent=end["sent"])
 
     def on_note(self, msg: dict) -> None:
         if self._closed:

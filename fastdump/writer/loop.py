@@ -222,7 +222,7 @@ class WriterLoop:
             "begin": lambda: (msg["pass"], msg.get("meta") or {}),
             "end": lambda: (msg["pass"], msg.get("meta") or {}, msg.get("dropped", 0), msg.get("skipped", []),
                             msg.get("incomplete"), msg.get("mixed", False), msg.get("late", False),
-                            msg.get(fmt.PASS_STRUCTURE)),
+                            msg.get(fmt.PASS_STRUCTURE), msg.get("sent")),
             "note": lambda: (msg,),
             "close": lambda: (msg.get("stats") or {},),
             "graph": lambda: (msg,),
