@@ -601,6 +601,50 @@ def test_a_late_pass_end_completes_its_pass_only_where_the_segments_stay_in_orde
     assert any("1 pass end(s) never reached the writer in time" in str(p) for p in problems), problems
 
 
+def test_a_late_pass_end_sent_again_after_its_pass_was_written_is_taken_once(tmp_path):
+    """A late end is sent again when Ctrl-C lands between its send and its removal from the
+    Dumper's list (Dumper._send_late_ends: the KeyboardInterrupt is raised as control() returns).
+    The copy reached the writer after the segment holding the pass, completed by the first, was
+    written: it was counted as an end left out (rank.json late_pass_ends_left_out), and `verify`
+    failed a whole dump under `block`, saying an end never reached the writer. It is a copy."""
+    from fastdump.cli.dump import verify_dump
+    w = ChannelWriter(open_msg(tmp_path, segment_passes=2))
+    f = Feeder(w)
+    w.on_begin(0, {})
+    f.tensor(0, "x", torch.full((2,), 0.0))
+    f.full_pass(1, {"x": torch.full((2,), 1.0)})
+    w.on_end(0, {"step": 0}, 0, [], late=True, sent=1)  # completes pass 0: both ended, the segment is written
+    assert [s["last_pass"] for s in rank_json(tmp_path)["segments"]] == [1]
+    w.on_end(0, {"step": 0}, 0, [], late=True, sent=1)  # the same end again
+    f.full_pass(2, {"x": torch.full((2,), 2.0)})
+    w.close({})
+    assert "late_pass_ends_left_out" not in rank_json(tmp_path)
+    ds = reader.open(tmp_path)
+    assert ds.passes("target", 0) == [0, 1, 2] and all(ds.meta("target", 0, p)["complete"] for p in range(3))
+    assert verify_dump(str(tmp_path)).problems == []
+
+
+def test_a_pass_that_ends_twice_on_disk_fails_verify_and_is_not_read(tmp_path):
+    """A second (not late) end of a pass already written: no Dumper path sends one (an end that
+    Ctrl-C cut short is not sent again, Dumper._end_interrupted; late copies are ignored, above),
+    but were one to come, the writer would store the pass again, ended, in a later segment: verify
+    fails it and the reader refuses to merge it, so no pass is read as two."""
+    from fastdump.cli.dump import verify_dump
+    w = ChannelWriter(open_msg(tmp_path, segment_passes=1))
+    f = Feeder(w)
+    f.full_pass(0, {"x": torch.full((2,), 0.0)})
+    f.full_pass(1, {"x": torch.full((2,), 1.0)})
+    w.on_end(0, {}, 0, [], sent=1)
+    w.close({})
+    assert [(s["first_pass"], s["last_pass"]) for s in rank_json(tmp_path)["segments"]] == [(0, 0), (1, 1), (0, 0)]
+    problems = verify_dump(str(tmp_path)).problems
+    assert problems == [f"{tmp_path / 'target' / RANK_DIR}: seg-000002.h5 passes 0..0 overlap seg-000001.h5 "
+                        "passes 1..1"], problems
+    ds = reader.open(tmp_path)
+    with pytest.raises(reader.DumpError):
+        ds.load("target", 0, 0)
+
+
 # ---------------------------------------------------------------------------------------- names & metadata
 
 

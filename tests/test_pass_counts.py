@@ -1,7 +1,8 @@
 """Each pass's end record carries how many tensors its producer sent (format 6), and `fastdump
 verify` fails a pass that holds other than that many: tensors written into a pass afterwards with
 valid index rows and CRCs (crafted, or leaked from elsewhere), or taken out of it, made every other
-check pass, since rank.json's counts are whole-rank totals only."""
+check pass, since rank.json's counts are whole-rank totals only. And a pass end that arrives twice
+(a late end sent again after Ctrl-C) is taken once."""
 
 from __future__ import annotations
 
@@ -289,6 +290,39 @@ def test_the_lanes_count_belongs_to_its_pass():
         assert lane.sent_in(6) == 1 and lane.sent_in(5) == 0
     finally:
         producer.unlink()
+
+
+def test_a_late_end_interrupted_after_its_send_is_sent_again():
+    """Why the writer must take a late end once: Ctrl-C (KeyboardInterrupt, raised as control()
+    returns) between a late end's send and its removal from the Dumper's list leaves it there,
+    and the next pass's begin or close() sends it again."""
+    import threading
+
+    from fastdump.capture.passes import PassesMixin
+
+    sent = []
+
+    class Engine:
+        interrupt = True
+
+        def control(self, msg, **_):
+            sent.append(msg["pass"])
+            if self.interrupt:
+                self.interrupt = False
+                raise KeyboardInterrupt
+            return len(sent)
+
+    class Dumper(PassesMixin):
+        _late_lock = threading.Lock()
+        _engine = Engine()
+        _late_ends = [{"op": "end", "channel": 0, "pass": 3, "late": True}]
+        _totals = {"lost_pass_ends": 1, "late_pass_ends": 0}
+
+    d = Dumper()
+    with pytest.raises(KeyboardInterrupt):
+        d._send_late_ends()
+    d._send_late_ends()
+    assert sent == [3, 3] and d._late_ends == [] and d._totals == {"lost_pass_ends": 0, "late_pass_ends": 1}
 
 
 def test_a_segment_set_back_to_format_5_in_a_format_6_directory_fails_verify(dump):

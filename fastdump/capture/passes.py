@@ -240,8 +240,10 @@ class PassesMixin:
         Each carries what only the end says: the pass's drop count, metadata and skips; without it
         the pass stays `complete = 0`, its drops counted in no pass. The writer completes a pass it
         still buffers, or continues the one it flushed unfinished last (docs/INTERNALS.md, "Lost
-        pass ends"). Never sent twice: one thread at a time, and a sent end is removed before the
-        next is tried."""
+        pass ends"). One thread at a time, and a sent end is removed before the next is tried; but
+        Ctrl-C landing between a send and its removal leaves it to be sent again (whether it went in
+        cannot be told): the writer takes one end per pass and ignores such a copy
+        (ChannelWriter._takes_late_end)."""
         if not self._late_lock.acquire(blocking=False):
             return  # another thread is sending them
         try:

@@ -17,6 +17,7 @@ still allows it) and is re-raised so the loop can log it; from then on every met
 
 from __future__ import annotations
 
+import collections
 import errno
 import logging
 import math
@@ -62,6 +63,8 @@ RESERVE_BYTES = 256 << 10  # rank.json no longer grows with the segments (segmen
 MAX_SKIP_REASONS = 64
 OTHER_SKIP_REASONS = "(other reasons: see each pass's skipped list)"
 _DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+# Late pass ends remembered to tell a copy from a first (the Dumper keeps at most 4096 to send late).
+_LATE_ENDS_KEPT = 8192
 
 
 class _PassState:
@@ -191,6 +194,10 @@ class ChannelWriter:
         self._dropped_in_passes = 0
         self._unfinished_last = None  # the last segment's last pass, when it was flushed unfinished
         self._late_ends_left_out = 0  # late pass ends that came too late to be written (_takes_late_end)
+        # The passes whose late end came already (taken or left out), the last _LATE_ENDS_KEPT of
+        # them: a copy of one is ignored (_takes_late_end)
+        self._late_ends_seen: set = set()
+        self._late_ends_order: collections.deque = collections.deque()
         self._dropped_total = 0  # the Dumper's count of dropped tensors ("dropped" in its close stats)
         self._dropped_passes = 0  # whole passes the Dumper dropped (their "begin" never reached us)
         self._graph_dropped: dict = {}  # device -> CUDA-graph replays dropped (the drains' notes, while running)
@@ -412,6 +419,15 @@ class ChannelWriter:
         the pass the last segment ended unfinished (as a long pass does). Any other place would put
         the pass in two segments out of order; it is then left out, its pass `complete = 0` and
         its drops counted in rank.json's totals only (logged; rank.json counts such ends)."""
+        if pass_id in self._late_ends_seen:
+            # A copy: the Dumper sends a late end again when Ctrl-C lands between its send and its
+            # removal from its list. Taken after the segment its first completed was written, it was
+            # counted as left out, and verify failed the whole dump for an end that never came.
+            return False
+        self._late_ends_seen.add(pass_id)
+        self._late_ends_order.append(pass_id)
+        if len(self._late_ends_order) > _LATE_ENDS_KEPT:
+            self._late_ends_seen.discard(self._late_ends_order.popleft())
         state = self._pending.passes.get(pass_id)
         if state is not None:
             return not state.ended  # (ended: a copy of an end already taken)
