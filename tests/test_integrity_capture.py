@@ -142,10 +142,10 @@ def test_the_writer_turns_a_bad_record_into_a_recorded_skip(tmp_path):
         control(4, op="name", channel=0, id=2, name="raises"),
         control(5, op="begin", channel=0, **{"pass": 0, "meta": {}}),
         tensor(0, 0, good), tensor(1, 0, deep), tensor(2, 0, good),
-        control(6, op="end", channel=0, **{"pass": 0, "meta": {}, "dropped": 0, "skipped": []}),
+        control(6, op="end", channel=0, **{"pass": 0, "meta": {}, "dropped": 0, "skipped": [], "sent": 3}),
         control(7, op="begin", channel=0, **{"pass": 1, "meta": {}}),
         tensor(0, 1, good + 1),
-        control(8, op="end", channel=0, **{"pass": 1, "meta": {}, "dropped": 0, "skipped": []}),
+        control(8, op="end", channel=0, **{"pass": 1, "meta": {}, "dropped": 0, "skipped": [], "sent": 1}),
         control(9, op="shutdown"),
     ]
     consumer = ScriptedConsumer(records)
