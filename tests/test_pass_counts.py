@@ -363,3 +363,34 @@ def test_a_tensor_the_writer_received_and_could_not_store_is_no_count_problem(tm
     assert problems == [f"{root / 'target' / 'TP0_PP0_Rank0_pid7'}: pass 1: 1 tensors on disk, but its producer sent "
                         "3 (its end record's count), 1 of them not stored by the writer (its skipped list says why): "
                         "tensors were lost"], problems
+
+
+def test_a_cuda_graph_replay_pass_counts_the_graphs_tensors(tmp_path):
+    """A replay's span holds every slot its graph fixed at capture: its pass's count is the graph's
+    tensors. A span that does not match its layout is stored as an incomplete pass without them:
+    verify fails it on that count (they were sent, in the span)."""
+    from fastdump import protocol
+    from fastdump.writer.channel_writer import ChannelWriter
+
+    rank = {"tp_rank": 0, "tp_size": 1, "pp_rank": 0, "pp_size": 1, "rank": 0}
+    root = tmp_path / "dump"
+    w = ChannelWriter({"op": "open", "channel": 0, "dir": str(root / "target" / "TP0_PP0_Rank0_pid7"),
+                       "role": "target", "rank": rank, "pid": 7, "host": "h", "device": {}, "config": {}})
+    w.on_name(0, "a")
+    w.on_name(1, "b")
+    span_id, span_bytes = protocol.GRAPH_SPAN_NAME_BASE + 1, protocol.REPLAY_HEADER_BYTES + 64
+    w.on_graph(protocol.graph(0, 0, 1, span_id, span_bytes, [[0, 0, [2], 256, 8], [1, 0, [4], 320, 16]],
+                              {"cuda_graph": 1}, {}))
+    for replay in range(2):
+        pass_id = protocol.GRAPH_PASS_BASE + replay
+        span = np.zeros(span_bytes, dtype=np.uint8)
+        graph = 1 if replay == 0 else 2  # replay 1's header names another graph: not written
+        span[:48] = np.frombuffer(np.array([protocol.REPLAY_MAGIC, pass_id, replay, span_id, span_bytes, graph],
+                                           dtype="<u8").tobytes(), dtype=np.uint8)
+        w.on_tensor(span_id, pass_id, protocol.REPLAY_SPAN_DTYPE, (span_bytes,), span)
+    w.close({})
+    assert sent_counts(root) == {protocol.GRAPH_PASS_BASE: 2, protocol.GRAPH_PASS_BASE + 1: 2}
+    code, problems = verify(root)
+    assert code == 1
+    assert problems == [f"{root / 'target' / 'TP0_PP0_Rank0_pid7'}: pass {protocol.GRAPH_PASS_BASE + 1}: 0 tensors on "
+                        "disk, but its producer sent 2 (its end record's count): tensors were lost"], problems
