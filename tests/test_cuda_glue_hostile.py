@@ -264,7 +264,10 @@ def test_close_with_a_lean_batch_held_by_a_capture(m, native, tmp_path, monkeypa
     assert stats["tensors"] == 4 and stats["lost_at_close"] == 2 and stats["dropped"] == 0
     assert _stager_stats()["cancelled"] == 2
     problems = verify_dump(str(tmp_path)).problems
-    assert len(problems) == 1 and "2 staged tensor(s) were lost at close" in problems[0], problems
+    assert len(problems) == 2 and "2 staged tensor(s) were lost at close" in problems[0], problems
+    # (and the pass they were sent in: its end record counted them, format 6)
+    assert problems[1].endswith(": pass 1: 0 tensors on disk, but its producer sent 2 (its end record's count): "
+                                "tensors were lost"), problems
 
 
 def test_byte_budget_with_cuda_tensors_through_the_c_wrappers(m, native, tmp_path):
