@@ -345,7 +345,7 @@ class EmitMixin:
         if status == _C.STAGED:
             self._totals["tensors"] += 1
             self._totals["bytes"] += nbytes
-            self._channel.count_sent(self.pass_id)  # (stage_tensor counts its own: the pass end's count)
+            self._channel.lane.add_sent(self.pass_id)  # (stage_tensor counts its own: the pass end's count)
         elif status == _C.DROPPED:
             self._channel.count_drop()
         elif status == _C.TIMED_OUT:

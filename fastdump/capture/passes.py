@@ -149,10 +149,13 @@ class PassesMixin:
             incomplete = _MIXED_REASON  # (marked mixed, the reason not set yet: a thread switch between)
         channel = self._channel
         dropped = channel.pass_dropped
-        tensors_sent = channel.sent_in(pass_id)  # (put into the ring: the end record's count, verify's check)
         self._totals["passes"] += 1
         sent = False  # the pass's end is in the ring (or known lost)
         try:
+            # What it put into the ring: the end record's count (verify holds its rows to it). A C
+            # call, inside the try: Ctrl-C on its return is an interrupted end, counted (read above
+            # the try, as a Python call, it left the pass stored incomplete with no count of it).
+            tensors_sent = channel.lane.sent_in(pass_id)
             if self.max_bytes is not None:  # the budget needs the bytes now; stats() and close() fold anyway
                 self._fold_lane_counts()
             if structure_at:

@@ -418,7 +418,8 @@ def _check_open_segment(report: _Report, where: str, h5file, read_data: bool):
     if len(pass_meta) != len(passes):
         report.problem(where, f"{len(pass_meta)} pass_meta entries for {len(passes)} passes")
     explained = set()  # passes stored not complete whose capture side said why
-    sent = {}  # pass id -> (its end record's count of the tensors sent, those the writer did not store)
+    sent = {}  # pass id -> (its end record's count of the tensors sent, those the writer did not store,
+    #                        whether the capture side said it is not whole)
     for row, text in zip(passes, pass_meta):
         try:
             entry = json.loads(text)
@@ -535,7 +536,8 @@ def _check_pass_reports(report: _Report, where: str, pass_id: int, entry) -> Non
 
 def _sent_count(report: _Report, where: str, pass_id: int, entry, complete: bool, version: int):
     """(the count of tensors its producer sent that a pass's end record gave, fmt.PASS_SENT; the
-    tensors the writer recorded as not stored, fmt.not_stored_by_writer), or None where the pass
+    tensors the writer recorded as not stored, fmt.not_stored_by_writer; whether the capture side
+    marked the pass incomplete), or None where the pass
     has none to be held to: a segment before format 6 (checked as before), a pass whose end never
     reached the writer (stored complete = 0 without a reason: a part flushed unfinished, a lost or
     interrupted end). In a format-6 segment a pass that ended without one is a problem: the count
@@ -554,28 +556,37 @@ def _sent_count(report: _Report, where: str, pass_id: int, entry, complete: bool
         return None
     skipped = entry.get("skipped") if isinstance(entry.get("skipped"), list) else []
     not_stored = sum(1 for e in skipped if isinstance(e, dict) and fmt.not_stored_by_writer(str(e.get("reason", ""))))
-    return count, not_stored
+    return count, not_stored, bool(entry.get("incomplete"))
 
 
 def _check_sent_counts(report: _Report, path: str, on_disk: list, summaries: dict) -> None:
     """Each pass's rows on disk (its parts' in every segment: a pass flushed unfinished continues in
     the next) against its end record's count of the tensors its producer sent. More: tensors it
     never sent were written into it (crafted, or leaked from elsewhere), with rows and CRCs that pass
-    every other check. Fewer, beyond those the writer recorded as not stored: tensors were lost."""
+    every other check. Fewer, beyond those the writer recorded as not stored: tensors were lost.
+    A pass the capture side marked incomplete gets a warning instead: its end may have been sent
+    while a tensor was still being staged into it (close() from another thread inside its forward,
+    forwards of several threads, Ctrl-C between a tensor's staging and its count), and the pass is
+    reported as not whole already."""
     stored, counts = collections.Counter(), {}
     for _, name in on_disk:
         summary = summaries.get(name)
         if summary is not None:
             stored.update(summary["pass_tensors"])
             counts.update(summary["sent"])  # (the part its end reached: the last)
-    for pass_id, (sent, not_stored) in sorted(counts.items()):
+    for pass_id, (sent, not_stored, incomplete) in sorted(counts.items()):
         have = stored[pass_id]
         said = f"pass {pass_id}: {have} tensors on disk, but its producer sent {sent} (its end record's count)"
+        say = report.warning if incomplete else report.problem
         if have > sent:
-            report.problem(path, f"{said}: tensors it never sent were written into it")
+            say(path, f"{said}: tensors it never sent were written into it" + _NOT_WHOLE * incomplete)
         elif have + not_stored < sent:
             kept_out = f", {not_stored} of them not stored by the writer (its skipped list says why)"
-            report.problem(path, f"{said}{kept_out if not_stored else ''}: tensors were lost")
+            say(path, f"{said}{kept_out if not_stored else ''}: tensors were lost" + _NOT_WHOLE * incomplete)
+
+
+_NOT_WHOLE = (" (the pass is marked incomplete: a tensor staged as its end was sent, by another thread or "
+              "around a Ctrl-C, is counted on one side only)")
 
 
 def _read_block(report: _Report, where: str, dataset, index: np.ndarray, positions: np.ndarray,

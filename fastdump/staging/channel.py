@@ -121,7 +121,8 @@ class Channel:
             dropped: int, sent: int, structure: dict | None = None) -> int:
         """Close pass ``pass_id`` in the ring (see protocol.end): its seq, 0 when not sent.
         ``dropped``, ``sent``: the pass's drops (``pass_dropped``) and tensors put into the ring
-        (``sent_in``) as read when it ended: another thread's next pass may have moved them since."""
+        (``lane.sent_in``: stage_tensor's, and the general paths' ``lane.add_sent``) as read when it
+        ended: another thread's next pass may have moved them since."""
         if not meta and not skipped and incomplete is None and not mixed and not structure:
             seq = self.lane.put_plain_end(pass_id, dropped, sent)  # the common case, one C call (it
             if seq:                                                 # ends the CUDA lane's pass too)
@@ -131,14 +132,6 @@ class Channel:
         return self.control(protocol.end(self.id, pass_id, meta, dropped, skipped, sent=sent,
                                          incomplete=incomplete, mixed=mixed, structure=structure))
 
-    def sent_in(self, pass_id: int) -> int:
-        """The tensors put into the ring whole for pass ``pass_id``: the C++ lane's own
-        (stage_tensor's) and those the general paths counted (``count_sent``)."""
-        return self.lane.sent_in(pass_id)
-
-    def count_sent(self, pass_id: int) -> None:
-        """One tensor of pass ``pass_id`` the general path staged (STAGED): its end record's count."""
-        self.lane.add_sent(pass_id)
 
     def note_stall(self, what: str, pass_id: int) -> None:
         """A send into the ring failed; under a blocking wait that means block_timeout_s ran out:

@@ -451,8 +451,8 @@ class ChannelWriter:
     def on_replay(self, span_name_id: int, pass_id: int, data) -> None:
         """One CUDA-graph replay's span record: its pass (begin, its tensors, end), made with the
         protocol's constructors. A span that does not match its graph's layout or header (which
-        only a bug could cause) becomes an incomplete pass without tensors: `verify` fails on it,
-        since the Dumper counted those tensors as staged."""
+        only a bug could cause) becomes an incomplete pass without tensors, each recorded as lost:
+        `verify` fails on it."""
         layout = self._graph_layouts.get(span_name_id)
         why, header = None, None
         if layout is None:
@@ -465,9 +465,15 @@ class ChannelWriter:
             # with this one's layout)
             if header != (protocol.REPLAY_MAGIC, pass_id, header.replay, span_name_id, len(data), layout["graph"]):
                 why = f"replay header {tuple(header)} does not match its record (pass {pass_id})"
-        if why is not None:  # (its tensors were sent, in the span: `verify` fails the pass on its count)
+        if why is not None:
             self.on_begin(pass_id, {})
-            self.on_end(pass_id, {}, incomplete="CUDA-graph replay not written: " + why,
+            # Its tensors were sent, in the span, and are not stored: each a loss (verify fails on
+            # it), which the pass's count allows for. Without a layout neither is known: the pass
+            # has no count, which verify fails in a format-6 segment.
+            lost = [{"name": self._names.get(t[0], f"<unnamed {t[0]}>"),
+                     "reason": f"{fmt.WRITER_LOST_REASON}: CUDA-graph replay not written: {why}"}
+                    for t in (layout["tensors"] if layout is not None else ())]
+            self.on_end(pass_id, {}, 0, lost, incomplete="CUDA-graph replay not written: " + why,
                         sent=len(layout["tensors"]) if layout is not None else None)
             return
         begin, end = protocol.replay_pass(self.channel, layout, header)
