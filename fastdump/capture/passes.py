@@ -185,9 +185,9 @@ class PassesMixin:
             else:  # the ring is full (`drop`, or `block` past block_timeout_s): the end goes later
                 self._totals["lost_pass_ends"] += 1
                 if len(self._late_ends) < _MAX_LATE_ENDS:  # (beyond: lost; the writer marks the pass incomplete)
-                    self._late_ends.append(protocol.end(channel.id, pass_id, meta, dropped, skipped, sent=tensors_sent,
-                                                        incomplete=incomplete, mixed=mixed, late=True,
-                                                        structure=structure))
+                    self._late_ends.append(protocol.end(channel.id, pass_id, meta, dropped, skipped,
+                                                        sent=tensors_sent, incomplete=incomplete, mixed=mixed,
+                                                        late=True, structure=structure))
                 channel.note_stall("a pass end", pass_id)
         except BaseException as exc:
             if not sent:

@@ -132,7 +132,6 @@ class Channel:
         return self.control(protocol.end(self.id, pass_id, meta, dropped, skipped, sent=sent,
                                          incomplete=incomplete, mixed=mixed, structure=structure))
 
-
     def note_stall(self, what: str, pass_id: int) -> None:
         """A send into the ring failed; under a blocking wait that means block_timeout_s ran out:
         stage as under `drop` from now on (logged once per stall) until the writer catches up."""
