@@ -134,8 +134,8 @@ def _process_state(pid: int):
 def _why_silent(pid: int) -> str | None:
     """What a writer process that did not answer is doing, from the kernel's view of it, or None
     where that cannot be told. A writer at ``writer_priority="idle"`` (SCHED_IDLE) on a machine whose
-    every CPU other processes keep busy is runnable and never runs: telling that apart from a stopped
-    one says which setting to change. Costs 0.1 s, only on the way to an error."""
+    every CPU other processes keep busy is runnable and hardly runs: behind, not stopped, so attach
+    goes on (Engine._open_taken). Costs 0.1 s, only when an ack is late."""
     first = _process_state(pid)
     if first is None:
         return None
