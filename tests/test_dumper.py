@@ -300,6 +300,10 @@ def test_writer_process_priority(tmp_path, priority, policy):
     x = torch.arange(6.0)
     with fastdump.attach(None, tmp_path, writer_priority=priority) as d:
         writer = d._engine._proc
+        # (it lowers itself right after it acks the open attach waited for: tests/test_writer_priority.py)
+        deadline = time.monotonic() + 10
+        while os.sched_getscheduler(writer.pid) != getattr(os, policy) and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert os.sched_getscheduler(writer.pid) == getattr(os, policy)
         d.dump("x", x)
     assert same_bits(fastdump.open(tmp_path).load("target", 0, 0)["x"], x)

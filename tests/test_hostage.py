@@ -399,9 +399,7 @@ STUCK = textwrap.dedent("""
     from fastdump.staging.engine import Engine
     mode = sys.argv[2]
     model = torch.nn.Sequential(torch.nn.Linear(8, 8))
-    # (A normal-priority writer: an idle one, starved by a busy machine, kept this script in attach
-    # past the test's 60 s; the test is about a stopped writer, not a starved one.)
-    d = fastdump.attach(model, sys.argv[1], writer_priority="normal")
+    d = fastdump.attach(model, sys.argv[1])  # (an idle writer starts at our priority: never starved in attach)
     model(torch.ones(2, 8))
     os.kill(Engine._current._proc.pid, signal.SIGSTOP)
     model(torch.ones(2, 8))
@@ -641,8 +639,9 @@ def test_block_timeout_bounds_a_stall_not_the_streaming_of_a_tensor_larger_than_
 
 
 def test_a_silent_writer_is_told_apart_stopped_busy_or_starved(monkeypatch):
-    """attach's error says what the writer that did not answer is doing: stopped, busy, or runnable
-    and starved of CPU (an idle-priority writer on a machine kept busy: the setting to change)."""
+    """What the writer that did not answer is doing: stopped (attach's error), busy, or runnable and
+    starved of CPU (an idle-priority writer on a machine kept busy): the last two are behind, not
+    stuck, and attach goes on (Engine._open_taken, tests/test_writer_priority.py)."""
     from fastdump.staging import engine
     spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:

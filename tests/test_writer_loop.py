@@ -353,3 +353,25 @@ def test_a_chunk_out_of_place_tears_its_streamed_tensor_and_close_tears_an_unfin
         assert all(entry["reason"] == "incomplete tensor (staging failed mid-copy)" for entry in skipped)
     problems = verify_dump(str(tmp_path)).problems
     assert not [p for p in problems if "block" in str(p)], problems
+
+
+def test_on_first_ack_runs_once_right_after_the_first_open_is_acked(tmp_path):
+    """A writer process lowers its priority there (writer/__main__.py, settle): after the ack (an
+    idle-priority thread may not run again for seconds on a busy machine: attach would wait for
+    it), before the next record (tensors are the work to keep out of the model's way)."""
+    rank = "TP0_PP0_Rank0_pid1"
+    records = [
+        control(1, op="open", channel=0, dir=str(tmp_path / "target" / rank), role="target", rank={}, pid=1,
+                host="h", device={}, config={"segment_passes": 8, "segment_mb": 64, "segment_seconds": 60}),
+        control(2, op="name", channel=0, id=0, name="x"),
+        control(3, op="begin", channel=0, **{"pass": 0, "meta": {}}),
+        tensor(0, 0, torch.arange(4.0)),
+        control(4, op="end", channel=0, **{"pass": 0, "meta": {}, "dropped": 0, "skipped": []}),
+        control(5, op="shutdown"),
+    ]
+    consumer = ScriptedConsumer(records)
+    seen = []  # at each call: the seqs acked so far, the records not yet taken
+    loop = WriterLoop(consumer, on_first_ack=lambda: seen.append((list(consumer.acked), len(consumer.records))))
+    assert loop.run() == 0
+    assert seen == [([1], len(records) - 1)]
+    assert consumer.acked == [1, 2, 3, 4, 5]

@@ -134,8 +134,8 @@ def _process_state(pid: int):
 def _why_silent(pid: int) -> str | None:
     """What a writer process that did not answer is doing, from the kernel's view of it, or None
     where that cannot be told. A writer at ``writer_priority="idle"`` (SCHED_IDLE) on a machine whose
-    every CPU other processes keep busy is runnable and never runs: telling that apart from a stopped
-    one says which setting to change. Costs 0.1 s, only on the way to an error."""
+    every CPU other processes keep busy is runnable and hardly runs: behind, not stopped, so attach
+    goes on (Engine._open_taken). Costs 0.1 s, only when an ack is late."""
     first = _process_state(pid)
     if first is None:
         return None
@@ -149,9 +149,12 @@ def _why_silent(pid: int) -> str | None:
     second = _process_state(pid)
     if second is None or second[0] != "R":
         return None
-    if second[1] > first[1]:
-        return "it is running but busy (a backlog to write, or a slow disk)"
-    return ("it is runnable but got no CPU: other work keeps every CPU busy, and a writer at "
+    return _BUSY if second[1] > first[1] else _STARVED
+
+
+# A writer in one of these states is alive and behind, not stuck: it takes an open in ring order.
+_BUSY = "it is running but busy (a backlog to write, or a slow disk)"
+_STARVED = ("it is runnable but got no CPU: other work keeps every CPU busy, and a writer at "
             "writer_priority='idle' runs only on idle CPU (writer_priority='normal' gives it its share)")
 
 
@@ -292,7 +295,8 @@ class Engine:
         forward waits for it, but at least ``min_wait_s`` (the writer creates the directory and
         makes its first rank.json durable: a tiny block_timeout_s must not make a healthy writer
         fail an attach for good). A writer that is stopped or stuck (SIGSTOP, a debugger, a frozen
-        disk) or dead raises RuntimeError saying so, never holds attach hostage. Ctrl-C interrupts
+        disk) or dead raises RuntimeError saying so, never holds attach hostage; one that is merely
+        behind (runnable: busy, or starved at idle priority) does not fail it (_open_taken). Ctrl-C interrupts
         the wait (KeyboardInterrupt). Whenever no channel is returned, the open is withdrawn: an
         error note and a ``close`` follow it into the ring without waiting, so a writer that gets
         to the open later records the channel as failed and closes it (ignored if it never came)."""
@@ -301,7 +305,7 @@ class Engine:
         deadline = time.monotonic() + wait_s
         try:
             seq = self.control(protocol.open_channel(channel, **facts), block_timeout=wait_s)
-            if not (seq != 0 and self.wait_acked(seq, max(0.0, deadline - time.monotonic()))):
+            if not (seq != 0 and self._open_taken(seq, deadline, min_wait_s, facts.get("dir", ""))):
                 if not self.alive:
                     raise RuntimeError(self.error())
                 who = f"writer process {self._proc.pid}" if self._proc is not None else "writer thread"
@@ -319,6 +323,25 @@ class Engine:
             raise
         return Channel(self, channel, fast_codes, strided, block=block, block_timeout_s=block_timeout_s,
                        device_ring_mb=device_ring_mb, where=facts.get("dir", ""))
+
+    def _open_taken(self, seq: int, deadline: float, patience_s: float, where: str) -> bool:
+        """The open ``seq`` is in the ring: True once the writer acked it, or once, after
+        ``patience_s`` (and again at ``deadline``), the kernel shows the writer process runnable:
+        busy with a backlog, or starved of CPU at writer_priority="idle". Such a writer is behind,
+        not stuck, and takes the open before any record of its channel; a failure to open the
+        directory then stops the Dumper at its next pass (Channel.failed). An idle writer on a
+        machine other processes keep busy gets 1-2 ms of CPU a second: a later attach (the EAGLE
+        draft's) waited 0.3-5 s for its ack and gave up at the default 5 s (2 of 6, measured)."""
+        for until in sorted({min(deadline, time.monotonic() + patience_s), deadline}):
+            if self.wait_acked(seq, max(0.0, until - time.monotonic())):
+                return True
+            why = _why_silent(self._proc.pid) if self._proc is not None and self.alive else None
+            if why in (_BUSY, _STARVED):
+                log.warning("fastdump: the writer process %d has not acked the open of %s yet: %s; attach goes "
+                            "on, and the writer takes the open before any of its records", self._proc.pid,
+                            where, why)
+                return True
+        return False
 
     def channel_stager(self, channel: int, fast_codes: dict, strided) -> "_C.ChannelStager":
         """A channel's CPU hot path into this engine's ring (see Dumper._stage)."""

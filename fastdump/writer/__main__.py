@@ -22,7 +22,11 @@ def lower_priority(priority: str) -> None:
     a core (benchmarks/RESULTS.md). Under SCHED_IDLE a waking model thread always preempts the
     writer. If the model never leaves a CPU idle, the ring fills and the producer sleeps in
     back-pressure, which frees the CPU the writer needs.
-    Called before anything starts a thread: threads inherit the policy of their creator.
+    Called once the first attach's open is acked (see settle), not at start: under SCHED_IDLE a
+    machine other processes keep busy gives a process about 1-2 ms of CPU a second (measured), and
+    the writer's imports and first handshake need several hundred ms of it: attach waited up to its
+    60 s start timeout, or gave up on the open's ack. Only the calling thread is lowered (Linux
+    policies are per thread); one it starts later inherits the policy.
     """
     if priority != "idle":
         return
@@ -32,13 +36,28 @@ def lower_priority(priority: str) -> None:
         log.warning("fastdump writer: cannot switch to SCHED_IDLE (%s); running at normal priority", exc)
 
 
+def settle(priority: str) -> None:
+    """The writer has attached and acked its first control record (the first attach's open): what
+    it does from now on (tensors, segments) is the work to keep out of the model's way. Its I/O
+    threads are made first, at the priority it started with (the serving process's), which they
+    keep: they only wait on the disk, and an idle-priority one, once lowered, cannot come back
+    without CAP_SYS_NICE (EPERM for an ordinary user: they stayed SCHED_IDLE). They are made after
+    the first open, which pins this thread near its GPU (devices.pin_writer_near), so they inherit
+    that pinning too. Never raises: the loop goes on at whatever priority it has."""
+    from . import segment_file
+
+    segment_file.start_io_threads()
+    lower_priority(priority)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(prog="fastdump.writer")
     parser.add_argument("--shm", required=True)
     parser.add_argument("--priority", choices=("idle", "normal"), default="idle")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(name)s: %(message)s")
-    lower_priority(args.priority)
+    # At the serving process's priority until the first attach's open is acked (settle): an
+    # idle-priority start on a busy machine took most of a minute to import and map the ring.
 
     from .. import _C
     from .loop import run_consumer
@@ -65,7 +84,7 @@ def main() -> int:
     sys.stdout = sys.stderr  # keep stray prints off the liveness pipe
     consumer = _C.Consumer(args.shm)
     consumer.set_producer_fd(producer_pipe)
-    return run_consumer(consumer, pin_near_device=True)
+    return run_consumer(consumer, pin_near_device=True, on_first_ack=lambda: settle(args.priority))
 
 
 if __name__ == "__main__":

@@ -72,10 +72,14 @@ class StopSignal:
 
 
 class WriterLoop:
-    def __init__(self, consumer, pin_near_device: bool = False, stop: StopSignal | None = None):
+    def __init__(self, consumer, pin_near_device: bool = False, stop: StopSignal | None = None,
+                 on_first_ack=None):
         self.consumer = consumer
         self.pin_near_device = pin_near_device  # only a writer process may move its own CPUs
         self.stop = stop  # a writer thread's (see StopSignal); None in a writer process
+        # Called once, right after the first control record (the first attach's open) is acked: a
+        # writer process lowers its priority there (writer/__main__.py), not before its handshake.
+        self.on_first_ack = on_first_ack
         self.channels: dict[int, ChannelWriter] = {}
         self.sinks: dict = {}  # channel -> its writer's RowSink: next_batch's fast path
         self.partial: dict[tuple, _Assembly] = {}
@@ -136,6 +140,9 @@ class WriterLoop:
                     return 0
                 self._control(msg)
                 consumer.ack(seq)
+                if self.on_first_ack is not None:
+                    settle, self.on_first_ack = self.on_first_ack, None
+                    settle()
             consumer.release()
 
     def _assemble(self, channel, name_id, pass_id, dtype, shape, payload, offset, total):  # copies: payload may be a view
@@ -341,14 +348,16 @@ def writer_dir(writer) -> str:
     return str(getattr(writer, "dir", "?"))
 
 
-def run_consumer(consumer, pin_near_device: bool = False, stop: StopSignal | None = None) -> int:
-    """The writer's loop until it ends; ``stop``: a writer thread's StopSignal (None in a process).
+def run_consumer(consumer, pin_near_device: bool = False, stop: StopSignal | None = None,
+                 on_first_ack=None) -> int:
+    """The writer's loop until it ends; ``stop``: a writer thread's StopSignal (None in a process);
+    ``on_first_ack``: see WriterLoop.
     The I/O threads of segment writes end with the last loop of the process: a closed writer
     thread leaves no thread behind in the serving process."""
     segment_file.refuse_file_size_signal()  # a writer thread shares the serving process's dispositions
     segment_file.hold_io_threads()
     try:
-        return WriterLoop(consumer, pin_near_device, stop).run()
+        return WriterLoop(consumer, pin_near_device, stop, on_first_ack).run()
     except BaseException as exc:  # a crash of the loop itself: say so where the producer looks
         log.exception("fastdump writer crashed")
         consumer.set_state(_C.WRITER_FAILED, f"writer crashed: {type(exc).__name__}: {exc}")

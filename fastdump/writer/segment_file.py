@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import errno
 import json
+import logging
 import math
 import os
 import resource
@@ -29,6 +30,8 @@ from h5py import h5a, h5d, h5p, h5s, h5t
 from .. import dtypes, fsutil
 from .. import format as fmt
 from .pages import ALIGN, PageBuffer, byte_view
+
+log = logging.getLogger("fastdump.writer")
 
 # A block's rows go to the file in one gathered write (pwritev) of at most this many buffers.
 _IOV_MAX = min(os.sysconf("SC_IOV_MAX"), 1024) if hasattr(os, "sysconf") else 1024
@@ -186,17 +189,25 @@ def _io_thread_start() -> None:
     """An I/O thread's start: it writes block data, so it refuses SIGXFSZ as its writer loop does
     (threads inherit their creator's mask; this does not depend on who created the pool)."""
     refuse_file_size_signal()
-    _normal_priority()
 
 
-def _normal_priority() -> None:
-    """I/O threads run at normal priority even in an idle-priority writer: they use almost no CPU
-    (they wait on the disk), and under SCHED_IDLE a woken one could wait long for a free CPU."""
-    if hasattr(os, "sched_setscheduler") and os.sched_getscheduler(0) == getattr(os, "SCHED_IDLE", -1):
-        try:
-            os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
-        except OSError:
-            pass  # not permitted (RLIMIT_NICE): stay idle
+def start_io_threads() -> None:
+    """Make every I/O thread now, from the calling thread, whose priority they take. A writer
+    process calls it before it lowers itself to SCHED_IDLE (writer/__main__.py, settle): the I/O
+    threads use almost no CPU (they wait on the disk), and an idle-priority one woken by its disk
+    could wait seconds for a CPU. Made later by the idle loop, they could not raise themselves back
+    without CAP_SYS_NICE (an ordinary user's SCHED_IDLE thread gets EPERM). Never raises: a pool
+    not made here is made at the first segment, as in a writer thread."""
+    try:
+        pool = _io_threads()
+        # Each task holds its thread until all are running, so the pool starts a thread per task
+        # (it reuses an idle thread when it has one).
+        started = threading.Barrier(IO_THREADS + 1)
+        for _ in range(IO_THREADS):
+            pool.submit(started.wait, 10)
+        started.wait(10)
+    except Exception as exc:  # (a broken barrier, no threads left to make)
+        log.warning("fastdump writer: I/O threads not started early: %s", exc)
 
 
 def _io_threads() -> ThreadPoolExecutor:
