@@ -63,6 +63,8 @@ def test_parses_every_variable():
     # A zero that would parse to something else: MAX_MB=0 as a 1-byte budget (max(1, 0 MiB)), a
     # 3:3 pass range as one that dumps no pass at all.
     ("FASTDUMP_MAX_MB", "0"), ("FASTDUMP_BLOCK_TIMEOUT_S", "0"), ("FASTDUMP_PASSES", "3:3"),
+    # an open end ('diff --passes 7-' takes one) names no layer list: not read as 'to the last layer'
+    ("FASTDUMP_LAYERS", "7-"), ("FASTDUMP_LAYERS", "0,7-"),
 ])
 def test_one_clear_error(var, value):
     with pytest.raises(ConfigError) as e:
