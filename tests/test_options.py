@@ -294,3 +294,16 @@ def test_attach_docstring_and_readme_name_every_option():
         group = f.name[:3] + "*" if f.name[:3] in ("dp_", "ep_") else f.name
         assert f"``{group}``" in doc, f.name
         assert f"`{f.name}" in readme or f"{f.name}=" in readme, f.name
+
+
+@pytest.mark.parametrize("name", ["ring_mb", "device_ring_mb", "graph_ring_mb"])
+def test_a_ring_size_of_exactly_the_limit_is_taken_and_one_above_it_refused(name):
+    """The ring sizes go up to MAX_RING_MB (4 TiB) inclusive: the limit is refusing typos (1e26),
+    not the largest size it names."""
+    import math
+
+    from fastdump.options import MAX_RING_MB
+
+    assert getattr(Options(root="/d", **{name: MAX_RING_MB}), name) == MAX_RING_MB
+    with pytest.raises(ValueError, match=f"{name} must be at most 4194304 \\(MiB\\)"):
+        Options(root="/d", **{name: math.nextafter(MAX_RING_MB, math.inf)})
