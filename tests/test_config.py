@@ -364,3 +364,16 @@ def test_a_misspelt_option_keyword_names_the_option_meant(tmp_path, monkeypatch)
         fastdump.maybe_attach(model, evry=2, zzz=1)
     assert str(caught.value) == f"maybe_attach: {expected}"
     assert fastdump.maybe_attach(model, every=2) is None
+
+
+def test_a_budget_of_a_few_bytes_in_mib_is_at_least_one_byte():
+    """FASTDUMP_MAX_MB > 0 is never read as a budget of 0 bytes: a fraction of a byte is the 1-byte
+    budget (options._mb_to_bytes)."""
+    assert settings_from_env({"FASTDUMP_DIR": "/d", "FASTDUMP_MAX_MB": "1e-9"})["max_bytes"] == 1
+    assert settings_from_env({"FASTDUMP_DIR": "/d", "FASTDUMP_MAX_MB": "1.5"})["max_bytes"] == 3 << 19
+
+
+def test_a_switch_set_empty_is_off():
+    """FASTDUMP_STRICT= (set, empty: an env file's blank line) is off, as the documented 0/false."""
+    assert settings_from_env({"FASTDUMP_DIR": "/d", "FASTDUMP_STRICT": ""})["strict"] is False
+    assert settings_from_env({"FASTDUMP_DIR": "/d", "FASTDUMP_STRICT": " On "})["strict"] is True
