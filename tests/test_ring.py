@@ -418,6 +418,17 @@ def test_a_negative_dimension_is_refused_even_beside_a_zero_one(shape):
     assert consumer.next(0.05) is None
 
 
+def test_a_broadcast_view_claiming_more_than_2_to_the_63_bytes_is_too_large_not_staged_chunk_by_chunk():
+    """A stride-0 view may claim any size: one of 1.5 * 2**63 bytes (no 64-bit overflow) is refused
+    as TOO_LARGE at once, under either policy, never planned nor copied chunk by chunk."""
+    producer, consumer = ring()
+    buf = torch.zeros(1)
+    for block in (False, True):
+        status = producer.stage_host(0, 0, 0, 0, 4, (3 << 60,), (0,), buf.data_ptr(), block, 0.2)
+        assert status == _C.TOO_LARGE
+    assert consumer.next(0.05) is None
+
+
 def test_a_tensor_larger_than_the_ring_is_torn_only_once_a_chunk_went_in():
     """`block`, chunk by chunk (the tensor never fits whole): a wait that runs out before the first
     chunk leaves nothing in the ring, TIMED_OUT (dropped whole, counted); after one, TORN."""
