@@ -232,21 +232,6 @@ def test_a_poll_that_does_not_wait_still_sees_a_dead_producer():
     assert consumer.next(0) is None and consumer.drained
 
 
-def test_a_liveness_socket_closed_by_the_producer_reads_as_its_death():
-    """The liveness descriptor may be a socket (a launcher's socketpair) rather than a pipe: its
-    peer's close reads as readable with no data, not as a hangup, and is the producer's death."""
-    import socket
-
-    ours, theirs = socket.socketpair()
-    producer, consumer = ring()
-    consumer.set_producer_fd(ours.fileno())
-    stage(producer, torch.ones(4))
-    theirs.close()
-    assert take(consumer)[1] == torch.ones(4).numpy().tobytes()
-    assert consumer.next(0.5) is None and consumer.drained
-    ours.close()
-
-
 def test_a_producer_dying_mid_copy_leaves_one_abandoned_record_after_what_it_published():
     """A real death inside a tensor's copy: the source's second page is unreadable, so the serving
     process faults (SIGSEGV) after the record was reserved. The writer drains every tensor
