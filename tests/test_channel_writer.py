@@ -1417,3 +1417,23 @@ def test_a_failed_segment_write_gives_its_blocks_pages_back(tmp_path, monkeypatc
                                    passes=np.zeros(0, fmt.PASS_DTYPE), pass_meta=[], attrs={})
     assert (block.data.nbytes, block.data.rows, len(block.data.pages)) == (0, 0, 0)
     assert os.listdir(tmp_path) == []  # nor is any file left
+
+
+def test_tensors_written_straight_to_the_file_count_toward_segment_mb_and_the_segments_bytes(tmp_path):
+    """A tensor of 1 MiB or more goes to the open segment's file at once (write_direct), its index
+    row added apart from the row pages: its bytes count toward segment_mb as buffered rows do, and
+    into the segment's 'bytes' (segments.jsonl, its root attribute). Uncounted, a dump of large
+    tensors never rotated by size and listed its segments as holding 0 bytes."""
+    w = ChannelWriter(open_msg(tmp_path, segment_mb=1))
+    f = Feeder(w)
+    big = [torch.full((1 << 18,), float(p)) for p in range(3)]  # 1 MiB each: one segment per pass
+    for p, t in enumerate(big):
+        f.full_pass(p, {"x": t})
+    w.close({})
+    rank = tmp_path / "target" / RANK_DIR
+    listed = [json.loads(line) for line in (rank / fmt.SEGMENT_LIST_FILE).read_text().splitlines()]
+    assert [(s["first_pass"], s["last_pass"], s["bytes"]) for s in listed] == [(p, p, 1 << 20) for p in range(3)]
+    with h5py.File(rank / fmt.segment_name(0), "r") as h5:
+        assert int(h5.attrs["bytes"]) == 1 << 20
+    ds = reader.open(tmp_path)
+    assert all(torch.equal(ds.load("target", 0, p, check=True)["x"], big[p]) for p in range(3))
