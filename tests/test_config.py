@@ -377,3 +377,15 @@ def test_a_switch_set_empty_is_off():
     """FASTDUMP_STRICT= (set, empty: an env file's blank line) is off, as the documented 0/false."""
     assert settings_from_env({"FASTDUMP_DIR": "/d", "FASTDUMP_STRICT": ""})["strict"] is False
     assert settings_from_env({"FASTDUMP_DIR": "/d", "FASTDUMP_STRICT": " On "})["strict"] is True
+
+
+def test_the_largest_rank_and_size_variables_are_taken():
+    """FASTDUMP_TP_SIZE/PP_SIZE go up to format.MAX_PARALLEL_SIZE and the ranks to one below it,
+    both inclusive (the parser's bounds are the ones attach checks)."""
+    from fastdump.format import MAX_PARALLEL_SIZE
+
+    top = str(MAX_PARALLEL_SIZE)
+    got = settings_from_env({"FASTDUMP_DIR": "/d", "FASTDUMP_TP_SIZE": top, "FASTDUMP_TP_RANK": str(MAX_PARALLEL_SIZE - 1),
+                             "FASTDUMP_PP_SIZE": top, "FASTDUMP_PP_RANK": str(MAX_PARALLEL_SIZE - 1)})
+    assert (got["tp_size"], got["tp_rank"], got["pp_size"], got["pp_rank"]) == \
+        (MAX_PARALLEL_SIZE, MAX_PARALLEL_SIZE - 1, MAX_PARALLEL_SIZE, MAX_PARALLEL_SIZE - 1)
