@@ -838,6 +838,23 @@ def test_a_writer_reopening_a_directory_starts_its_segment_list_anew(tmp_path):
 # ---------------------------------------------------------------------------------------- atomicity & errors
 
 
+def test_a_segments_root_attributes_keep_their_types(tmp_path):
+    """docs/FORMAT.md: ``created`` is a float Unix time, the counts are integers, ``complete`` 0/1,
+    ``role`` a string: a float stored as an integer lost the time's fraction without a word."""
+    t0 = time.time()
+    w = ChannelWriter(open_msg(tmp_path))
+    Feeder(w).full_pass(0, {"x": torch.ones(4)})
+    w.close({})
+    t1 = time.time()
+    with h5py.File(tmp_path / "target" / RANK_DIR / fmt.segment_name(0), "r") as h5:
+        attrs = dict(h5.attrs)
+    assert attrs["created"].dtype == np.float64 and t0 <= attrs["created"] <= t1
+    assert {k: (attrs[k].dtype, int(attrs[k])) for k in ("first_pass", "last_pass", "passes", "tensors", "complete")} \
+        == {"first_pass": (np.int64, 0), "last_pass": (np.int64, 0), "passes": (np.int64, 1),
+            "tensors": (np.int64, 1), "complete": (np.int64, 1)}
+    assert attrs["role"] == "target" and attrs["segment"] == 0
+
+
 def test_segment_is_invisible_until_complete(tmp_path, monkeypatch):
     seen = []
     real_publish = segment_file.fsutil.publish
@@ -917,6 +934,46 @@ def test_a_block_write_failing_on_an_io_thread_fails_the_segment(tmp_path, monke
     info = rank_json(tmp_path)
     assert info["status"] == "error" and "Input/output error" in info["error"] and info["segments_listed"] == 1
     assert reader.open(tmp_path).passes("target", 0) == [0]
+
+
+def test_an_o_direct_write_failing_with_eio_fails_the_segment_not_retried_through_the_page_cache(tmp_path,
+                                                                                                   monkeypatch):
+    """Only EINVAL (a device that wants a larger alignment) sends a block's O_DIRECT write through
+    the page cache instead; an I/O error of the device is the segment's failure, as any other
+    write's: retried buffered, the pages could reach the same failing disk later, unseen."""
+    import errno
+    import fcntl
+
+    require_o_direct(tmp_path)
+    real = segment_file._pwritev_all
+
+    def failing_direct_writes(fd, buffers, offset):
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+            raise OSError(errno.EIO, "Input/output error")
+        return real(fd, buffers, offset)
+
+    w = ChannelWriter(open_msg(tmp_path, segment_passes=1))
+    monkeypatch.setattr(segment_file, "_pwritev_all", failing_direct_writes)
+    with pytest.raises(OSError, match="Input/output error"):
+        Feeder(w).full_pass(0, {"a": torch.ones(4096)})  # 16 KiB: whole pages, written with O_DIRECT
+    monkeypatch.undo()
+    assert rank_json(tmp_path)["status"] == "error"
+    assert not [n for n in os.listdir(tmp_path / "target" / RANK_DIR) if n.startswith("seg-")]
+
+
+def test_an_hdf5_file_that_fails_after_creating_its_temporary_file_leaves_nothing_behind(tmp_path, monkeypatch):
+    """HDF5 may create the segment's temporary file and then fail (a disk that fills as it writes
+    the superblock): OpenSegment removes that file, so no .seg-*.tmp is left in the rank directory."""
+    real_file = segment_file.h5py.File
+
+    def create_then_fail(path, *args, **kwargs):
+        real_file(path, "w").close()
+        raise OSError("Unable to create file (No space left on device)")
+
+    monkeypatch.setattr(segment_file.h5py, "File", create_then_fail)
+    with pytest.raises(OSError, match="No space left"):
+        segment_file.OpenSegment(str(tmp_path), 3)
+    assert os.listdir(tmp_path) == []
 
 
 def test_h5py_open_failure_is_reported(tmp_path, monkeypatch):
@@ -1362,3 +1419,65 @@ def test_an_empty_tensor_before_rows_of_its_layout_reads_back_empty(tmp_path):
     assert_same(ds.load("target", 0, 0)["x"], empty)
     assert_same(ds.tensor("target", 0, "x", 0), empty)
     assert_same(ds.load("target", 0, 1)["x"], full)
+
+
+def test_typed_and_2d_buffers_are_written_byte_for_byte_through_short_writes(tmp_path, monkeypatch):
+    """pages.byte_view makes any C-contiguous buffer a flat byte view: a float32 or a 2-d view
+    kept its items, so resuming a short write cut it by items, not bytes, and lost data."""
+    real_pwritev = os.pwritev
+
+    def short_pwritev(fd, buffers, offset):  # at most 5 bytes a call: every cut is mid-item
+        return real_pwritev(fd, [memoryview(buffers[0]).cast("B")[:5]], offset)
+
+    monkeypatch.setattr(segment_file.os, "pwritev", short_pwritev)
+    floats = np.arange(7, dtype=np.float32)
+    grid = np.arange(12, dtype=np.uint8).reshape(3, 4)
+    for view in (floats, grid, memoryview(floats), memoryview(grid)):
+        assert pages.byte_view(view).format == "B" and pages.byte_view(view).ndim == 1
+        assert pages.byte_view(view).nbytes == len(pages.byte_view(view)) == np.asarray(view).nbytes
+    path = tmp_path / "out"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        segment_file._pwritev_all(fd, [floats, grid, memoryview(floats)], 3)
+    finally:
+        os.close(fd)
+    assert path.read_bytes() == b"\0" * 3 + floats.tobytes() + grid.tobytes() + floats.tobytes()
+
+
+def test_a_failed_segment_write_gives_its_blocks_pages_back(tmp_path, monkeypatch):
+    """write_segment frees its blocks' pages when it fails too: the channel fails, nothing will write
+    them, and a writer that kept them would hold a failed segment's rows for the rest of its life."""
+    import errno
+
+    def failing_pwritev_all(fd, buffers, offset):
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(segment_file, "_pwritev_all", failing_pwritev_all)
+    block = segment_file.Block(0, 0, dtypes.code_of(torch.float32), (4096,), scalar=False)
+    block.data.append(np.ones(4096, dtype=np.float32))
+    block.rows = 1
+    with pytest.raises(OSError, match="Input/output error"):
+        segment_file.write_segment(str(tmp_path), 0, names=["x"], blocks=[block], index=np.zeros(0, fmt.INDEX_DTYPE),
+                                   passes=np.zeros(0, fmt.PASS_DTYPE), pass_meta=[], attrs={})
+    assert (block.data.nbytes, block.data.rows, len(block.data.pages)) == (0, 0, 0)
+    assert os.listdir(tmp_path) == []  # nor is any file left
+
+
+def test_tensors_written_straight_to_the_file_count_toward_segment_mb_and_the_segments_bytes(tmp_path):
+    """A tensor of 1 MiB or more goes to the open segment's file at once (write_direct), its index
+    row added apart from the row pages: its bytes count toward segment_mb as buffered rows do, and
+    into the segment's 'bytes' (segments.jsonl, its root attribute). Uncounted, a dump of large
+    tensors never rotated by size and listed its segments as holding 0 bytes."""
+    w = ChannelWriter(open_msg(tmp_path, segment_mb=1))
+    f = Feeder(w)
+    big = [torch.full((1 << 18,), float(p)) for p in range(3)]  # 1 MiB each: one segment per pass
+    for p, t in enumerate(big):
+        f.full_pass(p, {"x": t})
+    w.close({})
+    rank = tmp_path / "target" / RANK_DIR
+    listed = [json.loads(line) for line in (rank / fmt.SEGMENT_LIST_FILE).read_text().splitlines()]
+    assert [(s["first_pass"], s["last_pass"], s["bytes"]) for s in listed] == [(p, p, 1 << 20) for p in range(3)]
+    with h5py.File(rank / fmt.segment_name(0), "r") as h5:
+        assert int(h5.attrs["bytes"]) == 1 << 20
+    ds = reader.open(tmp_path)
+    assert all(torch.equal(ds.load("target", 0, p, check=True)["x"], big[p]) for p in range(3))

@@ -63,6 +63,8 @@ def test_parses_every_variable():
     # A zero that would parse to something else: MAX_MB=0 as a 1-byte budget (max(1, 0 MiB)), a
     # 3:3 pass range as one that dumps no pass at all.
     ("FASTDUMP_MAX_MB", "0"), ("FASTDUMP_BLOCK_TIMEOUT_S", "0"), ("FASTDUMP_PASSES", "3:3"),
+    # an open end ('diff --passes 7-' takes one) names no layer list: not read as 'to the last layer'
+    ("FASTDUMP_LAYERS", "7-"), ("FASTDUMP_LAYERS", "0,7-"),
 ])
 def test_one_clear_error(var, value):
     with pytest.raises(ConfigError) as e:
@@ -362,3 +364,28 @@ def test_a_misspelt_option_keyword_names_the_option_meant(tmp_path, monkeypatch)
         fastdump.maybe_attach(model, evry=2, zzz=1)
     assert str(caught.value) == f"maybe_attach: {expected}"
     assert fastdump.maybe_attach(model, every=2) is None
+
+
+def test_a_budget_of_a_few_bytes_in_mib_is_at_least_one_byte():
+    """FASTDUMP_MAX_MB > 0 is never read as a budget of 0 bytes: a fraction of a byte is the 1-byte
+    budget (options._mb_to_bytes)."""
+    assert settings_from_env({"FASTDUMP_DIR": "/d", "FASTDUMP_MAX_MB": "1e-9"})["max_bytes"] == 1
+    assert settings_from_env({"FASTDUMP_DIR": "/d", "FASTDUMP_MAX_MB": "1.5"})["max_bytes"] == 3 << 19
+
+
+def test_a_switch_set_empty_is_off():
+    """FASTDUMP_STRICT= (set, empty: an env file's blank line) is off, as the documented 0/false."""
+    assert settings_from_env({"FASTDUMP_DIR": "/d", "FASTDUMP_STRICT": ""})["strict"] is False
+    assert settings_from_env({"FASTDUMP_DIR": "/d", "FASTDUMP_STRICT": " On "})["strict"] is True
+
+
+def test_the_largest_rank_and_size_variables_are_taken():
+    """FASTDUMP_TP_SIZE/PP_SIZE go up to format.MAX_PARALLEL_SIZE and the ranks to one below it,
+    both inclusive (the parser's bounds are the ones attach checks)."""
+    from fastdump.format import MAX_PARALLEL_SIZE
+
+    top = str(MAX_PARALLEL_SIZE)
+    got = settings_from_env({"FASTDUMP_DIR": "/d", "FASTDUMP_TP_SIZE": top, "FASTDUMP_TP_RANK": str(MAX_PARALLEL_SIZE - 1),
+                             "FASTDUMP_PP_SIZE": top, "FASTDUMP_PP_RANK": str(MAX_PARALLEL_SIZE - 1)})
+    assert (got["tp_size"], got["tp_rank"], got["pp_size"], got["pp_rank"]) == \
+        (MAX_PARALLEL_SIZE, MAX_PARALLEL_SIZE - 1, MAX_PARALLEL_SIZE, MAX_PARALLEL_SIZE - 1)

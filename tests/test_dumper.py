@@ -1631,9 +1631,10 @@ def test_an_async_generator_dropped_unconsumed_keeps_its_cleanup_out_of_a_pass_o
     hooks = sys.get_asyncgen_hooks()
 
     async def serve():
+        loop_hooks = sys.get_asyncgen_hooks()  # the event loop's own, before any step swapped them
         lazy = draft(ids, aux)
         await lazy.__anext__()  # one step, outside any pass
-        loop_hooks = sys.get_asyncgen_hooks()
+        got["hooks back after the step"] = sys.get_asyncgen_hooks() == loop_hooks
         with dt.manual_pass():
             got["logits"] = target(ids)
             lazy = None  # dropped unconsumed: the loop closes it at its next turns, inside this pass
@@ -1647,6 +1648,7 @@ def test_an_async_generator_dropped_unconsumed_keeps_its_cleanup_out_of_a_pass_o
         e = target.embed(ids)
         h = target.layer(e)
     assert got["cleanups in the pass"] == 1 and got["hooks kept"] and sys.get_asyncgen_hooks() == hooks
+    assert got["hooks back after the step"]
     assert same_bits(draft.cleanup[0], target.lm_head(aux).detach())
     assert dd.close()["status"] == "closed" and dt.close()["status"] == "closed"
     ds = fastdump.open(tmp_path)

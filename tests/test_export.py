@@ -545,3 +545,23 @@ def test_file_numbers_and_steps_are_pass_ids_counting_the_forwards_left_out(tmp_
     export.export_sglang_dumper(tmp_path / "dump", tmp_path / "dumper")
     steps = {int(re.search(r"___step=(\d+)", p.name).group(1)) for p in (tmp_path / "dumper").glob("*.pt")}
     assert steps == {2, 3}
+
+
+def test_every_sub_byte_integer_type_is_exported_as_its_8_bit_type_bit_for_bit(capsys):
+    """torch.save cannot write uint1..uint7 nor int1..int7: each is exported as the 8-bit integer of
+    its signedness, one element a byte, its bits unchanged, said once per rank and type."""
+    import io
+
+
+    said = set()
+    kinds = [(f"{kind}{bits}", torch.uint8 if kind == "uint" else torch.int8) for kind in ("uint", "int")
+             for bits in range(1, 8)]
+    kinds = [(name, container) for name, container in kinds if hasattr(torch, name)]
+    assert ("uint7", torch.uint8) in kinds  # (this torch has the sub-byte types at all)
+    for name, container in kinds:
+        stored = torch.tensor([0, 1, 3], dtype=container).view(getattr(torch, name))
+        saved = export._savable(stored, "target", 0, said)
+        assert saved.dtype == container and saved.tolist() == [0, 1, 3], name
+        torch.save(saved, io.BytesIO())
+    assert said == {("target", 0, name) for name, _ in kinds}
+    assert capsys.readouterr().err.count("torch.save cannot write") == len(kinds)

@@ -842,3 +842,14 @@ def test_both_layouts_read_back_with_sglangs_reading_idiom(tmp_path):
                 for field in ("input_ids", "seq_lens", "positions"):
                     (value,) = mine[step, f"model.forward_batch_info.{field}"]
                     assert_same_value(value, getattr(fb, field), f"{role}/rank{tp}/step{step}/{field}")
+
+
+def test_sglang_names_read_a_list_output_as_a_tuple_and_a_dict_with_digit_keys_as_names():
+    """By the pass's structure record: a module that returned a list is stored by SGLang as one list
+    under its name, as a tuple is; one that returned a dict keyed '0', '1' keeps its parts' names."""
+    t = [torch.full((1,), float(i)) for i in range(4)]
+    stored = {"mod.0": t[0], "mod.1": t[1], "dct.0": t[2], "dct.1": t[3]}
+    structure = {"mod": {"kinds": {"": "list:2"}}, "dct": {"kinds": {"": "dict:2"}}}
+    got = export.sglang_names(stored, {"mod", "dct"}, structure)
+    assert list(got) == ["mod", "dct.0", "dct.1"]
+    assert [id(v) for v in got["mod"]] == [id(t[0]), id(t[1])] and got["dct.0"] is t[2] and got["dct.1"] is t[3]

@@ -294,3 +294,36 @@ def test_attach_docstring_and_readme_name_every_option():
         group = f.name[:3] + "*" if f.name[:3] in ("dp_", "ep_") else f.name
         assert f"``{group}``" in doc, f.name
         assert f"`{f.name}" in readme or f"{f.name}=" in readme, f.name
+
+
+@pytest.mark.parametrize("name", ["ring_mb", "device_ring_mb", "graph_ring_mb"])
+def test_a_ring_size_of_exactly_the_limit_is_taken_and_one_above_it_refused(name):
+    """The ring sizes go up to MAX_RING_MB (4 TiB) inclusive: the limit is refusing typos (1e26),
+    not the largest size it names."""
+    import math
+
+    from fastdump.options import MAX_RING_MB
+
+    assert getattr(Options(root="/d", **{name: MAX_RING_MB}), name) == MAX_RING_MB
+    with pytest.raises(ValueError, match=f"{name} must be at most 4194304 \\(MiB\\)"):
+        Options(root="/d", **{name: math.nextafter(MAX_RING_MB, math.inf)})
+
+
+def test_a_cuda_device_that_names_no_index_is_refused_without_torch_imported_too():
+    """device='cuda:x' is refused by torch.device where torch is imported; in a process that has not
+    imported it (a config checked before the model is built) the option's own pattern refuses it."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from fastdump.options import Options\n"
+            "assert 'torch' not in sys.modules\n"
+            "for bad in ('cuda:x', 'cuda:1a', 'cuda:'):\n"
+            "    try:\n"
+            "        Options(root='/d', device=bad)\n"
+            "    except ValueError as e:\n"
+            "        assert 'device must be a CUDA device index' in str(e), e\n"
+            "    else:\n"
+            "        raise SystemExit(f'{bad!r} taken')\n"
+            "assert Options(root='/d', device='cuda:1').device == 'cuda:1'\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr

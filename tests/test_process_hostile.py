@@ -1721,3 +1721,34 @@ def test_a_second_close_on_another_thread_returns_once_the_dump_is_closed(tmp_pa
     assert_verifies(tmp_path)  # (at once: the first close has finished)
     first.join(60)
     assert check_passes_against(tmp_path, inputs, ref).passes("target", 0) == list(range(3))
+
+
+@pytest.mark.parametrize("signum", [signal.SIGHUP, signal.SIGINT, signal.SIGTERM])
+def test_the_writer_process_outlives_a_hangup_an_interrupt_or_a_terminate_sent_to_it_alone(tmp_path, signum):
+    """The writer ignores SIGHUP (its orphaned process group's hangup), SIGINT (a Ctrl-C sent to a
+    group) and SIGTERM (a service stop): only its producer's close or death ends it. Killed by one,
+    it took the open segment's passes with it."""
+    model = Net()
+    d = fastdump.attach(model, tmp_path, writer="process")
+    with torch.inference_mode():
+        outs = [model(torch.full((1, 16), float(i))) for i in range(3)]
+        writer = Engine._current._proc
+        os.kill(writer.pid, signum)
+        time.sleep(0.5)
+        assert writer.poll() is None, f"the writer died of signal {signum}"
+        outs += [model(torch.full((1, 16), float(i))) for i in range(3, 6)]
+    assert d.close()["status"] == "closed"
+    with fastdump.open(tmp_path) as ds:
+        assert ds.passes("target", 0) == list(range(6))
+        assert all(same_bits(ds.load("target", 0, p)["Net"], outs[p]) for p in range(6))
+    assert verify_dump(str(tmp_path)).problems == []
+
+
+def test_the_writer_process_asks_for_idle_priority_and_keeps_normal_when_told():
+    """python -m fastdump.writer --priority idle runs under SCHED_IDLE (a model thread that wakes
+    always preempts it); --priority normal leaves the policy as it was."""
+    code = ("import os, sys; from fastdump.writer.__main__ import lower_priority\n"
+            "lower_priority(sys.argv[1]); print(os.sched_getscheduler(0))")
+    for priority, want in (("idle", os.SCHED_IDLE), ("normal", os.SCHED_OTHER)):
+        run = subprocess.run([sys.executable, "-c", code, priority], capture_output=True, text=True, timeout=60)
+        assert run.returncode == 0 and int(run.stdout) == want, (priority, run.stdout, run.stderr)

@@ -4,6 +4,7 @@ rank killed mid-run. Every dumped value is checked bit for bit against what its 
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -247,6 +248,20 @@ def test_ranks_a_world_leaves_ambiguous_are_refused(world, rank, size, given, wo
         resolve_ranks(**given)
 
 
+@pytest.mark.parametrize("given, words", [
+    ({"tp_size": 0}, "tp_size must be an integer >= 1, not 0"),
+    ({"pp_size": 0}, "pp_size must be an integer >= 1, not 0"),
+    ({"dp_size": 0}, "dp_size must be an integer >= 1, not 0"),
+    ({"ep_size": 0}, "ep_size must be an integer >= 1, not 0"),
+    ({"tp_rank": -1, "tp_size": 2}, "tp_rank must be an integer >= 0, not -1"),
+])
+def test_a_size_of_zero_or_a_negative_rank_is_refused_not_read_as_unset(world, given, words):
+    """A size of 0 given by code (attach(tp_size=0)) is refused, never taken as "not given" (it
+    became size 1 and the rank's directory claimed a world it is not in)."""
+    with pytest.raises(ValueError, match=re.escape(words)):
+        resolve_ranks(**given)
+
+
 @pytest.mark.parametrize("env, want", [
     ({"RANK": "1", "WORLD_SIZE": "2"}, numbers(1, 2)),
     ({"LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}, numbers(1, 2)),  # one node, no WORLD_SIZE
@@ -256,6 +271,7 @@ def test_ranks_a_world_leaves_ambiguous_are_refused(world, rank, size, given, wo
     ({"RANK": "0"}, numbers(0, 1)),
     ({"TP_RANK": "1", "TP_SIZE": "2", "RANK": "5", "WORLD_SIZE": "8"}, numbers(1, 2)),
     ({"RANK": "3", "WORLD_SIZE": "4", "PP": "2"}, numbers(1, 2, 1, 2)),
+    ({"RANK": "", "WORLD_SIZE": "", "LOCAL_RANK": "", "TP_RANK": ""}, numbers(0, 1)),  # set empty: unset
 ])
 def test_ranks_from_launcher_variables(world, monkeypatch, env, want):
     pp = env.pop("PP", None)

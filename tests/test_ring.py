@@ -77,6 +77,20 @@ def test_large_tensor_is_split_and_reassembled_in_order():
     assert got["v"][1] == t.contiguous().numpy().tobytes()
 
 
+def test_a_tensor_larger_than_the_ring_goes_in_chunk_by_chunk_byte_for_byte():
+    """`block` stages a tensor the ring cannot hold at once as the writer frees space, each chunk
+    from its own place in the tensor (strided too): the reader gets every byte in order."""
+    producer, consumer = ring(64 << 10)  # chunks of 16 KiB
+    t = torch.arange(3 * (100 << 8), dtype=torch.int32).reshape(-1, 3)[:, ::3]  # 100 KiB, strided
+    got = {}
+    reader = threading.Thread(target=lambda: got.setdefault("v", take(consumer, timeout=5)))
+    reader.start()
+    assert stage(producer, t) == _C.STAGED
+    reader.join()
+    shape, data, _ = got["v"]
+    assert tuple(shape) == tuple(t.shape) and data == t.contiguous().numpy().tobytes()
+
+
 def test_wraparound_keeps_every_record_intact():
     producer, consumer = ring(capacity=64 << 10)
     sent = [torch.randn(int(n)) for n in np.random.default_rng(0).integers(1, 3000, size=500)]
@@ -144,6 +158,28 @@ def test_large_payloads_start_on_a_page():
         consumer.release()
 
 
+def test_a_page_aligned_payload_whose_gap_would_carry_it_past_the_end_wraps_to_the_start():
+    """A payload of 1 MiB or more starts on a page: the gap before it counts when deciding whether
+    the record fits before the end of the ring. Here it fits without the gap, 128 bytes short with
+    it: it must wrap to the start (its record written past the end would overrun the mapping)."""
+    producer, consumer = ring(8 << 20)  # chunks of 2 MiB
+    address = lambda payload: np.frombuffer(payload, dtype=np.uint8).ctypes.data
+    starts = []
+    # fillers of 1 MiB - 128 B and one of 1 MiB - 384 B (no page gaps): the head at 8 MiB - 1 MiB - 256 B
+    for n in [(1 << 20) - 128] * 6 + [(1 << 20) - 384]:
+        assert stage(producer, torch.zeros(n // 4, dtype=torch.int32), block=False) == _C.STAGED
+        rec = consumer.next(1.0)
+        starts.append(address(rec[6]))
+        consumer.release()
+    big = torch.arange(((1 << 20) + 100) // 4, dtype=torch.int32)  # one record of 1 MiB + 100 B
+    assert stage(producer, big, block=False) == _C.STAGED
+    rec = consumer.next(1.0)
+    assert bytes(rec[6]) == big.numpy().tobytes()
+    assert address(rec[6]) % _C.PAGE_BYTES == 0
+    assert starts[0] - 128 <= address(rec[6]) < starts[0] + _C.PAGE_BYTES  # wrapped: at the ring's start
+    consumer.release()
+
+
 def test_a_control_record_ends_a_batch_of_views():
     producer, consumer = ring()
     for i in range(3):
@@ -179,6 +215,21 @@ def test_dead_producer_published_records_are_drained_then_reported():
     os.close(w)
     assert take(consumer)[1] == torch.ones(4).numpy().tobytes()
     assert consumer.next(0.5) is None and consumer.drained
+
+
+def test_a_poll_that_does_not_wait_still_sees_a_dead_producer():
+    """next(0) (a look without waiting) checks the producer's pipe too: a consumer that only polls
+    never sleeps, and would otherwise never learn that the producer is gone."""
+    r, w = os.pipe()
+    producer, consumer = ring()
+    consumer.set_producer_fd(r)
+    assert consumer.next(0) is None and not consumer.drained  # alive, nothing yet
+    stage(producer, torch.ones(4))
+    os.close(w)
+    rec = consumer.next(0)
+    assert bytes(rec[6]) == torch.ones(4).numpy().tobytes()
+    consumer.release()
+    assert consumer.next(0) is None and consumer.drained
 
 
 def test_a_producer_dying_mid_copy_leaves_one_abandoned_record_after_what_it_published():
@@ -238,6 +289,14 @@ def test_the_pass_check_polls_the_writer_pipe_at_most_every_max_age():
     os.close(r)
 
 
+def test_a_writer_error_longer_than_its_place_in_the_header_is_cut_to_fit():
+    """The writer's failure text has 1024 bytes in the ring header: a longer one (a traceback) is
+    cut to 1023 and its NUL, never written over the header fields after it (the failed channels)."""
+    producer, consumer = ring()
+    consumer.set_state(_C.WRITER_FAILED, "E" * 5000)
+    assert producer.writer_error() == "E" * 1023
+
+
 def test_the_pass_check_sees_a_failed_writer_at_once():
     r, w = os.pipe()
     producer, consumer = ring()
@@ -282,6 +341,93 @@ def test_block_waits_at_most_its_timeout():
     status = producer.stage_host(0, 0, 0, 0, 4, t.shape, t.stride(), t.data_ptr(), True, 0.3)
     assert status == _C.TIMED_OUT and time.monotonic() - t0 < 5
     assert producer.stats()["dropped"] == 1
+
+
+def test_a_tensor_that_fills_the_ring_up_to_the_control_reserve_exactly_is_staged():
+    """The space check counts free bytes inclusively: a record that leaves exactly the control
+    reserve (capacity / 16) free is staged, one byte more is not (a strict check dropped it)."""
+    producer, consumer = ring(64 << 10)  # control reserve 4 KiB; chunks of 16 KiB
+    # A 1-d record is a 128-byte header plus its payload, 64-aligned: four of 15 KiB leave 4 KiB.
+    quarter = [torch.arange((15 << 10) // 4 - 32, dtype=torch.int32) + i for i in range(4)]
+    assert [stage(producer, t, block=False) for t in quarter] == [_C.STAGED] * 4
+    assert stage(producer, torch.zeros(1, dtype=torch.int32), block=False) == _C.DROPPED
+    assert [take(consumer)[1] for _ in quarter] == [t.numpy().tobytes() for t in quarter]
+
+
+def test_a_tensor_the_wrap_keeps_out_is_dropped_for_space_not_called_too_large_for_the_ring():
+    """Under `drop`, a chunked tensor that fits the ring whole (up to its control reserve exactly)
+    but not from where the ring's head stands (a chunk would cross the end) is DROPPED, the status
+    of a ring that is busy; RING_TOO_SMALL tells the user to raise ring_mb, which is not the fix."""
+    producer, consumer = ring(64 << 10)  # chunks of 16 KiB, control reserve 4 KiB
+    # three whole chunks and a last one: 3 * (128 + 16384) + (128 + 11776) = 60 KiB, + 4 KiB reserve
+    big = torch.arange((3 * 16384 + 11776) // 4, dtype=torch.int32)
+    fresh_producer, fresh_consumer = ring(64 << 10)
+    assert stage(fresh_producer, big, block=False) == _C.STAGED  # from the start of an empty ring it fits
+    assert take(fresh_consumer)[1] == big.numpy().tobytes()
+    for i in range(2):  # move the head on (the ring stays empty): its third chunk would cross the end
+        assert stage(producer, torch.full((3500,), i, dtype=torch.int32), block=False) == _C.STAGED
+        take(consumer)
+    assert stage(producer, big, block=False) == _C.DROPPED
+    assert stage(producer, torch.cat([big, big[:1]]), block=False) == _C.RING_TOO_SMALL  # one element more
+
+
+def test_control_records_up_to_max_control_bytes_are_taken_larger_ones_refused_at_once():
+    producer, consumer = ring(64 << 10)
+    limit = producer.max_control_bytes  # a record takes at most half the ring
+    assert limit == (32 << 10) - 128
+    t0 = time.monotonic()
+    assert producer.put_control(0, b"x" * (limit + 1), True, 5.0) == 0  # never waited for: no room can come
+    assert time.monotonic() - t0 < 2
+    assert producer.put_control(0, b"y" * limit, True, 5.0) != 0
+    rec = consumer.next(1.0)
+    assert rec[0] == _C.KIND_CONTROL and bytes(rec[6]) == b"y" * limit
+
+
+def test_producer_stats_count_records_tensors_and_bytes_once_each():
+    producer, consumer = ring(1 << 20)  # chunks of 256 KiB
+    small, chunked = torch.ones(100), torch.ones(100_000)  # 400 B in one record; 400,000 B in two
+    assert stage(producer, small) == _C.STAGED and stage(producer, chunked) == _C.STAGED
+    producer.put_control(0, b'{"op": "x"}')
+    stats = producer.stats()
+    assert (stats["records"], stats["tensors"], stats["bytes"]) == (4, 2, 400 + 400_000 + len(b'{"op": "x"}'))
+
+
+@pytest.mark.parametrize("shape", [(0, -1), (-1,), (-1, 0), (2, -3)])
+def test_a_negative_dimension_is_refused_even_beside_a_zero_one(shape):
+    """A shape with a dimension of 0 holds no elements whatever its other sizes, but a negative one
+    is no shape at all (HDF5 cannot store it): TOO_LARGE, and nothing reaches the ring."""
+    producer, consumer = ring()
+    buf = torch.zeros(8)
+    status = producer.stage_host(0, 0, 0, 0, 4, shape, (1,) * len(shape), buf.data_ptr(), True)
+    assert status == _C.TOO_LARGE
+    assert consumer.next(0.05) is None
+
+
+def test_a_broadcast_view_claiming_more_than_2_to_the_63_bytes_is_too_large_not_staged_chunk_by_chunk():
+    """A stride-0 view may claim any size: one of 1.5 * 2**63 bytes (no 64-bit overflow) is refused
+    as TOO_LARGE at once, under either policy, never planned nor copied chunk by chunk."""
+    producer, consumer = ring()
+    buf = torch.zeros(1)
+    for block in (False, True):
+        status = producer.stage_host(0, 0, 0, 0, 4, (3 << 60,), (0,), buf.data_ptr(), block, 0.2)
+        assert status == _C.TOO_LARGE
+    assert consumer.next(0.05) is None
+
+
+def test_a_tensor_larger_than_the_ring_is_torn_only_once_a_chunk_went_in():
+    """`block`, chunk by chunk (the tensor never fits whole): a wait that runs out before the first
+    chunk leaves nothing in the ring, TIMED_OUT (dropped whole, counted); after one, TORN."""
+    producer, consumer = ring(64 << 10)  # chunks of 16 KiB
+    big = torch.arange(100 << 8, dtype=torch.int32)  # 100 KiB: more than the ring
+    while stage(producer, torch.ones(3000), block=False) == _C.STAGED:  # the ring full, no writer
+        pass
+    status = producer.stage_host(0, 7, 0, 0, 4, big.shape, big.stride(), big.data_ptr(), True, 0.2)
+    assert status == _C.TIMED_OUT
+    while (rec := consumer.next(0.05)) is not None:  # nothing of it reached the ring
+        assert rec[2] != 7
+        consumer.release()
+    status = producer.stage_host(0, 7, 0, 0, 4, big.shape, big.stride(), big.data_ptr(), True, 0.2)
+    assert status == _C.TORN  # the empty ring took some chunks, then no one freed space
 
 
 def test_drop_refuses_a_tensor_larger_than_the_ring():

@@ -162,3 +162,54 @@ def test_a_name_whose_dtype_changes_keeps_each_passs_dtype(tmp_path):
         got = ds.load("target", 0, p, check=True)["x"]
         assert got.dtype == t.dtype and got.shape == t.shape and torch.equal(got, t), (p, got, t)
     assert taken[0] == 3  # each dtype's second pass, in C++
+
+
+def test_a_tensor_of_1_mib_or_more_is_left_to_python_to_write_from_the_ring(tmp_path, o_direct_bytes):
+    """The fast path copies small tensors into row pages; one of 1 MiB or more (_C.PAGE_ALIGNED_BYTES)
+    starts on a page in the ring and is written from there with O_DIRECT, never copied, even when
+    its layout is one the sink knows."""
+    from conftest import require_o_direct
+
+    require_o_direct(tmp_path)
+    w = RingWriter(tmp_path)
+    small, big = torch.randn(1, 1024), torch.randn(_C.PAGE_ALIGNED_BYTES // 4096, 1024)  # 4 KiB and 1 MiB rows
+    w.control(protocol.begin(0, 0))
+    w.tensor(0, 0, "x", small)  # the layout (x, float32, (1024,)) learnt from Python
+    w.tensor(0, 0, "y", small)
+    w.control(protocol.end(0, 0, {}, 0, {}))
+    w.control(protocol.begin(0, 1))
+    w.tensor(0, 1, "x", big)  # same layout, 1 MiB
+    w.tensor(0, 1, "y", small)  # taken by the sink
+    w.control(protocol.end(0, 1, {}, 0, {}))
+    taken = w.close({"passes": 2, "tensors": 4})
+    assert taken[0] == 1
+    assert sum(o_direct_bytes) >= big.numel() * 4
+    ds = reader.open(tmp_path)
+    assert torch.equal(ds.load("target", 0, 1, check=True)["x"], big)
+
+
+def test_a_record_whose_bytes_disagree_with_its_known_layout_is_never_put_in_its_block(tmp_path):
+    """The layout fixes the bytes of a row; a record of that name, dtype and row shape carrying
+    another number of bytes (a staging bug: the element size given wrong) is not appended to the
+    block, where every later row would be read shifted: Python gets it and records it."""
+    from fastdump.cli.dump import verify_dump
+
+    w = RingWriter(tmp_path)
+    t = torch.arange(8, dtype=torch.float32).reshape(2, 4)
+    w.control(protocol.begin(0, 0))
+    w.tensor(0, 0, "x", t)
+    w.control(protocol.end(0, 0, {}, 0, {}))
+    w.control(protocol.begin(0, 1))
+    code = dtypes.code_of(torch.float32)
+    status = w.producer.stage_host(0, w.ids[(0, "x")], 1, code, 2, t.shape, t.stride(), t.data_ptr(), True)
+    assert status == _C.STAGED  # 16 bytes where the layout says 32
+    w.tensor(0, 1, "z", t)
+    w.control(protocol.end(0, 1, {}, 0, {}))
+    w.close({"passes": 2, "tensors": 3})
+    ds = reader.open(tmp_path)
+    assert torch.equal(ds.load("target", 0, 0, check=True)["x"], t)
+    second = ds.load("target", 0, 1, check=True)
+    assert "x" not in second and torch.equal(second["z"], t)
+    assert ds.meta("target", 0, 1)["skipped"] == [{"name": "x", "reason": f"bad record: dtype code {code}, shape [2, 4], "
+                                                                   "16 bytes"}]
+    assert not verify_dump(str(tmp_path), read_data=True).problems

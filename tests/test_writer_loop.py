@@ -375,3 +375,69 @@ def test_on_first_ack_runs_once_right_after_the_first_open_is_acked(tmp_path):
     assert loop.run() == 0
     assert seen == [([1], len(records) - 1)]
     assert consumer.acked == [1, 2, 3, 4, 5]
+
+
+def test_a_streamed_tensor_whose_last_chunk_ends_off_a_page_is_stored_whole_with_o_direct(tmp_path, o_direct_bytes):
+    """Chunks come from the ring page-aligned, so the writer hands them to the disk with O_DIRECT;
+    a chunk that ends off a page (a tensor's last one) goes in as its whole pages with O_DIRECT and
+    its tail through the page cache. Both parts land, in place: the tensor reads back bit for bit."""
+    import mmap
+
+    from conftest import require_o_direct
+
+    require_o_direct(tmp_path)
+    big = torch.randn((3 * (512 << 10) + 300_000) // 4)  # three 512 KiB chunks and one of 300,000 bytes
+    data = big.numpy().tobytes()
+    step, total = 512 << 10, len(data)
+    chunks = []
+    for offset in range(0, total, step):
+        part = data[offset:offset + step]
+        page_aligned = mmap.mmap(-1, len(part))  # as a record's payload in the ring: starts on a page
+        page_aligned[:] = part
+        chunks.append((_C.KIND_TENSOR, 0, 0, 0, dtypes.code_of(big.dtype), tuple(big.shape),
+                       memoryview(page_aligned), 0, offset, total))
+    records = [*_open_and_name(tmp_path, "big"), *chunks,
+               control(10, op="end", channel=0, **{"pass": 0, "meta": {}, "dropped": 0, "skipped": []}),
+               control(11, op="shutdown")]
+    assert WriterLoop(ScriptedConsumer(records)).run() == 0
+    assert sum(o_direct_bytes) == 3 * step + (300_000 - 300_000 % 4096)  # every whole page, not the tail
+    with fastdump.open(tmp_path) as ds:
+        assert torch.equal(ds.load("target", "TP0_PP0_Rank0_pid1", 0)["big"], big)
+
+
+def test_a_chunk_o_direct_cannot_take_goes_through_the_page_cache_and_o_direct_stays_on(tmp_path, o_direct_bytes):
+    """O_DIRECT needs the source memory and the file offset on a page: a chunk off either (a copy in
+    Python's memory; a chunk that starts mid-page in the file) is written through the page cache,
+    and the next chunks that are on a page still go with O_DIRECT (trying one off a page failed
+    with EINVAL, which turned O_DIRECT off for the rest of the segment)."""
+    import mmap
+
+    from conftest import require_o_direct
+
+    require_o_direct(tmp_path)
+
+    def chunked(name_id, t, step, aligned):
+        data, out = t.numpy().tobytes(), []
+        for offset in range(0, len(data), step):
+            part = data[offset:offset + step]
+            if aligned:
+                page_aligned = mmap.mmap(-1, len(part))
+                page_aligned[:] = part
+                part = memoryview(page_aligned)
+            out.append((_C.KIND_TENSOR, 0, name_id, 0, dtypes.code_of(t.dtype), tuple(t.shape), part, 0, offset,
+                        len(data)))
+        return out
+
+    copied = torch.randn(3 << 17)  # 1.5 MiB from bytes: never on a page in memory
+    odd = torch.randn(350_000)  # 1.4 MB in chunks of 700,000 bytes: the second starts mid-page in the file
+    whole = torch.randn(1 << 19)  # 2 MiB in 512 KiB chunks, all on a page
+    records = [*_open_and_name(tmp_path, "copied", "odd", "whole"),
+               *chunked(0, copied, 512 << 10, aligned=False), *chunked(1, odd, 700_000, aligned=True),
+               *chunked(2, whole, 512 << 10, aligned=True),
+               control(10, op="end", channel=0, **{"pass": 0, "meta": {}, "dropped": 0, "skipped": []}),
+               control(11, op="shutdown")]
+    assert WriterLoop(ScriptedConsumer(records)).run() == 0
+    assert sum(o_direct_bytes) == (700_000 - 700_000 % 4096) + (2 << 20)
+    with fastdump.open(tmp_path) as ds:
+        dumped = ds.load("target", "TP0_PP0_Rank0_pid1", 0, check=True)
+        assert all(torch.equal(dumped[n], t) for n, t in (("copied", copied), ("odd", odd), ("whole", whole)))
