@@ -1283,3 +1283,24 @@ def test_ls_warns_of_an_attached_role_replaced_by_a_symbolic_link(tmp_path, caps
         assert [(p.kind, p.path) for p in ds.problems] == [(Problem.LOST_ROLE, str(root / "target"))]
     assert cli_main_entry(["verify", str(root)]) == 1
     assert capsys.readouterr().out.count("symbolic link") == 1  # (verify's own check, said once)
+
+
+def test_a_segment_replaced_after_its_index_was_read_is_refused_not_read_with_that_index(tmp_path):
+    """A DumpSet keeps a segment's checked index after closing its file (its LRU of 16 open files,
+    ``close()``). Reopened, the file was taken to be the one indexed: a segment replaced meanwhile
+    was read at the old index's blocks and rows, another dump's data handed back under this one's
+    names and passes (unchecked by default). The file opened again must be the one indexed."""
+    root, other = tmp_path / "dump", tmp_path / "other"
+    write(root, R0, segment_passes=2)
+    write(other, R0, tag=1000.0, segment_passes=2)  # same names and layouts, other values
+    ds = fastdump.open(root)
+    assert same(ds.load("target", 0, 0)["a"], tensors_of(0)["a"])
+    ds.close()
+    segment = root / "target" / R0 / "seg-000000.h5"
+    replacement = tmp_path / "replacement.h5"
+    shutil.copyfile(other / "target" / R0 / "seg-000000.h5", replacement)
+    os.replace(replacement, segment)
+    with pytest.raises(reader.DumpError, match=f"{segment}: the file changed after its index was read"):
+        ds.load("target", 0, 0)
+    ds.refresh()  # (what reading a changed dump takes: the new file's own index)
+    assert same(ds.load("target", 0, 0)["a"], tensors_of(0, 1000.0)["a"])
