@@ -330,12 +330,13 @@ def read_block_rows(fd, blocks_id, number: int, offset, row_shape: tuple, storag
     ``preadv`` straight into the array returned, through ``fd``, the descriptor HDF5 opened the
     file with (``vfd``): the writer wrote these bytes there the same way (segment_file.write_at),
     and h5py's ``dataset[a:b]`` cost ~0.2 ms of wrapping per read and a handle per block. A
-    compact block (stored in its object header: no offset), or a file without a descriptor
-    (``fd`` None), is read through HDF5 (``blocks_id``: the file's blocks group)."""
+    compact block (stored in its object header: no offset), a file without a descriptor (``fd``
+    None), or a platform without ``os.preadv``, is read through HDF5 (``blocks_id``: the file's
+    blocks group)."""
     rows = np.empty((count, *row_shape), dtype=storage)
     if rows.nbytes == 0:
         return rows
-    if offset is None or fd is None:
+    if offset is None or fd is None or not hasattr(os, "preadv"):  # (preadv: not on every platform)
         dataset = h5py.Dataset(h5o.open(blocks_id, str(number).encode()), readonly=True)
         dataset.read_direct(rows, np.s_[first:first + count])
         return rows

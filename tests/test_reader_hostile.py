@@ -1323,6 +1323,9 @@ def test_rows_read_at_their_offset_are_the_rows_hdf5_reads(dump):
         assert at_offset.dtype == through_hdf5.dtype and at_offset.shape == through_hdf5.shape == \
             (total - 1, *h5file[f"{fmt.BLOCKS}/{number}"].shape[1:])
         assert at_offset.tobytes() == through_hdf5.tobytes() == h5file[f"{fmt.BLOCKS}/{number}"][1:].tobytes()
+    with pytest.MonkeyPatch.context() as patch:  # (a platform without preadv: through HDF5)
+        patch.delattr(os, "preadv")
+        assert same(ds.load("target", 0, 1, check=True)["a"], tensors_of(1)["a"])
     layout, offset = segment.block(h5file, 0)
     with pytest.raises(reader.DumpError, match="block 0: the file ends at byte"):
         reader.read_block_rows(reader.vfd(h5file), None, 0, segment.file_size, layout.row_shape, layout.storage,
