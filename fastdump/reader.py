@@ -46,11 +46,6 @@ from . import _C, dtypes, fsutil, protocol, segment_list
 from . import format as fmt
 
 _MAX_OPEN_FILES = 16
-# Block datasets held open per segment (the least recently read closed first, its checks kept): HDF5
-# holds ~14 KB for each open dataset, and a pass of 100k names (a block each) held 1.4 GB by handles
-# kept for all (a diff of two such dumps: 8.8 GB). Passes of up to this many names are read again
-# without opening anything (a block is one name's rows in all the segment's passes).
-_OPEN_BLOCKS = 8192
 _INT64 = np.iinfo(np.int64)
 
 
@@ -328,6 +323,52 @@ def _known_range(entry):
     return (first, last) if _INT64.min <= first <= last <= _INT64.max else None
 
 
+def read_block_rows(fd, blocks_id, number: int, offset, row_shape: tuple, storage: np.dtype,
+                    first: int, count: int, where: str) -> np.ndarray:
+    """Rows ``first .. first+count`` of ``blocks/<number>``, a block ``check_dataset`` passed
+    (contiguous, unfiltered, inside the file; ``offset``: its ``get_offset()``), read with
+    ``preadv`` straight into the array returned, through ``fd``, the descriptor HDF5 opened the
+    file with (``vfd``): the writer wrote these bytes there the same way (segment_file.write_at),
+    and h5py's ``dataset[a:b]`` cost ~0.2 ms of wrapping per read and a handle per block. A
+    compact block (stored in its object header: no offset), a file without a descriptor (``fd``
+    None), or a platform without ``os.preadv``, is read through HDF5 (``blocks_id``: the file's
+    blocks group)."""
+    rows = np.empty((count, *row_shape), dtype=storage)
+    if rows.nbytes == 0:
+        return rows
+    if offset is None or fd is None or not hasattr(os, "preadv"):  # (preadv: not on every platform)
+        dataset = h5py.Dataset(h5o.open(blocks_id, str(number).encode()), readonly=True)
+        dataset.read_direct(rows, np.s_[first:first + count])
+        return rows
+    view, at = memoryview(rows).cast("B"), offset + first * rows[0].nbytes
+    while len(view):
+        done = os.preadv(fd, [view], at)
+        if done <= 0:  # (its size was checked: only a file cut short since ends here)
+            raise DumpError(f"{where}: the file ends at byte {at}, inside the block's rows")
+        view, at = view[done:], at + done
+    return rows
+
+
+class _BlockLayout(collections.namedtuple("_BlockLayout", "dtype_name scalar storage row_shape")):
+    """How a checked block's rows read back: torch dtype name, scalar rows?, numpy storage dtype,
+    the shape of one row."""
+
+    __slots__ = ()
+
+
+def vfd(h5file):
+    """The file descriptor HDF5 reads ``h5file`` through (its default driver), or None."""
+    try:
+        fd = h5file.id.get_vfd_handle()
+    except Exception:  # (another driver, or a closed file)
+        return None
+    return fd if isinstance(fd, int) and fd >= 0 else None
+
+
+def _file_identity(info: os.stat_result) -> tuple:
+    return info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns
+
+
 class SegmentIndex:
     """The tables of one segment file (no tensor data), checked against each other.
 
@@ -345,7 +386,9 @@ class SegmentIndex:
         self.file_name = os.path.basename(path)
         self.number = fmt.segment_number(self.file_name)
         self.problems: list = []
-        self.file_size = os.stat(path).st_size
+        fd = vfd(h5file)  # (the file open, not whatever the path names now)
+        info = os.fstat(fd) if fd is not None else os.stat(path)
+        self.file_size = info.st_size
         self.attrs = read_attrs(h5file, self.file_size, path)
         if self.attrs.get("format") != fmt.FORMAT_NAME:
             raise DumpError(f"{path}: not a fastdump segment (format attribute {self.attrs.get('format')!r})")
@@ -387,9 +430,15 @@ class SegmentIndex:
         self._slot_of_name = {name: slot for slot, name in enumerate(self.names)}
         self._rows_of_pass = None
         self._position_of = None  # see position_of
-        self._blocks = collections.OrderedDict()  # block number -> (dataset, dtype name, scalar?): the open ones
-        self._checked: dict = {}  # block number -> (torch dtype name, scalar rows?) of every block checked
-        self._blocks_file = self._blocks_group = None  # the open file the handles came from, its blocks group
+        # block number -> (_BlockLayout, file offset of its rows) of every block checked. No HDF5
+        # handle is kept: a checked block's rows are read at their offset (read_rows). Handles held
+        # ~14 KB each in HDF5 (a 100k-name pass: 1.4 GB), and an LRU of them, smaller than a wide
+        # pass, closed and reopened every block of every pass (12k names: ~0.5 ms a block a pass).
+        self._checked: dict = {}
+        self._layouts: dict = {}  # each distinct _BlockLayout once: a wide pass has a few
+        # the file blocks were last read from, its blocks group and descriptor (vfd)
+        self._blocks_file = self._blocks_group = self._blocks_fd = None
+        self._identity = _file_identity(info) if fd is not None else None
         self._long_rows = None  # see _blocks_with_long_rows
 
     def _check_rows(self) -> dict:
@@ -508,30 +557,37 @@ class SegmentIndex:
         return len(ids) > 0 and int(ids.min()) == pass_id
 
     def block(self, h5file: h5py.File, number: int):
-        """(dataset, torch dtype name, scalar rows?) of ``blocks/<number>``, checked before use."""
-        if self._blocks_file is not h5file:  # dataset handles die with the file they came from
-            self.forget_blocks()
-            self._blocks_file, self._blocks_group = h5file, h5file[fmt.BLOCKS]
-        info = self._blocks.get(number)
-        if info is not None:
-            self._blocks.move_to_end(number)
-            return info
-        checked = self._checked.get(number)
-        if checked is None:
-            info = self._check_block(h5file, number)
-            self._checked[number] = info[1:]
-        else:  # checked before, its handle since closed: the file is the same, open it again
-            info = (h5py.Dataset(h5o.open(self._blocks_group.id, str(number).encode()), readonly=True), *checked)
-        self._blocks[number] = info
-        if len(self._blocks) > _OPEN_BLOCKS:
-            self._blocks.popitem(last=False)  # (its handle closes as it goes)
-        return info
+        """(_BlockLayout, file offset of its rows or None) of ``blocks/<number>``, checked before
+        first use (``_check_block``); the checks of a block are made once per segment index."""
+        if self._blocks_file is not h5file:
+            fd = vfd(h5file)
+            self._same_file(fd)
+            self._blocks_file, self._blocks_group, self._blocks_fd = h5file, h5file[fmt.BLOCKS], fd
+        found = self._checked.get(number)
+        if found is None:
+            found = self._checked[number] = self._check_block(h5file, number)
+        return found
+
+    def _same_file(self, fd) -> None:
+        """DumpError unless ``fd`` (of a file opened again after its handle was closed) is the file
+        this index was read from: a checked block's rows are read at the offset found then."""
+        if self._identity is None or fd is None:
+            return  # (no descriptor to ask: blocks are read through HDF5, checked against the file open)
+        if _file_identity(os.fstat(fd)) != self._identity:
+            raise DumpError(f"{self.path}: the file changed after its index was read (reopen the dump)")
+
+    def read_rows(self, h5file: h5py.File, number: int, first: int, count: int) -> np.ndarray:
+        """Rows ``first .. first+count`` of block ``number``, checked first (``block``), read at their
+        offset (``read_block_rows``)."""
+        layout, offset = self.block(h5file, number)
+        if first < 0 or count < 0 or first + count > self._block_rows.get(number, 0):
+            raise DumpError(f"{self.path} block {number}: rows {first}..{first + count} outside its rows")
+        return read_block_rows(self._blocks_fd, self._blocks_group.id, number, offset, layout.row_shape, layout.storage,
+                               first, count, f"{self.path} block {number}")
 
     def forget_blocks(self) -> None:
-        """Drop the block handles (when their file is closed). A dataset handle that has been read
-        holds an HDF5 datatype id even after its file is closed, and every file close scans every
-        open id: kept for each segment ever read, they made reading N segments cost O(N²)."""
-        self._blocks_file, self._blocks_group, self._blocks = None, None, collections.OrderedDict()
+        """Forget the file the blocks were last read from (when it is closed); their checks stay."""
+        self._blocks_file = self._blocks_group = self._blocks_fd = None
 
     def _blocks_with_long_rows(self) -> set:
         """Blocks having an index row of other than one row (which a scalar block may not have),
@@ -574,7 +630,9 @@ class SegmentIndex:
             raise DumpError(f"{where}: {shape[0]} rows, but its index rows cover {rows}")
         if scalar and number in self._blocks_with_long_rows():
             raise DumpError(f"{where}: a scalar block's index rows must span one row each")
-        return h5py.Dataset(dataset, readonly=True), dtype_name, scalar  # (read-only: h5py caches its shape)
+        offset = dataset.get_offset() if math.prod(shape) else None  # (closed when ``dataset`` goes)
+        layout = _BlockLayout(dtype_name, scalar, storage, tuple(shape[1:]))
+        return self._layouts.setdefault(layout, layout), offset
 
     def check_rows(self, position: int, rows: np.ndarray) -> None:
         """Raise DumpError when ``rows`` (index row ``position``'s data) fail their CRC32C."""
@@ -1146,10 +1204,10 @@ class DumpSet:
             entries = segment.index[positions]
             for block_number in np.unique(entries["block"]).tolist():
                 in_block = entries[entries["block"] == block_number]
-                dataset, dtype_name, scalar = segment.block(h5file, block_number)
+                layout = segment.block(h5file, block_number)[0]
                 start = int(in_block["first_row"].min())
                 stop = int((in_block["first_row"] + in_block["rows"]).max())
-                rows = dataset[start:stop]
+                rows = segment.read_rows(h5file, block_number, start, stop - start)
                 for position, entry in zip(positions[entries["block"] == block_number].tolist(), in_block):
                     if int(entry["pass"]) in repeated or int(entry["pass"]) in directory.partial:
                         continue
@@ -1157,7 +1215,7 @@ class DumpSet:
                     part = rows[first:first + int(entry["rows"])]
                     if check:
                         segment.check_rows(position, part)
-                    result.setdefault(int(entry["pass"]), _to_tensor(part, dtype_name, scalar))
+                    result.setdefault(int(entry["pass"]), _to_tensor(part, layout.dtype_name, layout.scalar))
         return dict(sorted(result.items()))
 
     # ---------------------------------------------------------------- housekeeping
@@ -1358,9 +1416,9 @@ class DumpSet:
     def _read_row(segment: SegmentIndex, h5file: h5py.File, position: int, check: bool = False):
         entry = segment.index[position]
         try:
-            dataset, dtype_name, scalar = segment.block(h5file, int(entry["block"]))
-            first = int(entry["first_row"])
-            rows = dataset[first:first + int(entry["rows"])]
+            number = int(entry["block"])
+            rows = segment.read_rows(h5file, number, int(entry["first_row"]), int(entry["rows"]))
+            layout = segment.block(h5file, number)[0]
         except DumpError:
             raise
         except (OSError, RuntimeError, KeyError, ValueError, TypeError) as exc:  # HDF5's own: a damaged file
@@ -1368,7 +1426,7 @@ class DumpSet:
                             f"({type(exc).__name__}: {exc})") from None
         if check:
             segment.check_rows(position, rows)
-        return _to_tensor(rows, dtype_name, scalar)
+        return _to_tensor(rows, layout.dtype_name, layout.scalar)
 
 
 def pid_gone(info: dict) -> bool:

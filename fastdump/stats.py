@@ -186,6 +186,40 @@ def compare(baseline, target, atol: float, rtol: float) -> dict:
         return {"numel": numel, "bitwise": True, "max_abs": None, "max_rel": None, "rel_diff": None,
                 "cosine": None, "cosine_distance": None, "mismatch": 0.0 if equal else 1.0, "mismatches": 0 if equal else numel,
                 "nonfinite_mismatches": 0, "baseline": None, "target": None}
+    if _same_values(baseline, target, atol, rtol):
+        return _compare_identical(baseline)
+    return _compare_values(baseline, target, atol, rtol)
+
+
+def _same_values(baseline, target, atol: float, rtol: float) -> bool:
+    """Whether the two sides are one real dtype with the same bytes (a rerun that reproduced its
+    baseline: what most tensors of a passing diff are), and the tolerances not negative: then
+    ``_compare_values`` finds no error and both sides' statistics are one side's."""
+    return (baseline.dtype == target.dtype and not baseline.is_complex() and atol >= 0 and rtol >= 0
+            and baseline.device.type == target.device.type == "cpu"
+            and torch.equal(baseline.detach().reshape(-1).view(torch.uint8),
+                            target.detach().reshape(-1).view(torch.uint8)))
+
+
+def _compare_identical(tensor) -> dict:
+    """What ``_compare_values`` returns for two real tensors of one dtype and the same bytes, with
+    tolerances >= 0, without its ~40 array operations per chunk (a diff of small tensors spent
+    most of its time there): every element equal (NaN to NaN, an infinity to itself), so no
+    mismatch, max_abs and max_rel 0, distance exactly 0 (its ``equal``); each side's statistics are
+    the one tensor's (the same chunks through the same ``Summary``)."""
+    summary = Summary()
+    for chunk in as_float64_chunks(tensor):
+        summary.add(chunk)
+    numel = tensor.numel()
+    return {"numel": numel, "bitwise": False, "max_abs": 0.0, "max_rel": 0.0,
+            "rel_diff": 0.0, "cosine": 1.0, "cosine_distance": 0.0,
+            "mismatch": 0.0, "mismatches": 0, "nonfinite_mismatches": 0,
+            "baseline": summary.as_dict(), "target": summary.as_dict()}
+
+
+def _compare_values(baseline, target, atol: float, rtol: float) -> dict:
+    """``compare`` of two tensors with arithmetic, element by element, a chunk at a time."""
+    numel = baseline.numel()
     exact = _exact_int_dtype(baseline.dtype, target.dtype)
     ints = zip(_native_chunks(baseline, exact), _native_chunks(target, exact)) if exact else itertools.repeat(None)
     pairs = 2 if baseline.is_complex() or target.is_complex() else 1  # a complex element is 2 parts

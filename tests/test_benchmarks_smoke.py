@@ -591,3 +591,17 @@ def test_readme_demo_dumps_both_roles_and_verifies(tmp_path):
     ds = fastdump.open(root)
     assert ds.roles == ["draft", "target"]
     assert all(ds.rank_info(role, 0)["status"] == "closed" and ds.passes(role, 0) for role in ds.roles)
+
+
+
+@pytest.mark.skipif(not FASTDUMP_AVAILABLE, reason="fastdump is not importable")
+def test_read_bench_times_every_read_command(tmp_path):
+    """read_bench makes a pair of dumps, runs each read command on them as a user would (one that
+    fails stops it) and prints one row per dump, command and checkout. (The wide pair only: each
+    command is a process importing torch; the micro pair's dumps come from the micro preset, which
+    test_decode_bench_micro_preset runs.)"""
+    stdout = run_script("read_bench.py", "--kinds", "wide", "--leaves", "30", "--rounds", "1", "--dir", str(tmp_path))
+    rows = [line.split() for line in stdout.splitlines() if line.startswith("wide ")]
+    assert [" ".join(row[1:-5]) for row in rows] == ["verify", "verify --data", "ls", "show", "diff --html", "export"]
+    assert all(row[-5] == "this" and row[-1] == "0" for row in rows)
+    assert (tmp_path / "wide-A").is_dir() and (tmp_path / "wide-B").is_dir() and not (tmp_path / "micro-A").exists()

@@ -1283,3 +1283,52 @@ def test_ls_warns_of_an_attached_role_replaced_by_a_symbolic_link(tmp_path, caps
         assert [(p.kind, p.path) for p in ds.problems] == [(Problem.LOST_ROLE, str(root / "target"))]
     assert cli_main_entry(["verify", str(root)]) == 1
     assert capsys.readouterr().out.count("symbolic link") == 1  # (verify's own check, said once)
+
+
+def test_a_segment_replaced_after_its_index_was_read_is_refused_not_read_with_that_index(tmp_path):
+    """A DumpSet keeps a segment's checked index after closing its file (its LRU of 16 open files,
+    ``close()``). Reopened, the file was taken to be the one indexed: a segment replaced meanwhile
+    was read at the old index's blocks and rows, another dump's data handed back under this one's
+    names and passes (unchecked by default). The file opened again must be the one indexed."""
+    root, other = tmp_path / "dump", tmp_path / "other"
+    write(root, R0, segment_passes=2)
+    write(other, R0, tag=1000.0, segment_passes=2)  # same names and layouts, other values
+    ds = fastdump.open(root)
+    assert same(ds.load("target", 0, 0)["a"], tensors_of(0)["a"])
+    ds.close()
+    segment = root / "target" / R0 / "seg-000000.h5"
+    replacement = tmp_path / "replacement.h5"
+    shutil.copyfile(other / "target" / R0 / "seg-000000.h5", replacement)
+    os.replace(replacement, segment)
+    with pytest.raises(reader.DumpError, match=f"{segment}: the file changed after its index was read"):
+        ds.load("target", 0, 0)
+    ds.refresh()  # (what reading a changed dump takes: the new file's own index)
+    assert same(ds.load("target", 0, 0)["a"], tensors_of(0, 1000.0)["a"])
+
+
+def test_rows_read_at_their_offset_are_the_rows_hdf5_reads(dump):
+    """A checked block's rows are read with preadv at its offset; a compact block (no offset) or a
+    file without a descriptor goes through HDF5. Both give the same rows, and a file cut short
+    after its checks is a DumpError naming the block, not short data."""
+    ds = fastdump.open(dump)
+    ds.passes("target", 0)
+    segment = ds._rank_obj("target", R0).segments[0]
+    h5file = ds._file(segment.path)
+    for number in range(len(h5file[fmt.BLOCKS])):
+        layout, offset = segment.block(h5file, number)
+        total = segment._block_rows[number]
+        at_offset = segment.read_rows(h5file, number, 1, total - 1)
+        through_hdf5 = reader.read_block_rows(None, h5file[fmt.BLOCKS].id, number, None, layout.row_shape,
+                                              layout.storage, 1, total - 1, "x")
+        assert at_offset.dtype == through_hdf5.dtype and at_offset.shape == through_hdf5.shape == \
+            (total - 1, *h5file[f"{fmt.BLOCKS}/{number}"].shape[1:])
+        assert at_offset.tobytes() == through_hdf5.tobytes() == h5file[f"{fmt.BLOCKS}/{number}"][1:].tobytes()
+    with pytest.MonkeyPatch.context() as patch:  # (a platform without preadv: through HDF5)
+        patch.delattr(os, "preadv")
+        assert same(ds.load("target", 0, 1, check=True)["a"], tensors_of(1)["a"])
+    layout, offset = segment.block(h5file, 0)
+    with pytest.raises(reader.DumpError, match="block 0: the file ends at byte"):
+        reader.read_block_rows(reader.vfd(h5file), None, 0, segment.file_size, layout.row_shape, layout.storage,
+                               0, 1, f"{segment.path} block 0")
+    with pytest.raises(reader.DumpError, match="rows 1..99 outside its rows"):
+        segment.read_rows(h5file, 0, 1, 98)

@@ -250,7 +250,7 @@ def _check_block(report: _Report, where: str, block: tuple, rows: tuple, number:
     ``_index_rows_by_block`` found of its index rows."""
     from ..reader import DumpError, check_block_crc
 
-    attrs, shape, storage = block
+    attrs, shape, storage = block[:3]
     dtype_name = attrs.get(fmt.ATTR_DTYPE)
     code = dtypes.CODE_BY_NAME.get(dtype_name) if isinstance(dtype_name, str) else None
     if code is None:
@@ -344,7 +344,7 @@ def _check_objects(h5file, where: str) -> dict:
     """Raise DumpError for anything that would make reading touch data outside this file or
     allocate more than it holds: links other than hard links, external or virtual storage,
     filters, size claims beyond the file (checked before any table or block is read). Return
-    ``{block key: (attributes, shape, storage dtype)}``, each asked of HDF5 once, with h5py's
+    ``{block key: (attributes, shape, storage dtype, file offset of its rows)}``, each asked of HDF5 once, with h5py's
     low-level calls as the reader does (a wide pass has a block per name, and h5py's ``blocks[key]``
     and ``attrs[name]`` cost ~0.4 ms a block in wrapping and second opens; each shape or dtype asked
     makes a new HDF5 id). The blocks are not kept open: 20k open datasets held ~280 MB of HDF5
@@ -367,15 +367,14 @@ def _check_objects(h5file, where: str) -> dict:
         if h5i.get_type(block) != h5i.DATASET:
             raise DumpError(f"{block_where}: not a dataset")
         shape, storage = check_dataset(block, file_size, block_where)
-        attributes[key] = (read_attrs(block, file_size, block_where), shape, storage)
+        # (+ where its rows lie, for --data: read there, not through a second handle per block)
+        offset = block.get_offset() if math.prod(shape) else None
+        attributes[key] = (read_attrs(block, file_size, block_where), shape, storage, offset)
     return attributes
 
 
 def _check_open_segment(report: _Report, where: str, h5file, read_data: bool):
-    import h5py
-    from h5py import h5o
-
-    from ..reader import DumpError, check_tables, read_attrs
+    from ..reader import DumpError, check_tables, read_attrs, read_block_rows, vfd
 
     attrs = read_attrs(h5file, os.stat(h5file.filename).st_size, where)  # sizes checked first
     fmt_name = attrs.get("format")
@@ -446,6 +445,7 @@ def _check_open_segment(report: _Report, where: str, h5file, read_data: bool):
     rows_by_block = _index_rows_by_block(index)
     positions_of = None  # each block's index positions, ascending: grouped once, for --data only
     if read_data:
+        fd = vfd(h5file)  # (what the rows are read through)
         by_block = np.argsort(index["block"], kind="stable")
         numbers, starts = np.unique(index["block"][by_block], return_index=True)
         positions_of = dict(zip(numbers.tolist(), np.split(by_block, starts[1:])))
@@ -455,8 +455,12 @@ def _check_open_segment(report: _Report, where: str, h5file, read_data: bool):
         row_bytes_of[k] = _check_block(report, f"{where} block {number}", block_facts[str(number)],
                                        rows_by_block.get(number, _NO_ROWS), number, version)
         if read_data and len(report.problems) == before:  # rows known to lie inside the block
-            dataset = h5o.open(blocks_id, str(number).encode())  # (a dataset: _check_objects said so)
-            _read_block(report, f"{where} block {number}", h5py.Dataset(dataset, readonly=True), index,
+            _, shape, storage, offset = block_facts[str(number)]
+
+            def read_rows(start, stop, number=number, shape=shape, storage=storage, offset=offset):
+                return read_block_rows(fd, blocks_id, number, offset, shape[1:], storage, start, stop - start,
+                                       f"{where} block {number}")
+            _read_block(report, f"{where} block {number}", read_rows, row_bytes_of[k], index,
                         positions_of.get(number, np.empty(0, dtype=np.int64)))
     # each index row's bytes: its rows times its block's row size (0 for a block not there)
     numbers = np.array(block_numbers, dtype=np.int64)
@@ -589,14 +593,15 @@ _NOT_WHOLE = (" (the pass is marked incomplete: a tensor staged as its end was s
               "around a Ctrl-C, is counted on one side only)")
 
 
-def _read_block(report: _Report, where: str, dataset, index: np.ndarray, positions: np.ndarray,
+def _read_block(report: _Report, where: str, read_rows, row_bytes: int, index: np.ndarray, positions: np.ndarray,
                 read_bytes: int = 64 << 20) -> None:
     """Read every byte of a block (catches I/O errors) and check each tensor's CRC32C (format 2),
-    a few tensors per read so that memory stays bounded by ``read_bytes`` plus one tensor."""
+    a few tensors per read so that memory stays bounded by ``read_bytes`` plus one tensor.
+    ``read_rows(start, stop)``: the block's rows start..stop as stored."""
     from ..reader import row_checksum
 
     has_crc = "crc32c" in index.dtype.names
-    row_bytes = max(1, math.prod(dataset.shape[1:]) * dataset.dtype.itemsize)
+    row_bytes = max(1, int(row_bytes))
     positions = positions[np.argsort(index["first_row"][positions], kind="stable")]
     i = 0
     while i < len(positions):
@@ -605,7 +610,7 @@ def _read_block(report: _Report, where: str, dataset, index: np.ndarray, positio
         while j < len(positions) and (j == i or (stop - start) * row_bytes < read_bytes):
             stop = int(index["first_row"][positions[j]] + index["rows"][positions[j]])
             j += 1
-        rows = dataset[start:stop]
+        rows = read_rows(start, stop)
         if has_crc:
             for position in positions[i:j].tolist():
                 first = int(index["first_row"][position]) - start
