@@ -1026,19 +1026,31 @@ def test_loading_a_pass_reads_only_its_rows(tmp_path, monkeypatch):
     w.close({})
     ds = reader.open(tmp_path)
     ds.passes("target", 0)  # index loaded
-    reads = []
-    real_getitem = h5py.Dataset.__getitem__
+    reads, preadv_bytes = [], []  # rows asked for; bytes read from the file for them
+    real_read_rows, real_preadv, real_getitem = reader.read_block_rows, os.preadv, h5py.Dataset.__getitem__
 
-    def recording_getitem(self, key):
+    def recording_read_rows(fd, blocks_id, number, offset, row_shape, storage, first, count, where):
+        reads.append(slice(first, first + count))
+        return real_read_rows(fd, blocks_id, number, offset, row_shape, storage, first, count, where)
+
+    def recording_preadv(fd, buffers, at):
+        done = real_preadv(fd, buffers, at)
+        preadv_bytes.append(done)
+        return done
+
+    def recording_getitem(self, key):  # (a block read through HDF5 instead: counted as a read too)
         if self.name.startswith("/blocks/"):
             reads.append(key)
         return real_getitem(self, key)
 
+    monkeypatch.setattr(reader, "read_block_rows", recording_read_rows)
+    monkeypatch.setattr(os, "preadv", recording_preadv)
     monkeypatch.setattr(h5py.Dataset, "__getitem__", recording_getitem)
     got = ds.load("target", 0, 6)["x"]
     assert_same(got, torch.full((7, 4), 6.0))
     first_row = sum(range(1, 7))
     assert reads == [slice(first_row, first_row + 7)]
+    assert sum(preadv_bytes) == 7 * 4 * 4  # its 7 rows of 4 float32s, no more
 
 
 def test_reader_ignores_temp_files_and_tolerates_rank_selection(tmp_path):
