@@ -395,9 +395,16 @@ def test_ctrl_c_during_a_stuck_attach_propagates_and_leaves_nothing_half_open(tm
 
 
 STUCK = textwrap.dedent("""
-    import os, signal, sys, time, torch, fastdump
+    import faulthandler, os, signal, sys, time, torch, fastdump
     from fastdump.staging.engine import Engine
     mode = sys.argv[2]
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # run_stuck asks where it sits before a kill
+    # Ctrl-C raises KeyboardInterrupt here whatever the test runner's own SIGINT handling: a runner
+    # started with SIGINT ignored (a CI job run as a background job of a non-interactive shell)
+    # passes that on to the processes it starts, and Python then installs no handler of its own: the
+    # test's SIGINT did nothing and close() waited its 120 s (TimeoutExpired, nothing printed).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     model = torch.nn.Sequential(torch.nn.Linear(8, 8))
     # (A normal-priority writer: an idle one, starved by a busy machine, kept this script in attach
     # past the test's 60 s; the test is about a stopped writer, not a starved one.)
@@ -421,12 +428,19 @@ STUCK = textwrap.dedent("""
 """)
 
 
-def run_stuck(tmp_path, mode, interrupt=False):
+# Starts the script (its arguments after this one) with SIGINT ignored, as a process a CI runner
+# started in the background of a non-interactive shell is: what it starts inherits that.
+SIGINT_IGNORED = ("import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_IGN); "
+                  "os.execv(sys.executable, [sys.executable] + sys.argv[1:])")
+
+
+def run_stuck(tmp_path, mode, interrupt=False, sigint_ignored_by_runner=False):
     script = tmp_path / "stuck.py"
     script.write_text(STUCK)
     env = dict(os.environ, FASTDUMP_EXIT_TIMEOUT_S="2",
                PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.Popen([sys.executable, str(script), str(tmp_path / "dump"), mode], env=env,
+    launch = [sys.executable] + (["-c", SIGINT_IGNORED] if sigint_ignored_by_runner else [])
+    proc = subprocess.Popen(launch + [str(script), str(tmp_path / "dump"), mode], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     pid = None
     try:
@@ -435,7 +449,13 @@ def run_stuck(tmp_path, mode, interrupt=False):
             assert proc.stdout.readline().strip() == "closing"
             time.sleep(1.0)
             proc.send_signal(signal.SIGINT)
-        out, err = proc.communicate(timeout=60)
+        hung = None
+        try:
+            out, err = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            hung = stacks_of_hung(proc, pid)
+        if hung is not None:
+            pytest.fail(f"the script did not end within 60 s: {hung}")
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -445,6 +465,27 @@ def run_stuck(tmp_path, mode, interrupt=False):
     assert "terminate called" not in err and "Fatal Python error" not in err, err
     assert pid is not None and gone(pid), "the stopped writer was left behind"
     return proc.returncode, out, err
+
+
+def stacks_of_hung(proc, writer_pid) -> str:
+    """What a script run_stuck gave up on was doing: its threads' stacks (faulthandler, on SIGUSR1),
+    what it printed, and whether it had exited with its writer still holding its pipes. (A timeout
+    said nothing more than TimeoutExpired: two CI failures could not tell where it hung.)"""
+    exited = proc.poll()
+    if exited is None:
+        proc.send_signal(signal.SIGUSR1)
+    try:
+        out, err = proc.communicate(timeout=5)
+    except subprocess.TimeoutExpired as exc:  # (still hung, or its pipes held open by its writer)
+        out, err = (b.decode(errors="replace") if isinstance(b, bytes) else (b or "")
+                    for b in (exc.output, exc.stderr))
+    try:
+        with open(f"/proc/{writer_pid}/stat") as f:
+            writer = "state " + f.read().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        writer = "gone"
+    return (f"{'running' if exited is None else f'exited with {exited}'}; its writer {writer_pid}: {writer}\n"
+            f"--- stdout:\n{out[-3000:]}\n--- stderr (the stacks at the end):\n{err[-12000:]}")
 
 
 @pytest.mark.parametrize("mode", ["exit", "close"])
@@ -458,8 +499,13 @@ def test_interpreter_exits_cleanly_when_close_is_stuck(tmp_path, mode):
     assert fastdump.open(tmp_path / "dump").rank_info("target", 0)["status"] == "error"
 
 
-def test_ctrl_c_interrupts_a_stuck_close(tmp_path):
-    rc, out, err = run_stuck(tmp_path, "interrupt", interrupt=True)
+@pytest.mark.parametrize("runner", ["default", "sigint ignored"])
+def test_ctrl_c_interrupts_a_stuck_close(tmp_path, runner):
+    """(runner "sigint ignored": the test itself run by a CI job that ignores SIGINT, as a background
+    job of a non-interactive shell does: the script starts with it ignored. It never saw the Ctrl-C
+    and the test timed out, TimeoutExpired with nothing printed: the signature of its CI failures.)"""
+    rc, out, err = run_stuck(tmp_path, "interrupt", interrupt=True,
+                             sigint_ignored_by_runner=runner == "sigint ignored")
     assert rc == 3, (out, err)
     words = out.split()
     assert words[-3] == "interrupted" and float(words[-2]) < 10 and words[-1] == "error"
