@@ -511,6 +511,89 @@ def test_ctrl_c_interrupts_a_stuck_close(tmp_path, runner):
     assert words[-3] == "interrupted" and float(words[-2]) < 10 and words[-1] == "error"
 
 
+PKG = os.path.dirname(fastdump.__file__)
+
+
+def attach_with_a_stopped_writer(root):
+    """A Dumper that ran two passes, its writer stopped (SIGSTOP) between them: nothing reaches disk."""
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8))
+    d = fastdump.attach(model, root, writer_priority="normal")
+    with torch.no_grad():
+        model(torch.ones(2, 8))
+        os.kill(writer_pid(), signal.SIGSTOP)
+        model(torch.ones(2, 8))
+    return d, writer_pid()
+
+
+# close()'s own steps, the engine's (its waits for the writer, its stop) and the record's writes
+CLOSE_STEP_FILES = ("closing.py", "engine.py", "fsutil.py")
+
+
+def close_steps_with_a_stopped_writer(root) -> list:
+    """The functions (file:name) of CLOSE_STEP_FILES, in order of first call, that close() runs with
+    its writer stopped, through its timeout, the error, and the engine's stop."""
+    d, writer = attach_with_a_stopped_writer(root)
+    steps = []
+
+    def note(frame, event, arg):
+        if event == "call" and frame.f_code.co_filename.startswith(PKG):
+            step = f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_code.co_name}"
+            if step.startswith(CLOSE_STEP_FILES) and step not in steps:
+                steps.append(step)
+
+    sys.setprofile(note)
+    try:
+        d.close(timeout=0.3)
+    finally:
+        sys.setprofile(None)
+        cont(writer)
+    assert gone(writer)
+    return steps
+
+
+def test_ctrl_c_in_each_step_of_a_close_whose_writer_is_stopped_gets_out_and_the_exit_stops_it(
+        tmp_path, monkeypatch):
+    """test_ctrl_c_interrupts_a_stuck_close sends its SIGINT after 1 s: it lands in the wait for the
+    close's ack, and where else it lands depends on the machine's load. Here the Ctrl-C is raised in
+    each step of close() in turn (deterministic: the first call of each function), with the writer
+    stopped: close() must raise it at once, never wait on the writer; the exit hook must then stop the
+    writer within its deadline; and the record must say the passes are not on disk (verify fails)."""
+    monkeypatch.setenv("FASTDUMP_EXIT_TIMEOUT_S", "0.5")
+    from fastdump.staging import engine as engine_module
+
+    steps = close_steps_with_a_stopped_writer(tmp_path / "probe")
+    assert "closing.py:_close_channel" in steps and "engine.py:_stop_writer" in steps, steps
+    for n, step in enumerate(steps):
+        d, writer = attach_with_a_stopped_writer(tmp_path / f"at{n}")
+
+        def ctrl_c_in_step(frame, event, arg, step=step):
+            if event == "call" and f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_code.co_name}" == step \
+                    and frame.f_code.co_filename.startswith(PKG):
+                sys.setprofile(None)
+                raise KeyboardInterrupt(step)
+
+        try:
+            t0 = time.monotonic()
+            sys.setprofile(ctrl_c_in_step)
+            try:
+                with pytest.raises(KeyboardInterrupt, match=step):
+                    d.close(timeout=0.3)  # (its timeout passes before the steps after the wait)
+            finally:
+                sys.setprofile(None)
+            assert time.monotonic() - t0 < 5, step
+            t0 = time.monotonic()
+            engine_module._shutdown_at_exit()  # what the interpreter's exit runs
+            assert time.monotonic() - t0 < 8, step
+            assert gone(writer, timeout=2), step
+        finally:
+            cont(writer)
+            kill(writer)
+        assert Engine._current is None or Engine._current.closed, step
+        assert not engine_module._UNFINISHED_STOPS, step
+        assert d.stats()["status"] == "error", (step, d.stats())
+        assert verify_dump(str(tmp_path / f"at{n}")).problems, step
+
+
 @pytest.mark.parametrize("bad", [0, -1, float("nan"), float("inf"), True, "5"])
 def test_block_timeout_is_validated(tmp_path, bad):
     with pytest.raises(ValueError, match="block_timeout_s"):
