@@ -1282,10 +1282,15 @@ def test_ctrl_c_at_every_point_of_the_engines_release_is_finished_by_the_next_cl
         assert verify_dump(str(root)).problems == [], n
 
 
+# Where the last close() lets go of the engine: before its token is let go (_release_engine,
+# _finish_release, release's start), and in the writer's stop.
+@pytest.mark.parametrize("at", ["_release_engine", "_finish_release", "release", "_stop_writer"])
 @pytest.mark.parametrize("writer", ["process", "thread"])
-def test_a_writer_whose_stop_a_ctrl_c_cut_is_stopped_by_the_next_attach(tmp_path, writer):
+def test_a_writer_whose_stop_a_ctrl_c_cut_is_stopped_by_the_next_attach(tmp_path, writer, at):
     """The last close()'s engine stop cut by a Ctrl-C, never retried: the next attach stops that
-    writer (it has no Dumper left) before it starts its own, instead of leaving it to the exit."""
+    writer (it has no Dumper left) before it starts its own, instead of leaving it to the exit.
+    Cut before the close let go of its token, the engine stayed held by it: the next attach took
+    that engine, and no later close() stopped its writer (it ran until the interpreter's exit)."""
     model = Net()
     d = fastdump.attach(model, tmp_path / "a", writer=writer)
     engine = d._engine
@@ -1293,9 +1298,9 @@ def test_a_writer_whose_stop_a_ctrl_c_cut_is_stopped_by_the_next_attach(tmp_path
         model(torch.randn(2, 16))
 
     def ctrl_c_in_shutdown(frame, event, arg):
-        if event == "call" and frame.f_code.co_name == "_stop_writer" and frame.f_code.co_filename.startswith(PKG):
+        if event == "call" and frame.f_code.co_name == at and frame.f_code.co_filename.startswith(PKG):
             sys.setprofile(None)
-            raise KeyboardInterrupt("_stop_writer")
+            raise KeyboardInterrupt(at)
 
     sys.setprofile(ctrl_c_in_shutdown)
     try:

@@ -96,6 +96,7 @@ class ClosingMixin:
                 _open_dumpers.add(self)
             elif mine and self._engine is not None and self._pid == os.getpid():
                 self._engine_unstopped = self._engine  # (its channel's close is over: the retry lets go of it)
+                self._engine.release_cut(self._engine_holder)  # (else only a retry would, see _close_channel)
             raise
         finally:
             if mine:
@@ -155,6 +156,11 @@ class ClosingMixin:
         finally:  # (a Ctrl-C in the engine's stop: a retried close(), the next attach or exit finishes it)
             if self._engine is not None:  # (cut before its release began)
                 self._engine_unstopped = self._engine
+            if self._engine_unstopped is not None:
+                # Cut before its token was let go (or in the stop): let go now, the stop left to the
+                # next attach or the exit too. Held, the engine went to the next attach, and no later
+                # close() stopped its writer (only a retry of this one did).
+                self._engine_unstopped.release_cut(self._engine_holder)
             self._let_go_of_the_ring()
             self._let_go_of_the_dir()
         return self.stats()

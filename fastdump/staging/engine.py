@@ -568,6 +568,20 @@ class Engine:
                 self._stop_at_exit()
             raise
 
+    def release_cut(self, holder: object) -> None:
+        """``holder``'s close() was cut (Ctrl-C) before its ``release`` let go: it lets go now, without
+        waiting, and if it was the last, the engine's stop is left to whatever finishes a cut stop
+        first (the retried close(), the next attach, the exit hook). Still held by a token nobody
+        would release, the engine was handed to the next attach, and no later close() stopped its
+        writer: it ran until the interpreter's exit."""
+        with Engine._lock:
+            self._holders.discard(holder)
+            last = not self._holders
+            if last and Engine._current is self:
+                Engine._current = None
+        if last and not (self.closed and not self._stop_cut):  # (not stopped already)
+            self._stop_at_exit()
+
     def _stop_at_exit(self) -> None:
         """This engine's shutdown was cut short (Ctrl-C in the last Dumper's close): its holder's
         retried close(), the next attach or, at the latest, the exit hook finishes it. Before, only
