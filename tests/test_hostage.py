@@ -395,9 +395,16 @@ def test_ctrl_c_during_a_stuck_attach_propagates_and_leaves_nothing_half_open(tm
 
 
 STUCK = textwrap.dedent("""
-    import os, signal, sys, time, torch, fastdump
+    import faulthandler, os, signal, sys, time, torch, fastdump
     from fastdump.staging.engine import Engine
     mode = sys.argv[2]
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # run_stuck asks where it sits before a kill
+    # Ctrl-C raises KeyboardInterrupt here whatever the test runner's own SIGINT handling: a runner
+    # started with SIGINT ignored (a CI job run as a background job of a non-interactive shell)
+    # passes that on to the processes it starts, and Python then installs no handler of its own: the
+    # test's SIGINT did nothing and close() waited its 120 s (TimeoutExpired, nothing printed).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     model = torch.nn.Sequential(torch.nn.Linear(8, 8))
     d = fastdump.attach(model, sys.argv[1])  # (an idle writer starts at our priority: never starved in attach)
     model(torch.ones(2, 8))
@@ -419,12 +426,19 @@ STUCK = textwrap.dedent("""
 """)
 
 
-def run_stuck(tmp_path, mode, interrupt=False):
+# Starts the script (its arguments after this one) with SIGINT ignored, as a process a CI runner
+# started in the background of a non-interactive shell is: what it starts inherits that.
+SIGINT_IGNORED = ("import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_IGN); "
+                  "os.execv(sys.executable, [sys.executable] + sys.argv[1:])")
+
+
+def run_stuck(tmp_path, mode, interrupt=False, sigint_ignored_by_runner=False):
     script = tmp_path / "stuck.py"
     script.write_text(STUCK)
     env = dict(os.environ, FASTDUMP_EXIT_TIMEOUT_S="2",
                PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.Popen([sys.executable, str(script), str(tmp_path / "dump"), mode], env=env,
+    launch = [sys.executable] + (["-c", SIGINT_IGNORED] if sigint_ignored_by_runner else [])
+    proc = subprocess.Popen(launch + [str(script), str(tmp_path / "dump"), mode], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     pid = None
     try:
@@ -433,7 +447,13 @@ def run_stuck(tmp_path, mode, interrupt=False):
             assert proc.stdout.readline().strip() == "closing"
             time.sleep(1.0)
             proc.send_signal(signal.SIGINT)
-        out, err = proc.communicate(timeout=60)
+        hung = None
+        try:
+            out, err = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            hung = stacks_of_hung(proc, pid)
+        if hung is not None:
+            pytest.fail(f"the script did not end within 60 s: {hung}")
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -443,6 +463,27 @@ def run_stuck(tmp_path, mode, interrupt=False):
     assert "terminate called" not in err and "Fatal Python error" not in err, err
     assert pid is not None and gone(pid), "the stopped writer was left behind"
     return proc.returncode, out, err
+
+
+def stacks_of_hung(proc, writer_pid) -> str:
+    """What a script run_stuck gave up on was doing: its threads' stacks (faulthandler, on SIGUSR1),
+    what it printed, and whether it had exited with its writer still holding its pipes. (A timeout
+    said nothing more than TimeoutExpired: two CI failures could not tell where it hung.)"""
+    exited = proc.poll()
+    if exited is None:
+        proc.send_signal(signal.SIGUSR1)
+    try:
+        out, err = proc.communicate(timeout=5)
+    except subprocess.TimeoutExpired as exc:  # (still hung, or its pipes held open by its writer)
+        out, err = (b.decode(errors="replace") if isinstance(b, bytes) else (b or "")
+                    for b in (exc.output, exc.stderr))
+    try:
+        with open(f"/proc/{writer_pid}/stat") as f:
+            writer = "state " + f.read().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        writer = "gone"
+    return (f"{'running' if exited is None else f'exited with {exited}'}; its writer {writer_pid}: {writer}\n"
+            f"--- stdout:\n{out[-3000:]}\n--- stderr (the stacks at the end):\n{err[-12000:]}")
 
 
 @pytest.mark.parametrize("mode", ["exit", "close"])
@@ -456,11 +497,99 @@ def test_interpreter_exits_cleanly_when_close_is_stuck(tmp_path, mode):
     assert fastdump.open(tmp_path / "dump").rank_info("target", 0)["status"] == "error"
 
 
-def test_ctrl_c_interrupts_a_stuck_close(tmp_path):
-    rc, out, err = run_stuck(tmp_path, "interrupt", interrupt=True)
+@pytest.mark.parametrize("runner", ["default", "sigint ignored"])
+def test_ctrl_c_interrupts_a_stuck_close(tmp_path, runner):
+    """(runner "sigint ignored": the test itself run by a CI job that ignores SIGINT, as a background
+    job of a non-interactive shell does: the script starts with it ignored. It never saw the Ctrl-C
+    and the test timed out, TimeoutExpired with nothing printed: the signature of its CI failures.)"""
+    rc, out, err = run_stuck(tmp_path, "interrupt", interrupt=True,
+                             sigint_ignored_by_runner=runner == "sigint ignored")
     assert rc == 3, (out, err)
     words = out.split()
     assert words[-3] == "interrupted" and float(words[-2]) < 10 and words[-1] == "error"
+
+
+PKG = os.path.dirname(fastdump.__file__)
+
+
+def attach_with_a_stopped_writer(root):
+    """A Dumper that ran two passes, its writer stopped (SIGSTOP) between them: nothing reaches disk."""
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8))
+    d = fastdump.attach(model, root, writer_priority="normal")
+    with torch.no_grad():
+        model(torch.ones(2, 8))
+        os.kill(writer_pid(), signal.SIGSTOP)
+        model(torch.ones(2, 8))
+    return d, writer_pid()
+
+
+# close()'s own steps, the engine's (its waits for the writer, its stop) and the record's writes
+CLOSE_STEP_FILES = ("closing.py", "engine.py", "fsutil.py")
+
+
+def close_steps_with_a_stopped_writer(root) -> list:
+    """The functions (file:name) of CLOSE_STEP_FILES, in order of first call, that close() runs with
+    its writer stopped, through its timeout, the error, and the engine's stop."""
+    d, writer = attach_with_a_stopped_writer(root)
+    steps = []
+
+    def note(frame, event, arg):
+        if event == "call" and frame.f_code.co_filename.startswith(PKG):
+            step = f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_code.co_name}"
+            if step.startswith(CLOSE_STEP_FILES) and step not in steps:
+                steps.append(step)
+
+    sys.setprofile(note)
+    try:
+        d.close(timeout=0.3)
+    finally:
+        sys.setprofile(None)
+        cont(writer)
+    assert gone(writer)
+    return steps
+
+
+def test_ctrl_c_in_each_step_of_a_close_whose_writer_is_stopped_gets_out_and_the_exit_stops_it(
+        tmp_path, monkeypatch):
+    """test_ctrl_c_interrupts_a_stuck_close sends its SIGINT after 1 s: it lands in the wait for the
+    close's ack, and where else it lands depends on the machine's load. Here the Ctrl-C is raised in
+    each step of close() in turn (deterministic: the first call of each function), with the writer
+    stopped: close() must raise it at once, never wait on the writer; the exit hook must then stop the
+    writer within its deadline; and the record must say the passes are not on disk (verify fails)."""
+    monkeypatch.setenv("FASTDUMP_EXIT_TIMEOUT_S", "0.5")
+    from fastdump.staging import engine as engine_module
+
+    steps = close_steps_with_a_stopped_writer(tmp_path / "probe")
+    assert "closing.py:_close_channel" in steps and "engine.py:_stop_writer" in steps, steps
+    for n, step in enumerate(steps):
+        d, writer = attach_with_a_stopped_writer(tmp_path / f"at{n}")
+
+        def ctrl_c_in_step(frame, event, arg, step=step):
+            if event == "call" and f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_code.co_name}" == step \
+                    and frame.f_code.co_filename.startswith(PKG):
+                sys.setprofile(None)
+                raise KeyboardInterrupt(step)
+
+        try:
+            t0 = time.monotonic()
+            sys.setprofile(ctrl_c_in_step)
+            try:
+                with pytest.raises(KeyboardInterrupt, match=step):
+                    d.close(timeout=0.3)  # (its timeout passes before the steps after the wait)
+            finally:
+                sys.setprofile(None)
+            assert time.monotonic() - t0 < 5, step
+            t0 = time.monotonic()
+            engine_module._shutdown_at_exit()  # what the interpreter's exit runs
+            assert time.monotonic() - t0 < 8, step
+            assert gone(writer, timeout=2), step
+        finally:
+            cont(writer)
+            kill(writer)
+        assert Engine._current is None or Engine._current.closed, step
+        assert not engine_module._UNFINISHED_STOPS, step
+        assert d.stats()["status"] == "error", (step, d.stats())
+        assert verify_dump(str(tmp_path / f"at{n}")).problems, step
 
 
 @pytest.mark.parametrize("bad", [0, -1, float("nan"), float("inf"), True, "5"])

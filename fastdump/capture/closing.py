@@ -31,9 +31,9 @@ class ClosingMixin:
 
         Returns within about ``timeout`` seconds whatever the writer does: what was not confirmed
         on disk by then is recorded as an error in the stats and producer_error.json. Ctrl-C interrupts it
-        (KeyboardInterrupt, after recording the error); one that lands before the channel's close began
-        (the model's walk, the unwrapping) leaves the whole close to the next call (a retry, or the exit
-        hook's). Returns ``stats()``; a second call does nothing more. TypeError for a ``timeout`` that
+        (KeyboardInterrupt); the next call (a retry, or the exit hook's) finishes what it left: the
+        channel's close (see _close_was_cut for what is recorded meanwhile) or the engine's stop.
+        Returns ``stats()``; a second call does nothing more. TypeError for a ``timeout`` that
         is no number (None, NaN), before anything."""
         # Checked before anything is done: a timeout of None or "5" raised TypeError after the
         # wrappers came off, with the Dumper marked closed and its channel open (a second close()
@@ -45,18 +45,29 @@ class ClosingMixin:
             with self._lock:  # (held by a registration wrapping a module put in: see _follow_registrations)
                 closing = self._closing_thread
                 if self._closed and self._close_resumes:
-                    # An earlier close() was interrupted (Ctrl-C) before it closed anything: this one
-                    # does it all. (It returned at once, status "running", the channel never closed,
+                    # An earlier close() was interrupted (Ctrl-C) before it finished: this one finishes
+                    # it. (It returned at once, status "running" or "error", the channel never closed,
                     # the model half unwrapped, and the exit hook skipped it too: verify failed.)
                     closing, self._close_resumes, self._closing_thread, mine = None, False, me, True
                     self._close_done.clear()
                 elif self._closed and closing not in (None, me) and self._pid == os.getpid():
                     pass  # another thread's close() is running: waited for below
-                elif self._closed:
+                elif self._closed and self._engine_unstopped is None:
                     return self.stats()
+                elif self._closed:  # its engine's stop was cut (Ctrl-C): finished now (below)
+                    closing, mine, unstopped = None, False, self._engine_unstopped  # (cleared once released)
                 else:
                     closing = None
                     self._closed, self._closing_thread, mine = True, me, True
+            if not mine and closing is None:
+                # The writer ran on until the interpreter's exit (or the next attach): this retry
+                # could not stop it, and a writer thread left running aborted the interpreter at exit.
+                if unstopped is self._engine:
+                    self._engine = None
+                self._finish_release(unstopped, timeout)
+                self._let_go_of_the_ring()
+                self._let_go_of_the_dir()
+                return self.stats()
             if closing is not None:
                 # It returned at once, status "running", rank.json not final: a caller reading or
                 # verifying the dump next found it unfinished. Now it returns once that close has.
@@ -80,9 +91,12 @@ class ClosingMixin:
             _open_dumpers.discard(self)
             return self._close_channel(timeout)
         except BaseException:
-            if mine and not self._close_began:  # nothing closed yet; no pass begins meanwhile (closed)
-                self._close_resumes = True  # the next close() (a retry, the exit hook's) does it all
+            if mine and (self._close_resumes or not self._close_began):  # (no pass begins meanwhile: closed)
+                self._close_resumes = True  # the next close() (a retry, the exit hook's) finishes it
                 _open_dumpers.add(self)
+            elif mine and self._engine is not None and self._pid == os.getpid():
+                self._engine_unstopped = self._engine  # (its channel's close is over: the retry lets go of it)
+                self._engine.release_cut(self._engine_holder)  # (else only a retry would, see _close_channel)
             raise
         finally:
             if mine:
@@ -101,43 +115,20 @@ class ClosingMixin:
         def left() -> float:
             return max(0.0, deadline - time.monotonic())
 
+        if self._close_cut is not None:  # a close interrupted earlier, finished now: its record is taken back
+            if self.status == "error" and self.error == self._close_cut:  # (if it alone made it an error)
+                self.status, self.error = "running", None
         try:
-            self._close_began = True  # from here an interrupted close is recorded (below), not done again
-            if self._depth > 0:
-                self._mark_incomplete("still open at close(): closed inside the model's forward"
-                                      if self._root_opener is not None else
-                                      "still open at close(): end_pass() was not called")
-                self._cut_outer_passes()
-                self._depth = 1
-                self._end()
-            if self._graphs is not None:  # replays' passes and counts, before the final flush; stops its drains
-                self._graphs.close(self._totals, left())
-            if self._engine.alive and self.status == "running":
-                self._engine.flush_cuda(left())
-                self._fold_lane_counts()
-                # Records a capture holds are padding now (never written). They were staged, so they
-                # are lost, not dropped by policy: rank.json says so and `fastdump verify` fails.
-                held = self._engine.close_cuda_if_last(left())
-                stuck = self._engine.cuda_close_stuck
-                if held > 0:
-                    self._totals["lost_at_close"] += held
-                    log.error("fastdump: %d staged CUDA tensors lost at close: %s", held, stuck or
-                              "a CUDA-graph capture still running on another stream held their batch")
-                if stuck:  # the writer waits for good at the first unfinished record: nothing after it lands
-                    self._disable(f"close timed out after {timeout:g} s: {stuck}; "
-                                  f"{self._unconfirmed_passes()} passes not confirmed on disk", writer_stuck=True)
-                stopped = None if stuck else self._engine.cuda_staging_stopped()
-                if stopped:
-                    # The drain failed after this Dumper's last CUDA tensor (a later one would have
-                    # seen DISABLED), or in the final flush: what it had not copied became padding.
-                    # rank.json says why; `verify` counts what is missing.
-                    log.error("fastdump: %s: %s", self.dir, stopped)
-                    self._channel.control(protocol.note(self._channel.id, "running",
-                                                        cuda_staging={"stopped": stopped}), block=True)
-                if self._late_ends:  # the writer got going again: their passes' ends, before the close
-                    self._send_late_ends(deadline)
-                ok = self._channel.control(protocol.close(self._channel.id, self._totals), wait=True,
-                                           timeout=left())
+            self._close_began = True
+            # (Once its close record is in the ring, only its ack is waited for.)
+            if self._close_seq or self._end_and_flush(timeout, left):
+                if not self._close_seq:
+                    # Not sent and waited for in one call: a Ctrl-C in the wait for the ack must know
+                    # the record is in the ring. (One landing as put_control returns loses its seq: the
+                    # retry sends a second close, which the writer ignores behind the first.)
+                    self._close_seq = self._engine.control(protocol.close(self._channel.id, self._totals),
+                                                           timeout=left())
+                ok = bool(self._close_seq) and self._engine.wait_acked(self._close_seq, left())
                 if self.status != "running":
                     pass  # given up on above (the CUDA stager never finished): said why already
                 elif ok and self._channel.failed:  # this root's final segment write failed (disk full)
@@ -155,16 +146,124 @@ class ClosingMixin:
                 self._closed_under_us()
             elif self.status == "running":
                 self._disable(self._engine.error())
-        except KeyboardInterrupt:
-            self._disable(f"close interrupted (KeyboardInterrupt); {self._unconfirmed_passes()} passes "
-                          "not confirmed on disk", writer_stuck=True)
+        except BaseException as exc:  # Ctrl-C, or a signal handler's exception (SIGTERM's sys.exit)
+            self._close_was_cut(exc)
             raise
+        if self.status == "closed" and self._close_cut is not None:
+            self._take_back_cut_record()
         try:
             self._release_engine(left())
-        finally:  # (a Ctrl-C in the engine's stop: the exit hook stops its writer; the ring and dir go now)
+        finally:  # (a Ctrl-C in the engine's stop: a retried close(), the next attach or exit finishes it)
+            if self._engine is not None:  # (cut before its release began)
+                self._engine_unstopped = self._engine
+            if self._engine_unstopped is not None:
+                # Cut before its token was let go (or in the stop): let go now, the stop left to the
+                # next attach or the exit too. Held, the engine went to the next attach, and no later
+                # close() stopped its writer (only a retry of this one did).
+                self._engine_unstopped.release_cut(self._engine_holder)
             self._let_go_of_the_ring()
             self._let_go_of_the_dir()
         return self.stats()
+
+    def _end_and_flush(self, timeout: float, left) -> bool:
+        """The channel's close up to its ``close`` record: end the open pass, close the CUDA-graph
+        recorders, flush the CUDA stager, send the pass ends a full ring refused. True when the
+        ``close`` is to be sent (the writer lives and dumping had not stopped). Run again by a close()
+        that finishes an interrupted one: the steps that must not run twice are marked done
+        (``_close_steps``), and one cut inside such a step cannot be finished (``_close_step``)."""
+        if self._depth > 0:
+            self._mark_incomplete("still open at close(): closed inside the model's forward"
+                                  if self._root_opener is not None else
+                                  "still open at close(): end_pass() was not called")
+            self._cut_outer_passes()
+            self._depth = 1
+            self._end()
+        if self._graphs is not None and "graphs" not in self._close_steps:
+            # Replays' passes and counts, before the final flush; stops its drains. (It adds its
+            # counts as it goes: never run twice.)
+            self._close_step = "the CUDA-graph recorders' close" if self._graphs.recording else None
+            self._graphs.close(self._totals, left())
+            self._close_steps.add("graphs")
+            self._close_step = None
+        if not (self._engine.alive and self.status == "running"):
+            return False
+        self._engine.flush_cuda(left())
+        self._fold_lane_counts()
+        if "cuda" not in self._close_steps:
+            # Records a capture holds are padding now (never written). They were staged, so they
+            # are lost, not dropped by policy: rank.json says so and `fastdump verify` fails.
+            # (Cut short, the stager's close goes on in its own thread: never run twice.)
+            self._close_step = "the CUDA stager's close" if self._engine.cuda_staging else None
+            held = self._engine.close_cuda_if_last(left())
+            self._close_steps.add("cuda")
+            self._close_step = None
+            stuck = self._engine.cuda_close_stuck
+            if held > 0:
+                self._totals["lost_at_close"] += held
+                log.error("fastdump: %d staged CUDA tensors lost at close: %s", held, stuck or
+                          "a CUDA-graph capture still running on another stream held their batch")
+            if stuck:  # the writer waits for good at the first unfinished record: nothing after it lands
+                self._disable(f"close timed out after {timeout:g} s: {stuck}; "
+                              f"{self._unconfirmed_passes()} passes not confirmed on disk", writer_stuck=True)
+                return True
+        stopped = self._engine.cuda_staging_stopped()
+        if stopped:
+            # The drain failed after this Dumper's last CUDA tensor (a later one would have
+            # seen DISABLED), or in the final flush: what it had not copied became padding.
+            # rank.json says why; `verify` counts what is missing.
+            log.error("fastdump: %s: %s", self.dir, stopped)
+            self._channel.control(protocol.note(self._channel.id, "running",
+                                                cuda_staging={"stopped": stopped}), block=True)
+        if self._late_ends:  # the writer got going again: their passes' ends, before the close
+            self._send_late_ends(time.monotonic() + left())
+        return True
+
+    def _close_was_cut(self, exc: BaseException) -> None:
+        """close() was interrupted (Ctrl-C; a signal handler's exception, such as a SIGTERM handler's
+        sys.exit) in the channel's close. Recorded as what is true now, and finished by the next
+        close() (a retry, the exit hook's) where it can be: all of it was recorded as "close
+        interrupted" before, and verify failed dumps whose writer got every pass and the close.
+
+        - Its ``close`` record is in the ring: the writer closes the channel with this Dumper's
+          counts whatever happens here (rank.json says how that went), so nothing is recorded on
+          disk; the next close() waits for the ack.
+        - Not yet: what the writer has is not closed, and this process may never get to close it
+          (a second Ctrl-C, a kill): producer_error.json says so (verify fails) until the next
+          close() has finished the close, which takes it back.
+        - Cut inside the CUDA-graph recorders' or the CUDA stager's close, which cannot be run
+          again: recorded for good."""
+        what = f"close interrupted ({type(exc).__name__})"
+        if self.status != "running":
+            return  # (already given up on, and said why)
+        if self._close_step is not None:
+            self._disable(f"{what} in {self._close_step}; {self._unconfirmed_passes()} passes not "
+                          "confirmed on disk", writer_stuck=True)
+            return
+        self._close_resumes = True
+        if self._close_seq:
+            self.status, self.error = "error", (f"{what} before the writer confirmed it; its close is in "
+                                                "the ring: close() again to wait for it")
+            log.warning("fastdump: %s: %s", self.dir, self.error)
+        else:
+            self._disable(f"{what} before its close reached the writer; {self._unconfirmed_passes()} passes "
+                          "not confirmed on disk", writer_stuck=True)
+            self._close_steps.add("recorded")
+        self._close_cut = self.error
+
+    def _take_back_cut_record(self) -> None:
+        """A retried close() finished a close that was cut: the producer_error.json that said so is
+        no longer true (the writer closed the channel with this Dumper's counts)."""
+        self._close_cut = None
+        if "recorded" not in self._close_steps or not self._own_dir:
+            return
+        try:
+            os.unlink(self._anchor.join(_fmt.PRODUCER_ERROR_FILE))
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            log.error("fastdump: cannot remove %s/%s (the close it reports was finished): %s", self.dir,
+                      _fmt.PRODUCER_ERROR_FILE, exc)
+        log.warning("fastdump: %s: the interrupted close was finished", self.dir)
 
     def _closed_under_us(self) -> None:
         """The engine was shut down while this close() ran (the exit hook, past its deadline for
@@ -286,5 +385,12 @@ class ClosingMixin:
 
     def _release_engine(self, timeout: float = 600.0) -> None:
         if self._engine is not None:
-            engine, self._engine = self._engine, None
-            engine.release(timeout)
+            engine = self._engine_unstopped = self._engine  # (no signal between: a retry finds it)
+            self._engine = None
+            self._finish_release(engine, timeout)
+
+    def _finish_release(self, engine, timeout: float) -> None:
+        """Let go of ``engine`` (stopping it when this was its last Dumper). Cut short (Ctrl-C), the
+        next close() calls this again, which finishes the stop (Engine.release is safe to repeat)."""
+        engine.release(timeout, self._engine_holder)
+        self._engine_unstopped = None

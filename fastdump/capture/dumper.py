@@ -191,8 +191,14 @@ class Dumper(PassesMixin, EmitMixin, WrappersMixin, FollowingMixin, OutsidePasse
         self._dropped_lazy: list = []
         self._close_done = threading.Event()  # set when a close() has finished (close_all waits for it)
         self._closing_thread = None  # the thread whose close() runs (or ran)
-        self._close_began = False  # close() got to its channel's close: an interruption from then on is recorded
-        self._close_resumes = False  # close() was interrupted before that: the next close() does it all
+        self._close_began = False  # close() got to its channel's close
+        self._close_resumes = False  # close() was interrupted where the next close() can finish it
+        self._close_seq = 0  # the seq of this Dumper's `close` record once it is in the ring
+        self._close_steps: set = set()  # steps of the channel's close that must not run twice, once done
+        self._close_step = None  # the step of those running now (cut inside it, a close cannot be finished)
+        self._close_cut = None  # what an interrupted close recorded (its error), until a retry finishes it
+        self._engine_holder = object()  # this Dumper's token in Engine.acquire / release
+        self._engine_unstopped = None  # the engine whose shutdown a Ctrl-C cut in this close()
         # close() ended a pass its root forward opened, still running, that suspended other Dumpers'
         # passes: they capture again when that forward returns (_cut_outer_passes).
         self._resume_at_root_return = False
@@ -234,7 +240,7 @@ class Dumper(PassesMixin, EmitMixin, WrappersMixin, FollowingMixin, OutsidePasse
             _write_role_marker(self.root, role)  # (after the rank directory: a recorded role has one)
             _write_session_marker(self.root, role, self.dir.name)  # (and a recorded session has its own)
             _write_manifest(self.root, config, role, self.dir.name)  # (the config sent with its channel's open)
-            self._engine = Engine.acquire(o.engine)
+            self._engine = Engine.acquire(o.engine, self._engine_holder, o.block_timeout_s)
             self._producer = self._engine.producer
             facts = _device_facts(model)
             # `block` waits for ring space up to block_timeout_s; after a timeout the channel stages

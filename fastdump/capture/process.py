@@ -26,13 +26,13 @@ _closing_dumpers: "set[Dumper]" = set()
 def close_all(deadline: float | None = None) -> None:
     """Close every open Dumper of this process (interpreter exit), all by ``deadline``
     (time.monotonic()) if given."""
-    interrupted = None  # a Ctrl-C ends the close it lands in (recorded there), not the others': raised after
+    interrupted = None  # a Ctrl-C (or SystemExit) ends the close it lands in, not the others': raised after
     for dumper in list(_open_dumpers):
         if dumper._pid != os.getpid():
             continue  # a forked child never touches its parent's dumpers (see _forget_parent_dumpers)
         try:
             dumper.close() if deadline is None else dumper.close(max(0.0, deadline - time.monotonic()))
-        except KeyboardInterrupt as exc:
+        except _engine.EXIT_INTERRUPTS as exc:
             interrupted = interrupted or exc
         except Exception as exc:
             log.error("fastdump: closing %s at exit failed: %s", dumper.dir, exc)
@@ -43,7 +43,7 @@ def close_all(deadline: float | None = None) -> None:
         if dumper._pid == os.getpid():
             try:
                 dumper._close_done.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
-            except KeyboardInterrupt as exc:
+            except _engine.EXIT_INTERRUPTS as exc:
                 interrupted = interrupted or exc
     if interrupted is not None:
         raise interrupted

@@ -175,8 +175,11 @@ class Engine:
         remove_stale_regions()
         self.pid = os.getpid()
         self.mode = writer
-        self.refs = 0
+        # Who holds this engine (acquire's ``holder``, one token per Dumper): a set, not a count, so
+        # that a release interrupted before or after it let go (Ctrl-C) can simply be called again.
+        self._holders: set = set()
         self.closed = False
+        self._stop_cut = False  # shutdown() was cut short (Ctrl-C): a later call finishes it
         self.cuda_close_stuck = None  # why close_cuda_if_last gave up on the CUDA stager, if it did
         # A blocking wait for ring space timed out (block_timeout_s): Dumpers stage as under `drop`
         # until the writer gives ring space back again (see Channel.begin).
@@ -465,6 +468,11 @@ class Engine:
                 cuda.release_read()  # sources held for snapshots that have now completed
                 return ok
 
+    @property
+    def cuda_staging(self) -> bool:
+        """The process's CUDA stager was made (close_cuda_if_last has work that must not run twice)."""
+        return self._cuda_stager is not None
+
     def close_cuda_if_last(self, timeout: float) -> int:
         """The engine's last Dumper is closing: close the CUDA stager now, before that Dumper sends
         its ``close`` and waits for the writer's ack. A lean batch held open by a CUDA-graph capture
@@ -489,10 +497,19 @@ class Engine:
             return st.get("cancelled", 0) - before + unfinished
         return stager.stats().get("cancelled", 0) - before
 
+    @property
+    def refs(self) -> int:
+        """How many Dumpers hold this engine."""
+        return len(self._holders)
+
     def shutdown(self, timeout: float = 600.0) -> None:
-        """Drain and stop the writer within ``timeout`` seconds in all, then kill it."""
-        if self.closed:
-            return
+        """Drain and stop the writer within ``timeout`` seconds in all, then kill it. A shutdown
+        cut short (Ctrl-C) is finished by the next call: its holder's retried close(), the next
+        attach (``acquire``) or the exit hook; each step is safe to take again (a second
+        ``shutdown`` message behind a handled one is never read; the writer has exited)."""
+        if self.closed and not self._stop_cut:
+            return  # stopped, or a forked child's copy (forget_in_forked_child)
+        self._stop_cut = False
         try:
             self.closed = True
             deadline = time.monotonic() + timeout
@@ -509,9 +526,11 @@ class Engine:
             if self.producer.writer_alive():
                 self.control(protocol.shutdown(), wait=True, timeout=left())
             self._stop_writer(timeout=left())
-        except BaseException:  # cut short (Ctrl-C): its writer is stopped at exit
+        except BaseException:  # cut short (Ctrl-C): finished by the next call, at the latest at exit
             self._stop_at_exit()
             raise
+        if self in _UNFINISHED_STOPS:
+            _UNFINISHED_STOPS.remove(self)
 
     def forget_in_forked_child(self) -> None:
         """In a child made by os.fork(): never touch the parent's writer, and let go of its pipes,
@@ -528,12 +547,15 @@ class Engine:
 
     # -- process-wide singleton ------------------------------------------------------------------
     @classmethod
-    def acquire(cls, options: EngineOptions) -> "Engine":
-        """The process's engine, started with ``options`` if none runs. The first attach decides the
+    def acquire(cls, options: EngineOptions, holder: object, stop_timeout: float = 10.0) -> "Engine":
+        """The process's engine, started with ``options`` if none runs, held by ``holder`` (any
+        object; ``release`` takes the same one). An engine whose shutdown a Ctrl-C cut short is
+        stopped first, within ``stop_timeout`` (then killed). The first attach decides the
         engine-wide settings; a later one that asks for others gets a warning naming each, and the
         running engine's. An engine whose writer has died (killed, crashed) is not handed out again:
         its Dumpers have stopped (and say why); a new attach gets a new engine and writer, and the
         old one shuts down when its last Dumper lets go of it."""
+        _finish_cut_stops(stop_timeout)
         with cls._lock:
             eng = cls._current
             if eng is None or eng.closed or eng.pid != os.getpid() or not eng.alive:
@@ -548,15 +570,18 @@ class Engine:
                 if differences:
                     log.warning("fastdump: the staging engine already runs with %s; the first attach decides "
                                 "these settings for the whole process", ", ".join(differences))
-            eng.refs += 1
+            eng._holders.add(holder)
             return eng
 
-    def release(self, timeout: float = 600.0) -> None:
+    def release(self, timeout: float, holder: object) -> None:
+        """``holder`` lets go; the last one's release shuts the engine down. Safe to call again
+        after a Ctrl-C cut it short (anywhere: before the holder was let go, or in the shutdown,
+        which the second call finishes): a retried close() stops the writer then and there."""
         last = False
         try:
             with Engine._lock:
-                self.refs -= 1
-                last = self.refs <= 0
+                self._holders.discard(holder)
+                last = not self._holders
                 if last and Engine._current is self:
                     Engine._current = None
             if last:
@@ -566,10 +591,27 @@ class Engine:
                 self._stop_at_exit()
             raise
 
+    def release_cut(self, holder: object) -> None:
+        """``holder``'s close() was cut (Ctrl-C) before its ``release`` let go: it lets go now, without
+        waiting, and if it was the last, the engine's stop is left to whatever finishes a cut stop
+        first (the retried close(), the next attach, the exit hook). Still held by a token nobody
+        would release, the engine was handed to the next attach, and no later close() stopped its
+        writer: it ran until the interpreter's exit."""
+        with Engine._lock:
+            self._holders.discard(holder)
+            last = not self._holders
+            if last and Engine._current is self:
+                Engine._current = None
+        if last and not (self.closed and not self._stop_cut):  # (not stopped already)
+            self._stop_at_exit()
+
     def _stop_at_exit(self) -> None:
-        """This engine's shutdown was cut short (Ctrl-C in the last Dumper's close): the exit hook
-        stops its writer. Nothing else would: a writer thread ran on into the interpreter's exit and
-        aborted it ("terminate called without an active exception"); a writer process outlived its use."""
+        """This engine's shutdown was cut short (Ctrl-C in the last Dumper's close): its holder's
+        retried close(), the next attach or, at the latest, the exit hook finishes it. Before, only
+        the exit hook did: a writer process outlived its use for the rest of the run, a retried
+        close() could not stop it, and a writer thread left alone ran on into the interpreter's exit
+        and aborted it ("terminate called without an active exception")."""
+        self._stop_cut = True
         if self.pid == os.getpid() and self not in _UNFINISHED_STOPS:
             _UNFINISHED_STOPS.append(self)
 
@@ -580,11 +622,26 @@ _EXIT_HOOKS: list = []  # called with the deadline before the engine shuts down 
 _UNFINISHED_STOPS: list = []  # engines whose shutdown was interrupted: their writers are stopped at exit
 
 
+def _finish_cut_stops(timeout: float) -> None:
+    """Finish the shutdowns a Ctrl-C cut short (their engines have no holder left), each within
+    ``timeout``: an attach does this before it starts or takes an engine, so a writer nobody uses
+    never outlives the next attach."""
+    for eng in [e for e in _UNFINISHED_STOPS if e.pid == os.getpid()]:
+        eng.shutdown(timeout)
+
+
 def on_exit(hook) -> None:
     """Run ``hook(deadline)`` at interpreter exit, before the engine stops: the layer above (capture)
     closes its dumpers here without staging importing it back."""
     if hook not in _EXIT_HOOKS:
         _EXIT_HOOKS.append(hook)
+
+
+# What a user or a signal handler raises to end the program (Ctrl-C; a SIGTERM handler's
+# sys.exit): the exit hook holds one back until the rest is done. (A SystemExit there ended the
+# hook as a Ctrl-C once did: the other Dumpers' dumps were left incomplete, and a writer thread
+# died unwritten, aborting the interpreter.)
+EXIT_INTERRUPTS = (KeyboardInterrupt, SystemExit)
 
 
 def _shutdown_at_exit() -> None:
@@ -598,25 +655,25 @@ def _shutdown_at_exit() -> None:
     interrupted = None
     try:
         deadline = time.monotonic() + exit_timeout()
-    except KeyboardInterrupt as exc:
+    except EXIT_INTERRUPTS as exc:
         interrupted, deadline = exc, time.monotonic() + DEFAULT_EXIT_TIMEOUT_S
     for hook in list(_EXIT_HOOKS):
         try:
             hook(deadline)
-        except KeyboardInterrupt as exc:
+        except EXIT_INTERRUPTS as exc:
             interrupted = interrupted or exc
     eng = Engine._current
     try:
         if eng is not None and eng.pid == os.getpid():
             eng.shutdown(max(0.0, deadline - time.monotonic()))
-    except KeyboardInterrupt as exc:  # (in its wait for the writer)
+    except EXIT_INTERRUPTS as exc:  # (in its wait for the writer)
         interrupted = interrupted or exc
         if eng._thread is not None:  # left running, it aborts the interpreter; a writer process ends
             eng._stop_thread(max(0.0, deadline - time.monotonic()))  # on its stdin's EOF, after what it has
     for eng in [e for e in _UNFINISHED_STOPS if e.pid == os.getpid()]:
         try:
-            eng._stop_writer(max(0.0, deadline - time.monotonic()))  # (its channels were closed: it ends)
-        except KeyboardInterrupt as exc:
+            eng.shutdown(max(0.0, deadline - time.monotonic()))  # (finished where it was cut)
+        except EXIT_INTERRUPTS as exc:
             interrupted = interrupted or exc
     if interrupted is not None:
         raise interrupted

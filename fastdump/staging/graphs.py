@@ -294,6 +294,11 @@ class GraphRecording:
         return given
 
     # -- end ---------------------------------------------------------------------------------------
+    @property
+    def recording(self) -> bool:
+        """A capture is open or a GPU has a recorder: close() has work that must not run twice."""
+        return self.open is not None or bool(self._recorders)
+
     def close(self, totals: dict, timeout: float) -> None:
         """Flush every replay the GPUs have run, stop the drains, add their passes to ``totals``
         (their drops are the Channel's: it reads the recorders' counts). The device memory stays:
