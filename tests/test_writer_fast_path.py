@@ -198,13 +198,13 @@ def test_a_record_whose_bytes_disagree_with_its_known_layout_is_never_put_in_its
     t = torch.arange(8, dtype=torch.float32).reshape(2, 4)
     w.control(protocol.begin(0, 0))
     w.tensor(0, 0, "x", t)
-    w.control(protocol.end(0, 0, {}, 0, {}))
+    w.control(protocol.end(0, 0, {}, 0, {}, sent=1))
     w.control(protocol.begin(0, 1))
     code = dtypes.code_of(torch.float32)
     status = w.producer.stage_host(0, w.ids[(0, "x")], 1, code, 2, t.shape, t.stride(), t.data_ptr(), True)
     assert status == _C.STAGED  # 16 bytes where the layout says 32
     w.tensor(0, 1, "z", t)
-    w.control(protocol.end(0, 1, {}, 0, {}))
+    w.control(protocol.end(0, 1, {}, 0, {}, sent=2))  # both staged: the bad record is the writer's own skip
     w.close({"passes": 2, "tensors": 3})
     ds = reader.open(tmp_path)
     assert torch.equal(ds.load("target", 0, 0, check=True)["x"], t)
